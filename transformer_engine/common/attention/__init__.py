@@ -1,0 +1,31 @@
+"""Attention: enums, the one AttnConfig, backends and their selection, launch plans, kernels."""
+
+from transformer_engine.common.attention.enums import (
+    AttnBiasType,
+    AttnMaskType,
+    QKVFormat,
+    QKVLayout,
+)
+from transformer_engine.common.attention.config import AttnConfig
+from transformer_engine.common.attention.backends import (
+    AttentionBackend,
+    FlashAttention,
+    FusedAttention,
+    UnfusedDotProductAttention,
+    Selection,
+    select_backend,
+)
+
+__all__ = [
+    "AttnBiasType",
+    "AttnMaskType",
+    "QKVFormat",
+    "QKVLayout",
+    "AttnConfig",
+    "AttentionBackend",
+    "FlashAttention",
+    "FusedAttention",
+    "UnfusedDotProductAttention",
+    "Selection",
+    "select_backend",
+]

@@ -1,0 +1,249 @@
+"""Attention backends as capability data, and selection: first backend with no reasons.
+
+Each backend declares what it supports as class attributes; ``not_supported_reasons`` turns a
+config into human-readable reasons (empty = can run). ``select_backend`` applies the user's
+switches (NVTE_* variables, forcing), orders candidates with :func:`policy.order_backends`, logs
+per NVTE_DEBUG, and returns the choice with every rejected backend's reasons.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple, Type
+
+from transformer_engine.common import settings
+from transformer_engine.common.attention.config import AttnConfig
+from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, QKVFormat
+from transformer_engine.common.log import get_logger, warn_once
+
+__all__ = [
+    "AttentionBackend",
+    "FusedAttention",
+    "FlashAttention",
+    "UnfusedDotProductAttention",
+    "Selection",
+    "select_backend",
+    "NoBackendError",
+]
+
+_ALL_MASKS = frozenset(AttnMaskType)
+_ALL_FORMATS = frozenset(QKVFormat)
+
+
+class NoBackendError(NotImplementedError):
+    """No backend can run the call, or the forced one cannot."""
+
+
+class AttentionBackend:
+    """Base class: capabilities as data, reasons derived from them."""
+
+    NAME: str = "base"
+    SHORT_NAME: str = "base"  # value of NVTE_FUSED_ATTN_BACKEND that forces this backend
+    ENABLE_VAR: Optional[str] = None  # NVTE_* switch that disables it when 0
+    FRAMEWORKS: frozenset = frozenset({"pytorch", "jax"})
+    DEVICE_TYPES: frozenset = frozenset({"cuda", "cpu"})
+    MIN_COMPUTE_CAPABILITY: Tuple[int, int] = (0, 0)
+    SUPPORTED_ARCHS: Optional[frozenset] = None  # exact major versions, when limited
+    SUPPORTED_DTYPES: frozenset = frozenset({"float16", "bfloat16", "float32"})
+    MAX_HEAD_DIM: int = 1 << 30
+    HEAD_DIM_MULTIPLE: int = 1
+    SUPPORTED_MASKS: frozenset = _ALL_MASKS
+    SUPPORTED_FORMATS: frozenset = _ALL_FORMATS
+    SUPPORTED_BIAS_TYPES: frozenset = frozenset(AttnBiasType)
+    SUPPORTS_DROPOUT: bool = True
+    SUPPORTS_WINDOW: bool = True
+    SUPPORTS_GQA: bool = True
+    SUPPORTS_DIFFERENT_HEAD_DIMS: bool = True  # d_qk != d_v
+    IS_DETERMINISTIC: bool = True  # has a deterministic backward
+    IS_FUSED: bool = True
+
+    @classmethod
+    def availability_reasons(cls, config: AttnConfig) -> List[str]:
+        """Reasons the backend cannot run at all here (missing package, wrong device)."""
+        return []
+
+    @classmethod
+    def not_supported_reasons(cls, config: AttnConfig) -> List[str]:
+        reasons: List[str] = []
+        if config.framework not in cls.FRAMEWORKS:
+            reasons.append(f"framework={config.framework} (supported: {', '.join(sorted(cls.FRAMEWORKS))})")
+        if config.device_type not in cls.DEVICE_TYPES:
+            reasons.append(f"device={config.device_type} (supported: {', '.join(sorted(cls.DEVICE_TYPES))})")
+        elif config.device_type == "cuda" and config.compute_capability is not None:
+            if config.compute_capability < cls.MIN_COMPUTE_CAPABILITY:
+                reasons.append(
+                    f"compute capability {config.compute_capability} < {cls.MIN_COMPUTE_CAPABILITY}"
+                )
+            if cls.SUPPORTED_ARCHS is not None and config.compute_capability[0] not in cls.SUPPORTED_ARCHS:
+                reasons.append(
+                    f"compute capability {config.compute_capability} (supported majors: "
+                    f"{', '.join(str(a) for a in sorted(cls.SUPPORTED_ARCHS))})"
+                )
+        if config.dtype not in cls.SUPPORTED_DTYPES:
+            reasons.append(f"dtype={config.dtype} (supported: {', '.join(sorted(cls.SUPPORTED_DTYPES))})")
+        for name, dim in (("head_dim_qk", config.head_dim_qk), ("head_dim_v", config.head_dim_v)):
+            if dim > cls.MAX_HEAD_DIM:
+                reasons.append(f"{name}={dim} > {cls.MAX_HEAD_DIM}")
+            elif dim % cls.HEAD_DIM_MULTIPLE:
+                reasons.append(f"{name}={dim} is not a multiple of {cls.HEAD_DIM_MULTIPLE}")
+        if config.head_dim_qk != config.head_dim_v and not cls.SUPPORTS_DIFFERENT_HEAD_DIMS:
+            reasons.append(f"head_dim_qk={config.head_dim_qk} != head_dim_v={config.head_dim_v}")
+        if config.attn_mask_type not in cls.SUPPORTED_MASKS:
+            reasons.append(f"attn_mask_type={config.attn_mask_type.value}")
+        if config.qkv_format not in cls.SUPPORTED_FORMATS:
+            reasons.append(f"qkv_format={config.qkv_format.value}")
+        if config.attn_bias_type not in cls.SUPPORTED_BIAS_TYPES:
+            reasons.append(f"attn_bias_type={config.attn_bias_type.value}")
+        if config.dropout > 0 and config.is_training and not cls.SUPPORTS_DROPOUT:
+            reasons.append(f"dropout={config.dropout} (dropout not supported)")
+        if config.window_kind == "sliding" and not cls.SUPPORTS_WINDOW:
+            reasons.append(f"window_size={config.window_size} (sliding windows not supported)")
+        if config.num_heads_q != config.num_heads_kv and not cls.SUPPORTS_GQA:
+            reasons.append(f"num_heads_q={config.num_heads_q} != num_heads_kv={config.num_heads_kv} (no GQA)")
+        if config.deterministic and config.is_training and not cls.IS_DETERMINISTIC:
+            reasons.append("deterministic backward requested and this backend has none")
+        reasons.extend(cls.availability_reasons(config))
+        return reasons
+
+
+def _triton_importable() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+class FusedAttention(AttentionBackend):
+    """The project's Triton kernels (transformer_engine.common.attention.kernels)."""
+
+    NAME = "FusedAttention"
+    SHORT_NAME = "fused"
+    ENABLE_VAR = "NVTE_FUSED_ATTN"
+    MIN_COMPUTE_CAPABILITY = (8, 0)
+    SUPPORTED_DTYPES = frozenset({"float16", "bfloat16", "float32"})
+    MAX_HEAD_DIM = 256
+    HEAD_DIM_MULTIPLE = 8
+    SUPPORTED_MASKS = _ALL_MASKS - {AttnMaskType.ARBITRARY_MASK}
+    SUPPORTED_BIAS_TYPES = frozenset({AttnBiasType.NO_BIAS})
+    SUPPORTS_DROPOUT = False
+
+    @classmethod
+    def availability_reasons(cls, config: AttnConfig) -> List[str]:
+        if not _triton_importable():
+            return ["triton is not installed"]
+        if config.device_type == "cpu" and not config.triton_interpret:
+            return ["device=cpu needs TRITON_INTERPRET=1 (the Triton interpreter) to run fused kernels"]
+        return []
+
+
+class FlashAttention(AttentionBackend):
+    """flash-attn-4 (CuTe DSL), PyTorch only, Hopper and Blackwell. Declared for selection; the
+    PyTorch frontend reports whether the package imports through ``config.extra``."""
+
+    NAME = "FlashAttention"
+    SHORT_NAME = "flash"
+    ENABLE_VAR = "NVTE_FLASH_ATTN"
+    FRAMEWORKS = frozenset({"pytorch"})
+    DEVICE_TYPES = frozenset({"cuda"})
+    SUPPORTED_ARCHS = frozenset({9, 10})
+    SUPPORTED_DTYPES = frozenset({"float16", "bfloat16"})
+    MAX_HEAD_DIM = 256
+    HEAD_DIM_MULTIPLE = 8
+    SUPPORTED_MASKS = _ALL_MASKS - {AttnMaskType.ARBITRARY_MASK}
+    SUPPORTED_BIAS_TYPES = frozenset({AttnBiasType.NO_BIAS})
+    SUPPORTS_DROPOUT = False
+
+    @classmethod
+    def availability_reasons(cls, config: AttnConfig) -> List[str]:
+        return [reason for name, reason in config.extra if name == cls.NAME]
+
+
+class UnfusedDotProductAttention(AttentionBackend):
+    """Framework math (softmax(QK^T)V): every feature, always deterministic, slow."""
+
+    NAME = "UnfusedDotProductAttention"
+    SHORT_NAME = "unfused"
+    ENABLE_VAR = "NVTE_UNFUSED_ATTN"
+    IS_FUSED = False
+
+
+@dataclass
+class Selection:
+    """The chosen backend and why the others were not chosen."""
+
+    backend: Type[AttentionBackend]
+    rejected: Dict[str, List[str]] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.backend.NAME
+
+
+def _disabled_reason(backend: Type[AttentionBackend]) -> Optional[str]:
+    if backend.ENABLE_VAR is not None and not settings.get(backend.ENABLE_VAR):
+        return f"disabled by {backend.ENABLE_VAR}=0"
+    return None
+
+
+def _format_reasons(rejected: Dict[str, List[str]]) -> str:
+    return "\n".join(f"  `{name}` is not supported because:\n    " + "\n    ".join(r) for name, r in rejected.items())
+
+
+def select_backend(
+    config: AttnConfig,
+    candidates: Sequence[Type[AttentionBackend]],
+    force: Optional[str] = None,
+) -> Selection:
+    """Pick the first backend (in policy order) that can run ``config``.
+
+    ``force`` (or NVTE_FUSED_ATTN_BACKEND) names one backend by ``SHORT_NAME``: that backend or
+    a :class:`NoBackendError` with its reasons, never a silent fallback.
+    """
+    from transformer_engine.common.attention.policy import order_backends
+
+    logger = get_logger()
+    logger.info("Running with config: %s", config.describe())
+    forced = force if force is not None else settings.get("NVTE_FUSED_ATTN_BACKEND")
+    rejected: Dict[str, List[str]] = {}
+    if forced:
+        matches = [b for b in candidates if b.SHORT_NAME == forced]
+        if not matches:
+            names = ", ".join(b.SHORT_NAME for b in candidates)
+            raise NoBackendError(f"backend {forced!r} was forced but is not offered here (offered: {names})")
+        backend = matches[0]
+        reasons = backend.not_supported_reasons(config)
+        if reasons:
+            raise NoBackendError(
+                f"attention backend `{backend.NAME}` was forced (NVTE_FUSED_ATTN_BACKEND={forced!r}) but cannot run "
+                f"this call:\n  {config.describe()}\n" + _format_reasons({backend.NAME: reasons})
+            )
+        logger.info("Selected backend = %s (forced)", backend.NAME)
+        return Selection(backend, rejected)
+
+    chosen = None
+    for backend in order_backends(list(candidates), config):
+        disabled = _disabled_reason(backend)
+        reasons = [disabled] if disabled else backend.not_supported_reasons(config)
+        if reasons:
+            rejected[backend.NAME] = reasons
+            logger.debug("Disabling %s: %s", backend.NAME, "; ".join(reasons))
+            continue
+        chosen = backend
+        break
+    if chosen is None:
+        raise NoBackendError(
+            f"no attention backend can run this call:\n  {config.describe()}\n" + _format_reasons(rejected)
+        )
+    if config.deterministic and config.is_training and not chosen.IS_FUSED:
+        fused_reasons = {
+            name: r
+            for name, r in rejected.items()
+            if not any(reason.startswith("disabled by") for reason in r)
+            and next(b for b in candidates if b.NAME == name).IS_FUSED
+        }
+        if fused_reasons:
+            warn_once(
+                f"det-fallback:{config.describe()}",
+                f"Deterministic attention requested; no fused backend supports this call, using {chosen.NAME}. "
+                f"Reasons: " + "; ".join(f"{n}: {', '.join(r)}" for n, r in fused_reasons.items()),
+            )
+    logger.info("Selected backend = %s", chosen.NAME)
+    return Selection(chosen, rejected)

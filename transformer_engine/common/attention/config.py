@@ -1,0 +1,102 @@
+"""AttnConfig: the one frozen description of an attention call that every decision reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+from transformer_engine.common.attention.enums import (
+    AttnBiasType,
+    AttnMaskType,
+    QKVFormat,
+    QKVLayout,
+)
+
+__all__ = ["AttnConfig", "normalize_window", "NO_WINDOW"]
+
+NO_WINDOW = (-1, -1)
+
+
+def normalize_window(window_size: Optional[Tuple[int, int]], attn_mask_type: AttnMaskType) -> Tuple[int, int]:
+    """TransformerEngine's window semantics, validated.
+
+    ``(left, right)``: query ``i`` sees keys ``j`` with ``i + d - left <= j <= i + d + right``, where
+    ``d`` is 0 for top-left masks and ``s_kv - s_q`` for the others; -1 means unbounded. Causal masks
+    bound ``right`` at 0.
+    """
+    mask = AttnMaskType(attn_mask_type)
+    if window_size is None:
+        window_size = NO_WINDOW
+    try:
+        left, right = (int(w) for w in window_size)
+    except (TypeError, ValueError):
+        raise ValueError(f"`window_size` must be a pair of ints (left, right), got {window_size!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"`window_size` entries must be >= -1 (-1 = unbounded), got {window_size!r}")
+    if mask.is_causal:
+        if right not in (-1, 0):
+            raise ValueError(
+                f"`window_size` must have right in (-1, 0) with attn_mask_type={mask.value!r}, got {window_size!r}"
+            )
+        right = 0
+    elif mask == AttnMaskType.ARBITRARY_MASK and (left, right) != NO_WINDOW:
+        raise ValueError(f"`window_size` must be (-1, -1) with attn_mask_type='arbitrary', got {window_size!r}")
+    return (left, right)
+
+
+@dataclass(frozen=True)
+class AttnConfig:
+    """Everything backend selection and launch planning need to know about one call.
+
+    Frontends build it from their arguments; nothing here holds tensors.
+    """
+
+    batch_size: int
+    num_heads_q: int
+    num_heads_kv: int
+    head_dim_qk: int
+    head_dim_v: int
+    max_seqlen_q: int
+    max_seqlen_kv: int
+    dtype: str  # "float16", "bfloat16" or "float32"
+    qkv_layout: QKVLayout = QKVLayout.BSHD_BSHD_BSHD
+    attn_mask_type: AttnMaskType = AttnMaskType.NO_MASK
+    window_size: Tuple[int, int] = NO_WINDOW
+    attn_bias_type: AttnBiasType = AttnBiasType.NO_BIAS
+    bias_shape: Optional[str] = None  # "1hss", "b1ss", "bhss", "11ss"
+    dropout: float = 0.0
+    is_training: bool = True
+    deterministic: bool = False
+    framework: str = "pytorch"
+    device_type: str = "cuda"  # "cuda" or "cpu"
+    compute_capability: Optional[Tuple[int, int]] = None
+    triton_interpret: bool = False  # TRITON_INTERPRET=1: Triton kernels run on the CPU
+    extra: Tuple[Tuple[str, str], ...] = field(default=())  # frontend-specific facts as (name, reason)
+
+    @property
+    def qkv_format(self) -> QKVFormat:
+        return self.qkv_layout.qkv_format
+
+    @property
+    def gqa_group_size(self) -> int:
+        return self.num_heads_q // self.num_heads_kv
+
+    @property
+    def window_kind(self) -> str:
+        """'none', 'causal', 'sliding' — what a tile configuration may depend on."""
+        if self.window_size[0] >= 0 or self.window_size[1] > 0:
+            return "sliding"
+        if self.attn_mask_type.is_causal:
+            return "causal"
+        return "none"
+
+    def describe(self) -> str:
+        """One line for logs and errors."""
+        return (
+            f"b={self.batch_size} h_q={self.num_heads_q} h_kv={self.num_heads_kv} "
+            f"s_q={self.max_seqlen_q} s_kv={self.max_seqlen_kv} d_qk={self.head_dim_qk} d_v={self.head_dim_v} "
+            f"dtype={self.dtype} layout={self.qkv_layout.value} mask={self.attn_mask_type.value} "
+            f"window={self.window_size} bias={self.attn_bias_type.value} dropout={self.dropout} "
+            f"training={self.is_training} deterministic={self.deterministic} "
+            f"device={self.device_type} sm={self.compute_capability} framework={self.framework}"
+        )

@@ -1,0 +1,86 @@
+"""TransformerEngine's attention enums, as string-valued enums shared by both frontends."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class QKVFormat(str, Enum):
+    """Axis order of one tensor: batch-major, sequence-major, or packed tokens."""
+
+    BSHD = "bshd"
+    SBHD = "sbhd"
+    THD = "thd"
+
+
+class QKVLayout(str, Enum):
+    """How q, k and v are laid out: separate, kv-packed or qkv-packed, per format."""
+
+    BS3HD = "bs3hd"
+    BSHD_BS2HD = "bshd_bs2hd"
+    BSHD_BSHD_BSHD = "bshd_bshd_bshd"
+    SB3HD = "sb3hd"
+    SBHD_SB2HD = "sbhd_sb2hd"
+    SBHD_SBHD_SBHD = "sbhd_sbhd_sbhd"
+    T3HD = "t3hd"
+    THD_T2HD = "thd_t2hd"
+    THD_THD_THD = "thd_thd_thd"
+
+    @property
+    def qkv_format(self) -> QKVFormat:
+        return QKVFormat(self.value[:2] + "hd" if self.value[0] != "t" else "thd")
+
+    @property
+    def packing(self) -> str:
+        """'qkv', 'kv' or 'separate'."""
+        if "3" in self.value:
+            return "qkv"
+        if "2" in self.value:
+            return "kv"
+        return "separate"
+
+    @classmethod
+    def from_format(cls, qkv_format: QKVFormat, packing: str = "separate") -> "QKVLayout":
+        table = {
+            (QKVFormat.BSHD, "qkv"): cls.BS3HD,
+            (QKVFormat.BSHD, "kv"): cls.BSHD_BS2HD,
+            (QKVFormat.BSHD, "separate"): cls.BSHD_BSHD_BSHD,
+            (QKVFormat.SBHD, "qkv"): cls.SB3HD,
+            (QKVFormat.SBHD, "kv"): cls.SBHD_SB2HD,
+            (QKVFormat.SBHD, "separate"): cls.SBHD_SBHD_SBHD,
+            (QKVFormat.THD, "qkv"): cls.T3HD,
+            (QKVFormat.THD, "kv"): cls.THD_T2HD,
+            (QKVFormat.THD, "separate"): cls.THD_THD_THD,
+        }
+        return table[(QKVFormat(qkv_format), packing)]
+
+
+class AttnMaskType(str, Enum):
+    """Mask kinds. Causal is top-left aligned; *_bottom_right aligns the diagonal to the last key."""
+
+    NO_MASK = "no_mask"
+    PADDING_MASK = "padding"
+    CAUSAL_MASK = "causal"
+    PADDING_CAUSAL_MASK = "padding_causal"
+    CAUSAL_BOTTOM_RIGHT_MASK = "causal_bottom_right"
+    PADDING_CAUSAL_BOTTOM_RIGHT_MASK = "padding_causal_bottom_right"
+    ARBITRARY_MASK = "arbitrary"
+
+    @property
+    def is_causal(self) -> bool:
+        return "causal" in self.value
+
+    @property
+    def is_padding(self) -> bool:
+        return "padding" in self.value
+
+    @property
+    def is_bottom_right(self) -> bool:
+        return "bottom_right" in self.value
+
+
+class AttnBiasType(str, Enum):
+    NO_BIAS = "no_bias"
+    PRE_SCALE_BIAS = "pre_scale_bias"
+    POST_SCALE_BIAS = "post_scale_bias"
+    ALIBI = "alibi"

@@ -1,0 +1,116 @@
+"""Every ``NVTE_*`` environment variable the project reads, declared once.
+
+Each variable has a name, a type, a default and a one-line description; ``docs/envvars.rst``
+lists exactly these (``tests/common/test_envvars.py`` keeps the two equal). Values are read
+with ``os.environ.get`` at call time, never cached, so changing a variable between two calls
+takes effect on the second. Malformed values raise ``ValueError`` naming the variable.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+__all__ = ["EnvVar", "VARIABLES", "get", "declared_names"]
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One environment variable: how to parse it and what it means."""
+
+    name: str
+    type: str  # "bool" (0/1), "int", or "str"
+    default: Any
+    description: str
+    choices: Optional[Tuple[str, ...]] = None
+    min_value: Optional[int] = None
+    max_value: Optional[int] = None
+
+    def parse(self, raw: str) -> Any:
+        text = raw.strip()
+        if self.type == "bool":
+            if text not in ("0", "1"):
+                raise ValueError(f"{self.name} must be 0 or 1, got {raw!r}")
+            return text == "1"
+        if self.type == "int":
+            try:
+                value = int(text)
+            except ValueError:
+                raise ValueError(f"{self.name} must be an integer, got {raw!r}") from None
+            if (self.min_value is not None and value < self.min_value) or (
+                self.max_value is not None and value > self.max_value
+            ):
+                raise ValueError(
+                    f"{self.name} must be in [{self.min_value}, {self.max_value}], got {value}"
+                )
+            return value
+        if self.choices is not None and text.lower() not in self.choices:
+            raise ValueError(f"{self.name} must be one of {', '.join(self.choices)}, got {raw!r}")
+        return text.lower() if self.choices is not None else text
+
+    def get(self) -> Any:
+        raw = os.environ.get(self.name)
+        if raw is None or raw.strip() == "":
+            return self.default
+        return self.parse(raw)
+
+    @property
+    def type_doc(self) -> str:
+        """The type as the env-var docs page spells it."""
+        if self.type == "bool":
+            return "bool (0 or 1)"
+        if self.type == "int":
+            return f"int ({self.min_value} to {self.max_value})" if self.max_value is not None else "int"
+        if self.choices is not None:
+            return "str (one of " + ", ".join(c for c in self.choices if c) + ")"
+        return "str"
+
+    @property
+    def default_doc(self) -> str:
+        if self.type == "bool":
+            return "1" if self.default else "0"
+        if self.default in ("", None):
+            return "(unset)"
+        return str(self.default)
+
+
+_DECLARED = (
+    EnvVar(
+        "NVTE_FRAMEWORK", "str", "",
+        "Build time: frameworks to build for (pytorch, jax, all, none, or a comma list); unset detects what is installed.",
+    ),
+    EnvVar(
+        "NVTE_ALLOW_NONDETERMINISTIC_ALGO", "bool", True,
+        "0 makes attention backward passes bitwise deterministic (fused kernels stay selected).",
+    ),
+    EnvVar("NVTE_FUSED_ATTN", "bool", True, "0 disables the Triton fused attention backend."),
+    EnvVar("NVTE_FLASH_ATTN", "bool", True, "0 disables the flash-attn-4 backend (PyTorch)."),
+    EnvVar("NVTE_UNFUSED_ATTN", "bool", True, "0 disables the unfused (framework math) attention backend."),
+    EnvVar(
+        "NVTE_FUSED_ATTN_BACKEND", "str", "",
+        "Forces one attention backend by name; a forced backend that cannot run a call raises with its reasons.",
+        choices=("", "fused", "flash", "unfused"),
+    ),
+    EnvVar("NVTE_DEBUG", "bool", False, "1 enables debug logging of attention backend selection."),
+    EnvVar(
+        "NVTE_DEBUG_LEVEL", "int", 0,
+        "Verbosity when NVTE_DEBUG=1: 0 warnings, 1 info (selected backend), 2 debug (every rejected backend).",
+        min_value=0, max_value=2,
+    ),
+)
+
+VARIABLES = {var.name: var for var in _DECLARED}
+
+
+def declared_names() -> Tuple[str, ...]:
+    return tuple(VARIABLES)
+
+
+def get(name: str) -> Any:
+    """Current value of a declared variable (read now, parsed, or its default)."""
+    try:
+        var = VARIABLES[name]
+    except KeyError:
+        raise KeyError(f"{name} is not a declared NVTE_* variable (see transformer_engine.common.settings)") from None
+    return var.get()

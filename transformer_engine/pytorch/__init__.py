@@ -1,0 +1,9 @@
+"""PyTorch frontend: DotProductAttention and the fused attention ops."""
+
+try:
+    import torch  # noqa: F401
+except ImportError as err:  # pragma: no cover - exercised by tests/common/test_imports.py
+    raise ImportError(
+        "transformer_engine.pytorch needs PyTorch, which is not installed. Install torch, then build "
+        "this package for it: NVTE_FRAMEWORK=pytorch pip install ."
+    ) from err

@@ -1,0 +1,1 @@
+"""PyTorch attention: custom ops, autograd function, backends and the DotProductAttention module."""

@@ -1,0 +1,278 @@
+"""Attention backward: preprocess, dK/dV pass, dQ pass.
+
+Deterministic by construction when ATOMIC_DQ is off: every program owns its output tile and
+sums in a fixed order (dK/dV: over the query heads of the GQA group, then query blocks in
+ascending order; dQ: over key blocks in ascending order). ATOMIC_DQ (non-deterministic mode
+only; the launch plan decides) folds dQ into the dK/dV pass with fp32 atomics instead.
+"""
+
+import triton
+import triton.language as tl
+
+from transformer_engine.common.attention.kernels.masking import (
+    key_block_bounds,
+    query_block_bounds,
+    sequence_extent,
+    visible,
+)
+
+LOG2E: tl.constexpr = 1.4426950408889634
+
+
+@triton.jit
+def attn_bwd_preprocess_kernel(
+    O, DO, DELTA,
+    SEQ_START_Q, SEQ_LEN_Q,
+    stride_ob, stride_os, stride_oh, stride_od,
+    stride_dob, stride_dos, stride_doh, stride_dod,
+    stride_lb, stride_lh,
+    num_heads_q, seqlen_q,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+    IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
+):
+    """delta[b, h, i] = sum_d dO[i, d] * O[i, d] (fp32)."""
+    start_m = tl.program_id(0) * BLOCK_M
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // num_heads_q
+    head = pid_bh % num_heads_q
+    start_q, len_q = sequence_extent(SEQ_START_Q, SEQ_LEN_Q, batch, seqlen_q, IS_THD, HAS_SEQLENS)
+    if start_m >= len_q:
+        return
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_DV)
+    mask = (offs_m[:, None] < len_q) & (offs_d[None, :] < HEAD_DIM_V)
+    o = tl.load(O + batch.to(tl.int64) * stride_ob + start_q * stride_os + head.to(tl.int64) * stride_oh
+                + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od, mask=mask, other=0.0)
+    do = tl.load(DO + batch.to(tl.int64) * stride_dob + start_q * stride_dos + head.to(tl.int64) * stride_doh
+                 + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod, mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(DELTA + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + offs_m, delta,
+             mask=offs_m < len_q)
+
+
+@triton.jit
+def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, dq_ptrs,
+                stride_qs, stride_dos, stride_dqs,
+                offs_n, offs_m_base, offs_dqk, offs_dv, lo, hi,
+                len_q, len_k, diag, window_left, window_right, qk_scale, sm_scale,
+                HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr,
+                MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + offs_m_base
+        q_mask = offs_dqk[:, None] < HEAD_DIM_QK
+        do_mask = offs_dv[None, :] < HEAD_DIM_V
+        if MASKED:
+            q_mask = q_mask & (offs_m[None, :] < len_q)
+            do_mask = do_mask & (offs_m[:, None] < len_q)
+        q_t = tl.load(q_ptrs + start_m * stride_qs, mask=q_mask, other=0.0)  # [BLOCK_DQK, BLOCK_M]
+        # Rows past the sequence (or with nothing visible) carry lse = +inf: their p is 0.
+        lse = tl.load(lse_ptrs + offs_m, mask=offs_m < len_q, other=float("inf"))
+        qk_t = tl.dot(k, q_t, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
+        p_t = tl.math.exp2(qk_t - lse[None, :] * LOG2E)
+        if MASKED:
+            keep = visible(offs_m[None, :], offs_n[:, None], len_q, len_k, diag, window_left, window_right,
+                           HAS_LEFT, HAS_RIGHT)
+            p_t = tl.where(keep, p_t, 0.0)
+        do = tl.load(do_ptrs + start_m * stride_dos, mask=do_mask, other=0.0)  # [BLOCK_M, BLOCK_DV]
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+        delta = tl.load(delta_ptrs + offs_m, mask=offs_m < len_q, other=0.0)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=DOT_PRECISION)
+        if ATOMIC_DQ:
+            dq = tl.dot(tl.trans(ds_t).to(k.dtype), k, input_precision=DOT_PRECISION) * sm_scale
+            tl.atomic_add(dq_ptrs + start_m * stride_dqs, dq,
+                          mask=(offs_m[:, None] < len_q) & (offs_dqk[None, :] < HEAD_DIM_QK))
+    return dk, dv
+
+
+@triton.jit
+def attn_bwd_dkdv_kernel(
+    Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA,
+    SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K,
+    stride_qb, stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_dob, stride_dos, stride_doh, stride_dod,
+    stride_dkb, stride_dks, stride_dkh, stride_dkd,
+    stride_dvb, stride_dvs, stride_dvh, stride_dvd,
+    stride_dqb, stride_dqs, stride_dqh, stride_dqd,
+    stride_lb, stride_lh,
+    num_heads_kv, gqa_group, seqlen_q, seqlen_k,
+    sm_scale, qk_scale, window_left, window_right,
+    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One program per (key block, batch * kv head): dK, dV for that tile, summed over the
+    query heads of the GQA group in order, each over its query blocks in order."""
+    start_n = tl.program_id(0) * BLOCK_N
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // num_heads_kv
+    head_kv = pid_bh % num_heads_kv
+    start_q, len_q = sequence_extent(SEQ_START_Q, SEQ_LEN_Q, batch, seqlen_q, IS_THD, HAS_SEQLENS)
+    start_k, len_k = sequence_extent(SEQ_START_K, SEQ_LEN_K, batch, seqlen_k, IS_THD, HAS_SEQLENS)
+    rows_out = len_k if IS_THD else seqlen_k
+    if start_n >= rows_out:
+        return
+    diag = 0
+    if BOTTOM_RIGHT:
+        diag = len_k - len_q
+
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    key_ok = offs_n[:, None] < len_k
+    k = tl.load(K + batch.to(tl.int64) * stride_kb + start_k * stride_ks + head_kv.to(tl.int64) * stride_kh
+                + offs_n[:, None] * stride_ks + offs_dqk[None, :] * stride_kd,
+                mask=key_ok & (offs_dqk[None, :] < HEAD_DIM_QK), other=0.0)
+    v = tl.load(V + batch.to(tl.int64) * stride_vb + start_k * stride_vs + head_kv.to(tl.int64) * stride_vh
+                + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd,
+                mask=key_ok & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+
+    lo, full_lo, full_hi, hi = query_block_bounds(start_n, len_q, len_k, diag, window_left, window_right,
+                                                  BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    hi = tl.where(start_n < len_k, hi, lo)
+    full_lo = tl.minimum(full_lo, hi)
+    full_hi = tl.minimum(full_hi, hi)
+    for g in range(0, gqa_group):
+        head = head_kv * gqa_group + g
+        q_ptrs = (Q + batch.to(tl.int64) * stride_qb + start_q * stride_qs + head.to(tl.int64) * stride_qh
+                  + offs_m[None, :] * stride_qs + offs_dqk[:, None] * stride_qd)
+        do_ptrs = (DO + batch.to(tl.int64) * stride_dob + start_q * stride_dos + head.to(tl.int64) * stride_doh
+                   + offs_m[:, None] * stride_dos + offs_dv[None, :] * stride_dod)
+        dq_ptrs = (DQ_ACC + batch.to(tl.int64) * stride_dqb + start_q * stride_dqs + head.to(tl.int64) * stride_dqh
+                   + offs_m[:, None] * stride_dqs + offs_dqk[None, :] * stride_dqd)
+        lse_ptrs = LSE + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
+        delta_ptrs = DELTA + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, dq_ptrs,
+                             stride_qs, stride_dos, stride_dqs, offs_n, offs_m, offs_dqk, offs_dv, lo, full_lo,
+                             len_q, len_k, diag, window_left, window_right, qk_scale, sm_scale,
+                             HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, ATOMIC_DQ, DOT_PRECISION)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, dq_ptrs,
+                             stride_qs, stride_dos, stride_dqs, offs_n, offs_m, offs_dqk, offs_dv, full_lo, full_hi,
+                             len_q, len_k, diag, window_left, window_right, qk_scale, sm_scale,
+                             HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, ATOMIC_DQ, DOT_PRECISION)
+        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, dq_ptrs,
+                             stride_qs, stride_dos, stride_dqs, offs_n, offs_m, offs_dqk, offs_dv, full_hi, hi,
+                             len_q, len_k, diag, window_left, window_right, qk_scale, sm_scale,
+                             HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, ATOMIC_DQ, DOT_PRECISION)
+
+    dk = tl.where(key_ok, dk * sm_scale, 0.0)
+    dv = tl.where(key_ok, dv, 0.0)
+    out_rows = offs_n[:, None] < rows_out
+    tl.store(DK + batch.to(tl.int64) * stride_dkb + start_k * stride_dks + head_kv.to(tl.int64) * stride_dkh
+             + offs_n[:, None] * stride_dks + offs_dqk[None, :] * stride_dkd, dk.to(DK.dtype.element_ty),
+             mask=out_rows & (offs_dqk[None, :] < HEAD_DIM_QK))
+    tl.store(DV + batch.to(tl.int64) * stride_dvb + start_k * stride_dvs + head_kv.to(tl.int64) * stride_dvh
+             + offs_n[:, None] * stride_dvs + offs_dv[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
+             mask=out_rows & (offs_dv[None, :] < HEAD_DIM_V))
+
+
+@triton.jit
+def _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs,
+              offs_m, offs_n_base, offs_dqk, offs_dv, lo, hi,
+              len_q, len_k, diag, window_left, window_right, qk_scale,
+              HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
+              MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n_base
+        k_mask = offs_dqk[:, None] < HEAD_DIM_QK
+        v_mask = offs_dv[:, None] < HEAD_DIM_V
+        if MASKED:
+            k_mask = k_mask & (offs_n[None, :] < len_k)
+            v_mask = v_mask & (offs_n[None, :] < len_k)
+        k_t = tl.load(k_ptrs + start_n * stride_ks, mask=k_mask, other=0.0)  # [BLOCK_DQK, BLOCK_N]
+        v_t = tl.load(v_ptrs + start_n * stride_vs, mask=v_mask, other=0.0)  # [BLOCK_DV, BLOCK_N]
+        qk = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
+        p = tl.math.exp2(qk - lse2[:, None])
+        if MASKED:
+            keep = visible(offs_m[:, None], offs_n[None, :], len_q, len_k, diag, window_left, window_right,
+                           HAS_LEFT, HAS_RIGHT)
+            p = tl.where(keep, p, 0.0)
+        dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k_t.dtype), tl.trans(k_t), input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def attn_bwd_dq_kernel(
+    Q, K, V, DO, DQ, LSE, DELTA,
+    SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K,
+    stride_qb, stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_dob, stride_dos, stride_doh, stride_dod,
+    stride_dqb, stride_dqs, stride_dqh, stride_dqd,
+    stride_lb, stride_lh,
+    num_heads_q, gqa_group, seqlen_q, seqlen_k,
+    sm_scale, qk_scale, window_left, window_right,
+    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One program per (query block, batch * query head): dQ summed over key blocks in order."""
+    start_m = tl.program_id(0) * BLOCK_M
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // num_heads_q
+    head = pid_bh % num_heads_q
+    head_kv = head // gqa_group
+    start_q, len_q = sequence_extent(SEQ_START_Q, SEQ_LEN_Q, batch, seqlen_q, IS_THD, HAS_SEQLENS)
+    start_k, len_k = sequence_extent(SEQ_START_K, SEQ_LEN_K, batch, seqlen_k, IS_THD, HAS_SEQLENS)
+    rows_out = len_q if IS_THD else seqlen_q
+    if start_m >= rows_out:
+        return
+    diag = 0
+    if BOTTOM_RIGHT:
+        diag = len_k - len_q
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    row_ok = offs_m < len_q
+    q = tl.load(Q + batch.to(tl.int64) * stride_qb + start_q * stride_qs + head.to(tl.int64) * stride_qh
+                + offs_m[:, None] * stride_qs + offs_dqk[None, :] * stride_qd,
+                mask=row_ok[:, None] & (offs_dqk[None, :] < HEAD_DIM_QK), other=0.0)
+    do = tl.load(DO + batch.to(tl.int64) * stride_dob + start_q * stride_dos + head.to(tl.int64) * stride_doh
+                 + offs_m[:, None] * stride_dos + offs_dv[None, :] * stride_dod,
+                 mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+    lse_off = batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + offs_m
+    lse2 = tl.load(LSE + lse_off, mask=row_ok, other=float("inf")) * LOG2E
+    delta = tl.load(DELTA + lse_off, mask=row_ok, other=0.0)
+    k_ptrs = (K + batch.to(tl.int64) * stride_kb + start_k * stride_ks + head_kv.to(tl.int64) * stride_kh
+              + offs_n[None, :] * stride_ks + offs_dqk[:, None] * stride_kd)
+    v_ptrs = (V + batch.to(tl.int64) * stride_vb + start_k * stride_vs + head_kv.to(tl.int64) * stride_vh
+              + offs_n[None, :] * stride_vs + offs_dv[:, None] * stride_vd)
+    dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
+
+    lo, full_lo, full_hi, hi = key_block_bounds(start_m, len_k, diag, window_left, window_right,
+                                                BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    hi = tl.where(start_m < len_q, hi, lo)
+    full_lo = tl.minimum(full_lo, hi)
+    full_hi = tl.minimum(full_hi, hi)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_n, offs_dqk, offs_dv,
+                   lo, full_lo, len_q, len_k, diag, window_left, window_right, qk_scale,
+                   HEAD_DIM_QK, HEAD_DIM_V, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_n, offs_dqk, offs_dv,
+                   full_lo, full_hi, len_q, len_k, diag, window_left, window_right, qk_scale,
+                   HEAD_DIM_QK, HEAD_DIM_V, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, DOT_PRECISION)
+    dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_n, offs_dqk, offs_dv,
+                   full_hi, hi, len_q, len_k, diag, window_left, window_right, qk_scale,
+                   HEAD_DIM_QK, HEAD_DIM_V, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION)
+    dq = tl.where(row_ok[:, None], dq * sm_scale, 0.0)
+    tl.store(DQ + batch.to(tl.int64) * stride_dqb + start_q * stride_dqs + head.to(tl.int64) * stride_dqh
+             + offs_m[:, None] * stride_dqs + offs_dqk[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
+             mask=(offs_m[:, None] < rows_out) & (offs_dqk[None, :] < HEAD_DIM_QK))

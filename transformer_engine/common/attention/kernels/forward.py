@@ -1,0 +1,137 @@
+"""Attention forward: one program per (query block, batch * query head), online softmax.
+
+Scores live in the log2 domain (``qk_scale = softmax_scale * log2(e)``) so the inner loop uses
+exp2. The saved log-sum-exp is in natural-log units, ``+inf`` for rows that see no key (so the
+backward's ``exp(s - lse)`` is 0 there and no NaN appears).
+"""
+
+import triton
+import triton.language as tl
+
+from transformer_engine.common.attention.kernels.masking import key_block_bounds, sequence_extent, visible
+
+LN2: tl.constexpr = 0.6931471805599453
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs,
+               offs_m, offs_n_base, offs_dqk, offs_dv, lo, hi,
+               len_q, len_k, diag, window_left, window_right, qk_scale,
+               HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+               BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+               MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               DOT_PRECISION: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n_base
+        k_mask = offs_dqk[:, None] < HEAD_DIM_QK
+        v_mask = offs_dv[None, :] < HEAD_DIM_V
+        if MASKED:
+            k_mask = k_mask & (offs_n[None, :] < len_k)
+            v_mask = v_mask & (offs_n[:, None] < len_k)
+        k = tl.load(k_ptrs + start_n * stride_ks, mask=k_mask, other=0.0)
+        qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:
+            keep = visible(offs_m[:, None], offs_n[None, :], len_q, len_k, diag, window_left, window_right,
+                           HAS_LEFT, HAS_RIGHT)
+            qk = tl.where(keep, qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            # A row with nothing visible so far keeps m = -inf; subtract 0 instead (exp2(-inf) = 0).
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_use = m_new
+        p = tl.math.exp2(qk - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptrs + start_n * stride_vs, mask=v_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def attn_fwd_kernel(
+    Q, K, V, O, LSE,
+    SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K,
+    stride_qb, stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ob, stride_os, stride_oh, stride_od,
+    stride_lb, stride_lh,
+    num_heads_q, gqa_group, seqlen_q, seqlen_k,
+    qk_scale, window_left, window_right,
+    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tl.static_assert(BLOCK_DQK >= HEAD_DIM_QK)
+    tl.static_assert(BLOCK_DV >= HEAD_DIM_V)
+    start_m = tl.program_id(0) * BLOCK_M
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // num_heads_q
+    head = pid_bh % num_heads_q
+    head_kv = head // gqa_group
+
+    start_q, len_q = sequence_extent(SEQ_START_Q, SEQ_LEN_Q, batch, seqlen_q, IS_THD, HAS_SEQLENS)
+    start_k, len_k = sequence_extent(SEQ_START_K, SEQ_LEN_K, batch, seqlen_k, IS_THD, HAS_SEQLENS)
+    # Padded formats write every row up to seqlen_q (zeros past len_q); packed ones only their own.
+    rows_out = len_q if IS_THD else seqlen_q
+    if start_m >= rows_out:
+        return
+    diag = 0
+    if BOTTOM_RIGHT:
+        diag = len_k - len_q
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+
+    q_base = Q + batch.to(tl.int64) * stride_qb + start_q * stride_qs + head.to(tl.int64) * stride_qh
+    k_base = K + batch.to(tl.int64) * stride_kb + start_k * stride_ks + head_kv.to(tl.int64) * stride_kh
+    v_base = V + batch.to(tl.int64) * stride_vb + start_k * stride_vs + head_kv.to(tl.int64) * stride_vh
+    q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_dqk[None, :] * stride_qd,
+                mask=(offs_m[:, None] < len_q) & (offs_dqk[None, :] < HEAD_DIM_QK), other=0.0)
+    k_ptrs = k_base + offs_n[None, :] * stride_ks + offs_dqk[:, None] * stride_kd
+    v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+
+    lo, full_lo, full_hi, hi = key_block_bounds(start_m, len_k, diag, window_left, window_right,
+                                                BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    # Blocks entirely past the sequence end compute nothing.
+    hi = tl.where(start_m < len_q, hi, lo)
+    full_lo = tl.minimum(full_lo, hi)
+    full_hi = tl.minimum(full_hi, hi)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs,
+                               offs_m, offs_n, offs_dqk, offs_dv, lo, full_lo,
+                               len_q, len_k, diag, window_left, window_right, qk_scale,
+                               HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+                               True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs,
+                               offs_m, offs_n, offs_dqk, offs_dv, full_lo, full_hi,
+                               len_q, len_k, diag, window_left, window_right, qk_scale,
+                               HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+                               False, HAS_LEFT, HAS_RIGHT, DOT_PRECISION)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs,
+                               offs_m, offs_n, offs_dqk, offs_dv, full_hi, hi,
+                               len_q, len_k, diag, window_left, window_right, qk_scale,
+                               HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+                               True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION)
+
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    row_ok = offs_m < len_q
+    out = tl.where(row_ok[:, None] & seen[:, None], acc / l_safe[:, None], 0.0)
+    lse = tl.where(row_ok & seen, (m_i + tl.math.log2(l_safe)) * LN2, float("inf"))
+
+    o_base = O + batch.to(tl.int64) * stride_ob + start_q * stride_os + head.to(tl.int64) * stride_oh
+    tl.store(o_base + offs_m[:, None] * stride_os + offs_dv[None, :] * stride_od, out.to(O.dtype.element_ty),
+             mask=(offs_m[:, None] < rows_out) & (offs_dv[None, :] < HEAD_DIM_V))
+    lse_base = LSE + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
+    tl.store(lse_base + offs_m, lse, mask=offs_m < rows_out)

@@ -1,0 +1,101 @@
+"""Which keys a query sees, and which key (query) blocks a query (key) block must visit.
+
+Query row ``i`` sees key ``j`` when ``j < len_k`` and ``-left <= j - (i + diag) <= right``, with
+``diag = len_k - len_q`` for bottom-right aligned masks and 0 otherwise; an unbounded side
+(``HAS_LEFT``/``HAS_RIGHT`` false) drops that inequality. Loop bounds split the visited blocks
+into a masked head, an unmasked middle (no per-element mask: the fast path) and a masked tail.
+Every bound depends only on positions inside one sequence, never on the batch or on where the
+sequence sits in a packed tensor: that is what makes results batch- and packing-invariant.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def visible(q_idx, k_idx, len_q, len_k, diag, window_left, window_right,
+            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Boolean tile: query ``q_idx`` sees key ``k_idx`` (index tensors broadcast to the tile shape,
+    so the same rule serves [BLOCK_M, BLOCK_N] and transposed [BLOCK_N, BLOCK_M] tiles)."""
+    keep = (k_idx < len_k) & (q_idx < len_q)
+    rel = k_idx - (q_idx + diag)
+    if HAS_RIGHT:
+        keep = keep & (rel <= window_right)
+    if HAS_LEFT:
+        keep = keep & (rel >= -window_left)
+    return keep
+
+
+@triton.jit
+def sequence_extent(SEQ_START, SEQ_LEN, batch, max_len, IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr):
+    """(first token, length) of sequence ``batch``: packed offsets for thd, lengths for padded."""
+    start = 0
+    length = max_len
+    if IS_THD:
+        start = tl.load(SEQ_START + batch).to(tl.int64)
+    if HAS_SEQLENS:
+        length = tl.load(SEQ_LEN + batch)
+    return start, length
+
+
+@triton.jit
+def key_block_bounds(start_m, len_k, diag, window_left, window_right,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """For query rows [start_m, start_m + BLOCK_M): (lo, full_lo, full_hi, hi).
+
+    Key blocks in [lo, full_lo) and [full_hi, hi) need the element mask; [full_lo, full_hi) is
+    visible to every row of the block. lo, full_lo, full_hi are multiples of BLOCK_N.
+    """
+    lo = 0
+    hi = len_k
+    full_lo = 0
+    full_hi = (len_k // BLOCK_N) * BLOCK_N
+    if HAS_LEFT:
+        lo = tl.maximum(start_m + diag - window_left, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+        full_lo = tl.maximum(start_m + BLOCK_M - 1 + diag - window_left, 0)
+        full_lo = tl.cdiv(full_lo, BLOCK_N) * BLOCK_N
+    if HAS_RIGHT:
+        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + diag + window_right, 0), len_k)
+        full_hi = tl.minimum(full_hi, (tl.maximum(start_m + diag + window_right + 1, 0) // BLOCK_N) * BLOCK_N)
+    lo = tl.minimum(lo, hi)
+    full_lo = tl.maximum(full_lo, lo)
+    # No block visible to every row: mask all of [lo, hi).
+    empty = full_hi <= full_lo
+    full_lo = tl.where(empty, lo, full_lo)
+    full_hi = tl.where(empty, lo, full_hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def query_block_bounds(start_n, len_q, len_k, diag, window_left, window_right,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """For key columns [start_n, start_n + BLOCK_N): (lo, full_lo, full_hi, hi) over query rows.
+
+    Same split as key_block_bounds, transposed: query blocks in [full_lo, full_hi) see every key
+    of the block (keys past len_k excluded by the caller's load masks and a zeroed tile).
+    """
+    lo = 0
+    hi = len_q
+    full_lo = 0
+    full_hi = (len_q // BLOCK_M) * BLOCK_M
+    if HAS_RIGHT:
+        # i + diag + right >= j  ->  i >= j - diag - right
+        lo = tl.maximum(start_n - diag - window_right, 0)
+        lo = (lo // BLOCK_M) * BLOCK_M
+        full_lo = tl.maximum(start_n + BLOCK_N - 1 - diag - window_right, 0)
+        full_lo = tl.cdiv(full_lo, BLOCK_M) * BLOCK_M
+    if HAS_LEFT:
+        # j >= i + diag - left  ->  i <= j - diag + left
+        hi = tl.minimum(tl.maximum(start_n + BLOCK_N - diag + window_left, 0), len_q)
+        full_hi = tl.minimum(full_hi, (tl.maximum(start_n - diag + window_left + 1, 0) // BLOCK_M) * BLOCK_M)
+    # A key block running past the sequence end needs the column mask in every query block.
+    full_hi = tl.where(start_n + BLOCK_N > len_k, 0, full_hi)
+    lo = tl.minimum(lo, hi)
+    full_lo = tl.maximum(full_lo, lo)
+    empty = full_hi <= full_lo
+    full_lo = tl.where(empty, lo, full_lo)
+    full_hi = tl.where(empty, lo, full_hi)
+    return lo, full_lo, full_hi, hi

@@ -1,0 +1,140 @@
+"""Launch plans: tile sizes, warps, stages and kernel variants as pure functions of AttnConfig.
+
+Determinism contract (DESIGN.md, rule 3): in deterministic mode the tiles and loop orders
+depend only on head dim, dtype, mask/window kind and GPU architecture — never on batch size,
+sequence length or autotuning. Nothing below reads a shape other than the head dims.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+from transformer_engine.common.attention.config import AttnConfig
+
+__all__ = ["Tiles", "ForwardPlan", "BackwardPlan", "forward_plan", "backward_plan", "padded_head_dim"]
+
+
+@dataclass(frozen=True)
+class Tiles:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    tiles: Tiles
+    block_dqk: int
+    block_dv: int
+    dot_precision: str
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    preprocess: Tiles
+    dkdv: Tiles
+    dq: Tiles
+    block_dqk: int
+    block_dv: int
+    dot_precision: str
+    atomic_dq: bool  # fold dQ into the dK/dV pass with atomics: never in deterministic mode
+
+    @property
+    def kernels(self) -> Tuple[str, ...]:
+        """Kernel names this plan launches, in order (tests check determinism uses no atomics)."""
+        if self.atomic_dq:
+            return ("attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel[atomic_dq]")
+        return ("attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")
+
+
+def padded_head_dim(d: int) -> int:
+    """Kernel tile width for a head dim: next power of two, at least 16 (tl.dot's minimum)."""
+    p = 16
+    while p < d:
+        p *= 2
+    return p
+
+
+# Interpreter (CPU tests): small tiles so tiny test shapes still span several blocks.
+_INTERPRET_FWD = Tiles(16, 16, 1, 1)
+_INTERPRET_BWD = Tiles(16, 16, 1, 1)
+
+# Hopper (sm_90) tiles by padded head dim, measured on the H200 (benchmarks/attention/tune_tiles.py).
+_SM90_FWD: Dict[int, Tiles] = {
+    16: Tiles(128, 64, 4, 3),
+    32: Tiles(128, 64, 4, 3),
+    64: Tiles(128, 64, 4, 3),
+    128: Tiles(128, 64, 8, 3),
+    256: Tiles(64, 64, 4, 2),
+}
+_SM90_DKDV: Dict[int, Tiles] = {
+    16: Tiles(64, 128, 8, 2),
+    32: Tiles(64, 128, 8, 2),
+    64: Tiles(64, 128, 8, 2),
+    128: Tiles(64, 128, 8, 2),
+    256: Tiles(32, 64, 4, 1),
+}
+_SM90_DQ: Dict[int, Tiles] = {
+    16: Tiles(128, 64, 8, 2),
+    32: Tiles(128, 64, 8, 2),
+    64: Tiles(128, 64, 8, 2),
+    128: Tiles(128, 64, 8, 2),
+    256: Tiles(64, 32, 4, 1),
+}
+# Other GPUs (Ampere and newer non-Hopper): conservative tiles that fit 100 KB of shared memory.
+_GENERIC_FWD = Tiles(64, 64, 4, 2)
+_GENERIC_BWD = Tiles(64, 64, 4, 1)
+_GENERIC_FWD_256 = Tiles(32, 32, 4, 1)
+_GENERIC_BWD_256 = Tiles(32, 32, 4, 1)
+
+
+def _dot_precision(config: AttnConfig) -> str:
+    # fp32 inputs get true fp32 products (no TF32) so fp32 results match the reference.
+    return "ieee" if config.dtype == "float32" else "tf32"
+
+
+def _head_key(config: AttnConfig) -> int:
+    return max(padded_head_dim(config.head_dim_qk), padded_head_dim(config.head_dim_v))
+
+
+def forward_plan(config: AttnConfig, override: Optional[Tiles] = None) -> ForwardPlan:
+    key = _head_key(config)
+    if override is not None:
+        tiles = override
+    elif config.device_type == "cpu":
+        tiles = _INTERPRET_FWD
+    elif config.compute_capability is not None and config.compute_capability[0] == 9:
+        tiles = _SM90_FWD[key]
+    else:
+        tiles = _GENERIC_FWD_256 if key > 128 else _GENERIC_FWD
+    if config.dtype == "float32" and override is None and config.device_type != "cpu":
+        tiles = Tiles(min(tiles.block_m, 64), min(tiles.block_n, 32), tiles.num_warps, 1)
+    return ForwardPlan(tiles, padded_head_dim(config.head_dim_qk), padded_head_dim(config.head_dim_v),
+                       _dot_precision(config))
+
+
+def backward_plan(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = None) -> BackwardPlan:
+    key = _head_key(config)
+    if override is not None:
+        dkdv, dq = override
+    elif config.device_type == "cpu":
+        dkdv = dq = _INTERPRET_BWD
+    elif config.compute_capability is not None and config.compute_capability[0] == 9:
+        dkdv, dq = _SM90_DKDV[key], _SM90_DQ[key]
+    else:
+        dkdv = dq = _GENERIC_BWD_256 if key > 128 else _GENERIC_BWD
+    if config.dtype == "float32" and override is None and config.device_type != "cpu":
+        dkdv = Tiles(min(dkdv.block_m, 32), min(dkdv.block_n, 64), dkdv.num_warps, 1)
+        dq = Tiles(min(dq.block_m, 64), min(dq.block_n, 32), dq.num_warps, 1)
+    preprocess = Tiles(64 if config.device_type != "cpu" else 16, 0, 4, 1)
+    # Separate dQ pass measured faster than atomic dQ on the H200 (ANCHORS.md), so even the
+    # non-deterministic mode uses it unless it is explicitly measured otherwise.
+    atomic_dq = (not config.deterministic) and _NONDETERMINISTIC_ATOMIC_DQ
+    return BackwardPlan(preprocess, dkdv, dq, padded_head_dim(config.head_dim_qk),
+                        padded_head_dim(config.head_dim_v), _dot_precision(config), atomic_dq)
+
+
+# Policy for the non-deterministic backward; a module-level constant so benchmarks can flip it.
+_NONDETERMINISTIC_ATOMIC_DQ = False

@@ -1,0 +1,140 @@
+"""From PyTorch tensors and arguments to one AttnConfig, and backend selection for PyTorch."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence, Tuple, Type
+
+import torch
+
+from transformer_engine.common import settings
+from transformer_engine.common.attention import (
+    AttentionBackend,
+    AttnBiasType,
+    AttnConfig,
+    AttnMaskType,
+    FlashAttention,
+    FusedAttention,
+    QKVFormat,
+    QKVLayout,
+    Selection,
+    UnfusedDotProductAttention,
+    select_backend,
+)
+from transformer_engine.common.attention.config import normalize_window
+
+__all__ = ["deterministic_requested", "make_attn_config", "select", "PYTORCH_BACKENDS", "dtype_name"]
+
+PYTORCH_BACKENDS: Tuple[Type[AttentionBackend], ...] = (
+    FlashAttention,
+    FusedAttention,
+    UnfusedDotProductAttention,
+)
+
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def deterministic_requested() -> bool:
+    """True when NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 or torch.use_deterministic_algorithms(True); read now."""
+    return (not settings.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO")) or torch.are_deterministic_algorithms_enabled()
+
+
+def _flash_attn_reasons() -> Tuple[Tuple[str, str], ...]:
+    from transformer_engine.pytorch.attention import flash_backend
+
+    reason = flash_backend.unavailable_reason()
+    return ((FlashAttention.NAME, reason),) if reason else ()
+
+
+def split_shape(t: torch.Tensor, qkv_format: QKVFormat, name: str) -> Tuple[int, int, int, int]:
+    """(batch, seq, heads, head_dim) of one tensor; batch is 1 and seq the token count for thd."""
+    expected = 3 if qkv_format == QKVFormat.THD else 4
+    if t.dim() != expected:
+        raise ValueError(
+            f"`{name}` must be {expected}-D for qkv_format={qkv_format.value!r}, got shape {tuple(t.shape)}"
+        )
+    if qkv_format == QKVFormat.BSHD:
+        return tuple(t.shape)
+    if qkv_format == QKVFormat.SBHD:
+        s, b, h, d = t.shape
+        return b, s, h, d
+    t_, h, d = t.shape
+    return 1, t_, h, d
+
+
+def make_attn_config(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qkv_format: str = "bshd",
+    attn_mask_type: str = "no_mask",
+    window_size: Optional[Tuple[int, int]] = None,
+    attn_bias_type: str = "no_bias",
+    bias_shape: Optional[str] = None,
+    dropout: float = 0.0,
+    is_training: bool = True,
+    deterministic: Optional[bool] = None,
+    batch_size: Optional[int] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_kv: Optional[int] = None,
+    packing: str = "separate",
+) -> AttnConfig:
+    """Validate shapes/dtypes/devices and build the AttnConfig for one call."""
+    fmt = QKVFormat(qkv_format)
+    mask = AttnMaskType(attn_mask_type)
+    bq, sq, hq, dqk = split_shape(q, fmt, "query_layer")
+    bk, sk, hk, dk = split_shape(k, fmt, "key_layer")
+    bv, sv, hv, dv = split_shape(v, fmt, "value_layer")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"`query_layer`, `key_layer`, `value_layer` must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"`query_layer`, `key_layer`, `value_layer` must be on one device, got {q.device}, {k.device}, {v.device}"
+        )
+    if fmt != QKVFormat.THD and not (bq == bk == bv):
+        raise ValueError(f"q, k, v must share the batch size, got {bq}, {bk}, {bv}")
+    if sk != sv:
+        raise ValueError(f"`key_layer` and `value_layer` must have the same sequence length, got {sk} and {sv}")
+    if dqk != dk:
+        raise ValueError(f"`key_layer` head dim must equal `query_layer`'s ({dqk}), got {dk}")
+    if hk != hv:
+        raise ValueError(f"`key_layer` and `value_layer` must have the same number of heads, got {hk} and {hv}")
+    if hq % hk:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads (num_gqa_groups={hk})")
+    device_type = q.device.type
+    cc = torch.cuda.get_device_capability(q.device) if device_type == "cuda" else None
+    if deterministic is None:
+        deterministic = deterministic_requested()
+    return AttnConfig(
+        batch_size=batch_size if batch_size is not None else bq,
+        num_heads_q=hq,
+        num_heads_kv=hk,
+        head_dim_qk=dqk,
+        head_dim_v=dv,
+        max_seqlen_q=max_seqlen_q if max_seqlen_q is not None else sq,
+        max_seqlen_kv=max_seqlen_kv if max_seqlen_kv is not None else sk,
+        dtype=dtype_name(q.dtype),
+        qkv_layout=QKVLayout.from_format(fmt, packing),
+        attn_mask_type=mask,
+        window_size=normalize_window(window_size, mask),
+        attn_bias_type=AttnBiasType(attn_bias_type),
+        bias_shape=bias_shape,
+        dropout=float(dropout),
+        is_training=bool(is_training),
+        deterministic=bool(deterministic),
+        framework="pytorch",
+        device_type=device_type,
+        compute_capability=cc,
+        triton_interpret=os.environ.get("TRITON_INTERPRET", "0") == "1",
+        extra=_flash_attn_reasons(),
+    )
+
+
+def select(config: AttnConfig, candidates: Sequence[Type[AttentionBackend]] = PYTORCH_BACKENDS,
+           force: Optional[str] = None) -> Selection:
+    """Backend selection over the PyTorch backends."""
+    return select_backend(config, candidates, force=force)

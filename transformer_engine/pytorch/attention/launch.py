@@ -1,0 +1,198 @@
+"""Launch the common Triton attention kernels on torch tensors (the frontend's half of a launch)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import triton
+
+from transformer_engine.common.attention import AttnConfig, AttnMaskType, QKVFormat
+from transformer_engine.common.attention.kernels.backward import (
+    attn_bwd_dkdv_kernel,
+    attn_bwd_dq_kernel,
+    attn_bwd_preprocess_kernel,
+)
+from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel
+from transformer_engine.common.attention.plan import BackwardPlan, ForwardPlan, Tiles, backward_plan, forward_plan
+from transformer_engine.pytorch.attention.config import dtype_name
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class Sequences:
+    """Per-sequence extents of one call: lengths (padding or packing) and packed starts (thd)."""
+
+    batch: int
+    max_q: int
+    max_k: int
+    len_q: Optional[torch.Tensor]
+    len_k: Optional[torch.Tensor]
+    start_q: Optional[torch.Tensor]
+    start_k: Optional[torch.Tensor]
+
+    @property
+    def is_thd(self) -> bool:
+        return self.start_q is not None
+
+    @property
+    def has_seqlens(self) -> bool:
+        return self.len_q is not None
+
+    def args(self, like: torch.Tensor):
+        dummy = like  # never read when the matching constexpr flag is off
+        return (
+            self.start_q if self.start_q is not None else dummy,
+            self.start_k if self.start_k is not None else dummy,
+            self.len_q if self.len_q is not None else dummy,
+            self.len_k if self.len_k is not None else dummy,
+        )
+
+
+def canonical(t: torch.Tensor, fmt: QKVFormat) -> Tuple[torch.Tensor, Tuple[int, int, int, int]]:
+    """A (b, s, h, d) view of ``t`` and its strides (batch stride 0 for packed thd)."""
+    if fmt == QKVFormat.BSHD:
+        return t, tuple(t.stride())
+    if fmt == QKVFormat.SBHD:
+        v = t.transpose(0, 1)
+        return v, tuple(v.stride())
+    v = t.unsqueeze(0)
+    s = t.stride()
+    return v, (0, s[0], s[1], s[2])
+
+
+def sequences(fmt: QKVFormat, q: torch.Tensor, k: torch.Tensor, cu_seqlens_q, cu_seqlens_kv,
+              seq_offsets_q, seq_offsets_kv, max_seqlen_q: int, max_seqlen_kv: int) -> Sequences:
+    qv, _ = canonical(q, fmt)
+    kv, _ = canonical(k, fmt)
+    if fmt == QKVFormat.THD:
+        batch = cu_seqlens_q.shape[0] - 1
+        offs_q = seq_offsets_q if seq_offsets_q is not None else cu_seqlens_q
+        offs_k = seq_offsets_kv if seq_offsets_kv is not None else cu_seqlens_kv
+        return Sequences(batch, max_seqlen_q, max_seqlen_kv,
+                         (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int32).contiguous(),
+                         (cu_seqlens_kv[1:] - cu_seqlens_kv[:-1]).to(torch.int32).contiguous(),
+                         offs_q[:-1].to(torch.int32).contiguous(), offs_k[:-1].to(torch.int32).contiguous())
+    batch, sq = qv.shape[0], qv.shape[1]
+    sk = kv.shape[1]
+    if cu_seqlens_q is None:
+        return Sequences(batch, sq, sk, None, None, None, None)
+    return Sequences(batch, sq, sk,
+                     (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int32).contiguous(),
+                     (cu_seqlens_kv[1:] - cu_seqlens_kv[:-1]).to(torch.int32).contiguous(), None, None)
+
+
+def plan_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: QKVFormat, mask: AttnMaskType,
+                window: Tuple[int, int], deterministic: bool) -> AttnConfig:
+    """The planning-relevant AttnConfig of a launch (head dims, dtype, mask kind, device)."""
+    device_type = q.device.type
+    return AttnConfig(
+        batch_size=1, num_heads_q=q.shape[-2], num_heads_kv=k.shape[-2],
+        head_dim_qk=q.shape[-1], head_dim_v=v.shape[-1], max_seqlen_q=0, max_seqlen_kv=0,
+        dtype=dtype_name(q.dtype), attn_mask_type=mask, window_size=window, deterministic=deterministic,
+        device_type=device_type,
+        compute_capability=torch.cuda.get_device_capability(q.device) if device_type == "cuda" else None,
+    )
+
+
+def _mask_flags(mask: AttnMaskType, window: Tuple[int, int]):
+    left, right = window
+    if mask.is_causal:
+        right = 0
+    return dict(HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, BOTTOM_RIGHT=(mask != AttnMaskType.CAUSAL_MASK
+                                                                       and mask != AttnMaskType.PADDING_CAUSAL_MASK)), \
+        max(left, 0), max(right, 0)
+
+
+def forward(q, k, v, fmt: QKVFormat, seqs: Sequences, softmax_scale: float, mask: AttnMaskType,
+            window: Tuple[int, int], plan: Optional[ForwardPlan] = None):
+    """Run the forward kernel. Returns (out in q's format with head dim d_v, lse [b, h, max_s_q] fp32)."""
+    if plan is None:
+        plan = forward_plan(plan_config(q, k, v, fmt, mask, window, False))
+    hq, dqk = q.shape[-2], q.shape[-1]
+    hk, dv = k.shape[-2], v.shape[-1]
+    out_shape = tuple(q.shape[:-1]) + (dv,)
+    out = torch.zeros(out_shape, dtype=q.dtype, device=q.device) if seqs.is_thd else \
+        torch.empty(out_shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((seqs.batch, hq, seqs.max_q), dtype=torch.float32, device=q.device)
+    _, sq_ = canonical(q, fmt)
+    _, sk_ = canonical(k, fmt)
+    _, sv_ = canonical(v, fmt)
+    _, so_ = canonical(out, fmt)
+    flags, left, right = _mask_flags(mask, window)
+    t = plan.tiles
+    grid = (triton.cdiv(seqs.max_q, t.block_m), seqs.batch * hq)
+    attn_fwd_kernel[grid](
+        q, k, v, out, lse, *seqs.args(lse),
+        *sq_, *sk_, *sv_, *so_, lse.stride(0), lse.stride(1),
+        hq, hq // hk, seqs.max_q, seqs.max_k,
+        softmax_scale * LOG2E, left, right,
+        HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, IS_THD=seqs.is_thd, HAS_SEQLENS=seqs.has_seqlens,
+        DOT_PRECISION=plan.dot_precision, num_warps=t.num_warps, num_stages=t.num_stages, **flags,
+    )
+    return out, lse
+
+
+def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_scale: float,
+             mask: AttnMaskType, window: Tuple[int, int], deterministic: bool,
+             plan: Optional[BackwardPlan] = None):
+    """Run preprocess, dK/dV and dQ (or atomic dQ). Returns (dq, dk, dv) in the inputs' format."""
+    if plan is None:
+        plan = backward_plan(plan_config(q, k, v, fmt, mask, window, deterministic))
+    if deterministic and plan.atomic_dq:
+        raise RuntimeError("deterministic backward planned with atomic dQ; this is a planning bug")
+    hq, dqk = q.shape[-2], q.shape[-1]
+    hk, dv = k.shape[-2], v.shape[-1]
+    alloc = torch.zeros if seqs.is_thd else torch.empty
+    dk = alloc(k.shape, dtype=k.dtype, device=k.device)
+    dvt = alloc(v.shape, dtype=v.dtype, device=v.device)
+    delta = torch.empty_like(lse)
+    _, sq_ = canonical(q, fmt)
+    _, sk_ = canonical(k, fmt)
+    _, sv_ = canonical(v, fmt)
+    _, so_ = canonical(out, fmt)
+    _, sdo_ = canonical(d_out, fmt)
+    _, sdk_ = canonical(dk, fmt)
+    _, sdv_ = canonical(dvt, fmt)
+    flags, left, right = _mask_flags(mask, window)
+    seq_args = seqs.args(lse)
+
+    pre = plan.preprocess
+    attn_bwd_preprocess_kernel[(triton.cdiv(seqs.max_q, pre.block_m), seqs.batch * hq)](
+        out, d_out, delta, seq_args[0], seq_args[2], *so_, *sdo_, lse.stride(0), lse.stride(1),
+        hq, seqs.max_q, HEAD_DIM_V=dv, BLOCK_DV=plan.block_dv, BLOCK_M=pre.block_m,
+        IS_THD=seqs.is_thd, HAS_SEQLENS=seqs.has_seqlens, num_warps=pre.num_warps,
+    )
+    if plan.atomic_dq:
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    else:
+        dq_acc = lse  # unused by the kernel when ATOMIC_DQ is off
+    _, sdqa_ = canonical(dq_acc, fmt) if plan.atomic_dq else (None, (0, 0, 0, 0))
+    t = plan.dkdv
+    attn_bwd_dkdv_kernel[(triton.cdiv(seqs.max_k, t.block_n), seqs.batch * hk)](
+        q, k, v, d_out, dk, dvt, dq_acc, lse, delta, *seq_args,
+        *sq_, *sk_, *sv_, *sdo_, *sdk_, *sdv_, *sdqa_, lse.stride(0), lse.stride(1),
+        hk, hq // hk, seqs.max_q, seqs.max_k, softmax_scale, softmax_scale * LOG2E, left, right,
+        HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, IS_THD=seqs.is_thd, HAS_SEQLENS=seqs.has_seqlens,
+        ATOMIC_DQ=plan.atomic_dq, DOT_PRECISION=plan.dot_precision,
+        num_warps=t.num_warps, num_stages=t.num_stages, **flags,
+    )
+    if plan.atomic_dq:
+        return dq_acc.to(q.dtype), dk, dvt
+    dq = alloc(q.shape, dtype=q.dtype, device=q.device)
+    _, sdq_ = canonical(dq, fmt)
+    t = plan.dq
+    attn_bwd_dq_kernel[(triton.cdiv(seqs.max_q, t.block_m), seqs.batch * hq)](
+        q, k, v, d_out, dq, lse, delta, *seq_args,
+        *sq_, *sk_, *sv_, *sdo_, *sdq_, lse.stride(0), lse.stride(1),
+        hq, hq // hk, seqs.max_q, seqs.max_k, softmax_scale, softmax_scale * LOG2E, left, right,
+        HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, IS_THD=seqs.is_thd, HAS_SEQLENS=seqs.has_seqlens,
+        DOT_PRECISION=plan.dot_precision, num_warps=t.num_warps, num_stages=t.num_stages, **flags,
+    )
+    return dq, dk, dvt

@@ -1,0 +1,71 @@
+"""torch.library custom ops for the fused attention forward and backward.
+
+Opaque to torch.compile (with fake implementations for shapes), so a compiled model traces
+the attention call without graph breaks.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from transformer_engine.common.attention import AttnMaskType, QKVFormat
+from transformer_engine.pytorch.attention import launch
+
+__all__ = ["fused_attn_fwd", "fused_attn_bwd"]
+
+
+def _batch_and_seqlen(q: torch.Tensor, fmt: QKVFormat, cu_seqlens_q: Optional[torch.Tensor], max_seqlen_q: int):
+    if fmt == QKVFormat.THD:
+        return cu_seqlens_q.shape[0] - 1, max_seqlen_q
+    if fmt == QKVFormat.SBHD:
+        return q.shape[1], q.shape[0]
+    return q.shape[0], q.shape[1]
+
+
+@torch.library.custom_op("transformer_engine::fused_attn_fwd", mutates_args=())
+def fused_attn_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qkv_format: str,
+    cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_kv: Optional[torch.Tensor],
+    seq_offsets_q: Optional[torch.Tensor], seq_offsets_kv: Optional[torch.Tensor],
+    max_seqlen_q: int, max_seqlen_kv: int, softmax_scale: float, attn_mask_type: str,
+    window_left: int, window_right: int,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    fmt = QKVFormat(qkv_format)
+    seqs = launch.sequences(fmt, q, k, cu_seqlens_q, cu_seqlens_kv, seq_offsets_q, seq_offsets_kv,
+                            max_seqlen_q, max_seqlen_kv)
+    return launch.forward(q, k, v, fmt, seqs, softmax_scale, AttnMaskType(attn_mask_type),
+                          (window_left, window_right))
+
+
+@fused_attn_fwd.register_fake
+def _(q, k, v, qkv_format, cu_seqlens_q, cu_seqlens_kv, seq_offsets_q, seq_offsets_kv,
+      max_seqlen_q, max_seqlen_kv, softmax_scale, attn_mask_type, window_left, window_right):
+    fmt = QKVFormat(qkv_format)
+    batch, sq = _batch_and_seqlen(q, fmt, cu_seqlens_q, max_seqlen_q)
+    out = q.new_empty(tuple(q.shape[:-1]) + (v.shape[-1],))
+    lse = q.new_empty((batch, q.shape[-2], sq), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op("transformer_engine::fused_attn_bwd", mutates_args=())
+def fused_attn_bwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, d_out: torch.Tensor,
+    lse: torch.Tensor, qkv_format: str,
+    cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_kv: Optional[torch.Tensor],
+    seq_offsets_q: Optional[torch.Tensor], seq_offsets_kv: Optional[torch.Tensor],
+    max_seqlen_q: int, max_seqlen_kv: int, softmax_scale: float, attn_mask_type: str,
+    window_left: int, window_right: int, deterministic: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    fmt = QKVFormat(qkv_format)
+    seqs = launch.sequences(fmt, q, k, cu_seqlens_q, cu_seqlens_kv, seq_offsets_q, seq_offsets_kv,
+                            max_seqlen_q, max_seqlen_kv)
+    return launch.backward(q, k, v, out, d_out, lse, fmt, seqs, softmax_scale, AttnMaskType(attn_mask_type),
+                           (window_left, window_right), deterministic)
+
+
+@fused_attn_bwd.register_fake
+def _(q, k, v, out, d_out, lse, qkv_format, cu_seqlens_q, cu_seqlens_kv, seq_offsets_q, seq_offsets_kv,
+      max_seqlen_q, max_seqlen_kv, softmax_scale, attn_mask_type, window_left, window_right, deterministic):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))

@@ -1,0 +1,81 @@
+"""Measure candidate tiles per head dim for the forward, dK/dV and dQ kernels (H200).
+
+The chosen tiles are frozen in transformer_engine/common/attention/plan.py: a function of
+head dim, dtype, mask kind and architecture only (the determinism contract).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+
+import torch
+
+from common import attn_flops, bench_ms
+from transformer_engine.common.attention import AttnMaskType, QKVFormat
+from transformer_engine.common.attention.plan import Tiles, backward_plan, forward_plan
+from transformer_engine.pytorch.attention import launch
+
+FWD = [Tiles(128, 64, 4, 3), Tiles(128, 64, 8, 3), Tiles(128, 128, 8, 3), Tiles(128, 32, 4, 4),
+       Tiles(64, 64, 4, 3), Tiles(128, 64, 8, 4), Tiles(128, 128, 8, 2)]
+DKDV = [Tiles(64, 128, 8, 2), Tiles(32, 128, 4, 3), Tiles(64, 64, 4, 3), Tiles(64, 128, 8, 3),
+        Tiles(32, 64, 4, 3), Tiles(128, 128, 8, 2)]
+DQ = [Tiles(128, 64, 8, 2), Tiles(128, 32, 4, 3), Tiles(64, 64, 4, 3), Tiles(128, 64, 8, 3),
+      Tiles(128, 128, 8, 2), Tiles(64, 32, 4, 3)]
+
+
+def main(dims=(64, 128, 256), causal_kinds=(False, True)):
+    results = {}
+    for d, causal in itertools.product(dims, causal_kinds):
+        b, h, s = (4, 16, 4096) if d >= 128 else (8, 32, 2048)
+        if d == 256:
+            b = 2
+        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        do = torch.randn_like(q)
+        fmt = QKVFormat.BSHD
+        mask = AttnMaskType.CAUSAL_MASK if causal else AttnMaskType.NO_MASK
+        seqs = launch.sequences(fmt, q, k, None, None, None, None, s, s)
+        cfg = launch.plan_config(q, k, v, fmt, mask, (-1, -1), True)
+        base_f = forward_plan(cfg)
+        base_b = backward_plan(cfg)
+        out, lse = launch.forward(q, k, v, fmt, seqs, d ** -0.5, mask, (-1, -1))
+        key = f"d{d}_{'causal' if causal else 'none'}"
+        results[key] = {}
+        for t in FWD:
+            try:
+                plan = type(base_f)(t, base_f.block_dqk, base_f.block_dv, base_f.dot_precision)
+                ms = bench_ms(lambda: launch.forward(q, k, v, fmt, seqs, d ** -0.5, mask, (-1, -1), plan))
+                results[key][f"fwd {t}"] = round(attn_flops(b, h, s, s, d, causal, "fwd") / ms / 1e9, 1)
+            except Exception as err:
+                results[key][f"fwd {t}"] = f"fail {type(err).__name__}"
+            print(key, "fwd", t, results[key][f"fwd {t}"], flush=True)
+        for t1, t2 in list(zip(DKDV, DQ)) + [(DKDV[0], DQ[1]), (DKDV[1], DQ[0])]:
+            try:
+                plan = type(base_b)(base_b.preprocess, t1, t2, base_b.block_dqk, base_b.block_dv,
+                                    base_b.dot_precision, False)
+                ms = bench_ms(lambda: launch.backward(q, k, v, out, do, lse, fmt, seqs, d ** -0.5, mask,
+                                                      (-1, -1), True, plan))
+                results[key][f"bwd {t1} {t2}"] = round(attn_flops(b, h, s, s, d, causal, "bwd") / ms / 1e9, 1)
+            except Exception as err:
+                results[key][f"bwd {t1} {t2}"] = f"fail {type(err).__name__}"
+            print(key, "bwd", t1, t2, results[key][f"bwd {t1} {t2}"], flush=True)
+        for atomic in (True,):
+            plan = type(base_b)(base_b.preprocess, base_b.dkdv, base_b.dq, base_b.block_dqk, base_b.block_dv,
+                                base_b.dot_precision, atomic)
+            try:
+                ms = bench_ms(lambda: launch.backward(q, k, v, out, do, lse, fmt, seqs, d ** -0.5, mask,
+                                                      (-1, -1), False, plan))
+                results[key]["bwd atomic_dq default tiles"] = round(
+                    attn_flops(b, h, s, s, d, causal, "bwd") / ms / 1e9, 1)
+            except Exception as err:
+                results[key]["bwd atomic_dq default tiles"] = f"fail {type(err).__name__}"
+            print(key, "atomic", results[key]["bwd atomic_dq default tiles"], flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    out = sys.argv[1] if len(sys.argv) > 1 else "tune.json"
+    res = main()
+    with open(out, "w") as f:
+        json.dump(res, f, indent=1)

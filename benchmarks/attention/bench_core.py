@@ -34,13 +34,10 @@ def sdpa(backend, deterministic=False):
     def make(q, k, v, causal):
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
         def f():
-            torch.use_deterministic_algorithms(deterministic, warn_only=False)
-            try:
-                with sdpa_kernel(backend):
-                    return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
-            finally:
-                torch.use_deterministic_algorithms(False)
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal).transpose(1, 2)
         return f
+    make.torch_deterministic = deterministic  # the flag must hold through the backward too
     return make
 
 
@@ -57,6 +54,7 @@ def measure(name, make, b, h, s, d, causal):
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     do = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
     fn = make(q, k, v, causal)
+    torch.use_deterministic_algorithms(getattr(make, "torch_deterministic", False))
     try:
         with torch.no_grad():
             t_fwd = bench_ms(fn)
@@ -71,6 +69,8 @@ def measure(name, make, b, h, s, d, causal):
         det = grads_repeat_bitwise(grads)
     except Exception as err:  # a peer that cannot run this shape is reported, not fatal
         return {"backend": name, "error": f"{type(err).__name__}: {str(err)[:80]}"}
+    finally:
+        torch.use_deterministic_algorithms(False)
     return {
         "backend": name,
         "fwd_tflops": round(attn_flops(b, h, s, s, d, causal, "fwd") / t_fwd / 1e9, 1),

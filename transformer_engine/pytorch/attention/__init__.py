@@ -1,1 +1,6 @@
 """PyTorch attention: custom ops, autograd function, backends and the DotProductAttention module."""
+
+from transformer_engine.pytorch.attention.dot_product_attention import DotProductAttention
+from transformer_engine.pytorch.attention.unfused import UnfusedDotProductAttention, unfused_attention
+
+__all__ = ["DotProductAttention", "UnfusedDotProductAttention", "unfused_attention"]

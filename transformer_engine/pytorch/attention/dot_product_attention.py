@@ -1,0 +1,488 @@
+"""DotProductAttention: TransformerEngine's attention module on the project's backends.
+
+Every call builds one :class:`AttnConfig` (determinism read now: ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``
+or ``torch.use_deterministic_algorithms(True)``), asks backend selection for a backend (``NVTE_FUSED_ATTN``,
+``NVTE_UNFUSED_ATTN``, ``NVTE_FUSED_ATTN_BACKEND``, ``NVTE_DEBUG`` are read then too) and runs it.
+Nothing about a decision is kept between calls.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional, Tuple, Union
+
+import torch
+
+from transformer_engine.common.attention import AttnBiasType, AttnMaskType, QKVFormat
+from transformer_engine.common.attention.config import normalize_window
+from transformer_engine.pytorch.attention import config as attn_config
+from transformer_engine.pytorch.attention.unfused import bias_shape_name, unfused_attention
+
+__all__ = ["DotProductAttention"]
+
+_FP8_DTYPES = tuple(
+    getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if hasattr(torch, name)
+)
+
+# Under thd every mask is per sequence: TransformerEngine's non-padding names map to their padding form.
+_THD_MASK = {
+    AttnMaskType.NO_MASK: AttnMaskType.PADDING_MASK,
+    AttnMaskType.CAUSAL_MASK: AttnMaskType.PADDING_CAUSAL_MASK,
+    AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK: AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK,
+}
+# A padding mask with no padding information (no attention_mask, no cu_seqlens) is its non-padding form.
+_UNPADDED_MASK = {v: k for k, v in _THD_MASK.items()}
+
+
+def _enum_arg(enum, value, name: str):
+    try:
+        return enum(value)
+    except ValueError:
+        choices = ", ".join(repr(m.value) for m in enum)
+        raise ValueError(f"`{name}` must be one of {choices}, got {value!r}") from None
+
+
+def _is_compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+class _TensorMeta:
+    """Shape/dtype/device stand-in for a tensor, so a config can be built while tracing."""
+
+    def __init__(self, shape: Tuple[int, ...], dtype: str, device: str) -> None:
+        self.shape = torch.Size(shape)
+        self.dtype = getattr(torch, dtype)
+        self.device = torch.device(device)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+
+@torch.compiler.assume_constant_result
+def _select_while_tracing(q_shape, k_shape, v_shape, dtype: str, device: str, qkv_format: str, attn_mask_type: str,
+                          window: Tuple[int, int], bias_type: str, bias_shape: Optional[str], dropout: float,
+                          is_training: bool, torch_deterministic: bool, batch_size: Optional[int],
+                          max_seqlen_q: Optional[int], max_seqlen_kv: Optional[int]) -> Tuple[str, bool]:
+    """Backend selection under torch.compile: runs once while tracing, its result baked into the graph.
+
+    Dynamo guards on ``torch.are_deterministic_algorithms_enabled()`` (passed in), so toggling it
+    retraces; NVTE_* variables are read at trace time. Sizes that may be dynamic are passed as -1.
+    """
+    metas = [_TensorMeta(s, dtype, device) for s in (q_shape, k_shape, v_shape)]
+    deterministic = torch_deterministic or attn_config.deterministic_requested()
+    config = attn_config.make_attn_config(
+        *metas, qkv_format=qkv_format, attn_mask_type=attn_mask_type, window_size=window,
+        attn_bias_type=bias_type, bias_shape=bias_shape, dropout=dropout, is_training=is_training,
+        deterministic=deterministic, batch_size=batch_size, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+    )
+    return attn_config.select(config).name, config.deterministic
+
+
+def _packing(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
+    """'qkv' when q, k, v are views of one buffer, 'kv' when k and v are, else 'separate'."""
+    def base(t):
+        return t.untyped_storage().data_ptr()
+    if base(k) == base(v):
+        return "qkv" if base(q) == base(k) else "kv"
+    return "separate"
+
+
+def _padding_mask_to_cu_seqlens(mask: torch.Tensor, batch: int, seqlen: int, name: str) -> torch.Tensor:
+    """TransformerEngine padding mask ([b, 1, 1, s] or [b, s], True = padded) -> int32 cu_seqlens [b+1].
+
+    Padding must be at the end of each sequence (checked in eager mode; one host sync).
+    """
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        got = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"`{name}` must be a bool tensor (True = padded out), got {got}")
+    if tuple(mask.shape) not in ((batch, 1, 1, seqlen), (batch, seqlen)):
+        raise ValueError(f"`{name}` must have shape [{batch}, 1, 1, {seqlen}] for a padding mask, got {tuple(mask.shape)}")
+    mask = mask.reshape(batch, seqlen)
+    lengths = (~mask).sum(dim=1, dtype=torch.int32)
+    if not _is_compiling():
+        right_padded = torch.arange(seqlen, device=mask.device)[None, :] >= lengths[:, None]
+        if not torch.equal(right_padded, mask):
+            raise ValueError(
+                f"`{name}` must mark padding at the end of each sequence (True after the real tokens); "
+                "pass cu_seqlens_q/cu_seqlens_kv for other layouts"
+            )
+    return torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+
+
+def _check_cu_seqlens(cu: Optional[torch.Tensor], name: str, batch: Optional[int], device: torch.device) -> None:
+    if cu is None:
+        return
+    if not isinstance(cu, torch.Tensor):
+        raise ValueError(f"`{name}` must be an int32 tensor of shape [batch + 1], got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise ValueError(f"`{name}` must be int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.shape[0] < 2 or (batch is not None and cu.shape[0] != batch + 1):
+        want = f"[{batch + 1}]" if batch is not None else "[batch + 1]"
+        raise ValueError(f"`{name}` must have shape {want}, got {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"`{name}` must be on the inputs' device {device}, got {cu.device}")
+
+
+def _run_fused(q, k, v, fmt, mask, window, scale, seq, deterministic, **_unused):
+    from transformer_engine.pytorch.attention.fused_attn import fused_attn_func
+
+    return fused_attn_func(q, k, v, fmt.value, mask.value, window, scale, deterministic=deterministic, **seq)
+
+
+def _run_flash(q, k, v, fmt, mask, window, scale, seq, deterministic, **_unused):
+    from transformer_engine.pytorch.attention import flash_backend
+
+    func = getattr(flash_backend, "flash_attn_func", None)
+    if func is None:
+        raise NotImplementedError(
+            "FlashAttention was selected but transformer_engine.pytorch.attention.flash_backend has no "
+            "flash_attn_func yet; set NVTE_FLASH_ATTN=0 to use the fused backend"
+        )
+    return func(q, k, v, fmt.value, mask.value, window, scale, deterministic=deterministic, **seq)
+
+
+def _run_unfused(q, k, v, fmt, mask, window, scale, seq, deterministic, *, attention_mask, bias_type, bias,
+                 alibi_slopes, dropout, rng_context):
+    return unfused_attention(
+        q, k, v, fmt.value, mask.value, window, scale, attention_mask=attention_mask,
+        core_attention_bias_type=bias_type.value, core_attention_bias=bias, alibi_slopes=alibi_slopes,
+        dropout_p=dropout, rng_context=rng_context, **seq,
+    )
+
+
+_RUNNERS = {
+    "FusedAttention": _run_fused,
+    "FlashAttention": _run_flash,
+    "UnfusedDotProductAttention": _run_unfused,
+}
+
+
+class DotProductAttention(torch.nn.Module):
+    """Scaled dot-product attention with TransformerEngine's interface.
+
+    Shapes: ``qkv_format="bshd"`` [b, s, h, d], ``"sbhd"`` [s, b, h, d], ``"thd"`` [t, h, d] (all
+    sequences packed, delimited by ``cu_seqlens_*``, int32 [b+1]; ``cu_seqlens_*_padded`` give the
+    packed starts when there are gaps). q, k, v may be strided views (e.g. into a packed QKV
+    projection). The output has q's format with the heads flattened: [b, s, h*d_v], [s, b, h*d_v]
+    or [t, h*d_v].
+
+    Heads: ``num_attention_heads`` query heads share ``num_gqa_groups`` key/value heads; query head
+    ``i`` uses key/value head ``i // (num_attention_heads // num_gqa_groups)``.
+
+    Masks (``attn_mask_type``): ``no_mask``, ``causal`` (top-left), ``causal_bottom_right``,
+    ``padding``, ``padding_causal``, ``padding_causal_bottom_right``, ``arbitrary``. Padding comes
+    from ``cu_seqlens_q/kv`` or a bool ``attention_mask`` (True = padded; [b, 1, 1, s], or a tuple
+    of q and kv masks for cross attention; padding at the end of each sequence). ``arbitrary``
+    takes a bool ``attention_mask`` broadcastable to [b, h, s_q, s_kv]. ``window_size=(left, right)``
+    follows :func:`normalize_window`. Rows with no visible key output zeros; padded positions are
+    zero.
+
+    Determinism: ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` or ``torch.use_deterministic_algorithms(True)``
+    make the next call's backward bitwise reproducible (read at every call, not at construction).
+    The fused backend stays selected in deterministic training; a config no deterministic fused
+    kernel supports runs unfused, with a one-time WARNING naming why. Under ``torch.compile`` the
+    backend is chosen while tracing (dynamo retraces when ``torch.use_deterministic_algorithms``
+    changes; NVTE_* changes need a recompile).
+
+    Not supported yet (``NotImplementedError``): context parallelism (``cp_group``...), FP8, KV cache
+    (``inference_params``), ``softmax_type`` other than ``"vanilla"``, ``return_max_logit``.
+    """
+
+    def __init__(
+        self,
+        num_attention_heads: int,
+        kv_channels: Union[int, Tuple[int, int]],
+        num_gqa_groups: Optional[int] = None,
+        attention_dropout: float = 0.0,
+        qkv_format: str = "sbhd",
+        attn_mask_type: str = "causal",
+        window_size: Optional[Tuple[int, int]] = None,
+        sequence_parallel: bool = False,
+        tp_size: int = 1,
+        get_rng_state_tracker: Optional[Callable] = None,
+        tp_group: Optional[Any] = None,
+        layer_number: Optional[int] = None,
+        attention_type: str = "self",
+        cp_group: Optional[Any] = None,
+        cp_global_ranks: Optional[Any] = None,
+        cp_stream: Optional[Any] = None,
+        cp_comm_type: str = "p2p",
+        softmax_scale: Optional[float] = None,
+        softmax_type: str = "vanilla",
+        return_max_logit: bool = False,
+    ) -> None:
+        super().__init__()
+        if cp_group is not None or cp_global_ranks is not None or cp_stream is not None:
+            raise NotImplementedError("context parallelism (cp_group, cp_global_ranks, cp_stream) is not supported yet")
+        if softmax_type != "vanilla":
+            raise NotImplementedError(f"softmax_type={softmax_type!r} is not supported yet (only 'vanilla')")
+        if return_max_logit:
+            raise NotImplementedError("return_max_logit=True is not supported yet")
+        if not isinstance(num_attention_heads, int) or num_attention_heads < 1:
+            raise ValueError(f"`num_attention_heads` must be a positive int, got {num_attention_heads!r}")
+        if isinstance(kv_channels, int):
+            kv_channels = (kv_channels, kv_channels)
+        if (not isinstance(kv_channels, (tuple, list)) or len(kv_channels) != 2
+                or not all(isinstance(c, int) and c > 0 for c in kv_channels)):
+            raise ValueError(f"`kv_channels` must be a positive int or a pair (qk, v) of them, got {kv_channels!r}")
+        num_gqa_groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
+        if not isinstance(num_gqa_groups, int) or num_gqa_groups < 1 or num_attention_heads % num_gqa_groups:
+            raise ValueError(
+                f"`num_gqa_groups` must be a positive divisor of num_attention_heads={num_attention_heads}, "
+                f"got {num_gqa_groups!r}"
+            )
+        if tp_group is not None:
+            tp_size = torch.distributed.get_world_size(tp_group)
+        if not isinstance(tp_size, int) or tp_size < 1 or num_attention_heads % tp_size or num_gqa_groups % tp_size:
+            raise ValueError(
+                f"`tp_size` must divide num_attention_heads={num_attention_heads} and num_gqa_groups="
+                f"{num_gqa_groups}, got {tp_size!r}"
+            )
+        if not 0.0 <= float(attention_dropout) < 1.0:
+            raise ValueError(f"`attention_dropout` must be in [0, 1), got {attention_dropout!r}")
+        if attention_type not in ("self", "cross"):
+            raise ValueError(f"`attention_type` must be 'self' or 'cross', got {attention_type!r}")
+        self.qkv_format = _enum_arg(QKVFormat, qkv_format, "qkv_format").value
+        self.attn_mask_type = _enum_arg(AttnMaskType, attn_mask_type, "attn_mask_type").value
+        normalize_window(window_size, AttnMaskType(self.attn_mask_type))  # validate now, apply per call
+        self.window_size = window_size
+        self.num_attention_heads = num_attention_heads
+        self.num_gqa_groups = num_gqa_groups
+        self.tp_size = tp_size
+        self.num_heads_per_partition = num_attention_heads // tp_size
+        self.num_gqa_groups_per_partition = num_gqa_groups // tp_size
+        self.hidden_size_per_attention_head_k, self.hidden_size_per_attention_head_v = kv_channels
+        self.kv_channels = tuple(kv_channels)
+        self.attention_dropout = float(attention_dropout)
+        self.sequence_parallel = sequence_parallel
+        self.get_rng_state_tracker = get_rng_state_tracker
+        self.tp_group = tp_group
+        self.layer_number = layer_number
+        self.attention_type = attention_type
+        self.cp_comm_type = cp_comm_type
+        self.softmax_type = softmax_type
+        self.softmax_scale = (
+            float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(kv_channels[0])
+        )
+        # Name of the backend that ran the most recent call: a record for reporting, never consulted.
+        self.last_backend: Optional[str] = None
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.num_attention_heads}, gqa_groups={self.num_gqa_groups}, kv_channels={self.kv_channels}, "
+            f"qkv_format={self.qkv_format!r}, attn_mask_type={self.attn_mask_type!r}, window_size={self.window_size}, "
+            f"attention_dropout={self.attention_dropout}"
+        )
+
+    # -- argument checks -------------------------------------------------------------------------
+
+    def _check_tensors(self, q, k, v, fmt: QKVFormat) -> None:
+        for name, t in (("query_layer", q), ("key_layer", k), ("value_layer", v)):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype in _FP8_DTYPES:
+                raise NotImplementedError(f"FP8 attention is not supported yet (`{name}` has dtype {t.dtype})")
+            if not t.dtype.is_floating_point:
+                raise ValueError(f"`{name}` must be a floating-point tensor, got {t.dtype}")
+            want = 3 if fmt == QKVFormat.THD else 4
+            if t.dim() != want:
+                raise ValueError(f"`{name}` must be {want}-D for qkv_format={fmt.value!r}, got shape {tuple(t.shape)}")
+        expected = (
+            ("query_layer", q, self.num_heads_per_partition, self.hidden_size_per_attention_head_k),
+            ("key_layer", k, self.num_gqa_groups_per_partition, self.hidden_size_per_attention_head_k),
+            ("value_layer", v, self.num_gqa_groups_per_partition, self.hidden_size_per_attention_head_v),
+        )
+        for name, t, heads, dim in expected:
+            if t.shape[-2] != heads or t.shape[-1] != dim:
+                raise ValueError(
+                    f"`{name}` must have {heads} heads of size {dim} (num_attention_heads/num_gqa_groups, "
+                    f"kv_channels, tp_size={self.tp_size}), got shape {tuple(t.shape)}"
+                )
+
+    # -- forward ---------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        query_layer: torch.Tensor,
+        key_layer: torch.Tensor,
+        value_layer: torch.Tensor,
+        attention_mask: Optional[Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]] = None,
+        qkv_format: Optional[str] = None,
+        cu_seqlens_q: Optional[torch.Tensor] = None,
+        cu_seqlens_kv: Optional[torch.Tensor] = None,
+        cu_seqlens_q_padded: Optional[torch.Tensor] = None,
+        cu_seqlens_kv_padded: Optional[torch.Tensor] = None,
+        max_seqlen_q: Optional[int] = None,
+        max_seqlen_kv: Optional[int] = None,
+        attn_mask_type: Optional[str] = None,
+        window_size: Optional[Tuple[int, int]] = None,
+        checkpoint_core_attention: bool = False,
+        core_attention_bias_type: str = "no_bias",
+        core_attention_bias: Optional[torch.Tensor] = None,
+        alibi_slopes: Optional[torch.Tensor] = None,
+        fast_zero_fill: bool = True,
+        inference_params: Optional[Any] = None,
+        pad_between_seqs: Optional[bool] = None,
+        fp8_output: bool = False,
+    ) -> torch.Tensor:
+        """Attention over ``query_layer``, ``key_layer``, ``value_layer``; see the class docstring.
+
+        ``fast_zero_fill`` and ``pad_between_seqs`` are accepted for compatibility: padded
+        positions are always zero and gaps between packed sequences come from ``cu_seqlens_*_padded``.
+        """
+        if inference_params is not None:
+            raise NotImplementedError("KV cache (`inference_params`) is not supported yet")
+        if fp8_output:
+            raise NotImplementedError("FP8 output (`fp8_output=True`) is not supported yet")
+        q, k, v = query_layer, key_layer, value_layer
+        fmt = _enum_arg(QKVFormat, qkv_format if qkv_format is not None else self.qkv_format, "qkv_format")
+        mask = _enum_arg(AttnMaskType, attn_mask_type if attn_mask_type is not None else self.attn_mask_type,
+                         "attn_mask_type")
+        bias_type = _enum_arg(AttnBiasType, core_attention_bias_type, "core_attention_bias_type")
+        self._check_tensors(q, k, v, fmt)
+        if not (q.dtype == k.dtype == v.dtype):
+            raise ValueError(
+                f"`query_layer`, `key_layer`, `value_layer` must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+            )
+        if not (q.device == k.device == v.device):
+            raise ValueError(
+                f"`query_layer`, `key_layer`, `value_layer` must be on one device, got {q.device}, {k.device}, {v.device}"
+            )
+
+        # Sequence information: cu_seqlens for thd and padding masks.
+        if fmt == QKVFormat.THD:
+            if mask == AttnMaskType.ARBITRARY_MASK:
+                raise NotImplementedError("attn_mask_type='arbitrary' with qkv_format='thd' is not supported")
+            if attention_mask is not None:
+                raise ValueError("`attention_mask` must be None for qkv_format='thd' (use cu_seqlens_q/kv)")
+            mask = _THD_MASK.get(mask, mask)
+            if cu_seqlens_q is None or cu_seqlens_kv is None:
+                raise ValueError("`cu_seqlens_q` and `cu_seqlens_kv` must be given for qkv_format='thd'")
+            batch = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) else None
+            seq_len_q = seq_len_kv = None
+        else:
+            batch = q.shape[0] if fmt == QKVFormat.BSHD else q.shape[1]
+            seq_dim = 1 if fmt == QKVFormat.BSHD else 0
+            seq_len_q, seq_len_kv = q.shape[seq_dim], k.shape[seq_dim]
+            if k.shape[1 - seq_dim] != batch or v.shape[1 - seq_dim] != batch:
+                raise ValueError(
+                    f"`query_layer`, `key_layer`, `value_layer` must share the batch size, got shapes "
+                    f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+                )
+            if k.shape[seq_dim] != v.shape[seq_dim]:
+                raise ValueError(
+                    f"`key_layer` and `value_layer` must have the same sequence length, got shapes "
+                    f"{tuple(k.shape)}, {tuple(v.shape)}"
+                )
+            cu_seqlens_q_padded = cu_seqlens_kv_padded = None
+            if mask.is_padding:
+                if attention_mask is not None:
+                    if cu_seqlens_q is not None or cu_seqlens_kv is not None:
+                        raise ValueError("give either `attention_mask` or `cu_seqlens_q`/`cu_seqlens_kv`, not both")
+                    if isinstance(attention_mask, (tuple, list)):
+                        if len(attention_mask) != 2:
+                            raise ValueError("`attention_mask` must be one tensor or a (q_mask, kv_mask) pair")
+                        mask_q, mask_kv = attention_mask
+                    else:
+                        if seq_len_q != seq_len_kv:
+                            raise ValueError(
+                                "`attention_mask` must be a (q_mask, kv_mask) pair when s_q != s_kv "
+                                f"({seq_len_q} != {seq_len_kv})"
+                            )
+                        mask_q = mask_kv = attention_mask
+                    cu_seqlens_q = _padding_mask_to_cu_seqlens(mask_q, batch, seq_len_q, "attention_mask")
+                    cu_seqlens_kv = (
+                        cu_seqlens_q if mask_kv is mask_q
+                        else _padding_mask_to_cu_seqlens(mask_kv, batch, seq_len_kv, "attention_mask")
+                    )
+                    attention_mask = None
+                elif cu_seqlens_q is None and cu_seqlens_kv is None:
+                    mask = _UNPADDED_MASK[mask]  # no padding information: nothing is padded
+                elif cu_seqlens_q is None or cu_seqlens_kv is None:
+                    raise ValueError(
+                        f"`cu_seqlens_q` and `cu_seqlens_kv` must be given together for attn_mask_type={mask.value!r}"
+                    )
+            else:
+                cu_seqlens_q = cu_seqlens_kv = None
+                if mask != AttnMaskType.ARBITRARY_MASK and attention_mask is not None:
+                    raise ValueError(
+                        f"`attention_mask` is only used with padding or arbitrary masks, got attn_mask_type={mask.value!r}"
+                    )
+            if mask == AttnMaskType.ARBITRARY_MASK and attention_mask is None:
+                raise ValueError("`attention_mask` must be given for attn_mask_type='arbitrary'")
+            max_seqlen_q, max_seqlen_kv = seq_len_q, seq_len_kv
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv),
+                         ("cu_seqlens_q_padded", cu_seqlens_q_padded), ("cu_seqlens_kv_padded", cu_seqlens_kv_padded)):
+            _check_cu_seqlens(cu, name, batch, q.device)
+        if fmt == QKVFormat.THD and not _is_compiling():
+            # One host sync when the caller did not pass max_seqlen (pass it to avoid the sync).
+            if max_seqlen_q is None:
+                max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
+            if max_seqlen_kv is None:
+                max_seqlen_kv = int((cu_seqlens_kv[1:] - cu_seqlens_kv[:-1]).max().item())
+
+        window = normalize_window(window_size if window_size is not None else self.window_size, mask)
+
+        bias_shape = None
+        if bias_type in (AttnBiasType.PRE_SCALE_BIAS, AttnBiasType.POST_SCALE_BIAS):
+            if core_attention_bias is None:
+                raise ValueError(f"`core_attention_bias` must be given for core_attention_bias_type={bias_type.value!r}")
+            if fmt == QKVFormat.THD and max_seqlen_q is None:
+                raise ValueError("`max_seqlen_q` and `max_seqlen_kv` must be given with a bias under torch.compile")
+            bias_shape = bias_shape_name(core_attention_bias, batch, q.shape[-2], max_seqlen_q, max_seqlen_kv)
+        elif core_attention_bias is not None:
+            raise ValueError(
+                f"`core_attention_bias` must be None with core_attention_bias_type={bias_type.value!r}"
+            )
+        if alibi_slopes is not None and bias_type != AttnBiasType.ALIBI:
+            raise ValueError(f"`alibi_slopes` needs core_attention_bias_type='alibi', got {bias_type.value!r}")
+        if alibi_slopes is not None and tuple(alibi_slopes.shape) not in ((q.shape[-2],), (batch, q.shape[-2])):
+            raise ValueError(
+                f"`alibi_slopes` must have shape [{q.shape[-2]}] or [{batch}, {q.shape[-2]}], got {tuple(alibi_slopes.shape)}"
+            )
+
+        dropout = self.attention_dropout if self.training else 0.0
+        backend, deterministic = self._select(q, k, v, fmt, mask, window, bias_type, bias_shape, dropout, batch,
+                                              max_seqlen_q, max_seqlen_kv)
+        self.last_backend = backend
+
+        seq = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
+                   cu_seqlens_kv_padded=cu_seqlens_kv_padded, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv)
+        rng_context = None
+        if self.get_rng_state_tracker is not None:
+            tracker = self.get_rng_state_tracker
+            rng_context = lambda: tracker().fork()  # noqa: E731
+        runner = _RUNNERS[backend]
+
+        def attend(q_, k_, v_):
+            return runner(q_, k_, v_, fmt, mask, window, self.softmax_scale, seq, deterministic,
+                          attention_mask=attention_mask, bias_type=bias_type, bias=core_attention_bias,
+                          alibi_slopes=alibi_slopes, dropout=dropout, rng_context=rng_context)
+
+        if checkpoint_core_attention and torch.is_grad_enabled():
+            out = torch.utils.checkpoint.checkpoint(attend, q, k, v, use_reentrant=False)
+        else:
+            out = attend(q, k, v)
+        return out.reshape(*out.shape[:-2], out.shape[-2] * out.shape[-1])
+
+    def _select(self, q, k, v, fmt, mask, window, bias_type, bias_shape, dropout, batch, max_seqlen_q,
+                max_seqlen_kv) -> Tuple[str, bool]:
+        """(backend name, deterministic) for this call, read now."""
+        if _is_compiling():
+            # Sizes that may be dynamic are unknown while tracing; head counts and dims are static.
+            def meta(t, heads, dim):
+                return (-1,) * (t.dim() - 2) + (heads, dim)
+            dk, dv = self.hidden_size_per_attention_head_k, self.hidden_size_per_attention_head_v
+            return _select_while_tracing(
+                meta(q, self.num_heads_per_partition, dk), meta(k, self.num_gqa_groups_per_partition, dk),
+                meta(v, self.num_gqa_groups_per_partition, dv), str(q.dtype).replace("torch.", ""), q.device.type, fmt.value,
+                mask.value, tuple(window), bias_type.value, bias_shape, float(dropout), bool(self.training),
+                torch.are_deterministic_algorithms_enabled(), None, None, None,
+            )
+        config = attn_config.make_attn_config(
+            q, k, v, qkv_format=fmt.value, attn_mask_type=mask.value, window_size=window,
+            attn_bias_type=bias_type.value, bias_shape=bias_shape, dropout=dropout, is_training=self.training,
+            batch_size=batch, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, packing=_packing(q, k, v),
+        )
+        return attn_config.select(config).name, config.deterministic

@@ -1,0 +1,328 @@
+"""Unfused attention in PyTorch math: every feature, always deterministic, the reference path.
+
+``unfused_attention`` computes ``softmax(scale * Q K^T + bias) V`` with explicit masks, in fp32
+(fp64 for fp64 inputs) and returns the inputs' dtype. It covers what the fused kernels do not:
+the ``arbitrary`` mask, ``pre_scale_bias``/``post_scale_bias``, ALiBi and dropout.
+
+Mask semantics (TransformerEngine's, see :func:`normalize_window`): query ``i`` of a sequence
+with ``len_q`` queries and ``len_kv`` keys sees key ``j`` when ``j < len_kv``, ``i < len_q`` and
+``i + d - left <= j <= i + d + right`` (a bound of -1 is unbounded), where ``d`` is 0 for
+``causal``/``padding_causal`` (top-left) and ``len_kv - len_q`` for every other mask type
+(bottom-right). Causal masks have ``right = 0``. ``arbitrary`` additionally hides every
+position where ``attention_mask`` is True. Rows that see no key give zero output and zero
+gradient (never NaN); padded positions of the output are zero.
+
+Determinism: every reduction is a plain PyTorch reduction or matmul; the only index
+operations (THD packing) map each real token to exactly one place, so their backward adds
+each gradient once and stays bitwise reproducible even where PyTorch uses atomics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Callable, ContextManager, Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+
+from transformer_engine.common.attention import AttnBiasType, AttnMaskType, QKVFormat
+from transformer_engine.common.attention.config import normalize_window
+
+__all__ = [
+    "unfused_attention",
+    "UnfusedDotProductAttention",
+    "default_alibi_slopes",
+    "bias_shape_name",
+    "visible_mask",
+]
+
+_BIAS_SHAPES = ("1hss", "b1ss", "bhss", "11ss")
+
+
+def default_alibi_slopes(num_heads: int, device=None) -> torch.Tensor:
+    """The ALiBi paper's geometric slopes for ``num_heads`` heads, fp32 ``[h]``.
+
+    For a power of two ``n`` the slopes are ``2^(-8k/n)``, k = 1..n; other head counts take the
+    slopes of the largest power of two below, then every other slope of the next power of two.
+    """
+    if num_heads < 1:
+        raise ValueError(f"`num_heads` must be >= 1, got {num_heads}")
+    n = 2 ** int(math.floor(math.log2(num_heads)))
+    slopes = [2.0 ** (-8.0 * k / n) for k in range(1, n + 1)]
+    if n < num_heads:
+        slopes += [2.0 ** (-4.0 * k / n) for k in range(1, 2 * (num_heads - n), 2)]
+    return torch.tensor(slopes, dtype=torch.float32, device=device)
+
+
+def bias_shape_name(bias: torch.Tensor, batch: int, heads: int, sq: int, skv: int) -> str:
+    """'1hss', 'b1ss', 'bhss' or '11ss' for a post/pre-scale bias; ValueError otherwise."""
+    if not isinstance(bias, torch.Tensor) or bias.dim() != 4:
+        got = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise ValueError(
+            f"`core_attention_bias` must be a 4-D tensor of shape [1|b, 1|h, s_q, s_kv] "
+            f"(1hss, b1ss, bhss or 11ss), got {got}"
+        )
+    bb, bh, bq, bk = bias.shape
+    if (bq, bk) != (sq, skv) or bb not in (1, batch) or bh not in (1, heads):
+        raise ValueError(
+            f"`core_attention_bias` must have shape [1|{batch}, 1|{heads}, {sq}, {skv}] "
+            f"(1hss, b1ss, bhss or 11ss), got {tuple(bias.shape)}"
+        )
+    if bb == 1:
+        return "11ss" if bh == 1 else "1hss"
+    return "b1ss" if bh == 1 else "bhss"
+
+
+def _to_bhsd(x: torch.Tensor, fmt: QKVFormat) -> torch.Tensor:
+    if fmt == QKVFormat.BSHD:
+        return x.permute(0, 2, 1, 3)
+    return x.permute(1, 2, 0, 3)  # sbhd
+
+
+def _from_bhsd(x: torch.Tensor, fmt: QKVFormat) -> torch.Tensor:
+    if fmt == QKVFormat.BSHD:
+        return x.permute(0, 2, 1, 3)
+    return x.permute(2, 0, 1, 3)
+
+
+def _lengths(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    return (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+
+
+def _max_len(cu_seqlens: torch.Tensor, max_seqlen: Optional[int]) -> int:
+    if max_seqlen is not None:
+        return int(max_seqlen)
+    return int(_lengths(cu_seqlens).max().item())  # one host sync; pass max_seqlen_* to avoid it
+
+
+def _pack_index(starts: torch.Tensor, lengths: torch.Tensor, max_len: int, dummy: int) -> torch.Tensor:
+    """[b, max_len] token indices of each padded slot; slots past a sequence's end point at ``dummy``."""
+    pos = torch.arange(max_len, device=starts.device)
+    idx = starts[:-1].long()[:, None] + pos[None, :]
+    return torch.where(pos[None, :] < lengths[:, None], idx, torch.full_like(idx, dummy))
+
+
+def _unpack_index(starts: torch.Tensor, lengths: torch.Tensor, max_len: int, total: int) -> torch.Tensor:
+    """[total] padded-slot index (``b * max_len + pos``) of each packed token; gap tokens -> b*max_len."""
+    b = lengths.shape[0]
+    tok = torch.arange(total, device=starts.device)
+    starts = starts.long()
+    seq = torch.searchsorted(starts[:b].contiguous(), tok, right=True) - 1
+    seq_c = seq.clamp(0, max(b - 1, 0))
+    pos = tok - starts[seq_c]
+    valid = (seq >= 0) & (pos < lengths[seq_c])
+    return torch.where(valid, seq_c * max_len + pos, torch.full_like(tok, b * max_len))
+
+
+def _pad_thd(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """[t, h, d] -> [b, h, max_len, d] through ``index`` (dummy slots read an appended zero row)."""
+    ext = torch.cat([x, x.new_zeros((1,) + tuple(x.shape[1:]))], dim=0)
+    return ext[index].permute(0, 2, 1, 3)
+
+
+def _unpad_thd(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """[b, h, max_len, d] -> [t, h, d]; tokens in gaps between sequences read an appended zero row."""
+    flat = x.permute(0, 2, 1, 3).reshape(-1, x.shape[1], x.shape[3])
+    ext = torch.cat([flat, flat.new_zeros((1,) + tuple(flat.shape[1:]))], dim=0)
+    return ext[index]
+
+
+def visible_mask(
+    sq: int,
+    skv: int,
+    attn_mask_type: AttnMaskType,
+    window_size: Tuple[int, int],
+    lengths_q: Optional[torch.Tensor] = None,
+    lengths_kv: Optional[torch.Tensor] = None,
+    device=None,
+) -> torch.Tensor:
+    """Bool ``[b|1, 1, sq, skv]``: True where query ``i`` may see key ``j`` (before any arbitrary mask)."""
+    mask = AttnMaskType(attn_mask_type)
+    left, right = window_size
+    i = torch.arange(sq, device=device).view(1, 1, sq, 1)
+    j = torch.arange(skv, device=device).view(1, 1, 1, skv)
+    if lengths_q is not None:
+        len_q = lengths_q.view(-1, 1, 1, 1)
+        len_kv = lengths_kv.view(-1, 1, 1, 1)
+        keep = (i < len_q) & (j < len_kv)
+    else:
+        len_q, len_kv = sq, skv
+        keep = torch.ones(1, 1, sq, skv, dtype=torch.bool, device=device)
+    top_left = mask in (AttnMaskType.CAUSAL_MASK, AttnMaskType.PADDING_CAUSAL_MASK)
+    diag = i if top_left else i + (len_kv - len_q)
+    if left >= 0:
+        keep = keep & (j >= diag - left)
+    if right >= 0:
+        keep = keep & (j <= diag + right)
+    return keep
+
+
+def _alibi_bias(slopes: torch.Tensor, sq: int, skv: int, mask: AttnMaskType, lengths_q, lengths_kv,
+                dtype: torch.dtype) -> torch.Tensor:
+    """``-slope * |j - (i + d)|`` with the mask's diagonal ``d``; ``[b|1, h, sq, skv]``."""
+    device = slopes.device
+    i = torch.arange(sq, device=device).view(1, 1, sq, 1)
+    j = torch.arange(skv, device=device).view(1, 1, 1, skv)
+    if mask in (AttnMaskType.CAUSAL_MASK, AttnMaskType.PADDING_CAUSAL_MASK):
+        diag = i
+    elif lengths_q is not None:
+        diag = i + (lengths_kv - lengths_q).view(-1, 1, 1, 1)
+    else:
+        diag = i + (skv - sq)
+    dist = (j - diag).abs().to(dtype)
+    s = slopes.to(dtype)
+    s = s.view(1, -1, 1, 1) if s.dim() == 1 else s.view(s.shape[0], s.shape[1], 1, 1)
+    return -s * dist
+
+
+def _masked_softmax(scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim of visible entries; rows with nothing visible are all zero.
+
+    No NaN in values or gradients: hidden entries become exp(-inf) = 0 with zero derivative, and a
+    row's normaliser is replaced by 1 when the row is empty.
+    """
+    neg_inf = torch.tensor(float("-inf"), dtype=scores.dtype, device=scores.device)
+    scores = torch.where(keep, scores, neg_inf)
+    row_max = scores.detach().amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    p = torch.exp(scores - row_max)
+    denom = p.sum(dim=-1, keepdim=True)
+    return p / torch.where(denom > 0, denom, torch.ones_like(denom))
+
+
+def unfused_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qkv_format: str,
+    attn_mask_type: str,
+    window_size: Optional[Tuple[int, int]],
+    softmax_scale: float,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_kv: Optional[torch.Tensor] = None,
+    cu_seqlens_q_padded: Optional[torch.Tensor] = None,
+    cu_seqlens_kv_padded: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_kv: Optional[int] = None,
+    attention_mask: Optional[torch.Tensor] = None,
+    core_attention_bias_type: str = "no_bias",
+    core_attention_bias: Optional[torch.Tensor] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    rng_context: Optional[Callable[[], ContextManager]] = None,
+) -> torch.Tensor:
+    """Scaled dot-product attention in PyTorch math; returns q's format with head dim d_v.
+
+    Shapes as :func:`fused_attn_func`: ``bshd`` [b, s, h, d], ``sbhd`` [s, b, h, d], ``thd``
+    [t, h, d] with ``cu_seqlens_*`` (int32 [b+1]) and optional ``cu_seqlens_*_padded`` (the packed
+    start of each sequence when there are gaps). For padding masks in bshd/sbhd, ``cu_seqlens_*``
+    give each sequence's real length (no cu_seqlens: no padding). Query head ``i`` uses key/value
+    head ``i // (h_q // h_kv)``.
+
+    ``attention_mask`` (``arbitrary`` only): bool, broadcastable to [b, h, s_q, s_kv], True = hidden.
+    ``core_attention_bias``: [1|b, 1|h, s_q, s_kv], added after (``post_scale_bias``) or before
+    (``pre_scale_bias``) the softmax scale. ``alibi_slopes``: fp32 [h] or [b, h] (default: the ALiBi
+    paper's). ``dropout_p`` applies to the probabilities, under ``rng_context()`` when given.
+    """
+    fmt = QKVFormat(qkv_format)
+    mask = AttnMaskType(attn_mask_type)
+    bias_type = AttnBiasType(core_attention_bias_type)
+    window = normalize_window(window_size, mask)
+    compute_dtype = torch.promote_types(q.dtype, torch.float32)
+    hq, hk = q.shape[-2], k.shape[-2]
+    if hq % hk:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hk})")
+    group = hq // hk
+
+    lengths_q = lengths_kv = None
+    if fmt == QKVFormat.THD:
+        if cu_seqlens_q is None or cu_seqlens_kv is None:
+            raise ValueError("`cu_seqlens_q` and `cu_seqlens_kv` must be given for qkv_format='thd'")
+        lengths_q, lengths_kv = _lengths(cu_seqlens_q), _lengths(cu_seqlens_kv)
+        sq, skv = _max_len(cu_seqlens_q, max_seqlen_q), _max_len(cu_seqlens_kv, max_seqlen_kv)
+        starts_q = cu_seqlens_q_padded if cu_seqlens_q_padded is not None else cu_seqlens_q
+        starts_kv = cu_seqlens_kv_padded if cu_seqlens_kv_padded is not None else cu_seqlens_kv
+        idx_q = _pack_index(starts_q, lengths_q, sq, q.shape[0])
+        idx_kv = _pack_index(starts_kv, lengths_kv, skv, k.shape[0])
+        qb, kb, vb = _pad_thd(q, idx_q), _pad_thd(k, idx_kv), _pad_thd(v, idx_kv)
+    else:
+        qb, kb, vb = _to_bhsd(q, fmt), _to_bhsd(k, fmt), _to_bhsd(v, fmt)
+        sq, skv = qb.shape[2], kb.shape[2]
+        if mask.is_padding and cu_seqlens_q is not None:
+            if cu_seqlens_kv is None:
+                raise ValueError(f"`cu_seqlens_kv` must be given with `cu_seqlens_q` for attn_mask_type={mask.value!r}")
+            lengths_q, lengths_kv = _lengths(cu_seqlens_q), _lengths(cu_seqlens_kv)
+    b = qb.shape[0]
+
+    keep = visible_mask(sq, skv, mask, window, lengths_q, lengths_kv, device=q.device)
+    if mask == AttnMaskType.ARBITRARY_MASK:
+        if attention_mask is None:
+            raise ValueError("`attention_mask` must be given for attn_mask_type='arbitrary'")
+        if attention_mask.dtype != torch.bool:
+            raise ValueError(f"`attention_mask` must be a bool tensor (True = masked out), got {attention_mask.dtype}")
+        try:
+            torch.broadcast_shapes(attention_mask.shape, (b, hq, sq, skv))
+        except RuntimeError:
+            raise ValueError(
+                f"`attention_mask` must broadcast to [b, h, s_q, s_kv] = {[b, hq, sq, skv]}, "
+                f"got {tuple(attention_mask.shape)}"
+            ) from None
+        keep = keep & ~attention_mask.to(q.device)
+
+    # GQA: expand (a view; its backward is a fixed-order sum over the group) instead of indexing.
+    def expand(x: torch.Tensor) -> torch.Tensor:
+        if group == 1:
+            return x
+        bx, hx, sx, dx = x.shape
+        return x.unsqueeze(2).expand(bx, hx, group, sx, dx).reshape(bx, hx * group, sx, dx)
+
+    if bias_type in (AttnBiasType.PRE_SCALE_BIAS, AttnBiasType.POST_SCALE_BIAS):
+        if core_attention_bias is None:
+            raise ValueError(f"`core_attention_bias` must be given for core_attention_bias_type={bias_type.value!r}")
+        bias_shape_name(core_attention_bias, b, hq, sq, skv)
+    if alibi_slopes is not None and tuple(alibi_slopes.shape) not in ((hq,), (b, hq)):
+        raise ValueError(f"`alibi_slopes` must have shape [{hq}] or [{b}, {hq}], got {tuple(alibi_slopes.shape)}")
+
+    qc, kc, vc = qb.to(compute_dtype), expand(kb).to(compute_dtype), expand(vb).to(compute_dtype)
+    scores = torch.matmul(qc, kc.transpose(-1, -2))
+    if bias_type == AttnBiasType.PRE_SCALE_BIAS:
+        scores = (scores + core_attention_bias.to(compute_dtype)) * softmax_scale
+    else:
+        scores = scores * softmax_scale
+        if bias_type == AttnBiasType.POST_SCALE_BIAS:
+            scores = scores + core_attention_bias.to(compute_dtype)
+        elif bias_type == AttnBiasType.ALIBI:
+            slopes = alibi_slopes if alibi_slopes is not None else default_alibi_slopes(hq, q.device)
+            scores = scores + _alibi_bias(slopes.to(q.device), sq, skv, mask, lengths_q, lengths_kv, compute_dtype)
+    probs = _masked_softmax(scores, keep)
+    if dropout_p > 0.0:
+        with (rng_context() if rng_context is not None else contextlib.nullcontext()):
+            probs = F.dropout(probs, p=dropout_p, training=True)
+    out = torch.matmul(probs, vc).to(q.dtype)  # [b, hq, sq, dv]
+
+    if fmt == QKVFormat.THD:
+        return _unpad_thd(out, _unpack_index(starts_q, lengths_q, sq, q.shape[0]))
+    return _from_bhsd(out, fmt)
+
+
+class UnfusedDotProductAttention(torch.nn.Module):
+    """Module form of :func:`unfused_attention` with dropout and an RNG tracker, like TransformerEngine's."""
+
+    def __init__(self, softmax_scale: float, attention_dropout: float = 0.0,
+                 get_rng_state_tracker: Optional[Callable] = None) -> None:
+        super().__init__()
+        self.softmax_scale = softmax_scale
+        self.attention_dropout = attention_dropout
+        self.get_rng_state_tracker = get_rng_state_tracker
+
+    def _rng_context(self) -> Optional[Callable[[], ContextManager]]:
+        if self.get_rng_state_tracker is None:
+            return None
+        return lambda: self.get_rng_state_tracker().fork()
+
+    def forward(self, q, k, v, qkv_format: str, attn_mask_type: str,
+                window_size: Optional[Tuple[int, int]] = None, **kwargs) -> torch.Tensor:
+        dropout = self.attention_dropout if self.training else 0.0
+        return unfused_attention(q, k, v, qkv_format, attn_mask_type, window_size, self.softmax_scale,
+                                 dropout_p=dropout, rng_context=self._rng_context(), **kwargs)

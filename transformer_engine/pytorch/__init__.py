@@ -7,3 +7,5 @@ except ImportError as err:  # pragma: no cover - exercised by tests/common/test_
         "transformer_engine.pytorch needs PyTorch, which is not installed. Install torch, then build "
         "this package for it: NVTE_FRAMEWORK=pytorch pip install ."
     ) from err
+
+from transformer_engine.pytorch.attention import DotProductAttention  # noqa: E402

@@ -1,0 +1,166 @@
+"""transformer_engine.common.settings parses NVTE_* variables at call time, and the package logger
+follows NVTE_DEBUG x NVTE_DEBUG_LEVEL."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from transformer_engine.common import log, settings
+
+REQUIRED = (
+    "NVTE_FRAMEWORK",
+    "NVTE_ALLOW_NONDETERMINISTIC_ALGO",
+    "NVTE_FUSED_ATTN",
+    "NVTE_UNFUSED_ATTN",
+    "NVTE_FUSED_ATTN_BACKEND",
+    "NVTE_DEBUG",
+    "NVTE_DEBUG_LEVEL",
+)
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for name in settings.VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_required_variables_are_declared():
+    assert set(REQUIRED) <= set(settings.declared_names())
+
+
+@pytest.mark.parametrize("name", sorted(settings.VARIABLES))
+def test_declaration_is_complete(name):
+    var = settings.VARIABLES[name]
+    assert var.name == name
+    assert var.type in ("bool", "int", "str")
+    assert var.description.strip(), f"{name} has no description"
+    assert var.get() == var.default  # unset -> default
+
+
+@pytest.mark.parametrize("name", sorted(settings.VARIABLES))
+def test_empty_value_means_default(monkeypatch, name):
+    monkeypatch.setenv(name, "")
+    assert settings.get(name) == settings.VARIABLES[name].default
+
+
+def test_defaults():
+    assert settings.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO") is True
+    assert settings.get("NVTE_FUSED_ATTN") is True
+    assert settings.get("NVTE_UNFUSED_ATTN") is True
+    assert settings.get("NVTE_DEBUG") is False
+    assert settings.get("NVTE_DEBUG_LEVEL") == 0
+    assert settings.get("NVTE_FUSED_ATTN_BACKEND") == ""
+
+
+@pytest.mark.parametrize("raw, expected", [("0", False), ("1", True), (" 1 ", True)])
+def test_bool_values(monkeypatch, raw, expected):
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", raw)
+    assert settings.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO") is expected
+
+
+@pytest.mark.parametrize("raw", ["yes", "true", "2", "-1", "on"])
+def test_malformed_bool_names_the_variable(monkeypatch, raw):
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", raw)
+    with pytest.raises(ValueError, match=r"NVTE_ALLOW_NONDETERMINISTIC_ALGO must be 0 or 1") as info:
+        settings.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO")
+    assert repr(raw) in str(info.value)
+
+
+def test_values_are_read_at_call_time(monkeypatch):
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1")
+    assert settings.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO") is True
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+    assert settings.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO") is False
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "yes")
+    with pytest.raises(ValueError, match="NVTE_ALLOW_NONDETERMINISTIC_ALGO"):
+        settings.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO")
+    monkeypatch.delenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO")
+    assert settings.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO") is True
+
+
+@pytest.mark.parametrize("raw", ["3", "-1", "debug", "1.5"])
+def test_malformed_debug_level(monkeypatch, raw):
+    monkeypatch.setenv("NVTE_DEBUG_LEVEL", raw)
+    with pytest.raises(ValueError, match="NVTE_DEBUG_LEVEL"):
+        settings.get("NVTE_DEBUG_LEVEL")
+
+
+@pytest.mark.parametrize("raw, expected", [("fused", "fused"), ("UNFUSED", "unfused"), (" flash ", "flash")])
+def test_backend_choice(monkeypatch, raw, expected):
+    monkeypatch.setenv("NVTE_FUSED_ATTN_BACKEND", raw)
+    assert settings.get("NVTE_FUSED_ATTN_BACKEND") == expected
+
+
+def test_malformed_backend_choice_lists_the_choices(monkeypatch):
+    monkeypatch.setenv("NVTE_FUSED_ATTN_BACKEND", "cudnn")
+    with pytest.raises(ValueError, match=r"NVTE_FUSED_ATTN_BACKEND must be one of .*fused.*'cudnn'"):
+        settings.get("NVTE_FUSED_ATTN_BACKEND")
+
+
+def test_undeclared_name_is_rejected():
+    with pytest.raises(KeyError, match="NVTE_NOT_A_VARIABLE is not a declared"):
+        settings.get("NVTE_NOT_A_VARIABLE")
+
+
+@pytest.mark.parametrize(
+    "debug, level, expected",
+    [
+        (None, None, logging.WARNING),
+        ("0", None, logging.WARNING),
+        ("0", "2", logging.WARNING),  # NVTE_DEBUG_LEVEL alone changes nothing
+        ("1", None, logging.WARNING),
+        ("1", "0", logging.WARNING),
+        ("1", "1", logging.INFO),
+        ("1", "2", logging.DEBUG),
+    ],
+)
+def test_logger_level_follows_debug_and_level(monkeypatch, debug, level, expected):
+    if debug is not None:
+        monkeypatch.setenv("NVTE_DEBUG", debug)
+    if level is not None:
+        monkeypatch.setenv("NVTE_DEBUG_LEVEL", level)
+    logger = log.get_logger()
+    assert logger.name == "transformer_engine"
+    assert logger.level == expected
+
+
+def test_logger_level_is_read_at_each_use(monkeypatch):
+    monkeypatch.setenv("NVTE_DEBUG", "1")
+    monkeypatch.setenv("NVTE_DEBUG_LEVEL", "2")
+    assert log.get_logger().level == logging.DEBUG
+    monkeypatch.setenv("NVTE_DEBUG", "0")
+    assert log.get_logger().level == logging.WARNING
+    assert log.get_logger() is logging.getLogger("transformer_engine")  # one package logger
+    assert len(log.get_logger().handlers) == 1  # configured once, not once per call
+
+
+def test_malformed_debug_fails_when_logging(monkeypatch):
+    monkeypatch.setenv("NVTE_DEBUG", "yes")
+    with pytest.raises(ValueError, match="NVTE_DEBUG must be 0 or 1"):
+        log.get_logger()
+
+
+class _Collect(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def test_warn_once():
+    key = "test_settings:warn_once"
+    log._warned_once.discard(key)
+    collect = _Collect()
+    logger = log.get_logger()
+    logger.addHandler(collect)
+    try:
+        log.warn_once(key, "first warning")
+        log.warn_once(key, "first warning")
+    finally:
+        logger.removeHandler(collect)
+        log._warned_once.discard(key)
+    assert collect.messages == ["first warning"]

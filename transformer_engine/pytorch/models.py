@@ -1,0 +1,112 @@
+"""A small decoder-only transformer built from the project's modules, for checks and examples.
+
+Not a TransformerEngine ``TransformerLayer``: a minimal pre-norm block (fused QKV projection with
+GQA, :class:`DotProductAttention`, output projection, GELU MLP) and a language model around it.
+The determinism check (``python -m transformer_engine.pytorch.determinism_check``) trains it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from transformer_engine.pytorch.attention import DotProductAttention
+
+__all__ = ["TinyConfig", "TinyTransformerLayer", "TinyTransformerLM"]
+
+
+@dataclass(frozen=True)
+class TinyConfig:
+    vocab_size: int = 256
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_attention_heads: int = 4
+    num_gqa_groups: int = 2
+    ffn_hidden_size: Optional[int] = None  # default 4 * hidden_size
+    qkv_format: str = "bshd"  # "bshd" or "sbhd"
+    attn_mask_type: str = "causal"
+    window_size: Tuple[int, int] = (-1, 0)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def validate(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"`hidden_size` ({self.hidden_size}) must be a multiple of num_attention_heads "
+                f"({self.num_attention_heads})"
+            )
+        if self.num_attention_heads % self.num_gqa_groups:
+            raise ValueError(
+                f"`num_gqa_groups` ({self.num_gqa_groups}) must divide num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.qkv_format not in ("bshd", "sbhd"):
+            raise ValueError(f"`qkv_format` must be 'bshd' or 'sbhd', got {self.qkv_format!r}")
+
+
+class TinyTransformerLayer(torch.nn.Module):
+    """Pre-norm block: x + proj(attn(ln(x))), then x + mlp(ln(x)).
+
+    q, k and v are strided views into one fused projection, as in TransformerEngine's layers.
+    """
+
+    def __init__(self, cfg: TinyConfig, layer_number: int) -> None:
+        super().__init__()
+        h, g, d = cfg.num_attention_heads, cfg.num_gqa_groups, cfg.head_dim
+        self.cfg = cfg
+        self.ln_attn = torch.nn.LayerNorm(cfg.hidden_size)
+        self.qkv = torch.nn.Linear(cfg.hidden_size, (h + 2 * g) * d)
+        self.attention = DotProductAttention(
+            h, d, num_gqa_groups=g, qkv_format=cfg.qkv_format, attn_mask_type=cfg.attn_mask_type,
+            window_size=cfg.window_size, layer_number=layer_number,
+        )
+        self.proj = torch.nn.Linear(h * d, cfg.hidden_size)
+        ffn = cfg.ffn_hidden_size or 4 * cfg.hidden_size
+        self.ln_mlp = torch.nn.LayerNorm(cfg.hidden_size)
+        self.fc1 = torch.nn.Linear(cfg.hidden_size, ffn)
+        self.fc2 = torch.nn.Linear(ffn, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        h, g, d = cfg.num_attention_heads, cfg.num_gqa_groups, cfg.head_dim
+        qkv = self.qkv(self.ln_attn(x))
+        q, k, v = qkv.split([h * d, g * d, g * d], dim=-1)
+        q = q.unflatten(-1, (h, d))
+        k = k.unflatten(-1, (g, d))
+        v = v.unflatten(-1, (g, d))
+        x = x + self.proj(self.attention(q, k, v))
+        return x + self.fc2(F.gelu(self.fc1(self.ln_mlp(x))))
+
+
+class TinyTransformerLM(torch.nn.Module):
+    """Embedding, ``num_layers`` blocks, final norm, untied LM head. Input tokens [b, s]."""
+
+    def __init__(self, cfg: TinyConfig) -> None:
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.embed = torch.nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = torch.nn.ModuleList(TinyTransformerLayer(cfg, i + 1) for i in range(cfg.num_layers))
+        self.ln_f = torch.nn.LayerNorm(cfg.hidden_size)
+        self.head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)  # [b, s, hidden]
+        if self.cfg.qkv_format == "sbhd":
+            x = x.transpose(0, 1)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.head(self.ln_f(x))
+        return logits.transpose(0, 1) if self.cfg.qkv_format == "sbhd" else logits
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self(tokens)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def attention_backends(self) -> List[Optional[str]]:
+        """The backend each layer's attention used on its most recent call."""
+        return [layer.attention.last_backend for layer in self.layers]

@@ -16,7 +16,7 @@ from transformer_engine.common.attention.kernels.masking import (
     visible,
 )
 
-LOG2E: tl.constexpr = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit

@@ -10,7 +10,7 @@ import triton.language as tl
 
 from transformer_engine.common.attention.kernels.masking import key_block_bounds, sequence_extent, visible
 
-LN2: tl.constexpr = 0.6931471805599453
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit

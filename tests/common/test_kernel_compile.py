@@ -1,0 +1,74 @@
+"""Every planned Hopper kernel variant compiles for sm_90 and fits in shared memory, on the CPU.
+
+Triton's wheel carries ptxas, so compilation needs no GPU: this catches kernel compile errors
+and over-sized tile plans in CI, before any device time is spent.
+"""
+
+import pytest
+
+triton = pytest.importorskip("triton")
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from transformer_engine.common.attention import AttnConfig, AttnMaskType  # noqa: E402
+from transformer_engine.common.attention.kernels.backward import (  # noqa: E402
+    attn_bwd_dkdv_kernel,
+    attn_bwd_dq_kernel,
+    attn_bwd_preprocess_kernel,
+)
+from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel  # noqa: E402
+from transformer_engine.common.attention.plan import backward_plan, forward_plan  # noqa: E402
+
+H100_SMEM_BYTES = 232448  # opt-in shared memory per block on sm_90
+PTR = "*bf16"
+
+
+def _compile(fn, pointers, constexprs, tiles):
+    signature = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in pointers:
+            signature[name] = pointers[name]
+        else:
+            signature[name] = "fp32" if "scale" in name else "i32"
+    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
+    assert kernel.metadata.shared <= H100_SMEM_BYTES, f"{fn.__name__}: {kernel.metadata.shared} bytes of smem"
+    return kernel
+
+
+def _pointers(names, overrides=()):
+    kinds = {n: PTR for n in names}
+    for n in ("LSE", "DELTA", "DQ_ACC"):
+        if n in kinds:
+            kinds[n] = "*fp32"
+    for n in ("SEQ_START_Q", "SEQ_START_K", "SEQ_LEN_Q", "SEQ_LEN_K"):
+        if n in kinds:
+            kinds[n] = "*i32"
+    kinds.update(dict(overrides))
+    return kinds
+
+
+@pytest.mark.parametrize("head_dims", [(64, 64), (128, 128), (192, 128), (256, 256)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_plans_compile(head_dims, causal):
+    dqk, dv = head_dims
+    mask = AttnMaskType.CAUSAL_MASK if causal else AttnMaskType.NO_MASK
+    cfg = AttnConfig(batch_size=1, num_heads_q=8, num_heads_kv=8, head_dim_qk=dqk, head_dim_v=dv,
+                     max_seqlen_q=4096, max_seqlen_kv=4096, dtype="bfloat16", attn_mask_type=mask,
+                     deterministic=True, device_type="cuda", compute_capability=(9, 0))
+    fwd, bwd = forward_plan(cfg), backward_plan(cfg)
+    flags = dict(HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=fwd.block_dqk, BLOCK_DV=fwd.block_dv,
+                 IS_THD=False, HAS_SEQLENS=False, HAS_LEFT=False, HAS_RIGHT=causal, BOTTOM_RIGHT=False,
+                 DOT_PRECISION=fwd.dot_precision)
+    seq = ("SEQ_START_Q", "SEQ_START_K", "SEQ_LEN_Q", "SEQ_LEN_K")
+    _compile(attn_fwd_kernel, _pointers(("Q", "K", "V", "O", "LSE") + seq),
+             dict(flags, BLOCK_M=fwd.tiles.block_m, BLOCK_N=fwd.tiles.block_n), fwd.tiles)
+    _compile(attn_bwd_dkdv_kernel, _pointers(("Q", "K", "V", "DO", "DK", "DV", "DQ_ACC", "LSE", "DELTA") + seq),
+             dict(flags, BLOCK_M=bwd.dkdv.block_m, BLOCK_N=bwd.dkdv.block_n, ATOMIC_DQ=False), bwd.dkdv)
+    _compile(attn_bwd_dq_kernel, _pointers(("Q", "K", "V", "DO", "DQ", "LSE", "DELTA") + seq),
+             dict(flags, BLOCK_M=bwd.dq.block_m, BLOCK_N=bwd.dq.block_n), bwd.dq)
+    _compile(attn_bwd_preprocess_kernel, _pointers(("O", "DO", "DELTA", "SEQ_START_Q", "SEQ_LEN_Q")),
+             dict(HEAD_DIM_V=dv, BLOCK_DV=bwd.block_dv, BLOCK_M=bwd.preprocess.block_m, IS_THD=False,
+                  HAS_SEQLENS=False), bwd.preprocess)

@@ -37,7 +37,7 @@ def reference_attention(q, k, v, mask: str = "no_mask", window=(-1, -1), scale: 
     keep = torch.stack([
         visible_mask(lens_q[i] if lens_q else sq, lens_k[i] if lens_k else sk, sq, sk, mask, window)
         for i in range(b)
-    ])[:, None]
+    ])[:, None].to(s.device)
     s = s.masked_fill(~keep, float("-inf"))
     p = torch.softmax(s, -1).nan_to_num(0.0)
     return torch.einsum("bhqk,bkhd->bqhd", p, v)

@@ -61,27 +61,28 @@ def padded_head_dim(d: int) -> int:
 _INTERPRET_FWD = Tiles(16, 16, 1, 1)
 _INTERPRET_BWD = Tiles(16, 16, 1, 1)
 
-# Hopper (sm_90) tiles by padded head dim, measured on the H200 (benchmarks/attention/tune_tiles.py).
-_SM90_FWD: Dict[int, Tiles] = {
-    16: Tiles(128, 64, 4, 3),
-    32: Tiles(128, 64, 4, 3),
-    64: Tiles(128, 64, 4, 3),
-    128: Tiles(128, 64, 8, 3),
-    256: Tiles(64, 64, 4, 2),
+# Hopper (sm_90) tiles by padded head dim (and mask kind where it pays), measured on the H200
+# with benchmarks/attention/tune_tiles.py (2026-11-30; see benchmarks/attention/NOTES.md).
+_SM90_FWD: Dict[Tuple[int, bool], Tiles] = {
+    (16, False): Tiles(128, 64, 8, 3), (16, True): Tiles(64, 64, 4, 3),
+    (32, False): Tiles(128, 64, 8, 3), (32, True): Tiles(64, 64, 4, 3),
+    (64, False): Tiles(128, 64, 8, 3), (64, True): Tiles(64, 64, 4, 3),
+    (128, False): Tiles(64, 64, 4, 3), (128, True): Tiles(64, 64, 4, 3),
+    (256, False): Tiles(64, 64, 4, 2), (256, True): Tiles(64, 64, 4, 2),
 }
-_SM90_DKDV: Dict[int, Tiles] = {
-    16: Tiles(64, 128, 8, 2),
-    32: Tiles(64, 128, 8, 2),
-    64: Tiles(64, 128, 8, 2),
-    128: Tiles(64, 128, 8, 2),
-    256: Tiles(32, 64, 4, 1),
+_SM90_DKDV: Dict[Tuple[int, bool], Tiles] = {
+    (16, False): Tiles(32, 128, 4, 3), (16, True): Tiles(64, 64, 4, 3),
+    (32, False): Tiles(32, 128, 4, 3), (32, True): Tiles(64, 64, 4, 3),
+    (64, False): Tiles(32, 128, 4, 3), (64, True): Tiles(64, 64, 4, 3),
+    (128, False): Tiles(64, 128, 8, 3), (128, True): Tiles(64, 128, 8, 3),
+    (256, False): Tiles(32, 64, 4, 1), (256, True): Tiles(32, 64, 4, 1),
 }
-_SM90_DQ: Dict[int, Tiles] = {
-    16: Tiles(128, 64, 8, 2),
-    32: Tiles(128, 64, 8, 2),
-    64: Tiles(128, 64, 8, 2),
-    128: Tiles(128, 64, 8, 2),
-    256: Tiles(64, 32, 4, 1),
+_SM90_DQ: Dict[Tuple[int, bool], Tiles] = {
+    (16, False): Tiles(128, 64, 8, 2), (16, True): Tiles(64, 64, 4, 3),
+    (32, False): Tiles(128, 64, 8, 2), (32, True): Tiles(64, 64, 4, 3),
+    (64, False): Tiles(128, 64, 8, 2), (64, True): Tiles(64, 64, 4, 3),
+    (128, False): Tiles(128, 64, 8, 3), (128, True): Tiles(128, 64, 8, 3),
+    (256, False): Tiles(64, 32, 4, 1), (256, True): Tiles(64, 32, 4, 1),
 }
 # Other GPUs (Ampere and newer non-Hopper): conservative tiles that fit 100 KB of shared memory.
 _GENERIC_FWD = Tiles(64, 64, 4, 2)
@@ -95,8 +96,10 @@ def _dot_precision(config: AttnConfig) -> str:
     return "ieee" if config.dtype == "float32" else "tf32"
 
 
-def _head_key(config: AttnConfig) -> int:
-    return max(padded_head_dim(config.head_dim_qk), padded_head_dim(config.head_dim_v))
+def _head_key(config: AttnConfig) -> Tuple[int, bool]:
+    """What Hopper tiles may depend on: padded head dim and whether the mask is diagonal-bounded."""
+    dim = max(padded_head_dim(config.head_dim_qk), padded_head_dim(config.head_dim_v))
+    return dim, config.window_kind != "none"
 
 
 def forward_plan(config: AttnConfig, override: Optional[Tiles] = None) -> ForwardPlan:
@@ -108,7 +111,7 @@ def forward_plan(config: AttnConfig, override: Optional[Tiles] = None) -> Forwar
     elif config.compute_capability is not None and config.compute_capability[0] == 9:
         tiles = _SM90_FWD[key]
     else:
-        tiles = _GENERIC_FWD_256 if key > 128 else _GENERIC_FWD
+        tiles = _GENERIC_FWD_256 if key[0] > 128 else _GENERIC_FWD
     if config.dtype == "float32" and override is None and config.device_type != "cpu":
         tiles = Tiles(min(tiles.block_m, 64), min(tiles.block_n, 32), tiles.num_warps, 1)
     return ForwardPlan(tiles, padded_head_dim(config.head_dim_qk), padded_head_dim(config.head_dim_v),
@@ -124,7 +127,7 @@ def backward_plan(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = 
     elif config.compute_capability is not None and config.compute_capability[0] == 9:
         dkdv, dq = _SM90_DKDV[key], _SM90_DQ[key]
     else:
-        dkdv = dq = _GENERIC_BWD_256 if key > 128 else _GENERIC_BWD
+        dkdv = dq = _GENERIC_BWD_256 if key[0] > 128 else _GENERIC_BWD
     if config.dtype == "float32" and override is None and config.device_type != "cpu":
         dkdv = Tiles(min(dkdv.block_m, 32), min(dkdv.block_n, 64), dkdv.num_warps, 1)
         dq = Tiles(min(dq.block_m, 64), min(dq.block_n, 32), dq.num_warps, 1)

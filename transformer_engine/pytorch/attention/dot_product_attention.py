@@ -268,6 +268,26 @@ class DotProductAttention(torch.nn.Module):
         # Name of the backend that ran the most recent call: a record for reporting, never consulted.
         self.last_backend: Optional[str] = None
 
+    # Floats are kept as exact integer ratios: under torch.compile with dynamic shapes dynamo turns
+    # float attributes into symbolic inputs, which backend selection (run while tracing) cannot take.
+    @property
+    def attention_dropout(self) -> float:
+        num, den = self._attention_dropout_ratio
+        return num / den
+
+    @attention_dropout.setter
+    def attention_dropout(self, value: float) -> None:
+        self._attention_dropout_ratio = float(value).as_integer_ratio()
+
+    @property
+    def softmax_scale(self) -> float:
+        num, den = self._softmax_scale_ratio
+        return num / den
+
+    @softmax_scale.setter
+    def softmax_scale(self, value: float) -> None:
+        self._softmax_scale_ratio = float(value).as_integer_ratio()
+
     def extra_repr(self) -> str:
         return (
             f"heads={self.num_attention_heads}, gqa_groups={self.num_gqa_groups}, kv_channels={self.kv_channels}, "

@@ -308,7 +308,10 @@ def _resolve_device(name: str) -> torch.device:
     return device
 
 
-def run_check(args: argparse.Namespace, out=sys.stdout, err=sys.stderr) -> CheckResult:
+def run_check(args: argparse.Namespace, out=None, err=None) -> CheckResult:
+    """Run the check for parsed ``args``; the header goes to ``out``, progress to ``err`` (default: stdout, stderr)."""
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
     device = _resolve_device(args.device)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     defaults = _DEFAULTS["cuda" if device.type == "cuda" else ("cpu-interpret" if interpret else "cpu")]

@@ -1,0 +1,133 @@
+"""The determinism check command: runs, reports equality, and fails when determinism is not met.
+
+On the CPU it runs the unfused backend (or the fused one under TRITON_INTERPRET=1) at tiny sizes;
+on a GPU (qa/L3_determinism) it trains the default model and expects the fused backend.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dpa_helpers import INTERPRET, ON_GPU
+from transformer_engine.pytorch import determinism_check
+from transformer_engine.pytorch.attention import dot_product_attention as dpa_module
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = ["--steps", "2", "--seq-len", "16", "--layers", "1", "--hidden-size", "32", "--num-heads", "4",
+        "--gqa-groups", "2"]
+
+
+def _run_command(args, tmp_path):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
+    for name in ("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "NVTE_FUSED_ATTN_BACKEND", "NVTE_FUSED_ATTN"):
+        env.pop(name, None)
+    report = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "transformer_engine.pytorch.determinism_check", *args, "--json", str(report)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
+    )
+    return proc, (json.loads(report.read_text()) if report.exists() else None)
+
+
+def test_command_reports_bitwise_equal_runs(tmp_path):
+    if ON_GPU:
+        args, expected = ["--steps", "5", "--expect-backend", "fused"], "FusedAttention"
+    else:
+        args, expected = TINY, ("FusedAttention" if INTERPRET else "UnfusedDotProductAttention")
+    proc, report = _run_command(args, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert report["deterministic_requested"] is True
+    assert report["bitwise_identical"] is True
+    assert report["losses_equal"] and report["grads_equal"] and report["params_equal"]
+    assert report["backends"] == [expected]
+    assert report["reference_backends"] == ["UnfusedDotProductAttention"]
+    assert report["device"].startswith("cuda" if ON_GPU else "cpu")
+    dev = report["max_deviation"]
+    if expected == "UnfusedDotProductAttention":
+        assert dev == {"loss": 0.0, "grad_first_step": 0.0, "grad_last_step": 0.0, "param": 0.0}
+    else:
+        # Fused vs unfused differ by rounding only: the first-step gradients agree closely.
+        assert dev["loss"] < 0.05 and dev["grad_first_step"] < 0.05, dev
+    out = proc.stdout
+    for line in ("attention backend", "losses bitwise equal", "gradients bitwise equal", "parameters bitwise equal",
+                 "max |grad - unfused| step 1", "time per step", "RESULT: PASS"):
+        assert line in out, out
+    assert "step 2/2" in proc.stderr or ON_GPU  # the progress display
+
+
+def test_command_rejects_bad_arguments(tmp_path):
+    proc, _ = _run_command(["--steps", "0"], tmp_path)
+    assert proc.returncode == 2 and "--steps" in proc.stderr
+    proc, _ = _run_command(["--hidden-size", "30", "--num-heads", "4", "--device", "cpu"], tmp_path)
+    assert proc.returncode == 2 and "hidden_size" in proc.stderr
+
+
+# In-process runs force the (fast) unfused backend and skip the reference run.
+IN_PROCESS = TINY + ["--device", "cpu", "--quiet", "--no-reference"]
+
+
+@pytest.fixture
+def unfused_only(monkeypatch):
+    monkeypatch.setenv("NVTE_FUSED_ATTN_BACKEND", "unfused")
+    monkeypatch.delenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", raising=False)
+
+
+@pytest.fixture
+def nondeterministic_attention(monkeypatch, unfused_only):
+    """Unfused attention plus noise that differs on every call: what a racy kernel looks like."""
+    real = dpa_module._RUNNERS["UnfusedDotProductAttention"]
+    calls = []
+
+    def noisy(q, *args, **kwargs):
+        calls.append(1)
+        out = real(q, *args, **kwargs)
+        return out + 1e-4 * len(calls) * torch.ones_like(out)
+
+    monkeypatch.setitem(dpa_module._RUNNERS, "UnfusedDotProductAttention", noisy)
+
+
+def test_nondeterminism_fails_with_exit_1(nondeterministic_attention, capsys):
+    assert determinism_check.main(IN_PROCESS) == 1
+    out = capsys.readouterr().out
+    assert "RESULT: FAIL" in out and "loss at step 1" in out
+    assert "losses bitwise equal" in out and "NO" in out
+
+
+def test_nondeterminism_allowed_when_not_requested(nondeterministic_attention, capsys):
+    assert determinism_check.main(IN_PROCESS + ["--nondeterministic"]) == 0
+    out = capsys.readouterr().out
+    assert "determinism: not requested" in out and "allowed" in out
+
+
+def test_environment_restored_and_expect_backend(unfused_only, capsys):
+    assert determinism_check.main(IN_PROCESS + ["--expect-backend", "flash"]) == 3
+    assert "expected every attention call on FlashAttention" in capsys.readouterr().out
+    assert "NVTE_ALLOW_NONDETERMINISTIC_ALGO" not in os.environ
+    assert os.environ["NVTE_FUSED_ATTN_BACKEND"] == "unfused"
+
+
+def test_check_requests_determinism_through_the_environment(unfused_only, monkeypatch):
+    """The check's runs see NVTE_ALLOW_NONDETERMINISTIC_ALGO=0, so each attention call is deterministic."""
+    from transformer_engine.pytorch.attention import config as attn_config
+
+    seen = []
+    original = attn_config.select
+
+    def spy(config, *args, **kwargs):
+        seen.append(config.deterministic)
+        return original(config, *args, **kwargs)
+
+    monkeypatch.setattr(attn_config, "select", spy)
+    assert determinism_check.main(IN_PROCESS) == 0
+    assert seen and all(seen)
+    seen.clear()
+    assert determinism_check.main(IN_PROCESS + ["--nondeterministic"]) == 0
+    assert seen and not any(seen)

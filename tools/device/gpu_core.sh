@@ -19,7 +19,7 @@ for s in $sections; do
     module)
       timeout ${MODULE_TIMEOUT:-240} python3 -m pytest -q -p no:cacheprovider tests/pytorch --ignore=tests/pytorch/test_fused_attn.py > "$OUT/pytest_module.log" 2>&1
       echo "module tests rc=$? $(tail -1 "$OUT/pytest_module.log")" >> "$OUT/summary.txt"
-      NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 timeout 120 python3 -m transformer_engine.pytorch.determinism_check > "$OUT/determinism_check.txt" 2>&1
+      NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 timeout 60 python3 -m transformer_engine.pytorch.determinism_check > "$OUT/determinism_check.txt" 2>&1
       echo "determinism check rc=$?" >> "$OUT/summary.txt" ;;
     bench)
       (cd benchmarks/attention && timeout ${BENCH_TIMEOUT:-150} python3 bench_core.py --out "$OUT/core") > "$OUT/bench.log" 2>&1

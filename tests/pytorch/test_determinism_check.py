@@ -63,11 +63,14 @@ def test_command_reports_bitwise_equal_runs(tmp_path):
     assert "step 2/2" in proc.stderr or ON_GPU  # the progress display
 
 
-def test_command_rejects_bad_arguments(tmp_path):
-    proc, _ = _run_command(["--steps", "0"], tmp_path)
-    assert proc.returncode == 2 and "--steps" in proc.stderr
-    proc, _ = _run_command(["--hidden-size", "30", "--num-heads", "4", "--device", "cpu"], tmp_path)
-    assert proc.returncode == 2 and "hidden_size" in proc.stderr
+def test_bad_arguments_exit_2(capsys):
+    assert determinism_check.main(["--steps", "0", "--device", "cpu"]) == 2
+    assert "--steps" in capsys.readouterr().err
+    assert determinism_check.main(["--hidden-size", "30", "--num-heads", "4", "--device", "cpu"]) == 2
+    assert "hidden_size" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        determinism_check.main(["--dtype", "float64"])
+    assert info.value.code == 2
 
 
 # In-process runs force the (fast) unfused backend and skip the reference run.

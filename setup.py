@@ -23,6 +23,7 @@ try:
     FRAMEWORKS = frameworks_to_build(ROOT)
 except FrameworkError as err:
     sys.exit(f"error: {err}")
+FreshBuildPy.frameworks = FRAMEWORKS
 
 setup(
     name="transformer_engine",

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # build_tools/ is not installed
 
 from build_tools import frameworks, metadata, native  # noqa: E402
+from build_tools.commands import LEFT_OUT_MARKER  # noqa: E402
 from build_tools.frameworks import FrameworkError, parse_framework_request, resolve_frameworks  # noqa: E402
 from build_tools.version import te_version  # noqa: E402
 
@@ -228,8 +229,13 @@ def _pip_wheel(src: Path, out: Path, framework: str, env=None) -> Path:
 
 
 def _wheel_packages(wheel: Path) -> set:
+    """Packages in the wheel, without the placeholders written for frontends left out."""
     with zipfile.ZipFile(wheel) as archive:
-        return {name.rsplit("/", 1)[0].replace("/", ".") for name in archive.namelist() if name.endswith("__init__.py")}
+        return {
+            name.rsplit("/", 1)[0].replace("/", ".")
+            for name in archive.namelist()
+            if name.endswith("__init__.py") and LEFT_OUT_MARKER not in archive.read(name).decode()
+        }
 
 
 def _requires(wheel: Path) -> list:
@@ -262,6 +268,13 @@ def test_wheels_per_framework_install_and_import(tmp_path):
         result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=str(tmp_path), env={**os.environ, "PYTHONPATH": str(target)})
         assert result.returncode == 0, result.stderr
         assert result.stdout.strip().startswith(str(target)), result.stdout
+        for name in set(BOTH) - set(chosen):  # a frontend left out says how to build for it
+            result = subprocess.run(
+                [sys.executable, "-c", f"import transformer_engine.{name}"],
+                capture_output=True, text=True, cwd=str(tmp_path), env={**os.environ, "PYTHONPATH": str(target)},
+            )
+            assert result.returncode != 0
+            assert LEFT_OUT_MARKER in result.stderr and f"NVTE_FRAMEWORK={name} pip install" in result.stderr, result.stderr
 
 
 @pytest.mark.slow

@@ -1,0 +1,300 @@
+"""Test helpers for transformer_engine.jax: input builders and an independent fp32 reference.
+
+The reference is written from the mask semantics (TransformerEngine's), not from the library's
+code: per-token segment ids and positions come from plain numpy loops, the mask from explicit
+rules, the softmax from ``jax.nn.softmax`` over a finite fill value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, QKVFormat, QKVLayout
+from transformer_engine.jax import attention as te_attention
+from transformer_engine.jax.attention import SequenceDescriptor
+
+LAYOUTS = list(QKVLayout)
+MASKS = [m for m in AttnMaskType if m != AttnMaskType.ARBITRARY_MASK]
+BACKENDS = ["fused", "unfused"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Segments (which tokens belong to which sequence)
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Segments:
+    """Per-row sequences of one side (q or kv): lengths [b, m] and starts [b, m]."""
+
+    lens: np.ndarray
+    starts: np.ndarray
+    seqlen: int
+
+    @property
+    def ids(self) -> np.ndarray:
+        """[b, s] segment numbers 1..m, 0 for padding."""
+        b, m = self.lens.shape
+        ids = np.zeros((b, self.seqlen), np.int32)
+        for r in range(b):
+            for k in range(m):
+                ids[r, self.starts[r, k]: self.starts[r, k] + self.lens[r, k]] = k + 1
+        return ids
+
+    @property
+    def pos(self) -> np.ndarray:
+        b, m = self.lens.shape
+        pos = np.zeros((b, self.seqlen), np.int32)
+        for r in range(b):
+            for k in range(m):
+                pos[r, self.starts[r, k]: self.starts[r, k] + self.lens[r, k]] = np.arange(self.lens[r, k])
+        return pos
+
+    @property
+    def token_len(self) -> np.ndarray:
+        """[b, s] length of each token's sequence (0 for padding)."""
+        b, m = self.lens.shape
+        out = np.zeros((b, self.seqlen), np.int32)
+        for r in range(b):
+            for k in range(m):
+                out[r, self.starts[r, k]: self.starts[r, k] + self.lens[r, k]] = self.lens[r, k]
+        return out
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """[b, m + 1] starts plus a trailing end (TransformerEngine's seq_offsets shape)."""
+        end = (self.starts[:, -1:] + self.lens[:, -1:])
+        return np.concatenate([self.starts, end], axis=1).astype(np.int32)
+
+
+def full_segments(b: int, s: int) -> Segments:
+    return Segments(np.full((b, 1), s, np.int32), np.zeros((b, 1), np.int32), s)
+
+
+def padded_segments(rng: np.random.Generator, b: int, s: int, min_len: int = 1) -> Segments:
+    """One sequence per row, starting at 0, random length in [min_len, s]; row 0 is full."""
+    lens = rng.integers(min_len, s + 1, size=(b, 1)).astype(np.int32)
+    lens[0, 0] = s
+    return Segments(lens, np.zeros((b, 1), np.int32), s)
+
+
+def packed_segments(rng: np.random.Generator, b: int, s: int, m: int, gaps: bool = False,
+                    lens: Optional[np.ndarray] = None) -> Segments:
+    """Up to ``m`` sequences per row, packed from 0 (or with random gaps between them), padding at
+    the end. ``lens`` fixes the lengths (e.g. kv lengths matching q's segment count)."""
+    starts = np.zeros((b, m), np.int32)
+    if lens is None:
+        lens = np.zeros((b, m), np.int32)
+        for r in range(b):
+            budget = s - (m if gaps else 0)
+            cuts = np.sort(rng.integers(0, budget + 1, size=m))
+            lens[r] = np.diff(np.concatenate([[0], cuts])).astype(np.int32)
+            if r == 0:
+                lens[r, -1] = 0  # an empty trailing segment
+    for r in range(b):
+        t = 0
+        for k in range(m):
+            if gaps:
+                t += int(rng.integers(0, 2))
+            starts[r, k] = t
+            t += lens[r, k]
+        assert t <= s
+    return Segments(lens.astype(np.int32), starts, s)
+
+
+def descriptor(kind: str, q: Segments, kv: Segments) -> SequenceDescriptor:
+    """The same segments through each SequenceDescriptor constructor."""
+    if kind == "seqlens":
+        if q.lens.shape[1] == 1:
+            return SequenceDescriptor.from_seqlens((jnp.asarray(q.lens[:, 0]), jnp.asarray(kv.lens[:, 0])))
+        return SequenceDescriptor.from_seqlens((jnp.asarray(q.lens), jnp.asarray(kv.lens)))
+    if kind == "offsets":
+        return SequenceDescriptor.from_seqlens_and_offsets(
+            (jnp.asarray(q.lens), jnp.asarray(kv.lens)), (jnp.asarray(q.offsets), jnp.asarray(kv.offsets))
+        )
+    if kind == "segment_ids":
+        return SequenceDescriptor.from_segment_ids_and_pos(
+            (jnp.asarray(q.ids), jnp.asarray(kv.ids)), (jnp.asarray(q.pos), jnp.asarray(kv.pos))
+        )
+    raise ValueError(kind)
+
+
+# ------------------------------------------------------------------------------------------------
+# Reference
+# ------------------------------------------------------------------------------------------------
+
+
+def reference_mask(q: Segments, kv: Segments, mask: AttnMaskType, window: Tuple[int, int]) -> np.ndarray:
+    """[b, 1, s_q, s_kv] bool from the semantics: same sequence, and the (left, right) window around
+    the diagonal, which is top-left for causal/padding_causal and bottom-right otherwise."""
+    mask = AttnMaskType(mask)
+    left, right = window
+    if mask.is_causal:
+        right = 0
+    top_left = mask in (AttnMaskType.CAUSAL_MASK, AttnMaskType.PADDING_CAUSAL_MASK)
+    ids_q, ids_kv = q.ids, kv.ids
+    pos_q, pos_kv = q.pos, kv.pos
+    len_q, len_kv = q.token_len, kv.token_len
+    b = ids_q.shape[0]
+    out = np.zeros((b, 1, q.seqlen, kv.seqlen), bool)
+    for r in range(b):
+        for i in range(q.seqlen):
+            if ids_q[r, i] == 0:
+                continue
+            for j in range(kv.seqlen):
+                if ids_kv[r, j] != ids_q[r, i]:
+                    continue
+                diag = 0 if top_left else len_kv[r, j] - len_q[r, i]
+                centre = pos_q[r, i] + diag
+                if left >= 0 and pos_kv[r, j] < centre - left:
+                    continue
+                if right >= 0 and pos_kv[r, j] > centre + right:
+                    continue
+                out[r, 0, i, j] = True
+    return out
+
+
+def _rounder(dtype):
+    """x -> x rounded to ``dtype`` and back to float64 (identity for float32 references)."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.float32:
+        return lambda x: x
+    np_dtype = np.float16 if dtype == jnp.float16 else jnp.bfloat16  # ml_dtypes' bfloat16 via jnp
+    return lambda x: np.asarray(x).astype(np_dtype).astype(np.float64)
+
+
+def reference_attention(q, k, v, bias, dout, visible, scale, bias_type=AttnBiasType.NO_BIAS, keep=None, rate=0.0,
+                        compute_dtype=jnp.float32):
+    """Forward and backward of softmax(QK^T * scale + bias) V over ``visible`` keys, BSHD, in numpy
+    float64 with the backward derived by hand (softmax Jacobian). Rows with no visible key give 0.
+
+    ``compute_dtype`` float32 is the reference; a 16-bit dtype rounds every matmul result and the
+    probabilities to it, the framework's own low-precision error that tolerances are measured by.
+    Returns (out, dq, dk, dv, dbias) as float64 arrays (dbias None without bias).
+    """
+    rnd = _rounder(compute_dtype)
+    f64 = lambda x: None if x is None else rnd(np.asarray(jnp.asarray(x, jnp.float32), np.float64))  # noqa: E731
+    q, k, v, bias, dout = f64(q), f64(k), f64(v), f64(bias), f64(dout)
+    g = q.shape[2] // k.shape[2]
+    k_rep, v_rep = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
+    raw = rnd(np.einsum("bqhd,bkhd->bhqk", q, k_rep))
+    if bias_type == AttnBiasType.PRE_SCALE_BIAS:
+        logits = (raw + bias) * scale
+    elif bias_type == AttnBiasType.POST_SCALE_BIAS:
+        logits = raw * scale + bias
+    else:
+        logits = raw * scale
+    visible = np.broadcast_to(np.asarray(visible), logits.shape)
+    row_max = np.where(visible, logits, -np.inf).max(-1, keepdims=True)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    e = np.where(visible, np.exp(np.where(visible, logits, 0.0) - row_max), 0.0)
+    denom = e.sum(-1, keepdims=True)
+    p = e / np.where(denom > 0, denom, 1.0)
+    drop = np.where(np.asarray(keep), 1.0 / (1.0 - rate), 0.0) if keep is not None else 1.0
+    p_used = rnd(p * drop)
+    out = rnd(np.einsum("bhqk,bkhd->bqhd", p_used, v_rep))
+
+    dv_rep = rnd(np.einsum("bhqk,bqhd->bkhd", p_used, dout))
+    dp = rnd(np.einsum("bqhd,bkhd->bhqk", dout, v_rep)) * drop
+    dlogits = rnd(p * (dp - (p * dp).sum(-1, keepdims=True)))
+    draw = dlogits * scale
+    dq = rnd(np.einsum("bhqk,bkhd->bqhd", draw, k_rep))
+    dk_rep = rnd(np.einsum("bhqk,bqhd->bkhd", draw, q))
+    b, s_kv, h_kv = k.shape[:3]
+    dk = dk_rep.reshape(b, s_kv, h_kv, g, -1).sum(3)
+    dv = dv_rep.reshape(b, s_kv, h_kv, g, -1).sum(3)
+    dbias = None
+    if bias is not None:
+        dbias = draw if bias_type == AttnBiasType.PRE_SCALE_BIAS else dlogits
+        for axis in (0, 1):
+            if bias.shape[axis] == 1:
+                dbias = dbias.sum(axis, keepdims=True)
+    return out, dq, dk, dv, dbias
+
+
+# ------------------------------------------------------------------------------------------------
+# Inputs in each layout
+# ------------------------------------------------------------------------------------------------
+
+
+def random_qkv(key, b, s_q, s_kv, h_q, h_kv, d_qk, d_v, dtype):
+    kq, kk, kv = jax.random.split(key, 3)
+    q = jax.random.normal(kq, (b, s_q, h_q, d_qk), jnp.float32).astype(dtype)
+    k = jax.random.normal(kk, (b, s_kv, h_kv, d_qk), jnp.float32).astype(dtype)
+    v = jax.random.normal(kv, (b, s_kv, h_kv, d_v), jnp.float32).astype(dtype)
+    return q, k, v
+
+
+def pack(q, k, v, layout: QKVLayout):
+    """BSHD q, k, v -> the ``qkv`` tuple of ``layout``."""
+    layout = QKVLayout(layout)
+    sbhd = layout.qkv_format == QKVFormat.SBHD
+    tr = (lambda x: jnp.swapaxes(x, 0, 1)) if sbhd else (lambda x: x)
+    if layout.packing == "qkv":
+        return (tr(jnp.stack([q, k, v], axis=2)),)
+    if layout.packing == "kv":
+        return (tr(q), tr(jnp.stack([k, v], axis=2)))
+    return (tr(q), tr(k), tr(v))
+
+
+def unpack_grads(grads, layout: QKVLayout):
+    """Gradients w.r.t. the ``qkv`` tuple -> BSHD (dq, dk, dv)."""
+    layout = QKVLayout(layout)
+    sbhd = layout.qkv_format == QKVFormat.SBHD
+    tr = (lambda x: jnp.swapaxes(x, 0, 1)) if sbhd else (lambda x: x)
+    grads = [tr(g) for g in grads]
+    if layout.packing == "qkv":
+        return grads[0][:, :, 0], grads[0][:, :, 1], grads[0][:, :, 2]
+    if layout.packing == "kv":
+        return grads[0], grads[1][:, :, 0], grads[1][:, :, 1]
+    return tuple(grads)
+
+
+# ------------------------------------------------------------------------------------------------
+# Running a backend and comparing
+# ------------------------------------------------------------------------------------------------
+
+
+def skip_unless_backend_runs(backend: str, **config_kwargs):
+    """On CPU both backends run (the fused primitive lowers to jnp). On a GPU the fused backend
+    runs only where the kernels support the config: skip with the backend's own reasons."""
+    if backend != "fused" or jax.devices()[0].platform == "cpu":
+        return
+    reasons = te_attention.fused_attn_unavailable_reasons(**config_kwargs)
+    if reasons:
+        pytest.skip("fused backend cannot run this config: " + "; ".join(reasons))
+
+
+def attn_fn(backend: str, **kwargs):
+    """``qkv, bias -> output`` through one backend, with the other arguments fixed."""
+
+    def f(qkv, bias):
+        return te_attention._fused_attn_with_backend(backend, tuple(qkv), bias, **kwargs)
+
+    return f
+
+
+def _f64(x) -> np.ndarray:
+    return np.asarray(np.asarray(x).astype(np.float32), np.float64)
+
+
+def max_abs(x) -> float:
+    return float(np.max(np.abs(_f64(x)))) if np.size(x) else 0.0
+
+
+def assert_close_to_reference(name, actual, ref32, ref_lowp, atol=2e-5):
+    """|actual - ref32| <= 2 |ref_lowp - ref32| + atol * max(1, |ref32|), FlashAttention's rule: a
+    kernel may be at most twice as far from the fp32 reference as the framework's own math in the
+    input dtype."""
+    actual, ref32, ref_lowp = _f64(actual), _f64(ref32), _f64(ref_lowp)
+    err = max_abs(actual - ref32)
+    base = max_abs(ref_lowp - ref32)
+    bound = 2 * base + atol * max(1.0, max_abs(ref32))
+    assert np.isfinite(err), f"{name}: non-finite values"
+    assert err <= bound, f"{name}: max error {err:.3g} > bound {bound:.3g} (low-precision error {base:.3g})"

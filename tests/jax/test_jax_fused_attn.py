@@ -1,0 +1,255 @@
+"""fused_attn numerics against an independent fp32 reference: layouts, masks and windows, GQA/MQA,
+dtypes, bias, dropout, THD with each SequenceDescriptor form, rows that see no key.
+
+Both backends are checked: ``fused`` (the fused primitives: on CPU their jnp lowering, on a GPU
+the Triton kernels) and ``unfused`` (jnp math differentiated by JAX). Tolerances follow
+FlashAttention's rule (twice the framework's own low-precision error, see te_jax_testing).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from te_jax_testing import (
+    BACKENDS,
+    LAYOUTS,
+    MASKS,
+    Segments,
+    assert_close_to_reference,
+    attn_fn,
+    descriptor,
+    full_segments,
+    max_abs,
+    pack,
+    packed_segments,
+    padded_segments,
+    random_qkv,
+    reference_attention,
+    reference_mask,
+    skip_unless_backend_runs,
+    unpack_grads,
+)
+from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, QKVFormat, QKVLayout
+from transformer_engine.jax import attention_math
+
+
+def _segments(rng, fmt, mask, b, s_q, s_kv, m, desc_kind):
+    if fmt == QKVFormat.THD:
+        gaps = desc_kind != "seqlens"  # from_seqlens alone means packed from position 0
+        return packed_segments(rng, b, s_q, m, gaps), packed_segments(rng, b, s_kv, m, gaps)
+    if mask.is_padding:
+        return padded_segments(rng, b, s_q), padded_segments(rng, b, s_kv)
+    return full_segments(b, s_q), full_segments(b, s_kv)
+
+
+def run_case(
+    backend,
+    layout=QKVLayout.BSHD_BSHD_BSHD,
+    mask=AttnMaskType.NO_MASK,
+    dtype=jnp.float32,
+    b=2,
+    s_q=32,
+    s_kv=32,
+    h_q=4,
+    h_kv=4,
+    d_qk=16,
+    d_v=16,
+    window=None,
+    bias_type=AttnBiasType.NO_BIAS,
+    bias_shape=None,
+    dropout=0.0,
+    desc_kind="seqlens",
+    m=1,
+    seed=0,
+    segments=None,
+):
+    """Run one config through ``backend`` and the reference; compare output and gradients."""
+    layout, mask = QKVLayout(layout), AttnMaskType(mask)
+    fmt = layout.qkv_format
+    skip_unless_backend_runs(
+        backend, is_training=True, q_dtype=dtype, kv_dtype=dtype, qkv_layout=layout, attn_bias_type=bias_type,
+        attn_mask_type=mask, dropout_probability=dropout, q_num_heads=h_q, kv_num_heads=h_kv, q_max_seqlen=s_q,
+        kv_max_seqlen=s_kv, head_dim_qk=d_qk, head_dim_v=d_v, window_size=window, bias_shape=bias_shape,
+    )
+    rng = np.random.default_rng(seed)
+    key = jax.random.PRNGKey(seed)
+    seg_q, seg_kv = segments or _segments(rng, fmt, mask, b, s_q, s_kv, m, desc_kind)
+    desc = descriptor(desc_kind, seg_q, seg_kv) if (mask.is_padding or fmt == QKVFormat.THD) else None
+    q, k, v = random_qkv(key, b, s_q, s_kv, h_q, h_kv, d_qk, d_v, dtype)
+    bias = None
+    if bias_type != AttnBiasType.NO_BIAS:
+        bias = jax.random.normal(jax.random.fold_in(key, 7), bias_shape, jnp.float32).astype(dtype)
+    dout = jax.random.normal(jax.random.fold_in(key, 9), (b, s_q, h_q, d_v), jnp.float32).astype(dtype)
+    scale = d_qk**-0.5
+    dropout_key = jax.random.PRNGKey(seed + 1000)
+
+    f = attn_fn(
+        backend, sequence_descriptor=desc, seed=dropout_key if dropout else None, attn_bias_type=bias_type,
+        attn_mask_type=mask, qkv_layout=layout, scaling_factor=scale, dropout_probability=dropout,
+        is_training=True, max_segments_per_seq=m, window_size=window,
+    )
+    to_bshd = (lambda x: jnp.swapaxes(x, 0, 1)) if fmt == QKVFormat.SBHD else (lambda x: x)
+
+    @jax.jit
+    def run(q, k, v, bias, dout):
+        out, vjp = jax.vjp(f, pack(q, k, v, layout), bias)
+        dqkv, dbias = vjp(to_bshd(dout))
+        return to_bshd(out), unpack_grads(dqkv, layout), dbias
+
+    out, (dq, dk, dv), dbias = run(q, k, v, bias, dout)
+
+    visible = reference_mask(seg_q, seg_kv, mask, attention_math_window(window, mask))
+    keep = None
+    if dropout:
+        seeds = attention_math.head_seeds(attention_math.seed_words(dropout_key), b, h_q)
+        keep = attention_math.dropout_keep_mask(seeds, s_q, s_kv, dropout)
+
+    ref_out, ref_dq, ref_dk, ref_dv, ref_dbias = reference_attention(
+        q, k, v, bias, dout, visible, scale, bias_type, keep, dropout, jnp.float32)
+    low_out, low_dq, low_dk, low_dv, low_dbias = reference_attention(
+        q, k, v, bias, dout, visible, scale, bias_type, keep, dropout, dtype)
+
+    assert out.shape == (b, s_q, h_q, d_v) and out.dtype == dtype
+    assert_close_to_reference("out", out, ref_out, low_out)
+    assert_close_to_reference("dq", dq, ref_dq, low_dq)
+    assert_close_to_reference("dk", dk, ref_dk, low_dk)
+    assert_close_to_reference("dv", dv, ref_dv, low_dv)
+    if bias is not None:
+        assert dbias.shape == bias.shape and dbias.dtype == bias.dtype
+        assert_close_to_reference("dbias", dbias, ref_dbias, low_dbias)
+    return dict(out=out, dq=dq, dk=dk, dv=dv, dbias=dbias, visible=visible)
+
+
+def attention_math_window(window, mask):
+    return (-1, -1) if window is None else tuple(window)
+
+
+def _layout_heads(layout):
+    """qkv-packed layouts need h_q == h_kv; kv-packed and separate layouts test GQA."""
+    return (4, 4) if QKVLayout(layout).packing == "qkv" else (4, 2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda l: l.value)
+def test_layouts(backend, layout):
+    h_q, h_kv = _layout_heads(layout)
+    is_thd = QKVLayout(layout).qkv_format == QKVFormat.THD
+    run_case(
+        backend, layout=layout, mask=AttnMaskType.PADDING_CAUSAL_MASK, dtype=jnp.float16, s_q=40, s_kv=40,
+        h_q=h_q, h_kv=h_kv, m=3 if is_thd else 1, desc_kind="offsets" if is_thd else "seqlens",
+    )
+
+
+def _window_for(mask, windowed):
+    if not windowed:
+        return None
+    return (5, 0) if AttnMaskType(mask).is_causal else (5, 3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("windowed", [False, True], ids=["full", "window"])
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: m.value)
+def test_masks_and_windows(backend, mask, windowed):
+    # s_q != s_kv so that top-left and bottom-right diagonals differ.
+    run_case(backend, mask=mask, s_q=24, s_kv=40, window=_window_for(mask, windowed), d_qk=24, d_v=16)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("h_kv", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_gqa(backend, h_kv):
+    run_case(backend, mask=AttnMaskType.CAUSAL_MASK, dtype=jnp.bfloat16, h_q=4, h_kv=h_kv)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32], ids=["fp16", "bf16", "fp32"])
+def test_dtypes_odd_sizes(backend, dtype):
+    run_case(backend, mask=AttnMaskType.PADDING_MASK, dtype=dtype, b=3, s_q=37, s_kv=29, d_qk=72, d_v=40, h_q=2,
+             h_kv=1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "bias_type, bias_shape",
+    [
+        (AttnBiasType.POST_SCALE_BIAS, (1, 4, 24, 32)),
+        (AttnBiasType.POST_SCALE_BIAS, (2, 1, 24, 32)),
+        (AttnBiasType.POST_SCALE_BIAS, (2, 4, 24, 32)),
+        (AttnBiasType.POST_SCALE_BIAS, (1, 1, 24, 32)),
+        (AttnBiasType.PRE_SCALE_BIAS, (2, 4, 24, 32)),
+    ],
+    ids=["post-1hss", "post-b1ss", "post-bhss", "post-11ss", "pre-bhss"],
+)
+def test_bias(backend, bias_type, bias_shape):
+    run_case(backend, mask=AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK, s_q=24, s_kv=32, h_kv=2,
+             bias_type=bias_type, bias_shape=bias_shape)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropout_matches_reference_with_the_same_mask(backend):
+    run_case(backend, mask=AttnMaskType.CAUSAL_MASK, dropout=0.25, h_kv=2)
+
+
+def test_dropout_mask_statistics_and_reproducibility():
+    words = attention_math.seed_words(jax.random.PRNGKey(3))
+    seeds = attention_math.head_seeds(words, 4, 8)
+    keep = np.asarray(attention_math.dropout_keep_mask(seeds, 128, 128, 0.3))
+    assert abs(1.0 - keep.mean() - 0.3) < 0.01
+    # Each (row, head) draws its own mask; the same key draws the same masks.
+    assert not np.array_equal(keep[0, 0], keep[0, 1]) and not np.array_equal(keep[0, 0], keep[1, 0])
+    again = attention_math.dropout_keep_mask(attention_math.head_seeds(words, 4, 8), 128, 128, 0.3)
+    np.testing.assert_array_equal(keep, np.asarray(again))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dropout_off_when_not_training(backend):
+    q, k, v = random_qkv(jax.random.PRNGKey(0), 2, 16, 16, 2, 2, 16, 16, jnp.float32)
+    kwargs = dict(sequence_descriptor=None, attn_bias_type=AttnBiasType.NO_BIAS, attn_mask_type=AttnMaskType.NO_MASK,
+                  qkv_layout=QKVLayout.BSHD_BSHD_BSHD, scaling_factor=0.25, dropout_probability=0.5)
+    inference = attn_fn(backend, seed=jax.random.PRNGKey(1), is_training=False, **kwargs)((q, k, v), None)
+    no_dropout = attn_fn(backend, seed=None, is_training=True, **{**kwargs, "dropout_probability": 0.0})(
+        (q, k, v), None)
+    np.testing.assert_array_equal(np.asarray(inference), np.asarray(no_dropout))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "desc_kind, mask",
+    [
+        ("seqlens", AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK),
+        ("offsets", AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK),
+        ("segment_ids", AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK),
+        ("offsets", AttnMaskType.PADDING_MASK),
+        ("segment_ids", AttnMaskType.PADDING_CAUSAL_MASK),
+    ],
+    ids=lambda x: getattr(x, "value", x),
+)
+def test_thd_sequence_descriptors(backend, desc_kind, mask):
+    run_case(backend, layout=QKVLayout.THD_THD_THD, mask=mask, s_q=48, s_kv=48, h_kv=2, m=3, desc_kind=desc_kind,
+             dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_thd_sliding_window(backend):
+    run_case(backend, layout=QKVLayout.THD_T2HD, mask=AttnMaskType.PADDING_CAUSAL_MASK, s_q=48, s_kv=48, m=3,
+             desc_kind="segment_ids", window=(4, 0))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_that_see_no_key_give_zero_output_and_gradient(backend):
+    """Regression guard: a query whose keys are all masked must give 0, not NaN, forward and back."""
+    b, s = 3, 16
+    seg_q = Segments(np.array([[16], [7], [16]], np.int32), np.zeros((3, 1), np.int32), s)
+    seg_kv = Segments(np.array([[16], [0], [3]], np.int32), np.zeros((3, 1), np.int32), s)  # row 1: no keys
+    # Bottom-right causal with 16 queries and 3 keys: the first 13 queries of row 2 see nothing.
+    res = run_case(backend, mask=AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK, b=b, s_q=s, s_kv=s,
+                   segments=(seg_q, seg_kv))
+    blind = ~np.asarray(res["visible"]).any(-1)[:, 0]  # [b, s_q]
+    assert blind[1].all() and blind[2, :13].all() and not blind[2, 13:].any()
+    for name in ("out", "dq", "dk", "dv"):
+        assert np.isfinite(np.asarray(res[name])).all(), name
+    assert max_abs(np.asarray(res["out"])[blind]) == 0.0
+    assert max_abs(np.asarray(res["dq"])[blind]) == 0.0
+    assert max_abs(res["dk"][1]) == 0.0 and max_abs(res["dv"][1]) == 0.0

@@ -1,0 +1,15 @@
+"""JAX frontend: ``fused_attn`` (transformer_engine.jax.attention), sharding resources
+(transformer_engine.jax.sharding) and the Flax module (transformer_engine.jax.flax)."""
+
+try:
+    import jax  # noqa: F401
+except ImportError as err:  # pragma: no cover - exercised by tests/common/test_imports.py
+    raise ImportError(
+        "transformer_engine.jax needs JAX, which is not installed. Install jax (and flax for "
+        "transformer_engine.jax.flax), then build this package for it: NVTE_FRAMEWORK=jax pip install ."
+    ) from err
+
+from transformer_engine.jax import attention, sharding
+from transformer_engine.jax.sharding import MeshResource, global_mesh_resource, global_shard_guard
+
+__all__ = ["attention", "sharding", "MeshResource", "global_shard_guard", "global_mesh_resource"]

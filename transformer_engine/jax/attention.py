@@ -1,0 +1,635 @@
+"""Fused attention for JAX with TransformerEngine's API: ``fused_attn`` and ``SequenceDescriptor``.
+
+.. code-block:: python
+
+    from transformer_engine.jax.attention import (
+        fused_attn, SequenceDescriptor, QKVLayout, AttnMaskType, AttnBiasType)
+
+    out = fused_attn((q, k, v), None, SequenceDescriptor.from_seqlens((q_lens, kv_lens)), None,
+                     attn_bias_type=AttnBiasType.NO_BIAS,
+                     attn_mask_type=AttnMaskType.PADDING_CAUSAL_MASK,
+                     qkv_layout=QKVLayout.BSHD_BSHD_BSHD,
+                     scaling_factor=q.shape[-1] ** -0.5, dropout_probability=0.0, is_training=True)
+
+Each call builds one :class:`~transformer_engine.common.attention.AttnConfig` and picks a backend
+(``FusedAttention``: the project's Triton kernels on CUDA GPUs; ``UnfusedDotProductAttention``:
+jnp math) with the project's selection, logging why under ``NVTE_DEBUG=1``. Determinism is read
+at trace time of each call: ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` or XLA's
+``--xla_gpu_deterministic_ops=true`` (in ``XLA_FLAGS``) make the backward pass bitwise
+reproducible. Both backends work under ``jit``, ``grad``, ``vmap`` and ``remat``; the fused one
+also keeps batch split over dp/fsdp and heads over tp under ``custom_partitioning``
+(:mod:`transformer_engine.jax.sharding`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+
+from transformer_engine.common import settings
+from transformer_engine.common.attention.backends import (
+    FusedAttention,
+    Selection,
+    UnfusedDotProductAttention,
+    select_backend,
+)
+from transformer_engine.common.attention.config import AttnConfig, normalize_window
+from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, QKVFormat, QKVLayout
+from transformer_engine.jax import attention_math
+from transformer_engine.jax.attention_math import SeqInfo
+from transformer_engine.jax.primitives.attention import FusedAttnStatic, fused_attn_core
+
+__all__ = [
+    "AttnBiasType",
+    "AttnMaskType",
+    "QKVFormat",
+    "QKVLayout",
+    "SequenceDescriptor",
+    "fused_attn",
+    "is_fused_attn_kernel_available",
+    "is_deterministic_mode",
+    "JaxFusedAttention",
+]
+
+
+# ================================================================================================
+# Determinism and device facts (read at trace time of each call)
+# ================================================================================================
+
+_XLA_DETERMINISTIC_FLAGS = ("xla_gpu_deterministic_ops", "xla_gpu_exclude_nondeterministic_ops")
+
+
+def _xla_flag(name: str) -> bool:
+    """Value of boolean flag ``--name`` in XLA_FLAGS now (last occurrence wins)."""
+    value = False
+    for token in os.environ.get("XLA_FLAGS", "").split():
+        key, sep, raw = token.lstrip("-").partition("=")
+        if key == name:
+            value = (raw.strip().lower() in ("true", "1", "t", "yes")) if sep else True
+    return value
+
+
+def is_deterministic_mode() -> bool:
+    """True when the backward pass must be bitwise reproducible: ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``
+    or ``--xla_gpu_deterministic_ops=true`` (or ``--xla_gpu_exclude_nondeterministic_ops=true``) in
+    ``XLA_FLAGS``. Read now, not cached."""
+    if not settings.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO"):
+        return True
+    return any(_xla_flag(name) for name in _XLA_DETERMINISTIC_FLAGS)
+
+
+def _device_facts() -> Tuple[str, Optional[Tuple[int, int]]]:
+    """(device type for AttnConfig, compute capability) of the default backend."""
+    device = jax.devices()[0]
+    if device.platform == "gpu":
+        capability = getattr(device, "compute_capability", None)
+        try:
+            major, minor = (int(x) for x in str(capability).split("."))
+            return "cuda", (major, minor)
+        except ValueError:
+            pass
+    return "cpu", None
+
+
+class JaxFusedAttention(FusedAttention):
+    """``FusedAttention`` as the JAX frontend runs it: Triton kernels launched through XLA FFI on
+    CUDA GPUs. Same name and switches as the common backend; reasons also come from
+    ``config.extra`` (facts only the frontend knows, such as a missing FFI extension)."""
+
+    @classmethod
+    def availability_reasons(cls, config: AttnConfig) -> List[str]:
+        if config.device_type != "cuda":
+            return [
+                f"device={config.device_type}: JAX launches the Triton kernels on CUDA GPUs only "
+                "(on CPU the fused primitives lower to jnp, for tests)"
+            ]
+        return super().availability_reasons(config) + [r for name, r in config.extra if name == cls.NAME]
+
+
+_CANDIDATES = (JaxFusedAttention, UnfusedDotProductAttention)
+
+
+def _frontend_extra(device_type: str) -> Tuple[Tuple[str, str], ...]:
+    if device_type != "cuda":
+        return ()
+    from transformer_engine.jax.primitives import gpu
+
+    reason = gpu.unavailable_reason()
+    return ((JaxFusedAttention.NAME, reason),) if reason else ()
+
+
+def _bias_shape_name(bias_shape: Optional[Sequence[int]]) -> Optional[str]:
+    if bias_shape is None:
+        return None
+    return ("b" if bias_shape[0] > 1 else "1") + ("h" if bias_shape[1] > 1 else "1") + "ss"
+
+
+def _make_config(
+    *,
+    batch_size: int,
+    num_heads_q: int,
+    num_heads_kv: int,
+    head_dim_qk: int,
+    head_dim_v: int,
+    max_seqlen_q: int,
+    max_seqlen_kv: int,
+    dtype,
+    qkv_layout: QKVLayout,
+    attn_mask_type: AttnMaskType,
+    window_size: Tuple[int, int],
+    attn_bias_type: AttnBiasType,
+    bias_shape: Optional[Sequence[int]],
+    dropout_probability: float,
+    is_training: bool,
+) -> AttnConfig:
+    device_type, capability = _device_facts()
+    return AttnConfig(
+        batch_size=batch_size,
+        num_heads_q=num_heads_q,
+        num_heads_kv=num_heads_kv,
+        head_dim_qk=head_dim_qk,
+        head_dim_v=head_dim_v,
+        max_seqlen_q=max_seqlen_q,
+        max_seqlen_kv=max_seqlen_kv,
+        dtype=jnp.dtype(dtype).name,
+        qkv_layout=qkv_layout,
+        attn_mask_type=attn_mask_type,
+        window_size=window_size,
+        attn_bias_type=attn_bias_type,
+        bias_shape=_bias_shape_name(bias_shape),
+        dropout=float(dropout_probability),
+        is_training=bool(is_training),
+        deterministic=is_deterministic_mode(),
+        framework="jax",
+        device_type=device_type,
+        compute_capability=capability,
+        triton_interpret=False,
+        extra=_frontend_extra(device_type),
+    )
+
+
+# ================================================================================================
+# Argument parsing
+# ================================================================================================
+
+
+def _enum(enum_cls, value, arg: str):
+    try:
+        return enum_cls(value)
+    except ValueError:
+        choices = ", ".join(repr(m.value) for m in enum_cls)
+        raise ValueError(f"`{arg}` must be one of {choices}, got {value!r}") from None
+
+
+_PACKING_ARITY = {"qkv": 1, "kv": 2, "separate": 3}
+
+
+def _split_qkv(qkv, layout: QKVLayout):
+    """The user's tensors as (q, k, v) in the layout's own format (BSHD, SBHD or THD-in-BSHD)."""
+    if not isinstance(qkv, (tuple, list)):
+        raise ValueError(
+            f"`qkv` must be a tuple of {_PACKING_ARITY[layout.packing]} array(s) for qkv_layout={layout.value!r}, "
+            f"got {type(qkv).__name__}"
+        )
+    arity = _PACKING_ARITY[layout.packing]
+    if len(qkv) != arity:
+        raise ValueError(
+            f"`qkv` must hold {arity} array(s) for qkv_layout={layout.value!r} "
+            f"({'(qkv,)' if arity == 1 else '(q, kv)' if arity == 2 else '(q, k, v)'}), got {len(qkv)}"
+        )
+    arrays = [jnp.asarray(x) for x in qkv]
+    if layout.packing == "qkv":
+        (packed,) = arrays
+        if packed.ndim != 5 or packed.shape[2] != 3:
+            raise ValueError(f"`qkv[0]` must be [b, s, 3, h, d] for qkv_layout={layout.value!r}, got {packed.shape}")
+        return packed[:, :, 0], packed[:, :, 1], packed[:, :, 2]
+    if layout.packing == "kv":
+        q, kv = arrays
+        if kv.ndim != 5 or kv.shape[2] != 2:
+            raise ValueError(f"`qkv[1]` must be [b, s, 2, h, d] for qkv_layout={layout.value!r}, got {kv.shape}")
+        return q, kv[:, :, 0], kv[:, :, 1]
+    return tuple(arrays)
+
+
+def _to_bshd(x, fmt: QKVFormat):
+    return jnp.swapaxes(x, 0, 1) if fmt == QKVFormat.SBHD else x
+
+
+def _check_tensors(q, k, v):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"`{name}` must have 4 dimensions (batch, seqlen, heads, head_dim), got shape {x.shape}")
+        if x.dtype not in (jnp.float16, jnp.bfloat16, jnp.float32):
+            raise ValueError(f"`{name}` must be float16, bfloat16 or float32, got {x.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"`qkv` arrays must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"`qkv` arrays must share the batch size, got q {q.shape}, k {k.shape}, v {v.shape}")
+    if k.shape[1:3] != v.shape[1:3]:
+        raise ValueError(f"`k` and `v` must share seqlen and heads, got k {k.shape}, v {v.shape}")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"`q` and `k` must share head_dim, got q {q.shape}, k {k.shape}")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(
+            f"`q` heads must be a multiple of `k` heads (GQA groups), got {q.shape[2]} and {k.shape[2]}"
+        )
+
+
+# ================================================================================================
+# SequenceDescriptor
+# ================================================================================================
+
+
+def _pair(x, arg: str):
+    if x is None:
+        return None
+    if isinstance(x, (tuple, list)):
+        if len(x) != 2:
+            raise ValueError(f"`{arg}` must be an array or a (q, kv) pair of arrays, got {len(x)} items")
+        return tuple(None if a is None else jnp.asarray(a) for a in x)
+    x = jnp.asarray(x)
+    return (x, x)
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclass(frozen=True, eq=False)
+class SequenceDescriptor:
+    """Which tokens of each row are real, and how they split into sequences, for queries and
+    keys/values. Build it with one of the ``from_*`` constructors; each takes an array (self
+    attention: the same for queries and keys/values) or a ``(q, kv)`` pair.
+
+    - :meth:`from_seqlens`: ``[b]`` lengths (BSHD/SBHD padding: tokens ``0 <= t < len`` are real),
+      or ``[b, m]`` for THD rows packed from position 0 without gaps.
+    - :meth:`from_seqlens_and_offsets`: THD rows with ``m`` segments each: lengths ``[b, m]`` and
+      start offsets ``[b, m]`` or ``[b, m + 1]`` (a trailing end offset is ignored). Unused
+      segments have length 0.
+    - :meth:`from_segment_ids_and_pos`: ``[b, s]`` segment ids (0 = padding; a run of equal
+      nonzero ids is one sequence). Positions, when given, must count from 0 within each
+      segment (the kernels derive them from the segment starts).
+    """
+
+    seqlens: Optional[Tuple[Any, Any]] = None
+    seq_offsets: Optional[Tuple[Any, Any]] = None
+    segment_ids: Optional[Tuple[Any, Any]] = None
+    segment_pos: Optional[Tuple[Any, Any]] = None
+
+    def tree_flatten(self):
+        return (self.seqlens, self.seq_offsets, self.segment_ids, self.segment_pos), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        return cls(*children)
+
+    @classmethod
+    def from_seqlens(cls, seqlens) -> "SequenceDescriptor":
+        return cls(seqlens=_pair(seqlens, "seqlens"))
+
+    @classmethod
+    def from_seqlens_and_offsets(cls, seqlens, seq_offsets) -> "SequenceDescriptor":
+        return cls(seqlens=_pair(seqlens, "seqlens"), seq_offsets=_pair(seq_offsets, "seq_offsets"))
+
+    @classmethod
+    def from_segment_ids_and_pos(cls, segment_ids, segment_pos=None) -> "SequenceDescriptor":
+        return cls(segment_ids=_pair(segment_ids, "segment_ids"), segment_pos=_pair(segment_pos, "segment_pos"))
+
+    def to_seq_info(self, batch: int, s_q: int, s_kv: int, is_thd: bool, max_segments_per_seq: int) -> SeqInfo:
+        """Canonical per-row segments (see :mod:`transformer_engine.jax.attention_math`)."""
+        sides = []
+        for side, seqlen in ((0, s_q), (1, s_kv)):
+            who = "q" if side == 0 else "kv"
+            if self.segment_ids is not None:
+                ids = self.segment_ids[side]
+                _expect_shape(ids, (batch, seqlen), f"segment_ids[{side}] ({who})")
+                if self.segment_pos is not None and self.segment_pos[side] is not None:
+                    _expect_shape(self.segment_pos[side], (batch, seqlen), f"segment_pos[{side}] ({who})")
+                sides.append(_segments_from_ids(ids, max_segments_per_seq if is_thd else 1))
+            elif self.seqlens is not None:
+                lens = self.seqlens[side]
+                offsets = self.seq_offsets[side] if self.seq_offsets is not None else None
+                sides.append(_segments_from_seqlens(lens, offsets, batch, seqlen, is_thd, max_segments_per_seq, who))
+            else:
+                raise ValueError("`sequence_descriptor` must hold seqlens or segment_ids, got an empty descriptor")
+        (q_lens, q_offsets), (kv_lens, kv_offsets) = sides
+        if q_lens.shape != kv_lens.shape:
+            raise ValueError(
+                f"`sequence_descriptor` must describe as many segments for q as for kv, got {q_lens.shape} and "
+                f"{kv_lens.shape}"
+            )
+        return SeqInfo(q_lens, kv_lens, q_offsets, kv_offsets)
+
+
+def _expect_shape(x, shape, arg):
+    if tuple(x.shape) != tuple(shape) or not jnp.issubdtype(x.dtype, jnp.integer):
+        raise ValueError(f"`{arg}` must be an integer array of shape {list(shape)}, got {x.dtype}{list(x.shape)}")
+
+
+def _segments_from_seqlens(lens, offsets, batch, seqlen, is_thd, max_segments, who):
+    lens = jnp.asarray(lens)
+    if not jnp.issubdtype(lens.dtype, jnp.integer):
+        raise ValueError(f"`seqlens` ({who}) must be integers, got {lens.dtype}")
+    if lens.ndim == 1:
+        lens = lens[:, None]
+    if lens.ndim != 2 or lens.shape[0] != batch:
+        raise ValueError(f"`seqlens` ({who}) must be [{batch}] or [{batch}, segments], got shape {lens.shape}")
+    m = lens.shape[1]
+    if not is_thd and m != 1:
+        raise ValueError(f"`seqlens` ({who}) must be [{batch}] (one sequence per row) for BSHD/SBHD, got {lens.shape}")
+    if m > max_segments:
+        raise ValueError(
+            f"`max_segments_per_seq` must be at least the number of segments in `seqlens` ({who}), got {max_segments} "
+            f"for seqlens of shape {lens.shape}"
+        )
+    lens = lens.astype(jnp.int32)
+    if offsets is None:
+        starts = jnp.cumsum(lens, axis=1) - lens  # packed from position 0
+    else:
+        offsets = jnp.asarray(offsets)
+        if not jnp.issubdtype(offsets.dtype, jnp.integer) or offsets.shape not in ((batch, m), (batch, m + 1)):
+            raise ValueError(
+                f"`seq_offsets` ({who}) must be integer [{batch}, {m}] or [{batch}, {m + 1}], got "
+                f"{offsets.dtype}{list(offsets.shape)}"
+            )
+        starts = offsets[:, :m].astype(jnp.int32)
+    end = jnp.full((batch, 1), seqlen, jnp.int32)
+    return lens, jnp.concatenate([starts, end], axis=1)
+
+
+def _segments_from_ids(ids, max_segments):
+    """Runs of equal nonzero ids -> (lengths [b, m], offsets [b, m + 1]); runs past ``m`` are dropped."""
+    ids = ids.astype(jnp.int32)
+    batch, seqlen = ids.shape
+    valid = ids != 0
+    previous = jnp.concatenate([jnp.zeros((batch, 1), jnp.int32), ids[:, :-1]], axis=1)
+    first = jnp.arange(seqlen)[None, :] == 0
+    starts = valid & (first | (ids != previous))
+    number = jnp.cumsum(starts.astype(jnp.int32), axis=1) * valid  # 1-based run number, 0 = padding
+    k = jnp.arange(1, max_segments + 1, dtype=jnp.int32)[None, :, None]
+    in_segment = number[:, None, :] == k  # [b, m, s]
+    lens = jnp.sum(in_segment, axis=-1, dtype=jnp.int32)
+    t = jnp.arange(seqlen, dtype=jnp.int32)[None, None, :]
+    start = jnp.min(jnp.where(in_segment, t, seqlen), axis=-1).astype(jnp.int32)
+    end = jnp.full((batch, 1), seqlen, jnp.int32)
+    return lens, jnp.concatenate([start, end], axis=1)
+
+
+# ================================================================================================
+# Public API
+# ================================================================================================
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One parsed ``fused_attn`` call: canonical operands and its config."""
+
+    q: Any
+    k: Any
+    v: Any
+    bias: Any
+    seq: SeqInfo
+    seeds: Any
+    static: FusedAttnStatic
+    config: AttnConfig
+    qkv_format: QKVFormat
+
+
+def _parse_call(
+    qkv, bias, sequence_descriptor, seed, attn_bias_type, attn_mask_type, qkv_layout, scaling_factor,
+    dropout_probability, is_training, max_segments_per_seq, window_size,
+) -> _Call:
+    layout = _enum(QKVLayout, qkv_layout, "qkv_layout")
+    mask = _enum(AttnMaskType, attn_mask_type, "attn_mask_type")
+    bias_type = _enum(AttnBiasType, attn_bias_type, "attn_bias_type")
+    fmt = layout.qkv_format
+    if mask == AttnMaskType.ARBITRARY_MASK:
+        raise NotImplementedError(
+            "`attn_mask_type` must not be 'arbitrary' in transformer_engine.jax (express the mask as a "
+            "post_scale_bias of 0 / -inf, or use padding/causal masks with a SequenceDescriptor)"
+        )
+    if bias_type == AttnBiasType.ALIBI:
+        raise NotImplementedError(
+            "`attn_bias_type` must not be 'alibi' in transformer_engine.jax (pass the ALiBi bias as a "
+            "post_scale_bias)"
+        )
+    if fmt == QKVFormat.THD and not mask.is_padding:
+        raise ValueError(
+            f"`attn_mask_type` must be a padding mask (padding, padding_causal, padding_causal_bottom_right) with "
+            f"qkv_layout={layout.value!r}, got {mask.value!r}"
+        )
+    if not isinstance(max_segments_per_seq, int) or max_segments_per_seq < 1:
+        raise ValueError(f"`max_segments_per_seq` must be a positive int, got {max_segments_per_seq!r}")
+    if fmt != QKVFormat.THD and max_segments_per_seq != 1:
+        raise ValueError(
+            f"`max_segments_per_seq` must be 1 with qkv_layout={layout.value!r} (only THD rows hold several "
+            f"sequences), got {max_segments_per_seq}"
+        )
+    try:
+        dropout = float(dropout_probability)
+    except (TypeError, ValueError):
+        raise ValueError(f"`dropout_probability` must be a float in [0, 1), got {dropout_probability!r}") from None
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"`dropout_probability` must be in [0, 1), got {dropout_probability!r}")
+
+    q, k, v = (_to_bshd(x, fmt) for x in _split_qkv(qkv, layout))
+    _check_tensors(q, k, v)
+    b, s_q, h_q, d_qk = q.shape
+    s_kv, h_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
+
+    if scaling_factor is None:
+        scaling_factor = d_qk**-0.5
+    try:
+        scale = float(scaling_factor)
+    except (TypeError, ValueError, jax.errors.ConcretizationTypeError):
+        raise ValueError(f"`scaling_factor` must be a Python float, got {scaling_factor!r}") from None
+    window = normalize_window(window_size, mask)
+
+    if bias_type == AttnBiasType.NO_BIAS:
+        if bias is not None:
+            raise ValueError("`bias` must be None with attn_bias_type='no_bias', got an array")
+    else:
+        if bias is None:
+            raise ValueError(f"`bias` must be an array with attn_bias_type={bias_type.value!r}, got None")
+        bias = jnp.asarray(bias)
+        if (
+            bias.ndim != 4
+            or bias.shape[2:] != (s_q, s_kv)
+            or bias.shape[0] not in (1, b)
+            or bias.shape[1] not in (1, h_q)
+        ):
+            raise ValueError(f"`bias` must have shape [1|{b}, 1|{h_q}, {s_q}, {s_kv}], got {bias.shape}")
+        if bias.dtype != q.dtype:
+            raise ValueError(f"`bias` must have the dtype of q ({q.dtype}), got {bias.dtype}")
+
+    if mask.is_padding:
+        if sequence_descriptor is None:
+            raise ValueError(
+                f"`sequence_descriptor` must be given with attn_mask_type={mask.value!r} (which tokens are real), "
+                "got None"
+            )
+        if not isinstance(sequence_descriptor, SequenceDescriptor):
+            raise ValueError(
+                f"`sequence_descriptor` must be a SequenceDescriptor, got {type(sequence_descriptor).__name__}"
+            )
+        seq = sequence_descriptor.to_seq_info(b, s_q, s_kv, fmt == QKVFormat.THD, max_segments_per_seq)
+    else:
+        seq = attention_math.full_seq_info(b, s_q, s_kv)
+
+    has_dropout = bool(is_training) and dropout > 0.0
+    if has_dropout:
+        if seed is None:
+            raise ValueError("`seed` must be a PRNG key (or integer seed) when dropout is active, got None")
+        seeds = attention_math.head_seeds(attention_math.seed_words(seed), b, h_q)
+    else:
+        seeds = jnp.zeros((b, h_q, 2), jnp.uint32)
+
+    config = _make_config(
+        batch_size=b, num_heads_q=h_q, num_heads_kv=h_kv, head_dim_qk=d_qk, head_dim_v=d_v,
+        max_seqlen_q=s_q, max_seqlen_kv=s_kv, dtype=q.dtype, qkv_layout=layout, attn_mask_type=mask,
+        window_size=window, attn_bias_type=bias_type, bias_shape=None if bias is None else bias.shape,
+        dropout_probability=dropout, is_training=bool(is_training),
+    )
+    static = FusedAttnStatic(
+        attn_mask_type=mask,
+        attn_bias_type=bias_type,
+        qkv_format=fmt,
+        window_size=window,
+        scaling_factor=scale,
+        dropout_probability=dropout,
+        is_training=bool(is_training),
+        deterministic=config.deterministic,
+    )
+    return _Call(q, k, v, bias, seq, seeds, static, config, fmt)
+
+
+def _run(call: _Call, backend: str):
+    if backend == JaxFusedAttention.SHORT_NAME:
+        out = fused_attn_core(call.q, call.k, call.v, call.bias, call.seq, call.seeds, call.static)
+    else:
+        s = call.static
+        out = attention_math.unfused_attention(
+            call.q, call.k, call.v, call.bias, call.seq, call.seeds,
+            attn_mask_type=s.attn_mask_type, attn_bias_type=s.attn_bias_type, window_size=s.window_size,
+            scaling_factor=s.scaling_factor, dropout_probability=s.dropout_probability, is_training=s.is_training,
+        )
+    return _to_bshd(out, call.qkv_format)  # SBHD: swap back
+
+
+def select_attention_backend(config: AttnConfig) -> Selection:
+    """The backend ``fused_attn`` uses for ``config`` (honours NVTE_FUSED_ATTN_BACKEND etc.)."""
+    return select_backend(config, _CANDIDATES)
+
+
+def fused_attn(
+    qkv: Tuple[jax.Array, ...],
+    bias: Optional[jax.Array],
+    sequence_descriptor: Optional[SequenceDescriptor],
+    seed: Optional[jax.Array],
+    attn_bias_type: AttnBiasType,
+    attn_mask_type: AttnMaskType,
+    qkv_layout: QKVLayout,
+    scaling_factor: float,
+    dropout_probability: float,
+    is_training: bool,
+    max_segments_per_seq: int = 1,
+    window_size: Optional[Tuple[int, int]] = None,
+) -> jax.Array:
+    """Scaled dot-product attention, ``softmax(Q K^T * scaling_factor + bias) V``, with masks.
+
+    Args:
+        qkv: by ``qkv_layout`` packing: ``(qkv,)`` with ``qkv`` ``[b, s, 3, h, d]`` (BS3HD, T3HD;
+            ``[s, b, 3, h, d]`` for SB3HD), ``(q, kv)`` with ``kv`` ``[b, s_kv, 2, h_kv, d]``
+            (BSHD_BS2HD, THD_T2HD, SBHD_SB2HD), or ``(q, k, v)``: ``q`` ``[b, s_q, h_q, d_qk]``,
+            ``k`` ``[b, s_kv, h_kv, d_qk]``, ``v`` ``[b, s_kv, h_kv, d_v]`` (SBHD: sequence first).
+            THD layouts are ``[b, s, ...]`` too, each row packing up to ``max_segments_per_seq``
+            sequences. ``h_q`` a multiple of ``h_kv``: query head ``i`` uses key/value head
+            ``i // (h_q // h_kv)`` (GQA; MQA when ``h_kv == 1``). float16, bfloat16 or float32.
+        bias: ``[1 | b, 1 | h_q, s_q, s_kv]`` for post_scale_bias (added after scaling) or
+            pre_scale_bias (added before); ``None`` for no_bias. Differentiable.
+        sequence_descriptor: :class:`SequenceDescriptor`; required for padding masks and THD.
+        seed: PRNG key (or integer) for dropout; may be ``None`` without dropout.
+        attn_mask_type: no_mask, padding, causal, padding_causal, causal_bottom_right,
+            padding_causal_bottom_right (``AttnMaskType.CAUSAL_MASK`` etc.). Causal is top-left
+            aligned; bottom_right aligns the diagonal with the last key of each sequence.
+        window_size: ``(left, right)`` sliding window, ``-1`` unbounded (``None``: no window).
+        dropout_probability: in ``[0, 1)``; applied only when ``is_training``.
+
+    Returns:
+        ``[b, s_q, h_q, d_v]`` (``[s_q, b, h_q, d_v]`` for SBHD) in the dtype of ``q``. A query
+        that sees no key gets zeros, and zero gradients.
+
+    Determinism: the forward pass is always deterministic. With ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``
+    or ``--xla_gpu_deterministic_ops=true`` the backward is bitwise reproducible too (the fused
+    kernels use their deterministic plan; the unfused backend always is).
+    """
+    call = _parse_call(
+        qkv, bias, sequence_descriptor, seed, attn_bias_type, attn_mask_type, qkv_layout, scaling_factor,
+        dropout_probability, is_training, max_segments_per_seq, window_size,
+    )
+    selection = select_attention_backend(call.config)
+    return _run(call, selection.backend.SHORT_NAME)
+
+
+def _fused_attn_with_backend(backend: str, *args, **kwargs) -> jax.Array:
+    """``fused_attn`` on a named backend ('fused' or 'unfused'), skipping selection. For tests:
+    on CPU it runs the fused primitives' jnp lowering."""
+    names = ("qkv", "bias", "sequence_descriptor", "seed", "attn_bias_type", "attn_mask_type", "qkv_layout",
+             "scaling_factor", "dropout_probability", "is_training", "max_segments_per_seq", "window_size")
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    bound.setdefault("max_segments_per_seq", 1)
+    bound.setdefault("window_size", None)
+    call = _parse_call(**bound)
+    return _run(call, backend)
+
+
+def is_fused_attn_kernel_available(
+    is_training: bool,
+    q_dtype,
+    kv_dtype,
+    qkv_layout: QKVLayout,
+    attn_bias_type: AttnBiasType,
+    attn_mask_type: AttnMaskType,
+    dropout_probability: float,
+    q_num_heads: int,
+    kv_num_heads: int,
+    q_max_seqlen: int,
+    kv_max_seqlen: int,
+    head_dim_qk: int,
+    head_dim_v: Optional[int] = None,
+    window_size: Optional[Tuple[int, int]] = None,
+    bias_shape: Optional[Sequence[int]] = None,
+) -> bool:
+    """Whether the fused (Triton) kernels can run this configuration here, now (device, build,
+    NVTE_FUSED_ATTN, determinism). ``fused_attn_unavailable_reasons`` says why not."""
+    return not fused_attn_unavailable_reasons(
+        is_training, q_dtype, kv_dtype, qkv_layout, attn_bias_type, attn_mask_type, dropout_probability,
+        q_num_heads, kv_num_heads, q_max_seqlen, kv_max_seqlen, head_dim_qk, head_dim_v, window_size, bias_shape,
+    )
+
+
+def fused_attn_unavailable_reasons(
+    is_training, q_dtype, kv_dtype, qkv_layout, attn_bias_type, attn_mask_type, dropout_probability,
+    q_num_heads, kv_num_heads, q_max_seqlen, kv_max_seqlen, head_dim_qk, head_dim_v=None, window_size=None,
+    bias_shape=None,
+) -> List[str]:
+    """Reasons the fused backend cannot run this configuration (empty: it can)."""
+    mask = _enum(AttnMaskType, attn_mask_type, "attn_mask_type")
+    reasons = []
+    if jnp.dtype(q_dtype) != jnp.dtype(kv_dtype):
+        reasons.append(f"q_dtype={jnp.dtype(q_dtype).name} != kv_dtype={jnp.dtype(kv_dtype).name}")
+    bias_type = _enum(AttnBiasType, attn_bias_type, "attn_bias_type")
+    if bias_shape is None and bias_type != AttnBiasType.NO_BIAS:
+        bias_shape = (1, q_num_heads, q_max_seqlen, kv_max_seqlen)
+    config = _make_config(
+        batch_size=1, num_heads_q=q_num_heads, num_heads_kv=kv_num_heads, head_dim_qk=head_dim_qk,
+        head_dim_v=head_dim_qk if head_dim_v is None else head_dim_v, max_seqlen_q=q_max_seqlen,
+        max_seqlen_kv=kv_max_seqlen, dtype=q_dtype, qkv_layout=_enum(QKVLayout, qkv_layout, "qkv_layout"),
+        attn_mask_type=mask, window_size=normalize_window(window_size, mask), attn_bias_type=bias_type,
+        bias_shape=bias_shape, dropout_probability=dropout_probability, is_training=is_training,
+    )
+    if not settings.get(JaxFusedAttention.ENABLE_VAR):
+        reasons.append(f"disabled by {JaxFusedAttention.ENABLE_VAR}=0")
+    return reasons + JaxFusedAttention.not_supported_reasons(config)

@@ -1,0 +1,323 @@
+"""Attention in jnp: masks, the dropout RNG, the unfused path and the fused primitives' CPU math.
+
+Everything here works on the canonical tensors the primitives see:
+
+- ``q`` ``[b, s_q, h_q, d_qk]``, ``k`` ``[b, s_kv, h_kv, d_qk]``, ``v`` ``[b, s_kv, h_kv, d_v]``
+  (BSHD; SBHD and packed layouts are converted by the frontend, THD rows hold several segments);
+  query head ``i`` reads key/value head ``i // (h_q // h_kv)`` (GQA/MQA).
+- Sequence info: ``seqlens`` ``[b, m]`` and ``offsets`` ``[b, m + 1]`` per side (``m`` =
+  max segments per row). Segment ``k`` of row ``r`` is tokens ``offsets[r, k] <= t <
+  offsets[r, k] + seqlens[r, k]``; a token in no segment is padding.
+- ``bias`` ``[1 | b, 1 | h_q, s_q, s_kv]`` or ``None``.
+- ``seeds`` ``[b, h_q, 2]`` uint32: one dropout key per (row, head), so that a shard of the batch
+  or of the heads draws the same mask as the whole array.
+
+Visibility (TransformerEngine's semantics, see ``common.attention.config.normalize_window``):
+query ``i`` sees key ``j`` when both lie in the same segment and, with positions counted from
+the segment start, ``i + diag - left <= j <= i + diag + right`` (``-1`` = unbounded), where
+``diag`` is 0 for top-left masks (causal, padding_causal) and ``len_kv - len_q`` of the segment
+for the others. Causal masks have ``right = 0``. A query that sees no key gets a zero output and
+zero gradients.
+
+The fused primitives' CPU lowering computes ``fused_fwd_math`` / ``fused_bwd_math`` (fp32
+throughout, flash-attention's forward/backward equations with a saved log-sum-exp). The unfused
+backend computes ``unfused_attention``: framework math in the input dtype with fp32 softmax,
+differentiated by JAX.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType
+
+__all__ = [
+    "SeqInfo",
+    "full_seq_info",
+    "token_segments",
+    "visibility_mask",
+    "dropout_keep_mask",
+    "head_seeds",
+    "seed_words",
+    "unfused_attention",
+    "fused_fwd_math",
+    "fused_bwd_math",
+    "softmax_aux_shape",
+    "fixed_order_sum",
+]
+
+
+class SeqInfo(NamedTuple):
+    """Per-row segments of queries and keys/values (int32)."""
+
+    q_seqlens: jax.Array  # [b, m]
+    kv_seqlens: jax.Array  # [b, m]
+    q_offsets: jax.Array  # [b, m + 1]
+    kv_offsets: jax.Array  # [b, m + 1]
+
+
+def full_seq_info(batch: int, s_q: int, s_kv: int) -> SeqInfo:
+    """One segment per row covering every token (masks without padding)."""
+    ones = jnp.ones((batch, 1), jnp.int32)
+    return SeqInfo(
+        ones * s_q,
+        ones * s_kv,
+        jnp.concatenate([0 * ones, ones * s_q], axis=1),
+        jnp.concatenate([0 * ones, ones * s_kv], axis=1),
+    )
+
+
+def token_segments(seqlens: jax.Array, offsets: jax.Array, seqlen: int) -> Tuple[jax.Array, jax.Array, jax.Array]:
+    """Per token of a ``[b, seqlen]`` row: (segment number, 0 for padding; position in its
+    segment; length of its segment)."""
+    m = seqlens.shape[-1]
+    starts = offsets[:, :m].astype(jnp.int32)
+    lens = seqlens.astype(jnp.int32)
+    t = jnp.arange(seqlen, dtype=jnp.int32)
+    inside = (t[None, None, :] >= starts[:, :, None]) & (t[None, None, :] < (starts + lens)[:, :, None])
+    inside_i = inside.astype(jnp.int32)  # [b, m, s]; segments do not overlap
+    number = jnp.arange(1, m + 1, dtype=jnp.int32)
+    segment = jnp.sum(inside_i * number[None, :, None], axis=1)
+    pos = t[None, :] - jnp.sum(inside_i * starts[:, :, None], axis=1)
+    length = jnp.sum(inside_i * lens[:, :, None], axis=1)
+    return segment, pos, length
+
+
+def visibility_mask(
+    seq: SeqInfo,
+    s_q: int,
+    s_kv: int,
+    attn_mask_type: AttnMaskType,
+    window_size: Tuple[int, int],
+) -> jax.Array:
+    """``[b, 1, s_q, s_kv]`` bool: which keys each query sees (``window_size`` normalized)."""
+    seg_q, pos_q, len_q = token_segments(seq.q_seqlens, seq.q_offsets, s_q)
+    seg_kv, pos_kv, len_kv = token_segments(seq.kv_seqlens, seq.kv_offsets, s_kv)
+    visible = (seg_q[:, :, None] == seg_kv[:, None, :]) & (seg_q[:, :, None] > 0)
+    mask = AttnMaskType(attn_mask_type)
+    top_left = mask.is_causal and not mask.is_bottom_right
+    left, right = window_size
+    if left >= 0 or right >= 0:
+        diag = 0 if top_left else (len_kv[:, None, :] - len_q[:, :, None])
+        rel = pos_kv[:, None, :] - pos_q[:, :, None] - diag  # j - (i + diag)
+        if left >= 0:
+            visible &= rel >= -left
+        if right >= 0:
+            visible &= rel <= right
+    return visible[:, None, :, :]
+
+
+# --- dropout: a counter-based hash of (per-head seed, query index, key index) -------------------
+
+_GOLDEN = np.uint32(0x9E3779B9)
+_KEY_MUL = np.uint32(0x85EBCA77)
+
+
+def _fmix32(x: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finalizer: a bijection that mixes every input bit into every output bit."""
+    x = x ^ (x >> 16)
+    x = x * np.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * np.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def seed_words(seed) -> jax.Array:
+    """Two uint32 words from a PRNG key (typed or raw ``uint32[2]``) or an integer seed."""
+    seed = jnp.asarray(seed) if not isinstance(seed, jax.Array) else seed
+    if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
+        seed = jax.random.key_data(seed)
+    seed = seed.reshape(-1)
+    if seed.dtype != jnp.uint32:
+        seed = seed.astype(jnp.uint32)
+    if seed.shape[0] == 1:
+        seed = jnp.concatenate([seed, jnp.zeros((1,), jnp.uint32)])
+    return seed[:2]
+
+
+def head_seeds(words: jax.Array, batch: int, heads: int) -> jax.Array:
+    """``[batch, heads, 2]`` uint32 dropout keys from two seed words, one per (row, head)."""
+    r = jnp.arange(batch, dtype=jnp.uint32)[:, None]
+    h = jnp.arange(heads, dtype=jnp.uint32)[None, :]
+    counter = r * np.uint32(heads) + h
+    k0 = _fmix32(words[0] ^ _fmix32(counter * _GOLDEN + np.uint32(1)))
+    k1 = _fmix32(words[1] ^ _fmix32(counter * _KEY_MUL + np.uint32(2)))
+    return jnp.stack([k0, k1], axis=-1)
+
+
+def dropout_keep_mask(seeds: jax.Array, s_q: int, s_kv: int, rate: float) -> jax.Array:
+    """``[b, h, s_q, s_kv]`` bool: True where an attention probability is kept."""
+    i = jnp.arange(s_q, dtype=jnp.uint32)[:, None]
+    j = jnp.arange(s_kv, dtype=jnp.uint32)[None, :]
+    k0 = seeds[..., 0][:, :, None, None]
+    k1 = seeds[..., 1][:, :, None, None]
+    x = _fmix32(k0 ^ (i * _GOLDEN))
+    x = _fmix32(x ^ k1 ^ (j * _KEY_MUL))
+    x = _fmix32(x + _GOLDEN)
+    threshold = np.uint32(min(int(round(rate * 2.0**32)), 2**32 - 1))
+    return x >= threshold
+
+
+# --- shared pieces ---------------------------------------------------------------------------------
+
+
+def _group(q: jax.Array, num_kv_heads: int) -> jax.Array:
+    """``[b, s, h_q, d]`` -> ``[b, s, h_kv, g, d]``."""
+    b, s, h, d = q.shape
+    return q.reshape(b, s, num_kv_heads, h // num_kv_heads, d)
+
+
+def _logits(q, k, bias, scale, attn_bias_type, accum_dtype):
+    """``[b, h_q, s_q, s_kv]`` scaled logits (plus bias), accumulated in ``accum_dtype``."""
+    b, s_q, h_q, _ = q.shape
+    h_kv = k.shape[2]
+    raw = jnp.einsum("bqkgd,bskd->bkgqs", _group(q, h_kv), k, preferred_element_type=accum_dtype)
+    raw = raw.reshape(b, h_q, s_q, k.shape[1])
+    if bias is None or attn_bias_type == AttnBiasType.NO_BIAS:
+        return raw * scale
+    bias = bias.astype(accum_dtype)
+    if attn_bias_type == AttnBiasType.PRE_SCALE_BIAS:
+        return (raw + bias) * scale
+    return raw * scale + bias
+
+
+def fixed_order_sum(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax.Array:
+    """Sum over ``axis`` as a pairwise tree of elementwise adds (zero-padded to a power of two).
+
+    XLA's CPU reductions pick their vectorization from the whole array's shape, so one row's sum
+    can change with the batch size; elementwise adds cannot. This keeps the CPU path bitwise
+    invariant to batch size, head count and sharding, like the GPU kernels.
+    """
+    x = jnp.moveaxis(x, axis, -1)
+    n = x.shape[-1]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        x = jnp.concatenate([x, jnp.zeros((*x.shape[:-1], width - n), x.dtype)], axis=-1)
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    x = x[..., 0]
+    return jnp.expand_dims(x, axis) if keepdims else x
+
+
+def _masked_softmax(logits, visible):
+    """Softmax over keys restricted to ``visible``; (probabilities, log-sum-exp). Rows that see no
+    key get zero probabilities and a log-sum-exp of +inf."""
+    neg_inf = jnp.asarray(-jnp.inf, logits.dtype)
+    row_max = jnp.max(jnp.where(visible, logits, neg_inf), axis=-1, keepdims=True)
+    any_visible = jnp.any(visible, axis=-1, keepdims=True)
+    row_max = jax.lax.stop_gradient(jnp.where(any_visible, row_max, 0.0))
+    # Mask before exp: exp(-inf) = 0 has a zero derivative, so hidden logits get no NaN gradient.
+    exp = jnp.exp(jnp.where(visible, logits - row_max, neg_inf))
+    denom = jnp.where(any_visible, fixed_order_sum(exp, axis=-1, keepdims=True), 1.0)
+    probs = exp / denom
+    lse = jnp.where(any_visible, row_max + jnp.log(denom), jnp.inf)
+    return probs, lse[..., 0]
+
+
+def _apply_dropout(probs, seeds, rate):
+    keep = dropout_keep_mask(seeds, probs.shape[-2], probs.shape[-1], rate)
+    return jnp.where(keep, probs / (1.0 - rate), 0.0).astype(probs.dtype), keep
+
+
+def _pv(probs, v, accum_dtype):
+    """``[b, h_q, s_q, s_kv] x [b, s_kv, h_kv, d_v] -> [b, s_q, h_q, d_v]``."""
+    b, h_q, s_q, s_kv = probs.shape
+    h_kv = v.shape[2]
+    p = probs.reshape(b, h_kv, h_q // h_kv, s_q, s_kv)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", p, v, preferred_element_type=accum_dtype)
+    return out.reshape(b, s_q, h_q, v.shape[-1])
+
+
+def softmax_aux_shape(batch: int, num_heads: int, s_q: int) -> Tuple[int, ...]:
+    """Shape of the saved log-sum-exp (fp32)."""
+    return (batch, num_heads, s_q)
+
+
+# --- unfused backend (differentiated by JAX) --------------------------------------------------------
+
+
+def unfused_attention(
+    q, k, v, bias, seq: SeqInfo, seeds: Optional[jax.Array], *,
+    attn_mask_type: AttnMaskType,
+    attn_bias_type: AttnBiasType,
+    window_size: Tuple[int, int],
+    scaling_factor: float,
+    dropout_probability: float,
+    is_training: bool,
+):
+    """softmax(QK^T * scale + bias) V in the input dtype, softmax in fp32. Returns ``[b, s_q, h_q, d_v]``."""
+    visible = visibility_mask(seq, q.shape[1], k.shape[1], attn_mask_type, window_size)
+    logits = _logits(q, k, bias, scaling_factor, attn_bias_type, jnp.float32)
+    probs, _ = _masked_softmax(logits, visible)
+    if is_training and dropout_probability > 0.0:
+        probs, _ = _apply_dropout(probs, seeds, dropout_probability)
+    out = _pv(probs.astype(v.dtype), v, jnp.float32)
+    return out.astype(q.dtype)
+
+
+# --- the fused primitives' CPU math (fp32) ----------------------------------------------------------
+
+
+def fused_fwd_math(q, k, v, bias, seq: SeqInfo, seeds, *, static):
+    """Forward of the fused primitive in fp32: (output in q's dtype, log-sum-exp fp32 [b, h, s_q])."""
+    f32 = jnp.float32
+    visible = visibility_mask(seq, q.shape[1], k.shape[1], static.attn_mask_type, static.window_size)
+    logits = _logits(q.astype(f32), k.astype(f32), bias, static.scaling_factor, static.attn_bias_type, f32)
+    probs, lse = _masked_softmax(logits, visible)
+    if static.has_dropout:
+        probs, _ = _apply_dropout(probs, seeds, static.dropout_probability)
+    out = _pv(probs, v.astype(f32), f32)
+    return out.astype(q.dtype), lse
+
+
+def _sum_to_shape(x, shape):
+    """Sum ``x`` over the axes where ``shape`` is 1 (bias broadcast)."""
+    for axis, (n, m) in enumerate(zip(x.shape, shape)):
+        if m == 1 and n != 1:
+            x = fixed_order_sum(x, axis=axis, keepdims=True)
+    return x
+
+
+def fused_bwd_math(q, k, v, bias, out, dout, lse, seq: SeqInfo, seeds, *, static):
+    """Backward of the fused primitive in fp32 from the saved log-sum-exp: (dq, dk, dv, dbias)."""
+    f32 = jnp.float32
+    b, s_q, h_q, _ = q.shape
+    s_kv, h_kv = k.shape[1], k.shape[2]
+    qf, kf, vf = q.astype(f32), k.astype(f32), v.astype(f32)
+    visible = visibility_mask(seq, s_q, s_kv, static.attn_mask_type, static.window_size)
+    logits = _logits(qf, kf, bias, static.scaling_factor, static.attn_bias_type, f32)
+    # exp(logits - lse) recomputes the forward probabilities; +inf lse (empty row) gives 0.
+    probs = jnp.where(visible, jnp.exp(jnp.where(visible, logits, 0.0) - lse[..., None]), 0.0)
+    dout_f = dout.astype(f32)
+    # delta_i = sum_d dO_id O_id = sum_j P_ij dP_ij (holds with dropout too).
+    delta = jnp.swapaxes(fixed_order_sum(dout_f * out.astype(f32), axis=-1), 1, 2)  # [b, h_q, s_q]
+    dprobs_dropped = jnp.einsum(
+        "bqkgd,bskd->bkgqs", _group(dout_f, h_kv), vf, preferred_element_type=f32
+    ).reshape(b, h_q, s_q, s_kv)
+    if static.has_dropout:
+        keep = dropout_keep_mask(seeds, s_q, s_kv, static.dropout_probability)
+        scale_keep = jnp.where(keep, 1.0 / (1.0 - static.dropout_probability), 0.0)
+        probs_used = probs * scale_keep
+        dprobs = dprobs_dropped * scale_keep
+    else:
+        probs_used = probs
+        dprobs = dprobs_dropped
+    dlogits = probs * (dprobs - delta[..., None])  # [b, h_q, s_q, s_kv]
+    dv = jnp.einsum(
+        "bkgqs,bqkgd->bskd", probs_used.reshape(b, h_kv, h_q // h_kv, s_q, s_kv), _group(dout_f, h_kv)
+    )
+    dscores = dlogits * static.scaling_factor
+    dscores_g = dscores.reshape(b, h_kv, h_q // h_kv, s_q, s_kv)
+    dq = jnp.einsum("bkgqs,bskd->bqkgd", dscores_g, kf).reshape(q.shape)
+    dk = jnp.einsum("bkgqs,bqkgd->bskd", dscores_g, _group(qf, h_kv))
+    if bias is None:
+        dbias = None
+    else:
+        dbias_full = dscores if static.attn_bias_type == AttnBiasType.PRE_SCALE_BIAS else dlogits
+        dbias = _sum_to_shape(dbias_full, bias.shape).astype(bias.dtype)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias

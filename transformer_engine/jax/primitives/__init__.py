@@ -1,0 +1,1 @@
+"""JAX primitives of transformer_engine.jax (fused attention forward and backward)."""

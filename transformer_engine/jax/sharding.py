@@ -1,0 +1,85 @@
+"""Which mesh axes carry which kind of parallelism: ``MeshResource`` and ``global_shard_guard``.
+
+A :class:`MeshResource` names the mesh axes used for data parallelism (``dp_resource``), fully
+sharded data parallelism (``fsdp_resource``), tensor parallelism (``tp_resource``) and context
+parallelism (``cp_resource``); ``None`` means "not used". Code reads the active one with
+:func:`global_mesh_resource` and sets it for a block with :func:`global_shard_guard`::
+
+    mesh = jax.sharding.Mesh(devices.reshape(2, 4), ("data", "model"))
+    with mesh, global_shard_guard(MeshResource(dp_resource="data", tp_resource="model")):
+        out = fused_attn(...)
+
+What the fused attention does with it: batch is split over the dp and fsdp axes and heads over
+the tp axis, each device computing its own shard with no gather of q, k or v. A sequence axis
+that is sharded (context parallelism) is rejected with ``NotImplementedError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator, Optional, Tuple
+
+__all__ = [
+    "MeshResource",
+    "global_shard_guard",
+    "global_mesh_resource",
+    "batch_axes",
+    "head_axes",
+]
+
+
+@dataclass(frozen=True)
+class MeshResource:
+    """Mesh axis names for each kind of parallelism (``None``: that kind is not used)."""
+
+    dp_resource: Optional[str] = None
+    tp_resource: Optional[str] = None
+    fsdp_resource: Optional[str] = None
+    cp_resource: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        for name in ("dp_resource", "tp_resource", "fsdp_resource", "cp_resource"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"`{name}` must be a mesh axis name (str) or None, got {value!r}")
+        used = [v for v in (self.dp_resource, self.tp_resource, self.fsdp_resource, self.cp_resource) if v]
+        if len(used) != len(set(used)):
+            raise ValueError(f"MeshResource axes must be distinct, got {self}")
+
+
+_GLOBAL_MESH_RESOURCE = MeshResource()
+
+
+def global_mesh_resource() -> MeshResource:
+    """The :class:`MeshResource` in effect (an empty one outside any guard)."""
+    return _GLOBAL_MESH_RESOURCE
+
+
+@contextlib.contextmanager
+def global_shard_guard(resource: Optional[MeshResource] = None) -> Iterator[MeshResource]:
+    """Make ``resource`` the active :class:`MeshResource` inside the block; restore the previous
+    one on exit (also when the block raises). Guards nest."""
+    if resource is None:
+        resource = MeshResource()
+    if not isinstance(resource, MeshResource):
+        raise ValueError(f"`resource` must be a MeshResource, got {type(resource).__name__}")
+    global _GLOBAL_MESH_RESOURCE
+    previous = _GLOBAL_MESH_RESOURCE
+    _GLOBAL_MESH_RESOURCE = resource
+    try:
+        yield resource
+    finally:
+        _GLOBAL_MESH_RESOURCE = previous
+
+
+def batch_axes(resource: Optional[MeshResource] = None) -> Tuple[str, ...]:
+    """Mesh axes the batch dimension is split over (dp, then fsdp), in that order."""
+    resource = resource or global_mesh_resource()
+    return tuple(a for a in (resource.dp_resource, resource.fsdp_resource) if a)
+
+
+def head_axes(resource: Optional[MeshResource] = None) -> Tuple[str, ...]:
+    """Mesh axes the heads dimension is split over (tp)."""
+    resource = resource or global_mesh_resource()
+    return tuple(a for a in (resource.tp_resource,) if a)

@@ -134,3 +134,7 @@ def test_check_requests_determinism_through_the_environment(unfused_only, monkey
     seen.clear()
     assert determinism_check.main(IN_PROCESS + ["--nondeterministic"]) == 0
     assert seen and not any(seen)
+    seen.clear()
+    assert determinism_check.main(IN_PROCESS + ["--nondeterministic", "--torch-deterministic"]) == 0
+    assert seen and all(seen)  # the torch flag alone requests determinism
+    assert not torch.are_deterministic_algorithms_enabled()  # and is restored afterwards

@@ -104,6 +104,23 @@ def _env(**values: Optional[str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
+@contextlib.contextmanager
+def _torch_deterministic(enabled: bool) -> Iterator[None]:
+    """torch.use_deterministic_algorithms(True) for the block when ``enabled``, restored afterwards."""
+    if not enabled:
+        yield
+        return
+    before = torch.are_deterministic_algorithms_enabled()
+    # cuBLAS needs a fixed workspace configuration for reproducible results under this flag; it is
+    # read when cuBLAS initialises, so it only takes effect if set before the first GPU matmul.
+    with _env(CUBLAS_WORKSPACE_CONFIG=os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8")):
+        torch.use_deterministic_algorithms(True)
+        try:
+            yield
+        finally:
+            torch.use_deterministic_algorithms(before)
+
+
 class _Progress:
     """One line per run: redrawn in place on a terminal, one line per step otherwise."""
 
@@ -289,6 +306,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--nondeterministic", action="store_true",
                    help="do not request determinism (NVTE_ALLOW_NONDETERMINISTIC_ALGO=1)")
+    p.add_argument("--torch-deterministic", action="store_true",
+                   help="also call torch.use_deterministic_algorithms(True) for the runs (the other way to ask)")
     p.add_argument("--no-reference", action="store_true", help="skip the run with the unfused backend forced")
     p.add_argument("--expect-backend", choices=tuple(_BACKEND_NAMES),
                    help="exit 3 unless every attention call used this backend")
@@ -327,10 +346,15 @@ def run_check(args: argparse.Namespace, out=None, err=None) -> CheckResult:
         num_gqa_groups=args.gqa_groups, qkv_format=args.qkv_format, window_size=(args.window, 0),
     )
     cfg.validate()
-    deterministic = not args.nondeterministic
+    deterministic = not args.nondeterministic or args.torch_deterministic
     progress = _Progress(err, not args.quiet)
 
-    mode = "requested (NVTE_ALLOW_NONDETERMINISTIC_ALGO=0)" if deterministic else "not requested"
+    how = []
+    if not args.nondeterministic:
+        how.append("NVTE_ALLOW_NONDETERMINISTIC_ALGO=0")
+    if args.torch_deterministic:
+        how.append("torch.use_deterministic_algorithms(True)")
+    mode = f"requested ({', '.join(how)})" if deterministic else "not requested"
     out.write(
         f"Determinism check: {args.steps} steps x 2 runs{'' if args.no_reference else ' + unfused reference'}\n"
         f"  model: {args.layers} layers, hidden {args.hidden_size}, {args.num_heads} heads / {args.gqa_groups} "
@@ -342,8 +366,8 @@ def run_check(args: argparse.Namespace, out=None, err=None) -> CheckResult:
     )
     out.flush()
 
-    nondet_value = "0" if deterministic else "1"
-    with _env(NVTE_ALLOW_NONDETERMINISTIC_ALGO=nondet_value):
+    nondet_value = "1" if args.nondeterministic else "0"
+    with _env(NVTE_ALLOW_NONDETERMINISTIC_ALGO=nondet_value), _torch_deterministic(args.torch_deterministic):
         run1 = _train("run 1", cfg, args, device, dtype, progress)
         run2 = _train("run 2", cfg, args, device, dtype, progress)
         reference = None

@@ -104,8 +104,14 @@ class TinyTransformerLM(torch.nn.Module):
         return logits.transpose(0, 1) if self.cfg.qkv_format == "sbhd" else logits
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self(tokens)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        """Mean next-token cross entropy, in fp32.
+
+        Written with log_softmax + gather rather than F.cross_entropy: PyTorch's NLLLoss has no
+        deterministic CUDA implementation (it raises under torch.use_deterministic_algorithms), while
+        gather's backward adds each gradient once here (one target per row), so it is reproducible.
+        """
+        logp = self(tokens).float().log_softmax(dim=-1)
+        return -logp.gather(-1, targets.unsqueeze(-1)).mean()
 
     def attention_backends(self) -> List[Optional[str]]:
         """The backend each layer's attention used on its most recent call."""

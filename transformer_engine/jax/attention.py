@@ -371,7 +371,11 @@ def _segments_from_ids(ids, max_segments):
     in_segment = number[:, None, :] == k  # [b, m, s]
     lens = jnp.sum(in_segment, axis=-1, dtype=jnp.int32)
     t = jnp.arange(seqlen, dtype=jnp.int32)[None, None, :]
-    start = jnp.min(jnp.where(in_segment, t, seqlen), axis=-1).astype(jnp.int32)
+    first_token = jnp.min(jnp.where(in_segment, t, seqlen), axis=-1).astype(jnp.int32)
+    # An empty segment starts where the segments before it end (offsets stay non-decreasing).
+    ends = jnp.where(lens > 0, first_token + lens, 0)
+    ends_before = jnp.concatenate([jnp.zeros((batch, 1), jnp.int32), jax.lax.cummax(ends, axis=1)[:, :-1]], axis=1)
+    start = jnp.where(lens > 0, first_token, ends_before)
     end = jnp.full((batch, 1), seqlen, jnp.int32)
     return lens, jnp.concatenate([start, end], axis=1)
 

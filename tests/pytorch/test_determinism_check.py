@@ -38,24 +38,26 @@ def _run_command(args, tmp_path):
 
 
 def test_command_reports_bitwise_equal_runs(tmp_path):
-    if ON_GPU:
-        args, expected = ["--steps", "5", "--expect-backend", "fused"], "FusedAttention"
-    else:
-        args, expected = TINY, ("FusedAttention" if INTERPRET else "UnfusedDotProductAttention")
+    args = ["--steps", "5"] if ON_GPU else TINY
     proc, report = _run_command(args, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert report["deterministic_requested"] is True
     assert report["bitwise_identical"] is True
     assert report["losses_equal"] and report["grads_equal"] and report["params_equal"]
-    assert report["backends"] == [expected]
+    if ON_GPU:  # a fused backend (ours, or flash-attn-4 where installed) stays selected in deterministic training
+        assert report["backends"] and "UnfusedDotProductAttention" not in report["backends"], report["backends"]
+    else:
+        assert report["backends"] == ["FusedAttention" if INTERPRET else "UnfusedDotProductAttention"]
     assert report["reference_backends"] == ["UnfusedDotProductAttention"]
     assert report["device"].startswith("cuda" if ON_GPU else "cpu")
     dev = report["max_deviation"]
-    if expected == "UnfusedDotProductAttention":
+    if report["backends"] == ["UnfusedDotProductAttention"]:
         assert dev == {"loss": 0.0, "grad_first_step": 0.0, "grad_last_step": 0.0, "param": 0.0}
+    elif not ON_GPU:
+        # fp32 under the interpreter: fused and unfused differ by rounding only.
+        assert dev["loss"] < 1e-4 and dev["grad_first_step"] < 1e-5, dev
     else:
-        # Fused vs unfused differ by rounding only: the first-step gradients agree closely.
-        assert dev["loss"] < 0.05 and dev["grad_first_step"] < 0.05, dev
+        assert dev["loss"] < 0.05, dev  # bf16: the losses of the two backends agree to bf16 rounding
     out = proc.stdout
     for line in ("attention backend", "losses bitwise equal", "gradients bitwise equal", "parameters bitwise equal",
                  "max |grad - unfused| step 1", "time per step", "RESULT: PASS"):

@@ -41,8 +41,10 @@ from transformer_engine.pytorch.attention.unfused import default_alibi_slopes
 
 BACKENDS = ["unfused", pytest.param("fused", marks=requires_fused)]
 UNFUSED_DTYPES = [torch.float32] + LOWP_DTYPES
-# Sizes: odd and unequal on purpose; small enough for the Triton interpreter on CPU.
-B, SQ, SKV, D = 3, 21, 29, 16
+# Sizes: odd and unequal on purpose; several tiles per sequence on a GPU, small enough for the
+# Triton interpreter on CPU.
+B, SQ, SKV, D = (3, 197, 261, 64) if ON_GPU else (3, 21, 29, 16)
+THD_LENS_Q, THD_LENS_KV = ([130, 1, 0, 170], [170, 5, 0, 110]) if ON_GPU else ([13, 1, 0, 17], [17, 5, 0, 11])
 HEADS = [(2, 2), (4, 2) if ON_GPU else (2, 1)]
 HEAD_IDS = ["mha", "gqa"]
 
@@ -149,7 +151,7 @@ def test_formats_masks_against_reference(monkeypatch, backend, fmt, mask, heads)
 def test_thd_against_reference(monkeypatch, backend, mask, heads):
     """Packed sequences (with a length-0 and a length-1 one); non-padding masks act per sequence."""
     h, hk = heads
-    lens_q, lens_kv = [13, 1, 0, 17], [17, 5, 0, 11]
+    lens_q, lens_kv = THD_LENS_Q, THD_LENS_KV
     dtype = dtypes_for(backend)[-1]
     q, k, v, sq, sk, _ = _thd_inputs(lens_q, lens_kv, h, hk, D, dtype)
     cu_q, cu_kv = cu_seqlens(lens_q), cu_seqlens(lens_kv)
@@ -171,7 +173,7 @@ def test_thd_against_reference(monkeypatch, backend, mask, heads):
 @pytest.mark.parametrize("gap", [0, 3])
 def test_thd_padded_offsets(monkeypatch, backend, gap):
     """cu_seqlens_*_padded: sequences start at padded offsets; the gap tokens get zero output and gradient."""
-    lens = [9, 1, 0, 14]
+    lens = [90, 1, 0, 141] if ON_GPU else [9, 1, 0, 14]
     h, hk = 2, 1
     dtype = dtypes_for(backend)[-1]
     q, k, v, starts, _, (pad_q, pad_kv) = _thd_inputs(lens, lens, h, hk, D, dtype, gap=gap, seed=4)

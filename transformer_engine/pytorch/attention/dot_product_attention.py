@@ -9,6 +9,7 @@ Nothing about a decision is kept between calls.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple, Union
 
 import torch
@@ -122,6 +123,119 @@ def _check_cu_seqlens(cu: Optional[torch.Tensor], name: str, batch: Optional[int
         raise ValueError(f"`{name}` must have shape {want}, got {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"`{name}` must be on the inputs' device {device}, got {cu.device}")
+
+
+@dataclass
+class _Sequences:
+    """Where the sequences are: the effective mask type, cu_seqlens and max lengths of one call."""
+
+    mask: AttnMaskType
+    batch: Optional[int]
+    cu_seqlens_q: Optional[torch.Tensor] = None
+    cu_seqlens_kv: Optional[torch.Tensor] = None
+    cu_seqlens_q_padded: Optional[torch.Tensor] = None
+    cu_seqlens_kv_padded: Optional[torch.Tensor] = None
+    max_seqlen_q: Optional[int] = None
+    max_seqlen_kv: Optional[int] = None
+    attention_mask: Optional[torch.Tensor] = None  # the 'arbitrary' mask; padding masks become cu_seqlens
+
+    def kwargs(self) -> dict:
+        return dict(cu_seqlens_q=self.cu_seqlens_q, cu_seqlens_kv=self.cu_seqlens_kv,
+                    cu_seqlens_q_padded=self.cu_seqlens_q_padded, cu_seqlens_kv_padded=self.cu_seqlens_kv_padded,
+                    max_seqlen_q=self.max_seqlen_q, max_seqlen_kv=self.max_seqlen_kv)
+
+
+def _resolve_sequences(q, k, v, fmt: QKVFormat, mask: AttnMaskType, attention_mask, cu_seqlens_q, cu_seqlens_kv,
+                       cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv) -> _Sequences:
+    """Validate the sequence arguments; padding masks become cu_seqlens (what the fused path takes)."""
+    if fmt == QKVFormat.THD:
+        if mask == AttnMaskType.ARBITRARY_MASK:
+            raise NotImplementedError("attn_mask_type='arbitrary' with qkv_format='thd' is not supported")
+        if attention_mask is not None:
+            raise ValueError("`attention_mask` must be None for qkv_format='thd' (use cu_seqlens_q/kv)")
+        if cu_seqlens_q is None or cu_seqlens_kv is None:
+            raise ValueError("`cu_seqlens_q` and `cu_seqlens_kv` must be given for qkv_format='thd'")
+        batch = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) else None
+        seqs = _Sequences(_THD_MASK.get(mask, mask), batch, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+                          cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)
+    else:
+        seq_dim = 1 if fmt == QKVFormat.BSHD else 0
+        batch = q.shape[1 - seq_dim]
+        seq_len_q, seq_len_kv = q.shape[seq_dim], k.shape[seq_dim]
+        if k.shape[1 - seq_dim] != batch or v.shape[1 - seq_dim] != batch:
+            raise ValueError(
+                f"`query_layer`, `key_layer`, `value_layer` must share the batch size, got shapes "
+                f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+            )
+        if k.shape[seq_dim] != v.shape[seq_dim]:
+            raise ValueError(
+                f"`key_layer` and `value_layer` must have the same sequence length, got shapes "
+                f"{tuple(k.shape)}, {tuple(v.shape)}"
+            )
+        seqs = _Sequences(mask, batch, max_seqlen_q=seq_len_q, max_seqlen_kv=seq_len_kv)
+        if mask.is_padding:
+            if attention_mask is not None:
+                if cu_seqlens_q is not None or cu_seqlens_kv is not None:
+                    raise ValueError("give either `attention_mask` or `cu_seqlens_q`/`cu_seqlens_kv`, not both")
+                if isinstance(attention_mask, (tuple, list)):
+                    if len(attention_mask) != 2:
+                        raise ValueError("`attention_mask` must be one tensor or a (q_mask, kv_mask) pair")
+                    mask_q, mask_kv = attention_mask
+                elif seq_len_q != seq_len_kv:
+                    raise ValueError(
+                        f"`attention_mask` must be a (q_mask, kv_mask) pair when s_q != s_kv ({seq_len_q} != {seq_len_kv})"
+                    )
+                else:
+                    mask_q = mask_kv = attention_mask
+                cu_seqlens_q = _padding_mask_to_cu_seqlens(mask_q, batch, seq_len_q, "attention_mask")
+                cu_seqlens_kv = (cu_seqlens_q if mask_kv is mask_q
+                                 else _padding_mask_to_cu_seqlens(mask_kv, batch, seq_len_kv, "attention_mask"))
+            elif cu_seqlens_q is None and cu_seqlens_kv is None:
+                seqs.mask = _UNPADDED_MASK[mask]  # no padding information: nothing is padded
+            elif cu_seqlens_q is None or cu_seqlens_kv is None:
+                raise ValueError(
+                    f"`cu_seqlens_q` and `cu_seqlens_kv` must be given together for attn_mask_type={mask.value!r}"
+                )
+            seqs.cu_seqlens_q, seqs.cu_seqlens_kv = cu_seqlens_q, cu_seqlens_kv
+        elif mask == AttnMaskType.ARBITRARY_MASK:
+            if attention_mask is None:
+                raise ValueError("`attention_mask` must be given for attn_mask_type='arbitrary'")
+            seqs.attention_mask = attention_mask
+        elif attention_mask is not None:
+            raise ValueError(
+                f"`attention_mask` is only used with padding or arbitrary masks, got attn_mask_type={mask.value!r}"
+            )
+    for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+        _check_cu_seqlens(getattr(seqs, name), name, seqs.batch, q.device)
+    if fmt == QKVFormat.THD and not _is_compiling():
+        # One host sync when the caller did not pass max_seqlen (pass it to avoid the sync).
+        if seqs.max_seqlen_q is None:
+            seqs.max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
+        if seqs.max_seqlen_kv is None:
+            seqs.max_seqlen_kv = int((cu_seqlens_kv[1:] - cu_seqlens_kv[:-1]).max().item())
+    return seqs
+
+
+def _check_bias(q, seqs: _Sequences, bias_type: AttnBiasType, bias: Optional[torch.Tensor],
+                alibi_slopes: Optional[torch.Tensor]) -> Optional[str]:
+    """Validate the bias arguments; returns the bias shape name ('1hss', ...) or None."""
+    heads = q.shape[-2]
+    if alibi_slopes is not None:
+        if bias_type != AttnBiasType.ALIBI:
+            raise ValueError(f"`alibi_slopes` needs core_attention_bias_type='alibi', got {bias_type.value!r}")
+        if tuple(alibi_slopes.shape) not in ((heads,), (seqs.batch, heads)):
+            raise ValueError(
+                f"`alibi_slopes` must have shape [{heads}] or [{seqs.batch}, {heads}], got {tuple(alibi_slopes.shape)}"
+            )
+    if bias_type not in (AttnBiasType.PRE_SCALE_BIAS, AttnBiasType.POST_SCALE_BIAS):
+        if bias is not None:
+            raise ValueError(f"`core_attention_bias` must be None with core_attention_bias_type={bias_type.value!r}")
+        return None
+    if bias is None:
+        raise ValueError(f"`core_attention_bias` must be given for core_attention_bias_type={bias_type.value!r}")
+    if seqs.max_seqlen_q is None or seqs.max_seqlen_kv is None:
+        raise ValueError("`max_seqlen_q` and `max_seqlen_kv` must be given with a bias under torch.compile")
+    return bias_shape_name(bias, seqs.batch, heads, seqs.max_seqlen_q, seqs.max_seqlen_kv)
 
 
 def _run_fused(q, k, v, fmt, mask, window, scale, seq, deterministic, **_unused):
@@ -370,105 +484,14 @@ class DotProductAttention(torch.nn.Module):
                 f"`query_layer`, `key_layer`, `value_layer` must be on one device, got {q.device}, {k.device}, {v.device}"
             )
 
-        # Sequence information: cu_seqlens for thd and padding masks.
-        if fmt == QKVFormat.THD:
-            if mask == AttnMaskType.ARBITRARY_MASK:
-                raise NotImplementedError("attn_mask_type='arbitrary' with qkv_format='thd' is not supported")
-            if attention_mask is not None:
-                raise ValueError("`attention_mask` must be None for qkv_format='thd' (use cu_seqlens_q/kv)")
-            mask = _THD_MASK.get(mask, mask)
-            if cu_seqlens_q is None or cu_seqlens_kv is None:
-                raise ValueError("`cu_seqlens_q` and `cu_seqlens_kv` must be given for qkv_format='thd'")
-            batch = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) else None
-            seq_len_q = seq_len_kv = None
-        else:
-            batch = q.shape[0] if fmt == QKVFormat.BSHD else q.shape[1]
-            seq_dim = 1 if fmt == QKVFormat.BSHD else 0
-            seq_len_q, seq_len_kv = q.shape[seq_dim], k.shape[seq_dim]
-            if k.shape[1 - seq_dim] != batch or v.shape[1 - seq_dim] != batch:
-                raise ValueError(
-                    f"`query_layer`, `key_layer`, `value_layer` must share the batch size, got shapes "
-                    f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-                )
-            if k.shape[seq_dim] != v.shape[seq_dim]:
-                raise ValueError(
-                    f"`key_layer` and `value_layer` must have the same sequence length, got shapes "
-                    f"{tuple(k.shape)}, {tuple(v.shape)}"
-                )
-            cu_seqlens_q_padded = cu_seqlens_kv_padded = None
-            if mask.is_padding:
-                if attention_mask is not None:
-                    if cu_seqlens_q is not None or cu_seqlens_kv is not None:
-                        raise ValueError("give either `attention_mask` or `cu_seqlens_q`/`cu_seqlens_kv`, not both")
-                    if isinstance(attention_mask, (tuple, list)):
-                        if len(attention_mask) != 2:
-                            raise ValueError("`attention_mask` must be one tensor or a (q_mask, kv_mask) pair")
-                        mask_q, mask_kv = attention_mask
-                    else:
-                        if seq_len_q != seq_len_kv:
-                            raise ValueError(
-                                "`attention_mask` must be a (q_mask, kv_mask) pair when s_q != s_kv "
-                                f"({seq_len_q} != {seq_len_kv})"
-                            )
-                        mask_q = mask_kv = attention_mask
-                    cu_seqlens_q = _padding_mask_to_cu_seqlens(mask_q, batch, seq_len_q, "attention_mask")
-                    cu_seqlens_kv = (
-                        cu_seqlens_q if mask_kv is mask_q
-                        else _padding_mask_to_cu_seqlens(mask_kv, batch, seq_len_kv, "attention_mask")
-                    )
-                    attention_mask = None
-                elif cu_seqlens_q is None and cu_seqlens_kv is None:
-                    mask = _UNPADDED_MASK[mask]  # no padding information: nothing is padded
-                elif cu_seqlens_q is None or cu_seqlens_kv is None:
-                    raise ValueError(
-                        f"`cu_seqlens_q` and `cu_seqlens_kv` must be given together for attn_mask_type={mask.value!r}"
-                    )
-            else:
-                cu_seqlens_q = cu_seqlens_kv = None
-                if mask != AttnMaskType.ARBITRARY_MASK and attention_mask is not None:
-                    raise ValueError(
-                        f"`attention_mask` is only used with padding or arbitrary masks, got attn_mask_type={mask.value!r}"
-                    )
-            if mask == AttnMaskType.ARBITRARY_MASK and attention_mask is None:
-                raise ValueError("`attention_mask` must be given for attn_mask_type='arbitrary'")
-            max_seqlen_q, max_seqlen_kv = seq_len_q, seq_len_kv
-        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv),
-                         ("cu_seqlens_q_padded", cu_seqlens_q_padded), ("cu_seqlens_kv_padded", cu_seqlens_kv_padded)):
-            _check_cu_seqlens(cu, name, batch, q.device)
-        if fmt == QKVFormat.THD and not _is_compiling():
-            # One host sync when the caller did not pass max_seqlen (pass it to avoid the sync).
-            if max_seqlen_q is None:
-                max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
-            if max_seqlen_kv is None:
-                max_seqlen_kv = int((cu_seqlens_kv[1:] - cu_seqlens_kv[:-1]).max().item())
-
-        window = normalize_window(window_size if window_size is not None else self.window_size, mask)
-
-        bias_shape = None
-        if bias_type in (AttnBiasType.PRE_SCALE_BIAS, AttnBiasType.POST_SCALE_BIAS):
-            if core_attention_bias is None:
-                raise ValueError(f"`core_attention_bias` must be given for core_attention_bias_type={bias_type.value!r}")
-            if fmt == QKVFormat.THD and max_seqlen_q is None:
-                raise ValueError("`max_seqlen_q` and `max_seqlen_kv` must be given with a bias under torch.compile")
-            bias_shape = bias_shape_name(core_attention_bias, batch, q.shape[-2], max_seqlen_q, max_seqlen_kv)
-        elif core_attention_bias is not None:
-            raise ValueError(
-                f"`core_attention_bias` must be None with core_attention_bias_type={bias_type.value!r}"
-            )
-        if alibi_slopes is not None and bias_type != AttnBiasType.ALIBI:
-            raise ValueError(f"`alibi_slopes` needs core_attention_bias_type='alibi', got {bias_type.value!r}")
-        if alibi_slopes is not None and tuple(alibi_slopes.shape) not in ((q.shape[-2],), (batch, q.shape[-2])):
-            raise ValueError(
-                f"`alibi_slopes` must have shape [{q.shape[-2]}] or [{batch}, {q.shape[-2]}], got {tuple(alibi_slopes.shape)}"
-            )
+        seqs = _resolve_sequences(q, k, v, fmt, mask, attention_mask, cu_seqlens_q, cu_seqlens_kv,
+                                  cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)
+        window = normalize_window(window_size if window_size is not None else self.window_size, seqs.mask)
+        bias_shape = _check_bias(q, seqs, bias_type, core_attention_bias, alibi_slopes)
 
         dropout = self.attention_dropout if self.training else 0.0
-        backend, deterministic = self._select(q, k, v, fmt, mask, window, bias_type, bias_shape, dropout, batch,
-                                              max_seqlen_q, max_seqlen_kv)
+        backend, deterministic = self._select(q, k, v, fmt, seqs, window, bias_type, bias_shape, dropout)
         self.last_backend = backend
-
-        seq = dict(cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
-                   cu_seqlens_kv_padded=cu_seqlens_kv_padded, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv)
         rng_context = None
         if self.get_rng_state_tracker is not None:
             tracker = self.get_rng_state_tracker
@@ -476,8 +499,8 @@ class DotProductAttention(torch.nn.Module):
         runner = _RUNNERS[backend]
 
         def attend(q_, k_, v_):
-            return runner(q_, k_, v_, fmt, mask, window, self.softmax_scale, seq, deterministic,
-                          attention_mask=attention_mask, bias_type=bias_type, bias=core_attention_bias,
+            return runner(q_, k_, v_, fmt, seqs.mask, window, self.softmax_scale, seqs.kwargs(), deterministic,
+                          attention_mask=seqs.attention_mask, bias_type=bias_type, bias=core_attention_bias,
                           alibi_slopes=alibi_slopes, dropout=dropout, rng_context=rng_context)
 
         if checkpoint_core_attention and torch.is_grad_enabled():
@@ -486,8 +509,8 @@ class DotProductAttention(torch.nn.Module):
             out = attend(q, k, v)
         return out.reshape(*out.shape[:-2], out.shape[-2] * out.shape[-1])
 
-    def _select(self, q, k, v, fmt, mask, window, bias_type, bias_shape, dropout, batch, max_seqlen_q,
-                max_seqlen_kv) -> Tuple[str, bool]:
+    def _select(self, q, k, v, fmt: QKVFormat, seqs: "_Sequences", window, bias_type: AttnBiasType,
+                bias_shape: Optional[str], dropout: float) -> Tuple[str, bool]:
         """(backend name, deterministic) for this call, read now."""
         if _is_compiling():
             # Sizes that may be dynamic are unknown while tracing; head counts and dims are static.
@@ -497,12 +520,13 @@ class DotProductAttention(torch.nn.Module):
             return _select_while_tracing(
                 meta(q, self.num_heads_per_partition, dk), meta(k, self.num_gqa_groups_per_partition, dk),
                 meta(v, self.num_gqa_groups_per_partition, dv), str(q.dtype).replace("torch.", ""), q.device.type, fmt.value,
-                mask.value, tuple(window), bias_type.value, bias_shape, float(dropout), bool(self.training),
+                seqs.mask.value, tuple(window), bias_type.value, bias_shape, float(dropout), bool(self.training),
                 torch.are_deterministic_algorithms_enabled(), None, None, None,
             )
         config = attn_config.make_attn_config(
-            q, k, v, qkv_format=fmt.value, attn_mask_type=mask.value, window_size=window,
+            q, k, v, qkv_format=fmt.value, attn_mask_type=seqs.mask.value, window_size=window,
             attn_bias_type=bias_type.value, bias_shape=bias_shape, dropout=dropout, is_training=self.training,
-            batch_size=batch, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, packing=_packing(q, k, v),
+            batch_size=seqs.batch, max_seqlen_q=seqs.max_seqlen_q, max_seqlen_kv=seqs.max_seqlen_kv,
+            packing=_packing(q, k, v),
         )
         return attn_config.select(config).name, config.deterministic

@@ -38,7 +38,7 @@ def _run_command(args, tmp_path):
 
 
 def test_command_reports_bitwise_equal_runs(tmp_path):
-    args = ["--steps", "5"] if ON_GPU else TINY
+    args = ["--steps", "3"] if ON_GPU else TINY
     proc, report = _run_command(args, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert report["deterministic_requested"] is True

@@ -17,6 +17,7 @@ import pytest
 
 from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, QKVFormat, QKVLayout
 from transformer_engine.jax import attention as te_attention
+from transformer_engine.jax import attention_math
 from transformer_engine.jax.attention import SequenceDescriptor
 
 LAYOUTS = list(QKVLayout)
@@ -183,7 +184,7 @@ def reference_attention(q, k, v, bias, dout, visible, scale, bias_type=AttnBiasT
     q, k, v, bias, dout = f64(q), f64(k), f64(v), f64(bias), f64(dout)
     g = q.shape[2] // k.shape[2]
     k_rep, v_rep = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
-    raw = rnd(np.einsum("bqhd,bkhd->bhqk", q, k_rep))
+    raw = rnd(np.einsum("bqhd,bkhd->bhqk", q, k_rep, optimize=True))
     if bias_type == AttnBiasType.PRE_SCALE_BIAS:
         logits = (raw + bias) * scale
     elif bias_type == AttnBiasType.POST_SCALE_BIAS:
@@ -198,14 +199,14 @@ def reference_attention(q, k, v, bias, dout, visible, scale, bias_type=AttnBiasT
     p = e / np.where(denom > 0, denom, 1.0)
     drop = np.where(np.asarray(keep), 1.0 / (1.0 - rate), 0.0) if keep is not None else 1.0
     p_used = rnd(p * drop)
-    out = rnd(np.einsum("bhqk,bkhd->bqhd", p_used, v_rep))
+    out = rnd(np.einsum("bhqk,bkhd->bqhd", p_used, v_rep, optimize=True))
 
-    dv_rep = rnd(np.einsum("bhqk,bqhd->bkhd", p_used, dout))
-    dp = rnd(np.einsum("bqhd,bkhd->bhqk", dout, v_rep)) * drop
+    dv_rep = rnd(np.einsum("bhqk,bqhd->bkhd", p_used, dout, optimize=True))
+    dp = rnd(np.einsum("bqhd,bkhd->bhqk", dout, v_rep, optimize=True)) * drop
     dlogits = rnd(p * (dp - (p * dp).sum(-1, keepdims=True)))
     draw = dlogits * scale
-    dq = rnd(np.einsum("bhqk,bkhd->bqhd", draw, k_rep))
-    dk_rep = rnd(np.einsum("bhqk,bqhd->bkhd", draw, q))
+    dq = rnd(np.einsum("bhqk,bkhd->bqhd", draw, k_rep, optimize=True))
+    dk_rep = rnd(np.einsum("bhqk,bqhd->bkhd", draw, q, optimize=True))
     b, s_kv, h_kv = k.shape[:3]
     dk = dk_rep.reshape(b, s_kv, h_kv, g, -1).sum(3)
     dv = dv_rep.reshape(b, s_kv, h_kv, g, -1).sum(3)
@@ -298,3 +299,139 @@ def assert_close_to_reference(name, actual, ref32, ref_lowp, atol=2e-5):
     bound = 2 * base + atol * max(1.0, max_abs(ref32))
     assert np.isfinite(err), f"{name}: non-finite values"
     assert err <= bound, f"{name}: max error {err:.3g} > bound {bound:.3g} (low-precision error {base:.3g})"
+
+
+# ------------------------------------------------------------------------------------------------
+# One configuration: build, run (output and gradients), check against the reference
+# ------------------------------------------------------------------------------------------------
+
+
+def _segments(rng, fmt, mask, b, s_q, s_kv, m, desc_kind):
+    if fmt == QKVFormat.THD:
+        gaps = desc_kind != "seqlens"  # from_seqlens alone means packed from position 0
+        return packed_segments(rng, b, s_q, m, gaps), packed_segments(rng, b, s_kv, m, gaps)
+    if mask.is_padding:
+        return padded_segments(rng, b, s_q), padded_segments(rng, b, s_kv)
+    return full_segments(b, s_q), full_segments(b, s_kv)
+
+
+@dataclass
+class Case:
+    """One attention configuration with its inputs; ``run()`` gives output and gradients (BSHD)."""
+
+    backend: str
+    layout: QKVLayout
+    mask: AttnMaskType
+    dtype: object
+    seg_q: Segments
+    seg_kv: Segments
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    bias: Optional[jax.Array]
+    dout: jax.Array
+    scale: float
+    window: Optional[Tuple[int, int]]
+    bias_type: AttnBiasType
+    dropout: float
+    dropout_key: jax.Array
+    kwargs: dict
+
+    def function(self):
+        """A freshly jitted ``(q, k, v, bias, dout) -> (out, (dq, dk, dv), dbias)``."""
+        layout = self.layout
+        f = attn_fn(self.backend, **self.kwargs)
+        sbhd = layout.qkv_format == QKVFormat.SBHD
+        to_bshd = (lambda x: jnp.swapaxes(x, 0, 1)) if sbhd else (lambda x: x)
+
+        def run(q, k, v, bias, dout):
+            out, vjp = jax.vjp(f, pack(q, k, v, layout), bias)
+            dqkv, dbias = vjp(to_bshd(dout))
+            return to_bshd(out), unpack_grads(dqkv, layout), dbias
+
+        return jax.jit(run)
+
+    def run(self, fn=None):
+        out, (dq, dk, dv), dbias = (fn or self.function())(self.q, self.k, self.v, self.bias, self.dout)
+        return dict(out=out, dq=dq, dk=dk, dv=dv, dbias=dbias)
+
+    @property
+    def visible(self) -> np.ndarray:
+        return reference_mask(self.seg_q, self.seg_kv, self.mask, (-1, -1) if self.window is None else self.window)
+
+    def check_reference(self, results: dict) -> None:
+        b, s_q, h_q, _ = self.q.shape
+        keep = None
+        if self.dropout:
+            seeds = attention_math.head_seeds(attention_math.seed_words(self.dropout_key), b, h_q)
+            keep = attention_math.dropout_keep_mask(seeds, s_q, self.k.shape[1], self.dropout)
+        args = (self.q, self.k, self.v, self.bias, self.dout, self.visible, self.scale, self.bias_type, keep,
+                self.dropout)
+        ref = reference_attention(*args, jnp.float32)
+        low = reference_attention(*args, self.dtype)
+        out = results["out"]
+        assert out.shape == (b, s_q, h_q, self.v.shape[3]) and out.dtype == self.dtype
+        for i, name in enumerate(("out", "dq", "dk", "dv")):
+            assert_close_to_reference(name, results[name], ref[i], low[i])
+        if self.bias is not None:
+            dbias = results["dbias"]
+            assert dbias.shape == self.bias.shape and dbias.dtype == self.bias.dtype
+            assert_close_to_reference("dbias", dbias, ref[4], low[4])
+
+
+def make_case(
+    backend,
+    layout=QKVLayout.BSHD_BSHD_BSHD,
+    mask=AttnMaskType.NO_MASK,
+    dtype=jnp.float32,
+    b=2,
+    s_q=32,
+    s_kv=32,
+    h_q=4,
+    h_kv=4,
+    d_qk=16,
+    d_v=16,
+    window=None,
+    bias_type=AttnBiasType.NO_BIAS,
+    bias_shape=None,
+    dropout=0.0,
+    desc_kind="seqlens",
+    m=1,
+    seed=0,
+    segments=None,
+) -> Case:
+    """Inputs for one configuration (skips when ``backend`` cannot run it here)."""
+    layout, mask = QKVLayout(layout), AttnMaskType(mask)
+    fmt = layout.qkv_format
+    skip_unless_backend_runs(
+        backend, is_training=True, q_dtype=dtype, kv_dtype=dtype, qkv_layout=layout, attn_bias_type=bias_type,
+        attn_mask_type=mask, dropout_probability=dropout, q_num_heads=h_q, kv_num_heads=h_kv, q_max_seqlen=s_q,
+        kv_max_seqlen=s_kv, head_dim_qk=d_qk, head_dim_v=d_v, window_size=window, bias_shape=bias_shape,
+    )
+    rng = np.random.default_rng(seed)
+    key = jax.random.PRNGKey(seed)
+    seg_q, seg_kv = segments or _segments(rng, fmt, mask, b, s_q, s_kv, m, desc_kind)
+    desc = descriptor(desc_kind, seg_q, seg_kv) if (mask.is_padding or fmt == QKVFormat.THD) else None
+    q, k, v = random_qkv(key, b, s_q, s_kv, h_q, h_kv, d_qk, d_v, dtype)
+    bias = None
+    if bias_type != AttnBiasType.NO_BIAS:
+        bias = jax.random.normal(jax.random.fold_in(key, 7), bias_shape, jnp.float32).astype(dtype)
+    dout = jax.random.normal(jax.random.fold_in(key, 9), (b, s_q, h_q, d_v), jnp.float32).astype(dtype)
+    scale = d_qk**-0.5
+    dropout_key = jax.random.PRNGKey(seed + 1000)
+    kwargs = dict(
+        sequence_descriptor=desc, seed=dropout_key if dropout else None, attn_bias_type=bias_type,
+        attn_mask_type=mask, qkv_layout=layout, scaling_factor=scale, dropout_probability=dropout,
+        is_training=True, max_segments_per_seq=m, window_size=window,
+    )
+    return Case(backend, layout, mask, dtype, seg_q, seg_kv, q, k, v, bias, dout, scale, window, bias_type, dropout,
+                dropout_key, kwargs)
+
+
+def run_case(backend, **config) -> dict:
+    """Run one configuration through ``backend``, check it against the reference, return results."""
+    case = make_case(backend, **config)
+    results = case.run()
+    case.check_reference(results)
+    results["visible"] = case.visible
+    return results

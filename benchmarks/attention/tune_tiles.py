@@ -75,6 +75,7 @@ def main(dims=(128, 256), causal_kinds=(False, True)):
 
 if __name__ == "__main__":
     out = sys.argv[1] if len(sys.argv) > 1 else "tune.json"
-    res = main()
+    dims = tuple(int(d) for d in sys.argv[2].split(",")) if len(sys.argv) > 2 else (128, 256)
+    res = main(dims)
     with open(out, "w") as f:
         json.dump(res, f, indent=1)

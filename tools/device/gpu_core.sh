@@ -22,10 +22,10 @@ for s in $sections; do
       NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 timeout 60 python3 -m transformer_engine.pytorch.determinism_check > "$OUT/determinism_check.txt" 2>&1
       echo "determinism check rc=$?" >> "$OUT/summary.txt" ;;
     bench)
-      (cd benchmarks/attention && timeout ${BENCH_TIMEOUT:-150} python3 bench_core.py --out "$OUT/core") > "$OUT/bench.log" 2>&1
+      (cd benchmarks/attention && timeout ${BENCH_TIMEOUT:-150} python3 bench_core.py --out "$OUT/core") > /tmp/bench.log 2>&1
       echo "bench rc=$?" >> "$OUT/summary.txt" ;;
     tune)
-      (cd benchmarks/attention && timeout ${TUNE_TIMEOUT:-150} python3 tune_tiles.py "$OUT/tune.json") > "$OUT/tune.log" 2>&1
+      (cd benchmarks/attention && timeout ${TUNE_TIMEOUT:-150} python3 tune_tiles.py "$OUT/tune.json" ${TUNE_DIMS:-}) > /tmp/tune.log 2>&1; tail -5 /tmp/tune.log
       echo "tune rc=$?" >> "$OUT/summary.txt" ;;
   esac
 done

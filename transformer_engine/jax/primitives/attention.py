@@ -363,6 +363,10 @@ def _bwd_result_shardings(static, mesh, arg_shapes, result_shape):
     return tuple(shardings[name] for name in ("q", "k", "v", "bias"))
 
 
+def _psum_f32(x, axes):
+    return jax.lax.psum(x.astype(jnp.float32), axes).astype(x.dtype)
+
+
 def _bwd_partition(static, mesh, arg_shapes, result_shape):
     infos = dict(zip(_BWD_NAMES, arg_shapes))
     layout = _layout(static, mesh, infos, _BWD_SEQ_AXES)
@@ -378,10 +382,16 @@ def _bwd_partition(static, mesh, arg_shapes, result_shape):
         if bias_shape[1] == 1 and h > 1:
             reduce_axes += _axes_tuple(layout.heads)
 
+    # MQA with split query heads: each device holds part of the heads reading the one replicated
+    # key/value head, so dK/dV are partial sums to all-reduce as well.
+    kv_reduce_axes = _axes_tuple(layout.heads) if layout.kv_heads is None else ()
+
     def lower_fn(*operands):
         dq, dk, dv, dbias = _bwd_inner_p.bind(*operands, static=static)
         if reduce_axes:
-            dbias = jax.lax.psum(dbias.astype(jnp.float32), reduce_axes).astype(dbias.dtype)
+            dbias = _psum_f32(dbias, reduce_axes)
+        if kv_reduce_axes:
+            dk, dv = _psum_f32(dk, kv_reduce_axes), _psum_f32(dv, kv_reduce_axes)
         return dq, dk, dv, dbias
 
     return mesh, lower_fn, result_shardings, arg_shardings
@@ -395,9 +405,12 @@ def _dims(value_type):
 
 def _head_factor(h_q: int, h_kv: int) -> Tuple[str, dict]:
     """Query heads as factors: ``kh`` when h_q == h_kv, else the compound ``(kh g)`` (GQA groups
-    are contiguous: query head i reads key/value head i // g)."""
+    are contiguous: query head i reads key/value head i // g). MQA's single key/value head is a
+    factor of its own (a size-1 factor cannot be part of a compound one)."""
     if h_q == h_kv:
         return "kh", {}
+    if h_kv == 1:
+        return "qh", {}
     return "(kh g)", {"g": h_q // h_kv}
 
 

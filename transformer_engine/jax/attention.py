@@ -568,12 +568,18 @@ def fused_attn(
     or ``--xla_gpu_deterministic_ops=true`` the backward is bitwise reproducible too (the fused
     kernels use their deterministic plan; the unfused backend always is).
     """
-    call = _parse_call(
+    out, _ = _attention_with_selection(
         qkv, bias, sequence_descriptor, seed, attn_bias_type, attn_mask_type, qkv_layout, scaling_factor,
         dropout_probability, is_training, max_segments_per_seq, window_size,
     )
+    return out
+
+
+def _attention_with_selection(*args) -> Tuple[jax.Array, Selection]:
+    """``fused_attn`` that also returns the backend selection (the Flax module logs fallbacks)."""
+    call = _parse_call(*args)
     selection = select_attention_backend(call.config)
-    return _run(call, selection.backend.SHORT_NAME)
+    return _run(call, selection.backend.SHORT_NAME), selection
 
 
 def _fused_attn_with_backend(backend: str, *args, **kwargs) -> jax.Array:

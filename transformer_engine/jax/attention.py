@@ -23,9 +23,10 @@ also keeps batch split over dp/fsdp and heads over tp under ``custom_partitionin
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +53,8 @@ __all__ = [
     "fused_attn",
     "is_fused_attn_kernel_available",
     "is_deterministic_mode",
+    "fused_attn_unavailable_reasons",
+    "recording_backend_selections",
     "JaxFusedAttention",
 ]
 
@@ -521,9 +524,27 @@ def _run(call: _Call, backend: str):
     return _to_bshd(out, call.qkv_format)  # SBHD: swap back
 
 
+_selection_records: List[List[str]] = []
+
+
+@contextlib.contextmanager
+def recording_backend_selections() -> Iterator[List[str]]:
+    """Collect the name of the backend each ``fused_attn`` trace selects inside the block (selection
+    happens at trace time, so a cached jit trace records nothing)."""
+    names: List[str] = []
+    _selection_records.append(names)
+    try:
+        yield names
+    finally:
+        _selection_records.remove(names)
+
+
 def select_attention_backend(config: AttnConfig) -> Selection:
     """The backend ``fused_attn`` uses for ``config`` (honours NVTE_FUSED_ATTN_BACKEND etc.)."""
-    return select_backend(config, _CANDIDATES)
+    selection = select_backend(config, _CANDIDATES)
+    for names in _selection_records:
+        names.append(selection.name)
+    return selection
 
 
 def fused_attn(

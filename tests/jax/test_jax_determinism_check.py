@@ -1,0 +1,136 @@
+"""The JAX determinism check command: runs, reports equality, and fails when determinism is not met.
+
+On CPU it runs the unfused backend at tiny sizes; on a GPU (qa/L3_determinism) it trains the
+default model and expects the fused backend.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+pytest.importorskip("flax", reason="Flax is not installed")
+pytest.importorskip("optax", reason="optax is not installed")
+
+from transformer_engine.jax import attention_math, determinism_check  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+ON_GPU = jax.devices()[0].platform == "gpu"
+TINY = ["--steps", "2", "--seq-len", "16", "--layers", "1", "--hidden-size", "32", "--num-heads", "4",
+        "--gqa-groups", "2"]
+
+
+def _run_command(args, tmp_path):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
+    for name in ("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "NVTE_FUSED_ATTN_BACKEND", "NVTE_FUSED_ATTN"):
+        env.pop(name, None)
+    report = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "transformer_engine.jax.determinism_check", *args, "--json", str(report)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
+    )
+    return proc, (json.loads(report.read_text()) if report.exists() else None)
+
+
+def test_command_reports_bitwise_equal_runs(tmp_path):
+    proc, report = _run_command(["--steps", "3"] if ON_GPU else TINY, tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert report["framework"] == "jax"
+    assert report["deterministic_requested"] is True
+    assert report["bitwise_identical"] is True
+    assert report["losses_equal"] and report["grads_equal"] and report["params_equal"]
+    assert "--xla_gpu_deterministic_ops=true" in report["xla_flags"]
+    assert report["backends"] == (["FusedAttention"] if ON_GPU else ["UnfusedDotProductAttention"])
+    assert report["reference_backends"] == ["UnfusedDotProductAttention"]
+    assert report["device"].startswith("gpu" if ON_GPU else "cpu")
+    dev = report["max_deviation"]
+    if ON_GPU:
+        assert dev["loss"] < 0.05, dev  # bf16: the two backends agree to bf16 rounding
+    else:
+        assert dev == {"loss": 0.0, "grad_first_step": 0.0, "grad_last_step": 0.0, "param": 0.0}
+    for line in ("attention backend", "losses bitwise equal", "gradients bitwise equal", "parameters bitwise equal",
+                 "max |grad - unfused| step 1", "time per step", "RESULT: PASS"):
+        assert line in proc.stdout, proc.stdout
+    assert "step 2/" in proc.stderr  # the progress display
+
+
+def test_bad_arguments_exit_2(capsys):
+    assert determinism_check.main(["--steps", "0", "--device", "cpu"]) == 2
+    assert "--steps" in capsys.readouterr().err
+    assert determinism_check.main(["--hidden-size", "30", "--num-heads", "4", "--device", "cpu"]) == 2
+    assert "hidden_size" in capsys.readouterr().err
+    assert determinism_check.main(["--device", "tpu"]) == 2
+    with pytest.raises(SystemExit) as info:
+        determinism_check.main(["--dtype", "float64"])
+    assert info.value.code == 2
+
+
+# In-process runs use the (fast) unfused backend, skip the reference run and leave XLA_FLAGS alone.
+IN_PROCESS = TINY + ["--device", "cpu", "--quiet", "--no-reference", "--no-xla-flag"]
+
+
+@pytest.fixture
+def unfused_only(monkeypatch):
+    monkeypatch.setenv("NVTE_FUSED_ATTN_BACKEND", "unfused")
+
+
+@pytest.fixture
+def nondeterministic_attention(monkeypatch, unfused_only):
+    """Unfused attention plus an offset that differs on every trace: what a racy kernel looks like
+    to the check (each run traces anew)."""
+    real = attention_math.unfused_attention
+    traces = []
+
+    def noisy(q, *args, **kwargs):
+        traces.append(1)
+        out = real(q, *args, **kwargs)
+        return out + jnp.asarray(1e-4 * len(traces), out.dtype)
+
+    monkeypatch.setattr(attention_math, "unfused_attention", noisy)
+
+
+def test_nondeterminism_fails_with_exit_1(nondeterministic_attention, capsys):
+    assert determinism_check.main(IN_PROCESS) == 1
+    out = capsys.readouterr().out
+    assert "RESULT: FAIL" in out and "loss at step 1" in out
+    assert "losses bitwise equal" in out and "NO" in out
+
+
+def test_nondeterminism_allowed_when_not_requested(nondeterministic_attention, capsys):
+    assert determinism_check.main(IN_PROCESS + ["--nondeterministic"]) == 0
+    out = capsys.readouterr().out
+    assert "determinism: not requested" in out and "allowed" in out
+
+
+def test_environment_restored_and_expect_backend(unfused_only, capsys):
+    assert determinism_check.main(IN_PROCESS + ["--expect-backend", "fused"]) == 3
+    assert "expected every attention call on FusedAttention" in capsys.readouterr().out
+    assert "NVTE_ALLOW_NONDETERMINISTIC_ALGO" not in os.environ
+    assert os.environ["NVTE_FUSED_ATTN_BACKEND"] == "unfused"
+
+
+def test_check_requests_determinism_through_the_environment(unfused_only, monkeypatch):
+    """The runs see NVTE_ALLOW_NONDETERMINISTIC_ALGO=0, so every attention trace is deterministic."""
+    from transformer_engine.jax import attention
+
+    seen = []
+    original = attention.select_attention_backend
+
+    def spy(config):
+        seen.append(config.deterministic)
+        return original(config)
+
+    monkeypatch.setattr(attention, "select_attention_backend", spy)
+    assert determinism_check.main(IN_PROCESS) == 0
+    assert seen and all(seen)
+    seen.clear()
+    assert determinism_check.main(IN_PROCESS + ["--nondeterministic"]) == 0
+    assert seen and not any(seen)

@@ -563,31 +563,29 @@ def fused_attn(
 ) -> jax.Array:
     """Scaled dot-product attention, ``softmax(Q K^T * scaling_factor + bias) V``, with masks.
 
-    Args:
-        qkv: by ``qkv_layout`` packing: ``(qkv,)`` with ``qkv`` ``[b, s, 3, h, d]`` (BS3HD, T3HD;
-            ``[s, b, 3, h, d]`` for SB3HD), ``(q, kv)`` with ``kv`` ``[b, s_kv, 2, h_kv, d]``
-            (BSHD_BS2HD, THD_T2HD, SBHD_SB2HD), or ``(q, k, v)``: ``q`` ``[b, s_q, h_q, d_qk]``,
-            ``k`` ``[b, s_kv, h_kv, d_qk]``, ``v`` ``[b, s_kv, h_kv, d_v]`` (SBHD: sequence first).
-            THD layouts are ``[b, s, ...]`` too, each row packing up to ``max_segments_per_seq``
-            sequences. ``h_q`` a multiple of ``h_kv``: query head ``i`` uses key/value head
-            ``i // (h_q // h_kv)`` (GQA; MQA when ``h_kv == 1``). float16, bfloat16 or float32.
-        bias: ``[1 | b, 1 | h_q, s_q, s_kv]`` for post_scale_bias (added after scaling) or
-            pre_scale_bias (added before); ``None`` for no_bias. Differentiable.
-        sequence_descriptor: :class:`SequenceDescriptor`; required for padding masks and THD.
-        seed: PRNG key (or integer) for dropout; may be ``None`` without dropout.
-        attn_mask_type: no_mask, padding, causal, padding_causal, causal_bottom_right,
-            padding_causal_bottom_right (``AttnMaskType.CAUSAL_MASK`` etc.). Causal is top-left
-            aligned; bottom_right aligns the diagonal with the last key of each sequence.
-        window_size: ``(left, right)`` sliding window, ``-1`` unbounded (``None``: no window).
-        dropout_probability: in ``[0, 1)``; applied only when ``is_training``.
+    :param qkv: by ``qkv_layout`` packing: ``(qkv,)`` with ``qkv`` ``[b, s, 3, h, d]`` (BS3HD,
+        T3HD; ``[s, b, 3, h, d]`` for SB3HD), ``(q, kv)`` with ``kv`` ``[b, s_kv, 2, h_kv, d]``
+        (BSHD_BS2HD, THD_T2HD, SBHD_SB2HD), or ``(q, k, v)``: ``q`` ``[b, s_q, h_q, d_qk]``, ``k``
+        ``[b, s_kv, h_kv, d_qk]``, ``v`` ``[b, s_kv, h_kv, d_v]`` (SBHD: sequence first). THD
+        layouts are ``[b, s, ...]`` too, each row packing up to ``max_segments_per_seq``
+        sequences. ``h_q`` is a multiple of ``h_kv``: query head ``i`` uses key/value head
+        ``i // (h_q // h_kv)`` (GQA; MQA when ``h_kv == 1``). float16, bfloat16 or float32.
+    :param bias: ``[1 | b, 1 | h_q, s_q, s_kv]`` for post_scale_bias (added after scaling) or
+        pre_scale_bias (added before); ``None`` for no_bias. Differentiable.
+    :param sequence_descriptor: a :class:`SequenceDescriptor`; required for padding masks and THD.
+    :param seed: PRNG key (or integer) for dropout; may be ``None`` without dropout.
+    :param attn_mask_type: no_mask, padding, causal, padding_causal, causal_bottom_right,
+        padding_causal_bottom_right (``AttnMaskType.CAUSAL_MASK`` etc.). Causal is top-left
+        aligned; bottom_right aligns the diagonal with the last key of each sequence.
+    :param window_size: ``(left, right)`` sliding window, ``-1`` unbounded (``None``: no window).
+    :param dropout_probability: in ``[0, 1)``; applied only when ``is_training``.
+    :returns: ``[b, s_q, h_q, d_v]`` (``[s_q, b, h_q, d_v]`` for SBHD) in the dtype of ``q``. A
+        query that sees no key gets zeros, and zero gradients.
 
-    Returns:
-        ``[b, s_q, h_q, d_v]`` (``[s_q, b, h_q, d_v]`` for SBHD) in the dtype of ``q``. A query
-        that sees no key gets zeros, and zero gradients.
-
-    Determinism: the forward pass is always deterministic. With ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``
-    or ``--xla_gpu_deterministic_ops=true`` the backward is bitwise reproducible too (the fused
-    kernels use their deterministic plan; the unfused backend always is).
+    Determinism: the forward pass is always deterministic. With
+    ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` or ``--xla_gpu_deterministic_ops=true`` the backward is
+    bitwise reproducible too (the fused kernels use their deterministic plan; the unfused backend
+    always is).
     """
     out, _ = _attention_with_selection(
         qkv, bias, sequence_descriptor, seed, attn_bias_type, attn_mask_type, qkv_layout, scaling_factor,

@@ -37,27 +37,28 @@ class DotProductAttention(nn.Module):
     """Scaled dot-product attention with TransformerEngine's fields, on the fused kernels when they
     can run (CUDA GPUs) and on the unfused jnp path otherwise, logging why once.
 
-    Attributes:
-        head_dim: per-head size of queries and keys (values may differ).
-        num_attention_heads: query heads.
-        num_gqa_groups: key/value heads (``None``: as many as query heads); a divisor of
-            ``num_attention_heads`` (GQA; 1 is MQA).
-        attention_dropout: dropout probability on the attention weights (training only).
-        attn_mask_type: ``'no_mask'``, ``'padding'``, ``'causal'``, ``'padding_causal'``,
-            ``'causal_bottom_right'``, ``'padding_causal_bottom_right'``.
-        attn_bias_type: ``None`` (post_scale_bias when a bias is passed, else no_bias), or an
-            :class:`AttnBiasType`.
-        dropout_rng_name: the Flax RNG stream dropout draws from.
-        qkv_layout: ``'bshd_bshd_bshd'`` (separate), ``'bshd_bs2hd'`` (``key`` is packed
-            ``[b, s, 2, h, d]``, ``value`` None), ``'bs3hd'`` (``query`` is packed ``[b, s, 3, h, d]``),
-            or their ``thd`` forms (rows packing several sequences; pass a SequenceDescriptor).
-        scale_factor: logits scale; ``None`` is ``1 / sqrt(head_dim)``.
-        window_size: ``(left, right)`` sliding window, ``-1`` unbounded.
-        transpose_batch_sequence: inputs and output are ``[s, b, ...]`` instead of ``[b, s, ...]``.
-        max_segments_per_seq: sequences per row for THD layouts.
+    Fields:
+
+    - ``head_dim``: per-head size of queries and keys (values may differ).
+    - ``num_attention_heads``: query heads.
+    - ``num_gqa_groups``: key/value heads (``None``: as many as query heads); a divisor of
+      ``num_attention_heads`` (GQA; 1 is MQA).
+    - ``attention_dropout``: dropout probability on the attention weights (training only).
+    - ``attn_mask_type``: ``'no_mask'``, ``'padding'``, ``'causal'``, ``'padding_causal'``,
+      ``'causal_bottom_right'``, ``'padding_causal_bottom_right'``.
+    - ``attn_bias_type``: ``None`` (post_scale_bias when a bias is passed, else no_bias), or an
+      ``AttnBiasType``.
+    - ``dropout_rng_name``: the Flax RNG stream dropout draws from.
+    - ``qkv_layout``: ``'bshd_bshd_bshd'`` (separate), ``'bshd_bs2hd'`` (``key`` is packed
+      ``[b, s, 2, h, d]``, ``value`` None), ``'bs3hd'`` (``query`` is packed ``[b, s, 3, h, d]``),
+      or their ``thd`` forms (rows packing several sequences; pass a SequenceDescriptor).
+    - ``scale_factor``: logits scale; ``None`` is ``1 / sqrt(head_dim)``.
+    - ``window_size``: ``(left, right)`` sliding window, ``-1`` unbounded.
+    - ``transpose_batch_sequence``: inputs and output are ``[s, b, ...]`` instead of ``[b, s, ...]``.
+    - ``max_segments_per_seq``: sequences per row for THD layouts.
 
     ``__call__(query, key, value, sequence_descriptor=None, bias=None, *, deterministic=False)``:
-    ``sequence_descriptor`` is a :class:`SequenceDescriptor`, or a padding mask ``[b, 1, s_q, s_kv]``
+    ``sequence_descriptor`` is a ``SequenceDescriptor``, or a padding mask ``[b, 1, s_q, s_kv]``
     with True (1) where attention is masked out; ``deterministic=True`` disables dropout (Flax's
     meaning; bitwise reproducibility is ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``). Returns
     ``[b, s_q, num_attention_heads, d_v]``.

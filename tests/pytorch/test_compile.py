@@ -174,8 +174,6 @@ def test_compiled_fused_with_inductor(monkeypatch):
 
 
 @requires_fused
-@pytest.mark.xfail(reason="fused_attn_func passes cu_seqlens_q and cu_seqlens_kv to autograd.Function.apply; "
-                          "dynamo breaks the graph when they are the same tensor (self-attention)", strict=False)
 def test_compiled_fused_same_cu_seqlens_for_q_and_kv(monkeypatch):
     monkeypatch.setenv("NVTE_FUSED_ATTN_BACKEND", "fused")
     block = Block("thd", mask="padding_causal").to(DEVICE, LOWP_DTYPES[0])

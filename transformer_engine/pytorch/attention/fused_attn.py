@@ -103,6 +103,16 @@ def fused_attn_func(
             f"`cu_seqlens_q` and `cu_seqlens_kv` must have the same length, got {cu_seqlens_q.shape[0]} "
             f"and {cu_seqlens_kv.shape[0]}"
         )
+    if (cu_seqlens_q_padded is None) != (cu_seqlens_kv_padded is None):
+        # One side padded: the other side's sequences start where its cu_seqlens say.
+        cu_seqlens_q_padded = cu_seqlens_q if cu_seqlens_q_padded is None else cu_seqlens_q_padded
+        cu_seqlens_kv_padded = cu_seqlens_kv if cu_seqlens_kv_padded is None else cu_seqlens_kv_padded
+    # Self-attention usually passes one tensor for q and kv; autograd.Function.apply under
+    # dynamo breaks the graph on duplicate tensor inputs, so "same as q" travels as None.
+    if cu_seqlens_kv is cu_seqlens_q:
+        cu_seqlens_kv = None
+    if cu_seqlens_kv_padded is cu_seqlens_q_padded:
+        cu_seqlens_kv_padded = None
     return FusedAttnFunc.apply(
         q, k, v, fmt.value, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
         int(max_seqlen_q), int(max_seqlen_kv), float(softmax_scale), mask.value,

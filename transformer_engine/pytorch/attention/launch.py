@@ -68,6 +68,12 @@ def sequences(fmt: QKVFormat, q: torch.Tensor, k: torch.Tensor, cu_seqlens_q, cu
               seq_offsets_q, seq_offsets_kv, max_seqlen_q: int, max_seqlen_kv: int) -> Sequences:
     qv, _ = canonical(q, fmt)
     kv, _ = canonical(k, fmt)
+    # A None kv-side tensor next to a given q-side one means "the same as q" (fused_attn_func
+    # passes it so when the caller gave one tensor for both).
+    if cu_seqlens_kv is None:
+        cu_seqlens_kv = cu_seqlens_q
+    if seq_offsets_kv is None:
+        seq_offsets_kv = seq_offsets_q
     if fmt == QKVFormat.THD:
         batch = cu_seqlens_q.shape[0] - 1
         offs_q = seq_offsets_q if seq_offsets_q is not None else cu_seqlens_q

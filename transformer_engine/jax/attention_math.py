@@ -47,6 +47,8 @@ __all__ = [
     "fused_fwd_math",
     "fused_bwd_math",
     "softmax_aux_shape",
+    "lse_to_segments",
+    "lse_to_tokens",
     "fixed_order_sum",
 ]
 
@@ -233,9 +235,34 @@ def _pv(probs, v, accum_dtype):
     return out.reshape(b, s_q, h_q, v.shape[-1])
 
 
-def softmax_aux_shape(batch: int, num_heads: int, s_q: int) -> Tuple[int, ...]:
-    """Shape of the saved log-sum-exp (fp32)."""
-    return (batch, num_heads, s_q)
+def softmax_aux_shape(batch: int, segments: int, num_heads: int, s_q: int) -> Tuple[int, ...]:
+    """Shape of the saved log-sum-exp (fp32): ``[b, m, h_q, s_q]``, one row per sequence (segment
+    ``k`` of row ``r``) indexed by position within that sequence, as the kernels store it; +inf
+    past the sequence's end and for queries that see no key."""
+    return (batch, segments, num_heads, s_q)
+
+
+def lse_to_segments(lse_tokens: jax.Array, seq: SeqInfo) -> jax.Array:
+    """Per-token log-sum-exp ``[b, h, s_q]`` -> per-sequence layout ``[b, m, h, s_q]``."""
+    b, h, s_q = lse_tokens.shape
+    m = seq.q_seqlens.shape[1]
+    i = jnp.arange(s_q, dtype=jnp.int32)
+    token = seq.q_offsets[:, :m, None].astype(jnp.int32) + i  # [b, m, s_q]
+    inside = i < seq.q_seqlens[:, :, None]
+    index = jnp.broadcast_to(jnp.clip(token, 0, s_q - 1)[:, :, None, :], (b, m, h, s_q))
+    gathered = jnp.take_along_axis(jnp.broadcast_to(lse_tokens[:, None], (b, m, h, s_q)), index, axis=-1)
+    return jnp.where(inside[:, :, None, :], gathered, jnp.inf)
+
+
+def lse_to_tokens(lse_segments: jax.Array, seq: SeqInfo) -> jax.Array:
+    """Per-sequence log-sum-exp ``[b, m, h, s_q]`` -> per token ``[b, h, s_q]`` (+inf for padding)."""
+    b, m, h, s_q = lse_segments.shape
+    segment, pos, _ = token_segments(seq.q_seqlens, seq.q_offsets, s_q)  # [b, s_q]
+    seg_index = jnp.clip(segment - 1, 0, m - 1)
+    flat = lse_segments.transpose(0, 2, 1, 3).reshape(b, h, m * s_q)
+    index = jnp.broadcast_to((seg_index * s_q + pos)[:, None, :], (b, h, s_q))
+    gathered = jnp.take_along_axis(flat, index, axis=-1)
+    return jnp.where((segment > 0)[:, None, :], gathered, jnp.inf)
 
 
 # --- unfused backend (differentiated by JAX) --------------------------------------------------------
@@ -264,7 +291,8 @@ def unfused_attention(
 
 
 def fused_fwd_math(q, k, v, bias, seq: SeqInfo, seeds, *, static):
-    """Forward of the fused primitive in fp32: (output in q's dtype, log-sum-exp fp32 [b, h, s_q])."""
+    """Forward of the fused primitive in fp32: (output in q's dtype, per-token log-sum-exp fp32
+    ``[b, h, s_q]``)."""
     f32 = jnp.float32
     visible = visibility_mask(seq, q.shape[1], k.shape[1], static.attn_mask_type, static.window_size)
     logits = _logits(q.astype(f32), k.astype(f32), bias, static.scaling_factor, static.attn_bias_type, f32)
@@ -284,7 +312,8 @@ def _sum_to_shape(x, shape):
 
 
 def fused_bwd_math(q, k, v, bias, out, dout, lse, seq: SeqInfo, seeds, *, static):
-    """Backward of the fused primitive in fp32 from the saved log-sum-exp: (dq, dk, dv, dbias)."""
+    """Backward of the fused primitive in fp32 from the per-token log-sum-exp ``[b, h, s_q]``:
+    (dq, dk, dv, dbias)."""
     f32 = jnp.float32
     b, s_q, h_q, _ = q.shape
     s_kv, h_kv = k.shape[1], k.shape[2]

@@ -112,13 +112,14 @@ def _check_operands(static: FusedAttnStatic, q, k, v, bias, q_seqlens, kv_seqlen
 def _fwd_impl(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds, *, static):
     seq = SeqInfo(q_seqlens, kv_seqlens, q_offsets, kv_offsets)
     out, lse = attention_math.fused_fwd_math(q, k, v, bias if static.has_bias else None, seq, seeds, static=static)
-    return out, lse
+    return out, attention_math.lse_to_segments(lse, seq)
 
 
 def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds, *, static):
     seq = SeqInfo(q_seqlens, kv_seqlens, q_offsets, kv_offsets)
+    lse = attention_math.lse_to_tokens(softmax_aux, seq)
     dq, dk, dv, dbias = attention_math.fused_bwd_math(
-        q, k, v, bias if static.has_bias else None, out, dout, softmax_aux, seq, seeds, static=static
+        q, k, v, bias if static.has_bias else None, out, dout, lse, seq, seeds, static=static
     )
     if dbias is None:
         dbias = jnp.zeros_like(bias)
@@ -134,7 +135,7 @@ def _fwd_abstract(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, s
     _check_operands(static, q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds)
     b, s_q, h_q, _ = q.shape
     out = jax.core.ShapedArray((b, s_q, h_q, v.shape[3]), q.dtype)
-    aux = jax.core.ShapedArray(attention_math.softmax_aux_shape(b, h_q, s_q), jnp.float32)
+    aux = jax.core.ShapedArray(attention_math.softmax_aux_shape(b, q_seqlens.shape[1], h_q, s_q), jnp.float32)
     return out, aux
 
 
@@ -144,6 +145,9 @@ def _bwd_abstract(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, 
     for name, x in (("out", out), ("dout", dout)):
         if x.shape != expected_out or x.dtype != q.dtype:
             raise ValueError(f"`{name}` must be {q.dtype}{list(expected_out)}, got {x.dtype}{list(x.shape)}")
+    aux_shape = attention_math.softmax_aux_shape(q.shape[0], q_seqlens.shape[1], q.shape[2], q.shape[1])
+    if softmax_aux.shape != aux_shape or softmax_aux.dtype != jnp.float32:
+        raise ValueError(f"`softmax_aux` must be float32{list(aux_shape)}, got {softmax_aux.dtype}{list(softmax_aux.shape)}")
     return tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in (q, k, v, bias))
 
 
@@ -315,7 +319,7 @@ _BWD_NAMES = (
     "q", "k", "v", "bias", "out", "dout", "softmax_aux", "q_seqlens", "kv_seqlens", "q_offsets", "kv_offsets", "seeds",
 )
 _FWD_SEQ_AXES = (("q", 1), ("k", 1), ("v", 1))
-_BWD_SEQ_AXES = (("q", 1), ("k", 1), ("v", 1), ("out", 1), ("dout", 1), ("softmax_aux", 2))
+_BWD_SEQ_AXES = (("q", 1), ("k", 1), ("v", 1), ("out", 1), ("dout", 1), ("softmax_aux", 3))
 
 
 def _operand_shardings(static, layout: _Layout, arg_infos) -> dict:
@@ -328,7 +332,7 @@ def _operand_shardings(static, layout: _Layout, arg_infos) -> dict:
         "bias": L.bias(arg_infos["bias"].shape, b, static),
         "out": L.named(L.batch, None, L.heads, None),
         "dout": L.named(L.batch, None, L.heads, None),
-        "softmax_aux": L.named(L.batch, L.heads, None),
+        "softmax_aux": L.named(L.batch, None, L.heads, None),
         "seeds": L.named(L.batch, L.heads, None),
     }
     for name in ("q_seqlens", "kv_seqlens", "q_offsets", "kv_offsets"):
@@ -427,7 +431,7 @@ def _common_factors(static, value_types):
 def _fwd_sharding_rule(static, mesh, value_types, result_types):
     hq, sizes, bias_rule = _common_factors(static, value_types)
     operands = [f"b s {hq} d", "b t kh d", "b t kh e", bias_rule, "b m", "b m", "b m1", "b m1", f"b {hq} two"]
-    results = [f"b s {hq} e", f"b {hq} s"]
+    results = [f"b s {hq} e", f"b m {hq} s"]
     rule = ", ".join(operands) + " -> " + ", ".join(results)
     return rule, dict(sizes, need_replication_factors=("d", "e"))
 
@@ -435,7 +439,7 @@ def _fwd_sharding_rule(static, mesh, value_types, result_types):
 def _bwd_sharding_rule(static, mesh, value_types, result_types):
     hq, sizes, bias_rule = _common_factors(static, value_types)
     operands = [
-        f"b s {hq} d", "b t kh d", "b t kh e", bias_rule, f"b s {hq} e", f"b s {hq} e", f"b {hq} s",
+        f"b s {hq} d", "b t kh d", "b t kh e", bias_rule, f"b s {hq} e", f"b s {hq} e", f"b m {hq} s",
         "b m", "b m", "b m1", "b m1", f"b {hq} two",
     ]
     dbias_rule = bias_rule if static.has_bias else "nodbias"

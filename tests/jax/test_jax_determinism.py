@@ -66,9 +66,19 @@ _LAYOUT_MASKS = [
 _LAYOUT_IDS = ["bshd-causal", "bshd_bs2hd-padding_causal", "thd-padding_causal", "thd_t2hd-padding"]
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("heads", _GQA, ids=["gqa", "mha"])
-@pytest.mark.parametrize("layout, mask", _LAYOUT_MASKS, ids=_LAYOUT_IDS)
+def _fused_grid():
+    """Every (layout, heads, dtype) on a GPU; on CPU, where the fused path is the jnp lowering,
+    each layout with GQA and MHA, alternating bf16 and fp16 (both dtypes per heads kind)."""
+    params = []
+    for i, ((layout, mask), name) in enumerate(zip(_LAYOUT_MASKS, _LAYOUT_IDS)):
+        for j, (heads, heads_name) in enumerate(zip(_GQA, ("gqa", "mha"))):
+            for dtype, dtype_name in ((jnp.bfloat16, "bf16"), (jnp.float16, "fp16")):
+                if ON_GPU or (i + j) % 2 == (dtype_name == "fp16"):
+                    params.append(pytest.param(layout, mask, heads, dtype, id=f"{name}-{heads_name}-{dtype_name}"))
+    return params
+
+
+@pytest.mark.parametrize("layout, mask, heads, dtype", _fused_grid())
 def test_deterministic_bwd_fused(layout, mask, heads, dtype):
     for seq_len in LENGTHS:
         _run_deterministic_bwd_case("fused", layout, mask, seq_len, *heads, dtype)
@@ -158,3 +168,64 @@ def test_packed_and_padded_sequences_agree():
             np.testing.assert_array_equal(a, b, err_msg=name)
         else:
             np.testing.assert_allclose(a, b, rtol=2e-2, atol=2e-2, err_msg=name)
+
+
+# ------------------------------------------------------------------------------------------------
+# (d) Cross-framework: PyTorch and JAX launch the same kernels, so the same bits (GPU only)
+# ------------------------------------------------------------------------------------------------
+
+
+def _torch_fused():
+    if not ON_GPU:
+        pytest.skip("cross-framework equality needs a CUDA GPU (both frontends launch the Triton kernels)")
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    fused_attn = pytest.importorskip("transformer_engine.pytorch.attention.fused_attn",
+                                     reason="the PyTorch frontend is not importable")
+    reasons = te_attention.fused_attn_unavailable_reasons(
+        True, jnp.bfloat16, jnp.bfloat16, QKVLayout.BSHD_BSHD_BSHD, AttnBiasType.NO_BIAS, AttnMaskType.CAUSAL_MASK,
+        0.0, 8, 2, 128, 128, 64, 64)
+    if reasons:
+        pytest.skip("JAX fused backend unavailable: " + "; ".join(reasons))
+    return torch, fused_attn.fused_attn_func
+
+
+def _to_torch(torch, x):
+    """A JAX bf16/fp16 array -> the same bits as a CUDA torch tensor."""
+    a = np.asarray(x)
+    bits = torch.from_numpy(a.view(np.int16).copy())
+    dtype = torch.bfloat16 if a.dtype == jnp.bfloat16 else torch.float16
+    return bits.view(dtype).cuda()
+
+
+def _to_numpy_bits(torch, t):
+    return t.detach().contiguous().view(torch.int16).cpu().numpy()
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("mask, padded", [(AttnMaskType.CAUSAL_MASK, False), (AttnMaskType.PADDING_CAUSAL_MASK, True),
+                                          (AttnMaskType.NO_MASK, False)], ids=["causal", "padding_causal", "no_mask"])
+def test_pytorch_and_jax_are_bitwise_equal(mask, padded, dtype):
+    torch, fused_attn_func = _torch_fused()
+    b, s, hq, hk, d = 2, 384, 8, 2, 64
+    q, k, v = random_qkv(jax.random.PRNGKey(11), b, s, s, hq, hk, d, d, dtype)
+    dout = jax.random.normal(jax.random.PRNGKey(12), q.shape, jnp.float32).astype(dtype)
+    lens = jnp.array([s, s - 77], jnp.int32)
+    scale = d**-0.5
+    desc = SequenceDescriptor.from_seqlens(lens) if padded else None
+    f = attn_fn("fused", sequence_descriptor=desc, seed=None, attn_bias_type=AttnBiasType.NO_BIAS,
+                attn_mask_type=mask, qkv_layout=QKVLayout.BSHD_BSHD_BSHD, scaling_factor=scale,
+                dropout_probability=0.0, is_training=True)
+    jax_res = jax.jit(_grads, static_argnums=0)(f, q, k, v, dout)
+
+    tq, tk, tv = (_to_torch(torch, x).requires_grad_(True) for x in (q, k, v))
+    cu = None
+    if padded:
+        cu = torch.tensor([0, s, 2 * s - 77], dtype=torch.int32, device="cuda")
+    out = fused_attn_func(tq, tk, tv, "bshd", mask.value, (-1, 0) if mask.is_causal else (-1, -1), scale,
+                          cu_seqlens_q=cu, cu_seqlens_kv=cu, deterministic=True)
+    out.backward(_to_torch(torch, dout))
+    torch_res = (out, tq.grad, tk.grad, tv.grad)
+    for name, a, t in zip(("out", "dq", "dk", "dv"), jax_res, torch_res):
+        np.testing.assert_array_equal(np.asarray(a).view(np.int16), _to_numpy_bits(torch, t), err_msg=name)

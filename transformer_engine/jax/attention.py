@@ -116,13 +116,22 @@ class JaxFusedAttention(FusedAttention):
 _CANDIDATES = (JaxFusedAttention, UnfusedDotProductAttention)
 
 
-def _frontend_extra(device_type: str) -> Tuple[Tuple[str, str], ...]:
+def _frontend_extra(device_type: str, attn_bias_type: AttnBiasType, dropout: float,
+                    is_training: bool) -> Tuple[Tuple[str, str], ...]:
+    """Reasons only the JAX frontend knows: its launcher's build and what it wires to the kernels."""
     if device_type != "cuda":
         return ()
     from transformer_engine.jax.primitives import gpu
 
-    reason = gpu.unavailable_reason()
-    return ((JaxFusedAttention.NAME, reason),) if reason else ()
+    reasons = []
+    unavailable = gpu.unavailable_reason()
+    if unavailable:
+        reasons.append(unavailable)
+    if attn_bias_type != AttnBiasType.NO_BIAS:
+        reasons.append(f"attn_bias_type={attn_bias_type.value} (the JAX launch passes no bias to the kernels yet)")
+    if dropout > 0 and is_training:
+        reasons.append(f"dropout={dropout} (the JAX launch passes no dropout to the kernels yet)")
+    return tuple((JaxFusedAttention.NAME, r) for r in reasons)
 
 
 def _bias_shape_name(bias_shape: Optional[Sequence[int]]) -> Optional[str]:
@@ -171,7 +180,7 @@ def _make_config(
         device_type=device_type,
         compute_capability=capability,
         triton_interpret=False,
-        extra=_frontend_extra(device_type),
+        extra=_frontend_extra(device_type, attn_bias_type, dropout_probability, is_training),
     )
 
 

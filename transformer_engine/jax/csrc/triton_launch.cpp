@@ -222,6 +222,11 @@ ffi::Error TritonLaunchImpl(CUstream stream, ffi::RemainingArgs args, ffi::Remai
       switch (kind) {
         case kBuffer:
           if (value < 0 || value >= (int64_t)pointers.size()) return BadProgram("parameter buffer index");
+          // Kernels are compiled assuming 16-byte aligned pointers (Triton's default specialization).
+          if (pointers[value] % 16 != 0) {
+            return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                              "te_triton_launch: buffer " + std::to_string(value) + " is not 16-byte aligned");
+          }
           storage[p] = static_cast<uint64_t>(pointers[value]);
           break;
         case kInt32: {

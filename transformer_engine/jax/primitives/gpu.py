@@ -1,29 +1,524 @@
-"""CUDA lowering of the fused attention primitives: launches the Triton kernels through XLA FFI.
+"""CUDA lowering of the fused attention primitives: the project's Triton kernels through XLA FFI.
 
-Not wired yet: until it is, the JAX frontend reports the fused backend unavailable on GPUs
-(:func:`unavailable_reason`), so selection picks the unfused backend, and binding the primitive
-directly on a GPU raises ``NotImplementedError``.
+Route (docs/jax_ffi.rst): at lowering time the kernels are compiled with ``triton.compile``
+(no torch needed), specialized exactly as Triton's own JIT specializes the PyTorch launch of
+the same call, with the tiles of the shared launch plan (``common.attention.plan``). Each
+primitive lowers to one custom call ``te_triton_launch`` handled by the native extension
+``transformer_engine.jax.transformer_engine_jax_ffi`` (``csrc/triton_launch.cpp``), which
+launches the cubins on XLA's stream. The cubins and a small launch *program* (buffer fills,
+then launches with their arguments in Triton's launch ABI order) travel as custom-call
+attributes, so a compiled executable is self-contained.
+
+Sequences: without padding the kernels run in their BSHD mode. With padding masks (and THD)
+they run in their packed mode over the ``[b * s]`` tokens: sequence ``k`` of row ``r`` starts
+at token ``r * s + offset[r, k]``; outputs and gradients are zero-filled first, and the saved
+log-sum-exp is ``[b * m, h, s]`` = the primitives' ``[b, m, h, s]`` softmax aux.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.interpreters import mlir
+
+from transformer_engine.common.attention.config import AttnConfig
+from transformer_engine.common.attention.enums import AttnMaskType
+from transformer_engine.common.attention.plan import backward_plan, forward_plan
 
 __all__ = ["unavailable_reason", "fused_attn_fwd_lowering", "fused_attn_bwd_lowering"]
 
-_NOT_WIRED = (
-    "the JAX launch of the Triton kernels (XLA FFI extension transformer_engine_jax_ffi) is not available"
-)
+FFI_TARGET = "te_triton_launch"
+PROGRAM_VERSION = 1
+LOG2E = 1.4426950408889634  # as the PyTorch launcher, so both pass the same fp32 scale
+
+_KIND_BUFFER, _KIND_I32, _KIND_I64, _KIND_F32, _KIND_NULL = range(5)
+
+
+# ================================================================================================
+# The native extension
+# ================================================================================================
+
+
+@functools.lru_cache(maxsize=None)
+def _extension_state() -> Tuple[bool, Optional[str]]:
+    """Import the FFI extension and register its targets once: (ok, reason when not)."""
+    try:
+        from transformer_engine.jax import transformer_engine_jax_ffi as ext
+    except ImportError as err:
+        return False, (
+            "the XLA FFI extension transformer_engine.jax.transformer_engine_jax_ffi is not built "
+            f"({err}); build with a CUDA toolkit present: NVTE_FRAMEWORK=jax pip install ."
+        )
+    if getattr(ext, "PROGRAM_VERSION", None) != PROGRAM_VERSION:
+        return False, (
+            f"transformer_engine_jax_ffi speaks launch program version {getattr(ext, 'PROGRAM_VERSION', None)}, "
+            f"this frontend {PROGRAM_VERSION}: rebuild the package"
+        )
+    for name, capsule in ext.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+    return True, None
 
 
 def unavailable_reason() -> Optional[str]:
     """Why the fused primitives cannot run on this CUDA GPU, or None when they can."""
-    return _NOT_WIRED
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    return _extension_state()[1]
+
+
+def _require_extension() -> None:
+    reason = unavailable_reason()
+    if reason:
+        raise NotImplementedError(f"fused attention on CUDA: {reason}")
+
+
+def _cuda_target():
+    """The Triton target of the GPU JAX runs on (Triton's GPUTarget)."""
+    from triton.backends.compiler import GPUTarget
+
+    major, minor = _compute_capability()
+    return GPUTarget("cuda", major * 10 + minor, 32)
+
+
+def _compute_capability() -> Tuple[int, int]:
+    device = jax.devices("gpu")[0]
+    major, minor = (int(x) for x in str(device.compute_capability).split("."))
+    return major, minor
+
+
+# ================================================================================================
+# Compiling a kernel as Triton's JIT would for the same arguments
+# ================================================================================================
+
+
+class Pointer:
+    """Stands for a device buffer during specialization: a dtype and a 16-byte aligned address
+    (XLA's buffers are aligned at least that much; the FFI handler checks it at launch)."""
+
+    def __init__(self, dtype):
+        self.dtype = jnp.dtype(dtype)
+
+    @staticmethod
+    def data_ptr() -> int:
+        return 1 << 20
+
+
+@dataclass(frozen=True)
+class CompiledKernel:
+    name: str
+    cubin: bytes
+    hash: int  # 64 bits of Triton's compilation hash
+    shared: int
+    num_warps: int
+    params: Tuple[Tuple[str, str], ...]  # (name, Triton type) of each launch parameter, in order
+    global_scratch_size: int
+    profile_scratch_size: int
+
+
+def compile_kernel(fn, args: Dict[str, object], launch_options: Dict[str, int], target) -> CompiledKernel:
+    """Compile Triton ``fn`` for ``args`` (Pointer, int, float or constexpr values by name) with
+    ``launch_options`` (num_warps, num_stages as the PyTorch launch passes them)."""
+    return _compile_cached(fn, tuple(args.items()), tuple(sorted(launch_options.items())), target)
+
+
+@functools.lru_cache(maxsize=256)
+def _compile_cached(fn, args, launch_options, target) -> CompiledKernel:
+    import triton
+    from triton import knobs
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    bound = dict(args)
+    missing = [name for name in fn.arg_names if name not in bound]
+    if missing:
+        raise ValueError(f"{fn.__name__}: arguments {missing} are missing")
+    backend = make_backend(target)
+    # The same steps as JITFunction.run, minus the device queries: Triton's own binder gives the
+    # specialization (ints equal to 1 become constants, 16-divisibility hints), so the cubin is
+    # the one the PyTorch launch of the same call compiles.
+    kwargs = dict(launch_options)
+    kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
+    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound_args, specialization, _ = binder(**bound, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, kwargs)
+    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    md = compiled.metadata
+    params = tuple((name, ty) for name, ty in signature.items() if ty != "constexpr")
+    return CompiledKernel(
+        name=md.name,
+        cubin=bytes(compiled.asm["cubin"]),
+        hash=int(compiled.hash[:16], 16),
+        shared=int(md.shared),
+        num_warps=int(md.num_warps),
+        params=params,
+        global_scratch_size=int(getattr(md, "global_scratch_size", 0) or 0),
+        profile_scratch_size=int(getattr(md, "profile_scratch_size", 0) or 0),
+    )
+
+
+# ================================================================================================
+# Launch programs
+# ================================================================================================
+
+
+class Program:
+    """Fills and launches over the buffers of one custom call (operands, then results)."""
+
+    def __init__(self, operands: Sequence[jax.ShapeDtypeStruct]):
+        self.operands = list(operands)
+        self.results: List[jax.ShapeDtypeStruct] = []
+        self._kernels: List[CompiledKernel] = []
+        self._fills: List[Tuple[int, int, int]] = []
+        self._launches: List[Tuple[int, Tuple[int, int, int], List[Tuple[int, int]]]] = []
+
+    def result(self, shape, dtype) -> int:
+        self.results.append(jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype)))
+        return len(self.operands) + len(self.results) - 1
+
+    def dtype_of(self, index: int):
+        buffers = self.operands + self.results
+        return buffers[index].dtype
+
+    def fill(self, index: int, value: int = 0, width: int = 1) -> None:
+        """Set buffer ``index`` to ``value`` repeated (``width`` 1: bytes, 4: 32-bit words)."""
+        self._fills.append((index, value, width))
+
+    def fill_inf_f32(self, index: int) -> None:
+        self.fill(index, 0x7F800000, 4)
+
+    def launch(self, kernel: CompiledKernel, grid: Tuple[int, int, int], args: Dict[str, object]) -> None:
+        """``args``: buffer indices for pointer parameters (``Buf(i)``), numbers for the rest."""
+        if kernel not in self._kernels:
+            self._kernels.append(kernel)
+        params = []
+        for name, ty in kernel.params:
+            value = args[name]
+            if ty.startswith("*"):
+                if not isinstance(value, Buf):
+                    raise TypeError(f"{kernel.name}: parameter {name} ({ty}) needs a buffer, got {value!r}")
+                params.append((_KIND_BUFFER, value.index))
+            elif ty in ("i32", "u32", "i1", "i8", "i16", "u8", "u16"):
+                params.append((_KIND_I32, int(value)))
+            elif ty in ("i64", "u64"):
+                params.append((_KIND_I64, int(value)))
+            elif ty == "fp32":
+                params.append((_KIND_F32, int(np.array(value, np.float32).view(np.uint32))))
+            else:
+                raise NotImplementedError(f"{kernel.name}: parameter {name} of Triton type {ty}")
+        # Triton 3.6 appends the global and the profile scratch pointers after the user's.
+        for size in (kernel.global_scratch_size, kernel.profile_scratch_size):
+            if size > 0:
+                workspace = self.result((grid[0] * grid[1] * grid[2] * size,), jnp.uint8)
+                params.append((_KIND_BUFFER, workspace))
+            else:
+                params.append((_KIND_NULL, 0))
+        self._launches.append((self._kernels.index(kernel), tuple(int(g) for g in grid), params))
+
+    def encode(self) -> Tuple[np.ndarray, np.ndarray]:
+        """(program int64[], blob uint8[]) attributes for the FFI call."""
+        blob = bytearray()
+        words: List[int] = [PROGRAM_VERSION, len(self._kernels)]
+        for k in self._kernels:
+            cubin_offset = len(blob)
+            blob += k.cubin
+            name_offset = len(blob)
+            blob += k.name.encode()
+            signed_hash = k.hash - (1 << 64) if k.hash >= 1 << 63 else k.hash
+            words += [signed_hash, cubin_offset, len(k.cubin), name_offset, len(k.name), k.shared, k.num_warps]
+        words.append(len(self._fills))
+        for index, value, width in self._fills:
+            words += [index, value, width]
+        words.append(len(self._launches))
+        for kernel_index, grid, params in self._launches:
+            words += [kernel_index, *grid, len(params)]
+            for kind, value in params:
+                words += [kind, value]
+        return np.asarray(words, np.int64), np.frombuffer(bytes(blob), np.uint8).copy()
+
+    def call(self, *operands):
+        program, blob = self.encode()
+        return jax.ffi.ffi_call(FFI_TARGET, self.results)(*operands, program=program, blob=blob)
+
+
+@dataclass(frozen=True)
+class Buf:
+    index: int
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _strides(shape: Sequence[int], packed: bool) -> Tuple[int, ...]:
+    """Element strides of a contiguous ``[b, s, h, d]`` buffer seen as the kernels' (b, s, h, d):
+    batch stride 0 when the tokens of all rows form one packed sequence axis."""
+    b, s, h, d = shape
+    return (0 if packed else s * h * d, h * d, d, 1)
+
+
+def _plan_config(static, q, k, v, deterministic: bool) -> AttnConfig:
+    """The planning config of a launch, built as the PyTorch launcher builds it."""
+    return AttnConfig(
+        batch_size=1, num_heads_q=q.shape[2], num_heads_kv=k.shape[2], head_dim_qk=q.shape[3],
+        head_dim_v=v.shape[3], max_seqlen_q=0, max_seqlen_kv=0, dtype=jnp.dtype(q.dtype).name,
+        attn_mask_type=static.attn_mask_type, window_size=static.window_size, deterministic=deterministic,
+        device_type="cuda", compute_capability=_compute_capability(),
+    )
+
+
+def _mask_flags(static) -> Tuple[Dict[str, bool], int, int]:
+    left, right = static.window_size
+    mask = static.attn_mask_type
+    if mask.is_causal:
+        right = 0
+    bottom_right = mask not in (AttnMaskType.CAUSAL_MASK, AttnMaskType.PADDING_CAUSAL_MASK)
+    return dict(HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, BOTTOM_RIGHT=bottom_right), max(left, 0), max(right, 0)
+
+
+def _uses_packed_mode(static) -> bool:
+    """Padding masks (and THD) run the kernels in packed mode over all tokens."""
+    return static.attn_mask_type.is_padding
+
+
+def _check_supported(static) -> None:
+    if static.has_bias:
+        raise NotImplementedError(
+            f"the JAX launch passes no bias to the fused kernels yet (attn_bias_type={static.attn_bias_type.value!r}); "
+            "fused_attn selects the unfused backend for it"
+        )
+    if static.has_dropout:
+        raise NotImplementedError(
+            "the JAX launch passes no dropout to the fused kernels yet; fused_attn selects the unfused backend for it"
+        )
+
+
+def _sequence_arrays(q_seqlens, kv_seqlens, q_offsets, kv_offsets, s_q: int, s_kv: int):
+    """Kernel sequences of packed mode: starts and lengths ``[b * m]`` (int32)."""
+    b, m = q_seqlens.shape
+    rows = jnp.arange(b, dtype=jnp.int32)[:, None]
+    start_q = (rows * s_q + q_offsets[:, :m].astype(jnp.int32)).reshape(-1)
+    start_k = (rows * s_kv + kv_offsets[:, :m].astype(jnp.int32)).reshape(-1)
+    return start_q, start_k, q_seqlens.astype(jnp.int32).reshape(-1), kv_seqlens.astype(jnp.int32).reshape(-1)
+
+
+# ================================================================================================
+# Forward
+# ================================================================================================
+
+
+def _fwd_impl(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds, *, static):
+    from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel
+
+    _check_supported(static)
+    b, s_q, hq, dqk = q.shape
+    s_kv, hk, dv = k.shape[1], k.shape[2], v.shape[3]
+    m = q_seqlens.shape[1]
+    packed = _uses_packed_mode(static)
+    operands = [q, k, v]
+    if packed:
+        operands += list(_sequence_arrays(q_seqlens, kv_seqlens, q_offsets, kv_offsets, s_q, s_kv))
+    nseq = b * m if packed else b
+    prog = Program([jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands])
+    o = prog.result((b, s_q, hq, dv), q.dtype)
+    lse = prog.result((nseq, hq, s_q), jnp.float32)
+    if packed:
+        prog.fill(o)  # packed mode writes only rows inside sequences
+        prog.fill_inf_f32(lse)
+        seq_bufs = dict(SEQ_START_Q=Buf(3), SEQ_START_K=Buf(4), SEQ_LEN_Q=Buf(5), SEQ_LEN_K=Buf(6))
+    else:
+        seq_bufs = dict.fromkeys(("SEQ_START_Q", "SEQ_START_K", "SEQ_LEN_Q", "SEQ_LEN_K"), Buf(lse))
+
+    plan = forward_plan(_plan_config(static, q, k, v, deterministic=False))
+    flags, left, right = _mask_flags(static)
+    t = plan.tiles
+    values = dict(
+        Q=Buf(0), K=Buf(1), V=Buf(2), O=Buf(o), LSE=Buf(lse), **seq_bufs,
+        **_named_strides("q", _strides(q.shape, packed)), **_named_strides("k", _strides(k.shape, packed)),
+        **_named_strides("v", _strides(v.shape, packed)),
+        **_named_strides("o", _strides((b, s_q, hq, dv), packed)),
+        stride_lb=hq * s_q, stride_lh=s_q,
+        num_heads_q=hq, gqa_group=hq // hk, seqlen_q=s_q, seqlen_k=s_kv,
+        qk_scale=static.scaling_factor * LOG2E, window_left=left, window_right=right,
+        HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, IS_THD=packed, HAS_SEQLENS=packed,
+        DOT_PRECISION=plan.dot_precision, **flags,
+    )
+    values = _complete(attn_fwd_kernel, values, Buf(lse))
+    kernel = _compile_launch(attn_fwd_kernel, values, prog, dict(num_warps=t.num_warps, num_stages=t.num_stages))
+    prog.launch(kernel, (_cdiv(s_q, t.block_m), nseq * hq, 1), values)
+    out, lse_out = prog.call(*operands)[:2]
+    return out, lse_out.reshape(b, nseq // b, hq, s_q)
+
+
+def _named_strides(prefix: str, strides: Tuple[int, ...]) -> Dict[str, int]:
+    return {f"stride_{prefix}{axis}": value for axis, value in zip("bshd", strides)}
+
+
+# Kernel parameters of features this launcher leaves off (bias, ALiBi, dropout): what to pass.
+# Pointers get the log-sum-exp buffer as a never-read placeholder, as the PyTorch launcher does.
+_FEATURES_OFF = dict(
+    stride_zb=0, stride_zh=0, stride_zm=0, stride_zn=0, stride_alibi_b=0, dropout_p=0.0,
+    HAS_BIAS=False, HAS_ALIBI=False, DROPOUT=False,
+)
+_PLACEHOLDER_POINTERS = ("BIAS", "ALIBI_SLOPES", "RNG_STATE")
+
+
+def _complete(fn, values: Dict[str, object], placeholder: "Buf") -> Dict[str, object]:
+    """``values`` plus the switched-off features' parameters; any other missing parameter is a
+    kernel change this launcher does not know yet, and an error."""
+    out = dict(values)
+    for name in fn.arg_names:
+        if name in out:
+            continue
+        if name in _PLACEHOLDER_POINTERS:
+            out[name] = placeholder
+        elif name in _FEATURES_OFF:
+            out[name] = _FEATURES_OFF[name]
+        else:
+            raise NotImplementedError(
+                f"{fn.__name__} has a parameter `{name}` that transformer_engine.jax.primitives.gpu does not "
+                "pass yet: update the JAX launcher along with the kernels"
+            )
+    return out
+
+
+def _compile_launch(fn, values: Dict[str, object], prog: Program, launch_options: Dict[str, int]) -> CompiledKernel:
+    """Compile ``fn`` for the launch ``values`` (buffers become typed Pointers)."""
+    args = {}
+    for name in fn.arg_names:
+        value = values[name]
+        args[name] = Pointer(prog.dtype_of(value.index)) if isinstance(value, Buf) else value
+    return compile_kernel(fn, _hashable(args), launch_options, _cuda_target())
+
+
+class _HashablePointer(Pointer):
+    def __eq__(self, other):
+        return isinstance(other, Pointer) and other.dtype == self.dtype
+
+    def __hash__(self):
+        return hash(("Pointer", str(self.dtype)))
+
+    def __repr__(self):
+        return f"Pointer({self.dtype})"
+
+
+def _hashable(args: Dict[str, object]) -> Dict[str, object]:
+    return {k: (_HashablePointer(v.dtype) if isinstance(v, Pointer) else v) for k, v in args.items()}
+
+
+# ================================================================================================
+# Backward
+# ================================================================================================
+
+
+def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds, *,
+              static):
+    from transformer_engine.common.attention.kernels.backward import (
+        attn_bwd_dkdv_kernel,
+        attn_bwd_dq_kernel,
+        attn_bwd_preprocess_kernel,
+    )
+
+    _check_supported(static)
+    b, s_q, hq, dqk = q.shape
+    s_kv, hk, dv = k.shape[1], k.shape[2], v.shape[3]
+    m = q_seqlens.shape[1]
+    packed = _uses_packed_mode(static)
+    nseq = b * m if packed else b
+    lse_in = softmax_aux.reshape(nseq, hq, s_q)
+    operands = [q, k, v, out, dout, lse_in]
+    if packed:
+        operands += list(_sequence_arrays(q_seqlens, kv_seqlens, q_offsets, kv_offsets, s_q, s_kv))
+    prog = Program([jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands])
+    Q, K, V, O, DO, LSE = (Buf(i) for i in range(6))
+    dq = prog.result(q.shape, q.dtype)
+    dk = prog.result(k.shape, k.dtype)
+    dvt = prog.result(v.shape, v.dtype)
+    delta = prog.result((nseq, hq, s_q), jnp.float32)
+    if packed:
+        for index in (dq, dk, dvt):
+            prog.fill(index)  # packed mode writes only rows inside sequences
+        seq = dict(SEQ_START_Q=Buf(6), SEQ_START_K=Buf(7), SEQ_LEN_Q=Buf(8), SEQ_LEN_K=Buf(9))
+    else:
+        seq = dict.fromkeys(("SEQ_START_Q", "SEQ_START_K", "SEQ_LEN_Q", "SEQ_LEN_K"), LSE)
+
+    plan = backward_plan(_plan_config(static, q, k, v, deterministic=static.deterministic))
+    if static.deterministic and plan.atomic_dq:
+        raise RuntimeError("deterministic backward planned with atomic dQ; this is a planning bug")
+    flags, left, right = _mask_flags(static)
+    common = dict(IS_THD=packed, HAS_SEQLENS=packed)
+    strides = dict(
+        **_named_strides("q", _strides(q.shape, packed)), **_named_strides("k", _strides(k.shape, packed)),
+        **_named_strides("v", _strides(v.shape, packed)), **_named_strides("o", _strides(out.shape, packed)),
+        **_named_strides("do", _strides(dout.shape, packed)), **_named_strides("dq", _strides(q.shape, packed)),
+        **_named_strides("dk", _strides(k.shape, packed)), **_named_strides("dv", _strides(v.shape, packed)),
+        stride_lb=hq * s_q, stride_lh=s_q,
+    )
+
+    pre = plan.preprocess
+    pre_values = dict(
+        O=O, DO=DO, DELTA=Buf(delta), SEQ_START_Q=seq["SEQ_START_Q"], SEQ_LEN_Q=seq["SEQ_LEN_Q"], **strides,
+        num_heads_q=hq, seqlen_q=s_q, HEAD_DIM_V=dv, BLOCK_DV=plan.block_dv, BLOCK_M=pre.block_m, **common,
+    )
+    pre_values = _complete(attn_bwd_preprocess_kernel, pre_values, LSE)
+    kernel = _compile_launch(attn_bwd_preprocess_kernel, pre_values, prog, dict(num_warps=pre.num_warps))
+    prog.launch(kernel, (_cdiv(s_q, pre.block_m), nseq * hq, 1), pre_values)
+
+    if plan.atomic_dq:
+        dq_acc = prog.result(q.shape, jnp.float32)
+        prog.fill(dq_acc)
+        dq_acc_buf, dq_acc_strides = Buf(dq_acc), _strides(q.shape, packed)
+    else:
+        dq_acc_buf, dq_acc_strides = LSE, (0, 0, 0, 0)  # unused by the kernel without ATOMIC_DQ
+    shared = dict(
+        Q=Q, K=K, V=V, DO=DO, LSE=LSE, DELTA=Buf(delta), **seq, **strides, seqlen_q=s_q, seqlen_k=s_kv,
+        gqa_group=hq // hk, sm_scale=static.scaling_factor, qk_scale=static.scaling_factor * LOG2E,
+        window_left=left, window_right=right, HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk,
+        BLOCK_DV=plan.block_dv, DOT_PRECISION=plan.dot_precision, **flags, **common,
+    )
+    t = plan.dkdv
+    dkdv_values = dict(
+        shared, DK=Buf(dk), DV=Buf(dvt), DQ_ACC=dq_acc_buf, **_named_strides("dq", dq_acc_strides),
+        num_heads_kv=hk, BLOCK_M=t.block_m, BLOCK_N=t.block_n, ATOMIC_DQ=plan.atomic_dq,
+    )
+    dkdv_values = _complete(attn_bwd_dkdv_kernel, dkdv_values, LSE)
+    kernel = _compile_launch(attn_bwd_dkdv_kernel, dkdv_values, prog,
+                             dict(num_warps=t.num_warps, num_stages=t.num_stages))
+    prog.launch(kernel, (_cdiv(s_kv, t.block_n), nseq * hk, 1), dkdv_values)
+
+    if not plan.atomic_dq:
+        t = plan.dq
+        dq_values = dict(shared, DQ=Buf(dq), num_heads_q=hq, BLOCK_M=t.block_m, BLOCK_N=t.block_n)
+        dq_values = _complete(attn_bwd_dq_kernel, dq_values, LSE)
+        kernel = _compile_launch(attn_bwd_dq_kernel, dq_values, prog,
+                                 dict(num_warps=t.num_warps, num_stages=t.num_stages))
+        prog.launch(kernel, (_cdiv(s_q, t.block_m), nseq * hq, 1), dq_values)
+
+    results = prog.call(*operands)
+    dq_out, dk_out, dv_out = results[:3]
+    if plan.atomic_dq:
+        dq_out = results[dq_acc - len(operands)].astype(q.dtype)
+    return dq_out, dk_out, dv_out, jnp.zeros_like(bias)
+
+
+# ================================================================================================
+# Lowering rules (registered for platform "cuda" by primitives.attention)
+# ================================================================================================
 
 
 def fused_attn_fwd_lowering(ctx, *args, static):
-    raise NotImplementedError(f"fused attention forward on CUDA: {_NOT_WIRED}")
+    _require_extension()
+    return mlir.lower_fun(functools.partial(_fwd_impl, static=static), multiple_results=True)(ctx, *args)
 
 
 def fused_attn_bwd_lowering(ctx, *args, static):
-    raise NotImplementedError(f"fused attention backward on CUDA: {_NOT_WIRED}")
+    _require_extension()
+    return mlir.lower_fun(functools.partial(_bwd_impl, static=static), multiple_results=True)(ctx, *args)

@@ -11,6 +11,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from transformer_engine.common.attention import AttnConfig, AttnMaskType  # noqa: E402
 from transformer_engine.common.attention.kernels.backward import (  # noqa: E402
+    attn_bwd_dbias_kernel,
     attn_bwd_dkdv_kernel,
     attn_bwd_dq_kernel,
     attn_bwd_preprocess_kernel,
@@ -30,7 +31,7 @@ def _compile(fn, pointers, constexprs, tiles):
         elif name in pointers:
             signature[name] = pointers[name]
         else:
-            signature[name] = "fp32" if "scale" in name else "i32"
+            signature[name] = "fp32" if ("scale" in name or name == "dropout_p") else "i32"
     src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
@@ -40,9 +41,11 @@ def _compile(fn, pointers, constexprs, tiles):
 
 def _pointers(names, overrides=()):
     kinds = {n: PTR for n in names}
-    for n in ("LSE", "DELTA", "DQ_ACC"):
+    for n in ("LSE", "DELTA", "DQ_ACC", "ALIBI_SLOPES"):
         if n in kinds:
             kinds[n] = "*fp32"
+    if "RNG_STATE" in kinds:
+        kinds["RNG_STATE"] = "*i64"
     for n in ("SEQ_START_Q", "SEQ_START_K", "SEQ_LEN_Q", "SEQ_LEN_K"):
         if n in kinds:
             kinds[n] = "*i32"
@@ -50,9 +53,13 @@ def _pointers(names, overrides=()):
     return kinds
 
 
-@pytest.mark.parametrize("head_dims", [(64, 64), (128, 128), (192, 128), (256, 256)])
-@pytest.mark.parametrize("causal", [False, True])
-def test_sm90_plans_compile(head_dims, causal):
+_PLAIN = [(dims, causal, False) for dims in [(64, 64), (128, 128), (192, 128), (256, 256)] for causal in (False, True)]
+# Bias, ALiBi and dropout variants (plus the dBias kernel) at the two largest tiles.
+_MODS = [((128, 128), True, True), ((256, 256), False, True)]
+
+
+@pytest.mark.parametrize("head_dims,causal,mods", _PLAIN + _MODS)
+def test_sm90_plans_compile(head_dims, causal, mods):
     dqk, dv = head_dims
     mask = AttnMaskType.CAUSAL_MASK if causal else AttnMaskType.NO_MASK
     cfg = AttnConfig(batch_size=1, num_heads_q=8, num_heads_kv=8, head_dim_qk=dqk, head_dim_v=dv,
@@ -61,8 +68,8 @@ def test_sm90_plans_compile(head_dims, causal):
     fwd, bwd = forward_plan(cfg), backward_plan(cfg)
     flags = dict(HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=fwd.block_dqk, BLOCK_DV=fwd.block_dv,
                  IS_THD=False, HAS_SEQLENS=False, HAS_LEFT=False, HAS_RIGHT=causal, BOTTOM_RIGHT=False,
-                 DOT_PRECISION=fwd.dot_precision)
-    seq = ("SEQ_START_Q", "SEQ_START_K", "SEQ_LEN_Q", "SEQ_LEN_K")
+                 DOT_PRECISION=fwd.dot_precision, HAS_BIAS=mods, HAS_ALIBI=mods, DROPOUT=mods)
+    seq = ("BIAS", "ALIBI_SLOPES", "RNG_STATE", "SEQ_START_Q", "SEQ_START_K", "SEQ_LEN_Q", "SEQ_LEN_K")
     _compile(attn_fwd_kernel, _pointers(("Q", "K", "V", "O", "LSE") + seq),
              dict(flags, BLOCK_M=fwd.tiles.block_m, BLOCK_N=fwd.tiles.block_n), fwd.tiles)
     _compile(attn_bwd_dkdv_kernel, _pointers(("Q", "K", "V", "DO", "DK", "DV", "DQ_ACC", "LSE", "DELTA") + seq),
@@ -72,3 +79,10 @@ def test_sm90_plans_compile(head_dims, causal):
     _compile(attn_bwd_preprocess_kernel, _pointers(("O", "DO", "DELTA", "SEQ_START_Q", "SEQ_LEN_Q")),
              dict(HEAD_DIM_V=dv, BLOCK_DV=bwd.block_dv, BLOCK_M=bwd.preprocess.block_m, IS_THD=False,
                   HAS_SEQLENS=False), bwd.preprocess)
+    if mods:
+        tile = min(bwd.dq.block_m, 64)
+        dbias_flags = {k: v for k, v in flags.items() if k not in ("IS_THD", "HAS_BIAS", "HAS_ALIBI")}
+        _compile(attn_bwd_dbias_kernel,
+                 _pointers(("Q", "K", "V", "DO", "LSE", "DELTA", "BIAS", "DBIAS", "RNG_STATE", "SEQ_LEN_Q",
+                            "SEQ_LEN_K")),
+                 dict(dbias_flags, BLOCK_M=tile, BLOCK_N=tile), type(bwd.dq)(tile, tile, bwd.dq.num_warps, 1))

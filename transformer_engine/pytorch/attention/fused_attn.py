@@ -14,25 +14,37 @@ __all__ = ["fused_attn_func", "FusedAttnFunc"]
 
 class FusedAttnFunc(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, qkv_format, cu_seqlens_q, cu_seqlens_kv, seq_offsets_q, seq_offsets_kv,
-                max_seqlen_q, max_seqlen_kv, softmax_scale, attn_mask_type, window_left, window_right,
-                deterministic):
+    def forward(ctx, q, k, v, bias, alibi_slopes, rng_state, qkv_format, cu_seqlens_q, cu_seqlens_kv,
+                seq_offsets_q, seq_offsets_kv, max_seqlen_q, max_seqlen_kv, softmax_scale, attn_mask_type,
+                window_left, window_right, dropout_p, deterministic):
         out, lse = torch.ops.transformer_engine.fused_attn_fwd(
             q, k, v, qkv_format, cu_seqlens_q, cu_seqlens_kv, seq_offsets_q, seq_offsets_kv,
-            max_seqlen_q, max_seqlen_kv, softmax_scale, attn_mask_type, window_left, window_right)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, seq_offsets_q, seq_offsets_kv)
+            max_seqlen_q, max_seqlen_kv, softmax_scale, attn_mask_type, window_left, window_right,
+            bias, alibi_slopes, rng_state, dropout_p)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, seq_offsets_q, seq_offsets_kv,
+                              bias, alibi_slopes, rng_state)
         ctx.static = (qkv_format, max_seqlen_q, max_seqlen_kv, softmax_scale, attn_mask_type,
-                      window_left, window_right, deterministic)
-        return out
+                      window_left, window_right, deterministic, dropout_p)
+        ctx.bias_grad = bias is not None and bias.requires_grad
+        ctx.mark_non_differentiable(lse)
+        return out, lse
 
     @staticmethod
-    def backward(ctx, d_out):
-        q, k, v, out, lse, cu_q, cu_kv, off_q, off_kv = ctx.saved_tensors
-        fmt, max_q, max_kv, scale, mask, left, right, deterministic = ctx.static
-        dq, dk, dv = torch.ops.transformer_engine.fused_attn_bwd(
+    def backward(ctx, d_out, _d_lse):
+        q, k, v, out, lse, cu_q, cu_kv, off_q, off_kv, bias, alibi, rng_state = ctx.saved_tensors
+        fmt, max_q, max_kv, scale, mask, left, right, deterministic, dropout_p = ctx.static
+        dq, dk, dv, dbias = torch.ops.transformer_engine.fused_attn_bwd(
             q, k, v, out, d_out.contiguous(), lse, fmt, cu_q, cu_kv, off_q, off_kv,
-            max_q, max_kv, scale, mask, left, right, deterministic)
-        return (dq, dk, dv) + (None,) * 12
+            max_q, max_kv, scale, mask, left, right, deterministic,
+            bias, alibi, rng_state, dropout_p, ctx.bias_grad)
+        return (dq, dk, dv, dbias if ctx.bias_grad else None) + (None,) * 15
+
+
+def new_rng_state(device: torch.device) -> torch.Tensor:
+    """int64 [seed, offset] drawn from the current torch generator of ``device`` (so manual_seed
+    and RNG trackers reproduce it); the kernels key dropout on it."""
+    seed = torch.randint(0, 2 ** 62, (1,), dtype=torch.int64, device=device)
+    return torch.cat([seed, torch.zeros(1, dtype=torch.int64, device=device)])
 
 
 def _check_cu_seqlens(name: str, cu: Optional[torch.Tensor], batch: Optional[int]) -> None:
@@ -61,7 +73,12 @@ def fused_attn_func(
     max_seqlen_q: Optional[int] = None,
     max_seqlen_kv: Optional[int] = None,
     deterministic: bool = False,
-) -> torch.Tensor:
+    core_attention_bias: Optional[torch.Tensor] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    rng_state: Optional[torch.Tensor] = None,
+    return_softmax_aux: bool = False,
+):
     """Fused scaled-dot-product attention on the project's Triton kernels.
 
     Shapes: ``bshd`` [b, s, h, d], ``sbhd`` [s, b, h, d], ``thd`` [t, h, d] (tokens of all
@@ -70,6 +87,15 @@ def fused_attn_func(
     head ``i // (h_q // h_kv)`` (GQA/MQA). For padding masks in bshd/sbhd, ``cu_seqlens_*`` give
     each sequence's real length; outputs and gradients at padded positions are zero. Rows that
     see no key output zeros. The output has q's format and head dim d_v.
+
+    ``core_attention_bias`` (post-scale, [b|1, h|1, s_q, s_kv], padded formats) is added to the
+    scaled scores, and gets a gradient when it requires one (summed over its broadcast
+    dimensions in a fixed order). ``alibi_slopes`` (fp32 [h] or [b, h]) adds
+    ``-slope * |j - (i + d)|`` with the mask's diagonal ``d``, without materialising it.
+    ``dropout_p`` drops probabilities with a counter-based RNG keyed by ``rng_state``
+    (int64 [seed, offset]; drawn from torch's generator when None): the same state gives the
+    same mask in forward and backward, run after run. ``return_softmax_aux=True`` returns
+    ``(out, (softmax_lse [b, h, s_q] fp32, rng_state))`` like TransformerEngine's aux tensors.
 
     Determinism: the forward is always deterministic; with ``deterministic=True`` the backward
     uses no atomics, sums in a fixed order and fixed tiles, so gradients are bitwise
@@ -113,7 +139,33 @@ def fused_attn_func(
         cu_seqlens_kv = None
     if cu_seqlens_kv_padded is cu_seqlens_q_padded:
         cu_seqlens_kv_padded = None
-    return FusedAttnFunc.apply(
-        q, k, v, fmt.value, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
-        int(max_seqlen_q), int(max_seqlen_kv), float(softmax_scale), mask.value,
-        int(window_size[0]), int(window_size[1]), bool(deterministic))
+    _check_score_mods(q, fmt, core_attention_bias, alibi_slopes, dropout_p, rng_state)
+    if dropout_p > 0 and rng_state is None:
+        rng_state = new_rng_state(q.device)
+    if dropout_p == 0:
+        rng_state = None
+    out, lse = FusedAttnFunc.apply(
+        q, k, v, core_attention_bias, alibi_slopes, rng_state, fmt.value, cu_seqlens_q, cu_seqlens_kv,
+        cu_seqlens_q_padded, cu_seqlens_kv_padded, int(max_seqlen_q), int(max_seqlen_kv), float(softmax_scale),
+        mask.value, int(window_size[0]), int(window_size[1]), float(dropout_p), bool(deterministic))
+    if return_softmax_aux:
+        return out, (lse, rng_state)
+    return out
+
+
+def _check_score_mods(q, fmt: QKVFormat, bias, alibi_slopes, dropout_p, rng_state) -> None:
+    heads = q.shape[-2]
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"`dropout_p` must be in [0, 1), got {dropout_p}")
+    if rng_state is not None and (rng_state.dtype != torch.int64 or tuple(rng_state.shape) != (2,)):
+        raise ValueError(f"`rng_state` must be int64 of shape [2] (seed, offset), got {rng_state.dtype} "
+                         f"{tuple(rng_state.shape)}")
+    if bias is not None:
+        if fmt == QKVFormat.THD:
+            raise NotImplementedError("`core_attention_bias` is not supported with qkv_format='thd'")
+        if bias.dim() != 4 or bias.shape[1] not in (1, heads):
+            raise ValueError(f"`core_attention_bias` must be [b|1, {heads}|1, s_q, s_kv], got {tuple(bias.shape)}")
+    if alibi_slopes is not None:
+        if alibi_slopes.dtype != torch.float32 or alibi_slopes.shape[-1] != heads or alibi_slopes.dim() not in (1, 2):
+            raise ValueError(f"`alibi_slopes` must be fp32 [{heads}] or [b, {heads}], got {alibi_slopes.dtype} "
+                             f"{tuple(alibi_slopes.shape)}")

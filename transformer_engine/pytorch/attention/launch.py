@@ -11,11 +11,13 @@ import triton
 
 from transformer_engine.common.attention import AttnConfig, AttnMaskType, QKVFormat
 from transformer_engine.common.attention.kernels.backward import (
+    attn_bwd_dbias_kernel,
     attn_bwd_dkdv_kernel,
     attn_bwd_dq_kernel,
     attn_bwd_preprocess_kernel,
 )
 from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel
+from transformer_engine.common.attention.kernels.scores import dropout_mask_kernel
 from transformer_engine.common.attention.plan import BackwardPlan, ForwardPlan, Tiles, backward_plan, forward_plan
 from transformer_engine.pytorch.attention.config import dtype_name
 
@@ -104,6 +106,41 @@ def plan_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: QKVForma
     )
 
 
+@dataclass(frozen=True)
+class ScoreMods:
+    """What modifies the scores: post-scale bias [b|1, h|1, s_q, s_kv], ALiBi slopes [h] or
+    [b, h] (fp32), dropout probability and its RNG state (int64 [seed, offset], on the device)."""
+
+    bias: Optional[torch.Tensor] = None
+    alibi_slopes: Optional[torch.Tensor] = None
+    dropout_p: float = 0.0
+    rng_state: Optional[torch.Tensor] = None
+
+    def pointer_args(self, like: torch.Tensor):
+        return (self.bias if self.bias is not None else like,
+                self.alibi_slopes if self.alibi_slopes is not None else like,
+                self.rng_state if self.dropout_p > 0 else like)
+
+    def stride_args(self, batch: int, heads: int):
+        if self.bias is None:
+            zs = (0, 0, 0, 0)
+        else:
+            b = self.bias
+            zs = (b.stride(0) if b.shape[0] > 1 else 0, b.stride(1) if b.shape[1] > 1 else 0,
+                  b.stride(2), b.stride(3))
+        alibi_b = 0
+        if self.alibi_slopes is not None and self.alibi_slopes.dim() == 2:
+            alibi_b = self.alibi_slopes.stride(0)
+        return zs + (alibi_b,)
+
+    def flags(self):
+        return dict(HAS_BIAS=self.bias is not None, HAS_ALIBI=self.alibi_slopes is not None,
+                    DROPOUT=self.dropout_p > 0)
+
+
+NO_MODS = ScoreMods()
+
+
 def _mask_flags(mask: AttnMaskType, window: Tuple[int, int]):
     left, right = window
     if mask.is_causal:
@@ -114,7 +151,7 @@ def _mask_flags(mask: AttnMaskType, window: Tuple[int, int]):
 
 
 def forward(q, k, v, fmt: QKVFormat, seqs: Sequences, softmax_scale: float, mask: AttnMaskType,
-            window: Tuple[int, int], plan: Optional[ForwardPlan] = None):
+            window: Tuple[int, int], plan: Optional[ForwardPlan] = None, mods: ScoreMods = NO_MODS):
     """Run the forward kernel. Returns (out in q's format with head dim d_v, lse [b, h, max_s_q] fp32)."""
     if plan is None:
         plan = forward_plan(plan_config(q, k, v, fmt, mask, window, False))
@@ -132,21 +169,26 @@ def forward(q, k, v, fmt: QKVFormat, seqs: Sequences, softmax_scale: float, mask
     t = plan.tiles
     grid = (triton.cdiv(seqs.max_q, t.block_m), seqs.batch * hq)
     attn_fwd_kernel[grid](
-        q, k, v, out, lse, *seqs.args(lse),
-        *sq_, *sk_, *sv_, *so_, lse.stride(0), lse.stride(1),
+        q, k, v, out, lse, *mods.pointer_args(lse), *seqs.args(lse),
+        *sq_, *sk_, *sv_, *so_, lse.stride(0), lse.stride(1), *mods.stride_args(seqs.batch, hq),
         hq, hq // hk, seqs.max_q, seqs.max_k,
-        softmax_scale * LOG2E, left, right,
+        softmax_scale * LOG2E, left, right, mods.dropout_p,
         HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, IS_THD=seqs.is_thd, HAS_SEQLENS=seqs.has_seqlens,
         DOT_PRECISION=plan.dot_precision, num_warps=t.num_warps, num_stages=t.num_stages, **flags,
+        **mods.flags(),
     )
     return out, lse
 
 
 def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_scale: float,
              mask: AttnMaskType, window: Tuple[int, int], deterministic: bool,
-             plan: Optional[BackwardPlan] = None):
-    """Run preprocess, dK/dV and dQ (or atomic dQ). Returns (dq, dk, dv) in the inputs' format."""
+             plan: Optional[BackwardPlan] = None, mods: ScoreMods = NO_MODS, bias_grad: bool = False):
+    """Run preprocess, dK/dV and dQ (or atomic dQ), and dBias when asked.
+
+    Returns (dq, dk, dv, dbias) with the gradients in the inputs' format; dbias (the bias's
+    shape, summed over its broadcast dimensions in a fixed order) is None unless ``bias_grad``.
+    """
     if plan is None:
         plan = backward_plan(plan_config(q, k, v, fmt, mask, window, deterministic))
     if deterministic and plan.atomic_dq:
@@ -179,26 +221,68 @@ def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_
         dq_acc = lse  # unused by the kernel when ATOMIC_DQ is off
     _, sdqa_ = canonical(dq_acc, fmt) if plan.atomic_dq else (None, (0, 0, 0, 0))
     t = plan.dkdv
+    mod_ptrs, mod_strides = mods.pointer_args(lse), mods.stride_args(seqs.batch, hq)
     attn_bwd_dkdv_kernel[(triton.cdiv(seqs.max_k, t.block_n), seqs.batch * hk)](
-        q, k, v, d_out, dk, dvt, dq_acc, lse, delta, *seq_args,
-        *sq_, *sk_, *sv_, *sdo_, *sdk_, *sdv_, *sdqa_, lse.stride(0), lse.stride(1),
-        hk, hq // hk, seqs.max_q, seqs.max_k, softmax_scale, softmax_scale * LOG2E, left, right,
+        q, k, v, d_out, dk, dvt, dq_acc, lse, delta, *mod_ptrs, *seq_args,
+        *sq_, *sk_, *sv_, *sdo_, *sdk_, *sdv_, *sdqa_, lse.stride(0), lse.stride(1), *mod_strides,
+        hk, hq // hk, seqs.max_q, seqs.max_k, softmax_scale, softmax_scale * LOG2E, left, right, mods.dropout_p,
         HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, IS_THD=seqs.is_thd, HAS_SEQLENS=seqs.has_seqlens,
         ATOMIC_DQ=plan.atomic_dq, DOT_PRECISION=plan.dot_precision,
-        num_warps=t.num_warps, num_stages=t.num_stages, **flags,
+        num_warps=t.num_warps, num_stages=t.num_stages, **flags, **mods.flags(),
     )
+    dbias = _dbias(q, k, v, d_out, lse, delta, fmt, seqs, softmax_scale, window, flags, left, right, plan, mods) \
+        if bias_grad else None
     if plan.atomic_dq:
-        return dq_acc.to(q.dtype), dk, dvt
+        return dq_acc.to(q.dtype), dk, dvt, dbias
     dq = alloc(q.shape, dtype=q.dtype, device=q.device)
     _, sdq_ = canonical(dq, fmt)
     t = plan.dq
     attn_bwd_dq_kernel[(triton.cdiv(seqs.max_q, t.block_m), seqs.batch * hq)](
-        q, k, v, d_out, dq, lse, delta, *seq_args,
-        *sq_, *sk_, *sv_, *sdo_, *sdq_, lse.stride(0), lse.stride(1),
-        hq, hq // hk, seqs.max_q, seqs.max_k, softmax_scale, softmax_scale * LOG2E, left, right,
+        q, k, v, d_out, dq, lse, delta, *mod_ptrs, *seq_args,
+        *sq_, *sk_, *sv_, *sdo_, *sdq_, lse.stride(0), lse.stride(1), *mod_strides,
+        hq, hq // hk, seqs.max_q, seqs.max_k, softmax_scale, softmax_scale * LOG2E, left, right, mods.dropout_p,
         HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, IS_THD=seqs.is_thd, HAS_SEQLENS=seqs.has_seqlens,
         DOT_PRECISION=plan.dot_precision, num_warps=t.num_warps, num_stages=t.num_stages, **flags,
+        **mods.flags(),
     )
-    return dq, dk, dvt
+    return dq, dk, dvt, dbias
+
+
+def _dbias(q, k, v, d_out, lse, delta, fmt, seqs: Sequences, softmax_scale, window, flags, left, right,
+           plan: BackwardPlan, mods: ScoreMods):
+    """dBias in the bias's shape (padded formats only), summed over broadcast dims in order."""
+    bias = mods.bias
+    hq, hk = q.shape[-2], k.shape[-2]
+    dbias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device)
+    _, sq_ = canonical(q, fmt)
+    _, sk_ = canonical(k, fmt)
+    _, sv_ = canonical(v, fmt)
+    _, sdo_ = canonical(d_out, fmt)
+    t = plan.dq
+    seq_args = seqs.args(lse)
+    tile = min(t.block_m, 64)
+    grid = (triton.cdiv(seqs.max_q, tile), triton.cdiv(seqs.max_k, tile), bias.shape[0] * bias.shape[1])
+    attn_bwd_dbias_kernel[grid](
+        q, k, v, d_out, lse, delta, bias, dbias, mods.rng_state if mods.dropout_p > 0 else lse,
+        seq_args[2], seq_args[3], *sq_, *sk_, *sv_, *sdo_, lse.stride(0), lse.stride(1),
+        *mods.stride_args(seqs.batch, hq)[:4], *dbias.stride(),
+        seqs.batch, hq, hq // hk, bias.shape[0], bias.shape[1], seqs.max_q, seqs.max_k,
+        softmax_scale * LOG2E, left, right, mods.dropout_p,
+        HEAD_DIM_QK=q.shape[-1], HEAD_DIM_V=v.shape[-1], BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
+        BLOCK_M=tile, BLOCK_N=tile, HAS_SEQLENS=seqs.has_seqlens,
+        HAS_LEFT=flags["HAS_LEFT"], HAS_RIGHT=flags["HAS_RIGHT"], BOTTOM_RIGHT=flags["BOTTOM_RIGHT"],
+        DROPOUT=mods.dropout_p > 0, DOT_PRECISION=plan.dot_precision, num_warps=t.num_warps, num_stages=1,
+    )
+    return dbias
+
+
+def dropout_keep_mask(rng_state: torch.Tensor, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
+                      dropout_p: float) -> torch.Tensor:
+    """The boolean keep mask [b, h, s_q, s_kv] the kernels use for ``rng_state`` (for tests)."""
+    keep = torch.empty((batch, heads, seqlen_q, seqlen_k), dtype=torch.int8, device=rng_state.device)
+    block = 16 if rng_state.device.type == "cpu" else 64
+    grid = (triton.cdiv(seqlen_q, block), triton.cdiv(seqlen_k, block), batch * heads)
+    dropout_mask_kernel[grid](keep, rng_state, heads, seqlen_q, seqlen_k, dropout_p, BLOCK_M=block, BLOCK_N=block)
+    return keep.bool()

@@ -15,6 +15,7 @@ from transformer_engine.common.attention.kernels.masking import (
     sequence_extent,
     visible,
 )
+from transformer_engine.common.attention.kernels.scores import bias_log2, dropout_keep
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -55,8 +56,10 @@ def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, dq_ptrs,
                 stride_qs, stride_dos, stride_dqs,
                 offs_n, offs_m_base, offs_dqk, offs_dv, lo, hi,
                 len_q, len_k, diag, window_left, window_right, qk_scale, sm_scale,
+                bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
                 HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr,
                 MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                 ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr):
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m_base
@@ -69,15 +72,24 @@ def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, dq_ptrs,
         # Rows past the sequence (or with nothing visible) carry lse = +inf: their p is 0.
         lse = tl.load(lse_ptrs + offs_m, mask=offs_m < len_q, other=float("inf"))
         qk_t = tl.dot(k, q_t, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
+        if HAS_BIAS or HAS_ALIBI:
+            qk_t += bias_log2(bias_base, offs_m[None, :], offs_n[:, None], len_q, len_k, stride_zm, stride_zn,
+                              alibi_slope, diag, HAS_BIAS, HAS_ALIBI)
         p_t = tl.math.exp2(qk_t - lse[None, :] * LOG2E)
         if MASKED:
             keep = visible(offs_m[None, :], offs_n[:, None], len_q, len_k, diag, window_left, window_right,
                            HAS_LEFT, HAS_RIGHT)
             p_t = tl.where(keep, p_t, 0.0)
         do = tl.load(do_ptrs + start_m * stride_dos, mask=do_mask, other=0.0)  # [BLOCK_M, BLOCK_DV]
-        dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
         delta = tl.load(delta_ptrs + offs_m, mask=offs_m < len_q, other=0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+        if DROPOUT:
+            kept = dropout_keep(seed, rng_offset, seq_head, offs_m[None, :], offs_n[:, None], dropout_p)
+            inv_keep = 1.0 / (1.0 - dropout_p)
+            dv += tl.dot((tl.where(kept, p_t, 0.0) * inv_keep).to(do.dtype), do, input_precision=DOT_PRECISION)
+            dp_t = tl.where(kept, dp_t, 0.0) * inv_keep
+        else:
+            dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
         dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=DOT_PRECISION)
         if ATOMIC_DQ:
@@ -89,7 +101,7 @@ def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, dq_ptrs,
 
 @triton.jit
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA,
+    Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, BIAS, ALIBI_SLOPES, RNG_STATE,
     SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -99,13 +111,15 @@ def attn_bwd_dkdv_kernel(
     stride_dvb, stride_dvs, stride_dvh, stride_dvd,
     stride_dqb, stride_dqs, stride_dqh, stride_dqd,
     stride_lb, stride_lh,
+    stride_zb, stride_zh, stride_zm, stride_zn, stride_alibi_b,
     num_heads_kv, gqa_group, seqlen_q, seqlen_k,
-    sm_scale, qk_scale, window_left, window_right,
+    sm_scale, qk_scale, window_left, window_right, dropout_p,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One program per (key block, batch * kv head): dK, dV for that tile, summed over the
@@ -142,8 +156,18 @@ def attn_bwd_dkdv_kernel(
     hi = tl.where(start_n < len_k, hi, lo)
     full_lo = tl.minimum(full_lo, hi)
     full_hi = tl.minimum(full_hi, hi)
+    seed = 0
+    rng_offset = 0
+    if DROPOUT:
+        seed = tl.load(RNG_STATE)
+        rng_offset = tl.load(RNG_STATE + 1)
     for g in range(0, gqa_group):
         head = head_kv * gqa_group + g
+        bias_base = BIAS + batch.to(tl.int64) * stride_zb + head.to(tl.int64) * stride_zh
+        alibi_slope = 0.0
+        if HAS_ALIBI:
+            alibi_slope = tl.load(ALIBI_SLOPES + batch * stride_alibi_b + head).to(tl.float32)
+        seq_head = batch * (num_heads_kv * gqa_group) + head
         q_ptrs = (Q + batch.to(tl.int64) * stride_qb + start_q * stride_qs + head.to(tl.int64) * stride_qh
                   + offs_m[None, :] * stride_qs + offs_dqk[:, None] * stride_qd)
         do_ptrs = (DO + batch.to(tl.int64) * stride_dob + start_q * stride_dos + head.to(tl.int64) * stride_doh
@@ -155,15 +179,21 @@ def attn_bwd_dkdv_kernel(
         dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, dq_ptrs,
                              stride_qs, stride_dos, stride_dqs, offs_n, offs_m, offs_dqk, offs_dv, lo, full_lo,
                              len_q, len_k, diag, window_left, window_right, qk_scale, sm_scale,
-                             HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, ATOMIC_DQ, DOT_PRECISION)
+                             bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
+                             HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, True, HAS_LEFT, HAS_RIGHT,
+                             HAS_BIAS, HAS_ALIBI, DROPOUT, ATOMIC_DQ, DOT_PRECISION)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, dq_ptrs,
                              stride_qs, stride_dos, stride_dqs, offs_n, offs_m, offs_dqk, offs_dv, full_lo, full_hi,
                              len_q, len_k, diag, window_left, window_right, qk_scale, sm_scale,
-                             HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, ATOMIC_DQ, DOT_PRECISION)
+                             bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
+                             HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, False, HAS_LEFT, HAS_RIGHT,
+                             HAS_BIAS, HAS_ALIBI, DROPOUT, ATOMIC_DQ, DOT_PRECISION)
         dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, dq_ptrs,
                              stride_qs, stride_dos, stride_dqs, offs_n, offs_m, offs_dqk, offs_dv, full_hi, hi,
                              len_q, len_k, diag, window_left, window_right, qk_scale, sm_scale,
-                             HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, ATOMIC_DQ, DOT_PRECISION)
+                             bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
+                             HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, True, HAS_LEFT, HAS_RIGHT,
+                             HAS_BIAS, HAS_ALIBI, DROPOUT, ATOMIC_DQ, DOT_PRECISION)
 
     dk = tl.where(key_ok, dk * sm_scale, 0.0)
     dv = tl.where(key_ok, dv, 0.0)
@@ -180,8 +210,10 @@ def attn_bwd_dkdv_kernel(
 def _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs,
               offs_m, offs_n_base, offs_dqk, offs_dv, lo, hi,
               len_q, len_k, diag, window_left, window_right, qk_scale,
+              bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
               HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
               MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+              HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
               DOT_PRECISION: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n_base
@@ -193,12 +225,18 @@ def _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs,
         k_t = tl.load(k_ptrs + start_n * stride_ks, mask=k_mask, other=0.0)  # [BLOCK_DQK, BLOCK_N]
         v_t = tl.load(v_ptrs + start_n * stride_vs, mask=v_mask, other=0.0)  # [BLOCK_DV, BLOCK_N]
         qk = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
+        if HAS_BIAS or HAS_ALIBI:
+            qk += bias_log2(bias_base, offs_m[:, None], offs_n[None, :], len_q, len_k, stride_zm, stride_zn,
+                            alibi_slope, diag, HAS_BIAS, HAS_ALIBI)
         p = tl.math.exp2(qk - lse2[:, None])
         if MASKED:
             keep = visible(offs_m[:, None], offs_n[None, :], len_q, len_k, diag, window_left, window_right,
                            HAS_LEFT, HAS_RIGHT)
             p = tl.where(keep, p, 0.0)
         dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)
+        if DROPOUT:
+            kept = dropout_keep(seed, rng_offset, seq_head, offs_m[:, None], offs_n[None, :], dropout_p)
+            dp = tl.where(kept, dp, 0.0) * (1.0 / (1.0 - dropout_p))
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k_t.dtype), tl.trans(k_t), input_precision=DOT_PRECISION)
     return dq
@@ -206,7 +244,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs,
 
 @triton.jit
 def attn_bwd_dq_kernel(
-    Q, K, V, DO, DQ, LSE, DELTA,
+    Q, K, V, DO, DQ, LSE, DELTA, BIAS, ALIBI_SLOPES, RNG_STATE,
     SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -214,13 +252,15 @@ def attn_bwd_dq_kernel(
     stride_dob, stride_dos, stride_doh, stride_dod,
     stride_dqb, stride_dqs, stride_dqh, stride_dqd,
     stride_lb, stride_lh,
+    stride_zb, stride_zh, stride_zm, stride_zn, stride_alibi_b,
     num_heads_q, gqa_group, seqlen_q, seqlen_k,
-    sm_scale, qk_scale, window_left, window_right,
+    sm_scale, qk_scale, window_left, window_right, dropout_p,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """One program per (query block, batch * query head): dQ summed over key blocks in order."""
@@ -258,6 +298,16 @@ def attn_bwd_dq_kernel(
     v_ptrs = (V + batch.to(tl.int64) * stride_vb + start_k * stride_vs + head_kv.to(tl.int64) * stride_vh
               + offs_n[None, :] * stride_vs + offs_dv[:, None] * stride_vd)
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
+    bias_base = BIAS + batch.to(tl.int64) * stride_zb + head.to(tl.int64) * stride_zh
+    alibi_slope = 0.0
+    if HAS_ALIBI:
+        alibi_slope = tl.load(ALIBI_SLOPES + batch * stride_alibi_b + head).to(tl.float32)
+    seed = 0
+    rng_offset = 0
+    if DROPOUT:
+        seed = tl.load(RNG_STATE)
+        rng_offset = tl.load(RNG_STATE + 1)
+    seq_head = batch * num_heads_q + head
 
     lo, full_lo, full_hi, hi = key_block_bounds(start_m, len_k, diag, window_left, window_right,
                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
@@ -266,14 +316,113 @@ def attn_bwd_dq_kernel(
     full_hi = tl.minimum(full_hi, hi)
     dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_n, offs_dqk, offs_dv,
                    lo, full_lo, len_q, len_k, diag, window_left, window_right, qk_scale,
-                   HEAD_DIM_QK, HEAD_DIM_V, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION)
+                   bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
+                   HEAD_DIM_QK, HEAD_DIM_V, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
+                   HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION)
     dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_n, offs_dqk, offs_dv,
                    full_lo, full_hi, len_q, len_k, diag, window_left, window_right, qk_scale,
-                   HEAD_DIM_QK, HEAD_DIM_V, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, DOT_PRECISION)
+                   bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
+                   HEAD_DIM_QK, HEAD_DIM_V, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
+                   HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION)
     dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_n, offs_dqk, offs_dv,
                    full_hi, hi, len_q, len_k, diag, window_left, window_right, qk_scale,
-                   HEAD_DIM_QK, HEAD_DIM_V, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION)
+                   bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
+                   HEAD_DIM_QK, HEAD_DIM_V, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
+                   HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION)
     dq = tl.where(row_ok[:, None], dq * sm_scale, 0.0)
     tl.store(DQ + batch.to(tl.int64) * stride_dqb + start_q * stride_dqs + head.to(tl.int64) * stride_dqh
              + offs_m[:, None] * stride_dqs + offs_dqk[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
              mask=(offs_m[:, None] < rows_out) & (offs_dqk[None, :] < HEAD_DIM_QK))
+
+
+@triton.jit
+def attn_bwd_dbias_kernel(
+    Q, K, V, DO, LSE, DELTA, BIAS, DBIAS, RNG_STATE,
+    SEQ_LEN_Q, SEQ_LEN_K,
+    stride_qb, stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_dob, stride_dos, stride_doh, stride_dod,
+    stride_lb, stride_lh,
+    stride_zb, stride_zh, stride_zm, stride_zn,
+    stride_dzb, stride_dzh, stride_dzm, stride_dzn,
+    batch_size, num_heads_q, gqa_group, bias_batch, bias_heads, seqlen_q, seqlen_k,
+    qk_scale, window_left, window_right, dropout_p,
+    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SEQLENS: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One program per dBias tile: dS summed over the broadcast batch and head dimensions of
+    the bias, in ascending order, in registers (no atomics, no s^2 scratch).
+
+    dBias = dS because the bias is added after the softmax scale. Recomputes S and dP per
+    (batch, head) pair it sums over.
+    """
+    start_m = tl.program_id(0) * BLOCK_M
+    start_n = tl.program_id(1) * BLOCK_N
+    pid_z = tl.program_id(2)
+    zb = pid_z // bias_heads
+    zh = pid_z % bias_heads
+    # A broadcast bias dimension (size 1) sums over the whole batch / all heads.
+    b_lo = tl.where(bias_batch == 1, 0, zb)
+    b_hi = tl.where(bias_batch == 1, batch_size, zb + 1)
+    h_lo = tl.where(bias_heads == 1, 0, zh)
+    h_hi = tl.where(bias_heads == 1, num_heads_q, zh + 1)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    seed = 0
+    rng_offset = 0
+    if DROPOUT:
+        seed = tl.load(RNG_STATE)
+        rng_offset = tl.load(RNG_STATE + 1)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for batch_i in range(b_lo, b_hi):
+        batch = tl.cast(batch_i, tl.int64)
+        len_q = seqlen_q
+        len_k = seqlen_k
+        if HAS_SEQLENS:
+            len_q = tl.load(SEQ_LEN_Q + batch)
+            len_k = tl.load(SEQ_LEN_K + batch)
+        diag = 0
+        if BOTTOM_RIGHT:
+            diag = len_k - len_q
+        row_ok = offs_m < len_q
+        col_ok = offs_n < len_k
+        for head_i in range(h_lo, h_hi):
+            head = tl.cast(head_i, tl.int64)
+            head_kv = head // gqa_group
+            q = tl.load(Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+                        + offs_m[:, None] * stride_qs + offs_dqk[None, :] * stride_qd,
+                        mask=row_ok[:, None] & (offs_dqk[None, :] < HEAD_DIM_QK), other=0.0)
+            k_t = tl.load(K + batch.to(tl.int64) * stride_kb + head_kv.to(tl.int64) * stride_kh
+                          + offs_n[None, :] * stride_ks + offs_dqk[:, None] * stride_kd,
+                          mask=col_ok[None, :] & (offs_dqk[:, None] < HEAD_DIM_QK), other=0.0)
+            v_t = tl.load(V + batch.to(tl.int64) * stride_vb + head_kv.to(tl.int64) * stride_vh
+                          + offs_n[None, :] * stride_vs + offs_dv[:, None] * stride_vd,
+                          mask=col_ok[None, :] & (offs_dv[:, None] < HEAD_DIM_V), other=0.0)
+            do = tl.load(DO + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
+                         + offs_m[:, None] * stride_dos + offs_dv[None, :] * stride_dod,
+                         mask=row_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+            lse_off = batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + offs_m
+            lse2 = tl.load(LSE + lse_off, mask=row_ok, other=float("inf")) * LOG2E
+            delta = tl.load(DELTA + lse_off, mask=row_ok, other=0.0)
+            bias_base = BIAS + batch.to(tl.int64) * stride_zb + head.to(tl.int64) * stride_zh
+            qk = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
+            qk += bias_log2(bias_base, offs_m[:, None], offs_n[None, :], len_q, len_k, stride_zm, stride_zn,
+                            0.0, diag, True, False)
+            keep = visible(offs_m[:, None], offs_n[None, :], len_q, len_k, diag, window_left, window_right,
+                           HAS_LEFT, HAS_RIGHT)
+            p = tl.where(keep, tl.math.exp2(qk - lse2[:, None]), 0.0)
+            dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)
+            if DROPOUT:
+                kept = dropout_keep(seed, rng_offset, batch * num_heads_q + head, offs_m[:, None], offs_n[None, :],
+                                    dropout_p)
+                dp = tl.where(kept, dp, 0.0) * (1.0 / (1.0 - dropout_p))
+            acc += p * (dp - delta[:, None])
+    tl.store(DBIAS + zb.to(tl.int64) * stride_dzb + zh.to(tl.int64) * stride_dzh
+             + offs_m[:, None] * stride_dzm + offs_n[None, :] * stride_dzn, acc.to(DBIAS.dtype.element_ty),
+             mask=(offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k))

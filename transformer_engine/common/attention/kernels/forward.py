@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from transformer_engine.common.attention.kernels.masking import key_block_bounds, sequence_extent, visible
+from transformer_engine.common.attention.kernels.scores import bias_log2, dropout_keep
 
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -17,9 +18,11 @@ LN2 = tl.constexpr(0.6931471805599453)
 def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs,
                offs_m, offs_n_base, offs_dqk, offs_dv, lo, hi,
                len_q, len_k, diag, window_left, window_right, qk_scale,
+               bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
                HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                DOT_PRECISION: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n_base
@@ -30,10 +33,14 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs,
             v_mask = v_mask & (offs_n[:, None] < len_k)
         k = tl.load(k_ptrs + start_n * stride_ks, mask=k_mask, other=0.0)
         qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        if HAS_BIAS or HAS_ALIBI:
+            qk += bias_log2(bias_base, offs_m[:, None], offs_n[None, :], len_q, len_k, stride_zm, stride_zn,
+                            alibi_slope, diag, HAS_BIAS, HAS_ALIBI)
         if MASKED:
             keep = visible(offs_m[:, None], offs_n[None, :], len_q, len_k, diag, window_left, window_right,
                            HAS_LEFT, HAS_RIGHT)
             qk = tl.where(keep, qk, float("-inf"))
+        if MASKED or HAS_BIAS:  # a -inf bias can hide whole rows too
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             # A row with nothing visible so far keeps m = -inf; subtract 0 instead (exp2(-inf) = 0).
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -43,6 +50,9 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs,
         p = tl.math.exp2(qk - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:  # the normaliser counts every probability; only the weighted sum drops some
+            p = tl.where(dropout_keep(seed, rng_offset, seq_head, offs_m[:, None], offs_n[None, :], dropout_p),
+                         p, 0.0)
         v = tl.load(v_ptrs + start_n * stride_vs, mask=v_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -51,20 +61,22 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs,
 
 @triton.jit
 def attn_fwd_kernel(
-    Q, K, V, O, LSE,
+    Q, K, V, O, LSE, BIAS, ALIBI_SLOPES, RNG_STATE,
     SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_ob, stride_os, stride_oh, stride_od,
     stride_lb, stride_lh,
+    stride_zb, stride_zh, stride_zm, stride_zn, stride_alibi_b,
     num_heads_q, gqa_group, seqlen_q, seqlen_k,
-    qk_scale, window_left, window_right,
+    qk_scale, window_left, window_right, dropout_p,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     tl.static_assert(BLOCK_DQK >= HEAD_DIM_QK)
@@ -100,6 +112,17 @@ def attn_fwd_kernel(
     k_ptrs = k_base + offs_n[None, :] * stride_ks + offs_dqk[:, None] * stride_kd
     v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd
 
+    bias_base = BIAS + batch.to(tl.int64) * stride_zb + head.to(tl.int64) * stride_zh
+    alibi_slope = 0.0
+    if HAS_ALIBI:
+        alibi_slope = tl.load(ALIBI_SLOPES + batch * stride_alibi_b + head).to(tl.float32)
+    seed = 0
+    rng_offset = 0
+    if DROPOUT:
+        seed = tl.load(RNG_STATE)
+        rng_offset = tl.load(RNG_STATE + 1)
+    seq_head = batch * num_heads_q + head
+
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
@@ -113,23 +136,29 @@ def attn_fwd_kernel(
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs,
                                offs_m, offs_n, offs_dqk, offs_dv, lo, full_lo,
                                len_q, len_k, diag, window_left, window_right, qk_scale,
+                               bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
                                HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
-                               True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION)
+                               True, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs,
                                offs_m, offs_n, offs_dqk, offs_dv, full_lo, full_hi,
                                len_q, len_k, diag, window_left, window_right, qk_scale,
+                               bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
                                HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
-                               False, HAS_LEFT, HAS_RIGHT, DOT_PRECISION)
+                               False, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs,
                                offs_m, offs_n, offs_dqk, offs_dv, full_hi, hi,
                                len_q, len_k, diag, window_left, window_right, qk_scale,
+                               bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
                                HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
-                               True, HAS_LEFT, HAS_RIGHT, DOT_PRECISION)
+                               True, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION)
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     row_ok = offs_m < len_q
-    out = tl.where(row_ok[:, None] & seen[:, None], acc / l_safe[:, None], 0.0)
+    inv_keep = 1.0
+    if DROPOUT:
+        inv_keep = 1.0 / (1.0 - dropout_p)
+    out = tl.where(row_ok[:, None] & seen[:, None], acc * (inv_keep / l_safe)[:, None], 0.0)
     lse = tl.where(row_ok & seen, (m_i + tl.math.log2(l_safe)) * LN2, float("inf"))
 
     o_base = O + batch.to(tl.int64) * stride_ob + start_q * stride_os + head.to(tl.int64) * stride_oh

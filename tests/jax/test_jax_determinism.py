@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from te_jax_testing import Segments, attn_fn, make_case, random_qkv
+from te_jax_testing import attn_fn, make_case, random_qkv
 from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, QKVFormat, QKVLayout
 from transformer_engine.jax import attention as te_attention
 from transformer_engine.jax.attention import SequenceDescriptor

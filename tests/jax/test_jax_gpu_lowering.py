@@ -10,10 +10,8 @@ Running it is the GPU suites' job (qa/L1_jax_gpu, qa/L3_determinism).
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
-import sys
 import sysconfig
 from pathlib import Path
 

@@ -135,8 +135,12 @@ class FusedAttention(AttentionBackend):
 
 
 class FlashAttention(AttentionBackend):
-    """flash-attn-4 (CuTe DSL), PyTorch only, Hopper and Blackwell. Declared for selection; the
-    PyTorch frontend reports whether the package imports through ``config.extra``."""
+    """flash-attn-4 (CuTe DSL), PyTorch only, Hopper and Blackwell.
+
+    Capabilities read from flash-attn-4 4.0.0b36 (``flash_attn/cute/interface.py``) and tested on
+    the GPU by tests/pytorch/test_flash_backend.py. Whether the package imports on this device comes
+    from the PyTorch frontend through ``config.extra``.
+    """
 
     NAME = "FlashAttention"
     SHORT_NAME = "flash"
@@ -150,10 +154,35 @@ class FlashAttention(AttentionBackend):
     SUPPORTED_MASKS = _ALL_MASKS - {AttnMaskType.ARBITRARY_MASK}
     SUPPORTED_BIAS_TYPES = frozenset({AttnBiasType.NO_BIAS})
     SUPPORTS_DROPOUT = False
+    # Blackwell (SM10x) kernels: d_qk and d_v both <= 128, or one of these pairs (Hopper: any up to 256).
+    SM100_HEAD_DIMS_BEYOND_128 = frozenset({(192, 128), (256, 256)})
+    # flash-attn-4 aligns causal masks bottom-right; top-left ones equal them only when s_kv >= s_q
+    # (the wrapper then hides the keys no query can see).
+    TOP_LEFT_CAUSAL_MASKS = frozenset({AttnMaskType.CAUSAL_MASK, AttnMaskType.PADDING_CAUSAL_MASK})
+    # GPU generations where its deterministic mode passed our invariance tests (same bits for a
+    # sequence in any batch, packed or padded). Elsewhere deterministic calls go to another backend.
+    # Hopper from reading its schedules (tiles depend on head dim and mask kind only); the H200 run
+    # of test_flash_backend.py confirms or removes it. Blackwell: not measured.
+    DETERMINISTIC_INVARIANT_ARCHS = frozenset({9})
 
     @classmethod
     def availability_reasons(cls, config: AttnConfig) -> List[str]:
         return [reason for name, reason in config.extra if name == cls.NAME]
+
+    @classmethod
+    def not_supported_reasons(cls, config: AttnConfig) -> List[str]:
+        reasons = super().not_supported_reasons(config)
+        major = config.compute_capability[0] if config.compute_capability is not None else None
+        dims = (config.head_dim_qk, config.head_dim_v)
+        if major == 10 and max(dims) > 128 and dims not in cls.SM100_HEAD_DIMS_BEYOND_128:
+            reasons.append(f"(head_dim_qk, head_dim_v)={dims} on sm10x (supported: both <= 128, "
+                           f"{', '.join(str(d) for d in sorted(cls.SM100_HEAD_DIMS_BEYOND_128))})")
+        if config.attn_mask_type in cls.TOP_LEFT_CAUSAL_MASKS and config.max_seqlen_q > config.max_seqlen_kv:
+            reasons.append(f"attn_mask_type={config.attn_mask_type.value} (top-left) with s_q={config.max_seqlen_q} "
+                           f"> s_kv={config.max_seqlen_kv}: flash-attn-4 aligns causal masks bottom-right")
+        if config.deterministic and major is not None and major not in cls.DETERMINISTIC_INVARIANT_ARCHS:
+            reasons.append(f"deterministic mode is not batch/packing invariant (not shown on sm{major}x)")
+        return reasons
 
 
 class UnfusedDotProductAttention(AttentionBackend):

@@ -337,7 +337,8 @@ def test_bias_shapes_and_gradient(bias_type, shape):
     bias = randn(dims + (sq, skv), dtype, gen(15))
     spy_dpa = DotProductAttention(h, D, qkv_format="bshd", attn_mask_type="causal_bottom_right")
     out = spy_dpa(q, k, v, core_attention_bias_type=bias_type, core_attention_bias=bias)
-    assert spy_dpa.last_backend == "UnfusedDotProductAttention"  # fused has no bias yet: selection says so
+    if bias_type == "pre_scale_bias":  # only the unfused backend has it: selection says so
+        assert spy_dpa.last_backend == "UnfusedDotProductAttention"
     out = out.view(b, sq, h, D)
     d_out = randn(out.shape, dtype, gen(16), requires_grad=False)
     grads = torch.autograd.grad(out, (q, k, v, bias), d_out)
@@ -411,8 +412,7 @@ def test_dropout_statistics_reproducibility_and_tracker():
     v = torch.ones(2, s, h, D)
     dpa = DotProductAttention(h, D, qkv_format="bshd", attn_mask_type="no_mask", attention_dropout=p)
     torch.manual_seed(0)
-    out = dpa(q, k, v)
-    assert dpa.last_backend == "UnfusedDotProductAttention"
+    out = dpa(q, k, v)  # whichever backend runs (fused under the interpreter/GPU, else unfused)
     # Each output is (kept count) / (s (1 - p)): mean 1, and the kept fraction is about 1 - p.
     kept = out * s * (1 - p)
     assert abs(out.mean().item() - 1.0) < 0.02
@@ -582,9 +582,8 @@ def test_selection_with_flash_attention_present(monkeypatch):
     assert sel.name == "FusedAttention"
     assert any("compute capability" in r for r in sel.rejected["FlashAttention"])
     sel = attn_config.select(_config_on(monkeypatch, dropout=0.1))
-    assert sel.name == "UnfusedDotProductAttention"
+    assert sel.name == "FusedAttention"  # our kernels have dropout; flash-attn-4 has not
     assert any("dropout" in r for r in sel.rejected["FlashAttention"])
-    assert any("dropout" in r for r in sel.rejected["FusedAttention"])
     monkeypatch.setenv("NVTE_FLASH_ATTN", "0")
     sel = attn_config.select(_config_on(monkeypatch))
     assert sel.name == "FusedAttention"
@@ -636,8 +635,8 @@ def test_env_switches_read_at_call_time(monkeypatch):
     [
         ("fused", dict(attn_mask_type="arbitrary", attention_mask=torch.zeros(1, 1, 6, 6, dtype=torch.bool)),
          "attn_mask_type=arbitrary"),
-        ("fused", dict(core_attention_bias_type="post_scale_bias", core_attention_bias=torch.zeros(1, 4, 6, 6)),
-         "attn_bias_type=post_scale_bias"),
+        ("fused", dict(core_attention_bias_type="pre_scale_bias", core_attention_bias=torch.zeros(1, 4, 6, 6)),
+         "attn_bias_type=pre_scale_bias"),
         ("flash", dict(), "FlashAttention"),
     ],
 )
@@ -653,14 +652,13 @@ def test_forcing_a_backend_that_cannot_run_raises_with_reasons(monkeypatch, forc
     assert "was forced" in str(info.value)
 
 
-def test_forcing_fused_with_dropout_raises(monkeypatch):
+def test_forcing_flash_with_dropout_raises(monkeypatch):
     _FakeFused(monkeypatch)
-    monkeypatch.setenv("NVTE_FUSED_ATTN_BACKEND", "fused")
+    monkeypatch.setattr(flash_backend, "unavailable_reason", lambda: None)
+    monkeypatch.setenv("NVTE_FUSED_ATTN_BACKEND", "flash")
     dpa = DotProductAttention(4, 16, num_gqa_groups=2, qkv_format="bshd", attention_dropout=0.1)
     with pytest.raises(NoBackendError, match="dropout"):
         dpa(*_inputs(dtype=torch.float16))
-    dpa.eval()  # no dropout at inference: fused can run
-    dpa(*_inputs(dtype=torch.float16))
 
 
 class _Records(logging.Handler):
@@ -733,19 +731,20 @@ def test_nondeterministic_algo_env_read_at_call_time(monkeypatch):
 def test_deterministic_fallback_warns_once(monkeypatch, te_records):
     _FakeFused(monkeypatch)
     monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
-    dpa = DotProductAttention(4, 16, num_gqa_groups=2, qkv_format="bshd", attn_mask_type="causal",
-                              attention_dropout=0.1)  # fused has no dropout: unfused runs
-    for _ in range(3):
-        dpa(*_inputs(dtype=torch.float16))
+    dpa = DotProductAttention(4, 16, num_gqa_groups=2, qkv_format="bshd", attn_mask_type="causal")
+    pre_scale = dict(core_attention_bias_type="pre_scale_bias", core_attention_bias=torch.zeros(1, 4, 6, 6))
+    for _ in range(3):  # fused has no pre-scale bias: unfused runs
+        dpa(*_inputs(dtype=torch.float16), **{k: (v.half() if torch.is_tensor(v) else v) for k, v in pre_scale.items()})
         assert dpa.last_backend == "UnfusedDotProductAttention"
     warnings = [r.getMessage() for r in te_records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings
-    assert "Deterministic" in warnings[0] and "dropout" in warnings[0]
+    assert "Deterministic" in warnings[0] and "pre_scale_bias" in warnings[0]
     # Not deterministic: no warning.
     monkeypatch.setattr(te_log, "_warned_once", set())
     monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1")
     te_records.clear()
-    dpa(*_inputs(dtype=torch.float16))
+    dpa(*_inputs(dtype=torch.float16), core_attention_bias_type="pre_scale_bias",
+        core_attention_bias=torch.zeros(1, 4, 6, 6, dtype=torch.float16))
     assert not [r for r in te_records if r.levelno == logging.WARNING]
 
 

@@ -122,16 +122,19 @@ class FusedAttention(AttentionBackend):
     MAX_HEAD_DIM = 256
     HEAD_DIM_MULTIPLE = 8
     SUPPORTED_MASKS = _ALL_MASKS - {AttnMaskType.ARBITRARY_MASK}
-    SUPPORTED_BIAS_TYPES = frozenset({AttnBiasType.NO_BIAS})
-    SUPPORTS_DROPOUT = False
+    SUPPORTED_BIAS_TYPES = frozenset({AttnBiasType.NO_BIAS, AttnBiasType.POST_SCALE_BIAS, AttnBiasType.ALIBI})
+    SUPPORTS_DROPOUT = True
 
     @classmethod
     def availability_reasons(cls, config: AttnConfig) -> List[str]:
+        reasons = []
+        if config.attn_bias_type == AttnBiasType.POST_SCALE_BIAS and config.qkv_format == QKVFormat.THD:
+            reasons.append("attn_bias_type=post_scale_bias with qkv_format=thd (bias needs a padded layout)")
         if not _triton_importable():
-            return ["triton is not installed"]
+            return reasons + ["triton is not installed"]
         if config.device_type == "cpu" and not config.triton_interpret:
-            return ["device=cpu needs TRITON_INTERPRET=1 (the Triton interpreter) to run fused kernels"]
-        return []
+            reasons.append("device=cpu needs TRITON_INTERPRET=1 (the Triton interpreter) to run fused kernels")
+        return reasons
 
 
 class FlashAttention(AttentionBackend):

@@ -8,6 +8,8 @@ Nothing about a decision is kept between calls.
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple, Union
@@ -17,7 +19,7 @@ import torch
 from transformer_engine.common.attention import AttnBiasType, AttnMaskType, QKVFormat
 from transformer_engine.common.attention.config import normalize_window
 from transformer_engine.pytorch.attention import config as attn_config
-from transformer_engine.pytorch.attention.unfused import bias_shape_name, unfused_attention
+from transformer_engine.pytorch.attention.unfused import bias_shape_name, default_alibi_slopes, unfused_attention
 
 __all__ = ["DotProductAttention"]
 
@@ -238,10 +240,24 @@ def _check_bias(q, seqs: _Sequences, bias_type: AttnBiasType, bias: Optional[tor
     return bias_shape_name(bias, seqs.batch, heads, seqs.max_seqlen_q, seqs.max_seqlen_kv)
 
 
-def _run_fused(q, k, v, fmt, mask, window, scale, seq, deterministic, **_unused):
-    from transformer_engine.pytorch.attention.fused_attn import fused_attn_func
+def _run_fused(q, k, v, fmt, mask, window, scale, seq, deterministic, *, bias_type, bias, alibi_slopes, dropout,
+               rng_context, **_unused):
+    from transformer_engine.pytorch.attention.fused_attn import fused_attn_func, new_rng_state
 
-    return fused_attn_func(q, k, v, fmt.value, mask.value, window, scale, deterministic=deterministic, **seq)
+    mods = {}
+    if bias_type == AttnBiasType.POST_SCALE_BIAS:
+        mods["core_attention_bias"] = bias
+    elif bias_type == AttnBiasType.ALIBI:
+        slopes = alibi_slopes if alibi_slopes is not None else default_alibi_slopes(q.shape[-2], q.device)
+        mods["alibi_slopes"] = slopes.to(device=q.device, dtype=torch.float32)
+    if dropout > 0:
+        # Drawn from torch's generator (inside the RNG tracker's fork when given), so seeding
+        # and activation checkpointing reproduce the same dropout mask.
+        with (rng_context() if rng_context is not None else contextlib.nullcontext()):
+            mods["rng_state"] = new_rng_state(q.device)
+        mods["dropout_p"] = dropout
+    return fused_attn_func(q, k, v, fmt.value, mask.value, window, scale, deterministic=deterministic, **seq,
+                           **mods)
 
 
 def _run_flash(q, k, v, fmt, mask, window, scale, seq, deterministic, **_unused):

@@ -67,9 +67,13 @@ def _extension_state() -> Tuple[bool, Optional[str]]:
 def unavailable_reason() -> Optional[str]:
     """Why the fused primitives cannot run on this CUDA GPU, or None when they can."""
     try:
-        import triton  # noqa: F401
+        from triton.runtime.jit import JITFunction
     except ImportError:
         return "triton is not installed"
+    from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel
+
+    if not isinstance(attn_fwd_kernel, JITFunction):
+        return "the Triton kernels were loaded for Triton's interpreter (TRITON_INTERPRET=1), which JAX cannot launch"
     return _extension_state()[1]
 
 

@@ -182,3 +182,30 @@ def test_bad_input_names_the_argument(kwargs, match):
             call[key] = val
     with pytest.raises(ValueError, match=match):
         fused_attn_func(q, k, v, "bshd", mask, (-1, -1), 0.2, **call)
+
+
+@pytest.mark.parametrize(
+    "lengths_q,total,max_s,match",
+    [
+        ([0, 5, 3, 9], 9, 8, "non-decreasing"),        # not monotonic
+        ([0, 5, 9], 12, 8, "last entry"),             # last entry != token count
+        ([0, 9, 12], 12, 8, "max_seqlen"),            # a sequence longer than max_seqlen
+        ([1, 5, 12], 12, 8, "start at 0"),
+    ],
+)
+def test_bad_cu_seqlens_values(lengths_q, total, max_s, match):
+    dtype = DTYPES[0]
+    q, k, v = (torch.randn(total, 2, D).to(DEVICE, dtype) for _ in range(3))
+    cu = torch.tensor(lengths_q, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=match):
+        fused_attn_func(q, k, v, "thd", "padding", (-1, -1), 0.2, cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                        max_seqlen_q=max_s, max_seqlen_kv=max_s)
+
+
+def test_mismatched_dtypes_and_head_counts():
+    q, k, v, _ = make_qkv(1, 16, 16, 4, 2, D, D, DTYPES[0])
+    with pytest.raises(ValueError, match="dtype"):
+        fused_attn_func(q, k.float(), v, "bshd", "no_mask", (-1, -1), 0.2)
+    q3 = torch.randn(1, 16, 3, D).to(DEVICE, DTYPES[0])
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        fused_attn_func(q3, k, v, "bshd", "no_mask", (-1, -1), 0.2)

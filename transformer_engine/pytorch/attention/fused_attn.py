@@ -103,6 +103,7 @@ def fused_attn_func(
     """
     fmt = QKVFormat(qkv_format)
     mask = AttnMaskType(attn_mask_type)
+    _check_tensors(q, k, v)
     if fmt == QKVFormat.THD:
         if cu_seqlens_q is None or cu_seqlens_kv is None:
             raise ValueError("`cu_seqlens_q` and `cu_seqlens_kv` must be given for qkv_format='thd'")
@@ -140,6 +141,9 @@ def fused_attn_func(
     if cu_seqlens_kv_padded is cu_seqlens_q_padded:
         cu_seqlens_kv_padded = None
     _check_score_mods(q, fmt, core_attention_bias, alibi_slopes, dropout_p, rng_state)
+    if cu_seqlens_q is not None and _can_sync():
+        _check_cu_seqlens_values(fmt, q, k, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
+                                 max_seqlen_q, max_seqlen_kv)
     if dropout_p > 0 and rng_state is None:
         rng_state = new_rng_state(q.device)
     if dropout_p == 0:
@@ -151,6 +155,48 @@ def fused_attn_func(
     if return_softmax_aux:
         return out, (lse, rng_state)
     return out
+
+
+def _check_tensors(q, k, v) -> None:
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"`q`, `k`, `v` must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"`q`, `k`, `v` must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"`k` head dim must equal `q`'s ({q.shape[-1]}), got {k.shape[-1]}")
+    if k.shape[-2] != v.shape[-2] or q.shape[-2] % k.shape[-2]:
+        raise ValueError(f"query heads ({q.shape[-2]}) must be a multiple of key/value heads "
+                         f"(k: {k.shape[-2]}, v: {v.shape[-2]})")
+
+
+def _can_sync() -> bool:
+    """Value checks read cu_seqlens on the host: skipped while tracing or capturing a CUDA graph."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def _check_cu_seqlens_values(fmt, q, k, cu_q, cu_kv, pad_q, pad_kv, max_q, max_kv) -> None:
+    """Monotonic, starting at 0, lengths within max_seqlen / the padded length, totals within the tensors."""
+    tokens_q = q.shape[0] if fmt == QKVFormat.THD else None
+    tokens_k = k.shape[0] if fmt == QKVFormat.THD else None
+    for name, cu, limit, tokens, padded in (("cu_seqlens_q", cu_q, max_q, tokens_q, pad_q),
+                                            ("cu_seqlens_kv", cu_kv if cu_kv is not None else cu_q, max_kv,
+                                             tokens_k, pad_kv if pad_kv is not None else pad_q)):
+        values = cu.tolist()
+        lengths = [b - a for a, b in zip(values, values[1:])]
+        if values[0] != 0 or any(n < 0 for n in lengths):
+            raise ValueError(f"`{name}` must start at 0 and be non-decreasing, got {values}")
+        if max(lengths) > limit:
+            raise ValueError(f"`{name}` has a sequence of length {max(lengths)} > "
+                             f"{'max_seqlen' if fmt == QKVFormat.THD else 'the padded length'} {limit}")
+        if tokens is not None and padded is None and values[-1] != tokens:
+            raise ValueError(f"`{name}`'s last entry must equal the token count {tokens}, got {values[-1]}")
+        if padded is not None:
+            starts = padded.tolist()
+            if any(s + n > e for s, n, e in zip(starts, lengths, starts[1:])) or starts[-1] > tokens:
+                raise ValueError(f"`{name}_padded` must leave room for each sequence within {tokens} tokens, "
+                                 f"got {starts} for lengths {lengths}")
 
 
 def _check_score_mods(q, fmt: QKVFormat, bias, alibi_slopes, dropout_p, rng_state) -> None:

@@ -1,0 +1,162 @@
+"""Determinism contract of the fused kernels (DESIGN.md): repeated runs, batch composition and
+packing (thd vs padded) give bitwise identical outputs and gradients; the deterministic
+backward never launches the atomic-dQ variant. Runs in qa/L3_determinism on the GPU and in
+L0 under the Triton interpreter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fused_helpers import (
+    DEVICE,
+    DTYPES,
+    ON_GPU,
+    assert_close_to_reference,
+    cu_from_lengths,
+    make_qkv,
+    ref_and_lowp,
+    requires_fused,
+)
+from transformer_engine.pytorch.attention import launch
+from transformer_engine.pytorch.attention.fused_attn import fused_attn_func
+
+pytestmark = requires_fused
+
+S = 256 if ON_GPU else 40
+
+
+def _run(q, k, v, fmt, mask, window, scale, deterministic=True, **kw):
+    out = fused_attn_func(q, k, v, fmt, mask, window, scale, deterministic=deterministic, **kw)
+    d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.device, out.dtype)
+    grads = torch.autograd.grad(out, (q, k, v), d_out)
+    return out, grads, d_out
+
+
+def test_deterministic_repeats_bitwise():
+    """dQ/dK/dV bitwise equal over repeated runs, several key blocks per query block."""
+    runs = 100 if ON_GPU else 5
+    s = 2048 if ON_GPU else 64
+    dtype = torch.bfloat16 if ON_GPU else torch.float16
+    q, k, v, _ = make_qkv(2, s, s, 4, 2, 64 if ON_GPU else 16, 64 if ON_GPU else 16, dtype)
+    first = None
+    for _ in range(runs):
+        out, grads, _ = _run(q, k, v, "bshd", "causal", (-1, -1), 0.125)
+        if first is None:
+            first = (out, grads)
+            continue
+        assert torch.equal(out, first[0])
+        for a, b in zip(grads, first[1]):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mask", ["no_mask", "causal"])
+def test_batch_invariance(mask):
+    """A sequence's outputs and gradients are bitwise the same alone and inside a larger batch."""
+    dtype = DTYPES[0]
+    q, k, v, _ = make_qkv(3, S, S, 4, 2, 32, 32, dtype, seed=3)
+    out, grads, d_out = _run(q, k, v, "bshd", mask, (-1, -1), 0.2)
+    q1, k1, v1 = (t.detach()[1:2].clone().requires_grad_() for t in (q, k, v))
+    out1 = fused_attn_func(q1, k1, v1, "bshd", mask, (-1, -1), 0.2, deterministic=True)
+    grads1 = torch.autograd.grad(out1, (q1, k1, v1), d_out[1:2])
+    assert torch.equal(out1, out[1:2])
+    for a, b in zip(grads1, grads):
+        assert torch.equal(a, b[1:2])
+
+
+def _thd_inputs(lengths, h, hk, d, dtype, gap=0, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    starts, pos = [], 0
+    for n in lengths:
+        starts.append(pos)
+        pos += n + gap
+    starts.append(pos)
+    total = pos
+    def rnd(hh):
+        return torch.randn(total, hh, d, generator=g).to(DEVICE, dtype).requires_grad_()
+    q, k, v = rnd(h), rnd(hk), rnd(hk)
+    cu = cu_from_lengths(lengths)
+    cu_padded = torch.tensor(starts, dtype=torch.int32, device=DEVICE) if gap else None
+    return q, k, v, cu, cu_padded, starts
+
+
+@pytest.mark.parametrize("mask", ["padding", "padding_causal", "padding_causal_bottom_right"])
+@pytest.mark.parametrize("gap", [0, 3])
+def test_thd_against_reference_and_padded_bitwise(mask, gap):
+    """THD results match the reference and equal the BSHD-padded results bitwise, sequence by sequence."""
+    dtype = DTYPES[0]
+    lengths = [S // 2 + 3, 1, 0, S, 17]
+    h, hk, d = 4, 2, 32
+    q, k, v, cu, cu_padded, starts = _thd_inputs(lengths, h, hk, d, dtype, gap)
+    max_s = max(lengths)
+    out = fused_attn_func(q, k, v, "thd", mask, (-1, -1), d ** -0.5, cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                          cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded,
+                          max_seqlen_q=max_s, max_seqlen_kv=max_s, deterministic=True)
+    d_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), d_out)
+
+    # The same sequences, padded into bshd with per-sequence lengths.
+    b = len(lengths)
+    def pad(t):
+        p = torch.zeros(b, max_s, *t.shape[1:], dtype=t.dtype, device=DEVICE)
+        for i, n in enumerate(lengths):
+            p[i, :n] = t.detach()[starts[i]:starts[i] + n]
+        return p.requires_grad_()
+    qp, kp, vp, dop = pad(q), pad(k), pad(v), pad(d_out).detach()
+    outp = fused_attn_func(qp, kp, vp, "bshd", mask, (-1, -1), d ** -0.5, cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           deterministic=True)
+    dqp, dkp, dvp = torch.autograd.grad(outp, (qp, kp, vp), dop)
+    for i, n in enumerate(lengths):
+        sl = slice(starts[i], starts[i] + n)
+        assert torch.equal(out[sl], outp[i, :n])
+        assert torch.equal(dq[sl], dqp[i, :n])
+        assert torch.equal(dk[sl], dkp[i, :n])
+        assert torch.equal(dv[sl], dvp[i, :n])
+        # Padded positions are zero in bshd outputs and gradients.
+        for t in (outp, dqp, dkp, dvp):
+            assert torch.equal(t[i, n:], torch.zeros_like(t[i, n:]))
+    if gap:
+        for i, n in enumerate(lengths):
+            gap_rows = slice(starts[i] + n, starts[i + 1])
+            for t in (out, dq, dk, dv):
+                assert torch.equal(t[gap_rows], torch.zeros_like(t[gap_rows]))
+
+    lens = lengths
+    ref, lowp = ref_and_lowp(qp, kp, vp, dop, "bshd", mask, (-1, -1), d ** -0.5, lens, lens)
+    for name, ours, r, lp in zip(("out", "dq", "dk", "dv"), (outp, dqp, dkp, dvp), ref, lowp):
+        assert_close_to_reference(name, ours, r, lp)
+
+
+class _KernelSpy:
+    """Wraps a Triton kernel; records the constexpr flags of each launch."""
+
+    def __init__(self, kernel, calls):
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        launcher = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.calls.append(kwargs)
+            return launcher(*args, **kwargs)
+
+        return run
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_deterministic_backward_never_launches_atomic_dq(monkeypatch, deterministic):
+    calls = []
+    monkeypatch.setattr(launch, "attn_bwd_dkdv_kernel", _KernelSpy(launch.attn_bwd_dkdv_kernel, calls))
+    dq_calls = []
+    monkeypatch.setattr(launch, "attn_bwd_dq_kernel", _KernelSpy(launch.attn_bwd_dq_kernel, dq_calls))
+    q, k, v, _ = make_qkv(1, S, S, 2, 2, 32, 32, DTYPES[0])
+    _run(q, k, v, "bshd", "causal", (-1, -1), 0.2, deterministic=deterministic)
+    assert len(calls) == 1
+    if deterministic:
+        assert calls[0]["ATOMIC_DQ"] is False
+        assert len(dq_calls) == 1
+    else:
+        assert calls[0]["ATOMIC_DQ"] == (len(dq_calls) == 0)
+
+

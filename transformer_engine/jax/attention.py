@@ -140,47 +140,21 @@ def _bias_shape_name(bias_shape: Optional[Sequence[int]]) -> Optional[str]:
     return ("b" if bias_shape[0] > 1 else "1") + ("h" if bias_shape[1] > 1 else "1") + "ss"
 
 
-def _make_config(
-    *,
-    batch_size: int,
-    num_heads_q: int,
-    num_heads_kv: int,
-    head_dim_qk: int,
-    head_dim_v: int,
-    max_seqlen_q: int,
-    max_seqlen_kv: int,
-    dtype,
-    qkv_layout: QKVLayout,
-    attn_mask_type: AttnMaskType,
-    window_size: Tuple[int, int],
-    attn_bias_type: AttnBiasType,
-    bias_shape: Optional[Sequence[int]],
-    dropout_probability: float,
-    is_training: bool,
-) -> AttnConfig:
+def _make_config(*, dtype, bias_shape: Optional[Sequence[int]], **fields) -> AttnConfig:
+    """The AttnConfig of a call: ``fields`` as AttnConfig names them, plus what JAX knows now
+    (device, determinism switch, the frontend's own reasons)."""
     device_type, capability = _device_facts()
+    extra = _frontend_extra(device_type, fields["attn_bias_type"], fields["dropout"], fields["is_training"])
     return AttnConfig(
-        batch_size=batch_size,
-        num_heads_q=num_heads_q,
-        num_heads_kv=num_heads_kv,
-        head_dim_qk=head_dim_qk,
-        head_dim_v=head_dim_v,
-        max_seqlen_q=max_seqlen_q,
-        max_seqlen_kv=max_seqlen_kv,
         dtype=jnp.dtype(dtype).name,
-        qkv_layout=qkv_layout,
-        attn_mask_type=attn_mask_type,
-        window_size=window_size,
-        attn_bias_type=attn_bias_type,
         bias_shape=_bias_shape_name(bias_shape),
-        dropout=float(dropout_probability),
-        is_training=bool(is_training),
         deterministic=is_deterministic_mode(),
         framework="jax",
         device_type=device_type,
         compute_capability=capability,
         triton_interpret=False,
-        extra=_frontend_extra(device_type, attn_bias_type, dropout_probability, is_training),
+        extra=extra,
+        **fields,
     )
 
 
@@ -505,7 +479,7 @@ def _parse_call(
         batch_size=b, num_heads_q=h_q, num_heads_kv=h_kv, head_dim_qk=d_qk, head_dim_v=d_v,
         max_seqlen_q=s_q, max_seqlen_kv=s_kv, dtype=q.dtype, qkv_layout=layout, attn_mask_type=mask,
         window_size=window, attn_bias_type=bias_type, bias_shape=None if bias is None else bias.shape,
-        dropout_probability=dropout, is_training=bool(is_training),
+        dropout=dropout, is_training=bool(is_training),
     )
     static = FusedAttnStatic(
         attn_mask_type=mask,
@@ -666,7 +640,7 @@ def fused_attn_unavailable_reasons(
         head_dim_v=head_dim_qk if head_dim_v is None else head_dim_v, max_seqlen_q=q_max_seqlen,
         max_seqlen_kv=kv_max_seqlen, dtype=q_dtype, qkv_layout=_enum(QKVLayout, qkv_layout, "qkv_layout"),
         attn_mask_type=mask, window_size=normalize_window(window_size, mask), attn_bias_type=bias_type,
-        bias_shape=bias_shape, dropout_probability=dropout_probability, is_training=is_training,
+        bias_shape=bias_shape, dropout=float(dropout_probability), is_training=bool(is_training),
     )
     if not settings.get(JaxFusedAttention.ENABLE_VAR):
         reasons.append(f"disabled by {JaxFusedAttention.ENABLE_VAR}=0")

@@ -19,8 +19,8 @@ def attn_flops(b, h, sq, sk, d, causal, mode):
     return {"fwd": f, "bwd": 2.5 * f, "fwd_bwd": 3.5 * f}[mode]
 
 
-def bench_ms(fn, grad_to_none=None):
-    return triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median")
+def bench_ms(fn, grad_to_none=None, warmup=25, rep=100):
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median")
 
 
 def peak_memory_gb(fn):

@@ -1,0 +1,129 @@
+"""The benchmark grid (issue 7) as data: shapes, FLOP counts, named parts for device calls.
+
+Imports neither torch nor jax: the PyTorch harness, the JAX subprocess and the target
+evaluation all read the same cases from here.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Dict, List, Sequence, Tuple
+
+THD_SEED = 20261130  # fixed: the THD lengths are the same in every run and framework
+
+
+def thd_lengths(n: int = 16, lo: int = 512, hi: int = 4096, seed: int = THD_SEED) -> Tuple[int, ...]:
+    """``n`` mixed sequence lengths in ``[lo, hi]``: both extremes, the rest drawn with a fixed seed."""
+    rng = random.Random(seed)
+    rest = [rng.randint(lo, hi) for _ in range(n - 2)]
+    return tuple([lo, hi] + rest)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One grid point. ``s`` is the (max) sequence length; for ``layout == "thd"`` the batch is
+    ``len(seqlens)`` packed sequences and ``b`` is that count."""
+
+    name: str
+    group: str  # std | gqa | thd | long | d256: the targets and the parts refer to groups
+    b: int
+    hq: int
+    hkv: int
+    s: int
+    d: int
+    causal: bool
+    layout: str = "bshd"
+    seqlens: Tuple[int, ...] = field(default=())
+
+    @property
+    def mask(self) -> str:
+        return "causal" if self.causal else "none"
+
+    @property
+    def shape(self) -> str:
+        heads = f"{self.hq}" if self.hq == self.hkv else f"{self.hq}q/{self.hkv}kv"
+        if self.layout == "thd":
+            return f"thd {len(self.seqlens)} seqs {min(self.seqlens)}..{max(self.seqlens)},{heads},{self.d}"
+        return f"{self.b},{heads},{self.s},{self.d}"
+
+    @property
+    def label(self) -> str:
+        return f"{self.shape} {self.mask}"
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.seqlens) if self.layout == "thd" else self.b * self.s
+
+    def flops(self, mode: str) -> float:
+        """FlashAttention counting: forward 4*h*s_q*s_k*d per sequence (halved when causal),
+        backward 2.5x forward, fwd+bwd 3.5x. Query heads count (GQA shares K/V, not the work)."""
+        lengths = self.seqlens if self.layout == "thd" else (self.s,) * self.b
+        fwd = sum(4.0 * self.hq * n * n * self.d for n in lengths) * (0.5 if self.causal else 1.0)
+        return {"fwd": fwd, "bwd": 2.5 * fwd, "fwd_bwd": 3.5 * fwd}[mode]
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "group": self.group, "b": self.b, "hq": self.hq, "hkv": self.hkv, "s": self.s,
+                "d": self.d, "causal": self.causal, "layout": self.layout, "seqlens": list(self.seqlens)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Case":
+        return cls(d["name"], d["group"], d["b"], d["hq"], d["hkv"], d["s"], d["d"], d["causal"], d["layout"],
+                   tuple(d.get("seqlens", ())))
+
+
+def _dense(group, b, h, s, d, causal, hkv=None) -> Case:
+    hkv = h if hkv is None else hkv
+    heads = f"{h}" if hkv == h else f"{h}q{hkv}kv"
+    return Case(f"{b}x{heads}x{s}x{d}-{'causal' if causal else 'none'}", group, b, h, hkv, s, d, causal)
+
+
+def _thd(group, seqlens, h, d, causal=True) -> Case:
+    return Case(f"thd{len(seqlens)}x{h}x{d}-{'causal' if causal else 'none'}", group, len(seqlens), h, h,
+                max(seqlens), d, causal, "thd", tuple(seqlens))
+
+
+# The issue's standard grid, bf16.
+GRID: List[Case] = [
+    _dense("std", 4, 16, 4096, 128, False), _dense("std", 4, 16, 4096, 128, True),
+    _dense("std", 1, 16, 16384, 128, False), _dense("std", 1, 16, 16384, 128, True),
+    _dense("std", 8, 32, 2048, 64, False), _dense("std", 8, 32, 2048, 64, True),
+    _dense("gqa", 2, 32, 8192, 128, True, hkv=8),
+    _thd("thd", thd_lengths(), 16, 128),
+    _dense("long", 1, 8, 131072, 128, True),
+    _dense("d256", 2, 16, 4096, 256, True),
+]
+
+# --dry-run: the same groups at sizes the Triton interpreter and a 2-core CPU get through in minutes.
+DRY_GRID: List[Case] = [
+    _dense("std", 1, 2, 64, 32, False), _dense("std", 1, 2, 64, 32, True),
+    _dense("gqa", 1, 4, 64, 32, True, hkv=2),
+    _thd("thd", (16, 64, 40), 2, 32),
+    _dense("long", 1, 2, 96, 32, True),
+    _dense("d256", 1, 2, 64, 64, True),
+]
+
+GROUPS = ("std", "gqa", "thd", "long", "d256")
+
+TORCH_IMPLS = ("te_fused_det", "te_fused", "te_dpa_det", "te_dpa", "fa4_det", "fa4", "cudnn_fe_det",
+               "torch_flash_det", "torch_flash", "torch_cudnn")
+JAX_IMPLS = ("jax_te_det", "jax_te", "jax_cudnn_det", "jax_cudnn", "jax_xla")
+OPTIONAL_IMPLS = ("cudnn_fe",)  # measured only when named in --impls
+ALL_IMPLS = TORCH_IMPLS + JAX_IMPLS
+
+# Named subsets so that the full grid splits over device calls of at most 10 minutes each.
+PARTS: Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...]]] = {
+    "torch-std": (("std",), TORCH_IMPLS),
+    "torch-ext": (("gqa", "thd", "long", "d256"), TORCH_IMPLS),
+    "jax": (GROUPS, JAX_IMPLS),
+    "all": (GROUPS, ALL_IMPLS),
+}
+
+
+def select_cases(grid: Sequence[Case], names: Sequence[str]) -> List[Case]:
+    """Cases named by case name or by group, in grid order; unknown names raise."""
+    known = {c.name for c in grid} | set(GROUPS)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown case or group {unknown}; cases: {[c.name for c in grid]}, groups: {list(GROUPS)}")
+    return [c for c in grid if c.name in names or c.group in names]

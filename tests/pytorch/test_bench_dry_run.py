@@ -1,0 +1,53 @@
+"""benchmarks/attention/bench_attention.py --dry-run on the CPU: rows measured or skipped with a
+reason (never fatal), Markdown and JSON written, targets evaluated; --merge and --skip-done."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks" / "attention" / "bench_attention.py"
+
+
+def run(*args, timeout=300):
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(BENCH), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_dry_run_writes_rows_reasons_and_targets(tmp_path):
+    stem = str(tmp_path / "a")
+    run("--dry-run", "--cases", "1x2x64x32-causal", "--impls",
+        "te_fused_det,fa4_det,cudnn_fe_det,torch_cudnn,torch_flash", "--out", stem, "--no-plot")
+    doc = json.loads(Path(stem + ".json").read_text())
+    rows = {r["impl"]: r for r in doc["rows"]}
+    assert rows["te_fused_det"]["status"] == "ok" and rows["te_fused_det"]["bitwise"] is True
+    assert rows["te_fused_det"]["backend"] == "FusedAttention"
+    for impl in ("fa4_det", "cudnn_fe_det", "torch_cudnn"):
+        assert rows[impl]["status"] == "skipped" and rows[impl]["reason"], impl
+    assert doc["meta"]["dry_run"] and doc["meta"]["versions"]["torch"]
+    by_id = {t["id"]: t for t in doc["targets"]}
+    assert by_id["bitwise:te_fused_det"]["status"] == "met"
+    assert by_id["fused_det>=0.9xfa4_det"]["status"] == "not measured"
+    text = Path(stem + ".md").read_text()
+    assert "## Targets" in text and "Dry run" in text and "flash-attn-4 runs on NVIDIA" in text
+
+    # a second call skips what the first measured and the merge keeps both
+    stem2 = str(tmp_path / "b")
+    out = run("--dry-run", "--cases", "1x2x64x32-causal", "--impls", "te_fused_det,torch_flash_det", "--out", stem2,
+              "--skip-done", stem + ".json", "--no-plot")
+    assert "already measured" in out
+    impls2 = [r["impl"] for r in json.loads(Path(stem2 + ".json").read_text())["rows"]]
+    assert impls2 == ["torch_flash_det"]
+    merged = str(tmp_path / "m")
+    run("--merge", stem + ".json", stem2 + ".json", "--out", merged, "--no-plot")
+    doc = json.loads(Path(merged + ".json").read_text())
+    assert {r["impl"] for r in doc["rows"]} == {"te_fused_det", "fa4_det", "cudnn_fe_det", "torch_cudnn", "torch_flash",
+                                                "torch_flash_det"}
+    assert [m["part"] for m in doc["parts"]] == ["custom", "custom", "merge"]

@@ -15,7 +15,12 @@ from transformer_engine.common.attention.kernels.masking import (
     sequence_extent,
     visible,
 )
-from transformer_engine.common.attention.kernels.scores import bias_log2, dropout_keep
+from transformer_engine.common.attention.kernels.scores import (
+    bias_log2,
+    dropout_keep,
+    head_score_mods,
+    load_rng_state,
+)
 
 LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -156,17 +161,11 @@ def attn_bwd_dkdv_kernel(
     hi = tl.where(start_n < len_k, hi, lo)
     full_lo = tl.minimum(full_lo, hi)
     full_hi = tl.minimum(full_hi, hi)
-    seed = 0
-    rng_offset = 0
-    if DROPOUT:
-        seed = tl.load(RNG_STATE)
-        rng_offset = tl.load(RNG_STATE + 1)
+    seed, rng_offset = load_rng_state(RNG_STATE, DROPOUT)
     for g in range(0, gqa_group):
         head = head_kv * gqa_group + g
-        bias_base = BIAS + batch.to(tl.int64) * stride_zb + head.to(tl.int64) * stride_zh
-        alibi_slope = 0.0
-        if HAS_ALIBI:
-            alibi_slope = tl.load(ALIBI_SLOPES + batch * stride_alibi_b + head).to(tl.float32)
+        bias_base, alibi_slope = head_score_mods(BIAS, ALIBI_SLOPES, batch, head, stride_zb, stride_zh,
+                                                 stride_alibi_b, HAS_ALIBI)
         seq_head = batch * (num_heads_kv * gqa_group) + head
         q_ptrs = (Q + batch.to(tl.int64) * stride_qb + start_q * stride_qs + head.to(tl.int64) * stride_qh
                   + offs_m[None, :] * stride_qs + offs_dqk[:, None] * stride_qd)
@@ -298,15 +297,9 @@ def attn_bwd_dq_kernel(
     v_ptrs = (V + batch.to(tl.int64) * stride_vb + start_k * stride_vs + head_kv.to(tl.int64) * stride_vh
               + offs_n[None, :] * stride_vs + offs_dv[:, None] * stride_vd)
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
-    bias_base = BIAS + batch.to(tl.int64) * stride_zb + head.to(tl.int64) * stride_zh
-    alibi_slope = 0.0
-    if HAS_ALIBI:
-        alibi_slope = tl.load(ALIBI_SLOPES + batch * stride_alibi_b + head).to(tl.float32)
-    seed = 0
-    rng_offset = 0
-    if DROPOUT:
-        seed = tl.load(RNG_STATE)
-        rng_offset = tl.load(RNG_STATE + 1)
+    bias_base, alibi_slope = head_score_mods(BIAS, ALIBI_SLOPES, batch, head, stride_zb, stride_zh, stride_alibi_b,
+                                             HAS_ALIBI)
+    seed, rng_offset = load_rng_state(RNG_STATE, DROPOUT)
     seq_head = batch * num_heads_q + head
 
     lo, full_lo, full_hi, hi = key_block_bounds(start_m, len_k, diag, window_left, window_right,
@@ -374,11 +367,7 @@ def attn_bwd_dbias_kernel(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    seed = 0
-    rng_offset = 0
-    if DROPOUT:
-        seed = tl.load(RNG_STATE)
-        rng_offset = tl.load(RNG_STATE + 1)
+    seed, rng_offset = load_rng_state(RNG_STATE, DROPOUT)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for batch_i in range(b_lo, b_hi):
         batch = tl.cast(batch_i, tl.int64)

@@ -9,7 +9,12 @@ import triton
 import triton.language as tl
 
 from transformer_engine.common.attention.kernels.masking import key_block_bounds, sequence_extent, visible
-from transformer_engine.common.attention.kernels.scores import bias_log2, dropout_keep
+from transformer_engine.common.attention.kernels.scores import (
+    bias_log2,
+    dropout_keep,
+    head_score_mods,
+    load_rng_state,
+)
 
 LN2 = tl.constexpr(0.6931471805599453)
 
@@ -112,15 +117,9 @@ def attn_fwd_kernel(
     k_ptrs = k_base + offs_n[None, :] * stride_ks + offs_dqk[:, None] * stride_kd
     v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd
 
-    bias_base = BIAS + batch.to(tl.int64) * stride_zb + head.to(tl.int64) * stride_zh
-    alibi_slope = 0.0
-    if HAS_ALIBI:
-        alibi_slope = tl.load(ALIBI_SLOPES + batch * stride_alibi_b + head).to(tl.float32)
-    seed = 0
-    rng_offset = 0
-    if DROPOUT:
-        seed = tl.load(RNG_STATE)
-        rng_offset = tl.load(RNG_STATE + 1)
+    bias_base, alibi_slope = head_score_mods(BIAS, ALIBI_SLOPES, batch, head, stride_zb, stride_zh, stride_alibi_b,
+                                             HAS_ALIBI)
+    seed, rng_offset = load_rng_state(RNG_STATE, DROPOUT)
     seq_head = batch * num_heads_q + head
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)

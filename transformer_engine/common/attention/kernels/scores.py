@@ -14,6 +14,28 @@ LOG2E_S = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
+def head_score_mods(BIAS, ALIBI_SLOPES, batch, head, stride_zb, stride_zh, stride_alibi_b,
+                    HAS_ALIBI: tl.constexpr):
+    """(bias base pointer, ALiBi slope) for one (sequence, query head)."""
+    bias_base = BIAS + batch.to(tl.int64) * stride_zb + head.to(tl.int64) * stride_zh
+    alibi_slope = 0.0
+    if HAS_ALIBI:
+        alibi_slope = tl.load(ALIBI_SLOPES + batch * stride_alibi_b + head).to(tl.float32)
+    return bias_base, alibi_slope
+
+
+@triton.jit
+def load_rng_state(RNG_STATE, DROPOUT: tl.constexpr):
+    """(seed, offset) of the dropout RNG; zeros when there is no dropout."""
+    seed = 0
+    rng_offset = 0
+    if DROPOUT:
+        seed = tl.load(RNG_STATE)
+        rng_offset = tl.load(RNG_STATE + 1)
+    return seed, rng_offset
+
+
+@triton.jit
 def bias_log2(bias_base, q_idx, k_idx, len_q, len_k, stride_bm, stride_bn, alibi_slope, diag,
               HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr):
     """post_scale_bias (+ ALiBi ``-slope * |j - (i + diag)|``) in log2 units for one tile."""

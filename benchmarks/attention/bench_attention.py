@@ -177,14 +177,13 @@ class Results:
 
 
 def done_pairs(paths) -> set:
-    """(case, impl) pairs already measured in earlier result files: ok, failed, or skipped for a
-    reason other than the time budget (a budget skip is what a later call is for)."""
+    """(case, impl) pairs already measured in earlier result files: ok or failed. Skipped ones
+    (time budget, a peer missing on that machine) are tried again: a skip costs nothing."""
     done = set()
     for p in paths or []:
         with open(p) as f:
             for r in json.load(f)["rows"]:
-                budget = r.get("status") == "skipped" and "time budget" in (r.get("reason") or "")
-                if not budget:
+                if r.get("status") in ("ok", "error"):
                     done.add((r["case"], r["impl"]))
     return done
 
@@ -444,7 +443,8 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=None, help=f"output stem (default {DEFAULT_OUT}; dry run {DRY_OUT})")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="combine result files (later ones win) and stop")
     ap.add_argument("--skip-done", nargs="*", default=[], metavar="JSON",
-                    help="result files of earlier calls: (case, impl) pairs they measured are not run again")
+                    help="result files of earlier calls: (case, impl) pairs they measured (ok or failed) are "
+                         "not run again")
     ap.add_argument("--time-budget", type=float, default=0,
                     help="seconds; rows not started by then are recorded as skipped (0: no limit)")
     ap.add_argument("--warmup-ms", type=float, default=25)

@@ -40,11 +40,11 @@ def test_dry_run_writes_rows_reasons_and_targets(tmp_path):
 
     # a second call skips what the first measured and the merge keeps both
     stem2 = str(tmp_path / "b")
-    out = run("--dry-run", "--cases", "1x2x64x32-causal", "--impls", "te_fused_det,torch_flash_det", "--out", stem2,
-              "--skip-done", stem + ".json", "--no-plot")
+    out = run("--dry-run", "--cases", "1x2x64x32-causal", "--impls", "te_fused_det,fa4_det,torch_flash_det", "--out",
+              stem2, "--skip-done", stem + ".json", "--no-plot")
     assert "already measured" in out
     impls2 = [r["impl"] for r in json.loads(Path(stem2 + ".json").read_text())["rows"]]
-    assert impls2 == ["torch_flash_det"]
+    assert impls2 == ["fa4_det", "torch_flash_det"]  # a skipped peer is tried again
     merged = str(tmp_path / "m")
     run("--merge", stem + ".json", stem2 + ".json", "--out", merged, "--no-plot")
     doc = json.loads(Path(merged + ".json").read_text())

@@ -5,16 +5,16 @@
 #   attention.json  attention.md  attention.png   (merged: everything measured so far)
 #   bench.log  env.txt                             (+ attention_<part>.json only if a part was cut off)
 #
-# Usage on the device machine, repo root (carry .whl; timeout_s 600):
-#   GIT_COMMIT=<sha> bash tools/device/gpu_bench.sh torch-std
-#   GIT_COMMIT=<sha> bash tools/device/gpu_bench.sh torch-ext jax
+# Usage on the device machine, repo root (carry .whl/bench; timeout_s 600), after flash-attn-4's
+# install_flash_attn4.sh phase1 / phase2 on the same warm machine (benchmarks/README.md):
+#   GIT_COMMIT=<sha> bash tools/device/gpu_bench.sh torch-std torch-ext jax
 # Parts (benchmarks/attention/cases.py PARTS): torch-std, torch-ext, jax, all.
 # Env: BENCH_BUDGET seconds for all parts together (default 530: the call's 600 s minus setup and
 #      merge), BENCH_ARGS extra arguments for bench_attention.py (e.g. "--rep-ms 50"),
 #      BENCH_BUILD=1 to `pip install -e .` first (native extensions), GIT_COMMIT for the tables.
 # Between calls: copy the returned attention.json to benchmarks/results/parts/ (untracked files
 # travel with the tree). The next call then skips every (case, implementation) pair measured there
-# (--skip-done), measures the rest (rows cut off by the time budget, other parts) and merges.
+# (ok or failed; --skip-done), measures the rest (cut off by the time budget, skipped) and merges.
 set -u
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
 BUDGET=${BENCH_BUDGET:-530}
@@ -24,14 +24,17 @@ parts=${*:-all}
 log="$OUT/bench.log"
 : > "$log"
 
-# Carried wheels (tools/device/fetch_bench_wheels.sh, the flash-attn-4 recipe): one version each.
-if ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    >> "$log" 2>&1 && export PYTHONPATH=/tmp/site:$PYTHONPATH || echo "wheel install failed (see bench.log)" | tee -a "$log"
+# Carried wheels of tools/device/fetch_bench_wheels.sh (nvidia-cudnn-frontend), in their own target.
+if ls .whl/bench/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_bench \
+    .whl/bench/*.whl >> "$log" 2>&1 && export PYTHONPATH=/tmp/site_bench:$PYTHONPATH \
+    || echo "wheel install failed (see bench.log)" | tee -a "$log"
 fi
-# flash-attn-4: the FlashAttention backend's own recipe, when it exists and the wheels above did not do it.
-if [ -f tools/device/install_flash_attn4.sh ] && ! python3 -c "import flash_attn.cute" > /dev/null 2>&1; then
-  PYTHONPATH=$( . tools/device/install_flash_attn4.sh >> "$log" 2>&1; echo "$PYTHONPATH" )
+# flash-attn-4, if `install_flash_attn4.sh phase2` installed it on this (warm) machine: its env
+# (PYTHONPATH with /tmp/site and the CuTe DSL packages), taken from a subshell so that its exit
+# status cannot stop this script. Without it the fa4 rows are skipped with the import error.
+if [ -f tools/device/install_flash_attn4.sh ]; then
+  PYTHONPATH=$( . tools/device/install_flash_attn4.sh env >> "$log" 2>&1; echo "$PYTHONPATH" )
   export PYTHONPATH
 fi
 

@@ -6,9 +6,7 @@ default model and expects the fused backend.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,27 +19,14 @@ pytest.importorskip("optax", reason="optax is not installed")
 
 from transformer_engine.jax import attention_math, determinism_check  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
+from determinism_check_cli import REPORT_LINES, TINY, run_command  # noqa: E402
+
 ON_GPU = jax.devices()[0].platform == "gpu"
-TINY = ["--steps", "2", "--seq-len", "16", "--layers", "1", "--hidden-size", "32", "--num-heads", "4",
-        "--gqa-groups", "2"]
-
-
-def _run_command(args, tmp_path):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
-    for name in ("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "NVTE_FUSED_ATTN_BACKEND", "NVTE_FUSED_ATTN"):
-        env.pop(name, None)
-    report = tmp_path / "report.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "transformer_engine.jax.determinism_check", *args, "--json", str(report)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
-    )
-    return proc, (json.loads(report.read_text()) if report.exists() else None)
 
 
 def test_command_reports_bitwise_equal_runs(tmp_path):
-    proc, report = _run_command(["--steps", "3"] if ON_GPU else TINY, tmp_path)
+    proc, report = run_command(determinism_check.__name__, ["--steps", "3"] if ON_GPU else TINY, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert report["framework"] == "jax"
     assert report["deterministic_requested"] is True
@@ -56,8 +41,7 @@ def test_command_reports_bitwise_equal_runs(tmp_path):
         assert dev["loss"] < 0.05, dev  # bf16: the two backends agree to bf16 rounding
     else:
         assert dev == {"loss": 0.0, "grad_first_step": 0.0, "grad_last_step": 0.0, "param": 0.0}
-    for line in ("attention backend", "losses bitwise equal", "gradients bitwise equal", "parameters bitwise equal",
-                 "max |grad - unfused| step 1", "time per step", "RESULT: PASS"):
+    for line in REPORT_LINES:
         assert line in proc.stdout, proc.stdout
     assert "step 2/" in proc.stderr  # the progress display
 

@@ -6,9 +6,7 @@ on a GPU (qa/L3_determinism) it trains the default model and expects the fused b
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,27 +17,13 @@ from dpa_helpers import INTERPRET, ON_GPU
 from transformer_engine.pytorch import determinism_check
 from transformer_engine.pytorch.attention import dot_product_attention as dpa_module
 
-REPO = Path(__file__).resolve().parents[2]
-TINY = ["--steps", "2", "--seq-len", "16", "--layers", "1", "--hidden-size", "32", "--num-heads", "4",
-        "--gqa-groups", "2"]
-
-
-def _run_command(args, tmp_path):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
-    for name in ("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "NVTE_FUSED_ATTN_BACKEND", "NVTE_FUSED_ATTN"):
-        env.pop(name, None)
-    report = tmp_path / "report.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "transformer_engine.pytorch.determinism_check", *args, "--json", str(report)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900,
-    )
-    return proc, (json.loads(report.read_text()) if report.exists() else None)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
+from determinism_check_cli import REPORT_LINES, TINY, run_command  # noqa: E402
 
 
 def test_command_reports_bitwise_equal_runs(tmp_path):
     args = ["--steps", "3"] if ON_GPU else TINY
-    proc, report = _run_command(args, tmp_path)
+    proc, report = run_command(determinism_check.__name__, args, tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert report["deterministic_requested"] is True
     assert report["bitwise_identical"] is True
@@ -59,8 +43,7 @@ def test_command_reports_bitwise_equal_runs(tmp_path):
     else:
         assert dev["loss"] < 0.05, dev  # bf16: the losses of the two backends agree to bf16 rounding
     out = proc.stdout
-    for line in ("attention backend", "losses bitwise equal", "gradients bitwise equal", "parameters bitwise equal",
-                 "max |grad - unfused| step 1", "time per step", "RESULT: PASS"):
+    for line in REPORT_LINES:
         assert line in out, out
     assert "step 2/2" in proc.stderr or ON_GPU  # the progress display
 

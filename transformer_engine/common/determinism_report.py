@@ -1,0 +1,395 @@
+"""The framework-free half of the determinism check: what a run records, how two runs are compared,
+the verdict and its exit status, the report, the JSON and the command-line options both checks share.
+
+``python -m transformer_engine.pytorch.determinism_check`` and
+``python -m transformer_engine.jax.determinism_check`` each train a small model and fill one
+:class:`RunResult` per run with plain Python values and numpy arrays (sha256 digests of every
+loss, gradient and parameter; gradients and parameters as arrays for the deviation from the
+unfused run). From there on the two are the same code, in this module: so they print the same
+table, write the same JSON keys and exit with the same statuses.
+
+Exit statuses: :data:`EXIT_PASS` (0) when the runs agree or determinism was not requested,
+:data:`EXIT_NOT_DETERMINISTIC` (1) when it was requested and not met,
+:data:`EXIT_BAD_ARGUMENTS` (2) for bad arguments or a configuration no backend can run, and
+:data:`EXIT_UNEXPECTED_BACKEND` (3) when ``--expect-backend`` names a backend that was not selected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field, fields
+from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+from transformer_engine.common.attention.backends import NoBackendError
+
+__all__ = [
+    "EXIT_PASS",
+    "EXIT_NOT_DETERMINISTIC",
+    "EXIT_BAD_ARGUMENTS",
+    "EXIT_UNEXPECTED_BACKEND",
+    "BACKEND_NAMES",
+    "DTYPES",
+    "GPU_DEFAULTS",
+    "CPU_DEFAULTS",
+    "RunResult",
+    "CheckResult",
+    "Progress",
+    "environment",
+    "digest",
+    "max_abs_diff",
+    "first_difference",
+    "deviation_from",
+    "verdict",
+    "check_result",
+    "header",
+    "format_report",
+    "write_json",
+    "build_parser",
+    "apply_defaults",
+    "main",
+]
+
+#: The runs are bitwise identical, or they differ and determinism was not requested.
+EXIT_PASS = 0
+#: Determinism was requested and the runs differ.
+EXIT_NOT_DETERMINISTIC = 1
+#: Bad arguments (argparse's own status too), or a configuration no backend can run.
+EXIT_BAD_ARGUMENTS = 2
+#: ``--expect-backend`` names a backend that not every attention call used.
+EXIT_UNEXPECTED_BACKEND = 3
+
+# ``--expect-backend`` values and the backend names the report prints.
+BACKEND_NAMES = {"fused": "FusedAttention", "unfused": "UnfusedDotProductAttention", "flash": "FlashAttention"}
+DTYPES = ("float32", "float16", "bfloat16")
+
+# Defaults by where the attention runs; a frontend may adjust them (the Triton interpreter, say).
+GPU_DEFAULTS = dict(batch_size=4, seq_len=1024, hidden_size=512, num_heads=8, gqa_groups=2, layers=4, steps=10,
+                    dtype="bfloat16")
+CPU_DEFAULTS = dict(batch_size=2, seq_len=64, hidden_size=64, num_heads=4, gqa_groups=2, layers=2, steps=5,
+                    dtype="float32")
+_SIZES = ("steps", "seq_len", "batch_size", "hidden_size", "num_heads", "gqa_groups", "layers")
+
+
+# -- one training run ------------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    """What one training run leaves behind, in plain Python values and numpy arrays."""
+
+    label: str
+    losses: List[float] = field(default_factory=list)
+    loss_bits: List[str] = field(default_factory=list)  # per step: sha256 of the loss
+    grad_digests: List[Dict[str, str]] = field(default_factory=list)  # per step: parameter name -> sha256
+    first_grads: Dict[str, np.ndarray] = field(default_factory=dict)  # step 1
+    last_grads: Dict[str, np.ndarray] = field(default_factory=dict)  # last step
+    params: Dict[str, np.ndarray] = field(default_factory=dict)  # after the last step
+    param_digests: Dict[str, str] = field(default_factory=dict)
+    backends: List[str] = field(default_factory=list)  # attention backends selected, in first-seen order
+    step_seconds: List[float] = field(default_factory=list)
+
+    def add_backends(self, names: Iterable[str]) -> None:
+        """Record the attention backends seen, each once."""
+        for name in names:
+            if name not in self.backends:
+                self.backends.append(name)
+
+    @property
+    def time_per_step_ms(self) -> float:
+        """Median step time; the first step (compilation, warm-up) is left out when there are others."""
+        times = sorted(self.step_seconds[1:] if len(self.step_seconds) > 1 else self.step_seconds)
+        if not times:
+            return float("nan")
+        mid = len(times) // 2
+        return 1e3 * (times[mid] if len(times) % 2 else 0.5 * (times[mid - 1] + times[mid]))
+
+
+def digest(array) -> str:
+    """sha256 of an array's bytes in C order: two arrays of one dtype and shape are bitwise equal
+    exactly when their digests are. A frontend passes a numpy array (or anything ``np.asarray``
+    takes), viewed as bytes first where numpy lacks the dtype (bfloat16)."""
+    return hashlib.sha256(np.ascontiguousarray(np.asarray(array)).tobytes()).hexdigest()
+
+
+def _set_environment(values: Mapping[str, Optional[str]]) -> None:
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+@contextlib.contextmanager
+def environment(**values: Optional[str]) -> Iterator[None]:
+    """Set (or, with None, unset) environment variables for the duration of the block."""
+    saved = {name: os.environ.get(name) for name in values}
+    try:
+        _set_environment(values)
+        yield
+    finally:
+        _set_environment(saved)
+
+
+class Progress:
+    """One line per run: redrawn in place on a terminal, one line per step otherwise."""
+
+    def __init__(self, stream, enabled: bool) -> None:
+        self.stream, self.enabled = stream, enabled
+        self.tty = enabled and hasattr(stream, "isatty") and stream.isatty()
+
+    def step(self, label: str, step: int, steps: int, loss: float, seconds: float) -> None:
+        if not self.enabled:
+            return
+        width = 20
+        done = int(width * step / steps)
+        line = (f"{label:<22} [{'#' * done}{'.' * (width - done)}] step {step}/{steps}  "
+                f"loss {loss:.6f}  {1e3 * seconds:8.1f} ms/step")
+        self.stream.write(("\r" + line + ("\n" if step == steps else "")) if self.tty else line + "\n")
+        self.stream.flush()
+
+
+# -- comparison and verdict ------------------------------------------------------------------------
+
+
+def first_difference(a: RunResult, b: RunResult) -> Optional[str]:
+    """The first loss, gradient (by step) or final parameter in which run ``b`` differs from ``a``."""
+    for step, (la, lb) in enumerate(zip(a.loss_bits, b.loss_bits), 1):
+        if la != lb:
+            return f"loss at step {step} ({a.losses[step - 1]!r} vs {b.losses[step - 1]!r})"
+        for name, value in a.grad_digests[step - 1].items():
+            if b.grad_digests[step - 1].get(name) != value:
+                return f"gradient of {name} at step {step}"
+    for name, value in a.param_digests.items():
+        if b.param_digests.get(name) != value:
+            return f"parameter {name} after step {len(a.losses)}"
+    return None
+
+
+def max_abs_diff(x: Mapping[str, np.ndarray], y: Mapping[str, np.ndarray]) -> float:
+    """Largest ``|x[name] - y[name]|`` over all names and elements, in float64 (0 for no elements)."""
+    return max((float(np.max(np.abs(np.asarray(x[n], np.float64) - np.asarray(y[n], np.float64))))
+                for n in x if np.size(x[n])), default=0.0)
+
+
+def deviation_from(run: RunResult, reference: RunResult) -> Dict[str, float]:
+    """How far ``run`` is from ``reference``: losses, gradients at the first and last step, parameters."""
+    return {
+        "loss": max(abs(a - b) for a, b in zip(run.losses, reference.losses)),
+        "grad_first_step": max_abs_diff(run.first_grads, reference.first_grads),
+        "grad_last_step": max_abs_diff(run.last_grads, reference.last_grads),
+        "param": max_abs_diff(run.params, reference.params),
+    }
+
+
+@dataclass
+class CheckResult:
+    """The outcome of a check: what :func:`format_report` prints and :meth:`to_json` writes."""
+
+    device: str
+    dtype: str
+    deterministic_requested: bool
+    steps: int
+    backends: List[str]
+    reference_backends: List[str]
+    losses_equal: bool
+    grads_equal: bool
+    params_equal: bool
+    first_mismatch: Optional[str]
+    max_deviation: Dict[str, float]
+    time_per_step_ms: Dict[str, float]
+    model: Dict[str, object]
+    extra: Dict[str, object] = field(default_factory=dict)  # a frontend's own keys, in the JSON after "model"
+    exit_status: int = EXIT_PASS
+    message: str = ""
+    framework: Optional[str] = None  # the JSON's last key, "framework", when set
+
+    @property
+    def bitwise_identical(self) -> bool:
+        return self.losses_equal and self.grads_equal and self.params_equal
+
+    def to_json(self) -> Dict[str, object]:
+        out: Dict[str, object] = {}
+        for f in fields(self):
+            if f.name == "extra":
+                out.update(self.extra)
+            elif f.name != "framework":
+                out[f.name] = getattr(self, f.name)
+        out["bitwise_identical"] = self.bitwise_identical
+        if self.framework is not None:
+            out["framework"] = self.framework
+        return out
+
+
+def verdict(result: CheckResult, expect_backend: Optional[str] = None) -> Tuple[int, str]:
+    """The exit status and the RESULT line(s) for ``result``; ``expect_backend`` is a key of
+    :data:`BACKEND_NAMES` that every attention call must have used (``--expect-backend``)."""
+    status = EXIT_PASS
+    if result.bitwise_identical:
+        message = "RESULT: PASS: the two runs are bitwise identical"
+    elif result.deterministic_requested:
+        status = EXIT_NOT_DETERMINISTIC
+        message = f"RESULT: FAIL: determinism was requested but the runs differ (first: {result.first_mismatch})"
+    else:
+        message = "RESULT: the runs differ (allowed: determinism was not requested)"
+    if expect_backend is not None:
+        want = BACKEND_NAMES[expect_backend]
+        if result.backends != [want]:
+            status = status or EXIT_UNEXPECTED_BACKEND
+            message += f"\nRESULT: FAIL: expected every attention call on {want}, got {', '.join(result.backends)}"
+    return status, message
+
+
+def check_result(args: argparse.Namespace, run1: RunResult, run2: RunResult, reference: Optional[RunResult], *,
+                 device: str, qkv_format: str, deterministic: bool, extra: Optional[Dict[str, object]] = None,
+                 framework: Optional[str] = None) -> CheckResult:
+    """Compare ``run1`` with ``run2`` (bitwise) and with ``reference`` (the unfused run, if any) and
+    judge: the :class:`CheckResult` for the options in ``args`` (see :func:`build_parser`)."""
+    times = {"run 1": run1.time_per_step_ms, "run 2": run2.time_per_step_ms}
+    if reference is not None:
+        times["unfused"] = reference.time_per_step_ms
+    result = CheckResult(
+        device=device, dtype=args.dtype, deterministic_requested=deterministic, steps=args.steps,
+        backends=sorted(set(run1.backends) | set(run2.backends)),
+        reference_backends=reference.backends if reference is not None else [],
+        losses_equal=run1.loss_bits == run2.loss_bits, grads_equal=run1.grad_digests == run2.grad_digests,
+        params_equal=run1.param_digests == run2.param_digests, first_mismatch=first_difference(run1, run2),
+        max_deviation=deviation_from(run1, reference) if reference is not None else {}, time_per_step_ms=times,
+        model=dict(layers=args.layers, hidden_size=args.hidden_size, num_heads=args.num_heads,
+                   gqa_groups=args.gqa_groups, seq_len=args.seq_len, batch_size=args.batch_size,
+                   qkv_format=qkv_format, window=args.window, num_tensors=len(run1.params)),
+        extra=dict(extra or {}), framework=framework,
+    )
+    result.exit_status, result.message = verdict(result, args.expect_backend)
+    return result
+
+
+# -- report ----------------------------------------------------------------------------------------
+
+
+def header(title: str, args: argparse.Namespace, *, head_dim: int, qkv_format: str, device: str,
+           deterministic: bool, how: Sequence[str]) -> str:
+    """The lines printed before the runs: what is trained, on what, and how determinism is requested."""
+    mode = f"requested ({', '.join(how)})" if deterministic else "not requested"
+    return (
+        f"{title}: {args.steps} steps x 2 runs{'' if args.no_reference else ' + unfused reference'}\n"
+        f"  model: {args.layers} layers, hidden {args.hidden_size}, {args.num_heads} heads / {args.gqa_groups} "
+        f"kv heads (d={head_dim}), causal{'' if args.window < 0 else f' window {args.window}'}, {qkv_format}\n"
+        f"  data: batch {args.batch_size} x seq {args.seq_len}, {args.dtype} on {device}, seed {args.seed}\n"
+        f"  determinism: {mode}\n"
+    )
+
+
+def _fmt(x: Optional[float]) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return "0" if x == 0 else f"{x:.3e}"
+
+
+def format_report(result: CheckResult) -> str:
+    """The result table and the RESULT line(s), as printed after the runs."""
+    yes = {True: "yes", False: "NO"}
+    tensors = result.model["num_tensors"]
+    rows = [
+        ("attention backend", ", ".join(result.backends)),
+        ("reference backend", ", ".join(result.reference_backends) or "(skipped)"),
+        ("losses bitwise equal", f"{yes[result.losses_equal]} ({result.steps} steps)"),
+        ("gradients bitwise equal", f"{yes[result.grads_equal]} (every step, {tensors} tensors)"),
+        ("parameters bitwise equal", f"{yes[result.params_equal]} ({tensors} tensors)"),
+    ]
+    if result.first_mismatch:
+        rows.append(("first difference", result.first_mismatch))
+    dev = result.max_deviation
+    if dev:
+        rows += [
+            ("max |loss - unfused|", _fmt(dev.get("loss"))),
+            ("max |grad - unfused| step 1", _fmt(dev.get("grad_first_step"))),
+            (f"max |grad - unfused| step {result.steps}", _fmt(dev.get("grad_last_step"))),
+            ("max |param - unfused|", _fmt(dev.get("param"))),
+        ]
+    rows.append(("time per step", ", ".join(f"{k} {v:.1f} ms" for k, v in result.time_per_step_ms.items())))
+    width = max(len(key) for key, _ in rows)
+    rule = "-" * (width + 40) + "\n"
+    return "\n" + rule + "".join(f"  {key:<{width}}  {value}\n" for key, value in rows) + rule + result.message + "\n"
+
+
+def write_json(result: CheckResult, path: str) -> None:
+    """Write ``result`` as JSON to ``path`` (``-``: standard output)."""
+    text = json.dumps(result.to_json(), indent=2) + "\n"
+    if path == "-":
+        sys.stdout.write(text)
+    else:
+        with open(path, "w") as f:
+            f.write(text)
+
+
+# -- command line ----------------------------------------------------------------------------------
+
+Option = Tuple[str, Dict[str, object]]  # a flag and add_argument's keyword arguments
+
+
+def build_parser(prog: str, description: str, *, device_help: str, nondeterministic_help: str,
+                 expect_backends: Sequence[str], shape_options: Sequence[Option] = (),
+                 determinism_options: Sequence[Option] = ()) -> argparse.ArgumentParser:
+    """The options both checks take, in the order ``--help`` lists them; a frontend's own options
+    go after the model's sizes (``shape_options``) and after ``--nondeterministic``
+    (``determinism_options``). ``expect_backends`` are the keys of :data:`BACKEND_NAMES` the
+    frontend can run."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--steps", type=int, help="training steps per run")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence")
+    p.add_argument("--batch-size", type=int)
+    p.add_argument("--hidden-size", type=int)
+    p.add_argument("--num-heads", type=int, help="query heads")
+    p.add_argument("--gqa-groups", type=int, help="key/value heads (GQA); equal to --num-heads for MHA")
+    p.add_argument("--layers", type=int)
+    for flag, kwargs in shape_options:
+        p.add_argument(flag, **kwargs)
+    p.add_argument("--window", type=int, default=-1, help="sliding-window left size (-1: plain causal)")
+    p.add_argument("--dtype", choices=("auto",) + DTYPES, default="auto")
+    p.add_argument("--device", default="auto", help=device_help)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--nondeterministic", action="store_true", help=nondeterministic_help)
+    for flag, kwargs in determinism_options:
+        p.add_argument(flag, **kwargs)
+    p.add_argument("--no-reference", action="store_true", help="skip the run with the unfused backend forced")
+    p.add_argument("--expect-backend", choices=tuple(expect_backends),
+                   help="exit 3 unless every attention call used this backend")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON ('-' for stdout)")
+    p.add_argument("--quiet", action="store_true", help="no progress display")
+    return p
+
+
+def apply_defaults(args: argparse.Namespace, defaults: Mapping[str, object]) -> None:
+    """Fill the options left unset (and ``--dtype auto``) from ``defaults``; sizes must be >= 1."""
+    for key, value in defaults.items():
+        if getattr(args, key, None) is None or (key == "dtype" and args.dtype == "auto"):
+            setattr(args, key, value)
+    for key in _SIZES:
+        if getattr(args, key) < 1:
+            raise ValueError(f"`--{key.replace('_', '-')}` must be >= 1, got {getattr(args, key)}")
+
+
+def main(parser: argparse.ArgumentParser, run_check: Callable[[argparse.Namespace], CheckResult],
+         argv: Optional[Sequence[str]] = None) -> int:
+    """Parse ``argv``, run the check, print the report (and the JSON): the exit status.
+    A ``ValueError`` or :class:`NoBackendError` from ``run_check`` is reported in one line, status 2."""
+    args = parser.parse_args(argv)
+    try:
+        result = run_check(args)
+    except (ValueError, NoBackendError) as error:
+        sys.stderr.write(f"determinism_check: error: {error}\n")
+        return EXIT_BAD_ARGUMENTS
+    sys.stdout.write(format_report(result))
+    sys.stdout.flush()
+    if args.json:
+        write_json(result, args.json)
+    return result.exit_status

@@ -53,13 +53,14 @@ def _pointers(names, overrides=()):
     return kinds
 
 
-_PLAIN = [(dims, causal, False) for dims in [(64, 64), (128, 128), (192, 128), (256, 256)] for causal in (False, True)]
-# Bias, ALiBi and dropout variants (plus the dBias kernel) at the two largest tiles.
-_MODS = [((128, 128), True, True), ((256, 256), False, True)]
+_PLAIN = [(dims, causal, False, 1) for dims in [(64, 64), (128, 128), (192, 128), (256, 256)] for causal in (False, True)]
+# Bias, ALiBi and dropout variants (plus the dBias kernel) at the two largest tiles, with GQA groups
+# (the dK/dV kernel unrolls over the group).
+_MODS = [((128, 128), True, True, 4), ((256, 256), False, True, 2)]
 
 
-@pytest.mark.parametrize("head_dims,causal,mods", _PLAIN + _MODS)
-def test_sm90_plans_compile(head_dims, causal, mods):
+@pytest.mark.parametrize("head_dims,causal,mods,gqa", _PLAIN + _MODS)
+def test_sm90_plans_compile(head_dims, causal, mods, gqa):
     dqk, dv = head_dims
     mask = AttnMaskType.CAUSAL_MASK if causal else AttnMaskType.NO_MASK
     cfg = AttnConfig(batch_size=1, num_heads_q=8, num_heads_kv=8, head_dim_qk=dqk, head_dim_v=dv,
@@ -73,7 +74,7 @@ def test_sm90_plans_compile(head_dims, causal, mods):
     _compile(attn_fwd_kernel, _pointers(("Q", "K", "V", "O", "LSE") + seq),
              dict(flags, BLOCK_M=fwd.tiles.block_m, BLOCK_N=fwd.tiles.block_n), fwd.tiles)
     _compile(attn_bwd_dkdv_kernel, _pointers(("Q", "K", "V", "DO", "DK", "DV", "DQ_ACC", "LSE", "DELTA") + seq),
-             dict(flags, BLOCK_M=bwd.dkdv.block_m, BLOCK_N=bwd.dkdv.block_n, ATOMIC_DQ=False), bwd.dkdv)
+             dict(flags, BLOCK_M=bwd.dkdv.block_m, BLOCK_N=bwd.dkdv.block_n, ATOMIC_DQ=False, gqa_group=gqa), bwd.dkdv)
     _compile(attn_bwd_dq_kernel, _pointers(("Q", "K", "V", "DO", "DQ", "LSE", "DELTA") + seq),
              dict(flags, BLOCK_M=bwd.dq.block_m, BLOCK_N=bwd.dq.block_n), bwd.dq)
     _compile(attn_bwd_preprocess_kernel, _pointers(("O", "DO", "DELTA", "SEQ_START_Q", "SEQ_LEN_Q")),

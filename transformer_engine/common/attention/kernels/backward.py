@@ -117,7 +117,7 @@ def attn_bwd_dkdv_kernel(
     stride_dqb, stride_dqs, stride_dqh, stride_dqd,
     stride_lb, stride_lh,
     stride_zb, stride_zh, stride_zm, stride_zn, stride_alibi_b,
-    num_heads_kv, gqa_group, seqlen_q, seqlen_k,
+    num_heads_kv, gqa_group: tl.constexpr, seqlen_q, seqlen_k,
     sm_scale, qk_scale, window_left, window_right, dropout_p,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -162,6 +162,9 @@ def attn_bwd_dkdv_kernel(
     full_lo = tl.minimum(full_lo, hi)
     full_hi = tl.minimum(full_hi, hi)
     seed, rng_offset = load_rng_state(RNG_STATE, DROPOUT)
+    # gqa_group is a compile-time constant so that, without GQA, this one-trip loop folds away: a
+    # runtime loop around the three query-block loops kept their state live across it and spilled
+    # registers (cuobjdump -res-usage, d=128: 2.5 KB of stack with the loop, 0.9 KB without).
     for g in range(0, gqa_group):
         head = head_kv * gqa_group + g
         bias_base, alibi_slope = head_score_mods(BIAS, ALIBI_SLOPES, batch, head, stride_zb, stride_zh,

@@ -1,0 +1,47 @@
+"""Launch plans follow the determinism contract (DESIGN.md rule 3): tiles and kernel variants are a
+function of head dim, dtype, mask/window kind and architecture only, and deterministic plans never
+use atomics."""
+
+import dataclasses
+import itertools
+
+import pytest
+
+from transformer_engine.common.attention import AttnConfig, AttnMaskType, QKVLayout
+from transformer_engine.common.attention.plan import backward_plan, forward_plan, padded_head_dim
+
+BASE = AttnConfig(batch_size=2, num_heads_q=16, num_heads_kv=16, head_dim_qk=128, head_dim_v=128,
+                  max_seqlen_q=4096, max_seqlen_kv=4096, dtype="bfloat16", deterministic=True,
+                  device_type="cuda", compute_capability=(9, 0))
+
+
+@pytest.mark.parametrize("arch", [(9, 0), (8, 0), (10, 0)])
+@pytest.mark.parametrize("mask", [AttnMaskType.NO_MASK, AttnMaskType.CAUSAL_MASK, AttnMaskType.PADDING_MASK])
+@pytest.mark.parametrize("dims", [(64, 64), (72, 72), (128, 128), (192, 128), (256, 256)])
+def test_plans_ignore_batch_lengths_heads_and_layout(arch, mask, dims):
+    base = dataclasses.replace(BASE, compute_capability=arch, attn_mask_type=mask, head_dim_qk=dims[0],
+                               head_dim_v=dims[1])
+    fwd, bwd = forward_plan(base), backward_plan(base)
+    for batch, (sq, sk), (hq, hk), layout in itertools.product(
+        (1, 3, 64), ((1, 1), (97, 1000), (131072, 131072)), ((16, 16), (32, 8), (8, 1)),
+        (QKVLayout.BSHD_BSHD_BSHD, QKVLayout.SBHD_SB2HD, QKVLayout.THD_THD_THD),
+    ):
+        other = dataclasses.replace(base, batch_size=batch, max_seqlen_q=sq, max_seqlen_kv=sk, num_heads_q=hq,
+                                    num_heads_kv=hk, qkv_layout=layout)
+        assert forward_plan(other) == fwd
+        assert backward_plan(other) == bwd
+
+
+def test_deterministic_plans_never_use_atomics():
+    for dims, arch, mask in itertools.product(((64, 64), (128, 128), (256, 256)), ((9, 0), (8, 0)),
+                                              (AttnMaskType.NO_MASK, AttnMaskType.CAUSAL_MASK)):
+        cfg = dataclasses.replace(BASE, head_dim_qk=dims[0], head_dim_v=dims[1], compute_capability=arch,
+                                  attn_mask_type=mask)
+        plan = backward_plan(cfg)
+        assert not plan.atomic_dq
+        assert not any("atomic" in name for name in plan.kernels)
+
+
+def test_padded_head_dim():
+    assert [padded_head_dim(d) for d in (8, 16, 24, 64, 72, 96, 128, 160, 192, 256)] == \
+        [16, 16, 32, 64, 128, 128, 128, 256, 256, 256]

@@ -12,6 +12,7 @@ import triton.language as tl
 from transformer_engine.common.attention.kernels.masking import (
     key_block_bounds,
     query_block_bounds,
+    query_block_program,
     sequence_extent,
     visible,
 )
@@ -266,20 +267,11 @@ def attn_bwd_dq_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """One program per (query block, batch * query head): dQ summed over key blocks in order."""
-    # Heaviest (last, under causal masks) query blocks first; order changes no result.
-    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // num_heads_q
-    head = pid_bh % num_heads_q
-    head_kv = head // gqa_group
-    start_q, len_q = sequence_extent(SEQ_START_Q, SEQ_LEN_Q, batch, seqlen_q, IS_THD, HAS_SEQLENS)
-    start_k, len_k = sequence_extent(SEQ_START_K, SEQ_LEN_K, batch, seqlen_k, IS_THD, HAS_SEQLENS)
-    rows_out = len_q if IS_THD else seqlen_q
+    start_m, batch, head, head_kv, start_q, len_q, start_k, len_k, rows_out, diag = query_block_program(
+        SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_heads_q, gqa_group, seqlen_q, seqlen_k,
+        BLOCK_M, IS_THD, HAS_SEQLENS, BOTTOM_RIGHT)
     if start_m >= rows_out:
         return
-    diag = 0
-    if BOTTOM_RIGHT:
-        diag = len_k - len_q
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)

@@ -8,7 +8,7 @@ backward's ``exp(s - lse)`` is 0 there and no NaN appears).
 import triton
 import triton.language as tl
 
-from transformer_engine.common.attention.kernels.masking import key_block_bounds, sequence_extent, visible
+from transformer_engine.common.attention.kernels.masking import key_block_bounds, query_block_program, visible
 from transformer_engine.common.attention.kernels.scores import (
     bias_log2,
     dropout_keep,
@@ -86,23 +86,11 @@ def attn_fwd_kernel(
 ):
     tl.static_assert(BLOCK_DQK >= HEAD_DIM_QK)
     tl.static_assert(BLOCK_DV >= HEAD_DIM_V)
-    # Last query blocks first: under causal masks they carry the most work, so the long
-    # programs start early and short ones fill the tail (order changes no result).
-    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // num_heads_q
-    head = pid_bh % num_heads_q
-    head_kv = head // gqa_group
-
-    start_q, len_q = sequence_extent(SEQ_START_Q, SEQ_LEN_Q, batch, seqlen_q, IS_THD, HAS_SEQLENS)
-    start_k, len_k = sequence_extent(SEQ_START_K, SEQ_LEN_K, batch, seqlen_k, IS_THD, HAS_SEQLENS)
-    # Padded formats write every row up to seqlen_q (zeros past len_q); packed ones only their own.
-    rows_out = len_q if IS_THD else seqlen_q
+    start_m, batch, head, head_kv, start_q, len_q, start_k, len_k, rows_out, diag = query_block_program(
+        SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_heads_q, gqa_group, seqlen_q, seqlen_k,
+        BLOCK_M, IS_THD, HAS_SEQLENS, BOTTOM_RIGHT)
     if start_m >= rows_out:
         return
-    diag = 0
-    if BOTTOM_RIGHT:
-        diag = len_k - len_q
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)

@@ -39,6 +39,33 @@ def sequence_extent(SEQ_START, SEQ_LEN, batch, max_len, IS_THD: tl.constexpr, HA
 
 
 @triton.jit
+def query_block_program(SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_heads_q, gqa_group, seqlen_q, seqlen_k,
+                        BLOCK_M: tl.constexpr, IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
+                        BOTTOM_RIGHT: tl.constexpr):
+    """Where a program of the (query block, batch * query head) grid works.
+
+    Returns (start_m, batch, head, head_kv, start_q, len_q, start_k, len_k, rows_out, diag).
+    Query blocks run last-first: under causal masks the last carry the most work, so long programs
+    start early and short ones fill the tail (the order changes no result). Padded formats write
+    every row up to seqlen_q (zeros past len_q); packed ones only their own (``rows_out``).
+    """
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // num_heads_q
+    head = pid_bh % num_heads_q
+    head_kv = head // gqa_group
+    start_q, len_q = sequence_extent(SEQ_START_Q, SEQ_LEN_Q, batch, seqlen_q, IS_THD, HAS_SEQLENS)
+    start_k, len_k = sequence_extent(SEQ_START_K, SEQ_LEN_K, batch, seqlen_k, IS_THD, HAS_SEQLENS)
+    rows_out = seqlen_q
+    if IS_THD:
+        rows_out = len_q
+    diag = 0
+    if BOTTOM_RIGHT:
+        diag = len_k - len_q
+    return start_m, batch, head, head_kv, start_q, len_q, start_k, len_k, rows_out, diag
+
+
+@triton.jit
 def key_block_bounds(start_m, len_k, diag, window_left, window_right,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):

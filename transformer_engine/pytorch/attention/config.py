@@ -23,7 +23,7 @@ from transformer_engine.common.attention import (
 )
 from transformer_engine.common.attention.config import normalize_window
 
-__all__ = ["deterministic_requested", "make_attn_config", "select", "PYTORCH_BACKENDS", "dtype_name"]
+__all__ = ["deterministic_requested", "make_attn_config", "select", "PYTORCH_BACKENDS", "dtype_name", "check_cu_seqlens", "check_qkv"]
 
 PYTORCH_BACKENDS: Tuple[Type[AttentionBackend], ...] = (
     FlashAttention,
@@ -66,6 +66,45 @@ def split_shape(t: torch.Tensor, qkv_format: QKVFormat, name: str) -> Tuple[int,
     return 1, t_, h, d
 
 
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: QKVFormat):
+    """Shapes, dtypes and devices of q, k, v agree; returns (b, s_q, h_q, d_qk, s_kv, h_kv, d_v)."""
+    bq, sq, hq, dqk = split_shape(q, fmt, "query_layer")
+    bk, sk, hk, dk = split_shape(k, fmt, "key_layer")
+    bv, sv, hv, dv = split_shape(v, fmt, "value_layer")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"`query_layer`, `key_layer`, `value_layer` must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"`query_layer`, `key_layer`, `value_layer` must be on one device, got {q.device}, {k.device}, {v.device}"
+        )
+    if fmt != QKVFormat.THD and not (bq == bk == bv):
+        raise ValueError(f"q, k, v must share the batch size, got {bq}, {bk}, {bv}")
+    if sk != sv:
+        raise ValueError(f"`key_layer` and `value_layer` must have the same sequence length, got {sk} and {sv}")
+    if dqk != dk:
+        raise ValueError(f"`key_layer` head dim must equal `query_layer`'s ({dqk}), got {dk}")
+    if hk != hv:
+        raise ValueError(f"`key_layer` and `value_layer` must have the same number of heads, got {hk} and {hv}")
+    if hq % hk:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads (num_gqa_groups={hk})")
+    return bq, sq, hq, dqk, sk, hk, dv
+
+
+def check_cu_seqlens(name: str, cu: Optional[torch.Tensor], batch: Optional[int], device: torch.device) -> None:
+    """Type, dtype, shape and device of one cu_seqlens argument (values: _check_cu_seqlens_values)."""
+    if cu is None:
+        return
+    if not isinstance(cu, torch.Tensor):
+        raise ValueError(f"`{name}` must be an int32 tensor of shape [batch + 1], got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise ValueError(f"`{name}` must be int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.shape[0] < 2 or (batch is not None and cu.shape[0] != batch + 1):
+        want = f"[{batch + 1}]" if batch is not None else "[batch + 1]"
+        raise ValueError(f"`{name}` must have shape {want} (length batch + 1), got {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"`{name}` must be on the inputs' device {device}, got {cu.device}")
+
+
 def make_attn_config(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -86,25 +125,7 @@ def make_attn_config(
     """Validate shapes/dtypes/devices and build the AttnConfig for one call."""
     fmt = QKVFormat(qkv_format)
     mask = AttnMaskType(attn_mask_type)
-    bq, sq, hq, dqk = split_shape(q, fmt, "query_layer")
-    bk, sk, hk, dk = split_shape(k, fmt, "key_layer")
-    bv, sv, hv, dv = split_shape(v, fmt, "value_layer")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"`query_layer`, `key_layer`, `value_layer` must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(
-            f"`query_layer`, `key_layer`, `value_layer` must be on one device, got {q.device}, {k.device}, {v.device}"
-        )
-    if fmt != QKVFormat.THD and not (bq == bk == bv):
-        raise ValueError(f"q, k, v must share the batch size, got {bq}, {bk}, {bv}")
-    if sk != sv:
-        raise ValueError(f"`key_layer` and `value_layer` must have the same sequence length, got {sk} and {sv}")
-    if dqk != dk:
-        raise ValueError(f"`key_layer` head dim must equal `query_layer`'s ({dqk}), got {dk}")
-    if hk != hv:
-        raise ValueError(f"`key_layer` and `value_layer` must have the same number of heads, got {hk} and {hv}")
-    if hq % hk:
-        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads (num_gqa_groups={hk})")
+    bq, sq, hq, dqk, sk, hk, dv = check_qkv(q, k, v, fmt)
     device_type = q.device.type
     cc = torch.cuda.get_device_capability(q.device) if device_type == "cuda" else None
     if deterministic is None:

@@ -113,20 +113,6 @@ def _padding_mask_to_cu_seqlens(mask: torch.Tensor, batch: int, seqlen: int, nam
     return torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
 
 
-def _check_cu_seqlens(cu: Optional[torch.Tensor], name: str, batch: Optional[int], device: torch.device) -> None:
-    if cu is None:
-        return
-    if not isinstance(cu, torch.Tensor):
-        raise ValueError(f"`{name}` must be an int32 tensor of shape [batch + 1], got {type(cu).__name__}")
-    if cu.dtype != torch.int32:
-        raise ValueError(f"`{name}` must be int32, got {cu.dtype}")
-    if cu.dim() != 1 or cu.shape[0] < 2 or (batch is not None and cu.shape[0] != batch + 1):
-        want = f"[{batch + 1}]" if batch is not None else "[batch + 1]"
-        raise ValueError(f"`{name}` must have shape {want}, got {tuple(cu.shape)}")
-    if cu.device != device:
-        raise ValueError(f"`{name}` must be on the inputs' device {device}, got {cu.device}")
-
-
 @dataclass
 class _Sequences:
     """Where the sequences are: the effective mask type, cu_seqlens and max lengths of one call."""
@@ -208,7 +194,7 @@ def _resolve_sequences(q, k, v, fmt: QKVFormat, mask: AttnMaskType, attention_ma
                 f"`attention_mask` is only used with padding or arbitrary masks, got attn_mask_type={mask.value!r}"
             )
     for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
-        _check_cu_seqlens(getattr(seqs, name), name, seqs.batch, q.device)
+        attn_config.check_cu_seqlens(name, getattr(seqs, name), seqs.batch, q.device)
     if fmt == QKVFormat.THD and not _is_compiling():
         # One host sync when the caller did not pass max_seqlen (pass it to avoid the sync).
         if seqs.max_seqlen_q is None:

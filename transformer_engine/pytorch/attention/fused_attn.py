@@ -8,6 +8,7 @@ import torch
 
 from transformer_engine.common.attention import AttnMaskType, QKVFormat
 from transformer_engine.pytorch.attention import ops  # noqa: F401  (registers the custom ops)
+from transformer_engine.pytorch.attention.config import check_cu_seqlens, check_qkv
 
 __all__ = ["fused_attn_func", "FusedAttnFunc"]
 
@@ -45,17 +46,6 @@ def new_rng_state(device: torch.device) -> torch.Tensor:
     and RNG trackers reproduce it); the kernels key dropout on it."""
     seed = torch.randint(0, 2 ** 62, (1,), dtype=torch.int64, device=device)
     return torch.cat([seed, torch.zeros(1, dtype=torch.int64, device=device)])
-
-
-def _check_cu_seqlens(name: str, cu: Optional[torch.Tensor], batch: Optional[int]) -> None:
-    if cu is None:
-        return
-    if cu.dtype != torch.int32:
-        raise ValueError(f"`{name}` must be int32, got {cu.dtype}")
-    if cu.dim() != 1 or cu.shape[0] < 2:
-        raise ValueError(f"`{name}` must be 1-D of length batch + 1 >= 2, got shape {tuple(cu.shape)}")
-    if batch is not None and cu.shape[0] != batch + 1:
-        raise ValueError(f"`{name}` must have length batch + 1 = {batch + 1}, got {cu.shape[0]}")
 
 
 def fused_attn_func(
@@ -103,7 +93,7 @@ def fused_attn_func(
     """
     fmt = QKVFormat(qkv_format)
     mask = AttnMaskType(attn_mask_type)
-    _check_tensors(q, k, v)
+    check_qkv(q, k, v, fmt)
     if fmt == QKVFormat.THD:
         if cu_seqlens_q is None or cu_seqlens_kv is None:
             raise ValueError("`cu_seqlens_q` and `cu_seqlens_kv` must be given for qkv_format='thd'")
@@ -124,7 +114,7 @@ def fused_attn_func(
         max_seqlen_q, max_seqlen_kv = sq, sk
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv),
                      ("cu_seqlens_q_padded", cu_seqlens_q_padded), ("cu_seqlens_kv_padded", cu_seqlens_kv_padded)):
-        _check_cu_seqlens(name, cu, batch)
+        check_cu_seqlens(name, cu, batch, q.device)
     if cu_seqlens_q is not None and cu_seqlens_kv is not None and cu_seqlens_q.shape != cu_seqlens_kv.shape:
         raise ValueError(
             f"`cu_seqlens_q` and `cu_seqlens_kv` must have the same length, got {cu_seqlens_q.shape[0]} "
@@ -155,18 +145,6 @@ def fused_attn_func(
     if return_softmax_aux:
         return out, (lse, rng_state)
     return out
-
-
-def _check_tensors(q, k, v) -> None:
-    if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"`q`, `k`, `v` must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"`q`, `k`, `v` must be on one device, got {q.device}, {k.device}, {v.device}")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"`k` head dim must equal `q`'s ({q.shape[-1]}), got {k.shape[-1]}")
-    if k.shape[-2] != v.shape[-2] or q.shape[-2] % k.shape[-2]:
-        raise ValueError(f"query heads ({q.shape[-2]}) must be a multiple of key/value heads "
-                         f"(k: {k.shape[-2]}, v: {v.shape[-2]})")
 
 
 def _can_sync() -> bool:

@@ -13,6 +13,7 @@ from transformer_engine.common.attention.kernels.masking import (
     key_block_bounds,
     query_block_bounds,
     query_block_program,
+    segment_bounds,
     sequence_extent,
     visible,
 )
@@ -179,24 +180,14 @@ def attn_bwd_dkdv_kernel(
                    + offs_m[:, None] * stride_dqs + offs_dqk[None, :] * stride_dqd)
         lse_ptrs = LSE + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
         delta_ptrs = DELTA + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, dq_ptrs,
-                             stride_qs, stride_dos, stride_dqs, offs_n, offs_m, offs_dqk, offs_dv, lo, full_lo,
-                             len_q, len_k, diag, window_left, window_right, qk_scale, sm_scale,
-                             bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
-                             HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, True, HAS_LEFT, HAS_RIGHT,
-                             HAS_BIAS, HAS_ALIBI, DROPOUT, ATOMIC_DQ, DOT_PRECISION)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, dq_ptrs,
-                             stride_qs, stride_dos, stride_dqs, offs_n, offs_m, offs_dqk, offs_dv, full_lo, full_hi,
-                             len_q, len_k, diag, window_left, window_right, qk_scale, sm_scale,
-                             bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
-                             HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, False, HAS_LEFT, HAS_RIGHT,
-                             HAS_BIAS, HAS_ALIBI, DROPOUT, ATOMIC_DQ, DOT_PRECISION)
-        dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, dq_ptrs,
-                             stride_qs, stride_dos, stride_dqs, offs_n, offs_m, offs_dqk, offs_dv, full_hi, hi,
-                             len_q, len_k, diag, window_left, window_right, qk_scale, sm_scale,
-                             bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
-                             HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, True, HAS_LEFT, HAS_RIGHT,
-                             HAS_BIAS, HAS_ALIBI, DROPOUT, ATOMIC_DQ, DOT_PRECISION)
+        for SEGMENT in tl.static_range(3):
+            seg_lo, seg_hi = segment_bounds(SEGMENT, lo, full_lo, full_hi, hi)
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, dq_ptrs,
+                                 stride_qs, stride_dos, stride_dqs, offs_n, offs_m, offs_dqk, offs_dv, seg_lo, seg_hi,
+                                 len_q, len_k, diag, window_left, window_right, qk_scale, sm_scale,
+                                 bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
+                                 HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, SEGMENT != 1, HAS_LEFT, HAS_RIGHT,
+                                 HAS_BIAS, HAS_ALIBI, DROPOUT, ATOMIC_DQ, DOT_PRECISION)
 
     dk = tl.where(key_ok, dk * sm_scale, 0.0)
     dv = tl.where(key_ok, dv, 0.0)
@@ -302,21 +293,13 @@ def attn_bwd_dq_kernel(
     hi = tl.where(start_m < len_q, hi, lo)
     full_lo = tl.minimum(full_lo, hi)
     full_hi = tl.minimum(full_hi, hi)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_n, offs_dqk, offs_dv,
-                   lo, full_lo, len_q, len_k, diag, window_left, window_right, qk_scale,
-                   bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
-                   HEAD_DIM_QK, HEAD_DIM_V, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
-                   HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_n, offs_dqk, offs_dv,
-                   full_lo, full_hi, len_q, len_k, diag, window_left, window_right, qk_scale,
-                   bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
-                   HEAD_DIM_QK, HEAD_DIM_V, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
-                   HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION)
-    dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_n, offs_dqk, offs_dv,
-                   full_hi, hi, len_q, len_k, diag, window_left, window_right, qk_scale,
-                   bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
-                   HEAD_DIM_QK, HEAD_DIM_V, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
-                   HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION)
+    for SEGMENT in tl.static_range(3):
+        seg_lo, seg_hi = segment_bounds(SEGMENT, lo, full_lo, full_hi, hi)
+        dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_n, offs_dqk, offs_dv,
+                       seg_lo, seg_hi, len_q, len_k, diag, window_left, window_right, qk_scale,
+                       bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
+                       HEAD_DIM_QK, HEAD_DIM_V, BLOCK_N, SEGMENT != 1, HAS_LEFT, HAS_RIGHT,
+                       HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION)
     dq = tl.where(row_ok[:, None], dq * sm_scale, 0.0)
     tl.store(DQ + batch.to(tl.int64) * stride_dqb + start_q * stride_dqs + head.to(tl.int64) * stride_dqh
              + offs_m[:, None] * stride_dqs + offs_dqk[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),

@@ -8,7 +8,12 @@ backward's ``exp(s - lse)`` is 0 there and no NaN appears).
 import triton
 import triton.language as tl
 
-from transformer_engine.common.attention.kernels.masking import key_block_bounds, query_block_program, visible
+from transformer_engine.common.attention.kernels.masking import (
+    key_block_bounds,
+    query_block_program,
+    segment_bounds,
+    visible,
+)
 from transformer_engine.common.attention.kernels.scores import (
     bias_log2,
     dropout_keep,
@@ -120,24 +125,15 @@ def attn_fwd_kernel(
     hi = tl.where(start_m < len_q, hi, lo)
     full_lo = tl.minimum(full_lo, hi)
     full_hi = tl.minimum(full_hi, hi)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs,
-                               offs_m, offs_n, offs_dqk, offs_dv, lo, full_lo,
-                               len_q, len_k, diag, window_left, window_right, qk_scale,
-                               bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
-                               HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
-                               True, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs,
-                               offs_m, offs_n, offs_dqk, offs_dv, full_lo, full_hi,
-                               len_q, len_k, diag, window_left, window_right, qk_scale,
-                               bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
-                               HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
-                               False, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs,
-                               offs_m, offs_n, offs_dqk, offs_dv, full_hi, hi,
-                               len_q, len_k, diag, window_left, window_right, qk_scale,
-                               bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
-                               HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
-                               True, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION)
+    # Masked head, unmasked middle (no per-element mask: the fast path), masked tail.
+    for SEGMENT in tl.static_range(3):
+        seg_lo, seg_hi = segment_bounds(SEGMENT, lo, full_lo, full_hi, hi)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs,
+                                   offs_m, offs_n, offs_dqk, offs_dv, seg_lo, seg_hi,
+                                   len_q, len_k, diag, window_left, window_right, qk_scale,
+                                   bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
+                                   HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+                                   SEGMENT != 1, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION)
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)

@@ -39,6 +39,21 @@ def sequence_extent(SEQ_START, SEQ_LEN, batch, max_len, IS_THD: tl.constexpr, HA
 
 
 @triton.jit
+def segment_bounds(SEGMENT: tl.constexpr, lo, full_lo, full_hi, hi):
+    """Bounds of segment 0 (masked head), 1 (unmasked middle) or 2 (masked tail) of a block range
+    split by key_block_bounds / query_block_bounds. Kernels visit them in this order."""
+    start = full_hi
+    end = hi
+    if SEGMENT == 0:
+        start = lo
+        end = full_lo
+    if SEGMENT == 1:
+        start = full_lo
+        end = full_hi
+    return start, end
+
+
+@triton.jit
 def query_block_program(SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_heads_q, gqa_group, seqlen_q, seqlen_k,
                         BLOCK_M: tl.constexpr, IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
                         BOTTOM_RIGHT: tl.constexpr):

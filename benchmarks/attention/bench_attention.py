@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.metadata
 import json
 import os
 import platform
@@ -30,7 +29,6 @@ import sys
 import tempfile
 import time
 import traceback
-from datetime import datetime, timezone
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -41,6 +39,7 @@ for p in (str(ROOT), str(HERE)):
 
 from cases import ALL_IMPLS, DRY_GRID, GRID, JAX_IMPLS, OPTIONAL_IMPLS, PARTS, Case, select_cases  # noqa: E402
 import targets as targets_mod  # noqa: E402
+from common import run_metadata  # noqa: E402
 
 DEFAULT_OUT = "benchmarks/results/attention"
 DRY_OUT = os.path.join(tempfile.gettempdir(), "attention_dryrun", "attention")
@@ -50,48 +49,6 @@ JAX_DET = {"jax_te_det", "jax_cudnn_det"}
 # ------------------------------------------------------------------------------------------------
 # metadata and output
 # ------------------------------------------------------------------------------------------------
-
-def _dist_version(name):
-    try:
-        return importlib.metadata.version(name)
-    except Exception:
-        return None
-
-
-def metadata(command: str, device: str, dtype: str, dry_run: bool) -> dict:
-    commit = os.environ.get("GIT_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                                             stderr=subprocess.DEVNULL).strip()
-            dirty = subprocess.check_output(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                                            text=True, stderr=subprocess.DEVNULL).strip()
-            commit += "+dirty" if dirty else ""
-        except Exception:
-            commit = "unknown (no git here; set GIT_COMMIT)"
-    versions = {"python": platform.python_version()}
-    for name in ("torch", "triton", "jax", "jaxlib", "flash-attn-4", "nvidia-cutlass-dsl", "nvidia-cudnn-frontend",
-                 "nvidia-cudnn-cu13", "numpy"):
-        v = _dist_version(name)
-        if v:
-            versions[name] = v
-    try:
-        import torch
-        if torch.cuda.is_available():
-            versions["cuda"] = torch.version.cuda
-            versions["cudnn (torch)"] = torch.backends.cudnn.version()
-    except Exception:
-        pass
-    return {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": commit,
-        "command": command,
-        "device": device,
-        "dtype": dtype,
-        "dry_run": dry_run,
-        "versions": versions,
-    }
-
 
 def _fmt(x, digits=1):
     if x is None:
@@ -420,7 +377,7 @@ def merge(paths, stem, plot, command):
     impl_order = list(ALL_IMPLS) + list(OPTIONAL_IMPLS)
     merged = sorted(latest.values(), key=lambda r: (order.index(r["case"]) if r["case"] in order else 99,
                                                     impl_order.index(r["impl"]) if r["impl"] in impl_order else 99))
-    metas = metas + [{"part": "merge", **metadata(command, "-", metas[0].get("dtype", ""), dry)}]
+    metas = metas + [{"part": "merge", **run_metadata(command, "-", metas[0].get("dtype", ""), dry)}]
     res = Results(stem, metas, case_list, "Attention benchmark" + (" (dry run)" if dry else ""))
     res.rows = merged
     res.finish(plot)
@@ -483,7 +440,7 @@ def main(argv=None):
         return 2
     stem = args.out or (DRY_OUT if args.dry_run else DEFAULT_OUT)
     dev_name = torch.cuda.get_device_name() if cuda else f"cpu ({platform.processor() or platform.machine()})"
-    meta = metadata(command, dev_name, args.dtype, args.dry_run)
+    meta = run_metadata(command, dev_name, args.dtype, args.dry_run)
     meta["part"] = args.part if not (args.cases or args.impls) else "custom"
     case_dicts = [dict(c.to_dict(), label=c.label, shape=c.shape, mask=c.mask) for c in cases]
     results = Results(stem, [meta], case_dicts, "Attention benchmark" + (" (dry run)" if args.dry_run else ""))

@@ -93,7 +93,8 @@ def main():
             print(r, flush=True)
             rows.append(r)
             torch.cuda.empty_cache()
-    write_results(args.out, run_metadata("python benchmarks/attention/bench_core.py " + " ".join(sys.argv[1:])),
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    write_results(args.out, run_metadata("python benchmarks/attention/bench_core.py " + " ".join(sys.argv[1:]), device),
                   rows, ["shape", "mask", "backend", "fwd_tflops", "fwd_bwd_tflops", "peak_gb", "bitwise", "error"])
 
 

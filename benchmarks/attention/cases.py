@@ -20,6 +20,13 @@ def thd_lengths(n: int = 16, lo: int = 512, hi: int = 4096, seed: int = THD_SEED
     return tuple([lo, hi] + rest)
 
 
+def attn_flops(b, h, sq, sk, d, causal, mode):
+    """FlashAttention counting: forward 4*b*h*sq*sk*d (halved when causal), backward 2.5x forward,
+    fwd+bwd 3.5x. Query heads count (GQA shares K/V, not the work)."""
+    f = 4.0 * b * h * sq * sk * d * (0.5 if causal else 1.0)
+    return {"fwd": f, "bwd": 2.5 * f, "fwd_bwd": 3.5 * f}[mode]
+
+
 @dataclass(frozen=True)
 class Case:
     """One grid point. ``s`` is the (max) sequence length; for ``layout == "thd"`` the batch is
@@ -56,11 +63,9 @@ class Case:
         return sum(self.seqlens) if self.layout == "thd" else self.b * self.s
 
     def flops(self, mode: str) -> float:
-        """FlashAttention counting: forward 4*h*s_q*s_k*d per sequence (halved when causal),
-        backward 2.5x forward, fwd+bwd 3.5x. Query heads count (GQA shares K/V, not the work)."""
+        """attn_flops summed over the sequences (each thd sequence attends within itself)."""
         lengths = self.seqlens if self.layout == "thd" else (self.s,) * self.b
-        fwd = sum(4.0 * self.hq * n * n * self.d for n in lengths) * (0.5 if self.causal else 1.0)
-        return {"fwd": fwd, "bwd": 2.5 * fwd, "fwd_bwd": 3.5 * fwd}[mode]
+        return sum(attn_flops(1, self.hq, n, n, self.d, self.causal, mode) for n in lengths)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "group": self.group, "b": self.b, "hq": self.hq, "hkv": self.hkv, "s": self.s,

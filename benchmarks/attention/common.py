@@ -1,29 +1,33 @@
-"""Shared benchmark plumbing: FLOP counting, timing, peak memory, bitwise repeatability."""
+"""Shared benchmark plumbing: timing, peak memory, bitwise repeatability, run metadata, tables.
+
+torch and triton are imported where used, so the metadata and table helpers also serve
+processes without them (the JAX subprocess, merging results).
+"""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import platform
 import subprocess
-import sys
 from datetime import datetime, timezone
+from pathlib import Path
 
-import torch
-import triton
+from cases import attn_flops  # noqa: F401  (re-exported for bench_core.py and tune_tiles.py)
 
-
-def attn_flops(b, h, sq, sk, d, causal, mode):
-    """FlashAttention counting: forward 4*b*h*sq*sk*d (halved when causal); backward 2.5x."""
-    f = 4.0 * b * h * sq * sk * d * (0.5 if causal else 1.0)
-    return {"fwd": f, "bwd": 2.5 * f, "fwd_bwd": 3.5 * f}[mode]
+_ROOT = Path(__file__).resolve().parents[2]
 
 
 def bench_ms(fn, grad_to_none=None, warmup=25, rep=100):
+    import triton
+
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median")
 
 
 def peak_memory_gb(fn):
+    import torch
+
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -34,6 +38,8 @@ def peak_memory_gb(fn):
 
 def grads_repeat_bitwise(run, repeats=3):
     """run() -> tuple of grads; True when every repeat is bitwise equal to the first."""
+    import torch
+
     first = [g.clone() for g in run()]
     for _ in range(repeats - 1):
         again = run()
@@ -42,22 +48,45 @@ def grads_repeat_bitwise(run, repeats=3):
     return True
 
 
-def run_metadata(command):
+def _dist_version(name):
     try:
-        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+        return importlib.metadata.version(name)
     except Exception:
-        commit = os.environ.get("GIT_COMMIT", "unknown")
-    versions = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__}
+        return None
+
+
+def run_metadata(command: str, device: str, dtype: str = "bfloat16", dry_run: bool = False) -> dict:
+    """Date, commit (GIT_COMMIT where the tree has no git), command, device and package versions."""
+    commit = os.environ.get("GIT_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=_ROOT, text=True,
+                                             stderr=subprocess.DEVNULL).strip()
+            dirty = subprocess.check_output(["git", "status", "--porcelain", "--untracked-files=no"], cwd=_ROOT,
+                                            text=True, stderr=subprocess.DEVNULL).strip()
+            commit += "+dirty" if dirty else ""
+        except Exception:
+            commit = "unknown (no git here; set GIT_COMMIT)"
+    versions = {"python": platform.python_version()}
+    for name in ("torch", "triton", "jax", "jaxlib", "flash-attn-4", "nvidia-cutlass-dsl", "nvidia-cudnn-frontend",
+                 "nvidia-cudnn-cu13", "numpy"):
+        v = _dist_version(name)
+        if v:
+            versions[name] = v
     try:
-        import jax
-        versions["jax"] = jax.__version__
+        import torch
+        if torch.cuda.is_available():
+            versions["cuda"] = torch.version.cuda
+            versions["cudnn (torch)"] = torch.backends.cudnn.version()
     except Exception:
         pass
     return {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": commit,
         "command": command,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "device": device,
+        "dtype": dtype,
+        "dry_run": dry_run,
         "versions": versions,
     }
 

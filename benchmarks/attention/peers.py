@@ -14,13 +14,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
-import os
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Dict, Optional, Sequence, Union
 
 import torch
 
 from cases import Case
+from transformer_engine.common import settings
 
 
 @dataclass
@@ -75,25 +75,6 @@ class PeerFailure(Exception):
 
 
 @contextlib.contextmanager
-def env_vars(values: Dict[str, Optional[str]]):
-    """Set (or, for None, unset) environment variables; restore them afterwards."""
-    old = {k: os.environ.get(k) for k in values}
-    try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-@contextlib.contextmanager
 def torch_deterministic(flag: bool):
     old = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(flag)
@@ -129,7 +110,7 @@ def _te_module(case: Case, inp: Inputs, deterministic: bool, forced: bool) -> Un
         return module(inp.q, inp.k, inp.v, **kwargs)
 
     return Runner(fwd, (inp.q, inp.k, inp.v), inp.do.reshape(*inp.do.shape[:-2], case.hq * case.d),
-                  context=lambda: env_vars(env), backend=lambda: module.last_backend)
+                  context=lambda: settings.environment(**env), backend=lambda: module.last_backend)
 
 
 def te_dpa(case, inp):

@@ -17,16 +17,16 @@ Exit statuses: :data:`EXIT_PASS` (0) when the runs agree or determinism was not 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import math
-import os
 import sys
 from dataclasses import dataclass, field, fields
-from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
+
+from transformer_engine.common.settings import environment  # noqa: F401  (used by both checks)
 
 from transformer_engine.common.attention.backends import NoBackendError
 
@@ -117,25 +117,6 @@ def digest(array) -> str:
     exactly when their digests are. A frontend passes a numpy array (or anything ``np.asarray``
     takes), viewed as bytes first where numpy lacks the dtype (bfloat16)."""
     return hashlib.sha256(np.ascontiguousarray(np.asarray(array)).tobytes()).hexdigest()
-
-
-def _set_environment(values: Mapping[str, Optional[str]]) -> None:
-    for name, value in values.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-
-
-@contextlib.contextmanager
-def environment(**values: Optional[str]) -> Iterator[None]:
-    """Set (or, with None, unset) environment variables for the duration of the block."""
-    saved = {name: os.environ.get(name) for name in values}
-    try:
-        _set_environment(values)
-        yield
-    finally:
-        _set_environment(saved)
 
 
 class Progress:

@@ -8,11 +8,12 @@ takes effect on the second. Malformed values raise ``ValueError`` naming the var
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, Iterator, Mapping, Optional, Tuple
 
-__all__ = ["EnvVar", "VARIABLES", "get", "declared_names"]
+__all__ = ["EnvVar", "VARIABLES", "get", "declared_names", "environment"]
 
 
 @dataclass(frozen=True)
@@ -114,3 +115,23 @@ def get(name: str) -> Any:
     except KeyError:
         raise KeyError(f"{name} is not a declared NVTE_* variable (see transformer_engine.common.settings)") from None
     return var.get()
+
+
+def _set_environment(values: Mapping[str, Optional[str]]) -> None:
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+@contextlib.contextmanager
+def environment(**values: Optional[str]) -> Iterator[None]:
+    """Set (or, with None, unset) environment variables for the duration of the block; since every
+    variable is read at call time, calls inside the block see the new values."""
+    saved = {name: os.environ.get(name) for name in values}
+    try:
+        _set_environment(values)
+        yield
+    finally:
+        _set_environment(saved)

@@ -78,11 +78,12 @@ def reference(q, k, v, mask: str = "no_mask", window=(-1, -1), scale: Optional[f
               lens_q: Optional[Sequence[int]] = None, lens_kv: Optional[Sequence[int]] = None,
               bias: Optional[torch.Tensor] = None, pre_scale_bias: bool = False,
               alibi_slopes: Optional[torch.Tensor] = None, hidden: Optional[torch.Tensor] = None,
-              dtype=torch.float64) -> torch.Tensor:
+              dtype=torch.float64, dropout_keep: Optional[torch.Tensor] = None, dropout_p: float = 0.0) -> torch.Tensor:
     """Attention on padded bshd tensors, one sequence at a time, computed in ``dtype``.
 
     q [b, sq, h, d], k/v [b, skv, hk, d/dv] -> [b, sq, h, dv]; rows past a length and rows that
     see no key are zero. ``hidden``: bool [b|1, h|1, sq, skv], True = masked out.
+    ``dropout_keep``: bool [b, h, sq, skv], the kept probabilities (scaled by 1 / (1 - dropout_p)).
     """
     b, sq, h, d = q.shape
     skv, hk, dv = k.shape[1], k.shape[2], v.shape[3]
@@ -111,6 +112,8 @@ def reference(q, k, v, mask: str = "no_mask", window=(-1, -1), scale: Optional[f
             keep = keep & ~hidden[n if hidden.shape[0] > 1 else 0][:, :lq, :lk].expand(h, lq, lk)
         p = torch.softmax(s.masked_fill(~keep, float("-inf")), dim=-1)
         p = torch.where(keep.any(-1, keepdim=True), p, torch.zeros_like(p))
+        if dropout_keep is not None:
+            p = p * dropout_keep[n][:, :lq, :lk].to(dtype) / (1.0 - dropout_p)
         o = torch.einsum("hqk,khd->qhd", p, vi)
         full = torch.zeros(sq, h, dv, dtype=dtype, device=q.device)
         full = torch.cat([o, full[lq:]], dim=0)

@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import os
-from typing import List, Optional, Sequence, Tuple
-
-import pytest
 import torch
 
-from attention_reference import reference_attention
-
-ON_GPU = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cuda" if ON_GPU else "cpu"
-
-requires_fused = pytest.mark.skipif(
-    not ON_GPU and not INTERPRET,
-    reason="fused kernels need a GPU, or TRITON_INTERPRET=1 set before triton is imported (CPU interpreter)",
+from dpa_helpers import (  # noqa: F401  (re-exported for the fused-kernel tests)
+    DEVICE,
+    INTERPRET,
+    ON_GPU,
+    assert_close_to_reference,
+    cu_seqlens as cu_from_lengths,
+    reference,
+    requires_fused,
+    to_bshd,
 )
 
 # The interpreter computes tl.dot on bfloat16 wrongly (DESIGN.md): bf16 is tested on the GPU only.
@@ -50,34 +46,12 @@ def make_qkv(b, sq, sk, h, hk, d, dv, dtype, fmt="bshd", packing="separate", see
     return q, k, v, [q, k, v]
 
 
-def to_bshd(t, fmt):
-    return t.transpose(0, 1) if fmt == "sbhd" else t
-
-
 def ref_and_lowp(q, k, v, d_out, fmt, mask, window, scale, lens_q=None, lens_k=None):
     """(fp64 reference out+grads, same math in the inputs' dtype) for tolerance judgement."""
     results = []
     for dtype in (torch.float64, q.dtype):
         qr, kr, vr = (to_bshd(t.detach(), fmt).to(dtype).requires_grad_() for t in (q, k, v))
-        o = reference_attention(qr, kr, vr, mask, window, scale, lens_q, lens_k, dtype=dtype)
+        o = reference(qr, kr, vr, mask, window, scale, lens_q, lens_k, dtype=dtype)
         grads = torch.autograd.grad(o, (qr, kr, vr), to_bshd(d_out, fmt).to(dtype))
         results.append([o] + list(grads))
     return results
-
-
-def assert_close_to_reference(name: str, ours: torch.Tensor, ref: torch.Tensor, lowp: torch.Tensor,
-                              factor: float = 2.0):
-    """Our error vs fp64 must be within ``factor`` x PyTorch's own low-precision error (+ tiny atol)."""
-    ours64 = ours.to(torch.float64)
-    assert torch.isfinite(ours64).all(), f"{name}: non-finite values"
-    err = (ours64 - ref).abs().max().item()
-    base = (lowp.to(torch.float64) - ref).abs().max().item()
-    atol = 1e-5 if ours.dtype == torch.float32 else 1e-3
-    assert err <= factor * base + atol, f"{name}: max error {err:.3e} > {factor} x torch's {base:.3e} + {atol}"
-
-
-def cu_from_lengths(lengths: Sequence[int]) -> torch.Tensor:
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    return torch.tensor(cu, dtype=torch.int32, device=DEVICE)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from fused_helpers import (
+    reference,
     DEVICE,
     DTYPES,
     ON_GPU,
@@ -142,7 +143,6 @@ def test_nondeterministic_mode_matches_reference():
 @pytest.mark.parametrize("s", [8192, 16384])
 def test_long_sequence_numerics(s):
     """Numerical check at long lengths; the fp64 reference is computed in query chunks."""
-    from attention_reference import reference_attention
     dtype = torch.bfloat16
     q, k, v, _ = make_qkv(1, s, s, 2, 1, 128, 128, dtype)
     out = fused_attn_func(q, k, v, "bshd", "causal", (-1, -1), 128 ** -0.5, deterministic=True)
@@ -152,8 +152,8 @@ def test_long_sequence_numerics(s):
         # Rows c..c+chunk see keys < c+chunk (causal): reference on that slice with a bottom-right shift.
         qs = q.detach()[:, c:c + chunk]
         ks, vs = k.detach()[:, :c + chunk], v.detach()[:, :c + chunk]
-        ref = reference_attention(qs, ks, vs, "causal_bottom_right", scale=128 ** -0.5)
-        lowp = reference_attention(qs, ks, vs, "causal_bottom_right", scale=128 ** -0.5, dtype=dtype)
+        ref = reference(qs, ks, vs, "causal_bottom_right", scale=128 ** -0.5)
+        lowp = reference(qs, ks, vs, "causal_bottom_right", scale=128 ** -0.5, dtype=dtype)
         worst = max(worst, (out[:, c:c + chunk].double() - ref).abs().max().item())
         worst_lowp = max(worst_lowp, (lowp.double() - ref).abs().max().item())
     assert worst <= 2 * worst_lowp + 1e-3, (worst, worst_lowp)

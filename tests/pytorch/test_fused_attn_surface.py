@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attention_reference import reference_attention
-from fused_helpers import DEVICE, DTYPES, ON_GPU, assert_close_to_reference, cu_from_lengths, make_qkv, requires_fused
+from fused_helpers import DEVICE, reference, DTYPES, ON_GPU, assert_close_to_reference, cu_from_lengths, make_qkv, requires_fused
 from transformer_engine.pytorch.attention import launch
 from transformer_engine.pytorch.attention.fused_attn import fused_attn_func, new_rng_state
 
@@ -31,7 +30,7 @@ def _grads_and_ref(q, k, v, extra_leaves, mask, scale, ref_kwargs, fused_kwargs,
         kw = dict(ref_kwargs)
         if "bias" in kw and kw["bias"] is not None:
             kw["bias"] = lv[3]
-        o = reference_attention(lv[0], lv[1], lv[2], mask, (-1, -1), scale, dtype=dtype, **kw)
+        o = reference(lv[0], lv[1], lv[2], mask, (-1, -1), scale, dtype=dtype, **kw)
         refs.append([o] + list(torch.autograd.grad(o, lv, d_out.to(dtype))))
     return ours, refs[0], refs[1]
 

@@ -55,7 +55,6 @@ __all__ = [
     "is_deterministic_mode",
     "fused_attn_unavailable_reasons",
     "recording_backend_selections",
-    "JaxFusedAttention",
 ]
 
 
@@ -98,29 +97,16 @@ def _device_facts() -> Tuple[str, Optional[Tuple[int, int]]]:
     return "cpu", None
 
 
-class JaxFusedAttention(FusedAttention):
-    """``FusedAttention`` as the JAX frontend runs it: Triton kernels launched through XLA FFI on
-    CUDA GPUs. Same name and switches as the common backend; reasons also come from
-    ``config.extra`` (facts only the frontend knows, such as a missing FFI extension)."""
-
-    @classmethod
-    def availability_reasons(cls, config: AttnConfig) -> List[str]:
-        if config.device_type != "cuda":
-            return [
-                f"device={config.device_type}: JAX launches the Triton kernels on CUDA GPUs only "
-                "(on CPU the fused primitives lower to jnp, for tests)"
-            ]
-        return super().availability_reasons(config) + [r for name, r in config.extra if name == cls.NAME]
-
-
-_CANDIDATES = (JaxFusedAttention, UnfusedDotProductAttention)
+_CANDIDATES = (FusedAttention, UnfusedDotProductAttention)
 
 
 def _frontend_extra(device_type: str, attn_bias_type: AttnBiasType, dropout: float,
                     is_training: bool) -> Tuple[Tuple[str, str], ...]:
-    """Reasons only the JAX frontend knows: its launcher's build and what it wires to the kernels."""
+    """Reasons only the JAX frontend knows (FusedAttention reads them from ``config.extra``): the
+    device it can launch on, its launcher's build and what it wires to the kernels."""
     if device_type != "cuda":
-        return ()
+        return ((FusedAttention.NAME, f"device={device_type}: JAX launches the Triton kernels on CUDA GPUs only "
+                 "(on CPU the fused primitives lower to jnp, for tests)"),)
     from transformer_engine.jax.primitives import gpu
 
     reasons = []
@@ -131,7 +117,7 @@ def _frontend_extra(device_type: str, attn_bias_type: AttnBiasType, dropout: flo
         reasons.append(f"attn_bias_type={attn_bias_type.value} (the JAX launch passes no bias to the kernels yet)")
     if dropout > 0 and is_training:
         reasons.append(f"dropout={dropout} (the JAX launch passes no dropout to the kernels yet)")
-    return tuple((JaxFusedAttention.NAME, r) for r in reasons)
+    return tuple((FusedAttention.NAME, r) for r in reasons)
 
 
 def _bias_shape_name(bias_shape: Optional[Sequence[int]]) -> Optional[str]:
@@ -495,7 +481,7 @@ def _parse_call(
 
 
 def _run(call: _Call, backend: str):
-    if backend == JaxFusedAttention.SHORT_NAME:
+    if backend == FusedAttention.SHORT_NAME:
         out = fused_attn_core(call.q, call.k, call.v, call.bias, call.seq, call.seeds, call.static)
     else:
         s = call.static
@@ -642,6 +628,6 @@ def fused_attn_unavailable_reasons(
         attn_mask_type=mask, window_size=normalize_window(window_size, mask), attn_bias_type=bias_type,
         bias_shape=bias_shape, dropout=float(dropout_probability), is_training=bool(is_training),
     )
-    if not settings.get(JaxFusedAttention.ENABLE_VAR):
-        reasons.append(f"disabled by {JaxFusedAttention.ENABLE_VAR}=0")
-    return reasons + JaxFusedAttention.not_supported_reasons(config)
+    if not settings.get(FusedAttention.ENABLE_VAR):
+        reasons.append(f"disabled by {FusedAttention.ENABLE_VAR}=0")
+    return reasons + FusedAttention.not_supported_reasons(config)

@@ -60,8 +60,9 @@ class AttentionBackend:
 
     @classmethod
     def availability_reasons(cls, config: AttnConfig) -> List[str]:
-        """Reasons the backend cannot run at all here (missing package, wrong device)."""
-        return []
+        """Reasons the backend cannot run at all here (missing package, wrong device), including
+        facts only the frontend knows, which it passes as ``config.extra`` (name, reason) pairs."""
+        return [reason for name, reason in config.extra if name == cls.NAME]
 
     @classmethod
     def not_supported_reasons(cls, config: AttnConfig) -> List[str]:
@@ -127,7 +128,7 @@ class FusedAttention(AttentionBackend):
 
     @classmethod
     def availability_reasons(cls, config: AttnConfig) -> List[str]:
-        reasons = []
+        reasons = super().availability_reasons(config)
         if config.attn_bias_type == AttnBiasType.POST_SCALE_BIAS and config.qkv_format == QKVFormat.THD:
             reasons.append("attn_bias_type=post_scale_bias with qkv_format=thd (bias needs a padded layout)")
         if not _triton_importable():
@@ -138,7 +139,8 @@ class FusedAttention(AttentionBackend):
 
 
 class FlashAttention(AttentionBackend):
-    """flash-attn-4 (CuTe DSL), PyTorch only, Hopper and Blackwell.
+    """flash-attn-4 (CuTe DSL), PyTorch only, Hopper and Blackwell; whether it imports comes from
+    the PyTorch frontend through ``config.extra``.
 
     Capabilities read from flash-attn-4 4.0.0b36 (``flash_attn/cute/interface.py``) and tested on
     the GPU by tests/pytorch/test_flash_backend.py. Whether the package imports on this device comes
@@ -168,10 +170,6 @@ class FlashAttention(AttentionBackend):
     # schedules suggests Hopper qualifies (tiles depend on head dim and mask kind only), but the
     # contract is not staked on a reading. Add 9 once that run passes.
     DETERMINISTIC_INVARIANT_ARCHS = frozenset()
-
-    @classmethod
-    def availability_reasons(cls, config: AttnConfig) -> List[str]:
-        return [reason for name, reason in config.extra if name == cls.NAME]
 
     @classmethod
     def not_supported_reasons(cls, config: AttnConfig) -> List[str]:

@@ -138,7 +138,7 @@ class DotProductAttention(nn.Module):
             qkv, bias, sequence_descriptor, seed, bias_type, self.attn_mask_type, layout, scale, dropout,
             is_training, self.max_segments_per_seq, self.window_size,
         )
-        fused_reasons = selection.rejected.get(_attention.JaxFusedAttention.NAME)
+        fused_reasons = selection.rejected.get(_attention.FusedAttention.NAME)
         if fused_reasons:
             text = "; ".join(fused_reasons)
             warn_once(

@@ -17,25 +17,39 @@ from transformer_engine.common.attention import AttnMaskType, QKVFormat
 from transformer_engine.common.attention.plan import Tiles, backward_plan, forward_plan
 from transformer_engine.pytorch.attention import launch
 
-# Candidates per padded head dim: forward tiles, and (dK/dV, dQ) tile pairs.
+# Candidates per padded head dim: forward tiles, dK/dV tiles (timed with the planned dQ tiles) and
+# dQ tiles (timed with the planned dK/dV tiles), so each backward kernel is chosen on its own.
+T = Tiles
 CANDIDATES = {
+    64: (
+        [T(128, 64, 8, 3), T(128, 64, 4, 3), T(128, 128, 8, 3), T(64, 64, 4, 3), T(128, 32, 4, 3), T(128, 64, 8, 4)],
+        [T(32, 128, 4, 3), T(64, 128, 8, 3), T(64, 64, 4, 3), T(32, 64, 4, 3), T(64, 128, 4, 3), T(128, 128, 8, 3)],
+        [T(128, 64, 8, 2), T(128, 64, 8, 3), T(64, 64, 4, 3), T(128, 128, 8, 3), T(64, 128, 4, 3), T(128, 32, 4, 3)],
+    ),
     128: (
-        [Tiles(64, 64, 4, 3), Tiles(64, 128, 4, 3), Tiles(128, 128, 8, 3), Tiles(64, 64, 4, 4)],
-        [(Tiles(64, 128, 8, 3), Tiles(128, 64, 8, 3)), (Tiles(64, 128, 8, 4), Tiles(128, 64, 8, 4)),
-         (Tiles(32, 128, 8, 3), Tiles(128, 64, 8, 3)), (Tiles(64, 128, 8, 3), Tiles(128, 128, 8, 3)),
-         (Tiles(64, 128, 8, 3), Tiles(64, 64, 4, 3)), (Tiles(128, 128, 8, 2), Tiles(128, 64, 8, 3))],
+        [T(64, 64, 4, 3), T(128, 64, 8, 3), T(128, 64, 8, 4), T(128, 128, 8, 3), T(128, 128, 8, 2), T(128, 64, 4, 3),
+         T(128, 32, 4, 3), T(64, 128, 4, 3), T(64, 128, 8, 3)],
+        [T(64, 128, 8, 3), T(64, 128, 8, 2), T(64, 64, 4, 3), T(32, 128, 4, 3), T(128, 64, 8, 3), T(64, 128, 4, 2),
+         T(32, 128, 8, 3), T(128, 128, 8, 2)],
+        [T(128, 64, 8, 3), T(128, 64, 8, 2), T(64, 64, 4, 3), T(128, 32, 8, 3), T(64, 128, 8, 3), T(128, 128, 8, 2),
+         T(64, 64, 4, 2)],
     ),
     256: (
-        [Tiles(64, 64, 4, 2), Tiles(64, 32, 4, 2), Tiles(128, 64, 8, 2), Tiles(64, 64, 8, 2)],
-        [(Tiles(32, 64, 4, 1), Tiles(64, 32, 4, 1)), (Tiles(64, 64, 8, 2), Tiles(64, 64, 8, 2)),
-         (Tiles(32, 64, 4, 2), Tiles(128, 32, 8, 2)), (Tiles(64, 32, 4, 2), Tiles(64, 32, 4, 2)),
-         (Tiles(32, 128, 8, 1), Tiles(64, 64, 4, 2)), (Tiles(64, 64, 4, 1), Tiles(64, 64, 4, 1))],
+        [T(128, 64, 8, 2), T(64, 64, 4, 2), T(128, 32, 8, 2), T(64, 32, 4, 2)],
+        [T(64, 64, 8, 2), T(64, 32, 8, 2), T(32, 64, 4, 2), T(128, 64, 8, 1)],
+        [T(64, 64, 8, 2), T(128, 32, 8, 2), T(64, 32, 4, 2), T(128, 64, 8, 1)],
     ),
 }
 
 
-def main(dims=(128, 256), causal_kinds=(False, True)):
+def main(dims=(128, 256), causal_kinds=(False, True), out=None):
     results = {}
+
+    def save():  # after every measurement, so a run cut off by its time limit keeps what finished
+        if out:
+            with open(out, "w") as f:
+                json.dump(results, f, indent=1)
+
     for d, causal in itertools.product(dims, causal_kinds):
         b, h, s = (4, 16, 4096) if d >= 128 else (8, 32, 2048)
         if d == 256:
@@ -51,7 +65,7 @@ def main(dims=(128, 256), causal_kinds=(False, True)):
         out, lse = launch.forward(q, k, v, fmt, seqs, d ** -0.5, mask, (-1, -1))
         key = f"d{d}_{'causal' if causal else 'none'}"
         results[key] = {}
-        fwd_cands, bwd_cands = CANDIDATES[d]
+        fwd_cands, dkdv_cands, dq_cands = CANDIDATES[d]
         for t in fwd_cands:
             try:
                 plan = type(base_f)(t, base_f.block_dqk, base_f.block_dv, base_f.dot_precision)
@@ -60,7 +74,9 @@ def main(dims=(128, 256), causal_kinds=(False, True)):
             except Exception as err:
                 results[key][f"fwd {t}"] = f"fail {type(err).__name__}"
             print(key, "fwd", t, results[key][f"fwd {t}"], flush=True)
-        for t1, t2 in bwd_cands:
+            save()
+        pairs = [(t, base_b.dq) for t in dkdv_cands] + [(base_b.dkdv, t) for t in dq_cands if t != base_b.dq]
+        for t1, t2 in pairs:
             try:
                 plan = type(base_b)(base_b.preprocess, t1, t2, base_b.block_dqk, base_b.block_dv,
                                     base_b.dot_precision, False)
@@ -70,12 +86,11 @@ def main(dims=(128, 256), causal_kinds=(False, True)):
             except Exception as err:
                 results[key][f"bwd {t1} {t2}"] = f"fail {type(err).__name__}"
             print(key, "bwd", t1, t2, results[key][f"bwd {t1} {t2}"], flush=True)
+            save()
     return results
 
 
 if __name__ == "__main__":
     out = sys.argv[1] if len(sys.argv) > 1 else "tune.json"
     dims = tuple(int(d) for d in sys.argv[2].split(",")) if len(sys.argv) > 2 else (128, 256)
-    res = main(dims)
-    with open(out, "w") as f:
-        json.dump(res, f, indent=1)
+    main(dims, out=out)

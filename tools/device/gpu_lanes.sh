@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# One device call on the 2-GPU kind (nvidia-h200-x2): two lanes of sections in parallel, one per
+# GPU, then sections that need both GPUs. Everything a section writes goes to /tmp/lanes/<lane>/;
+# at the end it is packed into $OUT/lanes.tgz (the device tool returns at most 8 files) and every
+# summary line is printed.
+#
+#   bash tools/device/gpu_lanes.sh "<GPU 0 sections>" "<GPU 1 sections>" "<2-GPU sections>"
+#   e.g. bash tools/device/gpu_lanes.sh "tune" "build fused jaxsmoke jaxl1" "tp jaxmesh"
+#
+# Sections: build (pip install -e ., PyTorch and JAX, native JAX FFI extension), fused (PyTorch fused
+# kernel grid), module (PyTorch module L1: the other tests/pytorch files), l3 (qa/L3_determinism),
+# check (the determinism check, both frameworks), jaxsmoke (tests/jax/gpu_smoke.py), jaxl1
+# (qa/L1_jax_gpu), tune (benchmarks/attention/tune_tiles.py), core (bench_core.py), fa4 / fa4tests
+# (install_flash_attn4.sh phase1 / phase2 + gpu_flash.sh tests), bench (gpu_bench.sh parts in
+# BENCH_PARTS); 2-GPU: tp (torchrun tensor-parallel heads), jaxmesh (tests/jax/test_jax_two_device_mesh.py).
+# Limits per section come from <SECTION>_TIMEOUT (seconds); the defaults suit a 600 s call.
+set -u
+OUT=${OUT:-device_out}; mkdir -p "$OUT"
+ROOT=$PWD
+LANES=/tmp/lanes; rm -rf "$LANES"; mkdir -p "$LANES"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$ROOT:$ROOT/tests/pytorch:${PYTHONPATH:-}
+# NVLink multicast stays off on the shared GPU hosts (device README).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# JAX takes GPU memory as it needs it, so a JAX and a PyTorch process can share a lane.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+T0=$(date +%s)
+
+note() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$LANES/$LANE/summary.txt"; }
+limit() { local v="${1}_TIMEOUT"; echo "${!v:-$2}"; }
+
+section() {
+  local s=$1 d=$LANES/$LANE
+  case $s in
+    build)
+      NVTE_FRAMEWORK=all timeout "$(limit BUILD 240)" python3 -m pip install --no-build-isolation --no-deps -e . \
+        > "$d/build.log" 2>&1
+      note "build rc=$? $(python3 -c 'import transformer_engine.jax.primitives.gpu as g; print("jax ffi:", g.__name__)' 2>&1 | tail -1)" ;;
+    fused)
+      timeout "$(limit FUSED 330)" python3 -m pytest -q -p no:cacheprovider tests/pytorch/test_fused_attn.py \
+        tests/pytorch/test_fused_attn_determinism.py tests/pytorch/test_fused_attn_surface.py > "$d/fused.log" 2>&1
+      note "fused rc=$? $(tail -1 "$d/fused.log")" ;;
+    module)
+      timeout "$(limit MODULE 400)" python3 -m pytest -q -p no:cacheprovider tests/pytorch \
+        --ignore=tests/pytorch/test_fused_attn.py --ignore=tests/pytorch/test_fused_attn_determinism.py \
+        --ignore=tests/pytorch/test_fused_attn_surface.py --ignore=tests/pytorch/test_flash_backend.py > "$d/module.log" 2>&1
+      note "module rc=$? $(tail -1 "$d/module.log")" ;;
+    l3)
+      XML_LOG_DIR=$d/xml timeout "$(limit L3 400)" bash qa/L3_determinism/test.sh > "$d/l3.log" 2>&1
+      note "l3 rc=$? $(tail -1 "$d/l3.log")" ;;
+    check)
+      NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 timeout "$(limit CHECK 120)" python3 -m transformer_engine.pytorch.determinism_check \
+        > "$d/check_pytorch.txt" 2>&1
+      note "determinism check (pytorch) rc=$? $(grep -m1 -E 'PASS|FAIL' "$d/check_pytorch.txt")"
+      NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 timeout "$(limit CHECK 120)" python3 -m transformer_engine.jax.determinism_check \
+        > "$d/check_jax.txt" 2>&1
+      note "determinism check (jax) rc=$? $(grep -m1 -E 'PASS|FAIL' "$d/check_jax.txt")" ;;
+    jaxsmoke)
+      timeout "$(limit JAXSMOKE 150)" python3 tests/jax/gpu_smoke.py > "$d/jaxsmoke.log" 2>&1
+      note "jax smoke rc=$? $(tail -1 "$d/jaxsmoke.log")" ;;
+    jaxl1)
+      XML_LOG_DIR=$d/xml timeout "$(limit JAXL1 300)" bash qa/L1_jax_gpu/test.sh > "$d/jaxl1.log" 2>&1
+      note "jax L1 rc=$? $(tail -1 "$d/jaxl1.log")" ;;
+    tune)
+      (cd benchmarks/attention && timeout "$(limit TUNE 450)" python3 tune_tiles.py "$d/tune.json" "${TUNE_DIMS:-128,64,256}") \
+        > "$d/tune.log" 2>&1
+      note "tune rc=$? $(wc -l < "$d/tune.log") lines" ;;
+    core)
+      (cd benchmarks/attention && timeout "$(limit CORE 150)" python3 bench_core.py --out "$d/core") > "$d/core.log" 2>&1
+      note "core bench rc=$?" ;;
+    fa4)
+      bash tools/device/install_flash_attn4.sh phase1 > "$d/fa4.log" 2>&1; note "fa4 phase1 rc=$?" ;;
+    fa4tests)
+      bash tools/device/install_flash_attn4.sh phase2 >> "$d/fa4.log" 2>&1; note "fa4 phase2 rc=$? $(tail -1 "$d/fa4.log")"
+      OUT=$d TEST_TIMEOUT=$(limit FA4TESTS 360) bash tools/device/gpu_flash.sh check tests > /dev/null 2>&1
+      note "flash tests done (gpu_flash.sh lines above)" ;;
+    bench)
+      # flash-attn-4 rows need phase2 (fa4tests, the other lane) to have installed it: wait for it.
+      for _ in $(seq 1 "${FA4_WAIT:-0}"); do [ -f /tmp/site/fa4_env.sh ] && break; sleep 1; done
+      OUT=$d BENCH_BUDGET=$(limit BENCH 520) bash tools/device/gpu_bench.sh ${BENCH_PARTS:-all} > "$d/bench_driver.log" 2>&1
+      note "bench rc=$? $(tail -2 "$d/bench_driver.log" | head -1)" ;;
+    tp)
+      CUDA_VISIBLE_DEVICES=0,1 timeout "$(limit TP 120)" torchrun --standalone --nproc_per_node=2 \
+        tests/pytorch/distributed/tp_attention.py > "$d/tp.log" 2>&1
+      note "torchrun tp=2 rc=$? $(grep -c -i ' ok' "$d/tp.log") ok lines"; cat "$d/tp.log" | tail -8 >> "$d/summary.txt" ;;
+    jaxmesh)
+      CUDA_VISIBLE_DEVICES=0,1 NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 timeout "$(limit JAXMESH 180)" python3 -m pytest -q \
+        -p no:cacheprovider tests/jax/test_jax_two_device_mesh.py > "$d/jaxmesh.log" 2>&1
+      note "jax 2-GPU mesh rc=$? $(tail -1 "$d/jaxmesh.log")" ;;
+    *) note "unknown section $s" ;;
+  esac
+}
+
+lane() {  # lane NAME GPU SECTIONS
+  LANE=$1; mkdir -p "$LANES/$LANE"
+  export CUDA_VISIBLE_DEVICES=$2
+  for s in $3; do section "$s"; done
+}
+
+{ date -u; git rev-parse --short HEAD 2>/dev/null; nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
+  python3 -c "import torch, triton, jax; print('torch', torch.__version__, 'triton', triton.__version__, 'jax', jax.__version__)"
+} > "$LANES/env.txt" 2>&1
+(lane gpu0 0 "${1:-}") &
+(lane gpu1 1 "${2:-}") &
+wait
+[ -n "${3:-}" ] && lane both 0,1 "$3"
+
+cat "$LANES/env.txt"; for f in "$LANES"/*/summary.txt; do echo "== $f"; cat "$f"; done | tee "$OUT/summary.txt"
+tar -C "$LANES" -czf "$OUT/lanes.tgz" . && ls -la "$OUT"

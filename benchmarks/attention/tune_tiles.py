@@ -62,7 +62,7 @@ def main(dims=(128, 256), causal_kinds=(False, True), out=None):
         cfg = launch.plan_config(q, k, v, fmt, mask, (-1, -1), True)
         base_f = forward_plan(cfg)
         base_b = backward_plan(cfg)
-        out, lse = launch.forward(q, k, v, fmt, seqs, d ** -0.5, mask, (-1, -1))
+        o, lse = launch.forward(q, k, v, fmt, seqs, d ** -0.5, mask, (-1, -1))
         key = f"d{d}_{'causal' if causal else 'none'}"
         results[key] = {}
         fwd_cands, dkdv_cands, dq_cands = CANDIDATES[d]
@@ -80,7 +80,7 @@ def main(dims=(128, 256), causal_kinds=(False, True), out=None):
             try:
                 plan = type(base_b)(base_b.preprocess, t1, t2, base_b.block_dqk, base_b.block_dv,
                                     base_b.dot_precision, False)
-                ms = bench_ms(lambda: launch.backward(q, k, v, out, do, lse, fmt, seqs, d ** -0.5, mask,
+                ms = bench_ms(lambda: launch.backward(q, k, v, o, do, lse, fmt, seqs, d ** -0.5, mask,
                                                       (-1, -1), True, plan))
                 results[key][f"bwd {t1} {t2}"] = round(attn_flops(b, h, s, s, d, causal, "bwd") / ms / 1e9, 1)
             except Exception as err:

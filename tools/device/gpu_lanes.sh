@@ -73,10 +73,11 @@ section() {
       bash tools/device/install_flash_attn4.sh phase2 >> "$d/fa4.log" 2>&1; note "fa4 phase2 rc=$? $(tail -1 "$d/fa4.log")"
       OUT=$d TEST_TIMEOUT=$(limit FA4TESTS 360) bash tools/device/gpu_flash.sh check tests > /dev/null 2>&1
       note "flash tests done (gpu_flash.sh lines above)" ;;
-    bench)
+    bench|bench:*)  # bench:<part>,<part> names the parts (default: BENCH_PARTS, else all)
+      local parts=${s#bench}; parts=${parts#:}; parts=${parts//,/ }
       # flash-attn-4 rows need phase2 (fa4tests, the other lane) to have installed it: wait for it.
       for _ in $(seq 1 "${FA4_WAIT:-0}"); do [ -f /tmp/site/fa4_env.sh ] && break; sleep 1; done
-      OUT=$d BENCH_BUDGET=$(limit BENCH 520) bash tools/device/gpu_bench.sh ${BENCH_PARTS:-all} > "$d/bench_driver.log" 2>&1
+      OUT=$d BENCH_BUDGET=$(limit BENCH 520) bash tools/device/gpu_bench.sh ${parts:-${BENCH_PARTS:-all}} > "$d/bench_driver.log" 2>&1
       note "bench rc=$? $(tail -2 "$d/bench_driver.log" | head -1)" ;;
     tp)
       CUDA_VISIBLE_DEVICES=0,1 timeout "$(limit TP 120)" torchrun --standalone --nproc_per_node=2 \

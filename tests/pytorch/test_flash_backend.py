@@ -179,7 +179,9 @@ def test_available_when_flash_attn_cute_imports_on_sm90_sm100(monkeypatch, fake_
 
 def test_unavailable_when_not_installed(monkeypatch):
     _pretend_gpu(monkeypatch, (9, 0))
-    monkeypatch.setitem(sys.modules, "flash_attn", None)  # import flash_attn -> ModuleNotFoundError
+    # import flash_attn(.cute) -> ModuleNotFoundError, also where the real package was imported before
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", None)
     flash_backend._import_error.cache_clear()
     try:
         assert "not installed" in flash_backend.unavailable_reason()
@@ -285,7 +287,7 @@ def test_reasons_for_what_flash_attn_4_cannot_do(monkeypatch, kwargs, reason):
     dict(capability=(10, 0), d=256),
     dict(capability=(10, 0), d=64, dv=128),
     dict(capability=(9, 0), d=192, dv=128),
-    dict(capability=(9, 0), d=72),
+    dict(capability=(9, 0), d=256),
     dict(attn_mask_type="causal", sq=200, skv=300),  # top-left, s_kv > s_q: the wrapper slices the keys
     dict(attn_mask_type="causal_bottom_right", sq=300, skv=200),
     dict(attn_mask_type="no_mask", window_size=(64, 32)),
@@ -295,13 +297,23 @@ def test_no_reasons_where_flash_attn_4_can_run(monkeypatch, kwargs):
 
 
 def test_not_invariant_flag_keeps_deterministic_calls_away(monkeypatch):
-    """Until invariance is shown on the GPU (the shipped default), deterministic calls go to the fused
-    backend, with the reason."""
-    assert 9 not in FlashAttention.DETERMINISTIC_INVARIANT_ARCHS
+    """Where invariance is not shown on the GPU (Blackwell here), deterministic calls go to the
+    fused backend, with the reason; on Hopper (shown on the H200) flash-attn-4 stays selected."""
+    assert 9 in FlashAttention.DETERMINISTIC_INVARIANT_ARCHS and 10 not in FlashAttention.DETERMINISTIC_INVARIANT_ARCHS
+    assert attn_config.select(_config(monkeypatch, attn_mask_type="causal", deterministic=True)).name == \
+        "FlashAttention"
+    monkeypatch.setattr(FlashAttention, "DETERMINISTIC_INVARIANT_ARCHS", frozenset())
     selection = attn_config.select(_config(monkeypatch, attn_mask_type="causal", deterministic=True))
     assert selection.name == "FusedAttention"
     assert "deterministic mode is not batch/packing invariant" in _flash_reasons(selection)
     assert attn_config.select(_config(monkeypatch, attn_mask_type="causal")).name == "FlashAttention"
+
+
+def test_unverified_hopper_head_dims_go_to_our_kernels(monkeypatch):
+    """d=72 gave a wrong dQ with flash-attn-4 on the H200: such head dims are rejected, with the reason."""
+    reasons = FlashAttention.not_supported_reasons(_config(monkeypatch, capability=(9, 0), d=72))
+    assert any("(72, 72) on sm90 is not verified" in r for r in reasons), reasons
+    assert attn_config.select(_config(monkeypatch, capability=(9, 0), d=72)).name == "FusedAttention"
 
 
 def test_priority_follows_measurements(monkeypatch):
@@ -326,7 +338,7 @@ def test_nvte_flash_attn_0_disables_it(monkeypatch):
 
 def test_forcing_flash(monkeypatch):
     monkeypatch.setenv("NVTE_FUSED_ATTN_BACKEND", "flash")
-    assert attn_config.select(_config(monkeypatch, d=96)).name == "FlashAttention"  # though fused comes first
+    assert attn_config.select(_config(monkeypatch, capability=(10, 0), d=96)).name == "FlashAttention"  # fused first
     with pytest.raises(NoBackendError, match="flash-attn-4 is not installed"):
         attn_config.select(_config(monkeypatch, present=False))
     with pytest.raises(NoBackendError, match="dtype=float32"):
@@ -632,8 +644,7 @@ GPU_CASES = {
     "thd-padding_causal-cross-gaps": dict(fmt="thd", mask="padding_causal", sq=200, skv=260, h=4, hk=2, d=128,
                                           lens_q=[100, 200, 3], lens_kv=[150, 260, 3], gap=5),
     "bshd-causal-d256": dict(fmt="bshd", mask="causal", sq=257, skv=257, h=4, hk=4, d=256),
-    "bshd-no_mask-d72-fp16": dict(fmt="bshd", mask="no_mask", sq=197, skv=261, h=4, hk=4, d=72,
-                                  dtype=torch.float16),
+    # (d=72 fp16 gave a wrong dQ here on the H200, 2026-11-30: the backend now rejects it on sm90.)
     "bshd-causal-d192-dv128": dict(fmt="bshd", mask="causal", sq=197, skv=197, h=4, hk=4, d=192, dv=128),
 }
 

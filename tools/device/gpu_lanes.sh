@@ -5,7 +5,7 @@
 # summary line is printed.
 #
 #   bash tools/device/gpu_lanes.sh "<GPU 0 sections>" "<GPU 1 sections>" "<2-GPU sections>"
-#   e.g. bash tools/device/gpu_lanes.sh "tune" "build fused jaxsmoke jaxl1" "tp jaxmesh"
+#   e.g. GIT_COMMIT=abc1234 bash tools/device/gpu_lanes.sh "tune" "build fused jaxsmoke jaxl1" "tp jaxmesh"
 #
 # Sections: build (pip install -e ., PyTorch and JAX, native JAX FFI extension), fused (PyTorch fused
 # kernel grid), module (PyTorch module L1: the other tests/pytorch files), l3 (qa/L3_determinism),
@@ -97,7 +97,9 @@ lane() {  # lane NAME GPU SECTIONS
   for s in $3; do section "$s"; done
 }
 
-{ date -u; git rev-parse --short HEAD 2>/dev/null; nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
+# The device copy's git metadata can be stale (it read the session's first commit in every call of
+# session 2): pass GIT_COMMIT=<sha> in the command; the benchmark tables take it too.
+{ date -u; echo "commit ${GIT_COMMIT:-unknown (set GIT_COMMIT)}; git there says $(git rev-parse --short HEAD 2>/dev/null)"; nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
   python3 -c "import torch, triton, jax; print('torch', torch.__version__, 'triton', triton.__version__, 'jax', jax.__version__)"
 } > "$LANES/env.txt" 2>&1
 (lane gpu0 0 "${1:-}") &

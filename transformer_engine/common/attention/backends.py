@@ -164,18 +164,25 @@ class FlashAttention(AttentionBackend):
     # flash-attn-4 aligns causal masks bottom-right; top-left ones equal them only when s_kv >= s_q
     # (the wrapper then hides the keys no query can see).
     TOP_LEFT_CAUSAL_MASKS = frozenset({AttnMaskType.CAUSAL_MASK, AttnMaskType.PADDING_CAUSAL_MASK})
+    # Hopper (SM90) head dims (d_qk, d_v) whose backward matched the reference on the H200
+    # (tests/pytorch/test_flash_backend.py, 2026-11-30): d=72 gave a wrong dQ there (max error 1.0 in
+    # fp16), so other head dims go to our kernels until a GPU run shows them right.
+    SM90_VERIFIED_HEAD_DIMS = frozenset({(64, 64), (128, 128), (192, 128), (256, 256)})
     # GPU generations where its deterministic mode passed our invariance tests on the GPU (same bits
     # for a sequence in any batch, packed or padded); elsewhere deterministic calls go to another
-    # backend. Empty until tests/pytorch/test_flash_backend.py has run on the H200: reading its
-    # schedules suggests Hopper qualifies (tiles depend on head dim and mask kind only), but the
-    # contract is not staked on a reading. Add 9 once that run passes.
-    DETERMINISTIC_INVARIANT_ARCHS = frozenset()
+    # backend. Hopper: shown on the H200 2026-11-30 (4 batch-composition and 6 THD-vs-padded configs
+    # bitwise, and bitwise repeats on every benchmark shape; qa/results/gpu_runs.md).
+    DETERMINISTIC_INVARIANT_ARCHS = frozenset({9})
 
     @classmethod
     def not_supported_reasons(cls, config: AttnConfig) -> List[str]:
         reasons = super().not_supported_reasons(config)
         major = config.compute_capability[0] if config.compute_capability is not None else None
         dims = (config.head_dim_qk, config.head_dim_v)
+        if major == 9 and dims not in cls.SM90_VERIFIED_HEAD_DIMS:
+            reasons.append(f"(head_dim_qk, head_dim_v)={dims} on sm90 is not verified against the reference "
+                           f"(verified: {', '.join(str(d) for d in sorted(cls.SM90_VERIFIED_HEAD_DIMS))}; "
+                           "d=72 gave a wrong dQ)")
         if major == 10 and max(dims) > 128 and dims not in cls.SM100_HEAD_DIMS_BEYOND_128:
             reasons.append(f"(head_dim_qk, head_dim_v)={dims} on sm10x (supported: both <= 128, "
                            f"{', '.join(str(d) for d in sorted(cls.SM100_HEAD_DIMS_BEYOND_128))})")

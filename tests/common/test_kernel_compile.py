@@ -4,6 +4,9 @@ Triton's wheel carries ptxas, so compilation needs no GPU: this catches kernel c
 and over-sized tile plans in CI, before any device time is spent.
 """
 
+import os
+import sys
+
 import pytest
 
 triton = pytest.importorskip("triton")
@@ -20,37 +23,20 @@ from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel 
 from transformer_engine.common.attention.plan import backward_plan, forward_plan  # noqa: E402
 
 H100_SMEM_BYTES = 232448  # opt-in shared memory per block on sm_90
-PTR = "*bf16"
+# The compile helpers live with the resource report (benchmarks/attention/kernel_resources.py).
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "attention"))
+from kernel_resources import compile_sm90, pointer_types  # noqa: E402
 
 
 def _compile(fn, pointers, constexprs, tiles):
-    signature = {}
-    for name in fn.arg_names:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name in pointers:
-            signature[name] = pointers[name]
-        else:
-            signature[name] = "fp32" if ("scale" in name or name == "dropout_p") else "i32"
-    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
+    # Specialised like a real launch (unit head-dim strides, 16-divisible pointers): pipelining then
+    # stages whole tiles in shared memory, which is what must fit.
+    kernel = compile_sm90(fn, pointers, constexprs, tiles, specialize=True)
     assert kernel.metadata.shared <= H100_SMEM_BYTES, f"{fn.__name__}: {kernel.metadata.shared} bytes of smem"
     return kernel
 
 
-def _pointers(names, overrides=()):
-    kinds = {n: PTR for n in names}
-    for n in ("LSE", "DELTA", "DQ_ACC", "ALIBI_SLOPES"):
-        if n in kinds:
-            kinds[n] = "*fp32"
-    if "RNG_STATE" in kinds:
-        kinds["RNG_STATE"] = "*i64"
-    for n in ("SEQ_START_Q", "SEQ_START_K", "SEQ_LEN_Q", "SEQ_LEN_K"):
-        if n in kinds:
-            kinds[n] = "*i32"
-    kinds.update(dict(overrides))
-    return kinds
+_pointers = pointer_types
 
 
 _PLAIN = [(dims, causal, False, 1) for dims in [(64, 64), (128, 128), (192, 128), (256, 256)] for causal in (False, True)]

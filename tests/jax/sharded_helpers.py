@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from te_jax_testing import attn_fn, random_qkv
+from te_jax_testing import attn_fn, random_qkv, skip_unless_backend_runs
 from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, QKVLayout
 from transformer_engine.jax.attention import SequenceDescriptor
 from transformer_engine.jax.sharding import batch_axes, global_shard_guard, head_axes
@@ -32,7 +32,15 @@ def spec(resource, rank=4):
 def problem(b=8, s=32, h_q=8, h_kv=4, d=16, bias_shape=None, mask=AttnMaskType.PADDING_CAUSAL_MASK,
             layout=QKVLayout.BSHD_BSHD_BSHD, backend="fused", m=1):
     """``(fn, args)``: ``fn(q, k, v, bias, lens, dout) -> (out, dq, dk, dv, dbias)`` through
-    ``backend``, and bf16 inputs for it (fixed seeds; ``bias`` None without ``bias_shape``)."""
+    ``backend`` ('fused', 'unfused' or 'selected': what ``fused_attn`` picks), and bf16 inputs for
+    it (fixed seeds; ``bias`` None without ``bias_shape``). Skips where ``backend`` is 'fused' and
+    a GPU's fused backend cannot run the config (e.g. a bias: the JAX launch passes none yet)."""
+    skip_unless_backend_runs(
+        backend, is_training=True, q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, qkv_layout=layout,
+        attn_bias_type=AttnBiasType.NO_BIAS if bias_shape is None else AttnBiasType.POST_SCALE_BIAS,
+        attn_mask_type=mask, dropout_probability=0.0, q_num_heads=h_q, kv_num_heads=h_kv, q_max_seqlen=s,
+        kv_max_seqlen=s, head_dim_qk=d, head_dim_v=d, bias_shape=bias_shape,
+    )
     q, k, v = random_qkv(jax.random.PRNGKey(0), b, s, s, h_q, h_kv, d, d, jnp.bfloat16)
     dout = jax.random.normal(jax.random.PRNGKey(1), q.shape, jnp.float32).astype(q.dtype)
     bias = None if bias_shape is None else jax.random.normal(jax.random.PRNGKey(2), bias_shape).astype(q.dtype)

@@ -144,20 +144,16 @@ def reference_mask(q: Segments, kv: Segments, mask: AttnMaskType, window: Tuple[
     len_q, len_kv = q.token_len, kv.token_len
     b = ids_q.shape[0]
     out = np.zeros((b, 1, q.seqlen, kv.seqlen), bool)
-    for r in range(b):
-        for i in range(q.seqlen):
-            if ids_q[r, i] == 0:
-                continue
-            for j in range(kv.seqlen):
-                if ids_kv[r, j] != ids_q[r, i]:
-                    continue
-                diag = 0 if top_left else len_kv[r, j] - len_q[r, i]
-                centre = pos_q[r, i] + diag
-                if left >= 0 and pos_kv[r, j] < centre - left:
-                    continue
-                if right >= 0 and pos_kv[r, j] > centre + right:
-                    continue
-                out[r, 0, i, j] = True
+    for r in range(b):  # the rules below hold for every (query i, key j) pair of row r at once
+        i_id, j_id = ids_q[r][:, None], ids_kv[r][None, :]
+        visible = (i_id != 0) & (j_id == i_id)
+        diag = 0 if top_left else len_kv[r][None, :] - len_q[r][:, None]
+        centre = pos_q[r][:, None] + diag
+        if left >= 0:
+            visible &= pos_kv[r][None, :] >= centre - left
+        if right >= 0:
+            visible &= pos_kv[r][None, :] <= centre + right
+        out[r, 0] = visible
     return out
 
 
@@ -184,7 +180,12 @@ def reference_attention(q, k, v, bias, dout, visible, scale, bias_type=AttnBiasT
     q, k, v, bias, dout = f64(q), f64(k), f64(v), f64(bias), f64(dout)
     g = q.shape[2] // k.shape[2]
     k_rep, v_rep = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
-    raw = rnd(np.einsum("bqhd,bkhd->bhqk", q, k_rep, optimize=True))
+    # Batched matmuls over [b, h] (BLAS) in [b, h, s, d]; the same products as the einsums
+    # "bqhd,bkhd->bhqk" etc., but fast enough for the long-sequence (GPU) determinism checks.
+    heads = lambda x: np.ascontiguousarray(np.swapaxes(x, 1, 2))  # noqa: E731  [b, s, h, d] <-> [b, h, s, d]
+    mT = lambda x: np.swapaxes(x, -1, -2)  # noqa: E731
+    q_h, k_h, v_h, dout_h = heads(q), heads(k_rep), heads(v_rep), heads(dout)
+    raw = rnd(q_h @ mT(k_h))
     if bias_type == AttnBiasType.PRE_SCALE_BIAS:
         logits = (raw + bias) * scale
     elif bias_type == AttnBiasType.POST_SCALE_BIAS:
@@ -199,14 +200,14 @@ def reference_attention(q, k, v, bias, dout, visible, scale, bias_type=AttnBiasT
     p = e / np.where(denom > 0, denom, 1.0)
     drop = np.where(np.asarray(keep), 1.0 / (1.0 - rate), 0.0) if keep is not None else 1.0
     p_used = rnd(p * drop)
-    out = rnd(np.einsum("bhqk,bkhd->bqhd", p_used, v_rep, optimize=True))
+    out = heads(rnd(p_used @ v_h))
 
-    dv_rep = rnd(np.einsum("bhqk,bqhd->bkhd", p_used, dout, optimize=True))
-    dp = rnd(np.einsum("bqhd,bkhd->bhqk", dout, v_rep, optimize=True)) * drop
+    dv_rep = heads(rnd(mT(p_used) @ dout_h))
+    dp = rnd(dout_h @ mT(v_h)) * drop
     dlogits = rnd(p * (dp - (p * dp).sum(-1, keepdims=True)))
     draw = dlogits * scale
-    dq = rnd(np.einsum("bhqk,bkhd->bqhd", draw, k_rep, optimize=True))
-    dk_rep = rnd(np.einsum("bhqk,bqhd->bkhd", draw, q, optimize=True))
+    dq = heads(rnd(draw @ k_h))
+    dk_rep = heads(rnd(mT(draw) @ q_h))
     b, s_kv, h_kv = k.shape[:3]
     dk = dk_rep.reshape(b, s_kv, h_kv, g, -1).sum(3)
     dv = dv_rep.reshape(b, s_kv, h_kv, g, -1).sum(3)
@@ -273,9 +274,12 @@ def skip_unless_backend_runs(backend: str, **config_kwargs):
 
 
 def attn_fn(backend: str, **kwargs):
-    """``qkv, bias -> output`` through one backend, with the other arguments fixed."""
+    """``qkv, bias -> output`` through one backend ('fused' or 'unfused', forced), or through
+    ``fused_attn``'s own selection ('selected'), with the other arguments fixed."""
 
     def f(qkv, bias):
+        if backend == "selected":
+            return te_attention.fused_attn(tuple(qkv), bias, **kwargs)
         return te_attention._fused_attn_with_backend(backend, tuple(qkv), bias, **kwargs)
 
     return f

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from te_jax_testing import attn_fn, random_qkv
+from te_jax_testing import attn_fn, random_qkv, skip_unless_backend_runs
 from transformer_engine.common.attention.backends import NoBackendError
 from transformer_engine.jax import attention as te_attention
 from transformer_engine.jax.attention import (
@@ -29,6 +29,18 @@ B, S, H, D = 2, 16, 4, 16
 
 def _inputs(dtype=jnp.float32, h_kv=H):
     return random_qkv(jax.random.PRNGKey(0), B, S, S, H, h_kv, D, D, dtype)
+
+
+def _skip_unless_runs(backend, h_kv=H, bias_shape=None, **overrides):
+    """Skip where ``backend`` cannot run ``_kwargs(**overrides)`` on ``_inputs(h_kv=h_kv)`` (only
+    the fused backend on a GPU skips, e.g. for a bias or dropout: the JAX launch passes neither yet)."""
+    kw = _kwargs(**overrides)
+    skip_unless_backend_runs(
+        backend, is_training=kw["is_training"], q_dtype=jnp.float32, kv_dtype=jnp.float32,
+        qkv_layout=kw["qkv_layout"], attn_bias_type=kw["attn_bias_type"], attn_mask_type=kw["attn_mask_type"],
+        dropout_probability=kw["dropout_probability"], q_num_heads=H, kv_num_heads=h_kv, q_max_seqlen=S,
+        kv_max_seqlen=S, head_dim_qk=D, head_dim_v=D, window_size=kw.get("window_size"), bias_shape=bias_shape,
+    )
 
 
 def _kwargs(**overrides):
@@ -293,13 +305,19 @@ def test_deterministic_flag_reaches_the_config(te_log, monkeypatch):
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no_bias"])
 @pytest.mark.parametrize("backend", ["fused", "unfused"])
-def test_vmap_over_an_extra_batch_axis_matches_a_loop(backend):
+def test_vmap_over_an_extra_batch_axis_matches_a_loop(backend, with_bias):
+    """The no-bias variant keeps vmap through the fused kernels tested on a GPU, where the fused
+    backend takes no bias yet (its bias variant is skipped there with the backend's reason)."""
+    bias_type = AttnBiasType.POST_SCALE_BIAS if with_bias else AttnBiasType.NO_BIAS
+    mask = AttnMaskType.PADDING_CAUSAL_MASK
+    _skip_unless_runs(backend, h_kv=2, bias_shape=(1, H, S, S) if with_bias else None, attn_bias_type=bias_type,
+                      attn_mask_type=mask)
     qs, ks, vs = (jnp.stack([x, 0.5 * x]) for x in _inputs(h_kv=2))
-    bias = jax.random.normal(jax.random.PRNGKey(5), (2, 1, H, S, S))  # per instance, batch-broadcast
+    bias = jax.random.normal(jax.random.PRNGKey(5), (2, 1, H, S, S)) if with_bias else None  # per instance
     lens = jnp.array([[16, 9], [4, 16]])
-    kwargs = {k_: v_ for k_, v_ in _kwargs(attn_bias_type=AttnBiasType.POST_SCALE_BIAS,
-                                           attn_mask_type=AttnMaskType.PADDING_CAUSAL_MASK).items()
+    kwargs = {k_: v_ for k_, v_ in _kwargs(attn_bias_type=bias_type, attn_mask_type=mask).items()
               if k_ not in ("bias", "sequence_descriptor")}
 
     def one(q, k, v, bias, lens):
@@ -310,18 +328,24 @@ def test_vmap_over_an_extra_batch_axis_matches_a_loop(backend):
 
     batched = jax.jit(jax.vmap(one))(qs, ks, vs, bias, lens)
     for i in range(2):
-        single = jax.jit(one)(qs[i], ks[i], vs[i], bias[i], lens[i])
-        for a, b in zip(jax.tree.leaves(batched), jax.tree.leaves(single)):
+        single = jax.jit(one)(qs[i], ks[i], vs[i], None if bias is None else bias[i], lens[i])
+        leaves_b, leaves_s = jax.tree.leaves(batched), jax.tree.leaves(single)
+        assert len(leaves_b) == len(leaves_s) == (5 if with_bias else 4)  # out, dq, dk, dv (, dbias)
+        for a, b in zip(leaves_b, leaves_s):
             np.testing.assert_allclose(np.asarray(a[i]), np.asarray(b), rtol=2e-5, atol=2e-5)
 
 
-def test_vmap_with_unbatched_inputs_and_batched_dropout_seed():
+@pytest.mark.parametrize("backend", ["fused", "unfused"])
+def test_vmap_with_unbatched_inputs_and_batched_dropout_seed(backend):
+    """Fused skips on a GPU with the backend's reason (the JAX launch passes no dropout yet); the
+    unfused backend (what fused_attn selects for dropout there) keeps it tested on a GPU."""
+    _skip_unless_runs(backend, dropout_probability=0.3)
     q_, k_, v_ = _inputs()
     seeds = jax.random.split(jax.random.PRNGKey(0), 3)
     kwargs = {k2: v2 for k2, v2 in _kwargs(dropout_probability=0.3).items() if k2 not in ("bias", "seed")}
 
     def one(seed):
-        return attn_fn("fused", seed=seed, **kwargs)((q_, k_, v_), None)
+        return attn_fn(backend, seed=seed, **kwargs)((q_, k_, v_), None)
 
     batched = jax.vmap(one)(seeds)
     for i in range(3):
@@ -350,7 +374,9 @@ def test_fused_primitive_eager_and_jit_agree():
 
 
 def test_fused_and_unfused_agree_through_grad_of_grad_free_loss():
-    """Both backends differentiate to the same gradients (fp32, within rounding)."""
+    """Both backends differentiate to the same gradients (fp32, within rounding). At full fp32
+    precision: on a GPU XLA runs fp32 dots in TF32 by default (the unfused path), while the fused
+    kernels use IEEE fp32 dots for fp32 inputs."""
     kwargs = {k_: v_ for k_, v_ in _kwargs(attn_mask_type=AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK,
                                            window_size=(3, 0)).items() if k_ != "bias"}
 
@@ -358,5 +384,7 @@ def test_fused_and_unfused_agree_through_grad_of_grad_free_loss():
         f = attn_fn(backend, **kwargs)
         return jax.jit(jax.grad(lambda q, k, v: jnp.sum(f((q, k, v), None) ** 2), argnums=(0, 1, 2)))(q, k, v)
 
-    for a, b in zip(grads("fused"), grads("unfused")):
+    with jax.default_matmul_precision("highest"):  # traced (and compiled) under it: jit happens inside
+        fused, unfused = grads("fused"), grads("unfused")
+    for a, b in zip(fused, unfused):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)

@@ -56,13 +56,22 @@ def test_fused_attn_sharded_equals_unsharded_bitwise(mesh_name, monkeypatch):
         assert _padded(x.sharding.spec) == _padded(spec(resource)), x.sharding
 
 
-def test_fused_attn_bhss_bias_gradient_bitwise_under_tp(monkeypatch):
-    """A [b, h, s, s] bias split over heads: its gradient is per shard (no all-reduce), bitwise."""
+@pytest.mark.parametrize("backend", ["fused", "selected"])
+def test_fused_attn_bhss_bias_gradient_bitwise_under_tp(backend, monkeypatch):
+    """A [b, h, s, s] bias split over heads: its gradient is per shard (no all-reduce), bitwise.
+
+    ``fused`` forces the fused primitives (their partitioning rule; on CPU their jnp lowering; on a
+    GPU skipped with the backend's reason: the JAX launch passes no bias to the kernels yet).
+    ``selected`` goes through ``fused_attn``'s selection, which picks the unfused backend for a
+    bias on CPU and on a GPU alike: XLA partitions its jnp math over the heads."""
     monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
     mesh, resource = _mesh("tp2")
-    fn, args = problem(b=B, s=S, h_q=H, h_kv=G, d=D, bias_shape=(B, H, S, S))
-    unsharded = jax.jit(fn)(*args)
-    sharded, hlo = run_sharded(fn, args, mesh, resource, bias_spec=P(None, "tp"))
+    fn, args = problem(b=B, s=S, h_q=H, h_kv=G, d=D, bias_shape=(B, H, S, S), backend=backend)
+    with recording_backend_selections() as selected:
+        unsharded = jax.jit(fn)(*args)
+        sharded, hlo = run_sharded(fn, args, mesh, resource, bias_spec=P(None, "tp"))
+    if backend == "selected":
+        assert selected and set(selected) == {"UnfusedDotProductAttention"}, selected
     assert "all-gather" not in hlo
     assert sharded[4] is not None and sharded[4].shape == (B, H, S, S)
     assert_results(sharded, unsharded, exact=True)

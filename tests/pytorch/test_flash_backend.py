@@ -309,6 +309,46 @@ def test_not_invariant_flag_keeps_deterministic_calls_away(monkeypatch):
     assert attn_config.select(_config(monkeypatch, attn_mask_type="causal")).name == "FlashAttention"
 
 
+@pytest.mark.parametrize("fmt", ["thd", "bshd"])
+def test_deterministic_top_left_cross_attention_keeps_one_backend(monkeypatch, fmt):
+    """With separate cu_seqlens_q/kv, flash-attn-4 could run a top-left causal batch only when every
+    sequence has keys >= queries: in deterministic mode the backend must not depend on the batch, so
+    such calls always go to our kernels; shared lengths (self attention) and non-deterministic calls
+    keep flash-attn-4."""
+    mask = "padding_causal"
+    cross = _config(monkeypatch, fmt=fmt, attn_mask_type=mask, deterministic=True, distinct_kv_lengths=True)
+    selection = attn_config.select(cross)
+    assert selection.name == "FusedAttention"
+    assert "the backend would depend on the batch's other sequences" in _flash_reasons(selection)
+    for kwargs in (dict(deterministic=True), dict(deterministic=False, distinct_kv_lengths=True)):
+        assert attn_config.select(_config(monkeypatch, fmt=fmt, attn_mask_type=mask, **kwargs)).name == \
+            "FlashAttention", kwargs
+    bottom_right = _config(monkeypatch, fmt=fmt, attn_mask_type="padding_causal_bottom_right", deterministic=True,
+                           distinct_kv_lengths=True)
+    assert attn_config.select(bottom_right).name == "FlashAttention"
+
+
+def test_module_tells_cross_from_self_attention_lengths():
+    """What DotProductAttention passes as distinct_kv_lengths: only a cu_seqlens_kv of its own."""
+    q = torch.zeros(2, 8, 2, 16)
+    cu = torch.tensor([0, 5, 8], dtype=torch.int32)
+    cu_kv = cu.clone()
+    mask = dpa_module.AttnMaskType.PADDING_CAUSAL_MASK
+
+    def resolve(fmt, t, **kw):
+        args = dict(attention_mask=None, cu_seqlens_q=None, cu_seqlens_kv=None, cu_seqlens_q_padded=None,
+                    cu_seqlens_kv_padded=None, max_seqlen_q=None, max_seqlen_kv=None)
+        args.update(kw)
+        return dpa_module._resolve_sequences(t, t, t, fmt, mask, **args).distinct_kv_lengths
+
+    thd = q.reshape(16, 2, 16)[:8]
+    assert resolve(dpa_module.QKVFormat.THD, thd, cu_seqlens_q=cu, cu_seqlens_kv=cu_kv)
+    assert not resolve(dpa_module.QKVFormat.THD, thd, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    padding = torch.zeros(2, 1, 1, 8, dtype=torch.bool)
+    assert not resolve(dpa_module.QKVFormat.BSHD, q, attention_mask=padding)
+    assert not resolve(dpa_module.QKVFormat.BSHD, q)
+
+
 def test_unverified_hopper_head_dims_go_to_our_kernels(monkeypatch):
     """d=72 gave a wrong dQ with flash-attn-4 on the H200: such head dims are rejected, with the reason."""
     reasons = FlashAttention.not_supported_reasons(_config(monkeypatch, capability=(9, 0), d=72))

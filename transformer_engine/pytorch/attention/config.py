@@ -43,6 +43,9 @@ def deterministic_requested() -> bool:
     return (not settings.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO")) or torch.are_deterministic_algorithms_enabled()
 
 
+_TOP_LEFT_CAUSAL = (AttnMaskType.CAUSAL_MASK, AttnMaskType.PADDING_CAUSAL_MASK)
+
+
 def _flash_attn_reasons() -> Tuple[Tuple[str, str], ...]:
     from transformer_engine.pytorch.attention import flash_backend
 
@@ -121,8 +124,12 @@ def make_attn_config(
     max_seqlen_q: Optional[int] = None,
     max_seqlen_kv: Optional[int] = None,
     packing: str = "separate",
+    distinct_kv_lengths: bool = False,
 ) -> AttnConfig:
-    """Validate shapes/dtypes/devices and build the AttnConfig for one call."""
+    """Validate shapes/dtypes/devices and build the AttnConfig for one call.
+
+    ``distinct_kv_lengths``: the call has per-sequence lengths with a separate ``cu_seqlens_kv``
+    (cross attention), so keys and queries of one sequence may differ in number."""
     fmt = QKVFormat(qkv_format)
     mask = AttnMaskType(attn_mask_type)
     bq, sq, hq, dqk, sk, hk, dv = check_qkv(q, k, v, fmt)
@@ -130,6 +137,13 @@ def make_attn_config(
     cc = torch.cuda.get_device_capability(q.device) if device_type == "cuda" else None
     if deterministic is None:
         deterministic = deterministic_requested()
+    extra = _flash_attn_reasons()
+    if deterministic and distinct_kv_lengths and mask in _TOP_LEFT_CAUSAL:
+        # flash-attn-4 runs a top-left causal batch only if every sequence has at least as many keys as
+        # queries: which backend runs would depend on the other sequences of the batch, and the same
+        # sequence could get different bits in another batch.
+        extra += ((FlashAttention.NAME, f"attn_mask_type={mask.value} (top-left) with separate cu_seqlens_q/kv in "
+                   "deterministic mode: the backend would depend on the batch's other sequences"),)
     return AttnConfig(
         batch_size=batch_size if batch_size is not None else bq,
         num_heads_q=hq,
@@ -151,7 +165,7 @@ def make_attn_config(
         device_type=device_type,
         compute_capability=cc,
         triton_interpret=os.environ.get("TRITON_INTERPRET", "0") == "1",
-        extra=_flash_attn_reasons(),
+        extra=extra,
     )
 
 

@@ -66,7 +66,8 @@ class _TensorMeta:
 def _select_while_tracing(q_shape, k_shape, v_shape, dtype: str, device: str, qkv_format: str, attn_mask_type: str,
                           window: Tuple[int, int], bias_type: str, bias_shape: Optional[str], dropout: float,
                           is_training: bool, torch_deterministic: bool, batch_size: Optional[int],
-                          max_seqlen_q: Optional[int], max_seqlen_kv: Optional[int]) -> Tuple[str, bool]:
+                          max_seqlen_q: Optional[int], max_seqlen_kv: Optional[int],
+                          distinct_kv_lengths: bool = False) -> Tuple[str, bool]:
     """Backend selection under torch.compile: runs once while tracing, its result baked into the graph.
 
     Dynamo guards on ``torch.are_deterministic_algorithms_enabled()`` (passed in), so toggling it
@@ -78,6 +79,7 @@ def _select_while_tracing(q_shape, k_shape, v_shape, dtype: str, device: str, qk
         *metas, qkv_format=qkv_format, attn_mask_type=attn_mask_type, window_size=window,
         attn_bias_type=bias_type, bias_shape=bias_shape, dropout=dropout, is_training=is_training,
         deterministic=deterministic, batch_size=batch_size, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+        distinct_kv_lengths=distinct_kv_lengths,
     )
     return attn_config.select(config).name, config.deterministic
 
@@ -126,6 +128,11 @@ class _Sequences:
     max_seqlen_q: Optional[int] = None
     max_seqlen_kv: Optional[int] = None
     attention_mask: Optional[torch.Tensor] = None  # the 'arbitrary' mask; padding masks become cu_seqlens
+
+    @property
+    def distinct_kv_lengths(self) -> bool:
+        """Per-sequence lengths with a cu_seqlens_kv of its own (cross attention)."""
+        return self.cu_seqlens_q is not None and self.cu_seqlens_kv is not self.cu_seqlens_q
 
     def kwargs(self) -> dict:
         return dict(cu_seqlens_q=self.cu_seqlens_q, cu_seqlens_kv=self.cu_seqlens_kv,
@@ -523,12 +530,12 @@ class DotProductAttention(torch.nn.Module):
                 meta(q, self.num_heads_per_partition, dk), meta(k, self.num_gqa_groups_per_partition, dk),
                 meta(v, self.num_gqa_groups_per_partition, dv), str(q.dtype).replace("torch.", ""), q.device.type, fmt.value,
                 seqs.mask.value, tuple(window), bias_type.value, bias_shape, float(dropout), bool(self.training),
-                torch.are_deterministic_algorithms_enabled(), None, None, None,
+                torch.are_deterministic_algorithms_enabled(), None, None, None, seqs.distinct_kv_lengths,
             )
         config = attn_config.make_attn_config(
             q, k, v, qkv_format=fmt.value, attn_mask_type=seqs.mask.value, window_size=window,
             attn_bias_type=bias_type.value, bias_shape=bias_shape, dropout=dropout, is_training=self.training,
             batch_size=seqs.batch, max_seqlen_q=seqs.max_seqlen_q, max_seqlen_kv=seqs.max_seqlen_kv,
-            packing=_packing(q, k, v),
+            packing=_packing(q, k, v), distinct_kv_lengths=seqs.distinct_kv_lengths,
         )
         return attn_config.select(config).name, config.deterministic

@@ -10,6 +10,9 @@
 #   QA_PYTEST_ARGS   extra pytest arguments for every suite, e.g. "-x -k causal"
 #   QA_RECORD        a file to which the final summary line is appended (e.g. for GPU runs)
 #   QA_COUNTS_FILE   a file to which "passed failed skipped" is appended (used by qa/L0_all)
+#   QA_SELECT        test file names (without .py, space-separated) to run, of those a level finds;
+#   QA_SKIP          test file names to leave out: together they split one level over device calls
+#                    or GPUs (e.g. QA_SKIP="test_fused_attn" on one, QA_SELECT="test_fused_attn" on the other)
 
 QA_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$QA_ROOT" || exit 1
@@ -106,10 +109,19 @@ qa_pytest_files() {
     qa_fail "$prefix" "no test files match $pattern"
     return
   fi
-  local file
+  local file name ran=0
   for file in "${files[@]}"; do
-    qa_pytest "$prefix/$(basename "$file" .py)" "$@" -- "$file"
+    name=$(basename "$file" .py)
+    if [ -n "${QA_SELECT:-}" ] && [[ " $QA_SELECT " != *" $name "* ]]; then continue; fi
+    if [ -n "${QA_SKIP:-}" ] && [[ " $QA_SKIP " == *" $name "* ]]; then continue; fi
+    qa_pytest "$prefix/$name" "$@" -- "$file"
+    ran=$((ran + 1))
   done
+  if [ "$ran" -eq 0 ]; then  # everything filtered out: nothing ran, so nothing passed
+    QA_SUITES=$((QA_SUITES + 1))
+    QA_FAILED_TESTS=$((QA_FAILED_TESTS + 1))
+    qa_fail "$prefix" "QA_SELECT/QA_SKIP left no file of $pattern"
+  fi
 }
 
 # qa_have_gpu: true when a CUDA GPU is visible (nvidia-smi, else torch), without needing torch.

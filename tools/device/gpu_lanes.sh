@@ -7,7 +7,7 @@
 #   bash tools/device/gpu_lanes.sh "<GPU 0 sections>" "<GPU 1 sections>" "<2-GPU sections>"
 #   e.g. GIT_COMMIT=abc1234 bash tools/device/gpu_lanes.sh "tune" "build fused jaxsmoke jaxl1" "tp jaxmesh"
 #
-# Sections: build (pip install -e ., PyTorch and JAX, native JAX FFI extension), fused (PyTorch fused
+# Sections: qa:<level>[:files] (a qa level, e.g. qa:L1_pytorch_gpu:test_fused_attn,test_compile), build (pip install -e ., PyTorch and JAX, native JAX FFI extension), fused (PyTorch fused
 # kernel grid), module (PyTorch module L1: the other tests/pytorch files), l3 (qa/L3_determinism),
 # check (the determinism check, both frameworks), jaxsmoke (tests/jax/gpu_smoke.py), jaxl1
 # (qa/L1_jax_gpu), tune (benchmarks/attention/tune_tiles.py), core (bench_core.py), fa4 / fa4tests
@@ -54,6 +54,12 @@ section() {
       NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 timeout "$(limit CHECK 120)" python3 -m transformer_engine.jax.determinism_check \
         > "$d/check_jax.txt" 2>&1
       note "determinism check (jax) rc=$? $(grep -m1 -E 'PASS|FAIL' "$d/check_jax.txt")" ;;
+    qa:*)  # qa:<level>[:file,file,...] runs qa/<level>/test.sh, optionally on those test files only
+      local spec=${s#qa:} level files
+      level=${spec%%:*}; files=""; [ "$spec" != "$level" ] && files=${spec#*:}
+      QA_SELECT="${files//,/ }" XML_LOG_DIR=$d/xml_$level timeout "$(limit QA 400)" bash "qa/$level/test.sh" \
+        > "$d/qa_$level.log" 2>&1
+      note "qa $level${files:+ ($files)} rc=$? $(tail -1 "$d/qa_$level.log")" ;;
     jaxsmoke)
       timeout "$(limit JAXSMOKE 150)" python3 tests/jax/gpu_smoke.py > "$d/jaxsmoke.log" 2>&1
       note "jax smoke rc=$? $(tail -1 "$d/jaxsmoke.log")" ;;

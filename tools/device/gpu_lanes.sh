@@ -24,6 +24,12 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # JAX takes GPU memory as it needs it, so a JAX and a PyTorch process can share a lane.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 T0=$(date +%s)
+# Most of a GPU suite's time is Triton compiling kernel variants on one CPU core: pytest-xdist
+# workers (PYTEST_WORKERS, default 4 per lane; 0 = off) compile in parallel and share the GPU. Not
+# for the flash-attn-4 tests, which collect their per-config outcomes in one process.
+XDIST=""
+if [ "${PYTEST_WORKERS:-4}" != 0 ] && python3 -c "import xdist" 2>/dev/null; then XDIST="-n ${PYTEST_WORKERS:-4}"; fi
+export QA_PYTEST_ARGS="${QA_PYTEST_ARGS:-} $XDIST"
 
 note() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$LANES/$LANE/summary.txt"; }
 limit() { local v="${1}_TIMEOUT"; echo "${!v:-$2}"; }
@@ -36,11 +42,11 @@ section() {
         > "$d/build.log" 2>&1
       note "build rc=$? $(python3 -c 'import transformer_engine.jax.primitives.gpu as g; print("jax ffi:", g.__name__)' 2>&1 | tail -1)" ;;
     fused)
-      timeout "$(limit FUSED 330)" python3 -m pytest -q -p no:cacheprovider tests/pytorch/test_fused_attn.py \
+      timeout "$(limit FUSED 330)" python3 -m pytest -q -p no:cacheprovider $XDIST tests/pytorch/test_fused_attn.py \
         tests/pytorch/test_fused_attn_determinism.py tests/pytorch/test_fused_attn_surface.py > "$d/fused.log" 2>&1
       note "fused rc=$? $(tail -1 "$d/fused.log")" ;;
     module)
-      timeout "$(limit MODULE 400)" python3 -m pytest -q -p no:cacheprovider tests/pytorch \
+      timeout "$(limit MODULE 400)" python3 -m pytest -q -p no:cacheprovider $XDIST tests/pytorch \
         --ignore=tests/pytorch/test_fused_attn.py --ignore=tests/pytorch/test_fused_attn_determinism.py \
         --ignore=tests/pytorch/test_fused_attn_surface.py --ignore=tests/pytorch/test_flash_backend.py > "$d/module.log" 2>&1
       note "module rc=$? $(tail -1 "$d/module.log")" ;;

@@ -34,7 +34,7 @@ def problem(b=8, s=32, h_q=8, h_kv=4, d=16, bias_shape=None, mask=AttnMaskType.P
     """``(fn, args)``: ``fn(q, k, v, bias, lens, dout) -> (out, dq, dk, dv, dbias)`` through
     ``backend`` ('fused', 'unfused' or 'selected': what ``fused_attn`` picks), and bf16 inputs for
     it (fixed seeds; ``bias`` None without ``bias_shape``). Skips where ``backend`` is 'fused' and
-    a GPU's fused backend cannot run the config (e.g. a bias: the JAX launch passes none yet)."""
+    a GPU's fused backend cannot run the config (e.g. dropout: the JAX launch passes none yet)."""
     skip_unless_backend_runs(
         backend, is_training=True, q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, qkv_layout=layout,
         attn_bias_type=AttnBiasType.NO_BIAS if bias_shape is None else AttnBiasType.POST_SCALE_BIAS,

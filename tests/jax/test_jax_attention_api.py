@@ -33,7 +33,7 @@ def _inputs(dtype=jnp.float32, h_kv=H):
 
 def _skip_unless_runs(backend, h_kv=H, bias_shape=None, **overrides):
     """Skip where ``backend`` cannot run ``_kwargs(**overrides)`` on ``_inputs(h_kv=h_kv)`` (only
-    the fused backend on a GPU skips, e.g. for a bias or dropout: the JAX launch passes neither yet)."""
+    the fused backend on a GPU skips, e.g. for dropout: the JAX launch passes none yet)."""
     kw = _kwargs(**overrides)
     skip_unless_backend_runs(
         backend, is_training=kw["is_training"], q_dtype=jnp.float32, kv_dtype=jnp.float32,

@@ -210,17 +210,202 @@ def test_compiled_specialization_is_tritons_own():
     assert kernel.name == "attn_bwd_preprocess_kernel" and kernel.cubin[:4] == b"\x7fELF"
 
 
+def _bias_grad_fn(mask, bias_shape, layout=QKVLayout.BSHD_BSHD_BSHD, m=1, dropout=0.0):
+    """``(q, k, v, lens, offsets, bias) -> (out, (dq, dk, dv, dbias))`` through the forced fused backend."""
+
+    def fn(q, k, v, lens, offsets, bias):
+        if mask.is_padding:
+            desc = (SequenceDescriptor.from_seqlens_and_offsets(lens, offsets) if m > 1
+                    else SequenceDescriptor.from_seqlens(lens))
+        else:
+            desc = None
+        f = lambda q, k, v, bias: te_attention._fused_attn_with_backend(  # noqa: E731
+            "fused", (q, k, v), bias, desc, jax.random.PRNGKey(0) if dropout else None, "post_scale_bias", mask,
+            layout, q.shape[-1] ** -0.5, dropout, True, max_segments_per_seq=m)
+        out, vjp = jax.vjp(f, q, k, v, bias)
+        return out, vjp(out)
+
+    return fn
+
+
+def _named_params(prog: gpu.Program, launch):
+    """{parameter name: (kind, value)} of one decoded launch (scratch pointers left out)."""
+    compiled = {k.name: k for k in prog._kernels}[launch["kernel"]]
+    return {name: param for (name, _), param in zip(compiled.params, launch["params"])}
+
+
+@pytest.fixture
+def compile_calls(monkeypatch):
+    """Every (kernel name, args, launch options) the lowering compiles, in order."""
+    calls = []
+    real = gpu.compile_kernel
+
+    def record(fn, args, launch_options, target):
+        calls.append((fn, dict(args), dict(launch_options), target))
+        return real(fn, args, launch_options, target)
+
+    monkeypatch.setattr(gpu, "compile_kernel", record)
+    return calls
+
+
+BIAS_SHAPES = {"1hss": (1, 4), "b1ss": (2, 1), "bhss": (2, 4), "11ss": (1, 1)}
+
+
 @compiles
-def test_bias_and_dropout_are_not_lowered_to_the_kernels(captured_programs):
-    static = _static(AttnMaskType.NO_MASK)
+@pytest.mark.parametrize("mask", [AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK, AttnMaskType.NO_MASK],
+                         ids=["padding", "no_mask"])
+@pytest.mark.parametrize("bias_kind", list(BIAS_SHAPES))
+def test_bias_is_passed_to_the_kernels_as_the_pytorch_launch_passes_it(captured_programs, compile_calls, mask,
+                                                                       bias_kind):
+    """ScoreMods.stride_args strides (0 along broadcast dims), HAS_BIAS, and launch._dbias's
+    dBias launch: tiles min(dq.block_m, 64), grid (s_q / tile, s_kv / tile, bias b * h), dq's
+    warps, one stage, contiguous dBias strides, lengths (padding) and batch strides."""
+    b, s_q, s_kv, hq, hk, d = 2, 128, 192, 4, 2, 64
+    bias_shape = (*BIAS_SHAPES[bias_kind], s_q, s_kv)
+    q = jax.ShapeDtypeStruct((b, s_q, hq, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b, s_kv, hk, d), jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct(bias_shape, jnp.bfloat16)
+    lens, offsets = jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b, 2), jnp.int32)
+    text = _lower_for_cuda(_bias_grad_fn(mask, bias_shape), q, kv, kv, lens, offsets, bias)
+    assert text.count(f"@{gpu.FFI_TARGET}") == 2
+    fwd, bwd = captured_programs
     from dataclasses import replace
 
+    from transformer_engine.common.attention.config import normalize_window
+
+    static = replace(_static(mask), window_size=normalize_window(None, mask))
+    zb = bias_shape[1] * s_q * s_kv if bias_shape[0] > 1 else 0
+    zh = s_q * s_kv if bias_shape[1] > 1 else 0
+    packed = mask.is_padding
+
+    _, _, (launch,) = _check_program(fwd, ["attn_fwd_kernel"])
+    bias_index = len(fwd.operands) - 1  # appended last
+    assert fwd.operands[bias_index].shape == bias_shape
+    params = _named_params(fwd, launch)
+    assert params["BIAS"] == ("buffer", bias_index)
+    assert (params["stride_zb"], params["stride_zh"], params["stride_zm"]) == (("i32", zb), ("i32", zh),
+                                                                                ("i32", s_kv))
+    assert "stride_zn" not in params  # 1: a constant in Triton's specialization, as in the PyTorch launch
+    assert dict({k.name: k for k in fwd._kernels}["attn_fwd_kernel"].params)["BIAS"] == "*bf16"
+
+    kernels = ["attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dbias_kernel", "attn_bwd_dq_kernel"]
+    _, fills, launches = _check_program(bwd, kernels)
+    bias_index = len(bwd.operands) - 1
+    assert bwd.operands[bias_index].shape == bias_shape
+    n_ops = len(bwd.operands)
+    dbias_index = n_ops + 4  # dq, dk, dv, delta, dbias
+    assert bwd.results[4].shape == bias_shape and bwd.results[4].dtype == jnp.bfloat16
+    assert dbias_index not in [index for index, _, _ in fills]  # the dBias kernel writes every element
+    for launch in (launches[1], launches[3]):
+        params = _named_params(bwd, launch)
+        assert params["BIAS"] == ("buffer", bias_index), launch["kernel"]
+        assert (params["stride_zb"], params["stride_zh"], params["stride_zm"]) == (("i32", zb), ("i32", zh),
+                                                                                    ("i32", s_kv))
+        assert "stride_zn" not in params
+
+    plan = gpu.backward_plan(gpu._plan_config(static, q, kv, kv, deterministic=True))
+    tile = min(plan.dq.block_m, 64)
+    dbias_launch = launches[2]
+    assert dbias_launch["grid"] == (-(-s_q // tile), -(-s_kv // tile), bias_shape[0] * bias_shape[1])
+    params = _named_params(bwd, dbias_launch)
+    assert params["BIAS"] == ("buffer", bias_index) and params["DBIAS"] == ("buffer", dbias_index)
+    assert "stride_zn" not in params and "stride_dzn" not in params  # 1: constants, as Triton's JIT makes them
+    assert params["Q"] == ("buffer", 0) and params["DO"] == ("buffer", 4) and params["LSE"] == ("buffer", 5)
+    assert params["DELTA"] == ("buffer", n_ops + 3)
+    assert params["RNG_STATE"] == ("buffer", 5)  # placeholder: no dropout
+    # Padded reads: real batch strides (the kernel has no packed mode), the rows' lengths.
+    assert params["stride_qb"] == ("i32", s_q * hq * d) and params["stride_kb"] == ("i32", s_kv * hk * d)
+    assert params["SEQ_LEN_Q"] == ("buffer", 8 if packed else 5) and params["SEQ_LEN_K"] == ("buffer", 9 if packed
+                                                                                                 else 5)
+    assert (params["stride_zb"], params["stride_zh"]) == (("i32", zb), ("i32", zh))
+    contiguous = (bias_shape[1] * s_q * s_kv, s_q * s_kv, s_kv)
+    assert (params["stride_dzb"], params["stride_dzh"], params["stride_dzm"]) == tuple(("i32", x)
+                                                                                       for x in contiguous)
+    for name, value in (("batch_size", b), ("num_heads_q", hq), ("gqa_group", hq // hk), ("seqlen_q", s_q),
+                        ("seqlen_k", s_kv)):
+        assert params[name] == ("i32", value), name
+    for name, value in (("bias_batch", bias_shape[0]), ("bias_heads", bias_shape[1])):
+        assert params.get(name, ("i32", 1)) == ("i32", value), name  # absent when 1 (a constant)
+
+    # What each kernel was compiled for (constexprs are not launch parameters).
+    compiled = {fn.__name__: (args, options) for fn, args, options, _ in compile_calls}
+    for name in ("attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"):
+        args, _ = compiled[name]
+        assert args["HAS_BIAS"] is True and args["HAS_ALIBI"] is False and args["DROPOUT"] is False, name
+        assert args["IS_THD"] is packed and args["HAS_SEQLENS"] is packed, name
+    args, options = compiled["attn_bwd_dbias_kernel"]
+    assert options == dict(num_warps=plan.dq.num_warps, num_stages=1)
+    assert (args["BLOCK_M"], args["BLOCK_N"], args["HAS_SEQLENS"], args["DROPOUT"]) == (tile, tile, packed, False)
+    assert (args["BLOCK_DQK"], args["BLOCK_DV"], args["DOT_PRECISION"]) == (plan.block_dqk, plan.block_dv,
+                                                                            plan.dot_precision)
+    flags, _, _ = gpu._mask_flags(static)
+    assert {k: args[k] for k in flags} == flags
+    assert args["qk_scale"] == pytest.approx(d**-0.5 * gpu.LOG2E) and args["dropout_p"] == 0.0
+
+
+@compiles
+def test_dropout_and_unsupported_bias_are_not_lowered_to_the_kernels(captured_programs):
+    from dataclasses import replace
+
+    from transformer_engine.common.attention.enums import AttnBiasType, QKVFormat
+
+    static = replace(_static(AttnMaskType.PADDING_MASK), attn_bias_type=AttnBiasType.POST_SCALE_BIAS)
+    gpu._check_supported(static, 1)  # padded, one sequence per row: lowered
+    with pytest.raises(NotImplementedError, match="no dropout"):
+        gpu._check_supported(replace(static, dropout_probability=0.1), 1)
+    with pytest.raises(NotImplementedError, match="post_scale_bias"):
+        gpu._check_supported(replace(static, attn_bias_type=AttnBiasType.PRE_SCALE_BIAS), 1)
+    with pytest.raises(NotImplementedError, match="padded layout"):
+        gpu._check_supported(replace(static, qkv_format=QKVFormat.THD), 1)
+    with pytest.raises(NotImplementedError, match="padded layout"):
+        gpu._check_supported(static, 2)
+
+    # Through the lowering: a THD bias call and a dropout call stop before any program is built.
+    b, s, h, d, m = 2, 64, 2, 32, 2
+    q = jax.ShapeDtypeStruct((b, s, h, d), jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((1, h, s, s), jnp.bfloat16)
+    lens, offsets = jax.ShapeDtypeStruct((b, m), jnp.int32), jax.ShapeDtypeStruct((b, m + 1), jnp.int32)
+    with pytest.raises(NotImplementedError, match="padded layout"):
+        _lower_for_cuda(_bias_grad_fn(AttnMaskType.PADDING_MASK, bias.shape, QKVLayout.THD_THD_THD, m=m),
+                        q, q, q, lens, offsets, bias)
+    lens, offsets = jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b, 2), jnp.int32)
+    with pytest.raises(NotImplementedError, match="no dropout"):
+        _lower_for_cuda(_bias_grad_fn(AttnMaskType.NO_MASK, bias.shape, dropout=0.1), q, q, q, lens, offsets, bias)
+    assert captured_programs == []
+
+
+def test_selection_holds_the_bias_back_until_verified_on_a_gpu(monkeypatch):
+    """On a CUDA device fused_attn's selection (and the public fused_attn_unavailable_reasons /
+    is_fused_attn_kernel_available, which say what it picks) keeps a bias on the unfused backend
+    while BIAS_VERIFIED_ON_GPU is False; what the GPU tests ask before forcing the fused backend
+    (_fused_reasons(selecting=False)) has nothing against it, so those tests run the new lowering."""
     from transformer_engine.common.attention.enums import AttnBiasType
 
-    with pytest.raises(NotImplementedError, match="no dropout"):
-        gpu._check_supported(replace(static, dropout_probability=0.1))
-    with pytest.raises(NotImplementedError, match="no bias"):
-        gpu._check_supported(replace(static, attn_bias_type=AttnBiasType.POST_SCALE_BIAS))
+    monkeypatch.setattr(te_attention, "_device_facts", lambda: ("cuda", (9, 0)))
+    monkeypatch.setattr(gpu, "unavailable_reason", lambda: None)
+    args = dict(is_training=True, q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, qkv_layout="bshd_bshd_bshd",
+                attn_bias_type=AttnBiasType.POST_SCALE_BIAS, attn_mask_type=AttnMaskType.PADDING_CAUSAL_MASK,
+                dropout_probability=0.0, q_num_heads=4, kv_num_heads=2, q_max_seqlen=128, kv_max_seqlen=128,
+                head_dim_qk=64, bias_shape=(1, 4, 128, 128))
+    assert te_attention._fused_reasons(**args, selecting=False) == []
+    public = te_attention.fused_attn_unavailable_reasons(**args)
+    assert any("awaits its GPU verification" in r for r in public), public
+    assert not te_attention.is_fused_attn_kernel_available(**args)
+
+    def selected():
+        config = te_attention._make_config(
+            batch_size=2, num_heads_q=4, num_heads_kv=2, head_dim_qk=64, head_dim_v=64, max_seqlen_q=128,
+            max_seqlen_kv=128, dtype=jnp.bfloat16, qkv_layout=QKVLayout.BSHD_BSHD_BSHD,
+            attn_mask_type=AttnMaskType.PADDING_CAUSAL_MASK, window_size=(-1, 0),
+            attn_bias_type=AttnBiasType.POST_SCALE_BIAS, bias_shape=(1, 4, 128, 128), dropout=0.0,
+            is_training=True)
+        return te_attention.select_attention_backend(config)
+
+    selection = selected()
+    assert selection.backend.SHORT_NAME == "unfused"
+    assert any("awaits its GPU verification" in r for r in selection.rejected[te_attention.FusedAttention.NAME])
+    monkeypatch.setattr(gpu, "BIAS_VERIFIED_ON_GPU", True)
+    assert selected().backend.SHORT_NAME == "fused"
 
 
 def _static(mask):

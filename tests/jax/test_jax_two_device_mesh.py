@@ -61,7 +61,7 @@ def test_fused_attn_bhss_bias_gradient_bitwise_under_tp(backend, monkeypatch):
     """A [b, h, s, s] bias split over heads: its gradient is per shard (no all-reduce), bitwise.
 
     ``fused`` forces the fused primitives (their partitioning rule; on CPU their jnp lowering; on a
-    GPU skipped with the backend's reason: the JAX launch passes no bias to the kernels yet).
+    GPU the new bias launch, which fused_attn does not select until it is verified there).
     ``selected`` goes through ``fused_attn``'s selection, which picks the unfused backend for a
     bias on CPU and on a GPU alike: XLA partitions its jnp math over the heads."""
     monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")

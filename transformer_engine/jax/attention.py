@@ -101,9 +101,10 @@ _CANDIDATES = (FusedAttention, UnfusedDotProductAttention)
 
 
 def _frontend_extra(device_type: str, attn_bias_type: AttnBiasType, dropout: float,
-                    is_training: bool) -> Tuple[Tuple[str, str], ...]:
+                    is_training: bool, selecting: bool = True) -> Tuple[Tuple[str, str], ...]:
     """Reasons only the JAX frontend knows (FusedAttention reads them from ``config.extra``): the
-    device it can launch on, its launcher's build and what it wires to the kernels."""
+    device it can launch on, its launcher's build and what it wires to the kernels. ``selecting``:
+    also hold back what the kernels can run but ``fused_attn`` should not pick yet."""
     if device_type != "cuda":
         return ((FusedAttention.NAME, f"device={device_type}: JAX launches the Triton kernels on CUDA GPUs only "
                  "(on CPU the fused primitives lower to jnp, for tests)"),)
@@ -113,8 +114,12 @@ def _frontend_extra(device_type: str, attn_bias_type: AttnBiasType, dropout: flo
     unavailable = gpu.unavailable_reason()
     if unavailable:
         reasons.append(unavailable)
-    if attn_bias_type != AttnBiasType.NO_BIAS:
-        reasons.append(f"attn_bias_type={attn_bias_type.value} (the JAX launch passes no bias to the kernels yet)")
+    # The bias launch is lowered but unverified on a GPU: selection keeps it off until
+    # gpu.BIAS_VERIFIED_ON_GPU; fused_attn_unavailable_reasons (selecting=False) lets the GPU tests
+    # force it, which is that verification.
+    if attn_bias_type != AttnBiasType.NO_BIAS and selecting and not gpu.BIAS_VERIFIED_ON_GPU:
+        reasons.append(f"attn_bias_type={attn_bias_type.value} (the JAX launch of the bias is lowered but awaits its "
+                       "GPU verification, qa/L1_jax_gpu)")
     if dropout > 0 and is_training:
         reasons.append(f"dropout={dropout} (the JAX launch passes no dropout to the kernels yet)")
     return tuple((FusedAttention.NAME, r) for r in reasons)
@@ -126,11 +131,12 @@ def _bias_shape_name(bias_shape: Optional[Sequence[int]]) -> Optional[str]:
     return ("b" if bias_shape[0] > 1 else "1") + ("h" if bias_shape[1] > 1 else "1") + "ss"
 
 
-def _make_config(*, dtype, bias_shape: Optional[Sequence[int]], **fields) -> AttnConfig:
+def _make_config(*, dtype, bias_shape: Optional[Sequence[int]], selecting: bool = True, **fields) -> AttnConfig:
     """The AttnConfig of a call: ``fields`` as AttnConfig names them, plus what JAX knows now
-    (device, determinism switch, the frontend's own reasons)."""
+    (device, determinism switch, the frontend's own reasons; see ``_frontend_extra``)."""
     device_type, capability = _device_facts()
-    extra = _frontend_extra(device_type, fields["attn_bias_type"], fields["dropout"], fields["is_training"])
+    extra = _frontend_extra(device_type, fields["attn_bias_type"], fields["dropout"], fields["is_training"],
+                            selecting)
     return AttnConfig(
         dtype=jnp.dtype(dtype).name,
         bias_shape=_bias_shape_name(bias_shape),
@@ -613,7 +619,22 @@ def fused_attn_unavailable_reasons(
     q_num_heads, kv_num_heads, q_max_seqlen, kv_max_seqlen, head_dim_qk, head_dim_v=None, window_size=None,
     bias_shape=None,
 ) -> List[str]:
-    """Reasons the fused backend cannot run this configuration (empty: it can)."""
+    """Reasons ``fused_attn`` does not pick the fused backend for this configuration (empty: it does)."""
+    return _fused_reasons(
+        is_training, q_dtype, kv_dtype, qkv_layout, attn_bias_type, attn_mask_type, dropout_probability,
+        q_num_heads, kv_num_heads, q_max_seqlen, kv_max_seqlen, head_dim_qk, head_dim_v, window_size, bias_shape,
+        selecting=True,
+    )
+
+
+def _fused_reasons(
+    is_training, q_dtype, kv_dtype, qkv_layout, attn_bias_type, attn_mask_type, dropout_probability,
+    q_num_heads, kv_num_heads, q_max_seqlen, kv_max_seqlen, head_dim_qk, head_dim_v=None, window_size=None,
+    bias_shape=None, selecting=True,
+) -> List[str]:
+    """Why the fused backend cannot run a configuration. ``selecting=False`` (for the GPU tests that
+    force it): what the kernels can run, including paths ``fused_attn`` does not pick yet (a bias,
+    until ``primitives.gpu.BIAS_VERIFIED_ON_GPU``)."""
     mask = _enum(AttnMaskType, attn_mask_type, "attn_mask_type")
     reasons = []
     if jnp.dtype(q_dtype) != jnp.dtype(kv_dtype):
@@ -627,6 +648,7 @@ def fused_attn_unavailable_reasons(
         max_seqlen_kv=kv_max_seqlen, dtype=q_dtype, qkv_layout=_enum(QKVLayout, qkv_layout, "qkv_layout"),
         attn_mask_type=mask, window_size=normalize_window(window_size, mask), attn_bias_type=bias_type,
         bias_shape=bias_shape, dropout=float(dropout_probability), is_training=bool(is_training),
+        selecting=selecting,
     )
     if not settings.get(FusedAttention.ENABLE_VAR):
         reasons.append(f"disabled by {FusedAttention.ENABLE_VAR}=0")

@@ -13,6 +13,10 @@ Sequences: without padding the kernels run in their BSHD mode. With padding mask
 they run in their packed mode over the ``[b * s]`` tokens: sequence ``k`` of row ``r`` starts
 at token ``r * s + offset[r, k]``; outputs and gradients are zero-filled first, and the saved
 log-sum-exp is ``[b * m, h, s]`` = the primitives' ``[b, m, h, s]`` softmax aux.
+
+A post_scale_bias ``[1|b, 1|h, s_q, s_kv]`` (padded layouts, one sequence per row) goes to the
+forward, dK/dV and dQ kernels with the PyTorch launcher's strides, and its gradient comes from the
+dBias kernel; ``BIAS_VERIFIED_ON_GPU`` says whether fused_attn selects this path yet.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import numpy as np
 from jax.interpreters import mlir
 
 from transformer_engine.common.attention.config import AttnConfig
-from transformer_engine.common.attention.enums import AttnMaskType
+from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, QKVFormat
 from transformer_engine.common.attention.plan import backward_plan, forward_plan
 
 __all__ = ["unavailable_reason", "fused_attn_fwd_lowering", "fused_attn_bwd_lowering"]
@@ -37,6 +41,12 @@ PROGRAM_VERSION = 1
 LOG2E = 1.4426950408889634  # as the PyTorch launcher, so both pass the same fp32 scale
 
 _KIND_BUFFER, _KIND_I32, _KIND_I64, _KIND_F32, _KIND_NULL = range(5)
+
+# The bias path (post_scale_bias forward, dBias backward) is lowered and its launch programs are
+# checked on the CPU (tests/jax/test_jax_gpu_lowering.py), but it has not run on a GPU yet. Until
+# it has, fused_attn's selection keeps bias calls on the unfused backend; forcing the fused
+# backend (the GPU tests do) runs this path. Set True once qa/L1_jax_gpu passes with it.
+BIAS_VERIFIED_ON_GPU = False
 
 
 # ================================================================================================
@@ -292,12 +302,21 @@ def _uses_packed_mode(static) -> bool:
     return static.attn_mask_type.is_padding
 
 
-def _check_supported(static) -> None:
+def _check_supported(static, segments_per_row: int) -> None:
     if static.has_bias:
-        raise NotImplementedError(
-            f"the JAX launch passes no bias to the fused kernels yet (attn_bias_type={static.attn_bias_type.value!r}); "
-            "fused_attn selects the unfused backend for it"
-        )
+        if static.attn_bias_type != AttnBiasType.POST_SCALE_BIAS:
+            raise NotImplementedError(
+                "`attn_bias_type` must be 'post_scale_bias' for the fused kernels (they add the bias after the "
+                f"scale), got {static.attn_bias_type.value!r}; fused_attn selects the unfused backend for it"
+            )
+        # The kernels index the bias by sequence, and dBias reads each row's tokens from position 0:
+        # one sequence per row, as the PyTorch launcher (which rejects a bias with THD).
+        if static.qkv_format == QKVFormat.THD or segments_per_row > 1:
+            raise NotImplementedError(
+                "a bias must come with a padded layout (one sequence per row) for the fused kernels, got "
+                f"qkv_format={static.qkv_format.value!r} with max_segments_per_seq={segments_per_row}; "
+                "fused_attn selects the unfused backend for it"
+            )
     if static.has_dropout:
         raise NotImplementedError(
             "the JAX launch passes no dropout to the fused kernels yet; fused_attn selects the unfused backend for it"
@@ -321,14 +340,15 @@ def _sequence_arrays(q_seqlens, kv_seqlens, q_offsets, kv_offsets, s_q: int, s_k
 def _fwd_impl(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds, *, static):
     from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel
 
-    _check_supported(static)
     b, s_q, hq, dqk = q.shape
     s_kv, hk, dv = k.shape[1], k.shape[2], v.shape[3]
     m = q_seqlens.shape[1]
+    _check_supported(static, m)
     packed = _uses_packed_mode(static)
     operands = [q, k, v]
     if packed:
         operands += list(_sequence_arrays(q_seqlens, kv_seqlens, q_offsets, kv_offsets, s_q, s_kv))
+    bias_buf = _append_bias(operands, bias, static)
     nseq = b * m if packed else b
     prog = Program([jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands])
     o = prog.result((b, s_q, hq, dv), q.dtype)
@@ -353,7 +373,7 @@ def _fwd_impl(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds
         qk_scale=static.scaling_factor * LOG2E, window_left=left, window_right=right,
         HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, IS_THD=packed, HAS_SEQLENS=packed,
-        DOT_PRECISION=plan.dot_precision, **flags,
+        DOT_PRECISION=plan.dot_precision, **flags, **_bias_values(bias_buf, bias),
     )
     values = _complete(attn_fwd_kernel, values, Buf(lse))
     kernel = _compile_launch(attn_fwd_kernel, values, prog, dict(num_warps=t.num_warps, num_stages=t.num_stages))
@@ -366,8 +386,38 @@ def _named_strides(prefix: str, strides: Tuple[int, ...]) -> Dict[str, int]:
     return {f"stride_{prefix}{axis}": value for axis, value in zip("bshd", strides)}
 
 
-# Kernel parameters of features this launcher leaves off (bias, ALiBi, dropout): what to pass.
-# Pointers get the log-sum-exp buffer as a never-read placeholder, as the PyTorch launcher does.
+def _append_bias(operands: List, bias, static) -> Optional["Buf"]:
+    """Add the bias to the call's operands (last, so the other indices stay put): its buffer."""
+    if not static.has_bias:
+        return None
+    operands.append(bias)
+    return Buf(len(operands) - 1)
+
+
+def _contiguous_strides(shape: Sequence[int]) -> Tuple[int, ...]:
+    """Element strides of a row-major buffer (what torch.empty gives, size-1 dims included)."""
+    return tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) for i in range(len(shape)))
+
+
+def _bias_strides(shape: Sequence[int]) -> Tuple[int, int, int, int]:
+    """(zb, zh, zm, zn) of a bias [1|b, 1|h, s_q, s_kv]: 0 along a broadcast dim, as
+    ``ScoreMods.stride_args`` of the PyTorch launcher."""
+    zb, zh, zm, zn = _contiguous_strides(shape)
+    return (zb if shape[0] > 1 else 0, zh if shape[1] > 1 else 0, zm, zn)
+
+
+def _bias_values(bias_buf: Optional["Buf"], bias) -> Dict[str, object]:
+    """The forward, dK/dV and dQ kernels' bias parameters (none without a bias: ``_complete``
+    passes the switched-off values)."""
+    if bias_buf is None:
+        return {}
+    zb, zh, zm, zn = _bias_strides(bias.shape)
+    return dict(BIAS=bias_buf, stride_zb=zb, stride_zh=zh, stride_zm=zm, stride_zn=zn, HAS_BIAS=True)
+
+
+# Kernel parameters of features switched off (ALiBi and dropout always, the bias when the call has
+# none): what to pass. Pointers get the log-sum-exp buffer as a never-read placeholder, as the
+# PyTorch launcher does.
 _FEATURES_OFF = dict(
     stride_zb=0, stride_zh=0, stride_zm=0, stride_zn=0, stride_alibi_b=0, dropout_p=0.0,
     HAS_BIAS=False, HAS_ALIBI=False, DROPOUT=False,
@@ -431,22 +481,25 @@ def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_of
         attn_bwd_preprocess_kernel,
     )
 
-    _check_supported(static)
     b, s_q, hq, dqk = q.shape
     s_kv, hk, dv = k.shape[1], k.shape[2], v.shape[3]
     m = q_seqlens.shape[1]
+    _check_supported(static, m)
     packed = _uses_packed_mode(static)
     nseq = b * m if packed else b
     lse_in = softmax_aux.reshape(nseq, hq, s_q)
     operands = [q, k, v, out, dout, lse_in]
     if packed:
         operands += list(_sequence_arrays(q_seqlens, kv_seqlens, q_offsets, kv_offsets, s_q, s_kv))
+    bias_buf = _append_bias(operands, bias, static)
     prog = Program([jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands])
     Q, K, V, O, DO, LSE = (Buf(i) for i in range(6))
     dq = prog.result(q.shape, q.dtype)
     dk = prog.result(k.shape, k.dtype)
     dvt = prog.result(v.shape, v.dtype)
     delta = prog.result((nseq, hq, s_q), jnp.float32)
+    # The dBias kernel writes every element of its [s_q, s_kv] tiles: no fill.
+    dbias = prog.result(bias.shape, bias.dtype) if bias_buf is not None else None
     if packed:
         for index in (dq, dk, dvt):
             prog.fill(index)  # packed mode writes only rows inside sequences
@@ -486,7 +539,7 @@ def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_of
         Q=Q, K=K, V=V, DO=DO, LSE=LSE, DELTA=Buf(delta), **seq, **strides, seqlen_q=s_q, seqlen_k=s_kv,
         gqa_group=hq // hk, sm_scale=static.scaling_factor, qk_scale=static.scaling_factor * LOG2E,
         window_left=left, window_right=right, HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk,
-        BLOCK_DV=plan.block_dv, DOT_PRECISION=plan.dot_precision, **flags, **common,
+        BLOCK_DV=plan.block_dv, DOT_PRECISION=plan.dot_precision, **flags, **common, **_bias_values(bias_buf, bias),
     )
     t = plan.dkdv
     dkdv_values = dict(
@@ -497,6 +550,10 @@ def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_of
     kernel = _compile_launch(attn_bwd_dkdv_kernel, dkdv_values, prog,
                              dict(num_warps=t.num_warps, num_stages=t.num_stages))
     prog.launch(kernel, (_cdiv(s_kv, t.block_n), nseq * hk, 1), dkdv_values)
+
+    if bias_buf is not None:  # launched between dK/dV and dQ, as the PyTorch launcher does
+        _launch_dbias(prog, plan, static, q, k, v, bias, bias_buf, Buf(dbias), Buf(delta), seq, packed, flags, left,
+                      right)
 
     if not plan.atomic_dq:
         t = plan.dq
@@ -510,7 +567,41 @@ def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_of
     dq_out, dk_out, dv_out = results[:3]
     if plan.atomic_dq:
         dq_out = results[dq_acc - len(operands)].astype(q.dtype)
-    return dq_out, dk_out, dv_out, jnp.zeros_like(bias)
+    dbias_out = results[dbias - len(operands)] if dbias is not None else jnp.zeros_like(bias)
+    return dq_out, dk_out, dv_out, dbias_out
+
+
+def _launch_dbias(prog: Program, plan, static, q, k, v, bias, bias_buf: Buf, dbias_buf: Buf, delta_buf: Buf,
+                  seq: Dict[str, Buf], packed: bool, flags: Dict[str, bool], left: int, right: int) -> None:
+    """dBias in the bias's shape, summed over its broadcast dims in a fixed order, with the
+    arguments, tiles and grid of ``launch._dbias``."""
+    from transformer_engine.common.attention.kernels.backward import attn_bwd_dbias_kernel
+
+    b, s_q, hq, dqk = q.shape
+    s_kv, hk, dv = k.shape[1], k.shape[2], v.shape[3]
+    Q, K, V, DO, LSE = (Buf(i) for i in (0, 1, 2, 4, 5))
+    t = plan.dq
+    tile = min(t.block_m, 64)
+    zb, zh, zm, zn = _bias_strides(bias.shape)
+    # This kernel has no packed mode: it reads rows as the padded launch (batch strides, lengths
+    # only), which is where the packed mode's sequences are when each row holds one from token 0.
+    values = dict(
+        Q=Q, K=K, V=V, DO=DO, LSE=LSE, DELTA=delta_buf, BIAS=bias_buf, DBIAS=dbias_buf, RNG_STATE=LSE,
+        SEQ_LEN_Q=seq["SEQ_LEN_Q"], SEQ_LEN_K=seq["SEQ_LEN_K"],
+        **_named_strides("q", _strides(q.shape, False)), **_named_strides("k", _strides(k.shape, False)),
+        **_named_strides("v", _strides(v.shape, False)), **_named_strides("do", _strides((b, s_q, hq, dv), False)),
+        stride_lb=hq * s_q, stride_lh=s_q, stride_zb=zb, stride_zh=zh, stride_zm=zm, stride_zn=zn,
+        **{f"stride_dz{axis}": value for axis, value in zip("bhmn", _contiguous_strides(bias.shape))},
+        batch_size=b, num_heads_q=hq, gqa_group=hq // hk, bias_batch=bias.shape[0], bias_heads=bias.shape[1],
+        seqlen_q=s_q, seqlen_k=s_kv, qk_scale=static.scaling_factor * LOG2E, window_left=left,
+        window_right=right, dropout_p=0.0, HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk,
+        BLOCK_DV=plan.block_dv, BLOCK_M=tile, BLOCK_N=tile, HAS_SEQLENS=packed, HAS_LEFT=flags["HAS_LEFT"],
+        HAS_RIGHT=flags["HAS_RIGHT"], BOTTOM_RIGHT=flags["BOTTOM_RIGHT"], DROPOUT=False,
+        DOT_PRECISION=plan.dot_precision,
+    )
+    values = _complete(attn_bwd_dbias_kernel, values, LSE)
+    kernel = _compile_launch(attn_bwd_dbias_kernel, values, prog, dict(num_warps=t.num_warps, num_stages=1))
+    prog.launch(kernel, (_cdiv(s_q, tile), _cdiv(s_kv, tile), bias.shape[0] * bias.shape[1]), values)
 
 
 # ================================================================================================

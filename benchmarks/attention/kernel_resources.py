@@ -17,83 +17,75 @@ import subprocess
 import sys
 import tempfile
 
-import triton
 from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
+import triton  # noqa: E402
+
 from transformer_engine.common.attention import AttnConfig, AttnMaskType  # noqa: E402
+from transformer_engine.common.attention.kernels.aot import Pointer, compile_kernel  # noqa: E402
 from transformer_engine.common.attention.kernels.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel  # noqa: E402
 from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel  # noqa: E402
 from transformer_engine.common.attention.plan import Tiles, backward_plan, forward_plan  # noqa: E402
 
-PTR = "*bf16"
-_SEQ = ("BIAS", "ALIBI_SLOPES", "RNG_STATE", "SEQ_START_Q", "SEQ_START_K", "SEQ_LEN_Q", "SEQ_LEN_K")
-KERNELS = {  # name: (kernel, its tensor arguments)
-    "fwd": (attn_fwd_kernel, ("Q", "K", "V", "O", "LSE") + _SEQ),
-    "dkdv": (attn_bwd_dkdv_kernel, ("Q", "K", "V", "DO", "DK", "DV", "DQ_ACC", "LSE", "DELTA") + _SEQ),
-    "dq": (attn_bwd_dq_kernel, ("Q", "K", "V", "DO", "DQ", "LSE", "DELTA") + _SEQ),
-}
+SM90 = GPUTarget("cuda", 90, 32)
+KERNELS = {"fwd": attn_fwd_kernel, "dkdv": attn_bwd_dkdv_kernel, "dq": attn_bwd_dq_kernel}
+_FP32_BUFFERS = ("LSE", "DELTA", "DQ_ACC", "ALIBI_SLOPES")
+_INT_BUFFERS = {"RNG_STATE": "int64", "SEQ_START_Q": "int32", "SEQ_START_K": "int32", "SEQ_LEN_Q": "int32",
+                "SEQ_LEN_K": "int32"}
+_QK_TENSORS = ("q", "k", "dq", "dk")  # tensors with head dim d_qk; the others (v, o, do, dv) have d_v
 
 
-def pointer_types(names, overrides=()):
-    """Triton signature types of the tensor arguments (bf16 data, fp32 statistics, int32 lengths)."""
-    kinds = {n: PTR for n in names}
-    for n in ("LSE", "DELTA", "DQ_ACC", "ALIBI_SLOPES"):
-        if n in kinds:
-            kinds[n] = "*fp32"
-    if "RNG_STATE" in kinds:
-        kinds["RNG_STATE"] = "*i64"
-    for n in ("SEQ_START_Q", "SEQ_START_K", "SEQ_LEN_Q", "SEQ_LEN_K"):
-        if n in kinds:
-            kinds[n] = "*i32"
-    kinds.update(dict(overrides))
-    return kinds
-
-
-def compile_sm90(fn, pointers, constexprs, tiles, specialize=False):
-    """Compile one kernel variant for sm_90 (no GPU needed); returns Triton's compiled kernel.
-
-    ``specialize`` applies what Triton's launcher infers for contiguous bf16 tensors of the benchmark
-    shapes: the head-dim strides equal 1 (compile-time constants) and every pointer and other integer
-    argument is a multiple of 16. Without it (the compile test) nothing is assumed."""
-    signature, attrs, constexprs = {}, {}, dict(constexprs)
-    for i, name in enumerate(fn.arg_names):
+def launch_args(fn, constexprs, dqk, dv, heads=16, seqlen=4096, bias=False):
+    """The arguments a launch of ``fn`` passes for contiguous bf16 [b, s, h, d] tensors (a bhss bias
+    with ``bias``), by name, so that compile_kernel specialises them as Triton's JIT does."""
+    args = {}
+    for name in fn.arg_names:
         if name in constexprs:
-            signature[name] = "constexpr"
-        elif name in pointers:
-            signature[name] = pointers[name]
-            if specialize:
-                attrs[(i,)] = [["tt.divisibility", 16]]
+            args[name] = constexprs[name]
+        elif name.isupper() or name in _INT_BUFFERS:
+            args[name] = Pointer("float32" if name in _FP32_BUFFERS else _INT_BUFFERS.get(name, "bfloat16"))
+        elif name.startswith("stride_z") or name.startswith("stride_dz"):
+            axis = name[-1]
+            args[name] = {"b": heads * seqlen * seqlen, "h": seqlen * seqlen, "m": seqlen, "n": 1}[axis] if bias else 0
+        elif name in ("stride_lb", "stride_lh"):
+            args[name] = heads * seqlen if name == "stride_lb" else seqlen
+        elif name.startswith("stride_"):
+            tensor, axis = name[len("stride_"):-1], name[-1]
+            d = dqk if tensor in _QK_TENSORS else dv
+            args[name] = {"b": seqlen * heads * d, "s": heads * d, "h": d, "d": 1}.get(axis, 0)
         elif "scale" in name or name == "dropout_p":
-            signature[name] = "fp32"
-        elif specialize and name.startswith("stride_") and name.endswith("d"):
-            signature[name] = "constexpr"
-            constexprs[name] = 1
-        else:
-            signature[name] = "i32"
-            if specialize and name not in ("window_left", "window_right"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages})
+            args[name] = 0.0 if name == "dropout_p" else 0.125
+        elif name.startswith(("seqlen", "max_seqlen")):
+            args[name] = seqlen
+        elif name.startswith(("num_heads", "bias_heads")):
+            args[name] = heads
+        else:  # batch sizes, the GQA group, window sizes
+            args[name] = 1 if name in ("gqa_group",) else (4 if "batch" in name else 0)
+    return args
+
+
+def compile_sm90(fn, constexprs, tiles, dqk, dv, **kwargs):
+    """Compile one kernel variant for sm_90 as a launch of contiguous tensors would (no GPU needed)."""
+    return compile_kernel(fn, launch_args(fn, constexprs, dqk, dv, **kwargs),
+                          dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages), SM90)
 
 
 def resources(kernel) -> dict:
     """Registers per thread and stack (spill) bytes from cuobjdump, shared memory from Triton."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(kernel.asm["cubin"])
+        f.write(kernel.cubin)
     try:
         text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(f.name)
     found = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text))
-    return {"regs": int(found.get("REG", -1)), "stack": int(found.get("STACK", -1)), "smem": kernel.metadata.shared}
+    return {"regs": int(found.get("REG", -1)), "stack": int(found.get("STACK", -1)), "smem": kernel.shared}
 
 
 def report(name, dims, causal, tiles):
-    fn, tensors = KERNELS[name]
     dqk = dv = dims
     flags = dict(HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=dqk, BLOCK_DV=dv, IS_THD=False, HAS_SEQLENS=False,
                  HAS_LEFT=False, HAS_RIGHT=causal, BOTTOM_RIGHT=False, DOT_PRECISION="tf32", HAS_BIAS=False,
@@ -101,7 +93,7 @@ def report(name, dims, causal, tiles):
     if name == "dkdv":
         flags.update(ATOMIC_DQ=False, gqa_group=1)
     try:
-        r = resources(compile_sm90(fn, pointer_types(tensors), flags, tiles, specialize=True))
+        r = resources(compile_sm90(KERNELS[name], flags, tiles, dqk, dv))
         return f"regs {r['regs']:3d}  stack {r['stack']:5d} B  smem {r['smem']:6d} B"
     except Exception as err:  # an over-sized tile fails to compile: say so and go on
         return f"fails: {type(err).__name__}: {str(err).splitlines()[0][:100]}"

@@ -10,7 +10,6 @@ import sys
 import pytest
 
 triton = pytest.importorskip("triton")
-from triton.backends.compiler import GPUTarget  # noqa: E402
 
 from transformer_engine.common.attention import AttnConfig, AttnMaskType  # noqa: E402
 from transformer_engine.common.attention.kernels.backward import (  # noqa: E402
@@ -25,18 +24,15 @@ from transformer_engine.common.attention.plan import backward_plan, forward_plan
 H100_SMEM_BYTES = 232448  # opt-in shared memory per block on sm_90
 # The compile helpers live with the resource report (benchmarks/attention/kernel_resources.py).
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "attention"))
-from kernel_resources import compile_sm90, pointer_types  # noqa: E402
+from kernel_resources import compile_sm90  # noqa: E402
 
 
-def _compile(fn, pointers, constexprs, tiles):
-    # Specialised like a real launch (unit head-dim strides, 16-divisible pointers): pipelining then
-    # stages whole tiles in shared memory, which is what must fit.
-    kernel = compile_sm90(fn, pointers, constexprs, tiles, specialize=True)
-    assert kernel.metadata.shared <= H100_SMEM_BYTES, f"{fn.__name__}: {kernel.metadata.shared} bytes of smem"
+def _compile(fn, constexprs, tiles, dqk, dv, bias=False):
+    # Specialised as Triton's JIT specialises a launch on contiguous tensors: pipelining then stages
+    # whole tiles in shared memory, which is what must fit.
+    kernel = compile_sm90(fn, constexprs, tiles, dqk, dv, bias=bias)
+    assert kernel.shared <= H100_SMEM_BYTES, f"{fn.__name__}: {kernel.shared} bytes of smem"
     return kernel
-
-
-_pointers = pointer_types
 
 
 _PLAIN = [(dims, causal, False, 1) for dims in [(64, 64), (128, 128), (192, 128), (256, 256)] for causal in (False, True)]
@@ -56,20 +52,18 @@ def test_sm90_plans_compile(head_dims, causal, mods, gqa):
     flags = dict(HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=fwd.block_dqk, BLOCK_DV=fwd.block_dv,
                  IS_THD=False, HAS_SEQLENS=False, HAS_LEFT=False, HAS_RIGHT=causal, BOTTOM_RIGHT=False,
                  DOT_PRECISION=fwd.dot_precision, HAS_BIAS=mods, HAS_ALIBI=mods, DROPOUT=mods)
-    seq = ("BIAS", "ALIBI_SLOPES", "RNG_STATE", "SEQ_START_Q", "SEQ_START_K", "SEQ_LEN_Q", "SEQ_LEN_K")
-    _compile(attn_fwd_kernel, _pointers(("Q", "K", "V", "O", "LSE") + seq),
-             dict(flags, BLOCK_M=fwd.tiles.block_m, BLOCK_N=fwd.tiles.block_n), fwd.tiles)
-    _compile(attn_bwd_dkdv_kernel, _pointers(("Q", "K", "V", "DO", "DK", "DV", "DQ_ACC", "LSE", "DELTA") + seq),
-             dict(flags, BLOCK_M=bwd.dkdv.block_m, BLOCK_N=bwd.dkdv.block_n, ATOMIC_DQ=False, gqa_group=gqa), bwd.dkdv)
-    _compile(attn_bwd_dq_kernel, _pointers(("Q", "K", "V", "DO", "DQ", "LSE", "DELTA") + seq),
-             dict(flags, BLOCK_M=bwd.dq.block_m, BLOCK_N=bwd.dq.block_n), bwd.dq)
-    _compile(attn_bwd_preprocess_kernel, _pointers(("O", "DO", "DELTA", "SEQ_START_Q", "SEQ_LEN_Q")),
+    _compile(attn_fwd_kernel, dict(flags, BLOCK_M=fwd.tiles.block_m, BLOCK_N=fwd.tiles.block_n), fwd.tiles,
+             dqk, dv, bias=mods)
+    _compile(attn_bwd_dkdv_kernel,
+             dict(flags, BLOCK_M=bwd.dkdv.block_m, BLOCK_N=bwd.dkdv.block_n, ATOMIC_DQ=False, gqa_group=gqa),
+             bwd.dkdv, dqk, dv, bias=mods)
+    _compile(attn_bwd_dq_kernel, dict(flags, BLOCK_M=bwd.dq.block_m, BLOCK_N=bwd.dq.block_n), bwd.dq, dqk, dv,
+             bias=mods)
+    _compile(attn_bwd_preprocess_kernel,
              dict(HEAD_DIM_V=dv, BLOCK_DV=bwd.block_dv, BLOCK_M=bwd.preprocess.block_m, IS_THD=False,
-                  HAS_SEQLENS=False), bwd.preprocess)
+                  HAS_SEQLENS=False), bwd.preprocess, dqk, dv)
     if mods:
         tile = min(bwd.dq.block_m, 64)
         dbias_flags = {k: v for k, v in flags.items() if k not in ("IS_THD", "HAS_BIAS", "HAS_ALIBI")}
-        _compile(attn_bwd_dbias_kernel,
-                 _pointers(("Q", "K", "V", "DO", "LSE", "DELTA", "BIAS", "DBIAS", "RNG_STATE", "SEQ_LEN_Q",
-                            "SEQ_LEN_K")),
-                 dict(dbias_flags, BLOCK_M=tile, BLOCK_N=tile), type(bwd.dq)(tile, tile, bwd.dq.num_warps, 1))
+        _compile(attn_bwd_dbias_kernel, dict(dbias_flags, BLOCK_M=tile, BLOCK_N=tile),
+                 type(bwd.dq)(tile, tile, bwd.dq.num_warps, 1), dqk, dv, bias=True)

@@ -196,13 +196,13 @@ def test_compiled_specialization_is_tritons_own():
     parameters, pointers carry their dtype."""
     from transformer_engine.common.attention.kernels.backward import attn_bwd_preprocess_kernel as fn
 
-    args = {name: gpu.Pointer(jnp.float32 if name == "DELTA" else jnp.bfloat16) for name in ("O", "DO", "DELTA")}
-    args.update(SEQ_START_Q=gpu.Pointer(jnp.float32), SEQ_LEN_Q=gpu.Pointer(jnp.float32))
+    args = {name: gpu.Pointer("float32" if name == "DELTA" else "bfloat16") for name in ("O", "DO", "DELTA")}
+    args.update(SEQ_START_Q=gpu.Pointer("float32"), SEQ_LEN_Q=gpu.Pointer("float32"))
     strides = dict(stride_ob=4096, stride_os=64, stride_oh=16, stride_od=1, stride_dob=4096, stride_dos=64,
                    stride_doh=16, stride_dod=1, stride_lb=256, stride_lh=64)
     args.update(strides, num_heads_q=4, seqlen_q=64, HEAD_DIM_V=16, BLOCK_DV=16, BLOCK_M=64, IS_THD=False,
                 HAS_SEQLENS=False)
-    kernel = gpu.compile_kernel(fn, gpu._hashable(args), dict(num_warps=4),
+    kernel = gpu.compile_kernel(fn, args, dict(num_warps=4),
                                 triton.backends.compiler.GPUTarget("cuda", 90, 32))
     names = [name for name, _ in kernel.params]
     assert "stride_od" not in names and "stride_dod" not in names  # == 1: specialized away

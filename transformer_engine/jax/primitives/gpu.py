@@ -32,6 +32,7 @@ from jax.interpreters import mlir
 
 from transformer_engine.common.attention.config import AttnConfig
 from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, QKVFormat
+from transformer_engine.common.attention.kernels.aot import CompiledKernel, Pointer, compile_kernel
 from transformer_engine.common.attention.plan import backward_plan, forward_plan
 
 __all__ = ["unavailable_reason", "fused_attn_fwd_lowering", "fused_attn_bwd_lowering"]
@@ -105,77 +106,6 @@ def _compute_capability() -> Tuple[int, int]:
     device = jax.devices("gpu")[0]
     major, minor = (int(x) for x in str(device.compute_capability).split("."))
     return major, minor
-
-
-# ================================================================================================
-# Compiling a kernel as Triton's JIT would for the same arguments
-# ================================================================================================
-
-
-class Pointer:
-    """Stands for a device buffer during specialization: a dtype and a 16-byte aligned address
-    (XLA's buffers are aligned at least that much; the FFI handler checks it at launch)."""
-
-    def __init__(self, dtype):
-        self.dtype = jnp.dtype(dtype)
-
-    @staticmethod
-    def data_ptr() -> int:
-        return 1 << 20
-
-
-@dataclass(frozen=True)
-class CompiledKernel:
-    name: str
-    cubin: bytes
-    hash: int  # 64 bits of Triton's compilation hash
-    shared: int
-    num_warps: int
-    params: Tuple[Tuple[str, str], ...]  # (name, Triton type) of each launch parameter, in order
-    global_scratch_size: int
-    profile_scratch_size: int
-
-
-def compile_kernel(fn, args: Dict[str, object], launch_options: Dict[str, int], target) -> CompiledKernel:
-    """Compile Triton ``fn`` for ``args`` (Pointer, int, float or constexpr values by name) with
-    ``launch_options`` (num_warps, num_stages as the PyTorch launch passes them)."""
-    return _compile_cached(fn, tuple(args.items()), tuple(sorted(launch_options.items())), target)
-
-
-@functools.lru_cache(maxsize=256)
-def _compile_cached(fn, args, launch_options, target) -> CompiledKernel:
-    import triton
-    from triton import knobs
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
-
-    bound = dict(args)
-    missing = [name for name in fn.arg_names if name not in bound]
-    if missing:
-        raise ValueError(f"{fn.__name__}: arguments {missing} are missing")
-    backend = make_backend(target)
-    # The same steps as JITFunction.run, minus the device queries: Triton's own binder gives the
-    # specialization (ints equal to 1 become constants, 16-divisibility hints), so the cubin is
-    # the one the PyTorch launch of the same call compiles.
-    kwargs = dict(launch_options)
-    kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
-    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound_args, specialization, _ = binder(**bound, **kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, kwargs)
-    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
-    md = compiled.metadata
-    params = tuple((name, ty) for name, ty in signature.items() if ty != "constexpr")
-    return CompiledKernel(
-        name=md.name,
-        cubin=bytes(compiled.asm["cubin"]),
-        hash=int(compiled.hash[:16], 16),
-        shared=int(md.shared),
-        num_warps=int(md.num_warps),
-        params=params,
-        global_scratch_size=int(getattr(md, "global_scratch_size", 0) or 0),
-        profile_scratch_size=int(getattr(md, "profile_scratch_size", 0) or 0),
-    )
 
 
 # ================================================================================================
@@ -449,23 +379,8 @@ def _compile_launch(fn, values: Dict[str, object], prog: Program, launch_options
     args = {}
     for name in fn.arg_names:
         value = values[name]
-        args[name] = Pointer(prog.dtype_of(value.index)) if isinstance(value, Buf) else value
-    return compile_kernel(fn, _hashable(args), launch_options, _cuda_target())
-
-
-class _HashablePointer(Pointer):
-    def __eq__(self, other):
-        return isinstance(other, Pointer) and other.dtype == self.dtype
-
-    def __hash__(self):
-        return hash(("Pointer", str(self.dtype)))
-
-    def __repr__(self):
-        return f"Pointer({self.dtype})"
-
-
-def _hashable(args: Dict[str, object]) -> Dict[str, object]:
-    return {k: (_HashablePointer(v.dtype) if isinstance(v, Pointer) else v) for k, v in args.items()}
+        args[name] = Pointer(jnp.dtype(prog.dtype_of(value.index)).name) if isinstance(value, Buf) else value
+    return compile_kernel(fn, args, launch_options, _cuda_target())
 
 
 # ================================================================================================

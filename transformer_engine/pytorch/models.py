@@ -8,42 +8,23 @@ The determinism check (``python -m transformer_engine.pytorch.determinism_check`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
 
+from transformer_engine.common.tiny_model import TinyShape
 from transformer_engine.pytorch.attention import DotProductAttention
 
 __all__ = ["TinyConfig", "TinyTransformerLayer", "TinyTransformerLM"]
 
 
 @dataclass(frozen=True)
-class TinyConfig:
-    vocab_size: int = 256
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_attention_heads: int = 4
-    num_gqa_groups: int = 2
-    ffn_hidden_size: Optional[int] = None  # default 4 * hidden_size
+class TinyConfig(TinyShape):
     qkv_format: str = "bshd"  # "bshd" or "sbhd"
-    attn_mask_type: str = "causal"
-    window_size: Tuple[int, int] = (-1, 0)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
 
     def validate(self) -> None:
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"`hidden_size` ({self.hidden_size}) must be a multiple of num_attention_heads "
-                f"({self.num_attention_heads})"
-            )
-        if self.num_attention_heads % self.num_gqa_groups:
-            raise ValueError(
-                f"`num_gqa_groups` ({self.num_gqa_groups}) must divide num_attention_heads ({self.num_attention_heads})"
-            )
+        super().validate()
         if self.qkv_format not in ("bshd", "sbhd"):
             raise ValueError(f"`qkv_format` must be 'bshd' or 'sbhd', got {self.qkv_format!r}")
 
@@ -65,7 +46,7 @@ class TinyTransformerLayer(torch.nn.Module):
             window_size=cfg.window_size, layer_number=layer_number,
         )
         self.proj = torch.nn.Linear(h * d, cfg.hidden_size)
-        ffn = cfg.ffn_hidden_size or 4 * cfg.hidden_size
+        ffn = cfg.ffn_size
         self.ln_mlp = torch.nn.LayerNorm(cfg.hidden_size)
         self.fc1 = torch.nn.Linear(cfg.hidden_size, ffn)
         self.fc2 = torch.nn.Linear(ffn, cfg.hidden_size)

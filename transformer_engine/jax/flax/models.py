@@ -9,43 +9,21 @@ gradient (a scatter-add) XLA makes deterministic on GPUs only under ``--xla_gpu_
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from transformer_engine.common.tiny_model import TinyShape
 from transformer_engine.jax.flax.module import DotProductAttention
 
 __all__ = ["TinyConfig", "TinyTransformerLayer", "TinyTransformerLM"]
 
 
 @dataclass(frozen=True)
-class TinyConfig:
-    vocab_size: int = 256
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_attention_heads: int = 4
-    num_gqa_groups: int = 2
-    ffn_hidden_size: Optional[int] = None  # default 4 * hidden_size
-    attn_mask_type: str = "causal"
-    window_size: Tuple[int, int] = (-1, 0)
+class TinyConfig(TinyShape):
     dtype: Any = jnp.float32  # compute dtype; parameters stay float32
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    def validate(self) -> None:
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"`hidden_size` ({self.hidden_size}) must be a multiple of num_attention_heads "
-                f"({self.num_attention_heads})"
-            )
-        if self.num_attention_heads % self.num_gqa_groups:
-            raise ValueError(
-                f"`num_gqa_groups` ({self.num_gqa_groups}) must divide num_attention_heads ({self.num_attention_heads})"
-            )
 
 
 class TinyTransformerLayer(nn.Module):
@@ -65,7 +43,7 @@ class TinyTransformerLayer(nn.Module):
         )(q.reshape(b, s, h, d), k.reshape(b, s, g, d), v.reshape(b, s, g, d))
         x = x + dense(cfg.hidden_size, "proj")(attn.reshape(b, s, h * d))
         y = nn.LayerNorm(dtype=cfg.dtype, name="ln_mlp")(x)
-        y = dense(cfg.ffn_hidden_size or 4 * cfg.hidden_size, "fc1")(y)
+        y = dense(cfg.ffn_size, "fc1")(y)
         return x + dense(cfg.hidden_size, "fc2")(nn.gelu(y))
 
 

@@ -63,7 +63,6 @@ def test_sm90_plans_compile(head_dims, causal, mods, gqa):
              dict(HEAD_DIM_V=dv, BLOCK_DV=bwd.block_dv, BLOCK_M=bwd.preprocess.block_m, IS_THD=False,
                   HAS_SEQLENS=False), bwd.preprocess, dqk, dv)
     if mods:
-        tile = min(bwd.dq.block_m, 64)
         dbias_flags = {k: v for k, v in flags.items() if k not in ("IS_THD", "HAS_BIAS", "HAS_ALIBI")}
-        _compile(attn_bwd_dbias_kernel, dict(dbias_flags, BLOCK_M=tile, BLOCK_N=tile),
-                 type(bwd.dq)(tile, tile, bwd.dq.num_warps, 1), dqk, dv, bias=True)
+        _compile(attn_bwd_dbias_kernel, dict(dbias_flags, BLOCK_M=bwd.dbias.block_m, BLOCK_N=bwd.dbias.block_n),
+                 bwd.dbias, dqk, dv, bias=True)

@@ -45,3 +45,13 @@ def test_deterministic_plans_never_use_atomics():
 def test_padded_head_dim():
     assert [padded_head_dim(d) for d in (8, 16, 24, 64, 72, 96, 128, 160, 192, 256)] == \
         [16, 16, 32, 64, 128, 128, 128, 256, 256, 256]
+
+
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128), (256, 256)])
+def test_dbias_tiles_come_from_the_dq_plan(dims):
+    """Both launchers (PyTorch, JAX) take the dBias kernel's tiles from the plan: square, at most 64
+    rows, the dQ pass's warps, one stage."""
+    plan = backward_plan(dataclasses.replace(BASE, head_dim_qk=dims[0], head_dim_v=dims[1]))
+    t = plan.dbias
+    assert t.block_m == t.block_n == min(plan.dq.block_m, 64)
+    assert (t.num_warps, t.num_stages) == (plan.dq.num_warps, 1)

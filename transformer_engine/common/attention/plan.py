@@ -42,6 +42,13 @@ class BackwardPlan:
     atomic_dq: bool  # fold dQ into the dK/dV pass with atomics: never in deterministic mode
 
     @property
+    def dbias(self) -> Tiles:
+        """Square tiles of the dBias kernel (bias present only): the dQ pass's rows, at most 64, with
+        its warps, no pipelining."""
+        tile = min(self.dq.block_m, 64)
+        return Tiles(tile, tile, self.dq.num_warps, 1)
+
+    @property
     def kernels(self) -> Tuple[str, ...]:
         """Kernel names this plan launches, in order (tests check determinism uses no atomics)."""
         if self.atomic_dq:

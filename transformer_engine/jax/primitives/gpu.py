@@ -489,14 +489,13 @@ def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_of
 def _launch_dbias(prog: Program, plan, static, q, k, v, bias, bias_buf: Buf, dbias_buf: Buf, delta_buf: Buf,
                   seq: Dict[str, Buf], packed: bool, flags: Dict[str, bool], left: int, right: int) -> None:
     """dBias in the bias's shape, summed over its broadcast dims in a fixed order, with the
-    arguments, tiles and grid of ``launch._dbias``."""
+    arguments, tiles (``plan.dbias``) and grid of ``launch._dbias``."""
     from transformer_engine.common.attention.kernels.backward import attn_bwd_dbias_kernel
 
     b, s_q, hq, dqk = q.shape
     s_kv, hk, dv = k.shape[1], k.shape[2], v.shape[3]
     Q, K, V, DO, LSE = (Buf(i) for i in (0, 1, 2, 4, 5))
-    t = plan.dq
-    tile = min(t.block_m, 64)
+    t = plan.dbias
     zb, zh, zm, zn = _bias_strides(bias.shape)
     # This kernel has no packed mode: it reads rows as the padded launch (batch strides, lengths
     # only), which is where the packed mode's sequences are when each row holds one from token 0.
@@ -510,13 +509,14 @@ def _launch_dbias(prog: Program, plan, static, q, k, v, bias, bias_buf: Buf, dbi
         batch_size=b, num_heads_q=hq, gqa_group=hq // hk, bias_batch=bias.shape[0], bias_heads=bias.shape[1],
         seqlen_q=s_q, seqlen_k=s_kv, qk_scale=static.scaling_factor * LOG2E, window_left=left,
         window_right=right, dropout_p=0.0, HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk,
-        BLOCK_DV=plan.block_dv, BLOCK_M=tile, BLOCK_N=tile, HAS_SEQLENS=packed, HAS_LEFT=flags["HAS_LEFT"],
+        BLOCK_DV=plan.block_dv, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HAS_SEQLENS=packed, HAS_LEFT=flags["HAS_LEFT"],
         HAS_RIGHT=flags["HAS_RIGHT"], BOTTOM_RIGHT=flags["BOTTOM_RIGHT"], DROPOUT=False,
         DOT_PRECISION=plan.dot_precision,
     )
     values = _complete(attn_bwd_dbias_kernel, values, LSE)
-    kernel = _compile_launch(attn_bwd_dbias_kernel, values, prog, dict(num_warps=t.num_warps, num_stages=1))
-    prog.launch(kernel, (_cdiv(s_q, tile), _cdiv(s_kv, tile), bias.shape[0] * bias.shape[1]), values)
+    kernel = _compile_launch(attn_bwd_dbias_kernel, values, prog,
+                             dict(num_warps=t.num_warps, num_stages=t.num_stages))
+    prog.launch(kernel, (_cdiv(s_q, t.block_m), _cdiv(s_kv, t.block_n), bias.shape[0] * bias.shape[1]), values)
 
 
 # ================================================================================================

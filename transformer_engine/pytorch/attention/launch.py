@@ -260,10 +260,9 @@ def _dbias(q, k, v, d_out, lse, delta, fmt, seqs: Sequences, softmax_scale, wind
     _, sk_ = canonical(k, fmt)
     _, sv_ = canonical(v, fmt)
     _, sdo_ = canonical(d_out, fmt)
-    t = plan.dq
+    t = plan.dbias
     seq_args = seqs.args(lse)
-    tile = min(t.block_m, 64)
-    grid = (triton.cdiv(seqs.max_q, tile), triton.cdiv(seqs.max_k, tile), bias.shape[0] * bias.shape[1])
+    grid = (triton.cdiv(seqs.max_q, t.block_m), triton.cdiv(seqs.max_k, t.block_n), bias.shape[0] * bias.shape[1])
     attn_bwd_dbias_kernel[grid](
         q, k, v, d_out, lse, delta, bias, dbias, mods.rng_state if mods.dropout_p > 0 else lse,
         seq_args[2], seq_args[3], *sq_, *sk_, *sv_, *sdo_, lse.stride(0), lse.stride(1),
@@ -271,9 +270,9 @@ def _dbias(q, k, v, d_out, lse, delta, fmt, seqs: Sequences, softmax_scale, wind
         seqs.batch, hq, hq // hk, bias.shape[0], bias.shape[1], seqs.max_q, seqs.max_k,
         softmax_scale * LOG2E, left, right, mods.dropout_p,
         HEAD_DIM_QK=q.shape[-1], HEAD_DIM_V=v.shape[-1], BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
-        BLOCK_M=tile, BLOCK_N=tile, HAS_SEQLENS=seqs.has_seqlens,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, HAS_SEQLENS=seqs.has_seqlens,
         HAS_LEFT=flags["HAS_LEFT"], HAS_RIGHT=flags["HAS_RIGHT"], BOTTOM_RIGHT=flags["BOTTOM_RIGHT"],
-        DROPOUT=mods.dropout_p > 0, DOT_PRECISION=plan.dot_precision, num_warps=t.num_warps, num_stages=1,
+        DROPOUT=mods.dropout_p > 0, DOT_PRECISION=plan.dot_precision, num_warps=t.num_warps, num_stages=t.num_stages,
     )
     return dbias
 

@@ -5,12 +5,14 @@
 # summary line is printed.
 #
 #   bash tools/device/gpu_lanes.sh "<GPU 0 sections>" "<GPU 1 sections>" "<2-GPU sections>"
-#   e.g. GIT_COMMIT=abc1234 bash tools/device/gpu_lanes.sh "tune" "build fused jaxsmoke jaxl1" "tp jaxmesh"
+#   e.g. GIT_COMMIT=abc1234 bash tools/device/gpu_lanes.sh "tune" "build qa:L1_jax_gpu" "tp jaxmesh"
+# On a one-GPU machine give the second lane nothing ("").
 #
-# Sections: qa:<level>[:files] (a qa level, e.g. qa:L1_pytorch_gpu:test_fused_attn,test_compile), build (pip install -e ., PyTorch and JAX, native JAX FFI extension), fused (PyTorch fused
-# kernel grid), module (PyTorch module L1: the other tests/pytorch files), l3 (qa/L3_determinism),
-# check (the determinism check, both frameworks), jaxsmoke (tests/jax/gpu_smoke.py), jaxl1
-# (qa/L1_jax_gpu), tune (benchmarks/attention/tune_tiles.py), core (bench_core.py), fa4 / fa4tests
+# Sections: qa:<level>[:files] (a qa level, optionally only some of its test files, e.g.
+# qa:L1_pytorch_gpu:test_fused_attn,test_compile: how a level too long for one call is split),
+# build (pip install -e ., PyTorch and JAX, native JAX FFI extension), check (the determinism
+# check, both frameworks), jaxsmoke (tests/jax/gpu_smoke.py), tune
+# (benchmarks/attention/tune_tiles.py), core (bench_core.py), fa4 / fa4tests
 # (install_flash_attn4.sh phase1 / phase2 + gpu_flash.sh tests), bench (gpu_bench.sh parts in
 # BENCH_PARTS); 2-GPU: tp (torchrun tensor-parallel heads), jaxmesh (tests/jax/test_jax_two_device_mesh.py).
 # Limits per section come from <SECTION>_TIMEOUT (seconds); the defaults suit a 600 s call.
@@ -25,11 +27,11 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 T0=$(date +%s)
 # Most of a GPU suite's time is Triton compiling kernel variants on one CPU core: pytest-xdist
-# workers (PYTEST_WORKERS, default 4 per lane; 0 = off) compile in parallel and share the GPU. Not
-# for the flash-attn-4 tests, which collect their per-config outcomes in one process.
-XDIST=""
-if [ "${PYTEST_WORKERS:-4}" != 0 ] && python3 -c "import xdist" 2>/dev/null; then XDIST="-n ${PYTEST_WORKERS:-4}"; fi
-export QA_PYTEST_ARGS="${QA_PYTEST_ARGS:-} $XDIST"
+# workers (PYTEST_WORKERS, default 4 per lane; 0 = off) compile in parallel and share the GPU, for
+# the qa levels. Not for the flash-attn-4 tests, which collect their per-config outcomes in one process.
+if [ "${PYTEST_WORKERS:-4}" != 0 ] && python3 -c "import xdist" 2>/dev/null; then
+  export QA_PYTEST_ARGS="${QA_PYTEST_ARGS:-} -n ${PYTEST_WORKERS:-4}"
+fi
 
 note() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$LANES/$LANE/summary.txt"; }
 limit() { local v="${1}_TIMEOUT"; echo "${!v:-$2}"; }
@@ -41,18 +43,6 @@ section() {
       NVTE_FRAMEWORK=all timeout "$(limit BUILD 240)" python3 -m pip install --no-build-isolation --no-deps -e . \
         > "$d/build.log" 2>&1
       note "build rc=$? $(python3 -c 'import transformer_engine.jax.primitives.gpu as g; print("jax ffi:", g.__name__)' 2>&1 | tail -1)" ;;
-    fused)
-      timeout "$(limit FUSED 330)" python3 -m pytest -q -p no:cacheprovider $XDIST tests/pytorch/test_fused_attn.py \
-        tests/pytorch/test_fused_attn_determinism.py tests/pytorch/test_fused_attn_surface.py > "$d/fused.log" 2>&1
-      note "fused rc=$? $(tail -1 "$d/fused.log")" ;;
-    module)
-      timeout "$(limit MODULE 400)" python3 -m pytest -q -p no:cacheprovider $XDIST tests/pytorch \
-        --ignore=tests/pytorch/test_fused_attn.py --ignore=tests/pytorch/test_fused_attn_determinism.py \
-        --ignore=tests/pytorch/test_fused_attn_surface.py --ignore=tests/pytorch/test_flash_backend.py > "$d/module.log" 2>&1
-      note "module rc=$? $(tail -1 "$d/module.log")" ;;
-    l3)
-      XML_LOG_DIR=$d/xml timeout "$(limit L3 400)" bash qa/L3_determinism/test.sh > "$d/l3.log" 2>&1
-      note "l3 rc=$? $(tail -1 "$d/l3.log")" ;;
     check)
       NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 timeout "$(limit CHECK 120)" python3 -m transformer_engine.pytorch.determinism_check \
         > "$d/check_pytorch.txt" 2>&1
@@ -69,9 +59,6 @@ section() {
     jaxsmoke)
       timeout "$(limit JAXSMOKE 150)" python3 tests/jax/gpu_smoke.py > "$d/jaxsmoke.log" 2>&1
       note "jax smoke rc=$? $(tail -1 "$d/jaxsmoke.log")" ;;
-    jaxl1)
-      XML_LOG_DIR=$d/xml timeout "$(limit JAXL1 300)" bash qa/L1_jax_gpu/test.sh > "$d/jaxl1.log" 2>&1
-      note "jax L1 rc=$? $(tail -1 "$d/jaxl1.log")" ;;
     tune)
       (cd benchmarks/attention && timeout "$(limit TUNE 450)" python3 tune_tiles.py "$d/tune.json" "${TUNE_DIMS:-128,64,256}") \
         > "$d/tune.log" 2>&1

@@ -55,3 +55,16 @@ def test_dbias_tiles_come_from_the_dq_plan(dims):
     t = plan.dbias
     assert t.block_m == t.block_n == min(plan.dq.block_m, 64)
     assert (t.num_warps, t.num_stages) == (plan.dq.num_warps, 1)
+
+
+def test_mask_flags_and_top_left_causal():
+    """One rule for both launchers: causal masks close the right side; only causal/padding_causal
+    align the diagonal top-left."""
+    from transformer_engine.common.attention.plan import mask_flags
+
+    top_left = {m for m in AttnMaskType if m.is_top_left_causal}
+    assert top_left == {AttnMaskType.CAUSAL_MASK, AttnMaskType.PADDING_CAUSAL_MASK}
+    assert mask_flags(AttnMaskType.CAUSAL_MASK, (-1, -1)) == (
+        dict(HAS_LEFT=False, HAS_RIGHT=True, BOTTOM_RIGHT=False), 0, 0)
+    assert mask_flags(AttnMaskType.NO_MASK, (64, 16)) == (dict(HAS_LEFT=True, HAS_RIGHT=True, BOTTOM_RIGHT=True), 64, 16)
+    assert mask_flags(AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK, (8, 0))[0]["BOTTOM_RIGHT"]

@@ -101,7 +101,7 @@ def visibility_mask(
     seg_kv, pos_kv, len_kv = token_segments(seq.kv_seqlens, seq.kv_offsets, s_kv)
     visible = (seg_q[:, :, None] == seg_kv[:, None, :]) & (seg_q[:, :, None] > 0)
     mask = AttnMaskType(attn_mask_type)
-    top_left = mask.is_causal and not mask.is_bottom_right
+    top_left = mask.is_top_left_causal
     left, right = window_size
     if left >= 0 or right >= 0:
         diag = 0 if top_left else (len_kv[:, None, :] - len_q[:, :, None])

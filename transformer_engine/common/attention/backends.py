@@ -161,9 +161,6 @@ class FlashAttention(AttentionBackend):
     SUPPORTS_DROPOUT = False
     # Blackwell (SM10x) kernels: d_qk and d_v both <= 128, or one of these pairs (Hopper: any up to 256).
     SM100_HEAD_DIMS_BEYOND_128 = frozenset({(192, 128), (256, 256)})
-    # flash-attn-4 aligns causal masks bottom-right; top-left ones equal them only when s_kv >= s_q
-    # (the wrapper then hides the keys no query can see).
-    TOP_LEFT_CAUSAL_MASKS = frozenset({AttnMaskType.CAUSAL_MASK, AttnMaskType.PADDING_CAUSAL_MASK})
     # Hopper (SM90) head dims (d_qk, d_v) whose backward matched the reference on the H200
     # (tests/pytorch/test_flash_backend.py, 2026-11-30): d=72 gave a wrong dQ there (max error 1.0 in
     # fp16), so other head dims go to our kernels until a GPU run shows them right.
@@ -186,7 +183,9 @@ class FlashAttention(AttentionBackend):
         if major == 10 and max(dims) > 128 and dims not in cls.SM100_HEAD_DIMS_BEYOND_128:
             reasons.append(f"(head_dim_qk, head_dim_v)={dims} on sm10x (supported: both <= 128, "
                            f"{', '.join(str(d) for d in sorted(cls.SM100_HEAD_DIMS_BEYOND_128))})")
-        if config.attn_mask_type in cls.TOP_LEFT_CAUSAL_MASKS and config.max_seqlen_q > config.max_seqlen_kv:
+        # flash-attn-4 aligns causal masks bottom-right; top-left ones equal them only when s_kv >= s_q
+        # (the wrapper then hides the keys no query can see).
+        if config.attn_mask_type.is_top_left_causal and config.max_seqlen_q > config.max_seqlen_kv:
             reasons.append(f"attn_mask_type={config.attn_mask_type.value} (top-left) with s_q={config.max_seqlen_q} "
                            f"> s_kv={config.max_seqlen_kv}: flash-attn-4 aligns causal masks bottom-right")
         if config.deterministic and major is not None and major not in cls.DETERMINISTIC_INVARIANT_ARCHS:

@@ -78,6 +78,11 @@ class AttnMaskType(str, Enum):
     def is_bottom_right(self) -> bool:
         return "bottom_right" in self.value
 
+    @property
+    def is_top_left_causal(self) -> bool:
+        """causal / padding_causal: the diagonal starts at the first key whatever the lengths."""
+        return self.is_causal and not self.is_bottom_right
+
 
 class AttnBiasType(str, Enum):
     NO_BIAS = "no_bias"

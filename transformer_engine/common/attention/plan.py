@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 from transformer_engine.common.attention.config import AttnConfig
+from transformer_engine.common.attention.enums import AttnMaskType
 
-__all__ = ["Tiles", "ForwardPlan", "BackwardPlan", "forward_plan", "backward_plan", "padded_head_dim"]
+__all__ = ["Tiles", "ForwardPlan", "BackwardPlan", "forward_plan", "backward_plan", "mask_flags", "padded_head_dim"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,16 @@ class BackwardPlan:
         if self.atomic_dq:
             return ("attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel[atomic_dq]")
         return ("attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")
+
+
+def mask_flags(mask: AttnMaskType, window: Tuple[int, int]) -> Tuple[Dict[str, bool], int, int]:
+    """The kernels' mask constexprs (HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT) and the (left, right) window
+    they take, for a mask type and a normalized window (-1: unbounded); causal masks close the right."""
+    left, right = window
+    if mask.is_causal:
+        right = 0
+    flags = dict(HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, BOTTOM_RIGHT=not mask.is_top_left_causal)
+    return flags, max(left, 0), max(right, 0)
 
 
 def padded_head_dim(d: int) -> int:

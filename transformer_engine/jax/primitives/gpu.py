@@ -31,9 +31,9 @@ import numpy as np
 from jax.interpreters import mlir
 
 from transformer_engine.common.attention.config import AttnConfig
-from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, QKVFormat
+from transformer_engine.common.attention.enums import AttnBiasType, QKVFormat
 from transformer_engine.common.attention.kernels.aot import CompiledKernel, Pointer, compile_kernel
-from transformer_engine.common.attention.plan import backward_plan, forward_plan
+from transformer_engine.common.attention.plan import backward_plan, forward_plan, mask_flags
 
 __all__ = ["unavailable_reason", "fused_attn_fwd_lowering", "fused_attn_bwd_lowering"]
 
@@ -218,15 +218,6 @@ def _plan_config(static, q, k, v, deterministic: bool) -> AttnConfig:
     )
 
 
-def _mask_flags(static) -> Tuple[Dict[str, bool], int, int]:
-    left, right = static.window_size
-    mask = static.attn_mask_type
-    if mask.is_causal:
-        right = 0
-    bottom_right = mask not in (AttnMaskType.CAUSAL_MASK, AttnMaskType.PADDING_CAUSAL_MASK)
-    return dict(HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, BOTTOM_RIGHT=bottom_right), max(left, 0), max(right, 0)
-
-
 def _uses_packed_mode(static) -> bool:
     """Padding masks (and THD) run the kernels in packed mode over all tokens."""
     return static.attn_mask_type.is_padding
@@ -291,7 +282,7 @@ def _fwd_impl(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds
         seq_bufs = dict.fromkeys(("SEQ_START_Q", "SEQ_START_K", "SEQ_LEN_Q", "SEQ_LEN_K"), Buf(lse))
 
     plan = forward_plan(_plan_config(static, q, k, v, deterministic=False))
-    flags, left, right = _mask_flags(static)
+    flags, left, right = mask_flags(static.attn_mask_type, static.window_size)
     t = plan.tiles
     values = dict(
         Q=Buf(0), K=Buf(1), V=Buf(2), O=Buf(o), LSE=Buf(lse), **seq_bufs,
@@ -425,7 +416,7 @@ def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_of
     plan = backward_plan(_plan_config(static, q, k, v, deterministic=static.deterministic))
     if static.deterministic and plan.atomic_dq:
         raise RuntimeError("deterministic backward planned with atomic dQ; this is a planning bug")
-    flags, left, right = _mask_flags(static)
+    flags, left, right = mask_flags(static.attn_mask_type, static.window_size)
     common = dict(IS_THD=packed, HAS_SEQLENS=packed)
     strides = dict(
         **_named_strides("q", _strides(q.shape, packed)), **_named_strides("k", _strides(k.shape, packed)),

@@ -43,9 +43,6 @@ def deterministic_requested() -> bool:
     return (not settings.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO")) or torch.are_deterministic_algorithms_enabled()
 
 
-_TOP_LEFT_CAUSAL = (AttnMaskType.CAUSAL_MASK, AttnMaskType.PADDING_CAUSAL_MASK)
-
-
 def _flash_attn_reasons() -> Tuple[Tuple[str, str], ...]:
     from transformer_engine.pytorch.attention import flash_backend
 
@@ -138,7 +135,7 @@ def make_attn_config(
     if deterministic is None:
         deterministic = deterministic_requested()
     extra = _flash_attn_reasons()
-    if deterministic and distinct_kv_lengths and mask in _TOP_LEFT_CAUSAL:
+    if deterministic and distinct_kv_lengths and mask.is_top_left_causal:
         # flash-attn-4 runs a top-left causal batch only if every sequence has at least as many keys as
         # queries: which backend runs would depend on the other sequences of the batch, and the same
         # sequence could get different bits in another batch.

@@ -39,7 +39,6 @@ __all__ = ["flash_attn_func", "unavailable_reason", "SUPPORTED_MAJORS"]
 
 # GPU generations flash-attn-4 runs on here: Hopper (SM90) and Blackwell (SM100).
 SUPPORTED_MAJORS = (9, 10)
-_TOP_LEFT_CAUSAL = (AttnMaskType.CAUSAL_MASK, AttnMaskType.PADDING_CAUSAL_MASK)
 
 
 @functools.lru_cache(maxsize=1)
@@ -158,7 +157,7 @@ def _flash_attn(q, k, v, fmt: QKVFormat, mask: AttnMaskType, window_size, softma
     fa = _flash_attn_cute()
     options = dict(softmax_scale=softmax_scale, causal=mask.is_causal, window_size=_fa_window(mask, window_size),
                    num_splits=1, deterministic=deterministic)
-    top_left = mask in _TOP_LEFT_CAUSAL
+    top_left = mask.is_top_left_causal
 
     if fmt != QKVFormat.THD and not mask.is_padding:
         qb, kb, vb = (t.transpose(0, 1) if fmt == QKVFormat.SBHD else t for t in (q, k, v))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -18,7 +17,7 @@ from transformer_engine.common.attention.kernels.backward import (
 )
 from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel
 from transformer_engine.common.attention.kernels.scores import dropout_mask_kernel
-from transformer_engine.common.attention.plan import BackwardPlan, ForwardPlan, Tiles, backward_plan, forward_plan
+from transformer_engine.common.attention.plan import BackwardPlan, ForwardPlan, backward_plan, forward_plan, mask_flags
 from transformer_engine.pytorch.attention.config import dtype_name
 
 LOG2E = 1.4426950408889634
@@ -141,13 +140,6 @@ class ScoreMods:
 NO_MODS = ScoreMods()
 
 
-def _mask_flags(mask: AttnMaskType, window: Tuple[int, int]):
-    left, right = window
-    if mask.is_causal:
-        right = 0
-    return dict(HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, BOTTOM_RIGHT=(mask != AttnMaskType.CAUSAL_MASK
-                                                                       and mask != AttnMaskType.PADDING_CAUSAL_MASK)), \
-        max(left, 0), max(right, 0)
 
 
 def forward(q, k, v, fmt: QKVFormat, seqs: Sequences, softmax_scale: float, mask: AttnMaskType,
@@ -165,7 +157,7 @@ def forward(q, k, v, fmt: QKVFormat, seqs: Sequences, softmax_scale: float, mask
     _, sk_ = canonical(k, fmt)
     _, sv_ = canonical(v, fmt)
     _, so_ = canonical(out, fmt)
-    flags, left, right = _mask_flags(mask, window)
+    flags, left, right = mask_flags(mask, window)
     t = plan.tiles
     grid = (triton.cdiv(seqs.max_q, t.block_m), seqs.batch * hq)
     attn_fwd_kernel[grid](
@@ -206,7 +198,7 @@ def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_
     _, sdo_ = canonical(d_out, fmt)
     _, sdk_ = canonical(dk, fmt)
     _, sdv_ = canonical(dvt, fmt)
-    flags, left, right = _mask_flags(mask, window)
+    flags, left, right = mask_flags(mask, window)
     seq_args = seqs.args(lse)
 
     pre = plan.preprocess

@@ -149,7 +149,7 @@ def visible_mask(
     else:
         len_q, len_kv = sq, skv
         keep = torch.ones(1, 1, sq, skv, dtype=torch.bool, device=device)
-    top_left = mask in (AttnMaskType.CAUSAL_MASK, AttnMaskType.PADDING_CAUSAL_MASK)
+    top_left = mask.is_top_left_causal
     diag = i if top_left else i + (len_kv - len_q)
     if left >= 0:
         keep = keep & (j >= diag - left)
@@ -164,7 +164,7 @@ def _alibi_bias(slopes: torch.Tensor, sq: int, skv: int, mask: AttnMaskType, len
     device = slopes.device
     i = torch.arange(sq, device=device).view(1, 1, sq, 1)
     j = torch.arange(skv, device=device).view(1, 1, 1, skv)
-    if mask in (AttnMaskType.CAUSAL_MASK, AttnMaskType.PADDING_CAUSAL_MASK):
+    if mask.is_top_left_causal:
         diag = i
     elif lengths_q is not None:
         diag = i + (lengths_kv - lengths_q).view(-1, 1, 1, 1)

@@ -85,7 +85,7 @@ _SM90_FWD: Dict[Tuple[int, bool], Tiles] = {
     (16, False): Tiles(128, 64, 8, 3), (16, True): Tiles(64, 64, 4, 3),
     (32, False): Tiles(128, 64, 8, 3), (32, True): Tiles(64, 64, 4, 3),
     (64, False): Tiles(128, 64, 8, 3), (64, True): Tiles(64, 64, 4, 3),
-    (128, False): Tiles(64, 64, 4, 3), (128, True): Tiles(64, 64, 4, 3),
+    (128, False): Tiles(128, 64, 8, 3), (128, True): Tiles(128, 64, 8, 3),
     (256, False): Tiles(128, 64, 8, 2), (256, True): Tiles(128, 64, 8, 2),
 }
 _SM90_DKDV: Dict[Tuple[int, bool], Tiles] = {
@@ -98,7 +98,7 @@ _SM90_DKDV: Dict[Tuple[int, bool], Tiles] = {
 _SM90_DQ: Dict[Tuple[int, bool], Tiles] = {
     (16, False): Tiles(128, 64, 8, 2), (16, True): Tiles(64, 64, 4, 3),
     (32, False): Tiles(128, 64, 8, 2), (32, True): Tiles(64, 64, 4, 3),
-    (64, False): Tiles(128, 64, 8, 2), (64, True): Tiles(64, 64, 4, 3),
+    (64, False): Tiles(128, 64, 8, 3), (64, True): Tiles(64, 64, 4, 3),
     (128, False): Tiles(128, 64, 8, 3), (128, True): Tiles(128, 64, 8, 3),
     (256, False): Tiles(64, 64, 8, 2), (256, True): Tiles(64, 64, 8, 2),
 }

@@ -34,7 +34,15 @@ if [ "${PYTEST_WORKERS:-4}" != 0 ] && python3 -c "import xdist" 2>/dev/null; the
 fi
 
 note() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$LANES/$LANE/summary.txt"; }
-limit() { local v="${1}_TIMEOUT"; echo "${!v:-$2}"; }
+# A section's limit: <SECTION>_TIMEOUT (else its default), cut to what is left before DEADLINE
+# (seconds after start, default 560), so that the logs are packed before the call's 600 s run out.
+limit() {
+  local v="${1}_TIMEOUT" left
+  left=$(( ${DEADLINE:-560} - ($(date +%s) - T0) ))
+  [ "$left" -lt 5 ] && left=5
+  local want=${!v:-$2}
+  echo $(( want < left ? want : left ))
+}
 
 section() {
   local s=$1 d=$LANES/$LANE
@@ -101,8 +109,14 @@ lane() {  # lane NAME GPU SECTIONS
 { date -u; echo "commit ${GIT_COMMIT:-unknown (set GIT_COMMIT)}; git there says $(git rev-parse --short HEAD 2>/dev/null)"; nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
   python3 -c "import torch, triton, jax; print('torch', torch.__version__, 'triton', triton.__version__, 'jax', jax.__version__)"
 } > "$LANES/env.txt" 2>&1
-(lane gpu0 0 "${1:-}") &
-(lane gpu1 1 "${2:-}") &
+# A build listed in either lane runs first, alone: the other lane's tests need what it builds.
+L0=" ${1:-} " L1=" ${2:-} "
+if [[ "$L0$L1" == *" build "* ]]; then
+  lane setup 0 build
+  L0=${L0// build / } L1=${L1// build / }
+fi
+(lane gpu0 0 "$L0") &
+(lane gpu1 1 "$L1") &
 wait
 [ -n "${3:-}" ] && lane both 0,1 "$3"
 

@@ -159,7 +159,7 @@ def test_bshd_causal_forward_and_backward_programs(captured_programs):
     assert fills == []  # BSHD mode writes every row
     (launch,) = launches
     plan = gpu.forward_plan(gpu._plan_config(_static(AttnMaskType.CAUSAL_MASK), *_fake(b, s, hq, hk, d), False))
-    assert launch["grid"] == (s // plan.tiles.block_m, b * hq, 1)
+    assert launch["grid"] == (b * hq, s // plan.tiles.block_m, 1)  # plan.block_grid: blocks on the slow axis
     assert [r.shape for r in fwd.results] == [(b, s, hq, d), (b, hq, s)]
     _, fills, launches = _check_program(bwd, ["attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel",
                                               "attn_bwd_dq_kernel"])
@@ -176,7 +176,7 @@ def test_padding_runs_the_packed_mode_with_zero_and_inf_fills(captured_programs)
     n_ops = len(fwd.operands)
     assert fills == [(n_ops, 0, 1), (n_ops + 1, 0x7F800000, 4)]  # output zeroed, lse +inf
     assert [r.shape for r in fwd.results] == [(b, s, hq, d), (b * m, hq, s)]
-    assert launches[0]["grid"][1] == b * m * hq  # one program column per (sequence, head)
+    assert launches[0]["grid"][0] == b * m * hq  # one program row per (sequence, head)
     _, fills, _ = _check_program(bwd, ["attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"])
     n_ops = len(bwd.operands)
     assert fills == [(n_ops, 0, 1), (n_ops + 1, 0, 1), (n_ops + 2, 0, 1)]  # dq, dk, dv zeroed
@@ -383,6 +383,7 @@ def test_selection_holds_the_bias_back_until_verified_on_a_gpu(monkeypatch):
 
     monkeypatch.setattr(te_attention, "_device_facts", lambda: ("cuda", (9, 0)))
     monkeypatch.setattr(gpu, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(gpu, "BIAS_VERIFIED_ON_GPU", False)
     args = dict(is_training=True, q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, qkv_layout="bshd_bshd_bshd",
                 attn_bias_type=AttnBiasType.POST_SCALE_BIAS, attn_mask_type=AttnMaskType.PADDING_CAUSAL_MASK,
                 dropout_probability=0.0, q_num_heads=4, kv_num_heads=2, q_max_seqlen=128, kv_max_seqlen=128,
@@ -406,6 +407,38 @@ def test_selection_holds_the_bias_back_until_verified_on_a_gpu(monkeypatch):
     assert any("awaits its GPU verification" in r for r in selection.rejected[te_attention.FusedAttention.NAME])
     monkeypatch.setattr(gpu, "BIAS_VERIFIED_ON_GPU", True)
     assert selected().backend.SHORT_NAME == "fused"
+
+
+@pytest.mark.parametrize("descriptor", ["seqlens", "offsets", "segment_ids"])
+def test_bias_with_sequences_that_may_start_late_stays_unfused(monkeypatch, descriptor):
+    """The kernels index a bias from each sequence's first token, the bias is laid out by row
+    position: a padded call whose sequences may start after token 0 (seq_offsets, segment_ids)
+    selects the unfused backend with that reason; from_seqlens selects fused. Checked by the
+    backend each call records (jnp on this CPU, which is why only selection is asserted)."""
+    from transformer_engine.common.attention.enums import AttnBiasType
+
+    monkeypatch.setattr(te_attention, "_device_facts", lambda: ("cuda", (9, 0)))
+    monkeypatch.setattr(gpu, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(gpu, "BIAS_VERIFIED_ON_GPU", True)
+    b, s, h, d = 2, 16, 2, 16
+    q = jnp.zeros((b, s, h, d), jnp.float16)
+    lens = jnp.array([16, 9], jnp.int32)
+    seq = {
+        "seqlens": lambda: te_attention.SequenceDescriptor.from_seqlens((lens, lens)),
+        "offsets": lambda: te_attention.SequenceDescriptor.from_seqlens_and_offsets(
+            (lens[:, None], lens[:, None]), (jnp.zeros((b, 1), jnp.int32),) * 2),
+        "segment_ids": lambda: te_attention.SequenceDescriptor.from_segment_ids_and_pos(
+            ((jnp.arange(s)[None, :] < lens[:, None]).astype(jnp.int32),) * 2),
+    }[descriptor]()
+    call = te_attention._parse_call(
+        (q, q, q), jnp.zeros((1, h, s, s), jnp.float16), seq, None, AttnBiasType.POST_SCALE_BIAS,
+        AttnMaskType.PADDING_MASK, QKVLayout.BSHD_BSHD_BSHD, None, 0.0, True, 1, None)
+    selection = te_attention.select_attention_backend(call.config)
+    if descriptor == "seqlens":
+        assert selection.backend.SHORT_NAME == "fused", selection.rejected
+    else:
+        assert selection.backend.SHORT_NAME == "unfused"
+        assert any("from_seqlens" in r for r in selection.rejected[te_attention.FusedAttention.NAME])
 
 
 def _static(mask):

@@ -101,10 +101,12 @@ _CANDIDATES = (FusedAttention, UnfusedDotProductAttention)
 
 
 def _frontend_extra(device_type: str, attn_bias_type: AttnBiasType, dropout: float,
-                    is_training: bool, selecting: bool = True) -> Tuple[Tuple[str, str], ...]:
+                    is_training: bool, selecting: bool = True,
+                    offset_sequences: bool = False) -> Tuple[Tuple[str, str], ...]:
     """Reasons only the JAX frontend knows (FusedAttention reads them from ``config.extra``): the
     device it can launch on, its launcher's build and what it wires to the kernels. ``selecting``:
-    also hold back what the kernels can run but ``fused_attn`` should not pick yet."""
+    also hold back what the kernels can run but ``fused_attn`` should not pick yet.
+    ``offset_sequences``: the call's padded sequences may start after token 0 of their row."""
     if device_type != "cuda":
         return ((FusedAttention.NAME, f"device={device_type}: JAX launches the Triton kernels on CUDA GPUs only "
                  "(on CPU the fused primitives lower to jnp, for tests)"),)
@@ -120,6 +122,12 @@ def _frontend_extra(device_type: str, attn_bias_type: AttnBiasType, dropout: flo
     if attn_bias_type != AttnBiasType.NO_BIAS and selecting and not gpu.BIAS_VERIFIED_ON_GPU:
         reasons.append(f"attn_bias_type={attn_bias_type.value} (the JAX launch of the bias is lowered but awaits its "
                        "GPU verification, qa/L1_jax_gpu)")
+    # The kernels index the bias from each sequence's first token; the bias is laid out by
+    # position in the row. Equal only when sequences start at token 0 (SequenceDescriptor.from_seqlens).
+    if attn_bias_type != AttnBiasType.NO_BIAS and offset_sequences:
+        reasons.append(f"attn_bias_type={attn_bias_type.value} with a sequence_descriptor of seq_offsets or "
+                       "segment_ids (sequences that may start after token 0 of their row; the kernels index the "
+                       "bias from each sequence's start): use SequenceDescriptor.from_seqlens")
     if dropout > 0 and is_training:
         reasons.append(f"dropout={dropout} (the JAX launch passes no dropout to the kernels yet)")
     return tuple((FusedAttention.NAME, r) for r in reasons)
@@ -131,12 +139,13 @@ def _bias_shape_name(bias_shape: Optional[Sequence[int]]) -> Optional[str]:
     return ("b" if bias_shape[0] > 1 else "1") + ("h" if bias_shape[1] > 1 else "1") + "ss"
 
 
-def _make_config(*, dtype, bias_shape: Optional[Sequence[int]], selecting: bool = True, **fields) -> AttnConfig:
+def _make_config(*, dtype, bias_shape: Optional[Sequence[int]], selecting: bool = True,
+                 offset_sequences: bool = False, **fields) -> AttnConfig:
     """The AttnConfig of a call: ``fields`` as AttnConfig names them, plus what JAX knows now
     (device, determinism switch, the frontend's own reasons; see ``_frontend_extra``)."""
     device_type, capability = _device_facts()
     extra = _frontend_extra(device_type, fields["attn_bias_type"], fields["dropout"], fields["is_training"],
-                            selecting)
+                            selecting, offset_sequences)
     return AttnConfig(
         dtype=jnp.dtype(dtype).name,
         bias_shape=_bias_shape_name(bias_shape),
@@ -472,6 +481,8 @@ def _parse_call(
         max_seqlen_q=s_q, max_seqlen_kv=s_kv, dtype=q.dtype, qkv_layout=layout, attn_mask_type=mask,
         window_size=window, attn_bias_type=bias_type, bias_shape=None if bias is None else bias.shape,
         dropout=dropout, is_training=bool(is_training),
+        offset_sequences=mask.is_padding and fmt != QKVFormat.THD and (
+            sequence_descriptor.seq_offsets is not None or sequence_descriptor.segment_ids is not None),
     )
     static = FusedAttnStatic(
         attn_mask_type=mask,

@@ -173,11 +173,18 @@ def _group(q: jax.Array, num_kv_heads: int) -> jax.Array:
     return q.reshape(b, s, num_kv_heads, h // num_kv_heads, d)
 
 
+def _precision(dtype):
+    """fp32 operands get true fp32 products, as the kernels' "ieee" dots (XLA's default on GPU is
+    TF32, ~1e-3 off); lower-precision operands are exact in any mode."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
 def _logits(q, k, bias, scale, attn_bias_type, accum_dtype):
     """``[b, h_q, s_q, s_kv]`` scaled logits (plus bias), accumulated in ``accum_dtype``."""
     b, s_q, h_q, _ = q.shape
     h_kv = k.shape[2]
-    raw = jnp.einsum("bqkgd,bskd->bkgqs", _group(q, h_kv), k, preferred_element_type=accum_dtype)
+    raw = jnp.einsum("bqkgd,bskd->bkgqs", _group(q, h_kv), k, preferred_element_type=accum_dtype,
+                     precision=_precision(q.dtype))
     raw = raw.reshape(b, h_q, s_q, k.shape[1])
     if bias is None or attn_bias_type == AttnBiasType.NO_BIAS:
         return raw * scale
@@ -231,7 +238,7 @@ def _pv(probs, v, accum_dtype):
     b, h_q, s_q, s_kv = probs.shape
     h_kv = v.shape[2]
     p = probs.reshape(b, h_kv, h_q // h_kv, s_q, s_kv)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", p, v, preferred_element_type=accum_dtype)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", p, v, preferred_element_type=accum_dtype, precision=_precision(v.dtype))
     return out.reshape(b, s_q, h_q, v.shape[-1])
 
 
@@ -325,8 +332,9 @@ def fused_bwd_math(q, k, v, bias, out, dout, lse, seq: SeqInfo, seeds, *, static
     dout_f = dout.astype(f32)
     # delta_i = sum_d dO_id O_id = sum_j P_ij dP_ij (holds with dropout too).
     delta = jnp.swapaxes(fixed_order_sum(dout_f * out.astype(f32), axis=-1), 1, 2)  # [b, h_q, s_q]
+    hi = jax.lax.Precision.HIGHEST
     dprobs_dropped = jnp.einsum(
-        "bqkgd,bskd->bkgqs", _group(dout_f, h_kv), vf, preferred_element_type=f32
+        "bqkgd,bskd->bkgqs", _group(dout_f, h_kv), vf, preferred_element_type=f32, precision=hi
     ).reshape(b, h_q, s_q, s_kv)
     if static.has_dropout:
         keep = dropout_keep_mask(seeds, s_q, s_kv, static.dropout_probability)
@@ -338,12 +346,12 @@ def fused_bwd_math(q, k, v, bias, out, dout, lse, seq: SeqInfo, seeds, *, static
         dprobs = dprobs_dropped
     dlogits = probs * (dprobs - delta[..., None])  # [b, h_q, s_q, s_kv]
     dv = jnp.einsum(
-        "bkgqs,bqkgd->bskd", probs_used.reshape(b, h_kv, h_q // h_kv, s_q, s_kv), _group(dout_f, h_kv)
+        "bkgqs,bqkgd->bskd", probs_used.reshape(b, h_kv, h_q // h_kv, s_q, s_kv), _group(dout_f, h_kv), precision=hi
     )
     dscores = dlogits * static.scaling_factor
     dscores_g = dscores.reshape(b, h_kv, h_q // h_kv, s_q, s_kv)
-    dq = jnp.einsum("bkgqs,bskd->bqkgd", dscores_g, kf).reshape(q.shape)
-    dk = jnp.einsum("bkgqs,bqkgd->bskd", dscores_g, _group(qf, h_kv))
+    dq = jnp.einsum("bkgqs,bskd->bqkgd", dscores_g, kf, precision=hi).reshape(q.shape)
+    dk = jnp.einsum("bkgqs,bqkgd->bskd", dscores_g, _group(qf, h_kv), precision=hi)
     if bias is None:
         dbias = None
     else:

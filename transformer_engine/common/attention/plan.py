@@ -13,7 +13,8 @@ from typing import Dict, Optional, Tuple
 from transformer_engine.common.attention.config import AttnConfig
 from transformer_engine.common.attention.enums import AttnMaskType
 
-__all__ = ["Tiles", "ForwardPlan", "BackwardPlan", "forward_plan", "backward_plan", "mask_flags", "padded_head_dim"]
+__all__ = ["Tiles", "ForwardPlan", "BackwardPlan", "forward_plan", "backward_plan", "mask_flags", "padded_head_dim",
+           "block_grid"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,18 @@ def mask_flags(mask: AttnMaskType, window: Tuple[int, int]) -> Tuple[Dict[str, b
         right = 0
     flags = dict(HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, BOTTOM_RIGHT=not mask.is_top_left_causal)
     return flags, max(left, 0), max(right, 0)
+
+
+def block_grid(num_blocks: int, num_seq_heads: int) -> Tuple[int, int, int]:
+    """Launch grid of the forward and backward kernels: (sequence * head, block, 1).
+
+    The block index is the slow grid axis, so the GPU hands out block 0 of every (sequence, head)
+    before any block 1. Kernels number their blocks heaviest first under causal masks (dK/dV: the
+    first key block; forward and dQ: the last query block), so the whole grid runs
+    longest-first and only short programs are left for the tail. The order changes no result.
+    (Sequence * head on axis 0 also lifts the 65535 limit of axis 1 off batch * heads.)
+    """
+    return (num_seq_heads, num_blocks, 1)
 
 
 def padded_head_dim(d: int) -> int:

@@ -16,7 +16,7 @@ log-sum-exp is ``[b * m, h, s]`` = the primitives' ``[b, m, h, s]`` softmax aux.
 
 A post_scale_bias ``[1|b, 1|h, s_q, s_kv]`` (padded layouts, one sequence per row) goes to the
 forward, dK/dV and dQ kernels with the PyTorch launcher's strides, and its gradient comes from the
-dBias kernel; ``BIAS_VERIFIED_ON_GPU`` says whether fused_attn selects this path yet.
+dBias kernel; ``BIAS_VERIFIED_ON_GPU`` says whether fused_attn selects this path.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from jax.interpreters import mlir
 from transformer_engine.common.attention.config import AttnConfig
 from transformer_engine.common.attention.enums import AttnBiasType, QKVFormat
 from transformer_engine.common.attention.kernels.aot import CompiledKernel, Pointer, compile_kernel
-from transformer_engine.common.attention.plan import backward_plan, forward_plan, mask_flags
+from transformer_engine.common.attention.plan import backward_plan, block_grid, forward_plan, mask_flags
 
 __all__ = ["unavailable_reason", "fused_attn_fwd_lowering", "fused_attn_bwd_lowering"]
 
@@ -43,11 +43,11 @@ LOG2E = 1.4426950408889634  # as the PyTorch launcher, so both pass the same fp3
 
 _KIND_BUFFER, _KIND_I32, _KIND_I64, _KIND_F32, _KIND_NULL = range(5)
 
-# The bias path (post_scale_bias forward, dBias backward) is lowered and its launch programs are
-# checked on the CPU (tests/jax/test_jax_gpu_lowering.py), but it has not run on a GPU yet. Until
-# it has, fused_attn's selection keeps bias calls on the unfused backend; forcing the fused
-# backend (the GPU tests do) runs this path. Set True once qa/L1_jax_gpu passes with it.
-BIAS_VERIFIED_ON_GPU = False
+# The bias path (post_scale_bias forward, dBias backward): its launch programs are checked on the
+# CPU (tests/jax/test_jax_gpu_lowering.py) and the GPU tests that force it passed on the H200
+# (qa/L1_jax_gpu, 2026-11-30, qa/results/gpu_runs.md), so fused_attn selects it. False keeps bias
+# calls on the unfused backend (for a new bias path awaiting its GPU run).
+BIAS_VERIFIED_ON_GPU = True
 
 
 # ================================================================================================
@@ -298,7 +298,7 @@ def _fwd_impl(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds
     )
     values = _complete(attn_fwd_kernel, values, Buf(lse))
     kernel = _compile_launch(attn_fwd_kernel, values, prog, dict(num_warps=t.num_warps, num_stages=t.num_stages))
-    prog.launch(kernel, (_cdiv(s_q, t.block_m), nseq * hq, 1), values)
+    prog.launch(kernel, block_grid(_cdiv(s_q, t.block_m), nseq * hq), values)
     out, lse_out = prog.call(*operands)[:2]
     return out, lse_out.reshape(b, nseq // b, hq, s_q)
 
@@ -433,7 +433,7 @@ def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_of
     )
     pre_values = _complete(attn_bwd_preprocess_kernel, pre_values, LSE)
     kernel = _compile_launch(attn_bwd_preprocess_kernel, pre_values, prog, dict(num_warps=pre.num_warps))
-    prog.launch(kernel, (_cdiv(s_q, pre.block_m), nseq * hq, 1), pre_values)
+    prog.launch(kernel, block_grid(_cdiv(s_q, pre.block_m), nseq * hq), pre_values)
 
     if plan.atomic_dq:
         dq_acc = prog.result(q.shape, jnp.float32)
@@ -455,7 +455,7 @@ def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_of
     dkdv_values = _complete(attn_bwd_dkdv_kernel, dkdv_values, LSE)
     kernel = _compile_launch(attn_bwd_dkdv_kernel, dkdv_values, prog,
                              dict(num_warps=t.num_warps, num_stages=t.num_stages))
-    prog.launch(kernel, (_cdiv(s_kv, t.block_n), nseq * hk, 1), dkdv_values)
+    prog.launch(kernel, block_grid(_cdiv(s_kv, t.block_n), nseq * hk), dkdv_values)
 
     if bias_buf is not None:  # launched between dK/dV and dQ, as the PyTorch launcher does
         _launch_dbias(prog, plan, static, q, k, v, bias, bias_buf, Buf(dbias), Buf(delta), seq, packed, flags, left,
@@ -467,7 +467,7 @@ def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_of
         dq_values = _complete(attn_bwd_dq_kernel, dq_values, LSE)
         kernel = _compile_launch(attn_bwd_dq_kernel, dq_values, prog,
                                  dict(num_warps=t.num_warps, num_stages=t.num_stages))
-        prog.launch(kernel, (_cdiv(s_q, t.block_m), nseq * hq, 1), dq_values)
+        prog.launch(kernel, block_grid(_cdiv(s_q, t.block_m), nseq * hq), dq_values)
 
     results = prog.call(*operands)
     dq_out, dk_out, dv_out = results[:3]

@@ -17,7 +17,9 @@ from transformer_engine.common.attention.kernels.backward import (
 )
 from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel
 from transformer_engine.common.attention.kernels.scores import dropout_mask_kernel
-from transformer_engine.common.attention.plan import BackwardPlan, ForwardPlan, backward_plan, forward_plan, mask_flags
+from transformer_engine.common.attention.plan import (
+    BackwardPlan, ForwardPlan, backward_plan, block_grid, forward_plan, mask_flags,
+)
 from transformer_engine.pytorch.attention.config import dtype_name
 
 LOG2E = 1.4426950408889634
@@ -159,8 +161,7 @@ def forward(q, k, v, fmt: QKVFormat, seqs: Sequences, softmax_scale: float, mask
     _, so_ = canonical(out, fmt)
     flags, left, right = mask_flags(mask, window)
     t = plan.tiles
-    grid = (triton.cdiv(seqs.max_q, t.block_m), seqs.batch * hq)
-    attn_fwd_kernel[grid](
+    attn_fwd_kernel[block_grid(triton.cdiv(seqs.max_q, t.block_m), seqs.batch * hq)](
         q, k, v, out, lse, *mods.pointer_args(lse), *seqs.args(lse),
         *sq_, *sk_, *sv_, *so_, lse.stride(0), lse.stride(1), *mods.stride_args(seqs.batch, hq),
         hq, hq // hk, seqs.max_q, seqs.max_k,
@@ -202,7 +203,7 @@ def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_
     seq_args = seqs.args(lse)
 
     pre = plan.preprocess
-    attn_bwd_preprocess_kernel[(triton.cdiv(seqs.max_q, pre.block_m), seqs.batch * hq)](
+    attn_bwd_preprocess_kernel[block_grid(triton.cdiv(seqs.max_q, pre.block_m), seqs.batch * hq)](
         out, d_out, delta, seq_args[0], seq_args[2], *so_, *sdo_, lse.stride(0), lse.stride(1),
         hq, seqs.max_q, HEAD_DIM_V=dv, BLOCK_DV=plan.block_dv, BLOCK_M=pre.block_m,
         IS_THD=seqs.is_thd, HAS_SEQLENS=seqs.has_seqlens, num_warps=pre.num_warps,
@@ -214,7 +215,7 @@ def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_
     _, sdqa_ = canonical(dq_acc, fmt) if plan.atomic_dq else (None, (0, 0, 0, 0))
     t = plan.dkdv
     mod_ptrs, mod_strides = mods.pointer_args(lse), mods.stride_args(seqs.batch, hq)
-    attn_bwd_dkdv_kernel[(triton.cdiv(seqs.max_k, t.block_n), seqs.batch * hk)](
+    attn_bwd_dkdv_kernel[block_grid(triton.cdiv(seqs.max_k, t.block_n), seqs.batch * hk)](
         q, k, v, d_out, dk, dvt, dq_acc, lse, delta, *mod_ptrs, *seq_args,
         *sq_, *sk_, *sv_, *sdo_, *sdk_, *sdv_, *sdqa_, lse.stride(0), lse.stride(1), *mod_strides,
         hk, hq // hk, seqs.max_q, seqs.max_k, softmax_scale, softmax_scale * LOG2E, left, right, mods.dropout_p,
@@ -230,7 +231,7 @@ def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_
     dq = alloc(q.shape, dtype=q.dtype, device=q.device)
     _, sdq_ = canonical(dq, fmt)
     t = plan.dq
-    attn_bwd_dq_kernel[(triton.cdiv(seqs.max_q, t.block_m), seqs.batch * hq)](
+    attn_bwd_dq_kernel[block_grid(triton.cdiv(seqs.max_q, t.block_m), seqs.batch * hq)](
         q, k, v, d_out, dq, lse, delta, *mod_ptrs, *seq_args,
         *sq_, *sk_, *sv_, *sdo_, *sdq_, lse.stride(0), lse.stride(1), *mod_strides,
         hq, hq // hk, seqs.max_q, seqs.max_k, softmax_scale, softmax_scale * LOG2E, left, right, mods.dropout_p,

@@ -159,7 +159,7 @@ def test_bshd_causal_forward_and_backward_programs(captured_programs):
     assert fills == []  # BSHD mode writes every row
     (launch,) = launches
     plan = gpu.forward_plan(gpu._plan_config(_static(AttnMaskType.CAUSAL_MASK), *_fake(b, s, hq, hk, d), False))
-    assert launch["grid"] == (b * hq, s // plan.tiles.block_m, 1)  # plan.block_grid: blocks on the slow axis
+    assert launch["grid"] == (s // plan.tiles.block_m, b * hq, 1)  # plan.block_grid
     assert [r.shape for r in fwd.results] == [(b, s, hq, d), (b, hq, s)]
     _, fills, launches = _check_program(bwd, ["attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel",
                                               "attn_bwd_dq_kernel"])
@@ -176,7 +176,7 @@ def test_padding_runs_the_packed_mode_with_zero_and_inf_fills(captured_programs)
     n_ops = len(fwd.operands)
     assert fills == [(n_ops, 0, 1), (n_ops + 1, 0x7F800000, 4)]  # output zeroed, lse +inf
     assert [r.shape for r in fwd.results] == [(b, s, hq, d), (b * m, hq, s)]
-    assert launches[0]["grid"][0] == b * m * hq  # one program row per (sequence, head)
+    assert launches[0]["grid"][1] == b * m * hq  # one program column per (sequence, head)
     _, fills, _ = _check_program(bwd, ["attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"])
     n_ops = len(bwd.operands)
     assert fills == [(n_ops, 0, 1), (n_ops + 1, 0, 1), (n_ops + 2, 0, 1)]  # dq, dk, dv zeroed

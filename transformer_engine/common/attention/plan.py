@@ -69,15 +69,13 @@ def mask_flags(mask: AttnMaskType, window: Tuple[int, int]) -> Tuple[Dict[str, b
 
 
 def block_grid(num_blocks: int, num_seq_heads: int) -> Tuple[int, int, int]:
-    """Launch grid of the forward and backward kernels: (sequence * head, block, 1).
+    """Launch grid of the forward and backward kernels: (block, sequence * head, 1).
 
-    The block index is the slow grid axis, so the GPU hands out block 0 of every (sequence, head)
-    before any block 1. Kernels number their blocks heaviest first under causal masks (dK/dV: the
-    first key block; forward and dQ: the last query block), so the whole grid runs
-    longest-first and only short programs are left for the tail. The order changes no result.
-    (Sequence * head on axis 0 also lifts the 65535 limit of axis 1 off batch * heads.)
+    The block index is the fast grid axis, so programs running together mostly share one head's
+    K/V (or Q/dO) in L2. Measured (benchmarks/attention/NOTES.md, entry 9): the block-major order
+    (every head's heaviest causal block first) lost 2-18% to this order on the H200.
     """
-    return (num_seq_heads, num_blocks, 1)
+    return (num_blocks, num_seq_heads, 1)
 
 
 def padded_head_dim(d: int) -> int:

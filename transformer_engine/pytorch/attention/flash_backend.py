@@ -34,6 +34,7 @@ from typing import Optional, Tuple
 import torch
 
 from transformer_engine.common.attention.enums import AttnMaskType, QKVFormat
+from transformer_engine.pytorch.attention.launch import zero_outside_sequences
 
 __all__ = ["flash_attn_func", "unavailable_reason", "SUPPORTED_MAJORS"]
 
@@ -74,33 +75,20 @@ def _flash_attn_cute():
 
 
 class _ZeroGradOutside(torch.autograd.Function):
-    """Identity forward; the backward zeroes the gradient of tokens outside every sequence
+    """Identity forward; the backward zeroes the gradient rows of tokens outside every sequence
     (flash-attn does not write them)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(keep)
+    def forward(ctx, x: torch.Tensor, starts: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(starts, used)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (keep,) = ctx.saved_tensors
-        return _zero_outside(grad, keep), None
-
-
-def _zero_outside(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """``x`` [t, h, d] with rows where ``keep`` [t] is False set to zero (NaN-safe)."""
-    return torch.where(keep.view(-1, 1, 1), x, torch.zeros((), dtype=x.dtype, device=x.device))
-
-
-def _token_mask(starts: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
-    """bool [total]: token p belongs to sequence n when starts[n] <= p < starts[n] + lengths[n]."""
-    starts = starts.narrow(0, 0, lengths.shape[0]).to(torch.int64)
-    pos = torch.arange(total, device=starts.device, dtype=torch.int64)
-    # The last sequence starting at or before p (empty sequences share a start with the next one).
-    seq = (torch.searchsorted(starts, pos, right=True) - 1).clamp_(min=0)
-    begin = starts.index_select(0, seq)
-    return (pos >= begin) & (pos < begin + lengths.to(torch.int64).index_select(0, seq))
+        starts, used = ctx.saved_tensors
+        # flash-attn's gradients are fresh dense tensors: cleared in place, gap rows only.
+        grad = grad if grad.is_contiguous() else grad.contiguous()
+        return zero_outside_sequences(grad, starts, used), None, None
 
 
 def _fa_window(mask: AttnMaskType, window_size: Tuple[int, int]) -> Tuple[Optional[int], Optional[int]]:
@@ -200,24 +188,27 @@ def _flash_attn(q, k, v, fmt: QKVFormat, mask: AttnMaskType, window_size, softma
     if top_left and not same_lengths:
         _check_top_left_lengths(lens_q, lens_kv, mask)
         seqused_kv = torch.minimum(lens_kv, lens_q)  # keys past len_q are never visible
-    used_q = lens_q if seqused_q is None else seqused_q
-    used_kv = lens_kv if seqused_kv is None else seqused_kv
-    keep_q = _token_mask(starts_q, used_q, qt.shape[0])
-    keep_kv = _token_mask(starts_kv, used_kv, kt.shape[0])
-    if torch.is_grad_enabled():
-        qt = _ZeroGradOutside.apply(qt, keep_q) if qt.requires_grad else qt
-        kt = _ZeroGradOutside.apply(kt, keep_kv) if kt.requires_grad else kt
-        vt = _ZeroGradOutside.apply(vt, keep_kv) if vt.requires_grad else vt
 
     def as_int32(t):
         return None if t is None else t.to(torch.int32).contiguous()
 
+    starts_q, starts_kv, seqused_q, seqused_kv = map(as_int32, (starts_q, starts_kv, seqused_q, seqused_kv))
+    used_q = as_int32(lens_q) if seqused_q is None else seqused_q
+    used_kv = as_int32(lens_kv) if seqused_kv is None else seqused_kv
+    if torch.is_grad_enabled():
+        qt = _ZeroGradOutside.apply(qt, starts_q, used_q) if qt.requires_grad else qt
+        kt = _ZeroGradOutside.apply(kt, starts_kv, used_kv) if kt.requires_grad else kt
+        vt = _ZeroGradOutside.apply(vt, starts_kv, used_kv) if vt.requires_grad else vt
+
     out, _ = fa.flash_attn_varlen_func(
-        qt, kt, vt, cu_seqlens_q=as_int32(starts_q), cu_seqlens_k=as_int32(starts_kv),
+        qt, kt, vt, cu_seqlens_q=starts_q, cu_seqlens_k=starts_kv,
         max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_kv),
-        seqused_q=as_int32(seqused_q), seqused_k=as_int32(seqused_kv), **options,
+        seqused_q=seqused_q, seqused_k=seqused_kv, **options,
     )
-    out = _zero_outside(out, keep_q)
+    # Gap rows cleared by a Triton kernel, which bumps no autograd version counter: flash-attn
+    # saves `out` for its backward but reads only rows inside sequences, so this is safe, and it
+    # avoids a copy of the whole output.
+    zero_outside_sequences(out, starts_q, used_q)
     if fmt == QKVFormat.THD:
         return out
     out = out.view(batch, max_seqlen_q, *out.shape[1:])

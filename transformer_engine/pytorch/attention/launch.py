@@ -15,6 +15,7 @@ from transformer_engine.common.attention.kernels.backward import (
     attn_bwd_dq_kernel,
     attn_bwd_preprocess_kernel,
 )
+from transformer_engine.common.attention.kernels.fill import zero_outside_sequences_kernel
 from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel
 from transformer_engine.common.attention.kernels.scores import dropout_mask_kernel
 from transformer_engine.common.attention.plan import (
@@ -278,3 +279,19 @@ def dropout_keep_mask(rng_state: torch.Tensor, batch: int, heads: int, seqlen_q:
     grid = (triton.cdiv(seqlen_q, block), triton.cdiv(seqlen_k, block), batch * heads)
     dropout_mask_kernel[grid](keep, rng_state, heads, seqlen_q, seqlen_k, dropout_p, BLOCK_M=block, BLOCK_N=block)
     return keep.bool()
+
+
+def zero_outside_sequences(x: torch.Tensor, starts: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
+    """In place: rows of ``x`` [t, h, d] outside every ``[starts[n], starts[n] + used[n])`` set to
+    zero (sequences in order, not overlapping; ``starts`` has at least ``len(used)`` entries).
+    Returns ``x``."""
+    t, h, d = x.shape
+    block_h, block_d = triton.next_power_of_2(h), triton.next_power_of_2(d)
+    block_t = max(1, min(16, 8192 // (block_h * block_d)))
+    # Gap programs on axis 0; axis 1 splits a long gap (usually only the tail after the last sequence).
+    chunks = 2 if x.device.type == "cpu" else 16
+    zero_outside_sequences_kernel[(used.shape[0] + 1, chunks)](
+        x, starts, used, used.shape[0], t, *x.stride(),
+        NUM_HEADS=h, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_T=block_t,
+    )
+    return x

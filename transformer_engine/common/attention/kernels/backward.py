@@ -39,8 +39,8 @@ def attn_bwd_preprocess_kernel(
     IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
 ):
     """delta[b, h, i] = sum_d dO[i, d] * O[i, d] (fp32)."""
-    start_m = tl.program_id(1) * BLOCK_M
-    pid_bh = tl.program_id(0)
+    start_m = tl.program_id(0) * BLOCK_M
+    pid_bh = tl.program_id(1)
     batch = pid_bh // num_heads_q
     head = pid_bh % num_heads_q
     start_q, len_q = sequence_extent(SEQ_START_Q, SEQ_LEN_Q, batch, seqlen_q, IS_THD, HAS_SEQLENS)
@@ -129,10 +129,10 @@ def attn_bwd_dkdv_kernel(
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One program per (batch * kv head, key block): dK, dV for that tile, summed over the
+    """One program per (key block, batch * kv head): dK, dV for that tile, summed over the
     query heads of the GQA group in order, each over its query blocks in order."""
-    start_n = tl.program_id(1) * BLOCK_N  # grid: plan.block_grid (key block 0, the heaviest, first)
-    pid_bh = tl.program_id(0)
+    start_n = tl.program_id(0) * BLOCK_N  # grid: plan.block_grid
+    pid_bh = tl.program_id(1)
     batch = pid_bh // num_heads_kv
     head_kv = pid_bh % num_heads_kv
     start_q, len_q = sequence_extent(SEQ_START_Q, SEQ_LEN_Q, batch, seqlen_q, IS_THD, HAS_SEQLENS)
@@ -257,7 +257,7 @@ def attn_bwd_dq_kernel(
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One program per (batch * query head, query block): dQ summed over key blocks in order."""
+    """One program per (query block, batch * query head): dQ summed over key blocks in order."""
     start_m, batch, head, head_kv, start_q, len_q, start_k, len_k, rows_out, diag = query_block_program(
         SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_heads_q, gqa_group, seqlen_q, seqlen_k,
         BLOCK_M, IS_THD, HAS_SEQLENS, BOTTOM_RIGHT)

@@ -1,4 +1,4 @@
-"""Attention forward: one program per (batch * query head, query block), online softmax.
+"""Attention forward: one program per (query block, batch * query head), online softmax.
 
 Scores live in the log2 domain (``qk_scale = softmax_scale * log2(e)``) so the inner loop uses
 exp2. The saved log-sum-exp is in natural-log units, ``+inf`` for rows that see no key (so the

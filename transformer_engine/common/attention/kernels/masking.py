@@ -57,15 +57,15 @@ def segment_bounds(SEGMENT: tl.constexpr, lo, full_lo, full_hi, hi):
 def query_block_program(SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_heads_q, gqa_group, seqlen_q, seqlen_k,
                         BLOCK_M: tl.constexpr, IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
                         BOTTOM_RIGHT: tl.constexpr):
-    """Where a program of the (batch * query head, query block) grid (plan.block_grid) works.
+    """Where a program of the (query block, batch * query head) grid (plan.block_grid) works.
 
     Returns (start_m, batch, head, head_kv, start_q, len_q, start_k, len_k, rows_out, diag).
     Query blocks run last-first: under causal masks the last carry the most work, so long programs
     start early and short ones fill the tail (the order changes no result). Padded formats write
     every row up to seqlen_q (zeros past len_q); packed ones only their own (``rows_out``).
     """
-    start_m = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
-    pid_bh = tl.program_id(0)
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    pid_bh = tl.program_id(1)
     batch = pid_bh // num_heads_q
     head = pid_bh % num_heads_q
     head_kv = head // gqa_group

@@ -13,7 +13,15 @@ import torch
 from fused_helpers import DEVICE, requires_fused
 from transformer_engine.pytorch.attention.launch import zero_outside_sequences
 
-pytestmark = requires_fused
+
+CASES = [
+    ([0, 5, 9, 20], [5, 4, 11], 20),  # cu_seqlens without gaps, no tail
+    ([0, 5, 9, 20], [5, 4, 11], 37),  # ... and a tail after the last sequence
+    ([3, 8, 16, 30], [2, 8, 0], 41),  # gaps before, between and after; an empty sequence
+    ([0, 16, 32, 48], [16, 7, 1], 48),  # padded batch as packed rows: starts n * s, used = lengths
+    ([0, 0, 0], [0, 0], 9),  # no token inside any sequence
+]
+CASE_IDS = ["no-gaps", "tail", "gaps-empty", "padded-batch", "all-empty"]
 
 
 def _inside(starts, used, total):
@@ -23,34 +31,34 @@ def _inside(starts, used, total):
     return keep
 
 
+@requires_fused
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize(
-    "starts,used,total",
-    [
-        ([0, 5, 9, 20], [5, 4, 11], 20),  # cu_seqlens without gaps, no tail
-        ([0, 5, 9, 20], [5, 4, 11], 37),  # ... and a tail after the last sequence
-        ([3, 8, 16, 30], [2, 8, 0], 41),  # gaps before, between and after; an empty sequence
-        ([0, 16, 32, 48], [16, 7, 1], 48),  # padded batch as packed rows: starts n * s, used = lengths
-        ([0, 0, 0], [0, 0], 9),  # no token inside any sequence
-    ],
-    ids=["no-gaps", "tail", "gaps-empty", "padded-batch", "all-empty"],
-)
-def test_only_gap_rows_become_zero(dtype, starts, used, total):
+@pytest.mark.parametrize("starts,used,total", CASES, ids=CASE_IDS)
+def test_only_gap_rows_become_zero(dtype, starts, used, total, device=DEVICE):
     h, d = 3, 40  # not powers of two: the kernel's column mask
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn((total, h, d), generator=gen).to(DEVICE, dtype)
+    x = torch.randn((total, h, d), generator=gen).to(device, dtype)
     x[0] = float("nan")  # a gap row holding NaN must still read zero
     before = x.clone()
-    starts_t = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
-    used_t = torch.tensor(used, dtype=torch.int32, device=DEVICE)
+    starts_t = torch.tensor(starts, dtype=torch.int32, device=device)
+    used_t = torch.tensor(used, dtype=torch.int32, device=device)
     out = zero_outside_sequences(x, starts_t, used_t)
     assert out is x
-    keep = _inside(torch.tensor(starts), torch.tensor(used), total).to(DEVICE)
+    keep = _inside(torch.tensor(starts), torch.tensor(used), total).to(device)
     bits = torch.int16 if dtype.itemsize == 2 else torch.int32
     assert torch.equal(x[keep].view(bits), before[keep].view(bits))  # bitwise, NaN-safe
     assert torch.equal(x[~keep], torch.zeros_like(x[~keep]))
 
 
+@pytest.mark.parametrize("starts,used,total", CASES, ids=CASE_IDS)
+def test_cpu_path_without_the_interpreter(monkeypatch, starts, used, total):
+    """CPU tensors without TRITON_INTERPRET (stand-in backends in the tests) take the torch path:
+    the same rows."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    test_only_gap_rows_become_zero(torch.float32, starts, used, total, device="cpu")
+
+
+@requires_fused
 def test_strided_rows_leave_other_columns_alone():
     """A view of every other head of a [t, 2h, d] tensor: only the viewed heads of gap rows clear."""
     total, h, d = 12, 2, 16

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -284,8 +285,19 @@ def dropout_keep_mask(rng_state: torch.Tensor, batch: int, heads: int, seqlen_q:
 def zero_outside_sequences(x: torch.Tensor, starts: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
     """In place: rows of ``x`` [t, h, d] outside every ``[starts[n], starts[n] + used[n])`` set to
     zero (sequences in order, not overlapping; ``starts`` has at least ``len(used)`` entries).
-    Returns ``x``."""
+    Returns ``x``. Like the CUDA kernel, the CPU path writes through ``.data``: no autograd version
+    bump (the caller clears rows no saved-tensor reader looks at)."""
     t, h, d = x.shape
+    if x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        # CPU tensors without Triton's interpreter (stand-in backends in tests): same rows, in torch.
+        n = used.shape[0]
+        edges = torch.zeros(t + 1, dtype=torch.int64)
+        begin = starts[:n].to(torch.int64).clamp(0, t)
+        edges.index_add_(0, begin, torch.ones(n, dtype=torch.int64))
+        edges.index_add_(0, (begin + used.to(torch.int64)).clamp(0, t), torch.full((n,), -1, dtype=torch.int64))
+        inside = edges.cumsum(0)[:t] > 0
+        x.data.masked_fill_(~inside.view(-1, 1, 1), 0)
+        return x
     block_h, block_d = triton.next_power_of_2(h), triton.next_power_of_2(d)
     block_t = max(1, min(16, 8192 // (block_h * block_d)))
     # Gap programs on axis 0; axis 1 splits a long gap (usually only the tail after the last sequence).

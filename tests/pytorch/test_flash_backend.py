@@ -695,7 +695,7 @@ def _gpu_case(spec, seed=0):
     return Case(device="cuda", seed=seed, **spec)
 
 
-DET_CASES = ["bshd-causal-gqa-bf16-d128", "thd-padding_causal-gqa", "bshd-window-64-16-bf16"]
+DET_CASES = ["bshd-causal-gqa-bf16-d128", "thd-padding_causal-gqa", "bshd-window-64-16-bf16", "bshd-causal-d256"]
 
 
 @requires_flash
@@ -734,14 +734,20 @@ def _invariance_failed(kind: str, name: str, detail: str) -> None:
                     "from FlashAttention.DETERMINISTIC_INVARIANT_ARCHS (backends.py)")
 
 
+# Head dims whose deterministic mode may be selected (policy.FLASH_MEASURED_FASTER) or is a candidate
+# (256: measured faster, listed once these pass at it).
+INVARIANCE_HEAD_DIMS = [128, 64, 256]
+
+
 @requires_flash
+@pytest.mark.parametrize("d", INVARIANCE_HEAD_DIMS, ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("mask", ["causal", "no_mask"])
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=["mha", "gqa"])
-def test_gpu_batch_invariance(mask, heads):
+def test_gpu_batch_invariance(mask, heads, d):
     """A sequence's output and gradients, bitwise, alone and as the middle one of a batch of three."""
     h, hk = heads
     g = gen(2)
-    s, d = 777, 128
+    s = 777
     full = [randn(shape, torch.bfloat16, g) for shape in ((3, s, h, d), (3, s, hk, d), (3, s, hk, d))]
     d_out = randn((3, s, h, d), torch.bfloat16, g, requires_grad=False)
 
@@ -752,7 +758,7 @@ def test_gpu_batch_invariance(mask, heads):
     together = run(*full, d_out)
     alone = run(*[t.detach()[1:2].clone().requires_grad_() for t in full], d_out[1:2])
     same = [torch.equal(a, b[1:2]) for a, b in zip(alone, together)]
-    name = f"bshd-{mask}-{'mha' if h == hk else 'gqa'}"
+    name = f"bshd-{mask}-{'mha' if h == hk else 'gqa'}" + ("" if d == 128 else f"-d{d}")
     if all(same):
         _record("batch", name, True, "out/dq/dk/dv bitwise equal")
     else:
@@ -760,11 +766,12 @@ def test_gpu_batch_invariance(mask, heads):
 
 
 @requires_flash
+@pytest.mark.parametrize("d", INVARIANCE_HEAD_DIMS, ids=lambda d: f"d{d}")
 @pytest.mark.parametrize("gap", [0, 2])
 @pytest.mark.parametrize("mask", ["padding", "padding_causal", "padding_causal_bottom_right"])
-def test_gpu_packed_thd_equals_padded_bshd(mask, gap):
+def test_gpu_packed_thd_equals_padded_bshd(mask, gap, d):
     """The same sequences packed (thd, with gaps or not) and padded (bshd): bitwise equal per sequence."""
-    h, hk, d, s = 8, 2, 128, 300
+    h, hk, s = 8, 2, 300
     lengths = [130, 1, 0, 300, 77]
     case_thd = _gpu_case(dict(fmt="thd", mask=mask, sq=s, skv=s, h=h, hk=hk, d=d, lens_q=lengths, same_cu=True,
                               gap=gap), seed=3)
@@ -784,7 +791,7 @@ def test_gpu_packed_thd_equals_padded_bshd(mask, gap):
         for n, ln in enumerate(lengths):
             if not torch.equal(unpacked[n, :ln], b[n, :ln]):
                 mismatches.append(f"{tname}[seq {n}]")
-    name = f"{mask}-gap{gap}"
+    name = f"{mask}-gap{gap}" + ("" if d == 128 else f"-d{d}")
     if not mismatches:
         _record("packing", name, True, "out/dq/dk/dv bitwise equal per sequence")
     else:

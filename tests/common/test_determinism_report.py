@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
 
 import numpy as np
 import pytest
@@ -262,16 +261,6 @@ def test_apply_defaults_fills_unset_options_and_checks_sizes():
     assert args.dtype == "float16"
     with pytest.raises(ValueError, match="`--seq-len` must be >= 1, got 0"):
         _args("--seq-len", "0")
-
-
-def test_environment_sets_and_restores(monkeypatch):
-    monkeypatch.setenv("TE_TEST_A", "old")
-    monkeypatch.delenv("TE_TEST_B", raising=False)
-    with pytest.raises(RuntimeError):
-        with report.environment(TE_TEST_A=None, TE_TEST_B="new"):
-            assert "TE_TEST_A" not in os.environ and os.environ["TE_TEST_B"] == "new"
-            raise RuntimeError
-    assert os.environ["TE_TEST_A"] == "old" and "TE_TEST_B" not in os.environ
 
 
 @pytest.mark.parametrize("error", [ValueError("`--steps` must be >= 1, got 0"), NoBackendError("no backend")])

@@ -4,6 +4,7 @@ follows NVTE_DEBUG x NVTE_DEBUG_LEVEL."""
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 
@@ -164,3 +165,13 @@ def test_warn_once():
         logger.removeHandler(collect)
         log._warned_once.discard(key)
     assert collect.messages == ["first warning"]
+
+
+def test_environment_sets_and_restores(monkeypatch):
+    monkeypatch.setenv("TE_TEST_A", "old")
+    monkeypatch.delenv("TE_TEST_B", raising=False)
+    with pytest.raises(RuntimeError):
+        with settings.environment(TE_TEST_A=None, TE_TEST_B="new"):
+            assert "TE_TEST_A" not in os.environ and os.environ["TE_TEST_B"] == "new"
+            raise RuntimeError
+    assert os.environ["TE_TEST_A"] == "old" and "TE_TEST_B" not in os.environ

@@ -413,8 +413,8 @@ def test_selection_holds_the_bias_back_until_verified_on_a_gpu(monkeypatch):
 def test_bias_with_sequences_that_may_start_late_stays_unfused(monkeypatch, descriptor):
     """The kernels index a bias from each sequence's first token, the bias is laid out by row
     position: a padded call whose sequences may start after token 0 (seq_offsets, segment_ids)
-    selects the unfused backend with that reason; from_seqlens selects fused. Checked by the
-    backend each call records (jnp on this CPU, which is why only selection is asserted)."""
+    selects the unfused backend with that reason; from_seqlens selects fused. Selection only: on
+    this CPU the call itself would run jnp either way."""
     from transformer_engine.common.attention.enums import AttnBiasType
 
     monkeypatch.setattr(te_attention, "_device_facts", lambda: ("cuda", (9, 0)))

@@ -26,8 +26,6 @@ from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, 
 
 import numpy as np
 
-from transformer_engine.common.settings import environment  # noqa: F401  (used by both checks)
-
 from transformer_engine.common.attention.backends import NoBackendError
 
 __all__ = [

@@ -332,7 +332,7 @@ def fused_bwd_math(q, k, v, bias, out, dout, lse, seq: SeqInfo, seeds, *, static
     dout_f = dout.astype(f32)
     # delta_i = sum_d dO_id O_id = sum_j P_ij dP_ij (holds with dropout too).
     delta = jnp.swapaxes(fixed_order_sum(dout_f * out.astype(f32), axis=-1), 1, 2)  # [b, h_q, s_q]
-    hi = jax.lax.Precision.HIGHEST
+    hi = _precision(f32)
     dprobs_dropped = jnp.einsum(
         "bqkgd,bskd->bkgqs", _group(dout_f, h_kv), vf, preferred_element_type=f32, precision=hi
     ).reshape(b, h_q, s_q, s_kv)

@@ -35,7 +35,8 @@ import time
 from typing import Dict, Optional, Sequence
 
 from transformer_engine.common import determinism_report as report
-from transformer_engine.common.determinism_report import CheckResult, Progress, RunResult, environment
+from transformer_engine.common.determinism_report import CheckResult, Progress, RunResult
+from transformer_engine.common.settings import environment
 
 __all__ = ["main", "run_check", "CheckResult"]
 

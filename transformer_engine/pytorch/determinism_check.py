@@ -34,7 +34,8 @@ from typing import Iterator, Optional, Sequence
 import torch
 
 from transformer_engine.common import determinism_report as report
-from transformer_engine.common.determinism_report import CheckResult, Progress, RunResult, environment
+from transformer_engine.common.determinism_report import CheckResult, Progress, RunResult
+from transformer_engine.common.settings import environment
 from transformer_engine.pytorch.models import TinyConfig, TinyTransformerLM
 
 __all__ = ["main", "run_check", "CheckResult"]

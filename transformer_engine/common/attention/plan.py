@@ -50,6 +50,11 @@ class BackwardPlan:
         tile = min(self.dq.block_m, 64)
         return Tiles(tile, tile, self.dq.num_warps, 1)
 
+    def dbias_grid(self, seqlen_q: int, seqlen_kv: int, bias_batch: int, bias_heads: int) -> Tuple[int, int, int]:
+        """Launch grid of the dBias kernel: one program per [s_q, s_kv] tile of each bias slice."""
+        t = self.dbias
+        return (-(-seqlen_q // t.block_m), -(-seqlen_kv // t.block_n), bias_batch * bias_heads)
+
     @property
     def kernels(self) -> Tuple[str, ...]:
         """Kernel names this plan launches, in order (tests check determinism uses no atomics)."""

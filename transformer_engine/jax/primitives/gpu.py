@@ -480,7 +480,7 @@ def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_of
 def _launch_dbias(prog: Program, plan, static, q, k, v, bias, bias_buf: Buf, dbias_buf: Buf, delta_buf: Buf,
                   seq: Dict[str, Buf], packed: bool, flags: Dict[str, bool], left: int, right: int) -> None:
     """dBias in the bias's shape, summed over its broadcast dims in a fixed order, with the
-    arguments, tiles (``plan.dbias``) and grid of ``launch._dbias``."""
+    arguments, tiles and grid (``plan.dbias``, ``plan.dbias_grid``) of ``launch._dbias``."""
     from transformer_engine.common.attention.kernels.backward import attn_bwd_dbias_kernel
 
     b, s_q, hq, dqk = q.shape
@@ -507,7 +507,7 @@ def _launch_dbias(prog: Program, plan, static, q, k, v, bias, bias_buf: Buf, dbi
     values = _complete(attn_bwd_dbias_kernel, values, LSE)
     kernel = _compile_launch(attn_bwd_dbias_kernel, values, prog,
                              dict(num_warps=t.num_warps, num_stages=t.num_stages))
-    prog.launch(kernel, (_cdiv(s_q, t.block_m), _cdiv(s_kv, t.block_n), bias.shape[0] * bias.shape[1]), values)
+    prog.launch(kernel, plan.dbias_grid(s_q, s_kv, bias.shape[0], bias.shape[1]), values)
 
 
 # ================================================================================================

@@ -23,7 +23,8 @@ from transformer_engine.common.attention import (
 )
 from transformer_engine.common.attention.config import normalize_window
 
-__all__ = ["deterministic_requested", "make_attn_config", "select", "PYTORCH_BACKENDS", "dtype_name", "check_cu_seqlens", "check_qkv"]
+__all__ = ["deterministic_requested", "make_attn_config", "select", "PYTORCH_BACKENDS", "dtype_name", "check_cu_seqlens",
+           "check_qkv"]
 
 PYTORCH_BACKENDS: Tuple[Type[AttentionBackend], ...] = (
     FlashAttention,

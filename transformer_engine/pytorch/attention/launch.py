@@ -144,8 +144,6 @@ class ScoreMods:
 NO_MODS = ScoreMods()
 
 
-
-
 def forward(q, k, v, fmt: QKVFormat, seqs: Sequences, softmax_scale: float, mask: AttnMaskType,
             window: Tuple[int, int], plan: Optional[ForwardPlan] = None, mods: ScoreMods = NO_MODS):
     """Run the forward kernel. Returns (out in q's format with head dim d_v, lse [b, h, max_s_q] fp32)."""
@@ -257,8 +255,7 @@ def _dbias(q, k, v, d_out, lse, delta, fmt, seqs: Sequences, softmax_scale, wind
     _, sdo_ = canonical(d_out, fmt)
     t = plan.dbias
     seq_args = seqs.args(lse)
-    grid = (triton.cdiv(seqs.max_q, t.block_m), triton.cdiv(seqs.max_k, t.block_n), bias.shape[0] * bias.shape[1])
-    attn_bwd_dbias_kernel[grid](
+    attn_bwd_dbias_kernel[plan.dbias_grid(seqs.max_q, seqs.max_k, bias.shape[0], bias.shape[1])](
         q, k, v, d_out, lse, delta, bias, dbias, mods.rng_state if mods.dropout_p > 0 else lse,
         seq_args[2], seq_args[3], *sq_, *sk_, *sv_, *sdo_, lse.stride(0), lse.stride(1),
         *mods.stride_args(seqs.batch, hq)[:4], *dbias.stride(),

@@ -11,7 +11,8 @@ import sys
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from common import attn_flops, bench_ms, grads_repeat_bitwise, peak_memory_gb, run_metadata, write_results
+from cases import attn_flops
+from common import bench_ms, grads_repeat_bitwise, peak_memory_gb, run_metadata, write_results
 from transformer_engine.pytorch.attention.fused_attn import fused_attn_func
 
 GRID = [

@@ -14,8 +14,6 @@ import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 
-from cases import attn_flops  # noqa: F401  (re-exported for bench_core.py and tune_tiles.py)
-
 _ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -12,7 +12,8 @@ import sys
 
 import torch
 
-from common import attn_flops, bench_ms
+from cases import attn_flops
+from common import bench_ms
 from transformer_engine.common.attention import AttnMaskType, QKVFormat
 from transformer_engine.common.attention.plan import Tiles, backward_plan, forward_plan
 from transformer_engine.pytorch.attention import launch

@@ -42,22 +42,26 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs,
             k_mask = k_mask & (offs_n[None, :] < len_k)
             v_mask = v_mask & (offs_n[:, None] < len_k)
         k = tl.load(k_ptrs + start_n * stride_ks, mask=k_mask, other=0.0)
-        qk = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        qk = tl.dot(q, k, input_precision=DOT_PRECISION)
         if HAS_BIAS or HAS_ALIBI:
-            qk += bias_log2(bias_base, offs_m[:, None], offs_n[None, :], len_q, len_k, stride_zm, stride_zn,
-                            alibi_slope, diag, HAS_BIAS, HAS_ALIBI)
+            qk = qk * qk_scale + bias_log2(bias_base, offs_m[:, None], offs_n[None, :], len_q, len_k, stride_zm,
+                                           stride_zn, alibi_slope, diag, HAS_BIAS, HAS_ALIBI)
+            scale = 1.0
+        else:
+            # The scale is applied inside exp2's argument (one FMA per score) and to the row max, which
+            # equals the max of the scaled scores since the scale is positive.
+            scale = qk_scale
         if MASKED:
             keep = visible(offs_m[:, None], offs_n[None, :], len_q, len_k, diag, window_left, window_right,
                            HAS_LEFT, HAS_RIGHT)
             qk = tl.where(keep, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * scale)
         if MASKED or HAS_BIAS:  # a -inf bias can hide whole rows too
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
             # A row with nothing visible so far keeps m = -inf; subtract 0 instead (exp2(-inf) = 0).
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
             m_use = m_new
-        p = tl.math.exp2(qk - m_use[:, None])
+        p = tl.math.exp2(qk * scale - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:  # the normaliser counts every probability; only the weighted sum drops some

@@ -6,6 +6,7 @@ head dim, dtype, mask kind and architecture only (the determinism contract).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import sys
@@ -43,7 +44,15 @@ CANDIDATES = {
 }
 
 
-def main(dims=(128, 256), causal_kinds=(False, True), out=None):
+def head_group_candidates(planned, groups):
+    """The planned tiles of each kernel with every launch order in ``groups`` (Tiles.head_group)."""
+    fwd, dkdv, dq = planned
+    return tuple([dataclasses.replace(t, head_group=g) for g in groups] for t in (fwd, dkdv, dq))
+
+
+def main(dims=(128, 256), causal_kinds=(False, True), out=None, head_groups=None):
+    """Time each kernel's candidates; with ``head_groups``, the planned tiles in each launch order
+    instead of the CANDIDATES table."""
     results = {}
 
     def save():  # after every measurement, so a run cut off by its time limit keeps what finished
@@ -66,7 +75,9 @@ def main(dims=(128, 256), causal_kinds=(False, True), out=None):
         o, lse = launch.forward(q, k, v, fmt, seqs, d ** -0.5, mask, (-1, -1))
         key = f"d{d}_{'causal' if causal else 'none'}"
         results[key] = {}
-        fwd_cands, dkdv_cands, dq_cands = CANDIDATES[d]
+        fwd_cands, dkdv_cands, dq_cands = (
+            head_group_candidates((base_f.tiles, base_b.dkdv, base_b.dq), head_groups) if head_groups
+            else CANDIDATES[d])
         for t in fwd_cands:
             try:
                 plan = type(base_f)(t, base_f.block_dqk, base_f.block_dv, base_f.dot_precision)
@@ -94,4 +105,5 @@ def main(dims=(128, 256), causal_kinds=(False, True), out=None):
 if __name__ == "__main__":
     out = sys.argv[1] if len(sys.argv) > 1 else "tune.json"
     dims = tuple(int(d) for d in sys.argv[2].split(",")) if len(sys.argv) > 2 else (128, 256)
-    main(dims, out=out)
+    groups = tuple(int(g) for g in sys.argv[3].split(",")) if len(sys.argv) > 3 else None
+    main(dims, out=out, head_groups=groups)

@@ -160,3 +160,36 @@ def test_deterministic_backward_never_launches_atomic_dq(monkeypatch, determinis
         assert calls[0]["ATOMIC_DQ"] == (len(dq_calls) == 0)
 
 
+
+
+@pytest.mark.parametrize("mask", ["causal", "padding_causal"])
+def test_launch_order_changes_no_result(mask):
+    """Grouping heads in the launch order (Tiles.head_group, kernels/masking.py grid_program) only
+    reorders programs: every output and gradient is bitwise the one of the plain grid, also when the
+    group size divides neither the query heads (10 = 2 x 5) nor the kv heads (2 x 1)."""
+    import dataclasses
+
+    from transformer_engine.common.attention import AttnMaskType, QKVFormat
+    from transformer_engine.common.attention.plan import backward_plan, forward_plan
+
+    q, k, v, _ = make_qkv(2, S, S, 5, 1, 32, 32, DTYPES[0], seed=5)
+    q, k, v = (t.detach() for t in (q, k, v))
+    d_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(q.device, q.dtype)
+    fmt, attn_mask = QKVFormat.BSHD, AttnMaskType.CAUSAL_MASK
+    cu_seqlens = None
+    if mask == "padding_causal":
+        attn_mask = AttnMaskType.PADDING_CAUSAL_MASK
+        cu_seqlens = cu_from_lengths([S, S - 7])
+    seqs = launch.sequences(fmt, q, k, cu_seqlens, cu_seqlens, None, None, S, S)
+    cfg = launch.plan_config(q, k, v, fmt, attn_mask, (-1, -1), True)
+    results = []
+    for group in (1, 3):
+        fwd, bwd = forward_plan(cfg), backward_plan(cfg)
+        fwd = dataclasses.replace(fwd, tiles=dataclasses.replace(fwd.tiles, head_group=group))
+        bwd = dataclasses.replace(bwd, dkdv=dataclasses.replace(bwd.dkdv, head_group=group),
+                                  dq=dataclasses.replace(bwd.dq, head_group=group))
+        out, lse = launch.forward(q, k, v, fmt, seqs, 0.2, attn_mask, (-1, -1), fwd)
+        grads = launch.backward(q, k, v, out, d_out, lse, fmt, seqs, 0.2, attn_mask, (-1, -1), True, bwd)[:3]
+        results.append((out, lse) + tuple(grads))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

@@ -23,6 +23,7 @@ class Tiles:
     block_n: int
     num_warps: int
     num_stages: int
+    head_group: int = 1  # launch order: heads whose blocks interleave (kernels/masking.py, grid_program)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,9 @@ import triton
 import triton.language as tl
 
 from transformer_engine.common.attention.kernels.masking import (
+    grid_program,
     key_block_bounds,
+    load_tile,
     query_block_bounds,
     query_block_program,
     segment_bounds,
@@ -64,18 +66,15 @@ def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, dq_ptrs,
                 offs_n, offs_m_base, offs_dqk, offs_dv, lo, hi,
                 len_q, len_k, diag, window_left, window_right, qk_scale, sm_scale,
                 bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
-                HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr,
+                HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                 MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                 HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                 ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr):
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m_base
-        q_mask = offs_dqk[:, None] < HEAD_DIM_QK
-        do_mask = offs_dv[None, :] < HEAD_DIM_V
-        if MASKED:
-            q_mask = q_mask & (offs_m[None, :] < len_q)
-            do_mask = do_mask & (offs_m[:, None] < len_q)
-        q_t = tl.load(q_ptrs + start_m * stride_qs, mask=q_mask, other=0.0)  # [BLOCK_DQK, BLOCK_M]
+        q_t = load_tile(q_ptrs + start_m * stride_qs, offs_dqk[:, None], offs_m[None, :], len_q,
+                        HEAD_DIM_QK, BLOCK_DQK, MASKED)  # [BLOCK_DQK, BLOCK_M]
         # Rows past the sequence (or with nothing visible) carry lse = +inf: their p is 0.
         lse = tl.load(lse_ptrs + offs_m, mask=offs_m < len_q, other=float("inf"))
         qk_t = tl.dot(k, q_t, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
@@ -87,7 +86,8 @@ def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, dq_ptrs,
             keep = visible(offs_m[None, :], offs_n[:, None], len_q, len_k, diag, window_left, window_right,
                            HAS_LEFT, HAS_RIGHT)
             p_t = tl.where(keep, p_t, 0.0)
-        do = tl.load(do_ptrs + start_m * stride_dos, mask=do_mask, other=0.0)  # [BLOCK_M, BLOCK_DV]
+        do = load_tile(do_ptrs + start_m * stride_dos, offs_dv[None, :], offs_m[:, None], len_q,
+                       HEAD_DIM_V, BLOCK_DV, MASKED)  # [BLOCK_M, BLOCK_DV]
         delta = tl.load(delta_ptrs + offs_m, mask=offs_m < len_q, other=0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
         if DROPOUT:
@@ -127,12 +127,12 @@ def attn_bwd_dkdv_kernel(
     IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr,
 ):
     """One program per (key block, batch * kv head): dK, dV for that tile, summed over the
     query heads of the GQA group in order, each over its query blocks in order."""
-    start_n = tl.program_id(0) * BLOCK_N  # grid: plan.block_grid
-    pid_bh = tl.program_id(1)
+    block, pid_bh = grid_program(HEAD_GROUP)  # grid: plan.block_grid
+    start_n = block * BLOCK_N  # first blocks first: under causal masks they see the most queries
     batch = pid_bh // num_heads_kv
     head_kv = pid_bh % num_heads_kv
     start_q, len_q = sequence_extent(SEQ_START_Q, SEQ_LEN_Q, batch, seqlen_q, IS_THD, HAS_SEQLENS)
@@ -186,7 +186,7 @@ def attn_bwd_dkdv_kernel(
                                  stride_qs, stride_dos, stride_dqs, offs_n, offs_m, offs_dqk, offs_dv, seg_lo, seg_hi,
                                  len_q, len_k, diag, window_left, window_right, qk_scale, sm_scale,
                                  bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
-                                 HEAD_DIM_QK, HEAD_DIM_V, BLOCK_M, SEGMENT != 1, HAS_LEFT, HAS_RIGHT,
+                                 HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, SEGMENT != 1, HAS_LEFT, HAS_RIGHT,
                                  HAS_BIAS, HAS_ALIBI, DROPOUT, ATOMIC_DQ, DOT_PRECISION)
 
     dk = tl.where(key_ok, dk * sm_scale, 0.0)
@@ -205,19 +205,17 @@ def _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs,
               offs_m, offs_n_base, offs_dqk, offs_dv, lo, hi,
               len_q, len_k, diag, window_left, window_right, qk_scale,
               bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
-              HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
+              HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+              BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
               MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
               HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
               DOT_PRECISION: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n_base
-        k_mask = offs_dqk[:, None] < HEAD_DIM_QK
-        v_mask = offs_dv[:, None] < HEAD_DIM_V
-        if MASKED:
-            k_mask = k_mask & (offs_n[None, :] < len_k)
-            v_mask = v_mask & (offs_n[None, :] < len_k)
-        k_t = tl.load(k_ptrs + start_n * stride_ks, mask=k_mask, other=0.0)  # [BLOCK_DQK, BLOCK_N]
-        v_t = tl.load(v_ptrs + start_n * stride_vs, mask=v_mask, other=0.0)  # [BLOCK_DV, BLOCK_N]
+        k_t = load_tile(k_ptrs + start_n * stride_ks, offs_dqk[:, None], offs_n[None, :], len_k,
+                        HEAD_DIM_QK, BLOCK_DQK, MASKED)  # [BLOCK_DQK, BLOCK_N]
+        v_t = load_tile(v_ptrs + start_n * stride_vs, offs_dv[:, None], offs_n[None, :], len_k,
+                        HEAD_DIM_V, BLOCK_DV, MASKED)  # [BLOCK_DV, BLOCK_N]
         qk = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
         if HAS_BIAS or HAS_ALIBI:
             qk += bias_log2(bias_base, offs_m[:, None], offs_n[None, :], len_q, len_k, stride_zm, stride_zn,
@@ -255,12 +253,12 @@ def attn_bwd_dq_kernel(
     IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr,
 ):
     """One program per (query block, batch * query head): dQ summed over key blocks in order."""
     start_m, batch, head, head_kv, start_q, len_q, start_k, len_k, rows_out, diag = query_block_program(
         SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_heads_q, gqa_group, seqlen_q, seqlen_k,
-        BLOCK_M, IS_THD, HAS_SEQLENS, BOTTOM_RIGHT)
+        BLOCK_M, IS_THD, HAS_SEQLENS, BOTTOM_RIGHT, HEAD_GROUP)
     if start_m >= rows_out:
         return
 
@@ -298,7 +296,7 @@ def attn_bwd_dq_kernel(
         dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_n, offs_dqk, offs_dv,
                        seg_lo, seg_hi, len_q, len_k, diag, window_left, window_right, qk_scale,
                        bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
-                       HEAD_DIM_QK, HEAD_DIM_V, BLOCK_N, SEGMENT != 1, HAS_LEFT, HAS_RIGHT,
+                       HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, SEGMENT != 1, HAS_LEFT, HAS_RIGHT,
                        HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION)
     dq = tl.where(row_ok[:, None], dq * sm_scale, 0.0)
     tl.store(DQ + batch.to(tl.int64) * stride_dqb + start_q * stride_dqs + head.to(tl.int64) * stride_dqh

@@ -10,6 +10,7 @@ import triton.language as tl
 
 from transformer_engine.common.attention.kernels.masking import (
     key_block_bounds,
+    load_tile,
     query_block_program,
     segment_bounds,
     visible,
@@ -36,12 +37,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs,
                DOT_PRECISION: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n_base
-        k_mask = offs_dqk[:, None] < HEAD_DIM_QK
-        v_mask = offs_dv[None, :] < HEAD_DIM_V
-        if MASKED:
-            k_mask = k_mask & (offs_n[None, :] < len_k)
-            v_mask = v_mask & (offs_n[:, None] < len_k)
-        k = tl.load(k_ptrs + start_n * stride_ks, mask=k_mask, other=0.0)
+        k = load_tile(k_ptrs + start_n * stride_ks, offs_dqk[:, None], offs_n[None, :], len_k,
+                      HEAD_DIM_QK, BLOCK_DQK, MASKED)
         qk = tl.dot(q, k, input_precision=DOT_PRECISION)
         if HAS_BIAS or HAS_ALIBI:
             qk = qk * qk_scale + bias_log2(bias_base, offs_m[:, None], offs_n[None, :], len_q, len_k, stride_zm,
@@ -67,7 +64,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs,
         if DROPOUT:  # the normaliser counts every probability; only the weighted sum drops some
             p = tl.where(dropout_keep(seed, rng_offset, seq_head, offs_m[:, None], offs_n[None, :], dropout_p),
                          p, 0.0)
-        v = tl.load(v_ptrs + start_n * stride_vs, mask=v_mask, other=0.0)
+        v = load_tile(v_ptrs + start_n * stride_vs, offs_dv[None, :], offs_n[:, None], len_k, HEAD_DIM_V, BLOCK_DV,
+                      MASKED)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -91,13 +89,13 @@ def attn_fwd_kernel(
     IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr,
 ):
     tl.static_assert(BLOCK_DQK >= HEAD_DIM_QK)
     tl.static_assert(BLOCK_DV >= HEAD_DIM_V)
     start_m, batch, head, head_kv, start_q, len_q, start_k, len_k, rows_out, diag = query_block_program(
         SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_heads_q, gqa_group, seqlen_q, seqlen_k,
-        BLOCK_M, IS_THD, HAS_SEQLENS, BOTTOM_RIGHT)
+        BLOCK_M, IS_THD, HAS_SEQLENS, BOTTOM_RIGHT, HEAD_GROUP)
     if start_m >= rows_out:
         return
 

@@ -54,9 +54,50 @@ def segment_bounds(SEGMENT: tl.constexpr, lo, full_lo, full_hi, hi):
 
 
 @triton.jit
+def grid_program(HEAD_GROUP: tl.constexpr):
+    """(block, sequence * head) this program works on in the plan.block_grid launch.
+
+    HEAD_GROUP = 1 is the grid itself: every block of one head, then the next head. HEAD_GROUP = g
+    walks g heads at a time with their blocks interleaved (block 0 of each, then block 1, ...), so the
+    heaviest causal blocks of a group start first while programs resident together still share a
+    few heads' K/V in L2. The mapping is a bijection of the grid: it changes no result.
+    """
+    block = tl.program_id(0)
+    seq_head = tl.program_id(1)
+    if HEAD_GROUP > 1:
+        num_blocks = tl.num_programs(0)
+        pid = seq_head * num_blocks + block
+        first = (pid // (HEAD_GROUP * num_blocks)) * HEAD_GROUP
+        size = tl.minimum(tl.num_programs(1) - first, HEAD_GROUP)  # the last group may be short
+        rank = pid - first * num_blocks
+        block = rank // size
+        seq_head = first + rank % size
+    return block, seq_head
+
+
+@triton.jit
+def load_tile(ptrs, d_idx, s_idx, seq_len, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
+    """Load a K/V/Q/dO tile whose head-dim index ``d_idx`` and sequence index ``s_idx`` broadcast to
+    its shape, masking only what can be out of range: the sequence end when MASKED, the head dim
+    when it is narrower than its tile. An unmasked load keeps predicates off the pipelined copies
+    (Triton does not fold ``arange(0, 128) < 128``)."""
+    if MASKED:
+        if HEAD_DIM == BLOCK_D:
+            tile = tl.load(ptrs, mask=s_idx < seq_len, other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=(d_idx < HEAD_DIM) & (s_idx < seq_len), other=0.0)
+    else:
+        if HEAD_DIM == BLOCK_D:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=d_idx < HEAD_DIM, other=0.0)
+    return tile
+
+
+@triton.jit
 def query_block_program(SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_heads_q, gqa_group, seqlen_q, seqlen_k,
                         BLOCK_M: tl.constexpr, IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
-                        BOTTOM_RIGHT: tl.constexpr):
+                        BOTTOM_RIGHT: tl.constexpr, HEAD_GROUP: tl.constexpr):
     """Where a program of the (query block, batch * query head) grid (plan.block_grid) works.
 
     Returns (start_m, batch, head, head_kv, start_q, len_q, start_k, len_k, rows_out, diag).
@@ -64,8 +105,8 @@ def query_block_program(SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_head
     start early and short ones fill the tail (the order changes no result). Padded formats write
     every row up to seqlen_q (zeros past len_q); packed ones only their own (``rows_out``).
     """
-    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
-    pid_bh = tl.program_id(1)
+    block, pid_bh = grid_program(HEAD_GROUP)
+    start_m = (tl.num_programs(0) - 1 - block) * BLOCK_M
     batch = pid_bh // num_heads_q
     head = pid_bh % num_heads_q
     head_kv = head // gqa_group

@@ -357,14 +357,16 @@ def test_unverified_hopper_head_dims_go_to_our_kernels(monkeypatch):
 
 
 def test_priority_follows_measurements(monkeypatch):
-    """First only where measured faster (H200, d=64/128); elsewhere after our kernels, still a fallback."""
-    assert attn_config.select(_config(monkeypatch, d=64)).name == "FlashAttention"
-    for kwargs in (dict(d=256), dict(d=96), dict(d=128, dv=64), dict(capability=(10, 0))):
+    """First only where measured faster (H200, d=64/128/256); elsewhere after our kernels, still a fallback."""
+    for d in (64, 128, 256):
+        assert attn_config.select(_config(monkeypatch, d=d)).name == "FlashAttention", d
+    for kwargs in (dict(d=192, dv=128), dict(d=96), dict(d=128, dv=64), dict(capability=(10, 0)),
+                   dict(capability=(10, 0), d=256)):
         selection = attn_config.select(_config(monkeypatch, **kwargs))
         assert selection.name == "FusedAttention", kwargs
         assert "FlashAttention" not in selection.rejected  # not tried: the fused backend came first
     monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
-    assert attn_config.select(_config(monkeypatch, d=256)).name == "FlashAttention"
+    assert attn_config.select(_config(monkeypatch, d=192, dv=128)).name == "FlashAttention"
 
 
 def test_nvte_flash_attn_0_disables_it(monkeypatch):
@@ -734,8 +736,8 @@ def _invariance_failed(kind: str, name: str, detail: str) -> None:
                     "from FlashAttention.DETERMINISTIC_INVARIANT_ARCHS (backends.py)")
 
 
-# Head dims whose deterministic mode may be selected (policy.FLASH_MEASURED_FASTER) or is a candidate
-# (256: measured faster, listed once these pass at it).
+# Head dims whose deterministic mode may be selected (policy.FLASH_MEASURED_FASTER): each passes these
+# before it is listed there.
 INVARIANCE_HEAD_DIMS = [128, 64, 256]
 
 

@@ -97,26 +97,27 @@ _INTERPRET_FWD = Tiles(16, 16, 1, 1)
 _INTERPRET_BWD = Tiles(16, 16, 1, 1)
 
 # Hopper (sm_90) tiles by padded head dim (and mask kind where it pays), measured on the H200
-# with benchmarks/attention/tune_tiles.py (2026-11-30; see benchmarks/attention/NOTES.md).
+# with benchmarks/attention/tune_tiles.py (2026-11-30; see benchmarks/attention/NOTES.md). Head groups
+# (launch order) only where the sweep of NOTES.md entry 11 measured them faster: diagonal masks.
 _SM90_FWD: Dict[Tuple[int, bool], Tiles] = {
     (16, False): Tiles(128, 64, 8, 3), (16, True): Tiles(64, 64, 4, 3),
     (32, False): Tiles(128, 64, 8, 3), (32, True): Tiles(64, 64, 4, 3),
     (64, False): Tiles(128, 64, 8, 3), (64, True): Tiles(64, 64, 4, 3),
-    (128, False): Tiles(128, 64, 8, 3), (128, True): Tiles(128, 64, 8, 3),
+    (128, False): Tiles(128, 64, 8, 3), (128, True): Tiles(128, 64, 8, 3, head_group=8),
     (256, False): Tiles(128, 64, 8, 2), (256, True): Tiles(128, 64, 8, 2),
 }
 _SM90_DKDV: Dict[Tuple[int, bool], Tiles] = {
     (16, False): Tiles(32, 128, 4, 3), (16, True): Tiles(64, 64, 4, 3),
     (32, False): Tiles(32, 128, 4, 3), (32, True): Tiles(64, 64, 4, 3),
     (64, False): Tiles(32, 128, 4, 3), (64, True): Tiles(64, 64, 4, 3),
-    (128, False): Tiles(64, 128, 8, 3), (128, True): Tiles(64, 128, 8, 3),
+    (128, False): Tiles(64, 128, 8, 3), (128, True): Tiles(64, 128, 8, 3, head_group=8),
     (256, False): Tiles(64, 64, 8, 2), (256, True): Tiles(64, 64, 8, 2),
 }
 _SM90_DQ: Dict[Tuple[int, bool], Tiles] = {
     (16, False): Tiles(128, 64, 8, 2), (16, True): Tiles(64, 64, 4, 3),
     (32, False): Tiles(128, 64, 8, 2), (32, True): Tiles(64, 64, 4, 3),
-    (64, False): Tiles(128, 64, 8, 3), (64, True): Tiles(64, 64, 4, 3),
-    (128, False): Tiles(128, 64, 8, 3), (128, True): Tiles(128, 64, 8, 3),
+    (64, False): Tiles(128, 64, 8, 3), (64, True): Tiles(64, 64, 4, 3, head_group=4),
+    (128, False): Tiles(128, 64, 8, 3), (128, True): Tiles(128, 64, 8, 3, head_group=8),
     (256, False): Tiles(64, 64, 8, 2), (256, True): Tiles(64, 64, 8, 2),
 }
 # Other GPUs (Ampere and newer non-Hopper): conservative tiles that fit 100 KB of shared memory.

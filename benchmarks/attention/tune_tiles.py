@@ -44,15 +44,21 @@ CANDIDATES = {
 }
 
 
-def head_group_candidates(planned, groups):
-    """The planned tiles of each kernel with every launch order in ``groups`` (Tiles.head_group)."""
-    fwd, dkdv, dq = planned
-    return tuple([dataclasses.replace(t, head_group=g) for g in groups] for t in (fwd, dkdv, dq))
+def variant_candidates(planned, field, values):
+    """The planned tiles of each kernel with ``field`` (a Tiles field) set to each of ``values``."""
+    return tuple([dataclasses.replace(t, **{field: v}) for v in values] for t in planned)
 
 
-def main(dims=(128, 256), causal_kinds=(False, True), out=None, head_groups=None):
-    """Time each kernel's candidates; with ``head_groups``, the planned tiles in each launch order
-    instead of the CANDIDATES table."""
+def parse_variants(spec):
+    """'head_group=1,2,4' -> ('head_group', (1, 2, 4)); 'single_loop=0,1' -> ('single_loop', (False, True))."""
+    field, values = spec.split("=")
+    kind = type(getattr(Tiles(1, 1, 1, 1), field))
+    return field, tuple(kind(int(v)) for v in values.split(","))
+
+
+def main(dims=(128, 256), causal_kinds=(False, True), out=None, variants=None):
+    """Time each kernel's candidates; with ``variants`` (field, values), the planned tiles with each
+    value of that field instead of the CANDIDATES table."""
     results = {}
 
     def save():  # after every measurement, so a run cut off by its time limit keeps what finished
@@ -76,7 +82,7 @@ def main(dims=(128, 256), causal_kinds=(False, True), out=None, head_groups=None
         key = f"d{d}_{'causal' if causal else 'none'}"
         results[key] = {}
         fwd_cands, dkdv_cands, dq_cands = (
-            head_group_candidates((base_f.tiles, base_b.dkdv, base_b.dq), head_groups) if head_groups
+            variant_candidates((base_f.tiles, base_b.dkdv, base_b.dq), *variants) if variants
             else CANDIDATES[d])
         for t in fwd_cands:
             try:
@@ -105,5 +111,4 @@ def main(dims=(128, 256), causal_kinds=(False, True), out=None, head_groups=None
 if __name__ == "__main__":
     out = sys.argv[1] if len(sys.argv) > 1 else "tune.json"
     dims = tuple(int(d) for d in sys.argv[2].split(",")) if len(sys.argv) > 2 else (128, 256)
-    groups = tuple(int(g) for g in sys.argv[3].split(",")) if len(sys.argv) > 3 else None
-    main(dims, out=out, head_groups=groups)
+    main(dims, out=out, variants=parse_variants(sys.argv[3]) if len(sys.argv) > 3 else None)

@@ -7,7 +7,7 @@ sequence length or autotuning. Nothing below reads a shape other than the head d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, Optional, Tuple
 
 from transformer_engine.common.attention.config import AttnConfig
@@ -24,6 +24,7 @@ class Tiles:
     num_warps: int
     num_stages: int
     head_group: int = 1  # launch order: heads whose blocks interleave (kernels/masking.py, grid_program)
+    single_loop: bool = False  # one pipelined block loop masking per block, not three loops (NOTES.md entry 11)
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,8 @@ def forward_plan(config: AttnConfig, override: Optional[Tiles] = None) -> Forwar
         tiles = _GENERIC_FWD_256 if key[0] > 128 else _GENERIC_FWD
     if config.dtype == "float32" and override is None and config.device_type != "cpu":
         tiles = Tiles(min(tiles.block_m, 64), min(tiles.block_n, 32), tiles.num_warps, 1)
+    if override is None:
+        tiles = replace(tiles, single_loop=_SINGLE_LOOP)
     return ForwardPlan(tiles, padded_head_dim(config.head_dim_qk), padded_head_dim(config.head_dim_v),
                        _dot_precision(config))
 
@@ -167,6 +170,8 @@ def backward_plan(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = 
     if config.dtype == "float32" and override is None and config.device_type != "cpu":
         dkdv = Tiles(min(dkdv.block_m, 32), min(dkdv.block_n, 64), dkdv.num_warps, 1)
         dq = Tiles(min(dq.block_m, 64), min(dq.block_n, 32), dq.num_warps, 1)
+    if override is None:
+        dkdv, dq = replace(dkdv, single_loop=_SINGLE_LOOP), replace(dq, single_loop=_SINGLE_LOOP)
     preprocess = Tiles(64 if config.device_type != "cpu" else 16, 0, 4, 1)
     # Separate dQ pass measured faster than atomic dQ on the H200 (ANCHORS.md), so even the
     # non-deterministic mode uses it unless it is explicitly measured otherwise.
@@ -174,6 +179,10 @@ def backward_plan(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = 
     return BackwardPlan(preprocess, dkdv, dq, padded_head_dim(config.head_dim_qk),
                         padded_head_dim(config.head_dim_v), _dot_precision(config), atomic_dq)
 
+
+# Every kernel runs its block loop as one pipelined loop that masks per block (kernels: SINGLE_LOOP):
+# fewer registers than three loops (no spills in dK/dV) and one pipeline ramp per program.
+_SINGLE_LOOP = True
 
 # Policy for the non-deterministic backward; a module-level constant so benchmarks can flip it.
 _NONDETERMINISTIC_ATOMIC_DQ = False

@@ -168,9 +168,8 @@ def forward(q, k, v, fmt: QKVFormat, seqs: Sequences, softmax_scale: float, mask
         softmax_scale * LOG2E, left, right, mods.dropout_p,
         HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, IS_THD=seqs.is_thd, HAS_SEQLENS=seqs.has_seqlens,
-        DOT_PRECISION=plan.dot_precision, HEAD_GROUP=t.head_group, num_warps=t.num_warps, num_stages=t.num_stages,
-        **flags,
-        **mods.flags(),
+        DOT_PRECISION=plan.dot_precision, HEAD_GROUP=t.head_group, SINGLE_LOOP=t.single_loop,
+        num_warps=t.num_warps, num_stages=t.num_stages, **flags, **mods.flags(),
     )
     return out, lse
 
@@ -222,7 +221,7 @@ def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_
         hk, hq // hk, seqs.max_q, seqs.max_k, softmax_scale, softmax_scale * LOG2E, left, right, mods.dropout_p,
         HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, IS_THD=seqs.is_thd, HAS_SEQLENS=seqs.has_seqlens,
-        ATOMIC_DQ=plan.atomic_dq, DOT_PRECISION=plan.dot_precision, HEAD_GROUP=t.head_group,
+        ATOMIC_DQ=plan.atomic_dq, DOT_PRECISION=plan.dot_precision, HEAD_GROUP=t.head_group, SINGLE_LOOP=t.single_loop,
         num_warps=t.num_warps, num_stages=t.num_stages, **flags, **mods.flags(),
     )
     dbias = _dbias(q, k, v, d_out, lse, delta, fmt, seqs, softmax_scale, window, flags, left, right, plan, mods) \
@@ -238,9 +237,8 @@ def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_
         hq, hq // hk, seqs.max_q, seqs.max_k, softmax_scale, softmax_scale * LOG2E, left, right, mods.dropout_p,
         HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, IS_THD=seqs.is_thd, HAS_SEQLENS=seqs.has_seqlens,
-        DOT_PRECISION=plan.dot_precision, HEAD_GROUP=t.head_group, num_warps=t.num_warps, num_stages=t.num_stages,
-        **flags,
-        **mods.flags(),
+        DOT_PRECISION=plan.dot_precision, HEAD_GROUP=t.head_group, SINGLE_LOOP=t.single_loop,
+        num_warps=t.num_warps, num_stages=t.num_stages, **flags, **mods.flags(),
     )
     return dq, dk, dvt, dbias
 

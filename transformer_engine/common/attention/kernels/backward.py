@@ -63,14 +63,15 @@ def attn_bwd_preprocess_kernel(
 @triton.jit
 def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, dq_ptrs,
                 stride_qs, stride_dos, stride_dqs,
-                offs_n, offs_m_base, offs_dqk, offs_dv, lo, hi,
+                offs_n, offs_m_base, offs_dqk, offs_dv, lo, hi, full_lo, full_hi,
                 len_q, len_k, diag, window_left, window_right, qk_scale, sm_scale,
                 bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
                 HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                 BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                MASKED: tl.constexpr, SINGLE_LOOP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                 HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                 ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Query blocks [lo, hi); masking as in forward._fwd_inner (SINGLE_LOOP: outside [full_lo, full_hi) only)."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m_base
         q_t = load_tile(q_ptrs + start_m * stride_qs, offs_dqk[:, None], offs_m[None, :], len_q,
@@ -83,9 +84,13 @@ def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, dq_ptrs,
                               alibi_slope, diag, HAS_BIAS, HAS_ALIBI)
         p_t = tl.math.exp2(qk_t - lse[None, :] * LOG2E)
         if MASKED:
-            keep = visible(offs_m[None, :], offs_n[:, None], len_q, len_k, diag, window_left, window_right,
-                           HAS_LEFT, HAS_RIGHT)
-            p_t = tl.where(keep, p_t, 0.0)
+            if SINGLE_LOOP:
+                if (start_m < full_lo) | (start_m >= full_hi):
+                    p_t = tl.where(visible(offs_m[None, :], offs_n[:, None], len_q, len_k, diag, window_left,
+                                           window_right, HAS_LEFT, HAS_RIGHT), p_t, 0.0)
+            else:
+                p_t = tl.where(visible(offs_m[None, :], offs_n[:, None], len_q, len_k, diag, window_left,
+                                       window_right, HAS_LEFT, HAS_RIGHT), p_t, 0.0)
         do = load_tile(do_ptrs + start_m * stride_dos, offs_dv[None, :], offs_m[:, None], len_q,
                        HEAD_DIM_V, BLOCK_DV, MASKED)  # [BLOCK_M, BLOCK_DV]
         delta = tl.load(delta_ptrs + offs_m, mask=offs_m < len_q, other=0.0)
@@ -127,7 +132,7 @@ def attn_bwd_dkdv_kernel(
     IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr, SINGLE_LOOP: tl.constexpr,
 ):
     """One program per (key block, batch * kv head): dK, dV for that tile, summed over the
     query heads of the GQA group in order, each over its query blocks in order."""
@@ -180,14 +185,23 @@ def attn_bwd_dkdv_kernel(
                    + offs_m[:, None] * stride_dqs + offs_dqk[None, :] * stride_dqd)
         lse_ptrs = LSE + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
         delta_ptrs = DELTA + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
-        for SEGMENT in tl.static_range(3):
-            seg_lo, seg_hi = segment_bounds(SEGMENT, lo, full_lo, full_hi, hi)
+        if SINGLE_LOOP:
             dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, dq_ptrs,
-                                 stride_qs, stride_dos, stride_dqs, offs_n, offs_m, offs_dqk, offs_dv, seg_lo, seg_hi,
-                                 len_q, len_k, diag, window_left, window_right, qk_scale, sm_scale,
+                                 stride_qs, stride_dos, stride_dqs, offs_n, offs_m, offs_dqk, offs_dv, lo, hi,
+                                 full_lo, full_hi, len_q, len_k, diag, window_left, window_right, qk_scale, sm_scale,
                                  bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
-                                 HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, SEGMENT != 1, HAS_LEFT, HAS_RIGHT,
+                                 HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, True, True, HAS_LEFT, HAS_RIGHT,
                                  HAS_BIAS, HAS_ALIBI, DROPOUT, ATOMIC_DQ, DOT_PRECISION)
+        else:
+            for SEGMENT in tl.static_range(3):
+                seg_lo, seg_hi = segment_bounds(SEGMENT, lo, full_lo, full_hi, hi)
+                dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, dq_ptrs,
+                                     stride_qs, stride_dos, stride_dqs, offs_n, offs_m, offs_dqk, offs_dv, seg_lo,
+                                     seg_hi, full_lo, full_hi, len_q, len_k, diag, window_left, window_right, qk_scale,
+                                     sm_scale, bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset,
+                                     seq_head, dropout_p, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_M,
+                                     SEGMENT != 1, False, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT, ATOMIC_DQ,
+                                     DOT_PRECISION)
 
     dk = tl.where(key_ok, dk * sm_scale, 0.0)
     dv = tl.where(key_ok, dv, 0.0)
@@ -202,14 +216,15 @@ def attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs,
-              offs_m, offs_n_base, offs_dqk, offs_dv, lo, hi,
+              offs_m, offs_n_base, offs_dqk, offs_dv, lo, hi, full_lo, full_hi,
               len_q, len_k, diag, window_left, window_right, qk_scale,
               bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
               HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
               BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-              MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+              MASKED: tl.constexpr, SINGLE_LOOP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
               HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
               DOT_PRECISION: tl.constexpr):
+    """Key blocks [lo, hi); masking as in forward._fwd_inner."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n_base
         k_t = load_tile(k_ptrs + start_n * stride_ks, offs_dqk[:, None], offs_n[None, :], len_k,
@@ -222,9 +237,13 @@ def _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs,
                             alibi_slope, diag, HAS_BIAS, HAS_ALIBI)
         p = tl.math.exp2(qk - lse2[:, None])
         if MASKED:
-            keep = visible(offs_m[:, None], offs_n[None, :], len_q, len_k, diag, window_left, window_right,
-                           HAS_LEFT, HAS_RIGHT)
-            p = tl.where(keep, p, 0.0)
+            if SINGLE_LOOP:
+                if (start_n < full_lo) | (start_n >= full_hi):
+                    p = tl.where(visible(offs_m[:, None], offs_n[None, :], len_q, len_k, diag, window_left,
+                                         window_right, HAS_LEFT, HAS_RIGHT), p, 0.0)
+            else:
+                p = tl.where(visible(offs_m[:, None], offs_n[None, :], len_q, len_k, diag, window_left,
+                                     window_right, HAS_LEFT, HAS_RIGHT), p, 0.0)
         dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)
         if DROPOUT:
             kept = dropout_keep(seed, rng_offset, seq_head, offs_m[:, None], offs_n[None, :], dropout_p)
@@ -253,7 +272,7 @@ def attn_bwd_dq_kernel(
     IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr, SINGLE_LOOP: tl.constexpr,
 ):
     """One program per (query block, batch * query head): dQ summed over key blocks in order."""
     start_m, batch, head, head_kv, start_q, len_q, start_k, len_k, rows_out, diag = query_block_program(
@@ -291,13 +310,20 @@ def attn_bwd_dq_kernel(
     hi = tl.where(start_m < len_q, hi, lo)
     full_lo = tl.minimum(full_lo, hi)
     full_hi = tl.minimum(full_hi, hi)
-    for SEGMENT in tl.static_range(3):
-        seg_lo, seg_hi = segment_bounds(SEGMENT, lo, full_lo, full_hi, hi)
+    if SINGLE_LOOP:
         dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_n, offs_dqk, offs_dv,
-                       seg_lo, seg_hi, len_q, len_k, diag, window_left, window_right, qk_scale,
+                       lo, hi, full_lo, full_hi, len_q, len_k, diag, window_left, window_right, qk_scale,
                        bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
-                       HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, SEGMENT != 1, HAS_LEFT, HAS_RIGHT,
+                       HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, True, True, HAS_LEFT, HAS_RIGHT,
                        HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION)
+    else:
+        for SEGMENT in tl.static_range(3):
+            seg_lo, seg_hi = segment_bounds(SEGMENT, lo, full_lo, full_hi, hi)
+            dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_n, offs_dqk,
+                           offs_dv, seg_lo, seg_hi, full_lo, full_hi, len_q, len_k, diag, window_left, window_right,
+                           qk_scale, bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head,
+                           dropout_p, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, SEGMENT != 1, False,
+                           HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION)
     dq = tl.where(row_ok[:, None], dq * sm_scale, 0.0)
     tl.store(DQ + batch.to(tl.int64) * stride_dqb + start_q * stride_dqs + head.to(tl.int64) * stride_dqh
              + offs_m[:, None] * stride_dqs + offs_dqk[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),

@@ -27,14 +27,16 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs,
-               offs_m, offs_n_base, offs_dqk, offs_dv, lo, hi,
+               offs_m, offs_n_base, offs_dqk, offs_dv, lo, hi, full_lo, full_hi,
                len_q, len_k, diag, window_left, window_right, qk_scale,
                bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
                HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-               MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               MASKED: tl.constexpr, SINGLE_LOOP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                DOT_PRECISION: tl.constexpr):
+    """Key blocks [lo, hi); MASKED applies the element mask, to every block or, with SINGLE_LOOP, to
+    those outside [full_lo, full_hi) only (a runtime branch)."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n_base
         k = load_tile(k_ptrs + start_n * stride_ks, offs_dqk[:, None], offs_n[None, :], len_k,
@@ -49,9 +51,13 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs,
             # equals the max of the scaled scores since the scale is positive.
             scale = qk_scale
         if MASKED:
-            keep = visible(offs_m[:, None], offs_n[None, :], len_q, len_k, diag, window_left, window_right,
-                           HAS_LEFT, HAS_RIGHT)
-            qk = tl.where(keep, qk, float("-inf"))
+            if SINGLE_LOOP:
+                if (start_n < full_lo) | (start_n >= full_hi):
+                    qk = tl.where(visible(offs_m[:, None], offs_n[None, :], len_q, len_k, diag, window_left,
+                                          window_right, HAS_LEFT, HAS_RIGHT), qk, float("-inf"))
+            else:
+                qk = tl.where(visible(offs_m[:, None], offs_n[None, :], len_q, len_k, diag, window_left,
+                                      window_right, HAS_LEFT, HAS_RIGHT), qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1) * scale)
         if MASKED or HAS_BIAS:  # a -inf bias can hide whole rows too
             # A row with nothing visible so far keeps m = -inf; subtract 0 instead (exp2(-inf) = 0).
@@ -89,7 +95,7 @@ def attn_fwd_kernel(
     IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr, SINGLE_LOOP: tl.constexpr,
 ):
     tl.static_assert(BLOCK_DQK >= HEAD_DIM_QK)
     tl.static_assert(BLOCK_DV >= HEAD_DIM_V)
@@ -127,15 +133,23 @@ def attn_fwd_kernel(
     hi = tl.where(start_m < len_q, hi, lo)
     full_lo = tl.minimum(full_lo, hi)
     full_hi = tl.minimum(full_hi, hi)
-    # Masked head, unmasked middle (no per-element mask: the fast path), masked tail.
-    for SEGMENT in tl.static_range(3):
-        seg_lo, seg_hi = segment_bounds(SEGMENT, lo, full_lo, full_hi, hi)
+    if SINGLE_LOOP:  # one pipelined loop over [lo, hi), masking blocks outside [full_lo, full_hi)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs,
-                                   offs_m, offs_n, offs_dqk, offs_dv, seg_lo, seg_hi,
+                                   offs_m, offs_n, offs_dqk, offs_dv, lo, hi, full_lo, full_hi,
                                    len_q, len_k, diag, window_left, window_right, qk_scale,
                                    bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
                                    HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
-                                   SEGMENT != 1, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION)
+                                   True, True, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION)
+    else:  # masked head, unmasked middle (no per-element mask: the fast path), masked tail
+        for SEGMENT in tl.static_range(3):
+            seg_lo, seg_hi = segment_bounds(SEGMENT, lo, full_lo, full_hi, hi)
+            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs,
+                                       offs_m, offs_n, offs_dqk, offs_dv, seg_lo, seg_hi, full_lo, full_hi,
+                                       len_q, len_k, diag, window_left, window_right, qk_scale,
+                                       bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head,
+                                       dropout_p, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+                                       SEGMENT != 1, False, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT,
+                                       DOT_PRECISION)
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)

@@ -7,7 +7,7 @@ sequence length or autotuning. Nothing below reads a shape other than the head d
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 from transformer_engine.common.attention.config import AttnConfig
@@ -99,27 +99,27 @@ _INTERPRET_BWD = Tiles(16, 16, 1, 1)
 
 # Hopper (sm_90) tiles by padded head dim (and mask kind where it pays), measured on the H200
 # with benchmarks/attention/tune_tiles.py (2026-11-30; see benchmarks/attention/NOTES.md). Head groups
-# (launch order) only where the sweep of NOTES.md entry 11 measured them faster: diagonal masks.
+# (launch order) and the single-loop form only where NOTES.md entry 11 measured them faster.
 _SM90_FWD: Dict[Tuple[int, bool], Tiles] = {
     (16, False): Tiles(128, 64, 8, 3), (16, True): Tiles(64, 64, 4, 3),
     (32, False): Tiles(128, 64, 8, 3), (32, True): Tiles(64, 64, 4, 3),
     (64, False): Tiles(128, 64, 8, 3), (64, True): Tiles(64, 64, 4, 3),
     (128, False): Tiles(128, 64, 8, 3), (128, True): Tiles(128, 64, 8, 3, head_group=8),
-    (256, False): Tiles(128, 64, 8, 2), (256, True): Tiles(128, 64, 8, 2),
+    (256, False): Tiles(128, 64, 8, 2, single_loop=True), (256, True): Tiles(128, 64, 8, 2, single_loop=True),
 }
 _SM90_DKDV: Dict[Tuple[int, bool], Tiles] = {
     (16, False): Tiles(32, 128, 4, 3), (16, True): Tiles(64, 64, 4, 3),
     (32, False): Tiles(32, 128, 4, 3), (32, True): Tiles(64, 64, 4, 3),
     (64, False): Tiles(32, 128, 4, 3), (64, True): Tiles(64, 64, 4, 3),
     (128, False): Tiles(64, 128, 8, 3), (128, True): Tiles(64, 128, 8, 3, head_group=8),
-    (256, False): Tiles(64, 64, 8, 2), (256, True): Tiles(64, 64, 8, 2),
+    (256, False): Tiles(64, 64, 8, 2, single_loop=True), (256, True): Tiles(64, 64, 8, 2, single_loop=True),
 }
 _SM90_DQ: Dict[Tuple[int, bool], Tiles] = {
     (16, False): Tiles(128, 64, 8, 2), (16, True): Tiles(64, 64, 4, 3),
     (32, False): Tiles(128, 64, 8, 2), (32, True): Tiles(64, 64, 4, 3),
     (64, False): Tiles(128, 64, 8, 3), (64, True): Tiles(64, 64, 4, 3, head_group=4),
     (128, False): Tiles(128, 64, 8, 3), (128, True): Tiles(128, 64, 8, 3, head_group=8),
-    (256, False): Tiles(64, 64, 8, 2), (256, True): Tiles(64, 64, 8, 2),
+    (256, False): Tiles(64, 64, 8, 2, single_loop=True), (256, True): Tiles(64, 64, 8, 2, single_loop=True),
 }
 # Other GPUs (Ampere and newer non-Hopper): conservative tiles that fit 100 KB of shared memory.
 _GENERIC_FWD = Tiles(64, 64, 4, 2)
@@ -151,8 +151,6 @@ def forward_plan(config: AttnConfig, override: Optional[Tiles] = None) -> Forwar
         tiles = _GENERIC_FWD_256 if key[0] > 128 else _GENERIC_FWD
     if config.dtype == "float32" and override is None and config.device_type != "cpu":
         tiles = Tiles(min(tiles.block_m, 64), min(tiles.block_n, 32), tiles.num_warps, 1)
-    if override is None:
-        tiles = replace(tiles, single_loop=_SINGLE_LOOP)
     return ForwardPlan(tiles, padded_head_dim(config.head_dim_qk), padded_head_dim(config.head_dim_v),
                        _dot_precision(config))
 
@@ -170,8 +168,6 @@ def backward_plan(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = 
     if config.dtype == "float32" and override is None and config.device_type != "cpu":
         dkdv = Tiles(min(dkdv.block_m, 32), min(dkdv.block_n, 64), dkdv.num_warps, 1)
         dq = Tiles(min(dq.block_m, 64), min(dq.block_n, 32), dq.num_warps, 1)
-    if override is None:
-        dkdv, dq = replace(dkdv, single_loop=_SINGLE_LOOP), replace(dq, single_loop=_SINGLE_LOOP)
     preprocess = Tiles(64 if config.device_type != "cpu" else 16, 0, 4, 1)
     # Separate dQ pass measured faster than atomic dQ on the H200 (ANCHORS.md), so even the
     # non-deterministic mode uses it unless it is explicitly measured otherwise.
@@ -179,10 +175,6 @@ def backward_plan(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = 
     return BackwardPlan(preprocess, dkdv, dq, padded_head_dim(config.head_dim_qk),
                         padded_head_dim(config.head_dim_v), _dot_precision(config), atomic_dq)
 
-
-# Every kernel runs its block loop as one pipelined loop that masks per block (kernels: SINGLE_LOOP):
-# fewer registers than three loops (no spills in dK/dV) and one pipeline ramp per program.
-_SINGLE_LOOP = True
 
 # Policy for the non-deterministic backward; a module-level constant so benchmarks can flip it.
 _NONDETERMINISTIC_ATOMIC_DQ = False

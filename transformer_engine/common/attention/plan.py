@@ -119,7 +119,7 @@ _SM90_DQ: Dict[Tuple[int, bool], Tiles] = {
     (32, False): Tiles(128, 64, 8, 2), (32, True): Tiles(64, 64, 4, 3),
     (64, False): Tiles(128, 64, 8, 3), (64, True): Tiles(64, 64, 4, 3, head_group=4),
     (128, False): Tiles(128, 64, 8, 3), (128, True): Tiles(128, 64, 8, 3, head_group=8),
-    (256, False): Tiles(64, 64, 8, 2, single_loop=True), (256, True): Tiles(64, 64, 8, 2, single_loop=True),
+    (256, False): Tiles(64, 64, 8, 2), (256, True): Tiles(64, 64, 8, 2),
 }
 # Other GPUs (Ampere and newer non-Hopper): conservative tiles that fit 100 KB of shared memory.
 _GENERIC_FWD = Tiles(64, 64, 4, 2)

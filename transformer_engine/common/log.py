@@ -20,7 +20,8 @@ def get_logger() -> logging.Logger:
         logger.addHandler(handler)
         logger.propagate = False
     level = _LEVELS[settings.get("NVTE_DEBUG_LEVEL")] if settings.get("NVTE_DEBUG") else logging.WARNING
-    logger.setLevel(level)
+    if logger.level != level:  # setLevel clears every logger's cache: not on each attention call
+        logger.setLevel(level)
     return logger
 
 

@@ -62,8 +62,8 @@ def test_sm90_plans_compile(head_dims, causal, mods, gqa):
              bwd.dkdv, dqk, dv, bias=mods)
     _compile(attn_bwd_dq_kernel,
              dict(flags, BLOCK_M=bwd.dq.block_m, BLOCK_N=bwd.dq.block_n, HEAD_GROUP=bwd.dq.head_group,
-                  SINGLE_LOOP=bwd.dq.single_loop), bwd.dq,
-             dqk, dv, bias=mods)
+                  SINGLE_LOOP=bwd.dq.single_loop),
+             bwd.dq, dqk, dv, bias=mods)
     _compile(attn_bwd_preprocess_kernel,
              dict(HEAD_DIM_V=dv, BLOCK_DV=bwd.block_dv, BLOCK_M=bwd.preprocess.block_m, IS_THD=False,
                   HAS_SEQLENS=False), bwd.preprocess, dqk, dv)

@@ -90,7 +90,7 @@ def report(name, dims, causal, tiles):
     flags = dict(HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=dqk, BLOCK_DV=dv, IS_THD=False, HAS_SEQLENS=False,
                  HAS_LEFT=False, HAS_RIGHT=causal, BOTTOM_RIGHT=False, DOT_PRECISION="tf32", HAS_BIAS=False,
                  HAS_ALIBI=False, DROPOUT=False, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-                 HEAD_GROUP=tiles.head_group, SINGLE_LOOP=tiles.single_loop)
+                 HEAD_GROUP=tiles.head_group, SINGLE_LOOP=tiles.single_loop, TMA=tiles.tma)
     if name == "dkdv":
         flags.update(ATOMIC_DQ=False, gqa_group=1)
     try:

@@ -25,6 +25,7 @@ class Tiles:
     num_stages: int
     head_group: int = 1  # launch order: heads whose blocks interleave (kernels/masking.py, grid_program)
     single_loop: bool = False  # one pipelined block loop masking per block, not three loops (NOTES.md entry 11)
+    tma: bool = False  # block-loop loads through tensor descriptors where the launcher can (aligned, d contiguous)
 
 
 @dataclass(frozen=True)

@@ -144,6 +144,29 @@ class ScoreMods:
 NO_MODS = ScoreMods()
 
 
+def _tma_scratch(size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
+    """Global memory for the tensor descriptors kernels build on the device (Triton asks per launch)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _use_tma(wanted: bool, *views) -> bool:
+    """Whether a launch may read these (tensor, (b, s, h, d) strides) views through TMA descriptors:
+    the plan asks for it, the head dim is contiguous, every other stride and the base are 16-byte
+    aligned. Sets Triton's allocator for this thread when none is set (autograd's backward runs
+    on its own thread, so this runs at each launch)."""
+    if not wanted:
+        return False
+    for t, strides in views:
+        size = t.element_size()
+        if strides[3] != 1 or t.data_ptr() % 16 or any(st * size % 16 for st in strides[:3]):
+            return False
+    from triton.runtime import _allocation  # the allocator Triton reads is a private context var
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_tma_scratch)
+    return True
+
+
 def forward(q, k, v, fmt: QKVFormat, seqs: Sequences, softmax_scale: float, mask: AttnMaskType,
             window: Tuple[int, int], plan: Optional[ForwardPlan] = None, mods: ScoreMods = NO_MODS):
     """Run the forward kernel. Returns (out in q's format with head dim d_v, lse [b, h, max_s_q] fp32)."""
@@ -169,7 +192,8 @@ def forward(q, k, v, fmt: QKVFormat, seqs: Sequences, softmax_scale: float, mask
         HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, IS_THD=seqs.is_thd, HAS_SEQLENS=seqs.has_seqlens,
         DOT_PRECISION=plan.dot_precision, HEAD_GROUP=t.head_group, SINGLE_LOOP=t.single_loop,
-        num_warps=t.num_warps, num_stages=t.num_stages, **flags, **mods.flags(),
+        TMA=_use_tma(t.tma, (k, sk_), (v, sv_)), num_warps=t.num_warps, num_stages=t.num_stages, **flags,
+        **mods.flags(),
     )
     return out, lse
 
@@ -222,6 +246,7 @@ def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_
         HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, IS_THD=seqs.is_thd, HAS_SEQLENS=seqs.has_seqlens,
         ATOMIC_DQ=plan.atomic_dq, DOT_PRECISION=plan.dot_precision, HEAD_GROUP=t.head_group, SINGLE_LOOP=t.single_loop,
+        TMA=_use_tma(t.tma, (q, sq_), (d_out, sdo_)),
         num_warps=t.num_warps, num_stages=t.num_stages, **flags, **mods.flags(),
     )
     dbias = _dbias(q, k, v, d_out, lse, delta, fmt, seqs, softmax_scale, window, flags, left, right, plan, mods) \
@@ -238,7 +263,8 @@ def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_
         HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, IS_THD=seqs.is_thd, HAS_SEQLENS=seqs.has_seqlens,
         DOT_PRECISION=plan.dot_precision, HEAD_GROUP=t.head_group, SINGLE_LOOP=t.single_loop,
-        num_warps=t.num_warps, num_stages=t.num_stages, **flags, **mods.flags(),
+        TMA=_use_tma(t.tma, (k, sk_), (v, sv_)), num_warps=t.num_warps, num_stages=t.num_stages, **flags,
+        **mods.flags(),
     )
     return dq, dk, dvt, dbias
 

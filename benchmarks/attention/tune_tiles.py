@@ -44,21 +44,25 @@ CANDIDATES = {
 }
 
 
-def variant_candidates(planned, field, values):
-    """The planned tiles of each kernel with ``field`` (a Tiles field) set to each of ``values``."""
-    return tuple([dataclasses.replace(t, **{field: v}) for v in values] for t in planned)
+def variant_candidates(planned, combos):
+    """The planned tiles of each kernel with each combination of Tiles fields in ``combos`` (dicts)."""
+    return tuple([dataclasses.replace(t, **combo) for combo in combos] for t in planned)
 
 
 def parse_variants(spec):
-    """'head_group=1,2,4' -> ('head_group', (1, 2, 4)); 'single_loop=0,1' -> ('single_loop', (False, True))."""
-    field, values = spec.split("=")
-    kind = type(getattr(Tiles(1, 1, 1, 1), field))
-    return field, tuple(kind(int(v)) for v in values.split(","))
+    """Tiles-field combinations to sweep: 'head_group=1,2,4' -> [{'head_group': 1}, ...];
+    'tma=0,1;single_loop=0,1' -> the four combinations of both fields (booleans as 0/1)."""
+    fields = []
+    for part in spec.split(";"):
+        field, values = part.split("=")
+        kind = type(getattr(Tiles(1, 1, 1, 1), field))
+        fields.append([(field, kind(int(v))) for v in values.split(",")])
+    return [dict(combo) for combo in itertools.product(*fields)]
 
 
 def main(dims=(128, 256), causal_kinds=(False, True), out=None, variants=None):
-    """Time each kernel's candidates; with ``variants`` (field, values), the planned tiles with each
-    value of that field instead of the CANDIDATES table."""
+    """Time each kernel's candidates; with ``variants`` (parse_variants), the planned tiles with each
+    combination of Tiles fields instead of the CANDIDATES table."""
     results = {}
 
     def save():  # after every measurement, so a run cut off by its time limit keeps what finished
@@ -82,7 +86,7 @@ def main(dims=(128, 256), causal_kinds=(False, True), out=None, variants=None):
         key = f"d{d}_{'causal' if causal else 'none'}"
         results[key] = {}
         fwd_cands, dkdv_cands, dq_cands = (
-            variant_candidates((base_f.tiles, base_b.dkdv, base_b.dq), *variants) if variants
+            variant_candidates((base_f.tiles, base_b.dkdv, base_b.dq), variants) if variants
             else CANDIDATES[d])
         for t in fwd_cands:
             try:

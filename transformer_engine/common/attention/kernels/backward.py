@@ -13,6 +13,7 @@ from transformer_engine.common.attention.kernels.masking import (
     grid_program,
     key_block_bounds,
     load_block,
+    mask_scores,
     query_block_bounds,
     query_block_program,
     segment_bounds,
@@ -85,13 +86,8 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, dq_ptrs,
                               alibi_slope, diag, HAS_BIAS, HAS_ALIBI)
         p_t = tl.math.exp2(qk_t - lse[None, :] * LOG2E)
         if MASKED:
-            if SINGLE_LOOP:
-                if (start_m < full_lo) | (start_m >= full_hi):
-                    p_t = tl.where(visible(offs_m[None, :], offs_n[:, None], len_q, len_k, diag, window_left,
-                                           window_right, HAS_LEFT, HAS_RIGHT), p_t, 0.0)
-            else:
-                p_t = tl.where(visible(offs_m[None, :], offs_n[:, None], len_q, len_k, diag, window_left,
-                                       window_right, HAS_LEFT, HAS_RIGHT), p_t, 0.0)
+            p_t = mask_scores(p_t, 0.0, offs_m[None, :], offs_n[:, None], start_m, full_lo, full_hi, len_q, len_k,
+                              diag, window_left, window_right, HAS_LEFT, HAS_RIGHT, SINGLE_LOOP)
         do = load_block(do_src, start_m, stride_dos, offs_dv, offs_m_base, len_q, HEAD_DIM_V, BLOCK_DV, MASKED,
                         TMA, False)  # [BLOCK_M, BLOCK_DV]
         delta = tl.load(delta_ptrs + offs_m, mask=offs_m < len_q, other=0.0)
@@ -241,13 +237,8 @@ def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs,
                             alibi_slope, diag, HAS_BIAS, HAS_ALIBI)
         p = tl.math.exp2(qk - lse2[:, None])
         if MASKED:
-            if SINGLE_LOOP:
-                if (start_n < full_lo) | (start_n >= full_hi):
-                    p = tl.where(visible(offs_m[:, None], offs_n[None, :], len_q, len_k, diag, window_left,
-                                         window_right, HAS_LEFT, HAS_RIGHT), p, 0.0)
-            else:
-                p = tl.where(visible(offs_m[:, None], offs_n[None, :], len_q, len_k, diag, window_left,
-                                     window_right, HAS_LEFT, HAS_RIGHT), p, 0.0)
+            p = mask_scores(p, 0.0, offs_m[:, None], offs_n[None, :], start_n, full_lo, full_hi, len_q, len_k, diag,
+                            window_left, window_right, HAS_LEFT, HAS_RIGHT, SINGLE_LOOP)
         dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)
         if DROPOUT:
             kept = dropout_keep(seed, rng_offset, seq_head, offs_m[:, None], offs_n[None, :], dropout_p)

@@ -11,10 +11,10 @@ import triton.language as tl
 from transformer_engine.common.attention.kernels.masking import (
     key_block_bounds,
     load_block,
+    mask_scores,
     query_block_program,
-    sequence_source,
     segment_bounds,
-    visible,
+    sequence_source,
 )
 from transformer_engine.common.attention.kernels.scores import (
     bias_log2,
@@ -52,13 +52,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs,
             # equals the max of the scaled scores since the scale is positive.
             scale = qk_scale
         if MASKED:
-            if SINGLE_LOOP:
-                if (start_n < full_lo) | (start_n >= full_hi):
-                    qk = tl.where(visible(offs_m[:, None], offs_n[None, :], len_q, len_k, diag, window_left,
-                                          window_right, HAS_LEFT, HAS_RIGHT), qk, float("-inf"))
-            else:
-                qk = tl.where(visible(offs_m[:, None], offs_n[None, :], len_q, len_k, diag, window_left,
-                                      window_right, HAS_LEFT, HAS_RIGHT), qk, float("-inf"))
+            qk = mask_scores(qk, float("-inf"), offs_m[:, None], offs_n[None, :], start_n, full_lo, full_hi, len_q,
+                             len_k, diag, window_left, window_right, HAS_LEFT, HAS_RIGHT, SINGLE_LOOP)
         m_new = tl.maximum(m_i, tl.max(qk, 1) * scale)
         if MASKED or HAS_BIAS:  # a -inf bias can hide whole rows too
             # A row with nothing visible so far keeps m = -inf; subtract 0 instead (exp2(-inf) = 0).

@@ -27,6 +27,22 @@ def visible(q_idx, k_idx, len_q, len_k, diag, window_left, window_right,
 
 
 @triton.jit
+def mask_scores(scores, fill, q_idx, k_idx, start, full_lo, full_hi, len_q, len_k, diag, window_left, window_right,
+                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SINGLE_LOOP: tl.constexpr):
+    """``scores`` with ``fill`` where the query does not see the key, for a block of a masked loop;
+    with SINGLE_LOOP (one loop over every visited block) only when the block at ``start`` lies outside
+    [full_lo, full_hi), a runtime branch."""
+    if SINGLE_LOOP:
+        if (start < full_lo) | (start >= full_hi):
+            scores = tl.where(visible(q_idx, k_idx, len_q, len_k, diag, window_left, window_right, HAS_LEFT,
+                                      HAS_RIGHT), scores, fill)
+    else:
+        scores = tl.where(visible(q_idx, k_idx, len_q, len_k, diag, window_left, window_right, HAS_LEFT, HAS_RIGHT),
+                          scores, fill)
+    return scores
+
+
+@triton.jit
 def sequence_extent(SEQ_START, SEQ_LEN, batch, max_len, IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr):
     """(first token, length) of sequence ``batch``: packed offsets for thd, lengths for padded."""
     start = 0

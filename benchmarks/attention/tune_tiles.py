@@ -21,8 +21,17 @@ from transformer_engine.pytorch.attention import launch
 
 # Candidates per padded head dim: forward tiles, dK/dV tiles (timed with the planned dQ tiles) and
 # dQ tiles (timed with the planned dK/dV tiles), so each backward kernel is chosen on its own. The
-# d=128 rows (session 4) pair the best tiles of NOTES.md entry 8 with head groups (entry 11).
+# d=128 rows (session 4) pair the best tiles of NOTES.md entry 8 with head groups (entry 11), then try
+# TMA loads with the single-loop form.
 T = Tiles
+
+
+def _tma_single(tiles):
+    """Tiles with TMA loads and the single-loop form: fewer registers (no spills at d=128), and with
+    4 warps and 2 stages two programs fit an SM (kernel_resources.py: 153-171 registers, 82-98 KB)."""
+    return [dataclasses.replace(t, single_loop=True, tma=True) for t in tiles]
+
+
 CANDIDATES = {
     64: (
         [T(128, 64, 8, 3), T(128, 64, 4, 3), T(128, 128, 8, 3), T(64, 64, 4, 3), T(128, 32, 4, 3), T(128, 64, 8, 4)],
@@ -31,10 +40,11 @@ CANDIDATES = {
     ),
     128: (
         [T(128, 64, 8, 3), T(128, 64, 8, 3, 8), T(128, 128, 8, 3), T(128, 128, 8, 3, 8), T(128, 64, 8, 4, 8),
-         T(64, 64, 4, 3, 8)],
+         T(64, 64, 4, 3, 8)] + _tma_single([T(128, 64, 8, 3), T(128, 64, 8, 2), T(64, 64, 4, 2), T(64, 64, 4, 3)]),
         [T(64, 128, 8, 3), T(64, 128, 8, 3, 8), T(64, 128, 8, 2), T(64, 128, 8, 2, 8), T(32, 128, 4, 3, 8),
-         T(64, 64, 4, 3, 8)],
-        [T(128, 64, 8, 3), T(128, 64, 8, 3, 8), T(128, 64, 8, 2, 8), T(64, 64, 4, 3, 8), T(128, 32, 8, 3, 8)],
+         T(64, 64, 4, 3, 8)] + _tma_single([T(64, 128, 8, 3), T(64, 128, 8, 2)]),
+        [T(128, 64, 8, 3), T(128, 64, 8, 3, 8), T(128, 64, 8, 2, 8), T(64, 64, 4, 3, 8), T(128, 32, 8, 3, 8)]
+        + _tma_single([T(128, 64, 8, 3), T(128, 64, 8, 2), T(64, 64, 4, 2)]),
     ),
     256: (
         [T(128, 64, 8, 2), T(64, 64, 4, 2), T(128, 32, 8, 2), T(64, 32, 4, 2)],

@@ -6,6 +6,8 @@ L0 under the Triton interpreter.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -19,6 +21,8 @@ from fused_helpers import (
     ref_and_lowp,
     requires_fused,
 )
+from transformer_engine.common.attention import AttnMaskType, QKVFormat
+from transformer_engine.common.attention.plan import backward_plan, forward_plan
 from transformer_engine.pytorch.attention import launch
 from transformer_engine.pytorch.attention.fused_attn import fused_attn_func
 
@@ -160,8 +164,6 @@ def test_deterministic_backward_never_launches_atomic_dq(monkeypatch, determinis
         assert calls[0]["ATOMIC_DQ"] == (len(dq_calls) == 0)
 
 
-
-
 @pytest.mark.parametrize("mask", ["causal", "padding_causal", "sliding_window"])
 def test_launch_order_and_loop_form_change_no_result(mask):
     """Grouping heads in the launch order (Tiles.head_group, kernels/masking.py grid_program) only
@@ -170,11 +172,6 @@ def test_launch_order_and_loop_form_change_no_result(mask):
     run as one loop that masks per block (Tiles.single_loop) or as three loops does the same sums in
     the same order: bitwise equal under the interpreter, within rounding of the instruction schedule
     on the GPU."""
-    import dataclasses
-
-    from transformer_engine.common.attention import AttnMaskType, QKVFormat
-    from transformer_engine.common.attention.plan import backward_plan, forward_plan
-
     q, k, v, _ = make_qkv(2, S, S, 5, 1, 32, 32, DTYPES[0], seed=5)
     q, k, v = (t.detach() for t in (q, k, v))
     d_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(q.device, q.dtype)

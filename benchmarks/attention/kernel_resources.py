@@ -69,7 +69,7 @@ def launch_args(fn, constexprs, dqk, dv, heads=16, seqlen=4096, bias=False):
 def compile_sm90(fn, constexprs, tiles, dqk, dv, **kwargs):
     """Compile one kernel variant for sm_90 as a launch of contiguous tensors would (no GPU needed)."""
     return compile_kernel(fn, launch_args(fn, constexprs, dqk, dv, **kwargs),
-                          dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages), SM90)
+                          tiles.launch_options, SM90)
 
 
 def resources(kernel) -> dict:
@@ -89,8 +89,7 @@ def report(name, dims, causal, tiles):
     dqk = dv = dims
     flags = dict(HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=dqk, BLOCK_DV=dv, IS_THD=False, HAS_SEQLENS=False,
                  HAS_LEFT=False, HAS_RIGHT=causal, BOTTOM_RIGHT=False, DOT_PRECISION="tf32", HAS_BIAS=False,
-                 HAS_ALIBI=False, DROPOUT=False, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-                 HEAD_GROUP=tiles.head_group, SINGLE_LOOP=tiles.single_loop)
+                 HAS_ALIBI=False, DROPOUT=False, TMA=tiles.tma, **tiles.loop_constexprs)
     if name == "dkdv":
         flags.update(ATOMIC_DQ=False, gqa_group=1)
     try:

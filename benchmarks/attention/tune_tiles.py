@@ -21,8 +21,17 @@ from transformer_engine.pytorch.attention import launch
 
 # Candidates per padded head dim: forward tiles, dK/dV tiles (timed with the planned dQ tiles) and
 # dQ tiles (timed with the planned dK/dV tiles), so each backward kernel is chosen on its own. The
-# d=128 rows (session 4) pair the best tiles of NOTES.md entry 8 with head groups (entry 11).
+# d=128 rows (session 4) pair the best tiles of NOTES.md entry 8 with head groups (entry 11), then try
+# TMA loads with the single-loop form.
 T = Tiles
+
+
+def _tma_single(tiles):
+    """Tiles with TMA loads and the single-loop form: fewer registers (no spills at d=128), and with
+    4 warps and 2 stages two programs fit an SM (kernel_resources.py: 153-171 registers, 82-98 KB)."""
+    return [dataclasses.replace(t, single_loop=True, tma=True) for t in tiles]
+
+
 CANDIDATES = {
     64: (
         [T(128, 64, 8, 3), T(128, 64, 4, 3), T(128, 128, 8, 3), T(64, 64, 4, 3), T(128, 32, 4, 3), T(128, 64, 8, 4)],
@@ -31,11 +40,14 @@ CANDIDATES = {
     ),
     128: (
         [T(128, 64, 8, 3), T(128, 64, 8, 3, head_group=8), T(128, 128, 8, 3), T(128, 128, 8, 3, head_group=8),
-         T(128, 64, 8, 4, head_group=8), T(64, 64, 4, 3, head_group=8)],
+         T(128, 64, 8, 4, head_group=8), T(64, 64, 4, 3, head_group=8)]
+        + _tma_single([T(128, 64, 8, 3), T(128, 64, 8, 2), T(64, 64, 4, 2), T(64, 64, 4, 3)]),
         [T(64, 128, 8, 3), T(64, 128, 8, 3, head_group=8), T(64, 128, 8, 2), T(64, 128, 8, 2, head_group=8),
-         T(32, 128, 4, 3, head_group=8), T(64, 64, 4, 3, head_group=8)],
+         T(32, 128, 4, 3, head_group=8), T(64, 64, 4, 3, head_group=8)]
+        + _tma_single([T(64, 128, 8, 3), T(64, 128, 8, 2)]),
         [T(128, 64, 8, 3), T(128, 64, 8, 3, head_group=8), T(128, 64, 8, 2, head_group=8),
-         T(64, 64, 4, 3, head_group=8), T(128, 32, 8, 3, head_group=8)],
+         T(64, 64, 4, 3, head_group=8), T(128, 32, 8, 3, head_group=8)]
+        + _tma_single([T(128, 64, 8, 3), T(128, 64, 8, 2), T(64, 64, 4, 2)]),
     ),
     256: (
         [T(128, 64, 8, 2), T(64, 64, 4, 2), T(128, 32, 8, 2), T(64, 32, 4, 2)],
@@ -45,21 +57,25 @@ CANDIDATES = {
 }
 
 
-def variant_candidates(planned, field, values):
-    """The planned tiles of each kernel with ``field`` (a Tiles field) set to each of ``values``."""
-    return tuple([dataclasses.replace(t, **{field: v}) for v in values] for t in planned)
+def variant_candidates(planned, combos):
+    """The planned tiles of each kernel with each combination of Tiles fields in ``combos`` (dicts)."""
+    return tuple([dataclasses.replace(t, **combo) for combo in combos] for t in planned)
 
 
 def parse_variants(spec):
-    """'head_group=1,2,4' -> ('head_group', (1, 2, 4)); 'single_loop=0,1' -> ('single_loop', (False, True))."""
-    field, values = spec.split("=")
-    kind = type(getattr(Tiles(1, 1, 1, 1), field))
-    return field, tuple(kind(int(v)) for v in values.split(","))
+    """Tiles-field combinations to sweep: 'head_group=1,2,4' -> [{'head_group': 1}, ...];
+    'tma=0,1;single_loop=0,1' -> the four combinations of both fields (booleans as 0/1)."""
+    fields = []
+    for part in spec.split(";"):
+        field, values = part.split("=")
+        kind = type(getattr(Tiles(1, 1, 1, 1), field))
+        fields.append([(field, kind(int(v))) for v in values.split(",")])
+    return [dict(combo) for combo in itertools.product(*fields)]
 
 
 def main(dims=(128, 256), causal_kinds=(False, True), out=None, variants=None):
-    """Time each kernel's candidates; with ``variants`` (field, values), the planned tiles with each
-    value of that field instead of the CANDIDATES table."""
+    """Time each kernel's candidates; with ``variants`` (parse_variants), the planned tiles with each
+    combination of Tiles fields instead of the CANDIDATES table."""
     results = {}
 
     def save():  # after every measurement, so a run cut off by its time limit keeps what finished
@@ -83,7 +99,7 @@ def main(dims=(128, 256), causal_kinds=(False, True), out=None, variants=None):
         key = f"d{d}_{'causal' if causal else 'none'}"
         results[key] = {}
         fwd_cands, dkdv_cands, dq_cands = (
-            variant_candidates((base_f.tiles, base_b.dkdv, base_b.dq), *variants) if variants
+            variant_candidates((base_f.tiles, base_b.dkdv, base_b.dq), variants) if variants
             else CANDIDATES[d])
         for t in fwd_cands:
             try:

@@ -52,18 +52,12 @@ def test_sm90_plans_compile(head_dims, causal, mods, gqa):
     flags = dict(HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=fwd.block_dqk, BLOCK_DV=fwd.block_dv,
                  IS_THD=False, HAS_SEQLENS=False, HAS_LEFT=False, HAS_RIGHT=causal, BOTTOM_RIGHT=False,
                  DOT_PRECISION=fwd.dot_precision, HAS_BIAS=mods, HAS_ALIBI=mods, DROPOUT=mods)
-    _compile(attn_fwd_kernel,
-             dict(flags, BLOCK_M=fwd.tiles.block_m, BLOCK_N=fwd.tiles.block_n, HEAD_GROUP=fwd.tiles.head_group,
-                  SINGLE_LOOP=fwd.tiles.single_loop),
-             fwd.tiles, dqk, dv, bias=mods)
+    _compile(attn_fwd_kernel, dict(flags, TMA=fwd.tiles.tma, **fwd.tiles.loop_constexprs), fwd.tiles, dqk, dv,
+             bias=mods)
     _compile(attn_bwd_dkdv_kernel,
-             dict(flags, BLOCK_M=bwd.dkdv.block_m, BLOCK_N=bwd.dkdv.block_n, ATOMIC_DQ=False, gqa_group=gqa,
-                  HEAD_GROUP=bwd.dkdv.head_group, SINGLE_LOOP=bwd.dkdv.single_loop),
+             dict(flags, ATOMIC_DQ=False, gqa_group=gqa, TMA=bwd.dkdv.tma, **bwd.dkdv.loop_constexprs),
              bwd.dkdv, dqk, dv, bias=mods)
-    _compile(attn_bwd_dq_kernel,
-             dict(flags, BLOCK_M=bwd.dq.block_m, BLOCK_N=bwd.dq.block_n, HEAD_GROUP=bwd.dq.head_group,
-                  SINGLE_LOOP=bwd.dq.single_loop),
-             bwd.dq, dqk, dv, bias=mods)
+    _compile(attn_bwd_dq_kernel, dict(flags, TMA=bwd.dq.tma, **bwd.dq.loop_constexprs), bwd.dq, dqk, dv, bias=mods)
     _compile(attn_bwd_preprocess_kernel,
              dict(HEAD_DIM_V=dv, BLOCK_DV=bwd.block_dv, BLOCK_M=bwd.preprocess.block_m, IS_THD=False,
                   HAS_SEQLENS=False), bwd.preprocess, dqk, dv)

@@ -479,3 +479,42 @@ def test_native_extension_source_compiles():
     assert result.returncode == 0, result.stderr[-4000:]
     own = [line for line in result.stderr.splitlines() if "triton_launch.cpp" in line and "warning" in line]
     assert not own, "\n".join(own)
+
+
+@compiles
+def test_tma_plan_lowers_with_a_global_scratch_workspace(captured_programs, monkeypatch):
+    """A plan with Tiles.tma: the kernels build tensor descriptors on the device, so Triton asks for
+    global scratch, and the program gives each such launch a workspace of grid x that size."""
+    import dataclasses
+
+    plan_fwd, plan_bwd = gpu.forward_plan, gpu.backward_plan
+
+    def with_tma(tiles):
+        return dataclasses.replace(tiles, tma=True)
+
+    monkeypatch.setattr(gpu, "forward_plan", lambda cfg: dataclasses.replace(
+        plan_fwd(cfg), tiles=with_tma(plan_fwd(cfg).tiles)))
+    monkeypatch.setattr(gpu, "backward_plan", lambda cfg: dataclasses.replace(
+        plan_bwd(cfg), dkdv=with_tma(plan_bwd(cfg).dkdv), dq=with_tma(plan_bwd(cfg).dq)))
+    b, s, hq, hk, d = 2, 256, 8, 2, 64
+    _lower_for_cuda(_attention_grad_fn(AttnMaskType.CAUSAL_MASK), *_shapes(b, s, hq, hk, d))
+    tma_kernels = {"attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"}
+    seen = set()
+    for prog in captured_programs:
+        by_name = {k.name: k for k in prog._kernels}
+        program, blob = prog.encode()
+        _, _, launches = decode(program, blob)
+        buffers = prog.operands + prog.results
+        for launch in launches:
+            scratch = by_name[launch["kernel"]].global_scratch_size
+            if launch["kernel"] not in tma_kernels:
+                assert scratch == 0 and launch["params"][-2] == ("null", 0)
+                continue
+            seen.add(launch["kernel"])
+            assert scratch > 0, launch["kernel"]
+            kind, index = launch["params"][-2]
+            assert kind == "buffer"
+            workspace = buffers[index]
+            assert workspace.dtype == jnp.uint8
+            assert workspace.shape == (int(np.prod(launch["grid"])) * scratch,)
+    assert seen == tma_kernels

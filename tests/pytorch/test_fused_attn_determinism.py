@@ -204,3 +204,7 @@ def test_launch_order_and_loop_form_change_no_result(mask):
             torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
         else:
             assert torch.equal(a, b)
+    # Loads through tensor descriptors (Tiles.tma) read the same values, zeros past the sequence.
+    for single_loop in (False, True):
+        for a, b in zip(run(single_loop=single_loop), run(single_loop=single_loop, tma=True)):
+            assert torch.equal(a, b)

@@ -36,6 +36,7 @@ import torch
 from transformer_engine.common import determinism_report as report
 from transformer_engine.common.determinism_report import CheckResult, Progress, RunResult
 from transformer_engine.common.settings import environment
+from transformer_engine.pytorch.attention.config import triton_interpreting
 from transformer_engine.pytorch.models import TinyConfig, TinyTransformerLM
 
 __all__ = ["main", "run_check", "CheckResult"]
@@ -155,7 +156,7 @@ def run_check(args: argparse.Namespace, out=None, err=None) -> CheckResult:
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
     device = _resolve_device(args.device)
-    interpret = os.environ.get("TRITON_INTERPRET") == "1" and device.type == "cpu"
+    interpret = triton_interpreting() and device.type == "cpu"
     report.apply_defaults(args, _DEFAULTS["cpu-interpret" if interpret else device.type])
     dtype = _DTYPES[args.dtype]
     cfg = TinyConfig(

@@ -25,6 +25,18 @@ class Tiles:
     num_stages: int
     head_group: int = 1  # launch order: heads whose blocks interleave (kernels/masking.py, grid_program)
     single_loop: bool = False  # one pipelined block loop masking per block, not three loops (NOTES.md entry 11)
+    tma: bool = False  # block-loop loads through tensor descriptors where the launcher can (aligned, d contiguous)
+
+    @property
+    def loop_constexprs(self) -> Dict[str, object]:
+        """What the block-loop kernels (forward, dK/dV, dQ) take from these tiles, by parameter name
+        (TMA too is theirs, but each launcher decides it from the tensors' alignment)."""
+        return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, HEAD_GROUP=self.head_group,
+                    SINGLE_LOOP=self.single_loop)
+
+    @property
+    def launch_options(self) -> Dict[str, int]:
+        return dict(num_warps=self.num_warps, num_stages=self.num_stages)
 
 
 @dataclass(frozen=True)

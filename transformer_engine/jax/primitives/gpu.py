@@ -208,6 +208,14 @@ def _strides(shape: Sequence[int], packed: bool) -> Tuple[int, ...]:
     return (0 if packed else s * h * d, h * d, d, 1)
 
 
+def _tma(wanted: bool, dtype, *shapes: Sequence[int]) -> bool:
+    """Whether the block loops may read these contiguous [b, s, h, d] buffers through TMA descriptors
+    (as the PyTorch launcher decides): every stride but the head dim's a multiple of 16 bytes; XLA
+    aligns buffers to more than 16 bytes. The descriptors live in the launch's global scratch."""
+    size = jnp.dtype(dtype).itemsize
+    return wanted and all(st * size % 16 == 0 for shape in shapes for st in _strides(shape, False)[:3])
+
+
 def _plan_config(static, q, k, v, deterministic: bool) -> AttnConfig:
     """The planning config of a launch, built as the PyTorch launcher builds it."""
     return AttnConfig(
@@ -293,12 +301,11 @@ def _fwd_impl(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds
         num_heads_q=hq, gqa_group=hq // hk, seqlen_q=s_q, seqlen_k=s_kv,
         qk_scale=static.scaling_factor * LOG2E, window_left=left, window_right=right,
         HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, IS_THD=packed, HAS_SEQLENS=packed,
-        DOT_PRECISION=plan.dot_precision, HEAD_GROUP=t.head_group, SINGLE_LOOP=t.single_loop, **flags,
-        **_bias_values(bias_buf, bias),
+        IS_THD=packed, HAS_SEQLENS=packed, DOT_PRECISION=plan.dot_precision,
+        TMA=_tma(t.tma, k.dtype, k.shape, v.shape), **t.loop_constexprs, **flags, **_bias_values(bias_buf, bias),
     )
     values = _complete(attn_fwd_kernel, values, Buf(lse))
-    kernel = _compile_launch(attn_fwd_kernel, values, prog, dict(num_warps=t.num_warps, num_stages=t.num_stages))
+    kernel = _compile_launch(attn_fwd_kernel, values, prog, t.launch_options)
     prog.launch(kernel, block_grid(_cdiv(s_q, t.block_m), nseq * hq), values)
     out, lse_out = prog.call(*operands)[:2]
     return out, lse_out.reshape(b, nseq // b, hq, s_q)
@@ -451,12 +458,11 @@ def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_of
     t = plan.dkdv
     dkdv_values = dict(
         shared, DK=Buf(dk), DV=Buf(dvt), DQ_ACC=dq_acc_buf, **_named_strides("dq", dq_acc_strides),
-        num_heads_kv=hk, BLOCK_M=t.block_m, BLOCK_N=t.block_n, ATOMIC_DQ=plan.atomic_dq, HEAD_GROUP=t.head_group,
-        SINGLE_LOOP=t.single_loop,
+        num_heads_kv=hk, ATOMIC_DQ=plan.atomic_dq, TMA=_tma(t.tma, q.dtype, q.shape, dout.shape),
+        **t.loop_constexprs,
     )
     dkdv_values = _complete(attn_bwd_dkdv_kernel, dkdv_values, LSE)
-    kernel = _compile_launch(attn_bwd_dkdv_kernel, dkdv_values, prog,
-                             dict(num_warps=t.num_warps, num_stages=t.num_stages))
+    kernel = _compile_launch(attn_bwd_dkdv_kernel, dkdv_values, prog, t.launch_options)
     prog.launch(kernel, block_grid(_cdiv(s_kv, t.block_n), nseq * hk), dkdv_values)
 
     if bias_buf is not None:  # launched between dK/dV and dQ, as the PyTorch launcher does
@@ -465,11 +471,10 @@ def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_of
 
     if not plan.atomic_dq:
         t = plan.dq
-        dq_values = dict(shared, DQ=Buf(dq), num_heads_q=hq, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-                         HEAD_GROUP=t.head_group, SINGLE_LOOP=t.single_loop)
+        dq_values = dict(shared, DQ=Buf(dq), num_heads_q=hq, TMA=_tma(t.tma, k.dtype, k.shape, v.shape),
+                         **t.loop_constexprs)
         dq_values = _complete(attn_bwd_dq_kernel, dq_values, LSE)
-        kernel = _compile_launch(attn_bwd_dq_kernel, dq_values, prog,
-                                 dict(num_warps=t.num_warps, num_stages=t.num_stages))
+        kernel = _compile_launch(attn_bwd_dq_kernel, dq_values, prog, t.launch_options)
         prog.launch(kernel, block_grid(_cdiv(s_q, t.block_m), nseq * hq), dq_values)
 
     results = prog.call(*operands)
@@ -508,8 +513,7 @@ def _launch_dbias(prog: Program, plan, static, q, k, v, bias, bias_buf: Buf, dbi
         DOT_PRECISION=plan.dot_precision,
     )
     values = _complete(attn_bwd_dbias_kernel, values, LSE)
-    kernel = _compile_launch(attn_bwd_dbias_kernel, values, prog,
-                             dict(num_warps=t.num_warps, num_stages=t.num_stages))
+    kernel = _compile_launch(attn_bwd_dbias_kernel, values, prog, t.launch_options)
     prog.launch(kernel, plan.dbias_grid(s_q, s_kv, bias.shape[0], bias.shape[1]), values)
 
 

@@ -24,7 +24,7 @@ from transformer_engine.common.attention import (
 from transformer_engine.common.attention.config import normalize_window
 
 __all__ = ["deterministic_requested", "make_attn_config", "select", "PYTORCH_BACKENDS", "dtype_name", "check_cu_seqlens",
-           "check_qkv"]
+           "check_qkv", "triton_interpreting"]
 
 PYTORCH_BACKENDS: Tuple[Type[AttentionBackend], ...] = (
     FlashAttention,
@@ -42,6 +42,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 def deterministic_requested() -> bool:
     """True when NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 or torch.use_deterministic_algorithms(True); read now."""
     return (not settings.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO")) or torch.are_deterministic_algorithms_enabled()
+
+
+def triton_interpreting() -> bool:
+    """Triton's interpreter is on (TRITON_INTERPRET=1): the fused kernels can run on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _flash_attn_reasons() -> Tuple[Tuple[str, str], ...]:
@@ -162,7 +167,7 @@ def make_attn_config(
         framework="pytorch",
         device_type=device_type,
         compute_capability=cc,
-        triton_interpret=os.environ.get("TRITON_INTERPRET", "0") == "1",
+        triton_interpret=triton_interpreting(),
         extra=extra,
     )
 

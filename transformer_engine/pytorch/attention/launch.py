@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -22,7 +21,7 @@ from transformer_engine.common.attention.kernels.scores import dropout_mask_kern
 from transformer_engine.common.attention.plan import (
     BackwardPlan, ForwardPlan, backward_plan, block_grid, forward_plan, mask_flags,
 )
-from transformer_engine.pytorch.attention.config import dtype_name
+from transformer_engine.pytorch.attention.config import dtype_name, triton_interpreting
 
 LOG2E = 1.4426950408889634
 
@@ -144,6 +143,29 @@ class ScoreMods:
 NO_MODS = ScoreMods()
 
 
+def _tma_scratch(size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
+    """Global memory for the tensor descriptors kernels build on the device (Triton asks per launch)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _use_tma(wanted: bool, *views) -> bool:
+    """Whether a launch may read these (tensor, (b, s, h, d) strides) views through TMA descriptors:
+    the plan asks for it, the head dim is contiguous, every other stride and the base are 16-byte
+    aligned. Sets Triton's allocator for this thread when none is set (autograd's backward runs
+    on its own thread, so this runs at each launch)."""
+    if not wanted:
+        return False
+    for t, strides in views:
+        size = t.element_size()
+        if strides[3] != 1 or t.data_ptr() % 16 or any(st * size % 16 for st in strides[:3]):
+            return False
+    from triton.runtime import _allocation  # the allocator Triton reads is a private context var
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(_tma_scratch)
+    return True
+
+
 def forward(q, k, v, fmt: QKVFormat, seqs: Sequences, softmax_scale: float, mask: AttnMaskType,
             window: Tuple[int, int], plan: Optional[ForwardPlan] = None, mods: ScoreMods = NO_MODS):
     """Run the forward kernel. Returns (out in q's format with head dim d_v, lse [b, h, max_s_q] fp32)."""
@@ -167,9 +189,8 @@ def forward(q, k, v, fmt: QKVFormat, seqs: Sequences, softmax_scale: float, mask
         hq, hq // hk, seqs.max_q, seqs.max_k,
         softmax_scale * LOG2E, left, right, mods.dropout_p,
         HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, IS_THD=seqs.is_thd, HAS_SEQLENS=seqs.has_seqlens,
-        DOT_PRECISION=plan.dot_precision, HEAD_GROUP=t.head_group, SINGLE_LOOP=t.single_loop,
-        num_warps=t.num_warps, num_stages=t.num_stages, **flags, **mods.flags(),
+        IS_THD=seqs.is_thd, HAS_SEQLENS=seqs.has_seqlens, DOT_PRECISION=plan.dot_precision,
+        TMA=_use_tma(t.tma, (k, sk_), (v, sv_)), **t.loop_constexprs, **t.launch_options, **flags, **mods.flags(),
     )
     return out, lse
 
@@ -220,9 +241,9 @@ def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_
         *sq_, *sk_, *sv_, *sdo_, *sdk_, *sdv_, *sdqa_, lse.stride(0), lse.stride(1), *mod_strides,
         hk, hq // hk, seqs.max_q, seqs.max_k, softmax_scale, softmax_scale * LOG2E, left, right, mods.dropout_p,
         HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, IS_THD=seqs.is_thd, HAS_SEQLENS=seqs.has_seqlens,
-        ATOMIC_DQ=plan.atomic_dq, DOT_PRECISION=plan.dot_precision, HEAD_GROUP=t.head_group, SINGLE_LOOP=t.single_loop,
-        num_warps=t.num_warps, num_stages=t.num_stages, **flags, **mods.flags(),
+        IS_THD=seqs.is_thd, HAS_SEQLENS=seqs.has_seqlens, ATOMIC_DQ=plan.atomic_dq, DOT_PRECISION=plan.dot_precision,
+        TMA=_use_tma(t.tma, (q, sq_), (d_out, sdo_)), **t.loop_constexprs, **t.launch_options, **flags,
+        **mods.flags(),
     )
     dbias = _dbias(q, k, v, d_out, lse, delta, fmt, seqs, softmax_scale, window, flags, left, right, plan, mods) \
         if bias_grad else None
@@ -236,9 +257,8 @@ def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_
         *sq_, *sk_, *sv_, *sdo_, *sdq_, lse.stride(0), lse.stride(1), *mod_strides,
         hq, hq // hk, seqs.max_q, seqs.max_k, softmax_scale, softmax_scale * LOG2E, left, right, mods.dropout_p,
         HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, IS_THD=seqs.is_thd, HAS_SEQLENS=seqs.has_seqlens,
-        DOT_PRECISION=plan.dot_precision, HEAD_GROUP=t.head_group, SINGLE_LOOP=t.single_loop,
-        num_warps=t.num_warps, num_stages=t.num_stages, **flags, **mods.flags(),
+        IS_THD=seqs.is_thd, HAS_SEQLENS=seqs.has_seqlens, DOT_PRECISION=plan.dot_precision,
+        TMA=_use_tma(t.tma, (k, sk_), (v, sv_)), **t.loop_constexprs, **t.launch_options, **flags, **mods.flags(),
     )
     return dq, dk, dvt, dbias
 
@@ -264,7 +284,7 @@ def _dbias(q, k, v, d_out, lse, delta, fmt, seqs: Sequences, softmax_scale, wind
         HEAD_DIM_QK=q.shape[-1], HEAD_DIM_V=v.shape[-1], BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, HAS_SEQLENS=seqs.has_seqlens,
         HAS_LEFT=flags["HAS_LEFT"], HAS_RIGHT=flags["HAS_RIGHT"], BOTTOM_RIGHT=flags["BOTTOM_RIGHT"],
-        DROPOUT=mods.dropout_p > 0, DOT_PRECISION=plan.dot_precision, num_warps=t.num_warps, num_stages=t.num_stages,
+        DROPOUT=mods.dropout_p > 0, DOT_PRECISION=plan.dot_precision, **t.launch_options,
     )
     return dbias
 
@@ -285,7 +305,7 @@ def zero_outside_sequences(x: torch.Tensor, starts: torch.Tensor, used: torch.Te
     Returns ``x``. Like the CUDA kernel, the CPU path writes through ``.data``: no autograd version
     bump (the caller clears rows no saved-tensor reader looks at)."""
     t, h, d = x.shape
-    if x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if x.device.type == "cpu" and not triton_interpreting():
         # CPU tensors without Triton's interpreter (stand-in backends in tests): same rows, in torch.
         n = used.shape[0]
         edges = torch.zeros(t + 1, dtype=torch.int64)

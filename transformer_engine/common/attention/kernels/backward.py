@@ -12,11 +12,13 @@ import triton.language as tl
 from transformer_engine.common.attention.kernels.masking import (
     grid_program,
     key_block_bounds,
-    load_tile,
+    load_block,
+    mask_scores,
     query_block_bounds,
     query_block_program,
     segment_bounds,
     sequence_extent,
+    sequence_source,
     visible,
 )
 from transformer_engine.common.attention.kernels.scores import (
@@ -61,7 +63,7 @@ def attn_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, dq_ptrs,
+def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, dq_ptrs,
                 stride_qs, stride_dos, stride_dqs,
                 offs_n, offs_m_base, offs_dqk, offs_dv, lo, hi, full_lo, full_hi,
                 len_q, len_k, diag, window_left, window_right, qk_scale, sm_scale,
@@ -70,12 +72,12 @@ def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, dq_ptrs,
                 BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                 MASKED: tl.constexpr, SINGLE_LOOP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                 HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-                ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
     """Query blocks [lo, hi); masking as in forward._fwd_inner (SINGLE_LOOP: outside [full_lo, full_hi) only)."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m_base
-        q_t = load_tile(q_ptrs + start_m * stride_qs, offs_dqk[:, None], offs_m[None, :], len_q,
-                        HEAD_DIM_QK, BLOCK_DQK, MASKED)  # [BLOCK_DQK, BLOCK_M]
+        q_t = load_block(q_src, start_m, stride_qs, offs_dqk, offs_m_base, len_q, HEAD_DIM_QK, BLOCK_DQK, MASKED,
+                         TMA, True)  # [BLOCK_DQK, BLOCK_M]
         # Rows past the sequence (or with nothing visible) carry lse = +inf: their p is 0.
         lse = tl.load(lse_ptrs + offs_m, mask=offs_m < len_q, other=float("inf"))
         qk_t = tl.dot(k, q_t, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
@@ -84,15 +86,10 @@ def _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, dq_ptrs,
                               alibi_slope, diag, HAS_BIAS, HAS_ALIBI)
         p_t = tl.math.exp2(qk_t - lse[None, :] * LOG2E)
         if MASKED:
-            if SINGLE_LOOP:
-                if (start_m < full_lo) | (start_m >= full_hi):
-                    p_t = tl.where(visible(offs_m[None, :], offs_n[:, None], len_q, len_k, diag, window_left,
-                                           window_right, HAS_LEFT, HAS_RIGHT), p_t, 0.0)
-            else:
-                p_t = tl.where(visible(offs_m[None, :], offs_n[:, None], len_q, len_k, diag, window_left,
-                                       window_right, HAS_LEFT, HAS_RIGHT), p_t, 0.0)
-        do = load_tile(do_ptrs + start_m * stride_dos, offs_dv[None, :], offs_m[:, None], len_q,
-                       HEAD_DIM_V, BLOCK_DV, MASKED)  # [BLOCK_M, BLOCK_DV]
+            p_t = mask_scores(p_t, 0.0, offs_m[None, :], offs_n[:, None], start_m, full_lo, full_hi, len_q, len_k,
+                              diag, window_left, window_right, HAS_LEFT, HAS_RIGHT, SINGLE_LOOP)
+        do = load_block(do_src, start_m, stride_dos, offs_dv, offs_m_base, len_q, HEAD_DIM_V, BLOCK_DV, MASKED,
+                        TMA, False)  # [BLOCK_M, BLOCK_DV]
         delta = tl.load(delta_ptrs + offs_m, mask=offs_m < len_q, other=0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
         if DROPOUT:
@@ -133,6 +130,7 @@ def attn_bwd_dkdv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
     ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr, SINGLE_LOOP: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """One program per (key block, batch * kv head): dK, dV for that tile, summed over the
     query heads of the GQA group in order, each over its query blocks in order."""
@@ -177,31 +175,33 @@ def attn_bwd_dkdv_kernel(
         bias_base, alibi_slope = head_score_mods(BIAS, ALIBI_SLOPES, batch, head, stride_zb, stride_zh,
                                                  stride_alibi_b, HAS_ALIBI)
         seq_head = batch * (num_heads_kv * gqa_group) + head
-        q_ptrs = (Q + batch.to(tl.int64) * stride_qb + start_q * stride_qs + head.to(tl.int64) * stride_qh
-                  + offs_m[None, :] * stride_qs + offs_dqk[:, None] * stride_qd)
-        do_ptrs = (DO + batch.to(tl.int64) * stride_dob + start_q * stride_dos + head.to(tl.int64) * stride_doh
-                   + offs_m[:, None] * stride_dos + offs_dv[None, :] * stride_dod)
+        q_src = sequence_source(Q + batch.to(tl.int64) * stride_qb + start_q * stride_qs
+                                + head.to(tl.int64) * stride_qh, stride_qs, len_q, offs_dqk, offs_m, stride_qd,
+                                HEAD_DIM_QK, BLOCK_DQK, BLOCK_M, TMA, True)
+        do_src = sequence_source(DO + batch.to(tl.int64) * stride_dob + start_q * stride_dos
+                                 + head.to(tl.int64) * stride_doh, stride_dos, len_q, offs_dv, offs_m, stride_dod,
+                                 HEAD_DIM_V, BLOCK_DV, BLOCK_M, TMA, False)
         dq_ptrs = (DQ_ACC + batch.to(tl.int64) * stride_dqb + start_q * stride_dqs + head.to(tl.int64) * stride_dqh
                    + offs_m[:, None] * stride_dqs + offs_dqk[None, :] * stride_dqd)
         lse_ptrs = LSE + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
         delta_ptrs = DELTA + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
         if SINGLE_LOOP:
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, dq_ptrs,
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, dq_ptrs,
                                  stride_qs, stride_dos, stride_dqs, offs_n, offs_m, offs_dqk, offs_dv, lo, hi,
                                  full_lo, full_hi, len_q, len_k, diag, window_left, window_right, qk_scale, sm_scale,
                                  bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
                                  HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, True, True, HAS_LEFT, HAS_RIGHT,
-                                 HAS_BIAS, HAS_ALIBI, DROPOUT, ATOMIC_DQ, DOT_PRECISION)
+                                 HAS_BIAS, HAS_ALIBI, DROPOUT, ATOMIC_DQ, DOT_PRECISION, TMA)
         else:
             for SEGMENT in tl.static_range(3):
                 seg_lo, seg_hi = segment_bounds(SEGMENT, lo, full_lo, full_hi, hi)
-                dk, dv = _dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, dq_ptrs,
+                dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, dq_ptrs,
                                      stride_qs, stride_dos, stride_dqs, offs_n, offs_m, offs_dqk, offs_dv, seg_lo,
                                      seg_hi, full_lo, full_hi, len_q, len_k, diag, window_left, window_right, qk_scale,
                                      sm_scale, bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset,
                                      seq_head, dropout_p, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_M,
                                      SEGMENT != 1, False, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT, ATOMIC_DQ,
-                                     DOT_PRECISION)
+                                     DOT_PRECISION, TMA)
 
     dk = tl.where(key_ok, dk * sm_scale, 0.0)
     dv = tl.where(key_ok, dv, 0.0)
@@ -215,7 +215,7 @@ def attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs,
+def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs,
               offs_m, offs_n_base, offs_dqk, offs_dv, lo, hi, full_lo, full_hi,
               len_q, len_k, diag, window_left, window_right, qk_scale,
               bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
@@ -223,27 +223,22 @@ def _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs,
               BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
               MASKED: tl.constexpr, SINGLE_LOOP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
               HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-              DOT_PRECISION: tl.constexpr):
+              DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
     """Key blocks [lo, hi); masking as in forward._fwd_inner."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n_base
-        k_t = load_tile(k_ptrs + start_n * stride_ks, offs_dqk[:, None], offs_n[None, :], len_k,
-                        HEAD_DIM_QK, BLOCK_DQK, MASKED)  # [BLOCK_DQK, BLOCK_N]
-        v_t = load_tile(v_ptrs + start_n * stride_vs, offs_dv[:, None], offs_n[None, :], len_k,
-                        HEAD_DIM_V, BLOCK_DV, MASKED)  # [BLOCK_DV, BLOCK_N]
+        k_t = load_block(k_src, start_n, stride_ks, offs_dqk, offs_n_base, len_k, HEAD_DIM_QK, BLOCK_DQK, MASKED,
+                         TMA, True)  # [BLOCK_DQK, BLOCK_N]
+        v_t = load_block(v_src, start_n, stride_vs, offs_dv, offs_n_base, len_k, HEAD_DIM_V, BLOCK_DV, MASKED,
+                         TMA, True)  # [BLOCK_DV, BLOCK_N]
         qk = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
         if HAS_BIAS or HAS_ALIBI:
             qk += bias_log2(bias_base, offs_m[:, None], offs_n[None, :], len_q, len_k, stride_zm, stride_zn,
                             alibi_slope, diag, HAS_BIAS, HAS_ALIBI)
         p = tl.math.exp2(qk - lse2[:, None])
         if MASKED:
-            if SINGLE_LOOP:
-                if (start_n < full_lo) | (start_n >= full_hi):
-                    p = tl.where(visible(offs_m[:, None], offs_n[None, :], len_q, len_k, diag, window_left,
-                                         window_right, HAS_LEFT, HAS_RIGHT), p, 0.0)
-            else:
-                p = tl.where(visible(offs_m[:, None], offs_n[None, :], len_q, len_k, diag, window_left,
-                                     window_right, HAS_LEFT, HAS_RIGHT), p, 0.0)
+            p = mask_scores(p, 0.0, offs_m[:, None], offs_n[None, :], start_n, full_lo, full_hi, len_q, len_k, diag,
+                            window_left, window_right, HAS_LEFT, HAS_RIGHT, SINGLE_LOOP)
         dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)
         if DROPOUT:
             kept = dropout_keep(seed, rng_offset, seq_head, offs_m[:, None], offs_n[None, :], dropout_p)
@@ -272,7 +267,7 @@ def attn_bwd_dq_kernel(
     IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr, SINGLE_LOOP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr, SINGLE_LOOP: tl.constexpr, TMA: tl.constexpr,
 ):
     """One program per (query block, batch * query head): dQ summed over key blocks in order."""
     start_m, batch, head, head_kv, start_q, len_q, start_k, len_k, rows_out, diag = query_block_program(
@@ -295,10 +290,10 @@ def attn_bwd_dq_kernel(
     lse_off = batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + offs_m
     lse2 = tl.load(LSE + lse_off, mask=row_ok, other=float("inf")) * LOG2E
     delta = tl.load(DELTA + lse_off, mask=row_ok, other=0.0)
-    k_ptrs = (K + batch.to(tl.int64) * stride_kb + start_k * stride_ks + head_kv.to(tl.int64) * stride_kh
-              + offs_n[None, :] * stride_ks + offs_dqk[:, None] * stride_kd)
-    v_ptrs = (V + batch.to(tl.int64) * stride_vb + start_k * stride_vs + head_kv.to(tl.int64) * stride_vh
-              + offs_n[None, :] * stride_vs + offs_dv[:, None] * stride_vd)
+    k_src = sequence_source(K + batch.to(tl.int64) * stride_kb + start_k * stride_ks + head_kv.to(tl.int64) * stride_kh,
+                            stride_ks, len_k, offs_dqk, offs_n, stride_kd, HEAD_DIM_QK, BLOCK_DQK, BLOCK_N, TMA, True)
+    v_src = sequence_source(V + batch.to(tl.int64) * stride_vb + start_k * stride_vs + head_kv.to(tl.int64) * stride_vh,
+                            stride_vs, len_k, offs_dv, offs_n, stride_vd, HEAD_DIM_V, BLOCK_DV, BLOCK_N, TMA, True)
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
     bias_base, alibi_slope = head_score_mods(BIAS, ALIBI_SLOPES, batch, head, stride_zb, stride_zh, stride_alibi_b,
                                              HAS_ALIBI)
@@ -311,19 +306,19 @@ def attn_bwd_dq_kernel(
     full_lo = tl.minimum(full_lo, hi)
     full_hi = tl.minimum(full_hi, hi)
     if SINGLE_LOOP:
-        dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_n, offs_dqk, offs_dv,
+        dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, offs_m, offs_n, offs_dqk, offs_dv,
                        lo, hi, full_lo, full_hi, len_q, len_k, diag, window_left, window_right, qk_scale,
                        bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
                        HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, True, True, HAS_LEFT, HAS_RIGHT,
-                       HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION)
+                       HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION, TMA)
     else:
         for SEGMENT in tl.static_range(3):
             seg_lo, seg_hi = segment_bounds(SEGMENT, lo, full_lo, full_hi, hi)
-            dq = _dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, stride_ks, stride_vs, offs_m, offs_n, offs_dqk,
+            dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, offs_m, offs_n, offs_dqk,
                            offs_dv, seg_lo, seg_hi, full_lo, full_hi, len_q, len_k, diag, window_left, window_right,
                            qk_scale, bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head,
                            dropout_p, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, SEGMENT != 1, False,
-                           HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION)
+                           HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION, TMA)
     dq = tl.where(row_ok[:, None], dq * sm_scale, 0.0)
     tl.store(DQ + batch.to(tl.int64) * stride_dqb + start_q * stride_dqs + head.to(tl.int64) * stride_dqh
              + offs_m[:, None] * stride_dqs + offs_dqk[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),

@@ -10,10 +10,11 @@ import triton.language as tl
 
 from transformer_engine.common.attention.kernels.masking import (
     key_block_bounds,
-    load_tile,
+    load_block,
+    mask_scores,
     query_block_program,
     segment_bounds,
-    visible,
+    sequence_source,
 )
 from transformer_engine.common.attention.kernels.scores import (
     bias_log2,
@@ -26,7 +27,7 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs,
+def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs,
                offs_m, offs_n_base, offs_dqk, offs_dv, lo, hi, full_lo, full_hi,
                len_q, len_k, diag, window_left, window_right, qk_scale,
                bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
@@ -34,13 +35,13 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs,
                BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                MASKED: tl.constexpr, SINGLE_LOOP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
+               DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
     """Key blocks [lo, hi); MASKED applies the element mask, to every block or, with SINGLE_LOOP, to
     those outside [full_lo, full_hi) only (a runtime branch)."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n_base
-        k = load_tile(k_ptrs + start_n * stride_ks, offs_dqk[:, None], offs_n[None, :], len_k,
-                      HEAD_DIM_QK, BLOCK_DQK, MASKED)
+        k = load_block(k_src, start_n, stride_ks, offs_dqk, offs_n_base, len_k, HEAD_DIM_QK, BLOCK_DQK, MASKED, TMA,
+                       True)
         qk = tl.dot(q, k, input_precision=DOT_PRECISION)
         if HAS_BIAS or HAS_ALIBI:
             qk = qk * qk_scale + bias_log2(bias_base, offs_m[:, None], offs_n[None, :], len_q, len_k, stride_zm,
@@ -51,13 +52,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs,
             # equals the max of the scaled scores since the scale is positive.
             scale = qk_scale
         if MASKED:
-            if SINGLE_LOOP:
-                if (start_n < full_lo) | (start_n >= full_hi):
-                    qk = tl.where(visible(offs_m[:, None], offs_n[None, :], len_q, len_k, diag, window_left,
-                                          window_right, HAS_LEFT, HAS_RIGHT), qk, float("-inf"))
-            else:
-                qk = tl.where(visible(offs_m[:, None], offs_n[None, :], len_q, len_k, diag, window_left,
-                                      window_right, HAS_LEFT, HAS_RIGHT), qk, float("-inf"))
+            qk = mask_scores(qk, float("-inf"), offs_m[:, None], offs_n[None, :], start_n, full_lo, full_hi, len_q,
+                             len_k, diag, window_left, window_right, HAS_LEFT, HAS_RIGHT, SINGLE_LOOP)
         m_new = tl.maximum(m_i, tl.max(qk, 1) * scale)
         if MASKED or HAS_BIAS:  # a -inf bias can hide whole rows too
             # A row with nothing visible so far keeps m = -inf; subtract 0 instead (exp2(-inf) = 0).
@@ -70,8 +66,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs,
         if DROPOUT:  # the normaliser counts every probability; only the weighted sum drops some
             p = tl.where(dropout_keep(seed, rng_offset, seq_head, offs_m[:, None], offs_n[None, :], dropout_p),
                          p, 0.0)
-        v = load_tile(v_ptrs + start_n * stride_vs, offs_dv[None, :], offs_n[:, None], len_k, HEAD_DIM_V, BLOCK_DV,
-                      MASKED)
+        v = load_block(v_src, start_n, stride_vs, offs_dv, offs_n_base, len_k, HEAD_DIM_V, BLOCK_DV, MASKED, TMA,
+                       False)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -95,7 +91,7 @@ def attn_fwd_kernel(
     IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr, SINGLE_LOOP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr, SINGLE_LOOP: tl.constexpr, TMA: tl.constexpr,
 ):
     tl.static_assert(BLOCK_DQK >= HEAD_DIM_QK)
     tl.static_assert(BLOCK_DV >= HEAD_DIM_V)
@@ -115,8 +111,10 @@ def attn_fwd_kernel(
     v_base = V + batch.to(tl.int64) * stride_vb + start_k * stride_vs + head_kv.to(tl.int64) * stride_vh
     q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_dqk[None, :] * stride_qd,
                 mask=(offs_m[:, None] < len_q) & (offs_dqk[None, :] < HEAD_DIM_QK), other=0.0)
-    k_ptrs = k_base + offs_n[None, :] * stride_ks + offs_dqk[:, None] * stride_kd
-    v_ptrs = v_base + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd
+    k_src = sequence_source(k_base, stride_ks, len_k, offs_dqk, offs_n, stride_kd, HEAD_DIM_QK, BLOCK_DQK, BLOCK_N,
+                            TMA, True)
+    v_src = sequence_source(v_base, stride_vs, len_k, offs_dv, offs_n, stride_vd, HEAD_DIM_V, BLOCK_DV, BLOCK_N,
+                            TMA, False)
 
     bias_base, alibi_slope = head_score_mods(BIAS, ALIBI_SLOPES, batch, head, stride_zb, stride_zh, stride_alibi_b,
                                              HAS_ALIBI)
@@ -134,22 +132,22 @@ def attn_fwd_kernel(
     full_lo = tl.minimum(full_lo, hi)
     full_hi = tl.minimum(full_hi, hi)
     if SINGLE_LOOP:  # one pipelined loop over [lo, hi), masking blocks outside [full_lo, full_hi)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs,
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs,
                                    offs_m, offs_n, offs_dqk, offs_dv, lo, hi, full_lo, full_hi,
                                    len_q, len_k, diag, window_left, window_right, qk_scale,
                                    bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
                                    HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
-                                   True, True, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION)
+                                   True, True, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION, TMA)
     else:  # masked head, unmasked middle (no per-element mask: the fast path), masked tail
         for SEGMENT in tl.static_range(3):
             seg_lo, seg_hi = segment_bounds(SEGMENT, lo, full_lo, full_hi, hi)
-            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, stride_ks, stride_vs,
+            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs,
                                        offs_m, offs_n, offs_dqk, offs_dv, seg_lo, seg_hi, full_lo, full_hi,
                                        len_q, len_k, diag, window_left, window_right, qk_scale,
                                        bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head,
                                        dropout_p, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
                                        SEGMENT != 1, False, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT,
-                                       DOT_PRECISION)
+                                       DOT_PRECISION, TMA)
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)

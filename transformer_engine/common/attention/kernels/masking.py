@@ -27,6 +27,22 @@ def visible(q_idx, k_idx, len_q, len_k, diag, window_left, window_right,
 
 
 @triton.jit
+def mask_scores(scores, fill, q_idx, k_idx, start, full_lo, full_hi, len_q, len_k, diag, window_left, window_right,
+                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SINGLE_LOOP: tl.constexpr):
+    """``scores`` with ``fill`` where the query does not see the key, for a block of a masked loop;
+    with SINGLE_LOOP (one loop over every visited block) only when the block at ``start`` lies outside
+    [full_lo, full_hi), a runtime branch."""
+    if SINGLE_LOOP:
+        if (start < full_lo) | (start >= full_hi):
+            scores = tl.where(visible(q_idx, k_idx, len_q, len_k, diag, window_left, window_right, HAS_LEFT,
+                                      HAS_RIGHT), scores, fill)
+    else:
+        scores = tl.where(visible(q_idx, k_idx, len_q, len_k, diag, window_left, window_right, HAS_LEFT, HAS_RIGHT),
+                          scores, fill)
+    return scores
+
+
+@triton.jit
 def sequence_extent(SEQ_START, SEQ_LEN, batch, max_len, IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr):
     """(first token, length) of sequence ``batch``: packed offsets for thd, lengths for padded."""
     start = 0
@@ -91,6 +107,41 @@ def load_tile(ptrs, d_idx, s_idx, seq_len, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
             tile = tl.load(ptrs)
         else:
             tile = tl.load(ptrs, mask=d_idx < HEAD_DIM, other=0.0)
+    return tile
+
+
+@triton.jit
+def sequence_source(base, stride_s, seq_len, offs_d, offs_s, stride_d, HEAD_DIM: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, TMA: tl.constexpr, D_FIRST: tl.constexpr):
+    """Where a block loop reads one sequence's K/V/Q/dO rows from: a tensor descriptor over the
+    [seq_len, HEAD_DIM] rows (TMA: rows past the sequence and columns past the head dim load as
+    zeros), or a tile of pointers at block 0, [BLOCK_D, BLOCK_S] when D_FIRST else [BLOCK_S, BLOCK_D]."""
+    if TMA:
+        src = tl.make_tensor_descriptor(base, shape=[tl.maximum(seq_len, 1), HEAD_DIM], strides=[stride_s, 1],
+                                        block_shape=[BLOCK_S, BLOCK_D])
+    else:
+        if D_FIRST:
+            src = base + offs_s[None, :] * stride_s + offs_d[:, None] * stride_d
+        else:
+            src = base + offs_s[:, None] * stride_s + offs_d[None, :] * stride_d
+    return src
+
+
+@triton.jit
+def load_block(src, start, stride_s, offs_d, offs_s, seq_len, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               MASKED: tl.constexpr, TMA: tl.constexpr, D_FIRST: tl.constexpr):
+    """Rows [start, start + BLOCK_S) of a sequence_source, zeros outside the sequence and head dim."""
+    if TMA:
+        tile = src.load([start, 0])
+        if D_FIRST:
+            tile = tl.trans(tile)
+    else:
+        if D_FIRST:
+            tile = load_tile(src + start * stride_s, offs_d[:, None], (start + offs_s)[None, :], seq_len, HEAD_DIM,
+                             BLOCK_D, MASKED)
+        else:
+            tile = load_tile(src + start * stride_s, offs_d[None, :], (start + offs_s)[:, None], seq_len, HEAD_DIM,
+                             BLOCK_D, MASKED)
     return tile
 
 

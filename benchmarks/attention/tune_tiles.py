@@ -28,8 +28,9 @@ T = Tiles
 
 def _tma_single(tiles):
     """Tiles with TMA loads and the single-loop form: fewer registers (no spills at d=128), and with
-    4 warps and 2 stages two programs fit an SM (kernel_resources.py: 153-171 registers, 82-98 KB)."""
-    return [dataclasses.replace(t, single_loop=True, tma=True) for t in tiles]
+    4 warps and 2 stages two programs fit an SM (kernel_resources.py: 153-171 registers, 82-98 KB); each in
+    the plain launch order and with the head groups causal masks use."""
+    return [dataclasses.replace(t, single_loop=True, tma=True, head_group=g) for t in tiles for g in (1, 8)]
 
 
 CANDIDATES = {

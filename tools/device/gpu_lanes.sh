@@ -6,7 +6,7 @@
 #
 #   bash tools/device/gpu_lanes.sh "<GPU 0 sections>" "<GPU 1 sections>" "<2-GPU sections>"
 #   e.g. GIT_COMMIT=abc1234 bash tools/device/gpu_lanes.sh "tune" "build qa:L1_jax_gpu" "tp jaxmesh"
-# On a one-GPU machine give the second lane nothing ("").
+# On a one-GPU machine give the second lane nothing (""), or set GPU1=0 to run it on the same GPU.
 #
 # Sections: qa:<level>[:files] (a qa level, optionally only some of its test files, e.g.
 # qa:L1_pytorch_gpu:test_fused_attn,test_compile: how a level too long for one call is split),
@@ -95,6 +95,7 @@ section() {
       CUDA_VISIBLE_DEVICES=0,1 NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 timeout "$(limit JAXMESH 180)" python3 -m pytest -q \
         -p no:cacheprovider tests/jax/test_jax_two_device_mesh.py > "$d/jaxmesh.log" 2>&1
       note "jax 2-GPU mesh rc=$? $(tail -1 "$d/jaxmesh.log")" ;;
+    sleep:*) sleep "${s#sleep:}" ;;  # e.g. keep a shared GPU quiet while the other lane benchmarks
     *) note "unknown section $s" ;;
   esac
 }
@@ -117,7 +118,7 @@ if [[ "$L0$L1" == *" build "* ]]; then
   L0=${L0// build / } L1=${L1// build / }
 fi
 (lane gpu0 0 "$L0") &
-(lane gpu1 1 "$L1") &
+(lane gpu1 "${GPU1:-1}" "$L1") &  # GPU1=0 shares the one GPU of nvidia-h200 (tests only, or sleep:N)
 wait
 [ -n "${3:-}" ] && lane both 0,1 "$3"
 

@@ -73,8 +73,11 @@ section() {
         > "$d/tune.log" 2>&1
       note "tune rc=$? $(wc -l < "$d/tune.log") lines" ;;
     core)
-      (cd benchmarks/attention && timeout "$(limit CORE 150)" python3 bench_core.py --out "$d/core") > "$d/core.log" 2>&1
-      note "core bench rc=$?" ;;
+      # A repeated core section writes core2, core3, ...; CORE_ARGS e.g. "--peers ours_det".
+      local n=""; while [ -e "$d/core$n.log" ]; do n=$(( ${n:-1} + 1 )); done
+      (cd benchmarks/attention && timeout "$(limit CORE 150)" python3 bench_core.py --out "$d/core$n" ${CORE_ARGS:-}) \
+        > "$d/core$n.log" 2>&1
+      note "core$n bench rc=$? $(grep -h '4,16,4096,128 | causal | ours_det' "$d/core$n.md" 2>/dev/null)" ;;
     fa4)
       bash tools/device/install_flash_attn4.sh phase1 > "$d/fa4.log" 2>&1; note "fa4 phase1 rc=$?" ;;
     fa4tests)

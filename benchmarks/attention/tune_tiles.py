@@ -21,16 +21,9 @@ from transformer_engine.pytorch.attention import launch
 
 # Candidates per padded head dim: forward tiles, dK/dV tiles (timed with the planned dQ tiles) and
 # dQ tiles (timed with the planned dK/dV tiles), so each backward kernel is chosen on its own. The
-# d=128 rows (session 4) pair the best tiles of NOTES.md entry 8 with head groups (entry 11), then try
-# TMA loads with the single-loop form.
+# TMA loads and the single-loop form are swept as variants of the planned tiles (TUNE_VARIANTS="tma=0,1;
+# single_loop=0,1"; NOTES.md entries 11-12).
 T = Tiles
-
-
-def _tma_single(tiles):
-    """Tiles with TMA loads and the single-loop form: fewer registers (no spills at d=128), and with
-    4 warps and 2 stages two programs fit an SM (kernel_resources.py: 153-171 registers, 82-98 KB); each in
-    the plain launch order and with the head groups causal masks use."""
-    return [dataclasses.replace(t, single_loop=True, tma=True, head_group=g) for t in tiles for g in (1, 8)]
 
 
 CANDIDATES = {
@@ -40,15 +33,13 @@ CANDIDATES = {
         [T(128, 64, 8, 2), T(128, 64, 8, 3), T(64, 64, 4, 3), T(128, 128, 8, 3), T(64, 128, 4, 3), T(128, 32, 4, 3)],
     ),
     128: (
-        [T(128, 64, 8, 3), T(128, 64, 8, 3, head_group=8), T(128, 128, 8, 3), T(128, 128, 8, 3, head_group=8),
-         T(128, 64, 8, 4, head_group=8), T(64, 64, 4, 3, head_group=8)]
-        + _tma_single([T(128, 64, 8, 3), T(128, 64, 8, 2), T(64, 64, 4, 2), T(64, 64, 4, 3)]),
-        [T(64, 128, 8, 3), T(64, 128, 8, 3, head_group=8), T(64, 128, 8, 2), T(64, 128, 8, 2, head_group=8),
-         T(32, 128, 4, 3, head_group=8), T(64, 64, 4, 3, head_group=8)]
-        + _tma_single([T(64, 128, 8, 3), T(64, 128, 8, 2)]),
-        [T(128, 64, 8, 3), T(128, 64, 8, 3, head_group=8), T(128, 64, 8, 2, head_group=8),
-         T(64, 64, 4, 3, head_group=8), T(128, 32, 8, 3, head_group=8)]
-        + _tma_single([T(128, 64, 8, 3), T(128, 64, 8, 2), T(64, 64, 4, 2)]),
+        # Session 5: square 64-key / 64-query tiles for the causal backward (one masked block on the
+        # diagonal instead of two half-empty ones); earlier rows in benchmarks/results/tune_*.json.
+        [T(128, 64, 8, 3), T(128, 64, 8, 3, head_group=8)],
+        [T(64, 128, 8, 3), T(64, 128, 8, 3, head_group=8), T(64, 64, 8, 3, head_group=8),
+         T(64, 64, 8, 2, head_group=8), T(64, 64, 4, 2, head_group=8), T(128, 64, 8, 2, head_group=8)],
+        [T(128, 64, 8, 3), T(128, 64, 8, 3, head_group=8), T(64, 64, 8, 3, head_group=8),
+         T(64, 64, 8, 2, head_group=8), T(64, 64, 4, 2, head_group=8), T(64, 128, 8, 2, head_group=8)],
     ),
     256: (
         [T(128, 64, 8, 2), T(64, 64, 4, 2), T(128, 32, 8, 2), T(64, 32, 4, 2)],

@@ -111,8 +111,8 @@ _INTERPRET_BWD = Tiles(16, 16, 1, 1)
 
 # Hopper (sm_90) tiles by padded head dim (and mask kind where it pays), measured on the H200
 # with benchmarks/attention/tune_tiles.py (2026-11-30; see benchmarks/attention/NOTES.md). Head groups
-# (launch order) and the single-loop form only where NOTES.md entry 11 measured them faster; TMA loads
-# (with the single loop, which they free of spills) where entry 12 did: the d=128 causal dQ.
+# (launch order) and the single-loop form only where NOTES.md entry 11 measured them faster. TMA loads
+# (Tiles.tma) are nowhere: no plan measured faster with them over repeated runs (entry 12).
 _SM90_FWD: Dict[Tuple[int, bool], Tiles] = {
     (16, False): Tiles(128, 64, 8, 3), (16, True): Tiles(64, 64, 4, 3),
     (32, False): Tiles(128, 64, 8, 3), (32, True): Tiles(64, 64, 4, 3),
@@ -131,7 +131,7 @@ _SM90_DQ: Dict[Tuple[int, bool], Tiles] = {
     (16, False): Tiles(128, 64, 8, 2), (16, True): Tiles(64, 64, 4, 3),
     (32, False): Tiles(128, 64, 8, 2), (32, True): Tiles(64, 64, 4, 3),
     (64, False): Tiles(128, 64, 8, 3), (64, True): Tiles(64, 64, 4, 3, head_group=4),
-    (128, False): Tiles(128, 64, 8, 3), (128, True): Tiles(128, 64, 8, 3, head_group=8, single_loop=True, tma=True),
+    (128, False): Tiles(128, 64, 8, 3), (128, True): Tiles(128, 64, 8, 3, head_group=8),
     (256, False): Tiles(64, 64, 8, 2), (256, True): Tiles(64, 64, 8, 2),
 }
 # Other GPUs (Ampere and newer non-Hopper): conservative tiles that fit 100 KB of shared memory.

@@ -1,0 +1,85 @@
+"""Where the deterministic backward's time goes at d=128 (issue 3's causal gap): device time of each
+kernel, no mask and causal, over shapes with equal total work (b * s^2 constant) but 16 to 128 query
+blocks per dK/dV program, so the cost of a program's prologue and epilogue shows as the slope of time
+against the number of programs.
+
+    cd benchmarks/attention && python causal_breakdown.py --out ../results/causal_breakdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from cases import attn_flops
+from common import run_metadata, write_results
+from transformer_engine.common.attention import AttnMaskType, QKVFormat
+from transformer_engine.common.attention.plan import backward_plan
+from transformer_engine.pytorch.attention import launch
+
+SHAPES = [(1, 16, 8192, 128), (4, 16, 4096, 128), (16, 16, 2048, 128), (64, 16, 1024, 128)]
+KERNELS = ("attn_fwd_kernel", "attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")
+
+
+def kernel_us(fn, reps):
+    """Mean device time per call of each of KERNELS (microseconds), from the profiler's trace."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    times = {name: 0.0 for name in KERNELS}
+    for event in prof.key_averages():
+        for name in KERNELS:
+            if event.key.startswith(name):
+                times[name] += event.device_time_total / reps
+    return times
+
+
+def measure(b, h, s, d, causal, reps):
+    q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    fmt = QKVFormat.BSHD
+    mask = AttnMaskType.CAUSAL_MASK if causal else AttnMaskType.NO_MASK
+    seqs = launch.sequences(fmt, q, k, None, None, None, None, s, s)
+    cfg = launch.plan_config(q, k, v, fmt, mask, (-1, -1), True)
+    o, lse = launch.forward(q, k, v, fmt, seqs, d ** -0.5, mask, (-1, -1))
+    times = kernel_us(lambda: launch.forward(q, k, v, fmt, seqs, d ** -0.5, mask, (-1, -1)), reps)
+    times.update({name: t for name, t in kernel_us(
+        lambda: launch.backward(q, k, v, o, do, lse, fmt, seqs, d ** -0.5, mask, (-1, -1), True), reps).items()
+        if name != "attn_fwd_kernel"})
+    dkdv_programs = b * h * -(-s // backward_plan(cfg).dkdv.block_n)
+    bwd_us = sum(times[n] for n in KERNELS[1:])
+    bwd = attn_flops(b, h, s, s, d, causal, "bwd")
+    row = dict(shape=f"{b},{h},{s},{d}", mask="causal" if causal else "none", dkdv_programs=dkdv_programs,
+               fwd_us=round(times["attn_fwd_kernel"], 1), preprocess_us=round(times["attn_bwd_preprocess_kernel"], 1),
+               dkdv_us=round(times["attn_bwd_dkdv_kernel"], 1), dq_us=round(times["attn_bwd_dq_kernel"], 1),
+               bwd_tflops=round(bwd / bwd_us / 1e6, 1),
+               # Executed products: dK/dV recomputes S and dP and forms dV, dK (4 of the counted 5); dQ
+               # recomputes S and dP again and forms dQ (3).
+               dkdv_tflops=round(bwd * 4 / 5 / times["attn_bwd_dkdv_kernel"] / 1e6, 1),
+               dq_tflops=round(bwd * 3 / 5 / times["attn_bwd_dq_kernel"] / 1e6, 1))
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="../results/causal_breakdown")
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args()
+    rows = []
+    for causal in (False, True):
+        for b, h, s, d in SHAPES:
+            rows.append(measure(b, h, s, d, causal, args.reps))
+            print(rows[-1], flush=True)
+    write_results(args.out, run_metadata("python benchmarks/attention/causal_breakdown.py " + " ".join(sys.argv[1:]),
+                                         torch.cuda.get_device_name()),
+                  rows, ["shape", "mask", "dkdv_programs", "fwd_us", "preprocess_us", "dkdv_us", "dq_us",
+                         "bwd_tflops", "dkdv_tflops", "dq_tflops"])
+
+
+if __name__ == "__main__":
+    main()

@@ -114,8 +114,14 @@ lane() {  # lane NAME GPU SECTIONS
 { date -u; echo "commit ${GIT_COMMIT:-unknown (set GIT_COMMIT)}; git there says $(git rev-parse --short HEAD 2>/dev/null)"; nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader
   python3 -c "import torch, triton, jax; print('torch', torch.__version__, 'triton', triton.__version__, 'jax', jax.__version__)"
 } > "$LANES/env.txt" 2>&1
-# A build listed in either lane runs first, alone: the other lane's tests need what it builds.
+# A build listed in either lane runs first, alone: the other lane's tests need what it builds. JAX
+# sections (and L3, which holds JAX tests) need the native FFI extension: build it when it is missing
+# even if no lane lists build (a fresh machine has none; session 5 lost a run to that).
 L0=" ${1:-} " L1=" ${2:-} "
+if [[ "$L0$L1" =~ (L1_jax_gpu|L3_determinism|jaxsmoke|jaxmesh|" check ") ]] && [[ "$L0$L1" != *" build "* ]] \
+   && ! python3 -c "import transformer_engine.jax.transformer_engine_jax_ffi" 2>/dev/null; then
+  L0="${L0}build "
+fi
 if [[ "$L0$L1" == *" build "* ]]; then
   lane setup 0 build
   L0=${L0// build / } L1=${L1// build / }

@@ -16,7 +16,8 @@
 # sweeps Tiles fields of the planned tiles instead of the tile table), core (bench_core.py), fa4 / fa4tests
 # (install_flash_attn4.sh phase1 / phase2 + gpu_flash.sh tests), bench (gpu_bench.sh parts in
 # BENCH_PARTS); 2-GPU: tp (torchrun tensor-parallel heads), jaxmesh (tests/jax/test_jax_two_device_mesh.py).
-# Limits per section come from <SECTION>_TIMEOUT (seconds); the defaults suit a 600 s call.
+# Limits per section come from <SECTION>_TIMEOUT (seconds); the defaults suit a 600 s call. CORE_ARGS: extra
+# bench_core.py arguments; GPU1: the second lane's GPU (default 1; 0 on a one-GPU machine); sleep:N waits.
 set -u
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
 ROOT=$PWD

@@ -501,23 +501,16 @@ def test_tma_plan_lowers_with_a_global_scratch_workspace(captured_programs, monk
         plan_bwd(cfg), dkdv=with_tma(plan_bwd(cfg).dkdv), dq=with_tma(plan_bwd(cfg).dq)))
     b, s, hq, hk, d = 2, 256, 8, 2, 64
     _lower_for_cuda(_attention_grad_fn(AttnMaskType.CAUSAL_MASK), *_shapes(b, s, hq, hk, d))
+    fwd, bwd = captured_programs
     tma_kernels = {"attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"}
-    seen = set()
-    for prog in captured_programs:
+    for prog, kernels in ((fwd, ["attn_fwd_kernel"]),
+                          (bwd, ["attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"])):
+        _, _, launches = _check_program(prog, kernels)  # a workspace exactly where a kernel asks for scratch
         by_name = {k.name: k for k in prog._kernels}
-        program, blob = prog.encode()
-        _, _, launches = decode(program, blob)
-        buffers = prog.operands + prog.results
         for launch in launches:
             scratch = by_name[launch["kernel"]].global_scratch_size
-            if launch["kernel"] not in tma_kernels:
-                assert scratch == 0 and launch["params"][-2] == ("null", 0)
-                continue
-            seen.add(launch["kernel"])
-            assert scratch > 0, launch["kernel"]
-            kind, index = launch["params"][-2]
-            assert kind == "buffer"
-            workspace = buffers[index]
-            assert workspace.dtype == jnp.uint8
-            assert workspace.shape == (int(np.prod(launch["grid"])) * scratch,)
-    assert seen == tma_kernels
+            assert (scratch > 0) == (launch["kernel"] in tma_kernels), launch["kernel"]
+            if scratch:
+                workspace = (prog.operands + prog.results)[launch["params"][-2][1]]
+                assert workspace.dtype == jnp.uint8
+                assert workspace.shape == (int(np.prod(launch["grid"])) * scratch,)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
 import sys
 
 import torch
@@ -33,13 +34,16 @@ CANDIDATES = {
         [T(128, 64, 8, 2), T(128, 64, 8, 3), T(64, 64, 4, 3), T(128, 128, 8, 3), T(64, 128, 4, 3), T(128, 32, 4, 3)],
     ),
     128: (
-        # Session 5: square 64-key / 64-query tiles for the causal backward (one masked block on the
-        # diagonal instead of two half-empty ones); earlier rows in benchmarks/results/tune_*.json.
+        # Session 6: 64x64 4-warp forwards (two programs per SM) by head group at s=4096 and 16384
+        # (TUNE_SHAPES): session 5's one (head_group=8) gained at 4096 and lost at 16384, where eight heads'
+        # K/V outgrow the L2. Backward rows: earlier sweeps in benchmarks/results/tune_*.json.
+        [T(128, 64, 8, 3), T(128, 64, 8, 3, head_group=8),
+         T(64, 64, 4, 3), T(64, 64, 4, 3, tma=True), T(64, 64, 4, 3, single_loop=True, tma=True),
+         T(64, 64, 4, 3, head_group=2, single_loop=True, tma=True),
+         T(64, 64, 4, 3, head_group=4, single_loop=True, tma=True),
+         T(64, 64, 4, 3, head_group=8, single_loop=True, tma=True)],
+        [T(64, 128, 8, 3), T(64, 128, 8, 3, head_group=8)],
         [T(128, 64, 8, 3), T(128, 64, 8, 3, head_group=8)],
-        [T(64, 128, 8, 3), T(64, 128, 8, 3, head_group=8), T(64, 64, 8, 3, head_group=8),
-         T(64, 64, 8, 2, head_group=8), T(64, 64, 4, 2, head_group=8), T(128, 64, 8, 2, head_group=8)],
-        [T(128, 64, 8, 3), T(128, 64, 8, 3, head_group=8), T(64, 64, 8, 3, head_group=8),
-         T(64, 64, 8, 2, head_group=8), T(64, 64, 4, 2, head_group=8), T(64, 128, 8, 2, head_group=8)],
     ),
     256: (
         [T(128, 64, 8, 2), T(64, 64, 4, 2), T(128, 32, 8, 2), T(64, 32, 4, 2)],
@@ -75,10 +79,15 @@ def main(dims=(128, 256), causal_kinds=(False, True), out=None, variants=None):
             with open(out, "w") as f:
                 json.dump(results, f, indent=1)
 
-    for d, causal in itertools.product(dims, causal_kinds):
+    shapes = [tuple(int(x) for x in shape.split(",")) for shape in os.environ.get("TUNE_SHAPES", "").split(";")
+              if shape]  # "b,h,s;b,h,s": these shapes instead of one per head dim
+    kernels = os.environ.get("TUNE_KERNELS", "fwd,bwd").split(",")  # "fwd": the forward candidates only
+    for d, causal, shape in itertools.product(dims, causal_kinds, shapes or [None]):
         b, h, s = (4, 16, 4096) if d >= 128 else (8, 32, 2048)
         if d == 256:
             b = 2
+        if shape:
+            b, h, s = shape
         q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         do = torch.randn_like(q)
         fmt = QKVFormat.BSHD
@@ -88,12 +97,12 @@ def main(dims=(128, 256), causal_kinds=(False, True), out=None, variants=None):
         base_f = forward_plan(cfg)
         base_b = backward_plan(cfg)
         o, lse = launch.forward(q, k, v, fmt, seqs, d ** -0.5, mask, (-1, -1))
-        key = f"d{d}_{'causal' if causal else 'none'}"
+        key = f"d{d}_{'causal' if causal else 'none'}" + (f"_{b}x{h}x{s}" if shape else "")
         results[key] = {}
         fwd_cands, dkdv_cands, dq_cands = (
             variant_candidates((base_f.tiles, base_b.dkdv, base_b.dq), variants) if variants
             else CANDIDATES[d])
-        for t in fwd_cands:
+        for t in fwd_cands if "fwd" in kernels else []:
             try:
                 plan = type(base_f)(t, base_f.block_dqk, base_f.block_dv, base_f.dot_precision)
                 ms = bench_ms(lambda: launch.forward(q, k, v, fmt, seqs, d ** -0.5, mask, (-1, -1), plan))
@@ -103,6 +112,8 @@ def main(dims=(128, 256), causal_kinds=(False, True), out=None, variants=None):
             print(key, "fwd", t, results[key][f"fwd {t}"], flush=True)
             save()
         pairs = [(t, base_b.dq) for t in dkdv_cands] + [(base_b.dkdv, t) for t in dq_cands if t != base_b.dq]
+        if "bwd" not in kernels:
+            pairs = []
         for t1, t2 in pairs:
             try:
                 plan = type(base_b)(base_b.preprocess, t1, t2, base_b.block_dqk, base_b.block_dv,

@@ -12,7 +12,7 @@
 # qa:L1_pytorch_gpu:test_fused_attn,test_compile: how a level too long for one call is split),
 # build (pip install -e ., PyTorch and JAX, native JAX FFI extension), check (the determinism
 # check, both frameworks), jaxsmoke (tests/jax/gpu_smoke.py), tune
-# (benchmarks/attention/tune_tiles.py; TUNE_DIMS; TUNE_VARIANTS=head_group=1,2,4 or "tma=0,1;single_loop=0,1"
+# (benchmarks/attention/tune_tiles.py; TUNE_DIMS; TUNE_SHAPES="4,16,4096;1,16,16384"; TUNE_KERNELS=fwd; TUNE_VARIANTS=head_group=1,2,4 or "tma=0,1;single_loop=0,1"
 # sweeps Tiles fields of the planned tiles instead of the tile table), core (bench_core.py), fa4 / fa4tests
 # (install_flash_attn4.sh phase1 / phase2 + gpu_flash.sh tests), bench (gpu_bench.sh parts in
 # BENCH_PARTS); 2-GPU: tp (torchrun tensor-parallel heads), jaxmesh (tests/jax/test_jax_two_device_mesh.py).

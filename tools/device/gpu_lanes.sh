@@ -12,8 +12,10 @@
 # qa:L1_pytorch_gpu:test_fused_attn,test_compile: how a level too long for one call is split),
 # build (pip install -e ., PyTorch and JAX, native JAX FFI extension), check (the determinism
 # check, both frameworks), jaxsmoke (tests/jax/gpu_smoke.py), tune
-# (benchmarks/attention/tune_tiles.py; TUNE_DIMS; TUNE_SHAPES="4,16,4096;1,16,16384"; TUNE_KERNELS=fwd; TUNE_VARIANTS=head_group=1,2,4 or "tma=0,1;single_loop=0,1"
-# sweeps Tiles fields of the planned tiles instead of the tile table), core (bench_core.py), fa4 / fa4tests
+# (benchmarks/attention/tune_tiles.py; TUNE_DIMS; TUNE_SHAPES="4,16,4096;1,16,16384" times those shapes;
+# TUNE_KERNELS=fwd the forward only; TUNE_VARIANTS=head_group=1,2,4 or "tma=0,1;single_loop=0,1"
+# sweeps Tiles fields of the planned tiles instead of the tile table), core (bench_core.py), timeline
+# (step_timeline.py; TIMELINE_ARGS), fa4 / fa4tests
 # (install_flash_attn4.sh phase1 / phase2 + gpu_flash.sh tests), bench (gpu_bench.sh parts in
 # BENCH_PARTS); 2-GPU: tp (torchrun tensor-parallel heads), jaxmesh (tests/jax/test_jax_two_device_mesh.py).
 # Limits per section come from <SECTION>_TIMEOUT (seconds); the defaults suit a 600 s call. CORE_ARGS: extra
@@ -79,6 +81,10 @@ section() {
       (cd benchmarks/attention && timeout "$(limit CORE 150)" python3 bench_core.py --out "$d/core$n" ${CORE_ARGS:-}) \
         > "$d/core$n.log" 2>&1
       note "core$n bench rc=$? $(grep -h '4,16,4096,128 | causal | ours_det' "$d/core$n.md" 2>/dev/null)" ;;
+    timeline)  # step_timeline.py: a timed step's kernels and idle gaps; TIMELINE_ARGS e.g. "--preprocess 64x4,128x8"
+      (cd benchmarks/attention && timeout "$(limit TIMELINE 120)" python3 step_timeline.py --out "$d/timeline" \
+        ${TIMELINE_ARGS:-}) > "$d/timeline.log" 2>&1
+      note "timeline rc=$? $(grep -h 'causal | ours_det' "$d/timeline.md" 2>/dev/null | cut -c1-160)" ;;
     fa4)
       bash tools/device/install_flash_attn4.sh phase1 > "$d/fa4.log" 2>&1; note "fa4 phase1 rc=$?" ;;
     fa4tests)

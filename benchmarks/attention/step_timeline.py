@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 from bench_core import PEERS
 from cases import attn_flops
 from causal_breakdown import kernel_us
-from common import run_metadata, write_results
+from common import bench_ms, run_metadata, write_results
 from transformer_engine.common.attention import AttnMaskType, QKVFormat
 from transformer_engine.common.attention.plan import Tiles, backward_plan
 from transformer_engine.pytorch.attention import launch
@@ -48,11 +48,12 @@ def kernel_trace(step, flush, reps):
     return sorted(kernels, key=lambda k: k[1])
 
 
-def split_steps(kernels, flush_marker):
-    """Per round: (end of the flush kernel, the step's kernels)."""
+def split_steps(kernels, flush_marker, flush_min_us=20.0):
+    """Per round: (end of the flush kernel, the step's kernels). The flush is the long fill (a step may
+    launch short fills of its own)."""
     steps, current = [], None
     for name, start, end in kernels:
-        if flush_marker in name:
+        if flush_marker in name and end - start >= flush_min_us:
             current = (end, [])
             steps.append(current)
         elif current is not None:
@@ -76,23 +77,30 @@ def measure(name, b, h, s, d, causal, reps):
         step()
     torch.cuda.synchronize()
     rounds = split_steps(kernel_trace(step, cache.zero_, reps), "FillFunctor")
+    bench_us = bench_ms(lambda: fn().backward(do), grad_to_none=[q, k, v]) * 1e3  # bench_core's number
     lead, span, busy = [], [], []
-    per_kernel = {}
+    per_kernel = {}  # name -> ([durations], [idle time before it])
     for flush_end, kernels in rounds:
         lead.append(kernels[0][1] - flush_end)
         span.append(kernels[-1][2] - flush_end)
         busy.append(sum(end - start for _, start, end in kernels))
+        previous_end = flush_end
         for kname, start, end in kernels:
-            per_kernel.setdefault(kname.split("(")[0][:48], []).append(end - start)
+            times, gaps = per_kernel.setdefault(kname.split("(")[0][:48], ([], []))
+            times.append(end - start)
+            gaps.append(start - previous_end)
+            previous_end = end
     med_span = statistics.median(span)
     return dict(
         backend=name, shape=f"{b},{h},{s},{d}", mask="causal" if causal else "none",
-        step_us=round(med_span, 1), kernels_us=round(statistics.median(busy), 1),
+        do_bench_us=round(bench_us, 1), step_us=round(med_span, 1), kernels_us=round(statistics.median(busy), 1),
         lead_gap_us=round(statistics.median(lead), 1),
         inner_gaps_us=round(statistics.median(sp - bu - le for sp, bu, le in zip(span, busy, lead)), 1),
         tflops_step=round(attn_flops(b, h, s, s, d, causal, "fwd_bwd") / med_span / 1e6, 1),
         tflops_kernels=round(attn_flops(b, h, s, s, d, causal, "fwd_bwd") / statistics.median(busy) / 1e6, 1),
-        kernels="; ".join(f"{k} {statistics.median(v):.1f}" for k, v in per_kernel.items()),
+        kernels="; ".join(f"{k} {statistics.median(t):.1f} (idle before {statistics.median(g):.1f})"
+                          for k, (t, g) in per_kernel.items()),
+        rounds=len(rounds),
     )
 
 
@@ -130,8 +138,8 @@ def main():
             print(rows[-1], flush=True)
     write_results(args.out, run_metadata("python benchmarks/attention/step_timeline.py " + " ".join(sys.argv[1:]),
                                          torch.cuda.get_device_name()),
-                  rows, ["shape", "mask", "backend", "step_us", "kernels_us", "lead_gap_us", "inner_gaps_us",
-                         "tflops_step", "tflops_kernels", "kernels"])
+                  rows, ["shape", "mask", "backend", "do_bench_us", "step_us", "kernels_us", "lead_gap_us", "inner_gaps_us",
+                         "tflops_step", "tflops_kernels", "rounds", "kernels"])
 
 
 if __name__ == "__main__":

@@ -13,9 +13,9 @@
 # build (pip install -e ., PyTorch and JAX, native JAX FFI extension), check (the determinism
 # check, both frameworks), jaxsmoke (tests/jax/gpu_smoke.py), tune
 # (benchmarks/attention/tune_tiles.py; TUNE_DIMS; TUNE_SHAPES="4,16,4096;1,16,16384" times those shapes;
-# TUNE_KERNELS=fwd the forward only; TUNE_VARIANTS=head_group=1,2,4 or "tma=0,1;single_loop=0,1"
+# TUNE_KERNELS=fwd the forward only; TUNE_MASKS=causal; TUNE_VARIANTS=head_group=1,2,4 or "tma=0,1;single_loop=0,1"
 # sweeps Tiles fields of the planned tiles instead of the tile table), core (bench_core.py), timeline
-# (step_timeline.py; TIMELINE_ARGS), fa4 / fa4tests
+# (step_timeline.py; TIMELINE_ARGS), ncu (Nsight Compute over ncu_step.py; NCU_ARGS), fa4 / fa4tests
 # (install_flash_attn4.sh phase1 / phase2 + gpu_flash.sh tests), bench (gpu_bench.sh parts in
 # BENCH_PARTS); 2-GPU: tp (torchrun tensor-parallel heads), jaxmesh (tests/jax/test_jax_two_device_mesh.py).
 # Limits per section come from <SECTION>_TIMEOUT (seconds); the defaults suit a 600 s call. CORE_ARGS: extra
@@ -82,9 +82,18 @@ section() {
         > "$d/core$n.log" 2>&1
       note "core$n bench rc=$? $(grep -h '4,16,4096,128 | causal | ours_det' "$d/core$n.md" 2>/dev/null)" ;;
     timeline)  # step_timeline.py: a timed step's kernels and idle gaps; TIMELINE_ARGS e.g. "--preprocess 64x4,128x8"
+      nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+        --format=csv > "$d/clocks.txt" 2>&1
       (cd benchmarks/attention && timeout "$(limit TIMELINE 120)" python3 step_timeline.py --out "$d/timeline" \
         ${TIMELINE_ARGS:-}) > "$d/timeline.log" 2>&1
       note "timeline rc=$? $(grep -h 'causal | ours_det' "$d/timeline.md" 2>/dev/null | cut -c1-160)" ;;
+    ncu)  # Nsight Compute over the second step's forward, dK/dV and dQ (benchmarks/attention/ncu_step.py)
+      (cd benchmarks/attention && timeout "$(limit NCU 200)" ncu --clock-control none \
+        --kernel-name regex:"attn_(fwd|bwd_dkdv|bwd_dq)_kernel" --launch-skip 3 --launch-count 3 \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+        --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
+        --section InstructionStats python3 ncu_step.py ${NCU_ARGS:---causal}) > "$d/ncu.txt" 2>&1
+      note "ncu rc=$? $(grep -c 'attn_' "$d/ncu.txt") kernel lines" ;;
     fa4)
       bash tools/device/install_flash_attn4.sh phase1 > "$d/fa4.log" 2>&1; note "fa4 phase1 rc=$?" ;;
     fa4tests)

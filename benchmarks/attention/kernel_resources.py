@@ -6,7 +6,6 @@ cheap first check of a kernel or tile change before device time is spent on it.
 
     python benchmarks/attention/kernel_resources.py                 # planned tiles, d=64/128/256
     python benchmarks/attention/kernel_resources.py --dims 128 --kernel dkdv --tiles 64,128,8,3 32,128,8,3
-    RESCALE_LOG2=0 python benchmarks/attention/kernel_resources.py --kernel fwd     # the forward rescaling every block
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ from transformer_engine.common.attention import AttnConfig, AttnMaskType  # noqa
 from transformer_engine.common.attention.kernels.aot import Pointer, compile_kernel  # noqa: E402
 from transformer_engine.common.attention.kernels.backward import attn_bwd_dkdv_kernel, attn_bwd_dq_kernel  # noqa: E402
 from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel  # noqa: E402
-from transformer_engine.common.attention import plan  # noqa: E402
 from transformer_engine.common.attention.plan import Tiles, backward_plan, forward_plan  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -94,8 +92,6 @@ def report(name, dims, causal, tiles):
                  HAS_ALIBI=False, DROPOUT=False, TMA=tiles.tma, **tiles.loop_constexprs)
     if name == "dkdv":
         flags.update(ATOMIC_DQ=False, gqa_group=1)
-    if name == "fwd":
-        flags.update(RESCALE_LOG2=float(os.environ.get("RESCALE_LOG2", plan._RESCALE_LOG2)))
     try:
         r = resources(compile_sm90(KERNELS[name], flags, tiles, dqk, dv))
         return f"regs {r['regs']:3d}  stack {r['stack']:5d} B  smem {r['smem']:6d} B"

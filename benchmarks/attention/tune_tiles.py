@@ -34,14 +34,14 @@ CANDIDATES = {
         [T(128, 64, 8, 2), T(128, 64, 8, 3), T(64, 64, 4, 3), T(128, 128, 8, 3), T(64, 128, 4, 3), T(128, 32, 4, 3)],
     ),
     128: (
-        # Session 6: the planned forwards (eager vs lazy rescaling: TUNE_RESCALE) and 2-stage TMA dK/dV tiles
-        # (8 B of spill instead of 88; ncu counted 9.5M spill requests in the planned causal dK/dV), each
-        # against the planned tiles twice (the spread of one run). Earlier rows in benchmarks/results/tune_*.json.
-        [T(128, 64, 8, 3), T(128, 64, 8, 3, head_group=8)],
-        [T(64, 128, 8, 3, head_group=8), T(64, 128, 8, 2, head_group=8, tma=True),
-         T(64, 128, 8, 3, head_group=8, tma=True), T(64, 128, 8, 3, head_group=8)],
-        [T(128, 64, 8, 3, head_group=8), T(128, 64, 8, 3, head_group=8, single_loop=True, tma=True),
-         T(128, 64, 8, 3, head_group=8)],
+        # Session 6: 64x64 4-warp forwards (two programs per SM) by head group at s=4096 and 16384
+        # (TUNE_SHAPES), each against the planned tiles twice (the spread of one run); 32-row dK/dV tiles
+        # (fewer score registers, no spills). Earlier rows in benchmarks/results/tune_*.json.
+        [T(128, 64, 8, 3, head_group=8), T(64, 64, 4, 3, tma=True), T(128, 64, 8, 3, head_group=8),
+         T(64, 64, 4, 3, tma=True), T(64, 64, 4, 3, head_group=2, tma=True)],
+        [T(64, 128, 8, 3, head_group=8), T(32, 128, 8, 3, head_group=8), T(32, 128, 8, 4, head_group=8),
+         T(32, 128, 8, 2, head_group=8), T(64, 128, 8, 3, head_group=8)],
+        [],
     ),
     256: (
         [T(128, 64, 8, 2), T(64, 64, 4, 2), T(128, 32, 8, 2), T(64, 32, 4, 2)],
@@ -81,8 +81,6 @@ def main(dims=(128, 256), causal_kinds=(False, True), out=None, variants=None):
               if shape]  # "b,h,s;b,h,s": these shapes instead of one per head dim
     kernels = os.environ.get("TUNE_KERNELS", "fwd,bwd").split(",")  # "fwd": the forward candidates only
     masks = os.environ.get("TUNE_MASKS", "none,causal").split(",")  # "causal": causal masks only
-    # TUNE_RESCALE="0,8": each forward candidate with each ForwardPlan.rescale_log2 (default: the planned one)
-    rescales = [float(x) for x in os.environ["TUNE_RESCALE"].split(",")] if os.environ.get("TUNE_RESCALE") else None
     causal_kinds = [c for c in causal_kinds if ("causal" if c else "none") in masks]
     for d, causal, shape in itertools.product(dims, causal_kinds, shapes or [None]):
         b, h, s = (4, 16, 4096) if d >= 128 else (8, 32, 2048)
@@ -97,7 +95,6 @@ def main(dims=(128, 256), causal_kinds=(False, True), out=None, variants=None):
         seqs = launch.sequences(fmt, q, k, None, None, None, None, s, s)
         cfg = launch.plan_config(q, k, v, fmt, mask, (-1, -1), True)
         base_f = forward_plan(cfg)
-        rescales = rescales or [base_f.rescale_log2]
         base_b = backward_plan(cfg)
         o, lse = launch.forward(q, k, v, fmt, seqs, d ** -0.5, mask, (-1, -1))
         key = f"d{d}_{'causal' if causal else 'none'}" + (f"_{b}x{h}x{s}" if shape else "")
@@ -105,15 +102,14 @@ def main(dims=(128, 256), causal_kinds=(False, True), out=None, variants=None):
         fwd_cands, dkdv_cands, dq_cands = (
             variant_candidates((base_f.tiles, base_b.dkdv, base_b.dq), variants) if variants
             else CANDIDATES[d])
-        for t, rescale in itertools.product(fwd_cands if "fwd" in kernels else [], rescales):
-            name = f"fwd {t}" + (f" rescale_log2={rescale}" if rescale != base_f.rescale_log2 else "")
+        for t in fwd_cands if "fwd" in kernels else []:
             try:
-                plan = dataclasses.replace(base_f, tiles=t, rescale_log2=rescale)
+                plan = type(base_f)(t, base_f.block_dqk, base_f.block_dv, base_f.dot_precision)
                 ms = bench_ms(lambda: launch.forward(q, k, v, fmt, seqs, d ** -0.5, mask, (-1, -1), plan))
-                results[key][name] = round(attn_flops(b, h, s, s, d, causal, "fwd") / ms / 1e9, 1)
+                results[key][f"fwd {t}"] = round(attn_flops(b, h, s, s, d, causal, "fwd") / ms / 1e9, 1)
             except Exception as err:
-                results[key][name] = f"fail {type(err).__name__}"
-            print(key, name, results[key][name], flush=True)
+                results[key][f"fwd {t}"] = f"fail {type(err).__name__}"
+            print(key, "fwd", t, results[key][f"fwd {t}"], flush=True)
             save()
         pairs = [(t, base_b.dq) for t in dkdv_cands] + [(base_b.dkdv, t) for t in dq_cands if t != base_b.dq]
         if "bwd" not in kernels:

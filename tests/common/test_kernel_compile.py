@@ -52,8 +52,8 @@ def test_sm90_plans_compile(head_dims, causal, mods, gqa):
     flags = dict(HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=fwd.block_dqk, BLOCK_DV=fwd.block_dv,
                  IS_THD=False, HAS_SEQLENS=False, HAS_LEFT=False, HAS_RIGHT=causal, BOTTOM_RIGHT=False,
                  DOT_PRECISION=fwd.dot_precision, HAS_BIAS=mods, HAS_ALIBI=mods, DROPOUT=mods)
-    _compile(attn_fwd_kernel, dict(flags, TMA=fwd.tiles.tma, RESCALE_LOG2=fwd.rescale_log2,
-                                   **fwd.tiles.loop_constexprs), fwd.tiles, dqk, dv, bias=mods)
+    _compile(attn_fwd_kernel, dict(flags, TMA=fwd.tiles.tma, **fwd.tiles.loop_constexprs), fwd.tiles, dqk, dv,
+             bias=mods)
     _compile(attn_bwd_dkdv_kernel,
              dict(flags, ATOMIC_DQ=False, gqa_group=gqa, TMA=bwd.dkdv.tma, **bwd.dkdv.loop_constexprs),
              bwd.dkdv, dqk, dv, bias=mods)

@@ -13,7 +13,7 @@
 # build (pip install -e ., PyTorch and JAX, native JAX FFI extension), check (the determinism
 # check, both frameworks), jaxsmoke (tests/jax/gpu_smoke.py), tune
 # (benchmarks/attention/tune_tiles.py; TUNE_DIMS; TUNE_SHAPES="4,16,4096;1,16,16384" times those shapes;
-# TUNE_KERNELS=fwd the forward only; TUNE_MASKS=causal; TUNE_RESCALE=0,8 (forward plans); TUNE_VARIANTS=head_group=1,2,4 or "tma=0,1;single_loop=0,1"
+# TUNE_KERNELS=fwd the forward only; TUNE_MASKS=causal; TUNE_VARIANTS=head_group=1,2,4 or "tma=0,1;single_loop=0,1"
 # sweeps Tiles fields of the planned tiles instead of the tile table), core (bench_core.py), timeline
 # (step_timeline.py; TIMELINE_ARGS), ncu (Nsight Compute over ncu_step.py; NCU_ARGS), fa4 / fa4tests
 # (install_flash_attn4.sh phase1 / phase2 + gpu_flash.sh tests), bench (gpu_bench.sh parts in

@@ -45,9 +45,6 @@ class ForwardPlan:
     block_dqk: int
     block_dv: int
     dot_precision: str
-    # Lazy rescaling (kernels/forward.py): the running max the exponents subtract moves only when a row's
-    # max passes it by more than this many powers of two; 0 rescales the accumulator at every block.
-    rescale_log2: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -168,7 +165,7 @@ def forward_plan(config: AttnConfig, override: Optional[Tiles] = None) -> Forwar
     if config.dtype == "float32" and override is None and config.device_type != "cpu":
         tiles = Tiles(min(tiles.block_m, 64), min(tiles.block_n, 32), tiles.num_warps, 1)
     return ForwardPlan(tiles, padded_head_dim(config.head_dim_qk), padded_head_dim(config.head_dim_v),
-                       _dot_precision(config), _RESCALE_LOG2)
+                       _dot_precision(config))
 
 
 def backward_plan(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = None) -> BackwardPlan:
@@ -191,10 +188,6 @@ def backward_plan(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = 
     return BackwardPlan(preprocess, dkdv, dq, padded_head_dim(config.head_dim_qk),
                         padded_head_dim(config.head_dim_v), _dot_precision(config), atomic_dq)
 
-
-# Forward rescaling policy (ForwardPlan.rescale_log2), every configuration alike; a module-level constant so
-# benchmarks can flip it. 8: probabilities stay below 256 between rescales, far from any overflow.
-_RESCALE_LOG2 = 8.0
 
 # Policy for the non-deterministic backward; a module-level constant so benchmarks can flip it.
 _NONDETERMINISTIC_ATOMIC_DQ = False

@@ -301,7 +301,7 @@ def _fwd_impl(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds
         num_heads_q=hq, gqa_group=hq // hk, seqlen_q=s_q, seqlen_k=s_kv,
         qk_scale=static.scaling_factor * LOG2E, window_left=left, window_right=right,
         HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
-        IS_THD=packed, HAS_SEQLENS=packed, DOT_PRECISION=plan.dot_precision, RESCALE_LOG2=plan.rescale_log2,
+        IS_THD=packed, HAS_SEQLENS=packed, DOT_PRECISION=plan.dot_precision,
         TMA=_tma(t.tma, k.dtype, k.shape, v.shape), **t.loop_constexprs, **flags, **_bias_values(bias_buf, bias),
     )
     values = _complete(attn_fwd_kernel, values, Buf(lse))

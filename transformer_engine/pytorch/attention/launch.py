@@ -190,7 +190,7 @@ def forward(q, k, v, fmt: QKVFormat, seqs: Sequences, softmax_scale: float, mask
         softmax_scale * LOG2E, left, right, mods.dropout_p,
         HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
         IS_THD=seqs.is_thd, HAS_SEQLENS=seqs.has_seqlens, DOT_PRECISION=plan.dot_precision,
-        RESCALE_LOG2=plan.rescale_log2, TMA=_use_tma(t.tma, (k, sk_), (v, sv_)), **t.loop_constexprs, **t.launch_options, **flags, **mods.flags(),
+        TMA=_use_tma(t.tma, (k, sk_), (v, sv_)), **t.loop_constexprs, **t.launch_options, **flags, **mods.flags(),
     )
     return out, lse
 

@@ -35,9 +35,9 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs,
                BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                MASKED: tl.constexpr, SINGLE_LOOP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, RESCALE_LOG2: tl.constexpr):
+               DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
     """Key blocks [lo, hi); MASKED applies the element mask, to every block or, with SINGLE_LOOP, to
-    those outside [full_lo, full_hi) only (a runtime branch). RESCALE_LOG2 > 0: lazy rescaling."""
+    those outside [full_lo, full_hi) only (a runtime branch)."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n_base
         k = load_block(k_src, start_n, stride_ks, offs_dqk, offs_n_base, len_k, HEAD_DIM_QK, BLOCK_DQK, MASKED, TMA,
@@ -55,44 +55,22 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs,
             qk = mask_scores(qk, float("-inf"), offs_m[:, None], offs_n[None, :], start_n, full_lo, full_hi, len_q,
                              len_k, diag, window_left, window_right, HAS_LEFT, HAS_RIGHT, SINGLE_LOOP)
         m_new = tl.maximum(m_i, tl.max(qk, 1) * scale)
-        if RESCALE_LOG2 > 0:
-            # Lazy rescaling: m_i is the reference the exponents subtract, and it moves (rescaling acc and
-            # l_i) only in a block where some row's max passes it by more than RESCALE_LOG2, so that
-            # p <= 2^RESCALE_LOG2 and most blocks skip the accumulator's multiply. One decision per
-            # block keeps the branch uniform; the sums are the same up to rounding.
-            grow = tl.max(tl.where(m_new > m_i, m_new - m_i, 0.0), 0)  # inf while a row is still at -inf
-            if grow > RESCALE_LOG2:
-                alpha = tl.math.exp2(m_i - _finite_max(m_new, MASKED or HAS_BIAS))
-                acc = acc * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_new
-            p = tl.math.exp2(qk * scale - _finite_max(m_i, MASKED or HAS_BIAS)[:, None])
-            l_i = l_i + tl.sum(p, 1)
+        if MASKED or HAS_BIAS:  # a -inf bias can hide whole rows too
+            # A row with nothing visible so far keeps m = -inf; subtract 0 instead (exp2(-inf) = 0).
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
-            m_use = _finite_max(m_new, MASKED or HAS_BIAS)
-            p = tl.math.exp2(qk * scale - m_use[:, None])
-            alpha = tl.math.exp2(m_i - m_use)
-            l_i = l_i * alpha + tl.sum(p, 1)
+            m_use = m_new
+        p = tl.math.exp2(qk * scale - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:  # the normaliser counts every probability; only the weighted sum drops some
             p = tl.where(dropout_keep(seed, rng_offset, seq_head, offs_m[:, None], offs_n[None, :], dropout_p),
                          p, 0.0)
         v = load_block(v_src, start_n, stride_vs, offs_dv, offs_n_base, len_k, HEAD_DIM_V, BLOCK_DV, MASKED, TMA,
                        False)
-        if RESCALE_LOG2 > 0:
-            acc = acc + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
     return acc, l_i, m_i
-
-
-@triton.jit
-def _finite_max(m, MAY_BE_EMPTY: tl.constexpr):
-    """Row maxima to subtract in exp2: a row with nothing visible so far (masked, or hidden by a -inf bias)
-    keeps m = -inf; it subtracts 0 instead (exp2(-inf) = 0)."""
-    if MAY_BE_EMPTY:
-        m = tl.where(m == float("-inf"), 0.0, m)
-    return m
 
 
 @triton.jit
@@ -114,7 +92,6 @@ def attn_fwd_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr, SINGLE_LOOP: tl.constexpr, TMA: tl.constexpr,
-    RESCALE_LOG2: tl.constexpr,
 ):
     tl.static_assert(BLOCK_DQK >= HEAD_DIM_QK)
     tl.static_assert(BLOCK_DV >= HEAD_DIM_V)
@@ -160,8 +137,7 @@ def attn_fwd_kernel(
                                    len_q, len_k, diag, window_left, window_right, qk_scale,
                                    bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
                                    HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
-                                   True, True, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION, TMA,
-                                   RESCALE_LOG2)
+                                   True, True, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION, TMA)
     else:  # masked head, unmasked middle (no per-element mask: the fast path), masked tail
         for SEGMENT in tl.static_range(3):
             seg_lo, seg_hi = segment_bounds(SEGMENT, lo, full_lo, full_hi, hi)
@@ -171,7 +147,7 @@ def attn_fwd_kernel(
                                        bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head,
                                        dropout_p, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
                                        SEGMENT != 1, False, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT,
-                                       DOT_PRECISION, TMA, RESCALE_LOG2)
+                                       DOT_PRECISION, TMA)
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)

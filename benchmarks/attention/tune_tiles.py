@@ -34,9 +34,9 @@ CANDIDATES = {
         [T(128, 64, 8, 2), T(128, 64, 8, 3), T(64, 64, 4, 3), T(128, 128, 8, 3), T(64, 128, 4, 3), T(128, 32, 4, 3)],
     ),
     128: (
-        # Session 6: 64x64 4-warp forwards (two programs per SM) by head group at s=4096 and 16384
-        # (TUNE_SHAPES), each against the planned tiles twice (the spread of one run); 32-row dK/dV tiles
-        # (fewer score registers, no spills). Earlier rows in benchmarks/results/tune_*.json.
+        # Session 6 run 3: 64x64 4-warp forwards (two programs per SM) at s=4096 and 16384 (TUNE_SHAPES),
+        # each against the planned tiles twice (the spread of one run), and 32-row dK/dV tiles (fewer score
+        # registers). All within noise or slower: benchmarks/results/tune_session6.json, NOTES.md entry 13.
         [T(128, 64, 8, 3, head_group=8), T(64, 64, 4, 3, tma=True), T(128, 64, 8, 3, head_group=8),
          T(64, 64, 4, 3, tma=True), T(64, 64, 4, 3, head_group=2, tma=True)],
         [T(64, 128, 8, 3, head_group=8), T(32, 128, 8, 3, head_group=8), T(32, 128, 8, 4, head_group=8),

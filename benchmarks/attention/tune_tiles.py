@@ -34,14 +34,12 @@ CANDIDATES = {
         [T(128, 64, 8, 2), T(128, 64, 8, 3), T(64, 64, 4, 3), T(128, 128, 8, 3), T(64, 128, 4, 3), T(128, 32, 4, 3)],
     ),
     128: (
-        # Session 6 run 3: 64x64 4-warp forwards (two programs per SM) at s=4096 and 16384 (TUNE_SHAPES),
-        # each against the planned tiles twice (the spread of one run), and 32-row dK/dV tiles (fewer score
-        # registers). All within noise or slower: benchmarks/results/tune_session6.json, NOTES.md entry 13.
-        [T(128, 64, 8, 3, head_group=8), T(64, 64, 4, 3, tma=True), T(128, 64, 8, 3, head_group=8),
-         T(64, 64, 4, 3, tma=True), T(64, 64, 4, 3, head_group=2, tma=True)],
-        [T(64, 128, 8, 3, head_group=8), T(32, 128, 8, 3, head_group=8), T(32, 128, 8, 4, head_group=8),
-         T(32, 128, 8, 2, head_group=8), T(64, 128, 8, 3, head_group=8)],
-        [],
+        # Session 6 (run 5): 4-stage pipelines against the planned 3 stages, each planned tile twice (the
+        # spread of one run). Earlier session-6 rows (64x64 forwards, 32-row and TMA dK/dV tiles: within noise
+        # or slower) in benchmarks/results/tune_session6.json, NOTES.md entry 13.
+        [T(128, 64, 8, 3, head_group=8), T(128, 64, 8, 4, head_group=8), T(128, 64, 8, 3, head_group=8)],
+        [T(64, 128, 8, 3, head_group=8), T(64, 128, 8, 4, head_group=8), T(64, 128, 8, 3, head_group=8)],
+        [T(128, 64, 8, 3, head_group=8), T(128, 64, 8, 4, head_group=8)],
     ),
     256: (
         [T(128, 64, 8, 2), T(64, 64, 4, 2), T(128, 32, 8, 2), T(64, 32, 4, 2)],

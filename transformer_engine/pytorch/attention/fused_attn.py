@@ -28,16 +28,12 @@ class FusedAttnFunc(torch.autograd.Function):
                       window_left, window_right, deterministic, dropout_p)
         ctx.bias_grad = bias is not None and bias.requires_grad
         ctx.mark_non_differentiable(lse)
-        # lse has no gradient: without this, autograd fills a zero tensor for it before every backward.
-        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out, _d_lse):
         q, k, v, out, lse, cu_q, cu_kv, off_q, off_kv, bias, alibi, rng_state = ctx.saved_tensors
         fmt, max_q, max_kv, scale, mask, left, right, deterministic, dropout_p = ctx.static
-        if d_out is None:  # the output took no part in the loss (grads are not materialized)
-            d_out = torch.zeros_like(out)
         dq, dk, dv, dbias = torch.ops.transformer_engine.fused_attn_bwd(
             q, k, v, out, d_out.contiguous(), lse, fmt, cu_q, cu_kv, off_q, off_kv,
             max_q, max_kv, scale, mask, left, right, deterministic,

@@ -13,7 +13,6 @@ from transformer_engine.common.attention.kernels.masking import (
     grid_program,
     key_block_bounds,
     load_block,
-    load_tile,
     mask_scores,
     query_block_bounds,
     query_block_program,
@@ -53,13 +52,11 @@ def attn_bwd_preprocess_kernel(
         return
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_DV)
-    # As in the block loops, load_tile masks the head dim only where it is narrower than its tile.
-    o = load_tile(O + batch.to(tl.int64) * stride_ob + start_q * stride_os + head.to(tl.int64) * stride_oh
-                  + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od,
-                  offs_d[None, :], offs_m[:, None], len_q, HEAD_DIM_V, BLOCK_DV, True)
-    do = load_tile(DO + batch.to(tl.int64) * stride_dob + start_q * stride_dos + head.to(tl.int64) * stride_doh
-                   + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod,
-                   offs_d[None, :], offs_m[:, None], len_q, HEAD_DIM_V, BLOCK_DV, True)
+    mask = (offs_m[:, None] < len_q) & (offs_d[None, :] < HEAD_DIM_V)
+    o = tl.load(O + batch.to(tl.int64) * stride_ob + start_q * stride_os + head.to(tl.int64) * stride_oh
+                + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od, mask=mask, other=0.0)
+    do = tl.load(DO + batch.to(tl.int64) * stride_dob + start_q * stride_dos + head.to(tl.int64) * stride_doh
+                 + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod, mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     tl.store(DELTA + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + offs_m, delta,
              mask=offs_m < len_q)

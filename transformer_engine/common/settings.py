@@ -93,6 +93,11 @@ _DECLARED = (
         "Forces one attention backend by name; a forced backend that cannot run a call raises with its reasons.",
         choices=("", "fused", "flash", "unfused"),
     ),
+    EnvVar(
+        "NVTE_FUSED_ATTN_WS_FORWARD", "bool", True,
+        "0 keeps the fused attention forward on the Triton kernel where the plan would pick the "
+        "warp-specialized Gluon forward (Hopper, d=128, fp16/bf16, no bias or dropout).",
+    ),
     EnvVar("NVTE_DEBUG", "bool", False, "1 enables debug logging of attention backend selection."),
     EnvVar(
         "NVTE_DEBUG_LEVEL", "int", 0,

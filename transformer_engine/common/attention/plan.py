@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
 from transformer_engine.common.attention.config import AttnConfig
-from transformer_engine.common.attention.enums import AttnMaskType
+from transformer_engine.common import settings
+from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType
 
 __all__ = ["Tiles", "ForwardPlan", "BackwardPlan", "forward_plan", "backward_plan", "mask_flags", "padded_head_dim",
-           "block_grid"]
+           "block_grid", "tma_eligible"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,9 @@ class Tiles:
     head_group: int = 1  # launch order: heads whose blocks interleave (kernels/masking.py, grid_program)
     single_loop: bool = False  # one pipelined block loop masking per block, not three loops (NOTES.md entry 11)
     tma: bool = False  # block-loop loads through tensor descriptors where the launcher can (aligned, d contiguous)
+    pingpong: bool = False  # warp-specialized forward: consumers take turns issuing Q K^T (forward_ws.py)
+    overlap: bool = False  # warp-specialized forward: block j's Q K^T issued with block j-1's P V
+    max_registers: Optional[int] = None  # per-thread register cap of the launch (warp-specialized kernels)
 
     @property
     def loop_constexprs(self) -> Dict[str, object]:
@@ -35,7 +39,15 @@ class Tiles:
                     SINGLE_LOOP=self.single_loop)
 
     @property
+    def ws_constexprs(self) -> Dict[str, object]:
+        """What the warp-specialized forward (forward_ws.py) takes from these tiles: its K/V ring has
+        num_stages buffers."""
+        return dict(self.loop_constexprs, NUM_STAGES=self.num_stages, PINGPONG=self.pingpong, OVERLAP=self.overlap)
+
+    @property
     def launch_options(self) -> Dict[str, int]:
+        if self.max_registers is not None:
+            return dict(num_warps=self.num_warps, num_stages=1, maxnreg=self.max_registers)
         return dict(num_warps=self.num_warps, num_stages=self.num_stages)
 
 
@@ -45,6 +57,9 @@ class ForwardPlan:
     block_dqk: int
     block_dv: int
     dot_precision: str
+    # Tiles of the warp-specialized Gluon forward (kernels/forward_ws.py) where it serves the config;
+    # launchers use it when the tensors also allow TMA (tma_eligible), else attn_fwd_kernel with `tiles`.
+    warp_specialized: Optional[Tiles] = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +112,14 @@ def block_grid(num_blocks: int, num_seq_heads: int) -> Tuple[int, int, int]:
     return (num_blocks, num_seq_heads, 1)
 
 
+def tma_eligible(element_size: int, base_address: int, strides: Tuple[int, ...]) -> bool:
+    """Whether a (b, s, h, d)-strided view can be read through TMA descriptors: the head dim
+    contiguous, the base and every other stride 16-byte aligned."""
+    if strides[-1] != 1 or base_address % 16:
+        return False
+    return all(st * element_size % 16 == 0 for st in strides[:-1])
+
+
 def padded_head_dim(d: int) -> int:
     """Kernel tile width for a head dim: next power of two, at least 16 (tl.dot's minimum)."""
     p = 16
@@ -134,6 +157,13 @@ _SM90_DQ: Dict[Tuple[int, bool], Tiles] = {
     (128, False): Tiles(128, 64, 8, 3), (128, True): Tiles(128, 64, 8, 3, head_group=8),
     (256, False): Tiles(64, 64, 8, 2), (256, True): Tiles(64, 64, 8, 2),
 }
+# Warp-specialized Gluon forward on Hopper (kernels/forward_ws.py): 128 query rows as two consumer
+# warpgroups of 64 plus a loader warp (12 warps allocated: 168 registers each on average), K/V blocks of
+# 128 in a 2-buffer ring. Where it serves: d_qk = d_v = 128, fp16/bf16, no bias, ALiBi or dropout.
+_SM90_FWD_WS = {
+    (128, False): Tiles(128, 128, 4, 2, pingpong=True, max_registers=168),
+    (128, True): Tiles(128, 128, 4, 2, head_group=8, pingpong=True, max_registers=168),
+}
 # Other GPUs (Ampere and newer non-Hopper): conservative tiles that fit 100 KB of shared memory.
 _GENERIC_FWD = Tiles(64, 64, 4, 2)
 _GENERIC_BWD = Tiles(64, 64, 4, 1)
@@ -152,7 +182,8 @@ def _head_key(config: AttnConfig) -> Tuple[int, bool]:
     return dim, config.window_kind != "none"
 
 
-def forward_plan(config: AttnConfig, override: Optional[Tiles] = None) -> ForwardPlan:
+def forward_plan(config: AttnConfig, override: Optional[Tiles] = None,
+                 ws_override: Optional[Tiles] = None) -> ForwardPlan:
     key = _head_key(config)
     if override is not None:
         tiles = override
@@ -164,8 +195,23 @@ def forward_plan(config: AttnConfig, override: Optional[Tiles] = None) -> Forwar
         tiles = _GENERIC_FWD_256 if key[0] > 128 else _GENERIC_FWD
     if config.dtype == "float32" and override is None and config.device_type != "cpu":
         tiles = Tiles(min(tiles.block_m, 64), min(tiles.block_n, 32), tiles.num_warps, 1)
+    ws = ws_override if ws_override is not None else _warp_specialized_forward(config, key)
+    if override is not None and ws_override is None:
+        ws = None  # an explicit Triton tile override measures the Triton kernel
     return ForwardPlan(tiles, padded_head_dim(config.head_dim_qk), padded_head_dim(config.head_dim_v),
-                       _dot_precision(config))
+                       _dot_precision(config), ws)
+
+
+def _warp_specialized_forward(config: AttnConfig, key: Tuple[int, bool]) -> Optional[Tiles]:
+    if config.device_type != "cuda" or config.compute_capability is None or config.compute_capability[0] != 9:
+        return None
+    if config.dtype not in ("float16", "bfloat16") or config.head_dim_qk != config.head_dim_v:
+        return None
+    if config.attn_bias_type != AttnBiasType.NO_BIAS or config.dropout > 0:
+        return None
+    if config.head_dim_qk != key[0] or not settings.get("NVTE_FUSED_ATTN_WS_FORWARD"):
+        return None
+    return _SM90_FWD_WS.get(key)
 
 
 def backward_plan(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = None) -> BackwardPlan:

@@ -33,7 +33,9 @@ from jax.interpreters import mlir
 from transformer_engine.common.attention.config import AttnConfig
 from transformer_engine.common.attention.enums import AttnBiasType, QKVFormat
 from transformer_engine.common.attention.kernels.aot import CompiledKernel, Pointer, compile_kernel
-from transformer_engine.common.attention.plan import backward_plan, block_grid, forward_plan, mask_flags
+from transformer_engine.common.attention.plan import (
+    backward_plan, block_grid, forward_plan, mask_flags, tma_eligible,
+)
 
 __all__ = ["unavailable_reason", "fused_attn_fwd_lowering", "fused_attn_bwd_lowering"]
 
@@ -213,7 +215,7 @@ def _tma(wanted: bool, dtype, *shapes: Sequence[int]) -> bool:
     (as the PyTorch launcher decides): every stride but the head dim's a multiple of 16 bytes; XLA
     aligns buffers to more than 16 bytes. The descriptors live in the launch's global scratch."""
     size = jnp.dtype(dtype).itemsize
-    return wanted and all(st * size % 16 == 0 for shape in shapes for st in _strides(shape, False)[:3])
+    return wanted and all(tma_eligible(size, 0, _strides(shape, False)) for shape in shapes)
 
 
 def _plan_config(static, q, k, v, deterministic: bool) -> AttnConfig:
@@ -268,6 +270,7 @@ def _sequence_arrays(q_seqlens, kv_seqlens, q_offsets, kv_offsets, s_q: int, s_k
 
 def _fwd_impl(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds, *, static):
     from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel
+    from transformer_engine.common.attention.kernels.forward_ws import attn_fwd_ws_kernel
 
     b, s_q, hq, dqk = q.shape
     s_kv, hk, dv = k.shape[1], k.shape[2], v.shape[3]
@@ -292,6 +295,10 @@ def _fwd_impl(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds
     plan = forward_plan(_plan_config(static, q, k, v, deterministic=False))
     flags, left, right = mask_flags(static.attn_mask_type, static.window_size)
     t = plan.tiles
+    kernel_fn, constexprs = attn_fwd_kernel, t.loop_constexprs
+    if plan.warp_specialized is not None and _tma(True, q.dtype, q.shape, k.shape, v.shape):
+        t = plan.warp_specialized  # as the PyTorch launcher decides (kernels/forward_ws.py)
+        kernel_fn, constexprs = attn_fwd_ws_kernel, t.ws_constexprs
     values = dict(
         Q=Buf(0), K=Buf(1), V=Buf(2), O=Buf(o), LSE=Buf(lse), **seq_bufs,
         **_named_strides("q", _strides(q.shape, packed)), **_named_strides("k", _strides(k.shape, packed)),
@@ -302,10 +309,10 @@ def _fwd_impl(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds
         qk_scale=static.scaling_factor * LOG2E, window_left=left, window_right=right,
         HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
         IS_THD=packed, HAS_SEQLENS=packed, DOT_PRECISION=plan.dot_precision,
-        TMA=_tma(t.tma, k.dtype, k.shape, v.shape), **t.loop_constexprs, **flags, **_bias_values(bias_buf, bias),
+        TMA=_tma(t.tma, k.dtype, k.shape, v.shape), **constexprs, **flags, **_bias_values(bias_buf, bias),
     )
-    values = _complete(attn_fwd_kernel, values, Buf(lse))
-    kernel = _compile_launch(attn_fwd_kernel, values, prog, t.launch_options)
+    values = _complete(kernel_fn, values, Buf(lse))
+    kernel = _compile_launch(kernel_fn, values, prog, t.launch_options)
     prog.launch(kernel, block_grid(_cdiv(s_q, t.block_m), nseq * hq), values)
     out, lse_out = prog.call(*operands)[:2]
     return out, lse_out.reshape(b, nseq // b, hq, s_q)

@@ -17,9 +17,10 @@ from transformer_engine.common.attention.kernels.backward import (
 )
 from transformer_engine.common.attention.kernels.fill import zero_outside_sequences_kernel
 from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel
+from transformer_engine.common.attention.kernels.forward_ws import attn_fwd_ws_kernel
 from transformer_engine.common.attention.kernels.scores import dropout_mask_kernel
 from transformer_engine.common.attention.plan import (
-    BackwardPlan, ForwardPlan, backward_plan, block_grid, forward_plan, mask_flags,
+    BackwardPlan, ForwardPlan, backward_plan, block_grid, forward_plan, mask_flags, tma_eligible,
 )
 from transformer_engine.pytorch.attention.config import dtype_name, triton_interpreting
 
@@ -155,10 +156,8 @@ def _use_tma(wanted: bool, *views) -> bool:
     on its own thread, so this runs at each launch)."""
     if not wanted:
         return False
-    for t, strides in views:
-        size = t.element_size()
-        if strides[3] != 1 or t.data_ptr() % 16 or any(st * size % 16 for st in strides[:3]):
-            return False
+    if not all(tma_eligible(t.element_size(), t.data_ptr(), strides) for t, strides in views):
+        return False
     from triton.runtime import _allocation  # the allocator Triton reads is a private context var
 
     if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
@@ -183,14 +182,18 @@ def forward(q, k, v, fmt: QKVFormat, seqs: Sequences, softmax_scale: float, mask
     _, so_ = canonical(out, fmt)
     flags, left, right = mask_flags(mask, window)
     t = plan.tiles
-    attn_fwd_kernel[block_grid(triton.cdiv(seqs.max_q, t.block_m), seqs.batch * hq)](
+    kernel, constexprs = attn_fwd_kernel, t.loop_constexprs
+    if plan.warp_specialized is not None and _use_tma(True, (q, sq_), (k, sk_), (v, sv_)):
+        t = plan.warp_specialized
+        kernel, constexprs = attn_fwd_ws_kernel, t.ws_constexprs
+    kernel[block_grid(triton.cdiv(seqs.max_q, t.block_m), seqs.batch * hq)](
         q, k, v, out, lse, *mods.pointer_args(lse), *seqs.args(lse),
         *sq_, *sk_, *sv_, *so_, lse.stride(0), lse.stride(1), *mods.stride_args(seqs.batch, hq),
         hq, hq // hk, seqs.max_q, seqs.max_k,
         softmax_scale * LOG2E, left, right, mods.dropout_p,
         HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
         IS_THD=seqs.is_thd, HAS_SEQLENS=seqs.has_seqlens, DOT_PRECISION=plan.dot_precision,
-        TMA=_use_tma(t.tma, (k, sk_), (v, sv_)), **t.loop_constexprs, **t.launch_options, **flags, **mods.flags(),
+        TMA=_use_tma(t.tma, (k, sk_), (v, sv_)), **constexprs, **t.launch_options, **flags, **mods.flags(),
     )
     return out, lse
 

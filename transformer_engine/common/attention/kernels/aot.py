@@ -73,7 +73,10 @@ def _compile_cached(fn, args, launch_options, target) -> CompiledKernel:
     binder = create_function_from_signature(fn.signature, fn.params, backend)
     bound_args, specialization, _ = binder(**bound, **kwargs)
     options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, kwargs)
-    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    source = ASTSource
+    if getattr(fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    compiled = triton.compile(source(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
     md = compiled.metadata
     params = tuple((name, ty) for name, ty in signature.items() if ty != "constexpr")
     return CompiledKernel(

@@ -1,0 +1,134 @@
+"""The warp-specialized Gluon forward (kernels/forward_ws.py) against the Triton forward, on the GPU.
+
+For each case: output and LSE error of both kernels against an fp32 reference (computed in query
+chunks), then forward time of the Triton kernel (its planned tiles) and of each warp-specialized
+schedule (ping-pong and overlap on or off), in one run, with ratios.
+
+    python benchmarks/attention/ws_forward.py --out results/ws_forward      # json + md
+    WS_CHECK_ONLY=1 python benchmarks/attention/ws_forward.py               # correctness only
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from cases import attn_flops  # noqa: E402
+from common import bench_ms, run_metadata  # noqa: E402
+from transformer_engine.common.attention import AttnMaskType, QKVFormat  # noqa: E402
+from transformer_engine.common.attention.plan import forward_plan  # noqa: E402
+from transformer_engine.pytorch.attention import launch  # noqa: E402
+
+MASKS = {"none": AttnMaskType.NO_MASK, "causal": AttnMaskType.CAUSAL_MASK,
+         "causal_br": AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK, "padding_causal": AttnMaskType.PADDING_CAUSAL_MASK}
+
+
+def reference(q, k, v, mask, window, scale):
+    """fp32 attention over [b, s, h, d] in query chunks: (out, lse [b, h, s_q]); rows that see nothing
+    give out 0 and lse +inf."""
+    b, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    kf = k.float().repeat_interleave(hq // hk, dim=2).permute(0, 2, 3, 1)
+    vf = v.float().repeat_interleave(hq // hk, dim=2).permute(0, 2, 1, 3)
+    diag = sk - sq if mask in (AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK,) else 0
+    left, right = window
+    if mask.is_causal:
+        right = 0
+    outs, lses = [], []
+    for i0 in range(0, sq, 1024):
+        qf = q[:, i0:i0 + 1024].float().permute(0, 2, 1, 3)
+        s = qf @ kf * scale
+        i = torch.arange(i0, i0 + qf.shape[2], device=q.device)[:, None]
+        j = torch.arange(sk, device=q.device)[None, :]
+        keep = torch.ones_like(s[0, 0], dtype=torch.bool)
+        if right >= 0:
+            keep &= j - (i + diag) <= right
+        if left >= 0:
+            keep &= j - (i + diag) >= -left
+        s = s.masked_fill(~keep, float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
+        outs.append((p @ vf).permute(0, 2, 1, 3))
+        lses.append(torch.where(torch.isfinite(lse), lse, torch.full_like(lse, float("inf"))))
+    return torch.cat(outs, 1), torch.cat(lses, 2)
+
+
+def run_case(b, h, hk, sq, sk, d, mask_name, window, dtype, variants, timed, check_only):
+    torch.manual_seed(0)
+    q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype)
+    k = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype)
+    v = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype)
+    mask = MASKS[mask_name]
+    scale = 1.0 / math.sqrt(d)
+    seqs = launch.sequences(QKVFormat.BSHD, q, k, None, None, None, None, sq, sk)
+    cfg = launch.plan_config(q, k, v, QKVFormat.BSHD, mask, window, True)
+    base = forward_plan(cfg)
+    plans = {"triton": dataclasses.replace(base, warp_specialized=None)}
+    if base.warp_specialized is not None:
+        for name, fields in variants.items():
+            plans[name] = dataclasses.replace(base, warp_specialized=dataclasses.replace(base.warp_specialized,
+                                                                                         **fields))
+    ref_o, ref_lse = reference(q, k, v, mask, window, scale)
+    row = dict(shape=f"{b},{h},{hk},{sq},{sk},{d}", mask=mask_name, window=list(window), dtype=str(dtype)[6:])
+    for name, plan in plans.items():
+        out, lse = launch.forward(q, k, v, QKVFormat.BSHD, seqs, scale, mask, window, plan=plan)
+        torch.cuda.synchronize()
+        err_o = (out.float() - ref_o).abs().max().item()
+        fin = torch.isfinite(ref_lse)
+        err_l = (lse - ref_lse)[fin].abs().max().item() if fin.any() else 0.0
+        same_inf = bool(torch.equal(torch.isinf(lse), ~fin))
+        row[name] = dict(err_out=err_o, err_lse=err_l, inf_rows_match=same_inf)
+        if timed and not check_only:
+            ms = bench_ms(lambda: launch.forward(q, k, v, QKVFormat.BSHD, seqs, scale, mask, window, plan=plan))
+            flops = attn_flops(b, h, sq, sk, d, mask_name != "none", "fwd")
+            row[name].update(ms=ms, tflops=flops / ms * 1e-9)
+    if timed and not check_only and "triton" in row and "ms" in row["triton"]:
+        for name in plans:
+            row[name]["speedup_vs_triton"] = row["triton"]["ms"] / row[name]["ms"]
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    check_only = bool(os.environ.get("WS_CHECK_ONLY"))
+    variants = {
+        "ws": {},
+        "ws_plain": dict(pingpong=False, overlap=False),
+        "ws_overlap": dict(pingpong=False, overlap=True),
+        "ws_pingpong_overlap": dict(pingpong=True, overlap=True),
+        "ws_3stage": dict(num_stages=3),
+    }
+    bf16 = torch.bfloat16
+    checks = [  # (b, h, hk, s_q, s_kv, d, mask, window, dtype)
+        (2, 4, 4, 1000, 1000, 128, "causal", (-1, 0), bf16),
+        (2, 4, 2, 97, 300, 128, "none", (-1, -1), torch.float16),
+        (1, 4, 1, 300, 97, 128, "causal_br", (-1, 0), bf16),
+        (1, 4, 4, 777, 777, 128, "none", (200, 50), bf16),
+        (1, 2, 2, 64, 64, 128, "causal", (-1, 0), bf16),
+    ]
+    timed_cases = [
+        (4, 16, 16, 4096, 4096, 128, "causal", (-1, 0), bf16),
+        (4, 16, 16, 4096, 4096, 128, "none", (-1, -1), bf16),
+        (1, 16, 16, 16384, 16384, 128, "causal", (-1, 0), bf16),
+    ]
+    rows = [run_case(*c, variants, False, check_only) for c in checks]
+    rows += [run_case(*c, variants, True, check_only) for c in timed_cases]
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out + ".json", "w") as f:
+            json.dump(dict(meta=run_metadata(" ".join(sys.argv), torch.cuda.get_device_name()), rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -15,7 +15,7 @@
 # (benchmarks/attention/tune_tiles.py; TUNE_DIMS; TUNE_SHAPES="4,16,4096;1,16,16384" times those shapes;
 # TUNE_KERNELS=fwd the forward only; TUNE_MASKS=causal; TUNE_VARIANTS=head_group=1,2,4 or "tma=0,1;single_loop=0,1"
 # sweeps Tiles fields of the planned tiles instead of the tile table), core (bench_core.py), timeline
-# (step_timeline.py; TIMELINE_ARGS), wsfwd (ws_forward.py: the Gluon forward's errors and speed), ncu (Nsight Compute over ncu_step.py; NCU_ARGS), fa4 / fa4tests
+# (step_timeline.py; TIMELINE_ARGS), ws (ws_kernels.py: the Gluon kernels' errors and speed), ncu (Nsight Compute over ncu_step.py; NCU_ARGS), fa4 / fa4tests
 # (install_flash_attn4.sh phase1 / phase2 + gpu_flash.sh tests), bench (gpu_bench.sh parts in
 # BENCH_PARTS); 2-GPU: tp (torchrun tensor-parallel heads), jaxmesh (tests/jax/test_jax_two_device_mesh.py).
 # Limits per section come from <SECTION>_TIMEOUT (seconds); the defaults suit a 600 s call. CORE_ARGS: extra
@@ -81,10 +81,10 @@ section() {
       (cd benchmarks/attention && timeout "$(limit CORE 150)" python3 bench_core.py --out "$d/core$n" ${CORE_ARGS:-}) \
         > "$d/core$n.log" 2>&1
       note "core$n bench rc=$? $(grep -h '4,16,4096,128 | causal | ours_det' "$d/core$n.md" 2>/dev/null)" ;;
-    wsfwd)  # the warp-specialized Gluon forward against the Triton one (benchmarks/attention/ws_forward.py)
-      (cd benchmarks/attention && timeout "$(limit WSFWD 240)" python3 ws_forward.py --out "$d/ws_forward") \
-        > "$d/ws_forward.log" 2>&1
-      note "ws_forward rc=$? $(grep -c '^{' "$d/ws_forward.log") cases" ;;
+    ws)  # the warp-specialized Gluon kernels against the Triton ones (benchmarks/attention/ws_kernels.py)
+      (cd benchmarks/attention && timeout "$(limit WS 300)" python3 ws_kernels.py --out "$d/ws_kernels") \
+        > "$d/ws_kernels.log" 2>&1
+      note "ws_kernels rc=$? $(grep -c '^{' "$d/ws_kernels.log") cases" ;;
     timeline)  # step_timeline.py: a timed step's kernels and idle gaps; TIMELINE_ARGS e.g. "--preprocess 64x4,128x8"
       nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
         --format=csv > "$d/clocks.txt" 2>&1

@@ -27,7 +27,7 @@ class Tiles:
     head_group: int = 1  # launch order: heads whose blocks interleave (kernels/masking.py, grid_program)
     single_loop: bool = False  # one pipelined block loop masking per block, not three loops (NOTES.md entry 11)
     tma: bool = False  # block-loop loads through tensor descriptors where the launcher can (aligned, d contiguous)
-    pingpong: bool = False  # warp-specialized forward: consumers take turns issuing Q K^T (forward_ws.py)
+    pingpong: bool = False  # warp-specialized forward: consumers take turns issuing Q K^T (hopper_ws.py)
     overlap: bool = False  # warp-specialized forward: block j's Q K^T issued with block j-1's P V
     max_registers: Optional[int] = None  # per-thread register cap of the launch (warp-specialized kernels)
 
@@ -40,7 +40,7 @@ class Tiles:
 
     @property
     def ws_constexprs(self) -> Dict[str, object]:
-        """What the warp-specialized forward (forward_ws.py) takes from these tiles: its K/V ring has
+        """What the warp-specialized forward (hopper_ws.py) takes from these tiles: its K/V ring has
         num_stages buffers."""
         return dict(self.loop_constexprs, NUM_STAGES=self.num_stages, PINGPONG=self.pingpong, OVERLAP=self.overlap)
 
@@ -57,7 +57,7 @@ class ForwardPlan:
     block_dqk: int
     block_dv: int
     dot_precision: str
-    # Tiles of the warp-specialized Gluon forward (kernels/forward_ws.py) where it serves the config;
+    # Tiles of the warp-specialized Gluon forward (kernels/hopper_ws.py) where it serves the config;
     # launchers use it when the tensors also allow TMA (tma_eligible), else attn_fwd_kernel with `tiles`.
     warp_specialized: Optional[Tiles] = None
 
@@ -71,6 +71,9 @@ class BackwardPlan:
     block_dv: int
     dot_precision: str
     atomic_dq: bool  # fold dQ into the dK/dV pass with atomics: never in deterministic mode
+    # Tiles of the warp-specialized Gluon dQ pass (kernels/hopper_ws.py) where it serves the config;
+    # launchers use it when the tensors also allow TMA, else attn_bwd_dq_kernel with `dq`.
+    dq_warp_specialized: Optional[Tiles] = None
 
     @property
     def dbias(self) -> Tiles:
@@ -157,12 +160,17 @@ _SM90_DQ: Dict[Tuple[int, bool], Tiles] = {
     (128, False): Tiles(128, 64, 8, 3), (128, True): Tiles(128, 64, 8, 3, head_group=8),
     (256, False): Tiles(64, 64, 8, 2), (256, True): Tiles(64, 64, 8, 2),
 }
-# Warp-specialized Gluon forward on Hopper (kernels/forward_ws.py): 128 query rows as two consumer
+# Warp-specialized Gluon forward and dQ on Hopper (kernels/hopper_ws.py): 128 query rows as two consumer
 # warpgroups of 64 plus a loader warp (12 warps allocated: 168 registers each on average), K/V blocks of
 # 128 in a 2-buffer ring. Where it serves: d_qk = d_v = 128, fp16/bf16, no bias, ALiBi or dropout.
 _SM90_FWD_WS = {
-    (128, False): Tiles(128, 128, 4, 2, pingpong=True, max_registers=168),
-    (128, True): Tiles(128, 128, 4, 2, head_group=8, pingpong=True, max_registers=168),
+    (128, False): Tiles(128, 128, 4, 2, max_registers=168),
+    (128, True): Tiles(128, 128, 4, 2, head_group=8, max_registers=168),
+}
+# dQ: K/V blocks of 64 (blocks of 128 spill in the causal consumer).
+_SM90_DQ_WS = {
+    (128, False): Tiles(128, 64, 4, 2, max_registers=168),
+    (128, True): Tiles(128, 64, 4, 2, head_group=8, max_registers=168),
 }
 # Other GPUs (Ampere and newer non-Hopper): conservative tiles that fit 100 KB of shared memory.
 _GENERIC_FWD = Tiles(64, 64, 4, 2)
@@ -195,26 +203,29 @@ def forward_plan(config: AttnConfig, override: Optional[Tiles] = None,
         tiles = _GENERIC_FWD_256 if key[0] > 128 else _GENERIC_FWD
     if config.dtype == "float32" and override is None and config.device_type != "cpu":
         tiles = Tiles(min(tiles.block_m, 64), min(tiles.block_n, 32), tiles.num_warps, 1)
-    ws = ws_override if ws_override is not None else _warp_specialized_forward(config, key)
+    ws = ws_override if ws_override is not None else _warp_specialized(config, key, _SM90_FWD_WS)
     if override is not None and ws_override is None:
         ws = None  # an explicit Triton tile override measures the Triton kernel
     return ForwardPlan(tiles, padded_head_dim(config.head_dim_qk), padded_head_dim(config.head_dim_v),
                        _dot_precision(config), ws)
 
 
-def _warp_specialized_forward(config: AttnConfig, key: Tuple[int, bool]) -> Optional[Tiles]:
+def _warp_specialized(config: AttnConfig, key: Tuple[int, bool], table: Dict[Tuple[int, bool], Tiles]) -> Optional[Tiles]:
+    """The Gluon kernels' tiles for ``config`` from ``table``, where they serve it (module docstring of
+    kernels/hopper_ws.py) and NVTE_FUSED_ATTN_WS does not turn them off."""
     if config.device_type != "cuda" or config.compute_capability is None or config.compute_capability[0] != 9:
         return None
     if config.dtype not in ("float16", "bfloat16") or config.head_dim_qk != config.head_dim_v:
         return None
     if config.attn_bias_type != AttnBiasType.NO_BIAS or config.dropout > 0:
         return None
-    if config.head_dim_qk != key[0] or not settings.get("NVTE_FUSED_ATTN_WS_FORWARD"):
+    if config.head_dim_qk != key[0] or not settings.get("NVTE_FUSED_ATTN_WS"):
         return None
-    return _SM90_FWD_WS.get(key)
+    return table.get(key)
 
 
-def backward_plan(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = None) -> BackwardPlan:
+def backward_plan(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = None,
+                  ws_override: Optional[Tiles] = None) -> BackwardPlan:
     key = _head_key(config)
     if override is not None:
         dkdv, dq = override
@@ -231,8 +242,11 @@ def backward_plan(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = 
     # Separate dQ pass measured faster than atomic dQ on the H200 (ANCHORS.md), so even the
     # non-deterministic mode uses it unless it is explicitly measured otherwise.
     atomic_dq = (not config.deterministic) and _NONDETERMINISTIC_ATOMIC_DQ
+    ws = ws_override if ws_override is not None else _warp_specialized(config, key, _SM90_DQ_WS)
+    if override is not None and ws_override is None:
+        ws = None  # an explicit Triton tile override measures the Triton kernels
     return BackwardPlan(preprocess, dkdv, dq, padded_head_dim(config.head_dim_qk),
-                        padded_head_dim(config.head_dim_v), _dot_precision(config), atomic_dq)
+                        padded_head_dim(config.head_dim_v), _dot_precision(config), atomic_dq, ws)
 
 
 # Policy for the non-deterministic backward; a module-level constant so benchmarks can flip it.

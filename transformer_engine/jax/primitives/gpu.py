@@ -270,7 +270,7 @@ def _sequence_arrays(q_seqlens, kv_seqlens, q_offsets, kv_offsets, s_q: int, s_k
 
 def _fwd_impl(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds, *, static):
     from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel
-    from transformer_engine.common.attention.kernels.forward_ws import attn_fwd_ws_kernel
+    from transformer_engine.common.attention.kernels.hopper_ws import attn_fwd_ws_kernel
 
     b, s_q, hq, dqk = q.shape
     s_kv, hk, dv = k.shape[1], k.shape[2], v.shape[3]
@@ -297,7 +297,7 @@ def _fwd_impl(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds
     t = plan.tiles
     kernel_fn, constexprs = attn_fwd_kernel, t.loop_constexprs
     if plan.warp_specialized is not None and _tma(True, q.dtype, q.shape, k.shape, v.shape):
-        t = plan.warp_specialized  # as the PyTorch launcher decides (kernels/forward_ws.py)
+        t = plan.warp_specialized  # as the PyTorch launcher decides (kernels/hopper_ws.py)
         kernel_fn, constexprs = attn_fwd_ws_kernel, t.ws_constexprs
     values = dict(
         Q=Buf(0), K=Buf(1), V=Buf(2), O=Buf(o), LSE=Buf(lse), **seq_bufs,
@@ -401,6 +401,7 @@ def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_of
         attn_bwd_dq_kernel,
         attn_bwd_preprocess_kernel,
     )
+    from transformer_engine.common.attention.kernels.hopper_ws import attn_bwd_dq_ws_kernel
 
     b, s_q, hq, dqk = q.shape
     s_kv, hk, dv = k.shape[1], k.shape[2], v.shape[3]
@@ -478,10 +479,14 @@ def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_of
 
     if not plan.atomic_dq:
         t = plan.dq
+        kernel_fn, constexprs = attn_bwd_dq_kernel, t.loop_constexprs
+        if plan.dq_warp_specialized is not None and _tma(True, q.dtype, q.shape, k.shape, v.shape, dout.shape):
+            t = plan.dq_warp_specialized  # as the PyTorch launcher decides (kernels/hopper_ws.py)
+            kernel_fn, constexprs = attn_bwd_dq_ws_kernel, t.ws_constexprs
         dq_values = dict(shared, DQ=Buf(dq), num_heads_q=hq, TMA=_tma(t.tma, k.dtype, k.shape, v.shape),
-                         **t.loop_constexprs)
-        dq_values = _complete(attn_bwd_dq_kernel, dq_values, LSE)
-        kernel = _compile_launch(attn_bwd_dq_kernel, dq_values, prog, t.launch_options)
+                         **constexprs)
+        dq_values = _complete(kernel_fn, dq_values, LSE)
+        kernel = _compile_launch(kernel_fn, dq_values, prog, t.launch_options)
         prog.launch(kernel, block_grid(_cdiv(s_q, t.block_m), nseq * hq), dq_values)
 
     results = prog.call(*operands)

@@ -17,7 +17,7 @@ from transformer_engine.common.attention.kernels.backward import (
 )
 from transformer_engine.common.attention.kernels.fill import zero_outside_sequences_kernel
 from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel
-from transformer_engine.common.attention.kernels.forward_ws import attn_fwd_ws_kernel
+from transformer_engine.common.attention.kernels.hopper_ws import attn_bwd_dq_ws_kernel, attn_fwd_ws_kernel
 from transformer_engine.common.attention.kernels.scores import dropout_mask_kernel
 from transformer_engine.common.attention.plan import (
     BackwardPlan, ForwardPlan, backward_plan, block_grid, forward_plan, mask_flags, tma_eligible,
@@ -255,13 +255,17 @@ def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_
     dq = alloc(q.shape, dtype=q.dtype, device=q.device)
     _, sdq_ = canonical(dq, fmt)
     t = plan.dq
-    attn_bwd_dq_kernel[block_grid(triton.cdiv(seqs.max_q, t.block_m), seqs.batch * hq)](
+    kernel, constexprs = attn_bwd_dq_kernel, t.loop_constexprs
+    if plan.dq_warp_specialized is not None and _use_tma(True, (q, sq_), (k, sk_), (v, sv_), (d_out, sdo_)):
+        t = plan.dq_warp_specialized
+        kernel, constexprs = attn_bwd_dq_ws_kernel, t.ws_constexprs
+    kernel[block_grid(triton.cdiv(seqs.max_q, t.block_m), seqs.batch * hq)](
         q, k, v, d_out, dq, lse, delta, *mod_ptrs, *seq_args,
         *sq_, *sk_, *sv_, *sdo_, *sdq_, lse.stride(0), lse.stride(1), *mod_strides,
         hq, hq // hk, seqs.max_q, seqs.max_k, softmax_scale, softmax_scale * LOG2E, left, right, mods.dropout_p,
         HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
         IS_THD=seqs.is_thd, HAS_SEQLENS=seqs.has_seqlens, DOT_PRECISION=plan.dot_precision,
-        TMA=_use_tma(t.tma, (k, sk_), (v, sv_)), **t.loop_constexprs, **t.launch_options, **flags, **mods.flags(),
+        TMA=_use_tma(t.tma, (k, sk_), (v, sv_)), **constexprs, **t.launch_options, **flags, **mods.flags(),
     )
     return dq, dk, dvt, dbias
 

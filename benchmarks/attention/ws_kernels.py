@@ -1,4 +1,4 @@
-"""The warp-specialized Gluon forward (kernels/forward_ws.py) against the Triton forward, on the GPU.
+"""The warp-specialized Gluon forward (kernels/hopper_ws.py) against the Triton forward, on the GPU.
 
 For each case: output and LSE error of both kernels against an fp32 reference (computed in query
 chunks), then forward time of the Triton kernel (its planned tiles) and of each warp-specialized
@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cases import attn_flops  # noqa: E402
 from common import bench_ms, run_metadata  # noqa: E402
 from transformer_engine.common.attention import AttnMaskType, QKVFormat  # noqa: E402
-from transformer_engine.common.attention.plan import forward_plan  # noqa: E402
+from transformer_engine.common.attention.plan import backward_plan, forward_plan  # noqa: E402
 from transformer_engine.pytorch.attention import launch  # noqa: E402
 
 MASKS = {"none": AttnMaskType.NO_MASK, "causal": AttnMaskType.CAUSAL_MASK,
@@ -61,7 +61,15 @@ def reference(q, k, v, mask, window, scale):
     return torch.cat(outs, 1), torch.cat(lses, 2)
 
 
-def run_case(b, h, hk, sq, sk, d, mask_name, window, dtype, variants, timed, check_only):
+def reference_dq(q, k, v, d_out, mask, window, scale):
+    """dQ of the fp32 reference (autograd; small shapes only)."""
+    qf = q.detach().float().requires_grad_(True)
+    out, _ = reference(qf, k.float(), v.float(), mask, window, scale)
+    out.backward(d_out.float())
+    return qf.grad
+
+
+def run_case(b, h, hk, sq, sk, d, mask_name, window, dtype, variants, dq_variants, timed, check_only):
     torch.manual_seed(0)
     q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype)
     k = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype)
@@ -93,6 +101,37 @@ def run_case(b, h, hk, sq, sk, d, mask_name, window, dtype, variants, timed, che
     if timed and not check_only and "triton" in row and "ms" in row["triton"]:
         for name in plans:
             row[name]["speedup_vs_triton"] = row["triton"]["ms"] / row[name]["ms"]
+
+    # Backward: the Triton dQ pass against each warp-specialized dQ tile (dK/dV is the same kernel).
+    out, lse = launch.forward(q, k, v, QKVFormat.BSHD, seqs, scale, mask, window, plan=plans["triton"])
+    d_out = torch.randn_like(out)
+    bcfg = launch.plan_config(q, k, v, QKVFormat.BSHD, mask, window, True)
+    bbase = backward_plan(bcfg)
+    bplans = {"dq_triton": dataclasses.replace(bbase, dq_warp_specialized=None)}
+    if bbase.dq_warp_specialized is not None:
+        for name, fields in dq_variants.items():
+            bplans[name] = dataclasses.replace(bbase, dq_warp_specialized=dataclasses.replace(
+                bbase.dq_warp_specialized, **fields))
+    small = b * h * sq * sk <= 4 * 4 * 1024 * 1024
+    ref_dq = reference_dq(q, k, v, d_out, mask, window, scale) if small else None
+
+    def bwd(plan):
+        return launch.backward(q, k, v, out, d_out, lse, QKVFormat.BSHD, seqs, scale, mask, window, True,
+                               plan=plan)
+
+    for name, plan in bplans.items():
+        dq, dk, dv, _ = bwd(plan)
+        torch.cuda.synchronize()
+        if ref_dq is None:
+            ref_dq = dq.float()  # the Triton dQ (first) stands in for the reference on large cases
+        again = bwd(plan)[0]
+        row[name] = dict(err_dq=(dq.float() - ref_dq).abs().max().item(), dq_bitwise_repeat=bool(torch.equal(dq, again)))
+        if timed and not check_only:
+            ms = bench_ms(lambda: bwd(plan))
+            row[name].update(ms=ms, tflops=attn_flops(b, h, sq, sk, d, mask_name != "none", "bwd") / ms * 1e-9)
+    if timed and not check_only:
+        for name in bplans:
+            row[name]["speedup_vs_triton"] = row["dq_triton"]["ms"] / row[name]["ms"]
     print(json.dumps(row), flush=True)
     return row
 
@@ -109,6 +148,7 @@ def main():
         "ws_pingpong_overlap": dict(pingpong=True, overlap=True),
         "ws_3stage": dict(num_stages=3),
     }
+    dq_variants = {"dq_ws": {}, "dq_ws_n128": dict(block_n=128), "dq_ws_3stage": dict(num_stages=3)}
     bf16 = torch.bfloat16
     checks = [  # (b, h, hk, s_q, s_kv, d, mask, window, dtype)
         (2, 4, 4, 1000, 1000, 128, "causal", (-1, 0), bf16),
@@ -122,8 +162,8 @@ def main():
         (4, 16, 16, 4096, 4096, 128, "none", (-1, -1), bf16),
         (1, 16, 16, 16384, 16384, 128, "causal", (-1, 0), bf16),
     ]
-    rows = [run_case(*c, variants, False, check_only) for c in checks]
-    rows += [run_case(*c, variants, True, check_only) for c in timed_cases]
+    rows = [run_case(*c, variants, dq_variants, False, check_only) for c in checks]
+    rows += [run_case(*c, variants, dq_variants, True, check_only) for c in timed_cases]
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out + ".json", "w") as f:

@@ -1,0 +1,550 @@
+"""Attention kernels for Hopper (sm_90), warp-specialized, written in Gluon: the forward and the
+backward's dQ pass.
+
+The Triton kernels (forward.py, backward.py) run their two warpgroups in lockstep: a CTA barrier every
+key block keeps softmax from overlapping the other warpgroup's matrix products (Nsight Compute: tensor
+pipe 46% in the forward, benchmarks/attention/NOTES.md entry 13). Here a program owns BLOCK_M = 128
+query rows as two consumer warpgroups of 64 rows each plus one loader warp:
+
+- the loader warp brings the row tiles once (Q; Q and dO for dQ) and K/V blocks through a ring of
+  NUM_STAGES shared-memory buffers with TMA (tensor descriptors over one sequence and head: rows past
+  the sequence load as zeros);
+- each consumer walks the same key blocks on its own and releases a buffer by arriving on its "empty"
+  barrier (count 2: both consumers), never through a CTA barrier;
+- forward only, measured variants: with PINGPONG the consumers take turns issuing their Q K^T
+  products; with OVERLAP a consumer issues block j's Q K^T with block j-1's P V and does block j's
+  softmax while P V runs (benchmarks/attention/ws_forward.py; NOTES.md entry 14).
+
+Launch arguments, grid (plan.block_grid) and results are those of attn_fwd_kernel / attn_bwd_dq_kernel
+(log2-domain scores, natural-log LSE, +inf for rows that see no key, zeros for padded rows) for the
+calls plan.py routes here: fp16/bf16, d_qk = d_v = BLOCK_DQK = BLOCK_DV, no bias, ALiBi or dropout, the
+head dim contiguous and 16-byte aligned strides. Each row's arithmetic is the Triton kernels', in the
+same key-block order, but the products are blocked differently, so results are close to, not bitwise
+equal to, the Triton kernels': the plan picks one kernel per configuration, the same in both frontends,
+so a configuration's results are reproducible bit for bit.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.language.core import _aggregate as aggregate
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+LN2 = gl.constexpr(0.6931471805599453)
+LOG2E = gl.constexpr(1.4426950408889634)
+WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup: one wgmma M tile per warp quad
+# Registers per thread of the worker partitions (setmaxnreg): the second consumer and the loader warp
+# (allocated as a warpgroup). Launched with maxnreg=168 (12 warps fill the 64K register file), the
+# first consumer gets what is left: 3 * 168 - 232 - 24 = 248.
+CONSUMER_REGISTERS = gl.constexpr(232)
+LOADER_REGISTERS = gl.constexpr(24)
+
+
+@aggregate
+class _Schedule:
+    """Compile-time choices the partitions share (an aggregate: warp_specialize turns plain constexpr
+    arguments into runtime values)."""
+
+    NUM_STAGES: gl.constexpr
+    BLOCK_N: gl.constexpr
+    HAS_LEFT: gl.constexpr
+    HAS_RIGHT: gl.constexpr
+    PINGPONG: gl.constexpr
+    OVERLAP: gl.constexpr
+    ROW_TILES: gl.constexpr  # tiles the loader brings once per consumer: 1 (Q) or 2 (Q and dO)
+
+    @gluon.constexpr_function
+    def __init__(self, NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, PINGPONG, OVERLAP, ROW_TILES):
+        self.NUM_STAGES = gl.constexpr(NUM_STAGES)
+        self.BLOCK_N = gl.constexpr(BLOCK_N)
+        self.HAS_LEFT = gl.constexpr(HAS_LEFT)
+        self.HAS_RIGHT = gl.constexpr(HAS_RIGHT)
+        self.PINGPONG = gl.constexpr(PINGPONG)
+        self.OVERLAP = gl.constexpr(OVERLAP)
+        self.ROW_TILES = gl.constexpr(ROW_TILES)
+
+
+@gluon.jit
+def _visible(q_idx, k_idx, len_q, len_k, diag, window_left, window_right,
+             HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """The rule of masking.visible, for index tensors broadcast to a [rows, keys] tile."""
+    keep = (k_idx < len_k) & (q_idx < len_q)
+    rel = k_idx - (q_idx + diag)
+    if HAS_RIGHT:
+        keep = keep & (rel <= window_right)
+    if HAS_LEFT:
+        keep = keep & (rel >= -window_left)
+    return keep
+
+
+@gluon.jit
+def _loader(bufs, bars, bounds, coords, sched):
+    """One warp: the row tiles once (both consumers' halves), then K and V block by block through the ring."""
+    NUM_STAGES: gl.constexpr = sched.NUM_STAGES
+    BLOCK_N: gl.constexpr = sched.BLOCK_N
+    q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem = bufs
+    q_bar, k_ready, v_ready, kv_empty, turn = bars
+    lo, hi, full_lo, full_hi = bounds
+    start_m = coords[0]
+    mbarrier.expect(q_bar, 2 * sched.ROW_TILES * q_desc.block_type.nbytes)
+    for wg in gl.static_range(2):
+        tma.async_copy_global_to_shared(q_desc, [start_m + wg * WG_ROWS, 0], q_bar, q_smem.index(wg))
+        if sched.ROW_TILES == 2:
+            tma.async_copy_global_to_shared(do_desc, [start_m + wg * WG_ROWS, 0], q_bar, do_smem.index(wg))
+    it = 0
+    for start_n in range(lo, hi, BLOCK_N):
+        stage = it % NUM_STAGES
+        phase = (it // NUM_STAGES) & 1
+        # A fresh barrier counts as having completed phase 1: the first pass does not wait.
+        mbarrier.wait(kv_empty.index(stage), phase ^ 1)
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [start_n, 0], k_ready.index(stage), k_smem.index(stage))
+        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [start_n, 0], v_ready.index(stage), v_smem.index(stage))
+        it += 1
+
+
+@gluon.jit
+def _issue_scores(q, k_smem, k_ready, turn, s_zero, it, NUM_STAGES: gl.constexpr, WG: gl.constexpr,
+                  PINGPONG: gl.constexpr):
+    """Issue Q K^T for the it-th key block once it has landed (async: the caller waits)."""
+    stage = it % NUM_STAGES
+    mbarrier.wait(k_ready.index(stage), (it // NUM_STAGES) & 1)
+    if PINGPONG:  # consumer 0 goes first; each hands the turn over once its product is issued
+        if WG == 0:
+            mbarrier.wait(turn.index(0), (it & 1) ^ 1)
+        else:
+            mbarrier.wait(turn.index(1), it & 1)
+    qk = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WG), count=1)
+    return qk
+
+
+@gluon.jit
+def _softmax_step(qk, m_i, l_i, start_n, offs_m, offs_n_base, full_lo, full_hi, coords, qk_scale,
+                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """Mask a block outside [full_lo, full_hi), update the running max and sum: (p, alpha, m, l)."""
+    start_m, len_q, len_k, diag, window_left, window_right = coords
+    if (start_n < full_lo) | (start_n >= full_hi):
+        offs_n = start_n + offs_n_base
+        keep = _visible(gl.expand_dims(offs_m, 1), gl.expand_dims(offs_n, 0), len_q, len_k, diag, window_left,
+                        window_right, HAS_LEFT, HAS_RIGHT)
+        qk = gl.where(keep, qk, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+    # A row with nothing visible so far keeps m = -inf; subtract 0 instead (exp2(-inf) = 0).
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(qk * qk_scale - gl.expand_dims(m_use, 1))
+    alpha = gl.exp2(m_i - m_use)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr):
+    """One warpgroup's 64 query rows: online softmax over the loader's K/V blocks, then O and LSE."""
+    NUM_STAGES: gl.constexpr = sched.NUM_STAGES
+    BLOCK_N: gl.constexpr = sched.BLOCK_N
+    HAS_LEFT: gl.constexpr = sched.HAS_LEFT
+    HAS_RIGHT: gl.constexpr = sched.HAS_RIGHT
+    PINGPONG: gl.constexpr = sched.PINGPONG
+    OVERLAP: gl.constexpr = sched.OVERLAP
+    q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem = bufs
+    q_bar, k_ready, v_ready, kv_empty, turn = bars
+    lo, hi, full_lo, full_hi = bounds
+    start_m, len_q, len_k, diag, window_left, window_right = coords
+    o_base, stride_os, stride_od, lse_base, rows_out, qk_scale = out_args
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    dtype: gl.constexpr = q_desc.dtype
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
+
+    first_row = start_m + WG * WG_ROWS
+    offs_m = first_row + gl.arange(0, WG_ROWS, layout=row_s)
+    offs_n_base = gl.arange(0, BLOCK_N, layout=col_s)
+    m_i = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=row_s)
+    l_i = gl.full([WG_ROWS], 0.0, gl.float32, layout=row_s)
+    acc = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout)
+
+    mbarrier.wait(q_bar, 0)
+    q = q_smem.index(WG)
+    if OVERLAP:
+        # Block lo alone, then each step issues block j's Q K^T and block j-1's P V together.
+        if lo < hi:
+            qk = _issue_scores(q, k_smem, k_ready, turn, s_zero, 0, NUM_STAGES, WG, PINGPONG)
+            qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+            p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, lo, offs_m, offs_n_base, full_lo, full_hi, coords,
+                                               qk_scale, HAS_LEFT, HAS_RIGHT)
+            p_prev = gl.convert_layout(p.to(dtype), p_layout)
+            it = 1
+            for start_n in range(lo + BLOCK_N, hi, BLOCK_N):
+                prev = (it - 1) % NUM_STAGES
+                mbarrier.wait(v_ready.index(prev), ((it - 1) // NUM_STAGES) & 1)
+                qk = _issue_scores(q, k_smem, k_ready, turn, s_zero, it, NUM_STAGES, WG, PINGPONG)
+                acc = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
+                qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))
+                p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, start_n, offs_m, offs_n_base, full_lo, full_hi,
+                                                   coords, qk_scale, HAS_LEFT, HAS_RIGHT)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                mbarrier.arrive(kv_empty.index(prev), count=1)
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                p_prev = gl.convert_layout(p.to(dtype), p_layout)
+                it += 1
+            last = (it - 1) % NUM_STAGES
+            mbarrier.wait(v_ready.index(last), ((it - 1) // NUM_STAGES) & 1)
+            acc = warpgroup_mma(p_prev, v_smem.index(last), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(kv_empty.index(last), count=1)
+    else:
+        it = 0
+        for start_n in range(lo, hi, BLOCK_N):
+            stage = it % NUM_STAGES
+            qk = _issue_scores(q, k_smem, k_ready, turn, s_zero, it, NUM_STAGES, WG, PINGPONG)
+            qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+            p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, start_n, offs_m, offs_n_base, full_lo, full_hi, coords,
+                                               qk_scale, HAS_LEFT, HAS_RIGHT)
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+            mbarrier.wait(v_ready.index(stage), (it // NUM_STAGES) & 1)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(stage), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+            mbarrier.arrive(kv_empty.index(stage), count=1)
+            it += 1
+
+    seen = l_i > 0.0
+    l_safe = gl.where(seen, l_i, 1.0)
+    row_ok = (offs_m < len_q) & seen
+    lse = gl.where(row_ok, (m_i + gl.log2(l_safe)) * LN2, float("inf"))
+    gl.store(lse_base + offs_m, lse, mask=offs_m < rows_out)
+    scale_o = gl.convert_layout(gl.where(row_ok, 1.0 / l_safe, 0.0), row_o)
+    out = acc * gl.expand_dims(scale_o, 1)
+    offs_mo = first_row + gl.arange(0, WG_ROWS, layout=row_o)
+    offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
+    ptrs = o_base + gl.expand_dims(offs_mo, 1) * stride_os + gl.expand_dims(offs_d, 0) * stride_od
+    gl.store(ptrs, out.to(dtype), mask=gl.expand_dims(offs_mo < rows_out, 1))
+
+
+@gluon.jit
+def _fwd_consumer0(bufs, bars, bounds, coords, out_args, sched):
+    _consume(bufs, bars, bounds, coords, out_args, sched, 0)
+
+
+@gluon.jit
+def _fwd_consumer1(bufs, bars, bounds, coords, out_args, sched):
+    _consume(bufs, bars, bounds, coords, out_args, sched, 1)
+
+
+@gluon.jit
+def _load_worker(bufs, bars, bounds, coords, out_args, sched):
+    _loader(bufs, bars, bounds, coords, sched)
+
+
+@gluon.jit
+def _program(SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_heads_q, gqa_group, seqlen_q, seqlen_k,
+             BLOCK_M: gl.constexpr, IS_THD: gl.constexpr, HAS_SEQLENS: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+             HEAD_GROUP: gl.constexpr):
+    """masking.grid_program + masking.query_block_program: (start_m, batch, head, head_kv, start_q, len_q,
+    start_k, len_k, rows_out, diag) of this program, query blocks last-first."""
+    block = gl.program_id(0)
+    seq_head = gl.program_id(1)
+    if HEAD_GROUP > 1:
+        num_blocks = gl.num_programs(0)
+        pid = seq_head * num_blocks + block
+        first = (pid // (HEAD_GROUP * num_blocks)) * HEAD_GROUP
+        size = gl.minimum(gl.num_programs(1) - first, HEAD_GROUP)
+        rank = pid - first * num_blocks
+        block = rank // size
+        seq_head = first + rank % size
+    start_m = (gl.num_programs(0) - 1 - block) * BLOCK_M
+    batch = seq_head // num_heads_q
+    head = seq_head % num_heads_q
+    head_kv = head // gqa_group
+    start_q = 0
+    start_k = 0
+    len_q = seqlen_q
+    len_k = seqlen_k
+    if IS_THD:
+        start_q = gl.load(SEQ_START_Q + batch).to(gl.int64)
+        start_k = gl.load(SEQ_START_K + batch).to(gl.int64)
+    if HAS_SEQLENS:
+        len_q = gl.load(SEQ_LEN_Q + batch)
+        len_k = gl.load(SEQ_LEN_K + batch)
+    rows_out = seqlen_q
+    if IS_THD:
+        rows_out = len_q
+    diag = 0
+    if BOTTOM_RIGHT:
+        diag = len_k - len_q
+    return start_m, batch, head, head_kv, start_q, len_q, start_k, len_k, rows_out, diag
+
+
+@gluon.jit
+def _key_bounds(start_m, len_q, len_k, diag, window_left, window_right, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """masking.key_block_bounds, clipped as the Triton kernels clip it: (lo, hi, full_lo, full_hi);
+    key blocks in [lo, full_lo) and [full_hi, hi) need the element mask."""
+    lo = 0
+    hi = len_k
+    full_lo = 0
+    full_hi = (len_k // BLOCK_N) * BLOCK_N
+    if HAS_LEFT:
+        lo = gl.maximum(start_m + diag - window_left, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+        full_lo = gl.maximum(start_m + BLOCK_M - 1 + diag - window_left, 0)
+        full_lo = gl.cdiv(full_lo, BLOCK_N) * BLOCK_N
+    if HAS_RIGHT:
+        hi = gl.minimum(gl.maximum(start_m + BLOCK_M + diag + window_right, 0), len_k)
+        full_hi = gl.minimum(full_hi, (gl.maximum(start_m + diag + window_right + 1, 0) // BLOCK_N) * BLOCK_N)
+    lo = gl.minimum(lo, hi)
+    full_lo = gl.maximum(full_lo, lo)
+    if full_hi <= full_lo:
+        full_lo = lo
+        full_hi = lo
+    if start_m >= len_q:
+        hi = lo
+    full_lo = gl.minimum(full_lo, hi)
+    full_hi = gl.minimum(full_hi, hi)
+    return lo, hi, full_lo, full_hi
+
+
+@gluon.jit
+def _rows_desc(base, rows, stride_s, HEAD_DIM: gl.constexpr, BLOCK_ROWS: gl.constexpr, layout: gl.constexpr):
+    """Tensor descriptor over one sequence and head's [rows, HEAD_DIM] (the head dim contiguous)."""
+    return tma.make_tensor_descriptor(base, shape=[gl.maximum(rows, 1), HEAD_DIM], strides=[stride_s, 1],
+                                      block_shape=[BLOCK_ROWS, HEAD_DIM], layout=layout)
+
+
+@gluon.jit
+def _barriers(NUM_STAGES: gl.constexpr):
+    """(q_bar, k_ready, v_ready, kv_empty, turn), initialised: the row tiles' barrier, the ring's
+    ready / empty barriers (empty counts both consumers) and the ping-pong turns."""
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+    fence_async_shared()
+    return q_bar, k_ready, v_ready, kv_empty, turn
+
+
+@gluon.jit
+def attn_fwd_ws_kernel(
+    Q, K, V, O, LSE, BIAS, ALIBI_SLOPES, RNG_STATE,
+    SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K,
+    stride_qb, stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ob, stride_os, stride_oh, stride_od,
+    stride_lb, stride_lh,
+    stride_zb, stride_zh, stride_zm, stride_zn, stride_alibi_b,
+    num_heads_q, gqa_group, seqlen_q, seqlen_k,
+    qk_scale, window_left, window_right, dropout_p,
+    HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+    BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    IS_THD: gl.constexpr, HAS_SEQLENS: gl.constexpr,
+    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+    HAS_BIAS: gl.constexpr, HAS_ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
+    DOT_PRECISION: gl.constexpr, HEAD_GROUP: gl.constexpr, SINGLE_LOOP: gl.constexpr, TMA: gl.constexpr,
+    NUM_STAGES: gl.constexpr = 2, PINGPONG: gl.constexpr = True, OVERLAP: gl.constexpr = False,
+):
+    gl.static_assert(HEAD_DIM_QK == HEAD_DIM_V)
+    gl.static_assert(HEAD_DIM_QK == BLOCK_DQK)
+    gl.static_assert(BLOCK_DV == BLOCK_DQK)
+    gl.static_assert(BLOCK_M == 2 * WG_ROWS)
+    gl.static_assert(not (HAS_BIAS or HAS_ALIBI or DROPOUT))
+
+    start_m, batch, head, head_kv, start_q, len_q, start_k, len_k, rows_out, diag = _program(
+        SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_heads_q, gqa_group, seqlen_q, seqlen_k,
+        BLOCK_M, IS_THD, HAS_SEQLENS, BOTTOM_RIGHT, HEAD_GROUP)
+    if start_m >= rows_out:
+        return
+    lo, hi, full_lo, full_hi = _key_bounds(start_m, len_q, len_k, diag, window_left, window_right, BLOCK_M,
+                                           BLOCK_N, HAS_LEFT, HAS_RIGHT)
+
+    dtype: gl.constexpr = Q.dtype.element_ty
+    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, BLOCK_DQK], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DQK], dtype)
+    q_desc = _rows_desc(Q + batch.to(gl.int64) * stride_qb + start_q * stride_qs + head.to(gl.int64) * stride_qh,
+                        len_q, stride_qs, HEAD_DIM_QK, WG_ROWS, q_layout)
+    k_desc = _rows_desc(K + batch.to(gl.int64) * stride_kb + start_k * stride_ks + head_kv.to(gl.int64) * stride_kh,
+                        len_k, stride_ks, HEAD_DIM_QK, BLOCK_N, kv_layout)
+    v_desc = _rows_desc(V + batch.to(gl.int64) * stride_vb + start_k * stride_vs + head_kv.to(gl.int64) * stride_vh,
+                        len_k, stride_vs, HEAD_DIM_V, BLOCK_N, kv_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, BLOCK_DQK], q_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, BLOCK_DQK], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, BLOCK_DV], kv_layout)
+    bars = _barriers(NUM_STAGES)
+
+    o_base = O + batch.to(gl.int64) * stride_ob + start_q * stride_os + head.to(gl.int64) * stride_oh
+    lse_base = LSE + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
+    bufs = (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem)
+    bounds = (lo, hi, full_lo, full_hi)
+    coords = (start_m, len_q, len_k, diag, window_left, window_right)
+    out_args = (o_base, stride_os, stride_od, lse_base, rows_out, qk_scale)
+    sched = _Schedule(NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, PINGPONG, OVERLAP, 1)
+    args = (bufs, bars, bounds, coords, out_args, sched)
+    gl.warp_specialize([(_fwd_consumer0, args), (_fwd_consumer1, args), (_load_worker, args)], [4, 1],
+                       [CONSUMER_REGISTERS, LOADER_REGISTERS])
+
+
+@gluon.jit
+def _dq_consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr):
+    """One warpgroup's 64 query rows of dQ: P and dS recomputed per key block, dQ summed over the key
+    blocks in ascending order (the deterministic order of attn_bwd_dq_kernel)."""
+    NUM_STAGES: gl.constexpr = sched.NUM_STAGES
+    BLOCK_N: gl.constexpr = sched.BLOCK_N
+    q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem = bufs
+    q_bar, k_ready, v_ready, kv_empty, turn = bars
+    lo, hi, full_lo, full_hi = bounds
+    start_m, len_q, len_k, diag, window_left, window_right = coords
+    dq_base, stride_dqs, stride_dqd, lse_base, delta_base, rows_out, qk_scale, sm_scale = out_args
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    dtype: gl.constexpr = q_desc.dtype
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_q: gl.constexpr = gl.SliceLayout(1, dq_layout)
+    col_q: gl.constexpr = gl.SliceLayout(0, dq_layout)
+
+    first_row = start_m + WG * WG_ROWS
+    offs_m = first_row + gl.arange(0, WG_ROWS, layout=row_s)
+    offs_n_base = gl.arange(0, BLOCK_N, layout=col_s)
+    row_ok = offs_m < len_q
+    lse2 = gl.load(lse_base + offs_m, mask=row_ok, other=float("inf")) * LOG2E
+    delta = gl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+    dq = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=dq_layout)
+    s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout)
+
+    mbarrier.wait(q_bar, 0)
+    q = q_smem.index(WG)
+    do = do_smem.index(WG)
+    it = 0
+    for start_n in range(lo, hi, BLOCK_N):
+        stage = it % NUM_STAGES
+        phase = (it // NUM_STAGES) & 1
+        k = k_smem.index(stage)
+        mbarrier.wait(k_ready.index(stage), phase)
+        qk = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(stage), phase)
+        dp = warpgroup_mma(do, v_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))
+        p = gl.exp2(qk * qk_scale - gl.expand_dims(lse2, 1))
+        if (start_n < full_lo) | (start_n >= full_hi):
+            offs_n = start_n + offs_n_base
+            keep = _visible(gl.expand_dims(offs_m, 1), gl.expand_dims(offs_n, 0), len_q, len_k, diag, window_left,
+                            window_right, sched.HAS_LEFT, sched.HAS_RIGHT)
+            p = gl.where(keep, p, 0.0)
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp, ))
+        ds = p * (dp - gl.expand_dims(delta, 1))
+        dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), ds_layout), k, dq, is_async=True)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+        mbarrier.arrive(kv_empty.index(stage), count=1)
+        it += 1
+
+    offs_mq = first_row + gl.arange(0, WG_ROWS, layout=row_q)
+    offs_d = gl.arange(0, HEAD_DIM, layout=col_q)
+    dq = gl.where(gl.expand_dims(offs_mq < len_q, 1), dq * sm_scale, 0.0)
+    ptrs = dq_base + gl.expand_dims(offs_mq, 1) * stride_dqs + gl.expand_dims(offs_d, 0) * stride_dqd
+    gl.store(ptrs, dq.to(dtype), mask=gl.expand_dims(offs_mq < rows_out, 1))
+
+
+@gluon.jit
+def _dq_consumer0(bufs, bars, bounds, coords, out_args, sched):
+    _dq_consume(bufs, bars, bounds, coords, out_args, sched, 0)
+
+
+@gluon.jit
+def _dq_consumer1(bufs, bars, bounds, coords, out_args, sched):
+    _dq_consume(bufs, bars, bounds, coords, out_args, sched, 1)
+
+
+@gluon.jit
+def attn_bwd_dq_ws_kernel(
+    Q, K, V, DO, DQ, LSE, DELTA, BIAS, ALIBI_SLOPES, RNG_STATE,
+    SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K,
+    stride_qb, stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_dob, stride_dos, stride_doh, stride_dod,
+    stride_dqb, stride_dqs, stride_dqh, stride_dqd,
+    stride_lb, stride_lh,
+    stride_zb, stride_zh, stride_zm, stride_zn, stride_alibi_b,
+    num_heads_q, gqa_group, seqlen_q, seqlen_k,
+    sm_scale, qk_scale, window_left, window_right, dropout_p,
+    HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+    BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    IS_THD: gl.constexpr, HAS_SEQLENS: gl.constexpr,
+    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+    HAS_BIAS: gl.constexpr, HAS_ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
+    DOT_PRECISION: gl.constexpr, HEAD_GROUP: gl.constexpr, SINGLE_LOOP: gl.constexpr, TMA: gl.constexpr,
+    NUM_STAGES: gl.constexpr = 2, PINGPONG: gl.constexpr = False, OVERLAP: gl.constexpr = False,
+):
+    """One program per (query block, batch * query head), as attn_bwd_dq_kernel."""
+    gl.static_assert(HEAD_DIM_QK == HEAD_DIM_V)
+    gl.static_assert(HEAD_DIM_QK == BLOCK_DQK)
+    gl.static_assert(BLOCK_DV == BLOCK_DQK)
+    gl.static_assert(BLOCK_M == 2 * WG_ROWS)
+    gl.static_assert(not (HAS_BIAS or HAS_ALIBI or DROPOUT))
+    gl.static_assert(not (PINGPONG or OVERLAP))  # forward-only schedules
+    start_m, batch, head, head_kv, start_q, len_q, start_k, len_k, rows_out, diag = _program(
+        SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_heads_q, gqa_group, seqlen_q, seqlen_k,
+        BLOCK_M, IS_THD, HAS_SEQLENS, BOTTOM_RIGHT, HEAD_GROUP)
+    if start_m >= rows_out:
+        return
+    lo, hi, full_lo, full_hi = _key_bounds(start_m, len_q, len_k, diag, window_left, window_right, BLOCK_M,
+                                           BLOCK_N, HAS_LEFT, HAS_RIGHT)
+
+    dtype: gl.constexpr = Q.dtype.element_ty
+    row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, BLOCK_DQK], dtype)
+    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DQK], dtype)
+    q_desc = _rows_desc(Q + batch.to(gl.int64) * stride_qb + start_q * stride_qs + head.to(gl.int64) * stride_qh,
+                        len_q, stride_qs, HEAD_DIM_QK, WG_ROWS, row_layout)
+    do_desc = _rows_desc(DO + batch.to(gl.int64) * stride_dob + start_q * stride_dos + head.to(gl.int64) * stride_doh,
+                         len_q, stride_dos, HEAD_DIM_V, WG_ROWS, row_layout)
+    k_desc = _rows_desc(K + batch.to(gl.int64) * stride_kb + start_k * stride_ks + head_kv.to(gl.int64) * stride_kh,
+                        len_k, stride_ks, HEAD_DIM_QK, BLOCK_N, kv_layout)
+    v_desc = _rows_desc(V + batch.to(gl.int64) * stride_vb + start_k * stride_vs + head_kv.to(gl.int64) * stride_vh,
+                        len_k, stride_vs, HEAD_DIM_V, BLOCK_N, kv_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, BLOCK_DQK], row_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, BLOCK_DV], row_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, BLOCK_DQK], kv_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, BLOCK_DV], kv_layout)
+    bars = _barriers(NUM_STAGES)
+
+    dq_base = DQ + batch.to(gl.int64) * stride_dqb + start_q * stride_dqs + head.to(gl.int64) * stride_dqh
+    lse_off = batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
+    bufs = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem)
+    bounds = (lo, hi, full_lo, full_hi)
+    coords = (start_m, len_q, len_k, diag, window_left, window_right)
+    out_args = (dq_base, stride_dqs, stride_dqd, LSE + lse_off, DELTA + lse_off, rows_out, qk_scale, sm_scale)
+    sched = _Schedule(NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, False, False, 2)
+    args = (bufs, bars, bounds, coords, out_args, sched)
+    gl.warp_specialize([(_dq_consumer0, args), (_dq_consumer1, args), (_load_worker, args)], [4, 1],
+                       [CONSUMER_REGISTERS, LOADER_REGISTERS])

@@ -61,15 +61,15 @@ def reference(q, k, v, mask, window, scale):
     return torch.cat(outs, 1), torch.cat(lses, 2)
 
 
-def reference_dq(q, k, v, d_out, mask, window, scale):
-    """dQ of the fp32 reference (autograd; small shapes only)."""
-    qf = q.detach().float().requires_grad_(True)
-    out, _ = reference(qf, k.float(), v.float(), mask, window, scale)
+def reference_grads(q, k, v, d_out, mask, window, scale):
+    """(dQ, dK, dV) of the fp32 reference (autograd; small shapes only)."""
+    qf, kf, vf = (t.detach().float().requires_grad_(True) for t in (q, k, v))
+    out, _ = reference(qf, kf, vf, mask, window, scale)
     out.backward(d_out.float())
-    return qf.grad
+    return qf.grad, kf.grad, vf.grad
 
 
-def run_case(b, h, hk, sq, sk, d, mask_name, window, dtype, variants, dq_variants, timed, check_only):
+def run_case(b, h, hk, sq, sk, d, mask_name, window, dtype, variants, bwd_variants, timed, check_only):
     torch.manual_seed(0)
     q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype)
     k = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype)
@@ -102,36 +102,41 @@ def run_case(b, h, hk, sq, sk, d, mask_name, window, dtype, variants, dq_variant
         for name in plans:
             row[name]["speedup_vs_triton"] = row["triton"]["ms"] / row[name]["ms"]
 
-    # Backward: the Triton dQ pass against each warp-specialized dQ tile (dK/dV is the same kernel).
+    # Backward: the Triton dK/dV and dQ passes against warp-specialized tiles of either.
     out, lse = launch.forward(q, k, v, QKVFormat.BSHD, seqs, scale, mask, window, plan=plans["triton"])
     d_out = torch.randn_like(out)
-    bcfg = launch.plan_config(q, k, v, QKVFormat.BSHD, mask, window, True)
-    bbase = backward_plan(bcfg)
-    bplans = {"dq_triton": dataclasses.replace(bbase, dq_warp_specialized=None)}
-    if bbase.dq_warp_specialized is not None:
-        for name, fields in dq_variants.items():
-            bplans[name] = dataclasses.replace(bbase, dq_warp_specialized=dataclasses.replace(
-                bbase.dq_warp_specialized, **fields))
+    bbase = backward_plan(launch.plan_config(q, k, v, QKVFormat.BSHD, mask, window, True))
+    bplans = {"bwd_triton": dataclasses.replace(bbase, dq_warp_specialized=None, dkdv_warp_specialized=None)}
+    for name, (dkdv_fields, dq_fields) in bwd_variants.items():
+        dkdv_t, dq_t = bbase.dkdv_warp_specialized, bbase.dq_warp_specialized
+        if (dkdv_fields is not None and dkdv_t is None) or (dq_fields is not None and dq_t is None):
+            continue  # not served by the Gluon kernels (GQA for dK/dV)
+        bplans[name] = dataclasses.replace(
+            bbase, dkdv_warp_specialized=None if dkdv_fields is None else dataclasses.replace(dkdv_t, **dkdv_fields),
+            dq_warp_specialized=None if dq_fields is None else dataclasses.replace(dq_t, **dq_fields))
     small = b * h * sq * sk <= 4 * 4 * 1024 * 1024
-    ref_dq = reference_dq(q, k, v, d_out, mask, window, scale) if small else None
+    refs = reference_grads(q, k, v, d_out, mask, window, scale) if small else None
 
     def bwd(plan):
         return launch.backward(q, k, v, out, d_out, lse, QKVFormat.BSHD, seqs, scale, mask, window, True,
-                               plan=plan)
+                               plan=plan)[:3]
 
     for name, plan in bplans.items():
-        dq, dk, dv, _ = bwd(plan)
+        grads = bwd(plan)
         torch.cuda.synchronize()
-        if ref_dq is None:
-            ref_dq = dq.float()  # the Triton dQ (first) stands in for the reference on large cases
-        again = bwd(plan)[0]
-        row[name] = dict(err_dq=(dq.float() - ref_dq).abs().max().item(), dq_bitwise_repeat=bool(torch.equal(dq, again)))
+        if refs is None:
+            refs = [g.float() for g in grads]  # the Triton kernels (first) stand in for the reference
+        again = bwd(plan)
+        row[name] = dict(err_dq=(grads[0].float() - refs[0]).abs().max().item(),
+                         err_dk=(grads[1].float() - refs[1]).abs().max().item(),
+                         err_dv=(grads[2].float() - refs[2]).abs().max().item(),
+                         bitwise_repeat=all(torch.equal(a, b) for a, b in zip(grads, again)))
         if timed and not check_only:
             ms = bench_ms(lambda: bwd(plan))
             row[name].update(ms=ms, tflops=attn_flops(b, h, sq, sk, d, mask_name != "none", "bwd") / ms * 1e-9)
     if timed and not check_only:
         for name in bplans:
-            row[name]["speedup_vs_triton"] = row["dq_triton"]["ms"] / row[name]["ms"]
+            row[name]["speedup_vs_triton"] = row["bwd_triton"]["ms"] / row[name]["ms"]
     print(json.dumps(row), flush=True)
     return row
 
@@ -141,19 +146,27 @@ def main():
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     check_only = bool(os.environ.get("WS_CHECK_ONLY"))
-    variants = {
+    variants = {  # forward schedules (NOTES.md entry 14: ping-pong measured slower)
         "ws": {},
-        "ws_plain": dict(pingpong=False, overlap=False),
-        "ws_overlap": dict(pingpong=False, overlap=True),
-        "ws_pingpong_overlap": dict(pingpong=True, overlap=True),
+        "ws_overlap": dict(overlap=True),
         "ws_3stage": dict(num_stages=3),
     }
-    dq_variants = {"dq_ws": {}, "dq_ws_n128": dict(block_n=128), "dq_ws_3stage": dict(num_stages=3)}
+    bwd_variants = {  # name: (dK/dV tile fields, dQ tile fields); None keeps that pass on Triton
+        "bwd_ws": ({}, {}),
+        "dq_ws": (None, {}),
+        "dkdv_ws": ({}, None),
+        "bwd_ws_3stage": (dict(num_stages=3), dict(num_stages=3)),
+        "bwd_ws_dkdv_4stage": (dict(num_stages=4), {}),
+        "bwd_ws_dkdv_m64": (dict(block_m=64), {}),
+    }
     bf16 = torch.bfloat16
     checks = [  # (b, h, hk, s_q, s_kv, d, mask, window, dtype)
         (2, 4, 4, 1000, 1000, 128, "causal", (-1, 0), bf16),
+        (2, 4, 4, 97, 300, 128, "none", (-1, -1), torch.float16),
         (2, 4, 2, 97, 300, 128, "none", (-1, -1), torch.float16),
+        (1, 4, 4, 300, 97, 128, "causal_br", (-1, 0), bf16),
         (1, 4, 1, 300, 97, 128, "causal_br", (-1, 0), bf16),
+        (1, 4, 4, 1000, 513, 128, "none", (100, 20), bf16),
         (1, 4, 4, 777, 777, 128, "none", (200, 50), bf16),
         (1, 2, 2, 64, 64, 128, "causal", (-1, 0), bf16),
     ]
@@ -162,8 +175,8 @@ def main():
         (4, 16, 16, 4096, 4096, 128, "none", (-1, -1), bf16),
         (1, 16, 16, 16384, 16384, 128, "causal", (-1, 0), bf16),
     ]
-    rows = [run_case(*c, variants, dq_variants, False, check_only) for c in checks]
-    rows += [run_case(*c, variants, dq_variants, True, check_only) for c in timed_cases]
+    rows = [run_case(*c, variants, bwd_variants, False, check_only) for c in checks]
+    rows += [run_case(*c, variants, bwd_variants, True, check_only) for c in timed_cases]
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out + ".json", "w") as f:

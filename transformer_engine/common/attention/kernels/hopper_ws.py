@@ -84,7 +84,8 @@ def _visible(q_idx, k_idx, len_q, len_k, diag, window_left, window_right,
 
 @gluon.jit
 def _loader(bufs, bars, bounds, coords, sched):
-    """One warp: the row tiles once (both consumers' halves), then K and V block by block through the ring."""
+    """One warp: the row tiles once (both consumers' halves: Q, or Q and dO, or K and V for dK/dV), then
+    the ring tiles (K and V, or Q and dO for dK/dV) block by block through the ring."""
     NUM_STAGES: gl.constexpr = sched.NUM_STAGES
     BLOCK_N: gl.constexpr = sched.BLOCK_N
     q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem = bufs
@@ -253,11 +254,8 @@ def _load_worker(bufs, bars, bounds, coords, out_args, sched):
 
 
 @gluon.jit
-def _program(SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_heads_q, gqa_group, seqlen_q, seqlen_k,
-             BLOCK_M: gl.constexpr, IS_THD: gl.constexpr, HAS_SEQLENS: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
-             HEAD_GROUP: gl.constexpr):
-    """masking.grid_program + masking.query_block_program: (start_m, batch, head, head_kv, start_q, len_q,
-    start_k, len_k, rows_out, diag) of this program, query blocks last-first."""
+def _grid_program(HEAD_GROUP: gl.constexpr):
+    """masking.grid_program: (block, sequence * head) of this program in the plan.block_grid launch."""
     block = gl.program_id(0)
     seq_head = gl.program_id(1)
     if HEAD_GROUP > 1:
@@ -268,10 +266,13 @@ def _program(SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_heads_q, gqa_gr
         rank = pid - first * num_blocks
         block = rank // size
         seq_head = first + rank % size
-    start_m = (gl.num_programs(0) - 1 - block) * BLOCK_M
-    batch = seq_head // num_heads_q
-    head = seq_head % num_heads_q
-    head_kv = head // gqa_group
+    return block, seq_head
+
+
+@gluon.jit
+def _extents(SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, batch, seqlen_q, seqlen_k, IS_THD: gl.constexpr,
+             HAS_SEQLENS: gl.constexpr):
+    """masking.sequence_extent for both sides: (start_q, len_q, start_k, len_k)."""
     start_q = 0
     start_k = 0
     len_q = seqlen_q
@@ -282,6 +283,22 @@ def _program(SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_heads_q, gqa_gr
     if HAS_SEQLENS:
         len_q = gl.load(SEQ_LEN_Q + batch)
         len_k = gl.load(SEQ_LEN_K + batch)
+    return start_q, len_q, start_k, len_k
+
+
+@gluon.jit
+def _program(SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_heads_q, gqa_group, seqlen_q, seqlen_k,
+             BLOCK_M: gl.constexpr, IS_THD: gl.constexpr, HAS_SEQLENS: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+             HEAD_GROUP: gl.constexpr):
+    """masking.grid_program + masking.query_block_program: (start_m, batch, head, head_kv, start_q, len_q,
+    start_k, len_k, rows_out, diag) of this program, query blocks last-first."""
+    block, seq_head = _grid_program(HEAD_GROUP)
+    start_m = (gl.num_programs(0) - 1 - block) * BLOCK_M
+    batch = seq_head // num_heads_q
+    head = seq_head % num_heads_q
+    head_kv = head // gqa_group
+    start_q, len_q, start_k, len_k = _extents(SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, batch, seqlen_q,
+                                              seqlen_k, IS_THD, HAS_SEQLENS)
     rows_out = seqlen_q
     if IS_THD:
         rows_out = len_q
@@ -547,4 +564,202 @@ def attn_bwd_dq_ws_kernel(
     sched = _Schedule(NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, False, False, 2)
     args = (bufs, bars, bounds, coords, out_args, sched)
     gl.warp_specialize([(_dq_consumer0, args), (_dq_consumer1, args), (_load_worker, args)], [4, 1],
+                       [CONSUMER_REGISTERS, LOADER_REGISTERS])
+
+
+@gluon.jit
+def _dkdv_consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr):
+    """One warpgroup's 64 keys of dK and dV, summed over the query blocks in ascending order (the
+    deterministic order of attn_bwd_dkdv_kernel)."""
+    NUM_STAGES: gl.constexpr = sched.NUM_STAGES
+    BLOCK_M: gl.constexpr = sched.BLOCK_N  # the ring's blocks are query blocks here
+    k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem = bufs
+    row_bar, q_ready, do_ready, qdo_empty, turn = bars
+    lo, hi, full_lo, full_hi = bounds
+    start_n, len_q, len_k, diag, window_left, window_right = coords
+    dk_base, dv_base, stride_dks, stride_dvs, stride_dkd, stride_dvd, lse_base, delta_base, rows_out, qk_scale, \
+        sm_scale = out_args
+    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
+    dtype: gl.constexpr = k_desc.dtype
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_a: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    col_a: gl.constexpr = gl.SliceLayout(0, acc_layout)
+
+    first_key = start_n + WG * WG_ROWS
+    offs_n = first_key + gl.arange(0, WG_ROWS, layout=row_s)
+    offs_m_base = gl.arange(0, BLOCK_M, layout=col_s)
+    dk = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
+    dv = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
+    s_zero = gl.zeros([WG_ROWS, BLOCK_M], gl.float32, layout=s_layout)
+
+    mbarrier.wait(row_bar, 0)
+    k = k_smem.index(WG)
+    v = v_smem.index(WG)
+    it = 0
+    for start_m in range(lo, hi, BLOCK_M):
+        stage = it % NUM_STAGES
+        phase = (it // NUM_STAGES) & 1
+        q = q_smem.index(stage)
+        do = do_smem.index(stage)
+        mbarrier.wait(q_ready.index(stage), phase)
+        qk_t = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(do_ready.index(stage), phase)
+        dp_t = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        offs_m = start_m + offs_m_base
+        # Rows past the sequence (or with nothing visible) carry lse = +inf: their p is 0.
+        lse2 = gl.load(lse_base + offs_m, mask=offs_m < len_q, other=float("inf")) * LOG2E
+        delta = gl.load(delta_base + offs_m, mask=offs_m < len_q, other=0.0)
+        qk_t = warpgroup_mma_wait(num_outstanding=1, deps=(qk_t, ))
+        p_t = gl.exp2(qk_t * qk_scale - gl.expand_dims(lse2, 0))
+        if (start_m < full_lo) | (start_m >= full_hi):
+            keep = _visible(gl.expand_dims(offs_m, 0), gl.expand_dims(offs_n, 1), len_q, len_k, diag, window_left,
+                            window_right, sched.HAS_LEFT, sched.HAS_RIGHT)
+            p_t = gl.where(keep, p_t, 0.0)
+        dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), op_layout), do, dv, is_async=True)
+        dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t, ))
+        ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+        dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), op_layout), q, dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+        mbarrier.arrive(qdo_empty.index(stage), count=1)
+        it += 1
+
+    offs_na = first_key + gl.arange(0, WG_ROWS, layout=row_a)
+    offs_d = gl.arange(0, HEAD_DIM, layout=col_a)
+    key_ok = gl.expand_dims(offs_na < len_k, 1)
+    out_rows = gl.expand_dims(offs_na < rows_out, 1)
+    dk = gl.where(key_ok, dk * sm_scale, 0.0)
+    dv = gl.where(key_ok, dv, 0.0)
+    gl.store(dk_base + gl.expand_dims(offs_na, 1) * stride_dks + gl.expand_dims(offs_d, 0) * stride_dkd, dk.to(dtype),
+             mask=out_rows)
+    gl.store(dv_base + gl.expand_dims(offs_na, 1) * stride_dvs + gl.expand_dims(offs_d, 0) * stride_dvd, dv.to(dtype),
+             mask=out_rows)
+
+
+@gluon.jit
+def _dkdv_consumer0(bufs, bars, bounds, coords, out_args, sched):
+    _dkdv_consume(bufs, bars, bounds, coords, out_args, sched, 0)
+
+
+@gluon.jit
+def _dkdv_consumer1(bufs, bars, bounds, coords, out_args, sched):
+    _dkdv_consume(bufs, bars, bounds, coords, out_args, sched, 1)
+
+
+@gluon.jit
+def _query_bounds(start_n, len_q, len_k, diag, window_left, window_right, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """masking.query_block_bounds, clipped as attn_bwd_dkdv_kernel clips it: (lo, hi, full_lo, full_hi)
+    over query rows; query blocks in [lo, full_lo) and [full_hi, hi) need the element mask."""
+    lo = 0
+    hi = len_q
+    full_lo = 0
+    full_hi = (len_q // BLOCK_M) * BLOCK_M
+    if HAS_RIGHT:
+        lo = gl.maximum(start_n - diag - window_right, 0)
+        lo = (lo // BLOCK_M) * BLOCK_M
+        full_lo = gl.maximum(start_n + BLOCK_N - 1 - diag - window_right, 0)
+        full_lo = gl.cdiv(full_lo, BLOCK_M) * BLOCK_M
+    if HAS_LEFT:
+        hi = gl.minimum(gl.maximum(start_n + BLOCK_N - diag + window_left, 0), len_q)
+        full_hi = gl.minimum(full_hi, (gl.maximum(start_n - diag + window_left + 1, 0) // BLOCK_M) * BLOCK_M)
+    if start_n + BLOCK_N > len_k:  # a key block running past the sequence end masks every query block
+        full_hi = 0
+    lo = gl.minimum(lo, hi)
+    full_lo = gl.maximum(full_lo, lo)
+    if full_hi <= full_lo:
+        full_lo = lo
+        full_hi = lo
+    if start_n >= len_k:
+        hi = lo
+    full_lo = gl.minimum(full_lo, hi)
+    full_hi = gl.minimum(full_hi, hi)
+    return lo, hi, full_lo, full_hi
+
+
+@gluon.jit
+def attn_bwd_dkdv_ws_kernel(
+    Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, BIAS, ALIBI_SLOPES, RNG_STATE,
+    SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K,
+    stride_qb, stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_dob, stride_dos, stride_doh, stride_dod,
+    stride_dkb, stride_dks, stride_dkh, stride_dkd,
+    stride_dvb, stride_dvs, stride_dvh, stride_dvd,
+    stride_dqb, stride_dqs, stride_dqh, stride_dqd,
+    stride_lb, stride_lh,
+    stride_zb, stride_zh, stride_zm, stride_zn, stride_alibi_b,
+    num_heads_kv, gqa_group: gl.constexpr, seqlen_q, seqlen_k,
+    sm_scale, qk_scale, window_left, window_right, dropout_p,
+    HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+    BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    IS_THD: gl.constexpr, HAS_SEQLENS: gl.constexpr,
+    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+    HAS_BIAS: gl.constexpr, HAS_ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
+    ATOMIC_DQ: gl.constexpr, DOT_PRECISION: gl.constexpr, HEAD_GROUP: gl.constexpr, SINGLE_LOOP: gl.constexpr,
+    TMA: gl.constexpr,
+    NUM_STAGES: gl.constexpr = 2, PINGPONG: gl.constexpr = False, OVERLAP: gl.constexpr = False,
+):
+    """One program per (key block of 128, batch * kv head), as attn_bwd_dkdv_kernel; MHA only (a GQA
+    group's heads would need a descriptor per head), never with atomic dQ."""
+    gl.static_assert(HEAD_DIM_QK == HEAD_DIM_V)
+    gl.static_assert(HEAD_DIM_QK == BLOCK_DQK)
+    gl.static_assert(BLOCK_DV == BLOCK_DQK)
+    gl.static_assert(BLOCK_N == 2 * WG_ROWS)
+    gl.static_assert(gqa_group == 1)
+    gl.static_assert(not (HAS_BIAS or HAS_ALIBI or DROPOUT or ATOMIC_DQ))
+    gl.static_assert(not (PINGPONG or OVERLAP))  # forward-only schedules
+    block, seq_head = _grid_program(HEAD_GROUP)
+    start_n = block * BLOCK_N  # first blocks first: under causal masks they see the most queries
+    batch = seq_head // num_heads_kv
+    head = seq_head % num_heads_kv
+    start_q, len_q, start_k, len_k = _extents(SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, batch, seqlen_q,
+                                              seqlen_k, IS_THD, HAS_SEQLENS)
+    rows_out = seqlen_k
+    if IS_THD:
+        rows_out = len_k
+    if start_n >= rows_out:
+        return
+    diag = 0
+    if BOTTOM_RIGHT:
+        diag = len_k - len_q
+    lo, hi, full_lo, full_hi = _query_bounds(start_n, len_q, len_k, diag, window_left, window_right, BLOCK_M,
+                                             BLOCK_N, HAS_LEFT, HAS_RIGHT)
+
+    dtype: gl.constexpr = Q.dtype.element_ty
+    key_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, BLOCK_DQK], dtype)
+    row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_DQK], dtype)
+    k_desc = _rows_desc(K + batch.to(gl.int64) * stride_kb + start_k * stride_ks + head.to(gl.int64) * stride_kh,
+                        len_k, stride_ks, HEAD_DIM_QK, WG_ROWS, key_layout)
+    v_desc = _rows_desc(V + batch.to(gl.int64) * stride_vb + start_k * stride_vs + head.to(gl.int64) * stride_vh,
+                        len_k, stride_vs, HEAD_DIM_V, WG_ROWS, key_layout)
+    q_desc = _rows_desc(Q + batch.to(gl.int64) * stride_qb + start_q * stride_qs + head.to(gl.int64) * stride_qh,
+                        len_q, stride_qs, HEAD_DIM_QK, BLOCK_M, row_layout)
+    do_desc = _rows_desc(DO + batch.to(gl.int64) * stride_dob + start_q * stride_dos + head.to(gl.int64) * stride_doh,
+                         len_q, stride_dos, HEAD_DIM_V, BLOCK_M, row_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, BLOCK_DQK], key_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, BLOCK_DV], key_layout)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_DQK], row_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_DV], row_layout)
+    bars = _barriers(NUM_STAGES)
+
+    dk_base = DK + batch.to(gl.int64) * stride_dkb + start_k * stride_dks + head.to(gl.int64) * stride_dkh
+    dv_base = DV + batch.to(gl.int64) * stride_dvb + start_k * stride_dvs + head.to(gl.int64) * stride_dvh
+    lse_off = batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
+    bufs = (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem)
+    bounds = (lo, hi, full_lo, full_hi)
+    coords = (start_n, len_q, len_k, diag, window_left, window_right)
+    out_args = (dk_base, dv_base, stride_dks, stride_dvs, stride_dkd, stride_dvd, LSE + lse_off, DELTA + lse_off,
+                rows_out, qk_scale, sm_scale)
+    sched = _Schedule(NUM_STAGES, BLOCK_M, HAS_LEFT, HAS_RIGHT, False, False, 2)
+    args = (bufs, bars, bounds, coords, out_args, sched)
+    gl.warp_specialize([(_dkdv_consumer0, args), (_dkdv_consumer1, args), (_load_worker, args)], [4, 1],
                        [CONSUMER_REGISTERS, LOADER_REGISTERS])

@@ -74,7 +74,7 @@ class BackwardPlan:
     # Tiles of the warp-specialized Gluon dQ pass (kernels/hopper_ws.py) where it serves the config;
     # launchers use it when the tensors also allow TMA, else attn_bwd_dq_kernel with `dq`.
     dq_warp_specialized: Optional[Tiles] = None
-    # The same for the Gluon dK/dV pass (MHA only: h_q = h_kv).
+    # The same for the Gluon dK/dV pass.
     dkdv_warp_specialized: Optional[Tiles] = None
 
     @property
@@ -255,7 +255,7 @@ def backward_plan(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = 
         ws_dkdv = ws_dq = None
     else:
         ws_dq = _warp_specialized(config, key, _SM90_DQ_WS)
-        ws_dkdv = _warp_specialized(config, key, _SM90_DKDV_WS) if config.gqa_group_size == 1 else None
+        ws_dkdv = _warp_specialized(config, key, _SM90_DKDV_WS)
     if atomic_dq:
         ws_dkdv = ws_dq = None
     return BackwardPlan(preprocess, dkdv, dq, padded_head_dim(config.head_dim_qk),

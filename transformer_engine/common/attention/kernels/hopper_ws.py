@@ -568,17 +568,49 @@ def attn_bwd_dq_ws_kernel(
 
 
 @gluon.jit
+def _dkdv_loader(bufs, bars, bounds, coords, out_args, sched):
+    """One warp: K and V once (both consumers' halves), then Q and dO block by block through the ring,
+    for each query head of the GQA group in order (a descriptor per head)."""
+    NUM_STAGES: gl.constexpr = sched.NUM_STAGES
+    BLOCK_M: gl.constexpr = sched.BLOCK_N
+    k_desc, v_desc, q_rows, do_rows, k_smem, v_smem, q_smem, do_smem = bufs
+    row_bar, q_ready, do_ready, qdo_empty, turn = bars
+    lo, hi, full_lo, full_hi = bounds
+    start_n, len_q = coords[0], coords[1]
+    q_head0, stride_qh, stride_qs, do_head0, stride_doh, stride_dos, gqa_group = q_rows + do_rows
+    HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
+    row_layout: gl.constexpr = q_smem.type.layout
+    mbarrier.expect(row_bar, 4 * k_desc.block_type.nbytes)
+    for wg in gl.static_range(2):
+        tma.async_copy_global_to_shared(k_desc, [start_n + wg * WG_ROWS, 0], row_bar, k_smem.index(wg))
+        tma.async_copy_global_to_shared(v_desc, [start_n + wg * WG_ROWS, 0], row_bar, v_smem.index(wg))
+    it = 0
+    for g in range(gqa_group):
+        q_desc = _rows_desc(q_head0 + g * stride_qh, len_q, stride_qs, HEAD_DIM, BLOCK_M, row_layout)
+        do_desc = _rows_desc(do_head0 + g * stride_doh, len_q, stride_dos, HEAD_DIM, BLOCK_M, row_layout)
+        for start_m in range(lo, hi, BLOCK_M):
+            stage = it % NUM_STAGES
+            mbarrier.wait(qdo_empty.index(stage), ((it // NUM_STAGES) & 1) ^ 1)
+            mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [start_m, 0], q_ready.index(stage), q_smem.index(stage))
+            mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(do_desc, [start_m, 0], do_ready.index(stage), do_smem.index(stage))
+            it += 1
+
+
+@gluon.jit
 def _dkdv_consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr):
     """One warpgroup's 64 keys of dK and dV, summed over the query blocks in ascending order (the
     deterministic order of attn_bwd_dkdv_kernel)."""
     NUM_STAGES: gl.constexpr = sched.NUM_STAGES
     BLOCK_M: gl.constexpr = sched.BLOCK_N  # the ring's blocks are query blocks here
-    k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem = bufs
+    k_desc, v_desc, q_rows, do_rows, k_smem, v_smem, q_smem, do_smem = bufs
+    gqa_group = do_rows[-1]
     row_bar, q_ready, do_ready, qdo_empty, turn = bars
     lo, hi, full_lo, full_hi = bounds
     start_n, len_q, len_k, diag, window_left, window_right = coords
-    dk_base, dv_base, stride_dks, stride_dvs, stride_dkd, stride_dvd, lse_base, delta_base, rows_out, qk_scale, \
-        sm_scale = out_args
+    dk_base, dv_base, stride_dks, stride_dvs, stride_dkd, stride_dvd, lse_head0, delta_head0, stride_lh, rows_out, \
+        qk_scale, sm_scale = out_args
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
     dtype: gl.constexpr = k_desc.dtype
 
@@ -603,32 +635,35 @@ def _dkdv_consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr)
     k = k_smem.index(WG)
     v = v_smem.index(WG)
     it = 0
-    for start_m in range(lo, hi, BLOCK_M):
-        stage = it % NUM_STAGES
-        phase = (it // NUM_STAGES) & 1
-        q = q_smem.index(stage)
-        do = do_smem.index(stage)
-        mbarrier.wait(q_ready.index(stage), phase)
-        qk_t = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        mbarrier.wait(do_ready.index(stage), phase)
-        dp_t = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        offs_m = start_m + offs_m_base
-        # Rows past the sequence (or with nothing visible) carry lse = +inf: their p is 0.
-        lse2 = gl.load(lse_base + offs_m, mask=offs_m < len_q, other=float("inf")) * LOG2E
-        delta = gl.load(delta_base + offs_m, mask=offs_m < len_q, other=0.0)
-        qk_t = warpgroup_mma_wait(num_outstanding=1, deps=(qk_t, ))
-        p_t = gl.exp2(qk_t * qk_scale - gl.expand_dims(lse2, 0))
-        if (start_m < full_lo) | (start_m >= full_hi):
-            keep = _visible(gl.expand_dims(offs_m, 0), gl.expand_dims(offs_n, 1), len_q, len_k, diag, window_left,
-                            window_right, sched.HAS_LEFT, sched.HAS_RIGHT)
-            p_t = gl.where(keep, p_t, 0.0)
-        dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), op_layout), do, dv, is_async=True)
-        dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t, ))
-        ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
-        dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), op_layout), q, dk, is_async=True)
-        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
-        mbarrier.arrive(qdo_empty.index(stage), count=1)
-        it += 1
+    for g in range(gqa_group):  # the group's query heads in order, each over its query blocks in order
+        lse_base = lse_head0 + g * stride_lh
+        delta_base = delta_head0 + g * stride_lh
+        for start_m in range(lo, hi, BLOCK_M):
+            stage = it % NUM_STAGES
+            phase = (it // NUM_STAGES) & 1
+            q = q_smem.index(stage)
+            do = do_smem.index(stage)
+            mbarrier.wait(q_ready.index(stage), phase)
+            qk_t = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(do_ready.index(stage), phase)
+            dp_t = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            offs_m = start_m + offs_m_base
+            # Rows past the sequence (or with nothing visible) carry lse = +inf: their p is 0.
+            lse2 = gl.load(lse_base + offs_m, mask=offs_m < len_q, other=float("inf")) * LOG2E
+            delta = gl.load(delta_base + offs_m, mask=offs_m < len_q, other=0.0)
+            qk_t = warpgroup_mma_wait(num_outstanding=1, deps=(qk_t, ))
+            p_t = gl.exp2(qk_t * qk_scale - gl.expand_dims(lse2, 0))
+            if (start_m < full_lo) | (start_m >= full_hi):
+                keep = _visible(gl.expand_dims(offs_m, 0), gl.expand_dims(offs_n, 1), len_q, len_k, diag, window_left,
+                                window_right, sched.HAS_LEFT, sched.HAS_RIGHT)
+                p_t = gl.where(keep, p_t, 0.0)
+            dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), op_layout), do, dv, is_async=True)
+            dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t, ))
+            ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+            dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), op_layout), q, dk, is_async=True)
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+            mbarrier.arrive(qdo_empty.index(stage), count=1)
+            it += 1
 
     offs_na = first_key + gl.arange(0, WG_ROWS, layout=row_a)
     offs_d = gl.arange(0, HEAD_DIM, layout=col_a)
@@ -708,13 +743,11 @@ def attn_bwd_dkdv_ws_kernel(
     TMA: gl.constexpr,
     NUM_STAGES: gl.constexpr = 2, PINGPONG: gl.constexpr = False, OVERLAP: gl.constexpr = False,
 ):
-    """One program per (key block of 128, batch * kv head), as attn_bwd_dkdv_kernel; MHA only (a GQA
-    group's heads would need a descriptor per head), never with atomic dQ."""
+    """One program per (key block of 128, batch * kv head), as attn_bwd_dkdv_kernel (never with atomic dQ)."""
     gl.static_assert(HEAD_DIM_QK == HEAD_DIM_V)
     gl.static_assert(HEAD_DIM_QK == BLOCK_DQK)
     gl.static_assert(BLOCK_DV == BLOCK_DQK)
     gl.static_assert(BLOCK_N == 2 * WG_ROWS)
-    gl.static_assert(gqa_group == 1)
     gl.static_assert(not (HAS_BIAS or HAS_ALIBI or DROPOUT or ATOMIC_DQ))
     gl.static_assert(not (PINGPONG or OVERLAP))  # forward-only schedules
     block, seq_head = _grid_program(HEAD_GROUP)
@@ -741,10 +774,11 @@ def attn_bwd_dkdv_ws_kernel(
                         len_k, stride_ks, HEAD_DIM_QK, WG_ROWS, key_layout)
     v_desc = _rows_desc(V + batch.to(gl.int64) * stride_vb + start_k * stride_vs + head.to(gl.int64) * stride_vh,
                         len_k, stride_vs, HEAD_DIM_V, WG_ROWS, key_layout)
-    q_desc = _rows_desc(Q + batch.to(gl.int64) * stride_qb + start_q * stride_qs + head.to(gl.int64) * stride_qh,
-                        len_q, stride_qs, HEAD_DIM_QK, BLOCK_M, row_layout)
-    do_desc = _rows_desc(DO + batch.to(gl.int64) * stride_dob + start_q * stride_dos + head.to(gl.int64) * stride_doh,
-                         len_q, stride_dos, HEAD_DIM_V, BLOCK_M, row_layout)
+    head0 = head * gqa_group  # the group's first query head
+    q_rows = (Q + batch.to(gl.int64) * stride_qb + start_q * stride_qs + head0.to(gl.int64) * stride_qh, stride_qh,
+              stride_qs)
+    do_rows = (DO + batch.to(gl.int64) * stride_dob + start_q * stride_dos + head0.to(gl.int64) * stride_doh,
+               stride_doh, stride_dos, gqa_group)
     k_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, BLOCK_DQK], key_layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, BLOCK_DV], key_layout)
     q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_DQK], row_layout)
@@ -753,13 +787,13 @@ def attn_bwd_dkdv_ws_kernel(
 
     dk_base = DK + batch.to(gl.int64) * stride_dkb + start_k * stride_dks + head.to(gl.int64) * stride_dkh
     dv_base = DV + batch.to(gl.int64) * stride_dvb + start_k * stride_dvs + head.to(gl.int64) * stride_dvh
-    lse_off = batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
-    bufs = (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem)
+    lse_off = batch.to(gl.int64) * stride_lb + head0.to(gl.int64) * stride_lh
+    bufs = (k_desc, v_desc, q_rows, do_rows, k_smem, v_smem, q_smem, do_smem)
     bounds = (lo, hi, full_lo, full_hi)
     coords = (start_n, len_q, len_k, diag, window_left, window_right)
     out_args = (dk_base, dv_base, stride_dks, stride_dvs, stride_dkd, stride_dvd, LSE + lse_off, DELTA + lse_off,
-                rows_out, qk_scale, sm_scale)
+                stride_lh, rows_out, qk_scale, sm_scale)
     sched = _Schedule(NUM_STAGES, BLOCK_M, HAS_LEFT, HAS_RIGHT, False, False, 2)
     args = (bufs, bars, bounds, coords, out_args, sched)
-    gl.warp_specialize([(_dkdv_consumer0, args), (_dkdv_consumer1, args), (_load_worker, args)], [4, 1],
+    gl.warp_specialize([(_dkdv_consumer0, args), (_dkdv_consumer1, args), (_dkdv_loader, args)], [4, 1],
                        [CONSUMER_REGISTERS, LOADER_REGISTERS])

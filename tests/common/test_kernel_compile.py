@@ -19,12 +19,16 @@ from transformer_engine.common.attention.kernels.backward import (  # noqa: E402
     attn_bwd_preprocess_kernel,
 )
 from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel  # noqa: E402
+from transformer_engine.common.attention.kernels.hopper_ws import (  # noqa: E402
+    attn_bwd_dq_ws_kernel,
+    attn_fwd_ws_kernel,
+)
 from transformer_engine.common.attention.plan import backward_plan, forward_plan  # noqa: E402
 
 H100_SMEM_BYTES = 232448  # opt-in shared memory per block on sm_90
 # The compile helpers live with the resource report (benchmarks/attention/kernel_resources.py).
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "attention"))
-from kernel_resources import compile_sm90  # noqa: E402
+from kernel_resources import compile_sm90, resources  # noqa: E402
 
 
 def _compile(fn, constexprs, tiles, dqk, dv, bias=False):
@@ -65,6 +69,25 @@ def test_sm90_plans_compile(head_dims, causal, mods, gqa):
         dbias_flags = {k: v for k, v in flags.items() if k not in ("IS_THD", "HAS_BIAS", "HAS_ALIBI")}
         _compile(attn_bwd_dbias_kernel, dict(dbias_flags, BLOCK_M=bwd.dbias.block_m, BLOCK_N=bwd.dbias.block_n),
                  bwd.dbias, dqk, dv, bias=True)
+
+
+@pytest.mark.parametrize("mask,thd,gqa", [(AttnMaskType.NO_MASK, False, 1), (AttnMaskType.CAUSAL_MASK, False, 1),
+                                          (AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK, True, 4)])
+def test_sm90_warp_specialized_plans_compile_without_spills(mask, thd, gqa):
+    """The Gluon forward and dQ kernels (kernels/hopper_ws.py) with their planned tiles: 12 warps (two
+    consumer warpgroups and a loader warp), no register spills, shared memory that fits."""
+    cfg = AttnConfig(batch_size=1, num_heads_q=8, num_heads_kv=8 // gqa, head_dim_qk=128, head_dim_v=128,
+                     max_seqlen_q=4096, max_seqlen_kv=4096, dtype="bfloat16", attn_mask_type=mask,
+                     deterministic=True, device_type="cuda", compute_capability=(9, 0))
+    fwd, bwd = forward_plan(cfg), backward_plan(cfg)
+    assert fwd.warp_specialized is not None and bwd.dq_warp_specialized is not None
+    flags = dict(HEAD_DIM_QK=128, HEAD_DIM_V=128, BLOCK_DQK=128, BLOCK_DV=128, IS_THD=thd, HAS_SEQLENS=thd,
+                 HAS_LEFT=False, HAS_RIGHT=mask.is_causal, BOTTOM_RIGHT=mask == AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK,
+                 DOT_PRECISION=fwd.dot_precision, HAS_BIAS=False, HAS_ALIBI=False, DROPOUT=False, TMA=False)
+    for fn, tiles in ((attn_fwd_ws_kernel, fwd.warp_specialized), (attn_bwd_dq_ws_kernel, bwd.dq_warp_specialized)):
+        kernel = _compile(fn, dict(flags, **tiles.ws_constexprs), tiles, 128, 128)
+        res = resources(kernel)
+        assert kernel.num_warps == 12 and res["stack"] == 0, (fn.__name__, kernel.num_warps, res)
 
 
 @pytest.mark.parametrize("dtype,heads,head_dim", [("bfloat16", 16, 128), ("float16", 3, 40), ("float32", 64, 256)])

@@ -74,8 +74,6 @@ class BackwardPlan:
     # Tiles of the warp-specialized Gluon dQ pass (kernels/hopper_ws.py) where it serves the config;
     # launchers use it when the tensors also allow TMA, else attn_bwd_dq_kernel with `dq`.
     dq_warp_specialized: Optional[Tiles] = None
-    # The same for the Gluon dK/dV pass.
-    dkdv_warp_specialized: Optional[Tiles] = None
 
     @property
     def dbias(self) -> Tiles:
@@ -169,15 +167,10 @@ _SM90_FWD_WS = {
     (128, False): Tiles(128, 128, 4, 2, max_registers=168),
     (128, True): Tiles(128, 128, 4, 2, head_group=8, max_registers=168),
 }
-# dK/dV: 128 keys (64 per consumer), query blocks of 32 (blocks of 64 spill: 88-136 B of stack).
-_SM90_DKDV_WS = {
-    (128, False): Tiles(32, 128, 4, 2, max_registers=168),
-    (128, True): Tiles(32, 128, 4, 2, head_group=8, max_registers=168),
-}
-# dQ: K/V blocks of 64 (blocks of 128 spill in the causal consumer).
+# dQ: K/V blocks of 64 (blocks of 128 spill in the causal consumer) in a 3-buffer ring (NOTES.md entry 14).
 _SM90_DQ_WS = {
-    (128, False): Tiles(128, 64, 4, 2, max_registers=168),
-    (128, True): Tiles(128, 64, 4, 2, head_group=8, max_registers=168),
+    (128, False): Tiles(128, 64, 4, 3, max_registers=168),
+    (128, True): Tiles(128, 64, 4, 3, head_group=8, max_registers=168),
 }
 # Other GPUs (Ampere and newer non-Hopper): conservative tiles that fit 100 KB of shared memory.
 _GENERIC_FWD = Tiles(64, 64, 4, 2)
@@ -232,7 +225,7 @@ def _warp_specialized(config: AttnConfig, key: Tuple[int, bool], table: Dict[Tup
 
 
 def backward_plan(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = None,
-                  ws_override: Optional[Tuple[Optional[Tiles], Optional[Tiles]]] = None) -> BackwardPlan:
+                  ws_override: Optional[Tiles] = None) -> BackwardPlan:
     key = _head_key(config)
     if override is not None:
         dkdv, dq = override
@@ -249,17 +242,11 @@ def backward_plan(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = 
     # Separate dQ pass measured faster than atomic dQ on the H200 (ANCHORS.md), so even the
     # non-deterministic mode uses it unless it is explicitly measured otherwise.
     atomic_dq = (not config.deterministic) and _NONDETERMINISTIC_ATOMIC_DQ
-    if ws_override is not None:
-        ws_dkdv, ws_dq = ws_override
-    elif override is not None:  # an explicit Triton tile override measures the Triton kernels
-        ws_dkdv = ws_dq = None
-    else:
-        ws_dq = _warp_specialized(config, key, _SM90_DQ_WS)
-        ws_dkdv = _warp_specialized(config, key, _SM90_DKDV_WS)
-    if atomic_dq:
-        ws_dkdv = ws_dq = None
+    ws = ws_override if ws_override is not None else _warp_specialized(config, key, _SM90_DQ_WS)
+    if (override is not None and ws_override is None) or atomic_dq:
+        ws = None  # an explicit Triton tile override measures the Triton kernels; atomic dQ has no dQ pass
     return BackwardPlan(preprocess, dkdv, dq, padded_head_dim(config.head_dim_qk),
-                        padded_head_dim(config.head_dim_v), _dot_precision(config), atomic_dq, ws_dq, ws_dkdv)
+                        padded_head_dim(config.head_dim_v), _dot_precision(config), atomic_dq, ws)
 
 
 # Policy for the non-deterministic backward; a module-level constant so benchmarks can flip it.

@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 import torch
 import triton
 
-from transformer_engine.common.attention import AttnConfig, AttnMaskType, QKVFormat
+from transformer_engine.common.attention import AttnBiasType, AttnConfig, AttnMaskType, QKVFormat
 from transformer_engine.common.attention.kernels.backward import (
     attn_bwd_dbias_kernel,
     attn_bwd_dkdv_kernel,
@@ -17,11 +17,7 @@ from transformer_engine.common.attention.kernels.backward import (
 )
 from transformer_engine.common.attention.kernels.fill import zero_outside_sequences_kernel
 from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel
-from transformer_engine.common.attention.kernels.hopper_ws import (
-    attn_bwd_dkdv_ws_kernel,
-    attn_bwd_dq_ws_kernel,
-    attn_fwd_ws_kernel,
-)
+from transformer_engine.common.attention.kernels.hopper_ws import attn_bwd_dq_ws_kernel, attn_fwd_ws_kernel
 from transformer_engine.common.attention.kernels.scores import dropout_mask_kernel
 from transformer_engine.common.attention.plan import (
     BackwardPlan, ForwardPlan, backward_plan, block_grid, forward_plan, mask_flags, tma_eligible,
@@ -101,13 +97,20 @@ def sequences(fmt: QKVFormat, q: torch.Tensor, k: torch.Tensor, cu_seqlens_q, cu
 
 
 def plan_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: QKVFormat, mask: AttnMaskType,
-                window: Tuple[int, int], deterministic: bool) -> AttnConfig:
-    """The planning-relevant AttnConfig of a launch (head dims, dtype, mask kind, device)."""
+                window: Tuple[int, int], deterministic: bool, mods: "ScoreMods" = None) -> AttnConfig:
+    """The planning-relevant AttnConfig of a launch (head dims, dtype, mask kind, score modifiers
+    (``ScoreMods``), device)."""
     device_type = q.device.type
+    bias_type = AttnBiasType.NO_BIAS
+    if mods is not None and mods.bias is not None:
+        bias_type = AttnBiasType.POST_SCALE_BIAS
+    elif mods is not None and mods.alibi_slopes is not None:
+        bias_type = AttnBiasType.ALIBI
     return AttnConfig(
         batch_size=1, num_heads_q=q.shape[-2], num_heads_kv=k.shape[-2],
         head_dim_qk=q.shape[-1], head_dim_v=v.shape[-1], max_seqlen_q=0, max_seqlen_kv=0,
-        dtype=dtype_name(q.dtype), attn_mask_type=mask, window_size=window, deterministic=deterministic,
+        dtype=dtype_name(q.dtype), attn_mask_type=mask, window_size=window, attn_bias_type=bias_type,
+        dropout=mods.dropout_p if mods is not None else 0.0, deterministic=deterministic,
         device_type=device_type,
         compute_capability=torch.cuda.get_device_capability(q.device) if device_type == "cuda" else None,
     )
@@ -173,7 +176,7 @@ def forward(q, k, v, fmt: QKVFormat, seqs: Sequences, softmax_scale: float, mask
             window: Tuple[int, int], plan: Optional[ForwardPlan] = None, mods: ScoreMods = NO_MODS):
     """Run the forward kernel. Returns (out in q's format with head dim d_v, lse [b, h, max_s_q] fp32)."""
     if plan is None:
-        plan = forward_plan(plan_config(q, k, v, fmt, mask, window, False))
+        plan = forward_plan(plan_config(q, k, v, fmt, mask, window, False, mods))
     hq, dqk = q.shape[-2], q.shape[-1]
     hk, dv = k.shape[-2], v.shape[-1]
     out_shape = tuple(q.shape[:-1]) + (dv,)
@@ -211,7 +214,7 @@ def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_
     shape, summed over its broadcast dimensions in a fixed order) is None unless ``bias_grad``.
     """
     if plan is None:
-        plan = backward_plan(plan_config(q, k, v, fmt, mask, window, deterministic))
+        plan = backward_plan(plan_config(q, k, v, fmt, mask, window, deterministic, mods))
     if deterministic and plan.atomic_dq:
         raise RuntimeError("deterministic backward planned with atomic dQ; this is a planning bug")
     hq, dqk = q.shape[-2], q.shape[-1]
@@ -243,17 +246,13 @@ def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_
     _, sdqa_ = canonical(dq_acc, fmt) if plan.atomic_dq else (None, (0, 0, 0, 0))
     t = plan.dkdv
     mod_ptrs, mod_strides = mods.pointer_args(lse), mods.stride_args(seqs.batch, hq)
-    kernel, constexprs = attn_bwd_dkdv_kernel, t.loop_constexprs
-    if plan.dkdv_warp_specialized is not None and _use_tma(True, (q, sq_), (k, sk_), (v, sv_), (d_out, sdo_)):
-        t = plan.dkdv_warp_specialized
-        kernel, constexprs = attn_bwd_dkdv_ws_kernel, t.ws_constexprs
-    kernel[block_grid(triton.cdiv(seqs.max_k, t.block_n), seqs.batch * hk)](
+    attn_bwd_dkdv_kernel[block_grid(triton.cdiv(seqs.max_k, t.block_n), seqs.batch * hk)](
         q, k, v, d_out, dk, dvt, dq_acc, lse, delta, *mod_ptrs, *seq_args,
         *sq_, *sk_, *sv_, *sdo_, *sdk_, *sdv_, *sdqa_, lse.stride(0), lse.stride(1), *mod_strides,
         hk, hq // hk, seqs.max_q, seqs.max_k, softmax_scale, softmax_scale * LOG2E, left, right, mods.dropout_p,
         HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
         IS_THD=seqs.is_thd, HAS_SEQLENS=seqs.has_seqlens, ATOMIC_DQ=plan.atomic_dq, DOT_PRECISION=plan.dot_precision,
-        TMA=_use_tma(t.tma, (q, sq_), (d_out, sdo_)), **constexprs, **t.launch_options, **flags,
+        TMA=_use_tma(t.tma, (q, sq_), (d_out, sdo_)), **t.loop_constexprs, **t.launch_options, **flags,
         **mods.flags(),
     )
     dbias = _dbias(q, k, v, d_out, lse, delta, fmt, seqs, softmax_scale, window, flags, left, right, plan, mods) \

@@ -29,6 +29,9 @@ from transformer_engine.pytorch.attention.fused_attn import fused_attn_func
 pytestmark = requires_fused
 
 S = 256 if ON_GPU else 40
+# d=128 runs the warp-specialized Gluon forward and dQ on Hopper (kernels/hopper_ws.py), d=32 the Triton
+# kernels; the interpreter runs Triton only.
+HEAD_DIMS = [32, 128] if ON_GPU else [32]
 
 
 def _run(q, k, v, fmt, mask, window, scale, deterministic=True, **kw):
@@ -38,12 +41,13 @@ def _run(q, k, v, fmt, mask, window, scale, deterministic=True, **kw):
     return out, grads, d_out
 
 
-def test_deterministic_repeats_bitwise():
+@pytest.mark.parametrize("d", [64, 128] if ON_GPU else [16])
+def test_deterministic_repeats_bitwise(d):
     """dQ/dK/dV bitwise equal over repeated runs, several key blocks per query block."""
     runs = 100 if ON_GPU else 5
     s = 2048 if ON_GPU else 64
     dtype = torch.bfloat16 if ON_GPU else torch.float16
-    q, k, v, _ = make_qkv(2, s, s, 4, 2, 64 if ON_GPU else 16, 64 if ON_GPU else 16, dtype)
+    q, k, v, _ = make_qkv(2, s, s, 4, 2, d, d, dtype)
     first = None
     for _ in range(runs):
         out, grads, _ = _run(q, k, v, "bshd", "causal", (-1, -1), 0.125)
@@ -55,11 +59,12 @@ def test_deterministic_repeats_bitwise():
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("d", HEAD_DIMS)
 @pytest.mark.parametrize("mask", ["no_mask", "causal"])
-def test_batch_invariance(mask):
+def test_batch_invariance(mask, d):
     """A sequence's outputs and gradients are bitwise the same alone and inside a larger batch."""
     dtype = DTYPES[0]
-    q, k, v, _ = make_qkv(3, S, S, 4, 2, 32, 32, dtype, seed=3)
+    q, k, v, _ = make_qkv(3, S, S, 4, 2, d, d, dtype, seed=3)
     out, grads, d_out = _run(q, k, v, "bshd", mask, (-1, -1), 0.2)
     q1, k1, v1 = (t.detach()[1:2].clone().requires_grad_() for t in (q, k, v))
     out1 = fused_attn_func(q1, k1, v1, "bshd", mask, (-1, -1), 0.2, deterministic=True)
@@ -85,13 +90,14 @@ def _thd_inputs(lengths, h, hk, d, dtype, gap=0, seed=5):
     return q, k, v, cu, cu_padded, starts
 
 
+@pytest.mark.parametrize("d", HEAD_DIMS)
 @pytest.mark.parametrize("mask", ["padding", "padding_causal", "padding_causal_bottom_right"])
 @pytest.mark.parametrize("gap", [0, 3])
-def test_thd_against_reference_and_padded_bitwise(mask, gap):
+def test_thd_against_reference_and_padded_bitwise(mask, gap, d):
     """THD results match the reference and equal the BSHD-padded results bitwise, sequence by sequence."""
     dtype = DTYPES[0]
     lengths = [S // 2 + 3, 1, 0, S, 17]
-    h, hk, d = 4, 2, 32
+    h, hk = 4, 2
     q, k, v, cu, cu_padded, starts = _thd_inputs(lengths, h, hk, d, dtype, gap)
     max_s = max(lengths)
     out = fused_attn_func(q, k, v, "thd", mask, (-1, -1), d ** -0.5, cu_seqlens_q=cu, cu_seqlens_kv=cu,
@@ -208,3 +214,46 @@ def test_launch_order_and_loop_form_change_no_result(mask):
     for single_loop in (False, True):
         for a, b in zip(run(single_loop=single_loop), run(single_loop=single_loop, tma=True)):
             assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not ON_GPU or torch.cuda.get_device_capability()[0] != 9, reason="Hopper GPU only")
+@pytest.mark.parametrize("mask,window", [("causal", (-1, 0)), ("no_mask", (-1, -1)), ("no_mask", (40, 9))])
+def test_warp_specialized_kernels_serve_d128(monkeypatch, mask, window):
+    """At d=128 the plan runs the Gluon forward and dQ (kernels/hopper_ws.py): they are launched, their
+    results are as close to the fp32 reference as the Triton kernels' (NVTE_FUSED_ATTN_WS=0), and the
+    head-grouped launch order changes no bit."""
+    from transformer_engine.common import settings
+
+    fwd_calls, dq_calls = [], []
+    monkeypatch.setattr(launch, "attn_fwd_ws_kernel", _KernelSpy(launch.attn_fwd_ws_kernel, fwd_calls))
+    monkeypatch.setattr(launch, "attn_bwd_dq_ws_kernel", _KernelSpy(launch.attn_bwd_dq_ws_kernel, dq_calls))
+    q, k, v, _ = make_qkv(2, 700, 700, 4, 2, 128, 128, torch.bfloat16, seed=11)
+    out, grads, d_out = _run(q, k, v, "bshd", mask, window, 128 ** -0.5)
+    assert len(fwd_calls) == 1 and len(dq_calls) == 1
+    with settings.environment(NVTE_FUSED_ATTN_WS="0"):
+        out_t, grads_t, _ = _run(q, k, v, "bshd", mask, window, 128 ** -0.5)
+    assert len(fwd_calls) == 1 and len(dq_calls) == 1  # the Triton kernels ran
+    ref, lowp = ref_and_lowp(q, k, v, d_out, "bshd", mask, window, 128 ** -0.5)
+    for name, ours, triton_ours, r, lp in zip(("out", "dq", "dk", "dv"), (out,) + grads, (out_t,) + grads_t, ref,
+                                              lowp):
+        assert_close_to_reference(name, ours, r, lp)
+        assert_close_to_reference(name, triton_ours, r, lp)
+
+    fmt = QKVFormat.BSHD
+    attn_mask = AttnMaskType.CAUSAL_MASK if mask == "causal" else AttnMaskType.NO_MASK
+    q, k, v = (t.detach() for t in (q, k, v))
+    seqs = launch.sequences(fmt, q, k, None, None, None, None, 700, 700)
+    cfg = launch.plan_config(q, k, v, fmt, attn_mask, window, True)
+
+    def run(head_group):
+        fwd, bwd = forward_plan(cfg), backward_plan(cfg)
+        fwd = dataclasses.replace(fwd, warp_specialized=dataclasses.replace(fwd.warp_specialized,
+                                                                            head_group=head_group))
+        bwd = dataclasses.replace(bwd, dq_warp_specialized=dataclasses.replace(bwd.dq_warp_specialized,
+                                                                               head_group=head_group))
+        o, lse = launch.forward(q, k, v, fmt, seqs, 0.1, attn_mask, window, fwd)
+        return (o, lse) + tuple(launch.backward(q, k, v, o, d_out, lse, fmt, seqs, 0.1, attn_mask, window, True,
+                                                bwd)[:3])
+
+    for a, b in zip(run(1), run(3)):
+        assert torch.equal(a, b)

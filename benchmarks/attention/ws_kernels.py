@@ -1,11 +1,14 @@
-"""The warp-specialized Gluon forward (kernels/hopper_ws.py) against the Triton forward, on the GPU.
+"""The warp-specialized Gluon kernels (kernels/hopper_ws.py) against the Triton ones, on the GPU.
 
-For each case: output and LSE error of both kernels against an fp32 reference (computed in query
-chunks), then forward time of the Triton kernel (its planned tiles) and of each warp-specialized
-schedule (ping-pong and overlap on or off), in one run, with ratios.
+For each case: the forward's output and LSE error against an fp32 reference (computed in query chunks)
+for the Triton forward and each warp-specialized forward schedule, and the gradients' errors with the
+Triton dQ pass and with each warp-specialized dQ tile (against an fp32 autograd reference on the small
+cases, against the Triton kernels on the large ones), with a bitwise repeat; then, on the timed cases,
+the forward time and the backward time (preprocess + dK/dV + dQ: only dQ differs) of each, in one run,
+with ratios (NOTES.md entry 14).
 
-    python benchmarks/attention/ws_forward.py --out results/ws_forward      # json + md
-    WS_CHECK_ONLY=1 python benchmarks/attention/ws_forward.py               # correctness only
+    python benchmarks/attention/ws_kernels.py --out /tmp/ws_kernels      # also writes /tmp/ws_kernels.json
+    WS_CHECK_ONLY=1 python benchmarks/attention/ws_kernels.py            # errors only
 """
 
 from __future__ import annotations

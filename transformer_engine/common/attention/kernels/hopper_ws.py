@@ -13,7 +13,7 @@ query rows as two consumer warpgroups of 64 rows each plus one loader warp:
   barrier (count 2: both consumers), never through a CTA barrier;
 - forward only, measured variants: with PINGPONG the consumers take turns issuing their Q K^T
   products; with OVERLAP a consumer issues block j's Q K^T with block j-1's P V and does block j's
-  softmax while P V runs (benchmarks/attention/ws_forward.py; NOTES.md entry 14).
+  softmax while P V runs (benchmarks/attention/ws_kernels.py; NOTES.md entry 14).
 
 Launch arguments, grid (plan.block_grid) and results are those of attn_fwd_kernel / attn_bwd_dq_kernel
 (log2-domain scores, natural-log LSE, +inf for rows that see no key, zeros for padded rows) for the

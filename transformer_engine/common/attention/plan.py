@@ -2,7 +2,9 @@
 
 Determinism contract (DESIGN.md, rule 3): in deterministic mode the tiles and loop orders
 depend only on head dim, dtype, mask/window kind and GPU architecture — never on batch size,
-sequence length or autotuning. Nothing below reads a shape other than the head dims.
+sequence length or autotuning. Nothing below reads a shape other than the head dims. Whether the
+warp-specialized Gluon kernels serve a config also reads its bias/dropout and NVTE_FUSED_ATTN_WS,
+alike for both frameworks.
 """
 
 from __future__ import annotations
@@ -190,8 +192,7 @@ def _head_key(config: AttnConfig) -> Tuple[int, bool]:
     return dim, config.window_kind != "none"
 
 
-def forward_plan(config: AttnConfig, override: Optional[Tiles] = None,
-                 ws_override: Optional[Tiles] = None) -> ForwardPlan:
+def forward_plan(config: AttnConfig, override: Optional[Tiles] = None) -> ForwardPlan:
     key = _head_key(config)
     if override is not None:
         tiles = override
@@ -203,9 +204,8 @@ def forward_plan(config: AttnConfig, override: Optional[Tiles] = None,
         tiles = _GENERIC_FWD_256 if key[0] > 128 else _GENERIC_FWD
     if config.dtype == "float32" and override is None and config.device_type != "cpu":
         tiles = Tiles(min(tiles.block_m, 64), min(tiles.block_n, 32), tiles.num_warps, 1)
-    ws = ws_override if ws_override is not None else _warp_specialized(config, key, _SM90_FWD_WS)
-    if override is not None and ws_override is None:
-        ws = None  # an explicit Triton tile override measures the Triton kernel
+    # An explicit Triton tile override measures the Triton kernel.
+    ws = None if override is not None else _warp_specialized(config, key, _SM90_FWD_WS)
     return ForwardPlan(tiles, padded_head_dim(config.head_dim_qk), padded_head_dim(config.head_dim_v),
                        _dot_precision(config), ws)
 
@@ -219,13 +219,13 @@ def _warp_specialized(config: AttnConfig, key: Tuple[int, bool], table: Dict[Tup
         return None
     if config.attn_bias_type != AttnBiasType.NO_BIAS or config.dropout > 0:
         return None
+    # The head dim must fill its tile: the Gluon kernels mask no head-dim columns.
     if config.head_dim_qk != key[0] or not settings.get("NVTE_FUSED_ATTN_WS"):
         return None
     return table.get(key)
 
 
-def backward_plan(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = None,
-                  ws_override: Optional[Tiles] = None) -> BackwardPlan:
+def backward_plan(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = None) -> BackwardPlan:
     key = _head_key(config)
     if override is not None:
         dkdv, dq = override
@@ -242,9 +242,8 @@ def backward_plan(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = 
     # Separate dQ pass measured faster than atomic dQ on the H200 (ANCHORS.md), so even the
     # non-deterministic mode uses it unless it is explicitly measured otherwise.
     atomic_dq = (not config.deterministic) and _NONDETERMINISTIC_ATOMIC_DQ
-    ws = ws_override if ws_override is not None else _warp_specialized(config, key, _SM90_DQ_WS)
-    if (override is not None and ws_override is None) or atomic_dq:
-        ws = None  # an explicit Triton tile override measures the Triton kernels; atomic dQ has no dQ pass
+    # An explicit Triton tile override measures the Triton kernels; atomic dQ has no dQ pass.
+    ws = None if override is not None or atomic_dq else _warp_specialized(config, key, _SM90_DQ_WS)
     return BackwardPlan(preprocess, dkdv, dq, padded_head_dim(config.head_dim_qk),
                         padded_head_dim(config.head_dim_v), _dot_precision(config), atomic_dq, ws)
 

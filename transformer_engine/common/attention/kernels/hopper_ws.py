@@ -345,6 +345,32 @@ def _rows_desc(base, rows, stride_s, HEAD_DIM: gl.constexpr, BLOCK_ROWS: gl.cons
 
 
 @gluon.jit
+def _row_tiles(X, batch, head, start, rows, stride_b, stride_s, stride_h, HEAD_DIM: gl.constexpr):
+    """A descriptor over one sequence and head's rows of X, and shared memory for both consumers'
+    64-row tiles of it."""
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, HEAD_DIM], X.dtype.element_ty)
+    desc = _rows_desc(X + batch.to(gl.int64) * stride_b + start * stride_s + head.to(gl.int64) * stride_h,
+                      rows, stride_s, HEAD_DIM, WG_ROWS, layout)
+    return desc, gl.allocate_shared_memory(X.dtype.element_ty, [2, WG_ROWS, HEAD_DIM], layout)
+
+
+@gluon.jit
+def _kv_ring(K, V, batch, head_kv, start_k, len_k, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+             HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """(k_desc, v_desc, k_smem, v_smem): descriptors over one sequence and kv head's K and V rows, and
+    the ring's NUM_STAGES buffers of BLOCK_N rows each."""
+    dtype: gl.constexpr = K.dtype.element_ty
+    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    k_desc = _rows_desc(K + batch.to(gl.int64) * stride_kb + start_k * stride_ks + head_kv.to(gl.int64) * stride_kh,
+                        len_k, stride_ks, HEAD_DIM, BLOCK_N, layout)
+    v_desc = _rows_desc(V + batch.to(gl.int64) * stride_vb + start_k * stride_vs + head_kv.to(gl.int64) * stride_vh,
+                        len_k, stride_vs, HEAD_DIM, BLOCK_N, layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], layout)
+    return k_desc, v_desc, k_smem, v_smem
+
+
+@gluon.jit
 def _barriers(NUM_STAGES: gl.constexpr):
     """(q_bar, k_ready, v_ready, kv_empty, turn), initialised: the row tiles' barrier, the ring's
     ready / empty barriers (empty counts both consumers) and the ping-pong turns."""
@@ -399,18 +425,9 @@ def attn_fwd_ws_kernel(
     lo, hi, full_lo, full_hi = _key_bounds(start_m, len_q, len_k, diag, window_left, window_right, BLOCK_M,
                                            BLOCK_N, HAS_LEFT, HAS_RIGHT)
 
-    dtype: gl.constexpr = Q.dtype.element_ty
-    q_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, BLOCK_DQK], dtype)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DQK], dtype)
-    q_desc = _rows_desc(Q + batch.to(gl.int64) * stride_qb + start_q * stride_qs + head.to(gl.int64) * stride_qh,
-                        len_q, stride_qs, HEAD_DIM_QK, WG_ROWS, q_layout)
-    k_desc = _rows_desc(K + batch.to(gl.int64) * stride_kb + start_k * stride_ks + head_kv.to(gl.int64) * stride_kh,
-                        len_k, stride_ks, HEAD_DIM_QK, BLOCK_N, kv_layout)
-    v_desc = _rows_desc(V + batch.to(gl.int64) * stride_vb + start_k * stride_vs + head_kv.to(gl.int64) * stride_vh,
-                        len_k, stride_vs, HEAD_DIM_V, BLOCK_N, kv_layout)
-    q_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, BLOCK_DQK], q_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, BLOCK_DQK], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, BLOCK_DV], kv_layout)
+    q_desc, q_smem = _row_tiles(Q, batch, head, start_q, len_q, stride_qb, stride_qs, stride_qh, HEAD_DIM_QK)
+    k_desc, v_desc, k_smem, v_smem = _kv_ring(K, V, batch, head_kv, start_k, len_k, stride_kb, stride_ks, stride_kh,
+                                              stride_vb, stride_vs, stride_vh, HEAD_DIM_QK, BLOCK_N, NUM_STAGES)
     bars = _barriers(NUM_STAGES)
 
     o_base = O + batch.to(gl.int64) * stride_ob + start_q * stride_os + head.to(gl.int64) * stride_oh
@@ -538,21 +555,10 @@ def attn_bwd_dq_ws_kernel(
     lo, hi, full_lo, full_hi = _key_bounds(start_m, len_q, len_k, diag, window_left, window_right, BLOCK_M,
                                            BLOCK_N, HAS_LEFT, HAS_RIGHT)
 
-    dtype: gl.constexpr = Q.dtype.element_ty
-    row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, BLOCK_DQK], dtype)
-    kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DQK], dtype)
-    q_desc = _rows_desc(Q + batch.to(gl.int64) * stride_qb + start_q * stride_qs + head.to(gl.int64) * stride_qh,
-                        len_q, stride_qs, HEAD_DIM_QK, WG_ROWS, row_layout)
-    do_desc = _rows_desc(DO + batch.to(gl.int64) * stride_dob + start_q * stride_dos + head.to(gl.int64) * stride_doh,
-                         len_q, stride_dos, HEAD_DIM_V, WG_ROWS, row_layout)
-    k_desc = _rows_desc(K + batch.to(gl.int64) * stride_kb + start_k * stride_ks + head_kv.to(gl.int64) * stride_kh,
-                        len_k, stride_ks, HEAD_DIM_QK, BLOCK_N, kv_layout)
-    v_desc = _rows_desc(V + batch.to(gl.int64) * stride_vb + start_k * stride_vs + head_kv.to(gl.int64) * stride_vh,
-                        len_k, stride_vs, HEAD_DIM_V, BLOCK_N, kv_layout)
-    q_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, BLOCK_DQK], row_layout)
-    do_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, BLOCK_DV], row_layout)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, BLOCK_DQK], kv_layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, BLOCK_DV], kv_layout)
+    q_desc, q_smem = _row_tiles(Q, batch, head, start_q, len_q, stride_qb, stride_qs, stride_qh, HEAD_DIM_QK)
+    do_desc, do_smem = _row_tiles(DO, batch, head, start_q, len_q, stride_dob, stride_dos, stride_doh, HEAD_DIM_V)
+    k_desc, v_desc, k_smem, v_smem = _kv_ring(K, V, batch, head_kv, start_k, len_k, stride_kb, stride_ks, stride_kh,
+                                              stride_vb, stride_vs, stride_vh, HEAD_DIM_QK, BLOCK_N, NUM_STAGES)
     bars = _barriers(NUM_STAGES)
 
     dq_base = DQ + batch.to(gl.int64) * stride_dqb + start_q * stride_dqs + head.to(gl.int64) * stride_dqh

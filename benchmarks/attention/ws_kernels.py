@@ -2,10 +2,10 @@
 
 For each case: the forward's output and LSE error against an fp32 reference (computed in query chunks)
 for the Triton forward and each warp-specialized forward schedule, and the gradients' errors with the
-Triton dQ pass and with each warp-specialized dQ tile (against an fp32 autograd reference on the small
+Triton dK/dV and dQ passes and with warp-specialized tiles of either (against an fp32 autograd reference on the small
 cases, against the Triton kernels on the large ones), with a bitwise repeat; then, on the timed cases,
-the forward time and the backward time (preprocess + dK/dV + dQ: only dQ differs) of each, in one run,
-with ratios (NOTES.md entry 14).
+the forward time and the backward time (preprocess + dK/dV + dQ) of each, in one run, with ratios
+(NOTES.md entries 14-15).
 
     python benchmarks/attention/ws_kernels.py --out /tmp/ws_kernels      # also writes /tmp/ws_kernels.json
     WS_CHECK_ONLY=1 python benchmarks/attention/ws_kernels.py            # errors only
@@ -105,15 +105,19 @@ def run_case(b, h, hk, sq, sk, d, mask_name, window, dtype, variants, bwd_varian
         for name in plans:
             row[name]["speedup_vs_triton"] = row["triton"]["ms"] / row[name]["ms"]
 
-    # Backward: the Triton dQ pass against warp-specialized dQ tiles (dK/dV is the Triton kernel in all).
+    # Backward: the Triton dK/dV and dQ passes against warp-specialized tiles of either.
     out, lse = launch.forward(q, k, v, QKVFormat.BSHD, seqs, scale, mask, window, plan=plans["triton"])
     d_out = torch.randn_like(out)
     bbase = backward_plan(launch.plan_config(q, k, v, QKVFormat.BSHD, mask, window, True))
-    bplans = {"bwd_triton": dataclasses.replace(bbase, dq_warp_specialized=None)}
-    if bbase.dq_warp_specialized is not None:
-        for name, fields in bwd_variants.items():
+    bplans = {"bwd_triton": dataclasses.replace(bbase, dq_warp_specialized=None, dkdv_warp_specialized=None)}
+    if bbase.dq_warp_specialized is not None and bbase.dkdv_warp_specialized is not None:
+        for name, (dkdv_fields, dq_fields) in bwd_variants.items():
             bplans[name] = dataclasses.replace(
-                bbase, dq_warp_specialized=dataclasses.replace(bbase.dq_warp_specialized, **fields))
+                bbase,
+                dkdv_warp_specialized=None if dkdv_fields is None else dataclasses.replace(
+                    bbase.dkdv_warp_specialized, **dkdv_fields),
+                dq_warp_specialized=None if dq_fields is None else dataclasses.replace(
+                    bbase.dq_warp_specialized, **dq_fields))
     small = b * h * sq * sk <= 4 * 4 * 1024 * 1024
     refs = reference_grads(q, k, v, d_out, mask, window, scale) if small else None
 
@@ -146,15 +150,14 @@ def main():
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     check_only = bool(os.environ.get("WS_CHECK_ONLY"))
-    variants = {  # forward schedules (NOTES.md entry 14: ping-pong measured slower)
+    variants = {  # forward schedules (NOTES.md entry 14: ping-pong, overlap and 3 stages measured slower)
         "ws": {},
-        "ws_overlap": dict(overlap=True),
-        "ws_3stage": dict(num_stages=3),
     }
-    bwd_variants = {  # dQ tile fields (NOTES.md entry 14)
-        "dq_ws": {},
-        "dq_ws_2stage": dict(num_stages=2),
-        "dq_ws_n128": dict(block_n=128, num_stages=2),
+    bwd_variants = {  # name: (dK/dV tile fields, dQ tile fields); None keeps that pass on Triton (entry 15)
+        "bwd_ws": ({}, {}),
+        "dq_ws": (None, {}),
+        "bwd_ws_dkdv_3stage": (dict(num_stages=3), {}),
+        "bwd_ws_dkdv_m32": (dict(block_m=32), {}),
     }
     bf16 = torch.bfloat16
     checks = [  # (b, h, hk, s_q, s_kv, d, mask, window, dtype)

@@ -76,6 +76,8 @@ class BackwardPlan:
     # Tiles of the warp-specialized Gluon dQ pass (kernels/hopper_ws.py) where it serves the config;
     # launchers use it when the tensors also allow TMA, else attn_bwd_dq_kernel with `dq`.
     dq_warp_specialized: Optional[Tiles] = None
+    # The same for the Gluon dK/dV pass.
+    dkdv_warp_specialized: Optional[Tiles] = None
 
     @property
     def dbias(self) -> Tiles:
@@ -174,6 +176,12 @@ _SM90_DQ_WS = {
     (128, False): Tiles(128, 64, 4, 3, max_registers=168),
     (128, True): Tiles(128, 64, 4, 3, head_group=8, max_registers=168),
 }
+# dK/dV: key blocks of 128 (64 per consumer), query blocks of 64 in a 2-buffer ring with their LSE and
+# delta rows (NOTES.md entry 15).
+_SM90_DKDV_WS = {
+    (128, False): Tiles(64, 128, 4, 2, max_registers=168),
+    (128, True): Tiles(64, 128, 4, 2, head_group=8, max_registers=168),
+}
 # Other GPUs (Ampere and newer non-Hopper): conservative tiles that fit 100 KB of shared memory.
 _GENERIC_FWD = Tiles(64, 64, 4, 2)
 _GENERIC_BWD = Tiles(64, 64, 4, 1)
@@ -243,9 +251,11 @@ def backward_plan(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = 
     # non-deterministic mode uses it unless it is explicitly measured otherwise.
     atomic_dq = (not config.deterministic) and _NONDETERMINISTIC_ATOMIC_DQ
     # An explicit Triton tile override measures the Triton kernels; atomic dQ has no dQ pass.
-    ws = None if override is not None or atomic_dq else _warp_specialized(config, key, _SM90_DQ_WS)
+    served = override is None and not atomic_dq
+    ws_dq = _warp_specialized(config, key, _SM90_DQ_WS) if served else None
+    ws_dkdv = _warp_specialized(config, key, _SM90_DKDV_WS) if served else None
     return BackwardPlan(preprocess, dkdv, dq, padded_head_dim(config.head_dim_qk),
-                        padded_head_dim(config.head_dim_v), _dot_precision(config), atomic_dq, ws)
+                        padded_head_dim(config.head_dim_v), _dot_precision(config), atomic_dq, ws_dq, ws_dkdv)
 
 
 # Policy for the non-deterministic backward; a module-level constant so benchmarks can flip it.

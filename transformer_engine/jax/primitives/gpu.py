@@ -402,7 +402,7 @@ def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_of
         attn_bwd_dq_kernel,
         attn_bwd_preprocess_kernel,
     )
-    from transformer_engine.common.attention.kernels.hopper_ws import attn_bwd_dq_ws_kernel
+    from transformer_engine.common.attention.kernels.hopper_ws import attn_bwd_dkdv_ws_kernel, attn_bwd_dq_ws_kernel
 
     b, s_q, hq, dqk = q.shape
     s_kv, hk, dv = k.shape[1], k.shape[2], v.shape[3]
@@ -465,13 +465,17 @@ def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_of
         BLOCK_DV=plan.block_dv, DOT_PRECISION=plan.dot_precision, **flags, **common, **_bias_values(bias_buf, bias),
     )
     t = plan.dkdv
+    kernel_fn, constexprs = attn_bwd_dkdv_kernel, t.loop_constexprs
+    if plan.dkdv_warp_specialized is not None and _tma(True, q.dtype, q.shape, k.shape, v.shape, dout.shape):
+        t = plan.dkdv_warp_specialized  # as the PyTorch launcher decides (kernels/hopper_ws.py)
+        kernel_fn, constexprs = attn_bwd_dkdv_ws_kernel, t.ws_constexprs
     dkdv_values = dict(
         shared, DK=Buf(dk), DV=Buf(dvt), DQ_ACC=dq_acc_buf, **_named_strides("dq", dq_acc_strides),
         num_heads_kv=hk, ATOMIC_DQ=plan.atomic_dq, TMA=_tma(t.tma, q.dtype, q.shape, dout.shape),
-        **t.loop_constexprs,
+        **constexprs,
     )
-    dkdv_values = _complete(attn_bwd_dkdv_kernel, dkdv_values, LSE)
-    kernel = _compile_launch(attn_bwd_dkdv_kernel, dkdv_values, prog, t.launch_options)
+    dkdv_values = _complete(kernel_fn, dkdv_values, LSE)
+    kernel = _compile_launch(kernel_fn, dkdv_values, prog, t.launch_options)
     prog.launch(kernel, block_grid(_cdiv(s_kv, t.block_n), nseq * hk), dkdv_values)
 
     if bias_buf is not None:  # launched between dK/dV and dQ, as the PyTorch launcher does

@@ -17,7 +17,11 @@ from transformer_engine.common.attention.kernels.backward import (
 )
 from transformer_engine.common.attention.kernels.fill import zero_outside_sequences_kernel
 from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel
-from transformer_engine.common.attention.kernels.hopper_ws import attn_bwd_dq_ws_kernel, attn_fwd_ws_kernel
+from transformer_engine.common.attention.kernels.hopper_ws import (
+    attn_bwd_dkdv_ws_kernel,
+    attn_bwd_dq_ws_kernel,
+    attn_fwd_ws_kernel,
+)
 from transformer_engine.common.attention.kernels.scores import dropout_mask_kernel
 from transformer_engine.common.attention.plan import (
     BackwardPlan, ForwardPlan, backward_plan, block_grid, forward_plan, mask_flags, tma_eligible,
@@ -246,13 +250,17 @@ def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_
     _, sdqa_ = canonical(dq_acc, fmt) if plan.atomic_dq else (None, (0, 0, 0, 0))
     t = plan.dkdv
     mod_ptrs, mod_strides = mods.pointer_args(lse), mods.stride_args(seqs.batch, hq)
-    attn_bwd_dkdv_kernel[block_grid(triton.cdiv(seqs.max_k, t.block_n), seqs.batch * hk)](
+    kernel, constexprs = attn_bwd_dkdv_kernel, t.loop_constexprs
+    if plan.dkdv_warp_specialized is not None and _use_tma(True, (q, sq_), (k, sk_), (v, sv_), (d_out, sdo_)):
+        t = plan.dkdv_warp_specialized
+        kernel, constexprs = attn_bwd_dkdv_ws_kernel, t.ws_constexprs
+    kernel[block_grid(triton.cdiv(seqs.max_k, t.block_n), seqs.batch * hk)](
         q, k, v, d_out, dk, dvt, dq_acc, lse, delta, *mod_ptrs, *seq_args,
         *sq_, *sk_, *sv_, *sdo_, *sdk_, *sdv_, *sdqa_, lse.stride(0), lse.stride(1), *mod_strides,
         hk, hq // hk, seqs.max_q, seqs.max_k, softmax_scale, softmax_scale * LOG2E, left, right, mods.dropout_p,
         HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
         IS_THD=seqs.is_thd, HAS_SEQLENS=seqs.has_seqlens, ATOMIC_DQ=plan.atomic_dq, DOT_PRECISION=plan.dot_precision,
-        TMA=_use_tma(t.tma, (q, sq_), (d_out, sdo_)), **t.loop_constexprs, **t.launch_options, **flags,
+        TMA=_use_tma(t.tma, (q, sq_), (d_out, sdo_)), **constexprs, **t.launch_options, **flags,
         **mods.flags(),
     )
     dbias = _dbias(q, k, v, d_out, lse, delta, fmt, seqs, softmax_scale, window, flags, left, right, plan, mods) \

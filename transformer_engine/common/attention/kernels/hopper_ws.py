@@ -27,6 +27,7 @@ so a configuration's results are reproducible bit for bit.
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.language.core import _aggregate as aggregate
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -571,3 +572,268 @@ def attn_bwd_dq_ws_kernel(
     args = (bufs, bars, bounds, coords, out_args, sched)
     gl.warp_specialize([(_dq_consumer0, args), (_dq_consumer1, args), (_load_worker, args)], [4, 1],
                        [CONSUMER_REGISTERS, LOADER_REGISTERS])
+
+
+# dK/dV: both consumers hold 64 keys of dK and dV (128 fp32 registers) plus a block's S^T, dP^T and their
+# bf16 copies; 240 each (3 * 168 - 240 - 24) is the most the register file gives two consumers.
+DKDV_CONSUMER_REGISTERS = gl.constexpr(240)
+LOADER_THREADS = gl.constexpr(32)
+
+
+@gluon.jit
+def _dkdv_barriers(NUM_STAGES: gl.constexpr):
+    """(kv_bar, q_ready, do_ready, stat_ready, qdo_empty), initialised: K/V's barrier, the ring's ready
+    barriers (stat_ready counts the loader's 32 cp.async threads) and its empty barriers (both consumers)."""
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    stat_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    qdo_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(stat_ready.index(i), count=LOADER_THREADS)
+        mbarrier.init(qdo_empty.index(i), count=2)
+    fence_async_shared()
+    return kv_bar, q_ready, do_ready, stat_ready, qdo_empty
+
+
+@gluon.jit
+def _dkdv_loader(bufs, bars, bounds, coords, out_args, sched):
+    """One warp: K and V once (both consumers' halves), then per query block of each query head of the
+    GQA group in order: Q and dO with TMA (a descriptor per head), the block's LSE and delta rows with
+    cp.async (any alignment; rows past the sequence read as 0, which the consumers' row mask covers)."""
+    NUM_STAGES: gl.constexpr = sched.NUM_STAGES
+    BLOCK_M: gl.constexpr = sched.BLOCK_N  # the ring's blocks are query blocks here
+    k_desc, v_desc, q_rows, do_rows, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = bufs
+    kv_bar, q_ready, do_ready, stat_ready, qdo_empty = bars
+    lo, hi, full_lo, full_hi = bounds
+    start_n, len_q = coords[0], coords[1]
+    q_head0, stride_qh, stride_qs, do_head0, stride_doh, stride_dos, gqa_group = q_rows + do_rows
+    lse_head0, delta_head0, stride_lh = out_args[6], out_args[7], out_args[8]
+    HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
+    row_layout: gl.constexpr = q_smem.type.layout
+    stat_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // LOADER_THREADS], [LOADER_THREADS], [1], [0])
+    mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
+    for wg in gl.static_range(2):
+        tma.async_copy_global_to_shared(k_desc, [start_n + wg * WG_ROWS, 0], kv_bar, k_smem.index(wg))
+        tma.async_copy_global_to_shared(v_desc, [start_n + wg * WG_ROWS, 0], kv_bar, v_smem.index(wg))
+    offs = gl.arange(0, BLOCK_M, layout=stat_layout)
+    it = 0
+    for g in range(gqa_group):
+        q_desc = _rows_desc(q_head0 + g * stride_qh, len_q, stride_qs, HEAD_DIM, BLOCK_M, row_layout)
+        do_desc = _rows_desc(do_head0 + g * stride_doh, len_q, stride_dos, HEAD_DIM, BLOCK_M, row_layout)
+        lse_head = lse_head0 + g * stride_lh
+        delta_head = delta_head0 + g * stride_lh
+        for start_m in range(lo, hi, BLOCK_M):
+            stage = it % NUM_STAGES
+            mbarrier.wait(qdo_empty.index(stage), ((it // NUM_STAGES) & 1) ^ 1)
+            mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [start_m, 0], q_ready.index(stage), q_smem.index(stage))
+            mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(do_desc, [start_m, 0], do_ready.index(stage), do_smem.index(stage))
+            rows = start_m + offs
+            async_copy.async_copy_global_to_shared(lse_smem.index(stage), lse_head + rows, mask=rows < len_q)
+            async_copy.async_copy_global_to_shared(delta_smem.index(stage), delta_head + rows, mask=rows < len_q)
+            # Each thread's arrival fires when its copies land (.noinc: the barrier counts 32 of them).
+            async_copy.mbarrier_arrive(stat_ready.index(stage), increment_count=False)
+            it += 1
+
+
+@gluon.jit
+def _dkdv_consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr):
+    """One warpgroup's 64 keys of dK and dV, summed over the query blocks in ascending order, query head
+    by query head of the GQA group (the deterministic order of attn_bwd_dkdv_kernel)."""
+    NUM_STAGES: gl.constexpr = sched.NUM_STAGES
+    BLOCK_M: gl.constexpr = sched.BLOCK_N  # the ring's blocks are query blocks here
+    k_desc, v_desc, q_rows, do_rows, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = bufs
+    gqa_group = do_rows[-1]
+    kv_bar, q_ready, do_ready, stat_ready, qdo_empty = bars
+    lo, hi, full_lo, full_hi = bounds
+    start_n, len_q, len_k, diag, window_left, window_right = coords
+    dk_base, dv_base, stride_dks, stride_dvs, stride_dkd, stride_dvd, lse_head0, delta_head0, stride_lh, rows_out, \
+        qk_scale, sm_scale = out_args
+    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
+    dtype: gl.constexpr = k_desc.dtype
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_a: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    col_a: gl.constexpr = gl.SliceLayout(0, acc_layout)
+
+    first_key = start_n + WG * WG_ROWS
+    dk = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
+    dv = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
+    s_zero = gl.zeros([WG_ROWS, BLOCK_M], gl.float32, layout=s_layout)
+
+    mbarrier.wait(kv_bar, 0)
+    k = k_smem.index(WG)
+    v = v_smem.index(WG)
+    it = 0
+    for g in range(gqa_group):
+        for start_m in range(lo, hi, BLOCK_M):
+            stage = it % NUM_STAGES
+            phase = (it // NUM_STAGES) & 1
+            q = q_smem.index(stage)
+            do = do_smem.index(stage)
+            mbarrier.wait(q_ready.index(stage), phase)
+            qk_t = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(do_ready.index(stage), phase)
+            dp_t = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            mbarrier.wait(stat_ready.index(stage), phase)
+            lse2 = lse_smem.index(stage).load(col_s) * LOG2E
+            qk_t = warpgroup_mma_wait(num_outstanding=1, deps=(qk_t, ))
+            p_t = gl.exp2(qk_t * qk_scale - gl.expand_dims(lse2, 0))
+            if (start_m < full_lo) | (start_m >= full_hi):
+                offs_n = first_key + gl.arange(0, WG_ROWS, layout=row_s)
+                offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_s)
+                keep = _visible(gl.expand_dims(offs_m, 0), gl.expand_dims(offs_n, 1), len_q, len_k, diag, window_left,
+                                window_right, sched.HAS_LEFT, sched.HAS_RIGHT)
+                p_t = gl.where(keep, p_t, 0.0)
+            dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), op_layout), do, dv, is_async=True)
+            delta = delta_smem.index(stage).load(col_s)
+            dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t, ))
+            ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+            dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), op_layout), q, dk, is_async=True)
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+            mbarrier.arrive(qdo_empty.index(stage), count=1)
+            it += 1
+
+    offs_na = first_key + gl.arange(0, WG_ROWS, layout=row_a)
+    offs_d = gl.arange(0, HEAD_DIM, layout=col_a)
+    key_ok = gl.expand_dims(offs_na < len_k, 1)
+    out_rows = gl.expand_dims(offs_na < rows_out, 1)
+    dk = gl.where(key_ok, dk * sm_scale, 0.0)
+    dv = gl.where(key_ok, dv, 0.0)
+    gl.store(dk_base + gl.expand_dims(offs_na, 1) * stride_dks + gl.expand_dims(offs_d, 0) * stride_dkd, dk.to(dtype),
+             mask=out_rows)
+    gl.store(dv_base + gl.expand_dims(offs_na, 1) * stride_dvs + gl.expand_dims(offs_d, 0) * stride_dvd, dv.to(dtype),
+             mask=out_rows)
+
+
+@gluon.jit
+def _dkdv_consumer0(bufs, bars, bounds, coords, out_args, sched):
+    _dkdv_consume(bufs, bars, bounds, coords, out_args, sched, 0)
+
+
+@gluon.jit
+def _dkdv_consumer1(bufs, bars, bounds, coords, out_args, sched):
+    _dkdv_consume(bufs, bars, bounds, coords, out_args, sched, 1)
+
+
+@gluon.jit
+def _query_bounds(start_n, len_q, len_k, diag, window_left, window_right, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
+    """masking.query_block_bounds, clipped as attn_bwd_dkdv_kernel clips it: (lo, hi, full_lo, full_hi)
+    over query rows; query blocks in [lo, full_lo) and [full_hi, hi) need the element mask."""
+    lo = 0
+    hi = len_q
+    full_lo = 0
+    full_hi = (len_q // BLOCK_M) * BLOCK_M
+    if HAS_RIGHT:
+        lo = gl.maximum(start_n - diag - window_right, 0)
+        lo = (lo // BLOCK_M) * BLOCK_M
+        full_lo = gl.maximum(start_n + BLOCK_N - 1 - diag - window_right, 0)
+        full_lo = gl.cdiv(full_lo, BLOCK_M) * BLOCK_M
+    if HAS_LEFT:
+        hi = gl.minimum(gl.maximum(start_n + BLOCK_N - diag + window_left, 0), len_q)
+        full_hi = gl.minimum(full_hi, (gl.maximum(start_n - diag + window_left + 1, 0) // BLOCK_M) * BLOCK_M)
+    if start_n + BLOCK_N > len_k:  # a key block running past the sequence end masks every query block
+        full_hi = 0
+    lo = gl.minimum(lo, hi)
+    full_lo = gl.maximum(full_lo, lo)
+    if full_hi <= full_lo:
+        full_lo = lo
+        full_hi = lo
+    if start_n >= len_k:
+        hi = lo
+    full_lo = gl.minimum(full_lo, hi)
+    full_hi = gl.minimum(full_hi, hi)
+    return lo, hi, full_lo, full_hi
+
+
+@gluon.jit
+def attn_bwd_dkdv_ws_kernel(
+    Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, BIAS, ALIBI_SLOPES, RNG_STATE,
+    SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K,
+    stride_qb, stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_dob, stride_dos, stride_doh, stride_dod,
+    stride_dkb, stride_dks, stride_dkh, stride_dkd,
+    stride_dvb, stride_dvs, stride_dvh, stride_dvd,
+    stride_dqb, stride_dqs, stride_dqh, stride_dqd,
+    stride_lb, stride_lh,
+    stride_zb, stride_zh, stride_zm, stride_zn, stride_alibi_b,
+    num_heads_kv, gqa_group, seqlen_q, seqlen_k,
+    sm_scale, qk_scale, window_left, window_right, dropout_p,
+    HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr,
+    BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    IS_THD: gl.constexpr, HAS_SEQLENS: gl.constexpr,
+    HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+    HAS_BIAS: gl.constexpr, HAS_ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
+    ATOMIC_DQ: gl.constexpr, DOT_PRECISION: gl.constexpr, HEAD_GROUP: gl.constexpr, SINGLE_LOOP: gl.constexpr,
+    TMA: gl.constexpr,
+    NUM_STAGES: gl.constexpr = 2, PINGPONG: gl.constexpr = False, OVERLAP: gl.constexpr = False,
+):
+    """One program per (key block of 128, batch * kv head), as attn_bwd_dkdv_kernel (never with atomic dQ):
+    BLOCK_N = 128 keys as two consumers of 64, query blocks of BLOCK_M through the loader's ring."""
+    gl.static_assert(HEAD_DIM_QK == HEAD_DIM_V)
+    gl.static_assert(HEAD_DIM_QK == BLOCK_DQK)
+    gl.static_assert(BLOCK_DV == BLOCK_DQK)
+    gl.static_assert(BLOCK_N == 2 * WG_ROWS)
+    gl.static_assert(BLOCK_M % LOADER_THREADS == 0)
+    gl.static_assert(not (HAS_BIAS or HAS_ALIBI or DROPOUT or ATOMIC_DQ))
+    gl.static_assert(not (PINGPONG or OVERLAP))  # forward-only schedules
+    block, seq_head = _grid_program(HEAD_GROUP)
+    start_n = block * BLOCK_N  # first blocks first: under causal masks they see the most queries
+    batch = seq_head // num_heads_kv
+    head = seq_head % num_heads_kv
+    start_q, len_q, start_k, len_k = _extents(SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, batch, seqlen_q,
+                                              seqlen_k, IS_THD, HAS_SEQLENS)
+    rows_out = seqlen_k
+    if IS_THD:
+        rows_out = len_k
+    if start_n >= rows_out:
+        return
+    diag = 0
+    if BOTTOM_RIGHT:
+        diag = len_k - len_q
+    lo, hi, full_lo, full_hi = _query_bounds(start_n, len_q, len_k, diag, window_left, window_right, BLOCK_M,
+                                             BLOCK_N, HAS_LEFT, HAS_RIGHT)
+
+    dtype: gl.constexpr = Q.dtype.element_ty
+    k_desc, k_smem = _row_tiles(K, batch, head, start_k, len_k, stride_kb, stride_ks, stride_kh, HEAD_DIM_QK)
+    v_desc, v_smem = _row_tiles(V, batch, head, start_k, len_k, stride_vb, stride_vs, stride_vh, HEAD_DIM_V)
+    row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_DQK], dtype)
+    stat_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    head0 = head * gqa_group  # the group's first query head
+    q_rows = (Q + batch.to(gl.int64) * stride_qb + start_q * stride_qs + head0.to(gl.int64) * stride_qh, stride_qh,
+              stride_qs)
+    do_rows = (DO + batch.to(gl.int64) * stride_dob + start_q * stride_dos + head0.to(gl.int64) * stride_doh,
+               stride_doh, stride_dos, gqa_group)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_DQK], row_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_DV], row_layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], stat_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], stat_layout)
+    bars = _dkdv_barriers(NUM_STAGES)
+
+    dk_base = DK + batch.to(gl.int64) * stride_dkb + start_k * stride_dks + head.to(gl.int64) * stride_dkh
+    dv_base = DV + batch.to(gl.int64) * stride_dvb + start_k * stride_dvs + head.to(gl.int64) * stride_dvh
+    lse_off = batch.to(gl.int64) * stride_lb + head0.to(gl.int64) * stride_lh
+    bufs = (k_desc, v_desc, q_rows, do_rows, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem)
+    bounds = (lo, hi, full_lo, full_hi)
+    coords = (start_n, len_q, len_k, diag, window_left, window_right)
+    out_args = (dk_base, dv_base, stride_dks, stride_dvs, stride_dkd, stride_dvd, LSE + lse_off, DELTA + lse_off,
+                stride_lh, rows_out, qk_scale, sm_scale)
+    sched = _Schedule(NUM_STAGES, BLOCK_M, HAS_LEFT, HAS_RIGHT, False, False, 0)
+    args = (bufs, bars, bounds, coords, out_args, sched)
+    gl.warp_specialize([(_dkdv_consumer0, args), (_dkdv_consumer1, args), (_dkdv_loader, args)], [4, 1],
+                       [DKDV_CONSUMER_REGISTERS, LOADER_REGISTERS])

@@ -150,14 +150,17 @@ def main():
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     check_only = bool(os.environ.get("WS_CHECK_ONLY"))
-    variants = {  # forward schedules (NOTES.md entry 14: ping-pong, overlap and 3 stages measured slower)
-        "ws": {},
+    # By head dim: forward tile fields, and (dK/dV tile fields, dQ tile fields) with None keeping that pass
+    # on Triton; the planned tiles first (NOTES.md entries 14-15).
+    variants = {
+        128: {"ws": {}},  # ping-pong, overlap and 3 stages measured slower (entry 14)
+        64: {"ws": {}, "ws_3stage": dict(num_stages=3), "ws_n256": dict(block_n=256)},
     }
-    bwd_variants = {  # name: (dK/dV tile fields, dQ tile fields); None keeps that pass on Triton (entry 15)
-        "bwd_ws": ({}, {}),
-        "dq_ws": (None, {}),
-        "bwd_ws_dkdv_3stage": (dict(num_stages=3), {}),
-        "bwd_ws_dkdv_m32": (dict(block_m=32), {}),
+    bwd_variants = {
+        128: {"bwd_ws": ({}, {}), "dq_ws": (None, {}), "bwd_ws_dkdv_3stage": (dict(num_stages=3), {})},
+        64: {"bwd_ws": ({}, {}), "dq_ws": (None, {}), "dkdv_ws": ({}, None),
+             "bwd_ws_3stage": (dict(num_stages=3), dict(num_stages=3)),
+             "bwd_ws_dq_n64": ({}, dict(block_n=64, num_stages=3))},
     }
     bf16 = torch.bfloat16
     checks = [  # (b, h, hk, s_q, s_kv, d, mask, window, dtype)
@@ -169,14 +172,20 @@ def main():
         (1, 4, 4, 1000, 513, 128, "none", (100, 20), bf16),
         (1, 4, 4, 777, 777, 128, "none", (200, 50), bf16),
         (1, 2, 2, 64, 64, 128, "causal", (-1, 0), bf16),
+        (2, 4, 4, 1000, 1000, 64, "causal", (-1, 0), bf16),
+        (2, 4, 2, 97, 300, 64, "none", (-1, -1), torch.float16),
+        (1, 4, 1, 300, 97, 64, "causal_br", (-1, 0), bf16),
+        (1, 4, 4, 777, 777, 64, "none", (200, 50), bf16),
     ]
     timed_cases = [
         (4, 16, 16, 4096, 4096, 128, "causal", (-1, 0), bf16),
         (4, 16, 16, 4096, 4096, 128, "none", (-1, -1), bf16),
         (1, 16, 16, 16384, 16384, 128, "causal", (-1, 0), bf16),
+        (8, 32, 32, 2048, 2048, 64, "causal", (-1, 0), bf16),
+        (8, 32, 32, 2048, 2048, 64, "none", (-1, -1), bf16),
     ]
-    rows = [run_case(*c, variants, bwd_variants, False, check_only) for c in checks]
-    rows += [run_case(*c, variants, bwd_variants, True, check_only) for c in timed_cases]
+    rows = [run_case(*c, variants[c[5]], bwd_variants[c[5]], False, check_only) for c in checks]
+    rows += [run_case(*c, variants[c[5]], bwd_variants[c[5]], True, check_only) for c in timed_cases]
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out + ".json", "w") as f:

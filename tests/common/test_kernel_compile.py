@@ -20,6 +20,7 @@ from transformer_engine.common.attention.kernels.backward import (  # noqa: E402
 )
 from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel  # noqa: E402
 from transformer_engine.common.attention.kernels.hopper_ws import (  # noqa: E402
+    attn_bwd_dkdv_ws_kernel,
     attn_bwd_dq_ws_kernel,
     attn_fwd_ws_kernel,
 )
@@ -74,20 +75,26 @@ def test_sm90_plans_compile(head_dims, causal, mods, gqa):
 @pytest.mark.parametrize("mask,thd,gqa", [(AttnMaskType.NO_MASK, False, 1), (AttnMaskType.CAUSAL_MASK, False, 1),
                                           (AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK, True, 4)])
 def test_sm90_warp_specialized_plans_compile_without_spills(mask, thd, gqa):
-    """The Gluon forward and dQ kernels (kernels/hopper_ws.py) with their planned tiles: 12 warps (two
-    consumer warpgroups and a loader warp), no register spills, shared memory that fits."""
+    """The Gluon forward, dQ and dK/dV kernels (kernels/hopper_ws.py) with their planned tiles: 12 warps
+    (two consumer warpgroups and a loader warp), no register spills in the forward and dQ; dK/dV's consumers
+    run at the register file's limit: 8-80 B of stack (a few loads per query block, the most with packed
+    sequences and GQA) where its first version spilled 112-160 B (NOTES.md entry 15); shared memory that fits."""
     cfg = AttnConfig(batch_size=1, num_heads_q=8, num_heads_kv=8 // gqa, head_dim_qk=128, head_dim_v=128,
                      max_seqlen_q=4096, max_seqlen_kv=4096, dtype="bfloat16", attn_mask_type=mask,
                      deterministic=True, device_type="cuda", compute_capability=(9, 0))
     fwd, bwd = forward_plan(cfg), backward_plan(cfg)
     assert fwd.warp_specialized is not None and bwd.dq_warp_specialized is not None
+    assert bwd.dkdv_warp_specialized is not None
     flags = dict(HEAD_DIM_QK=128, HEAD_DIM_V=128, BLOCK_DQK=128, BLOCK_DV=128, IS_THD=thd, HAS_SEQLENS=thd,
                  HAS_LEFT=False, HAS_RIGHT=mask.is_causal, BOTTOM_RIGHT=mask == AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK,
                  DOT_PRECISION=fwd.dot_precision, HAS_BIAS=False, HAS_ALIBI=False, DROPOUT=False, TMA=False)
-    for fn, tiles in ((attn_fwd_ws_kernel, fwd.warp_specialized), (attn_bwd_dq_ws_kernel, bwd.dq_warp_specialized)):
-        kernel = _compile(fn, dict(flags, **tiles.ws_constexprs), tiles, 128, 128)
+    for fn, tiles, stack in ((attn_fwd_ws_kernel, fwd.warp_specialized, 0),
+                             (attn_bwd_dq_ws_kernel, bwd.dq_warp_specialized, 0),
+                             (attn_bwd_dkdv_ws_kernel, bwd.dkdv_warp_specialized, 96)):
+        extra = dict(ATOMIC_DQ=False, gqa_group=gqa) if fn is attn_bwd_dkdv_ws_kernel else {}
+        kernel = _compile(fn, dict(flags, **extra, **tiles.ws_constexprs), tiles, 128, 128)
         res = resources(kernel)
-        assert kernel.num_warps == 12 and res["stack"] == 0, (fn.__name__, kernel.num_warps, res)
+        assert kernel.num_warps == 12 and res["stack"] <= stack, (fn.__name__, kernel.num_warps, res)
 
 
 @pytest.mark.parametrize("dtype,heads,head_dim", [("bfloat16", 16, 128), ("float16", 3, 40), ("float32", 64, 256)])

@@ -71,7 +71,7 @@ def test_mask_flags_and_top_left_causal():
 
 
 def test_warp_specialized_kernels_where_they_serve():
-    """The Gluon forward and dQ (kernels/hopper_ws.py) serve Hopper, d_qk = d_v = 128, fp16/bf16, no bias
+    """The Gluon forward, dK/dV and dQ (kernels/hopper_ws.py) serve Hopper, d_qk = d_v = 128, fp16/bf16, no bias
     or dropout, any mask or window, MHA or GQA; NVTE_FUSED_ATTN_WS=0 keeps the Triton kernels."""
     from transformer_engine.common import settings
     from transformer_engine.common.attention import AttnBiasType
@@ -83,6 +83,7 @@ def test_warp_specialized_kernels_where_they_serve():
         fwd, bwd = forward_plan(cfg), backward_plan(cfg)
         assert fwd.warp_specialized is not None and fwd.warp_specialized.max_registers is not None
         assert bwd.dq_warp_specialized is not None and bwd.dq_warp_specialized.block_m == 128
+        assert bwd.dkdv_warp_specialized is not None and bwd.dkdv_warp_specialized.block_n == 128
     for other in (dict(dtype="float32"), dict(head_dim_qk=64, head_dim_v=64), dict(head_dim_v=64),
                   dict(compute_capability=(8, 0)), dict(compute_capability=(10, 0)), dict(device_type="cpu"),
                   dict(attn_bias_type=AttnBiasType.POST_SCALE_BIAS, bias_shape="1hss"), dict(dropout=0.1),
@@ -90,8 +91,11 @@ def test_warp_specialized_kernels_where_they_serve():
         cfg = dataclasses.replace(BASE, **other)
         assert forward_plan(cfg).warp_specialized is None, other
         assert backward_plan(cfg).dq_warp_specialized is None, other
+        assert backward_plan(cfg).dkdv_warp_specialized is None, other
     with settings.environment(NVTE_FUSED_ATTN_WS="0"):
         assert forward_plan(BASE).warp_specialized is None
         assert backward_plan(BASE).dq_warp_specialized is None
+        assert backward_plan(BASE).dkdv_warp_specialized is None
     nondet = dataclasses.replace(BASE, deterministic=False)
     assert backward_plan(nondet).dq_warp_specialized is not None  # the separate dQ pass serves both modes
+    assert backward_plan(nondet).dkdv_warp_specialized is not None

@@ -175,7 +175,7 @@ def test_padding_runs_the_packed_mode_with_zero_and_inf_fills(captured_programs)
     _lower_for_cuda(_attention_grad_fn(AttnMaskType.PADDING_CAUSAL_MASK, QKVLayout.THD_THD_THD, m=m),
                     *_shapes(b, s, hq, hk, d, m=m))
     fwd, bwd = captured_programs
-    # d=128 bf16 on sm_90: the plan routes the forward and dQ to the warp-specialized Gluon kernels.
+    # d=128 bf16 on sm_90: the plan routes the forward, dK/dV and dQ to the warp-specialized Gluon kernels.
     _, fills, launches = _check_program(fwd, ["attn_fwd_ws_kernel"])
     n_ops = len(fwd.operands)
     assert fills == [(n_ops, 0, 1), (n_ops + 1, 0x7F800000, 4)]  # output zeroed, lse +inf
@@ -183,10 +183,10 @@ def test_padding_runs_the_packed_mode_with_zero_and_inf_fills(captured_programs)
     assert [r.shape for r in fwd.results] == [(b, s, hq, d), (b * m, hq, s),
                                               (int(np.prod(launches[0]["grid"])) * scratch,)]
     assert launches[0]["grid"][1] == b * m * hq  # one program column per (sequence, head)
-    _, fills, launches = _check_program(bwd, ["attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel",
+    _, fills, launches = _check_program(bwd, ["attn_bwd_preprocess_kernel", "attn_bwd_dkdv_ws_kernel",
                                               "attn_bwd_dq_ws_kernel"])
     n_ops = len(bwd.operands)
-    # dq, dk, dv zeroed (then the Gluon dQ kernel's tensor-descriptor workspace, not filled)
+    # dq, dk, dv zeroed (then the Gluon kernels' tensor-descriptor workspaces, not filled)
     assert fills == [(n_ops, 0, 1), (n_ops + 1, 0, 1), (n_ops + 2, 0, 1)]
     for prog in (fwd, bwd):  # the Gluon kernels: 12 warps (two consumer warpgroups and a loader), scratch
         for k in prog._kernels:

@@ -29,7 +29,7 @@ from transformer_engine.pytorch.attention.fused_attn import fused_attn_func
 pytestmark = requires_fused
 
 S = 256 if ON_GPU else 40
-# d=128 runs the warp-specialized Gluon forward and dQ on Hopper (kernels/hopper_ws.py), d=32 the Triton
+# d=128 runs the warp-specialized Gluon forward, dK/dV and dQ on Hopper (kernels/hopper_ws.py), d=32 the Triton
 # kernels; the interpreter runs Triton only.
 HEAD_DIMS = [32, 128] if ON_GPU else [32]
 
@@ -219,20 +219,21 @@ def test_launch_order_and_loop_form_change_no_result(mask):
 @pytest.mark.skipif(not ON_GPU or torch.cuda.get_device_capability()[0] != 9, reason="Hopper GPU only")
 @pytest.mark.parametrize("mask,window", [("causal", (-1, 0)), ("no_mask", (-1, -1)), ("no_mask", (40, 9))])
 def test_warp_specialized_kernels_serve_d128(monkeypatch, mask, window):
-    """At d=128 the plan runs the Gluon forward and dQ (kernels/hopper_ws.py): they are launched, their
+    """At d=128 the plan runs the Gluon forward, dK/dV and dQ (kernels/hopper_ws.py): they are launched, their
     results are as close to the fp32 reference as the Triton kernels' (NVTE_FUSED_ATTN_WS=0), and the
     head-grouped launch order changes no bit."""
     from transformer_engine.common import settings
 
-    fwd_calls, dq_calls = [], []
+    fwd_calls, dq_calls, dkdv_calls = [], [], []
     monkeypatch.setattr(launch, "attn_fwd_ws_kernel", _KernelSpy(launch.attn_fwd_ws_kernel, fwd_calls))
     monkeypatch.setattr(launch, "attn_bwd_dq_ws_kernel", _KernelSpy(launch.attn_bwd_dq_ws_kernel, dq_calls))
+    monkeypatch.setattr(launch, "attn_bwd_dkdv_ws_kernel", _KernelSpy(launch.attn_bwd_dkdv_ws_kernel, dkdv_calls))
     q, k, v, _ = make_qkv(2, 700, 700, 4, 2, 128, 128, torch.bfloat16, seed=11)
     out, grads, d_out = _run(q, k, v, "bshd", mask, window, 128 ** -0.5)
-    assert len(fwd_calls) == 1 and len(dq_calls) == 1
+    assert len(fwd_calls) == 1 and len(dq_calls) == 1 and len(dkdv_calls) == 1
     with settings.environment(NVTE_FUSED_ATTN_WS="0"):
         out_t, grads_t, _ = _run(q, k, v, "bshd", mask, window, 128 ** -0.5)
-    assert len(fwd_calls) == 1 and len(dq_calls) == 1  # the Triton kernels ran
+    assert len(fwd_calls) == 1 and len(dq_calls) == 1 and len(dkdv_calls) == 1  # the Triton kernels ran
     ref, lowp = ref_and_lowp(q, k, v, d_out, "bshd", mask, window, 128 ** -0.5)
     for name, ours, triton_ours, r, lp in zip(("out", "dq", "dk", "dv"), (out,) + grads, (out_t,) + grads_t, ref,
                                               lowp):
@@ -250,7 +251,9 @@ def test_warp_specialized_kernels_serve_d128(monkeypatch, mask, window):
         fwd = dataclasses.replace(fwd, warp_specialized=dataclasses.replace(fwd.warp_specialized,
                                                                             head_group=head_group))
         bwd = dataclasses.replace(bwd, dq_warp_specialized=dataclasses.replace(bwd.dq_warp_specialized,
-                                                                               head_group=head_group))
+                                                                               head_group=head_group),
+                                  dkdv_warp_specialized=dataclasses.replace(bwd.dkdv_warp_specialized,
+                                                                            head_group=head_group))
         o, lse = launch.forward(q, k, v, fmt, seqs, 0.1, attn_mask, window, fwd)
         return (o, lse) + tuple(launch.backward(q, k, v, o, d_out, lse, fmt, seqs, 0.1, attn_mask, window, True,
                                                 bwd)[:3])

@@ -96,7 +96,7 @@ _DECLARED = (
     EnvVar(
         "NVTE_FUSED_ATTN_WS", "bool", True,
         "0 keeps fused attention on its Triton kernels where the plan would pick the warp-specialized Gluon "
-        "forward and dQ kernels (Hopper, d=128, fp16/bf16, no bias or dropout).",
+        "forward, dK/dV and dQ kernels (Hopper, d=128, fp16/bf16, no bias or dropout).",
     ),
     EnvVar("NVTE_DEBUG", "bool", False, "1 enables debug logging of attention backend selection."),
     EnvVar(

@@ -76,7 +76,7 @@ class BackwardPlan:
     # Tiles of the warp-specialized Gluon dQ pass (kernels/hopper_ws.py) where it serves the config;
     # launchers use it when the tensors also allow TMA, else attn_bwd_dq_kernel with `dq`.
     dq_warp_specialized: Optional[Tiles] = None
-    # The same for the Gluon dK/dV pass.
+    # The same for the Gluon dK/dV pass (attn_bwd_dkdv_kernel with `dkdv` otherwise).
     dkdv_warp_specialized: Optional[Tiles] = None
 
     @property
@@ -164,9 +164,10 @@ _SM90_DQ: Dict[Tuple[int, bool], Tiles] = {
     (128, False): Tiles(128, 64, 8, 3), (128, True): Tiles(128, 64, 8, 3, head_group=8),
     (256, False): Tiles(64, 64, 8, 2), (256, True): Tiles(64, 64, 8, 2),
 }
-# Warp-specialized Gluon forward and dQ on Hopper (kernels/hopper_ws.py): 128 query rows as two consumer
-# warpgroups of 64 plus a loader warp (12 warps allocated: 168 registers each on average), K/V blocks of
-# 128 in a 2-buffer ring. Where it serves: d_qk = d_v = 128, fp16/bf16, no bias, ALiBi or dropout.
+# Warp-specialized Gluon kernels on Hopper (kernels/hopper_ws.py): 128 rows (query rows; keys for dK/dV)
+# as two consumer warpgroups of 64 plus a loader warp (12 warps allocated: 168 registers each on average).
+# Forward: K/V blocks of 128 in a 2-buffer ring. Where they serve: d_qk = d_v = 128, fp16/bf16, no bias,
+# ALiBi or dropout.
 _SM90_FWD_WS = {
     (128, False): Tiles(128, 128, 4, 2, max_registers=168),
     (128, True): Tiles(128, 128, 4, 2, head_group=8, max_registers=168),

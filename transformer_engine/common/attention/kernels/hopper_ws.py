@@ -1,27 +1,30 @@
 """Attention kernels for Hopper (sm_90), warp-specialized, written in Gluon: the forward and the
-backward's dQ pass.
+backward's dK/dV and dQ passes.
 
 The Triton kernels (forward.py, backward.py) run their two warpgroups in lockstep: a CTA barrier every
-key block keeps softmax from overlapping the other warpgroup's matrix products (Nsight Compute: tensor
-pipe 46% in the forward, benchmarks/attention/NOTES.md entry 13). Here a program owns BLOCK_M = 128
-query rows as two consumer warpgroups of 64 rows each plus one loader warp:
+block keeps softmax from overlapping the other warpgroup's matrix products (Nsight Compute: tensor pipe
+46% in the forward, benchmarks/attention/NOTES.md entry 13). Here a program owns 128 rows as two
+consumer warpgroups of 64 rows each plus one loader warp:
 
-- the loader warp brings the row tiles once (Q; Q and dO for dQ) and K/V blocks through a ring of
-  NUM_STAGES shared-memory buffers with TMA (tensor descriptors over one sequence and head: rows past
-  the sequence load as zeros);
-- each consumer walks the same key blocks on its own and releases a buffer by arriving on its "empty"
+- forward and dQ: 128 query rows. The loader warp brings the row tiles once (Q; Q and dO for dQ) and
+  K/V blocks through a ring of NUM_STAGES shared-memory buffers with TMA (tensor descriptors over one
+  sequence and head: rows past the sequence load as zeros);
+- dK/dV: 128 keys. The loader brings K and V once and, per query block of each query head of the GQA
+  group, Q and dO with TMA and the block's LSE and delta rows with cp.async (the consumers read them
+  from shared memory instead of waiting on global loads in their loop: NOTES.md entry 15);
+- each consumer walks the same blocks on its own and releases a buffer by arriving on its "empty"
   barrier (count 2: both consumers), never through a CTA barrier;
 - forward only, measured variants: with PINGPONG the consumers take turns issuing their Q K^T
   products; with OVERLAP a consumer issues block j's Q K^T with block j-1's P V and does block j's
   softmax while P V runs (benchmarks/attention/ws_kernels.py; NOTES.md entry 14).
 
-Launch arguments, grid (plan.block_grid) and results are those of attn_fwd_kernel / attn_bwd_dq_kernel
-(log2-domain scores, natural-log LSE, +inf for rows that see no key, zeros for padded rows) for the
-calls plan.py routes here: fp16/bf16, d_qk = d_v = BLOCK_DQK = BLOCK_DV, no bias, ALiBi or dropout, the
-head dim contiguous and 16-byte aligned strides. Each row's arithmetic is the Triton kernels', in the
-same key-block order, but the products are blocked differently, so results are close to, not bitwise
-equal to, the Triton kernels': the plan picks one kernel per configuration, the same in both frontends,
-so a configuration's results are reproducible bit for bit.
+Launch arguments, grid (plan.block_grid) and results are those of attn_fwd_kernel / attn_bwd_dkdv_kernel
+/ attn_bwd_dq_kernel (log2-domain scores, natural-log LSE, +inf for rows that see no key, zeros for padded
+rows) for the calls plan.py routes here: fp16/bf16, d_qk = d_v = BLOCK_DQK = BLOCK_DV, no bias, ALiBi or
+dropout, the head dim contiguous and 16-byte aligned strides. Each row's (or key's) arithmetic is the
+Triton kernels', in the same block order, but the products are blocked differently, so results are close
+to, not bitwise equal to, the Triton kernels': the plan picks one kernel per configuration, the same in
+both frontends, so a configuration's results are reproducible bit for bit.
 """
 
 from triton.experimental import gluon

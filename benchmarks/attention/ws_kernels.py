@@ -2,10 +2,10 @@
 
 For each case: the forward's output and LSE error against an fp32 reference (computed in query chunks)
 for the Triton forward and each warp-specialized forward schedule, and the gradients' errors with the
-Triton dK/dV and dQ passes and with warp-specialized tiles of either (against an fp32 autograd reference on the small
-cases, against the Triton kernels on the large ones), with a bitwise repeat; then, on the timed cases,
-the forward time and the backward time (preprocess + dK/dV + dQ) of each, in one run, with ratios
-(NOTES.md entries 14-15).
+Triton dK/dV and dQ passes and with warp-specialized tiles of either (against an fp32 autograd reference
+on the small cases, against the Triton kernels on the large ones), with a bitwise repeat; then, on the
+timed cases, the forward time and the backward time (preprocess + dK/dV + dQ) of each, in one run, with
+ratios (NOTES.md entries 14-15).
 
     python benchmarks/attention/ws_kernels.py --out /tmp/ws_kernels      # also writes /tmp/ws_kernels.json
     WS_CHECK_ONLY=1 python benchmarks/attention/ws_kernels.py            # errors only

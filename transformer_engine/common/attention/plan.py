@@ -42,7 +42,7 @@ class Tiles:
 
     @property
     def ws_constexprs(self) -> Dict[str, object]:
-        """What the warp-specialized forward (hopper_ws.py) takes from these tiles: its K/V ring has
+        """What the warp-specialized Gluon kernels (hopper_ws.py) take from these tiles: their ring has
         num_stages buffers."""
         return dict(self.loop_constexprs, NUM_STAGES=self.num_stages, PINGPONG=self.pingpong, OVERLAP=self.overlap)
 

@@ -60,7 +60,7 @@ class _Schedule:
     HAS_RIGHT: gl.constexpr
     PINGPONG: gl.constexpr
     OVERLAP: gl.constexpr
-    ROW_TILES: gl.constexpr  # tiles the loader brings once per consumer: 1 (Q) or 2 (Q and dO)
+    ROW_TILES: gl.constexpr  # tiles the loader brings once per consumer: 1 (Q), 2 (Q and dO); 0 for dK/dV
 
     @gluon.constexpr_function
     def __init__(self, NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, PINGPONG, OVERLAP, ROW_TILES):
@@ -609,12 +609,12 @@ def _dkdv_loader(bufs, bars, bounds, coords, out_args, sched):
     cp.async (any alignment; rows past the sequence read as 0, which the consumers' row mask covers)."""
     NUM_STAGES: gl.constexpr = sched.NUM_STAGES
     BLOCK_M: gl.constexpr = sched.BLOCK_N  # the ring's blocks are query blocks here
-    k_desc, v_desc, q_rows, do_rows, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = bufs
+    k_desc, v_desc, q_rows, do_rows, stat_rows, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = bufs
     kv_bar, q_ready, do_ready, stat_ready, qdo_empty = bars
     lo, hi, full_lo, full_hi = bounds
     start_n, len_q = coords[0], coords[1]
     q_head0, stride_qh, stride_qs, do_head0, stride_doh, stride_dos, gqa_group = q_rows + do_rows
-    lse_head0, delta_head0, stride_lh = out_args[6], out_args[7], out_args[8]
+    lse_head0, delta_head0, stride_lh = stat_rows
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
     row_layout: gl.constexpr = q_smem.type.layout
     stat_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // LOADER_THREADS], [LOADER_THREADS], [1], [0])
@@ -650,13 +650,12 @@ def _dkdv_consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr)
     by query head of the GQA group (the deterministic order of attn_bwd_dkdv_kernel)."""
     NUM_STAGES: gl.constexpr = sched.NUM_STAGES
     BLOCK_M: gl.constexpr = sched.BLOCK_N  # the ring's blocks are query blocks here
-    k_desc, v_desc, q_rows, do_rows, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = bufs
+    k_desc, v_desc, q_rows, do_rows, stat_rows, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = bufs
     gqa_group = do_rows[-1]
     kv_bar, q_ready, do_ready, stat_ready, qdo_empty = bars
     lo, hi, full_lo, full_hi = bounds
     start_n, len_q, len_k, diag, window_left, window_right = coords
-    dk_base, dv_base, stride_dks, stride_dvs, stride_dkd, stride_dvd, lse_head0, delta_head0, stride_lh, rows_out, \
-        qk_scale, sm_scale = out_args
+    dk_base, dv_base, stride_dks, stride_dvs, stride_dkd, stride_dvd, rows_out, qk_scale, sm_scale = out_args
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
     dtype: gl.constexpr = k_desc.dtype
 
@@ -831,11 +830,11 @@ def attn_bwd_dkdv_ws_kernel(
     dk_base = DK + batch.to(gl.int64) * stride_dkb + start_k * stride_dks + head.to(gl.int64) * stride_dkh
     dv_base = DV + batch.to(gl.int64) * stride_dvb + start_k * stride_dvs + head.to(gl.int64) * stride_dvh
     lse_off = batch.to(gl.int64) * stride_lb + head0.to(gl.int64) * stride_lh
-    bufs = (k_desc, v_desc, q_rows, do_rows, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem)
+    stat_rows = (LSE + lse_off, DELTA + lse_off, stride_lh)  # the group's first query head's LSE and delta
+    bufs = (k_desc, v_desc, q_rows, do_rows, stat_rows, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem)
     bounds = (lo, hi, full_lo, full_hi)
     coords = (start_n, len_q, len_k, diag, window_left, window_right)
-    out_args = (dk_base, dv_base, stride_dks, stride_dvs, stride_dkd, stride_dvd, LSE + lse_off, DELTA + lse_off,
-                stride_lh, rows_out, qk_scale, sm_scale)
+    out_args = (dk_base, dv_base, stride_dks, stride_dvs, stride_dkd, stride_dvd, rows_out, qk_scale, sm_scale)
     sched = _Schedule(NUM_STAGES, BLOCK_M, HAS_LEFT, HAS_RIGHT, False, False, 0)
     args = (bufs, bars, bounds, coords, out_args, sched)
     gl.warp_specialize([(_dkdv_consumer0, args), (_dkdv_consumer1, args), (_dkdv_loader, args)], [4, 1],

@@ -1,7 +1,7 @@
 """One deterministic fwd+bwd of the issue-3 shape, twice, for Nsight Compute to profile the second step's
 forward, dK/dV and dQ kernels (the first step compiles). Run under ncu on the GPU machine:
 
-    ncu --clock-control none --kernel-name regex:"attn_(fwd|bwd_dkdv|bwd_dq)_kernel" --launch-skip 3 \
+    ncu --clock-control none --kernel-name regex:"attn_(fwd|bwd_dkdv|bwd_dq)(_ws)?_kernel" --launch-skip 3 \
         --launch-count 3 --section SpeedOfLight --section WarpStateStats python ncu_step.py [--causal]
 """
 

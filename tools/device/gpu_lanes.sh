@@ -93,7 +93,7 @@ section() {
       note "timeline rc=$? $(grep -h 'causal | ours_det' "$d/timeline.md" 2>/dev/null | cut -c1-160)" ;;
     ncu)  # Nsight Compute over the second step's forward, dK/dV and dQ (benchmarks/attention/ncu_step.py)
       (cd benchmarks/attention && timeout "$(limit NCU 200)" ncu --clock-control none \
-        --kernel-name regex:"attn_(fwd|bwd_dkdv|bwd_dq)_kernel" --launch-skip 3 --launch-count 3 \
+        --kernel-name regex:"attn_(fwd|bwd_dkdv|bwd_dq)(_ws)?_kernel" --launch-skip 3 --launch-count 3 \
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
         --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
         --section InstructionStats python3 ncu_step.py ${NCU_ARGS:---causal}) > "$d/ncu.txt" 2>&1

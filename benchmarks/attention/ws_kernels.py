@@ -150,11 +150,11 @@ def main():
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     check_only = bool(os.environ.get("WS_CHECK_ONLY"))
-    # By head dim: forward tile fields, and (dK/dV tile fields, dQ tile fields) with None keeping that pass
-    # on Triton; the planned tiles first. Ping-pong, overlap and 3 stages lost in the forward (NOTES.md entry
-    # 14); at d=64 (no plan entry) results/ws_kernels.json (session 8, run 2) has them against Triton (entry 15).
-    variants = {128: {"ws": {}}}
-    bwd_variants = {128: {"bwd_ws": ({}, {}), "dq_ws": (None, {}), "bwd_ws_dkdv_2stage": (dict(num_stages=2), {})}}
+    # Forward tile fields, and (dK/dV tile fields, dQ tile fields) with None keeping that pass on Triton; the
+    # planned tiles first. Ping-pong, overlap and 3 stages lost in the forward (NOTES.md entry 14); the Gluon
+    # kernels at d=64 (no plan entry) are in results/ws_kernels.json, session 8 run 2 (entry 15).
+    variants = {"ws": {}}
+    bwd_variants = {"bwd_ws": ({}, {}), "dq_ws": (None, {}), "bwd_ws_dkdv_2stage": (dict(num_stages=2), {})}
     bf16 = torch.bfloat16
     checks = [  # (b, h, hk, s_q, s_kv, d, mask, window, dtype)
         (2, 4, 4, 1000, 1000, 128, "causal", (-1, 0), bf16),
@@ -171,8 +171,8 @@ def main():
         (4, 16, 16, 4096, 4096, 128, "none", (-1, -1), bf16),
         (1, 16, 16, 16384, 16384, 128, "causal", (-1, 0), bf16),
     ]
-    rows = [run_case(*c, variants[c[5]], bwd_variants[c[5]], False, check_only) for c in checks]
-    rows += [run_case(*c, variants[c[5]], bwd_variants[c[5]], True, check_only) for c in timed_cases]
+    rows = [run_case(*c, variants, bwd_variants, False, check_only) for c in checks]
+    rows += [run_case(*c, variants, bwd_variants, True, check_only) for c in timed_cases]
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out + ".json", "w") as f:

@@ -29,7 +29,9 @@ from transformer_engine.common.attention.plan import backward_plan, forward_plan
 H100_SMEM_BYTES = 232448  # opt-in shared memory per block on sm_90
 # The compile helpers live with the resource report (benchmarks/attention/kernel_resources.py).
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "attention"))
-from kernel_resources import compile_sm90, resources  # noqa: E402
+from kernel_resources import SM90, compile_sm90, launch_args, resources  # noqa: E402
+
+from transformer_engine.common.attention.kernels.aot import compile_kernel  # noqa: E402
 
 
 def _compile(fn, constexprs, tiles, dqk, dv, bias=False):
@@ -112,3 +114,26 @@ def test_sm90_zero_outside_sequences_compiles(dtype, heads, head_dim):
                 BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_T=max(1, min(16, 8192 // (block_h * block_d))))
     kernel = compile_kernel(zero_outside_sequences_kernel, args, dict(num_warps=4, num_stages=1), SM90)
     assert kernel.cubin
+
+
+@pytest.mark.parametrize("fn,kind", [(attn_bwd_dq_kernel, "dq"), (attn_fwd_kernel, "fwd"), (attn_bwd_dkdv_kernel, "dkdv")])
+def test_sm90_kernels_compile_the_same_for_every_sequence_length(fn, kind):
+    """Regression: with s_q = 1 Triton specialised seqlen_q as a constant, and that variant of the d=256
+    dQ kernel made an illegal memory access on the H200. Sequence lengths are no longer specialised:
+    s_q = 1, a multiple of 16 and any other length give the one compiled kernel."""
+    cfg = AttnConfig(batch_size=1, num_heads_q=16, num_heads_kv=16, head_dim_qk=256, head_dim_v=256,
+                     max_seqlen_q=1, max_seqlen_kv=2048, dtype="bfloat16", attn_mask_type=AttnMaskType.NO_MASK,
+                     deterministic=True, device_type="cuda", compute_capability=(9, 0))
+    fwd, bwd = forward_plan(cfg), backward_plan(cfg)
+    tiles = {"fwd": fwd.tiles, "dq": bwd.dq, "dkdv": bwd.dkdv}[kind]
+    flags = dict(HEAD_DIM_QK=256, HEAD_DIM_V=256, BLOCK_DQK=256, BLOCK_DV=256, IS_THD=False, HAS_SEQLENS=False,
+                 HAS_LEFT=False, HAS_RIGHT=False, BOTTOM_RIGHT=True, DOT_PRECISION=fwd.dot_precision,
+                 HAS_BIAS=False, HAS_ALIBI=False, DROPOUT=False, TMA=False, **tiles.loop_constexprs)
+    if kind == "dkdv":
+        flags.update(ATOMIC_DQ=False, gqa_group=1)
+    hashes = set()
+    for seqlen_q, seqlen_k in ((1, 2048), (16, 2048), (17, 1), (4096, 2047)):
+        args = launch_args(fn, flags, 256, 256, heads=16, seqlen=4096)
+        args.update(seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+        hashes.add(compile_kernel(fn, args, tiles.launch_options, SM90).hash)
+    assert len(hashes) == 1

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from transformer_engine.common.attention.kernels.masking import (
+    SEQLEN_ARGS,
     grid_program,
     key_block_bounds,
     load_block,
@@ -31,7 +32,7 @@ from transformer_engine.common.attention.kernels.scores import (
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SEQLEN_ARGS[:1])
 def attn_bwd_preprocess_kernel(
     O, DO, DELTA,
     SEQ_START_Q, SEQ_LEN_Q,
@@ -108,7 +109,7 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, dq_ptrs,
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SEQLEN_ARGS)
 def attn_bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, BIAS, ALIBI_SLOPES, RNG_STATE,
     SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K,
@@ -248,7 +249,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs,
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SEQLEN_ARGS)
 def attn_bwd_dq_kernel(
     Q, K, V, DO, DQ, LSE, DELTA, BIAS, ALIBI_SLOPES, RNG_STATE,
     SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K,
@@ -325,7 +326,7 @@ def attn_bwd_dq_kernel(
              mask=(offs_m[:, None] < rows_out) & (offs_dqk[None, :] < HEAD_DIM_QK))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SEQLEN_ARGS)
 def attn_bwd_dbias_kernel(
     Q, K, V, DO, LSE, DELTA, BIAS, DBIAS, RNG_STATE,
     SEQ_LEN_Q, SEQ_LEN_K,

@@ -11,6 +11,12 @@ sequence sits in a packed tensor: that is what makes results batch- and packing-
 import triton
 import triton.language as tl
 
+# Sequence lengths stay runtime values for the compiler (the kernels' `do_not_specialize`): Triton
+# would otherwise compile a separate variant for a length of 1 or a multiple of 16, so a length
+# could reach code that no other length runs. The s_q = 1 variant (decoding-style calls) of the
+# d=256 dQ kernel made an illegal memory access on sm_90; the generic one is right at s_q = 1.
+SEQLEN_ARGS = ("seqlen_q", "seqlen_k")
+
 
 @triton.jit
 def visible(q_idx, k_idx, len_q, len_k, diag, window_left, window_right,

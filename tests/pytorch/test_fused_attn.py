@@ -96,6 +96,20 @@ def test_cross_attention_and_windows(sq, sk, mask, window):
     _check(q, k, v, out, grads, d_out, "bshd", mask, window, 32 ** -0.5)
 
 
+@pytest.mark.parametrize("dims", HEAD_DIMS, ids=lambda d: f"dqk{d[0]}_dv{d[1]}")
+@pytest.mark.parametrize("sq", [1, 3])
+@pytest.mark.parametrize("mask", ["no_mask", "causal_bottom_right"])
+def test_illegal_address_at_short_query_length(dims, sq, mask):
+    """Regression: s_q = 1 against long keys (decoding-style calls; TransformerEngine's base_3_1 row)
+    faulted in the d=256 dQ kernel on the H200. Every head-dim bucket, forward and backward."""
+    dqk, dv = dims
+    sk = 2048 if ON_GPU else 37
+    q, k, v, _ = make_qkv(2, sq, sk, 2, 2, dqk, dv, DTYPES[-1])
+    scale = dqk ** -0.5
+    out, grads, d_out = _run(q, k, v, None, "bshd", mask, (-1, -1), scale)
+    _check(q, k, v, out, grads, d_out, "bshd", mask, (-1, -1), scale)
+
+
 def test_rows_without_keys_are_zero():
     dtype = DTYPES[0]
     sq, sk = S + 10, S - 10

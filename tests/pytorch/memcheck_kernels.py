@@ -1,0 +1,83 @@
+"""Every planned kernel variant once, at small shapes, for a memory checker (compute-sanitizer).
+
+Forward and backward through fused_attn_func for each head-dim bucket, at s_q = 1, s_q below one
+tile and s_q != s_kv, with bias, ALiBi, dropout, sliding windows, padding and thd packing, GQA, in
+fp16 and bf16. Each result is checked finite; under ``compute-sanitizer --tool memcheck
+--error-exitcode 1`` any out-of-bounds or misaligned access fails the run.
+
+    compute-sanitizer --tool memcheck --error-exitcode 1 python tests/pytorch/memcheck_kernels.py
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+import torch
+
+from transformer_engine.pytorch.attention.fused_attn import fused_attn_func, new_rng_state
+
+HEAD_DIMS = [(64, 64), (72, 72), (128, 128), (192, 128), (256, 256)]
+# (s_q, s_kv, mask, window, extra): extra names a score modifier or layout
+SHAPES = [
+    (1, 67, "no_mask", (-1, -1), None),
+    (5, 67, "causal_bottom_right", (-1, -1), None),
+    (130, 130, "causal", (-1, -1), None),
+    (67, 200, "no_mask", (17, 5), None),
+    (130, 97, "causal", (-1, -1), "bias"),
+    (97, 97, "no_mask", (-1, -1), "alibi"),
+    (97, 130, "no_mask", (-1, -1), "dropout"),
+    (97, 97, "padding_causal", (-1, -1), "padding"),
+    (97, 130, "padding_causal_bottom_right", (-1, -1), "thd"),
+]
+
+
+def run(dims, shape, dtype, heads=(4, 2)):
+    (dqk, dv), (sq, skv, mask, window, extra) = dims, shape
+    h, hk = heads
+    b = 2
+    g = torch.Generator(device="cpu").manual_seed(0)
+    kw = {}
+    if extra == "thd":
+        lens_q, lens_kv = [sq, max(sq // 3, 1)], [skv, max(skv // 2, 1)]
+        cu_q = torch.tensor([0, lens_q[0], sum(lens_q)], dtype=torch.int32, device="cuda")
+        cu_kv = torch.tensor([0, lens_kv[0], sum(lens_kv)], dtype=torch.int32, device="cuda")
+        shapes = [(sum(lens_q), h, dqk), (sum(lens_kv), hk, dqk), (sum(lens_kv), hk, dv)]
+        fmt = "thd"
+        kw.update(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=max(lens_q), max_seqlen_kv=max(lens_kv))
+    else:
+        shapes = [(b, sq, h, dqk), (b, skv, hk, dqk), (b, skv, hk, dv)]
+        fmt = "bshd"
+    q, k, v = (torch.randn(s, generator=g).to("cuda", dtype).requires_grad_() for s in shapes)
+    if extra == "padding":
+        kw.update(cu_seqlens_q=torch.tensor([0, sq - 3, 2 * sq - 10], dtype=torch.int32, device="cuda"),
+                  cu_seqlens_kv=torch.tensor([0, skv - 3, 2 * skv - 10], dtype=torch.int32, device="cuda"))
+    if extra == "bias":
+        kw["core_attention_bias"] = torch.randn(1, h, sq, skv, generator=g).to("cuda", dtype).requires_grad_()
+    if extra == "alibi":
+        kw["alibi_slopes"] = torch.rand(h, generator=g).to("cuda", torch.float32)
+    if extra == "dropout":
+        kw.update(dropout_p=0.1, rng_state=new_rng_state(torch.device("cuda")))
+    out = fused_attn_func(q, k, v, fmt, mask, window, dqk ** -0.5, deterministic=True, **kw)
+    leaves = [q, k, v] + ([kw["core_attention_bias"]] if extra == "bias" else [])
+    grads = torch.autograd.grad(out, leaves, torch.randn_like(out))
+    torch.cuda.synchronize()
+    for t in (out,) + grads:
+        if not torch.isfinite(t).all():
+            raise AssertionError(f"non-finite result at {dims} {shape} {dtype}")
+
+
+def main() -> int:
+    count = 0
+    for dims, shape, dtype in itertools.product(HEAD_DIMS, SHAPES, (torch.float16, torch.bfloat16)):
+        run(dims, shape, dtype)
+        count += 1
+    for heads in ((4, 4), (4, 1)):
+        run((128, 128), SHAPES[2], torch.bfloat16, heads)
+        count += 1
+    print(f"memcheck_kernels: {count} configurations ran", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -5,7 +5,8 @@ case that kills its process (a CUDA illegal address poisons every later call of 
 runs past its time limit is recorded as crashed and the worker is replaced, so one fault cannot
 hide the cases after it. Writes ``results.jsonl`` (one line per case) and ``summary.md`` (counts per
 table: pass / fail / refused with a reason / error / crashed; the refused, failed and crashed cases
-listed) to ``--out``, and exits non-zero when any case failed, errored or crashed.
+listed) to ``--out``; cases that ran out of GPU memory next to the other workers' run again alone.
+Exits non-zero when any case failed, errored or crashed.
 
     python tests/pytorch/run_te_tables.py --out /tmp/te_tables [--tables base,mask] [--workers 6]
 """
@@ -93,13 +94,14 @@ class Worker:
             self.proc.wait(timeout=60)
 
 
-def run_all(names: List[str], out_dir: str, workers: int, timeout: float, scale_down: bool) -> List[Dict]:
+def run_all(names: List[str], out_dir: str, workers: int, timeout: float, scale_down: bool,
+            log_name: str = "results.jsonl") -> List[Dict]:
     todo: "queue.Queue[str]" = queue.Queue()
     for name in names:
         todo.put(name)
     results: List[Dict] = []
     lock = threading.Lock()
-    sink = open(os.path.join(out_dir, "results.jsonl"), "w")
+    sink = open(os.path.join(out_dir, log_name), "w")
 
     def serve(index: int) -> None:
         worker = Worker(index, out_dir, scale_down)
@@ -173,6 +175,15 @@ def main(argv=None) -> int:
         names = wanted
     start = time.time()
     results = run_all(names, args.out, args.workers, args.timeout, args.scale_down)
+    # Cases that ran out of memory next to the other workers' cases run again, one at a time.
+    retry = [r["case"] for r in results if r["status"] == "oom"]
+    if retry:
+        print(f"{len(retry)} cases ran out of memory beside others: again, one at a time", flush=True)
+        again = {r["case"]: r for r in run_all(retry, args.out, 1, args.timeout, args.scale_down, "results_retry.jsonl")}
+        results = [again.get(r["case"], r) for r in results]
+        for r in results:
+            if r["status"] == "oom":
+                r["status"] = "crashed"
     counts = collections.Counter(r["status"] for r in results)
     header = (f"# TransformerEngine attention tables through DotProductAttention\n\n"
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {len(results)} cases, "
@@ -181,6 +192,8 @@ def main(argv=None) -> int:
     text = summarize(results, header)
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write(text)
+    with open(os.path.join(args.out, "results.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in results)
     print(text)
     bad = counts["fail"] + counts["error"] + counts["crashed"]
     print("te_tables: " + ", ".join(f"{counts[s]} {s}" for s in STATUSES))

@@ -17,7 +17,7 @@
 # sweeps Tiles fields of the planned tiles instead of the tile table), core (bench_core.py), timeline
 # (step_timeline.py; TIMELINE_ARGS), ws (ws_kernels.py: the Gluon kernels' errors and speed), ncu (Nsight Compute over ncu_step.py; NCU_ARGS), fa4 / fa4tests
 # (install_flash_attn4.sh phase1 / phase2 + gpu_flash.sh tests), bench (gpu_bench.sh parts in
-# BENCH_PARTS); 2-GPU: tp (torchrun tensor-parallel heads), jaxmesh (tests/jax/test_jax_two_device_mesh.py).
+# BENCH_PARTS), tetables (qa/L1_pytorch_te_tables; TE_TABLES_WORKERS), memcheck (qa/L1_memcheck); 2-GPU: tp (torchrun tensor-parallel heads), jaxmesh (tests/jax/test_jax_two_device_mesh.py).
 # Limits per section come from <SECTION>_TIMEOUT (seconds); the defaults suit a 600 s call. CORE_ARGS: extra
 # bench_core.py arguments; GPU1: the second lane's GPU (default 1; 0 on a one-GPU machine); sleep:N waits.
 set -u
@@ -118,6 +118,13 @@ section() {
       CUDA_VISIBLE_DEVICES=0,1 NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 timeout "$(limit JAXMESH 180)" python3 -m pytest -q \
         -p no:cacheprovider tests/jax/test_jax_two_device_mesh.py > "$d/jaxmesh.log" 2>&1
       note "jax 2-GPU mesh rc=$? $(tail -1 "$d/jaxmesh.log")" ;;
+    tetables)  # TransformerEngine's test tables through DotProductAttention (qa/L1_pytorch_te_tables)
+      TE_TABLES_OUT=$d/te_tables TE_TABLES_ARGS="--workers ${TE_TABLES_WORKERS:-6}" timeout "$(limit TETABLES 400)" \
+        bash qa/L1_pytorch_te_tables/test.sh > "$d/te_tables.log" 2>&1
+      note "te tables rc=$? $(grep -m1 '^te_tables:' "$d/te_tables.log")" ;;
+    memcheck)  # compute-sanitizer memcheck over every kernel variant (qa/L1_memcheck)
+      timeout "$(limit MEMCHECK 300)" bash qa/L1_memcheck/test.sh > "$d/memcheck.log" 2>&1
+      note "memcheck rc=$? $(grep -m1 -E 'ERROR SUMMARY|memcheck_kernels:' "$d/memcheck.log") $(tail -1 "$d/memcheck.log")" ;;
     sleep:*) sleep "${s#sleep:}" ;;  # e.g. keep a shared GPU quiet while the other lane benchmarks
     *) note "unknown section $s" ;;
   esac

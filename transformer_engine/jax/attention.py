@@ -452,7 +452,9 @@ def _mesh_axis_size(axis: str) -> int:
     there is no such mesh or axis."""
     from jax.interpreters import pxla
 
-    meshes = [pxla.thread_resources.env.physical_mesh, jax.sharding.get_abstract_mesh()]
+    with warnings.catch_warnings():  # ``with mesh:`` (TransformerEngine's way) is read through it
+        warnings.simplefilter("ignore", DeprecationWarning)
+        meshes = [pxla.thread_resources.env.physical_mesh, jax.sharding.get_abstract_mesh()]
     for mesh in meshes:
         if mesh is not None and not mesh.empty and axis in mesh.axis_names:
             return int(mesh.shape[axis])

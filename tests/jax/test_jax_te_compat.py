@@ -407,7 +407,7 @@ def test_unsupported_te_arguments_raise_naming_them(overrides, error, words):
     assert words in str(info.value)
 
 
-@pytest.mark.filterwarnings("ignore:.*with mesh:.*:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:.*context manager has been deprecated:DeprecationWarning")
 def test_context_parallel_axis_of_size_one_runs_and_larger_is_refused():
     q, k, v = _qkv()
     kwargs = dict(attn_bias_type=AttnBiasType.NO_BIAS, attn_mask_type=AttnMaskType.CAUSAL_MASK,
@@ -600,7 +600,7 @@ def test_reorder_errors_name_the_argument(args, words):
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.filterwarnings("ignore:.*with mesh:.*:DeprecationWarning")
+@pytest.mark.filterwarnings("ignore:.*context manager has been deprecated:DeprecationWarning")
 def test_flax_dot_product_attention_as_maxtext_calls_it():
     pytest.importorskip("flax", reason="Flax is not installed")
     from transformer_engine.jax.flax.transformer import DotProductAttention

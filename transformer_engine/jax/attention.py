@@ -746,14 +746,15 @@ def fused_attn(
     :param max_segments_per_seq: sequences per row for THD layouts (other layouts hold one; a
         larger value there warns, as TransformerEngine does, and is read as 1).
     :param window_size: ``(left, right)`` sliding window, ``-1`` unbounded (``None``: no window).
-    :param context_parallel_strategy, context_parallel_causal_load_balanced, context_parallel_axis,
-        stripe_size: context parallelism is not implemented: these must describe none (DEFAULT, a
-        context-parallel axis of size 1, no stripes); otherwise ``NotImplementedError``.
+    :param context_parallel_strategy: ``CPStrategy.DEFAULT``. Context parallelism is not
+        implemented: this, ``context_parallel_causal_load_balanced``, ``context_parallel_axis`` and
+        ``stripe_size`` must describe none (DEFAULT, a context-parallel axis of size 1, no
+        stripes); otherwise ``NotImplementedError``.
     :param context_checkpoint_name: the ``jax.ad_checkpoint.checkpoint_name`` given to the output
         (and, on the fused backend, to the saved softmax statistics) for remat policies.
     :param softmax_offset: only for the learnable softmax (not implemented yet); must be ``None``.
-    :param score_mod, score_mod_bprop, score_mod_tensors, score_mod_bprop_tensors: cuDNN frontend
-        callbacks; must be ``None`` (``NotImplementedError``).
+    :param score_mod: a cuDNN frontend callback; it, ``score_mod_bprop``, ``score_mod_tensors``
+        and ``score_mod_bprop_tensors`` must be ``None`` (``NotImplementedError``).
     :returns: ``[b, s_q, h_q, d_v]`` (``[s_q, b, h_q, d_v]`` for SBHD) in the dtype of ``q``. A
         query that sees no key gets zeros, and zero gradients.
 

@@ -444,7 +444,7 @@ def test_bias_with_sequences_that_may_start_late_stays_unfused(monkeypatch, desc
     }[descriptor]()
     call = te_attention._parse_call(
         (q, q, q), jnp.zeros((1, h, s, s), jnp.float16), seq, None, AttnBiasType.POST_SCALE_BIAS,
-        AttnMaskType.PADDING_MASK, QKVLayout.BSHD_BSHD_BSHD, None, 0.0, True, 1, None)
+        AttnMaskType.PADDING_MASK, QKVLayout.BSHD_BSHD_BSHD, "vanilla", None, 0.0, True, 1, None)
     selection = te_attention.select_attention_backend(call.config)
     if descriptor == "seqlens":
         assert selection.backend.SHORT_NAME == "fused", selection.rejected

@@ -533,7 +533,8 @@ def test_fused_attn_helper_agrees_with_the_availability_query():
     helper = FusedAttnHelper(*fields)
     available = is_fused_attn_kernel_available(*fields)
     assert helper.is_fused_attn_kernel_available() is available
-    expected = NVTE_Fused_Attn_Backend.NVTE_F16_arbitrary_seqlen if available else NVTE_Fused_Attn_Backend.NVTE_No_Backend
+    backends = NVTE_Fused_Attn_Backend
+    expected = backends.NVTE_F16_arbitrary_seqlen if available else backends.NVTE_No_Backend
     assert helper.get_fused_attn_backend() is expected
     if jax.devices()[0].platform == "cpu":
         assert not available and any("CUDA" in r for r in helper.unavailable_reasons())

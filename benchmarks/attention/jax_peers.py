@@ -111,8 +111,8 @@ def make_attention(impl: str, case: Case, data: dict, dry_run: bool):
             mask = AttnMaskType.CAUSAL_MASK if case.causal else AttnMaskType.NO_MASK
         args = data["packed"] if thd else data["dense"]
         reasons = fused_attn_unavailable_reasons(True, args[0].dtype, args[1].dtype, layout, AttnBiasType.NO_BIAS,
-                                                 mask, 0.0, case.hq, case.hkv, args[0].shape[1], args[1].shape[1],
-                                                 case.d)
+                                                 mask, "vanilla", 0.0, case.hq, case.hkv, args[0].shape[1],
+                                                 args[1].shape[1], case.d)
         if reasons and not dry_run:
             raise Skip("JAX fused kernels unavailable here: " + "; ".join(reasons))
         desc, segments = None, 1

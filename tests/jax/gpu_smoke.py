@@ -20,7 +20,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from transformer_engine.jax import attention as te_attention  # noqa: E402
-from transformer_engine.jax.attention import AttnBiasType, AttnMaskType, QKVLayout, SequenceDescriptor  # noqa: E402
+from transformer_engine.jax.attention import (  # noqa: E402
+    AttnBiasType, AttnMaskType, AttnSoftmaxType, QKVLayout, SequenceDescriptor)
 from transformer_engine.jax.primitives import gpu  # noqa: E402
 
 
@@ -64,7 +65,7 @@ def main() -> int:
         v = jax.random.normal(ks[2], (b, s, hk, d), jnp.float32).astype(dtype)
         dout = jax.random.normal(ks[3], (b, s, hq, d), jnp.float32).astype(dtype)
         desc = None
-        if mask.is_padding:
+        if mask.is_padding():
             lens = jnp.array([[s // 3, s // 4, s // 5], [s // 2, 0, s // 3]])[:, :m] if m > 1 else jnp.array([s, s - 61])
             desc = SequenceDescriptor.from_seqlens(lens[:b])
         fused = grads_fn("fused", mask, layout, desc, d**-0.5, m)
@@ -91,7 +92,7 @@ def main() -> int:
             print(f"    {label}: {1e3 * (time.perf_counter() - start) / 10:.2f} ms per fwd+bwd")
     selection = te_attention.select_attention_backend(te_attention._parse_call(
         (q, k, v), None, None, None, AttnBiasType.NO_BIAS, AttnMaskType.CAUSAL_MASK, QKVLayout.BSHD_BSHD_BSHD,
-        0.125, 0.0, True, 1, None).config)
+        AttnSoftmaxType.VANILLA_SOFTMAX, 0.125, 0.0, True, 1, None).config)
     print(f"fused_attn selects: {selection.name}")
     if selection.name != "FusedAttention":
         fail(f"fused_attn selected {selection.name}; rejected: {selection.rejected}")

@@ -75,7 +75,7 @@ _LENS = SequenceDescriptor.from_seqlens(jnp.array([16, 9]))
         ((q, k, v), dict(attn_mask_type=AttnMaskType.PADDING_MASK), ValueError, "`sequence_descriptor` must be given"),
         ((q, k, v), dict(qkv_layout=QKVLayout.THD_THD_THD, sequence_descriptor=_LENS), ValueError,
          "`attn_mask_type` must be a padding mask"),
-        ((q, k, v), dict(max_segments_per_seq=2), ValueError, "`max_segments_per_seq` must be 1"),
+        ((q, k, v), dict(max_segments_per_seq=0), ValueError, "`max_segments_per_seq` must be a positive int"),
         ((q, k, v), dict(dropout_probability=1.0), ValueError, "`dropout_probability` must be in [0, 1)"),
         ((q, k, v), dict(dropout_probability=0.1), ValueError, "`seed` must be a PRNG key"),
         ((q, k, v), dict(bias=jnp.zeros((1, H, S, S))), ValueError, "`bias` must be None with attn_bias_type"),
@@ -153,8 +153,8 @@ def test_descriptor_is_a_pytree_through_jit():
 
 _AVAILABLE_ARGS = dict(
     is_training=True, q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, qkv_layout=QKVLayout.BSHD_BSHD_BSHD,
-    attn_bias_type=AttnBiasType.NO_BIAS, attn_mask_type=AttnMaskType.CAUSAL_MASK, dropout_probability=0.0,
-    q_num_heads=8, kv_num_heads=2, q_max_seqlen=128, kv_max_seqlen=128, head_dim_qk=64, head_dim_v=64,
+    attn_bias_type=AttnBiasType.NO_BIAS, attn_mask_type=AttnMaskType.CAUSAL_MASK, softmax_type="vanilla",
+    dropout_probability=0.0, q_num_heads=8, kv_num_heads=2, q_max_seqlen=128, kv_max_seqlen=128, head_dim_qk=64, head_dim_v=64,
 )
 
 

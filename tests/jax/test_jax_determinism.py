@@ -113,7 +113,7 @@ def _backend(name: str) -> str:
         return name
     reasons = te_attention.fused_attn_unavailable_reasons(
         True, jnp.bfloat16, jnp.bfloat16, QKVLayout.BSHD_BSHD_BSHD, AttnBiasType.NO_BIAS, AttnMaskType.CAUSAL_MASK,
-        0.0, 8, 2, 128, 128, 64, 64)
+        "vanilla", 0.0, 8, 2, 128, 128, 64, 64)
     return "unfused" if reasons else "fused"
 
 
@@ -194,7 +194,7 @@ def _torch_fused():
                                      reason="the PyTorch frontend is not importable")
     reasons = te_attention.fused_attn_unavailable_reasons(
         True, jnp.bfloat16, jnp.bfloat16, QKVLayout.BSHD_BSHD_BSHD, AttnBiasType.NO_BIAS, AttnMaskType.CAUSAL_MASK,
-        0.0, 8, 2, 128, 128, 64, 64)
+        "vanilla", 0.0, 8, 2, 128, 128, 64, 64)
     if reasons:
         pytest.skip("JAX fused backend unavailable: " + "; ".join(reasons))
     return torch, fused_attn.fused_attn_func

@@ -26,7 +26,7 @@ MESHES = {
     "dp8": ((8,), ("dp",), MeshResource(dp_resource="dp")),
     "dp2-tp4": ((2, 4), ("dp", "tp"), MeshResource(dp_resource="dp", tp_resource="tp")),
     "fsdp4-tp2": ((4, 2), ("fsdp", "tp"), MeshResource(fsdp_resource="fsdp", tp_resource="tp")),
-    "dp2-fsdp2-tp2": ((2, 2, 2), ("dp", "fsdp", "tp"), MeshResource("dp", "tp", "fsdp")),
+    "dp2-fsdp2-tp2": ((2, 2, 2), ("dp", "fsdp", "tp"), MeshResource(dp_resource="dp", tp_resource="tp", fsdp_resource="fsdp")),
 }
 
 

@@ -17,6 +17,7 @@ from transformer_engine.common import log as te_log  # noqa: E402
 from transformer_engine.jax.attention import (  # noqa: E402
     AttnBiasType,
     AttnMaskType,
+    AttnSoftmaxType,
     QKVLayout,
     SequenceDescriptor,
     fused_attn,
@@ -29,7 +30,7 @@ B, S, H, G, D = 2, 16, 4, 2, 16
 def _reference(q, k, v, mask=AttnMaskType.CAUSAL_MASK, desc=None, bias=None, layout=QKVLayout.BSHD_BSHD_BSHD):
     return fused_attn(pack(q, k, v, layout), bias, desc, None,
                       AttnBiasType.NO_BIAS if bias is None else AttnBiasType.POST_SCALE_BIAS, mask, layout,
-                      D**-0.5, 0.0, True)
+                      AttnSoftmaxType.VANILLA_SOFTMAX, D**-0.5, 0.0, True)
 
 
 @pytest.mark.parametrize("layout", [QKVLayout.BSHD_BSHD_BSHD, QKVLayout.BSHD_BS2HD, QKVLayout.BS3HD],

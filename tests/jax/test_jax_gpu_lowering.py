@@ -398,7 +398,7 @@ def test_selection_holds_the_bias_back_until_verified_on_a_gpu(monkeypatch):
     monkeypatch.setattr(gpu, "BIAS_VERIFIED_ON_GPU", False)
     args = dict(is_training=True, q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, qkv_layout="bshd_bshd_bshd",
                 attn_bias_type=AttnBiasType.POST_SCALE_BIAS, attn_mask_type=AttnMaskType.PADDING_CAUSAL_MASK,
-                dropout_probability=0.0, q_num_heads=4, kv_num_heads=2, q_max_seqlen=128, kv_max_seqlen=128,
+                softmax_type="vanilla", dropout_probability=0.0, q_num_heads=4, kv_num_heads=2, q_max_seqlen=128, kv_max_seqlen=128,
                 head_dim_qk=64, bias_shape=(1, 4, 128, 128))
     assert te_attention._fused_reasons(**args, selecting=False) == []
     public = te_attention.fused_attn_unavailable_reasons(**args)
@@ -444,7 +444,7 @@ def test_bias_with_sequences_that_may_start_late_stays_unfused(monkeypatch, desc
     }[descriptor]()
     call = te_attention._parse_call(
         (q, q, q), jnp.zeros((1, h, s, s), jnp.float16), seq, None, AttnBiasType.POST_SCALE_BIAS,
-        AttnMaskType.PADDING_MASK, QKVLayout.BSHD_BSHD_BSHD, None, 0.0, True, 1, None)
+        AttnMaskType.PADDING_MASK, QKVLayout.BSHD_BSHD_BSHD, "vanilla", None, 0.0, True, 1, None)
     selection = te_attention.select_attention_backend(call.config)
     if descriptor == "seqlens":
         assert selection.backend.SHORT_NAME == "fused", selection.rejected

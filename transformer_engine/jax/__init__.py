@@ -1,5 +1,6 @@
 """JAX frontend: ``fused_attn`` (transformer_engine.jax.attention), sharding resources
-(transformer_engine.jax.sharding) and the Flax module (transformer_engine.jax.flax)."""
+(transformer_engine.jax.sharding, ``autocast``) and the Flax module (transformer_engine.jax.flax),
+with TransformerEngine-JAX's names and import paths."""
 
 try:
     import jax  # noqa: F401
@@ -9,7 +10,17 @@ except ImportError as err:  # pragma: no cover - exercised by tests/common/test_
         "transformer_engine.jax.flax), then build this package for it: NVTE_FRAMEWORK=jax pip install ."
     ) from err
 
-from transformer_engine.jax import attention, sharding
+from transformer_engine.jax import attention, cpp_extensions, sharding
+from transformer_engine.jax.quantize import autocast, fp8_autocast
 from transformer_engine.jax.sharding import MeshResource, global_mesh_resource, global_shard_guard
 
-__all__ = ["attention", "sharding", "MeshResource", "global_shard_guard", "global_mesh_resource"]
+__all__ = [
+    "attention",
+    "autocast",
+    "cpp_extensions",
+    "fp8_autocast",
+    "sharding",
+    "MeshResource",
+    "global_shard_guard",
+    "global_mesh_resource",
+]

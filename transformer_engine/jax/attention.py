@@ -24,12 +24,16 @@ also keeps batch split over dp/fsdp and heads over tp under ``custom_partitionin
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
+import warnings
 from dataclasses import dataclass
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from transformer_engine.common import settings
 from transformer_engine.common.attention.backends import (
@@ -38,23 +42,45 @@ from transformer_engine.common.attention.backends import (
     UnfusedDotProductAttention,
     select_backend,
 )
+from transformer_engine.common.attention import enums as _common
 from transformer_engine.common.attention.config import AttnConfig, normalize_window
-from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, QKVFormat, QKVLayout
 from transformer_engine.jax import attention_math
 from transformer_engine.jax.attention_math import SeqInfo
+from transformer_engine.jax.enums import (
+    AttnBiasType,
+    AttnMaskType,
+    AttnSoftmaxType,
+    CPStrategy,
+    QKVFormat,
+    QKVLayout,
+    ReorderStrategy,
+    canonicalize_attn_mask_type,
+    to_common,
+)
+from transformer_engine.jax.load_balancing import (
+    inverse_reorder_causal_load_balancing,
+    reorder_causal_load_balancing,
+)
 from transformer_engine.jax.primitives.attention import FusedAttnStatic, fused_attn_core
 
 __all__ = [
     "AttnBiasType",
     "AttnMaskType",
+    "AttnSoftmaxType",
+    "CPStrategy",
     "QKVFormat",
     "QKVLayout",
+    "ReorderStrategy",
     "SequenceDescriptor",
+    "canonicalize_attn_mask_type",
     "fused_attn",
+    "inverse_reorder_causal_load_balancing",
     "is_fused_attn_kernel_available",
     "is_deterministic_mode",
     "fused_attn_unavailable_reasons",
+    "mask_to_sequence_descriptor",
     "recording_backend_selections",
+    "reorder_causal_load_balancing",
 ]
 
 
@@ -119,12 +145,12 @@ def _frontend_extra(device_type: str, attn_bias_type: AttnBiasType, dropout: flo
     # The bias launch is lowered but unverified on a GPU: selection keeps it off until
     # gpu.BIAS_VERIFIED_ON_GPU; fused_attn_unavailable_reasons (selecting=False) lets the GPU tests
     # force it, which is that verification.
-    if attn_bias_type != AttnBiasType.NO_BIAS and selecting and not gpu.BIAS_VERIFIED_ON_GPU:
+    if attn_bias_type != _common.AttnBiasType.NO_BIAS and selecting and not gpu.BIAS_VERIFIED_ON_GPU:
         reasons.append(f"attn_bias_type={attn_bias_type.value} (the JAX launch of the bias is lowered but awaits its "
                        "GPU verification, qa/L1_jax_gpu)")
     # The kernels index the bias from each sequence's first token; the bias is laid out by
     # position in the row. Equal only when sequences start at token 0 (SequenceDescriptor.from_seqlens).
-    if attn_bias_type != AttnBiasType.NO_BIAS and offset_sequences:
+    if attn_bias_type != _common.AttnBiasType.NO_BIAS and offset_sequences:
         reasons.append(f"attn_bias_type={attn_bias_type.value} with a sequence_descriptor of seq_offsets or "
                        "segment_ids (sequences that may start after token 0 of their row; the kernels index the "
                        "bias from each sequence's start): use SequenceDescriptor.from_seqlens")
@@ -165,11 +191,10 @@ def _make_config(*, dtype, bias_shape: Optional[Sequence[int]], selecting: bool 
 
 
 def _enum(enum_cls, value, arg: str):
-    try:
-        return enum_cls(value)
-    except ValueError:
-        choices = ", ".join(repr(m.value) for m in enum_cls)
-        raise ValueError(f"`{arg}` must be one of {choices}, got {value!r}") from None
+    """``value`` (a member of the JAX or the common enum, or its string value) -> the member of the
+    common enum of the same kind, which everything past the argument parsing reads."""
+    common_cls = getattr(_common, enum_cls.__name__)
+    return to_common(value, common_cls, arg)
 
 
 _PACKING_ARITY = {"qkv": 1, "kv": 2, "separate": 3}
@@ -203,7 +228,7 @@ def _split_qkv(qkv, layout: QKVLayout):
 
 
 def _to_bshd(x, fmt: QKVFormat):
-    return jnp.swapaxes(x, 0, 1) if fmt == QKVFormat.SBHD else x
+    return jnp.swapaxes(x, 0, 1) if fmt == _common.QKVFormat.SBHD else x
 
 
 def _check_tensors(q, k, v):
@@ -325,12 +350,9 @@ def _segments_from_seqlens(lens, offsets, batch, seqlen, is_thd, max_segments, w
     m = lens.shape[1]
     if not is_thd and m != 1:
         raise ValueError(f"`seqlens` ({who}) must be [{batch}] (one sequence per row) for BSHD/SBHD, got {lens.shape}")
-    if m > max_segments:
-        raise ValueError(
-            f"`max_segments_per_seq` must be at least the number of segments in `seqlens` ({who}), got {max_segments} "
-            f"for seqlens of shape {lens.shape}"
-        )
     lens = lens.astype(jnp.int32)
+    valid = lens > 0  # unused slots hold 0 or -1 (TransformerEngine's fill)
+    lens = jnp.where(valid, lens, 0)
     if offsets is None:
         starts = jnp.cumsum(lens, axis=1) - lens  # packed from position 0
     else:
@@ -341,6 +363,16 @@ def _segments_from_seqlens(lens, offsets, batch, seqlen, is_thd, max_segments, w
                 f"{offsets.dtype}{list(offsets.shape)}"
             )
         starts = offsets[:, :m].astype(jnp.int32)
+    if m > max_segments:
+        # TransformerEngine's THD form: [b, s] slots, the used ones first; keep the first
+        # max_segments used slots of each row, in order (as segment ids beyond the limit are dropped).
+        order = jnp.argsort(jnp.logical_not(valid).astype(jnp.int32), axis=1, stable=True)[:, :max_segments]
+        lens, starts, valid = (jnp.take_along_axis(x, order, axis=1) for x in (lens, starts, valid))
+    # An unused slot starts where the segments before it end (offsets stay non-decreasing, never -1).
+    ends = jnp.where(valid, starts + lens, 0)
+    ends_before = jnp.concatenate(
+        [jnp.zeros((batch, 1), jnp.int32), jax.lax.cummax(ends, axis=1)[:, :-1]], axis=1)
+    starts = jnp.where(valid, starts, ends_before)
     end = jnp.full((batch, 1), seqlen, jnp.int32)
     return lens, jnp.concatenate([starts, end], axis=1)
 
@@ -387,36 +419,160 @@ class _Call:
     qkv_format: QKVFormat
 
 
+def _softmax_type(softmax_type, softmax_offset) -> AttnSoftmaxType:
+    """The call's softmax type. Only the vanilla softmax runs here for now."""
+    if isinstance(softmax_type, (int, float)) and not isinstance(softmax_type, bool):
+        raise ValueError(
+            f"`softmax_type` must be an AttnSoftmaxType (or 'vanilla', 'off_by_one', 'learnable'), got "
+            f"{softmax_type!r}: fused_attn takes softmax_type before scaling_factor, as TransformerEngine does "
+            "(qkv, bias, sequence_descriptor, seed, attn_bias_type, attn_mask_type, qkv_layout, softmax_type, "
+            "scaling_factor, dropout_probability, is_training, ...)"
+        )
+    if isinstance(softmax_type, AttnSoftmaxType):
+        kind = softmax_type
+    elif isinstance(softmax_type, str) and softmax_type.upper() in AttnSoftmaxType.__members__:
+        kind = AttnSoftmaxType[softmax_type.upper()]
+    else:
+        kind = AttnSoftmaxType.from_str(softmax_type.value if hasattr(softmax_type, "value") else softmax_type)
+    if kind != AttnSoftmaxType.VANILLA_SOFTMAX:
+        raise NotImplementedError(
+            f"`softmax_type` must be AttnSoftmaxType.VANILLA_SOFTMAX in transformer_engine.jax for now, got "
+            f"{kind.name} (sink softmax is not implemented yet)"
+        )
+    if softmax_offset is not None:
+        raise ValueError(
+            f"`softmax_offset` must be None unless softmax_type is LEARNABLE_SOFTMAX, got an array with "
+            f"softmax_type={kind.name}"
+        )
+    return kind
+
+
+def _mesh_axis_size(axis: str) -> int:
+    """Size of mesh axis ``axis`` in the mesh in effect (``with mesh:`` or ``jax.set_mesh``); 1 when
+    there is no such mesh or axis."""
+    from jax.interpreters import pxla
+
+    with warnings.catch_warnings():  # ``with mesh:`` (TransformerEngine's way) is read through it
+        warnings.simplefilter("ignore", DeprecationWarning)
+        meshes = [pxla.thread_resources.env.physical_mesh, jax.sharding.get_abstract_mesh()]
+    for mesh in meshes:
+        if mesh is not None and not mesh.empty and axis in mesh.axis_names:
+            return int(mesh.shape[axis])
+    return 1
+
+
+def _check_context_parallel(strategy, load_balanced, axis, stripe_size) -> None:
+    """Context parallelism is not implemented: accept only the arguments that describe none. (A
+    sequence axis that the inputs arrive sharded over is refused when the call is partitioned.)"""
+    if not isinstance(strategy, CPStrategy):
+        raise ValueError(f"`context_parallel_strategy` must be a CPStrategy, got {strategy!r}")
+    if strategy != CPStrategy.DEFAULT:
+        raise NotImplementedError(
+            f"`context_parallel_strategy` must be CPStrategy.DEFAULT in transformer_engine.jax, got {strategy.name} "
+            "(context parallelism is not implemented yet)"
+        )
+    if not isinstance(axis, str):
+        raise ValueError(f"`context_parallel_axis` must be a mesh axis name (str, '' for none), got {axis!r}")
+    cp_size = _mesh_axis_size(axis) if axis else 1
+    if cp_size > 1:
+        raise NotImplementedError(
+            f"`context_parallel_axis` must name no mesh axis larger than 1 in transformer_engine.jax, got "
+            f"{axis!r} of size {cp_size} (context parallelism is not implemented yet)"
+        )
+    if not isinstance(load_balanced, bool):
+        raise ValueError(f"`context_parallel_causal_load_balanced` must be a bool, got {load_balanced!r}")
+    # With one context-parallel rank the load-balancing reorder is the identity: True changes nothing.
+    if stripe_size is not None:
+        raise NotImplementedError(
+            f"`stripe_size` must be None in transformer_engine.jax, got {stripe_size!r} (striped context "
+            "parallelism is not implemented yet)"
+        )
+
+
+def _check_score_mod(**callbacks) -> None:
+    given = [name for name, value in callbacks.items() if value is not None]
+    if given:
+        raise NotImplementedError(
+            f"`{given[0]}` must be None in transformer_engine.jax (score modification callbacks build cuDNN "
+            "frontend graphs; the Triton kernels take none), got "
+            f"{', '.join(given)}"
+        )
+
+
+def _is_mask_array(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray))
+
+
+def mask_to_sequence_descriptor(mask, attn_mask_type) -> "SequenceDescriptor":
+    """A padding mask ``[b, 1, s_q, s_kv]`` (True = masked out, TransformerEngine's convention;
+    padding only at the end of each row) -> :meth:`SequenceDescriptor.from_seqlens`, as
+    TransformerEngine reads it: the query length is the number of queries that see key 0, the
+    key/value length the number of keys row 0 sees (the most keys any row sees, for causal masks)."""
+    mask = jnp.asarray(mask)
+    if mask.ndim != 4 or mask.shape[1] != 1:
+        raise ValueError(f"`sequence_descriptor` as a mask must be [b, 1, s_q, s_kv], got shape {mask.shape}")
+    kind = _enum(AttnMaskType, attn_mask_type, "attn_mask_type")
+    real = jnp.logical_not(mask.astype(bool))
+    q_lens = jnp.sum(real, axis=-2, dtype=jnp.int32)[:, 0, 0]
+    if kind == _common.AttnMaskType.PADDING_MASK:
+        kv_lens = jnp.sum(real, axis=-1, dtype=jnp.int32)[:, 0, 0]
+    else:
+        kv_lens = jnp.max(jnp.sum(real, axis=-1, dtype=jnp.int32), axis=(-1, -2))
+    return SequenceDescriptor.from_seqlens((q_lens, kv_lens))
+
+
 def _parse_call(
-    qkv, bias, sequence_descriptor, seed, attn_bias_type, attn_mask_type, qkv_layout, scaling_factor,
-    dropout_probability, is_training, max_segments_per_seq, window_size,
+    qkv, bias, sequence_descriptor, seed, attn_bias_type, attn_mask_type, qkv_layout, softmax_type,
+    scaling_factor, dropout_probability, is_training, max_segments_per_seq=1, window_size=None,
+    context_parallel_strategy=CPStrategy.DEFAULT, context_parallel_causal_load_balanced=False,
+    context_parallel_axis="", context_checkpoint_name="context", softmax_offset=None, stripe_size=None,
+    score_mod=None, score_mod_bprop=None, score_mod_tensors=None, score_mod_bprop_tensors=None,
 ) -> _Call:
     layout = _enum(QKVLayout, qkv_layout, "qkv_layout")
     mask = _enum(AttnMaskType, attn_mask_type, "attn_mask_type")
     bias_type = _enum(AttnBiasType, attn_bias_type, "attn_bias_type")
+    _softmax_type(softmax_type, softmax_offset)
+    _check_score_mod(score_mod=score_mod, score_mod_bprop=score_mod_bprop, score_mod_tensors=score_mod_tensors,
+                     score_mod_bprop_tensors=score_mod_bprop_tensors)
+    _check_context_parallel(context_parallel_strategy, context_parallel_causal_load_balanced, context_parallel_axis,
+                            stripe_size)
+    if not isinstance(context_checkpoint_name, str) or not context_checkpoint_name:
+        raise ValueError(f"`context_checkpoint_name` must be a non-empty str, got {context_checkpoint_name!r}")
     fmt = layout.qkv_format
-    if mask == AttnMaskType.ARBITRARY_MASK:
+    if mask == _common.AttnMaskType.ARBITRARY_MASK:
         raise NotImplementedError(
             "`attn_mask_type` must not be 'arbitrary' in transformer_engine.jax (express the mask as a "
             "post_scale_bias of 0 / -inf, or use padding/causal masks with a SequenceDescriptor)"
         )
-    if bias_type == AttnBiasType.ALIBI:
+    if bias_type == _common.AttnBiasType.ALIBI:
         raise NotImplementedError(
             "`attn_bias_type` must not be 'alibi' in transformer_engine.jax (pass the ALiBi bias as a "
             "post_scale_bias)"
         )
-    if fmt == QKVFormat.THD and not mask.is_padding:
+    if fmt == _common.QKVFormat.THD and not mask.is_padding:
         raise ValueError(
             f"`attn_mask_type` must be a padding mask (padding, padding_causal, padding_causal_bottom_right) with "
             f"qkv_layout={layout.value!r}, got {mask.value!r}"
         )
-    if not isinstance(max_segments_per_seq, int) or max_segments_per_seq < 1:
+    if not isinstance(max_segments_per_seq, int) or isinstance(max_segments_per_seq, bool) or max_segments_per_seq < 1:
         raise ValueError(f"`max_segments_per_seq` must be a positive int, got {max_segments_per_seq!r}")
-    if fmt != QKVFormat.THD and max_segments_per_seq != 1:
-        raise ValueError(
-            f"`max_segments_per_seq` must be 1 with qkv_layout={layout.value!r} (only THD rows hold several "
-            f"sequences), got {max_segments_per_seq}"
+    if _is_mask_array(sequence_descriptor):
+        if fmt == _common.QKVFormat.THD or max_segments_per_seq != 1:
+            raise ValueError(
+                f"`sequence_descriptor` must be a SequenceDescriptor with qkv_layout={layout.value!r} and "
+                f"max_segments_per_seq={max_segments_per_seq} (a mask array describes one sequence per row), got "
+                "an array"
+            )
+        # TransformerEngine reads a mask only for the padding masks; the others see every token.
+        sequence_descriptor = mask_to_sequence_descriptor(sequence_descriptor, mask) if mask.is_padding else None
+    if fmt != _common.QKVFormat.THD and max_segments_per_seq != 1:
+        warnings.warn(
+            f"max_segments_per_seq={max_segments_per_seq} applies to THD layouts only; qkv_layout={layout.value!r} "
+            "holds one sequence per row",
+            UserWarning,
+            stacklevel=3,
         )
+        max_segments_per_seq = 1
     try:
         dropout = float(dropout_probability)
     except (TypeError, ValueError):
@@ -437,7 +593,7 @@ def _parse_call(
         raise ValueError(f"`scaling_factor` must be a Python float, got {scaling_factor!r}") from None
     window = normalize_window(window_size, mask)
 
-    if bias_type == AttnBiasType.NO_BIAS:
+    if bias_type == _common.AttnBiasType.NO_BIAS:
         if bias is not None:
             raise ValueError("`bias` must be None with attn_bias_type='no_bias', got an array")
     else:
@@ -464,7 +620,7 @@ def _parse_call(
             raise ValueError(
                 f"`sequence_descriptor` must be a SequenceDescriptor, got {type(sequence_descriptor).__name__}"
             )
-        seq = sequence_descriptor.to_seq_info(b, s_q, s_kv, fmt == QKVFormat.THD, max_segments_per_seq)
+        seq = sequence_descriptor.to_seq_info(b, s_q, s_kv, fmt == _common.QKVFormat.THD, max_segments_per_seq)
     else:
         seq = attention_math.full_seq_info(b, s_q, s_kv)
 
@@ -481,7 +637,7 @@ def _parse_call(
         max_seqlen_q=s_q, max_seqlen_kv=s_kv, dtype=q.dtype, qkv_layout=layout, attn_mask_type=mask,
         window_size=window, attn_bias_type=bias_type, bias_shape=None if bias is None else bias.shape,
         dropout=dropout, is_training=bool(is_training),
-        offset_sequences=mask.is_padding and fmt != QKVFormat.THD and (
+        offset_sequences=mask.is_padding and fmt != _common.QKVFormat.THD and (
             sequence_descriptor.seq_offsets is not None or sequence_descriptor.segment_ids is not None),
     )
     static = FusedAttnStatic(
@@ -493,6 +649,7 @@ def _parse_call(
         dropout_probability=dropout,
         is_training=bool(is_training),
         deterministic=config.deterministic,
+        checkpoint_name=context_checkpoint_name,
     )
     return _Call(q, k, v, bias, seq, seeds, static, config, fmt)
 
@@ -507,6 +664,7 @@ def _run(call: _Call, backend: str):
             attn_mask_type=s.attn_mask_type, attn_bias_type=s.attn_bias_type, window_size=s.window_size,
             scaling_factor=s.scaling_factor, dropout_probability=s.dropout_probability, is_training=s.is_training,
         )
+        out = checkpoint_name(out, call.static.checkpoint_name)
     return _to_bshd(out, call.qkv_format)  # SBHD: swap back
 
 
@@ -536,18 +694,32 @@ def select_attention_backend(config: AttnConfig) -> Selection:
 def fused_attn(
     qkv: Tuple[jax.Array, ...],
     bias: Optional[jax.Array],
-    sequence_descriptor: Optional[SequenceDescriptor],
+    sequence_descriptor: Optional[Union[SequenceDescriptor, jax.Array]],
     seed: Optional[jax.Array],
     attn_bias_type: AttnBiasType,
     attn_mask_type: AttnMaskType,
     qkv_layout: QKVLayout,
-    scaling_factor: float,
-    dropout_probability: float,
-    is_training: bool,
+    softmax_type: AttnSoftmaxType = AttnSoftmaxType.VANILLA_SOFTMAX,
+    scaling_factor: Optional[float] = None,
+    dropout_probability: float = 0.0,
+    is_training: bool = True,
     max_segments_per_seq: int = 1,
     window_size: Optional[Tuple[int, int]] = None,
+    context_parallel_strategy: CPStrategy = CPStrategy.DEFAULT,
+    context_parallel_causal_load_balanced: bool = False,
+    context_parallel_axis: str = "",
+    context_checkpoint_name: str = "context",
+    softmax_offset: Optional[jax.Array] = None,
+    stripe_size: Optional[int] = None,
+    score_mod: Optional[Callable] = None,
+    score_mod_bprop: Optional[Callable] = None,
+    score_mod_tensors: Optional[Mapping[str, Any]] = None,
+    score_mod_bprop_tensors: Optional[Mapping[str, Any]] = None,
 ) -> jax.Array:
     """Scaled dot-product attention, ``softmax(Q K^T * scaling_factor + bias) V``, with masks.
+
+    The arguments are TransformerEngine-JAX's, in its order (:doc:`/jax_te_compat` lists what each
+    one does here).
 
     :param qkv: by ``qkv_layout`` packing: ``(qkv,)`` with ``qkv`` ``[b, s, 3, h, d]`` (BS3HD,
         T3HD; ``[s, b, 3, h, d]`` for SB3HD), ``(q, kv)`` with ``kv`` ``[b, s_kv, 2, h_kv, d]``
@@ -558,13 +730,31 @@ def fused_attn(
         ``i // (h_q // h_kv)`` (GQA; MQA when ``h_kv == 1``). float16, bfloat16 or float32.
     :param bias: ``[1 | b, 1 | h_q, s_q, s_kv]`` for post_scale_bias (added after scaling) or
         pre_scale_bias (added before); ``None`` for no_bias. Differentiable.
-    :param sequence_descriptor: a :class:`SequenceDescriptor`; required for padding masks and THD.
+    :param sequence_descriptor: a :class:`SequenceDescriptor` (required for padding masks and THD),
+        or, for BSHD/SBHD, a padding mask ``[b, 1, s_q, s_kv]`` with True where attention is masked
+        out, read as TransformerEngine reads it (:func:`mask_to_sequence_descriptor`; only for the
+        padding masks, the others ignore it).
     :param seed: PRNG key (or integer) for dropout; may be ``None`` without dropout.
     :param attn_mask_type: no_mask, padding, causal, padding_causal, causal_bottom_right,
         padding_causal_bottom_right (``AttnMaskType.CAUSAL_MASK`` etc.). Causal is top-left
         aligned; bottom_right aligns the diagonal with the last key of each sequence.
-    :param window_size: ``(left, right)`` sliding window, ``-1`` unbounded (``None``: no window).
+    :param softmax_type: ``AttnSoftmaxType.VANILLA_SOFTMAX`` (the others raise
+        ``NotImplementedError`` for now). A number here is refused with ``ValueError``: it is a
+        call written for the order without ``softmax_type``.
+    :param scaling_factor: logits scale; ``None`` is ``1 / sqrt(d_qk)``.
     :param dropout_probability: in ``[0, 1)``; applied only when ``is_training``.
+    :param max_segments_per_seq: sequences per row for THD layouts (other layouts hold one; a
+        larger value there warns, as TransformerEngine does, and is read as 1).
+    :param window_size: ``(left, right)`` sliding window, ``-1`` unbounded (``None``: no window).
+    :param context_parallel_strategy: ``CPStrategy.DEFAULT``. Context parallelism is not
+        implemented: this, ``context_parallel_causal_load_balanced``, ``context_parallel_axis`` and
+        ``stripe_size`` must describe none (DEFAULT, a context-parallel axis of size 1, no
+        stripes); otherwise ``NotImplementedError``.
+    :param context_checkpoint_name: the ``jax.ad_checkpoint.checkpoint_name`` given to the output
+        (and, on the fused backend, to the saved softmax statistics) for remat policies.
+    :param softmax_offset: only for the learnable softmax (not implemented yet); must be ``None``.
+    :param score_mod: a cuDNN frontend callback; it, ``score_mod_bprop``, ``score_mod_tensors``
+        and ``score_mod_bprop_tensors`` must be ``None`` (``NotImplementedError``).
     :returns: ``[b, s_q, h_q, d_v]`` (``[s_q, b, h_q, d_v]`` for SBHD) in the dtype of ``q``. A
         query that sees no key gets zeros, and zero gradients.
 
@@ -573,29 +763,36 @@ def fused_attn(
     bitwise reproducible too (the fused kernels use their deterministic plan; the unfused backend
     always is).
     """
-    out, _ = _attention_with_selection(
-        qkv, bias, sequence_descriptor, seed, attn_bias_type, attn_mask_type, qkv_layout, scaling_factor,
-        dropout_probability, is_training, max_segments_per_seq, window_size,
-    )
+    out, _ = _attention_with_selection(**_fused_attn_arguments(locals()))
     return out
 
 
-def _attention_with_selection(*args) -> Tuple[jax.Array, Selection]:
-    """``fused_attn`` that also returns the backend selection (the Flax module logs fallbacks)."""
-    call = _parse_call(*args)
+_FUSED_ATTN_ARGS = tuple(inspect.signature(fused_attn).parameters)
+
+
+def _fused_attn_arguments(bound: Mapping[str, Any]) -> dict:
+    return {name: bound[name] for name in _FUSED_ATTN_ARGS}
+
+
+def _attention_with_selection(**kwargs) -> Tuple[jax.Array, Selection]:
+    """``fused_attn`` (keyword arguments) that also returns the backend selection (the Flax module
+    logs fallbacks)."""
+    call = _parse_call(**kwargs)
     selection = select_attention_backend(call.config)
     return _run(call, selection.backend.SHORT_NAME), selection
 
 
+_BACKEND_POSITIONAL = ("qkv", "bias", "sequence_descriptor", "seed", "attn_bias_type", "attn_mask_type", "qkv_layout",
+                       "scaling_factor", "dropout_probability", "is_training", "max_segments_per_seq", "window_size")
+
+
 def _fused_attn_with_backend(backend: str, *args, **kwargs) -> jax.Array:
     """``fused_attn`` on a named backend ('fused' or 'unfused'), skipping selection. For tests:
-    on CPU it runs the fused primitives' jnp lowering."""
-    names = ("qkv", "bias", "sequence_descriptor", "seed", "attn_bias_type", "attn_mask_type", "qkv_layout",
-             "scaling_factor", "dropout_probability", "is_training", "max_segments_per_seq", "window_size")
-    bound = dict(zip(names, args))
+    on CPU it runs the fused primitives' jnp lowering. Positional arguments follow
+    ``_BACKEND_POSITIONAL`` (no softmax_type: the tests' own order); pass the rest by keyword."""
+    bound = dict(zip(_BACKEND_POSITIONAL, args))
     bound.update(kwargs)
-    bound.setdefault("max_segments_per_seq", 1)
-    bound.setdefault("window_size", None)
+    bound.setdefault("softmax_type", AttnSoftmaxType.VANILLA_SOFTMAX)
     call = _parse_call(**bound)
     return _run(call, backend)
 
@@ -607,6 +804,7 @@ def is_fused_attn_kernel_available(
     qkv_layout: QKVLayout,
     attn_bias_type: AttnBiasType,
     attn_mask_type: AttnMaskType,
+    softmax_type: AttnSoftmaxType,
     dropout_probability: float,
     q_num_heads: int,
     kv_num_heads: int,
@@ -618,15 +816,16 @@ def is_fused_attn_kernel_available(
     bias_shape: Optional[Sequence[int]] = None,
 ) -> bool:
     """Whether the fused (Triton) kernels can run this configuration here, now (device, build,
-    NVTE_FUSED_ATTN, determinism). ``fused_attn_unavailable_reasons`` says why not."""
+    NVTE_FUSED_ATTN, determinism). TransformerEngine's arguments, in its order (``bias_shape``
+    added). ``fused_attn_unavailable_reasons`` says why not."""
     return not fused_attn_unavailable_reasons(
-        is_training, q_dtype, kv_dtype, qkv_layout, attn_bias_type, attn_mask_type, dropout_probability,
+        is_training, q_dtype, kv_dtype, qkv_layout, attn_bias_type, attn_mask_type, softmax_type, dropout_probability,
         q_num_heads, kv_num_heads, q_max_seqlen, kv_max_seqlen, head_dim_qk, head_dim_v, window_size, bias_shape,
     )
 
 
 def fused_attn_unavailable_reasons(
-    is_training, q_dtype, kv_dtype, qkv_layout, attn_bias_type, attn_mask_type, dropout_probability,
+    is_training, q_dtype, kv_dtype, qkv_layout, attn_bias_type, attn_mask_type, softmax_type, dropout_probability,
     q_num_heads, kv_num_heads, q_max_seqlen, kv_max_seqlen, head_dim_qk, head_dim_v=None, window_size=None,
     bias_shape=None,
 ) -> List[str]:
@@ -634,24 +833,28 @@ def fused_attn_unavailable_reasons(
     return _fused_reasons(
         is_training, q_dtype, kv_dtype, qkv_layout, attn_bias_type, attn_mask_type, dropout_probability,
         q_num_heads, kv_num_heads, q_max_seqlen, kv_max_seqlen, head_dim_qk, head_dim_v, window_size, bias_shape,
-        selecting=True,
+        selecting=True, softmax_type=softmax_type,
     )
 
 
 def _fused_reasons(
     is_training, q_dtype, kv_dtype, qkv_layout, attn_bias_type, attn_mask_type, dropout_probability,
     q_num_heads, kv_num_heads, q_max_seqlen, kv_max_seqlen, head_dim_qk, head_dim_v=None, window_size=None,
-    bias_shape=None, selecting=True,
+    bias_shape=None, selecting=True, softmax_type=AttnSoftmaxType.VANILLA_SOFTMAX,
 ) -> List[str]:
     """Why the fused backend cannot run a configuration. ``selecting=False`` (for the GPU tests that
     force it): what the kernels can run, including paths ``fused_attn`` does not pick yet (a bias,
     until ``primitives.gpu.BIAS_VERIFIED_ON_GPU``)."""
     mask = _enum(AttnMaskType, attn_mask_type, "attn_mask_type")
     reasons = []
+    try:
+        _softmax_type(softmax_type, None)
+    except NotImplementedError as err:
+        reasons.append(str(err))
     if jnp.dtype(q_dtype) != jnp.dtype(kv_dtype):
         reasons.append(f"q_dtype={jnp.dtype(q_dtype).name} != kv_dtype={jnp.dtype(kv_dtype).name}")
     bias_type = _enum(AttnBiasType, attn_bias_type, "attn_bias_type")
-    if bias_shape is None and bias_type != AttnBiasType.NO_BIAS:
+    if bias_shape is None and bias_type != _common.AttnBiasType.NO_BIAS:
         bias_shape = (1, q_num_heads, q_max_seqlen, kv_max_seqlen)
     config = _make_config(
         batch_size=1, num_heads_q=q_num_heads, num_heads_kv=kv_num_heads, head_dim_qk=head_dim_qk,

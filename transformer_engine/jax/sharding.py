@@ -1,17 +1,21 @@
 """Which mesh axes carry which kind of parallelism: ``MeshResource`` and ``global_shard_guard``.
 
-A :class:`MeshResource` names the mesh axes used for data parallelism (``dp_resource``), fully
-sharded data parallelism (``fsdp_resource``), tensor parallelism (``tp_resource``) and context
-parallelism (``cp_resource``); ``None`` means "not used". Code reads the active one with
-:func:`global_mesh_resource` and sets it for a block with :func:`global_shard_guard`::
+A :class:`MeshResource` names the mesh axes of each kind of parallelism, with TransformerEngine's
+fields in its order: data (``dp_resource``), tensor (``tp_resource``), tensor-sequence
+(``tpsp_resource``), fully sharded data (``fsdp_resource``), pipeline (``pp_resource``), context
+(``cp_resource``) and expert (``ep_resource``) parallelism; ``None`` means "not used". Code reads
+the active one with :func:`global_mesh_resource` and sets it for a block with
+:func:`global_shard_guard` (or ``transformer_engine.jax.autocast(mesh_resource=...)``)::
 
     mesh = jax.sharding.Mesh(devices.reshape(2, 4), ("data", "model"))
     with mesh, global_shard_guard(MeshResource(dp_resource="data", tp_resource="model")):
         out = fused_attn(...)
 
 What the fused attention does with it: batch is split over the dp and fsdp axes and heads over
-the tp axis, each device computing its own shard with no gather of q, k or v. A sequence axis
-that is sharded (context parallelism) is rejected with ``NotImplementedError``.
+the tp (or tpsp) axis, each device computing its own shard with no gather of q, k or v. A
+sequence axis that is sharded (context parallelism) is rejected with ``NotImplementedError``.
+Attention has no pipeline or expert dimension: ``pp_resource`` and ``ep_resource`` are carried for
+TransformerEngine code that sets them and do not change attention.
 """
 
 from __future__ import annotations
@@ -29,21 +33,29 @@ __all__ = [
 ]
 
 
+_RESOURCE_FIELDS = ("dp_resource", "tp_resource", "tpsp_resource", "fsdp_resource", "pp_resource", "cp_resource",
+                   "ep_resource")
+
+
 @dataclass(frozen=True)
 class MeshResource:
-    """Mesh axis names for each kind of parallelism (``None``: that kind is not used)."""
+    """Mesh axis names for each kind of parallelism (``None``: that kind is not used), in
+    TransformerEngine's order, so that ``MeshResource("dp", "tp")`` means what it means there."""
 
     dp_resource: Optional[str] = None
     tp_resource: Optional[str] = None
+    tpsp_resource: Optional[str] = None
     fsdp_resource: Optional[str] = None
+    pp_resource: Optional[str] = None
     cp_resource: Optional[str] = None
+    ep_resource: Optional[str] = None
 
     def __post_init__(self) -> None:
-        for name in ("dp_resource", "tp_resource", "fsdp_resource", "cp_resource"):
+        for name in _RESOURCE_FIELDS:
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"`{name}` must be a mesh axis name (str) or None, got {value!r}")
-        used = [v for v in (self.dp_resource, self.tp_resource, self.fsdp_resource, self.cp_resource) if v]
+        used = [getattr(self, name) for name in _RESOURCE_FIELDS if getattr(self, name)]
         if len(used) != len(set(used)):
             raise ValueError(f"MeshResource axes must be distinct, got {self}")
 
@@ -80,6 +92,7 @@ def batch_axes(resource: Optional[MeshResource] = None) -> Tuple[str, ...]:
 
 
 def head_axes(resource: Optional[MeshResource] = None) -> Tuple[str, ...]:
-    """Mesh axes the heads dimension is split over (tp)."""
+    """Mesh axes the heads dimension is split over: tpsp when set, else tp."""
     resource = resource or global_mesh_resource()
-    return tuple(a for a in (resource.tp_resource,) if a)
+    axis = resource.tpsp_resource or resource.tp_resource
+    return (axis,) if axis else ()

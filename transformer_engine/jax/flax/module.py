@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple, Union
+import warnings
+from typing import Any, Callable, Mapping, Optional, Tuple, Union
 
 import flax.linen as nn
 import jax
@@ -12,6 +13,7 @@ from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType
 from transformer_engine.common.log import get_logger, warn_once
 from transformer_engine.jax import attention as _attention
 from transformer_engine.jax.attention import SequenceDescriptor
+from transformer_engine.jax.enums import AttnSoftmaxType, CPStrategy
 
 __all__ = ["DotProductAttention"]
 
@@ -21,21 +23,24 @@ _SBHD_OF = {
     QKVLayout.BSHD_BSHD_BSHD: QKVLayout.SBHD_SBHD_SBHD,
 }
 
+_CP_STRATEGIES = {"DEFAULT": CPStrategy.DEFAULT, "ALL_GATHER": CPStrategy.ALL_GATHER,
+                  "ALLGATHER": CPStrategy.ALL_GATHER, "RING": CPStrategy.RING}
 
-def _mask_to_descriptor(mask: jax.Array) -> SequenceDescriptor:
-    """A padding mask ``[b, 1, s_q, s_kv]`` (True or 1 = masked out, TransformerEngine's convention)
-    -> segment ids: a query (key) is real when it sees (is seen by) at least one key (query)."""
-    if mask.ndim != 4:
-        raise ValueError(f"`sequence_descriptor` as a mask must be [b, 1, s_q, s_kv], got shape {mask.shape}")
-    visible = jnp.logical_not(mask.astype(bool))[:, 0]
-    q_ids = jnp.any(visible, axis=-1).astype(jnp.int32)
-    kv_ids = jnp.any(visible, axis=-2).astype(jnp.int32)
-    return SequenceDescriptor.from_segment_ids_and_pos((q_ids, kv_ids))
+
+def _cp_strategy(value) -> CPStrategy:
+    if isinstance(value, CPStrategy):
+        return value
+    key = value.upper() if isinstance(value, str) else value
+    if key not in _CP_STRATEGIES:
+        raise ValueError(
+            f"`context_parallel_strategy` must be one of {', '.join(_CP_STRATEGIES)} (any case), got {value!r}"
+        )
+    return _CP_STRATEGIES[key]
 
 
 class DotProductAttention(nn.Module):
-    """Scaled dot-product attention with TransformerEngine's fields, on the fused kernels when they
-    can run (CUDA GPUs) and on the unfused jnp path otherwise, logging why once.
+    """Scaled dot-product attention with TransformerEngine's fields (in its order), on the fused
+    kernels when they can run (CUDA GPUs) and on the unfused jnp path otherwise, logging why once.
 
     Fields:
 
@@ -45,22 +50,34 @@ class DotProductAttention(nn.Module):
       ``num_attention_heads`` (GQA; 1 is MQA).
     - ``attention_dropout``: dropout probability on the attention weights (training only).
     - ``attn_mask_type``: ``'no_mask'``, ``'padding'``, ``'causal'``, ``'padding_causal'``,
-      ``'causal_bottom_right'``, ``'padding_causal_bottom_right'``.
-    - ``attn_bias_type``: ``None`` (post_scale_bias when a bias is passed, else no_bias), or an
-      ``AttnBiasType``.
+      ``'causal_bottom_right'``, ``'padding_causal_bottom_right'`` (and TransformerEngine's
+      aliases: ``'causal_padding'``, ``'bottom_right_causal'``, ...), or an ``AttnMaskType``.
+    - ``attn_bias_type``: ``None`` (post_scale_bias when a bias is passed, else no_bias), or
+      ``'no_bias'``, ``'pre_scale_bias'``, ``'post_scale_bias'`` (any case) or an ``AttnBiasType``.
+    - ``dtype``: deprecated in TransformerEngine; ``None`` or the inputs' dtype (else ``ValueError``).
     - ``dropout_rng_name``: the Flax RNG stream dropout draws from.
+    - ``float32_logits``: accepted; the logits are always computed in float32 here.
     - ``qkv_layout``: ``'bshd_bshd_bshd'`` (separate), ``'bshd_bs2hd'`` (``key`` is packed
       ``[b, s, 2, h, d]``, ``value`` None), ``'bs3hd'`` (``query`` is packed ``[b, s, 3, h, d]``),
-      or their ``thd`` forms (rows packing several sequences; pass a SequenceDescriptor).
+      or their ``thd`` forms (rows packing several sequences; pass a SequenceDescriptor); any case.
     - ``scale_factor``: logits scale; ``None`` is ``1 / sqrt(head_dim)``.
+    - ``transpose_batch_sequence``: inputs and output are ``[s, b, ...]`` instead of ``[b, s, ...]``
+      (``None`` reads as False).
     - ``window_size``: ``(left, right)`` sliding window, ``-1`` unbounded.
-    - ``transpose_batch_sequence``: inputs and output are ``[s, b, ...]`` instead of ``[b, s, ...]``.
     - ``max_segments_per_seq``: sequences per row for THD layouts.
+    - ``context_parallel_causal_load_balanced``, ``context_parallel_axis``,
+      ``context_parallel_strategy`` (``'DEFAULT'``, ``'ALL_GATHER'``, ``'RING'``): context parallelism
+      is not implemented; values that describe none run, others raise ``NotImplementedError``
+      (see :func:`~transformer_engine.jax.attention.fused_attn`).
+    - ``context_checkpoint_name``: the remat checkpoint name of the output.
+    - ``softmax_type``: ``'vanilla'`` (the sink softmax types raise ``NotImplementedError`` for now).
+    - ``score_mod``, ``score_mod_bprop``: must be ``None`` (``NotImplementedError``).
 
-    ``__call__(query, key, value, sequence_descriptor=None, bias=None, *, deterministic=False)``:
-    ``sequence_descriptor`` is a ``SequenceDescriptor``, or a padding mask ``[b, 1, s_q, s_kv]``
-    with True (1) where attention is masked out; ``deterministic=True`` disables dropout (Flax's
-    meaning; bitwise reproducibility is ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``). Returns
+    ``__call__(query, key, value, sequence_descriptor=None, bias=None, *, deterministic=False,
+    mask=None)``: ``sequence_descriptor`` is a ``SequenceDescriptor``, or a padding mask
+    ``[b, 1, s_q, s_kv]`` with True (1) where attention is masked out (``mask`` is its deprecated
+    name, as in TransformerEngine); ``deterministic=True`` disables dropout (Flax's meaning;
+    bitwise reproducibility is ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``). Returns
     ``[b, s_q, num_attention_heads, d_v]``.
     """
 
@@ -68,14 +85,23 @@ class DotProductAttention(nn.Module):
     num_attention_heads: int
     num_gqa_groups: Optional[int] = None
     attention_dropout: float = 0.0
-    attn_mask_type: Union[str, AttnMaskType] = AttnMaskType.CAUSAL_MASK
+    attn_mask_type: Union[str, AttnMaskType] = "causal"
     attn_bias_type: Optional[Union[str, AttnBiasType]] = None
+    dtype: Optional[Any] = None
     dropout_rng_name: str = "dropout"
-    qkv_layout: Union[str, QKVLayout] = QKVLayout.BSHD_BSHD_BSHD
+    float32_logits: bool = False
+    qkv_layout: Union[str, QKVLayout] = "bshd_bshd_bshd"
     scale_factor: Optional[float] = None
+    transpose_batch_sequence: Optional[bool] = False
     window_size: Optional[Tuple[int, int]] = None
-    transpose_batch_sequence: bool = False
-    max_segments_per_seq: int = 1
+    max_segments_per_seq: Optional[int] = 1
+    context_parallel_causal_load_balanced: bool = False
+    context_parallel_axis: str = ""
+    context_parallel_strategy: Union[str, CPStrategy] = "DEFAULT"
+    context_checkpoint_name: str = "context"
+    softmax_type: Union[str, AttnSoftmaxType] = "vanilla"
+    score_mod: Optional[Callable] = None
+    score_mod_bprop: Optional[Callable] = None
 
     def _layout(self) -> QKVLayout:
         layout = _attention._enum(QKVLayout, self.qkv_layout, "qkv_layout")
@@ -109,6 +135,13 @@ class DotProductAttention(nn.Module):
         if kv_heads != expected:
             raise ValueError(f"`num_gqa_groups` is {expected} but key/value have {kv_heads} heads")
 
+    def _check_dtype(self, query) -> None:
+        if self.dtype is not None and jnp.dtype(self.dtype) != query.dtype:
+            raise ValueError(
+                f"`dtype` must be None or the inputs' dtype ({query.dtype}; the module has no parameters and "
+                f"computes in the inputs' dtype), got {jnp.dtype(self.dtype).name}"
+            )
+
     @nn.compact
     def __call__(
         self,
@@ -119,24 +152,41 @@ class DotProductAttention(nn.Module):
         bias: Optional[jax.Array] = None,
         *,
         deterministic: bool = False,
+        mask: Optional[Union[SequenceDescriptor, jax.Array]] = None,
+        score_mod_tensors: Optional[Mapping[str, Any]] = None,
+        score_mod_bprop_tensors: Optional[Mapping[str, Any]] = None,
     ) -> jax.Array:
+        if mask is not None:
+            if sequence_descriptor is not None:
+                raise ValueError("`mask` must be None when `sequence_descriptor` is given (it is its old name)")
+            warnings.warn("`mask` is deprecated, pass `sequence_descriptor` instead", DeprecationWarning, stacklevel=2)
+            sequence_descriptor = mask
         layout = self._layout()
         qkv = self._qkv(layout, query, key, value)
         self._check_heads(layout, qkv)
+        self._check_dtype(qkv[0])
         if self.attn_bias_type is None:
             bias_type = AttnBiasType.NO_BIAS if bias is None else AttnBiasType.POST_SCALE_BIAS
         else:
             bias_type = _attention._enum(AttnBiasType, self.attn_bias_type, "attn_bias_type")
-        if sequence_descriptor is not None and not isinstance(sequence_descriptor, SequenceDescriptor):
-            sequence_descriptor = _mask_to_descriptor(jnp.asarray(sequence_descriptor))
+        if bias is not None:
+            bias = jnp.asarray(bias).astype(qkv[0].dtype)  # as TransformerEngine's module does
         is_training = not deterministic
         dropout = float(self.attention_dropout)
         seed = self.make_rng(self.dropout_rng_name) if (is_training and dropout > 0.0) else None
         scale = self.scale_factor if self.scale_factor is not None else self.head_dim**-0.5
 
         out, selection = _attention._attention_with_selection(
-            qkv, bias, sequence_descriptor, seed, bias_type, self.attn_mask_type, layout, scale, dropout,
-            is_training, self.max_segments_per_seq, self.window_size,
+            qkv=qkv, bias=bias, sequence_descriptor=sequence_descriptor, seed=seed, attn_bias_type=bias_type,
+            attn_mask_type=_attention.canonicalize_attn_mask_type(self.attn_mask_type), qkv_layout=layout,
+            softmax_type=self.softmax_type, scaling_factor=scale, dropout_probability=dropout,
+            is_training=is_training, max_segments_per_seq=self.max_segments_per_seq, window_size=self.window_size,
+            context_parallel_strategy=_cp_strategy(self.context_parallel_strategy),
+            context_parallel_causal_load_balanced=self.context_parallel_causal_load_balanced,
+            context_parallel_axis=self.context_parallel_axis,
+            context_checkpoint_name=self.context_checkpoint_name, score_mod=self.score_mod,
+            score_mod_bprop=self.score_mod_bprop, score_mod_tensors=score_mod_tensors,
+            score_mod_bprop_tensors=score_mod_bprop_tensors,
         )
         fused_reasons = selection.rejected.get(_attention.FusedAttention.NAME)
         if fused_reasons:

@@ -25,6 +25,7 @@ from typing import Optional, Tuple
 import jax
 import jax.numpy as jnp
 from jax._src import dispatch
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
@@ -51,6 +52,7 @@ class FusedAttnStatic:
     dropout_probability: float
     is_training: bool
     deterministic: bool
+    checkpoint_name: str = "context"  # names the output and the saved statistics for remat policies
 
     @property
     def has_bias(self) -> bool:
@@ -545,11 +547,13 @@ def fused_attn_bwd(q, k, v, bias, out, dout, softmax_aux, seq: SeqInfo, seeds, s
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _fused_attn(static, q, k, v, bias, seq, seeds):
     out, _ = fused_attn_fwd(q, k, v, bias, seq, seeds, static)
-    return out
+    return checkpoint_name(out, static.checkpoint_name)
 
 
 def _fused_attn_fwd_rule(static, q, k, v, bias, seq, seeds):
     out, aux = fused_attn_fwd(q, k, v, bias, seq, seeds, static)
+    out = checkpoint_name(out, static.checkpoint_name)
+    aux = checkpoint_name(aux, static.checkpoint_name)
     return out, (q, k, v, bias, seq, seeds, out, aux)
 
 

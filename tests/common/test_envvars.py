@@ -14,7 +14,9 @@ from transformer_engine.common import settings
 ROOT = Path(__file__).resolve().parents[2]
 ENVVARS_RST = ROOT / "docs" / "envvars.rst"
 SETTINGS_PY = ROOT / "transformer_engine" / "common" / "settings.py"
-NAME_RE = re.compile(r"NVTE_[A-Z0-9_]+")
+# Whole upper-case names only: mixed-case identifiers such as the enum member NVTE_F16_arbitrary_seqlen
+# (TransformerEngine-JAX's backend names) are not variables.
+NAME_RE = re.compile(r"(?<![A-Za-z0-9_])NVTE_[A-Z0-9_]+(?![A-Za-z0-9_])")
 # os.environ["NVTE_X"], os.environ.get("NVTE_X"), os.getenv("NVTE_X"), environ.setdefault(...)
 DIRECT_READ_RE = re.compile(r"""(?:environ\s*(?:\.\s*(?:get|setdefault|pop))?\s*[\[(]|getenv\s*\()\s*f?["'](NVTE_[A-Z0-9_]+)""")
 FIELDS = ("Type", "Default", "Description")

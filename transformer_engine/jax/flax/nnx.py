@@ -70,7 +70,8 @@ class DotProductAttention(nnx.Module):
             seed = self.rngs.dropout()
         return _attention.fused_attn(
             (query, key, value), bias, sequence_descriptor, seed,
-            AttnBiasType.NO_BIAS if bias is None else AttnBiasType.POST_SCALE_BIAS, self.attn_mask_type,
-            QKVLayout.BSHD_BSHD_BSHD, self.scale_factor, self.attention_dropout, is_training,
-            window_size=self.window_size,
+            attn_bias_type=AttnBiasType.NO_BIAS if bias is None else AttnBiasType.POST_SCALE_BIAS,
+            attn_mask_type=self.attn_mask_type, qkv_layout=QKVLayout.BSHD_BSHD_BSHD,
+            scaling_factor=self.scale_factor, dropout_probability=self.attention_dropout,
+            is_training=is_training, window_size=self.window_size,
         )

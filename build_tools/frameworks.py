@@ -1,12 +1,17 @@
-"""Which framework frontends to build: NVTE_FRAMEWORK, or detection of what is installed.
+"""Which frameworks a build is for: NVTE_FRAMEWORK, or detection of what is installed.
+
+Both frontends are pure Python and always shipped (build_tools/metadata.py); the answer decides
+only whether the native JAX FFI extension is built (build_tools/native.py).
 
 ``NVTE_FRAMEWORK`` is declared (with every other NVTE_* variable) in
 ``transformer_engine/common/settings.py``; it is read through that module, loaded here from its
 file so that the build never imports the package itself.
 
 Accepted values: ``pytorch``, ``jax``, ``all`` (both), ``none`` (common only), a comma list
-(``pytorch,jax``), or unset/empty (build for whatever is installed). Asking for a framework
-that is not installed is an error, not a silent omission.
+(``pytorch,jax``), or unset/empty (whatever is installed). A malformed value is an error. A
+framework named but not installed is allowed (``pip install ".[pytorch]"`` builds before it
+installs torch) and said in the build's note; building the JAX extension needs jax's headers and
+stops with a clear error without them.
 """
 
 from __future__ import annotations
@@ -113,28 +118,25 @@ def installed_frameworks(importable: Optional[Callable[[str], bool]] = None) -> 
 
 
 def resolve_frameworks(value: Optional[str], installed: Iterable[str]) -> Tuple[Tuple[str, ...], str]:
-    """``(frameworks to build, one-line explanation)`` for an NVTE_FRAMEWORK value.
+    """``(frameworks the build is for, one-line explanation)`` for an NVTE_FRAMEWORK value.
 
-    Raises :class:`FrameworkError` when the value is malformed or names a framework that is
-    not in ``installed``.
+    Raises :class:`FrameworkError` when the value is malformed.
     """
     installed = tuple(installed)
     requested = parse_framework_request(value)
     if requested is None:
-        found = ", ".join(installed) if installed else "no framework"
-        return installed, f"NVTE_FRAMEWORK is unset: detected {found}; building common + {found}"
-    missing = [name for name in requested if name not in installed]
+        chosen = installed
+        how = f"NVTE_FRAMEWORK is unset: detected {', '.join(installed) or 'no framework'}"
+    else:
+        chosen = requested
+        how = f"NVTE_FRAMEWORK={value!r}: {', '.join(requested) or 'no framework'}"
+    native = "the JAX FFI extension (if a CUDA toolkit is found)" if "jax" in chosen else "no native extension"
+    note = f"{how}; both frontends ship (pure Python); building {native}"
+    missing = [name for name in chosen if name not in installed]
     if missing:
-        hints = "; ".join(f"{name} needs `import {FRAMEWORKS[name]}` to work" for name in missing)
-        raise FrameworkError(
-            f"NVTE_FRAMEWORK={value!r} asks to build for {', '.join(missing)}, which is not installed "
-            f"in this Python ({sys.executable}): {hints}. Install it first (e.g. `pip install "
-            f"{' '.join(FRAMEWORKS[m] for m in missing)}`), or set NVTE_FRAMEWORK to what is installed "
-            f"({', '.join(installed) or 'none'}). With build isolation, frameworks must be visible to "
-            "the interpreter running pip; `pip install --no-build-isolation .` avoids the question."
-        )
-    names = ", ".join(requested) if requested else "no framework"
-    return requested, f"NVTE_FRAMEWORK={value!r}: building common + {names}"
+        note += (f"; not installed in this Python yet: {', '.join(missing)} "
+                 f"(`import {FRAMEWORKS[missing[0]]}` must work before its frontend is used)")
+    return chosen, note
 
 
 def frameworks_to_build(root: Path = _ROOT) -> Tuple[str, ...]:

@@ -1,4 +1,4 @@
-"""Native extensions: CUDA toolkit discovery, the JAX FFI extension, and a ninja-driven build_ext.
+"""Native extensions: CUDA toolkit discovery and the JAX FFI extension, built with pybind11's setup helpers.
 
 The only native code is the JAX frontend's XLA FFI launcher,
 ``transformer_engine.jax.transformer_engine_jax_ffi``, built from
@@ -10,12 +10,15 @@ The only native code is the JAX frontend's XLA FFI launcher,
   ``/usr/local/cuda``) with ``include/cuda.h``, and a ``libcuda`` to link the driver API against.
 
 Otherwise the build goes on without it and prints why. Everything else is pure Python.
+
+The extension is a :class:`pybind11.setup_helpers.Pybind11Extension` compiled by pybind11's
+``build_ext`` (the supported setuptools route, which picks the C++ standard and visibility
+flags); with one source file there is nothing for a parallel or incremental build to gain.
 """
 
 from __future__ import annotations
 
 import os
-import shlex
 import shutil
 import subprocess
 import sys
@@ -23,14 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
-from setuptools.command.build_ext import build_ext
+from setuptools.command.build_ext import build_ext as _setuptools_build_ext
 
 __all__ = [
     "JAX_FFI_EXTENSION",
     "CudaToolkit",
     "find_cuda_toolkit",
     "jax_ffi_extensions",
-    "NinjaBuildExt",
+    "build_ext_command",
 ]
 
 JAX_FFI_EXTENSION = "transformer_engine.jax.transformer_engine_jax_ffi"
@@ -164,7 +167,7 @@ def jax_ffi_extensions(root: Path, frameworks: Sequence[str], cuda: Optional[Cud
     except ImportError:
         raise SystemExit(
             f"error: {JAX_FFI_EXTENSION} has sources and CUDA is at {cuda.home}, but pybind11 is not "
-            "installed: `pip install pybind11 ninja` (or build with isolation, which installs them)"
+            "installed: `pip install pybind11` (or build with isolation, which installs it)"
         ) from None
     extension = Pybind11Extension(
         JAX_FFI_EXTENSION,
@@ -180,78 +183,11 @@ def jax_ffi_extensions(root: Path, frameworks: Sequence[str], cuda: Optional[Cud
     return [extension]
 
 
-def _ninja_path(text: str) -> str:
-    """Escape a path for a ninja build line."""
-    return text.replace("$", "$$").replace(" ", "$ ").replace(":", "$:")
-
-
-def _find_ninja() -> Optional[str]:
+def build_ext_command() -> type:
+    """pybind11's ``build_ext`` when pybind11 is installed, else setuptools' own (then no
+    extension is declared that needs pybind11: :func:`jax_ffi_extensions` stops with a message first)."""
     try:
-        import ninja  # the PyPI package ships the binary
-
-        candidate = Path(ninja.BIN_DIR) / "ninja"
-        if candidate.exists():
-            return str(candidate)
-    except (ImportError, AttributeError):
-        pass
-    return shutil.which("ninja")
-
-
-class NinjaBuildExt(build_ext):
-    """``build_ext`` that compiles each extension's sources with one ninja invocation (parallel,
-    incremental, with header dependencies), then links as setuptools does. Falls back to
-    setuptools' own compile loop when ninja is missing or the compiler is not Unix-like."""
-
-    def build_extensions(self):
-        ninja = _find_ninja()
-        if ninja is None:
-            _note("ninja not found; compiling with setuptools (serial). `pip install ninja` to speed this up")
-        elif self.compiler.compiler_type != "unix" or sys.platform == "darwin":
-            _note(f"compiler {self.compiler.compiler_type!r}: compiling with setuptools, not ninja")
-        else:
-            self.compiler.compile = self._make_ninja_compile(ninja)
-        super().build_extensions()
-
-    def _make_ninja_compile(self, ninja: str):
-        compiler = self.compiler
-        jobs = max(1, os.cpu_count() or 1)
-
-        def compile(sources, output_dir=None, macros=None, include_dirs=None, debug=0,
-                    extra_preargs=None, extra_postargs=None, depends=None):
-            macros, objects, extra_postargs, pp_opts, build = compiler._setup_compile(
-                output_dir, macros, include_dirs, sources, depends, extra_postargs
-            )
-            cc_args = compiler._get_cc_args(pp_opts, debug, extra_preargs)
-            cxx = getattr(compiler, "compiler_so_cxx", None) or compiler.compiler_so
-            build_dir = Path(output_dir or self.build_temp).resolve()
-            build_dir.mkdir(parents=True, exist_ok=True)
-            lines = ["ninja_required_version = 1.3", ""]
-            for index, tool in enumerate((compiler.compiler_so, cxx)):
-                flags = " ".join(shlex.quote(a) for a in [*tool, *cc_args]).replace("$", "$$")
-                post = " ".join(shlex.quote(a) for a in extra_postargs or []).replace("$", "$$")
-                lines += [
-                    f"rule compile_{'cxx' if index else 'c'}",
-                    f"  command = {flags} -MMD -MF $out.d $in -o $out {post}",
-                    "  depfile = $out.d",
-                    "  deps = gcc",
-                    "  description = compiling $in",
-                    "",
-                ]
-            for obj in objects:
-                src, ext = build[obj]
-                rule = "compile_cxx" if compiler.detect_language(src) == "c++" else "compile_c"
-                Path(obj).parent.mkdir(parents=True, exist_ok=True)
-                lines.append(
-                    f"build {_ninja_path(str(Path(obj).resolve()))}: {rule} {_ninja_path(str(Path(src).resolve()))}"
-                )
-            ninja_file = build_dir / "build.ninja"
-            ninja_file.write_text("\n".join(lines) + "\n", encoding="utf-8")
-            _note(f"compiling {len(objects)} source(s) with ninja -j {jobs} ({ninja_file})")
-            result = subprocess.run([ninja, "-f", str(ninja_file), "-j", str(jobs)], cwd=str(build_dir))
-            if result.returncode != 0:
-                from setuptools.errors import CompileError
-
-                raise CompileError(f"ninja failed (exit {result.returncode}); see the compiler output above")
-            return objects
-
-        return compile
+        from pybind11.setup_helpers import build_ext
+    except ImportError:
+        return _setuptools_build_ext
+    return build_ext

@@ -9,7 +9,7 @@ sys.path.insert(0, str(ROOT))  # document the source tree, installed or not
 
 from build_tools.version import te_version  # noqa: E402
 
-project = "Transformer Engine (deterministic attention)"
+project = "deterministic-attention"
 author = "The project's contributors"
 copyright = "the project's contributors"
 release = te_version(ROOT)
@@ -20,14 +20,15 @@ extensions = [
     "sphinx.ext.viewcode",
 ]
 
-# The API pages document transformer_engine.common, which imports neither torch nor jax, so
-# nothing is mocked: a page that fails to import fails the build.
+# Nothing is mocked: the API pages import transformer_engine.common, .pytorch and .jax (the docs
+# build runs where the test requirements are installed), and a page that fails to import fails.
 autodoc_default_options = {"members": True, "member-order": "bysource"}
 autodoc_typehints = "description"
 autodoc_class_signature = "separated"
 
 exclude_patterns = ["_build", "Thumbs.db", ".DS_Store"]
-html_theme = "alabaster"
+html_theme = "furo"  # pinned in requirements/test.txt; code blocks scroll instead of being clipped
+html_title = f"deterministic-attention {release}"
 html_static_path = []
 
 # Docstrings name mask families with a leading wildcard ("*_bottom_right"), which docutils reads
@@ -41,3 +42,4 @@ def _literal_wildcards(app, what, name, obj, options, lines):
 
 def setup(app):
     app.connect("autodoc-process-docstring", _literal_wildcards)
+

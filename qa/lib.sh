@@ -33,7 +33,9 @@ QA_SKIPPED=0
 QA_SUITES=0
 QA_START=$(date +%s)
 
-qa_log() { echo "[qa:${QA_LEVEL}] $*"; }
+QA_PROGRESS=""  # "[i/N] " while qa_pytest_files runs its suites
+
+qa_log() { echo "[qa:${QA_LEVEL} +$(( $(date +%s) - QA_START ))s] $*"; }
 
 # qa_fail NAME WHY: record a failed suite.
 qa_fail() {
@@ -67,12 +69,12 @@ qa_pytest() {
   QA_SUITES=$((QA_SUITES + 1))
   local xml="$XML_LOG_DIR/${QA_LEVEL}__$(echo "$name" | tr -c 'A-Za-z0-9_.-' '_').xml"
   rm -f "$xml"
-  qa_log "=== $name: ${envs[*]} pytest $*"
+  qa_log "=== ${QA_PROGRESS}$name: ${envs[*]} pytest $*"
   local start=$(date +%s)
   # shellcheck disable=SC2086
   env "${envs[@]}" "$PYTHON" -m pytest -p no:cacheprovider --junitxml="$xml" ${QA_PYTEST_ARGS:-} "$@"
   local rc=$?
-  qa_log "--- $name: exit $rc in $(( $(date +%s) - start ))s"
+  qa_log "--- ${QA_PROGRESS}$name: exit $rc in $(( $(date +%s) - start ))s"
   local counts
   counts=$("$PYTHON" - "$xml" <<'PY' 2>/dev/null
 import sys, xml.etree.ElementTree as ET
@@ -113,14 +115,19 @@ qa_pytest_files() {
     qa_fail "$prefix" "no test files match $pattern"
     return
   fi
-  local file name ran=0
+  local file name ran=0 chosen=()
   for file in "${files[@]}"; do
     name=$(basename "$file" .py)
     if [ -n "${QA_SELECT:-}" ] && [[ " $QA_SELECT " != *" $name "* ]]; then continue; fi
     if [ -n "${QA_SKIP:-}" ] && [[ " $QA_SKIP " == *" $name "* ]]; then continue; fi
-    qa_pytest "$prefix/$name" "$@" -- "$file"
-    ran=$((ran + 1))
+    chosen+=("$file")
   done
+  for file in "${chosen[@]}"; do
+    ran=$((ran + 1))
+    QA_PROGRESS="[$ran/${#chosen[@]}] "
+    qa_pytest "$prefix/$(basename "$file" .py)" "$@" -- "$file"
+  done
+  QA_PROGRESS=""
   if [ "$ran" -eq 0 ]; then  # everything filtered out: nothing ran, so nothing passed
     QA_SUITES=$((QA_SUITES + 1))
     QA_FAILED_TESTS=$((QA_FAILED_TESTS + 1))

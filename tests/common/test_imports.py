@@ -1,5 +1,5 @@
 """Import boundaries: common/ needs neither torch nor jax, and a frontend whose framework is
-missing fails with an ImportError that names the framework and how to build for it.
+missing fails with an ImportError that names the framework and how to install it.
 
 A missing framework is simulated in a child interpreter whose first meta-path finder refuses
 the framework's modules, exactly as Python reports a package that is not installed.
@@ -69,8 +69,8 @@ def test_common_imports_without_frameworks(target, walk):
 @pytest.mark.parametrize(
     "frontend, blocked, framework_words, build_hint",
     [
-        ("transformer_engine.pytorch", ["torch"], ("PyTorch", "torch"), "NVTE_FRAMEWORK=pytorch"),
-        ("transformer_engine.jax", ["jax", "jaxlib", "flax"], ("JAX", "jax"), "NVTE_FRAMEWORK=jax"),
+        ("transformer_engine.pytorch", ["torch"], ("PyTorch", "torch"), "deterministic-attention[pytorch]"),
+        ("transformer_engine.jax", ["jax", "jaxlib", "flax"], ("JAX", "jax"), "deterministic-attention[jax]"),
     ],
 )
 def test_frontend_without_its_framework_says_what_is_missing(frontend, blocked, framework_words, build_hint):

@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from transformer_engine.common import log, settings
+
+ROOT = Path(__file__).resolve().parents[2]
 
 REQUIRED = (
     "NVTE_FRAMEWORK",
@@ -134,7 +139,64 @@ def test_logger_level_is_read_at_each_use(monkeypatch):
     monkeypatch.setenv("NVTE_DEBUG", "0")
     assert log.get_logger().level == logging.WARNING
     assert log.get_logger() is logging.getLogger("transformer_engine")  # one package logger
-    assert len(log.get_logger().handlers) == 1  # configured once, not once per call
+    assert log.get_logger().handlers == []  # NVTE_DEBUG off: no handler of the package's own
+
+
+def test_logger_propagates_to_the_application(monkeypatch):
+    """An application routes the package's records: they reach a handler on the root logger."""
+    monkeypatch.delenv("NVTE_DEBUG", raising=False)
+    root = logging.getLogger()
+    collect = _Collect()
+    root.addHandler(collect)
+    try:
+        logger = log.get_logger()
+        assert logger.propagate and logger.handlers == []
+        logger.warning("routed warning")
+        monkeypatch.setenv("NVTE_DEBUG", "1")
+        monkeypatch.setenv("NVTE_DEBUG_LEVEL", "1")
+        log.get_logger().info("routed info")
+    finally:
+        root.removeHandler(collect)
+    assert collect.messages == ["routed warning", "routed info"]
+
+
+def test_application_level_is_kept_without_nvte_debug(monkeypatch):
+    monkeypatch.delenv("NVTE_DEBUG", raising=False)
+    logger = log.get_logger()
+    try:
+        logger.setLevel(logging.ERROR)
+        assert log.get_logger().level == logging.ERROR
+        monkeypatch.setenv("NVTE_DEBUG", "1")
+        monkeypatch.setenv("NVTE_DEBUG_LEVEL", "2")
+        assert log.get_logger().level == logging.DEBUG  # NVTE_DEBUG wins while set
+    finally:
+        monkeypatch.delenv("NVTE_DEBUG")
+        logger.setLevel(logging.NOTSET)
+        assert log.get_logger().level == logging.WARNING
+
+
+_UNCONFIGURED_CHILD = (
+    "import logging, sys\n"
+    "from transformer_engine.common import log\n"
+    "if sys.argv[1] == 'configured':\n"
+    "    logging.basicConfig(stream=sys.stdout, format='APP %(name)s %(message)s')\n"
+    "log.get_logger().info('selected something')\n"
+)
+
+
+@pytest.mark.parametrize("configured", ["configured", "unconfigured"])
+def test_nvte_debug_prints_with_or_without_application_logging(configured):
+    """NVTE_DEBUG=1 still prints INFO when nothing is configured (stderr), and exactly once through
+    the application's handler when logging is configured (no duplicate from the package)."""
+    env = dict(os.environ, NVTE_DEBUG="1", NVTE_DEBUG_LEVEL="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", _UNCONFIGURED_CHILD, configured], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    if configured == "configured":
+        assert proc.stdout.splitlines() == ["APP transformer_engine selected something"], proc.stdout
+        assert "selected something" not in proc.stderr, proc.stderr
+    else:
+        assert proc.stderr.splitlines() == ["[INFO | transformer_engine]: selected something"], proc.stderr
 
 
 def test_malformed_debug_fails_when_logging(monkeypatch):

@@ -1,27 +1,72 @@
-"""The package logger, configured from NVTE_DEBUG x NVTE_DEBUG_LEVEL at each use."""
+"""The package logger, ``transformer_engine``: a library logger that applications route.
+
+It has no handler of its own and propagates, so ``logging.basicConfig(...)``, a handler on the
+root logger or on ``"transformer_engine"`` receives its records like any other library's.
+Its level follows NVTE_DEBUG x NVTE_DEBUG_LEVEL, read at each use: WARNING without NVTE_DEBUG
+(unless the application set a level on the logger itself), INFO or DEBUG with it.
+
+With NVTE_DEBUG=1 and no logging configured anywhere, Python would print nothing below WARNING
+(its last-resort handler's level). For that case only, the logger carries a stand-in handler
+while NVTE_DEBUG=1 that writes to stderr, and only when no other handler would receive the record
+(none on this logger or an ancestor): once the application configures logging it is silent.
+"""
 
 from __future__ import annotations
 
 import logging
+import sys
 
 from transformer_engine.common import settings
 
+__all__ = ["get_logger", "warn_once"]
+
 _LOGGER_NAME = "transformer_engine"
 _LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG}
+_FORMAT = "[%(levelname)s | %(name)s]: %(message)s"
 _warned_once: set = set()
+_applied_level = [logging.NOTSET]  # the level this module last set (an application's own is kept)
+
+
+class _DebugFallbackHandler(logging.Handler):
+    """stderr for NVTE_DEBUG's records when the application has configured no logging at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter(_FORMAT))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logger = logging.getLogger(record.name)
+        while logger is not None:
+            if any(h is not self for h in logger.handlers):
+                return  # routed by the application
+            if not logger.propagate:
+                break
+            logger = logger.parent
+        try:
+            sys.stderr.write(self.format(record) + "\n")
+        except Exception:  # pragma: no cover - as logging.Handler does
+            self.handleError(record)
+
+
+_FALLBACK = _DebugFallbackHandler()
 
 
 def get_logger() -> logging.Logger:
     """The ``transformer_engine`` logger, its level set from the environment now."""
     logger = logging.getLogger(_LOGGER_NAME)
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("[%(levelname)s | %(name)s]: %(message)s"))
-        logger.addHandler(handler)
-        logger.propagate = False
-    level = _LEVELS[settings.get("NVTE_DEBUG_LEVEL")] if settings.get("NVTE_DEBUG") else logging.WARNING
+    debug = settings.get("NVTE_DEBUG")
+    if debug:
+        level = _LEVELS[settings.get("NVTE_DEBUG_LEVEL")]
+        if _FALLBACK not in logger.handlers:
+            logger.addHandler(_FALLBACK)
+    else:
+        own = logger.level not in (logging.NOTSET, _applied_level[0])
+        level = logger.level if own else logging.WARNING
+        if _FALLBACK in logger.handlers:
+            logger.removeHandler(_FALLBACK)
     if logger.level != level:  # setLevel clears every logger's cache: not on each attention call
         logger.setLevel(level)
+    _applied_level[0] = level
     return logger
 
 

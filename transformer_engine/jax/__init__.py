@@ -6,8 +6,8 @@ try:
     import jax  # noqa: F401
 except ImportError as err:  # pragma: no cover - exercised by tests/common/test_imports.py
     raise ImportError(
-        "transformer_engine.jax needs JAX, which is not installed. Install jax (and flax for "
-        "transformer_engine.jax.flax), then build this package for it: NVTE_FRAMEWORK=jax pip install ."
+        "transformer_engine.jax needs JAX, which is not installed: pip install jax flax (or install "
+        "this package with its extra: pip install 'deterministic-attention[jax]')"
     ) from err
 
 from transformer_engine.jax import attention, cpp_extensions, sharding

@@ -1,6 +1,7 @@
 """Is training with our attention bitwise reproducible here? Train a small transformer twice and compare.
 
     python -m transformer_engine.pytorch.determinism_check [--steps N] [--seq-len S] [--device auto|cpu|cuda]
+    python -m transformer_engine.pytorch.determinism_check --fused-interpreter   # the fused kernels, on CPU
 
 Builds :class:`~transformer_engine.pytorch.models.TinyTransformerLM` (causal, GQA, the project's
 ``DotProductAttention``), trains it for N steps twice from the same seed with
@@ -14,9 +15,11 @@ Exit status: 0 when the runs agree (or determinism was not requested), 1 when de
 requested and not met, 3 when ``--expect-backend`` names a backend that was not selected, 2 for
 bad arguments or a configuration no backend can run.
 
-On CPU attention runs unfused; with ``TRITON_INTERPRET=1`` (set before the first import of triton)
-the fused Triton kernels run on CPU under Triton's interpreter (slow: keep shapes tiny). On a GPU
-the fused kernels run natively.
+On CPU attention runs unfused (PyTorch math), so the check is of the training loop, not of the fused
+kernels; the report says so. ``--fused-interpreter`` (or ``TRITON_INTERPRET=1`` set before the first
+import of triton) runs the fused Triton kernels on CPU under Triton's interpreter, at small default
+shapes, in float32 or float16 (bfloat16 dots are computed wrongly by the interpreter), and requires
+every call to select them (as ``--expect-backend fused``). On a GPU the fused kernels run natively.
 
 The comparison, the report, the JSON, the exit statuses and the options shared with the JAX check
 are :mod:`transformer_engine.common.determinism_report`; this module trains.
@@ -134,10 +137,36 @@ def _parser() -> argparse.ArgumentParser:
         nondeterministic_help="do not request determinism (NVTE_ALLOW_NONDETERMINISTIC_ALGO=1)",
         expect_backends=("fused", "unfused", "flash"),
         shape_options=[("--qkv-format", dict(choices=("bshd", "sbhd"), default="bshd"))],
-        determinism_options=[("--torch-deterministic", dict(
-            action="store_true",
-            help="also call torch.use_deterministic_algorithms(True) for the runs (the other way to ask)"))],
+        determinism_options=[
+            ("--torch-deterministic", dict(
+                action="store_true",
+                help="also call torch.use_deterministic_algorithms(True) for the runs (the other way to ask)")),
+            ("--fused-interpreter", dict(
+                action="store_true",
+                help="run the fused Triton kernels on CPU under Triton's interpreter (TRITON_INTERPRET=1; "
+                     "slow, so small shapes by default; float32 or float16)")),
+        ],
     )
+
+
+def _rerun_interpreted(argv: Sequence[str]) -> int:
+    """This command again in a child with TRITON_INTERPRET=1: Triton reads it when kernels are defined."""
+    import subprocess
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    return subprocess.call([sys.executable, "-m", "transformer_engine.pytorch.determinism_check", *argv], env=env)
+
+
+def _what_is_checked(backends: Sequence[str], device: torch.device, interpret: bool) -> str:
+    """One line that says which attention code the runs exercised."""
+    if backends == [report.BACKEND_NAMES["unfused"]] and device.type == "cpu":
+        return ("NOTE: on CPU every attention call ran UnfusedDotProductAttention (PyTorch math), so this checked "
+                "the training loop's reproducibility, not the fused Triton kernels. Add --fused-interpreter to run "
+                "those on CPU under Triton's interpreter, or run on a GPU.")
+    if report.BACKEND_NAMES["fused"] in backends and interpret:
+        return ("NOTE: the fused Triton kernels ran under Triton's interpreter on CPU: same kernels and launch "
+                "order as on a GPU, executed in Python; times are not GPU times.")
+    return ""
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -155,6 +184,14 @@ def run_check(args: argparse.Namespace, out=None, err=None) -> CheckResult:
     """Run the check for parsed ``args``; the header goes to ``out``, progress to ``err`` (default: stdout, stderr)."""
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
+    if getattr(args, "fused_interpreter", False):
+        if args.device not in ("auto", "cpu"):
+            raise ValueError(f"`--fused-interpreter` runs on CPU, got `--device {args.device}`")
+        if args.dtype == "bfloat16":
+            raise ValueError("`--fused-interpreter` needs `--dtype float32` or `float16`: Triton's interpreter "
+                             "computes bfloat16 dots wrongly")
+        args.device = "cpu"
+        args.expect_backend = args.expect_backend or "fused"
     device = _resolve_device(args.device)
     interpret = triton_interpreting() and device.type == "cpu"
     report.apply_defaults(args, _DEFAULTS["cpu-interpret" if interpret else device.type])
@@ -187,11 +224,19 @@ def run_check(args: argparse.Namespace, out=None, err=None) -> CheckResult:
             with environment(NVTE_FUSED_ATTN_BACKEND="unfused"):
                 reference = _train("reference (unfused)", cfg, args, device, dtype, progress)
 
-    return report.check_result(args, run1, run2, reference, device=str(device), qkv_format=args.qkv_format,
-                               deterministic=deterministic)
+    result = report.check_result(args, run1, run2, reference, device=str(device), qkv_format=args.qkv_format,
+                                 deterministic=deterministic)
+    note = _what_is_checked(result.backends, device, interpret)
+    if note:
+        result.message += "\n" + note
+    return result
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--fused-interpreter" in argv and not triton_interpreting():
+        _parser().parse_args(argv)  # bad arguments fail here, before a child is started
+        return _rerun_interpreted(argv)
     return report.main(_parser(), run_check, argv)
 
 

@@ -85,6 +85,9 @@ class AttnMaskType(str, Enum):
 
 
 class AttnBiasType(str, Enum):
+    """Bias added to the attention scores: none, before or after scaling (``post_scale_bias`` is
+    ``softmax(q k^T * scale + bias)``), or ALiBi's per-head linear bias."""
+
     NO_BIAS = "no_bias"
     PRE_SCALE_BIAS = "pre_scale_bias"
     POST_SCALE_BIAS = "post_scale_bias"

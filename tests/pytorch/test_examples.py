@@ -1,0 +1,39 @@
+"""The PyTorch scripts in examples/ run (on CPU here, unfused and fast; on a GPU with the fused kernels)
+and print their verdict."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_example(name: str, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # seconds, not minutes, on CPU
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    return subprocess.run([sys.executable, str(REPO / "examples" / name), *args], capture_output=True, text=True,
+                          env=env, cwd=str(REPO), timeout=600)
+
+
+@pytest.mark.parametrize("name, args, verdict", [
+    ("pytorch_attention.py", ("--seq-len", "32"), "gradients bitwise equal: True"),
+    ("pytorch_compile.py", (), "close: True"),
+    pytest.param("huggingface_llama.py", ("--steps", "2", "--seq-len", "16"), "two runs bitwise equal: True",
+                 marks=pytest.mark.skipif(
+                     __import__("importlib").util.find_spec("transformers") is None, reason="needs transformers")),
+])
+def test_example_runs(name, args, verdict):
+    proc = run_example(name, *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert verdict in proc.stdout, proc.stdout
+
+
+def test_every_pytorch_example_is_tested():
+    tested = {"pytorch_attention.py", "pytorch_compile.py", "huggingface_llama.py"}
+    scripts = {p.name for p in (REPO / "examples").glob("*.py") if not p.name.startswith(("flax", "jax"))}
+    assert scripts == tested, scripts

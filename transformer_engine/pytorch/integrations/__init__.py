@@ -1,0 +1,5 @@
+"""Adapters between :class:`transformer_engine.pytorch.DotProductAttention` and other libraries.
+
+Each adapter imports its library only when used: ``transformer_engine.pytorch.integrations.huggingface``
+needs ``transformers`` (``pip install "deterministic-attention[hf]"``).
+"""

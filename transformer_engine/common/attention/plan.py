@@ -218,13 +218,14 @@ _SM80_DKDV = _by_dim(Tiles(32, 128, 4, 3), Tiles(64, 128, 8, 2), Tiles(64, 64, 8
 _SM80_DQ = _by_dim(Tiles(128, 64, 8, 3), Tiles(128, 64, 8, 2), Tiles(64, 64, 8, 1),
                    (Tiles(64, 64, 4, 3), Tiles(128, 64, 8, 2), Tiles(64, 64, 8, 1)))
 # AMD CDNA (wave64). CDNA2 (gfx90a, MI200) and CDNA3 (gfx942, MI300) have 64 KiB of LDS per workgroup,
-# CDNA4 (gfx950, MI350) 160 KiB. Four waves per program (one per SIMD) leave each lane the whole register
-# file; tiles chosen so that every planned variant fits the LDS without scratch (tests/common/
-# test_kernel_compile_archs.py), not yet measured for speed.
-_CDNA3_FWD = _by_dim(Tiles(128, 64, 4, 2), Tiles(128, 64, 4, 1), Tiles(64, 32, 4, 1))
-_CDNA3_DKDV = _by_dim(Tiles(64, 64, 4, 1), Tiles(32, 64, 4, 1), Tiles(32, 32, 4, 1))
-_CDNA3_DQ = _by_dim(Tiles(64, 64, 4, 1), Tiles(64, 64, 4, 1), Tiles(64, 32, 4, 1))
-_CDNA4_FWD = _by_dim(Tiles(128, 64, 4, 2), Tiles(128, 64, 4, 2), Tiles(64, 64, 4, 1))
+# CDNA4 (gfx950, MI350) 160 KiB; all three 512 registers per lane of a wave. Four waves per program (one per
+# SIMD) and no software pipelining: with two stages, or 128x64 forward tiles at d=128, the bias and dropout
+# variants spill. Chosen so that every planned variant compiles without scratch and fits the LDS
+# (tests/common/test_kernel_compile_archs.py); not yet measured for speed.
+_CDNA3_FWD = _by_dim(Tiles(128, 64, 4, 1), Tiles(128, 32, 4, 1), Tiles(64, 32, 4, 1))
+_CDNA3_DKDV = _by_dim(Tiles(64, 64, 4, 1), Tiles(32, 64, 4, 1), Tiles(16, 64, 4, 1))
+_CDNA3_DQ = _by_dim(Tiles(64, 64, 4, 1), Tiles(128, 32, 4, 1), Tiles(64, 32, 4, 1))
+_CDNA4_FWD = _CDNA3_FWD
 _CDNA4_DKDV = _CDNA3_DKDV
 _CDNA4_DQ = _CDNA3_DQ
 

@@ -88,7 +88,7 @@ def test_each_gpu_plans_with_its_architecture(device, arch):
 @pytest.mark.parametrize("mask,window", WINDOWS)
 def test_plan_is_what_the_table_says(arch, dims, mask, window):
     """16-bit plans take their tiles from the architecture's table at (padded head dim, diagonal-bounded);
-    the Gluon kernels only on SM90; fp32 plans clamp those tiles and run one stage everywhere."""
+    the Gluon kernels only on SM90; fp32 plans clamp those tiles and run one stage (AMD: their own at d=256)."""
     cfg = _config(arch, dims, mask, window)
     key = (max(padded_head_dim(dims[0]), padded_head_dim(dims[1])), cfg.window_kind != "none")
     tables = ARCHS[arch]
@@ -101,6 +101,9 @@ def test_plan_is_what_the_table_says(arch, dims, mask, window):
     fp32 = dataclasses.replace(cfg, dtype="float32")
     f32, b32 = forward_plan(fp32), backward_plan(fp32)
     assert f32.dot_precision == "ieee" and f32.warp_specialized is None
+    if key[0] == 256 and tables.fp32_large is not None:  # AMD: its own fp32 tiles at d=256
+        assert (f32.tiles, b32.dkdv, b32.dq) == tables.fp32_large
+        return
     assert (f32.tiles.block_m, f32.tiles.block_n, f32.tiles.num_stages) == (
         min(tables.fwd[key].block_m, 64), min(tables.fwd[key].block_n, 32), 1)
     assert (b32.dkdv.block_m, b32.dkdv.block_n, b32.dq.block_m, b32.dq.block_n) == (

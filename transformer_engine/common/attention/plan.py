@@ -209,14 +209,10 @@ def _by_dim(small: Tiles, mid: Tiles, large: Tiles, windowed: Optional[Tuple[Til
 # GPU had before the per-architecture tables).
 _SM89_FWD = _by_dim(Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 2), Tiles(32, 32, 4, 1))
 _SM89_BWD = _by_dim(Tiles(64, 64, 4, 1), Tiles(64, 64, 4, 1), Tiles(32, 32, 4, 1))
-# A100 (sm_80) and Orin (sm_87), 163 KiB per block: the Hopper tiles where they fit and do not spill
-# (no warp-specialized kernels; at d=256 one stage less).
-_SM80_FWD = _by_dim(Tiles(128, 64, 8, 3), Tiles(128, 64, 8, 3), Tiles(64, 64, 8, 2),
-                    (Tiles(64, 64, 4, 3), Tiles(128, 64, 8, 3), Tiles(64, 64, 8, 2)))
-_SM80_DKDV = _by_dim(Tiles(32, 128, 4, 3), Tiles(64, 128, 8, 2), Tiles(64, 64, 8, 1),
-                     (Tiles(64, 64, 4, 3), Tiles(64, 128, 8, 2), Tiles(64, 64, 8, 1)))
-_SM80_DQ = _by_dim(Tiles(128, 64, 8, 3), Tiles(128, 64, 8, 2), Tiles(64, 64, 8, 1),
-                   (Tiles(64, 64, 4, 3), Tiles(128, 64, 8, 2), Tiles(64, 64, 8, 1)))
+# A100 (sm_80) and Orin (sm_87), 163 KiB per block: the same tiles for now. Hopper's tiles fit there but
+# spill on sm_80 (mma.sync keeps more per thread than wgmma: 280-2352 bytes of stack for the d=64 bias and
+# dropout variants with 4 warps), so larger tiles wait for a measurement on an A100.
+_SM80_FWD, _SM80_DKDV, _SM80_DQ = _SM89_FWD, _SM89_BWD, _SM89_BWD
 # AMD CDNA (wave64). CDNA2 (gfx90a, MI200) and CDNA3 (gfx942, MI300) have 64 KiB of LDS per workgroup,
 # CDNA4 (gfx950, MI350) 160 KiB; all three 512 registers per lane of a wave. Four waves per program (one per
 # SIMD) and no software pipelining: with two stages, or 128x64 forward tiles at d=128, the bias and dropout
@@ -228,6 +224,8 @@ _CDNA3_DQ = _by_dim(Tiles(64, 64, 4, 1), Tiles(128, 32, 4, 1), Tiles(64, 32, 4, 
 _CDNA4_FWD = _CDNA3_FWD
 _CDNA4_DKDV = _CDNA3_DKDV
 _CDNA4_DQ = _CDNA3_DQ
+# fp32 at d=256: the clamped tiles (64x32 forward) spill 80-950 bytes of scratch with a bias and dropout.
+_CDNA_FP32_256 = (Tiles(32, 32, 4, 1), Tiles(16, 32, 4, 1), Tiles(32, 32, 4, 1))
 
 
 @dataclass(frozen=True)
@@ -243,6 +241,9 @@ class ArchTables:
     dkdv: Dict[Tuple[int, bool], Tiles]
     dq: Dict[Tuple[int, bool], Tiles]
     warp_specialized: bool = False  # the Gluon kernels of hopper_ws.py where they serve (NVIDIA SM90 only)
+    # fp32 tiles (fwd, dK/dV, dQ) at padded head dim 256 where the clamped 16-bit tiles would spill;
+    # None: the clamp everywhere (forward_plan, backward_plan).
+    fp32_large: Optional[Tuple[Tiles, Tiles, Tiles]] = None
 
     @property
     def triton_target(self) -> Tuple[str, object, int]:
@@ -261,9 +262,9 @@ ARCHS: Dict[str, ArchTables] = {t.name: t for t in (
     # (its Gluon kernels are written for Hopper's wgmma and TMA).
     ArchTables("sm100", "nvidia", 32, 227 * _KIB, _SM90_FWD, _SM90_DKDV, _SM90_DQ),
     ArchTables("sm120", "nvidia", 32, 99 * _KIB, _SM89_FWD, _SM89_BWD, _SM89_BWD),
-    ArchTables("gfx90a", "amd", 64, 64 * _KIB, _CDNA3_FWD, _CDNA3_DKDV, _CDNA3_DQ),
-    ArchTables("gfx942", "amd", 64, 64 * _KIB, _CDNA3_FWD, _CDNA3_DKDV, _CDNA3_DQ),
-    ArchTables("gfx950", "amd", 64, 160 * _KIB, _CDNA4_FWD, _CDNA4_DKDV, _CDNA4_DQ),
+    ArchTables("gfx90a", "amd", 64, 64 * _KIB, _CDNA3_FWD, _CDNA3_DKDV, _CDNA3_DQ, fp32_large=_CDNA_FP32_256),
+    ArchTables("gfx942", "amd", 64, 64 * _KIB, _CDNA3_FWD, _CDNA3_DKDV, _CDNA3_DQ, fp32_large=_CDNA_FP32_256),
+    ArchTables("gfx950", "amd", 64, 160 * _KIB, _CDNA4_FWD, _CDNA4_DKDV, _CDNA4_DQ, fp32_large=_CDNA_FP32_256),
 )}
 # Compute capabilities whose tables differ from their major's (below); AMD targets by gfx name.
 _NVIDIA_EXACT = {(8, 0): "sm80", (8, 7): "sm80"}
@@ -331,7 +332,10 @@ def forward_plan(config: AttnConfig, override: Optional[Tiles] = None) -> Forwar
     else:
         tiles = arch.fwd[key]
     if config.dtype == "float32" and override is None and arch is not None:
-        tiles = Tiles(min(tiles.block_m, 64), min(tiles.block_n, 32), tiles.num_warps, 1)
+        if key[0] == 256 and arch.fp32_large is not None:
+            tiles = arch.fp32_large[0]
+        else:
+            tiles = Tiles(min(tiles.block_m, 64), min(tiles.block_n, 32), tiles.num_warps, 1)
     # An explicit Triton tile override measures the Triton kernel.
     ws = None if override is not None else _warp_specialized(config, arch, key, _SM90_FWD_WS)
     return ForwardPlan(tiles, padded_head_dim(config.head_dim_qk), padded_head_dim(config.head_dim_v),
@@ -365,8 +369,11 @@ def backward_plan(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = 
     else:
         dkdv, dq = arch.dkdv[key], arch.dq[key]
     if config.dtype == "float32" and override is None and arch is not None:
-        dkdv = Tiles(min(dkdv.block_m, 32), min(dkdv.block_n, 64), dkdv.num_warps, 1)
-        dq = Tiles(min(dq.block_m, 64), min(dq.block_n, 32), dq.num_warps, 1)
+        if key[0] == 256 and arch.fp32_large is not None:
+            dkdv, dq = arch.fp32_large[1:]
+        else:
+            dkdv = Tiles(min(dkdv.block_m, 32), min(dkdv.block_n, 64), dkdv.num_warps, 1)
+            dq = Tiles(min(dq.block_m, 64), min(dq.block_n, 32), dq.num_warps, 1)
     preprocess = Tiles(64 if config.device_type != "cpu" else 16, 0, 4, 1)
     # Separate dQ pass measured faster than atomic dQ on the H200 (ANCHORS.md), so even the
     # non-deterministic mode uses it unless it is explicitly measured otherwise.

@@ -224,8 +224,9 @@ _CDNA3_DQ = _by_dim(Tiles(64, 64, 4, 1), Tiles(128, 32, 4, 1), Tiles(64, 32, 4, 
 _CDNA4_FWD = _CDNA3_FWD
 _CDNA4_DKDV = _CDNA3_DKDV
 _CDNA4_DQ = _CDNA3_DQ
-# fp32 at d=256: the clamped tiles (64x32 forward) spill 80-950 bytes of scratch with a bias and dropout.
-_CDNA_FP32_256 = (Tiles(32, 32, 4, 1), Tiles(16, 32, 4, 1), Tiles(32, 32, 4, 1))
+# fp32 at d=256: the clamped tiles (64x32 forward) spill 80-950 bytes of scratch with a bias and dropout,
+# 32-row dQ tiles 120-152 bytes.
+_CDNA_FP32_256 = (Tiles(32, 32, 4, 1), Tiles(16, 32, 4, 1), Tiles(16, 32, 4, 1))
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Every planned Hopper kernel variant compiles for sm_90 and fits in shared memory, on the CPU.
+"""Hopper-only kernels (the warp-specialized Gluon ones) and sm_90 specialisation rules compile as planned,
+on the CPU; every target's Triton launches are in test_kernel_compile_archs.py.
 
 Triton's wheel carries ptxas, so compilation needs no GPU: this catches kernel compile errors
 and over-sized tile plans in CI, before any device time is spent.
@@ -13,10 +14,8 @@ triton = pytest.importorskip("triton")
 
 from transformer_engine.common.attention import AttnConfig, AttnMaskType  # noqa: E402
 from transformer_engine.common.attention.kernels.backward import (  # noqa: E402
-    attn_bwd_dbias_kernel,
     attn_bwd_dkdv_kernel,
     attn_bwd_dq_kernel,
-    attn_bwd_preprocess_kernel,
 )
 from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel  # noqa: E402
 from transformer_engine.common.attention.kernels.hopper_ws import (  # noqa: E402
@@ -42,36 +41,7 @@ def _compile(fn, constexprs, tiles, dqk, dv, bias=False):
     return kernel
 
 
-_PLAIN = [(dims, causal, False, 1) for dims in [(64, 64), (128, 128), (192, 128), (256, 256)] for causal in (False, True)]
-# Bias, ALiBi and dropout variants (plus the dBias kernel) at the two largest tiles, with GQA groups
-# (the dK/dV kernel unrolls over the group).
-_MODS = [((128, 128), True, True, 4), ((256, 256), False, True, 2)]
-
-
-@pytest.mark.parametrize("head_dims,causal,mods,gqa", _PLAIN + _MODS)
-def test_sm90_plans_compile(head_dims, causal, mods, gqa):
-    dqk, dv = head_dims
-    mask = AttnMaskType.CAUSAL_MASK if causal else AttnMaskType.NO_MASK
-    cfg = AttnConfig(batch_size=1, num_heads_q=8, num_heads_kv=8, head_dim_qk=dqk, head_dim_v=dv,
-                     max_seqlen_q=4096, max_seqlen_kv=4096, dtype="bfloat16", attn_mask_type=mask,
-                     deterministic=True, device_type="cuda", compute_capability=(9, 0))
-    fwd, bwd = forward_plan(cfg), backward_plan(cfg)
-    flags = dict(HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=fwd.block_dqk, BLOCK_DV=fwd.block_dv,
-                 IS_THD=False, HAS_SEQLENS=False, HAS_LEFT=False, HAS_RIGHT=causal, BOTTOM_RIGHT=False,
-                 DOT_PRECISION=fwd.dot_precision, HAS_BIAS=mods, HAS_ALIBI=mods, DROPOUT=mods)
-    _compile(attn_fwd_kernel, dict(flags, TMA=fwd.tiles.tma, **fwd.tiles.loop_constexprs), fwd.tiles, dqk, dv,
-             bias=mods)
-    _compile(attn_bwd_dkdv_kernel,
-             dict(flags, ATOMIC_DQ=False, gqa_group=gqa, TMA=bwd.dkdv.tma, **bwd.dkdv.loop_constexprs),
-             bwd.dkdv, dqk, dv, bias=mods)
-    _compile(attn_bwd_dq_kernel, dict(flags, TMA=bwd.dq.tma, **bwd.dq.loop_constexprs), bwd.dq, dqk, dv, bias=mods)
-    _compile(attn_bwd_preprocess_kernel,
-             dict(HEAD_DIM_V=dv, BLOCK_DV=bwd.block_dv, BLOCK_M=bwd.preprocess.block_m, IS_THD=False,
-                  HAS_SEQLENS=False), bwd.preprocess, dqk, dv)
-    if mods:
-        dbias_flags = {k: v for k, v in flags.items() if k not in ("IS_THD", "HAS_BIAS", "HAS_ALIBI")}
-        _compile(attn_bwd_dbias_kernel, dict(dbias_flags, BLOCK_M=bwd.dbias.block_m, BLOCK_N=bwd.dbias.block_n),
-                 bwd.dbias, dqk, dv, bias=True)
+# The Triton kernels of every planned launch, for sm_90 and the other targets: test_kernel_compile_archs.py.
 
 
 @pytest.mark.parametrize("mask,thd,gqa", [(AttnMaskType.NO_MASK, False, 1), (AttnMaskType.CAUSAL_MASK, False, 1),
@@ -137,3 +107,25 @@ def test_sm90_kernels_compile_the_same_for_every_sequence_length(fn, kind):
         args.update(seqlen_q=seqlen_q, seqlen_k=seqlen_k)
         hashes.add(compile_kernel(fn, args, tiles.launch_options, SM90).hash)
     assert len(hashes) == 1
+
+
+def test_compile_kernel_says_what_each_target_gives():
+    """compile_kernel builds a cubin for CUDA targets and a hsaco for HIP ones; a HIP kernel has no cubin
+    to hand the (CUDA-only) JAX launcher, and a target of another backend is refused with what is supported."""
+    from triton.backends.compiler import GPUTarget
+
+    from transformer_engine.common.attention.kernels.aot import Pointer
+    from transformer_engine.common.attention.kernels.fill import zero_outside_sequences_kernel
+
+    args = dict(X=Pointer("bfloat16"), STARTS=Pointer("int32"), USED=Pointer("int32"), num_seqs=5, total_rows=1000,
+                stride_t=8 * 64, stride_h=64, stride_d=1, NUM_HEADS=8, HEAD_DIM=64, BLOCK_H=8, BLOCK_D=64, BLOCK_T=16)
+    options = dict(num_warps=4, num_stages=1)
+    amd = compile_kernel(zero_outside_sequences_kernel, args, options, GPUTarget("hip", "gfx942", 64))
+    assert (amd.binary_format, amd.arch, amd.binary[:4]) == ("hsaco", "gfx942", b"\x7fELF")
+    assert dict(amd.hip_resources)["private_segment_fixed_size"] == 0
+    with pytest.raises(ValueError, match="compiled for gfx942 \\(a hsaco\\)"):
+        amd.cubin
+    nvidia = compile_kernel(zero_outside_sequences_kernel, args, options, SM90)
+    assert (nvidia.binary_format, nvidia.arch, nvidia.cubin[:4]) == ("cubin", "sm_90", b"\x7fELF")
+    with pytest.raises(NotImplementedError, match="`target` must be a Triton GPUTarget of backend 'cuda'"):
+        compile_kernel(zero_outside_sequences_kernel, args, options, GPUTarget("xpu", "pvc", 16))

@@ -98,6 +98,13 @@ _DECLARED = (
         "0 keeps fused attention on its Triton kernels where the plan would pick the warp-specialized Gluon "
         "forward, dK/dV and dQ kernels (Hopper, d=128, fp16/bf16, no bias or dropout).",
     ),
+    EnvVar(
+        "NVTE_FUSED_ATTN_PLAN_ARCH", "str", "",
+        "Plans fused attention with another GPU architecture's tile tables (e.g. sm80, gfx942) on this GPU, to "
+        "test them: Triton kernels only, and only an architecture with at most this GPU's shared memory; unset: "
+        "the GPU's own plan.",
+        choices=("", "sm80", "sm89", "sm90", "sm100", "sm120", "gfx90a", "gfx942", "gfx950"),
+    ),
     EnvVar("NVTE_DEBUG", "bool", False, "1 enables debug logging of attention backend selection."),
     EnvVar(
         "NVTE_DEBUG_LEVEL", "int", 0,

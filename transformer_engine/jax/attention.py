@@ -28,7 +28,7 @@ import inspect
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +43,7 @@ from transformer_engine.common.attention.backends import (
     select_backend,
 )
 from transformer_engine.common.attention import enums as _common
-from transformer_engine.common.attention.config import AttnConfig, normalize_window
+from transformer_engine.common.attention.config import AttnConfig, gfx_target, normalize_window
 from transformer_engine.jax import attention_math
 from transformer_engine.jax.attention_math import SeqInfo
 from transformer_engine.jax.enums import (
@@ -110,17 +110,28 @@ def is_deterministic_mode() -> bool:
     return any(_xla_flag(name) for name in _XLA_DETERMINISTIC_FLAGS)
 
 
-def _device_facts() -> Tuple[str, Optional[Tuple[int, int]]]:
-    """(device type for AttnConfig, compute capability) of the default backend."""
+def _device_facts() -> Tuple[str, Union[None, str, Tuple[int, int]]]:
+    """(device type for AttnConfig, architecture) of the default backend: the compute capability
+    (major, minor) of a CUDA GPU, the gfx target ("gfx942") of a ROCm one (JAX reports either as the
+    device's ``compute_capability``), None on CPU."""
     device = jax.devices()[0]
-    if device.platform == "gpu":
-        capability = getattr(device, "compute_capability", None)
+    if device.platform in ("gpu", "cuda", "rocm"):
+        capability = str(getattr(device, "compute_capability", ""))
+        if capability.lower().startswith("gfx"):
+            return "cuda", gfx_target(capability)
         try:
-            major, minor = (int(x) for x in str(capability).split("."))
+            major, minor = (int(x) for x in capability.split("."))
             return "cuda", (major, minor)
         except ValueError:
             pass
     return "cpu", None
+
+
+def _arch_fields(arch: Union[None, str, Tuple[int, int]]) -> Dict[str, object]:
+    """AttnConfig's vendor, compute_capability and gfx_arch for an architecture of ``_device_facts``."""
+    if isinstance(arch, str):
+        return dict(vendor="amd", compute_capability=None, gfx_arch=arch)
+    return dict(vendor="nvidia", compute_capability=arch, gfx_arch=None)
 
 
 _CANDIDATES = (FusedAttention, UnfusedDotProductAttention)
@@ -128,7 +139,7 @@ _CANDIDATES = (FusedAttention, UnfusedDotProductAttention)
 
 def _frontend_extra(device_type: str, attn_bias_type: AttnBiasType, dropout: float,
                     is_training: bool, selecting: bool = True,
-                    offset_sequences: bool = False) -> Tuple[Tuple[str, str], ...]:
+                    offset_sequences: bool = False, vendor: str = "nvidia") -> Tuple[Tuple[str, str], ...]:
     """Reasons only the JAX frontend knows (FusedAttention reads them from ``config.extra``): the
     device it can launch on, its launcher's build and what it wires to the kernels. ``selecting``:
     also hold back what the kernels can run but ``fused_attn`` should not pick yet.
@@ -136,6 +147,10 @@ def _frontend_extra(device_type: str, attn_bias_type: AttnBiasType, dropout: flo
     if device_type != "cuda":
         return ((FusedAttention.NAME, f"device={device_type}: JAX launches the Triton kernels on CUDA GPUs only "
                  "(on CPU the fused primitives lower to jnp, for tests)"),)
+    if vendor != "nvidia":
+        return ((FusedAttention.NAME, f"vendor={vendor} (ROCm): JAX launches the Triton kernels through its XLA FFI "
+                 "extension (csrc/triton_launch.cpp), which loads CUDA cubins on CUDA streams only; the kernels "
+                 "compile for AMD GPUs and run there from PyTorch"),)
     from transformer_engine.jax.primitives import gpu
 
     reasons = []
@@ -169,16 +184,17 @@ def _make_config(*, dtype, bias_shape: Optional[Sequence[int]], selecting: bool 
                  offset_sequences: bool = False, **fields) -> AttnConfig:
     """The AttnConfig of a call: ``fields`` as AttnConfig names them, plus what JAX knows now
     (device, determinism switch, the frontend's own reasons; see ``_frontend_extra``)."""
-    device_type, capability = _device_facts()
+    device_type, arch = _device_facts()
+    facts = _arch_fields(arch)
     extra = _frontend_extra(device_type, fields["attn_bias_type"], fields["dropout"], fields["is_training"],
-                            selecting, offset_sequences)
+                            selecting, offset_sequences, vendor=facts["vendor"])
     return AttnConfig(
         dtype=jnp.dtype(dtype).name,
         bias_shape=_bias_shape_name(bias_shape),
         deterministic=is_deterministic_mode(),
         framework="jax",
         device_type=device_type,
-        compute_capability=capability,
+        **facts,
         triton_interpret=False,
         extra=extra,
         **fields,

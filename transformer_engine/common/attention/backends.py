@@ -43,8 +43,10 @@ class AttentionBackend:
     ENABLE_VAR: Optional[str] = None  # NVTE_* switch that disables it when 0
     FRAMEWORKS: frozenset = frozenset({"pytorch", "jax"})
     DEVICE_TYPES: frozenset = frozenset({"cuda", "cpu"})
-    MIN_COMPUTE_CAPABILITY: Tuple[int, int] = (0, 0)
-    SUPPORTED_ARCHS: Optional[frozenset] = None  # exact major versions, when limited
+    SUPPORTED_VENDORS: frozenset = frozenset({"nvidia", "amd"})  # of "cuda" devices
+    MIN_COMPUTE_CAPABILITY: Tuple[int, int] = (0, 0)  # NVIDIA
+    SUPPORTED_ARCHS: Optional[frozenset] = None  # NVIDIA: exact major versions, when limited
+    SUPPORTED_AMD_ARCHS: Optional[frozenset] = None  # AMD: gfx targets, when limited
     SUPPORTED_DTYPES: frozenset = frozenset({"float16", "bfloat16", "float32"})
     MAX_HEAD_DIM: int = 1 << 30
     HEAD_DIM_MULTIPLE: int = 1
@@ -71,6 +73,11 @@ class AttentionBackend:
             reasons.append(f"framework={config.framework} (supported: {', '.join(sorted(cls.FRAMEWORKS))})")
         if config.device_type not in cls.DEVICE_TYPES:
             reasons.append(f"device={config.device_type} (supported: {', '.join(sorted(cls.DEVICE_TYPES))})")
+        elif config.device_type == "cuda" and config.vendor not in cls.SUPPORTED_VENDORS:
+            reasons.append(f"vendor={config.vendor} (supported: {', '.join(sorted(cls.SUPPORTED_VENDORS))})")
+        elif config.device_type == "cuda" and config.vendor == "amd":
+            if cls.SUPPORTED_AMD_ARCHS is not None and config.gfx_arch not in cls.SUPPORTED_AMD_ARCHS:
+                reasons.append(f"gfx_arch={config.gfx_arch} (supported: {', '.join(sorted(cls.SUPPORTED_AMD_ARCHS))})")
         elif config.device_type == "cuda" and config.compute_capability is not None:
             if config.compute_capability < cls.MIN_COMPUTE_CAPABILITY:
                 reasons.append(
@@ -119,6 +126,9 @@ class FusedAttention(AttentionBackend):
     SHORT_NAME = "fused"
     ENABLE_VAR = "NVTE_FUSED_ATTN"
     MIN_COMPUTE_CAPABILITY = (8, 0)
+    # CDNA2/3/4, the AMD targets with plans (plan.AMD_ARCHS) and compiled for in CI
+    # (tests/common/test_kernel_compile_archs.py).
+    SUPPORTED_AMD_ARCHS = frozenset({"gfx90a", "gfx940", "gfx941", "gfx942", "gfx950"})
     SUPPORTED_DTYPES = frozenset({"float16", "bfloat16", "float32"})
     MAX_HEAD_DIM = 256
     HEAD_DIM_MULTIPLE = 8
@@ -152,6 +162,7 @@ class FlashAttention(AttentionBackend):
     ENABLE_VAR = "NVTE_FLASH_ATTN"
     FRAMEWORKS = frozenset({"pytorch"})
     DEVICE_TYPES = frozenset({"cuda"})
+    SUPPORTED_VENDORS = frozenset({"nvidia"})
     SUPPORTED_ARCHS = frozenset({9, 10})
     SUPPORTED_DTYPES = frozenset({"float16", "bfloat16"})
     MAX_HEAD_DIM = 256

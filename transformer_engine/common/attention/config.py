@@ -12,7 +12,7 @@ from transformer_engine.common.attention.enums import (
     QKVLayout,
 )
 
-__all__ = ["AttnConfig", "normalize_window", "NO_WINDOW"]
+__all__ = ["AttnConfig", "normalize_window", "NO_WINDOW", "gfx_target"]
 
 NO_WINDOW = (-1, -1)
 
@@ -44,6 +44,15 @@ def normalize_window(window_size: Optional[Tuple[int, int]], attn_mask_type: Att
     return (left, right)
 
 
+def gfx_target(name: str) -> str:
+    """An AMD GPU's gfx target as plans name it: ROCm's full name without its features
+    ("gfx942:sramecc+:xnack-" -> "gfx942")."""
+    target = str(name).split(":", 1)[0].strip().lower()
+    if not target.startswith("gfx"):
+        raise ValueError(f"`name` must be an AMD gfx target such as 'gfx942:sramecc+:xnack-', got {name!r}")
+    return target
+
+
 @dataclass(frozen=True)
 class AttnConfig:
     """Everything backend selection and launch planning need to know about one call.
@@ -69,7 +78,9 @@ class AttnConfig:
     deterministic: bool = False
     framework: str = "pytorch"
     device_type: str = "cuda"  # "cuda" or "cpu"
-    compute_capability: Optional[Tuple[int, int]] = None
+    compute_capability: Optional[Tuple[int, int]] = None  # NVIDIA GPUs (None on AMD: see gfx_arch)
+    vendor: str = "nvidia"  # of a "cuda" device: "nvidia" or "amd" (ROCm GPUs are "cuda" devices to PyTorch)
+    gfx_arch: Optional[str] = None  # AMD GPUs: the gfx target without its features, e.g. "gfx942"
     triton_interpret: bool = False  # TRITON_INTERPRET=1: Triton kernels run on the CPU
     extra: Tuple[Tuple[str, str], ...] = field(default=())  # frontend-specific facts as (name, reason)
 
@@ -90,6 +101,17 @@ class AttnConfig:
             return "causal"
         return "none"
 
+    @property
+    def arch(self) -> Optional[str]:
+        """The GPU architecture as plans name it ("sm90", "gfx942"), None off GPUs or when unknown."""
+        if self.device_type != "cuda":
+            return None
+        if self.vendor == "amd":
+            return self.gfx_arch
+        if self.compute_capability is None:
+            return None
+        return f"sm{self.compute_capability[0]}{self.compute_capability[1]}"
+
     def describe(self) -> str:
         """One line for logs and errors."""
         return (
@@ -98,5 +120,5 @@ class AttnConfig:
             f"dtype={self.dtype} layout={self.qkv_layout.value} mask={self.attn_mask_type.value} "
             f"window={self.window_size} bias={self.attn_bias_type.value} dropout={self.dropout} "
             f"training={self.is_training} deterministic={self.deterministic} "
-            f"device={self.device_type} sm={self.compute_capability} framework={self.framework}"
+            f"device={self.device_type} arch={self.arch} framework={self.framework}"
         )

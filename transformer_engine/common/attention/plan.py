@@ -5,10 +5,16 @@ depend only on head dim, dtype, mask/window kind and GPU architecture — never 
 sequence length or autotuning. Nothing below reads a shape other than the head dims. Whether the
 warp-specialized Gluon kernels serve a config also reads its bias/dropout and NVTE_FUSED_ATTN_WS,
 alike for both frameworks.
+
+Architectures (:data:`ARCHS`): each GPU family has its tile tables and the shared memory (LDS on AMD) its
+tiles must fit; :func:`plan_arch` finds a config's from its vendor and compute capability or gfx target,
+or takes the one NVTE_FUSED_ATTN_PLAN_ARCH forces. The Hopper tables and the Gluon kernels serve NVIDIA
+SM90 only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
@@ -16,8 +22,8 @@ from transformer_engine.common.attention.config import AttnConfig
 from transformer_engine.common import settings
 from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType
 
-__all__ = ["Tiles", "ForwardPlan", "BackwardPlan", "forward_plan", "backward_plan", "mask_flags", "padded_head_dim",
-           "block_grid", "tma_eligible"]
+__all__ = ["Tiles", "ForwardPlan", "BackwardPlan", "ArchTables", "ARCHS", "forward_plan", "backward_plan",
+           "plan_arch", "device_arch", "mask_flags", "padded_head_dim", "block_grid", "tma_eligible"]
 
 
 @dataclass(frozen=True)
@@ -183,16 +189,132 @@ _SM90_DKDV_WS = {
     (128, False): Tiles(64, 128, 4, 3, max_registers=168),
     (128, True): Tiles(64, 128, 4, 3, head_group=8, max_registers=168),
 }
-# Other GPUs (Ampere and newer non-Hopper): conservative tiles that fit 100 KB of shared memory.
-_GENERIC_FWD = Tiles(64, 64, 4, 2)
-_GENERIC_BWD = Tiles(64, 64, 4, 1)
-_GENERIC_FWD_256 = Tiles(32, 32, 4, 1)
-_GENERIC_BWD_256 = Tiles(32, 32, 4, 1)
+
+
+def _by_dim(small: Tiles, mid: Tiles, large: Tiles, windowed: Optional[Tuple[Tiles, Tiles, Tiles]] = None
+            ) -> Dict[Tuple[int, bool], Tiles]:
+    """A table keyed as the Hopper ones: ``small`` for padded head dims up to 64, ``mid`` at 128,
+    ``large`` at 256; ``windowed`` the same three for diagonal-bounded masks (default: the same)."""
+    plain = (small, mid, large)
+    windowed = windowed or plain
+    table = {}
+    for dim in (16, 32, 64, 128, 256):
+        index = 0 if dim <= 64 else (1 if dim == 128 else 2)
+        table[(dim, False)], table[(dim, True)] = plain[index], windowed[index]
+    return table
+
+
+# Ada and Ampere's GA10x (sm_86, sm_89), consumer Blackwell (sm_120, sm_121) and GPUs not listed below:
+# conservative tiles that fit their 99 KiB of shared memory per block (the plan every non-Hopper NVIDIA
+# GPU had before the per-architecture tables).
+_SM89_FWD = _by_dim(Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 2), Tiles(32, 32, 4, 1))
+_SM89_BWD = _by_dim(Tiles(64, 64, 4, 1), Tiles(64, 64, 4, 1), Tiles(32, 32, 4, 1))
+# A100 (sm_80) and Orin (sm_87), 163 KiB per block: the same tiles for now. Hopper's tiles fit there but
+# spill on sm_80 (mma.sync keeps more per thread than wgmma: 280-2352 bytes of stack for the d=64 bias and
+# dropout variants with 4 warps), so larger tiles wait for a measurement on an A100.
+_SM80_FWD, _SM80_DKDV, _SM80_DQ = _SM89_FWD, _SM89_BWD, _SM89_BWD
+# AMD CDNA (wave64). CDNA2 (gfx90a, MI200) and CDNA3 (gfx942, MI300) have 64 KiB of LDS per workgroup,
+# CDNA4 (gfx950, MI350) 160 KiB; all three 512 registers per lane of a wave. Four waves per program (one per
+# SIMD) and no software pipelining: with two stages, or 128x64 forward tiles at d=128, the bias and dropout
+# variants spill. Chosen so that every planned variant compiles without scratch and fits the LDS
+# (tests/common/test_kernel_compile_archs.py); not yet measured for speed.
+_CDNA3_FWD = _by_dim(Tiles(128, 64, 4, 1), Tiles(128, 32, 4, 1), Tiles(64, 32, 4, 1))
+_CDNA3_DKDV = _by_dim(Tiles(64, 64, 4, 1), Tiles(32, 64, 4, 1), Tiles(16, 64, 4, 1))
+_CDNA3_DQ = _by_dim(Tiles(64, 64, 4, 1), Tiles(128, 32, 4, 1), Tiles(64, 32, 4, 1))
+_CDNA4_FWD = _CDNA3_FWD
+_CDNA4_DKDV = _CDNA3_DKDV
+_CDNA4_DQ = _CDNA3_DQ
+# fp32 at d=256: the clamped tiles (64x32 forward) spill 80-950 bytes of scratch with a bias and dropout,
+# 32-row dQ tiles 120-152 bytes.
+_CDNA_FP32_256 = (Tiles(32, 32, 4, 1), Tiles(16, 32, 4, 1), Tiles(16, 32, 4, 1))
+
+
+@dataclass(frozen=True)
+class ArchTables:
+    """One GPU architecture's launch plan: the resources its tiles must fit and its tile tables, keyed
+    by (padded head dim, diagonal-bounded mask) as the Hopper ones."""
+
+    name: str  # what NVTE_FUSED_ATTN_PLAN_ARCH calls it: "sm90", "gfx942"
+    vendor: str  # "nvidia" or "amd"
+    warp_size: int
+    shared_memory: int  # bytes one program may use: opt-in shared memory per block; LDS per workgroup on AMD
+    fwd: Dict[Tuple[int, bool], Tiles]
+    dkdv: Dict[Tuple[int, bool], Tiles]
+    dq: Dict[Tuple[int, bool], Tiles]
+    warp_specialized: bool = False  # the Gluon kernels of hopper_ws.py where they serve (NVIDIA SM90 only)
+    # fp32 tiles (fwd, dK/dV, dQ) at padded head dim 256 where the clamped 16-bit tiles would spill;
+    # None: the clamp everywhere (forward_plan, backward_plan).
+    fp32_large: Optional[Tuple[Tiles, Tiles, Tiles]] = None
+
+    @property
+    def triton_target(self) -> Tuple[str, object, int]:
+        """(backend, arch, warp size) of Triton's GPUTarget for this architecture's first GPU."""
+        if self.vendor == "amd":
+            return ("hip", self.name, self.warp_size)
+        return ("cuda", int(self.name[2:]), self.warp_size)
+
+
+_KIB = 1024
+ARCHS: Dict[str, ArchTables] = {t.name: t for t in (
+    ArchTables("sm80", "nvidia", 32, 163 * _KIB, _SM80_FWD, _SM80_DKDV, _SM80_DQ),
+    ArchTables("sm89", "nvidia", 32, 99 * _KIB, _SM89_FWD, _SM89_BWD, _SM89_BWD),
+    ArchTables("sm90", "nvidia", 32, 227 * _KIB, _SM90_FWD, _SM90_DKDV, _SM90_DQ, warp_specialized=True),
+    # Datacenter Blackwell (sm_100, sm_103) and Thor (sm_110): Hopper's 227 KiB, so Hopper's Triton tiles
+    # (its Gluon kernels are written for Hopper's wgmma and TMA).
+    ArchTables("sm100", "nvidia", 32, 227 * _KIB, _SM90_FWD, _SM90_DKDV, _SM90_DQ),
+    ArchTables("sm120", "nvidia", 32, 99 * _KIB, _SM89_FWD, _SM89_BWD, _SM89_BWD),
+    ArchTables("gfx90a", "amd", 64, 64 * _KIB, _CDNA3_FWD, _CDNA3_DKDV, _CDNA3_DQ, fp32_large=_CDNA_FP32_256),
+    ArchTables("gfx942", "amd", 64, 64 * _KIB, _CDNA3_FWD, _CDNA3_DKDV, _CDNA3_DQ, fp32_large=_CDNA_FP32_256),
+    ArchTables("gfx950", "amd", 64, 160 * _KIB, _CDNA4_FWD, _CDNA4_DKDV, _CDNA4_DQ, fp32_large=_CDNA_FP32_256),
+)}
+# Compute capabilities whose tables differ from their major's (below); AMD targets by gfx name.
+_NVIDIA_EXACT = {(8, 0): "sm80", (8, 7): "sm80"}
+_NVIDIA_MAJOR = {8: "sm89", 9: "sm90", 10: "sm100", 11: "sm100", 12: "sm120"}
+_NVIDIA_OTHER = "sm89"  # the smallest shared memory of the NVIDIA tables: fits any GPU the backend accepts
+AMD_ARCHS = {"gfx90a": "gfx90a", "gfx940": "gfx942", "gfx941": "gfx942", "gfx942": "gfx942", "gfx950": "gfx950"}
+
+
+def device_arch(config: AttnConfig) -> ArchTables:
+    """The tables of the config's own GPU (``vendor`` with ``compute_capability`` or ``gfx_arch``)."""
+    if config.vendor == "amd":
+        if config.gfx_arch not in AMD_ARCHS:
+            raise NotImplementedError(f"`gfx_arch` must be one of {', '.join(sorted(AMD_ARCHS))} for the fused "
+                                      f"kernels' plans, got {config.gfx_arch!r}")
+        return ARCHS[AMD_ARCHS[config.gfx_arch]]
+    if config.vendor != "nvidia":
+        raise ValueError(f"`vendor` must be 'nvidia' or 'amd', got {config.vendor!r}")
+    cc = config.compute_capability
+    if cc is None:
+        return ARCHS[_NVIDIA_OTHER]
+    return ARCHS[_NVIDIA_EXACT.get(tuple(cc)) or _NVIDIA_MAJOR.get(cc[0], _NVIDIA_OTHER)]
+
+
+def plan_arch(config: AttnConfig) -> ArchTables:
+    """The tables a GPU config plans with: its device's, or those NVTE_FUSED_ATTN_PLAN_ARCH forces (read now).
+
+    A forced plan keeps to what the device can run: only its Triton tiles (the Gluon kernels stay with
+    a real SM90), and only an architecture with at most the device's shared memory, so its tiles fit.
+    Warps keep the device's width (a wave64 plan on NVIDIA runs its warp counts as 32-thread warps).
+    """
+    device = device_arch(config)
+    forced = settings.get("NVTE_FUSED_ATTN_PLAN_ARCH")
+    if not forced or forced == device.name:
+        return device
+    tables = ARCHS[forced]
+    if tables.shared_memory > device.shared_memory:
+        raise ValueError(
+            f"NVTE_FUSED_ATTN_PLAN_ARCH must name an architecture with at most this GPU's shared memory "
+            f"({device.name}: {device.shared_memory // _KIB} KiB), got {forced!r} ({tables.shared_memory // _KIB} "
+            f"KiB): its tiles may not fit here")
+    return dataclasses.replace(tables, warp_specialized=False)
 
 
 def _dot_precision(config: AttnConfig) -> str:
-    # fp32 inputs get true fp32 products (no TF32) so fp32 results match the reference.
-    return "ieee" if config.dtype == "float32" else "tf32"
+    # fp32 inputs get true fp32 products (no TF32) so fp32 results match the reference. For fp16/bf16
+    # operands the setting changes no instruction on NVIDIA (TF32 concerns fp32 operands only: the sm_90
+    # binaries are the same either way, tests/common/test_kernel_compile.py), and "ieee" is the value
+    # every Triton target accepts (gfx90a and gfx950 reject "tf32").
+    return "ieee"
 
 
 def _head_key(config: AttnConfig) -> Tuple[int, bool]:
@@ -203,26 +325,30 @@ def _head_key(config: AttnConfig) -> Tuple[int, bool]:
 
 def forward_plan(config: AttnConfig, override: Optional[Tiles] = None) -> ForwardPlan:
     key = _head_key(config)
+    arch = plan_arch(config) if config.device_type != "cpu" and override is None else None
     if override is not None:
         tiles = override
-    elif config.device_type == "cpu":
+    elif arch is None:
         tiles = _INTERPRET_FWD
-    elif config.compute_capability is not None and config.compute_capability[0] == 9:
-        tiles = _SM90_FWD[key]
     else:
-        tiles = _GENERIC_FWD_256 if key[0] > 128 else _GENERIC_FWD
-    if config.dtype == "float32" and override is None and config.device_type != "cpu":
-        tiles = Tiles(min(tiles.block_m, 64), min(tiles.block_n, 32), tiles.num_warps, 1)
+        tiles = arch.fwd[key]
+    if config.dtype == "float32" and override is None and arch is not None:
+        if key[0] == 256 and arch.fp32_large is not None:
+            tiles = arch.fp32_large[0]
+        else:
+            tiles = Tiles(min(tiles.block_m, 64), min(tiles.block_n, 32), tiles.num_warps, 1)
     # An explicit Triton tile override measures the Triton kernel.
-    ws = None if override is not None else _warp_specialized(config, key, _SM90_FWD_WS)
+    ws = None if override is not None else _warp_specialized(config, arch, key, _SM90_FWD_WS)
     return ForwardPlan(tiles, padded_head_dim(config.head_dim_qk), padded_head_dim(config.head_dim_v),
                        _dot_precision(config), ws)
 
 
-def _warp_specialized(config: AttnConfig, key: Tuple[int, bool], table: Dict[Tuple[int, bool], Tiles]) -> Optional[Tiles]:
+def _warp_specialized(config: AttnConfig, arch: Optional[ArchTables], key: Tuple[int, bool],
+                      table: Dict[Tuple[int, bool], Tiles]) -> Optional[Tiles]:
     """The Gluon kernels' tiles for ``config`` from ``table``, where they serve it (module docstring of
-    kernels/hopper_ws.py) and NVTE_FUSED_ATTN_WS does not turn them off."""
-    if config.device_type != "cuda" or config.compute_capability is None or config.compute_capability[0] != 9:
+    kernels/hopper_ws.py: NVIDIA SM90 planning with its own tables) and NVTE_FUSED_ATTN_WS does not turn
+    them off."""
+    if config.device_type != "cuda" or arch is None or not arch.warp_specialized:
         return None
     if config.dtype not in ("float16", "bfloat16") or config.head_dim_qk != config.head_dim_v:
         return None
@@ -236,25 +362,27 @@ def _warp_specialized(config: AttnConfig, key: Tuple[int, bool], table: Dict[Tup
 
 def backward_plan(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = None) -> BackwardPlan:
     key = _head_key(config)
+    arch = plan_arch(config) if config.device_type != "cpu" and override is None else None
     if override is not None:
         dkdv, dq = override
-    elif config.device_type == "cpu":
+    elif arch is None:
         dkdv = dq = _INTERPRET_BWD
-    elif config.compute_capability is not None and config.compute_capability[0] == 9:
-        dkdv, dq = _SM90_DKDV[key], _SM90_DQ[key]
     else:
-        dkdv = dq = _GENERIC_BWD_256 if key[0] > 128 else _GENERIC_BWD
-    if config.dtype == "float32" and override is None and config.device_type != "cpu":
-        dkdv = Tiles(min(dkdv.block_m, 32), min(dkdv.block_n, 64), dkdv.num_warps, 1)
-        dq = Tiles(min(dq.block_m, 64), min(dq.block_n, 32), dq.num_warps, 1)
+        dkdv, dq = arch.dkdv[key], arch.dq[key]
+    if config.dtype == "float32" and override is None and arch is not None:
+        if key[0] == 256 and arch.fp32_large is not None:
+            dkdv, dq = arch.fp32_large[1:]
+        else:
+            dkdv = Tiles(min(dkdv.block_m, 32), min(dkdv.block_n, 64), dkdv.num_warps, 1)
+            dq = Tiles(min(dq.block_m, 64), min(dq.block_n, 32), dq.num_warps, 1)
     preprocess = Tiles(64 if config.device_type != "cpu" else 16, 0, 4, 1)
     # Separate dQ pass measured faster than atomic dQ on the H200 (ANCHORS.md), so even the
     # non-deterministic mode uses it unless it is explicitly measured otherwise.
     atomic_dq = (not config.deterministic) and _NONDETERMINISTIC_ATOMIC_DQ
     # An explicit Triton tile override measures the Triton kernels; atomic dQ has no dQ pass.
     served = override is None and not atomic_dq
-    ws_dq = _warp_specialized(config, key, _SM90_DQ_WS) if served else None
-    ws_dkdv = _warp_specialized(config, key, _SM90_DKDV_WS) if served else None
+    ws_dq = _warp_specialized(config, arch, key, _SM90_DQ_WS) if served else None
+    ws_dkdv = _warp_specialized(config, arch, key, _SM90_DKDV_WS) if served else None
     return BackwardPlan(preprocess, dkdv, dq, padded_head_dim(config.head_dim_qk),
                         padded_head_dim(config.head_dim_v), _dot_precision(config), atomic_dq, ws_dq, ws_dkdv)
 

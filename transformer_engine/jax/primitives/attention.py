@@ -510,6 +510,13 @@ def _make_primitive(name, abstract, eager):
     return prim
 
 
+def _rocm_lowering(ctx, *args, **kwargs):
+    """ROCm has no fused lowering (selection never picks it there): raise why."""
+    from transformer_engine.jax.primitives import gpu
+
+    return gpu.rocm_lowering(ctx, *args, **kwargs)
+
+
 _fwd_inner_p = _make_primitive("te_fused_attn_fwd", _fwd_abstract, eager=True)
 _bwd_inner_p = _make_primitive("te_fused_attn_bwd", _bwd_abstract, eager=True)
 _fwd_outer_p = _make_primitive("te_fused_attn_fwd_wrapper", _fwd_abstract, eager=True)
@@ -519,6 +526,8 @@ mlir.register_lowering(_fwd_inner_p, _fwd_cpu_lowering, platform="cpu")
 mlir.register_lowering(_bwd_inner_p, _bwd_cpu_lowering, platform="cpu")
 mlir.register_lowering(_fwd_inner_p, _fwd_cuda_lowering, platform="cuda")
 mlir.register_lowering(_bwd_inner_p, _bwd_cuda_lowering, platform="cuda")
+mlir.register_lowering(_fwd_inner_p, _rocm_lowering, platform="rocm")
+mlir.register_lowering(_bwd_inner_p, _rocm_lowering, platform="rocm")
 # The outer lowering emits custom_partitioning's custom call, which needs the device assignment
 # while lowering (JAX has no public switch for this; custom_partitioning_p itself is registered so).
 dispatch.prim_requires_devices_during_lowering.update({_fwd_outer_p, _bwd_outer_p})

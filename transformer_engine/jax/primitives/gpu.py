@@ -37,7 +37,7 @@ from transformer_engine.common.attention.plan import (
     backward_plan, block_grid, forward_plan, mask_flags, tma_eligible,
 )
 
-__all__ = ["unavailable_reason", "fused_attn_fwd_lowering", "fused_attn_bwd_lowering"]
+__all__ = ["unavailable_reason", "fused_attn_fwd_lowering", "fused_attn_bwd_lowering", "rocm_lowering"]
 
 FFI_TARGET = "te_triton_launch"
 PROGRAM_VERSION = 1
@@ -106,8 +106,20 @@ def _cuda_target():
 
 def _compute_capability() -> Tuple[int, int]:
     device = jax.devices("gpu")[0]
-    major, minor = (int(x) for x in str(device.compute_capability).split("."))
+    capability = str(device.compute_capability)
+    if capability.lower().startswith("gfx"):
+        raise NotImplementedError(ROCM_REASON.format(arch=capability))
+    major, minor = (int(x) for x in capability.split("."))
     return major, minor
+
+
+ROCM_REASON = ("fused attention on a ROCm GPU ({arch}): the JAX launch goes through the XLA FFI extension "
+               "(csrc/triton_launch.cpp), which loads CUDA cubins on CUDA streams only; fused_attn runs unfused there")
+
+
+def rocm_lowering(ctx, *args, **kwargs):
+    """Lowering of the inner fused primitives on ROCm: none, and says why (selection never picks them there)."""
+    raise NotImplementedError(ROCM_REASON.format(arch=str(getattr(jax.devices()[0], "compute_capability", "gfx"))))
 
 
 # ================================================================================================

@@ -22,6 +22,7 @@ from transformer_engine.common.attention import (
     select_backend,
 )
 from transformer_engine.common.attention.config import normalize_window
+from transformer_engine.pytorch.attention.device import device_facts
 
 __all__ = ["deterministic_requested", "make_attn_config", "select", "PYTORCH_BACKENDS", "dtype_name", "check_cu_seqlens",
            "check_qkv", "triton_interpreting"]
@@ -137,7 +138,6 @@ def make_attn_config(
     mask = AttnMaskType(attn_mask_type)
     bq, sq, hq, dqk, sk, hk, dv = check_qkv(q, k, v, fmt)
     device_type = q.device.type
-    cc = torch.cuda.get_device_capability(q.device) if device_type == "cuda" else None
     if deterministic is None:
         deterministic = deterministic_requested()
     extra = _flash_attn_reasons()
@@ -166,7 +166,7 @@ def make_attn_config(
         deterministic=bool(deterministic),
         framework="pytorch",
         device_type=device_type,
-        compute_capability=cc,
+        **device_facts(q.device),
         triton_interpret=triton_interpreting(),
         extra=extra,
     )

@@ -64,6 +64,8 @@ def unavailable_reason() -> Optional[str]:
     """
     if not torch.cuda.is_available():
         return "no CUDA device (flash-attn-4 needs an SM90 or SM100 GPU)"
+    if torch.version.hip is not None:
+        return "ROCm device: flash-attn-4 runs on NVIDIA SM90 and SM100 GPUs only"
     major, minor = torch.cuda.get_device_capability()
     if major not in SUPPORTED_MAJORS:
         return f"compute capability ({major}, {minor}): flash-attn-4 runs on SM90 and SM100 here"

@@ -27,6 +27,7 @@ from transformer_engine.common.attention.plan import (
     BackwardPlan, ForwardPlan, backward_plan, block_grid, forward_plan, mask_flags, tma_eligible,
 )
 from transformer_engine.pytorch.attention.config import dtype_name, triton_interpreting
+from transformer_engine.pytorch.attention.device import device_facts
 
 LOG2E = 1.4426950408889634
 
@@ -115,8 +116,7 @@ def plan_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: QKVForma
         head_dim_qk=q.shape[-1], head_dim_v=v.shape[-1], max_seqlen_q=0, max_seqlen_kv=0,
         dtype=dtype_name(q.dtype), attn_mask_type=mask, window_size=window, attn_bias_type=bias_type,
         dropout=mods.dropout_p if mods is not None else 0.0, deterministic=deterministic,
-        device_type=device_type,
-        compute_capability=torch.cuda.get_device_capability(q.device) if device_type == "cuda" else None,
+        device_type=device_type, **device_facts(q.device),
     )
 
 

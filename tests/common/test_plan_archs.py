@@ -1,0 +1,206 @@
+"""Plans by vendor and architecture (plan.ARCHS): each GPU plans with its own tables, the Hopper plans are
+what they were, the Gluon kernels serve NVIDIA SM90 only, and NVTE_FUSED_ATTN_PLAN_ARCH forces another
+architecture's tiles at call time without leaving what the device can run."""
+
+import dataclasses
+import itertools
+import json
+import os
+import sys
+
+import pytest
+
+from transformer_engine.common import settings
+from transformer_engine.common.attention import AttnConfig, AttnMaskType
+from transformer_engine.common.attention.backends import FlashAttention, FusedAttention
+from transformer_engine.common.attention.config import gfx_target
+from transformer_engine.common.attention.plan import (
+    AMD_ARCHS, ARCHS, backward_plan, device_arch, forward_plan, padded_head_dim, plan_arch,
+)
+
+sys.path.insert(0, os.path.dirname(__file__))
+import sm90_plan_grid  # noqa: E402
+
+BASE = AttnConfig(batch_size=2, num_heads_q=16, num_heads_kv=16, head_dim_qk=128, head_dim_v=128,
+                  max_seqlen_q=4096, max_seqlen_kv=4096, dtype="bfloat16", deterministic=True,
+                  device_type="cuda", compute_capability=(9, 0))
+
+# The GPU each architecture's plan is for, as the frontends describe it.
+DEVICES = {
+    "sm80": dict(compute_capability=(8, 0)), "sm89": dict(compute_capability=(8, 9)),
+    "sm90": dict(compute_capability=(9, 0)), "sm100": dict(compute_capability=(10, 0)),
+    "sm120": dict(compute_capability=(12, 0)),
+    "gfx90a": dict(vendor="amd", compute_capability=None, gfx_arch="gfx90a"),
+    "gfx942": dict(vendor="amd", compute_capability=None, gfx_arch="gfx942"),
+    "gfx950": dict(vendor="amd", compute_capability=None, gfx_arch="gfx950"),
+}
+DIMS = [(16, 16), (64, 64), (72, 72), (128, 128), (128, 64), (192, 128), (256, 256)]
+WINDOWS = [(AttnMaskType.NO_MASK, (-1, -1)), (AttnMaskType.CAUSAL_MASK, (-1, -1)), (AttnMaskType.NO_MASK, (32, 32))]
+
+
+def _config(arch, dims=(128, 128), mask=AttnMaskType.NO_MASK, window=(-1, -1), **fields):
+    return dataclasses.replace(BASE, head_dim_qk=dims[0], head_dim_v=dims[1], attn_mask_type=mask,
+                               window_size=window, **DEVICES[arch], **fields)
+
+
+def test_sm90_plans_are_the_recorded_ones():
+    """Every Hopper plan of the recorded grid (tiles, warp-specialized tiles and kernels, 3840 configs)
+    is what it was before the per-architecture tables; the dots ask for "ieee" everywhere."""
+    with open(sm90_plan_grid.RECORD) as f:
+        recorded = json.load(f)
+    cases = list(sm90_plan_grid.grid())
+    assert len(cases) == len(recorded["cases"]) == 3840
+    for (key, cfg, ws), index in zip(cases, recorded["cases"]):
+        assert json.loads(sm90_plan_grid.record(cfg, ws)) == recorded["plans"][index], key
+        assert forward_plan(cfg).dot_precision == backward_plan(cfg).dot_precision == "ieee", key
+
+
+def test_every_plan_and_setting_names_the_same_architectures():
+    assert set(settings.VARIABLES["NVTE_FUSED_ATTN_PLAN_ARCH"].choices) == {""} | set(ARCHS)
+    assert set(FusedAttention.SUPPORTED_AMD_ARCHS) == set(AMD_ARCHS)
+    for name, tables in ARCHS.items():
+        assert tables.name == name
+        assert tables.warp_size == (64 if tables.vendor == "amd" else 32)
+        for table in (tables.fwd, tables.dkdv, tables.dq):
+            assert set(table) == {(d, w) for d in (16, 32, 64, 128, 256) for w in (False, True)}, name
+
+
+@pytest.mark.parametrize("device,arch", [
+    (dict(compute_capability=(8, 0)), "sm80"), (dict(compute_capability=(8, 7)), "sm80"),
+    (dict(compute_capability=(8, 6)), "sm89"), (dict(compute_capability=(8, 9)), "sm89"),
+    (dict(compute_capability=(9, 0)), "sm90"), (dict(compute_capability=(10, 0)), "sm100"),
+    (dict(compute_capability=(10, 3)), "sm100"), (dict(compute_capability=(12, 0)), "sm120"),
+    (dict(compute_capability=(12, 1)), "sm120"), (dict(compute_capability=(13, 0)), "sm89"),
+    (dict(compute_capability=None), "sm89"),
+    (dict(vendor="amd", compute_capability=None, gfx_arch="gfx90a"), "gfx90a"),
+    (dict(vendor="amd", compute_capability=None, gfx_arch="gfx940"), "gfx942"),
+    (dict(vendor="amd", compute_capability=None, gfx_arch="gfx942"), "gfx942"),
+    (dict(vendor="amd", compute_capability=None, gfx_arch="gfx950"), "gfx950"),
+    # ROCm PyTorch reports CDNA GPUs as compute capability 9.x: the vendor decides, not that number.
+    (dict(vendor="amd", compute_capability=(9, 4), gfx_arch="gfx942"), "gfx942"),
+])
+def test_each_gpu_plans_with_its_architecture(device, arch):
+    assert device_arch(dataclasses.replace(BASE, **device)).name == arch
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("dims", DIMS)
+@pytest.mark.parametrize("mask,window", WINDOWS)
+def test_plan_is_what_the_table_says(arch, dims, mask, window):
+    """16-bit plans take their tiles from the architecture's table at (padded head dim, diagonal-bounded);
+    the Gluon kernels only on SM90; fp32 plans clamp those tiles and run one stage (AMD: their own at d=256)."""
+    cfg = _config(arch, dims, mask, window)
+    key = (max(padded_head_dim(dims[0]), padded_head_dim(dims[1])), cfg.window_kind != "none")
+    tables = ARCHS[arch]
+    fwd, bwd = forward_plan(cfg), backward_plan(cfg)
+    assert (fwd.tiles, bwd.dkdv, bwd.dq) == (tables.fwd[key], tables.dkdv[key], tables.dq[key])
+    assert bwd.preprocess.block_m == 64 and not bwd.atomic_dq
+    ws = arch == "sm90" and dims == (128, 128)
+    assert (fwd.warp_specialized is not None, bwd.dq_warp_specialized is not None,
+            bwd.dkdv_warp_specialized is not None) == (ws, ws, ws)
+    fp32 = dataclasses.replace(cfg, dtype="float32")
+    f32, b32 = forward_plan(fp32), backward_plan(fp32)
+    assert f32.dot_precision == "ieee" and f32.warp_specialized is None
+    if key[0] == 256 and tables.fp32_large is not None:  # AMD: its own fp32 tiles at d=256
+        assert (f32.tiles, b32.dkdv, b32.dq) == tables.fp32_large
+        return
+    assert (f32.tiles.block_m, f32.tiles.block_n, f32.tiles.num_stages) == (
+        min(tables.fwd[key].block_m, 64), min(tables.fwd[key].block_n, 32), 1)
+    assert (b32.dkdv.block_m, b32.dkdv.block_n, b32.dq.block_m, b32.dq.block_n) == (
+        min(tables.dkdv[key].block_m, 32), min(tables.dkdv[key].block_n, 64), min(tables.dq[key].block_m, 64),
+        min(tables.dq[key].block_n, 32))
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_plans_ignore_batch_and_lengths_on_every_architecture(arch):
+    for dims, (mask, window) in itertools.product(DIMS, WINDOWS):
+        cfg = _config(arch, dims, mask, window)
+        fwd, bwd = forward_plan(cfg), backward_plan(cfg)
+        for batch, (sq, sk), hk in itertools.product((1, 7), ((1, 1), (97, 4096), (131072, 131072)), (16, 2)):
+            other = dataclasses.replace(cfg, batch_size=batch, max_seqlen_q=sq, max_seqlen_kv=sk, num_heads_kv=hk)
+            assert (forward_plan(other), backward_plan(other)) == (fwd, bwd)
+
+
+def test_amd_tables_are_wave64_tiles_that_keep_to_four_waves():
+    """CDNA programs are four waves (one per SIMD) without software pipelining: measured to spill otherwise."""
+    for name in ("gfx90a", "gfx942", "gfx950"):
+        for table in (ARCHS[name].fwd, ARCHS[name].dkdv, ARCHS[name].dq):
+            assert {(t.num_warps, t.num_stages) for t in table.values()} == {(4, 1)}, name
+        assert not ARCHS[name].warp_specialized
+    assert [n for n, t in ARCHS.items() if t.warp_specialized] == ["sm90"]
+    assert ARCHS["gfx942"].shared_memory == ARCHS["gfx90a"].shared_memory == 64 * 1024
+    assert ARCHS["gfx950"].shared_memory == 160 * 1024
+
+
+def test_gfx_target_drops_rocm_features():
+    assert gfx_target("gfx942:sramecc+:xnack-") == "gfx942"
+    assert gfx_target("GFX90A") == "gfx90a"
+    with pytest.raises(ValueError, match="`name` must be an AMD gfx target"):
+        gfx_target("9.0")
+
+
+def test_backends_by_vendor():
+    """The fused kernels run on CDNA2-4 and say why not elsewhere; flash-attn-4 is NVIDIA's."""
+    amd = _config("gfx942")
+    assert FusedAttention.not_supported_reasons(amd) == []
+    assert any("vendor=amd" in r for r in FlashAttention.not_supported_reasons(amd))
+    rdna = dataclasses.replace(amd, gfx_arch="gfx1100")
+    assert any("gfx_arch=gfx1100" in r for r in FusedAttention.not_supported_reasons(rdna))
+    with pytest.raises(NotImplementedError, match="`gfx_arch` must be one of"):
+        forward_plan(rdna)
+    assert "arch=gfx942" in amd.describe() and "arch=sm90" in BASE.describe()
+
+
+# ------------------------------------------------------------------------------------------------
+# NVTE_FUSED_ATTN_PLAN_ARCH
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("forced", ["sm80", "sm89", "sm100", "sm120", "gfx90a", "gfx942", "gfx950"])
+def test_forced_plan_on_hopper_takes_that_architectures_tiles(forced):
+    """On the H200 (sm90) each other plan can be forced: its Triton tiles, never the Gluon kernels."""
+    for dims, (mask, window) in itertools.product(DIMS, WINDOWS):
+        cfg = _config("sm90", dims, mask, window)
+        own = _config(forced, dims, mask, window)
+        with settings.environment(NVTE_FUSED_ATTN_PLAN_ARCH=forced):
+            fwd, bwd = forward_plan(cfg), backward_plan(cfg)
+            assert plan_arch(cfg).name == forced
+        want_fwd, want_bwd = forward_plan(own), backward_plan(own)
+        assert fwd == want_fwd and bwd == want_bwd, (forced, dims, mask, window)
+        assert fwd.warp_specialized is None and bwd.dq_warp_specialized is None and bwd.dkdv_warp_specialized is None
+
+
+def test_forced_plan_is_read_at_call_time():
+    cfg = _config("sm90", (256, 256))
+    own = forward_plan(cfg)
+    with settings.environment(NVTE_FUSED_ATTN_PLAN_ARCH="gfx942"):
+        forced = forward_plan(cfg)
+    assert forced.tiles == ARCHS["gfx942"].fwd[(256, False)] != own.tiles
+    assert forward_plan(cfg) == own
+    with settings.environment(NVTE_FUSED_ATTN_PLAN_ARCH="sm90"):  # the device's own: its plan, Gluon included
+        assert forward_plan(_config("sm90")) == forward_plan(BASE) and forward_plan(BASE).warp_specialized
+    with settings.environment(NVTE_FUSED_ATTN_PLAN_ARCH=""):
+        assert forward_plan(cfg) == own
+
+
+def test_forced_plan_never_leaves_what_the_device_can_run():
+    """A plan for more shared memory than the device has is refused with the reason; Hopper's tiles on
+    Blackwell come without the Gluon kernels; the interpreter keeps its tiles; bad names are rejected."""
+    with settings.environment(NVTE_FUSED_ATTN_PLAN_ARCH="sm90"):
+        with pytest.raises(ValueError, match="NVTE_FUSED_ATTN_PLAN_ARCH must name an architecture with at most"):
+            forward_plan(_config("sm80"))
+        with pytest.raises(ValueError, match=r"gfx942: 64 KiB\), got 'sm90'"):
+            backward_plan(_config("gfx942"))
+        blackwell = forward_plan(_config("sm100"))
+        assert blackwell.tiles == ARCHS["sm90"].fwd[(128, False)] and blackwell.warp_specialized is None
+        cpu = dataclasses.replace(BASE, device_type="cpu", compute_capability=None)
+        assert forward_plan(cpu).tiles.block_m == 16
+    with settings.environment(NVTE_FUSED_ATTN_PLAN_ARCH="gfx950"):
+        with pytest.raises(ValueError, match="160 KiB"):
+            forward_plan(_config("gfx942"))
+        assert forward_plan(_config("sm100")).tiles == ARCHS["gfx950"].fwd[(128, False)]
+    with settings.environment(NVTE_FUSED_ATTN_PLAN_ARCH="gfx90a"):
+        assert forward_plan(_config("gfx942")).tiles == ARCHS["gfx90a"].fwd[(128, False)]
+    with settings.environment(NVTE_FUSED_ATTN_PLAN_ARCH="sm70"):
+        with pytest.raises(ValueError, match="NVTE_FUSED_ATTN_PLAN_ARCH must be one of"):
+            forward_plan(BASE)

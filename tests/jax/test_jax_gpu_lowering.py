@@ -350,7 +350,7 @@ def test_bias_is_passed_to_the_kernels_as_the_pytorch_launch_passes_it(captured_
     assert (args["BLOCK_M"], args["BLOCK_N"], args["HAS_SEQLENS"], args["DROPOUT"]) == (tile, tile, packed, False)
     assert (args["BLOCK_DQK"], args["BLOCK_DV"], args["DOT_PRECISION"]) == (plan.block_dqk, plan.block_dv,
                                                                             plan.dot_precision)
-    flags, _, _ = gpu.mask_flags(static.attn_mask_type, static.window_size)
+    flags, _, _ = gpu.mask_flags(gpu._plan_config(static, q, kv, kv, deterministic=True))
     assert {k: args[k] for k in flags} == flags
     assert args["qk_scale"] == pytest.approx(d**-0.5 * gpu.LOG2E) and args["dropout_p"] == 0.0
 

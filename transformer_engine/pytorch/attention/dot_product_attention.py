@@ -143,21 +143,20 @@ def _unpack_packed(qkv_layer, kv_layer, query_layer, key_layer, value_layer, fmt
     name = "qkv_layer" if qkv_layer is not None else "kv_layer"
     if not isinstance(packed, torch.Tensor):
         raise ValueError(f"`{name}` must be a torch.Tensor, got {type(packed).__name__}")
+    if qkv_layer is not None and any(t is not None for t in (query_layer, key_layer, value_layer)):
+        raise ValueError("`query_layer`, `key_layer` and `value_layer` must be None when `qkv_layer` is given")
+    if kv_layer is not None:
+        if query_layer is None:
+            raise ValueError("`query_layer` must be given with `kv_layer` (which packs only K and V)")
+        if key_layer is not None or value_layer is not None:
+            raise ValueError("`key_layer` and `value_layer` must be None when `kv_layer` is given")
     rank = 4 if fmt == QKVFormat.THD else 5
     count = 3 if qkv_layer is not None else 2
     if packed.dim() != rank or packed.shape[interleave_dim] != count:
         raise ValueError(f"`{name}` must be {rank}-D for qkv_format={fmt.value!r} with size {count} at dim "
                          f"{interleave_dim} (qkv_interleave_dim), got shape {tuple(packed.shape)}")
-    views = [packed.select(interleave_dim, i) for i in range(count)]
-    if qkv_layer is not None:
-        if any(t is not None for t in (query_layer, key_layer, value_layer)):
-            raise ValueError("`query_layer`, `key_layer` and `value_layer` must be None when `qkv_layer` is given")
-        return tuple(views)
-    if query_layer is None:
-        raise ValueError("`query_layer` must be given with `kv_layer` (which packs only K and V)")
-    if key_layer is not None or value_layer is not None:
-        raise ValueError("`key_layer` and `value_layer` must be None when `kv_layer` is given")
-    return (query_layer, *views)
+    views = tuple(packed.select(interleave_dim, i) for i in range(count))
+    return views if qkv_layer is not None else (query_layer, *views)
 
 
 @dataclass

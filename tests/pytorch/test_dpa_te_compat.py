@@ -475,3 +475,24 @@ def test_packed_and_refused_arguments(call, err, match):
     packed = torch.zeros(2, 5, 3, 2, 16)
     with pytest.raises(err, match=match):
         call(block, q, packed)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_rng_tracker_fork_follows_sequence_parallel(monkeypatch, sequence_parallel):
+    """TE forks the tracker for dropout unless sequence_parallel is set."""
+    import contextlib
+
+    monkeypatch.setenv("NVTE_FUSED_ATTN_BACKEND", "unfused")
+    forks = []
+
+    class Tracker:
+        @contextlib.contextmanager
+        def fork(self):
+            forks.append(1)
+            yield
+
+    block = DotProductAttention(2, 16, attention_dropout=0.5, qkv_format="bshd", attn_mask_type="no_mask",
+                                sequence_parallel=sequence_parallel, get_rng_state_tracker=Tracker)
+    q = torch.randn(1, 5, 2, 16, device=DEVICE)
+    block(q, q, q)
+    assert len(forks) == (0 if sequence_parallel else 1)

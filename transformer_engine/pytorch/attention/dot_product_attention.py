@@ -640,7 +640,8 @@ class DotProductAttention(torch.nn.Module):
         backend, deterministic = self._select(q, k, v, fmt, seqs, window, bias_type, bias_shape, dropout, bottom_right)
         self.last_backend = backend
         rng_context = None
-        if self.get_rng_state_tracker is not None:
+        if self.get_rng_state_tracker is not None and not self.sequence_parallel:
+            # As in TransformerEngine: with sequence parallelism dropout draws from the default generator.
             tracker = self.get_rng_state_tracker
             rng_context = lambda: tracker().fork()  # noqa: E731
         runner = _RUNNERS[backend]

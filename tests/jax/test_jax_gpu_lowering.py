@@ -266,8 +266,8 @@ def compile_calls(monkeypatch):
 def test_window_diagonal_reaches_the_kernels(captured_programs, compile_calls, bottom_right_diagonal):
     """A no_mask window is top-left by default (TransformerEngine-JAX) and bottom-right on request: every
     kernel that masks is compiled with that BOTTOM_RIGHT."""
-    _lower_for_cuda(_attention_grad_fn(AttnMaskType.NO_MASK, window=(8, 8), bottom_right_diagonal=bottom_right_diagonal),
-                    *_shapes(1, 64, 2, 2, 64))
+    fn = _attention_grad_fn(AttnMaskType.NO_MASK, window=(8, 8), bottom_right_diagonal=bottom_right_diagonal)
+    _lower_for_cuda(fn, *_shapes(1, 64, 2, 2, 64))
     masked = [(fn.__name__, args) for fn, args, _, _ in compile_calls if "BOTTOM_RIGHT" in args]
     assert {name for name, _ in masked} >= {"attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"}
     for name, args in masked:

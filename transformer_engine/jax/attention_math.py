@@ -17,7 +17,8 @@ query ``i`` sees key ``j`` when both lie in the same segment and, with positions
 the segment start, ``i + diag - left <= j <= i + diag + right`` (``-1`` = unbounded), where
 ``diag`` is ``len_kv - len_q`` of the segment when the diagonal is aligned bottom-right and 0 when
 top-left: TransformerEngine-JAX aligns it bottom-right for the bottom-right causal masks only,
-and ``bottom_right_diagonal`` moves it for the non-causal masks (``resolve_bottom_right_diagonal``). Causal masks have ``right = 0``. A query that sees no key gets a zero output and
+and ``bottom_right_diagonal`` moves it for the non-causal masks (``resolve_bottom_right_diagonal``).
+Causal masks have ``right = 0``. A query that sees no key gets a zero output and
 zero gradients.
 
 The fused primitives' CPU lowering computes ``fused_fwd_math`` / ``fused_bwd_math`` (fp32

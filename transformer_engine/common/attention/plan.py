@@ -20,7 +20,7 @@ from typing import Dict, Optional, Tuple
 
 from transformer_engine.common.attention.config import AttnConfig
 from transformer_engine.common import settings
-from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType
+from transformer_engine.common.attention.enums import AttnBiasType
 
 __all__ = ["Tiles", "ForwardPlan", "BackwardPlan", "ArchTables", "ARCHS", "forward_plan", "backward_plan",
            "plan_arch", "device_arch", "mask_flags", "padded_head_dim", "block_grid", "tma_eligible"]

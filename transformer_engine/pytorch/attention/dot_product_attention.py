@@ -17,7 +17,6 @@ from typing import Any, Callable, Optional, Tuple, Union
 import torch
 
 from transformer_engine.common.attention import AttnBiasType, AttnMaskType, QKVFormat
-from transformer_engine.common.attention.backends import FlashAttention, FusedAttention
 from transformer_engine.common.attention.config import normalize_window, resolve_bottom_right_diagonal
 from transformer_engine.pytorch.attention import config as attn_config
 from transformer_engine.pytorch.attention.unfused import bias_shape_name, default_alibi_slopes, unfused_attention
@@ -188,8 +187,8 @@ def _split_padding_mask(attention_mask, seq_len_q: int, seq_len_kv: int):
     """(q mask, kv mask) of a padding ``attention_mask``: one tensor (self attention, s_q == s_kv) or a pair."""
     if isinstance(attention_mask, (tuple, list)):
         if len(attention_mask) != 2:
-            raise ValueError(f"`attention_mask` must be one tensor or a (q_mask, kv_mask) pair, got {len(attention_mask)} "
-                             "tensors")
+            raise ValueError("`attention_mask` must be one tensor or a (q_mask, kv_mask) pair, got "
+                             f"{len(attention_mask)} tensors")
         return tuple(attention_mask)
     if seq_len_q != seq_len_kv:
         raise ValueError(

@@ -270,7 +270,8 @@ def unfused_attention(
             lengths_q, lengths_kv = _lengths(cu_seqlens_q), _lengths(cu_seqlens_kv)
     b = qb.shape[0]
 
-    keep = visible_mask(sq, skv, mask, window, lengths_q, lengths_kv, device=q.device, bottom_right_diagonal=bottom_right)
+    keep = visible_mask(sq, skv, mask, window, lengths_q, lengths_kv, device=q.device,
+                        bottom_right_diagonal=bottom_right)
     if mask == AttnMaskType.ARBITRARY_MASK:
         if attention_mask is None:
             raise ValueError("`attention_mask` must be given for attn_mask_type='arbitrary'")

@@ -83,7 +83,7 @@ def launches(target: str, case: Case) -> List[Tuple[str, tuple]]:
                      bias_shape="1hss" if case.bias == BIAS else None, dropout=0.1 if case.dropout else 0.0,
                      deterministic=True, device_type="cuda", **DEVICE_FACTS[target])
     fwd, bwd = forward_plan(cfg), backward_plan(cfg)
-    flags, _, _ = mask_flags(case.mask, case.window)
+    flags, _, _ = mask_flags(cfg)
     mods = dict(HAS_BIAS=case.bias == BIAS, HAS_ALIBI=case.bias == AttnBiasType.ALIBI, DROPOUT=case.dropout)
     seqs = dict(IS_THD=case.thd, HAS_SEQLENS=case.thd or case.mask.is_padding)
     common = dict(HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=fwd.block_dqk, BLOCK_DV=fwd.block_dv,
@@ -103,8 +103,9 @@ def launches(target: str, case: Case) -> List[Tuple[str, tuple]]:
     ]
     if bias:
         dbias = {k: v for k, v in common.items() if k not in ("IS_THD", "HAS_BIAS", "HAS_ALIBI", "TMA")}
-        out.append(job("dbias", dict(dbias, gqa_group=case.gqa, BLOCK_M=bwd.dbias.block_m, BLOCK_N=bwd.dbias.block_n),
-                       bwd.dbias))
+        for sum_rows in (False, True):  # [.., .., s_q, s_kv] biases and [1, 1, 1, s_kv] (111s) ones
+            out.append(job("dbias", dict(dbias, gqa_group=case.gqa, BLOCK_M=bwd.dbias.block_m,
+                                         BLOCK_N=bwd.dbias.block_n, SUM_ROWS=sum_rows), bwd.dbias))
     return out
 
 

@@ -58,16 +58,35 @@ def test_dbias_tiles_come_from_the_dq_plan(dims):
 
 
 def test_mask_flags_and_top_left_causal():
-    """One rule for both launchers: causal masks close the right side; only causal/padding_causal
-    align the diagonal top-left."""
+    """One rule for both launchers: causal masks close the right side; BOTTOM_RIGHT is the config's
+    resolved diagonal alignment."""
     from transformer_engine.common.attention.plan import mask_flags
 
     top_left = {m for m in AttnMaskType if m.is_top_left_causal}
     assert top_left == {AttnMaskType.CAUSAL_MASK, AttnMaskType.PADDING_CAUSAL_MASK}
-    assert mask_flags(AttnMaskType.CAUSAL_MASK, (-1, -1)) == (
-        dict(HAS_LEFT=False, HAS_RIGHT=True, BOTTOM_RIGHT=False), 0, 0)
-    assert mask_flags(AttnMaskType.NO_MASK, (64, 16)) == (dict(HAS_LEFT=True, HAS_RIGHT=True, BOTTOM_RIGHT=True), 64, 16)
-    assert mask_flags(AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK, (8, 0))[0]["BOTTOM_RIGHT"]
+
+    def flags(mask, window, **kw):
+        return mask_flags(dataclasses.replace(BASE, attn_mask_type=mask, window_size=window, **kw))
+
+    assert flags(AttnMaskType.CAUSAL_MASK, (-1, 0)) == (dict(HAS_LEFT=False, HAS_RIGHT=True, BOTTOM_RIGHT=False), 0, 0)
+    assert flags(AttnMaskType.NO_MASK, (64, 16)) == (dict(HAS_LEFT=True, HAS_RIGHT=True, BOTTOM_RIGHT=True), 64, 16)
+    assert flags(AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK, (8, 0))[0]["BOTTOM_RIGHT"]
+    # The switch moves the diagonal of the non-causal masks only; the causal masks fix it.
+    assert not flags(AttnMaskType.NO_MASK, (64, 16), bottom_right_diagonal=False)[0]["BOTTOM_RIGHT"]
+    assert not flags(AttnMaskType.PADDING_MASK, (4, 4), bottom_right_diagonal=False)[0]["BOTTOM_RIGHT"]
+    assert not flags(AttnMaskType.CAUSAL_MASK, (4, 0), bottom_right_diagonal=True)[0]["BOTTOM_RIGHT"]
+    assert flags(AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK, (4, 0), bottom_right_diagonal=False)[0]["BOTTOM_RIGHT"]
+    # Framework defaults: TransformerEngine-PyTorch bottom-right, TransformerEngine-JAX top-left.
+    assert not flags(AttnMaskType.PADDING_MASK, (4, 4), framework="jax")[0]["BOTTOM_RIGHT"]
+    assert flags(AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK, (4, 0), framework="jax")[0]["BOTTOM_RIGHT"]
+    assert flags(AttnMaskType.PADDING_MASK, (4, 4), framework="jax", bottom_right_diagonal=True)[0]["BOTTOM_RIGHT"]
+
+
+def test_resolve_bottom_right_diagonal_rejects_non_bools():
+    from transformer_engine.common.attention.config import resolve_bottom_right_diagonal
+
+    with pytest.raises(ValueError, match="`bottom_right_diagonal` must be None or a bool, got 1"):
+        resolve_bottom_right_diagonal(AttnMaskType.NO_MASK, 1)
 
 
 def test_warp_specialized_kernels_where_they_serve():

@@ -131,14 +131,20 @@ def descriptor(kind: str, q: Segments, kv: Segments) -> SequenceDescriptor:
 # ------------------------------------------------------------------------------------------------
 
 
-def reference_mask(q: Segments, kv: Segments, mask: AttnMaskType, window: Tuple[int, int]) -> np.ndarray:
+def reference_mask(q: Segments, kv: Segments, mask: AttnMaskType, window: Tuple[int, int],
+                   bottom_right_diagonal: Optional[bool] = None) -> np.ndarray:
     """[b, 1, s_q, s_kv] bool from the semantics: same sequence, and the (left, right) window around
-    the diagonal, which is top-left for causal/padding_causal and bottom-right otherwise."""
+    the diagonal. TransformerEngine-JAX's diagonal (its make_swa_mask): bottom-right for the
+    bottom-right causal masks, top-left for every other mask; ``bottom_right_diagonal`` moves it for
+    the non-causal masks, TransformerEngine-PyTorch's rule."""
     mask = AttnMaskType(mask)
     left, right = window
     if mask.is_causal:
         right = 0
-    top_left = mask in (AttnMaskType.CAUSAL_MASK, AttnMaskType.PADDING_CAUSAL_MASK)
+    if mask.is_causal:
+        top_left = mask in (AttnMaskType.CAUSAL_MASK, AttnMaskType.PADDING_CAUSAL_MASK)
+    else:
+        top_left = not bottom_right_diagonal
     ids_q, ids_kv = q.ids, kv.ids
     pos_q, pos_kv = q.pos, kv.pos
     len_q, len_kv = q.token_len, kv.token_len
@@ -361,7 +367,8 @@ class Case:
 
     @property
     def visible(self) -> np.ndarray:
-        return reference_mask(self.seg_q, self.seg_kv, self.mask, (-1, -1) if self.window is None else self.window)
+        return reference_mask(self.seg_q, self.seg_kv, self.mask, (-1, -1) if self.window is None else self.window,
+                              self.kwargs.get("bottom_right_diagonal"))
 
     def check_reference(self, results: dict) -> None:
         b, s_q, h_q, _ = self.q.shape
@@ -403,6 +410,7 @@ def make_case(
     m=1,
     seed=0,
     segments=None,
+    bottom_right_diagonal=None,
 ) -> Case:
     """Inputs for one configuration (skips when ``backend`` cannot run it here)."""
     layout, mask = QKVLayout(layout), AttnMaskType(mask)
@@ -428,6 +436,8 @@ def make_case(
         attn_mask_type=mask, qkv_layout=layout, scaling_factor=scale, dropout_probability=dropout,
         is_training=True, max_segments_per_seq=m, window_size=window,
     )
+    if bottom_right_diagonal is not None:
+        kwargs["bottom_right_diagonal"] = bottom_right_diagonal
     return Case(backend, layout, mask, dtype, seg_q, seg_kv, q, k, v, bias, dout, scale, window, bias_type, dropout,
                 dropout_key, kwargs)
 

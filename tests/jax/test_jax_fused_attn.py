@@ -122,6 +122,35 @@ def test_thd_sequence_descriptors(backend, desc_kind, mask):
              dtype=jnp.bfloat16)
 
 
+_ALIGNMENT_CASES = [
+    # (mask, s_q, s_kv, bottom_right_diagonal): both conventions where s_q < s_kv and s_q > s_kv.
+    (AttnMaskType.NO_MASK, 24, 40, None), (AttnMaskType.NO_MASK, 24, 40, True),
+    (AttnMaskType.NO_MASK, 40, 24, None), (AttnMaskType.NO_MASK, 40, 24, True),
+    (AttnMaskType.PADDING_MASK, 24, 40, False), (AttnMaskType.PADDING_MASK, 40, 24, True),
+    # The causal masks fix the diagonal whatever is passed.
+    (AttnMaskType.CAUSAL_MASK, 24, 40, True), (AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK, 40, 24, False),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mask,s_q,s_kv,bottom_right", _ALIGNMENT_CASES,
+                         ids=lambda x: getattr(x, "value", str(x)))
+def test_sliding_window_diagonal_alignment(backend, mask, s_q, s_kv, bottom_right):
+    """Windows follow TransformerEngine-JAX (top-left unless the mask is bottom-right causal, as its
+    make_swa_mask), and ``bottom_right_diagonal=True`` moves the non-causal masks' diagonal to the
+    bottom-right corner (TransformerEngine-PyTorch's convention)."""
+    window = (5, 0) if mask.is_causal else (5, 3)
+    results = run_case(backend, mask=mask, s_q=s_q, s_kv=s_kv, window=window, bottom_right_diagonal=bottom_right,
+                       d_qk=16, d_v=16, h_kv=2)
+    # What the reference checked the outputs against, stated for the full rows of a no-padding mask.
+    diag_bottom_right = mask.is_bottom_right or (not mask.is_causal and bool(bottom_right))
+    if not mask.is_padding:
+        rel = np.arange(s_kv)[None, :] - np.arange(s_q)[:, None] - ((s_kv - s_q) if diag_bottom_right else 0)
+        expected = (rel >= -window[0]) & (rel <= window[1])
+        for row in results["visible"][:, 0]:
+            np.testing.assert_array_equal(row, expected)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_thd_sliding_window(backend):
     run_case(backend, layout=QKVLayout.THD_T2HD, mask=AttnMaskType.PADDING_CAUSAL_MASK, s_q=48, s_kv=48, m=3,

@@ -97,7 +97,8 @@ def _lower_for_cuda(fn, *args):
     return exported.mlir_module()
 
 
-def _attention_grad_fn(mask, layout=QKVLayout.BSHD_BSHD_BSHD, m=1, window=None, deterministic=True):
+def _attention_grad_fn(mask, layout=QKVLayout.BSHD_BSHD_BSHD, m=1, window=None, deterministic=True,
+                       bottom_right_diagonal=None):
     def fn(q, k, v, lens, offsets):
         if mask.is_padding:
             desc = (SequenceDescriptor.from_seqlens_and_offsets(lens, offsets) if m > 1
@@ -106,7 +107,7 @@ def _attention_grad_fn(mask, layout=QKVLayout.BSHD_BSHD_BSHD, m=1, window=None, 
             desc = None
         f = lambda q, k, v: te_attention._fused_attn_with_backend(  # noqa: E731
             "fused", (q, k, v), None, desc, None, "no_bias", mask, layout, q.shape[-1] ** -0.5, 0.0, True,
-            max_segments_per_seq=m, window_size=window)
+            max_segments_per_seq=m, window_size=window, bottom_right_diagonal=bottom_right_diagonal)
         out, vjp = jax.vjp(f, q, k, v)
         return out, vjp(out)
 
@@ -260,6 +261,20 @@ def compile_calls(monkeypatch):
     return calls
 
 
+@compiles
+@pytest.mark.parametrize("bottom_right_diagonal", [None, True])
+def test_window_diagonal_reaches_the_kernels(captured_programs, compile_calls, bottom_right_diagonal):
+    """A no_mask window is top-left by default (TransformerEngine-JAX) and bottom-right on request: every
+    kernel that masks is compiled with that BOTTOM_RIGHT."""
+    fn = _attention_grad_fn(AttnMaskType.NO_MASK, window=(8, 8), bottom_right_diagonal=bottom_right_diagonal)
+    _lower_for_cuda(fn, *_shapes(1, 64, 2, 2, 64))
+    masked = [(fn.__name__, args) for fn, args, _, _ in compile_calls if "BOTTOM_RIGHT" in args]
+    assert {name for name, _ in masked} >= {"attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"}
+    for name, args in masked:
+        assert args["BOTTOM_RIGHT"] is bool(bottom_right_diagonal), name
+        assert args["HAS_LEFT"] and args["HAS_RIGHT"], name
+
+
 BIAS_SHAPES = {"1hss": (1, 4), "b1ss": (2, 1), "bhss": (2, 4), "11ss": (1, 1)}
 
 
@@ -350,7 +365,7 @@ def test_bias_is_passed_to_the_kernels_as_the_pytorch_launch_passes_it(captured_
     assert (args["BLOCK_M"], args["BLOCK_N"], args["HAS_SEQLENS"], args["DROPOUT"]) == (tile, tile, packed, False)
     assert (args["BLOCK_DQK"], args["BLOCK_DV"], args["DOT_PRECISION"]) == (plan.block_dqk, plan.block_dv,
                                                                             plan.dot_precision)
-    flags, _, _ = gpu.mask_flags(static.attn_mask_type, static.window_size)
+    flags, _, _ = gpu.mask_flags(gpu._plan_config(static, q, kv, kv, deterministic=True))
     assert {k: args[k] for k in flags} == flags
     assert args["qk_scale"] == pytest.approx(d**-0.5 * gpu.LOG2E) and args["dropout_p"] == 0.0
 

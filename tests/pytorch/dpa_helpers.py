@@ -2,7 +2,8 @@
 
 The reference loops over sequences and states TransformerEngine's mask semantics directly
 (query i of a sequence sees key j when ``i + d - left <= j <= i + d + right``, d = 0 for
-causal/padding_causal and len_kv - len_q otherwise). Errors are judged against PyTorch's own error
+causal/padding_causal and len_kv - len_q otherwise; ``bottom_right=False`` makes d = 0 for the
+non-causal masks, TransformerEngine's ``bottom_right_diagonal``). Errors are judged against PyTorch's own error
 in the inputs' dtype on the same inputs: ``err(ours) <= 2 * err(torch low precision) + atol``.
 """
 
@@ -59,12 +60,22 @@ def cu_seqlens(lengths: Sequence[int]) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.int32, device=DEVICE)
 
 
-def visible(lq: int, lk: int, mask: str, window: Tuple[int, int]) -> torch.Tensor:
+def diagonal(lq: int, lk: int, mask: str, bottom_right: Optional[bool] = None) -> int:
+    """The diagonal offset d of windows and ALiBi, by TransformerEngine-PyTorch's rule: causal masks fix
+    it (top-left / bottom-right), the others take ``bottom_right`` (None: bottom-right)."""
+    if mask in ("causal", "padding_causal"):
+        return 0
+    if "bottom_right" in mask or bottom_right is None or bottom_right:
+        return lk - lq
+    return 0
+
+
+def visible(lq: int, lk: int, mask: str, window: Tuple[int, int], bottom_right: Optional[bool] = None) -> torch.Tensor:
     """[lq, lk] bool: what query i of one sequence sees."""
     left, right = window
     if "causal" in mask:
         right = 0
-    diag = 0 if mask in ("causal", "padding_causal") else lk - lq
+    diag = diagonal(lq, lk, mask, bottom_right)
     rel = torch.arange(lk)[None, :] - (torch.arange(lq)[:, None] + diag)
     keep = torch.ones(lq, lk, dtype=torch.bool)
     if right >= 0:
@@ -78,7 +89,8 @@ def reference(q, k, v, mask: str = "no_mask", window=(-1, -1), scale: Optional[f
               lens_q: Optional[Sequence[int]] = None, lens_kv: Optional[Sequence[int]] = None,
               bias: Optional[torch.Tensor] = None, pre_scale_bias: bool = False,
               alibi_slopes: Optional[torch.Tensor] = None, hidden: Optional[torch.Tensor] = None,
-              dtype=torch.float64, dropout_keep: Optional[torch.Tensor] = None, dropout_p: float = 0.0) -> torch.Tensor:
+              dtype=torch.float64, dropout_keep: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+              bottom_right: Optional[bool] = None) -> torch.Tensor:
     """Attention on padded bshd tensors, one sequence at a time, computed in ``dtype``.
 
     q [b, sq, h, d], k/v [b, skv, hk, d/dv] -> [b, sq, h, dv]; rows past a length and rows that
@@ -101,10 +113,10 @@ def reference(q, k, v, mask: str = "no_mask", window=(-1, -1), scale: Optional[f
             s = (s + bn) * scale if pre_scale_bias else s * scale + bn
         else:
             s = s * scale
-        keep = visible(lq, lk, mask, window).to(q.device)
+        keep = visible(lq, lk, mask, window, bottom_right).to(q.device)
         if alibi_slopes is not None:
             sl = alibi_slopes[n] if alibi_slopes.dim() == 2 else alibi_slopes
-            diag = 0 if mask in ("causal", "padding_causal") else lk - lq
+            diag = diagonal(lq, lk, mask, bottom_right)
             rel = (torch.arange(lk, device=q.device)[None, :] - torch.arange(lq, device=q.device)[:, None] - diag)
             s = s - sl.to(dtype)[:, None, None] * rel.abs().to(dtype)
         keep = keep.expand(h, lq, lk)

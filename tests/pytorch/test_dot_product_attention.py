@@ -536,7 +536,7 @@ def test_bad_constructor_arguments_raise_value_error(kwargs, argument):
 
 def test_unsupported_features_raise_not_implemented():
     for kwargs, what in ((dict(cp_group=object()), "context parallelism"), (dict(cp_stream=object()), "context"),
-                         (dict(softmax_type="off-by-one"), "softmax_type"), (dict(return_max_logit=True), "max_logit")):
+                         (dict(softmax_type="off-by-one"), "softmax_type")):
         with pytest.raises(NotImplementedError, match=what):
             DotProductAttention(4, 16, **kwargs)
     dpa = DotProductAttention(4, 16, num_gqa_groups=2, qkv_format="bshd")

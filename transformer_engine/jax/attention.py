@@ -543,6 +543,7 @@ def _parse_call(
     context_parallel_strategy=CPStrategy.DEFAULT, context_parallel_causal_load_balanced=False,
     context_parallel_axis="", context_checkpoint_name="context", softmax_offset=None, stripe_size=None,
     score_mod=None, score_mod_bprop=None, score_mod_tensors=None, score_mod_bprop_tensors=None,
+    bottom_right_diagonal=None,
 ) -> _Call:
     layout = _enum(QKVLayout, qkv_layout, "qkv_layout")
     mask = _enum(AttnMaskType, attn_mask_type, "attn_mask_type")
@@ -608,6 +609,8 @@ def _parse_call(
     except (TypeError, ValueError, jax.errors.ConcretizationTypeError):
         raise ValueError(f"`scaling_factor` must be a Python float, got {scaling_factor!r}") from None
     window = normalize_window(window_size, mask)
+    if bottom_right_diagonal is not None and not isinstance(bottom_right_diagonal, bool):
+        raise ValueError(f"`bottom_right_diagonal` must be None or a bool, got {bottom_right_diagonal!r}")
 
     if bias_type == _common.AttnBiasType.NO_BIAS:
         if bias is not None:
@@ -651,8 +654,8 @@ def _parse_call(
     config = _make_config(
         batch_size=b, num_heads_q=h_q, num_heads_kv=h_kv, head_dim_qk=d_qk, head_dim_v=d_v,
         max_seqlen_q=s_q, max_seqlen_kv=s_kv, dtype=q.dtype, qkv_layout=layout, attn_mask_type=mask,
-        window_size=window, attn_bias_type=bias_type, bias_shape=None if bias is None else bias.shape,
-        dropout=dropout, is_training=bool(is_training),
+        window_size=window, bottom_right_diagonal=bottom_right_diagonal, attn_bias_type=bias_type,
+        bias_shape=None if bias is None else bias.shape, dropout=dropout, is_training=bool(is_training),
         offset_sequences=mask.is_padding and fmt != _common.QKVFormat.THD and (
             sequence_descriptor.seq_offsets is not None or sequence_descriptor.segment_ids is not None),
     )
@@ -666,6 +669,7 @@ def _parse_call(
         is_training=bool(is_training),
         deterministic=config.deterministic,
         checkpoint_name=context_checkpoint_name,
+        bottom_right_diagonal=config.bottom_right,
     )
     return _Call(q, k, v, bias, seq, seeds, static, config, fmt)
 
@@ -679,6 +683,7 @@ def _run(call: _Call, backend: str):
             call.q, call.k, call.v, call.bias, call.seq, call.seeds,
             attn_mask_type=s.attn_mask_type, attn_bias_type=s.attn_bias_type, window_size=s.window_size,
             scaling_factor=s.scaling_factor, dropout_probability=s.dropout_probability, is_training=s.is_training,
+            bottom_right_diagonal=s.bottom_right,
         )
         out = checkpoint_name(out, call.static.checkpoint_name)
     return _to_bshd(out, call.qkv_format)  # SBHD: swap back
@@ -731,6 +736,7 @@ def fused_attn(
     score_mod_bprop: Optional[Callable] = None,
     score_mod_tensors: Optional[Mapping[str, Any]] = None,
     score_mod_bprop_tensors: Optional[Mapping[str, Any]] = None,
+    bottom_right_diagonal: Optional[bool] = None,
 ) -> jax.Array:
     """Scaled dot-product attention, ``softmax(Q K^T * scaling_factor + bias) V``, with masks.
 
@@ -761,7 +767,14 @@ def fused_attn(
     :param dropout_probability: in ``[0, 1)``; applied only when ``is_training``.
     :param max_segments_per_seq: sequences per row for THD layouts (other layouts hold one; a
         larger value there warns, as TransformerEngine does, and is read as 1).
-    :param window_size: ``(left, right)`` sliding window, ``-1`` unbounded (``None``: no window).
+    :param window_size: ``(left, right)`` sliding window, ``-1`` unbounded (``None``: no window):
+        query ``i`` sees keys ``i + d - left <= j <= i + d + right`` of its sequence (positions from the
+        sequence start), with ``d = 0`` (top-left) or ``d = len_kv - len_q`` (bottom-right).
+    :param bottom_right_diagonal: the window's diagonal for the non-causal masks: ``None`` (default)
+        is TransformerEngine-JAX's top-left; ``True`` aligns it bottom-right, as TransformerEngine-PyTorch's
+        default does. ``causal``/``padding_causal`` are always top-left and the ``*_bottom_right`` masks
+        bottom-right (an explicit value is overridden, as in TransformerEngine-PyTorch). Not in
+        TransformerEngine-JAX's signature (keyword only by convention: it comes last).
     :param context_parallel_strategy: ``CPStrategy.DEFAULT``. Context parallelism is not
         implemented: this, ``context_parallel_causal_load_balanced``, ``context_parallel_axis`` and
         ``stripe_size`` must describe none (DEFAULT, a context-parallel axis of size 1, no

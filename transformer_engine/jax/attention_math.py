@@ -15,8 +15,10 @@ Everything here works on the canonical tensors the primitives see:
 Visibility (TransformerEngine's semantics, see ``common.attention.config.normalize_window``):
 query ``i`` sees key ``j`` when both lie in the same segment and, with positions counted from
 the segment start, ``i + diag - left <= j <= i + diag + right`` (``-1`` = unbounded), where
-``diag`` is 0 for top-left masks (causal, padding_causal) and ``len_kv - len_q`` of the segment
-for the others. Causal masks have ``right = 0``. A query that sees no key gets a zero output and
+``diag`` is ``len_kv - len_q`` of the segment when the diagonal is aligned bottom-right and 0 when
+top-left: TransformerEngine-JAX aligns it bottom-right for the bottom-right causal masks only,
+and ``bottom_right_diagonal`` moves it for the non-causal masks (``resolve_bottom_right_diagonal``).
+Causal masks have ``right = 0``. A query that sees no key gets a zero output and
 zero gradients.
 
 The fused primitives' CPU lowering computes ``fused_fwd_math`` / ``fused_bwd_math`` (fp32
@@ -33,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from transformer_engine.common.attention.config import resolve_bottom_right_diagonal
 from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType
 
 __all__ = [
@@ -95,16 +98,18 @@ def visibility_mask(
     s_kv: int,
     attn_mask_type: AttnMaskType,
     window_size: Tuple[int, int],
+    bottom_right_diagonal: Optional[bool] = None,
 ) -> jax.Array:
-    """``[b, 1, s_q, s_kv]`` bool: which keys each query sees (``window_size`` normalized)."""
+    """``[b, 1, s_q, s_kv]`` bool: which keys each query sees (``window_size`` normalized; the diagonal
+    as ``resolve_bottom_right_diagonal(attn_mask_type, bottom_right_diagonal, "jax")``)."""
     seg_q, pos_q, len_q = token_segments(seq.q_seqlens, seq.q_offsets, s_q)
     seg_kv, pos_kv, len_kv = token_segments(seq.kv_seqlens, seq.kv_offsets, s_kv)
     visible = (seg_q[:, :, None] == seg_kv[:, None, :]) & (seg_q[:, :, None] > 0)
     mask = AttnMaskType(attn_mask_type)
-    top_left = mask.is_top_left_causal
+    bottom_right = resolve_bottom_right_diagonal(mask, bottom_right_diagonal, "jax")
     left, right = window_size
     if left >= 0 or right >= 0:
-        diag = 0 if top_left else (len_kv[:, None, :] - len_q[:, :, None])
+        diag = (len_kv[:, None, :] - len_q[:, :, None]) if bottom_right else 0
         rel = pos_kv[:, None, :] - pos_q[:, :, None] - diag  # j - (i + diag)
         if left >= 0:
             visible &= rel >= -left
@@ -283,9 +288,10 @@ def unfused_attention(
     scaling_factor: float,
     dropout_probability: float,
     is_training: bool,
+    bottom_right_diagonal: Optional[bool] = None,
 ):
     """softmax(QK^T * scale + bias) V in the input dtype, softmax in fp32. Returns ``[b, s_q, h_q, d_v]``."""
-    visible = visibility_mask(seq, q.shape[1], k.shape[1], attn_mask_type, window_size)
+    visible = visibility_mask(seq, q.shape[1], k.shape[1], attn_mask_type, window_size, bottom_right_diagonal)
     logits = _logits(q, k, bias, scaling_factor, attn_bias_type, jnp.float32)
     probs, _ = _masked_softmax(logits, visible)
     if is_training and dropout_probability > 0.0:
@@ -301,7 +307,8 @@ def fused_fwd_math(q, k, v, bias, seq: SeqInfo, seeds, *, static):
     """Forward of the fused primitive in fp32: (output in q's dtype, per-token log-sum-exp fp32
     ``[b, h, s_q]``)."""
     f32 = jnp.float32
-    visible = visibility_mask(seq, q.shape[1], k.shape[1], static.attn_mask_type, static.window_size)
+    visible = visibility_mask(seq, q.shape[1], k.shape[1], static.attn_mask_type, static.window_size,
+                              static.bottom_right)
     logits = _logits(q.astype(f32), k.astype(f32), bias, static.scaling_factor, static.attn_bias_type, f32)
     probs, lse = _masked_softmax(logits, visible)
     if static.has_dropout:
@@ -325,7 +332,7 @@ def fused_bwd_math(q, k, v, bias, out, dout, lse, seq: SeqInfo, seeds, *, static
     b, s_q, h_q, _ = q.shape
     s_kv, h_kv = k.shape[1], k.shape[2]
     qf, kf, vf = q.astype(f32), k.astype(f32), v.astype(f32)
-    visible = visibility_mask(seq, s_q, s_kv, static.attn_mask_type, static.window_size)
+    visible = visibility_mask(seq, s_q, s_kv, static.attn_mask_type, static.window_size, static.bottom_right)
     logits = _logits(qf, kf, bias, static.scaling_factor, static.attn_bias_type, f32)
     # exp(logits - lse) recomputes the forward probabilities; +inf lse (empty row) gives 0.
     probs = jnp.where(visible, jnp.exp(jnp.where(visible, logits, 0.0) - lse[..., None]), 0.0)

@@ -199,6 +199,11 @@ class FlashAttention(AttentionBackend):
         if config.attn_mask_type.is_top_left_causal and config.max_seqlen_q > config.max_seqlen_kv:
             reasons.append(f"attn_mask_type={config.attn_mask_type.value} (top-left) with s_q={config.max_seqlen_q} "
                            f"> s_kv={config.max_seqlen_kv}: flash-attn-4 aligns causal masks bottom-right")
+        # flash-attn-4 aligns sliding windows bottom-right; a top-left causal mask is made equal by hiding
+        # the keys no query sees, other masks are not.
+        if config.window_kind == "sliding" and not config.attn_mask_type.is_causal and not config.bottom_right:
+            reasons.append(f"window_size={config.window_size} aligned top-left (bottom_right_diagonal=False): "
+                           "flash-attn-4 aligns sliding windows bottom-right")
         if config.deterministic and major is not None and major not in cls.DETERMINISTIC_INVARIANT_ARCHS:
             reasons.append(f"deterministic mode is not batch/packing invariant (not shown on sm{major}x)")
         return reasons

@@ -12,7 +12,7 @@ from transformer_engine.common.attention.enums import (
     QKVLayout,
 )
 
-__all__ = ["AttnConfig", "normalize_window", "NO_WINDOW", "gfx_target"]
+__all__ = ["AttnConfig", "normalize_window", "resolve_bottom_right_diagonal", "NO_WINDOW", "gfx_target"]
 
 NO_WINDOW = (-1, -1)
 
@@ -21,8 +21,8 @@ def normalize_window(window_size: Optional[Tuple[int, int]], attn_mask_type: Att
     """TransformerEngine's window semantics, validated.
 
     ``(left, right)``: query ``i`` sees keys ``j`` with ``i + d - left <= j <= i + d + right``, where
-    ``d`` is 0 for top-left masks and ``s_kv - s_q`` for the others; -1 means unbounded. Causal masks
-    bound ``right`` at 0.
+    ``d`` is ``s_kv - s_q`` when the diagonal is aligned bottom-right and 0 when it is aligned top-left
+    (:func:`resolve_bottom_right_diagonal`); -1 means unbounded. Causal masks bound ``right`` at 0.
     """
     mask = AttnMaskType(attn_mask_type)
     if window_size is None:
@@ -53,6 +53,29 @@ def gfx_target(name: str) -> str:
     return target
 
 
+def resolve_bottom_right_diagonal(attn_mask_type: AttnMaskType, bottom_right_diagonal: Optional[bool],
+                                  framework: str = "pytorch") -> bool:
+    """Whether sliding windows and ALiBi align their diagonal with the bottom-right corner of each
+    sequence's [s_q, s_kv] score matrix (``d = s_kv - s_q``) rather than the top-left (``d = 0``).
+
+    TransformerEngine's rule: the causal masks fix it (``causal``/``padding_causal``: top-left;
+    ``*_causal_bottom_right``: bottom-right) whatever is passed; for the other masks an explicit
+    ``bottom_right_diagonal`` decides, and ``None`` takes the framework's default: bottom-right in
+    PyTorch, top-left in JAX (TransformerEngine-JAX aligns windows bottom-right only for the
+    bottom-right causal masks).
+    """
+    mask = AttnMaskType(attn_mask_type)
+    if mask.is_top_left_causal:
+        return False
+    if mask.is_causal:  # the bottom-right causal masks
+        return True
+    if bottom_right_diagonal is None:
+        return framework != "jax"
+    if not isinstance(bottom_right_diagonal, bool):
+        raise ValueError(f"`bottom_right_diagonal` must be None or a bool, got {bottom_right_diagonal!r}")
+    return bottom_right_diagonal
+
+
 @dataclass(frozen=True)
 class AttnConfig:
     """Everything backend selection and launch planning need to know about one call.
@@ -71,8 +94,10 @@ class AttnConfig:
     qkv_layout: QKVLayout = QKVLayout.BSHD_BSHD_BSHD
     attn_mask_type: AttnMaskType = AttnMaskType.NO_MASK
     window_size: Tuple[int, int] = NO_WINDOW
+    # Diagonal of sliding windows and ALiBi (resolve_bottom_right_diagonal; None: the framework's default).
+    bottom_right_diagonal: Optional[bool] = None
     attn_bias_type: AttnBiasType = AttnBiasType.NO_BIAS
-    bias_shape: Optional[str] = None  # "1hss", "b1ss", "bhss", "11ss"
+    bias_shape: Optional[str] = None  # "1hss", "b1ss", "bhss", "11ss", "111s"
     dropout: float = 0.0
     is_training: bool = True
     deterministic: bool = False
@@ -91,6 +116,11 @@ class AttnConfig:
     @property
     def gqa_group_size(self) -> int:
         return self.num_heads_q // self.num_heads_kv
+
+    @property
+    def bottom_right(self) -> bool:
+        """The resolved diagonal alignment of windows and ALiBi (what the kernels' BOTTOM_RIGHT is)."""
+        return resolve_bottom_right_diagonal(self.attn_mask_type, self.bottom_right_diagonal, self.framework)
 
     @property
     def window_kind(self) -> str:
@@ -118,7 +148,8 @@ class AttnConfig:
             f"b={self.batch_size} h_q={self.num_heads_q} h_kv={self.num_heads_kv} "
             f"s_q={self.max_seqlen_q} s_kv={self.max_seqlen_kv} d_qk={self.head_dim_qk} d_v={self.head_dim_v} "
             f"dtype={self.dtype} layout={self.qkv_layout.value} mask={self.attn_mask_type.value} "
-            f"window={self.window_size} bias={self.attn_bias_type.value} dropout={self.dropout} "
+            f"window={self.window_size} bottom_right={self.bottom_right} bias={self.attn_bias_type.value} "
+            f"dropout={self.dropout} "
             f"training={self.is_training} deterministic={self.deterministic} "
             f"device={self.device_type} arch={self.arch} framework={self.framework}"
         )

@@ -20,7 +20,7 @@ from typing import Dict, Optional, Tuple
 
 from transformer_engine.common.attention.config import AttnConfig
 from transformer_engine.common import settings
-from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType
+from transformer_engine.common.attention.enums import AttnBiasType
 
 __all__ = ["Tiles", "ForwardPlan", "BackwardPlan", "ArchTables", "ARCHS", "forward_plan", "backward_plan",
            "plan_arch", "device_arch", "mask_flags", "padded_head_dim", "block_grid", "tma_eligible"]
@@ -105,13 +105,14 @@ class BackwardPlan:
         return ("attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")
 
 
-def mask_flags(mask: AttnMaskType, window: Tuple[int, int]) -> Tuple[Dict[str, bool], int, int]:
+def mask_flags(config: AttnConfig) -> Tuple[Dict[str, bool], int, int]:
     """The kernels' mask constexprs (HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT) and the (left, right) window
-    they take, for a mask type and a normalized window (-1: unbounded); causal masks close the right."""
-    left, right = window
-    if mask.is_causal:
+    they take, for a config's mask type, normalized window (-1: unbounded) and diagonal alignment
+    (``AttnConfig.bottom_right``); causal masks close the right."""
+    left, right = config.window_size
+    if config.attn_mask_type.is_causal:
         right = 0
-    flags = dict(HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, BOTTOM_RIGHT=not mask.is_top_left_causal)
+    flags = dict(HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, BOTTOM_RIGHT=config.bottom_right)
     return flags, max(left, 0), max(right, 0)
 
 

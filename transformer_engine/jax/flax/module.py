@@ -64,6 +64,8 @@ class DotProductAttention(nn.Module):
     - ``transpose_batch_sequence``: inputs and output are ``[s, b, ...]`` instead of ``[b, s, ...]``
       (``None`` reads as False).
     - ``window_size``: ``(left, right)`` sliding window, ``-1`` unbounded.
+    - ``bottom_right_diagonal``: the window's diagonal for the non-causal masks (``fused_attn``'s
+      keyword: None = TransformerEngine-JAX's top-left, True = bottom-right).
     - ``max_segments_per_seq``: sequences per row for THD layouts.
     - ``context_parallel_causal_load_balanced``, ``context_parallel_axis``,
       ``context_parallel_strategy`` (``'DEFAULT'``, ``'ALL_GATHER'``, ``'RING'``): context parallelism
@@ -102,6 +104,7 @@ class DotProductAttention(nn.Module):
     softmax_type: Union[str, AttnSoftmaxType] = "vanilla"
     score_mod: Optional[Callable] = None
     score_mod_bprop: Optional[Callable] = None
+    bottom_right_diagonal: Optional[bool] = None
 
     def _layout(self) -> QKVLayout:
         layout = _attention._enum(QKVLayout, self.qkv_layout, "qkv_layout")
@@ -186,7 +189,7 @@ class DotProductAttention(nn.Module):
             context_parallel_axis=self.context_parallel_axis,
             context_checkpoint_name=self.context_checkpoint_name, score_mod=self.score_mod,
             score_mod_bprop=self.score_mod_bprop, score_mod_tensors=score_mod_tensors,
-            score_mod_bprop_tensors=score_mod_bprop_tensors,
+            score_mod_bprop_tensors=score_mod_bprop_tensors, bottom_right_diagonal=self.bottom_right_diagonal,
         )
         fused_reasons = selection.rejected.get(_attention.FusedAttention.NAME)
         if fused_reasons:

@@ -31,6 +31,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
+from transformer_engine.common.attention.config import resolve_bottom_right_diagonal
 from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, QKVFormat
 from transformer_engine.jax import attention_math
 from transformer_engine.jax.attention_math import SeqInfo
@@ -53,6 +54,13 @@ class FusedAttnStatic:
     is_training: bool
     deterministic: bool
     checkpoint_name: str = "context"  # names the output and the saved statistics for remat policies
+    # Diagonal of sliding windows (None: TransformerEngine-JAX's, bottom-right for the bottom-right causal
+    # masks only); see common.attention.config.resolve_bottom_right_diagonal.
+    bottom_right_diagonal: Optional[bool] = None
+
+    @property
+    def bottom_right(self) -> bool:
+        return resolve_bottom_right_diagonal(self.attn_mask_type, self.bottom_right_diagonal, "jax")
 
     @property
     def has_bias(self) -> bool:

@@ -236,6 +236,7 @@ def _plan_config(static, q, k, v, deterministic: bool) -> AttnConfig:
         batch_size=1, num_heads_q=q.shape[2], num_heads_kv=k.shape[2], head_dim_qk=q.shape[3],
         head_dim_v=v.shape[3], max_seqlen_q=0, max_seqlen_kv=0, dtype=jnp.dtype(q.dtype).name,
         attn_mask_type=static.attn_mask_type, window_size=static.window_size, deterministic=deterministic,
+        bottom_right_diagonal=static.bottom_right, framework="jax",
         attn_bias_type=AttnBiasType.POST_SCALE_BIAS if static.has_bias else AttnBiasType.NO_BIAS,
         device_type="cuda", compute_capability=_compute_capability(),
     )
@@ -305,8 +306,9 @@ def _fwd_impl(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds
     else:
         seq_bufs = dict.fromkeys(("SEQ_START_Q", "SEQ_START_K", "SEQ_LEN_Q", "SEQ_LEN_K"), Buf(lse))
 
-    plan = forward_plan(_plan_config(static, q, k, v, deterministic=False))
-    flags, left, right = mask_flags(static.attn_mask_type, static.window_size)
+    config = _plan_config(static, q, k, v, deterministic=False)
+    plan = forward_plan(config)
+    flags, left, right = mask_flags(config)
     t = plan.tiles
     kernel_fn, constexprs = attn_fwd_kernel, t.loop_constexprs
     if plan.warp_specialized is not None and _tma(True, q.dtype, q.shape, k.shape, v.shape):
@@ -369,7 +371,7 @@ def _bias_values(bias_buf: Optional["Buf"], bias) -> Dict[str, object]:
 # PyTorch launcher does.
 _FEATURES_OFF = dict(
     stride_zb=0, stride_zh=0, stride_zm=0, stride_zn=0, stride_alibi_b=0, dropout_p=0.0,
-    HAS_BIAS=False, HAS_ALIBI=False, DROPOUT=False,
+    HAS_BIAS=False, HAS_ALIBI=False, DROPOUT=False, SUM_ROWS=False,
 )
 _PLACEHOLDER_POINTERS = ("BIAS", "ALIBI_SLOPES", "RNG_STATE")
 
@@ -442,10 +444,11 @@ def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_of
     else:
         seq = dict.fromkeys(("SEQ_START_Q", "SEQ_START_K", "SEQ_LEN_Q", "SEQ_LEN_K"), LSE)
 
-    plan = backward_plan(_plan_config(static, q, k, v, deterministic=static.deterministic))
+    config = _plan_config(static, q, k, v, deterministic=static.deterministic)
+    plan = backward_plan(config)
     if static.deterministic and plan.atomic_dq:
         raise RuntimeError("deterministic backward planned with atomic dQ; this is a planning bug")
-    flags, left, right = mask_flags(static.attn_mask_type, static.window_size)
+    flags, left, right = mask_flags(config)
     common = dict(IS_THD=packed, HAS_SEQLENS=packed)
     strides = dict(
         **_named_strides("q", _strides(q.shape, packed)), **_named_strides("k", _strides(k.shape, packed)),

@@ -129,11 +129,16 @@ def make_attn_config(
     max_seqlen_kv: Optional[int] = None,
     packing: str = "separate",
     distinct_kv_lengths: bool = False,
+    bottom_right_diagonal: Optional[bool] = None,
+    return_max_logit: bool = False,
 ) -> AttnConfig:
     """Validate shapes/dtypes/devices and build the AttnConfig for one call.
 
     ``distinct_kv_lengths``: the call has per-sequence lengths with a separate ``cu_seqlens_kv``
-    (cross attention), so keys and queries of one sequence may differ in number."""
+    (cross attention), so keys and queries of one sequence may differ in number.
+    ``bottom_right_diagonal``: alignment of windows and ALiBi (``resolve_bottom_right_diagonal``).
+    ``return_max_logit``: the call returns the per-head max logit, which only the unfused backend
+    computes."""
     fmt = QKVFormat(qkv_format)
     mask = AttnMaskType(attn_mask_type)
     bq, sq, hq, dqk, sk, hk, dv = check_qkv(q, k, v, fmt)
@@ -147,6 +152,11 @@ def make_attn_config(
         # sequence could get different bits in another batch.
         extra += ((FlashAttention.NAME, f"attn_mask_type={mask.value} (top-left) with separate cu_seqlens_q/kv in "
                    "deterministic mode: the backend would depend on the batch's other sequences"),)
+    if return_max_logit:
+        # The fused kernels keep each row's running max in registers and store only the log-sum-exp;
+        # flash-attn-4 returns no max either.
+        extra += tuple((name, "return_max_logit=True (the kernels do not return the row maxima)")
+                       for name in (FusedAttention.NAME, FlashAttention.NAME))
     return AttnConfig(
         batch_size=batch_size if batch_size is not None else bq,
         num_heads_q=hq,
@@ -159,6 +169,7 @@ def make_attn_config(
         qkv_layout=QKVLayout.from_format(fmt, packing),
         attn_mask_type=mask,
         window_size=normalize_window(window_size, mask),
+        bottom_right_diagonal=bottom_right_diagonal,
         attn_bias_type=AttnBiasType(attn_bias_type),
         bias_shape=bias_shape,
         dropout=float(dropout),

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, Tuple, Union
 import torch
 
 from transformer_engine.common.attention import AttnBiasType, AttnMaskType, QKVFormat
-from transformer_engine.common.attention.config import normalize_window
+from transformer_engine.common.attention.config import normalize_window, resolve_bottom_right_diagonal
 from transformer_engine.pytorch.attention import config as attn_config
 from transformer_engine.pytorch.attention.unfused import bias_shape_name, default_alibi_slopes, unfused_attention
 
@@ -36,6 +36,15 @@ _THD_MASK = {
 }
 # A padding mask with no padding information (no attention_mask, no cu_seqlens) is its non-padding form.
 _UNPADDED_MASK = {v: k for k, v in _THD_MASK.items()}
+
+
+def _mask_arg(value, name: str = "attn_mask_type") -> AttnMaskType:
+    """An AttnMaskType from TransformerEngine's spellings ('padding,causal', 'causal_padding', ...)."""
+    if isinstance(value, str):
+        value = value.replace(",", "_")
+        if value == "causal_padding":
+            value = "padding_causal"
+    return _enum_arg(AttnMaskType, value, name)
 
 
 def _enum_arg(enum, value, name: str):
@@ -67,7 +76,8 @@ def _select_while_tracing(q_shape, k_shape, v_shape, dtype: str, device: str, qk
                           window: Tuple[int, int], bias_type: str, bias_shape: Optional[str], dropout: float,
                           is_training: bool, torch_deterministic: bool, batch_size: Optional[int],
                           max_seqlen_q: Optional[int], max_seqlen_kv: Optional[int],
-                          distinct_kv_lengths: bool = False) -> Tuple[str, bool]:
+                          distinct_kv_lengths: bool = False, bottom_right_diagonal: Optional[bool] = None,
+                          return_max_logit: bool = False) -> Tuple[str, bool]:
     """Backend selection under torch.compile: runs once while tracing, its result baked into the graph.
 
     Dynamo guards on ``torch.are_deterministic_algorithms_enabled()`` (passed in), so toggling it
@@ -79,7 +89,8 @@ def _select_while_tracing(q_shape, k_shape, v_shape, dtype: str, device: str, qk
         *metas, qkv_format=qkv_format, attn_mask_type=attn_mask_type, window_size=window,
         attn_bias_type=bias_type, bias_shape=bias_shape, dropout=dropout, is_training=is_training,
         deterministic=deterministic, batch_size=batch_size, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
-        distinct_kv_lengths=distinct_kv_lengths,
+        distinct_kv_lengths=distinct_kv_lengths, bottom_right_diagonal=bottom_right_diagonal,
+        return_max_logit=return_max_logit,
     )
     return attn_config.select(config).name, config.deterministic
 
@@ -115,6 +126,38 @@ def _padding_mask_to_cu_seqlens(mask: torch.Tensor, batch: int, seqlen: int, nam
     return torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
 
 
+def _unpack_packed(qkv_layer, kv_layer, query_layer, key_layer, value_layer, fmt: QKVFormat, interleave_dim: int):
+    """(q, k, v) from TransformerEngine's declared packed inputs: views of ``qkv_layer`` (the 3 at
+    ``interleave_dim``) or of ``kv_layer`` (the 2) next to ``query_layer``; else the three tensors."""
+    if qkv_layer is None and kv_layer is None:
+        if query_layer is None or key_layer is None or value_layer is None:
+            raise ValueError("`query_layer`, `key_layer` and `value_layer` must be given unless a packed "
+                             "`qkv_layer` (or `query_layer` with `kv_layer`) is")
+        return query_layer, key_layer, value_layer
+    if qkv_layer is not None and kv_layer is not None:
+        raise ValueError("give either `qkv_layer` or `kv_layer`, not both")
+    if interleave_dim not in (-3, -2):
+        raise ValueError(f"`qkv_interleave_dim` must be -3 (e.g. bs3hd) or -2 (e.g. bsh3d), got {interleave_dim!r}")
+    packed = qkv_layer if qkv_layer is not None else kv_layer
+    name = "qkv_layer" if qkv_layer is not None else "kv_layer"
+    if not isinstance(packed, torch.Tensor):
+        raise ValueError(f"`{name}` must be a torch.Tensor, got {type(packed).__name__}")
+    if qkv_layer is not None and any(t is not None for t in (query_layer, key_layer, value_layer)):
+        raise ValueError("`query_layer`, `key_layer` and `value_layer` must be None when `qkv_layer` is given")
+    if kv_layer is not None:
+        if query_layer is None:
+            raise ValueError("`query_layer` must be given with `kv_layer` (which packs only K and V)")
+        if key_layer is not None or value_layer is not None:
+            raise ValueError("`key_layer` and `value_layer` must be None when `kv_layer` is given")
+    rank = 4 if fmt == QKVFormat.THD else 5
+    count = 3 if qkv_layer is not None else 2
+    if packed.dim() != rank or packed.shape[interleave_dim] != count:
+        raise ValueError(f"`{name}` must be {rank}-D for qkv_format={fmt.value!r} with size {count} at dim "
+                         f"{interleave_dim} (qkv_interleave_dim), got shape {tuple(packed.shape)}")
+    views = tuple(packed.select(interleave_dim, i) for i in range(count))
+    return views if qkv_layer is not None else (query_layer, *views)
+
+
 @dataclass
 class _Sequences:
     """Where the sequences are: the effective mask type, cu_seqlens and max lengths of one call."""
@@ -140,17 +183,57 @@ class _Sequences:
                     max_seqlen_q=self.max_seqlen_q, max_seqlen_kv=self.max_seqlen_kv)
 
 
+def _split_padding_mask(attention_mask, seq_len_q: int, seq_len_kv: int):
+    """(q mask, kv mask) of a padding ``attention_mask``: one tensor (self attention, s_q == s_kv) or a pair."""
+    if isinstance(attention_mask, (tuple, list)):
+        if len(attention_mask) != 2:
+            raise ValueError("`attention_mask` must be one tensor or a (q_mask, kv_mask) pair, got "
+                             f"{len(attention_mask)} tensors")
+        return tuple(attention_mask)
+    if seq_len_q != seq_len_kv:
+        raise ValueError(
+            f"`attention_mask` must be a (q_mask, kv_mask) pair when s_q != s_kv ({seq_len_q} != {seq_len_kv})"
+        )
+    return attention_mask, attention_mask
+
+
+def _agree(name: str, cu_seqlens: torch.Tensor, mask: torch.Tensor, batch: int, seqlen: int) -> None:
+    """A padding mask given next to ``cu_seqlens``: the cu_seqlens are used (as TransformerEngine's fused
+    path uses them); a mask that describes other sequences is a contradiction (checked in eager mode)."""
+    from_mask = _padding_mask_to_cu_seqlens(mask, batch, seqlen, "attention_mask")
+    if _is_compiling() or not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.shape != from_mask.shape:
+        return  # shapes are checked with the other cu_seqlens checks
+    if not torch.equal(from_mask, cu_seqlens.to(from_mask.device)):
+        raise ValueError(
+            f"`attention_mask` and `{name}` must describe the same sequences when both are given, got lengths "
+            f"{torch.diff(from_mask).tolist()} from the mask and {torch.diff(cu_seqlens).tolist()} from `{name}`"
+        )
+
+
 def _resolve_sequences(q, k, v, fmt: QKVFormat, mask: AttnMaskType, attention_mask, cu_seqlens_q, cu_seqlens_kv,
                        cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv) -> _Sequences:
-    """Validate the sequence arguments; padding masks become cu_seqlens (what the fused path takes)."""
+    """Validate the sequence arguments; padding masks become cu_seqlens (what the fused path takes).
+
+    As in TransformerEngine, given ``cu_seqlens_q``/``cu_seqlens_kv`` win over a padding ``attention_mask``
+    (which fills in a side whose cu_seqlens are missing); with qkv_format='thd' a padding mask may
+    accompany the cu_seqlens ([b, 1, 1, s] over the padded view of the batch). Either way the mask must
+    agree with the cu_seqlens."""
     if fmt == QKVFormat.THD:
         if mask == AttnMaskType.ARBITRARY_MASK:
             raise NotImplementedError("attn_mask_type='arbitrary' with qkv_format='thd' is not supported")
-        if attention_mask is not None:
-            raise ValueError("`attention_mask` must be None for qkv_format='thd' (use cu_seqlens_q/kv)")
         if cu_seqlens_q is None or cu_seqlens_kv is None:
             raise ValueError("`cu_seqlens_q` and `cu_seqlens_kv` must be given for qkv_format='thd'")
         batch = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) else None
+        if attention_mask is not None and batch is not None:
+            masks = attention_mask if isinstance(attention_mask, (tuple, list)) else (attention_mask, attention_mask)
+            if len(masks) != 2:
+                raise ValueError("`attention_mask` must be one tensor or a (q_mask, kv_mask) pair")
+            for name, cu, m in (("cu_seqlens_q", cu_seqlens_q, masks[0]), ("cu_seqlens_kv", cu_seqlens_kv, masks[1])):
+                if not isinstance(m, torch.Tensor) or m.dim() not in (2, 4):
+                    got = tuple(m.shape) if isinstance(m, torch.Tensor) else type(m).__name__
+                    raise ValueError(f"`attention_mask` must be a padding mask [b, 1, 1, s] with qkv_format='thd', "
+                                     f"got {got}")
+                _agree(name, cu, m, batch, m.shape[-1])
         seqs = _Sequences(_THD_MASK.get(mask, mask), batch, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
                           cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)
     else:
@@ -170,21 +253,16 @@ def _resolve_sequences(q, k, v, fmt: QKVFormat, mask: AttnMaskType, attention_ma
         seqs = _Sequences(mask, batch, max_seqlen_q=seq_len_q, max_seqlen_kv=seq_len_kv)
         if mask.is_padding:
             if attention_mask is not None:
-                if cu_seqlens_q is not None or cu_seqlens_kv is not None:
-                    raise ValueError("give either `attention_mask` or `cu_seqlens_q`/`cu_seqlens_kv`, not both")
-                if isinstance(attention_mask, (tuple, list)):
-                    if len(attention_mask) != 2:
-                        raise ValueError("`attention_mask` must be one tensor or a (q_mask, kv_mask) pair")
-                    mask_q, mask_kv = attention_mask
-                elif seq_len_q != seq_len_kv:
-                    raise ValueError(
-                        f"`attention_mask` must be a (q_mask, kv_mask) pair when s_q != s_kv ({seq_len_q} != {seq_len_kv})"
-                    )
+                mask_q, mask_kv = _split_padding_mask(attention_mask, seq_len_q, seq_len_kv)
+                if cu_seqlens_q is None:
+                    cu_seqlens_q = _padding_mask_to_cu_seqlens(mask_q, batch, seq_len_q, "attention_mask")
                 else:
-                    mask_q = mask_kv = attention_mask
-                cu_seqlens_q = _padding_mask_to_cu_seqlens(mask_q, batch, seq_len_q, "attention_mask")
-                cu_seqlens_kv = (cu_seqlens_q if mask_kv is mask_q
-                                 else _padding_mask_to_cu_seqlens(mask_kv, batch, seq_len_kv, "attention_mask"))
+                    _agree("cu_seqlens_q", cu_seqlens_q, mask_q, batch, seq_len_q)
+                if cu_seqlens_kv is None:
+                    cu_seqlens_kv = (cu_seqlens_q if mask_kv is mask_q and seq_len_q == seq_len_kv
+                                     else _padding_mask_to_cu_seqlens(mask_kv, batch, seq_len_kv, "attention_mask"))
+                else:
+                    _agree("cu_seqlens_kv", cu_seqlens_kv, mask_kv, batch, seq_len_kv)
             elif cu_seqlens_q is None and cu_seqlens_kv is None:
                 seqs.mask = _UNPADDED_MASK[mask]  # no padding information: nothing is padded
             elif cu_seqlens_q is None or cu_seqlens_kv is None:
@@ -234,7 +312,7 @@ def _check_bias(q, seqs: _Sequences, bias_type: AttnBiasType, bias: Optional[tor
 
 
 def _run_fused(q, k, v, fmt, mask, window, scale, seq, deterministic, *, bias_type, bias, alibi_slopes, dropout,
-               rng_context, **_unused):
+               rng_context, bottom_right, **_unused):
     from transformer_engine.pytorch.attention.fused_attn import fused_attn_func, new_rng_state
 
     mods = {}
@@ -250,7 +328,7 @@ def _run_fused(q, k, v, fmt, mask, window, scale, seq, deterministic, *, bias_ty
             mods["rng_state"] = new_rng_state(q.device)
         mods["dropout_p"] = dropout
     return fused_attn_func(q, k, v, fmt.value, mask.value, window, scale, deterministic=deterministic, **seq,
-                           **mods)
+                           bottom_right_diagonal=bottom_right, **mods)
 
 
 def _run_flash(q, k, v, fmt, mask, window, scale, seq, deterministic, **_unused):
@@ -266,11 +344,12 @@ def _run_flash(q, k, v, fmt, mask, window, scale, seq, deterministic, **_unused)
 
 
 def _run_unfused(q, k, v, fmt, mask, window, scale, seq, deterministic, *, attention_mask, bias_type, bias,
-                 alibi_slopes, dropout, rng_context):
+                 alibi_slopes, dropout, rng_context, bottom_right, return_max_logit=False):
     return unfused_attention(
         q, k, v, fmt.value, mask.value, window, scale, attention_mask=attention_mask,
         core_attention_bias_type=bias_type.value, core_attention_bias=bias, alibi_slopes=alibi_slopes,
-        dropout_p=dropout, rng_context=rng_context, **seq,
+        dropout_p=dropout, rng_context=rng_context, bottom_right_diagonal=bottom_right,
+        return_max_logit=return_max_logit, **seq,
     )
 
 
@@ -297,9 +376,23 @@ class DotProductAttention(torch.nn.Module):
     ``padding``, ``padding_causal``, ``padding_causal_bottom_right``, ``arbitrary``. Padding comes
     from ``cu_seqlens_q/kv`` or a bool ``attention_mask`` (True = padded; [b, 1, 1, s], or a tuple
     of q and kv masks for cross attention; padding at the end of each sequence). ``arbitrary``
-    takes a bool ``attention_mask`` broadcastable to [b, h, s_q, s_kv]. ``window_size=(left, right)``
-    follows :func:`normalize_window`. Rows with no visible key output zeros; padded positions are
-    zero.
+    takes a bool ``attention_mask`` broadcastable to [b, h, s_q, s_kv]. Given ``cu_seqlens_q/kv`` win
+    over a padding ``attention_mask`` (which must agree with them; it may accompany thd too).
+    ``window_size=(left, right)`` follows :func:`normalize_window`. Rows with no visible key output
+    zeros; padded positions are zero.
+
+    Diagonal (``bottom_right_diagonal``, constructor or forward): sliding windows and ALiBi align
+    with the top-left (False, ``d = 0``) or bottom-right (True, ``d = s_kv - s_q`` per sequence)
+    corner of the score matrix. ``causal``/``padding_causal`` force top-left and the
+    ``*_bottom_right`` masks bottom-right whatever is passed; None is bottom-right for the other masks.
+
+    Bias (``core_attention_bias``): [1|b, 1|h, s_q, s_kv] or [1, 1, 1, s_kv] (TransformerEngine's
+    1hss, b1ss, bhss, 11ss, 111s), with a gradient summed over its broadcast dimensions.
+
+    ``return_max_logit=True``: ``forward`` returns ``(out, max_logit)``, ``max_logit`` [h] in q's
+    dtype: the largest ``softmax_scale * q k^T + bias`` over the visible (query, key) pairs of each
+    head in the batch (for QK-clip). The fused kernels do not return it, so such calls run unfused
+    (backend selection says so).
 
     Determinism: ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` or ``torch.use_deterministic_algorithms(True)``
     make the next call's backward bitwise reproducible (read at every call, not at construction).
@@ -308,8 +401,9 @@ class DotProductAttention(torch.nn.Module):
     backend is chosen while tracing (dynamo retraces when ``torch.use_deterministic_algorithms``
     changes; NVTE_* changes need a recompile).
 
-    Not supported yet (``NotImplementedError``): context parallelism (``cp_group``...), FP8, KV cache
-    (``inference_params``), ``softmax_type`` other than ``"vanilla"``, ``return_max_logit``.
+    Not supported yet (``NotImplementedError``): context parallelism (``cp_group``...), FP8 (and
+    ``bf16_backward``), KV cache (``inference_params``), ``softmax_type`` other than ``"vanilla"``,
+    ``num_splits`` other than 1, ``score_mod*``.
     """
 
     def __init__(
@@ -321,6 +415,7 @@ class DotProductAttention(torch.nn.Module):
         qkv_format: str = "sbhd",
         attn_mask_type: str = "causal",
         window_size: Optional[Tuple[int, int]] = None,
+        bottom_right_diagonal: Optional[bool] = None,
         sequence_parallel: bool = False,
         tp_size: int = 1,
         get_rng_state_tracker: Optional[Callable] = None,
@@ -333,15 +428,14 @@ class DotProductAttention(torch.nn.Module):
         cp_comm_type: str = "p2p",
         softmax_scale: Optional[float] = None,
         softmax_type: str = "vanilla",
-        return_max_logit: bool = False,
+        return_max_logit: Optional[bool] = False,
+        name: Optional[str] = None,
     ) -> None:
         super().__init__()
         if cp_group is not None or cp_global_ranks is not None or cp_stream is not None:
             raise NotImplementedError("context parallelism (cp_group, cp_global_ranks, cp_stream) is not supported yet")
         if softmax_type != "vanilla":
             raise NotImplementedError(f"softmax_type={softmax_type!r} is not supported yet (only 'vanilla')")
-        if return_max_logit:
-            raise NotImplementedError("return_max_logit=True is not supported yet")
         if not isinstance(num_attention_heads, int) or num_attention_heads < 1:
             raise ValueError(f"`num_attention_heads` must be a positive int, got {num_attention_heads!r}")
         if isinstance(kv_channels, int):
@@ -367,9 +461,16 @@ class DotProductAttention(torch.nn.Module):
         if attention_type not in ("self", "cross"):
             raise ValueError(f"`attention_type` must be 'self' or 'cross', got {attention_type!r}")
         self.qkv_format = _enum_arg(QKVFormat, qkv_format, "qkv_format").value
-        self.attn_mask_type = _enum_arg(AttnMaskType, attn_mask_type, "attn_mask_type").value
+        self.attn_mask_type = _mask_arg(attn_mask_type).value
         normalize_window(window_size, AttnMaskType(self.attn_mask_type))  # validate now, apply per call
         self.window_size = window_size
+        if bottom_right_diagonal is not None and not isinstance(bottom_right_diagonal, bool):
+            raise ValueError(f"`bottom_right_diagonal` must be None or a bool, got {bottom_right_diagonal!r}")
+        self.bottom_right_diagonal = bottom_right_diagonal
+        if not isinstance(return_max_logit, bool) and return_max_logit is not None:
+            raise ValueError(f"`return_max_logit` must be a bool, got {return_max_logit!r}")
+        self.return_max_logit = bool(return_max_logit)
+        self.name = name
         self.num_attention_heads = num_attention_heads
         self.num_gqa_groups = num_gqa_groups
         self.tp_size = tp_size
@@ -447,9 +548,9 @@ class DotProductAttention(torch.nn.Module):
 
     def forward(
         self,
-        query_layer: torch.Tensor,
-        key_layer: torch.Tensor,
-        value_layer: torch.Tensor,
+        query_layer: Optional[torch.Tensor] = None,
+        key_layer: Optional[torch.Tensor] = None,
+        value_layer: Optional[torch.Tensor] = None,
         attention_mask: Optional[Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]] = None,
         qkv_format: Optional[str] = None,
         cu_seqlens_q: Optional[torch.Tensor] = None,
@@ -460,6 +561,7 @@ class DotProductAttention(torch.nn.Module):
         max_seqlen_kv: Optional[int] = None,
         attn_mask_type: Optional[str] = None,
         window_size: Optional[Tuple[int, int]] = None,
+        bottom_right_diagonal: Optional[bool] = None,
         checkpoint_core_attention: bool = False,
         core_attention_bias_type: str = "no_bias",
         core_attention_bias: Optional[torch.Tensor] = None,
@@ -468,20 +570,52 @@ class DotProductAttention(torch.nn.Module):
         inference_params: Optional[Any] = None,
         pad_between_seqs: Optional[bool] = None,
         fp8_output: bool = False,
-    ) -> torch.Tensor:
+        bf16_backward: Optional[bool] = False,
+        num_splits: Optional[int] = 1,
+        score_mod: Optional[Callable] = None,
+        score_mod_bprop: Optional[Callable] = None,
+        score_mod_tensors: Optional[dict] = None,
+        score_mod_bprop_tensors: Optional[dict] = None,
+        qkv_layer: Optional[torch.Tensor] = None,
+        kv_layer: Optional[torch.Tensor] = None,
+        qkv_interleave_dim: int = -3,
+    ):
         """Attention over ``query_layer``, ``key_layer``, ``value_layer``; see the class docstring.
 
+        ``qkv_layer`` (instead of the three) or ``kv_layer`` (with ``query_layer``) pass one packed
+        buffer: ``[b, s, 3, h, d]`` / ``[b, s, h, 3, d]`` (``qkv_interleave_dim`` -3 / -2; ``[s, b, ...]``
+        for sbhd, ``[t, ...]`` for thd), ``[.., 2, h_kv, d]`` for K/V; q, k, v are views of it.
+
+        ``bottom_right_diagonal`` overrides the constructor's (see the class docstring).
+        ``num_splits`` must be 1 (TransformerEngine forwards other values only to FlashAttention-3).
         ``fast_zero_fill`` and ``pad_between_seqs`` are accepted for compatibility: padded
         positions are always zero and gaps between packed sequences come from ``cu_seqlens_*_padded``.
+
+        Returns the output, or ``(output, max_logit)`` when the module was built with
+        ``return_max_logit=True``.
         """
         if inference_params is not None:
             raise NotImplementedError("KV cache (`inference_params`) is not supported yet")
         if fp8_output:
             raise NotImplementedError("FP8 output (`fp8_output=True`) is not supported yet")
-        q, k, v = query_layer, key_layer, value_layer
+        if bf16_backward:
+            raise NotImplementedError("`bf16_backward=True` (the FP8 attention's backward in bf16) is not supported: "
+                                      "FP8 attention is not supported yet")
+        if num_splits is not None and num_splits != 1:
+            if not isinstance(num_splits, int) or num_splits < 1:
+                raise ValueError(f"`num_splits` must be a positive int, got {num_splits!r}")
+            raise NotImplementedError(
+                f"`num_splits` must be 1, got {num_splits}: only FlashAttention-3 splits its kernels "
+                "(TransformerEngine's fused and unfused backends refuse other values too)"
+            )
+        for mod_name, mod in (("score_mod", score_mod), ("score_mod_bprop", score_mod_bprop),
+                              ("score_mod_tensors", score_mod_tensors),
+                              ("score_mod_bprop_tensors", score_mod_bprop_tensors)):
+            if mod is not None:
+                raise NotImplementedError(f"`{mod_name}` (cuDNN's experimental score modification) is not supported")
         fmt = _enum_arg(QKVFormat, qkv_format if qkv_format is not None else self.qkv_format, "qkv_format")
-        mask = _enum_arg(AttnMaskType, attn_mask_type if attn_mask_type is not None else self.attn_mask_type,
-                         "attn_mask_type")
+        q, k, v = _unpack_packed(qkv_layer, kv_layer, query_layer, key_layer, value_layer, fmt, qkv_interleave_dim)
+        mask = _mask_arg(attn_mask_type if attn_mask_type is not None else self.attn_mask_type)
         bias_type = _enum_arg(AttnBiasType, core_attention_bias_type, "core_attention_bias_type")
         self._check_tensors(q, k, v, fmt)
         if not (q.dtype == k.dtype == v.dtype):
@@ -496,30 +630,40 @@ class DotProductAttention(torch.nn.Module):
         seqs = _resolve_sequences(q, k, v, fmt, mask, attention_mask, cu_seqlens_q, cu_seqlens_kv,
                                   cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)
         window = normalize_window(window_size if window_size is not None else self.window_size, seqs.mask)
+        bottom_right = resolve_bottom_right_diagonal(
+            seqs.mask, bottom_right_diagonal if bottom_right_diagonal is not None else self.bottom_right_diagonal,
+            "pytorch")
         bias_shape = _check_bias(q, seqs, bias_type, core_attention_bias, alibi_slopes)
 
         dropout = self.attention_dropout if self.training else 0.0
-        backend, deterministic = self._select(q, k, v, fmt, seqs, window, bias_type, bias_shape, dropout)
+        backend, deterministic = self._select(q, k, v, fmt, seqs, window, bias_type, bias_shape, dropout, bottom_right)
         self.last_backend = backend
         rng_context = None
-        if self.get_rng_state_tracker is not None:
+        if self.get_rng_state_tracker is not None and not self.sequence_parallel:
+            # As in TransformerEngine: with sequence parallelism dropout draws from the default generator.
             tracker = self.get_rng_state_tracker
             rng_context = lambda: tracker().fork()  # noqa: E731
         runner = _RUNNERS[backend]
+        extra = dict(return_max_logit=True) if self.return_max_logit else {}
 
         def attend(q_, k_, v_):
             return runner(q_, k_, v_, fmt, seqs.mask, window, self.softmax_scale, seqs.kwargs(), deterministic,
                           attention_mask=seqs.attention_mask, bias_type=bias_type, bias=core_attention_bias,
-                          alibi_slopes=alibi_slopes, dropout=dropout, rng_context=rng_context)
+                          alibi_slopes=alibi_slopes, dropout=dropout, rng_context=rng_context,
+                          bottom_right=bottom_right, **extra)
 
         if checkpoint_core_attention and torch.is_grad_enabled():
             out = torch.utils.checkpoint.checkpoint(attend, q, k, v, use_reentrant=False)
         else:
             out = attend(q, k, v)
-        return out.reshape(*out.shape[:-2], out.shape[-2] * out.shape[-1])
+        max_logit = None
+        if self.return_max_logit:
+            out, max_logit = out
+        out = out.reshape(*out.shape[:-2], out.shape[-2] * out.shape[-1])
+        return (out, max_logit) if self.return_max_logit else out
 
     def _select(self, q, k, v, fmt: QKVFormat, seqs: "_Sequences", window, bias_type: AttnBiasType,
-                bias_shape: Optional[str], dropout: float) -> Tuple[str, bool]:
+                bias_shape: Optional[str], dropout: float, bottom_right: bool) -> Tuple[str, bool]:
         """(backend name, deterministic) for this call, read now."""
         if _is_compiling():
             # Sizes that may be dynamic are unknown while tracing; head counts and dims are static.
@@ -531,11 +675,13 @@ class DotProductAttention(torch.nn.Module):
                 meta(v, self.num_gqa_groups_per_partition, dv), str(q.dtype).replace("torch.", ""), q.device.type, fmt.value,
                 seqs.mask.value, tuple(window), bias_type.value, bias_shape, float(dropout), bool(self.training),
                 torch.are_deterministic_algorithms_enabled(), None, None, None, seqs.distinct_kv_lengths,
+                bottom_right, self.return_max_logit,
             )
         config = attn_config.make_attn_config(
             q, k, v, qkv_format=fmt.value, attn_mask_type=seqs.mask.value, window_size=window,
             attn_bias_type=bias_type.value, bias_shape=bias_shape, dropout=dropout, is_training=self.training,
             batch_size=seqs.batch, max_seqlen_q=seqs.max_seqlen_q, max_seqlen_kv=seqs.max_seqlen_kv,
             packing=_packing(q, k, v), distinct_kv_lengths=seqs.distinct_kv_lengths,
+            bottom_right_diagonal=bottom_right, return_max_logit=self.return_max_logit,
         )
         return attn_config.select(config).name, config.deterministic

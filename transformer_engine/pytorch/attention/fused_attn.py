@@ -7,6 +7,7 @@ from typing import Optional, Tuple
 import torch
 
 from transformer_engine.common.attention import AttnMaskType, QKVFormat
+from transformer_engine.common.attention.config import resolve_bottom_right_diagonal
 from transformer_engine.pytorch.attention import ops  # noqa: F401  (registers the custom ops)
 from transformer_engine.pytorch.attention.config import check_cu_seqlens, check_qkv
 
@@ -17,15 +18,15 @@ class FusedAttnFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, alibi_slopes, rng_state, qkv_format, cu_seqlens_q, cu_seqlens_kv,
                 seq_offsets_q, seq_offsets_kv, max_seqlen_q, max_seqlen_kv, softmax_scale, attn_mask_type,
-                window_left, window_right, dropout_p, deterministic):
+                window_left, window_right, bottom_right, dropout_p, deterministic):
         out, lse = torch.ops.transformer_engine.fused_attn_fwd(
             q, k, v, qkv_format, cu_seqlens_q, cu_seqlens_kv, seq_offsets_q, seq_offsets_kv,
-            max_seqlen_q, max_seqlen_kv, softmax_scale, attn_mask_type, window_left, window_right,
+            max_seqlen_q, max_seqlen_kv, softmax_scale, attn_mask_type, window_left, window_right, bottom_right,
             bias, alibi_slopes, rng_state, dropout_p)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, seq_offsets_q, seq_offsets_kv,
                               bias, alibi_slopes, rng_state)
         ctx.static = (qkv_format, max_seqlen_q, max_seqlen_kv, softmax_scale, attn_mask_type,
-                      window_left, window_right, deterministic, dropout_p)
+                      window_left, window_right, bottom_right, deterministic, dropout_p)
         ctx.bias_grad = bias is not None and bias.requires_grad
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -33,12 +34,12 @@ class FusedAttnFunc(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out, _d_lse):
         q, k, v, out, lse, cu_q, cu_kv, off_q, off_kv, bias, alibi, rng_state = ctx.saved_tensors
-        fmt, max_q, max_kv, scale, mask, left, right, deterministic, dropout_p = ctx.static
+        fmt, max_q, max_kv, scale, mask, left, right, bottom_right, deterministic, dropout_p = ctx.static
         dq, dk, dv, dbias = torch.ops.transformer_engine.fused_attn_bwd(
             q, k, v, out, d_out.contiguous(), lse, fmt, cu_q, cu_kv, off_q, off_kv,
-            max_q, max_kv, scale, mask, left, right, deterministic,
+            max_q, max_kv, scale, mask, left, right, bottom_right, deterministic,
             bias, alibi, rng_state, dropout_p, ctx.bias_grad)
-        return (dq, dk, dv, dbias if ctx.bias_grad else None) + (None,) * 15
+        return (dq, dk, dv, dbias if ctx.bias_grad else None) + (None,) * 16
 
 
 def new_rng_state(device: torch.device) -> torch.Tensor:
@@ -68,6 +69,7 @@ def fused_attn_func(
     dropout_p: float = 0.0,
     rng_state: Optional[torch.Tensor] = None,
     return_softmax_aux: bool = False,
+    bottom_right_diagonal: Optional[bool] = None,
 ):
     """Fused scaled-dot-product attention on the project's Triton kernels.
 
@@ -78,10 +80,13 @@ def fused_attn_func(
     each sequence's real length; outputs and gradients at padded positions are zero. Rows that
     see no key output zeros. The output has q's format and head dim d_v.
 
-    ``core_attention_bias`` (post-scale, [b|1, h|1, s_q, s_kv], padded formats) is added to the
+    ``core_attention_bias`` (post-scale, [b|1, h|1, s_q, s_kv] or [1, 1, 1, s_kv], padded formats) is added to the
     scaled scores, and gets a gradient when it requires one (summed over its broadcast
     dimensions in a fixed order). ``alibi_slopes`` (fp32 [h] or [b, h]) adds
-    ``-slope * |j - (i + d)|`` with the mask's diagonal ``d``, without materialising it.
+    ``-slope * |j - (i + d)|`` with the diagonal ``d``, without materialising it.
+    ``bottom_right_diagonal`` aligns sliding windows and ALiBi: ``d = s_kv - s_q`` of each sequence
+    (True) or 0 (False); the causal masks fix it, and None is bottom-right for the other masks
+    (TransformerEngine-PyTorch's rule, ``resolve_bottom_right_diagonal``).
     ``dropout_p`` drops probabilities with a counter-based RNG keyed by ``rng_state``
     (int64 [seed, offset]; drawn from torch's generator when None): the same state gives the
     same mask in forward and backward, run after run. ``return_softmax_aux=True`` returns
@@ -93,6 +98,7 @@ def fused_attn_func(
     """
     fmt = QKVFormat(qkv_format)
     mask = AttnMaskType(attn_mask_type)
+    bottom_right = resolve_bottom_right_diagonal(mask, bottom_right_diagonal, "pytorch")
     check_qkv(q, k, v, fmt)
     if fmt == QKVFormat.THD:
         if cu_seqlens_q is None or cu_seqlens_kv is None:
@@ -141,7 +147,7 @@ def fused_attn_func(
     out, lse = FusedAttnFunc.apply(
         q, k, v, core_attention_bias, alibi_slopes, rng_state, fmt.value, cu_seqlens_q, cu_seqlens_kv,
         cu_seqlens_q_padded, cu_seqlens_kv_padded, int(max_seqlen_q), int(max_seqlen_kv), float(softmax_scale),
-        mask.value, int(window_size[0]), int(window_size[1]), float(dropout_p), bool(deterministic))
+        mask.value, int(window_size[0]), int(window_size[1]), bottom_right, float(dropout_p), bool(deterministic))
     if return_softmax_aux:
         return out, (lse, rng_state)
     return out
@@ -188,7 +194,7 @@ def _check_score_mods(q, fmt: QKVFormat, bias, alibi_slopes, dropout_p, rng_stat
         if fmt == QKVFormat.THD:
             raise NotImplementedError("`core_attention_bias` is not supported with qkv_format='thd'")
         if bias.dim() != 4 or bias.shape[1] not in (1, heads):
-            raise ValueError(f"`core_attention_bias` must be [b|1, {heads}|1, s_q, s_kv], got {tuple(bias.shape)}")
+            raise ValueError(f"`core_attention_bias` must be [b|1, {heads}|1, s_q|1, s_kv], got {tuple(bias.shape)}")
     if alibi_slopes is not None:
         if alibi_slopes.dtype != torch.float32 or alibi_slopes.shape[-1] != heads or alibi_slopes.dim() not in (1, 2):
             raise ValueError(f"`alibi_slopes` must be fp32 [{heads}] or [b, {heads}], got {alibi_slopes.dtype} "

@@ -102,9 +102,10 @@ def sequences(fmt: QKVFormat, q: torch.Tensor, k: torch.Tensor, cu_seqlens_q, cu
 
 
 def plan_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: QKVFormat, mask: AttnMaskType,
-                window: Tuple[int, int], deterministic: bool, mods: "ScoreMods" = None) -> AttnConfig:
-    """The planning-relevant AttnConfig of a launch (head dims, dtype, mask kind, score modifiers
-    (``ScoreMods``), device)."""
+                window: Tuple[int, int], deterministic: bool, mods: "ScoreMods" = None,
+                bottom_right_diagonal: Optional[bool] = None) -> AttnConfig:
+    """The planning-relevant AttnConfig of a launch (head dims, dtype, mask kind and diagonal alignment,
+    score modifiers (``ScoreMods``), device)."""
     device_type = q.device.type
     bias_type = AttnBiasType.NO_BIAS
     if mods is not None and mods.bias is not None:
@@ -114,7 +115,8 @@ def plan_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: QKVForma
     return AttnConfig(
         batch_size=1, num_heads_q=q.shape[-2], num_heads_kv=k.shape[-2],
         head_dim_qk=q.shape[-1], head_dim_v=v.shape[-1], max_seqlen_q=0, max_seqlen_kv=0,
-        dtype=dtype_name(q.dtype), attn_mask_type=mask, window_size=window, attn_bias_type=bias_type,
+        dtype=dtype_name(q.dtype), attn_mask_type=mask, window_size=window,
+        bottom_right_diagonal=bottom_right_diagonal, attn_bias_type=bias_type,
         dropout=mods.dropout_p if mods is not None else 0.0, deterministic=deterministic,
         device_type=device_type, **device_facts(q.device),
     )
@@ -122,7 +124,7 @@ def plan_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: QKVForma
 
 @dataclass(frozen=True)
 class ScoreMods:
-    """What modifies the scores: post-scale bias [b|1, h|1, s_q, s_kv], ALiBi slopes [h] or
+    """What modifies the scores: post-scale bias [b|1, h|1, s_q|1, s_kv], ALiBi slopes [h] or
     [b, h] (fp32), dropout probability and its RNG state (int64 [seed, offset], on the device)."""
 
     bias: Optional[torch.Tensor] = None
@@ -140,8 +142,8 @@ class ScoreMods:
             zs = (0, 0, 0, 0)
         else:
             b = self.bias
-            zs = (b.stride(0) if b.shape[0] > 1 else 0, b.stride(1) if b.shape[1] > 1 else 0,
-                  b.stride(2), b.stride(3))
+            # A broadcast axis (size 1: batch, heads, or the query rows of a [1, 1, 1, s_kv] bias) is stride 0.
+            zs = tuple(b.stride(i) if b.shape[i] > 1 else 0 for i in range(4))
         alibi_b = 0
         if self.alibi_slopes is not None and self.alibi_slopes.dim() == 2:
             alibi_b = self.alibi_slopes.stride(0)
@@ -177,10 +179,13 @@ def _use_tma(wanted: bool, *views) -> bool:
 
 
 def forward(q, k, v, fmt: QKVFormat, seqs: Sequences, softmax_scale: float, mask: AttnMaskType,
-            window: Tuple[int, int], plan: Optional[ForwardPlan] = None, mods: ScoreMods = NO_MODS):
-    """Run the forward kernel. Returns (out in q's format with head dim d_v, lse [b, h, max_s_q] fp32)."""
+            window: Tuple[int, int], plan: Optional[ForwardPlan] = None, mods: ScoreMods = NO_MODS,
+            bottom_right_diagonal: Optional[bool] = None):
+    """Run the forward kernel. Returns (out in q's format with head dim d_v, lse [b, h, max_s_q] fp32).
+    ``bottom_right_diagonal`` aligns windows and ALiBi (``resolve_bottom_right_diagonal``)."""
+    config = plan_config(q, k, v, fmt, mask, window, False, mods, bottom_right_diagonal)
     if plan is None:
-        plan = forward_plan(plan_config(q, k, v, fmt, mask, window, False, mods))
+        plan = forward_plan(config)
     hq, dqk = q.shape[-2], q.shape[-1]
     hk, dv = k.shape[-2], v.shape[-1]
     out_shape = tuple(q.shape[:-1]) + (dv,)
@@ -191,7 +196,7 @@ def forward(q, k, v, fmt: QKVFormat, seqs: Sequences, softmax_scale: float, mask
     _, sk_ = canonical(k, fmt)
     _, sv_ = canonical(v, fmt)
     _, so_ = canonical(out, fmt)
-    flags, left, right = mask_flags(mask, window)
+    flags, left, right = mask_flags(config)
     t = plan.tiles
     kernel, constexprs = attn_fwd_kernel, t.loop_constexprs
     if plan.warp_specialized is not None and _use_tma(True, (q, sq_), (k, sk_), (v, sv_)):
@@ -211,14 +216,16 @@ def forward(q, k, v, fmt: QKVFormat, seqs: Sequences, softmax_scale: float, mask
 
 def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_scale: float,
              mask: AttnMaskType, window: Tuple[int, int], deterministic: bool,
-             plan: Optional[BackwardPlan] = None, mods: ScoreMods = NO_MODS, bias_grad: bool = False):
+             plan: Optional[BackwardPlan] = None, mods: ScoreMods = NO_MODS, bias_grad: bool = False,
+             bottom_right_diagonal: Optional[bool] = None):
     """Run preprocess, dK/dV and dQ (or atomic dQ), and dBias when asked.
 
     Returns (dq, dk, dv, dbias) with the gradients in the inputs' format; dbias (the bias's
     shape, summed over its broadcast dimensions in a fixed order) is None unless ``bias_grad``.
     """
+    config = plan_config(q, k, v, fmt, mask, window, deterministic, mods, bottom_right_diagonal)
     if plan is None:
-        plan = backward_plan(plan_config(q, k, v, fmt, mask, window, deterministic, mods))
+        plan = backward_plan(config)
     if deterministic and plan.atomic_dq:
         raise RuntimeError("deterministic backward planned with atomic dQ; this is a planning bug")
     hq, dqk = q.shape[-2], q.shape[-1]
@@ -234,7 +241,7 @@ def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_
     _, sdo_ = canonical(d_out, fmt)
     _, sdk_ = canonical(dk, fmt)
     _, sdv_ = canonical(dvt, fmt)
-    flags, left, right = mask_flags(mask, window)
+    flags, left, right = mask_flags(config)
     seq_args = seqs.args(lse)
 
     pre = plan.preprocess
@@ -297,7 +304,9 @@ def _dbias(q, k, v, d_out, lse, delta, fmt, seqs: Sequences, softmax_scale, wind
     _, sdo_ = canonical(d_out, fmt)
     t = plan.dbias
     seq_args = seqs.args(lse)
-    attn_bwd_dbias_kernel[plan.dbias_grid(seqs.max_q, seqs.max_k, bias.shape[0], bias.shape[1])](
+    # A bias broadcast over the query rows ([.., .., 1, s_kv]) gets one dBias row: its kernel sums them.
+    sum_rows = bias.shape[2] == 1
+    attn_bwd_dbias_kernel[plan.dbias_grid(bias.shape[2], seqs.max_k, bias.shape[0], bias.shape[1])](
         q, k, v, d_out, lse, delta, bias, dbias, mods.rng_state if mods.dropout_p > 0 else lse,
         seq_args[2], seq_args[3], *sq_, *sk_, *sv_, *sdo_, lse.stride(0), lse.stride(1),
         *mods.stride_args(seqs.batch, hq)[:4], *dbias.stride(),
@@ -306,7 +315,7 @@ def _dbias(q, k, v, d_out, lse, delta, fmt, seqs: Sequences, softmax_scale, wind
         HEAD_DIM_QK=q.shape[-1], HEAD_DIM_V=v.shape[-1], BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, HAS_SEQLENS=seqs.has_seqlens,
         HAS_LEFT=flags["HAS_LEFT"], HAS_RIGHT=flags["HAS_RIGHT"], BOTTOM_RIGHT=flags["BOTTOM_RIGHT"],
-        DROPOUT=mods.dropout_p > 0, DOT_PRECISION=plan.dot_precision, **t.launch_options,
+        DROPOUT=mods.dropout_p > 0, DOT_PRECISION=plan.dot_precision, SUM_ROWS=sum_rows, **t.launch_options,
     )
     return dbias
 

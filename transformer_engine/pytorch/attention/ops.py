@@ -30,7 +30,7 @@ def fused_attn_fwd(
     cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_kv: Optional[torch.Tensor],
     seq_offsets_q: Optional[torch.Tensor], seq_offsets_kv: Optional[torch.Tensor],
     max_seqlen_q: int, max_seqlen_kv: int, softmax_scale: float, attn_mask_type: str,
-    window_left: int, window_right: int,
+    window_left: int, window_right: int, bottom_right_diagonal: bool,
     bias: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
     rng_state: Optional[torch.Tensor], dropout_p: float,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -39,12 +39,12 @@ def fused_attn_fwd(
                             max_seqlen_q, max_seqlen_kv)
     mods = launch.ScoreMods(bias, alibi_slopes, dropout_p, rng_state)
     return launch.forward(q, k, v, fmt, seqs, softmax_scale, AttnMaskType(attn_mask_type),
-                          (window_left, window_right), mods=mods)
+                          (window_left, window_right), mods=mods, bottom_right_diagonal=bottom_right_diagonal)
 
 
 @fused_attn_fwd.register_fake
 def _(q, k, v, qkv_format, cu_seqlens_q, cu_seqlens_kv, seq_offsets_q, seq_offsets_kv,
-      max_seqlen_q, max_seqlen_kv, softmax_scale, attn_mask_type, window_left, window_right,
+      max_seqlen_q, max_seqlen_kv, softmax_scale, attn_mask_type, window_left, window_right, bottom_right_diagonal,
       bias, alibi_slopes, rng_state, dropout_p):
     fmt = QKVFormat(qkv_format)
     batch, sq = _batch_and_seqlen(q, fmt, cu_seqlens_q, max_seqlen_q)
@@ -60,7 +60,7 @@ def fused_attn_bwd(
     cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_kv: Optional[torch.Tensor],
     seq_offsets_q: Optional[torch.Tensor], seq_offsets_kv: Optional[torch.Tensor],
     max_seqlen_q: int, max_seqlen_kv: int, softmax_scale: float, attn_mask_type: str,
-    window_left: int, window_right: int, deterministic: bool,
+    window_left: int, window_right: int, bottom_right_diagonal: bool, deterministic: bool,
     bias: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
     rng_state: Optional[torch.Tensor], dropout_p: float, bias_grad: bool,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -71,13 +71,14 @@ def fused_attn_bwd(
     mods = launch.ScoreMods(bias, alibi_slopes, dropout_p, rng_state)
     dq, dk, dv, dbias = launch.backward(q, k, v, out, d_out, lse, fmt, seqs, softmax_scale,
                                         AttnMaskType(attn_mask_type), (window_left, window_right),
-                                        deterministic, mods=mods, bias_grad=bias_grad)
+                                        deterministic, mods=mods, bias_grad=bias_grad,
+                                        bottom_right_diagonal=bottom_right_diagonal)
     return dq, dk, dv, dbias if dbias is not None else q.new_empty(0)
 
 
 @fused_attn_bwd.register_fake
 def _(q, k, v, out, d_out, lse, qkv_format, cu_seqlens_q, cu_seqlens_kv, seq_offsets_q, seq_offsets_kv,
-      max_seqlen_q, max_seqlen_kv, softmax_scale, attn_mask_type, window_left, window_right, deterministic,
-      bias, alibi_slopes, rng_state, dropout_p, bias_grad):
+      max_seqlen_q, max_seqlen_kv, softmax_scale, attn_mask_type, window_left, window_right, bottom_right_diagonal,
+      deterministic, bias, alibi_slopes, rng_state, dropout_p, bias_grad):
     dbias = bias.new_empty(bias.shape) if bias_grad else q.new_empty(0)
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias)

@@ -6,9 +6,11 @@ the ``arbitrary`` mask, ``pre_scale_bias``/``post_scale_bias``, ALiBi and dropou
 
 Mask semantics (TransformerEngine's, see :func:`normalize_window`): query ``i`` of a sequence
 with ``len_q`` queries and ``len_kv`` keys sees key ``j`` when ``j < len_kv``, ``i < len_q`` and
-``i + d - left <= j <= i + d + right`` (a bound of -1 is unbounded), where ``d`` is 0 for
-``causal``/``padding_causal`` (top-left) and ``len_kv - len_q`` for every other mask type
-(bottom-right). Causal masks have ``right = 0``. ``arbitrary`` additionally hides every
+``i + d - left <= j <= i + d + right`` (a bound of -1 is unbounded), where ``d`` is 0 for a
+top-left diagonal and ``len_kv - len_q`` for a bottom-right one: ``causal``/``padding_causal`` are
+top-left, the ``*_bottom_right`` masks bottom-right, and the other masks follow
+``bottom_right_diagonal`` (default bottom-right; ``resolve_bottom_right_diagonal``). ALiBi uses the
+same ``d``. Causal masks have ``right = 0``. ``arbitrary`` additionally hides every
 position where ``attention_mask`` is True. Rows that see no key give zero output and zero
 gradient (never NaN); padded positions of the output are zero.
 
@@ -27,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from transformer_engine.common.attention import AttnBiasType, AttnMaskType, QKVFormat
-from transformer_engine.common.attention.config import normalize_window
+from transformer_engine.common.attention.config import normalize_window, resolve_bottom_right_diagonal
 
 __all__ = [
     "unfused_attention",
@@ -37,7 +39,7 @@ __all__ = [
     "visible_mask",
 ]
 
-_BIAS_SHAPES = ("1hss", "b1ss", "bhss", "11ss")
+_BIAS_SHAPES = ("1hss", "b1ss", "bhss", "11ss", "111s")  # TransformerEngine's bias shapes
 
 
 def default_alibi_slopes(num_heads: int, device=None) -> torch.Tensor:
@@ -56,18 +58,21 @@ def default_alibi_slopes(num_heads: int, device=None) -> torch.Tensor:
 
 
 def bias_shape_name(bias: torch.Tensor, batch: int, heads: int, sq: int, skv: int) -> str:
-    """'1hss', 'b1ss', 'bhss' or '11ss' for a post/pre-scale bias; ValueError otherwise."""
+    """'1hss', 'b1ss', 'bhss', '11ss' or '111s' (one row of s_kv, broadcast over batch, heads and
+    queries) for a post/pre-scale bias; ValueError otherwise."""
     if not isinstance(bias, torch.Tensor) or bias.dim() != 4:
         got = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
         raise ValueError(
-            f"`core_attention_bias` must be a 4-D tensor of shape [1|b, 1|h, s_q, s_kv] "
-            f"(1hss, b1ss, bhss or 11ss), got {got}"
+            f"`core_attention_bias` must be a 4-D tensor of shape [1|b, 1|h, s_q, s_kv] or [1, 1, 1, s_kv] "
+            f"(1hss, b1ss, bhss, 11ss or 111s), got {got}"
         )
     bb, bh, bq, bk = bias.shape
+    if (bb, bh, bq, bk) == (1, 1, 1, skv):
+        return "111s"
     if (bq, bk) != (sq, skv) or bb not in (1, batch) or bh not in (1, heads):
         raise ValueError(
-            f"`core_attention_bias` must have shape [1|{batch}, 1|{heads}, {sq}, {skv}] "
-            f"(1hss, b1ss, bhss or 11ss), got {tuple(bias.shape)}"
+            f"`core_attention_bias` must have shape [1|{batch}, 1|{heads}, {sq}, {skv}] or [1, 1, 1, {skv}] "
+            f"(1hss, b1ss, bhss, 11ss or 111s), got {tuple(bias.shape)}"
         )
     if bb == 1:
         return "11ss" if bh == 1 else "1hss"
@@ -136,6 +141,7 @@ def visible_mask(
     lengths_q: Optional[torch.Tensor] = None,
     lengths_kv: Optional[torch.Tensor] = None,
     device=None,
+    bottom_right_diagonal: Optional[bool] = None,
 ) -> torch.Tensor:
     """Bool ``[b|1, 1, sq, skv]``: True where query ``i`` may see key ``j`` (before any arbitrary mask)."""
     mask = AttnMaskType(attn_mask_type)
@@ -149,8 +155,8 @@ def visible_mask(
     else:
         len_q, len_kv = sq, skv
         keep = torch.ones(1, 1, sq, skv, dtype=torch.bool, device=device)
-    top_left = mask.is_top_left_causal
-    diag = i if top_left else i + (len_kv - len_q)
+    bottom_right = resolve_bottom_right_diagonal(mask, bottom_right_diagonal, "pytorch")
+    diag = i + (len_kv - len_q) if bottom_right else i
     if left >= 0:
         keep = keep & (j >= diag - left)
     if right >= 0:
@@ -158,13 +164,13 @@ def visible_mask(
     return keep
 
 
-def _alibi_bias(slopes: torch.Tensor, sq: int, skv: int, mask: AttnMaskType, lengths_q, lengths_kv,
+def _alibi_bias(slopes: torch.Tensor, sq: int, skv: int, bottom_right: bool, lengths_q, lengths_kv,
                 dtype: torch.dtype) -> torch.Tensor:
-    """``-slope * |j - (i + d)|`` with the mask's diagonal ``d``; ``[b|1, h, sq, skv]``."""
+    """``-slope * |j - (i + d)|`` with the diagonal ``d`` (0 unless ``bottom_right``); ``[b|1, h, sq, skv]``."""
     device = slopes.device
     i = torch.arange(sq, device=device).view(1, 1, sq, 1)
     j = torch.arange(skv, device=device).view(1, 1, 1, skv)
-    if mask.is_top_left_causal:
+    if not bottom_right:
         diag = i
     elif lengths_q is not None:
         diag = i + (lengths_kv - lengths_q).view(-1, 1, 1, 1)
@@ -211,7 +217,9 @@ def unfused_attention(
     alibi_slopes: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0,
     rng_context: Optional[Callable[[], ContextManager]] = None,
-) -> torch.Tensor:
+    bottom_right_diagonal: Optional[bool] = None,
+    return_max_logit: bool = False,
+):
     """Scaled dot-product attention in PyTorch math; returns q's format with head dim d_v.
 
     Shapes as :func:`fused_attn_func`: ``bshd`` [b, s, h, d], ``sbhd`` [s, b, h, d], ``thd``
@@ -224,11 +232,18 @@ def unfused_attention(
     ``core_attention_bias``: [1|b, 1|h, s_q, s_kv], added after (``post_scale_bias``) or before
     (``pre_scale_bias``) the softmax scale. ``alibi_slopes``: fp32 [h] or [b, h] (default: the ALiBi
     paper's). ``dropout_p`` applies to the probabilities, under ``rng_context()`` when given.
+    ``bottom_right_diagonal`` aligns sliding windows and ALiBi (module docstring).
+
+    ``return_max_logit=True`` returns ``(out, max_logit)``: ``max_logit`` [h_q] (q's dtype, no
+    gradient) is the largest score ``scale * q k^T + bias`` (ALiBi included) any visible
+    (query, key) pair of head ``h`` has in the batch, before dropout; ``-inf`` for a head with
+    no visible pair.
     """
     fmt = QKVFormat(qkv_format)
     mask = AttnMaskType(attn_mask_type)
     bias_type = AttnBiasType(core_attention_bias_type)
     window = normalize_window(window_size, mask)
+    bottom_right = resolve_bottom_right_diagonal(mask, bottom_right_diagonal, "pytorch")
     compute_dtype = torch.promote_types(q.dtype, torch.float32)
     hq, hk = q.shape[-2], k.shape[-2]
     if hq % hk:
@@ -255,7 +270,8 @@ def unfused_attention(
             lengths_q, lengths_kv = _lengths(cu_seqlens_q), _lengths(cu_seqlens_kv)
     b = qb.shape[0]
 
-    keep = visible_mask(sq, skv, mask, window, lengths_q, lengths_kv, device=q.device)
+    keep = visible_mask(sq, skv, mask, window, lengths_q, lengths_kv, device=q.device,
+                        bottom_right_diagonal=bottom_right)
     if mask == AttnMaskType.ARBITRARY_MASK:
         if attention_mask is None:
             raise ValueError("`attention_mask` must be given for attn_mask_type='arbitrary'")
@@ -294,7 +310,12 @@ def unfused_attention(
             scores = scores + core_attention_bias.to(compute_dtype)
         elif bias_type == AttnBiasType.ALIBI:
             slopes = alibi_slopes if alibi_slopes is not None else default_alibi_slopes(hq, q.device)
-            scores = scores + _alibi_bias(slopes.to(q.device), sq, skv, mask, lengths_q, lengths_kv, compute_dtype)
+            scores = scores + _alibi_bias(slopes.to(q.device), sq, skv, bottom_right, lengths_q, lengths_kv,
+                                          compute_dtype)
+    max_logit = None
+    if return_max_logit:
+        hidden = torch.tensor(float("-inf"), dtype=scores.dtype, device=scores.device)
+        max_logit = torch.where(keep, scores.detach(), hidden).amax(dim=(0, 2, 3)).to(q.dtype)
     probs = _masked_softmax(scores, keep)
     if dropout_p > 0.0:
         with (rng_context() if rng_context is not None else contextlib.nullcontext()):
@@ -302,8 +323,10 @@ def unfused_attention(
     out = torch.matmul(probs, vc).to(q.dtype)  # [b, hq, sq, dv]
 
     if fmt == QKVFormat.THD:
-        return _unpad_thd(out, _unpack_index(starts_q, lengths_q, sq, q.shape[0]))
-    return _from_bhsd(out, fmt)
+        out = _unpad_thd(out, _unpack_index(starts_q, lengths_q, sq, q.shape[0]))
+    else:
+        out = _from_bhsd(out, fmt)
+    return (out, max_logit) if return_max_logit else out
 
 
 class UnfusedDotProductAttention(torch.nn.Module):

@@ -326,47 +326,20 @@ def attn_bwd_dq_kernel(
              mask=(offs_m[:, None] < rows_out) & (offs_dqk[None, :] < HEAD_DIM_QK))
 
 
-@triton.jit(do_not_specialize=SEQLEN_ARGS)
-def attn_bwd_dbias_kernel(
-    Q, K, V, DO, LSE, DELTA, BIAS, DBIAS, RNG_STATE,
-    SEQ_LEN_Q, SEQ_LEN_K,
-    stride_qb, stride_qs, stride_qh, stride_qd,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_dob, stride_dos, stride_doh, stride_dod,
-    stride_lb, stride_lh,
-    stride_zb, stride_zh, stride_zm, stride_zn,
-    stride_dzb, stride_dzh, stride_dzm, stride_dzn,
-    batch_size, num_heads_q, gqa_group, bias_batch, bias_heads, seqlen_q, seqlen_k,
-    qk_scale, window_left, window_right, dropout_p,
-    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SEQLENS: tl.constexpr,
-    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
-    DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """One program per dBias tile: dS summed over the broadcast batch and head dimensions of
-    the bias, in ascending order, in registers (no atomics, no s^2 scratch).
-
-    dBias = dS because the bias is added after the softmax scale. Recomputes S and dP per
-    (batch, head) pair it sums over.
-    """
-    start_m = tl.program_id(0) * BLOCK_M
-    start_n = tl.program_id(1) * BLOCK_N
-    pid_z = tl.program_id(2)
-    zb = pid_z // bias_heads
-    zh = pid_z % bias_heads
-    # A broadcast bias dimension (size 1) sums over the whole batch / all heads.
-    b_lo = tl.where(bias_batch == 1, 0, zb)
-    b_hi = tl.where(bias_batch == 1, batch_size, zb + 1)
-    h_lo = tl.where(bias_heads == 1, 0, zh)
-    h_hi = tl.where(bias_heads == 1, num_heads_q, zh + 1)
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_dqk = tl.arange(0, BLOCK_DQK)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    seed, rng_offset = load_rng_state(RNG_STATE, DROPOUT)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+@triton.jit
+def _dbias_rows(acc, Q, K, V, DO, LSE, DELTA, BIAS, SEQ_LEN_Q, SEQ_LEN_K,
+                stride_qb, stride_qs, stride_qh, stride_qd,
+                stride_kb, stride_ks, stride_kh, stride_kd,
+                stride_vb, stride_vs, stride_vh, stride_vd,
+                stride_dob, stride_dos, stride_doh, stride_dod,
+                stride_lb, stride_lh, stride_zb, stride_zh, stride_zm, stride_zn,
+                offs_m, offs_n, offs_dqk, offs_dv, b_lo, b_hi, h_lo, h_hi, num_heads_q, gqa_group,
+                seqlen_q, seqlen_k, qk_scale, window_left, window_right, dropout_p, seed, rng_offset,
+                HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, HAS_SEQLENS: tl.constexpr,
+                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+                DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``acc`` plus dS of query rows ``offs_m`` and keys ``offs_n``, summed over batches [b_lo, b_hi) and
+    query heads [h_lo, h_hi) in ascending order."""
     for batch_i in range(b_lo, b_hi):
         batch = tl.cast(batch_i, tl.int64)
         len_q = seqlen_q
@@ -410,6 +383,74 @@ def attn_bwd_dbias_kernel(
                                     dropout_p)
                 dp = tl.where(kept, dp, 0.0) * (1.0 / (1.0 - dropout_p))
             acc += p * (dp - delta[:, None])
-    tl.store(DBIAS + zb.to(tl.int64) * stride_dzb + zh.to(tl.int64) * stride_dzh
-             + offs_m[:, None] * stride_dzm + offs_n[None, :] * stride_dzn, acc.to(DBIAS.dtype.element_ty),
-             mask=(offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k))
+    return acc
+
+
+@triton.jit(do_not_specialize=SEQLEN_ARGS)
+def attn_bwd_dbias_kernel(
+    Q, K, V, DO, LSE, DELTA, BIAS, DBIAS, RNG_STATE,
+    SEQ_LEN_Q, SEQ_LEN_K,
+    stride_qb, stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_dob, stride_dos, stride_doh, stride_dod,
+    stride_lb, stride_lh,
+    stride_zb, stride_zh, stride_zm, stride_zn,
+    stride_dzb, stride_dzh, stride_dzm, stride_dzn,
+    batch_size, num_heads_q, gqa_group, bias_batch, bias_heads, seqlen_q, seqlen_k,
+    qk_scale, window_left, window_right, dropout_p,
+    HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SEQLENS: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, SUM_ROWS: tl.constexpr,
+):
+    """One program per dBias tile: dS summed over the broadcast batch and head dimensions of
+    the bias, in ascending order, in registers (no atomics, no s^2 scratch).
+
+    dBias = dS because the bias is added after the softmax scale. Recomputes S and dP per
+    (batch, head) pair it sums over. SUM_ROWS (a [.., .., 1, s_kv] bias, broadcast over the query
+    rows): one program per key tile walks every query block in ascending order, then sums the
+    rows of its fp32 tile (a fixed tree), so dBias has one row.
+    """
+    pid_m = tl.program_id(0)
+    start_n = tl.program_id(1) * BLOCK_N
+    pid_z = tl.program_id(2)
+    zb = pid_z // bias_heads
+    zh = pid_z % bias_heads
+    # A broadcast bias dimension (size 1) sums over the whole batch / all heads.
+    b_lo = tl.where(bias_batch == 1, 0, zb)
+    b_hi = tl.where(bias_batch == 1, batch_size, zb + 1)
+    h_lo = tl.where(bias_heads == 1, 0, zh)
+    h_hi = tl.where(bias_heads == 1, num_heads_q, zh + 1)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_dqk = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    seed, rng_offset = load_rng_state(RNG_STATE, DROPOUT)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SUM_ROWS:
+        for start_m in range(0, seqlen_q, BLOCK_M):
+            acc = _dbias_rows(acc, Q, K, V, DO, LSE, DELTA, BIAS, SEQ_LEN_Q, SEQ_LEN_K,
+                              stride_qb, stride_qs, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
+                              stride_vb, stride_vs, stride_vh, stride_vd, stride_dob, stride_dos, stride_doh,
+                              stride_dod, stride_lb, stride_lh, stride_zb, stride_zh, stride_zm, stride_zn,
+                              start_m + tl.arange(0, BLOCK_M), offs_n, offs_dqk, offs_dv, b_lo, b_hi, h_lo, h_hi,
+                              num_heads_q, gqa_group, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+                              dropout_p, seed, rng_offset, HEAD_DIM_QK, HEAD_DIM_V, HAS_SEQLENS, HAS_LEFT,
+                              HAS_RIGHT, BOTTOM_RIGHT, DROPOUT, DOT_PRECISION)
+        row = tl.sum(acc, axis=0)
+        tl.store(DBIAS + zb.to(tl.int64) * stride_dzb + zh.to(tl.int64) * stride_dzh + offs_n * stride_dzn,
+                 row.to(DBIAS.dtype.element_ty), mask=offs_n < seqlen_k)
+    else:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        acc = _dbias_rows(acc, Q, K, V, DO, LSE, DELTA, BIAS, SEQ_LEN_Q, SEQ_LEN_K,
+                          stride_qb, stride_qs, stride_qh, stride_qd, stride_kb, stride_ks, stride_kh, stride_kd,
+                          stride_vb, stride_vs, stride_vh, stride_vd, stride_dob, stride_dos, stride_doh, stride_dod,
+                          stride_lb, stride_lh, stride_zb, stride_zh, stride_zm, stride_zn,
+                          offs_m, offs_n, offs_dqk, offs_dv, b_lo, b_hi, h_lo, h_hi, num_heads_q, gqa_group,
+                          seqlen_q, seqlen_k, qk_scale, window_left, window_right, dropout_p, seed, rng_offset,
+                          HEAD_DIM_QK, HEAD_DIM_V, HAS_SEQLENS, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, DROPOUT,
+                          DOT_PRECISION)
+        tl.store(DBIAS + zb.to(tl.int64) * stride_dzb + zh.to(tl.int64) * stride_dzh
+                 + offs_m[:, None] * stride_dzm + offs_n[None, :] * stride_dzn, acc.to(DBIAS.dtype.element_ty),
+                 mask=(offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k))

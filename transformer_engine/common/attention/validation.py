@@ -35,15 +35,15 @@ def _check_extents(lengths: np.ndarray, starts: np.ndarray, ends: np.ndarray, *,
     """``[rows, m]`` lengths and starts of the sequences of each row, ``[rows]`` end of each row:
     lengths >= 0, every non-empty sequence inside ``[0, end)``, no two of one row overlapping."""
     if (lengths < 0).any():
-        raise ValueError(f"`{lengths_arg}` must give non-negative sequence lengths, got {_show(lengths)}")
+        raise ValueError(f"{lengths_arg} must give non-negative sequence lengths, got {_show(lengths)}")
     used = lengths > 0
     if (used & (starts < 0)).any():
-        raise ValueError(f"`{starts_arg}` must give non-negative sequence starts, got {_show(starts)}")
+        raise ValueError(f"{starts_arg} must give non-negative sequence starts, got {_show(starts)}")
     over = used & (starts + lengths > ends[:, None])
     if over.any():
         row, seg = (int(i[0]) for i in np.nonzero(over))
         raise ValueError(
-            f"`{lengths_arg}` must keep every sequence within {capacity} ({int(ends[row])}), got a sequence of "
+            f"{lengths_arg} must keep every sequence within {capacity} ({int(ends[row])}), got a sequence of "
             f"length {int(lengths[row, seg])} starting at {int(starts[row, seg])}"
         )
     if lengths.shape[1] > 1:
@@ -57,7 +57,7 @@ def _check_extents(lengths: np.ndarray, starts: np.ndarray, ends: np.ndarray, *,
         if overlap.any():
             row = int(np.nonzero(overlap.any(axis=1))[0][0])
             raise ValueError(
-                f"`{starts_arg}` must give sequences that do not overlap, got starts {_show(starts[row])} for "
+                f"{starts_arg} must give sequences that do not overlap, got starts {_show(starts[row])} for "
                 f"lengths {_show(lengths[row])}"
             )
 
@@ -118,16 +118,18 @@ def check_cu_seqlens_values(
         )
 
 
-def check_segments(seqlens, offsets, seqlen: int, *, seqlens_arg: str, offsets_arg: str) -> None:
+def check_segments(seqlens, offsets, seqlen: int, *, seqlens_arg: str, offsets_arg: str, side: str = "") -> None:
     """One side of a JAX call: ``[b, m]`` segment lengths and ``[b, m + 1]`` (or ``[b, m]``) starts
     of rows of ``seqlen`` tokens. Lengths >= 0, each non-empty segment inside its row, no two of a
-    row overlapping (unused segments, of length 0, may have any start)."""
+    row overlapping (unused segments, of length 0, may have any start). ``side`` ("q", "kv") is
+    named in the messages after the argument."""
     lens = np.asarray(seqlens, dtype=np.int64)
     lens = lens.reshape(lens.shape[0], -1) if lens.ndim else lens.reshape(1, 1)
     m = lens.shape[1]
     starts = np.asarray(offsets, dtype=np.int64).reshape(lens.shape[0], -1)[:, :m]
     ends = np.full((lens.shape[0],), seqlen, dtype=np.int64)
-    _check_extents(lens, starts, ends, lengths_arg=seqlens_arg, starts_arg=offsets_arg,
+    suffix = f" ({side})" if side else ""
+    _check_extents(lens, starts, ends, lengths_arg=f"`{seqlens_arg}`{suffix}", starts_arg=f"`{offsets_arg}`{suffix}",
                    capacity="the row's sequence length")
 
 

@@ -185,9 +185,10 @@ def max_abs(x: Mapping[str, np.ndarray]) -> float:
 
 
 def deviation_tolerance(dtype: str, reference: RunResult, reference_fp32: Optional[RunResult]) -> Dict[str, float]:
-    """The bound on max |grad - unfused| at step 1 and what it is made of: ``own_error`` (max |unfused
-    grad in ``dtype`` - unfused grad in fp32| at step 1; 0 without an fp32 run) times
-    :data:`OWN_ERROR_FACTOR`, at least :data:`RTOL_FLOOR` times the largest reference gradient."""
+    """The bound on the largest step-1 gradient difference from the unfused run, and what it is made
+    of: ``own_error`` (the largest difference between the unfused gradients in ``dtype`` and in fp32
+    at step 1; 0 without an fp32 run) times :data:`OWN_ERROR_FACTOR`, at least :data:`RTOL_FLOOR`
+    times the largest reference gradient."""
     own = max_abs_diff(reference.first_grads, reference_fp32.first_grads) if reference_fp32 is not None else 0.0
     floor = RTOL_FLOOR[dtype] * max_abs(reference.first_grads)
     return {"grad_first_step": max(OWN_ERROR_FACTOR * own, floor), "own_error": own, "floor": floor}

@@ -161,7 +161,7 @@ def check_fused_dtype(q: torch.Tensor) -> None:
     """q's dtype is one the fused kernels compute right here (bf16 not under Triton's interpreter)."""
     check_input_dtype([("query_layer", dtype_name(q.dtype))], sorted(FusedAttention.SUPPORTED_DTYPES),
                       "the fused kernels")
-    if q.dtype == torch.bfloat16 and triton_interpreting():
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu" and triton_interpreting():
         raise NotImplementedError(
             "`query_layer` must not be bfloat16 for the fused kernels under TRITON_INTERPRET=1 (Triton's "
             "interpreter computes bfloat16 tl.dot wrongly), got bfloat16; use float16/float32 or the unfused path")

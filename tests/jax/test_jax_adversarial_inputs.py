@@ -78,8 +78,6 @@ def test_segment_validator_ignores_unused_segments():
 BAD = {
     "seqlen_beyond_row": (dict(sd=SequenceDescriptor.from_seqlens(jnp.array([3, 7], jnp.int32)),
                                mask=AttnMaskType.PADDING_MASK), "`seqlens` \\(q\\) must keep every sequence"),
-    "negative_seqlen": (dict(sd=SequenceDescriptor.from_seqlens(jnp.array([-1, 3], jnp.int32)),
-                             mask=AttnMaskType.PADDING_MASK), "non-negative sequence lengths"),
     "overlapping_offsets": (dict(sd=SequenceDescriptor.from_seqlens_and_offsets(
         jnp.array([[3, 3], [2, 2]], jnp.int32), jnp.array([[0, 2, 6], [0, 2, 6]], jnp.int32)),
         mask=AttnMaskType.PADDING_MASK, layout=QKVLayout.THD_THD_THD, segments=2), "`seq_offsets` \\(q\\)"),
@@ -111,6 +109,14 @@ def test_bad_dtypes_raise(backend, dtype):
         qkv = [jnp.asarray(np.asarray(x).astype(dtype)) for x in _qkv()]
     with pytest.raises(ValueError, match="`q` must be float16, bfloat16 or float32"):
         _call(backend, qkv)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_minus_one_seqlen_is_an_unused_slot(backend):
+    # TransformerEngine fills unused seqlens slots with -1: an empty sequence, zero output, no error.
+    out = _call(backend, _qkv(), SequenceDescriptor.from_seqlens(jnp.array([-1, 3], jnp.int32)),
+                AttnMaskType.PADDING_MASK)
+    assert not np.any(np.asarray(out[0]))
 
 
 def test_traced_descriptor_values_are_not_checked_under_jit():

@@ -18,7 +18,7 @@ UNFUSED = "UnfusedDotProductAttention"
 
 # The JSON keys both checks write, in order (the JAX check adds "xla_flags" and "framework").
 JSON_KEYS = ["device", "dtype", "deterministic_requested", "steps", "backends", "reference_backends",
-             "losses_equal", "grads_equal", "params_equal", "first_mismatch", "max_deviation", "time_per_step_ms",
+             "losses_equal", "grads_equal", "params_equal", "first_mismatch", "max_deviation", "tolerance", "time_per_step_ms",
              "model", "exit_status", "message", "bitwise_identical"]
 
 
@@ -180,7 +180,7 @@ def test_report_table():
         "  parameters bitwise equal     yes (2 tensors)\n"
         "  first difference             gradient of w at step 2\n"
         "  max |loss - unfused|         1.000e-04\n"
-        "  max |grad - unfused| step 1  0\n"
+        "  max |grad - unfused| step 1  0 (tolerance 5.000e-05)\n"
         "  max |grad - unfused| step 2  0\n"
         "  max |param - unfused|        0\n"
         "  time per step                run 1 19.8 ms, run 2 10.0 ms, unfused 19.2 ms\n"
@@ -284,3 +284,31 @@ def test_main_prints_report_and_json(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith(report.format_report(result))
     assert json.loads(out[len(report.format_report(result)):])["exit_status"] == 1
+
+
+def test_deviation_beyond_tolerance_fails_even_when_bitwise_identical():
+    # Reproducibly wrong is not a pass (bf16 under Triton's interpreter was 1.8e+11 off and passed).
+    far = _run("ref")
+    far.first_grads = {"w": far.first_grads["w"] + 1.0, "empty": far.first_grads["empty"]}
+    result = _result(reference=far)
+    assert result.bitwise_identical
+    assert result.exit_status == report.EXIT_DEVIATES
+    assert "above the tolerance" in result.message
+    near = _run("ref")
+    near.first_grads = {"w": near.first_grads["w"] + 1e-6, "empty": near.first_grads["empty"]}
+    assert _result(reference=near).exit_status == report.EXIT_PASS
+
+
+def test_tolerance_scales_with_the_frameworks_own_error():
+    ref = _run("ref")
+    fp32 = _run("ref fp32")
+    fp32.first_grads = {"w": fp32.first_grads["w"] + 0.01, "empty": fp32.first_grads["empty"]}
+    tol = report.deviation_tolerance("bfloat16", ref, fp32)
+    assert tol["own_error"] == np.float32(0.01).item() or abs(tol["own_error"] - 0.01) < 1e-6
+    assert tol["grad_first_step"] == max(report.OWN_ERROR_FACTOR * tol["own_error"], 0.05 * 0.5)
+    # Without an fp32 run there is no own error to measure: the floor alone.
+    assert report.deviation_tolerance("float32", ref, None)["grad_first_step"] == 1e-4 * 0.5
+    nan = _run("ref")
+    result = _result(reference=nan)
+    result.max_deviation["grad_first_step"] = float("nan")
+    assert report.verdict(result)[0] == report.EXIT_DEVIATES

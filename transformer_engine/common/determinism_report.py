@@ -10,8 +10,10 @@ table, write the same JSON keys and exit with the same statuses.
 
 Exit statuses: :data:`EXIT_PASS` (0) when the runs agree or determinism was not requested,
 :data:`EXIT_NOT_DETERMINISTIC` (1) when it was requested and not met,
-:data:`EXIT_BAD_ARGUMENTS` (2) for bad arguments or a configuration no backend can run, and
-:data:`EXIT_UNEXPECTED_BACKEND` (3) when ``--expect-backend`` names a backend that was not selected.
+:data:`EXIT_BAD_ARGUMENTS` (2) for bad arguments or a configuration no backend can run,
+:data:`EXIT_UNEXPECTED_BACKEND` (3) when ``--expect-backend`` names a backend that was not selected, and
+:data:`EXIT_DEVIATES` (4) when the first run's step-1 gradients are further from the unfused
+reference than :func:`deviation_tolerance` allows (reproducibly wrong is not a pass).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ __all__ = [
     "EXIT_NOT_DETERMINISTIC",
     "EXIT_BAD_ARGUMENTS",
     "EXIT_UNEXPECTED_BACKEND",
+    "EXIT_DEVIATES",
+    "deviation_tolerance",
     "BACKEND_NAMES",
     "DTYPES",
     "GPU_DEFAULTS",
@@ -63,6 +67,14 @@ EXIT_NOT_DETERMINISTIC = 1
 EXIT_BAD_ARGUMENTS = 2
 #: ``--expect-backend`` names a backend that not every attention call used.
 EXIT_UNEXPECTED_BACKEND = 3
+#: The first run's step-1 gradients deviate from the unfused reference beyond the tolerance.
+EXIT_DEVIATES = 4
+
+# The tolerance on max |grad - unfused| at step 1: OWN_ERROR_FACTOR times the framework's own
+# low-precision error there (its unfused run in the check's dtype against an unfused fp32 run), and
+# never below RTOL_FLOOR[dtype] times the largest reference gradient (fp32 has no own error to measure).
+OWN_ERROR_FACTOR = 10.0
+RTOL_FLOOR = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
 
 # ``--expect-backend`` values and the backend names the report prints.
 BACKEND_NAMES = {"fused": "FusedAttention", "unfused": "UnfusedDotProductAttention", "flash": "FlashAttention"}
@@ -168,6 +180,20 @@ def deviation_from(run: RunResult, reference: RunResult) -> Dict[str, float]:
     }
 
 
+def max_abs(x: Mapping[str, np.ndarray]) -> float:
+    return max((float(np.max(np.abs(np.asarray(v, np.float64)))) for v in x.values() if np.size(v)), default=0.0)
+
+
+def deviation_tolerance(dtype: str, reference: RunResult, reference_fp32: Optional[RunResult]) -> Dict[str, float]:
+    """The bound on the largest step-1 gradient difference from the unfused run, and what it is made
+    of: ``own_error`` (the largest difference between the unfused gradients in ``dtype`` and in fp32
+    at step 1; 0 without an fp32 run) times :data:`OWN_ERROR_FACTOR`, at least :data:`RTOL_FLOOR`
+    times the largest reference gradient."""
+    own = max_abs_diff(reference.first_grads, reference_fp32.first_grads) if reference_fp32 is not None else 0.0
+    floor = RTOL_FLOOR[dtype] * max_abs(reference.first_grads)
+    return {"grad_first_step": max(OWN_ERROR_FACTOR * own, floor), "own_error": own, "floor": floor}
+
+
 @dataclass
 class CheckResult:
     """The outcome of a check: what :func:`format_report` prints and :meth:`to_json` writes."""
@@ -183,6 +209,7 @@ class CheckResult:
     params_equal: bool
     first_mismatch: Optional[str]
     max_deviation: Dict[str, float]
+    tolerance: Dict[str, float]
     time_per_step_ms: Dict[str, float]
     model: Dict[str, object]
     extra: Dict[str, object] = field(default_factory=dict)  # a frontend's own keys, in the JSON after "model"
@@ -218,6 +245,12 @@ def verdict(result: CheckResult, expect_backend: Optional[str] = None) -> Tuple[
         message = f"RESULT: FAIL: determinism was requested but the runs differ (first: {result.first_mismatch})"
     else:
         message = "RESULT: the runs differ (allowed: determinism was not requested)"
+    dev, tol = result.max_deviation.get("grad_first_step"), result.tolerance.get("grad_first_step")
+    if dev is not None and tol is not None and not dev <= tol:  # NaN deviates too
+        status = status or EXIT_DEVIATES
+        message += (f"\nRESULT: FAIL: max |grad - unfused| at step 1 is {_fmt(dev)}, above the tolerance {_fmt(tol)} "
+                    f"({OWN_ERROR_FACTOR:g} x the unfused {result.dtype} error {_fmt(tol_own(result))}, at least "
+                    f"{RTOL_FLOOR[result.dtype]:g} x max |grad|)")
     if expect_backend is not None:
         want = BACKEND_NAMES[expect_backend]
         if result.backends != [want]:
@@ -226,11 +259,17 @@ def verdict(result: CheckResult, expect_backend: Optional[str] = None) -> Tuple[
     return status, message
 
 
+def tol_own(result: CheckResult) -> float:
+    return result.tolerance.get("own_error", 0.0)
+
+
 def check_result(args: argparse.Namespace, run1: RunResult, run2: RunResult, reference: Optional[RunResult], *,
                  device: str, qkv_format: str, deterministic: bool, extra: Optional[Dict[str, object]] = None,
-                 framework: Optional[str] = None) -> CheckResult:
+                 framework: Optional[str] = None, reference_fp32: Optional[RunResult] = None) -> CheckResult:
     """Compare ``run1`` with ``run2`` (bitwise) and with ``reference`` (the unfused run, if any) and
-    judge: the :class:`CheckResult` for the options in ``args`` (see :func:`build_parser`)."""
+    judge: the :class:`CheckResult` for the options in ``args`` (see :func:`build_parser`).
+    ``reference_fp32``: an unfused fp32 run of at least one step, which measures the framework's
+    own low-precision error for :func:`deviation_tolerance`."""
     times = {"run 1": run1.time_per_step_ms, "run 2": run2.time_per_step_ms}
     if reference is not None:
         times["unfused"] = reference.time_per_step_ms
@@ -240,7 +279,9 @@ def check_result(args: argparse.Namespace, run1: RunResult, run2: RunResult, ref
         reference_backends=reference.backends if reference is not None else [],
         losses_equal=run1.loss_bits == run2.loss_bits, grads_equal=run1.grad_digests == run2.grad_digests,
         params_equal=run1.param_digests == run2.param_digests, first_mismatch=first_difference(run1, run2),
-        max_deviation=deviation_from(run1, reference) if reference is not None else {}, time_per_step_ms=times,
+        max_deviation=deviation_from(run1, reference) if reference is not None else {},
+        tolerance=deviation_tolerance(args.dtype, reference, reference_fp32) if reference is not None else {},
+        time_per_step_ms=times,
         model=dict(layers=args.layers, hidden_size=args.hidden_size, num_heads=args.num_heads,
                    gqa_groups=args.gqa_groups, seq_len=args.seq_len, batch_size=args.batch_size,
                    qkv_format=qkv_format, window=args.window, num_tensors=len(run1.params)),
@@ -289,7 +330,8 @@ def format_report(result: CheckResult) -> str:
     if dev:
         rows += [
             ("max |loss - unfused|", _fmt(dev.get("loss"))),
-            ("max |grad - unfused| step 1", _fmt(dev.get("grad_first_step"))),
+            ("max |grad - unfused| step 1", f"{_fmt(dev.get('grad_first_step'))} "
+                                             f"(tolerance {_fmt(result.tolerance.get('grad_first_step'))})"),
             (f"max |grad - unfused| step {result.steps}", _fmt(dev.get("grad_last_step"))),
             ("max |param - unfused|", _fmt(dev.get("param"))),
         ]

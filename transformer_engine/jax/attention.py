@@ -44,6 +44,7 @@ from transformer_engine.common.attention.backends import (
 )
 from transformer_engine.common.attention import enums as _common
 from transformer_engine.common.attention.config import AttnConfig, gfx_target, normalize_window
+from transformer_engine.common.attention.validation import check_segments, check_softmax_scale
 from transformer_engine.jax import attention_math
 from transformer_engine.jax.attention_math import SeqInfo
 from transformer_engine.jax.enums import (
@@ -393,6 +394,33 @@ def _segments_from_seqlens(lens, offsets, batch, seqlen, is_thd, max_segments, w
     return lens, jnp.concatenate([starts, end], axis=1)
 
 
+def _concrete(*xs) -> bool:
+    return not any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+def _check_seq_values(descriptor: "SequenceDescriptor", seq: SeqInfo, s_q: int, s_kv: int, max_segments: int) -> None:
+    """The descriptor's values, where they are concrete (eager calls; under jit they are traced and
+    cannot be checked): by ``common.attention.validation.check_segments`` for lengths and offsets,
+    and no row of segment ids with more runs than ``max_segments_per_seq`` (extra runs would be dropped)."""
+    for side, who, seqlen, lens, offsets in ((0, "q", s_q, seq.q_seqlens, seq.q_offsets),
+                                             (1, "kv", s_kv, seq.kv_seqlens, seq.kv_offsets)):
+        if descriptor.segment_ids is not None:
+            ids = descriptor.segment_ids[side]
+            if not _concrete(ids):
+                continue
+            ids = np.asarray(ids)
+            starts = (ids != 0) & np.concatenate([np.ones((ids.shape[0], 1), bool), ids[:, 1:] != ids[:, :-1]], 1)
+            runs = int(starts.sum(axis=1).max()) if ids.size else 0
+            if runs > max_segments:
+                raise ValueError(f"`max_segments_per_seq` must be at least the number of segments in a row of "
+                                 f"`segment_ids` ({who}: {runs}), got {max_segments}")
+            continue
+        if not _concrete(lens, offsets):
+            continue
+        check_segments(np.asarray(lens), np.asarray(offsets), seqlen, seqlens_arg="seqlens",
+                       offsets_arg="seq_offsets" if descriptor.seq_offsets is not None else "seqlens", side=who)
+
+
 def _segments_from_ids(ids, max_segments):
     """Runs of equal nonzero ids -> (lengths [b, m], offsets [b, m + 1]); runs past ``m`` are dropped."""
     ids = ids.astype(jnp.int32)
@@ -604,10 +632,9 @@ def _parse_call(
 
     if scaling_factor is None:
         scaling_factor = d_qk**-0.5
-    try:
-        scale = float(scaling_factor)
-    except (TypeError, ValueError, jax.errors.ConcretizationTypeError):
-        raise ValueError(f"`scaling_factor` must be a Python float, got {scaling_factor!r}") from None
+    if isinstance(scaling_factor, jax.core.Tracer):
+        raise ValueError(f"`scaling_factor` must be a Python float, got {scaling_factor!r}")
+    scale = check_softmax_scale(scaling_factor, "scaling_factor")
     window = normalize_window(window_size, mask)
     if bottom_right_diagonal is not None and not isinstance(bottom_right_diagonal, bool):
         raise ValueError(f"`bottom_right_diagonal` must be None or a bool, got {bottom_right_diagonal!r}")
@@ -640,6 +667,7 @@ def _parse_call(
                 f"`sequence_descriptor` must be a SequenceDescriptor, got {type(sequence_descriptor).__name__}"
             )
         seq = sequence_descriptor.to_seq_info(b, s_q, s_kv, fmt == _common.QKVFormat.THD, max_segments_per_seq)
+        _check_seq_values(sequence_descriptor, seq, s_q, s_kv, max_segments_per_seq)
     else:
         seq = attention_math.full_seq_info(b, s_q, s_kv)
 

@@ -53,6 +53,7 @@ __all__ = [
     "lse_to_segments",
     "lse_to_tokens",
     "fixed_order_sum",
+    "zero_padding",
 ]
 
 
@@ -222,7 +223,8 @@ def _masked_softmax(logits, visible):
     """Softmax over keys restricted to ``visible``; (probabilities, log-sum-exp). Rows that see no
     key get zero probabilities and a log-sum-exp of +inf."""
     neg_inf = jnp.asarray(-jnp.inf, logits.dtype)
-    row_max = jnp.max(jnp.where(visible, logits, neg_inf), axis=-1, keepdims=True)
+    # initial: a row of no keys at all (s_kv = 0) has max -inf like a fully masked one.
+    row_max = jnp.max(jnp.where(visible, logits, neg_inf), axis=-1, keepdims=True, initial=-jnp.inf)
     any_visible = jnp.any(visible, axis=-1, keepdims=True)
     row_max = jax.lax.stop_gradient(jnp.where(any_visible, row_max, 0.0))
     # Mask before exp: exp(-inf) = 0 has a zero derivative, so hidden logits get no NaN gradient.
@@ -277,6 +279,19 @@ def lse_to_tokens(lse_segments: jax.Array, seq: SeqInfo) -> jax.Array:
     return jnp.where((segment > 0)[:, None, :], gathered, jnp.inf)
 
 
+def zero_padding(q, k, v, seq: SeqInfo):
+    """q, k, v with every token outside all segments set to 0, and ``[b, s_q, 1, 1]`` True for the
+    query tokens inside one. Padding is often uninitialised memory: it must contribute exactly
+    nothing, and ``0 * NaN`` in P @ V or in the gradients' products would not (the kernels never
+    load it)."""
+    seg_q, _, _ = token_segments(seq.q_seqlens, seq.q_offsets, q.shape[1])
+    seg_kv, _, _ = token_segments(seq.kv_seqlens, seq.kv_offsets, k.shape[1])
+    in_q = (seg_q > 0)[:, :, None, None]
+    in_kv = (seg_kv > 0)[:, :, None, None]
+    zero = jnp.zeros((), q.dtype)
+    return jnp.where(in_q, q, zero), jnp.where(in_kv, k, zero), jnp.where(in_kv, v, zero), in_q
+
+
 # --- unfused backend (differentiated by JAX) --------------------------------------------------------
 
 
@@ -292,12 +307,13 @@ def unfused_attention(
 ):
     """softmax(QK^T * scale + bias) V in the input dtype, softmax in fp32. Returns ``[b, s_q, h_q, d_v]``."""
     visible = visibility_mask(seq, q.shape[1], k.shape[1], attn_mask_type, window_size, bottom_right_diagonal)
+    q, k, v, in_q = zero_padding(q, k, v, seq)
     logits = _logits(q, k, bias, scaling_factor, attn_bias_type, jnp.float32)
     probs, _ = _masked_softmax(logits, visible)
     if is_training and dropout_probability > 0.0:
         probs, _ = _apply_dropout(probs, seeds, dropout_probability)
     out = _pv(probs.astype(v.dtype), v, jnp.float32)
-    return out.astype(q.dtype)
+    return jnp.where(in_q, out, 0.0).astype(q.dtype)
 
 
 # --- the fused primitives' CPU math (fp32) ----------------------------------------------------------
@@ -309,12 +325,13 @@ def fused_fwd_math(q, k, v, bias, seq: SeqInfo, seeds, *, static):
     f32 = jnp.float32
     visible = visibility_mask(seq, q.shape[1], k.shape[1], static.attn_mask_type, static.window_size,
                               static.bottom_right)
+    q, k, v, in_q = zero_padding(q, k, v, seq)
     logits = _logits(q.astype(f32), k.astype(f32), bias, static.scaling_factor, static.attn_bias_type, f32)
     probs, lse = _masked_softmax(logits, visible)
     if static.has_dropout:
         probs, _ = _apply_dropout(probs, seeds, static.dropout_probability)
     out = _pv(probs, v.astype(f32), f32)
-    return out.astype(q.dtype), lse
+    return jnp.where(in_q, out, 0.0).astype(q.dtype), lse
 
 
 def _sum_to_shape(x, shape):
@@ -331,6 +348,8 @@ def fused_bwd_math(q, k, v, bias, out, dout, lse, seq: SeqInfo, seeds, *, static
     f32 = jnp.float32
     b, s_q, h_q, _ = q.shape
     s_kv, h_kv = k.shape[1], k.shape[2]
+    q, k, v, in_q = zero_padding(q, k, v, seq)
+    dout = jnp.where(in_q, dout, jnp.zeros((), dout.dtype))  # the kernels never load dO of padding either
     qf, kf, vf = q.astype(f32), k.astype(f32), v.astype(f32)
     visible = visibility_mask(seq, s_q, s_kv, static.attn_mask_type, static.window_size, static.bottom_right)
     logits = _logits(qf, kf, bias, static.scaling_factor, static.attn_bias_type, f32)

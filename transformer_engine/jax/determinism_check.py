@@ -29,6 +29,7 @@ check are :mod:`transformer_engine.common.determinism_report`; this module train
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -172,14 +173,18 @@ def run_check(args: argparse.Namespace, out=None, err=None) -> CheckResult:
     with environment(NVTE_ALLOW_NONDETERMINISTIC_ALGO="1" if args.nondeterministic else "0"):
         run1 = _train("run 1", cfg, args, device, progress)
         run2 = _train("run 2", cfg, args, device, progress)
-        reference = None
+        reference = reference_fp32 = None
         if not args.no_reference:
             with environment(NVTE_FUSED_ATTN_BACKEND="unfused"):
                 reference = _train("reference (unfused)", cfg, args, device, progress)
+                if args.dtype != "float32":  # the unfused path's own low-precision error, at step 1
+                    reference_fp32 = _train("reference (unfused, float32, 1 step)",
+                                            dataclasses.replace(cfg, dtype=jnp.dtype("float32")),
+                                            argparse.Namespace(**dict(vars(args), steps=1)), device, progress)
 
     return report.check_result(args, run1, run2, reference, device=f"{device.platform}:{device.id}",
                                qkv_format="bshd", deterministic=deterministic, extra={"xla_flags": xla_flags},
-                               framework="jax")
+                               framework="jax", reference_fp32=reference_fp32)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

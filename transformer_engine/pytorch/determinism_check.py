@@ -6,14 +6,17 @@
 Builds :class:`~transformer_engine.pytorch.models.TinyTransformerLM` (causal, GQA, the project's
 ``DotProductAttention``), trains it for N steps twice from the same seed with
 ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` (unless ``--nondeterministic``), then a third time with the
-unfused backend forced (``NVTE_FUSED_ATTN_BACKEND=unfused``). It reports the attention backend
+unfused backend forced (``NVTE_FUSED_ATTN_BACKEND=unfused``), and for float16/bfloat16 one step
+unfused in float32 (which measures the unfused path's own low-precision error). It reports the attention backend
 each run selected, whether losses, every gradient at every step and every final parameter are
 bitwise identical across the first two runs, the largest deviation of the first run from the
 unfused one, and the time per step.
 
 Exit status: 0 when the runs agree (or determinism was not requested), 1 when determinism was
-requested and not met, 3 when ``--expect-backend`` names a backend that was not selected, 2 for
-bad arguments or a configuration no backend can run.
+requested and not met, 3 when ``--expect-backend`` names a backend that was not selected, 4 when
+the step-1 gradients deviate from the unfused ones beyond the tolerance
+(:func:`~transformer_engine.common.determinism_report.deviation_tolerance`), 2 for bad arguments
+or a configuration no backend can run.
 
 On CPU attention runs unfused (PyTorch math), so the check is of the training loop, not of the fused
 kernels; the report says so. ``--fused-interpreter`` (or ``TRITON_INTERPRET=1`` set before the first
@@ -219,13 +222,17 @@ def run_check(args: argparse.Namespace, out=None, err=None) -> CheckResult:
     with environment(NVTE_ALLOW_NONDETERMINISTIC_ALGO=nondet_value), _torch_deterministic(args.torch_deterministic):
         run1 = _train("run 1", cfg, args, device, dtype, progress)
         run2 = _train("run 2", cfg, args, device, dtype, progress)
-        reference = None
+        reference = reference_fp32 = None
         if not args.no_reference:
             with environment(NVTE_FUSED_ATTN_BACKEND="unfused"):
                 reference = _train("reference (unfused)", cfg, args, device, dtype, progress)
+                if dtype != torch.float32:  # the unfused path's own low-precision error, at step 1
+                    reference_fp32 = _train("reference (unfused, float32, 1 step)", cfg,
+                                            argparse.Namespace(**dict(vars(args), steps=1)), device, torch.float32,
+                                            progress)
 
     result = report.check_result(args, run1, run2, reference, device=str(device), qkv_format=args.qkv_format,
-                                 deterministic=deterministic)
+                                 deterministic=deterministic, reference_fp32=reference_fp32)
     note = _what_is_checked(result.backends, device, interpret)
     if note:
         result.message += "\n" + note

@@ -145,6 +145,9 @@ class FusedAttention(AttentionBackend):
             return reasons + ["triton is not installed"]
         if config.device_type == "cpu" and not config.triton_interpret:
             reasons.append("device=cpu needs TRITON_INTERPRET=1 (the Triton interpreter) to run fused kernels")
+        if config.device_type == "cpu" and config.triton_interpret and config.dtype == "bfloat16":
+            reasons.append("dtype=bfloat16 under TRITON_INTERPRET=1 (Triton's interpreter computes bfloat16 tl.dot "
+                           "wrongly: results far from the reference)")
         return reasons
 
 

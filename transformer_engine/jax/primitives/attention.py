@@ -18,6 +18,7 @@ frozen :class:`FusedAttnStatic`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -33,6 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from transformer_engine.common.attention.config import resolve_bottom_right_diagonal
 from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, QKVFormat
+from transformer_engine.common.attention.validation import kernel_scale
 from transformer_engine.jax import attention_math
 from transformer_engine.jax.attention_math import SeqInfo
 
@@ -604,4 +606,12 @@ def fused_attn_core(
             raise ValueError(f"`bias` must be given with attn_bias_type={static.attn_bias_type.value!r}, got None")
         bias = jnp.zeros((0,), q.dtype)
     seq = SeqInfo(*(x.astype(jnp.int32) for x in seq))
+    # The kernels take a positive scale: a zero or negative one runs on 0 * q or -q (and a pre-scale
+    # bias times the same factor); JAX's autodiff maps dq and dbias back.
+    q_factor, scale = kernel_scale(static.scaling_factor)
+    if q_factor != 1.0:
+        q = q * jnp.asarray(q_factor, q.dtype)
+        if static.attn_bias_type == AttnBiasType.PRE_SCALE_BIAS:
+            bias = bias * jnp.asarray(q_factor, bias.dtype)
+        static = dataclasses.replace(static, scaling_factor=scale)
     return _fused_attn(static, q, k, v, bias, seq, seeds)

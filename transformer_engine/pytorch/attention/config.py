@@ -22,10 +22,11 @@ from transformer_engine.common.attention import (
     select_backend,
 )
 from transformer_engine.common.attention.config import normalize_window
+from transformer_engine.common.attention.validation import check_cu_seqlens_values
 from transformer_engine.pytorch.attention.device import device_facts
 
 __all__ = ["deterministic_requested", "make_attn_config", "select", "PYTORCH_BACKENDS", "dtype_name", "check_cu_seqlens",
-           "check_qkv", "triton_interpreting"]
+           "check_qkv", "triton_interpreting", "check_sequence_values", "can_sync"]
 
 PYTORCH_BACKENDS: Tuple[Type[AttentionBackend], ...] = (
     FlashAttention,
@@ -110,6 +111,34 @@ def check_cu_seqlens(name: str, cu: Optional[torch.Tensor], batch: Optional[int]
         raise ValueError(f"`{name}` must have shape {want} (length batch + 1), got {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"`{name}` must be on the inputs' device {device}, got {cu.device}")
+
+
+def can_sync() -> bool:
+    """Value checks read cu_seqlens on the host: skipped while tracing or capturing a CUDA graph."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def check_sequence_values(fmt: QKVFormat, q: torch.Tensor, k: torch.Tensor, cu_q, cu_kv, pad_q, pad_kv,
+                          max_q: Optional[int], max_kv: Optional[int]) -> None:
+    """The values of the cu_seqlens arguments (one host sync; skipped when ``can_sync()`` is false),
+    by :func:`~transformer_engine.common.attention.validation.check_cu_seqlens_values`. A None
+    ``cu_kv`` means the same as ``cu_q``; a padded side given alone leaves the other side's
+    sequences starting where its cu_seqlens say. bshd/sbhd: lengths within the padded
+    sequence lengths ``max_q``/``max_kv``; thd: within ``max_seqlen_*`` and the token counts."""
+    if cu_q is None or not can_sync():
+        return
+    thd = fmt == QKVFormat.THD
+    cu_kv = cu_q if cu_kv is None else cu_kv
+    if thd and (pad_q is None) != (pad_kv is None):
+        pad_q = cu_q if pad_q is None else pad_q
+        pad_kv = cu_kv if pad_kv is None else pad_kv
+    for side, cu, pad, tokens, limit in (("q", cu_q, pad_q, q.shape[0], max_q), ("kv", cu_kv, pad_kv, k.shape[0], max_kv)):
+        check_cu_seqlens_values(
+            f"cu_seqlens_{side}", cu.tolist(), padded=pad.tolist() if (thd and pad is not None) else None,
+            tokens=tokens if thd else None, max_seqlen=None if limit is None else int(limit),
+            max_seqlen_arg=f"max_seqlen_{side}" if thd else None)
 
 
 def make_attn_config(

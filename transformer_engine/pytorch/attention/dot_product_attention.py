@@ -18,6 +18,7 @@ import torch
 
 from transformer_engine.common.attention import AttnBiasType, AttnMaskType, QKVFormat
 from transformer_engine.common.attention.config import normalize_window, resolve_bottom_right_diagonal
+from transformer_engine.common.attention.validation import check_softmax_scale
 from transformer_engine.pytorch.attention import config as attn_config
 from transformer_engine.pytorch.attention.unfused import bias_shape_name, default_alibi_slopes, unfused_attention
 
@@ -486,9 +487,7 @@ class DotProductAttention(torch.nn.Module):
         self.attention_type = attention_type
         self.cp_comm_type = cp_comm_type
         self.softmax_type = softmax_type
-        self.softmax_scale = (
-            float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(kv_channels[0])
-        )
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(kv_channels[0])
         # Name of the backend that ran the most recent call: a record for reporting, never consulted.
         self.last_backend: Optional[str] = None
 
@@ -510,7 +509,7 @@ class DotProductAttention(torch.nn.Module):
 
     @softmax_scale.setter
     def softmax_scale(self, value: float) -> None:
-        self._softmax_scale_ratio = float(value).as_integer_ratio()
+        self._softmax_scale_ratio = check_softmax_scale(value).as_integer_ratio()
 
     def extra_repr(self) -> str:
         return (

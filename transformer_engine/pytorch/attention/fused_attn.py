@@ -6,10 +6,13 @@ from typing import Optional, Tuple
 
 import torch
 
-from transformer_engine.common.attention import AttnMaskType, QKVFormat
-from transformer_engine.common.attention.config import resolve_bottom_right_diagonal
+from transformer_engine.common.attention import AttnMaskType, FusedAttention, QKVFormat
+from transformer_engine.common.attention.config import normalize_window, resolve_bottom_right_diagonal
+from transformer_engine.common.attention.validation import check_input_dtype, check_softmax_scale, kernel_scale
 from transformer_engine.pytorch.attention import ops  # noqa: F401  (registers the custom ops)
-from transformer_engine.pytorch.attention.config import check_cu_seqlens, check_qkv
+from transformer_engine.pytorch.attention.config import (
+    check_cu_seqlens, check_qkv, check_sequence_values, dtype_name, triton_interpreting,
+)
 
 __all__ = ["fused_attn_func", "FusedAttnFunc"]
 
@@ -100,6 +103,9 @@ def fused_attn_func(
     mask = AttnMaskType(attn_mask_type)
     bottom_right = resolve_bottom_right_diagonal(mask, bottom_right_diagonal, "pytorch")
     check_qkv(q, k, v, fmt)
+    check_fused_dtype(q)
+    window_size = normalize_window(window_size, mask)
+    softmax_scale = check_softmax_scale(softmax_scale)
     if fmt == QKVFormat.THD:
         if cu_seqlens_q is None or cu_seqlens_kv is None:
             raise ValueError("`cu_seqlens_q` and `cu_seqlens_kv` must be given for qkv_format='thd'")
@@ -126,6 +132,8 @@ def fused_attn_func(
             f"`cu_seqlens_q` and `cu_seqlens_kv` must have the same length, got {cu_seqlens_q.shape[0]} "
             f"and {cu_seqlens_kv.shape[0]}"
         )
+    check_sequence_values(fmt, q, k, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
+                          max_seqlen_q, max_seqlen_kv)
     if (cu_seqlens_q_padded is None) != (cu_seqlens_kv_padded is None):
         # One side padded: the other side's sequences start where its cu_seqlens say.
         cu_seqlens_q_padded = cu_seqlens_q if cu_seqlens_q_padded is None else cu_seqlens_q_padded
@@ -137,13 +145,14 @@ def fused_attn_func(
     if cu_seqlens_kv_padded is cu_seqlens_q_padded:
         cu_seqlens_kv_padded = None
     _check_score_mods(q, fmt, core_attention_bias, alibi_slopes, dropout_p, rng_state)
-    if cu_seqlens_q is not None and _can_sync():
-        _check_cu_seqlens_values(fmt, q, k, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
-                                 max_seqlen_q, max_seqlen_kv)
     if dropout_p > 0 and rng_state is None:
         rng_state = new_rng_state(q.device)
     if dropout_p == 0:
         rng_state = None
+    # The kernels take a positive scale: a zero or negative one runs on 0 * q or -q (autograd maps dq back).
+    q_factor, softmax_scale = kernel_scale(softmax_scale)
+    if q_factor != 1.0:
+        q = q * q_factor
     out, lse = FusedAttnFunc.apply(
         q, k, v, core_attention_bias, alibi_slopes, rng_state, fmt.value, cu_seqlens_q, cu_seqlens_kv,
         cu_seqlens_q_padded, cu_seqlens_kv_padded, int(max_seqlen_q), int(max_seqlen_kv), float(softmax_scale),
@@ -153,34 +162,14 @@ def fused_attn_func(
     return out
 
 
-def _can_sync() -> bool:
-    """Value checks read cu_seqlens on the host: skipped while tracing or capturing a CUDA graph."""
-    if torch.compiler.is_compiling():
-        return False
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-
-
-def _check_cu_seqlens_values(fmt, q, k, cu_q, cu_kv, pad_q, pad_kv, max_q, max_kv) -> None:
-    """Monotonic, starting at 0, lengths within max_seqlen / the padded length, totals within the tensors."""
-    tokens_q = q.shape[0] if fmt == QKVFormat.THD else None
-    tokens_k = k.shape[0] if fmt == QKVFormat.THD else None
-    for name, cu, limit, tokens, padded in (("cu_seqlens_q", cu_q, max_q, tokens_q, pad_q),
-                                            ("cu_seqlens_kv", cu_kv if cu_kv is not None else cu_q, max_kv,
-                                             tokens_k, pad_kv if pad_kv is not None else pad_q)):
-        values = cu.tolist()
-        lengths = [b - a for a, b in zip(values, values[1:])]
-        if values[0] != 0 or any(n < 0 for n in lengths):
-            raise ValueError(f"`{name}` must start at 0 and be non-decreasing, got {values}")
-        if max(lengths) > limit:
-            raise ValueError(f"`{name}` has a sequence of length {max(lengths)} > "
-                             f"{'max_seqlen' if fmt == QKVFormat.THD else 'the padded length'} {limit}")
-        if tokens is not None and padded is None and values[-1] != tokens:
-            raise ValueError(f"`{name}`'s last entry must equal the token count {tokens}, got {values[-1]}")
-        if padded is not None:
-            starts = padded.tolist()
-            if any(s + n > e for s, n, e in zip(starts, lengths, starts[1:])) or starts[-1] > tokens:
-                raise ValueError(f"`{name}_padded` must leave room for each sequence within {tokens} tokens, "
-                                 f"got {starts} for lengths {lengths}")
+def check_fused_dtype(q: torch.Tensor) -> None:
+    """q's dtype is one the fused kernels compute right here (bf16 not under Triton's interpreter)."""
+    check_input_dtype([("query_layer", dtype_name(q.dtype))], sorted(FusedAttention.SUPPORTED_DTYPES),
+                      "the fused kernels")
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu" and triton_interpreting():
+        raise NotImplementedError(
+            "`query_layer` must not be bfloat16 for the fused kernels under TRITON_INTERPRET=1 (Triton's "
+            "interpreter computes bfloat16 tl.dot wrongly), got bfloat16; use float16/float32 or the unfused path")
 
 
 def _check_score_mods(q, fmt: QKVFormat, bias, alibi_slopes, dropout_p, rng_state) -> None:

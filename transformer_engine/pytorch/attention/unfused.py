@@ -30,6 +30,8 @@ import torch.nn.functional as F
 
 from transformer_engine.common.attention import AttnBiasType, AttnMaskType, QKVFormat
 from transformer_engine.common.attention.config import normalize_window, resolve_bottom_right_diagonal
+from transformer_engine.common.attention.validation import check_input_dtype, check_softmax_scale
+from transformer_engine.pytorch.attention.config import check_cu_seqlens, check_qkv, check_sequence_values, dtype_name
 
 __all__ = [
     "unfused_attention",
@@ -190,6 +192,8 @@ def _masked_softmax(scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """
     neg_inf = torch.tensor(float("-inf"), dtype=scores.dtype, device=scores.device)
     scores = torch.where(keep, scores, neg_inf)
+    if scores.shape[-1] == 0:  # no keys at all (s_kv = 0): every row is empty
+        return scores
     row_max = scores.detach().amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     p = torch.exp(scores - row_max)
@@ -244,16 +248,21 @@ def unfused_attention(
     bias_type = AttnBiasType(core_attention_bias_type)
     window = normalize_window(window_size, mask)
     bottom_right = resolve_bottom_right_diagonal(mask, bottom_right_diagonal, "pytorch")
+    check_qkv(q, k, v, fmt)
+    check_input_dtype([("query_layer", dtype_name(q.dtype))], ("float16", "bfloat16", "float32", "float64"),
+                      "the unfused path")
+    softmax_scale = check_softmax_scale(softmax_scale)
     compute_dtype = torch.promote_types(q.dtype, torch.float32)
     hq, hk = q.shape[-2], k.shape[-2]
-    if hq % hk:
-        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hk})")
     group = hq // hk
 
     lengths_q = lengths_kv = None
     if fmt == QKVFormat.THD:
         if cu_seqlens_q is None or cu_seqlens_kv is None:
             raise ValueError("`cu_seqlens_q` and `cu_seqlens_kv` must be given for qkv_format='thd'")
+        _check_cu_args(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, None, q.device)
+        check_sequence_values(fmt, q, k, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
+                              max_seqlen_q, max_seqlen_kv)
         lengths_q, lengths_kv = _lengths(cu_seqlens_q), _lengths(cu_seqlens_kv)
         sq, skv = _max_len(cu_seqlens_q, max_seqlen_q), _max_len(cu_seqlens_kv, max_seqlen_kv)
         starts_q = cu_seqlens_q_padded if cu_seqlens_q_padded is not None else cu_seqlens_q
@@ -267,7 +276,16 @@ def unfused_attention(
         if mask.is_padding and cu_seqlens_q is not None:
             if cu_seqlens_kv is None:
                 raise ValueError(f"`cu_seqlens_kv` must be given with `cu_seqlens_q` for attn_mask_type={mask.value!r}")
+            _check_cu_args(cu_seqlens_q, cu_seqlens_kv, None, None, qb.shape[0], q.device)
+            check_sequence_values(fmt, q, k, cu_seqlens_q, cu_seqlens_kv, None, None, sq, skv)
             lengths_q, lengths_kv = _lengths(cu_seqlens_q), _lengths(cu_seqlens_kv)
+            # Padded positions are often uninitialised memory: they must contribute exactly nothing
+            # (0 * NaN in P @ V or in the gradients' products would not), so they become zeros.
+            valid_q = (torch.arange(sq, device=q.device)[None, :] < lengths_q[:, None]).view(-1, 1, sq, 1)
+            valid_kv = (torch.arange(skv, device=q.device)[None, :] < lengths_kv[:, None]).view(-1, 1, skv, 1)
+            qb = torch.where(valid_q, qb, qb.new_zeros(()))
+            kb = torch.where(valid_kv, kb, kb.new_zeros(()))
+            vb = torch.where(valid_kv, vb, vb.new_zeros(()))
     b = qb.shape[0]
 
     keep = visible_mask(sq, skv, mask, window, lengths_q, lengths_kv, device=q.device,
@@ -325,8 +343,19 @@ def unfused_attention(
     if fmt == QKVFormat.THD:
         out = _unpad_thd(out, _unpack_index(starts_q, lengths_q, sq, q.shape[0]))
     else:
+        if lengths_q is not None:  # padded rows are zero, and pass no gradient (dO there may be NaN too)
+            out = torch.where(valid_q, out, out.new_zeros(()))
         out = _from_bhsd(out, fmt)
     return (out, max_logit) if return_max_logit else out
+
+
+def _check_cu_args(cu_q, cu_kv, pad_q, pad_kv, batch: Optional[int], device) -> None:
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_kv", cu_kv), ("cu_seqlens_q_padded", pad_q),
+                     ("cu_seqlens_kv_padded", pad_kv)):
+        check_cu_seqlens(name, cu, batch, device)
+    if cu_q.shape != cu_kv.shape:
+        raise ValueError(f"`cu_seqlens_q` and `cu_seqlens_kv` must have the same length, got {cu_q.shape[0]} "
+                         f"and {cu_kv.shape[0]}")
 
 
 class UnfusedDotProductAttention(torch.nn.Module):

@@ -150,7 +150,9 @@ def attn_fwd_kernel(
                                        SEGMENT != 1, False, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT,
                                        DOT_PRECISION, TMA)
 
-    seen = l_i > 0.0
+    # l_i is a sum of exp2 terms: 0 when the row saw no key, NaN when a score was NaN or inf (then the
+    # output and lse are NaN, as in the math reference, rather than hidden as an empty row).
+    seen = l_i != 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     row_ok = offs_m < len_q
     inv_keep = 1.0

@@ -229,7 +229,9 @@ def _consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr):
             mbarrier.arrive(kv_empty.index(stage), count=1)
             it += 1
 
-    seen = l_i > 0.0
+    # l_i is a sum of exp2 terms: 0 when the row saw no key, NaN when a score was NaN or inf (then the
+    # output and lse are NaN, as in the math reference, rather than hidden as an empty row).
+    seen = l_i != 0.0
     l_safe = gl.where(seen, l_i, 1.0)
     row_ok = (offs_m < len_q) & seen
     lse = gl.where(row_ok, (m_i + gl.log2(l_safe)) * LN2, float("inf"))

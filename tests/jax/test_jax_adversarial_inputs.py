@@ -1,0 +1,209 @@
+"""Bad and edge inputs in TE-JAX, handled alike by both backends (the fused primitives' CPU lowering
+and the unfused jnp path), eager and under jit: clear errors naming the argument, or the fp64
+reference's answer (scaling_factor 0 or negative, s = 0, NaN in padding, NaN inside a sequence)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from transformer_engine.common.attention.validation import check_segments
+from transformer_engine.jax.attention import (
+    AttnBiasType,
+    AttnMaskType,
+    QKVLayout,
+    SequenceDescriptor,
+    _fused_attn_with_backend,
+)
+
+BACKENDS = ["fused", "unfused"]
+B, S, H, D = 2, 6, 2, 8
+
+
+def _qkv(b=B, sq=S, skv=S, seed=0, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    return [jnp.asarray(rng.standard_normal(shape).astype(dtype)) for shape in ((b, sq, H, D), (b, skv, H, D),
+                                                                                (b, skv, H, D))]
+
+
+def _call(backend, qkv, sd=None, mask=AttnMaskType.NO_MASK, scale=0.3, layout=QKVLayout.BSHD_BSHD_BSHD,
+          window=None, segments=1):
+    return _fused_attn_with_backend(backend, tuple(qkv), None, sd, None, AttnBiasType.NO_BIAS, mask, layout, scale,
+                                    0.0, True, max_segments_per_seq=segments, window_size=window)
+
+
+def _reference(q, k, v, lens_q, lens_kv, causal, scale):
+    """fp64 numpy, one sequence at a time (top-left causal); padded rows and rows with no key are 0."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    out = np.zeros(q.shape[:3] + (v.shape[3],))
+    for n in range(q.shape[0]):
+        lq, lk = lens_q[n], lens_kv[n]
+        s = np.einsum("qhd,khd->hqk", q[n, :lq], k[n, :lk]) * scale
+        keep = np.ones((lq, lk), bool)
+        if causal:
+            keep &= np.arange(lk)[None, :] <= np.arange(lq)[:, None]
+        s = np.where(keep, s, -np.inf)
+        m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
+        p = np.where(keep, np.exp(s - np.where(np.isfinite(m), m, 0.0)), 0.0)
+        den = p.sum(-1, keepdims=True)
+        p = p / np.where(den > 0, den, 1.0)
+        out[n, :lq] = np.einsum("hqk,khd->qhd", p, v[n, :lk])
+    return out
+
+
+# -- the shared validator on JAX's segments ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("lens, offsets, match", [
+    ([[3, -1]], [[0, 3, 6]], "non-negative sequence lengths"),
+    ([[3, 2]], [[0, 2, 6]], "do not overlap"),
+    ([[3, 4]], [[0, 3, 6]], "within the row's sequence length"),
+    ([[3, 2]], [[-1, 3, 6]], "non-negative sequence starts"),
+])
+def test_segment_validator(lens, offsets, match):
+    with pytest.raises(ValueError, match=match):
+        check_segments(np.array(lens), np.array(offsets), 6, seqlens_arg="seqlens", offsets_arg="seq_offsets",
+                       side="q")
+
+
+def test_segment_validator_ignores_unused_segments():
+    check_segments(np.array([[3, 0]]), np.array([[0, -1, 6]]), 6, seqlens_arg="seqlens", offsets_arg="seq_offsets")
+
+
+# -- bad inputs: errors naming the argument, on both backends ----------------------------------------
+
+BAD = {
+    "seqlen_beyond_row": (dict(sd=SequenceDescriptor.from_seqlens(jnp.array([3, 7], jnp.int32)),
+                               mask=AttnMaskType.PADDING_MASK), "`seqlens` \\(q\\) must keep every sequence"),
+    "overlapping_offsets": (dict(sd=SequenceDescriptor.from_seqlens_and_offsets(
+        jnp.array([[3, 3], [2, 2]], jnp.int32), jnp.array([[0, 2, 6], [0, 2, 6]], jnp.int32)),
+        mask=AttnMaskType.PADDING_MASK, layout=QKVLayout.THD_THD_THD, segments=2), "`seq_offsets` \\(q\\)"),
+    "too_many_segment_runs": (dict(sd=SequenceDescriptor.from_segment_ids_and_pos(
+        jnp.array([[1, 1, 2, 2, 3, 0], [1, 1, 1, 2, 2, 0]], jnp.int32)), mask=AttnMaskType.PADDING_MASK,
+        layout=QKVLayout.THD_THD_THD, segments=2), "`max_segments_per_seq` must be at least"),
+    "nan_scale": (dict(scale=float("nan")), "`scaling_factor` must be a finite number"),
+    "inf_scale": (dict(scale=float("inf")), "`scaling_factor` must be a finite number"),
+    "string_scale": (dict(scale="0.3"), "`scaling_factor` must be a finite number"),
+    "negative_window": (dict(window=(-5, 3)), "`window_size` entries must be >= -1"),
+    "malformed_window": (dict(window=(1, 2, 3)), "`window_size` must be a pair"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_inputs_raise(backend, case):
+    kwargs, match = BAD[case]
+    with pytest.raises(ValueError, match=match):
+        _call(backend, _qkv(), **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.int32])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_dtypes_raise(backend, dtype):
+    if dtype == np.float64 and not jax.config.jax_enable_x64:
+        qkv = [x.astype(jnp.int32) for x in _qkv()]  # without x64 there is no float64 array: ints instead
+    else:
+        qkv = [jnp.asarray(np.asarray(x).astype(dtype)) for x in _qkv()]
+    with pytest.raises(ValueError, match="`q` must be float16, bfloat16 or float32"):
+        _call(backend, qkv)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_minus_one_seqlen_is_an_unused_slot(backend):
+    # TransformerEngine fills unused seqlens slots with -1: an empty sequence, zero output, no error.
+    out = _call(backend, _qkv(), SequenceDescriptor.from_seqlens(jnp.array([-1, 3], jnp.int32)),
+                AttnMaskType.PADDING_MASK)
+    assert not np.any(np.asarray(out[0]))
+
+
+def test_traced_descriptor_values_are_not_checked_under_jit():
+    # Documented: under jit the values are tracers; a valid call must still run.
+    lens = jnp.array([4, 3], jnp.int32)
+    f = jax.jit(lambda q, k, v, lens: _call("unfused", (q, k, v), SequenceDescriptor.from_seqlens(lens),
+                                            AttnMaskType.PADDING_MASK))
+    assert f(*_qkv(), lens).shape == (B, S, H, D)
+
+
+# -- unusual valid inputs: the reference's answer -----------------------------------------------------
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("scale", [0.0, -0.6])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_and_negative_scale(backend, scale, jit):
+    q, k, v = _qkv(seed=1)
+    lens = [4, 6]
+    sd = SequenceDescriptor.from_seqlens(jnp.array(lens, jnp.int32))
+
+    def f(q, k, v):
+        return _call(backend, (q, k, v), sd, AttnMaskType.PADDING_CAUSAL_MASK, scale)
+
+    f = jax.jit(f) if jit else f
+    np.testing.assert_allclose(np.asarray(f(q, k, v)), _reference(q, k, v, lens, lens, True, scale), atol=2e-6)
+    grads = jax.grad(lambda *a: f(*a).sum(), argnums=(0, 1, 2))(q, k, v)
+    ref = jax.grad(lambda *a: _call("unfused", a, sd, AttnMaskType.PADDING_CAUSAL_MASK, scale).sum(),
+                   argnums=(0, 1, 2))(q, k, v)
+    for g, r in zip(grads, ref):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=2e-6)
+    if scale == 0.0:
+        assert not np.any(np.asarray(grads[0])) and not np.any(np.asarray(grads[1]))  # scores do not depend on q, k
+
+
+@pytest.mark.parametrize("empty", ["s_q", "s_kv"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_length(backend, empty):
+    sq, skv = (0, 4) if empty == "s_q" else (5, 0)
+    qkv = _qkv(sq=sq, skv=skv)
+    out = _call(backend, qkv)
+    assert out.shape == (B, sq, H, D) and not np.any(np.asarray(out))
+    grads = jax.grad(lambda *a: _call(backend, a).sum(), argnums=(0, 1, 2))(*qkv)
+    assert all(not np.any(np.asarray(g)) for g in grads)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_padding_contributes_nothing(backend, jit):
+    lens = jnp.array([4, 3], jnp.int32)
+    pad = (jnp.arange(S)[None, :] >= lens[:, None])[:, :, None, None]
+    sd = SequenceDescriptor.from_seqlens(lens)
+
+    def run(fill):
+        qkv = [jnp.where(pad, fill, x) for x in _qkv(seed=2)]
+        f = lambda *a: _call(backend, a, sd, AttnMaskType.PADDING_CAUSAL_MASK)  # noqa: E731
+        f = jax.jit(f) if jit else f
+        out, vjp = jax.vjp(f, *qkv)
+        return [out] + list(vjp(jnp.where(pad, fill, jnp.ones_like(out))))
+
+    for name, a, b in zip(("out", "dq", "dk", "dv"), run(jnp.nan), run(0.0)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{name}: NaN leaked from the padding")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_inside_a_sequence_propagates(backend):
+    q, k, v = _qkv(seed=3)
+    q = q.at[0, 2, 1, 3].set(jnp.nan)
+    out = np.asarray(_call(backend, (q, k, v), mask=AttnMaskType.CAUSAL_MASK))
+    assert np.isnan(out[0, 2, 1]).all()
+    nan_rows = np.isnan(out).any(-1)
+    assert nan_rows.sum() == 1, "only the affected row is NaN"
+    dq = np.asarray(jax.grad(lambda a: _call(backend, (a, k, v), mask=AttnMaskType.CAUSAL_MASK).sum())(q))
+    assert np.isnan(dq[0, 2, 1]).any() and not np.isnan(dq[1]).any()
+
+
+# -- properties --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(lens_q=st.lists(st.integers(0, S), min_size=B, max_size=B),
+       lens_kv=st.lists(st.integers(0, S), min_size=B, max_size=B),
+       causal=st.booleans(), scale=st.sampled_from([0.0, -0.5, 0.25, 1.5]), seed=st.integers(0, 2 ** 16))
+def test_property_random_configs_match_the_reference(backend, lens_q, lens_kv, causal, scale, seed):
+    q, k, v = _qkv(seed=seed)
+    sd = SequenceDescriptor.from_seqlens((jnp.array(lens_q, jnp.int32), jnp.array(lens_kv, jnp.int32)))
+    mask = AttnMaskType.PADDING_CAUSAL_MASK if causal else AttnMaskType.PADDING_MASK
+    out = _call(backend, (q, k, v), sd, mask, scale)
+    np.testing.assert_allclose(np.asarray(out), _reference(q, k, v, lens_q, lens_kv, causal, scale), atol=3e-6)

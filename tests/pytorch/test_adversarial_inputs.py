@@ -218,7 +218,7 @@ def test_nan_padding_bshd_contributes_nothing(fn, mask):
 def test_nan_gaps_thd_contribute_nothing(fn):
     lens, starts, tokens = [3, 2], [0, 5, 8], 9  # gaps at tokens 3-4 and 7-8
     q, k, v = (t[0] for t in _qkv(b=1, sq=tokens, skv=tokens, seed=7))
-    gap = torch.ones(tokens, dtype=torch.bool)
+    gap = torch.ones(tokens, dtype=torch.bool, device=DEVICE)
     gap[0:3] = gap[5:7] = False
     kw = dict(cu_seqlens_q=cu_seqlens(lens), cu_seqlens_kv=cu_seqlens(lens), cu_seqlens_q_padded=_i32(starts),
               cu_seqlens_kv_padded=_i32(starts), max_seqlen_q=3, max_seqlen_kv=3)
@@ -257,7 +257,7 @@ def test_nan_inside_a_sequence_propagates_like_the_reference(fn, value):
         assert (g.double()[ok] - r[ok]).abs().max().item() <= 2e-5, name
     # dv = P^T dO: NaN exactly at the keys the affected row sees (keys 0-2 of sequence 0, head 1). The
     # reference's softmax spreads the NaN over the row's masked keys too; those get none here.
-    seen = torch.zeros(B, S, H, dtype=torch.bool)
+    seen = torch.zeros(B, S, H, dtype=torch.bool, device=ours[3].device)
     seen[0, :3, 1] = True
     dv, ref_dv = ours[3], ref[3]
     reached = torch.isnan(dv).any(-1)

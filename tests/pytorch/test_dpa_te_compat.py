@@ -403,15 +403,16 @@ def test_return_max_logit(monkeypatch, mask, window, bias_type):
     expected = torch.full((3,), float("-inf"), dtype=torch.float64)
     for n in range(2):
         lq, lk = (lens_q[n], lens_kv[n]) if padded else (11, 14)
-        s = torch.einsum("qhd,khd->hqk", q[n, :lq].double(), k[n, :lk].double()) / 4.0
+        # The reference on the CPU, where visible() builds its mask.
+        s = torch.einsum("qhd,khd->hqk", q[n, :lq].detach().double().cpu(), k[n, :lk].detach().double().cpu()) / 4.0
         if bias is not None:
-            s = s + bias[0, :, :lq, :lk].double()
+            s = s + bias[0, :, :lq, :lk].detach().double().cpu()
         if slopes is not None:
             rel = torch.arange(lk)[None, :] - torch.arange(lq)[:, None] - (lk - lq)
-            s = s - slopes.double()[:, None, None] * rel.abs()
+            s = s - slopes.double().cpu()[:, None, None] * rel.abs()
         keep = visible(lq, lk, mask, window)
         expected = torch.maximum(expected, s.masked_fill(~keep, float("-inf")).amax(dim=(1, 2)))
-    torch.testing.assert_close(max_logit.double(), expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(max_logit.double().cpu(), expected, rtol=1e-6, atol=1e-6)
     # The output is the backend's own: the same bits as the call without max_logit on that backend.
     monkeypatch.setenv("NVTE_FUSED_ATTN_BACKEND", "unfused")
     plain = te_block(ModelConfig(2, 11, 3, 16, max_seqlen_kv=14, attn_mask_type=mask, window_size=window,

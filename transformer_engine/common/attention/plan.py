@@ -84,12 +84,13 @@ class BackwardPlan:
     dq_warp_specialized: Optional[Tiles] = None
     # The same for the Gluon dK/dV pass (attn_bwd_dkdv_kernel with `dkdv` otherwise).
     dkdv_warp_specialized: Optional[Tiles] = None
+    dbias_block: int = 64  # largest dBias tile side (32 for fp32 at padded d > 128: 64 needs 256 KiB)
 
     @property
     def dbias(self) -> Tiles:
-        """Square tiles of the dBias kernel (bias present only): the dQ pass's rows, at most 64, with
-        its warps, no pipelining."""
-        tile = min(self.dq.block_m, 64)
+        """Square tiles of the dBias kernel (bias present only): the dQ pass's rows, at most
+        ``dbias_block``, with its warps, no pipelining."""
+        tile = min(self.dq.block_m, self.dbias_block)
         return Tiles(tile, tile, self.dq.num_warps, 1)
 
     def dbias_grid(self, seqlen_q: int, seqlen_kv: int, bias_batch: int, bias_heads: int) -> Tuple[int, int, int]:
@@ -230,6 +231,14 @@ _CDNA4_DQ = _CDNA3_DQ
 _CDNA_FP32_256 = (Tiles(32, 32, 4, 1), Tiles(16, 32, 4, 1), Tiles(16, 32, 4, 1))
 
 
+# Blackwell datacenter parts compile Hopper's d=256 backward tiles with more shared memory (2 stages with a
+# bias, dropout and GQA: 233-265 KiB); one stage there.
+_SM100_DKDV = {key: (Tiles(t.block_m, t.block_n, t.num_warps, 1, t.head_group, t.single_loop) if key[0] == 256 else t)
+               for key, t in _SM90_DKDV.items()}
+_SM100_DQ = {key: (Tiles(t.block_m, t.block_n, t.num_warps, 1, t.head_group, t.single_loop) if key[0] == 256 else t)
+             for key, t in _SM90_DQ.items()}
+
+
 @dataclass(frozen=True)
 class ArchTables:
     """One GPU architecture's launch plan: the resources its tiles must fit and its tile tables, keyed
@@ -262,7 +271,7 @@ ARCHS: Dict[str, ArchTables] = {t.name: t for t in (
     ArchTables("sm90", "nvidia", 32, 227 * _KIB, _SM90_FWD, _SM90_DKDV, _SM90_DQ, warp_specialized=True),
     # Datacenter Blackwell (sm_100, sm_103) and Thor (sm_110): Hopper's 227 KiB, so Hopper's Triton tiles
     # (its Gluon kernels are written for Hopper's wgmma and TMA).
-    ArchTables("sm100", "nvidia", 32, 227 * _KIB, _SM90_FWD, _SM90_DKDV, _SM90_DQ),
+    ArchTables("sm100", "nvidia", 32, 227 * _KIB, _SM90_FWD, _SM100_DKDV, _SM100_DQ),
     ArchTables("sm120", "nvidia", 32, 99 * _KIB, _SM89_FWD, _SM89_BWD, _SM89_BWD),
     ArchTables("gfx90a", "amd", 64, 64 * _KIB, _CDNA3_FWD, _CDNA3_DKDV, _CDNA3_DQ, fp32_large=_CDNA_FP32_256),
     ArchTables("gfx942", "amd", 64, 64 * _KIB, _CDNA3_FWD, _CDNA3_DKDV, _CDNA3_DQ, fp32_large=_CDNA_FP32_256),
@@ -384,8 +393,11 @@ def backward_plan(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = 
     served = override is None and not atomic_dq
     ws_dq = _warp_specialized(config, arch, key, _SM90_DQ_WS) if served else None
     ws_dkdv = _warp_specialized(config, arch, key, _SM90_DKDV_WS) if served else None
+    # The dBias kernel holds Q, K, V and dO tiles at once: fp32 at padded d > 128 halves its tile.
+    dbias_block = 32 if config.dtype == "float32" and key[0] > 128 else 64
     return BackwardPlan(preprocess, dkdv, dq, padded_head_dim(config.head_dim_qk),
-                        padded_head_dim(config.head_dim_v), _dot_precision(config), atomic_dq, ws_dq, ws_dkdv)
+                        padded_head_dim(config.head_dim_v), _dot_precision(config), atomic_dq, ws_dq, ws_dkdv,
+                        dbias_block)
 
 
 # Policy for the non-deterministic backward; a module-level constant so benchmarks can flip it.

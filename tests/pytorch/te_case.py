@@ -20,7 +20,7 @@ import os
 import sys
 import traceback
 import zlib
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 
@@ -61,7 +61,7 @@ def _scaled(row: te_configs.Row, scale_down: bool) -> te_configs.Row:
 
 
 def build(case: te_configs.Case, device: str, scale_down: bool = False) -> Dict:
-    """Everything one call needs: module arguments, forward arguments, leaves and output gradient."""
+    """Everything one call needs: module arguments, forward arguments, q/k/v views and output gradient."""
     row = _scaled(case.row, scale_down)
     dtype = getattr(torch, case.dtype)
     if device == "cpu" and dtype == torch.bfloat16:
@@ -105,7 +105,6 @@ def build(case: te_configs.Case, device: str, scale_down: bool = False) -> Dict:
     dims = {"b": b, "sq": sq, "skv": skv, "h": h, "hg": hg, "dqk": dqk, "dv": dv,
             "t": int(cu_q_pad[-1]), "tg": int(cu_kv_pad[-1]), "3": 3, "2": 2}
     tensors: List[torch.Tensor] = []
-    leaves: List[torch.Tensor] = []
     for i, part in enumerate(layout.split("_")):
         names = []
         for c in part:
@@ -125,7 +124,6 @@ def build(case: te_configs.Case, device: str, scale_down: bool = False) -> Dict:
             for n in range(b):
                 buf[int(ends[n + 1]) - int(pad[n]):int(ends[n + 1])] = 0.0
         buf = buf.to(device, dtype).requires_grad_()
-        leaves.append(buf)
         split = next((j for j, n in enumerate(names) if n.isdigit()), None)
         tensors.extend(buf.unbind(split) if split is not None else [buf])
 
@@ -162,7 +160,7 @@ def build(case: te_configs.Case, device: str, scale_down: bool = False) -> Dict:
         forward["num_splits"] = 1  # what the tests pass to the non-flash backends
     starts_q = cu_q_pad[:-1] if fmt == "thd" else torch.zeros(b, dtype=torch.int32)
     starts_kv = cu_kv_pad[:-1] if fmt == "thd" else torch.zeros(b, dtype=torch.int32)
-    return dict(module=module, forward=forward, tensors=tensors, leaves=leaves, d_out=d_out, bias=bias, fmt=fmt,
+    return dict(module=module, forward=forward, tensors=tensors, d_out=d_out, bias=bias, fmt=fmt,
                 lens_q=lens_q, lens_kv=lens_kv, starts_q=starts_q, starts_kv=starts_kv)
 
 

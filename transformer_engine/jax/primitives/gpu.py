@@ -17,6 +17,10 @@ log-sum-exp is ``[b * m, h, s]`` = the primitives' ``[b, m, h, s]`` softmax aux.
 A post_scale_bias ``[1|b, 1|h, s_q, s_kv]`` (padded layouts, one sequence per row) goes to the
 forward, dK/dV and dQ kernels with the PyTorch launcher's strides, and its gradient comes from the
 dBias kernel; ``BIAS_VERIFIED_ON_GPU`` says whether fused_attn selects this path.
+
+Sink softmax: the sink logits (fp32 ``[h_q]``) go to the Triton forward (``SINK``, ``HAS_SINK``); for
+the learnable sink the backward launches the sink-gradient kernel after the preprocess, which writes
+each sequence's part ``[b * m, h_q]`` (the custom_vjp sums them).
 """
 
 from __future__ import annotations

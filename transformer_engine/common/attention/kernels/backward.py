@@ -460,7 +460,7 @@ def attn_bwd_dbias_kernel(
 
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SEQLEN_ARGS[:1])
 def attn_bwd_dsink_kernel(
     LSE, DELTA, SINK, DSINK, SEQ_LEN_Q,
     stride_lb, stride_lh, stride_dsb,

@@ -199,7 +199,7 @@ def test_softmax_type_errors():
         _call("unfused", (q, k, v), None, "bshd_bshd_bshd", "causal", "learnable", offset.astype(jnp.bfloat16))
     with pytest.raises(ValueError, match="softmax_type"):
         _call("unfused", (q, k, v), None, "bshd_bshd_bshd", "causal", "sink", None)
-    assert AttnSoftmaxType("off_by_one") is AttnSoftmaxType("off-by-one") is AttnSoftmaxType.OFF_BY_ONE_SOFTMAX
+    assert AttnSoftmaxType.from_str("off-by-one") is AttnSoftmaxType.OFF_BY_ONE_SOFTMAX
 
 
 def test_flax_module_owns_the_learnable_offset():

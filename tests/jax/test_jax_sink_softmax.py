@@ -61,7 +61,7 @@ def _call(backend, qkv, desc, layout, mask, softmax_type, offset, m=1):
 
 
 def _grads(backend, q, k, v, offset, dout, desc, layout, mask, softmax_type, m=1):
-    learnable = AttnSoftmaxType(softmax_type).is_learnable
+    learnable = AttnSoftmaxType.from_str(softmax_type) == AttnSoftmaxType.LEARNABLE_SOFTMAX
 
     def f(q, k, v, off):
         return _call(backend, (q, k, v), desc, layout, mask, softmax_type, off if learnable else None, m)

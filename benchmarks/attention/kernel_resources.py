@@ -28,7 +28,7 @@ import triton  # noqa: E402
 from transformer_engine.common.attention import AttnConfig, AttnMaskType  # noqa: E402
 from transformer_engine.common.attention.kernels.aot import Pointer, compile_kernel  # noqa: E402
 from transformer_engine.common.attention.kernels.backward import (  # noqa: E402
-    attn_bwd_dbias_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_preprocess_kernel,
+    attn_bwd_dbias_kernel, attn_bwd_dkdv_kernel, attn_bwd_dq_kernel, attn_bwd_dsink_kernel, attn_bwd_preprocess_kernel,
 )
 from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel  # noqa: E402
 from transformer_engine.common.attention.plan import ARCHS, Tiles, backward_plan, forward_plan  # noqa: E402
@@ -37,12 +37,13 @@ SM90 = GPUTarget("cuda", 90, 32)
 # Triton's target of each planned architecture, by plan name (plan.ARCHS).
 TARGETS = {name: GPUTarget(*tables.triton_target) for name, tables in ARCHS.items()}
 KERNELS = {"fwd": attn_fwd_kernel, "dkdv": attn_bwd_dkdv_kernel, "dq": attn_bwd_dq_kernel}
-ALL_KERNELS = dict(KERNELS, preprocess=attn_bwd_preprocess_kernel, dbias=attn_bwd_dbias_kernel)
+ALL_KERNELS = dict(KERNELS, preprocess=attn_bwd_preprocess_kernel, dbias=attn_bwd_dbias_kernel,
+                   dsink=attn_bwd_dsink_kernel)
 # What each architecture looks like to AttnConfig (the frontends' device facts).
 DEVICE_FACTS = {name: (dict(vendor="amd", compute_capability=None, gfx_arch=name) if t.vendor == "amd"
                        else dict(compute_capability=(int(name[2:-1]), int(name[-1]))))
                 for name, t in ARCHS.items()}
-_FP32_BUFFERS = ("LSE", "DELTA", "DQ_ACC", "ALIBI_SLOPES")
+_FP32_BUFFERS = ("LSE", "DELTA", "DQ_ACC", "ALIBI_SLOPES", "SINK", "DSINK")
 _INT_BUFFERS = {"RNG_STATE": "int64", "SEQ_START_Q": "int32", "SEQ_START_K": "int32", "SEQ_LEN_Q": "int32",
                 "SEQ_LEN_K": "int32"}
 _QK_TENSORS = ("q", "k", "dq", "dk")  # tensors with head dim d_qk; the others (v, o, do, dv) have d_v
@@ -120,6 +121,8 @@ def report(name, dims, causal, tiles, target="sm90"):
     flags = dict(HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=dqk, BLOCK_DV=dv, IS_THD=False, HAS_SEQLENS=False,
                  HAS_LEFT=False, HAS_RIGHT=causal, BOTTOM_RIGHT=False, DOT_PRECISION="ieee", HAS_BIAS=False,
                  HAS_ALIBI=False, DROPOUT=False, TMA=tiles.tma, **tiles.loop_constexprs)
+    if name == "fwd":
+        flags.update(HAS_SINK=False)
     if name == "dkdv":
         flags.update(ATOMIC_DQ=False, gqa_group=1)
     r = compile_report((target, name, flags, tiles.launch_options, dqk, dv, "bfloat16", False))

@@ -12,10 +12,11 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from transformer_engine.common.attention import AttnConfig, AttnMaskType  # noqa: E402
+from transformer_engine.common.attention import AttnConfig, AttnMaskType, AttnSoftmaxType  # noqa: E402
 from transformer_engine.common.attention.kernels.backward import (  # noqa: E402
     attn_bwd_dkdv_kernel,
     attn_bwd_dq_kernel,
+    attn_bwd_dsink_kernel,
 )
 from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel  # noqa: E402
 from transformer_engine.common.attention.kernels.hopper_ws import (  # noqa: E402
@@ -101,6 +102,8 @@ def test_sm90_kernels_compile_the_same_for_every_sequence_length(fn, kind):
                  HAS_BIAS=False, HAS_ALIBI=False, DROPOUT=False, TMA=False, **tiles.loop_constexprs)
     if kind == "dkdv":
         flags.update(ATOMIC_DQ=False, gqa_group=1)
+    if kind == "fwd":
+        flags.update(HAS_SINK=False)
     hashes = set()
     for seqlen_q, seqlen_k in ((1, 2048), (16, 2048), (17, 1), (4096, 2047)):
         args = launch_args(fn, flags, 256, 256, heads=16, seqlen=4096)
@@ -129,3 +132,24 @@ def test_compile_kernel_says_what_each_target_gives():
     assert (nvidia.binary_format, nvidia.arch, nvidia.cubin[:4]) == ("cubin", "sm_90", b"\x7fELF")
     with pytest.raises(NotImplementedError, match="`target` must be a Triton GPUTarget of backend 'cuda'"):
         compile_kernel(zero_outside_sequences_kernel, args, options, GPUTarget("xpu", "pvc", 16))
+
+
+@pytest.mark.parametrize("head_dims,causal,thd", [((128, 128), True, False), ((64, 64), False, True),
+                                                  ((256, 256), True, True)])
+def test_sm90_sink_softmax_plans_compile(head_dims, causal, thd):
+    """Sink softmax (learnable; off-by-one is the same kernel with zero logits): the Triton forward with
+    HAS_SINK at the tiles planned for it (never the Gluon kernels), and the sink-gradient reduction."""
+    dqk, dv = head_dims
+    mask = AttnMaskType.CAUSAL_MASK if causal else AttnMaskType.NO_MASK
+    cfg = AttnConfig(batch_size=1, num_heads_q=8, num_heads_kv=8, head_dim_qk=dqk, head_dim_v=dv,
+                     max_seqlen_q=4096, max_seqlen_kv=4096, dtype="bfloat16", attn_mask_type=mask,
+                     softmax_type=AttnSoftmaxType.LEARNABLE_SOFTMAX, deterministic=True, device_type="cuda",
+                     compute_capability=(9, 0))
+    fwd, bwd = forward_plan(cfg), backward_plan(cfg)
+    assert fwd.warp_specialized is None and bwd.dq_warp_specialized is None and bwd.dkdv_warp_specialized is None
+    flags = dict(HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=fwd.block_dqk, BLOCK_DV=fwd.block_dv, IS_THD=thd,
+                 HAS_SEQLENS=thd, HAS_LEFT=False, HAS_RIGHT=causal, BOTTOM_RIGHT=False,
+                 DOT_PRECISION=fwd.dot_precision, HAS_BIAS=False, HAS_ALIBI=False, DROPOUT=False)
+    _compile(attn_fwd_kernel, dict(flags, HAS_SINK=True, TMA=fwd.tiles.tma, **fwd.tiles.loop_constexprs), fwd.tiles,
+             dqk, dv)
+    _compile(attn_bwd_dsink_kernel, dict(BLOCK_M=bwd.dsink.block_m, HAS_SEQLENS=thd), bwd.dsink, dqk, dv)

@@ -25,7 +25,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from transformer_engine.common.attention import AttnBiasType, AttnConfig, AttnMaskType  # noqa: E402
+from transformer_engine.common.attention import AttnBiasType, AttnConfig, AttnMaskType, AttnSoftmaxType  # noqa: E402
 from transformer_engine.common.attention.plan import (  # noqa: E402
     ARCHS, backward_plan, forward_plan, mask_flags, padded_head_dim,
 )
@@ -46,12 +46,13 @@ class Case:
     dropout: bool = False
     gqa: int = 1
     thd: bool = False
+    sink: bool = False  # learnable sink softmax: HAS_SINK forward and the sink-gradient kernel
 
     @property
     def name(self) -> str:
         mods = [m for m, on in (("bias", self.bias == AttnBiasType.POST_SCALE_BIAS),
                                 ("alibi", self.bias == AttnBiasType.ALIBI), ("dropout", self.dropout),
-                                (f"gqa{self.gqa}", self.gqa > 1), ("thd", self.thd)) if on]
+                                (f"gqa{self.gqa}", self.gqa > 1), ("thd", self.thd), ("sink", self.sink)) if on]
         window = f"-window{self.window}" if self.window != (-1, -1) else ""
         return f"d{self.dims[0]}x{self.dims[1]}-{self.dtype}-{self.mask.value}{window}-" + "-".join(mods or ["plain"])
 
@@ -71,6 +72,8 @@ CASES = [
     Case((32, 32), "bfloat16", AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK, window=(64, 0), gqa=2, thd=True),
     # fp32 (its own tiles) at the largest head dim, with bias and dropout.
     Case((256, 256), "float32", AttnMaskType.CAUSAL_MASK, bias=BIAS, dropout=True),
+    # Learnable sink softmax with dropout over packed sequences (never the Gluon kernels).
+    Case((128, 128), "bfloat16", AttnMaskType.PADDING_CAUSAL_MASK, dropout=True, gqa=2, thd=True, sink=True),
 ]
 
 
@@ -81,6 +84,7 @@ def launches(target: str, case: Case) -> List[Tuple[str, tuple]]:
                      max_seqlen_q=1024, max_seqlen_kv=1024, dtype=case.dtype, attn_mask_type=case.mask,
                      window_size=case.window, attn_bias_type=case.bias,
                      bias_shape="1hss" if case.bias == BIAS else None, dropout=0.1 if case.dropout else 0.0,
+                     softmax_type=(AttnSoftmaxType.LEARNABLE_SOFTMAX if case.sink else AttnSoftmaxType.VANILLA_SOFTMAX),
                      deterministic=True, device_type="cuda", **DEVICE_FACTS[target])
     fwd, bwd = forward_plan(cfg), backward_plan(cfg)
     flags, _, _ = mask_flags(cfg)
@@ -95,12 +99,15 @@ def launches(target: str, case: Case) -> List[Tuple[str, tuple]]:
         return kernel, (target, kernel, constexprs, options, dqk, dv, case.dtype, bias)
 
     out = [
-        job("fwd", dict(common, **fwd.tiles.loop_constexprs), fwd.tiles),
+        job("fwd", dict(common, HAS_SINK=case.sink, **fwd.tiles.loop_constexprs), fwd.tiles),
         job("preprocess", dict(HEAD_DIM_V=dv, BLOCK_DV=bwd.block_dv, BLOCK_M=bwd.preprocess.block_m, **seqs),
             dict(num_warps=bwd.preprocess.num_warps)),
         job("dkdv", dict(common, ATOMIC_DQ=False, gqa_group=case.gqa, **bwd.dkdv.loop_constexprs), bwd.dkdv),
         job("dq", dict(common, gqa_group=case.gqa, **bwd.dq.loop_constexprs), bwd.dq),
     ]
+    if case.sink:
+        out.append(job("dsink", dict(BLOCK_M=bwd.dsink.block_m, HAS_SEQLENS=seqs["HAS_SEQLENS"]),
+                       dict(num_warps=bwd.dsink.num_warps)))
     if bias:
         dbias = {k: v for k, v in common.items() if k not in ("IS_THD", "HAS_BIAS", "HAS_ALIBI", "TMA")}
         for sum_rows in (False, True):  # [.., .., s_q, s_kv] biases and [1, 1, 1, s_kv] (111s) ones

@@ -538,3 +538,39 @@ def test_tma_plan_lowers_with_a_global_scratch_workspace(captured_programs, monk
                 workspace = (prog.operands + prog.results)[launch["params"][-2][1]]
                 assert workspace.dtype == jnp.uint8
                 assert workspace.shape == (int(np.prod(launch["grid"])) * scratch,)
+
+
+@compiles
+@pytest.mark.parametrize("softmax_type", ["off_by_one", "learnable"])
+def test_sink_softmax_lowers_to_the_triton_forward_and_the_sink_gradient_kernel(captured_programs, softmax_type):
+    """d=128 bf16 (where vanilla takes the Gluon kernels): sink configs run the Triton forward with the
+    sink logits as its last operand, and the learnable sink's backward adds the sink-gradient kernel,
+    one program per (sequence, head), writing each sequence's part."""
+    b, s, hq, hk, d, m = 2, 128, 4, 2, 128, 2
+    learnable = softmax_type == "learnable"
+
+    def fn(q, k, v, lens, offsets, softmax_offset):
+        desc = SequenceDescriptor.from_seqlens_and_offsets(lens, offsets)
+        f = lambda q, k, v, off: te_attention._fused_attn_with_backend(  # noqa: E731
+            "fused", (q, k, v), None, desc, None, "no_bias", AttnMaskType.PADDING_CAUSAL_MASK, QKVLayout.THD_THD_THD,
+            q.shape[-1] ** -0.5, 0.0, True, max_segments_per_seq=m, softmax_type=softmax_type,
+            softmax_offset=off if learnable else None)
+        out, vjp = jax.vjp(f, q, k, v, softmax_offset)
+        return out, vjp(out)
+
+    offset = jax.ShapeDtypeStruct((1, hq, 1, 1), jnp.float32)
+    _lower_for_cuda(fn, *_shapes(b, s, hq, hk, d, m=m), offset)
+    fwd, bwd = captured_programs
+    _, _, (launch,) = _check_program(fwd, ["attn_fwd_kernel"])
+    sink_index = len(fwd.operands) - 1
+    assert fwd.operands[sink_index].shape == (hq,) and fwd.operands[sink_index].dtype == jnp.float32
+    assert _named_params(fwd, launch)["SINK"] == ("buffer", sink_index)
+    expected = ["attn_bwd_preprocess_kernel"] + (["attn_bwd_dsink_kernel"] if learnable else []) + [
+        "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"]
+    _, _, launches = _check_program(bwd, expected)
+    if learnable:
+        params = _named_params(bwd, launches[1])
+        assert launches[1]["grid"] == (b * m, hq, 1)
+        assert params["SINK"] == ("buffer", len(bwd.operands) - 1)
+        parts = (bwd.operands + bwd.results)[params["DSINK"][1]]
+        assert parts.shape == (b * m, hq) and parts.dtype == jnp.float32

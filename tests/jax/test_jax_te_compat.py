@@ -384,9 +384,7 @@ def test_max_segments_per_seq_above_one_on_bshd_warns_as_te_does():
 
 
 @pytest.mark.parametrize("overrides, error, words", [
-    (dict(softmax_type=AttnSoftmaxType.OFF_BY_ONE_SOFTMAX), NotImplementedError, "`softmax_type` must be"),
-    (dict(softmax_type="learnable", softmax_offset=jnp.zeros((1, _H, 1, 1))), NotImplementedError,
-     "`softmax_type` must be"),
+    (dict(softmax_type="learnable"), ValueError, "`softmax_offset` must be a float32 array"),
     (dict(softmax_offset=jnp.zeros((1, _H, 1, 1))), ValueError, "`softmax_offset` must be None"),
     (dict(softmax_type="sparse"), ValueError, "`softmax_type` must be one of"),
     (dict(context_parallel_strategy=CPStrategy.RING), NotImplementedError, "`context_parallel_strategy` must be"),
@@ -539,7 +537,7 @@ def test_fused_attn_helper_agrees_with_the_availability_query():
     if jax.devices()[0].platform == "cpu":
         assert not available and any("CUDA" in r for r in helper.unavailable_reasons())
     sinks = FusedAttnHelper(*fields[:6], AttnSoftmaxType.OFF_BY_ONE_SOFTMAX, *fields[7:])
-    assert not sinks.is_fused_attn_kernel_available()
+    assert sinks.is_fused_attn_kernel_available() is available  # the fused kernels take sink softmax
 
 
 def test_is_non_deterministic_allowed_reads_the_variable(monkeypatch):
@@ -628,7 +626,6 @@ def test_flax_dot_product_attention_as_maxtext_calls_it():
 
 @pytest.mark.parametrize("fields, error, words", [
     (dict(dtype=jnp.bfloat16), ValueError, "`dtype` must be None or the inputs' dtype"),
-    (dict(softmax_type="off_by_one"), NotImplementedError, "`softmax_type` must be"),
     (dict(context_parallel_strategy="ring"), NotImplementedError, "`context_parallel_strategy` must be"),
     (dict(context_parallel_strategy="zigzag"), ValueError, "`context_parallel_strategy` must be one of"),
     (dict(score_mod=lambda graph, score, tensors: score), NotImplementedError, "`score_mod` must be None"),

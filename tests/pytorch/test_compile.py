@@ -28,11 +28,12 @@ def _fresh_dynamo(monkeypatch):
 class Block(torch.nn.Module):
     """Projection -> DotProductAttention (GQA, causal) -> projection."""
 
-    def __init__(self, fmt="bshd", heads=4, groups=2, d=16, mask="causal"):
+    def __init__(self, fmt="bshd", heads=4, groups=2, d=16, mask="causal", softmax_type="vanilla"):
         super().__init__()
         self.h, self.g, self.d, self.fmt = heads, groups, d, fmt
         self.qkv = torch.nn.Linear(heads * d, (heads + 2 * groups) * d)
-        self.attn = DotProductAttention(heads, d, num_gqa_groups=groups, qkv_format=fmt, attn_mask_type=mask)
+        self.attn = DotProductAttention(heads, d, num_gqa_groups=groups, qkv_format=fmt, attn_mask_type=mask,
+                                        softmax_type=softmax_type)
         self.out = torch.nn.Linear(heads * d, heads * d)
 
     def forward(self, x, **attn_kwargs):
@@ -182,3 +183,43 @@ def test_compiled_fused_same_cu_seqlens_for_q_and_kv(monkeypatch):
     explanation = torch._dynamo.explain(block)(x, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=11,
                                                max_seqlen_kv=11)
     assert explanation.graph_break_count == 0, explanation.break_reasons
+
+
+@pytest.mark.parametrize("softmax_type", ["off-by-one", "learnable"])
+def test_sink_softmax_unfused_traces_whole(monkeypatch, softmax_type):
+    monkeypatch.setenv("NVTE_FUSED_ATTN_BACKEND", "unfused")
+    torch.manual_seed(0)
+    block = Block(softmax_type=softmax_type).to(DEVICE)
+    if block.attn.softmax_offset is not None:
+        with torch.no_grad():
+            block.attn.softmax_offset.uniform_(-1.0, 1.0, generator=gen(9))
+    x = torch.randn(2, 12, 64, generator=gen(10)).to(DEVICE)
+    explanation = torch._dynamo.explain(block)(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    eager, compiled = _eager_and_compiled(block, x, backend="aot_eager")
+    _assert_same(eager, compiled)
+
+
+@requires_fused
+@pytest.mark.parametrize("fmt", ["bshd", "thd"])
+def test_compiled_fused_learnable_sink_traces_without_breaks(monkeypatch, fmt):
+    """The learnable sink's gradient comes out of the backward custom op: no breaks, eager's bits."""
+    monkeypatch.setenv("NVTE_FUSED_ATTN_BACKEND", "fused")
+    dtype = LOWP_DTYPES[0]
+    torch.manual_seed(0)
+    block = Block(fmt, mask="causal" if fmt == "bshd" else "padding_causal", softmax_type="learnable").to(DEVICE, dtype)
+    with torch.no_grad():
+        block.attn.softmax_offset.uniform_(-1.0, 1.0, generator=gen(11))
+    kwargs = {}
+    if fmt == "bshd":
+        x = torch.randn(2, 16, 64, generator=gen(12)).to(DEVICE, dtype)
+    else:
+        cu = cu_seqlens([9, 4, 11])
+        x = torch.randn(24, 64, generator=gen(12)).to(DEVICE, dtype)
+        kwargs = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu.clone(), max_seqlen_q=11, max_seqlen_kv=11)
+    explanation = torch._dynamo.explain(block)(x, **kwargs)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    eager, compiled = _eager_and_compiled(block, x, backend="aot_eager", **kwargs)
+    assert block.attn.last_backend == "FusedAttention"
+    assert eager[1][-3].abs().sum() > 0  # d softmax_offset (parameters: qkv, attn, out) is not zero
+    _assert_same(eager, compiled, exact=True)

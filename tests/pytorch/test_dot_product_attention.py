@@ -526,6 +526,7 @@ def test_bad_tensors_raise_value_error():
         (dict(qkv_format="bsd"), "qkv_format"),
         (dict(attn_mask_type="full"), "attn_mask_type"),
         (dict(attn_mask_type="causal", window_size=(2, 2)), "window_size"),
+        (dict(softmax_type="off_by_two"), "softmax_type"),
     ],
 )
 def test_bad_constructor_arguments_raise_value_error(kwargs, argument):
@@ -535,8 +536,7 @@ def test_bad_constructor_arguments_raise_value_error(kwargs, argument):
 
 
 def test_unsupported_features_raise_not_implemented():
-    for kwargs, what in ((dict(cp_group=object()), "context parallelism"), (dict(cp_stream=object()), "context"),
-                         (dict(softmax_type="off-by-one"), "softmax_type")):
+    for kwargs, what in ((dict(cp_group=object()), "context parallelism"), (dict(cp_stream=object()), "context")):
         with pytest.raises(NotImplementedError, match=what):
             DotProductAttention(4, 16, **kwargs)
     dpa = DotProductAttention(4, 16, num_gqa_groups=2, qkv_format="bshd")

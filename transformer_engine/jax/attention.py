@@ -458,13 +458,14 @@ class _Call:
     bias: Any
     seq: SeqInfo
     seeds: Any
+    softmax_offset: Any  # fp32 [h_q] learnable sink logits, or None
     static: FusedAttnStatic
     config: AttnConfig
     qkv_format: QKVFormat
 
 
 def _softmax_type(softmax_type, softmax_offset) -> AttnSoftmaxType:
-    """The call's softmax type. Only the vanilla softmax runs here for now."""
+    """The call's softmax type (sink softmax: off-by-one and learnable, see ``fused_attn``)."""
     if isinstance(softmax_type, (int, float)) and not isinstance(softmax_type, bool):
         raise ValueError(
             f"`softmax_type` must be an AttnSoftmaxType (or 'vanilla', 'off_by_one', 'learnable'), got "
@@ -478,17 +479,26 @@ def _softmax_type(softmax_type, softmax_offset) -> AttnSoftmaxType:
         kind = AttnSoftmaxType[softmax_type.upper()]
     else:
         kind = AttnSoftmaxType.from_str(softmax_type.value if hasattr(softmax_type, "value") else softmax_type)
-    if kind != AttnSoftmaxType.VANILLA_SOFTMAX:
-        raise NotImplementedError(
-            f"`softmax_type` must be AttnSoftmaxType.VANILLA_SOFTMAX in transformer_engine.jax for now, got "
-            f"{kind.name} (sink softmax is not implemented yet)"
-        )
-    if softmax_offset is not None:
+    if softmax_offset is not None and kind != AttnSoftmaxType.LEARNABLE_SOFTMAX:
         raise ValueError(
             f"`softmax_offset` must be None unless softmax_type is LEARNABLE_SOFTMAX, got an array with "
             f"softmax_type={kind.name}"
         )
     return kind
+
+
+def _check_softmax_offset(softmax_type: _common.AttnSoftmaxType, softmax_offset, heads: int):
+    """The learnable sink logits as fp32 ``[h_q]`` (TransformerEngine passes ``[1, h_q, 1, 1]``), or None."""
+    if not softmax_type.is_learnable:
+        return None
+    if softmax_offset is None:
+        raise ValueError(f"`softmax_offset` must be a float32 array [1, {heads}, 1, 1] with softmax_type="
+                         "LEARNABLE_SOFTMAX, got None")
+    softmax_offset = jnp.asarray(softmax_offset)
+    if softmax_offset.dtype != jnp.float32 or tuple(softmax_offset.shape) not in ((1, heads, 1, 1), (heads,)):
+        raise ValueError(f"`softmax_offset` must be float32 [1, {heads}, 1, 1] (or [{heads}]), got "
+                         f"{softmax_offset.dtype}{list(softmax_offset.shape)}")
+    return softmax_offset.reshape(heads)
 
 
 def _mesh_axis_size(axis: str) -> int:
@@ -576,7 +586,7 @@ def _parse_call(
     layout = _enum(QKVLayout, qkv_layout, "qkv_layout")
     mask = _enum(AttnMaskType, attn_mask_type, "attn_mask_type")
     bias_type = _enum(AttnBiasType, attn_bias_type, "attn_bias_type")
-    _softmax_type(softmax_type, softmax_offset)
+    stype = _common.AttnSoftmaxType(_softmax_type(softmax_type, softmax_offset).value)
     _check_score_mod(score_mod=score_mod, score_mod_bprop=score_mod_bprop, score_mod_tensors=score_mod_tensors,
                      score_mod_bprop_tensors=score_mod_bprop_tensors)
     _check_context_parallel(context_parallel_strategy, context_parallel_causal_load_balanced, context_parallel_axis,
@@ -671,6 +681,7 @@ def _parse_call(
     else:
         seq = attention_math.full_seq_info(b, s_q, s_kv)
 
+    softmax_offset = _check_softmax_offset(stype, softmax_offset, h_q)
     has_dropout = bool(is_training) and dropout > 0.0
     if has_dropout:
         if seed is None:
@@ -684,6 +695,7 @@ def _parse_call(
         max_seqlen_q=s_q, max_seqlen_kv=s_kv, dtype=q.dtype, qkv_layout=layout, attn_mask_type=mask,
         window_size=window, bottom_right_diagonal=bottom_right_diagonal, attn_bias_type=bias_type,
         bias_shape=None if bias is None else bias.shape, dropout=dropout, is_training=bool(is_training),
+        softmax_type=stype,
         offset_sequences=mask.is_padding and fmt != _common.QKVFormat.THD and (
             sequence_descriptor.seq_offsets is not None or sequence_descriptor.segment_ids is not None),
     )
@@ -698,13 +710,15 @@ def _parse_call(
         deterministic=config.deterministic,
         checkpoint_name=context_checkpoint_name,
         bottom_right_diagonal=config.bottom_right,
+        softmax_type=stype,
     )
-    return _Call(q, k, v, bias, seq, seeds, static, config, fmt)
+    return _Call(q, k, v, bias, seq, seeds, softmax_offset, static, config, fmt)
 
 
 def _run(call: _Call, backend: str):
     if backend == FusedAttention.SHORT_NAME:
-        out = fused_attn_core(call.q, call.k, call.v, call.bias, call.seq, call.seeds, call.static)
+        out = fused_attn_core(call.q, call.k, call.v, call.bias, call.seq, call.seeds, call.static,
+                              call.softmax_offset)
     else:
         s = call.static
         out = attention_math.unfused_attention(
@@ -712,6 +726,7 @@ def _run(call: _Call, backend: str):
             attn_mask_type=s.attn_mask_type, attn_bias_type=s.attn_bias_type, window_size=s.window_size,
             scaling_factor=s.scaling_factor, dropout_probability=s.dropout_probability, is_training=s.is_training,
             bottom_right_diagonal=s.bottom_right,
+            softmax_type=s.softmax_type, softmax_offset=call.softmax_offset,
         )
         out = checkpoint_name(out, call.static.checkpoint_name)
     return _to_bshd(out, call.qkv_format)  # SBHD: swap back
@@ -788,9 +803,12 @@ def fused_attn(
     :param attn_mask_type: no_mask, padding, causal, padding_causal, causal_bottom_right,
         padding_causal_bottom_right (``AttnMaskType.CAUSAL_MASK`` etc.). Causal is top-left
         aligned; bottom_right aligns the diagonal with the last key of each sequence.
-    :param softmax_type: ``AttnSoftmaxType.VANILLA_SOFTMAX`` (the others raise
-        ``NotImplementedError`` for now). A number here is refused with ``ValueError``: it is a
-        call written for the order without ``softmax_type``.
+    :param softmax_type: ``AttnSoftmaxType`` (or ``'vanilla'``, ``'off_by_one'``, ``'learnable'``).
+        Sink softmax adds one logit per row to the normaliser: 0 for ``OFF_BY_ONE_SOFTMAX``,
+        ``softmax_offset[h]`` for ``LEARNABLE_SOFTMAX`` (added to the scaled scores as it is). The
+        sink has no value vector: a query that sees no key still gets zeros, and dropout drops the
+        keys' probabilities. A number here is refused with ``ValueError``: it is a call written for
+        the order without ``softmax_type``.
     :param scaling_factor: logits scale; ``None`` is ``1 / sqrt(d_qk)``.
     :param dropout_probability: in ``[0, 1)``; applied only when ``is_training``.
     :param max_segments_per_seq: sequences per row for THD layouts (other layouts hold one; a
@@ -809,7 +827,10 @@ def fused_attn(
         stripes); otherwise ``NotImplementedError``.
     :param context_checkpoint_name: the ``jax.ad_checkpoint.checkpoint_name`` given to the output
         (and, on the fused backend, to the saved softmax statistics) for remat policies.
-    :param softmax_offset: only for the learnable softmax (not implemented yet); must be ``None``.
+    :param softmax_offset: float32 ``[1, h_q, 1, 1]``, the learnable sink logits (required for
+        ``LEARNABLE_SOFTMAX``, ``None`` otherwise); differentiable. Its gradient sums each sequence's
+        part (rows in a fixed order) over the sequences as a fixed pairwise tree in batch order, so in
+        deterministic mode it is bitwise reproducible and the same on any sharding.
     :param score_mod: a cuDNN frontend callback; it, ``score_mod_bprop``, ``score_mod_tensors``
         and ``score_mod_bprop_tensors`` must be ``None`` (``NotImplementedError``).
     :returns: ``[b, s_q, h_q, d_v]`` (``[s_q, b, h_q, d_v]`` for SBHD) in the dtype of ``q``. A
@@ -904,10 +925,7 @@ def _fused_reasons(
     until ``primitives.gpu.BIAS_VERIFIED_ON_GPU``)."""
     mask = _enum(AttnMaskType, attn_mask_type, "attn_mask_type")
     reasons = []
-    try:
-        _softmax_type(softmax_type, None)
-    except NotImplementedError as err:
-        reasons.append(str(err))
+    stype = _common.AttnSoftmaxType(_softmax_type(softmax_type, None).value)
     if jnp.dtype(q_dtype) != jnp.dtype(kv_dtype):
         reasons.append(f"q_dtype={jnp.dtype(q_dtype).name} != kv_dtype={jnp.dtype(kv_dtype).name}")
     bias_type = _enum(AttnBiasType, attn_bias_type, "attn_bias_type")
@@ -919,7 +937,7 @@ def _fused_reasons(
         max_seqlen_kv=kv_max_seqlen, dtype=q_dtype, qkv_layout=_enum(QKVLayout, qkv_layout, "qkv_layout"),
         attn_mask_type=mask, window_size=normalize_window(window_size, mask), attn_bias_type=bias_type,
         bias_shape=bias_shape, dropout=float(dropout_probability), is_training=bool(is_training),
-        selecting=selecting,
+        selecting=selecting, softmax_type=stype,
     )
     if not settings.get(FusedAttention.ENABLE_VAR):
         reasons.append(f"disabled by {FusedAttention.ENABLE_VAR}=0")

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_engine.common.attention.config import resolve_bottom_right_diagonal
-from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType
+from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, AttnSoftmaxType
 
 __all__ = [
     "SeqInfo",
@@ -54,6 +54,7 @@ __all__ = [
     "lse_to_tokens",
     "fixed_order_sum",
     "zero_padding",
+    "sink_logits",
 ]
 
 
@@ -219,17 +220,36 @@ def fixed_order_sum(x: jax.Array, axis: int = -1, keepdims: bool = False) -> jax
     return jnp.expand_dims(x, axis) if keepdims else x
 
 
-def _masked_softmax(logits, visible):
+def sink_logits(softmax_type: AttnSoftmaxType, softmax_offset, num_heads: int) -> Optional[jax.Array]:
+    """The sink logit of each query head (fp32 ``[h]``) for a softmax type: None for vanilla, zeros
+    for off-by-one, ``softmax_offset`` (``[h]`` or ``[1, h, 1, 1]``) for learnable."""
+    softmax_type = AttnSoftmaxType(softmax_type)
+    if not softmax_type.has_sink:
+        return None
+    if not softmax_type.is_learnable:
+        return jnp.zeros((num_heads,), jnp.float32)
+    return jnp.reshape(softmax_offset, (num_heads,)).astype(jnp.float32)
+
+
+def _masked_softmax(logits, visible, sink=None):
     """Softmax over keys restricted to ``visible``; (probabilities, log-sum-exp). Rows that see no
-    key get zero probabilities and a log-sum-exp of +inf."""
+    key get zero probabilities and a log-sum-exp of +inf. ``sink`` (``[h]``, sink softmax): one more
+    always-visible logit per row of head h, in the normaliser and the log-sum-exp only."""
     neg_inf = jnp.asarray(-jnp.inf, logits.dtype)
     # initial: a row of no keys at all (s_kv = 0) has max -inf like a fully masked one.
     row_max = jnp.max(jnp.where(visible, logits, neg_inf), axis=-1, keepdims=True, initial=-jnp.inf)
     any_visible = jnp.any(visible, axis=-1, keepdims=True)
+    if sink is not None:
+        column = jnp.broadcast_to(sink.astype(logits.dtype)[None, :, None, None], (*logits.shape[:-1], 1))
+        row_max = jnp.maximum(row_max, column)
+        any_visible = jnp.ones_like(any_visible)
     row_max = jax.lax.stop_gradient(jnp.where(any_visible, row_max, 0.0))
     # Mask before exp: exp(-inf) = 0 has a zero derivative, so hidden logits get no NaN gradient.
     exp = jnp.exp(jnp.where(visible, logits - row_max, neg_inf))
-    denom = jnp.where(any_visible, fixed_order_sum(exp, axis=-1, keepdims=True), 1.0)
+    denom = fixed_order_sum(exp, axis=-1, keepdims=True)
+    if sink is not None:
+        denom = denom + jnp.exp(column - row_max)
+    denom = jnp.where(any_visible, denom, 1.0)
     probs = exp / denom
     lse = jnp.where(any_visible, row_max + jnp.log(denom), jnp.inf)
     return probs, lse[..., 0]
@@ -304,12 +324,16 @@ def unfused_attention(
     dropout_probability: float,
     is_training: bool,
     bottom_right_diagonal: Optional[bool] = None,
+    softmax_type: AttnSoftmaxType = AttnSoftmaxType.VANILLA_SOFTMAX,
+    softmax_offset=None,
 ):
-    """softmax(QK^T * scale + bias) V in the input dtype, softmax in fp32. Returns ``[b, s_q, h_q, d_v]``."""
+    """softmax(QK^T * scale + bias) V in the input dtype, softmax in fp32. Returns ``[b, s_q, h_q, d_v]``.
+    Sink softmax (``softmax_type``) adds one logit per row (0, or ``softmax_offset[h]``, not scaled)
+    to the normaliser; dropout applies to the keys' probabilities."""
     visible = visibility_mask(seq, q.shape[1], k.shape[1], attn_mask_type, window_size, bottom_right_diagonal)
     q, k, v, in_q = zero_padding(q, k, v, seq)
     logits = _logits(q, k, bias, scaling_factor, attn_bias_type, jnp.float32)
-    probs, _ = _masked_softmax(logits, visible)
+    probs, _ = _masked_softmax(logits, visible, sink_logits(softmax_type, softmax_offset, q.shape[2]))
     if is_training and dropout_probability > 0.0:
         probs, _ = _apply_dropout(probs, seeds, dropout_probability)
     out = _pv(probs.astype(v.dtype), v, jnp.float32)
@@ -319,15 +343,15 @@ def unfused_attention(
 # --- the fused primitives' CPU math (fp32) ----------------------------------------------------------
 
 
-def fused_fwd_math(q, k, v, bias, seq: SeqInfo, seeds, *, static):
+def fused_fwd_math(q, k, v, bias, seq: SeqInfo, seeds, *, static, softmax_offset=None):
     """Forward of the fused primitive in fp32: (output in q's dtype, per-token log-sum-exp fp32
-    ``[b, h, s_q]``)."""
+    ``[b, h, s_q]``, including the sink with sink softmax)."""
     f32 = jnp.float32
     visible = visibility_mask(seq, q.shape[1], k.shape[1], static.attn_mask_type, static.window_size,
                               static.bottom_right)
     q, k, v, in_q = zero_padding(q, k, v, seq)
     logits = _logits(q.astype(f32), k.astype(f32), bias, static.scaling_factor, static.attn_bias_type, f32)
-    probs, lse = _masked_softmax(logits, visible)
+    probs, lse = _masked_softmax(logits, visible, sink_logits(static.softmax_type, softmax_offset, q.shape[2]))
     if static.has_dropout:
         probs, _ = _apply_dropout(probs, seeds, static.dropout_probability)
     out = _pv(probs, v.astype(f32), f32)
@@ -342,9 +366,31 @@ def _sum_to_shape(x, shape):
     return x
 
 
+def sink_grad_parts(lse, delta, seq: SeqInfo, softmax_offset) -> jax.Array:
+    """Each sequence's part of d softmax_offset (learnable sink), fp32 ``[b, m, h]``:
+    ``-sum_i exp(offset_h - lse_i) * delta_i`` over its rows, summed by position within the sequence
+    (``fixed_order_sum``), so a part does not depend on the other sequences or on the row layout."""
+    b, h, s_q = lse.shape
+    p_sink = jnp.exp(jnp.reshape(softmax_offset, (h,)).astype(jnp.float32)[None, :, None] - lse)  # 0 on padding
+    rows = jnp.where(jnp.isfinite(lse), p_sink * delta, 0.0)  # [b, h, s_q]
+    m = seq.q_seqlens.shape[1]
+    i = jnp.arange(s_q, dtype=jnp.int32)
+    token = jnp.clip(seq.q_offsets[:, :m, None].astype(jnp.int32) + i, 0, s_q - 1)  # [b, m, s_q]
+    gathered = jnp.take_along_axis(jnp.broadcast_to(rows[:, None], (b, m, h, s_q)),
+                                   jnp.broadcast_to(token[:, :, None, :], (b, m, h, s_q)), axis=-1)
+    inside = (i < seq.q_seqlens[:, :, None])[:, :, None, :]
+    return -fixed_order_sum(jnp.where(inside, gathered, 0.0), axis=-1)
+
+
+def row_delta(out, dout) -> jax.Array:
+    """``delta_i = sum_d dO_id O_id = sum_j P_ij dP_ij`` (holds with dropout too), fp32 ``[b, h_q, s_q]``."""
+    return jnp.swapaxes(fixed_order_sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1), 1, 2)
+
+
 def fused_bwd_math(q, k, v, bias, out, dout, lse, seq: SeqInfo, seeds, *, static):
     """Backward of the fused primitive in fp32 from the per-token log-sum-exp ``[b, h, s_q]``:
-    (dq, dk, dv, dbias)."""
+    (dq, dk, dv, dbias). With sink softmax the log-sum-exp includes the sink and nothing else changes
+    (the sink has no value, so ``delta = rowsum(dO * O)`` still is ``sum_j P_ij dP_ij``)."""
     f32 = jnp.float32
     b, s_q, h_q, _ = q.shape
     s_kv, h_kv = k.shape[1], k.shape[2]
@@ -356,8 +402,7 @@ def fused_bwd_math(q, k, v, bias, out, dout, lse, seq: SeqInfo, seeds, *, static
     # exp(logits - lse) recomputes the forward probabilities; +inf lse (empty row) gives 0.
     probs = jnp.where(visible, jnp.exp(jnp.where(visible, logits, 0.0) - lse[..., None]), 0.0)
     dout_f = dout.astype(f32)
-    # delta_i = sum_d dO_id O_id = sum_j P_ij dP_ij (holds with dropout too).
-    delta = jnp.swapaxes(fixed_order_sum(dout_f * out.astype(f32), axis=-1), 1, 2)  # [b, h_q, s_q]
+    delta = row_delta(out, dout)
     hi = _precision(f32)
     dprobs_dropped = jnp.einsum(
         "bqkgd,bskd->bkgqs", _group(dout_f, h_kv), vf, preferred_element_type=f32, precision=hi

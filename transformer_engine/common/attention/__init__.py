@@ -3,6 +3,7 @@
 from transformer_engine.common.attention.enums import (
     AttnBiasType,
     AttnMaskType,
+    AttnSoftmaxType,
     QKVFormat,
     QKVLayout,
 )
@@ -19,6 +20,7 @@ from transformer_engine.common.attention.backends import (
 __all__ = [
     "AttnBiasType",
     "AttnMaskType",
+    "AttnSoftmaxType",
     "QKVFormat",
     "QKVLayout",
     "AttnConfig",

@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Type
 
 from transformer_engine.common import settings
 from transformer_engine.common.attention.config import AttnConfig
-from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, QKVFormat
+from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, AttnSoftmaxType, QKVFormat
 from transformer_engine.common.log import get_logger, warn_once
 
 __all__ = [
@@ -54,6 +54,7 @@ class AttentionBackend:
     SUPPORTED_FORMATS: frozenset = _ALL_FORMATS
     SUPPORTED_BIAS_TYPES: frozenset = frozenset(AttnBiasType)
     SUPPORTS_DROPOUT: bool = True
+    SUPPORTED_SOFTMAX_TYPES: frozenset = frozenset(AttnSoftmaxType)
     SUPPORTS_WINDOW: bool = True
     SUPPORTS_GQA: bool = True
     SUPPORTS_DIFFERENT_HEAD_DIMS: bool = True  # d_qk != d_v
@@ -105,6 +106,9 @@ class AttentionBackend:
             reasons.append(f"attn_bias_type={config.attn_bias_type.value}")
         if config.dropout > 0 and config.is_training and not cls.SUPPORTS_DROPOUT:
             reasons.append(f"dropout={config.dropout} (dropout not supported)")
+        if config.softmax_type not in cls.SUPPORTED_SOFTMAX_TYPES:
+            names = ", ".join(sorted(t.value for t in cls.SUPPORTED_SOFTMAX_TYPES))
+            reasons.append(f"softmax_type={config.softmax_type.value} (supported: {names})")
         if config.window_kind == "sliding" and not cls.SUPPORTS_WINDOW:
             reasons.append(f"window_size={config.window_size} (sliding windows not supported)")
         if config.num_heads_q != config.num_heads_kv and not cls.SUPPORTS_GQA:
@@ -173,6 +177,9 @@ class FlashAttention(AttentionBackend):
     SUPPORTED_MASKS = _ALL_MASKS - {AttnMaskType.ARBITRARY_MASK}
     SUPPORTED_BIAS_TYPES = frozenset({AttnBiasType.NO_BIAS})
     SUPPORTS_DROPOUT = False
+    # flash-attn-4 has a forward-only sink argument; this wrapper passes none, so sink softmax
+    # (off-by-one, learnable) goes to our kernels.
+    SUPPORTED_SOFTMAX_TYPES = frozenset({AttnSoftmaxType.VANILLA_SOFTMAX})
     # Blackwell (SM10x) kernels: d_qk and d_v both <= 128, or one of these pairs (Hopper: any up to 256).
     SM100_HEAD_DIMS_BEYOND_128 = frozenset({(192, 128), (256, 256)})
     # Hopper (SM90) head dims (d_qk, d_v) whose backward matched the reference on the H200

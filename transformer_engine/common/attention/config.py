@@ -8,6 +8,7 @@ from typing import Optional, Tuple
 from transformer_engine.common.attention.enums import (
     AttnBiasType,
     AttnMaskType,
+    AttnSoftmaxType,
     QKVFormat,
     QKVLayout,
 )
@@ -99,6 +100,7 @@ class AttnConfig:
     attn_bias_type: AttnBiasType = AttnBiasType.NO_BIAS
     bias_shape: Optional[str] = None  # "1hss", "b1ss", "bhss", "11ss", "111s"
     dropout: float = 0.0
+    softmax_type: AttnSoftmaxType = AttnSoftmaxType.VANILLA_SOFTMAX  # sink softmax: off-by-one, learnable
     is_training: bool = True
     deterministic: bool = False
     framework: str = "pytorch"
@@ -150,6 +152,7 @@ class AttnConfig:
             f"dtype={self.dtype} layout={self.qkv_layout.value} mask={self.attn_mask_type.value} "
             f"window={self.window_size} bottom_right={self.bottom_right} bias={self.attn_bias_type.value} "
             f"dropout={self.dropout} "
+            f"softmax={self.softmax_type.value} "
             f"training={self.is_training} deterministic={self.deterministic} "
             f"device={self.device_type} arch={self.arch} framework={self.framework}"
         )

@@ -92,3 +92,28 @@ class AttnBiasType(str, Enum):
     PRE_SCALE_BIAS = "pre_scale_bias"
     POST_SCALE_BIAS = "post_scale_bias"
     ALIBI = "alibi"
+
+
+class AttnSoftmaxType(str, Enum):
+    """Softmax kinds. ``off-by-one`` adds 1 (a zero sink logit) to each row's denominator,
+    ``learnable`` adds ``exp(softmax_offset[h])`` with a learnable per-head sink logit. The sink
+    takes probability but has no value vector: it only shrinks the row's weights."""
+
+    VANILLA_SOFTMAX = "vanilla"
+    OFF_BY_ONE_SOFTMAX = "off-by-one"
+    LEARNABLE_SOFTMAX = "learnable"
+
+    @classmethod
+    def _missing_(cls, value):
+        # TransformerEngine-JAX spells it "off_by_one"; the PyTorch side "off-by-one".
+        if isinstance(value, str) and value.replace("_", "-") == cls.OFF_BY_ONE_SOFTMAX.value:
+            return cls.OFF_BY_ONE_SOFTMAX
+        return None
+
+    @property
+    def has_sink(self) -> bool:
+        return self != AttnSoftmaxType.VANILLA_SOFTMAX
+
+    @property
+    def is_learnable(self) -> bool:
+        return self == AttnSoftmaxType.LEARNABLE_SOFTMAX

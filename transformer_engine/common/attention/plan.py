@@ -93,6 +93,16 @@ class BackwardPlan:
         tile = min(self.dq.block_m, self.dbias_block)
         return Tiles(tile, tile, self.dq.num_warps, 1)
 
+    @property
+    def dsink(self) -> Tiles:
+        """Row tiles of the sink-gradient reduction (learnable softmax only): the preprocess's rows."""
+        return Tiles(self.preprocess.block_m, 0, self.preprocess.num_warps, 1)
+
+    @staticmethod
+    def dsink_grid(num_seqs: int, num_heads: int) -> Tuple[int, int, int]:
+        """Launch grid of the sink-gradient kernel: one program per (sequence, query head)."""
+        return (num_seqs, num_heads, 1)
+
     def dbias_grid(self, seqlen_q: int, seqlen_kv: int, bias_batch: int, bias_heads: int) -> Tuple[int, int, int]:
         """Launch grid of the dBias kernel: one program per [s_q, s_kv] tile of each bias slice."""
         t = self.dbias
@@ -175,7 +185,7 @@ _SM90_DQ: Dict[Tuple[int, bool], Tiles] = {
 # Warp-specialized Gluon kernels on Hopper (kernels/hopper_ws.py): 128 rows (query rows; keys for dK/dV)
 # as two consumer warpgroups of 64 plus a loader warp (12 warps allocated: 168 registers each on average).
 # Forward: K/V blocks of 128 in a 2-buffer ring. Where they serve: d_qk = d_v = 128, fp16/bf16, no bias,
-# ALiBi or dropout.
+# ALiBi, dropout or sink softmax.
 _SM90_FWD_WS = {
     (128, False): Tiles(128, 128, 4, 2, max_registers=168),
     (128, True): Tiles(128, 128, 4, 2, head_group=8, max_registers=168),
@@ -363,6 +373,9 @@ def _warp_specialized(config: AttnConfig, arch: Optional[ArchTables], key: Tuple
     if config.dtype not in ("float16", "bfloat16") or config.head_dim_qk != config.head_dim_v:
         return None
     if config.attn_bias_type != AttnBiasType.NO_BIAS or config.dropout > 0:
+        return None
+    # Sink softmax (off-by-one, learnable) is in the Triton forward only.
+    if config.softmax_type.has_sink:
         return None
     # The head dim must fill its tile: the Gluon kernels mask no head-dim columns.
     if config.head_dim_qk != key[0] or not settings.get("NVTE_FUSED_ATTN_WS"):

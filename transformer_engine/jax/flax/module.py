@@ -72,7 +72,10 @@ class DotProductAttention(nn.Module):
       is not implemented; values that describe none run, others raise ``NotImplementedError``
       (see :func:`~transformer_engine.jax.attention.fused_attn`).
     - ``context_checkpoint_name``: the remat checkpoint name of the output.
-    - ``softmax_type``: ``'vanilla'`` (the sink softmax types raise ``NotImplementedError`` for now).
+    - ``softmax_type``: ``'vanilla'``, ``'off_by_one'`` (or ``'off-by-one'``) or ``'learnable'``, see
+      :func:`~transformer_engine.jax.attention.fused_attn`. ``'learnable'`` owns the parameter
+      ``softmax_offset`` (float32 ``[1, num_attention_heads, 1, 1]``, zeros at init), as
+      TransformerEngine-JAX's module does.
     - ``score_mod``, ``score_mod_bprop``: must be ``None`` (``NotImplementedError``).
 
     ``__call__(query, key, value, sequence_descriptor=None, bias=None, *, deterministic=False,
@@ -178,6 +181,10 @@ class DotProductAttention(nn.Module):
         dropout = float(self.attention_dropout)
         seed = self.make_rng(self.dropout_rng_name) if (is_training and dropout > 0.0) else None
         scale = self.scale_factor if self.scale_factor is not None else self.head_dim**-0.5
+        softmax_offset = None
+        if _attention._softmax_type(self.softmax_type, None) == AttnSoftmaxType.LEARNABLE_SOFTMAX:
+            softmax_offset = self.param("softmax_offset", nn.initializers.zeros, (1, self.num_attention_heads, 1, 1),
+                                        jnp.float32)
 
         out, selection = _attention._attention_with_selection(
             qkv=qkv, bias=bias, sequence_descriptor=sequence_descriptor, seed=seed, attn_bias_type=bias_type,
@@ -190,6 +197,7 @@ class DotProductAttention(nn.Module):
             context_checkpoint_name=self.context_checkpoint_name, score_mod=self.score_mod,
             score_mod_bprop=self.score_mod_bprop, score_mod_tensors=score_mod_tensors,
             score_mod_bprop_tensors=score_mod_bprop_tensors, bottom_right_diagonal=self.bottom_right_diagonal,
+            softmax_offset=softmax_offset,
         )
         fused_reasons = selection.rejected.get(_attention.FusedAttention.NAME)
         if fused_reasons:

@@ -33,7 +33,7 @@ from jax.interpreters import batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from transformer_engine.common.attention.config import resolve_bottom_right_diagonal
-from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, QKVFormat
+from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, AttnSoftmaxType, QKVFormat
 from transformer_engine.common.attention.validation import kernel_scale
 from transformer_engine.jax import attention_math
 from transformer_engine.jax.attention_math import SeqInfo
@@ -59,6 +59,7 @@ class FusedAttnStatic:
     # Diagonal of sliding windows (None: TransformerEngine-JAX's, bottom-right for the bottom-right causal
     # masks only); see common.attention.config.resolve_bottom_right_diagonal.
     bottom_right_diagonal: Optional[bool] = None
+    softmax_type: AttnSoftmaxType = AttnSoftmaxType.VANILLA_SOFTMAX
 
     @property
     def bottom_right(self) -> bool:
@@ -78,7 +79,8 @@ class FusedAttnStatic:
 # ================================================================================================
 
 
-def _check_operands(static: FusedAttnStatic, q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds):
+def _check_operands(static: FusedAttnStatic, q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds,
+                    softmax_offset):
     """Validate canonical operands (shapes and dtypes); the frontend has already named user errors."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if len(x.shape) != 4:
@@ -114,6 +116,8 @@ def _check_operands(static: FusedAttnStatic, q, k, v, bias, q_seqlens, kv_seqlen
             raise ValueError(f"`{name}` must be int [{b}, {m + (width or 0)}], got {x.dtype}{list(x.shape)}")
     if seeds.shape != (b, h_q, 2) or seeds.dtype != jnp.uint32:
         raise ValueError(f"`seeds` must be uint32 [{b}, {h_q}, 2], got {seeds.dtype}{list(seeds.shape)}")
+    if softmax_offset.shape != (h_q,) or softmax_offset.dtype != jnp.float32:
+        raise ValueError(f"`softmax_offset` must be float32 [{h_q}], got {softmax_offset.dtype}{list(softmax_offset.shape)}")
 
 
 # ================================================================================================
@@ -121,13 +125,15 @@ def _check_operands(static: FusedAttnStatic, q, k, v, bias, q_seqlens, kv_seqlen
 # ================================================================================================
 
 
-def _fwd_impl(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds, *, static):
+def _fwd_impl(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds, softmax_offset, *, static):
     seq = SeqInfo(q_seqlens, kv_seqlens, q_offsets, kv_offsets)
-    out, lse = attention_math.fused_fwd_math(q, k, v, bias if static.has_bias else None, seq, seeds, static=static)
+    out, lse = attention_math.fused_fwd_math(q, k, v, bias if static.has_bias else None, seq, seeds, static=static,
+                                             softmax_offset=softmax_offset)
     return out, attention_math.lse_to_segments(lse, seq)
 
 
-def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds, *, static):
+def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds,
+              softmax_offset, *, static):
     seq = SeqInfo(q_seqlens, kv_seqlens, q_offsets, kv_offsets)
     lse = attention_math.lse_to_tokens(softmax_aux, seq)
     dq, dk, dv, dbias = attention_math.fused_bwd_math(
@@ -135,7 +141,16 @@ def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_of
     )
     if dbias is None:
         dbias = jnp.zeros_like(bias)
-    return dq, dk, dv, dbias
+    if static.softmax_type.is_learnable:
+        dsink = attention_math.sink_grad_parts(lse, attention_math.row_delta(out, dout), seq, softmax_offset)
+    else:
+        dsink = jnp.zeros(_dsink_shape(q, q_seqlens), jnp.float32)
+    return dq, dk, dv, dbias, dsink
+
+
+def _dsink_shape(q, q_seqlens) -> Tuple[int, int, int]:
+    """Each sequence's part of d softmax_offset: ``[b, m, h_q]`` (zeros unless the sink is learnable)."""
+    return (q.shape[0], q_seqlens.shape[1], q.shape[2])
 
 
 # ================================================================================================
@@ -143,16 +158,17 @@ def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_of
 # ================================================================================================
 
 
-def _fwd_abstract(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds, *, static):
-    _check_operands(static, q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds)
+def _fwd_abstract(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds, softmax_offset, *, static):
+    _check_operands(static, q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds, softmax_offset)
     b, s_q, h_q, _ = q.shape
     out = jax.core.ShapedArray((b, s_q, h_q, v.shape[3]), q.dtype)
     aux = jax.core.ShapedArray(attention_math.softmax_aux_shape(b, q_seqlens.shape[1], h_q, s_q), jnp.float32)
     return out, aux
 
 
-def _bwd_abstract(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds, *, static):
-    _check_operands(static, q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds)
+def _bwd_abstract(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds,
+                  softmax_offset, *, static):
+    _check_operands(static, q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds, softmax_offset)
     expected_out = (*q.shape[:3], v.shape[3])
     for name, x in (("out", out), ("dout", dout)):
         if x.shape != expected_out or x.dtype != q.dtype:
@@ -160,7 +176,8 @@ def _bwd_abstract(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, 
     aux_shape = attention_math.softmax_aux_shape(q.shape[0], q_seqlens.shape[1], q.shape[2], q.shape[1])
     if softmax_aux.shape != aux_shape or softmax_aux.dtype != jnp.float32:
         raise ValueError(f"`softmax_aux` must be float32{list(aux_shape)}, got {softmax_aux.dtype}{list(softmax_aux.shape)}")
-    return tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in (q, k, v, bias))
+    grads = tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in (q, k, v, bias))
+    return grads + (jax.core.ShapedArray(_dsink_shape(q, q_seqlens), jnp.float32),)
 
 
 # ================================================================================================
@@ -206,9 +223,13 @@ def _fold(x):
 def _fold_operands(static, args, dims, bias_index):
     """Move the mapped axis of every operand to the front and merge it with the batch axis. A
     batch-broadcast bias ([1, ...]) is broadcast to the batch first, so each row keeps its own
-    gradient. Returns the folded operands, the vmap size and the batch size."""
+    gradient. The per-head softmax_offset (last operand) stays as it is. Returns the folded
+    operands, the vmap size and the batch size."""
+    if dims[-1] is not None:
+        raise NotImplementedError("fused_attn: `softmax_offset` must not be batched under vmap (it is one sink "
+                                  "logit per head for the whole batch)")
     n = _axis_size(args, dims)
-    fronted = [_to_front(x, d, n) for x, d in zip(args, dims)]
+    fronted = [_to_front(x, d, n) for x, d in zip(args[:-1], dims[:-1])]
     b = fronted[0].shape[1]
     folded = []
     for i, x in enumerate(fronted):
@@ -218,7 +239,7 @@ def _fold_operands(static, args, dims, bias_index):
                 continue
             x = jnp.broadcast_to(x, (n, b, *x.shape[2:]))
         folded.append(_fold(x))
-    return folded, n, b
+    return folded + [args[-1]], n, b
 
 
 def _unfold(x, n, b):
@@ -233,15 +254,16 @@ def _fwd_batch(args, dims, *, static):
 
 def _bwd_batch(args, dims, *, static):
     folded, n, b = _fold_operands(static, args, dims, bias_index=3)
-    dq, dk, dv, dbias = _bwd_outer_p.bind(*folded, static=static)
+    dq, dk, dv, dbias, dsink = _bwd_outer_p.bind(*folded, static=static)
+    dsink = _unfold(dsink, n, b)
     if static.has_bias:
         bias, bias_dim = args[3], dims[3]
         bias_batch = bias.shape[1 if bias_dim == 0 else 0] if bias_dim is not None else bias.shape[0]
         dbias = _unfold(dbias, n, b)
         if bias_batch == 1 and b != 1:
             dbias = jnp.sum(dbias.astype(jnp.float32), axis=1, keepdims=True).astype(bias.dtype)
-        return (_unfold(dq, n, b), _unfold(dk, n, b), _unfold(dv, n, b), dbias), (0, 0, 0, 0)
-    return (_unfold(dq, n, b), _unfold(dk, n, b), _unfold(dv, n, b), dbias), (0, 0, 0, None)
+        return (_unfold(dq, n, b), _unfold(dk, n, b), _unfold(dv, n, b), dbias, dsink), (0, 0, 0, 0, 0)
+    return (_unfold(dq, n, b), _unfold(dk, n, b), _unfold(dv, n, b), dbias, dsink), (0, 0, 0, None, 0)
 
 
 # ================================================================================================
@@ -326,10 +348,12 @@ def _layout(static, mesh, arg_infos, seq_operands) -> _Layout:
     return _Layout(mesh, batch, heads, kv_heads)
 
 
-_FWD_NAMES = ("q", "k", "v", "bias", "q_seqlens", "kv_seqlens", "q_offsets", "kv_offsets", "seeds")
+_FWD_NAMES = ("q", "k", "v", "bias", "q_seqlens", "kv_seqlens", "q_offsets", "kv_offsets", "seeds", "softmax_offset")
 _BWD_NAMES = (
     "q", "k", "v", "bias", "out", "dout", "softmax_aux", "q_seqlens", "kv_seqlens", "q_offsets", "kv_offsets", "seeds",
+    "softmax_offset",
 )
+_BWD_RESULTS = ("q", "k", "v", "bias", "dsink")
 _FWD_SEQ_AXES = (("q", 1), ("k", 1), ("v", 1))
 _BWD_SEQ_AXES = (("q", 1), ("k", 1), ("v", 1), ("out", 1), ("dout", 1), ("softmax_aux", 3))
 
@@ -346,6 +370,8 @@ def _operand_shardings(static, layout: _Layout, arg_infos) -> dict:
         "dout": L.named(L.batch, None, L.heads, None),
         "softmax_aux": L.named(L.batch, None, L.heads, None),
         "seeds": L.named(L.batch, L.heads, None),
+        "softmax_offset": L.named(L.heads),
+        "dsink": L.named(L.batch, None, L.heads),
     }
     for name in ("q_seqlens", "kv_seqlens", "q_offsets", "kv_offsets"):
         shardings[name] = L.named(L.batch, None)
@@ -376,7 +402,7 @@ def _bwd_result_shardings(static, mesh, arg_shapes, result_shape):
     infos = dict(zip(_BWD_NAMES, arg_shapes))
     layout = _layout(static, mesh, infos, _BWD_SEQ_AXES)
     shardings = _operand_shardings(static, layout, infos)
-    return tuple(shardings[name] for name in ("q", "k", "v", "bias"))
+    return tuple(shardings[name] for name in _BWD_RESULTS)
 
 
 def _psum_f32(x, axes):
@@ -388,7 +414,7 @@ def _bwd_partition(static, mesh, arg_shapes, result_shape):
     layout = _layout(static, mesh, infos, _BWD_SEQ_AXES)
     shardings = _operand_shardings(static, layout, infos)
     arg_shardings = tuple(shardings[name] for name in _BWD_NAMES)
-    result_shardings = tuple(shardings[name] for name in ("q", "k", "v", "bias"))
+    result_shardings = tuple(shardings[name] for name in _BWD_RESULTS)
     # dbias of a bias broadcast over batch (or heads) sums over a split axis: all-reduce it.
     reduce_axes = ()
     if static.has_bias:
@@ -403,12 +429,14 @@ def _bwd_partition(static, mesh, arg_shapes, result_shape):
     kv_reduce_axes = _axes_tuple(layout.heads) if layout.kv_heads is None else ()
 
     def lower_fn(*operands):
-        dq, dk, dv, dbias = _bwd_inner_p.bind(*operands, static=static)
+        # dsink holds each sequence's part (batch and heads as q): nothing to reduce here; the sum
+        # over sequences is the custom_vjp's, in a fixed order.
+        dq, dk, dv, dbias, dsink = _bwd_inner_p.bind(*operands, static=static)
         if reduce_axes:
             dbias = _psum_f32(dbias, reduce_axes)
         if kv_reduce_axes:
             dk, dv = _psum_f32(dk, kv_reduce_axes), _psum_f32(dv, kv_reduce_axes)
-        return dq, dk, dv, dbias
+        return dq, dk, dv, dbias, dsink
 
     return mesh, lower_fn, result_shardings, arg_shardings
 
@@ -442,7 +470,7 @@ def _common_factors(static, value_types):
 
 def _fwd_sharding_rule(static, mesh, value_types, result_types):
     hq, sizes, bias_rule = _common_factors(static, value_types)
-    operands = [f"b s {hq} d", "b t kh d", "b t kh e", bias_rule, "b m", "b m", "b m1", "b m1", f"b {hq} two"]
+    operands = [f"b s {hq} d", "b t kh d", "b t kh e", bias_rule, "b m", "b m", "b m1", "b m1", f"b {hq} two", hq]
     results = [f"b s {hq} e", f"b m {hq} s"]
     rule = ", ".join(operands) + " -> " + ", ".join(results)
     return rule, dict(sizes, need_replication_factors=("d", "e"))
@@ -452,22 +480,25 @@ def _bwd_sharding_rule(static, mesh, value_types, result_types):
     hq, sizes, bias_rule = _common_factors(static, value_types)
     operands = [
         f"b s {hq} d", "b t kh d", "b t kh e", bias_rule, f"b s {hq} e", f"b s {hq} e", f"b m {hq} s",
-        "b m", "b m", "b m1", "b m1", f"b {hq} two",
+        "b m", "b m", "b m1", "b m1", f"b {hq} two", hq,
     ]
     dbias_rule = bias_rule if static.has_bias else "nodbias"
-    results = [f"b s {hq} d", "b t kh d", "b t kh e", dbias_rule]
+    results = [f"b s {hq} d", "b t kh d", "b t kh e", dbias_rule, f"b m {hq}"]
     rule = ", ".join(operands) + " -> " + ", ".join(results)
     return rule, dict(sizes, need_replication_factors=("d", "e"))
 
 
-def _fwd_partitioned(static, q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds):
-    return tuple(_fwd_inner_p.bind(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds, static=static))
+def _fwd_partitioned(static, q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds, softmax_offset):
+    return tuple(_fwd_inner_p.bind(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds, softmax_offset,
+                                   static=static))
 
 
-def _bwd_partitioned(static, q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds):
+def _bwd_partitioned(static, q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds,
+                     softmax_offset):
     return tuple(
         _bwd_inner_p.bind(
-            q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds, static=static
+            q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds, softmax_offset,
+            static=static
         )
     )
 
@@ -552,34 +583,47 @@ batching.primitive_batchers[_bwd_outer_p] = _bwd_batch
 # ================================================================================================
 
 
-def fused_attn_fwd(q, k, v, bias, seq: SeqInfo, seeds, static: FusedAttnStatic):
-    """Forward primitive: (output ``[b, s_q, h_q, d_v]``, softmax aux (log-sum-exp, fp32))."""
-    out, aux = _fwd_outer_p.bind(q, k, v, bias, *seq, seeds, static=static)
+def fused_attn_fwd(q, k, v, bias, seq: SeqInfo, seeds, static: FusedAttnStatic, softmax_offset=None):
+    """Forward primitive: (output ``[b, s_q, h_q, d_v]``, softmax aux (log-sum-exp, fp32)).
+    ``softmax_offset``: fp32 ``[h_q]`` sink logits (read with sink softmax only)."""
+    if softmax_offset is None:
+        softmax_offset = jnp.zeros((q.shape[2],), jnp.float32)
+    out, aux = _fwd_outer_p.bind(q, k, v, bias, *seq, seeds, softmax_offset, static=static)
     return out, aux
 
 
-def fused_attn_bwd(q, k, v, bias, out, dout, softmax_aux, seq: SeqInfo, seeds, static: FusedAttnStatic):
-    """Backward primitive: (dq, dk, dv, dbias); dbias is a placeholder without bias."""
-    return tuple(_bwd_outer_p.bind(q, k, v, bias, out, dout, softmax_aux, *seq, seeds, static=static))
+def fused_attn_bwd(q, k, v, bias, out, dout, softmax_aux, seq: SeqInfo, seeds, static: FusedAttnStatic,
+                   softmax_offset=None):
+    """Backward primitive: (dq, dk, dv, dbias, dsink); dbias is a placeholder without bias, dsink
+    ``[b, m, h_q]`` each sequence's part of d softmax_offset (zeros unless the sink is learnable)."""
+    if softmax_offset is None:
+        softmax_offset = jnp.zeros((q.shape[2],), jnp.float32)
+    return tuple(_bwd_outer_p.bind(q, k, v, bias, out, dout, softmax_aux, *seq, seeds, softmax_offset,
+                                   static=static))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fused_attn(static, q, k, v, bias, seq, seeds):
-    out, _ = fused_attn_fwd(q, k, v, bias, seq, seeds, static)
+def _fused_attn(static, q, k, v, bias, softmax_offset, seq, seeds):
+    out, _ = fused_attn_fwd(q, k, v, bias, seq, seeds, static, softmax_offset)
     return checkpoint_name(out, static.checkpoint_name)
 
 
-def _fused_attn_fwd_rule(static, q, k, v, bias, seq, seeds):
-    out, aux = fused_attn_fwd(q, k, v, bias, seq, seeds, static)
+def _fused_attn_fwd_rule(static, q, k, v, bias, softmax_offset, seq, seeds):
+    out, aux = fused_attn_fwd(q, k, v, bias, seq, seeds, static, softmax_offset)
     out = checkpoint_name(out, static.checkpoint_name)
     aux = checkpoint_name(aux, static.checkpoint_name)
-    return out, (q, k, v, bias, seq, seeds, out, aux)
+    return out, (q, k, v, bias, softmax_offset, seq, seeds, out, aux)
 
 
 def _fused_attn_bwd_rule(static, residuals, dout):
-    q, k, v, bias, seq, seeds, out, aux = residuals
-    dq, dk, dv, dbias = fused_attn_bwd(q, k, v, bias, out, dout, aux, seq, seeds, static)
-    return dq, dk, dv, (dbias if static.has_bias else None), None, None
+    q, k, v, bias, softmax_offset, seq, seeds, out, aux = residuals
+    dq, dk, dv, dbias, dsink = fused_attn_bwd(q, k, v, bias, out, dout, aux, seq, seeds, static, softmax_offset)
+    d_offset = None
+    if static.softmax_type.is_learnable:
+        # The sequences' parts, in batch order (row, then segment), summed as a fixed pairwise tree:
+        # the same adds as the PyTorch frontend's launch.fixed_order_sum, on any sharding.
+        d_offset = attention_math.fixed_order_sum(dsink.reshape(-1, dsink.shape[-1]), axis=0)
+    return dq, dk, dv, (dbias if static.has_bias else None), d_offset, None, None
 
 
 _fused_attn.defvjp(_fused_attn_fwd_rule, _fused_attn_bwd_rule)
@@ -598,13 +642,19 @@ def fused_attn_core(
     seq: SeqInfo,
     seeds: jax.Array,
     static: FusedAttnStatic,
+    softmax_offset: Optional[jax.Array] = None,
 ) -> jax.Array:
     """Fused attention on canonical operands (see :mod:`transformer_engine.jax.attention_math`),
-    differentiable in ``q``, ``k``, ``v`` and ``bias``. ``bias`` is ``None`` without bias."""
+    differentiable in ``q``, ``k``, ``v``, ``bias`` and (learnable sink softmax) ``softmax_offset``.
+    ``bias`` is ``None`` without bias; ``softmax_offset`` (``[h_q]`` or ``[1, h_q, 1, 1]``) is the
+    learnable sink logits, ``None`` for the other softmax types."""
     if bias is None:
         if static.has_bias:
             raise ValueError(f"`bias` must be given with attn_bias_type={static.attn_bias_type.value!r}, got None")
         bias = jnp.zeros((0,), q.dtype)
+    offset = attention_math.sink_logits(static.softmax_type, softmax_offset, q.shape[2])
+    if offset is None:
+        offset = jnp.zeros((q.shape[2],), jnp.float32)
     seq = SeqInfo(*(x.astype(jnp.int32) for x in seq))
     # The kernels take a positive scale: a zero or negative one runs on 0 * q or -q (and a pre-scale
     # bias times the same factor); JAX's autodiff maps dq and dbias back.
@@ -614,4 +664,4 @@ def fused_attn_core(
         if static.attn_bias_type == AttnBiasType.PRE_SCALE_BIAS:
             bias = bias * jnp.asarray(q_factor, bias.dtype)
         static = dataclasses.replace(static, scaling_factor=scale)
-    return _fused_attn(static, q, k, v, bias, seq, seeds)
+    return _fused_attn(static, q, k, v, bias, offset, seq, seeds)

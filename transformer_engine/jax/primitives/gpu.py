@@ -17,6 +17,10 @@ log-sum-exp is ``[b * m, h, s]`` = the primitives' ``[b, m, h, s]`` softmax aux.
 A post_scale_bias ``[1|b, 1|h, s_q, s_kv]`` (padded layouts, one sequence per row) goes to the
 forward, dK/dV and dQ kernels with the PyTorch launcher's strides, and its gradient comes from the
 dBias kernel; ``BIAS_VERIFIED_ON_GPU`` says whether fused_attn selects this path.
+
+Sink softmax: the sink logits (fp32 ``[h_q]``) go to the Triton forward (``SINK``, ``HAS_SINK``); for
+the learnable sink the backward launches the sink-gradient kernel after the preprocess, which writes
+each sequence's part ``[b * m, h_q]`` (the custom_vjp sums them).
 """
 
 from __future__ import annotations
@@ -238,7 +242,7 @@ def _plan_config(static, q, k, v, deterministic: bool) -> AttnConfig:
         attn_mask_type=static.attn_mask_type, window_size=static.window_size, deterministic=deterministic,
         bottom_right_diagonal=static.bottom_right, framework="jax",
         attn_bias_type=AttnBiasType.POST_SCALE_BIAS if static.has_bias else AttnBiasType.NO_BIAS,
-        device_type="cuda", compute_capability=_compute_capability(),
+        softmax_type=static.softmax_type, device_type="cuda", compute_capability=_compute_capability(),
     )
 
 
@@ -282,7 +286,7 @@ def _sequence_arrays(q_seqlens, kv_seqlens, q_offsets, kv_offsets, s_q: int, s_k
 # ================================================================================================
 
 
-def _fwd_impl(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds, *, static):
+def _fwd_impl(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds, softmax_offset, *, static):
     from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel
     from transformer_engine.common.attention.kernels.hopper_ws import attn_fwd_ws_kernel
 
@@ -295,6 +299,7 @@ def _fwd_impl(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds
     if packed:
         operands += list(_sequence_arrays(q_seqlens, kv_seqlens, q_offsets, kv_offsets, s_q, s_kv))
     bias_buf = _append_bias(operands, bias, static)
+    sink_buf = _append_sink(operands, softmax_offset, static)
     nseq = b * m if packed else b
     prog = Program([jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands])
     o = prog.result((b, s_q, hq, dv), q.dtype)
@@ -325,6 +330,7 @@ def _fwd_impl(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds
         HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
         IS_THD=packed, HAS_SEQLENS=packed, DOT_PRECISION=plan.dot_precision,
         TMA=_tma(t.tma, k.dtype, k.shape, v.shape), **constexprs, **flags, **_bias_values(bias_buf, bias),
+        **_sink_values(sink_buf),
     )
     values = _complete(kernel_fn, values, Buf(lse))
     kernel = _compile_launch(kernel_fn, values, prog, t.launch_options)
@@ -343,6 +349,20 @@ def _append_bias(operands: List, bias, static) -> Optional["Buf"]:
         return None
     operands.append(bias)
     return Buf(len(operands) - 1)
+
+
+def _append_sink(operands: List, softmax_offset, static) -> Optional["Buf"]:
+    """Add the sink logits (fp32 [h_q]) to the call's operands with sink softmax: their buffer."""
+    if not static.softmax_type.has_sink:
+        return None
+    operands.append(softmax_offset)
+    return Buf(len(operands) - 1)
+
+
+def _sink_values(sink_buf: Optional["Buf"]) -> Dict[str, object]:
+    """The Triton forward's sink parameters (none without sink softmax: ``_complete`` passes the
+    switched-off values; the Gluon forward has none and the plan keeps sink configs off it)."""
+    return {} if sink_buf is None else dict(SINK=sink_buf, HAS_SINK=True)
 
 
 def _contiguous_strides(shape: Sequence[int]) -> Tuple[int, ...]:
@@ -371,9 +391,9 @@ def _bias_values(bias_buf: Optional["Buf"], bias) -> Dict[str, object]:
 # PyTorch launcher does.
 _FEATURES_OFF = dict(
     stride_zb=0, stride_zh=0, stride_zm=0, stride_zn=0, stride_alibi_b=0, dropout_p=0.0,
-    HAS_BIAS=False, HAS_ALIBI=False, DROPOUT=False, SUM_ROWS=False,
+    HAS_BIAS=False, HAS_ALIBI=False, DROPOUT=False, SUM_ROWS=False, HAS_SINK=False,
 )
-_PLACEHOLDER_POINTERS = ("BIAS", "ALIBI_SLOPES", "RNG_STATE")
+_PLACEHOLDER_POINTERS = ("BIAS", "ALIBI_SLOPES", "RNG_STATE", "SINK")
 
 
 def _complete(fn, values: Dict[str, object], placeholder: "Buf") -> Dict[str, object]:
@@ -409,11 +429,12 @@ def _compile_launch(fn, values: Dict[str, object], prog: Program, launch_options
 # ================================================================================================
 
 
-def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds, *,
-              static):
+def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds,
+              softmax_offset, *, static):
     from transformer_engine.common.attention.kernels.backward import (
         attn_bwd_dkdv_kernel,
         attn_bwd_dq_kernel,
+        attn_bwd_dsink_kernel,
         attn_bwd_preprocess_kernel,
     )
     from transformer_engine.common.attention.kernels.hopper_ws import attn_bwd_dkdv_ws_kernel, attn_bwd_dq_ws_kernel
@@ -429,6 +450,7 @@ def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_of
     if packed:
         operands += list(_sequence_arrays(q_seqlens, kv_seqlens, q_offsets, kv_offsets, s_q, s_kv))
     bias_buf = _append_bias(operands, bias, static)
+    sink_buf = _append_sink(operands, softmax_offset, static) if static.softmax_type.is_learnable else None
     prog = Program([jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands])
     Q, K, V, O, DO, LSE = (Buf(i) for i in range(6))
     dq = prog.result(q.shape, q.dtype)
@@ -466,6 +488,16 @@ def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_of
     pre_values = _complete(attn_bwd_preprocess_kernel, pre_values, LSE)
     kernel = _compile_launch(attn_bwd_preprocess_kernel, pre_values, prog, dict(num_warps=pre.num_warps))
     prog.launch(kernel, block_grid(_cdiv(s_q, pre.block_m), nseq * hq), pre_values)
+
+    dsink = None
+    if sink_buf is not None:  # each sequence's part of d softmax_offset, as launch.sink_grad launches it
+        dsink = prog.result((nseq, hq), jnp.float32)
+        t = plan.dsink
+        sink_values = dict(LSE=LSE, DELTA=Buf(delta), SINK=sink_buf, DSINK=Buf(dsink), SEQ_LEN_Q=seq["SEQ_LEN_Q"],
+                           stride_lb=hq * s_q, stride_lh=s_q, stride_dsb=hq, seqlen_q=s_q, BLOCK_M=t.block_m,
+                           HAS_SEQLENS=packed)
+        kernel = _compile_launch(attn_bwd_dsink_kernel, sink_values, prog, dict(num_warps=t.num_warps))
+        prog.launch(kernel, plan.dsink_grid(nseq, hq), sink_values)
 
     if plan.atomic_dq:
         dq_acc = prog.result(q.shape, jnp.float32)
@@ -514,7 +546,11 @@ def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_of
     if plan.atomic_dq:
         dq_out = results[dq_acc - len(operands)].astype(q.dtype)
     dbias_out = results[dbias - len(operands)] if dbias is not None else jnp.zeros_like(bias)
-    return dq_out, dk_out, dv_out, dbias_out
+    if dsink is not None:
+        dsink_out = results[dsink - len(operands)].reshape(b, m, hq)
+    else:
+        dsink_out = jnp.zeros((b, m, hq), jnp.float32)
+    return dq_out, dk_out, dv_out, dbias_out, dsink_out
 
 
 def _launch_dbias(prog: Program, plan, static, q, k, v, bias, bias_buf: Buf, dbias_buf: Buf, delta_buf: Buf,

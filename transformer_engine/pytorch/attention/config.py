@@ -13,6 +13,7 @@ from transformer_engine.common.attention import (
     AttnBiasType,
     AttnConfig,
     AttnMaskType,
+    AttnSoftmaxType,
     FlashAttention,
     FusedAttention,
     QKVFormat,
@@ -160,6 +161,7 @@ def make_attn_config(
     distinct_kv_lengths: bool = False,
     bottom_right_diagonal: Optional[bool] = None,
     return_max_logit: bool = False,
+    softmax_type: str = "vanilla",
 ) -> AttnConfig:
     """Validate shapes/dtypes/devices and build the AttnConfig for one call.
 
@@ -202,6 +204,7 @@ def make_attn_config(
         attn_bias_type=AttnBiasType(attn_bias_type),
         bias_shape=bias_shape,
         dropout=float(dropout),
+        softmax_type=AttnSoftmaxType(softmax_type),
         is_training=bool(is_training),
         deterministic=bool(deterministic),
         framework="pytorch",

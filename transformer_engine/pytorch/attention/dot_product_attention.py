@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Tuple, Union
 
 import torch
 
-from transformer_engine.common.attention import AttnBiasType, AttnMaskType, QKVFormat
+from transformer_engine.common.attention import AttnBiasType, AttnMaskType, AttnSoftmaxType, QKVFormat
 from transformer_engine.common.attention.config import normalize_window, resolve_bottom_right_diagonal
 from transformer_engine.common.attention.validation import check_softmax_scale
 from transformer_engine.pytorch.attention import config as attn_config
@@ -78,7 +78,7 @@ def _select_while_tracing(q_shape, k_shape, v_shape, dtype: str, device: str, qk
                           is_training: bool, torch_deterministic: bool, batch_size: Optional[int],
                           max_seqlen_q: Optional[int], max_seqlen_kv: Optional[int],
                           distinct_kv_lengths: bool = False, bottom_right_diagonal: Optional[bool] = None,
-                          return_max_logit: bool = False) -> Tuple[str, bool]:
+                          return_max_logit: bool = False, softmax_type: str = "vanilla") -> Tuple[str, bool]:
     """Backend selection under torch.compile: runs once while tracing, its result baked into the graph.
 
     Dynamo guards on ``torch.are_deterministic_algorithms_enabled()`` (passed in), so toggling it
@@ -91,7 +91,7 @@ def _select_while_tracing(q_shape, k_shape, v_shape, dtype: str, device: str, qk
         attn_bias_type=bias_type, bias_shape=bias_shape, dropout=dropout, is_training=is_training,
         deterministic=deterministic, batch_size=batch_size, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
         distinct_kv_lengths=distinct_kv_lengths, bottom_right_diagonal=bottom_right_diagonal,
-        return_max_logit=return_max_logit,
+        return_max_logit=return_max_logit, softmax_type=softmax_type,
     )
     return attn_config.select(config).name, config.deterministic
 
@@ -313,7 +313,7 @@ def _check_bias(q, seqs: _Sequences, bias_type: AttnBiasType, bias: Optional[tor
 
 
 def _run_fused(q, k, v, fmt, mask, window, scale, seq, deterministic, *, bias_type, bias, alibi_slopes, dropout,
-               rng_context, bottom_right, **_unused):
+               rng_context, bottom_right, softmax_type, softmax_offset, **_unused):
     from transformer_engine.pytorch.attention.fused_attn import fused_attn_func, new_rng_state
 
     mods = {}
@@ -328,6 +328,8 @@ def _run_fused(q, k, v, fmt, mask, window, scale, seq, deterministic, *, bias_ty
         with (rng_context() if rng_context is not None else contextlib.nullcontext()):
             mods["rng_state"] = new_rng_state(q.device)
         mods["dropout_p"] = dropout
+    if softmax_type.has_sink:
+        mods.update(softmax_type=softmax_type.value, softmax_offset=softmax_offset)
     return fused_attn_func(q, k, v, fmt.value, mask.value, window, scale, deterministic=deterministic, **seq,
                            bottom_right_diagonal=bottom_right, **mods)
 
@@ -345,12 +347,12 @@ def _run_flash(q, k, v, fmt, mask, window, scale, seq, deterministic, **_unused)
 
 
 def _run_unfused(q, k, v, fmt, mask, window, scale, seq, deterministic, *, attention_mask, bias_type, bias,
-                 alibi_slopes, dropout, rng_context, bottom_right, return_max_logit=False):
+                 alibi_slopes, dropout, rng_context, bottom_right, softmax_type, softmax_offset, return_max_logit=False):
     return unfused_attention(
         q, k, v, fmt.value, mask.value, window, scale, attention_mask=attention_mask,
         core_attention_bias_type=bias_type.value, core_attention_bias=bias, alibi_slopes=alibi_slopes,
         dropout_p=dropout, rng_context=rng_context, bottom_right_diagonal=bottom_right,
-        return_max_logit=return_max_logit, **seq,
+        return_max_logit=return_max_logit, softmax_type=softmax_type.value, softmax_offset=softmax_offset, **seq,
     )
 
 
@@ -402,9 +404,17 @@ class DotProductAttention(torch.nn.Module):
     backend is chosen while tracing (dynamo retraces when ``torch.use_deterministic_algorithms``
     changes; NVTE_* changes need a recompile).
 
+    Softmax (``softmax_type``): ``"vanilla"``; ``"off-by-one"``, ``softmax(S)_j = exp(S_j) / (1 + sum_k
+    exp(S_k))``; ``"learnable"``, ``exp(S_j) / (exp(softmax_offset[h]) + sum_k exp(S_k))`` with the
+    module's parameter ``softmax_offset`` (fp32 ``[num_attention_heads // tp_size]``, zeros at
+    construction), added to the scaled (and biased) scores as it is. This extra "sink" logit has no
+    value vector: it takes probability from the keys (a row that sees no key outputs zeros), and
+    dropout applies to the keys' probabilities. Sink softmax runs fused (our Triton kernels, also in
+    deterministic mode, where ``softmax_offset``'s gradient is summed over the batch in a fixed order:
+    each sequence's part in any batch is bitwise the same) or unfused; flash-attn-4 is not used for it.
+
     Not supported yet (``NotImplementedError``): context parallelism (``cp_group``...), FP8 (and
-    ``bf16_backward``), KV cache (``inference_params``), ``softmax_type`` other than ``"vanilla"``,
-    ``num_splits`` other than 1, ``score_mod*``.
+    ``bf16_backward``), KV cache (``inference_params``), ``num_splits`` other than 1, ``score_mod*``.
     """
 
     def __init__(
@@ -435,8 +445,7 @@ class DotProductAttention(torch.nn.Module):
         super().__init__()
         if cp_group is not None or cp_global_ranks is not None or cp_stream is not None:
             raise NotImplementedError("context parallelism (cp_group, cp_global_ranks, cp_stream) is not supported yet")
-        if softmax_type != "vanilla":
-            raise NotImplementedError(f"softmax_type={softmax_type!r} is not supported yet (only 'vanilla')")
+        softmax_type = _enum_arg(AttnSoftmaxType, softmax_type, "softmax_type")
         if not isinstance(num_attention_heads, int) or num_attention_heads < 1:
             raise ValueError(f"`num_attention_heads` must be a positive int, got {num_attention_heads!r}")
         if isinstance(kv_channels, int):
@@ -486,7 +495,14 @@ class DotProductAttention(torch.nn.Module):
         self.layer_number = layer_number
         self.attention_type = attention_type
         self.cp_comm_type = cp_comm_type
-        self.softmax_type = softmax_type
+        self.softmax_type = softmax_type.value
+        # TransformerEngine's parameter: one sink logit per local query head, zeros at start.
+        if softmax_type.is_learnable:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.softmax_offset = torch.nn.Parameter(
+                torch.zeros(self.num_heads_per_partition, dtype=torch.float32, device=device))
+        else:
+            self.softmax_offset = None
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(kv_channels[0])
         # Name of the backend that ran the most recent call: a record for reporting, never consulted.
         self.last_backend: Optional[str] = None
@@ -635,6 +651,10 @@ class DotProductAttention(torch.nn.Module):
         bias_shape = _check_bias(q, seqs, bias_type, core_attention_bias, alibi_slopes)
 
         dropout = self.attention_dropout if self.training else 0.0
+        softmax_type = AttnSoftmaxType(self.softmax_type)
+        softmax_offset = self.softmax_offset
+        if softmax_offset is not None:  # fp32 on q's device whatever the module was cast to, as TE passes it
+            softmax_offset = softmax_offset.to(device=q.device, dtype=torch.float32)
         backend, deterministic = self._select(q, k, v, fmt, seqs, window, bias_type, bias_shape, dropout, bottom_right)
         self.last_backend = backend
         rng_context = None
@@ -649,7 +669,8 @@ class DotProductAttention(torch.nn.Module):
             return runner(q_, k_, v_, fmt, seqs.mask, window, self.softmax_scale, seqs.kwargs(), deterministic,
                           attention_mask=seqs.attention_mask, bias_type=bias_type, bias=core_attention_bias,
                           alibi_slopes=alibi_slopes, dropout=dropout, rng_context=rng_context,
-                          bottom_right=bottom_right, **extra)
+                          bottom_right=bottom_right, softmax_type=softmax_type, softmax_offset=softmax_offset,
+                          **extra)
 
         if checkpoint_core_attention and torch.is_grad_enabled():
             out = torch.utils.checkpoint.checkpoint(attend, q, k, v, use_reentrant=False)
@@ -674,13 +695,13 @@ class DotProductAttention(torch.nn.Module):
                 meta(v, self.num_gqa_groups_per_partition, dv), str(q.dtype).replace("torch.", ""), q.device.type, fmt.value,
                 seqs.mask.value, tuple(window), bias_type.value, bias_shape, float(dropout), bool(self.training),
                 torch.are_deterministic_algorithms_enabled(), None, None, None, seqs.distinct_kv_lengths,
-                bottom_right, self.return_max_logit,
+                bottom_right, self.return_max_logit, self.softmax_type,
             )
         config = attn_config.make_attn_config(
             q, k, v, qkv_format=fmt.value, attn_mask_type=seqs.mask.value, window_size=window,
             attn_bias_type=bias_type.value, bias_shape=bias_shape, dropout=dropout, is_training=self.training,
             batch_size=seqs.batch, max_seqlen_q=seqs.max_seqlen_q, max_seqlen_kv=seqs.max_seqlen_kv,
             packing=_packing(q, k, v), distinct_kv_lengths=seqs.distinct_kv_lengths,
-            bottom_right_diagonal=bottom_right, return_max_logit=self.return_max_logit,
+            bottom_right_diagonal=bottom_right, return_max_logit=self.return_max_logit, softmax_type=self.softmax_type,
         )
         return attn_config.select(config).name, config.deterministic

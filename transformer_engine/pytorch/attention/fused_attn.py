@@ -6,7 +6,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from transformer_engine.common.attention import AttnMaskType, FusedAttention, QKVFormat
+from transformer_engine.common.attention import AttnMaskType, AttnSoftmaxType, FusedAttention, QKVFormat
 from transformer_engine.common.attention.config import normalize_window, resolve_bottom_right_diagonal
 from transformer_engine.common.attention.validation import check_input_dtype, check_softmax_scale, kernel_scale
 from transformer_engine.pytorch.attention import ops  # noqa: F401  (registers the custom ops)
@@ -21,28 +21,31 @@ class FusedAttnFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, alibi_slopes, rng_state, qkv_format, cu_seqlens_q, cu_seqlens_kv,
                 seq_offsets_q, seq_offsets_kv, max_seqlen_q, max_seqlen_kv, softmax_scale, attn_mask_type,
-                window_left, window_right, bottom_right, dropout_p, deterministic):
+                window_left, window_right, bottom_right, dropout_p, deterministic, softmax_type="vanilla",
+                softmax_offset=None):
         out, lse = torch.ops.transformer_engine.fused_attn_fwd(
             q, k, v, qkv_format, cu_seqlens_q, cu_seqlens_kv, seq_offsets_q, seq_offsets_kv,
             max_seqlen_q, max_seqlen_kv, softmax_scale, attn_mask_type, window_left, window_right, bottom_right,
-            bias, alibi_slopes, rng_state, dropout_p)
+            bias, alibi_slopes, rng_state, dropout_p, softmax_type, softmax_offset)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, seq_offsets_q, seq_offsets_kv,
-                              bias, alibi_slopes, rng_state)
+                              bias, alibi_slopes, rng_state, softmax_offset)
         ctx.static = (qkv_format, max_seqlen_q, max_seqlen_kv, softmax_scale, attn_mask_type,
-                      window_left, window_right, bottom_right, deterministic, dropout_p)
+                      window_left, window_right, bottom_right, deterministic, dropout_p, softmax_type)
         ctx.bias_grad = bias is not None and bias.requires_grad
+        ctx.offset_grad = softmax_offset is not None and softmax_offset.requires_grad
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out, _d_lse):
-        q, k, v, out, lse, cu_q, cu_kv, off_q, off_kv, bias, alibi, rng_state = ctx.saved_tensors
-        fmt, max_q, max_kv, scale, mask, left, right, bottom_right, deterministic, dropout_p = ctx.static
-        dq, dk, dv, dbias = torch.ops.transformer_engine.fused_attn_bwd(
+        q, k, v, out, lse, cu_q, cu_kv, off_q, off_kv, bias, alibi, rng_state, offset = ctx.saved_tensors
+        fmt, max_q, max_kv, scale, mask, left, right, bottom_right, deterministic, dropout_p, softmax_type = ctx.static
+        dq, dk, dv, dbias, d_offset = torch.ops.transformer_engine.fused_attn_bwd(
             q, k, v, out, d_out.contiguous(), lse, fmt, cu_q, cu_kv, off_q, off_kv,
             max_q, max_kv, scale, mask, left, right, bottom_right, deterministic,
-            bias, alibi, rng_state, dropout_p, ctx.bias_grad)
-        return (dq, dk, dv, dbias if ctx.bias_grad else None) + (None,) * 16
+            bias, alibi, rng_state, dropout_p, ctx.bias_grad, softmax_type, offset, ctx.offset_grad)
+        return ((dq, dk, dv, dbias if ctx.bias_grad else None) + (None,) * 17
+                + (d_offset if ctx.offset_grad else None,))
 
 
 def new_rng_state(device: torch.device) -> torch.Tensor:
@@ -73,6 +76,8 @@ def fused_attn_func(
     rng_state: Optional[torch.Tensor] = None,
     return_softmax_aux: bool = False,
     bottom_right_diagonal: Optional[bool] = None,
+    softmax_type: str = "vanilla",
+    softmax_offset: Optional[torch.Tensor] = None,
 ):
     """Fused scaled-dot-product attention on the project's Triton kernels.
 
@@ -95,9 +100,19 @@ def fused_attn_func(
     same mask in forward and backward, run after run. ``return_softmax_aux=True`` returns
     ``(out, (softmax_lse [b, h, s_q] fp32, rng_state))`` like TransformerEngine's aux tensors.
 
+    ``softmax_type``: ``"vanilla"``, ``"off-by-one"`` (one more logit of 0 in every row's
+    denominator) or ``"learnable"`` (one more logit ``softmax_offset[h]`` per query head h, added
+    as it is, not scaled: ``p_j = exp(s_j) / (exp(offset_h) + sum_k exp(s_k))``). The sink has no
+    value vector, so a row that sees no key still outputs zeros. ``softmax_offset``: fp32 [h_q] or
+    [1, h_q, 1, 1], required for ``"learnable"`` (and given a gradient when it requires one), None
+    otherwise. The saved log-sum-exp includes the sink.
+
     Determinism: the forward is always deterministic; with ``deterministic=True`` the backward
     uses no atomics, sums in a fixed order and fixed tiles, so gradients are bitwise
-    reproducible and independent of batch composition and of packing (thd vs padded).
+    reproducible and independent of batch composition and of packing (thd vs padded). The
+    learnable sink's gradient sums over the batch: each sequence's part is bitwise independent of
+    the others (its rows in a fixed order), and the parts are summed as a fixed pairwise tree over
+    the sequences in batch order (``launch.fixed_order_sum``).
     """
     fmt = QKVFormat(qkv_format)
     mask = AttnMaskType(attn_mask_type)
@@ -145,6 +160,7 @@ def fused_attn_func(
     if cu_seqlens_kv_padded is cu_seqlens_q_padded:
         cu_seqlens_kv_padded = None
     _check_score_mods(q, fmt, core_attention_bias, alibi_slopes, dropout_p, rng_state)
+    stype, softmax_offset = _sink_logits(q, softmax_type, softmax_offset)
     if dropout_p > 0 and rng_state is None:
         rng_state = new_rng_state(q.device)
     if dropout_p == 0:
@@ -156,7 +172,8 @@ def fused_attn_func(
     out, lse = FusedAttnFunc.apply(
         q, k, v, core_attention_bias, alibi_slopes, rng_state, fmt.value, cu_seqlens_q, cu_seqlens_kv,
         cu_seqlens_q_padded, cu_seqlens_kv_padded, int(max_seqlen_q), int(max_seqlen_kv), float(softmax_scale),
-        mask.value, int(window_size[0]), int(window_size[1]), bottom_right, float(dropout_p), bool(deterministic))
+        mask.value, int(window_size[0]), int(window_size[1]), bottom_right, float(dropout_p), bool(deterministic),
+        stype.value, softmax_offset)
     if return_softmax_aux:
         return out, (lse, rng_state)
     return out
@@ -188,3 +205,30 @@ def _check_score_mods(q, fmt: QKVFormat, bias, alibi_slopes, dropout_p, rng_stat
         if alibi_slopes.dtype != torch.float32 or alibi_slopes.shape[-1] != heads or alibi_slopes.dim() not in (1, 2):
             raise ValueError(f"`alibi_slopes` must be fp32 [{heads}] or [b, {heads}], got {alibi_slopes.dtype} "
                              f"{tuple(alibi_slopes.shape)}")
+
+
+def _sink_logits(q, softmax_type, softmax_offset):
+    """(softmax type, fp32 [h_q] sink logits or None) from the user's arguments."""
+    try:
+        stype = AttnSoftmaxType(softmax_type)
+    except ValueError:
+        choices = ", ".join(repr(t.value) for t in AttnSoftmaxType)
+        raise ValueError(f"`softmax_type` must be one of {choices}, got {softmax_type!r}") from None
+    heads = q.shape[-2]
+    if not stype.is_learnable:
+        if softmax_offset is not None:
+            raise ValueError(f"`softmax_offset` must be None with softmax_type={stype.value!r}, got a tensor")
+        if stype.has_sink:  # off-by-one: a zero sink logit
+            return stype, torch.zeros(heads, dtype=torch.float32, device=q.device)
+        return stype, None
+    if softmax_offset is None:
+        raise ValueError("`softmax_offset` must be an fp32 tensor of shape [h] or [1, h, 1, 1] with "
+                         "softmax_type='learnable', got None")
+    if (not isinstance(softmax_offset, torch.Tensor) or softmax_offset.dtype != torch.float32
+            or tuple(softmax_offset.shape) not in ((heads,), (1, heads, 1, 1))):
+        got = (f"{softmax_offset.dtype} {tuple(softmax_offset.shape)}" if isinstance(softmax_offset, torch.Tensor)
+               else type(softmax_offset).__name__)
+        raise ValueError(f"`softmax_offset` must be fp32 of shape [{heads}] or [1, {heads}, 1, 1], got {got}")
+    if softmax_offset.device != q.device:
+        raise ValueError(f"`softmax_offset` must be on the inputs' device {q.device}, got {softmax_offset.device}")
+    return stype, softmax_offset.reshape(heads).contiguous()

@@ -8,11 +8,12 @@ from typing import Optional, Tuple
 import torch
 import triton
 
-from transformer_engine.common.attention import AttnBiasType, AttnConfig, AttnMaskType, QKVFormat
+from transformer_engine.common.attention import AttnBiasType, AttnConfig, AttnMaskType, AttnSoftmaxType, QKVFormat
 from transformer_engine.common.attention.kernels.backward import (
     attn_bwd_dbias_kernel,
     attn_bwd_dkdv_kernel,
     attn_bwd_dq_kernel,
+    attn_bwd_dsink_kernel,
     attn_bwd_preprocess_kernel,
 )
 from transformer_engine.common.attention.kernels.fill import zero_outside_sequences_kernel
@@ -118,6 +119,7 @@ def plan_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: QKVForma
         dtype=dtype_name(q.dtype), attn_mask_type=mask, window_size=window,
         bottom_right_diagonal=bottom_right_diagonal, attn_bias_type=bias_type,
         dropout=mods.dropout_p if mods is not None else 0.0, deterministic=deterministic,
+        softmax_type=mods.softmax_type if mods is not None else AttnSoftmaxType.VANILLA_SOFTMAX,
         device_type=device_type, **device_facts(q.device),
     )
 
@@ -125,12 +127,22 @@ def plan_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: QKVForma
 @dataclass(frozen=True)
 class ScoreMods:
     """What modifies the scores: post-scale bias [b|1, h|1, s_q|1, s_kv], ALiBi slopes [h] or
-    [b, h] (fp32), dropout probability and its RNG state (int64 [seed, offset], on the device)."""
+    [b, h] (fp32), dropout probability and its RNG state (int64 [seed, offset], on the device), and
+    the softmax: its type and, for sink softmax, the sink logits ``softmax_offset`` (fp32 [h_q]:
+    zeros for off-by-one)."""
 
     bias: Optional[torch.Tensor] = None
     alibi_slopes: Optional[torch.Tensor] = None
     dropout_p: float = 0.0
     rng_state: Optional[torch.Tensor] = None
+    softmax_type: AttnSoftmaxType = AttnSoftmaxType.VANILLA_SOFTMAX
+    softmax_offset: Optional[torch.Tensor] = None
+
+    def sink_args(self, like: torch.Tensor):
+        """The Triton forward's sink arguments (the Gluon forward has none: the plan keeps sink
+        configs off it)."""
+        has_sink = self.softmax_type.has_sink
+        return dict(SINK=self.softmax_offset if has_sink else like, HAS_SINK=has_sink)
 
     def pointer_args(self, like: torch.Tensor):
         return (self.bias if self.bias is not None else like,
@@ -198,7 +210,7 @@ def forward(q, k, v, fmt: QKVFormat, seqs: Sequences, softmax_scale: float, mask
     _, so_ = canonical(out, fmt)
     flags, left, right = mask_flags(config)
     t = plan.tiles
-    kernel, constexprs = attn_fwd_kernel, t.loop_constexprs
+    kernel, constexprs = attn_fwd_kernel, dict(t.loop_constexprs, **mods.sink_args(lse))
     if plan.warp_specialized is not None and _use_tma(True, (q, sq_), (k, sk_), (v, sv_)):
         t = plan.warp_specialized
         kernel, constexprs = attn_fwd_ws_kernel, t.ws_constexprs
@@ -217,11 +229,13 @@ def forward(q, k, v, fmt: QKVFormat, seqs: Sequences, softmax_scale: float, mask
 def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_scale: float,
              mask: AttnMaskType, window: Tuple[int, int], deterministic: bool,
              plan: Optional[BackwardPlan] = None, mods: ScoreMods = NO_MODS, bias_grad: bool = False,
-             bottom_right_diagonal: Optional[bool] = None):
-    """Run preprocess, dK/dV and dQ (or atomic dQ), and dBias when asked.
+             bottom_right_diagonal: Optional[bool] = None, softmax_offset_grad: bool = False):
+    """Run preprocess, dK/dV and dQ (or atomic dQ), and dBias and d softmax_offset when asked.
 
-    Returns (dq, dk, dv, dbias) with the gradients in the inputs' format; dbias (the bias's
-    shape, summed over its broadcast dimensions in a fixed order) is None unless ``bias_grad``.
+    Returns (dq, dk, dv, dbias, d_softmax_offset) with the gradients in the inputs' format; dbias
+    (the bias's shape, summed over its broadcast dimensions in a fixed order) is None unless
+    ``bias_grad``; d_softmax_offset (fp32 [h_q], :func:`sink_grad`) is None unless
+    ``softmax_offset_grad``.
     """
     config = plan_config(q, k, v, fmt, mask, window, deterministic, mods, bottom_right_diagonal)
     if plan is None:
@@ -250,6 +264,7 @@ def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_
         hq, seqs.max_q, HEAD_DIM_V=dv, BLOCK_DV=plan.block_dv, BLOCK_M=pre.block_m,
         IS_THD=seqs.is_thd, HAS_SEQLENS=seqs.has_seqlens, num_warps=pre.num_warps,
     )
+    d_offset = sink_grad(lse, delta, seqs, plan, mods.softmax_offset) if softmax_offset_grad else None
     if plan.atomic_dq:
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     else:
@@ -273,7 +288,7 @@ def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_
     dbias = _dbias(q, k, v, d_out, lse, delta, fmt, seqs, softmax_scale, window, flags, left, right, plan, mods) \
         if bias_grad else None
     if plan.atomic_dq:
-        return dq_acc.to(q.dtype), dk, dvt, dbias
+        return dq_acc.to(q.dtype), dk, dvt, dbias, d_offset
     dq = alloc(q.shape, dtype=q.dtype, device=q.device)
     _, sdq_ = canonical(dq, fmt)
     t = plan.dq
@@ -289,7 +304,36 @@ def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_
         IS_THD=seqs.is_thd, HAS_SEQLENS=seqs.has_seqlens, DOT_PRECISION=plan.dot_precision,
         TMA=_use_tma(t.tma, (k, sk_), (v, sv_)), **constexprs, **t.launch_options, **flags, **mods.flags(),
     )
-    return dq, dk, dvt, dbias
+    return dq, dk, dvt, dbias, d_offset
+
+
+def sink_grad(lse: torch.Tensor, delta: torch.Tensor, seqs: Sequences, plan: BackwardPlan,
+              softmax_offset: torch.Tensor) -> torch.Tensor:
+    """d softmax_offset (fp32 [h_q]) of the learnable sink, without atomics: each sequence's part
+    from attn_bwd_dsink_kernel (its rows in a fixed order), then :func:`fixed_order_sum` over the
+    sequences. A sequence's part is bitwise the same in any batch and packed or padded."""
+    hq = lse.shape[1]
+    parts = torch.empty((seqs.batch, hq), dtype=torch.float32, device=lse.device)
+    t = plan.dsink
+    attn_bwd_dsink_kernel[plan.dsink_grid(seqs.batch, hq)](
+        lse, delta, softmax_offset, parts, seqs.args(lse)[2], lse.stride(0), lse.stride(1), parts.stride(0),
+        seqs.max_q, BLOCK_M=t.block_m, HAS_SEQLENS=seqs.has_seqlens, num_warps=t.num_warps,
+    )
+    return fixed_order_sum(parts)
+
+
+def fixed_order_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over dim 0 as a pairwise tree of elementwise adds: zero-padded to a power of two, then
+    the second half added to the first until one row is left. The same adds as the JAX frontend's
+    ``attention_math.fixed_order_sum``, so both give the same bits for the same parts."""
+    n = x.shape[0]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        x = torch.cat([x, x.new_zeros((width - n,) + tuple(x.shape[1:]))], dim=0)
+    while x.shape[0] > 1:
+        half = x.shape[0] // 2
+        x = x[:half] + x[half:]
+    return x[0]
 
 
 def _dbias(q, k, v, d_out, lse, delta, fmt, seqs: Sequences, softmax_scale, window, flags, left, right,

@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from transformer_engine.common.attention import AttnMaskType, QKVFormat
+from transformer_engine.common.attention import AttnMaskType, AttnSoftmaxType, QKVFormat
 from transformer_engine.pytorch.attention import launch
 
 __all__ = ["fused_attn_fwd", "fused_attn_bwd"]
@@ -33,11 +33,13 @@ def fused_attn_fwd(
     window_left: int, window_right: int, bottom_right_diagonal: bool,
     bias: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
     rng_state: Optional[torch.Tensor], dropout_p: float,
+    softmax_type: str = "vanilla", softmax_offset: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse). ``softmax_offset``: the sink logits (fp32 [h_q]) for sink softmax types."""
     fmt = QKVFormat(qkv_format)
     seqs = launch.sequences(fmt, q, k, cu_seqlens_q, cu_seqlens_kv, seq_offsets_q, seq_offsets_kv,
                             max_seqlen_q, max_seqlen_kv)
-    mods = launch.ScoreMods(bias, alibi_slopes, dropout_p, rng_state)
+    mods = launch.ScoreMods(bias, alibi_slopes, dropout_p, rng_state, AttnSoftmaxType(softmax_type), softmax_offset)
     return launch.forward(q, k, v, fmt, seqs, softmax_scale, AttnMaskType(attn_mask_type),
                           (window_left, window_right), mods=mods, bottom_right_diagonal=bottom_right_diagonal)
 
@@ -45,7 +47,7 @@ def fused_attn_fwd(
 @fused_attn_fwd.register_fake
 def _(q, k, v, qkv_format, cu_seqlens_q, cu_seqlens_kv, seq_offsets_q, seq_offsets_kv,
       max_seqlen_q, max_seqlen_kv, softmax_scale, attn_mask_type, window_left, window_right, bottom_right_diagonal,
-      bias, alibi_slopes, rng_state, dropout_p):
+      bias, alibi_slopes, rng_state, dropout_p, softmax_type="vanilla", softmax_offset=None):
     fmt = QKVFormat(qkv_format)
     batch, sq = _batch_and_seqlen(q, fmt, cu_seqlens_q, max_seqlen_q)
     out = q.new_empty(tuple(q.shape[:-1]) + (v.shape[-1],))
@@ -63,22 +65,29 @@ def fused_attn_bwd(
     window_left: int, window_right: int, bottom_right_diagonal: bool, deterministic: bool,
     bias: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
     rng_state: Optional[torch.Tensor], dropout_p: float, bias_grad: bool,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dbias); dbias is an empty tensor unless ``bias_grad``."""
+    softmax_type: str = "vanilla", softmax_offset: Optional[torch.Tensor] = None,
+    softmax_offset_grad: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dbias, d_softmax_offset); dbias is an empty tensor unless ``bias_grad``,
+    d_softmax_offset (fp32 [h_q]) unless ``softmax_offset_grad``."""
     fmt = QKVFormat(qkv_format)
     seqs = launch.sequences(fmt, q, k, cu_seqlens_q, cu_seqlens_kv, seq_offsets_q, seq_offsets_kv,
                             max_seqlen_q, max_seqlen_kv)
-    mods = launch.ScoreMods(bias, alibi_slopes, dropout_p, rng_state)
-    dq, dk, dv, dbias = launch.backward(q, k, v, out, d_out, lse, fmt, seqs, softmax_scale,
-                                        AttnMaskType(attn_mask_type), (window_left, window_right),
-                                        deterministic, mods=mods, bias_grad=bias_grad,
-                                        bottom_right_diagonal=bottom_right_diagonal)
-    return dq, dk, dv, dbias if dbias is not None else q.new_empty(0)
+    mods = launch.ScoreMods(bias, alibi_slopes, dropout_p, rng_state, AttnSoftmaxType(softmax_type), softmax_offset)
+    dq, dk, dv, dbias, d_offset = launch.backward(q, k, v, out, d_out, lse, fmt, seqs, softmax_scale,
+                                                  AttnMaskType(attn_mask_type), (window_left, window_right),
+                                                  deterministic, mods=mods, bias_grad=bias_grad,
+                                                  bottom_right_diagonal=bottom_right_diagonal,
+                                                  softmax_offset_grad=softmax_offset_grad)
+    return (dq, dk, dv, dbias if dbias is not None else q.new_empty(0),
+            d_offset if d_offset is not None else lse.new_empty(0))
 
 
 @fused_attn_bwd.register_fake
 def _(q, k, v, out, d_out, lse, qkv_format, cu_seqlens_q, cu_seqlens_kv, seq_offsets_q, seq_offsets_kv,
       max_seqlen_q, max_seqlen_kv, softmax_scale, attn_mask_type, window_left, window_right, bottom_right_diagonal,
-      deterministic, bias, alibi_slopes, rng_state, dropout_p, bias_grad):
+      deterministic, bias, alibi_slopes, rng_state, dropout_p, bias_grad, softmax_type="vanilla", softmax_offset=None,
+      softmax_offset_grad=False):
     dbias = bias.new_empty(bias.shape) if bias_grad else q.new_empty(0)
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias)
+    d_offset = lse.new_empty((q.shape[-2],)) if softmax_offset_grad else lse.new_empty(0)
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias, d_offset)

@@ -12,7 +12,8 @@ top-left, the ``*_bottom_right`` masks bottom-right, and the other masks follow
 ``bottom_right_diagonal`` (default bottom-right; ``resolve_bottom_right_diagonal``). ALiBi uses the
 same ``d``. Causal masks have ``right = 0``. ``arbitrary`` additionally hides every
 position where ``attention_mask`` is True. Rows that see no key give zero output and zero
-gradient (never NaN); padded positions of the output are zero.
+gradient (never NaN); padded positions of the output are zero. Sink softmax (``off-by-one``,
+``learnable``) appends one always-visible logit per row to the softmax and drops its column after.
 
 Determinism: every reduction is a plain PyTorch reduction or matmul; the only index
 operations (THD packing) map each real token to exactly one place, so their backward adds
@@ -28,7 +29,7 @@ from typing import Callable, ContextManager, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from transformer_engine.common.attention import AttnBiasType, AttnMaskType, QKVFormat
+from transformer_engine.common.attention import AttnBiasType, AttnMaskType, AttnSoftmaxType, QKVFormat
 from transformer_engine.common.attention.config import normalize_window, resolve_bottom_right_diagonal
 from transformer_engine.common.attention.validation import check_input_dtype, check_softmax_scale
 from transformer_engine.pytorch.attention.config import check_cu_seqlens, check_qkv, check_sequence_values, dtype_name
@@ -184,21 +185,27 @@ def _alibi_bias(slopes: torch.Tensor, sq: int, skv: int, bottom_right: bool, len
     return -s * dist
 
 
-def _masked_softmax(scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+def _masked_softmax(scores: torch.Tensor, keep: torch.Tensor, sink: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Softmax over the last dim of visible entries; rows with nothing visible are all zero.
 
     No NaN in values or gradients: hidden entries become exp(-inf) = 0 with zero derivative, and a
-    row's normaliser is replaced by 1 when the row is empty.
+    row's normaliser is replaced by 1 when the row is empty. ``sink`` ([h] logits, sink softmax):
+    one more always-visible logit per row of head h, in the normaliser only (no value vector).
     """
     neg_inf = torch.tensor(float("-inf"), dtype=scores.dtype, device=scores.device)
     scores = torch.where(keep, scores, neg_inf)
     if scores.shape[-1] == 0:  # no keys at all (s_kv = 0): every row is empty
         return scores
+    if sink is not None:
+        b, h, sq, _ = scores.shape
+        column = sink.to(scores.dtype).view(1, h, 1, 1).expand(b, h, sq, 1)
+        scores = torch.cat([scores, column], dim=-1)
     row_max = scores.detach().amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     p = torch.exp(scores - row_max)
     denom = p.sum(dim=-1, keepdim=True)
-    return p / torch.where(denom > 0, denom, torch.ones_like(denom))
+    p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
+    return p[..., :-1] if sink is not None else p
 
 
 def unfused_attention(
@@ -223,6 +230,8 @@ def unfused_attention(
     rng_context: Optional[Callable[[], ContextManager]] = None,
     bottom_right_diagonal: Optional[bool] = None,
     return_max_logit: bool = False,
+    softmax_type: str = "vanilla",
+    softmax_offset: Optional[torch.Tensor] = None,
 ):
     """Scaled dot-product attention in PyTorch math; returns q's format with head dim d_v.
 
@@ -242,6 +251,10 @@ def unfused_attention(
     gradient) is the largest score ``scale * q k^T + bias`` (ALiBi included) any visible
     (query, key) pair of head ``h`` has in the batch, before dropout; ``-inf`` for a head with
     no visible pair.
+
+    ``softmax_type`` ``"off-by-one"`` / ``"learnable"`` add a sink logit (0 / ``softmax_offset``,
+    [h] or [1, h, 1, 1], not scaled) to every row's normaliser, as :func:`fused_attn_func`;
+    dropout then applies to the probabilities of the real keys.
     """
     fmt = QKVFormat(qkv_format)
     mask = AttnMaskType(attn_mask_type)
@@ -334,7 +347,17 @@ def unfused_attention(
     if return_max_logit:
         hidden = torch.tensor(float("-inf"), dtype=scores.dtype, device=scores.device)
         max_logit = torch.where(keep, scores.detach(), hidden).amax(dim=(0, 2, 3)).to(q.dtype)
-    probs = _masked_softmax(scores, keep)
+    stype = AttnSoftmaxType(softmax_type)
+    sink = None
+    if stype.is_learnable:
+        if softmax_offset is None or softmax_offset.numel() != hq:
+            got = None if softmax_offset is None else tuple(softmax_offset.shape)
+            raise ValueError(f"`softmax_offset` must have shape [{hq}] or [1, {hq}, 1, 1] with "
+                             f"softmax_type='learnable', got {got}")
+        sink = softmax_offset.reshape(hq).to(device=q.device)
+    elif stype.has_sink:
+        sink = torch.zeros(hq, dtype=compute_dtype, device=q.device)
+    probs = _masked_softmax(scores, keep, sink)
     if dropout_p > 0.0:
         with (rng_context() if rng_context is not None else contextlib.nullcontext()):
             probs = F.dropout(probs, p=dropout_p, training=True)

@@ -4,6 +4,9 @@ Deterministic by construction when ATOMIC_DQ is off: every program owns its outp
 sums in a fixed order (dK/dV: over the query heads of the GQA group, then query blocks in
 ascending order; dQ: over key blocks in ascending order). ATOMIC_DQ (non-deterministic mode
 only; the launch plan decides) folds dQ into the dK/dV pass with fp32 atomics instead.
+
+Sink softmax changes nothing in the dK/dV and dQ passes (forward.py's docstring); the learnable
+sink's gradient is attn_bwd_dsink_kernel's, one partial sum per sequence without atomics.
 """
 
 import triton
@@ -454,3 +457,39 @@ def attn_bwd_dbias_kernel(
         tl.store(DBIAS + zb.to(tl.int64) * stride_dzb + zh.to(tl.int64) * stride_dzh
                  + offs_m[:, None] * stride_dzm + offs_n[None, :] * stride_dzn, acc.to(DBIAS.dtype.element_ty),
                  mask=(offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k))
+
+
+
+@triton.jit(do_not_specialize=SEQLEN_ARGS[:1])
+def attn_bwd_dsink_kernel(
+    LSE, DELTA, SINK, DSINK, SEQ_LEN_Q,
+    stride_lb, stride_lh, stride_dsb,
+    seqlen_q,
+    BLOCK_M: tl.constexpr, HAS_SEQLENS: tl.constexpr,
+):
+    """One program per (sequence, query head): that sequence's part of the learnable sink's gradient,
+    ``DSINK[seq, h] = -sum_i exp(SINK[h] - lse_i) * delta_i`` over its rows ``i < len_q``.
+
+    With ``lse`` including the sink, ``exp(sink - lse_i)`` is row i's sink probability, and
+    ``d out_i / d sink = -p_sink_i * out_i``, so the row's share of the gradient is
+    ``-p_sink_i * (dO_i . O_i) = -p_sink_i * delta_i`` (dropout included: ``out`` is linear in the
+    probabilities). Rows go in ascending blocks of BLOCK_M, one fp32 lane per row of a block, and the
+    lanes are summed at the end: a fixed order that depends on the sequence alone, never on the batch
+    around it or on packing. The frontends sum the per-sequence parts in a fixed order.
+    """
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    len_q = seqlen_q
+    if HAS_SEQLENS:
+        len_q = tl.load(SEQ_LEN_Q + seq)
+    sink = tl.load(SINK + head).to(tl.float32)
+    base = seq.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
+    offs = tl.arange(0, BLOCK_M)
+    acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for start in range(0, len_q, BLOCK_M):
+        rows = start + offs
+        ok = rows < len_q
+        lse = tl.load(LSE + base + rows, mask=ok, other=float("inf"))
+        delta = tl.load(DELTA + base + rows, mask=ok, other=0.0)
+        acc += tl.where(ok, tl.math.exp2((sink - lse) * LOG2E) * delta, 0.0)
+    tl.store(DSINK + seq.to(tl.int64) * stride_dsb + head, -tl.sum(acc, axis=0))

@@ -3,6 +3,14 @@
 Scores live in the log2 domain (``qk_scale = softmax_scale * log2(e)``) so the inner loop uses
 exp2. The saved log-sum-exp is in natural-log units, ``+inf`` for rows that see no key (so the
 backward's ``exp(s - lse)`` is 0 there and no NaN appears).
+
+Sink softmax (HAS_SINK: off-by-one and learnable): ``SINK[h]`` (fp32, natural-log units, added as it
+is: not scaled by the softmax scale) is one more logit in every row of head ``h`` with no value
+vector. It joins the running max and sum after the key loop, so the saved log-sum-exp includes it
+and the output is ``sum_j p_j v_j`` with ``p`` normalised including it; a row that sees no key
+outputs zeros and saves the sink's own logit. The backward kernels need no change: their
+probabilities come from that log-sum-exp, and ``delta = rowsum(dO * O)`` is still
+``sum_j p_j dp_j`` because the sink has no value.
 """
 
 import triton
@@ -25,6 +33,7 @@ from transformer_engine.common.attention.kernels.scores import (
 )
 
 LN2 = tl.constexpr(0.6931471805599453)
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -85,13 +94,13 @@ def attn_fwd_kernel(
     stride_lb, stride_lh,
     stride_zb, stride_zh, stride_zm, stride_zn, stride_alibi_b,
     num_heads_q, gqa_group, seqlen_q, seqlen_k,
-    qk_scale, window_left, window_right, dropout_p,
+    qk_scale, window_left, window_right, dropout_p, SINK,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, HAS_SINK: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr, SINGLE_LOOP: tl.constexpr, TMA: tl.constexpr,
 ):
     tl.static_assert(BLOCK_DQK >= HEAD_DIM_QK)
@@ -149,6 +158,15 @@ def attn_fwd_kernel(
                                        dropout_p, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
                                        SEGMENT != 1, False, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT,
                                        DOT_PRECISION, TMA)
+
+    if HAS_SINK:  # the sink's logit joins the row max and sum (module docstring)
+        sink = tl.load(SINK + head).to(tl.float32) * LOG2E
+        m_sink = tl.maximum(m_i, sink)
+        m_use = tl.where(m_sink == float("-inf"), 0.0, m_sink)  # no key and a -inf sink: l stays 0
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.math.exp2(sink - m_use)
+        acc = acc * alpha[:, None]
+        m_i = m_sink
 
     # l_i is a sum of exp2 terms: 0 when the row saw no key, NaN when a score was NaN or inf (then the
     # output and lse are NaN, as in the math reference, rather than hidden as an empty row).

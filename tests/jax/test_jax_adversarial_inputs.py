@@ -23,10 +23,10 @@ BACKENDS = ["fused", "unfused"]
 B, S, H, D = 2, 6, 2, 8
 
 
-def _qkv(b=B, sq=S, skv=S, seed=0, dtype=np.float32):
+def _qkv(b=B, sq=S, skv=S, seed=0, dtype=np.float32, d=D):
     rng = np.random.default_rng(seed)
-    return [jnp.asarray(rng.standard_normal(shape).astype(dtype)) for shape in ((b, sq, H, D), (b, skv, H, D),
-                                                                                (b, skv, H, D))]
+    return [jnp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+            for shape in ((b, sq, H, d), (b, skv, H, d), (b, skv, H, d))]
 
 
 def _call(backend, qkv, sd=None, mask=AttnMaskType.NO_MASK, scale=0.3, layout=QKVLayout.BSHD_BSHD_BSHD,
@@ -207,3 +207,76 @@ def test_property_random_configs_match_the_reference(backend, lens_q, lens_kv, c
     mask = AttnMaskType.PADDING_CAUSAL_MASK if causal else AttnMaskType.PADDING_MASK
     out = _call(backend, (q, k, v), sd, mask, scale)
     np.testing.assert_allclose(np.asarray(out), _reference(q, k, v, lens_q, lens_kv, causal, scale), atol=3e-6)
+
+
+# -- the NaN and scale items at bf16 on the GPU (d=64: Triton kernels; d=128: Gluon kernels on Hopper) --
+
+ON_GPU = jax.default_backend() == "gpu"
+requires_gpu = pytest.mark.skipif(not ON_GPU, reason="the fused bf16 kernels run on the GPU only")
+GPU_S = 240  # several kernel blocks; sequences of 160 and 240 tokens
+
+
+def _bf16_case(d, seed, mask, scale, lens):
+    """Fused outputs and input gradients at bf16, with the unfused jnp path at fp32 (reference) and bf16
+    (JAX's own low-precision error) on the same inputs and output gradient."""
+    qkv = _qkv(sq=GPU_S, skv=GPU_S, seed=seed, dtype=jnp.bfloat16, d=d)
+    sd = SequenceDescriptor.from_seqlens(jnp.array(lens, jnp.int32))
+    d_out = jnp.asarray(np.random.default_rng(seed + 1).standard_normal((B, GPU_S, H, d)), jnp.bfloat16)
+
+    def run(backend, dtype):
+        f = jax.jit(lambda *a: _call(backend, a, sd, mask, scale))
+        out, vjp = jax.vjp(f, *[x.astype(dtype) for x in qkv])
+        return [np.asarray(x.astype(jnp.float32)) for x in [out, *vjp(d_out.astype(dtype))]]
+    return qkv, run("fused", jnp.bfloat16), run("unfused", jnp.float32), run("unfused", jnp.bfloat16)
+
+
+def _assert_bf16_close(ours, ref, lowp, names=("out", "dq", "dk", "dv")):
+    for name, a, r, x in zip(names, ours, ref, lowp):
+        ok = ~np.isnan(r)
+        assert np.array_equal(np.isnan(a), np.isnan(r)), f"{name}: NaN pattern differs from the reference"
+        err = float(np.abs(a[ok] - r[ok]).max(initial=0.0))
+        base = float(np.abs(x[ok] - r[ok]).max(initial=0.0))
+        assert err <= 2 * base + 1e-3, f"{name}: max error {err:.3e} > 2 x JAX's bf16 error {base:.3e} + 1e-3"
+
+
+@requires_gpu
+@pytest.mark.parametrize("scale", [0.0, -0.6])
+@pytest.mark.parametrize("d", [64, 128])
+def test_bf16_zero_and_negative_scale_on_the_gpu(d, scale):
+    lens = [160, 240]
+    qkv, ours, ref, lowp = _bf16_case(d, 11, AttnMaskType.PADDING_CAUSAL_MASK, scale, lens)
+    _assert_bf16_close(ours, ref, lowp)
+    exact = _reference(*[np.asarray(x.astype(jnp.float32)) for x in qkv], lens, lens, True, scale)
+    assert float(np.abs(ours[0] - exact).max()) <= 2 * float(np.abs(lowp[0] - exact).max()) + 1e-3
+
+
+@requires_gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_bf16_nan_padding_contributes_nothing_on_the_gpu(d):
+    lens = jnp.array([160, 100], jnp.int32)
+    pad = (jnp.arange(GPU_S)[None, :] >= lens[:, None])[:, :, None, None]
+    sd = SequenceDescriptor.from_seqlens(lens)
+
+    def run(fill):
+        qkv = [jnp.where(pad, fill, x) for x in _qkv(sq=GPU_S, skv=GPU_S, seed=12, dtype=jnp.bfloat16, d=d)]
+        f = jax.jit(lambda *a: _call("fused", a, sd, AttnMaskType.PADDING_CAUSAL_MASK))
+        out, vjp = jax.vjp(f, *qkv)
+        return [out] + list(vjp(jnp.where(pad, fill, jnp.ones_like(out))))
+
+    for name, a, b in zip(("out", "dq", "dk", "dv"), run(jnp.nan), run(0.0)):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)),
+                                      err_msg=f"{name}: NaN leaked from the padding")
+
+
+@requires_gpu
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+@pytest.mark.parametrize("d", [64, 128])
+def test_bf16_nan_inside_a_sequence_propagates_on_the_gpu(d, value):
+    q, k, v = _qkv(sq=GPU_S, skv=GPU_S, seed=13, dtype=jnp.bfloat16, d=d)
+    q = q.at[0, 2, 1, 3].set(value)
+    f = jax.jit(lambda *a: _call("fused", a, mask=AttnMaskType.CAUSAL_MASK))
+    out = np.asarray(f(q, k, v).astype(jnp.float32))
+    assert np.isnan(out[0, 2, 1]).all(), "the affected row must be NaN, not hidden as an empty row"
+    assert np.isnan(out).any(-1).sum() == 1, "only the affected row is NaN"
+    dq = np.asarray(jax.grad(lambda a: f(a, k, v).astype(jnp.float32).sum())(q).astype(jnp.float32))
+    assert np.isnan(dq[0, 2, 1]).any() and not np.isnan(dq[1]).any() and not np.isnan(dq[0, :, 0]).any()

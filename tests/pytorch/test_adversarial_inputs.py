@@ -14,7 +14,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from dpa_helpers import DEVICE, INTERPRET, ON_GPU, cu_seqlens, reference, requires_fused
+from dpa_helpers import DEVICE, INTERPRET, ON_GPU, cu_seqlens, max_err, reference, requires_fused, requires_gpu
 from transformer_engine.common.attention import AttnConfig, AttnMaskType
 from transformer_engine.common.attention.validation import check_cu_seqlens_values
 from transformer_engine.pytorch import DotProductAttention
@@ -26,9 +26,39 @@ FUNCS = {
     "unfused": unfused_attention,
     "fused": pytest.param(fused_attn_func, marks=requires_fused),
 }
-# fp32 everywhere here (fp16 would need the low-precision tolerance; the interpreter gets bf16 wrong).
+# fp32 by default (the interpreter gets bf16 wrong); the NaN and scale tests also run at bf16 on the
+# GPU, at head dims 64 (Triton kernels) and 128 (the Gluon kernels on Hopper), with longer sequences.
 DTYPE = torch.float32
 B, S, H, D = 2, 6, 2, 8
+
+
+class Precision:
+    """dtype, head dim and a length multiplier (sequences m times longer span several kernel blocks)."""
+
+    def __init__(self, dtype, d, m):
+        self.dtype, self.d, self.m, self.s = dtype, d, m, S * m
+
+    def lens(self, lengths):
+        return [n * self.m for n in lengths]
+
+    def qkv(self, **kw):
+        kw = dict(dict(sq=self.s, skv=self.s, d=self.d, dtype=self.dtype), **kw)
+        return _qkv(**kw)
+
+    def tolerances(self, ref, lowp):
+        """fp32: a fixed bound. bf16: 2 x PyTorch's own bf16 error on the same inputs, plus 1e-3."""
+        if self.dtype == torch.float32:
+            return [2e-5] * len(ref)
+        out = []
+        for r, x in zip(ref, lowp):
+            ok = ~torch.isnan(r) & ~torch.isnan(x)
+            out.append(2 * max_err(x[ok], r[ok]) + 1e-3)
+        return out
+
+
+PRECISIONS = [pytest.param(Precision(torch.float32, D, 1), id="fp32"),
+              pytest.param(Precision(torch.bfloat16, 64, 40), id="bf16-d64", marks=requires_gpu),
+              pytest.param(Precision(torch.bfloat16, 128, 40), id="bf16-d128", marks=requires_gpu)]
 
 
 def _qkv(b=B, sq=S, skv=S, h=H, hk=H, d=D, seed=0, dtype=DTYPE):
@@ -45,7 +75,8 @@ def _grads(fn, inputs, d_out=None):
 
 
 def _assert_matches(ours, ref, atol=2e-5):
-    for i, (a, r) in enumerate(zip(ours, ref)):
+    atols = atol if isinstance(atol, list) else [atol] * len(ref)
+    for i, (a, r, atol) in enumerate(zip(ours, ref, atols)):
         assert a.shape == r.shape, f"result {i}: shape {tuple(a.shape)} != {tuple(r.shape)}"
         assert torch.equal(torch.isnan(a), torch.isnan(r)), f"result {i}: NaN pattern differs from the reference"
         ok = ~torch.isnan(r)
@@ -149,18 +180,22 @@ def test_module_rejects_non_finite_scale(scale):
         DotProductAttention(H, D, softmax_scale=scale)
 
 
+@pytest.mark.parametrize("prec", PRECISIONS)
 @pytest.mark.parametrize("scale", [0.0, -0.7, 0.35])
 @pytest.mark.parametrize("mask", ["causal", "padding_causal_bottom_right"])
 @pytest.mark.parametrize("fn", list(FUNCS.values()), ids=list(FUNCS))
-def test_zero_and_negative_scales_match_the_reference(fn, mask, scale):
-    lens_q, lens_kv = [4, 6], [5, 3]
+def test_zero_and_negative_scales_match_the_reference(fn, mask, scale, prec):
+    lens_q, lens_kv = prec.lens([4, 6]), prec.lens([5, 3])
     kw = dict(cu_seqlens_q=cu_seqlens(lens_q), cu_seqlens_kv=cu_seqlens(lens_kv)) if "padding" in mask else {}
     lq, lk = (lens_q, lens_kv) if "padding" in mask else (None, None)
-    inputs = _qkv(seed=3)
+    inputs = prec.qkv(seed=3)
     ours = _grads(lambda q, k, v: fn(q, k, v, "bshd", mask, None, scale, **kw), inputs)
-    ref = _grads(lambda q, k, v: reference(q, k, v, mask, scale=scale, lens_q=lq, lens_kv=lk),
-                 [t.double() for t in inputs])
-    _assert_matches(ours, ref)
+
+    def ref_in(dtype):
+        return _grads(lambda q, k, v: reference(q, k, v, mask, scale=scale, lens_q=lq, lens_kv=lk, dtype=dtype),
+                      [t.to(dtype) for t in inputs])
+    ref = ref_in(torch.float64)
+    _assert_matches(ours, ref, prec.tolerances(ref, ref_in(prec.dtype)))
 
 
 # -- s = 0 -------------------------------------------------------------------------------------------
@@ -197,13 +232,14 @@ def _fill_padding(t, lengths, value):
     return t
 
 
+@pytest.mark.parametrize("prec", PRECISIONS)
 @pytest.mark.parametrize("mask", ["padding", "padding_causal"])
 @pytest.mark.parametrize("fn", list(FUNCS.values()), ids=list(FUNCS))
-def test_nan_padding_bshd_contributes_nothing(fn, mask):
-    lens_q, lens_kv = [4, 6], [3, 5]
+def test_nan_padding_bshd_contributes_nothing(fn, mask, prec):
+    lens_q, lens_kv = prec.lens([4, 6]), prec.lens([3, 5])
     cu = dict(cu_seqlens_q=cu_seqlens(lens_q), cu_seqlens_kv=cu_seqlens(lens_kv))
-    q, k, v = _qkv(seed=5)
-    d_out = torch.randn(B, S, H, D, generator=torch.Generator().manual_seed(6)).to(DEVICE, DTYPE)
+    q, k, v = prec.qkv(seed=5)
+    d_out = torch.randn(B, prec.s, H, prec.d, generator=torch.Generator().manual_seed(6)).to(DEVICE, prec.dtype)
     call = lambda q_, k_, v_: fn(q_, k_, v_, "bshd", mask, None, 0.3, **cu)  # noqa: E731
     clean = _grads(call, [_fill_padding(q, lens_q, 0.0)] + [_fill_padding(t, lens_kv, 0.0) for t in (k, v)],
                    _fill_padding(d_out, lens_q, 0.0))
@@ -214,16 +250,18 @@ def test_nan_padding_bshd_contributes_nothing(fn, mask):
         assert torch.equal(a, b), f"{name}: NaN (or a different value) leaked from the padding"
 
 
+@pytest.mark.parametrize("prec", PRECISIONS)
 @pytest.mark.parametrize("fn", list(FUNCS.values()), ids=list(FUNCS))
-def test_nan_gaps_thd_contribute_nothing(fn):
-    lens, starts, tokens = [3, 2], [0, 5, 8], 9  # gaps at tokens 3-4 and 7-8
-    q, k, v = (t[0] for t in _qkv(b=1, sq=tokens, skv=tokens, seed=7))
+def test_nan_gaps_thd_contribute_nothing(fn, prec):
+    m = prec.m
+    lens, starts, tokens = [3 * m, 2 * m], [0, 5 * m, 8 * m], 9 * m  # gaps after each sequence
+    q, k, v = (t[0] for t in prec.qkv(b=1, sq=tokens, skv=tokens, seed=7))
     gap = torch.ones(tokens, dtype=torch.bool, device=DEVICE)
-    gap[0:3] = gap[5:7] = False
+    gap[0:lens[0]] = gap[starts[1]:starts[1] + lens[1]] = False
     kw = dict(cu_seqlens_q=cu_seqlens(lens), cu_seqlens_kv=cu_seqlens(lens), cu_seqlens_q_padded=_i32(starts),
-              cu_seqlens_kv_padded=_i32(starts), max_seqlen_q=3, max_seqlen_kv=3)
+              cu_seqlens_kv_padded=_i32(starts), max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
     call = lambda q_, k_, v_: fn(q_, k_, v_, "thd", "padding_causal", None, 0.3, **kw)  # noqa: E731
-    d_out = torch.ones(tokens, H, D, device=DEVICE, dtype=DTYPE)
+    d_out = torch.ones(tokens, H, prec.d, device=DEVICE, dtype=prec.dtype)
 
     def filled(value):
         return [t.masked_fill(gap[:, None, None], value) for t in (q, k, v)], d_out.masked_fill(gap[:, None, None],
@@ -233,46 +271,55 @@ def test_nan_gaps_thd_contribute_nothing(fn):
         assert torch.equal(a, b), f"{name}: NaN leaked from the gaps between sequences"
 
 
+@pytest.mark.parametrize("prec", PRECISIONS)
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 @pytest.mark.parametrize("fn", list(FUNCS.values()), ids=list(FUNCS))
-def test_nan_inside_a_sequence_propagates_like_the_reference(fn, value):
-    lens = [5, 4]
+def test_nan_inside_a_sequence_propagates_like_the_reference(fn, value, prec):
+    lens = prec.lens([5, 4])
     cu = dict(cu_seqlens_q=cu_seqlens(lens), cu_seqlens_kv=cu_seqlens(lens))
-    q, k, v = _qkv(seed=8)
+    q, k, v = prec.qkv(seed=8)
     q[0, 2, 1, 3] = value  # one query row of sequence 0, head 1
     ours = _grads(lambda q_, k_, v_: fn(q_, k_, v_, "bshd", "padding_causal", None, 0.3, **cu), [q, k, v])
-    ref = _grads(lambda q_, k_, v_: reference(q_, k_, v_, "padding_causal", scale=0.3, lens_q=lens, lens_kv=lens),
-                 [t.double() for t in (q, k, v)])
+
+    def ref_in(dtype):
+        return _grads(lambda q_, k_, v_: reference(q_, k_, v_, "padding_causal", scale=0.3, lens_q=lens,
+                                                   lens_kv=lens, dtype=dtype), [t.to(dtype) for t in (q, k, v)])
+    ref, lowp = ref_in(torch.float64), ref_in(prec.dtype)
     assert torch.isnan(ours[0][0, 2, 1]).all(), "the affected row must be NaN, not hidden as an empty row"
     assert not torch.isnan(ours[0][1]).any() and not torch.isnan(ours[0][0, :, 0]).any()
     assert torch.isnan(ours[1][0, 2, 1]).any(), "dq of the affected row must carry the NaN"
-    _assert_matches(ours[:1], ref[:1])
+    _assert_matches(ours[:1], ref[:1], prec.tolerances(ref[:1], lowp[:1]))
     # dk of keys the row does not see may get 0 * NaN from dS^T q (q's NaN is in the product); the
     # other sequence and the other head must be untouched.
-    ours[2], ref[2] = torch.cat([ours[2][1].flatten(), ours[2][0, :, 0].flatten()]), torch.cat([ref[2][1].flatten(), ref[2][0, :, 0].flatten()])
-    for name, g, r in zip(("dq", "dk", "dv"), ours[1:], ref[1:]):
+    for res in (ours, ref, lowp):
+        res[2] = torch.cat([res[2][1].flatten(), res[2][0, :, 0].flatten()])
+    tols = prec.tolerances(ref[1:], lowp[1:])
+    for name, g, r, tol in zip(("dq", "dk", "dv"), ours[1:], ref[1:], tols):
         # Where the reference is a number ours is the same number (no NaN leaks beyond it).
         ok = ~torch.isnan(r)
         assert not torch.isnan(g[ok]).any(), f"{name}: NaN where the reference has none"
-        assert (g.double()[ok] - r[ok]).abs().max().item() <= 2e-5, name
+        assert (g.double()[ok] - r[ok]).abs().max().item() <= tol, name
     # dv = P^T dO: NaN exactly at the keys the affected row sees (keys 0-2 of sequence 0, head 1). The
     # reference's softmax spreads the NaN over the row's masked keys too; those get none here.
-    seen = torch.zeros(B, S, H, dtype=torch.bool, device=ours[3].device)
+    seen = torch.zeros(B, prec.s, H, dtype=torch.bool, device=ours[3].device)
     seen[0, :3, 1] = True
-    dv, ref_dv = ours[3], ref[3]
+    dv = ours[3]
     reached = torch.isnan(dv).any(-1)
     assert not (reached & ~seen).any(), "dv: NaN reached keys the row does not see"
     if math.isnan(value):  # (an inf gives some of the seen keys p = 0 / inf = 0)
         assert torch.equal(reached, seen), "dv: NaN must reach every key the row sees"
 
 
+@pytest.mark.parametrize("prec", PRECISIONS)
 @pytest.mark.parametrize("fn", list(FUNCS.values()), ids=list(FUNCS))
-def test_fully_masked_row_is_still_zero(fn):
-    # s_q > s_kv with a bottom-right causal mask: the first queries see no key.
-    q, k, v = _qkv(sq=6, skv=3, seed=9)
+def test_fully_masked_row_is_still_zero(fn, prec):
+    # s_q > s_kv with a bottom-right causal mask: the first s_q - s_kv queries see no key.
+    q, k, v = prec.qkv(sq=prec.s, skv=prec.s // 2, seed=9)
+    half = prec.s // 2
     out, dq, _, _ = _grads(lambda q_, k_, v_: fn(q_, k_, v_, "bshd", "causal_bottom_right", None, 0.3), [q, k, v])
-    assert torch.equal(out[:, :3], torch.zeros_like(out[:, :3]))
-    assert torch.equal(dq[:, :3], torch.zeros_like(dq[:, :3]))
+    assert torch.equal(out[:, :half], torch.zeros_like(out[:, :half]))
+    assert torch.equal(dq[:, :half], torch.zeros_like(dq[:, :half]))
+    assert not torch.isnan(out).any() and not torch.isnan(dq).any()
 
 
 # -- dtypes and windows on the functional entry points -----------------------------------------------

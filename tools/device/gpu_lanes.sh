@@ -11,13 +11,13 @@
 # Sections: qa:<level>[:files] (a qa level, optionally only some of its test files, e.g.
 # qa:L1_pytorch_gpu:test_fused_attn,test_compile: how a level too long for one call is split),
 # build (pip install -e ., PyTorch and JAX, native JAX FFI extension), check (the determinism
-# check, both frameworks), jaxsmoke (tests/jax/gpu_smoke.py), tune
+# check, both frameworks; CHECK_ARGS e.g. "--dtype bfloat16"), jaxsmoke (tests/jax/gpu_smoke.py), tune
 # (benchmarks/attention/tune_tiles.py; TUNE_DIMS; TUNE_SHAPES="4,16,4096;1,16,16384" times those shapes;
 # TUNE_KERNELS=fwd the forward only; TUNE_MASKS=causal; TUNE_VARIANTS=head_group=1,2,4 or "tma=0,1;single_loop=0,1"
 # sweeps Tiles fields of the planned tiles instead of the tile table), core (bench_core.py), timeline
 # (step_timeline.py; TIMELINE_ARGS), ws (ws_kernels.py: the Gluon kernels' errors and speed), ncu (Nsight Compute over ncu_step.py; NCU_ARGS), fa4 / fa4tests
 # (install_flash_attn4.sh phase1 / phase2 + gpu_flash.sh tests), bench (gpu_bench.sh parts in
-# BENCH_PARTS), tetables (qa/L1_pytorch_te_tables; TE_TABLES_WORKERS), memcheck (qa/L1_memcheck); 2-GPU: tp (torchrun tensor-parallel heads), jaxmesh (tests/jax/test_jax_two_device_mesh.py).
+# BENCH_PARTS), tetables (qa/L1_pytorch_te_tables; TE_TABLES_WORKERS, TE_TABLES_EXTRA e.g. "--tables softmax"), memcheck (qa/L1_memcheck); 2-GPU: tp (torchrun tensor-parallel heads), jaxmesh (tests/jax/test_jax_two_device_mesh.py).
 # Limits per section come from <SECTION>_TIMEOUT (seconds); the defaults suit a 600 s call. CORE_ARGS: extra
 # bench_core.py arguments; GPU1: the second lane's GPU (default 1; 0 on a one-GPU machine); sleep:N waits.
 set -u
@@ -56,10 +56,10 @@ section() {
         > "$d/build.log" 2>&1
       note "build rc=$? $(python3 -c 'import transformer_engine.jax.primitives.gpu as g; print("jax ffi:", g.__name__)' 2>&1 | tail -1)" ;;
     check)
-      NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 timeout "$(limit CHECK 120)" python3 -m transformer_engine.pytorch.determinism_check \
+      NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 timeout "$(limit CHECK 120)" python3 -m transformer_engine.pytorch.determinism_check ${CHECK_ARGS:-} \
         > "$d/check_pytorch.txt" 2>&1
       note "determinism check (pytorch) rc=$? $(grep -m1 -E 'PASS|FAIL' "$d/check_pytorch.txt")"
-      NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 timeout "$(limit CHECK 120)" python3 -m transformer_engine.jax.determinism_check \
+      NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 timeout "$(limit CHECK 120)" python3 -m transformer_engine.jax.determinism_check ${CHECK_ARGS:-} \
         > "$d/check_jax.txt" 2>&1
       note "determinism check (jax) rc=$? $(grep -m1 -E 'PASS|FAIL' "$d/check_jax.txt")" ;;
     qa:*)  # qa:<level>[:file,file,...] runs qa/<level>/test.sh, optionally on those test files only
@@ -119,7 +119,7 @@ section() {
         -p no:cacheprovider tests/jax/test_jax_two_device_mesh.py > "$d/jaxmesh.log" 2>&1
       note "jax 2-GPU mesh rc=$? $(tail -1 "$d/jaxmesh.log")" ;;
     tetables)  # TransformerEngine's test tables through DotProductAttention (qa/L1_pytorch_te_tables)
-      TE_TABLES_OUT=$d/te_tables TE_TABLES_ARGS="--workers ${TE_TABLES_WORKERS:-6}" timeout "$(limit TETABLES 400)" \
+      TE_TABLES_OUT=$d/te_tables TE_TABLES_ARGS="--workers ${TE_TABLES_WORKERS:-6} ${TE_TABLES_EXTRA:-}" timeout "$(limit TETABLES 400)" \
         bash qa/L1_pytorch_te_tables/test.sh > "$d/te_tables.log" 2>&1
       note "te tables rc=$? $(grep -m1 '^te_tables:' "$d/te_tables.log")" ;;
     memcheck)  # compute-sanitizer memcheck over every kernel variant (qa/L1_memcheck)

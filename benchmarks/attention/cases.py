@@ -1,4 +1,4 @@
-"""The benchmark grid (issue 7) as data: shapes, FLOP counts, named parts for device calls.
+"""The benchmark grid as data: shapes, FLOP counts, named parts for device calls.
 
 Imports neither torch nor jax: the PyTorch harness, the JAX subprocess and the target
 evaluation all read the same cases from here.
@@ -88,7 +88,7 @@ def _thd(group, seqlens, h, d, causal=True) -> Case:
                 max(seqlens), d, causal, "thd", tuple(seqlens))
 
 
-# The issue's standard grid, bf16.
+# The standard grid, bf16.
 GRID: List[Case] = [
     _dense("std", 4, 16, 4096, 128, False), _dense("std", 4, 16, 4096, 128, True),
     _dense("std", 1, 16, 16384, 128, False), _dense("std", 1, 16, 16384, 128, True),

@@ -392,7 +392,7 @@ def parse_args(argv=None):
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU smoke test: tiny shapes, Triton interpreter, GPU-only peers skipped with reasons")
     ap.add_argument("--part", default="all", choices=sorted(PARTS),
-                    help="named subset for one device call: " + "; ".join(
+                    help="named subset, for a run in parts: " + "; ".join(
                         f"{k} = groups {','.join(v[0])}" for k, v in PARTS.items()))
     ap.add_argument("--cases", default="", help="case names or groups (comma list); overrides --part's cases")
     ap.add_argument("--impls", default="", help="implementations (comma list); overrides --part's. Known: "

@@ -11,7 +11,7 @@
 #   QA_RECORD        a file to which the final summary line is appended (e.g. for GPU runs)
 #   QA_COUNTS_FILE   a file to which "passed failed skipped" is appended (used by qa/L0_all)
 #   QA_SELECT        test file names (without .py, space-separated) to run, of those a level finds;
-#   QA_SKIP          test file names to leave out: together they split one level over device calls
+#   QA_SKIP          test file names to leave out: together they split one level over runs
 #                    or GPUs (e.g. QA_SKIP="test_fused_attn" on one, QA_SELECT="test_fused_attn" on the other)
 
 QA_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -1,4 +1,4 @@
-"""Attention benchmark (issue 7): our attention and every peer, side by side, in one run.
+"""Attention benchmark: our attention and every peer, side by side, in one run.
 
 One command runs it all on the GPU machine (bf16, the standard grid of ``cases.py``)::
 
@@ -388,11 +388,11 @@ def merge(paths, stem, plot, command):
 # ------------------------------------------------------------------------------------------------
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description="Attention benchmark: ours and every peer, one run (issue 7).")
+    ap = argparse.ArgumentParser(description="Attention benchmark: ours and every peer, one run.")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU smoke test: tiny shapes, Triton interpreter, GPU-only peers skipped with reasons")
     ap.add_argument("--part", default="all", choices=sorted(PARTS),
-                    help="named subset for one device call: " + "; ".join(
+                    help="named subset, for a run in parts: " + "; ".join(
                         f"{k} = groups {','.join(v[0])}" for k, v in PARTS.items()))
     ap.add_argument("--cases", default="", help="case names or groups (comma list); overrides --part's cases")
     ap.add_argument("--impls", default="", help="implementations (comma list); overrides --part's. Known: "

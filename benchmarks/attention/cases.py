@@ -1,4 +1,4 @@
-"""The benchmark grid (issue 7) as data: shapes, FLOP counts, named parts for device calls.
+"""The benchmark grid as data: shapes, FLOP counts, named parts for a run in pieces.
 
 Imports neither torch nor jax: the PyTorch harness, the JAX subprocess and the target
 evaluation all read the same cases from here.
@@ -88,7 +88,7 @@ def _thd(group, seqlens, h, d, causal=True) -> Case:
                 max(seqlens), d, causal, "thd", tuple(seqlens))
 
 
-# The issue's standard grid, bf16.
+# The standard grid, bf16.
 GRID: List[Case] = [
     _dense("std", 4, 16, 4096, 128, False), _dense("std", 4, 16, 4096, 128, True),
     _dense("std", 1, 16, 16384, 128, False), _dense("std", 1, 16, 16384, 128, True),
@@ -116,7 +116,7 @@ JAX_IMPLS = ("jax_te_det", "jax_te", "jax_cudnn_det", "jax_cudnn", "jax_xla")
 OPTIONAL_IMPLS = ("cudnn_fe",)  # measured only when named in --impls
 ALL_IMPLS = TORCH_IMPLS + JAX_IMPLS
 
-# Named subsets so that the full grid splits over device calls of at most 10 minutes each.
+# Named subsets so that the full grid can run in pieces of at most 10 minutes each.
 PARTS: Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...]]] = {
     "torch-std": (("std",), TORCH_IMPLS),
     "torch-ext": (("gqa", "thd", "long", "d256"), TORCH_IMPLS),

@@ -143,7 +143,7 @@ def _fa4(case: Case, inp: Inputs, deterministic: bool) -> Union[Runner, str]:
         import flash_attn.cute as fa
     except Exception as err:  # not installed, or its CuTe DSL stack is missing
         return (f"flash_attn.cute not importable ({type(err).__name__}: {str(err)[:120]}); "
-                "carry it with tools/device/install_flash_attn4.sh")
+                "install it with pip install \".[flash]\"")
     thd = case.layout == "thd"
     func = fa.flash_attn_varlen_func if thd else fa.flash_attn_func
     if "deterministic" not in inspect.signature(func).parameters:
@@ -461,7 +461,7 @@ def _cudnn_fe(case: Case, inp: Inputs, deterministic: bool) -> Union[Runner, str
         importlib.import_module("cudnn")
     except Exception as err:
         return (f"nvidia-cudnn-frontend not importable ({type(err).__name__}: {str(err)[:120]}); "
-                "carry it with tools/device/fetch_bench_wheels.sh")
+                "install it with pip install nvidia-cudnn-frontend")
     return _CudnnSdpa(case, inp, deterministic).runner()
 
 

@@ -1,4 +1,4 @@
-"""Issue 7's targets as data, evaluated from benchmark rows into met / missed / n/a with the ratio.
+"""The performance targets as data, evaluated from benchmark rows into met / missed / n/a with the ratio.
 
 A target compares a subject row with a peer row of the same case (``ratio = subject / peer`` of
 one metric) or, for ``metric="runs_bitwise"``, checks that the subject ran and its gradients were

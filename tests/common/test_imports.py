@@ -86,7 +86,7 @@ def test_frontend_without_its_framework_says_what_is_missing(frontend, blocked, 
 
 
 def test_common_does_not_import_frameworks_in_source():
-    """DESIGN: common/ imports neither torch nor jax (a source check catches lazy imports too)."""
+    """common/ imports neither torch nor jax (a source check catches lazy imports too)."""
     offenders = []
     for path in sorted((ROOT / "transformer_engine" / "common").rglob("*.py")):
         for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):

@@ -51,7 +51,7 @@ def test_sm90_warp_specialized_plans_compile_without_spills(mask, thd, gqa):
     """The Gluon forward, dQ and dK/dV kernels (kernels/hopper_ws.py) with their planned tiles: 12 warps
     (two consumer warpgroups and a loader warp), no register spills in the forward and dQ; dK/dV's consumers
     run at the register file's limit: 8-80 B of stack (a few loads per query block, the most with packed
-    sequences and GQA) where its first version spilled 112-160 B (NOTES.md entry 15); shared memory that fits."""
+    sequences and GQA) where a version without the loader's LSE/delta rows spilled 112-160 B; shared memory that fits."""
     cfg = AttnConfig(batch_size=1, num_heads_q=8, num_heads_kv=8 // gqa, head_dim_qk=128, head_dim_v=128,
                      max_seqlen_q=4096, max_seqlen_kv=4096, dtype="bfloat16", attn_mask_type=mask,
                      deterministic=True, device_type="cuda", compute_capability=(9, 0))

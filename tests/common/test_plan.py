@@ -1,4 +1,4 @@
-"""Launch plans follow the determinism contract (DESIGN.md rule 3): tiles and kernel variants are a
+"""Launch plans follow the determinism contract: tiles and kernel variants are a
 function of head dim, dtype, mask/window kind and architecture only, and deterministic plans never
 use atomics."""
 

@@ -4,7 +4,7 @@ dQ/dK/dV (and the output) are bitwise equal across runs and recompiles and withi
 unfused fp32 reference, for GQA and non-GQA, sequence packing (THD) and padding, bf16 and fp16, at
 every length tested (numerics are checked at all of them).
 
-Plus DESIGN.md's invariances: (b) the same sequence inside a different batch, (c) the same
+Plus the determinism contract's invariances: (b) the same sequence inside a different batch, (c) the same
 sequences packed (THD) or padded (BSHD). ``selected`` runs what ``fused_attn`` picks (unfused on
 CPU, the Triton kernels on a GPU); ``fused`` runs the fused primitives (on CPU their jnp lowering).
 On a GPU (qa/L3_determinism) longer sequences and more repeats are used.

@@ -1,6 +1,6 @@
-"""Issue 9's 2-GPU run file: sharded attention on meshes of 2 devices.
+"""The 2-GPU run file: sharded attention on meshes of 2 devices.
 
-On GPU: ``python -m pytest tests/jax/test_jax_two_device_mesh.py`` on the kind nvidia-h200-x2 (2
+On GPU: ``python -m pytest tests/jax/test_jax_two_device_mesh.py`` on a machine with 2 GPUs (2
 H200s). On CPU it runs in CI too, on the first 2 of the 8 host devices tests/jax/conftest.py
 forces. It is skipped only with fewer than 2 devices.
 

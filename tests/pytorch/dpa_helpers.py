@@ -26,7 +26,7 @@ requires_fused = pytest.mark.skipif(
 )
 requires_gpu = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 
-# The Triton interpreter computes tl.dot on bfloat16 wrongly (DESIGN.md): bf16 runs on the GPU only.
+# The Triton interpreter computes tl.dot on bfloat16 wrongly: bf16 runs on the GPU only.
 LOWP_DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16]
 ALL_MASKS = ["no_mask", "causal", "causal_bottom_right", "padding", "padding_causal", "padding_causal_bottom_right"]
 

@@ -15,7 +15,7 @@ from dpa_helpers import (  # noqa: F401  (re-exported for the fused-kernel tests
     to_bshd,
 )
 
-# The interpreter computes tl.dot on bfloat16 wrongly (DESIGN.md): bf16 is tested on the GPU only.
+# The interpreter computes tl.dot on bfloat16 wrongly: bf16 is tested on the GPU only.
 DTYPES = [torch.float16, torch.bfloat16] if ON_GPU else [torch.float16, torch.float32]
 
 

@@ -10,7 +10,7 @@ Real flash-attn-4 on a CPU machine (when it imports): ``python tests/pytorch/tes
 --fake-compile sm_90`` compiles every call this wrapper makes for that architecture, forward and
 backward, on FakeTensors (flash-attn's own shape checks and its CuTe DSL compiler; no numerics).
 
-GPU (H200, flash-attn-4 carried in; tools/device/gpu_flash.sh): DotProductAttention with the
+GPU (H200, flash-attn-4 installed; qa/L1_pytorch_gpu): DotProductAttention with the
 backend forced against the fp64 reference; deterministic mode bitwise over repeated runs; batch
 and packing invariance; selection in deterministic training. Outcomes per config are written to
 ``$FLASH_TEST_RESULTS`` (JSON) when set.
@@ -686,7 +686,7 @@ GPU_CASES = {
     "thd-padding_causal-cross-gaps": dict(fmt="thd", mask="padding_causal", sq=200, skv=260, h=4, hk=2, d=128,
                                           lens_q=[100, 200, 3], lens_kv=[150, 260, 3], gap=5),
     "bshd-causal-d256": dict(fmt="bshd", mask="causal", sq=257, skv=257, h=4, hk=4, d=256),
-    # (d=72 fp16 gave a wrong dQ here on the H200, 2026-11-30: the backend now rejects it on sm90.)
+    # (d=72 fp16 gave a wrong dQ here on the H200: the backend rejects it on sm90.)
     "bshd-causal-d192-dv128": dict(fmt="bshd", mask="causal", sq=197, skv=197, h=4, hk=4, d=192, dv=128),
 }
 

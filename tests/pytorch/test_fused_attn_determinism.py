@@ -1,4 +1,4 @@
-"""Determinism contract of the fused kernels (DESIGN.md): repeated runs, batch composition and
+"""Determinism contract of the fused kernels: repeated runs, batch composition and
 packing (thd vs padded) give bitwise identical outputs and gradients; the deterministic
 backward never launches the atomic-dQ variant. Runs in qa/L3_determinism on the GPU and in
 L0 under the Triton interpreter.

@@ -1,6 +1,6 @@
 """Tensor-parallel heads (two processes) equal the single-process run bitwise (deterministic mode).
 
-The two-GPU run of the same script is issue 9's (kind nvidia-h200-x2); on the CPU it runs with gloo
+On two GPUs the same script runs with NCCL (``torchrun --nproc_per_node=2``); on the CPU it runs with gloo
 and the fused kernels under the Triton interpreter.
 """
 
@@ -18,7 +18,7 @@ HERE = os.path.dirname(__file__)
 
 @requires_fused
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
-                    reason="one GPU visible: NCCL needs a GPU per rank (the two-GPU run is issue 9's torchrun command)")
+                    reason="one GPU visible: NCCL needs a GPU per rank (two GPUs run it through torchrun)")
 def test_tensor_parallel_heads_match_single_process_bitwise():
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(os.path.join(HERE, "..", "..")), env.get("PYTHONPATH", "")])

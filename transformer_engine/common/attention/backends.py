@@ -183,13 +183,13 @@ class FlashAttention(AttentionBackend):
     # Blackwell (SM10x) kernels: d_qk and d_v both <= 128, or one of these pairs (Hopper: any up to 256).
     SM100_HEAD_DIMS_BEYOND_128 = frozenset({(192, 128), (256, 256)})
     # Hopper (SM90) head dims (d_qk, d_v) whose backward matched the reference on the H200
-    # (tests/pytorch/test_flash_backend.py, 2026-11-30): d=72 gave a wrong dQ there (max error 1.0 in
+    # (tests/pytorch/test_flash_backend.py): d=72 gave a wrong dQ there (max error 1.0 in
     # fp16), so other head dims go to our kernels until a GPU run shows them right.
     SM90_VERIFIED_HEAD_DIMS = frozenset({(64, 64), (128, 128), (192, 128), (256, 256)})
     # GPU generations where its deterministic mode passed our invariance tests on the GPU (same bits
     # for a sequence in any batch, packed or padded); elsewhere deterministic calls go to another
-    # backend. Hopper: shown on the H200 2026-11-30 (4 batch-composition and 6 THD-vs-padded configs
-    # bitwise, and bitwise repeats on every benchmark shape; qa/results/gpu_runs.md).
+    # backend. Hopper: shown on the H200 (4 batch-composition and 6 THD-vs-padded configs bitwise,
+    # and bitwise repeats on every benchmark shape).
     DETERMINISTIC_INVARIANT_ARCHS = frozenset({9})
 
     @classmethod

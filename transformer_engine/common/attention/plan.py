@@ -1,6 +1,6 @@
 """Launch plans: tile sizes, warps, stages and kernel variants as pure functions of AttnConfig.
 
-Determinism contract (DESIGN.md, rule 3): in deterministic mode the tiles and loop orders
+Determinism contract: in deterministic mode the tiles and loop orders
 depend only on head dim, dtype, mask/window kind and GPU architecture — never on batch size,
 sequence length or autotuning. Nothing below reads a shape other than the head dims. Whether the
 warp-specialized Gluon kernels serve a config also reads its bias/dropout and NVTE_FUSED_ATTN_WS,
@@ -33,7 +33,7 @@ class Tiles:
     num_warps: int
     num_stages: int
     head_group: int = 1  # launch order: heads whose blocks interleave (kernels/masking.py, grid_program)
-    single_loop: bool = False  # one pipelined block loop masking per block, not three loops (NOTES.md entry 11)
+    single_loop: bool = False  # one pipelined block loop masking per block, not three loops (pays where registers bind)
     tma: bool = False  # block-loop loads through tensor descriptors where the launcher can (aligned, d contiguous)
     pingpong: bool = False  # warp-specialized forward: consumers take turns issuing Q K^T (hopper_ws.py)
     overlap: bool = False  # warp-specialized forward: block j's Q K^T issued with block j-1's P V
@@ -131,8 +131,8 @@ def block_grid(num_blocks: int, num_seq_heads: int) -> Tuple[int, int, int]:
     """Launch grid of the forward and backward kernels: (block, sequence * head, 1).
 
     The block index is the fast grid axis, so programs running together mostly share one head's
-    K/V (or Q/dO) in L2. Measured (benchmarks/attention/NOTES.md, entry 9): the block-major order
-    (every head's heaviest causal block first) lost 2-18% to this order on the H200.
+    K/V (or Q/dO) in L2. The block-major order (every head's heaviest causal block first) measured
+    2-18% slower than this order on the H200.
     """
     return (num_blocks, num_seq_heads, 1)
 
@@ -157,10 +157,10 @@ def padded_head_dim(d: int) -> int:
 _INTERPRET_FWD = Tiles(16, 16, 1, 1)
 _INTERPRET_BWD = Tiles(16, 16, 1, 1)
 
-# Hopper (sm_90) tiles by padded head dim (and mask kind where it pays), measured on the H200
-# with benchmarks/attention/tune_tiles.py (2026-11-30; see benchmarks/attention/NOTES.md). Head groups
-# (launch order) and the single-loop form only where NOTES.md entry 11 measured them faster. TMA loads
-# (Tiles.tma) are nowhere: no plan measured faster with them over repeated runs (entry 12).
+# Hopper (sm_90) tiles by padded head dim (and mask kind where it pays), the fastest measured on the
+# H200. Head groups (launch order: +1.6-2.5% on causal d=128, causal d=64 dQ) and the single-loop form
+# (faster at d=256 only, where registers bind) only where they measured faster. TMA loads (Tiles.tma)
+# are nowhere: no plan measured faster with them over repeated runs.
 _SM90_FWD: Dict[Tuple[int, bool], Tiles] = {
     (16, False): Tiles(128, 64, 8, 3), (16, True): Tiles(64, 64, 4, 3),
     (32, False): Tiles(128, 64, 8, 3), (32, True): Tiles(64, 64, 4, 3),
@@ -190,13 +190,14 @@ _SM90_FWD_WS = {
     (128, False): Tiles(128, 128, 4, 2, max_registers=168),
     (128, True): Tiles(128, 128, 4, 2, head_group=8, max_registers=168),
 }
-# dQ: K/V blocks of 64 (blocks of 128 spill in the causal consumer) in a 3-buffer ring (NOTES.md entry 14).
+# dQ: K/V blocks of 64 (blocks of 128 spill in the causal consumer) in a 3-buffer ring.
 _SM90_DQ_WS = {
     (128, False): Tiles(128, 64, 4, 3, max_registers=168),
     (128, True): Tiles(128, 64, 4, 3, head_group=8, max_registers=168),
 }
 # dK/dV: key blocks of 128 (64 per consumer), query blocks of 64 in a 3-buffer ring with their LSE and
-# delta rows (NOTES.md entry 15). At d=64 all three Gluon kernels measured slower than the Triton ones.
+# delta rows (query blocks of 32 make products too small). At d=64 all three Gluon kernels measured
+# slower than the Triton ones (softmax, not the tensor cores, sets the pace there).
 _SM90_DKDV_WS = {
     (128, False): Tiles(64, 128, 4, 3, max_registers=168),
     (128, True): Tiles(64, 128, 4, 3, head_group=8, max_registers=168),
@@ -399,7 +400,7 @@ def backward_plan(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = 
             dkdv = Tiles(min(dkdv.block_m, 32), min(dkdv.block_n, 64), dkdv.num_warps, 1)
             dq = Tiles(min(dq.block_m, 64), min(dq.block_n, 32), dq.num_warps, 1)
     preprocess = Tiles(64 if config.device_type != "cpu" else 16, 0, 4, 1)
-    # Separate dQ pass measured faster than atomic dQ on the H200 (ANCHORS.md), so even the
+    # The separate dQ pass measured 2-3x faster than atomic dQ on the H200, so even the
     # non-deterministic mode uses it unless it is explicitly measured otherwise.
     atomic_dq = (not config.deterministic) and _NONDETERMINISTIC_ATOMIC_DQ
     # An explicit Triton tile override measures the Triton kernels; atomic dQ has no dQ pass.

@@ -10,10 +10,9 @@ _PRIORITY = ("FlashAttention", "FusedAttention", "UnfusedDotProductAttention")
 _FUSED_FIRST = ("FusedAttention", "FlashAttention", "UnfusedDotProductAttention")
 
 # Where flash-attn-4 was measured faster than our Triton kernels, deterministic or not, as
-# (GPU major, head_dim_qk, head_dim_v): H200, bf16, no mask and causal (../shared/ANCHORS.md,
-# flash-attn-4 4.0.0b36: 527-622 TFLOP/s fwd+bwd deterministic at d=128, 411-494 at d=64, against
-# 353-416 and 283-344 for ours in benchmarks/results/core.md; at d=256 causal 316 against 190,
-# benchmarks/results/attention.md). Elsewhere (other head dims, Blackwell) it is not measured yet,
+# (GPU major, head_dim_qk, head_dim_v): H200, bf16, no mask and causal, flash-attn-4 4.0.0b36
+# (benchmarks/results/attention.md: deterministic fwd+bwd 502-615 TFLOP/s at d=128 against 383-436 for
+# our kernels, 393-462 at d=64 against 282-352, 316 at d=256 causal against 193). Elsewhere (other head dims, Blackwell) it is not measured yet,
 # so there our kernels come first and flash-attn-4 second.
 FLASH_MEASURED_FASTER = frozenset({(9, 64, 64), (9, 128, 128), (9, 256, 256)})
 # GPU majors flash-attn-4 runs on. On others (and on CPU) the order decides nothing, and trying

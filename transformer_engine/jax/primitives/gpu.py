@@ -51,7 +51,7 @@ _KIND_BUFFER, _KIND_I32, _KIND_I64, _KIND_F32, _KIND_NULL = range(5)
 
 # The bias path (post_scale_bias forward, dBias backward): its launch programs are checked on the
 # CPU (tests/jax/test_jax_gpu_lowering.py) and the GPU tests that force it passed on the H200
-# (qa/L1_jax_gpu, 2026-11-30, qa/results/gpu_runs.md), so fused_attn selects it. False keeps bias
+# (qa/L1_jax_gpu), so fused_attn selects it. False keeps bias
 # calls on the unfused backend (for a new bias path awaiting its GPU run).
 BIAS_VERIFIED_ON_GPU = True
 

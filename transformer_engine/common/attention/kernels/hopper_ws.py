@@ -2,8 +2,8 @@
 backward's dK/dV and dQ passes.
 
 The Triton kernels (forward.py, backward.py) run their two warpgroups in lockstep: a CTA barrier every
-block keeps softmax from overlapping the other warpgroup's matrix products (Nsight Compute: tensor pipe
-46% in the forward, benchmarks/attention/NOTES.md entry 13). Here a program owns 128 rows as two
+block keeps softmax from overlapping the other warpgroup's matrix products (Nsight Compute on the H200:
+tensor pipe 46% busy in the forward). Here a program owns 128 rows as two
 consumer warpgroups of 64 rows each plus one loader warp:
 
 - forward and dQ: 128 query rows. The loader warp brings the row tiles once (Q; Q and dO for dQ) and
@@ -11,12 +11,13 @@ consumer warpgroups of 64 rows each plus one loader warp:
   sequence and head: rows past the sequence load as zeros);
 - dK/dV: 128 keys. The loader brings K and V once and, per query block of each query head of the GQA
   group, Q and dO with TMA and the block's LSE and delta rows with cp.async (the consumers read them
-  from shared memory instead of waiting on global loads in their loop: NOTES.md entry 15);
+  from shared memory instead of waiting on global loads in their loop, which keeps the consumers within
+  240 registers without spills);
 - each consumer walks the same blocks on its own and releases a buffer by arriving on its "empty"
   barrier (count 2: both consumers), never through a CTA barrier;
 - forward only, measured variants: with PINGPONG the consumers take turns issuing their Q K^T
   products; with OVERLAP a consumer issues block j's Q K^T with block j-1's P V and does block j's
-  softmax while P V runs (benchmarks/attention/ws_kernels.py; NOTES.md entry 14).
+  softmax while P V runs. Both measured slower on the H200 than the plain schedule, which the plan uses.
 
 Launch arguments, grid (plan.block_grid) and results are those of attn_fwd_kernel / attn_bwd_dkdv_kernel
 / attn_bwd_dq_kernel (log2-domain scores, natural-log LSE, +inf for rows that see no key, zeros for padded

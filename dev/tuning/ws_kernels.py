@@ -7,8 +7,8 @@ on the small cases, against the Triton kernels on the large ones), with a bitwis
 timed cases, the forward time and the backward time (preprocess + dK/dV + dQ) of each, in one run, with
 ratios (NOTES.md entries 14-15).
 
-    python benchmarks/attention/ws_kernels.py --out /tmp/ws_kernels      # also writes /tmp/ws_kernels.json
-    WS_CHECK_ONLY=1 python benchmarks/attention/ws_kernels.py            # errors only
+    python dev/tuning/ws_kernels.py --out /tmp/ws_kernels      # also writes /tmp/ws_kernels.json
+    WS_CHECK_ONLY=1 python dev/tuning/ws_kernels.py            # errors only
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# cases and common are the user benchmark's modules (benchmarks/attention/).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks", "attention"))
 
 from cases import attn_flops  # noqa: E402
 from common import bench_ms, run_metadata  # noqa: E402
@@ -152,7 +153,7 @@ def main():
     check_only = bool(os.environ.get("WS_CHECK_ONLY"))
     # Forward tile fields, and (dK/dV tile fields, dQ tile fields) with None keeping that pass on Triton; the
     # planned tiles first. Ping-pong, overlap and 3 stages lost in the forward (NOTES.md entry 14); the Gluon
-    # kernels at d=64 (no plan entry) are in results/ws_kernels.json, session 8 run 2 (entry 15).
+    # kernels at d=64 (no plan entry) are in dev/results/ws_kernels.json, session 8 run 2 (entry 15).
     variants = {"ws": {}}
     bwd_variants = {"bwd_ws": ({}, {}), "dq_ws": (None, {}), "bwd_ws_dkdv_2stage": (dict(num_stages=2), {})}
     bf16 = torch.bfloat16

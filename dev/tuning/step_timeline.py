@@ -1,7 +1,7 @@
 """Where one timed fwd+bwd step goes on the GPU, as bench_core's timing sees it: per step, the kernels' device
 time, the idle time before the first kernel (host work after do_bench's cache flush) and between kernels.
 
-    cd benchmarks/attention && python step_timeline.py --out ../results/step_timeline
+    python dev/tuning/step_timeline.py --out dev/results/step_timeline
 
 Each step repeats do_bench's pattern (flush the L2 by zeroing a 256 MB buffer, then run the step) under the
 profiler; the flush kernel marks where a step may start.
@@ -16,9 +16,13 @@ import os
 import statistics
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+# cases, common and bench_core are the user benchmark's modules (benchmarks/attention/).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "attention"))
 
 from bench_core import PEERS
 from cases import attn_flops
@@ -126,7 +130,7 @@ def preprocess_us(tiles, b, h, s, d, reps):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="../results/step_timeline")
+    ap.add_argument("--out", default="dev/results/step_timeline")
     ap.add_argument("--peers", default="ours_det,torch_cudnn")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--preprocess", default="", help='preprocess tiles to time, e.g. "64x4,128x8"')
@@ -136,7 +140,7 @@ def main():
         for name in args.peers.split(","):
             rows.append(measure(name, b, h, s, d, causal, args.reps))
             print(rows[-1], flush=True)
-    write_results(args.out, run_metadata("python benchmarks/attention/step_timeline.py " + " ".join(sys.argv[1:]),
+    write_results(args.out, run_metadata("python dev/tuning/step_timeline.py " + " ".join(sys.argv[1:]),
                                          torch.cuda.get_device_name()),
                   rows, ["shape", "mask", "backend", "do_bench_us", "step_us", "kernels_us", "lead_gap_us", "inner_gaps_us",
                          "tflops_step", "tflops_kernels", "rounds", "kernels"])

@@ -9,7 +9,7 @@
 #   .whl/fa4/part1   first half of libs-cu13          (call 1)
 #   .whl/fa4/part2   second half + SHA256SUMS          (call 2)
 # Already on the GPU machine (not carried): torch, einops, cuda-bindings, cuda-pathfinder, protobuf,
-# typing-extensions (tools/device: KINDS.md package list).
+# typing-extensions (the device documentation's package list).
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 

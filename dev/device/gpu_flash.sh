@@ -7,7 +7,7 @@
 #   flash_results.json       outcome per config (FLASH_TEST_RESULTS): what to flip in backends.py if
 #                            deterministic mode is not invariant
 #   flash_bench.{json,md}    bench section: DotProductAttention vs flash-attn-4 called directly
-# Usage (repo root): bash tools/device/gpu_flash.sh [sections...]   sections: check tests bench
+# Usage (repo root): bash dev/device/gpu_flash.sh [sections...]   sections: check tests bench
 # (default: check tests). Limits: TEST_TIMEOUT (default 420 s), BENCH_TIMEOUT (300 s), BENCH_ARGS.
 set -u
 OUT=${OUT:-device_out}; mkdir -p "$OUT"

@@ -1,6 +1,6 @@
 """Find which kernel faults: one case per process, each kernel launch synchronized and named.
 
-    python tools/device/fault_probe.py CASE   (CASE: see CASES; prints OK or the failing launch)
+    python dev/device/fault_probe.py CASE   (CASE: see CASES; prints OK or the failing launch)
 """
 import sys
 

@@ -1,6 +1,6 @@
 """Variants of the d=256 dQ launch at short query lengths: which fault, which are right.
 
-    python tools/device/fault_probe2.py VARIANT SQ   (prints OK with the max error, or FAULT)
+    python dev/device/fault_probe2.py VARIANT SQ   (prints OK with the max error, or FAULT)
 """
 import dataclasses
 import sys

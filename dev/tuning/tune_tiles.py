@@ -11,8 +11,12 @@ import itertools
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
+
+# cases, common and bench_core are the user benchmark's modules (benchmarks/attention/).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "attention"))
 
 from cases import attn_flops
 from common import bench_ms
@@ -36,7 +40,7 @@ CANDIDATES = {
     128: (
         # Session 6 (run 5): 4-stage pipelines against the planned 3 stages, each planned tile twice (the
         # spread of one run). Earlier session-6 rows (64x64 forwards, 32-row and TMA dK/dV tiles: within noise
-        # or slower) in benchmarks/results/tune_session6.json, NOTES.md entry 13.
+        # or slower) in dev/results/tune_session6.json, NOTES.md entry 13.
         [T(128, 64, 8, 3, head_group=8), T(128, 64, 8, 4, head_group=8), T(128, 64, 8, 3, head_group=8)],
         [T(64, 128, 8, 3, head_group=8), T(64, 128, 8, 4, head_group=8), T(64, 128, 8, 3, head_group=8)],
         [T(128, 64, 8, 3, head_group=8), T(128, 64, 8, 4, head_group=8)],

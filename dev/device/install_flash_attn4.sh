@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Install flash-attn-4 on the GPU machine from wheels carried in two device calls.
-# The wheels come from tools/device/fetch_flash_attn4_wheels.sh (run here first: it fills .whl/fa4/).
+# The wheels come from dev/device/fetch_flash_attn4_wheels.sh (run here first: it fills .whl/fa4/).
 #
-#   call 1 (carry .whl/fa4/small, .whl/fa4/part1):  bash tools/device/install_flash_attn4.sh phase1
-#   call 2 (carry .whl/fa4/part2):                  bash tools/device/install_flash_attn4.sh phase2 && ...
+#   call 1 (carry .whl/fa4/small, .whl/fa4/part1):  bash dev/device/install_flash_attn4.sh phase1
+#   call 2 (carry .whl/fa4/part2):                  bash dev/device/install_flash_attn4.sh phase2 && ...
 #
 # phase1 copies the small wheels and the first half of the libs-cu13 wheel to /tmp/fa4_wheels;
 # phase2 adds the second half, reassembles the wheel, checks every wheel against SHA256SUMS, installs
@@ -12,7 +12,7 @@
 # not process the .pth file that would add the latter). Call 2 must come while the machine from
 # call 1 is still warm (the device tool keeps it about 30 s after a call): /tmp does not survive a
 # new machine. `all` runs both phases in one call when everything is carried together.
-# Without an argument (or `env`), and when sourced (`. tools/device/install_flash_attn4.sh`), it only
+# Without an argument (or `env`), and when sourced (`. dev/device/install_flash_attn4.sh`), it only
 # exports that PYTHONPATH, if phase2 has installed flash-attn-4 on this machine.
 # Environment: FA4_STAGE (default /tmp/fa4_wheels), FA4_TARGET (default /tmp/site).
 SRC=.whl/fa4

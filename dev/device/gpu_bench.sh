@@ -7,7 +7,7 @@
 #
 # Usage on the device machine, repo root (carry .whl/bench; timeout_s 600), after flash-attn-4's
 # install_flash_attn4.sh phase1 / phase2 on the same warm machine (benchmarks/README.md):
-#   GIT_COMMIT=<sha> bash tools/device/gpu_bench.sh torch-std torch-ext jax
+#   GIT_COMMIT=<sha> bash dev/device/gpu_bench.sh torch-std torch-ext jax
 # Parts (benchmarks/attention/cases.py PARTS): torch-std, torch-ext, jax, all.
 # Env: BENCH_BUDGET seconds for all parts together (default 530: the call's 600 s minus setup and
 #      merge), BENCH_ARGS extra arguments for bench_attention.py (e.g. "--rep-ms 50"),
@@ -24,7 +24,7 @@ parts=${*:-all}
 log="$OUT/bench.log"
 : > "$log"
 
-# Carried wheels of tools/device/fetch_bench_wheels.sh (nvidia-cudnn-frontend), in their own target.
+# Carried wheels of dev/device/fetch_bench_wheels.sh (nvidia-cudnn-frontend), in their own target.
 if ls .whl/bench/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_bench \
     .whl/bench/*.whl >> "$log" 2>&1 && export PYTHONPATH=/tmp/site_bench:$PYTHONPATH \
@@ -33,8 +33,8 @@ fi
 # flash-attn-4, if `install_flash_attn4.sh phase2` installed it on this (warm) machine: its env
 # (PYTHONPATH with /tmp/site and the CuTe DSL packages), taken from a subshell so that its exit
 # status cannot stop this script. Without it the fa4 rows are skipped with the import error.
-if [ -f tools/device/install_flash_attn4.sh ]; then
-  PYTHONPATH=$( . tools/device/install_flash_attn4.sh env >> "$log" 2>&1; echo "$PYTHONPATH" )
+if [ -f dev/device/install_flash_attn4.sh ]; then
+  PYTHONPATH=$( . dev/device/install_flash_attn4.sh env >> "$log" 2>&1; echo "$PYTHONPATH" )
   export PYTHONPATH
 fi
 

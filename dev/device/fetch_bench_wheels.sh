@@ -2,15 +2,15 @@
 # Fetch (here, with internet) the wheels the attention benchmark's peers need on the GPU machine
 # (Python 3.12, manylinux x86_64, no internet) into .whl/bench/ at the repo root. Never commit them:
 # /.whl/ is ignored. Each device call that needs them names .whl/bench in `carry` (12 MB);
-# tools/device/gpu_bench.sh installs whatever .whl/bench/ holds into /tmp/site_bench before it runs.
+# dev/device/gpu_bench.sh installs whatever .whl/bench/ holds into /tmp/site_bench before it runs.
 #
-#   bash tools/device/fetch_bench_wheels.sh            # nvidia-cudnn-frontend (the cuDNN det peer)
-#   CUDNN_FE_VERSION=1.32.0 bash tools/device/fetch_bench_wheels.sh
+#   bash dev/device/fetch_bench_wheels.sh            # nvidia-cudnn-frontend (the cuDNN det peer)
+#   CUDNN_FE_VERSION=1.32.0 bash dev/device/fetch_bench_wheels.sh
 #
 # nvidia-cudnn-frontend 1.32 declares nvidia-cutlass-dsl and apache-tvm-ffi as dependencies; its
 # graph API (pygraph sdpa / sdpa_backward, what peers.py uses) imports neither, so they are not
 # fetched (--no-deps). flash-attn-4 and its CuTe DSL are the FlashAttention backend's: .whl/fa4/ from
-# tools/device/fetch_flash_attn4_wheels.sh, installed by tools/device/install_flash_attn4.sh (two
+# dev/device/fetch_flash_attn4_wheels.sh, installed by dev/device/install_flash_attn4.sh (two
 # calls). The machine already has cuDNN itself (nvidia-cudnn-cu13).
 set -euo pipefail
 cd "$(dirname "$0")/../.."

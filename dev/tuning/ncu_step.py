@@ -2,7 +2,7 @@
 forward, dK/dV and dQ kernels (the first step compiles). Run under ncu on the GPU machine:
 
     ncu --clock-control none --kernel-name regex:"attn_(fwd|bwd_dkdv|bwd_dq)(_ws)?_kernel" --launch-skip 3 \
-        --launch-count 3 --section SpeedOfLight --section WarpStateStats python ncu_step.py [--causal]
+        --launch-count 3 --section SpeedOfLight --section WarpStateStats python dev/tuning/ncu_step.py [--causal]
 """
 
 from __future__ import annotations

@@ -4,18 +4,18 @@
 # at the end it is packed into $OUT/lanes.tgz (the device tool returns at most 8 files) and every
 # summary line is printed.
 #
-#   bash tools/device/gpu_lanes.sh "<GPU 0 sections>" "<GPU 1 sections>" "<2-GPU sections>"
-#   e.g. GIT_COMMIT=abc1234 bash tools/device/gpu_lanes.sh "tune" "build qa:L1_jax_gpu" "tp jaxmesh"
+#   bash dev/device/gpu_lanes.sh "<GPU 0 sections>" "<GPU 1 sections>" "<2-GPU sections>"
+#   e.g. GIT_COMMIT=abc1234 bash dev/device/gpu_lanes.sh "tune" "build qa:L1_jax_gpu" "tp jaxmesh"
 # On a one-GPU machine give the second lane nothing (""), or set GPU1=0 to run it on the same GPU.
 #
 # Sections: qa:<level>[:files] (a qa level, optionally only some of its test files, e.g.
 # qa:L1_pytorch_gpu:test_fused_attn,test_compile: how a level too long for one call is split),
 # build (pip install -e ., PyTorch and JAX, native JAX FFI extension), check (the determinism
 # check, both frameworks; CHECK_ARGS e.g. "--dtype bfloat16"), jaxsmoke (tests/jax/gpu_smoke.py), tune
-# (benchmarks/attention/tune_tiles.py; TUNE_DIMS; TUNE_SHAPES="4,16,4096;1,16,16384" times those shapes;
+# (dev/tuning/tune_tiles.py; TUNE_DIMS; TUNE_SHAPES="4,16,4096;1,16,16384" times those shapes;
 # TUNE_KERNELS=fwd the forward only; TUNE_MASKS=causal; TUNE_VARIANTS=head_group=1,2,4 or "tma=0,1;single_loop=0,1"
-# sweeps Tiles fields of the planned tiles instead of the tile table), core (bench_core.py), timeline
-# (step_timeline.py; TIMELINE_ARGS), ws (ws_kernels.py: the Gluon kernels' errors and speed), ncu (Nsight Compute over ncu_step.py; NCU_ARGS), fa4 / fa4tests
+# sweeps Tiles fields of the planned tiles instead of the tile table), core (benchmarks/attention/bench_core.py), timeline
+# (dev/tuning/step_timeline.py; TIMELINE_ARGS), ws (dev/tuning/ws_kernels.py: the Gluon kernels' errors and speed), ncu (Nsight Compute over dev/tuning/ncu_step.py; NCU_ARGS), fa4 / fa4tests
 # (install_flash_attn4.sh phase1 / phase2 + gpu_flash.sh tests), bench (gpu_bench.sh parts in
 # BENCH_PARTS), tetables (qa/L1_pytorch_te_tables; TE_TABLES_WORKERS, TE_TABLES_EXTRA e.g. "--tables softmax"), memcheck (qa/L1_memcheck); 2-GPU: tp (torchrun tensor-parallel heads), jaxmesh (tests/jax/test_jax_two_device_mesh.py).
 # Limits per section come from <SECTION>_TIMEOUT (seconds); the defaults suit a 600 s call. CORE_ARGS: extra
@@ -72,7 +72,7 @@ section() {
       timeout "$(limit JAXSMOKE 150)" python3 tests/jax/gpu_smoke.py > "$d/jaxsmoke.log" 2>&1
       note "jax smoke rc=$? $(tail -1 "$d/jaxsmoke.log")" ;;
     tune)
-      (cd benchmarks/attention && timeout "$(limit TUNE 450)" python3 tune_tiles.py "$d/tune.json" "${TUNE_DIMS:-128,64,256}" ${TUNE_VARIANTS:+"$TUNE_VARIANTS"}) \
+      timeout "$(limit TUNE 450)" python3 dev/tuning/tune_tiles.py "$d/tune.json" "${TUNE_DIMS:-128,64,256}" ${TUNE_VARIANTS:+"$TUNE_VARIANTS"} \
         > "$d/tune.log" 2>&1
       note "tune rc=$? $(wc -l < "$d/tune.log") lines" ;;
     core)
@@ -81,34 +81,34 @@ section() {
       (cd benchmarks/attention && timeout "$(limit CORE 150)" python3 bench_core.py --out "$d/core$n" ${CORE_ARGS:-}) \
         > "$d/core$n.log" 2>&1
       note "core$n bench rc=$? $(grep -h '4,16,4096,128 | causal | ours_det' "$d/core$n.md" 2>/dev/null)" ;;
-    ws)  # the warp-specialized Gluon kernels against the Triton ones (benchmarks/attention/ws_kernels.py)
-      (cd benchmarks/attention && timeout "$(limit WS 300)" python3 ws_kernels.py --out "$d/ws_kernels") \
+    ws)  # the warp-specialized Gluon kernels against the Triton ones (dev/tuning/ws_kernels.py)
+      timeout "$(limit WS 300)" python3 dev/tuning/ws_kernels.py --out "$d/ws_kernels" \
         > "$d/ws_kernels.log" 2>&1
       note "ws_kernels rc=$? $(grep -c '^{' "$d/ws_kernels.log") cases" ;;
     timeline)  # step_timeline.py: a timed step's kernels and idle gaps; TIMELINE_ARGS e.g. "--preprocess 64x4,128x8"
       nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
         --format=csv > "$d/clocks.txt" 2>&1
-      (cd benchmarks/attention && timeout "$(limit TIMELINE 120)" python3 step_timeline.py --out "$d/timeline" \
-        ${TIMELINE_ARGS:-}) > "$d/timeline.log" 2>&1
+      timeout "$(limit TIMELINE 120)" python3 dev/tuning/step_timeline.py --out "$d/timeline" \
+        ${TIMELINE_ARGS:-} > "$d/timeline.log" 2>&1
       note "timeline rc=$? $(grep -h 'causal | ours_det' "$d/timeline.md" 2>/dev/null | cut -c1-160)" ;;
-    ncu)  # Nsight Compute over the second step's forward, dK/dV and dQ (benchmarks/attention/ncu_step.py)
-      (cd benchmarks/attention && timeout "$(limit NCU 200)" ncu --clock-control none \
+    ncu)  # Nsight Compute over the second step's forward, dK/dV and dQ (dev/tuning/ncu_step.py)
+      timeout "$(limit NCU 200)" ncu --clock-control none \
         --kernel-name regex:"attn_(fwd|bwd_dkdv|bwd_dq)(_ws)?_kernel" --launch-skip 3 --launch-count 3 \
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
         --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats \
-        --section InstructionStats python3 ncu_step.py ${NCU_ARGS:---causal}) > "$d/ncu.txt" 2>&1
+        --section InstructionStats python3 dev/tuning/ncu_step.py ${NCU_ARGS:---causal} > "$d/ncu.txt" 2>&1
       note "ncu rc=$? $(grep -c 'attn_' "$d/ncu.txt") kernel lines" ;;
     fa4)
-      bash tools/device/install_flash_attn4.sh phase1 > "$d/fa4.log" 2>&1; note "fa4 phase1 rc=$?" ;;
+      bash dev/device/install_flash_attn4.sh phase1 > "$d/fa4.log" 2>&1; note "fa4 phase1 rc=$?" ;;
     fa4tests)
-      bash tools/device/install_flash_attn4.sh phase2 >> "$d/fa4.log" 2>&1; note "fa4 phase2 rc=$? $(tail -1 "$d/fa4.log")"
-      OUT=$d TEST_TIMEOUT=$(limit FA4TESTS 360) bash tools/device/gpu_flash.sh check tests > /dev/null 2>&1
+      bash dev/device/install_flash_attn4.sh phase2 >> "$d/fa4.log" 2>&1; note "fa4 phase2 rc=$? $(tail -1 "$d/fa4.log")"
+      OUT=$d TEST_TIMEOUT=$(limit FA4TESTS 360) bash dev/device/gpu_flash.sh check tests > /dev/null 2>&1
       note "flash tests done (gpu_flash.sh lines above)" ;;
     bench|bench:*)  # bench:<part>,<part> names the parts (default: BENCH_PARTS, else all)
       local parts=${s#bench}; parts=${parts#:}; parts=${parts//,/ }
       # flash-attn-4 rows need phase2 (fa4tests, the other lane) to have installed it: wait for it.
       for _ in $(seq 1 "${FA4_WAIT:-0}"); do [ -f /tmp/site/fa4_env.sh ] && break; sleep 1; done
-      OUT=$d BENCH_BUDGET=$(limit BENCH 520) bash tools/device/gpu_bench.sh ${parts:-${BENCH_PARTS:-all}} > "$d/bench_driver.log" 2>&1
+      OUT=$d BENCH_BUDGET=$(limit BENCH 520) bash dev/device/gpu_bench.sh ${parts:-${BENCH_PARTS:-all}} > "$d/bench_driver.log" 2>&1
       note "bench rc=$? $(tail -2 "$d/bench_driver.log" | head -1)" ;;
     tp)
       CUDA_VISIBLE_DEVICES=0,1 timeout "$(limit TP 120)" torchrun --standalone --nproc_per_node=2 \

@@ -3,16 +3,20 @@ kernel, no mask and causal, over shapes with equal total work (b * s^2 constant)
 blocks per dK/dV program, so the cost of a program's prologue and epilogue shows as the slope of time
 against the number of programs.
 
-    cd benchmarks/attention && python causal_breakdown.py --out ../results/causal_breakdown
+    python dev/tuning/causal_breakdown.py --out dev/results/causal_breakdown
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+# cases, common and bench_core are the user benchmark's modules (benchmarks/attention/).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "attention"))
 
 from cases import attn_flops
 from common import run_metadata, write_results
@@ -67,7 +71,7 @@ def measure(b, h, s, d, causal, reps):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="../results/causal_breakdown")
+    ap.add_argument("--out", default="dev/results/causal_breakdown")
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
     rows = []
@@ -75,7 +79,7 @@ def main():
         for b, h, s, d in SHAPES:
             rows.append(measure(b, h, s, d, causal, args.reps))
             print(rows[-1], flush=True)
-    write_results(args.out, run_metadata("python benchmarks/attention/causal_breakdown.py " + " ".join(sys.argv[1:]),
+    write_results(args.out, run_metadata("python dev/tuning/causal_breakdown.py " + " ".join(sys.argv[1:]),
                                          torch.cuda.get_device_name()),
                   rows, ["shape", "mask", "dkdv_programs", "fwd_us", "preprocess_us", "dkdv_us", "dq_us",
                          "bwd_tflops", "dkdv_tflops", "dq_tflops"])

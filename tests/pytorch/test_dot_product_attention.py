@@ -771,3 +771,14 @@ def test_selection_sees_the_call(monkeypatch):
     dpa(q, k, base[:, :, 0], cu_seqlens_q=CU6, cu_seqlens_kv=CU6)
     assert not spy.configs[-1].is_training
     assert math.isclose(dpa.softmax_scale, 16 ** -0.5)
+
+
+def test_pytorch_backends_are_the_registry_with_runners():
+    """The PyTorch backends are the common registry's PyTorch backends, in its order, each with its runner."""
+    from transformer_engine.common.attention.backends import backends_for
+
+    common = backends_for("pytorch")
+    assert [b.NAME for b in attn_backends.BACKENDS] == [b.NAME for b in common]
+    for frontend, base in zip(attn_backends.BACKENDS, common):
+        assert issubclass(frontend, base) and callable(frontend.run)
+        assert attn_backends.backend_named(base.SHORT_NAME) is frontend

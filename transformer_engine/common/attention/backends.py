@@ -80,8 +80,9 @@ class AttentionBackend:
 
     @classmethod
     def availability_reasons(cls, config: AttnConfig) -> List[str]:
-        """Reasons the backend cannot run at all here (missing package, wrong device), including
-        facts only the frontend knows, which it passes as ``config.extra`` (name, reason) pairs."""
+        """Reasons the backend cannot run at all here (missing package, wrong device). Facts only a
+        frontend knows come from its subclass's override (PyTorch: whether flash-attn-4 imports) or
+        as ``config.extra`` (name, reason) pairs it computed when it built the config (JAX)."""
         return [reason for name, reason in config.extra if name == cls.NAME]
 
     @classmethod

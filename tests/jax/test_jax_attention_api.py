@@ -388,3 +388,13 @@ def test_fused_and_unfused_agree_through_grad_of_grad_free_loss():
         fused, unfused = grads("fused"), grads("unfused")
     for a, b in zip(fused, unfused):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_jax_backends_are_the_registry_with_runners():
+    """fused_attn's backends are the common registry's JAX backends, in its order, each with its runner."""
+    from transformer_engine.common.attention.backends import backends_for
+
+    common = backends_for("jax")
+    assert [b.NAME for b in te_attention._CANDIDATES] == [b.NAME for b in common]
+    for frontend, base in zip(te_attention._CANDIDATES, common):
+        assert issubclass(frontend, base) and callable(frontend.run)

@@ -170,10 +170,10 @@ def deterministic_algorithms(enabled: bool):
 
 
 class SelectionSpy:
-    """Wraps ``transformer_engine.pytorch.attention.config.select``; records each config and selection."""
+    """Wraps ``transformer_engine.pytorch.attention.backends.select``; records each config and selection."""
 
     def __init__(self, monkeypatch) -> None:
-        from transformer_engine.pytorch.attention import config as attn_config
+        from transformer_engine.pytorch.attention import backends as attn_config
 
         self.configs: List = []
         self.selections: List = []

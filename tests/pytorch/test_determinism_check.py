@@ -15,7 +15,7 @@ import torch
 
 from dpa_helpers import INTERPRET, ON_GPU
 from transformer_engine.pytorch import determinism_check
-from transformer_engine.pytorch.attention import dot_product_attention as dpa_module
+from transformer_engine.pytorch.attention.backends import UnfusedAttentionBackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "common"))
 from determinism_check_cli import REPORT_LINES, TINY, run_command  # noqa: E402
@@ -71,7 +71,7 @@ def unfused_only(monkeypatch):
 @pytest.fixture
 def nondeterministic_attention(monkeypatch, unfused_only):
     """Unfused attention plus noise that differs on every call: what a racy kernel looks like."""
-    real = dpa_module._RUNNERS["UnfusedDotProductAttention"]
+    real = UnfusedAttentionBackend.run
     calls = []
 
     def noisy(q, *args, **kwargs):
@@ -79,7 +79,7 @@ def nondeterministic_attention(monkeypatch, unfused_only):
         out = real(q, *args, **kwargs)
         return out + 1e-4 * len(calls) * torch.ones_like(out)
 
-    monkeypatch.setitem(dpa_module._RUNNERS, "UnfusedDotProductAttention", noisy)
+    monkeypatch.setattr(UnfusedAttentionBackend, "run", staticmethod(noisy))
 
 
 def test_nondeterminism_fails_with_exit_1(nondeterministic_attention, capsys):
@@ -104,16 +104,16 @@ def test_environment_restored_and_expect_backend(unfused_only, capsys):
 
 def test_check_requests_determinism_through_the_environment(unfused_only, monkeypatch):
     """The check's runs see NVTE_ALLOW_NONDETERMINISTIC_ALGO=0, so each attention call is deterministic."""
-    from transformer_engine.pytorch.attention import config as attn_config
+    from transformer_engine.pytorch.attention import backends as attn_backends
 
     seen = []
-    original = attn_config.select
+    original = attn_backends.select
 
     def spy(config, *args, **kwargs):
         seen.append(config.deterministic)
         return original(config, *args, **kwargs)
 
-    monkeypatch.setattr(attn_config, "select", spy)
+    monkeypatch.setattr(attn_backends, "select", spy)
     assert determinism_check.main(IN_PROCESS) == 0
     assert seen and all(seen)
     seen.clear()

@@ -34,9 +34,11 @@ from dpa_helpers import (
 from transformer_engine.common import log as te_log
 from transformer_engine.common.attention.backends import FlashAttention, NoBackendError
 from transformer_engine.pytorch import DotProductAttention
+from transformer_engine.pytorch.attention import backends as attn_backends
 from transformer_engine.pytorch.attention import config as attn_config
 from transformer_engine.pytorch.attention import dot_product_attention as dpa_module
 from transformer_engine.pytorch.attention import flash_backend
+from transformer_engine.pytorch.attention.backends import FusedAttentionBackend, UnfusedAttentionBackend
 from transformer_engine.pytorch.attention.unfused import default_alibi_slopes
 
 BACKENDS = ["unfused", pytest.param("fused", marks=requires_fused)]
@@ -564,7 +566,7 @@ def _config_on(monkeypatch, dtype="float16", capability=(9, 0), **kwargs):
 
 def test_selection_with_flash_attention_absent(monkeypatch):
     monkeypatch.setattr(flash_backend, "unavailable_reason", lambda: "flash-attn-4 is not installed (test)")
-    selection = attn_config.select(_config_on(monkeypatch, attn_mask_type="causal"))
+    selection = attn_backends.select(_config_on(monkeypatch, attn_mask_type="causal"))
     assert selection.name == "FusedAttention"
     assert any("flash-attn-4 is not installed (test)" in r for r in selection.rejected["FlashAttention"])
 
@@ -573,21 +575,21 @@ def test_selection_with_flash_attention_present(monkeypatch):
     monkeypatch.setattr(flash_backend, "unavailable_reason", lambda: None)
     # As once flash-attn-4's deterministic mode has passed the invariance tests on Hopper.
     monkeypatch.setattr(FlashAttention, "DETERMINISTIC_INVARIANT_ARCHS", frozenset({9}))
-    assert attn_config.select(_config_on(monkeypatch, attn_mask_type="causal")).name == "FlashAttention"
-    assert attn_config.select(_config_on(monkeypatch, attn_mask_type="causal", deterministic=True)).name == \
+    assert attn_backends.select(_config_on(monkeypatch, attn_mask_type="causal")).name == "FlashAttention"
+    assert attn_backends.select(_config_on(monkeypatch, attn_mask_type="causal", deterministic=True)).name == \
         "FlashAttention"
     # Where flash-attn-4 cannot run, the next backend runs and the reasons say why.
-    sel = attn_config.select(_config_on(monkeypatch, dtype="float32"))
+    sel = attn_backends.select(_config_on(monkeypatch, dtype="float32"))
     assert sel.name == "FusedAttention"
     assert any("dtype=float32" in r for r in sel.rejected["FlashAttention"])
-    sel = attn_config.select(_config_on(monkeypatch, capability=(8, 0)))
+    sel = attn_backends.select(_config_on(monkeypatch, capability=(8, 0)))
     assert sel.name == "FusedAttention"
     assert any("compute capability" in r for r in sel.rejected["FlashAttention"])
-    sel = attn_config.select(_config_on(monkeypatch, dropout=0.1))
+    sel = attn_backends.select(_config_on(monkeypatch, dropout=0.1))
     assert sel.name == "FusedAttention"  # our kernels have dropout; flash-attn-4 has not
     assert any("dropout" in r for r in sel.rejected["FlashAttention"])
     monkeypatch.setenv("NVTE_FLASH_ATTN", "0")
-    sel = attn_config.select(_config_on(monkeypatch))
+    sel = attn_backends.select(_config_on(monkeypatch))
     assert sel.name == "FusedAttention"
     assert sel.rejected["FlashAttention"] == ["disabled by NVTE_FLASH_ATTN=0"]
 
@@ -597,15 +599,15 @@ class _FakeFused:
 
     def __init__(self, monkeypatch):
         self.calls = []
-        monkeypatch.setitem(dpa_module._RUNNERS, "FusedAttention", self)
+        monkeypatch.setattr(FusedAttentionBackend, "run", staticmethod(self))
         # Make the fused backend available to selection on a CPU without the interpreter, and keep
         # flash-attn-4 (if installed on a GPU machine) out of the way.
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         monkeypatch.setenv("NVTE_FLASH_ATTN", "0")
 
-    def __call__(self, q, k, v, fmt, mask, window, scale, seq, deterministic, **kwargs):
-        self.calls.append(dict(deterministic=deterministic, mask=mask.value, window=window))
-        return dpa_module._run_unfused(q, k, v, fmt, mask, window, scale, seq, deterministic, **kwargs)
+    def __call__(self, q, k, v, call):
+        self.calls.append(dict(deterministic=call.deterministic, mask=call.mask.value, window=call.window))
+        return UnfusedAttentionBackend.run(q, k, v, call)
 
 
 def test_env_switches_read_at_call_time(monkeypatch):
@@ -769,3 +771,14 @@ def test_selection_sees_the_call(monkeypatch):
     dpa(q, k, base[:, :, 0], cu_seqlens_q=CU6, cu_seqlens_kv=CU6)
     assert not spy.configs[-1].is_training
     assert math.isclose(dpa.softmax_scale, 16 ** -0.5)
+
+
+def test_pytorch_backends_are_the_registry_with_runners():
+    """The PyTorch backends are the common registry's PyTorch backends, in its order, each with its runner."""
+    from transformer_engine.common.attention.backends import backends_for
+
+    common = backends_for("pytorch")
+    assert [b.NAME for b in attn_backends.BACKENDS] == [b.NAME for b in common]
+    for frontend, base in zip(attn_backends.BACKENDS, common):
+        assert issubclass(frontend, base) and callable(frontend.run)
+        assert attn_backends.backend_named(base.SHORT_NAME) is frontend

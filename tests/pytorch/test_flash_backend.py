@@ -40,6 +40,7 @@ from dpa_helpers import (  # noqa: E402
 )
 from transformer_engine.common.attention.backends import FlashAttention, NoBackendError, Selection  # noqa: E402
 from transformer_engine.pytorch import DotProductAttention  # noqa: E402
+from transformer_engine.pytorch.attention import backends as attn_backends  # noqa: E402
 from transformer_engine.pytorch.attention import config as attn_config  # noqa: E402
 from transformer_engine.pytorch.attention import dot_product_attention as dpa_module  # noqa: E402
 from transformer_engine.pytorch.attention import flash_backend  # noqa: E402
@@ -242,17 +243,17 @@ def test_selected_first_when_present_and_the_config_fits(monkeypatch):
     for mask in ("no_mask", "causal", "causal_bottom_right"):
         for deterministic in (False, True):
             config = _config(monkeypatch, attn_mask_type=mask, deterministic=deterministic)
-            assert attn_config.select(config).name == "FlashAttention"
-    assert attn_config.select(_config(monkeypatch, h=32, hk=8, d=64, dtype="float16")).name == "FlashAttention"
+            assert attn_backends.select(config).name == "FlashAttention"
+    assert attn_backends.select(_config(monkeypatch, h=32, hk=8, d=64, dtype="float16")).name == "FlashAttention"
     thd = _config(monkeypatch, fmt="thd", attn_mask_type="padding_causal", batch_size=4, max_seqlen_q=100,
                   max_seqlen_kv=100, deterministic=True)
-    assert attn_config.select(thd).name == "FlashAttention"
+    assert attn_backends.select(thd).name == "FlashAttention"
     window = _config(monkeypatch, attn_mask_type="causal", window_size=(128, 0))
-    assert attn_config.select(window).name == "FlashAttention"
+    assert attn_backends.select(window).name == "FlashAttention"
 
 
 def test_absent_backend_gives_its_reason(monkeypatch):
-    selection = attn_config.select(_config(monkeypatch, present=False, attn_mask_type="causal"))
+    selection = attn_backends.select(_config(monkeypatch, present=False, attn_mask_type="causal"))
     assert selection.name == "FusedAttention"
     assert "flash-attn-4 is not installed" in _flash_reasons(selection)
 
@@ -278,7 +279,7 @@ def test_reasons_for_what_flash_attn_4_cannot_do(monkeypatch, kwargs, reason):
     assert any(reason in r for r in reasons), reasons
     monkeypatch.setenv("NVTE_FUSED_ATTN_BACKEND", "flash")
     with pytest.raises(NoBackendError, match="was forced") as info:
-        attn_config.select(config)
+        attn_backends.select(config)
     assert reason in str(info.value)
 
 
@@ -300,13 +301,13 @@ def test_not_invariant_flag_keeps_deterministic_calls_away(monkeypatch):
     """Where invariance is not shown on the GPU (Blackwell here), deterministic calls go to the
     fused backend, with the reason; on Hopper (shown on the H200) flash-attn-4 stays selected."""
     assert 9 in FlashAttention.DETERMINISTIC_INVARIANT_ARCHS and 10 not in FlashAttention.DETERMINISTIC_INVARIANT_ARCHS
-    assert attn_config.select(_config(monkeypatch, attn_mask_type="causal", deterministic=True)).name == \
+    assert attn_backends.select(_config(monkeypatch, attn_mask_type="causal", deterministic=True)).name == \
         "FlashAttention"
     monkeypatch.setattr(FlashAttention, "DETERMINISTIC_INVARIANT_ARCHS", frozenset())
-    selection = attn_config.select(_config(monkeypatch, attn_mask_type="causal", deterministic=True))
+    selection = attn_backends.select(_config(monkeypatch, attn_mask_type="causal", deterministic=True))
     assert selection.name == "FusedAttention"
     assert "deterministic mode is not batch/packing invariant" in _flash_reasons(selection)
-    assert attn_config.select(_config(monkeypatch, attn_mask_type="causal")).name == "FlashAttention"
+    assert attn_backends.select(_config(monkeypatch, attn_mask_type="causal")).name == "FlashAttention"
 
 
 @pytest.mark.parametrize("fmt", ["thd", "bshd"])
@@ -317,15 +318,15 @@ def test_deterministic_top_left_cross_attention_keeps_one_backend(monkeypatch, f
     keep flash-attn-4."""
     mask = "padding_causal"
     cross = _config(monkeypatch, fmt=fmt, attn_mask_type=mask, deterministic=True, distinct_kv_lengths=True)
-    selection = attn_config.select(cross)
+    selection = attn_backends.select(cross)
     assert selection.name == "FusedAttention"
     assert "the backend would depend on the batch's other sequences" in _flash_reasons(selection)
     for kwargs in (dict(deterministic=True), dict(deterministic=False, distinct_kv_lengths=True)):
-        assert attn_config.select(_config(monkeypatch, fmt=fmt, attn_mask_type=mask, **kwargs)).name == \
+        assert attn_backends.select(_config(monkeypatch, fmt=fmt, attn_mask_type=mask, **kwargs)).name == \
             "FlashAttention", kwargs
     bottom_right = _config(monkeypatch, fmt=fmt, attn_mask_type="padding_causal_bottom_right", deterministic=True,
                            distinct_kv_lengths=True)
-    assert attn_config.select(bottom_right).name == "FlashAttention"
+    assert attn_backends.select(bottom_right).name == "FlashAttention"
 
 
 def test_module_tells_cross_from_self_attention_lengths():
@@ -353,38 +354,38 @@ def test_unverified_hopper_head_dims_go_to_our_kernels(monkeypatch):
     """d=72 gave a wrong dQ with flash-attn-4 on the H200: such head dims are rejected, with the reason."""
     reasons = FlashAttention.not_supported_reasons(_config(monkeypatch, capability=(9, 0), d=72))
     assert any("(72, 72) on sm90 is not verified" in r for r in reasons), reasons
-    assert attn_config.select(_config(monkeypatch, capability=(9, 0), d=72)).name == "FusedAttention"
+    assert attn_backends.select(_config(monkeypatch, capability=(9, 0), d=72)).name == "FusedAttention"
 
 
 def test_priority_follows_measurements(monkeypatch):
     """First only where measured faster (H200, d=64/128/256); elsewhere after our kernels, still a fallback."""
     for d in (64, 128, 256):
-        assert attn_config.select(_config(monkeypatch, d=d)).name == "FlashAttention", d
+        assert attn_backends.select(_config(monkeypatch, d=d)).name == "FlashAttention", d
     for kwargs in (dict(d=192, dv=128), dict(d=96), dict(d=128, dv=64), dict(capability=(10, 0)),
                    dict(capability=(10, 0), d=256)):
-        selection = attn_config.select(_config(monkeypatch, **kwargs))
+        selection = attn_backends.select(_config(monkeypatch, **kwargs))
         assert selection.name == "FusedAttention", kwargs
         assert "FlashAttention" not in selection.rejected  # not tried: the fused backend came first
     monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
-    assert attn_config.select(_config(monkeypatch, d=192, dv=128)).name == "FlashAttention"
+    assert attn_backends.select(_config(monkeypatch, d=192, dv=128)).name == "FlashAttention"
 
 
 def test_nvte_flash_attn_0_disables_it(monkeypatch):
     monkeypatch.setenv("NVTE_FLASH_ATTN", "0")
-    selection = attn_config.select(_config(monkeypatch, attn_mask_type="causal"))
+    selection = attn_backends.select(_config(monkeypatch, attn_mask_type="causal"))
     assert selection.name == "FusedAttention"
     assert selection.rejected["FlashAttention"] == ["disabled by NVTE_FLASH_ATTN=0"]
     monkeypatch.setenv("NVTE_FLASH_ATTN", "1")
-    assert attn_config.select(_config(monkeypatch, attn_mask_type="causal")).name == "FlashAttention"
+    assert attn_backends.select(_config(monkeypatch, attn_mask_type="causal")).name == "FlashAttention"
 
 
 def test_forcing_flash(monkeypatch):
     monkeypatch.setenv("NVTE_FUSED_ATTN_BACKEND", "flash")
-    assert attn_config.select(_config(monkeypatch, capability=(10, 0), d=96)).name == "FlashAttention"  # fused first
+    assert attn_backends.select(_config(monkeypatch, capability=(10, 0), d=96)).name == "FlashAttention"  # fused first
     with pytest.raises(NoBackendError, match="flash-attn-4 is not installed"):
-        attn_config.select(_config(monkeypatch, present=False))
+        attn_backends.select(_config(monkeypatch, present=False))
     with pytest.raises(NoBackendError, match="dtype=float32"):
-        attn_config.select(_config(monkeypatch, dtype="float32"))
+        attn_backends.select(_config(monkeypatch, dtype="float32"))
 
 
 # -- argument mapping, against the stand-in ------------------------------------------------------------
@@ -620,7 +621,7 @@ def test_no_grad_forward(fake_flash):
                                   "sbhd-padding_causal_bottom_right-cross"])
 def test_dot_product_attention_runs_flash_backend(monkeypatch, fake_flash, name):
     """DotProductAttention's call into the backend (the stand-in selected: there is no GPU here)."""
-    monkeypatch.setattr(attn_config, "select", lambda config, *a, **k: Selection(FlashAttention))
+    monkeypatch.setattr(attn_backends, "select", lambda config, *a, **k: Selection(attn_backends.FlashAttentionBackend))
     spec = MAPPING_CASES[name]
     case = Case(**spec)
     q, k, v = case.inputs()
@@ -736,7 +737,7 @@ def _invariance_failed(kind: str, name: str, detail: str) -> None:
                     "from FlashAttention.DETERMINISTIC_INVARIANT_ARCHS (backends.py)")
 
 
-# Head dims whose deterministic mode may be selected (policy.FLASH_MEASURED_FASTER): each passes these
+# Head dims whose deterministic mode may be selected (FlashAttention.MEASURED_FASTER): each passes these
 # before it is listed there.
 INVARIANCE_HEAD_DIMS = [128, 64, 256]
 
@@ -814,10 +815,8 @@ def test_gpu_selected_in_deterministic_training(monkeypatch, shape):
     dpa = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type=mask)
     out = dpa(q, k, v)
     out.backward(torch.ones_like(out))
-    from transformer_engine.common.attention.policy import FLASH_MEASURED_FASTER
-
     major = torch.cuda.get_device_capability()[0]
-    expected = "FlashAttention" if (major, d, d) in FLASH_MEASURED_FASTER and \
+    expected = "FlashAttention" if (major, d, d) in FlashAttention.MEASURED_FASTER and \
         major in FlashAttention.DETERMINISTIC_INVARIANT_ARCHS else "FusedAttention"
     _record("selection", f"b{b}h{h}d{d}-{mask}", dpa.last_backend == expected, f"selected {dpa.last_backend}")
     assert dpa.last_backend == expected

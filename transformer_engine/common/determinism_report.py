@@ -28,7 +28,7 @@ from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, 
 
 import numpy as np
 
-from transformer_engine.common.attention.backends import NoBackendError
+from transformer_engine.common.attention.backends import BACKENDS, NoBackendError
 
 __all__ = [
     "EXIT_PASS",
@@ -77,7 +77,7 @@ OWN_ERROR_FACTOR = 10.0
 RTOL_FLOOR = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 5e-2}
 
 # ``--expect-backend`` values and the backend names the report prints.
-BACKEND_NAMES = {"fused": "FusedAttention", "unfused": "UnfusedDotProductAttention", "flash": "FlashAttention"}
+BACKEND_NAMES = {b.SHORT_NAME: b.NAME for b in BACKENDS}
 DTYPES = ("float32", "float16", "bfloat16")
 
 # Defaults by where the attention runs; a frontend may adjust them (the Triton interpreter, say).

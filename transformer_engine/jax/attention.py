@@ -40,6 +40,7 @@ from transformer_engine.common.attention.backends import (
     FusedAttention,
     Selection,
     UnfusedDotProductAttention,
+    backend_named,
     select_backend,
 )
 from transformer_engine.common.attention import enums as _common
@@ -134,8 +135,6 @@ def _arch_fields(arch: Union[None, str, Tuple[int, int]]) -> Dict[str, object]:
         return dict(vendor="amd", compute_capability=None, gfx_arch=arch)
     return dict(vendor="nvidia", compute_capability=arch, gfx_arch=None)
 
-
-_CANDIDATES = (FusedAttention, UnfusedDotProductAttention)
 
 
 def _frontend_extra(device_type: str, attn_bias_type: AttnBiasType, dropout: float,
@@ -715,11 +714,20 @@ def _parse_call(
     return _Call(q, k, v, bias, seq, seeds, softmax_offset, static, config, fmt)
 
 
-def _run(call: _Call, backend: str):
-    if backend == FusedAttention.SHORT_NAME:
-        out = fused_attn_core(call.q, call.k, call.v, call.bias, call.seq, call.seeds, call.static,
-                              call.softmax_offset)
-    else:
+class _FusedBackend(FusedAttention):
+    """The fused primitives (the Triton kernels on CUDA GPUs; their jnp lowering on CPU)."""
+
+    @staticmethod
+    def run(call: _Call):
+        return fused_attn_core(call.q, call.k, call.v, call.bias, call.seq, call.seeds, call.static,
+                               call.softmax_offset)
+
+
+class _UnfusedBackend(UnfusedDotProductAttention):
+    """jnp math."""
+
+    @staticmethod
+    def run(call: _Call):
         s = call.static
         out = attention_math.unfused_attention(
             call.q, call.k, call.v, call.bias, call.seq, call.seeds,
@@ -728,8 +736,16 @@ def _run(call: _Call, backend: str):
             bottom_right_diagonal=s.bottom_right,
             softmax_type=s.softmax_type, softmax_offset=call.softmax_offset,
         )
-        out = checkpoint_name(out, call.static.checkpoint_name)
-    return _to_bshd(out, call.qkv_format)  # SBHD: swap back
+        return checkpoint_name(out, call.static.checkpoint_name)
+
+
+# The JAX backends: the common registry's JAX backends (backends_for("jax")), in its order, with runners.
+_CANDIDATES = (_FusedBackend, _UnfusedBackend)
+
+
+def _run(call: _Call, backend) -> jax.Array:
+    """``call`` on ``backend`` (one of ``_CANDIDATES``)."""
+    return _to_bshd(backend.run(call), call.qkv_format)  # SBHD: swap back
 
 
 _selection_records: List[List[str]] = []
@@ -857,7 +873,7 @@ def _attention_with_selection(**kwargs) -> Tuple[jax.Array, Selection]:
     logs fallbacks)."""
     call = _parse_call(**kwargs)
     selection = select_attention_backend(call.config)
-    return _run(call, selection.backend.SHORT_NAME), selection
+    return _run(call, selection.backend), selection
 
 
 _BACKEND_POSITIONAL = ("qkv", "bias", "sequence_descriptor", "seed", "attn_bias_type", "attn_mask_type", "qkv_layout",
@@ -872,7 +888,7 @@ def _fused_attn_with_backend(backend: str, *args, **kwargs) -> jax.Array:
     bound.update(kwargs)
     bound.setdefault("softmax_type", AttnSoftmaxType.VANILLA_SOFTMAX)
     call = _parse_call(**bound)
-    return _run(call, backend)
+    return _run(call, backend_named(backend, _CANDIDATES))
 
 
 def is_fused_attn_kernel_available(

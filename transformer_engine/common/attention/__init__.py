@@ -9,6 +9,7 @@ from transformer_engine.common.attention.enums import (
 )
 from transformer_engine.common.attention.config import AttnConfig
 from transformer_engine.common.attention.backends import (
+    BACKENDS,
     AttentionBackend,
     FlashAttention,
     FusedAttention,
@@ -24,6 +25,7 @@ __all__ = [
     "QKVFormat",
     "QKVLayout",
     "AttnConfig",
+    "BACKENDS",
     "AttentionBackend",
     "FlashAttention",
     "FusedAttention",

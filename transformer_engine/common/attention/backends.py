@@ -1,9 +1,17 @@
 """Attention backends as capability data, and selection: first backend with no reasons.
 
-Each backend declares what it supports as class attributes; ``not_supported_reasons`` turns a
-config into human-readable reasons (empty = can run). ``select_backend`` applies the user's
-switches (NVTE_* variables, forcing), orders candidates with :func:`policy.order_backends`, logs
-per NVTE_DEBUG, and returns the choice with every rejected backend's reasons.
+The registry of backends: each is a class that carries its identity (``NAME``, the ``SHORT_NAME``
+that NVTE_FUSED_ATTN_BACKEND forces it by, the ``ENABLE_VAR`` that disables it) and what it
+supports as class attributes. Capabilities are opt-in: a framework, device, dtype, qkv format,
+mask type, bias type or softmax type a backend does not declare, and a feature (dropout, sliding
+windows, GQA, d_qk != d_v, the max logit, a deterministic backward) it does not claim, is refused
+with a reason. ``not_supported_reasons`` turns a config into those human-readable reasons (empty =
+can run). Frontends subclass these classes to add their runner hook and the facts only they know
+(``availability_reasons``); ``BACKENDS`` lists them all, ``backends_for`` those of one framework.
+
+``select_backend`` applies the user's switches (NVTE_* variables, forcing), orders candidates with
+:func:`policy.order_backends`, logs per NVTE_DEBUG, and returns the choice with every rejected
+backend's reasons.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Type
 from transformer_engine.common import settings
 from transformer_engine.common.attention.config import AttnConfig
 from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, AttnSoftmaxType, QKVFormat
+from transformer_engine.common.attention.policy import order_backends
 from transformer_engine.common.log import get_logger, warn_once
 
 __all__ = [
@@ -22,6 +31,9 @@ __all__ = [
     "FusedAttention",
     "FlashAttention",
     "UnfusedDotProductAttention",
+    "BACKENDS",
+    "backends_for",
+    "backend_named",
     "Selection",
     "select_backend",
     "NoBackendError",
@@ -36,35 +48,41 @@ class NoBackendError(NotImplementedError):
 
 
 class AttentionBackend:
-    """Base class: capabilities as data, reasons derived from them."""
+    """Base class: capabilities as data (nothing is supported until declared), reasons derived from them."""
 
     NAME: str = "base"
     SHORT_NAME: str = "base"  # value of NVTE_FUSED_ATTN_BACKEND that forces this backend
     ENABLE_VAR: Optional[str] = None  # NVTE_* switch that disables it when 0
-    FRAMEWORKS: frozenset = frozenset({"pytorch", "jax"})
-    DEVICE_TYPES: frozenset = frozenset({"cuda", "cpu"})
-    SUPPORTED_VENDORS: frozenset = frozenset({"nvidia", "amd"})  # of "cuda" devices
+    PRIORITY: int = 0  # default order of trial (lower first); policy.order_backends may reorder
+    FRAMEWORKS: frozenset = frozenset()
+    DEVICE_TYPES: frozenset = frozenset()
+    SUPPORTED_VENDORS: frozenset = frozenset()  # of "cuda" devices
     MIN_COMPUTE_CAPABILITY: Tuple[int, int] = (0, 0)  # NVIDIA
     SUPPORTED_ARCHS: Optional[frozenset] = None  # NVIDIA: exact major versions, when limited
     SUPPORTED_AMD_ARCHS: Optional[frozenset] = None  # AMD: gfx targets, when limited
-    SUPPORTED_DTYPES: frozenset = frozenset({"float16", "bfloat16", "float32"})
+    SUPPORTED_DTYPES: frozenset = frozenset()
     MAX_HEAD_DIM: int = 1 << 30
     HEAD_DIM_MULTIPLE: int = 1
-    SUPPORTED_MASKS: frozenset = _ALL_MASKS
-    SUPPORTED_FORMATS: frozenset = _ALL_FORMATS
-    SUPPORTED_BIAS_TYPES: frozenset = frozenset(AttnBiasType)
-    SUPPORTS_DROPOUT: bool = True
-    SUPPORTED_SOFTMAX_TYPES: frozenset = frozenset(AttnSoftmaxType)
-    SUPPORTS_WINDOW: bool = True
-    SUPPORTS_GQA: bool = True
-    SUPPORTS_DIFFERENT_HEAD_DIMS: bool = True  # d_qk != d_v
-    IS_DETERMINISTIC: bool = True  # has a deterministic backward
+    SUPPORTED_MASKS: frozenset = frozenset()
+    SUPPORTED_FORMATS: frozenset = frozenset()
+    SUPPORTED_BIAS_TYPES: frozenset = frozenset()
+    SUPPORTED_SOFTMAX_TYPES: frozenset = frozenset()
+    SUPPORTS_DROPOUT: bool = False
+    SUPPORTS_WINDOW: bool = False
+    SUPPORTS_GQA: bool = False
+    SUPPORTS_DIFFERENT_HEAD_DIMS: bool = False  # d_qk != d_v
+    SUPPORTS_MAX_LOGIT: bool = False  # returns each head's max logit (return_max_logit=True)
+    IS_DETERMINISTIC: bool = False  # has a deterministic backward
     IS_FUSED: bool = True
+    # Where this backend was measured faster than the fused kernels, as (GPU major, d_qk, d_v); None:
+    # not a measured alternative (policy.order_backends keeps its PRIORITY).
+    MEASURED_FASTER: Optional[frozenset] = None
 
     @classmethod
     def availability_reasons(cls, config: AttnConfig) -> List[str]:
-        """Reasons the backend cannot run at all here (missing package, wrong device), including
-        facts only the frontend knows, which it passes as ``config.extra`` (name, reason) pairs."""
+        """Reasons the backend cannot run at all here (missing package, wrong device). Facts only a
+        frontend knows come from its subclass's override (PyTorch: whether flash-attn-4 imports) or
+        as ``config.extra`` (name, reason) pairs it computed when it built the config (JAX)."""
         return [reason for name, reason in config.extra if name == cls.NAME]
 
     @classmethod
@@ -115,6 +133,10 @@ class AttentionBackend:
             reasons.append(f"num_heads_q={config.num_heads_q} != num_heads_kv={config.num_heads_kv} (no GQA)")
         if config.deterministic and config.is_training and not cls.IS_DETERMINISTIC:
             reasons.append("deterministic backward requested and this backend has none")
+        if config.return_max_logit and not cls.SUPPORTS_MAX_LOGIT:
+            # The fused kernels keep each row's running max in registers and store only the log-sum-exp;
+            # flash-attn-4 returns no max either.
+            reasons.append("return_max_logit=True (the kernels do not return the row maxima)")
         reasons.extend(cls.availability_reasons(config))
         return reasons
 
@@ -129,6 +151,10 @@ class FusedAttention(AttentionBackend):
     NAME = "FusedAttention"
     SHORT_NAME = "fused"
     ENABLE_VAR = "NVTE_FUSED_ATTN"
+    PRIORITY = 1
+    FRAMEWORKS = frozenset({"pytorch", "jax"})
+    DEVICE_TYPES = frozenset({"cuda", "cpu"})
+    SUPPORTED_VENDORS = frozenset({"nvidia", "amd"})
     MIN_COMPUTE_CAPABILITY = (8, 0)
     # CDNA2/3/4, the AMD targets with plans (plan.AMD_ARCHS) and compiled for in CI
     # (tests/common/test_kernel_compile_archs.py).
@@ -136,9 +162,15 @@ class FusedAttention(AttentionBackend):
     SUPPORTED_DTYPES = frozenset({"float16", "bfloat16", "float32"})
     MAX_HEAD_DIM = 256
     HEAD_DIM_MULTIPLE = 8
+    SUPPORTED_FORMATS = _ALL_FORMATS
     SUPPORTED_MASKS = _ALL_MASKS - {AttnMaskType.ARBITRARY_MASK}
     SUPPORTED_BIAS_TYPES = frozenset({AttnBiasType.NO_BIAS, AttnBiasType.POST_SCALE_BIAS, AttnBiasType.ALIBI})
+    SUPPORTED_SOFTMAX_TYPES = frozenset(AttnSoftmaxType)
     SUPPORTS_DROPOUT = True
+    SUPPORTS_WINDOW = True
+    SUPPORTS_GQA = True
+    SUPPORTS_DIFFERENT_HEAD_DIMS = True
+    IS_DETERMINISTIC = True
 
     @classmethod
     def availability_reasons(cls, config: AttnConfig) -> List[str]:
@@ -156,27 +188,41 @@ class FusedAttention(AttentionBackend):
 
 
 class FlashAttention(AttentionBackend):
-    """flash-attn-4 (CuTe DSL), PyTorch only, Hopper and Blackwell; whether it imports comes from
-    the PyTorch frontend through ``config.extra``.
+    """flash-attn-4 (CuTe DSL), PyTorch only, Hopper and Blackwell: every fact about it that selection
+    and ordering read is here. Whether the package imports on this device the PyTorch frontend says
+    (its subclass in ``transformer_engine.pytorch.attention.backends``).
 
     Capabilities read from flash-attn-4 4.0.0b36 (``flash_attn/cute/interface.py``) and tested on
-    the GPU by tests/pytorch/test_flash_backend.py. Whether the package imports on this device comes
-    from the PyTorch frontend through ``config.extra``.
+    the GPU by tests/pytorch/test_flash_backend.py.
     """
 
     NAME = "FlashAttention"
     SHORT_NAME = "flash"
     ENABLE_VAR = "NVTE_FLASH_ATTN"
+    PRIORITY = 0
     FRAMEWORKS = frozenset({"pytorch"})
     DEVICE_TYPES = frozenset({"cuda"})
     SUPPORTED_VENDORS = frozenset({"nvidia"})
+    # GPU generations flash-attn-4 runs on: Hopper (SM90) and Blackwell (SM100).
     SUPPORTED_ARCHS = frozenset({9, 10})
     SUPPORTED_DTYPES = frozenset({"float16", "bfloat16"})
     MAX_HEAD_DIM = 256
     HEAD_DIM_MULTIPLE = 8
+    SUPPORTED_FORMATS = _ALL_FORMATS
     SUPPORTED_MASKS = _ALL_MASKS - {AttnMaskType.ARBITRARY_MASK}
     SUPPORTED_BIAS_TYPES = frozenset({AttnBiasType.NO_BIAS})
     SUPPORTS_DROPOUT = False
+    SUPPORTS_WINDOW = True
+    SUPPORTS_GQA = True
+    SUPPORTS_DIFFERENT_HEAD_DIMS = True
+    IS_DETERMINISTIC = True  # ordered dQ/dK/dV accumulation behind semaphores
+    # Where flash-attn-4 was measured faster than our Triton kernels, deterministic or not, as
+    # (GPU major, head_dim_qk, head_dim_v): H200, bf16, no mask and causal, flash-attn-4 4.0.0b36
+    # (benchmarks/results/attention.md: deterministic fwd+bwd 502-615 TFLOP/s at d=128 against 383-436 for
+    # our kernels, 393-462 at d=64 against 282-352, 316 at d=256 causal against 193). Elsewhere (other head
+    # dims, Blackwell) it is not measured yet, so there our kernels come first and flash-attn-4 second
+    # (policy.order_backends).
+    MEASURED_FASTER = frozenset({(9, 64, 64), (9, 128, 128), (9, 256, 256)})
     # flash-attn-4 has a forward-only sink argument; this wrapper passes none, so sink softmax
     # (off-by-one, learnable) goes to our kernels.
     SUPPORTED_SOFTMAX_TYPES = frozenset({AttnSoftmaxType.VANILLA_SOFTMAX})
@@ -216,6 +262,12 @@ class FlashAttention(AttentionBackend):
                            "flash-attn-4 aligns sliding windows bottom-right")
         if config.deterministic and major is not None and major not in cls.DETERMINISTIC_INVARIANT_ARCHS:
             reasons.append(f"deterministic mode is not batch/packing invariant (not shown on sm{major}x)")
+        if config.deterministic and config.distinct_kv_lengths and config.attn_mask_type.is_top_left_causal:
+            # flash-attn-4 runs a top-left causal batch only if every sequence has at least as many keys as
+            # queries: which backend runs would depend on the other sequences of the batch, and the same
+            # sequence could get different bits in another batch.
+            reasons.append(f"attn_mask_type={config.attn_mask_type.value} (top-left) with separate cu_seqlens_q/kv "
+                           "in deterministic mode: the backend would depend on the batch's other sequences")
         return reasons
 
 
@@ -225,7 +277,41 @@ class UnfusedDotProductAttention(AttentionBackend):
     NAME = "UnfusedDotProductAttention"
     SHORT_NAME = "unfused"
     ENABLE_VAR = "NVTE_UNFUSED_ATTN"
+    PRIORITY = 2
+    FRAMEWORKS = frozenset({"pytorch", "jax"})
+    DEVICE_TYPES = frozenset({"cuda", "cpu"})
+    SUPPORTED_VENDORS = frozenset({"nvidia", "amd"})
+    SUPPORTED_DTYPES = frozenset({"float16", "bfloat16", "float32"})
+    SUPPORTED_FORMATS = _ALL_FORMATS
+    SUPPORTED_MASKS = _ALL_MASKS
+    SUPPORTED_BIAS_TYPES = frozenset(AttnBiasType)
+    SUPPORTED_SOFTMAX_TYPES = frozenset(AttnSoftmaxType)
+    SUPPORTS_DROPOUT = True
+    SUPPORTS_WINDOW = True
+    SUPPORTS_GQA = True
+    SUPPORTS_DIFFERENT_HEAD_DIMS = True
+    SUPPORTS_MAX_LOGIT = True
+    IS_DETERMINISTIC = True
     IS_FUSED = False
+
+
+# The registry: every backend, in default priority order (PRIORITY).
+BACKENDS: Tuple[Type[AttentionBackend], ...] = (FlashAttention, FusedAttention, UnfusedDotProductAttention)
+
+
+def backends_for(framework: str) -> Tuple[Type[AttentionBackend], ...]:
+    """The registered backends that declare ``framework`` ("pytorch" or "jax")."""
+    return tuple(b for b in BACKENDS if framework in b.FRAMEWORKS)
+
+
+def backend_named(short_name: str, candidates: Sequence[Type[AttentionBackend]] = BACKENDS
+                  ) -> Type[AttentionBackend]:
+    """The backend of ``candidates`` whose ``SHORT_NAME`` (or ``NAME``) is ``short_name``."""
+    for backend in candidates:
+        if short_name in (backend.SHORT_NAME, backend.NAME):
+            return backend
+    names = ", ".join(b.SHORT_NAME for b in candidates)
+    raise ValueError(f"`backend` must be one of {names}, got {short_name!r}")
 
 
 @dataclass
@@ -260,8 +346,6 @@ def select_backend(
     ``force`` (or NVTE_FUSED_ATTN_BACKEND) names one backend by ``SHORT_NAME``: that backend or
     a :class:`NoBackendError` with its reasons, never a silent fallback.
     """
-    from transformer_engine.common.attention.policy import order_backends
-
     logger = get_logger()
     logger.info("Running with config: %s", config.describe())
     forced = force if force is not None else settings.get("NVTE_FUSED_ATTN_BACKEND")
@@ -296,11 +380,11 @@ def select_backend(
             f"no attention backend can run this call:\n  {config.describe()}\n" + _format_reasons(rejected)
         )
     if config.deterministic and config.is_training and not chosen.IS_FUSED:
+        by_name = {b.NAME: b for b in candidates}
         fused_reasons = {
             name: r
             for name, r in rejected.items()
-            if not any(reason.startswith("disabled by") for reason in r)
-            and next(b for b in candidates if b.NAME == name).IS_FUSED
+            if not any(reason.startswith("disabled by") for reason in r) and by_name[name].IS_FUSED
         }
         if fused_reasons:
             warn_once(

@@ -103,6 +103,11 @@ class AttnConfig:
     softmax_type: AttnSoftmaxType = AttnSoftmaxType.VANILLA_SOFTMAX  # sink softmax: off-by-one, learnable
     is_training: bool = True
     deterministic: bool = False
+    # The call returns each head's max logit (PyTorch's return_max_logit=True); only some backends compute it.
+    return_max_logit: bool = False
+    # Per-sequence lengths with a cu_seqlens_kv of their own (cross attention): keys and queries of one
+    # sequence may differ in number, which static shapes do not show.
+    distinct_kv_lengths: bool = False
     framework: str = "pytorch"
     device_type: str = "cuda"  # "cuda" or "cpu"
     compute_capability: Optional[Tuple[int, int]] = None  # NVIDIA GPUs (None on AMD: see gfx_arch)

@@ -1,4 +1,6 @@
-"""Preference among backends that can all run a call: data, kept apart from feasibility."""
+"""Preference among backends that can all run a call: data on the backend classes, kept apart from
+feasibility. Backends are tried by their ``PRIORITY``; one that declares where it was measured
+faster than the fused kernels (``MEASURED_FASTER``) keeps its place only there."""
 
 from __future__ import annotations
 
@@ -6,30 +8,27 @@ from typing import List, Type
 
 from transformer_engine.common.attention.config import AttnConfig
 
-_PRIORITY = ("FlashAttention", "FusedAttention", "UnfusedDotProductAttention")
-_FUSED_FIRST = ("FusedAttention", "FlashAttention", "UnfusedDotProductAttention")
 
-# Where flash-attn-4 was measured faster than our Triton kernels, deterministic or not, as
-# (GPU major, head_dim_qk, head_dim_v): H200, bf16, no mask and causal, flash-attn-4 4.0.0b36
-# (benchmarks/results/attention.md: deterministic fwd+bwd 502-615 TFLOP/s at d=128 against 383-436 for
-# our kernels, 393-462 at d=64 against 282-352, 316 at d=256 causal against 193). Elsewhere (other head dims, Blackwell) it is not measured yet,
-# so there our kernels come first and flash-attn-4 second.
-FLASH_MEASURED_FASTER = frozenset({(9, 64, 64), (9, 128, 128), (9, 256, 256)})
-# GPU majors flash-attn-4 runs on. On others (and on CPU) the order decides nothing, and trying
-# FlashAttention first puts why it cannot run into the NVTE_DEBUG log and the rejected reasons.
-_FLASH_MAJORS = frozenset({9, 10})
-
-
-def _fused_before_flash(config: AttnConfig) -> bool:
-    """Where flash-attn-4 could run but is not measured faster than our kernels."""
-    if config.compute_capability is None or config.compute_capability[0] not in _FLASH_MAJORS:
+def _measured_slower_here(backend: Type, config: AttnConfig) -> bool:
+    """``backend`` could run on this GPU generation but is not measured faster than the fused kernels
+    for these head dims. On other GPUs (and on CPU) the order decides nothing, and trying it in its
+    place puts why it cannot run into the NVTE_DEBUG log and the rejected reasons."""
+    if backend.MEASURED_FASTER is None or config.compute_capability is None:
         return False
-    key = (config.compute_capability[0], config.head_dim_qk, config.head_dim_v)
-    return key not in FLASH_MEASURED_FASTER
+    major = config.compute_capability[0]
+    if backend.SUPPORTED_ARCHS is not None and major not in backend.SUPPORTED_ARCHS:
+        return False
+    return (major, config.head_dim_qk, config.head_dim_v) not in backend.MEASURED_FASTER
 
 
 def order_backends(backends: List[Type], config: AttnConfig) -> List[Type]:
-    """Candidates in the order they should be tried for ``config``."""
-    priority = _FUSED_FIRST if _fused_before_flash(config) else _PRIORITY
-    rank = {name: i for i, name in enumerate(priority)}
-    return sorted(backends, key=lambda b: rank.get(b.NAME, len(rank)))
+    """Candidates in the order they should be tried for ``config``: by ``PRIORITY``, except that a
+    measured alternative not measured faster here goes right after the fused kernels."""
+    fused_rank = min((b.PRIORITY for b in backends if b.IS_FUSED and b.MEASURED_FASTER is None), default=0)
+
+    def rank(backend):
+        if _measured_slower_here(backend, config):
+            return (fused_rank, 1)
+        return (backend.PRIORITY, 0)
+
+    return sorted(backends, key=rank)

@@ -1,39 +1,30 @@
-"""From PyTorch tensors and arguments to one AttnConfig, and backend selection for PyTorch."""
+"""From PyTorch tensors and arguments to one AttnConfig: the PyTorch frontend's argument checks.
+
+Backend selection over the PyTorch backends is :func:`transformer_engine.pytorch.attention.backends.select`.
+"""
 
 from __future__ import annotations
 
 import os
-from typing import Optional, Sequence, Tuple, Type
+from typing import Optional, Tuple
 
 import torch
 
 from transformer_engine.common import settings
 from transformer_engine.common.attention import (
-    AttentionBackend,
     AttnBiasType,
     AttnConfig,
     AttnMaskType,
     AttnSoftmaxType,
-    FlashAttention,
-    FusedAttention,
     QKVFormat,
     QKVLayout,
-    Selection,
-    UnfusedDotProductAttention,
-    select_backend,
 )
 from transformer_engine.common.attention.config import normalize_window
 from transformer_engine.common.attention.validation import check_cu_seqlens_values
 from transformer_engine.pytorch.attention.device import device_facts
 
-__all__ = ["deterministic_requested", "make_attn_config", "select", "PYTORCH_BACKENDS", "dtype_name", "check_cu_seqlens",
-           "check_qkv", "triton_interpreting", "check_sequence_values", "can_sync"]
-
-PYTORCH_BACKENDS: Tuple[Type[AttentionBackend], ...] = (
-    FlashAttention,
-    FusedAttention,
-    UnfusedDotProductAttention,
-)
+__all__ = ["deterministic_requested", "make_attn_config", "build_attn_config", "dtype_name", "check_cu_seqlens",
+           "check_qkv", "qkv_dims", "triton_interpreting", "check_sequence_values", "can_sync"]
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
@@ -52,27 +43,27 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _flash_attn_reasons() -> Tuple[Tuple[str, str], ...]:
-    from transformer_engine.pytorch.attention import flash_backend
-
-    reason = flash_backend.unavailable_reason()
-    return ((FlashAttention.NAME, reason),) if reason else ()
+def qkv_dims(t, qkv_format: QKVFormat) -> Tuple[int, int, int, int]:
+    """(batch, seq, heads, head_dim) of one tensor (or shape stand-in) in ``qkv_format``; batch is 1
+    and seq the token count for thd. The one place the format says where each dimension is."""
+    shape = tuple(t.shape)
+    if qkv_format == QKVFormat.BSHD:
+        return shape
+    if qkv_format == QKVFormat.SBHD:
+        s, b, h, d = shape
+        return b, s, h, d
+    t_, h, d = shape
+    return 1, t_, h, d
 
 
 def split_shape(t: torch.Tensor, qkv_format: QKVFormat, name: str) -> Tuple[int, int, int, int]:
-    """(batch, seq, heads, head_dim) of one tensor; batch is 1 and seq the token count for thd."""
+    """:func:`qkv_dims` of one tensor, after checking its rank."""
     expected = 3 if qkv_format == QKVFormat.THD else 4
     if t.dim() != expected:
         raise ValueError(
             f"`{name}` must be {expected}-D for qkv_format={qkv_format.value!r}, got shape {tuple(t.shape)}"
         )
-    if qkv_format == QKVFormat.BSHD:
-        return tuple(t.shape)
-    if qkv_format == QKVFormat.SBHD:
-        s, b, h, d = t.shape
-        return b, s, h, d
-    t_, h, d = t.shape
-    return 1, t_, h, d
+    return qkv_dims(t, qkv_format)
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: QKVFormat):
@@ -146,10 +137,10 @@ def make_attn_config(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    qkv_format: str = "bshd",
-    attn_mask_type: str = "no_mask",
+    qkv_format="bshd",
+    attn_mask_type="no_mask",
     window_size: Optional[Tuple[int, int]] = None,
-    attn_bias_type: str = "no_bias",
+    attn_bias_type="no_bias",
     bias_shape: Optional[str] = None,
     dropout: float = 0.0,
     is_training: bool = True,
@@ -161,9 +152,9 @@ def make_attn_config(
     distinct_kv_lengths: bool = False,
     bottom_right_diagonal: Optional[bool] = None,
     return_max_logit: bool = False,
-    softmax_type: str = "vanilla",
+    softmax_type="vanilla",
 ) -> AttnConfig:
-    """Validate shapes/dtypes/devices and build the AttnConfig for one call.
+    """Validate shapes/dtypes/devices and build the AttnConfig for one call (enums or their strings).
 
     ``distinct_kv_lengths``: the call has per-sequence lengths with a separate ``cu_seqlens_kv``
     (cross attention), so keys and queries of one sequence may differ in number.
@@ -172,22 +163,30 @@ def make_attn_config(
     computes."""
     fmt = QKVFormat(qkv_format)
     mask = AttnMaskType(attn_mask_type)
-    bq, sq, hq, dqk, sk, hk, dv = check_qkv(q, k, v, fmt)
-    device_type = q.device.type
+    check_qkv(q, k, v, fmt)
+    return build_attn_config(
+        q, k, v, fmt, mask, normalize_window(window_size, mask), AttnBiasType(attn_bias_type),
+        AttnSoftmaxType(softmax_type), bias_shape=bias_shape, dropout=dropout, is_training=is_training,
+        deterministic=deterministic, batch_size=batch_size, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+        packing=packing, distinct_kv_lengths=distinct_kv_lengths, bottom_right_diagonal=bottom_right_diagonal,
+        return_max_logit=return_max_logit,
+    )
+
+
+def build_attn_config(
+    q, k, v, fmt: QKVFormat, mask: AttnMaskType, window: Tuple[int, int], bias_type: AttnBiasType,
+    softmax_type: AttnSoftmaxType, *, bias_shape: Optional[str] = None, dropout: float = 0.0,
+    is_training: bool = True, deterministic: Optional[bool] = None, batch_size: Optional[int] = None,
+    max_seqlen_q: Optional[int] = None, max_seqlen_kv: Optional[int] = None, packing: str = "separate",
+    distinct_kv_lengths: bool = False, bottom_right_diagonal: Optional[bool] = None, return_max_logit: bool = False,
+) -> AttnConfig:
+    """The AttnConfig of a call whose arguments are already converted and checked (``window``
+    normalized; q, k, v tensors or shape stand-ins that agree): no checks, no conversions."""
+    bq, sq, hq, dqk = qkv_dims(q, fmt)
+    _, sk, hk, _ = qkv_dims(k, fmt)
+    dv = v.shape[-1]
     if deterministic is None:
         deterministic = deterministic_requested()
-    extra = _flash_attn_reasons()
-    if deterministic and distinct_kv_lengths and mask.is_top_left_causal:
-        # flash-attn-4 runs a top-left causal batch only if every sequence has at least as many keys as
-        # queries: which backend runs would depend on the other sequences of the batch, and the same
-        # sequence could get different bits in another batch.
-        extra += ((FlashAttention.NAME, f"attn_mask_type={mask.value} (top-left) with separate cu_seqlens_q/kv in "
-                   "deterministic mode: the backend would depend on the batch's other sequences"),)
-    if return_max_logit:
-        # The fused kernels keep each row's running max in registers and store only the log-sum-exp;
-        # flash-attn-4 returns no max either.
-        extra += tuple((name, "return_max_logit=True (the kernels do not return the row maxima)")
-                       for name in (FusedAttention.NAME, FlashAttention.NAME))
     return AttnConfig(
         batch_size=batch_size if batch_size is not None else bq,
         num_heads_q=hq,
@@ -199,23 +198,18 @@ def make_attn_config(
         dtype=dtype_name(q.dtype),
         qkv_layout=QKVLayout.from_format(fmt, packing),
         attn_mask_type=mask,
-        window_size=normalize_window(window_size, mask),
+        window_size=window,
         bottom_right_diagonal=bottom_right_diagonal,
-        attn_bias_type=AttnBiasType(attn_bias_type),
+        attn_bias_type=bias_type,
         bias_shape=bias_shape,
         dropout=float(dropout),
-        softmax_type=AttnSoftmaxType(softmax_type),
+        softmax_type=softmax_type,
         is_training=bool(is_training),
         deterministic=bool(deterministic),
+        return_max_logit=bool(return_max_logit),
+        distinct_kv_lengths=bool(distinct_kv_lengths),
         framework="pytorch",
-        device_type=device_type,
+        device_type=q.device.type,
         **device_facts(q.device),
         triton_interpret=triton_interpreting(),
-        extra=extra,
     )
-
-
-def select(config: AttnConfig, candidates: Sequence[Type[AttentionBackend]] = PYTORCH_BACKENDS,
-           force: Optional[str] = None) -> Selection:
-    """Backend selection over the PyTorch backends."""
-    return select_backend(config, candidates, force=force)

@@ -8,8 +8,6 @@ Nothing about a decision is kept between calls.
 
 from __future__ import annotations
 
-import contextlib
-
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple, Union
@@ -19,8 +17,10 @@ import torch
 from transformer_engine.common.attention import AttnBiasType, AttnMaskType, AttnSoftmaxType, QKVFormat
 from transformer_engine.common.attention.config import normalize_window, resolve_bottom_right_diagonal
 from transformer_engine.common.attention.validation import check_softmax_scale
+from transformer_engine.pytorch.attention import backends as attn_backends
 from transformer_engine.pytorch.attention import config as attn_config
-from transformer_engine.pytorch.attention.unfused import bias_shape_name, default_alibi_slopes, unfused_attention
+from transformer_engine.pytorch.attention.backends import AttnCall
+from transformer_engine.pytorch.attention.unfused import bias_shape_name
 
 __all__ = ["DotProductAttention"]
 
@@ -75,25 +75,23 @@ class _TensorMeta:
 @torch.compiler.assume_constant_result
 def _select_while_tracing(q_shape, k_shape, v_shape, dtype: str, device: str, qkv_format: str, attn_mask_type: str,
                           window: Tuple[int, int], bias_type: str, bias_shape: Optional[str], dropout: float,
-                          is_training: bool, torch_deterministic: bool, batch_size: Optional[int],
-                          max_seqlen_q: Optional[int], max_seqlen_kv: Optional[int],
-                          distinct_kv_lengths: bool = False, bottom_right_diagonal: Optional[bool] = None,
-                          return_max_logit: bool = False, softmax_type: str = "vanilla") -> Tuple[str, bool]:
+                          is_training: bool, torch_deterministic: bool, distinct_kv_lengths: bool,
+                          bottom_right_diagonal: bool, return_max_logit: bool, softmax_type: str) -> Tuple[str, bool]:
     """Backend selection under torch.compile: runs once while tracing, its result baked into the graph.
 
-    Dynamo guards on ``torch.are_deterministic_algorithms_enabled()`` (passed in), so toggling it
-    retraces; NVTE_* variables are read at trace time. Sizes that may be dynamic are passed as -1.
+    Takes what forward has converted, as constants (enum values; ``window`` normalized). Dynamo guards
+    on ``torch.are_deterministic_algorithms_enabled()`` (passed in), so toggling it retraces; NVTE_*
+    variables are read at trace time. Sizes that may be dynamic are passed as -1.
     """
     metas = [_TensorMeta(s, dtype, device) for s in (q_shape, k_shape, v_shape)]
     deterministic = torch_deterministic or attn_config.deterministic_requested()
-    config = attn_config.make_attn_config(
-        *metas, qkv_format=qkv_format, attn_mask_type=attn_mask_type, window_size=window,
-        attn_bias_type=bias_type, bias_shape=bias_shape, dropout=dropout, is_training=is_training,
-        deterministic=deterministic, batch_size=batch_size, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
-        distinct_kv_lengths=distinct_kv_lengths, bottom_right_diagonal=bottom_right_diagonal,
-        return_max_logit=return_max_logit, softmax_type=softmax_type,
+    config = attn_config.build_attn_config(
+        *metas, QKVFormat(qkv_format), AttnMaskType(attn_mask_type), window, AttnBiasType(bias_type),
+        AttnSoftmaxType(softmax_type), bias_shape=bias_shape, dropout=dropout, is_training=is_training,
+        deterministic=deterministic, distinct_kv_lengths=distinct_kv_lengths,
+        bottom_right_diagonal=bottom_right_diagonal, return_max_logit=return_max_logit,
     )
-    return attn_config.select(config).name, config.deterministic
+    return attn_backends.select(config).name, config.deterministic
 
 
 def _packing(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
@@ -238,15 +236,15 @@ def _resolve_sequences(q, k, v, fmt: QKVFormat, mask: AttnMaskType, attention_ma
         seqs = _Sequences(_THD_MASK.get(mask, mask), batch, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
                           cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)
     else:
-        seq_dim = 1 if fmt == QKVFormat.BSHD else 0
-        batch = q.shape[1 - seq_dim]
-        seq_len_q, seq_len_kv = q.shape[seq_dim], k.shape[seq_dim]
-        if k.shape[1 - seq_dim] != batch or v.shape[1 - seq_dim] != batch:
+        batch, seq_len_q, _, _ = attn_config.qkv_dims(q, fmt)
+        batch_k, seq_len_kv, _, _ = attn_config.qkv_dims(k, fmt)
+        batch_v, seq_len_v, _, _ = attn_config.qkv_dims(v, fmt)
+        if batch_k != batch or batch_v != batch:
             raise ValueError(
                 f"`query_layer`, `key_layer`, `value_layer` must share the batch size, got shapes "
                 f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
             )
-        if k.shape[seq_dim] != v.shape[seq_dim]:
+        if seq_len_kv != seq_len_v:
             raise ValueError(
                 f"`key_layer` and `value_layer` must have the same sequence length, got shapes "
                 f"{tuple(k.shape)}, {tuple(v.shape)}"
@@ -310,57 +308,6 @@ def _check_bias(q, seqs: _Sequences, bias_type: AttnBiasType, bias: Optional[tor
     if seqs.max_seqlen_q is None or seqs.max_seqlen_kv is None:
         raise ValueError("`max_seqlen_q` and `max_seqlen_kv` must be given with a bias under torch.compile")
     return bias_shape_name(bias, seqs.batch, heads, seqs.max_seqlen_q, seqs.max_seqlen_kv)
-
-
-def _run_fused(q, k, v, fmt, mask, window, scale, seq, deterministic, *, bias_type, bias, alibi_slopes, dropout,
-               rng_context, bottom_right, softmax_type, softmax_offset, **_unused):
-    from transformer_engine.pytorch.attention.fused_attn import fused_attn_func, new_rng_state
-
-    mods = {}
-    if bias_type == AttnBiasType.POST_SCALE_BIAS:
-        mods["core_attention_bias"] = bias
-    elif bias_type == AttnBiasType.ALIBI:
-        slopes = alibi_slopes if alibi_slopes is not None else default_alibi_slopes(q.shape[-2], q.device)
-        mods["alibi_slopes"] = slopes.to(device=q.device, dtype=torch.float32)
-    if dropout > 0:
-        # Drawn from torch's generator (inside the RNG tracker's fork when given), so seeding
-        # and activation checkpointing reproduce the same dropout mask.
-        with (rng_context() if rng_context is not None else contextlib.nullcontext()):
-            mods["rng_state"] = new_rng_state(q.device)
-        mods["dropout_p"] = dropout
-    if softmax_type.has_sink:
-        mods.update(softmax_type=softmax_type.value, softmax_offset=softmax_offset)
-    return fused_attn_func(q, k, v, fmt.value, mask.value, window, scale, deterministic=deterministic, **seq,
-                           bottom_right_diagonal=bottom_right, **mods)
-
-
-def _run_flash(q, k, v, fmt, mask, window, scale, seq, deterministic, **_unused):
-    from transformer_engine.pytorch.attention import flash_backend
-
-    func = getattr(flash_backend, "flash_attn_func", None)
-    if func is None:
-        raise NotImplementedError(
-            "FlashAttention was selected but transformer_engine.pytorch.attention.flash_backend has no "
-            "flash_attn_func yet; set NVTE_FLASH_ATTN=0 to use the fused backend"
-        )
-    return func(q, k, v, fmt.value, mask.value, window, scale, deterministic=deterministic, **seq)
-
-
-def _run_unfused(q, k, v, fmt, mask, window, scale, seq, deterministic, *, attention_mask, bias_type, bias,
-                 alibi_slopes, dropout, rng_context, bottom_right, softmax_type, softmax_offset, return_max_logit=False):
-    return unfused_attention(
-        q, k, v, fmt.value, mask.value, window, scale, attention_mask=attention_mask,
-        core_attention_bias_type=bias_type.value, core_attention_bias=bias, alibi_slopes=alibi_slopes,
-        dropout_p=dropout, rng_context=rng_context, bottom_right_diagonal=bottom_right,
-        return_max_logit=return_max_logit, softmax_type=softmax_type.value, softmax_offset=softmax_offset, **seq,
-    )
-
-
-_RUNNERS = {
-    "FusedAttention": _run_fused,
-    "FlashAttention": _run_flash,
-    "UnfusedDotProductAttention": _run_unfused,
-}
 
 
 class DotProductAttention(torch.nn.Module):
@@ -655,22 +602,23 @@ class DotProductAttention(torch.nn.Module):
         softmax_offset = self.softmax_offset
         if softmax_offset is not None:  # fp32 on q's device whatever the module was cast to, as TE passes it
             softmax_offset = softmax_offset.to(device=q.device, dtype=torch.float32)
-        backend, deterministic = self._select(q, k, v, fmt, seqs, window, bias_type, bias_shape, dropout, bottom_right)
-        self.last_backend = backend
+        backend, deterministic = self._select(q, k, v, fmt, seqs, window, bias_type, bias_shape, dropout, bottom_right,
+                                              softmax_type)
+        self.last_backend = backend.NAME
         rng_context = None
         if self.get_rng_state_tracker is not None and not self.sequence_parallel:
             # As in TransformerEngine: with sequence parallelism dropout draws from the default generator.
             tracker = self.get_rng_state_tracker
             rng_context = lambda: tracker().fork()  # noqa: E731
-        runner = _RUNNERS[backend]
-        extra = dict(return_max_logit=True) if self.return_max_logit else {}
+        call = AttnCall(
+            fmt=fmt, mask=seqs.mask, window=window, bottom_right=bottom_right, softmax_scale=self.softmax_scale,
+            deterministic=deterministic, **seqs.kwargs(), attention_mask=seqs.attention_mask, bias_type=bias_type,
+            bias=core_attention_bias, alibi_slopes=alibi_slopes, dropout=dropout, rng_context=rng_context,
+            softmax_type=softmax_type, softmax_offset=softmax_offset, return_max_logit=self.return_max_logit,
+        )
 
         def attend(q_, k_, v_):
-            return runner(q_, k_, v_, fmt, seqs.mask, window, self.softmax_scale, seqs.kwargs(), deterministic,
-                          attention_mask=seqs.attention_mask, bias_type=bias_type, bias=core_attention_bias,
-                          alibi_slopes=alibi_slopes, dropout=dropout, rng_context=rng_context,
-                          bottom_right=bottom_right, softmax_type=softmax_type, softmax_offset=softmax_offset,
-                          **extra)
+            return backend.run(q_, k_, v_, call)
 
         if checkpoint_core_attention and torch.is_grad_enabled():
             out = torch.utils.checkpoint.checkpoint(attend, q, k, v, use_reentrant=False)
@@ -683,25 +631,25 @@ class DotProductAttention(torch.nn.Module):
         return (out, max_logit) if self.return_max_logit else out
 
     def _select(self, q, k, v, fmt: QKVFormat, seqs: "_Sequences", window, bias_type: AttnBiasType,
-                bias_shape: Optional[str], dropout: float, bottom_right: bool) -> Tuple[str, bool]:
-        """(backend name, deterministic) for this call, read now."""
+                bias_shape: Optional[str], dropout: float, bottom_right: bool, softmax_type: AttnSoftmaxType):
+        """(backend class, deterministic) for this call, read now: builds the call's one AttnConfig."""
         if _is_compiling():
             # Sizes that may be dynamic are unknown while tracing; head counts and dims are static.
             def meta(t, heads, dim):
                 return (-1,) * (t.dim() - 2) + (heads, dim)
             dk, dv = self.hidden_size_per_attention_head_k, self.hidden_size_per_attention_head_v
-            return _select_while_tracing(
+            name, deterministic = _select_while_tracing(
                 meta(q, self.num_heads_per_partition, dk), meta(k, self.num_gqa_groups_per_partition, dk),
-                meta(v, self.num_gqa_groups_per_partition, dv), str(q.dtype).replace("torch.", ""), q.device.type, fmt.value,
-                seqs.mask.value, tuple(window), bias_type.value, bias_shape, float(dropout), bool(self.training),
-                torch.are_deterministic_algorithms_enabled(), None, None, None, seqs.distinct_kv_lengths,
-                bottom_right, self.return_max_logit, self.softmax_type,
+                meta(v, self.num_gqa_groups_per_partition, dv), str(q.dtype).replace("torch.", ""), q.device.type,
+                fmt.value, seqs.mask.value, tuple(window), bias_type.value, bias_shape, float(dropout),
+                bool(self.training), torch.are_deterministic_algorithms_enabled(), seqs.distinct_kv_lengths,
+                bottom_right, self.return_max_logit, softmax_type.value,
             )
-        config = attn_config.make_attn_config(
-            q, k, v, qkv_format=fmt.value, attn_mask_type=seqs.mask.value, window_size=window,
-            attn_bias_type=bias_type.value, bias_shape=bias_shape, dropout=dropout, is_training=self.training,
-            batch_size=seqs.batch, max_seqlen_q=seqs.max_seqlen_q, max_seqlen_kv=seqs.max_seqlen_kv,
-            packing=_packing(q, k, v), distinct_kv_lengths=seqs.distinct_kv_lengths,
-            bottom_right_diagonal=bottom_right, return_max_logit=self.return_max_logit, softmax_type=self.softmax_type,
+            return attn_backends.backend_named(name), deterministic
+        config = attn_config.build_attn_config(
+            q, k, v, fmt, seqs.mask, window, bias_type, softmax_type, bias_shape=bias_shape, dropout=dropout,
+            is_training=self.training, batch_size=seqs.batch, max_seqlen_q=seqs.max_seqlen_q,
+            max_seqlen_kv=seqs.max_seqlen_kv, packing=_packing(q, k, v), distinct_kv_lengths=seqs.distinct_kv_lengths,
+            bottom_right_diagonal=bottom_right, return_max_logit=self.return_max_logit,
         )
-        return attn_config.select(config).name, config.deterministic
+        return attn_backends.select(config).backend, config.deterministic

@@ -33,13 +33,11 @@ from typing import Optional, Tuple
 
 import torch
 
+from transformer_engine.common.attention.backends import FlashAttention
 from transformer_engine.common.attention.enums import AttnMaskType, QKVFormat
 from transformer_engine.pytorch.attention.launch import zero_outside_sequences
 
-__all__ = ["flash_attn_func", "unavailable_reason", "SUPPORTED_MAJORS"]
-
-# GPU generations flash-attn-4 runs on here: Hopper (SM90) and Blackwell (SM100).
-SUPPORTED_MAJORS = (9, 10)
+__all__ = ["flash_attn_func", "flash_attention", "unavailable_reason"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -67,7 +65,7 @@ def unavailable_reason() -> Optional[str]:
     if torch.version.hip is not None:
         return "ROCm device: flash-attn-4 runs on NVIDIA SM90 and SM100 GPUs only"
     major, minor = torch.cuda.get_device_capability()
-    if major not in SUPPORTED_MAJORS:
+    if major not in FlashAttention.SUPPORTED_ARCHS:
         return f"compute capability ({major}, {minor}): flash-attn-4 runs on SM90 and SM100 here"
     return _import_error()
 
@@ -133,17 +131,18 @@ def flash_attn_func(
     no key are zero. Returns q's format with head dim d_v. Differentiable; with
     ``deterministic=True`` flash-attn's backward accumulates in a fixed order (bitwise repeatable).
     """
-    return _flash_attn(q, k, v, QKVFormat(qkv_format), AttnMaskType(attn_mask_type), tuple(window_size),
-                       float(softmax_scale), cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
-                       max_seqlen_q, max_seqlen_kv, bool(deterministic))
+    return flash_attention(q, k, v, QKVFormat(qkv_format), AttnMaskType(attn_mask_type), tuple(window_size),
+                           float(softmax_scale), cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+                           cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, bool(deterministic))
 
 
 # flash-attn compiles its kernels at the first call of each configuration (CuTe DSL) and takes raw
 # pointers: under torch.compile it runs as an opaque region (a graph break), not traced.
 @torch.compiler.disable
-def _flash_attn(q, k, v, fmt: QKVFormat, mask: AttnMaskType, window_size, softmax_scale: float,
-                cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
-                max_seqlen_q, max_seqlen_kv, deterministic: bool) -> torch.Tensor:
+def flash_attention(q, k, v, fmt: QKVFormat, mask: AttnMaskType, window_size, softmax_scale: float,
+                    cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
+                    max_seqlen_q, max_seqlen_kv, deterministic: bool) -> torch.Tensor:
+    """:func:`flash_attn_func` on converted arguments (DotProductAttention's backend runner calls this)."""
     fa = _flash_attn_cute()
     options = dict(softmax_scale=softmax_scale, causal=mask.is_causal, window_size=_fa_window(mask, window_size),
                    num_splits=1, deterministic=deterministic)

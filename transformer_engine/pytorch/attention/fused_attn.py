@@ -11,10 +11,10 @@ from transformer_engine.common.attention.config import normalize_window, resolve
 from transformer_engine.common.attention.validation import check_input_dtype, check_softmax_scale, kernel_scale
 from transformer_engine.pytorch.attention import ops  # noqa: F401  (registers the custom ops)
 from transformer_engine.pytorch.attention.config import (
-    check_cu_seqlens, check_qkv, check_sequence_values, dtype_name, triton_interpreting,
+    check_cu_seqlens, check_qkv, check_sequence_values, dtype_name, qkv_dims, triton_interpreting,
 )
 
-__all__ = ["fused_attn_func", "FusedAttnFunc"]
+__all__ = ["fused_attn_func", "fused_attention", "FusedAttnFunc"]
 
 
 class FusedAttnFunc(torch.autograd.Function):
@@ -124,21 +124,14 @@ def fused_attn_func(
     if fmt == QKVFormat.THD:
         if cu_seqlens_q is None or cu_seqlens_kv is None:
             raise ValueError("`cu_seqlens_q` and `cu_seqlens_kv` must be given for qkv_format='thd'")
-        if max_seqlen_q is None or max_seqlen_kv is None:
-            # One host sync; pass max_seqlen_* to avoid it (and to trace under torch.compile).
-            max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
-            max_seqlen_kv = int((cu_seqlens_kv[1:] - cu_seqlens_kv[:-1]).max().item())
         batch = None
     else:
-        batch = q.shape[0] if fmt == QKVFormat.BSHD else q.shape[1]
+        batch = qkv_dims(q, fmt)[0]
         if not mask.is_padding:
             cu_seqlens_q = cu_seqlens_kv = None
         elif cu_seqlens_q is None or cu_seqlens_kv is None:
             raise ValueError(f"`cu_seqlens_q` and `cu_seqlens_kv` must be given for attn_mask_type={mask.value!r}")
         cu_seqlens_q_padded = cu_seqlens_kv_padded = None
-        sq = q.shape[1] if fmt == QKVFormat.BSHD else q.shape[0]
-        sk = k.shape[1] if fmt == QKVFormat.BSHD else k.shape[0]
-        max_seqlen_q, max_seqlen_kv = sq, sk
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv),
                      ("cu_seqlens_q_padded", cu_seqlens_q_padded), ("cu_seqlens_kv_padded", cu_seqlens_kv_padded)):
         check_cu_seqlens(name, cu, batch, q.device)
@@ -147,6 +140,30 @@ def fused_attn_func(
             f"`cu_seqlens_q` and `cu_seqlens_kv` must have the same length, got {cu_seqlens_q.shape[0]} "
             f"and {cu_seqlens_kv.shape[0]}"
         )
+    _check_score_mods(q, fmt, core_attention_bias, alibi_slopes, dropout_p, rng_state)
+    stype, softmax_offset = _sink_logits(q, softmax_type, softmax_offset)
+    return fused_attention(q, k, v, fmt, mask, window_size, softmax_scale, bottom_right, cu_seqlens_q, cu_seqlens_kv,
+                           cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, deterministic,
+                           core_attention_bias, alibi_slopes, dropout_p, rng_state, stype, softmax_offset,
+                           return_softmax_aux)
+
+
+def fused_attention(q, k, v, fmt: QKVFormat, mask: AttnMaskType, window: Tuple[int, int], softmax_scale: float,
+                    bottom_right: bool, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
+                    max_seqlen_q, max_seqlen_kv, deterministic: bool, bias, alibi_slopes, dropout_p: float,
+                    rng_state, softmax_type: AttnSoftmaxType, softmax_offset, return_softmax_aux: bool = False):
+    """:func:`fused_attn_func` on arguments already converted and checked (DotProductAttention's
+    backend runner calls this): ``window`` normalized, ``bottom_right`` resolved, ``softmax_scale``
+    checked, q, k, v, cu_seqlens and score modifiers checked; cu_seqlens only where the format and
+    mask use them, and the sink logits (fp32 [h_q]) given whenever ``softmax_type`` has a sink.
+    What is left: the sequences' values (one host sync), max_seqlen and rng_state when missing."""
+    if fmt == QKVFormat.THD:
+        if max_seqlen_q is None or max_seqlen_kv is None:
+            # One host sync; pass max_seqlen_* to avoid it (and to trace under torch.compile).
+            max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
+            max_seqlen_kv = int((cu_seqlens_kv[1:] - cu_seqlens_kv[:-1]).max().item())
+    else:
+        max_seqlen_q, max_seqlen_kv = qkv_dims(q, fmt)[1], qkv_dims(k, fmt)[1]
     check_sequence_values(fmt, q, k, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
                           max_seqlen_q, max_seqlen_kv)
     if (cu_seqlens_q_padded is None) != (cu_seqlens_kv_padded is None):
@@ -159,8 +176,6 @@ def fused_attn_func(
         cu_seqlens_kv = None
     if cu_seqlens_kv_padded is cu_seqlens_q_padded:
         cu_seqlens_kv_padded = None
-    _check_score_mods(q, fmt, core_attention_bias, alibi_slopes, dropout_p, rng_state)
-    stype, softmax_offset = _sink_logits(q, softmax_type, softmax_offset)
     if dropout_p > 0 and rng_state is None:
         rng_state = new_rng_state(q.device)
     if dropout_p == 0:
@@ -170,10 +185,10 @@ def fused_attn_func(
     if q_factor != 1.0:
         q = q * q_factor
     out, lse = FusedAttnFunc.apply(
-        q, k, v, core_attention_bias, alibi_slopes, rng_state, fmt.value, cu_seqlens_q, cu_seqlens_kv,
+        q, k, v, bias, alibi_slopes, rng_state, fmt.value, cu_seqlens_q, cu_seqlens_kv,
         cu_seqlens_q_padded, cu_seqlens_kv_padded, int(max_seqlen_q), int(max_seqlen_kv), float(softmax_scale),
-        mask.value, int(window_size[0]), int(window_size[1]), bottom_right, float(dropout_p), bool(deterministic),
-        stype.value, softmax_offset)
+        mask.value, int(window[0]), int(window[1]), bottom_right, float(dropout_p), bool(deterministic),
+        softmax_type.value, softmax_offset)
     if return_softmax_aux:
         return out, (lse, rng_state)
     return out
@@ -218,9 +233,7 @@ def _sink_logits(q, softmax_type, softmax_offset):
     if not stype.is_learnable:
         if softmax_offset is not None:
             raise ValueError(f"`softmax_offset` must be None with softmax_type={stype.value!r}, got a tensor")
-        if stype.has_sink:  # off-by-one: a zero sink logit
-            return stype, torch.zeros(heads, dtype=torch.float32, device=q.device)
-        return stype, None
+        return stype, sink_logits(q, stype, None)
     if softmax_offset is None:
         raise ValueError("`softmax_offset` must be an fp32 tensor of shape [h] or [1, h, 1, 1] with "
                          "softmax_type='learnable', got None")
@@ -231,4 +244,14 @@ def _sink_logits(q, softmax_type, softmax_offset):
         raise ValueError(f"`softmax_offset` must be fp32 of shape [{heads}] or [1, {heads}, 1, 1], got {got}")
     if softmax_offset.device != q.device:
         raise ValueError(f"`softmax_offset` must be on the inputs' device {q.device}, got {softmax_offset.device}")
-    return stype, softmax_offset.reshape(heads).contiguous()
+    return stype, sink_logits(q, stype, softmax_offset)
+
+
+def sink_logits(q, softmax_type: AttnSoftmaxType, softmax_offset) -> Optional[torch.Tensor]:
+    """The kernels' sink logits for a checked ``softmax_offset``: fp32 [h_q] (zeros for off-by-one), or
+    None without a sink."""
+    if softmax_type.is_learnable:
+        return softmax_offset.reshape(q.shape[-2]).contiguous()
+    if softmax_type.has_sink:  # off-by-one: a zero sink logit
+        return torch.zeros(q.shape[-2], dtype=torch.float32, device=q.device)
+    return None

@@ -12,6 +12,7 @@ import torch
 
 from transformer_engine.common.attention import AttnMaskType, AttnSoftmaxType, QKVFormat
 from transformer_engine.pytorch.attention import launch
+from transformer_engine.pytorch.attention.config import qkv_dims
 
 __all__ = ["fused_attn_fwd", "fused_attn_bwd"]
 
@@ -19,9 +20,7 @@ __all__ = ["fused_attn_fwd", "fused_attn_bwd"]
 def _batch_and_seqlen(q: torch.Tensor, fmt: QKVFormat, cu_seqlens_q: Optional[torch.Tensor], max_seqlen_q: int):
     if fmt == QKVFormat.THD:
         return cu_seqlens_q.shape[0] - 1, max_seqlen_q
-    if fmt == QKVFormat.SBHD:
-        return q.shape[1], q.shape[0]
-    return q.shape[0], q.shape[1]
+    return qkv_dims(q, fmt)[:2]
 
 
 @torch.library.custom_op("transformer_engine::fused_attn_fwd", mutates_args=())

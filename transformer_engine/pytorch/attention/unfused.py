@@ -32,10 +32,13 @@ import torch.nn.functional as F
 from transformer_engine.common.attention import AttnBiasType, AttnMaskType, AttnSoftmaxType, QKVFormat
 from transformer_engine.common.attention.config import normalize_window, resolve_bottom_right_diagonal
 from transformer_engine.common.attention.validation import check_input_dtype, check_softmax_scale
-from transformer_engine.pytorch.attention.config import check_cu_seqlens, check_qkv, check_sequence_values, dtype_name
+from transformer_engine.pytorch.attention.config import (
+    check_cu_seqlens, check_qkv, check_sequence_values, dtype_name, qkv_dims,
+)
 
 __all__ = [
     "unfused_attention",
+    "unfused_math",
     "UnfusedDotProductAttention",
     "default_alibi_slopes",
     "bias_shape_name",
@@ -265,15 +268,34 @@ def unfused_attention(
     check_input_dtype([("query_layer", dtype_name(q.dtype))], ("float16", "bfloat16", "float32", "float64"),
                       "the unfused path")
     softmax_scale = check_softmax_scale(softmax_scale)
+    if fmt == QKVFormat.THD:
+        if cu_seqlens_q is None or cu_seqlens_kv is None:
+            raise ValueError("`cu_seqlens_q` and `cu_seqlens_kv` must be given for qkv_format='thd'")
+        _check_cu_args(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, None, q.device)
+    elif mask.is_padding and cu_seqlens_q is not None:
+        if cu_seqlens_kv is None:
+            raise ValueError(f"`cu_seqlens_kv` must be given with `cu_seqlens_q` for attn_mask_type={mask.value!r}")
+        _check_cu_args(cu_seqlens_q, cu_seqlens_kv, None, None, qkv_dims(q, fmt)[0], q.device)
+    return unfused_math(
+        q, k, v, fmt, mask, window, softmax_scale, bottom_right, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+        cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, attention_mask, bias_type, core_attention_bias,
+        alibi_slopes, dropout_p, rng_context, AttnSoftmaxType(softmax_type), softmax_offset, return_max_logit)
+
+
+def unfused_math(q, k, v, fmt: QKVFormat, mask: AttnMaskType, window: Tuple[int, int], softmax_scale: float,
+                 bottom_right: bool, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
+                 max_seqlen_q, max_seqlen_kv, attention_mask, bias_type: AttnBiasType, core_attention_bias,
+                 alibi_slopes, dropout_p: float, rng_context, softmax_type: AttnSoftmaxType, softmax_offset,
+                 return_max_logit: bool = False):
+    """:func:`unfused_attention` on arguments already converted and checked (DotProductAttention's
+    backend runner calls this): ``window`` normalized, ``bottom_right`` resolved, ``softmax_scale``
+    checked, q, k, v and the cu_seqlens' types and shapes checked (their values are checked here)."""
     compute_dtype = torch.promote_types(q.dtype, torch.float32)
     hq, hk = q.shape[-2], k.shape[-2]
     group = hq // hk
 
     lengths_q = lengths_kv = None
     if fmt == QKVFormat.THD:
-        if cu_seqlens_q is None or cu_seqlens_kv is None:
-            raise ValueError("`cu_seqlens_q` and `cu_seqlens_kv` must be given for qkv_format='thd'")
-        _check_cu_args(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, None, q.device)
         check_sequence_values(fmt, q, k, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
                               max_seqlen_q, max_seqlen_kv)
         lengths_q, lengths_kv = _lengths(cu_seqlens_q), _lengths(cu_seqlens_kv)
@@ -287,9 +309,6 @@ def unfused_attention(
         qb, kb, vb = _to_bhsd(q, fmt), _to_bhsd(k, fmt), _to_bhsd(v, fmt)
         sq, skv = qb.shape[2], kb.shape[2]
         if mask.is_padding and cu_seqlens_q is not None:
-            if cu_seqlens_kv is None:
-                raise ValueError(f"`cu_seqlens_kv` must be given with `cu_seqlens_q` for attn_mask_type={mask.value!r}")
-            _check_cu_args(cu_seqlens_q, cu_seqlens_kv, None, None, qb.shape[0], q.device)
             check_sequence_values(fmt, q, k, cu_seqlens_q, cu_seqlens_kv, None, None, sq, skv)
             lengths_q, lengths_kv = _lengths(cu_seqlens_q), _lengths(cu_seqlens_kv)
             # Padded positions are often uninitialised memory: they must contribute exactly nothing
@@ -347,7 +366,7 @@ def unfused_attention(
     if return_max_logit:
         hidden = torch.tensor(float("-inf"), dtype=scores.dtype, device=scores.device)
         max_logit = torch.where(keep, scores.detach(), hidden).amax(dim=(0, 2, 3)).to(q.dtype)
-    stype = AttnSoftmaxType(softmax_type)
+    stype = softmax_type
     sink = None
     if stype.is_learnable:
         if softmax_offset is None or softmax_offset.numel() != hq:

@@ -130,7 +130,7 @@ def _softmax_step(qk, m_i, l_i, start_n, offs_m, offs_n_base, full_lo, full_hi, 
     if (start_n < full_lo) | (start_n >= full_hi):
         offs_n = start_n + offs_n_base
         keep = visible(gl.expand_dims(offs_m, 1), gl.expand_dims(offs_n, 0), len_q, len_k, diag, window_left,
-                        window_right, HAS_LEFT, HAS_RIGHT)
+                       window_right, HAS_LEFT, HAS_RIGHT)
         qk = gl.where(keep, qk, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
     # A row with nothing visible so far keeps m = -inf; subtract 0 instead (exp2(-inf) = 0).
@@ -460,7 +460,7 @@ def _dq_consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr):
         if (start_n < full_lo) | (start_n >= full_hi):
             offs_n = start_n + offs_n_base
             keep = visible(gl.expand_dims(offs_m, 1), gl.expand_dims(offs_n, 0), len_q, len_k, diag, window_left,
-                            window_right, sched.HAS_LEFT, sched.HAS_RIGHT)
+                           window_right, sched.HAS_LEFT, sched.HAS_RIGHT)
             p = gl.where(keep, p, 0.0)
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp, ))
         ds = p * (dp - gl.expand_dims(delta, 1))
@@ -660,7 +660,7 @@ def _dkdv_consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr)
                 offs_n = first_key + gl.arange(0, WG_ROWS, layout=row_s)
                 offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_s)
                 keep = visible(gl.expand_dims(offs_m, 0), gl.expand_dims(offs_n, 1), len_q, len_k, diag, window_left,
-                                window_right, sched.HAS_LEFT, sched.HAS_RIGHT)
+                               window_right, sched.HAS_LEFT, sched.HAS_RIGHT)
                 p_t = gl.where(keep, p_t, 0.0)
             dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), op_layout), do, dv, is_async=True)
             delta = delta_smem.index(stage).load(col_s)

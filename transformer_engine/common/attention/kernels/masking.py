@@ -5,7 +5,9 @@ Query row ``i`` sees key ``j`` when ``j < len_k`` and ``-left <= j - (i + diag) 
 (``HAS_LEFT``/``HAS_RIGHT`` false) drops that inequality. Loop bounds split the visited blocks
 into a masked head, an unmasked middle (no per-element mask: the fast path) and a masked tail.
 Every bound depends only on positions inside one sequence, never on the batch or on where the
-sequence sits in a packed tensor: that is what makes results batch- and packing-invariant.
+sequence sits in a packed tensor: that is what makes results batch- and packing-invariant. The Gluon
+kernels (hopper_ws.py) call visible and the block bounds too (tests/common/test_block_bounds.py checks
+the bounds against the element-wise rule).
 """
 
 import triton
@@ -185,8 +187,12 @@ def key_block_bounds(start_m, len_q, len_k, diag, window_left, window_right,
     """For query rows [start_m, start_m + BLOCK_M): (lo, full_lo, full_hi, hi).
 
     Key blocks in [lo, full_lo) and [full_hi, hi) need the element mask; [full_lo, full_hi) is
-    visible to every row of the block. lo, full_lo, full_hi are multiples of BLOCK_N. A block
-    entirely past the sequence end (start_m >= len_q) visits none: hi = lo.
+    visible to every row of the block. lo (when below hi) and full_lo, full_hi (when they differ) are
+    multiples of BLOCK_N. A block entirely past the sequence end (start_m >= len_q) visits none: hi = lo.
+
+    The Triton and the Gluon kernels (hopper_ws.py) both call this. Its clamps are branches, not
+    tl.where: Gluon compiles them as written (as its own copy had them) and Triton canonicalizes them
+    into selects, so both families' sm_90 PTX and SASS are what they were with two copies.
     """
     lo = 0
     hi = len_k

@@ -167,9 +167,6 @@ def attn_bwd_dkdv_kernel(
 
     lo, full_lo, full_hi, hi = query_block_bounds(start_n, len_q, len_k, diag, window_left, window_right,
                                                   BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    hi = tl.where(start_n < len_k, hi, lo)
-    full_lo = tl.minimum(full_lo, hi)
-    full_hi = tl.minimum(full_hi, hi)
     seed, rng_offset = load_rng_state(RNG_STATE, DROPOUT)
     # gqa_group is a compile-time constant so that, without GQA, this one-trip loop folds away: a
     # runtime loop around the three query-block loops kept their state live across it and spilled
@@ -304,11 +301,8 @@ def attn_bwd_dq_kernel(
     seed, rng_offset = load_rng_state(RNG_STATE, DROPOUT)
     seq_head = batch * num_heads_q + head
 
-    lo, full_lo, full_hi, hi = key_block_bounds(start_m, len_k, diag, window_left, window_right,
+    lo, full_lo, full_hi, hi = key_block_bounds(start_m, len_q, len_k, diag, window_left, window_right,
                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    hi = tl.where(start_m < len_q, hi, lo)
-    full_lo = tl.minimum(full_lo, hi)
-    full_hi = tl.minimum(full_hi, hi)
     if SINGLE_LOOP:
         dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, offs_m, offs_n, offs_dqk, offs_dv,
                        lo, hi, full_lo, full_hi, len_q, len_k, diag, window_left, window_right, qk_scale,

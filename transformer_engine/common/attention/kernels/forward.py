@@ -135,12 +135,8 @@ def attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
-    lo, full_lo, full_hi, hi = key_block_bounds(start_m, len_k, diag, window_left, window_right,
+    lo, full_lo, full_hi, hi = key_block_bounds(start_m, len_q, len_k, diag, window_left, window_right,
                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    # Blocks entirely past the sequence end compute nothing.
-    hi = tl.where(start_m < len_q, hi, lo)
-    full_lo = tl.minimum(full_lo, hi)
-    full_hi = tl.minimum(full_hi, hi)
     if SINGLE_LOOP:  # one pipelined loop over [lo, hi), masking blocks outside [full_lo, full_hi)
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs,
                                    offs_m, offs_n, offs_dqk, offs_dv, lo, hi, full_lo, full_hi,

@@ -40,6 +40,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+# The visibility rule and the block bounds are the Triton kernels' own (@triton.jit functions: called from a
+# @gluon.jit one they are generated as Gluon, and hold only scalar arithmetic and elementwise operators).
+from .masking import key_block_bounds, query_block_bounds, visible
+
 LN2 = gl.constexpr(0.6931471805599453)
 LOG2E = gl.constexpr(1.4426950408889634)
 WG_ROWS = gl.constexpr(64)  # query rows per consumer warpgroup: one wgmma M tile per warp quad
@@ -72,19 +76,6 @@ class _Schedule:
         self.PINGPONG = gl.constexpr(PINGPONG)
         self.OVERLAP = gl.constexpr(OVERLAP)
         self.ROW_TILES = gl.constexpr(ROW_TILES)
-
-
-@gluon.jit
-def _visible(q_idx, k_idx, len_q, len_k, diag, window_left, window_right,
-             HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """The rule of masking.visible, for index tensors broadcast to a [rows, keys] tile."""
-    keep = (k_idx < len_k) & (q_idx < len_q)
-    rel = k_idx - (q_idx + diag)
-    if HAS_RIGHT:
-        keep = keep & (rel <= window_right)
-    if HAS_LEFT:
-        keep = keep & (rel >= -window_left)
-    return keep
 
 
 @gluon.jit
@@ -139,8 +130,8 @@ def _softmax_step(qk, m_i, l_i, start_n, offs_m, offs_n_base, full_lo, full_hi, 
     start_m, len_q, len_k, diag, window_left, window_right = coords
     if (start_n < full_lo) | (start_n >= full_hi):
         offs_n = start_n + offs_n_base
-        keep = _visible(gl.expand_dims(offs_m, 1), gl.expand_dims(offs_n, 0), len_q, len_k, diag, window_left,
-                        window_right, HAS_LEFT, HAS_RIGHT)
+        keep = visible(gl.expand_dims(offs_m, 1), gl.expand_dims(offs_n, 0), len_q, len_k, diag, window_left,
+                       window_right, HAS_LEFT, HAS_RIGHT)
         qk = gl.where(keep, qk, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
     # A row with nothing visible so far keeps m = -inf; subtract 0 instead (exp2(-inf) = 0).
@@ -316,35 +307,6 @@ def _program(SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_heads_q, gqa_gr
 
 
 @gluon.jit
-def _key_bounds(start_m, len_q, len_k, diag, window_left, window_right, BLOCK_M: gl.constexpr,
-                BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """masking.key_block_bounds, clipped as the Triton kernels clip it: (lo, hi, full_lo, full_hi);
-    key blocks in [lo, full_lo) and [full_hi, hi) need the element mask."""
-    lo = 0
-    hi = len_k
-    full_lo = 0
-    full_hi = (len_k // BLOCK_N) * BLOCK_N
-    if HAS_LEFT:
-        lo = gl.maximum(start_m + diag - window_left, 0)
-        lo = (lo // BLOCK_N) * BLOCK_N
-        full_lo = gl.maximum(start_m + BLOCK_M - 1 + diag - window_left, 0)
-        full_lo = gl.cdiv(full_lo, BLOCK_N) * BLOCK_N
-    if HAS_RIGHT:
-        hi = gl.minimum(gl.maximum(start_m + BLOCK_M + diag + window_right, 0), len_k)
-        full_hi = gl.minimum(full_hi, (gl.maximum(start_m + diag + window_right + 1, 0) // BLOCK_N) * BLOCK_N)
-    lo = gl.minimum(lo, hi)
-    full_lo = gl.maximum(full_lo, lo)
-    if full_hi <= full_lo:
-        full_lo = lo
-        full_hi = lo
-    if start_m >= len_q:
-        hi = lo
-    full_lo = gl.minimum(full_lo, hi)
-    full_hi = gl.minimum(full_hi, hi)
-    return lo, hi, full_lo, full_hi
-
-
-@gluon.jit
 def _rows_desc(base, rows, stride_s, HEAD_DIM: gl.constexpr, BLOCK_ROWS: gl.constexpr, layout: gl.constexpr):
     """Tensor descriptor over one sequence and head's [rows, HEAD_DIM] (the head dim contiguous)."""
     return tma.make_tensor_descriptor(base, shape=[gl.maximum(rows, 1), HEAD_DIM], strides=[stride_s, 1],
@@ -429,8 +391,8 @@ def attn_fwd_ws_kernel(
         BLOCK_M, IS_THD, HAS_SEQLENS, BOTTOM_RIGHT, HEAD_GROUP)
     if start_m >= rows_out:
         return
-    lo, hi, full_lo, full_hi = _key_bounds(start_m, len_q, len_k, diag, window_left, window_right, BLOCK_M,
-                                           BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    lo, full_lo, full_hi, hi = key_block_bounds(start_m, len_q, len_k, diag, window_left, window_right, BLOCK_M,
+                                                BLOCK_N, HAS_LEFT, HAS_RIGHT)
 
     q_desc, q_smem = _row_tiles(Q, batch, head, start_q, len_q, stride_qb, stride_qs, stride_qh, HEAD_DIM_QK)
     k_desc, v_desc, k_smem, v_smem = _kv_ring(K, V, batch, head_kv, start_k, len_k, stride_kb, stride_ks, stride_kh,
@@ -498,8 +460,8 @@ def _dq_consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr):
         p = gl.exp2(qk * qk_scale - gl.expand_dims(lse2, 1))
         if (start_n < full_lo) | (start_n >= full_hi):
             offs_n = start_n + offs_n_base
-            keep = _visible(gl.expand_dims(offs_m, 1), gl.expand_dims(offs_n, 0), len_q, len_k, diag, window_left,
-                            window_right, sched.HAS_LEFT, sched.HAS_RIGHT)
+            keep = visible(gl.expand_dims(offs_m, 1), gl.expand_dims(offs_n, 0), len_q, len_k, diag, window_left,
+                           window_right, sched.HAS_LEFT, sched.HAS_RIGHT)
             p = gl.where(keep, p, 0.0)
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp, ))
         ds = p * (dp - gl.expand_dims(delta, 1))
@@ -559,8 +521,8 @@ def attn_bwd_dq_ws_kernel(
         BLOCK_M, IS_THD, HAS_SEQLENS, BOTTOM_RIGHT, HEAD_GROUP)
     if start_m >= rows_out:
         return
-    lo, hi, full_lo, full_hi = _key_bounds(start_m, len_q, len_k, diag, window_left, window_right, BLOCK_M,
-                                           BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    lo, full_lo, full_hi, hi = key_block_bounds(start_m, len_q, len_k, diag, window_left, window_right, BLOCK_M,
+                                                BLOCK_N, HAS_LEFT, HAS_RIGHT)
 
     q_desc, q_smem = _row_tiles(Q, batch, head, start_q, len_q, stride_qb, stride_qs, stride_qh, HEAD_DIM_QK)
     do_desc, do_smem = _row_tiles(DO, batch, head, start_q, len_q, stride_dob, stride_dos, stride_doh, HEAD_DIM_V)
@@ -698,8 +660,8 @@ def _dkdv_consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr)
             if (start_m < full_lo) | (start_m >= full_hi):
                 offs_n = first_key + gl.arange(0, WG_ROWS, layout=row_s)
                 offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_s)
-                keep = _visible(gl.expand_dims(offs_m, 0), gl.expand_dims(offs_n, 1), len_q, len_k, diag, window_left,
-                                window_right, sched.HAS_LEFT, sched.HAS_RIGHT)
+                keep = visible(gl.expand_dims(offs_m, 0), gl.expand_dims(offs_n, 1), len_q, len_k, diag, window_left,
+                               window_right, sched.HAS_LEFT, sched.HAS_RIGHT)
                 p_t = gl.where(keep, p_t, 0.0)
             dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), op_layout), do, dv, is_async=True)
             delta = delta_smem.index(stage).load(col_s)
@@ -730,37 +692,6 @@ def _dkdv_consumer0(bufs, bars, bounds, coords, out_args, sched):
 @gluon.jit
 def _dkdv_consumer1(bufs, bars, bounds, coords, out_args, sched):
     _dkdv_consume(bufs, bars, bounds, coords, out_args, sched, 1)
-
-
-@gluon.jit
-def _query_bounds(start_n, len_q, len_k, diag, window_left, window_right, BLOCK_M: gl.constexpr,
-                  BLOCK_N: gl.constexpr, HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
-    """masking.query_block_bounds, clipped as attn_bwd_dkdv_kernel clips it: (lo, hi, full_lo, full_hi)
-    over query rows; query blocks in [lo, full_lo) and [full_hi, hi) need the element mask."""
-    lo = 0
-    hi = len_q
-    full_lo = 0
-    full_hi = (len_q // BLOCK_M) * BLOCK_M
-    if HAS_RIGHT:
-        lo = gl.maximum(start_n - diag - window_right, 0)
-        lo = (lo // BLOCK_M) * BLOCK_M
-        full_lo = gl.maximum(start_n + BLOCK_N - 1 - diag - window_right, 0)
-        full_lo = gl.cdiv(full_lo, BLOCK_M) * BLOCK_M
-    if HAS_LEFT:
-        hi = gl.minimum(gl.maximum(start_n + BLOCK_N - diag + window_left, 0), len_q)
-        full_hi = gl.minimum(full_hi, (gl.maximum(start_n - diag + window_left + 1, 0) // BLOCK_M) * BLOCK_M)
-    if start_n + BLOCK_N > len_k:  # a key block running past the sequence end masks every query block
-        full_hi = 0
-    lo = gl.minimum(lo, hi)
-    full_lo = gl.maximum(full_lo, lo)
-    if full_hi <= full_lo:
-        full_lo = lo
-        full_hi = lo
-    if start_n >= len_k:
-        hi = lo
-    full_lo = gl.minimum(full_lo, hi)
-    full_hi = gl.minimum(full_hi, hi)
-    return lo, hi, full_lo, full_hi
 
 
 @gluon.jit
@@ -811,8 +742,8 @@ def attn_bwd_dkdv_ws_kernel(
     diag = 0
     if BOTTOM_RIGHT:
         diag = len_k - len_q
-    lo, hi, full_lo, full_hi = _query_bounds(start_n, len_q, len_k, diag, window_left, window_right, BLOCK_M,
-                                             BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    lo, full_lo, full_hi, hi = query_block_bounds(start_n, len_q, len_k, diag, window_left, window_right,
+                                                  BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
 
     dtype: gl.constexpr = Q.dtype.element_ty
     k_desc, k_smem = _row_tiles(K, batch, head, start_k, len_k, stride_kb, stride_ks, stride_kh, HEAD_DIM_QK)

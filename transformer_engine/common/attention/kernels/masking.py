@@ -5,7 +5,9 @@ Query row ``i`` sees key ``j`` when ``j < len_k`` and ``-left <= j - (i + diag) 
 (``HAS_LEFT``/``HAS_RIGHT`` false) drops that inequality. Loop bounds split the visited blocks
 into a masked head, an unmasked middle (no per-element mask: the fast path) and a masked tail.
 Every bound depends only on positions inside one sequence, never on the batch or on where the
-sequence sits in a packed tensor: that is what makes results batch- and packing-invariant.
+sequence sits in a packed tensor: that is what makes results batch- and packing-invariant. The Gluon
+kernels (hopper_ws.py) call visible and the block bounds too (tests/common/test_block_bounds.py checks
+the bounds against the element-wise rule).
 """
 
 import triton
@@ -179,13 +181,18 @@ def query_block_program(SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_head
 
 
 @triton.jit
-def key_block_bounds(start_m, len_k, diag, window_left, window_right,
+def key_block_bounds(start_m, len_q, len_k, diag, window_left, window_right,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
     """For query rows [start_m, start_m + BLOCK_M): (lo, full_lo, full_hi, hi).
 
     Key blocks in [lo, full_lo) and [full_hi, hi) need the element mask; [full_lo, full_hi) is
-    visible to every row of the block. lo, full_lo, full_hi are multiples of BLOCK_N.
+    visible to every row of the block. lo (when below hi) and full_lo, full_hi (when they differ) are
+    multiples of BLOCK_N. A block entirely past the sequence end (start_m >= len_q) visits none: hi = lo.
+
+    The Triton and the Gluon kernels (hopper_ws.py) both call this. Its clamps are branches, not
+    tl.where: Gluon compiles them as written (as its own copy had them) and Triton canonicalizes them
+    into selects, so both families' sm_90 PTX and SASS are what they were with two copies.
     """
     lo = 0
     hi = len_k
@@ -201,10 +208,13 @@ def key_block_bounds(start_m, len_k, diag, window_left, window_right,
         full_hi = tl.minimum(full_hi, (tl.maximum(start_m + diag + window_right + 1, 0) // BLOCK_N) * BLOCK_N)
     lo = tl.minimum(lo, hi)
     full_lo = tl.maximum(full_lo, lo)
-    # No block visible to every row: mask all of [lo, hi).
-    empty = full_hi <= full_lo
-    full_lo = tl.where(empty, lo, full_lo)
-    full_hi = tl.where(empty, lo, full_hi)
+    if full_hi <= full_lo:  # no block visible to every row: mask all of [lo, hi)
+        full_lo = lo
+        full_hi = lo
+    if start_m >= len_q:
+        hi = lo
+    full_lo = tl.minimum(full_lo, hi)
+    full_hi = tl.minimum(full_hi, hi)
     return lo, full_lo, full_hi, hi
 
 
@@ -215,7 +225,8 @@ def query_block_bounds(start_n, len_q, len_k, diag, window_left, window_right,
     """For key columns [start_n, start_n + BLOCK_N): (lo, full_lo, full_hi, hi) over query rows.
 
     Same split as key_block_bounds, transposed: query blocks in [full_lo, full_hi) see every key
-    of the block (keys past len_k excluded by the caller's load masks and a zeroed tile).
+    of the block (keys past len_k excluded by the caller's load masks and a zeroed tile). A block
+    entirely past the sequence end (start_n >= len_k) visits none: hi = lo.
     """
     lo = 0
     hi = len_q
@@ -231,11 +242,15 @@ def query_block_bounds(start_n, len_q, len_k, diag, window_left, window_right,
         # j >= i + diag - left  ->  i <= j - diag + left
         hi = tl.minimum(tl.maximum(start_n + BLOCK_N - diag + window_left, 0), len_q)
         full_hi = tl.minimum(full_hi, (tl.maximum(start_n - diag + window_left + 1, 0) // BLOCK_M) * BLOCK_M)
-    # A key block running past the sequence end needs the column mask in every query block.
-    full_hi = tl.where(start_n + BLOCK_N > len_k, 0, full_hi)
+    if start_n + BLOCK_N > len_k:  # a key block running past the sequence end masks every query block
+        full_hi = 0
     lo = tl.minimum(lo, hi)
     full_lo = tl.maximum(full_lo, lo)
-    empty = full_hi <= full_lo
-    full_lo = tl.where(empty, lo, full_lo)
-    full_hi = tl.where(empty, lo, full_hi)
+    if full_hi <= full_lo:
+        full_lo = lo
+        full_hi = lo
+    if start_n >= len_k:
+        hi = lo
+    full_lo = tl.minimum(full_lo, hi)
+    full_hi = tl.minimum(full_hi, hi)
     return lo, full_lo, full_hi, hi

@@ -66,7 +66,6 @@ def test_no_group_is_the_plain_call():
 
 # One process, every rank: the fused per-rank steps against the single call (fused_attn_func), bitwise.
 ONE_PROCESS = [  # (fmt, causal, cp, s or (lengths, padded), dtype)
-    ("bshd", True, 4, 64, torch.float32),
     ("sbhd", False, 2, 64, torch.float16),
     ("bshd", True, 2, 40, torch.float16),  # 10-token chunks: not a multiple of the 16-row tiles
     ("thd", False, 2, ((40, 29), (48, 32)), torch.float32),

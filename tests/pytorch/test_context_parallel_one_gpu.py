@@ -2,8 +2,8 @@
 the GPU, the exchanges as tensor copies), at bf16 and long sequences, bitwise equal to the single call on the
 whole sequence and over a repeat.
 
-Run on one GPU: ``pytest tests/pytorch/test_context_parallel_one_gpu.py`` (add ``-m slow`` or ``-m "slow or
-not slow"`` for the 128k case). Skipped without CUDA.
+Run on one GPU: ``pytest tests/pytorch/test_context_parallel_one_gpu.py`` (the 128k case is marked slow:
+``-m "not slow"`` leaves it out). Skipped without CUDA.
 """
 
 import pytest

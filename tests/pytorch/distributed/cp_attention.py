@@ -190,8 +190,13 @@ def check_case(case: Case, device, world: int) -> Tuple[bool, str]:
     sd = seq_dim(case.fmt)
     idx = rank_tokens(case, cp, rank).to(device)
     local = [t.index_select(sd, idx) for t in (q, k, v, d_out)]
-    module = DotProductAttention(case.h, case.d, num_gqa_groups=case.hk, qkv_format=case.fmt,
-                                 attn_mask_type=case.mask, cp_group=group, cp_comm_type=case.comm)
+    if case.comm == "all_gather":  # TransformerEngine's method, after construction
+        module = DotProductAttention(case.h, case.d, num_gqa_groups=case.hk, qkv_format=case.fmt,
+                                     attn_mask_type=case.mask)
+        module.set_context_parallel_group(group, None, None, case.comm)
+    else:
+        module = DotProductAttention(case.h, case.d, num_gqa_groups=case.hk, qkv_format=case.fmt,
+                                     attn_mask_type=case.mask, cp_group=group, cp_comm_type=case.comm)
     first = run(module, *local, kwargs)
     second = run(module, *local, kwargs)
     repeat_ok = all(torch.equal(a, b) for a, b in zip(first, second))
@@ -254,6 +259,17 @@ def error_cases(device, world: int) -> List[Tuple[str, bool, str]]:
     m = DotProductAttention(2, 16, qkv_format="bshd", attn_mask_type="causal", cp_group=dist.group.WORLD,
                             window_size=(4, 0))
     results.append(("sliding window",) + expect_error(NotImplementedError, "sliding windows", lambda: m(z, z, z)))
+    # A CP group of one rank is the plain single-device call.
+    own = None
+    for r in range(world):
+        g = dist.new_group([r])
+        if r == dist.get_rank():
+            own = g
+    w = torch.randn(1, 32, 2, 16, device=device)
+    plain = DotProductAttention(2, 16, qkv_format="bshd", attn_mask_type="causal")
+    single = DotProductAttention(2, 16, qkv_format="bshd", attn_mask_type="causal", cp_group=own)
+    same = torch.equal(plain(w, w, w), single(w, w, w))
+    results.append(("cp=1 group is the plain call", same, "equal" if same else "DIFF"))
     return results
 
 

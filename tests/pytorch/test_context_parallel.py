@@ -49,7 +49,8 @@ def test_split_matches_megatron_layout(cp):
 
 
 def test_bad_cp_comm_type_is_refused_at_construction():
-    with pytest.raises(ValueError, match="`cp_comm_type` must be one of 'p2p', 'all_gather', 'a2a', 'a2a\\+p2p', got 'ring'"):
+    with pytest.raises(ValueError,
+                       match="`cp_comm_type` must be one of 'p2p', 'all_gather', 'a2a', 'a2a\\+p2p', got 'ring'"):
         DotProductAttention(2, 16, cp_comm_type="ring")
     with pytest.raises(ValueError, match="`cp_group` must be given with `cp_global_ranks`"):
         check_context_parallel_args(None, [0, 1], None, "p2p")
@@ -113,7 +114,8 @@ def _launch(suites: str, nproc: int, backend: str):
         env["NVTE_FUSED_ATTN"] = "0"
         env["NVTE_FLASH_ATTN"] = "0"
         env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", SCRIPT, *suites.split()]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", SCRIPT,
+           *suites.split()]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
 
 
@@ -125,7 +127,7 @@ def test_context_parallel_matches_single_process_bitwise(suite, nproc, backend):
         pytest.skip("fused kernels need a GPU, or TRITON_INTERPRET=1 (CPU interpreter)")
     proc = _launch(suite, nproc, backend)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
-    assert proc.returncode == 0 and lines and all(line.startswith("PASS") for line in lines), \
-        "\n".join(lines) + "\n" + proc.stderr[-3000:]
+    passed = proc.returncode == 0 and lines and all(line.startswith("PASS") for line in lines)
+    assert passed, "\n".join(lines) + "\n" + proc.stderr[-3000:]
     if backend == "fused":
         assert all("backend=FusedAttention" in line for line in lines), lines

@@ -41,7 +41,10 @@ class Case:
     dtype: str = "float32"
 
     def __str__(self) -> str:
-        shape = f"lens={list(self.lengths)} padded={list(self.padded)}" if self.fmt == "thd" else f"b={self.b} s={self.s}"
+        if self.fmt == "thd":
+            shape = f"lens={list(self.lengths)} padded={list(self.padded)}"
+        else:
+            shape = f"b={self.b} s={self.s}"
         return (f"{self.comm} {self.fmt} {self.mask} h={self.h} h_kv={self.hk} d={self.d} {shape} "
                 f"{self.dtype}")
 

@@ -418,7 +418,8 @@ class DotProductAttention(torch.nn.Module):
     load-balanced split; outputs and gradients are bitwise independent of the CP size in deterministic
     mode (docs: context_parallelism.rst).
 
-    Not supported yet (``NotImplementedError``): FP8 (and ``bf16_backward``), KV cache (``inference_params``), ``num_splits`` other than 1, ``score_mod*``.
+    Not supported yet (``NotImplementedError``): FP8 (and ``bf16_backward``), KV cache (``inference_params``),
+    ``num_splits`` other than 1, ``score_mod*``.
     """
 
     def __init__(

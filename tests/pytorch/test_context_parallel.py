@@ -131,3 +131,15 @@ def test_context_parallel_matches_single_process_bitwise(suite, nproc, backend):
     assert passed, "\n".join(lines) + "\n" + proc.stderr[-3000:]
     if backend == "fused":
         assert all("backend=FusedAttention" in line for line in lines), lines
+
+
+@pytest.mark.skipif(ON_GPU, reason="the dry run is the CPU check of the benchmark's harness")
+def test_benchmark_dry_run_is_bitwise():
+    root = os.path.abspath(os.path.join(HERE, "..", ".."))
+    bench = os.path.join(root, "benchmarks", "attention", "bench_context_parallel.py")
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([root, os.path.join(root, "benchmarks", "attention")]))
+    proc = subprocess.run([sys.executable, bench, "--dry-run"], env=env, capture_output=True, text=True, timeout=300)
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| 64 |")]
+    assert proc.returncode == 0 and len(rows) == 1 and all(r.rstrip().endswith("True |") for r in rows), \
+        proc.stdout + proc.stderr[-3000:]

@@ -538,9 +538,9 @@ def test_bad_constructor_arguments_raise_value_error(kwargs, argument):
 
 
 def test_unsupported_features_raise_not_implemented():
-    for kwargs, what in ((dict(cp_group=object()), "context parallelism"), (dict(cp_stream=object()), "context")):
-        with pytest.raises(NotImplementedError, match=what):
-            DotProductAttention(4, 16, **kwargs)
+    # Context parallelism is supported (test_context_parallel.py); a group without torch.distributed is not one.
+    with pytest.raises(ValueError, match="`cp_group` must be a group of an initialized torch.distributed"):
+        DotProductAttention(4, 16, cp_group=object())
     dpa = DotProductAttention(4, 16, num_gqa_groups=2, qkv_format="bshd")
     with pytest.raises(NotImplementedError, match="inference_params"):
         dpa(*_inputs(), inference_params=object())

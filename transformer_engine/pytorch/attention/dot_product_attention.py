@@ -360,8 +360,13 @@ class DotProductAttention(torch.nn.Module):
     deterministic mode, where ``softmax_offset``'s gradient is summed over the batch in a fixed order:
     each sequence's part in any batch is bitwise the same) or unfused; flash-attn-4 is not used for it.
 
-    Not supported yet (``NotImplementedError``): context parallelism (``cp_group``...), FP8 (and
-    ``bf16_backward``), KV cache (``inference_params``), ``num_splits`` other than 1, ``score_mod*``.
+    Context parallelism (``cp_group``, ``cp_global_ranks``, ``cp_stream``, ``cp_comm_type``, or
+    :meth:`set_context_parallel_group`): each rank passes its part of the sequence in TransformerEngine's
+    load-balanced split; outputs and gradients are bitwise independent of the CP size in deterministic
+    mode (docs: context_parallelism.rst).
+
+    Not supported yet (``NotImplementedError``): FP8 (and ``bf16_backward``), KV cache (``inference_params``),
+    ``num_splits`` other than 1, ``score_mod*``.
     """
 
     def __init__(
@@ -390,8 +395,6 @@ class DotProductAttention(torch.nn.Module):
         name: Optional[str] = None,
     ) -> None:
         super().__init__()
-        if cp_group is not None or cp_global_ranks is not None or cp_stream is not None:
-            raise NotImplementedError("context parallelism (cp_group, cp_global_ranks, cp_stream) is not supported yet")
         softmax_type = _enum_arg(AttnSoftmaxType, softmax_type, "softmax_type")
         if not isinstance(num_attention_heads, int) or num_attention_heads < 1:
             raise ValueError(f"`num_attention_heads` must be a positive int, got {num_attention_heads!r}")
@@ -441,7 +444,7 @@ class DotProductAttention(torch.nn.Module):
         self.tp_group = tp_group
         self.layer_number = layer_number
         self.attention_type = attention_type
-        self.cp_comm_type = cp_comm_type
+        self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
         self.softmax_type = softmax_type.value
         # TransformerEngine's parameter: one sink logit per local query head, zeros at start.
         if softmax_type.is_learnable:
@@ -453,6 +456,17 @@ class DotProductAttention(torch.nn.Module):
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(kv_channels[0])
         # Name of the backend that ran the most recent call: a record for reporting, never consulted.
         self.last_backend: Optional[str] = None
+
+    def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream, cp_comm_type: str = "p2p") -> None:
+        """Context parallelism for the next calls (TransformerEngine's method): ``cp_group`` a process group
+        (a list ``[a2a_group, p2p_group]`` for ``cp_comm_type="a2a+p2p"``), or None to turn it off;
+        ``cp_comm_type`` one of "p2p", "all_gather", "a2a", "a2a+p2p". ``cp_stream`` is accepted for
+        compatibility (the exchanges run on the current stream)."""
+        from transformer_engine.pytorch.attention.context_parallel import check_context_parallel_args
+
+        self._context_parallel = check_context_parallel_args(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+        self.cp_group, self.cp_global_ranks, self.cp_stream = cp_group, cp_global_ranks, cp_stream
+        self.cp_comm_type = cp_comm_type
 
     # Floats are kept as exact integer ratios: under torch.compile with dynamic shapes dynamo turns
     # float attributes into symbolic inputs, which backend selection (run while tracing) cannot take.
@@ -620,6 +634,18 @@ class DotProductAttention(torch.nn.Module):
         def attend(q_, k_, v_):
             return backend.run(q_, k_, v_, call)
 
+        cp = self._context_parallel
+        if cp is not None and cp.size > 1:  # cp = 1 (or no group) is the plain single-device call
+            from transformer_engine.pytorch.attention.context_parallel import context_parallel_attend
+
+            attend = context_parallel_attend(
+                cp, attend, backend=backend, q=q, k=k, v=v, fmt=fmt, mask=seqs.mask, seqs=seqs, window=window,
+                softmax_scale=self.softmax_scale, deterministic=deterministic, num_heads=self.num_heads_per_partition,
+                num_kv_heads=self.num_gqa_groups_per_partition,
+                unsupported={f"core_attention_bias_type={bias_type.value!r}": bias_type != AttnBiasType.NO_BIAS,
+                             "dropout (attention_dropout > 0 in training)": dropout > 0,
+                             f"softmax_type={self.softmax_type!r}": softmax_type != AttnSoftmaxType.VANILLA_SOFTMAX,
+                             "return_max_logit=True": self.return_max_logit})
         if checkpoint_core_attention and torch.is_grad_enabled():
             out = torch.utils.checkpoint.checkpoint(attend, q, k, v, use_reentrant=False)
         else:

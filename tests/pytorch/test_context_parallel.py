@@ -1,0 +1,145 @@
+"""Context parallelism: outputs and gradients bitwise equal to the single-process whole-sequence call.
+
+Multi-process checks run tests/pytorch/distributed/cp_attention.py through torchrun (gloo on the CPU, NCCL
+with a GPU per rank); the per-rank steps also run in one process (every rank's step on one device, the
+exchanges as tensor copies). Unfused suites force the unfused backend; fused suites need the Triton
+interpreter (or GPUs).
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dpa_helpers import INTERPRET, ON_GPU, requires_fused
+from transformer_engine.common.attention import QKVFormat
+from transformer_engine.pytorch import DotProductAttention
+from transformer_engine.pytorch.attention.context_parallel import (
+    SeqSplit, assemble, check_context_parallel_args, run_ranks_in_one_process,
+)
+
+HERE = os.path.dirname(__file__)
+SCRIPT = os.path.join(HERE, "distributed", "cp_attention.py")
+
+
+def _rank_tokens(starts_lengths, cp, rank):
+    """Megatron's get_batch_on_this_cp_rank, written out: chunks rank and 2cp-1-rank of each sequence."""
+    out = []
+    for start, length in starts_lengths:
+        chunk = length // (2 * cp)
+        for c in (rank, 2 * cp - 1 - rank):
+            out.extend(range(start + c * chunk, start + (c + 1) * chunk))
+    return out
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_split_matches_megatron_layout(cp):
+    padded = (16 * cp, 8 * cp, 24 * cp)
+    starts = (0, padded[0], padded[0] + padded[1])
+    thd = SeqSplit(QKVFormat.THD, cp, 0, starts=starts, padded=padded, lengths=padded)
+    bshd = SeqSplit(QKVFormat.BSHD, cp, 0, seqlen=8 * cp)
+    for r in range(cp):
+        assert thd.with_rank(r).token_index().tolist() == _rank_tokens(zip(starts, padded), cp, r)
+        assert bshd.with_rank(r).token_index().tolist() == _rank_tokens([(0, 8 * cp)], cp, r)
+    x = torch.randn(sum(padded), 3)
+    parts = [x[thd.with_rank(r).token_index()] for r in range(cp)]
+    assert torch.equal(assemble(parts, 0, thd), x)
+
+
+def test_bad_cp_comm_type_is_refused_at_construction():
+    with pytest.raises(ValueError,
+                       match="`cp_comm_type` must be one of 'p2p', 'all_gather', 'a2a', 'a2a\\+p2p', got 'ring'"):
+        DotProductAttention(2, 16, cp_comm_type="ring")
+    with pytest.raises(ValueError, match="`cp_group` must be given with `cp_global_ranks`"):
+        check_context_parallel_args(None, [0, 1], None, "p2p")
+
+
+def test_no_group_is_the_plain_call():
+    """cp_group=None (and cp size 1) take the single-device path: same bits as a module without CP."""
+    q, k, v = (torch.randn(1, 32, 2, 16) for _ in range(3))
+    plain = DotProductAttention(2, 16, qkv_format="bshd", attn_mask_type="causal")
+    off = DotProductAttention(2, 16, qkv_format="bshd", attn_mask_type="causal", cp_group=None, cp_comm_type="a2a")
+    assert off._context_parallel is None
+    assert torch.equal(plain(q, k, v), off(q, k, v))
+
+
+# One process, every rank: the fused per-rank steps against the single call (fused_attn_func), bitwise.
+ONE_PROCESS = [  # (fmt, causal, cp, s or (lengths, padded), dtype)
+    ("sbhd", False, 2, 64, torch.float16),
+    ("bshd", True, 2, 40, torch.float16),  # 10-token chunks: not a multiple of the 16-row tiles
+    ("thd", False, 2, ((40, 29), (48, 32)), torch.float32),
+]
+
+
+@requires_fused
+@pytest.mark.parametrize("fmt,causal,cp,size,dtype", ONE_PROCESS, ids=lambda x: str(x))
+def test_one_process_ranks_match_single_call_bitwise(fmt, causal, cp, size, dtype):
+    from fused_helpers import DEVICE
+    from transformer_engine.pytorch.attention.fused_attn import fused_attn_func
+
+    g = torch.Generator().manual_seed(7)
+    h, hk, d = 2, 1, 16
+    kwargs, extra = {}, {}
+    if fmt == "thd":
+        lengths, padded = size
+        cu = torch.tensor([0, lengths[0], lengths[0] + lengths[1]], dtype=torch.int32, device=DEVICE)
+        cup = torch.tensor([0, padded[0], padded[0] + padded[1]], dtype=torch.int32, device=DEVICE)
+        lead = (sum(padded),)
+        kwargs = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cup, cu_seqlens_kv_padded=cup)
+        extra = dict(cu_seqlens=cu, cu_seqlens_padded=cup)
+        mask = "padding_causal" if causal else "padding"
+    else:
+        lead = (1, size) if fmt == "bshd" else (size, 1)
+        mask = "causal" if causal else "no_mask"
+    q, k, v, d_out = (torch.randn(*lead, hh, d, generator=g).to(DEVICE, dtype) for hh in (h, hk, hk, h))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = fused_attn_func(*leaves, fmt, mask, None, d ** -0.5, deterministic=True, **kwargs)
+    want = (out,) + torch.autograd.grad(out, leaves, d_out)
+    got = run_ranks_in_one_process(q, k, v, d_out, fmt, cp, causal, d ** -0.5, **extra)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), f"{name}: max diff {(a.float() - b.float()).abs().max().item()}"
+
+
+# Multi-process suites (tests/pytorch/distributed/cp_attention.py): (suite, processes, backend).
+SUITES = [("unfused2 errors", 2, "unfused"), ("unfused4 errors", 4, "unfused"), ("fused2", 2, "fused"),
+          ("fused4", 4, "fused")]
+
+
+def _launch(suites: str, nproc: int, backend: str):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(os.path.join(HERE, "..", "..")), env.get("PYTHONPATH", "")])
+    if backend == "unfused":
+        env["NVTE_FUSED_ATTN"] = "0"
+        env["NVTE_FLASH_ATTN"] = "0"
+        env.pop("TRITON_INTERPRET", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", SCRIPT,
+           *suites.split()]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.parametrize("suite,nproc,backend", SUITES, ids=[s[0].replace(" ", "+") for s in SUITES])
+def test_context_parallel_matches_single_process_bitwise(suite, nproc, backend):
+    if ON_GPU and torch.cuda.device_count() < nproc:
+        pytest.skip(f"{torch.cuda.device_count()} GPU(s) visible: NCCL needs a GPU per rank ({nproc} ranks)")
+    if backend == "fused" and not (ON_GPU or INTERPRET):
+        pytest.skip("fused kernels need a GPU, or TRITON_INTERPRET=1 (CPU interpreter)")
+    proc = _launch(suite, nproc, backend)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
+    passed = proc.returncode == 0 and lines and all(line.startswith("PASS") for line in lines)
+    assert passed, "\n".join(lines) + "\n" + proc.stderr[-3000:]
+    if backend == "fused":
+        assert all("backend=FusedAttention" in line for line in lines), lines
+
+
+@pytest.mark.skipif(ON_GPU, reason="the dry run is the CPU check of the benchmark's harness")
+def test_benchmark_dry_run_is_bitwise():
+    root = os.path.abspath(os.path.join(HERE, "..", ".."))
+    bench = os.path.join(root, "benchmarks", "attention", "bench_context_parallel.py")
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([root, os.path.join(root, "benchmarks", "attention")]))
+    proc = subprocess.run([sys.executable, bench, "--dry-run"], env=env, capture_output=True, text=True, timeout=300)
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| 64 |")]
+    assert proc.returncode == 0 and len(rows) == 1 and all(r.rstrip().endswith("True |") for r in rows), \
+        proc.stdout + proc.stderr[-3000:]

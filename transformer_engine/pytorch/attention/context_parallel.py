@@ -1,0 +1,714 @@
+"""Context parallelism (CP) for DotProductAttention, invariant to the CP size by construction.
+
+Each rank holds its part of the sequence in TransformerEngine's load-balanced split (docs:
+context_parallelism.rst): the sequence in ``2 * cp`` chunks, rank ``r`` holding chunks ``r`` and
+``2 * cp - 1 - r`` concatenated; for thd every sequence is split so (its padded length from
+``cu_seqlens_*_padded``). Every reduction of attention then runs on one rank, in the single-device
+kernel's order:
+
+- ``"a2a"``: an all-to-all gives each rank ``h / cp`` heads of the whole sequences (in global order),
+  the unchanged single-device attention runs on them, an all-to-all gives the rows back. Heads are
+  independent, so each head's result is the single-device one.
+- ``"all_gather"`` and ``"p2p"`` (ring send/receive assembling the same operands): each rank keeps its
+  own rows. Forward: for each own query chunk ``[a, b)`` the fused forward over keys ``[0, b)``, causal
+  aligned bottom-right (all keys without a causal mask). Backward (:class:`_RowsAttention`, so autograd
+  never sums partial dK/dV across ranks): dQ of the own chunk against keys ``[0, b)``; dK/dV of the own
+  key chunk ``[a, b)`` against the gathered query rows ``[a, s)`` (all rows without a causal mask),
+  causal aligned top-left, which is the global mask. Query (key) ranges start at the chunk start rounded
+  down to the largest tile of the call's plans (:func:`tile_alignment`), so the kernels' blocks are the
+  single-device call's blocks; rows before the chunk are zeros (forward) or the gathered rows (backward)
+  and are dropped.
+- ``"a2a+p2p"``: ``cp_group = [a2a_group, p2p_group]``; the a2a over the first gives each rank
+  ``h / cp_a2a`` heads of the tokens of its a2a group, which form the p2p group's load-balanced split;
+  then "p2p" over the second. The rank's place in the split is ``p2p_rank * a2a_size + a2a_rank``.
+
+The per-rank steps (:func:`fused_forward_step`, :func:`fused_backward_step`) take the gathered operands
+as tensors and need no process group: :func:`run_ranks_in_one_process` runs every rank's step on one
+device with the exchanges as tensor copies (tests and benchmarks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from transformer_engine.common.attention import AttnMaskType, QKVFormat
+from transformer_engine.common.attention.config import normalize_window, resolve_bottom_right_diagonal
+from transformer_engine.pytorch.attention import ops  # noqa: F401  (registers the custom ops)
+
+__all__ = [
+    "CP_COMM_TYPES", "ContextParallelGroup", "SeqSplit", "check_context_parallel_args", "tile_alignment",
+    "FusedSpec", "fused_forward_step", "fused_backward_step", "assemble", "context_parallel_attend",
+    "run_ranks_in_one_process",
+]
+
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+
+
+# -- settings ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ContextParallelGroup:
+    """What ``set_context_parallel_group`` was given, validated. ``groups`` is ``(group,)`` or, for
+    ``"a2a+p2p"``, ``(a2a_group, p2p_group)``."""
+
+    comm_type: str
+    groups: Tuple[object, ...]
+    global_ranks: Optional[Tuple[int, ...]] = None
+    stream: Optional[object] = None
+
+    @property
+    def sizes(self) -> Tuple[int, ...]:
+        return tuple(dist.get_world_size(g) for g in self.groups)
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for s in self.sizes:
+            n *= s
+        return n
+
+
+def check_context_parallel_args(cp_group, cp_global_ranks, cp_stream, cp_comm_type) -> Optional[ContextParallelGroup]:
+    """The validated settings, or None when context parallelism is off (no group)."""
+    if cp_comm_type not in CP_COMM_TYPES:
+        choices = ", ".join(repr(c) for c in CP_COMM_TYPES)
+        raise ValueError(f"`cp_comm_type` must be one of {choices}, got {cp_comm_type!r}")
+    if cp_group is None:
+        if cp_global_ranks is not None:
+            raise ValueError(f"`cp_group` must be given with `cp_global_ranks`, got None (cp_global_ranks="
+                             f"{cp_global_ranks!r})")
+        return None
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("`cp_group` must be a group of an initialized torch.distributed process group, got "
+                         f"{cp_group!r} without torch.distributed.init_process_group")
+    if cp_comm_type == "a2a+p2p":
+        if not isinstance(cp_group, (list, tuple)) or len(cp_group) != 2:
+            raise ValueError("`cp_group` must be a list of two process groups [a2a_group, p2p_group] with "
+                             f"cp_comm_type='a2a+p2p', got {cp_group!r}")
+        groups = tuple(cp_group)
+    else:
+        if isinstance(cp_group, (list, tuple)):
+            raise ValueError(f"`cp_group` must be one process group with cp_comm_type={cp_comm_type!r} (a list of "
+                             f"two is for 'a2a+p2p'), got a {type(cp_group).__name__} of {len(cp_group)}")
+        groups = (cp_group,)
+    ranks = None
+    if cp_global_ranks is not None:
+        ranks = tuple(int(r) for r in cp_global_ranks)
+    return ContextParallelGroup(cp_comm_type, groups, ranks, cp_stream)
+
+
+# -- the load-balanced split ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SeqSplit:
+    """Where one rank's tokens sit in the global sequences: ``cp`` ranks, chunks ``rank`` and
+    ``2 * cp - 1 - rank`` of every sequence. Padded formats: one length ``seqlen`` for the batch; thd:
+    per-sequence global ``starts`` and ``padded`` lengths (``cu_seqlens_*_padded``) and real ``lengths``
+    (``cu_seqlens_*``), host ints."""
+
+    fmt: QKVFormat
+    cp: int
+    rank: int
+    seqlen: int = 0
+    starts: Tuple[int, ...] = ()
+    padded: Tuple[int, ...] = ()
+    lengths: Tuple[int, ...] = ()
+
+    @property
+    def is_thd(self) -> bool:
+        return self.fmt == QKVFormat.THD
+
+    def with_rank(self, rank: int) -> "SeqSplit":
+        return SeqSplit(self.fmt, self.cp, rank, self.seqlen, self.starts, self.padded, self.lengths)
+
+    @property
+    def slots(self) -> Tuple[int, int]:
+        """The rank's two chunk indices, in local order."""
+        return (self.rank, 2 * self.cp - 1 - self.rank)
+
+    @property
+    def total(self) -> int:
+        """Tokens of the global sequence dim (padded formats: s; thd: the padded packed total)."""
+        return self.seqlen if not self.is_thd else sum(self.padded)
+
+    @property
+    def local_total(self) -> int:
+        return self.total // self.cp
+
+    def chunk_len(self, n: int = 0) -> int:
+        return (self.padded[n] if self.is_thd else self.seqlen) // (2 * self.cp)
+
+    def token_index(self) -> torch.Tensor:
+        """int64 [local tokens]: the global position (token dim) of each of this rank's tokens."""
+        if not self.is_thd:
+            length = self.chunk_len()
+            return torch.cat([torch.arange(c * length, (c + 1) * length) for c in self.slots])
+        parts = []
+        for n, start in enumerate(self.starts):
+            length = self.chunk_len(n)
+            for c in self.slots:
+                parts.append(torch.arange(start + c * length, start + (c + 1) * length))
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+    def local_starts(self) -> List[int]:
+        """thd: where each sequence's first own chunk starts in the rank's tokens."""
+        out, at = [], 0
+        for n in range(len(self.starts)):
+            out.append(at)
+            at += 2 * self.chunk_len(n)
+        return out
+
+
+def global_permutation(split: SeqSplit) -> torch.Tensor:
+    """int64 [total]: position, in the concatenation of every rank's tokens (rank order), of each global
+    token."""
+    index = torch.cat([split.with_rank(r).token_index() for r in range(split.cp)])
+    return torch.argsort(index)
+
+
+def assemble(parts: Sequence[torch.Tensor], dim: int, split: SeqSplit, perm: Optional[torch.Tensor] = None):
+    """Every rank's tokens (``parts`` in rank order, token dim ``dim``) in global order."""
+    if perm is None:
+        perm = global_permutation(split)
+    return torch.cat(list(parts), dim=dim).index_select(dim, perm.to(parts[0].device))
+
+
+# -- tiles ---------------------------------------------------------------------------------------------
+
+def tile_alignment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: QKVFormat, causal: bool,
+                   deterministic: bool) -> int:
+    """The largest block (rows or columns) of any kernel the fused forward and backward plan for these
+    tensors: chunk ranges starting at multiples of it meet the single-device call's blocks."""
+    from transformer_engine.common.attention.plan import backward_plan, forward_plan
+    from transformer_engine.pytorch.attention import launch
+
+    masks = (AttnMaskType.CAUSAL_MASK, AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK) if causal else (AttnMaskType.NO_MASK,)
+    align = 1
+    for mask in masks:
+        config = launch.plan_config(q, k, v, fmt, mask, normalize_window(None, mask), deterministic, None,
+                                    resolve_bottom_right_diagonal(mask, None, "pytorch"))
+        fwd, bwd = forward_plan(config), backward_plan(config)
+        for tiles in (fwd.tiles, fwd.warp_specialized, bwd.dkdv, bwd.dq, bwd.dkdv_warp_specialized,
+                      bwd.dq_warp_specialized):
+            if tiles is not None:
+                align = max(align, tiles.block_m, tiles.block_n)
+    return align
+
+
+# -- the per-rank steps of "all_gather" / "p2p" (fused kernels) -------------------------------------------
+
+@dataclass(frozen=True)
+class FusedSpec:
+    """What the fused steps need besides tensors: softmax scale, causal or not, deterministic backward,
+    and the tile alignment of chunk ranges (:func:`tile_alignment`)."""
+
+    softmax_scale: float
+    causal: bool
+    deterministic: bool
+    align: int
+
+
+def _seq_dim(fmt: QKVFormat) -> int:
+    return 1 if fmt == QKVFormat.BSHD else 0
+
+
+def _mask_args(mask: AttnMaskType):
+    left, right = normalize_window(None, mask)
+    return mask.value, left, right, resolve_bottom_right_diagonal(mask, None, "pytorch")
+
+
+def _fwd(q, k, v, fmt, spec, mask, cu_q=None, cu_k=None, off_q=None, off_k=None, max_q=None, max_k=None):
+    name, left, right, br = _mask_args(mask)
+    sd = _seq_dim(fmt)
+    return torch.ops.transformer_engine.fused_attn_fwd(
+        q, k, v, fmt.value, cu_q, cu_k, off_q, off_k, max_q if max_q is not None else q.shape[sd],
+        max_k if max_k is not None else k.shape[sd], spec.softmax_scale, name, left, right, br,
+        None, None, None, 0.0)
+
+
+def _bwd(q, k, v, out, d_out, lse, fmt, spec, mask, cu_q=None, cu_k=None, off_q=None, off_k=None, max_q=None,
+         max_k=None):
+    name, left, right, br = _mask_args(mask)
+    sd = _seq_dim(fmt)
+    dq, dk, dv, _, _ = torch.ops.transformer_engine.fused_attn_bwd(
+        q, k, v, out, d_out, lse.contiguous(), fmt.value, cu_q, cu_k, off_q, off_k,
+        max_q if max_q is not None else q.shape[sd], max_k if max_k is not None else k.shape[sd],
+        spec.softmax_scale, name, left, right, br, spec.deterministic, None, None, None, 0.0, False)
+    return dq, dk, dv
+
+
+def _zeros_before(x: torch.Tensor, dim: int, count: int) -> torch.Tensor:
+    if count == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = count
+    return torch.cat([x.new_zeros(shape), x], dim=dim)
+
+
+def _padded_ranges(split: SeqSplit, align: int):
+    """(slot, a, b, lo) of the rank's chunks: sequence positions [a, b), range start lo (a rounded down)."""
+    length = split.chunk_len()
+    for slot, c in enumerate(split.slots):
+        a = c * length
+        yield slot, a, a + length, a - a % align
+
+
+def fused_forward_step(q: torch.Tensor, k_glob: torch.Tensor, v_glob: torch.Tensor, split: SeqSplit,
+                       spec: FusedSpec) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One rank's forward: (out of its tokens, lse of its tokens) from its queries ``q`` and the global
+    keys/values. lse is [b, h, local s] (padded formats) or [h, local t] (thd), fp32."""
+    if split.is_thd:
+        return _thd_forward(q, k_glob, v_glob, split, spec)
+    fmt, sd = split.fmt, _seq_dim(split.fmt)
+    length = split.chunk_len()
+    mask = AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK if spec.causal else AttnMaskType.NO_MASK
+    outs, lses = [], []
+    for slot, a, b, lo in _padded_ranges(split, spec.align):
+        q_c = _zeros_before(q.narrow(sd, slot * length, length), sd, a - lo)
+        k_c, v_c = (k_glob.narrow(sd, 0, b), v_glob.narrow(sd, 0, b)) if spec.causal else (k_glob, v_glob)
+        out, lse = _fwd(q_c, k_c, v_c, fmt, spec, mask)
+        outs.append(out.narrow(sd, a - lo, length))
+        lses.append(lse[:, :, a - lo:])
+    return torch.cat(outs, dim=sd), torch.cat(lses, dim=2)
+
+
+def fused_backward_step(q_g, k_g, v_g, out_g, d_out_g, lse_g, split: SeqSplit,
+                        spec: FusedSpec) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One rank's backward from the global (gathered, global order) q, k, v, out, d_out and lse:
+    (dq, dk, dv) of its own tokens."""
+    if split.is_thd:
+        return _thd_backward(q_g, k_g, v_g, out_g, d_out_g, lse_g, split, spec)
+    fmt, sd = split.fmt, _seq_dim(split.fmt)
+    s, length = split.seqlen, split.chunk_len()
+    dqs, dks, dvs = [], [], []
+    for _, a, b, lo in _padded_ranges(split, spec.align):
+        rows = [t.narrow(sd, lo, b - lo) for t in (q_g, out_g, d_out_g)]
+        if spec.causal:
+            keys = [k_g.narrow(sd, 0, b), v_g.narrow(sd, 0, b)]
+            mask = AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK
+        else:
+            keys, mask = [k_g, v_g], AttnMaskType.NO_MASK
+        dq, _, _ = _bwd(rows[0], keys[0], keys[1], rows[1], rows[2], lse_g[:, :, lo:b], fmt, spec, mask)
+        dqs.append(dq.narrow(sd, a - lo, length))
+        keys = [k_g.narrow(sd, lo, b - lo), v_g.narrow(sd, lo, b - lo)]
+        if spec.causal:  # query rows [lo, s) against keys [lo, b): top-left causal is the global mask
+            rows = [t.narrow(sd, lo, s - lo) for t in (q_g, out_g, d_out_g)]
+            lse, mask = lse_g[:, :, lo:], AttnMaskType.CAUSAL_MASK
+        else:
+            rows, lse, mask = [q_g, out_g, d_out_g], lse_g, AttnMaskType.NO_MASK
+        _, dk, dv = _bwd(rows[0], keys[0], keys[1], rows[1], rows[2], lse, fmt, spec, mask)
+        dks.append(dk.narrow(sd, a - lo, length))
+        dvs.append(dv.narrow(sd, a - lo, length))
+    return torch.cat(dqs, dim=sd), torch.cat(dks, dim=sd), torch.cat(dvs, dim=sd)
+
+
+# thd: one call per chunk slot, one pseudo-sequence per sequence (ranges through seq_offsets).
+
+def _i32(values, device) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.int32, device=device)
+
+
+def _cu(lengths, device) -> torch.Tensor:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return _i32(out, device)
+
+
+def _offsets(starts, device) -> torch.Tensor:
+    return _i32(list(starts) + [0], device)  # the kernels read entries [0, n)
+
+
+def _thd_ranges(split: SeqSplit, slot: int, align: int):
+    """Per sequence: (a, b, lo, end) of chunk ``split.slots[slot]``: positions [a, b), range start lo, end of
+    the real tokens in the chunk's prefix ``min(b, length)``."""
+    c = split.slots[slot]
+    for n in range(len(split.starts)):
+        length = split.chunk_len(n)
+        a, b = c * length, (c + 1) * length
+        yield a, b, a - a % align, min(b, split.lengths[n])
+
+
+def _lse_for_call(lse_g: torch.Tensor, row_starts: List[int], lens: List[int], max_len: int) -> torch.Tensor:
+    """[n, h, max_len] lse of pseudo-sequences whose rows start at global tokens ``row_starts`` (from the
+    global [h, T] lse; rows past a pseudo-sequence read +inf)."""
+    h, total = lse_g.shape
+    ext = torch.cat([lse_g, lse_g.new_full((h, 1), float("inf"))], dim=1)
+    pos = torch.arange(max_len)
+    idx = torch.stack([torch.where(pos < ln, st + pos, torch.full_like(pos, total)) for st, ln in zip(row_starts, lens)]
+                      ) if row_starts else torch.zeros(0, max_len, dtype=torch.int64)
+    return ext[:, idx.to(lse_g.device)].permute(1, 0, 2).contiguous()
+
+
+def _thd_forward(q, k_g, v_g, split: SeqSplit, spec: FusedSpec):
+    device, t_local = q.device, q.shape[0]
+    local_starts = split.local_starts()
+    mask = AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK if spec.causal else AttnMaskType.PADDING_MASK
+    out_parts, lse_parts, out_rows, lse_cols, real = [], [], [], [], []
+    row_base = col_base = 0
+    q_ext = torch.cat([q, q.new_zeros((1,) + tuple(q.shape[1:]))], dim=0)  # row t_local: the zero row
+    for slot in range(2):
+        index, buf_starts, len_q, len_k, at = [], [], [], [], 0
+        for n, (a, b, lo, end) in enumerate(_thd_ranges(split, slot, spec.align)):
+            length = b - a
+            first = local_starts[n] + slot * length
+            index.append(torch.full((a - lo,), t_local, dtype=torch.int64))
+            index.append(torch.arange(first, first + length))
+            buf_starts.append(at)
+            len_q.append(end - lo if end > a else 0)
+            len_k.append(end if spec.causal else split.lengths[n])
+            at += a - lo + length
+        q_buf = q_ext.index_select(0, torch.cat(index).to(device))
+        max_q, max_k = max(max(len_q), 1), max(max(len_k), 1)
+        out, lse = _fwd(q_buf, k_g, v_g, QKVFormat.THD, spec, mask, _cu(len_q, device), _cu(len_k, device),
+                        _offsets(buf_starts, device), _offsets(split.starts, device), max_q, max_k)
+        out_parts.append(out)
+        lse_parts.append(lse.permute(1, 0, 2).reshape(lse.shape[1], -1))
+        for n, (a, b, lo, end) in enumerate(_thd_ranges(split, slot, spec.align)):
+            pos = torch.arange(b - a)
+            out_rows.append((row_base + buf_starts[n] + a - lo + pos, local_starts[n] + slot * (b - a) + pos))
+            col = torch.where(a + pos < split.lengths[n], col_base + n * max_q + a - lo + pos, torch.zeros_like(pos))
+            lse_cols.append((col, local_starts[n] + slot * (b - a) + pos))
+            real.append((a + pos < split.lengths[n], local_starts[n] + slot * (b - a) + pos))
+        row_base += q_buf.shape[0]
+        col_base += len(split.starts) * max_q
+    rows = torch.empty(t_local, dtype=torch.int64)
+    cols = torch.empty(t_local, dtype=torch.int64)
+    keep = torch.zeros(t_local, dtype=torch.bool)
+    for src, dst in out_rows:
+        rows[dst] = src
+    for src, dst in lse_cols:
+        cols[dst] = src
+    for ok, dst in real:
+        keep[dst] = ok
+    out = torch.cat(out_parts, dim=0).index_select(0, rows.to(device))
+    lse = torch.cat(lse_parts, dim=1).index_select(1, cols.to(device))
+    lse = torch.where(keep.to(device)[None, :], lse, torch.full_like(lse, float("inf")))
+    return out, lse
+
+
+def _thd_backward(q_g, k_g, v_g, out_g, d_out_g, lse_g, split: SeqSplit, spec: FusedSpec):
+    device = q_g.device
+    total = q_g.shape[0]
+    starts = list(split.starts)
+    dq_parts, dk_parts, dv_parts, rows = [], [], [], []
+    n_seq = len(starts)
+    for slot in range(2):
+        ranges = list(_thd_ranges(split, slot, spec.align))
+        # dQ of the chunk: query rows [lo, end) against keys [0, end) (causal, bottom-right) or all keys.
+        q_off = [st + lo for st, (a, b, lo, end) in zip(starts, ranges)]
+        len_q = [end - lo if end > a else 0 for (a, b, lo, end) in ranges]
+        len_k = [end if spec.causal else split.lengths[n] for n, (a, b, lo, end) in enumerate(ranges)]
+        max_q, max_k = max(max(len_q), 1), max(max(len_k), 1)
+        mask = AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK if spec.causal else AttnMaskType.PADDING_MASK
+        dq, _, _ = _bwd(q_g, k_g, v_g, out_g, d_out_g, _lse_for_call(lse_g, q_off, len_q, max_q), QKVFormat.THD,
+                        spec, mask, _cu(len_q, device), _cu(len_k, device), _offsets(q_off, device),
+                        _offsets(starts, device), max_q, max_k)
+        # dK/dV of the chunk: keys [lo, end) against query rows [lo, length) (top-left causal) or all rows.
+        k_off = q_off
+        len_kc = [end - lo if end > a else 0 for (a, b, lo, end) in ranges]
+        if spec.causal:
+            r_off = q_off
+            len_r = [max(split.lengths[n] - lo, 0) if end > a else 0 for n, (a, b, lo, end) in enumerate(ranges)]
+            mask = AttnMaskType.PADDING_CAUSAL_MASK
+        else:
+            r_off, len_r = starts, [split.lengths[n] if end > a else 0 for n, (a, b, lo, end) in enumerate(ranges)]
+            mask = AttnMaskType.PADDING_MASK
+        max_r, max_kc = max(max(len_r), 1), max(max(len_kc), 1)
+        _, dk, dv = _bwd(q_g, k_g, v_g, out_g, d_out_g, _lse_for_call(lse_g, r_off, len_r, max_r), QKVFormat.THD,
+                         spec, mask, _cu(len_r, device), _cu(len_kc, device), _offsets(r_off, device),
+                         _offsets(k_off, device), max_r, max_kc)
+        dq_parts.append(dq)
+        dk_parts.append(dk)
+        dv_parts.append(dv)
+        rows.append([slot * total + st + a + torch.arange(b - a) for st, (a, b, lo, end) in zip(starts, ranges)])
+    # Local order: per sequence, slot 0 then slot 1.
+    index = torch.cat([r for n in range(n_seq) for r in (rows[0][n], rows[1][n])]).to(device)
+    return tuple(torch.cat(parts, dim=0).index_select(0, index) for parts in (dq_parts, dk_parts, dv_parts))
+
+
+# -- exchanges -----------------------------------------------------------------------------------------
+
+def _group_global_ranks(group) -> List[int]:
+    return [dist.get_global_rank(group, i) for i in range(dist.get_world_size(group))]
+
+
+def _all_gather(x: torch.Tensor, group, ring: bool) -> List[torch.Tensor]:
+    """Every group rank's ``x`` (same shape), in group-rank order: one all_gather, or a ring of
+    send/receive steps passing the blocks on (``ring``)."""
+    x = x.contiguous()
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    if not ring:
+        parts = [torch.empty_like(x) for _ in range(size)]
+        dist.all_gather(parts, x, group=group)
+        return parts
+    ranks = _group_global_ranks(group)
+    parts: List[Optional[torch.Tensor]] = [None] * size
+    parts[me] = x
+    send = x
+    for step in range(1, size):
+        recv = torch.empty_like(x)
+        ops_ = [dist.P2POp(dist.isend, send, ranks[(me + 1) % size], group),
+                dist.P2POp(dist.irecv, recv, ranks[(me - 1) % size], group)]
+        for req in dist.batch_isend_irecv(ops_):
+            req.wait()
+        parts[(me - step) % size] = recv
+        send = recv
+    return parts
+
+
+def _all_to_all(inputs: List[torch.Tensor], outputs: List[torch.Tensor], group) -> None:
+    """outputs[i] <- rank i's inputs[me]."""
+    inputs = [t.contiguous() for t in inputs]
+    if dist.get_backend(group) != "gloo":
+        dist.all_to_all(outputs, inputs, group=group)
+        return
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    ranks = _group_global_ranks(group)
+    outputs[me].copy_(inputs[me])
+    ops_ = []
+    for i in range(size):
+        if i != me:
+            ops_.append(dist.P2POp(dist.isend, inputs[i], ranks[i], group))
+            ops_.append(dist.P2POp(dist.irecv, outputs[i], ranks[i], group))
+    for req in dist.batch_isend_irecv(ops_) if ops_ else []:
+        req.wait()
+
+
+# -- autograd --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Rows:
+    """One call of the row-keeping CP ("all_gather" / "p2p") on one group."""
+
+    group: object
+    ring: bool
+    split: SeqSplit
+    spec: Optional[FusedSpec]  # None: run ``attend`` on whole sequences (the unfused path)
+    attend: Optional[Callable] = None
+
+    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return assemble(_all_gather(x, self.group, self.ring), dim, self.split)
+
+    def local(self, x_g: torch.Tensor, dim: int) -> torch.Tensor:
+        return x_g.index_select(dim, self.split.token_index().to(x_g.device))
+
+
+class _RowsAttention(torch.autograd.Function):
+    """Each rank keeps its rows: the backward returns dq, dk, dv of its own tokens, each computed whole on
+    this rank (autograd sums nothing across ranks)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, run: _Rows):
+        sd = _seq_dim(run.split.fmt)
+        k_g, v_g = run.gather(k, sd), run.gather(v, sd)
+        if run.spec is not None:
+            out, lse = fused_forward_step(q, k_g, v_g, run.split, run.spec)
+        else:  # whole sequences on every rank, own rows kept (module docstring of the unfused path: docs)
+            out, lse = run.local(run.attend(run.gather(q, sd), k_g, v_g), sd), q.new_empty(0)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.run = run
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        run: _Rows = ctx.run
+        sd = _seq_dim(run.split.fmt)
+        q_g, k_g, v_g, do_g = (run.gather(t, sd) for t in (q, k, v, d_out))
+        if run.spec is not None:
+            out_g = run.gather(out, sd)
+            lse_g = run.gather(lse, 1 if run.split.is_thd else 2)
+            dq, dk, dv = fused_backward_step(q_g, k_g, v_g, out_g, do_g, lse_g, run.split, run.spec)
+        else:
+            leaves = [t.detach().requires_grad_() for t in (q_g, k_g, v_g)]
+            with torch.enable_grad():
+                out_g = run.attend(*leaves)
+                grads = torch.autograd.grad(out_g, leaves, do_g)
+            dq, dk, dv = (run.local(g, sd) for g in grads)
+        return dq, dk, dv, None
+
+
+@dataclass(frozen=True)
+class _Heads:
+    """The a2a exchange over ``group``: a rank's tokens (``src`` split, all heads) <-> ``h / size`` heads
+    of the group's tokens in the order ``dst`` gives (global positions)."""
+
+    group: object
+    src: SeqSplit  # the split of the whole CP group; ranks of this group are src ranks ``base + i``
+    base: int
+    stride: int
+    dst: torch.Tensor  # global positions of the tokens the head-side tensor holds, in its order
+
+    def member_index(self, i: int) -> torch.Tensor:
+        return self.src.with_rank(self.base + i * self.stride).token_index()
+
+    def placement(self) -> torch.Tensor:
+        """Positions in the concatenation of the members' tokens of each ``dst`` token."""
+        cat = torch.cat([self.member_index(i) for i in range(dist.get_world_size(self.group))])
+        where = torch.full((int(cat.max()) + 1,), -1, dtype=torch.int64)
+        where[cat] = torch.arange(cat.numel())
+        return where[self.dst]
+
+
+def _to_heads(x: torch.Tensor, h: _Heads) -> torch.Tensor:
+    sd = _seq_dim(h.src.fmt)
+    size = dist.get_world_size(h.group)
+    inputs = list(x.chunk(size, dim=-2))
+    outputs = [torch.empty_like(inputs[0]) for _ in range(size)]
+    _all_to_all(inputs, outputs, h.group)
+    return torch.cat(outputs, dim=sd).index_select(sd, h.placement().to(x.device))
+
+
+def _to_seq(y: torch.Tensor, h: _Heads) -> torch.Tensor:
+    sd = _seq_dim(h.src.fmt)
+    size = dist.get_world_size(h.group)
+    place = h.placement()
+    inv = torch.empty_like(place)
+    inv[place] = torch.arange(place.numel())
+    per = place.numel() // size
+    inputs = [y.index_select(sd, inv[i * per:(i + 1) * per].to(y.device)) for i in range(size)]
+    outputs = [torch.empty_like(inputs[0]) for _ in range(size)]
+    _all_to_all(inputs, outputs, h.group)
+    return torch.cat(outputs, dim=-2)
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, h: _Heads):
+        ctx.h = h
+        return _to_heads(x, h)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _to_seq(g, ctx.h), None
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, h: _Heads):
+        ctx.h = h
+        return _to_seq(y, h)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _to_heads(g, ctx.h), None
+
+
+# -- the module's entry --------------------------------------------------------------------------------
+
+def _split_of(fmt: QKVFormat, q: torch.Tensor, k: torch.Tensor, cp: int, rank: int, seqs) -> SeqSplit:
+    sd = _seq_dim(fmt)
+    if fmt != QKVFormat.THD:
+        s_local = q.shape[sd]
+        if s_local % 2 or k.shape[sd] != s_local:
+            raise ValueError(
+                f"`query_layer` must hold two equal chunks of the sequence on each rank (the global sequence "
+                f"length divisible by 2 * cp_size = {2 * cp}; keys as long as queries), got local sequence "
+                f"lengths {s_local} (queries) and {k.shape[sd]} (keys)")
+        return SeqSplit(fmt, cp, rank, seqlen=s_local * cp)
+    cu = seqs.cu_seqlens_q
+    if seqs.cu_seqlens_kv is not None and seqs.cu_seqlens_kv is not cu and not torch.equal(seqs.cu_seqlens_kv, cu):
+        raise NotImplementedError("context parallelism with qkv_format='thd' needs `cu_seqlens_kv` equal to "
+                                  "`cu_seqlens_q` (self attention)")
+    padded = seqs.cu_seqlens_q_padded if seqs.cu_seqlens_q_padded is not None else cu
+    lengths = [int(x) for x in (cu[1:] - cu[:-1]).tolist()]
+    bounds = [int(x) for x in padded.tolist()]
+    padded_lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    name = "cu_seqlens_q_padded" if seqs.cu_seqlens_q_padded is not None else "cu_seqlens_q"
+    if any(p % (2 * cp) for p in padded_lengths):
+        raise ValueError(f"`{name}` must give every sequence a length divisible by 2 * cp_size = {2 * cp} under "
+                         f"context parallelism, got lengths {padded_lengths}")
+    if any(n > p for n, p in zip(lengths, padded_lengths)):
+        raise ValueError(f"`cu_seqlens_q` must give lengths no longer than `cu_seqlens_q_padded`'s, got {lengths} "
+                         f"and {padded_lengths}")
+    if bounds[0] != 0 or q.shape[0] * cp != bounds[-1]:
+        raise ValueError(f"`query_layer` must hold {bounds[-1]} // cp_size = {bounds[-1] // cp} tokens on each rank "
+                         f"(the padded sequences from `{name}` without gaps), got {q.shape[0]}")
+    return SeqSplit(fmt, cp, rank, starts=tuple(bounds[:-1]), padded=tuple(padded_lengths), lengths=tuple(lengths))
+
+
+def context_parallel_attend(cp: ContextParallelGroup, attend: Callable, *, backend: str, q, k, v,
+                            fmt: QKVFormat, mask: AttnMaskType, seqs, window, softmax_scale: float,
+                            deterministic: bool, num_heads: int, num_kv_heads: int, unsupported: dict) -> Callable:
+    """The module's attention under context parallelism: a function of the local (q, k, v) returning the
+    local output (q's format, head dim d_v). ``attend`` is the single-device call on whole sequences (a2a,
+    unfused); ``unsupported`` names the call's features CP does not take (NotImplementedError)."""
+    for what, on in unsupported.items():
+        if on:
+            raise NotImplementedError(f"{what} is not supported with context parallelism")
+    if tuple(window) not in ((-1, -1), (-1, 0)):
+        raise NotImplementedError(f"sliding windows (`window_size`={tuple(window)}) are not supported with context "
+                                  "parallelism")
+    if mask == AttnMaskType.ARBITRARY_MASK or (mask.is_padding and fmt != QKVFormat.THD):
+        raise NotImplementedError(f"attn_mask_type={mask.value!r} with qkv_format={fmt.value!r} is not supported "
+                                  "with context parallelism (padding needs qkv_format='thd')")
+    causal = mask.is_causal
+    sizes = cp.sizes
+    ranks = [dist.get_rank(g) for g in cp.groups]
+    if cp.comm_type == "a2a+p2p":
+        (size_a, size_p), (rank_a, rank_p) = sizes, ranks
+    elif cp.comm_type == "a2a":
+        (size_a, size_p), (rank_a, rank_p) = (sizes[0], 1), (ranks[0], 0)
+    else:
+        (size_a, size_p), (rank_a, rank_p) = (1, sizes[0]), (0, ranks[0])
+    total = size_a * size_p
+    split = _split_of(fmt, q, k, total, rank_p * size_a + rank_a, seqs)
+    if size_a > 1:
+        for name, heads in (("num_attention_heads", num_heads), ("num_gqa_groups", num_kv_heads)):
+            if heads % size_a:
+                raise ValueError(f"`{name}` (per tensor-parallel partition) must be divisible by the a2a "
+                                 f"context-parallel size {size_a} with cp_comm_type={cp.comm_type!r}, got {heads}")
+    use_fused = backend != "UnfusedDotProductAttention"
+    spec = None
+    if use_fused:
+        spec = FusedSpec(softmax_scale, causal, deterministic, tile_alignment(q, k, v, fmt, causal, deterministic))
+    p2p_group = cp.groups[-1]
+    coarse = SeqSplit(fmt, size_p, rank_p, split.seqlen, split.starts, split.padded, split.lengths)
+
+    def rows_attention(q_, k_, v_):
+        if size_p == 1:
+            return attend(q_, k_, v_)
+        return _RowsAttention.apply(q_, k_, v_, _Rows(p2p_group, cp.comm_type != "all_gather", coarse, spec, attend))
+
+    if size_a == 1:
+        return rows_attention
+    dst = coarse.token_index() if size_p > 1 else torch.arange(split.total)
+    heads = _Heads(cp.groups[0], split, rank_p * size_a, 1, dst)
+
+    def a2a_attention(q_, k_, v_):
+        q_h, k_h, v_h = (_SeqToHeads.apply(t, heads) for t in (q_, k_, v_))
+        return _HeadsToSeq.apply(rows_attention(q_h, k_h, v_h), heads)
+
+    return a2a_attention
+
+
+# -- one process, every rank (tests, benchmarks) ----------------------------------------------------------
+
+def run_ranks_in_one_process(q, k, v, d_out, fmt: str, cp: int, causal: bool, softmax_scale: float,
+                             deterministic: bool = True, cu_seqlens=None, cu_seqlens_padded=None):
+    """Every rank's "all_gather"/"p2p" steps on one device, the exchanges as tensor copies: from the global
+    q, k, v, d_out (global order) to the global (out, dq, dk, dv) assembled from the ranks' tokens."""
+    qkv_format = QKVFormat(fmt)
+    sd = _seq_dim(qkv_format)
+    if qkv_format == QKVFormat.THD:
+        padded = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens
+        bounds = [int(x) for x in padded.tolist()]
+        lengths = [int(x) for x in (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()]
+        base = SeqSplit(qkv_format, cp, 0, starts=tuple(bounds[:-1]),
+                        padded=tuple(e - s for s, e in zip(bounds[:-1], bounds[1:])), lengths=tuple(lengths))
+    else:
+        base = SeqSplit(qkv_format, cp, 0, seqlen=q.shape[sd])
+    spec = FusedSpec(softmax_scale, causal, deterministic, tile_alignment(q, k, v, qkv_format, causal, deterministic))
+    splits = [base.with_rank(r) for r in range(cp)]
+    index = [s.token_index().to(q.device) for s in splits]
+    lse_dim = 1 if base.is_thd else 2
+    outs, lses = zip(*(fused_forward_step(q.index_select(sd, i), k, v, s, spec) for s, i in zip(splits, index)))
+    out_g, lse_g = assemble(outs, sd, base), assemble(lses, lse_dim, base)
+    grads = [fused_backward_step(q, k, v, out_g, d_out, lse_g, s, spec) for s in splits]
+    dq, dk, dv = (assemble([g[j] for g in grads], sd, base) for j in range(3))
+    return out_g, dq, dk, dv

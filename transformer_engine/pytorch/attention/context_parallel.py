@@ -35,7 +35,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from transformer_engine.common.attention import AttnMaskType, QKVFormat
+from transformer_engine.common.attention import AttnMaskType, QKVFormat, UnfusedDotProductAttention
 from transformer_engine.common.attention.config import normalize_window, resolve_bottom_right_diagonal
 from transformer_engine.pytorch.attention import ops  # noqa: F401  (registers the custom ops)
 
@@ -632,7 +632,7 @@ def _split_of(fmt: QKVFormat, q: torch.Tensor, k: torch.Tensor, cp: int, rank: i
     return SeqSplit(fmt, cp, rank, starts=tuple(bounds[:-1]), padded=tuple(padded_lengths), lengths=tuple(lengths))
 
 
-def context_parallel_attend(cp: ContextParallelGroup, attend: Callable, *, backend: str, q, k, v,
+def context_parallel_attend(cp: ContextParallelGroup, attend: Callable, *, backend: type, q, k, v,
                             fmt: QKVFormat, mask: AttnMaskType, seqs, window, softmax_scale: float,
                             deterministic: bool, num_heads: int, num_kv_heads: int, unsupported: dict) -> Callable:
     """The module's attention under context parallelism: a function of the local (q, k, v) returning the
@@ -663,7 +663,8 @@ def context_parallel_attend(cp: ContextParallelGroup, attend: Callable, *, backe
             if heads % size_a:
                 raise ValueError(f"`{name}` (per tensor-parallel partition) must be divisible by the a2a "
                                  f"context-parallel size {size_a} with cp_comm_type={cp.comm_type!r}, got {heads}")
-    use_fused = backend != "UnfusedDotProductAttention"
+    # The selected backend class; FlashAttention rows run the fused kernels (their bits are what CP keeps).
+    use_fused = not issubclass(backend, UnfusedDotProductAttention)
     spec = None
     if use_fused:
         spec = FusedSpec(softmax_scale, causal, deterministic, tile_alignment(q, k, v, fmt, causal, deterministic))

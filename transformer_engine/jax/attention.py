@@ -45,8 +45,9 @@ from transformer_engine.common.attention.backends import (
 from transformer_engine.common.attention import enums as _common
 from transformer_engine.common.attention.config import AttnConfig, gfx_target, normalize_window
 from transformer_engine.common.attention.validation import check_segments, check_softmax_scale
-from transformer_engine.jax import attention_math
+from transformer_engine.jax import attention_math, context_parallel
 from transformer_engine.jax.attention_math import SeqInfo
+from transformer_engine.jax.context_parallel import ContextParallel
 from transformer_engine.jax.enums import (
     AttnBiasType,
     AttnMaskType,
@@ -462,6 +463,7 @@ class _Call:
     static: FusedAttnStatic
     config: AttnConfig
     qkv_format: QKVFormat
+    cp: Optional[ContextParallel] = None  # context parallelism over a mesh axis of size > 1
 
 
 def _softmax_type(softmax_type, softmax_offset) -> AttnSoftmaxType:
@@ -504,43 +506,12 @@ def _check_softmax_offset(softmax_type: _common.AttnSoftmaxType, softmax_offset,
 def _mesh_axis_size(axis: str) -> int:
     """Size of mesh axis ``axis`` in the mesh in effect (``with mesh:`` or ``jax.set_mesh``); 1 when
     there is no such mesh or axis."""
-    from jax.interpreters import pxla
-
-    with warnings.catch_warnings():  # ``with mesh:`` (TransformerEngine's way) is read through it
-        warnings.simplefilter("ignore", DeprecationWarning)
-        meshes = [pxla.thread_resources.env.physical_mesh, jax.sharding.get_abstract_mesh()]
-    for mesh in meshes:
-        if mesh is not None and not mesh.empty and axis in mesh.axis_names:
-            return int(mesh.shape[axis])
-    return 1
+    return context_parallel.mesh_axis_size(axis)
 
 
-def _check_context_parallel(strategy, load_balanced, axis, stripe_size) -> None:
-    """Context parallelism is not implemented: accept only the arguments that describe none. (A
-    sequence axis that the inputs arrive sharded over is refused when the call is partitioned.)"""
-    if not isinstance(strategy, CPStrategy):
-        raise ValueError(f"`context_parallel_strategy` must be a CPStrategy, got {strategy!r}")
-    if strategy != CPStrategy.DEFAULT:
-        raise NotImplementedError(
-            f"`context_parallel_strategy` must be CPStrategy.DEFAULT in transformer_engine.jax, got {strategy.name} "
-            "(context parallelism is not implemented yet)"
-        )
-    if not isinstance(axis, str):
-        raise ValueError(f"`context_parallel_axis` must be a mesh axis name (str, '' for none), got {axis!r}")
-    cp_size = _mesh_axis_size(axis) if axis else 1
-    if cp_size > 1:
-        raise NotImplementedError(
-            f"`context_parallel_axis` must name no mesh axis larger than 1 in transformer_engine.jax, got "
-            f"{axis!r} of size {cp_size} (context parallelism is not implemented yet)"
-        )
-    if not isinstance(load_balanced, bool):
-        raise ValueError(f"`context_parallel_causal_load_balanced` must be a bool, got {load_balanced!r}")
-    # With one context-parallel rank the load-balancing reorder is the identity: True changes nothing.
-    if stripe_size is not None:
-        raise NotImplementedError(
-            f"`stripe_size` must be None in transformer_engine.jax, got {stripe_size!r} (striped context "
-            "parallelism is not implemented yet)"
-        )
+def _check_context_parallel(strategy, load_balanced, axis, stripe_size) -> Optional[ContextParallel]:
+    """The call's context parallelism (:mod:`transformer_engine.jax.context_parallel`), None without."""
+    return context_parallel.resolve_context_parallel(strategy, load_balanced, axis, stripe_size)
 
 
 def _check_score_mod(**callbacks) -> None:
@@ -589,8 +560,8 @@ def _parse_call(
     stype = _common.AttnSoftmaxType(_softmax_type(softmax_type, softmax_offset).value)
     _check_score_mod(score_mod=score_mod, score_mod_bprop=score_mod_bprop, score_mod_tensors=score_mod_tensors,
                      score_mod_bprop_tensors=score_mod_bprop_tensors)
-    _check_context_parallel(context_parallel_strategy, context_parallel_causal_load_balanced, context_parallel_axis,
-                            stripe_size)
+    cp = _check_context_parallel(context_parallel_strategy, context_parallel_causal_load_balanced,
+                                 context_parallel_axis, stripe_size)
     if not isinstance(context_checkpoint_name, str) or not context_checkpoint_name:
         raise ValueError(f"`context_checkpoint_name` must be a non-empty str, got {context_checkpoint_name!r}")
     fmt = layout.qkv_format
@@ -681,6 +652,11 @@ def _parse_call(
     else:
         seq = attention_math.full_seq_info(b, s_q, s_kv)
 
+    if cp is not None:
+        context_parallel.check_context_parallel_supported(
+            cp, layout=layout, mask=mask, bias_type=bias_type, dropout=dropout, is_training=bool(is_training),
+            softmax_type=stype, window=window, max_segments=max_segments_per_seq, s_q=s_q, s_kv=s_kv,
+            local=cp.axis in context_parallel._manual_axes())
     softmax_offset = _check_softmax_offset(stype, softmax_offset, h_q)
     has_dropout = bool(is_training) and dropout > 0.0
     if has_dropout:
@@ -712,10 +688,16 @@ def _parse_call(
         bottom_right_diagonal=config.bottom_right,
         softmax_type=stype,
     )
-    return _Call(q, k, v, bias, seq, seeds, softmax_offset, static, config, fmt)
+    return _Call(q, k, v, bias, seq, seeds, softmax_offset, static, config, fmt, cp)
 
 
 def _run(call: _Call, backend: str):
+    if call.cp is not None:
+        # Context parallelism runs the fused primitives (on CPU their jnp lowering); see
+        # _attention_with_selection for a GPU where the fused backend cannot run.
+        out = context_parallel.context_parallel_attention(call.q, call.k, call.v, call.static, call.cp)
+        out = checkpoint_name(out, call.static.checkpoint_name)
+        return _to_bshd(out, call.qkv_format)
     if backend == FusedAttention.SHORT_NAME:
         out = fused_attn_core(call.q, call.k, call.v, call.bias, call.seq, call.seeds, call.static,
                               call.softmax_offset)
@@ -857,6 +839,11 @@ def _attention_with_selection(**kwargs) -> Tuple[jax.Array, Selection]:
     logs fallbacks)."""
     call = _parse_call(**kwargs)
     selection = select_attention_backend(call.config)
+    if call.cp is not None and call.config.device_type == "cuda" and selection.backend is not FusedAttention:
+        reasons = "; ".join(selection.rejected.get(FusedAttention.NAME, ())) or f"selected {selection.name}"
+        raise NotImplementedError(
+            f"`context_parallel_axis` {call.cp.axis!r} (size {call.cp.size}) needs the fused attention backend, "
+            f"which cannot run this call: {reasons}")
     return _run(call, selection.backend.SHORT_NAME), selection
 
 

@@ -803,10 +803,13 @@ def fused_attn(
         default does. ``causal``/``padding_causal`` are always top-left and the ``*_bottom_right`` masks
         bottom-right (an explicit value is overridden, as in TransformerEngine-PyTorch). Not in
         TransformerEngine-JAX's signature (keyword only by convention: it comes last).
-    :param context_parallel_strategy: ``CPStrategy.DEFAULT``. Context parallelism is not
-        implemented: this, ``context_parallel_causal_load_balanced``, ``context_parallel_axis`` and
-        ``stripe_size`` must describe none (DEFAULT, a context-parallel axis of size 1, no
-        stripes); otherwise ``NotImplementedError``.
+    :param context_parallel_strategy: ``CPStrategy.DEFAULT`` (= ``ALL_GATHER``), ``ALL_GATHER`` or
+        ``RING``: how keys and values reach each rank when the sequence is split over
+        ``context_parallel_axis`` (a mesh axis name; ``''`` reads ``MeshResource.cp_resource``). With
+        ``context_parallel_causal_load_balanced`` the inputs are in ``reorder_causal_load_balancing``'s
+        DualChunkSwap order. An axis of size 1 is the plain path. :mod:`transformer_engine.jax.context_parallel`
+        says what runs (BSHD/SBHD layouts, no_mask and causal, no bias or dropout; in deterministic mode
+        bitwise the same as the single-device call) and refuses the rest; ``stripe_size`` must be None.
     :param context_checkpoint_name: the ``jax.ad_checkpoint.checkpoint_name`` given to the output
         (and, on the fused backend, to the saved softmax statistics) for remat policies.
     :param softmax_offset: float32 ``[1, h_q, 1, 1]``, the learnable sink logits (required for

@@ -379,8 +379,9 @@ def _layout(static, mesh, arg_infos, seq_operands) -> _Layout:
         if spec[axis] is not None:
             raise NotImplementedError(
                 f"fused_attn: the sequence axis of `{name}` is sharded over mesh axes {_axes_tuple(spec[axis])}, "
-                "i.e. context parallelism, which is not supported yet. Shard the batch over dp/fsdp and the heads "
-                "over tp (MeshResource), and keep the sequence axis replicated."
+                "i.e. context parallelism, which fused_attn runs only when it is told the axis: pass "
+                "context_parallel_axis= (or MeshResource(cp_resource=...)); otherwise shard the batch over dp/fsdp and "
+                "the heads over tp (MeshResource), and keep the sequence axis replicated."
             )
     q_spec = _spec(arg_infos["q"], "q")
     batch, heads = q_spec[0], q_spec[2]

@@ -199,6 +199,12 @@ def _precision(dtype):
 # which only the CPU tests pay.
 
 
+def _positive_zero(x):
+    """``x`` with -0.0 as +0.0: a sum of zero terms has the sign of its zeros, which depend on
+    operands that the mask hides (a hidden key of the whole sequence is a padded zero in a chunk)."""
+    return jnp.where(x == 0, jnp.zeros((), x.dtype), x)
+
+
 def _grouped_rows(x, h_kv):
     """``[b, s, h, d]`` -> ``[b, h_kv, g, s, 1, d]`` (rows as the score matrix's first axis)."""
     return jnp.transpose(_group(x, h_kv), (0, 2, 3, 1, 4))[:, :, :, :, None, :]
@@ -217,7 +223,7 @@ def _rows_dot_keys(x, k):
 def _scores_times_keys(scores_g, k):
     """``sum_j scores[b, h, i, j] k[b, j, h_kv, d]`` (scores ``[b, h_kv, g, s_q, s_kv]``) -> ``[b, s_q, h_q, d]``."""
     b, h_kv, g, s_q, _ = scores_g.shape
-    out = fixed_order_sum(scores_g[..., None] * _kv_cols(k), axis=-2)  # [b, h_kv, g, s_q, d]
+    out = _positive_zero(fixed_order_sum(scores_g[..., None] * _kv_cols(k), axis=-2))  # [b, h_kv, g, s_q, d]
     return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, s_q, h_kv * g, k.shape[-1])
 
 
@@ -226,7 +232,7 @@ def _scores_times_rows(scores_g, x):
     the heads of each GQA group in order."""
     h_kv = scores_g.shape[1]
     prod = scores_g[..., None] * _grouped_rows(x, h_kv)  # [b, h_kv, g, s_q, s_kv, d]
-    out = fixed_order_sum(fixed_order_sum(prod, axis=3), axis=2)  # [b, h_kv, s_kv, d]
+    out = _positive_zero(fixed_order_sum(fixed_order_sum(prod, axis=3), axis=2))  # [b, h_kv, s_kv, d]
     return jnp.transpose(out, (0, 2, 1, 3))
 
 

@@ -66,7 +66,7 @@ from transformer_engine.jax.primitives.attention import FusedAttnStatic, fused_a
 from transformer_engine.jax.sharding import batch_axes, global_mesh_resource, head_axes
 
 __all__ = ["ContextParallel", "resolve_context_parallel", "check_context_parallel_supported",
-           "context_parallel_attention"]
+           "context_parallel_attention", "make_plan", "rank_forward", "rank_backward"]
 
 
 @dataclass(frozen=True)
@@ -231,6 +231,11 @@ class _Plan:
                                    qkv_format=_common.QKVFormat.THD, bottom_right_diagonal=None)
 
 
+def make_plan(static: FusedAttnStatic, cp: ContextParallel) -> _Plan:
+    """The per-rank plan of a call (what :func:`rank_forward` and :func:`rank_backward` take)."""
+    return _Plan(static=static, cp=cp, causal=static.attn_mask_type.is_causal)
+
+
 def _column(b, value):
     return jnp.broadcast_to(jnp.asarray(value, jnp.int32), (b, 1))
 
@@ -252,30 +257,32 @@ def _placeholders(q):
     return jnp.zeros((0,), q.dtype), jnp.zeros((b, h, 2), jnp.uint32)
 
 
-def _forward(plan: _Plan, q, k, v):
-    """(local output, local log-sum-exp ``[b, 1, h, n_local]`` in local row order)."""
+def rank_forward(plan: _Plan, rank, q, k_all, v_all):
+    """One rank's forward from gathered operands: (local output, local log-sum-exp ``[b, 1, h, n_local]``
+    in local row order). ``q``: the rank's rows; ``k_all``, ``v_all``: every key and value in global
+    order; ``rank``: its index on the context-parallel axis (int or traced)."""
     b, n_local = q.shape[:2]
     bias, seeds = _placeholders(q)
-    k_all, v_all = _gather(k, plan.cp, 1), _gather(v, plan.cp, 1)
     s_kv = k_all.shape[1]
     if not plan.causal:
         return fused_attn_fwd(q, k_all, v_all, bias, full_seq_info(b, n_local, s_kv), seeds, plan.static)
-    r = jax.lax.axis_index(plan.cp.axis)
     outs, lses = [], []
     for lo, c, start in plan.chunks(n_local):
-        out, lse = fused_attn_fwd(q[:, lo:lo + c], k_all, v_all, bias, _chunk_seq(b, c, start(r), s_kv), seeds,
+        out, lse = fused_attn_fwd(q[:, lo:lo + c], k_all, v_all, bias, _chunk_seq(b, c, start(rank), s_kv), seeds,
                                   plan.chunk_static)
         outs.append(out)
         lses.append(lse)
     return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=3)
 
 
-def _backward(plan: _Plan, q, k, v, out, lse, dout):
+def rank_backward(plan: _Plan, rank, local, gathered):
+    """One rank's (dq, dk, dv) of its own rows from gathered operands. ``local``: the rank's
+    ``(q, k, v, out, lse, dout)``; ``gathered``: ``(q, k, v, out, lse, dout)`` of the whole sequence
+    in global order (lse ``[b, 1, h, s]``)."""
+    q, k, v, out, lse, dout = local
+    q_all, k_all, v_all, out_all, lse_all, dout_all = gathered
     b, n_local = q.shape[:2]
     bias, seeds = _placeholders(q)
-    k_all, v_all = _gather(k, plan.cp, 1), _gather(v, plan.cp, 1)
-    q_all, out_all, dout_all = (_gather(x, plan.cp, 1) for x in (q, out, dout))
-    lse_all = _gather(lse, plan.cp, 3)  # [b, 1, h, s]: one sequence from token 0
     s_q, s_kv = q_all.shape[1], k_all.shape[1]
     bias_k, seeds_k = _placeholders(q_all)
     if not plan.causal:
@@ -284,12 +291,11 @@ def _backward(plan: _Plan, q, k, v, out, lse, dout):
         _, dk, dv, _, _ = fused_attn_bwd(q_all, k, v, bias_k, out_all, dout_all, lse_all,
                                          full_seq_info(b, s_q, k.shape[1]), seeds_k, plan.static)
         return dq, dk, dv
-    r = jax.lax.axis_index(plan.cp.axis)
     # The log-sum-exp of the queries [a, s) as one sequence starting at a: positions from a (+inf past s - a).
     lse_padded = jnp.concatenate([lse_all, jnp.full(lse_all.shape, jnp.inf, lse_all.dtype)], axis=3)
     dqs, dks, dvs = [], [], []
     for lo, c, start in plan.chunks(n_local):
-        a = start(r)
+        a = start(rank)
         rows = slice(lo, lo + c)
         dq = fused_attn_bwd(q[:, rows], k_all, v_all, bias, out[:, rows], dout[:, rows], lse[..., rows],
                             _chunk_seq(b, c, a, s_kv), seeds, plan.chunk_static)[0]
@@ -301,6 +307,17 @@ def _backward(plan: _Plan, q, k, v, out, lse, dout):
         dvs.append(dv)
     cat = functools.partial(jnp.concatenate, axis=1)
     return cat(dqs), cat(dks), cat(dvs)
+
+
+def _forward(plan: _Plan, q, k, v):
+    rank = jax.lax.axis_index(plan.cp.axis)
+    return rank_forward(plan, rank, q, _gather(k, plan.cp, 1), _gather(v, plan.cp, 1))
+
+
+def _backward(plan: _Plan, q, k, v, out, lse, dout):
+    rank = jax.lax.axis_index(plan.cp.axis)
+    gathered = tuple(_gather(x, plan.cp, 3 if i == 4 else 1) for i, x in enumerate((q, k, v, out, lse, dout)))
+    return rank_backward(plan, rank, (q, k, v, out, lse, dout), gathered)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -340,7 +357,7 @@ def _divisible_axes(axes: Tuple[str, ...], mesh, *sizes: int):
 def context_parallel_attention(q, k, v, static: FusedAttnStatic, cp: ContextParallel):
     """Attention of canonical BSHD ``q``, ``k``, ``v`` with the sequence split over ``cp.axis``
     (global arrays under ``jit``, or the local chunks inside a ``shard_map`` where the axis is manual)."""
-    plan = _Plan(static=static, cp=cp, causal=static.attn_mask_type.is_causal)
+    plan = make_plan(static, cp)
     if cp.axis in _manual_axes():
         return _cp_attention(plan, q, k, v)
     mesh = next(m for m in _current_meshes() if cp.axis in m.axis_names)

@@ -5,7 +5,7 @@ Each rank's step is a function of the gathered operands (``context_parallel.rank
 operands are the whole arrays, and the step runs for every rank index in turn. bf16, s = 32k,
 causal with DualChunkSwap load balancing and without, GQA: in deterministic mode every rank's
 output and dQ/dK/dV rows are bitwise the single-device ``fused_attn`` call's (cp = 1) for cp = 2,
-4 and 8. Run as ``pytest tests/jax/test_jax_context_parallel_gpu.py`` or as a script
+4 and 8; and gradients of ``fused_attn`` inside ``shard_map`` on this jax version. Run as ``pytest tests/jax/test_jax_context_parallel_gpu.py`` or as a script
 (``python tests/jax/test_jax_context_parallel_gpu.py [s]``), which prints one line per case.
 """
 
@@ -126,6 +126,23 @@ def test_context_parallel_ranks_on_one_gpu_bitwise_equal_to_cp1(cp, load_balance
     assert not any(mismatched.values()), f"elements differing from cp = 1: {mismatched}"
 
 
+def grad_inside_shard_map_matches(s=4096):
+    """Gradients of fused_attn inside ``shard_map`` (a one-GPU mesh: the values are still typed as
+    varying over its axis) equal those outside, bitwise: the manual-axes typing on this jax version."""
+    q, k, v, dout = _inputs(s)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("dp",))
+    spec = jax.sharding.PartitionSpec("dp")
+    inside = jax.jit(jax.shard_map(_single_device, mesh=mesh, in_specs=(spec,) * 4, out_specs=(spec,) * 4))
+    return all(np.array_equal(_bits(a), _bits(e)) for a, e in zip(inside(q, k, v, dout), _single_device(q, k, v, dout)))
+
+
+def test_grad_of_fused_attn_inside_shard_map_on_gpu():
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    assert grad_inside_shard_map_matches()
+
+
 if __name__ == "__main__":
     reason = _skip_reason()
     if reason:
@@ -134,7 +151,10 @@ if __name__ == "__main__":
     s = int(sys.argv[1]) if len(sys.argv) > 1 else S_DEFAULT
     inputs = _inputs(s)
     expected = _single_device(*inputs)
-    failures = 0
+    ok = grad_inside_shard_map_matches()
+    print(f"grad of fused_attn inside shard_map (jax {jax.__version__}): {'bitwise equal' if ok else 'DIFFERS'}",
+          flush=True)
+    failures = int(not ok)
     for cp in (2, 4, 8):
         for lb in (True, False):
             mismatched = check(s, cp, lb, expected, inputs)

@@ -178,10 +178,10 @@ def _typed(shape, dtype, operands):
     template = max(operands, key=lambda a: len(_varying(a)))
     if not _varying(template):
         return jax.core.ShapedArray(shape, dtype)
-    if hasattr(template, "manual_axis_type"):  # jax 0.10: the type needs the (abstract) mesh with it
-        sharding = NamedSharding(template.sharding.mesh, PartitionSpec(*([None] * len(shape))))
-        return jax.core.ShapedArray(shape, dtype, sharding=sharding, manual_axis_type=template.manual_axis_type)
-    return jax.core.ShapedArray(shape, dtype, vma=template.vma)
+    # The type names the (abstract) mesh of the manual axes: take it from the operand's sharding.
+    sharding = NamedSharding(template.sharding.mesh, PartitionSpec(*([None] * len(shape))))
+    field = "manual_axis_type" if hasattr(template, "manual_axis_type") else "vma"  # jax >= 0.10 / older
+    return jax.core.ShapedArray(shape, dtype, sharding=sharding, **{field: getattr(template, field)})
 
 
 def _vary_like(*xs):

@@ -5,7 +5,8 @@ Each rank's step is a function of the gathered operands (``context_parallel.rank
 operands are the whole arrays, and the step runs for every rank index in turn. bf16, s = 32k,
 causal with DualChunkSwap load balancing and without, GQA: in deterministic mode every rank's
 output and dQ/dK/dV rows are bitwise the single-device ``fused_attn`` call's (cp = 1) for cp = 2,
-4 and 8; and gradients of ``fused_attn`` inside ``shard_map`` on this jax version. Run as ``pytest tests/jax/test_jax_context_parallel_gpu.py`` or as a script
+4 and 8; and gradients of ``fused_attn`` inside ``shard_map`` match, on this jax version. Run as
+``pytest tests/jax/test_jax_context_parallel_gpu.py`` or as a script
 (``python tests/jax/test_jax_context_parallel_gpu.py [s]``), which prints one line per case.
 """
 

@@ -841,8 +841,15 @@ def _attention_with_selection(**kwargs) -> Tuple[jax.Array, Selection]:
     """``fused_attn`` (keyword arguments) that also returns the backend selection (the Flax module
     logs fallbacks)."""
     call = _parse_call(**kwargs)
+    if call.cp is not None and call.config.device_type != "cuda":
+        # Context parallelism runs the fused primitives, here through their jnp lowering: no
+        # selection (whose CPU answer, the unfused backend, has no context-parallel path).
+        selection = Selection(FusedAttention)
+        for names in _selection_records:
+            names.append(selection.name)
+        return _run(call, selection.backend.SHORT_NAME), selection
     selection = select_attention_backend(call.config)
-    if call.cp is not None and call.config.device_type == "cuda" and selection.backend is not FusedAttention:
+    if call.cp is not None and selection.backend is not FusedAttention:
         reasons = "; ".join(selection.rejected.get(FusedAttention.NAME, ())) or f"selected {selection.name}"
         raise NotImplementedError(
             f"`context_parallel_axis` {call.cp.axis!r} (size {call.cp.size}) needs the fused attention backend, "

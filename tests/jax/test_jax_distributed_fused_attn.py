@@ -2,7 +2,8 @@
 ``--xla_force_host_platform_device_count=8``): batch over dp/fsdp and heads over tp as named by
 ``MeshResource``, the same results as unsharded (bitwise on the fused path, whose arithmetic does
 not depend on the shard shape), no all-gather of q/k/v in the compiled program, and a clear error
-for a sharded sequence axis (context parallelism is not supported)."""
+for a sequence axis sharded without naming it the context-parallel axis (context parallelism:
+test_jax_context_parallel.py)."""
 
 from __future__ import annotations
 
@@ -103,12 +104,12 @@ def test_unfused_backend_under_sharding_matches():
     assert_results(sharded, unsharded, exact=False)
 
 
-def test_sharded_sequence_axis_is_rejected():
+def test_sharded_sequence_axis_without_context_parallel_axis_is_rejected():
     mesh, resource = _mesh("dp2-tp4")
     fn, args = problem()
     q, k, v, bias, lens, dout = args
     seq_sharded = NamedSharding(mesh, P("dp", "tp", None, None))
-    with jax.set_mesh(mesh), global_shard_guard(MeshResource(dp_resource="dp", cp_resource="tp")):
+    with jax.set_mesh(mesh), global_shard_guard(MeshResource(dp_resource="dp")):
         placed = [jax.device_put(x, seq_sharded) for x in (q, k, v)]
         with pytest.raises(PARTITIONER_ERRORS, match="(?s)sequence axis of `q` is sharded.*context parallelism"):
             jax.jit(fn).lower(*placed, None, lens, dout).compile()

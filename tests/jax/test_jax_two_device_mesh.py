@@ -8,7 +8,7 @@ Meshes of 2 devices, one kind of parallelism each: dp=2 and fsdp=2 (batch split)
 split). With ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``, ``fused_attn``'s output and dQ/dK/dV (and a
 ``[b, h, s, s]`` bias's gradient) equal the unsharded single-device results bit for bit, with no
 all-gather in the compiled program; the Flax ``DotProductAttention`` (params replicated, inputs
-split over dp or tp) likewise; and a sharded sequence axis is rejected with a clear error.
+split over dp or tp) likewise; and a sequence axis sharded without a context-parallel axis is rejected with a clear error.
 """
 
 from __future__ import annotations
@@ -125,11 +125,11 @@ def test_flax_dot_product_attention_sharded_equals_unsharded_bitwise(mesh_name, 
         assert _padded(x.sharding.spec) == _padded(spec(resource)), x.sharding
 
 
-def test_sharded_sequence_axis_is_rejected():
+def test_sharded_sequence_axis_without_context_parallel_axis_is_rejected():
     mesh = Mesh(np.array(jax.devices()[:2]), ("cp",))
     fn, (q, k, v, _, lens, dout) = problem(b=B, s=S, h_q=H, h_kv=G, d=D)
     seq_sharded = NamedSharding(mesh, P(None, "cp", None, None))
-    with jax.set_mesh(mesh), global_shard_guard(MeshResource(cp_resource="cp")):
+    with jax.set_mesh(mesh), global_shard_guard(MeshResource()):
         placed = [jax.device_put(x, seq_sharded) for x in (q, k, v)]
         with pytest.raises(PARTITIONER_ERRORS, match="(?s)sequence axis of `q` is sharded.*context parallelism"):
             jax.jit(fn).lower(*placed, None, lens, dout).compile()

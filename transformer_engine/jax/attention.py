@@ -46,8 +46,9 @@ from transformer_engine.common.attention.backends import (
 from transformer_engine.common.attention import enums as _common
 from transformer_engine.common.attention.config import AttnConfig, gfx_target, normalize_window
 from transformer_engine.common.attention.validation import check_segments, check_softmax_scale
-from transformer_engine.jax import attention_math
+from transformer_engine.jax import attention_math, context_parallel
 from transformer_engine.jax.attention_math import SeqInfo
+from transformer_engine.jax.context_parallel import ContextParallel
 from transformer_engine.jax.enums import (
     AttnBiasType,
     AttnMaskType,
@@ -461,6 +462,7 @@ class _Call:
     static: FusedAttnStatic
     config: AttnConfig
     qkv_format: QKVFormat
+    cp: Optional[ContextParallel] = None  # context parallelism over a mesh axis of size > 1
 
 
 def _softmax_type(softmax_type, softmax_offset) -> AttnSoftmaxType:
@@ -503,43 +505,12 @@ def _check_softmax_offset(softmax_type: _common.AttnSoftmaxType, softmax_offset,
 def _mesh_axis_size(axis: str) -> int:
     """Size of mesh axis ``axis`` in the mesh in effect (``with mesh:`` or ``jax.set_mesh``); 1 when
     there is no such mesh or axis."""
-    from jax.interpreters import pxla
-
-    with warnings.catch_warnings():  # ``with mesh:`` (TransformerEngine's way) is read through it
-        warnings.simplefilter("ignore", DeprecationWarning)
-        meshes = [pxla.thread_resources.env.physical_mesh, jax.sharding.get_abstract_mesh()]
-    for mesh in meshes:
-        if mesh is not None and not mesh.empty and axis in mesh.axis_names:
-            return int(mesh.shape[axis])
-    return 1
+    return context_parallel.mesh_axis_size(axis)
 
 
-def _check_context_parallel(strategy, load_balanced, axis, stripe_size) -> None:
-    """Context parallelism is not implemented: accept only the arguments that describe none. (A
-    sequence axis that the inputs arrive sharded over is refused when the call is partitioned.)"""
-    if not isinstance(strategy, CPStrategy):
-        raise ValueError(f"`context_parallel_strategy` must be a CPStrategy, got {strategy!r}")
-    if strategy != CPStrategy.DEFAULT:
-        raise NotImplementedError(
-            f"`context_parallel_strategy` must be CPStrategy.DEFAULT in transformer_engine.jax, got {strategy.name} "
-            "(context parallelism is not implemented yet)"
-        )
-    if not isinstance(axis, str):
-        raise ValueError(f"`context_parallel_axis` must be a mesh axis name (str, '' for none), got {axis!r}")
-    cp_size = _mesh_axis_size(axis) if axis else 1
-    if cp_size > 1:
-        raise NotImplementedError(
-            f"`context_parallel_axis` must name no mesh axis larger than 1 in transformer_engine.jax, got "
-            f"{axis!r} of size {cp_size} (context parallelism is not implemented yet)"
-        )
-    if not isinstance(load_balanced, bool):
-        raise ValueError(f"`context_parallel_causal_load_balanced` must be a bool, got {load_balanced!r}")
-    # With one context-parallel rank the load-balancing reorder is the identity: True changes nothing.
-    if stripe_size is not None:
-        raise NotImplementedError(
-            f"`stripe_size` must be None in transformer_engine.jax, got {stripe_size!r} (striped context "
-            "parallelism is not implemented yet)"
-        )
+def _check_context_parallel(strategy, load_balanced, axis, stripe_size) -> Optional[ContextParallel]:
+    """The call's context parallelism (:mod:`transformer_engine.jax.context_parallel`), None without."""
+    return context_parallel.resolve_context_parallel(strategy, load_balanced, axis, stripe_size)
 
 
 def _check_score_mod(**callbacks) -> None:
@@ -588,8 +559,8 @@ def _parse_call(
     stype = _common.AttnSoftmaxType(_softmax_type(softmax_type, softmax_offset).value)
     _check_score_mod(score_mod=score_mod, score_mod_bprop=score_mod_bprop, score_mod_tensors=score_mod_tensors,
                      score_mod_bprop_tensors=score_mod_bprop_tensors)
-    _check_context_parallel(context_parallel_strategy, context_parallel_causal_load_balanced, context_parallel_axis,
-                            stripe_size)
+    cp = _check_context_parallel(context_parallel_strategy, context_parallel_causal_load_balanced,
+                                 context_parallel_axis, stripe_size)
     if not isinstance(context_checkpoint_name, str) or not context_checkpoint_name:
         raise ValueError(f"`context_checkpoint_name` must be a non-empty str, got {context_checkpoint_name!r}")
     fmt = layout.qkv_format
@@ -680,6 +651,11 @@ def _parse_call(
     else:
         seq = attention_math.full_seq_info(b, s_q, s_kv)
 
+    if cp is not None:
+        context_parallel.check_context_parallel_supported(
+            cp, layout=layout, mask=mask, bias_type=bias_type, dropout=dropout, is_training=bool(is_training),
+            softmax_type=stype, window=window, max_segments=max_segments_per_seq, s_q=s_q, s_kv=s_kv,
+            local=cp.axis in context_parallel._manual_axes())
     softmax_offset = _check_softmax_offset(stype, softmax_offset, h_q)
     has_dropout = bool(is_training) and dropout > 0.0
     if has_dropout:
@@ -711,7 +687,7 @@ def _parse_call(
         bottom_right_diagonal=config.bottom_right,
         softmax_type=stype,
     )
-    return _Call(q, k, v, bias, seq, seeds, softmax_offset, static, config, fmt)
+    return _Call(q, k, v, bias, seq, seeds, softmax_offset, static, config, fmt, cp)
 
 
 class _FusedBackend(FusedAttention):
@@ -744,7 +720,11 @@ _CANDIDATES = (_FusedBackend, _UnfusedBackend)
 
 
 def _run(call: _Call, backend) -> jax.Array:
-    """``call`` on ``backend`` (one of ``_CANDIDATES``)."""
+    """``call`` on ``backend`` (one of ``_CANDIDATES``); with a context-parallel axis, the fused
+    primitives under context parallelism (on CPU their jnp lowering)."""
+    if call.cp is not None:
+        out = context_parallel.context_parallel_attention(call.q, call.k, call.v, call.static, call.cp)
+        return _to_bshd(checkpoint_name(out, call.static.checkpoint_name), call.qkv_format)
     return _to_bshd(backend.run(call), call.qkv_format)  # SBHD: swap back
 
 
@@ -837,10 +817,13 @@ def fused_attn(
         default does. ``causal``/``padding_causal`` are always top-left and the ``*_bottom_right`` masks
         bottom-right (an explicit value is overridden, as in TransformerEngine-PyTorch). Not in
         TransformerEngine-JAX's signature (keyword only by convention: it comes last).
-    :param context_parallel_strategy: ``CPStrategy.DEFAULT``. Context parallelism is not
-        implemented: this, ``context_parallel_causal_load_balanced``, ``context_parallel_axis`` and
-        ``stripe_size`` must describe none (DEFAULT, a context-parallel axis of size 1, no
-        stripes); otherwise ``NotImplementedError``.
+    :param context_parallel_strategy: ``CPStrategy.DEFAULT`` (= ``ALL_GATHER``), ``ALL_GATHER`` or
+        ``RING``: how keys and values reach each rank when the sequence is split over
+        ``context_parallel_axis`` (a mesh axis name; ``''`` reads ``MeshResource.cp_resource``). With
+        ``context_parallel_causal_load_balanced`` the inputs are in ``reorder_causal_load_balancing``'s
+        DualChunkSwap order. An axis of size 1 is the plain path. :mod:`transformer_engine.jax.context_parallel`
+        says what runs (BSHD/SBHD layouts, no_mask and causal, no bias or dropout; in deterministic mode
+        bitwise the same as the single-device call) and refuses the rest; ``stripe_size`` must be None.
     :param context_checkpoint_name: the ``jax.ad_checkpoint.checkpoint_name`` given to the output
         (and, on the fused backend, to the saved softmax statistics) for remat policies.
     :param softmax_offset: float32 ``[1, h_q, 1, 1]``, the learnable sink logits (required for
@@ -872,7 +855,19 @@ def _attention_with_selection(**kwargs) -> Tuple[jax.Array, Selection]:
     """``fused_attn`` (keyword arguments) that also returns the backend selection (the Flax module
     logs fallbacks)."""
     call = _parse_call(**kwargs)
+    if call.cp is not None and call.config.device_type != "cuda":
+        # Context parallelism runs the fused primitives, here through their jnp lowering: no
+        # selection (whose CPU answer, the unfused backend, has no context-parallel path).
+        selection = Selection(_FusedBackend)
+        for names in _selection_records:
+            names.append(selection.name)
+        return _run(call, _FusedBackend), selection
     selection = select_attention_backend(call.config)
+    if call.cp is not None and not issubclass(selection.backend, FusedAttention):
+        reasons = "; ".join(selection.rejected.get(FusedAttention.NAME, ())) or f"selected {selection.name}"
+        raise NotImplementedError(
+            f"`context_parallel_axis` {call.cp.axis!r} (size {call.cp.size}) needs the fused attention backend, "
+            f"which cannot run this call: {reasons}")
     return _run(call, selection.backend), selection
 
 

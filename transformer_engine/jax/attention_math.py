@@ -186,12 +186,66 @@ def _precision(dtype):
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
-def _logits(q, k, bias, scale, attn_bias_type, accum_dtype):
-    """``[b, h_q, s_q, s_kv]`` scaled logits (plus bias), accumulated in ``accum_dtype``."""
+# --- contractions that do not depend on the other rows (the deterministic CPU path) ---------------
+#
+# XLA's CPU dots pick their blocking and vector paths from the whole operand shapes, so a row of
+# Q K^T (or of P V, dS K, dS^T Q) can change in its last bits with the number of rows or keys
+# around it (measured: a 16-row chunk of queries against the same keys differs from the same rows
+# of a 64-row call). In deterministic mode the fused primitives' CPU lowering contracts instead by
+# elementwise products and ``fixed_order_sum``: each result element is then a function of its own
+# operand rows and of the length of the summed axis only, like the GPU kernels' per-tile loops.
+# That is what makes the context-parallel steps (row chunks of the same full-length key or query
+# axis) bitwise equal to the single-device call. It costs memory (``d`` times the score matrix),
+# which only the CPU tests pay.
+
+
+def _positive_zero(x):
+    """``x`` with -0.0 as +0.0: a sum of zero terms has the sign of its zeros, which depend on
+    operands that the mask hides (a hidden key of the whole sequence is a padded zero in a chunk)."""
+    return jnp.where(x == 0, jnp.zeros((), x.dtype), x)
+
+
+def _grouped_rows(x, h_kv):
+    """``[b, s, h, d]`` -> ``[b, h_kv, g, s, 1, d]`` (rows as the score matrix's first axis)."""
+    return jnp.transpose(_group(x, h_kv), (0, 2, 3, 1, 4))[:, :, :, :, None, :]
+
+
+def _kv_cols(x):
+    """``[b, s_kv, h_kv, d]`` -> ``[b, h_kv, 1, 1, s_kv, d]`` (keys as the score matrix's second axis)."""
+    return jnp.transpose(x, (0, 2, 1, 3))[:, :, None, None, :, :]
+
+
+def _rows_dot_keys(x, k):
+    """``sum_d x[b, i, h, d] k[b, j, h_kv, d]`` -> ``[b, h_kv, g, s_x, s_kv]``, row-independent."""
+    return fixed_order_sum(_grouped_rows(x, k.shape[2]) * _kv_cols(k), axis=-1)
+
+
+def _scores_times_keys(scores_g, k):
+    """``sum_j scores[b, h, i, j] k[b, j, h_kv, d]`` (scores ``[b, h_kv, g, s_q, s_kv]``) -> ``[b, s_q, h_q, d]``."""
+    b, h_kv, g, s_q, _ = scores_g.shape
+    out = _positive_zero(fixed_order_sum(scores_g[..., None] * _kv_cols(k), axis=-2))  # [b, h_kv, g, s_q, d]
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, s_q, h_kv * g, k.shape[-1])
+
+
+def _scores_times_rows(scores_g, x):
+    """``sum_{g, i} scores[b, h, i, j] x[b, i, h, d]`` -> ``[b, s_kv, h_kv, d]``: queries in order, then
+    the heads of each GQA group in order."""
+    h_kv = scores_g.shape[1]
+    prod = scores_g[..., None] * _grouped_rows(x, h_kv)  # [b, h_kv, g, s_q, s_kv, d]
+    out = _positive_zero(fixed_order_sum(fixed_order_sum(prod, axis=3), axis=2))  # [b, h_kv, s_kv, d]
+    return jnp.transpose(out, (0, 2, 1, 3))
+
+
+def _logits(q, k, bias, scale, attn_bias_type, accum_dtype, invariant=False):
+    """``[b, h_q, s_q, s_kv]`` scaled logits (plus bias), accumulated in ``accum_dtype``
+    (``invariant``: row-independent contraction, see above)."""
     b, s_q, h_q, _ = q.shape
     h_kv = k.shape[2]
-    raw = jnp.einsum("bqkgd,bskd->bkgqs", _group(q, h_kv), k, preferred_element_type=accum_dtype,
-                     precision=_precision(q.dtype))
+    if invariant:
+        raw = _rows_dot_keys(q.astype(accum_dtype), k.astype(accum_dtype))
+    else:
+        raw = jnp.einsum("bqkgd,bskd->bkgqs", _group(q, h_kv), k, preferred_element_type=accum_dtype,
+                         precision=_precision(q.dtype))
     raw = raw.reshape(b, h_q, s_q, k.shape[1])
     if bias is None or attn_bias_type == AttnBiasType.NO_BIAS:
         return raw * scale
@@ -260,11 +314,13 @@ def _apply_dropout(probs, seeds, rate):
     return jnp.where(keep, probs / (1.0 - rate), 0.0).astype(probs.dtype), keep
 
 
-def _pv(probs, v, accum_dtype):
+def _pv(probs, v, accum_dtype, invariant=False):
     """``[b, h_q, s_q, s_kv] x [b, s_kv, h_kv, d_v] -> [b, s_q, h_q, d_v]``."""
     b, h_q, s_q, s_kv = probs.shape
     h_kv = v.shape[2]
     p = probs.reshape(b, h_kv, h_q // h_kv, s_q, s_kv)
+    if invariant:
+        return _scores_times_keys(p.astype(accum_dtype), v.astype(accum_dtype))
     out = jnp.einsum("bkgqs,bskd->bqkgd", p, v, preferred_element_type=accum_dtype, precision=_precision(v.dtype))
     return out.reshape(b, s_q, h_q, v.shape[-1])
 
@@ -350,11 +406,13 @@ def fused_fwd_math(q, k, v, bias, seq: SeqInfo, seeds, *, static, softmax_offset
     visible = visibility_mask(seq, q.shape[1], k.shape[1], static.attn_mask_type, static.window_size,
                               static.bottom_right)
     q, k, v, in_q = zero_padding(q, k, v, seq)
-    logits = _logits(q.astype(f32), k.astype(f32), bias, static.scaling_factor, static.attn_bias_type, f32)
+    invariant = static.deterministic
+    logits = _logits(q.astype(f32), k.astype(f32), bias, static.scaling_factor, static.attn_bias_type, f32,
+                     invariant=invariant)
     probs, lse = _masked_softmax(logits, visible, sink_logits(static.softmax_type, softmax_offset, q.shape[2]))
     if static.has_dropout:
         probs, _ = _apply_dropout(probs, seeds, static.dropout_probability)
-    out = _pv(probs, v.astype(f32), f32)
+    out = _pv(probs, v.astype(f32), f32, invariant=invariant)
     return jnp.where(in_q, out, 0.0).astype(q.dtype), lse
 
 
@@ -398,15 +456,19 @@ def fused_bwd_math(q, k, v, bias, out, dout, lse, seq: SeqInfo, seeds, *, static
     dout = jnp.where(in_q, dout, jnp.zeros((), dout.dtype))  # the kernels never load dO of padding either
     qf, kf, vf = q.astype(f32), k.astype(f32), v.astype(f32)
     visible = visibility_mask(seq, s_q, s_kv, static.attn_mask_type, static.window_size, static.bottom_right)
-    logits = _logits(qf, kf, bias, static.scaling_factor, static.attn_bias_type, f32)
+    invariant = static.deterministic
+    logits = _logits(qf, kf, bias, static.scaling_factor, static.attn_bias_type, f32, invariant=invariant)
     # exp(logits - lse) recomputes the forward probabilities; +inf lse (empty row) gives 0.
     probs = jnp.where(visible, jnp.exp(jnp.where(visible, logits, 0.0) - lse[..., None]), 0.0)
     dout_f = dout.astype(f32)
     delta = row_delta(out, dout)
     hi = _precision(f32)
-    dprobs_dropped = jnp.einsum(
-        "bqkgd,bskd->bkgqs", _group(dout_f, h_kv), vf, preferred_element_type=f32, precision=hi
-    ).reshape(b, h_q, s_q, s_kv)
+    if invariant:
+        dprobs_dropped = _rows_dot_keys(dout_f, vf).reshape(b, h_q, s_q, s_kv)
+    else:
+        dprobs_dropped = jnp.einsum(
+            "bqkgd,bskd->bkgqs", _group(dout_f, h_kv), vf, preferred_element_type=f32, precision=hi
+        ).reshape(b, h_q, s_q, s_kv)
     if static.has_dropout:
         keep = dropout_keep_mask(seeds, s_q, s_kv, static.dropout_probability)
         scale_keep = jnp.where(keep, 1.0 / (1.0 - static.dropout_probability), 0.0)
@@ -416,13 +478,17 @@ def fused_bwd_math(q, k, v, bias, out, dout, lse, seq: SeqInfo, seeds, *, static
         probs_used = probs
         dprobs = dprobs_dropped
     dlogits = probs * (dprobs - delta[..., None])  # [b, h_q, s_q, s_kv]
-    dv = jnp.einsum(
-        "bkgqs,bqkgd->bskd", probs_used.reshape(b, h_kv, h_q // h_kv, s_q, s_kv), _group(dout_f, h_kv), precision=hi
-    )
+    probs_g = probs_used.reshape(b, h_kv, h_q // h_kv, s_q, s_kv)
     dscores = dlogits * static.scaling_factor
     dscores_g = dscores.reshape(b, h_kv, h_q // h_kv, s_q, s_kv)
-    dq = jnp.einsum("bkgqs,bskd->bqkgd", dscores_g, kf, precision=hi).reshape(q.shape)
-    dk = jnp.einsum("bkgqs,bqkgd->bskd", dscores_g, _group(qf, h_kv), precision=hi)
+    if invariant:
+        dv = _scores_times_rows(probs_g, dout_f)
+        dq = _scores_times_keys(dscores_g, kf)
+        dk = _scores_times_rows(dscores_g, qf)
+    else:
+        dv = jnp.einsum("bkgqs,bqkgd->bskd", probs_g, _group(dout_f, h_kv), precision=hi)
+        dq = jnp.einsum("bkgqs,bskd->bqkgd", dscores_g, kf, precision=hi).reshape(q.shape)
+        dk = jnp.einsum("bkgqs,bqkgd->bskd", dscores_g, _group(qf, h_kv), precision=hi)
     if bias is None:
         dbias = None
     else:

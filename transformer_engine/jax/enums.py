@@ -157,8 +157,9 @@ class QKVLayout(str, Enum):
 
 
 class CPStrategy(Enum):
-    """Context-parallel strategy of ``fused_attn`` (only DEFAULT runs here: context parallelism is
-    not implemented yet)."""
+    """Context-parallel strategy of ``fused_attn`` (:mod:`transformer_engine.jax.context_parallel`):
+    ALL_GATHER gathers keys and values with ``all_gather``, RING with ``cp - 1`` ``ppermute`` steps;
+    both compute the same bits. DEFAULT is ALL_GATHER."""
 
     DEFAULT = 0
     ALL_GATHER = 1

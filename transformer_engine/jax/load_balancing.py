@@ -12,8 +12,9 @@ forward:
 - :attr:`ReorderStrategy.Striped`: stripes of ``stripe_size`` tokens (default 1) dealt round-robin
   to the ranks. The sequence length must be a multiple of ``cp_size * stripe_size``.
 
-(``fused_attn`` itself does not run context parallelism yet; the reordering is provided so that
-TE-JAX data pipelines that call it run unchanged.)
+``fused_attn(..., context_parallel_causal_load_balanced=True)`` expects its inputs in the
+DualChunkSwap order (:mod:`transformer_engine.jax.context_parallel`); Striped (THD) context
+parallelism is not implemented, the reordering is provided so that TE-JAX data pipelines run.
 """
 
 from __future__ import annotations

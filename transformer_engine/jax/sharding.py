@@ -12,8 +12,10 @@ the active one with :func:`global_mesh_resource` and sets it for a block with
         out = fused_attn(...)
 
 What the fused attention does with it: batch is split over the dp and fsdp axes and heads over
-the tp (or tpsp) axis, each device computing its own shard with no gather of q, k or v. A
-sequence axis that is sharded (context parallelism) is rejected with ``NotImplementedError``.
+the tp (or tpsp) axis, each device computing its own shard with no gather of q, k or v. The
+sequence is split over the ``cp_resource`` axis (context parallelism,
+:mod:`transformer_engine.jax.context_parallel`); a sequence axis sharded over any other axis is
+rejected with ``NotImplementedError``.
 Attention has no pipeline or expert dimension: ``pp_resource`` and ``ep_resource`` are carried for
 TransformerEngine code that sets them and do not change attention.
 """

@@ -68,9 +68,9 @@ class DotProductAttention(nn.Module):
       keyword: None = TransformerEngine-JAX's top-left, True = bottom-right).
     - ``max_segments_per_seq``: sequences per row for THD layouts.
     - ``context_parallel_causal_load_balanced``, ``context_parallel_axis``,
-      ``context_parallel_strategy`` (``'DEFAULT'``, ``'ALL_GATHER'``, ``'RING'``): context parallelism
-      is not implemented; values that describe none run, others raise ``NotImplementedError``
-      (see :func:`~transformer_engine.jax.attention.fused_attn`).
+      ``context_parallel_strategy`` (``'DEFAULT'``, ``'ALL_GATHER'``, ``'RING'``): passed to
+      :func:`~transformer_engine.jax.attention.fused_attn` (context parallelism over that mesh axis,
+      :mod:`transformer_engine.jax.context_parallel`).
     - ``context_checkpoint_name``: the remat checkpoint name of the output.
     - ``softmax_type``: ``'vanilla'``, ``'off_by_one'`` (or ``'off-by-one'``) or ``'learnable'``, see
       :func:`~transformer_engine.jax.attention.fused_attn`. ``'learnable'`` owns the parameter

@@ -156,13 +156,61 @@ def _dsink_shape(q, q_seqlens) -> Tuple[int, int, int]:
 # ================================================================================================
 # Abstract evaluation
 # ================================================================================================
+#
+# Inside ``shard_map`` every value's type also says over which manual mesh axes it varies (JAX's
+# "vma"; ``ShapedArray.manual_axis_type`` in jax 0.10, ``vma`` later). The results vary over what
+# the operands vary over: the public binders below first make every operand vary over the union
+# (``_vary_like``), and the abstract rules give the results that type (``_typed``). Without it the
+# results would claim to be replicated, and the custom_vjp's backward rule would return cotangents
+# of another type than its primal inputs (JAX rejects that).
+
+
+def _varying(aval) -> frozenset:
+    """The manual mesh axes ``aval`` varies over (empty outside shard_map)."""
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()) or ())
+
+
+def _typed(shape, dtype, operands):
+    """``ShapedArray(shape, dtype)`` varying over the manual axes of the most-varying operand."""
+    template = max(operands, key=lambda a: len(_varying(a)))
+    if not _varying(template):
+        return jax.core.ShapedArray(shape, dtype)
+    # The type names the (abstract) mesh of the manual axes: take it from the operand's sharding.
+    sharding = NamedSharding(template.sharding.mesh, PartitionSpec(*([None] * len(shape))))
+    field = "manual_axis_type" if hasattr(template, "manual_axis_type") else "vma"  # jax >= 0.10 / older
+    return jax.core.ShapedArray(shape, dtype, sharding=sharding, **{field: getattr(template, field)})
+
+
+def _vary_like(*xs):
+    """``xs`` (arrays or None), each made to vary over the union of the manual axes they vary over
+    (``jax.lax.pcast(..., to='varying')``, ``pvary`` in older jax; its transpose is a psum, so the
+    cotangent of a replicated operand is summed over the axis, as the chain rule wants). Identity
+    outside shard_map."""
+    arrays = [x for x in jax.tree_util.tree_leaves(xs) if x is not None]
+    union = frozenset().union(*(_varying(jax.typeof(x)) for x in arrays)) if arrays else frozenset()
+    if not union:
+        return xs
+
+    def vary(x):
+        missing = tuple(sorted(union - _varying(jax.typeof(x))))
+        if not missing:
+            return x
+        if hasattr(jax.lax, "pcast"):
+            return jax.lax.pcast(x, missing, to="varying")
+        return jax.lax.pvary(x, missing)
+
+    return jax.tree_util.tree_map(vary, xs)
 
 
 def _fwd_abstract(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds, softmax_offset, *, static):
     _check_operands(static, q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds, softmax_offset)
     b, s_q, h_q, _ = q.shape
-    out = jax.core.ShapedArray((b, s_q, h_q, v.shape[3]), q.dtype)
-    aux = jax.core.ShapedArray(attention_math.softmax_aux_shape(b, q_seqlens.shape[1], h_q, s_q), jnp.float32)
+    operands = (q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds, softmax_offset)
+    out = _typed((b, s_q, h_q, v.shape[3]), q.dtype, operands)
+    aux = _typed(attention_math.softmax_aux_shape(b, q_seqlens.shape[1], h_q, s_q), jnp.float32, operands)
     return out, aux
 
 
@@ -176,8 +224,10 @@ def _bwd_abstract(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, 
     aux_shape = attention_math.softmax_aux_shape(q.shape[0], q_seqlens.shape[1], q.shape[2], q.shape[1])
     if softmax_aux.shape != aux_shape or softmax_aux.dtype != jnp.float32:
         raise ValueError(f"`softmax_aux` must be float32{list(aux_shape)}, got {softmax_aux.dtype}{list(softmax_aux.shape)}")
-    grads = tuple(jax.core.ShapedArray(x.shape, x.dtype) for x in (q, k, v, bias))
-    return grads + (jax.core.ShapedArray(_dsink_shape(q, q_seqlens), jnp.float32),)
+    operands = (q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds,
+                softmax_offset)
+    grads = tuple(_typed(x.shape, x.dtype, operands) for x in (q, k, v, bias))
+    return grads + (_typed(_dsink_shape(q, q_seqlens), jnp.float32, operands),)
 
 
 # ================================================================================================
@@ -329,8 +379,9 @@ def _layout(static, mesh, arg_infos, seq_operands) -> _Layout:
         if spec[axis] is not None:
             raise NotImplementedError(
                 f"fused_attn: the sequence axis of `{name}` is sharded over mesh axes {_axes_tuple(spec[axis])}, "
-                "i.e. context parallelism, which is not supported yet. Shard the batch over dp/fsdp and the heads "
-                "over tp (MeshResource), and keep the sequence axis replicated."
+                "i.e. context parallelism, which fused_attn runs only when it is told the axis: pass "
+                "context_parallel_axis= (or MeshResource(cp_resource=...)); otherwise shard the batch over dp/fsdp and "
+                "the heads over tp (MeshResource), and keep the sequence axis replicated."
             )
     q_spec = _spec(arg_infos["q"], "q")
     batch, heads = q_spec[0], q_spec[2]
@@ -588,6 +639,7 @@ def fused_attn_fwd(q, k, v, bias, seq: SeqInfo, seeds, static: FusedAttnStatic, 
     ``softmax_offset``: fp32 ``[h_q]`` sink logits (read with sink softmax only)."""
     if softmax_offset is None:
         softmax_offset = jnp.zeros((q.shape[2],), jnp.float32)
+    q, k, v, bias, seq, seeds, softmax_offset = _vary_like(q, k, v, bias, seq, seeds, softmax_offset)
     out, aux = _fwd_outer_p.bind(q, k, v, bias, *seq, seeds, softmax_offset, static=static)
     return out, aux
 
@@ -598,6 +650,8 @@ def fused_attn_bwd(q, k, v, bias, out, dout, softmax_aux, seq: SeqInfo, seeds, s
     ``[b, m, h_q]`` each sequence's part of d softmax_offset (zeros unless the sink is learnable)."""
     if softmax_offset is None:
         softmax_offset = jnp.zeros((q.shape[2],), jnp.float32)
+    q, k, v, bias, out, dout, softmax_aux, seq, seeds, softmax_offset = _vary_like(
+        q, k, v, bias, out, dout, softmax_aux, seq, seeds, softmax_offset)
     return tuple(_bwd_outer_p.bind(q, k, v, bias, out, dout, softmax_aux, *seq, seeds, softmax_offset,
                                    static=static))
 
@@ -664,4 +718,7 @@ def fused_attn_core(
         if static.attn_bias_type == AttnBiasType.PRE_SCALE_BIAS:
             bias = bias * jnp.asarray(q_factor, bias.dtype)
         static = dataclasses.replace(static, scaling_factor=scale)
+    # Under shard_map: one manual-axes type for all operands, so that each cotangent the custom_vjp
+    # returns has its primal's type (the pcast's transpose sums a replicated operand's cotangent).
+    q, k, v, bias, offset, seq, seeds = _vary_like(q, k, v, bias, offset, seq, seeds)
     return _fused_attn(static, q, k, v, bias, offset, seq, seeds)

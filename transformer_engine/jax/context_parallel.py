@@ -1,0 +1,370 @@
+"""Context parallelism for ``fused_attn``: the sequence split over a mesh axis, each reduction on one device.
+
+TransformerEngine-JAX's arguments: ``context_parallel_axis`` (a mesh axis name; ``''`` reads
+``MeshResource.cp_resource`` of :func:`~transformer_engine.jax.sharding.global_shard_guard`),
+``context_parallel_strategy`` (:class:`~transformer_engine.jax.enums.CPStrategy`: ``ALL_GATHER``,
+``RING``; ``DEFAULT`` is ``ALL_GATHER``) and ``context_parallel_causal_load_balanced`` (the tokens
+were reordered with ``reorder_causal_load_balancing(x, ReorderStrategy.DualChunkSwap, cp, seq_dim)``:
+the sequence in ``2 * cp`` chunks, rank ``r`` holding chunks ``r`` and ``2 * cp - 1 - r``). With a
+context-parallel axis of size 1 the call takes the plain path, at no cost.
+
+Called under ``jit`` with the mesh in effect, ``fused_attn`` runs the attention in a ``shard_map``
+over the mesh (sequence over the context-parallel axis, batch over dp/fsdp and heads over tp as
+``MeshResource`` names them); called inside the user's own ``shard_map`` in which the axis is
+manual, it runs on the local chunks directly.
+
+How each device computes its rows (the design, for every strategy):
+
+- Forward, for each own query chunk ``[a, a + c)``: keys and values are gathered (``ALL_GATHER``:
+  ``all_gather``; ``RING``: ``cp - 1`` ``ppermute`` steps) and put back in global token order;
+  the chunk attends to them through the fused forward primitive. Causal: keys ``[0, a + c)``
+  (the rest is padding) with the diagonal aligned bottom-right, which is the top-left causal mask
+  of those rows of the whole sequence. No mask: every key.
+- Backward, inside one ``jax.custom_vjp`` around the whole context-parallel attention (so autodiff
+  never reduce-scatters partial dK/dV): dQ of an own chunk from the fused backward primitive over
+  the same keys (its dQ kept); dK/dV of an own key/value chunk from the fused backward primitive
+  over the gathered query rows ``[a, s)`` (queries, outputs, output gradients and log-sum-exp
+  gathered in global order, the chunk's queries a sequence starting at ``a``) with the causal
+  mask top-left (its dK/dV kept).
+
+Every sum (the softmax over keys, dQ over keys, dK/dV over queries and over the heads of a GQA
+group) then runs on one device, over the same keys or queries in the same order as the
+single-device call: in deterministic mode the outputs and gradients of every token are bitwise the
+same for any cp, and the same as without context parallelism, provided that each chunk starts at a
+multiple of the kernels' block sizes (chunk lengths ``s / (2 cp)`` or ``s / cp`` that are multiples
+of 128 do on every plan), so that the kernels' query and key blocks are the single call's. The
+fused primitives' CPU lowering contracts row-independently in deterministic mode (see
+``attention_math``), so the same holds there for any chunk length. The backward runs two fused
+backward calls per chunk, each keeping part of its results: about twice the single-device
+backward's work per device, spread over ``cp`` devices.
+
+What runs: the layouts of the BSHD and SBHD formats (separate, kv-packed, qkv-packed), masks
+``no_mask`` and ``causal``, no bias, no dropout, vanilla softmax, no sliding window, one sequence
+per row, ``s_q == s_kv`` for causal; TransformerEngine-JAX runs no more (it has no SBHD, and runs
+THD only with striped load balancing, ``stripe_size``, which is not implemented here). The rest is
+refused with ``NotImplementedError``; malformed arguments with ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from transformer_engine.common.attention import enums as _common
+from transformer_engine.jax.attention_math import SeqInfo, full_seq_info
+from transformer_engine.jax.enums import CPStrategy, ReorderStrategy
+from transformer_engine.jax.load_balancing import inverse_reorder_causal_load_balancing
+from transformer_engine.jax.primitives.attention import FusedAttnStatic, fused_attn_bwd, fused_attn_fwd
+from transformer_engine.jax.sharding import batch_axes, global_mesh_resource, head_axes
+
+__all__ = ["ContextParallel", "resolve_context_parallel", "check_context_parallel_supported",
+           "context_parallel_attention", "make_plan", "rank_forward", "rank_backward"]
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """A call's context parallelism: mesh axis, its size (> 1), strategy, load-balanced order."""
+
+    axis: str
+    size: int
+    strategy: CPStrategy  # ALL_GATHER or RING (DEFAULT resolved)
+    load_balanced: bool
+
+
+# ================================================================================================
+# Arguments
+# ================================================================================================
+
+
+def _current_meshes():
+    """The meshes in effect: ``with mesh:`` (TransformerEngine's way) and ``jax.set_mesh``."""
+    from jax.interpreters import pxla
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        meshes = [pxla.thread_resources.env.physical_mesh, jax.sharding.get_abstract_mesh()]
+    return [m for m in meshes if m is not None and not m.empty]
+
+
+def _manual_axes() -> frozenset:
+    """Mesh axes that are manual here (inside ``shard_map``)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return frozenset()
+    return frozenset(getattr(mesh, "manual_axes", ()) or ())
+
+
+def mesh_axis_size(axis: str) -> int:
+    """Size of mesh axis ``axis`` in the mesh in effect; 1 when there is no such mesh or axis."""
+    for mesh in _current_meshes():
+        if axis in mesh.axis_names:
+            return int(mesh.shape[axis])
+    return 1
+
+
+def resolve_context_parallel(strategy, load_balanced, axis, stripe_size) -> Optional[ContextParallel]:
+    """The call's :class:`ContextParallel`, or None when there is none (no axis, or one of size 1)."""
+    if not isinstance(strategy, CPStrategy):
+        raise ValueError(
+            f"`context_parallel_strategy` must be a CPStrategy (DEFAULT, ALL_GATHER or RING), got {strategy!r}")
+    if not isinstance(axis, str):
+        raise ValueError(f"`context_parallel_axis` must be a mesh axis name (str, '' for none), got {axis!r}")
+    if not isinstance(load_balanced, (bool, np.bool_)):
+        raise ValueError(f"`context_parallel_causal_load_balanced` must be a bool, got {load_balanced!r}")
+    if stripe_size is not None:
+        raise NotImplementedError(
+            f"`stripe_size` must be None in transformer_engine.jax, got {stripe_size!r} (striped context "
+            "parallelism, TransformerEngine-JAX's THD load balancing, is not implemented)"
+        )
+    if not axis:
+        axis = global_mesh_resource().cp_resource or ""
+    size = mesh_axis_size(axis) if axis else 1
+    if size == 1:
+        return None  # with one rank the load-balancing order is the identity: nothing to do
+    if strategy == CPStrategy.DEFAULT:
+        strategy = CPStrategy.ALL_GATHER
+    return ContextParallel(axis=axis, size=size, strategy=strategy, load_balanced=bool(load_balanced))
+
+
+def check_context_parallel_supported(cp: ContextParallel, *, layout, mask, bias_type, dropout, is_training,
+                                     softmax_type, window, max_segments, s_q, s_kv, local: bool) -> None:
+    """Refuse what the context-parallel path does not run, naming the argument. ``s_q``/``s_kv``:
+    the sequence lengths the call sees (local chunks when ``local``)."""
+    where = f"with context parallelism over mesh axis {cp.axis!r} of size {cp.size}"
+    if layout.qkv_format == _common.QKVFormat.THD:
+        raise NotImplementedError(
+            f"`qkv_layout` must be a BSHD or SBHD layout {where}, got {layout.value!r} (THD context parallelism "
+            "needs striped load balancing, `stripe_size`, which is not implemented)")
+    if mask not in (_common.AttnMaskType.NO_MASK, _common.AttnMaskType.CAUSAL_MASK):
+        raise NotImplementedError(f"`attn_mask_type` must be 'no_mask' or 'causal' {where}, got {mask.value!r}")
+    if bias_type != _common.AttnBiasType.NO_BIAS:
+        raise NotImplementedError(f"`attn_bias_type` must be 'no_bias' {where}, got {bias_type.value!r}")
+    if dropout > 0.0 and is_training:
+        raise NotImplementedError(f"`dropout_probability` must be 0 {where}, got {dropout}")
+    if softmax_type != _common.AttnSoftmaxType.VANILLA_SOFTMAX:
+        raise NotImplementedError(f"`softmax_type` must be 'vanilla' {where}, got {softmax_type.value!r}")
+    causal_window = (-1, 0) if mask.is_causal else (-1, -1)
+    if tuple(window) != causal_window:
+        raise NotImplementedError(f"`window_size` must be None (no sliding window) {where}, got {window}")
+    if max_segments != 1:
+        raise NotImplementedError(f"`max_segments_per_seq` must be 1 {where}, got {max_segments}")
+    total_q, total_kv = (s_q * cp.size, s_kv * cp.size) if local else (s_q, s_kv)
+    if mask.is_causal and total_q != total_kv:
+        raise NotImplementedError(
+            f"`qkv` must have as many queries as keys with a causal mask {where}, got s_q={total_q}, s_kv={total_kv}")
+    chunks = 2 * cp.size if cp.load_balanced else cp.size
+    for name, total in (("s_q", total_q), ("s_kv", total_kv)):
+        if total % chunks:
+            why = (f"2 * cp_size = {chunks} (context_parallel_causal_load_balanced=True: DualChunkSwap chunks)"
+                   if cp.load_balanced else f"cp_size = {chunks}")
+            raise ValueError(f"`qkv` sequence length ({name}) must be a multiple of {why} {where}, got {total}")
+
+
+# ================================================================================================
+# Collectives: gather along the sequence, in global token order
+# ================================================================================================
+
+
+def _gather(x, cp: ContextParallel, seq_axis: int):
+    """The full sequence of ``x`` (local chunks along ``seq_axis``) on every rank, in global order."""
+    if cp.strategy == CPStrategy.RING:
+        # cp - 1 ring steps; after step t this rank holds the block of rank (r - t) mod cp.
+        r = jax.lax.axis_index(cp.axis)
+        blocks, y = [x], x
+        perm = [(i, (i + 1) % cp.size) for i in range(cp.size)]
+        for _ in range(cp.size - 1):
+            y = jax.lax.ppermute(y, cp.axis, perm)
+            blocks.append(y)
+        stacked = jnp.stack(blocks)  # [cp, ...]: step t
+        order = (r - jnp.arange(cp.size)) % cp.size  # rank j's block is step (r - j) mod cp
+        ranked = jnp.take(stacked, order, axis=0)
+        ranked = jnp.moveaxis(ranked, 0, seq_axis)
+        shape = list(x.shape)
+        shape[seq_axis] *= cp.size
+        full = ranked.reshape(shape)
+    else:
+        full = jax.lax.all_gather(x, cp.axis, axis=seq_axis, tiled=True)
+    if cp.load_balanced:
+        full = inverse_reorder_causal_load_balancing(full, ReorderStrategy.DualChunkSwap, cp.size, seq_axis)
+    return full
+
+
+# ================================================================================================
+# The per-rank computation
+# ================================================================================================
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Static description of one rank's work (the rank index itself is traced)."""
+
+    static: FusedAttnStatic
+    cp: ContextParallel
+    causal: bool
+
+    def chunks(self, local_len: int):
+        """(local row start, chunk length, global start as a function of the rank) per own chunk."""
+        if self.cp.load_balanced:
+            c = local_len // 2
+            n = 2 * self.cp.size
+            return ((0, c, lambda r: r * c), (c, c, lambda r: (n - 1 - r) * c))
+        return ((0, local_len, lambda r: r * local_len),)
+
+    @property
+    def chunk_static(self) -> FusedAttnStatic:
+        """Queries of a chunk against keys [0, a + c) (padding beyond): causal aligned bottom-right."""
+        return dataclasses.replace(self.static, attn_mask_type=_common.AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK,
+                                   bottom_right_diagonal=None)
+
+    @property
+    def kv_chunk_static(self) -> FusedAttnStatic:
+        """Queries [a, s) (a sequence starting at a) against one key chunk: causal aligned top-left."""
+        return dataclasses.replace(self.static, attn_mask_type=_common.AttnMaskType.PADDING_CAUSAL_MASK,
+                                   qkv_format=_common.QKVFormat.THD, bottom_right_diagonal=None)
+
+
+def make_plan(static: FusedAttnStatic, cp: ContextParallel) -> _Plan:
+    """The per-rank plan of a call (what :func:`rank_forward` and :func:`rank_backward` take)."""
+    return _Plan(static=static, cp=cp, causal=static.attn_mask_type.is_causal)
+
+
+def _column(b, value):
+    return jnp.broadcast_to(jnp.asarray(value, jnp.int32), (b, 1))
+
+
+def _chunk_seq(b, c, a, s_kv) -> SeqInfo:
+    """A chunk of ``c`` queries against keys ``[0, a + c)`` of a length-``s_kv`` key axis."""
+    return SeqInfo(_column(b, c), _column(b, a + c), jnp.concatenate([_column(b, 0), _column(b, c)], 1),
+                   jnp.concatenate([_column(b, 0), _column(b, s_kv)], 1))
+
+
+def _kv_chunk_seq(b, c, a, s_q) -> SeqInfo:
+    """Queries ``[a, s_q)`` (one sequence starting at ``a``) against a key chunk of ``c`` keys."""
+    return SeqInfo(_column(b, s_q - a), _column(b, c), jnp.concatenate([_column(b, a), _column(b, s_q)], 1),
+                   jnp.concatenate([_column(b, 0), _column(b, c)], 1))
+
+
+def _placeholders(q):
+    b, _, h, _ = q.shape
+    return jnp.zeros((0,), q.dtype), jnp.zeros((b, h, 2), jnp.uint32)
+
+
+def rank_forward(plan: _Plan, rank, q, k_all, v_all):
+    """One rank's forward from gathered operands: (local output, local log-sum-exp ``[b, 1, h, n_local]``
+    in local row order). ``q``: the rank's rows; ``k_all``, ``v_all``: every key and value in global
+    order; ``rank``: its index on the context-parallel axis (int or traced)."""
+    b, n_local = q.shape[:2]
+    bias, seeds = _placeholders(q)
+    s_kv = k_all.shape[1]
+    if not plan.causal:
+        return fused_attn_fwd(q, k_all, v_all, bias, full_seq_info(b, n_local, s_kv), seeds, plan.static)
+    outs, lses = [], []
+    for lo, c, start in plan.chunks(n_local):
+        out, lse = fused_attn_fwd(q[:, lo:lo + c], k_all, v_all, bias, _chunk_seq(b, c, start(rank), s_kv), seeds,
+                                  plan.chunk_static)
+        outs.append(out)
+        lses.append(lse)
+    return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=3)
+
+
+def rank_backward(plan: _Plan, rank, local, gathered):
+    """One rank's (dq, dk, dv) of its own rows from gathered operands. ``local``: the rank's
+    ``(q, k, v, out, lse, dout)``; ``gathered``: ``(q, k, v, out, lse, dout)`` of the whole sequence
+    in global order (lse ``[b, 1, h, s]``)."""
+    q, k, v, out, lse, dout = local
+    q_all, k_all, v_all, out_all, lse_all, dout_all = gathered
+    b, n_local = q.shape[:2]
+    bias, seeds = _placeholders(q)
+    s_q, s_kv = q_all.shape[1], k_all.shape[1]
+    bias_k, seeds_k = _placeholders(q_all)
+    if not plan.causal:
+        dq = fused_attn_bwd(q, k_all, v_all, bias, out, dout, lse, full_seq_info(b, n_local, s_kv), seeds,
+                            plan.static)[0]
+        _, dk, dv, _, _ = fused_attn_bwd(q_all, k, v, bias_k, out_all, dout_all, lse_all,
+                                         full_seq_info(b, s_q, k.shape[1]), seeds_k, plan.static)
+        return dq, dk, dv
+    # The log-sum-exp of the queries [a, s) as one sequence starting at a: positions from a (+inf past s - a).
+    lse_padded = jnp.concatenate([lse_all, jnp.full(lse_all.shape, jnp.inf, lse_all.dtype)], axis=3)
+    dqs, dks, dvs = [], [], []
+    for lo, c, start in plan.chunks(n_local):
+        a = start(rank)
+        rows = slice(lo, lo + c)
+        dq = fused_attn_bwd(q[:, rows], k_all, v_all, bias, out[:, rows], dout[:, rows], lse[..., rows],
+                            _chunk_seq(b, c, a, s_kv), seeds, plan.chunk_static)[0]
+        lse_from_a = jax.lax.dynamic_slice_in_dim(lse_padded, a, s_q, axis=3)
+        _, dk, dv, _, _ = fused_attn_bwd(q_all, k[:, rows], v[:, rows], bias_k, out_all, dout_all, lse_from_a,
+                                         _kv_chunk_seq(b, c, a, s_q), seeds_k, plan.kv_chunk_static)
+        dqs.append(dq)
+        dks.append(dk)
+        dvs.append(dv)
+    cat = functools.partial(jnp.concatenate, axis=1)
+    return cat(dqs), cat(dks), cat(dvs)
+
+
+def _forward(plan: _Plan, q, k, v):
+    rank = jax.lax.axis_index(plan.cp.axis)
+    return rank_forward(plan, rank, q, _gather(k, plan.cp, 1), _gather(v, plan.cp, 1))
+
+
+def _backward(plan: _Plan, q, k, v, out, lse, dout):
+    rank = jax.lax.axis_index(plan.cp.axis)
+    gathered = tuple(_gather(x, plan.cp, 3 if i == 4 else 1) for i, x in enumerate((q, k, v, out, lse, dout)))
+    return rank_backward(plan, rank, (q, k, v, out, lse, dout), gathered)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _cp_attention(plan: _Plan, q, k, v):
+    return _forward(plan, q, k, v)[0]
+
+
+def _cp_attention_fwd(plan, q, k, v):
+    out, lse = _forward(plan, q, k, v)
+    return out, (q, k, v, out, lse)
+
+
+def _cp_attention_bwd(plan, residuals, dout):
+    q, k, v, out, lse = residuals
+    return _backward(plan, q, k, v, out, lse, dout)
+
+
+_cp_attention.defvjp(_cp_attention_fwd, _cp_attention_bwd)
+
+
+# ================================================================================================
+# Entry point
+# ================================================================================================
+
+
+def _divisible_axes(axes: Tuple[str, ...], mesh, *sizes: int):
+    """``axes`` (those in ``mesh``) when their product divides every size, else None (replicated)."""
+    axes = tuple(a for a in axes if a in mesh.axis_names and mesh.shape[a] > 1)
+    if not axes:
+        return None
+    n = int(np.prod([mesh.shape[a] for a in axes]))
+    if any(size % n for size in sizes):
+        return None
+    return axes if len(axes) > 1 else axes[0]
+
+
+def context_parallel_attention(q, k, v, static: FusedAttnStatic, cp: ContextParallel):
+    """Attention of canonical BSHD ``q``, ``k``, ``v`` with the sequence split over ``cp.axis``
+    (global arrays under ``jit``, or the local chunks inside a ``shard_map`` where the axis is manual)."""
+    plan = make_plan(static, cp)
+    if cp.axis in _manual_axes():
+        return _cp_attention(plan, q, k, v)
+    mesh = next(m for m in _current_meshes() if cp.axis in m.axis_names)
+    resource = global_mesh_resource()
+    batch = _divisible_axes(batch_axes(resource), mesh, q.shape[0])
+    heads = _divisible_axes(head_axes(resource), mesh, q.shape[2], k.shape[2])
+    spec = PartitionSpec(batch, cp.axis, heads, None)
+    run = jax.shard_map(functools.partial(_cp_attention, plan), mesh=mesh, in_specs=(spec, spec, spec),
+                        out_specs=spec)
+    return run(q, k, v)

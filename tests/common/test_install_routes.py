@@ -28,6 +28,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import site
 import subprocess
 import sys
 import textwrap
@@ -95,7 +96,6 @@ def _clean_env() -> dict:
     change what the checks run (PYTHONPATH, an active venv, NVTE_* settings, Triton's interpreter)."""
     drop = {"PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "VIRTUAL_ENV", "TRITON_INTERPRET", "XLA_FLAGS"}
     env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("NVTE_")}
-    env["PYTHONNOUSERSITE"] = "1"
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     return env
 
@@ -106,13 +106,26 @@ def _run(args, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
 
 
 def _venv(path: Path, system_site: bool) -> Path:
-    """A fresh venv without its own pip (this interpreter's pip installs into it: ``pip --python``)."""
+    """A fresh venv without its own pip (this interpreter's pip installs into it: ``pip --python``).
+
+    ``system_site``: it also sees what this interpreter sees. ``--system-site-packages`` gives the
+    base interpreter's site; when the tests themselves run in a venv, that venv's site is added too
+    (``site.addsitedir`` from a .pth file, which processes its .pth files as a system site's are)."""
     args = [sys.executable, "-m", "venv", "--without-pip", str(path)]
     if system_site:
         args.insert(4, "--system-site-packages")
     result = _run(args, cwd=path.parent)
     assert result.returncode == 0, result.stdout + result.stderr
-    return path / "bin" / "python"
+    python = path / "bin" / "python"
+    if system_site and sys.prefix != sys.base_prefix:
+        outer = [p for p in site.getsitepackages() if Path(p).is_relative_to(sys.prefix)]
+        (_site_packages(path) / "outer_site.pth").write_text(
+            "".join(f"import site; site.addsitedir({p!r})\n" for p in outer))
+    return python
+
+
+def _site_packages(venv: Path) -> Path:
+    return next((venv / "lib").glob("python*/site-packages"))
 
 
 def _pip(python: Path, *args, cwd: Path) -> subprocess.CompletedProcess:
@@ -163,13 +176,13 @@ def _link_distribution(name: str, into: Path):
     """Make distribution ``name`` (files and metadata) importable from ``into``, by symlinks to
     this interpreter's copy: the venv then has it, and nothing else from this site."""
     dist = importlib.metadata.distribution(name)
-    site = Path(dist.locate_file("")).resolve()
+    site_dir = Path(dist.locate_file("")).resolve()
     tops = {Path(f).parts[0] for f in dist.files or () if not str(f).startswith("..")}
     assert tops, f"{name} lists no files"
     for top in tops:
         target = into / top
         if not target.exists():
-            target.symlink_to(site / top)
+            target.symlink_to(site_dir / top)
 
 
 def test_core_route_imports_and_names_the_missing_framework(wheel, tmp_path):
@@ -182,7 +195,7 @@ def test_core_route_imports_and_names_the_missing_framework(wheel, tmp_path):
 
     # What the wheel declares for every installation (numpy, triton), and only that.
     declared = [Requirement(r) for r in _requires(wheel)]
-    site_dir = next((venv / "lib").glob("python*/site-packages"))
+    site_dir = _site_packages(venv)
     deps = venv / "declared"
     deps.mkdir()
     linked = []

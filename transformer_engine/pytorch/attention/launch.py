@@ -1,4 +1,9 @@
-"""Launch the common Triton attention kernels on torch tensors (the frontend's half of a launch)."""
+"""Launch the common Triton attention kernels on torch tensors (the frontend's half of a launch).
+
+What is launched (kernels, grids, arguments, tiles) is the framework-free description of
+``common.attention.launches``; this module describes its tensors to it, allocates the outputs and
+binds the description's slots to tensors.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from transformer_engine.common.attention.kernels.scores import dropout_mask_kern
 from transformer_engine.common.attention.plan import BackwardPlan, ForwardPlan
 from transformer_engine.pytorch.attention.config import dtype_name, triton_interpreting
 from transformer_engine.pytorch.attention.device import device_facts
+
 
 @dataclass(frozen=True)
 class Sequences:
@@ -139,9 +145,14 @@ def _call(q, k, v, fmt: QKVFormat, seqs: Sequences, softmax_scale: float, mask: 
         has_seqlens=seqs.has_seqlens, softmax_scale=softmax_scale, attn_mask_type=mask, window_size=window,
         bottom_right_diagonal=resolve_bottom_right_diagonal(mask, bottom_right_diagonal),
         views={name: _view(t, fmt) for name, t in views.items()}, lse_strides=lse_strides,
-        device=dict(device_type=q.device.type, **device_facts(q.device)), bias=bias, alibi_batch_stride=alibi,
+        device=_device(q.device), bias=bias, alibi_batch_stride=alibi,
         dropout_p=mods.dropout_p, softmax_type=mods.softmax_type,
     )
+
+
+def _device(device: torch.device) -> Dict[str, object]:
+    """AttnConfig's device facts of a launch on ``device`` (device_type, vendor, architecture)."""
+    return dict(device_type=device.type, **device_facts(device))
 
 
 def _tma_scratch(size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:

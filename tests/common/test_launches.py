@@ -77,7 +77,8 @@ def _cases():
     for bias, mask in itertools.product(((1, 8), (2, 1), (2, 8), (1, 1)), (AttnMaskType.NO_MASK,
                                                                           AttnMaskType.CAUSAL_MASK)):
         out.append(Case(dims=(64, 64), mask=mask, bias=bias))
-        out.append(Case(dtype="float16", dims=(128, 128), mask=mask, bias=bias, heads=(8, 4) if bias[1] == 1 else (8, 8)))
+        heads = (8, 4) if bias[1] == 1 else (8, 8)
+        out.append(Case(dtype="float16", dims=(128, 128), mask=mask, bias=bias, heads=heads))
     for stype in (AttnSoftmaxType.OFF_BY_ONE_SOFTMAX, AttnSoftmaxType.LEARNABLE_SOFTMAX):
         out += [Case(dims=(128, 128), mask=AttnMaskType.CAUSAL_MASK, softmax_type=stype),
                 Case(dims=(64, 64), mask=AttnMaskType.PADDING_CAUSAL_MASK, heads=(8, 2), segments=2,

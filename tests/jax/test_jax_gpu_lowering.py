@@ -414,8 +414,8 @@ def test_selection_picks_the_fused_bias_path_on_a_gpu(monkeypatch):
     monkeypatch.setattr(gpu, "unavailable_reason", lambda: None)
     args = dict(is_training=True, q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, qkv_layout="bshd_bshd_bshd",
                 attn_bias_type=AttnBiasType.POST_SCALE_BIAS, attn_mask_type=AttnMaskType.PADDING_CAUSAL_MASK,
-                softmax_type="vanilla", dropout_probability=0.0, q_num_heads=4, kv_num_heads=2, q_max_seqlen=128, kv_max_seqlen=128,
-                head_dim_qk=64, bias_shape=(1, 4, 128, 128))
+                softmax_type="vanilla", dropout_probability=0.0, q_num_heads=4, kv_num_heads=2, q_max_seqlen=128,
+                kv_max_seqlen=128, head_dim_qk=64, bias_shape=(1, 4, 128, 128))
     assert te_attention._fused_reasons(**args) == []
     assert te_attention.fused_attn_unavailable_reasons(**args) == []
 

@@ -150,7 +150,8 @@ def resources(kernel: CompiledKernel) -> dict:
     return {"regs": int(found.get("REG", -1)), "stack": int(found.get("STACK", -1)), "smem": kernel.shared}
 
 
-_PASSES = {"fwd": ("attn_fwd_kernel", "attn_fwd_ws_kernel"), "dkdv": ("attn_bwd_dkdv_kernel", "attn_bwd_dkdv_ws_kernel"),
+_PASSES = {"fwd": ("attn_fwd_kernel", "attn_fwd_ws_kernel"),
+           "dkdv": ("attn_bwd_dkdv_kernel", "attn_bwd_dkdv_ws_kernel"),
            "dq": ("attn_bwd_dq_kernel", "attn_bwd_dq_ws_kernel")}
 
 

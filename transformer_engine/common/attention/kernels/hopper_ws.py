@@ -740,7 +740,7 @@ def attn_bwd_dkdv_ws_kernel(
     DOT_PRECISION: gl.constexpr, HEAD_GROUP: gl.constexpr, SINGLE_LOOP: gl.constexpr,
     NUM_STAGES: gl.constexpr = 2,
 ):
-    """One program per (key block of 128, batch * kv head), as attn_bwd_dkdv_kernel (never with atomic dQ):
+    """One program per (key block of 128, batch * kv head), as attn_bwd_dkdv_kernel:
     BLOCK_N = 128 keys as two consumers of 64, query blocks of BLOCK_M through the loader's ring."""
     gl.static_assert(HEAD_DIM_QK == HEAD_DIM_V)
     gl.static_assert(HEAD_DIM_QK == BLOCK_DQK)

@@ -26,7 +26,7 @@ def main(variant, sq):
     scale = d ** -0.5
     out, lse = launch.forward(q, k, v, fmt, seqs, scale, mask, window)
     torch.cuda.synchronize()
-    plan = backward_plan(launch.plan_config(q, k, v, fmt, mask, window, True))
+    plan = backward_plan(launch.plan_config(q, k, v, fmt, mask, window))
     if variant == "stages1":
         plan = dataclasses.replace(plan, dq=dataclasses.replace(plan.dq, num_stages=1))
     elif variant == "n32":
@@ -39,7 +39,7 @@ def main(variant, sq):
         plan = dataclasses.replace(plan, dq=dataclasses.replace(plan.dq, single_loop=True))
     print("dq tiles", plan.dq, flush=True)
     try:
-        dq, dk, dv, _ = launch.backward(q, k, v, out, do, lse, fmt, seqs, scale, mask, window, True, plan=plan)
+        dq, dk, dv, _ = launch.backward(q, k, v, out, do, lse, fmt, seqs, scale, mask, window, plan=plan)
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001
         print(variant, sq, "FAULT", str(e).splitlines()[0][:120], flush=True)

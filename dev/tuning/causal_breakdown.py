@@ -49,11 +49,11 @@ def measure(b, h, s, d, causal, reps):
     fmt = QKVFormat.BSHD
     mask = AttnMaskType.CAUSAL_MASK if causal else AttnMaskType.NO_MASK
     seqs = launch.sequences(fmt, q, k, None, None, None, None, s, s)
-    cfg = launch.plan_config(q, k, v, fmt, mask, (-1, -1), True)
+    cfg = launch.plan_config(q, k, v, fmt, mask, (-1, -1))
     o, lse = launch.forward(q, k, v, fmt, seqs, d ** -0.5, mask, (-1, -1))
     times = kernel_us(lambda: launch.forward(q, k, v, fmt, seqs, d ** -0.5, mask, (-1, -1)), reps)
     times.update({name: t for name, t in kernel_us(
-        lambda: launch.backward(q, k, v, o, do, lse, fmt, seqs, d ** -0.5, mask, (-1, -1), True), reps).items()
+        lambda: launch.backward(q, k, v, o, do, lse, fmt, seqs, d ** -0.5, mask, (-1, -1)), reps).items()
         if name != "attn_fwd_kernel"})
     dkdv_programs = b * h * -(-s // backward_plan(cfg).dkdv.block_n)
     bwd_us = sum(times[n] for n in KERNELS[1:])

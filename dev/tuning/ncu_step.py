@@ -27,7 +27,7 @@ def main():
     seqs = launch.sequences(fmt, q, k, None, None, None, None, s, s)
     for _ in range(2):
         o, lse = launch.forward(q, k, v, fmt, seqs, d ** -0.5, mask, (-1, -1))
-        launch.backward(q, k, v, o, do, lse, fmt, seqs, d ** -0.5, mask, (-1, -1), True)
+        launch.backward(q, k, v, o, do, lse, fmt, seqs, d ** -0.5, mask, (-1, -1))
     torch.cuda.synchronize()
 
 

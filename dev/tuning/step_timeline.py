@@ -118,9 +118,9 @@ def preprocess_us(tiles, b, h, s, d, reps):
     rows = []
     for spec in tiles.split(","):
         block_m, warps = (int(x) for x in spec.split("x"))
-        plan = dataclasses.replace(backward_plan(launch.plan_config(q, k, v, fmt, mask, (-1, -1), True)),
+        plan = dataclasses.replace(backward_plan(launch.plan_config(q, k, v, fmt, mask, (-1, -1))),
                                    preprocess=Tiles(block_m, 0, warps, 1))
-        us = kernel_us(lambda: launch.backward(q, k, v, o, do, lse, fmt, seqs, d ** -0.5, mask, (-1, -1), True,
+        us = kernel_us(lambda: launch.backward(q, k, v, o, do, lse, fmt, seqs, d ** -0.5, mask, (-1, -1),
                                                plan), reps)["attn_bwd_preprocess_kernel"]
         rows.append(dict(backend=f"preprocess {spec}", shape=f"{b},{h},{s},{d}", mask="causal",
                          kernels_us=round(us, 1), kernels=f"{2 * o.numel() * 2 / us / 1e6:.2f} TB/s"))

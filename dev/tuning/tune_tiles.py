@@ -95,7 +95,7 @@ def main(dims=(128, 256), causal_kinds=(False, True), out=None, variants=None):
         fmt = QKVFormat.BSHD
         mask = AttnMaskType.CAUSAL_MASK if causal else AttnMaskType.NO_MASK
         seqs = launch.sequences(fmt, q, k, None, None, None, None, s, s)
-        cfg = launch.plan_config(q, k, v, fmt, mask, (-1, -1), True)
+        cfg = launch.plan_config(q, k, v, fmt, mask, (-1, -1))
         base_f = forward_plan(cfg)
         base_b = backward_plan(cfg)
         o, lse = launch.forward(q, k, v, fmt, seqs, d ** -0.5, mask, (-1, -1))
@@ -121,7 +121,7 @@ def main(dims=(128, 256), causal_kinds=(False, True), out=None, variants=None):
                 plan = type(base_b)(base_b.preprocess, t1, t2, base_b.block_dqk, base_b.block_dv,
                                     base_b.dot_precision, False)
                 ms = bench_ms(lambda: launch.backward(q, k, v, o, do, lse, fmt, seqs, d ** -0.5, mask,
-                                                      (-1, -1), True, plan))
+                                                      (-1, -1), plan))
                 results[key][f"bwd {t1} {t2}"] = round(attn_flops(b, h, s, s, d, causal, "bwd") / ms / 1e9, 1)
             except Exception as err:
                 results[key][f"bwd {t1} {t2}"] = f"fail {type(err).__name__}"

@@ -81,7 +81,7 @@ def run_case(b, h, hk, sq, sk, d, mask_name, window, dtype, variants, bwd_varian
     mask = MASKS[mask_name]
     scale = 1.0 / math.sqrt(d)
     seqs = launch.sequences(QKVFormat.BSHD, q, k, None, None, None, None, sq, sk)
-    cfg = launch.plan_config(q, k, v, QKVFormat.BSHD, mask, window, True)
+    cfg = launch.plan_config(q, k, v, QKVFormat.BSHD, mask, window)
     base = forward_plan(cfg)
     plans = {"triton": dataclasses.replace(base, warp_specialized=None)}
     if base.warp_specialized is not None:
@@ -109,7 +109,7 @@ def run_case(b, h, hk, sq, sk, d, mask_name, window, dtype, variants, bwd_varian
     # Backward: the Triton dK/dV and dQ passes against warp-specialized tiles of either.
     out, lse = launch.forward(q, k, v, QKVFormat.BSHD, seqs, scale, mask, window, plan=plans["triton"])
     d_out = torch.randn_like(out)
-    bbase = backward_plan(launch.plan_config(q, k, v, QKVFormat.BSHD, mask, window, True))
+    bbase = backward_plan(launch.plan_config(q, k, v, QKVFormat.BSHD, mask, window))
     bplans = {"bwd_triton": dataclasses.replace(bbase, dq_warp_specialized=None, dkdv_warp_specialized=None)}
     if bbase.dq_warp_specialized is not None and bbase.dkdv_warp_specialized is not None:
         for name, (dkdv_fields, dq_fields) in bwd_variants.items():
@@ -123,7 +123,7 @@ def run_case(b, h, hk, sq, sk, d, mask_name, window, dtype, variants, bwd_varian
     refs = reference_grads(q, k, v, d_out, mask, window, scale) if small else None
 
     def bwd(plan):
-        return launch.backward(q, k, v, out, d_out, lse, QKVFormat.BSHD, seqs, scale, mask, window, True,
+        return launch.backward(q, k, v, out, d_out, lse, QKVFormat.BSHD, seqs, scale, mask, window,
                                plan=plan)[:3]
 
     for name, plan in bplans.items():

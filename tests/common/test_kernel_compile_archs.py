@@ -3,10 +3,10 @@ does not spill, on the CPU: CDNA2/3/4 (gfx90a, gfx942, gfx950) and NVIDIA sm_80,
 
 Triton's wheel compiles for both vendors without a GPU (ptxas for NVIDIA, the LLVM AMDGPU backend for
 AMD). Each case is planned as a launch on that GPU would plan it (plan.forward_plan/backward_plan with the
-GPU's device facts) and compiled with the constexprs the PyTorch launcher passes: forward, preprocess,
-dK/dV, dQ and, with a bias, dBias. The cases cover the head-dim buckets (32, 64, 128, 256 and
-d_qk != d_v), masks and windows (none, causal, sliding bottom-right over packed sequences), the three
-dtypes, post-scale bias, ALiBi, dropout and GQA, each at its heaviest where it counts (bias with dropout
+GPU's device facts) and compiled as the frontends launch it (common.attention.launches): forward,
+preprocess, dK/dV, dQ and, with a bias, dBias; with a learnable sink, the sink-gradient kernel. The
+cases cover the head-dim buckets (32, 64, 128, 256 and d_qk != d_v), masks and windows (none, causal,
+sliding bottom-right over packed sequences), the three dtypes, post-scale bias, ALiBi, dropout and GQA, each at its heaviest where it counts (bias with dropout
 at every bucket). Launches that come out identical are compiled once, in a pool of one process per core;
 Triton's on-disk cache makes a second run fast. Spills: the private scratch of the hsaco must be 0 on AMD;
 the stack of the cubin (cuobjdump) must be 0 or as recorded in KNOWN_SPILLS on NVIDIA, and is reported as a
@@ -17,7 +17,6 @@ import concurrent.futures
 import dataclasses
 import multiprocessing
 import os
-import sys
 import warnings
 from typing import Dict, List, Tuple
 
@@ -26,12 +25,10 @@ import pytest
 pytest.importorskip("triton")
 
 from transformer_engine.common.attention import AttnBiasType, AttnConfig, AttnMaskType, AttnSoftmaxType  # noqa: E402
-from transformer_engine.common.attention.plan import (  # noqa: E402
-    ARCHS, backward_plan, forward_plan, mask_flags, padded_head_dim,
+from transformer_engine.common.attention.kernels.resources import (  # noqa: E402
+    DEVICE_FACTS, compile_report, contiguous_call, job, planned_launches,
 )
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "attention"))
-from kernel_resources import DEVICE_FACTS, compile_report  # noqa: E402
+from transformer_engine.common.attention.plan import ARCHS, padded_head_dim  # noqa: E402
 
 TARGETS = ("gfx90a", "gfx942", "gfx950", "sm80", "sm90", "sm100")
 
@@ -77,8 +74,14 @@ CASES = [
 ]
 
 
+_SHORT = {"attn_fwd_kernel": "fwd", "attn_bwd_preprocess_kernel": "preprocess", "attn_bwd_dkdv_kernel": "dkdv",
+          "attn_bwd_dq_kernel": "dq", "attn_bwd_dbias_kernel": "dbias", "attn_bwd_dsink_kernel": "dsink",
+          "attn_fwd_ws_kernel": "fwd_ws", "attn_bwd_dkdv_ws_kernel": "dkdv_ws", "attn_bwd_dq_ws_kernel": "dq_ws"}
+
+
 def launches(target: str, case: Case) -> List[Tuple[str, tuple]]:
-    """(kernel name, compile_report job) of each launch the PyTorch launcher makes for ``case`` on ``target``."""
+    """(kernel name, compile_report job) of each launch the frontends make for ``case`` on ``target``
+    (a bias case twice: [1, h, s, s] and a [1, 1, 1, s] bias, whose dBias sums the query rows)."""
     dqk, dv = case.dims
     cfg = AttnConfig(batch_size=2, num_heads_q=8, num_heads_kv=8 // case.gqa, head_dim_qk=dqk, head_dim_v=dv,
                      max_seqlen_q=1024, max_seqlen_kv=1024, dtype=case.dtype, attn_mask_type=case.mask,
@@ -86,33 +89,15 @@ def launches(target: str, case: Case) -> List[Tuple[str, tuple]]:
                      bias_shape="1hss" if case.bias == BIAS else None, dropout=0.1 if case.dropout else 0.0,
                      softmax_type=(AttnSoftmaxType.LEARNABLE_SOFTMAX if case.sink else AttnSoftmaxType.VANILLA_SOFTMAX),
                      deterministic=True, device_type="cuda", **DEVICE_FACTS[target])
-    fwd, bwd = forward_plan(cfg), backward_plan(cfg)
-    flags, _, _ = mask_flags(cfg)
-    mods = dict(HAS_BIAS=case.bias == BIAS, HAS_ALIBI=case.bias == AttnBiasType.ALIBI, DROPOUT=case.dropout)
-    seqs = dict(IS_THD=case.thd, HAS_SEQLENS=case.thd or case.mask.is_padding)
-    common = dict(HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=fwd.block_dqk, BLOCK_DV=fwd.block_dv,
-                  DOT_PRECISION=fwd.dot_precision, TMA=False, **seqs, **flags, **mods)
-    bias = case.bias == BIAS
-
-    def job(kernel, constexprs, tiles_or_options):
-        options = tiles_or_options if isinstance(tiles_or_options, dict) else tiles_or_options.launch_options
-        return kernel, (target, kernel, constexprs, options, dqk, dv, case.dtype, bias)
-
-    out = [
-        job("fwd", dict(common, HAS_SINK=case.sink, **fwd.tiles.loop_constexprs), fwd.tiles),
-        job("preprocess", dict(HEAD_DIM_V=dv, BLOCK_DV=bwd.block_dv, BLOCK_M=bwd.preprocess.block_m, **seqs),
-            dict(num_warps=bwd.preprocess.num_warps)),
-        job("dkdv", dict(common, ATOMIC_DQ=False, gqa_group=case.gqa, **bwd.dkdv.loop_constexprs), bwd.dkdv),
-        job("dq", dict(common, gqa_group=case.gqa, **bwd.dq.loop_constexprs), bwd.dq),
-    ]
-    if case.sink:
-        out.append(job("dsink", dict(BLOCK_M=bwd.dsink.block_m, HAS_SEQLENS=seqs["HAS_SEQLENS"]),
-                       dict(num_warps=bwd.dsink.num_warps)))
-    if bias:
-        dbias = {k: v for k, v in common.items() if k not in ("IS_THD", "HAS_BIAS", "HAS_ALIBI", "TMA")}
-        for sum_rows in (False, True):  # [.., .., s_q, s_kv] biases and [1, 1, 1, s_kv] (111s) ones
-            out.append(job("dbias", dict(dbias, gqa_group=case.gqa, BLOCK_M=bwd.dbias.block_m,
-                                         BLOCK_N=bwd.dbias.block_n, SUM_ROWS=sum_rows), bwd.dbias))
+    calls = [contiguous_call(cfg, thd=case.thd)]
+    if case.bias == BIAS:
+        calls.append(contiguous_call(cfg, thd=case.thd, bias_shape=(1, 1, 1, 1024)))
+    out = []
+    for call in calls:
+        for launch in planned_launches(call):
+            entry = (_SHORT[launch.name], job(launch, case.dtype, target))
+            if entry not in out:
+                out.append(entry)
     return out
 
 
@@ -177,4 +162,4 @@ def test_cases_cover_every_bucket_kernel_and_modifier():
     assert any(c.dropout for c in CASES) and any(c.gqa > 1 for c in CASES) and any(c.thd for c in CASES)
     assert any(c.dims[0] != c.dims[1] for c in CASES) and any(c.window != (-1, -1) for c in CASES)
     kernels = {k for t in TARGETS for c in CASES for k, _ in launches(t, c)}
-    assert kernels == {"fwd", "preprocess", "dkdv", "dq", "dbias"}
+    assert kernels == {"fwd", "preprocess", "dkdv", "dq", "dbias", "dsink"}  # Gluon ones: test_kernel_compile.py

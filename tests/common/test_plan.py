@@ -32,14 +32,16 @@ def test_plans_ignore_batch_lengths_heads_and_layout(arch, mask, dims):
         assert backward_plan(other) == bwd
 
 
-def test_deterministic_plans_never_use_atomics():
+def test_plans_never_use_atomics_and_ignore_the_determinism_mode():
+    """The backward runs a separate dQ pass in both modes (no atomic variant exists): one plan for both."""
     for dims, arch, mask in itertools.product(((64, 64), (128, 128), (256, 256)), ((9, 0), (8, 0)),
                                               (AttnMaskType.NO_MASK, AttnMaskType.CAUSAL_MASK)):
         cfg = dataclasses.replace(BASE, head_dim_qk=dims[0], head_dim_v=dims[1], compute_capability=arch,
                                   attn_mask_type=mask)
         plan = backward_plan(cfg)
-        assert not plan.atomic_dq
         assert not any("atomic" in name for name in plan.kernels)
+        for deterministic in (True, False):
+            assert backward_plan(dataclasses.replace(cfg, deterministic=deterministic)) == plan
 
 
 def test_padded_head_dim():
@@ -49,8 +51,8 @@ def test_padded_head_dim():
 
 @pytest.mark.parametrize("dims", [(64, 64), (128, 128), (256, 256)])
 def test_dbias_tiles_come_from_the_dq_plan(dims):
-    """Both launchers (PyTorch, JAX) take the dBias kernel's tiles from the plan: square, at most 64
-    rows, the dQ pass's warps, one stage."""
+    """The launch description (common.attention.launches) takes the dBias kernel's tiles from the plan:
+    square, at most 64 rows, the dQ pass's warps, one stage."""
     plan = backward_plan(dataclasses.replace(BASE, head_dim_qk=dims[0], head_dim_v=dims[1]))
     t = plan.dbias
     assert t.block_m == t.block_n == min(plan.dq.block_m, 64)

@@ -274,7 +274,7 @@ def skip_unless_backend_runs(backend: str, **config_kwargs):
     runs only where the kernels support the config: skip with the backend's own reasons."""
     if backend != "fused" or jax.devices()[0].platform == "cpu":
         return
-    reasons = te_attention._fused_reasons(**config_kwargs, selecting=False)  # what forcing fused can run
+    reasons = te_attention._fused_reasons(**config_kwargs)  # what forcing fused can run
     if reasons:
         pytest.skip("fused backend cannot run this config: " + "; ".join(reasons))
 

@@ -24,7 +24,10 @@ import pytest
 
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
+from transformer_engine.common.attention import launches  # noqa: E402
+from transformer_engine.common.attention.launches import LOG2E  # noqa: E402
 from transformer_engine.common.attention.enums import AttnMaskType, QKVLayout  # noqa: E402
+from transformer_engine.common.attention.plan import backward_plan, forward_plan, mask_flags  # noqa: E402
 from transformer_engine.jax import attention as te_attention  # noqa: E402
 from transformer_engine.jax.attention import SequenceDescriptor  # noqa: E402
 from transformer_engine.jax.primitives import gpu  # noqa: E402
@@ -162,7 +165,7 @@ def test_bshd_causal_forward_and_backward_programs(captured_programs):
     _, fills, launches = _check_program(fwd, ["attn_fwd_kernel"])
     assert fills == []  # BSHD mode writes every row
     (launch,) = launches
-    plan = gpu.forward_plan(gpu._plan_config(_static(AttnMaskType.CAUSAL_MASK), *_fake(b, s, hq, hk, d), False))
+    plan = forward_plan(_plan_config(_static(AttnMaskType.CAUSAL_MASK), *_fake(b, s, hq, hk, d)[:2]))
     assert launch["grid"] == (s // plan.tiles.block_m, b * hq, 1)  # plan.block_grid
     assert [r.shape for r in fwd.results] == [(b, s, hq, d), (b, hq, s)]
     _, fills, launches = _check_program(bwd, ["attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel",
@@ -282,10 +285,9 @@ BIAS_SHAPES = {"1hss": (1, 4), "b1ss": (2, 1), "bhss": (2, 4), "11ss": (1, 1)}
 @pytest.mark.parametrize("mask", [AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK, AttnMaskType.NO_MASK],
                          ids=["padding", "no_mask"])
 @pytest.mark.parametrize("bias_kind", list(BIAS_SHAPES))
-def test_bias_is_passed_to_the_kernels_as_the_pytorch_launch_passes_it(captured_programs, compile_calls, mask,
-                                                                       bias_kind):
-    """ScoreMods.stride_args strides (0 along broadcast dims), HAS_BIAS, and launch._dbias's
-    dBias launch: tiles min(dq.block_m, 64), grid (s_q / tile, s_kv / tile, bias b * h), dq's
+def test_bias_is_passed_to_the_kernels(captured_programs, compile_calls, mask, bias_kind):
+    """Bias strides (0 along broadcast dims), HAS_BIAS, and the dBias launch (common.attention.launches):
+    tiles min(dq.block_m, 64), grid (s_q / tile, s_kv / tile, bias b * h), dq's
     warps, one stage, contiguous dBias strides, lengths (padding) and batch strides."""
     b, s_q, s_kv, hq, hk, d = 2, 128, 192, 4, 2, 64
     bias_shape = (*BIAS_SHAPES[bias_kind], s_q, s_kv)
@@ -330,7 +332,8 @@ def test_bias_is_passed_to_the_kernels_as_the_pytorch_launch_passes_it(captured_
                                                                                     ("i32", s_kv))
         assert "stride_zn" not in params
 
-    plan = gpu.backward_plan(gpu._plan_config(static, q, kv, kv, deterministic=True))
+    config = _plan_config(static, q, kv, bias_shape)
+    plan = backward_plan(config)
     tile = min(plan.dq.block_m, 64)
     dbias_launch = launches[2]
     assert dbias_launch["grid"] == (-(-s_q // tile), -(-s_kv // tile), bias_shape[0] * bias_shape[1])
@@ -365,9 +368,9 @@ def test_bias_is_passed_to_the_kernels_as_the_pytorch_launch_passes_it(captured_
     assert (args["BLOCK_M"], args["BLOCK_N"], args["HAS_SEQLENS"], args["DROPOUT"]) == (tile, tile, packed, False)
     assert (args["BLOCK_DQK"], args["BLOCK_DV"], args["DOT_PRECISION"]) == (plan.block_dqk, plan.block_dv,
                                                                             plan.dot_precision)
-    flags, _, _ = gpu.mask_flags(gpu._plan_config(static, q, kv, kv, deterministic=True))
+    flags, _, _ = mask_flags(config)
     assert {k: args[k] for k in flags} == flags
-    assert args["qk_scale"] == pytest.approx(d**-0.5 * gpu.LOG2E) and args["dropout_p"] == 0.0
+    assert args["qk_scale"] == pytest.approx(d**-0.5 * LOG2E) and args["dropout_p"] == 0.0
 
 
 @compiles
@@ -401,39 +404,20 @@ def test_dropout_and_unsupported_bias_are_not_lowered_to_the_kernels(captured_pr
     assert captured_programs == []
 
 
-def test_selection_holds_the_bias_back_until_verified_on_a_gpu(monkeypatch):
-    """On a CUDA device fused_attn's selection (and the public fused_attn_unavailable_reasons /
-    is_fused_attn_kernel_available, which say what it picks) keeps a bias on the unfused backend
-    while BIAS_VERIFIED_ON_GPU is False; what the GPU tests ask before forcing the fused backend
-    (_fused_reasons(selecting=False)) has nothing against it, so those tests run the new lowering."""
+def test_selection_picks_the_fused_bias_path_on_a_gpu(monkeypatch):
+    """On a CUDA device fused_attn's selection (and the public fused_attn_unavailable_reasons, which says
+    what it picks) has nothing against a post_scale_bias over padded sequences: the bias path passed its
+    GPU tests (qa/results/gpu_runs.md)."""
     from transformer_engine.common.attention.enums import AttnBiasType
 
     monkeypatch.setattr(te_attention, "_device_facts", lambda: ("cuda", (9, 0)))
     monkeypatch.setattr(gpu, "unavailable_reason", lambda: None)
-    monkeypatch.setattr(gpu, "BIAS_VERIFIED_ON_GPU", False)
     args = dict(is_training=True, q_dtype=jnp.bfloat16, kv_dtype=jnp.bfloat16, qkv_layout="bshd_bshd_bshd",
                 attn_bias_type=AttnBiasType.POST_SCALE_BIAS, attn_mask_type=AttnMaskType.PADDING_CAUSAL_MASK,
-                softmax_type="vanilla", dropout_probability=0.0, q_num_heads=4, kv_num_heads=2, q_max_seqlen=128, kv_max_seqlen=128,
-                head_dim_qk=64, bias_shape=(1, 4, 128, 128))
-    assert te_attention._fused_reasons(**args, selecting=False) == []
-    public = te_attention.fused_attn_unavailable_reasons(**args)
-    assert any("awaits its GPU verification" in r for r in public), public
-    assert not te_attention.is_fused_attn_kernel_available(**args)
-
-    def selected():
-        config = te_attention._make_config(
-            batch_size=2, num_heads_q=4, num_heads_kv=2, head_dim_qk=64, head_dim_v=64, max_seqlen_q=128,
-            max_seqlen_kv=128, dtype=jnp.bfloat16, qkv_layout=QKVLayout.BSHD_BSHD_BSHD,
-            attn_mask_type=AttnMaskType.PADDING_CAUSAL_MASK, window_size=(-1, 0),
-            attn_bias_type=AttnBiasType.POST_SCALE_BIAS, bias_shape=(1, 4, 128, 128), dropout=0.0,
-            is_training=True)
-        return te_attention.select_attention_backend(config)
-
-    selection = selected()
-    assert selection.backend.SHORT_NAME == "unfused"
-    assert any("awaits its GPU verification" in r for r in selection.rejected[te_attention.FusedAttention.NAME])
-    monkeypatch.setattr(gpu, "BIAS_VERIFIED_ON_GPU", True)
-    assert selected().backend.SHORT_NAME == "fused"
+                softmax_type="vanilla", dropout_probability=0.0, q_num_heads=4, kv_num_heads=2, q_max_seqlen=128,
+                kv_max_seqlen=128, head_dim_qk=64, bias_shape=(1, 4, 128, 128))
+    assert te_attention._fused_reasons(**args) == []
+    assert te_attention.fused_attn_unavailable_reasons(**args) == []
 
 
 @pytest.mark.parametrize("descriptor", ["seqlens", "offsets", "segment_ids"])
@@ -446,7 +430,6 @@ def test_bias_with_sequences_that_may_start_late_stays_unfused(monkeypatch, desc
 
     monkeypatch.setattr(te_attention, "_device_facts", lambda: ("cuda", (9, 0)))
     monkeypatch.setattr(gpu, "unavailable_reason", lambda: None)
-    monkeypatch.setattr(gpu, "BIAS_VERIFIED_ON_GPU", True)
     b, s, h, d = 2, 16, 2, 16
     q = jnp.zeros((b, s, h, d), jnp.float16)
     lens = jnp.array([16, 9], jnp.int32)
@@ -473,6 +456,12 @@ def _static(mask):
     from transformer_engine.jax.primitives.attention import FusedAttnStatic
 
     return FusedAttnStatic(AttnMaskType(mask), AttnBiasType.NO_BIAS, QKVFormat.BSHD, (-1, 0), 0.125, 0.0, True, True)
+
+
+def _plan_config(static, q, kv, bias_shape=None):
+    """The planning config of the lowering's launches for these shapes on sm_90."""
+    call = gpu.launch_call(static, dict(q=q.shape, k=kv.shape, v=kv.shape), q.dtype, q.shape[0], bias_shape, (9, 0))
+    return launches.plan_config(call)
 
 
 def _fake(b, s, hq, hk, d):
@@ -506,38 +495,6 @@ def test_native_extension_source_compiles():
     assert result.returncode == 0, result.stderr[-4000:]
     own = [line for line in result.stderr.splitlines() if "triton_launch.cpp" in line and "warning" in line]
     assert not own, "\n".join(own)
-
-
-@compiles
-def test_tma_plan_lowers_with_a_global_scratch_workspace(captured_programs, monkeypatch):
-    """A plan with Tiles.tma: the kernels build tensor descriptors on the device, so Triton asks for
-    global scratch, and the program gives each such launch a workspace of grid x that size."""
-    import dataclasses
-
-    plan_fwd, plan_bwd = gpu.forward_plan, gpu.backward_plan
-
-    def with_tma(tiles):
-        return dataclasses.replace(tiles, tma=True)
-
-    monkeypatch.setattr(gpu, "forward_plan", lambda cfg: dataclasses.replace(
-        plan_fwd(cfg), tiles=with_tma(plan_fwd(cfg).tiles)))
-    monkeypatch.setattr(gpu, "backward_plan", lambda cfg: dataclasses.replace(
-        plan_bwd(cfg), dkdv=with_tma(plan_bwd(cfg).dkdv), dq=with_tma(plan_bwd(cfg).dq)))
-    b, s, hq, hk, d = 2, 256, 8, 2, 64
-    _lower_for_cuda(_attention_grad_fn(AttnMaskType.CAUSAL_MASK), *_shapes(b, s, hq, hk, d))
-    fwd, bwd = captured_programs
-    tma_kernels = {"attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"}
-    for prog, kernels in ((fwd, ["attn_fwd_kernel"]),
-                          (bwd, ["attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"])):
-        _, _, launches = _check_program(prog, kernels)  # a workspace exactly where a kernel asks for scratch
-        by_name = {k.name: k for k in prog._kernels}
-        for launch in launches:
-            scratch = by_name[launch["kernel"]].global_scratch_size
-            assert (scratch > 0) == (launch["kernel"] in tma_kernels), launch["kernel"]
-            if scratch:
-                workspace = (prog.operands + prog.results)[launch["params"][-2][1]]
-                assert workspace.dtype == jnp.uint8
-                assert workspace.shape == (int(np.prod(launch["grid"])) * scratch,)
 
 
 @compiles

@@ -139,11 +139,10 @@ def _arch_fields(arch: Union[None, str, Tuple[int, int]]) -> Dict[str, object]:
 
 
 def _frontend_extra(device_type: str, attn_bias_type: AttnBiasType, dropout: float,
-                    is_training: bool, selecting: bool = True,
+                    is_training: bool,
                     offset_sequences: bool = False, vendor: str = "nvidia") -> Tuple[Tuple[str, str], ...]:
     """Reasons only the JAX frontend knows (FusedAttention reads them from ``config.extra``): the
-    device it can launch on, its launcher's build and what it wires to the kernels. ``selecting``:
-    also hold back what the kernels can run but ``fused_attn`` should not pick yet.
+    device it can launch on, its launcher's build and what it wires to the kernels.
     ``offset_sequences``: the call's padded sequences may start after token 0 of their row."""
     if device_type != "cuda":
         return ((FusedAttention.NAME, f"device={device_type}: JAX launches the Triton kernels on CUDA GPUs only "
@@ -158,12 +157,6 @@ def _frontend_extra(device_type: str, attn_bias_type: AttnBiasType, dropout: flo
     unavailable = gpu.unavailable_reason()
     if unavailable:
         reasons.append(unavailable)
-    # The bias launch is lowered but unverified on a GPU: selection keeps it off until
-    # gpu.BIAS_VERIFIED_ON_GPU; fused_attn_unavailable_reasons (selecting=False) lets the GPU tests
-    # force it, which is that verification.
-    if attn_bias_type != _common.AttnBiasType.NO_BIAS and selecting and not gpu.BIAS_VERIFIED_ON_GPU:
-        reasons.append(f"attn_bias_type={attn_bias_type.value} (the JAX launch of the bias is lowered but awaits its "
-                       "GPU verification, qa/L1_jax_gpu)")
     # The kernels index the bias from each sequence's first token; the bias is laid out by
     # position in the row. Equal only when sequences start at token 0 (SequenceDescriptor.from_seqlens).
     if attn_bias_type != _common.AttnBiasType.NO_BIAS and offset_sequences:
@@ -181,14 +174,14 @@ def _bias_shape_name(bias_shape: Optional[Sequence[int]]) -> Optional[str]:
     return ("b" if bias_shape[0] > 1 else "1") + ("h" if bias_shape[1] > 1 else "1") + "ss"
 
 
-def _make_config(*, dtype, bias_shape: Optional[Sequence[int]], selecting: bool = True,
+def _make_config(*, dtype, bias_shape: Optional[Sequence[int]],
                  offset_sequences: bool = False, **fields) -> AttnConfig:
     """The AttnConfig of a call: ``fields`` as AttnConfig names them, plus what JAX knows now
     (device, determinism switch, the frontend's own reasons; see ``_frontend_extra``)."""
     device_type, arch = _device_facts()
     facts = _arch_fields(arch)
     extra = _frontend_extra(device_type, fields["attn_bias_type"], fields["dropout"], fields["is_training"],
-                            selecting, offset_sequences, vendor=facts["vendor"])
+                            offset_sequences, vendor=facts["vendor"])
     return AttnConfig(
         dtype=jnp.dtype(dtype).name,
         bias_shape=_bias_shape_name(bias_shape),
@@ -922,18 +915,17 @@ def fused_attn_unavailable_reasons(
     return _fused_reasons(
         is_training, q_dtype, kv_dtype, qkv_layout, attn_bias_type, attn_mask_type, dropout_probability,
         q_num_heads, kv_num_heads, q_max_seqlen, kv_max_seqlen, head_dim_qk, head_dim_v, window_size, bias_shape,
-        selecting=True, softmax_type=softmax_type,
+        softmax_type=softmax_type,
     )
 
 
 def _fused_reasons(
     is_training, q_dtype, kv_dtype, qkv_layout, attn_bias_type, attn_mask_type, dropout_probability,
     q_num_heads, kv_num_heads, q_max_seqlen, kv_max_seqlen, head_dim_qk, head_dim_v=None, window_size=None,
-    bias_shape=None, selecting=True, softmax_type=AttnSoftmaxType.VANILLA_SOFTMAX,
+    bias_shape=None, softmax_type=AttnSoftmaxType.VANILLA_SOFTMAX,
 ) -> List[str]:
-    """Why the fused backend cannot run a configuration. ``selecting=False`` (for the GPU tests that
-    force it): what the kernels can run, including paths ``fused_attn`` does not pick yet (a bias,
-    until ``primitives.gpu.BIAS_VERIFIED_ON_GPU``)."""
+    """Why the fused backend cannot run a configuration (what ``fused_attn`` selects by, and what the
+    GPU tests ask before forcing it)."""
     mask = _enum(AttnMaskType, attn_mask_type, "attn_mask_type")
     reasons = []
     stype = _common.AttnSoftmaxType(_softmax_type(softmax_type, None).value)
@@ -948,7 +940,7 @@ def _fused_reasons(
         max_seqlen_kv=kv_max_seqlen, dtype=q_dtype, qkv_layout=_enum(QKVLayout, qkv_layout, "qkv_layout"),
         attn_mask_type=mask, window_size=normalize_window(window_size, mask), attn_bias_type=bias_type,
         bias_shape=bias_shape, dropout=float(dropout_probability), is_training=bool(is_training),
-        selecting=selecting, softmax_type=stype,
+        softmax_type=stype,
     )
     if not settings.get(FusedAttention.ENABLE_VAR):
         reasons.append(f"disabled by {FusedAttention.ENABLE_VAR}=0")

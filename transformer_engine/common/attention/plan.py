@@ -34,15 +34,11 @@ class Tiles:
     num_stages: int
     head_group: int = 1  # launch order: heads whose blocks interleave (kernels/masking.py, grid_program)
     single_loop: bool = False  # one pipelined block loop masking per block, not three loops (pays where registers bind)
-    tma: bool = False  # block-loop loads through tensor descriptors where the launcher can (aligned, d contiguous)
-    pingpong: bool = False  # warp-specialized forward: consumers take turns issuing Q K^T (hopper_ws.py)
-    overlap: bool = False  # warp-specialized forward: block j's Q K^T issued with block j-1's P V
     max_registers: Optional[int] = None  # per-thread register cap of the launch (warp-specialized kernels)
 
     @property
     def loop_constexprs(self) -> Dict[str, object]:
-        """What the block-loop kernels (forward, dK/dV, dQ) take from these tiles, by parameter name
-        (TMA too is theirs, but each launcher decides it from the tensors' alignment)."""
+        """What the block-loop kernels (forward, dK/dV, dQ) take from these tiles, by parameter name."""
         return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, HEAD_GROUP=self.head_group,
                     SINGLE_LOOP=self.single_loop)
 
@@ -50,7 +46,7 @@ class Tiles:
     def ws_constexprs(self) -> Dict[str, object]:
         """What the warp-specialized Gluon kernels (hopper_ws.py) take from these tiles: their ring has
         num_stages buffers."""
-        return dict(self.loop_constexprs, NUM_STAGES=self.num_stages, PINGPONG=self.pingpong, OVERLAP=self.overlap)
+        return dict(self.loop_constexprs, NUM_STAGES=self.num_stages)
 
     @property
     def launch_options(self) -> Dict[str, int]:
@@ -66,7 +62,8 @@ class ForwardPlan:
     block_dv: int
     dot_precision: str
     # Tiles of the warp-specialized Gluon forward (kernels/hopper_ws.py) where it serves the config;
-    # launchers use it when the tensors also allow TMA (tma_eligible), else attn_fwd_kernel with `tiles`.
+    # the launches (launches.py) use it when the tensors also allow TMA (tma_eligible), else attn_fwd_kernel
+    # with `tiles`.
     warp_specialized: Optional[Tiles] = None
 
 
@@ -78,7 +75,6 @@ class BackwardPlan:
     block_dqk: int
     block_dv: int
     dot_precision: str
-    atomic_dq: bool  # fold dQ into the dK/dV pass with atomics: never in deterministic mode
     # Tiles of the warp-specialized Gluon dQ pass (kernels/hopper_ws.py) where it serves the config;
     # launchers use it when the tensors also allow TMA, else attn_bwd_dq_kernel with `dq`.
     dq_warp_specialized: Optional[Tiles] = None
@@ -110,9 +106,7 @@ class BackwardPlan:
 
     @property
     def kernels(self) -> Tuple[str, ...]:
-        """Kernel names this plan launches, in order (tests check determinism uses no atomics)."""
-        if self.atomic_dq:
-            return ("attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel[atomic_dq]")
+        """Kernel names of the passes this plan launches, in order (a separate dQ pass: no atomics)."""
         return ("attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")
 
 
@@ -159,8 +153,8 @@ _INTERPRET_BWD = Tiles(16, 16, 1, 1)
 
 # Hopper (sm_90) tiles by padded head dim (and mask kind where it pays), the fastest measured on the
 # H200. Head groups (launch order: +1.6-2.5% on causal d=128, causal d=64 dQ) and the single-loop form
-# (faster at d=256 only, where registers bind) only where they measured faster. TMA loads (Tiles.tma)
-# are nowhere: no plan measured faster with them over repeated runs.
+# (faster at d=256 only, where registers bind) only where they measured faster. The Triton kernels load
+# through pointers: TMA descriptors measured no faster over repeated runs.
 _SM90_FWD: Dict[Tuple[int, bool], Tiles] = {
     (16, False): Tiles(128, 64, 8, 3), (16, True): Tiles(64, 64, 4, 3),
     (32, False): Tiles(128, 64, 8, 3), (32, True): Tiles(64, 64, 4, 3),
@@ -400,19 +394,12 @@ def backward_plan(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = 
             dkdv = Tiles(min(dkdv.block_m, 32), min(dkdv.block_n, 64), dkdv.num_warps, 1)
             dq = Tiles(min(dq.block_m, 64), min(dq.block_n, 32), dq.num_warps, 1)
     preprocess = Tiles(64 if config.device_type != "cpu" else 16, 0, 4, 1)
-    # The separate dQ pass measured 2-3x faster than atomic dQ on the H200, so even the
-    # non-deterministic mode uses it unless it is explicitly measured otherwise.
-    atomic_dq = (not config.deterministic) and _NONDETERMINISTIC_ATOMIC_DQ
-    # An explicit Triton tile override measures the Triton kernels; atomic dQ has no dQ pass.
-    served = override is None and not atomic_dq
+    # Both modes run the separate dQ pass: it measured 2-3x faster than an atomic dQ on the H200.
+    # An explicit Triton tile override measures the Triton kernels.
+    served = override is None
     ws_dq = _warp_specialized(config, arch, key, _SM90_DQ_WS) if served else None
     ws_dkdv = _warp_specialized(config, arch, key, _SM90_DKDV_WS) if served else None
     # The dBias kernel holds Q, K, V and dO tiles at once: fp32 at padded d > 128 halves its tile.
     dbias_block = 32 if config.dtype == "float32" and key[0] > 128 else 64
     return BackwardPlan(preprocess, dkdv, dq, padded_head_dim(config.head_dim_qk),
-                        padded_head_dim(config.head_dim_v), _dot_precision(config), atomic_dq, ws_dq, ws_dkdv,
-                        dbias_block)
-
-
-# Policy for the non-deterministic backward; a module-level constant so benchmarks can flip it.
-_NONDETERMINISTIC_ATOMIC_DQ = False
+                        padded_head_dim(config.head_dim_v), _dot_precision(config), ws_dq, ws_dkdv, dbias_block)

@@ -1,8 +1,9 @@
 """CUDA lowering of the fused attention primitives: the project's Triton kernels through XLA FFI.
 
-Route (docs/jax_ffi.rst): at lowering time the kernels are compiled with ``triton.compile``
-(no torch needed), specialized exactly as Triton's own JIT specializes the PyTorch launch of
-the same call, with the tiles of the shared launch plan (``common.attention.plan``). Each
+Route (docs/jax_ffi.rst): the launches are those of the framework-free launch description
+(``common.attention.launches``: kernels, grids, arguments, tiles of the shared plan). At lowering time
+their kernels are compiled with ``triton.compile`` (no torch needed), specialized exactly as Triton's
+own JIT specializes a launch with the same arguments. Each
 primitive lowers to one custom call ``te_triton_launch`` handled by the native extension
 ``transformer_engine.jax.transformer_engine_jax_ffi`` (``csrc/triton_launch.cpp``), which
 launches the cubins on XLA's stream. The cubins and a small launch *program* (buffer fills,
@@ -15,8 +16,7 @@ at token ``r * s + offset[r, k]``; outputs and gradients are zero-filled first, 
 log-sum-exp is ``[b * m, h, s]`` = the primitives' ``[b, m, h, s]`` softmax aux.
 
 A post_scale_bias ``[1|b, 1|h, s_q, s_kv]`` (padded layouts, one sequence per row) goes to the
-forward, dK/dV and dQ kernels with the PyTorch launcher's strides, and its gradient comes from the
-dBias kernel; ``BIAS_VERIFIED_ON_GPU`` says whether fused_attn selects this path.
+forward, dK/dV and dQ kernels, and its gradient comes from the dBias kernel.
 
 Sink softmax: the sink logits (fp32 ``[h_q]``) go to the Triton forward (``SINK``, ``HAS_SINK``); for
 the learnable sink the backward launches the sink-gradient kernel after the preprocess, which writes
@@ -34,26 +34,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import mlir
 
-from transformer_engine.common.attention.config import AttnConfig
+from transformer_engine.common.attention import launches
 from transformer_engine.common.attention.enums import AttnBiasType, QKVFormat
 from transformer_engine.common.attention.kernels.aot import CompiledKernel, Pointer, compile_kernel
-from transformer_engine.common.attention.plan import (
-    backward_plan, block_grid, forward_plan, mask_flags, tma_eligible,
-)
 
 __all__ = ["unavailable_reason", "fused_attn_fwd_lowering", "fused_attn_bwd_lowering", "rocm_lowering"]
 
 FFI_TARGET = "te_triton_launch"
 PROGRAM_VERSION = 1
-LOG2E = 1.4426950408889634  # as the PyTorch launcher, so both pass the same fp32 scale
-
 _KIND_BUFFER, _KIND_I32, _KIND_I64, _KIND_F32, _KIND_NULL = range(5)
-
-# The bias path (post_scale_bias forward, dBias backward): its launch programs are checked on the
-# CPU (tests/jax/test_jax_gpu_lowering.py) and the GPU tests that force it passed on the H200
-# (qa/L1_jax_gpu), so fused_attn selects it. False keeps bias
-# calls on the unfused backend (for a new bias path awaiting its GPU run).
-BIAS_VERIFIED_ON_GPU = True
 
 
 # ================================================================================================
@@ -215,35 +204,9 @@ class Buf:
     index: int
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _strides(shape: Sequence[int], packed: bool) -> Tuple[int, ...]:
-    """Element strides of a contiguous ``[b, s, h, d]`` buffer seen as the kernels' (b, s, h, d):
-    batch stride 0 when the tokens of all rows form one packed sequence axis."""
-    b, s, h, d = shape
-    return (0 if packed else s * h * d, h * d, d, 1)
-
-
-def _tma(wanted: bool, dtype, *shapes: Sequence[int]) -> bool:
-    """Whether the block loops may read these contiguous [b, s, h, d] buffers through TMA descriptors
-    (as the PyTorch launcher decides): every stride but the head dim's a multiple of 16 bytes; XLA
-    aligns buffers to more than 16 bytes. The descriptors live in the launch's global scratch."""
-    size = jnp.dtype(dtype).itemsize
-    return wanted and all(tma_eligible(size, 0, _strides(shape, False)) for shape in shapes)
-
-
-def _plan_config(static, q, k, v, deterministic: bool) -> AttnConfig:
-    """The planning config of a launch, built as the PyTorch launcher builds it."""
-    return AttnConfig(
-        batch_size=1, num_heads_q=q.shape[2], num_heads_kv=k.shape[2], head_dim_qk=q.shape[3],
-        head_dim_v=v.shape[3], max_seqlen_q=0, max_seqlen_kv=0, dtype=jnp.dtype(q.dtype).name,
-        attn_mask_type=static.attn_mask_type, window_size=static.window_size, deterministic=deterministic,
-        bottom_right_diagonal=static.bottom_right, framework="jax",
-        attn_bias_type=AttnBiasType.POST_SCALE_BIAS if static.has_bias else AttnBiasType.NO_BIAS,
-        softmax_type=static.softmax_type, device_type="cuda", compute_capability=_compute_capability(),
-    )
+def _strides(shape: Sequence[int]) -> Tuple[int, ...]:
+    """Element strides of a row-major buffer (size-1 dims included)."""
+    return tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) for i in range(len(shape)))
 
 
 def _uses_packed_mode(static) -> bool:
@@ -259,7 +222,7 @@ def _check_supported(static, segments_per_row: int) -> None:
                 f"scale), got {static.attn_bias_type.value!r}; fused_attn selects the unfused backend for it"
             )
         # The kernels index the bias by sequence, and dBias reads each row's tokens from position 0:
-        # one sequence per row, as the PyTorch launcher (which rejects a bias with THD).
+        # one sequence per row.
         if static.qkv_format == QKVFormat.THD or segments_per_row > 1:
             raise NotImplementedError(
                 "a bias must come with a padded layout (one sequence per row) for the fused kernels, got "
@@ -272,6 +235,27 @@ def _check_supported(static, segments_per_row: int) -> None:
         )
 
 
+def launch_call(static, shapes: Dict[str, Sequence[int]], dtype, num_seqs: int, bias_shape: Optional[Sequence[int]],
+                compute_capability: Tuple[int, int]) -> launches.Call:
+    """The launch description's view of a call on contiguous ``[b, s, h, d]`` buffers (``shapes`` by slot
+    name: q, k, v, out, and d_out, dq, dk, dv for the backward) of ``num_seqs`` kernel sequences."""
+    q, k, v = shapes["q"], shapes["k"], shapes["v"]
+    bias = None
+    if bias_shape is not None:
+        bias = launches.Bias(tuple(bias_shape), _strides(bias_shape))
+    # XLA aligns buffers to more than 16 bytes.
+    return launches.Call(
+        num_heads_q=q[2], num_heads_kv=k[2], head_dim_qk=q[3], head_dim_v=v[3], dtype=jnp.dtype(dtype).name,
+        num_seqs=num_seqs, max_q=q[1], max_k=k[1], packed=_uses_packed_mode(static),
+        has_seqlens=_uses_packed_mode(static), softmax_scale=static.scaling_factor,
+        attn_mask_type=static.attn_mask_type, window_size=static.window_size,
+        bottom_right_diagonal=static.bottom_right,
+        views={name: launches.View(_strides(shape)) for name, shape in shapes.items()},
+        lse_strides=(q[2] * q[1], q[1]), device=dict(device_type="cuda", compute_capability=compute_capability),
+        bias=bias, softmax_type=static.softmax_type,
+    )
+
+
 def _sequence_arrays(q_seqlens, kv_seqlens, q_offsets, kv_offsets, s_q: int, s_kv: int):
     """Kernel sequences of packed mode: starts and lengths ``[b * m]`` (int32)."""
     b, m = q_seqlens.shape
@@ -281,25 +265,48 @@ def _sequence_arrays(q_seqlens, kv_seqlens, q_offsets, kv_offsets, s_q: int, s_k
     return start_q, start_k, q_seqlens.astype(jnp.int32).reshape(-1), kv_seqlens.astype(jnp.int32).reshape(-1)
 
 
+_SEQ_SLOTS = ("seq_start_q", "seq_start_k", "seq_len_q", "seq_len_k")
+
+
+def _operands(static, named: List[Tuple[str, object]], seqs, bias, softmax_offset, with_offset: bool):
+    """The call's operands and their buffers by slot name: ``named`` first, then the packed mode's
+    sequences, the bias and the sink logits where the call has them."""
+    operands, buffers = [], {}
+    extra = list(zip(_SEQ_SLOTS, seqs)) if _uses_packed_mode(static) else []
+    if static.has_bias:
+        extra.append(("bias", bias))
+    if with_offset:
+        extra.append(("softmax_offset", softmax_offset))
+    for name, x in named + extra:
+        buffers[name] = Buf(len(operands))
+        operands.append(x)
+    return operands, buffers
+
+
+def _run(prog: Program, described, buffers: Dict[str, "Buf"]) -> None:
+    """Compile each described launch for this GPU and add it to ``prog``."""
+    target = _cuda_target()
+    for launch in described:
+        values = launch.bind(buffers)
+        args = {name: Pointer(jnp.dtype(prog.dtype_of(value.index)).name) if isinstance(value, Buf) else value
+                for name, value in values.items()}
+        prog.launch(compile_kernel(launch.kernel, args, launch.options, target), launch.grid, values)
+
+
 # ================================================================================================
 # Forward
 # ================================================================================================
 
 
 def _fwd_impl(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds, softmax_offset, *, static):
-    from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel
-    from transformer_engine.common.attention.kernels.hopper_ws import attn_fwd_ws_kernel
-
     b, s_q, hq, dqk = q.shape
-    s_kv, hk, dv = k.shape[1], k.shape[2], v.shape[3]
+    s_kv, dv = k.shape[1], v.shape[3]
     m = q_seqlens.shape[1]
     _check_supported(static, m)
     packed = _uses_packed_mode(static)
-    operands = [q, k, v]
-    if packed:
-        operands += list(_sequence_arrays(q_seqlens, kv_seqlens, q_offsets, kv_offsets, s_q, s_kv))
-    bias_buf = _append_bias(operands, bias, static)
-    sink_buf = _append_sink(operands, softmax_offset, static)
+    seqs = _sequence_arrays(q_seqlens, kv_seqlens, q_offsets, kv_offsets, s_q, s_kv) if packed else ()
+    operands, buffers = _operands(static, [("q", q), ("k", k), ("v", v)], seqs, bias, softmax_offset,
+                                  static.softmax_type.has_sink)
     nseq = b * m if packed else b
     prog = Program([jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands])
     o = prog.result((b, s_q, hq, dv), q.dtype)
@@ -307,121 +314,12 @@ def _fwd_impl(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds
     if packed:
         prog.fill(o)  # packed mode writes only rows inside sequences
         prog.fill_inf_f32(lse)
-        seq_bufs = dict(SEQ_START_Q=Buf(3), SEQ_START_K=Buf(4), SEQ_LEN_Q=Buf(5), SEQ_LEN_K=Buf(6))
-    else:
-        seq_bufs = dict.fromkeys(("SEQ_START_Q", "SEQ_START_K", "SEQ_LEN_Q", "SEQ_LEN_K"), Buf(lse))
-
-    config = _plan_config(static, q, k, v, deterministic=False)
-    plan = forward_plan(config)
-    flags, left, right = mask_flags(config)
-    t = plan.tiles
-    kernel_fn, constexprs = attn_fwd_kernel, t.loop_constexprs
-    if plan.warp_specialized is not None and _tma(True, q.dtype, q.shape, k.shape, v.shape):
-        t = plan.warp_specialized  # as the PyTorch launcher decides (kernels/hopper_ws.py)
-        kernel_fn, constexprs = attn_fwd_ws_kernel, t.ws_constexprs
-    values = dict(
-        Q=Buf(0), K=Buf(1), V=Buf(2), O=Buf(o), LSE=Buf(lse), **seq_bufs,
-        **_named_strides("q", _strides(q.shape, packed)), **_named_strides("k", _strides(k.shape, packed)),
-        **_named_strides("v", _strides(v.shape, packed)),
-        **_named_strides("o", _strides((b, s_q, hq, dv), packed)),
-        stride_lb=hq * s_q, stride_lh=s_q,
-        num_heads_q=hq, gqa_group=hq // hk, seqlen_q=s_q, seqlen_k=s_kv,
-        qk_scale=static.scaling_factor * LOG2E, window_left=left, window_right=right,
-        HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
-        IS_THD=packed, HAS_SEQLENS=packed, DOT_PRECISION=plan.dot_precision,
-        TMA=_tma(t.tma, k.dtype, k.shape, v.shape), **constexprs, **flags, **_bias_values(bias_buf, bias),
-        **_sink_values(sink_buf),
-    )
-    values = _complete(kernel_fn, values, Buf(lse))
-    kernel = _compile_launch(kernel_fn, values, prog, t.launch_options)
-    prog.launch(kernel, block_grid(_cdiv(s_q, t.block_m), nseq * hq), values)
+    buffers.update(out=Buf(o), lse=Buf(lse))
+    call = launch_call(static, dict(q=q.shape, k=k.shape, v=v.shape, out=(b, s_q, hq, dv)), q.dtype, nseq,
+                       bias.shape if static.has_bias else None, _compute_capability())
+    _run(prog, launches.forward_launches(call), buffers)
     out, lse_out = prog.call(*operands)[:2]
     return out, lse_out.reshape(b, nseq // b, hq, s_q)
-
-
-def _named_strides(prefix: str, strides: Tuple[int, ...]) -> Dict[str, int]:
-    return {f"stride_{prefix}{axis}": value for axis, value in zip("bshd", strides)}
-
-
-def _append_bias(operands: List, bias, static) -> Optional["Buf"]:
-    """Add the bias to the call's operands (last, so the other indices stay put): its buffer."""
-    if not static.has_bias:
-        return None
-    operands.append(bias)
-    return Buf(len(operands) - 1)
-
-
-def _append_sink(operands: List, softmax_offset, static) -> Optional["Buf"]:
-    """Add the sink logits (fp32 [h_q]) to the call's operands with sink softmax: their buffer."""
-    if not static.softmax_type.has_sink:
-        return None
-    operands.append(softmax_offset)
-    return Buf(len(operands) - 1)
-
-
-def _sink_values(sink_buf: Optional["Buf"]) -> Dict[str, object]:
-    """The Triton forward's sink parameters (none without sink softmax: ``_complete`` passes the
-    switched-off values; the Gluon forward has none and the plan keeps sink configs off it)."""
-    return {} if sink_buf is None else dict(SINK=sink_buf, HAS_SINK=True)
-
-
-def _contiguous_strides(shape: Sequence[int]) -> Tuple[int, ...]:
-    """Element strides of a row-major buffer (what torch.empty gives, size-1 dims included)."""
-    return tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) for i in range(len(shape)))
-
-
-def _bias_strides(shape: Sequence[int]) -> Tuple[int, int, int, int]:
-    """(zb, zh, zm, zn) of a bias [1|b, 1|h, s_q, s_kv]: 0 along a broadcast dim, as
-    ``ScoreMods.stride_args`` of the PyTorch launcher."""
-    zb, zh, zm, zn = _contiguous_strides(shape)
-    return (zb if shape[0] > 1 else 0, zh if shape[1] > 1 else 0, zm, zn)
-
-
-def _bias_values(bias_buf: Optional["Buf"], bias) -> Dict[str, object]:
-    """The forward, dK/dV and dQ kernels' bias parameters (none without a bias: ``_complete``
-    passes the switched-off values)."""
-    if bias_buf is None:
-        return {}
-    zb, zh, zm, zn = _bias_strides(bias.shape)
-    return dict(BIAS=bias_buf, stride_zb=zb, stride_zh=zh, stride_zm=zm, stride_zn=zn, HAS_BIAS=True)
-
-
-# Kernel parameters of features switched off (ALiBi and dropout always, the bias when the call has
-# none): what to pass. Pointers get the log-sum-exp buffer as a never-read placeholder, as the
-# PyTorch launcher does.
-_FEATURES_OFF = dict(
-    stride_zb=0, stride_zh=0, stride_zm=0, stride_zn=0, stride_alibi_b=0, dropout_p=0.0,
-    HAS_BIAS=False, HAS_ALIBI=False, DROPOUT=False, SUM_ROWS=False, HAS_SINK=False,
-)
-_PLACEHOLDER_POINTERS = ("BIAS", "ALIBI_SLOPES", "RNG_STATE", "SINK")
-
-
-def _complete(fn, values: Dict[str, object], placeholder: "Buf") -> Dict[str, object]:
-    """``values`` plus the switched-off features' parameters; any other missing parameter is a
-    kernel change this launcher does not know yet, and an error."""
-    out = dict(values)
-    for name in fn.arg_names:
-        if name in out:
-            continue
-        if name in _PLACEHOLDER_POINTERS:
-            out[name] = placeholder
-        elif name in _FEATURES_OFF:
-            out[name] = _FEATURES_OFF[name]
-        else:
-            raise NotImplementedError(
-                f"{fn.__name__} has a parameter `{name}` that transformer_engine.jax.primitives.gpu does not "
-                "pass yet: update the JAX launcher along with the kernels"
-            )
-    return out
-
-
-def _compile_launch(fn, values: Dict[str, object], prog: Program, launch_options: Dict[str, int]) -> CompiledKernel:
-    """Compile ``fn`` for the launch ``values`` (buffers become typed Pointers)."""
-    args = {}
-    for name in fn.arg_names:
-        value = values[name]
-        args[name] = Pointer(jnp.dtype(prog.dtype_of(value.index)).name) if isinstance(value, Buf) else value
-    return compile_kernel(fn, args, launch_options, _cuda_target())
 
 
 # ================================================================================================
@@ -431,158 +329,47 @@ def _compile_launch(fn, values: Dict[str, object], prog: Program, launch_options
 
 def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds,
               softmax_offset, *, static):
-    from transformer_engine.common.attention.kernels.backward import (
-        attn_bwd_dkdv_kernel,
-        attn_bwd_dq_kernel,
-        attn_bwd_dsink_kernel,
-        attn_bwd_preprocess_kernel,
-    )
-    from transformer_engine.common.attention.kernels.hopper_ws import attn_bwd_dkdv_ws_kernel, attn_bwd_dq_ws_kernel
-
     b, s_q, hq, dqk = q.shape
-    s_kv, hk, dv = k.shape[1], k.shape[2], v.shape[3]
+    s_kv = k.shape[1]
     m = q_seqlens.shape[1]
     _check_supported(static, m)
     packed = _uses_packed_mode(static)
     nseq = b * m if packed else b
     lse_in = softmax_aux.reshape(nseq, hq, s_q)
-    operands = [q, k, v, out, dout, lse_in]
-    if packed:
-        operands += list(_sequence_arrays(q_seqlens, kv_seqlens, q_offsets, kv_offsets, s_q, s_kv))
-    bias_buf = _append_bias(operands, bias, static)
-    sink_buf = _append_sink(operands, softmax_offset, static) if static.softmax_type.is_learnable else None
+    seqs = _sequence_arrays(q_seqlens, kv_seqlens, q_offsets, kv_offsets, s_q, s_kv) if packed else ()
+    sink_grad = static.softmax_type.is_learnable
+    named = [("q", q), ("k", k), ("v", v), ("out", out), ("d_out", dout), ("lse", lse_in)]
+    operands, buffers = _operands(static, named, seqs, bias, softmax_offset, sink_grad)
     prog = Program([jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands])
-    Q, K, V, O, DO, LSE = (Buf(i) for i in range(6))
     dq = prog.result(q.shape, q.dtype)
     dk = prog.result(k.shape, k.dtype)
     dvt = prog.result(v.shape, v.dtype)
     delta = prog.result((nseq, hq, s_q), jnp.float32)
     # The dBias kernel writes every element of its [s_q, s_kv] tiles: no fill.
-    dbias = prog.result(bias.shape, bias.dtype) if bias_buf is not None else None
+    dbias = prog.result(bias.shape, bias.dtype) if static.has_bias else None
+    dsink = prog.result((nseq, hq), jnp.float32) if sink_grad else None
     if packed:
         for index in (dq, dk, dvt):
             prog.fill(index)  # packed mode writes only rows inside sequences
-        seq = dict(SEQ_START_Q=Buf(6), SEQ_START_K=Buf(7), SEQ_LEN_Q=Buf(8), SEQ_LEN_K=Buf(9))
-    else:
-        seq = dict.fromkeys(("SEQ_START_Q", "SEQ_START_K", "SEQ_LEN_Q", "SEQ_LEN_K"), LSE)
-
-    config = _plan_config(static, q, k, v, deterministic=static.deterministic)
-    plan = backward_plan(config)
-    if static.deterministic and plan.atomic_dq:
-        raise RuntimeError("deterministic backward planned with atomic dQ; this is a planning bug")
-    flags, left, right = mask_flags(config)
-    common = dict(IS_THD=packed, HAS_SEQLENS=packed)
-    strides = dict(
-        **_named_strides("q", _strides(q.shape, packed)), **_named_strides("k", _strides(k.shape, packed)),
-        **_named_strides("v", _strides(v.shape, packed)), **_named_strides("o", _strides(out.shape, packed)),
-        **_named_strides("do", _strides(dout.shape, packed)), **_named_strides("dq", _strides(q.shape, packed)),
-        **_named_strides("dk", _strides(k.shape, packed)), **_named_strides("dv", _strides(v.shape, packed)),
-        stride_lb=hq * s_q, stride_lh=s_q,
-    )
-
-    pre = plan.preprocess
-    pre_values = dict(
-        O=O, DO=DO, DELTA=Buf(delta), SEQ_START_Q=seq["SEQ_START_Q"], SEQ_LEN_Q=seq["SEQ_LEN_Q"], **strides,
-        num_heads_q=hq, seqlen_q=s_q, HEAD_DIM_V=dv, BLOCK_DV=plan.block_dv, BLOCK_M=pre.block_m, **common,
-    )
-    pre_values = _complete(attn_bwd_preprocess_kernel, pre_values, LSE)
-    kernel = _compile_launch(attn_bwd_preprocess_kernel, pre_values, prog, dict(num_warps=pre.num_warps))
-    prog.launch(kernel, block_grid(_cdiv(s_q, pre.block_m), nseq * hq), pre_values)
-
-    dsink = None
-    if sink_buf is not None:  # each sequence's part of d softmax_offset, as launch.sink_grad launches it
-        dsink = prog.result((nseq, hq), jnp.float32)
-        t = plan.dsink
-        sink_values = dict(LSE=LSE, DELTA=Buf(delta), SINK=sink_buf, DSINK=Buf(dsink), SEQ_LEN_Q=seq["SEQ_LEN_Q"],
-                           stride_lb=hq * s_q, stride_lh=s_q, stride_dsb=hq, seqlen_q=s_q, BLOCK_M=t.block_m,
-                           HAS_SEQLENS=packed)
-        kernel = _compile_launch(attn_bwd_dsink_kernel, sink_values, prog, dict(num_warps=t.num_warps))
-        prog.launch(kernel, plan.dsink_grid(nseq, hq), sink_values)
-
-    if plan.atomic_dq:
-        dq_acc = prog.result(q.shape, jnp.float32)
-        prog.fill(dq_acc)
-        dq_acc_buf, dq_acc_strides = Buf(dq_acc), _strides(q.shape, packed)
-    else:
-        dq_acc_buf, dq_acc_strides = LSE, (0, 0, 0, 0)  # unused by the kernel without ATOMIC_DQ
-    shared = dict(
-        Q=Q, K=K, V=V, DO=DO, LSE=LSE, DELTA=Buf(delta), **seq, **strides, seqlen_q=s_q, seqlen_k=s_kv,
-        gqa_group=hq // hk, sm_scale=static.scaling_factor, qk_scale=static.scaling_factor * LOG2E,
-        window_left=left, window_right=right, HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk,
-        BLOCK_DV=plan.block_dv, DOT_PRECISION=plan.dot_precision, **flags, **common, **_bias_values(bias_buf, bias),
-    )
-    t = plan.dkdv
-    kernel_fn, constexprs = attn_bwd_dkdv_kernel, t.loop_constexprs
-    if plan.dkdv_warp_specialized is not None and _tma(True, q.dtype, q.shape, k.shape, v.shape, dout.shape):
-        t = plan.dkdv_warp_specialized  # as the PyTorch launcher decides (kernels/hopper_ws.py)
-        kernel_fn, constexprs = attn_bwd_dkdv_ws_kernel, t.ws_constexprs
-    dkdv_values = dict(
-        shared, DK=Buf(dk), DV=Buf(dvt), DQ_ACC=dq_acc_buf, **_named_strides("dq", dq_acc_strides),
-        num_heads_kv=hk, ATOMIC_DQ=plan.atomic_dq, TMA=_tma(t.tma, q.dtype, q.shape, dout.shape),
-        **constexprs,
-    )
-    dkdv_values = _complete(kernel_fn, dkdv_values, LSE)
-    kernel = _compile_launch(kernel_fn, dkdv_values, prog, t.launch_options)
-    prog.launch(kernel, block_grid(_cdiv(s_kv, t.block_n), nseq * hk), dkdv_values)
-
-    if bias_buf is not None:  # launched between dK/dV and dQ, as the PyTorch launcher does
-        _launch_dbias(prog, plan, static, q, k, v, bias, bias_buf, Buf(dbias), Buf(delta), seq, packed, flags, left,
-                      right)
-
-    if not plan.atomic_dq:
-        t = plan.dq
-        kernel_fn, constexprs = attn_bwd_dq_kernel, t.loop_constexprs
-        if plan.dq_warp_specialized is not None and _tma(True, q.dtype, q.shape, k.shape, v.shape, dout.shape):
-            t = plan.dq_warp_specialized  # as the PyTorch launcher decides (kernels/hopper_ws.py)
-            kernel_fn, constexprs = attn_bwd_dq_ws_kernel, t.ws_constexprs
-        dq_values = dict(shared, DQ=Buf(dq), num_heads_q=hq, TMA=_tma(t.tma, k.dtype, k.shape, v.shape),
-                         **constexprs)
-        dq_values = _complete(kernel_fn, dq_values, LSE)
-        kernel = _compile_launch(kernel_fn, dq_values, prog, t.launch_options)
-        prog.launch(kernel, block_grid(_cdiv(s_q, t.block_m), nseq * hq), dq_values)
+    buffers.update(dq=Buf(dq), dk=Buf(dk), dv=Buf(dvt), delta=Buf(delta))
+    if dbias is not None:
+        buffers["dbias"] = Buf(dbias)
+    if dsink is not None:
+        buffers["dsink"] = Buf(dsink)
+    shapes = dict(q=q.shape, k=k.shape, v=v.shape, out=out.shape, d_out=dout.shape, dq=q.shape, dk=k.shape,
+                  dv=v.shape)
+    call = launch_call(static, shapes, q.dtype, nseq, bias.shape if static.has_bias else None,
+                       _compute_capability())
+    _run(prog, launches.backward_launches(call, bias_grad=static.has_bias, sink_grad=sink_grad), buffers)
 
     results = prog.call(*operands)
     dq_out, dk_out, dv_out = results[:3]
-    if plan.atomic_dq:
-        dq_out = results[dq_acc - len(operands)].astype(q.dtype)
     dbias_out = results[dbias - len(operands)] if dbias is not None else jnp.zeros_like(bias)
     if dsink is not None:
         dsink_out = results[dsink - len(operands)].reshape(b, m, hq)
     else:
         dsink_out = jnp.zeros((b, m, hq), jnp.float32)
     return dq_out, dk_out, dv_out, dbias_out, dsink_out
-
-
-def _launch_dbias(prog: Program, plan, static, q, k, v, bias, bias_buf: Buf, dbias_buf: Buf, delta_buf: Buf,
-                  seq: Dict[str, Buf], packed: bool, flags: Dict[str, bool], left: int, right: int) -> None:
-    """dBias in the bias's shape, summed over its broadcast dims in a fixed order, with the
-    arguments, tiles and grid (``plan.dbias``, ``plan.dbias_grid``) of ``launch._dbias``."""
-    from transformer_engine.common.attention.kernels.backward import attn_bwd_dbias_kernel
-
-    b, s_q, hq, dqk = q.shape
-    s_kv, hk, dv = k.shape[1], k.shape[2], v.shape[3]
-    Q, K, V, DO, LSE = (Buf(i) for i in (0, 1, 2, 4, 5))
-    t = plan.dbias
-    zb, zh, zm, zn = _bias_strides(bias.shape)
-    # This kernel has no packed mode: it reads rows as the padded launch (batch strides, lengths
-    # only), which is where the packed mode's sequences are when each row holds one from token 0.
-    values = dict(
-        Q=Q, K=K, V=V, DO=DO, LSE=LSE, DELTA=delta_buf, BIAS=bias_buf, DBIAS=dbias_buf, RNG_STATE=LSE,
-        SEQ_LEN_Q=seq["SEQ_LEN_Q"], SEQ_LEN_K=seq["SEQ_LEN_K"],
-        **_named_strides("q", _strides(q.shape, False)), **_named_strides("k", _strides(k.shape, False)),
-        **_named_strides("v", _strides(v.shape, False)), **_named_strides("do", _strides((b, s_q, hq, dv), False)),
-        stride_lb=hq * s_q, stride_lh=s_q, stride_zb=zb, stride_zh=zh, stride_zm=zm, stride_zn=zn,
-        **{f"stride_dz{axis}": value for axis, value in zip("bhmn", _contiguous_strides(bias.shape))},
-        batch_size=b, num_heads_q=hq, gqa_group=hq // hk, bias_batch=bias.shape[0], bias_heads=bias.shape[1],
-        seqlen_q=s_q, seqlen_k=s_kv, qk_scale=static.scaling_factor * LOG2E, window_left=left,
-        window_right=right, dropout_p=0.0, HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk,
-        BLOCK_DV=plan.block_dv, BLOCK_M=t.block_m, BLOCK_N=t.block_n, HAS_SEQLENS=packed, HAS_LEFT=flags["HAS_LEFT"],
-        HAS_RIGHT=flags["HAS_RIGHT"], BOTTOM_RIGHT=flags["BOTTOM_RIGHT"], DROPOUT=False,
-        DOT_PRECISION=plan.dot_precision,
-    )
-    values = _complete(attn_bwd_dbias_kernel, values, LSE)
-    kernel = _compile_launch(attn_bwd_dbias_kernel, values, prog, t.launch_options)
-    prog.launch(kernel, plan.dbias_grid(s_q, s_kv, bias.shape[0], bias.shape[1]), values)
 
 
 # ================================================================================================

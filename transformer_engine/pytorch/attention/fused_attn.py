@@ -21,7 +21,7 @@ class FusedAttnFunc(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, alibi_slopes, rng_state, qkv_format, cu_seqlens_q, cu_seqlens_kv,
                 seq_offsets_q, seq_offsets_kv, max_seqlen_q, max_seqlen_kv, softmax_scale, attn_mask_type,
-                window_left, window_right, bottom_right, dropout_p, deterministic, softmax_type="vanilla",
+                window_left, window_right, bottom_right, dropout_p, softmax_type="vanilla",
                 softmax_offset=None):
         out, lse = torch.ops.transformer_engine.fused_attn_fwd(
             q, k, v, qkv_format, cu_seqlens_q, cu_seqlens_kv, seq_offsets_q, seq_offsets_kv,
@@ -30,7 +30,7 @@ class FusedAttnFunc(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, seq_offsets_q, seq_offsets_kv,
                               bias, alibi_slopes, rng_state, softmax_offset)
         ctx.static = (qkv_format, max_seqlen_q, max_seqlen_kv, softmax_scale, attn_mask_type,
-                      window_left, window_right, bottom_right, deterministic, dropout_p, softmax_type)
+                      window_left, window_right, bottom_right, dropout_p, softmax_type)
         ctx.bias_grad = bias is not None and bias.requires_grad
         ctx.offset_grad = softmax_offset is not None and softmax_offset.requires_grad
         ctx.mark_non_differentiable(lse)
@@ -39,12 +39,12 @@ class FusedAttnFunc(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out, _d_lse):
         q, k, v, out, lse, cu_q, cu_kv, off_q, off_kv, bias, alibi, rng_state, offset = ctx.saved_tensors
-        fmt, max_q, max_kv, scale, mask, left, right, bottom_right, deterministic, dropout_p, softmax_type = ctx.static
+        fmt, max_q, max_kv, scale, mask, left, right, bottom_right, dropout_p, softmax_type = ctx.static
         dq, dk, dv, dbias, d_offset = torch.ops.transformer_engine.fused_attn_bwd(
             q, k, v, out, d_out.contiguous(), lse, fmt, cu_q, cu_kv, off_q, off_kv,
-            max_q, max_kv, scale, mask, left, right, bottom_right, deterministic,
+            max_q, max_kv, scale, mask, left, right, bottom_right,
             bias, alibi, rng_state, dropout_p, ctx.bias_grad, softmax_type, offset, ctx.offset_grad)
-        return ((dq, dk, dv, dbias if ctx.bias_grad else None) + (None,) * 17
+        return ((dq, dk, dv, dbias if ctx.bias_grad else None) + (None,) * 16
                 + (d_offset if ctx.offset_grad else None,))
 
 
@@ -107,7 +107,8 @@ def fused_attn_func(
     [1, h_q, 1, 1], required for ``"learnable"`` (and given a gradient when it requires one), None
     otherwise. The saved log-sum-exp includes the sink.
 
-    Determinism: the forward is always deterministic; with ``deterministic=True`` the backward
+    Determinism: the forward and the backward are deterministic whatever ``deterministic`` says (it is
+    TransformerEngine's argument; the same kernels run either way): the backward
     uses no atomics, sums in a fixed order and fixed tiles, so gradients are bitwise
     reproducible and independent of batch composition and of packing (thd vs padded). The
     learnable sink's gradient sums over the batch: each sequence's part is bitwise independent of
@@ -156,7 +157,8 @@ def fused_attention(q, k, v, fmt: QKVFormat, mask: AttnMaskType, window: Tuple[i
     backend runner calls this): ``window`` normalized, ``bottom_right`` resolved, ``softmax_scale``
     checked, q, k, v, cu_seqlens and score modifiers checked; cu_seqlens only where the format and
     mask use them, and the sink logits (fp32 [h_q]) given whenever ``softmax_type`` has a sink.
-    What is left: the sequences' values (one host sync), max_seqlen and rng_state when missing."""
+    What is left: the sequences' values (one host sync), max_seqlen and rng_state when missing.
+    ``deterministic`` changes nothing here: both modes run the same fixed-order kernels."""
     if fmt == QKVFormat.THD:
         if max_seqlen_q is None or max_seqlen_kv is None:
             # One host sync; pass max_seqlen_* to avoid it (and to trace under torch.compile).
@@ -187,7 +189,7 @@ def fused_attention(q, k, v, fmt: QKVFormat, mask: AttnMaskType, window: Tuple[i
     out, lse = FusedAttnFunc.apply(
         q, k, v, bias, alibi_slopes, rng_state, fmt.value, cu_seqlens_q, cu_seqlens_kv,
         cu_seqlens_q_padded, cu_seqlens_kv_padded, int(max_seqlen_q), int(max_seqlen_kv), float(softmax_scale),
-        mask.value, int(window[0]), int(window[1]), bottom_right, float(dropout_p), bool(deterministic),
+        mask.value, int(window[0]), int(window[1]), bottom_right, float(dropout_p),
         softmax_type.value, softmax_offset)
     if return_softmax_aux:
         return out, (lse, rng_state)

@@ -1,36 +1,25 @@
-"""Launch the common Triton attention kernels on torch tensors (the frontend's half of a launch)."""
+"""Launch the common Triton attention kernels on torch tensors (the frontend's half of a launch).
+
+What is launched (kernels, grids, arguments, tiles) is the framework-free description of
+``common.attention.launches``; this module describes its tensors to it, allocates the outputs and
+binds the description's slots to tensors.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import triton
 
-from transformer_engine.common.attention import AttnBiasType, AttnConfig, AttnMaskType, AttnSoftmaxType, QKVFormat
-from transformer_engine.common.attention.kernels.backward import (
-    attn_bwd_dbias_kernel,
-    attn_bwd_dkdv_kernel,
-    attn_bwd_dq_kernel,
-    attn_bwd_dsink_kernel,
-    attn_bwd_preprocess_kernel,
-)
+from transformer_engine.common.attention import AttnConfig, AttnMaskType, AttnSoftmaxType, QKVFormat, launches
+from transformer_engine.common.attention.config import resolve_bottom_right_diagonal
 from transformer_engine.common.attention.kernels.fill import zero_outside_sequences_kernel
-from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel
-from transformer_engine.common.attention.kernels.hopper_ws import (
-    attn_bwd_dkdv_ws_kernel,
-    attn_bwd_dq_ws_kernel,
-    attn_fwd_ws_kernel,
-)
 from transformer_engine.common.attention.kernels.scores import dropout_mask_kernel
-from transformer_engine.common.attention.plan import (
-    BackwardPlan, ForwardPlan, backward_plan, block_grid, forward_plan, mask_flags, tma_eligible,
-)
+from transformer_engine.common.attention.plan import BackwardPlan, ForwardPlan
 from transformer_engine.pytorch.attention.config import dtype_name, triton_interpreting
 from transformer_engine.pytorch.attention.device import device_facts
-
-LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
@@ -103,25 +92,12 @@ def sequences(fmt: QKVFormat, q: torch.Tensor, k: torch.Tensor, cu_seqlens_q, cu
 
 
 def plan_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: QKVFormat, mask: AttnMaskType,
-                window: Tuple[int, int], deterministic: bool, mods: "ScoreMods" = None,
+                window: Tuple[int, int], mods: "ScoreMods" = None,
                 bottom_right_diagonal: Optional[bool] = None) -> AttnConfig:
-    """The planning-relevant AttnConfig of a launch (head dims, dtype, mask kind and diagonal alignment,
-    score modifiers (``ScoreMods``), device)."""
-    device_type = q.device.type
-    bias_type = AttnBiasType.NO_BIAS
-    if mods is not None and mods.bias is not None:
-        bias_type = AttnBiasType.POST_SCALE_BIAS
-    elif mods is not None and mods.alibi_slopes is not None:
-        bias_type = AttnBiasType.ALIBI
-    return AttnConfig(
-        batch_size=1, num_heads_q=q.shape[-2], num_heads_kv=k.shape[-2],
-        head_dim_qk=q.shape[-1], head_dim_v=v.shape[-1], max_seqlen_q=0, max_seqlen_kv=0,
-        dtype=dtype_name(q.dtype), attn_mask_type=mask, window_size=window,
-        bottom_right_diagonal=bottom_right_diagonal, attn_bias_type=bias_type,
-        dropout=mods.dropout_p if mods is not None else 0.0, deterministic=deterministic,
-        softmax_type=mods.softmax_type if mods is not None else AttnSoftmaxType.VANILLA_SOFTMAX,
-        device_type=device_type, **device_facts(q.device),
-    )
+    """The planning-relevant AttnConfig of a launch (``launches.plan_config`` of its :class:`Call`)."""
+    seqs = Sequences(1, 0, 0, None, None, None, None)
+    return launches.plan_config(_call(q, k, v, fmt, seqs, 1.0, mask, window, mods or NO_MODS, bottom_right_diagonal,
+                                      {}, (0, 0)))
 
 
 @dataclass(frozen=True)
@@ -138,35 +114,45 @@ class ScoreMods:
     softmax_type: AttnSoftmaxType = AttnSoftmaxType.VANILLA_SOFTMAX
     softmax_offset: Optional[torch.Tensor] = None
 
-    def sink_args(self, like: torch.Tensor):
-        """The Triton forward's sink arguments (the Gluon forward has none: the plan keeps sink
-        configs off it)."""
-        has_sink = self.softmax_type.has_sink
-        return dict(SINK=self.softmax_offset if has_sink else like, HAS_SINK=has_sink)
-
-    def pointer_args(self, like: torch.Tensor):
-        return (self.bias if self.bias is not None else like,
-                self.alibi_slopes if self.alibi_slopes is not None else like,
-                self.rng_state if self.dropout_p > 0 else like)
-
-    def stride_args(self, batch: int, heads: int):
-        if self.bias is None:
-            zs = (0, 0, 0, 0)
-        else:
-            b = self.bias
-            # A broadcast axis (size 1: batch, heads, or the query rows of a [1, 1, 1, s_kv] bias) is stride 0.
-            zs = tuple(b.stride(i) if b.shape[i] > 1 else 0 for i in range(4))
-        alibi_b = 0
-        if self.alibi_slopes is not None and self.alibi_slopes.dim() == 2:
-            alibi_b = self.alibi_slopes.stride(0)
-        return zs + (alibi_b,)
-
-    def flags(self):
-        return dict(HAS_BIAS=self.bias is not None, HAS_ALIBI=self.alibi_slopes is not None,
-                    DROPOUT=self.dropout_p > 0)
+    def buffers(self) -> Dict[str, torch.Tensor]:
+        """The tensors of the launches' modifier slots (those the call has)."""
+        named = dict(bias=self.bias, alibi_slopes=self.alibi_slopes, softmax_offset=self.softmax_offset,
+                     rng_state=self.rng_state if self.dropout_p > 0 else None)
+        return {name: t for name, t in named.items() if t is not None}
 
 
 NO_MODS = ScoreMods()
+
+
+def _view(t: torch.Tensor, fmt: QKVFormat) -> launches.View:
+    _, strides = canonical(t, fmt)
+    return launches.View(strides, t.data_ptr() % 16 == 0)
+
+
+def _call(q, k, v, fmt: QKVFormat, seqs: Sequences, softmax_scale: float, mask: AttnMaskType,
+          window: Tuple[int, int], mods: ScoreMods, bottom_right_diagonal: Optional[bool],
+          views: Dict[str, torch.Tensor], lse_strides: Tuple[int, int]) -> launches.Call:
+    """The launch description's view of a call on these tensors (``views``: the tensors by slot name)."""
+    bias = None
+    if mods.bias is not None:
+        bias = launches.Bias(tuple(mods.bias.shape), tuple(mods.bias.stride()))
+    alibi = None
+    if mods.alibi_slopes is not None:
+        alibi = mods.alibi_slopes.stride(0) if mods.alibi_slopes.dim() == 2 else 0
+    return launches.Call(
+        num_heads_q=q.shape[-2], num_heads_kv=k.shape[-2], head_dim_qk=q.shape[-1], head_dim_v=v.shape[-1],
+        dtype=dtype_name(q.dtype), num_seqs=seqs.batch, max_q=seqs.max_q, max_k=seqs.max_k, packed=seqs.is_thd,
+        has_seqlens=seqs.has_seqlens, softmax_scale=softmax_scale, attn_mask_type=mask, window_size=window,
+        bottom_right_diagonal=resolve_bottom_right_diagonal(mask, bottom_right_diagonal),
+        views={name: _view(t, fmt) for name, t in views.items()}, lse_strides=lse_strides,
+        device=_device(q.device), bias=bias, alibi_batch_stride=alibi,
+        dropout_p=mods.dropout_p, softmax_type=mods.softmax_type,
+    )
+
+
+def _device(device: torch.device) -> Dict[str, object]:
+    """AttnConfig's device facts of a launch on ``device`` (device_type, vendor, architecture)."""
+    return dict(device_type=device.type, **device_facts(device))
 
 
 def _tma_scratch(size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
@@ -174,20 +160,26 @@ def _tma_scratch(size: int, alignment: int, stream: Optional[int]) -> torch.Tens
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _use_tma(wanted: bool, *views) -> bool:
-    """Whether a launch may read these (tensor, (b, s, h, d) strides) views through TMA descriptors:
-    the plan asks for it, the head dim is contiguous, every other stride and the base are 16-byte
-    aligned. Sets Triton's allocator for this thread when none is set (autograd's backward runs
-    on its own thread, so this runs at each launch)."""
-    if not wanted:
-        return False
-    if not all(tma_eligible(t.element_size(), t.data_ptr(), strides) for t, strides in views):
-        return False
+def _ensure_allocator() -> None:
+    """Set Triton's allocator for this thread when none is set (the Gluon kernels build TMA descriptors in
+    global scratch; autograd's backward runs on its own thread, so this runs at each such launch)."""
     from triton.runtime import _allocation  # the allocator Triton reads is a private context var
 
     if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
         triton.set_allocator(_tma_scratch)
-    return True
+
+
+def _run(described, buffers: Dict[str, torch.Tensor]) -> None:
+    """Launch the described kernels in order on ``buffers`` (the slots' tensors)."""
+    for launch in described:
+        if launch.is_gluon:
+            _ensure_allocator()
+        launch.kernel[launch.grid](**launch.bind(buffers), **launch.options)
+
+
+def _sequence_buffers(seqs: Sequences) -> Dict[str, torch.Tensor]:
+    named = dict(seq_start_q=seqs.start_q, seq_start_k=seqs.start_k, seq_len_q=seqs.len_q, seq_len_k=seqs.len_k)
+    return {name: t for name, t in named.items() if t is not None}
 
 
 def forward(q, k, v, fmt: QKVFormat, seqs: Sequences, softmax_scale: float, mask: AttnMaskType,
@@ -195,131 +187,47 @@ def forward(q, k, v, fmt: QKVFormat, seqs: Sequences, softmax_scale: float, mask
             bottom_right_diagonal: Optional[bool] = None):
     """Run the forward kernel. Returns (out in q's format with head dim d_v, lse [b, h, max_s_q] fp32).
     ``bottom_right_diagonal`` aligns windows and ALiBi (``resolve_bottom_right_diagonal``)."""
-    config = plan_config(q, k, v, fmt, mask, window, False, mods, bottom_right_diagonal)
-    if plan is None:
-        plan = forward_plan(config)
-    hq, dqk = q.shape[-2], q.shape[-1]
-    hk, dv = k.shape[-2], v.shape[-1]
+    hq, dv = q.shape[-2], v.shape[-1]
     out_shape = tuple(q.shape[:-1]) + (dv,)
     out = torch.zeros(out_shape, dtype=q.dtype, device=q.device) if seqs.is_thd else \
         torch.empty(out_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((seqs.batch, hq, seqs.max_q), dtype=torch.float32, device=q.device)
-    _, sq_ = canonical(q, fmt)
-    _, sk_ = canonical(k, fmt)
-    _, sv_ = canonical(v, fmt)
-    _, so_ = canonical(out, fmt)
-    flags, left, right = mask_flags(config)
-    t = plan.tiles
-    kernel, constexprs = attn_fwd_kernel, dict(t.loop_constexprs, **mods.sink_args(lse))
-    if plan.warp_specialized is not None and _use_tma(True, (q, sq_), (k, sk_), (v, sv_)):
-        t = plan.warp_specialized
-        kernel, constexprs = attn_fwd_ws_kernel, t.ws_constexprs
-    kernel[block_grid(triton.cdiv(seqs.max_q, t.block_m), seqs.batch * hq)](
-        q, k, v, out, lse, *mods.pointer_args(lse), *seqs.args(lse),
-        *sq_, *sk_, *sv_, *so_, lse.stride(0), lse.stride(1), *mods.stride_args(seqs.batch, hq),
-        hq, hq // hk, seqs.max_q, seqs.max_k,
-        softmax_scale * LOG2E, left, right, mods.dropout_p,
-        HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
-        IS_THD=seqs.is_thd, HAS_SEQLENS=seqs.has_seqlens, DOT_PRECISION=plan.dot_precision,
-        TMA=_use_tma(t.tma, (k, sk_), (v, sv_)), **constexprs, **t.launch_options, **flags, **mods.flags(),
-    )
+    tensors = dict(q=q, k=k, v=v, out=out)
+    call = _call(q, k, v, fmt, seqs, softmax_scale, mask, window, mods, bottom_right_diagonal, tensors,
+                 (lse.stride(0), lse.stride(1)))
+    _run(launches.forward_launches(call, plan), dict(tensors, lse=lse, **_sequence_buffers(seqs), **mods.buffers()))
     return out, lse
 
 
 def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_scale: float,
-             mask: AttnMaskType, window: Tuple[int, int], deterministic: bool,
-             plan: Optional[BackwardPlan] = None, mods: ScoreMods = NO_MODS, bias_grad: bool = False,
-             bottom_right_diagonal: Optional[bool] = None, softmax_offset_grad: bool = False):
-    """Run preprocess, dK/dV and dQ (or atomic dQ), and dBias and d softmax_offset when asked.
+             mask: AttnMaskType, window: Tuple[int, int], plan: Optional[BackwardPlan] = None,
+             mods: ScoreMods = NO_MODS, bias_grad: bool = False, bottom_right_diagonal: Optional[bool] = None,
+             softmax_offset_grad: bool = False):
+    """Run preprocess, dK/dV and dQ, and dBias and d softmax_offset when asked (launches.backward_launches).
 
     Returns (dq, dk, dv, dbias, d_softmax_offset) with the gradients in the inputs' format; dbias
     (the bias's shape, summed over its broadcast dimensions in a fixed order) is None unless
-    ``bias_grad``; d_softmax_offset (fp32 [h_q], :func:`sink_grad`) is None unless
-    ``softmax_offset_grad``.
+    ``bias_grad``; d_softmax_offset (fp32 [h_q], per-sequence parts summed by :func:`fixed_order_sum`:
+    bitwise the same for a sequence in any batch, packed or padded) is None unless ``softmax_offset_grad``.
     """
-    config = plan_config(q, k, v, fmt, mask, window, deterministic, mods, bottom_right_diagonal)
-    if plan is None:
-        plan = backward_plan(config)
-    if deterministic and plan.atomic_dq:
-        raise RuntimeError("deterministic backward planned with atomic dQ; this is a planning bug")
-    hq, dqk = q.shape[-2], q.shape[-1]
-    hk, dv = k.shape[-2], v.shape[-1]
     alloc = torch.zeros if seqs.is_thd else torch.empty
+    dq = alloc(q.shape, dtype=q.dtype, device=q.device)
     dk = alloc(k.shape, dtype=k.dtype, device=k.device)
     dvt = alloc(v.shape, dtype=v.dtype, device=v.device)
     delta = torch.empty_like(lse)
-    _, sq_ = canonical(q, fmt)
-    _, sk_ = canonical(k, fmt)
-    _, sv_ = canonical(v, fmt)
-    _, so_ = canonical(out, fmt)
-    _, sdo_ = canonical(d_out, fmt)
-    _, sdk_ = canonical(dk, fmt)
-    _, sdv_ = canonical(dvt, fmt)
-    flags, left, right = mask_flags(config)
-    seq_args = seqs.args(lse)
-
-    pre = plan.preprocess
-    attn_bwd_preprocess_kernel[block_grid(triton.cdiv(seqs.max_q, pre.block_m), seqs.batch * hq)](
-        out, d_out, delta, seq_args[0], seq_args[2], *so_, *sdo_, lse.stride(0), lse.stride(1),
-        hq, seqs.max_q, HEAD_DIM_V=dv, BLOCK_DV=plan.block_dv, BLOCK_M=pre.block_m,
-        IS_THD=seqs.is_thd, HAS_SEQLENS=seqs.has_seqlens, num_warps=pre.num_warps,
-    )
-    d_offset = sink_grad(lse, delta, seqs, plan, mods.softmax_offset) if softmax_offset_grad else None
-    if plan.atomic_dq:
-        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    else:
-        dq_acc = lse  # unused by the kernel when ATOMIC_DQ is off
-    _, sdqa_ = canonical(dq_acc, fmt) if plan.atomic_dq else (None, (0, 0, 0, 0))
-    t = plan.dkdv
-    mod_ptrs, mod_strides = mods.pointer_args(lse), mods.stride_args(seqs.batch, hq)
-    kernel, constexprs = attn_bwd_dkdv_kernel, t.loop_constexprs
-    if plan.dkdv_warp_specialized is not None and _use_tma(True, (q, sq_), (k, sk_), (v, sv_), (d_out, sdo_)):
-        t = plan.dkdv_warp_specialized
-        kernel, constexprs = attn_bwd_dkdv_ws_kernel, t.ws_constexprs
-    kernel[block_grid(triton.cdiv(seqs.max_k, t.block_n), seqs.batch * hk)](
-        q, k, v, d_out, dk, dvt, dq_acc, lse, delta, *mod_ptrs, *seq_args,
-        *sq_, *sk_, *sv_, *sdo_, *sdk_, *sdv_, *sdqa_, lse.stride(0), lse.stride(1), *mod_strides,
-        hk, hq // hk, seqs.max_q, seqs.max_k, softmax_scale, softmax_scale * LOG2E, left, right, mods.dropout_p,
-        HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
-        IS_THD=seqs.is_thd, HAS_SEQLENS=seqs.has_seqlens, ATOMIC_DQ=plan.atomic_dq, DOT_PRECISION=plan.dot_precision,
-        TMA=_use_tma(t.tma, (q, sq_), (d_out, sdo_)), **constexprs, **t.launch_options, **flags,
-        **mods.flags(),
-    )
-    dbias = _dbias(q, k, v, d_out, lse, delta, fmt, seqs, softmax_scale, window, flags, left, right, plan, mods) \
-        if bias_grad else None
-    if plan.atomic_dq:
-        return dq_acc.to(q.dtype), dk, dvt, dbias, d_offset
-    dq = alloc(q.shape, dtype=q.dtype, device=q.device)
-    _, sdq_ = canonical(dq, fmt)
-    t = plan.dq
-    kernel, constexprs = attn_bwd_dq_kernel, t.loop_constexprs
-    if plan.dq_warp_specialized is not None and _use_tma(True, (q, sq_), (k, sk_), (v, sv_), (d_out, sdo_)):
-        t = plan.dq_warp_specialized
-        kernel, constexprs = attn_bwd_dq_ws_kernel, t.ws_constexprs
-    kernel[block_grid(triton.cdiv(seqs.max_q, t.block_m), seqs.batch * hq)](
-        q, k, v, d_out, dq, lse, delta, *mod_ptrs, *seq_args,
-        *sq_, *sk_, *sv_, *sdo_, *sdq_, lse.stride(0), lse.stride(1), *mod_strides,
-        hq, hq // hk, seqs.max_q, seqs.max_k, softmax_scale, softmax_scale * LOG2E, left, right, mods.dropout_p,
-        HEAD_DIM_QK=dqk, HEAD_DIM_V=dv, BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
-        IS_THD=seqs.is_thd, HAS_SEQLENS=seqs.has_seqlens, DOT_PRECISION=plan.dot_precision,
-        TMA=_use_tma(t.tma, (k, sk_), (v, sv_)), **constexprs, **t.launch_options, **flags, **mods.flags(),
-    )
+    tensors = dict(q=q, k=k, v=v, out=out, d_out=d_out, dq=dq, dk=dk, dv=dvt)
+    call = _call(q, k, v, fmt, seqs, softmax_scale, mask, window, mods, bottom_right_diagonal, tensors,
+                 (lse.stride(0), lse.stride(1)))
+    buffers = dict(tensors, lse=lse, delta=delta, **_sequence_buffers(seqs), **mods.buffers())
+    dbias = parts = None
+    if bias_grad:
+        # The dBias kernel writes every element of its tiles.
+        dbias = buffers["dbias"] = torch.empty(mods.bias.shape, dtype=mods.bias.dtype, device=mods.bias.device)
+    if softmax_offset_grad:
+        parts = buffers["dsink"] = torch.empty((seqs.batch, q.shape[-2]), dtype=torch.float32, device=lse.device)
+    _run(launches.backward_launches(call, plan, bias_grad=bias_grad, sink_grad=softmax_offset_grad), buffers)
+    d_offset = fixed_order_sum(parts) if softmax_offset_grad else None
     return dq, dk, dvt, dbias, d_offset
-
-
-def sink_grad(lse: torch.Tensor, delta: torch.Tensor, seqs: Sequences, plan: BackwardPlan,
-              softmax_offset: torch.Tensor) -> torch.Tensor:
-    """d softmax_offset (fp32 [h_q]) of the learnable sink, without atomics: each sequence's part
-    from attn_bwd_dsink_kernel (its rows in a fixed order), then :func:`fixed_order_sum` over the
-    sequences. A sequence's part is bitwise the same in any batch and packed or padded."""
-    hq = lse.shape[1]
-    parts = torch.empty((seqs.batch, hq), dtype=torch.float32, device=lse.device)
-    t = plan.dsink
-    attn_bwd_dsink_kernel[plan.dsink_grid(seqs.batch, hq)](
-        lse, delta, softmax_offset, parts, seqs.args(lse)[2], lse.stride(0), lse.stride(1), parts.stride(0),
-        seqs.max_q, BLOCK_M=t.block_m, HAS_SEQLENS=seqs.has_seqlens, num_warps=t.num_warps,
-    )
-    return fixed_order_sum(parts)
 
 
 def fixed_order_sum(x: torch.Tensor) -> torch.Tensor:
@@ -334,34 +242,6 @@ def fixed_order_sum(x: torch.Tensor) -> torch.Tensor:
         half = x.shape[0] // 2
         x = x[:half] + x[half:]
     return x[0]
-
-
-def _dbias(q, k, v, d_out, lse, delta, fmt, seqs: Sequences, softmax_scale, window, flags, left, right,
-           plan: BackwardPlan, mods: ScoreMods):
-    """dBias in the bias's shape (padded formats only), summed over broadcast dims in order."""
-    bias = mods.bias
-    hq, hk = q.shape[-2], k.shape[-2]
-    dbias = torch.empty(bias.shape, dtype=bias.dtype, device=bias.device)
-    _, sq_ = canonical(q, fmt)
-    _, sk_ = canonical(k, fmt)
-    _, sv_ = canonical(v, fmt)
-    _, sdo_ = canonical(d_out, fmt)
-    t = plan.dbias
-    seq_args = seqs.args(lse)
-    # A bias broadcast over the query rows ([.., .., 1, s_kv]) gets one dBias row: its kernel sums them.
-    sum_rows = bias.shape[2] == 1
-    attn_bwd_dbias_kernel[plan.dbias_grid(bias.shape[2], seqs.max_k, bias.shape[0], bias.shape[1])](
-        q, k, v, d_out, lse, delta, bias, dbias, mods.rng_state if mods.dropout_p > 0 else lse,
-        seq_args[2], seq_args[3], *sq_, *sk_, *sv_, *sdo_, lse.stride(0), lse.stride(1),
-        *mods.stride_args(seqs.batch, hq)[:4], *dbias.stride(),
-        seqs.batch, hq, hq // hk, bias.shape[0], bias.shape[1], seqs.max_q, seqs.max_k,
-        softmax_scale * LOG2E, left, right, mods.dropout_p,
-        HEAD_DIM_QK=q.shape[-1], HEAD_DIM_V=v.shape[-1], BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, HAS_SEQLENS=seqs.has_seqlens,
-        HAS_LEFT=flags["HAS_LEFT"], HAS_RIGHT=flags["HAS_RIGHT"], BOTTOM_RIGHT=flags["BOTTOM_RIGHT"],
-        DROPOUT=mods.dropout_p > 0, DOT_PRECISION=plan.dot_precision, SUM_ROWS=sum_rows, **t.launch_options,
-    )
-    return dbias
 
 
 def dropout_keep_mask(rng_state: torch.Tensor, batch: int, heads: int, seqlen_q: int, seqlen_k: int,

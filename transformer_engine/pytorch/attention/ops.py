@@ -61,21 +61,22 @@ def fused_attn_bwd(
     cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_kv: Optional[torch.Tensor],
     seq_offsets_q: Optional[torch.Tensor], seq_offsets_kv: Optional[torch.Tensor],
     max_seqlen_q: int, max_seqlen_kv: int, softmax_scale: float, attn_mask_type: str,
-    window_left: int, window_right: int, bottom_right_diagonal: bool, deterministic: bool,
+    window_left: int, window_right: int, bottom_right_diagonal: bool,
     bias: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
     rng_state: Optional[torch.Tensor], dropout_p: float, bias_grad: bool,
     softmax_type: str = "vanilla", softmax_offset: Optional[torch.Tensor] = None,
     softmax_offset_grad: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dbias, d_softmax_offset); dbias is an empty tensor unless ``bias_grad``,
-    d_softmax_offset (fp32 [h_q]) unless ``softmax_offset_grad``."""
+    d_softmax_offset (fp32 [h_q]) unless ``softmax_offset_grad``. The same kernels in both determinism
+    modes (each sum in a fixed order, no atomics), so the op takes no determinism flag."""
     fmt = QKVFormat(qkv_format)
     seqs = launch.sequences(fmt, q, k, cu_seqlens_q, cu_seqlens_kv, seq_offsets_q, seq_offsets_kv,
                             max_seqlen_q, max_seqlen_kv)
     mods = launch.ScoreMods(bias, alibi_slopes, dropout_p, rng_state, AttnSoftmaxType(softmax_type), softmax_offset)
     dq, dk, dv, dbias, d_offset = launch.backward(q, k, v, out, d_out, lse, fmt, seqs, softmax_scale,
                                                   AttnMaskType(attn_mask_type), (window_left, window_right),
-                                                  deterministic, mods=mods, bias_grad=bias_grad,
+                                                  mods=mods, bias_grad=bias_grad,
                                                   bottom_right_diagonal=bottom_right_diagonal,
                                                   softmax_offset_grad=softmax_offset_grad)
     return (dq, dk, dv, dbias if dbias is not None else q.new_empty(0),
@@ -85,7 +86,7 @@ def fused_attn_bwd(
 @fused_attn_bwd.register_fake
 def _(q, k, v, out, d_out, lse, qkv_format, cu_seqlens_q, cu_seqlens_kv, seq_offsets_q, seq_offsets_kv,
       max_seqlen_q, max_seqlen_kv, softmax_scale, attn_mask_type, window_left, window_right, bottom_right_diagonal,
-      deterministic, bias, alibi_slopes, rng_state, dropout_p, bias_grad, softmax_type="vanilla", softmax_offset=None,
+      bias, alibi_slopes, rng_state, dropout_p, bias_grad, softmax_type="vanilla", softmax_offset=None,
       softmax_offset_grad=False):
     dbias = bias.new_empty(bias.shape) if bias_grad else q.new_empty(0)
     d_offset = lse.new_empty((q.shape[-2],)) if softmax_offset_grad else lse.new_empty(0)

@@ -5,7 +5,7 @@ Targets: NVIDIA (Triton's ``GPUTarget("cuda", 90, 32)``: a cubin, through the pt
 wheel) and AMD (``GPUTarget("hip", "gfx942", 64)``: a hsaco, through the LLVM AMDGPU backend in
 Triton's wheel); both compile on the CPU. The JAX CUDA lowering (``transformer_engine.jax.primitives.gpu``)
 compiles its cubins with this at lowering time and launches only those;
-``benchmarks/attention/kernel_resources.py`` and the compile tests use it for every target.
+``kernels/resources.py`` and the compile tests use it for every target.
 Arguments are given by name: :class:`Pointer` for a buffer, ints, floats and constexpr values as a
 launch would pass them.
 """

@@ -1,9 +1,8 @@
 """Attention backward: preprocess, dK/dV pass, dQ pass.
 
-Deterministic by construction when ATOMIC_DQ is off: every program owns its output tile and
-sums in a fixed order (dK/dV: over the query heads of the GQA group, then query blocks in
-ascending order; dQ: over key blocks in ascending order). ATOMIC_DQ (non-deterministic mode
-only; the launch plan decides) folds dQ into the dK/dV pass with fp32 atomics instead.
+Deterministic by construction: every program owns its output tile and sums in a fixed order
+(dK/dV: over the query heads of the GQA group, then query blocks in ascending order; dQ: over key
+blocks in ascending order). No atomics.
 
 Sink softmax changes nothing in the dK/dV and dQ passes (forward.py's docstring); the learnable
 sink's gradient is attn_bwd_dsink_kernel's, one partial sum per sequence without atomics.
@@ -67,21 +66,21 @@ def attn_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, dq_ptrs,
-                stride_qs, stride_dos, stride_dqs,
+def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs,
+                stride_qs, stride_dos,
                 offs_n, offs_m_base, offs_dqk, offs_dv, lo, hi, full_lo, full_hi,
-                len_q, len_k, diag, window_left, window_right, qk_scale, sm_scale,
+                len_q, len_k, diag, window_left, window_right, qk_scale,
                 bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
                 HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                 BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                 MASKED: tl.constexpr, SINGLE_LOOP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                 HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-                ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
+                DOT_PRECISION: tl.constexpr):
     """Query blocks [lo, hi); masking as in forward._fwd_inner (SINGLE_LOOP: outside [full_lo, full_hi) only)."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m_base
         q_t = load_block(q_src, start_m, stride_qs, offs_dqk, offs_m_base, len_q, HEAD_DIM_QK, BLOCK_DQK, MASKED,
-                         TMA, True)  # [BLOCK_DQK, BLOCK_M]
+                         True)  # [BLOCK_DQK, BLOCK_M]
         # Rows past the sequence (or with nothing visible) carry lse = +inf: their p is 0.
         lse = tl.load(lse_ptrs + offs_m, mask=offs_m < len_q, other=float("inf"))
         qk_t = tl.dot(k, q_t, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
@@ -93,7 +92,7 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, dq_ptrs,
             p_t = mask_scores(p_t, 0.0, offs_m[None, :], offs_n[:, None], start_m, full_lo, full_hi, len_q, len_k,
                               diag, window_left, window_right, HAS_LEFT, HAS_RIGHT, SINGLE_LOOP)
         do = load_block(do_src, start_m, stride_dos, offs_dv, offs_m_base, len_q, HEAD_DIM_V, BLOCK_DV, MASKED,
-                        TMA, False)  # [BLOCK_M, BLOCK_DV]
+                        False)  # [BLOCK_M, BLOCK_DV]
         delta = tl.load(delta_ptrs + offs_m, mask=offs_m < len_q, other=0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
         if DROPOUT:
@@ -105,16 +104,12 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, dq_ptrs,
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
         dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=DOT_PRECISION)
-        if ATOMIC_DQ:
-            dq = tl.dot(tl.trans(ds_t).to(k.dtype), k, input_precision=DOT_PRECISION) * sm_scale
-            tl.atomic_add(dq_ptrs + start_m * stride_dqs, dq,
-                          mask=(offs_m[:, None] < len_q) & (offs_dqk[None, :] < HEAD_DIM_QK))
     return dk, dv
 
 
 @triton.jit(do_not_specialize=SEQLEN_ARGS)
 def attn_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, BIAS, ALIBI_SLOPES, RNG_STATE,
+    Q, K, V, DO, DK, DV, LSE, DELTA, BIAS, ALIBI_SLOPES, RNG_STATE,
     SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -122,7 +117,6 @@ def attn_bwd_dkdv_kernel(
     stride_dob, stride_dos, stride_doh, stride_dod,
     stride_dkb, stride_dks, stride_dkh, stride_dkd,
     stride_dvb, stride_dvs, stride_dvh, stride_dvd,
-    stride_dqb, stride_dqs, stride_dqh, stride_dqd,
     stride_lb, stride_lh,
     stride_zb, stride_zh, stride_zm, stride_zn, stride_alibi_b,
     num_heads_kv, gqa_group: tl.constexpr, seqlen_q, seqlen_k,
@@ -133,8 +127,7 @@ def attn_bwd_dkdv_kernel(
     IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr, SINGLE_LOOP: tl.constexpr,
-    TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr, SINGLE_LOOP: tl.constexpr,
 ):
     """One program per (key block, batch * kv head): dK, dV for that tile, summed over the
     query heads of the GQA group in order, each over its query blocks in order."""
@@ -178,31 +171,29 @@ def attn_bwd_dkdv_kernel(
         seq_head = batch * (num_heads_kv * gqa_group) + head
         q_src = sequence_source(Q + batch.to(tl.int64) * stride_qb + start_q * stride_qs
                                 + head.to(tl.int64) * stride_qh, stride_qs, len_q, offs_dqk, offs_m, stride_qd,
-                                HEAD_DIM_QK, BLOCK_DQK, BLOCK_M, TMA, True)
+                                HEAD_DIM_QK, BLOCK_DQK, BLOCK_M, True)
         do_src = sequence_source(DO + batch.to(tl.int64) * stride_dob + start_q * stride_dos
                                  + head.to(tl.int64) * stride_doh, stride_dos, len_q, offs_dv, offs_m, stride_dod,
-                                 HEAD_DIM_V, BLOCK_DV, BLOCK_M, TMA, False)
-        dq_ptrs = (DQ_ACC + batch.to(tl.int64) * stride_dqb + start_q * stride_dqs + head.to(tl.int64) * stride_dqh
-                   + offs_m[:, None] * stride_dqs + offs_dqk[None, :] * stride_dqd)
+                                 HEAD_DIM_V, BLOCK_DV, BLOCK_M, False)
         lse_ptrs = LSE + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
         delta_ptrs = DELTA + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
         if SINGLE_LOOP:
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, dq_ptrs,
-                                 stride_qs, stride_dos, stride_dqs, offs_n, offs_m, offs_dqk, offs_dv, lo, hi,
-                                 full_lo, full_hi, len_q, len_k, diag, window_left, window_right, qk_scale, sm_scale,
+            dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs,
+                                 stride_qs, stride_dos, offs_n, offs_m, offs_dqk, offs_dv, lo, hi,
+                                 full_lo, full_hi, len_q, len_k, diag, window_left, window_right, qk_scale,
                                  bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
                                  HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, True, True, HAS_LEFT, HAS_RIGHT,
-                                 HAS_BIAS, HAS_ALIBI, DROPOUT, ATOMIC_DQ, DOT_PRECISION, TMA)
+                                 HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION)
         else:
             for SEGMENT in tl.static_range(3):
                 seg_lo, seg_hi = segment_bounds(SEGMENT, lo, full_lo, full_hi, hi)
-                dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs, dq_ptrs,
-                                     stride_qs, stride_dos, stride_dqs, offs_n, offs_m, offs_dqk, offs_dv, seg_lo,
+                dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs,
+                                     stride_qs, stride_dos, offs_n, offs_m, offs_dqk, offs_dv, seg_lo,
                                      seg_hi, full_lo, full_hi, len_q, len_k, diag, window_left, window_right, qk_scale,
-                                     sm_scale, bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset,
+                                     bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset,
                                      seq_head, dropout_p, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_M,
-                                     SEGMENT != 1, False, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT, ATOMIC_DQ,
-                                     DOT_PRECISION, TMA)
+                                     SEGMENT != 1, False, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT,
+                                     DOT_PRECISION)
 
     dk = tl.where(key_ok, dk * sm_scale, 0.0)
     dv = tl.where(key_ok, dv, 0.0)
@@ -224,14 +215,14 @@ def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs,
               BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
               MASKED: tl.constexpr, SINGLE_LOOP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
               HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, TMA: tl.constexpr):
+              DOT_PRECISION: tl.constexpr):
     """Key blocks [lo, hi); masking as in forward._fwd_inner."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n_base
         k_t = load_block(k_src, start_n, stride_ks, offs_dqk, offs_n_base, len_k, HEAD_DIM_QK, BLOCK_DQK, MASKED,
-                         TMA, True)  # [BLOCK_DQK, BLOCK_N]
+                         True)  # [BLOCK_DQK, BLOCK_N]
         v_t = load_block(v_src, start_n, stride_vs, offs_dv, offs_n_base, len_k, HEAD_DIM_V, BLOCK_DV, MASKED,
-                         TMA, True)  # [BLOCK_DV, BLOCK_N]
+                         True)  # [BLOCK_DV, BLOCK_N]
         qk = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
         if HAS_BIAS or HAS_ALIBI:
             qk += bias_log2(bias_base, offs_m[:, None], offs_n[None, :], len_q, len_k, stride_zm, stride_zn,
@@ -268,7 +259,7 @@ def attn_bwd_dq_kernel(
     IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr, SINGLE_LOOP: tl.constexpr, TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr, SINGLE_LOOP: tl.constexpr,
 ):
     """One program per (query block, batch * query head): dQ summed over key blocks in order."""
     start_m, batch, head, head_kv, start_q, len_q, start_k, len_k, rows_out, diag = query_block_program(
@@ -292,9 +283,9 @@ def attn_bwd_dq_kernel(
     lse2 = tl.load(LSE + lse_off, mask=row_ok, other=float("inf")) * LOG2E
     delta = tl.load(DELTA + lse_off, mask=row_ok, other=0.0)
     k_src = sequence_source(K + batch.to(tl.int64) * stride_kb + start_k * stride_ks + head_kv.to(tl.int64) * stride_kh,
-                            stride_ks, len_k, offs_dqk, offs_n, stride_kd, HEAD_DIM_QK, BLOCK_DQK, BLOCK_N, TMA, True)
+                            stride_ks, len_k, offs_dqk, offs_n, stride_kd, HEAD_DIM_QK, BLOCK_DQK, BLOCK_N, True)
     v_src = sequence_source(V + batch.to(tl.int64) * stride_vb + start_k * stride_vs + head_kv.to(tl.int64) * stride_vh,
-                            stride_vs, len_k, offs_dv, offs_n, stride_vd, HEAD_DIM_V, BLOCK_DV, BLOCK_N, TMA, True)
+                            stride_vs, len_k, offs_dv, offs_n, stride_vd, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True)
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
     bias_base, alibi_slope = head_score_mods(BIAS, ALIBI_SLOPES, batch, head, stride_zb, stride_zh, stride_alibi_b,
                                              HAS_ALIBI)
@@ -308,7 +299,7 @@ def attn_bwd_dq_kernel(
                        lo, hi, full_lo, full_hi, len_q, len_k, diag, window_left, window_right, qk_scale,
                        bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
                        HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, True, True, HAS_LEFT, HAS_RIGHT,
-                       HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION, TMA)
+                       HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION)
     else:
         for SEGMENT in tl.static_range(3):
             seg_lo, seg_hi = segment_bounds(SEGMENT, lo, full_lo, full_hi, hi)
@@ -316,7 +307,7 @@ def attn_bwd_dq_kernel(
                            offs_dv, seg_lo, seg_hi, full_lo, full_hi, len_q, len_k, diag, window_left, window_right,
                            qk_scale, bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head,
                            dropout_p, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, SEGMENT != 1, False,
-                           HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION, TMA)
+                           HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION)
     dq = tl.where(row_ok[:, None], dq * sm_scale, 0.0)
     tl.store(DQ + batch.to(tl.int64) * stride_dqb + start_q * stride_dqs + head.to(tl.int64) * stride_dqh
              + offs_m[:, None] * stride_dqs + offs_dqk[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),

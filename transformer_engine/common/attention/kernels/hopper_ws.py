@@ -14,10 +14,7 @@ consumer warpgroups of 64 rows each plus one loader warp:
   from shared memory instead of waiting on global loads in their loop, which keeps the consumers within
   240 registers without spills);
 - each consumer walks the same blocks on its own and releases a buffer by arriving on its "empty"
-  barrier (count 2: both consumers), never through a CTA barrier;
-- forward only, measured variants: with PINGPONG the consumers take turns issuing their Q K^T
-  products; with OVERLAP a consumer issues block j's Q K^T with block j-1's P V and does block j's
-  softmax while P V runs. Both measured slower on the H200 than the plain schedule, which the plan uses.
+  barrier (count 2: both consumers), never through a CTA barrier.
 
 Launch arguments, grid (plan.block_grid) and results are those of attn_fwd_kernel / attn_bwd_dkdv_kernel
 / attn_bwd_dq_kernel (log2-domain scores, natural-log LSE, +inf for rows that see no key, zeros for padded
@@ -63,18 +60,14 @@ class _Schedule:
     BLOCK_N: gl.constexpr
     HAS_LEFT: gl.constexpr
     HAS_RIGHT: gl.constexpr
-    PINGPONG: gl.constexpr
-    OVERLAP: gl.constexpr
     ROW_TILES: gl.constexpr  # tiles the loader brings once per consumer: 1 (Q), 2 (Q and dO); 0 for dK/dV
 
     @gluon.constexpr_function
-    def __init__(self, NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, PINGPONG, OVERLAP, ROW_TILES):
+    def __init__(self, NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, ROW_TILES):
         self.NUM_STAGES = gl.constexpr(NUM_STAGES)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.HAS_LEFT = gl.constexpr(HAS_LEFT)
         self.HAS_RIGHT = gl.constexpr(HAS_RIGHT)
-        self.PINGPONG = gl.constexpr(PINGPONG)
-        self.OVERLAP = gl.constexpr(OVERLAP)
         self.ROW_TILES = gl.constexpr(ROW_TILES)
 
 
@@ -107,19 +100,11 @@ def _loader(bufs, bars, bounds, coords, sched):
 
 
 @gluon.jit
-def _issue_scores(q, k_smem, k_ready, turn, s_zero, it, NUM_STAGES: gl.constexpr, WG: gl.constexpr,
-                  PINGPONG: gl.constexpr):
+def _issue_scores(q, k_smem, k_ready, s_zero, it, NUM_STAGES: gl.constexpr):
     """Issue Q K^T for the it-th key block once it has landed (async: the caller waits)."""
     stage = it % NUM_STAGES
     mbarrier.wait(k_ready.index(stage), (it // NUM_STAGES) & 1)
-    if PINGPONG:  # consumer 0 goes first; each hands the turn over once its product is issued
-        if WG == 0:
-            mbarrier.wait(turn.index(0), (it & 1) ^ 1)
-        else:
-            mbarrier.wait(turn.index(1), it & 1)
     qk = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-    if PINGPONG:
-        mbarrier.arrive(turn.index(1 - WG), count=1)
     return qk
 
 
@@ -149,8 +134,6 @@ def _consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr):
     BLOCK_N: gl.constexpr = sched.BLOCK_N
     HAS_LEFT: gl.constexpr = sched.HAS_LEFT
     HAS_RIGHT: gl.constexpr = sched.HAS_RIGHT
-    PINGPONG: gl.constexpr = sched.PINGPONG
-    OVERLAP: gl.constexpr = sched.OVERLAP
     q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem = bufs
     q_bar, k_ready, v_ready, kv_empty, turn = bars
     lo, hi, full_lo, full_hi = bounds
@@ -179,47 +162,19 @@ def _consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr):
 
     mbarrier.wait(q_bar, 0)
     q = q_smem.index(WG)
-    if OVERLAP:
-        # Block lo alone, then each step issues block j's Q K^T and block j-1's P V together.
-        if lo < hi:
-            qk = _issue_scores(q, k_smem, k_ready, turn, s_zero, 0, NUM_STAGES, WG, PINGPONG)
-            qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
-            p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, lo, offs_m, offs_n_base, full_lo, full_hi, coords,
-                                               qk_scale, HAS_LEFT, HAS_RIGHT)
-            p_prev = gl.convert_layout(p.to(dtype), p_layout)
-            it = 1
-            for start_n in range(lo + BLOCK_N, hi, BLOCK_N):
-                prev = (it - 1) % NUM_STAGES
-                mbarrier.wait(v_ready.index(prev), ((it - 1) // NUM_STAGES) & 1)
-                qk = _issue_scores(q, k_smem, k_ready, turn, s_zero, it, NUM_STAGES, WG, PINGPONG)
-                acc = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
-                qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))
-                p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, start_n, offs_m, offs_n_base, full_lo, full_hi,
-                                                   coords, qk_scale, HAS_LEFT, HAS_RIGHT)
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-                mbarrier.arrive(kv_empty.index(prev), count=1)
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-                p_prev = gl.convert_layout(p.to(dtype), p_layout)
-                it += 1
-            last = (it - 1) % NUM_STAGES
-            mbarrier.wait(v_ready.index(last), ((it - 1) // NUM_STAGES) & 1)
-            acc = warpgroup_mma(p_prev, v_smem.index(last), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            mbarrier.arrive(kv_empty.index(last), count=1)
-    else:
-        it = 0
-        for start_n in range(lo, hi, BLOCK_N):
-            stage = it % NUM_STAGES
-            qk = _issue_scores(q, k_smem, k_ready, turn, s_zero, it, NUM_STAGES, WG, PINGPONG)
-            qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
-            p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, start_n, offs_m, offs_n_base, full_lo, full_hi, coords,
-                                               qk_scale, HAS_LEFT, HAS_RIGHT)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-            mbarrier.wait(v_ready.index(stage), (it // NUM_STAGES) & 1)
-            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(stage), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-            mbarrier.arrive(kv_empty.index(stage), count=1)
-            it += 1
+    it = 0
+    for start_n in range(lo, hi, BLOCK_N):
+        stage = it % NUM_STAGES
+        qk = _issue_scores(q, k_smem, k_ready, s_zero, it, NUM_STAGES)
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+        p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, start_n, offs_m, offs_n_base, full_lo, full_hi, coords,
+                                           qk_scale, HAS_LEFT, HAS_RIGHT)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        mbarrier.wait(v_ready.index(stage), (it // NUM_STAGES) & 1)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(stage), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(kv_empty.index(stage), count=1)
+        it += 1
 
     # l_i is a sum of exp2 terms: 0 when the row saw no key, NaN when a score was NaN or inf (then the
     # output and lse are NaN, as in the math reference, rather than hidden as an empty row).
@@ -342,7 +297,8 @@ def _kv_ring(K, V, batch, head_kv, start_k, len_k, stride_kb, stride_ks, stride_
 @gluon.jit
 def _barriers(NUM_STAGES: gl.constexpr):
     """(q_bar, k_ready, v_ready, kv_empty, turn), initialised: the row tiles' barrier, the ring's
-    ready / empty barriers (empty counts both consumers) and the ping-pong turns."""
+    ready / empty barriers (empty counts both consumers) and two turn barriers that no consumer waits on
+    (left from a measured ping-pong schedule: they keep the compiled kernels as planned and measured)."""
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -377,8 +333,8 @@ def attn_fwd_ws_kernel(
     IS_THD: gl.constexpr, HAS_SEQLENS: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
     HAS_BIAS: gl.constexpr, HAS_ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
-    DOT_PRECISION: gl.constexpr, HEAD_GROUP: gl.constexpr, SINGLE_LOOP: gl.constexpr, TMA: gl.constexpr,
-    NUM_STAGES: gl.constexpr = 2, PINGPONG: gl.constexpr = True, OVERLAP: gl.constexpr = False,
+    DOT_PRECISION: gl.constexpr, HEAD_GROUP: gl.constexpr, SINGLE_LOOP: gl.constexpr,
+    NUM_STAGES: gl.constexpr = 2,
 ):
     gl.static_assert(HEAD_DIM_QK == HEAD_DIM_V)
     gl.static_assert(HEAD_DIM_QK == BLOCK_DQK)
@@ -405,7 +361,7 @@ def attn_fwd_ws_kernel(
     bounds = (lo, hi, full_lo, full_hi)
     coords = (start_m, len_q, len_k, diag, window_left, window_right)
     out_args = (o_base, stride_os, stride_od, lse_base, rows_out, qk_scale)
-    sched = _Schedule(NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, PINGPONG, OVERLAP, 1)
+    sched = _Schedule(NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, 1)
     args = (bufs, bars, bounds, coords, out_args, sched)
     gl.warp_specialize([(_fwd_consumer0, args), (_fwd_consumer1, args), (_load_worker, args)], [4, 1],
                        [CONSUMER_REGISTERS, LOADER_REGISTERS])
@@ -506,8 +462,8 @@ def attn_bwd_dq_ws_kernel(
     IS_THD: gl.constexpr, HAS_SEQLENS: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
     HAS_BIAS: gl.constexpr, HAS_ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
-    DOT_PRECISION: gl.constexpr, HEAD_GROUP: gl.constexpr, SINGLE_LOOP: gl.constexpr, TMA: gl.constexpr,
-    NUM_STAGES: gl.constexpr = 2, PINGPONG: gl.constexpr = False, OVERLAP: gl.constexpr = False,
+    DOT_PRECISION: gl.constexpr, HEAD_GROUP: gl.constexpr, SINGLE_LOOP: gl.constexpr,
+    NUM_STAGES: gl.constexpr = 2,
 ):
     """One program per (query block, batch * query head), as attn_bwd_dq_kernel."""
     gl.static_assert(HEAD_DIM_QK == HEAD_DIM_V)
@@ -515,7 +471,6 @@ def attn_bwd_dq_ws_kernel(
     gl.static_assert(BLOCK_DV == BLOCK_DQK)
     gl.static_assert(BLOCK_M == 2 * WG_ROWS)
     gl.static_assert(not (HAS_BIAS or HAS_ALIBI or DROPOUT))
-    gl.static_assert(not (PINGPONG or OVERLAP))  # forward-only schedules
     start_m, batch, head, head_kv, start_q, len_q, start_k, len_k, rows_out, diag = _program(
         SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_heads_q, gqa_group, seqlen_q, seqlen_k,
         BLOCK_M, IS_THD, HAS_SEQLENS, BOTTOM_RIGHT, HEAD_GROUP)
@@ -536,7 +491,7 @@ def attn_bwd_dq_ws_kernel(
     bounds = (lo, hi, full_lo, full_hi)
     coords = (start_m, len_q, len_k, diag, window_left, window_right)
     out_args = (dq_base, stride_dqs, stride_dqd, LSE + lse_off, DELTA + lse_off, rows_out, qk_scale, sm_scale)
-    sched = _Schedule(NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, False, False, 2)
+    sched = _Schedule(NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, 2)
     args = (bufs, bars, bounds, coords, out_args, sched)
     gl.warp_specialize([(_dq_consumer0, args), (_dq_consumer1, args), (_load_worker, args)], [4, 1],
                        [CONSUMER_REGISTERS, LOADER_REGISTERS])
@@ -696,7 +651,7 @@ def _dkdv_consumer1(bufs, bars, bounds, coords, out_args, sched):
 
 @gluon.jit
 def attn_bwd_dkdv_ws_kernel(
-    Q, K, V, DO, DK, DV, DQ_ACC, LSE, DELTA, BIAS, ALIBI_SLOPES, RNG_STATE,
+    Q, K, V, DO, DK, DV, LSE, DELTA, BIAS, ALIBI_SLOPES, RNG_STATE,
     SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -704,7 +659,6 @@ def attn_bwd_dkdv_ws_kernel(
     stride_dob, stride_dos, stride_doh, stride_dod,
     stride_dkb, stride_dks, stride_dkh, stride_dkd,
     stride_dvb, stride_dvs, stride_dvh, stride_dvd,
-    stride_dqb, stride_dqs, stride_dqh, stride_dqd,
     stride_lb, stride_lh,
     stride_zb, stride_zh, stride_zm, stride_zn, stride_alibi_b,
     num_heads_kv, gqa_group, seqlen_q, seqlen_k,
@@ -715,19 +669,17 @@ def attn_bwd_dkdv_ws_kernel(
     IS_THD: gl.constexpr, HAS_SEQLENS: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
     HAS_BIAS: gl.constexpr, HAS_ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
-    ATOMIC_DQ: gl.constexpr, DOT_PRECISION: gl.constexpr, HEAD_GROUP: gl.constexpr, SINGLE_LOOP: gl.constexpr,
-    TMA: gl.constexpr,
-    NUM_STAGES: gl.constexpr = 2, PINGPONG: gl.constexpr = False, OVERLAP: gl.constexpr = False,
+    DOT_PRECISION: gl.constexpr, HEAD_GROUP: gl.constexpr, SINGLE_LOOP: gl.constexpr,
+    NUM_STAGES: gl.constexpr = 2,
 ):
-    """One program per (key block of 128, batch * kv head), as attn_bwd_dkdv_kernel (never with atomic dQ):
+    """One program per (key block of 128, batch * kv head), as attn_bwd_dkdv_kernel:
     BLOCK_N = 128 keys as two consumers of 64, query blocks of BLOCK_M through the loader's ring."""
     gl.static_assert(HEAD_DIM_QK == HEAD_DIM_V)
     gl.static_assert(HEAD_DIM_QK == BLOCK_DQK)
     gl.static_assert(BLOCK_DV == BLOCK_DQK)
     gl.static_assert(BLOCK_N == 2 * WG_ROWS)
     gl.static_assert(BLOCK_M % LOADER_THREADS == 0)
-    gl.static_assert(not (HAS_BIAS or HAS_ALIBI or DROPOUT or ATOMIC_DQ))
-    gl.static_assert(not (PINGPONG or OVERLAP))  # forward-only schedules
+    gl.static_assert(not (HAS_BIAS or HAS_ALIBI or DROPOUT))
     block, seq_head = _grid_program(HEAD_GROUP)
     start_n = block * BLOCK_N  # first blocks first: under causal masks they see the most queries
     batch = seq_head // num_heads_kv
@@ -769,7 +721,7 @@ def attn_bwd_dkdv_ws_kernel(
     bounds = (lo, hi, full_lo, full_hi)
     coords = (start_n, len_q, len_k, diag, window_left, window_right)
     out_args = (dk_base, dv_base, stride_dks, stride_dvs, stride_dkd, stride_dvd, rows_out, qk_scale, sm_scale)
-    sched = _Schedule(NUM_STAGES, BLOCK_M, HAS_LEFT, HAS_RIGHT, False, False, 0)
+    sched = _Schedule(NUM_STAGES, BLOCK_M, HAS_LEFT, HAS_RIGHT, 0)
     args = (bufs, bars, bounds, coords, out_args, sched)
     gl.warp_specialize([(_dkdv_consumer0, args), (_dkdv_consumer1, args), (_dkdv_loader, args)], [4, 1],
                        [DKDV_CONSUMER_REGISTERS, LOADER_REGISTERS])

@@ -120,36 +120,26 @@ def load_tile(ptrs, d_idx, s_idx, seq_len, HEAD_DIM: tl.constexpr, BLOCK_D: tl.c
 
 @triton.jit
 def sequence_source(base, stride_s, seq_len, offs_d, offs_s, stride_d, HEAD_DIM: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, TMA: tl.constexpr, D_FIRST: tl.constexpr):
-    """Where a block loop reads one sequence's K/V/Q/dO rows from: a tensor descriptor over the
-    [seq_len, HEAD_DIM] rows (TMA: rows past the sequence and columns past the head dim load as
-    zeros), or a tile of pointers at block 0, [BLOCK_D, BLOCK_S] when D_FIRST else [BLOCK_S, BLOCK_D]."""
-    if TMA:
-        src = tl.make_tensor_descriptor(base, shape=[tl.maximum(seq_len, 1), HEAD_DIM], strides=[stride_s, 1],
-                                        block_shape=[BLOCK_S, BLOCK_D])
+                    BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, D_FIRST: tl.constexpr):
+    """Where a block loop reads one sequence's K/V/Q/dO rows from: a tile of pointers at block 0,
+    [BLOCK_D, BLOCK_S] when D_FIRST else [BLOCK_S, BLOCK_D]."""
+    if D_FIRST:
+        src = base + offs_s[None, :] * stride_s + offs_d[:, None] * stride_d
     else:
-        if D_FIRST:
-            src = base + offs_s[None, :] * stride_s + offs_d[:, None] * stride_d
-        else:
-            src = base + offs_s[:, None] * stride_s + offs_d[None, :] * stride_d
+        src = base + offs_s[:, None] * stride_s + offs_d[None, :] * stride_d
     return src
 
 
 @triton.jit
 def load_block(src, start, stride_s, offs_d, offs_s, seq_len, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-               MASKED: tl.constexpr, TMA: tl.constexpr, D_FIRST: tl.constexpr):
+               MASKED: tl.constexpr, D_FIRST: tl.constexpr):
     """Rows [start, start + BLOCK_S) of a sequence_source, zeros outside the sequence and head dim."""
-    if TMA:
-        tile = src.load([start, 0])
-        if D_FIRST:
-            tile = tl.trans(tile)
+    if D_FIRST:
+        tile = load_tile(src + start * stride_s, offs_d[:, None], (start + offs_s)[None, :], seq_len, HEAD_DIM,
+                         BLOCK_D, MASKED)
     else:
-        if D_FIRST:
-            tile = load_tile(src + start * stride_s, offs_d[:, None], (start + offs_s)[None, :], seq_len, HEAD_DIM,
-                             BLOCK_D, MASKED)
-        else:
-            tile = load_tile(src + start * stride_s, offs_d[None, :], (start + offs_s)[:, None], seq_len, HEAD_DIM,
-                             BLOCK_D, MASKED)
+        tile = load_tile(src + start * stride_s, offs_d[None, :], (start + offs_s)[:, None], seq_len, HEAD_DIM,
+                         BLOCK_D, MASKED)
     return tile
 
 

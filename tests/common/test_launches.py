@@ -1,0 +1,188 @@
+"""Both frontends launch the same kernels for the same call, without a GPU.
+
+PyTorch (``pytorch/attention/launch.py``) runs its forward and backward on meta tensors with the
+launch itself captured; JAX (``jax/primitives/gpu.py``) describes its FFI programs' launches with
+``gpu.launch_call``. Both go through ``common.attention.launches``: the lists must be equal kernel by
+kernel (name, grid, every argument by name with tensors as slot names, launch options) over a grid of
+dtypes, head dims, masks and windows, bias shapes, GQA, packed sequences and sink softmax types, on an
+sm_90 device (so the Gluon kernels serve d=128). Both frontends plan one backward whatever the
+determinism mode (no atomic variant exists), so the mode is not a parameter here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Optional, Tuple
+
+import pytest
+
+torch = pytest.importorskip("torch")
+jnp = pytest.importorskip("jax.numpy")
+
+from transformer_engine.common.attention import launches  # noqa: E402
+from transformer_engine.common.attention.enums import (  # noqa: E402
+    AttnBiasType, AttnMaskType, AttnSoftmaxType, QKVFormat,
+)
+from transformer_engine.jax.primitives import gpu  # noqa: E402
+from transformer_engine.jax.primitives.attention import FusedAttnStatic  # noqa: E402
+from transformer_engine.pytorch.attention import launch  # noqa: E402
+
+SM90 = dict(device_type="cuda", vendor="nvidia", compute_capability=(9, 0), gfx_arch=None)
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    dtype: str = "bfloat16"
+    dims: Tuple[int, int] = (128, 128)
+    mask: AttnMaskType = AttnMaskType.NO_MASK
+    window: Tuple[int, int] = (-1, -1)
+    bottom_right: bool = False
+    heads: Tuple[int, int] = (8, 8)
+    bias: Optional[Tuple[int, int]] = None  # (b|1, h|1) of a [., ., s_q, s_kv] post_scale_bias
+    segments: int = 1  # padding masks: sequences per row (packed mode)
+    softmax_type: AttnSoftmaxType = AttnSoftmaxType.VANILLA_SOFTMAX
+    batch: int = 2
+    seqlen: Tuple[int, int] = (256, 384)
+
+    @property
+    def name(self) -> str:
+        parts = [self.dtype, f"d{self.dims[0]}x{self.dims[1]}", self.mask.value, f"h{self.heads[0]}x{self.heads[1]}"]
+        if self.window != (-1, -1):
+            parts.append(f"w{self.window[0]}_{self.window[1]}{'br' if self.bottom_right else 'tl'}")
+        if self.bias:
+            parts.append(f"bias{self.bias[0]}{self.bias[1]}ss")
+        if self.segments > 1:
+            parts.append(f"m{self.segments}")
+        if self.softmax_type != AttnSoftmaxType.VANILLA_SOFTMAX:
+            parts.append(self.softmax_type.value)
+        return "-".join(parts)
+
+
+def _cases():
+    out = []
+    masks = [AttnMaskType.NO_MASK, AttnMaskType.CAUSAL_MASK, AttnMaskType.PADDING_MASK,
+             AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK]
+    for dtype, dims, mask in itertools.product(("float16", "bfloat16", "float32"), ((64, 64), (128, 128), (192, 192),
+                                                                                  (256, 256)), masks):
+        out.append(Case(dtype, dims, mask, segments=2 if mask.is_padding else 1))
+    for dims in ((64, 64), (128, 128), (256, 256)):
+        out += [
+            Case(dims=dims, mask=AttnMaskType.NO_MASK, window=(64, 16), bottom_right=True, heads=(8, 2)),
+            Case(dims=dims, mask=AttnMaskType.NO_MASK, window=(32, 32), bottom_right=False),
+            Case(dims=dims, mask=AttnMaskType.CAUSAL_MASK, window=(48, 0), heads=(8, 1)),
+            Case(dims=dims, mask=AttnMaskType.PADDING_CAUSAL_MASK, window=(40, 0), heads=(6, 2), segments=3),
+        ]
+    for bias, mask in itertools.product(((1, 8), (2, 1), (2, 8), (1, 1)), (AttnMaskType.NO_MASK,
+                                                                          AttnMaskType.CAUSAL_MASK)):
+        out.append(Case(dims=(64, 64), mask=mask, bias=bias))
+        heads = (8, 4) if bias[1] == 1 else (8, 8)
+        out.append(Case(dtype="float16", dims=(128, 128), mask=mask, bias=bias, heads=heads))
+    for stype in (AttnSoftmaxType.OFF_BY_ONE_SOFTMAX, AttnSoftmaxType.LEARNABLE_SOFTMAX):
+        out += [Case(dims=(128, 128), mask=AttnMaskType.CAUSAL_MASK, softmax_type=stype),
+                Case(dims=(64, 64), mask=AttnMaskType.PADDING_CAUSAL_MASK, heads=(8, 2), segments=2,
+                     softmax_type=stype)]
+    out.append(Case(dims=(128, 64), mask=AttnMaskType.CAUSAL_MASK, heads=(4, 1)))
+    return out
+
+
+CASES = _cases()
+
+
+@pytest.fixture(autouse=True)
+def _sm90(monkeypatch):
+    monkeypatch.setattr(launch, "_device", lambda device: dict(SM90))
+    monkeypatch.delenv("NVTE_FUSED_ATTN_PLAN_ARCH", raising=False)
+    monkeypatch.delenv("NVTE_FUSED_ATTN_WS", raising=False)
+
+
+def _torch_launches(case: Case, monkeypatch):
+    """(forward, backward) launch lists of PyTorch's launcher for ``case``, on meta tensors."""
+    captured = []
+    monkeypatch.setattr(launch, "_run", lambda described, buffers: captured.append(tuple(described)))
+    b, (s_q, s_kv), (hq, hk), (dqk, dv) = case.batch, case.seqlen, case.heads, case.dims
+    dtype = TORCH_DTYPES[case.dtype]
+    meta = dict(dtype=dtype, device="meta")
+    packed = case.mask.is_padding
+    if packed:  # JAX's padding masks run the packed mode: the same as PyTorch's thd over all rows' tokens
+        fmt = QKVFormat.THD
+        q, k, v = (torch.empty((b * s, h, d), **meta) for s, h, d in ((s_q, hq, dqk), (s_kv, hk, dqk), (s_kv, hk, dv)))
+        m = case.segments
+        lens_q = torch.tensor([s_q // m] * (b * m), dtype=torch.int32)
+        lens_k = torch.tensor([s_kv // m] * (b * m), dtype=torch.int32)
+        cu_q = torch.cat([torch.zeros(1, dtype=torch.int32), lens_q.cumsum(0).to(torch.int32)])
+        cu_k = torch.cat([torch.zeros(1, dtype=torch.int32), lens_k.cumsum(0).to(torch.int32)])
+        seqs = launch.sequences(fmt, q, k, cu_q, cu_k, cu_q, cu_k, s_q, s_kv)
+    else:
+        fmt = QKVFormat.BSHD
+        q, k, v = (torch.empty((b, s, h, d), **meta) for s, h, d in ((s_q, hq, dqk), (s_kv, hk, dqk), (s_kv, hk, dv)))
+        seqs = launch.sequences(fmt, q, k, None, None, None, None, s_q, s_kv)
+    bias = torch.empty((*case.bias, s_q, s_kv), **meta) if case.bias else None
+    offset = torch.empty((hq,), dtype=torch.float32, device="meta") if case.softmax_type.has_sink else None
+    mods = launch.ScoreMods(bias=bias, softmax_type=case.softmax_type, softmax_offset=offset)
+    out, lse = launch.forward(q, k, v, fmt, seqs, 0.125, case.mask, case.window, mods=mods,
+                              bottom_right_diagonal=case.bottom_right)
+    launch.backward(q, k, v, out, torch.empty_like(out), lse, fmt, seqs, 0.125, case.mask, case.window, mods=mods,
+                    bias_grad=bias is not None, bottom_right_diagonal=case.bottom_right,
+                    softmax_offset_grad=case.softmax_type.is_learnable)
+    return captured
+
+
+def _jax_launches(case: Case):
+    """(forward, backward) launch lists of the JAX CUDA lowering for ``case``."""
+    b, (s_q, s_kv), (hq, hk), (dqk, dv) = case.batch, case.seqlen, case.heads, case.dims
+    static = FusedAttnStatic(case.mask, AttnBiasType.POST_SCALE_BIAS if case.bias else AttnBiasType.NO_BIAS,
+                             QKVFormat.BSHD, case.window, 0.125, 0.0, True, True,
+                             bottom_right_diagonal=case.bottom_right, softmax_type=case.softmax_type)
+    nseq = b * case.segments if case.mask.is_padding else b
+    q, k, v, o = (b, s_q, hq, dqk), (b, s_kv, hk, dqk), (b, s_kv, hk, dv), (b, s_q, hq, dv)
+    bias_shape = (*case.bias, s_q, s_kv) if case.bias else None
+    fwd = gpu.launch_call(static, dict(q=q, k=k, v=v, out=o), jnp.dtype(case.dtype), nseq, bias_shape, (9, 0))
+    bwd = gpu.launch_call(static, dict(q=q, k=k, v=v, out=o, d_out=o, dq=q, dk=k, dv=v), jnp.dtype(case.dtype), nseq,
+                          bias_shape, (9, 0))
+    return [launches.forward_launches(fwd),
+            launches.backward_launches(bwd, bias_grad=case.bias is not None,
+                                       sink_grad=case.softmax_type.is_learnable)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_pytorch_and_jax_launch_the_same_kernels(case, monkeypatch):
+    ours = _torch_launches(case, monkeypatch)
+    theirs = _jax_launches(case)
+    assert len(ours) == len(theirs) == 2
+    for step, pt, jx in zip(("forward", "backward"), ours, theirs):
+        assert [x.name for x in pt] == [x.name for x in jx], step
+        for a, b in zip(pt, jx):
+            assert a.describe() == b.describe(), (step, a.name, _diff(a, b))
+
+
+def _diff(a: launches.Launch, b: launches.Launch):
+    da, db = a.describe(), b.describe()
+    args = {k: (v, dict(db[2]).get(k)) for k, v in da[2] if dict(db[2]).get(k) != v}
+    return dict(grid=(da[1], db[1]), options=(da[3], db[3]), args=args)
+
+
+def test_the_grid_covers_what_it_says():
+    """Every kernel the launches have (the Gluon ones included) appears, and the modifiers do."""
+    names = set()
+    for case in CASES:
+        for described in _jax_launches(case):
+            names |= {x.name for x in described}
+    assert names == {"attn_fwd_kernel", "attn_fwd_ws_kernel", "attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel",
+                     "attn_bwd_dkdv_ws_kernel", "attn_bwd_dq_kernel", "attn_bwd_dq_ws_kernel", "attn_bwd_dbias_kernel",
+                     "attn_bwd_dsink_kernel"}
+    assert {c.dtype for c in CASES} == {"float16", "bfloat16", "float32"}
+    assert {c.dims[0] for c in CASES} >= {64, 128, 192, 256}
+    assert any(c.heads[0] != c.heads[1] for c in CASES) and any(c.segments > 1 for c in CASES)
+    assert {c.bias for c in CASES if c.bias} == {(1, 8), (2, 1), (2, 8), (1, 1)}
+
+
+def test_launch_lists_name_every_kernel_parameter_in_order():
+    """A launch passes each parameter of its kernel exactly once, in the kernel's order; tensors as slots."""
+    for case in CASES[:8]:
+        for described in _jax_launches(case):
+            for x in described:
+                assert list(x.args) == list(x.kernel.arg_names), x.name
+                assert all(isinstance(v, launches.Slot) for k, v in x.args.items() if k.isupper() and
+                           not isinstance(v, (bool, int, str))), x.name

@@ -1,0 +1,203 @@
+"""Registers, spills and shared memory of the planned launches, compiled on the CPU for any target.
+
+Triton's wheel carries ptxas and cuobjdump (NVIDIA) and the LLVM AMDGPU backend (AMD), so a kernel
+compiles for sm_90 or gfx942 without a GPU. Spilled registers (local-memory stack on NVIDIA, scratch on
+AMD) in an attention inner loop cost time on the GPU; this report is the cheap first check of a kernel
+or tile change before device time is spent on it. The launches are the frontends' own
+(``common.attention.launches``) for contiguous tensors, so what compiles here is what they run.
+
+    python -m transformer_engine.common.attention.kernels.resources                 # planned sm90, d=64/128/256
+    python -m transformer_engine.common.attention.kernels.resources --target gfx942 # the CDNA3 plan
+    python -m transformer_engine.common.attention.kernels.resources --dims 128 --kernel dkdv --tiles 64,128,8,3
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import subprocess
+import tempfile
+from typing import Dict, Optional, Sequence, Tuple
+
+from transformer_engine.common.attention.config import AttnConfig
+from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType
+from transformer_engine.common.attention.kernels.aot import CompiledKernel, Pointer, compile_kernel
+from transformer_engine.common.attention.launches import (
+    Bias, Call, Launch, Slot, View, backward_launches, forward_launches, plan_config,
+)
+from transformer_engine.common.attention.plan import ARCHS, Tiles, backward_plan, forward_plan
+
+__all__ = ["DEVICE_FACTS", "target", "contiguous_call", "planned_launches", "compile_args", "compile_launch",
+           "job", "compile_report", "resources"]
+
+# What each planned architecture looks like to AttnConfig (the frontends' device facts).
+DEVICE_FACTS = {name: (dict(vendor="amd", compute_capability=None, gfx_arch=name) if t.vendor == "amd"
+                       else dict(compute_capability=(int(name[2:-1]), int(name[-1]))))
+                for name, t in ARCHS.items()}
+# Element types of the slots that do not hold the call's dtype.
+_SLOT_DTYPES = {"lse": "float32", "delta": "float32", "softmax_offset": "float32", "dsink": "float32",
+                "alibi_slopes": "float32", "rng_state": "int64", "seq_start_q": "int32", "seq_start_k": "int32",
+                "seq_len_q": "int32", "seq_len_k": "int32"}
+
+
+def target(name: str):
+    """Triton's GPUTarget of a planned architecture (plan.ARCHS name: "sm90", "gfx942")."""
+    from triton.backends.compiler import GPUTarget
+
+    return GPUTarget(*ARCHS[name].triton_target)
+
+
+def _contiguous(shape: Sequence[int]) -> Tuple[int, ...]:
+    return tuple(int(_prod(shape[i + 1:])) for i in range(len(shape)))
+
+
+def _prod(xs) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+def contiguous_call(config: AttnConfig, batch: int = 2, seqlen: int = 1024, thd: bool = False,
+                    bias_shape: Optional[Tuple[int, int, int, int]] = None, softmax_scale: float = 0.125) -> Call:
+    """The launches' view of ``config`` on contiguous [b, s, h, d] tensors (``thd``: packed sequences) of
+    ``seqlen`` tokens per sequence; a post_scale_bias of ``bias_shape`` (default [1, h, s, s])."""
+    hq, hk, dqk, dv = config.num_heads_q, config.num_heads_kv, config.head_dim_qk, config.head_dim_v
+    shapes = dict(q=(batch, seqlen, hq, dqk), k=(batch, seqlen, hk, dqk), v=(batch, seqlen, hk, dv),
+                  out=(batch, seqlen, hq, dv), d_out=(batch, seqlen, hq, dv), dq=(batch, seqlen, hq, dqk),
+                  dk=(batch, seqlen, hk, dqk), dv=(batch, seqlen, hk, dv))
+    views = {}
+    for name, shape in shapes.items():
+        strides = _contiguous(shape)
+        views[name] = View((0,) + strides[1:] if thd else strides)
+    bias = None
+    if config.attn_bias_type == AttnBiasType.POST_SCALE_BIAS:
+        shape = bias_shape or (1, hq, seqlen, seqlen)
+        bias = Bias(tuple(shape), _contiguous(shape))
+    return Call(
+        num_heads_q=hq, num_heads_kv=hk, head_dim_qk=dqk, head_dim_v=dv, dtype=config.dtype, num_seqs=batch,
+        max_q=seqlen, max_k=seqlen, packed=thd, has_seqlens=thd or config.attn_mask_type.is_padding,
+        softmax_scale=softmax_scale, attn_mask_type=config.attn_mask_type, window_size=config.window_size,
+        bottom_right_diagonal=config.bottom_right, views=views, lse_strides=(hq * seqlen, seqlen),
+        device=dict(device_type=config.device_type, vendor=config.vendor,
+                    compute_capability=config.compute_capability, gfx_arch=config.gfx_arch),
+        bias=bias, alibi_batch_stride=0 if config.attn_bias_type == AttnBiasType.ALIBI else None,
+        dropout_p=config.dropout, softmax_type=config.softmax_type,
+    )
+
+
+def planned_launches(call: Call) -> Tuple[Launch, ...]:
+    """Every launch of a training step of ``call``: the forward and the backward with the bias's and the
+    learnable sink's gradients where the call has them."""
+    return forward_launches(call) + backward_launches(call, bias_grad=call.bias is not None,
+                                                      sink_grad=call.softmax_type.is_learnable)
+
+
+def compile_args(launch: Launch, dtype: str) -> Dict[str, object]:
+    """``launch``'s arguments for compile_kernel: each slot a Pointer of its element type."""
+    return {name: Pointer(_SLOT_DTYPES.get(value.name, dtype)) if isinstance(value, Slot) else value
+            for name, value in launch.args.items()}
+
+
+def compile_launch(launch: Launch, dtype: str, target_name: str = "sm90") -> CompiledKernel:
+    """Compile one launch for a planned architecture, as Triton's JIT specialises it."""
+    return compile_kernel(launch.kernel, compile_args(launch, dtype), launch.options, target(target_name))
+
+
+def job(launch: Launch, dtype: str, target_name: str) -> tuple:
+    """One launch as plain data (a process pool can take it): (target, kernel name, args, options)."""
+    return (target_name, launch.name, tuple(compile_args(launch, dtype).items()),
+            tuple(sorted(launch.options.items())))
+
+
+def _kernels() -> Dict[str, object]:
+    from transformer_engine.common.attention.kernels import backward, forward, hopper_ws
+
+    fns = (forward.attn_fwd_kernel, backward.attn_bwd_preprocess_kernel, backward.attn_bwd_dkdv_kernel,
+           backward.attn_bwd_dq_kernel, backward.attn_bwd_dbias_kernel, backward.attn_bwd_dsink_kernel,
+           hopper_ws.attn_fwd_ws_kernel, hopper_ws.attn_bwd_dkdv_ws_kernel, hopper_ws.attn_bwd_dq_ws_kernel)
+    return {fn.__name__: fn for fn in fns}
+
+
+def compile_report(compile_job: tuple) -> dict:
+    """Compile one :func:`job`. Returns resources(), or {"error": ...} when it does not compile."""
+    target_name, kernel, args, options = compile_job
+    try:
+        return resources(compile_kernel(_kernels()[kernel], dict(args), dict(options), target(target_name)))
+    except Exception as err:  # reported, and failed on, by the caller
+        return {"error": f"{type(err).__name__}: {str(err).strip()[:300]}"}
+
+
+def resources(kernel: CompiledKernel) -> dict:
+    """Registers per thread and spill bytes (NVIDIA: stack, from cuobjdump; AMD: private scratch per
+    work-item, from the AMDGPU backend), shared memory (LDS) from Triton."""
+    if kernel.binary_format == "hsaco":
+        hip = dict(kernel.hip_resources)
+        return {"regs": hip.get("vgpr_count", -1), "stack": hip.get("private_segment_fixed_size", -1),
+                "smem": kernel.shared}
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.cubin)
+    try:
+        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    found = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text))
+    return {"regs": int(found.get("REG", -1)), "stack": int(found.get("STACK", -1)), "smem": kernel.shared}
+
+
+_PASSES = {"fwd": ("attn_fwd_kernel", "attn_fwd_ws_kernel"),
+           "dkdv": ("attn_bwd_dkdv_kernel", "attn_bwd_dkdv_ws_kernel"),
+           "dq": ("attn_bwd_dq_kernel", "attn_bwd_dq_ws_kernel")}
+
+
+def _with_tiles(call: Call, name: str, tiles: Optional[Tiles]) -> Launch:
+    """The planned launch of pass ``name`` (fwd, dkdv, dq), or the Triton kernel's with ``tiles``."""
+    config = plan_config(call)
+    if name == "fwd":
+        plan = forward_plan(config)
+        if tiles is not None:
+            plan = dataclasses.replace(plan, tiles=tiles, warp_specialized=None)
+        described = forward_launches(call, plan)
+    else:
+        plan = backward_plan(config)
+        if tiles is not None:
+            plan = dataclasses.replace(plan, **{name: tiles, f"{name}_warp_specialized": None})
+        described = backward_launches(call, plan)
+    return next(x for x in described if x.name in _PASSES[name])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", default="sm90", choices=sorted(ARCHS), help="architecture whose plan to compile")
+    ap.add_argument("--dims", default="64,128,256", help="head dims (d_qk = d_v)")
+    ap.add_argument("--kernel", choices=sorted(_PASSES), action="append", help="default: all")
+    ap.add_argument("--tiles", nargs="*", help="block_m,block_n,warps,stages (default: the planned tiles)")
+    args = ap.parse_args()
+    for d in (int(x) for x in args.dims.split(",")):
+        for causal in (False, True):
+            cfg = AttnConfig(batch_size=1, num_heads_q=8, num_heads_kv=8, head_dim_qk=d, head_dim_v=d,
+                             max_seqlen_q=4096, max_seqlen_kv=4096, dtype="bfloat16",
+                             attn_mask_type=AttnMaskType.CAUSAL_MASK if causal else AttnMaskType.NO_MASK,
+                             deterministic=True, device_type="cuda", **DEVICE_FACTS[args.target])
+            call = contiguous_call(cfg, seqlen=4096)
+            for name in args.kernel or ("fwd", "dkdv", "dq"):
+                candidates = [Tiles(*map(int, t.split(","))) for t in args.tiles] if args.tiles else [None]
+                for tiles in candidates:
+                    launch = _with_tiles(call, name, tiles)
+                    r = compile_report(job(launch, cfg.dtype, args.target))
+                    mark = " " if tiles is not None else "*"
+                    if "error" in r:  # an over-sized tile fails to compile: say so and go on
+                        text = f"fails: {r['error'].splitlines()[0][:100]}"
+                    else:
+                        text = f"regs {r['regs']:3d}  stack {r['stack']:5d} B  smem {r['smem']:6d} B"
+                    print(f"d={d:3d} {'causal' if causal else 'none  '} {name:4s} {mark}{launch.name} "
+                          f"{launch.options} {launch.grid}: {text}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

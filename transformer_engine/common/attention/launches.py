@@ -1,0 +1,302 @@
+"""The kernel launches of one attention call, framework-free: one description that both frontends launch.
+
+From the call's shapes, strides, dtype and flags (:class:`Call`) and its launch plan (``plan.py``), the
+forward and the backward are each an ordered list of :class:`Launch`: the Triton or Gluon kernel, its
+grid, every kernel parameter by name (tensors as :class:`Slot`, which the frontend binds to its
+buffers; numbers and constexprs as values) and the launch options. The PyTorch frontend
+(``pytorch/attention/launch.py``) runs them on tensors, the JAX frontend (``jax/primitives/gpu.py``)
+compiles them into its FFI launch programs, and the resource report (``kernels/resources.py``)
+compiles them for any target. A kernel change is made here once; ``tests/common/test_launches.py``
+checks that both frontends describe the same launches for the same call.
+
+Layout: every tensor is seen as (b, s, h, d) by its strides (:class:`View`). In packed mode (THD, and
+the JAX frontend's padding masks) the sequences are rows of one token axis: the kernels get batch
+stride 0 and per-sequence starts and lengths; the dBias kernel, which has no packed mode, reads the
+rows with the views' own strides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Mapping, Optional, Tuple
+
+from transformer_engine.common.attention.config import AttnConfig
+from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, AttnSoftmaxType
+from transformer_engine.common.attention.plan import (
+    BackwardPlan, ForwardPlan, Tiles, backward_plan, block_grid, forward_plan, mask_flags, tma_eligible,
+)
+
+__all__ = ["Slot", "View", "Bias", "Call", "Launch", "plan_config", "forward_launches", "backward_launches",
+           "LOG2E", "ELEMENT_SIZES"]
+
+LOG2E = 1.4426950408889634  # the kernels' softmax runs in base 2: qk_scale = softmax_scale * log2(e)
+ELEMENT_SIZES = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class Slot:
+    """A tensor parameter of a launch, by role: ``q``, ``lse``, ``seq_len_q``, ``bias``, ... (the
+    frontend's buffer of that name). A pointer whose feature is off gets the ``lse`` slot: never read."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class View:
+    """One tensor seen as (b, s, h, d): its element strides, and whether its base address is 16-byte
+    aligned (the Gluon kernels read through TMA descriptors only then)."""
+
+    strides: Tuple[int, int, int, int]
+    aligned: bool = True
+
+
+@dataclass(frozen=True)
+class Bias:
+    """A post-scale bias [1|b, 1|h, s_q|1, s_kv]: its shape and element strides."""
+
+    shape: Tuple[int, int, int, int]
+    strides: Tuple[int, int, int, int]
+
+    @property
+    def kernel_strides(self) -> Tuple[int, int, int, int]:
+        """(zb, zh, zm, zn): 0 along a broadcast axis (size 1: batch, heads, or the query rows)."""
+        return tuple(st if n > 1 else 0 for n, st in zip(self.shape, self.strides))
+
+    @property
+    def grad_strides(self) -> Tuple[int, int, int, int]:
+        """Strides of dBias: a contiguous tensor of the bias's shape."""
+        b, h, m, n = self.shape
+        return (h * m * n, m * n, n, 1)
+
+
+@dataclass(frozen=True)
+class Call:
+    """What the launches of one call depend on. ``views`` holds the (b, s, h, d) view of each tensor the
+    launches read or write (q, k, v, out; d_out, dq, dk, dv for the backward); ``num_seqs`` is the grid's
+    sequence count (b, or the number of packed sequences), ``max_q``/``max_k`` the kernels' seqlen_q/_k;
+    ``packed``: sequences by starts (IS_THD); ``has_seqlens``: by lengths. ``device``: AttnConfig's
+    device facts (device_type, vendor, compute_capability, gfx_arch)."""
+
+    num_heads_q: int
+    num_heads_kv: int
+    head_dim_qk: int
+    head_dim_v: int
+    dtype: str
+    num_seqs: int
+    max_q: int
+    max_k: int
+    packed: bool
+    has_seqlens: bool
+    softmax_scale: float
+    attn_mask_type: AttnMaskType
+    window_size: Tuple[int, int]
+    bottom_right_diagonal: bool
+    views: Mapping[str, View]
+    lse_strides: Tuple[int, int]
+    device: Mapping[str, object]
+    bias: Optional[Bias] = None
+    alibi_batch_stride: Optional[int] = None  # ALiBi slopes: 0 for [h], the batch stride for [b, h]; None: none
+    dropout_p: float = 0.0
+    softmax_type: AttnSoftmaxType = AttnSoftmaxType.VANILLA_SOFTMAX
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: ``kernel`` (Triton or Gluon JIT function) on ``grid`` with ``args`` (every
+    parameter of the kernel by name, in its order: :class:`Slot` for tensors) and ``options``
+    (num_warps, num_stages, maxnreg)."""
+
+    kernel: object
+    grid: Tuple[int, int, int]
+    args: Dict[str, object] = field(hash=False)
+    options: Dict[str, int] = field(hash=False)
+
+    @property
+    def name(self) -> str:
+        return self.kernel.__name__
+
+    @property
+    def is_gluon(self) -> bool:
+        """A warp-specialized Gluon kernel: it builds TMA descriptors in the launch's global scratch."""
+        return bool(getattr(self.kernel, "is_gluon", lambda: False)())
+
+    def bind(self, buffers: Mapping[str, object]) -> Dict[str, object]:
+        """``args`` with each slot replaced by ``buffers[slot.name]``."""
+        return {name: buffers[value.name] if isinstance(value, Slot) else value for name, value in self.args.items()}
+
+    def describe(self) -> Tuple:
+        """Plain data for comparisons: (kernel name, grid, args with slots as their names, options)."""
+        args = tuple((name, ("slot", value.name) if isinstance(value, Slot) else value)
+                     for name, value in self.args.items())
+        return (self.name, tuple(self.grid), args, tuple(sorted(self.options.items())))
+
+
+def plan_config(call: Call) -> AttnConfig:
+    """The planning-relevant AttnConfig of a call: head counts and dims, dtype, mask kind and diagonal
+    alignment, score modifiers, softmax type and device. The plans are the same in both determinism
+    modes (no atomic or autotuned variant exists), so the config says deterministic."""
+    if call.bias is not None:
+        bias_type = AttnBiasType.POST_SCALE_BIAS
+    elif call.alibi_batch_stride is not None:
+        bias_type = AttnBiasType.ALIBI
+    else:
+        bias_type = AttnBiasType.NO_BIAS
+    return AttnConfig(
+        batch_size=1, num_heads_q=call.num_heads_q, num_heads_kv=call.num_heads_kv, head_dim_qk=call.head_dim_qk,
+        head_dim_v=call.head_dim_v, max_seqlen_q=0, max_seqlen_kv=0, dtype=call.dtype,
+        attn_mask_type=call.attn_mask_type, window_size=call.window_size,
+        bottom_right_diagonal=call.bottom_right_diagonal, attn_bias_type=bias_type, dropout=call.dropout_p,
+        deterministic=True, softmax_type=call.softmax_type, **call.device,
+    )
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _tma_ok(call: Call, *names: str) -> bool:
+    """Whether the Gluon kernels may read these tensors through TMA descriptors (plan.tma_eligible)."""
+    size = ELEMENT_SIZES[call.dtype]
+    return all(tma_eligible(size, 0 if call.views[n].aligned else 1, call.views[n].strides) for n in names)
+
+
+def _strides(call: Call, prefix: str, tensor: str, packed: bool) -> Dict[str, int]:
+    strides = call.views[tensor].strides
+    if packed:
+        strides = (0,) + tuple(strides[1:])
+    return {f"stride_{prefix}{axis}": value for axis, value in zip("bshd", strides)}
+
+
+_SEQ_SLOTS = ("SEQ_START_Q", "SEQ_START_K", "SEQ_LEN_Q", "SEQ_LEN_K")
+_PLACEHOLDER = Slot("lse")
+
+
+def _values(call: Call, config: AttnConfig, block_dqk: int, block_dv: int, dot_precision: str) -> Dict[str, object]:
+    """What every block-loop kernel takes, by parameter name (each launch picks its kernel's)."""
+    flags, left, right = mask_flags(config)
+    has_bias, has_alibi, dropout = call.bias is not None, call.alibi_batch_stride is not None, call.dropout_p > 0
+    zs = call.bias.kernel_strides if has_bias else (0, 0, 0, 0)
+    values = dict(
+        BIAS=Slot("bias") if has_bias else _PLACEHOLDER,
+        ALIBI_SLOPES=Slot("alibi_slopes") if has_alibi else _PLACEHOLDER,
+        RNG_STATE=Slot("rng_state") if dropout else _PLACEHOLDER,
+        SEQ_START_Q=Slot("seq_start_q") if call.packed else _PLACEHOLDER,
+        SEQ_START_K=Slot("seq_start_k") if call.packed else _PLACEHOLDER,
+        SEQ_LEN_Q=Slot("seq_len_q") if call.has_seqlens else _PLACEHOLDER,
+        SEQ_LEN_K=Slot("seq_len_k") if call.has_seqlens else _PLACEHOLDER,
+        stride_lb=call.lse_strides[0], stride_lh=call.lse_strides[1],
+        stride_zb=zs[0], stride_zh=zs[1], stride_zm=zs[2], stride_zn=zs[3],
+        stride_alibi_b=call.alibi_batch_stride or 0,
+        num_heads_q=call.num_heads_q, num_heads_kv=call.num_heads_kv,
+        gqa_group=call.num_heads_q // call.num_heads_kv, seqlen_q=call.max_q, seqlen_k=call.max_k,
+        sm_scale=call.softmax_scale, qk_scale=call.softmax_scale * LOG2E, window_left=left, window_right=right,
+        dropout_p=call.dropout_p,
+        HEAD_DIM_QK=call.head_dim_qk, HEAD_DIM_V=call.head_dim_v, BLOCK_DQK=block_dqk, BLOCK_DV=block_dv,
+        IS_THD=call.packed, HAS_SEQLENS=call.has_seqlens, DOT_PRECISION=dot_precision,
+        HAS_BIAS=has_bias, HAS_ALIBI=has_alibi, DROPOUT=dropout, **flags,
+    )
+    for tensor, prefix in (("q", "q"), ("k", "k"), ("v", "v"), ("out", "o"), ("d_out", "do"), ("dq", "dq"),
+                           ("dk", "dk"), ("dv", "dv")):
+        if tensor in call.views:
+            values.update(_strides(call, prefix, tensor, call.packed))
+            values[prefix.upper()] = Slot(tensor)
+    return values
+
+
+def _launch(kernel, grid: Tuple[int, int, int], values: Dict[str, object], options: Dict[str, int]) -> Launch:
+    """A launch of ``kernel`` with its parameters taken from ``values`` by name."""
+    missing = [name for name in kernel.arg_names if name not in values]
+    if missing:
+        raise NotImplementedError(
+            f"{kernel.__name__} has parameters {missing} that common.attention.launches does not describe: "
+            "update the launch description along with the kernel")
+    return Launch(kernel, tuple(int(g) for g in grid), {name: values[name] for name in kernel.arg_names},
+                  dict(options))
+
+
+def _block_launch(triton_kernel, gluon_kernel, tiles: Tiles, ws: Optional[Tiles], tma_tensors: Tuple[str, ...],
+                  call: Call, values: Dict[str, object], rows_of, extra: Dict[str, object]) -> Launch:
+    """A block-loop pass: the Gluon kernel with ``ws`` tiles where the plan has them and the tensors allow
+    TMA, else the Triton kernel with ``tiles``. ``rows_of(tiles)``: the grid's (blocks, sequences * heads)."""
+    if ws is not None and _tma_ok(call, *tma_tensors):
+        kernel, t, constexprs = gluon_kernel, ws, ws.ws_constexprs
+    else:
+        kernel, t, constexprs = triton_kernel, tiles, tiles.loop_constexprs
+    return _launch(kernel, block_grid(*rows_of(t)), dict(values, **extra, **constexprs), t.launch_options)
+
+
+def forward_launches(call: Call, plan: Optional[ForwardPlan] = None) -> Tuple[Launch, ...]:
+    """The forward: one launch writing ``out`` and ``lse`` (slots q, k, v, out, lse and the call's
+    modifiers: bias, alibi_slopes, rng_state, softmax_offset, seq_start_q/k, seq_len_q/k)."""
+    from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel
+    from transformer_engine.common.attention.kernels.hopper_ws import attn_fwd_ws_kernel
+
+    config = plan_config(call)
+    if plan is None:
+        plan = forward_plan(config)
+    values = _values(call, config, plan.block_dqk, plan.block_dv, plan.dot_precision)
+    has_sink = call.softmax_type.has_sink
+    values.update(LSE=Slot("lse"), SINK=Slot("softmax_offset") if has_sink else _PLACEHOLDER, HAS_SINK=has_sink)
+    rows = lambda t: (_cdiv(call.max_q, t.block_m), call.num_seqs * call.num_heads_q)  # noqa: E731
+    return (_block_launch(attn_fwd_kernel, attn_fwd_ws_kernel, plan.tiles, plan.warp_specialized, ("q", "k", "v"),
+                          call, values, rows, {}),)
+
+
+def backward_launches(call: Call, plan: Optional[BackwardPlan] = None, bias_grad: bool = False,
+                      sink_grad: bool = False) -> Tuple[Launch, ...]:
+    """The backward, in order: preprocess (delta), the sink-gradient parts (``sink_grad``: slot ``dsink``,
+    fp32 [num_seqs, h_q]), dK/dV, dBias (``bias_grad``: slot ``dbias``, contiguous in the bias's shape)
+    and dQ. Slots: q, k, v, out, d_out, lse, delta (fp32 like lse), dq, dk, dv and the modifiers'."""
+    from transformer_engine.common.attention.kernels.backward import (
+        attn_bwd_dbias_kernel,
+        attn_bwd_dkdv_kernel,
+        attn_bwd_dq_kernel,
+        attn_bwd_dsink_kernel,
+        attn_bwd_preprocess_kernel,
+    )
+    from transformer_engine.common.attention.kernels.hopper_ws import attn_bwd_dkdv_ws_kernel, attn_bwd_dq_ws_kernel
+
+    config = plan_config(call)
+    if plan is None:
+        plan = backward_plan(config)
+    values = _values(call, config, plan.block_dqk, plan.block_dv, plan.dot_precision)
+    values.update(LSE=Slot("lse"), DELTA=Slot("delta"))
+    q_rows = lambda t: (_cdiv(call.max_q, t.block_m), call.num_seqs * call.num_heads_q)  # noqa: E731
+    k_rows = lambda t: (_cdiv(call.max_k, t.block_n), call.num_seqs * call.num_heads_kv)  # noqa: E731
+    pre = plan.preprocess
+    out = [_launch(attn_bwd_preprocess_kernel, block_grid(*q_rows(pre)), dict(values, BLOCK_M=pre.block_m),
+                   dict(num_warps=pre.num_warps))]
+    if sink_grad:
+        t = plan.dsink
+        out.append(_launch(attn_bwd_dsink_kernel, plan.dsink_grid(call.num_seqs, call.num_heads_q),
+                           dict(values, SINK=Slot("softmax_offset"), DSINK=Slot("dsink"),
+                                stride_dsb=call.num_heads_q, BLOCK_M=t.block_m), dict(num_warps=t.num_warps)))
+    tensors = ("q", "k", "v", "d_out")
+    out.append(_block_launch(attn_bwd_dkdv_kernel, attn_bwd_dkdv_ws_kernel, plan.dkdv, plan.dkdv_warp_specialized,
+                             tensors, call, values, k_rows, {}))
+    if bias_grad:
+        out.append(_dbias_launch(call, plan, values, attn_bwd_dbias_kernel))
+    out.append(_block_launch(attn_bwd_dq_kernel, attn_bwd_dq_ws_kernel, plan.dq, plan.dq_warp_specialized, tensors,
+                             call, values, q_rows, {}))
+    return tuple(out)
+
+
+def _dbias_launch(call: Call, plan: BackwardPlan, values: Dict[str, object], kernel) -> Launch:
+    """dBias in the bias's shape, summed over its broadcast dims in a fixed order. The kernel has no
+    packed mode: it reads rows with the views' own strides and the sequences' lengths, which is where
+    packed sequences are when each row holds one from token 0."""
+    bias = call.bias
+    t = plan.dbias
+    dbias = dict(values)
+    for tensor, prefix in (("q", "q"), ("k", "k"), ("v", "v"), ("d_out", "do")):
+        dbias.update(_strides(call, prefix, tensor, False))
+    dbias.update(
+        DBIAS=Slot("dbias"),
+        **{f"stride_dz{axis}": value for axis, value in zip("bhmn", bias.grad_strides)},
+        batch_size=call.num_seqs, bias_batch=bias.shape[0], bias_heads=bias.shape[1],
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+        # A bias broadcast over the query rows ([.., .., 1, s_kv]) gets one dBias row: the kernel sums them.
+        SUM_ROWS=bias.shape[2] == 1,
+    )
+    return _launch(kernel, plan.dbias_grid(bias.shape[2], call.max_k, bias.shape[0], bias.shape[1]), dbias,
+                   t.launch_options)

@@ -406,8 +406,8 @@ def test_dropout_and_unsupported_bias_are_not_lowered_to_the_kernels(captured_pr
 
 def test_selection_picks_the_fused_bias_path_on_a_gpu(monkeypatch):
     """On a CUDA device fused_attn's selection (and the public fused_attn_unavailable_reasons, which says
-    what it picks) has nothing against a post_scale_bias over padded sequences: the bias path passed its
-    GPU tests (qa/results/gpu_runs.md)."""
+    what it picks) has nothing against a post_scale_bias over padded sequences (the bias path runs fused
+    on the GPU, checked by qa/L1_jax_gpu)."""
     from transformer_engine.common.attention.enums import AttnBiasType
 
     monkeypatch.setattr(te_attention, "_device_facts", lambda: ("cuda", (9, 0)))

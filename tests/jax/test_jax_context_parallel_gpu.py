@@ -36,6 +36,13 @@ from transformer_engine.jax.attention import (  # noqa: E402
     reorder_causal_load_balancing,
 )
 
+
+@pytest.fixture(autouse=True)
+def _deterministic(monkeypatch):
+    """Deterministic mode for every case (the suite's conftest clears NVTE_* before each test)."""
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+
+
 B, H_Q, H_KV, D = 1, 8, 2, 128
 S_DEFAULT = 32768
 LB = ReorderStrategy.DualChunkSwap

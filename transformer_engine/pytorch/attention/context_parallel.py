@@ -12,9 +12,11 @@ kernel's order:
 - ``"all_gather"`` and ``"p2p"`` (ring send/receive assembling the same operands): each rank keeps its
   own rows. Forward: for each own query chunk ``[a, b)`` the fused forward over keys ``[0, b)``, causal
   aligned bottom-right (all keys without a causal mask). Backward (:class:`_RowsAttention`, so autograd
-  never sums partial dK/dV across ranks): dQ of the own chunk against keys ``[0, b)``; dK/dV of the own
-  key chunk ``[a, b)`` against the gathered query rows ``[a, s)`` (all rows without a causal mask),
-  causal aligned top-left, which is the global mask. Query (key) ranges start at the chunk start rounded
+  never sums partial dK/dV across ranks): dQ of the own chunk against keys ``[0, b)`` (a dQ-only fused
+  backward); dK/dV of the own key chunk ``[a, b)`` against the gathered query rows ``[a, s)`` (all rows
+  without a causal mask), causal aligned top-left, which is the global mask (a dK/dV-only one). Each
+  runs one gradient pass of the whole backward's launches, unchanged: about the single-device backward
+  divided by cp, plus the cheap preprocess in both calls. Query (key) ranges start at the chunk start rounded
   down to the largest tile of the call's plans (:func:`tile_alignment`), so the kernels' blocks are the
   single-device call's blocks; rows before the chunk are zeros (forward) or the gathered rows (backward)
   and are dropped.

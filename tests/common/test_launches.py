@@ -22,7 +22,7 @@ jnp = pytest.importorskip("jax.numpy")
 
 from transformer_engine.common.attention import launches  # noqa: E402
 from transformer_engine.common.attention.enums import (  # noqa: E402
-    AttnBiasType, AttnMaskType, AttnSoftmaxType, QKVFormat,
+    AttnBiasType, AttnMaskType, AttnSoftmaxType, BackwardGrads, QKVFormat,
 )
 from transformer_engine.jax.primitives import gpu  # noqa: E402
 from transformer_engine.jax.primitives.attention import FusedAttnStatic  # noqa: E402
@@ -97,8 +97,9 @@ def _sm90(monkeypatch):
     monkeypatch.delenv("NVTE_FUSED_ATTN_WS", raising=False)
 
 
-def _torch_launches(case: Case, monkeypatch):
-    """(forward, backward) launch lists of PyTorch's launcher for ``case``, on meta tensors."""
+def _torch_launches(case: Case, monkeypatch, grads: BackwardGrads = BackwardGrads.DQ_DKDV):
+    """(forward, backward) launch lists of PyTorch's launcher for ``case``, on meta tensors (the backward
+    runs the ``grads`` passes)."""
     captured = []
     monkeypatch.setattr(launch, "_run", lambda described, buffers: captured.append(tuple(described)))
     b, (s_q, s_kv), (hq, hk), (dqk, dv) = case.batch, case.seqlen, case.heads, case.dims
@@ -125,12 +126,13 @@ def _torch_launches(case: Case, monkeypatch):
                               bottom_right_diagonal=case.bottom_right)
     launch.backward(q, k, v, out, torch.empty_like(out), lse, fmt, seqs, 0.125, case.mask, case.window, mods=mods,
                     bias_grad=bias is not None, bottom_right_diagonal=case.bottom_right,
-                    softmax_offset_grad=case.softmax_type.is_learnable)
+                    softmax_offset_grad=case.softmax_type.is_learnable, grads=grads)
     return captured
 
 
-def _jax_launches(case: Case):
-    """(forward, backward) launch lists of the JAX CUDA lowering for ``case``."""
+def _jax_launches(case: Case, grads: BackwardGrads = BackwardGrads.DQ_DKDV):
+    """(forward, backward) launch lists of the JAX CUDA lowering for ``case`` (the backward runs the
+    ``grads`` passes)."""
     b, (s_q, s_kv), (hq, hk), (dqk, dv) = case.batch, case.seqlen, case.heads, case.dims
     static = FusedAttnStatic(case.mask, AttnBiasType.POST_SCALE_BIAS if case.bias else AttnBiasType.NO_BIAS,
                              QKVFormat.BSHD, case.window, 0.125, 0.0, True, True,
@@ -143,7 +145,7 @@ def _jax_launches(case: Case):
                           bias_shape, (9, 0))
     return [launches.forward_launches(fwd),
             launches.backward_launches(bwd, bias_grad=case.bias is not None,
-                                       sink_grad=case.softmax_type.is_learnable)]
+                                       sink_grad=case.softmax_type.is_learnable, grads=grads)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -155,6 +157,45 @@ def test_pytorch_and_jax_launch_the_same_kernels(case, monkeypatch):
         assert [x.name for x in pt] == [x.name for x in jx], step
         for a, b in zip(pt, jx):
             assert a.describe() == b.describe(), (step, a.name, _diff(a, b))
+
+
+# The partial backwards (context parallelism's dQ-only and dK/dV-only calls) over a subset of the grid:
+# every kind of launch (Gluon and Triton passes, dBias, dsink, packed mode, GQA) appears in it.
+PARTIAL_CASES = [c for i, c in enumerate(CASES) if i % 3 == 0 or c.bias or c.softmax_type.is_learnable]
+PASSES = {BackwardGrads.DQ: ("attn_bwd_dq_kernel", "attn_bwd_dq_ws_kernel"),
+          BackwardGrads.DKDV: ("attn_bwd_dkdv_kernel", "attn_bwd_dkdv_ws_kernel")}
+
+
+@pytest.mark.parametrize("grads", [BackwardGrads.DQ, BackwardGrads.DKDV], ids=lambda g: g.value)
+@pytest.mark.parametrize("case", PARTIAL_CASES, ids=lambda c: c.name)
+def test_partial_backward_is_the_whole_backward_less_one_pass(case, grads, monkeypatch):
+    """A partial backward launches exactly the whole backward's launches (each one unchanged, in order)
+    less the other gradient pass, in both frontends: the same kernels on the same arguments, so the
+    gradients it computes are the whole backward's bits."""
+    whole = _jax_launches(case)[1]
+    dropped = PASSES[BackwardGrads.DKDV if grads == BackwardGrads.DQ else BackwardGrads.DQ]
+    expected = [x.describe() for x in whole if x.name not in dropped]
+    assert len(expected) == len(whole) - 1
+    pt_fwd, pt_bwd = _torch_launches(case, monkeypatch, grads)
+    jx_fwd, jx_bwd = _jax_launches(case, grads)
+    assert [x.describe() for x in pt_fwd] == [x.describe() for x in jx_fwd]
+    for step, described in (("pytorch", pt_bwd), ("jax", jx_bwd)):
+        assert [x.describe() for x in described] == expected, step
+    names = [x.name for x in jx_bwd]
+    assert names[0] == "attn_bwd_preprocess_kernel" and any(n in PASSES[grads] for n in names)
+
+
+def test_partial_backward_rejects_an_unknown_part():
+    with pytest.raises(ValueError):
+        launches.backward_launches(_bwd_call(CASES[0]), grads="dk")
+
+
+def _bwd_call(case: Case) -> launches.Call:
+    b, (s_q, s_kv), (hq, hk), (dqk, dv) = case.batch, case.seqlen, case.heads, case.dims
+    static = FusedAttnStatic(case.mask, AttnBiasType.NO_BIAS, QKVFormat.BSHD, case.window, 0.125, 0.0, True, True)
+    q, k, v, o = (b, s_q, hq, dqk), (b, s_kv, hk, dqk), (b, s_kv, hk, dv), (b, s_q, hq, dv)
+    return gpu.launch_call(static, dict(q=q, k=k, v=v, out=o, d_out=o, dq=q, dk=k, dv=v), jnp.dtype(case.dtype), b,
+                           None, (9, 0))
 
 
 def _diff(a: launches.Launch, b: launches.Launch):

@@ -268,3 +268,25 @@ def test_refusals_name_the_argument(overrides, s, error, words):
     with _mesh(4, with_dp=False), pytest.raises(error) as info:
         fused_attn((q, k, k), bias, desc, jax.random.PRNGKey(0), **kwargs)
     assert words in str(info.value)
+
+
+@pytest.mark.parametrize("mask", [AttnMaskType.CAUSAL_MASK, AttnMaskType.NO_MASK], ids=lambda m: m.value)
+def test_backward_calls_run_one_gradient_pass_each(mask, monkeypatch):
+    """Each fused backward call of a rank asks for dQ only or dK/dV only (``FusedAttnStatic.backward_grads``),
+    one of each per own chunk, and the result stays the single-device call's bits."""
+    from transformer_engine.common.attention.enums import BackwardGrads
+    from transformer_engine.jax import context_parallel
+
+    asked = []
+    real = context_parallel.fused_attn_bwd
+
+    def record(*args):
+        asked.append(args[9].backward_grads)  # the FusedAttnStatic
+        return real(*args)
+
+    monkeypatch.setattr(context_parallel, "fused_attn_bwd", record)
+    layout, dtype = QKVLayout.BSHD_BSHD_BSHD, "float32"
+    (results,) = _run_cp(layout, mask, dtype, 2, CPStrategy.ALL_GATHER, True, False, False)
+    chunks = 2 if mask == AttnMaskType.CAUSAL_MASK else 1  # per rank: one call pair per own chunk (no mask: one)
+    assert sorted(asked) == sorted([BackwardGrads.DQ, BackwardGrads.DKDV] * chunks), asked
+    _assert_bitwise(results, _single_device(layout, mask, dtype), "partial backwards")

@@ -531,3 +531,50 @@ def test_sink_softmax_lowers_to_the_triton_forward_and_the_sink_gradient_kernel(
         assert params["SINK"] == ("buffer", len(bwd.operands) - 1)
         parts = (bwd.operands + bwd.results)[params["DSINK"][1]]
         assert parts.shape == (b * m, hq) and parts.dtype == jnp.float32
+
+
+def _partial_bwd_fn(static, grads):
+    """``(q, k, v, out, dout, aux, lens, offsets) -> (dq, dk, dv)`` of the backward primitive running ``grads``."""
+    from dataclasses import replace
+
+    from transformer_engine.jax.attention_math import SeqInfo, full_seq_info
+    from transformer_engine.jax.primitives.attention import fused_attn_bwd
+
+    def fn(q, k, v, out, dout, aux, lens, offsets):
+        b, s = q.shape[:2]
+        seq = SeqInfo(lens, lens, offsets, offsets) if static.attn_mask_type.is_padding else full_seq_info(b, s, s)
+        seeds = jnp.zeros((b, q.shape[2], 2), jnp.uint32)
+        return fused_attn_bwd(q, k, v, jnp.zeros((0,), q.dtype), out, dout, aux, seq, seeds,
+                              replace(static, backward_grads=grads))[:3]
+
+    return fn
+
+
+@compiles
+@pytest.mark.parametrize("grads", ["dq", "dkdv"])
+@pytest.mark.parametrize("mask,d", [(AttnMaskType.CAUSAL_MASK, 64), (AttnMaskType.PADDING_CAUSAL_MASK, 128)],
+                         ids=["bshd-d64", "packed-d128-gluon"])
+def test_partial_backward_program_runs_one_gradient_pass(captured_programs, grads, mask, d):
+    """Context parallelism's partial backwards: the program has the preprocess and the one pass, results
+    (and zero fills, packed mode) only for the gradients asked for; the others are zeros outside it."""
+    from dataclasses import replace
+
+    from transformer_engine.common.attention.enums import BackwardGrads, QKVFormat
+
+    which = BackwardGrads(grads)
+    b, s, hq, hk, m = 2, 128, 4, 2, (2 if mask.is_padding else 1)
+    static = replace(_static(mask), qkv_format=QKVFormat.THD if mask.is_padding else QKVFormat.BSHD)
+    q = jax.ShapeDtypeStruct((b, s, hq, d), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b, s, hk, d), jnp.bfloat16)
+    aux = jax.ShapeDtypeStruct((b, m, hq, s), jnp.float32)
+    lens, offsets = jax.ShapeDtypeStruct((b, m), jnp.int32), jax.ShapeDtypeStruct((b, m + 1), jnp.int32)
+    text = _lower_for_cuda(_partial_bwd_fn(static, which), q, kv, kv, q, q, aux, lens, offsets)
+    assert text.count(f"@{gpu.FFI_TARGET}") == 1
+    (bwd,) = captured_programs
+    gluon = "_ws" if d == 128 else ""
+    kernel = f"attn_bwd_dq{gluon}_kernel" if which.has_dq else f"attn_bwd_dkdv{gluon}_kernel"
+    _, fills, _ = _check_program(bwd, ["attn_bwd_preprocess_kernel", kernel])
+    n_ops = len(bwd.operands)
+    grad_shapes = [(b, s, hq, d)] if which.has_dq else [(b, s, hk, d), (b, s, hk, d)]
+    assert [r.shape for r in bwd.results[:len(grad_shapes) + 1]] == grad_shapes + [(b * m, hq, s)]  # then delta
+    assert fills == ([(n_ops + i, 0, 1) for i in range(len(grad_shapes))] if mask.is_padding else [])

@@ -143,3 +143,32 @@ def test_benchmark_dry_run_is_bitwise():
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 64 |")]
     assert proc.returncode == 0 and len(rows) == 1 and all(r.rstrip().endswith("True |") for r in rows), \
         proc.stdout + proc.stderr[-3000:]
+
+
+@requires_fused
+@pytest.mark.parametrize("fmt,causal", [("bshd", True), ("thd", False)])
+def test_backward_calls_run_one_gradient_pass_each(fmt, causal, monkeypatch):
+    """Each fused backward call of the per-rank steps runs the dQ pass or the dK/dV pass, not both (the
+    partial backwards: about the single-device backward's work over the ranks, not twice it)."""
+    from fused_helpers import DEVICE
+    from transformer_engine.pytorch.attention import launch
+
+    passes = []
+    real_run = launch._run
+
+    def record(described, buffers):
+        names = [x.name for x in described]
+        if names[0] == "attn_bwd_preprocess_kernel":
+            passes.append(tuple(n for n in names if n.startswith(("attn_bwd_dq", "attn_bwd_dkdv"))))
+        return real_run(described, buffers)
+
+    monkeypatch.setattr(launch, "_run", record)
+    g = torch.Generator().manual_seed(3)
+    extra, lead = {}, (1, 32)
+    if fmt == "thd":
+        cu = torch.tensor([0, 24, 56], dtype=torch.int32, device=DEVICE)
+        extra, lead = dict(cu_seqlens=cu, cu_seqlens_padded=cu), (56,)
+    q, k, v, d_out = (torch.randn(*lead, 2, 16, generator=g).to(DEVICE, torch.float32) for _ in range(4))
+    run_ranks_in_one_process(q, k, v, d_out, fmt, 2, causal, 0.25, **extra)
+    # Two ranks, two chunks each, one dQ-only and one dK/dV-only call per chunk.
+    assert sorted(passes) == sorted([("attn_bwd_dq_kernel",), ("attn_bwd_dkdv_kernel",)] * 4), passes

@@ -22,10 +22,10 @@ How each device computes its rows (the design, for every strategy):
   of those rows of the whole sequence. No mask: every key.
 - Backward, inside one ``jax.custom_vjp`` around the whole context-parallel attention (so autodiff
   never reduce-scatters partial dK/dV): dQ of an own chunk from the fused backward primitive over
-  the same keys (its dQ kept); dK/dV of an own key/value chunk from the fused backward primitive
+  the same keys (dQ only); dK/dV of an own key/value chunk from the fused backward primitive
   over the gathered query rows ``[a, s)`` (queries, outputs, output gradients and log-sum-exp
   gathered in global order, the chunk's queries a sequence starting at ``a``) with the causal
-  mask top-left (its dK/dV kept).
+  mask top-left (dK/dV only).
 
 Every sum (the softmax over keys, dQ over keys, dK/dV over queries and over the heads of a GQA
 group) then runs on one device, over the same keys or queries in the same order as the
@@ -35,8 +35,10 @@ multiple of the kernels' block sizes (chunk lengths ``s / (2 cp)`` or ``s / cp``
 of 128 do on every plan), so that the kernels' query and key blocks are the single call's. The
 fused primitives' CPU lowering contracts row-independently in deterministic mode (see
 ``attention_math``), so the same holds there for any chunk length. The backward runs two fused
-backward calls per chunk, each keeping part of its results: about twice the single-device
-backward's work per device, spread over ``cp`` devices.
+backward calls per chunk, each only the pass whose results it keeps (``FusedAttnStatic.backward_grads``:
+dQ only, dK/dV only; the kernels are the whole backward's, so the bits are too): over the ``cp``
+devices the dQ and dK/dV passes together do about the single-device backward's work (each device
+about ``1 / cp`` of it), plus the cheap preprocess (``delta``, O(s d) per head) once in each call.
 
 What runs: the layouts of the BSHD and SBHD formats (separate, kv-packed, qkv-packed), masks
 ``no_mask`` and ``causal``, no bias, no dropout, vanilla softmax, no sliding window, one sequence
@@ -59,6 +61,7 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from transformer_engine.common.attention import enums as _common
+from transformer_engine.common.attention.enums import BackwardGrads
 from transformer_engine.jax.attention_math import SeqInfo, full_seq_info
 from transformer_engine.jax.enums import CPStrategy, ReorderStrategy
 from transformer_engine.jax.load_balancing import inverse_reorder_causal_load_balancing
@@ -275,6 +278,11 @@ def rank_forward(plan: _Plan, rank, q, k_all, v_all):
     return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=3)
 
 
+def _only(static: FusedAttnStatic, grads: BackwardGrads) -> FusedAttnStatic:
+    """``static`` for a backward call that runs only the ``grads`` pass (the other gradients are zeros)."""
+    return dataclasses.replace(static, backward_grads=grads)
+
+
 def rank_backward(plan: _Plan, rank, local, gathered):
     """One rank's (dq, dk, dv) of its own rows from gathered operands. ``local``: the rank's
     ``(q, k, v, out, lse, dout)``; ``gathered``: ``(q, k, v, out, lse, dout)`` of the whole sequence
@@ -287,9 +295,10 @@ def rank_backward(plan: _Plan, rank, local, gathered):
     bias_k, seeds_k = _placeholders(q_all)
     if not plan.causal:
         dq = fused_attn_bwd(q, k_all, v_all, bias, out, dout, lse, full_seq_info(b, n_local, s_kv), seeds,
-                            plan.static)[0]
+                            _only(plan.static, BackwardGrads.DQ))[0]
         _, dk, dv, _, _ = fused_attn_bwd(q_all, k, v, bias_k, out_all, dout_all, lse_all,
-                                         full_seq_info(b, s_q, k.shape[1]), seeds_k, plan.static)
+                                         full_seq_info(b, s_q, k.shape[1]), seeds_k,
+                                         _only(plan.static, BackwardGrads.DKDV))
         return dq, dk, dv
     # The log-sum-exp of the queries [a, s) as one sequence starting at a: positions from a (+inf past s - a).
     lse_padded = jnp.concatenate([lse_all, jnp.full(lse_all.shape, jnp.inf, lse_all.dtype)], axis=3)
@@ -298,10 +307,11 @@ def rank_backward(plan: _Plan, rank, local, gathered):
         a = start(rank)
         rows = slice(lo, lo + c)
         dq = fused_attn_bwd(q[:, rows], k_all, v_all, bias, out[:, rows], dout[:, rows], lse[..., rows],
-                            _chunk_seq(b, c, a, s_kv), seeds, plan.chunk_static)[0]
+                            _chunk_seq(b, c, a, s_kv), seeds, _only(plan.chunk_static, BackwardGrads.DQ))[0]
         lse_from_a = jax.lax.dynamic_slice_in_dim(lse_padded, a, s_q, axis=3)
         _, dk, dv, _, _ = fused_attn_bwd(q_all, k[:, rows], v[:, rows], bias_k, out_all, dout_all, lse_from_a,
-                                         _kv_chunk_seq(b, c, a, s_q), seeds_k, plan.kv_chunk_static)
+                                         _kv_chunk_seq(b, c, a, s_q), seeds_k,
+                                         _only(plan.kv_chunk_static, BackwardGrads.DKDV))
         dqs.append(dq)
         dks.append(dk)
         dvs.append(dv)

@@ -4,6 +4,7 @@ from transformer_engine.common.attention.enums import (
     AttnBiasType,
     AttnMaskType,
     AttnSoftmaxType,
+    BackwardGrads,
     QKVFormat,
     QKVLayout,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "AttnBiasType",
     "AttnMaskType",
     "AttnSoftmaxType",
+    "BackwardGrads",
     "QKVFormat",
     "QKVLayout",
     "AttnConfig",

@@ -117,3 +117,23 @@ class AttnSoftmaxType(str, Enum):
     @property
     def is_learnable(self) -> bool:
         return self == AttnSoftmaxType.LEARNABLE_SOFTMAX
+
+
+class BackwardGrads(str, Enum):
+    """Which gradient passes a fused backward runs (this project's, not a TransformerEngine enum):
+    ``dq+dkdv`` (the default, the whole backward), ``dq`` (preprocess and the dQ pass) or ``dkdv``
+    (preprocess and the dK/dV pass). Context parallelism keeps dQ of one call and dK/dV of another,
+    so it asks each call for its part only. The kernels are the same, so a part's gradients are
+    bitwise the whole backward's; dBias and d softmax_offset are asked for apart from this."""
+
+    DQ_DKDV = "dq+dkdv"
+    DQ = "dq"
+    DKDV = "dkdv"
+
+    @property
+    def has_dq(self) -> bool:
+        return self != BackwardGrads.DKDV
+
+    @property
+    def has_dkdv(self) -> bool:
+        return self != BackwardGrads.DQ

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Mapping, Optional, Tuple
 
 from transformer_engine.common.attention.config import AttnConfig
-from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, AttnSoftmaxType
+from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, AttnSoftmaxType, BackwardGrads
 from transformer_engine.common.attention.plan import (
     BackwardPlan, ForwardPlan, Tiles, backward_plan, block_grid, forward_plan, mask_flags, tma_eligible,
 )
@@ -243,10 +243,15 @@ def forward_launches(call: Call, plan: Optional[ForwardPlan] = None) -> Tuple[La
 
 
 def backward_launches(call: Call, plan: Optional[BackwardPlan] = None, bias_grad: bool = False,
-                      sink_grad: bool = False) -> Tuple[Launch, ...]:
+                      sink_grad: bool = False, grads: BackwardGrads = BackwardGrads.DQ_DKDV) -> Tuple[Launch, ...]:
     """The backward, in order: preprocess (delta), the sink-gradient parts (``sink_grad``: slot ``dsink``,
     fp32 [num_seqs, h_q]), dK/dV, dBias (``bias_grad``: slot ``dbias``, contiguous in the bias's shape)
-    and dQ. Slots: q, k, v, out, d_out, lse, delta (fp32 like lse), dq, dk, dv and the modifiers'."""
+    and dQ. Slots: q, k, v, out, d_out, lse, delta (fp32 like lse), dq, dk, dv and the modifiers'.
+
+    ``grads`` (:class:`BackwardGrads`) drops a gradient pass: ``DQ`` launches no dK/dV pass (slots dk, dv
+    unused, ``call.views`` need not have them), ``DKDV`` no dQ pass (slot dq unused). The launches kept
+    are those of the whole backward, unchanged: their gradients are the same bits."""
+    grads = BackwardGrads(grads)
     from transformer_engine.common.attention.kernels.backward import (
         attn_bwd_dbias_kernel,
         attn_bwd_dkdv_kernel,
@@ -272,12 +277,14 @@ def backward_launches(call: Call, plan: Optional[BackwardPlan] = None, bias_grad
                            dict(values, SINK=Slot("softmax_offset"), DSINK=Slot("dsink"),
                                 stride_dsb=call.num_heads_q, BLOCK_M=t.block_m), dict(num_warps=t.num_warps)))
     tensors = ("q", "k", "v", "d_out")
-    out.append(_block_launch(attn_bwd_dkdv_kernel, attn_bwd_dkdv_ws_kernel, plan.dkdv, plan.dkdv_warp_specialized,
-                             tensors, call, values, k_rows, {}))
+    if grads.has_dkdv:
+        out.append(_block_launch(attn_bwd_dkdv_kernel, attn_bwd_dkdv_ws_kernel, plan.dkdv,
+                                 plan.dkdv_warp_specialized, tensors, call, values, k_rows, {}))
     if bias_grad:
         out.append(_dbias_launch(call, plan, values, attn_bwd_dbias_kernel))
-    out.append(_block_launch(attn_bwd_dq_kernel, attn_bwd_dq_ws_kernel, plan.dq, plan.dq_warp_specialized, tensors,
-                             call, values, q_rows, {}))
+    if grads.has_dq:
+        out.append(_block_launch(attn_bwd_dq_kernel, attn_bwd_dq_ws_kernel, plan.dq, plan.dq_warp_specialized,
+                                 tensors, call, values, q_rows, {}))
     return tuple(out)
 
 

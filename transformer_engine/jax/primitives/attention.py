@@ -33,7 +33,9 @@ from jax.interpreters import batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from transformer_engine.common.attention.config import resolve_bottom_right_diagonal
-from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, AttnSoftmaxType, QKVFormat
+from transformer_engine.common.attention.enums import (
+    AttnBiasType, AttnMaskType, AttnSoftmaxType, BackwardGrads, QKVFormat,
+)
 from transformer_engine.common.attention.validation import kernel_scale
 from transformer_engine.jax import attention_math
 from transformer_engine.jax.attention_math import SeqInfo
@@ -60,6 +62,9 @@ class FusedAttnStatic:
     # masks only); see common.attention.config.resolve_bottom_right_diagonal.
     bottom_right_diagonal: Optional[bool] = None
     softmax_type: AttnSoftmaxType = AttnSoftmaxType.VANILLA_SOFTMAX
+    # The backward primitive's gradient passes (the forward ignores it): DQ leaves dk, dv zeros and DKDV
+    # leaves dq zeros (the shapes stay); a gradient it computes is bitwise the whole backward's.
+    backward_grads: BackwardGrads = BackwardGrads.DQ_DKDV
 
     @property
     def bottom_right(self) -> bool:
@@ -139,6 +144,7 @@ def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_of
     dq, dk, dv, dbias = attention_math.fused_bwd_math(
         q, k, v, bias if static.has_bias else None, out, dout, lse, seq, seeds, static=static
     )
+    dq, dk, dv = unrequested_to_zeros(static.backward_grads, dq, dk, dv)
     if dbias is None:
         dbias = jnp.zeros_like(bias)
     if static.softmax_type.is_learnable:
@@ -146,6 +152,15 @@ def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_of
     else:
         dsink = jnp.zeros(_dsink_shape(q, q_seqlens), jnp.float32)
     return dq, dk, dv, dbias, dsink
+
+
+def unrequested_to_zeros(grads: BackwardGrads, dq, dk, dv):
+    """(dq, dk, dv) with the gradients ``grads`` leaves out as zeros (XLA then drops their math)."""
+    if not grads.has_dq:
+        dq = jnp.zeros_like(dq)
+    if not grads.has_dkdv:
+        dk, dv = jnp.zeros_like(dk), jnp.zeros_like(dv)
+    return dq, dk, dv
 
 
 def _dsink_shape(q, q_seqlens) -> Tuple[int, int, int]:
@@ -477,7 +492,7 @@ def _bwd_partition(static, mesh, arg_shapes, result_shape):
 
     # MQA with split query heads: each device holds part of the heads reading the one replicated
     # key/value head, so dK/dV are partial sums to all-reduce as well.
-    kv_reduce_axes = _axes_tuple(layout.heads) if layout.kv_heads is None else ()
+    kv_reduce_axes = _axes_tuple(layout.heads) if layout.kv_heads is None and static.backward_grads.has_dkdv else ()
 
     def lower_fn(*operands):
         # dsink holds each sequence's part (batch and heads as q): nothing to reduce here; the sum

@@ -21,6 +21,9 @@ forward, dK/dV and dQ kernels, and its gradient comes from the dBias kernel.
 Sink softmax: the sink logits (fp32 ``[h_q]``) go to the Triton forward (``SINK``, ``HAS_SINK``); for
 the learnable sink the backward launches the sink-gradient kernel after the preprocess, which writes
 each sequence's part ``[b * m, h_q]`` (the custom_vjp sums them).
+
+A partial backward (``FusedAttnStatic.backward_grads``: dQ only or dK/dV only, as context parallelism
+asks) leaves the other pass out of the program, and its gradients are zeros of their shapes.
 """
 
 from __future__ import annotations
@@ -341,17 +344,20 @@ def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_of
     named = [("q", q), ("k", k), ("v", v), ("out", out), ("d_out", dout), ("lse", lse_in)]
     operands, buffers = _operands(static, named, seqs, bias, softmax_offset, sink_grad)
     prog = Program([jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands])
-    dq = prog.result(q.shape, q.dtype)
-    dk = prog.result(k.shape, k.dtype)
-    dvt = prog.result(v.shape, v.dtype)
+    # Gradients the call does not ask for (static.backward_grads) are no results: zeros outside the program.
+    grads = static.backward_grads
+    dq = prog.result(q.shape, q.dtype) if grads.has_dq else None
+    dk = prog.result(k.shape, k.dtype) if grads.has_dkdv else None
+    dvt = prog.result(v.shape, v.dtype) if grads.has_dkdv else None
     delta = prog.result((nseq, hq, s_q), jnp.float32)
     # The dBias kernel writes every element of its [s_q, s_kv] tiles: no fill.
     dbias = prog.result(bias.shape, bias.dtype) if static.has_bias else None
     dsink = prog.result((nseq, hq), jnp.float32) if sink_grad else None
+    grad_results = {name: index for name, index in (("dq", dq), ("dk", dk), ("dv", dvt)) if index is not None}
     if packed:
-        for index in (dq, dk, dvt):
+        for index in grad_results.values():
             prog.fill(index)  # packed mode writes only rows inside sequences
-    buffers.update(dq=Buf(dq), dk=Buf(dk), dv=Buf(dvt), delta=Buf(delta))
+    buffers.update({name: Buf(index) for name, index in grad_results.items()}, delta=Buf(delta))
     if dbias is not None:
         buffers["dbias"] = Buf(dbias)
     if dsink is not None:
@@ -360,10 +366,12 @@ def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_of
                   dv=v.shape)
     call = launch_call(static, shapes, q.dtype, nseq, bias.shape if static.has_bias else None,
                        _compute_capability())
-    _run(prog, launches.backward_launches(call, bias_grad=static.has_bias, sink_grad=sink_grad), buffers)
+    _run(prog, launches.backward_launches(call, bias_grad=static.has_bias, sink_grad=sink_grad, grads=grads),
+         buffers)
 
     results = prog.call(*operands)
-    dq_out, dk_out, dv_out = results[:3]
+    dq_out, dk_out, dv_out = (results[index - len(operands)] if index is not None else jnp.zeros(x.shape, x.dtype)
+                              for index, x in ((dq, q), (dk, k), (dvt, v)))
     dbias_out = results[dbias - len(operands)] if dbias is not None else jnp.zeros_like(bias)
     if dsink is not None:
         dsink_out = results[dsink - len(operands)].reshape(b, m, hq)

@@ -12,9 +12,11 @@ kernel's order:
 - ``"all_gather"`` and ``"p2p"`` (ring send/receive assembling the same operands): each rank keeps its
   own rows. Forward: for each own query chunk ``[a, b)`` the fused forward over keys ``[0, b)``, causal
   aligned bottom-right (all keys without a causal mask). Backward (:class:`_RowsAttention`, so autograd
-  never sums partial dK/dV across ranks): dQ of the own chunk against keys ``[0, b)``; dK/dV of the own
-  key chunk ``[a, b)`` against the gathered query rows ``[a, s)`` (all rows without a causal mask),
-  causal aligned top-left, which is the global mask. Query (key) ranges start at the chunk start rounded
+  never sums partial dK/dV across ranks): dQ of the own chunk against keys ``[0, b)`` (a dQ-only fused
+  backward); dK/dV of the own key chunk ``[a, b)`` against the gathered query rows ``[a, s)`` (all rows
+  without a causal mask), causal aligned top-left, which is the global mask (a dK/dV-only one). Each
+  runs one gradient pass of the whole backward's launches, unchanged: about the single-device backward
+  divided by cp, plus the cheap preprocess in both calls. Query (key) ranges start at the chunk start rounded
   down to the largest tile of the call's plans (:func:`tile_alignment`), so the kernels' blocks are the
   single-device call's blocks; rows before the chunk are zeros (forward) or the gathered rows (backward)
   and are dropped.
@@ -35,7 +37,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from transformer_engine.common.attention import AttnMaskType, QKVFormat, UnfusedDotProductAttention
+from transformer_engine.common.attention import AttnMaskType, BackwardGrads, QKVFormat, UnfusedDotProductAttention
 from transformer_engine.common.attention.config import normalize_window, resolve_bottom_right_diagonal
 from transformer_engine.pytorch.attention import ops  # noqa: F401  (registers the custom ops)
 
@@ -189,7 +191,7 @@ def tile_alignment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: QKVFo
     masks = (AttnMaskType.CAUSAL_MASK, AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK) if causal else (AttnMaskType.NO_MASK,)
     align = 1
     for mask in masks:
-        config = launch.plan_config(q, k, v, fmt, mask, normalize_window(None, mask), deterministic, None,
+        config = launch.plan_config(q, k, v, fmt, mask, normalize_window(None, mask), None,
                                     resolve_bottom_right_diagonal(mask, None, "pytorch"))
         fwd, bwd = forward_plan(config), backward_plan(config)
         for tiles in (fwd.tiles, fwd.warp_specialized, bwd.dkdv, bwd.dq, bwd.dkdv_warp_specialized,
@@ -230,15 +232,16 @@ def _fwd(q, k, v, fmt, spec, mask, cu_q=None, cu_k=None, off_q=None, off_k=None,
         None, None, None, 0.0)
 
 
-def _bwd(q, k, v, out, d_out, lse, fmt, spec, mask, cu_q=None, cu_k=None, off_q=None, off_k=None, max_q=None,
-         max_k=None):
+def _bwd(grads: BackwardGrads, q, k, v, out, d_out, lse, fmt, spec, mask, cu_q=None, cu_k=None, off_q=None,
+         off_k=None, max_q=None, max_k=None):
+    """The fused backward's ``grads`` part: dq (``DQ``) or (dk, dv) (``DKDV``), bitwise the whole backward's."""
     name, left, right, br = _mask_args(mask)
     sd = _seq_dim(fmt)
     dq, dk, dv, _, _ = torch.ops.transformer_engine.fused_attn_bwd(
         q, k, v, out, d_out, lse.contiguous(), fmt.value, cu_q, cu_k, off_q, off_k,
         max_q if max_q is not None else q.shape[sd], max_k if max_k is not None else k.shape[sd],
-        spec.softmax_scale, name, left, right, br, spec.deterministic, None, None, None, 0.0, False)
-    return dq, dk, dv
+        spec.softmax_scale, name, left, right, br, None, None, None, 0.0, False, grads=grads.value)
+    return dq if grads == BackwardGrads.DQ else (dk, dv)
 
 
 def _zeros_before(x: torch.Tensor, dim: int, count: int) -> torch.Tensor:
@@ -292,7 +295,8 @@ def fused_backward_step(q_g, k_g, v_g, out_g, d_out_g, lse_g, split: SeqSplit,
             mask = AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK
         else:
             keys, mask = [k_g, v_g], AttnMaskType.NO_MASK
-        dq, _, _ = _bwd(rows[0], keys[0], keys[1], rows[1], rows[2], lse_g[:, :, lo:b], fmt, spec, mask)
+        dq = _bwd(BackwardGrads.DQ, rows[0], keys[0], keys[1], rows[1], rows[2], lse_g[:, :, lo:b], fmt, spec,
+                  mask)
         dqs.append(dq.narrow(sd, a - lo, length))
         keys = [k_g.narrow(sd, lo, b - lo), v_g.narrow(sd, lo, b - lo)]
         if spec.causal:  # query rows [lo, s) against keys [lo, b): top-left causal is the global mask
@@ -300,7 +304,7 @@ def fused_backward_step(q_g, k_g, v_g, out_g, d_out_g, lse_g, split: SeqSplit,
             lse, mask = lse_g[:, :, lo:], AttnMaskType.CAUSAL_MASK
         else:
             rows, lse, mask = [q_g, out_g, d_out_g], lse_g, AttnMaskType.NO_MASK
-        _, dk, dv = _bwd(rows[0], keys[0], keys[1], rows[1], rows[2], lse, fmt, spec, mask)
+        dk, dv = _bwd(BackwardGrads.DKDV, rows[0], keys[0], keys[1], rows[1], rows[2], lse, fmt, spec, mask)
         dks.append(dk.narrow(sd, a - lo, length))
         dvs.append(dv.narrow(sd, a - lo, length))
     return torch.cat(dqs, dim=sd), torch.cat(dks, dim=sd), torch.cat(dvs, dim=sd)
@@ -405,9 +409,9 @@ def _thd_backward(q_g, k_g, v_g, out_g, d_out_g, lse_g, split: SeqSplit, spec: F
         len_k = [end if spec.causal else split.lengths[n] for n, (a, b, lo, end) in enumerate(ranges)]
         max_q, max_k = max(max(len_q), 1), max(max(len_k), 1)
         mask = AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK if spec.causal else AttnMaskType.PADDING_MASK
-        dq, _, _ = _bwd(q_g, k_g, v_g, out_g, d_out_g, _lse_for_call(lse_g, q_off, len_q, max_q), QKVFormat.THD,
-                        spec, mask, _cu(len_q, device), _cu(len_k, device), _offsets(q_off, device),
-                        _offsets(starts, device), max_q, max_k)
+        dq = _bwd(BackwardGrads.DQ, q_g, k_g, v_g, out_g, d_out_g, _lse_for_call(lse_g, q_off, len_q, max_q),
+                  QKVFormat.THD, spec, mask, _cu(len_q, device), _cu(len_k, device), _offsets(q_off, device),
+                  _offsets(starts, device), max_q, max_k)
         # dK/dV of the chunk: keys [lo, end) against query rows [lo, length) (top-left causal) or all rows.
         k_off = q_off
         len_kc = [end - lo if end > a else 0 for (a, b, lo, end) in ranges]
@@ -419,9 +423,9 @@ def _thd_backward(q_g, k_g, v_g, out_g, d_out_g, lse_g, split: SeqSplit, spec: F
             r_off, len_r = starts, [split.lengths[n] if end > a else 0 for n, (a, b, lo, end) in enumerate(ranges)]
             mask = AttnMaskType.PADDING_MASK
         max_r, max_kc = max(max(len_r), 1), max(max(len_kc), 1)
-        _, dk, dv = _bwd(q_g, k_g, v_g, out_g, d_out_g, _lse_for_call(lse_g, r_off, len_r, max_r), QKVFormat.THD,
-                         spec, mask, _cu(len_r, device), _cu(len_kc, device), _offsets(r_off, device),
-                         _offsets(k_off, device), max_r, max_kc)
+        dk, dv = _bwd(BackwardGrads.DKDV, q_g, k_g, v_g, out_g, d_out_g, _lse_for_call(lse_g, r_off, len_r, max_r),
+                      QKVFormat.THD, spec, mask, _cu(len_r, device), _cu(len_kc, device), _offsets(r_off, device),
+                      _offsets(k_off, device), max_r, max_kc)
         dq_parts.append(dq)
         dk_parts.append(dk)
         dv_parts.append(dv)

@@ -13,7 +13,9 @@ from typing import Dict, Optional, Tuple
 import torch
 import triton
 
-from transformer_engine.common.attention import AttnConfig, AttnMaskType, AttnSoftmaxType, QKVFormat, launches
+from transformer_engine.common.attention import (
+    AttnConfig, AttnMaskType, AttnSoftmaxType, BackwardGrads, QKVFormat, launches,
+)
 from transformer_engine.common.attention.config import resolve_bottom_right_diagonal
 from transformer_engine.common.attention.kernels.fill import zero_outside_sequences_kernel
 from transformer_engine.common.attention.kernels.scores import dropout_mask_kernel
@@ -202,20 +204,26 @@ def forward(q, k, v, fmt: QKVFormat, seqs: Sequences, softmax_scale: float, mask
 def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_scale: float,
              mask: AttnMaskType, window: Tuple[int, int], plan: Optional[BackwardPlan] = None,
              mods: ScoreMods = NO_MODS, bias_grad: bool = False, bottom_right_diagonal: Optional[bool] = None,
-             softmax_offset_grad: bool = False):
+             softmax_offset_grad: bool = False, grads: BackwardGrads = BackwardGrads.DQ_DKDV):
     """Run preprocess, dK/dV and dQ, and dBias and d softmax_offset when asked (launches.backward_launches).
 
     Returns (dq, dk, dv, dbias, d_softmax_offset) with the gradients in the inputs' format; dbias
     (the bias's shape, summed over its broadcast dimensions in a fixed order) is None unless
     ``bias_grad``; d_softmax_offset (fp32 [h_q], per-sequence parts summed by :func:`fixed_order_sum`:
     bitwise the same for a sequence in any batch, packed or padded) is None unless ``softmax_offset_grad``.
+    ``grads`` (:class:`BackwardGrads`): ``DQ`` runs no dK/dV pass and returns dk, dv as None, ``DKDV`` no
+    dQ pass and dq None; the gradients it returns are bitwise those of the whole backward.
     """
+    grads = BackwardGrads(grads)
     alloc = torch.zeros if seqs.is_thd else torch.empty
-    dq = alloc(q.shape, dtype=q.dtype, device=q.device)
-    dk = alloc(k.shape, dtype=k.dtype, device=k.device)
-    dvt = alloc(v.shape, dtype=v.dtype, device=v.device)
+    tensors = dict(q=q, k=k, v=v, out=out, d_out=d_out)
+    dq = dk = dvt = None
+    if grads.has_dq:
+        dq = tensors["dq"] = alloc(q.shape, dtype=q.dtype, device=q.device)
+    if grads.has_dkdv:
+        dk = tensors["dk"] = alloc(k.shape, dtype=k.dtype, device=k.device)
+        dvt = tensors["dv"] = alloc(v.shape, dtype=v.dtype, device=v.device)
     delta = torch.empty_like(lse)
-    tensors = dict(q=q, k=k, v=v, out=out, d_out=d_out, dq=dq, dk=dk, dv=dvt)
     call = _call(q, k, v, fmt, seqs, softmax_scale, mask, window, mods, bottom_right_diagonal, tensors,
                  (lse.stride(0), lse.stride(1)))
     buffers = dict(tensors, lse=lse, delta=delta, **_sequence_buffers(seqs), **mods.buffers())
@@ -225,7 +233,8 @@ def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_
         dbias = buffers["dbias"] = torch.empty(mods.bias.shape, dtype=mods.bias.dtype, device=mods.bias.device)
     if softmax_offset_grad:
         parts = buffers["dsink"] = torch.empty((seqs.batch, q.shape[-2]), dtype=torch.float32, device=lse.device)
-    _run(launches.backward_launches(call, plan, bias_grad=bias_grad, sink_grad=softmax_offset_grad), buffers)
+    _run(launches.backward_launches(call, plan, bias_grad=bias_grad, sink_grad=softmax_offset_grad, grads=grads),
+         buffers)
     d_offset = fixed_order_sum(parts) if softmax_offset_grad else None
     return dq, dk, dvt, dbias, d_offset
 

@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from transformer_engine.common.attention import AttnMaskType, AttnSoftmaxType, QKVFormat
+from transformer_engine.common.attention import AttnMaskType, AttnSoftmaxType, BackwardGrads, QKVFormat
 from transformer_engine.pytorch.attention import launch
 from transformer_engine.pytorch.attention.config import qkv_dims
 
@@ -65,11 +65,15 @@ def fused_attn_bwd(
     bias: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
     rng_state: Optional[torch.Tensor], dropout_p: float, bias_grad: bool,
     softmax_type: str = "vanilla", softmax_offset: Optional[torch.Tensor] = None,
-    softmax_offset_grad: bool = False,
+    softmax_offset_grad: bool = False, grads: str = BackwardGrads.DQ_DKDV.value,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dbias, d_softmax_offset); dbias is an empty tensor unless ``bias_grad``,
-    d_softmax_offset (fp32 [h_q]) unless ``softmax_offset_grad``. The same kernels in both determinism
-    modes (each sum in a fixed order, no atomics), so the op takes no determinism flag."""
+    d_softmax_offset (fp32 [h_q]) unless ``softmax_offset_grad``. ``grads`` (a :class:`BackwardGrads`
+    value): ``"dq+dkdv"`` the whole backward; ``"dq"`` runs no dK/dV pass and returns dk, dv as empty
+    tensors (numel 0); ``"dkdv"`` no dQ pass, dq empty. A requested gradient is bitwise the whole
+    backward's (the same launches, fewer of them). The same kernels in both determinism modes (each sum
+    in a fixed order, no atomics), so the op takes no determinism flag."""
+    which = _grads(grads)
     fmt = QKVFormat(qkv_format)
     seqs = launch.sequences(fmt, q, k, cu_seqlens_q, cu_seqlens_kv, seq_offsets_q, seq_offsets_kv,
                             max_seqlen_q, max_seqlen_kv)
@@ -78,8 +82,9 @@ def fused_attn_bwd(
                                                   AttnMaskType(attn_mask_type), (window_left, window_right),
                                                   mods=mods, bias_grad=bias_grad,
                                                   bottom_right_diagonal=bottom_right_diagonal,
-                                                  softmax_offset_grad=softmax_offset_grad)
-    return (dq, dk, dv, dbias if dbias is not None else q.new_empty(0),
+                                                  softmax_offset_grad=softmax_offset_grad, grads=which)
+    return (dq if dq is not None else q.new_empty(0), dk if dk is not None else k.new_empty(0),
+            dv if dv is not None else v.new_empty(0), dbias if dbias is not None else q.new_empty(0),
             d_offset if d_offset is not None else lse.new_empty(0))
 
 
@@ -87,7 +92,18 @@ def fused_attn_bwd(
 def _(q, k, v, out, d_out, lse, qkv_format, cu_seqlens_q, cu_seqlens_kv, seq_offsets_q, seq_offsets_kv,
       max_seqlen_q, max_seqlen_kv, softmax_scale, attn_mask_type, window_left, window_right, bottom_right_diagonal,
       bias, alibi_slopes, rng_state, dropout_p, bias_grad, softmax_type="vanilla", softmax_offset=None,
-      softmax_offset_grad=False):
+      softmax_offset_grad=False, grads=BackwardGrads.DQ_DKDV.value):
+    which = _grads(grads)
     dbias = bias.new_empty(bias.shape) if bias_grad else q.new_empty(0)
     d_offset = lse.new_empty((q.shape[-2],)) if softmax_offset_grad else lse.new_empty(0)
-    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias, d_offset)
+    dq = q.new_empty(q.shape if which.has_dq else (0,))
+    dk, dv = (t.new_empty(t.shape if which.has_dkdv else (0,)) for t in (k, v))
+    return (dq, dk, dv, dbias, d_offset)
+
+
+def _grads(grads: str) -> BackwardGrads:
+    try:
+        return BackwardGrads(grads)
+    except ValueError:
+        choices = ", ".join(repr(g.value) for g in BackwardGrads)
+        raise ValueError(f"`grads` must be one of {choices}, got {grads!r}") from None

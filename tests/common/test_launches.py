@@ -227,3 +227,19 @@ def test_launch_lists_name_every_kernel_parameter_in_order():
                 assert list(x.args) == list(x.kernel.arg_names), x.name
                 assert all(isinstance(v, launches.Slot) for k, v in x.args.items() if k.isupper() and
                            not isinstance(v, (bool, int, str))), x.name
+
+
+@pytest.mark.parametrize("seqlen", [(1, 384), (256, 1), (1, 1), (256, 384), (255, 17)], ids=str)
+@pytest.mark.parametrize("dims", [(64, 64), (256, 256)], ids=lambda d: f"d{d[0]}")
+def test_a_length_of_one_takes_the_length_generic_kernel(seqlen, dims, monkeypatch):
+    """Lengths stay specialized (the alignment hint) except a length of 1: its launches take the
+    kernels' twins with the lengths runtime values, in both frontends (kernels/masking.py)."""
+    case = Case(dims=dims, mask=AttnMaskType.CAUSAL_MASK, seqlen=seqlen)
+    one = 1 in seqlen
+    for frontend in (_torch_launches(case, monkeypatch), _jax_launches(case)):
+        block_loops = [x for described in frontend for x in described if x.name in
+                       ("attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")]
+        assert len(block_loops) == 3
+        for x in block_loops:
+            generic = [p.name for p in x.kernel.params if p.do_not_specialize]
+            assert generic == (["seqlen_q", "seqlen_k"] if one else []), (x.name, seqlen)

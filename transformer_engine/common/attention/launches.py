@@ -204,7 +204,10 @@ def _values(call: Call, config: AttnConfig, block_dqk: int, block_dv: int, dot_p
 
 
 def _launch(kernel, grid: Tuple[int, int, int], values: Dict[str, object], options: Dict[str, int]) -> Launch:
-    """A launch of ``kernel`` with its parameters taken from ``values`` by name."""
+    """A launch of ``kernel`` with its parameters taken from ``values`` by name; a kernel with a
+    ``length_generic`` twin (kernels/masking.py) takes it when a sequence length is 1."""
+    if 1 in (values.get("seqlen_q"), values.get("seqlen_k")):
+        kernel = getattr(kernel, "length_generic", kernel)
     missing = [name for name in kernel.arg_names if name not in values]
     if missing:
         raise NotImplementedError(

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from transformer_engine.common.attention.kernels.masking import (
     SEQLEN_ARGS,
+    length_specialized,
     grid_program,
     key_block_bounds,
     load_block,
@@ -107,7 +108,7 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs,
     return dk, dv
 
 
-@triton.jit(do_not_specialize=SEQLEN_ARGS)
+@length_specialized
 def attn_bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV, LSE, DELTA, BIAS, ALIBI_SLOPES, RNG_STATE,
     SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K,
@@ -240,7 +241,7 @@ def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs,
     return dq
 
 
-@triton.jit(do_not_specialize=SEQLEN_ARGS)
+@length_specialized
 def attn_bwd_dq_kernel(
     Q, K, V, DO, DQ, LSE, DELTA, BIAS, ALIBI_SLOPES, RNG_STATE,
     SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K,
@@ -374,7 +375,7 @@ def _dbias_rows(acc, Q, K, V, DO, LSE, DELTA, BIAS, SEQ_LEN_Q, SEQ_LEN_K,
     return acc
 
 
-@triton.jit(do_not_specialize=SEQLEN_ARGS)
+@length_specialized
 def attn_bwd_dbias_kernel(
     Q, K, V, DO, LSE, DELTA, BIAS, DBIAS, RNG_STATE,
     SEQ_LEN_Q, SEQ_LEN_K,

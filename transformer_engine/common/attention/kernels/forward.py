@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from transformer_engine.common.attention.kernels.masking import (
-    SEQLEN_ARGS,
+    length_specialized,
     key_block_bounds,
     load_block,
     mask_scores,
@@ -83,7 +83,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs,
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=SEQLEN_ARGS)
+@length_specialized
 def attn_fwd_kernel(
     Q, K, V, O, LSE, BIAS, ALIBI_SLOPES, RNG_STATE,
     SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K,

@@ -10,7 +10,7 @@
 #   QA_PYTEST_ARGS   extra pytest arguments for every suite, e.g. "-x -k causal"
 #   QA_RECORD        a file to which the final summary line is appended (e.g. for GPU runs)
 #   QA_COUNTS_FILE   a file to which "passed failed skipped" is appended (used by qa/L0_all)
-#   QA_SELECT        test file names (without .py, space-separated) to run, of those a level finds;
+#   QA_SELECT        test file names (without .py, space-separated) to run, in that order, of those a level finds;
 #   QA_SKIP          test file names to leave out: together they split one level over runs
 #                    or GPUs (e.g. QA_SKIP="test_fused_attn" on one, QA_SELECT="test_fused_attn" on the other)
 
@@ -116,9 +116,15 @@ qa_pytest_files() {
     return
   fi
   local file name ran=0 chosen=()
-  for file in "${files[@]}"; do
+  local ordered=("${files[@]}") want
+  if [ -n "${QA_SELECT:-}" ]; then  # QA_SELECT's order, so that a split can put slow files last
+    ordered=()
+    for want in $QA_SELECT; do
+      for file in "${files[@]}"; do [ "$(basename "$file" .py)" = "$want" ] && ordered+=("$file"); done
+    done
+  fi
+  for file in "${ordered[@]}"; do
     name=$(basename "$file" .py)
-    if [ -n "${QA_SELECT:-}" ] && [[ " $QA_SELECT " != *" $name "* ]]; then continue; fi
     if [ -n "${QA_SKIP:-}" ] && [[ " $QA_SKIP " == *" $name "* ]]; then continue; fi
     chosen+=("$file")
   done

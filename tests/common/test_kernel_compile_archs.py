@@ -44,6 +44,7 @@ class Case:
     gqa: int = 1
     thd: bool = False
     sink: bool = False  # learnable sink softmax: HAS_SINK forward and the sink-gradient kernel
+    seqlen_q: int = 1024  # 1: the kernels' length-generic twins (a length of 1 is not specialized)
 
     @property
     def name(self) -> str:
@@ -51,7 +52,9 @@ class Case:
                                 ("alibi", self.bias == AttnBiasType.ALIBI), ("dropout", self.dropout),
                                 (f"gqa{self.gqa}", self.gqa > 1), ("thd", self.thd), ("sink", self.sink)) if on]
         window = f"-window{self.window}" if self.window != (-1, -1) else ""
-        return f"d{self.dims[0]}x{self.dims[1]}-{self.dtype}-{self.mask.value}{window}-" + "-".join(mods or ["plain"])
+        short = f"-sq{self.seqlen_q}" if self.seqlen_q != 1024 else ""
+        return (f"d{self.dims[0]}x{self.dims[1]}-{self.dtype}-{self.mask.value}{window}{short}-"
+                + "-".join(mods or ["plain"]))
 
 
 BIAS = AttnBiasType.POST_SCALE_BIAS
@@ -71,6 +74,8 @@ CASES = [
     Case((256, 256), "float32", AttnMaskType.CAUSAL_MASK, bias=BIAS, dropout=True),
     # Learnable sink softmax with dropout over packed sequences (never the Gluon kernels).
     Case((128, 128), "bfloat16", AttnMaskType.PADDING_CAUSAL_MASK, dropout=True, gqa=2, thd=True, sink=True),
+    # One query against 1024 keys (decoding-style): the length-generic twins, at their heaviest.
+    Case((256, 256), "bfloat16", AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK, bias=BIAS, dropout=True, gqa=4, seqlen_q=1),
 ]
 
 
@@ -84,14 +89,14 @@ def launches(target: str, case: Case) -> List[Tuple[str, tuple]]:
     (a bias case twice: [1, h, s, s] and a [1, 1, 1, s] bias, whose dBias sums the query rows)."""
     dqk, dv = case.dims
     cfg = AttnConfig(batch_size=2, num_heads_q=8, num_heads_kv=8 // case.gqa, head_dim_qk=dqk, head_dim_v=dv,
-                     max_seqlen_q=1024, max_seqlen_kv=1024, dtype=case.dtype, attn_mask_type=case.mask,
+                     max_seqlen_q=case.seqlen_q, max_seqlen_kv=1024, dtype=case.dtype, attn_mask_type=case.mask,
                      window_size=case.window, attn_bias_type=case.bias,
                      bias_shape="1hss" if case.bias == BIAS else None, dropout=0.1 if case.dropout else 0.0,
                      softmax_type=(AttnSoftmaxType.LEARNABLE_SOFTMAX if case.sink else AttnSoftmaxType.VANILLA_SOFTMAX),
                      deterministic=True, device_type="cuda", **DEVICE_FACTS[target])
-    calls = [contiguous_call(cfg, thd=case.thd)]
+    calls = [contiguous_call(cfg, seqlen=case.seqlen_q, seqlen_kv=1024, thd=case.thd)]
     if case.bias == BIAS:
-        calls.append(contiguous_call(cfg, thd=case.thd, bias_shape=(1, 1, 1, 1024)))
+        calls.append(contiguous_call(cfg, seqlen=case.seqlen_q, seqlen_kv=1024, thd=case.thd, bias_shape=(1, 1, 1, 1024)))
     out = []
     for call in calls:
         for launch in planned_launches(call):
@@ -158,6 +163,7 @@ def test_cases_cover_every_bucket_kernel_and_modifier():
             for c in CASES if c.dtype != "float32"}
     assert keys == {(d, w) for d in (64, 128, 256) for w in (False, True)}
     assert {c.dtype for c in CASES} == {"float16", "bfloat16", "float32"}
+    assert any(c.seqlen_q == 1 for c in CASES)  # the length-generic twins
     assert {c.bias for c in CASES} == set(AttnBiasType) - {AttnBiasType.PRE_SCALE_BIAS}
     assert any(c.dropout for c in CASES) and any(c.gqa > 1 for c in CASES) and any(c.thd for c in CASES)
     assert any(c.dims[0] != c.dims[1] for c in CASES) and any(c.window != (-1, -1) for c in CASES)

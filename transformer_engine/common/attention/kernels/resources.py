@@ -61,26 +61,29 @@ def _prod(xs) -> int:
 
 
 def contiguous_call(config: AttnConfig, batch: int = 2, seqlen: int = 1024, thd: bool = False,
-                    bias_shape: Optional[Tuple[int, int, int, int]] = None, softmax_scale: float = 0.125) -> Call:
+                    bias_shape: Optional[Tuple[int, int, int, int]] = None, softmax_scale: float = 0.125,
+                    seqlen_kv: Optional[int] = None) -> Call:
     """The launches' view of ``config`` on contiguous [b, s, h, d] tensors (``thd``: packed sequences) of
-    ``seqlen`` tokens per sequence; a post_scale_bias of ``bias_shape`` (default [1, h, s, s])."""
+    ``seqlen`` query tokens and ``seqlen_kv`` (default ``seqlen``) key tokens per sequence; a
+    post_scale_bias of ``bias_shape`` (default [1, h, s_q, s_kv])."""
     hq, hk, dqk, dv = config.num_heads_q, config.num_heads_kv, config.head_dim_qk, config.head_dim_v
-    shapes = dict(q=(batch, seqlen, hq, dqk), k=(batch, seqlen, hk, dqk), v=(batch, seqlen, hk, dv),
-                  out=(batch, seqlen, hq, dv), d_out=(batch, seqlen, hq, dv), dq=(batch, seqlen, hq, dqk),
-                  dk=(batch, seqlen, hk, dqk), dv=(batch, seqlen, hk, dv))
+    sq, sk = seqlen, seqlen if seqlen_kv is None else seqlen_kv
+    shapes = dict(q=(batch, sq, hq, dqk), k=(batch, sk, hk, dqk), v=(batch, sk, hk, dv),
+                  out=(batch, sq, hq, dv), d_out=(batch, sq, hq, dv), dq=(batch, sq, hq, dqk),
+                  dk=(batch, sk, hk, dqk), dv=(batch, sk, hk, dv))
     views = {}
     for name, shape in shapes.items():
         strides = _contiguous(shape)
         views[name] = View((0,) + strides[1:] if thd else strides)
     bias = None
     if config.attn_bias_type == AttnBiasType.POST_SCALE_BIAS:
-        shape = bias_shape or (1, hq, seqlen, seqlen)
+        shape = bias_shape or (1, hq, sq, sk)
         bias = Bias(tuple(shape), _contiguous(shape))
     return Call(
         num_heads_q=hq, num_heads_kv=hk, head_dim_qk=dqk, head_dim_v=dv, dtype=config.dtype, num_seqs=batch,
-        max_q=seqlen, max_k=seqlen, packed=thd, has_seqlens=thd or config.attn_mask_type.is_padding,
+        max_q=sq, max_k=sk, packed=thd, has_seqlens=thd or config.attn_mask_type.is_padding,
         softmax_scale=softmax_scale, attn_mask_type=config.attn_mask_type, window_size=config.window_size,
-        bottom_right_diagonal=config.bottom_right, views=views, lse_strides=(hq * seqlen, seqlen),
+        bottom_right_diagonal=config.bottom_right, views=views, lse_strides=(hq * sq, sq),
         device=dict(device_type=config.device_type, vendor=config.vendor,
                     compute_capability=config.compute_capability, gfx_arch=config.gfx_arch),
         bias=bias, alibi_batch_stride=0 if config.attn_bias_type == AttnBiasType.ALIBI else None,

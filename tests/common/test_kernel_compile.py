@@ -70,17 +70,22 @@ def test_sm90_zero_outside_sequences_compiles(dtype, heads, head_dim):
 @pytest.mark.parametrize("name", ["attn_bwd_dq_kernel", "attn_fwd_kernel", "attn_bwd_dkdv_kernel"])
 def test_sm90_kernels_compile_the_same_for_every_sequence_length(name):
     """Regression: with s_q = 1 Triton specialised seqlen_q as a constant, and that variant of the d=256
-    dQ kernel made an illegal memory access on the H200. Sequence lengths are no longer specialised:
-    s_q = 1, a multiple of 16 and any other length give the one compiled kernel."""
+    dQ kernel made an illegal memory access on the H200. A length of 1 launches the kernel's
+    length-generic twin (kernels/masking.py), which compiles to one kernel for s_q = 1, a multiple of 16
+    and any other length; the launched kernel keeps the 16-divisibility hint on the lengths (its speed)."""
     cfg = AttnConfig(batch_size=1, num_heads_q=16, num_heads_kv=16, head_dim_qk=256, head_dim_v=256,
                      max_seqlen_q=1, max_seqlen_kv=2048, dtype="bfloat16", attn_mask_type=AttnMaskType.NO_MASK,
                      deterministic=True, device_type="cuda", compute_capability=(9, 0))
     launch = _sm90_launches(cfg, seqlen=4096)[name]
+    generic = launch.kernel.length_generic
     hashes = set()
     for seqlen_q, seqlen_k in ((1, 2048), (16, 2048), (17, 1), (4096, 2047)):
         args = dict(compile_args(launch, "bfloat16"), seqlen_q=seqlen_q, seqlen_k=seqlen_k)
-        hashes.add(compile_kernel(launch.kernel, args, launch.options, SM90).hash)
+        hashes.add(compile_kernel(generic, args, launch.options, SM90).hash)
     assert len(hashes) == 1
+    aligned, other = ({compile_kernel(launch.kernel, dict(compile_args(launch, "bfloat16"), seqlen_q=sq, seqlen_k=sk),
+                                      launch.options, SM90).hash} for sq, sk in ((4096, 2048), (4095, 2047)))
+    assert aligned != other
 
 
 def test_compile_kernel_says_what_each_target_gives():

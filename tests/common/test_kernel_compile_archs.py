@@ -9,15 +9,14 @@ cases cover the head-dim buckets (32, 64, 128, 256 and d_qk != d_v), masks and w
 sliding bottom-right over packed sequences), the three dtypes, post-scale bias, ALiBi, dropout and GQA, each at its heaviest where it counts (bias with dropout
 at every bucket). Launches that come out identical are compiled once, in a pool of one process per core;
 Triton's on-disk cache makes a second run fast. Spills: the private scratch of the hsaco must be 0 on AMD;
-the stack of the cubin (cuobjdump) must be 0 or as recorded in KNOWN_SPILLS on NVIDIA, and is reported as a
-warning otherwise.
+the stack of the cubin (cuobjdump) must be 0 or at most what data/known_spills.json records on NVIDIA.
 """
 
 import concurrent.futures
 import dataclasses
+import json
 import multiprocessing
 import os
-import warnings
 from typing import Dict, List, Tuple
 
 import pytest
@@ -110,10 +109,13 @@ def _key(job) -> str:
     return repr(job)
 
 
-# Spills that are known and accepted, as (target, case name, kernel): stack/scratch bytes. AMD targets must
-# not spill at all; on NVIDIA a spill not listed here is reported as a warning (their tables predate this
-# matrix: record what a full run shows, then tighten).
-KNOWN_SPILLS: Dict[Tuple[str, str, str], int] = {}
+# Spills that are known and accepted on NVIDIA: "target case-name kernel" -> the most stack bytes of its
+# launches (data/known_spills.json, recorded from a full run of this file). The NVIDIA tables were tuned
+# for speed on the GPU, where some variants (bias with dropout, fp32 at d=256, the sm_100 compiles of
+# Hopper's tiles) measured fastest with a little stack; a launch that spills more than recorded, or one
+# not recorded that spills, fails. AMD targets must not spill at all.
+with open(os.path.join(os.path.dirname(__file__), "data", "known_spills.json")) as _f:
+    KNOWN_SPILLS: Dict[str, int] = json.load(_f)
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +139,7 @@ def compiled() -> Dict[str, dict]:
 @pytest.mark.parametrize("target", TARGETS)
 def test_planned_launches_compile_fit_and_do_not_spill(compiled, target, case):
     budget = ARCHS[target].shared_memory
-    problems, spills = [], []
+    problems = []
     for kernel, job in launches(target, case):
         res = compiled[_key(job)]
         if "error" in res:
@@ -145,14 +147,19 @@ def test_planned_launches_compile_fit_and_do_not_spill(compiled, target, case):
             continue
         if res["smem"] > budget:
             problems.append(f"{kernel}: {res['smem']} bytes of shared memory > {budget} on {target}")
-        allowed = KNOWN_SPILLS.get((target, case.name, kernel), 0)
-        if res["stack"] != allowed:
-            spill = f"{kernel}: {res['stack']} bytes of stack/scratch (expected {allowed}), {res['regs']} registers"
-            (problems if ARCHS[target].vendor == "amd" or (target, case.name, kernel) in KNOWN_SPILLS
-             else spills).append(spill)
-    if spills:
-        warnings.warn(f"{target} {case.name} spills:\n  " + "\n  ".join(spills))
+        allowed = 0 if ARCHS[target].vendor == "amd" else KNOWN_SPILLS.get(f"{target} {case.name} {kernel}", 0)
+        if res["stack"] > allowed:
+            problems.append(f"{kernel}: {res['stack']} bytes of stack/scratch (at most {allowed} recorded in "
+                            f"data/known_spills.json), {res['regs']} registers")
     assert not problems, f"{target} {case.name}:\n  " + "\n  ".join(problems)
+
+
+def test_known_spills_name_planned_launches():
+    """Every recorded spill is of a target, case and kernel this matrix compiles (no stale entries)."""
+    planned = {f"{target} {case.name} {kernel}" for target in TARGETS for case in CASES
+               for kernel, _ in launches(target, case)}
+    assert set(KNOWN_SPILLS) <= planned, sorted(set(KNOWN_SPILLS) - planned)
+    assert all(ARCHS[key.split()[0]].vendor == "nvidia" for key in KNOWN_SPILLS)
 
 
 def test_cases_cover_every_bucket_kernel_and_modifier():

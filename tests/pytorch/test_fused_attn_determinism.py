@@ -21,6 +21,7 @@ from fused_helpers import (
     ref_and_lowp,
     requires_fused,
 )
+from transformer_engine.common import settings
 from transformer_engine.common.attention import AttnMaskType, QKVFormat
 from transformer_engine.common.attention.plan import backward_plan, forward_plan
 from transformer_engine.pytorch.attention import launch
@@ -203,13 +204,13 @@ def test_launch_order_and_loop_form_change_no_result(mask):
 
 
 @pytest.mark.skipif(not ON_GPU or torch.cuda.get_device_capability()[0] != 9, reason="Hopper GPU only")
+@pytest.mark.skipif(settings.get("NVTE_FUSED_ATTN_PLAN_ARCH") not in ("", "sm90"),
+                    reason="NVTE_FUSED_ATTN_PLAN_ARCH forces another architecture's plan (Triton kernels only)")
 @pytest.mark.parametrize("mask,window", [("causal", (-1, 0)), ("no_mask", (-1, -1)), ("no_mask", (40, 9))])
 def test_warp_specialized_kernels_serve_d128(monkeypatch, mask, window):
     """At d=128 the plan runs the Gluon forward, dK/dV and dQ (kernels/hopper_ws.py): they are launched, their
     results are as close to the fp32 reference as the Triton kernels' (NVTE_FUSED_ATTN_WS=0), and the
     head-grouped launch order changes no bit."""
-    from transformer_engine.common import settings
-
     names = _spy_launches(monkeypatch)
     q, k, v, _ = make_qkv(2, 700, 700, 4, 2, 128, 128, torch.bfloat16, seed=11)
     out, grads, d_out = _run(q, k, v, "bshd", mask, window, 128 ** -0.5)

@@ -77,15 +77,14 @@ def test_sm90_kernels_compile_the_same_for_every_sequence_length(name):
                      max_seqlen_q=1, max_seqlen_kv=2048, dtype="bfloat16", attn_mask_type=AttnMaskType.NO_MASK,
                      deterministic=True, device_type="cuda", compute_capability=(9, 0))
     launch = _sm90_launches(cfg, seqlen=4096)[name]
-    generic = launch.kernel.length_generic
-    hashes = set()
-    for seqlen_q, seqlen_k in ((1, 2048), (16, 2048), (17, 1), (4096, 2047)):
+
+    def compiled(kernel, seqlen_q, seqlen_k):
         args = dict(compile_args(launch, "bfloat16"), seqlen_q=seqlen_q, seqlen_k=seqlen_k)
-        hashes.add(compile_kernel(generic, args, launch.options, SM90).hash)
-    assert len(hashes) == 1
-    aligned, other = ({compile_kernel(launch.kernel, dict(compile_args(launch, "bfloat16"), seqlen_q=sq, seqlen_k=sk),
-                                      launch.options, SM90).hash} for sq, sk in ((4096, 2048), (4095, 2047)))
-    assert aligned != other
+        return compile_kernel(kernel, args, launch.options, SM90).hash
+
+    lengths = ((1, 2048), (16, 2048), (17, 1), (4096, 2047))
+    assert len({compiled(launch.kernel.length_generic, sq, sk) for sq, sk in lengths}) == 1
+    assert compiled(launch.kernel, 4096, 2048) != compiled(launch.kernel, 4095, 2047)
 
 
 def test_compile_kernel_says_what_each_target_gives():

@@ -93,9 +93,10 @@ def launches(target: str, case: Case) -> List[Tuple[str, tuple]]:
                      bias_shape="1hss" if case.bias == BIAS else None, dropout=0.1 if case.dropout else 0.0,
                      softmax_type=(AttnSoftmaxType.LEARNABLE_SOFTMAX if case.sink else AttnSoftmaxType.VANILLA_SOFTMAX),
                      deterministic=True, device_type="cuda", **DEVICE_FACTS[target])
-    calls = [contiguous_call(cfg, seqlen=case.seqlen_q, seqlen_kv=1024, thd=case.thd)]
+    shape = dict(seqlen=case.seqlen_q, seqlen_kv=1024, thd=case.thd)
+    calls = [contiguous_call(cfg, **shape)]
     if case.bias == BIAS:
-        calls.append(contiguous_call(cfg, seqlen=case.seqlen_q, seqlen_kv=1024, thd=case.thd, bias_shape=(1, 1, 1, 1024)))
+        calls.append(contiguous_call(cfg, **shape, bias_shape=(1, 1, 1, 1024)))
     out = []
     for call in calls:
         for launch in planned_launches(call):

@@ -234,12 +234,14 @@ def test_launch_lists_name_every_kernel_parameter_in_order():
 def test_a_length_of_one_takes_the_length_generic_kernel(seqlen, dims, monkeypatch):
     """Lengths stay specialized (the alignment hint) except a length of 1: its launches take the
     kernels' twins with the lengths runtime values, in both frontends (kernels/masking.py)."""
+    from transformer_engine.common.attention.kernels import backward, forward
+
+    kernels = {k.__name__: k for k in (forward.attn_fwd_kernel, backward.attn_bwd_dkdv_kernel,
+                                       backward.attn_bwd_dq_kernel)}
     case = Case(dims=dims, mask=AttnMaskType.CAUSAL_MASK, seqlen=seqlen)
-    one = 1 in seqlen
     for frontend in (_torch_launches(case, monkeypatch), _jax_launches(case)):
-        block_loops = [x for described in frontend for x in described if x.name in
-                       ("attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")]
+        block_loops = [x for described in frontend for x in described if x.name in kernels]
         assert len(block_loops) == 3
         for x in block_loops:
-            generic = [p.name for p in x.kernel.params if p.do_not_specialize]
-            assert generic == (["seqlen_q", "seqlen_k"] if one else []), (x.name, seqlen)
+            base = kernels[x.name]
+            assert x.kernel is (base.length_generic if 1 in seqlen else base), (x.name, seqlen)

@@ -192,7 +192,7 @@ def test_sink_softmax_unfused_traces_whole(monkeypatch, softmax_type):
     block = Block(softmax_type=softmax_type).to(DEVICE)
     if block.attn.softmax_offset is not None:
         with torch.no_grad():
-            block.attn.softmax_offset.copy_(torch.empty(block.attn.softmax_offset.shape).uniform_(-1.0, 1.0, generator=gen(9)))
+            block.attn.softmax_offset.copy_(torch.empty(block.attn.softmax_offset.shape).uniform_(-1, 1, generator=gen(9)))
     x = torch.randn(2, 12, 64, generator=gen(10)).to(DEVICE)
     explanation = torch._dynamo.explain(block)(x)
     assert explanation.graph_break_count == 0, explanation.break_reasons
@@ -209,7 +209,7 @@ def test_compiled_fused_learnable_sink_traces_without_breaks(monkeypatch, fmt):
     torch.manual_seed(0)
     block = Block(fmt, mask="causal" if fmt == "bshd" else "padding_causal", softmax_type="learnable").to(DEVICE, dtype)
     with torch.no_grad():
-        block.attn.softmax_offset.copy_(torch.empty(block.attn.softmax_offset.shape).uniform_(-1.0, 1.0, generator=gen(11)))
+        block.attn.softmax_offset.copy_(torch.empty(block.attn.softmax_offset.shape).uniform_(-1, 1, generator=gen(11)))
     kwargs = {}
     if fmt == "bshd":
         x = torch.randn(2, 16, 64, generator=gen(12)).to(DEVICE, dtype)

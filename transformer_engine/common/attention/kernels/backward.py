@@ -13,9 +13,9 @@ import triton.language as tl
 
 from transformer_engine.common.attention.kernels.masking import (
     SEQLEN_ARGS,
-    length_specialized,
     grid_program,
     key_block_bounds,
+    length_specialized,
     load_block,
     mask_scores,
     query_block_bounds,

@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from transformer_engine.common.attention.kernels.masking import (
-    length_specialized,
     key_block_bounds,
+    length_specialized,
     load_block,
     mask_scores,
     query_block_program,

@@ -18,7 +18,8 @@ import triton.language as tl
 # selects from the block loops: 5-20% at d=64 and d=256), except for a length of 1, where a launch
 # takes the kernel's `length_generic` twin, the same source with the lengths runtime values: the
 # s_q = 1 constant variant of the d=256 dQ kernel made an illegal memory access on sm_90, and the
-# generic code is what every length not divisible by 16 runs. Numerics are the same either way.
+# generic code is what every length not divisible by 16 runs. Numerics are the same either way. The
+# preprocess and sink-gradient kernels, where the hint buys nothing, keep seqlen_q generic always.
 SEQLEN_ARGS = ("seqlen_q", "seqlen_k")
 
 

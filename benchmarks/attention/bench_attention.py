@@ -69,9 +69,10 @@ def render_markdown(title: str, metas: list, cases: list, rows: list, target_res
         lines.append(f"- {m.get('part', 'run')}: {m['date']}, commit {m['commit']}, device {m['device']}, "
                      f"{m.get('dtype', '')}; command `{m['command']}`")
     lines += ["", "Versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()), "",
-              "TFLOP/s count FlashAttention's way (forward 4*b*h*s^2*d, halved when causal; fwd+bwd 3.5x "
-              "forward). Peak memory: PyTorch, bytes allocated above the inputs during one fwd+bwd; JAX, XLA's "
-              "temp + output buffers of the compiled fwd+bwd. Bitwise: gradients equal over repeated runs.", "",
+              "TFLOP/s count FlashAttention's way (forward 2*b*h*s^2*(d_qk+d_v), halved when causal; "
+              "fwd+bwd 3.5x forward). Peak memory: PyTorch, bytes allocated above the inputs during one "
+              "fwd+bwd; JAX, XLA's temp + output buffers of the compiled fwd+bwd. Bitwise: gradients equal "
+              "over repeated runs.", "",
               "## Targets", ""]
     lines += targets_mod.markdown(target_results, cases)
     lines += ["", "## Results", ""]

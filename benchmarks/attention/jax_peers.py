@@ -65,18 +65,18 @@ def _sig(x: float, digits: int = 4) -> float:
 
 
 def _inputs(jax, jnp, case: Case, dtype, seed=0):
-    """q, k, v, do: [b, s, h, d] for bshd; for thd both packed [1, t, h, d] and padded [n, s_max, h, d]."""
+    """q, k, v, do: [b, s, h, d] for bshd; for thd both packed [1, t, h, d] and padded [n, s_max, h, d].
+    v and do have the head dim ``case.d_v``."""
     key = jax.random.PRNGKey(seed)
     kq, kk, kv, kd = jax.random.split(key, 4)
-    if case.layout != "thd":
-        def rnd(k, h):
-            return jax.random.normal(k, (case.b, case.s, h, case.d), jnp.float32).astype(dtype)
-        return {"dense": (rnd(kq, case.hq), rnd(kk, case.hkv), rnd(kv, case.hkv), rnd(kd, case.hq))}
-    t = case.tokens
+    lead = (1, case.tokens) if case.layout == "thd" else (case.b, case.s)
 
-    def rnd(k, h):
-        return jax.random.normal(k, (1, t, h, case.d), jnp.float32).astype(dtype)
-    packed = (rnd(kq, case.hq), rnd(kk, case.hkv), rnd(kv, case.hkv), rnd(kd, case.hq))
+    def rnd(k, h, d):
+        return jax.random.normal(k, (*lead, h, d), jnp.float32).astype(dtype)
+    arrays = (rnd(kq, case.hq, case.d), rnd(kk, case.hkv, case.d), rnd(kv, case.hkv, case.d_v),
+              rnd(kd, case.hq, case.d_v))
+    if case.layout != "thd":
+        return {"dense": arrays}
     # padded copy: sequence i at rows [i, :len_i]
     import numpy as np
     n, s = len(case.seqlens), case.s
@@ -90,7 +90,7 @@ def _inputs(jax, jnp, case: Case, dtype, seed=0):
 
     def pad(x):
         return jnp.where(valid[:, :, None, None], x[0][idx], jnp.zeros((), x.dtype))
-    return {"packed": packed, "padded": tuple(pad(x) for x in packed),
+    return {"packed": arrays, "padded": tuple(pad(x) for x in arrays),
             "lens": jnp.asarray(case.seqlens, jnp.int32), "starts": jnp.asarray(starts, jnp.int32)}
 
 
@@ -112,7 +112,7 @@ def make_attention(impl: str, case: Case, data: dict, dry_run: bool):
         args = data["packed"] if thd else data["dense"]
         reasons = fused_attn_unavailable_reasons(True, args[0].dtype, args[1].dtype, layout, AttnBiasType.NO_BIAS,
                                                  mask, "vanilla", 0.0, case.hq, case.hkv, args[0].shape[1],
-                                                 args[1].shape[1], case.d)
+                                                 args[1].shape[1], case.d, case.d_v)
         if reasons and not dry_run:
             raise Skip("JAX fused kernels unavailable here: " + "; ".join(reasons))
         desc, segments = None, 1
@@ -129,12 +129,30 @@ def make_attention(impl: str, case: Case, data: dict, dry_run: bool):
     if implementation == "cudnn" and not on_gpu:
         raise Skip("jax.nn.dot_product_attention(implementation='cudnn') needs a CUDA GPU")
     args = data["padded"] if thd else data["dense"]
+    if case.d_v != case.d:
+        return _cudnn_mla(case, args, implementation)
     lens = data["lens"] if thd else None
 
     def attn(q, k, v):
         return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=case.causal, query_seq_lengths=lens,
                                             key_value_seq_lengths=lens, implementation=implementation)
     return attn, args, implementation + (" (thd padded to s_max with seq lengths)" if thd else "")
+
+
+def _cudnn_mla(case: Case, args, implementation: str):
+    """d_v != d_qk: jax.nn.dot_product_attention refuses a value head dim unlike the key's, but the
+    cuDNN function it calls takes it (cuDNN's MLA shapes); the XLA path has no such entry point."""
+    if implementation != "cudnn" or case.layout == "thd":
+        raise Skip(f"jax.nn.dot_product_attention needs v's head dim equal to q/k's, got {case.d_v} != {case.d}")
+    try:
+        from jax._src.cudnn.fused_attention_stablehlo import MaskType, dot_product_attention
+    except ImportError as err:
+        raise Skip(f"no cuDNN entry point for d_v != d_qk in this JAX ({err})")
+    mask = MaskType.CAUSAL if case.causal else MaskType.NO_MASK
+
+    def attn(q, k, v):
+        return dot_product_attention(q, k, v, scale=case.d ** -0.5, mask_type=mask, qkv_layout="BTNH")
+    return attn, args, "cudnn (jax._src.cudnn dot_product_attention: d_v != d_qk)"
 
 
 def time_call(jax, fn, args, rep_s: float, dry_run: bool) -> float:

@@ -6,7 +6,8 @@ and check its gradients) or a string: the reason it is skipped here (package mis
 A peer that cannot run a shape raises; the harness records the error in the row.
 
 Layouts: ``bshd`` inputs are ``[b, s, h, d]``; ``thd`` inputs are ``[t, h, d]`` packed by
-``cu_seqlens`` (int32, ``[n + 1]``). Every runner's ``grad_out`` has its output's shape.
+``cu_seqlens`` (int32, ``[n + 1]``). v, the output and its gradient have the head dim ``case.d_v``.
+Every runner's ``grad_out`` has its output's shape.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Dict, Optional, Sequence, Union
 
@@ -28,7 +30,7 @@ class Inputs:
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    do: torch.Tensor  # gradient of the output, shaped like q (with v's head dim)
+    do: torch.Tensor  # gradient of the output: q's shape with v's head dim
     cu_seqlens: Optional[torch.Tensor]  # thd only
     max_seqlen: int
 
@@ -42,11 +44,12 @@ def make_inputs(case: Case, device: torch.device, dtype: torch.dtype, seed: int 
     gen = torch.Generator(device=device).manual_seed(seed)
     lead = (case.tokens,) if case.layout == "thd" else (case.b, case.s)
 
-    def randn(heads):
-        return torch.randn(*lead, heads, case.d, generator=gen, device=device, dtype=torch.float32).to(dtype)
+    def randn(heads, d):
+        return torch.randn(*lead, heads, d, generator=gen, device=device, dtype=torch.float32).to(dtype)
 
-    q, k, v = randn(case.hq).requires_grad_(), randn(case.hkv).requires_grad_(), randn(case.hkv).requires_grad_()
-    do = randn(case.hq)
+    q, k = randn(case.hq, case.d).requires_grad_(), randn(case.hkv, case.d).requires_grad_()
+    v = randn(case.hkv, case.d_v).requires_grad_()
+    do = randn(case.hq, case.d_v)
     cu = None
     if case.layout == "thd":
         cu = torch.tensor([0] + list(_cumsum(case.seqlens)), dtype=torch.int32, device=device)
@@ -97,7 +100,7 @@ def _te_module(case: Case, inp: Inputs, deterministic: bool, forced: bool) -> Un
 
     thd = case.layout == "thd"
     mask = ("padding_causal" if case.causal else "padding") if thd else ("causal" if case.causal else "no_mask")
-    module = DotProductAttention(case.hq, case.d, num_gqa_groups=case.hkv, attention_dropout=0.0,
+    module = DotProductAttention(case.hq, (case.d, case.d_v), num_gqa_groups=case.hkv, attention_dropout=0.0,
                                  qkv_format=case.layout, attn_mask_type=mask)
     kwargs = {}
     if thd:
@@ -109,7 +112,7 @@ def _te_module(case: Case, inp: Inputs, deterministic: bool, forced: bool) -> Un
     def fwd():
         return module(inp.q, inp.k, inp.v, **kwargs)
 
-    return Runner(fwd, (inp.q, inp.k, inp.v), inp.do.reshape(*inp.do.shape[:-2], case.hq * case.d),
+    return Runner(fwd, (inp.q, inp.k, inp.v), inp.do.reshape(*inp.do.shape[:-2], case.hq * case.d_v),
                   context=lambda: settings.environment(**env), backend=lambda: module.last_backend)
 
 
@@ -196,8 +199,7 @@ def _sdpa(case: Case, inp: Inputs, backend_name: str, deterministic: bool) -> Un
             return out.transpose(1, 2).values()
 
         notes.append("thd via nested (jagged) tensors")
-        runner = Runner(fwd, (inp.q, inp.k, inp.v), inp.do, context=context, notes=notes)
-        return runner
+        return Runner(_explained(fwd), (inp.q, inp.k, inp.v), inp.do, context=context, notes=notes)
 
     gqa = case.hq != case.hkv
     state = {"expand": False}
@@ -218,8 +220,29 @@ def _sdpa(case: Case, inp: Inputs, backend_name: str, deterministic: bool) -> Un
                 notes.append("enable_gqa refused: K/V heads expanded with repeat_interleave (counted)")
                 return fwd()
 
-    return Runner(fwd, (inp.q, inp.k, inp.v), inp.do, context=context, notes=notes,
+    return Runner(_explained(fwd), (inp.q, inp.k, inp.v), inp.do, context=context, notes=notes,
                   backend=lambda: backend_name.lower())
+
+
+def _explained(fwd: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """fwd, whose refusal says why: torch SDPA raises a bare 'No available kernel' and gives its
+    reasons (e.g. d_v != d_qk for flash) as warnings, so a refused call is repeated once recording them."""
+    def call():
+        try:
+            return fwd()
+        except RuntimeError as err:
+            if "No available kernel" not in str(err):
+                raise
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    fwd()
+                except RuntimeError:
+                    pass
+            why = [str(w.message).split("(Triggered internally")[0].strip() for w in caught]
+            why = [w for w in why if w and not w.endswith("because:")]
+            raise RuntimeError(f"torch SDPA has no kernel for this call: {'; '.join(why) or err}") from err
+    return call
 
 
 def torch_flash(case, inp):
@@ -246,6 +269,8 @@ class _CudnnSdpa:
     thd: cuDNN's ragged layout: each tensor is declared (n, h, s_max, d) with bshd strides and a
     ragged offset (cu_seqlens * h * d elements); the buffers hold n * s_max tokens (the capacity
     cuDNN reads bounds from) and the leaves are views of their packed first t tokens.
+    (heads, head dim) per tensor: q (hq, d), k (hkv, d), v (hkv, d_v), the output and its gradient
+    (hq, d_v).
     """
 
     def __init__(self, case: Case, inp: Inputs, deterministic: bool):
@@ -253,55 +278,57 @@ class _CudnnSdpa:
 
         self.cudnn, self.case, self.deterministic = cudnn, case, deterministic
         self.thd = case.layout == "thd"
+        self.Q, self.K = (case.hq, case.d), (case.hkv, case.d)
+        self.V, self.O = (case.hkv, case.d_v), (case.hq, case.d_v)
         dev, dtype = inp.device, inp.q.dtype
         if dtype != torch.bfloat16 and dtype != torch.float16:
             raise PeerFailure(f"cuDNN SDPA takes fp16/bf16, got {dtype}")
         self.io_type = cudnn.data_type.BFLOAT16 if dtype == torch.bfloat16 else cudnn.data_type.HALF
         self.handle = cudnn.create_handle()
         cudnn.set_stream(handle=self.handle, stream=torch.cuda.current_stream().cuda_stream)
-        hq, hkv, d = case.hq, case.hkv, case.d
         if self.thd:
             n, s = len(case.seqlens), case.s
             self.n, self.s, self.t = n, s, case.tokens
-            cap = n * s
 
-            def packed(src, h, leaf):
-                buf = torch.zeros(cap * h * d, device=dev, dtype=dtype)
+            def packed(src, hd, leaf):
+                h, d = hd
+                buf = torch.zeros(n * s * h * d, device=dev, dtype=dtype)
                 view = buf[: self.t * h * d].view(self.t, h, d)
                 view.copy_(src.detach())
                 if leaf:
                     view.requires_grad_()
                 return buf, view
 
-            self.q_buf, q = packed(inp.q, hq, True)
-            self.k_buf, k = packed(inp.k, hkv, True)
-            self.v_buf, v = packed(inp.v, hkv, True)
-            self.do_buf, do = packed(inp.do, hq, False)
+            self.q_buf, q = packed(inp.q, self.Q, True)
+            self.k_buf, k = packed(inp.k, self.K, True)
+            self.v_buf, v = packed(inp.v, self.V, True)
+            self.do_buf, do = packed(inp.do, self.O, False)
             self.leaves, self.grad_out = (q, k, v), do
             cu = inp.cu_seqlens.to(torch.int64)
             off_type = torch.int64 if cudnn.backend_version() >= 90600 else torch.int32
-            self.rag_q = (cu * hq * d).to(off_type).view(n + 1, 1, 1, 1)
-            self.rag_kv = (cu * hkv * d).to(off_type).view(n + 1, 1, 1, 1)
+            self.rag = {hd: (cu * hd[0] * hd[1]).to(off_type).view(n + 1, 1, 1, 1)
+                        for hd in (self.Q, self.K, self.V, self.O)}
             self.seq_len = (inp.cu_seqlens[1:] - inp.cu_seqlens[:-1]).to(torch.int32).view(n, 1, 1, 1).contiguous()
             self.max_total = ((self.t + 63) // 64) * 64  # cuDNN's samples round the token total to 64
             b_dims = (n, s)
         else:
             self.leaves, self.grad_out = (inp.q, inp.k, inp.v), inp.do
             b_dims = (case.b, case.s)
-        self.stats_shape = (b_dims[0], hq, b_dims[1], 1)
+        self.stats_shape = (b_dims[0], case.hq, b_dims[1], 1)
         self._build(dev, dtype)
 
     # bshd-strided (b, h, s, d) view: of a packed buffer (thd) or of a [b, s, h, d] tensor
-    def _bhsd(self, x, h):
+    def _bhsd(self, x, hd):
         if self.thd:
-            d = self.case.d
+            h, d = hd
             return x.as_strided((self.n, h, self.s, d), (self.s * h * d, d, h * d, 1))
         return x.permute(0, 2, 1, 3)
 
-    def _sample(self, h, dev, dtype):
+    def _sample(self, hd, dev, dtype):
+        h, d = hd
         if self.thd:
-            return self._bhsd(torch.empty(self.n * self.s * h * self.case.d, device=dev, dtype=dtype), h)
-        return torch.empty(self.case.b, self.case.s, h, self.case.d, device=dev, dtype=dtype).permute(0, 2, 1, 3)
+            return self._bhsd(torch.empty(self.n * self.s * h * d, device=dev, dtype=dtype), hd)
+        return torch.empty(self.case.b, self.case.s, h, d, device=dev, dtype=dtype).permute(0, 2, 1, 3)
 
     def _graph(self):
         cudnn = self.cudnn
@@ -317,11 +344,11 @@ class _CudnnSdpa:
             kw.update(use_padding_mask=True, seq_len_q=self.t_seq_q, seq_len_kv=self.t_seq_kv)
         return kw
 
-    def _ragged(self, g, tensor, heads_q):
+    def _ragged(self, g, tensor, hd):
         if self.thd:
-            off = g.tensor_like(self.rag_q if heads_q else self.rag_kv)
+            off = g.tensor_like(self.rag[hd])
             tensor.set_ragged_offset(off)
-            return {off: self.rag_q if heads_q else self.rag_kv}
+            return {off: self.rag[hd]}
         return {}
 
     @staticmethod
@@ -334,43 +361,41 @@ class _CudnnSdpa:
 
     def _build(self, dev, dtype):
         cudnn, case = self.cudnn, self.case
-        hq, hkv = case.hq, case.hkv
         scale = _scale(case)
-        sq, sk, sv = self._sample(hq, dev, dtype), self._sample(hkv, dev, dtype), self._sample(hkv, dev, dtype)
+        sq, sk, sv, so = (self._sample(hd, dev, dtype) for hd in (self.Q, self.K, self.V, self.O))
         stats = torch.empty(self.stats_shape, device=dev, dtype=torch.float32)
         # forward
         g = self._graph()
         tq, tk, tv = g.tensor_like(sq), g.tensor_like(sk), g.tensor_like(sv)
         fixed = {}
-        fixed.update(self._ragged(g, tq, True))
-        fixed.update(self._ragged(g, tk, False))
-        fixed.update(self._ragged(g, tv, False))
+        for t, hd in ((tq, self.Q), (tk, self.K), (tv, self.V)):
+            fixed.update(self._ragged(g, t, hd))
         mask_kw = self._mask_kwargs(g)
         if self.thd:
             fixed.update({self.t_seq_q: self.seq_len, self.t_seq_kv: self.seq_len})
         o, st = g.sdpa(name="sdpa", q=tq, k=tk, v=tv, attn_scale=scale, generate_stats=True, **mask_kw)
-        o.set_output(True).set_dim(list(sq.shape)).set_stride(list(sq.stride()))
-        fixed.update(self._ragged(g, o, True))
+        o.set_output(True).set_dim(list(so.shape)).set_stride(list(so.stride()))
+        fixed.update(self._ragged(g, o, self.O))
         st.set_output(True).set_data_type(cudnn.data_type.FLOAT).set_dim(list(stats.shape)).set_stride(
             list(stats.stride()))
         self._finish(g)
         self.fwd_graph, self.fwd_tensors, self.fwd_fixed = g, (tq, tk, tv, o, st), fixed
         # backward
         g = self._graph()
-        bq, bk, bv, bo, bdo = (g.tensor_like(x) for x in (sq, sk, sv, sq, sq))
+        bq, bk, bv, bo, bdo = (g.tensor_like(x) for x in (sq, sk, sv, so, so))
         bst = g.tensor_like(stats)
         fixed = {}
-        for t, heads_q in ((bq, True), (bk, False), (bv, False), (bo, True), (bdo, True)):
-            fixed.update(self._ragged(g, t, heads_q))
+        for t, hd in ((bq, self.Q), (bk, self.K), (bv, self.V), (bo, self.O), (bdo, self.O)):
+            fixed.update(self._ragged(g, t, hd))
         mask_kw = self._mask_kwargs(g)
         if self.thd:
             fixed.update({self.t_seq_q: self.seq_len, self.t_seq_kv: self.seq_len})
             mask_kw.update(max_total_seq_len_q=self.max_total, max_total_seq_len_kv=self.max_total)
         dq, dk, dv = g.sdpa_backward(name="sdpa_backward", q=bq, k=bk, v=bv, o=bo, dO=bdo, stats=bst,
                                      attn_scale=scale, use_deterministic_algorithm=self.deterministic, **mask_kw)
-        for t, x, heads_q in ((dq, sq, True), (dk, sk, False), (dv, sv, False)):
+        for t, x, hd in ((dq, sq, self.Q), (dk, sk, self.K), (dv, sv, self.V)):
             t.set_output(True).set_dim(list(x.shape)).set_stride(list(x.stride()))
-            fixed.update(self._ragged(g, t, heads_q))
+            fixed.update(self._ragged(g, t, hd))
         self._finish(g)
         self.bwd_graph, self.bwd_tensors, self.bwd_fixed = g, (bq, bk, bv, bo, bdo, bst, dq, dk, dv), fixed
         self.ws_fwd, self.ws_bwd = self.fwd_graph.get_workspace_size(), self.bwd_graph.get_workspace_size()
@@ -378,49 +403,45 @@ class _CudnnSdpa:
         if self.ws_bwd > 0.9 * free:
             raise PeerFailure(f"would OOM: backward workspace {self.ws_bwd / 1e9:.1f} GB > free {free / 1e9:.1f} GB")
 
-    def _new(self, h, like):
+    def _new(self, hd, like):
         """An output buffer in the layout the graphs were built for; returns (binding view, user view)."""
-        d = self.case.d
+        h, d = hd
         if self.thd:
             buf = torch.empty(self.n * self.s * h * d, device=like.device, dtype=like.dtype)
-            return self._bhsd(buf, h), buf[: self.t * h * d].view(self.t, h, d)
+            return self._bhsd(buf, hd), buf[: self.t * h * d].view(self.t, h, d)
         out = torch.empty(self.case.b, self.case.s, h, d, device=like.device, dtype=like.dtype)
         return out.permute(0, 2, 1, 3), out
 
-    def _bind_input(self, x, h, buf):
+    def _inputs(self, q, k, v):
+        """q, k, v as bound to the graphs: the capacity buffers (thd) or the tensors' (b, h, s, d) views."""
         if self.thd:
-            return self._bhsd(buf, h)
-        return x.permute(0, 2, 1, 3)
+            return self._bhsd(self.q_buf, self.Q), self._bhsd(self.k_buf, self.K), self._bhsd(self.v_buf, self.V)
+        return tuple(x.permute(0, 2, 1, 3) for x in (q, k, v))
 
     def forward(self, q, k, v):
-        case = self.case
-        o_bind, o_user = self._new(case.hq, q)
+        o_bind, o_user = self._new(self.O, q)
         stats = torch.empty(self.stats_shape, device=q.device, dtype=torch.float32)
         tq, tk, tv, to, tst = self.fwd_tensors
-        pack = {tq: self._bind_input(q, case.hq, getattr(self, "q_buf", None)),
-                tk: self._bind_input(k, case.hkv, getattr(self, "k_buf", None)),
-                tv: self._bind_input(v, case.hkv, getattr(self, "v_buf", None)), to: o_bind, tst: stats}
+        pack = dict(zip((tq, tk, tv), self._inputs(q, k, v)))
+        pack.update({to: o_bind, tst: stats})
         pack.update(self.fwd_fixed)
         ws = torch.empty(self.ws_fwd, device=q.device, dtype=torch.uint8)
         self.fwd_graph.execute(pack, ws, handle=self.handle)
         return o_user, o_bind, stats
 
     def backward(self, q, k, v, o_bind, stats, d_out):
-        case = self.case
         if self.thd:
             if d_out.data_ptr() != self.do_buf.data_ptr():
                 self.do_buf[: d_out.numel()].view_as(d_out).copy_(d_out)
-            do_bind = self._bhsd(self.do_buf, case.hq)
+            do_bind = self._bhsd(self.do_buf, self.O)
         else:
             do_bind = d_out.contiguous().permute(0, 2, 1, 3)
-        dq_bind, dq = self._new(case.hq, q)
-        dk_bind, dk = self._new(case.hkv, k)
-        dv_bind, dv = self._new(case.hkv, v)
+        dq_bind, dq = self._new(self.Q, q)
+        dk_bind, dk = self._new(self.K, k)
+        dv_bind, dv = self._new(self.V, v)
         bq, bk, bv, bo, bdo, bst, tdq, tdk, tdv = self.bwd_tensors
-        pack = {bq: self._bind_input(q, case.hq, getattr(self, "q_buf", None)),
-                bk: self._bind_input(k, case.hkv, getattr(self, "k_buf", None)),
-                bv: self._bind_input(v, case.hkv, getattr(self, "v_buf", None)),
-                bo: o_bind, bdo: do_bind, bst: stats, tdq: dq_bind, tdk: dk_bind, tdv: dv_bind}
+        pack = dict(zip((bq, bk, bv), self._inputs(q, k, v)))
+        pack.update({bo: o_bind, bdo: do_bind, bst: stats, tdq: dq_bind, tdk: dk_bind, tdv: dv_bind})
         pack.update(self.bwd_fixed)
         ws = torch.empty(self.ws_bwd, device=q.device, dtype=torch.uint8)
         self.bwd_graph.execute(pack, ws, handle=self.handle)

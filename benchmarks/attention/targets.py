@@ -38,11 +38,14 @@ class Target:
 
     def __post_init__(self):
         if self.metric not in METRICS:
-            raise ValueError(f"unknown metric {self.metric!r}")
+            raise ValueError(f"`metric` must be one of {METRICS}, got {self.metric!r}")
         if self.direction not in ("ge", "le"):
-            raise ValueError(f"unknown direction {self.direction!r}")
+            raise ValueError(f"`direction` must be 'ge' or 'le', got {self.direction!r}")
         if (self.peer is None) != (self.metric in ("runs_bitwise", "bitwise")):
-            raise ValueError(f"{self.id}: a peer is needed exactly for ratio metrics")
+            raise ValueError(f"{self.id}: `peer` must be given exactly for ratio metrics, got {self.peer!r} "
+                             f"for {self.metric!r}")
+        if self.peer is not None and not (isinstance(self.threshold, (int, float)) and self.threshold > 0):
+            raise ValueError(f"{self.id}: `threshold` must be a positive ratio, got {self.threshold!r}")
 
     @property
     def rule(self) -> str:
@@ -56,45 +59,43 @@ class Target:
 _DET_SUBJECTS = (("te_dpa_det", "PyTorch DotProductAttention det"), ("te_fused_det", "Triton fused det"),
                  ("jax_te_det", "JAX fused_attn det"))
 
+# Peak memory "unchanged": det <= MEM_SLACK x non-det. Our kernels allocate the same buffers in both
+# modes, so the slack only absorbs rounding (PyTorch peak_gb to 1 MB, JAX to 3 significant digits:
+# under 1% on the grid's smallest case) and allocator noise; a real extra buffer (one more dQ or a
+# workspace) costs far more than 2%.
+MEM_SLACK = 1.02
+
+# The current targets: ratios of fwd+bwd TFLOP/s measured in one run unless the metric says otherwise.
 TARGETS: List[Target] = [
-    # PyTorch DotProductAttention, deterministic (the module selects the fastest deterministic backend).
-    Target("dpa_det>=fa4_det", "te_dpa_det", "fa4_det", 1.0, "fwd_bwd_tflops",
-           text="PyTorch DotProductAttention det >= 1.0x flash-attn-4 det"),
-    Target("dpa_det>=cudnn_det", "te_dpa_det", "cudnn_fe_det", 1.0, "fwd_bwd_tflops",
-           text="PyTorch DotProductAttention det >= 1.0x cuDNN det"),
-    Target("dpa_det>=1.5xtorch_flash_det", "te_dpa_det", "torch_flash_det", 1.5, "fwd_bwd_tflops",
-           text="PyTorch DotProductAttention det >= 1.5x torch flash under the deterministic flag"),
-    # Our Triton fused backend alone, deterministic.
-    Target("fused_det>=0.9xfa4_det", "te_fused_det", "fa4_det", 0.9, "fwd_bwd_tflops",
-           text="Triton fused det >= 0.9x flash-attn-4 det"),
-    Target("fused_det>=cudnn_det", "te_fused_det", "cudnn_fe_det", 1.0, "fwd_bwd_tflops",
-           text="Triton fused det >= 1.0x cuDNN det"),
-    Target("fused_fwd>=0.85xfa4_fwd", "te_fused_det", "fa4", 0.85, "fwd_tflops",
-           text="Triton fused forward >= 0.85x flash-attn-4 forward"),
-    # JAX fused_attn, deterministic.
-    Target("jax_det>=0.95xtorch_fused_det", "jax_te_det", "te_fused_det", 0.95, "fwd_bwd_tflops",
-           text="JAX fused_attn det within 5% of the Triton backend in PyTorch"),
-    Target("jax_det>=1.3xjax_cudnn_det", "jax_te_det", "jax_cudnn_det", 1.3, "fwd_bwd_tflops",
-           text="JAX fused_attn det >= 1.3x JAX cuDNN with the deterministic XLA flag"),
-    Target("jax_det>=3xjax_xla", "jax_te_det", "jax_xla", 3.0, "fwd_bwd_tflops",
-           text="JAX fused_attn det >= 3x JAX xla"),
-    # Deterministic mode against our own non-deterministic mode: speed and memory.
-    Target("fused_det>=0.95xfused", "te_fused_det", "te_fused", 0.95, "fwd_bwd_tflops",
-           text="Triton fused det within 5% of its non-deterministic mode"),
-    Target("dpa_det>=0.95xdpa", "te_dpa_det", "te_dpa", 0.95, "fwd_bwd_tflops",
-           text="DotProductAttention det within 5% of its non-deterministic mode"),
-    Target("jax_det>=0.95xjax", "jax_te_det", "jax_te", 0.95, "fwd_bwd_tflops",
-           text="JAX fused_attn det within 5% of its non-deterministic mode"),
-    Target("fused_det_mem<=1.2xfused", "te_fused_det", "te_fused", 1.2, "peak_gb", direction="le",
-           text="Triton fused det peak memory <= 1.2x non-deterministic"),
-    Target("dpa_det_mem<=1.2xdpa", "te_dpa_det", "te_dpa", 1.2, "peak_gb", direction="le",
-           text="DotProductAttention det peak memory <= 1.2x non-deterministic"),
-    Target("jax_det_mem<=1.2xjax", "jax_te_det", "jax_te", 1.2, "peak_gb", direction="le",
-           text="JAX fused_attn det peak memory <= 1.2x non-deterministic"),
+    # Deterministic PyTorch against torch SDPA's cuDNN backend, non-deterministic, on every case
+    # (head dims 64, 128, 192 with v 128, and 256): our kernels forced, and the module's own choice.
+    Target("fused_det>=torch_cudnn", "te_fused_det", "torch_cudnn", 1.0, "fwd_bwd_tflops",
+           text="Triton fused det >= 1.0x torch SDPA cuDNN (non-det)"),
+    Target("dpa_det>=torch_cudnn", "te_dpa_det", "torch_cudnn", 1.0, "fwd_bwd_tflops",
+           text="PyTorch DotProductAttention det >= 1.0x torch SDPA cuDNN (non-det)"),
+    # Our kernels against flash-attn-4's deterministic mode, where it runs (n/a elsewhere).
+    Target("fused_det>=0.95xfa4_det", "te_fused_det", "fa4_det", 0.95, "fwd_bwd_tflops",
+           text="Triton fused det >= 0.95x flash-attn-4 det"),
+    # JAX: the same kernels as from PyTorch, and faster than JAX's cuDNN attention.
+    Target("jax_det>=0.97xtorch_fused_det", "jax_te_det", "te_fused_det", 0.97, "fwd_bwd_tflops",
+           text="JAX fused_attn det within 3% of the same kernels launched from PyTorch"),
+    Target("jax_det>=jax_cudnn", "jax_te_det", "jax_cudnn", 1.0, "fwd_bwd_tflops",
+           text="JAX fused_attn det >= 1.0x JAX cuDNN (non-det)"),
+    # Deterministic mode against our own non-deterministic mode: speed within 3%, memory unchanged.
+    # DotProductAttention's pair is not one: non-det it may select flash-attn-4's non-deterministic
+    # kernels, and the ratio would price flash-attn-4's determinism, not ours.
+    Target("fused_det>=0.97xfused", "te_fused_det", "te_fused", 0.97, "fwd_bwd_tflops",
+           text="Triton fused det within 3% of its non-deterministic mode"),
+    Target("jax_det>=0.97xjax", "jax_te_det", "jax_te", 0.97, "fwd_bwd_tflops",
+           text="JAX fused_attn det within 3% of its non-deterministic mode"),
+    Target("fused_det_mem<=fused", "te_fused_det", "te_fused", MEM_SLACK, "peak_gb", direction="le",
+           text="Triton fused det peak memory unchanged from non-deterministic"),
+    Target("jax_det_mem<=jax", "jax_te_det", "jax_te", MEM_SLACK, "peak_gb", direction="le",
+           text="JAX fused_attn det peak memory unchanged from non-deterministic"),
 ] + [
-    # The 131072-token causal case runs deterministically (cuDNN's deterministic workspace cannot fit it).
+    # The long causal cases run deterministically (cuDNN's deterministic workspace cannot fit 131072 tokens).
     Target(f"long_runs_det:{impl}", impl, None, None, "runs_bitwise", groups=("long",),
-           text=f"{what}: the 131072-token causal case runs, gradients bitwise equal")
+           text=f"{what}: the long causal cases (65536, 131072 tokens) run, gradients bitwise equal")
     for impl, what in _DET_SUBJECTS
 ] + [
     # The determinism contract on every grid shape (not a speed target, but what 'det' must mean).

@@ -34,12 +34,13 @@ SHORT = {
 
 
 def _case_label(case: str) -> str:
-    """'4x16x4096x128-causal' -> 'b4 h16 s4096 d128 causal'; 'thd16x16x128-causal' stays readable too."""
+    """'4x16x4096x128-causal' -> 'b4 h16 s4096 d128 causal', '...x192v128-none' -> '... d192 v128 none';
+    'thd16x16x128-causal' stays readable too."""
     shape, _, mask = case.partition("-")
     if shape.startswith("thd"):
         return f"packed (thd) {shape[3:]} {mask}"
     b, h, s, d = shape.split("x")
-    return f"b{b} h{h} s{s} d{d} {mask}"
+    return f"b{b} h{h} s{s} d{d.replace('v', ' v')} {mask}"
 
 
 def tables(results: Dict) -> str:

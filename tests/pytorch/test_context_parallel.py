@@ -12,12 +12,13 @@ import sys
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dpa_helpers import INTERPRET, ON_GPU, requires_fused
 from transformer_engine.common.attention import QKVFormat
 from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.attention.context_parallel import (
-    SeqSplit, assemble, check_context_parallel_args, run_ranks_in_one_process,
+    SeqSplit, assemble, check_context_parallel_args, local_tokens, run_ranks_in_one_process,
 )
 
 HERE = os.path.dirname(__file__)
@@ -46,6 +47,35 @@ def test_split_matches_megatron_layout(cp):
     x = torch.randn(sum(padded), 3)
     parts = [x[thd.with_rank(r).token_index()] for r in range(cp)]
     assert torch.equal(assemble(parts, 0, thd), x)
+
+
+class _IndexOps(TorchDispatchMode):
+    """Records the aten ops that select tokens through an index tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "index" in str(func):
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("fmt, dim", [(QKVFormat.BSHD, 1), (QKVFormat.SBHD, 0)])
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_padded_formats_move_whole_chunks(cp, fmt, dim):
+    """Padded formats gather and split by chunks: no index tensor, so nothing is copied from the host to the
+    device (a pageable copy there would wait for the stream at every CP call)."""
+    split = SeqSplit(fmt, cp, 0, seqlen=8 * cp)
+    x = torch.randn((2, 8 * cp, 3) if dim == 1 else (8 * cp, 2, 3))
+    with _IndexOps() as mode:
+        parts = [local_tokens(x, dim, split.with_rank(r)) for r in range(cp)]
+        whole = assemble(parts, dim, split)
+    assert mode.ops == []
+    assert torch.equal(whole, x)
+    for r in range(cp):
+        assert torch.equal(parts[r], x.index_select(dim, split.with_rank(r).token_index()))
 
 
 def test_bad_cp_comm_type_is_refused_at_construction():

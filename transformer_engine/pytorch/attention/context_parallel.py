@@ -43,11 +43,20 @@ from transformer_engine.pytorch.attention import ops  # noqa: F401  (registers t
 
 __all__ = [
     "CP_COMM_TYPES", "ContextParallelGroup", "SeqSplit", "check_context_parallel_args", "tile_alignment",
-    "FusedSpec", "fused_forward_step", "fused_backward_step", "assemble", "context_parallel_attend",
+    "FusedSpec", "fused_forward_step", "fused_backward_step", "assemble", "local_tokens", "context_parallel_attend",
     "run_ranks_in_one_process",
 ]
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+
+
+def _to_device(x: torch.Tensor, device) -> torch.Tensor:
+    """A host-built tensor (indices, lengths) on ``device`` without stalling the host: a copy from pageable
+    memory waits for the device's stream, which would drain the queue of kernels at every CP call."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
 
 
 # -- settings ----------------------------------------------------------------------------------------
@@ -165,6 +174,12 @@ class SeqSplit:
         return out
 
 
+def _chunk_pieces(split: SeqSplit):
+    """Padded formats: (rank, position in the rank's tokens) of each of the ``2 * cp`` chunks, in global order."""
+    length = split.chunk_len()
+    return [(c, 0) if c < split.cp else (2 * split.cp - 1 - c, length) for c in range(2 * split.cp)]
+
+
 def global_permutation(split: SeqSplit) -> torch.Tensor:
     """int64 [total]: position, in the concatenation of every rank's tokens (rank order), of each global
     token."""
@@ -173,10 +188,22 @@ def global_permutation(split: SeqSplit) -> torch.Tensor:
 
 
 def assemble(parts: Sequence[torch.Tensor], dim: int, split: SeqSplit, perm: Optional[torch.Tensor] = None):
-    """Every rank's tokens (``parts`` in rank order, token dim ``dim``) in global order."""
+    """Every rank's tokens (``parts`` in rank order, token dim ``dim``) in global order. Padded formats move
+    whole chunks (one copy, no index tensor); thd selects tokens through ``perm`` (default: the split's)."""
+    if perm is None and not split.is_thd:
+        length = split.chunk_len()
+        return torch.cat([parts[r].narrow(dim, at, length) for r, at in _chunk_pieces(split)], dim=dim)
     if perm is None:
         perm = global_permutation(split)
-    return torch.cat(list(parts), dim=dim).index_select(dim, perm.to(parts[0].device))
+    return torch.cat(list(parts), dim=dim).index_select(dim, _to_device(perm, parts[0].device))
+
+
+def local_tokens(x_g: torch.Tensor, dim: int, split: SeqSplit) -> torch.Tensor:
+    """The rank's own tokens (local order) of a tensor in global order, token dim ``dim``."""
+    if not split.is_thd:
+        length = split.chunk_len()
+        return torch.cat([x_g.narrow(dim, c * length, length) for c in split.slots], dim=dim)
+    return x_g.index_select(dim, _to_device(split.token_index(), x_g.device))
 
 
 # -- tiles ---------------------------------------------------------------------------------------------
@@ -313,7 +340,7 @@ def fused_backward_step(q_g, k_g, v_g, out_g, d_out_g, lse_g, split: SeqSplit,
 # thd: one call per chunk slot, one pseudo-sequence per sequence (ranges through seq_offsets).
 
 def _i32(values, device) -> torch.Tensor:
-    return torch.tensor(list(values), dtype=torch.int32, device=device)
+    return _to_device(torch.tensor(list(values), dtype=torch.int32), device)
 
 
 def _cu(lengths, device) -> torch.Tensor:
@@ -345,7 +372,7 @@ def _lse_for_call(lse_g: torch.Tensor, row_starts: List[int], lens: List[int], m
     pos = torch.arange(max_len)
     idx = torch.stack([torch.where(pos < ln, st + pos, torch.full_like(pos, total)) for st, ln in zip(row_starts, lens)]
                       ) if row_starts else torch.zeros(0, max_len, dtype=torch.int64)
-    return ext[:, idx.to(lse_g.device)].permute(1, 0, 2).contiguous()
+    return ext[:, _to_device(idx, lse_g.device)].permute(1, 0, 2).contiguous()
 
 
 def _thd_forward(q, k_g, v_g, split: SeqSplit, spec: FusedSpec):
@@ -366,7 +393,7 @@ def _thd_forward(q, k_g, v_g, split: SeqSplit, spec: FusedSpec):
             len_q.append(end - lo if end > a else 0)
             len_k.append(end if spec.causal else split.lengths[n])
             at += a - lo + length
-        q_buf = q_ext.index_select(0, torch.cat(index).to(device))
+        q_buf = q_ext.index_select(0, _to_device(torch.cat(index), device))
         max_q, max_k = max(max(len_q), 1), max(max(len_k), 1)
         out, lse = _fwd(q_buf, k_g, v_g, QKVFormat.THD, spec, mask, _cu(len_q, device), _cu(len_k, device),
                         _offsets(buf_starts, device), _offsets(split.starts, device), max_q, max_k)
@@ -389,9 +416,9 @@ def _thd_forward(q, k_g, v_g, split: SeqSplit, spec: FusedSpec):
         cols[dst] = src
     for ok, dst in real:
         keep[dst] = ok
-    out = torch.cat(out_parts, dim=0).index_select(0, rows.to(device))
-    lse = torch.cat(lse_parts, dim=1).index_select(1, cols.to(device))
-    lse = torch.where(keep.to(device)[None, :], lse, torch.full_like(lse, float("inf")))
+    out = torch.cat(out_parts, dim=0).index_select(0, _to_device(rows, device))
+    lse = torch.cat(lse_parts, dim=1).index_select(1, _to_device(cols, device))
+    lse = torch.where(_to_device(keep, device)[None, :], lse, torch.full_like(lse, float("inf")))
     return out, lse
 
 
@@ -431,7 +458,7 @@ def _thd_backward(q_g, k_g, v_g, out_g, d_out_g, lse_g, split: SeqSplit, spec: F
         dv_parts.append(dv)
         rows.append([slot * total + st + a + torch.arange(b - a) for st, (a, b, lo, end) in zip(starts, ranges)])
     # Local order: per sequence, slot 0 then slot 1.
-    index = torch.cat([r for n in range(n_seq) for r in (rows[0][n], rows[1][n])]).to(device)
+    index = _to_device(torch.cat([r for n in range(n_seq) for r in (rows[0][n], rows[1][n])]), device)
     return tuple(torch.cat(parts, dim=0).index_select(0, index) for parts in (dq_parts, dk_parts, dv_parts))
 
 
@@ -499,7 +526,7 @@ class _Rows:
         return assemble(_all_gather(x, self.group, self.ring), dim, self.split)
 
     def local(self, x_g: torch.Tensor, dim: int) -> torch.Tensor:
-        return x_g.index_select(dim, self.split.token_index().to(x_g.device))
+        return local_tokens(x_g, dim, self.split)
 
 
 class _RowsAttention(torch.autograd.Function):
@@ -565,7 +592,7 @@ def _to_heads(x: torch.Tensor, h: _Heads) -> torch.Tensor:
     inputs = list(x.chunk(size, dim=-2))
     outputs = [torch.empty_like(inputs[0]) for _ in range(size)]
     _all_to_all(inputs, outputs, h.group)
-    return torch.cat(outputs, dim=sd).index_select(sd, h.placement().to(x.device))
+    return torch.cat(outputs, dim=sd).index_select(sd, _to_device(h.placement(), x.device))
 
 
 def _to_seq(y: torch.Tensor, h: _Heads) -> torch.Tensor:
@@ -575,7 +602,8 @@ def _to_seq(y: torch.Tensor, h: _Heads) -> torch.Tensor:
     inv = torch.empty_like(place)
     inv[place] = torch.arange(place.numel())
     per = place.numel() // size
-    inputs = [y.index_select(sd, inv[i * per:(i + 1) * per].to(y.device)) for i in range(size)]
+    inv = _to_device(inv, y.device)
+    inputs = [y.index_select(sd, inv[i * per:(i + 1) * per]) for i in range(size)]
     outputs = [torch.empty_like(inputs[0]) for _ in range(size)]
     _all_to_all(inputs, outputs, h.group)
     return torch.cat(outputs, dim=-2)
@@ -710,9 +738,8 @@ def run_ranks_in_one_process(q, k, v, d_out, fmt: str, cp: int, causal: bool, so
         base = SeqSplit(qkv_format, cp, 0, seqlen=q.shape[sd])
     spec = FusedSpec(softmax_scale, causal, deterministic, tile_alignment(q, k, v, qkv_format, causal, deterministic))
     splits = [base.with_rank(r) for r in range(cp)]
-    index = [s.token_index().to(q.device) for s in splits]
     lse_dim = 1 if base.is_thd else 2
-    outs, lses = zip(*(fused_forward_step(q.index_select(sd, i), k, v, s, spec) for s, i in zip(splits, index)))
+    outs, lses = zip(*(fused_forward_step(local_tokens(q, sd, s), k, v, s, spec) for s in splits))
     out_g, lse_g = assemble(outs, sd, base), assemble(lses, lse_dim, base)
     grads = [fused_backward_step(q, k, v, out_g, d_out, lse_g, s, spec) for s in splits]
     dq, dk, dv = (assemble([g[j] for g in grads], sd, base) for j in range(3))

@@ -106,7 +106,7 @@ def main(dims=(128, 256), causal_kinds=(False, True), out=None, variants=None):
             else CANDIDATES[d])
         for t in fwd_cands if "fwd" in kernels else []:
             try:
-                plan = type(base_f)(t, base_f.block_dqk, base_f.block_dv, base_f.dot_precision)
+                plan = dataclasses.replace(base_f, tiles=t, warp_specialized=None)  # the Triton kernel
                 ms = bench_ms(lambda: launch.forward(q, k, v, fmt, seqs, d ** -0.5, mask, (-1, -1), plan))
                 results[key][f"fwd {t}"] = round(attn_flops(b, h, s, s, d, causal, "fwd") / ms / 1e9, 1)
             except Exception as err:
@@ -118,8 +118,8 @@ def main(dims=(128, 256), causal_kinds=(False, True), out=None, variants=None):
             pairs = []
         for t1, t2 in pairs:
             try:
-                plan = type(base_b)(base_b.preprocess, t1, t2, base_b.block_dqk, base_b.block_dv,
-                                    base_b.dot_precision, False)
+                plan = dataclasses.replace(base_b, dkdv=t1, dq=t2, dq_warp_specialized=None,
+                                           dkdv_warp_specialized=None)  # the Triton kernels
                 ms = bench_ms(lambda: launch.backward(q, k, v, o, do, lse, fmt, seqs, d ** -0.5, mask,
                                                       (-1, -1), plan))
                 results[key][f"bwd {t1} {t2}"] = round(attn_flops(b, h, s, s, d, causal, "bwd") / ms / 1e9, 1)

@@ -190,6 +190,8 @@ def global_permutation(split: SeqSplit) -> torch.Tensor:
 def assemble(parts: Sequence[torch.Tensor], dim: int, split: SeqSplit, perm: Optional[torch.Tensor] = None):
     """Every rank's tokens (``parts`` in rank order, token dim ``dim``) in global order. Padded formats move
     whole chunks (one copy, no index tensor); thd selects tokens through ``perm`` (default: the split's)."""
+    if split.cp == 1:  # one rank holds every chunk in order
+        return parts[0]
     if perm is None and not split.is_thd:
         length = split.chunk_len()
         return torch.cat([parts[r].narrow(dim, at, length) for r, at in _chunk_pieces(split)], dim=dim)
@@ -200,6 +202,8 @@ def assemble(parts: Sequence[torch.Tensor], dim: int, split: SeqSplit, perm: Opt
 
 def local_tokens(x_g: torch.Tensor, dim: int, split: SeqSplit) -> torch.Tensor:
     """The rank's own tokens (local order) of a tensor in global order, token dim ``dim``."""
+    if split.cp == 1:
+        return x_g
     if not split.is_thd:
         length = split.chunk_len()
         return torch.cat([x_g.narrow(dim, c * length, length) for c in split.slots], dim=dim)

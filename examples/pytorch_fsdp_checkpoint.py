@@ -86,6 +86,7 @@ def worker(rank, world, port):
     if rank == 0:
         print(f"losses {[round(x.item(), 6) for x in sharded[0]]}; "
               f"FSDP2 + checkpointing on {world} ranks equals the single-process run bitwise: {bool(flag.item())}")
+    dist.barrier()  # every rank is done with the group before any tears it down (gloo aborts otherwise)
     dist.destroy_process_group()
     if not flag.item():
         raise SystemExit(1)

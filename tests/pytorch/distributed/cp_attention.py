@@ -303,6 +303,7 @@ def main(argv) -> int:
             failures += not ok
             if rank == 0:
                 print(f"{'PASS' if ok else 'FAIL'} cp={world} {case} {detail}", flush=True)
+    dist.barrier()  # every rank is done with the group before any tears it down (gloo aborts otherwise)
     dist.destroy_process_group()
     return 1 if failures else 0
 

@@ -176,6 +176,7 @@ def main() -> int:
         where = "single process" if kind == "single" else f"{kind} same data on {world} ranks"
         report(f"{where} checkpoint={mode} vs plain single process: bitwise", compare(result, plain[backend], True),
                result["backends"])
+    dist.barrier()  # every rank is done with the group before any tears it down (gloo aborts otherwise)
     dist.destroy_process_group()
     return 1 if failures else 0
 

@@ -84,6 +84,7 @@ def main() -> int:
         if rank == 0:
             print(f"{'PASS' if passed else 'FAIL'} tp={world} {fmt} {mask} h={h} h_kv={hk} backend={local.last_backend} "
                   + " ".join(f"{n}={'eq' if e else 'DIFF'}" for n, e in ok.items()), flush=True)
+    dist.barrier()  # every rank is done with the group before any tears it down (gloo aborts otherwise)
     dist.destroy_process_group()
     return 1 if failures else 0
 

@@ -174,12 +174,6 @@ class SeqSplit:
         return out
 
 
-def _chunk_pieces(split: SeqSplit):
-    """Padded formats: (rank, position in the rank's tokens) of each of the ``2 * cp`` chunks, in global order."""
-    length = split.chunk_len()
-    return [(c, 0) if c < split.cp else (2 * split.cp - 1 - c, length) for c in range(2 * split.cp)]
-
-
 def global_permutation(split: SeqSplit) -> torch.Tensor:
     """int64 [total]: position, in the concatenation of every rank's tokens (rank order), of each global
     token."""
@@ -187,17 +181,19 @@ def global_permutation(split: SeqSplit) -> torch.Tensor:
     return torch.argsort(index)
 
 
-def assemble(parts: Sequence[torch.Tensor], dim: int, split: SeqSplit, perm: Optional[torch.Tensor] = None):
+def assemble(parts: Sequence[torch.Tensor], dim: int, split: SeqSplit) -> torch.Tensor:
     """Every rank's tokens (``parts`` in rank order, token dim ``dim``) in global order. Padded formats move
-    whole chunks (one copy, no index tensor); thd selects tokens through ``perm`` (default: the split's)."""
+    whole chunks (no index tensor); thd selects tokens through :func:`global_permutation`."""
     if split.cp == 1:  # one rank holds every chunk in order
         return parts[0]
-    if perm is None and not split.is_thd:
-        length = split.chunk_len()
-        return torch.cat([parts[r].narrow(dim, at, length) for r, at in _chunk_pieces(split)], dim=dim)
-    if perm is None:
-        perm = global_permutation(split)
-    return torch.cat(list(parts), dim=dim).index_select(dim, _to_device(perm, parts[0].device))
+    if not split.is_thd:
+        # Chunk c is the first chunk of rank c, or (c >= cp) the second chunk of rank 2 cp - 1 - c.
+        length, cp = split.chunk_len(), split.cp
+        pieces = [parts[c].narrow(dim, 0, length) if c < cp else parts[2 * cp - 1 - c].narrow(dim, length, length)
+                  for c in range(2 * cp)]
+        return torch.cat(pieces, dim=dim)
+    perm = _to_device(global_permutation(split), parts[0].device)
+    return torch.cat(list(parts), dim=dim).index_select(dim, perm)
 
 
 def local_tokens(x_g: torch.Tensor, dim: int, split: SeqSplit) -> torch.Tensor:

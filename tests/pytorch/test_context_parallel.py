@@ -96,16 +96,20 @@ def test_no_group_is_the_plain_call():
 
 
 # One process, every rank: the fused per-rank steps against the single call (fused_attn_func), bitwise.
-ONE_PROCESS = [  # (fmt, causal, cp, s or (lengths, padded), dtype)
-    ("sbhd", False, 2, 64, torch.float16),
-    ("bshd", True, 2, 40, torch.float16),  # 10-token chunks: not a multiple of the 16-row tiles
-    ("thd", False, 2, ((40, 29), (48, 32)), torch.float32),
+ONE_PROCESS = [  # (fmt, causal, cp, s or (lengths, padded), batch, dtype)
+    ("sbhd", False, 2, 64, 1, torch.float16),
+    ("bshd", True, 2, 40, 1, torch.float16),  # 10-token chunks: not a multiple of the 16-row tiles
+    ("thd", False, 2, ((40, 29), (48, 32)), 1, torch.float32),
+    ("bshd", True, 1, 64, 2, torch.float16),  # one rank: every token in order
+    ("bshd", False, 2, 64, 2, torch.float32),  # sequences as rows of one token axis
+    ("sbhd", True, 2, 64, 2, torch.float16),  # the batch folded into the heads
+    ("thd", True, 2, ((64, 29), (64, 32)), 1, torch.float16),
 ]
 
 
 @requires_fused
-@pytest.mark.parametrize("fmt,causal,cp,size,dtype", ONE_PROCESS, ids=lambda x: str(x))
-def test_one_process_ranks_match_single_call_bitwise(fmt, causal, cp, size, dtype):
+@pytest.mark.parametrize("fmt,causal,cp,size,batch,dtype", ONE_PROCESS, ids=lambda x: str(x))
+def test_one_process_ranks_match_single_call_bitwise(fmt, causal, cp, size, batch, dtype):
     from fused_helpers import DEVICE
     from transformer_engine.pytorch.attention.fused_attn import fused_attn_func
 
@@ -121,7 +125,7 @@ def test_one_process_ranks_match_single_call_bitwise(fmt, causal, cp, size, dtyp
         extra = dict(cu_seqlens=cu, cu_seqlens_padded=cup)
         mask = "padding_causal" if causal else "padding"
     else:
-        lead = (1, size) if fmt == "bshd" else (size, 1)
+        lead = (batch, size) if fmt == "bshd" else (size, batch)
         mask = "causal" if causal else "no_mask"
     q, k, v, d_out = (torch.randn(*lead, hh, d, generator=g).to(DEVICE, dtype) for hh in (h, hk, hk, h))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -176,10 +180,14 @@ def test_benchmark_dry_run_is_bitwise():
 
 
 @requires_fused
-@pytest.mark.parametrize("fmt,causal", [("bshd", True), ("thd", False)])
-def test_backward_calls_run_one_gradient_pass_each(fmt, causal, monkeypatch):
+# bshd, 8-token chunks of 32 (16-row tiles): each rank's ranges [lo, end) are disjoint, one call per pass
+# for both chunks. thd (24 and 32 tokens): rank 1's chunks [6, 12) and [12, 18) of the first sequence both
+# start their ranges at 0, so that rank runs one call per pass and chunk.
+@pytest.mark.parametrize("fmt,causal,calls", [("bshd", True, 2), ("thd", False, 3)])
+def test_backward_calls_run_one_gradient_pass_each(fmt, causal, calls, monkeypatch):
     """Each fused backward call of the per-rank steps runs the dQ pass or the dK/dV pass, not both (the
-    partial backwards: about the single-device backward's work over the ranks, not twice it)."""
+    partial backwards: about the single-device backward's work over the ranks, not twice it), one call per
+    pass for both of a rank's chunks where their ranges do not meet."""
     from fused_helpers import DEVICE
     from transformer_engine.pytorch.attention import launch
 
@@ -200,5 +208,4 @@ def test_backward_calls_run_one_gradient_pass_each(fmt, causal, monkeypatch):
         extra, lead = dict(cu_seqlens=cu, cu_seqlens_padded=cu), (56,)
     q, k, v, d_out = (torch.randn(*lead, 2, 16, generator=g).to(DEVICE, torch.float32) for _ in range(4))
     run_ranks_in_one_process(q, k, v, d_out, fmt, 2, causal, 0.25, **extra)
-    # Two ranks, two chunks each, one dQ-only and one dK/dV-only call per chunk.
-    assert sorted(passes) == sorted([("attn_bwd_dq_kernel",), ("attn_bwd_dkdv_kernel",)] * 4), passes
+    assert sorted(passes) == sorted([("attn_bwd_dq_kernel",), ("attn_bwd_dkdv_kernel",)] * calls), passes

@@ -402,6 +402,15 @@ def _disjoint(pieces: List[_Piece], split: SeqSplit) -> bool:
     return all(e0 <= s1 for (_, e0), (s1, _) in zip(spans, spans[1:]))
 
 
+def _heavy_first(rows: List[int], cols: List[int], causal: bool) -> List[int]:
+    """The order (piece indices) in which one call runs its pseudo-sequences: most work first. The kernels'
+    grid runs sequence after sequence, each one's heaviest block first; a heavy sequence run last would be
+    the call's tail. ``rows``: the pass's own blocks (queries for the forward and dQ, keys for dK/dV) per
+    piece, ``cols``: the other side's length (a causal piece sees about half of it per row on average)."""
+    work = [r * (c - r / 2) if causal else r * c for r, c in zip(rows, cols)]
+    return sorted(range(len(rows)), key=lambda i: -work[i])
+
+
 def _lse_for_call(lse_g: torch.Tensor, row_starts: List[int], lens: List[int], max_len: int) -> torch.Tensor:
     """[n, h, max_len] lse of pseudo-sequences whose rows start at global tokens ``row_starts`` (from the
     global [h, T] lse; rows past a pseudo-sequence read +inf)."""
@@ -434,11 +443,18 @@ def _rows_forward(q, k_g, v_g, split: SeqSplit, spec: FusedSpec):
             at += p.b - p.lo
         q_ext = torch.cat([q, q.new_zeros((1,) + tuple(q.shape[1:]))], dim=0)
         q_buf = q_ext.index_select(0, _to_device(torch.cat(index), device))
+    order = _heavy_first(len_q, len_k, spec.causal)
+    at_call = [0] * len(pieces)  # each piece's place in the call
+    for i, j in enumerate(order):
+        at_call[j] = i
     max_q, max_k = max(max(len_q), 1), max(max(len_k), 1)
-    out, lse = _fwd(q_buf, k_g, v_g, QKVFormat.THD, spec, mask, _cu(len_q, device), _cu(len_k, device),
-                    _offsets(buf_starts, device), _offsets([split.starts[p.n] for p in pieces], device), max_q, max_k)
+    out, lse = _fwd(q_buf, k_g, v_g, QKVFormat.THD, spec, mask, _cu([len_q[j] for j in order], device),
+                    _cu([len_k[j] for j in order], device), _offsets([buf_starts[j] for j in order], device),
+                    _offsets([split.starts[pieces[j].n] for j in order], device), max_q, max_k)
     h = lse.shape[1]
     if aligned and all(p.end == p.b and p.b - p.a == max_q for p in pieces):  # every row real, same lengths
+        if order != sorted(order):
+            lse = lse.index_select(0, _to_device(torch.tensor(at_call), device))
         return out, lse.permute(1, 0, 2).reshape(h, -1)
     rows = torch.empty(t_local, dtype=torch.int64)
     cols = torch.zeros(t_local, dtype=torch.int64)
@@ -448,7 +464,7 @@ def _rows_forward(q, k_g, v_g, split: SeqSplit, spec: FusedSpec):
         dst = p.local + pos
         rows[dst] = buf_starts[i] + p.a - p.lo + pos
         real = p.a + pos < split.lengths[p.n]
-        cols[dst] = torch.where(real, i * max_q + p.a - p.lo + pos, torch.zeros_like(pos))
+        cols[dst] = torch.where(real, at_call[i] * max_q + p.a - p.lo + pos, torch.zeros_like(pos))
         keep[dst] = real
     if not aligned:
         out = out.index_select(0, _to_device(rows, device))
@@ -470,23 +486,28 @@ def _rows_backward(q_g, k_g, v_g, out_g, d_out_g, lse_g, split: SeqSplit, spec: 
         off = [starts[p.n] + p.lo for p in group]
         len_q = [p.rows for p in group]
         len_k = [p.end if spec.causal else split.lengths[p.n] for p in group]
+        seq = [starts[p.n] for p in group]
         max_q, max_k = max(max(len_q), 1), max(max(len_k), 1)
         mask = AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK if spec.causal else AttnMaskType.PADDING_MASK
-        dq = _bwd(BackwardGrads.DQ, q_g, k_g, v_g, out_g, d_out_g, _lse_for_call(lse_g, off, len_q, max_q),
-                  QKVFormat.THD, spec, mask, _cu(len_q, device), _cu(len_k, device), _offsets(off, device),
-                  _offsets([starts[p.n] for p in group], device), max_q, max_k)
+        o = _heavy_first(len_q, len_k, spec.causal)
+        dq = _bwd(BackwardGrads.DQ, q_g, k_g, v_g, out_g, d_out_g,
+                  _lse_for_call(lse_g, [off[j] for j in o], [len_q[j] for j in o], max_q), QKVFormat.THD, spec,
+                  mask, _cu([len_q[j] for j in o], device), _cu([len_k[j] for j in o], device),
+                  _offsets([off[j] for j in o], device), _offsets([seq[j] for j in o], device), max_q, max_k)
         if spec.causal:
             r_off = off
             len_r = [max(split.lengths[p.n] - p.lo, 0) if p.real else 0 for p in group]
             mask = AttnMaskType.PADDING_CAUSAL_MASK
         else:
-            r_off = [starts[p.n] for p in group]
+            r_off = seq
             len_r = [split.lengths[p.n] if p.real else 0 for p in group]
             mask = AttnMaskType.PADDING_MASK
         max_r = max(max(len_r), 1)
-        dk, dv = _bwd(BackwardGrads.DKDV, q_g, k_g, v_g, out_g, d_out_g, _lse_for_call(lse_g, r_off, len_r, max_r),
-                      QKVFormat.THD, spec, mask, _cu(len_r, device), _cu(len_q, device), _offsets(r_off, device),
-                      _offsets(off, device), max_r, max_q)
+        o = _heavy_first(len_q, len_r, spec.causal)  # the pass's blocks are the keys [lo, end)
+        dk, dv = _bwd(BackwardGrads.DKDV, q_g, k_g, v_g, out_g, d_out_g,
+                      _lse_for_call(lse_g, [r_off[j] for j in o], [len_r[j] for j in o], max_r), QKVFormat.THD,
+                      spec, mask, _cu([len_r[j] for j in o], device), _cu([len_q[j] for j in o], device),
+                      _offsets([r_off[j] for j in o], device), _offsets([off[j] for j in o], device), max_r, max_q)
         parts.append((dq, dk, dv))
     if split.cp == 1 and len(groups) == 1:  # the rank's tokens are every token, in order
         return parts[0]

@@ -101,8 +101,8 @@ ONE_PROCESS = [  # (fmt, causal, cp, s or (lengths, padded), batch, dtype)
     ("bshd", True, 2, 40, 1, torch.float16),  # 10-token chunks: not a multiple of the 16-row tiles
     ("thd", False, 2, ((40, 29), (48, 32)), 1, torch.float32),
     ("bshd", True, 1, 64, 2, torch.float16),  # one rank: every token in order
-    ("bshd", False, 2, 64, 2, torch.float32),  # sequences as rows of one token axis
-    ("sbhd", True, 2, 64, 2, torch.float16),  # the batch folded into the heads
+    ("bshd", False, 2, 64, 2, torch.float32),
+    ("sbhd", True, 2, 64, 2, torch.float16),
     ("thd", True, 2, ((64, 29), (64, 32)), 1, torch.float16),
 ]
 
@@ -180,14 +180,14 @@ def test_benchmark_dry_run_is_bitwise():
 
 
 @requires_fused
-# bshd, 8-token chunks of 32 (16-row tiles): each rank's ranges [lo, end) are disjoint, one call per pass
-# for both chunks. thd (24 and 32 tokens): rank 1's chunks [6, 12) and [12, 18) of the first sequence both
-# start their ranges at 0, so that rank runs one call per pass and chunk.
-@pytest.mark.parametrize("fmt,causal,calls", [("bshd", True, 2), ("thd", False, 3)])
+# bshd: one call per pass and chunk (2 ranks x 2 chunks). thd (24 and 32 tokens, 16-row tiles): one call per
+# pass for both chunks on rank 0; rank 1's chunks [6, 12) and [12, 18) of the first sequence both start
+# their ranges at 0, so that rank runs one call per pass and chunk.
+@pytest.mark.parametrize("fmt,causal,calls", [("bshd", True, 4), ("thd", False, 3)])
 def test_backward_calls_run_one_gradient_pass_each(fmt, causal, calls, monkeypatch):
     """Each fused backward call of the per-rank steps runs the dQ pass or the dK/dV pass, not both (the
-    partial backwards: about the single-device backward's work over the ranks, not twice it), one call per
-    pass for both of a rank's chunks where their ranges do not meet."""
+    partial backwards: about the single-device backward's work over the ranks, not twice it); thd: one call
+    per pass for both of a rank's chunks where their ranges do not meet."""
     from fused_helpers import DEVICE
     from transformer_engine.pytorch.attention import launch
 

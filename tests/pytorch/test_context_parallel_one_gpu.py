@@ -82,5 +82,4 @@ def test_bshd_causal_128k():
 
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
 def test_batch_of_two_16k(fmt):
-    # bshd runs its sequences as rows of one token axis, sbhd folds the batch into the heads.
     _check(fmt, True, 4, h=8, hk=2, d=128, s=16384, b=2)

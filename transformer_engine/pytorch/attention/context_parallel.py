@@ -19,9 +19,9 @@ kernel's order:
   divided by cp, plus the cheap preprocess in both calls. Query (key) ranges start at the chunk start rounded
   down to the largest tile of the call's plans (:func:`tile_alignment`), so the kernels' blocks are the
   single-device call's blocks; rows before the chunk are zeros (forward) or the gathered rows (backward)
-  and are dropped. Every format runs as thd rows (bshd's sequences one after another, sbhd's batch folded
-  into the heads), each chunk of each sequence a pseudo-sequence addressed through sequence offsets: one
-  fused call per pass covers both of the rank's chunks (one per chunk where their ranges meet).
+  and are dropped. Padded formats run one call per chunk and pass. thd runs each chunk of each sequence as
+  a pseudo-sequence addressed through sequence offsets, one call per pass for both of the rank's chunks
+  (one per chunk where their ranges meet).
 - ``"a2a+p2p"``: ``cp_group = [a2a_group, p2p_group]``; the a2a over the first gives each rank
   ``h / cp_a2a`` heads of the tokens of its a2a group, which form the p2p group's load-balanced split;
   then "p2p" over the second. The rank's place in the split is ``p2p_rank * a2a_size + a2a_rank``.
@@ -273,77 +273,79 @@ def _bwd(grads: BackwardGrads, q, k, v, out, d_out, lse, fmt, spec, mask, cu_q=N
     return dq if grads == BackwardGrads.DQ else (dk, dv)
 
 
-def _as_rows(x: torch.Tensor, fmt: QKVFormat) -> torch.Tensor:
-    """A padded-format tensor as thd rows [tokens, heads, d]: bshd's sequences one after another, sbhd's
-    batch folded into the heads (one sequence; head ``n * h + j`` is head ``j`` of sequence ``n``, which keeps
-    the GQA mapping ``head // group``). A view when the strides allow it."""
-    if fmt == QKVFormat.BSHD:
-        return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
-    if fmt == QKVFormat.SBHD:
-        return x.reshape(x.shape[0], x.shape[1] * x.shape[2], x.shape[3])
-    return x
+def _zeros_before(x: torch.Tensor, dim: int, count: int) -> torch.Tensor:
+    if count == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = count
+    return torch.cat([x.new_zeros(shape), x], dim=dim)
 
 
-def _from_rows(y: torch.Tensor, fmt: QKVFormat, lead: Tuple[int, ...]) -> torch.Tensor:
-    """thd rows back in a padded format whose leading (batch and sequence) dims are ``lead``."""
-    if fmt == QKVFormat.THD:
-        return y
-    return y.reshape(*lead, -1, y.shape[-1])
+def _padded_ranges(split: SeqSplit, align: int):
+    """(slot, a, b, lo) of the rank's chunks: sequence positions [a, b), range start lo (a rounded down)."""
+    length = split.chunk_len()
+    for slot, c in enumerate(split.slots):
+        a = c * length
+        yield slot, a, a + length, a - a % align
 
 
-def _lse_rows(lse: torch.Tensor, fmt: QKVFormat) -> torch.Tensor:
-    """A padded format's lse [b, h, s] as the rows' [heads, tokens] (see :func:`_as_rows`)."""
-    if fmt == QKVFormat.BSHD:
-        return lse.permute(1, 0, 2).reshape(lse.shape[1], -1)
-    if fmt == QKVFormat.SBHD:
-        return lse.reshape(lse.shape[0] * lse.shape[1], lse.shape[2])
-    return lse
-
-
-def _lse_from_rows(lse: torch.Tensor, fmt: QKVFormat, b: int) -> torch.Tensor:
-    if fmt == QKVFormat.BSHD:
-        return lse.reshape(lse.shape[0], b, -1).permute(1, 0, 2).contiguous()
-    if fmt == QKVFormat.SBHD:
-        return lse.reshape(b, -1, lse.shape[1])
-    return lse
-
-
-def _rows_split(split: SeqSplit, x: torch.Tensor) -> SeqSplit:
-    """The split of :func:`_as_rows`' rows: one sequence per batch entry (bshd) or one (sbhd)."""
-    if split.is_thd:
-        return split
-    n = x.shape[0] if split.fmt == QKVFormat.BSHD else 1
-    s = split.seqlen
-    return SeqSplit(QKVFormat.THD, split.cp, split.rank, starts=tuple(i * s for i in range(n)),
-                    padded=(s,) * n, lengths=(s,) * n)
-
+# Padded formats: one call per chunk on the padded-format kernels. Both chunks in one call as thd rows
+# (bshd's sequences one after another, sbhd's batch folded into the heads, as thd does below) measured
+# slower on the H200 at cp <= 4 (1.06-1.15x the single call against 1.04-1.10x: the packed-mode kernels),
+# faster only at cp = 8 and where the host bounds the step.
 
 def fused_forward_step(q: torch.Tensor, k_glob: torch.Tensor, v_glob: torch.Tensor, split: SeqSplit,
                        spec: FusedSpec) -> Tuple[torch.Tensor, torch.Tensor]:
     """One rank's forward: (out of its tokens, lse of its tokens) from its queries ``q`` and the global
     keys/values. lse is [b, h, local s] (padded formats) or [h, local t] (thd), fp32."""
-    fmt = split.fmt
-    out, lse = _rows_forward(_as_rows(q, fmt), _as_rows(k_glob, fmt), _as_rows(v_glob, fmt), _rows_split(split, q),
-                             spec)
-    batch = q.shape[0] if fmt == QKVFormat.BSHD else q.shape[1]
-    return _from_rows(out, fmt, tuple(q.shape[:2])), _lse_from_rows(lse, fmt, batch)
+    if split.is_thd:
+        return _rows_forward(q, k_glob, v_glob, split, spec)
+    fmt, sd = split.fmt, _seq_dim(split.fmt)
+    length = split.chunk_len()
+    mask = AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK if spec.causal else AttnMaskType.NO_MASK
+    outs, lses = [], []
+    for slot, a, b, lo in _padded_ranges(split, spec.align):
+        q_c = _zeros_before(q.narrow(sd, slot * length, length), sd, a - lo)
+        k_c, v_c = (k_glob.narrow(sd, 0, b), v_glob.narrow(sd, 0, b)) if spec.causal else (k_glob, v_glob)
+        out, lse = _fwd(q_c, k_c, v_c, fmt, spec, mask)
+        outs.append(out.narrow(sd, a - lo, length))
+        lses.append(lse[:, :, a - lo:])
+    return torch.cat(outs, dim=sd), torch.cat(lses, dim=2)
 
 
 def fused_backward_step(q_g, k_g, v_g, out_g, d_out_g, lse_g, split: SeqSplit,
                         spec: FusedSpec) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One rank's backward from the global (gathered, global order) q, k, v, out, d_out and lse:
     (dq, dk, dv) of its own tokens."""
-    fmt = split.fmt
-    rows = [_as_rows(t, fmt) for t in (q_g, k_g, v_g, out_g, d_out_g)]
-    grads = _rows_backward(*rows, _lse_rows(lse_g, fmt), _rows_split(split, q_g), spec)
-    lead = list(q_g.shape[:2])
-    if fmt != QKVFormat.THD:
-        lead[_seq_dim(fmt)] //= split.cp
-    return tuple(_from_rows(g, fmt, tuple(lead)) for g in grads)
+    if split.is_thd:
+        return _rows_backward(q_g, k_g, v_g, out_g, d_out_g, lse_g, split, spec)
+    fmt, sd = split.fmt, _seq_dim(split.fmt)
+    s, length = split.seqlen, split.chunk_len()
+    dqs, dks, dvs = [], [], []
+    for _, a, b, lo in _padded_ranges(split, spec.align):
+        rows = [t.narrow(sd, lo, b - lo) for t in (q_g, out_g, d_out_g)]
+        if spec.causal:
+            keys = [k_g.narrow(sd, 0, b), v_g.narrow(sd, 0, b)]
+            mask = AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK
+        else:
+            keys, mask = [k_g, v_g], AttnMaskType.NO_MASK
+        dq = _bwd(BackwardGrads.DQ, rows[0], keys[0], keys[1], rows[1], rows[2], lse_g[:, :, lo:b], fmt, spec,
+                  mask)
+        dqs.append(dq.narrow(sd, a - lo, length))
+        keys = [k_g.narrow(sd, lo, b - lo), v_g.narrow(sd, lo, b - lo)]
+        if spec.causal:  # query rows [lo, s) against keys [lo, b): top-left causal is the global mask
+            rows = [t.narrow(sd, lo, s - lo) for t in (q_g, out_g, d_out_g)]
+            lse, mask = lse_g[:, :, lo:], AttnMaskType.CAUSAL_MASK
+        else:
+            rows, lse, mask = [q_g, out_g, d_out_g], lse_g, AttnMaskType.NO_MASK
+        dk, dv = _bwd(BackwardGrads.DKDV, rows[0], keys[0], keys[1], rows[1], rows[2], lse, fmt, spec, mask)
+        dks.append(dk.narrow(sd, a - lo, length))
+        dvs.append(dv.narrow(sd, a - lo, length))
+    return torch.cat(dqs, dim=sd), torch.cat(dks, dim=sd), torch.cat(dvs, dim=sd)
 
 
-# The steps on thd rows (padded formats through _as_rows): one fused call per pass for both of the rank's
-# chunks, one pseudo-sequence per (sequence, chunk), ranges through seq_offsets.
+# thd: one fused call per pass for both of the rank's chunks, one pseudo-sequence per (sequence, chunk),
+# ranges through seq_offsets.
 
 def _i32(values, device) -> torch.Tensor:
     return _to_device(torch.tensor(list(values), dtype=torch.int32), device)

@@ -31,6 +31,14 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # JAX takes GPU memory as it needs it, so a JAX and a PyTorch process can share a lane.
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 T0=$(date +%s)
+# Compiled kernels from an earlier call of the session: its $OUT/kernel_cache.tgz.* parts, copied here into
+# .kernel_cache/ (ignored) and named in carry. Triton keys every entry by source, options and target, so a
+# stale entry is never used; the call then skips the compiles (minutes for the context-parallel files).
+export TRITON_CACHE_DIR=/tmp/triton_cache
+mkdir -p "$TRITON_CACHE_DIR"
+if ls "$ROOT"/.kernel_cache/kernel_cache.tgz.* > /dev/null 2>&1; then
+  cat "$ROOT"/.kernel_cache/kernel_cache.tgz.* | tar -C "$TRITON_CACHE_DIR" -xzf - 2>/dev/null
+fi
 # Most of a GPU suite's time is Triton compiling kernel variants on one CPU core: pytest-xdist
 # workers (PYTEST_WORKERS, default 4 per lane; 0 = off) compile in parallel and share the GPU, for
 # the qa levels. Not for the flash-attn-4 tests, which collect their per-config outcomes in one process.
@@ -165,4 +173,15 @@ wait
 [ -n "${3:-}" ] && lane both 0,1 "$3"
 
 cat "$LANES/env.txt"; for f in "$LANES"/*/summary.txt; do echo "== $f"; cat "$f"; done | tee "$OUT/summary.txt"
-tar -C "$LANES" -czf "$OUT/lanes.tgz" . && ls -la "$OUT"
+tar -C "$LANES" -czf "$OUT/lanes.tgz" .
+# The kernel cache back, in 15 MiB parts (the tool returns 8 files of 16 MiB, 64 MiB together), unless
+# KERNEL_CACHE=0 or it is over 45 MiB packed.
+if [ "${KERNEL_CACHE:-1}" != 0 ]; then
+  tar -C "$TRITON_CACHE_DIR" -czf /tmp/kernel_cache.tgz . 2>/dev/null
+  if [ "$(stat -c %s /tmp/kernel_cache.tgz)" -le $((45 * 1024 * 1024)) ]; then
+    split -b 15M -d /tmp/kernel_cache.tgz "$OUT/kernel_cache.tgz."
+  else
+    echo "kernel cache over 45 MiB packed: not returned" | tee -a "$OUT/summary.txt"
+  fi
+fi
+ls -la "$OUT"

@@ -2,8 +2,8 @@
 deterministic call on the whole sequence.
 
 ``cp=1`` runs the CP step on one rank holding both halves (the module itself takes the plain call at cp = 1):
-its time over the plain call's is the step's own overhead (per chunk one forward call and two partial
-backward calls, dQ only and dK/dV only). ``cp=N`` runs all N ranks' steps one after another on one GPU: the sum of
+its time over the plain call's is the step's own overhead (the backward's two fused calls per chunk, each
+keeping half of its gradients). ``cp=N`` runs all N ranks' steps one after another on one GPU: the sum of
 the ranks' work, so the per-rank compute is that time / N (exchanges not included: they are tensor copies
 here). Each row also checks the result bitwise against the single call.
 

@@ -19,9 +19,7 @@ kernel's order:
   divided by cp, plus the cheap preprocess in both calls. Query (key) ranges start at the chunk start rounded
   down to the largest tile of the call's plans (:func:`tile_alignment`), so the kernels' blocks are the
   single-device call's blocks; rows before the chunk are zeros (forward) or the gathered rows (backward)
-  and are dropped. Padded formats run one call per chunk and pass. thd runs each chunk of each sequence as
-  a pseudo-sequence addressed through sequence offsets, one call per pass for both of the rank's chunks
-  (one per chunk where their ranges meet).
+  and are dropped.
 - ``"a2a+p2p"``: ``cp_group = [a2a_group, p2p_group]``; the a2a over the first gives each rank
   ``h / cp_a2a`` heads of the tokens of its a2a group, which form the p2p group's load-balanced split;
   then "p2p" over the second. The rank's place in the split is ``p2p_rank * a2a_size + a2a_rank``.
@@ -289,17 +287,12 @@ def _padded_ranges(split: SeqSplit, align: int):
         yield slot, a, a + length, a - a % align
 
 
-# Padded formats: one call per chunk on the padded-format kernels. Both chunks in one call as thd rows
-# (bshd's sequences one after another, sbhd's batch folded into the heads, as thd does below) measured
-# slower on the H200 at cp <= 4 (1.06-1.15x the single call against 1.04-1.10x: the packed-mode kernels),
-# faster only at cp = 8 and where the host bounds the step.
-
 def fused_forward_step(q: torch.Tensor, k_glob: torch.Tensor, v_glob: torch.Tensor, split: SeqSplit,
                        spec: FusedSpec) -> Tuple[torch.Tensor, torch.Tensor]:
     """One rank's forward: (out of its tokens, lse of its tokens) from its queries ``q`` and the global
     keys/values. lse is [b, h, local s] (padded formats) or [h, local t] (thd), fp32."""
     if split.is_thd:
-        return _rows_forward(q, k_glob, v_glob, split, spec)
+        return _thd_forward(q, k_glob, v_glob, split, spec)
     fmt, sd = split.fmt, _seq_dim(split.fmt)
     length = split.chunk_len()
     mask = AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK if spec.causal else AttnMaskType.NO_MASK
@@ -318,7 +311,7 @@ def fused_backward_step(q_g, k_g, v_g, out_g, d_out_g, lse_g, split: SeqSplit,
     """One rank's backward from the global (gathered, global order) q, k, v, out, d_out and lse:
     (dq, dk, dv) of its own tokens."""
     if split.is_thd:
-        return _rows_backward(q_g, k_g, v_g, out_g, d_out_g, lse_g, split, spec)
+        return _thd_backward(q_g, k_g, v_g, out_g, d_out_g, lse_g, split, spec)
     fmt, sd = split.fmt, _seq_dim(split.fmt)
     s, length = split.seqlen, split.chunk_len()
     dqs, dks, dvs = [], [], []
@@ -344,8 +337,7 @@ def fused_backward_step(q_g, k_g, v_g, out_g, d_out_g, lse_g, split: SeqSplit,
     return torch.cat(dqs, dim=sd), torch.cat(dks, dim=sd), torch.cat(dvs, dim=sd)
 
 
-# thd: one fused call per pass for both of the rank's chunks, one pseudo-sequence per (sequence, chunk),
-# ranges through seq_offsets.
+# thd: one call per chunk slot, one pseudo-sequence per sequence (ranges through seq_offsets).
 
 def _i32(values, device) -> torch.Tensor:
     return _to_device(torch.tensor(list(values), dtype=torch.int32), device)
@@ -362,55 +354,14 @@ def _offsets(starts, device) -> torch.Tensor:
     return _i32(list(starts) + [0], device)  # the kernels read entries [0, n)
 
 
-@dataclass(frozen=True)
-class _Piece:
-    """Chunk ``slot`` of sequence ``n``: global positions [a, b) of the sequence, range start ``lo`` (a rounded
-    down to the tile alignment), ``end`` = min(b, real length), ``local``: its first token on the rank."""
-
-    n: int
-    slot: int
-    a: int
-    b: int
-    lo: int
-    end: int
-    local: int
-
-    @property
-    def real(self) -> bool:
-        return self.end > self.a
-
-    @property
-    def rows(self) -> int:
-        """Rows of the range [lo, end) (0 for a chunk of padding only)."""
-        return self.end - self.lo if self.real else 0
-
-
-def _pieces(split: SeqSplit, align: int) -> List[_Piece]:
-    """The rank's chunks in local order (per sequence, slot 0 then slot 1)."""
-    out = []
-    for n, local in enumerate(split.local_starts()):
+def _thd_ranges(split: SeqSplit, slot: int, align: int):
+    """Per sequence: (a, b, lo, end) of chunk ``split.slots[slot]``: positions [a, b), range start lo, end of
+    the real tokens in the chunk's prefix ``min(b, length)``."""
+    c = split.slots[slot]
+    for n in range(len(split.starts)):
         length = split.chunk_len(n)
-        for slot, c in enumerate(split.slots):
-            a = c * length
-            out.append(_Piece(n, slot, a, a + length, a - a % align, min(a + length, split.lengths[n]),
-                              local + slot * length))
-    return out
-
-
-def _disjoint(pieces: List[_Piece], split: SeqSplit) -> bool:
-    """Whether the pieces' ranges [lo, end) are disjoint: one call may then write every piece's gradient rows
-    (ranges meet when a chunk start is not a multiple of the alignment and the chunk before is the rank's)."""
-    spans = sorted((split.starts[p.n] + p.lo, split.starts[p.n] + p.lo + p.rows) for p in pieces if p.rows)
-    return all(e0 <= s1 for (_, e0), (s1, _) in zip(spans, spans[1:]))
-
-
-def _heavy_first(rows: List[int], cols: List[int], causal: bool) -> List[int]:
-    """The order (piece indices) in which one call runs its pseudo-sequences: most work first. The kernels'
-    grid runs sequence after sequence, each one's heaviest block first; a heavy sequence run last would be
-    the call's tail. ``rows``: the pass's own blocks (queries for the forward and dQ, keys for dK/dV) per
-    piece, ``cols``: the other side's length (a causal piece sees about half of it per row on average)."""
-    work = [r * (c - r / 2) if causal else r * c for r, c in zip(rows, cols)]
-    return sorted(range(len(rows)), key=lambda i: -work[i])
+        a, b = c * length, (c + 1) * length
+        yield a, b, a - a % align, min(b, split.lengths[n])
 
 
 def _lse_for_call(lse_g: torch.Tensor, row_starts: List[int], lens: List[int], max_len: int) -> torch.Tensor:
@@ -424,100 +375,91 @@ def _lse_for_call(lse_g: torch.Tensor, row_starts: List[int], lens: List[int], m
     return ext[:, _to_device(idx, lse_g.device)].permute(1, 0, 2).contiguous()
 
 
-def _rows_forward(q, k_g, v_g, split: SeqSplit, spec: FusedSpec):
-    """(out [local t, h, d_v], lse [h, local t]) in one forward call: each chunk's queries against keys
-    [0, end) of its sequence (bottom-right causal) or all of them. A chunk whose start is not aligned gets
-    zero query rows before it in a copy of q (dropped afterwards)."""
+def _thd_forward(q, k_g, v_g, split: SeqSplit, spec: FusedSpec):
     device, t_local = q.device, q.shape[0]
-    pieces = _pieces(split, spec.align)
+    local_starts = split.local_starts()
     mask = AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK if spec.causal else AttnMaskType.PADDING_MASK
-    len_q = [p.rows for p in pieces]
-    len_k = [p.end if spec.causal else split.lengths[p.n] for p in pieces]
-    aligned = all(p.a == p.lo for p in pieces)
-    if aligned:  # the pseudo-sequences are q's own rows
-        q_buf, buf_starts = q, [p.local for p in pieces]
-    else:
-        index, buf_starts, at = [], [], 0
-        for p in pieces:
-            index.append(torch.full((p.a - p.lo,), t_local, dtype=torch.int64))  # row t_local: the zero row
-            index.append(torch.arange(p.local, p.local + p.b - p.a))
+    out_parts, lse_parts, out_rows, lse_cols, real = [], [], [], [], []
+    row_base = col_base = 0
+    q_ext = torch.cat([q, q.new_zeros((1,) + tuple(q.shape[1:]))], dim=0)  # row t_local: the zero row
+    for slot in range(2):
+        index, buf_starts, len_q, len_k, at = [], [], [], [], 0
+        for n, (a, b, lo, end) in enumerate(_thd_ranges(split, slot, spec.align)):
+            length = b - a
+            first = local_starts[n] + slot * length
+            index.append(torch.full((a - lo,), t_local, dtype=torch.int64))
+            index.append(torch.arange(first, first + length))
             buf_starts.append(at)
-            at += p.b - p.lo
-        q_ext = torch.cat([q, q.new_zeros((1,) + tuple(q.shape[1:]))], dim=0)
+            len_q.append(end - lo if end > a else 0)
+            len_k.append(end if spec.causal else split.lengths[n])
+            at += a - lo + length
         q_buf = q_ext.index_select(0, _to_device(torch.cat(index), device))
-    order = _heavy_first(len_q, len_k, spec.causal)
-    at_call = [0] * len(pieces)  # each piece's place in the call
-    for i, j in enumerate(order):
-        at_call[j] = i
-    max_q, max_k = max(max(len_q), 1), max(max(len_k), 1)
-    out, lse = _fwd(q_buf, k_g, v_g, QKVFormat.THD, spec, mask, _cu([len_q[j] for j in order], device),
-                    _cu([len_k[j] for j in order], device), _offsets([buf_starts[j] for j in order], device),
-                    _offsets([split.starts[pieces[j].n] for j in order], device), max_q, max_k)
-    h = lse.shape[1]
-    if aligned and all(p.end == p.b and p.b - p.a == max_q for p in pieces):  # every row real, same lengths
-        if order != sorted(order):
-            lse = lse.index_select(0, _to_device(torch.tensor(at_call), device))
-        return out, lse.permute(1, 0, 2).reshape(h, -1)
+        max_q, max_k = max(max(len_q), 1), max(max(len_k), 1)
+        out, lse = _fwd(q_buf, k_g, v_g, QKVFormat.THD, spec, mask, _cu(len_q, device), _cu(len_k, device),
+                        _offsets(buf_starts, device), _offsets(split.starts, device), max_q, max_k)
+        out_parts.append(out)
+        lse_parts.append(lse.permute(1, 0, 2).reshape(lse.shape[1], -1))
+        for n, (a, b, lo, end) in enumerate(_thd_ranges(split, slot, spec.align)):
+            pos = torch.arange(b - a)
+            out_rows.append((row_base + buf_starts[n] + a - lo + pos, local_starts[n] + slot * (b - a) + pos))
+            col = torch.where(a + pos < split.lengths[n], col_base + n * max_q + a - lo + pos, torch.zeros_like(pos))
+            lse_cols.append((col, local_starts[n] + slot * (b - a) + pos))
+            real.append((a + pos < split.lengths[n], local_starts[n] + slot * (b - a) + pos))
+        row_base += q_buf.shape[0]
+        col_base += len(split.starts) * max_q
     rows = torch.empty(t_local, dtype=torch.int64)
-    cols = torch.zeros(t_local, dtype=torch.int64)
+    cols = torch.empty(t_local, dtype=torch.int64)
     keep = torch.zeros(t_local, dtype=torch.bool)
-    for i, p in enumerate(pieces):
-        pos = torch.arange(p.b - p.a)
-        dst = p.local + pos
-        rows[dst] = buf_starts[i] + p.a - p.lo + pos
-        real = p.a + pos < split.lengths[p.n]
-        cols[dst] = torch.where(real, at_call[i] * max_q + p.a - p.lo + pos, torch.zeros_like(pos))
-        keep[dst] = real
-    if not aligned:
-        out = out.index_select(0, _to_device(rows, device))
-    lse = lse.permute(1, 0, 2).reshape(h, -1).index_select(1, _to_device(cols, device))
-    return out, torch.where(_to_device(keep, device)[None, :], lse, torch.full_like(lse, float("inf")))
+    for src, dst in out_rows:
+        rows[dst] = src
+    for src, dst in lse_cols:
+        cols[dst] = src
+    for ok, dst in real:
+        keep[dst] = ok
+    out = torch.cat(out_parts, dim=0).index_select(0, _to_device(rows, device))
+    lse = torch.cat(lse_parts, dim=1).index_select(1, _to_device(cols, device))
+    lse = torch.where(_to_device(keep, device)[None, :], lse, torch.full_like(lse, float("inf")))
+    return out, lse
 
 
-def _rows_backward(q_g, k_g, v_g, out_g, d_out_g, lse_g, split: SeqSplit, spec: FusedSpec):
-    """(dq, dk, dv) of the rank's tokens from the global rows: one dQ-only call (each chunk's query rows
-    [lo, end) against keys [0, end), bottom-right causal, or all keys) and one dK/dV-only call (each chunk's
-    keys [lo, end) against query rows [lo, length), top-left causal, or all rows) for both chunks, or one of
-    each per chunk when their ranges meet."""
-    device, total = q_g.device, q_g.shape[0]
-    pieces = _pieces(split, spec.align)
-    starts = split.starts
-    groups = [pieces] if _disjoint(pieces, split) else [[p for p in pieces if p.slot == s] for s in (0, 1)]
-    parts = []
-    for group in groups:
-        off = [starts[p.n] + p.lo for p in group]
-        len_q = [p.rows for p in group]
-        len_k = [p.end if spec.causal else split.lengths[p.n] for p in group]
-        seq = [starts[p.n] for p in group]
+def _thd_backward(q_g, k_g, v_g, out_g, d_out_g, lse_g, split: SeqSplit, spec: FusedSpec):
+    device = q_g.device
+    total = q_g.shape[0]
+    starts = list(split.starts)
+    dq_parts, dk_parts, dv_parts, rows = [], [], [], []
+    n_seq = len(starts)
+    for slot in range(2):
+        ranges = list(_thd_ranges(split, slot, spec.align))
+        # dQ of the chunk: query rows [lo, end) against keys [0, end) (causal, bottom-right) or all keys.
+        q_off = [st + lo for st, (a, b, lo, end) in zip(starts, ranges)]
+        len_q = [end - lo if end > a else 0 for (a, b, lo, end) in ranges]
+        len_k = [end if spec.causal else split.lengths[n] for n, (a, b, lo, end) in enumerate(ranges)]
         max_q, max_k = max(max(len_q), 1), max(max(len_k), 1)
         mask = AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK if spec.causal else AttnMaskType.PADDING_MASK
-        o = _heavy_first(len_q, len_k, spec.causal)
-        dq = _bwd(BackwardGrads.DQ, q_g, k_g, v_g, out_g, d_out_g,
-                  _lse_for_call(lse_g, [off[j] for j in o], [len_q[j] for j in o], max_q), QKVFormat.THD, spec,
-                  mask, _cu([len_q[j] for j in o], device), _cu([len_k[j] for j in o], device),
-                  _offsets([off[j] for j in o], device), _offsets([seq[j] for j in o], device), max_q, max_k)
+        dq = _bwd(BackwardGrads.DQ, q_g, k_g, v_g, out_g, d_out_g, _lse_for_call(lse_g, q_off, len_q, max_q),
+                  QKVFormat.THD, spec, mask, _cu(len_q, device), _cu(len_k, device), _offsets(q_off, device),
+                  _offsets(starts, device), max_q, max_k)
+        # dK/dV of the chunk: keys [lo, end) against query rows [lo, length) (top-left causal) or all rows.
+        k_off = q_off
+        len_kc = [end - lo if end > a else 0 for (a, b, lo, end) in ranges]
         if spec.causal:
-            r_off = off
-            len_r = [max(split.lengths[p.n] - p.lo, 0) if p.real else 0 for p in group]
+            r_off = q_off
+            len_r = [max(split.lengths[n] - lo, 0) if end > a else 0 for n, (a, b, lo, end) in enumerate(ranges)]
             mask = AttnMaskType.PADDING_CAUSAL_MASK
         else:
-            r_off = seq
-            len_r = [split.lengths[p.n] if p.real else 0 for p in group]
+            r_off, len_r = starts, [split.lengths[n] if end > a else 0 for n, (a, b, lo, end) in enumerate(ranges)]
             mask = AttnMaskType.PADDING_MASK
-        max_r = max(max(len_r), 1)
-        o = _heavy_first(len_q, len_r, spec.causal)  # the pass's blocks are the keys [lo, end)
-        dk, dv = _bwd(BackwardGrads.DKDV, q_g, k_g, v_g, out_g, d_out_g,
-                      _lse_for_call(lse_g, [r_off[j] for j in o], [len_r[j] for j in o], max_r), QKVFormat.THD,
-                      spec, mask, _cu([len_r[j] for j in o], device), _cu([len_q[j] for j in o], device),
-                      _offsets([r_off[j] for j in o], device), _offsets([off[j] for j in o], device), max_r, max_q)
-        parts.append((dq, dk, dv))
-    if split.cp == 1 and len(groups) == 1:  # the rank's tokens are every token, in order
-        return parts[0]
-    group_of = {(p.n, p.slot): g for g, group in enumerate(groups) for p in group}
-    index = torch.cat([group_of[(p.n, p.slot)] * total + starts[p.n] + p.a + torch.arange(p.b - p.a)
-                       for p in pieces])  # pieces are in local order
-    index = _to_device(index, device)
-    return tuple(torch.cat(list(ts), dim=0).index_select(0, index) for ts in zip(*parts))
+        max_r, max_kc = max(max(len_r), 1), max(max(len_kc), 1)
+        dk, dv = _bwd(BackwardGrads.DKDV, q_g, k_g, v_g, out_g, d_out_g, _lse_for_call(lse_g, r_off, len_r, max_r),
+                      QKVFormat.THD, spec, mask, _cu(len_r, device), _cu(len_kc, device), _offsets(r_off, device),
+                      _offsets(k_off, device), max_r, max_kc)
+        dq_parts.append(dq)
+        dk_parts.append(dk)
+        dv_parts.append(dv)
+        rows.append([slot * total + st + a + torch.arange(b - a) for st, (a, b, lo, end) in zip(starts, ranges)])
+    # Local order: per sequence, slot 0 then slot 1.
+    index = _to_device(torch.cat([r for n in range(n_seq) for r in (rows[0][n], rows[1][n])]), device)
+    return tuple(torch.cat(parts, dim=0).index_select(0, index) for parts in (dq_parts, dk_parts, dv_parts))
 
 
 # -- exchanges -----------------------------------------------------------------------------------------

@@ -185,6 +185,17 @@ def test_partial_backward_is_the_whole_backward_less_one_pass(case, grads, monke
     assert names[0] == "attn_bwd_preprocess_kernel" and any(n in PASSES[grads] for n in names)
 
 
+@pytest.mark.parametrize("grads", list(BackwardGrads), ids=lambda g: g.value)
+def test_a_backward_without_preprocess_is_the_backward_less_its_first_launch(grads):
+    """preprocess=False (delta filled by an earlier call over the rows) drops the preprocess and changes
+    no other launch."""
+    call = _bwd_call(CASES[0])
+    whole = launches.backward_launches(call, grads=grads)
+    without = launches.backward_launches(call, grads=grads, preprocess=False)
+    assert whole[0].name == "attn_bwd_preprocess_kernel"
+    assert [x.describe() for x in without] == [x.describe() for x in whole[1:]]
+
+
 def test_partial_backward_rejects_an_unknown_part():
     with pytest.raises(ValueError):
         launches.backward_launches(_bwd_call(CASES[0]), grads="dk")

@@ -180,20 +180,23 @@ def test_benchmark_dry_run_is_bitwise():
 
 
 @requires_fused
-@pytest.mark.parametrize("fmt,causal", [("bshd", True), ("thd", False)])
-def test_backward_calls_run_one_gradient_pass_each(fmt, causal, monkeypatch):
+# bshd: the preprocess (rowsum(dO * O)) once per rank, in its first call; thd: in each call.
+@pytest.mark.parametrize("fmt,causal,preprocesses", [("bshd", True, 2), ("thd", False, 8)])
+def test_backward_calls_run_one_gradient_pass_each(fmt, causal, preprocesses, monkeypatch):
     """Each fused backward call of the per-rank steps runs the dQ pass or the dK/dV pass, not both (the
     partial backwards: about the single-device backward's work over the ranks, not twice it)."""
     from fused_helpers import DEVICE
     from transformer_engine.pytorch.attention import launch
 
-    passes = []
+    passes, pre = [], []
     real_run = launch._run
 
     def record(described, buffers):
         names = [x.name for x in described]
-        if names[0] == "attn_bwd_preprocess_kernel":
-            passes.append(tuple(n for n in names if n.startswith(("attn_bwd_dq", "attn_bwd_dkdv"))))
+        grads = tuple(n for n in names if n.startswith(("attn_bwd_dq", "attn_bwd_dkdv")))
+        if grads:
+            passes.append(grads)
+            pre.extend(n for n in names if n == "attn_bwd_preprocess_kernel")
         return real_run(described, buffers)
 
     monkeypatch.setattr(launch, "_run", record)
@@ -206,3 +209,4 @@ def test_backward_calls_run_one_gradient_pass_each(fmt, causal, monkeypatch):
     run_ranks_in_one_process(q, k, v, d_out, fmt, 2, causal, 0.25, **extra)
     # Two ranks, two chunks each, one dQ-only and one dK/dV-only call per chunk.
     assert sorted(passes) == sorted([("attn_bwd_dq_kernel",), ("attn_bwd_dkdv_kernel",)] * 4), passes
+    assert len(pre) == preprocesses

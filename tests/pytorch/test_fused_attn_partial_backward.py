@@ -141,3 +141,50 @@ def test_unknown_part_is_refused():
     lse = torch.zeros(2, 2, S)
     with pytest.raises(ValueError, match="`grads` must be one of"):
         OPS.fused_attn_bwd(q, k, v, q, d_out, lse, fmt, *seqs, *rest, False, grads="dk")
+
+
+@requires_fused
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
+def test_given_buffers_and_a_shared_delta_change_no_bit(fmt):
+    """Context parallelism's per-chunk calls write into views of the rank's buffers and compute rowsum(dO * O)
+    once: launch.forward / launch.backward with ``out``, ``lse``, ``dq``, ``dk``, ``dv`` views and a ``delta``
+    filled by another call (``preprocess=False``) give the bits of the calls that allocate and compute."""
+    from transformer_engine.common.attention import QKVFormat
+    from transformer_engine.pytorch.attention import launch
+
+    q, k, v, d_out = _inputs(fmt, (4, 2), torch.float16)
+    fmt_ = QKVFormat(fmt)
+    sd = 1 if fmt == "bshd" else 0
+    mask = AttnMaskType.CAUSAL_MASK
+    window = normalize_window(None, mask)
+    seqs = launch.sequences(fmt_, q, k, None, None, None, None, S, S)
+    out, lse = launch.forward(q, k, v, fmt_, seqs, D ** -0.5, mask, window)
+    want = launch.backward(q, k, v, out, d_out, lse, fmt_, seqs, D ** -0.5, mask, window)[:3]
+
+    # Views into larger buffers: the tokens in the second half of a buffer twice as long.
+    big = lambda t: t.new_full(tuple(t.shape[:sd]) + (2 * S,) + tuple(t.shape[sd + 1:]), float("nan"))  # noqa: E731
+    out_big, dq_big, dk_big, dv_big = big(out), big(q), big(k), big(v)
+    lse_big = lse.new_full((lse.shape[0], lse.shape[1], 2 * S), float("nan"))
+    view = lambda t: t.narrow(sd, S, S)  # noqa: E731
+    got_out, got_lse = launch.forward(q, k, v, fmt_, seqs, D ** -0.5, mask, window, out=view(out_big),
+                                      lse=lse_big.narrow(2, S, S))
+    assert torch.equal(got_out, out) and torch.equal(got_lse, lse)
+    assert got_out.data_ptr() == view(out_big).data_ptr()
+
+    delta = torch.empty_like(lse)
+    launch.backward(q, k, v, out, d_out, lse, fmt_, seqs, D ** -0.5, mask, window, grads=BackwardGrads.DKDV,
+                    delta=delta)  # fills delta
+    got = launch.backward(q, k, v, out, d_out, lse, fmt_, seqs, D ** -0.5, mask, window, dq=view(dq_big),
+                          dk=view(dk_big), dv=view(dv_big), delta=delta, preprocess=False)[:3]
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), name
+    assert torch.equal(view(dq_big), want[0])
+
+    with pytest.raises(ValueError, match="`delta` must be given with preprocess=False"):
+        launch.backward(q, k, v, out, d_out, lse, fmt_, seqs, D ** -0.5, mask, window, preprocess=False)
+    with pytest.raises(ValueError, match="`delta` must be float32 with lse's shape"):
+        launch.backward(q, k, v, out, d_out, lse, fmt_, seqs, D ** -0.5, mask, window, delta=lse_big)
+    with pytest.raises(ValueError, match="`dq` must be a torch.float16 tensor of shape"):
+        launch.backward(q, k, v, out, d_out, lse, fmt_, seqs, D ** -0.5, mask, window, dq=dq_big)
+    with pytest.raises(ValueError, match="`out` must be a torch.float16 tensor of shape"):
+        launch.forward(q, k, v, fmt_, seqs, D ** -0.5, mask, window, out=out_big)

@@ -246,14 +246,17 @@ def forward_launches(call: Call, plan: Optional[ForwardPlan] = None) -> Tuple[La
 
 
 def backward_launches(call: Call, plan: Optional[BackwardPlan] = None, bias_grad: bool = False,
-                      sink_grad: bool = False, grads: BackwardGrads = BackwardGrads.DQ_DKDV) -> Tuple[Launch, ...]:
+                      sink_grad: bool = False, grads: BackwardGrads = BackwardGrads.DQ_DKDV,
+                      preprocess: bool = True) -> Tuple[Launch, ...]:
     """The backward, in order: preprocess (delta), the sink-gradient parts (``sink_grad``: slot ``dsink``,
     fp32 [num_seqs, h_q]), dK/dV, dBias (``bias_grad``: slot ``dbias``, contiguous in the bias's shape)
     and dQ. Slots: q, k, v, out, d_out, lse, delta (fp32 like lse), dq, dk, dv and the modifiers'.
 
     ``grads`` (:class:`BackwardGrads`) drops a gradient pass: ``DQ`` launches no dK/dV pass (slots dk, dv
     unused, ``call.views`` need not have them), ``DKDV`` no dQ pass (slot dq unused). The launches kept
-    are those of the whole backward, unchanged: their gradients are the same bits."""
+    are those of the whole backward, unchanged: their gradients are the same bits. ``preprocess=False``
+    leaves out the preprocess: the ``delta`` slot then holds what it writes (rowsum(dO * O) of each query
+    row, a row-local sum: the same bits whichever call computed it)."""
     grads = BackwardGrads(grads)
     from transformer_engine.common.attention.kernels.backward import (
         attn_bwd_dbias_kernel,
@@ -273,7 +276,7 @@ def backward_launches(call: Call, plan: Optional[BackwardPlan] = None, bias_grad
     k_rows = lambda t: (_cdiv(call.max_k, t.block_n), call.num_seqs * call.num_heads_kv)  # noqa: E731
     pre = plan.preprocess
     out = [_launch(attn_bwd_preprocess_kernel, block_grid(*q_rows(pre)), dict(values, BLOCK_M=pre.block_m),
-                   dict(num_warps=pre.num_warps))]
+                   dict(num_warps=pre.num_warps))] if preprocess else []
     if sink_grad:
         t = plan.dsink
         out.append(_launch(attn_bwd_dsink_kernel, plan.dsink_grid(call.num_seqs, call.num_heads_q),

@@ -16,10 +16,12 @@ kernel's order:
   backward); dK/dV of the own key chunk ``[a, b)`` against the gathered query rows ``[a, s)`` (all rows
   without a causal mask), causal aligned top-left, which is the global mask (a dK/dV-only one). Each
   runs one gradient pass of the whole backward's launches, unchanged: about the single-device backward
-  divided by cp, plus the cheap preprocess in both calls. Query (key) ranges start at the chunk start rounded
-  down to the largest tile of the call's plans (:func:`tile_alignment`), so the kernels' blocks are the
-  single-device call's blocks; rows before the chunk are zeros (forward) or the gathered rows (backward)
-  and are dropped.
+  divided by cp, plus the cheap preprocess (padded formats: once per rank, in its first call). Query (key)
+  ranges start at the chunk start rounded down to the largest tile of the call's plans
+  (:func:`tile_alignment`), so the kernels' blocks are the single-device call's blocks; rows before the
+  chunk are zeros (forward) or the gathered rows (backward) and are dropped. The calls run the fused op's
+  launches directly (``launch.forward`` / ``launch.backward``), so that a chunk's outputs and gradients
+  land in views of the rank's tensors without concatenation.
 - ``"a2a+p2p"``: ``cp_group = [a2a_group, p2p_group]``; the a2a over the first gives each rank
   ``h / cp_a2a`` heads of the tokens of its a2a group, which form the p2p group's load-balanced split;
   then "p2p" over the second. The rank's place in the split is ``p2p_rank * a2a_size + a2a_rank``.
@@ -39,7 +41,7 @@ import torch.distributed as dist
 
 from transformer_engine.common.attention import AttnMaskType, BackwardGrads, QKVFormat, UnfusedDotProductAttention
 from transformer_engine.common.attention.config import normalize_window, resolve_bottom_right_diagonal
-from transformer_engine.pytorch.attention import ops  # noqa: F401  (registers the custom ops)
+from transformer_engine.pytorch.attention import launch
 
 __all__ = [
     "CP_COMM_TYPES", "ContextParallelGroup", "SeqSplit", "check_context_parallel_args", "tile_alignment",
@@ -213,7 +215,6 @@ def tile_alignment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: QKVFo
     """The largest block (rows or columns) of any kernel the fused forward and backward plan for these
     tensors: chunk ranges starting at multiples of it meet the single-device call's blocks."""
     from transformer_engine.common.attention.plan import backward_plan, forward_plan
-    from transformer_engine.pytorch.attention import launch
 
     masks = (AttnMaskType.CAUSAL_MASK, AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK) if causal else (AttnMaskType.NO_MASK,)
     align = 1
@@ -250,24 +251,31 @@ def _mask_args(mask: AttnMaskType):
     return mask.value, left, right, resolve_bottom_right_diagonal(mask, None, "pytorch")
 
 
-def _fwd(q, k, v, fmt, spec, mask, cu_q=None, cu_k=None, off_q=None, off_k=None, max_q=None, max_k=None):
-    name, left, right, br = _mask_args(mask)
+def _fwd(q, k, v, fmt, spec, mask, cu_q=None, cu_k=None, off_q=None, off_k=None, max_q=None, max_k=None,
+         out=None, lse=None):
+    """The fused forward (the custom op's launches, run directly: ``out``/``lse`` may be views to fill)."""
+    _, left, right, br = _mask_args(mask)
     sd = _seq_dim(fmt)
-    return torch.ops.transformer_engine.fused_attn_fwd(
-        q, k, v, fmt.value, cu_q, cu_k, off_q, off_k, max_q if max_q is not None else q.shape[sd],
-        max_k if max_k is not None else k.shape[sd], spec.softmax_scale, name, left, right, br,
-        None, None, None, 0.0)
+    seqs = launch.sequences(fmt, q, k, cu_q, cu_k, off_q, off_k, max_q if max_q is not None else q.shape[sd],
+                            max_k if max_k is not None else k.shape[sd])
+    return launch.forward(q, k, v, fmt, seqs, spec.softmax_scale, mask, (left, right), bottom_right_diagonal=br,
+                          out=out, lse=lse)
 
 
 def _bwd(grads: BackwardGrads, q, k, v, out, d_out, lse, fmt, spec, mask, cu_q=None, cu_k=None, off_q=None,
-         off_k=None, max_q=None, max_k=None):
-    """The fused backward's ``grads`` part: dq (``DQ``) or (dk, dv) (``DKDV``), bitwise the whole backward's."""
-    name, left, right, br = _mask_args(mask)
+         off_k=None, max_q=None, max_k=None, dq=None, dk=None, dv=None, delta=None, preprocess=True):
+    """The fused backward's ``grads`` part: dq (``DQ``) or (dk, dv) (``DKDV``), bitwise the whole backward's.
+    ``dq``/``dk``/``dv`` may be views to fill; ``delta`` (lse's shape and strides) the rows' rowsum(dO * O),
+    computed by this call unless ``preprocess`` is False (then an earlier call filled it)."""
+    _, left, right, br = _mask_args(mask)
     sd = _seq_dim(fmt)
-    dq, dk, dv, _, _ = torch.ops.transformer_engine.fused_attn_bwd(
-        q, k, v, out, d_out, lse.contiguous(), fmt.value, cu_q, cu_k, off_q, off_k,
-        max_q if max_q is not None else q.shape[sd], max_k if max_k is not None else k.shape[sd],
-        spec.softmax_scale, name, left, right, br, None, None, None, 0.0, False, grads=grads.value)
+    seqs = launch.sequences(fmt, q, k, cu_q, cu_k, off_q, off_k, max_q if max_q is not None else q.shape[sd],
+                            max_k if max_k is not None else k.shape[sd])
+    if delta is None:
+        lse = lse.contiguous()
+    dq, dk, dv, _, _ = launch.backward(q, k, v, out, d_out, lse, fmt, seqs, spec.softmax_scale, mask,
+                                       (left, right), bottom_right_diagonal=br, grads=grads, dq=dq, dk=dk, dv=dv,
+                                       delta=delta, preprocess=preprocess)
     return dq if grads == BackwardGrads.DQ else (dk, dv)
 
 
@@ -296,14 +304,20 @@ def fused_forward_step(q: torch.Tensor, k_glob: torch.Tensor, v_glob: torch.Tens
     fmt, sd = split.fmt, _seq_dim(split.fmt)
     length = split.chunk_len()
     mask = AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK if spec.causal else AttnMaskType.NO_MASK
-    outs, lses = [], []
+    # Each chunk's call writes its rows of the rank's out and lse (a copy where zero rows lead the chunk).
+    out = q.new_empty(tuple(q.shape[:-1]) + (v_glob.shape[-1],))
+    lse = torch.empty((q.shape[1 - sd], q.shape[-2], 2 * length), dtype=torch.float32, device=q.device)
     for slot, a, b, lo in _padded_ranges(split, spec.align):
+        out_c, lse_c = out.narrow(sd, slot * length, length), lse.narrow(2, slot * length, length)
         q_c = _zeros_before(q.narrow(sd, slot * length, length), sd, a - lo)
         k_c, v_c = (k_glob.narrow(sd, 0, b), v_glob.narrow(sd, 0, b)) if spec.causal else (k_glob, v_glob)
-        out, lse = _fwd(q_c, k_c, v_c, fmt, spec, mask)
-        outs.append(out.narrow(sd, a - lo, length))
-        lses.append(lse[:, :, a - lo:])
-    return torch.cat(outs, dim=sd), torch.cat(lses, dim=2)
+        if a == lo:
+            _fwd(q_c, k_c, v_c, fmt, spec, mask, out=out_c, lse=lse_c)
+        else:
+            o, l_ = _fwd(q_c, k_c, v_c, fmt, spec, mask)
+            out_c.copy_(o.narrow(sd, a - lo, length))
+            lse_c.copy_(l_[:, :, a - lo:])
+    return out, lse
 
 
 def fused_backward_step(q_g, k_g, v_g, out_g, d_out_g, lse_g, split: SeqSplit,
@@ -314,27 +328,43 @@ def fused_backward_step(q_g, k_g, v_g, out_g, d_out_g, lse_g, split: SeqSplit,
         return _thd_backward(q_g, k_g, v_g, out_g, d_out_g, lse_g, split, spec)
     fmt, sd = split.fmt, _seq_dim(split.fmt)
     s, length = split.seqlen, split.chunk_len()
-    dqs, dks, dvs = [], [], []
-    for _, a, b, lo in _padded_ranges(split, spec.align):
+    local = lambda t: t.new_empty(tuple(t.shape[:sd]) + (2 * length,) + tuple(t.shape[sd + 1:]))  # noqa: E731
+    dq, dk, dv = local(q_g), local(k_g), local(v_g)
+    # rowsum(dO * O) once per rank: the first dK/dV call (slot 0, the earliest chunk) computes it over its
+    # query rows [lo, s), which hold every row a later call of the rank reads; the others skip the preprocess.
+    lse_g = lse_g.contiguous()
+    delta = torch.empty_like(lse_g)
+    for slot, a, b, lo in _padded_ranges(split, spec.align):
+        into = slot * length
+        direct = a == lo  # the call's rows are the chunk's: its gradients go straight to the rank's buffers
         rows = [t.narrow(sd, lo, b - lo) for t in (q_g, out_g, d_out_g)]
+        # dK/dV of the chunk first (slot 0's fills delta).
+        keys = [k_g.narrow(sd, lo, b - lo), v_g.narrow(sd, lo, b - lo)]
+        if spec.causal:  # query rows [lo, s) against keys [lo, b): top-left causal is the global mask
+            r0 = lo
+            kv_rows = [t.narrow(sd, lo, s - lo) for t in (q_g, out_g, d_out_g)]
+            mask = AttnMaskType.CAUSAL_MASK
+        else:
+            r0, kv_rows, mask = 0, [q_g, out_g, d_out_g], AttnMaskType.NO_MASK
+        span = s - r0
+        targets = dict(dk=dk.narrow(sd, into, length), dv=dv.narrow(sd, into, length)) if direct else {}
+        g_k, g_v = _bwd(BackwardGrads.DKDV, kv_rows[0], keys[0], keys[1], kv_rows[1], kv_rows[2],
+                        lse_g.narrow(2, r0, span), fmt, spec, mask, delta=delta.narrow(2, r0, span),
+                        preprocess=slot == 0, **targets)
+        if not direct:
+            dk.narrow(sd, into, length).copy_(g_k.narrow(sd, a - lo, length))
+            dv.narrow(sd, into, length).copy_(g_v.narrow(sd, a - lo, length))
         if spec.causal:
             keys = [k_g.narrow(sd, 0, b), v_g.narrow(sd, 0, b)]
             mask = AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK
         else:
             keys, mask = [k_g, v_g], AttnMaskType.NO_MASK
-        dq = _bwd(BackwardGrads.DQ, rows[0], keys[0], keys[1], rows[1], rows[2], lse_g[:, :, lo:b], fmt, spec,
-                  mask)
-        dqs.append(dq.narrow(sd, a - lo, length))
-        keys = [k_g.narrow(sd, lo, b - lo), v_g.narrow(sd, lo, b - lo)]
-        if spec.causal:  # query rows [lo, s) against keys [lo, b): top-left causal is the global mask
-            rows = [t.narrow(sd, lo, s - lo) for t in (q_g, out_g, d_out_g)]
-            lse, mask = lse_g[:, :, lo:], AttnMaskType.CAUSAL_MASK
-        else:
-            rows, lse, mask = [q_g, out_g, d_out_g], lse_g, AttnMaskType.NO_MASK
-        dk, dv = _bwd(BackwardGrads.DKDV, rows[0], keys[0], keys[1], rows[1], rows[2], lse, fmt, spec, mask)
-        dks.append(dk.narrow(sd, a - lo, length))
-        dvs.append(dv.narrow(sd, a - lo, length))
-    return torch.cat(dqs, dim=sd), torch.cat(dks, dim=sd), torch.cat(dvs, dim=sd)
+        g_q = _bwd(BackwardGrads.DQ, rows[0], keys[0], keys[1], rows[1], rows[2], lse_g.narrow(2, lo, b - lo), fmt,
+                   spec, mask, delta=delta.narrow(2, lo, b - lo), preprocess=False,
+                   dq=dq.narrow(sd, into, length) if direct else None)
+        if not direct:
+            dq.narrow(sd, into, length).copy_(g_q.narrow(sd, a - lo, length))
+    return dq, dk, dv
 
 
 # thd: one call per chunk slot, one pseudo-sequence per sequence (ranges through seq_offsets).

@@ -184,16 +184,33 @@ def _sequence_buffers(seqs: Sequences) -> Dict[str, torch.Tensor]:
     return {name: t for name, t in named.items() if t is not None}
 
 
+def _given(name: str, t: torch.Tensor, shape, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
+    """A caller's buffer for an output, checked against what would be allocated."""
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != like.device or t.stride(-1) != 1:
+        raise ValueError(f"`{name}` must be a {dtype} tensor of shape {tuple(shape)} on {like.device} with a "
+                         f"contiguous last dim, got {t.dtype} {tuple(t.shape)} strides {tuple(t.stride())} on {t.device}")
+    return t
+
+
 def forward(q, k, v, fmt: QKVFormat, seqs: Sequences, softmax_scale: float, mask: AttnMaskType,
             window: Tuple[int, int], plan: Optional[ForwardPlan] = None, mods: ScoreMods = NO_MODS,
-            bottom_right_diagonal: Optional[bool] = None):
+            bottom_right_diagonal: Optional[bool] = None, out: Optional[torch.Tensor] = None,
+            lse: Optional[torch.Tensor] = None):
     """Run the forward kernel. Returns (out in q's format with head dim d_v, lse [b, h, max_s_q] fp32).
-    ``bottom_right_diagonal`` aligns windows and ALiBi (``resolve_bottom_right_diagonal``)."""
+    ``bottom_right_diagonal`` aligns windows and ALiBi (``resolve_bottom_right_diagonal``). ``out`` and
+    ``lse``: buffers (views of larger tensors allowed) to write instead of new ones (thd writes only the
+    rows inside sequences)."""
     hq, dv = q.shape[-2], v.shape[-1]
     out_shape = tuple(q.shape[:-1]) + (dv,)
-    out = torch.zeros(out_shape, dtype=q.dtype, device=q.device) if seqs.is_thd else \
-        torch.empty(out_shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((seqs.batch, hq, seqs.max_q), dtype=torch.float32, device=q.device)
+    if out is not None:
+        out = _given("out", out, out_shape, q.dtype, q)
+    elif seqs.is_thd:
+        out = torch.zeros(out_shape, dtype=q.dtype, device=q.device)
+    else:
+        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+    lse_shape = (seqs.batch, hq, seqs.max_q)
+    lse = _given("lse", lse, lse_shape, torch.float32, q) if lse is not None else \
+        torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     tensors = dict(q=q, k=k, v=v, out=out)
     call = _call(q, k, v, fmt, seqs, softmax_scale, mask, window, mods, bottom_right_diagonal, tensors,
                  (lse.stride(0), lse.stride(1)))
@@ -204,7 +221,9 @@ def forward(q, k, v, fmt: QKVFormat, seqs: Sequences, softmax_scale: float, mask
 def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_scale: float,
              mask: AttnMaskType, window: Tuple[int, int], plan: Optional[BackwardPlan] = None,
              mods: ScoreMods = NO_MODS, bias_grad: bool = False, bottom_right_diagonal: Optional[bool] = None,
-             softmax_offset_grad: bool = False, grads: BackwardGrads = BackwardGrads.DQ_DKDV):
+             softmax_offset_grad: bool = False, grads: BackwardGrads = BackwardGrads.DQ_DKDV,
+             dq: Optional[torch.Tensor] = None, dk: Optional[torch.Tensor] = None, dv: Optional[torch.Tensor] = None,
+             delta: Optional[torch.Tensor] = None, preprocess: bool = True):
     """Run preprocess, dK/dV and dQ, and dBias and d softmax_offset when asked (launches.backward_launches).
 
     Returns (dq, dk, dv, dbias, d_softmax_offset) with the gradients in the inputs' format; dbias
@@ -213,17 +232,29 @@ def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_
     bitwise the same for a sequence in any batch, packed or padded) is None unless ``softmax_offset_grad``.
     ``grads`` (:class:`BackwardGrads`): ``DQ`` runs no dK/dV pass and returns dk, dv as None, ``DKDV`` no
     dQ pass and dq None; the gradients it returns are bitwise those of the whole backward.
+
+    ``dq``, ``dk``, ``dv``: buffers (views allowed) for the gradients instead of new ones; ``delta``: the
+    buffer of rowsum(dO * O) per query row, with lse's shape and strides (new when None), which
+    ``preprocess=False`` expects filled already (by an earlier call over these rows) instead of computing it.
     """
     grads = BackwardGrads(grads)
     alloc = torch.zeros if seqs.is_thd else torch.empty
     tensors = dict(q=q, k=k, v=v, out=out, d_out=d_out)
+    given = dict(dq=dq, dk=dk, dv=dv)
     dq = dk = dvt = None
-    if grads.has_dq:
-        dq = tensors["dq"] = alloc(q.shape, dtype=q.dtype, device=q.device)
-    if grads.has_dkdv:
-        dk = tensors["dk"] = alloc(k.shape, dtype=k.dtype, device=k.device)
-        dvt = tensors["dv"] = alloc(v.shape, dtype=v.dtype, device=v.device)
-    delta = torch.empty_like(lse)
+    for name, like, on in (("dq", q, grads.has_dq), ("dk", k, grads.has_dkdv), ("dv", v, grads.has_dkdv)):
+        if on:
+            buf = given[name]
+            tensors[name] = _given(name, buf, like.shape, like.dtype, like) if buf is not None else \
+                alloc(like.shape, dtype=like.dtype, device=like.device)
+    dq, dk, dvt = tensors.get("dq"), tensors.get("dk"), tensors.get("dv")
+    if delta is None:
+        if not preprocess:
+            raise ValueError("`delta` must be given with preprocess=False (the rows' rowsum(dO * O)), got None")
+        delta = torch.empty_like(lse)
+    elif tuple(delta.shape) != tuple(lse.shape) or delta.stride() != lse.stride() or delta.dtype != torch.float32:
+        raise ValueError(f"`delta` must be float32 with lse's shape {tuple(lse.shape)} and strides {lse.stride()}, "
+                         f"got {delta.dtype} {tuple(delta.shape)} strides {delta.stride()}")
     call = _call(q, k, v, fmt, seqs, softmax_scale, mask, window, mods, bottom_right_diagonal, tensors,
                  (lse.stride(0), lse.stride(1)))
     buffers = dict(tensors, lse=lse, delta=delta, **_sequence_buffers(seqs), **mods.buffers())
@@ -233,8 +264,8 @@ def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_
         dbias = buffers["dbias"] = torch.empty(mods.bias.shape, dtype=mods.bias.dtype, device=mods.bias.device)
     if softmax_offset_grad:
         parts = buffers["dsink"] = torch.empty((seqs.batch, q.shape[-2]), dtype=torch.float32, device=lse.device)
-    _run(launches.backward_launches(call, plan, bias_grad=bias_grad, sink_grad=softmax_offset_grad, grads=grads),
-         buffers)
+    _run(launches.backward_launches(call, plan, bias_grad=bias_grad, sink_grad=softmax_offset_grad, grads=grads,
+                                    preprocess=preprocess), buffers)
     d_offset = fixed_order_sum(parts) if softmax_offset_grad else None
     return dq, dk, dvt, dbias, d_offset
 

@@ -325,14 +325,14 @@ def fused_backward_step(q_g, k_g, v_g, out_g, d_out_g, lse_g, split: SeqSplit,
     """One rank's backward from the global (gathered, global order) q, k, v, out, d_out and lse:
     (dq, dk, dv) of its own tokens."""
     if split.is_thd:
-        return _thd_backward(q_g, k_g, v_g, out_g, d_out_g, lse_g, split, spec)
+        return _thd_backward(q_g, k_g, v_g, out_g, d_out_g.contiguous(), lse_g, split, spec)
     fmt, sd = split.fmt, _seq_dim(split.fmt)
     s, length = split.seqlen, split.chunk_len()
     local = lambda t: t.new_empty(tuple(t.shape[:sd]) + (2 * length,) + tuple(t.shape[sd + 1:]))  # noqa: E731
     dq, dk, dv = local(q_g), local(k_g), local(v_g)
     # rowsum(dO * O) once per rank: the first dK/dV call (slot 0, the earliest chunk) computes it over its
     # query rows [lo, s), which hold every row a later call of the rank reads; the others skip the preprocess.
-    lse_g = lse_g.contiguous()
+    lse_g, d_out_g = lse_g.contiguous(), d_out_g.contiguous()  # (an expanded dO has stride 0: no TMA)
     delta = torch.empty_like(lse_g)
     for slot, a, b, lo in _padded_ranges(split, spec.align):
         into = slot * length

@@ -45,10 +45,10 @@ CANDIDATES = {
         [T(64, 128, 8, 3, head_group=8), T(64, 128, 8, 4, head_group=8), T(64, 128, 8, 3, head_group=8)],
         [T(128, 64, 8, 3, head_group=8), T(128, 64, 8, 4, head_group=8)],
     ),
-    256: (
-        [T(128, 64, 8, 2), T(64, 64, 4, 2), T(128, 32, 8, 2), T(64, 32, 4, 2)],
-        [T(64, 64, 8, 2), T(64, 32, 8, 2), T(32, 64, 4, 2), T(128, 64, 8, 1)],
-        [T(64, 64, 8, 2), T(128, 32, 8, 2), T(64, 32, 4, 2), T(128, 64, 8, 1)],
+    256: (  # also d_qk 192 / d_v 128 ("192v128"), where the smaller V side may leave room for larger tiles
+        [T(128, 64, 8, 2), T(64, 64, 4, 2), T(128, 32, 8, 2), T(64, 32, 4, 2), T(128, 64, 8, 3)],
+        [T(64, 64, 8, 2), T(64, 32, 8, 2), T(32, 64, 4, 2), T(128, 64, 8, 1), T(64, 128, 8, 2)],
+        [T(64, 64, 8, 2), T(128, 32, 8, 2), T(64, 32, 4, 2), T(128, 64, 8, 1), T(128, 64, 8, 2)],
     ),
 }
 
@@ -84,14 +84,16 @@ def main(dims=(128, 256), causal_kinds=(False, True), out=None, variants=None):
     kernels = os.environ.get("TUNE_KERNELS", "fwd,bwd").split(",")  # "fwd": the forward candidates only
     masks = os.environ.get("TUNE_MASKS", "none,causal").split(",")  # "causal": causal masks only
     causal_kinds = [c for c in causal_kinds if ("causal" if c else "none") in masks]
-    for d, causal, shape in itertools.product(dims, causal_kinds, shapes or [None]):
+    for dim, causal, shape in itertools.product(dims, causal_kinds, shapes or [None]):
+        d, dv = (dim, dim) if isinstance(dim, int) else dim  # (d_qk, d_v): "192v128" on the command line
         b, h, s = (4, 16, 4096) if d >= 128 else (8, 32, 2048)
-        if d == 256:
+        if d > 128:
             b = 2
         if shape:
             b, h, s = shape
-        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        do = torch.randn_like(q)
+        q, k = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        v = torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16)
+        do = torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16)
         fmt = QKVFormat.BSHD
         mask = AttnMaskType.CAUSAL_MASK if causal else AttnMaskType.NO_MASK
         seqs = launch.sequences(fmt, q, k, None, None, None, None, s, s)
@@ -99,16 +101,17 @@ def main(dims=(128, 256), causal_kinds=(False, True), out=None, variants=None):
         base_f = forward_plan(cfg)
         base_b = backward_plan(cfg)
         o, lse = launch.forward(q, k, v, fmt, seqs, d ** -0.5, mask, (-1, -1))
-        key = f"d{d}_{'causal' if causal else 'none'}" + (f"_{b}x{h}x{s}" if shape else "")
+        key = f"d{d}" + (f"v{dv}" if dv != d else "") + f"_{'causal' if causal else 'none'}" + \
+            (f"_{b}x{h}x{s}" if shape else "")
         results[key] = {}
         fwd_cands, dkdv_cands, dq_cands = (
             variant_candidates((base_f.tiles, base_b.dkdv, base_b.dq), variants) if variants
-            else CANDIDATES[d])
+            else CANDIDATES[max(_bucket(d), _bucket(dv))])
         for t in fwd_cands if "fwd" in kernels else []:
             try:
                 plan = dataclasses.replace(base_f, tiles=t, warp_specialized=None)  # the Triton kernel
                 ms = bench_ms(lambda: launch.forward(q, k, v, fmt, seqs, d ** -0.5, mask, (-1, -1), plan))
-                results[key][f"fwd {t}"] = round(attn_flops(b, h, s, s, d, causal, "fwd") / ms / 1e9, 1)
+                results[key][f"fwd {t}"] = round(attn_flops(b, h, s, s, d, causal, "fwd", dv) / ms / 1e9, 1)
             except Exception as err:
                 results[key][f"fwd {t}"] = f"fail {type(err).__name__}"
             print(key, "fwd", t, results[key][f"fwd {t}"], flush=True)
@@ -122,7 +125,7 @@ def main(dims=(128, 256), causal_kinds=(False, True), out=None, variants=None):
                                            dkdv_warp_specialized=None)  # the Triton kernels
                 ms = bench_ms(lambda: launch.backward(q, k, v, o, do, lse, fmt, seqs, d ** -0.5, mask,
                                                       (-1, -1), plan))
-                results[key][f"bwd {t1} {t2}"] = round(attn_flops(b, h, s, s, d, causal, "bwd") / ms / 1e9, 1)
+                results[key][f"bwd {t1} {t2}"] = round(attn_flops(b, h, s, s, d, causal, "bwd", dv) / ms / 1e9, 1)
             except Exception as err:
                 results[key][f"bwd {t1} {t2}"] = f"fail {type(err).__name__}"
             print(key, "bwd", t1, t2, results[key][f"bwd {t1} {t2}"], flush=True)
@@ -130,7 +133,20 @@ def main(dims=(128, 256), causal_kinds=(False, True), out=None, variants=None):
     return results
 
 
+def _bucket(d: int) -> int:
+    """The padded head dim whose candidates apply (64, 128, 256)."""
+    return 64 if d <= 64 else 128 if d <= 128 else 256
+
+
+def parse_dim(text: str):
+    """'128' -> 128; '192v128' -> (192, 128) (d_qk, d_v)."""
+    if "v" in text:
+        d, dv = text.split("v")
+        return int(d), int(dv)
+    return int(text)
+
+
 if __name__ == "__main__":
     out = sys.argv[1] if len(sys.argv) > 1 else "tune.json"
-    dims = tuple(int(d) for d in sys.argv[2].split(",")) if len(sys.argv) > 2 else (128, 256)
+    dims = tuple(parse_dim(d) for d in sys.argv[2].split(",")) if len(sys.argv) > 2 else (128, 256)
     main(dims, out=out, variants=parse_variants(sys.argv[3]) if len(sys.argv) > 3 else None)

@@ -18,7 +18,8 @@
 # (dev/tuning/step_timeline.py; TIMELINE_ARGS), ws (dev/tuning/ws_kernels.py: the Gluon kernels' errors and speed), ncu (Nsight Compute over dev/tuning/ncu_step.py; NCU_ARGS), fa4 / fa4tests
 # (install_flash_attn4.sh phase1 / phase2 + gpu_flash.sh tests), bench (gpu_bench.sh parts in
 # BENCH_PARTS), tetables (qa/L1_pytorch_te_tables; TE_TABLES_WORKERS, TE_TABLES_EXTRA e.g. "--tables softmax"), memcheck (qa/L1_memcheck), cpbench (benchmarks/attention/bench_context_parallel.py; CPBENCH_ARGS), cpprof
-# (dev/tuning/cp_step_profile.py: device time per kernel, single call / thd / CP steps; CPPROF_ARGS); 2-GPU: tp (torchrun tensor-parallel heads), jaxmesh (tests/jax/test_jax_two_device_mesh.py).
+# (dev/tuning/cp_step_profile.py: device time per kernel, single call / thd / CP steps; CPPROF_ARGS), jtprof
+# (dev/tuning/jax_torch_profile.py: device time per kernel of one fwd+bwd from PyTorch and from JAX; JTPROF_ARGS); 2-GPU: tp (torchrun tensor-parallel heads), jaxmesh (tests/jax/test_jax_two_device_mesh.py).
 # Limits per section come from <SECTION>_TIMEOUT (seconds); the defaults suit a 600 s call. CORE_ARGS: extra
 # bench_core.py arguments; GPU1: the second lane's GPU (default 1; 0 on a one-GPU machine); sleep:N waits;
 # env:NAME=VALUE exports a variable for the lane's later sections (a forced plan: env:NVTE_FUSED_ATTN_PLAN_ARCH=sm80).
@@ -142,6 +143,9 @@ section() {
     cpprof)  # dev/tuning/cp_step_profile.py: device time per kernel of the single call, thd, CP steps; CPPROF_ARGS
       timeout "$(limit CPPROF 200)" python3 dev/tuning/cp_step_profile.py ${CPPROF_ARGS:-} > "$d/cpprof.md" 2>&1
       note "cp profile rc=$? $(tail -4 "$d/cpprof.md" | tr '\n' ' ')" ;;
+    jtprof)  # dev/tuning/jax_torch_profile.py: device time per kernel, PyTorch and JAX, one process; JTPROF_ARGS
+      timeout "$(limit JTPROF 200)" python3 dev/tuning/jax_torch_profile.py ${JTPROF_ARGS:-} > "$d/jtprof.md" 2>&1
+      note "jax/torch profile rc=$? $(tail -1 "$d/jtprof.md")" ;;
     env:*) export "${s#env:}"; note "export ${s#env:}" ;;  # e.g. env:NVTE_FUSED_ATTN_PLAN_ARCH=sm80 for the lane's later sections
     sleep:*) sleep "${s#sleep:}" ;;  # e.g. keep a shared GPU quiet while the other lane benchmarks
     *) note "unknown section $s" ;;

@@ -241,7 +241,6 @@ def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_
     alloc = torch.zeros if seqs.is_thd else torch.empty
     tensors = dict(q=q, k=k, v=v, out=out, d_out=d_out)
     given = dict(dq=dq, dk=dk, dv=dv)
-    dq = dk = dvt = None
     for name, like, on in (("dq", q, grads.has_dq), ("dk", k, grads.has_dkdv), ("dv", v, grads.has_dkdv)):
         if on:
             buf = given[name]

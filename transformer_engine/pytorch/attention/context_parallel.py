@@ -246,19 +246,19 @@ def _seq_dim(fmt: QKVFormat) -> int:
     return 1 if fmt == QKVFormat.BSHD else 0
 
 
-def _mask_args(mask: AttnMaskType):
-    left, right = normalize_window(None, mask)
-    return mask.value, left, right, resolve_bottom_right_diagonal(mask, None, "pytorch")
+def _call_args(fmt, q, k, mask, cu_q, cu_k, off_q, off_k, max_q, max_k):
+    """(sequences, window, bottom_right_diagonal) of one fused call, as the custom ops derive them."""
+    sd = _seq_dim(fmt)
+    seqs = launch.sequences(fmt, q, k, cu_q, cu_k, off_q, off_k, max_q if max_q is not None else q.shape[sd],
+                            max_k if max_k is not None else k.shape[sd])
+    return seqs, normalize_window(None, mask), resolve_bottom_right_diagonal(mask, None, "pytorch")
 
 
 def _fwd(q, k, v, fmt, spec, mask, cu_q=None, cu_k=None, off_q=None, off_k=None, max_q=None, max_k=None,
          out=None, lse=None):
     """The fused forward (the custom op's launches, run directly: ``out``/``lse`` may be views to fill)."""
-    _, left, right, br = _mask_args(mask)
-    sd = _seq_dim(fmt)
-    seqs = launch.sequences(fmt, q, k, cu_q, cu_k, off_q, off_k, max_q if max_q is not None else q.shape[sd],
-                            max_k if max_k is not None else k.shape[sd])
-    return launch.forward(q, k, v, fmt, seqs, spec.softmax_scale, mask, (left, right), bottom_right_diagonal=br,
+    seqs, window, br = _call_args(fmt, q, k, mask, cu_q, cu_k, off_q, off_k, max_q, max_k)
+    return launch.forward(q, k, v, fmt, seqs, spec.softmax_scale, mask, window, bottom_right_diagonal=br,
                           out=out, lse=lse)
 
 
@@ -267,15 +267,12 @@ def _bwd(grads: BackwardGrads, q, k, v, out, d_out, lse, fmt, spec, mask, cu_q=N
     """The fused backward's ``grads`` part: dq (``DQ``) or (dk, dv) (``DKDV``), bitwise the whole backward's.
     ``dq``/``dk``/``dv`` may be views to fill; ``delta`` (lse's shape and strides) the rows' rowsum(dO * O),
     computed by this call unless ``preprocess`` is False (then an earlier call filled it)."""
-    _, left, right, br = _mask_args(mask)
-    sd = _seq_dim(fmt)
-    seqs = launch.sequences(fmt, q, k, cu_q, cu_k, off_q, off_k, max_q if max_q is not None else q.shape[sd],
-                            max_k if max_k is not None else k.shape[sd])
+    seqs, window, br = _call_args(fmt, q, k, mask, cu_q, cu_k, off_q, off_k, max_q, max_k)
     if delta is None:
         lse = lse.contiguous()
-    dq, dk, dv, _, _ = launch.backward(q, k, v, out, d_out, lse, fmt, seqs, spec.softmax_scale, mask,
-                                       (left, right), bottom_right_diagonal=br, grads=grads, dq=dq, dk=dk, dv=dv,
-                                       delta=delta, preprocess=preprocess)
+    dq, dk, dv, _, _ = launch.backward(q, k, v, out, d_out, lse, fmt, seqs, spec.softmax_scale, mask, window,
+                                       bottom_right_diagonal=br, grads=grads, dq=dq, dk=dk, dv=dv, delta=delta,
+                                       preprocess=preprocess)
     return dq if grads == BackwardGrads.DQ else (dk, dv)
 
 
@@ -324,15 +321,16 @@ def fused_backward_step(q_g, k_g, v_g, out_g, d_out_g, lse_g, split: SeqSplit,
                         spec: FusedSpec) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One rank's backward from the global (gathered, global order) q, k, v, out, d_out and lse:
     (dq, dk, dv) of its own tokens."""
+    d_out_g = d_out_g.contiguous()  # an expanded dO has stride 0: no TMA
     if split.is_thd:
-        return _thd_backward(q_g, k_g, v_g, out_g, d_out_g.contiguous(), lse_g, split, spec)
+        return _thd_backward(q_g, k_g, v_g, out_g, d_out_g, lse_g, split, spec)
     fmt, sd = split.fmt, _seq_dim(split.fmt)
     s, length = split.seqlen, split.chunk_len()
     local = lambda t: t.new_empty(tuple(t.shape[:sd]) + (2 * length,) + tuple(t.shape[sd + 1:]))  # noqa: E731
     dq, dk, dv = local(q_g), local(k_g), local(v_g)
     # rowsum(dO * O) once per rank: the first dK/dV call (slot 0, the earliest chunk) computes it over its
     # query rows [lo, s), which hold every row a later call of the rank reads; the others skip the preprocess.
-    lse_g, d_out_g = lse_g.contiguous(), d_out_g.contiguous()  # (an expanded dO has stride 0: no TMA)
+    lse_g = lse_g.contiguous()
     delta = torch.empty_like(lse_g)
     for slot, a, b, lo in _padded_ranges(split, spec.align):
         into = slot * length

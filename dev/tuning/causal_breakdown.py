@@ -28,19 +28,42 @@ SHAPES = [(1, 16, 8192, 128), (4, 16, 4096, 128), (16, 16, 2048, 128), (64, 16, 
 KERNELS = ("attn_fwd_kernel", "attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")
 
 
-def kernel_us(fn, reps):
-    """Mean device time per call of each of KERNELS (microseconds), from the profiler's trace."""
+def per_kernel_us(fn, reps):
+    """{kernel name: [launches per call, device us per call]} of every CUDA kernel ``fn`` runs (those XLA
+    launches too: the profiler's CUPTI sees the whole process), over ``reps`` calls after a warm-up call."""
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    times = {name: 0.0 for name in KERNELS}
+    out = {}
     for event in prof.key_averages():
+        if event.device_time_total > 0:
+            calls, us = out.get(event.key[:80], (0.0, 0.0))
+            out[event.key[:80]] = [calls + event.count / reps, us + event.device_time_total / reps]
+    return out
+
+
+def print_kernels(title, kernels):
+    """A markdown table of per_kernel_us's result, longest first; returns the total device ms."""
+    total = sum(us for _, us in kernels.values()) / 1e3
+    print(f"### {title}: {total:.3f} ms of kernels per call\n")
+    print("| kernel | calls | us |")
+    print("|---|---|---|")
+    for name, (calls, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1]):
+        print(f"| {name} | {calls:.0f} | {us:.1f} |")
+    print()
+    return total
+
+
+def kernel_us(fn, reps):
+    """Mean device time per call of each of KERNELS (microseconds), from the profiler's trace."""
+    times = {name: 0.0 for name in KERNELS}
+    for key, (_, us) in per_kernel_us(fn, reps).items():
         for name in KERNELS:
-            if event.key.startswith(name):
-                times[name] += event.device_time_total / reps
+            if key.startswith(name):
+                times[name] += us
     return times
 
 

@@ -15,34 +15,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "attention"))
 
+from causal_breakdown import per_kernel_us, print_kernels  # noqa: E402
 from common import bench_ms  # noqa: E402
 from transformer_engine.pytorch.attention.context_parallel import run_ranks_in_one_process  # noqa: E402
 from transformer_engine.pytorch.attention.fused_attn import fused_attn_func  # noqa: E402
-
-
-def per_kernel_us(fn, reps: int):
-    """{kernel name: (calls per step, device us per step)} over ``reps`` steps (after one warm-up step)."""
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    out = defaultdict(lambda: [0.0, 0.0])
-    for event in prof.key_averages():
-        if event.device_time_total > 0:
-            name = event.key[:80]
-            out[name][0] += event.count / reps
-            out[name][1] += event.device_time_total / reps
-    return dict(out)
 
 
 def main(argv=None) -> int:
@@ -80,16 +62,8 @@ def main(argv=None) -> int:
           f"{args.reps} steps profiled\n")
     summary = []
     for name, fn in configs:
-        kernels = per_kernel_us(fn, args.reps)
-        total = sum(us for _, us in kernels.values())
-        wall = bench_ms(fn)
-        summary.append(f"| {name} | {total / 1e3:.3f} | {wall:.3f} |")
-        print(f"### {name}: device {total / 1e3:.3f} ms per step, do_bench {wall:.3f} ms\n")
-        print("| kernel | calls | us |")
-        print("|---|---|---|")
-        for kname, (calls, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1]):
-            print(f"| {kname} | {calls:.0f} | {us:.1f} |")
-        print()
+        total = print_kernels(name, per_kernel_us(fn, args.reps))
+        summary.append(f"| {name} | {total:.3f} | {bench_ms(fn):.3f} |")
     print("| config | device ms per step | do_bench ms |")
     print("|---|---|---|")
     print("\n".join(summary))

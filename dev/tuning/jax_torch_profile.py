@@ -13,39 +13,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections import defaultdict
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX and torch share the GPU
 
 import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-
-def per_kernel_us(step, reps: int):
-    """{kernel: [calls per step, device us per step]} over ``reps`` steps after a warm-up step."""
-    step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            step()
-        torch.cuda.synchronize()
-    out = defaultdict(lambda: [0.0, 0.0])
-    for event in prof.key_averages():
-        if event.device_time_total > 0:
-            out[event.key[:80]][0] += event.count / reps
-            out[event.key[:80]][1] += event.device_time_total / reps
-    return dict(out)
-
-
-def show(title, kernels):
-    total = sum(us for _, us in kernels.values())
-    print(f"### {title}: {total / 1e3:.3f} ms of kernels per step\n")
-    print("| kernel | calls | us |")
-    print("|---|---|---|")
-    for name, (calls, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1]):
-        print(f"| {name} | {calls:.0f} | {us:.1f} |")
-    print()
-    return total
+from causal_breakdown import per_kernel_us, print_kernels  # noqa: E402  (this folder)
 
 
 def main(argv=None) -> int:
@@ -90,8 +63,8 @@ def main(argv=None) -> int:
 
     print(f"shape (b, h, s, d) = ({b}, {h}, {s}, {d}) bf16, {'causal' if args.causal else 'no mask'}, "
           f"deterministic, {args.reps} steps\n")
-    t_torch = show("PyTorch fused_attn_func", per_kernel_us(torch_step, args.reps))
-    t_jax = show("JAX fused_attn (jit)", per_kernel_us(jax_step, args.reps))
+    t_torch = print_kernels("PyTorch fused_attn_func", per_kernel_us(torch_step, args.reps))
+    t_jax = print_kernels("JAX fused_attn (jit)", per_kernel_us(jax_step, args.reps))
     print(f"JAX / PyTorch kernel time: {t_jax / t_torch:.3f}")
     return 0
 

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "att
 from cases import attn_flops
 from common import bench_ms
 from transformer_engine.common.attention import AttnMaskType, QKVFormat
-from transformer_engine.common.attention.plan import Tiles, backward_plan, forward_plan
+from transformer_engine.common.attention.plan import Tiles, backward_plan, forward_plan, padded_head_dim
 from transformer_engine.pytorch.attention import launch
 
 # Candidates per padded head dim: forward tiles, dK/dV tiles (timed with the planned dQ tiles) and
@@ -106,7 +106,7 @@ def main(dims=(128, 256), causal_kinds=(False, True), out=None, variants=None):
         results[key] = {}
         fwd_cands, dkdv_cands, dq_cands = (
             variant_candidates((base_f.tiles, base_b.dkdv, base_b.dq), variants) if variants
-            else CANDIDATES[max(_bucket(d), _bucket(dv))])
+            else CANDIDATES[max(padded_head_dim(d), padded_head_dim(dv))])
         for t in fwd_cands if "fwd" in kernels else []:
             try:
                 plan = dataclasses.replace(base_f, tiles=t, warp_specialized=None)  # the Triton kernel
@@ -131,11 +131,6 @@ def main(dims=(128, 256), causal_kinds=(False, True), out=None, variants=None):
             print(key, "bwd", t1, t2, results[key][f"bwd {t1} {t2}"], flush=True)
             save()
     return results
-
-
-def _bucket(d: int) -> int:
-    """The padded head dim whose candidates apply (64, 128, 256)."""
-    return 64 if d <= 64 else 128 if d <= 128 else 256
 
 
 def parse_dim(text: str):

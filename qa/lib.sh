@@ -8,6 +8,7 @@
 #   PYTHON           interpreter to use (default: python, else python3)
 #   XML_LOG_DIR      where pytest writes one JUnit XML per suite (default: a temporary folder)
 #   QA_PYTEST_ARGS   extra pytest arguments for every suite, e.g. "-x -k causal"
+#                    (a test file with a line "# qa: no xdist workers" gets "-n 0" after "-n N")
 #   QA_RECORD        a file to which the final summary line is appended (e.g. for GPU runs)
 #   QA_COUNTS_FILE   a file to which "passed failed skipped" is appended (used by qa/L0_all)
 #   QA_SELECT        test file names (without .py, space-separated) to run, in that order, of those a level finds;
@@ -128,10 +129,15 @@ qa_pytest_files() {
     if [ -n "${QA_SKIP:-}" ] && [[ " $QA_SKIP " == *" $name "* ]]; then continue; fi
     chosen+=("$file")
   done
+  local serial
   for file in "${chosen[@]}"; do
     ran=$((ran + 1))
     QA_PROGRESS="[$ran/${#chosen[@]}] "
-    qa_pytest "$prefix/$(basename "$file" .py)" "$@" -- "$file"
+    # A file that says "# qa: no xdist workers" runs in one process even when QA_PYTEST_ARGS ask for
+    # pytest-xdist workers (-n N): its cases each fill one GPU, and workers sharing it stall them.
+    serial=()
+    if [[ " ${QA_PYTEST_ARGS:-} " == *" -n "* ]] && grep -q "^# qa: no xdist workers" "$file"; then serial=(-n 0); fi
+    qa_pytest "$prefix/$(basename "$file" .py)" "$@" -- "${serial[@]}" "$file"
   done
   QA_PROGRESS=""
   if [ "$ran" -eq 0 ]; then  # everything filtered out: nothing ran, so nothing passed

@@ -1,3 +1,4 @@
+# qa: no xdist workers (every case fills the GPU; workers sharing it stall each other)
 """Context parallelism on one GPU: every rank's "p2p"/"all_gather" step in one process (all ranks' chunks on
 the GPU, the exchanges as tensor copies), at bf16 and long sequences, bitwise equal to the single call on the
 whole sequence and over a repeat.

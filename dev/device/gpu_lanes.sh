@@ -35,7 +35,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 T0=$(date +%s)
 # Compiled kernels from an earlier call of the session: its $OUT/kernel_cache.tgz.* parts, copied here into
 # .kernel_cache/ (ignored) and named in carry. Triton keys every entry by source, options and target, so a
-# stale entry is never used; the call then skips the compiles (minutes for the context-parallel files).
+# stale entry is never used; the call then skips the compiles (most of a cold fused-attention suite's time).
 export TRITON_CACHE_DIR=/tmp/triton_cache
 mkdir -p "$TRITON_CACHE_DIR"
 if ls "$ROOT"/.kernel_cache/kernel_cache.tgz.* > /dev/null 2>&1; then

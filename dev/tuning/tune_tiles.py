@@ -45,10 +45,19 @@ CANDIDATES = {
         [T(64, 128, 8, 3, head_group=8), T(64, 128, 8, 4, head_group=8), T(64, 128, 8, 3, head_group=8)],
         [T(128, 64, 8, 3, head_group=8), T(128, 64, 8, 4, head_group=8)],
     ),
-    256: (  # also d_qk 192 / d_v 128 ("192v128"), where the smaller V side may leave room for larger tiles
+    256: (
         [T(128, 64, 8, 2), T(64, 64, 4, 2), T(128, 32, 8, 2), T(64, 32, 4, 2), T(128, 64, 8, 3)],
         [T(64, 64, 8, 2), T(64, 32, 8, 2), T(32, 64, 4, 2), T(128, 64, 8, 1), T(64, 128, 8, 2)],
         [T(64, 64, 8, 2), T(128, 32, 8, 2), T(64, 32, 4, 2), T(128, 64, 8, 1), T(128, 64, 8, 2)],
+    ),
+    # d_qk padded to 256 with d_v to 128 ("192v128", plan._SM90_NARROW_V): the d=256 tiles against the
+    # narrow-V winners of the d=256 candidates and their single-loop and deeper-pipeline forms.
+    (256, 128): (
+        [T(128, 64, 8, 2, single_loop=True), T(128, 64, 8, 3), T(128, 64, 8, 3, single_loop=True),
+         T(128, 32, 8, 4)],
+        [T(64, 64, 8, 2, single_loop=True), T(64, 128, 8, 2), T(64, 128, 8, 2, single_loop=True), T(64, 64, 8, 3),
+         T(64, 64, 8, 3, single_loop=True), T(32, 128, 8, 2)],
+        [T(64, 64, 8, 2), T(128, 64, 8, 2), T(128, 64, 8, 2, single_loop=True), T(128, 32, 8, 3)],
     ),
 }
 
@@ -106,7 +115,8 @@ def main(dims=(128, 256), causal_kinds=(False, True), out=None, variants=None):
         results[key] = {}
         fwd_cands, dkdv_cands, dq_cands = (
             variant_candidates((base_f.tiles, base_b.dkdv, base_b.dq), variants) if variants
-            else CANDIDATES[max(padded_head_dim(d), padded_head_dim(dv))])
+            else CANDIDATES.get((padded_head_dim(d), padded_head_dim(dv)))
+            or CANDIDATES[max(padded_head_dim(d), padded_head_dim(dv))])
         for t in fwd_cands if "fwd" in kernels else []:
             try:
                 plan = dataclasses.replace(base_f, tiles=t, warp_specialized=None)  # the Triton kernel

@@ -67,6 +67,9 @@ CASES = [
     Case((64, 64), "float16", AttnMaskType.NO_MASK, bias=AttnBiasType.ALIBI, dropout=True, gqa=2),
     Case((128, 128), "bfloat16", AttnMaskType.PADDING_MASK, bias=BIAS, dropout=True),
     Case((192, 128), "float16", AttnMaskType.NO_MASK, bias=AttnBiasType.ALIBI, dropout=True),
+    # Hopper's narrow-V tiles (d_qk 256, d_v 128 padded; no bias or dropout), diagonal-bounded, at their
+    # heaviest: packed sequences, GQA, sink softmax.
+    Case((192, 128), "bfloat16", AttnMaskType.PADDING_CAUSAL_MASK, gqa=4, thd=True, sink=True),
     # A sliding bottom-right window over packed sequences (THD) with GQA at the smallest bucket.
     Case((32, 32), "bfloat16", AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK, window=(64, 0), gqa=2, thd=True),
     # fp32 (its own tiles) at the largest head dim, with bias and dropout.

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from transformer_engine.common import settings
-from transformer_engine.common.attention import AttnConfig, AttnMaskType
+from transformer_engine.common.attention import AttnBiasType, AttnConfig, AttnMaskType
 from transformer_engine.common.attention.backends import FlashAttention, FusedAttention
 from transformer_engine.common.attention.config import gfx_target
 from transformer_engine.common.attention.plan import (
@@ -87,13 +87,17 @@ def test_each_gpu_plans_with_its_architecture(device, arch):
 @pytest.mark.parametrize("dims", DIMS)
 @pytest.mark.parametrize("mask,window", WINDOWS)
 def test_plan_is_what_the_table_says(arch, dims, mask, window):
-    """16-bit plans take their tiles from the architecture's table at (padded head dim, diagonal-bounded);
-    the Gluon kernels only on SM90; fp32 plans clamp those tiles and run one stage (AMD: their own at d=256)."""
+    """16-bit plans take their tiles from the architecture's table at (padded head dim, diagonal-bounded),
+    or its narrow-V tiles where d_qk pads to 256 and d_v to 128; the Gluon kernels only on SM90; fp32 plans
+    clamp those tiles and run one stage (AMD: their own at d=256)."""
     cfg = _config(arch, dims, mask, window)
     key = (max(padded_head_dim(dims[0]), padded_head_dim(dims[1])), cfg.window_kind != "none")
     tables = ARCHS[arch]
     fwd, bwd = forward_plan(cfg), backward_plan(cfg)
-    assert (fwd.tiles, bwd.dkdv, bwd.dq) == (tables.fwd[key], tables.dkdv[key], tables.dq[key])
+    narrow = tables.narrow_v is not None and (padded_head_dim(dims[0]), padded_head_dim(dims[1])) == (256, 128) \
+        and cfg.attn_bias_type == AttnBiasType.NO_BIAS and cfg.dropout == 0
+    planned = tables.narrow_v if narrow else (tables.fwd[key], tables.dkdv[key], tables.dq[key])
+    assert (fwd.tiles, bwd.dkdv, bwd.dq) == planned
     assert bwd.preprocess.block_m == 64
     ws = arch == "sm90" and dims == (128, 128)
     assert (fwd.warp_specialized is not None, bwd.dq_warp_specialized is not None,
@@ -104,11 +108,33 @@ def test_plan_is_what_the_table_says(arch, dims, mask, window):
     if key[0] == 256 and tables.fp32_large is not None:  # AMD: its own fp32 tiles at d=256
         assert (f32.tiles, b32.dkdv, b32.dq) == tables.fp32_large
         return
+    t_fwd, t_dkdv, t_dq = planned
     assert (f32.tiles.block_m, f32.tiles.block_n, f32.tiles.num_stages) == (
-        min(tables.fwd[key].block_m, 64), min(tables.fwd[key].block_n, 32), 1)
+        min(t_fwd.block_m, 64), min(t_fwd.block_n, 32), 1)
     assert (b32.dkdv.block_m, b32.dkdv.block_n, b32.dq.block_m, b32.dq.block_n) == (
-        min(tables.dkdv[key].block_m, 32), min(tables.dkdv[key].block_n, 64), min(tables.dq[key].block_m, 64),
-        min(tables.dq[key].block_n, 32))
+        min(t_dkdv.block_m, 32), min(t_dkdv.block_n, 64), min(t_dq.block_m, 64), min(t_dq.block_n, 32))
+
+
+@pytest.mark.parametrize("dims,narrow", [((192, 128), True), ((256, 128), True), ((160, 96), True),
+                                         ((192, 192), False), ((128, 256), False), ((192, 64), False),
+                                         ((128, 128), False)])
+def test_narrow_v_tiles_serve_only_d_qk_256_with_d_v_128(dims, narrow):
+    """Hopper's narrow-V tiles: 16-bit, padded d_qk 256 with padded d_v 128, either mask kind, no bias or
+    dropout; fp32 keeps the clamp of the d=256 tiles (the same tiles either way)."""
+    for mask in (AttnMaskType.NO_MASK, AttnMaskType.CAUSAL_MASK):
+        cfg = _config("sm90", dims, mask)
+        bwd = backward_plan(cfg)
+        assert ((forward_plan(cfg).tiles, bwd.dkdv, bwd.dq) == ARCHS["sm90"].narrow_v) == narrow, (dims, mask)
+        for mod in (dict(attn_bias_type=AttnBiasType.POST_SCALE_BIAS, bias_shape="1hss"),
+                    dict(attn_bias_type=AttnBiasType.ALIBI), dict(dropout=0.1)) if narrow else ():
+            other = dataclasses.replace(cfg, **mod)
+            assert forward_plan(other).tiles == ARCHS["sm90"].fwd[(256, mask.is_causal)], mod
+            assert (backward_plan(other).dkdv, backward_plan(other).dq) == \
+                (ARCHS["sm90"].dkdv[(256, mask.is_causal)], ARCHS["sm90"].dq[(256, mask.is_causal)]), mod
+        if narrow:
+            a, b = (dataclasses.replace(_config("sm90", d, mask), dtype="float32") for d in (dims, (dims[0], 256)))
+            assert (forward_plan(a).tiles, backward_plan(a).dkdv, backward_plan(a).dq) == \
+                (forward_plan(b).tiles, backward_plan(b).dkdv, backward_plan(b).dq)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))

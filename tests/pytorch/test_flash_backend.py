@@ -737,22 +737,31 @@ def _invariance_failed(kind: str, name: str, detail: str) -> None:
                     "from FlashAttention.DETERMINISTIC_INVARIANT_ARCHS (backends.py)")
 
 
-# Head dims whose deterministic mode may be selected (FlashAttention.MEASURED_FASTER): each passes these
-# before it is listed there.
-INVARIANCE_HEAD_DIMS = [128, 64, 256]
+# Head dims (d_qk, d_v) whose deterministic mode may be selected (FlashAttention.MEASURED_FASTER): each
+# passes these before it is listed there.
+INVARIANCE_HEAD_DIMS = [(128, 128), (64, 64), (256, 256), (192, 128)]
+
+
+def _dims_id(dims) -> str:
+    return f"d{dims[0]}" + (f"v{dims[1]}" if dims[1] != dims[0] else "")
+
+
+def _dims_suffix(dims) -> str:
+    return "" if dims == (128, 128) else "-" + _dims_id(dims)
 
 
 @requires_flash
-@pytest.mark.parametrize("d", INVARIANCE_HEAD_DIMS, ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("dims", INVARIANCE_HEAD_DIMS, ids=_dims_id)
 @pytest.mark.parametrize("mask", ["causal", "no_mask"])
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=["mha", "gqa"])
-def test_gpu_batch_invariance(mask, heads, d):
+def test_gpu_batch_invariance(mask, heads, dims):
     """A sequence's output and gradients, bitwise, alone and as the middle one of a batch of three."""
     h, hk = heads
+    d, dv = dims
     g = gen(2)
     s = 777
-    full = [randn(shape, torch.bfloat16, g) for shape in ((3, s, h, d), (3, s, hk, d), (3, s, hk, d))]
-    d_out = randn((3, s, h, d), torch.bfloat16, g, requires_grad=False)
+    full = [randn(shape, torch.bfloat16, g) for shape in ((3, s, h, d), (3, s, hk, d), (3, s, hk, dv))]
+    d_out = randn((3, s, h, dv), torch.bfloat16, g, requires_grad=False)
 
     def run(q, k, v, do):
         out = flash_backend.flash_attn_func(q, k, v, "bshd", mask, (-1, -1), d ** -0.5, deterministic=True)
@@ -761,7 +770,7 @@ def test_gpu_batch_invariance(mask, heads, d):
     together = run(*full, d_out)
     alone = run(*[t.detach()[1:2].clone().requires_grad_() for t in full], d_out[1:2])
     same = [torch.equal(a, b[1:2]) for a, b in zip(alone, together)]
-    name = f"bshd-{mask}-{'mha' if h == hk else 'gqa'}" + ("" if d == 128 else f"-d{d}")
+    name = f"bshd-{mask}-{'mha' if h == hk else 'gqa'}" + _dims_suffix(dims)
     if all(same):
         _record("batch", name, True, "out/dq/dk/dv bitwise equal")
     else:
@@ -769,21 +778,22 @@ def test_gpu_batch_invariance(mask, heads, d):
 
 
 @requires_flash
-@pytest.mark.parametrize("d", INVARIANCE_HEAD_DIMS, ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("dims", INVARIANCE_HEAD_DIMS, ids=_dims_id)
 @pytest.mark.parametrize("gap", [0, 2])
 @pytest.mark.parametrize("mask", ["padding", "padding_causal", "padding_causal_bottom_right"])
-def test_gpu_packed_thd_equals_padded_bshd(mask, gap, d):
+def test_gpu_packed_thd_equals_padded_bshd(mask, gap, dims):
     """The same sequences packed (thd, with gaps or not) and padded (bshd): bitwise equal per sequence."""
     h, hk, s = 8, 2, 300
+    d, dv = dims
     lengths = [130, 1, 0, 300, 77]
-    case_thd = _gpu_case(dict(fmt="thd", mask=mask, sq=s, skv=s, h=h, hk=hk, d=d, lens_q=lengths, same_cu=True,
-                              gap=gap), seed=3)
+    case_thd = _gpu_case(dict(fmt="thd", mask=mask, sq=s, skv=s, h=h, hk=hk, d=d, dv=dv, lens_q=lengths,
+                              same_cu=True, gap=gap), seed=3)
     q, k, v = case_thd.inputs()
     out = flash_backend.flash_attn_func(q, k, v, "thd", mask, (-1, -1), d ** -0.5, deterministic=True,
                                         **case_thd.kwargs())
     thd = [out] + list(torch.autograd.grad(out, (q, k, v), case_thd.d_out_in_fmt()))
-    case_pad = _gpu_case(dict(fmt="bshd", mask=mask, sq=s, skv=s, h=h, hk=hk, d=d, lens_q=lengths, same_cu=True),
-                         seed=3)
+    case_pad = _gpu_case(dict(fmt="bshd", mask=mask, sq=s, skv=s, h=h, hk=hk, d=d, dv=dv, lens_q=lengths,
+                              same_cu=True), seed=3)
     qp, kp, vp = case_pad.inputs()
     outp = flash_backend.flash_attn_func(qp, kp, vp, "bshd", mask, (-1, -1), d ** -0.5, deterministic=True,
                                          **case_pad.kwargs())
@@ -794,7 +804,7 @@ def test_gpu_packed_thd_equals_padded_bshd(mask, gap, d):
         for n, ln in enumerate(lengths):
             if not torch.equal(unpacked[n, :ln], b[n, :ln]):
                 mismatches.append(f"{tname}[seq {n}]")
-    name = f"{mask}-gap{gap}" + ("" if d == 128 else f"-d{d}")
+    name = f"{mask}-gap{gap}" + _dims_suffix(dims)
     if not mismatches:
         _record("packing", name, True, "out/dq/dk/dv bitwise equal per sequence")
     else:
@@ -802,23 +812,25 @@ def test_gpu_packed_thd_equals_padded_bshd(mask, gap, d):
 
 
 @requires_flash
-@pytest.mark.parametrize("shape", [(4, 16, 128, "no_mask"), (4, 16, 128, "causal"), (8, 32, 64, "no_mask"),
-                                   (8, 32, 64, "causal"), (2, 16, 256, "causal")],
-                         ids=lambda s: f"b{s[0]}h{s[1]}d{s[2]}-{s[3]}")
+@pytest.mark.parametrize("shape", [(4, 16, 128, 128, "no_mask"), (4, 16, 128, 128, "causal"),
+                                   (8, 32, 64, 64, "no_mask"), (8, 32, 64, 64, "causal"), (2, 16, 256, 256, "causal"),
+                                   (2, 16, 192, 128, "no_mask"), (2, 16, 192, 128, "causal")],
+                         ids=lambda s: f"b{s[0]}h{s[1]}{_dims_id(s[2:4])}-{s[4]}")
 def test_gpu_selected_in_deterministic_training(monkeypatch, shape):
     """Benchmark-grid shapes (shorter sequences): DotProductAttention in deterministic mode picks
     flash-attn-4 where it is measured faster, our kernels elsewhere (policy.py)."""
     monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
-    b, h, d, mask = shape
+    b, h, d, dv, mask = shape
     g = gen(5)
-    q, k, v = (randn((b, 512, h, d), torch.bfloat16, g) for _ in range(3))
-    dpa = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type=mask)
+    q, k, v = (randn((b, 512, h, dim), torch.bfloat16, g) for dim in (d, d, dv))
+    dpa = DotProductAttention(h, (d, dv), qkv_format="bshd", attn_mask_type=mask)
     out = dpa(q, k, v)
     out.backward(torch.ones_like(out))
     major = torch.cuda.get_device_capability()[0]
-    expected = "FlashAttention" if (major, d, d) in FlashAttention.MEASURED_FASTER and \
+    expected = "FlashAttention" if (major, d, dv) in FlashAttention.MEASURED_FASTER and \
         major in FlashAttention.DETERMINISTIC_INVARIANT_ARCHS else "FusedAttention"
-    _record("selection", f"b{b}h{h}d{d}-{mask}", dpa.last_backend == expected, f"selected {dpa.last_backend}")
+    _record("selection", f"b{b}h{h}{_dims_id((d, dv))}-{mask}", dpa.last_backend == expected,
+            f"selected {dpa.last_backend}")
     assert dpa.last_backend == expected
 
 

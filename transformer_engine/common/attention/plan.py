@@ -176,6 +176,11 @@ _SM90_DQ: Dict[Tuple[int, bool], Tiles] = {
     (128, False): Tiles(128, 64, 8, 3), (128, True): Tiles(128, 64, 8, 3, head_group=8),
     (256, False): Tiles(64, 64, 8, 2), (256, True): Tiles(64, 64, 8, 2),
 }
+# d_qk padded to 256 with d_v padded to 128 (192/128, the MLA head dims), either mask kind, without bias or
+# dropout: the narrower V and dO tiles leave shared memory for a third forward stage and for 128-key dK/dV
+# and 128-query dQ tiles, which the d=256 tables cannot fit (fwd, dK/dV, dQ). With a bias tile the forward
+# exceeds shared memory and with dropout the dK/dV spills: those variants keep the d=256 tiles.
+_SM90_NARROW_V = (Tiles(128, 64, 8, 3), Tiles(64, 128, 8, 2), Tiles(128, 64, 8, 2))
 # Warp-specialized Gluon kernels on Hopper (kernels/hopper_ws.py): 128 rows (query rows; keys for dK/dV)
 # as two consumer warpgroups of 64 plus a loader warp (12 warps allocated: 168 registers each on average).
 # Forward: K/V blocks of 128 in a 2-buffer ring. Where they serve: d_qk = d_v = 128, fp16/bf16, no bias,
@@ -260,6 +265,16 @@ class ArchTables:
     # fp32 tiles (fwd, dK/dV, dQ) at padded head dim 256 where the clamped 16-bit tiles would spill;
     # None: the clamp everywhere (forward_plan, backward_plan).
     fp32_large: Optional[Tuple[Tiles, Tiles, Tiles]] = None
+    # Tiles (fwd, dK/dV, dQ) where d_qk pads to 256 and d_v to 128, without bias or dropout; None: the
+    # padded-256 tables.
+    narrow_v: Optional[Tuple[Tiles, Tiles, Tiles]] = None
+
+    def tiles(self, config: AttnConfig, key: Tuple[int, bool]) -> Tuple[Tiles, Tiles, Tiles]:
+        """The (fwd, dK/dV, dQ) table tiles of ``config`` at ``key`` (_head_key), before the fp32 clamp."""
+        if (self.narrow_v is not None and key[0] == 256 and padded_head_dim(config.head_dim_v) == 128
+                and config.attn_bias_type == AttnBiasType.NO_BIAS and config.dropout == 0):
+            return self.narrow_v
+        return self.fwd[key], self.dkdv[key], self.dq[key]
 
     @property
     def triton_target(self) -> Tuple[str, object, int]:
@@ -273,7 +288,8 @@ _KIB = 1024
 ARCHS: Dict[str, ArchTables] = {t.name: t for t in (
     ArchTables("sm80", "nvidia", 32, 163 * _KIB, _SM80_FWD, _SM80_DKDV, _SM80_DQ),
     ArchTables("sm89", "nvidia", 32, 99 * _KIB, _SM89_FWD, _SM89_BWD, _SM89_BWD),
-    ArchTables("sm90", "nvidia", 32, 227 * _KIB, _SM90_FWD, _SM90_DKDV, _SM90_DQ, warp_specialized=True),
+    ArchTables("sm90", "nvidia", 32, 227 * _KIB, _SM90_FWD, _SM90_DKDV, _SM90_DQ, warp_specialized=True,
+               narrow_v=_SM90_NARROW_V),
     # Datacenter Blackwell (sm_100, sm_103) and Thor (sm_110): Hopper's 227 KiB, so Hopper's Triton tiles
     # (its Gluon kernels are written for Hopper's wgmma and TMA).
     ArchTables("sm100", "nvidia", 32, 227 * _KIB, _SM90_FWD, _SM100_DKDV, _SM100_DQ),
@@ -346,7 +362,7 @@ def forward_plan(config: AttnConfig, override: Optional[Tiles] = None) -> Forwar
     elif arch is None:
         tiles = _INTERPRET_FWD
     else:
-        tiles = arch.fwd[key]
+        tiles = arch.tiles(config, key)[0]
     if config.dtype == "float32" and override is None and arch is not None:
         if key[0] == 256 and arch.fp32_large is not None:
             tiles = arch.fp32_large[0]
@@ -386,7 +402,7 @@ def backward_plan(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = 
     elif arch is None:
         dkdv = dq = _INTERPRET_BWD
     else:
-        dkdv, dq = arch.dkdv[key], arch.dq[key]
+        dkdv, dq = arch.tiles(config, key)[1:]
     if config.dtype == "float32" and override is None and arch is not None:
         if key[0] == 256 and arch.fp32_large is not None:
             dkdv, dq = arch.fp32_large[1:]

@@ -180,7 +180,7 @@ _SM90_DQ: Dict[Tuple[int, bool], Tiles] = {
 # dropout: the narrower V and dO tiles leave shared memory for a third forward stage and for 128-key dK/dV
 # and 128-query dQ tiles, which the d=256 tables cannot fit (fwd, dK/dV, dQ). With a bias tile the forward
 # exceeds shared memory and with dropout the dK/dV spills: those variants keep the d=256 tiles.
-_SM90_NARROW_V = (Tiles(128, 64, 8, 3), Tiles(64, 128, 8, 2), Tiles(128, 64, 8, 2))
+_SM90_NARROW_V = (Tiles(128, 64, 8, 3), Tiles(64, 128, 8, 2, single_loop=True), Tiles(128, 64, 8, 2))
 # Warp-specialized Gluon kernels on Hopper (kernels/hopper_ws.py): 128 rows (query rows; keys for dK/dV)
 # as two consumer warpgroups of 64 plus a loader warp (12 warps allocated: 168 registers each on average).
 # Forward: K/V blocks of 128 in a 2-buffer ring. Where they serve: d_qk = d_v = 128, fp16/bf16, no bias,

@@ -358,16 +358,29 @@ def test_unverified_hopper_head_dims_go_to_our_kernels(monkeypatch):
 
 
 def test_priority_follows_measurements(monkeypatch):
-    """First only where measured faster (H200, d=64/128/256); elsewhere after our kernels, still a fallback."""
-    for d in (64, 128, 256):
-        assert attn_backends.select(_config(monkeypatch, d=d)).name == "FlashAttention", d
-    for kwargs in (dict(d=192, dv=128), dict(d=96), dict(d=128, dv=64), dict(capability=(10, 0)),
-                   dict(capability=(10, 0), d=256)):
+    """First only where measured faster (H200, d=64/128/256 and 192/128); elsewhere after our kernels, still
+    a fallback."""
+    for kwargs in (dict(d=64), dict(d=128), dict(d=256), dict(d=192, dv=128)):
+        assert attn_backends.select(_config(monkeypatch, **kwargs)).name == "FlashAttention", kwargs
+    for kwargs in (dict(d=96), dict(d=128, dv=64), dict(capability=(10, 0)), dict(capability=(10, 0), d=256),
+                   dict(capability=(10, 0), d=192, dv=128)):
         selection = attn_backends.select(_config(monkeypatch, **kwargs))
         assert selection.name == "FusedAttention", kwargs
         assert "FlashAttention" not in selection.rejected  # not tried: the fused backend came first
     monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
-    assert attn_backends.select(_config(monkeypatch, d=192, dv=128)).name == "FlashAttention"
+    assert attn_backends.select(_config(monkeypatch, capability=(10, 0), d=192, dv=128)).name == "FlashAttention"
+
+
+def test_hopper_gqa_with_unequal_head_dims_goes_to_our_kernels(monkeypatch):
+    """flash-attn-4's Hopper backward asserts equal head dims under GQA: such calls are rejected, with the
+    reason; MHA at the same head dims and GQA at equal ones stay on flash-attn-4."""
+    gqa = _config(monkeypatch, capability=(9, 0), d=192, dv=128, hk=2)
+    reasons = FlashAttention.not_supported_reasons(gqa)
+    assert any("GQA/MQA" in r and "head_dim_qk != head_dim_v" in r for r in reasons), reasons
+    assert attn_backends.select(gqa).name == "FusedAttention"
+    assert not FlashAttention.not_supported_reasons(_config(monkeypatch, capability=(9, 0), d=192, dv=128))
+    equal = _config(monkeypatch, capability=(9, 0), d=128, hk=2)
+    assert attn_backends.select(equal).name == "FlashAttention"
 
 
 def test_nvte_flash_attn_0_disables_it(monkeypatch):
@@ -750,10 +763,14 @@ def _dims_suffix(dims) -> str:
     return "" if dims == (128, 128) else "-" + _dims_id(dims)
 
 
+# GQA at equal head dims only: flash-attn-4's Hopper backward rejects it otherwise (so does the backend).
+INVARIANCE_HEADS = [pytest.param(heads, dims, id=f"{name}-{_dims_id(dims)}") for dims in INVARIANCE_HEAD_DIMS
+                    for heads, name in (((8, 8), "mha"), ((8, 2), "gqa")) if name == "mha" or dims[0] == dims[1]]
+
+
 @requires_flash
-@pytest.mark.parametrize("dims", INVARIANCE_HEAD_DIMS, ids=_dims_id)
+@pytest.mark.parametrize("heads,dims", INVARIANCE_HEADS)
 @pytest.mark.parametrize("mask", ["causal", "no_mask"])
-@pytest.mark.parametrize("heads", [(8, 8), (8, 2)], ids=["mha", "gqa"])
 def test_gpu_batch_invariance(mask, heads, dims):
     """A sequence's output and gradients, bitwise, alone and as the middle one of a batch of three."""
     h, hk = heads
@@ -782,9 +799,10 @@ def test_gpu_batch_invariance(mask, heads, dims):
 @pytest.mark.parametrize("gap", [0, 2])
 @pytest.mark.parametrize("mask", ["padding", "padding_causal", "padding_causal_bottom_right"])
 def test_gpu_packed_thd_equals_padded_bshd(mask, gap, dims):
-    """The same sequences packed (thd, with gaps or not) and padded (bshd): bitwise equal per sequence."""
-    h, hk, s = 8, 2, 300
+    """The same sequences packed (thd, with gaps or not) and padded (bshd): bitwise equal per sequence
+    (GQA at equal head dims, MHA otherwise)."""
     d, dv = dims
+    h, hk, s = 8, (2 if d == dv else 8), 300
     lengths = [130, 1, 0, 300, 77]
     case_thd = _gpu_case(dict(fmt="thd", mask=mask, sq=s, skv=s, h=h, hk=hk, d=d, dv=dv, lens_q=lengths,
                               same_cu=True, gap=gap), seed=3)

@@ -247,6 +247,11 @@ class FlashAttention(AttentionBackend):
             reasons.append(f"(head_dim_qk, head_dim_v)={dims} on sm90 is not verified against the reference "
                            f"(verified: {', '.join(str(d) for d in sorted(cls.SM90_VERIFIED_HEAD_DIMS))}; "
                            "d=72 gave a wrong dQ)")
+        # Its Hopper backward takes GQA/MQA only with equal head dims (an assertion in flash-attn-4 4.0.0b36).
+        if major == 9 and dims[0] != dims[1] and config.num_heads_kv != config.num_heads_q:
+            reasons.append(f"GQA/MQA (num_heads_q={config.num_heads_q}, num_heads_kv={config.num_heads_kv}) with "
+                           f"head_dim_qk != head_dim_v ({dims}) on sm90: flash-attn-4's Hopper backward needs "
+                           "equal head dims for GQA")
         if major == 10 and max(dims) > 128 and dims not in cls.SM100_HEAD_DIMS_BEYOND_128:
             reasons.append(f"(head_dim_qk, head_dim_v)={dims} on sm10x (supported: both <= 128, "
                            f"{', '.join(str(d) for d in sorted(cls.SM100_HEAD_DIMS_BEYOND_128))})")

@@ -16,7 +16,7 @@
 # TUNE_KERNELS=fwd the forward only; TUNE_MASKS=causal; TUNE_VARIANTS=head_group=1,2,4 or "tma=0,1;single_loop=0,1"
 # sweeps Tiles fields of the planned tiles instead of the tile table), core (benchmarks/attention/bench_core.py), timeline
 # (dev/tuning/step_timeline.py; TIMELINE_ARGS), ws (dev/tuning/ws_kernels.py: the Gluon kernels' errors and speed), ncu (Nsight Compute over dev/tuning/ncu_step.py; NCU_ARGS), fa4 / fa4tests
-# (install_flash_attn4.sh phase1 / phase2 + gpu_flash.sh tests), bench (gpu_bench.sh parts in
+# (install_flash_attn4.sh phase1 / phase2 + gpu_flash.sh tests), fa4phase2 (phase2 alone), bench (gpu_bench.sh parts in
 # BENCH_PARTS), tetables (qa/L1_pytorch_te_tables; TE_TABLES_WORKERS, TE_TABLES_EXTRA e.g. "--tables softmax"), memcheck (qa/L1_memcheck), cpbench (benchmarks/attention/bench_context_parallel.py; CPBENCH_ARGS), cpprof
 # (dev/tuning/cp_step_profile.py: device time per kernel, single call / thd / CP steps; CPPROF_ARGS), jtprof
 # (dev/tuning/jax_torch_profile.py: device time per kernel of one fwd+bwd from PyTorch and from JAX; JTPROF_ARGS); 2-GPU: tp (torchrun tensor-parallel heads), jaxmesh (tests/jax/test_jax_two_device_mesh.py).
@@ -111,6 +111,8 @@ section() {
       note "ncu rc=$? $(grep -c 'attn_' "$d/ncu.txt") kernel lines" ;;
     fa4)
       bash dev/device/install_flash_attn4.sh phase1 > "$d/fa4.log" 2>&1; note "fa4 phase1 rc=$?" ;;
+    fa4phase2)  # flash-attn-4's second phase without its tests (e.g. before a bench section in the same lane)
+      bash dev/device/install_flash_attn4.sh phase2 >> "$d/fa4.log" 2>&1; note "fa4 phase2 rc=$? $(tail -1 "$d/fa4.log")" ;;
     fa4tests)
       bash dev/device/install_flash_attn4.sh phase2 >> "$d/fa4.log" 2>&1; note "fa4 phase2 rc=$? $(tail -1 "$d/fa4.log")"
       OUT=$d TEST_TIMEOUT=$(limit FA4TESTS 360) bash dev/device/gpu_flash.sh check tests > /dev/null 2>&1

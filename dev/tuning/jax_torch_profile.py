@@ -2,10 +2,12 @@
 (fused_attn under jit), in one process: torch's profiler (CUPTI) records every CUDA kernel of the process, the
 ones XLA launches included, so both frameworks' kernels are timed the same way.
 
-    python dev/tuning/jax_torch_profile.py [--shape 4,16,4096,128] [--causal] [--reps 10]
+    python dev/tuning/jax_torch_profile.py [--shape 4,16,4096,128] [--causal] [--reps 10] [--order torch,jax]
 
 Prints a table per framework (kernel, calls and device microseconds per step, sorted by time) and both totals;
-the JAX table also shows what XLA runs around the custom calls (copies, fusions, memsets).
+the JAX table also shows what XLA runs around the custom calls (copies, fusions, memsets). ``--order`` profiles
+the steps in that order (repeats allowed, e.g. ``torch,jax,jax,torch``: does the order explain a difference?);
+``torch_on_jax`` is the PyTorch step on the JAX arrays' own memory (DLPack): does buffer placement?
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", default="4,16,4096,128", help="b,h,s,d")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--order", default="torch,jax", help="steps to profile, in order: torch, jax, torch_on_jax")
     args = parser.parse_args(argv)
     b, h, s, d = (int(x) for x in args.shape.split(","))
     scale = d ** -0.5
@@ -35,10 +38,10 @@ def main(argv=None) -> int:
     q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
 
-    def torch_step():
-        out = fused_attn_func(*leaves, "bshd", "causal" if args.causal else "no_mask", None, scale,
+    def torch_step(inputs=leaves, d_out=do):
+        out = fused_attn_func(*inputs, "bshd", "causal" if args.causal else "no_mask", None, scale,
                               deterministic=True)
-        return torch.autograd.grad(out, leaves, do)
+        return torch.autograd.grad(out, inputs, d_out)
 
     import jax
     import jax.numpy as jnp
@@ -61,11 +64,26 @@ def main(argv=None) -> int:
     def jax_step():
         return jax.block_until_ready(compiled(jq, jk, jv, jdo))
 
+    # The PyTorch step reading the JAX arrays' memory (DLPack shares it; the gradients are PyTorch's).
+    shared = [torch.from_dlpack(a).requires_grad_() for a in (jq, jk, jv)]
+    shared_do = torch.from_dlpack(jdo)
+    steps = {"torch": ("PyTorch fused_attn_func", torch_step),
+             "jax": ("JAX fused_attn (jit)", jax_step),
+             "torch_on_jax": ("PyTorch fused_attn_func on the JAX arrays (DLPack)",
+                              lambda: torch_step(shared, shared_do))}
+
     print(f"shape (b, h, s, d) = ({b}, {h}, {s}, {d}) bf16, {'causal' if args.causal else 'no mask'}, "
-          f"deterministic, {args.reps} steps\n")
-    t_torch = print_kernels("PyTorch fused_attn_func", per_kernel_us(torch_step, args.reps))
-    t_jax = print_kernels("JAX fused_attn (jit)", per_kernel_us(jax_step, args.reps))
-    print(f"JAX / PyTorch kernel time: {t_jax / t_torch:.3f}")
+          f"deterministic, {args.reps} steps, order {args.order}\n")
+    totals = {}
+    for n, name in enumerate(args.order.split(",")):
+        title, step = steps[name]
+        totals.setdefault(name, []).append(print_kernels(f"{n + 1}. {title}", per_kernel_us(step, args.reps)))
+    print("| step | ms of kernels per call, in profile order |\n|---|---|")
+    for name, times in totals.items():
+        print(f"| {name} | {' / '.join(f'{t:.3f}' for t in times)} |")
+    if "torch" in totals and "jax" in totals:
+        t_torch, t_jax = (sum(totals[k]) / len(totals[k]) for k in ("torch", "jax"))
+        print(f"\nJAX / PyTorch kernel time: {t_jax / t_torch:.3f}")
     return 0
 
 

@@ -100,8 +100,10 @@ def main(dims=(128, 256), causal_kinds=(False, True), out=None, variants=None):
             b = 2
         if shape:
             b, h, s = shape
-        q, k = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        v = torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16)
+        hk = int(os.environ.get("TUNE_KV_HEADS", h))  # fewer KV heads: the GQA variants of the kernels
+        q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(b, s, hk, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(b, s, hk, dv, device="cuda", dtype=torch.bfloat16)
         do = torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16)
         fmt = QKVFormat.BSHD
         mask = AttnMaskType.CAUSAL_MASK if causal else AttnMaskType.NO_MASK
@@ -111,7 +113,7 @@ def main(dims=(128, 256), causal_kinds=(False, True), out=None, variants=None):
         base_b = backward_plan(cfg)
         o, lse = launch.forward(q, k, v, fmt, seqs, d ** -0.5, mask, (-1, -1))
         key = f"d{d}" + (f"v{dv}" if dv != d else "") + f"_{'causal' if causal else 'none'}" + \
-            (f"_{b}x{h}x{s}" if shape else "")
+            (f"_{b}x{h}x{s}" if shape else "") + (f"_kv{hk}" if hk != h else "")
         results[key] = {}
         fwd_cands, dkdv_cands, dq_cands = (
             variant_candidates((base_f.tiles, base_b.dkdv, base_b.dq), variants) if variants

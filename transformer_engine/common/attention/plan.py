@@ -3,8 +3,8 @@
 Determinism contract: in deterministic mode the tiles and loop orders
 depend only on head dim, dtype, mask/window kind and GPU architecture — never on batch size,
 sequence length or autotuning. Nothing below reads a shape other than the head dims. Whether the
-warp-specialized Gluon kernels serve a config also reads its bias/dropout and NVTE_FUSED_ATTN_WS,
-alike for both frameworks.
+warp-specialized Gluon kernels serve a config also reads its bias/dropout and NVTE_FUSED_ATTN_WS, and
+whether Hopper's narrow-V tiles do reads its bias/dropout, alike for both frameworks.
 
 Architectures (:data:`ARCHS`): each GPU family has its tile tables and the shared memory (LDS on AMD) its
 tiles must fit; :func:`plan_arch` finds a config's from its vendor and compute capability or gfx target,

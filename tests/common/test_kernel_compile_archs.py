@@ -116,8 +116,8 @@ def _key(job) -> str:
 # Spills that are known and accepted on NVIDIA: "target case-name kernel" -> the most stack bytes of its
 # launches (data/known_spills.json, recorded from a full run of this file). The NVIDIA tables were tuned
 # for speed on the GPU, where some variants (bias with dropout, fp32 at d=256, the sm_100 compiles of
-# Hopper's tiles, Hopper's narrow-V dK/dV at 192/128) measured fastest with a little stack; a launch that spills more than recorded, or one
-# not recorded that spills, fails. AMD targets must not spill at all.
+# Hopper's tiles, Hopper's narrow-V dK/dV at 192/128) measured fastest with a little stack; a launch that
+# spills more than recorded, or one not recorded that spills, fails. AMD targets must not spill at all.
 with open(os.path.join(os.path.dirname(__file__), "data", "known_spills.json")) as _f:
     KNOWN_SPILLS: Dict[str, int] = json.load(_f)
 

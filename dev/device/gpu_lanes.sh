@@ -19,8 +19,8 @@
 # (install_flash_attn4.sh phase1 / phase2 + gpu_flash.sh tests), fa4phase2 (phase2 alone), bench (gpu_bench.sh parts in
 # BENCH_PARTS), tetables (qa/L1_pytorch_te_tables; TE_TABLES_WORKERS, TE_TABLES_EXTRA e.g. "--tables softmax"), memcheck (qa/L1_memcheck), cpbench (benchmarks/attention/bench_context_parallel.py; CPBENCH_ARGS), cpprof
 # (dev/tuning/cp_step_profile.py: device time per kernel, single call / thd / CP steps; CPPROF_ARGS), jtprof
-# (dev/tuning/jax_torch_profile.py: device time per kernel of one fwd+bwd from PyTorch and from JAX; JTPROF_ARGS); 2-GPU: tp (torchrun tensor-parallel heads), jaxmesh (tests/jax/test_jax_two_device_mesh.py); several GPUs: cpnccl
-# (tests/pytorch/distributed/cp_attention.py over NCCL at each CP size of CPNCCL_SIZES, default "2 4 8" up to the GPU count; CPNCCL_SUITES, default "gpu errors"; add gpu128k).
+# (dev/tuning/jax_torch_profile.py: device time per kernel of one fwd+bwd from PyTorch and from JAX; JTPROF_ARGS); 2-GPU: tp (torchrun tensor-parallel heads), jaxmesh (tests/jax/test_jax_two_device_mesh.py); several GPUs: qa:L1_distributed
+# (context parallelism at CP 2/4/8 up to the GPU count and TP 2 over NCCL; QA_CP_SIZES, QA_CP_SUITES).
 # Limits per section come from <SECTION>_TIMEOUT (seconds); the defaults suit a 600 s call. CORE_ARGS: extra
 # bench_core.py arguments; GPU1: the second lane's GPU (default 1; 0 on a one-GPU machine); sleep:N waits;
 # env:NAME=VALUE exports a variable for the lane's later sections (a forced plan: env:NVTE_FUSED_ATTN_PLAN_ARCH=sm80).
@@ -128,14 +128,6 @@ section() {
       CUDA_VISIBLE_DEVICES=0,1 timeout "$(limit TP 120)" torchrun --standalone --nproc_per_node=2 \
         tests/pytorch/distributed/tp_attention.py > "$d/tp.log" 2>&1
       note "torchrun tp=2 rc=$? $(grep -c -i ' ok' "$d/tp.log") ok lines"; cat "$d/tp.log" | tail -8 >> "$d/summary.txt" ;;
-    cpnccl)  # tests/pytorch/distributed/cp_attention.py with NCCL, one rank per GPU, at each CP size of CPNCCL_SIZES
-      local n avail; avail=$(nvidia-smi -L | wc -l)
-      for n in ${CPNCCL_SIZES:-2 4 8}; do
-        [ "$n" -le "$avail" ] || { note "cp nccl x$n skipped: $avail GPU(s)"; continue; }
-        CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1))) timeout "$(limit CPNCCL 400)" torchrun --standalone \
-          --nproc_per_node="$n" tests/pytorch/distributed/cp_attention.py ${CPNCCL_SUITES:-gpu errors} > "$d/cpnccl_$n.log" 2>&1
-        note "cp nccl x$n rc=$? $(grep -c '^PASS' "$d/cpnccl_$n.log") PASS, $(grep -c '^FAIL' "$d/cpnccl_$n.log") FAIL"
-      done ;;
     jaxmesh)
       CUDA_VISIBLE_DEVICES=0,1 NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 timeout "$(limit JAXMESH 180)" python3 -m pytest -q \
         -p no:cacheprovider tests/jax/test_jax_two_device_mesh.py > "$d/jaxmesh.log" 2>&1

@@ -3,8 +3,9 @@
 # (tests/pytorch/distributed/cp_attention.py) at each CP size of QA_CP_SIZES (default "2 4 8", those the
 # GPUs allow): bf16 training shapes, every cp_comm_type and format, bitwise against the one-GPU call and over a
 # repeat, and the bad-input errors (QA_CP_SUITES, default "gpu errors"; "gpu128k" adds a 131072-token
-# sequence). Tensor-parallel heads (tests/pytorch/distributed/tp_attention.py) on 2 GPUs. GPUs are counted
-# with nvidia-smi, so a CUDA_VISIBLE_DEVICES of the caller does not hide them.
+# sequence). Tensor-parallel heads (tests/pytorch/distributed/tp_attention.py) on 2 GPUs. With 8 GPUs, JAX's
+# context-parallel suite (tests/jax/test_jax_context_parallel.py: cp 2/4/8 and dp x cp meshes) on them. GPUs are
+# counted with nvidia-smi, so a CUDA_VISIBLE_DEVICES of the caller does not hide them.
 source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
 qa_require_gpu
 
@@ -25,5 +26,11 @@ for n in ${QA_CP_SIZES:-2 4 8}; do
 done
 qa_run "tp_attention tp=2" env CUDA_VISIBLE_DEVICES=0,1 NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 \
   "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=2 tests/pytorch/distributed/tp_attention.py
+if [ "$gpus" -ge 8 ]; then
+  qa_pytest "jax/test_jax_context_parallel (8 GPUs)" CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7 \
+    -- tests/jax/test_jax_context_parallel.py
+else
+  qa_log "jax/test_jax_context_parallel: not run (${gpus} GPUs, it needs 8)"
+fi
 
 qa_finish

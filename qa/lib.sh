@@ -103,6 +103,12 @@ PY
   esac
 }
 
+# qa_serial_args: "-n 0" when QA_PYTEST_ARGS ask for pytest-xdist workers (-n N), else nothing: pytest
+# arguments for a suite that must run in one process.
+qa_serial_args() {
+  if [[ " ${QA_PYTEST_ARGS:-} " == *" -n "* ]]; then echo "-n 0"; fi
+}
+
 # qa_pytest_files NAME_PREFIX GLOB [VAR=value ...]: one suite per test file matching GLOB.
 # No matching file is a failure.
 qa_pytest_files() {
@@ -133,10 +139,11 @@ qa_pytest_files() {
   for file in "${chosen[@]}"; do
     ran=$((ran + 1))
     QA_PROGRESS="[$ran/${#chosen[@]}] "
-    # A file that says "# qa: no xdist workers" runs in one process even when QA_PYTEST_ARGS ask for
-    # pytest-xdist workers (-n N): its cases each fill one GPU, and workers sharing it stall them.
+    # A file that says "# qa: no xdist workers" runs in one process: its cases each fill one GPU, and
+    # workers sharing it stall them.
     serial=()
-    if [[ " ${QA_PYTEST_ARGS:-} " == *" -n "* ]] && grep -q "^# qa: no xdist workers" "$file"; then serial=(-n 0); fi
+    # shellcheck disable=SC2207
+    if grep -q "^# qa: no xdist workers" "$file"; then serial=($(qa_serial_args)); fi
     qa_pytest "$prefix/$(basename "$file" .py)" "$@" -- "${serial[@]}" "$file"
   done
   QA_PROGRESS=""

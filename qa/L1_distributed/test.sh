@@ -28,7 +28,8 @@ qa_run "tp_attention tp=2" env CUDA_VISIBLE_DEVICES=0,1 NVTE_ALLOW_NONDETERMINIS
   "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=2 tests/pytorch/distributed/tp_attention.py
 if [ "$gpus" -ge 8 ]; then
   # One process holds all eight GPUs: no xdist workers, and JAX allocates as it goes.
-  serial=(); "$PYTHON" -c "import xdist" 2>/dev/null && serial=(-n 0)
+  # shellcheck disable=SC2207
+  serial=($(qa_serial_args))
   qa_pytest "jax/test_jax_context_parallel (8 GPUs)" CUDA_VISIBLE_DEVICES=0,1,2,3,4,5,6,7 \
     XLA_PYTHON_CLIENT_PREALLOCATE=false -- "${serial[@]}" tests/jax/test_jax_context_parallel.py
 else

@@ -219,8 +219,8 @@ class FlashAttention(AttentionBackend):
     # Where flash-attn-4 was measured faster than our Triton kernels, deterministic or not, as
     # (GPU major, head_dim_qk, head_dim_v): H200, bf16, no mask and causal, flash-attn-4 4.0.0b36
     # (benchmarks/results/attention.md: deterministic fwd+bwd 502-615 TFLOP/s at d=128 against 383-436 for
-    # our kernels, 393-462 at d=64 against 282-352, 316 at d=256 causal against 193, 392-457 at d=192/128
-    # against 175-189). Elsewhere (other head dims, Blackwell) it is not measured yet, so there our kernels
+    # our kernels, 393-462 at d=64 against 282-352, 316 at d=256 causal against 193, 384-451 at d=192/128
+    # against 260-311). Elsewhere (other head dims, Blackwell) it is not measured yet, so there our kernels
     # come first and flash-attn-4 second (policy.order_backends).
     MEASURED_FASTER = frozenset({(9, 64, 64), (9, 128, 128), (9, 192, 128), (9, 256, 256)})
     # flash-attn-4 has a forward-only sink argument; this wrapper passes none, so sink softmax

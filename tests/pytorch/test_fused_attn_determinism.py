@@ -30,9 +30,9 @@ from transformer_engine.pytorch.attention.fused_attn import fused_attn_func
 pytestmark = requires_fused
 
 S = 256 if ON_GPU else 40
-# d=128 runs the warp-specialized Gluon forward, dK/dV and dQ on Hopper (kernels/hopper_ws.py), d=32 the Triton
-# kernels; the interpreter runs Triton only.
-HEAD_DIMS = [32, 128] if ON_GPU else [32]
+# (d_qk, d_v). d=128 runs the warp-specialized Gluon forward, dK/dV and dQ on Hopper (kernels/hopper_ws.py), d=32
+# and 192/128 (Hopper's narrow-V tiles) the Triton kernels; the interpreter runs Triton only.
+HEAD_DIMS = [(32, 32), (128, 128), (192, 128)] if ON_GPU else [(32, 32)]
 
 
 def _run(q, k, v, fmt, mask, window, scale, deterministic=True, **kw):
@@ -42,13 +42,13 @@ def _run(q, k, v, fmt, mask, window, scale, deterministic=True, **kw):
     return out, grads, d_out
 
 
-@pytest.mark.parametrize("d", [64, 128] if ON_GPU else [16])
-def test_deterministic_repeats_bitwise(d):
+@pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (192, 128)] if ON_GPU else [(16, 16)])
+def test_deterministic_repeats_bitwise(d, dv):
     """dQ/dK/dV bitwise equal over repeated runs, several key blocks per query block."""
     runs = 100 if ON_GPU else 5
     s = 2048 if ON_GPU else 64
     dtype = torch.bfloat16 if ON_GPU else torch.float16
-    q, k, v, _ = make_qkv(2, s, s, 4, 2, d, d, dtype)
+    q, k, v, _ = make_qkv(2, s, s, 4, 2, d, dv, dtype)
     first = None
     for _ in range(runs):
         out, grads, _ = _run(q, k, v, "bshd", "causal", (-1, -1), 0.125)
@@ -60,12 +60,12 @@ def test_deterministic_repeats_bitwise(d):
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("d,dv", HEAD_DIMS)
 @pytest.mark.parametrize("mask", ["no_mask", "causal"])
-def test_batch_invariance(mask, d):
+def test_batch_invariance(mask, d, dv):
     """A sequence's outputs and gradients are bitwise the same alone and inside a larger batch."""
     dtype = DTYPES[0]
-    q, k, v, _ = make_qkv(3, S, S, 4, 2, d, d, dtype, seed=3)
+    q, k, v, _ = make_qkv(3, S, S, 4, 2, d, dv, dtype, seed=3)
     out, grads, d_out = _run(q, k, v, "bshd", mask, (-1, -1), 0.2)
     q1, k1, v1 = (t.detach()[1:2].clone().requires_grad_() for t in (q, k, v))
     out1 = fused_attn_func(q1, k1, v1, "bshd", mask, (-1, -1), 0.2, deterministic=True)
@@ -75,7 +75,7 @@ def test_batch_invariance(mask, d):
         assert torch.equal(a, b[1:2])
 
 
-def _thd_inputs(lengths, h, hk, d, dtype, gap=0, seed=5):
+def _thd_inputs(lengths, h, hk, d, dv, dtype, gap=0, seed=5):
     g = torch.Generator().manual_seed(seed)
     starts, pos = [], 0
     for n in lengths:
@@ -83,23 +83,23 @@ def _thd_inputs(lengths, h, hk, d, dtype, gap=0, seed=5):
         pos += n + gap
     starts.append(pos)
     total = pos
-    def rnd(hh):
-        return torch.randn(total, hh, d, generator=g).to(DEVICE, dtype).requires_grad_()
-    q, k, v = rnd(h), rnd(hk), rnd(hk)
+    def rnd(hh, dd):
+        return torch.randn(total, hh, dd, generator=g).to(DEVICE, dtype).requires_grad_()
+    q, k, v = rnd(h, d), rnd(hk, d), rnd(hk, dv)
     cu = cu_from_lengths(lengths)
     cu_padded = torch.tensor(starts, dtype=torch.int32, device=DEVICE) if gap else None
     return q, k, v, cu, cu_padded, starts
 
 
-@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("d,dv", HEAD_DIMS)
 @pytest.mark.parametrize("mask", ["padding", "padding_causal", "padding_causal_bottom_right"])
 @pytest.mark.parametrize("gap", [0, 3])
-def test_thd_against_reference_and_padded_bitwise(mask, gap, d):
+def test_thd_against_reference_and_padded_bitwise(mask, gap, d, dv):
     """THD results match the reference and equal the BSHD-padded results bitwise, sequence by sequence."""
     dtype = DTYPES[0]
     lengths = [S // 2 + 3, 1, 0, S, 17]
     h, hk = 4, 2
-    q, k, v, cu, cu_padded, starts = _thd_inputs(lengths, h, hk, d, dtype, gap)
+    q, k, v, cu, cu_padded, starts = _thd_inputs(lengths, h, hk, d, dv, dtype, gap)
     max_s = max(lengths)
     out = fused_attn_func(q, k, v, "thd", mask, (-1, -1), d ** -0.5, cu_seqlens_q=cu, cu_seqlens_kv=cu,
                           cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded,

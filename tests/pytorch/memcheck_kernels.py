@@ -5,7 +5,10 @@ tile and s_q != s_kv, with bias, ALiBi, dropout, sliding windows, padding and th
 bf16 (fp16 at the smallest and largest head dims). Each result is checked finite; under ``compute-sanitizer --tool memcheck
 --error-exitcode 1`` any out-of-bounds or misaligned access fails the run.
 
-    compute-sanitizer --tool memcheck --error-exitcode 1 python tests/pytorch/memcheck_kernels.py
+    compute-sanitizer --tool memcheck --error-exitcode 1 python tests/pytorch/memcheck_kernels.py [192/128 ...]
+
+Head dims given as ``d_qk/d_v`` arguments restrict the run to them (every shape in bf16, GQA and MHA): a
+quicker check of one bucket's kernels after a change there.
 """
 
 from __future__ import annotations
@@ -67,8 +70,24 @@ def run(dims, shape, dtype, heads=(4, 2)):
             raise AssertionError(f"non-finite result at {dims} {shape} {dtype}")
 
 
-def main() -> int:
+def _parse_dims(arg: str):
+    dqk, _, dv = arg.partition("/")
+    if not (dqk.isdigit() and dv.isdigit()):
+        raise SystemExit(f"head dims must be given as d_qk/d_v (e.g. 192/128), got {arg!r}")
+    return int(dqk), int(dv)
+
+
+def main(argv) -> int:
     count = 0
+    if argv:  # only these head dims: every shape with GQA, the causal one without
+        for dims in (_parse_dims(a) for a in argv):
+            for shape in SHAPES:
+                run(dims, shape, torch.bfloat16)
+                count += 1
+            run(dims, SHAPES[2], torch.bfloat16, (4, 4))
+            count += 1
+        print(f"memcheck_kernels: {count} configurations ran", flush=True)
+        return 0
     # bf16 everywhere; fp16 (other dot precision and store types) at the smallest and largest bucket.
     runs = [(dims, shape, torch.bfloat16) for dims, shape in itertools.product(HEAD_DIMS, SHAPES)]
     runs += [(dims, shape, torch.float16) for dims in (HEAD_DIMS[0], HEAD_DIMS[-1]) for shape in SHAPES[:3]]
@@ -83,4 +102,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -49,15 +49,16 @@ def attn_bwd_preprocess_kernel(
 ):
     """delta[b, h, i] = sum_d dO[i, d] * O[i, d] (fp32). Grid: (query block, sequence * head), or with
     SEGMENTS > 1 the segment-row grid (masking.segment_block)."""
-    pid_bh = tl.program_id(1)
-    head = pid_bh % num_heads_q
     if SEGMENTS > 1:
+        pid_bh = tl.program_id(1)
         batch, start_m = segment_block(SEQ_LEN_Q, pid_bh // num_heads_q, tl.program_id(0), SEGMENTS, BLOCK_M, False)
         if batch < 0:
             return
     else:
         start_m = tl.program_id(0) * BLOCK_M
+        pid_bh = tl.program_id(1)
         batch = pid_bh // num_heads_q
+    head = pid_bh % num_heads_q
     start_q, len_q = sequence_extent(SEQ_START_Q, SEQ_LEN_Q, batch, seqlen_q, IS_THD, HAS_SEQLENS)
     if start_m >= len_q:
         return
@@ -141,7 +142,6 @@ def attn_bwd_dkdv_kernel(
     query heads of the GQA group in order, each over its query blocks in order. With SEGMENTS > 1 the
     grid is the segment-row grid (masking.segment_block)."""
     block, pid_bh = grid_program(HEAD_GROUP)  # grid: plan.block_grid
-    head_kv = pid_bh % num_heads_kv
     if SEGMENTS > 1:
         row = pid_bh // num_heads_kv
         batch, start_n = segment_block(SEQ_LEN_K, row, block, SEGMENTS, BLOCK_N, False)
@@ -151,6 +151,7 @@ def attn_bwd_dkdv_kernel(
     else:
         start_n = block * BLOCK_N  # first blocks first: under causal masks they see the most queries
         batch = pid_bh // num_heads_kv
+    head_kv = pid_bh % num_heads_kv
     start_q, len_q = sequence_extent(SEQ_START_Q, SEQ_LEN_Q, batch, seqlen_q, IS_THD, HAS_SEQLENS)
     start_k, len_k = sequence_extent(SEQ_START_K, SEQ_LEN_K, batch, seqlen_k, IS_THD, HAS_SEQLENS)
     rows_out = len_k if IS_THD else seqlen_k

@@ -265,7 +265,6 @@ def _program(SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_heads_q, gqa_gr
     start_k, len_k, rows_out, diag) of this program, query blocks last-first (SEGMENTS > 1: the
     segment-row grid)."""
     block, seq_head = _grid_program(HEAD_GROUP)
-    head = seq_head % num_heads_q
     if SEGMENTS > 1:
         row = seq_head // num_heads_q
         batch, start_m = _segment_block(SEQ_LEN_Q, row, block, SEGMENTS, BLOCK_M, True)
@@ -275,6 +274,7 @@ def _program(SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_heads_q, gqa_gr
     else:
         start_m = (gl.num_programs(0) - 1 - block) * BLOCK_M
         batch = seq_head // num_heads_q
+    head = seq_head % num_heads_q
     head_kv = head // gqa_group
     start_q, len_q, start_k, len_k = _extents(SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, batch, seqlen_q,
                                               seqlen_k, IS_THD, HAS_SEQLENS)
@@ -707,7 +707,6 @@ def attn_bwd_dkdv_ws_kernel(
     gl.static_assert(BLOCK_M % LOADER_THREADS == 0)
     gl.static_assert(not (HAS_BIAS or HAS_ALIBI or DROPOUT))
     block, seq_head = _grid_program(HEAD_GROUP)
-    head = seq_head % num_heads_kv
     if SEGMENTS > 1:
         row = seq_head // num_heads_kv
         batch, start_n = _segment_block(SEQ_LEN_K, row, block, SEGMENTS, BLOCK_N, False)
@@ -717,6 +716,7 @@ def attn_bwd_dkdv_ws_kernel(
     else:
         start_n = block * BLOCK_N  # first blocks first: under causal masks they see the most queries
         batch = seq_head // num_heads_kv
+    head = seq_head % num_heads_kv
     start_q, len_q, start_k, len_k = _extents(SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, batch, seqlen_q,
                                               seqlen_k, IS_THD, HAS_SEQLENS)
     rows_out = seqlen_k

@@ -193,7 +193,6 @@ def query_block_program(SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_head
     with no block returns ``start_m >= rows_out``.
     """
     block, pid_bh = grid_program(HEAD_GROUP)
-    head = pid_bh % num_heads_q
     if SEGMENTS > 1:
         row = pid_bh // num_heads_q
         batch, start_m = segment_block(SEQ_LEN_Q, row, block, SEGMENTS, BLOCK_M, True)
@@ -203,6 +202,7 @@ def query_block_program(SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_head
     else:
         start_m = (tl.num_programs(0) - 1 - block) * BLOCK_M
         batch = pid_bh // num_heads_q
+    head = pid_bh % num_heads_q
     head_kv = head // gqa_group
     start_q, len_q = sequence_extent(SEQ_START_Q, SEQ_LEN_Q, batch, seqlen_q, IS_THD, HAS_SEQLENS)
     start_k, len_k = sequence_extent(SEQ_START_K, SEQ_LEN_K, batch, seqlen_k, IS_THD, HAS_SEQLENS)

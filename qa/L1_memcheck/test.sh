@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # L1 (GPU): every planned kernel variant at small shapes under compute-sanitizer's memcheck
 # (tests/pytorch/memcheck_kernels.py): out-of-bounds and misaligned accesses fail the level. Only the
-# attention kernels are instrumented (torch's own are not ours, and slow the run down).
+# attention kernels are instrumented (torch's own are not ours, and slow the run down). PyTorch's caching
+# allocator is off: memcheck sees cudaMalloc'd blocks, and an access past a tensor into its neighbour in the
+# same cached block would otherwise go unnoticed.
 # Without compute-sanitizer on the machine the level fails and says so. MEMCHECK_DIMS (e.g. "128/128 192/128")
 # checks only those head dims' kernels.
 source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
@@ -11,7 +13,7 @@ SANITIZER="${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || echo /usr/loca
 if [ ! -x "$SANITIZER" ]; then
   qa_fail memcheck "compute-sanitizer not found (set COMPUTE_SANITIZER)"
 else
-  qa_run memcheck env TRITON_INTERPRET=0 "$SANITIZER" --tool memcheck --error-exitcode 1 --kernel-name kns=attn_ \
+  qa_run memcheck env TRITON_INTERPRET=0 PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SANITIZER" --tool memcheck --error-exitcode 1 --kernel-name kns=attn_ \
     "$PYTHON" tests/pytorch/memcheck_kernels.py ${MEMCHECK_DIMS:-}
 fi
 

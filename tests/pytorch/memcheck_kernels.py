@@ -2,7 +2,7 @@
 
 Forward and backward through fused_attn_func for each head-dim bucket (and through the launch layer on
 the segment-row grid of packed rows), at s_q = 1, s_q below one
-tile and s_q != s_kv, with bias, ALiBi, dropout, sliding windows, padding and thd packing, GQA, in
+tile and s_q != s_kv, with bias, ALiBi, dropout, sliding windows, padding and thd packing (with gaps and empty sequences), GQA, in
 bf16 (fp16 at the smallest and largest head dims). Each result is checked finite; under ``compute-sanitizer --tool memcheck
 --error-exitcode 1`` any out-of-bounds or misaligned access fails the run.
 
@@ -33,6 +33,7 @@ SHAPES = [
     (97, 130, "no_mask", (-1, -1), "dropout"),
     (97, 97, "padding_causal", (-1, -1), "padding"),
     (97, 130, "padding_causal_bottom_right", (-1, -1), "thd"),
+    (131, 131, "padding_causal", (-1, -1), "thd_gaps"),
 ]
 
 
@@ -49,6 +50,16 @@ def run(dims, shape, dtype, heads=(4, 2)):
         shapes = [(sum(lens_q), h, dqk), (sum(lens_kv), hk, dqk), (sum(lens_kv), hk, dv)]
         fmt = "thd"
         kw.update(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=max(lens_q), max_seqlen_kv=max(lens_kv))
+    elif extra == "thd_gaps":  # an empty and a one-token sequence, three unused rows after each sequence
+        lens, starts = [sq, 1, 0, 17], [0]
+        for n in lens:
+            starts.append(starts[-1] + n + 3)
+        cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32, device="cuda")
+        cu_padded = torch.tensor(starts, dtype=torch.int32, device="cuda")
+        shapes = [(starts[-1], h, dqk), (starts[-1], hk, dqk), (starts[-1], hk, dv)]
+        fmt = "thd"
+        kw.update(cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded, cu_seqlens_kv_padded=cu_padded,
+                  max_seqlen_q=sq, max_seqlen_kv=sq)
     else:
         shapes = [(b, sq, h, dqk), (b, skv, hk, dqk), (b, skv, hk, dv)]
         fmt = "bshd"

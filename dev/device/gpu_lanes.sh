@@ -13,7 +13,7 @@
 # build (pip install -e ., PyTorch and JAX, native JAX FFI extension), check (the determinism
 # check, both frameworks; CHECK_ARGS e.g. "--dtype bfloat16"), jaxsmoke (tests/jax/gpu_smoke.py), tune
 # (dev/tuning/tune_tiles.py; TUNE_DIMS, e.g. 128,64 or 192v128 (d_qk 192, d_v 128); TUNE_SHAPES="4,16,4096;1,16,16384" times those shapes;
-# TUNE_KERNELS=fwd the forward only; TUNE_MASKS=causal; TUNE_VARIANTS=head_group=1,2,4 or "tma=0,1;single_loop=0,1"
+# TUNE_KERNELS=fwd the forward only; TUNE_MASKS=causal; TUNE_DV=1 dK and dV as two passes (tune_tiles.DV_CANDIDATES); TUNE_VARIANTS=head_group=1,2,4 or "tma=0,1;single_loop=0,1"
 # sweeps Tiles fields of the planned tiles instead of the tile table), core (benchmarks/attention/bench_core.py), timeline
 # (dev/tuning/step_timeline.py; TIMELINE_ARGS), ws (dev/tuning/ws_kernels.py: the Gluon kernels' errors and speed), ncu (Nsight Compute over dev/tuning/ncu_step.py; NCU_ARGS), fa4 / fa4tests
 # (install_flash_attn4.sh phase1 / phase2 + gpu_flash.sh tests), fa4phase2 (phase2 alone), bench (gpu_bench.sh parts in

@@ -62,6 +62,20 @@ CANDIDATES = {
 }
 
 
+# dK and dV as two passes (BackwardPlan.dv; TUNE_DV=1 times these (dK tiles, dV tiles) pairs with the planned dQ,
+# after the planned single pass): each pass keeps one [keys, d] accumulator, so wider key blocks fit at d=256.
+DV_CANDIDATES = {
+    # sm_90 compiles without stack (kernels.resources --kernel dk / dv): dK 32x128 (197 KiB of shared memory),
+    # 32x64 and 16x128; dV 64x128 (197 KiB; 8 B of stack when causal) and 32x128. The one pass spills there.
+    256: [(T(64, 64, 8, 2, single_loop=True), T(64, 128, 8, 2)),
+          (T(32, 128, 8, 2), T(64, 128, 8, 2)),
+          (T(32, 128, 8, 2), T(32, 128, 8, 2)),
+          (T(32, 64, 8, 2), T(64, 128, 8, 2)),
+          (T(16, 128, 8, 2), T(64, 128, 8, 2)),
+          (T(32, 128, 8, 2, single_loop=True), T(64, 128, 8, 2, single_loop=True))],
+}
+
+
 def variant_candidates(planned, combos):
     """The planned tiles of each kernel with each combination of Tiles fields in ``combos`` (dicts)."""
     return tuple([dataclasses.replace(t, **combo) for combo in combos] for t in planned)
@@ -128,19 +142,24 @@ def main(dims=(128, 256), causal_kinds=(False, True), out=None, variants=None):
                 results[key][f"fwd {t}"] = f"fail {type(err).__name__}"
             print(key, "fwd", t, results[key][f"fwd {t}"], flush=True)
             save()
-        pairs = [(t, base_b.dq) for t in dkdv_cands] + [(base_b.dkdv, t) for t in dq_cands if t != base_b.dq]
+        pairs = [(t, base_b.dq, None) for t in dkdv_cands] + [(base_b.dkdv, t, None) for t in dq_cands
+                                                               if t != base_b.dq]
+        if os.environ.get("TUNE_DV") == "1":  # the planned single pass, then the two-pass pairs
+            pairs = [(base_b.dkdv, base_b.dq, None)] + [(t1, base_b.dq, t3)
+                                                        for t1, t3 in DV_CANDIDATES.get(padded_head_dim(d), [])]
         if "bwd" not in kernels:
             pairs = []
-        for t1, t2 in pairs:
+        for t1, t2, t3 in pairs:
+            name = f"bwd {t1} {t2}" + (f" dv {t3}" if t3 is not None else "")
             try:
-                plan = dataclasses.replace(base_b, dkdv=t1, dq=t2, dq_warp_specialized=None,
+                plan = dataclasses.replace(base_b, dkdv=t1, dq=t2, dv=t3, dq_warp_specialized=None,
                                            dkdv_warp_specialized=None)  # the Triton kernels
                 ms = bench_ms(lambda: launch.backward(q, k, v, o, do, lse, fmt, seqs, d ** -0.5, mask,
                                                       (-1, -1), plan))
-                results[key][f"bwd {t1} {t2}"] = round(attn_flops(b, h, s, s, d, causal, "bwd", dv) / ms / 1e9, 1)
+                results[key][name] = round(attn_flops(b, h, s, s, d, causal, "bwd", dv) / ms / 1e9, 1)
             except Exception as err:
-                results[key][f"bwd {t1} {t2}"] = f"fail {type(err).__name__}"
-            print(key, "bwd", t1, t2, results[key][f"bwd {t1} {t2}"], flush=True)
+                results[key][name] = f"fail {type(err).__name__}"
+            print(key, name, results[key][name], flush=True)
             save()
     return results
 

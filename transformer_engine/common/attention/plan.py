@@ -81,6 +81,10 @@ class BackwardPlan:
     # The same for the Gluon dK/dV pass (attn_bwd_dkdv_kernel with `dkdv` otherwise).
     dkdv_warp_specialized: Optional[Tiles] = None
     dbias_block: int = 64  # largest dBias tile side (32 for fp32 at padded d > 128: 64 needs 256 KiB)
+    # Tiles of a separate dV pass, or None: dK and dV in one pass. With them, attn_bwd_dkdv_kernel runs twice:
+    # dK with `dkdv` (it computes dP = V dO^T) and dV with these (P^T dO only). Each recomputes the scores; in
+    # exchange each keeps one accumulator, so wider key blocks fit where the head dim is large.
+    dv: Optional[Tiles] = None
 
     @property
     def dbias(self) -> Tiles:
@@ -106,8 +110,10 @@ class BackwardPlan:
 
     @property
     def kernels(self) -> Tuple[str, ...]:
-        """Kernel names of the passes this plan launches, in order (a separate dQ pass: no atomics)."""
-        return ("attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")
+        """Kernel names of the passes this plan launches, in order (a separate dQ pass: no atomics; the dK/dV
+        kernel twice with a separate dV pass)."""
+        dkdv = ("attn_bwd_dkdv_kernel",) * (1 if self.dv is None else 2)
+        return ("attn_bwd_preprocess_kernel",) + dkdv + ("attn_bwd_dq_kernel",)
 
 
 def mask_flags(config: AttnConfig) -> Tuple[Dict[str, bool], int, int]:

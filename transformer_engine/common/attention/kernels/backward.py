@@ -84,8 +84,9 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs,
                 BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                 MASKED: tl.constexpr, SINGLE_LOOP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                 HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-                DOT_PRECISION: tl.constexpr):
-    """Query blocks [lo, hi); masking as in forward._fwd_inner (SINGLE_LOOP: outside [full_lo, full_hi) only)."""
+                DOT_PRECISION: tl.constexpr, WITH_DK: tl.constexpr, WITH_DV: tl.constexpr):
+    """Query blocks [lo, hi); masking as in forward._fwd_inner (SINGLE_LOOP: outside [full_lo, full_hi) only).
+    WITH_DK / WITH_DV: which of dk and dv to accumulate (the other comes back as it came)."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m_base
         q_t = load_block(q_src, start_m, stride_qs, offs_dqk, offs_m_base, len_q, HEAD_DIM_QK, BLOCK_DQK, MASKED,
@@ -102,17 +103,22 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs,
                               diag, window_left, window_right, HAS_LEFT, HAS_RIGHT, SINGLE_LOOP)
         do = load_block(do_src, start_m, stride_dos, offs_dv, offs_m_base, len_q, HEAD_DIM_V, BLOCK_DV, MASKED,
                         False)  # [BLOCK_M, BLOCK_DV]
-        delta = tl.load(delta_ptrs + offs_m, mask=offs_m < len_q, other=0.0)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+        # With both gradients the statements keep the order of the single pass (its verified instruction schedule).
+        if WITH_DK:
+            delta = tl.load(delta_ptrs + offs_m, mask=offs_m < len_q, other=0.0)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
         if DROPOUT:
             kept = dropout_keep(seed, rng_offset, seq_head, offs_m[None, :], offs_n[:, None], dropout_p)
             inv_keep = 1.0 / (1.0 - dropout_p)
-            dv += tl.dot((tl.where(kept, p_t, 0.0) * inv_keep).to(do.dtype), do, input_precision=DOT_PRECISION)
-            dp_t = tl.where(kept, dp_t, 0.0) * inv_keep
-        else:
+            if WITH_DV:
+                dv += tl.dot((tl.where(kept, p_t, 0.0) * inv_keep).to(do.dtype), do, input_precision=DOT_PRECISION)
+            if WITH_DK:
+                dp_t = tl.where(kept, dp_t, 0.0) * inv_keep
+        elif WITH_DV:
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=DOT_PRECISION)
+        if WITH_DK:
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=DOT_PRECISION)
     return dk, dv
 
 
@@ -137,10 +143,13 @@ def attn_bwd_dkdv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr, SINGLE_LOOP: tl.constexpr, SEGMENTS: tl.constexpr,
+    WITH_DK: tl.constexpr, WITH_DV: tl.constexpr,
 ):
     """One program per (key block, batch * kv head): dK, dV for that tile, summed over the
     query heads of the GQA group in order, each over its query blocks in order. With SEGMENTS > 1 the
-    grid is the segment-row grid (masking.segment_block)."""
+    grid is the segment-row grid (masking.segment_block). WITH_DK / WITH_DV: which of the two it computes
+    and writes (a plan may run them as two passes: plan.BackwardPlan.dv)."""
+    tl.static_assert(WITH_DK | WITH_DV)
     block, pid_bh = grid_program(HEAD_GROUP)  # grid: plan.block_grid
     if SEGMENTS > 1:
         row = pid_bh // num_heads_kv
@@ -169,9 +178,11 @@ def attn_bwd_dkdv_kernel(
     k = tl.load(K + batch.to(tl.int64) * stride_kb + start_k * stride_ks + head_kv.to(tl.int64) * stride_kh
                 + offs_n[:, None] * stride_ks + offs_dqk[None, :] * stride_kd,
                 mask=key_ok & (offs_dqk[None, :] < HEAD_DIM_QK), other=0.0)
-    v = tl.load(V + batch.to(tl.int64) * stride_vb + start_k * stride_vs + head_kv.to(tl.int64) * stride_vh
-                + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd,
-                mask=key_ok & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
+    v = k  # read only for dK (dP = V dO^T)
+    if WITH_DK:
+        v = tl.load(V + batch.to(tl.int64) * stride_vb + start_k * stride_vs + head_kv.to(tl.int64) * stride_vh
+                    + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd,
+                    mask=key_ok & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
@@ -200,7 +211,7 @@ def attn_bwd_dkdv_kernel(
                                  full_lo, full_hi, len_q, len_k, diag, window_left, window_right, qk_scale,
                                  bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
                                  HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, True, True, HAS_LEFT, HAS_RIGHT,
-                                 HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION)
+                                 HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION, WITH_DK, WITH_DV)
         else:
             for SEGMENT in tl.static_range(3):
                 seg_lo, seg_hi = segment_bounds(SEGMENT, lo, full_lo, full_hi, hi)
@@ -210,17 +221,21 @@ def attn_bwd_dkdv_kernel(
                                      bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset,
                                      seq_head, dropout_p, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_M,
                                      SEGMENT != 1, False, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT,
-                                     DOT_PRECISION)
+                                     DOT_PRECISION, WITH_DK, WITH_DV)
 
-    dk = tl.where(key_ok, dk * sm_scale, 0.0)
-    dv = tl.where(key_ok, dv, 0.0)
+    if WITH_DK:
+        dk = tl.where(key_ok, dk * sm_scale, 0.0)
+    if WITH_DV:
+        dv = tl.where(key_ok, dv, 0.0)
     out_rows = offs_n[:, None] < rows_out
-    tl.store(DK + batch.to(tl.int64) * stride_dkb + start_k * stride_dks + head_kv.to(tl.int64) * stride_dkh
-             + offs_n[:, None] * stride_dks + offs_dqk[None, :] * stride_dkd, dk.to(DK.dtype.element_ty),
-             mask=out_rows & (offs_dqk[None, :] < HEAD_DIM_QK))
-    tl.store(DV + batch.to(tl.int64) * stride_dvb + start_k * stride_dvs + head_kv.to(tl.int64) * stride_dvh
-             + offs_n[:, None] * stride_dvs + offs_dv[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
-             mask=out_rows & (offs_dv[None, :] < HEAD_DIM_V))
+    if WITH_DK:
+        tl.store(DK + batch.to(tl.int64) * stride_dkb + start_k * stride_dks + head_kv.to(tl.int64) * stride_dkh
+                 + offs_n[:, None] * stride_dks + offs_dqk[None, :] * stride_dkd, dk.to(DK.dtype.element_ty),
+                 mask=out_rows & (offs_dqk[None, :] < HEAD_DIM_QK))
+    if WITH_DV:
+        tl.store(DV + batch.to(tl.int64) * stride_dvb + start_k * stride_dvs + head_kv.to(tl.int64) * stride_dvh
+                 + offs_n[:, None] * stride_dvs + offs_dv[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
+                 mask=out_rows & (offs_dv[None, :] < HEAD_DIM_V))
 
 
 @triton.jit

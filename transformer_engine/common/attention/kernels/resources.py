@@ -9,6 +9,7 @@ or tile change before device time is spent on it. The launches are the frontends
     python -m transformer_engine.common.attention.kernels.resources                 # planned sm90, d=64/128/256
     python -m transformer_engine.common.attention.kernels.resources --target gfx942 # the CDNA3 plan
     python -m transformer_engine.common.attention.kernels.resources --dims 128 --kernel dkdv --tiles 64,128,8,3
+    python -m transformer_engine.common.attention.kernels.resources --dims 256 --kernel dv --tiles 64,128,8,2
 """
 
 from __future__ import annotations
@@ -156,17 +157,27 @@ def resources(kernel: CompiledKernel) -> dict:
 
 _PASSES = {"fwd": ("attn_fwd_kernel", "attn_fwd_ws_kernel"),
            "dkdv": ("attn_bwd_dkdv_kernel", "attn_bwd_dkdv_ws_kernel"),
-           "dq": ("attn_bwd_dq_kernel", "attn_bwd_dq_ws_kernel")}
+           "dq": ("attn_bwd_dq_kernel", "attn_bwd_dq_ws_kernel"),
+           # dK and dV as two passes (BackwardPlan.dv): the first and the second dK/dV launch
+           "dk": ("attn_bwd_dkdv_kernel",), "dv": ("attn_bwd_dkdv_kernel",)}
 
 
 def _with_tiles(call: Call, name: str, tiles: Optional[Tiles]) -> Launch:
-    """The planned launch of pass ``name`` (fwd, dkdv, dq), or the Triton kernel's with ``tiles``."""
+    """The planned launch of pass ``name`` (fwd, dkdv, dq; dk and dv: the two-pass form, each with the planned
+    dK/dV tiles unless ``tiles``), or the Triton kernel's with ``tiles``."""
     config = plan_config(call)
     if name == "fwd":
         plan = forward_plan(config)
         if tiles is not None:
             plan = dataclasses.replace(plan, tiles=tiles, warp_specialized=None)
         described = forward_launches(call, plan)
+    elif name in ("dk", "dv"):
+        plan = backward_plan(config)
+        plan = dataclasses.replace(plan, dkdv_warp_specialized=None, dv=plan.dkdv)
+        if tiles is not None:
+            plan = dataclasses.replace(plan, **{"dkdv" if name == "dk" else "dv": tiles})
+        described = [x for x in backward_launches(call, plan) if x.name in _PASSES[name]]
+        return described[0 if name == "dk" else 1]
     else:
         plan = backward_plan(config)
         if tiles is not None:
@@ -189,7 +200,7 @@ def main():
                              attn_mask_type=AttnMaskType.CAUSAL_MASK if causal else AttnMaskType.NO_MASK,
                              deterministic=True, device_type="cuda", **DEVICE_FACTS[args.target])
             call = contiguous_call(cfg, seqlen=4096)
-            for name in args.kernel or ("fwd", "dkdv", "dq"):
+            for name in args.kernel or ("fwd", "dkdv", "dq"):  # dk, dv: only when named
                 candidates = [Tiles(*map(int, t.split(","))) for t in args.tiles] if args.tiles else [None]
                 for tiles in candidates:
                     launch = _with_tiles(call, name, tiles)

@@ -1,0 +1,149 @@
+"""dK and dV as two passes (plan.BackwardPlan.dv): the dK pass and the dV pass of attn_bwd_dkdv_kernel give the
+single pass's gradients, bitwise where both passes use its tiles, and match the fp64 reference with wider dV
+tiles; repeated runs are bitwise the same. Masks, sliding windows, GQA, dropout, packed sequences with gaps.
+
+Runs under the Triton interpreter here and on the GPU in qa/L1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from fused_helpers import DEVICE, DTYPES, ON_GPU, assert_close_to_reference, make_qkv, ref_and_lowp, requires_fused
+from transformer_engine.common.attention import AttnMaskType, QKVFormat
+from transformer_engine.common.attention.plan import Tiles, backward_plan
+from transformer_engine.pytorch.attention import launch
+from transformer_engine.pytorch.attention.fused_attn import new_rng_state
+
+pytestmark = requires_fused
+
+D = [(64, 64), (256, 256)] if ON_GPU else [(32, 32)]
+# (mask, window): causal, a sliding window, none
+MASKS = [("causal", (-1, 0)), ("no_mask", (9, 4)), ("no_mask", (-1, -1))]
+
+
+def _backward(tensors, fmt, seqs, mask, window, plan=None, mods=launch.NO_MODS, scale=0.3):
+    q, k, v, do = tensors
+    out, lse = launch.forward(q, k, v, fmt, seqs, scale, mask, window, mods=mods)
+    return (out,) + launch.backward(q, k, v, out, do, lse, fmt, seqs, scale, mask, window, plan, mods=mods)[:3]
+
+
+def _inputs(d, dv, dtype, heads=(4, 2), sq=45, sk=53, seed=0):
+    q, k, v, _ = make_qkv(2, sq, sk, *heads, d, dv, dtype, seed=seed)
+    q, k, v = (t.detach() for t in (q, k, v))
+    do = torch.randn(2, sq, heads[0], dv, generator=torch.Generator().manual_seed(seed + 1)).to(DEVICE, dtype)
+    return q, k, v, do
+
+
+def _plans(tensors, fmt, mask, window, dv_tiles=None, mods=launch.NO_MODS):
+    q, k, v, _ = tensors
+    one = backward_plan(launch.plan_config(q, k, v, fmt, mask, window, mods))
+    # The Triton kernel on both sides (the Gluon dK/dV pass serves d=128 on Hopper: not what is compared).
+    one = dataclasses.replace(one, dkdv_warp_specialized=None)
+    return one, dataclasses.replace(one, dv=dv_tiles or one.dkdv)
+
+
+@pytest.mark.parametrize("d,dv", D)
+@pytest.mark.parametrize("mask,window", MASKS)
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
+def test_two_passes_give_the_single_pass_bits(d, dv, mask, window, heads):
+    tensors = _inputs(d, dv, DTYPES[0], heads)
+    q, k = tensors[:2]
+    mask = AttnMaskType(mask)
+    seqs = launch.sequences(QKVFormat.BSHD, q, k, None, None, None, None, q.shape[1], k.shape[1])
+    one, two = _plans(tensors, QKVFormat.BSHD, mask, window)
+    a = _backward(tensors, QKVFormat.BSHD, seqs, mask, window, one)
+    b = _backward(tensors, QKVFormat.BSHD, seqs, mask, window, two)
+    for name, x, y in zip(("out", "dq", "dk", "dv"), a, b):
+        assert torch.equal(x, y), name
+    assert a[3].abs().sum() > 0 and a[2].abs().sum() > 0  # not a comparison of zeros
+
+
+def test_dropout_two_passes_give_the_single_pass_bits():
+    d, dv = D[0]
+    tensors = _inputs(d, dv, DTYPES[0])
+    q, k, v = tensors[:3]
+    mask, window = AttnMaskType.CAUSAL_MASK, (-1, 0)
+    mods = launch.ScoreMods(dropout_p=0.2, rng_state=new_rng_state(q.device))
+    seqs = launch.sequences(QKVFormat.BSHD, q, k, None, None, None, None, q.shape[1], k.shape[1])
+    one, two = _plans(tensors, QKVFormat.BSHD, mask, window, mods=mods)
+    a = _backward(tensors, QKVFormat.BSHD, seqs, mask, window, one, mods)
+    b = _backward(tensors, QKVFormat.BSHD, seqs, mask, window, two, mods)
+    for name, x, y in zip(("out", "dq", "dk", "dv"), a, b):
+        assert torch.equal(x, y), name
+
+
+def test_packed_sequences_with_gaps():
+    d, dv = D[0]
+    dtype = DTYPES[0]
+    lengths, gap = [29, 1, 0, 40, 7], 3
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n + gap)
+    total = starts[-1]
+    g = torch.Generator().manual_seed(4)
+    q, k, v, do = (torch.randn(total, hh, dd, generator=g).to(DEVICE, dtype)
+                   for hh, dd in ((4, d), (2, d), (2, dv), (4, dv)))
+    as_tensor = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    seqs = launch.Sequences(len(lengths), max(lengths), max(lengths), as_tensor(lengths), as_tensor(lengths),
+                            as_tensor(starts[:-1]), as_tensor(starts[:-1]))
+    mask, window = AttnMaskType.PADDING_CAUSAL_MASK, (-1, 0)
+    one, two = _plans((q, k, v, do), QKVFormat.THD, mask, window)
+    a = _backward((q, k, v, do), QKVFormat.THD, seqs, mask, window, one)
+    b = _backward((q, k, v, do), QKVFormat.THD, seqs, mask, window, two)
+    for name, x, y in zip(("out", "dq", "dk", "dv"), a, b):
+        assert torch.equal(x, y), name
+    assert a[3].abs().sum() > 0
+
+
+@pytest.mark.parametrize("mask,window", MASKS[:2])
+def test_wider_dv_tiles_match_the_reference_and_repeat_bitwise(mask, window):
+    """The dV pass with twice the dK pass's keys per program: close to the fp64 reference (as close as the
+    same math in the inputs' dtype), and the same bits on a second run."""
+    d, dv = D[-1]
+    tensors = _inputs(d, dv, DTYPES[0])
+    q, k = tensors[:2]
+    mask = AttnMaskType(mask)
+    seqs = launch.sequences(QKVFormat.BSHD, q, k, None, None, None, None, q.shape[1], k.shape[1])
+    one, _ = _plans(tensors, QKVFormat.BSHD, mask, window)
+    t = one.dkdv
+    wide = dataclasses.replace(t, block_n=2 * t.block_n)
+    _, two = _plans(tensors, QKVFormat.BSHD, mask, window, wide)
+    a = _backward(tensors, QKVFormat.BSHD, seqs, mask, window, two)
+    again = _backward(tensors, QKVFormat.BSHD, seqs, mask, window, two)
+    for name, x, y in zip(("out", "dq", "dk", "dv"), a, again):
+        assert torch.equal(x, y), name
+    ref, lowp = ref_and_lowp(*tensors[:3], tensors[3], "bshd", mask.value, window, 0.3)
+    for name, ours, r, lp in zip(("out", "dq", "dk", "dv"), a, ref, lowp):
+        assert_close_to_reference(name, ours, r, lp)
+
+
+def test_launches_of_the_two_passes(monkeypatch):
+    """Two dK/dV launches, the first writing dK only and the second dV only, each with its tiles' grid."""
+    from transformer_engine.common.attention import launches
+
+    described = []
+    original = launches.backward_launches
+
+    def record(*args, **kwargs):
+        described.append(original(*args, **kwargs))
+        return described[-1]
+
+    monkeypatch.setattr(launches, "backward_launches", record)
+    tensors = _inputs(*D[0], DTYPES[0])
+    q, k = tensors[:2]
+    mask, window = AttnMaskType.CAUSAL_MASK, (-1, 0)
+    one, two = _plans(tensors, QKVFormat.BSHD, mask, window)
+    two = dataclasses.replace(two, dv=Tiles(two.dkdv.block_m, 2 * two.dkdv.block_n, two.dkdv.num_warps, 1))
+    seqs = launch.sequences(QKVFormat.BSHD, q, k, None, None, None, None, q.shape[1], k.shape[1])
+    _backward(tensors, QKVFormat.BSHD, seqs, mask, window, one)
+    _backward(tensors, QKVFormat.BSHD, seqs, mask, window, two)
+    passes = [[(x.args["WITH_DK"], x.args["WITH_DV"], x.args["BLOCK_N"], x.grid) for x in run
+               if x.name == "attn_bwd_dkdv_kernel"] for run in described]
+    blocks = lambda n: -(-k.shape[1] // n)  # noqa: E731
+    assert [p[:3] for p in passes[0]] == [(True, True, one.dkdv.block_n)]
+    assert [p[:3] for p in passes[1]] == [(True, False, two.dkdv.block_n), (False, True, two.dv.block_n)]
+    assert passes[1][1][3][0] == blocks(two.dv.block_n) < passes[1][0][3][0] == blocks(two.dkdv.block_n)

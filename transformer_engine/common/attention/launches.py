@@ -307,11 +307,12 @@ def backward_launches(call: Call, plan: Optional[BackwardPlan] = None, bias_grad
         out.append(_block_launch(attn_bwd_dkdv_kernel, attn_bwd_dkdv_ws_kernel, plan.dkdv,
                                  plan.dkdv_warp_specialized, tensors, call, values, k_rows,
                                  dict(WITH_DK=True, WITH_DV=True)))
-    elif grads.has_dkdv:  # dK and dV as two passes of the Triton kernel (BackwardPlan.dv)
-        out.append(_block_launch(attn_bwd_dkdv_kernel, None, plan.dkdv, None, tensors, call, values, k_rows,
+    elif grads.has_dkdv:  # dK and dV as two passes (BackwardPlan.dv)
+        out.append(_block_launch(attn_bwd_dkdv_kernel, attn_bwd_dkdv_ws_kernel, plan.dkdv,
+                                 plan.dkdv_warp_specialized, tensors, call, values, k_rows,
                                  dict(WITH_DK=True, WITH_DV=False)))
-        out.append(_block_launch(attn_bwd_dkdv_kernel, None, plan.dv, None, tensors, call, values, k_rows,
-                                 dict(WITH_DK=False, WITH_DV=True)))
+        out.append(_block_launch(attn_bwd_dkdv_kernel, attn_bwd_dkdv_ws_kernel, plan.dv, plan.dv_warp_specialized,
+                                 tensors, call, values, k_rows, dict(WITH_DK=False, WITH_DV=True)))
     if bias_grad:
         out.append(_dbias_launch(call, plan, values, attn_bwd_dbias_kernel))
     if grads.has_dq:

@@ -85,6 +85,8 @@ class BackwardPlan:
     # dK with `dkdv` (it computes dP = V dO^T) and dV with these (P^T dO only). Each recomputes the scores; in
     # exchange each keeps one accumulator, so wider key blocks fit where the head dim is large.
     dv: Optional[Tiles] = None
+    # The Gluon kernel's tiles for the dV pass, as dkdv_warp_specialized for the dK pass (there: dK only).
+    dv_warp_specialized: Optional[Tiles] = None
 
     @property
     def dbias(self) -> Tiles:

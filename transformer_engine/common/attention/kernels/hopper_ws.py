@@ -61,14 +61,18 @@ class _Schedule:
     HAS_LEFT: gl.constexpr
     HAS_RIGHT: gl.constexpr
     ROW_TILES: gl.constexpr  # tiles the loader brings once per consumer: 1 (Q), 2 (Q and dO); 0 for dK/dV
+    WITH_DK: gl.constexpr  # dK/dV: which gradients the pass computes (attn_bwd_dkdv_kernel's flags)
+    WITH_DV: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, ROW_TILES):
+    def __init__(self, NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, ROW_TILES, WITH_DK=True, WITH_DV=True):
         self.NUM_STAGES = gl.constexpr(NUM_STAGES)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.HAS_LEFT = gl.constexpr(HAS_LEFT)
         self.HAS_RIGHT = gl.constexpr(HAS_RIGHT)
         self.ROW_TILES = gl.constexpr(ROW_TILES)
+        self.WITH_DK = gl.constexpr(WITH_DK)
+        self.WITH_DV = gl.constexpr(WITH_DV)
 
 
 @gluon.jit
@@ -546,10 +550,14 @@ def _dkdv_loader(bufs, bars, bounds, coords, out_args, sched):
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
     row_layout: gl.constexpr = q_smem.type.layout
     stat_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // LOADER_THREADS], [LOADER_THREADS], [1], [0])
-    mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
+    if sched.WITH_DK:  # V is read for dP = V dO^T only
+        mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
+    else:
+        mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
     for wg in gl.static_range(2):
         tma.async_copy_global_to_shared(k_desc, [start_n + wg * WG_ROWS, 0], kv_bar, k_smem.index(wg))
-        tma.async_copy_global_to_shared(v_desc, [start_n + wg * WG_ROWS, 0], kv_bar, v_smem.index(wg))
+        if sched.WITH_DK:
+            tma.async_copy_global_to_shared(v_desc, [start_n + wg * WG_ROWS, 0], kv_bar, v_smem.index(wg))
     offs = gl.arange(0, BLOCK_M, layout=stat_layout)
     it = 0
     for g in range(gqa_group):
@@ -615,10 +623,14 @@ def _dkdv_consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr)
             mbarrier.wait(q_ready.index(stage), phase)
             qk_t = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             mbarrier.wait(do_ready.index(stage), phase)
-            dp_t = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            if sched.WITH_DK:
+                dp_t = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
             mbarrier.wait(stat_ready.index(stage), phase)
             lse2 = lse_smem.index(stage).load(col_s) * LOG2E
-            qk_t = warpgroup_mma_wait(num_outstanding=1, deps=(qk_t, ))
+            if sched.WITH_DK:
+                qk_t = warpgroup_mma_wait(num_outstanding=1, deps=(qk_t, ))
+            else:
+                qk_t = warpgroup_mma_wait(num_outstanding=0, deps=(qk_t, ))
             p_t = gl.exp2(qk_t * qk_scale - gl.expand_dims(lse2, 0))
             if (start_m < full_lo) | (start_m >= full_hi):
                 offs_n = first_key + gl.arange(0, WG_ROWS, layout=row_s)
@@ -626,12 +638,22 @@ def _dkdv_consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr)
                 keep = visible(gl.expand_dims(offs_m, 0), gl.expand_dims(offs_n, 1), len_q, len_k, diag, window_left,
                                window_right, sched.HAS_LEFT, sched.HAS_RIGHT)
                 p_t = gl.where(keep, p_t, 0.0)
-            dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), op_layout), do, dv, is_async=True)
-            delta = delta_smem.index(stage).load(col_s)
-            dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t, ))
-            ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
-            dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), op_layout), q, dk, is_async=True)
-            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+            if sched.WITH_DV:
+                dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), op_layout), do, dv, is_async=True)
+            if sched.WITH_DK:
+                delta = delta_smem.index(stage).load(col_s)
+                if sched.WITH_DV:
+                    dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t, ))
+                else:
+                    dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t, ))
+                ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+                dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), op_layout), q, dk, is_async=True)
+            if sched.WITH_DK and sched.WITH_DV:
+                dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+            elif sched.WITH_DK:
+                dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
+            else:
+                dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv, ))
             mbarrier.arrive(qdo_empty.index(stage), count=1)
             it += 1
 
@@ -639,12 +661,16 @@ def _dkdv_consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr)
     offs_d = gl.arange(0, HEAD_DIM, layout=col_a)
     key_ok = gl.expand_dims(offs_na < len_k, 1)
     out_rows = gl.expand_dims(offs_na < rows_out, 1)
-    dk = gl.where(key_ok, dk * sm_scale, 0.0)
-    dv = gl.where(key_ok, dv, 0.0)
-    gl.store(dk_base + gl.expand_dims(offs_na, 1) * stride_dks + gl.expand_dims(offs_d, 0) * stride_dkd, dk.to(dtype),
-             mask=out_rows)
-    gl.store(dv_base + gl.expand_dims(offs_na, 1) * stride_dvs + gl.expand_dims(offs_d, 0) * stride_dvd, dv.to(dtype),
-             mask=out_rows)
+    if sched.WITH_DK:
+        dk = gl.where(key_ok, dk * sm_scale, 0.0)
+    if sched.WITH_DV:
+        dv = gl.where(key_ok, dv, 0.0)
+    if sched.WITH_DK:
+        gl.store(dk_base + gl.expand_dims(offs_na, 1) * stride_dks + gl.expand_dims(offs_d, 0) * stride_dkd,
+                 dk.to(dtype), mask=out_rows)
+    if sched.WITH_DV:
+        gl.store(dv_base + gl.expand_dims(offs_na, 1) * stride_dvs + gl.expand_dims(offs_d, 0) * stride_dvd,
+                 dv.to(dtype), mask=out_rows)
 
 
 @gluon.jit
@@ -678,10 +704,13 @@ def attn_bwd_dkdv_ws_kernel(
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
     HAS_BIAS: gl.constexpr, HAS_ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
     DOT_PRECISION: gl.constexpr, HEAD_GROUP: gl.constexpr, SINGLE_LOOP: gl.constexpr, SEGMENTS: gl.constexpr,
+    WITH_DK: gl.constexpr, WITH_DV: gl.constexpr,
     NUM_STAGES: gl.constexpr = 2,
 ):
     """One program per (key block of 128, batch * kv head), as attn_bwd_dkdv_kernel:
-    BLOCK_N = 128 keys as two consumers of 64, query blocks of BLOCK_M through the loader's ring."""
+    BLOCK_N = 128 keys as two consumers of 64, query blocks of BLOCK_M through the loader's ring.
+    WITH_DK / WITH_DV as attn_bwd_dkdv_kernel's: a pass of one gradient keeps one accumulator per consumer."""
+    gl.static_assert(WITH_DK or WITH_DV)
     gl.static_assert(HEAD_DIM_QK == HEAD_DIM_V)
     gl.static_assert(HEAD_DIM_QK == BLOCK_DQK)
     gl.static_assert(BLOCK_DV == BLOCK_DQK)
@@ -714,7 +743,9 @@ def attn_bwd_dkdv_ws_kernel(
 
     dtype: gl.constexpr = Q.dtype.element_ty
     k_desc, k_smem = _row_tiles(K, batch, head, start_k, len_k, stride_kb, stride_ks, stride_kh, HEAD_DIM_QK)
-    v_desc, v_smem = _row_tiles(V, batch, head, start_k, len_k, stride_vb, stride_vs, stride_vh, HEAD_DIM_V)
+    v_desc, v_smem = k_desc, k_smem  # never read without dK: no shared memory for V
+    if WITH_DK:
+        v_desc, v_smem = _row_tiles(V, batch, head, start_k, len_k, stride_vb, stride_vs, stride_vh, HEAD_DIM_V)
     row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_DQK], dtype)
     stat_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     head0 = head * gqa_group  # the group's first query head
@@ -736,7 +767,7 @@ def attn_bwd_dkdv_ws_kernel(
     bounds = (lo, hi, full_lo, full_hi)
     coords = (start_n, len_q, len_k, diag, window_left, window_right)
     out_args = (dk_base, dv_base, stride_dks, stride_dvs, stride_dkd, stride_dvd, rows_out, qk_scale, sm_scale)
-    sched = _Schedule(NUM_STAGES, BLOCK_M, HAS_LEFT, HAS_RIGHT, 0)
+    sched = _Schedule(NUM_STAGES, BLOCK_M, HAS_LEFT, HAS_RIGHT, 0, WITH_DK, WITH_DV)
     args = (bufs, bars, bounds, coords, out_args, sched)
     gl.warp_specialize([(_dkdv_consumer0, args), (_dkdv_consumer1, args), (_dkdv_loader, args)], [4, 1],
                        [DKDV_CONSUMER_REGISTERS, LOADER_REGISTERS])

@@ -15,7 +15,7 @@
 # (dev/tuning/tune_tiles.py; TUNE_DIMS, e.g. 128,64 or 192v128 (d_qk 192, d_v 128); TUNE_SHAPES="4,16,4096;1,16,16384" times those shapes;
 # TUNE_KERNELS=fwd the forward only; TUNE_MASKS=causal; TUNE_DV=1 dK and dV as two passes (tune_tiles.DV_CANDIDATES); TUNE_VARIANTS=head_group=1,2,4 or "tma=0,1;single_loop=0,1"
 # sweeps Tiles fields of the planned tiles instead of the tile table), core (benchmarks/attention/bench_core.py), timeline
-# (dev/tuning/step_timeline.py; TIMELINE_ARGS), ws (dev/tuning/ws_kernels.py: the Gluon kernels' errors and speed), ncu (Nsight Compute over dev/tuning/ncu_step.py; NCU_ARGS), fa4 / fa4tests
+# (dev/tuning/step_timeline.py; TIMELINE_ARGS), ws (dev/tuning/ws_kernels.py: the Gluon kernels' errors and speed; WS_DIMS=256 at d=256), ncu (Nsight Compute over dev/tuning/ncu_step.py; NCU_ARGS), fa4 / fa4tests
 # (install_flash_attn4.sh phase1 / phase2 + gpu_flash.sh tests), fa4phase2 (phase2 alone), bench (gpu_bench.sh parts in
 # BENCH_PARTS), tetables (qa/L1_pytorch_te_tables; TE_TABLES_WORKERS, TE_TABLES_EXTRA e.g. "--tables softmax"), memcheck (qa/L1_memcheck), cpbench (benchmarks/attention/bench_context_parallel.py; CPBENCH_ARGS), cpprof
 # (dev/tuning/cp_step_profile.py: device time per kernel, single call / thd / CP steps; CPPROF_ARGS), jtprof

@@ -9,6 +9,11 @@ ratios (NOTES.md entries 14-15).
 
     python dev/tuning/ws_kernels.py --out /tmp/ws_kernels      # also writes /tmp/ws_kernels.json
     WS_CHECK_ONLY=1 python dev/tuning/ws_kernels.py            # errors only
+    WS_DIMS=256 python dev/tuning/ws_kernels.py                # d=256: the Gluon forward and dQ with UNPLANNED tiles
+
+At d=256 no plan has Gluon tiles; UNPLANNED gives them (sm_90 compiles without stack in 197 KiB of shared
+memory: forward K/V blocks of 64, dQ blocks of 32, two buffers each). The dK/dV pass stays on Triton there:
+a consumer cannot hold both [64, 256] fp32 accumulators.
 """
 
 from __future__ import annotations
@@ -28,11 +33,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from cases import attn_flops  # noqa: E402
 from common import bench_ms, run_metadata  # noqa: E402
 from transformer_engine.common.attention import AttnMaskType, QKVFormat  # noqa: E402
-from transformer_engine.common.attention.plan import backward_plan, forward_plan  # noqa: E402
+from transformer_engine.common.attention.plan import Tiles, backward_plan, forward_plan  # noqa: E402
 from transformer_engine.pytorch.attention import launch  # noqa: E402
 
 MASKS = {"none": AttnMaskType.NO_MASK, "causal": AttnMaskType.CAUSAL_MASK,
          "causal_br": AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK, "padding_causal": AttnMaskType.PADDING_CAUSAL_MASK}
+
+
+# Gluon (forward, dQ) tiles for head dims the plan gives none.
+UNPLANNED = {256: (Tiles(128, 64, 4, 2, max_registers=168), Tiles(128, 32, 4, 2, max_registers=168))}
 
 
 def reference(q, k, v, mask, window, scale):
@@ -84,7 +93,9 @@ def run_case(b, h, hk, sq, sk, d, mask_name, window, dtype, variants, bwd_varian
     cfg = launch.plan_config(q, k, v, QKVFormat.BSHD, mask, window)
     base = forward_plan(cfg)
     plans = {"triton": dataclasses.replace(base, warp_specialized=None)}
-    if base.warp_specialized is not None:
+    if base.warp_specialized is None and d in UNPLANNED:
+        plans["ws"] = dataclasses.replace(base, warp_specialized=UNPLANNED[d][0])
+    elif base.warp_specialized is not None:
         for name, fields in variants.items():
             plans[name] = dataclasses.replace(base, warp_specialized=dataclasses.replace(base.warp_specialized,
                                                                                          **fields))
@@ -111,7 +122,9 @@ def run_case(b, h, hk, sq, sk, d, mask_name, window, dtype, variants, bwd_varian
     d_out = torch.randn_like(out)
     bbase = backward_plan(launch.plan_config(q, k, v, QKVFormat.BSHD, mask, window))
     bplans = {"bwd_triton": dataclasses.replace(bbase, dq_warp_specialized=None, dkdv_warp_specialized=None)}
-    if bbase.dq_warp_specialized is not None and bbase.dkdv_warp_specialized is not None:
+    if bbase.dq_warp_specialized is None and d in UNPLANNED:
+        bplans["dq_ws"] = dataclasses.replace(bbase, dq_warp_specialized=UNPLANNED[d][1], dkdv_warp_specialized=None)
+    elif bbase.dq_warp_specialized is not None and bbase.dkdv_warp_specialized is not None:
         for name, (dkdv_fields, dq_fields) in bwd_variants.items():
             bplans[name] = dataclasses.replace(
                 bbase,
@@ -172,6 +185,10 @@ def main():
         (4, 16, 16, 4096, 4096, 128, "none", (-1, -1), bf16),
         (1, 16, 16, 16384, 16384, 128, "causal", (-1, 0), bf16),
     ]
+    if os.environ.get("WS_DIMS") == "256":
+        checks = [(b, h, hk, sq, sk, 256, m, w, dt) for b, h, hk, sq, sk, _, m, w, dt in checks]
+        timed_cases = [(2, 16, 16, 4096, 4096, 256, "causal", (-1, 0), bf16),
+                       (2, 16, 16, 4096, 4096, 256, "none", (-1, -1), bf16)]
     rows = [run_case(*c, variants, bwd_variants, False, check_only) for c in checks]
     rows += [run_case(*c, variants, bwd_variants, True, check_only) for c in timed_cases]
     if args.out:

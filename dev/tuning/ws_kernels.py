@@ -12,8 +12,8 @@ ratios (NOTES.md entries 14-15).
     WS_DIMS=256 python dev/tuning/ws_kernels.py                # d=256: the Gluon forward and dQ with UNPLANNED tiles
 
 At d=256 no plan has Gluon tiles; UNPLANNED gives them (sm_90 compiles without stack in 197 KiB of shared
-memory: forward K/V blocks of 64, dQ blocks of 32, two buffers each). The dK/dV pass stays on Triton there:
-a consumer cannot hold both [64, 256] fp32 accumulators.
+memory: forward K/V blocks of 64, dQ blocks of 32, two buffers each). A Gluon consumer cannot hold both
+[64, 256] fp32 accumulators of one dK/dV pass: TWO_PASS times dK and dV as two passes (Triton and Gluon).
 """
 
 from __future__ import annotations
@@ -42,6 +42,14 @@ MASKS = {"none": AttnMaskType.NO_MASK, "causal": AttnMaskType.CAUSAL_MASK,
 
 # Gluon (forward, dQ) tiles for head dims the plan gives none.
 UNPLANNED = {256: (Tiles(128, 64, 4, 2, max_registers=168), Tiles(128, 32, 4, 2, max_registers=168))}
+# dK and dV as two passes there (BackwardPlan.dv): name -> (dK tiles, dV tiles, Gluon dK tiles, Gluon dV tiles);
+# the Gluon one-gradient passes keep one [64, 256] accumulator per consumer (query blocks of 32 for dK, 64 for dV:
+# 197 KiB of shared memory, no stack on sm_90).
+TWO_PASS = {256: {
+    "two_pass_triton": (Tiles(32, 128, 8, 2), Tiles(64, 128, 8, 2), None, None),
+    "two_pass_ws": (Tiles(32, 128, 8, 2), Tiles(64, 128, 8, 2), Tiles(32, 128, 4, 2, max_registers=168),
+                    Tiles(64, 128, 4, 2, max_registers=168)),
+}}
 
 
 def reference(q, k, v, mask, window, scale):
@@ -124,6 +132,10 @@ def run_case(b, h, hk, sq, sk, d, mask_name, window, dtype, variants, bwd_varian
     bplans = {"bwd_triton": dataclasses.replace(bbase, dq_warp_specialized=None, dkdv_warp_specialized=None)}
     if bbase.dq_warp_specialized is None and d in UNPLANNED:
         bplans["dq_ws"] = dataclasses.replace(bbase, dq_warp_specialized=UNPLANNED[d][1], dkdv_warp_specialized=None)
+        for name, (dk_t, dv_t, dk_ws, dv_ws) in TWO_PASS.get(d, {}).items():
+            bplans[name] = dataclasses.replace(bbase, dkdv=dk_t, dv=dv_t, dkdv_warp_specialized=dk_ws,
+                                               dv_warp_specialized=dv_ws, dq_warp_specialized=None)
+            bplans[name + "_dq_ws"] = dataclasses.replace(bplans[name], dq_warp_specialized=UNPLANNED[d][1])
     elif bbase.dq_warp_specialized is not None and bbase.dkdv_warp_specialized is not None:
         for name, (dkdv_fields, dq_fields) in bwd_variants.items():
             bplans[name] = dataclasses.replace(

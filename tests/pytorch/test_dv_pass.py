@@ -147,3 +147,34 @@ def test_launches_of_the_two_passes(monkeypatch):
     assert [p[:3] for p in passes[0]] == [(True, True, one.dkdv.block_n)]
     assert [p[:3] for p in passes[1]] == [(True, False, two.dkdv.block_n), (False, True, two.dv.block_n)]
     assert passes[1][1][3][0] == blocks(two.dv.block_n) < passes[1][0][3][0] == blocks(two.dkdv.block_n)
+
+
+@pytest.mark.skipif(not ON_GPU or torch.cuda.get_device_capability()[0] != 9,
+                    reason="the Gluon kernels run on Hopper GPUs only")
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.parametrize("mask,window", MASKS[:2])
+def test_gluon_one_gradient_passes_match_the_reference_and_repeat_bitwise(d, mask, window):
+    """The warp-specialized dK/dV kernel as a dK pass and a dV pass (one accumulator per consumer; at d=256 the
+    tiles no plan has yet): close to the fp64 reference, and bitwise the same on a second run."""
+    from transformer_engine.common.attention.plan import Tiles
+
+    tensors = _inputs(d, d, torch.bfloat16, (4, 2), sq=300, sk=300)
+    q, k, v, _ = tensors
+    mask = AttnMaskType(mask)
+    one = backward_plan(launch.plan_config(q, k, v, QKVFormat.BSHD, mask, window))
+    planned = one.dkdv_warp_specialized
+    if d == 128 and planned is None:
+        pytest.skip("no Gluon dK/dV kernel on this GPU's plan (NVTE_FUSED_ATTN_WS=0 or a forced plan)")
+    if d == 256:
+        dk_ws, dv_ws = Tiles(32, 128, 4, 2, max_registers=168), Tiles(64, 128, 4, 2, max_registers=168)
+    else:
+        dk_ws = dv_ws = planned
+    two = dataclasses.replace(one, dv=one.dkdv, dkdv_warp_specialized=dk_ws, dv_warp_specialized=dv_ws)
+    seqs = launch.sequences(QKVFormat.BSHD, q, k, None, None, None, None, q.shape[1], k.shape[1])
+    a = _backward(tensors, QKVFormat.BSHD, seqs, mask, window, two)
+    again = _backward(tensors, QKVFormat.BSHD, seqs, mask, window, two)
+    for name, x, y in zip(("out", "dq", "dk", "dv"), a, again):
+        assert torch.equal(x, y), name
+    ref, lowp = ref_and_lowp(*tensors[:3], tensors[3], "bshd", mask.value, window, 0.3)
+    for name, ours, r, lp in zip(("out", "dq", "dk", "dv"), a, ref, lowp):
+        assert_close_to_reference(name, ours, r, lp)

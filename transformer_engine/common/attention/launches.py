@@ -303,16 +303,13 @@ def backward_launches(call: Call, plan: Optional[BackwardPlan] = None, bias_grad
                            dict(values, SINK=Slot("softmax_offset"), DSINK=Slot("dsink"),
                                 stride_dsb=call.num_heads_q, BLOCK_M=t.block_m), dict(num_warps=t.num_warps)))
     tensors = ("q", "k", "v", "d_out")
-    if grads.has_dkdv and plan.dv is None:
-        out.append(_block_launch(attn_bwd_dkdv_kernel, attn_bwd_dkdv_ws_kernel, plan.dkdv,
-                                 plan.dkdv_warp_specialized, tensors, call, values, k_rows,
-                                 dict(WITH_DK=True, WITH_DV=True)))
-    elif grads.has_dkdv:  # dK and dV as two passes (BackwardPlan.dv)
-        out.append(_block_launch(attn_bwd_dkdv_kernel, attn_bwd_dkdv_ws_kernel, plan.dkdv,
-                                 plan.dkdv_warp_specialized, tensors, call, values, k_rows,
-                                 dict(WITH_DK=True, WITH_DV=False)))
-        out.append(_block_launch(attn_bwd_dkdv_kernel, attn_bwd_dkdv_ws_kernel, plan.dv, plan.dv_warp_specialized,
-                                 tensors, call, values, k_rows, dict(WITH_DK=False, WITH_DV=True)))
+    if grads.has_dkdv:  # one pass, or dK then dV (BackwardPlan.dv)
+        passes = [(plan.dkdv, plan.dkdv_warp_specialized, True, plan.dv is None)]
+        if plan.dv is not None:
+            passes.append((plan.dv, plan.dv_warp_specialized, False, True))
+        for tiles, ws, with_dk, with_dv in passes:
+            out.append(_block_launch(attn_bwd_dkdv_kernel, attn_bwd_dkdv_ws_kernel, tiles, ws, tensors, call, values,
+                                     k_rows, dict(WITH_DK=with_dk, WITH_DV=with_dv)))
     if bias_grad:
         out.append(_dbias_launch(call, plan, values, attn_bwd_dbias_kernel))
     if grads.has_dq:

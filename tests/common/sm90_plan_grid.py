@@ -50,8 +50,9 @@ def record(cfg, ws):
     fwd.pop("dot_precision")
     bwd.pop("dot_precision")
     # The record predates the separate dV pass: a plan without one records as it did.
-    if bwd["dv"] is None:
+    if bwd["dv"] is None and bwd["dv_warp_specialized"] is None:
         bwd.pop("dv")
+        bwd.pop("dv_warp_specialized")
     return json.dumps(dict(fwd=fwd, bwd=bwd, kernels=kernels), sort_keys=True)
 
 

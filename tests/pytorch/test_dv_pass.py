@@ -46,6 +46,18 @@ def _plans(tensors, fmt, mask, window, dv_tiles=None, mods=launch.NO_MODS):
     return one, dataclasses.replace(one, dv=dv_tiles or one.dkdv)
 
 
+def _assert_repeats_and_matches_reference(tensors, seqs, mask, window, plan):
+    """Bitwise the same on a second run, and as close to the fp64 reference as the same math in the inputs'
+    dtype."""
+    a = _backward(tensors, QKVFormat.BSHD, seqs, mask, window, plan)
+    again = _backward(tensors, QKVFormat.BSHD, seqs, mask, window, plan)
+    for name, x, y in zip(("out", "dq", "dk", "dv"), a, again):
+        assert torch.equal(x, y), name
+    ref, lowp = ref_and_lowp(*tensors[:3], tensors[3], "bshd", mask.value, window, 0.3)
+    for name, ours, r, lp in zip(("out", "dq", "dk", "dv"), a, ref, lowp):
+        assert_close_to_reference(name, ours, r, lp)
+
+
 @pytest.mark.parametrize("d,dv", D)
 @pytest.mark.parametrize("mask,window", MASKS)
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
@@ -112,13 +124,7 @@ def test_wider_dv_tiles_match_the_reference_and_repeat_bitwise(mask, window):
     t = one.dkdv
     wide = dataclasses.replace(t, block_n=2 * t.block_n)
     _, two = _plans(tensors, QKVFormat.BSHD, mask, window, wide)
-    a = _backward(tensors, QKVFormat.BSHD, seqs, mask, window, two)
-    again = _backward(tensors, QKVFormat.BSHD, seqs, mask, window, two)
-    for name, x, y in zip(("out", "dq", "dk", "dv"), a, again):
-        assert torch.equal(x, y), name
-    ref, lowp = ref_and_lowp(*tensors[:3], tensors[3], "bshd", mask.value, window, 0.3)
-    for name, ours, r, lp in zip(("out", "dq", "dk", "dv"), a, ref, lowp):
-        assert_close_to_reference(name, ours, r, lp)
+    _assert_repeats_and_matches_reference(tensors, seqs, mask, window, two)
 
 
 def test_launches_of_the_two_passes(monkeypatch):
@@ -171,10 +177,4 @@ def test_gluon_one_gradient_passes_match_the_reference_and_repeat_bitwise(d, mas
         dk_ws = dv_ws = planned
     two = dataclasses.replace(one, dv=one.dkdv, dkdv_warp_specialized=dk_ws, dv_warp_specialized=dv_ws)
     seqs = launch.sequences(QKVFormat.BSHD, q, k, None, None, None, None, q.shape[1], k.shape[1])
-    a = _backward(tensors, QKVFormat.BSHD, seqs, mask, window, two)
-    again = _backward(tensors, QKVFormat.BSHD, seqs, mask, window, two)
-    for name, x, y in zip(("out", "dq", "dk", "dv"), a, again):
-        assert torch.equal(x, y), name
-    ref, lowp = ref_and_lowp(*tensors[:3], tensors[3], "bshd", mask.value, window, 0.3)
-    for name, ours, r, lp in zip(("out", "dq", "dk", "dv"), a, ref, lowp):
-        assert_close_to_reference(name, ours, r, lp)
+    _assert_repeats_and_matches_reference(tensors, seqs, mask, window, two)

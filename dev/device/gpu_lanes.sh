@@ -20,7 +20,9 @@
 # BENCH_PARTS), tetables (qa/L1_pytorch_te_tables; TE_TABLES_WORKERS, TE_TABLES_EXTRA e.g. "--tables softmax"), memcheck (qa/L1_memcheck), cpbench (benchmarks/attention/bench_context_parallel.py; CPBENCH_ARGS), cpprof
 # (dev/tuning/cp_step_profile.py: device time per kernel, single call / thd / CP steps; CPPROF_ARGS), jtprof
 # (dev/tuning/jax_torch_profile.py: device time per kernel of one fwd+bwd from PyTorch and from JAX; JTPROF_ARGS); 2-GPU: tp (torchrun tensor-parallel heads), jaxmesh (tests/jax/test_jax_two_device_mesh.py); several GPUs: qa:L1_distributed
-# (context parallelism at CP 2/4/8 up to the GPU count and TP 2 over NCCL; QA_CP_SIZES, QA_CP_SUITES).
+# (context parallelism at CP 2/4/8 up to the GPU count and TP 2 over NCCL; QA_CP_SIZES, QA_CP_SUITES), cpscale
+# (benchmarks/attention/bench_cp_scaling.py over every GPU: CP against one GPU at equal tokens, traces; CPSCALE_ARGS),
+# cpscalejax (the same for JAX: bench_cp_scaling_jax.py).
 # Limits per section come from <SECTION>_TIMEOUT (seconds); the defaults suit a 600 s call. CORE_ARGS: extra
 # bench_core.py arguments; GPU1: the second lane's GPU (default 1; 0 on a one-GPU machine); sleep:N waits;
 # env:NAME=VALUE exports a variable for the lane's later sections (a forced plan: env:NVTE_FUSED_ATTN_PLAN_ARCH=sm80).
@@ -143,6 +145,16 @@ section() {
       timeout "$(limit CPBENCH 240)" python3 benchmarks/attention/bench_context_parallel.py ${CPBENCH_ARGS:-} \
         > "$d/cpbench.md" 2>&1
       note "cp bench rc=$? $(grep -c '^| [0-9]' "$d/cpbench.md") rows" ;;
+    cpscale)  # benchmarks/attention/bench_cp_scaling.py over every GPU of the machine (torchrun); CPSCALE_ARGS
+      local n; n=$(nvidia-smi -L | grep -c "^GPU")
+      timeout "$(limit CPSCALE 300)" python3 -m torch.distributed.run --standalone --nproc_per_node="$n" \
+        benchmarks/attention/bench_cp_scaling.py --out "$d/cp_scaling.json" --trace "$d/cp_trace" ${CPSCALE_ARGS:-} \
+        > "$d/cp_scaling.md" 2>&1
+      note "cp scaling (${n} GPUs) rc=$? $(grep -c '^| [0-9]' "$d/cp_scaling.md") rows" ;;
+    cpscalejax)  # benchmarks/attention/bench_cp_scaling_jax.py: JAX fused_attn on a cp mesh axis of every GPU
+      timeout "$(limit CPSCALEJAX 300)" python3 benchmarks/attention/bench_cp_scaling_jax.py \
+        --out "$d/cp_scaling_jax.json" --trace "$d/cp_trace_jax" ${CPSCALE_ARGS:-} > "$d/cp_scaling_jax.md" 2>&1
+      note "cp scaling jax rc=$? $(grep -c '^| [0-9]' "$d/cp_scaling_jax.md") rows" ;;
     cpprof)  # dev/tuning/cp_step_profile.py: device time per kernel of the single call, thd, CP steps; CPPROF_ARGS
       timeout "$(limit CPPROF 200)" python3 dev/tuning/cp_step_profile.py ${CPPROF_ARGS:-} > "$d/cpprof.md" 2>&1
       note "cp profile rc=$? $(tail -4 "$d/cpprof.md" | tr '\n' ' ')" ;;

@@ -290,3 +290,21 @@ def test_backward_calls_run_one_gradient_pass_each(mask, monkeypatch):
     chunks = 2 if mask == AttnMaskType.CAUSAL_MASK else 1  # per rank: one call pair per own chunk (no mask: one)
     assert sorted(asked) == sorted([BackwardGrads.DQ, BackwardGrads.DKDV] * chunks), asked
     _assert_bitwise(results, _single_device(layout, mask, dtype), "partial backwards")
+
+
+def test_cp_scaling_benchmark_dry_run_is_bitwise(tmp_path):
+    """benchmarks/attention/bench_cp_scaling_jax.py on 8 host devices: each strategy's results, back in token
+    order, are the one-device call's bits; its JSON is written."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+    out = tmp_path / "rows.json"
+    env = dict(os.environ, PYTHONPATH=root, JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "attention", "bench_cp_scaling_jax.py"),
+                           "--dry-run", "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["strategy"], r["cp"], r["bitwise"]) for r in rows] == [("all_gather", 8, True), ("ring", 8, True)]

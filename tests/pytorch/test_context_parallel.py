@@ -6,6 +6,7 @@ exchanges as tensor copies). Unfused suites force the unfused backend; fused sui
 interpreter (or GPUs).
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -177,6 +178,26 @@ def test_benchmark_dry_run_is_bitwise():
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 64 |")]
     assert proc.returncode == 0 and len(rows) == 1 and all(r.rstrip().endswith("True |") for r in rows), \
         proc.stdout + proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(ON_GPU, reason="the dry run is the CPU check of the benchmark's harness")
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_cp_scaling_benchmark_dry_run_is_bitwise(nproc, tmp_path):
+    """benchmarks/attention/bench_cp_scaling.py over gloo: every comm type the rank count allows runs the fused
+    kernels and gathers the one-GPU call's bits; its JSON and per-rank traces are written."""
+    root = os.path.abspath(os.path.join(HERE, "..", ".."))
+    bench = os.path.join(root, "benchmarks", "attention", "bench_cp_scaling.py")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root)
+    out, trace = tmp_path / "rows.json", tmp_path / "trace"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                           bench, "--dry-run", "--out", str(out), "--trace", str(trace)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    comms = ["p2p", "all_gather", "a2a"] + (["a2a+p2p"] if nproc >= 4 else [])
+    assert [r["comm"] for r in rows] == comms and all(r["cp"] == nproc for r in rows)
+    assert all(r["bitwise"] and r["backend"] == "FusedAttention" for r in rows), rows
+    assert len(list(trace.iterdir())) == nproc * len(comms)
 
 
 @requires_fused

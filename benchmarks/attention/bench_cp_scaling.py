@@ -15,7 +15,6 @@ harness.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -29,6 +28,10 @@ os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0"
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the benchmark's own modules
+
+from cases import attn_flops  # noqa: E402
+from common import cp_scaling_parser, run_metadata  # noqa: E402
 from transformer_engine.common.attention import QKVFormat  # noqa: E402
 from transformer_engine.pytorch import DotProductAttention  # noqa: E402
 from transformer_engine.pytorch.attention.context_parallel import SeqSplit, assemble, local_tokens  # noqa: E402
@@ -78,24 +81,8 @@ def timed(fn, iters: int, warmup: int, device) -> float:
     return float(ms.item())
 
 
-def flops(s: int, h: int, d: int, causal: bool) -> float:
-    """fwd+bwd matmul FLOPs of one sequence of s tokens (3.5x the forward's 4 s^2 h d; half when causal)."""
-    return 3.5 * 4 * s * s * h * d * (0.5 if causal else 1.0)
-
-
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seqlens", type=int, nargs="+", default=[32768, 131072])
-    parser.add_argument("--comms", nargs="+", default=list(COMMS), choices=COMMS)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--no-causal", action="store_true")
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--out", default="")
-    parser.add_argument("--trace", default="")
-    parser.add_argument("--dry-run", action="store_true")
-    args = parser.parse_args(argv)
+    args = cp_scaling_parser(__doc__.splitlines()[0], "comms", COMMS).parse_args(argv)
     on_gpu = torch.cuda.is_available() and not args.dry_run
     dist.init_process_group("nccl" if on_gpu else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -166,17 +153,14 @@ def main(argv=None) -> int:
                 prof.export_chrome_trace(os.path.join(args.trace, f"cp{world}_{comm}_s{s}_rank{rank}.json"))
             row = dict(s=s, cp=world, comm=comm, heads=h, kv_heads=hk, head_dim=d, causal=causal,
                        one_gpu_ms=one_ms, cp_ms=cp_ms, speedup=one_ms / cp_ms, efficiency=one_ms / cp_ms / world,
-                       one_gpu_tflops=flops(s, h, d, causal) / one_ms * 1e-9,
-                       cp_tflops_per_gpu=flops(s, h, d, causal) / cp_ms / world * 1e-9,
+                       one_gpu_tflops=attn_flops(1, h, s, s, d, causal, "fwd_bwd") / one_ms * 1e-9,
+                       cp_tflops_per_gpu=attn_flops(1, h, s, s, d, causal, "fwd_bwd") / cp_ms / world * 1e-9,
                        bitwise=bool(bitwise.item()), backend=module.last_backend)
             rows.append(row)
             if rank == 0:
                 print(f"| {s} | {world} | {comm} | {one_ms:.2f} | {cp_ms:.2f} | {row['speedup']:.2f} | "
                       f"{row['efficiency']:.2f} | {row['bitwise']} | {row['backend']} |", flush=True)
     if rank == 0 and args.out:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from common import run_metadata
-
         name = torch.cuda.get_device_name() if on_gpu else "cpu"
         with open(args.out, "w") as f:
             json.dump(dict(meta=run_metadata(" ".join(sys.argv), name, str(dtype)[6:], args.dry_run), rows=rows),

@@ -14,7 +14,6 @@ lowering) runs tiny shapes once each to check the harness.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
@@ -31,6 +30,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the benchmark's own modules
+
+from cases import attn_flops  # noqa: E402
+from common import cp_scaling_parser, run_metadata  # noqa: E402
 from transformer_engine.jax.attention import (  # noqa: E402
     AttnBiasType,
     AttnMaskType,
@@ -82,24 +85,8 @@ def bits(x):
     return x.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[x.dtype.itemsize])
 
 
-def flops(b: int, s: int, h: int, d: int, causal: bool) -> float:
-    """fwd+bwd matmul FLOPs (3.5x the forward's 4 b s^2 h d; half when causal)."""
-    return 3.5 * 4 * b * s * s * h * d * (0.5 if causal else 1.0)
-
-
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seqlens", type=int, nargs="+", default=[32768, 131072])
-    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=sorted(STRATEGIES))
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--no-causal", action="store_true")
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--out", default="")
-    parser.add_argument("--trace", default="")
-    parser.add_argument("--dry-run", action="store_true")
-    args = parser.parse_args(argv)
+    args = cp_scaling_parser(__doc__.splitlines()[0], "strategies", STRATEGIES).parse_args(argv)
     dtype = jnp.float16 if args.dry_run else jnp.bfloat16
     if args.dry_run:
         args.seqlens, args.heads, args.kv_heads, args.head_dim, args.iters = [64], 2, 1, 16, 1
@@ -136,15 +123,13 @@ def main(argv=None) -> int:
             bitwise = all(np.array_equal(bits(a), bits(b)) for a, b in zip(got, want))
             row = dict(s=s, cp=cp, strategy=name, heads=h, kv_heads=hk, head_dim=d, causal=causal,
                        one_device_ms=one_ms, cp_ms=cp_ms, speedup=one_ms / cp_ms, efficiency=one_ms / cp_ms / cp,
-                       one_device_tflops=flops(1, s, h, d, causal) / one_ms * 1e-9,
-                       cp_tflops_per_device=flops(1, s, h, d, causal) / cp_ms / cp * 1e-9, bitwise=bitwise)
+                       one_device_tflops=attn_flops(1, h, s, s, d, causal, "fwd_bwd") / one_ms * 1e-9,
+                       cp_tflops_per_device=attn_flops(1, h, s, s, d, causal, "fwd_bwd") / cp_ms / cp * 1e-9,
+                       bitwise=bitwise)
             rows.append(row)
             print(f"| {s} | {cp} | {name} | {one_ms:.2f} | {cp_ms:.2f} | {row['speedup']:.2f} | "
                   f"{row['efficiency']:.2f} | {bitwise} |", flush=True)
     if args.out:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from common import run_metadata
-
         meta = run_metadata(" ".join(sys.argv), devices[0].device_kind, str(jnp.dtype(dtype)), args.dry_run)
         with open(args.out, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)

@@ -103,3 +103,22 @@ def write_results(path_stem, meta, rows, columns):
     with open(path_stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def cp_scaling_parser(description: str, names: str, choices) -> "argparse.ArgumentParser":
+    """The context-parallel scaling benchmarks' arguments (bench_cp_scaling.py, bench_cp_scaling_jax.py):
+    shapes, the exchange kinds under ``--<names>`` (default: all of ``choices``), timing and outputs."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[32768, 131072])
+    parser.add_argument(f"--{names}", nargs="+", default=list(choices), choices=sorted(choices))
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--no-causal", action="store_true")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--out", default="", help="JSON of the rows and the run's metadata")
+    parser.add_argument("--trace", default="", help="folder for profiler traces of one CP step each")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, once each: the harness")
+    return parser

@@ -64,19 +64,26 @@ def step(module, q, k, v, d_out):
     return (out.detach(),) + torch.autograd.grad(out, leaves, d_out)
 
 
-def timed(fn, iters: int, warmup: int, device) -> float:
-    """ms per call of ``fn`` over ``iters`` calls after ``warmup``; the same counts on every rank (collectives
-    inside ``fn`` stay matched), the slowest rank's time."""
+def local_ms(fn, iters: int, warmup: int, sync) -> float:
+    """ms per call of ``fn`` on this rank over ``iters`` calls after ``warmup`` (``sync`` waits for the device)."""
     for _ in range(warmup):
         fn()
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
-    dist.barrier()
     start = time.perf_counter()
     for _ in range(iters):
         fn()
     sync()
-    ms = torch.tensor([(time.perf_counter() - start) * 1e3 / iters], dtype=torch.float64, device=device)
+    return (time.perf_counter() - start) * 1e3 / iters
+
+
+def slowest_ms(fn, iters: int, warmup: int, sync, device) -> float:
+    """:func:`local_ms` on every rank from a common start (the same counts everywhere: collectives inside
+    ``fn`` stay matched), the slowest rank's time."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    dist.barrier()
+    ms = torch.tensor([local_ms(fn, iters, 0, sync)], dtype=torch.float64, device=device)
     dist.all_reduce(ms, op=dist.ReduceOp.MAX)
     return float(ms.item())
 
@@ -90,6 +97,7 @@ def main(argv=None) -> int:
     if on_gpu:
         torch.cuda.set_device(device)
     dtype = torch.bfloat16 if on_gpu else torch.float16
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     if args.dry_run:
         args.seqlens, args.heads, args.kv_heads, args.head_dim, args.iters = [64], 4, 4, 16, 1
     warmup = 0 if args.dry_run else 3
@@ -106,22 +114,11 @@ def main(argv=None) -> int:
                           for heads in (h, hk, hk, h))
         d_out = d_out.reshape(1, s, h * d)
         single = DotProductAttention(h, d, num_gqa_groups=hk, qkv_format="bshd", attn_mask_type=mask)
-        want, one_ms = None, 0.0
-        if rank == 0:  # one GPU, the whole sequence
+        want, one_gpu = None, torch.zeros(1, dtype=torch.float64, device=device)
+        if rank == 0:  # one GPU, the whole sequence; the other ranks wait
             want = step(single, q, k, v, d_out)
-        one_gpu = torch.zeros(1, dtype=torch.float64, device=device)
-        if rank == 0:
-            for _ in range(warmup):
-                step(single, q, k, v, d_out)
-            if on_gpu:
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(args.iters):
-                step(single, q, k, v, d_out)
-            if on_gpu:
-                torch.cuda.synchronize()
-            one_gpu += (time.perf_counter() - start) * 1e3 / args.iters
-        dist.all_reduce(one_gpu)  # rank 0's time, to every rank
+            one_gpu[0] = local_ms(lambda: step(single, q, k, v, d_out), args.iters, warmup, sync)
+        dist.broadcast(one_gpu, 0)
         one_ms = float(one_gpu.item())
         split = SeqSplit(QKVFormat.BSHD, world, rank, seqlen=s)
         local = [local_tokens(t, 1, split) for t in (q, k, v, d_out)]
@@ -143,13 +140,12 @@ def main(argv=None) -> int:
             if rank == 0:
                 bitwise[0] = int(all(torch.equal(a, b) for a, b in zip(gathered, want)))
             dist.broadcast(bitwise, 0)
-            cp_ms = timed(lambda: step(module, *local), args.iters, warmup, device)
+            cp_ms = slowest_ms(lambda: step(module, *local), args.iters, warmup, sync, device)
             if args.trace:
                 os.makedirs(args.trace, exist_ok=True)
                 with torch.profiler.profile() as prof:
                     step(module, *local)
-                    if on_gpu:
-                        torch.cuda.synchronize()
+                    sync()
                 prof.export_chrome_trace(os.path.join(args.trace, f"cp{world}_{comm}_s{s}_rank{rank}.json"))
             row = dict(s=s, cp=world, comm=comm, heads=h, kv_heads=hk, head_dim=d, causal=causal,
                        one_gpu_ms=one_ms, cp_ms=cp_ms, speedup=one_ms / cp_ms, efficiency=one_ms / cp_ms / world,

@@ -6,6 +6,7 @@ processes without them (the JAX subprocess, merging results).
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import json
 import os
@@ -105,11 +106,9 @@ def write_results(path_stem, meta, rows, columns):
     print("\n".join(lines))
 
 
-def cp_scaling_parser(description: str, names: str, choices) -> "argparse.ArgumentParser":
+def cp_scaling_parser(description: str, names: str, choices) -> argparse.ArgumentParser:
     """The context-parallel scaling benchmarks' arguments (bench_cp_scaling.py, bench_cp_scaling_jax.py):
     shapes, the exchange kinds under ``--<names>`` (default: all of ``choices``), timing and outputs."""
-    import argparse
-
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--seqlens", type=int, nargs="+", default=[32768, 131072])
     parser.add_argument(f"--{names}", nargs="+", default=list(choices), choices=sorted(choices))

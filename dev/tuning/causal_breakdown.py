@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "attention"))
 
 from cases import attn_flops
-from kernel_time import per_kernel_us  # noqa: F401  (also this folder's other profiles' import)
+from kernel_time import per_kernel_us
 from common import run_metadata, write_results
 from transformer_engine.common.attention import AttnMaskType, QKVFormat
 from transformer_engine.common.attention.plan import backward_plan

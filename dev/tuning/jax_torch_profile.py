@@ -20,7 +20,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX and torch
 
 import torch  # noqa: E402
 
-from causal_breakdown import per_kernel_us, print_kernels  # noqa: E402  (this folder)
+from causal_breakdown import print_kernels  # noqa: E402  (this folder; it puts benchmarks/attention on the path)
+from kernel_time import per_kernel_us  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -13,7 +13,8 @@ SANITIZER="${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || echo /usr/loca
 if [ ! -x "$SANITIZER" ]; then
   qa_fail memcheck "compute-sanitizer not found (set COMPUTE_SANITIZER)"
 else
-  qa_run memcheck env TRITON_INTERPRET=0 PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SANITIZER" --tool memcheck --error-exitcode 1 --kernel-name kns=attn_ \
+  qa_run memcheck env TRITON_INTERPRET=0 PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+    "$SANITIZER" --tool memcheck --error-exitcode 1 --kernel-name kns=attn_ \
     "$PYTHON" tests/pytorch/memcheck_kernels.py ${MEMCHECK_DIMS:-}
 fi
 

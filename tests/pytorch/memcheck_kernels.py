@@ -1,10 +1,10 @@
 """Every planned kernel variant once, at small shapes, for a memory checker (compute-sanitizer).
 
 Forward and backward through fused_attn_func for each head-dim bucket (and through the launch layer on
-the segment-row grid of packed rows), at s_q = 1, s_q below one
-tile and s_q != s_kv, with bias, ALiBi, dropout, sliding windows, padding and thd packing (with gaps and empty sequences), GQA, in
-bf16 (fp16 at the smallest and largest head dims). Each result is checked finite; under ``compute-sanitizer --tool memcheck
---error-exitcode 1`` any out-of-bounds or misaligned access fails the run.
+the segment-row grid of packed rows), at s_q = 1, s_q below one tile and s_q != s_kv, with bias, ALiBi,
+dropout, sliding windows, padding and thd packing (with gaps and empty sequences), GQA, in bf16 (fp16 at
+the smallest and largest head dims). Each result is checked finite; under ``compute-sanitizer --tool
+memcheck --error-exitcode 1`` any out-of-bounds or misaligned access fails the run.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python tests/pytorch/memcheck_kernels.py [192/128 ...]
 

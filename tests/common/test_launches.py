@@ -178,7 +178,9 @@ def test_partial_backward_is_the_whole_backward_less_one_pass(case, grads, monke
     whole = _jax_launches(case)[1]
     dropped = PASSES[BackwardGrads.DKDV if grads == BackwardGrads.DQ else BackwardGrads.DQ]
     expected = [x.describe() for x in whole if x.name not in dropped]
-    assert len(expected) == len(whole) - 1
+    dkdv_passes = sum(x.name in PASSES[BackwardGrads.DKDV] for x in whole)  # two where dV is a pass of its own
+    assert dkdv_passes in (1, 2)
+    assert len(expected) == len(whole) - (dkdv_passes if grads == BackwardGrads.DQ else 1)
     pt_fwd, pt_bwd = _torch_launches(case, monkeypatch, grads)
     jx_fwd, jx_bwd = _jax_launches(case, grads)
     assert [x.describe() for x in pt_fwd] == [x.describe() for x in jx_fwd]
@@ -252,10 +254,11 @@ def test_a_length_of_one_takes_the_length_generic_kernel(seqlen, dims, monkeypat
 
     kernels = {k.__name__: k for k in (forward.attn_fwd_kernel, backward.attn_bwd_dkdv_kernel,
                                        backward.attn_bwd_dq_kernel)}
+    monkeypatch.setenv("NVTE_FUSED_ATTN_WS", "0")  # the Triton kernels (Hopper plans Gluon ones at d=256)
     case = Case(dims=dims, mask=AttnMaskType.CAUSAL_MASK, seqlen=seqlen)
     for frontend in (_torch_launches(case, monkeypatch), _jax_launches(case)):
         block_loops = [x for described in frontend for x in described if x.name in kernels]
-        assert len(block_loops) == 3
+        assert len(block_loops) == (3 if dims[0] == 64 else 4)  # two dK/dV passes at d=256
         for x in block_loops:
             base = kernels[x.name]
             assert x.kernel is (base.length_generic if 1 in seqlen else base), (x.name, seqlen)

@@ -97,14 +97,19 @@ def test_plan_is_what_the_table_says(arch, dims, mask, window):
     narrow = tables.narrow_v is not None and (padded_head_dim(dims[0]), padded_head_dim(dims[1])) == (256, 128) \
         and cfg.attn_bias_type == AttnBiasType.NO_BIAS and cfg.dropout == 0
     planned = tables.narrow_v if narrow else (tables.fwd[key], tables.dkdv[key], tables.dq[key])
-    assert (fwd.tiles, bwd.dkdv, bwd.dq) == planned
+    two_pass = None if narrow or tables.dk_dv is None else tables.dk_dv.get(key)
+    if two_pass is not None:  # dK then dV (BackwardPlan.dv) with their own tiles
+        assert (fwd.tiles, (bwd.dkdv, bwd.dv), bwd.dq) == (planned[0], two_pass, planned[2])
+    else:
+        assert (fwd.tiles, bwd.dkdv, bwd.dq, bwd.dv) == planned + (None,)
     assert bwd.preprocess.block_m == 64
-    ws = arch == "sm90" and dims == (128, 128)
+    ws = arch == "sm90" and dims in ((128, 128), (256, 256))
     assert (fwd.warp_specialized is not None, bwd.dq_warp_specialized is not None,
             bwd.dkdv_warp_specialized is not None) == (ws, ws, ws)
+    assert (bwd.dv_warp_specialized is not None) == (ws and two_pass is not None)
     fp32 = dataclasses.replace(cfg, dtype="float32")
     f32, b32 = forward_plan(fp32), backward_plan(fp32)
-    assert f32.dot_precision == "ieee" and f32.warp_specialized is None
+    assert f32.dot_precision == "ieee" and f32.warp_specialized is None and b32.dv is None
     if key[0] == 256 and tables.fp32_large is not None:  # AMD: its own fp32 tiles at d=256
         assert (f32.tiles, b32.dkdv, b32.dq) == tables.fp32_large
         return

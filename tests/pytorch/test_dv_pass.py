@@ -14,7 +14,7 @@ import torch
 
 from fused_helpers import DEVICE, DTYPES, ON_GPU, assert_close_to_reference, make_qkv, ref_and_lowp, requires_fused
 from transformer_engine.common.attention import AttnMaskType, QKVFormat
-from transformer_engine.common.attention.plan import Tiles, backward_plan
+from transformer_engine.common.attention.plan import Tiles, _head_key, backward_plan, plan_arch
 from transformer_engine.pytorch.attention import launch
 from transformer_engine.pytorch.attention.fused_attn import new_rng_state
 
@@ -40,9 +40,12 @@ def _inputs(d, dv, dtype, heads=(4, 2), sq=45, sk=53, seed=0):
 
 def _plans(tensors, fmt, mask, window, dv_tiles=None, mods=launch.NO_MODS):
     q, k, v, _ = tensors
-    one = backward_plan(launch.plan_config(q, k, v, fmt, mask, window, mods))
-    # The Triton kernel on both sides (the Gluon dK/dV pass serves d=128 on Hopper: not what is compared).
-    one = dataclasses.replace(one, dkdv_warp_specialized=None)
+    config = launch.plan_config(q, k, v, fmt, mask, window, mods)
+    one = backward_plan(config)
+    if one.dv is not None:  # planned as two passes (Hopper at d=256): the dK/dV table's one pass instead
+        one = dataclasses.replace(one, dkdv=plan_arch(config).dkdv[_head_key(config)], dv=None)
+    # The Triton kernel on both sides (the Gluon dK/dV passes serve Hopper: not what is compared).
+    one = dataclasses.replace(one, dkdv_warp_specialized=None, dv_warp_specialized=None)
     return one, dataclasses.replace(one, dv=dv_tiles or one.dkdv)
 
 
@@ -139,7 +142,7 @@ def test_launches_of_the_two_passes(monkeypatch):
         return described[-1]
 
     monkeypatch.setattr(launches, "backward_launches", record)
-    tensors = _inputs(*D[0], DTYPES[0])
+    tensors = _inputs(*D[0], DTYPES[0], sk=260 if ON_GPU else 53)  # more key blocks of dK's tiles than dV's
     q, k = tensors[:2]
     mask, window = AttnMaskType.CAUSAL_MASK, (-1, 0)
     one, two = _plans(tensors, QKVFormat.BSHD, mask, window)
@@ -160,21 +163,17 @@ def test_launches_of_the_two_passes(monkeypatch):
 @pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("mask,window", MASKS[:2])
 def test_gluon_one_gradient_passes_match_the_reference_and_repeat_bitwise(d, mask, window):
-    """The warp-specialized dK/dV kernel as a dK pass and a dV pass (one accumulator per consumer; at d=256 the
-    tiles no plan has yet): close to the fp64 reference, and bitwise the same on a second run."""
-    from transformer_engine.common.attention.plan import Tiles
-
+    """The warp-specialized dK/dV kernel as a dK pass and a dV pass (one accumulator per consumer; the plan
+    at d=256, the one-pass tiles twice at d=128): close to the fp64 reference, and bitwise the same on a
+    second run."""
     tensors = _inputs(d, d, torch.bfloat16, (4, 2), sq=300, sk=300)
     q, k, v, _ = tensors
     mask = AttnMaskType(mask)
     one = backward_plan(launch.plan_config(q, k, v, QKVFormat.BSHD, mask, window))
-    planned = one.dkdv_warp_specialized
-    if d == 128 and planned is None:
+    if one.dkdv_warp_specialized is None:
         pytest.skip("no Gluon dK/dV kernel on this GPU's plan (NVTE_FUSED_ATTN_WS=0 or a forced plan)")
-    if d == 256:
-        dk_ws, dv_ws = Tiles(32, 128, 4, 2, max_registers=168), Tiles(64, 128, 4, 2, max_registers=168)
-    else:
-        dk_ws = dv_ws = planned
-    two = dataclasses.replace(one, dv=one.dkdv, dkdv_warp_specialized=dk_ws, dv_warp_specialized=dv_ws)
+    two = one if one.dv is not None else dataclasses.replace(
+        one, dv=one.dkdv, dv_warp_specialized=one.dkdv_warp_specialized)
+    assert two.dv_warp_specialized is not None
     seqs = launch.sequences(QKVFormat.BSHD, q, k, None, None, None, None, q.shape[1], k.shape[1])
     _assert_repeats_and_matches_reference(tensors, seqs, mask, window, two)

@@ -194,6 +194,14 @@ _SM90_DQ: Dict[Tuple[int, bool], Tiles] = {
 # it measured 289 / 183 backward TFLOP/s (no mask / causal) against 269 / 204 for the plain loop: one tile
 # for both, as the tables have no GQA key.
 _SM90_NARROW_V = (Tiles(128, 64, 8, 3), Tiles(64, 128, 8, 2, single_loop=True), Tiles(128, 64, 8, 2))
+# Padded head dim 256, fp16/bf16, without bias or dropout (and not the narrow-V case): dK and dV as two
+# passes (BackwardPlan.dv), each with one accumulator, so 128-key tiles fit: (dK tiles, dV tiles). Measured
+# on the H200 (bf16, 2x16x4096x256, backward): 223 / 208 TFLOP/s (no mask / causal) against 184 / 174 for
+# the one pass of 64x64.
+_SM90_DK_DV = {
+    (256, False): (Tiles(32, 128, 8, 2, single_loop=True), Tiles(64, 128, 8, 2, single_loop=True)),
+    (256, True): (Tiles(32, 128, 8, 2, single_loop=True), Tiles(64, 128, 8, 2, single_loop=True)),
+}
 # Warp-specialized Gluon kernels on Hopper (kernels/hopper_ws.py): 128 rows (query rows; keys for dK/dV)
 # as two consumer warpgroups of 64 plus a loader warp (12 warps allocated: 168 registers each on average).
 # Forward: K/V blocks of 128 in a 2-buffer ring. Where they serve: d_qk = d_v = 128, fp16/bf16, no bias,
@@ -201,11 +209,17 @@ _SM90_NARROW_V = (Tiles(128, 64, 8, 3), Tiles(64, 128, 8, 2, single_loop=True), 
 _SM90_FWD_WS = {
     (128, False): Tiles(128, 128, 4, 2, max_registers=168),
     (128, True): Tiles(128, 128, 4, 2, head_group=8, max_registers=168),
+    # d=256: K/V blocks of 64 (197 KiB of shared memory); 574 / 489 TFLOP/s (no mask / causal) against
+    # 538 / 433 for the Triton forward.
+    (256, False): Tiles(128, 64, 4, 2, max_registers=168),
+    (256, True): Tiles(128, 64, 4, 2, max_registers=168),
 }
 # dQ: K/V blocks of 64 (blocks of 128 spill in the causal consumer) in a 3-buffer ring.
 _SM90_DQ_WS = {
     (128, False): Tiles(128, 64, 4, 3, max_registers=168),
     (128, True): Tiles(128, 64, 4, 3, head_group=8, max_registers=168),
+    (256, False): Tiles(128, 32, 4, 2, max_registers=168),  # d=256: K/V blocks of 32, two buffers
+    (256, True): Tiles(128, 32, 4, 2, max_registers=168),
 }
 # dK/dV: key blocks of 128 (64 per consumer), query blocks of 64 in a 3-buffer ring with their LSE and
 # delta rows (query blocks of 32 make products too small). At d=64 all three Gluon kernels measured
@@ -213,6 +227,15 @@ _SM90_DQ_WS = {
 _SM90_DKDV_WS = {
     (128, False): Tiles(64, 128, 4, 3, max_registers=168),
     (128, True): Tiles(64, 128, 4, 3, head_group=8, max_registers=168),
+    # d=256: a consumer cannot hold both [64, 256] fp32 accumulators, so this is the dK pass of two
+    # (_SM90_DK_DV; query blocks of 32) and _SM90_DV_WS the dV pass (query blocks of 64), two buffers each.
+    # Backward with the Gluon dQ: 347 / 298 TFLOP/s (no mask / causal) against 184 / 174 for the Triton one pass.
+    (256, False): Tiles(32, 128, 4, 2, max_registers=168),
+    (256, True): Tiles(32, 128, 4, 2, max_registers=168),
+}
+_SM90_DV_WS = {
+    (256, False): Tiles(64, 128, 4, 2, max_registers=168),
+    (256, True): Tiles(64, 128, 4, 2, max_registers=168),
 }
 
 
@@ -281,6 +304,9 @@ class ArchTables:
     # Tiles (fwd, dK/dV, dQ) where d_qk pads to 256 and d_v to 128, without bias or dropout; None: the
     # padded-256 tables.
     narrow_v: Optional[Tuple[Tiles, Tiles, Tiles]] = None
+    # (dK tiles, dV tiles) of a two-pass dK/dV backward by _head_key, for fp16/bf16 without bias or dropout
+    # outside the narrow-V case; keys not here run one pass with the dK/dV table's tiles.
+    dk_dv: Optional[Dict[Tuple[int, bool], Tuple[Tiles, Tiles]]] = None
 
     def tiles(self, config: AttnConfig, key: Tuple[int, bool]) -> Tuple[Tiles, Tiles, Tiles]:
         """The (fwd, dK/dV, dQ) table tiles of ``config`` at ``key`` (_head_key), before the fp32 clamp."""
@@ -288,6 +314,14 @@ class ArchTables:
                 and config.attn_bias_type == AttnBiasType.NO_BIAS and config.dropout == 0):
             return self.narrow_v
         return self.fwd[key], self.dkdv[key], self.dq[key]
+
+    def dk_dv_tiles(self, config: AttnConfig, key: Tuple[int, bool]) -> Optional[Tuple[Tiles, Tiles]]:
+        """(dK tiles, dV tiles) of a two-pass dK/dV backward for ``config``, or None: one pass."""
+        if (self.dk_dv is None or key not in self.dk_dv or config.dtype not in ("float16", "bfloat16")
+                or config.attn_bias_type != AttnBiasType.NO_BIAS or config.dropout > 0
+                or self.tiles(config, key) is self.narrow_v):
+            return None
+        return self.dk_dv[key]
 
     @property
     def triton_target(self) -> Tuple[str, object, int]:
@@ -302,7 +336,7 @@ ARCHS: Dict[str, ArchTables] = {t.name: t for t in (
     ArchTables("sm80", "nvidia", 32, 163 * _KIB, _SM80_FWD, _SM80_DKDV, _SM80_DQ),
     ArchTables("sm89", "nvidia", 32, 99 * _KIB, _SM89_FWD, _SM89_BWD, _SM89_BWD),
     ArchTables("sm90", "nvidia", 32, 227 * _KIB, _SM90_FWD, _SM90_DKDV, _SM90_DQ, warp_specialized=True,
-               narrow_v=_SM90_NARROW_V),
+               narrow_v=_SM90_NARROW_V, dk_dv=_SM90_DK_DV),
     # Datacenter Blackwell (sm_100, sm_103) and Thor (sm_110): Hopper's 227 KiB, so Hopper's Triton tiles
     # (its Gluon kernels are written for Hopper's wgmma and TMA).
     ArchTables("sm100", "nvidia", 32, 227 * _KIB, _SM90_FWD, _SM100_DKDV, _SM100_DQ),
@@ -422,13 +456,22 @@ def backward_plan(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = 
         else:
             dkdv = Tiles(min(dkdv.block_m, 32), min(dkdv.block_n, 64), dkdv.num_warps, 1)
             dq = Tiles(min(dq.block_m, 64), min(dq.block_n, 32), dq.num_warps, 1)
+    dv = None
+    two_pass = arch.dk_dv_tiles(config, key) if arch is not None else None
+    if two_pass is not None:
+        dkdv, dv = two_pass
     preprocess = Tiles(64 if config.device_type != "cpu" else 16, 0, 4, 1)
     # Both modes run the separate dQ pass: it measured 2-3x faster than an atomic dQ on the H200.
     # An explicit Triton tile override measures the Triton kernels.
     served = override is None
     ws_dq = _warp_specialized(config, arch, key, _SM90_DQ_WS) if served else None
     ws_dkdv = _warp_specialized(config, arch, key, _SM90_DKDV_WS) if served else None
+    ws_dv = _warp_specialized(config, arch, key, _SM90_DV_WS) if served else None
+    # The Gluon dK/dV rows make as many passes as the Triton plan: one (no dV row) or two.
+    if (dv is None) != (ws_dv is None):
+        ws_dkdv = ws_dv = None
     # The dBias kernel holds Q, K, V and dO tiles at once: fp32 at padded d > 128 halves its tile.
     dbias_block = 32 if config.dtype == "float32" and key[0] > 128 else 64
     return BackwardPlan(preprocess, dkdv, dq, padded_head_dim(config.head_dim_qk),
-                        padded_head_dim(config.head_dim_v), _dot_precision(config), ws_dq, ws_dkdv, dbias_block)
+                        padded_head_dim(config.head_dim_v), _dot_precision(config), ws_dq, ws_dkdv, dbias_block,
+                        dv, ws_dv)

@@ -23,7 +23,8 @@ from transformer_engine.common import settings
 from transformer_engine.common.attention.enums import AttnBiasType
 
 __all__ = ["Tiles", "ForwardPlan", "BackwardPlan", "ArchTables", "ARCHS", "forward_plan", "backward_plan",
-           "plan_arch", "device_arch", "mask_flags", "padded_head_dim", "block_grid", "tma_eligible"]
+           "plan_arch", "device_arch", "mask_flags", "padded_head_dim", "split_head_dim", "block_grid",
+           "tma_eligible"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,9 @@ class ForwardPlan:
     # the launches (launches.py) use it when the tensors also allow TMA (tma_eligible), else attn_fwd_kernel
     # with `tiles`.
     warp_specialized: Optional[Tiles] = None
+    # Width of the second Q/K head-dim chunk (BLOCK_DQK2) where the Q/K head dim splits in two (block_dqk
+    # is then the first chunk: split_head_dim); 0: one block_dqk-wide tile.
+    block_dqk2: int = 0
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,7 @@ class BackwardPlan:
     # The same for the Gluon dK/dV pass (attn_bwd_dkdv_kernel with `dkdv` otherwise).
     dkdv_warp_specialized: Optional[Tiles] = None
     dbias_block: int = 64  # largest dBias tile side (32 for fp32 at padded d > 128: 64 needs 256 KiB)
+    block_dqk2: int = 0  # as ForwardPlan's: the dK/dV and dQ passes split Q/K (dBias keeps one tile)
 
     @property
     def dbias(self) -> Tiles:
@@ -147,6 +152,21 @@ def padded_head_dim(d: int) -> int:
     return p
 
 
+def split_head_dim(d: int) -> Optional[Tuple[int, int]]:
+    """(first, second) chunk widths of a head dim that is the sum of two different powers of two, each
+    at least 16 (tl.dot's minimum): 192 -> (128, 64), 48 -> (32, 16); None for any other head dim (a power
+    of two fills its tile; 24 = 16 + 8 has a chunk too narrow)."""
+    if d < 48 or bin(d).count("1") != 2:
+        return None
+    second = d & -d
+    return (d - second, second) if second >= 16 else None
+
+
+# CPU tests set this to plan the Q/K split under the interpreter wherever split_head_dim allows: the
+# interpreter plans (device_type "cpu") never split otherwise.
+INTERPRET_SPLIT_QK = False
+
+
 # Interpreter (CPU tests): small tiles so tiny test shapes still span several blocks.
 _INTERPRET_FWD = Tiles(16, 16, 1, 1)
 _INTERPRET_BWD = Tiles(16, 16, 1, 1)
@@ -184,6 +204,10 @@ _SM90_DQ: Dict[Tuple[int, bool], Tiles] = {
 # tiles. The single-loop dK/dV pass keeps 184-208 bytes of stack (measured fastest so); with GQA, packed
 # sequences and sink softmax it keeps up to 704 (tests/common/data/known_spills.json; not timed).
 _SM90_NARROW_V = (Tiles(128, 64, 8, 3), Tiles(64, 128, 8, 2, single_loop=True), Tiles(128, 64, 8, 2))
+# With the narrow-V tiles, d_qk = 192 splits Q/K into chunks of 128 and 64 (BLOCK_DQK, BLOCK_DQK2) instead
+# of a 256-wide tile whose last quarter is zeros: the QK^T, dS^T Q and dS K products do 3/4 of the work and
+# the Q/K tiles take 3/4 of the shared memory and registers.
+_SM90_NARROW_V_SPLIT = (192,)
 # Warp-specialized Gluon kernels on Hopper (kernels/hopper_ws.py): 128 rows (query rows; keys for dK/dV)
 # as two consumer warpgroups of 64 plus a loader warp (12 warps allocated: 168 registers each on average).
 # Forward: K/V blocks of 128 in a 2-buffer ring. Where they serve: d_qk = d_v = 128, fp16/bf16, no bias,
@@ -271,13 +295,26 @@ class ArchTables:
     # Tiles (fwd, dK/dV, dQ) where d_qk pads to 256 and d_v to 128, without bias or dropout; None: the
     # padded-256 tables.
     narrow_v: Optional[Tuple[Tiles, Tiles, Tiles]] = None
+    # Q/K head dims whose tiles split in two power-of-two chunks (split_head_dim) where the narrow-V
+    # tiles serve a 16-bit config, rather than padding to 256.
+    narrow_v_split: Tuple[int, ...] = ()
+
+    def serves_narrow_v(self, config: AttnConfig) -> bool:
+        """Whether the narrow-V tiles serve ``config`` (before the fp32 clamp)."""
+        return (self.narrow_v is not None and padded_head_dim(config.head_dim_qk) == 256
+                and padded_head_dim(config.head_dim_v) == 128
+                and config.attn_bias_type == AttnBiasType.NO_BIAS and config.dropout == 0)
 
     def tiles(self, config: AttnConfig, key: Tuple[int, bool]) -> Tuple[Tiles, Tiles, Tiles]:
         """The (fwd, dK/dV, dQ) table tiles of ``config`` at ``key`` (_head_key), before the fp32 clamp."""
-        if (self.narrow_v is not None and key[0] == 256 and padded_head_dim(config.head_dim_v) == 128
-                and config.attn_bias_type == AttnBiasType.NO_BIAS and config.dropout == 0):
+        if self.serves_narrow_v(config):
             return self.narrow_v
         return self.fwd[key], self.dkdv[key], self.dq[key]
+
+    def splits_qk(self, config: AttnConfig) -> bool:
+        """Whether ``config``'s Q/K head dim splits in two chunks (narrow_v_split) on this architecture."""
+        return (config.head_dim_qk in self.narrow_v_split and self.serves_narrow_v(config)
+                and config.dtype in ("float16", "bfloat16") and split_head_dim(config.head_dim_qk) is not None)
 
     @property
     def triton_target(self) -> Tuple[str, object, int]:
@@ -292,7 +329,7 @@ ARCHS: Dict[str, ArchTables] = {t.name: t for t in (
     ArchTables("sm80", "nvidia", 32, 163 * _KIB, _SM80_FWD, _SM80_DKDV, _SM80_DQ),
     ArchTables("sm89", "nvidia", 32, 99 * _KIB, _SM89_FWD, _SM89_BWD, _SM89_BWD),
     ArchTables("sm90", "nvidia", 32, 227 * _KIB, _SM90_FWD, _SM90_DKDV, _SM90_DQ, warp_specialized=True,
-               narrow_v=_SM90_NARROW_V),
+               narrow_v=_SM90_NARROW_V, narrow_v_split=_SM90_NARROW_V_SPLIT),
     # Datacenter Blackwell (sm_100, sm_103) and Thor (sm_110): Hopper's 227 KiB, so Hopper's Triton tiles
     # (its Gluon kernels are written for Hopper's wgmma and TMA).
     ArchTables("sm100", "nvidia", 32, 227 * _KIB, _SM90_FWD, _SM100_DKDV, _SM100_DQ),
@@ -373,8 +410,22 @@ def forward_plan(config: AttnConfig, override: Optional[Tiles] = None) -> Forwar
             tiles = Tiles(min(tiles.block_m, 64), min(tiles.block_n, 32), tiles.num_warps, 1)
     # An explicit Triton tile override measures the Triton kernel.
     ws = None if override is not None else _warp_specialized(config, arch, key, _SM90_FWD_WS)
-    return ForwardPlan(tiles, padded_head_dim(config.head_dim_qk), padded_head_dim(config.head_dim_v),
-                       _dot_precision(config), ws)
+    block_dqk, block_dqk2 = _qk_blocks(config, arch)
+    return ForwardPlan(tiles, block_dqk, padded_head_dim(config.head_dim_v), _dot_precision(config), ws, block_dqk2)
+
+
+def _qk_blocks(config: AttnConfig, arch: Optional[ArchTables]) -> Tuple[int, int]:
+    """(BLOCK_DQK, BLOCK_DQK2) of the Triton kernels: the two chunks of split_head_dim where the
+    architecture splits Q/K (ArchTables.splits_qk; under the interpreter, where INTERPRET_SPLIT_QK asks),
+    else the padded head dim and 0. A tile override (arch None on a GPU) keeps one tile."""
+    split = split_head_dim(config.head_dim_qk)
+    if arch is not None:
+        use = arch.splits_qk(config)
+    else:
+        use = config.device_type == "cpu" and INTERPRET_SPLIT_QK
+    if use and split is not None:
+        return split
+    return padded_head_dim(config.head_dim_qk), 0
 
 
 def _warp_specialized(config: AttnConfig, arch: Optional[ArchTables], key: Tuple[int, bool],
@@ -420,5 +471,6 @@ def backward_plan(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = 
     ws_dkdv = _warp_specialized(config, arch, key, _SM90_DKDV_WS) if served else None
     # The dBias kernel holds Q, K, V and dO tiles at once: fp32 at padded d > 128 halves its tile.
     dbias_block = 32 if config.dtype == "float32" and key[0] > 128 else 64
-    return BackwardPlan(preprocess, dkdv, dq, padded_head_dim(config.head_dim_qk),
-                        padded_head_dim(config.head_dim_v), _dot_precision(config), ws_dq, ws_dkdv, dbias_block)
+    block_dqk, block_dqk2 = _qk_blocks(config, arch)
+    return BackwardPlan(preprocess, dkdv, dq, block_dqk, padded_head_dim(config.head_dim_v), _dot_precision(config),
+                        ws_dq, ws_dkdv, dbias_block, block_dqk2)

@@ -142,6 +142,9 @@ def attn_bwd_dkdv_kernel(
 ):
     """One program per (key block, batch * kv head): dK, dV for that tile, summed over the
     query heads of the GQA group in order, each over its query blocks in order."""
+    # A split Q/K head dim (BLOCK_DQK2 > 0) fills its first chunk: the loops load it without a head-dim mask.
+    tl.static_assert(BLOCK_DQK + BLOCK_DQK2 >= HEAD_DIM_QK)
+    tl.static_assert((BLOCK_DQK2 == 0) | (BLOCK_DQK < HEAD_DIM_QK))
     block, pid_bh = grid_program(HEAD_GROUP)  # grid: plan.block_grid
     start_n = block * BLOCK_N  # first blocks first: under causal masks they see the most queries
     batch = pid_bh // num_heads_kv
@@ -299,6 +302,8 @@ def attn_bwd_dq_kernel(
     DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr, SINGLE_LOOP: tl.constexpr,
 ):
     """One program per (query block, batch * query head): dQ summed over key blocks in order."""
+    tl.static_assert(BLOCK_DQK + BLOCK_DQK2 >= HEAD_DIM_QK)
+    tl.static_assert((BLOCK_DQK2 == 0) | (BLOCK_DQK < HEAD_DIM_QK))  # as attn_bwd_dkdv_kernel's
     start_m, batch, head, head_kv, start_q, len_q, start_k, len_k, rows_out, diag = query_block_program(
         SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_heads_q, gqa_group, seqlen_q, seqlen_k,
         BLOCK_M, IS_THD, HAS_SEQLENS, BOTTOM_RIGHT, HEAD_GROUP)

@@ -7,6 +7,8 @@ splits where plan.INTERPRET_SPLIT_QK asks (set here), at d_qk = 48 = 32 + 16.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -22,7 +24,8 @@ from fused_helpers import (
     to_bshd,
 )
 from test_sink_softmax import SCALE as SINK_SCALE, sink_reference
-from transformer_engine.common.attention import plan
+from transformer_engine.common.attention import AttnMaskType, QKVFormat, plan
+from transformer_engine.common.attention.plan import backward_plan, forward_plan
 from transformer_engine.pytorch.attention import launch
 from transformer_engine.pytorch.attention.fused_attn import fused_attn_func
 
@@ -184,6 +187,43 @@ def test_split_thd_against_reference_and_padded_bitwise(split_kernels, mask, gap
     ref, lowp = ref_and_lowp(qp, kp, vp, dop, "bshd", mask, (-1, -1), d ** -0.5, lengths, lengths)
     for name, ours, r, lp in zip(("out", "dq", "dk", "dv"), (outp,) + grads_p, ref, lowp):
         assert_close_to_reference(name, ours, r, lp)
+    _assert_split(split_kernels, d)
+
+
+@pytest.mark.parametrize("mask", ["padding_causal", "sliding_window"])
+def test_split_loop_form_and_launch_order_change_no_result(split_kernels, mask):
+    """Hopper's narrow-V dK/dV runs the split as one block loop (Tiles.single_loop): with head groups and
+    either loop form the split kernels give the plain grid's bits (the GPU: within rounding of the
+    instruction schedule between loop forms), with GQA over sequences of two lengths or a sliding window."""
+    d, dv = DIMS[0]
+    q, k, v, _ = make_qkv(2, S, S, 4, 2, d, dv, DTYPES[0], seed=5)
+    q, k, v = (t.detach() for t in (q, k, v))
+    d_out = torch.randn(*q.shape[:3], dv, generator=torch.Generator().manual_seed(2)).to(q.device, q.dtype)
+    fmt, attn_mask, window, cu = QKVFormat.BSHD, AttnMaskType.PADDING_CAUSAL_MASK, (-1, 0), cu_from_lengths([S, S - 7])
+    if mask == "sliding_window":
+        attn_mask, window, cu = AttnMaskType.NO_MASK, (19, 5), None
+    seqs = launch.sequences(fmt, q, k, cu, cu, None, None, S, S)
+    cfg = launch.plan_config(q, k, v, fmt, attn_mask, window)
+
+    def run(**variant):
+        fwd, bwd = forward_plan(cfg), backward_plan(cfg)
+        fwd = dataclasses.replace(fwd, tiles=dataclasses.replace(fwd.tiles, **variant))
+        bwd = dataclasses.replace(bwd, dkdv=dataclasses.replace(bwd.dkdv, **variant),
+                                  dq=dataclasses.replace(bwd.dq, **variant))
+        out, lse = launch.forward(q, k, v, fmt, seqs, 0.2, attn_mask, window, fwd)
+        grads = launch.backward(q, k, v, out, d_out, lse, fmt, seqs, 0.2, attn_mask, window, bwd)[:3]
+        return (out, lse) + tuple(grads)
+
+    results = {}
+    for single_loop in (False, True):
+        results[single_loop] = run(head_group=1, single_loop=single_loop)
+        for a, b in zip(results[single_loop], run(head_group=3, single_loop=single_loop)):
+            assert torch.equal(a, b)
+    for a, b in zip(results[False], results[True]):
+        if ON_GPU:
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+        else:
+            assert torch.equal(a, b)
     _assert_split(split_kernels, d)
 
 

@@ -38,10 +38,19 @@ SPLITS = {192: (128, 64), 48: (32, 16)}
 SPLIT_KERNELS = ("attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")
 
 
+def _gpu_plan_splits() -> bool:
+    """Whether this GPU's plan splits 16-bit 192/128 (Hopper's narrow-V tiles, or another GPU forced to
+    Hopper's plan)."""
+    q, v = (torch.empty(1, 1, 1, d, dtype=torch.float16, device=DEVICE) for d in (192, 128))
+    return forward_plan(launch.plan_config(q, q, v, QKVFormat.BSHD, AttnMaskType.NO_MASK, (-1, -1))).block_dqk2 > 0
+
+
 @pytest.fixture(autouse=True)
 def split_kernels(monkeypatch):
     """Plans split Q/K under the interpreter; every forward, dK/dV and dQ launch is recorded, and each
     test checks that its launches did split."""
+    if ON_GPU and not _gpu_plan_splits():
+        pytest.skip("this GPU's plan does not split Q/K at 192/128 (Hopper's narrow-V tiles only)")
     monkeypatch.setattr(plan, "INTERPRET_SPLIT_QK", True)
     seen = []
     real = launch._run

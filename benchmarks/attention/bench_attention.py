@@ -37,7 +37,8 @@ for p in (str(ROOT), str(HERE)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from cases import ALL_IMPLS, DRY_GRID, GRID, JAX_IMPLS, OPTIONAL_IMPLS, PARTS, Case, select_cases  # noqa: E402
+from cases import (ALL_IMPLS, DRY_GRID, GRID, JAX_IMPLS, KERNEL_TIME_IMPLS, OPTIONAL_IMPLS, PARTS, Case,  # noqa: E402
+                   select_cases)
 import targets as targets_mod  # noqa: E402
 from common import run_metadata  # noqa: E402
 
@@ -281,7 +282,7 @@ def run_torch(cases, impls, args, results: Results, deadline: float, device: str
 
 
 def _skipped(case: Case, impl: str, reason: str) -> dict:
-    from_torch = impl not in JAX_IMPLS
+    from_torch = impl not in JAX_IMPLS and impl != "jax_te_det_kt"
     return {"case": case.name, "group": case.group, "impl": impl, "label": impl, "role": "",
             "framework": "torch" if from_torch else "jax", "status": "skipped", "reason": reason}
 
@@ -294,6 +295,58 @@ def _log(row):
 # ------------------------------------------------------------------------------------------------
 # JAX subprocesses
 # ------------------------------------------------------------------------------------------------
+
+def _xla_env(det: bool) -> dict:
+    """This process's environment for a JAX subprocess: XLA's determinism flag set or cleared."""
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_gpu_deterministic_ops" not in f]
+    if det:
+        flags.append("--xla_gpu_deterministic_ops=true")
+    env["XLA_FLAGS"] = " ".join(flags)
+    env.pop("NVTE_ALLOW_NONDETERMINISTIC_ALGO", None)  # determinism comes from the XLA flag alone
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with this process
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _subprocess_rows(script: str, extra: list, det: bool, deadline: float, label: str):
+    """({(case, impl): row} measured by ``script`` (jax_peers.py, kernel_time.py) with ``--json-out``, and why
+    a missing row is missing)."""
+    remaining = deadline - time.time()
+    if remaining < 20:
+        return {}, f"time budget of this run spent before the {label} subprocess"
+    fd, out = tempfile.mkstemp(suffix=".json", prefix=label.replace(" ", "_") + "_")
+    os.close(fd)
+    os.remove(out)
+    env = _xla_env(det)
+    cmd = [sys.executable, str(HERE / script), *extra, "--json-out", out]
+    print(f"[{label}] XLA_FLAGS={env['XLA_FLAGS']!r}: {' '.join(cmd)}", flush=True)
+    try:
+        rc = subprocess.run(cmd, env=env, timeout=remaining).returncode
+        reason = f"{label} subprocess exited with {rc} before this row"
+    except subprocess.TimeoutExpired:
+        reason = f"time budget spent: the {label} subprocess was stopped before this row"
+    measured = {}
+    if os.path.exists(out):
+        with open(out) as f:
+            for r in json.load(f)["rows"]:
+                measured[(r["case"], r["impl"])] = r
+        os.remove(out)
+    return measured, reason
+
+
+def _add_measured(todo, group, measured, reason, labels, results: Results, done):
+    for case in todo:
+        for impl in group:
+            if (case.name, impl) in done:
+                continue
+            row = measured.get((case.name, impl))
+            if row is None:
+                row = _skipped(case, impl, reason)
+                row["label"] = labels.get(impl, impl)
+                row["status"] = "error" if "exited" in reason else "skipped"
+            results.add(row)
+
 
 def run_jax(cases, impls, args, results: Results, deadline: float, done=frozenset()):
     labels = {}
@@ -308,50 +361,25 @@ def run_jax(cases, impls, args, results: Results, deadline: float, done=frozense
         group = [i for i in group if any((c.name, i) not in done for c in todo)]
         if not group or not todo:
             continue
-        env = dict(os.environ)
-        flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_gpu_deterministic_ops" not in f]
-        if det:
-            flags.append("--xla_gpu_deterministic_ops=true")
-        env["XLA_FLAGS"] = " ".join(flags)
-        env.pop("NVTE_ALLOW_NONDETERMINISTIC_ALGO", None)  # determinism comes from the XLA flag alone
-        env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # share the GPU with this process
-        env["PYTHONUNBUFFERED"] = "1"
-        remaining = deadline - time.time()
-        measured = {}
-        reason = ""
-        if remaining < 20:
-            reason = "time budget of this run spent before the JAX subprocess"
-        else:
-            fd, out = tempfile.mkstemp(suffix=".json", prefix="jax_peers_")
-            os.close(fd)
-            os.remove(out)
-            cmd = [sys.executable, str(HERE / "jax_peers.py"), "--impls", ",".join(group),
-                   "--cases", ",".join(c.name for c in todo), "--json-out", out, "--dtype", args.dtype,
-                   "--rep-ms", str(args.rep_ms), "--repeats", str(args.repeats)]
-            if args.dry_run:
-                cmd[cmd.index("--dtype") + 1] = "float32"  # XLA:CPU has no fp16/bf16 dot with f32 accumulation
-                cmd.append("--dry-run")
-            print(f"[jax] XLA_FLAGS={env['XLA_FLAGS']!r}: {' '.join(cmd)}", flush=True)
-            try:
-                rc = subprocess.run(cmd, env=env, timeout=remaining).returncode
-                reason = f"JAX subprocess exited with {rc} before this row"
-            except subprocess.TimeoutExpired:
-                reason = "time budget spent: the JAX subprocess was stopped before this row"
-            if os.path.exists(out):
-                with open(out) as f:
-                    for r in json.load(f)["rows"]:
-                        measured[(r["case"], r["impl"])] = r
-                os.remove(out)
-        for case in todo:
-            for impl in group:
-                if (case.name, impl) in done:
-                    continue
-                row = measured.get((case.name, impl))
-                if row is None:
-                    row = _skipped(case, impl, reason)
-                    row["label"] = labels.get(impl, impl)
-                    row["status"] = "error" if "exited" in reason else "skipped"
-                results.add(row)
+        extra = ["--impls", ",".join(group), "--cases", ",".join(c.name for c in todo), "--dtype", args.dtype,
+                 "--rep-ms", str(args.rep_ms), "--repeats", str(args.repeats)]
+        if args.dry_run:
+            extra[extra.index("--dtype") + 1] = "float32"  # XLA:CPU has no fp16/bf16 dot with f32 accumulation
+            extra.append("--dry-run")
+        measured, reason = _subprocess_rows("jax_peers.py", extra, det, deadline, "jax")
+        _add_measured(todo, group, measured, reason, labels, results, done)
+
+
+def run_kernel_time(cases, impls, args, results: Results, deadline: float, done=frozenset()):
+    """The kernel-time pair (kernel_time.py): both rows of a case come from one subprocess, so a case
+    is measured again unless both are done."""
+    todo = [c for c in cases if any((c.name, i) not in done for i in impls)]
+    if not todo:
+        return
+    extra = ["--cases", ",".join(c.name for c in todo)] + (["--dry-run"] if args.dry_run else [])
+    measured, reason = _subprocess_rows("kernel_time.py", extra, True, deadline, "kernel time")
+    from kernel_time import LABELS
+    _add_measured(todo, impls, measured, reason, LABELS, results, frozenset())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -446,8 +474,9 @@ def main(argv=None):
     case_dicts = [dict(c.to_dict(), label=c.label, shape=c.shape, mask=c.mask) for c in cases]
     results = Results(stem, [meta], case_dicts, "Attention benchmark" + (" (dry run)" if args.dry_run else ""))
     deadline = time.time() + args.time_budget if args.time_budget > 0 else float("inf")
-    torch_impls = [i for i in impls if i not in JAX_IMPLS]
+    torch_impls = [i for i in impls if i not in JAX_IMPLS and i not in KERNEL_TIME_IMPLS]
     jax_impls = [i for i in impls if i in JAX_IMPLS]
+    kt_impls = [i for i in impls if i in KERNEL_TIME_IMPLS]
     print(f"{len(cases)} cases x {len(impls)} implementations on {dev_name}, {args.dtype}", flush=True)
     done = done_pairs(args.skip_done)
     if done:
@@ -458,6 +487,10 @@ def main(argv=None):
         if cuda:
             torch.cuda.empty_cache()
         run_jax(cases, jax_impls, args, results, deadline, done)
+    if kt_impls:
+        if cuda:
+            torch.cuda.empty_cache()
+        run_kernel_time(cases, kt_impls, args, results, deadline, done)
     results.finish(plot=not args.no_plot)
     return 0
 

@@ -135,14 +135,18 @@ GROUPS = ("std", "gqa", "thd", "long", "d256", "d192")
 TORCH_IMPLS = ("te_fused_det", "te_fused", "te_dpa_det", "te_dpa", "fa4_det", "fa4", "cudnn_fe_det",
                "torch_flash_det", "torch_flash", "torch_cudnn")
 JAX_IMPLS = ("jax_te_det", "jax_te", "jax_cudnn_det", "jax_cudnn", "jax_xla")
+# The deterministic fused kernels from both frameworks in one process, timed by the profiler's device clock
+# (kernel_time.py): how JAX's launch path compares with PyTorch's on the GPU, apart from host work.
+KERNEL_TIME_IMPLS = ("te_fused_det_kt", "jax_te_det_kt")
 OPTIONAL_IMPLS = ("cudnn_fe",)  # measured only when named in --impls
-ALL_IMPLS = TORCH_IMPLS + JAX_IMPLS
+ALL_IMPLS = TORCH_IMPLS + JAX_IMPLS + KERNEL_TIME_IMPLS
 
 # Named subsets so that the full grid can run in pieces of at most 10 minutes each.
 PARTS: Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...]]] = {
     "torch-std": (("std",), TORCH_IMPLS),
     "torch-ext": (("gqa", "thd", "long", "d256", "d192"), TORCH_IMPLS),
     "jax": (GROUPS, JAX_IMPLS),
+    "kernel-time": (GROUPS, KERNEL_TIME_IMPLS),
     "all": (GROUPS, ALL_IMPLS),
 }
 

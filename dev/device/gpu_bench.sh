@@ -21,8 +21,8 @@ BUDGET=${BENCH_BUDGET:-530}
 start=$(date +%s)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 parts=${*:-all}
-log="$OUT/bench.log"
-: > "$log"
+log="$OUT/bench.log"  # appended to: a later bench section of the same lane keeps the earlier one's log
+echo "== gpu_bench.sh $parts ($(date -u))" >> "$log"
 
 # Carried wheels of dev/device/fetch_bench_wheels.sh (nvidia-cudnn-frontend), in their own target.
 if ls .whl/bench/*.whl > /dev/null 2>&1; then
@@ -78,7 +78,8 @@ for part in $parts; do
   rm -f "$OUT/attention_$part.md"
 done
 
-inputs="$carried $(ls "$OUT"/attention_*.json 2>/dev/null)"
+# An attention.json already in $OUT is an earlier bench section's merge in this lane: keep its rows.
+inputs="$carried $(ls "$OUT"/attention.json "$OUT"/attention_*.json 2>/dev/null)"
 inputs=$(echo $inputs)
 if [ -n "$inputs" ]; then
   timeout 60 python3 benchmarks/attention/bench_attention.py --merge $inputs --out "$OUT/attention" >> "$log" 2>&1

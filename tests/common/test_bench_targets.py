@@ -152,6 +152,7 @@ CURRENT = {
     ("te_dpa_det", "torch_cudnn", "fwd_bwd_tflops"): (1.0, "ge"),
     ("te_fused_det", "fa4_det", "fwd_bwd_tflops"): (0.95, "ge"),
     ("jax_te_det", "te_fused_det", "fwd_bwd_tflops"): (0.97, "ge"),
+    ("jax_te_det_kt", "te_fused_det_kt", "fwd_bwd_tflops"): (0.97, "ge"),
     ("jax_te_det", "jax_cudnn", "fwd_bwd_tflops"): (1.0, "ge"),
     ("te_fused_det", "te_fused", "fwd_bwd_tflops"): (0.97, "ge"),
     ("jax_te_det", "jax_te", "fwd_bwd_tflops"): (0.97, "ge"),
@@ -197,7 +198,8 @@ def test_current_targets_over_the_grid():
     leaves that target incomplete, not missed; the long runs_bitwise checks cover both long cases."""
     grid = [c.to_dict() for c in cases.GRID]
     speed = {"te_fused_det": 500.0, "te_fused": 510.0, "te_dpa_det": 520.0, "te_dpa": 600.0, "fa4_det": 500.0,
-             "torch_cudnn": 480.0, "jax_te_det": 495.0, "jax_te": 500.0, "jax_cudnn": 470.0}
+             "torch_cudnn": 480.0, "jax_te_det": 495.0, "jax_te": 500.0, "jax_cudnn": 470.0,
+             "te_fused_det_kt": 520.0, "jax_te_det_kt": 505.0}
     memory = {"te_fused_det": 1.0, "te_fused": 1.0, "jax_te_det": 2.0, "jax_te": 1.99}
     rows = []
     for c in cases.GRID:
@@ -211,6 +213,7 @@ def test_current_targets_over_the_grid():
     assert fa4["status"] == "incomplete" and fa4["n/a"] == 2 and fa4["missed"] == 0
     assert all(r["status"] == "met" for i, r in res.items() if i != fa4["id"]), {i: r["status"] for i, r in res.items()}
     assert res["jax_det>=0.97xtorch_fused_det"]["worst_ratio"] == 0.99
+    assert res["jax_kt>=0.97xtorch_kt"]["worst_ratio"] == pytest.approx(505 / 520, abs=1e-2)
     assert res["jax_det_mem<=jax"]["worst_ratio"] == pytest.approx(2.0 / 1.99, abs=1e-3)
     assert set(res["long_runs_det:te_fused_det"]["cells"]) == {"1x8x65536x128-causal", "1x8x131072x128-causal"}
     assert len(res["bitwise:jax_te_det"]["cells"]) == len(cases.GRID)
@@ -245,6 +248,7 @@ def test_parts_cover_every_group_and_implementation():
     assert torch_groups == set(cases.GROUPS) == set(cases.PARTS["jax"][0])
     assert not set(cases.PARTS["torch-std"][0]) & set(cases.PARTS["torch-ext"][0])
     assert set(cases.PARTS["all"][1]) == set(cases.ALL_IMPLS)
+    assert set(cases.PARTS["kernel-time"][1]) == set(cases.KERNEL_TIME_IMPLS)  # one subprocess measures both
 
 
 def test_case_names_of_earlier_results_are_unchanged():

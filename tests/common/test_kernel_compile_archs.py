@@ -44,12 +44,14 @@ class Case:
     thd: bool = False
     sink: bool = False  # learnable sink softmax: HAS_SINK forward and the sink-gradient kernel
     seqlen_q: int = 1024  # 1: the kernels' length-generic twins (a length of 1 is not specialized)
+    segments: int = 1  # packed sequences in rows of this many: the segment-row grid (JAX's packed rows)
 
     @property
     def name(self) -> str:
         mods = [m for m, on in (("bias", self.bias == AttnBiasType.POST_SCALE_BIAS),
                                 ("alibi", self.bias == AttnBiasType.ALIBI), ("dropout", self.dropout),
-                                (f"gqa{self.gqa}", self.gqa > 1), ("thd", self.thd), ("sink", self.sink)) if on]
+                                (f"gqa{self.gqa}", self.gqa > 1), ("thd", self.thd), ("sink", self.sink),
+                                (f"rows{self.segments}", self.segments > 1)) if on]
         window = f"-window{self.window}" if self.window != (-1, -1) else ""
         short = f"-sq{self.seqlen_q}" if self.seqlen_q != 1024 else ""
         return (f"d{self.dims[0]}x{self.dims[1]}-{self.dtype}-{self.mask.value}{window}{short}-"
@@ -76,6 +78,9 @@ CASES = [
     Case((256, 256), "float32", AttnMaskType.CAUSAL_MASK, bias=BIAS, dropout=True),
     # Learnable sink softmax with dropout over packed sequences (never the Gluon kernels).
     Case((128, 128), "bfloat16", AttnMaskType.PADDING_CAUSAL_MASK, dropout=True, gqa=2, thd=True, sink=True),
+    # Packed sequences two to a row (JAX's max_segments_per_seq): the segment-row grid, on Hopper in the Gluon
+    # kernels (their packed dK/dV keeps 40 bytes of stack, 56 on the (block, sequence) grid).
+    Case((128, 128), "bfloat16", AttnMaskType.PADDING_CAUSAL_MASK, thd=True, segments=2),
     # One query against 1024 keys (decoding-style): the length-generic twins, at their heaviest.
     Case((256, 256), "bfloat16", AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK, bias=BIAS, dropout=True, gqa=4, seqlen_q=1),
 ]
@@ -96,7 +101,7 @@ def launches(target: str, case: Case) -> List[Tuple[str, tuple]]:
                      bias_shape="1hss" if case.bias == BIAS else None, dropout=0.1 if case.dropout else 0.0,
                      softmax_type=(AttnSoftmaxType.LEARNABLE_SOFTMAX if case.sink else AttnSoftmaxType.VANILLA_SOFTMAX),
                      deterministic=True, device_type="cuda", **DEVICE_FACTS[target])
-    shape = dict(seqlen=case.seqlen_q, seqlen_kv=1024, thd=case.thd)
+    shape = dict(seqlen=case.seqlen_q, seqlen_kv=1024, thd=case.thd, segments_per_row=case.segments)
     calls = [contiguous_call(cfg, **shape)]
     if case.bias == BIAS:
         calls.append(contiguous_call(cfg, **shape, bias_shape=(1, 1, 1, 1024)))
@@ -179,4 +184,4 @@ def test_cases_cover_every_bucket_kernel_and_modifier():
     assert any(c.dropout for c in CASES) and any(c.gqa > 1 for c in CASES) and any(c.thd for c in CASES)
     assert any(c.dims[0] != c.dims[1] for c in CASES) and any(c.window != (-1, -1) for c in CASES)
     kernels = {k for t in TARGETS for c in CASES for k, _ in launches(t, c)}
-    assert kernels == {"fwd", "preprocess", "dkdv", "dq", "dbias", "dsink"}  # Gluon ones: test_kernel_compile.py
+    assert kernels == {"fwd", "preprocess", "dkdv", "dq", "dbias", "dsink", "fwd_ws", "dkdv_ws", "dq_ws"}

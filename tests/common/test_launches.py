@@ -121,6 +121,8 @@ def _torch_launches(case: Case, monkeypatch, grads: BackwardGrads = BackwardGrad
         cu_q = torch.cat([torch.zeros(1, dtype=torch.int32), lens_q.cumsum(0).to(torch.int32)])
         cu_k = torch.cat([torch.zeros(1, dtype=torch.int32), lens_k.cumsum(0).to(torch.int32)])
         seqs = launch.sequences(fmt, q, k, cu_q, cu_k, cu_q, cu_k, s_q, s_kv)
+        # JAX's rows of m sequences each (its max_segments_per_seq): the segment-row grid
+        seqs = dataclasses.replace(seqs, segments_per_row=m)
     else:
         fmt = QKVFormat.BSHD
         q, k, v = (torch.empty((b, s, h, d), **meta) for s, h, d in ((s_q, hq, dqk), (s_kv, hk, dqk), (s_kv, hk, dv)))
@@ -146,9 +148,10 @@ def _jax_launches(case: Case, grads: BackwardGrads = BackwardGrads.DQ_DKDV):
     nseq = b * case.segments if case.mask.is_padding else b
     q, k, v, o = (b, s_q, hq, dqk), (b, s_kv, hk, dqk), (b, s_kv, hk, dv), (b, s_q, hq, dv)
     bias_shape = (*case.bias, s_q, s_kv) if case.bias else None
-    fwd = gpu.launch_call(static, dict(q=q, k=k, v=v, out=o), jnp.dtype(case.dtype), nseq, bias_shape, (9, 0))
+    m = case.segments if case.mask.is_padding else 1  # as the lowering passes max_segments_per_seq
+    fwd = gpu.launch_call(static, dict(q=q, k=k, v=v, out=o), jnp.dtype(case.dtype), nseq, bias_shape, (9, 0), m)
     bwd = gpu.launch_call(static, dict(q=q, k=k, v=v, out=o, d_out=o, dq=q, dk=k, dv=v), jnp.dtype(case.dtype), nseq,
-                          bias_shape, (9, 0))
+                          bias_shape, (9, 0), m)
     return [launches.forward_launches(fwd),
             launches.backward_launches(bwd, bias_grad=case.bias is not None,
                                        sink_grad=case.softmax_type.is_learnable, grads=grads)]

@@ -186,7 +186,8 @@ def test_padding_runs_the_packed_mode_with_zero_and_inf_fills(captured_programs)
     scratch = fwd._kernels[0].global_scratch_size  # the tensor descriptors' workspace, one per program
     assert [r.shape for r in fwd.results] == [(b, s, hq, d), (b * m, hq, s),
                                               (int(np.prod(launches[0]["grid"])) * scratch,)]
-    assert launches[0]["grid"][1] == b * m * hq  # one program column per (sequence, head)
+    # the segment-row grid: per (row, head), the row's blocks (at most cdiv(s, 128) + m - 1 over its m sequences)
+    assert launches[0]["grid"][:2] == (-(-s // 128) + m - 1, b * hq)
     _, fills, launches = _check_program(bwd, ["attn_bwd_preprocess_kernel", "attn_bwd_dkdv_ws_kernel",
                                               "attn_bwd_dq_ws_kernel"])
     n_ops = len(bwd.operands)
@@ -236,7 +237,7 @@ def test_compiled_specialization_is_tritons_own():
     strides = dict(stride_ob=4096, stride_os=64, stride_oh=16, stride_od=1, stride_dob=4096, stride_dos=64,
                    stride_doh=16, stride_dod=1, stride_lb=256, stride_lh=64)
     args.update(strides, num_heads_q=4, seqlen_q=64, HEAD_DIM_V=16, BLOCK_DV=16, BLOCK_M=64, IS_THD=False,
-                HAS_SEQLENS=False)
+                HAS_SEQLENS=False, SEGMENTS=1)
     kernel = gpu.compile_kernel(fn, args, dict(num_warps=4),
                                 triton.backends.compiler.GPUTarget("cuda", 90, 32))
     names = [name for name, _ in kernel.params]

@@ -1,11 +1,15 @@
 """Every planned kernel variant once, at small shapes, for a memory checker (compute-sanitizer).
 
-Forward and backward through fused_attn_func for each head-dim bucket, at s_q = 1, s_q below one
+Forward and backward through fused_attn_func for each head-dim bucket (and through the launch layer on
+the segment-row grid of packed rows), at s_q = 1, s_q below one
 tile and s_q != s_kv, with bias, ALiBi, dropout, sliding windows, padding and thd packing, GQA, in
 bf16 (fp16 at the smallest and largest head dims). Each result is checked finite; under ``compute-sanitizer --tool memcheck
 --error-exitcode 1`` any out-of-bounds or misaligned access fails the run.
 
-    compute-sanitizer --tool memcheck --error-exitcode 1 python tests/pytorch/memcheck_kernels.py
+    compute-sanitizer --tool memcheck --error-exitcode 1 python tests/pytorch/memcheck_kernels.py [192/128 ...]
+
+Head dims given as ``d_qk/d_v`` arguments restrict the run to them (every shape in bf16, GQA and MHA): a
+quicker check of one bucket's kernels after a change there.
 """
 
 from __future__ import annotations
@@ -67,8 +71,56 @@ def run(dims, shape, dtype, heads=(4, 2)):
             raise AssertionError(f"non-finite result at {dims} {shape} {dtype}")
 
 
-def main() -> int:
+def run_segment_rows(dims, heads=(4, 2)):
+    """Packed sequences three to a row (JAX's max_segments_per_seq layout) on the segment-row grid, through the
+    launch layer (the PyTorch frontend itself never asks for that grid): an empty and a one-token sequence,
+    a gap, causal."""
+    from transformer_engine.common.attention import AttnMaskType, QKVFormat
+    from transformer_engine.pytorch.attention import launch
+
+    (dqk, dv), (h, hk) = dims, heads
+    rows, s, lengths = 2, 160, [[70, 0, 81], [1, 130, 29]]
+    starts, lens = [], []
+    for r, row in enumerate(lengths):
+        pos = r * s
+        for n in row:
+            starts.append(pos)
+            lens.append(n)
+            pos += n
+    as_tensor = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
+    seqs = launch.Sequences(len(lens), s, s, as_tensor(lens), as_tensor(lens), as_tensor(starts), as_tensor(starts),
+                            segments_per_row=3)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v, do = (torch.randn(rows * s, hh, dd, generator=g).to("cuda", torch.bfloat16)
+                   for hh, dd in ((h, dqk), (hk, dqk), (hk, dv), (h, dv)))
+    mask = AttnMaskType.PADDING_CAUSAL_MASK
+    out, lse = launch.forward(q, k, v, QKVFormat.THD, seqs, dqk ** -0.5, mask, (-1, 0))
+    grads = launch.backward(q, k, v, out, do, lse, QKVFormat.THD, seqs, dqk ** -0.5, mask, (-1, 0))[:3]
+    torch.cuda.synchronize()
+    for t in (out,) + tuple(grads):
+        if not torch.isfinite(t).all():
+            raise AssertionError(f"non-finite result on the segment-row grid at {dims}")
+
+
+def _parse_dims(arg: str):
+    dqk, _, dv = arg.partition("/")
+    if not (dqk.isdigit() and dv.isdigit()):
+        raise SystemExit(f"head dims must be given as d_qk/d_v (e.g. 192/128), got {arg!r}")
+    return int(dqk), int(dv)
+
+
+def main(argv) -> int:
     count = 0
+    if argv:  # only these head dims: every shape with GQA, the causal one without
+        for dims in (_parse_dims(a) for a in argv):
+            for shape in SHAPES:
+                run(dims, shape, torch.bfloat16)
+                count += 1
+            run(dims, SHAPES[2], torch.bfloat16, (4, 4))
+            run_segment_rows(dims)
+            count += 2
+        print(f"memcheck_kernels: {count} configurations ran", flush=True)
+        return 0
     # bf16 everywhere; fp16 (other dot precision and store types) at the smallest and largest bucket.
     runs = [(dims, shape, torch.bfloat16) for dims, shape in itertools.product(HEAD_DIMS, SHAPES)]
     runs += [(dims, shape, torch.float16) for dims in (HEAD_DIMS[0], HEAD_DIMS[-1]) for shape in SHAPES[:3]]
@@ -78,9 +130,12 @@ def main() -> int:
     for heads in ((4, 4), (4, 1)):
         run((128, 128), SHAPES[2], torch.bfloat16, heads)
         count += 1
+    for dims in ((64, 64), (128, 128)):  # the Triton and (on Hopper) the Gluon kernels' segment-row grid
+        run_segment_rows(dims)
+        count += 1
     print(f"memcheck_kernels: {count} configurations ran", flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -75,3 +75,19 @@ def test_dry_run_separate_v_head_dim(tmp_path):
     prefix = "RuntimeError: torch SDPA has no kernel for this call: "
     assert rows["torch_flash"]["status"] == "error" and rows["torch_flash"]["reason"].startswith(prefix)
     assert len(rows["torch_flash"]["reason"]) > len(prefix) + 10  # torch's reason, not a bare refusal
+
+
+@cpu_only
+def test_dry_run_kernel_time_part_needs_a_gpu(tmp_path):
+    """The kernel-time pair (PyTorch and JAX launching the same kernels, timed by the profiler in one
+    subprocess): on the CPU both rows are skipped with the reason, and their target is not measured."""
+    stem = str(tmp_path / "kt")
+    out = run("--dry-run", "--part", "kernel-time", "--cases", "1x2x64x32-causal", "--out", stem, "--no-plot")
+    assert "kernel_time.py" in out
+    doc = json.loads(Path(stem + ".json").read_text())
+    rows = {r["impl"]: r for r in doc["rows"]}
+    assert set(rows) == {"te_fused_det_kt", "jax_te_det_kt"}
+    for r in rows.values():
+        assert r["status"] == "skipped" and "CUDA GPU" in r["reason"], r
+    by_id = {t["id"]: t for t in doc["targets"]}
+    assert by_id["jax_kt>=0.97xtorch_kt"]["status"] == "not measured"

@@ -99,6 +99,25 @@ class Call:
     alibi_batch_stride: Optional[int] = None  # ALiBi slopes: 0 for [h], the batch stride for [b, h]; None: none
     dropout_p: float = 0.0
     softmax_type: AttnSoftmaxType = AttnSoftmaxType.VANILLA_SOFTMAX
+    # Packed sequences in rows of this many (sequences r * m .. r * m + m - 1 share row r; max_q/max_k are the
+    # rows' lengths): the kernels' segment-row grid covers each row's blocks (cdiv(row, block) + m - 1 per row and
+    # head) instead of m sequences of the row's length each. 1: the (block, sequence) grid.
+    segments_per_row: int = 1
+
+    def __post_init__(self):
+        m = self.segments_per_row
+        if m < 1 or self.num_seqs % m:
+            raise ValueError(f"`segments_per_row` must be a positive divisor of num_seqs={self.num_seqs}, got {m}")
+        if m > 1 and not (self.packed and self.has_seqlens):
+            raise ValueError("`segments_per_row` > 1 needs packed sequences with lengths (packed and has_seqlens), "
+                             f"got packed={self.packed} has_seqlens={self.has_seqlens}")
+
+    def grid_rows(self, max_len: int, block: int, heads: int) -> Tuple[int, int]:
+        """(blocks, rows * heads) of a block-loop pass over sequences of at most ``max_len`` in ``block``s."""
+        m = self.segments_per_row
+        if m > 1:  # a row's blocks: sum over its sequences of cdiv(len, block) <= cdiv(row, block) + m - 1
+            return _cdiv(max_len, block) + m - 1, (self.num_seqs // m) * heads
+        return _cdiv(max_len, block), self.num_seqs * heads
 
 
 @dataclass(frozen=True)
@@ -195,7 +214,8 @@ def _values(call: Call, config: AttnConfig, plan: Union[ForwardPlan, BackwardPla
         dropout_p=call.dropout_p,
         HEAD_DIM_QK=call.head_dim_qk, HEAD_DIM_V=call.head_dim_v, BLOCK_DQK=plan.block_dqk,
         BLOCK_DQK2=plan.block_dqk2, BLOCK_DV=plan.block_dv,
-        IS_THD=call.packed, HAS_SEQLENS=call.has_seqlens, DOT_PRECISION=plan.dot_precision,
+        IS_THD=call.packed, HAS_SEQLENS=call.has_seqlens, SEGMENTS=call.segments_per_row,
+        DOT_PRECISION=plan.dot_precision,
         HAS_BIAS=has_bias, HAS_ALIBI=has_alibi, DROPOUT=dropout, **flags,
     )
     for tensor, prefix in (("q", "q"), ("k", "k"), ("v", "v"), ("out", "o"), ("d_out", "do"), ("dq", "dq"),
@@ -243,7 +263,7 @@ def forward_launches(call: Call, plan: Optional[ForwardPlan] = None) -> Tuple[La
     values = _values(call, config, plan)
     has_sink = call.softmax_type.has_sink
     values.update(LSE=Slot("lse"), SINK=Slot("softmax_offset") if has_sink else _PLACEHOLDER, HAS_SINK=has_sink)
-    rows = lambda t: (_cdiv(call.max_q, t.block_m), call.num_seqs * call.num_heads_q)  # noqa: E731
+    rows = lambda t: call.grid_rows(call.max_q, t.block_m, call.num_heads_q)  # noqa: E731
     return (_block_launch(attn_fwd_kernel, attn_fwd_ws_kernel, plan.tiles, plan.warp_specialized, ("q", "k", "v"),
                           call, values, rows, {}),)
 
@@ -275,8 +295,8 @@ def backward_launches(call: Call, plan: Optional[BackwardPlan] = None, bias_grad
         plan = backward_plan(config)
     values = _values(call, config, plan)
     values.update(LSE=Slot("lse"), DELTA=Slot("delta"))
-    q_rows = lambda t: (_cdiv(call.max_q, t.block_m), call.num_seqs * call.num_heads_q)  # noqa: E731
-    k_rows = lambda t: (_cdiv(call.max_k, t.block_n), call.num_seqs * call.num_heads_kv)  # noqa: E731
+    q_rows = lambda t: call.grid_rows(call.max_q, t.block_m, call.num_heads_q)  # noqa: E731
+    k_rows = lambda t: call.grid_rows(call.max_k, t.block_n, call.num_heads_kv)  # noqa: E731
     pre = plan.preprocess
     out = [_launch(attn_bwd_preprocess_kernel, block_grid(*q_rows(pre)), dict(values, BLOCK_M=pre.block_m),
                    dict(num_warps=pre.num_warps))] if preprocess else []

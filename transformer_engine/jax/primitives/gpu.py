@@ -239,9 +239,11 @@ def _check_supported(static, segments_per_row: int) -> None:
 
 
 def launch_call(static, shapes: Dict[str, Sequence[int]], dtype, num_seqs: int, bias_shape: Optional[Sequence[int]],
-                compute_capability: Tuple[int, int]) -> launches.Call:
+                compute_capability: Tuple[int, int], segments_per_row: int = 1) -> launches.Call:
     """The launch description's view of a call on contiguous ``[b, s, h, d]`` buffers (``shapes`` by slot
-    name: q, k, v, out, and d_out, dq, dk, dv for the backward) of ``num_seqs`` kernel sequences."""
+    name: q, k, v, out, and d_out, dq, dk, dv for the backward) of ``num_seqs`` kernel sequences;
+    ``segments_per_row``: the packed mode's sequences per row (max_segments_per_seq), whose lengths only
+    the device knows: the kernels then cover each row's blocks (launches.Call)."""
     q, k, v = shapes["q"], shapes["k"], shapes["v"]
     bias = None
     if bias_shape is not None:
@@ -255,7 +257,7 @@ def launch_call(static, shapes: Dict[str, Sequence[int]], dtype, num_seqs: int, 
         bottom_right_diagonal=static.bottom_right,
         views={name: launches.View(_strides(shape)) for name, shape in shapes.items()},
         lse_strides=(q[2] * q[1], q[1]), device=dict(device_type="cuda", compute_capability=compute_capability),
-        bias=bias, softmax_type=static.softmax_type,
+        bias=bias, softmax_type=static.softmax_type, segments_per_row=segments_per_row,
     )
 
 
@@ -319,7 +321,7 @@ def _fwd_impl(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds
         prog.fill_inf_f32(lse)
     buffers.update(out=Buf(o), lse=Buf(lse))
     call = launch_call(static, dict(q=q.shape, k=k.shape, v=v.shape, out=(b, s_q, hq, dv)), q.dtype, nseq,
-                       bias.shape if static.has_bias else None, _compute_capability())
+                       bias.shape if static.has_bias else None, _compute_capability(), m if packed else 1)
     _run(prog, launches.forward_launches(call), buffers)
     out, lse_out = prog.call(*operands)[:2]
     return out, lse_out.reshape(b, nseq // b, hq, s_q)
@@ -365,7 +367,7 @@ def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_of
     shapes = dict(q=q.shape, k=k.shape, v=v.shape, out=out.shape, d_out=dout.shape, dq=q.shape, dk=k.shape,
                   dv=v.shape)
     call = launch_call(static, shapes, q.dtype, nseq, bias.shape if static.has_bias else None,
-                       _compute_capability())
+                       _compute_capability(), m if packed else 1)
     _run(prog, launches.backward_launches(call, bias_grad=static.has_bias, sink_grad=sink_grad, grads=grads),
          buffers)
 

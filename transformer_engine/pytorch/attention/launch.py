@@ -35,6 +35,8 @@ class Sequences:
     len_k: Optional[torch.Tensor]
     start_q: Optional[torch.Tensor]
     start_k: Optional[torch.Tensor]
+    # thd sequences in rows of this many, max_q/max_k the rows' lengths (launches.Call.segments_per_row)
+    segments_per_row: int = 1
 
     @property
     def is_thd(self) -> bool:
@@ -148,7 +150,7 @@ def _call(q, k, v, fmt: QKVFormat, seqs: Sequences, softmax_scale: float, mask: 
         bottom_right_diagonal=resolve_bottom_right_diagonal(mask, bottom_right_diagonal),
         views={name: _view(t, fmt) for name, t in views.items()}, lse_strides=lse_strides,
         device=_device(q.device), bias=bias, alibi_batch_stride=alibi,
-        dropout_p=mods.dropout_p, softmax_type=mods.softmax_type,
+        dropout_p=mods.dropout_p, softmax_type=mods.softmax_type, segments_per_row=seqs.segments_per_row,
     )
 
 

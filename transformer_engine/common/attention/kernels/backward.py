@@ -20,6 +20,7 @@ from transformer_engine.common.attention.kernels.masking import (
     mask_scores,
     query_block_bounds,
     query_block_program,
+    segment_block,
     segment_bounds,
     sequence_extent,
     sequence_source,
@@ -44,12 +45,19 @@ def attn_bwd_preprocess_kernel(
     stride_lb, stride_lh,
     num_heads_q, seqlen_q,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-    IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
+    IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr, SEGMENTS: tl.constexpr,
 ):
-    """delta[b, h, i] = sum_d dO[i, d] * O[i, d] (fp32)."""
-    start_m = tl.program_id(0) * BLOCK_M
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // num_heads_q
+    """delta[b, h, i] = sum_d dO[i, d] * O[i, d] (fp32). Grid: (query block, sequence * head), or with
+    SEGMENTS > 1 the segment-row grid (masking.segment_block)."""
+    if SEGMENTS > 1:
+        pid_bh = tl.program_id(1)
+        batch, start_m = segment_block(SEQ_LEN_Q, pid_bh // num_heads_q, tl.program_id(0), SEGMENTS, BLOCK_M, False)
+        if batch < 0:
+            return
+    else:
+        start_m = tl.program_id(0) * BLOCK_M
+        pid_bh = tl.program_id(1)
+        batch = pid_bh // num_heads_q
     head = pid_bh % num_heads_q
     start_q, len_q = sequence_extent(SEQ_START_Q, SEQ_LEN_Q, batch, seqlen_q, IS_THD, HAS_SEQLENS)
     if start_m >= len_q:
@@ -138,16 +146,24 @@ def attn_bwd_dkdv_kernel(
     IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr, SINGLE_LOOP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr, SINGLE_LOOP: tl.constexpr, SEGMENTS: tl.constexpr,
 ):
     """One program per (key block, batch * kv head): dK, dV for that tile, summed over the
-    query heads of the GQA group in order, each over its query blocks in order."""
+    query heads of the GQA group in order, each over its query blocks in order. With SEGMENTS > 1 the
+    grid is the segment-row grid (masking.segment_block)."""
     # A split Q/K head dim (BLOCK_DQK2 > 0) fills its first chunk: the loops load it without a head-dim mask.
     tl.static_assert(BLOCK_DQK + BLOCK_DQK2 >= HEAD_DIM_QK)
     tl.static_assert((BLOCK_DQK2 == 0) | (BLOCK_DQK < HEAD_DIM_QK))
     block, pid_bh = grid_program(HEAD_GROUP)  # grid: plan.block_grid
-    start_n = block * BLOCK_N  # first blocks first: under causal masks they see the most queries
-    batch = pid_bh // num_heads_kv
+    if SEGMENTS > 1:
+        row = pid_bh // num_heads_kv
+        batch, start_n = segment_block(SEQ_LEN_K, row, block, SEGMENTS, BLOCK_N, False)
+        if batch < 0:  # past the row's blocks: exits below
+            batch = row * SEGMENTS
+            start_n = seqlen_k
+    else:
+        start_n = block * BLOCK_N  # first blocks first: under causal masks they see the most queries
+        batch = pid_bh // num_heads_kv
     head_kv = pid_bh % num_heads_kv
     start_q, len_q = sequence_extent(SEQ_START_Q, SEQ_LEN_Q, batch, seqlen_q, IS_THD, HAS_SEQLENS)
     start_k, len_k = sequence_extent(SEQ_START_K, SEQ_LEN_K, batch, seqlen_k, IS_THD, HAS_SEQLENS)
@@ -299,14 +315,14 @@ def attn_bwd_dq_kernel(
     IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr, SINGLE_LOOP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr, SINGLE_LOOP: tl.constexpr, SEGMENTS: tl.constexpr,
 ):
     """One program per (query block, batch * query head): dQ summed over key blocks in order."""
     tl.static_assert(BLOCK_DQK + BLOCK_DQK2 >= HEAD_DIM_QK)
     tl.static_assert((BLOCK_DQK2 == 0) | (BLOCK_DQK < HEAD_DIM_QK))  # as attn_bwd_dkdv_kernel's
     start_m, batch, head, head_kv, start_q, len_q, start_k, len_k, rows_out, diag = query_block_program(
         SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_heads_q, gqa_group, seqlen_q, seqlen_k,
-        BLOCK_M, IS_THD, HAS_SEQLENS, BOTTOM_RIGHT, HEAD_GROUP)
+        BLOCK_M, IS_THD, HAS_SEQLENS, BOTTOM_RIGHT, HEAD_GROUP, SEGMENTS)
     if start_m >= rows_out:
         return
 

@@ -108,7 +108,7 @@ def attn_fwd_kernel(
     IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, HAS_SINK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr, SINGLE_LOOP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr, SINGLE_LOOP: tl.constexpr, SEGMENTS: tl.constexpr,
 ):
     # A split Q/K head dim (BLOCK_DQK2 > 0) fills its first chunk: the loops load it without a head-dim mask.
     tl.static_assert(BLOCK_DQK + BLOCK_DQK2 >= HEAD_DIM_QK)
@@ -116,7 +116,7 @@ def attn_fwd_kernel(
     tl.static_assert(BLOCK_DV >= HEAD_DIM_V)
     start_m, batch, head, head_kv, start_q, len_q, start_k, len_k, rows_out, diag = query_block_program(
         SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_heads_q, gqa_group, seqlen_q, seqlen_k,
-        BLOCK_M, IS_THD, HAS_SEQLENS, BOTTOM_RIGHT, HEAD_GROUP)
+        BLOCK_M, IS_THD, HAS_SEQLENS, BOTTOM_RIGHT, HEAD_GROUP, SEGMENTS)
     if start_m >= rows_out:
         return
 

@@ -240,14 +240,40 @@ def _extents(SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, batch, seqlen_q, se
 
 
 @gluon.jit
+def _segment_block(SEQ_LEN, row, rank, SEGMENTS: gl.constexpr, BLOCK: gl.constexpr, LAST_FIRST: gl.constexpr):
+    """masking.segment_block: (sequence, first row) of block ``rank`` of grid row ``row``'s sequences, -1 past
+    them."""
+    seq = row * 0 - 1
+    start = row * 0
+    for j in gl.static_range(SEGMENTS):
+        n = (gl.load(SEQ_LEN + row * SEGMENTS + j) + (BLOCK - 1)) // BLOCK
+        if (seq < 0) & (rank < n):
+            seq = row * SEGMENTS + j
+            if LAST_FIRST:
+                start = (n - 1 - rank) * BLOCK
+            else:
+                start = rank * BLOCK
+        rank -= n
+    return seq, start
+
+
+@gluon.jit
 def _program(SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_heads_q, gqa_group, seqlen_q, seqlen_k,
              BLOCK_M: gl.constexpr, IS_THD: gl.constexpr, HAS_SEQLENS: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
-             HEAD_GROUP: gl.constexpr):
+             HEAD_GROUP: gl.constexpr, SEGMENTS: gl.constexpr):
     """masking.grid_program + masking.query_block_program: (start_m, batch, head, head_kv, start_q, len_q,
-    start_k, len_k, rows_out, diag) of this program, query blocks last-first."""
+    start_k, len_k, rows_out, diag) of this program, query blocks last-first (SEGMENTS > 1: the
+    segment-row grid)."""
     block, seq_head = _grid_program(HEAD_GROUP)
-    start_m = (gl.num_programs(0) - 1 - block) * BLOCK_M
-    batch = seq_head // num_heads_q
+    if SEGMENTS > 1:
+        row = seq_head // num_heads_q
+        batch, start_m = _segment_block(SEQ_LEN_Q, row, block, SEGMENTS, BLOCK_M, True)
+        if batch < 0:
+            batch = row * SEGMENTS
+            start_m = seqlen_q
+    else:
+        start_m = (gl.num_programs(0) - 1 - block) * BLOCK_M
+        batch = seq_head // num_heads_q
     head = seq_head % num_heads_q
     head_kv = head // gqa_group
     start_q, len_q, start_k, len_k = _extents(SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, batch, seqlen_q,
@@ -333,7 +359,7 @@ def attn_fwd_ws_kernel(
     IS_THD: gl.constexpr, HAS_SEQLENS: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
     HAS_BIAS: gl.constexpr, HAS_ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
-    DOT_PRECISION: gl.constexpr, HEAD_GROUP: gl.constexpr, SINGLE_LOOP: gl.constexpr,
+    DOT_PRECISION: gl.constexpr, HEAD_GROUP: gl.constexpr, SINGLE_LOOP: gl.constexpr, SEGMENTS: gl.constexpr,
     NUM_STAGES: gl.constexpr = 2,
 ):
     gl.static_assert(HEAD_DIM_QK == HEAD_DIM_V)
@@ -344,7 +370,7 @@ def attn_fwd_ws_kernel(
 
     start_m, batch, head, head_kv, start_q, len_q, start_k, len_k, rows_out, diag = _program(
         SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_heads_q, gqa_group, seqlen_q, seqlen_k,
-        BLOCK_M, IS_THD, HAS_SEQLENS, BOTTOM_RIGHT, HEAD_GROUP)
+        BLOCK_M, IS_THD, HAS_SEQLENS, BOTTOM_RIGHT, HEAD_GROUP, SEGMENTS)
     if start_m >= rows_out:
         return
     lo, full_lo, full_hi, hi = key_block_bounds(start_m, len_q, len_k, diag, window_left, window_right, BLOCK_M,
@@ -462,7 +488,7 @@ def attn_bwd_dq_ws_kernel(
     IS_THD: gl.constexpr, HAS_SEQLENS: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
     HAS_BIAS: gl.constexpr, HAS_ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
-    DOT_PRECISION: gl.constexpr, HEAD_GROUP: gl.constexpr, SINGLE_LOOP: gl.constexpr,
+    DOT_PRECISION: gl.constexpr, HEAD_GROUP: gl.constexpr, SINGLE_LOOP: gl.constexpr, SEGMENTS: gl.constexpr,
     NUM_STAGES: gl.constexpr = 2,
 ):
     """One program per (query block, batch * query head), as attn_bwd_dq_kernel."""
@@ -473,7 +499,7 @@ def attn_bwd_dq_ws_kernel(
     gl.static_assert(not (HAS_BIAS or HAS_ALIBI or DROPOUT))
     start_m, batch, head, head_kv, start_q, len_q, start_k, len_k, rows_out, diag = _program(
         SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_heads_q, gqa_group, seqlen_q, seqlen_k,
-        BLOCK_M, IS_THD, HAS_SEQLENS, BOTTOM_RIGHT, HEAD_GROUP)
+        BLOCK_M, IS_THD, HAS_SEQLENS, BOTTOM_RIGHT, HEAD_GROUP, SEGMENTS)
     if start_m >= rows_out:
         return
     lo, full_lo, full_hi, hi = key_block_bounds(start_m, len_q, len_k, diag, window_left, window_right, BLOCK_M,
@@ -669,7 +695,7 @@ def attn_bwd_dkdv_ws_kernel(
     IS_THD: gl.constexpr, HAS_SEQLENS: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
     HAS_BIAS: gl.constexpr, HAS_ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
-    DOT_PRECISION: gl.constexpr, HEAD_GROUP: gl.constexpr, SINGLE_LOOP: gl.constexpr,
+    DOT_PRECISION: gl.constexpr, HEAD_GROUP: gl.constexpr, SINGLE_LOOP: gl.constexpr, SEGMENTS: gl.constexpr,
     NUM_STAGES: gl.constexpr = 2,
 ):
     """One program per (key block of 128, batch * kv head), as attn_bwd_dkdv_kernel:
@@ -681,8 +707,15 @@ def attn_bwd_dkdv_ws_kernel(
     gl.static_assert(BLOCK_M % LOADER_THREADS == 0)
     gl.static_assert(not (HAS_BIAS or HAS_ALIBI or DROPOUT))
     block, seq_head = _grid_program(HEAD_GROUP)
-    start_n = block * BLOCK_N  # first blocks first: under causal masks they see the most queries
-    batch = seq_head // num_heads_kv
+    if SEGMENTS > 1:
+        row = seq_head // num_heads_kv
+        batch, start_n = _segment_block(SEQ_LEN_K, row, block, SEGMENTS, BLOCK_N, False)
+        if batch < 0:  # past the row's blocks: exits below
+            batch = row * SEGMENTS
+            start_n = seqlen_k
+    else:
+        start_n = block * BLOCK_N  # first blocks first: under causal masks they see the most queries
+        batch = seq_head // num_heads_kv
     head = seq_head % num_heads_kv
     start_q, len_q, start_k, len_k = _extents(SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, batch, seqlen_q,
                                               seqlen_k, IS_THD, HAS_SEQLENS)

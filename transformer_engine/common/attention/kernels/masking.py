@@ -157,19 +157,53 @@ def load_block(src, start, stride_s, offs_d, offs_s, seq_len, HEAD_DIM: tl.const
 
 
 @triton.jit
+def segment_block(SEQ_LEN, row, rank, SEGMENTS: tl.constexpr, BLOCK: tl.constexpr, LAST_FIRST: tl.constexpr):
+    """(sequence, first row) of block ``rank`` among the blocks of the SEGMENTS sequences of grid row ``row``
+    (sequences ``row * SEGMENTS + j``, lengths from SEQ_LEN), the sequences' blocks in order, each one's
+    last-first when LAST_FIRST; sequence -1 when ``rank`` is past them all.
+
+    The segment-row grid (launches: JAX's packed rows, several sequences in a row of known length but
+    unknown longest sequence) has ``cdiv(row length, BLOCK) + SEGMENTS - 1`` programs per row and head, a
+    bound on the row's blocks, where the (block, sequence) grid would need SEGMENTS times the row length.
+    It maps each program to the same tile as that grid would: the results are the same bits.
+    """
+    seq = row * 0 - 1
+    start = row * 0
+    for j in tl.static_range(SEGMENTS):
+        n = tl.cdiv(tl.load(SEQ_LEN + row * SEGMENTS + j), BLOCK)
+        if (seq < 0) & (rank < n):
+            seq = row * SEGMENTS + j
+            if LAST_FIRST:
+                start = (n - 1 - rank) * BLOCK
+            else:
+                start = rank * BLOCK
+        rank -= n
+    return seq, start
+
+
+@triton.jit
 def query_block_program(SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_heads_q, gqa_group, seqlen_q, seqlen_k,
                         BLOCK_M: tl.constexpr, IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
-                        BOTTOM_RIGHT: tl.constexpr, HEAD_GROUP: tl.constexpr):
-    """Where a program of the (query block, batch * query head) grid (plan.block_grid) works.
+                        BOTTOM_RIGHT: tl.constexpr, HEAD_GROUP: tl.constexpr, SEGMENTS: tl.constexpr = 1):
+    """Where a program of the (query block, batch * query head) grid (plan.block_grid) works; with
+    SEGMENTS > 1, of the segment-row grid (segment_block: (block of the row, row * query head)).
 
     Returns (start_m, batch, head, head_kv, start_q, len_q, start_k, len_k, rows_out, diag).
     Query blocks run last-first: under causal masks the last carry the most work, so long programs
     start early and short ones fill the tail (the order changes no result). Padded formats write
-    every row up to seqlen_q (zeros past len_q); packed ones only their own (``rows_out``).
+    every row up to seqlen_q (zeros past len_q); packed ones only their own (``rows_out``). A program
+    with no block returns ``start_m >= rows_out``.
     """
     block, pid_bh = grid_program(HEAD_GROUP)
-    start_m = (tl.num_programs(0) - 1 - block) * BLOCK_M
-    batch = pid_bh // num_heads_q
+    if SEGMENTS > 1:
+        row = pid_bh // num_heads_q
+        batch, start_m = segment_block(SEQ_LEN_Q, row, block, SEGMENTS, BLOCK_M, True)
+        if batch < 0:  # past the row's blocks: any sequence of the row, and a start past every length
+            batch = row * SEGMENTS
+            start_m = seqlen_q
+    else:
+        start_m = (tl.num_programs(0) - 1 - block) * BLOCK_M
+        batch = pid_bh // num_heads_q
     head = pid_bh % num_heads_q
     head_kv = head // gqa_group
     start_q, len_q = sequence_extent(SEQ_START_Q, SEQ_LEN_Q, batch, seqlen_q, IS_THD, HAS_SEQLENS)

@@ -66,10 +66,11 @@ def _prod(xs) -> int:
 
 def contiguous_call(config: AttnConfig, batch: int = 2, seqlen: int = 1024, thd: bool = False,
                     bias_shape: Optional[Tuple[int, int, int, int]] = None, softmax_scale: float = 0.125,
-                    seqlen_kv: Optional[int] = None) -> Call:
+                    seqlen_kv: Optional[int] = None, segments_per_row: int = 1) -> Call:
     """The launches' view of ``config`` on contiguous [b, s, h, d] tensors (``thd``: packed sequences) of
     ``seqlen`` query tokens and ``seqlen_kv`` (default ``seqlen``) key tokens per sequence; a
-    post_scale_bias of ``bias_shape`` (default [1, h, s_q, s_kv])."""
+    post_scale_bias of ``bias_shape`` (default [1, h, s_q, s_kv]); ``segments_per_row``: packed sequences
+    in rows of that many (Call.segments_per_row)."""
     hq, hk, dqk, dv = config.num_heads_q, config.num_heads_kv, config.head_dim_qk, config.head_dim_v
     sq, sk = seqlen, seqlen if seqlen_kv is None else seqlen_kv
     shapes = dict(q=(batch, sq, hq, dqk), k=(batch, sk, hk, dqk), v=(batch, sk, hk, dv),
@@ -91,7 +92,7 @@ def contiguous_call(config: AttnConfig, batch: int = 2, seqlen: int = 1024, thd:
         device=dict(device_type=config.device_type, vendor=config.vendor,
                     compute_capability=config.compute_capability, gfx_arch=config.gfx_arch),
         bias=bias, alibi_batch_stride=0 if config.attn_bias_type == AttnBiasType.ALIBI else None,
-        dropout_p=config.dropout, softmax_type=config.softmax_type,
+        dropout_p=config.dropout, softmax_type=config.softmax_type, segments_per_row=segments_per_row,
     )
 
 

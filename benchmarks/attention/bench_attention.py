@@ -282,9 +282,8 @@ def run_torch(cases, impls, args, results: Results, deadline: float, device: str
 
 
 def _skipped(case: Case, impl: str, reason: str) -> dict:
-    from_torch = impl not in JAX_IMPLS and impl != "jax_te_det_kt"
     return {"case": case.name, "group": case.group, "impl": impl, "label": impl, "role": "",
-            "framework": "torch" if from_torch else "jax", "status": "skipped", "reason": reason}
+            "framework": "jax" if impl.startswith("jax_") else "torch", "status": "skipped", "reason": reason}
 
 
 def _log(row):

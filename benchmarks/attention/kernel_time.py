@@ -46,9 +46,9 @@ def _sig(x: float, digits: int = 4) -> float:
     return float(f"{x:.{digits}g}")
 
 
-def kernel_ms(fn, reps: int) -> float:
-    """Device milliseconds per call of every CUDA kernel ``fn`` launches (any framework), over ``reps``
-    calls after a warm-up call."""
+def per_kernel_us(fn, reps: int) -> dict:
+    """{kernel name: [launches per call, device us per call]} of every CUDA kernel ``fn`` runs (those XLA
+    launches too: the profiler's CUPTI sees the whole process), over ``reps`` calls after a warm-up call."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -58,8 +58,17 @@ def kernel_ms(fn, reps: int) -> float:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    total_us = sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0)
-    return total_us / reps / 1e3
+    out = {}
+    for event in prof.key_averages():
+        if event.device_time_total > 0:
+            calls, us = out.get(event.key[:80], (0.0, 0.0))
+            out[event.key[:80]] = [calls + event.count / reps, us + event.device_time_total / reps]
+    return out
+
+
+def kernel_ms(fn, reps: int) -> float:
+    """Device milliseconds per call of all CUDA kernels ``fn`` launches (per_kernel_us, summed)."""
+    return sum(us for _, us in per_kernel_us(fn, reps).values()) / 1e3
 
 
 def _torch_calls(case: Case):

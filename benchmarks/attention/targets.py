@@ -76,10 +76,10 @@ TARGETS: List[Target] = [
     # Our kernels against flash-attn-4's deterministic mode, where it runs (n/a elsewhere).
     Target("fused_det>=0.95xfa4_det", "te_fused_det", "fa4_det", 0.95, "fwd_bwd_tflops",
            text="Triton fused det >= 0.95x flash-attn-4 det"),
-    # JAX: the same kernels as from PyTorch, and faster than JAX's cuDNN attention.
-    # JAX against PyTorch on the same kernels: by device time (kernel_time.py: both in one process, the
-    # profiler's clock, alternating), and by each framework's own wall-clock timing (host work included;
-    # PyTorch's timer flushes the L2 cache before each call, JAX's times back-to-back calls).
+    # JAX: the same kernels as from PyTorch, and faster than JAX's cuDNN attention. Against PyTorch by device
+    # time (kernel_time.py: both in one process, the profiler's clock, alternating), and by each framework's own
+    # wall-clock timing (host work included; PyTorch's timer flushes the L2 cache before each call, JAX's times
+    # back-to-back calls).
     Target("jax_kt>=0.97xtorch_kt", "jax_te_det_kt", "te_fused_det_kt", 0.97, "fwd_bwd_tflops",
            text="JAX fused_attn det within 3% of the same kernels launched from PyTorch (kernel device time)"),
     Target("jax_det>=0.97xtorch_fused_det", "jax_te_det", "te_fused_det", 0.97, "fwd_bwd_tflops",

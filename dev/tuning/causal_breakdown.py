@@ -13,12 +13,12 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-# cases, common and bench_core are the user benchmark's modules (benchmarks/attention/).
+# cases, common, kernel_time and bench_core are the user benchmark's modules (benchmarks/attention/).
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "attention"))
 
 from cases import attn_flops
+from kernel_time import per_kernel_us  # noqa: F401  (also this folder's other profiles' import)
 from common import run_metadata, write_results
 from transformer_engine.common.attention import AttnMaskType, QKVFormat
 from transformer_engine.common.attention.plan import backward_plan
@@ -26,23 +26,6 @@ from transformer_engine.pytorch.attention import launch
 
 SHAPES = [(1, 16, 8192, 128), (4, 16, 4096, 128), (16, 16, 2048, 128), (64, 16, 1024, 128)]
 KERNELS = ("attn_fwd_kernel", "attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")
-
-
-def per_kernel_us(fn, reps):
-    """{kernel name: [launches per call, device us per call]} of every CUDA kernel ``fn`` runs (those XLA
-    launches too: the profiler's CUPTI sees the whole process), over ``reps`` calls after a warm-up call."""
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    out = {}
-    for event in prof.key_averages():
-        if event.device_time_total > 0:
-            calls, us = out.get(event.key[:80], (0.0, 0.0))
-            out[event.key[:80]] = [calls + event.count / reps, us + event.device_time_total / reps]
-    return out
 
 
 def print_kernels(title, kernels):

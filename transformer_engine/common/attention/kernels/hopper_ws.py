@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 # The visibility rule and the block bounds are the Triton kernels' own (@triton.jit functions: called from a
 # @gluon.jit one they are generated as Gluon, and hold only scalar arithmetic and elementwise operators).
-from .masking import key_block_bounds, query_block_bounds, visible
+from .masking import key_block_bounds, query_block_bounds, segment_block, visible
 
 LN2 = gl.constexpr(0.6931471805599453)
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -240,24 +240,6 @@ def _extents(SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, batch, seqlen_q, se
 
 
 @gluon.jit
-def _segment_block(SEQ_LEN, row, rank, SEGMENTS: gl.constexpr, BLOCK: gl.constexpr, LAST_FIRST: gl.constexpr):
-    """masking.segment_block: (sequence, first row) of block ``rank`` of grid row ``row``'s sequences, -1 past
-    them."""
-    seq = row * 0 - 1
-    start = row * 0
-    for j in gl.static_range(SEGMENTS):
-        n = (gl.load(SEQ_LEN + row * SEGMENTS + j) + (BLOCK - 1)) // BLOCK
-        if (seq < 0) & (rank < n):
-            seq = row * SEGMENTS + j
-            if LAST_FIRST:
-                start = (n - 1 - rank) * BLOCK
-            else:
-                start = rank * BLOCK
-        rank -= n
-    return seq, start
-
-
-@gluon.jit
 def _program(SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_heads_q, gqa_group, seqlen_q, seqlen_k,
              BLOCK_M: gl.constexpr, IS_THD: gl.constexpr, HAS_SEQLENS: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
              HEAD_GROUP: gl.constexpr, SEGMENTS: gl.constexpr):
@@ -267,7 +249,7 @@ def _program(SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_heads_q, gqa_gr
     block, seq_head = _grid_program(HEAD_GROUP)
     if SEGMENTS > 1:
         row = seq_head // num_heads_q
-        batch, start_m = _segment_block(SEQ_LEN_Q, row, block, SEGMENTS, BLOCK_M, True)
+        batch, start_m = segment_block(SEQ_LEN_Q, row, block, SEGMENTS, BLOCK_M, True)
         if batch < 0:
             batch = row * SEGMENTS
             start_m = seqlen_q
@@ -709,7 +691,7 @@ def attn_bwd_dkdv_ws_kernel(
     block, seq_head = _grid_program(HEAD_GROUP)
     if SEGMENTS > 1:
         row = seq_head // num_heads_kv
-        batch, start_n = _segment_block(SEQ_LEN_K, row, block, SEGMENTS, BLOCK_N, False)
+        batch, start_n = segment_block(SEQ_LEN_K, row, block, SEGMENTS, BLOCK_N, False)
         if batch < 0:  # past the row's blocks: exits below
             batch = row * SEGMENTS
             start_n = seqlen_k

@@ -42,17 +42,20 @@ def grid():
 
 def record(cfg, ws):
     """The plan of ``cfg`` under NVTE_FUSED_ATTN_WS=ws as plain data, dot precision left out (and the
-    separate dV pass where there is none)."""
+    separate dV pass or second Q/K tile width where there is none)."""
     with settings.environment(NVTE_FUSED_ATTN_WS=ws):
         fwd, bwd = dataclasses.asdict(forward_plan(cfg)), backward_plan(cfg)
     kernels = bwd.kernels
     bwd = dataclasses.asdict(bwd)
     fwd.pop("dot_precision")
     bwd.pop("dot_precision")
-    # The record predates the separate dV pass: a plan without one records as it did.
+    # The record predates the separate dV pass and the Q/K split: a plan without them records as it did.
     if bwd["dv"] is None and bwd["dv_warp_specialized"] is None:
         bwd.pop("dv")
         bwd.pop("dv_warp_specialized")
+    for plan in (fwd, bwd):
+        if plan["block_dqk2"] == 0:
+            plan.pop("block_dqk2")
     return json.dumps(dict(fwd=fwd, bwd=bwd, kernels=kernels), sort_keys=True)
 
 

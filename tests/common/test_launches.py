@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch")
 jnp = pytest.importorskip("jax.numpy")
 
 from transformer_engine.common.attention import launches  # noqa: E402
+from transformer_engine.common.attention.plan import padded_head_dim  # noqa: E402
 from transformer_engine.common.attention.enums import (  # noqa: E402
     AttnBiasType, AttnMaskType, AttnSoftmaxType, BackwardGrads, QKVFormat,
 )
@@ -84,6 +85,11 @@ def _cases():
                 Case(dims=(64, 64), mask=AttnMaskType.PADDING_CAUSAL_MASK, heads=(8, 2), segments=2,
                      softmax_type=stype)]
     out.append(Case(dims=(128, 64), mask=AttnMaskType.CAUSAL_MASK, heads=(4, 1)))
+    # Hopper's narrow-V tiles at 192/128, where the Q/K head dim splits (128 + 64); with a bias it does not.
+    out += [Case(dims=(192, 128), mask=AttnMaskType.CAUSAL_MASK, heads=(8, 2)),
+            Case(dims=(192, 128), mask=AttnMaskType.PADDING_CAUSAL_MASK, heads=(8, 2), segments=2,
+                 softmax_type=AttnSoftmaxType.LEARNABLE_SOFTMAX),
+            Case(dims=(192, 128), mask=AttnMaskType.NO_MASK, bias=(1, 8))]
     return out
 
 
@@ -233,6 +239,20 @@ def test_the_grid_covers_what_it_says():
     assert {c.dims[0] for c in CASES} >= {64, 128, 192, 256}
     assert any(c.heads[0] != c.heads[1] for c in CASES) and any(c.segments > 1 for c in CASES)
     assert {c.bias for c in CASES if c.bias} == {(1, 8), (2, 1), (2, 8), (1, 1)}
+
+
+def test_the_split_reaches_both_frontends():
+    """At 192/128 the forward, dK/dV and dQ launches split Q/K into 128 + 64 (plan.split_head_dim), the
+    dBias launch keeps one 256-wide tile; every other launch has BLOCK_DQK2 = 0."""
+    for case in CASES:
+        split = case.dims == (192, 128) and case.dtype != "float32" and not case.bias
+        for described in _jax_launches(case):
+            for x in described:
+                if x.name in ("attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"):
+                    assert (x.args["BLOCK_DQK"], x.args["BLOCK_DQK2"]) == ((128, 64) if split else
+                                                                          (padded_head_dim(case.dims[0]), 0)), case
+                elif x.name == "attn_bwd_dbias_kernel":
+                    assert x.args["BLOCK_DQK"] == padded_head_dim(case.dims[0]), case
 
 
 def test_launch_lists_name_every_kernel_parameter_in_order():

@@ -14,8 +14,9 @@ from transformer_engine.common import settings
 from transformer_engine.common.attention import AttnBiasType, AttnConfig, AttnMaskType
 from transformer_engine.common.attention.backends import FlashAttention, FusedAttention
 from transformer_engine.common.attention.config import gfx_target
+from transformer_engine.common.attention import plan as plan_module
 from transformer_engine.common.attention.plan import (
-    AMD_ARCHS, ARCHS, backward_plan, device_arch, forward_plan, padded_head_dim, plan_arch,
+    AMD_ARCHS, ARCHS, backward_plan, device_arch, forward_plan, padded_head_dim, plan_arch, split_head_dim,
 )
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -140,6 +141,52 @@ def test_narrow_v_tiles_serve_only_d_qk_256_with_d_v_128(dims, narrow):
             a, b = (dataclasses.replace(_config("sm90", d, mask), dtype="float32") for d in (dims, (dims[0], 256)))
             assert (forward_plan(a).tiles, backward_plan(a).dkdv, backward_plan(a).dq) == \
                 (forward_plan(b).tiles, backward_plan(b).dkdv, backward_plan(b).dq)
+
+
+def test_split_head_dim():
+    """Two different powers of two, each at least 16: the wider chunk first."""
+    assert {d: split_head_dim(d) for d in (16, 24, 32, 40, 48, 64, 72, 80, 96, 128, 160, 192, 200, 256, 384)} == {
+        16: None, 24: None, 32: None, 40: None, 48: (32, 16), 64: None, 72: None, 80: (64, 16), 96: (64, 32),
+        128: None, 160: (128, 32), 192: (128, 64), 200: None, 256: None, 384: (256, 128)}
+
+
+SPLIT_DIMS = [(192, 128), (192, 96), (192, 192), (192, 64), (192, 256), (160, 128), (96, 96), (80, 64), (48, 48),
+              (256, 128), (128, 128)]
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("dims", SPLIT_DIMS, ids=str)
+def test_qk_splits_only_for_hoppers_narrow_v_192(arch, dims):
+    """The Q/K tiles split (128 + 64) exactly where Hopper's narrow-V tiles serve d_qk = 192: 16-bit,
+    d_v padding to 128, no bias or dropout, any mask; every other plan keeps one padded tile (BLOCK_DQK2 = 0)."""
+    for (mask, window), dtype, mod in itertools.product(
+            WINDOWS, ("float16", "bfloat16", "float32"),
+            (dict(), dict(attn_bias_type=AttnBiasType.POST_SCALE_BIAS, bias_shape="1hss"),
+             dict(attn_bias_type=AttnBiasType.ALIBI), dict(dropout=0.1))):
+        cfg = _config(arch, dims, mask, window, dtype=dtype, **mod)
+        split = (arch == "sm90" and dims[0] == 192 and padded_head_dim(dims[1]) == 128 and dtype != "float32"
+                 and not mod)
+        want = (128, 64) if split else (padded_head_dim(dims[0]), 0)
+        for plan in (forward_plan(cfg), backward_plan(cfg)):
+            assert (plan.block_dqk, plan.block_dqk2) == want, (arch, dims, mask, window, dtype, mod)
+            assert plan.block_dv == padded_head_dim(dims[1])
+
+
+def test_qk_split_under_the_interpreter_only_where_asked(monkeypatch):
+    """CPU (interpreter) plans split only with plan.INTERPRET_SPLIT_QK set, then wherever split_head_dim
+    allows; a GPU plan with a tile override keeps one tile."""
+    cpu = dataclasses.replace(BASE, device_type="cpu", compute_capability=None, dtype="float32")
+    dims = {d: dataclasses.replace(cpu, head_dim_qk=d, head_dim_v=32) for d in (24, 40, 48, 64, 96, 192)}
+    assert {d: forward_plan(c).block_dqk2 for d, c in dims.items()} == dict.fromkeys(dims, 0)
+    monkeypatch.setattr(plan_module, "INTERPRET_SPLIT_QK", True)
+    for d, c in dims.items():
+        want = split_head_dim(d) or (padded_head_dim(d), 0)
+        for plan in (forward_plan(c), backward_plan(c)):
+            assert (plan.block_dqk, plan.block_dqk2) == want, d
+    gpu = _config("sm90", (192, 128))
+    assert forward_plan(gpu).block_dqk2 == 64
+    override = forward_plan(gpu, override=ARCHS["sm90"].narrow_v[0])
+    assert (override.block_dqk, override.block_dqk2) == (256, 0)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))

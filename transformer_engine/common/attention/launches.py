@@ -18,12 +18,13 @@ rows with the views' own strides.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, Mapping, Optional, Tuple, Union
 
 from transformer_engine.common.attention.config import AttnConfig
 from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, AttnSoftmaxType, BackwardGrads
 from transformer_engine.common.attention.plan import (
-    BackwardPlan, ForwardPlan, Tiles, backward_plan, block_grid, forward_plan, mask_flags, tma_eligible,
+    BackwardPlan, ForwardPlan, Tiles, backward_plan, block_grid, forward_plan, mask_flags, padded_head_dim,
+    tma_eligible,
 )
 
 __all__ = ["Slot", "View", "Bias", "Call", "Launch", "plan_config", "forward_launches", "backward_launches",
@@ -190,8 +191,9 @@ _SEQ_SLOTS = ("SEQ_START_Q", "SEQ_START_K", "SEQ_LEN_Q", "SEQ_LEN_K")
 _PLACEHOLDER = Slot("lse")
 
 
-def _values(call: Call, config: AttnConfig, block_dqk: int, block_dv: int, dot_precision: str) -> Dict[str, object]:
-    """What every block-loop kernel takes, by parameter name (each launch picks its kernel's)."""
+def _values(call: Call, config: AttnConfig, plan: Union[ForwardPlan, BackwardPlan]) -> Dict[str, object]:
+    """What every block-loop kernel takes, by parameter name (each launch picks its kernel's), with the
+    head-dim tiles of ``plan`` (a ForwardPlan or BackwardPlan)."""
     flags, left, right = mask_flags(config)
     has_bias, has_alibi, dropout = call.bias is not None, call.alibi_batch_stride is not None, call.dropout_p > 0
     zs = call.bias.kernel_strides if has_bias else (0, 0, 0, 0)
@@ -210,9 +212,10 @@ def _values(call: Call, config: AttnConfig, block_dqk: int, block_dv: int, dot_p
         gqa_group=call.num_heads_q // call.num_heads_kv, seqlen_q=call.max_q, seqlen_k=call.max_k,
         sm_scale=call.softmax_scale, qk_scale=call.softmax_scale * LOG2E, window_left=left, window_right=right,
         dropout_p=call.dropout_p,
-        HEAD_DIM_QK=call.head_dim_qk, HEAD_DIM_V=call.head_dim_v, BLOCK_DQK=block_dqk, BLOCK_DV=block_dv,
+        HEAD_DIM_QK=call.head_dim_qk, HEAD_DIM_V=call.head_dim_v, BLOCK_DQK=plan.block_dqk,
+        BLOCK_DQK2=plan.block_dqk2, BLOCK_DV=plan.block_dv,
         IS_THD=call.packed, HAS_SEQLENS=call.has_seqlens, SEGMENTS=call.segments_per_row,
-        DOT_PRECISION=dot_precision,
+        DOT_PRECISION=plan.dot_precision,
         HAS_BIAS=has_bias, HAS_ALIBI=has_alibi, DROPOUT=dropout, **flags,
     )
     for tensor, prefix in (("q", "q"), ("k", "k"), ("v", "v"), ("out", "o"), ("d_out", "do"), ("dq", "dq"),
@@ -257,7 +260,7 @@ def forward_launches(call: Call, plan: Optional[ForwardPlan] = None) -> Tuple[La
     config = plan_config(call)
     if plan is None:
         plan = forward_plan(config)
-    values = _values(call, config, plan.block_dqk, plan.block_dv, plan.dot_precision)
+    values = _values(call, config, plan)
     has_sink = call.softmax_type.has_sink
     values.update(LSE=Slot("lse"), SINK=Slot("softmax_offset") if has_sink else _PLACEHOLDER, HAS_SINK=has_sink)
     rows = lambda t: call.grid_rows(call.max_q, t.block_m, call.num_heads_q)  # noqa: E731
@@ -290,7 +293,7 @@ def backward_launches(call: Call, plan: Optional[BackwardPlan] = None, bias_grad
     config = plan_config(call)
     if plan is None:
         plan = backward_plan(config)
-    values = _values(call, config, plan.block_dqk, plan.block_dv, plan.dot_precision)
+    values = _values(call, config, plan)
     values.update(LSE=Slot("lse"), DELTA=Slot("delta"))
     q_rows = lambda t: call.grid_rows(call.max_q, t.block_m, call.num_heads_q)  # noqa: E731
     k_rows = lambda t: call.grid_rows(call.max_k, t.block_n, call.num_heads_kv)  # noqa: E731
@@ -332,6 +335,8 @@ def _dbias_launch(call: Call, plan: BackwardPlan, values: Dict[str, object], ker
         **{f"stride_dz{axis}": value for axis, value in zip("bhmn", bias.grad_strides)},
         batch_size=call.num_seqs, bias_batch=bias.shape[0], bias_heads=bias.shape[1],
         BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+        # The dBias kernel keeps one Q/K tile: the padded head dim, whether or not the other passes split it.
+        BLOCK_DQK=padded_head_dim(call.head_dim_qk),
         # A bias broadcast over the query rows ([.., .., 1, s_kv]) gets one dBias row: the kernel sums them.
         SUM_ROWS=bias.shape[2] == 1,
     )

@@ -4,7 +4,8 @@ Determinism contract: in deterministic mode the tiles and loop orders
 depend only on head dim, dtype, mask/window kind and GPU architecture — never on batch size,
 sequence length or autotuning. Nothing below reads a shape other than the head dims. Whether the
 warp-specialized Gluon kernels serve a config also reads its bias/dropout and NVTE_FUSED_ATTN_WS, and
-whether Hopper's narrow-V tiles do reads its bias/dropout, alike for both frameworks.
+whether Hopper's narrow-V tiles (and their Q/K head-dim split) do reads its bias/dropout, alike for both
+frameworks.
 
 Architectures (:data:`ARCHS`): each GPU family has its tile tables and the shared memory (LDS on AMD) its
 tiles must fit; :func:`plan_arch` finds a config's from its vendor and compute capability or gfx target,
@@ -23,7 +24,8 @@ from transformer_engine.common import settings
 from transformer_engine.common.attention.enums import AttnBiasType
 
 __all__ = ["Tiles", "ForwardPlan", "BackwardPlan", "ArchTables", "ARCHS", "forward_plan", "backward_plan",
-           "plan_arch", "device_arch", "mask_flags", "padded_head_dim", "block_grid", "tma_eligible"]
+           "plan_arch", "device_arch", "mask_flags", "padded_head_dim", "split_head_dim", "block_grid",
+           "tma_eligible"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,9 @@ class ForwardPlan:
     # the launches (launches.py) use it when the tensors also allow TMA (tma_eligible), else attn_fwd_kernel
     # with `tiles`.
     warp_specialized: Optional[Tiles] = None
+    # Width of the second Q/K head-dim chunk (BLOCK_DQK2) where the Q/K head dim splits in two (block_dqk
+    # is then the first chunk: split_head_dim); 0: one block_dqk-wide tile.
+    block_dqk2: int = 0
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,7 @@ class BackwardPlan:
     dv: Optional[Tiles] = None
     # The Gluon kernel's tiles for the dV pass, as dkdv_warp_specialized for the dK pass (there: dK only).
     dv_warp_specialized: Optional[Tiles] = None
+    block_dqk2: int = 0  # as ForwardPlan's: the dK/dV and dQ passes split Q/K (dBias keeps one tile)
 
     @property
     def dbias(self) -> Tiles:
@@ -155,6 +161,21 @@ def padded_head_dim(d: int) -> int:
     return p
 
 
+def split_head_dim(d: int) -> Optional[Tuple[int, int]]:
+    """(first, second) chunk widths of a head dim that is the sum of two different powers of two, each
+    at least 16 (tl.dot's minimum): 192 -> (128, 64), 48 -> (32, 16); None for any other head dim (a power
+    of two fills its tile; 24 = 16 + 8 has a chunk too narrow)."""
+    second = d & -d  # the lowest set bit
+    if bin(d).count("1") != 2 or second < 16:
+        return None
+    return d - second, second
+
+
+# CPU tests set this to plan the Q/K split under the interpreter wherever split_head_dim allows: the
+# interpreter plans (device_type "cpu") never split otherwise.
+INTERPRET_SPLIT_QK = False
+
+
 # Interpreter (CPU tests): small tiles so tiny test shapes still span several blocks.
 _INTERPRET_FWD = Tiles(16, 16, 1, 1)
 _INTERPRET_BWD = Tiles(16, 16, 1, 1)
@@ -189,10 +210,10 @@ _SM90_DQ: Dict[Tuple[int, bool], Tiles] = {
 # and 128-query dQ tiles, which the d=256 tables cannot fit (fwd, dK/dV, dQ). With a bias tile the forward
 # exceeds shared memory and with dropout the dK/dV spills: those variants keep the d=256 tiles. Measured on
 # the H200 (bf16, 2x16x4096): fwd+bwd 311 / 260 TFLOP/s (no mask / causal) against 189 / 175 with the d=256
-# tiles. The single-loop dK/dV pass keeps 184-208 bytes of stack (measured fastest so); with GQA, packed
-# sequences and sink softmax it keeps up to 704 (tests/common/data/known_spills.json). With GQA (4 KV heads)
-# it measured 289 / 183 backward TFLOP/s (no mask / causal) against 269 / 204 for the plain loop: one tile
-# for both, as the tables have no GQA key.
+# tiles. The single-loop dK/dV pass kept 184-208 bytes of stack with 256-wide Q/K tiles (measured fastest so);
+# with d_qk = 192 split below, 96-112, and with GQA, packed sequences and sink softmax 592 (704 unsplit;
+# tests/common/data/known_spills.json). With GQA (4 KV heads) the unsplit pass measured 289 / 183 backward
+# TFLOP/s (no mask / causal) against 269 / 204 for the plain loop: one tile for both, as the tables have no GQA key.
 _SM90_NARROW_V = (Tiles(128, 64, 8, 3), Tiles(64, 128, 8, 2, single_loop=True), Tiles(128, 64, 8, 2))
 # Padded head dim 256, fp16/bf16, without bias or dropout (and not the narrow-V case): dK and dV as two
 # passes (BackwardPlan.dv), each with one accumulator, so 128-key tiles fit: (dK tiles, dV tiles). Measured
@@ -202,6 +223,15 @@ _SM90_DK_DV = {
     (256, False): (Tiles(32, 128, 8, 2, single_loop=True), Tiles(64, 128, 8, 2, single_loop=True)),
     (256, True): (Tiles(32, 128, 8, 2, single_loop=True), Tiles(64, 128, 8, 2, single_loop=True)),
 }
+# With the narrow-V tiles, d_qk = 192 splits Q/K into chunks of 128 and 64 (BLOCK_DQK, BLOCK_DQK2) instead
+# of a 256-wide tile whose last quarter is zeros: the QK^T, dS^T Q and dS K products skip that quarter, and
+# the sm_90 compiles take 32-40 KiB less shared memory per pass. H200 (bf16, 2x16x4096, device time): fwd+bwd
+# 364 / 319 TFLOP/s (no mask / causal) against 312 / 258 padded to 256.
+_SM90_NARROW_V_SPLIT = (192,)
+# The split dQ pass's tiles: the narrow-V dQ tiles (128x64, 2 stages) split make an illegal access on the H200
+# that memcheck never sees and that builds with CUDA's own ptxas or at -O0 do not make (a miscompile of the
+# ptxas in Triton 3.6's bundle); key blocks of 32 compile right.
+_SM90_NARROW_V_SPLIT_DQ = Tiles(128, 32, 8, 2)
 # Warp-specialized Gluon kernels on Hopper (kernels/hopper_ws.py): 128 rows (query rows; keys for dK/dV)
 # as two consumer warpgroups of 64 plus a loader warp (12 warps allocated: 168 registers each on average).
 # Forward: K/V blocks of 128 in a 2-buffer ring. Where they serve: d_qk = d_v = 128, fp16/bf16, no bias,
@@ -307,11 +337,20 @@ class ArchTables:
     # (dK tiles, dV tiles) of a two-pass dK/dV backward by _head_key, for fp16/bf16 without bias or dropout
     # outside the narrow-V case; keys not here run one pass with the dK/dV table's tiles.
     dk_dv: Optional[Dict[Tuple[int, bool], Tuple[Tiles, Tiles]]] = None
+    # Q/K head dims whose tiles split in two power-of-two chunks (split_head_dim) where the narrow-V
+    # tiles serve a 16-bit config, rather than padding to 256.
+    narrow_v_split: Tuple[int, ...] = ()
+    narrow_v_split_dq: Optional[Tiles] = None  # the dQ tiles where Q/K splits; None: the narrow-V ones
+
+    def serves_narrow_v(self, config: AttnConfig) -> bool:
+        """Whether the narrow-V tiles serve ``config`` (before the fp32 clamp)."""
+        return (self.narrow_v is not None and padded_head_dim(config.head_dim_qk) == 256
+                and padded_head_dim(config.head_dim_v) == 128
+                and config.attn_bias_type == AttnBiasType.NO_BIAS and config.dropout == 0)
 
     def tiles(self, config: AttnConfig, key: Tuple[int, bool]) -> Tuple[Tiles, Tiles, Tiles]:
         """The (fwd, dK/dV, dQ) table tiles of ``config`` at ``key`` (_head_key), before the fp32 clamp."""
-        if (self.narrow_v is not None and key[0] == 256 and padded_head_dim(config.head_dim_v) == 128
-                and config.attn_bias_type == AttnBiasType.NO_BIAS and config.dropout == 0):
+        if self.serves_narrow_v(config):
             return self.narrow_v
         return self.fwd[key], self.dkdv[key], self.dq[key]
 
@@ -319,9 +358,14 @@ class ArchTables:
         """(dK tiles, dV tiles) of a two-pass dK/dV backward for ``config``, or None: one pass."""
         if (self.dk_dv is None or key not in self.dk_dv or config.dtype not in ("float16", "bfloat16")
                 or config.attn_bias_type != AttnBiasType.NO_BIAS or config.dropout > 0
-                or self.tiles(config, key) is self.narrow_v):
+                or self.serves_narrow_v(config)):
             return None
         return self.dk_dv[key]
+
+    def splits_qk(self, config: AttnConfig) -> bool:
+        """Whether ``config``'s Q/K head dim splits in two chunks (narrow_v_split) on this architecture."""
+        return (config.head_dim_qk in self.narrow_v_split and self.serves_narrow_v(config)
+                and config.dtype in ("float16", "bfloat16") and split_head_dim(config.head_dim_qk) is not None)
 
     @property
     def triton_target(self) -> Tuple[str, object, int]:
@@ -336,7 +380,8 @@ ARCHS: Dict[str, ArchTables] = {t.name: t for t in (
     ArchTables("sm80", "nvidia", 32, 163 * _KIB, _SM80_FWD, _SM80_DKDV, _SM80_DQ),
     ArchTables("sm89", "nvidia", 32, 99 * _KIB, _SM89_FWD, _SM89_BWD, _SM89_BWD),
     ArchTables("sm90", "nvidia", 32, 227 * _KIB, _SM90_FWD, _SM90_DKDV, _SM90_DQ, warp_specialized=True,
-               narrow_v=_SM90_NARROW_V, dk_dv=_SM90_DK_DV),
+               narrow_v=_SM90_NARROW_V, narrow_v_split=_SM90_NARROW_V_SPLIT, narrow_v_split_dq=_SM90_NARROW_V_SPLIT_DQ,
+               dk_dv=_SM90_DK_DV),
     # Datacenter Blackwell (sm_100, sm_103) and Thor (sm_110): Hopper's 227 KiB, so Hopper's Triton tiles
     # (its Gluon kernels are written for Hopper's wgmma and TMA).
     ArchTables("sm100", "nvidia", 32, 227 * _KIB, _SM90_FWD, _SM100_DKDV, _SM100_DQ),
@@ -417,8 +462,22 @@ def forward_plan(config: AttnConfig, override: Optional[Tiles] = None) -> Forwar
             tiles = Tiles(min(tiles.block_m, 64), min(tiles.block_n, 32), tiles.num_warps, 1)
     # An explicit Triton tile override measures the Triton kernel.
     ws = None if override is not None else _warp_specialized(config, arch, key, _SM90_FWD_WS)
-    return ForwardPlan(tiles, padded_head_dim(config.head_dim_qk), padded_head_dim(config.head_dim_v),
-                       _dot_precision(config), ws)
+    block_dqk, block_dqk2 = _qk_blocks(config, arch)
+    return ForwardPlan(tiles, block_dqk, padded_head_dim(config.head_dim_v), _dot_precision(config), ws, block_dqk2)
+
+
+def _qk_blocks(config: AttnConfig, arch: Optional[ArchTables]) -> Tuple[int, int]:
+    """(BLOCK_DQK, BLOCK_DQK2) of the Triton kernels: the two chunks of split_head_dim where the
+    architecture splits Q/K (ArchTables.splits_qk; under the interpreter, where INTERPRET_SPLIT_QK asks),
+    else the padded head dim and 0. A tile override (arch None on a GPU) keeps one tile."""
+    split = split_head_dim(config.head_dim_qk)
+    if arch is not None:
+        use = arch.splits_qk(config)
+    else:
+        use = config.device_type == "cpu" and INTERPRET_SPLIT_QK
+    if use and split is not None:
+        return split
+    return padded_head_dim(config.head_dim_qk), 0
 
 
 def _warp_specialized(config: AttnConfig, arch: Optional[ArchTables], key: Tuple[int, bool],
@@ -450,6 +509,8 @@ def backward_plan(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = 
         dkdv = dq = _INTERPRET_BWD
     else:
         dkdv, dq = arch.tiles(config, key)[1:]
+        if arch.narrow_v_split_dq is not None and arch.splits_qk(config):
+            dq = arch.narrow_v_split_dq
     if config.dtype == "float32" and override is None and arch is not None:
         if key[0] == 256 and arch.fp32_large is not None:
             dkdv, dq = arch.fp32_large[1:]
@@ -472,6 +533,6 @@ def backward_plan(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = 
         ws_dkdv = ws_dv = None
     # The dBias kernel holds Q, K, V and dO tiles at once: fp32 at padded d > 128 halves its tile.
     dbias_block = 32 if config.dtype == "float32" and key[0] > 128 else 64
-    return BackwardPlan(preprocess, dkdv, dq, padded_head_dim(config.head_dim_qk),
-                        padded_head_dim(config.head_dim_v), _dot_precision(config), ws_dq, ws_dkdv, dbias_block,
-                        dv, ws_dv)
+    block_dqk, block_dqk2 = _qk_blocks(config, arch)
+    return BackwardPlan(preprocess, dkdv, dq, block_dqk, padded_head_dim(config.head_dim_v), _dot_precision(config),
+                        ws_dq, ws_dkdv, dbias_block, dv=dv, dv_warp_specialized=ws_dv, block_dqk2=block_dqk2)

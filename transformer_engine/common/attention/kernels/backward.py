@@ -75,25 +75,33 @@ def attn_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs,
+def _dkdv_inner(dk, dk2, dv, k, k2, v, q_src, q_src2, do_src, lse_ptrs, delta_ptrs,
                 stride_qs, stride_dos,
-                offs_n, offs_m_base, offs_dqk, offs_dv, lo, hi, full_lo, full_hi,
+                offs_n, offs_m_base, offs_dqk, offs_dqk2, offs_dv, lo, hi, full_lo, full_hi,
                 len_q, len_k, diag, window_left, window_right, qk_scale,
                 bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
                 HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                 MASKED: tl.constexpr, SINGLE_LOOP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                 HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, WITH_DK: tl.constexpr, WITH_DV: tl.constexpr):
     """Query blocks [lo, hi); masking as in forward._fwd_inner (SINGLE_LOOP: outside [full_lo, full_hi) only).
-    WITH_DK / WITH_DV: which of dk and dv to accumulate (the other comes back as it came)."""
+    WITH_DK / WITH_DV: which of dk and dv to accumulate (the other comes back as it came). With BLOCK_DQK2 > 0,
+    dk2, k2 and q_src2 are the second Q/K head-dim chunk's (forward._fwd_inner); otherwise unused, and dk2
+    comes back as it came."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m_base
         q_t = load_block(q_src, start_m, stride_qs, offs_dqk, offs_m_base, len_q, HEAD_DIM_QK, BLOCK_DQK, MASKED,
                          True)  # [BLOCK_DQK, BLOCK_M]
         # Rows past the sequence (or with nothing visible) carry lse = +inf: their p is 0.
         lse = tl.load(lse_ptrs + offs_m, mask=offs_m < len_q, other=float("inf"))
-        qk_t = tl.dot(k, q_t, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
+        if BLOCK_DQK2 > 0:
+            q_t2 = load_block(q_src2, start_m, stride_qs, offs_dqk2, offs_m_base, len_q, HEAD_DIM_QK,
+                              BLOCK_DQK + BLOCK_DQK2, MASKED, True)  # [BLOCK_DQK2, BLOCK_M]
+            qk_t = tl.dot(k2, q_t2, tl.dot(k, q_t, input_precision=DOT_PRECISION),
+                          input_precision=DOT_PRECISION) * qk_scale
+        else:
+            qk_t = tl.dot(k, q_t, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
         if HAS_BIAS or HAS_ALIBI:
             qk_t += bias_log2(bias_base, offs_m[None, :], offs_n[:, None], len_q, len_k, stride_zm, stride_zn,
                               alibi_slope, diag, HAS_BIAS, HAS_ALIBI)
@@ -119,7 +127,9 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs,
         if WITH_DK:
             ds_t = p_t * (dp_t - delta[None, :])
             dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=DOT_PRECISION)
-    return dk, dv
+            if BLOCK_DQK2 > 0:
+                dk2 += tl.dot(ds_t.to(q_t2.dtype), tl.trans(q_t2), input_precision=DOT_PRECISION)
+    return dk, dk2, dv
 
 
 @length_specialized
@@ -137,7 +147,7 @@ def attn_bwd_dkdv_kernel(
     num_heads_kv, gqa_group: tl.constexpr, seqlen_q, seqlen_k,
     sm_scale, qk_scale, window_left, window_right, dropout_p,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
@@ -150,6 +160,9 @@ def attn_bwd_dkdv_kernel(
     grid is the segment-row grid (masking.segment_block). WITH_DK / WITH_DV: which of the two it computes
     and writes (a plan may run them as two passes: plan.BackwardPlan.dv)."""
     tl.static_assert(WITH_DK | WITH_DV)
+    # A split Q/K head dim (BLOCK_DQK2 > 0) fills its first chunk: the loops load it without a head-dim mask.
+    tl.static_assert(BLOCK_DQK + BLOCK_DQK2 >= HEAD_DIM_QK)
+    tl.static_assert((BLOCK_DQK2 == 0) | (BLOCK_DQK < HEAD_DIM_QK))
     block, pid_bh = grid_program(HEAD_GROUP)  # grid: plan.block_grid
     if SEGMENTS > 1:
         row = pid_bh // num_heads_kv
@@ -175,8 +188,8 @@ def attn_bwd_dkdv_kernel(
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     key_ok = offs_n[:, None] < len_k
-    k = tl.load(K + batch.to(tl.int64) * stride_kb + start_k * stride_ks + head_kv.to(tl.int64) * stride_kh
-                + offs_n[:, None] * stride_ks + offs_dqk[None, :] * stride_kd,
+    k_base = K + batch.to(tl.int64) * stride_kb + start_k * stride_ks + head_kv.to(tl.int64) * stride_kh
+    k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_dqk[None, :] * stride_kd,
                 mask=key_ok & (offs_dqk[None, :] < HEAD_DIM_QK), other=0.0)
     v = k  # read only for dK (dP = V dO^T)
     if WITH_DK:
@@ -185,6 +198,14 @@ def attn_bwd_dkdv_kernel(
                     mask=key_ok & (offs_dv[None, :] < HEAD_DIM_V), other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_DQK], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    # The second Q/K chunk (BLOCK_DQK2 > 0, forward.py); without a split these names stand for the first
+    # chunk's and are never read or changed.
+    offs_dqk2, k2, dk2 = offs_dqk, k, dk
+    if BLOCK_DQK2 > 0:
+        offs_dqk2 = BLOCK_DQK + tl.arange(0, BLOCK_DQK2)
+        k2 = tl.load(k_base + offs_n[:, None] * stride_ks + offs_dqk2[None, :] * stride_kd,
+                     mask=key_ok & (offs_dqk2[None, :] < HEAD_DIM_QK), other=0.0)
+        dk2 = tl.zeros([BLOCK_N, BLOCK_DQK2], dtype=tl.float32)
 
     lo, full_lo, full_hi, hi = query_block_bounds(start_n, len_q, len_k, diag, window_left, window_right,
                                                   BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
@@ -197,31 +218,36 @@ def attn_bwd_dkdv_kernel(
         bias_base, alibi_slope = head_score_mods(BIAS, ALIBI_SLOPES, batch, head, stride_zb, stride_zh,
                                                  stride_alibi_b, HAS_ALIBI)
         seq_head = batch * (num_heads_kv * gqa_group) + head
-        q_src = sequence_source(Q + batch.to(tl.int64) * stride_qb + start_q * stride_qs
-                                + head.to(tl.int64) * stride_qh, stride_qs, len_q, offs_dqk, offs_m, stride_qd,
-                                HEAD_DIM_QK, BLOCK_DQK, BLOCK_M, True)
+        q_base = Q + batch.to(tl.int64) * stride_qb + start_q * stride_qs + head.to(tl.int64) * stride_qh
+        q_src = sequence_source(q_base, stride_qs, len_q, offs_dqk, offs_m, stride_qd, HEAD_DIM_QK, BLOCK_DQK,
+                                BLOCK_M, True)
+        q_src2 = q_src
+        if BLOCK_DQK2 > 0:
+            q_src2 = sequence_source(q_base, stride_qs, len_q, offs_dqk2, offs_m, stride_qd, HEAD_DIM_QK, BLOCK_DQK2,
+                                     BLOCK_M, True)
         do_src = sequence_source(DO + batch.to(tl.int64) * stride_dob + start_q * stride_dos
                                  + head.to(tl.int64) * stride_doh, stride_dos, len_q, offs_dv, offs_m, stride_dod,
                                  HEAD_DIM_V, BLOCK_DV, BLOCK_M, False)
         lse_ptrs = LSE + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
         delta_ptrs = DELTA + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
         if SINGLE_LOOP:
-            dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs,
-                                 stride_qs, stride_dos, offs_n, offs_m, offs_dqk, offs_dv, lo, hi,
-                                 full_lo, full_hi, len_q, len_k, diag, window_left, window_right, qk_scale,
-                                 bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
-                                 HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_M, True, True, HAS_LEFT, HAS_RIGHT,
-                                 HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION, WITH_DK, WITH_DV)
+            dk, dk2, dv = _dkdv_inner(dk, dk2, dv, k, k2, v, q_src, q_src2, do_src, lse_ptrs, delta_ptrs,
+                                      stride_qs, stride_dos, offs_n, offs_m, offs_dqk, offs_dqk2, offs_dv, lo, hi,
+                                      full_lo, full_hi, len_q, len_k, diag, window_left, window_right, qk_scale,
+                                      bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head,
+                                      dropout_p, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M,
+                                      True, True, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION,
+                                      WITH_DK, WITH_DV)
         else:
             for SEGMENT in tl.static_range(3):
                 seg_lo, seg_hi = segment_bounds(SEGMENT, lo, full_lo, full_hi, hi)
-                dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, lse_ptrs, delta_ptrs,
-                                     stride_qs, stride_dos, offs_n, offs_m, offs_dqk, offs_dv, seg_lo,
-                                     seg_hi, full_lo, full_hi, len_q, len_k, diag, window_left, window_right, qk_scale,
-                                     bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset,
-                                     seq_head, dropout_p, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_M,
-                                     SEGMENT != 1, False, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT,
-                                     DOT_PRECISION, WITH_DK, WITH_DV)
+                dk, dk2, dv = _dkdv_inner(dk, dk2, dv, k, k2, v, q_src, q_src2, do_src, lse_ptrs, delta_ptrs,
+                                          stride_qs, stride_dos, offs_n, offs_m, offs_dqk, offs_dqk2, offs_dv, seg_lo,
+                                          seg_hi, full_lo, full_hi, len_q, len_k, diag, window_left, window_right,
+                                          qk_scale, bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset,
+                                          seq_head, dropout_p, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2,
+                                          BLOCK_DV, BLOCK_M, SEGMENT != 1, False, HAS_LEFT, HAS_RIGHT, HAS_BIAS,
+                                          HAS_ALIBI, DROPOUT, DOT_PRECISION, WITH_DK, WITH_DV)
 
     if WITH_DK:
         dk = tl.where(key_ok, dk * sm_scale, 0.0)
@@ -229,9 +255,13 @@ def attn_bwd_dkdv_kernel(
         dv = tl.where(key_ok, dv, 0.0)
     out_rows = offs_n[:, None] < rows_out
     if WITH_DK:
-        tl.store(DK + batch.to(tl.int64) * stride_dkb + start_k * stride_dks + head_kv.to(tl.int64) * stride_dkh
-                 + offs_n[:, None] * stride_dks + offs_dqk[None, :] * stride_dkd, dk.to(DK.dtype.element_ty),
+        dk_base = DK + batch.to(tl.int64) * stride_dkb + start_k * stride_dks + head_kv.to(tl.int64) * stride_dkh
+        tl.store(dk_base + offs_n[:, None] * stride_dks + offs_dqk[None, :] * stride_dkd, dk.to(DK.dtype.element_ty),
                  mask=out_rows & (offs_dqk[None, :] < HEAD_DIM_QK))
+        if BLOCK_DQK2 > 0:
+            dk2 = tl.where(key_ok, dk2 * sm_scale, 0.0)
+            tl.store(dk_base + offs_n[:, None] * stride_dks + offs_dqk2[None, :] * stride_dkd,
+                     dk2.to(DK.dtype.element_ty), mask=out_rows & (offs_dqk2[None, :] < HEAD_DIM_QK))
     if WITH_DV:
         tl.store(DV + batch.to(tl.int64) * stride_dvb + start_k * stride_dvs + head_kv.to(tl.int64) * stride_dvh
                  + offs_n[:, None] * stride_dvs + offs_dv[None, :] * stride_dvd, dv.to(DV.dtype.element_ty),
@@ -239,23 +269,30 @@ def attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs,
-              offs_m, offs_n_base, offs_dqk, offs_dv, lo, hi, full_lo, full_hi,
+def _dq_inner(dq, dq2, q, q2, do, lse2, delta, k_src, k_src2, v_src, stride_ks, stride_vs,
+              offs_m, offs_n_base, offs_dqk, offs_dqk2, offs_dv, lo, hi, full_lo, full_hi,
               len_q, len_k, diag, window_left, window_right, qk_scale,
               bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
               HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-              BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
               MASKED: tl.constexpr, SINGLE_LOOP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
               HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
               DOT_PRECISION: tl.constexpr):
-    """Key blocks [lo, hi); masking as in forward._fwd_inner."""
+    """Key blocks [lo, hi); masking as in forward._fwd_inner. With BLOCK_DQK2 > 0, dq2, q2 and k_src2 are
+    the second Q/K head-dim chunk's; otherwise unused, and dq2 comes back as it came."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n_base
         k_t = load_block(k_src, start_n, stride_ks, offs_dqk, offs_n_base, len_k, HEAD_DIM_QK, BLOCK_DQK, MASKED,
                          True)  # [BLOCK_DQK, BLOCK_N]
         v_t = load_block(v_src, start_n, stride_vs, offs_dv, offs_n_base, len_k, HEAD_DIM_V, BLOCK_DV, MASKED,
                          True)  # [BLOCK_DV, BLOCK_N]
-        qk = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
+        if BLOCK_DQK2 > 0:
+            k_t2 = load_block(k_src2, start_n, stride_ks, offs_dqk2, offs_n_base, len_k, HEAD_DIM_QK,
+                              BLOCK_DQK + BLOCK_DQK2, MASKED, True)  # [BLOCK_DQK2, BLOCK_N]
+            qk = tl.dot(q2, k_t2, tl.dot(q, k_t, input_precision=DOT_PRECISION),
+                        input_precision=DOT_PRECISION) * qk_scale
+        else:
+            qk = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
         if HAS_BIAS or HAS_ALIBI:
             qk += bias_log2(bias_base, offs_m[:, None], offs_n[None, :], len_q, len_k, stride_zm, stride_zn,
                             alibi_slope, diag, HAS_BIAS, HAS_ALIBI)
@@ -269,7 +306,9 @@ def _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs,
             dp = tl.where(kept, dp, 0.0) * (1.0 / (1.0 - dropout_p))
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k_t.dtype), tl.trans(k_t), input_precision=DOT_PRECISION)
-    return dq
+        if BLOCK_DQK2 > 0:
+            dq2 += tl.dot(ds.to(k_t2.dtype), tl.trans(k_t2), input_precision=DOT_PRECISION)
+    return dq, dq2
 
 
 @length_specialized
@@ -286,7 +325,7 @@ def attn_bwd_dq_kernel(
     num_heads_q, gqa_group, seqlen_q, seqlen_k,
     sm_scale, qk_scale, window_left, window_right, dropout_p,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
@@ -294,6 +333,8 @@ def attn_bwd_dq_kernel(
     DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr, SINGLE_LOOP: tl.constexpr, SEGMENTS: tl.constexpr,
 ):
     """One program per (query block, batch * query head): dQ summed over key blocks in order."""
+    tl.static_assert(BLOCK_DQK + BLOCK_DQK2 >= HEAD_DIM_QK)
+    tl.static_assert((BLOCK_DQK2 == 0) | (BLOCK_DQK < HEAD_DIM_QK))  # as attn_bwd_dkdv_kernel's
     start_m, batch, head, head_kv, start_q, len_q, start_k, len_k, rows_out, diag = query_block_program(
         SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_heads_q, gqa_group, seqlen_q, seqlen_k,
         BLOCK_M, IS_THD, HAS_SEQLENS, BOTTOM_RIGHT, HEAD_GROUP, SEGMENTS)
@@ -305,8 +346,8 @@ def attn_bwd_dq_kernel(
     offs_dqk = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
     row_ok = offs_m < len_q
-    q = tl.load(Q + batch.to(tl.int64) * stride_qb + start_q * stride_qs + head.to(tl.int64) * stride_qh
-                + offs_m[:, None] * stride_qs + offs_dqk[None, :] * stride_qd,
+    q_base = Q + batch.to(tl.int64) * stride_qb + start_q * stride_qs + head.to(tl.int64) * stride_qh
+    q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_dqk[None, :] * stride_qd,
                 mask=row_ok[:, None] & (offs_dqk[None, :] < HEAD_DIM_QK), other=0.0)
     do = tl.load(DO + batch.to(tl.int64) * stride_dob + start_q * stride_dos + head.to(tl.int64) * stride_doh
                  + offs_m[:, None] * stride_dos + offs_dv[None, :] * stride_dod,
@@ -314,11 +355,22 @@ def attn_bwd_dq_kernel(
     lse_off = batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + offs_m
     lse2 = tl.load(LSE + lse_off, mask=row_ok, other=float("inf")) * LOG2E
     delta = tl.load(DELTA + lse_off, mask=row_ok, other=0.0)
-    k_src = sequence_source(K + batch.to(tl.int64) * stride_kb + start_k * stride_ks + head_kv.to(tl.int64) * stride_kh,
-                            stride_ks, len_k, offs_dqk, offs_n, stride_kd, HEAD_DIM_QK, BLOCK_DQK, BLOCK_N, True)
+    k_base = K + batch.to(tl.int64) * stride_kb + start_k * stride_ks + head_kv.to(tl.int64) * stride_kh
+    k_src = sequence_source(k_base, stride_ks, len_k, offs_dqk, offs_n, stride_kd, HEAD_DIM_QK, BLOCK_DQK, BLOCK_N,
+                            True)
     v_src = sequence_source(V + batch.to(tl.int64) * stride_vb + start_k * stride_vs + head_kv.to(tl.int64) * stride_vh,
                             stride_vs, len_k, offs_dv, offs_n, stride_vd, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True)
     dq = tl.zeros([BLOCK_M, BLOCK_DQK], dtype=tl.float32)
+    # The second Q/K chunk (BLOCK_DQK2 > 0, forward.py); without a split these names stand for the first
+    # chunk's and are never read or changed.
+    offs_dqk2, q2, k_src2, dq2 = offs_dqk, q, k_src, dq
+    if BLOCK_DQK2 > 0:
+        offs_dqk2 = BLOCK_DQK + tl.arange(0, BLOCK_DQK2)
+        q2 = tl.load(q_base + offs_m[:, None] * stride_qs + offs_dqk2[None, :] * stride_qd,
+                     mask=row_ok[:, None] & (offs_dqk2[None, :] < HEAD_DIM_QK), other=0.0)
+        k_src2 = sequence_source(k_base, stride_ks, len_k, offs_dqk2, offs_n, stride_kd, HEAD_DIM_QK, BLOCK_DQK2,
+                                 BLOCK_N, True)
+        dq2 = tl.zeros([BLOCK_M, BLOCK_DQK2], dtype=tl.float32)
     bias_base, alibi_slope = head_score_mods(BIAS, ALIBI_SLOPES, batch, head, stride_zb, stride_zh, stride_alibi_b,
                                              HAS_ALIBI)
     seed, rng_offset = load_rng_state(RNG_STATE, DROPOUT)
@@ -327,23 +379,28 @@ def attn_bwd_dq_kernel(
     lo, full_lo, full_hi, hi = key_block_bounds(start_m, len_q, len_k, diag, window_left, window_right,
                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     if SINGLE_LOOP:
-        dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, offs_m, offs_n, offs_dqk, offs_dv,
-                       lo, hi, full_lo, full_hi, len_q, len_k, diag, window_left, window_right, qk_scale,
-                       bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
-                       HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, True, True, HAS_LEFT, HAS_RIGHT,
-                       HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION)
+        dq, dq2 = _dq_inner(dq, dq2, q, q2, do, lse2, delta, k_src, k_src2, v_src, stride_ks, stride_vs, offs_m, offs_n,
+                            offs_dqk, offs_dqk2, offs_dv, lo, hi, full_lo, full_hi, len_q, len_k, diag, window_left,
+                            window_right, qk_scale, bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset,
+                            seq_head, dropout_p, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
+                            True, True, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION)
     else:
         for SEGMENT in tl.static_range(3):
             seg_lo, seg_hi = segment_bounds(SEGMENT, lo, full_lo, full_hi, hi)
-            dq = _dq_inner(dq, q, do, lse2, delta, k_src, v_src, stride_ks, stride_vs, offs_m, offs_n, offs_dqk,
-                           offs_dv, seg_lo, seg_hi, full_lo, full_hi, len_q, len_k, diag, window_left, window_right,
-                           qk_scale, bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head,
-                           dropout_p, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N, SEGMENT != 1, False,
-                           HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION)
+            dq, dq2 = _dq_inner(dq, dq2, q, q2, do, lse2, delta, k_src, k_src2, v_src, stride_ks, stride_vs, offs_m,
+                                offs_n, offs_dqk, offs_dqk2, offs_dv, seg_lo, seg_hi, full_lo, full_hi, len_q, len_k,
+                                diag, window_left, window_right, qk_scale, bias_base, stride_zm, stride_zn,
+                                alibi_slope, seed, rng_offset, seq_head, dropout_p, HEAD_DIM_QK, HEAD_DIM_V,
+                                BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N, SEGMENT != 1, False, HAS_LEFT, HAS_RIGHT,
+                                HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION)
     dq = tl.where(row_ok[:, None], dq * sm_scale, 0.0)
-    tl.store(DQ + batch.to(tl.int64) * stride_dqb + start_q * stride_dqs + head.to(tl.int64) * stride_dqh
-             + offs_m[:, None] * stride_dqs + offs_dqk[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
+    dq_base = DQ + batch.to(tl.int64) * stride_dqb + start_q * stride_dqs + head.to(tl.int64) * stride_dqh
+    tl.store(dq_base + offs_m[:, None] * stride_dqs + offs_dqk[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
              mask=(offs_m[:, None] < rows_out) & (offs_dqk[None, :] < HEAD_DIM_QK))
+    if BLOCK_DQK2 > 0:
+        dq2 = tl.where(row_ok[:, None], dq2 * sm_scale, 0.0)
+        tl.store(dq_base + offs_m[:, None] * stride_dqs + offs_dqk2[None, :] * stride_dqd, dq2.to(DQ.dtype.element_ty),
+                 mask=(offs_m[:, None] < rows_out) & (offs_dqk2[None, :] < HEAD_DIM_QK))
 
 
 @triton.jit

@@ -37,22 +37,29 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs,
-               offs_m, offs_n_base, offs_dqk, offs_dv, lo, hi, full_lo, full_hi,
+def _fwd_inner(acc, l_i, m_i, q, q2, k_src, k_src2, v_src, stride_ks, stride_vs,
+               offs_m, offs_n_base, offs_dqk, offs_dqk2, offs_dv, lo, hi, full_lo, full_hi,
                len_q, len_k, diag, window_left, window_right, qk_scale,
                bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
                HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-               BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                MASKED: tl.constexpr, SINGLE_LOOP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
                DOT_PRECISION: tl.constexpr):
     """Key blocks [lo, hi); MASKED applies the element mask, to every block or, with SINGLE_LOOP, to
-    those outside [full_lo, full_hi) only (a runtime branch)."""
+    those outside [full_lo, full_hi) only (a runtime branch). With BLOCK_DQK2 > 0 the Q/K head dim is two
+    chunks (q, k_src: [0, BLOCK_DQK); q2, k_src2: the next BLOCK_DQK2 columns); otherwise q2, k_src2 and
+    offs_dqk2 are unused."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n_base
         k = load_block(k_src, start_n, stride_ks, offs_dqk, offs_n_base, len_k, HEAD_DIM_QK, BLOCK_DQK, MASKED,
                        True)
-        qk = tl.dot(q, k, input_precision=DOT_PRECISION)
+        if BLOCK_DQK2 > 0:  # the second chunk's product accumulates onto the first's: a fixed order
+            k2 = load_block(k_src2, start_n, stride_ks, offs_dqk2, offs_n_base, len_k, HEAD_DIM_QK,
+                            BLOCK_DQK + BLOCK_DQK2, MASKED, True)
+            qk = tl.dot(q2, k2, tl.dot(q, k, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
+        else:
+            qk = tl.dot(q, k, input_precision=DOT_PRECISION)
         if HAS_BIAS or HAS_ALIBI:
             qk = qk * qk_scale + bias_log2(bias_base, offs_m[:, None], offs_n[None, :], len_q, len_k, stride_zm,
                                            stride_zn, alibi_slope, diag, HAS_BIAS, HAS_ALIBI)
@@ -96,14 +103,16 @@ def attn_fwd_kernel(
     num_heads_q, gqa_group, seqlen_q, seqlen_k,
     qk_scale, window_left, window_right, dropout_p, SINK,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-    BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, HAS_SINK: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr, SINGLE_LOOP: tl.constexpr, SEGMENTS: tl.constexpr,
 ):
-    tl.static_assert(BLOCK_DQK >= HEAD_DIM_QK)
+    # A split Q/K head dim (BLOCK_DQK2 > 0) fills its first chunk: the loops load it without a head-dim mask.
+    tl.static_assert(BLOCK_DQK + BLOCK_DQK2 >= HEAD_DIM_QK)
+    tl.static_assert((BLOCK_DQK2 == 0) | (BLOCK_DQK < HEAD_DIM_QK))
     tl.static_assert(BLOCK_DV >= HEAD_DIM_V)
     start_m, batch, head, head_kv, start_q, len_q, start_k, len_k, rows_out, diag = query_block_program(
         SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_heads_q, gqa_group, seqlen_q, seqlen_k,
@@ -123,6 +132,15 @@ def attn_fwd_kernel(
                 mask=(offs_m[:, None] < len_q) & (offs_dqk[None, :] < HEAD_DIM_QK), other=0.0)
     k_src = sequence_source(k_base, stride_ks, len_k, offs_dqk, offs_n, stride_kd, HEAD_DIM_QK, BLOCK_DQK, BLOCK_N,
                             True)
+    # The second Q/K chunk (BLOCK_DQK2 > 0: head-dim columns [BLOCK_DQK, BLOCK_DQK + BLOCK_DQK2)); without a
+    # split the names stand for the first chunk and are never read.
+    offs_dqk2, q2, k_src2 = offs_dqk, q, k_src
+    if BLOCK_DQK2 > 0:
+        offs_dqk2 = BLOCK_DQK + tl.arange(0, BLOCK_DQK2)
+        q2 = tl.load(q_base + offs_m[:, None] * stride_qs + offs_dqk2[None, :] * stride_qd,
+                     mask=(offs_m[:, None] < len_q) & (offs_dqk2[None, :] < HEAD_DIM_QK), other=0.0)
+        k_src2 = sequence_source(k_base, stride_ks, len_k, offs_dqk2, offs_n, stride_kd, HEAD_DIM_QK, BLOCK_DQK2,
+                                 BLOCK_N, True)
     v_src = sequence_source(v_base, stride_vs, len_k, offs_dv, offs_n, stride_vd, HEAD_DIM_V, BLOCK_DV, BLOCK_N,
                             False)
 
@@ -138,20 +156,20 @@ def attn_fwd_kernel(
     lo, full_lo, full_hi, hi = key_block_bounds(start_m, len_q, len_k, diag, window_left, window_right,
                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     if SINGLE_LOOP:  # one pipelined loop over [lo, hi), masking blocks outside [full_lo, full_hi)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs,
-                                   offs_m, offs_n, offs_dqk, offs_dv, lo, hi, full_lo, full_hi,
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q2, k_src, k_src2, v_src, stride_ks, stride_vs,
+                                   offs_m, offs_n, offs_dqk, offs_dqk2, offs_dv, lo, hi, full_lo, full_hi,
                                    len_q, len_k, diag, window_left, window_right, qk_scale,
                                    bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
-                                   HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+                                   HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
                                    True, True, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION)
     else:  # masked head, unmasked middle (no per-element mask: the fast path), masked tail
         for SEGMENT in tl.static_range(3):
             seg_lo, seg_hi = segment_bounds(SEGMENT, lo, full_lo, full_hi, hi)
-            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, stride_ks, stride_vs,
-                                       offs_m, offs_n, offs_dqk, offs_dv, seg_lo, seg_hi, full_lo, full_hi,
+            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q2, k_src, k_src2, v_src, stride_ks, stride_vs,
+                                       offs_m, offs_n, offs_dqk, offs_dqk2, offs_dv, seg_lo, seg_hi, full_lo, full_hi,
                                        len_q, len_k, diag, window_left, window_right, qk_scale,
                                        bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head,
-                                       dropout_p, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+                                       dropout_p, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
                                        SEGMENT != 1, False, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT,
                                        DOT_PRECISION)
 

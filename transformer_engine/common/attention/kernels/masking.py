@@ -114,15 +114,16 @@ def grid_program(HEAD_GROUP: tl.constexpr):
 def load_tile(ptrs, d_idx, s_idx, seq_len, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
     """Load a K/V/Q/dO tile whose head-dim index ``d_idx`` and sequence index ``s_idx`` broadcast to
     its shape, masking only what can be out of range: the sequence end when MASKED, the head dim
-    when it is narrower than its tile. An unmasked load keeps predicates off the pipelined copies
-    (Triton does not fold ``arange(0, 128) < 128``)."""
+    when it ends before the tile's columns do (``BLOCK_D``: one past the tile's last head-dim column,
+    its width unless it is the second chunk of a split head dim). An unmasked load keeps predicates
+    off the pipelined copies (Triton does not fold ``arange(0, 128) < 128``)."""
     if MASKED:
-        if HEAD_DIM == BLOCK_D:
+        if HEAD_DIM >= BLOCK_D:
             tile = tl.load(ptrs, mask=s_idx < seq_len, other=0.0)
         else:
             tile = tl.load(ptrs, mask=(d_idx < HEAD_DIM) & (s_idx < seq_len), other=0.0)
     else:
-        if HEAD_DIM == BLOCK_D:
+        if HEAD_DIM >= BLOCK_D:
             tile = tl.load(ptrs)
         else:
             tile = tl.load(ptrs, mask=d_idx < HEAD_DIM, other=0.0)
@@ -144,7 +145,8 @@ def sequence_source(base, stride_s, seq_len, offs_d, offs_s, stride_d, HEAD_DIM:
 @triton.jit
 def load_block(src, start, stride_s, offs_d, offs_s, seq_len, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                MASKED: tl.constexpr, D_FIRST: tl.constexpr):
-    """Rows [start, start + BLOCK_S) of a sequence_source, zeros outside the sequence and head dim."""
+    """Rows [start, start + BLOCK_S) of a sequence_source, zeros outside the sequence and head dim
+    (``BLOCK_D`` as load_tile's)."""
     if D_FIRST:
         tile = load_tile(src + start * stride_s, offs_d[:, None], (start + offs_s)[None, :], seq_len, HEAD_DIM,
                          BLOCK_D, MASKED)

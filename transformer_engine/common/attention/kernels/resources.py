@@ -10,6 +10,10 @@ or tile change before device time is spent on it. The launches are the frontends
     python -m transformer_engine.common.attention.kernels.resources --target gfx942 # the CDNA3 plan
     python -m transformer_engine.common.attention.kernels.resources --dims 128 --kernel dkdv --tiles 64,128,8,3
     python -m transformer_engine.common.attention.kernels.resources --dims 256 --kernel dv --tiles 64,128,8,2
+    python -m transformer_engine.common.attention.kernels.resources --dims 192x128  # d_qk x d_v: the Q/K split
+
+The launches carry the plan's head-dim tiles (BLOCK_DQK, BLOCK_DQK2, BLOCK_DV), so what is reported for a
+split Q/K head dim is the split kernels' registers, stack and shared memory.
 """
 
 from __future__ import annotations
@@ -189,13 +193,14 @@ def _with_tiles(call: Call, name: str, tiles: Optional[Tiles]) -> Launch:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="sm90", choices=sorted(ARCHS), help="architecture whose plan to compile")
-    ap.add_argument("--dims", default="64,128,256", help="head dims (d_qk = d_v)")
+    ap.add_argument("--dims", default="64,128,256", help="head dims: d (d_qk = d_v) or d_qk x d_v, as 192x128")
     ap.add_argument("--kernel", choices=sorted(_PASSES), action="append", help="default: all")
     ap.add_argument("--tiles", nargs="*", help="block_m,block_n,warps,stages (default: the planned tiles)")
     args = ap.parse_args()
-    for d in (int(x) for x in args.dims.split(",")):
+    for dims in args.dims.split(","):
+        d, dv = (int(x) for x in dims.split("x")) if "x" in dims else (int(dims),) * 2
         for causal in (False, True):
-            cfg = AttnConfig(batch_size=1, num_heads_q=8, num_heads_kv=8, head_dim_qk=d, head_dim_v=d,
+            cfg = AttnConfig(batch_size=1, num_heads_q=8, num_heads_kv=8, head_dim_qk=d, head_dim_v=dv,
                              max_seqlen_q=4096, max_seqlen_kv=4096, dtype="bfloat16",
                              attn_mask_type=AttnMaskType.CAUSAL_MASK if causal else AttnMaskType.NO_MASK,
                              deterministic=True, device_type="cuda", **DEVICE_FACTS[args.target])
@@ -210,7 +215,7 @@ def main():
                         text = f"fails: {r['error'].splitlines()[0][:100]}"
                     else:
                         text = f"regs {r['regs']:3d}  stack {r['stack']:5d} B  smem {r['smem']:6d} B"
-                    print(f"d={d:3d} {'causal' if causal else 'none  '} {name:4s} {mark}{launch.name} "
+                    print(f"d={dims:>7s} {'causal' if causal else 'none  '} {name:4s} {mark}{launch.name} "
                           f"{launch.options} {launch.grid}: {text}", flush=True)
 
 

@@ -231,7 +231,7 @@ _SM90_NARROW_V_SPLIT = (192,)
 # The split dQ pass's tiles: the narrow-V dQ tiles (128x64, 2 stages) split make an illegal access on the H200
 # that memcheck never sees and that builds with CUDA's own ptxas or at -O0 do not make (a miscompile of the
 # ptxas in Triton 3.6's bundle); key blocks of 32 compile right.
-_SM90_NARROW_V_SPLIT_DQ = Tiles(128, 32, 8, 2)
+_SM90_NARROW_V_SPLIT_DQ = Tiles(128, 32, 8, 3)
 # Warp-specialized Gluon kernels on Hopper (kernels/hopper_ws.py): 128 rows (query rows; keys for dK/dV)
 # as two consumer warpgroups of 64 plus a loader warp (12 warps allocated: 168 registers each on average).
 # Forward: K/V blocks of 128 in a 2-buffer ring. Where they serve: d_qk = d_v = 128, fp16/bf16, no bias,

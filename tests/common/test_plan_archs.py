@@ -98,6 +98,8 @@ def test_plan_is_what_the_table_says(arch, dims, mask, window):
     narrow = tables.narrow_v is not None and (padded_head_dim(dims[0]), padded_head_dim(dims[1])) == (256, 128) \
         and cfg.attn_bias_type == AttnBiasType.NO_BIAS and cfg.dropout == 0
     planned = tables.narrow_v if narrow else (tables.fwd[key], tables.dkdv[key], tables.dq[key])
+    if narrow and tables.splits_qk(cfg):  # d_qk 192 as 128 + 64: dQ tiles of its own
+        planned = planned[:2] + (tables.narrow_v_split_dq,)
     two_pass = None if narrow or tables.dk_dv is None else tables.dk_dv.get(key)
     if two_pass is not None:  # dK then dV (BackwardPlan.dv) with their own tiles
         assert (fwd.tiles, (bwd.dkdv, bwd.dv), bwd.dq) == (planned[0], two_pass, planned[2])
@@ -130,7 +132,11 @@ def test_narrow_v_tiles_serve_only_d_qk_256_with_d_v_128(dims, narrow):
     for mask in (AttnMaskType.NO_MASK, AttnMaskType.CAUSAL_MASK):
         cfg = _config("sm90", dims, mask)
         bwd = backward_plan(cfg)
-        assert ((forward_plan(cfg).tiles, bwd.dkdv, bwd.dq) == ARCHS["sm90"].narrow_v) == narrow, (dims, mask)
+        tables = ARCHS["sm90"]
+        # A split Q/K head dim (192: 128 + 64) has dQ tiles of its own.
+        narrow_tiles = tables.narrow_v[:2] + (
+            tables.narrow_v_split_dq if tables.splits_qk(cfg) else tables.narrow_v[2],)
+        assert ((forward_plan(cfg).tiles, bwd.dkdv, bwd.dq) == narrow_tiles) == narrow, (dims, mask)
         for mod in (dict(attn_bias_type=AttnBiasType.POST_SCALE_BIAS, bias_shape="1hss"),
                     dict(attn_bias_type=AttnBiasType.ALIBI), dict(dropout=0.1)) if narrow else ():
             other = dataclasses.replace(cfg, **mod)

@@ -1,8 +1,10 @@
 """Which inputs, tiles or compiler settings make the split 192/128 dQ kernel fault on the GPU.
 
-test_fused_attn_split's packed case with gaps (padding_causal, gap 3) hits an illegal address in
-attn_bwd_dq_kernel in plain runs; under compute-sanitizer memcheck it runs clean. Each variant runs in a
-process of its own (a fault poisons the process) and prints one line:
+With dQ tiles of 128x64 at 2 stages, test_fused_attn_split's packed case with gaps (padding_causal, gap 3)
+hit an illegal address in attn_bwd_dq_kernel in plain runs, and ran clean under compute-sanitizer memcheck,
+with CUDA's own ptxas and at -O0 (a miscompile: plan._SM90_NARROW_V_SPLIT_DQ). "base" is the plan as it is,
+"dq_128x64x2" the tiles that faulted. Each variant runs in a process of its own (a fault poisons the process)
+and prints one line:
 
     python dev/tuning/split_dq_probe.py            # every variant
     python dev/tuning/split_dq_probe.py base       # one
@@ -13,6 +15,7 @@ import subprocess
 import sys
 
 CUDA_PTXAS = "/usr/local/cuda/bin/ptxas"
+FAULTED_DQ = [128, 64, 8, 2]
 VARIANTS = {
     "base": {},
     "no_empty": {"lengths": [131, 1, 256, 17]},
@@ -20,6 +23,7 @@ VARIANTS = {
     "gap0": {"gap": 0},
     "only256": {"lengths": [256]},
     "mha": {"hk": 4},
+    "dq_128x64x2": {},
     "dq_stages1": {"dq": [128, 64, 8, 1]},
     "dq_n32": {"dq": [128, 32, 8, 2]},
     "dq_unsplit": {"dq_unsplit": 1},
@@ -34,8 +38,10 @@ def one(name):
     import torch
     from transformer_engine.common.attention import launches, plan
     t = plan.ARCHS["sm90"]
-    if "dq" in v:
-        t = dataclasses.replace(t, narrow_v=(t.narrow_v[0], t.narrow_v[1], plan.Tiles(*v["dq"])))
+    # Every variant but "base" changes one thing on top of the tiles that faulted.
+    dq = v.get("dq", None if name == "base" else FAULTED_DQ)
+    if dq is not None:
+        t = dataclasses.replace(t, narrow_v_split_dq=plan.Tiles(*dq))
     if "nosplit" in v:
         t = dataclasses.replace(t, narrow_v_split=())
     plan.ARCHS["sm90"] = t

@@ -9,11 +9,7 @@ ratios (NOTES.md entries 14-15).
 
     python dev/tuning/ws_kernels.py --out /tmp/ws_kernels      # also writes /tmp/ws_kernels.json
     WS_CHECK_ONLY=1 python dev/tuning/ws_kernels.py            # errors only
-    WS_DIMS=256 python dev/tuning/ws_kernels.py                # d=256: the Gluon forward and dQ with UNPLANNED tiles
-
-At d=256 no plan has Gluon tiles; UNPLANNED gives them (sm_90 compiles without stack in 197 KiB of shared
-memory: forward K/V blocks of 64, dQ blocks of 32, two buffers each). A Gluon consumer cannot hold both
-[64, 256] fp32 accumulators of one dK/dV pass: TWO_PASS times dK and dV as two passes (Triton and Gluon).
+    WS_DIMS=256 python dev/tuning/ws_kernels.py                # d=256 (dK and dV as two passes there)
 """
 
 from __future__ import annotations
@@ -33,23 +29,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from cases import attn_flops  # noqa: E402
 from common import bench_ms, run_metadata  # noqa: E402
 from transformer_engine.common.attention import AttnMaskType, QKVFormat  # noqa: E402
-from transformer_engine.common.attention.plan import Tiles, backward_plan, forward_plan  # noqa: E402
+from transformer_engine.common.attention.plan import backward_plan, forward_plan  # noqa: E402
 from transformer_engine.pytorch.attention import launch  # noqa: E402
 
 MASKS = {"none": AttnMaskType.NO_MASK, "causal": AttnMaskType.CAUSAL_MASK,
          "causal_br": AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK, "padding_causal": AttnMaskType.PADDING_CAUSAL_MASK}
 
 
-# Gluon (forward, dQ) tiles for head dims the plan gives none.
-UNPLANNED = {256: (Tiles(128, 64, 4, 2, max_registers=168), Tiles(128, 32, 4, 2, max_registers=168))}
-# dK and dV as two passes there (BackwardPlan.dv): name -> (dK tiles, dV tiles, Gluon dK tiles, Gluon dV tiles);
-# the Gluon one-gradient passes keep one [64, 256] accumulator per consumer (query blocks of 32 for dK, 64 for dV:
-# 197 KiB of shared memory, no stack on sm_90).
-TWO_PASS = {256: {
-    "two_pass_triton": (Tiles(32, 128, 8, 2), Tiles(64, 128, 8, 2), None, None),
-    "two_pass_ws": (Tiles(32, 128, 8, 2), Tiles(64, 128, 8, 2), Tiles(32, 128, 4, 2, max_registers=168),
-                    Tiles(64, 128, 4, 2, max_registers=168)),
-}}
 
 
 def reference(q, k, v, mask, window, scale):
@@ -101,9 +87,7 @@ def run_case(b, h, hk, sq, sk, d, mask_name, window, dtype, variants, bwd_varian
     cfg = launch.plan_config(q, k, v, QKVFormat.BSHD, mask, window)
     base = forward_plan(cfg)
     plans = {"triton": dataclasses.replace(base, warp_specialized=None)}
-    if base.warp_specialized is None and d in UNPLANNED:
-        plans["ws"] = dataclasses.replace(base, warp_specialized=UNPLANNED[d][0])
-    elif base.warp_specialized is not None:
+    if base.warp_specialized is not None:
         for name, fields in variants.items():
             plans[name] = dataclasses.replace(base, warp_specialized=dataclasses.replace(base.warp_specialized,
                                                                                          **fields))
@@ -129,19 +113,16 @@ def run_case(b, h, hk, sq, sk, d, mask_name, window, dtype, variants, bwd_varian
     out, lse = launch.forward(q, k, v, QKVFormat.BSHD, seqs, scale, mask, window, plan=plans["triton"])
     d_out = torch.randn_like(out)
     bbase = backward_plan(launch.plan_config(q, k, v, QKVFormat.BSHD, mask, window))
-    bplans = {"bwd_triton": dataclasses.replace(bbase, dq_warp_specialized=None, dkdv_warp_specialized=None)}
-    if bbase.dq_warp_specialized is None and d in UNPLANNED:
-        bplans["dq_ws"] = dataclasses.replace(bbase, dq_warp_specialized=UNPLANNED[d][1], dkdv_warp_specialized=None)
-        for name, (dk_t, dv_t, dk_ws, dv_ws) in TWO_PASS.get(d, {}).items():
-            bplans[name] = dataclasses.replace(bbase, dkdv=dk_t, dv=dv_t, dkdv_warp_specialized=dk_ws,
-                                               dv_warp_specialized=dv_ws, dq_warp_specialized=None)
-            bplans[name + "_dq_ws"] = dataclasses.replace(bplans[name], dq_warp_specialized=UNPLANNED[d][1])
-    elif bbase.dq_warp_specialized is not None and bbase.dkdv_warp_specialized is not None:
+    bplans = {"bwd_triton": dataclasses.replace(bbase, dq_warp_specialized=None, dkdv_warp_specialized=None,
+                                                dv_warp_specialized=None)}
+    if bbase.dq_warp_specialized is not None and bbase.dkdv_warp_specialized is not None:
         for name, (dkdv_fields, dq_fields) in bwd_variants.items():
             bplans[name] = dataclasses.replace(
                 bbase,
                 dkdv_warp_specialized=None if dkdv_fields is None else dataclasses.replace(
                     bbase.dkdv_warp_specialized, **dkdv_fields),
+                # The dV pass of a two-pass plan (d=256) goes with the dK pass: both Gluon or both Triton.
+                dv_warp_specialized=None if dkdv_fields is None else bbase.dv_warp_specialized,
                 dq_warp_specialized=None if dq_fields is None else dataclasses.replace(
                     bbase.dq_warp_specialized, **dq_fields))
     small = b * h * sq * sk <= 4 * 4 * 1024 * 1024

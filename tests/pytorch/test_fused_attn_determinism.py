@@ -20,6 +20,7 @@ from fused_helpers import (
     make_qkv,
     ref_and_lowp,
     requires_fused,
+    run_with_tiles,
 )
 from transformer_engine.common import settings
 from transformer_engine.common.attention import AttnMaskType, QKVFormat
@@ -183,13 +184,7 @@ def test_launch_order_and_loop_form_change_no_result(mask):
     cfg = launch.plan_config(q, k, v, fmt, attn_mask, window)
 
     def run(**variant):
-        fwd, bwd = forward_plan(cfg), backward_plan(cfg)
-        fwd = dataclasses.replace(fwd, tiles=dataclasses.replace(fwd.tiles, **variant))
-        bwd = dataclasses.replace(bwd, dkdv=dataclasses.replace(bwd.dkdv, **variant),
-                                  dq=dataclasses.replace(bwd.dq, **variant))
-        out, lse = launch.forward(q, k, v, fmt, seqs, 0.2, attn_mask, window, fwd)
-        grads = launch.backward(q, k, v, out, d_out, lse, fmt, seqs, 0.2, attn_mask, window, bwd)[:3]
-        return (out, lse) + tuple(grads)
+        return run_with_tiles(q, k, v, d_out, fmt, seqs, attn_mask, window, cfg, **variant)
 
     for single_loop in (False, True):
         plain = run(head_group=1, single_loop=single_loop)

@@ -7,8 +7,6 @@ splits where plan.INTERPRET_SPLIT_QK asks (set here), at d_qk = 48 = 32 + 16.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
@@ -22,10 +20,11 @@ from fused_helpers import (
     ref_and_lowp,
     requires_fused,
     to_bshd,
+    run_with_tiles,
 )
 from test_sink_softmax import SCALE as SINK_SCALE, sink_reference
 from transformer_engine.common.attention import AttnMaskType, QKVFormat, plan
-from transformer_engine.common.attention.plan import backward_plan, forward_plan
+from transformer_engine.common.attention.plan import forward_plan
 from transformer_engine.pytorch.attention import launch
 from transformer_engine.pytorch.attention.fused_attn import fused_attn_func
 
@@ -215,13 +214,7 @@ def test_split_loop_form_and_launch_order_change_no_result(split_kernels, mask):
     cfg = launch.plan_config(q, k, v, fmt, attn_mask, window)
 
     def run(**variant):
-        fwd, bwd = forward_plan(cfg), backward_plan(cfg)
-        fwd = dataclasses.replace(fwd, tiles=dataclasses.replace(fwd.tiles, **variant))
-        bwd = dataclasses.replace(bwd, dkdv=dataclasses.replace(bwd.dkdv, **variant),
-                                  dq=dataclasses.replace(bwd.dq, **variant))
-        out, lse = launch.forward(q, k, v, fmt, seqs, 0.2, attn_mask, window, fwd)
-        grads = launch.backward(q, k, v, out, d_out, lse, fmt, seqs, 0.2, attn_mask, window, bwd)[:3]
-        return (out, lse) + tuple(grads)
+        return run_with_tiles(q, k, v, d_out, fmt, seqs, attn_mask, window, cfg, **variant)
 
     results = {}
     for single_loop in (False, True):

@@ -19,7 +19,8 @@
 # (install_flash_attn4.sh phase1 / phase2 + gpu_flash.sh tests), fa4phase2 (phase2 alone), bench (gpu_bench.sh parts in
 # BENCH_PARTS), tetables (qa/L1_pytorch_te_tables; TE_TABLES_WORKERS, TE_TABLES_EXTRA e.g. "--tables softmax"), memcheck (qa/L1_memcheck), cpbench (benchmarks/attention/bench_context_parallel.py; CPBENCH_ARGS), cpprof
 # (dev/tuning/cp_step_profile.py: device time per kernel, single call / thd / CP steps; CPPROF_ARGS), jtprof
-# (dev/tuning/jax_torch_profile.py: device time per kernel of one fwd+bwd from PyTorch and from JAX; JTPROF_ARGS); 2-GPU: tp (torchrun tensor-parallel heads), jaxmesh (tests/jax/test_jax_two_device_mesh.py); several GPUs: qa:L1_distributed
+# (dev/tuning/jax_torch_profile.py: device time per kernel of one fwd+bwd from PyTorch and from JAX; JTPROF_ARGS), hosttime
+# (dev/tuning/host_time.py: host time per PyTorch call by layer: real launches, through the custom ops, stubbed); 2-GPU: tp (torchrun tensor-parallel heads), jaxmesh (tests/jax/test_jax_two_device_mesh.py); several GPUs: qa:L1_distributed
 # (context parallelism at CP 2/4/8 up to the GPU count and TP 2 over NCCL; QA_CP_SIZES, QA_CP_SUITES), cpscale
 # (benchmarks/attention/bench_cp_scaling.py over every GPU: CP against one GPU at equal tokens, traces; CPSCALE_ARGS),
 # cpscalejax (the same for JAX: bench_cp_scaling_jax.py).
@@ -161,6 +162,11 @@ section() {
     jtprof)  # dev/tuning/jax_torch_profile.py: device time per kernel, PyTorch and JAX, one process; JTPROF_ARGS
       timeout "$(limit JTPROF 200)" python3 dev/tuning/jax_torch_profile.py ${JTPROF_ARGS:-} > "$d/jtprof.md" 2>&1
       note "jax/torch profile rc=$? $(tail -1 "$d/jtprof.md")" ;;
+    hosttime)  # dev/tuning/host_time.py: host microseconds per call by layer, real launches, stubbed, via the ops
+      for flags in "" "--op-dispatch" "--stub"; do
+        timeout "$(limit HOSTTIME 60)" python3 dev/tuning/host_time.py $flags >> "$d/hosttime.log" 2>&1
+      done
+      note "host time rc=$? $(grep -c 'fwd+bwd' "$d/hosttime.log") step lines" ;;
     env:*) export "${s#env:}"; note "export ${s#env:}" ;;  # e.g. env:NVTE_FUSED_ATTN_PLAN_ARCH=sm80 for the lane's later sections
     sleep:*) sleep "${s#sleep:}" ;;  # e.g. keep a shared GPU quiet while the other lane benchmarks
     *) note "unknown section $s" ;;

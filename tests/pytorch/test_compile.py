@@ -223,3 +223,46 @@ def test_compiled_fused_learnable_sink_traces_without_breaks(monkeypatch, fmt):
     assert block.attn.last_backend == "FusedAttention"
     assert eager[1][-3].abs().sum() > 0  # d softmax_offset (parameters: qkv, attn, out) is not zero
     _assert_same(eager, compiled, exact=True)
+
+
+@requires_fused
+def test_eager_calls_skip_the_op_dispatch_traced_ones_use_it(monkeypatch):
+    """Eager fused calls run the ops' implementations directly (the op dispatch costs more host time than
+    the launches); a compiled call runs the custom ops (which hold their own reference to the
+    implementations), and both give the same bits."""
+    from transformer_engine.pytorch.attention import ops
+
+    monkeypatch.setenv("NVTE_FUSED_ATTN_BACKEND", "fused")
+    direct = []
+    for name in ("_forward", "_backward"):
+        impl = getattr(ops, name)
+
+        def spy(*args, _impl=impl, _name=name):
+            direct.append(_name)
+            return _impl(*args)
+        monkeypatch.setattr(ops, name, spy)
+    torch.manual_seed(0)
+    block = Block().to(DEVICE, LOWP_DTYPES[0])
+    x = torch.randn(2, 16, 64, generator=gen(8)).to(DEVICE, LOWP_DTYPES[0])
+    eager, compiled = _eager_and_compiled(block, x, backend="aot_eager")
+    assert block.attn.last_backend == "FusedAttention"
+    assert direct == ["_forward", "_backward"]  # the eager step's; the compiled step's went through the ops
+    _assert_same(eager, compiled, exact=True)
+
+
+def test_fake_tensors_take_the_op_and_launch_nothing():
+    """Fake tensors (tracing outside torch.compile) must reach the ops' fake implementations."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from transformer_engine.pytorch.attention import ops
+
+    with FakeTensorMode():
+        q, k, v = (torch.empty(2, 32, 4, 16, dtype=torch.float16, device=DEVICE) for _ in range(3))
+        assert not ops._eager(q, k, v)
+        out, lse = ops.forward(q, k, v, "bshd", None, None, None, None, 32, 32, 0.25, "causal", -1, 0, False,
+                               None, None, None, 0.0)
+        assert tuple(out.shape) == (2, 32, 4, 16) and tuple(lse.shape) == (2, 4, 32)
+        grads = ops.backward(q, k, v, out, out, lse, "bshd", None, None, None, None, 32, 32, 0.25, "causal", -1, 0,
+                             False, None, None, None, 0.0, False)
+        assert [tuple(g.shape) for g in grads[:3]] == [(2, 32, 4, 16)] * 3
+    assert ops._eager(torch.empty(1), None)

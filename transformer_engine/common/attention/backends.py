@@ -17,6 +17,7 @@ backend's reasons.
 from __future__ import annotations
 
 import importlib.util
+import logging
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Type
 
@@ -352,7 +353,8 @@ def select_backend(
     a :class:`NoBackendError` with its reasons, never a silent fallback.
     """
     logger = get_logger()
-    logger.info("Running with config: %s", config.describe())
+    if logger.isEnabledFor(logging.INFO):  # describe() is a string built on every call otherwise
+        logger.info("Running with config: %s", config.describe())
     forced = force if force is not None else settings.get("NVTE_FUSED_ATTN_BACKEND")
     rejected: Dict[str, List[str]] = {}
     if forced:

@@ -9,7 +9,7 @@ import torch
 from transformer_engine.common.attention import AttnMaskType, AttnSoftmaxType, FusedAttention, QKVFormat
 from transformer_engine.common.attention.config import normalize_window, resolve_bottom_right_diagonal
 from transformer_engine.common.attention.validation import check_input_dtype, check_softmax_scale, kernel_scale
-from transformer_engine.pytorch.attention import ops  # noqa: F401  (registers the custom ops)
+from transformer_engine.pytorch.attention import ops
 from transformer_engine.pytorch.attention.config import (
     check_cu_seqlens, check_qkv, check_sequence_values, dtype_name, qkv_dims, triton_interpreting,
 )
@@ -23,7 +23,7 @@ class FusedAttnFunc(torch.autograd.Function):
                 seq_offsets_q, seq_offsets_kv, max_seqlen_q, max_seqlen_kv, softmax_scale, attn_mask_type,
                 window_left, window_right, bottom_right, dropout_p, softmax_type="vanilla",
                 softmax_offset=None):
-        out, lse = torch.ops.transformer_engine.fused_attn_fwd(
+        out, lse = ops.forward(
             q, k, v, qkv_format, cu_seqlens_q, cu_seqlens_kv, seq_offsets_q, seq_offsets_kv,
             max_seqlen_q, max_seqlen_kv, softmax_scale, attn_mask_type, window_left, window_right, bottom_right,
             bias, alibi_slopes, rng_state, dropout_p, softmax_type, softmax_offset)
@@ -40,7 +40,7 @@ class FusedAttnFunc(torch.autograd.Function):
     def backward(ctx, d_out, _d_lse):
         q, k, v, out, lse, cu_q, cu_kv, off_q, off_kv, bias, alibi, rng_state, offset = ctx.saved_tensors
         fmt, max_q, max_kv, scale, mask, left, right, bottom_right, dropout_p, softmax_type = ctx.static
-        dq, dk, dv, dbias, d_offset = torch.ops.transformer_engine.fused_attn_bwd(
+        dq, dk, dv, dbias, d_offset = ops.backward(
             q, k, v, out, d_out.contiguous(), lse, fmt, cu_q, cu_kv, off_q, off_kv,
             max_q, max_kv, scale, mask, left, right, bottom_right,
             bias, alibi, rng_state, dropout_p, ctx.bias_grad, softmax_type, offset, ctx.offset_grad)

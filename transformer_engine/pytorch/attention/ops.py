@@ -1,7 +1,9 @@
 """torch.library custom ops for the fused attention forward and backward.
 
 Opaque to torch.compile (with fake implementations for shapes), so a compiled model traces
-the attention call without graph breaks.
+the attention call without graph breaks. Eager calls on plain tensors skip the op's dispatch
+(:func:`forward` / :func:`backward`): it costs more host time than the launches themselves, and a
+small step's kernels wait for it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from transformer_engine.common.attention import AttnMaskType, AttnSoftmaxType, B
 from transformer_engine.pytorch.attention import launch
 from transformer_engine.pytorch.attention.config import qkv_dims
 
-__all__ = ["fused_attn_fwd", "fused_attn_bwd"]
+__all__ = ["fused_attn_fwd", "fused_attn_bwd", "forward", "backward"]
 
 
 def _batch_and_seqlen(q: torch.Tensor, fmt: QKVFormat, cu_seqlens_q: Optional[torch.Tensor], max_seqlen_q: int):
@@ -23,8 +25,7 @@ def _batch_and_seqlen(q: torch.Tensor, fmt: QKVFormat, cu_seqlens_q: Optional[to
     return qkv_dims(q, fmt)[:2]
 
 
-@torch.library.custom_op("transformer_engine::fused_attn_fwd", mutates_args=())
-def fused_attn_fwd(
+def _forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qkv_format: str,
     cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_kv: Optional[torch.Tensor],
     seq_offsets_q: Optional[torch.Tensor], seq_offsets_kv: Optional[torch.Tensor],
@@ -43,6 +44,9 @@ def fused_attn_fwd(
                           (window_left, window_right), mods=mods, bottom_right_diagonal=bottom_right_diagonal)
 
 
+fused_attn_fwd = torch.library.custom_op("transformer_engine::fused_attn_fwd", _forward, mutates_args=())
+
+
 @fused_attn_fwd.register_fake
 def _(q, k, v, qkv_format, cu_seqlens_q, cu_seqlens_kv, seq_offsets_q, seq_offsets_kv,
       max_seqlen_q, max_seqlen_kv, softmax_scale, attn_mask_type, window_left, window_right, bottom_right_diagonal,
@@ -54,8 +58,7 @@ def _(q, k, v, qkv_format, cu_seqlens_q, cu_seqlens_kv, seq_offsets_q, seq_offse
     return out, lse
 
 
-@torch.library.custom_op("transformer_engine::fused_attn_bwd", mutates_args=())
-def fused_attn_bwd(
+def _backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, d_out: torch.Tensor,
     lse: torch.Tensor, qkv_format: str,
     cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_kv: Optional[torch.Tensor],
@@ -88,6 +91,9 @@ def fused_attn_bwd(
             d_offset if d_offset is not None else lse.new_empty(0))
 
 
+fused_attn_bwd = torch.library.custom_op("transformer_engine::fused_attn_bwd", _backward, mutates_args=())
+
+
 @fused_attn_bwd.register_fake
 def _(q, k, v, out, d_out, lse, qkv_format, cu_seqlens_q, cu_seqlens_kv, seq_offsets_q, seq_offsets_kv,
       max_seqlen_q, max_seqlen_kv, softmax_scale, attn_mask_type, window_left, window_right, bottom_right_diagonal,
@@ -107,3 +113,21 @@ def _grads(grads: str) -> BackwardGrads:
     except ValueError:
         choices = ", ".join(repr(g.value) for g in BackwardGrads)
         raise ValueError(f"`grads` must be one of {choices}, got {grads!r}") from None
+
+
+def _eager(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether a call may skip the op: not traced (torch.compile, export) and only plain tensors (no fake,
+    functional or other subclass tensors, which need the op's dispatch)."""
+    if torch.compiler.is_compiling():
+        return False
+    return all(t is None or type(t) in (torch.Tensor, torch.nn.Parameter) for t in tensors)
+
+
+def forward(q, k, v, *args):
+    """``fused_attn_fwd(q, k, v, *args)``: the op's implementation directly when :func:`_eager`."""
+    return (_forward if _eager(q, k, v) else fused_attn_fwd)(q, k, v, *args)
+
+
+def backward(q, k, v, out, d_out, lse, *args):
+    """``fused_attn_bwd(q, k, v, out, d_out, lse, *args)``: the implementation directly when :func:`_eager`."""
+    return (_backward if _eager(q, k, v, out, d_out, lse) else fused_attn_bwd)(q, k, v, out, d_out, lse, *args)

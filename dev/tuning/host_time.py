@@ -1,0 +1,98 @@
+"""Host time of one PyTorch attention call, layer by layer (microseconds of Python per call).
+
+Times DotProductAttention, fused_attention, FusedAttnFunc and the launch layer on tiny tensors, forward
+alone (no_grad) and forward+backward. ``--stub`` replaces the kernel launches with nothing, so on the CPU
+(with TRITON_INTERPRET=1) it measures our Python only; on a GPU without it the launches are Triton's real
+ones (async: the call returns once they are queued, and the tiny shape keeps the queue short).
+
+    TRITON_INTERPRET=1 python dev/tuning/host_time.py --stub
+    python dev/tuning/host_time.py            # on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from transformer_engine.common import settings
+from transformer_engine.common.attention import AttnMaskType, AttnSoftmaxType, QKVFormat
+from transformer_engine.pytorch import DotProductAttention
+from transformer_engine.pytorch.attention import fused_attn, launch, ops
+
+
+def per_call_us(fn, calls: int, rounds: int = 9) -> float:
+    fn()
+    samples = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return min(samples)  # the least-disturbed round: other processes only add time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--stub", action="store_true", help="launch no kernels (our Python only)")
+    ap.add_argument("--op-dispatch", action="store_true",
+                    help="eager calls through the custom ops too (their dispatch's cost)")
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--head-dim", type=int, default=128)
+    args = ap.parse_args()
+    if args.stub:
+        launch._run = lambda described, buffers: None
+    if args.op_dispatch:
+        ops._eager = lambda *tensors: False
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    b, h, s, d = 1, 2, 128, args.head_dim
+    q, k, v = (torch.randn(b, s, h, d, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
+    fmt, mask, scale = QKVFormat.BSHD, AttnMaskType("causal"), d ** -0.5
+    module = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="causal", attention_dropout=0.0)
+    seqs = launch.sequences(fmt, q, k, None, None, None, None, s, s)
+
+    def fused(q_, k_, v_):
+        return fused_attn.fused_attention(q_, k_, v_, fmt, mask, (-1, 0), scale, False, None, None, None, None,
+                                          None, None, True, None, None, 0.0, None, AttnSoftmaxType.VANILLA_SOFTMAX,
+                                          None)
+
+    layers = {
+        "DotProductAttention": lambda: module(q, k, v),
+        "fused_attention": lambda: fused(q, k, v),
+        "launch.forward": lambda: launch.forward(q, k, v, fmt, seqs, scale, mask, (-1, 0)),
+        "torch SDPA (reference)": lambda: torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True),
+    }
+    out = fused(q, k, v)
+    d_out = torch.ones_like(out)
+    o_flat = module(q, k, v)
+    d_flat = torch.ones_like(o_flat)
+    with settings.environment(NVTE_ALLOW_NONDETERMINISTIC_ALGO="0", NVTE_FUSED_ATTN_BACKEND="fused"):
+        print(f"device {device}, stub={args.stub}, op_dispatch={args.op_dispatch}, (b, s, h, d) = {(b, s, h, d)}; "
+              "microseconds per call")
+        with torch.no_grad():
+            for name, fn in layers.items():
+                print(f"  forward  {name:22s} {per_call_us(fn, args.calls):8.1f}")
+        _, lse = launch.forward(q.detach(), k.detach(), v.detach(), fmt, seqs, scale, mask, (-1, 0))
+        steps = {
+            "DotProductAttention": lambda: module(q, k, v).backward(d_flat),
+            "fused_attention": lambda: fused(q, k, v).backward(d_out),
+            "launch.backward": lambda: launch.backward(q.detach(), k.detach(), v.detach(), out.detach(), d_out, lse,
+                                                       fmt, seqs, scale, mask, (-1, 0)),
+        }
+        sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True).backward(d_out.transpose(1, 2))
+        steps["torch SDPA (reference)"] = sdpa
+        for name, fn in steps.items():
+            for t in (q, k, v):
+                t.grad = None
+            print(f"  fwd+bwd  {name:22s} {per_call_us(fn, args.calls // 2):8.1f}"
+                  + ("  (backward launches only)" if name.startswith("launch") else ""))
+
+
+if __name__ == "__main__":
+    main()

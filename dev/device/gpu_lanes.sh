@@ -20,7 +20,8 @@
 # BENCH_PARTS), tetables (qa/L1_pytorch_te_tables; TE_TABLES_WORKERS, TE_TABLES_EXTRA e.g. "--tables softmax"), memcheck (qa/L1_memcheck), cpbench (benchmarks/attention/bench_context_parallel.py; CPBENCH_ARGS), cpprof
 # (dev/tuning/cp_step_profile.py: device time per kernel, single call / thd / CP steps; CPPROF_ARGS), jtprof
 # (dev/tuning/jax_torch_profile.py: device time per kernel of one fwd+bwd from PyTorch and from JAX; JTPROF_ARGS), hosttime
-# (dev/tuning/host_time.py: host time per PyTorch call by layer: real launches, through the custom ops, stubbed); 2-GPU: tp (torchrun tensor-parallel heads), jaxmesh (tests/jax/test_jax_two_device_mesh.py); several GPUs: qa:L1_distributed
+# (dev/tuning/host_time.py: host time per PyTorch call by layer: real launches, through the custom ops, stubbed), ordereddq
+# (dev/tuning/ordered_dq.py: the one-pass backward with ordered dQ against the product's); 2-GPU: tp (torchrun tensor-parallel heads), jaxmesh (tests/jax/test_jax_two_device_mesh.py); several GPUs: qa:L1_distributed
 # (context parallelism at CP 2/4/8 up to the GPU count and TP 2 over NCCL; QA_CP_SIZES, QA_CP_SUITES), cpscale
 # (benchmarks/attention/bench_cp_scaling.py over every GPU: CP against one GPU at equal tokens, traces; CPSCALE_ARGS),
 # cpscalejax (the same for JAX: bench_cp_scaling_jax.py).
@@ -100,6 +101,10 @@ section() {
       timeout "$(limit WS 300)" python3 dev/tuning/ws_kernels.py --out "$d/ws_kernels" \
         > "$d/ws_kernels.log" 2>&1
       note "ws_kernels rc=$? $(grep -c '^{' "$d/ws_kernels.log") cases" ;;
+    ordereddq)  # dev/tuning/ordered_dq.py: the one-pass backward with ordered dQ against the product's (a hang is a deadlock)
+      timeout "$(limit ORDEREDDQ 240)" python3 dev/tuning/ordered_dq.py --out "$d/ordered_dq.json" \
+        > "$d/ordered_dq.log" 2>&1
+      note "ordered_dq rc=$? $(grep -c '^{' "$d/ordered_dq.log") rows" ;;
     timeline)  # step_timeline.py: a timed step's kernels and idle gaps; TIMELINE_ARGS e.g. "--preprocess 64x4,128x8"
       nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
         --format=csv > "$d/clocks.txt" 2>&1

@@ -1,0 +1,321 @@
+"""A one-pass backward with dQ accumulated in a fixed order, against the two-pass backward (NOTES.md 26).
+
+The product's backward recomputes the scores in a separate dQ pass (7 matrix products per block pair
+instead of 5) so that no floating-point atomics decide the order of dQ's sums. This prototype keeps the
+one pass and makes the order fixed instead: each dK/dV program (one key block) adds its [BLOCK_M, d]
+part of dQ into an fp32 accumulator with a TMA reduce-add (``tensor_descriptor.atomic_add``, which Triton
+3.6 lowers to ``cp.reduce.async.bulk.tensor`` on sm_90), after waiting on a per-query-block semaphore
+for its turn. The order at query block i is the key blocks that visit it, highest first; programs are
+dispatched highest key block first, so every wait is on a program that started earlier (no deadlock
+when the grid does not fit on the GPU at once). Causal: program j starts at its diagonal block, which
+its own order makes first, so in the ideal nobody waits. No mask: every program starts at query block
+0 and waits there for the programs above it (a lag of one step per key block).
+
+Scope: bshd contiguous, h_q = h_kv, s_q = s_kv divisible by BLOCK_N, BLOCK_N a multiple of BLOCK_M,
+no mask or top-left causal, fp16/bf16, no bias, dropout or sink. On the GPU it checks the gradients
+against an fp32 reference (small shapes) and against the product's backward, bitwise repeats in the
+ordered mode, and times the product's backward (preprocess, dK/dV, dQ) against this one (preprocess,
+zeroing, the one pass, dQ's conversion) and the one pass alone, in one run.
+
+    python dev/tuning/ordered_dq.py                      # the GPU: checks, then times
+    TRITON_INTERPRET=1 python dev/tuning/ordered_dq.py --interpret   # the CPU: order and sums only
+    python dev/tuning/ordered_dq.py --compile            # the CPU: sm_90 registers, stack, shared memory
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _delta_kernel(O, DO, DELTA, seqlen, num_heads, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """delta[b, h, i] = sum_d O * dO (fp32), as the product's preprocess."""
+    i0 = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b, h = bh // num_heads, bh % num_heads
+    row = num_heads * HEAD_DIM
+    offs_m = i0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ptrs = b.to(tl.int64) * seqlen * row + h * HEAD_DIM + offs_m[:, None] * row + offs_d[None, :]
+    o = tl.load(O + ptrs).to(tl.float32)
+    do = tl.load(DO + ptrs).to(tl.float32)
+    tl.store(DELTA + bh.to(tl.int64) * seqlen + offs_m, tl.sum(o * do, axis=1))
+
+
+@triton.jit
+def _one_pass_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, SEM, seqlen, num_heads, total_rows, qk_scale, sm_scale,
+                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                     ORDERED: tl.constexpr, TMA: tl.constexpr):
+    nk = seqlen // BLOCK_N
+    nq = seqlen // BLOCK_M
+    R: tl.constexpr = BLOCK_N // BLOCK_M
+    j = nk - 1 - tl.program_id(0)  # highest key block first: what a program waits on started earlier
+    bh = tl.program_id(1)
+    b, h = bh // num_heads, bh % num_heads
+    row = num_heads * HEAD_DIM
+    base = b.to(tl.int64) * seqlen * row + h * HEAD_DIM
+    offs_n = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    k = tl.load(K + base + offs_n[:, None] * row + offs_d[None, :])
+    v = tl.load(V + base + offs_n[:, None] * row + offs_d[None, :])
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    if TMA:
+        desc = tl.make_tensor_descriptor(DQ_ACC, shape=[total_rows, row], strides=[row, 1],
+                                         block_shape=[BLOCK_M, HEAD_DIM])
+    lo = j * R if CAUSAL else 0
+    for i in range(lo, nq):
+        offs_m = i * BLOCK_M + tl.arange(0, BLOCK_M)
+        q = tl.load(Q + base + offs_m[:, None] * row + offs_d[None, :])
+        do = tl.load(DO + base + offs_m[:, None] * row + offs_d[None, :])
+        lse2 = tl.load(LSE + bh.to(tl.int64) * seqlen + offs_m) * LOG2E
+        delta = tl.load(DELTA + bh.to(tl.int64) * seqlen + offs_m)
+        p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])  # [BLOCK_N, BLOCK_M]
+        if CAUSAL:
+            p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+        dv += tl.dot(p_t.to(do.dtype), do)
+        ds_t = p_t * (tl.dot(v, tl.trans(do)) - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q)
+        dq_part = tl.dot(tl.trans(ds_t.to(k.dtype)), k)  # [BLOCK_M, HEAD_DIM], fp32
+        sem = SEM + bh.to(tl.int64) * nq + i
+        if ORDERED:
+            # The key blocks that visit query block i are [0, jmax]; they add highest first.
+            jmax = tl.minimum(nk - 1, i // R) if CAUSAL else nk - 1
+            while tl.atomic_add(sem, 0, sem="acquire") != jmax - j:
+                pass
+        if TMA:
+            desc.atomic_add([b * seqlen + i * BLOCK_M, h * HEAD_DIM], dq_part)
+        else:
+            tl.atomic_add(DQ_ACC + base + offs_m[:, None] * row + offs_d[None, :], dq_part, sem="relaxed")
+        if ORDERED:
+            tl.atomic_add(sem, 1, sem="release")
+    tl.store(DK + base + offs_n[:, None] * row + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty))
+    tl.store(DV + base + offs_n[:, None] * row + offs_d[None, :], dv.to(DV.dtype.element_ty))
+
+
+@triton.jit
+def _convert_kernel(ACC, DQ, n, scale, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    keep = offs < n
+    tl.store(DQ + offs, (tl.load(ACC + offs, mask=keep) * scale).to(DQ.dtype.element_ty), mask=keep)
+
+
+def one_pass_backward(q, k, v, out, d_out, lse, causal, tiles, ordered=True, tma=True, parts=None):
+    """(dq, dk, dv) over [b, s, h, d] contiguous tensors; ``lse`` [b, h, s] natural log (the product's).
+    ``parts``: a dict that receives the buffers (to time the one pass alone)."""
+    block_m, block_n, warps, stages = tiles
+    b, s, h, d = q.shape
+    scale = d ** -0.5
+    delta = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
+    _delta_kernel[(s // block_m, b * h)](out, d_out, delta, s, h, HEAD_DIM=d, BLOCK_M=block_m)
+    acc = torch.zeros((b, s, h, d), dtype=torch.float32, device=q.device)
+    sem = torch.zeros((b * h, s // block_m), dtype=torch.int32, device=q.device)
+    dk, dv, dq = torch.empty_like(k), torch.empty_like(v), torch.empty_like(q)
+    args = (q, k, v, d_out, lse, delta, dk, dv, acc, sem, s, h, b * s, scale * 1.4426950408889634, scale)
+    meta = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, ORDERED=ordered, TMA=tma,
+                num_warps=warps, num_stages=stages)
+    _one_pass_kernel[(s // block_n, b * h)](*args, **meta)
+    _convert_kernel[(triton.cdiv(acc.numel(), 1024),)](acc, dq, acc.numel(), scale, BLOCK=1024)
+    if parts is not None:
+        parts.update(args=args, meta=meta, grid=(s // block_n, b * h), acc=acc, sem=sem)
+    return dq, dk, dv
+
+
+def reference_grads(q, k, v, d_out, causal):
+    """fp32 (fp64 on the CPU) autograd reference over [b, s, h, d]."""
+    dt = torch.float64 if q.device.type == "cpu" else torch.float32
+    qf, kf, vf = (t.detach().to(dt).requires_grad_(True) for t in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qf.transpose(1, 2), kf.transpose(1, 2), vf.transpose(1, 2), is_causal=causal).transpose(1, 2)
+    out.backward(d_out.to(dt))
+    return qf.grad, kf.grad, vf.grad
+
+
+def _forward(q, k, v, causal):
+    """out and lse [b, h, s] (natural log): the product's forward on the GPU, the reference on the CPU."""
+    if q.is_cuda:
+        from transformer_engine.common.attention import AttnMaskType, QKVFormat
+        from transformer_engine.pytorch.attention import launch
+
+        b, s = q.shape[:2]
+        seqs = launch.sequences(QKVFormat.BSHD, q, k, None, None, None, None, s, s)
+        mask = AttnMaskType.CAUSAL_MASK if causal else AttnMaskType.NO_MASK
+        return launch.forward(q, k, v, QKVFormat.BSHD, seqs, q.shape[-1] ** -0.5, mask, (-1, 0 if causal else -1))
+    qf, kf, vf = (t.double().transpose(1, 2) for t in (q, k, v))
+    sc = qf @ kf.transpose(-1, -2) * q.shape[-1] ** -0.5
+    if causal:
+        sc = sc.masked_fill(torch.ones_like(sc[0, 0], dtype=torch.bool).triu(1), float("-inf"))
+    lse = torch.logsumexp(sc, -1)
+    out = (torch.softmax(sc, -1) @ vf).transpose(1, 2).to(q.dtype).contiguous()
+    return out, lse.float().contiguous()
+
+
+def _errors(grads, refs):
+    return [float((g.double() - r.double()).abs().max()) for g, r in zip(grads, refs)]
+
+
+def check_cpu() -> int:
+    """The interpreter (pointer atomics in place of TMA): sums against fp64, and the order's bits over
+    repeats. Returns the number of failures."""
+    failures = 0
+    for causal in (False, True):
+        for tiles in ((16, 32, 1, 1), (16, 16, 1, 1)):
+            torch.manual_seed(0)
+            b, s, h, d = 2, 64, 2, 16
+            q, k, v, d_out = (torch.randn(b, s, h, d, dtype=torch.float16) for _ in range(4))
+            out, lse = _forward(q, k, v, causal)
+            refs = reference_grads(q, k, v, d_out, causal)
+            grads = one_pass_backward(q, k, v, out, d_out, lse, causal, tiles, tma=False)
+            errs = _errors(grads, refs)
+            again = one_pass_backward(q, k, v, out, d_out, lse, causal, tiles, tma=False)
+            same = all(torch.equal(a, c) for a, c in zip(grads, again))
+            ok = max(errs) < 2e-2 and same
+            failures += not ok
+            print(f"cpu causal={causal} tiles={tiles}: max errors dq/dk/dv {errs}, repeat bitwise {same}: "
+                  f"{'ok' if ok else 'FAILED'}")
+    return failures
+
+
+def run_gpu(out_path):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks", "attention"))
+    from common import bench_ms, run_metadata
+    from transformer_engine.common.attention import AttnMaskType, QKVFormat
+    from transformer_engine.pytorch.attention import launch
+
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    cases = [(8, 32, 2048, 64), (4, 16, 4096, 128)]
+    tiles_by_d = TILES_BY_D
+    rows = []
+    # Correctness on a small shape first, against fp32 autograd.
+    for causal in (False, True):
+        for d, tile_list in tiles_by_d.items():
+            torch.manual_seed(0)
+            q, k, v, d_out = (torch.randn(2, 1024, 4, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+            out, lse = _forward(q, k, v, causal)
+            refs = reference_grads(q, k, v, d_out, causal)
+            mask = AttnMaskType.CAUSAL_MASK if causal else AttnMaskType.NO_MASK
+            seqs = launch.sequences(QKVFormat.BSHD, q, k, None, None, None, None, 1024, 1024)
+            ours = launch.backward(q, k, v, out, d_out, lse, QKVFormat.BSHD, seqs, d ** -0.5, mask,
+                                   (-1, 0 if causal else -1))[:3]
+            row = dict(kind="check", d=d, causal=causal, product_errors=_errors(ours, refs))
+            for tiles in tile_list:
+                try:
+                    grads = one_pass_backward(q, k, v, out, d_out, lse, causal, tiles)
+                    again = one_pass_backward(q, k, v, out, d_out, lse, causal, tiles)
+                    torch.cuda.synchronize()
+                    row[str(tiles)] = dict(errors=_errors(grads, refs),
+                                           repeat_bitwise=all(torch.equal(a, c) for a, c in zip(grads, again)))
+                except Exception as err:  # a tile that does not compile or fit: recorded, the rest go on
+                    row[str(tiles)] = dict(error=f"{type(err).__name__}: {str(err)[:300]}")
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    # Times: the product's backward against the one pass (ordered and not), at the benchmark's shapes.
+    for (b, h, s, d) in cases:
+        for causal in (False, True):
+            torch.manual_seed(0)
+            q, k, v, d_out = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+            out, lse = _forward(q, k, v, causal)
+            mask = AttnMaskType.CAUSAL_MASK if causal else AttnMaskType.NO_MASK
+            seqs = launch.sequences(QKVFormat.BSHD, q, k, None, None, None, None, s, s)
+            window = (-1, 0 if causal else -1)
+            product = lambda: launch.backward(q, k, v, out, d_out, lse, QKVFormat.BSHD, seqs,  # noqa: E731
+                                              d ** -0.5, mask, window)
+            flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
+            ref = [g.float() for g in product()[:3]]
+            ms = bench_ms(product)
+            row = dict(kind="time", case=f"{b}x{h}x{s}x{d}", causal=causal, product_ms=ms,
+                       product_tflops=flops / ms * 1e-9)
+            for tiles in tiles_by_d[d]:
+                for ordered in (True, False):
+                    name = f"{tiles}{'' if ordered else ' unordered'}"
+                    try:
+                        parts = {}
+                        grads = one_pass_backward(q, k, v, out, d_out, lse, causal, tiles, ordered=ordered,
+                                                  parts=parts)
+                        torch.cuda.synchronize()
+                        err = max(float((g.float() - r).abs().max() / r.abs().max()) for g, r in zip(grads, ref))
+                        t_all = bench_ms(lambda: one_pass_backward(q, k, v, out, d_out, lse, causal, tiles,
+                                                                   ordered=ordered))
+
+                        def one_pass_alone():
+                            parts["acc"].zero_()
+                            parts["sem"].zero_()
+                            _one_pass_kernel[parts["grid"]](*parts["args"], **parts["meta"])
+
+                        t_pass = bench_ms(one_pass_alone)
+                        row[name] = dict(ms=t_all, ratio_vs_product=ms / t_all, one_pass_and_zeroing_ms=t_pass,
+                                         rel_err_vs_product=err)
+                    except Exception as err:
+                        row[name] = dict(error=f"{type(err).__name__}: {str(err)[:300]}")
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    meta = run_metadata("python dev/tuning/ordered_dq.py", torch.cuda.get_device_name())
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+
+TILES_BY_D = {64: [(64, 128, 8, 2), (64, 64, 4, 2), (32, 128, 8, 2), (64, 128, 8, 3)],
+              128: [(64, 64, 8, 2), (32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 2)]}
+
+
+def _sass_has(cubin: bytes, opcode: str) -> bool:
+    import subprocess
+    import tempfile
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return opcode in subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def compile_sm90() -> None:
+    """Each timed tile compiled for sm_90 on this machine (no GPU): registers, stack (spills), shared memory."""
+    from transformer_engine.common.attention.kernels.aot import Pointer, compile_kernel
+    from transformer_engine.common.attention.kernels.resources import resources, target
+
+    ptr = {name: Pointer(dt) for name, dt in (("Q", "bfloat16"), ("K", "bfloat16"), ("V", "bfloat16"),
+                                              ("DO", "bfloat16"), ("LSE", "float32"), ("DELTA", "float32"),
+                                              ("DK", "bfloat16"), ("DV", "bfloat16"), ("DQ_ACC", "float32"),
+                                              ("SEM", "int32"))}
+    for d, tile_list in TILES_BY_D.items():
+        for block_m, block_n, warps, stages in tile_list:
+            for causal in (False, True):
+                args = dict(ptr, seqlen=4096, num_heads=16, total_rows=4 * 4096, qk_scale=0.1, sm_scale=0.1,
+                            HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, ORDERED=True, TMA=True)
+                try:
+                    kernel = compile_kernel(_one_pass_kernel, args, dict(num_warps=warps, num_stages=stages),
+                                            target("sm90"))
+                    report = resources(kernel)
+                    report["tma_reduce_in_sass"] = _sass_has(kernel.cubin, "UTMAREDG")
+                except Exception as err:
+                    report = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+                print(f"d={d} tiles={(block_m, block_n, warps, stages)} causal={causal}: {report}", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--interpret", action="store_true", help="the CPU check under TRITON_INTERPRET=1")
+    ap.add_argument("--compile", action="store_true", help="compile the tiles for sm_90 here (no GPU needed)")
+    ap.add_argument("--out", default=None, help="JSON of the GPU rows")
+    args = ap.parse_args()
+    if args.compile:
+        return compile_sm90()
+    if args.interpret:
+        sys.exit(1 if check_cpu() else 0)
+    run_gpu(args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -102,7 +102,7 @@ section() {
         > "$d/ws_kernels.log" 2>&1
       note "ws_kernels rc=$? $(grep -c '^{' "$d/ws_kernels.log") cases" ;;
     ordereddq)  # dev/tuning/ordered_dq.py: the one-pass backward with ordered dQ against the product's (a hang is a deadlock)
-      timeout "$(limit ORDEREDDQ 240)" python3 dev/tuning/ordered_dq.py --out "$d/ordered_dq.json" \
+      timeout "$(limit ORDEREDDQ 420)" python3 dev/tuning/ordered_dq.py --out "$d/ordered_dq.json" \
         > "$d/ordered_dq.log" 2>&1
       note "ordered_dq rc=$? $(grep -c '^{' "$d/ordered_dq.log") rows" ;;
     timeline)  # step_timeline.py: a timed step's kernels and idle gaps; TIMELINE_ARGS e.g. "--preprocess 64x4,128x8"

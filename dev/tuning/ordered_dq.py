@@ -5,16 +5,22 @@ instead of 5) so that no floating-point atomics decide the order of dQ's sums. T
 one pass and makes the order fixed instead: each dK/dV program (one key block) adds its [BLOCK_M, d]
 part of dQ into an fp32 accumulator with a TMA reduce-add (``tensor_descriptor.atomic_add``, which Triton
 3.6 lowers to ``cp.reduce.async.bulk.tensor`` on sm_90), after waiting on a per-query-block semaphore
-for its turn. The order at query block i is the key blocks that visit it, highest first; programs are
-dispatched highest key block first, so every wait is on a program that started earlier (no deadlock
-when the grid does not fit on the GPU at once). Causal: program j starts at its diagonal block, which
-its own order makes first, so in the ideal nobody waits. No mask: every program starts at query block
-0 and waits there for the programs above it (a lag of one step per key block).
+for its turn. Programs are dispatched highest key block first. Orders (ORDER):
+
+- HIGHEST_FIRST: at query block i, the key blocks that visit it, highest first. Every wait is on a program
+  that started earlier, so there is no deadlock when the grid does not fit on the GPU at once. Causal:
+  program j starts at its diagonal block, which its order makes first: in the ideal nobody waits. No
+  mask: every program starts at query block 0 and waits there for the programs above it (each lags one
+  step per key block above it).
+- ROTATED (no mask): program j starts at its diagonal block and wraps round; the order at a block is the
+  order of arrival, so in the ideal nobody waits, but the waits are cyclic: every key block of a head must
+  be resident at once (true at the timed shapes, not for long sequences).
+- UNORDERED: no semaphores (what the order costs; not deterministic).
 
 Scope: bshd contiguous, h_q = h_kv, s_q = s_kv divisible by BLOCK_N, BLOCK_N a multiple of BLOCK_M,
 no mask or top-left causal, fp16/bf16, no bias, dropout or sink. On the GPU it checks the gradients
 against an fp32 reference (small shapes) and against the product's backward, bitwise repeats in the
-ordered mode, and times the product's backward (preprocess, dK/dV, dQ) against this one (preprocess,
+ordered modes, and times the product's backward (preprocess, dK/dV, dQ) against this one (preprocess,
 zeroing, the one pass, dQ's conversion) and the one pass alone, in one run.
 
     python dev/tuning/ordered_dq.py                      # the GPU: checks, then times
@@ -52,10 +58,19 @@ def _delta_kernel(O, DO, DELTA, seqlen, num_heads, HEAD_DIM: tl.constexpr, BLOCK
     tl.store(DELTA + bh.to(tl.int64) * seqlen + offs_m, tl.sum(o * do, axis=1))
 
 
+UNORDERED, HIGHEST_FIRST, ROTATED = 0, 1, 2  # ORDER: how dQ's adds are ordered (module docstring)
+ORDER_NAMES = {UNORDERED: "unordered", HIGHEST_FIRST: "highest-first", ROTATED: "rotated"}
+
+
+def _orders(causal):
+    """The orders worth timing: causal rotates nothing (each program starts at its diagonal already)."""
+    return (HIGHEST_FIRST, UNORDERED) if causal else (HIGHEST_FIRST, ROTATED, UNORDERED)
+
+
 @triton.jit
 def _one_pass_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, SEM, seqlen, num_heads, total_rows, qk_scale, sm_scale,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                     ORDERED: tl.constexpr, TMA: tl.constexpr):
+                     ORDER: tl.constexpr, TMA: tl.constexpr):
     nk = seqlen // BLOCK_N
     nq = seqlen // BLOCK_M
     R: tl.constexpr = BLOCK_N // BLOCK_M
@@ -73,8 +88,14 @@ def _one_pass_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, SEM, seqlen, num_h
     if TMA:
         desc = tl.make_tensor_descriptor(DQ_ACC, shape=[total_rows, row], strides=[row, 1],
                                          block_shape=[BLOCK_M, HEAD_DIM])
-    lo = j * R if CAUSAL else 0
-    for i in range(lo, nq):
+    # Causal: from the diagonal block on. No mask: every query block, from block 0 or (ROTATED) from the
+    # diagonal block round to the one before it.
+    first = j * R if (CAUSAL or ORDER == 2) else 0
+    steps = nq - j * R if CAUSAL else nq
+    for t in range(0, steps):
+        i = first + t
+        if ORDER == 2 and not CAUSAL:
+            i = i % nq
         offs_m = i * BLOCK_M + tl.arange(0, BLOCK_M)
         q = tl.load(Q + base + offs_m[:, None] * row + offs_d[None, :])
         do = tl.load(DO + base + offs_m[:, None] * row + offs_d[None, :])
@@ -88,16 +109,23 @@ def _one_pass_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQ_ACC, SEM, seqlen, num_h
         dk += tl.dot(ds_t.to(q.dtype), q)
         dq_part = tl.dot(tl.trans(ds_t.to(k.dtype)), k)  # [BLOCK_M, HEAD_DIM], fp32
         sem = SEM + bh.to(tl.int64) * nq + i
-        if ORDERED:
-            # The key blocks that visit query block i are [0, jmax]; they add highest first.
-            jmax = tl.minimum(nk - 1, i // R) if CAUSAL else nk - 1
-            while tl.atomic_add(sem, 0, sem="acquire") != jmax - j:
+        if ORDER != 0:
+            # This program's place among the key blocks that add to query block i. HIGHEST_FIRST (and causal):
+            # the visitors [0, jmax] highest first. ROTATED: by arrival, program j' reaching block i after
+            # (i - j' R) mod nq steps, which orders them by (i // R - j') mod nk.
+            if CAUSAL:
+                turn = tl.minimum(nk - 1, i // R) - j
+            elif ORDER == 1:
+                turn = nk - 1 - j
+            else:
+                turn = (i // R - j + nk) % nk
+            while tl.atomic_add(sem, 0, sem="acquire") != turn:
                 pass
         if TMA:
             desc.atomic_add([b * seqlen + i * BLOCK_M, h * HEAD_DIM], dq_part)
         else:
             tl.atomic_add(DQ_ACC + base + offs_m[:, None] * row + offs_d[None, :], dq_part, sem="relaxed")
-        if ORDERED:
+        if ORDER != 0:
             tl.atomic_add(sem, 1, sem="release")
     tl.store(DK + base + offs_n[:, None] * row + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty))
     tl.store(DV + base + offs_n[:, None] * row + offs_d[None, :], dv.to(DV.dtype.element_ty))
@@ -110,7 +138,7 @@ def _convert_kernel(ACC, DQ, n, scale, BLOCK: tl.constexpr):
     tl.store(DQ + offs, (tl.load(ACC + offs, mask=keep) * scale).to(DQ.dtype.element_ty), mask=keep)
 
 
-def one_pass_backward(q, k, v, out, d_out, lse, causal, tiles, ordered=True, tma=True, parts=None):
+def one_pass_backward(q, k, v, out, d_out, lse, causal, tiles, order=HIGHEST_FIRST, tma=True, parts=None):
     """(dq, dk, dv) over [b, s, h, d] contiguous tensors; ``lse`` [b, h, s] natural log (the product's).
     ``parts``: a dict that receives the buffers (to time the one pass alone)."""
     block_m, block_n, warps, stages = tiles
@@ -122,7 +150,7 @@ def one_pass_backward(q, k, v, out, d_out, lse, causal, tiles, ordered=True, tma
     sem = torch.zeros((b * h, s // block_m), dtype=torch.int32, device=q.device)
     dk, dv, dq = torch.empty_like(k), torch.empty_like(v), torch.empty_like(q)
     args = (q, k, v, d_out, lse, delta, dk, dv, acc, sem, s, h, b * s, scale * 1.4426950408889634, scale)
-    meta = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, ORDERED=ordered, TMA=tma,
+    meta = dict(HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, ORDER=order, TMA=tma,
                 num_warps=warps, num_stages=stages)
     _one_pass_kernel[(s // block_n, b * h)](*args, **meta)
     _convert_kernel[(triton.cdiv(acc.numel(), 1024),)](acc, dq, acc.numel(), scale, BLOCK=1024)
@@ -164,24 +192,87 @@ def _errors(grads, refs):
     return [float((g.double() - r.double()).abs().max()) for g, r in zip(grads, refs)]
 
 
+def _visits(order, causal, j, nq, R):
+    """The query blocks program j visits, in its order (the kernel's loop)."""
+    if causal:
+        return list(range(j * R, nq))
+    first = j * R if order == ROTATED else 0
+    return [(first + t) % nq for t in range(nq)]
+
+
+def _turn(order, causal, i, j, nk, R):
+    """Program j's place among the adds to query block i (the kernel's)."""
+    if causal:
+        return min(nk - 1, i // R) - j
+    return nk - 1 - j if order == HIGHEST_FIRST else (i // R - j + nk) % nk
+
+
+def simulate(order, causal, nk, R, slots) -> str:
+    """Run the programs of one head as the GPU would: ``slots`` resident at once, dispatched highest key block
+    first, each taking one step per tick when its block's semaphore shows its turn. Returns "ok" when all
+    finish with every block's adds in turn order 0, 1, ..., "deadlock" when none can move, else what broke;
+    with "ok", the share of resident program-ticks spent waiting."""
+    nq = nk * R
+    pending = list(range(nk - 1, -1, -1))  # dispatch order
+    running = {}
+    sem = [0] * nq
+    expected = [sorted(j for j in range(nk) if i in _visits(order, causal, j, nq, R)) for i in range(nq)]
+    turns = [sorted(_turn(order, causal, i, j, nk, R) for j in expected[i]) for i in range(nq)]
+    if any(t != list(range(len(t))) for t in turns):
+        return "turns are not 0, 1, ... at every block"
+    waiting = busy = 0
+    while pending or running:
+        while pending and len(running) < slots:
+            j = pending.pop(0)
+            running[j] = _visits(order, causal, j, nq, R)
+        moved = False
+        seen = list(sem)  # a tick's steps all see the semaphores as the tick began
+        for j in list(running):
+            i = running[j][0]
+            busy += 1
+            if seen[i] != _turn(order, causal, i, j, nk, R):
+                waiting += 1
+            else:
+                sem[i] += 1
+                running[j].pop(0)
+                moved = True
+                if not running[j]:
+                    del running[j]
+        if not moved:
+            return "deadlock"
+    if any(sem[i] != len(expected[i]) for i in range(nq)):
+        return "missing adds"
+    return f"ok, {waiting / busy:.0%} of resident ticks waiting"
+
+
 def check_cpu() -> int:
-    """The interpreter (pointer atomics in place of TMA): sums against fp64, and the order's bits over
-    repeats. Returns the number of failures."""
+    """The orders' schedules (:func:`simulate`), then the kernel under the interpreter (pointer atomics in
+    place of TMA; programs one at a time, so the rotated order, which needs its programs resident together,
+    runs in the simulation only): sums against fp64, and the bits over repeats. Returns the failures."""
     failures = 0
-    for causal in (False, True):
+    for order, causal, slots, want in ((HIGHEST_FIRST, False, 3, "ok"), (HIGHEST_FIRST, False, 8, "ok"),
+                                       (HIGHEST_FIRST, True, 3, "ok"), (HIGHEST_FIRST, True, 8, "ok"),
+                                       (ROTATED, False, 8, "ok"), (ROTATED, False, 3, "deadlock")):
+        for R in (1, 2, 4):
+            got = simulate(order, causal, 8, R, slots)
+            ok = got.split(",")[0] == want
+            failures += not ok
+            print(f"schedule {ORDER_NAMES[order]} causal={causal} 8 key blocks R={R} {slots} resident: {got} "
+                  f"({'as expected' if ok else 'FAILED: expected ' + want})")
+    for causal, order in ((False, HIGHEST_FIRST), (True, HIGHEST_FIRST)):
         for tiles in ((16, 32, 1, 1), (16, 16, 1, 1)):
             torch.manual_seed(0)
             b, s, h, d = 2, 64, 2, 16
             q, k, v, d_out = (torch.randn(b, s, h, d, dtype=torch.float16) for _ in range(4))
             out, lse = _forward(q, k, v, causal)
             refs = reference_grads(q, k, v, d_out, causal)
-            grads = one_pass_backward(q, k, v, out, d_out, lse, causal, tiles, tma=False)
+            grads = one_pass_backward(q, k, v, out, d_out, lse, causal, tiles, order, tma=False)
             errs = _errors(grads, refs)
-            again = one_pass_backward(q, k, v, out, d_out, lse, causal, tiles, tma=False)
+            again = one_pass_backward(q, k, v, out, d_out, lse, causal, tiles, order, tma=False)
             same = all(torch.equal(a, c) for a, c in zip(grads, again))
             ok = max(errs) < 2e-2 and same
             failures += not ok
-            print(f"cpu causal={causal} tiles={tiles}: max errors dq/dk/dv {errs}, repeat bitwise {same}: "
+            print(f"cpu causal={causal} order={ORDER_NAMES[order]} tiles={tiles}: max errors dq/dk/dv {errs}, repeat bitwise {same}: "
                   f"{'ok' if ok else 'FAILED'}")
     return failures
 
@@ -209,17 +300,19 @@ def run_gpu(out_path):
                                    (-1, 0 if causal else -1))[:3]
             row = dict(kind="check", d=d, causal=causal, product_errors=_errors(ours, refs))
             for tiles in tile_list:
-                try:
-                    grads = one_pass_backward(q, k, v, out, d_out, lse, causal, tiles)
-                    again = one_pass_backward(q, k, v, out, d_out, lse, causal, tiles)
-                    torch.cuda.synchronize()
-                    row[str(tiles)] = dict(errors=_errors(grads, refs),
-                                           repeat_bitwise=all(torch.equal(a, c) for a, c in zip(grads, again)))
-                except Exception as err:  # a tile that does not compile or fit: recorded, the rest go on
-                    row[str(tiles)] = dict(error=f"{type(err).__name__}: {str(err)[:300]}")
+                for order in _orders(causal):
+                    name = f"{tiles} {ORDER_NAMES[order]}"
+                    try:
+                        grads = one_pass_backward(q, k, v, out, d_out, lse, causal, tiles, order)
+                        again = one_pass_backward(q, k, v, out, d_out, lse, causal, tiles, order)
+                        torch.cuda.synchronize()
+                        row[name] = dict(errors=_errors(grads, refs),
+                                         repeat_bitwise=all(torch.equal(a, c) for a, c in zip(grads, again)))
+                    except Exception as err:  # a tile that does not compile or fit: recorded, the rest go on
+                        row[name] = dict(error=f"{type(err).__name__}: {str(err)[:300]}")
             print(json.dumps(row), flush=True)
             rows.append(row)
-    # Times: the product's backward against the one pass (ordered and not), at the benchmark's shapes.
+    # Times: the product's backward against the one pass in each order, at the benchmark's shapes.
     for (b, h, s, d) in cases:
         for causal in (False, True):
             torch.manual_seed(0)
@@ -236,16 +329,15 @@ def run_gpu(out_path):
             row = dict(kind="time", case=f"{b}x{h}x{s}x{d}", causal=causal, product_ms=ms,
                        product_tflops=flops / ms * 1e-9)
             for tiles in tiles_by_d[d]:
-                for ordered in (True, False):
-                    name = f"{tiles}{'' if ordered else ' unordered'}"
+                for order in _orders(causal):
+                    name = f"{tiles} {ORDER_NAMES[order]}"
                     try:
                         parts = {}
-                        grads = one_pass_backward(q, k, v, out, d_out, lse, causal, tiles, ordered=ordered,
-                                                  parts=parts)
+                        grads = one_pass_backward(q, k, v, out, d_out, lse, causal, tiles, order, parts=parts)
                         torch.cuda.synchronize()
                         err = max(float((g.float() - r).abs().max() / r.abs().max()) for g, r in zip(grads, ref))
                         t_all = bench_ms(lambda: one_pass_backward(q, k, v, out, d_out, lse, causal, tiles,
-                                                                   ordered=ordered))
+                                                                   order))
 
                         def one_pass_alone():
                             parts["acc"].zero_()
@@ -265,8 +357,9 @@ def run_gpu(out_path):
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
 
 
-TILES_BY_D = {64: [(64, 128, 8, 2), (64, 64, 4, 2), (32, 128, 8, 2), (64, 128, 8, 3)],
-              128: [(64, 64, 8, 2), (32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 2)]}
+# (BLOCK_M, BLOCK_N, warps, stages); the d=128 ones without stack or with the least (--compile).
+TILES_BY_D = {64: [(64, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2)],
+              128: [(32, 128, 8, 2), (64, 64, 8, 2)]}
 
 
 def _sass_has(cubin: bytes, opcode: str) -> bool:
@@ -293,7 +386,7 @@ def compile_sm90() -> None:
         for block_m, block_n, warps, stages in tile_list:
             for causal in (False, True):
                 args = dict(ptr, seqlen=4096, num_heads=16, total_rows=4 * 4096, qk_scale=0.1, sm_scale=0.1,
-                            HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, ORDERED=True, TMA=True)
+                            HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, ORDER=ROTATED, TMA=True)
                 try:
                     kernel = compile_kernel(_one_pass_kernel, args, dict(num_warps=warps, num_stages=stages),
                                             target("sm90"))

@@ -34,10 +34,14 @@ class FusedAttnFunc(torch.autograd.Function):
         ctx.bias_grad = bias is not None and bias.requires_grad
         ctx.offset_grad = softmax_offset is not None and softmax_offset.requires_grad
         ctx.mark_non_differentiable(lse)
+        # lse has no gradient: without this autograd would zero-fill one for it every backward.
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, d_out, _d_lse):
+        if d_out is None:  # the output took no part in the loss (grads are not materialized)
+            return (None,) * 21
         q, k, v, out, lse, cu_q, cu_kv, off_q, off_kv, bias, alibi, rng_state, offset = ctx.saved_tensors
         fmt, max_q, max_kv, scale, mask, left, right, bottom_right, dropout_p, softmax_type = ctx.static
         dq, dk, dv, dbias, d_offset = ops.backward(

@@ -159,9 +159,28 @@ def _device(device: torch.device) -> Dict[str, object]:
     return dict(device_type=device.type, **device_facts(device))
 
 
+def unfilled(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """A new contiguous tensor like ``torch.empty``, without the fill that ``torch.use_deterministic_algorithms(True)``
+    gives new memory (``torch.utils.deterministic.fill_uninitialized_memory``): for buffers the kernels write
+    in full, where the fill would only add a memset per buffer and call."""
+    if not (torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory):
+        return torch.empty(shape, dtype=dtype, device=device)
+    shape = tuple(int(n) for n in shape)
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    numel = 1
+    for n in shape:
+        numel *= n
+    # A storage of its own is not filled; the 0-element tensor's fill writes nothing.
+    storage = torch.UntypedStorage(numel * dtype.itemsize, device=device)
+    return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, shape, tuple(reversed(strides)))
+
+
 def _tma_scratch(size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
     """Global memory for the tensor descriptors kernels build on the device (Triton asks per launch)."""
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+    return unfilled((size,), torch.int8, "cuda")
 
 
 def _ensure_allocator() -> None:
@@ -209,10 +228,10 @@ def forward(q, k, v, fmt: QKVFormat, seqs: Sequences, softmax_scale: float, mask
     elif seqs.is_thd:
         out = torch.zeros(out_shape, dtype=q.dtype, device=q.device)
     else:
-        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+        out = unfilled(out_shape, q.dtype, q.device)  # padded rows are written as zeros
     lse_shape = (seqs.batch, hq, seqs.max_q)
     lse = _given("lse", lse, lse_shape, torch.float32, q) if lse is not None else \
-        torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+        unfilled(lse_shape, torch.float32, q.device)
     tensors = dict(q=q, k=k, v=v, out=out)
     call = _call(q, k, v, fmt, seqs, softmax_scale, mask, window, mods, bottom_right_diagonal, tensors,
                  (lse.stride(0), lse.stride(1)))
@@ -240,7 +259,8 @@ def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_
     ``preprocess=False`` expects filled already (by an earlier call over these rows) instead of computing it.
     """
     grads = BackwardGrads(grads)
-    alloc = torch.zeros if seqs.is_thd else torch.empty
+    # thd leaves the rows between sequences unwritten; padded formats write every row.
+    alloc = torch.zeros if seqs.is_thd else unfilled
     tensors = dict(q=q, k=k, v=v, out=out, d_out=d_out)
     given = dict(dq=dq, dk=dk, dv=dv)
     for name, like, on in (("dq", q, grads.has_dq), ("dk", k, grads.has_dkdv), ("dv", v, grads.has_dkdv)):
@@ -252,7 +272,7 @@ def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_
     if delta is None:
         if not preprocess:
             raise ValueError("`delta` must be given with preprocess=False (the rows' rowsum(dO * O)), got None")
-        delta = torch.empty_like(lse)
+        delta = unfilled(lse.shape, lse.dtype, lse.device)  # rows past a sequence are never read
     elif tuple(delta.shape) != tuple(lse.shape) or delta.stride() != lse.stride() or delta.dtype != torch.float32:
         raise ValueError(f"`delta` must be float32 with lse's shape {tuple(lse.shape)} and strides {lse.stride()}, "
                          f"got {delta.dtype} {tuple(delta.shape)} strides {delta.stride()}")
@@ -262,9 +282,9 @@ def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_
     dbias = parts = None
     if bias_grad:
         # The dBias kernel writes every element of its tiles.
-        dbias = buffers["dbias"] = torch.empty(mods.bias.shape, dtype=mods.bias.dtype, device=mods.bias.device)
+        dbias = buffers["dbias"] = unfilled(mods.bias.shape, mods.bias.dtype, mods.bias.device)
     if softmax_offset_grad:
-        parts = buffers["dsink"] = torch.empty((seqs.batch, q.shape[-2]), dtype=torch.float32, device=lse.device)
+        parts = buffers["dsink"] = unfilled((seqs.batch, q.shape[-2]), torch.float32, lse.device)
     _run(launches.backward_launches(call, plan, bias_grad=bias_grad, sink_grad=softmax_offset_grad, grads=grads,
                                     preprocess=preprocess), buffers)
     d_offset = fixed_order_sum(parts) if softmax_offset_grad else None

@@ -302,8 +302,8 @@ def fused_forward_step(q: torch.Tensor, k_glob: torch.Tensor, v_glob: torch.Tens
     length = split.chunk_len()
     mask = AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK if spec.causal else AttnMaskType.NO_MASK
     # Each chunk's call writes its rows of the rank's out and lse (a copy where zero rows lead the chunk).
-    out = q.new_empty(tuple(q.shape[:-1]) + (v_glob.shape[-1],))
-    lse = torch.empty((q.shape[1 - sd], q.shape[-2], 2 * length), dtype=torch.float32, device=q.device)
+    out = launch.unfilled(tuple(q.shape[:-1]) + (v_glob.shape[-1],), q.dtype, q.device)
+    lse = launch.unfilled((q.shape[1 - sd], q.shape[-2], 2 * length), torch.float32, q.device)
     for slot, a, b, lo in _padded_ranges(split, spec.align):
         out_c, lse_c = out.narrow(sd, slot * length, length), lse.narrow(2, slot * length, length)
         q_c = _zeros_before(q.narrow(sd, slot * length, length), sd, a - lo)
@@ -331,7 +331,7 @@ def fused_backward_step(q_g, k_g, v_g, out_g, d_out_g, lse_g, split: SeqSplit,
     # rowsum(dO * O) once per rank: the first dK/dV call (slot 0, the earliest chunk) computes it over its
     # query rows [lo, s), which hold every row a later call of the rank reads; the others skip the preprocess.
     lse_g = lse_g.contiguous()
-    delta = torch.empty_like(lse_g)
+    delta = launch.unfilled(lse_g.shape, lse_g.dtype, lse_g.device)  # the rows a call reads are written first
     for slot, a, b, lo in _padded_ranges(split, spec.align):
         into = slot * length
         direct = a == lo  # the call's rows are the chunk's: its gradients go straight to the rank's buffers

@@ -104,3 +104,15 @@ def test_unfilled_is_torch_empty_without_the_fill(shape, flag):
     assert (t.shape, t.stride(), t.dtype, t.device) == (ref.shape, ref.stride(), ref.dtype, ref.device)
     assert t.is_contiguous() and t.untyped_storage().nbytes() >= t.numel() * 4
     assert _filled_shapes(prof) == []
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_unfilled_with_strides_reaches_every_element_of_the_view(flag):
+    """A delta buffer takes the strides of an lse view (a narrow of a wider buffer, or a permutation)."""
+    for shape, strides in (((2, 3, 5), (24, 8, 1)), ((2, 3, 5), (1, 2, 6)), ((2, 0, 5), (5, 5, 1))):
+        with deterministic_algorithms(flag):
+            t = launch.unfilled(shape, torch.float32, DEVICE, strides)
+        assert (tuple(t.shape), t.stride()) == (shape, strides)
+        t.fill_(1.0)  # writes through every element: within the storage
+        ref = torch.empty_strided(shape, strides, dtype=torch.float32, device=DEVICE)
+        assert t.untyped_storage().nbytes() >= ref.untyped_storage().nbytes()

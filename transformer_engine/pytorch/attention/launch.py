@@ -159,23 +159,28 @@ def _device(device: torch.device) -> Dict[str, object]:
     return dict(device_type=device.type, **device_facts(device))
 
 
-def unfilled(shape, dtype: torch.dtype, device) -> torch.Tensor:
-    """A new contiguous tensor like ``torch.empty``, without the fill that ``torch.use_deterministic_algorithms(True)``
-    gives new memory (``torch.utils.deterministic.fill_uninitialized_memory``): for buffers the kernels write
-    in full, where the fill would only add a memset per buffer and call."""
+def unfilled(shape, dtype: torch.dtype, device, strides=None) -> torch.Tensor:
+    """A new tensor like ``torch.empty`` (``torch.empty_strided`` with ``strides``), without the fill that
+    ``torch.use_deterministic_algorithms(True)`` gives new memory (``torch.utils.deterministic.
+    fill_uninitialized_memory``): for buffers the kernels write in full, where the fill would only add a memset
+    per buffer and call."""
     if not (torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory):
-        return torch.empty(shape, dtype=dtype, device=device)
+        if strides is None:
+            return torch.empty(shape, dtype=dtype, device=device)
+        return torch.empty_strided(shape, strides, dtype=dtype, device=device)
     shape = tuple(int(n) for n in shape)
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= max(n, 1)
-    numel = 1
-    for n in shape:
-        numel *= n
+    if strides is None:
+        strides, step = [], 1
+        for n in reversed(shape):
+            strides.append(step)
+            step *= max(n, 1)
+        strides = reversed(strides)
+    strides = tuple(int(st) for st in strides)
+    # Elements up to the last one a view of these strides reaches (none when a dim is empty).
+    extent = 0 if 0 in shape else 1 + sum((n - 1) * st for n, st in zip(shape, strides))
     # A storage of its own is not filled; the 0-element tensor's fill writes nothing.
-    storage = torch.UntypedStorage(numel * dtype.itemsize, device=device)
-    return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, shape, tuple(reversed(strides)))
+    storage = torch.UntypedStorage(extent * dtype.itemsize, device=device)
+    return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, shape, strides)
 
 
 def _tma_scratch(size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:
@@ -272,7 +277,8 @@ def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_
     if delta is None:
         if not preprocess:
             raise ValueError("`delta` must be given with preprocess=False (the rows' rowsum(dO * O)), got None")
-        delta = unfilled(lse.shape, lse.dtype, lse.device)  # rows past a sequence are never read
+        # lse's strides (the kernels address both alike); rows past a sequence are never read.
+        delta = unfilled(lse.shape, lse.dtype, lse.device, lse.stride())
     elif tuple(delta.shape) != tuple(lse.shape) or delta.stride() != lse.stride() or delta.dtype != torch.float32:
         raise ValueError(f"`delta` must be float32 with lse's shape {tuple(lse.shape)} and strides {lse.stride()}, "
                          f"got {delta.dtype} {tuple(delta.shape)} strides {delta.stride()}")

@@ -41,7 +41,7 @@ class FusedAttnFunc(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out, _d_lse):
         if d_out is None:  # the output took no part in the loss (grads are not materialized)
-            return (None,) * 21
+            return (None,) * len(ctx.needs_input_grad)
         q, k, v, out, lse, cu_q, cu_kv, off_q, off_kv, bias, alibi, rng_state, offset = ctx.saved_tensors
         fmt, max_q, max_kv, scale, mask, left, right, bottom_right, dropout_p, softmax_type = ctx.static
         dq, dk, dv, dbias, d_offset = ops.backward(

@@ -7,6 +7,7 @@ binds the description's slots to tensors.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
@@ -169,15 +170,12 @@ def unfilled(shape, dtype: torch.dtype, device, strides=None) -> torch.Tensor:
             return torch.empty(shape, dtype=dtype, device=device)
         return torch.empty_strided(shape, strides, dtype=dtype, device=device)
     shape = tuple(int(n) for n in shape)
-    if strides is None:
-        strides, step = [], 1
-        for n in reversed(shape):
-            strides.append(step)
-            step *= max(n, 1)
-        strides = reversed(strides)
-    strides = tuple(int(st) for st in strides)
-    # Elements up to the last one a view of these strides reaches (none when a dim is empty).
-    extent = 0 if 0 in shape else 1 + sum((n - 1) * st for n, st in zip(shape, strides))
+    if strides is None:  # contiguous: set_ without strides gives torch.empty's
+        extent, strides = math.prod(shape), ()
+    else:
+        strides = tuple(int(st) for st in strides)
+        # Elements up to the last one the view reaches (none when a dim is empty).
+        extent = 0 if 0 in shape else 1 + sum((n - 1) * st for n, st in zip(shape, strides))
     # A storage of its own is not filled; the 0-element tensor's fill writes nothing.
     storage = torch.UntypedStorage(extent * dtype.itemsize, device=device)
     return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, shape, strides)

@@ -3,7 +3,8 @@
 ``torch.use_deterministic_algorithms(True)`` makes every ``torch.empty`` fill its memory (NaN), a memset per
 buffer that the kernels then overwrite in full; the fused path allocates the buffers its kernels write
 whole without that fill (``launch.unfilled``), and autograd does not zero-fill a gradient for the
-non-differentiable log-sum-exp. Packed (thd) outputs keep their zeros: the kernels leave the rows
+non-differentiable log-sum-exp. The host reads of ``cu_seqlens`` (its checks) copy them without the fill
+that ``tolist`` of a device tensor gets. Packed (thd) outputs keep their zeros: the kernels leave the rows
 between sequences unwritten. Checked with the profiler's record of ``aten::fill_`` and ``aten::zero_`` (the fills
 run below the Python dispatcher), and the results bitwise against the same call without torch's flag.
 """
@@ -17,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 from dpa_helpers import deterministic_algorithms
 from fused_helpers import DEVICE, ON_GPU, cu_from_lengths, make_qkv, requires_fused
 
-from transformer_engine.pytorch.attention import launch
+from transformer_engine.pytorch.attention import buffers, launch
 from transformer_engine.pytorch.attention.fused_attn import fused_attn_func
 
 pytestmark = requires_fused
@@ -116,3 +117,16 @@ def test_unfilled_with_strides_reaches_every_element_of_the_view(flag):
         t.fill_(1.0)  # writes through every element: within the storage
         ref = torch.empty_strided(shape, strides, dtype=torch.float32, device=DEVICE)
         assert t.untyped_storage().nbytes() >= ref.untyped_storage().nbytes()
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_host_values_read_a_device_tensor_without_a_fill(flag):
+    """``tolist`` of a device tensor copies it into a new host tensor, which torch's flag fills first."""
+    t = cu_from_lengths([5, 0, 9])
+    with deterministic_algorithms(flag):
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            values = buffers.host_values(t)
+            values_of_a_slice = buffers.host_values(t[1:] - t[:-1])
+    assert values == [0, 5, 5, 14] and values_of_a_slice == [5, 0, 9]
+    assert all(isinstance(x, int) for x in values)
+    assert _filled_shapes(prof) == []

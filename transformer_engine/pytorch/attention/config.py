@@ -21,6 +21,7 @@ from transformer_engine.common.attention import (
 )
 from transformer_engine.common.attention.config import normalize_window
 from transformer_engine.common.attention.validation import check_cu_seqlens_values
+from transformer_engine.pytorch.attention.buffers import host_values
 from transformer_engine.pytorch.attention.device import device_facts
 
 __all__ = ["deterministic_requested", "make_attn_config", "build_attn_config", "dtype_name", "check_cu_seqlens",
@@ -128,7 +129,7 @@ def check_sequence_values(fmt: QKVFormat, q: torch.Tensor, k: torch.Tensor, cu_q
         pad_kv = cu_kv if pad_kv is None else pad_kv
     for side, cu, pad, tokens, limit in (("q", cu_q, pad_q, q.shape[0], max_q), ("kv", cu_kv, pad_kv, k.shape[0], max_kv)):
         check_cu_seqlens_values(
-            f"cu_seqlens_{side}", cu.tolist(), padded=pad.tolist() if (thd and pad is not None) else None,
+            f"cu_seqlens_{side}", host_values(cu), padded=host_values(pad) if (thd and pad is not None) else None,
             tokens=tokens if thd else None, max_seqlen=None if limit is None else int(limit),
             max_seqlen_arg=f"max_seqlen_{side}" if thd else None)
 

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from transformer_engine.common.attention import AttnMaskType, BackwardGrads, QKVFormat, UnfusedDotProductAttention
 from transformer_engine.common.attention.config import normalize_window, resolve_bottom_right_diagonal
 from transformer_engine.pytorch.attention import launch
+from transformer_engine.pytorch.attention.buffers import host_values
 
 __all__ = [
     "CP_COMM_TYPES", "ContextParallelGroup", "SeqSplit", "check_context_parallel_args", "tile_alignment",
@@ -676,8 +677,8 @@ def _split_of(fmt: QKVFormat, q: torch.Tensor, k: torch.Tensor, cp: int, rank: i
         raise NotImplementedError("context parallelism with qkv_format='thd' needs `cu_seqlens_kv` equal to "
                                   "`cu_seqlens_q` (self attention)")
     padded = seqs.cu_seqlens_q_padded if seqs.cu_seqlens_q_padded is not None else cu
-    lengths = [int(x) for x in (cu[1:] - cu[:-1]).tolist()]
-    bounds = [int(x) for x in padded.tolist()]
+    lengths = [int(x) for x in host_values(cu[1:] - cu[:-1])]
+    bounds = [int(x) for x in host_values(padded)]
     padded_lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
     name = "cu_seqlens_q_padded" if seqs.cu_seqlens_q_padded is not None else "cu_seqlens_q"
     if any(p % (2 * cp) for p in padded_lengths):
@@ -758,8 +759,8 @@ def run_ranks_in_one_process(q, k, v, d_out, fmt: str, cp: int, causal: bool, so
     sd = _seq_dim(qkv_format)
     if qkv_format == QKVFormat.THD:
         padded = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens
-        bounds = [int(x) for x in padded.tolist()]
-        lengths = [int(x) for x in (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()]
+        bounds = [int(x) for x in host_values(padded)]
+        lengths = [int(x) for x in host_values(cu_seqlens[1:] - cu_seqlens[:-1])]
         base = SeqSplit(qkv_format, cp, 0, starts=tuple(bounds[:-1]),
                         padded=tuple(e - s for s, e in zip(bounds[:-1], bounds[1:])), lengths=tuple(lengths))
     else:

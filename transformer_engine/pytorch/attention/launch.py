@@ -7,7 +7,6 @@ binds the description's slots to tensors.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
@@ -21,6 +20,7 @@ from transformer_engine.common.attention.config import resolve_bottom_right_diag
 from transformer_engine.common.attention.kernels.fill import zero_outside_sequences_kernel
 from transformer_engine.common.attention.kernels.scores import dropout_mask_kernel
 from transformer_engine.common.attention.plan import BackwardPlan, ForwardPlan
+from transformer_engine.pytorch.attention.buffers import unfilled
 from transformer_engine.pytorch.attention.config import dtype_name, triton_interpreting
 from transformer_engine.pytorch.attention.device import device_facts
 
@@ -158,27 +158,6 @@ def _call(q, k, v, fmt: QKVFormat, seqs: Sequences, softmax_scale: float, mask: 
 def _device(device: torch.device) -> Dict[str, object]:
     """AttnConfig's device facts of a launch on ``device`` (device_type, vendor, architecture)."""
     return dict(device_type=device.type, **device_facts(device))
-
-
-def unfilled(shape, dtype: torch.dtype, device, strides=None) -> torch.Tensor:
-    """A new tensor like ``torch.empty`` (``torch.empty_strided`` with ``strides``), without the fill that
-    ``torch.use_deterministic_algorithms(True)`` gives new memory (``torch.utils.deterministic.
-    fill_uninitialized_memory``): for buffers the kernels write in full, where the fill would only add a memset
-    per buffer and call."""
-    if not (torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory):
-        if strides is None:
-            return torch.empty(shape, dtype=dtype, device=device)
-        return torch.empty_strided(shape, strides, dtype=dtype, device=device)
-    shape = tuple(int(n) for n in shape)
-    if strides is None:  # contiguous: set_ without strides gives torch.empty's
-        extent, strides = math.prod(shape), ()
-    else:
-        strides = tuple(int(st) for st in strides)
-        # Elements up to the last one the view reaches (none when a dim is empty).
-        extent = 0 if 0 in shape else 1 + sum((n - 1) * st for n, st in zip(shape, strides))
-    # A storage of its own is not filled; the 0-element tensor's fill writes nothing.
-    storage = torch.UntypedStorage(extent * dtype.itemsize, device=device)
-    return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, shape, strides)
 
 
 def _tma_scratch(size: int, alignment: int, stream: Optional[int]) -> torch.Tensor:

@@ -21,7 +21,8 @@
 # (dev/tuning/cp_step_profile.py: device time per kernel, single call / thd / CP steps; CPPROF_ARGS), jtprof
 # (dev/tuning/jax_torch_profile.py: device time per kernel of one fwd+bwd from PyTorch and from JAX; JTPROF_ARGS), hosttime
 # (dev/tuning/host_time.py: host time per PyTorch call by layer: real launches, through the custom ops, stubbed), ordereddq
-# (dev/tuning/ordered_dq.py: the one-pass backward with ordered dQ against the product's); 2-GPU: tp (torchrun tensor-parallel heads), jaxmesh (tests/jax/test_jax_two_device_mesh.py); several GPUs: qa:L1_distributed
+# (dev/tuning/ordered_dq.py: the one-pass backward with ordered dQ against the product's), ordereddqws (its Gluon
+# warp-specialized form, ordered_dq_ws.py); 2-GPU: tp (torchrun tensor-parallel heads), jaxmesh (tests/jax/test_jax_two_device_mesh.py); several GPUs: qa:L1_distributed
 # (context parallelism at CP 2/4/8 up to the GPU count and TP 2 over NCCL; QA_CP_SIZES, QA_CP_SUITES), cpscale
 # (benchmarks/attention/bench_cp_scaling.py over every GPU: CP against one GPU at equal tokens, traces; CPSCALE_ARGS),
 # cpscalejax (the same for JAX: bench_cp_scaling_jax.py).
@@ -105,6 +106,10 @@ section() {
       timeout "$(limit ORDEREDDQ 420)" python3 dev/tuning/ordered_dq.py --out "$d/ordered_dq.json" \
         > "$d/ordered_dq.log" 2>&1
       note "ordered_dq rc=$? $(grep -c '^{' "$d/ordered_dq.log") rows" ;;
+    ordereddqws)  # dev/tuning/ordered_dq_ws.py: the same, warp-specialized in Gluon at d=128 (a hang is a deadlock)
+      timeout "$(limit ORDEREDDQWS 300)" python3 dev/tuning/ordered_dq_ws.py --out "$d/ordered_dq_ws.json" \
+        > "$d/ordered_dq_ws.log" 2>&1
+      note "ordered_dq_ws rc=$? $(grep -c '^{' "$d/ordered_dq_ws.log") rows" ;;
     timeline)  # step_timeline.py: a timed step's kernels and idle gaps; TIMELINE_ARGS e.g. "--preprocess 64x4,128x8"
       nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
         --format=csv > "$d/clocks.txt" 2>&1
@@ -171,6 +176,9 @@ section() {
       for flags in "" "--op-dispatch" "--stub"; do
         timeout "$(limit HOSTTIME 60)" python3 dev/tuning/host_time.py $flags >> "$d/hosttime.log" 2>&1
       done
+      # where the step's host time goes: functions by own time, and a trace of the threads
+      timeout "$(limit HOSTTIME 90)" python3 dev/tuning/host_time.py --calls 100 --profile --trace "$d/host_trace.json" \
+        > "$d/hostprofile.log" 2>&1
       note "host time rc=$? $(grep -c 'fwd+bwd' "$d/hosttime.log") step lines" ;;
     env:*) export "${s#env:}"; note "export ${s#env:}" ;;  # e.g. env:NVTE_FUSED_ATTN_PLAN_ARCH=sm80 for the lane's later sections
     sleep:*) sleep "${s#sleep:}" ;;  # e.g. keep a shared GPU quiet while the other lane benchmarks

@@ -7,6 +7,8 @@ ones (async: the call returns once they are queued, and the tiny shape keeps the
 
     TRITON_INTERPRET=1 python dev/tuning/host_time.py --stub
     python dev/tuning/host_time.py            # on a GPU
+    python dev/tuning/host_time.py --profile  # and where a step's host time goes, function by function
+    python dev/tuning/host_time.py --trace host_trace.json  # and a profiler trace of the threads
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ def main() -> None:
     ap.add_argument("--stub", action="store_true", help="launch no kernels (our Python only)")
     ap.add_argument("--op-dispatch", action="store_true",
                     help="eager calls through the custom ops too (their dispatch's cost)")
+    ap.add_argument("--profile", action="store_true",
+                    help="then cProfile forward+backward steps of DotProductAttention: the functions by own time")
+    ap.add_argument("--trace", default=None,
+                    help="then a torch.profiler trace of 5 such steps (Chrome JSON, every thread) and its op table")
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--head-dim", type=int, default=128)
     args = ap.parse_args()
@@ -92,6 +98,28 @@ def main() -> None:
                 t.grad = None
             print(f"  fwd+bwd  {name:22s} {per_call_us(fn, args.calls // 2):8.1f}"
                   + ("  (backward launches only)" if name.startswith("launch") else ""))
+        if args.profile:
+            import cProfile
+            import pstats
+
+            profiler = cProfile.Profile()
+            profiler.enable()
+            for _ in range(args.calls):
+                steps["DotProductAttention"]()
+            profiler.disable()
+            print(f"cProfile of {args.calls} DotProductAttention fwd+bwd steps (own time first):")
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(45)
+            pstats.Stats(profiler).sort_stats("cumtime").print_stats(30)
+        if args.trace:
+            # Which thread spends the step where: autograd runs a CUDA backward on its device thread.
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+            with profile(activities=activities, with_stack=False) as prof:
+                for _ in range(5):
+                    steps["DotProductAttention"]()
+            prof.export_chrome_trace(args.trace)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
 
 
 if __name__ == "__main__":

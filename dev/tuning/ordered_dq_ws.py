@@ -1,0 +1,366 @@
+"""The one-pass backward with ordered dQ, warp-specialized in Gluon (sm_90): the next form of ordered_dq.py.
+
+ordered_dq.py measured the Triton one pass slower than the product's two passes even without the order
+(NOTES.md 26): one program holding dK, dV and its dQ part costs more than the recompute saves. This form
+starts from the product's warp-specialized dK/dV kernel (kernels/hopper_ws.py: a loader warp, two consumer
+warpgroups of 64 keys, dK and dV in registers) and adds to each consumer's loop the block's dQ part over its
+64 keys, dS K, in column chunks of DQ_CHUNK (so that at most [64, DQ_CHUNK] fp32 more is live), added to an
+fp32 accumulator with ``gl.atomic_add`` (red.global.add.f32; Triton 3.6's Gluon has no TMA reduce-add).
+
+ORDER (as ordered_dq.py): UNORDERED adds as they come (not deterministic: the upper bound); HIGHEST_FIRST
+gives the adds to one query block a fixed order, the visiting key blocks highest first and within a program
+the first consumer's keys before the second's: a consumer waits until the query block's semaphore counts
+the adds before its own, adds, then increments it (release). Programs run highest key block first, so every
+wait is on a program that started earlier (no deadlock at any residency).
+
+Scope: bshd contiguous, h_q = h_kv, s_q = s_kv divisible by 128, d = 128, bf16/fp16, no mask or top-left
+causal, no bias, dropout, window or sink.
+
+    python dev/tuning/ordered_dq_ws.py --compile   # the CPU: sm_90 registers, spills, shared memory
+    python dev/tuning/ordered_dq_ws.py             # the GPU: errors, bitwise repeats, times against the product
+"""
+
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.language.core import _aggregate as aggregate
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+from transformer_engine.common.attention.kernels.hopper_ws import (
+    DKDV_CONSUMER_REGISTERS,
+    LOADER_REGISTERS,
+    LOADER_THREADS,
+    LOG2E,
+    WG_ROWS,
+    _dkdv_barriers,
+    _dkdv_loader,
+    _row_tiles,
+)
+from transformer_engine.common.attention.kernels.masking import query_block_bounds, visible
+
+UNORDERED, HIGHEST_FIRST = 0, 1  # ORDER (the kernel compares with the literal)
+ORDER_NAMES = {UNORDERED: "unordered", HIGHEST_FIRST: "highest-first"}
+
+
+@aggregate
+class _OnePass:
+    """Compile-time choices of the partitions (hopper_ws._Schedule's fields that the dK/dV loader reads, and
+    this kernel's own): warp_specialize passes plain constexpr arguments as runtime values."""
+
+    NUM_STAGES: gl.constexpr
+    BLOCK_N: gl.constexpr  # the ring's blocks: query blocks of BLOCK_M here (the loader's name)
+    HAS_LEFT: gl.constexpr
+    HAS_RIGHT: gl.constexpr  # causal
+    WITH_DK: gl.constexpr  # the loader brings V (always here)
+    DQ_CHUNK: gl.constexpr
+    ORDERED: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, NUM_STAGES, BLOCK_N, CAUSAL, DQ_CHUNK, ORDERED):
+        self.NUM_STAGES = gl.constexpr(NUM_STAGES)
+        self.BLOCK_N = gl.constexpr(BLOCK_N)
+        self.HAS_LEFT = gl.constexpr(False)
+        self.HAS_RIGHT = gl.constexpr(CAUSAL)
+        self.WITH_DK = gl.constexpr(True)
+        self.DQ_CHUNK = gl.constexpr(DQ_CHUNK)
+        self.ORDERED = gl.constexpr(ORDERED)
+
+
+@gluon.jit
+def _add_dq_part(ds_t, k, dq_rows, stride_dqs, start_m, len_q, sm_scale, BLOCK_M: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, DQ_CHUNK: gl.constexpr, dtype: gl.constexpr):
+    """dQ[start_m:start_m + BLOCK_M] += sm_scale * dS K over this warpgroup's 64 keys (ds_t: [keys, queries])."""
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, DQ_CHUNK, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    ds = gl.convert_layout(gl.permute(ds_t.to(dtype), (1, 0)), op_layout)  # [queries, keys]
+    offs_m = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+    offs_c = gl.arange(0, DQ_CHUNK, layout=gl.SliceLayout(0, acc_layout))
+    row_ok = gl.expand_dims(offs_m < len_q, 1)
+    zero = gl.zeros([BLOCK_M, DQ_CHUNK], gl.float32, layout=acc_layout)
+    for c in gl.static_range(HEAD_DIM // DQ_CHUNK):
+        part = warpgroup_mma(ds, k.slice(c * DQ_CHUNK, DQ_CHUNK, dim=1), zero, use_acc=False)
+        ptrs = dq_rows + gl.expand_dims(offs_m, 1) * stride_dqs + gl.expand_dims(c * DQ_CHUNK + offs_c, 0)
+        gl.atomic_add(ptrs, part * sm_scale, mask=row_ok, sem="relaxed")
+
+
+@gluon.jit
+def _consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr):
+    """The product's dK/dV consumer (hopper_ws._dkdv_consume without windows or GQA) plus the dQ part."""
+    NUM_STAGES: gl.constexpr = sched.NUM_STAGES
+    BLOCK_M: gl.constexpr = sched.BLOCK_N  # the ring's blocks are query blocks here
+    k_desc, v_desc, q_rows, do_rows, stat_rows, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = bufs
+    kv_bar, q_ready, do_ready, stat_ready, qdo_empty = bars
+    lo, hi, full_lo, full_hi = bounds
+    start_n, len_q, len_k, diag, window_left, window_right = coords
+    dk_base, dv_base, stride_dks, rows_out, qk_scale, sm_scale, dq_rows, sem_row, key_block = out_args
+    HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
+    dtype: gl.constexpr = k_desc.dtype
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, HEAD_DIM, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_a: gl.constexpr = gl.SliceLayout(1, acc_layout)
+    col_a: gl.constexpr = gl.SliceLayout(0, acc_layout)
+
+    first_key = start_n + WG * WG_ROWS
+    dk = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
+    dv = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
+    s_zero = gl.zeros([WG_ROWS, BLOCK_M], gl.float32, layout=s_layout)
+
+    mbarrier.wait(kv_bar, 0)
+    k = k_smem.index(WG)
+    v = v_smem.index(WG)
+    it = 0
+    for start_m in range(lo, hi, BLOCK_M):
+        stage = it % NUM_STAGES
+        phase = (it // NUM_STAGES) & 1
+        q = q_smem.index(stage)
+        do = do_smem.index(stage)
+        mbarrier.wait(q_ready.index(stage), phase)
+        qk_t = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(do_ready.index(stage), phase)
+        dp_t = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(stat_ready.index(stage), phase)
+        lse2 = lse_smem.index(stage).load(col_s) * LOG2E
+        qk_t = warpgroup_mma_wait(num_outstanding=1, deps=(qk_t, ))
+        p_t = gl.exp2(qk_t * qk_scale - gl.expand_dims(lse2, 0))
+        if (start_m < full_lo) | (start_m >= full_hi):
+            offs_n = first_key + gl.arange(0, WG_ROWS, layout=row_s)
+            offs_m = start_m + gl.arange(0, BLOCK_M, layout=col_s)
+            keep = visible(gl.expand_dims(offs_m, 0), gl.expand_dims(offs_n, 1), len_q, len_k, diag, window_left,
+                           window_right, sched.HAS_LEFT, sched.HAS_RIGHT)
+            p_t = gl.where(keep, p_t, 0.0)
+        dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), op_layout), do, dv, is_async=True)
+        delta = delta_smem.index(stage).load(col_s)
+        dp_t = warpgroup_mma_wait(num_outstanding=1, deps=(dp_t, ))
+        ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
+        dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), op_layout), q, dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+        mbarrier.arrive(qdo_empty.index(stage), count=1)  # Q and dO are read: K is what dQ needs
+        # The adds before this one at the query block: 2 per visiting key block above this one, then the
+        # first consumer's.
+        block_m = start_m // BLOCK_M
+        if sched.ORDERED:
+            top = len_k // (2 * WG_ROWS) - 1
+            if sched.HAS_RIGHT:
+                top = gl.minimum(top, (start_m + BLOCK_M - 1) // (2 * WG_ROWS))
+            turn = 2 * (top - key_block) + WG
+            while gl.atomic_add(sem_row + block_m, 0, sem="acquire") < turn:
+                pass
+        _add_dq_part(ds_t, k, dq_rows, stride_dks, start_m, len_q, sm_scale, BLOCK_M, HEAD_DIM, sched.DQ_CHUNK,
+                     dtype)
+        if sched.ORDERED:
+            gl.thread_barrier()  # the warpgroup's adds are issued before its increment releases them
+            gl.atomic_add(sem_row + block_m, 1, sem="release")
+        it += 1
+
+    offs_na = first_key + gl.arange(0, WG_ROWS, layout=row_a)
+    offs_d = gl.arange(0, HEAD_DIM, layout=col_a)
+    key_ok = gl.expand_dims(offs_na < len_k, 1)
+    out_rows = gl.expand_dims(offs_na < rows_out, 1)
+    dk = gl.where(key_ok, dk * sm_scale, 0.0)
+    dv = gl.where(key_ok, dv, 0.0)
+    gl.store(dk_base + gl.expand_dims(offs_na, 1) * stride_dks + gl.expand_dims(offs_d, 0), dk.to(dtype),
+             mask=out_rows)
+    gl.store(dv_base + gl.expand_dims(offs_na, 1) * stride_dks + gl.expand_dims(offs_d, 0), dv.to(dtype),
+             mask=out_rows)
+
+
+@gluon.jit
+def _consumer0(bufs, bars, bounds, coords, out_args, sched):
+    _consume(bufs, bars, bounds, coords, out_args, sched, 0)
+
+
+@gluon.jit
+def _consumer1(bufs, bars, bounds, coords, out_args, sched):
+    _consume(bufs, bars, bounds, coords, out_args, sched, 1)
+
+
+@gluon.jit
+def attn_bwd_one_pass_ws_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, DQ_ACC, SEM, seqlen, num_heads, qk_scale, sm_scale,
+                                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr,
+                                ORDER: gl.constexpr, DQ_CHUNK: gl.constexpr, NUM_STAGES: gl.constexpr = 2):
+    """One program per (key block of 128, batch * head), highest key block first; [b, s, h, d] tensors,
+    LSE and DELTA [b, h, s] fp32, DQ_ACC [b, s, h, d] fp32 zeroed, SEM [b * h, s // BLOCK_M] int32 zeroed."""
+    gl.static_assert(BLOCK_M % LOADER_THREADS == 0)
+    BLOCK_N: gl.constexpr = 2 * WG_ROWS
+    key_block = seqlen // BLOCK_N - 1 - gl.program_id(0)
+    bh = gl.program_id(1)
+    batch = bh // num_heads
+    head = bh % num_heads
+    start_n = key_block * BLOCK_N
+    row = num_heads * HEAD_DIM  # the stride of a sequence position
+    window_right = -1
+    if CAUSAL:
+        window_right = 0
+    lo, full_lo, full_hi, hi = query_block_bounds(start_n, seqlen, seqlen, 0, -1, window_right, BLOCK_M, BLOCK_N,
+                                                  False, CAUSAL)
+    dtype: gl.constexpr = Q.dtype.element_ty
+    k_desc, k_smem = _row_tiles(K, batch, head, 0, seqlen, seqlen * row, row, HEAD_DIM, HEAD_DIM)
+    v_desc, v_smem = _row_tiles(V, batch, head, 0, seqlen, seqlen * row, row, HEAD_DIM, HEAD_DIM)
+    row_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+    stat_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    head_off = batch.to(gl.int64) * seqlen * row + head.to(gl.int64) * HEAD_DIM
+    q_rows = (Q + head_off, HEAD_DIM, row)
+    do_rows = (DO + head_off, HEAD_DIM, row, 1)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], row_layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], row_layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], stat_layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], stat_layout)
+    bars = _dkdv_barriers(NUM_STAGES)
+    stat_off = bh.to(gl.int64) * seqlen
+    stat_rows = (LSE + stat_off, DELTA + stat_off, seqlen)
+    bufs = (k_desc, v_desc, q_rows, do_rows, stat_rows, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem)
+    bounds = (lo, hi, full_lo, full_hi)
+    coords = (start_n, seqlen, seqlen, 0, -1, window_right)
+    out_args = (DK + head_off, DV + head_off, row, seqlen, qk_scale, sm_scale, DQ_ACC + head_off,
+                SEM + bh.to(gl.int64) * (seqlen // BLOCK_M), key_block)
+    sched = _OnePass(NUM_STAGES, BLOCK_M, CAUSAL, DQ_CHUNK, ORDER == 1)  # HIGHEST_FIRST
+    args = (bufs, bars, bounds, coords, out_args, sched)
+    gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_dkdv_loader, args)], [4, 1],
+                       [DKDV_CONSUMER_REGISTERS, LOADER_REGISTERS])
+
+
+def compile_sm90() -> None:
+    """Each variant compiled for sm_90 here (no GPU needed): registers, stack (spills), shared memory."""
+    from transformer_engine.common.attention.kernels.aot import Pointer, compile_kernel
+    from transformer_engine.common.attention.kernels.resources import resources, target
+
+    ptr = {name: Pointer(dt) for name, dt in (("Q", "bfloat16"), ("K", "bfloat16"), ("V", "bfloat16"),
+                                              ("DO", "bfloat16"), ("DK", "bfloat16"), ("DV", "bfloat16"),
+                                              ("LSE", "float32"), ("DELTA", "float32"), ("DQ_ACC", "float32"),
+                                              ("SEM", "int32"))}
+    for chunk in [int(c) for c in os.environ.get("CHUNKS", "32,64,128").split(",")]:
+        for causal in (False, True):
+            for order in (UNORDERED, HIGHEST_FIRST):
+                args = dict(ptr, seqlen=4096, num_heads=16, qk_scale=0.1, sm_scale=0.1, HEAD_DIM=128, BLOCK_M=64,
+                            CAUSAL=causal, ORDER=order, DQ_CHUNK=chunk, NUM_STAGES=2)
+                try:
+                    kernel = compile_kernel(attn_bwd_one_pass_ws_kernel, args, dict(num_warps=4, maxnreg=168),
+                                            target("sm90"))
+                    report = resources(kernel)
+                except Exception as err:
+                    report = {"error": f"{type(err).__name__}: {str(err)[-700:]}"}
+                print(f"chunk={chunk} causal={causal} order={ORDER_NAMES[order]}: {report}", flush=True)
+
+
+def one_pass_backward(q, k, v, out, d_out, lse, causal, order=HIGHEST_FIRST, dq_chunk=64, parts=None):
+    """(dq, dk, dv) over [b, s, h, d] contiguous tensors on the GPU; ``lse`` [b, h, s] (the product's)."""
+    from ordered_dq import _delta_kernel
+
+    b, s, h, d = q.shape
+    scale = d ** -0.5
+    delta = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
+    _delta_kernel[(s // 64, b * h)](out, d_out, delta, s, h, HEAD_DIM=d, BLOCK_M=64)
+    acc = torch.zeros((b, s, h, d), dtype=torch.float32, device=q.device)
+    sem = torch.zeros((b * h, s // 64), dtype=torch.int32, device=q.device)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    args = (q, k, v, d_out, dk, dv, lse, delta, acc, sem, s, h, scale * 1.4426950408889634, scale)
+    meta = dict(HEAD_DIM=d, BLOCK_M=64, CAUSAL=causal, ORDER=order, DQ_CHUNK=dq_chunk, num_warps=4, maxnreg=168)
+    grid = (s // 128, b * h)
+    attn_bwd_one_pass_ws_kernel[grid](*args, **meta)
+    if parts is not None:
+        parts.update(acc=acc, sem=sem, grid=grid, args=args, meta=meta)
+    return acc.to(q.dtype), dk, dv
+
+
+def run_gpu(out_path):
+    """Checks against fp32 and the product (small shapes), bitwise repeats, then times against the product's
+    backward at 8x32x2048x128 and 4x16x4096x128 (the one pass alone and with its preprocess and zeroing)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks", "attention"))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from common import bench_ms, run_metadata
+    from ordered_dq import _errors, _forward, reference_grads
+    from transformer_engine.common.attention import AttnMaskType, QKVFormat
+    from transformer_engine.pytorch.attention import launch
+
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    variants = [(order, chunk) for order in (HIGHEST_FIRST, UNORDERED) for chunk in (64, 128, 32)]
+    rows = []
+    for causal in (False, True):
+        torch.manual_seed(0)
+        q, k, v, d_out = (torch.randn(2, 1024, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        out, lse = _forward(q, k, v, causal)
+        refs = reference_grads(q, k, v, d_out, causal)
+        mask = AttnMaskType.CAUSAL_MASK if causal else AttnMaskType.NO_MASK
+        seqs = launch.sequences(QKVFormat.BSHD, q, k, None, None, None, None, 1024, 1024)
+        ours = launch.backward(q, k, v, out, d_out, lse, QKVFormat.BSHD, seqs, 128 ** -0.5, mask,
+                               (-1, 0 if causal else -1))[:3]
+        row = dict(kind="check", causal=causal, product_errors=_errors(ours, refs))
+        for order, chunk in variants:
+            name = f"{ORDER_NAMES[order]} chunk {chunk}"
+            try:
+                grads = one_pass_backward(q, k, v, out, d_out, lse, causal, order, chunk)
+                again = one_pass_backward(q, k, v, out, d_out, lse, causal, order, chunk)
+                torch.cuda.synchronize()
+                row[name] = dict(errors=_errors(grads, refs),
+                                 repeat_bitwise=all(torch.equal(a, c) for a, c in zip(grads, again)))
+            except Exception as err:  # a variant that does not compile or fit: recorded, the rest go on
+                row[name] = dict(error=f"{type(err).__name__}: {str(err)[:300]}")
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    for (b, h, s, d) in [(8, 32, 2048, 128), (4, 16, 4096, 128)]:
+        for causal in (False, True):
+            torch.manual_seed(0)
+            q, k, v, d_out = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+            out, lse = _forward(q, k, v, causal)
+            mask = AttnMaskType.CAUSAL_MASK if causal else AttnMaskType.NO_MASK
+            seqs = launch.sequences(QKVFormat.BSHD, q, k, None, None, None, None, s, s)
+            window = (-1, 0 if causal else -1)
+            product = lambda: launch.backward(q, k, v, out, d_out, lse, QKVFormat.BSHD, seqs,  # noqa: E731
+                                              d ** -0.5, mask, window)
+            flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
+            ref = [g.float() for g in product()[:3]]
+            ms = bench_ms(product)
+            row = dict(kind="time", case=f"{b}x{h}x{s}x{d}", causal=causal, product_ms=ms,
+                       product_tflops=flops / ms * 1e-9)
+            for order, chunk in variants:
+                name = f"{ORDER_NAMES[order]} chunk {chunk}"
+                try:
+                    parts = {}
+                    grads = one_pass_backward(q, k, v, out, d_out, lse, causal, order, chunk, parts=parts)
+                    torch.cuda.synchronize()
+                    err = max(float((g.float() - r).abs().max() / r.abs().max()) for g, r in zip(grads, ref))
+                    t_all = bench_ms(lambda: one_pass_backward(q, k, v, out, d_out, lse, causal, order, chunk))
+
+                    def one_pass_alone():
+                        parts["acc"].zero_()
+                        parts["sem"].zero_()
+                        attn_bwd_one_pass_ws_kernel[parts["grid"]](*parts["args"], **parts["meta"])
+
+                    row[name] = dict(ms=t_all, ratio_vs_product=ms / t_all, one_pass_and_zeroing_ms=bench_ms(
+                        one_pass_alone), rel_err_vs_product=err)
+                except Exception as err:
+                    row[name] = dict(error=f"{type(err).__name__}: {str(err)[:300]}")
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    meta = run_metadata("python dev/tuning/ordered_dq_ws.py", torch.cuda.get_device_name())
+    if out_path:
+        with open(out_path, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--compile", action="store_true", help="compile the variants for sm_90 here (no GPU needed)")
+    ap.add_argument("--out", default=None, help="JSON of the GPU rows")
+    args = ap.parse_args()
+    if args.compile:
+        return compile_sm90()
+    run_gpu(args.out)
+
+
+if __name__ == "__main__":
+    main()

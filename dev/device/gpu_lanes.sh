@@ -107,9 +107,12 @@ section() {
         > "$d/ordered_dq.log" 2>&1
       note "ordered_dq rc=$? $(grep -c '^{' "$d/ordered_dq.log") rows" ;;
     ordereddqws)  # dev/tuning/ordered_dq_ws.py: the same, warp-specialized in Gluon at d=128 (a hang is a deadlock)
-      timeout "$(limit ORDEREDDQWS 300)" python3 dev/tuning/ordered_dq_ws.py --out "$d/ordered_dq_ws.json" \
-        > "$d/ordered_dq_ws.log" 2>&1
-      note "ordered_dq_ws rc=$? $(grep -c '^{' "$d/ordered_dq_ws.log") rows" ;;
+      # the unordered pass first and apart: a hang of the ordered one then keeps its rows
+      for order in unordered highest-first; do
+        timeout "$(limit ORDEREDDQWS 200)" python3 dev/tuning/ordered_dq_ws.py --orders $order \
+          --out "$d/ordered_dq_ws_$order.json" > "$d/ordered_dq_ws_$order.log" 2>&1
+        note "ordered_dq_ws $order rc=$? $(grep -c '^{' "$d/ordered_dq_ws_$order.log") rows"
+      done ;;
     timeline)  # step_timeline.py: a timed step's kernels and idle gaps; TIMELINE_ARGS e.g. "--preprocess 64x4,128x8"
       nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
         --format=csv > "$d/clocks.txt" 2>&1

@@ -28,10 +28,11 @@ S, H, D = (256, 4, 64) if ON_GPU else (24, 2, 16)
 
 
 def _filled_shapes(prof) -> list:
-    """Shapes of the tensors that ``aten::fill_`` or ``aten::zero_`` wrote (0-element fills write nothing)."""
+    """Shapes of the tensors that ``aten::fill_`` or ``aten::zero_`` wrote (0-element fills write nothing; a
+    0-dim tensor has one element)."""
     shapes = []
     for event in prof.events():
-        if event.name in ("aten::fill_", "aten::zero_") and event.input_shapes and event.input_shapes[0]:
+        if event.name in ("aten::fill_", "aten::zero_") and event.input_shapes:
             shape = tuple(event.input_shapes[0])
             if all(n > 0 for n in shape):
                 shapes.append(shape)

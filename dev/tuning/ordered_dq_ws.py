@@ -62,9 +62,10 @@ class _OnePass:
     WITH_DK: gl.constexpr  # the loader brings V (always here)
     DQ_CHUNK: gl.constexpr
     ORDERED: gl.constexpr
+    RED: gl.constexpr  # dQ's adds as red.global (inline PTX) instead of gl.atomic_add (atom, returns the old value)
 
     @gluon.constexpr_function
-    def __init__(self, NUM_STAGES, BLOCK_N, CAUSAL, DQ_CHUNK, ORDERED):
+    def __init__(self, NUM_STAGES, BLOCK_N, CAUSAL, DQ_CHUNK, ORDERED, RED):
         self.NUM_STAGES = gl.constexpr(NUM_STAGES)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.HAS_LEFT = gl.constexpr(False)
@@ -72,11 +73,12 @@ class _OnePass:
         self.WITH_DK = gl.constexpr(True)
         self.DQ_CHUNK = gl.constexpr(DQ_CHUNK)
         self.ORDERED = gl.constexpr(ORDERED)
+        self.RED = gl.constexpr(RED)
 
 
 @gluon.jit
 def _add_dq_part(ds_t, k, dq_rows, stride_dqs, start_m, len_q, sm_scale, BLOCK_M: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, DQ_CHUNK: gl.constexpr, dtype: gl.constexpr):
+                 HEAD_DIM: gl.constexpr, DQ_CHUNK: gl.constexpr, RED: gl.constexpr, dtype: gl.constexpr):
     """dQ[start_m:start_m + BLOCK_M] += sm_scale * dS K over this warpgroup's 64 keys (ds_t: [keys, queries])."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, DQ_CHUNK, 16])
@@ -89,7 +91,11 @@ def _add_dq_part(ds_t, k, dq_rows, stride_dqs, start_m, len_q, sm_scale, BLOCK_M
     for c in gl.static_range(HEAD_DIM // DQ_CHUNK):
         part = warpgroup_mma(ds, k.slice(c * DQ_CHUNK, DQ_CHUNK, dim=1), zero, use_acc=False)
         ptrs = dq_rows + gl.expand_dims(offs_m, 1) * stride_dqs + gl.expand_dims(c * DQ_CHUNK + offs_c, 0)
-        gl.atomic_add(ptrs, part * sm_scale, mask=row_ok, sem="relaxed")
+        if RED:  # fire-and-forget reductions: no returned old value to wait for (rows all inside: s % 128 == 0)
+            gl.inline_asm_elementwise("red.global.gpu.relaxed.add.f32 [$1], $2; mov.u32 $0, 0;", "=r,l,f",
+                                      [ptrs.to(gl.int64), part * sm_scale], dtype=gl.int32, is_pure=False, pack=1)
+        else:
+            gl.atomic_add(ptrs, part * sm_scale, mask=row_ok, sem="relaxed")
 
 
 @gluon.jit
@@ -161,7 +167,7 @@ def _consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr):
             while gl.atomic_add(sem_row + block_m, 0, sem="acquire") < turn:
                 pass
         _add_dq_part(ds_t, k, dq_rows, stride_dks, start_m, len_q, sm_scale, BLOCK_M, HEAD_DIM, sched.DQ_CHUNK,
-                     dtype)
+                     sched.RED, dtype)
         if sched.ORDERED:
             gl.thread_barrier()  # the warpgroup's adds are issued before its increment releases them
             gl.atomic_add(sem_row + block_m, 1, sem="release")
@@ -192,7 +198,8 @@ def _consumer1(bufs, bars, bounds, coords, out_args, sched):
 @gluon.jit
 def attn_bwd_one_pass_ws_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, DQ_ACC, SEM, seqlen, num_heads, qk_scale, sm_scale,
                                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr,
-                                ORDER: gl.constexpr, DQ_CHUNK: gl.constexpr, NUM_STAGES: gl.constexpr = 2):
+                                ORDER: gl.constexpr, DQ_CHUNK: gl.constexpr, RED: gl.constexpr = False,
+                                NUM_STAGES: gl.constexpr = 2):
     """One program per (key block of 128, batch * head), highest key block first; [b, s, h, d] tensors,
     LSE and DELTA [b, h, s] fp32, DQ_ACC [b, s, h, d] fp32 zeroed, SEM [b * h, s // BLOCK_M] int32 zeroed."""
     gl.static_assert(BLOCK_M % LOADER_THREADS == 0)
@@ -228,7 +235,7 @@ def attn_bwd_one_pass_ws_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, DQ_ACC, SEM, se
     coords = (start_n, seqlen, seqlen, 0, -1, window_right)
     out_args = (DK + head_off, DV + head_off, row, seqlen, qk_scale, sm_scale, DQ_ACC + head_off,
                 SEM + bh.to(gl.int64) * (seqlen // BLOCK_M), key_block)
-    sched = _OnePass(NUM_STAGES, BLOCK_M, CAUSAL, DQ_CHUNK, ORDER == 1)  # HIGHEST_FIRST
+    sched = _OnePass(NUM_STAGES, BLOCK_M, CAUSAL, DQ_CHUNK, ORDER == 1, RED)  # ORDER 1: HIGHEST_FIRST
     args = (bufs, bars, bounds, coords, out_args, sched)
     gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_dkdv_loader, args)], [4, 1],
                        [DKDV_CONSUMER_REGISTERS, LOADER_REGISTERS])
@@ -243,21 +250,21 @@ def compile_sm90() -> None:
                                               ("DO", "bfloat16"), ("DK", "bfloat16"), ("DV", "bfloat16"),
                                               ("LSE", "float32"), ("DELTA", "float32"), ("DQ_ACC", "float32"),
                                               ("SEM", "int32"))}
-    for chunk in [int(c) for c in os.environ.get("CHUNKS", "32,64,128").split(",")]:
+    for chunk, red in ((32, False), (64, False), (128, False), (64, True), (128, True)):
         for causal in (False, True):
             for order in (UNORDERED, HIGHEST_FIRST):
                 args = dict(ptr, seqlen=4096, num_heads=16, qk_scale=0.1, sm_scale=0.1, HEAD_DIM=128, BLOCK_M=64,
-                            CAUSAL=causal, ORDER=order, DQ_CHUNK=chunk, NUM_STAGES=2)
+                            CAUSAL=causal, ORDER=order, DQ_CHUNK=chunk, RED=red, NUM_STAGES=2)
                 try:
                     kernel = compile_kernel(attn_bwd_one_pass_ws_kernel, args, dict(num_warps=4, maxnreg=168),
                                             target("sm90"))
                     report = resources(kernel)
                 except Exception as err:
                     report = {"error": f"{type(err).__name__}: {str(err)[-700:]}"}
-                print(f"chunk={chunk} causal={causal} order={ORDER_NAMES[order]}: {report}", flush=True)
+                print(f"chunk={chunk} red={red} causal={causal} order={ORDER_NAMES[order]}: {report}", flush=True)
 
 
-def one_pass_backward(q, k, v, out, d_out, lse, causal, order=HIGHEST_FIRST, dq_chunk=64, parts=None):
+def one_pass_backward(q, k, v, out, d_out, lse, causal, order=HIGHEST_FIRST, dq_chunk=64, red=True, parts=None):
     """(dq, dk, dv) over [b, s, h, d] contiguous tensors on the GPU; ``lse`` [b, h, s] (the product's)."""
     from ordered_dq import _delta_kernel
 
@@ -269,7 +276,8 @@ def one_pass_backward(q, k, v, out, d_out, lse, causal, order=HIGHEST_FIRST, dq_
     sem = torch.zeros((b * h, s // 64), dtype=torch.int32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     args = (q, k, v, d_out, dk, dv, lse, delta, acc, sem, s, h, scale * 1.4426950408889634, scale)
-    meta = dict(HEAD_DIM=d, BLOCK_M=64, CAUSAL=causal, ORDER=order, DQ_CHUNK=dq_chunk, num_warps=4, maxnreg=168)
+    meta = dict(HEAD_DIM=d, BLOCK_M=64, CAUSAL=causal, ORDER=order, DQ_CHUNK=dq_chunk, RED=red, num_warps=4,
+                maxnreg=168)
     grid = (s // 128, b * h)
     attn_bwd_one_pass_ws_kernel[grid](*args, **meta)
     if parts is not None:
@@ -288,7 +296,8 @@ def run_gpu(out_path, orders=(UNORDERED, HIGHEST_FIRST)):
     from transformer_engine.pytorch.attention import launch
 
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-    variants = [(order, chunk) for order in orders for chunk in (64, 128)]
+    # (order, DQ_CHUNK, RED): red.global against atom at chunk 64, then chunk 128
+    variants = [(order, chunk, red) for order in orders for chunk, red in ((64, True), (64, False), (128, True))]
     rows = []
     for causal in (False, True):
         torch.manual_seed(0)
@@ -300,11 +309,11 @@ def run_gpu(out_path, orders=(UNORDERED, HIGHEST_FIRST)):
         ours = launch.backward(q, k, v, out, d_out, lse, QKVFormat.BSHD, seqs, 128 ** -0.5, mask,
                                (-1, 0 if causal else -1))[:3]
         row = dict(kind="check", causal=causal, product_errors=_errors(ours, refs))
-        for order, chunk in variants:
-            name = f"{ORDER_NAMES[order]} chunk {chunk}"
+        for order, chunk, red in variants:
+            name = f"{ORDER_NAMES[order]} chunk {chunk} {'red' if red else 'atom'}"
             try:
-                grads = one_pass_backward(q, k, v, out, d_out, lse, causal, order, chunk)
-                again = one_pass_backward(q, k, v, out, d_out, lse, causal, order, chunk)
+                grads = one_pass_backward(q, k, v, out, d_out, lse, causal, order, chunk, red)
+                again = one_pass_backward(q, k, v, out, d_out, lse, causal, order, chunk, red)
                 torch.cuda.synchronize()
                 row[name] = dict(errors=_errors(grads, refs),
                                  repeat_bitwise=all(torch.equal(a, c) for a, c in zip(grads, again)))
@@ -327,14 +336,14 @@ def run_gpu(out_path, orders=(UNORDERED, HIGHEST_FIRST)):
             ms = bench_ms(product)
             row = dict(kind="time", case=f"{b}x{h}x{s}x{d}", causal=causal, product_ms=ms,
                        product_tflops=flops / ms * 1e-9)
-            for order, chunk in variants:
-                name = f"{ORDER_NAMES[order]} chunk {chunk}"
+            for order, chunk, red in variants:
+                name = f"{ORDER_NAMES[order]} chunk {chunk} {'red' if red else 'atom'}"
                 try:
                     parts = {}
-                    grads = one_pass_backward(q, k, v, out, d_out, lse, causal, order, chunk, parts=parts)
+                    grads = one_pass_backward(q, k, v, out, d_out, lse, causal, order, chunk, red, parts=parts)
                     torch.cuda.synchronize()
                     err = max(float((g.float() - r).abs().max() / r.abs().max()) for g, r in zip(grads, ref))
-                    t_all = bench_ms(lambda: one_pass_backward(q, k, v, out, d_out, lse, causal, order, chunk))
+                    t_all = bench_ms(lambda: one_pass_backward(q, k, v, out, d_out, lse, causal, order, chunk, red))
 
                     def one_pass_alone():
                         parts["acc"].zero_()

@@ -108,7 +108,7 @@ section() {
       note "ordered_dq rc=$? $(grep -c '^{' "$d/ordered_dq.log") rows" ;;
     ordereddqws)  # dev/tuning/ordered_dq_ws.py: the same, warp-specialized in Gluon at d=128 (a hang is a deadlock)
       # the unordered pass first and apart: a hang of the ordered one then keeps its rows
-      for order in unordered highest-first; do
+      for order in unordered highest-first rotated; do
         timeout "$(limit ORDEREDDQWS 200)" python3 dev/tuning/ordered_dq_ws.py --orders $order \
           --out "$d/ordered_dq_ws_$order.json" > "$d/ordered_dq_ws_$order.log" 2>&1
         note "ordered_dq_ws $order rc=$? $(grep -c '^{' "$d/ordered_dq_ws_$order.log") rows"

@@ -11,7 +11,10 @@ ORDER (as ordered_dq.py): UNORDERED adds as they come (not deterministic: the up
 gives the adds to one query block a fixed order, the visiting key blocks highest first and within a program
 the first consumer's keys before the second's: a consumer waits until the query block's semaphore counts
 the adds before its own, adds, then increments it (release). Programs run highest key block first, so every
-wait is on a program that started earlier (no deadlock at any residency).
+wait is on a program that started earlier (no deadlock at any residency). ROTATED (no mask): each program
+walks the query blocks from its own diagonal round, and the adds to a block follow arrival (the diagonal's key
+block first), so in the ideal nobody waits; the waits are cyclic within a head, so a head's key blocks must be
+resident together (true when programs start in grid order and a head has fewer key blocks than the GPU slots).
 
 Scope: bshd contiguous, h_q = h_kv, s_q = s_kv divisible by 128, d = 128, bf16/fp16, no mask or top-left
 causal, no bias, dropout, window or sink.
@@ -32,7 +35,8 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.language.core import _aggregate as aggregate
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from transformer_engine.common.attention.kernels.hopper_ws import (
     DKDV_CONSUMER_REGISTERS,
@@ -41,13 +45,13 @@ from transformer_engine.common.attention.kernels.hopper_ws import (
     LOG2E,
     WG_ROWS,
     _dkdv_barriers,
-    _dkdv_loader,
     _row_tiles,
+    _rows_desc,
 )
 from transformer_engine.common.attention.kernels.masking import query_block_bounds, visible
 
-UNORDERED, HIGHEST_FIRST = 0, 1  # ORDER (the kernel compares with the literal)
-ORDER_NAMES = {UNORDERED: "unordered", HIGHEST_FIRST: "highest-first"}
+UNORDERED, HIGHEST_FIRST, ROTATED = 0, 1, 2  # ORDER (the kernel compares with the literals)
+ORDER_NAMES = {UNORDERED: "unordered", HIGHEST_FIRST: "highest-first", ROTATED: "rotated"}
 
 
 @aggregate
@@ -61,19 +65,64 @@ class _OnePass:
     HAS_RIGHT: gl.constexpr  # causal
     WITH_DK: gl.constexpr  # the loader brings V (always here)
     DQ_CHUNK: gl.constexpr
-    ORDERED: gl.constexpr
+    ORDER: gl.constexpr
     RED: gl.constexpr  # dQ's adds as red.global (inline PTX) instead of gl.atomic_add (atom, returns the old value)
 
     @gluon.constexpr_function
-    def __init__(self, NUM_STAGES, BLOCK_N, CAUSAL, DQ_CHUNK, ORDERED, RED):
+    def __init__(self, NUM_STAGES, BLOCK_N, CAUSAL, DQ_CHUNK, ORDER, RED):
         self.NUM_STAGES = gl.constexpr(NUM_STAGES)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.HAS_LEFT = gl.constexpr(False)
         self.HAS_RIGHT = gl.constexpr(CAUSAL)
         self.WITH_DK = gl.constexpr(True)
         self.DQ_CHUNK = gl.constexpr(DQ_CHUNK)
-        self.ORDERED = gl.constexpr(ORDERED)
+        self.ORDER = gl.constexpr(ORDER)
         self.RED = gl.constexpr(RED)
+
+
+@gluon.jit
+def _block_start(it, lo, start_n, num_blocks, BLOCK_M: gl.constexpr, ORDER: gl.constexpr):
+    """The query block of step ``it``: ascending from ``lo``; rotated, from the key block's diagonal round."""
+    if ORDER == 2:
+        return ((start_n // BLOCK_M + it) % num_blocks) * BLOCK_M
+    return lo + it * BLOCK_M
+
+
+@gluon.jit
+def _loader(bufs, bars, bounds, coords, out_args, sched):
+    """hopper_ws._dkdv_loader for one query head, its query blocks in the consumers' order (_block_start)."""
+    NUM_STAGES: gl.constexpr = sched.NUM_STAGES
+    BLOCK_M: gl.constexpr = sched.BLOCK_N
+    k_desc, v_desc, q_rows, do_rows, stat_rows, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = bufs
+    kv_bar, q_ready, do_ready, stat_ready, qdo_empty = bars
+    lo, hi, full_lo, full_hi = bounds
+    start_n, len_q = coords[0], coords[1]
+    q_head, stride_qh, stride_qs = q_rows
+    do_head, stride_doh, stride_dos, gqa_group = do_rows
+    lse_head, delta_head, stride_lh = stat_rows
+    HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
+    row_layout: gl.constexpr = q_smem.type.layout
+    stat_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // LOADER_THREADS], [LOADER_THREADS], [1], [0])
+    mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
+    for wg in gl.static_range(2):
+        tma.async_copy_global_to_shared(k_desc, [start_n + wg * WG_ROWS, 0], kv_bar, k_smem.index(wg))
+        tma.async_copy_global_to_shared(v_desc, [start_n + wg * WG_ROWS, 0], kv_bar, v_smem.index(wg))
+    offs = gl.arange(0, BLOCK_M, layout=stat_layout)
+    q_desc = _rows_desc(q_head, len_q, stride_qs, HEAD_DIM, BLOCK_M, row_layout)
+    do_desc = _rows_desc(do_head, len_q, stride_dos, HEAD_DIM, BLOCK_M, row_layout)
+    num_blocks = (hi - lo) // BLOCK_M
+    for it in range(num_blocks):
+        start_m = _block_start(it, lo, start_n, num_blocks, BLOCK_M, sched.ORDER)
+        stage = it % NUM_STAGES
+        mbarrier.wait(qdo_empty.index(stage), ((it // NUM_STAGES) & 1) ^ 1)
+        mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [start_m, 0], q_ready.index(stage), q_smem.index(stage))
+        mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [start_m, 0], do_ready.index(stage), do_smem.index(stage))
+        rows = start_m + offs
+        async_copy.async_copy_global_to_shared(lse_smem.index(stage), lse_head + rows, mask=rows < len_q)
+        async_copy.async_copy_global_to_shared(delta_smem.index(stage), delta_head + rows, mask=rows < len_q)
+        async_copy.mbarrier_arrive(stat_ready.index(stage), increment_count=False)
 
 
 @gluon.jit
@@ -129,8 +178,9 @@ def _consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr):
     mbarrier.wait(kv_bar, 0)
     k = k_smem.index(WG)
     v = v_smem.index(WG)
-    it = 0
-    for start_m in range(lo, hi, BLOCK_M):
+    num_blocks = (hi - lo) // BLOCK_M
+    for it in range(num_blocks):
+        start_m = _block_start(it, lo, start_n, num_blocks, BLOCK_M, sched.ORDER)
         stage = it % NUM_STAGES
         phase = (it // NUM_STAGES) & 1
         q = q_smem.index(stage)
@@ -159,19 +209,22 @@ def _consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr):
         # The adds before this one at the query block: 2 per visiting key block above this one, then the
         # first consumer's.
         block_m = start_m // BLOCK_M
-        if sched.ORDERED:
-            top = len_k // (2 * WG_ROWS) - 1
-            if sched.HAS_RIGHT:
-                top = gl.minimum(top, (start_m + BLOCK_M - 1) // (2 * WG_ROWS))
-            turn = 2 * (top - key_block) + WG
+        if sched.ORDER != 0:
+            num_keys = len_k // (2 * WG_ROWS)
+            if sched.ORDER == 1:  # highest first: the visiting key blocks above this one
+                top = num_keys - 1
+                if sched.HAS_RIGHT:
+                    top = gl.minimum(top, (start_m + BLOCK_M - 1) // (2 * WG_ROWS))
+                turn = 2 * (top - key_block) + WG
+            else:  # rotated: by arrival, the key block of this query block's diagonal first
+                turn = 2 * ((start_m // (2 * WG_ROWS) - key_block + num_keys) % num_keys) + WG
             while gl.atomic_add(sem_row + block_m, 0, sem="acquire") < turn:
                 pass
         _add_dq_part(ds_t, k, dq_rows, stride_dks, start_m, len_q, sm_scale, BLOCK_M, HEAD_DIM, sched.DQ_CHUNK,
                      sched.RED, dtype)
-        if sched.ORDERED:
+        if sched.ORDER != 0:
             gl.thread_barrier()  # the warpgroup's adds are issued before its increment releases them
             gl.atomic_add(sem_row + block_m, 1, sem="release")
-        it += 1
 
     offs_na = first_key + gl.arange(0, WG_ROWS, layout=row_a)
     offs_d = gl.arange(0, HEAD_DIM, layout=col_a)
@@ -235,9 +288,10 @@ def attn_bwd_one_pass_ws_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, DQ_ACC, SEM, se
     coords = (start_n, seqlen, seqlen, 0, -1, window_right)
     out_args = (DK + head_off, DV + head_off, row, seqlen, qk_scale, sm_scale, DQ_ACC + head_off,
                 SEM + bh.to(gl.int64) * (seqlen // BLOCK_M), key_block)
-    sched = _OnePass(NUM_STAGES, BLOCK_M, CAUSAL, DQ_CHUNK, ORDER == 1, RED)  # ORDER 1: HIGHEST_FIRST
+    gl.static_assert(not (CAUSAL and ORDER == 2))  # rotated: no mask only
+    sched = _OnePass(NUM_STAGES, BLOCK_M, CAUSAL, DQ_CHUNK, ORDER, RED)
     args = (bufs, bars, bounds, coords, out_args, sched)
-    gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_dkdv_loader, args)], [4, 1],
+    gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_loader, args)], [4, 1],
                        [DKDV_CONSUMER_REGISTERS, LOADER_REGISTERS])
 
 
@@ -252,7 +306,7 @@ def compile_sm90() -> None:
                                               ("SEM", "int32"))}
     for chunk, red in ((32, False), (64, False), (128, False), (64, True), (128, True)):
         for causal in (False, True):
-            for order in (UNORDERED, HIGHEST_FIRST):
+            for order in (UNORDERED, HIGHEST_FIRST) + (() if causal else (ROTATED,)):
                 args = dict(ptr, seqlen=4096, num_heads=16, qk_scale=0.1, sm_scale=0.1, HEAD_DIM=128, BLOCK_M=64,
                             CAUSAL=causal, ORDER=order, DQ_CHUNK=chunk, RED=red, NUM_STAGES=2)
                 try:
@@ -269,6 +323,7 @@ def one_pass_backward(q, k, v, out, d_out, lse, causal, order=HIGHEST_FIRST, dq_
     from ordered_dq import _delta_kernel
 
     b, s, h, d = q.shape
+    assert s % 128 == 0 and d == 128 and k.shape == q.shape and v.shape == q.shape, "the prototype's scope"
     scale = d ** -0.5
     delta = torch.empty((b, h, s), dtype=torch.float32, device=q.device)
     _delta_kernel[(s // 64, b * h)](out, d_out, delta, s, h, HEAD_DIM=d, BLOCK_M=64)
@@ -298,8 +353,9 @@ def run_gpu(out_path, orders=(UNORDERED, HIGHEST_FIRST)):
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     # (order, DQ_CHUNK, RED): red.global against atom at chunk 64, then chunk 128
     variants = [(order, chunk, red) for order in orders for chunk, red in ((64, True), (64, False), (128, True))]
+    masks = (False,) if ROTATED in orders else (False, True)  # rotated: no mask only
     rows = []
-    for causal in (False, True):
+    for causal in masks:
         torch.manual_seed(0)
         q, k, v, d_out = (torch.randn(2, 1024, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
         out, lse = _forward(q, k, v, causal)
@@ -322,7 +378,7 @@ def run_gpu(out_path, orders=(UNORDERED, HIGHEST_FIRST)):
         print(json.dumps(row), flush=True)
         rows.append(row)
     for (b, h, s, d) in [(8, 32, 2048, 128), (4, 16, 4096, 128)]:
-        for causal in (False, True):
+        for causal in masks:
             torch.manual_seed(0)
             q, k, v, d_out = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
             out, lse = _forward(q, k, v, causal)
@@ -366,7 +422,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--compile", action="store_true", help="compile the variants for sm_90 here (no GPU needed)")
     ap.add_argument("--out", default=None, help="JSON of the GPU rows")
-    ap.add_argument("--orders", default="unordered,highest-first",
+    ap.add_argument("--orders", default="unordered,highest-first",  # or rotated (no mask; alone)
                     help="the orders to run (a run of the unordered pass alone cannot hang on a semaphore)")
     args = ap.parse_args()
     if args.compile:

@@ -20,6 +20,7 @@ Scope: bshd contiguous, h_q = h_kv, s_q = s_kv divisible by 128, d = 128, bf16/f
 causal, no bias, dropout, window or sink.
 
     python dev/tuning/ordered_dq_ws.py --compile   # the CPU: sm_90 registers, spills, shared memory
+    python dev/tuning/ordered_dq_ws.py --simulate  # the CPU: the turns' schedule (deadlocks, order, waiting)
     python dev/tuning/ordered_dq_ws.py             # the GPU: errors, bitwise repeats, times against the product
     python dev/tuning/ordered_dq_ws.py --orders unordered   # the GPU, without the semaphores (cannot hang)
 """
@@ -295,6 +296,89 @@ def attn_bwd_one_pass_ws_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, DQ_ACC, SEM, se
                        [DKDV_CONSUMER_REGISTERS, LOADER_REGISTERS])
 
 
+def _turn(order, causal, m, j, wg, num_keys):
+    """The kernel's turn of (key block j, consumer wg) at query block m (64 rows), as _consume computes it."""
+    if order == HIGHEST_FIRST:
+        top = min(num_keys - 1, (m * 64 + 63) // 128) if causal else num_keys - 1
+        return 2 * (top - j) + wg
+    return 2 * ((m * 64 // 128 - j + num_keys) % num_keys) + wg
+
+
+def _visits(order, causal, j, num_q):
+    """The query blocks (of 64) key block j's consumers walk, in order (_block_start)."""
+    lo = 2 * j if causal else 0
+    n = num_q - lo
+    return [((2 * j + it) % n) if order == ROTATED else lo + it for it in range(n)]
+
+
+def simulate(order, causal, num_keys, resident, stages=2):
+    """Programs (highest key block first, at most ``resident`` at once) of two consumers sharing a ring of
+    ``stages`` buffers step by step: returns (finished, steps, waiting share of consumer-steps). Checks that each
+    query block's adds follow the turns 0, 1, 2, ... exactly."""
+    num_q = 2 * num_keys
+    sem = [0] * num_q
+    order_seen = [[] for _ in range(num_q)]
+    pending = list(range(num_keys - 1, -1, -1))
+    live = {}  # j -> [position, phase ('compute' / 'wait'), arrived] per consumer
+    steps = waiting = busy = 0
+    while pending or live:
+        while pending and len(live) < resident:
+            live[pending.pop(0)] = [[0, "compute", 0], [0, "compute", 0]]
+        progressed = False
+        moves = []
+        for j, wgs in live.items():
+            visits = _visits(order, causal, j, num_q)
+            for wg, st in enumerate(wgs):
+                if st[0] >= len(visits):
+                    continue
+                busy += 1
+                if st[1] == "compute":  # the ring: the block is loaded once both consumers freed its buffer
+                    if wgs[1 - wg][2] >= st[0] - stages + 1:
+                        moves.append((j, wg, "compute", None))
+                    else:
+                        waiting += 1
+                else:
+                    m = visits[st[0]]
+                    if order == UNORDERED or sem[m] == _turn(order, causal, m, j, wg, num_keys):
+                        moves.append((j, wg, "add", m))
+                    else:
+                        waiting += 1
+        for j, wg, kind, m in moves:
+            st = live[j][wg]
+            if kind == "compute":
+                st[1], st[2] = "wait", st[0] + 1
+            else:
+                sem[m] += 1
+                order_seen[m].append(_turn(order, causal, m, j, wg, num_keys))
+                st[0], st[1] = st[0] + 1, "compute"
+            progressed = True
+        for j in [j for j, wgs in live.items() if all(st[0] >= len(_visits(order, causal, j, num_q)) for st in wgs)]:
+            del live[j]
+        steps += 1
+        if not progressed and not (pending and len(live) < resident):
+            return False, steps, waiting / max(busy, 1)
+    if order != UNORDERED:
+        for m, seen in enumerate(order_seen):
+            assert seen == list(range(len(seen))), (order, causal, m, seen)
+    return True, steps, waiting / max(busy, 1)
+
+
+def check_schedules() -> int:
+    """The turns on the CPU: every order finishes at full residency, highest-first at any residency, rotated
+    deadlocks when a head's key blocks are not resident together; each block's adds in turn order."""
+    failures = 0
+    for num_keys in (1, 2, 5, 8):
+        for order, causal in ((HIGHEST_FIRST, False), (HIGHEST_FIRST, True), (ROTATED, False), (UNORDERED, True)):
+            for resident in sorted({num_keys, max(1, num_keys // 2), 1}):
+                done, steps, wait = simulate(order, causal, num_keys, resident)
+                want = resident == num_keys or order != ROTATED or num_keys == 1
+                failures += done != want
+                print(f"keys={num_keys} {ORDER_NAMES[order]} causal={causal} resident={resident}: "
+                      f"{'finished' if done else 'deadlock'} in {steps} steps, waiting {wait:.0%}"
+                      f"{'' if done == want else '  UNEXPECTED'}")
+    return failures
+
+
 def compile_sm90() -> None:
     """Each variant compiled for sm_90 here (no GPU needed): registers, stack (spills), shared memory."""
     from transformer_engine.common.attention.kernels.aot import Pointer, compile_kernel
@@ -421,12 +505,15 @@ def run_gpu(out_path, orders=(UNORDERED, HIGHEST_FIRST)):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--compile", action="store_true", help="compile the variants for sm_90 here (no GPU needed)")
+    ap.add_argument("--simulate", action="store_true", help="the turns' schedule on the CPU (no GPU needed)")
     ap.add_argument("--out", default=None, help="JSON of the GPU rows")
     ap.add_argument("--orders", default="unordered,highest-first",  # or rotated (no mask; alone)
                     help="the orders to run (a run of the unordered pass alone cannot hang on a semaphore)")
     args = ap.parse_args()
     if args.compile:
         return compile_sm90()
+    if args.simulate:
+        sys.exit(1 if check_schedules() else 0)
     by_name = {name: order for order, name in ORDER_NAMES.items()}
     run_gpu(args.out, tuple(by_name[name] for name in args.orders.split(",")))
 

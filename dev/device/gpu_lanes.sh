@@ -180,7 +180,7 @@ section() {
         timeout "$(limit HOSTTIME 60)" python3 dev/tuning/host_time.py $flags >> "$d/hosttime.log" 2>&1
       done
       # where the step's host time goes: functions by own time, and a trace of the threads
-      timeout "$(limit HOSTTIME 90)" python3 dev/tuning/host_time.py --calls 100 --profile --trace "$d/host_trace.json" \
+      timeout "$(limit HOSTTIME 90)" python3 dev/tuning/host_time.py --calls 100 --launch --profile --trace "$d/host_trace.json" \
         > "$d/hostprofile.log" 2>&1
       note "host time rc=$? $(grep -c 'fwd+bwd' "$d/hosttime.log") step lines" ;;
     env:*) export "${s#env:}"; note "export ${s#env:}" ;;  # e.g. env:NVTE_FUSED_ATTN_PLAN_ARCH=sm80 for the lane's later sections

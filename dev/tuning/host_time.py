@@ -9,6 +9,7 @@ ones (async: the call returns once they are queued, and the tiny shape keeps the
     python dev/tuning/host_time.py            # on a GPU
     python dev/tuning/host_time.py --profile  # and where a step's host time goes, function by function
     python dev/tuning/host_time.py --trace host_trace.json  # and a profiler trace of the threads
+    python dev/tuning/host_time.py --launch   # and the forward's launch alone, three ways (a GPU only)
 """
 
 from __future__ import annotations
@@ -37,6 +38,52 @@ def per_call_us(fn, calls: int, rounds: int = 9) -> float:
     return min(samples)  # the least-disturbed round: other processes only add time
 
 
+def launch_overhead(q, k, v, seqs, calls: int) -> None:
+    """Host microseconds of the forward's kernel launches: through launch._run, as Triton JIT calls with the
+    arguments bound once, and through each compiled kernel's launcher directly (what a launcher cached per
+    launch description would cost: only the tensors' addresses and the grid change between calls)."""
+    captured = {}
+    real_run = launch._run
+
+    def capture(described, buffers):
+        captured.update(described=described, buffers=buffers)
+        real_run(described, buffers)
+
+    launch._run = capture
+    try:
+        launch.forward(q.detach(), k.detach(), v.detach(), QKVFormat.BSHD, seqs, q.shape[-1] ** -0.5,
+                       AttnMaskType("causal"), (-1, 0))
+    finally:
+        launch._run = real_run
+    described, buffers = captured["described"], captured["buffers"]
+    print(f"launch alone ({', '.join(d.name for d in described)}), microseconds per call:")
+    print(f"  launch._run              {per_call_us(lambda: launch._run(described, buffers), calls):8.1f}")
+    bound = [(d.kernel, d.grid, d.bind(buffers), d.options) for d in described]
+
+    def jit_calls():
+        for kernel, grid, kwargs, options in bound:
+            kernel[grid](**kwargs, **options)
+
+    print(f"  Triton JIT call          {per_call_us(jit_calls, calls):8.1f}")
+    try:
+        direct = []
+        for kernel, grid, kwargs, options in bound:
+            compiled = kernel.run(grid=grid, warmup=True, **kwargs, **options)
+            compiled._init_handles()
+            values = [kwargs[name] for name in kernel.arg_names]
+            direct.append((compiled, tuple(grid) + (1,) * (3 - len(grid)), values))
+        stream = torch.cuda.current_stream().cuda_stream
+
+        def direct_calls():
+            for compiled, grid, values in direct:
+                compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None,
+                             None, None, *values)
+
+        print(f"  compiled kernel directly {per_call_us(direct_calls, calls):8.1f}")
+    except Exception as err:  # Triton's internals differ between versions: report, do not fail the rest
+        print(f"  compiled kernel directly: {type(err).__name__}: {err}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--stub", action="store_true", help="launch no kernels (our Python only)")
@@ -46,6 +93,8 @@ def main() -> None:
                     help="then cProfile forward+backward steps of DotProductAttention: the functions by own time")
     ap.add_argument("--trace", default=None,
                     help="then a torch.profiler trace of 5 such steps (Chrome JSON, every thread) and its op table")
+    ap.add_argument("--launch", action="store_true",
+                    help="then the forward kernel's launch alone: ours, Triton's JIT call, its compiled kernel directly")
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--head-dim", type=int, default=128)
     args = ap.parse_args()
@@ -98,6 +147,8 @@ def main() -> None:
                 t.grad = None
             print(f"  fwd+bwd  {name:22s} {per_call_us(fn, args.calls // 2):8.1f}"
                   + ("  (backward launches only)" if name.startswith("launch") else ""))
+        if args.launch and device == "cuda":
+            launch_overhead(q, k, v, seqs, args.calls)
         if args.profile:
             import cProfile
             import pstats

@@ -154,7 +154,7 @@ def one_pass_backward(q, k, v, out, d_out, lse, causal, tiles, order=HIGHEST_FIR
     _one_pass_kernel[(s // block_n, b * h)](*args, **meta)
     _convert_kernel[(triton.cdiv(acc.numel(), 1024),)](acc, dq, acc.numel(), scale, BLOCK=1024)
     if parts is not None:
-        parts.update(args=args, meta=meta, grid=(s // block_n, b * h), acc=acc, sem=sem)
+        parts.update(kernel=_one_pass_kernel, args=args, meta=meta, grid=(s // block_n, b * h), acc=acc, sem=sem)
     return dq, dk, dv
 
 
@@ -276,84 +276,87 @@ def check_cpu() -> int:
     return failures
 
 
-def run_gpu(out_path):
+def compare_on_gpu(script, check_dims, cases, masks, variants_of, out_path):
+    """The GPU runs of the one-pass prototypes. Per mask and head dim in ``check_dims``: every variant's errors
+    against fp32 autograd (2x1024x4xd) beside the product's, and whether a repeat gives the same bits. Per case
+    (b, h, s, d) and mask: the product's backward time against each variant's, whole and its one pass alone.
+    ``variants_of(d, causal)``: {name: run(q, k, v, out, d_out, lse, causal, parts=None) -> (dq, dk, dv)}, where
+    ``parts`` receives the pass's launch and buffers (kernel, grid, args, meta, acc, sem). A variant that fails
+    is recorded and the rest go on; each row is printed as it completes (a hang keeps the earlier rows)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks", "attention"))
     from common import bench_ms, run_metadata
     from transformer_engine.common.attention import AttnMaskType, QKVFormat
     from transformer_engine.pytorch.attention import launch
 
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-    cases = [(8, 32, 2048, 64), (4, 16, 4096, 128)]
-    tiles_by_d = TILES_BY_D
+
+    def inputs(b, h, s, d, causal):
+        torch.manual_seed(0)
+        q, k, v, d_out = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        out, lse = _forward(q, k, v, causal)
+        mask = AttnMaskType.CAUSAL_MASK if causal else AttnMaskType.NO_MASK
+        seqs = launch.sequences(QKVFormat.BSHD, q, k, None, None, None, None, s, s)
+        product = lambda: launch.backward(q, k, v, out, d_out, lse, QKVFormat.BSHD, seqs,  # noqa: E731
+                                          d ** -0.5, mask, (-1, 0 if causal else -1))[:3]
+        return (q, k, v, out, d_out, lse), product
+
     rows = []
-    # Correctness on a small shape first, against fp32 autograd.
-    for causal in (False, True):
-        for d, tile_list in tiles_by_d.items():
-            torch.manual_seed(0)
-            q, k, v, d_out = (torch.randn(2, 1024, 4, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-            out, lse = _forward(q, k, v, causal)
-            refs = reference_grads(q, k, v, d_out, causal)
-            mask = AttnMaskType.CAUSAL_MASK if causal else AttnMaskType.NO_MASK
-            seqs = launch.sequences(QKVFormat.BSHD, q, k, None, None, None, None, 1024, 1024)
-            ours = launch.backward(q, k, v, out, d_out, lse, QKVFormat.BSHD, seqs, d ** -0.5, mask,
-                                   (-1, 0 if causal else -1))[:3]
-            row = dict(kind="check", d=d, causal=causal, product_errors=_errors(ours, refs))
-            for tiles in tile_list:
-                for order in _orders(causal):
-                    name = f"{tiles} {ORDER_NAMES[order]}"
-                    try:
-                        grads = one_pass_backward(q, k, v, out, d_out, lse, causal, tiles, order)
-                        again = one_pass_backward(q, k, v, out, d_out, lse, causal, tiles, order)
-                        torch.cuda.synchronize()
-                        row[name] = dict(errors=_errors(grads, refs),
-                                         repeat_bitwise=all(torch.equal(a, c) for a, c in zip(grads, again)))
-                    except Exception as err:  # a tile that does not compile or fit: recorded, the rest go on
-                        row[name] = dict(error=f"{type(err).__name__}: {str(err)[:300]}")
+    for causal in masks:
+        for d in check_dims:
+            tensors, product = inputs(2, 4, 1024, d, causal)
+            refs = reference_grads(*tensors[:3], tensors[4], causal)
+            row = dict(kind="check", d=d, causal=causal, product_errors=_errors(product(), refs))
+            for name, run in variants_of(d, causal).items():
+                try:
+                    grads, again = run(*tensors, causal), run(*tensors, causal)
+                    torch.cuda.synchronize()
+                    row[name] = dict(errors=_errors(grads, refs),
+                                     repeat_bitwise=all(torch.equal(a, c) for a, c in zip(grads, again)))
+                except Exception as err:  # a variant that does not compile or fit
+                    row[name] = dict(error=f"{type(err).__name__}: {str(err)[:300]}")
             print(json.dumps(row), flush=True)
             rows.append(row)
-    # Times: the product's backward against the one pass in each order, at the benchmark's shapes.
     for (b, h, s, d) in cases:
-        for causal in (False, True):
-            torch.manual_seed(0)
-            q, k, v, d_out = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-            out, lse = _forward(q, k, v, causal)
-            mask = AttnMaskType.CAUSAL_MASK if causal else AttnMaskType.NO_MASK
-            seqs = launch.sequences(QKVFormat.BSHD, q, k, None, None, None, None, s, s)
-            window = (-1, 0 if causal else -1)
-            product = lambda: launch.backward(q, k, v, out, d_out, lse, QKVFormat.BSHD, seqs,  # noqa: E731
-                                              d ** -0.5, mask, window)
+        for causal in masks:
+            tensors, product = inputs(b, h, s, d, causal)
             flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
-            ref = [g.float() for g in product()[:3]]
+            ref = [g.float() for g in product()]
             ms = bench_ms(product)
             row = dict(kind="time", case=f"{b}x{h}x{s}x{d}", causal=causal, product_ms=ms,
                        product_tflops=flops / ms * 1e-9)
-            for tiles in tiles_by_d[d]:
-                for order in _orders(causal):
-                    name = f"{tiles} {ORDER_NAMES[order]}"
-                    try:
-                        parts = {}
-                        grads = one_pass_backward(q, k, v, out, d_out, lse, causal, tiles, order, parts=parts)
-                        torch.cuda.synchronize()
-                        err = max(float((g.float() - r).abs().max() / r.abs().max()) for g, r in zip(grads, ref))
-                        t_all = bench_ms(lambda: one_pass_backward(q, k, v, out, d_out, lse, causal, tiles,
-                                                                   order))
+            for name, run in variants_of(d, causal).items():
+                try:
+                    parts = {}
+                    grads = run(*tensors, causal, parts=parts)
+                    torch.cuda.synchronize()
+                    err = max(float((g.float() - r).abs().max() / r.abs().max()) for g, r in zip(grads, ref))
+                    t_all = bench_ms(lambda: run(*tensors, causal))  # noqa: B023 (called at once)
 
-                        def one_pass_alone():
-                            parts["acc"].zero_()
-                            parts["sem"].zero_()
-                            _one_pass_kernel[parts["grid"]](*parts["args"], **parts["meta"])
+                    def one_pass_alone():
+                        parts["acc"].zero_()
+                        parts["sem"].zero_()
+                        parts["kernel"][parts["grid"]](*parts["args"], **parts["meta"])
 
-                        t_pass = bench_ms(one_pass_alone)
-                        row[name] = dict(ms=t_all, ratio_vs_product=ms / t_all, one_pass_and_zeroing_ms=t_pass,
-                                         rel_err_vs_product=err)
-                    except Exception as err:
-                        row[name] = dict(error=f"{type(err).__name__}: {str(err)[:300]}")
+                    row[name] = dict(ms=t_all, ratio_vs_product=ms / t_all,
+                                     one_pass_and_zeroing_ms=bench_ms(one_pass_alone), rel_err_vs_product=err)
+                except Exception as err:
+                    row[name] = dict(error=f"{type(err).__name__}: {str(err)[:300]}")
             print(json.dumps(row), flush=True)
             rows.append(row)
-    meta = run_metadata("python dev/tuning/ordered_dq.py", torch.cuda.get_device_name())
+    meta = run_metadata(script, torch.cuda.get_device_name())
     if out_path:
         with open(out_path, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+
+def run_gpu(out_path):
+    def variants_of(d, causal):
+        return {f"{tiles} {ORDER_NAMES[order]}":
+                (lambda *a, parts=None, t=tiles, o=order: one_pass_backward(*a, t, o, parts=parts))
+                for tiles in TILES_BY_D[d] for order in _orders(causal)}
+
+    compare_on_gpu("python dev/tuning/ordered_dq.py", list(TILES_BY_D), [(8, 32, 2048, 64), (4, 16, 4096, 128)],
+                   (False, True), variants_of, out_path)
 
 
 # (BLOCK_M, BLOCK_N, warps, stages); the d=128 ones without stack or with the least (--compile).

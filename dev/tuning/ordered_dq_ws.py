@@ -27,12 +27,10 @@ causal, no bias, dropout, window or sink.
 
 
 import argparse
-import json
 import os
 import sys
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.language.core import _aggregate as aggregate
@@ -420,86 +418,24 @@ def one_pass_backward(q, k, v, out, d_out, lse, causal, order=HIGHEST_FIRST, dq_
     grid = (s // 128, b * h)
     attn_bwd_one_pass_ws_kernel[grid](*args, **meta)
     if parts is not None:
-        parts.update(acc=acc, sem=sem, grid=grid, args=args, meta=meta)
+        parts.update(kernel=attn_bwd_one_pass_ws_kernel, acc=acc, sem=sem, grid=grid, args=args, meta=meta)
     return acc.to(q.dtype), dk, dv
 
 
 def run_gpu(out_path, orders=(UNORDERED, HIGHEST_FIRST)):
-    """Checks against fp32 and the product (small shapes), bitwise repeats, then times against the product's
-    backward at 8x32x2048x128 and 4x16x4096x128 (the one pass alone and with its preprocess and zeroing)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks", "attention"))
+    """ordered_dq.compare_on_gpu at d=128 (checks, then times at 8x32x2048 and 4x16x4096): each order with
+    red.global and atom adds at DQ_CHUNK 64, and red.global at 128; rotated without a mask only."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from common import bench_ms, run_metadata
-    from ordered_dq import _errors, _forward, reference_grads
-    from transformer_engine.common.attention import AttnMaskType, QKVFormat
-    from transformer_engine.pytorch.attention import launch
+    from ordered_dq import compare_on_gpu
 
-    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-    # (order, DQ_CHUNK, RED): red.global against atom at chunk 64, then chunk 128
-    variants = [(order, chunk, red) for order in orders for chunk, red in ((64, True), (64, False), (128, True))]
-    masks = (False,) if ROTATED in orders else (False, True)  # rotated: no mask only
-    rows = []
-    for causal in masks:
-        torch.manual_seed(0)
-        q, k, v, d_out = (torch.randn(2, 1024, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-        out, lse = _forward(q, k, v, causal)
-        refs = reference_grads(q, k, v, d_out, causal)
-        mask = AttnMaskType.CAUSAL_MASK if causal else AttnMaskType.NO_MASK
-        seqs = launch.sequences(QKVFormat.BSHD, q, k, None, None, None, None, 1024, 1024)
-        ours = launch.backward(q, k, v, out, d_out, lse, QKVFormat.BSHD, seqs, 128 ** -0.5, mask,
-                               (-1, 0 if causal else -1))[:3]
-        row = dict(kind="check", causal=causal, product_errors=_errors(ours, refs))
-        for order, chunk, red in variants:
-            name = f"{ORDER_NAMES[order]} chunk {chunk} {'red' if red else 'atom'}"
-            try:
-                grads = one_pass_backward(q, k, v, out, d_out, lse, causal, order, chunk, red)
-                again = one_pass_backward(q, k, v, out, d_out, lse, causal, order, chunk, red)
-                torch.cuda.synchronize()
-                row[name] = dict(errors=_errors(grads, refs),
-                                 repeat_bitwise=all(torch.equal(a, c) for a, c in zip(grads, again)))
-            except Exception as err:  # a variant that does not compile or fit: recorded, the rest go on
-                row[name] = dict(error=f"{type(err).__name__}: {str(err)[:300]}")
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-    for (b, h, s, d) in [(8, 32, 2048, 128), (4, 16, 4096, 128)]:
-        for causal in masks:
-            torch.manual_seed(0)
-            q, k, v, d_out = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-            out, lse = _forward(q, k, v, causal)
-            mask = AttnMaskType.CAUSAL_MASK if causal else AttnMaskType.NO_MASK
-            seqs = launch.sequences(QKVFormat.BSHD, q, k, None, None, None, None, s, s)
-            window = (-1, 0 if causal else -1)
-            product = lambda: launch.backward(q, k, v, out, d_out, lse, QKVFormat.BSHD, seqs,  # noqa: E731
-                                              d ** -0.5, mask, window)
-            flops = 2.5 * 4 * b * h * s * s * d / (2 if causal else 1)
-            ref = [g.float() for g in product()[:3]]
-            ms = bench_ms(product)
-            row = dict(kind="time", case=f"{b}x{h}x{s}x{d}", causal=causal, product_ms=ms,
-                       product_tflops=flops / ms * 1e-9)
-            for order, chunk, red in variants:
-                name = f"{ORDER_NAMES[order]} chunk {chunk} {'red' if red else 'atom'}"
-                try:
-                    parts = {}
-                    grads = one_pass_backward(q, k, v, out, d_out, lse, causal, order, chunk, red, parts=parts)
-                    torch.cuda.synchronize()
-                    err = max(float((g.float() - r).abs().max() / r.abs().max()) for g, r in zip(grads, ref))
-                    t_all = bench_ms(lambda: one_pass_backward(q, k, v, out, d_out, lse, causal, order, chunk, red))
+    def variants_of(d, causal):
+        return {f"{ORDER_NAMES[order]} chunk {chunk} {'red' if red else 'atom'}":
+                (lambda *a, parts=None, o=order, c=chunk, r=red: one_pass_backward(*a, o, c, r, parts=parts))
+                for order in orders for chunk, red in ((64, True), (64, False), (128, True))}
 
-                    def one_pass_alone():
-                        parts["acc"].zero_()
-                        parts["sem"].zero_()
-                        attn_bwd_one_pass_ws_kernel[parts["grid"]](*parts["args"], **parts["meta"])
-
-                    row[name] = dict(ms=t_all, ratio_vs_product=ms / t_all, one_pass_and_zeroing_ms=bench_ms(
-                        one_pass_alone), rel_err_vs_product=err)
-                except Exception as err:
-                    row[name] = dict(error=f"{type(err).__name__}: {str(err)[:300]}")
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-    meta = run_metadata("python dev/tuning/ordered_dq_ws.py", torch.cuda.get_device_name())
-    if out_path:
-        with open(out_path, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    masks = (False,) if ROTATED in orders else (False, True)
+    compare_on_gpu("python dev/tuning/ordered_dq_ws.py", [128], [(8, 32, 2048, 128), (4, 16, 4096, 128)], masks,
+                   variants_of, out_path)
 
 
 def main():

@@ -2,7 +2,7 @@
 
 ``torch.use_deterministic_algorithms(True)`` makes every ``torch.empty`` fill its memory (NaN), a memset per
 buffer that the kernels then overwrite in full; the fused path allocates the buffers its kernels write
-whole without that fill (``launch.unfilled``), and autograd does not zero-fill a gradient for the
+whole without that fill (``buffers.unfilled``), and autograd does not zero-fill a gradient for the
 non-differentiable log-sum-exp. The host reads of ``cu_seqlens`` (its checks) copy them without the fill
 that ``tolist`` of a device tensor gets. Packed (thd) outputs keep their zeros: the kernels leave the rows
 between sequences unwritten. Checked with the profiler's record of ``aten::fill_`` and ``aten::zero_`` (the fills
@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 from dpa_helpers import deterministic_algorithms
 from fused_helpers import DEVICE, ON_GPU, cu_from_lengths, make_qkv, requires_fused
 
-from transformer_engine.pytorch.attention import buffers, launch
+from transformer_engine.pytorch.attention import buffers
 from transformer_engine.pytorch.attention.fused_attn import fused_attn_func
 
 pytestmark = requires_fused
@@ -101,7 +101,7 @@ def test_packed_outputs_keep_their_zeros_between_sequences():
 def test_unfilled_is_torch_empty_without_the_fill(shape, flag):
     with deterministic_algorithms(flag):
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-            t = launch.unfilled(shape, torch.float32, DEVICE)
+            t = buffers.unfilled(shape, torch.float32, DEVICE)
         ref = torch.empty(shape, dtype=torch.float32, device=DEVICE)
     assert (t.shape, t.stride(), t.dtype, t.device) == (ref.shape, ref.stride(), ref.dtype, ref.device)
     assert t.is_contiguous() and t.untyped_storage().nbytes() >= t.numel() * 4
@@ -113,7 +113,7 @@ def test_unfilled_with_strides_reaches_every_element_of_the_view(flag):
     """A delta buffer takes the strides of an lse view (a narrow of a wider buffer, or a permutation)."""
     for shape, strides in (((2, 3, 5), (24, 8, 1)), ((2, 3, 5), (1, 2, 6)), ((2, 0, 5), (5, 5, 1))):
         with deterministic_algorithms(flag):
-            t = launch.unfilled(shape, torch.float32, DEVICE, strides)
+            t = buffers.unfilled(shape, torch.float32, DEVICE, strides)
         assert (tuple(t.shape), t.stride()) == (shape, strides)
         t.fill_(1.0)  # writes through every element: within the storage
         ref = torch.empty_strided(shape, strides, dtype=torch.float32, device=DEVICE)

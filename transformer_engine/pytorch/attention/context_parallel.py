@@ -42,7 +42,7 @@ import torch.distributed as dist
 from transformer_engine.common.attention import AttnMaskType, BackwardGrads, QKVFormat, UnfusedDotProductAttention
 from transformer_engine.common.attention.config import normalize_window, resolve_bottom_right_diagonal
 from transformer_engine.pytorch.attention import launch
-from transformer_engine.pytorch.attention.buffers import host_values
+from transformer_engine.pytorch.attention.buffers import host_values, unfilled
 
 __all__ = [
     "CP_COMM_TYPES", "ContextParallelGroup", "SeqSplit", "check_context_parallel_args", "tile_alignment",
@@ -303,8 +303,8 @@ def fused_forward_step(q: torch.Tensor, k_glob: torch.Tensor, v_glob: torch.Tens
     length = split.chunk_len()
     mask = AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK if spec.causal else AttnMaskType.NO_MASK
     # Each chunk's call writes its rows of the rank's out and lse (a copy where zero rows lead the chunk).
-    out = launch.unfilled(tuple(q.shape[:-1]) + (v_glob.shape[-1],), q.dtype, q.device)
-    lse = launch.unfilled((q.shape[1 - sd], q.shape[-2], 2 * length), torch.float32, q.device)
+    out = unfilled(tuple(q.shape[:-1]) + (v_glob.shape[-1],), q.dtype, q.device)
+    lse = unfilled((q.shape[1 - sd], q.shape[-2], 2 * length), torch.float32, q.device)
     for slot, a, b, lo in _padded_ranges(split, spec.align):
         out_c, lse_c = out.narrow(sd, slot * length, length), lse.narrow(2, slot * length, length)
         q_c = _zeros_before(q.narrow(sd, slot * length, length), sd, a - lo)
@@ -332,7 +332,7 @@ def fused_backward_step(q_g, k_g, v_g, out_g, d_out_g, lse_g, split: SeqSplit,
     # rowsum(dO * O) once per rank: the first dK/dV call (slot 0, the earliest chunk) computes it over its
     # query rows [lo, s), which hold every row a later call of the rank reads; the others skip the preprocess.
     lse_g = lse_g.contiguous()
-    delta = launch.unfilled(lse_g.shape, lse_g.dtype, lse_g.device)  # the rows a call reads are written first
+    delta = unfilled(lse_g.shape, lse_g.dtype, lse_g.device)  # the rows a call reads are written first
     for slot, a, b, lo in _padded_ranges(split, spec.align):
         into = slot * length
         direct = a == lo  # the call's rows are the chunk's: its gradients go straight to the rank's buffers

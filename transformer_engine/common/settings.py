@@ -99,6 +99,11 @@ _DECLARED = (
         "forward, dK/dV and dQ kernels (Hopper, d=128, fp16/bf16, no bias or dropout).",
     ),
     EnvVar(
+        "NVTE_FUSED_ATTN_CACHED_LAUNCH", "bool", True,
+        "0 launches every fused attention kernel through Triton's JIT call, which binds and specializes its "
+        "arguments on each call, instead of through the compiled kernel cached by that specialization (PyTorch).",
+    ),
+    EnvVar(
         "NVTE_FUSED_ATTN_PLAN_ARCH", "str", "",
         "Plans fused attention with another GPU architecture's tile tables (e.g. sm80, gfx942) on this GPU, to "
         "test them: Triton kernels only, and only an architecture with at most this GPU's shared memory; unset: "

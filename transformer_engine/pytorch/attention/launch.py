@@ -20,6 +20,7 @@ from transformer_engine.common.attention.config import resolve_bottom_right_diag
 from transformer_engine.common.attention.kernels.fill import zero_outside_sequences_kernel
 from transformer_engine.common.attention.kernels.scores import dropout_mask_kernel
 from transformer_engine.common.attention.plan import BackwardPlan, ForwardPlan
+from transformer_engine.pytorch.attention import kernel_launcher
 from transformer_engine.pytorch.attention.buffers import unfilled
 from transformer_engine.pytorch.attention.config import dtype_name, triton_interpreting
 from transformer_engine.pytorch.attention.device import device_facts
@@ -179,7 +180,7 @@ def _run(described, buffers: Dict[str, torch.Tensor]) -> None:
     for launch in described:
         if launch.is_gluon:
             _ensure_allocator()
-        launch.kernel[launch.grid](**launch.bind(buffers), **launch.options)
+        kernel_launcher.launch(launch.kernel, launch.grid, launch.bind(buffers), launch.options)
 
 
 def _sequence_buffers(seqs: Sequences) -> Dict[str, torch.Tensor]:

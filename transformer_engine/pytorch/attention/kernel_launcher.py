@@ -1,0 +1,120 @@
+"""Launch Triton and Gluon kernels through their compiled launchers, without Triton's per-call binding.
+
+Calling a JIT kernel (``kernel[grid](**args)``) binds every argument and recomputes its specialization
+on each call before it looks the compiled kernel up: about 70-100 us of host time per launch on an
+H200's host, where the compiled kernel's own launcher takes about 20. An attention step launches up to
+four kernels, and at small and medium sizes the GPU then waits for the host. Here the compiled kernel
+is looked up by what Triton specializes on instead: each tensor's dtype and 16-byte alignment, every
+other argument's exact value (a finer key than Triton's, so a hit is always the kernel Triton would
+pick), the launch options and the device. The first launch of a key goes through Triton's JIT with
+``warmup=True``, which compiles (or loads from Triton's cache) without launching.
+
+Triton's JIT call stays in use where this would change behaviour: under the interpreter, with
+``NVTE_FUSED_ATTN_CACHED_LAUNCH=0``, in Triton's debug mode, for kernels with pre-run hooks, and for
+a kernel whose compiled form lacks the launcher attributes this relies on (another Triton version).
+Launch hooks (profilers such as proton) still see every launch.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Dict, Mapping, Sequence, Tuple
+
+import torch
+
+from transformer_engine.common import settings
+from transformer_engine.pytorch.attention.config import triton_interpreting
+
+__all__ = ["launch", "cached_kernels", "clear"]
+
+_MAX_ENTRIES = 4096  # distinct (kernel, shapes, strides) keys kept; the least recently used go first
+_compiled: "OrderedDict[tuple, object]" = OrderedDict()
+_unsupported = set()  # kernels whose compiled form lacks a launcher attribute: Triton's JIT call for them
+
+
+def cached_kernels() -> int:
+    """How many compiled kernels the cache holds (one per distinct key)."""
+    return len(_compiled)
+
+
+def clear() -> None:
+    """Empty the cache (the compiled kernels stay in Triton's own caches)."""
+    _compiled.clear()
+    _unsupported.clear()
+
+
+def _device_and_stream() -> Tuple[int, int]:
+    """The current device and its current stream, as Triton's JIT reads them."""
+    from triton.runtime import driver
+
+    device = driver.active.get_current_device()
+    return device, driver.active.get_current_stream(device)
+
+
+def _hooks():
+    """Triton's launch enter and exit hooks, or (None, None) when neither has anything to call."""
+    from triton import knobs
+
+    enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    active = [h for h in (enter, exit_) if h is not None and getattr(h, "calls", True)]
+    return (enter, exit_) if active else (None, None)
+
+
+def _jit_only(kernel) -> bool:
+    """Whether this launch goes through Triton's JIT call (see the module's docstring)."""
+    if triton_interpreting() or not settings.get("NVTE_FUSED_ATTN_CACHED_LAUNCH"):
+        return True
+    from triton import knobs
+
+    return knobs.runtime.debug or bool(getattr(kernel, "pre_run_hooks", None)) or kernel in _unsupported
+
+
+def _key(kernel, device: int, values: Sequence[object], options: Mapping[str, int]) -> tuple:
+    parts = [kernel, device, tuple(options.items())]
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            parts.append((v.dtype, v.data_ptr() % 16 == 0))
+        else:  # the type too: True == 1 == 1.0 as keys, but Triton types them i1, i32 and fp32
+            parts.append((v.__class__, v))
+    return tuple(parts)
+
+
+def _compile(kernel, grid: Tuple[int, int, int], args: Dict[str, object], options: Mapping[str, int]):
+    """The compiled kernel Triton's JIT picks for these arguments, loaded, or None where its form lacks
+    what :func:`launch` calls."""
+    compiled = kernel.run(grid=grid, warmup=True, **args, **options)
+    if hasattr(compiled, "result"):  # an asynchronous compile
+        compiled = compiled.result()
+    if not all(hasattr(compiled, a) for a in ("_init_handles", "run", "function", "packed_metadata")):
+        return None
+    compiled._init_handles()
+    return compiled
+
+
+def launch(kernel, grid: Tuple[int, int, int], args: Dict[str, object], options: Mapping[str, int]) -> None:
+    """Launch ``kernel`` on ``grid`` (three dims) with ``args`` (every parameter by name, in the kernel's
+    order) and ``options`` (num_warps, num_stages, maxnreg) on the current device and stream."""
+    if _jit_only(kernel):
+        kernel[grid](**args, **options)
+        return
+    device, stream = _device_and_stream()
+    values = tuple(args.values())
+    key = _key(kernel, device, values, options)
+    compiled = _compiled.get(key)
+    if compiled is None:
+        compiled = _compile(kernel, grid, args, options)
+        if compiled is None:
+            _unsupported.add(kernel)
+            kernel[grid](**args, **options)
+            return
+        _compiled[key] = compiled
+        if len(_compiled) > _MAX_ENTRIES:
+            _compiled.popitem(last=False)
+    else:
+        _compiled.move_to_end(key)
+    enter, exit_ = _hooks()
+    if enter is None:
+        compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None, None,
+                     *values)
+    else:  # a profiler listens: Triton's own launch path of the compiled kernel builds what its hooks read
+        compiled[grid](*values, stream=stream)

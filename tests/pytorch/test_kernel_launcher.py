@@ -216,3 +216,32 @@ def test_cached_launch_is_bitwise_the_jit_call(monkeypatch, d):
     shifted_jit = _fwd_bwd(q_off, k, v, d_out)
     for a, b in zip(shifted, shifted_jit):
         assert torch.equal(a, b)
+
+
+@requires_fused
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_cached_launch_replays_in_a_cuda_graph():
+    """Captured launches keep the addresses of the capture's tensors: a replay on new inputs copied into them
+    gives what an eager call on those inputs gives."""
+    from transformer_engine.pytorch.attention.fused_attn import fused_attn_func
+
+    def forward(q, k, v):
+        return fused_attn_func(q, k, v, "bshd", "causal", (-1, 0), q.shape[-1] ** -0.5, deterministic=True)
+
+    q, k, v, _ = make_qkv(2, 256, 256, 4, 4, 128, 128, torch.bfloat16)
+    q, k, v = (t.detach() for t in (q, k, v))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), torch.no_grad():
+        forward(q, k, v)  # compiles and fills the cache outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), torch.no_grad():
+        captured = forward(q, k, v)
+    q2, k2, v2, _ = make_qkv(2, 256, 256, 4, 4, 128, 128, torch.bfloat16, seed=5)
+    for dst, src in zip((q, k, v), (q2, k2, v2)):
+        dst.copy_(src.detach())
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        assert torch.equal(captured, forward(q, k, v))

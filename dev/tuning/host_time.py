@@ -22,7 +22,7 @@ import torch
 from transformer_engine.common import settings
 from transformer_engine.common.attention import AttnMaskType, AttnSoftmaxType, QKVFormat
 from transformer_engine.pytorch import DotProductAttention
-from transformer_engine.pytorch.attention import fused_attn, launch, ops
+from transformer_engine.pytorch.attention import fused_attn, kernel_launcher, launch, ops
 
 
 def per_call_us(fn, calls: int, rounds: int = 9) -> float:
@@ -36,6 +36,28 @@ def per_call_us(fn, calls: int, rounds: int = 9) -> float:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return min(samples)  # the least-disturbed round: other processes only add time
+
+
+class _Identity(torch.autograd.Function):
+    """A Python autograd node that launches nothing: what autograd's own handling of one costs."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def autograd_overhead(q, calls: int) -> None:
+    """Host microseconds of fwd+bwd through a do-nothing Python autograd node against a torch op, on q's
+    device (on CUDA autograd runs backward nodes on its device thread: the handoff and the GIL)."""
+    x = q.detach().requires_grad_()
+    g = torch.ones_like(x)
+    print(f"autograd alone ({x.device.type}), microseconds per fwd+bwd:")
+    print(f"  Python node (does nothing)  {per_call_us(lambda: _Identity.apply(x).backward(g), calls):8.1f}")
+    print(f"  torch op (x * 1)            {per_call_us(lambda: (x * 1).backward(g), calls):8.1f}")
 
 
 def launch_overhead(q, k, v, seqs, calls: int) -> None:
@@ -65,6 +87,23 @@ def launch_overhead(q, k, v, seqs, calls: int) -> None:
             kernel[grid](**kwargs, **options)
 
     print(f"  Triton JIT call          {per_call_us(jit_calls, calls):8.1f}")
+
+    def cached_calls():
+        for kernel, grid, kwargs, options in bound:
+            kernel_launcher.launch(kernel, grid, kwargs, options)
+
+    print(f"  kernel_launcher.launch   {per_call_us(cached_calls, calls):8.1f}")
+    device, _ = kernel_launcher._device_and_stream()
+    keys = [(kernel, tuple(kwargs.values()), options) for kernel, _, kwargs, options in bound]
+    parts = {
+        "its key": lambda: [kernel_launcher._key(k, device, v, o) for k, v, o in keys],
+        "its device and stream": kernel_launcher._device_and_stream,
+        "its checks": lambda: (kernel_launcher._jit_only(bound[0][0]), kernel_launcher._hooks()),
+        "the description's bind": lambda: [d.bind(buffers) for d in described],
+    }
+    for name, fn in parts.items():
+        print(f"    {name:22s} {per_call_us(fn, calls):8.1f}")
+    print(f"    (launch hooks active: {kernel_launcher._hooks()[0] is not None})")
     try:
         direct = []
         for kernel, grid, kwargs, options in bound:
@@ -149,6 +188,8 @@ def main() -> None:
                   + ("  (backward launches only)" if name.startswith("launch") else ""))
         if args.launch and device == "cuda":
             launch_overhead(q, k, v, seqs, args.calls)
+        if args.launch:
+            autograd_overhead(q, args.calls)
         if args.profile:
             import cProfile
             import pstats

@@ -70,12 +70,14 @@ def _jit_only(kernel) -> bool:
 
 
 def _key(kernel, device: int, values: Sequence[object], options: Mapping[str, int]) -> tuple:
-    parts = [kernel, device, tuple(options.items())]
+    # The types too (one C pass): True == 1 == 1.0 as keys, but Triton types them i1, i32 and fp32.
+    parts = [kernel, device, tuple(options.items()), tuple(map(type, values))]
     for v in values:
         if isinstance(v, torch.Tensor):
-            parts.append((v.dtype, v.data_ptr() % 16 == 0))
-        else:  # the type too: True == 1 == 1.0 as keys, but Triton types them i1, i32 and fp32
-            parts.append((v.__class__, v))
+            parts.append(v.dtype)
+            parts.append(v.data_ptr() % 16 == 0)
+        else:
+            parts.append(v)
     return tuple(parts)
 
 

@@ -5,7 +5,11 @@ ordered_dq.py measured the Triton one pass slower than the product's two passes 
 starts from the product's warp-specialized dK/dV kernel (kernels/hopper_ws.py: a loader warp, two consumer
 warpgroups of 64 keys, dK and dV in registers) and adds to each consumer's loop the block's dQ part over its
 64 keys, dS K, in column chunks of DQ_CHUNK (so that at most [64, DQ_CHUNK] fp32 more is live), added to an
-fp32 accumulator with ``gl.atomic_add`` (red.global.add.f32; Triton 3.6's Gluon has no TMA reduce-add).
+fp32 accumulator. ADD: ``gl.atomic_add`` per element (ATOM, SASS ATOMG), inline-PTX ``red.global.add.f32`` per
+element (RED, REDG), or (TMA) the chunk staged in shared memory and added by one TMA reduce-add
+(``cp.reduce.async.bulk.tensor``, SASS UTMAREDG): Triton 3.6's Gluon has no call for it, but its op builder
+has the op (``tma_reduce_add`` below), as flash-attn-3/4 add their dQ. Element atomics measured 0.31-0.49 of the
+product's two passes (NOTES.md 28); TMA is the form left to measure.
 
 ORDER (as ordered_dq.py): UNORDERED adds as they come (not deterministic: the upper bound); HIGHEST_FIRST
 gives the adds to one query block a fixed order, the visiting key blocks highest first and within a program
@@ -31,11 +35,15 @@ import os
 import sys
 
 import torch
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.language.core import _aggregate as aggregate
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
 
 from transformer_engine.common.attention.kernels.hopper_ws import (
     DKDV_CONSUMER_REGISTERS,
@@ -51,6 +59,17 @@ from transformer_engine.common.attention.kernels.masking import query_block_boun
 
 UNORDERED, HIGHEST_FIRST, ROTATED = 0, 1, 2  # ORDER (the kernel compares with the literals)
 ORDER_NAMES = {UNORDERED: "unordered", HIGHEST_FIRST: "highest-first", ROTATED: "rotated"}
+ATOM, RED, TMA = 0, 1, 2  # ADD: how a dQ chunk is added (the kernel compares with the literals)
+ADD_NAMES = {ATOM: "atom", RED: "red", TMA: "tma"}
+
+
+@builtin
+def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """global[desc at coord] += src (shared memory, the descriptor's block) by a TMA reduce-add; complete
+    before src is reused or the result is read with ``tma.store_wait``. (Gluon's op builder has the op; 3.6's
+    Gluon language does not call it.)"""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
 
 @aggregate
@@ -65,10 +84,10 @@ class _OnePass:
     WITH_DK: gl.constexpr  # the loader brings V (always here)
     DQ_CHUNK: gl.constexpr
     ORDER: gl.constexpr
-    RED: gl.constexpr  # dQ's adds as red.global (inline PTX) instead of gl.atomic_add (atom, returns the old value)
+    ADD: gl.constexpr  # ATOM, RED or TMA (how a dQ chunk is added)
 
     @gluon.constexpr_function
-    def __init__(self, NUM_STAGES, BLOCK_N, CAUSAL, DQ_CHUNK, ORDER, RED):
+    def __init__(self, NUM_STAGES, BLOCK_N, CAUSAL, DQ_CHUNK, ORDER, ADD):
         self.NUM_STAGES = gl.constexpr(NUM_STAGES)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.HAS_LEFT = gl.constexpr(False)
@@ -76,7 +95,7 @@ class _OnePass:
         self.WITH_DK = gl.constexpr(True)
         self.DQ_CHUNK = gl.constexpr(DQ_CHUNK)
         self.ORDER = gl.constexpr(ORDER)
-        self.RED = gl.constexpr(RED)
+        self.ADD = gl.constexpr(ADD)
 
 
 @gluon.jit
@@ -125,8 +144,8 @@ def _loader(bufs, bars, bounds, coords, out_args, sched):
 
 
 @gluon.jit
-def _add_dq_part(ds_t, k, dq_rows, stride_dqs, start_m, len_q, sm_scale, BLOCK_M: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, DQ_CHUNK: gl.constexpr, RED: gl.constexpr, dtype: gl.constexpr):
+def _add_dq_part(ds_t, k, dq_rows, stride_dqs, dq_desc, dq_stage, start_m, len_q, sm_scale, BLOCK_M: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, DQ_CHUNK: gl.constexpr, ADD: gl.constexpr, dtype: gl.constexpr):
     """dQ[start_m:start_m + BLOCK_M] += sm_scale * dS K over this warpgroup's 64 keys (ds_t: [keys, queries])."""
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, DQ_CHUNK, 16])
@@ -138,12 +157,22 @@ def _add_dq_part(ds_t, k, dq_rows, stride_dqs, start_m, len_q, sm_scale, BLOCK_M
     zero = gl.zeros([BLOCK_M, DQ_CHUNK], gl.float32, layout=acc_layout)
     for c in gl.static_range(HEAD_DIM // DQ_CHUNK):
         part = warpgroup_mma(ds, k.slice(c * DQ_CHUNK, DQ_CHUNK, dim=1), zero, use_acc=False)
-        ptrs = dq_rows + gl.expand_dims(offs_m, 1) * stride_dqs + gl.expand_dims(c * DQ_CHUNK + offs_c, 0)
-        if RED:  # fire-and-forget reductions: no returned old value to wait for (rows all inside: s % 128 == 0)
-            gl.inline_asm_elementwise("red.global.gpu.relaxed.add.f32 [$1], $2; mov.u32 $0, 0;", "=r,l,f",
-                                      [ptrs.to(gl.int64), part * sm_scale], dtype=gl.int32, is_pure=False, pack=1)
+        if ADD == 2:  # stage the chunk, one TMA reduce-add (rows past the sequence: the descriptor clips them)
+            tma.store_wait(0)  # the previous chunk's reduce has read the stage
+            dq_stage.store(part * sm_scale)
+            fence_async_shared()
+            gl.thread_barrier()  # every thread's part is in the stage before the reduce is issued
+            tma_reduce_add(dq_desc, [start_m, c * DQ_CHUNK], dq_stage)
         else:
-            gl.atomic_add(ptrs, part * sm_scale, mask=row_ok, sem="relaxed")
+            ptrs = dq_rows + gl.expand_dims(offs_m, 1) * stride_dqs + gl.expand_dims(c * DQ_CHUNK + offs_c, 0)
+            if ADD == 1:  # fire-and-forget reductions: no old value to wait for (rows all inside: s % 128 == 0)
+                gl.inline_asm_elementwise("red.global.gpu.relaxed.add.f32 [$1], $2; mov.u32 $0, 0;", "=r,l,f",
+                                          [ptrs.to(gl.int64), part * sm_scale], dtype=gl.int32, is_pure=False,
+                                          pack=1)
+            else:
+                gl.atomic_add(ptrs, part * sm_scale, mask=row_ok, sem="relaxed")
+    if ADD == 2:
+        tma.store_wait(0)  # this block's reduces are done reading before the semaphore passes the turn on
 
 
 @gluon.jit
@@ -155,7 +184,7 @@ def _consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr):
     kv_bar, q_ready, do_ready, stat_ready, qdo_empty = bars
     lo, hi, full_lo, full_hi = bounds
     start_n, len_q, len_k, diag, window_left, window_right = coords
-    dk_base, dv_base, stride_dks, rows_out, qk_scale, sm_scale, dq_rows, sem_row, key_block = out_args
+    dk_base, dv_base, stride_dks, rows_out, qk_scale, sm_scale, dq_rows, sem_row, key_block, dq_desc, dq_smem = out_args
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
     dtype: gl.constexpr = k_desc.dtype
 
@@ -219,8 +248,8 @@ def _consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr):
                 turn = 2 * ((start_m // (2 * WG_ROWS) - key_block + num_keys) % num_keys) + WG
             while gl.atomic_add(sem_row + block_m, 0, sem="acquire") < turn:
                 pass
-        _add_dq_part(ds_t, k, dq_rows, stride_dks, start_m, len_q, sm_scale, BLOCK_M, HEAD_DIM, sched.DQ_CHUNK,
-                     sched.RED, dtype)
+        _add_dq_part(ds_t, k, dq_rows, stride_dks, dq_desc, dq_smem.index(WG), start_m, len_q, sm_scale, BLOCK_M,
+                     HEAD_DIM, sched.DQ_CHUNK, sched.ADD, dtype)
         if sched.ORDER != 0:
             gl.thread_barrier()  # the warpgroup's adds are issued before its increment releases them
             gl.atomic_add(sem_row + block_m, 1, sem="release")
@@ -250,7 +279,7 @@ def _consumer1(bufs, bars, bounds, coords, out_args, sched):
 @gluon.jit
 def attn_bwd_one_pass_ws_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, DQ_ACC, SEM, seqlen, num_heads, qk_scale, sm_scale,
                                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr,
-                                ORDER: gl.constexpr, DQ_CHUNK: gl.constexpr, RED: gl.constexpr = False,
+                                ORDER: gl.constexpr, DQ_CHUNK: gl.constexpr, ADD: gl.constexpr = 0,
                                 NUM_STAGES: gl.constexpr = 2):
     """One program per (key block of 128, batch * head), highest key block first; [b, s, h, d] tensors,
     LSE and DELTA [b, h, s] fp32, DQ_ACC [b, s, h, d] fp32 zeroed, SEM [b * h, s // BLOCK_M] int32 zeroed."""
@@ -285,10 +314,17 @@ def attn_bwd_one_pass_ws_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, DQ_ACC, SEM, se
     bufs = (k_desc, v_desc, q_rows, do_rows, stat_rows, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem)
     bounds = (lo, hi, full_lo, full_hi)
     coords = (start_n, seqlen, seqlen, 0, -1, window_right)
+    # TMA adds: a descriptor over the head's fp32 dQ rows, a [BLOCK_M, DQ_CHUNK] stage per consumer (1 row when
+    # unused, so the other modes keep their shared memory)
+    dq_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, DQ_CHUNK], gl.float32)
+    dq_desc = tma.make_tensor_descriptor(DQ_ACC + head_off, shape=[seqlen, HEAD_DIM], strides=[row, 1],
+                                         block_shape=[BLOCK_M, DQ_CHUNK], layout=dq_layout)
+    STAGE_ROWS: gl.constexpr = BLOCK_M if ADD == 2 else 1
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, STAGE_ROWS, DQ_CHUNK], dq_layout)
     out_args = (DK + head_off, DV + head_off, row, seqlen, qk_scale, sm_scale, DQ_ACC + head_off,
-                SEM + bh.to(gl.int64) * (seqlen // BLOCK_M), key_block)
+                SEM + bh.to(gl.int64) * (seqlen // BLOCK_M), key_block, dq_desc, dq_smem)
     gl.static_assert(not (CAUSAL and ORDER == 2))  # rotated: no mask only
-    sched = _OnePass(NUM_STAGES, BLOCK_M, CAUSAL, DQ_CHUNK, ORDER, RED)
+    sched = _OnePass(NUM_STAGES, BLOCK_M, CAUSAL, DQ_CHUNK, ORDER, ADD)
     args = (bufs, bars, bounds, coords, out_args, sched)
     gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_loader, args)], [4, 1],
                        [DKDV_CONSUMER_REGISTERS, LOADER_REGISTERS])
@@ -386,21 +422,22 @@ def compile_sm90() -> None:
                                               ("DO", "bfloat16"), ("DK", "bfloat16"), ("DV", "bfloat16"),
                                               ("LSE", "float32"), ("DELTA", "float32"), ("DQ_ACC", "float32"),
                                               ("SEM", "int32"))}
-    for chunk, red in ((32, False), (64, False), (128, False), (64, True), (128, True)):
+    for chunk, add in ((64, TMA), (128, TMA), (32, ATOM), (64, ATOM), (128, ATOM), (64, RED), (128, RED)):
         for causal in (False, True):
             for order in (UNORDERED, HIGHEST_FIRST) + (() if causal else (ROTATED,)):
                 args = dict(ptr, seqlen=4096, num_heads=16, qk_scale=0.1, sm_scale=0.1, HEAD_DIM=128, BLOCK_M=64,
-                            CAUSAL=causal, ORDER=order, DQ_CHUNK=chunk, RED=red, NUM_STAGES=2)
+                            CAUSAL=causal, ORDER=order, DQ_CHUNK=chunk, ADD=add, NUM_STAGES=2)
                 try:
                     kernel = compile_kernel(attn_bwd_one_pass_ws_kernel, args, dict(num_warps=4, maxnreg=168),
                                             target("sm90"))
                     report = resources(kernel)
                 except Exception as err:
                     report = {"error": f"{type(err).__name__}: {str(err)[-700:]}"}
-                print(f"chunk={chunk} red={red} causal={causal} order={ORDER_NAMES[order]}: {report}", flush=True)
+                print(f"chunk={chunk} add={ADD_NAMES[add]} causal={causal} order={ORDER_NAMES[order]}: {report}",
+                      flush=True)
 
 
-def one_pass_backward(q, k, v, out, d_out, lse, causal, order=HIGHEST_FIRST, dq_chunk=64, red=True, parts=None):
+def one_pass_backward(q, k, v, out, d_out, lse, causal, order=HIGHEST_FIRST, dq_chunk=64, add=TMA, parts=None):
     """(dq, dk, dv) over [b, s, h, d] contiguous tensors on the GPU; ``lse`` [b, h, s] (the product's)."""
     from ordered_dq import _delta_kernel
 
@@ -413,7 +450,7 @@ def one_pass_backward(q, k, v, out, d_out, lse, causal, order=HIGHEST_FIRST, dq_
     sem = torch.zeros((b * h, s // 64), dtype=torch.int32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     args = (q, k, v, d_out, dk, dv, lse, delta, acc, sem, s, h, scale * 1.4426950408889634, scale)
-    meta = dict(HEAD_DIM=d, BLOCK_M=64, CAUSAL=causal, ORDER=order, DQ_CHUNK=dq_chunk, RED=red, num_warps=4,
+    meta = dict(HEAD_DIM=d, BLOCK_M=64, CAUSAL=causal, ORDER=order, DQ_CHUNK=dq_chunk, ADD=add, num_warps=4,
                 maxnreg=168)
     grid = (s // 128, b * h)
     attn_bwd_one_pass_ws_kernel[grid](*args, **meta)
@@ -424,14 +461,15 @@ def one_pass_backward(q, k, v, out, d_out, lse, causal, order=HIGHEST_FIRST, dq_
 
 def run_gpu(out_path, orders=(UNORDERED, HIGHEST_FIRST)):
     """ordered_dq.compare_on_gpu at d=128 (checks, then times at 8x32x2048 and 4x16x4096): each order with
-    red.global and atom adds at DQ_CHUNK 64, and red.global at 128; rotated without a mask only."""
+    TMA reduce-adds at DQ_CHUNK 64 and 128, and element atomics (the measured best of the element adds) at 64;
+    rotated without a mask only."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from ordered_dq import compare_on_gpu
 
     def variants_of(d, causal):
-        return {f"{ORDER_NAMES[order]} chunk {chunk} {'red' if red else 'atom'}":
-                (lambda *a, parts=None, o=order, c=chunk, r=red: one_pass_backward(*a, o, c, r, parts=parts))
-                for order in orders for chunk, red in ((64, True), (64, False), (128, True))}
+        return {f"{ORDER_NAMES[order]} chunk {chunk} {ADD_NAMES[add]}":
+                (lambda *a, parts=None, o=order, c=chunk, m=add: one_pass_backward(*a, o, c, m, parts=parts))
+                for order in orders for chunk, add in ((64, TMA), (128, TMA), (64, ATOM))}
 
     masks = (False,) if ROTATED in orders else (False, True)
     compare_on_gpu("python dev/tuning/ordered_dq_ws.py", [128], [(8, 32, 2048, 128), (4, 16, 4096, 128)], masks,

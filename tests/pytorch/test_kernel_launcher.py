@@ -155,6 +155,22 @@ def test_a_compiled_form_without_a_launcher_falls_back_to_the_jit_call(fake, mon
     assert [entry[0] for entry in fake.log] == ["jit", "jit"]
 
 
+def test_a_background_compile_takes_the_jit_call_until_ready(fake, monkeypatch):
+    ready = []
+    real_run = fake.run
+
+    def run(grid, warmup, **kwargs):  # Triton's asynchronous mode: None until the compile is done
+        return real_run(grid, warmup, **kwargs) if ready else None
+
+    monkeypatch.setattr(fake, "run", run)
+    x = torch.zeros(64, dtype=torch.float16)
+    kernel_launcher.launch(fake, (1, 1, 1), _args(x), OPTIONS)
+    assert kernel_launcher.cached_kernels() == 0 and [entry[0] for entry in fake.log] == ["jit"]
+    ready.append(True)
+    kernel_launcher.launch(fake, (1, 1, 1), _args(x), OPTIONS)
+    assert kernel_launcher.cached_kernels() == 1 and [entry[0] for entry in fake.log] == ["jit", "compiled"]
+
+
 def test_launch_hooks_see_the_launch(fake, monkeypatch):
     monkeypatch.setattr(kernel_launcher, "_hooks", lambda: ("enter", "exit"))
     x = torch.zeros(64, dtype=torch.float16)

@@ -30,6 +30,7 @@ __all__ = ["launch", "cached_kernels", "clear"]
 _MAX_ENTRIES = 4096  # distinct (kernel, shapes, strides) keys kept; the least recently used go first
 _compiled: "OrderedDict[tuple, object]" = OrderedDict()
 _unsupported = set()  # kernels whose compiled form lacks a launcher attribute: Triton's JIT call for them
+_NOT_READY = object()  # _compile's answer while Triton compiles in the background
 
 
 def cached_kernels() -> int:
@@ -82,10 +83,12 @@ def _key(kernel, device: int, values: Sequence[object], options: Mapping[str, in
 
 
 def _compile(kernel, grid: Tuple[int, int, int], args: Dict[str, object], options: Mapping[str, int]):
-    """The compiled kernel Triton's JIT picks for these arguments, loaded, or None where its form lacks
-    what :func:`launch` calls."""
+    """The compiled kernel Triton's JIT picks for these arguments, loaded; None where its form lacks what
+    :func:`launch` calls; ``_NOT_READY`` while Triton compiles it in the background."""
     compiled = kernel.run(grid=grid, warmup=True, **args, **options)
-    if hasattr(compiled, "result"):  # an asynchronous compile
+    if compiled is None:  # Triton's asynchronous compile mode: not ready yet, so not cached
+        return _NOT_READY
+    if hasattr(compiled, "result"):  # an asynchronous compile's future
         compiled = compiled.result()
     if not all(hasattr(compiled, a) for a in ("_init_handles", "run", "function", "packed_metadata")):
         return None
@@ -105,6 +108,9 @@ def launch(kernel, grid: Tuple[int, int, int], args: Dict[str, object], options:
     compiled = _compiled.get(key)
     if compiled is None:
         compiled = _compile(kernel, grid, args, options)
+        if compiled is _NOT_READY:  # Triton's JIT call waits for it this once; the next launch asks again
+            kernel[grid](**args, **options)
+            return
         if compiled is None:
             _unsupported.add(kernel)
             kernel[grid](**args, **options)

@@ -99,9 +99,9 @@ section() {
         > "$d/core$n.log" 2>&1
       note "core$n bench rc=$? $(grep -h '4,16,4096,128 | causal | ours_det' "$d/core$n.md" 2>/dev/null)" ;;
     ws)  # the warp-specialized Gluon kernels against the Triton ones (dev/tuning/ws_kernels.py)
-      timeout "$(limit WS 300)" python3 dev/tuning/ws_kernels.py --out "$d/ws_kernels" \
-        > "$d/ws_kernels.log" 2>&1
-      note "ws_kernels rc=$? $(grep -c '^{' "$d/ws_kernels.log") cases" ;;
+      timeout "$(limit WS 300)" python3 dev/tuning/ws_kernels.py --out "$d/ws_kernels${WS_DIMS:-}" \
+        > "$d/ws_kernels${WS_DIMS:-}.log" 2>&1
+      note "ws_kernels${WS_DIMS:-} rc=$? $(grep -c '^{' "$d/ws_kernels${WS_DIMS:-}.log") cases" ;;
     ordereddq)  # dev/tuning/ordered_dq.py: the one-pass backward with ordered dQ against the product's (a hang is a deadlock)
       timeout "$(limit ORDEREDDQ 420)" python3 dev/tuning/ordered_dq.py --out "$d/ordered_dq.json" \
         > "$d/ordered_dq.log" 2>&1

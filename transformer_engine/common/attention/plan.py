@@ -37,9 +37,6 @@ class Tiles:
     head_group: int = 1  # launch order: heads whose blocks interleave (kernels/masking.py, grid_program)
     single_loop: bool = False  # one pipelined block loop masking per block, not three loops (pays where registers bind)
     max_registers: Optional[int] = None  # per-thread register cap of the launch (warp-specialized kernels)
-    # Warp-specialized backward passes: a block's last products complete during the next block's first
-    # ones (the consumer waits for them one block later); the same arithmetic in the same order.
-    pipelined: bool = False
 
     @property
     def loop_constexprs(self) -> Dict[str, object]:
@@ -50,8 +47,8 @@ class Tiles:
     @property
     def ws_constexprs(self) -> Dict[str, object]:
         """What the warp-specialized Gluon kernels (hopper_ws.py) take from these tiles: their ring has
-        num_stages buffers; PIPELINED as ``pipelined``."""
-        return dict(self.loop_constexprs, NUM_STAGES=self.num_stages, PIPELINED=self.pipelined)
+        num_stages buffers."""
+        return dict(self.loop_constexprs, NUM_STAGES=self.num_stages)
 
     @property
     def launch_options(self) -> Dict[str, int]:

@@ -34,7 +34,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
-    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 
@@ -64,11 +63,9 @@ class _Schedule:
     ROW_TILES: gl.constexpr  # tiles the loader brings once per consumer: 1 (Q), 2 (Q and dO); 0 for dK/dV
     WITH_DK: gl.constexpr  # dK/dV: which gradients the pass computes (attn_bwd_dkdv_kernel's flags)
     WITH_DV: gl.constexpr
-    PIPELINED: gl.constexpr  # backward: wait for a block's last products one block later (Tiles.pipelined)
 
     @gluon.constexpr_function
-    def __init__(self, NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, ROW_TILES, WITH_DK=True, WITH_DV=True,
-                 PIPELINED=False):
+    def __init__(self, NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, ROW_TILES, WITH_DK=True, WITH_DV=True):
         self.NUM_STAGES = gl.constexpr(NUM_STAGES)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.HAS_LEFT = gl.constexpr(HAS_LEFT)
@@ -76,7 +73,6 @@ class _Schedule:
         self.ROW_TILES = gl.constexpr(ROW_TILES)
         self.WITH_DK = gl.constexpr(WITH_DK)
         self.WITH_DV = gl.constexpr(WITH_DV)
-        self.PIPELINED = gl.constexpr(PIPELINED)
 
 
 @gluon.jit
@@ -350,7 +346,7 @@ def attn_fwd_ws_kernel(
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
     HAS_BIAS: gl.constexpr, HAS_ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
     DOT_PRECISION: gl.constexpr, HEAD_GROUP: gl.constexpr, SINGLE_LOOP: gl.constexpr, SEGMENTS: gl.constexpr,
-    NUM_STAGES: gl.constexpr = 2, PIPELINED: gl.constexpr = False,
+    NUM_STAGES: gl.constexpr = 2,
 ):
     gl.static_assert(HEAD_DIM_QK == HEAD_DIM_V)
     gl.static_assert(HEAD_DIM_QK == BLOCK_DQK)
@@ -377,7 +373,6 @@ def attn_fwd_ws_kernel(
     bounds = (lo, hi, full_lo, full_hi)
     coords = (start_m, len_q, len_k, diag, window_left, window_right)
     out_args = (o_base, stride_os, stride_od, lse_base, rows_out, qk_scale)
-    gl.static_assert(not PIPELINED)  # the forward waits for each block's products (dev notes: overlap lost)
     sched = _Schedule(NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, 1)
     args = (bufs, bars, bounds, coords, out_args, sched)
     gl.warp_specialize([(_fwd_consumer0, args), (_fwd_consumer1, args), (_load_worker, args)], [4, 1],
@@ -394,7 +389,7 @@ def _dq_consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr):
     q_bar, k_ready, v_ready, kv_empty, turn = bars
     lo, hi, full_lo, full_hi = bounds
     start_m, len_q, len_k, diag, window_left, window_right = coords
-    dq_base, stride_dqs, stride_dqd, lse_base, delta_base, rows_out, qk_scale, sm_scale, ds_smem = out_args
+    dq_base, stride_dqs, stride_dqd, lse_base, delta_base, rows_out, qk_scale, sm_scale = out_args
     HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
     dtype: gl.constexpr = q_desc.dtype
 
@@ -415,8 +410,6 @@ def _dq_consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr):
     lse2 = gl.load(lse_base + offs_m, mask=row_ok, other=float("inf")) * LOG2E
     delta = gl.load(delta_base + offs_m, mask=row_ok, other=0.0)
     dq = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=dq_layout)
-    if sched.PIPELINED:  # carried through the loop in flight
-        dq = warpgroup_mma_init(dq)
     s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout)
 
     mbarrier.wait(q_bar, 0)
@@ -429,10 +422,6 @@ def _dq_consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr):
         k = k_smem.index(stage)
         mbarrier.wait(k_ready.index(stage), phase)
         qk = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        if sched.PIPELINED:  # the previous block's dQ product (issued before this block's scores) is done
-            dq = warpgroup_mma_wait(num_outstanding=1, deps=(dq, ))
-            if it > 0:
-                mbarrier.arrive(kv_empty.index((it - 1) % NUM_STAGES), count=1)
         mbarrier.wait(v_ready.index(stage), phase)
         dp = warpgroup_mma(do, v_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))
@@ -444,24 +433,10 @@ def _dq_consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr):
             p = gl.where(keep, p, 0.0)
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp, ))
         ds = p * (dp - gl.expand_dims(delta, 1))
-        if sched.PIPELINED:
-            # A register operand in flight across the loop's back edge makes ptxas serialize every wgmma;
-            # from shared memory it is not (the previous block's product, which read it, is done).
-            ds_buf = ds_smem.index(WG)
-            ds_buf.store(ds.to(dtype))
-            fence_async_shared()
-            gl.thread_barrier()  # the warpgroup's rows are all in before its product reads them
-            dq = warpgroup_mma(ds_buf, k, dq, is_async=True)
-        else:
-            dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), ds_layout), k, dq, is_async=True)
-        if not sched.PIPELINED:
-            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-            mbarrier.arrive(kv_empty.index(stage), count=1)
-        it += 1
-    if sched.PIPELINED:
+        dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), ds_layout), k, dq, is_async=True)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
-        if it > 0:
-            mbarrier.arrive(kv_empty.index((it - 1) % NUM_STAGES), count=1)
+        mbarrier.arrive(kv_empty.index(stage), count=1)
+        it += 1
 
     offs_mq = first_row + gl.arange(0, WG_ROWS, layout=row_q)
     offs_d = gl.arange(0, HEAD_DIM, layout=col_q)
@@ -500,7 +475,7 @@ def attn_bwd_dq_ws_kernel(
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
     HAS_BIAS: gl.constexpr, HAS_ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
     DOT_PRECISION: gl.constexpr, HEAD_GROUP: gl.constexpr, SINGLE_LOOP: gl.constexpr, SEGMENTS: gl.constexpr,
-    NUM_STAGES: gl.constexpr = 2, PIPELINED: gl.constexpr = False,
+    NUM_STAGES: gl.constexpr = 2,
 ):
     """One program per (query block, batch * query head), as attn_bwd_dq_kernel."""
     gl.static_assert(HEAD_DIM_QK == HEAD_DIM_V)
@@ -527,14 +502,8 @@ def attn_bwd_dq_ws_kernel(
     bufs = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem)
     bounds = (lo, hi, full_lo, full_hi)
     coords = (start_m, len_q, len_k, diag, window_left, window_right)
-    ds_smem = q_smem  # not read unless pipelined
-    if PIPELINED:  # dS for the dQ product from shared memory: one [64, BLOCK_N] buffer per consumer
-        ds_smem = gl.allocate_shared_memory(Q.dtype.element_ty, [2, WG_ROWS, BLOCK_N],
-                                            gl.NVMMASharedLayout.get_default_for([WG_ROWS, BLOCK_N],
-                                                                                 Q.dtype.element_ty))
-    out_args = (dq_base, stride_dqs, stride_dqd, LSE + lse_off, DELTA + lse_off, rows_out, qk_scale, sm_scale,
-                ds_smem)
-    sched = _Schedule(NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, 2, PIPELINED=PIPELINED)
+    out_args = (dq_base, stride_dqs, stride_dqd, LSE + lse_off, DELTA + lse_off, rows_out, qk_scale, sm_scale)
+    sched = _Schedule(NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, 2)
     args = (bufs, bars, bounds, coords, out_args, sched)
     gl.warp_specialize([(_dq_consumer0, args), (_dq_consumer1, args), (_load_worker, args)], [4, 1],
                        [CONSUMER_REGISTERS, LOADER_REGISTERS])
@@ -612,18 +581,6 @@ def _dkdv_loader(bufs, bars, bounds, coords, out_args, sched):
 
 
 @gluon.jit
-def _wait_dkdv(dk, dv, num_outstanding: gl.constexpr, sched):
-    """Wait until at most ``num_outstanding`` products are in flight; (dK, dV) of the pass's gradients."""
-    if sched.WITH_DK and sched.WITH_DV:
-        dk, dv = warpgroup_mma_wait(num_outstanding=num_outstanding, deps=(dk, dv))
-    elif sched.WITH_DK:
-        dk = warpgroup_mma_wait(num_outstanding=num_outstanding, deps=(dk, ))
-    else:
-        dv = warpgroup_mma_wait(num_outstanding=num_outstanding, deps=(dv, ))
-    return dk, dv
-
-
-@gluon.jit
 def _dkdv_consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr):
     """One warpgroup's 64 keys of dK and dV, summed over the query blocks in ascending order, query head
     by query head of the GQA group (the deterministic order of attn_bwd_dkdv_kernel)."""
@@ -634,8 +591,7 @@ def _dkdv_consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr)
     kv_bar, q_ready, do_ready, stat_ready, qdo_empty = bars
     lo, hi, full_lo, full_hi = bounds
     start_n, len_q, len_k, diag, window_left, window_right = coords
-    dk_base, dv_base, stride_dks, stride_dvs, stride_dkd, stride_dvd, rows_out, qk_scale, sm_scale, p_smem, ds_smem = \
-        out_args
+    dk_base, dv_base, stride_dks, stride_dvs, stride_dkd, stride_dvd, rows_out, qk_scale, sm_scale = out_args
     HEAD_DIM: gl.constexpr = k_desc.block_type.shape[1]
     dtype: gl.constexpr = k_desc.dtype
 
@@ -652,11 +608,6 @@ def _dkdv_consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr)
     first_key = start_n + WG * WG_ROWS
     dk = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
     dv = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
-    if sched.PIPELINED:  # the pass's accumulators are carried through the loop in flight
-        if sched.WITH_DK:
-            dk = warpgroup_mma_init(dk)
-        if sched.WITH_DV:
-            dv = warpgroup_mma_init(dv)
     s_zero = gl.zeros([WG_ROWS, BLOCK_M], gl.float32, layout=s_layout)
 
     mbarrier.wait(kv_bar, 0)
@@ -671,10 +622,6 @@ def _dkdv_consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr)
             do = do_smem.index(stage)
             mbarrier.wait(q_ready.index(stage), phase)
             qk_t = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            if sched.PIPELINED:  # the previous block's products (issued before this block's scores) are done
-                dk, dv = _wait_dkdv(dk, dv, 1, sched)
-                if it > 0:
-                    mbarrier.arrive(qdo_empty.index((it - 1) % NUM_STAGES), count=1)
             mbarrier.wait(do_ready.index(stage), phase)
             if sched.WITH_DK:
                 dp_t = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -692,14 +639,7 @@ def _dkdv_consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr)
                                window_right, sched.HAS_LEFT, sched.HAS_RIGHT)
                 p_t = gl.where(keep, p_t, 0.0)
             if sched.WITH_DV:
-                if sched.PIPELINED:  # from shared memory, as in _dq_consume
-                    p_buf = p_smem.index(WG)
-                    p_buf.store(p_t.to(dtype))
-                    fence_async_shared()
-                    gl.thread_barrier()
-                    dv = warpgroup_mma(p_buf, do, dv, is_async=True)
-                else:
-                    dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), op_layout), do, dv, is_async=True)
+                dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), op_layout), do, dv, is_async=True)
             if sched.WITH_DK:
                 delta = delta_smem.index(stage).load(col_s)
                 if sched.WITH_DV:
@@ -707,22 +647,15 @@ def _dkdv_consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr)
                 else:
                     dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t, ))
                 ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
-                if sched.PIPELINED:
-                    ds_buf = ds_smem.index(WG)
-                    ds_buf.store(ds_t.to(dtype))
-                    fence_async_shared()
-                    gl.thread_barrier()
-                    dk = warpgroup_mma(ds_buf, q, dk, is_async=True)
-                else:
-                    dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), op_layout), q, dk, is_async=True)
-            if not sched.PIPELINED:
-                dk, dv = _wait_dkdv(dk, dv, 0, sched)
-                mbarrier.arrive(qdo_empty.index(stage), count=1)
+                dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), op_layout), q, dk, is_async=True)
+            if sched.WITH_DK and sched.WITH_DV:
+                dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+            elif sched.WITH_DK:
+                dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
+            else:
+                dv = warpgroup_mma_wait(num_outstanding=0, deps=(dv, ))
+            mbarrier.arrive(qdo_empty.index(stage), count=1)
             it += 1
-    if sched.PIPELINED:
-        dk, dv = _wait_dkdv(dk, dv, 0, sched)
-        if it > 0:
-            mbarrier.arrive(qdo_empty.index((it - 1) % NUM_STAGES), count=1)
 
     offs_na = first_key + gl.arange(0, WG_ROWS, layout=row_a)
     offs_d = gl.arange(0, HEAD_DIM, layout=col_a)
@@ -772,7 +705,7 @@ def attn_bwd_dkdv_ws_kernel(
     HAS_BIAS: gl.constexpr, HAS_ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
     DOT_PRECISION: gl.constexpr, HEAD_GROUP: gl.constexpr, SINGLE_LOOP: gl.constexpr, SEGMENTS: gl.constexpr,
     WITH_DK: gl.constexpr, WITH_DV: gl.constexpr,
-    NUM_STAGES: gl.constexpr = 2, PIPELINED: gl.constexpr = False,
+    NUM_STAGES: gl.constexpr = 2,
 ):
     """One program per (key block of 128, batch * kv head), as attn_bwd_dkdv_kernel:
     BLOCK_N = 128 keys as two consumers of 64, query blocks of BLOCK_M through the loader's ring.
@@ -833,17 +766,8 @@ def attn_bwd_dkdv_ws_kernel(
     bufs = (k_desc, v_desc, q_rows, do_rows, stat_rows, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem)
     bounds = (lo, hi, full_lo, full_hi)
     coords = (start_n, len_q, len_k, diag, window_left, window_right)
-    p_smem = q_smem  # not read unless pipelined
-    ds_smem = q_smem
-    if PIPELINED:  # P^T and dS^T for the dV and dK products from shared memory (see _dq_consume)
-        op_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([WG_ROWS, BLOCK_M], dtype)
-        if WITH_DV:
-            p_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, BLOCK_M], op_layout)
-        if WITH_DK:
-            ds_smem = gl.allocate_shared_memory(dtype, [2, WG_ROWS, BLOCK_M], op_layout)
-    out_args = (dk_base, dv_base, stride_dks, stride_dvs, stride_dkd, stride_dvd, rows_out, qk_scale, sm_scale,
-                p_smem, ds_smem)
-    sched = _Schedule(NUM_STAGES, BLOCK_M, HAS_LEFT, HAS_RIGHT, 0, WITH_DK, WITH_DV, PIPELINED)
+    out_args = (dk_base, dv_base, stride_dks, stride_dvs, stride_dkd, stride_dvd, rows_out, qk_scale, sm_scale)
+    sched = _Schedule(NUM_STAGES, BLOCK_M, HAS_LEFT, HAS_RIGHT, 0, WITH_DK, WITH_DV)
     args = (bufs, bars, bounds, coords, out_args, sched)
     gl.warp_specialize([(_dkdv_consumer0, args), (_dkdv_consumer1, args), (_dkdv_loader, args)], [4, 1],
                        [DKDV_CONSUMER_REGISTERS, LOADER_REGISTERS])

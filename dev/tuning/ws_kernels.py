@@ -10,6 +10,7 @@ ratios (NOTES.md entries 14-15).
     python dev/tuning/ws_kernels.py --out /tmp/ws_kernels      # also writes /tmp/ws_kernels.json
     WS_CHECK_ONLY=1 python dev/tuning/ws_kernels.py            # errors only
     WS_DIMS=256 python dev/tuning/ws_kernels.py                # d=256 (dK and dV as two passes there)
+    WS_DIMS=192v128 python dev/tuning/ws_kernels.py            # d_qk 192 (128 + 64) with d_v 128: forward, dQ
 """
 
 from __future__ import annotations
@@ -76,11 +77,12 @@ def reference_grads(q, k, v, d_out, mask, window, scale):
     return qf.grad, kf.grad, vf.grad
 
 
-def run_case(b, h, hk, sq, sk, d, mask_name, window, dtype, variants, bwd_variants, timed, check_only):
+def run_case(b, h, hk, sq, sk, d, mask_name, window, dtype, variants, bwd_variants, timed, check_only, d_v=None):
     torch.manual_seed(0)
+    d_v = d if d_v is None else d_v
     q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype)
     k = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype)
-    v = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype)
+    v = torch.randn(b, sk, hk, d_v, device="cuda", dtype=dtype)
     mask = MASKS[mask_name]
     scale = 1.0 / math.sqrt(d)
     seqs = launch.sequences(QKVFormat.BSHD, q, k, None, None, None, None, sq, sk)
@@ -92,7 +94,7 @@ def run_case(b, h, hk, sq, sk, d, mask_name, window, dtype, variants, bwd_varian
             plans[name] = dataclasses.replace(base, warp_specialized=dataclasses.replace(base.warp_specialized,
                                                                                          **fields))
     ref_o, ref_lse = reference(q, k, v, mask, window, scale)
-    row = dict(shape=f"{b},{h},{hk},{sq},{sk},{d}", mask=mask_name, window=list(window), dtype=str(dtype)[6:])
+    row = dict(shape=f"{b},{h},{hk},{sq},{sk},{d}" + (f"v{d_v}" if d_v != d else ""), mask=mask_name, window=list(window), dtype=str(dtype)[6:])
     for name, plan in plans.items():
         out, lse = launch.forward(q, k, v, QKVFormat.BSHD, seqs, scale, mask, window, plan=plan)
         torch.cuda.synchronize()
@@ -103,7 +105,7 @@ def run_case(b, h, hk, sq, sk, d, mask_name, window, dtype, variants, bwd_varian
         row[name] = dict(err_out=err_o, err_lse=err_l, inf_rows_match=same_inf)
         if timed and not check_only:
             ms = bench_ms(lambda: launch.forward(q, k, v, QKVFormat.BSHD, seqs, scale, mask, window, plan=plan))
-            flops = attn_flops(b, h, sq, sk, d, mask_name != "none", "fwd")
+            flops = attn_flops(b, h, sq, sk, d, mask_name != "none", "fwd", d_v)
             row[name].update(ms=ms, tflops=flops / ms * 1e-9)
     if timed and not check_only and "triton" in row and "ms" in row["triton"]:
         for name in plans:
@@ -115,8 +117,10 @@ def run_case(b, h, hk, sq, sk, d, mask_name, window, dtype, variants, bwd_varian
     bbase = backward_plan(launch.plan_config(q, k, v, QKVFormat.BSHD, mask, window))
     bplans = {"bwd_triton": dataclasses.replace(bbase, dq_warp_specialized=None, dkdv_warp_specialized=None,
                                                 dv_warp_specialized=None)}
-    if bbase.dq_warp_specialized is not None and bbase.dkdv_warp_specialized is not None:
+    if bbase.dq_warp_specialized is not None:
         for name, (dkdv_fields, dq_fields) in bwd_variants.items():
+            if dkdv_fields is not None and bbase.dkdv_warp_specialized is None:
+                continue  # no Gluon dK/dV kernel for this config (the Q/K split)
             bplans[name] = dataclasses.replace(
                 bbase,
                 dkdv_warp_specialized=None if dkdv_fields is None else dataclasses.replace(
@@ -144,7 +148,7 @@ def run_case(b, h, hk, sq, sk, d, mask_name, window, dtype, variants, bwd_varian
                          bitwise_repeat=all(torch.equal(a, b) for a, b in zip(grads, again)))
         if timed and not check_only:
             ms = bench_ms(lambda: bwd(plan))
-            row[name].update(ms=ms, tflops=attn_flops(b, h, sq, sk, d, mask_name != "none", "bwd") / ms * 1e-9)
+            row[name].update(ms=ms, tflops=attn_flops(b, h, sq, sk, d, mask_name != "none", "bwd", d_v) / ms * 1e-9)
     if timed and not check_only:
         for name in bplans:
             row[name]["speedup_vs_triton"] = row["bwd_triton"]["ms"] / row[name]["ms"]
@@ -182,8 +186,17 @@ def main():
         checks = [(b, h, hk, sq, sk, 256, m, w, dt) for b, h, hk, sq, sk, _, m, w, dt in checks]
         timed_cases = [(2, 16, 16, 4096, 4096, 256, "causal", (-1, 0), bf16),
                        (2, 16, 16, 4096, 4096, 256, "none", (-1, -1), bf16)]
-    rows = [run_case(*c, variants, bwd_variants, False, check_only) for c in checks]
-    rows += [run_case(*c, variants, bwd_variants, True, check_only) for c in timed_cases]
+    d_v = None
+    if os.environ.get("WS_DIMS") == "192v128":  # the Q/K split: the Gluon forward and dQ (dK/dV on Triton)
+        d_v = 128
+        checks = [(b, h, hk, sq, sk, 192, m, w, dt) for b, h, hk, sq, sk, _, m, w, dt in checks]
+        timed_cases = [(2, 16, 16, 4096, 4096, 192, "causal", (-1, 0), bf16),
+                       (2, 16, 16, 4096, 4096, 192, "none", (-1, -1), bf16)]
+        variants = {"ws": {}, "ws_n64_s3": dict(block_n=64, num_stages=3), "ws_n64_s2": dict(block_n=64, num_stages=2)}
+        bwd_variants = {"dq_ws": (None, {}), "dq_ws_2stage": (None, dict(num_stages=2)),
+                        "dq_ws_n32": (None, dict(block_n=32, num_stages=3))}
+    rows = [run_case(*c, variants, bwd_variants, False, check_only, d_v) for c in checks]
+    rows += [run_case(*c, variants, bwd_variants, True, check_only, d_v) for c in timed_cases]
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out + ".json", "w") as f:

@@ -263,6 +263,10 @@ _SM90_DKDV_WS = {
     (256, False): Tiles(32, 128, 4, 2, max_registers=168),
     (256, True): Tiles(32, 128, 4, 2, max_registers=168),
 }
+# Q/K head dim 192 as 128 + 64 with d_v 128 (ArchTables.splits_qk), by diagonal-bounded mask: the forward and
+# dQ kernels take the second chunk in buffers of its own; dK/dV stays on the Triton kernel.
+_SM90_FWD_WS_SPLIT = {False: Tiles(128, 128, 4, 2, max_registers=168), True: Tiles(128, 128, 4, 2, max_registers=168)}
+_SM90_DQ_WS_SPLIT = {False: Tiles(128, 64, 4, 3, max_registers=168), True: Tiles(128, 64, 4, 3, max_registers=168)}
 _SM90_DV_WS = {
     (256, False): Tiles(64, 128, 4, 2, max_registers=168),
     (256, True): Tiles(64, 128, 4, 2, max_registers=168),
@@ -461,7 +465,7 @@ def forward_plan(config: AttnConfig, override: Optional[Tiles] = None) -> Forwar
         else:
             tiles = Tiles(min(tiles.block_m, 64), min(tiles.block_n, 32), tiles.num_warps, 1)
     # An explicit Triton tile override measures the Triton kernel.
-    ws = None if override is not None else _warp_specialized(config, arch, key, _SM90_FWD_WS)
+    ws = None if override is not None else _warp_specialized(config, arch, key, _SM90_FWD_WS, _SM90_FWD_WS_SPLIT)
     block_dqk, block_dqk2 = _qk_blocks(config, arch)
     return ForwardPlan(tiles, block_dqk, padded_head_dim(config.head_dim_v), _dot_precision(config), ws, block_dqk2)
 
@@ -481,21 +485,29 @@ def _qk_blocks(config: AttnConfig, arch: Optional[ArchTables]) -> Tuple[int, int
 
 
 def _warp_specialized(config: AttnConfig, arch: Optional[ArchTables], key: Tuple[int, bool],
-                      table: Dict[Tuple[int, bool], Tiles]) -> Optional[Tiles]:
-    """The Gluon kernels' tiles for ``config`` from ``table``, where they serve it (module docstring of
-    kernels/hopper_ws.py: NVIDIA SM90 planning with its own tables) and NVTE_FUSED_ATTN_WS does not turn
-    them off."""
+                      table: Dict[Tuple[int, bool], Tiles],
+                      split_table: Optional[Dict[bool, Tiles]] = None) -> Optional[Tiles]:
+    """The Gluon kernels' tiles for ``config`` from ``table`` (``split_table`` where the Q/K head dim
+    splits in two chunks), where they serve it (module docstring of kernels/hopper_ws.py: NVIDIA SM90
+    planning with its own tables) and NVTE_FUSED_ATTN_WS does not turn them off."""
     if config.device_type != "cuda" or arch is None or not arch.warp_specialized:
         return None
-    if config.dtype not in ("float16", "bfloat16") or config.head_dim_qk != config.head_dim_v:
+    if config.dtype not in ("float16", "bfloat16"):
         return None
     if config.attn_bias_type != AttnBiasType.NO_BIAS or config.dropout > 0:
         return None
     # Sink softmax (off-by-one, learnable) is in the Triton forward only.
     if config.softmax_type.has_sink:
         return None
-    # The head dim must fill its tile: the Gluon kernels mask no head-dim columns.
-    if config.head_dim_qk != key[0] or not settings.get("NVTE_FUSED_ATTN_WS"):
+    if not settings.get("NVTE_FUSED_ATTN_WS"):
+        return None
+    # The head dims must fill their tiles: the Gluon kernels mask no head-dim columns. A Q/K head dim
+    # that splits fills two chunks (split_head_dim); d_v must then fill one.
+    if arch.splits_qk(config):
+        if split_table is None or config.head_dim_v != padded_head_dim(config.head_dim_v):
+            return None
+        return split_table.get(key[1])
+    if config.head_dim_qk != config.head_dim_v or config.head_dim_qk != key[0]:
         return None
     return table.get(key)
 
@@ -525,7 +537,7 @@ def backward_plan(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = 
     # Both modes run the separate dQ pass: it measured 2-3x faster than an atomic dQ on the H200.
     # An explicit Triton tile override measures the Triton kernels.
     served = override is None
-    ws_dq = _warp_specialized(config, arch, key, _SM90_DQ_WS) if served else None
+    ws_dq = _warp_specialized(config, arch, key, _SM90_DQ_WS, _SM90_DQ_WS_SPLIT) if served else None
     ws_dkdv = _warp_specialized(config, arch, key, _SM90_DKDV_WS) if served else None
     ws_dv = _warp_specialized(config, arch, key, _SM90_DV_WS) if served else None
     # The Gluon dK/dV rows make as many passes as the Triton plan: one (no dV row) or two.

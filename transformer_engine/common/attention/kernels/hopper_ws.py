@@ -63,9 +63,11 @@ class _Schedule:
     ROW_TILES: gl.constexpr  # tiles the loader brings once per consumer: 1 (Q), 2 (Q and dO); 0 for dK/dV
     WITH_DK: gl.constexpr  # dK/dV: which gradients the pass computes (attn_bwd_dkdv_kernel's flags)
     WITH_DV: gl.constexpr
+    SPLIT: gl.constexpr  # forward and dQ: the Q/K head dim is two chunks (the second in q2/k2 buffers)
 
     @gluon.constexpr_function
-    def __init__(self, NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, ROW_TILES, WITH_DK=True, WITH_DV=True):
+    def __init__(self, NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, ROW_TILES, WITH_DK=True, WITH_DV=True,
+                 SPLIT=False):
         self.NUM_STAGES = gl.constexpr(NUM_STAGES)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.HAS_LEFT = gl.constexpr(HAS_LEFT)
@@ -73,6 +75,7 @@ class _Schedule:
         self.ROW_TILES = gl.constexpr(ROW_TILES)
         self.WITH_DK = gl.constexpr(WITH_DK)
         self.WITH_DV = gl.constexpr(WITH_DV)
+        self.SPLIT = gl.constexpr(SPLIT)
 
 
 @gluon.jit
@@ -81,13 +84,19 @@ def _loader(bufs, bars, bounds, coords, sched):
     through the ring."""
     NUM_STAGES: gl.constexpr = sched.NUM_STAGES
     BLOCK_N: gl.constexpr = sched.BLOCK_N
-    q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem = bufs
+    q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q2_desc, k2_desc, q2_smem, k2_smem = bufs
     q_bar, k_ready, v_ready, kv_empty, turn = bars
     lo, hi, full_lo, full_hi = bounds
     start_m = coords[0]
-    mbarrier.expect(q_bar, 2 * sched.ROW_TILES * q_desc.block_type.nbytes)
+    if sched.SPLIT:
+        mbarrier.expect(q_bar, 2 * (q_desc.block_type.nbytes + q2_desc.block_type.nbytes
+                                    + (sched.ROW_TILES == 2) * do_desc.block_type.nbytes))
+    else:
+        mbarrier.expect(q_bar, 2 * sched.ROW_TILES * q_desc.block_type.nbytes)
     for wg in gl.static_range(2):
         tma.async_copy_global_to_shared(q_desc, [start_m + wg * WG_ROWS, 0], q_bar, q_smem.index(wg))
+        if sched.SPLIT:
+            tma.async_copy_global_to_shared(q2_desc, [start_m + wg * WG_ROWS, 0], q_bar, q2_smem.index(wg))
         if sched.ROW_TILES == 2:
             tma.async_copy_global_to_shared(do_desc, [start_m + wg * WG_ROWS, 0], q_bar, do_smem.index(wg))
     it = 0
@@ -96,19 +105,27 @@ def _loader(bufs, bars, bounds, coords, sched):
         phase = (it // NUM_STAGES) & 1
         # A fresh barrier counts as having completed phase 1: the first pass does not wait.
         mbarrier.wait(kv_empty.index(stage), phase ^ 1)
-        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [start_n, 0], k_ready.index(stage), k_smem.index(stage))
+        if sched.SPLIT:
+            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes + k2_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [start_n, 0], k_ready.index(stage), k_smem.index(stage))
+            tma.async_copy_global_to_shared(k2_desc, [start_n, 0], k_ready.index(stage), k2_smem.index(stage))
+        else:
+            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [start_n, 0], k_ready.index(stage), k_smem.index(stage))
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [start_n, 0], v_ready.index(stage), v_smem.index(stage))
         it += 1
 
 
 @gluon.jit
-def _issue_scores(q, k_smem, k_ready, s_zero, it, NUM_STAGES: gl.constexpr):
-    """Issue Q K^T for the it-th key block once it has landed (async: the caller waits)."""
+def _issue_scores(q, k_smem, k_ready, s_zero, it, NUM_STAGES: gl.constexpr, q2, k2_smem, SPLIT: gl.constexpr):
+    """Issue Q K^T for the it-th key block once it has landed (async: the caller waits); with SPLIT the
+    second chunk's product accumulates onto the first's."""
     stage = it % NUM_STAGES
     mbarrier.wait(k_ready.index(stage), (it // NUM_STAGES) & 1)
     qk = warpgroup_mma(q, k_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    if SPLIT:
+        qk = warpgroup_mma(q2, k2_smem.index(stage).permute((1, 0)), qk, is_async=True)
     return qk
 
 
@@ -138,12 +155,12 @@ def _consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr):
     BLOCK_N: gl.constexpr = sched.BLOCK_N
     HAS_LEFT: gl.constexpr = sched.HAS_LEFT
     HAS_RIGHT: gl.constexpr = sched.HAS_RIGHT
-    q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem = bufs
+    q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q2_desc, k2_desc, q2_smem, k2_smem = bufs
     q_bar, k_ready, v_ready, kv_empty, turn = bars
     lo, hi, full_lo, full_hi = bounds
     start_m, len_q, len_k, diag, window_left, window_right = coords
     o_base, stride_os, stride_od, lse_base, rows_out, qk_scale = out_args
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    HEAD_DIM: gl.constexpr = v_desc.block_type.shape[1]  # of O
     dtype: gl.constexpr = q_desc.dtype
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -166,10 +183,11 @@ def _consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr):
 
     mbarrier.wait(q_bar, 0)
     q = q_smem.index(WG)
+    q2 = q2_smem.index(WG)
     it = 0
     for start_n in range(lo, hi, BLOCK_N):
         stage = it % NUM_STAGES
-        qk = _issue_scores(q, k_smem, k_ready, s_zero, it, NUM_STAGES)
+        qk = _issue_scores(q, k_smem, k_ready, s_zero, it, NUM_STAGES, q2, k2_smem, sched.SPLIT)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
         p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, start_n, offs_m, offs_n_base, full_lo, full_hi, coords,
                                            qk_scale, HAS_LEFT, HAS_RIGHT)
@@ -292,18 +310,37 @@ def _row_tiles(X, batch, head, start, rows, stride_b, stride_s, stride_h, HEAD_D
 
 @gluon.jit
 def _kv_ring(K, V, batch, head_kv, start_k, len_k, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-             HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """(k_desc, v_desc, k_smem, v_smem): descriptors over one sequence and kv head's K and V rows, and
-    the ring's NUM_STAGES buffers of BLOCK_N rows each."""
+             HEAD_DIM_K: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """(k_desc, v_desc, k_smem, v_smem): descriptors over one sequence and kv head's K rows (their first
+    HEAD_DIM_K columns) and V rows, and the ring's NUM_STAGES buffers of BLOCK_N rows each."""
     dtype: gl.constexpr = K.dtype.element_ty
-    layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+    k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM_K], dtype)
+    v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM_V], dtype)
     k_desc = _rows_desc(K + batch.to(gl.int64) * stride_kb + start_k * stride_ks + head_kv.to(gl.int64) * stride_kh,
-                        len_k, stride_ks, HEAD_DIM, BLOCK_N, layout)
+                        len_k, stride_ks, HEAD_DIM_K, BLOCK_N, k_layout)
     v_desc = _rows_desc(V + batch.to(gl.int64) * stride_vb + start_k * stride_vs + head_kv.to(gl.int64) * stride_vh,
-                        len_k, stride_vs, HEAD_DIM, BLOCK_N, layout)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], layout)
+                        len_k, stride_vs, HEAD_DIM_V, BLOCK_N, v_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM_K], k_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM_V], v_layout)
     return k_desc, v_desc, k_smem, v_smem
+
+
+@gluon.jit
+def _second_chunk(Q, K, batch, head, head_kv, start_q, len_q, start_k, len_k, stride_qb, stride_qs, stride_qh,
+                  stride_kb, stride_ks, stride_kh, q_desc, k_desc, q_smem, k_smem, BLOCK_DQK: gl.constexpr,
+                  BLOCK_DQK2: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """(q2_desc, k2_desc, q2_smem, k2_smem): where BLOCK_DQK2 > 0, descriptors and buffers of the Q/K head
+    dim's second chunk (columns [BLOCK_DQK, BLOCK_DQK + BLOCK_DQK2)); otherwise the first chunk's, unread."""
+    if BLOCK_DQK2 > 0:
+        q2_desc, q2_smem = _row_tiles(Q + BLOCK_DQK, batch, head, start_q, len_q, stride_qb, stride_qs, stride_qh,
+                                      BLOCK_DQK2)
+        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DQK2], K.dtype.element_ty)
+        k2_desc = _rows_desc(K + BLOCK_DQK + batch.to(gl.int64) * stride_kb + start_k * stride_ks
+                             + head_kv.to(gl.int64) * stride_kh, len_k, stride_ks, BLOCK_DQK2, BLOCK_N, layout)
+        k2_smem = gl.allocate_shared_memory(K.dtype.element_ty, [NUM_STAGES, BLOCK_N, BLOCK_DQK2], layout)
+        return q2_desc, k2_desc, q2_smem, k2_smem
+    else:
+        return q_desc, k_desc, q_smem, k_smem
 
 
 @gluon.jit
@@ -340,7 +377,7 @@ def attn_fwd_ws_kernel(
     num_heads_q, gqa_group, seqlen_q, seqlen_k,
     qk_scale, window_left, window_right, dropout_p,
     HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr,
-    BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
+    BLOCK_DQK: gl.constexpr, BLOCK_DQK2: gl.constexpr, BLOCK_DV: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     IS_THD: gl.constexpr, HAS_SEQLENS: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
@@ -348,9 +385,9 @@ def attn_fwd_ws_kernel(
     DOT_PRECISION: gl.constexpr, HEAD_GROUP: gl.constexpr, SINGLE_LOOP: gl.constexpr, SEGMENTS: gl.constexpr,
     NUM_STAGES: gl.constexpr = 2,
 ):
-    gl.static_assert(HEAD_DIM_QK == HEAD_DIM_V)
-    gl.static_assert(HEAD_DIM_QK == BLOCK_DQK)
-    gl.static_assert(BLOCK_DV == BLOCK_DQK)
+    # The head dims fill their tiles: d_qk one chunk or two (BLOCK_DQK + BLOCK_DQK2), d_v one.
+    gl.static_assert(HEAD_DIM_QK == BLOCK_DQK + BLOCK_DQK2)
+    gl.static_assert(HEAD_DIM_V == BLOCK_DV)
     gl.static_assert(BLOCK_M == 2 * WG_ROWS)
     gl.static_assert(not (HAS_BIAS or HAS_ALIBI or DROPOUT))
 
@@ -362,18 +399,22 @@ def attn_fwd_ws_kernel(
     lo, full_lo, full_hi, hi = key_block_bounds(start_m, len_q, len_k, diag, window_left, window_right, BLOCK_M,
                                                 BLOCK_N, HAS_LEFT, HAS_RIGHT)
 
-    q_desc, q_smem = _row_tiles(Q, batch, head, start_q, len_q, stride_qb, stride_qs, stride_qh, HEAD_DIM_QK)
+    q_desc, q_smem = _row_tiles(Q, batch, head, start_q, len_q, stride_qb, stride_qs, stride_qh, BLOCK_DQK)
     k_desc, v_desc, k_smem, v_smem = _kv_ring(K, V, batch, head_kv, start_k, len_k, stride_kb, stride_ks, stride_kh,
-                                              stride_vb, stride_vs, stride_vh, HEAD_DIM_QK, BLOCK_N, NUM_STAGES)
+                                              stride_vb, stride_vs, stride_vh, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+                                              NUM_STAGES)
+    q2_desc, k2_desc, q2_smem, k2_smem = _second_chunk(
+        Q, K, batch, head, head_kv, start_q, len_q, start_k, len_k, stride_qb, stride_qs, stride_qh, stride_kb,
+        stride_ks, stride_kh, q_desc, k_desc, q_smem, k_smem, BLOCK_DQK, BLOCK_DQK2, BLOCK_N, NUM_STAGES)
     bars = _barriers(NUM_STAGES)
 
     o_base = O + batch.to(gl.int64) * stride_ob + start_q * stride_os + head.to(gl.int64) * stride_oh
     lse_base = LSE + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
-    bufs = (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem)
+    bufs = (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q2_desc, k2_desc, q2_smem, k2_smem)
     bounds = (lo, hi, full_lo, full_hi)
     coords = (start_m, len_q, len_k, diag, window_left, window_right)
     out_args = (o_base, stride_os, stride_od, lse_base, rows_out, qk_scale)
-    sched = _Schedule(NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, 1)
+    sched = _Schedule(NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, 1, SPLIT=BLOCK_DQK2 > 0)
     args = (bufs, bars, bounds, coords, out_args, sched)
     gl.warp_specialize([(_fwd_consumer0, args), (_fwd_consumer1, args), (_load_worker, args)], [4, 1],
                        [CONSUMER_REGISTERS, LOADER_REGISTERS])
@@ -385,12 +426,13 @@ def _dq_consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr):
     blocks in ascending order (the deterministic order of attn_bwd_dq_kernel)."""
     NUM_STAGES: gl.constexpr = sched.NUM_STAGES
     BLOCK_N: gl.constexpr = sched.BLOCK_N
-    q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem = bufs
+    q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q2_desc, k2_desc, q2_smem, k2_smem = bufs
     q_bar, k_ready, v_ready, kv_empty, turn = bars
     lo, hi, full_lo, full_hi = bounds
     start_m, len_q, len_k, diag, window_left, window_right = coords
     dq_base, stride_dqs, stride_dqd, lse_base, delta_base, rows_out, qk_scale, sm_scale = out_args
-    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]  # dQ's first chunk
+    HEAD_DIM2: gl.constexpr = q2_desc.block_type.shape[1]  # its second (with sched.SPLIT)
     dtype: gl.constexpr = q_desc.dtype
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -410,10 +452,16 @@ def _dq_consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr):
     lse2 = gl.load(lse_base + offs_m, mask=row_ok, other=float("inf")) * LOG2E
     delta = gl.load(delta_base + offs_m, mask=row_ok, other=0.0)
     dq = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=dq_layout)
+    if sched.SPLIT:
+        dq2_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, HEAD_DIM2, 16])
+        ds2_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq2_layout, k_width=2)
+        dq2 = gl.zeros([WG_ROWS, HEAD_DIM2], gl.float32, layout=dq2_layout)
     s_zero = gl.zeros([WG_ROWS, BLOCK_N], gl.float32, layout=s_layout)
 
     mbarrier.wait(q_bar, 0)
     q = q_smem.index(WG)
+    q2 = q2_smem.index(WG)
     do = do_smem.index(WG)
     it = 0
     for start_n in range(lo, hi, BLOCK_N):
@@ -422,6 +470,8 @@ def _dq_consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr):
         k = k_smem.index(stage)
         mbarrier.wait(k_ready.index(stage), phase)
         qk = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if sched.SPLIT:  # the second chunk's product accumulates onto the first's
+            qk = warpgroup_mma(q2, k2_smem.index(stage).permute((1, 0)), qk, is_async=True)
         mbarrier.wait(v_ready.index(stage), phase)
         dp = warpgroup_mma(do, v_smem.index(stage).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))
@@ -434,7 +484,12 @@ def _dq_consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr):
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp, ))
         ds = p * (dp - gl.expand_dims(delta, 1))
         dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), ds_layout), k, dq, is_async=True)
-        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
+        if sched.SPLIT:
+            dq2 = warpgroup_mma(gl.convert_layout(ds.to(dtype), ds2_layout), k2_smem.index(stage), dq2,
+                                is_async=True)
+            dq, dq2 = warpgroup_mma_wait(num_outstanding=0, deps=(dq, dq2))
+        else:
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ))
         mbarrier.arrive(kv_empty.index(stage), count=1)
         it += 1
 
@@ -443,6 +498,12 @@ def _dq_consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr):
     dq = gl.where(gl.expand_dims(offs_mq < len_q, 1), dq * sm_scale, 0.0)
     ptrs = dq_base + gl.expand_dims(offs_mq, 1) * stride_dqs + gl.expand_dims(offs_d, 0) * stride_dqd
     gl.store(ptrs, dq.to(dtype), mask=gl.expand_dims(offs_mq < rows_out, 1))
+    if sched.SPLIT:  # columns [HEAD_DIM, HEAD_DIM + HEAD_DIM2)
+        offs_mq2 = first_row + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, dq2_layout))
+        offs_d2 = HEAD_DIM + gl.arange(0, HEAD_DIM2, layout=gl.SliceLayout(0, dq2_layout))
+        dq2 = gl.where(gl.expand_dims(offs_mq2 < len_q, 1), dq2 * sm_scale, 0.0)
+        ptrs2 = dq_base + gl.expand_dims(offs_mq2, 1) * stride_dqs + gl.expand_dims(offs_d2, 0) * stride_dqd
+        gl.store(ptrs2, dq2.to(dtype), mask=gl.expand_dims(offs_mq2 < rows_out, 1))
 
 
 @gluon.jit
@@ -469,7 +530,7 @@ def attn_bwd_dq_ws_kernel(
     num_heads_q, gqa_group, seqlen_q, seqlen_k,
     sm_scale, qk_scale, window_left, window_right, dropout_p,
     HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr,
-    BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
+    BLOCK_DQK: gl.constexpr, BLOCK_DQK2: gl.constexpr, BLOCK_DV: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     IS_THD: gl.constexpr, HAS_SEQLENS: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
@@ -478,9 +539,8 @@ def attn_bwd_dq_ws_kernel(
     NUM_STAGES: gl.constexpr = 2,
 ):
     """One program per (query block, batch * query head), as attn_bwd_dq_kernel."""
-    gl.static_assert(HEAD_DIM_QK == HEAD_DIM_V)
-    gl.static_assert(HEAD_DIM_QK == BLOCK_DQK)
-    gl.static_assert(BLOCK_DV == BLOCK_DQK)
+    gl.static_assert(HEAD_DIM_QK == BLOCK_DQK + BLOCK_DQK2)  # as attn_fwd_ws_kernel's
+    gl.static_assert(HEAD_DIM_V == BLOCK_DV)
     gl.static_assert(BLOCK_M == 2 * WG_ROWS)
     gl.static_assert(not (HAS_BIAS or HAS_ALIBI or DROPOUT))
     start_m, batch, head, head_kv, start_q, len_q, start_k, len_k, rows_out, diag = _program(
@@ -491,19 +551,23 @@ def attn_bwd_dq_ws_kernel(
     lo, full_lo, full_hi, hi = key_block_bounds(start_m, len_q, len_k, diag, window_left, window_right, BLOCK_M,
                                                 BLOCK_N, HAS_LEFT, HAS_RIGHT)
 
-    q_desc, q_smem = _row_tiles(Q, batch, head, start_q, len_q, stride_qb, stride_qs, stride_qh, HEAD_DIM_QK)
-    do_desc, do_smem = _row_tiles(DO, batch, head, start_q, len_q, stride_dob, stride_dos, stride_doh, HEAD_DIM_V)
+    q_desc, q_smem = _row_tiles(Q, batch, head, start_q, len_q, stride_qb, stride_qs, stride_qh, BLOCK_DQK)
+    do_desc, do_smem = _row_tiles(DO, batch, head, start_q, len_q, stride_dob, stride_dos, stride_doh, BLOCK_DV)
     k_desc, v_desc, k_smem, v_smem = _kv_ring(K, V, batch, head_kv, start_k, len_k, stride_kb, stride_ks, stride_kh,
-                                              stride_vb, stride_vs, stride_vh, HEAD_DIM_QK, BLOCK_N, NUM_STAGES)
+                                              stride_vb, stride_vs, stride_vh, BLOCK_DQK, BLOCK_DV, BLOCK_N,
+                                              NUM_STAGES)
+    q2_desc, k2_desc, q2_smem, k2_smem = _second_chunk(
+        Q, K, batch, head, head_kv, start_q, len_q, start_k, len_k, stride_qb, stride_qs, stride_qh, stride_kb,
+        stride_ks, stride_kh, q_desc, k_desc, q_smem, k_smem, BLOCK_DQK, BLOCK_DQK2, BLOCK_N, NUM_STAGES)
     bars = _barriers(NUM_STAGES)
 
     dq_base = DQ + batch.to(gl.int64) * stride_dqb + start_q * stride_dqs + head.to(gl.int64) * stride_dqh
     lse_off = batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
-    bufs = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem)
+    bufs = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q2_desc, k2_desc, q2_smem, k2_smem)
     bounds = (lo, hi, full_lo, full_hi)
     coords = (start_m, len_q, len_k, diag, window_left, window_right)
     out_args = (dq_base, stride_dqs, stride_dqd, LSE + lse_off, DELTA + lse_off, rows_out, qk_scale, sm_scale)
-    sched = _Schedule(NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, 2)
+    sched = _Schedule(NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, 2, SPLIT=BLOCK_DQK2 > 0)
     args = (bufs, bars, bounds, coords, out_args, sched)
     gl.warp_specialize([(_dq_consumer0, args), (_dq_consumer1, args), (_load_worker, args)], [4, 1],
                        [CONSUMER_REGISTERS, LOADER_REGISTERS])

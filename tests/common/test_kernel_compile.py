@@ -59,6 +59,25 @@ def test_sm90_warp_specialized_plans_compile_without_spills(mask, thd, gqa, head
         assert kernel.num_warps == 12 and res["stack"] <= expected[x.name], (x.name, kernel.num_warps, res)
 
 
+@pytest.mark.parametrize("mask,thd,gqa", [(AttnMaskType.NO_MASK, False, 1), (AttnMaskType.CAUSAL_MASK, False, 1),
+                                          (AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK, True, 4)])
+def test_sm90_warp_specialized_split_plans_compile_without_spills(mask, thd, gqa):
+    """d_qk 192 / d_v 128: the Gluon forward and dQ with the Q/K head dim as 128 + 64 (the second chunk in
+    buffers of its own), 12 warps, no stack, shared memory that fits; dK/dV is the Triton kernel's."""
+    cfg = AttnConfig(batch_size=1, num_heads_q=8, num_heads_kv=8 // gqa, head_dim_qk=192, head_dim_v=128,
+                     max_seqlen_q=4096, max_seqlen_kv=4096, dtype="bfloat16", attn_mask_type=mask,
+                     deterministic=True, device_type="cuda", compute_capability=(9, 0))
+    launches = planned_launches(contiguous_call(cfg, seqlen=4096, thd=thd))
+    names = [x.name for x in launches]
+    assert "attn_fwd_ws_kernel" in names and "attn_bwd_dq_ws_kernel" in names and "attn_bwd_dkdv_kernel" in names
+    for x in launches:
+        if x.name in ("attn_fwd_ws_kernel", "attn_bwd_dq_ws_kernel"):
+            assert (x.args["BLOCK_DQK"], x.args["BLOCK_DQK2"], x.args["BLOCK_DV"]) == (128, 64, 128)
+            kernel = _compile(x)
+            res = resources(kernel)
+            assert kernel.num_warps == 12 and res["stack"] == 0, (x.name, kernel.num_warps, res)
+
+
 @pytest.mark.parametrize("dtype,heads,head_dim", [("bfloat16", 16, 128), ("float16", 3, 40), ("float32", 64, 256)])
 def test_sm90_zero_outside_sequences_compiles(dtype, heads, head_dim):
     """The flash-attn-4 backend's gap-row clearing (kernels/fill.py) at the block sizes

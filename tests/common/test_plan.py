@@ -120,3 +120,28 @@ def test_warp_specialized_kernels_where_they_serve():
     nondet = dataclasses.replace(BASE, deterministic=False)
     assert backward_plan(nondet).dq_warp_specialized is not None  # the separate dQ pass serves both modes
     assert backward_plan(nondet).dkdv_warp_specialized is not None
+
+
+def test_warp_specialized_forward_and_dq_take_the_qk_split():
+    """At d_qk 192 / d_v 128 (Hopper splits Q/K as 128 + 64) the Gluon forward and dQ serve fp16/bf16 without
+    bias or dropout, with the split's chunks; dK/dV stays on the Triton kernel. A d_v that does not fill its
+    tile, fp32, a bias, dropout and NVTE_FUSED_ATTN_WS=0 keep the Triton kernels."""
+    from transformer_engine.common import settings
+    from transformer_engine.common.attention import AttnBiasType
+
+    split = dataclasses.replace(BASE, head_dim_qk=192, head_dim_v=128)
+    for dtype, mask, hk in itertools.product(("bfloat16", "float16"),
+                                             (AttnMaskType.NO_MASK, AttnMaskType.CAUSAL_MASK), (16, 2)):
+        cfg = dataclasses.replace(split, dtype=dtype, attn_mask_type=mask, num_heads_kv=hk)
+        fwd, bwd = forward_plan(cfg), backward_plan(cfg)
+        assert (fwd.block_dqk, fwd.block_dqk2, bwd.block_dqk, bwd.block_dqk2) == (128, 64, 128, 64)
+        assert fwd.warp_specialized is not None and bwd.dq_warp_specialized is not None
+        assert bwd.dkdv_warp_specialized is None and bwd.dv_warp_specialized is None
+    for other in (dict(head_dim_v=96), dict(dtype="float32"), dict(dropout=0.1),
+                  dict(attn_bias_type=AttnBiasType.POST_SCALE_BIAS, bias_shape="1hss")):
+        cfg = dataclasses.replace(split, **other)
+        assert forward_plan(cfg).warp_specialized is None, other
+        assert backward_plan(cfg).dq_warp_specialized is None, other
+    with settings.environment(NVTE_FUSED_ATTN_WS="0"):
+        assert forward_plan(split).warp_specialized is None
+        assert backward_plan(split).dq_warp_specialized is None

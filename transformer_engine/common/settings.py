@@ -96,7 +96,8 @@ _DECLARED = (
     EnvVar(
         "NVTE_FUSED_ATTN_WS", "bool", True,
         "0 keeps fused attention on its Triton kernels where the plan would pick the warp-specialized Gluon "
-        "forward, dK/dV and dQ kernels (Hopper, d=128, fp16/bf16, no bias or dropout).",
+        "forward, dK/dV and dQ kernels (Hopper, fp16/bf16, no bias or dropout: d=128 and 256; the forward and dQ "
+        "at d_qk 192 / d_v 128).",
     ),
     EnvVar(
         "NVTE_FUSED_ATTN_CACHED_LAUNCH", "bool", True,

@@ -210,18 +210,18 @@ def test_window_mqa_fp16_lowers(captured_programs):
 @compiles
 @pytest.mark.parametrize("mask", [AttnMaskType.CAUSAL_MASK, AttnMaskType.PADDING_CAUSAL_MASK], ids=lambda m: m.value)
 def test_narrow_v_192_lowers_to_the_split_qk_kernels(captured_programs, compile_calls, mask):
-    """192/128 on sm_90 (Hopper's narrow-V tiles): the forward, dK/dV and dQ kernels compile with Q/K in
-    chunks of 128 and 64 (plan.split_head_dim), as the PyTorch launches run them."""
+    """192/128 on sm_90 (Hopper's narrow-V tiles): the forward and dQ (Gluon) and dK/dV (Triton) kernels
+    compile with Q/K in chunks of 128 and 64 (plan.split_head_dim), as the PyTorch launches run them."""
     b, s, hq, hk, m = 2, 128, 4, 2, 2
     q, k, _, lens, offsets = _shapes(b, s, hq, hk, 192, m=m if mask.is_padding else 1)
     v = jax.ShapeDtypeStruct((b, s, hk, 128), jnp.bfloat16)
     layout = QKVLayout.THD_THD_THD if mask.is_padding else QKVLayout.BSHD_BSHD_BSHD
     _lower_for_cuda(_attention_grad_fn(mask, layout, m=m if mask.is_padding else 1), q, k, v, lens, offsets)
     fwd, bwd = captured_programs
-    _check_program(fwd, ["attn_fwd_kernel"])
-    _check_program(bwd, ["attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"])
+    _check_program(fwd, ["attn_fwd_ws_kernel"])
+    _check_program(bwd, ["attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_ws_kernel"])
     compiled = {fn.__name__: args for fn, args, _, _ in compile_calls}
-    for name in ("attn_fwd_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"):
+    for name in ("attn_fwd_ws_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_ws_kernel"):
         assert (compiled[name]["BLOCK_DQK"], compiled[name]["BLOCK_DQK2"], compiled[name]["BLOCK_DV"]) == \
             (128, 64, 128), name
 

@@ -18,8 +18,8 @@ consumer warpgroups of 64 rows each plus one loader warp:
 
 Launch arguments, grid (plan.block_grid) and results are those of attn_fwd_kernel / attn_bwd_dkdv_kernel
 / attn_bwd_dq_kernel (log2-domain scores, natural-log LSE, +inf for rows that see no key, zeros for padded
-rows) for the calls plan.py routes here: fp16/bf16, d_qk = d_v = BLOCK_DQK = BLOCK_DV (forward and dQ also
-d_qk = BLOCK_DQK + BLOCK_DQK2 with d_v = BLOCK_DV: a Q/K head dim split in two chunks, the second in
+rows) for the calls plan.py routes here: fp16/bf16, d_qk = d_v = BLOCK_DQK = BLOCK_DV (or d_qk = BLOCK_DQK +
+BLOCK_DQK2 with d_v = BLOCK_DV, for dK/dV d_v = BLOCK_DQK: a Q/K head dim split in two chunks, the second in
 descriptors and buffers of its own, each score block the first chunk's product plus the second's), no bias, ALiBi,
 dropout or sink softmax, the head dim contiguous and 16-byte aligned strides. Each row's (or key's) arithmetic is the
 Triton kernels', in the same block order, but the products are blocked differently, so results are close

@@ -81,6 +81,19 @@ class _Schedule:
 
 
 @gluon.jit
+def _load_block(desc, desc2, row, bar, dst, dst2, SPLIT: gl.constexpr):
+    """TMA-load the block at ``row`` into ``dst`` (with SPLIT also the second Q/K chunk's into ``dst2``),
+    both arriving on ``bar``."""
+    if SPLIT:
+        mbarrier.expect(bar, desc.block_type.nbytes + desc2.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc, [row, 0], bar, dst)
+        tma.async_copy_global_to_shared(desc2, [row, 0], bar, dst2)
+    else:
+        mbarrier.expect(bar, desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc, [row, 0], bar, dst)
+
+
+@gluon.jit
 def _loader(bufs, bars, bounds, coords, sched):
     """One warp: the row tiles once (both consumers' halves: Q, or Q and dO), then K and V block by block
     through the ring."""
@@ -107,7 +120,7 @@ def _loader(bufs, bars, bounds, coords, sched):
         phase = (it // NUM_STAGES) & 1
         # A fresh barrier counts as having completed phase 1: the first pass does not wait.
         mbarrier.wait(kv_empty.index(stage), phase ^ 1)
-        if sched.SPLIT:
+        if sched.SPLIT:  # as _load_block (written out: this form keeps the unsplit kernels' SASS as measured)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes + k2_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [start_n, 0], k_ready.index(stage), k_smem.index(stage))
             tma.async_copy_global_to_shared(k2_desc, [start_n, 0], k_ready.index(stage), k2_smem.index(stage))
@@ -644,13 +657,8 @@ def _dkdv_loader(bufs, bars, bounds, coords, out_args, sched):
         for start_m in range(lo, hi, BLOCK_M):
             stage = it % NUM_STAGES
             mbarrier.wait(qdo_empty.index(stage), ((it // NUM_STAGES) & 1) ^ 1)
-            if sched.SPLIT:
-                mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes + q2_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [start_m, 0], q_ready.index(stage), q_smem.index(stage))
-                tma.async_copy_global_to_shared(q2_desc, [start_m, 0], q_ready.index(stage), q2_smem.index(stage))
-            else:
-                mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(q_desc, [start_m, 0], q_ready.index(stage), q_smem.index(stage))
+            _load_block(q_desc, q2_desc, start_m, q_ready.index(stage), q_smem.index(stage), q2_smem.index(stage),
+                        sched.SPLIT)
             mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(do_desc, [start_m, 0], do_ready.index(stage), do_smem.index(stage))
             rows = start_m + offs

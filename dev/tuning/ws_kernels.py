@@ -94,7 +94,8 @@ def run_case(b, h, hk, sq, sk, d, mask_name, window, dtype, variants, bwd_varian
             plans[name] = dataclasses.replace(base, warp_specialized=dataclasses.replace(base.warp_specialized,
                                                                                          **fields))
     ref_o, ref_lse = reference(q, k, v, mask, window, scale)
-    row = dict(shape=f"{b},{h},{hk},{sq},{sk},{d}" + (f"v{d_v}" if d_v != d else ""), mask=mask_name, window=list(window), dtype=str(dtype)[6:])
+    row = dict(shape=f"{b},{h},{hk},{sq},{sk},{d}" + (f"v{d_v}" if d_v != d else ""), mask=mask_name,
+               window=list(window), dtype=str(dtype)[6:])
     for name, plan in plans.items():
         out, lse = launch.forward(q, k, v, QKVFormat.BSHD, seqs, scale, mask, window, plan=plan)
         torch.cuda.synchronize()

@@ -65,7 +65,7 @@ class _Schedule:
     ROW_TILES: gl.constexpr  # tiles the loader brings once per consumer: 1 (Q), 2 (Q and dO); 0 for dK/dV
     WITH_DK: gl.constexpr  # dK/dV: which gradients the pass computes (attn_bwd_dkdv_kernel's flags)
     WITH_DV: gl.constexpr
-    SPLIT: gl.constexpr  # forward and dQ: the Q/K head dim is two chunks (the second in q2/k2 buffers)
+    SPLIT: gl.constexpr  # the Q/K head dim is two chunks (the second in q2/k2 buffers: _second_chunk)
 
     @gluon.constexpr_function
     def __init__(self, NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, ROW_TILES, WITH_DK=True, WITH_DV=True,

@@ -80,8 +80,8 @@ def test_sm90_warp_specialized_split_plans_compile_without_spills(mask, thd, gqa
             kernel = _compile(x)
             res = resources(kernel)
             assert kernel.num_warps == 12 and res["stack"] == 0, (x.name, kernel.num_warps, res)
-    # The Gluon dK/dV takes the split too (not planned until measured), as a dK
-    # pass and a dV pass of one accumulator each: no stack either.
+    # The Gluon dK/dV takes the split too (not planned until measured), as a dK pass and a dV pass of one
+    # accumulator each: no stack either.
     call = contiguous_call(cfg, seqlen=4096, thd=thd)
     bwd = backward_plan(plan_config(call))
     ws = Tiles(32, 128, 4, 2, max_registers=168)

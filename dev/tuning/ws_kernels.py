@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from cases import attn_flops  # noqa: E402
 from common import bench_ms, run_metadata  # noqa: E402
 from transformer_engine.common.attention import AttnMaskType, QKVFormat  # noqa: E402
-from transformer_engine.common.attention.plan import Tiles, backward_plan, forward_plan  # noqa: E402
+from transformer_engine.common.attention.plan import backward_plan, forward_plan  # noqa: E402
 from transformer_engine.pytorch.attention import launch  # noqa: E402
 
 MASKS = {"none": AttnMaskType.NO_MASK, "causal": AttnMaskType.CAUSAL_MASK,
@@ -119,11 +119,7 @@ def run_case(b, h, hk, sq, sk, d, mask_name, window, dtype, variants, bwd_varian
     bplans = {"bwd_triton": dataclasses.replace(bbase, dq_warp_specialized=None, dkdv_warp_specialized=None,
                                                 dv_warp_specialized=None)}
     if bbase.dq_warp_specialized is not None:
-        for name, variant in bwd_variants.items():
-            if callable(variant):  # a whole backward plan from the planned one
-                bplans[name] = variant(bbase)
-                continue
-            dkdv_fields, dq_fields = variant
+        for name, (dkdv_fields, dq_fields) in bwd_variants.items():
             if dkdv_fields is not None and bbase.dkdv_warp_specialized is None:
                 continue  # no Gluon dK/dV kernel for this config (the Q/K split)
             bplans[name] = dataclasses.replace(
@@ -197,19 +193,9 @@ def main():
         checks = [(b, h, hk, sq, sk, 192, m, w, dt) for b, h, hk, sq, sk, _, m, w, dt in checks]
         timed_cases = [(2, 16, 16, 4096, 4096, 192, "causal", (-1, 0), bf16),
                        (2, 16, 16, 4096, 4096, 192, "none", (-1, -1), bf16)]
-        variants = {"ws": {}}
-        bwd_variants = {"dq_ws": (None, {})}
-
-        def two_pass(dk_m, dk_stages, dv_m, dv_stages):  # the Gluon dK/dV as a dK pass and a dV pass
-            def plan(b):
-                ws = lambda m, st: Tiles(m, 128, 4, st, max_registers=168)  # noqa: E731
-                return dataclasses.replace(b, dkdv_warp_specialized=ws(dk_m, dk_stages), dv=b.dkdv,
-                                           dv_warp_specialized=ws(dv_m, dv_stages))
-            return plan
-
-        for dk_m, dk_stages, dv_m, dv_stages in ((32, 2, 64, 2), (64, 2, 64, 3), (32, 3, 64, 3), (64, 3, 64, 2)):
-            bwd_variants[f"ws_two_dk{dk_m}x{dk_stages}_dv{dv_m}x{dv_stages}"] = two_pass(dk_m, dk_stages, dv_m,
-                                                                                      dv_stages)
+        variants = {"ws": {}, "ws_n64_s3": dict(block_n=64, num_stages=3), "ws_n64_s2": dict(block_n=64, num_stages=2)}
+        bwd_variants = {"dq_ws": (None, {}), "dq_ws_2stage": (None, dict(num_stages=2)),
+                        "dq_ws_n32": (None, dict(block_n=32, num_stages=3))}
     rows = [run_case(*c, variants, bwd_variants, False, check_only, d_v) for c in checks]
     rows += [run_case(*c, variants, bwd_variants, True, check_only, d_v) for c in timed_cases]
     if args.out:

@@ -18,8 +18,8 @@ consumer warpgroups of 64 rows each plus one loader warp:
 
 Launch arguments, grid (plan.block_grid) and results are those of attn_fwd_kernel / attn_bwd_dkdv_kernel
 / attn_bwd_dq_kernel (log2-domain scores, natural-log LSE, +inf for rows that see no key, zeros for padded
-rows) for the calls plan.py routes here: fp16/bf16, d_qk = d_v = BLOCK_DQK = BLOCK_DV (or d_qk = BLOCK_DQK +
-BLOCK_DQK2 with d_v = BLOCK_DV, for dK/dV d_v = BLOCK_DQK: a Q/K head dim split in two chunks, the second in
+rows) for the calls plan.py routes here: fp16/bf16, d_qk = d_v = BLOCK_DQK = BLOCK_DV (forward and dQ also
+d_qk = BLOCK_DQK + BLOCK_DQK2 with d_v = BLOCK_DV: a Q/K head dim split in two chunks, the second in
 descriptors and buffers of its own, each score block the first chunk's product plus the second's), no bias, ALiBi,
 dropout or sink softmax, the head dim contiguous and 16-byte aligned strides. Each row's (or key's) arithmetic is the
 Triton kernels', in the same block order, but the products are blocked differently, so results are close
@@ -65,7 +65,7 @@ class _Schedule:
     ROW_TILES: gl.constexpr  # tiles the loader brings once per consumer: 1 (Q), 2 (Q and dO); 0 for dK/dV
     WITH_DK: gl.constexpr  # dK/dV: which gradients the pass computes (attn_bwd_dkdv_kernel's flags)
     WITH_DV: gl.constexpr
-    SPLIT: gl.constexpr  # the Q/K head dim is two chunks (the second in q2/k2 buffers: _second_chunk)
+    SPLIT: gl.constexpr  # forward and dQ: the Q/K head dim is two chunks (q2/k2 buffers: _second_chunk)
 
     @gluon.constexpr_function
     def __init__(self, NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, ROW_TILES, WITH_DK=True, WITH_DV=True,
@@ -78,19 +78,6 @@ class _Schedule:
         self.WITH_DK = gl.constexpr(WITH_DK)
         self.WITH_DV = gl.constexpr(WITH_DV)
         self.SPLIT = gl.constexpr(SPLIT)
-
-
-@gluon.jit
-def _load_block(desc, desc2, row, bar, dst, dst2, SPLIT: gl.constexpr):
-    """TMA-load the block at ``row`` into ``dst`` (with SPLIT also the second Q/K chunk's into ``dst2``),
-    both arriving on ``bar``."""
-    if SPLIT:
-        mbarrier.expect(bar, desc.block_type.nbytes + desc2.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc, [row, 0], bar, dst)
-        tma.async_copy_global_to_shared(desc2, [row, 0], bar, dst2)
-    else:
-        mbarrier.expect(bar, desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc, [row, 0], bar, dst)
 
 
 @gluon.jit
@@ -120,7 +107,7 @@ def _loader(bufs, bars, bounds, coords, sched):
         phase = (it // NUM_STAGES) & 1
         # A fresh barrier counts as having completed phase 1: the first pass does not wait.
         mbarrier.wait(kv_empty.index(stage), phase ^ 1)
-        if sched.SPLIT:  # as _load_block (written out: this form keeps the unsplit kernels' SASS as measured)
+        if sched.SPLIT:
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes + k2_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [start_n, 0], k_ready.index(stage), k_smem.index(stage))
             tma.async_copy_global_to_shared(k2_desc, [start_n, 0], k_ready.index(stage), k2_smem.index(stage))
@@ -620,8 +607,7 @@ def _dkdv_loader(bufs, bars, bounds, coords, out_args, sched):
     cp.async (any alignment; rows past the sequence read as 0, which the consumers' row mask covers)."""
     NUM_STAGES: gl.constexpr = sched.NUM_STAGES
     BLOCK_M: gl.constexpr = sched.BLOCK_N  # the ring's blocks are query blocks here
-    (k_desc, v_desc, q_rows, do_rows, stat_rows, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, k2_desc,
-     k2_smem, q2_smem) = bufs
+    k_desc, v_desc, q_rows, do_rows, stat_rows, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = bufs
     kv_bar, q_ready, do_ready, stat_ready, qdo_empty = bars
     lo, hi, full_lo, full_hi = bounds
     start_n, len_q = coords[0], coords[1]
@@ -629,36 +615,27 @@ def _dkdv_loader(bufs, bars, bounds, coords, out_args, sched):
     lse_head0, delta_head0, stride_lh = stat_rows
     HEAD_DIM: gl.constexpr = q_smem.type.shape[2]
     row_layout: gl.constexpr = q_smem.type.layout
-    HEAD_DIM2: gl.constexpr = q2_smem.type.shape[2]  # Q's second chunk, with SPLIT
-    row2_layout: gl.constexpr = q2_smem.type.layout
     stat_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // LOADER_THREADS], [LOADER_THREADS], [1], [0])
-    if sched.SPLIT:  # K's second chunk too
-        mbarrier.expect(kv_bar, 2 * ((1 + sched.WITH_DK) * k_desc.block_type.nbytes + k2_desc.block_type.nbytes))
-    elif sched.WITH_DK:  # V is read for dP = V dO^T only
+    if sched.WITH_DK:  # V is read for dP = V dO^T only
         mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
     else:
         mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
     for wg in gl.static_range(2):
         tma.async_copy_global_to_shared(k_desc, [start_n + wg * WG_ROWS, 0], kv_bar, k_smem.index(wg))
-        if sched.SPLIT:
-            tma.async_copy_global_to_shared(k2_desc, [start_n + wg * WG_ROWS, 0], kv_bar, k2_smem.index(wg))
         if sched.WITH_DK:
             tma.async_copy_global_to_shared(v_desc, [start_n + wg * WG_ROWS, 0], kv_bar, v_smem.index(wg))
     offs = gl.arange(0, BLOCK_M, layout=stat_layout)
     it = 0
     for g in range(gqa_group):
         q_desc = _rows_desc(q_head0 + g * stride_qh, len_q, stride_qs, HEAD_DIM, BLOCK_M, row_layout)
-        q2_desc = q_desc  # the second chunk's, with SPLIT
-        if sched.SPLIT:
-            q2_desc = _rows_desc(q_head0 + HEAD_DIM + g * stride_qh, len_q, stride_qs, HEAD_DIM2, BLOCK_M, row2_layout)
         do_desc = _rows_desc(do_head0 + g * stride_doh, len_q, stride_dos, HEAD_DIM, BLOCK_M, row_layout)
         lse_head = lse_head0 + g * stride_lh
         delta_head = delta_head0 + g * stride_lh
         for start_m in range(lo, hi, BLOCK_M):
             stage = it % NUM_STAGES
             mbarrier.wait(qdo_empty.index(stage), ((it // NUM_STAGES) & 1) ^ 1)
-            _load_block(q_desc, q2_desc, start_m, q_ready.index(stage), q_smem.index(stage), q2_smem.index(stage),
-                        sched.SPLIT)
+            mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [start_m, 0], q_ready.index(stage), q_smem.index(stage))
             mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(do_desc, [start_m, 0], do_ready.index(stage), do_smem.index(stage))
             rows = start_m + offs
@@ -675,8 +652,7 @@ def _dkdv_consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr)
     by query head of the GQA group (the deterministic order of attn_bwd_dkdv_kernel)."""
     NUM_STAGES: gl.constexpr = sched.NUM_STAGES
     BLOCK_M: gl.constexpr = sched.BLOCK_N  # the ring's blocks are query blocks here
-    (k_desc, v_desc, q_rows, do_rows, stat_rows, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, k2_desc,
-     k2_smem, q2_smem) = bufs
+    k_desc, v_desc, q_rows, do_rows, stat_rows, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem = bufs
     gqa_group = do_rows[-1]
     kv_bar, q_ready, do_ready, stat_ready, qdo_empty = bars
     lo, hi, full_lo, full_hi = bounds
@@ -698,17 +674,10 @@ def _dkdv_consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr)
     first_key = start_n + WG * WG_ROWS
     dk = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
     dv = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
-    if sched.SPLIT:  # dK's second chunk: columns [HEAD_DIM, HEAD_DIM + HEAD_DIM2)
-        HEAD_DIM2: gl.constexpr = k2_desc.block_type.shape[1]
-        acc2_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                              instr_shape=[16, HEAD_DIM2, 16])
-        op2_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc2_layout, k_width=2)
-        dk2 = gl.zeros([WG_ROWS, HEAD_DIM2], gl.float32, layout=acc2_layout)
     s_zero = gl.zeros([WG_ROWS, BLOCK_M], gl.float32, layout=s_layout)
 
     mbarrier.wait(kv_bar, 0)
     k = k_smem.index(WG)
-    k2 = k2_smem.index(WG)
     v = v_smem.index(WG)
     it = 0
     for g in range(gqa_group):
@@ -719,8 +688,6 @@ def _dkdv_consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr)
             do = do_smem.index(stage)
             mbarrier.wait(q_ready.index(stage), phase)
             qk_t = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-            if sched.SPLIT:  # the second chunk's product accumulates onto the first's
-                qk_t = warpgroup_mma(k2, q2_smem.index(stage).permute((1, 0)), qk_t, is_async=True)
             mbarrier.wait(do_ready.index(stage), phase)
             if sched.WITH_DK:
                 dp_t = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -747,14 +714,7 @@ def _dkdv_consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr)
                     dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(dp_t, ))
                 ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
                 dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), op_layout), q, dk, is_async=True)
-                if sched.SPLIT:
-                    dk2 = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), op2_layout), q2_smem.index(stage), dk2,
-                                        is_async=True)
-            if sched.SPLIT and sched.WITH_DK and sched.WITH_DV:
-                dv, dk, dk2 = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dk2))
-            elif sched.SPLIT and sched.WITH_DK:
-                dk, dk2 = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dk2))
-            elif sched.WITH_DK and sched.WITH_DV:
+            if sched.WITH_DK and sched.WITH_DV:
                 dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
             elif sched.WITH_DK:
                 dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
@@ -777,12 +737,6 @@ def _dkdv_consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr)
     if sched.WITH_DV:
         gl.store(dv_base + gl.expand_dims(offs_na, 1) * stride_dvs + gl.expand_dims(offs_d, 0) * stride_dvd,
                  dv.to(dtype), mask=out_rows)
-    if sched.SPLIT and sched.WITH_DK:
-        offs_n2 = first_key + gl.arange(0, WG_ROWS, layout=gl.SliceLayout(1, acc2_layout))
-        offs_d2 = HEAD_DIM + gl.arange(0, HEAD_DIM2, layout=gl.SliceLayout(0, acc2_layout))
-        dk2 = gl.where(gl.expand_dims(offs_n2 < len_k, 1), dk2 * sm_scale, 0.0)
-        gl.store(dk_base + gl.expand_dims(offs_n2, 1) * stride_dks + gl.expand_dims(offs_d2, 0) * stride_dkd,
-                 dk2.to(dtype), mask=gl.expand_dims(offs_n2 < rows_out, 1))
 
 
 @gluon.jit
@@ -810,7 +764,7 @@ def attn_bwd_dkdv_ws_kernel(
     num_heads_kv, gqa_group, seqlen_q, seqlen_k,
     sm_scale, qk_scale, window_left, window_right, dropout_p,
     HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr,
-    BLOCK_DQK: gl.constexpr, BLOCK_DQK2: gl.constexpr, BLOCK_DV: gl.constexpr,
+    BLOCK_DQK: gl.constexpr, BLOCK_DV: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
     IS_THD: gl.constexpr, HAS_SEQLENS: gl.constexpr,
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
@@ -823,9 +777,8 @@ def attn_bwd_dkdv_ws_kernel(
     BLOCK_N = 128 keys as two consumers of 64, query blocks of BLOCK_M through the loader's ring.
     WITH_DK / WITH_DV as attn_bwd_dkdv_kernel's: a pass of one gradient keeps one accumulator per consumer."""
     gl.static_assert(WITH_DK or WITH_DV)
-    # The head dims fill their tiles: d_qk one chunk or two (BLOCK_DQK + BLOCK_DQK2), d_v = BLOCK_DQK.
-    gl.static_assert(HEAD_DIM_QK == BLOCK_DQK + BLOCK_DQK2)
-    gl.static_assert(HEAD_DIM_V == BLOCK_DV)
+    gl.static_assert(HEAD_DIM_QK == HEAD_DIM_V)
+    gl.static_assert(HEAD_DIM_QK == BLOCK_DQK)
     gl.static_assert(BLOCK_DV == BLOCK_DQK)
     gl.static_assert(BLOCK_N == 2 * WG_ROWS)
     gl.static_assert(BLOCK_M % LOADER_THREADS == 0)
@@ -855,7 +808,7 @@ def attn_bwd_dkdv_ws_kernel(
                                                   BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
 
     dtype: gl.constexpr = Q.dtype.element_ty
-    k_desc, k_smem = _row_tiles(K, batch, head, start_k, len_k, stride_kb, stride_ks, stride_kh, BLOCK_DQK)
+    k_desc, k_smem = _row_tiles(K, batch, head, start_k, len_k, stride_kb, stride_ks, stride_kh, HEAD_DIM_QK)
     v_desc, v_smem = k_desc, k_smem  # never read without dK: no shared memory for V
     if WITH_DK:
         v_desc, v_smem = _row_tiles(V, batch, head, start_k, len_k, stride_vb, stride_vs, stride_vh, HEAD_DIM_V)
@@ -870,24 +823,17 @@ def attn_bwd_dkdv_ws_kernel(
     do_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_DV], row_layout)
     lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], stat_layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, BLOCK_M], stat_layout)
-    k2_desc, k2_smem, q2_smem = k_desc, k_smem, q_smem  # the Q/K head dim's second chunk, where it splits
-    if BLOCK_DQK2 > 0:
-        k2_desc, k2_smem = _row_tiles(K + BLOCK_DQK, batch, head, start_k, len_k, stride_kb, stride_ks, stride_kh,
-                                      BLOCK_DQK2)
-        q2_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_DQK2],
-                                            gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_DQK2], dtype))
     bars = _dkdv_barriers(NUM_STAGES)
 
     dk_base = DK + batch.to(gl.int64) * stride_dkb + start_k * stride_dks + head.to(gl.int64) * stride_dkh
     dv_base = DV + batch.to(gl.int64) * stride_dvb + start_k * stride_dvs + head.to(gl.int64) * stride_dvh
     lse_off = batch.to(gl.int64) * stride_lb + head0.to(gl.int64) * stride_lh
     stat_rows = (LSE + lse_off, DELTA + lse_off, stride_lh)  # the group's first query head's LSE and delta
-    bufs = (k_desc, v_desc, q_rows, do_rows, stat_rows, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, k2_desc,
-            k2_smem, q2_smem)
+    bufs = (k_desc, v_desc, q_rows, do_rows, stat_rows, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem)
     bounds = (lo, hi, full_lo, full_hi)
     coords = (start_n, len_q, len_k, diag, window_left, window_right)
     out_args = (dk_base, dv_base, stride_dks, stride_dvs, stride_dkd, stride_dvd, rows_out, qk_scale, sm_scale)
-    sched = _Schedule(NUM_STAGES, BLOCK_M, HAS_LEFT, HAS_RIGHT, 0, WITH_DK, WITH_DV, BLOCK_DQK2 > 0)
+    sched = _Schedule(NUM_STAGES, BLOCK_M, HAS_LEFT, HAS_RIGHT, 0, WITH_DK, WITH_DV)
     args = (bufs, bars, bounds, coords, out_args, sched)
     gl.warp_specialize([(_dkdv_consumer0, args), (_dkdv_consumer1, args), (_dkdv_loader, args)], [4, 1],
                        [DKDV_CONSUMER_REGISTERS, LOADER_REGISTERS])

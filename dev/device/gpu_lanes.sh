@@ -20,8 +20,7 @@
 # BENCH_PARTS), tetables (qa/L1_pytorch_te_tables; TE_TABLES_WORKERS, TE_TABLES_EXTRA e.g. "--tables softmax"), memcheck (qa/L1_memcheck), cpbench (benchmarks/attention/bench_context_parallel.py; CPBENCH_ARGS), cpprof
 # (dev/tuning/cp_step_profile.py: device time per kernel, single call / thd / CP steps; CPPROF_ARGS), jtprof
 # (dev/tuning/jax_torch_profile.py: device time per kernel of one fwd+bwd from PyTorch and from JAX; JTPROF_ARGS), hosttime
-# (dev/tuning/host_time.py: host time per PyTorch call by layer: real launches, through the custom ops, stubbed), exp2
-# (dev/tuning/exp2_split.py; EXP2_DIMS), ordereddq
+# (dev/tuning/host_time.py: host time per PyTorch call by layer: real launches, through the custom ops, stubbed), ordereddq
 # (dev/tuning/ordered_dq.py: the one-pass backward with ordered dQ against the product's), ordereddqws (its Gluon
 # warp-specialized form, ordered_dq_ws.py); 2-GPU: tp (torchrun tensor-parallel heads), jaxmesh (tests/jax/test_jax_two_device_mesh.py); several GPUs: qa:L1_distributed
 # (context parallelism at CP 2/4/8 up to the GPU count and TP 2 over NCCL; QA_CP_SIZES, QA_CP_SUITES), cpscale
@@ -103,9 +102,6 @@ section() {
       timeout "$(limit WS 300)" python3 dev/tuning/ws_kernels.py --out "$d/ws_kernels${WS_DIMS:-}" \
         > "$d/ws_kernels${WS_DIMS:-}.log" 2>&1
       note "ws_kernels${WS_DIMS:-} rc=$? $(grep -c '^{' "$d/ws_kernels${WS_DIMS:-}.log") cases" ;;
-    exp2)  # dev/tuning/exp2_split.py: the forward with part of its exponentials on the FMA units; EXP2_DIMS
-      timeout "$(limit EXP2 300)" python3 dev/tuning/exp2_split.py --out "$d/exp2_split" > "$d/exp2_split.log" 2>&1
-      note "exp2_split rc=$? $(grep -c '^{' "$d/exp2_split.log") cases" ;;
     ordereddq)  # dev/tuning/ordered_dq.py: the one-pass backward with ordered dQ against the product's (a hang is a deadlock)
       timeout "$(limit ORDEREDDQ 420)" python3 dev/tuning/ordered_dq.py --out "$d/ordered_dq.json" \
         > "$d/ordered_dq.log" 2>&1

@@ -37,13 +37,12 @@ class Tiles:
     head_group: int = 1  # launch order: heads whose blocks interleave (kernels/masking.py, grid_program)
     single_loop: bool = False  # one pipelined block loop masking per block, not three loops (pays where registers bind)
     max_registers: Optional[int] = None  # per-thread register cap of the launch (warp-specialized kernels)
-    exp2_poly: int = 0  # forward: one exponential in exp2_poly on the FMA units (kernels/exp2.py); 0: none
 
     @property
     def loop_constexprs(self) -> Dict[str, object]:
         """What the block-loop kernels (forward, dK/dV, dQ) take from these tiles, by parameter name."""
         return dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, HEAD_GROUP=self.head_group,
-                    SINGLE_LOOP=self.single_loop, EXP2_POLY=self.exp2_poly)
+                    SINGLE_LOOP=self.single_loop)
 
     @property
     def ws_constexprs(self) -> Dict[str, object]:

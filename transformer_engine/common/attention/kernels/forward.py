@@ -16,7 +16,6 @@ probabilities come from that log-sum-exp, and ``delta = rowsum(dO * O)`` is stil
 import triton
 import triton.language as tl
 
-from transformer_engine.common.attention.kernels.exp2 import exp2_split
 from transformer_engine.common.attention.kernels.masking import (
     key_block_bounds,
     length_specialized,
@@ -46,7 +45,7 @@ def _fwd_inner(acc, l_i, m_i, q, q2, k_src, k_src2, v_src, stride_ks, stride_vs,
                BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                MASKED: tl.constexpr, SINGLE_LOOP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, EXP2_POLY: tl.constexpr = 0):
+               DOT_PRECISION: tl.constexpr):
     """Key blocks [lo, hi); MASKED applies the element mask, to every block or, with SINGLE_LOOP, to
     those outside [full_lo, full_hi) only (a runtime branch). With BLOCK_DQK2 > 0 the Q/K head dim is two
     chunks (q, k_src: [0, BLOCK_DQK); q2, k_src2: the next BLOCK_DQK2 columns); otherwise q2, k_src2 and
@@ -78,7 +77,7 @@ def _fwd_inner(acc, l_i, m_i, q, q2, k_src, k_src2, v_src, stride_ks, stride_vs,
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_use = m_new
-        p = exp2_split(qk * scale - m_use[:, None], EXP2_POLY)
+        p = tl.math.exp2(qk * scale - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:  # the normaliser counts every probability; only the weighted sum drops some
@@ -110,7 +109,6 @@ def attn_fwd_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, HAS_SINK: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr, SINGLE_LOOP: tl.constexpr, SEGMENTS: tl.constexpr,
-    EXP2_POLY: tl.constexpr = 0,
 ):
     # A split Q/K head dim (BLOCK_DQK2 > 0) fills its first chunk: the loops load it without a head-dim mask.
     tl.static_assert(BLOCK_DQK + BLOCK_DQK2 >= HEAD_DIM_QK)
@@ -163,8 +161,7 @@ def attn_fwd_kernel(
                                    len_q, len_k, diag, window_left, window_right, qk_scale,
                                    bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
                                    HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
-                                   True, True, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION,
-                                   EXP2_POLY)
+                                   True, True, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION)
     else:  # masked head, unmasked middle (no per-element mask: the fast path), masked tail
         for SEGMENT in tl.static_range(3):
             seg_lo, seg_hi = segment_bounds(SEGMENT, lo, full_lo, full_hi, hi)
@@ -174,7 +171,7 @@ def attn_fwd_kernel(
                                        bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head,
                                        dropout_p, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
                                        SEGMENT != 1, False, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT,
-                                       DOT_PRECISION, EXP2_POLY)
+                                       DOT_PRECISION)
 
     if HAS_SINK:  # the sink's logit joins the row max and sum (module docstring)
         sink = tl.load(SINK + head).to(tl.float32) * LOG2E

@@ -41,7 +41,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 # The visibility rule and the block bounds are the Triton kernels' own (@triton.jit functions: called from a
 # @gluon.jit one they are generated as Gluon, and hold only scalar arithmetic and elementwise operators).
-from .exp2 import exp2_split_gl
 from .masking import key_block_bounds, query_block_bounds, segment_block, visible
 
 LN2 = gl.constexpr(0.6931471805599453)
@@ -67,11 +66,10 @@ class _Schedule:
     WITH_DK: gl.constexpr  # dK/dV: which gradients the pass computes (attn_bwd_dkdv_kernel's flags)
     WITH_DV: gl.constexpr
     SPLIT: gl.constexpr  # forward and dQ: the Q/K head dim is two chunks (q2/k2 buffers: _second_chunk)
-    EXP2_POLY: gl.constexpr  # forward: exp2.py's split of the exponentials (0: all on MUFU)
 
     @gluon.constexpr_function
     def __init__(self, NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, ROW_TILES, WITH_DK=True, WITH_DV=True,
-                 SPLIT=False, EXP2_POLY=0):
+                 SPLIT=False):
         self.NUM_STAGES = gl.constexpr(NUM_STAGES)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.HAS_LEFT = gl.constexpr(HAS_LEFT)
@@ -80,7 +78,6 @@ class _Schedule:
         self.WITH_DK = gl.constexpr(WITH_DK)
         self.WITH_DV = gl.constexpr(WITH_DV)
         self.SPLIT = gl.constexpr(SPLIT)
-        self.EXP2_POLY = gl.constexpr(EXP2_POLY)
 
 
 @gluon.jit
@@ -136,7 +133,7 @@ def _issue_scores(q, k_smem, k_ready, s_zero, it, NUM_STAGES: gl.constexpr, q2, 
 
 @gluon.jit
 def _softmax_step(qk, m_i, l_i, start_n, offs_m, offs_n_base, full_lo, full_hi, coords, qk_scale,
-                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, EXP2_POLY: gl.constexpr = 0):
+                  HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr):
     """Mask a block outside [full_lo, full_hi), update the running max and sum: (p, alpha, m, l)."""
     start_m, len_q, len_k, diag, window_left, window_right = coords
     if (start_n < full_lo) | (start_n >= full_hi):
@@ -147,7 +144,7 @@ def _softmax_step(qk, m_i, l_i, start_n, offs_m, offs_n_base, full_lo, full_hi, 
     m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
     # A row with nothing visible so far keeps m = -inf; subtract 0 instead (exp2(-inf) = 0).
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = exp2_split_gl(qk * qk_scale - gl.expand_dims(m_use, 1), EXP2_POLY)
+    p = gl.exp2(qk * qk_scale - gl.expand_dims(m_use, 1))
     alpha = gl.exp2(m_i - m_use)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, alpha, m_new, l_i
@@ -195,7 +192,7 @@ def _consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr):
         qk = _issue_scores(q, k_smem, k_ready, s_zero, it, NUM_STAGES, q2, k2_smem, sched.SPLIT)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
         p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, start_n, offs_m, offs_n_base, full_lo, full_hi, coords,
-                                           qk_scale, HAS_LEFT, HAS_RIGHT, sched.EXP2_POLY)
+                                           qk_scale, HAS_LEFT, HAS_RIGHT)
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
         mbarrier.wait(v_ready.index(stage), (it // NUM_STAGES) & 1)
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(stage), acc, is_async=True)
@@ -388,7 +385,7 @@ def attn_fwd_ws_kernel(
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
     HAS_BIAS: gl.constexpr, HAS_ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
     DOT_PRECISION: gl.constexpr, HEAD_GROUP: gl.constexpr, SINGLE_LOOP: gl.constexpr, SEGMENTS: gl.constexpr,
-    NUM_STAGES: gl.constexpr = 2, EXP2_POLY: gl.constexpr = 0,
+    NUM_STAGES: gl.constexpr = 2,
 ):
     # The head dims fill their tiles: d_qk one chunk or two (BLOCK_DQK + BLOCK_DQK2), d_v one.
     gl.static_assert(HEAD_DIM_QK == BLOCK_DQK + BLOCK_DQK2)
@@ -419,7 +416,7 @@ def attn_fwd_ws_kernel(
     bounds = (lo, hi, full_lo, full_hi)
     coords = (start_m, len_q, len_k, diag, window_left, window_right)
     out_args = (o_base, stride_os, stride_od, lse_base, rows_out, qk_scale)
-    sched = _Schedule(NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, 1, SPLIT=BLOCK_DQK2 > 0, EXP2_POLY=EXP2_POLY)
+    sched = _Schedule(NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, 1, SPLIT=BLOCK_DQK2 > 0)
     args = (bufs, bars, bounds, coords, out_args, sched)
     gl.warp_specialize([(_fwd_consumer0, args), (_fwd_consumer1, args), (_load_worker, args)], [4, 1],
                        [CONSUMER_REGISTERS, LOADER_REGISTERS])

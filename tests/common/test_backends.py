@@ -75,3 +75,9 @@ def test_order_reads_the_classes():
     assert order(compute_capability=(10, 0), head_dim_qk=128, head_dim_v=128) == ["fused", "flash", "unfused"]
     assert order(compute_capability=(8, 0), head_dim_qk=96, head_dim_v=96) == ["flash", "fused", "unfused"]
     assert order(device_type="cpu", compute_capability=None) == ["flash", "fused", "unfused"]
+    # d=256 on Hopper: flash-attn-4 first without determinism, our kernels first with it
+    # (FlashAttention.MEASURED_FASTER_DETERMINISTIC leaves it out).
+    assert order(head_dim_qk=256, head_dim_v=256, deterministic=False) == ["flash", "fused", "unfused"]
+    assert order(head_dim_qk=256, head_dim_v=256, deterministic=True) == ["fused", "flash", "unfused"]
+    for dims in ((64, 64), (128, 128), (192, 128)):
+        assert order(head_dim_qk=dims[0], head_dim_v=dims[1], deterministic=True) == ["flash", "fused", "unfused"]

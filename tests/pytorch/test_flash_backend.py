@@ -750,8 +750,8 @@ def _invariance_failed(kind: str, name: str, detail: str) -> None:
                     "from FlashAttention.DETERMINISTIC_INVARIANT_ARCHS (backends.py)")
 
 
-# Head dims (d_qk, d_v) whose deterministic mode may be selected (FlashAttention.MEASURED_FASTER): each
-# passes these before it is listed there.
+# Head dims (d_qk, d_v) whose deterministic mode may be selected (FlashAttention.MEASURED_FASTER_DETERMINISTIC):
+# each passes these before it is listed there.
 INVARIANCE_HEAD_DIMS = [(128, 128), (64, 64), (256, 256), (192, 128)]
 
 
@@ -845,7 +845,7 @@ def test_gpu_selected_in_deterministic_training(monkeypatch, shape):
     out = dpa(q, k, v)
     out.backward(torch.ones_like(out))
     major = torch.cuda.get_device_capability()[0]
-    expected = "FlashAttention" if (major, d, dv) in FlashAttention.MEASURED_FASTER and \
+    expected = "FlashAttention" if (major, d, dv) in FlashAttention.MEASURED_FASTER_DETERMINISTIC and \
         major in FlashAttention.DETERMINISTIC_INVARIANT_ARCHS else "FusedAttention"
     _record("selection", f"b{b}h{h}{_dims_id((d, dv))}-{mask}", dpa.last_backend == expected,
             f"selected {dpa.last_backend}")

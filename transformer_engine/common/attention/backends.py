@@ -78,6 +78,8 @@ class AttentionBackend:
     # Where this backend was measured faster than the fused kernels, as (GPU major, d_qk, d_v); None:
     # not a measured alternative (policy.order_backends keeps its PRIORITY).
     MEASURED_FASTER: Optional[frozenset] = None
+    # The same for deterministic calls where that differs (None: MEASURED_FASTER holds for both modes).
+    MEASURED_FASTER_DETERMINISTIC: Optional[frozenset] = None
 
     @classmethod
     def availability_reasons(cls, config: AttnConfig) -> List[str]:
@@ -217,13 +219,15 @@ class FlashAttention(AttentionBackend):
     SUPPORTS_GQA = True
     SUPPORTS_DIFFERENT_HEAD_DIMS = True
     IS_DETERMINISTIC = True  # ordered dQ/dK/dV accumulation behind semaphores
-    # Where flash-attn-4 was measured faster than our Triton kernels, deterministic or not, as
-    # (GPU major, head_dim_qk, head_dim_v): H200, bf16, no mask and causal, flash-attn-4 4.0.0b36
-    # (benchmarks/results/attention.md: deterministic fwd+bwd 502-615 TFLOP/s at d=128 against 383-436 for
-    # our kernels, 393-462 at d=64 against 282-352, 316 at d=256 causal against 193, 384-451 at d=192/128
-    # against 260-311). Elsewhere (other head dims, Blackwell) it is not measured yet, so there our kernels
-    # come first and flash-attn-4 second (policy.order_backends).
+    # Where flash-attn-4 was measured faster than our Triton kernels, as (GPU major, head_dim_qk, head_dim_v):
+    # H200, bf16, no mask and causal, flash-attn-4 4.0.0b36 (benchmarks/results/attention.md). Elsewhere (other
+    # head dims, Blackwell) it is not measured yet, so there our kernels come first and flash-attn-4 second
+    # (policy.order_backends). In deterministic mode at d=256 our kernels are the faster ones (fwd+bwd
+    # 1.06-1.21x its deterministic mode on 2x16x4096, 8x16x1024 without a mask and 1x16x16384; 0.61x on
+    # 8x16x1024 causal, where our host time per call sets the pace), while its non-deterministic mode is faster
+    # there than ours.
     MEASURED_FASTER = frozenset({(9, 64, 64), (9, 128, 128), (9, 192, 128), (9, 256, 256)})
+    MEASURED_FASTER_DETERMINISTIC = frozenset({(9, 64, 64), (9, 128, 128), (9, 192, 128)})
     # flash-attn-4 has a forward-only sink argument; this wrapper passes none, so sink softmax
     # (off-by-one, learnable) goes to our kernels.
     SUPPORTED_SOFTMAX_TYPES = frozenset({AttnSoftmaxType.VANILLA_SOFTMAX})

@@ -1,6 +1,7 @@
 """Preference among backends that can all run a call: data on the backend classes, kept apart from
 feasibility. Backends are tried by their ``PRIORITY``; one that declares where it was measured
-faster than the fused kernels (``MEASURED_FASTER``) keeps its place only there."""
+faster than the fused kernels (``MEASURED_FASTER``, or ``MEASURED_FASTER_DETERMINISTIC`` for deterministic
+calls where the backend declares it) keeps its place only there."""
 
 from __future__ import annotations
 
@@ -13,12 +14,15 @@ def _measured_slower_here(backend: Type, config: AttnConfig) -> bool:
     """``backend`` could run on this GPU generation but is not measured faster than the fused kernels
     for these head dims. On other GPUs (and on CPU) the order decides nothing, and trying it in its
     place puts why it cannot run into the NVTE_DEBUG log and the rejected reasons."""
-    if backend.MEASURED_FASTER is None or config.compute_capability is None:
+    faster = backend.MEASURED_FASTER
+    if config.deterministic and backend.MEASURED_FASTER_DETERMINISTIC is not None:
+        faster = backend.MEASURED_FASTER_DETERMINISTIC
+    if faster is None or config.compute_capability is None:
         return False
     major = config.compute_capability[0]
     if backend.SUPPORTED_ARCHS is not None and major not in backend.SUPPORTED_ARCHS:
         return False
-    return (major, config.head_dim_qk, config.head_dim_v) not in backend.MEASURED_FASTER
+    return (major, config.head_dim_qk, config.head_dim_v) not in faster
 
 
 def order_backends(backends: List[Type], config: AttnConfig) -> List[Type]:

@@ -1,7 +1,7 @@
 """Deterministic attention at d=256 on the H200: our fused kernels against flash-attn-4's deterministic mode,
 no mask and causal at several lengths, with the backend DotProductAttention picks (policy.order_backends puts
-flash-attn-4 first where backends.FlashAttention.MEASURED_FASTER says it is faster). The benchmark's own
-measure (bench_attention.measure_torch): fwd+bwd TFLOP/s, peak memory, bitwise repeats.
+flash-attn-4 first in deterministic mode where FlashAttention.MEASURED_FASTER_DETERMINISTIC lists the head dims).
+The benchmark's own measure (bench_attention.measure_torch): fwd+bwd TFLOP/s, peak memory, bitwise repeats.
 
     . dev/device/install_flash_attn4.sh; python dev/tuning/dpa_d256.py --out /tmp/dpa_d256.json
 """

@@ -19,6 +19,7 @@ draws ``<out>.png`` (``plot.py``) at the end.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -272,13 +273,43 @@ def run_torch(cases, impls, args, results: Results, deadline: float, device: str
             else:
                 if inp is None:
                     inp = make_inputs(case, torch.device(device), dtype)
-                row = measure_torch(impl, case, inp, args, cuda)
+                with _pending(args.pending, case, impl):
+                    row = measure_torch(impl, case, inp, args, cuda)
             _log(row)
             results.add(row)
         inp = None
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def _pending(path: str, case: Case, impl: str):
+    """Marks the row being measured in <out>.pending while it runs. A fault in a peer's kernel (a
+    CUDA illegal address) poisons this process; the next run with the same --out finds the mark,
+    records that row as an error and measures the rest in a fresh process (dev/device/gpu_bench.sh)."""
+    with open(path, "w") as f:
+        json.dump({"case": case.name, "impl": impl}, f)
+    yield
+    os.remove(path)
+
+
+def _died_in(path: str, cases, results, done: set) -> None:
+    """The row a previous run died in (its <out>.pending mark): recorded as an error, not run again."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        pair = json.load(f)
+    os.remove(path)
+    case = next((c for c in cases if c.name == pair["case"]), None)
+    if case is None:
+        return
+    row = _skipped(case, pair["impl"], "the process died during this row (a fault in this implementation "
+                   "poisons the process: see the run's log); the rows after it ran in a fresh process")
+    row["status"] = "error"
+    _log(row)
+    results.add(row)
+    done.add((case.name, pair["impl"]))
 
 
 def _skipped(case: Case, impl: str, reason: str) -> dict:
@@ -480,6 +511,8 @@ def main(argv=None):
     done = done_pairs(args.skip_done)
     if done:
         print(f"{len(done)} (case, implementation) pairs already measured in {args.skip_done}: not run again")
+    args.pending = stem + ".pending"
+    _died_in(args.pending, cases, results, done)
     if torch_impls:
         run_torch(cases, torch_impls, args, results, deadline, device, done)
     if jax_impls:

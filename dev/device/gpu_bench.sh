@@ -66,16 +66,25 @@ fi
 
 carried=$(ls benchmarks/results/parts/*.json 2>/dev/null)
 for part in $parts; do
-  left=$(( BUDGET - ($(date +%s) - start) ))
-  if [ "$left" -lt 60 ]; then echo "budget spent before part $part" | tee -a "$log"; continue; fi
-  echo "== part $part (${left}s left)" | tee -a "$log"
-  # The harness stops starting rows at --time-budget; `timeout` is the hard stop. Rows are
-  # written after each measurement, so a cut-off part still returns what finished.
-  timeout -k 10 "$left" python3 benchmarks/attention/bench_attention.py --part "$part" \
-    --out "$OUT/attention_$part" --time-budget $(( left - 45 )) --no-plot ${carried:+--skip-done $carried} \
-    ${BENCH_ARGS:-} >> "$log" 2>&1
-  echo "part $part rc=$?" | tee -a "$log"
-  rm -f "$OUT/attention_$part.md"
+  # A process that dies in a row (a peer's CUDA fault poisons it) leaves <out>.pending: the part runs
+  # again in a fresh process, skipping what the dead one measured; that row is recorded as an error.
+  for try in 1 2 3 4; do
+    left=$(( BUDGET - ($(date +%s) - start) ))
+    if [ "$left" -lt 60 ]; then echo "budget spent before part $part" | tee -a "$log"; break; fi
+    echo "== part $part, try $try (${left}s left)" | tee -a "$log"
+    # The harness stops starting rows at --time-budget; `timeout` is the hard stop. Rows are
+    # written after each measurement, so a cut-off part still returns what finished.
+    earlier=$(ls "$OUT"/attention_"$part".try*.json 2>/dev/null)
+    skip=$(echo $carried $earlier)
+    timeout -k 10 "$left" python3 benchmarks/attention/bench_attention.py --part "$part" \
+      --out "$OUT/attention_$part" --time-budget $(( left - 45 )) --no-plot ${skip:+--skip-done $skip} \
+      ${BENCH_ARGS:-} >> "$log" 2>&1
+    rc=$?
+    echo "part $part rc=$rc" | tee -a "$log"
+    rm -f "$OUT/attention_$part.md"
+    [ -f "$OUT/attention_$part.pending" ] || break
+    [ -f "$OUT/attention_$part.json" ] && mv "$OUT/attention_$part.json" "$OUT/attention_$part.try$try.json"
+  done
 done
 
 # An attention.json already in $OUT is an earlier bench section's merge in this lane: keep its rows.

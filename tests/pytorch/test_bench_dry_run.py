@@ -91,3 +91,18 @@ def test_dry_run_kernel_time_part_needs_a_gpu(tmp_path):
         assert r["status"] == "skipped" and "CUDA GPU" in r["reason"], r
     by_id = {t["id"]: t for t in doc["targets"]}
     assert by_id["jax_kt>=0.97xtorch_kt"]["status"] == "not measured"
+
+
+@cpu_only
+def test_row_a_dead_process_left_is_an_error_and_the_rest_runs(tmp_path):
+    """A peer that faults poisons its process; the run that follows with the same --out finds the
+    row it died in (<out>.pending), records it as an error, and measures the others."""
+    stem = str(tmp_path / "p")
+    Path(stem + ".pending").write_text(json.dumps({"case": "1x2x64x32-causal", "impl": "torch_flash"}))
+    out = run("--dry-run", "--cases", "1x2x64x32-causal", "--impls", "te_fused_det,torch_flash", "--out", stem,
+              "--no-plot")
+    assert "process died during this row" in out
+    rows = {r["impl"]: r for r in json.loads(Path(stem + ".json").read_text())["rows"]}
+    assert rows["torch_flash"]["status"] == "error" and "process died" in rows["torch_flash"]["reason"]
+    assert rows["te_fused_det"]["status"] == "ok"
+    assert not Path(stem + ".pending").exists()  # removed once recorded, and after every finished row

@@ -287,7 +287,7 @@ def run_torch(cases, impls, args, results: Results, deadline: float, device: str
 def _pending(path: str, case: Case, impl: str):
     """Marks the row being measured in <out>.pending while it runs. A fault in a peer's kernel (a
     CUDA illegal address) poisons this process; the next run with the same --out finds the mark,
-    records that row as an error and measures the rest in a fresh process (dev/device/gpu_bench.sh)."""
+    records that row as an error and measures the rest in a fresh process."""
     with open(path, "w") as f:
         json.dump({"case": case.name, "impl": impl}, f)
     yield

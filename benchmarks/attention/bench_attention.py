@@ -185,14 +185,21 @@ def _error_text(err: BaseException) -> str:
     return f"{name}: {text}"
 
 
+def _torch_row(impl: str, case: Case, status: str) -> dict:
+    from peers import TORCH_PEERS
+
+    spec = TORCH_PEERS[impl]
+    return {"case": case.name, "group": case.group, "impl": impl, "label": spec.label, "role": spec.role,
+            "framework": "torch", "deterministic": spec.deterministic, "status": status}
+
+
 def measure_torch(impl: str, case: Case, inp, args, cuda: bool) -> dict:
     import torch
     from common import bench_ms, peak_memory_gb
     from peers import TORCH_PEERS, PeerFailure
 
     spec = TORCH_PEERS[impl]
-    row = {"case": case.name, "group": case.group, "impl": impl, "label": spec.label, "role": spec.role,
-           "framework": "torch", "deterministic": spec.deterministic, "status": "ok"}
+    row = _torch_row(impl, case, "ok")
     started = time.perf_counter()
     runner = None
     try:
@@ -304,9 +311,9 @@ def _died_in(path: str, cases, results, done: set) -> None:
     case = next((c for c in cases if c.name == pair["case"]), None)
     if case is None:
         return
-    row = _skipped(case, pair["impl"], "the process died during this row (a fault in this implementation "
-                   "poisons the process: see the run's log); the rows after it ran in a fresh process")
-    row["status"] = "error"
+    row = _torch_row(pair["impl"], case, "error")  # only run_torch marks rows
+    row["reason"] = ("the process died during this row (a fault in this implementation poisons the process: "
+                     "see the run's log); the rows after it ran in a fresh process")
     _log(row)
     results.add(row)
     done.add((case.name, pair["impl"]))

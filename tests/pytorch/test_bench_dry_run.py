@@ -104,5 +104,6 @@ def test_row_a_dead_process_left_is_an_error_and_the_rest_runs(tmp_path):
     assert "process died during this row" in out
     rows = {r["impl"]: r for r in json.loads(Path(stem + ".json").read_text())["rows"]}
     assert rows["torch_flash"]["status"] == "error" and "process died" in rows["torch_flash"]["reason"]
+    assert rows["torch_flash"]["label"] != "torch_flash"  # labelled like every other torch row
     assert rows["te_fused_det"]["status"] == "ok"
     assert not Path(stem + ".pending").exists()  # removed once recorded, and after every finished row

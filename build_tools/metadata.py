@@ -18,6 +18,8 @@ from setuptools import find_packages
 __all__ = [
     "DISTRIBUTION_NAME",
     "NVIDIA_DISTRIBUTIONS",
+    "SUPPORTED_TRITON",
+    "CUDA_TORCH_TRITON",
     "COMMON_REQUIRES",
     "FRAMEWORK_REQUIRES",
     "EXTRAS",
@@ -39,16 +41,32 @@ NVIDIA_DISTRIBUTIONS = (
     "transformer-engine-jax",
 )
 
-# The fused kernels are Triton programs (on CPU, run by Triton's interpreter, which also needs
-# numpy < 2.4 with Triton 3.6: that bound is in the ``test`` extra, not here, so that GPU
-# installations may use a newer numpy). numpy is imported by the determinism check and the JAX
-# frontend.
-COMMON_REQUIRES: List[str] = ["numpy>=1.24", "triton==3.6.*; platform_system == 'Linux'"]
+#: Triton releases the kernels are tested with: the ones CUDA builds of torch 2.10-2.15 pin (see
+#: CUDA_TORCH_TRITON). CI compiles every planned launch and runs the interpreter suites with the
+#: oldest and the newest; the GPU runs are listed in docs/installation.rst. Where a release lacks
+#: an API the Hopper Gluon kernels use, the plan falls back to the Triton kernels with a reason
+#: (transformer_engine/common/attention/kernels/triton_compat.py).
+SUPPORTED_TRITON = ("3.6", "3.7", "3.8", "3.9")
+
+#: The Triton release each CUDA build of torch pins (``torch==X`` requires ``triton==Y.*``); the CPU
+#: builds declare no Triton. tests/common/test_wheel_resolution.py resolves our wheel with each.
+CUDA_TORCH_TRITON: Dict[str, str] = {
+    "2.10": "3.6", "2.11": "3.6", "2.12": "3.7", "2.13": "3.7", "2.14": "3.8", "2.15": "3.9",
+}
+
+# The fused kernels are Triton programs. Triton has no upper bound: torch's CUDA builds pin their
+# own release, and a bound here would make pip downgrade the user's torch to one that accepts it
+# (or refuse to install) instead of installing beside it; a release newer than SUPPORTED_TRITON
+# runs what its API allows (the Gluon kernels fall back with a reason). numpy is imported by the
+# determinism check and the JAX frontend. Triton 3.6's interpreter (CPU testing only) needs
+# numpy < 2.4: that bound is in the ``test`` extra, not here.
+COMMON_REQUIRES: List[str] = ["numpy>=1.24", "triton>=3.6; platform_system == 'Linux'"]
 
 FRAMEWORK_REQUIRES: Dict[str, List[str]] = {
-    # torch 2.10, 2.11 and 2.13 accept triton 3.6; torch 2.12 requires another Triton.
-    "pytorch": ["torch>=2.10,!=2.12.*"],
-    "jax": ["jax>=0.5.0", "flax>=0.10.0"],  # public jax.ffi
+    # Every release from 2.10 on: each CUDA build brings the Triton it pins, all within triton>=3.6.
+    "pytorch": ["torch>=2.10"],
+    # The releases the JAX suites run on in CI (0.10 on Python 3.11, 0.12 on 3.12).
+    "jax": ["jax>=0.10", "flax>=0.12"],
 }
 
 EXTRAS: Dict[str, List[str]] = {

@@ -84,28 +84,17 @@ def compile_kernel(fn, args: Dict[str, object], launch_options: Dict[str, int], 
 @functools.lru_cache(maxsize=256)
 def _compile_cached(fn, args, launch_options, target) -> CompiledKernel:
     import triton
-    from triton import knobs
-    from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import create_function_from_signature
+
+    from transformer_engine.common.attention.kernels import triton_compat
 
     bound = dict(args)
     missing = [name for name in fn.arg_names if name not in bound]
     if missing:
         raise ValueError(f"{fn.__name__}: arguments {missing} are missing")
-    backend = make_backend(target)
-    # The same steps as JITFunction.run, minus the device queries: Triton's own binder gives the
-    # specialization (ints equal to 1 become constants, 16-divisibility hints), so the cubin is
-    # the one the PyTorch launch of the same call compiles.
-    kwargs = dict(launch_options)
-    kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
-    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound_args, specialization, _ = binder(**bound, **kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, kwargs)
-    source = ASTSource
-    if getattr(fn, "is_gluon", lambda: False)():
-        from triton.experimental.gluon._runtime import GluonASTSource as source
-    compiled = triton.compile(source(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    # The same steps as JITFunction.run, minus the device queries (triton_compat.jit_specialize), so the
+    # cubin is the one the PyTorch launch of the same call compiles.
+    source, options, signature = triton_compat.jit_specialize(fn, bound, dict(launch_options), target)
+    compiled = triton.compile(source, target=target, options=options.__dict__)
     md = compiled.metadata
     params = tuple((name, ty) for name, ty in signature.items() if ty != "constexpr")
     binary_format = _BINARY_FORMATS[target.backend]

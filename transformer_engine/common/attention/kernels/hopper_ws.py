@@ -29,7 +29,6 @@ both frontends, so a configuration's results are reproducible bit for bit.
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.language.core import _aggregate as aggregate
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
@@ -38,6 +37,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+
+# The TMA and cp.async loads and aggregates are spelled differently across Triton releases.
+from .triton_compat import aggregate, cp_async_load, tma_async_load
 
 # The visibility rule and the block bounds are the Triton kernels' own (@triton.jit functions: called from a
 # @gluon.jit one they are generated as Gluon, and hold only scalar arithmetic and elementwise operators).
@@ -96,11 +98,11 @@ def _loader(bufs, bars, bounds, coords, sched):
     else:
         mbarrier.expect(q_bar, 2 * sched.ROW_TILES * q_desc.block_type.nbytes)
     for wg in gl.static_range(2):
-        tma.async_copy_global_to_shared(q_desc, [start_m + wg * WG_ROWS, 0], q_bar, q_smem.index(wg))
+        tma_async_load(q_desc, [start_m + wg * WG_ROWS, 0], q_bar, q_smem.index(wg))
         if sched.SPLIT:
-            tma.async_copy_global_to_shared(q2_desc, [start_m + wg * WG_ROWS, 0], q_bar, q2_smem.index(wg))
+            tma_async_load(q2_desc, [start_m + wg * WG_ROWS, 0], q_bar, q2_smem.index(wg))
         if sched.ROW_TILES == 2:
-            tma.async_copy_global_to_shared(do_desc, [start_m + wg * WG_ROWS, 0], q_bar, do_smem.index(wg))
+            tma_async_load(do_desc, [start_m + wg * WG_ROWS, 0], q_bar, do_smem.index(wg))
     it = 0
     for start_n in range(lo, hi, BLOCK_N):
         stage = it % NUM_STAGES
@@ -109,13 +111,13 @@ def _loader(bufs, bars, bounds, coords, sched):
         mbarrier.wait(kv_empty.index(stage), phase ^ 1)
         if sched.SPLIT:
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes + k2_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [start_n, 0], k_ready.index(stage), k_smem.index(stage))
-            tma.async_copy_global_to_shared(k2_desc, [start_n, 0], k_ready.index(stage), k2_smem.index(stage))
+            tma_async_load(k_desc, [start_n, 0], k_ready.index(stage), k_smem.index(stage))
+            tma_async_load(k2_desc, [start_n, 0], k_ready.index(stage), k2_smem.index(stage))
         else:
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [start_n, 0], k_ready.index(stage), k_smem.index(stage))
+            tma_async_load(k_desc, [start_n, 0], k_ready.index(stage), k_smem.index(stage))
         mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [start_n, 0], v_ready.index(stage), v_smem.index(stage))
+        tma_async_load(v_desc, [start_n, 0], v_ready.index(stage), v_smem.index(stage))
         it += 1
 
 
@@ -621,9 +623,9 @@ def _dkdv_loader(bufs, bars, bounds, coords, out_args, sched):
     else:
         mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
     for wg in gl.static_range(2):
-        tma.async_copy_global_to_shared(k_desc, [start_n + wg * WG_ROWS, 0], kv_bar, k_smem.index(wg))
+        tma_async_load(k_desc, [start_n + wg * WG_ROWS, 0], kv_bar, k_smem.index(wg))
         if sched.WITH_DK:
-            tma.async_copy_global_to_shared(v_desc, [start_n + wg * WG_ROWS, 0], kv_bar, v_smem.index(wg))
+            tma_async_load(v_desc, [start_n + wg * WG_ROWS, 0], kv_bar, v_smem.index(wg))
     offs = gl.arange(0, BLOCK_M, layout=stat_layout)
     it = 0
     for g in range(gqa_group):
@@ -635,12 +637,12 @@ def _dkdv_loader(bufs, bars, bounds, coords, out_args, sched):
             stage = it % NUM_STAGES
             mbarrier.wait(qdo_empty.index(stage), ((it // NUM_STAGES) & 1) ^ 1)
             mbarrier.expect(q_ready.index(stage), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [start_m, 0], q_ready.index(stage), q_smem.index(stage))
+            tma_async_load(q_desc, [start_m, 0], q_ready.index(stage), q_smem.index(stage))
             mbarrier.expect(do_ready.index(stage), do_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(do_desc, [start_m, 0], do_ready.index(stage), do_smem.index(stage))
+            tma_async_load(do_desc, [start_m, 0], do_ready.index(stage), do_smem.index(stage))
             rows = start_m + offs
-            async_copy.async_copy_global_to_shared(lse_smem.index(stage), lse_head + rows, mask=rows < len_q)
-            async_copy.async_copy_global_to_shared(delta_smem.index(stage), delta_head + rows, mask=rows < len_q)
+            cp_async_load(lse_smem.index(stage), lse_head + rows, mask=rows < len_q)
+            cp_async_load(delta_smem.index(stage), delta_head + rows, mask=rows < len_q)
             # Each thread's arrival fires when its copies land (.noinc: the barrier counts 32 of them).
             async_copy.mbarrier_arrive(stat_ready.index(stage), increment_count=False)
             it += 1

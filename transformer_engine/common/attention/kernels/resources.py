@@ -146,9 +146,9 @@ def resources(kernel: CompiledKernel) -> dict:
         hip = dict(kernel.hip_resources)
         return {"regs": hip.get("vgpr_count", -1), "stack": hip.get("private_segment_fixed_size", -1),
                 "smem": kernel.shared}
-    import triton
+    from transformer_engine.common.attention.kernels.triton_compat import cuobjdump_path
 
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    tool = cuobjdump_path()
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(kernel.cubin)
     try:

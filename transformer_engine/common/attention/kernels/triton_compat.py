@@ -1,0 +1,302 @@
+"""Every Triton API that differs between the Triton releases the package supports, and every private
+Triton API it touches, in one place.
+
+Supported: the releases current CUDA torch builds pin, Triton 3.6 (torch 2.10/2.11), 3.7 (2.12/2.13),
+3.8 (2.14) and 3.9 (2.15). Code elsewhere imports what differs from here and asks no version: where a
+public name exists in a release it is used, else the older spelling.
+
+What differs (resolved once, at import):
+
+- Gluon's TMA bulk load (Hopper): ``tma.async_load`` from 3.8; ``tma.async_copy_global_to_shared`` in 3.6
+  and 3.7 (3.9 keeps the old name only as a stub that raises at compile time).
+- Gluon's cp.async load (Ampere and later): ``async_copy.async_load`` from 3.8;
+  ``async_copy.async_copy_global_to_shared`` before (a raising stub in 3.9).
+- Aggregates (compile-time structs shared by Gluon partitions): ``triton.aggregate`` from 3.8;
+  ``triton.language.core._aggregate`` before.
+- The Gluon AST source that compiles a Gluon kernel ahead of time: ``gluon.GluonASTSource`` from 3.9;
+  ``triton.experimental.gluon._runtime.GluonASTSource`` before.
+- Options JITFunction.run derives from Triton's knobs before it binds a call (3.9 adds
+  ``fpsan_homomorphic_casts``): :func:`jit_run_options`, so that an ahead-of-time compile is the JIT's.
+
+Private APIs used (PRIVATE_APIS lists each with its user; tests/common/test_triton_compat.py asserts
+that each exists in the installed Triton, so a release that drops one fails a test named after it rather
+than a kernel compile or a launch deep inside a frontend).
+
+:func:`gluon_unavailable_reason` says why the Gluon kernels cannot be built with the installed Triton (None
+when they can): the plan then keeps the Triton kernels and logs the reason, never crashes.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from typing import Dict, Optional, Tuple
+
+__all__ = [
+    "SUPPORTED_RELEASES", "PRIVATE_APIS", "GLUON_APIS", "triton_version", "resolve", "missing_apis",
+    "gluon_unavailable_reason", "tma_async_load", "cp_async_load", "aggregate", "gluon_ast_source",
+    "jit_run_options", "jit_specialize", "cuobjdump_path", "allocator_is_set", "current_device_and_stream",
+    "launch_hooks", "runtime_debug", "has_compiled_launcher", "is_jit_function",
+]
+
+SUPPORTED_RELEASES = ((3, 6), (3, 7), (3, 8), (3, 9))
+
+# Private (or unstable) Triton APIs the package relies on: dotted path -> where and why. A path
+# "module:attr.attr" names an attribute of a module's object (a class's method, a knob).
+PRIVATE_APIS: Dict[str, str] = {
+    # Ahead-of-time compiles (kernels/aot.py; the JAX CUDA lowering and the compile tests use them).
+    "triton.compiler:ASTSource": "aot.py: the source of a Triton kernel for triton.compile",
+    "triton.compiler:make_backend": "aot.py: the backend of a GPUTarget (option parsing, binder)",
+    "triton.runtime.jit:create_function_from_signature": "aot.py: Triton's own argument binder (specialization)",
+    "triton.runtime.jit:JITFunction._pack_args": "aot.py: options, signature, constexprs and attributes of a call",
+    "triton.runtime.jit:JITFunction.is_gluon": "aot.py: whether a kernel compiles through the Gluon source",
+    "triton.knobs:runtime.debug": "aot.py, kernel_launcher.py: Triton's debug mode",
+    "triton.knobs:compilation.instrumentation_mode": "aot.py: an option JITFunction.run adds",
+    "triton.backends.compiler:GPUTarget": "resources.py, jax/primitives/gpu.py: a compile target without a GPU",
+    # The compiled-kernel launcher the PyTorch frontend calls directly (pytorch/attention/kernel_launcher.py).
+    "triton.runtime:driver": "kernel_launcher.py: the current device and stream",
+    "triton.knobs:runtime.launch_enter_hook": "kernel_launcher.py: profilers' launch hooks",
+    "triton.knobs:runtime.launch_exit_hook": "kernel_launcher.py: profilers' launch hooks",
+    "triton.compiler.compiler:CompiledKernel._init_handles": "kernel_launcher.py: load a compiled kernel",
+    "triton.compiler.compiler:CompiledKernel.run": "kernel_launcher.py: the compiled kernel's launcher",
+    "triton.compiler.compiler:CompiledKernel.launch_metadata": "kernel_launcher.py: Triton's launch with hooks",
+    # Global scratch for the Gluon kernels' on-device TMA descriptors (pytorch/attention/launch.py).
+    "triton.runtime._allocation:_allocator": "launch.py: the allocator of this thread (a context variable)",
+    "triton.runtime._allocation:NullAllocator": "launch.py: what _allocator holds when none is set",
+    "triton:set_allocator": "launch.py: set the scratch allocator",
+    # Kernels and launch descriptions.
+    "triton.runtime.jit:JITFunction": "jax/primitives/gpu.py: a JIT kernel, not the interpreter's",
+    "triton.runtime.jit:JITFunction.arg_names": "launches.py, aot.py: a kernel's parameters, in order",
+    "triton.runtime.jit:JITFunction.params": "aot.py: the binder's parameter descriptions",
+    "triton.runtime.jit:JITFunction.signature": "aot.py: the binder's signature",
+    "triton.language.random:philox": "kernels/scores.py: the dropout RNG's counter-based generator",
+    "triton.language.random:uint_to_uniform_float": "kernels/scores.py: the dropout RNG's uniform floats",
+    # Gluon (experimental in every supported release): kernels/hopper_ws.py.
+    "triton.experimental.gluon:jit": "hopper_ws.py",
+    "triton.experimental.gluon:constexpr_function": "hopper_ws.py",
+    "triton.experimental.gluon.language:warp_specialize": "hopper_ws.py",
+    "triton.experimental.gluon.language:NVMMADistributedLayout": "hopper_ws.py",
+    "triton.experimental.gluon.language:NVMMASharedLayout.get_default_for": "hopper_ws.py",
+    "triton.experimental.gluon.language:allocate_shared_memory": "hopper_ws.py",
+    "triton.experimental.gluon.language.nvidia.hopper:mbarrier.MBarrierLayout": "hopper_ws.py",
+    "triton.experimental.gluon.language.nvidia.hopper:tma.make_tensor_descriptor": "hopper_ws.py",
+    "triton.experimental.gluon.language.nvidia.hopper:warpgroup_mma": "hopper_ws.py",
+    "triton.experimental.gluon.language.nvidia.hopper:warpgroup_mma_wait": "hopper_ws.py",
+    "triton.experimental.gluon.language.nvidia.hopper:fence_async_shared": "hopper_ws.py",
+    "triton.experimental.gluon.language.nvidia.ampere:async_copy.mbarrier_arrive": "hopper_ws.py",
+}
+
+# Names that differ by release: what this module resolves, newest spelling first.
+_ALTERNATIVES: Dict[str, Tuple[str, ...]] = {
+    "tma_async_load": ("triton.experimental.gluon.language.nvidia.hopper.tma:async_load",
+                       "triton.experimental.gluon.language.nvidia.hopper.tma:async_copy_global_to_shared"),
+    "cp_async_load": ("triton.experimental.gluon.language.nvidia.ampere.async_copy:async_load",
+                      "triton.experimental.gluon.language.nvidia.ampere.async_copy:async_copy_global_to_shared"),
+    "aggregate": ("triton:aggregate", "triton.language.core:_aggregate"),
+    "gluon_ast_source": ("triton.experimental.gluon:GluonASTSource",
+                         "triton.experimental.gluon._runtime:GluonASTSource"),
+}
+# What the Gluon kernels need beyond PRIVATE_APIS' Gluon entries (gluon_unavailable_reason).
+GLUON_APIS = ("tma_async_load", "cp_async_load", "aggregate", "gluon_ast_source")
+
+
+def triton_version() -> Tuple[int, int]:
+    """(major, minor) of the installed Triton."""
+    import triton
+
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def resolve(path: str):
+    """The object at ``path`` ("module:attr.attr"); raises ImportError or AttributeError when absent."""
+    module, _, attrs = path.partition(":")
+    obj = importlib.import_module(module)
+    for name in attrs.split(".") if attrs else ():
+        obj = getattr(obj, name)
+    return obj
+
+
+def _first(name: str):
+    """The first of ``name``'s alternatives that exists and is not a raising stub; None if none is."""
+    for path in _ALTERNATIVES[name]:
+        try:
+            obj = resolve(path)
+        except (ImportError, AttributeError):
+            continue
+        if not _removed_stub(obj):
+            return obj
+    return None
+
+
+def _removed_stub(obj) -> bool:
+    # Triton keeps a removed Gluon builtin as a function of (*args, **kwargs) that raises "has been removed";
+    # its code names no parameter.
+    code = getattr(getattr(obj, "__wrapped__", obj), "__code__", None)
+    return code is not None and code.co_argcount == 0 and "removed" in " ".join(
+        str(c) for c in code.co_consts if isinstance(c, str))
+
+
+def missing_apis() -> Tuple[str, ...]:
+    """PRIVATE_APIS paths and release-dependent names (GLUON_APIS) the installed Triton lacks."""
+    missing = []
+    for path in PRIVATE_APIS:
+        try:
+            resolve(path)
+        except (ImportError, AttributeError):
+            missing.append(path)
+    missing.extend(name for name in _ALTERNATIVES if _first(name) is None)
+    return tuple(missing)
+
+
+@functools.lru_cache(maxsize=1)
+def gluon_unavailable_reason() -> Optional[str]:
+    """Why the Gluon kernels (kernels/hopper_ws.py) cannot be built with the installed Triton, or None.
+
+    A fact of the installed package, computed once per process."""
+    try:
+        import triton
+    except ImportError:
+        return "triton is not installed"
+    missing = [p for p in PRIVATE_APIS if p.startswith("triton.experimental.gluon") and not _exists(p)]
+    missing += [" or ".join(_ALTERNATIVES[name]) for name in GLUON_APIS if _first(name) is None]
+    if missing:
+        return f"triton {triton.__version__} lacks the Gluon APIs {', '.join(missing)}"
+    try:
+        importlib.import_module("transformer_engine.common.attention.kernels.hopper_ws")
+    except Exception as err:  # a Gluon API that changed shape: the kernels do not even define
+        return f"the Gluon kernels do not load with triton {triton.__version__}: {type(err).__name__}: {err}"
+    return None
+
+
+def _exists(path: str) -> bool:
+    try:
+        resolve(path)
+    except (ImportError, AttributeError):
+        return False
+    return True
+
+
+def _unavailable(name: str):
+    def stub(*args, **kwargs):
+        raise NotImplementedError(f"{name}: this Triton has none of {', '.join(_ALTERNATIVES[name])}")
+    return stub
+
+
+def _or_stub(name: str):
+    found = _first(name)
+    return found if found is not None else _unavailable(name)
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernel language (imported by the kernels; Gluon builtins are looked up by Gluon's code generator as
+# globals of the kernel's module, so they are plain module attributes here).
+# ------------------------------------------------------------------------------------------------
+
+tma_async_load = _or_stub("tma_async_load")  # (tensor_desc, coord, barrier, result, pred=True)
+cp_async_load = _or_stub("cp_async_load")  # (smem, pointer, mask=None, ...)
+aggregate = _or_stub("aggregate")  # class decorator
+
+
+def gluon_ast_source():
+    """The class that turns a Gluon kernel into triton.compile's source."""
+    found = _first("gluon_ast_source")
+    if found is None:
+        raise NotImplementedError("`fn` is a Gluon kernel and this Triton has no GluonASTSource to compile it with")
+    return found
+
+
+# ------------------------------------------------------------------------------------------------
+# Ahead-of-time compiles (kernels/aot.py).
+# ------------------------------------------------------------------------------------------------
+
+# Options JITFunction.run sets from knobs before binding: (option, knobs group, knob).
+_JIT_RUN_KNOBS = (("instrumentation_mode", "compilation", "instrumentation_mode"),
+                  ("fpsan_homomorphic_casts", "compilation", "fpsan_homomorphic_casts"))
+
+
+def jit_run_options(fn, launch_options: Dict[str, object]) -> Dict[str, object]:
+    """``launch_options`` with what JITFunction.run adds from Triton's knobs (debug, and each knob this
+    release reads), so an ahead-of-time compile gets the JIT's options and hash."""
+    from triton import knobs
+
+    out = dict(launch_options)
+    out["debug"] = out.get("debug", fn.debug) or knobs.runtime.debug
+    for option, group, knob in _JIT_RUN_KNOBS:
+        knobs_group = getattr(knobs, group)
+        if hasattr(type(knobs_group), knob):
+            out[option] = getattr(knobs_group, knob)
+    return out
+
+
+def jit_specialize(fn, bound: Dict[str, object], launch_options: Dict[str, object], target):
+    """(source, options) that triton.compile takes for ``fn`` called with ``bound`` on ``target``: the steps
+    of JITFunction.run minus the device queries (Triton's own binder: ints equal to 1 become constants,
+    16-divisibility hints)."""
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(target)
+    kwargs = jit_run_options(fn, launch_options)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound_args, specialization, _ = binder(**bound, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound_args, specialization, kwargs)
+    source = gluon_ast_source() if fn.is_gluon() else ASTSource
+    return source(fn, signature, constexprs, attrs), options, signature
+
+
+def cuobjdump_path() -> str:
+    """The cuobjdump in Triton's wheel (reads a cubin's registers and stack)."""
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+# ------------------------------------------------------------------------------------------------
+# Launching (pytorch/attention/launch.py, kernel_launcher.py; jax/primitives/gpu.py).
+# ------------------------------------------------------------------------------------------------
+
+
+def allocator_is_set() -> bool:
+    """Whether this thread has a Triton allocator (global scratch for on-device TMA descriptors)."""
+    from triton.runtime import _allocation
+
+    return not isinstance(_allocation._allocator.get(), _allocation.NullAllocator)
+
+
+def current_device_and_stream() -> Tuple[int, int]:
+    """The current device and its current stream, as Triton's JIT reads them."""
+    from triton.runtime import driver
+
+    device = driver.active.get_current_device()
+    return device, driver.active.get_current_stream(device)
+
+
+def launch_hooks():
+    """Triton's launch enter and exit hooks (either may be None)."""
+    from triton import knobs
+
+    return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+
+
+def runtime_debug() -> bool:
+    """Triton's debug mode (TRITON_DEBUG)."""
+    from triton import knobs
+
+    return bool(knobs.runtime.debug)
+
+
+_LAUNCHER_ATTRS = ("_init_handles", "run", "function", "packed_metadata")
+
+
+def has_compiled_launcher(compiled) -> bool:
+    """Whether a compiled kernel has the launcher attributes kernel_launcher.py calls directly."""
+    return all(hasattr(compiled, a) for a in _LAUNCHER_ATTRS)
+
+
+def is_jit_function(obj) -> bool:
+    """Whether ``obj`` is a JIT kernel (not the interpreter's stand-in)."""
+    from triton.runtime.jit import JITFunction
+
+    return isinstance(obj, JITFunction)

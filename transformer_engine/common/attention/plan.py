@@ -504,6 +504,8 @@ def _warp_specialized(config: AttnConfig, arch: Optional[ArchTables], key: Tuple
         return None
     if not settings.get("NVTE_FUSED_ATTN_WS"):
         return None
+    if _gluon_unavailable_reason() is not None:
+        return None
     # The head dims must fill their tiles: the Gluon kernels mask no head-dim columns. A Q/K head dim
     # that splits fills two chunks (split_head_dim); d_v must then fill one.
     if arch.splits_qk(config):
@@ -513,6 +515,20 @@ def _warp_specialized(config: AttnConfig, arch: Optional[ArchTables], key: Tuple
     if config.head_dim_qk != config.head_dim_v or config.head_dim_qk != key[0]:
         return None
     return table.get(key)
+
+
+def _gluon_unavailable_reason() -> Optional[str]:
+    """Why the installed Triton cannot build the Gluon kernels (kernels/triton_compat.py), or None; the reason
+    is logged at WARNING once, and the plan keeps the Triton kernels, which every supported release builds."""
+    from transformer_engine.common.attention.kernels.triton_compat import gluon_unavailable_reason
+
+    reason = gluon_unavailable_reason()
+    if reason is not None:
+        from transformer_engine.common.log import warn_once
+
+        warn_once("plan:gluon_unavailable", "fused attention runs its Triton kernels where the plan would run the "
+                  f"warp-specialized Gluon ones (Hopper): {reason}")
+    return reason
 
 
 def backward_plan(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = None) -> BackwardPlan:

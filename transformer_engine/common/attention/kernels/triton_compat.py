@@ -43,7 +43,8 @@ __all__ = [
 SUPPORTED_RELEASES = ((3, 6), (3, 7), (3, 8), (3, 9))
 
 # Private (or unstable) Triton APIs the package relies on: dotted path -> where and why. A path
-# "module:attr.attr" names an attribute of a module's object (a class's method, a knob).
+# "module:attr.attr" names an attribute of a module's object (a class's method, a knob); "module:Class#attr"
+# an attribute of an instance (JITFunction's, of a one-parameter kernel).
 PRIVATE_APIS: Dict[str, str] = {
     # Ahead-of-time compiles (kernels/aot.py; the JAX CUDA lowering and the compile tests use them).
     "triton.compiler:ASTSource": "aot.py: the source of a Triton kernel for triton.compile",
@@ -67,9 +68,9 @@ PRIVATE_APIS: Dict[str, str] = {
     "triton:set_allocator": "launch.py: set the scratch allocator",
     # Kernels and launch descriptions.
     "triton.runtime.jit:JITFunction": "jax/primitives/gpu.py: a JIT kernel, not the interpreter's",
-    "triton.runtime.jit:JITFunction.arg_names": "launches.py, aot.py: a kernel's parameters, in order",
-    "triton.runtime.jit:JITFunction.params": "aot.py: the binder's parameter descriptions",
-    "triton.runtime.jit:JITFunction.signature": "aot.py: the binder's signature",
+    "triton.runtime.jit:JITFunction#arg_names": "launches.py, aot.py: a kernel's parameters, in order",
+    "triton.runtime.jit:JITFunction#params": "aot.py: the binder's parameter descriptions",
+    "triton.runtime.jit:JITFunction#signature": "aot.py: the binder's signature",
     "triton.language.random:philox": "kernels/scores.py: the dropout RNG's counter-based generator",
     "triton.language.random:uint_to_uniform_float": "kernels/scores.py: the dropout RNG's uniform floats",
     # Gluon (experimental in every supported release): kernels/hopper_ws.py.
@@ -110,12 +111,20 @@ def triton_version() -> Tuple[int, int]:
 
 
 def resolve(path: str):
-    """The object at ``path`` ("module:attr.attr"); raises ImportError or AttributeError when absent."""
+    """The object at ``path`` ("module:attr.attr" or "module:Class#attr"); raises ImportError or
+    AttributeError when absent."""
     module, _, attrs = path.partition(":")
+    attrs, _, instance_attr = attrs.partition("#")
     obj = importlib.import_module(module)
     for name in attrs.split(".") if attrs else ():
         obj = getattr(obj, name)
+    if instance_attr:
+        obj = getattr(obj(_probe_kernel), instance_attr)
     return obj
+
+
+def _probe_kernel(X):  # what resolve() wraps to read a JITFunction's instance attributes
+    pass
 
 
 def _first(name: str):
@@ -225,7 +234,7 @@ def jit_run_options(fn, launch_options: Dict[str, object]) -> Dict[str, object]:
     out["debug"] = out.get("debug", fn.debug) or knobs.runtime.debug
     for option, group, knob in _JIT_RUN_KNOBS:
         knobs_group = getattr(knobs, group)
-        if hasattr(type(knobs_group), knob):
+        if hasattr(knobs_group, knob):
             out[option] = getattr(knobs_group, knob)
     return out
 

@@ -267,14 +267,48 @@ def _check_tensors(q, k, v):
 
 
 def _pair(x, arg: str):
+    """``x`` as a ``(q, kv)`` pair of arrays. A tuple is a pair (TransformerEngine's rule); a list of
+    two arrays is read as a pair too, any other list (of numbers) as one array."""
     if x is None:
         return None
-    if isinstance(x, (tuple, list)):
+    is_pair = isinstance(x, tuple) or (isinstance(x, list) and any(np.ndim(a) > 0 for a in x))
+    if is_pair:
         if len(x) != 2:
             raise ValueError(f"`{arg}` must be an array or a (q, kv) pair of arrays, got {len(x)} items")
         return tuple(None if a is None else jnp.asarray(a) for a in x)
     x = jnp.asarray(x)
     return (x, x)
+
+
+# The smallest value each descriptor field may hold: -1 marks an unused slot of a THD
+# ``[b, segments]`` array (TransformerEngine's fill); lengths of ``[b]`` arrays are plain counts.
+_FIELD_MIN = {"seqlens": 0, "seq_offsets": -1, "segment_ids": 0, "segment_pos": 0}
+
+
+def _check_field(pair, arg: str):
+    """Eager check of a descriptor field: integer dtype, and (when concrete) no value below its
+    minimum, so that a negative length or id fails here, naming the argument, instead of reading
+    as an empty or shifted sequence later. Traced values (under ``jit``) are checked for dtype only."""
+    if pair is None:
+        return None
+    for side, x in enumerate(pair):
+        if x is None:
+            continue
+        name = arg if pair[0] is pair[1] else f"{arg}[{side}] ({'q' if side == 0 else 'kv'})"
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"`{name}` must be an integer array, got {x.dtype}")
+        if not _concrete(x) or x.size == 0:
+            continue
+        low = _FIELD_MIN[arg]
+        if arg == "seqlens" and x.ndim == 2:
+            low = -1
+        values = np.asarray(x)
+        if values.min() < low:
+            what = "non-negative" if low == 0 else "-1 (unused slot) or non-negative"
+            if arg == "seqlens" and low == 0:
+                what += " (-1 marks an unused slot only in a THD [b, segments] array)"
+            raise ValueError(f"`{name}` must be {what}, got {values.tolist()}")
+    return pair
 
 
 @jax.tree_util.register_pytree_node_class
@@ -308,15 +342,27 @@ class SequenceDescriptor:
 
     @classmethod
     def from_seqlens(cls, seqlens) -> "SequenceDescriptor":
-        return cls(seqlens=_pair(seqlens, "seqlens"))
+        return cls(seqlens=_check_field(_pair(seqlens, "seqlens"), "seqlens"))
 
     @classmethod
     def from_seqlens_and_offsets(cls, seqlens, seq_offsets) -> "SequenceDescriptor":
-        return cls(seqlens=_pair(seqlens, "seqlens"), seq_offsets=_pair(seq_offsets, "seq_offsets"))
+        return cls(seqlens=_check_field(_pair(seqlens, "seqlens"), "seqlens"),
+                   seq_offsets=_check_field(_pair(seq_offsets, "seq_offsets"), "seq_offsets"))
 
     @classmethod
-    def from_segment_ids_and_pos(cls, segment_ids, segment_pos=None) -> "SequenceDescriptor":
-        return cls(segment_ids=_pair(segment_ids, "segment_ids"), segment_pos=_pair(segment_pos, "segment_pos"))
+    def from_segment_ids_and_pos(cls, segment_ids, segment_pos=None, *, is_thd: Optional[bool] = None,
+                                 is_segment_ids_reordered: Optional[bool] = None) -> "SequenceDescriptor":
+        """``is_thd`` and ``is_segment_ids_reordered`` are TransformerEngine's keywords (its newer
+        releases require them): they only say how positions would be generated when ``segment_pos``
+        is None, and load-balanced (reordered) THD ids need explicit positions."""
+        for name, flag in (("is_thd", is_thd), ("is_segment_ids_reordered", is_segment_ids_reordered)):
+            if flag is not None and not isinstance(flag, (bool, np.bool_)):
+                raise ValueError(f"`{name}` must be a bool or None, got {flag!r}")
+        if segment_pos is None and is_thd and is_segment_ids_reordered:
+            raise ValueError("`segment_pos` must be given for load-balanced (reordered) THD segment ids, got None "
+                             "(reorder the positions with reorder_causal_load_balancing as the ids were)")
+        return cls(segment_ids=_check_field(_pair(segment_ids, "segment_ids"), "segment_ids"),
+                   segment_pos=_check_field(_pair(segment_pos, "segment_pos"), "segment_pos"))
 
     def to_seq_info(self, batch: int, s_q: int, s_kv: int, is_thd: bool, max_segments_per_seq: int) -> SeqInfo:
         """Canonical per-row segments (see :mod:`transformer_engine.jax.attention_math`)."""
@@ -526,8 +572,13 @@ def mask_to_sequence_descriptor(mask, attn_mask_type) -> "SequenceDescriptor":
     TransformerEngine reads it: the query length is the number of queries that see key 0, the
     key/value length the number of keys row 0 sees (the most keys any row sees, for causal masks)."""
     mask = jnp.asarray(mask)
-    if mask.ndim != 4 or mask.shape[1] != 1:
-        raise ValueError(f"`sequence_descriptor` as a mask must be [b, 1, s_q, s_kv], got shape {mask.shape}")
+    # TransformerEngine reads any [b, 1, ..., 1, s_q, s_kv] mask (its sums index the last two
+    # axes); MaxText passes [b, 1, 1, s_q, s_kv]. Size-1 axes between batch and (s_q, s_kv) are dropped.
+    if mask.ndim < 4 or any(n != 1 for n in mask.shape[1:-2]):
+        raise ValueError(
+            f"`sequence_descriptor` as a mask must be [b, 1, s_q, s_kv] (or [b, 1, ..., 1, s_q, s_kv]), got shape "
+            f"{mask.shape}")
+    mask = mask.reshape(mask.shape[0], 1, *mask.shape[-2:])
     kind = _enum(AttnMaskType, attn_mask_type, "attn_mask_type")
     real = jnp.logical_not(mask.astype(bool))
     q_lens = jnp.sum(real, axis=-2, dtype=jnp.int32)[:, 0, 0]
@@ -639,6 +690,8 @@ def _parse_call(
             raise ValueError(
                 f"`sequence_descriptor` must be a SequenceDescriptor, got {type(sequence_descriptor).__name__}"
             )
+        if cp is not None and fmt == _common.QKVFormat.THD:
+            sequence_descriptor = context_parallel.descriptor_in_global_order(sequence_descriptor, cp)
         seq = sequence_descriptor.to_seq_info(b, s_q, s_kv, fmt == _common.QKVFormat.THD, max_segments_per_seq)
         _check_seq_values(sequence_descriptor, seq, s_q, s_kv, max_segments_per_seq)
     else:
@@ -716,7 +769,7 @@ def _run(call: _Call, backend) -> jax.Array:
     """``call`` on ``backend`` (one of ``_CANDIDATES``); with a context-parallel axis, the fused
     primitives under context parallelism (on CPU their jnp lowering)."""
     if call.cp is not None:
-        out = context_parallel.context_parallel_attention(call.q, call.k, call.v, call.static, call.cp)
+        out = context_parallel.context_parallel_attention(call.q, call.k, call.v, call.static, call.cp, call.seq)
         return _to_bshd(checkpoint_name(out, call.static.checkpoint_name), call.qkv_format)
     return _to_bshd(backend.run(call), call.qkv_format)  # SBHD: swap back
 

@@ -64,12 +64,13 @@ from transformer_engine.common.attention import enums as _common
 from transformer_engine.common.attention.enums import BackwardGrads
 from transformer_engine.jax.attention_math import SeqInfo, full_seq_info
 from transformer_engine.jax.enums import CPStrategy, ReorderStrategy
-from transformer_engine.jax.load_balancing import inverse_reorder_causal_load_balancing
+from transformer_engine.jax.load_balancing import (inverse_reorder_causal_load_balancing,
+                                                     reorder_causal_load_balancing)
 from transformer_engine.jax.primitives.attention import FusedAttnStatic, fused_attn_bwd, fused_attn_fwd
 from transformer_engine.jax.sharding import batch_axes, global_mesh_resource, head_axes
 
 __all__ = ["ContextParallel", "resolve_context_parallel", "check_context_parallel_supported",
-           "context_parallel_attention", "make_plan", "rank_forward", "rank_backward"]
+           "context_parallel_attention", "descriptor_in_global_order", "make_plan", "rank_forward", "rank_backward"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,17 @@ class ContextParallel:
     size: int
     strategy: CPStrategy  # ALL_GATHER or RING (DEFAULT resolved)
     load_balanced: bool
+    stripe_size: Optional[int] = None  # THD's Striped order (None: 1); BSHD/SBHD use DualChunkSwap
+
+    def reorder(self, thd: bool) -> Optional[ReorderStrategy]:
+        """The order the tokens arrive in: None (contiguous chunks), DualChunkSwap or Striped (THD)."""
+        if not self.load_balanced:
+            return None
+        return ReorderStrategy.Striped if thd else ReorderStrategy.DualChunkSwap
+
+    @property
+    def stripe(self) -> int:
+        return 1 if self.stripe_size is None else int(self.stripe_size)
 
 
 # ================================================================================================
@@ -122,11 +134,9 @@ def resolve_context_parallel(strategy, load_balanced, axis, stripe_size) -> Opti
         raise ValueError(f"`context_parallel_axis` must be a mesh axis name (str, '' for none), got {axis!r}")
     if not isinstance(load_balanced, (bool, np.bool_)):
         raise ValueError(f"`context_parallel_causal_load_balanced` must be a bool, got {load_balanced!r}")
-    if stripe_size is not None:
-        raise NotImplementedError(
-            f"`stripe_size` must be None in transformer_engine.jax, got {stripe_size!r} (striped context "
-            "parallelism, TransformerEngine-JAX's THD load balancing, is not implemented)"
-        )
+    if stripe_size is not None and (not isinstance(stripe_size, (int, np.integer)) or isinstance(stripe_size, bool)
+                                    or stripe_size < 1):
+        raise ValueError(f"`stripe_size` must be None or a positive int, got {stripe_size!r}")
     if not axis:
         axis = global_mesh_resource().cp_resource or ""
     size = mesh_axis_size(axis) if axis else 1
@@ -134,7 +144,8 @@ def resolve_context_parallel(strategy, load_balanced, axis, stripe_size) -> Opti
         return None  # with one rank the load-balancing order is the identity: nothing to do
     if strategy == CPStrategy.DEFAULT:
         strategy = CPStrategy.ALL_GATHER
-    return ContextParallel(axis=axis, size=size, strategy=strategy, load_balanced=bool(load_balanced))
+    return ContextParallel(axis=axis, size=size, strategy=strategy, load_balanced=bool(load_balanced),
+                           stripe_size=None if stripe_size is None else int(stripe_size))
 
 
 def check_context_parallel_supported(cp: ContextParallel, *, layout, mask, bias_type, dropout, is_training,
@@ -143,9 +154,12 @@ def check_context_parallel_supported(cp: ContextParallel, *, layout, mask, bias_
     the sequence lengths the call sees (local chunks when ``local``)."""
     where = f"with context parallelism over mesh axis {cp.axis!r} of size {cp.size}"
     if layout.qkv_format == _common.QKVFormat.THD:
-        raise NotImplementedError(
-            f"`qkv_layout` must be a BSHD or SBHD layout {where}, got {layout.value!r} (THD context parallelism "
-            "needs striped load balancing, `stripe_size`, which is not implemented)")
+        _check_thd_supported(cp, where, bias_type=bias_type, dropout=dropout, is_training=is_training,
+                             softmax_type=softmax_type, s_q=s_q, s_kv=s_kv, local=local)
+        return
+    if cp.stripe_size is not None:
+        raise ValueError(f"`stripe_size` must be None with qkv_layout={layout.value!r} {where} (it sets the "
+                         f"Striped order of THD layouts; BSHD/SBHD use DualChunkSwap), got {cp.stripe_size}")
     if mask not in (_common.AttnMaskType.NO_MASK, _common.AttnMaskType.CAUSAL_MASK):
         raise NotImplementedError(f"`attn_mask_type` must be 'no_mask' or 'causal' {where}, got {mask.value!r}")
     if bias_type != _common.AttnBiasType.NO_BIAS:
@@ -171,12 +185,57 @@ def check_context_parallel_supported(cp: ContextParallel, *, layout, mask, bias_
             raise ValueError(f"`qkv` sequence length ({name}) must be a multiple of {why} {where}, got {total}")
 
 
+def _check_thd_supported(cp: ContextParallel, where: str, *, bias_type, dropout, is_training, softmax_type, s_q,
+                         s_kv, local: bool) -> None:
+    if local:
+        raise NotImplementedError(
+            f"`qkv_layout` must be a BSHD or SBHD layout inside shard_map {where} (THD context parallelism runs "
+            "from jit with the mesh set, where the segment ids are global)")
+    if bias_type != _common.AttnBiasType.NO_BIAS:
+        raise NotImplementedError(f"`attn_bias_type` must be 'no_bias' {where}, got {bias_type.value!r}")
+    if dropout > 0.0 and is_training:
+        raise NotImplementedError(f"`dropout_probability` must be 0 {where}, got {dropout}")
+    if softmax_type != _common.AttnSoftmaxType.VANILLA_SOFTMAX:
+        raise NotImplementedError(f"`softmax_type` must be 'vanilla' {where}, got {softmax_type.value!r}")
+    if s_q != s_kv:
+        raise NotImplementedError(f"`qkv` must have as many query as key tokens per row with THD {where}, got "
+                                  f"s_q={s_q}, s_kv={s_kv}")
+    unit = cp.size * cp.stripe if cp.load_balanced else cp.size
+    if s_q % unit:
+        why = (f"cp_size * stripe_size = {unit} (Striped order)" if cp.load_balanced else f"cp_size = {unit}")
+        raise ValueError(f"`qkv` sequence length must be a multiple of {why} {where}, got {s_q}")
+
+
+def descriptor_in_global_order(descriptor, cp: ContextParallel):
+    """A THD call's SequenceDescriptor with its segment ids and positions put back in token order.
+
+    Load-balanced THD inputs arrive in the Striped order (``reorder_causal_load_balancing(x,
+    ReorderStrategy.Striped, cp, 1, stripe_size)`` applied to q, k, v, segment ids and positions
+    alike); the segments are runs of the original order. Lengths and offsets
+    (``from_seqlens_and_offsets``) hold no token order: they describe the original sequence."""
+    if not cp.load_balanced or descriptor.segment_ids is None:
+        return descriptor
+    s = descriptor.segment_ids[0].shape[-1]
+    if s % (cp.size * cp.stripe):
+        raise ValueError(f"`segment_ids` length must be a multiple of cp_size * stripe_size = {cp.size * cp.stripe} "
+                         f"(Striped order, mesh axis {cp.axis!r}), got {s}")
+
+    def back(pair):
+        if pair is None:
+            return None
+        return tuple(None if x is None else inverse_reorder_causal_load_balancing(
+            x, ReorderStrategy.Striped, cp.size, 1, cp.stripe) for x in pair)
+
+    return dataclasses.replace(descriptor, segment_ids=back(descriptor.segment_ids),
+                               segment_pos=back(descriptor.segment_pos))
+
+
 # ================================================================================================
 # Collectives: gather along the sequence, in global token order
 # ================================================================================================
 
 
-def _gather(x, cp: ContextParallel, seq_axis: int):
+def _gather(x, cp: ContextParallel, seq_axis: int, thd: bool = False):
     """The full sequence of ``x`` (local chunks along ``seq_axis``) on every rank, in global order."""
     if cp.strategy == CPStrategy.RING:
         # cp - 1 ring steps; after step t this rank holds the block of rank (r - t) mod cp.
@@ -195,9 +254,20 @@ def _gather(x, cp: ContextParallel, seq_axis: int):
         full = ranked.reshape(shape)
     else:
         full = jax.lax.all_gather(x, cp.axis, axis=seq_axis, tiled=True)
-    if cp.load_balanced:
-        full = inverse_reorder_causal_load_balancing(full, ReorderStrategy.DualChunkSwap, cp.size, seq_axis)
+    reorder = cp.reorder(thd)
+    if reorder is not None:
+        full = inverse_reorder_causal_load_balancing(full, reorder, cp.size, seq_axis,
+                                                     cp.stripe if thd else None)
     return full
+
+
+def _own_rows(x, cp: ContextParallel, seq_axis: int, thd: bool):
+    """This rank's rows of a global-order ``x``: the inverse of :func:`_gather`."""
+    reorder = cp.reorder(thd)
+    if reorder is not None:
+        x = reorder_causal_load_balancing(x, reorder, cp.size, seq_axis, cp.stripe if thd else None)
+    n = x.shape[seq_axis] // cp.size
+    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(cp.axis) * n, n, axis=seq_axis)
 
 
 # ================================================================================================
@@ -349,6 +419,48 @@ _cp_attention.defvjp(_cp_attention_fwd, _cp_attention_bwd)
 
 
 # ================================================================================================
+# THD (packed rows): every rank runs the single-device kernels on the gathered rows
+# ================================================================================================
+#
+# The rows of a THD call pack several sequences whose boundaries fall anywhere, and in the Striped
+# order a rank's rows are every cp-th stripe of them: not a contiguous query block the kernels could
+# start from. Each rank therefore gathers q, k, v (and for the backward out, the log-sum-exp and the
+# output gradient) in global order and runs the single-device forward and backward on the whole
+# rows, keeping its own rows of the results. Each result is then computed by the very program the
+# cp = 1 call runs, on the same operands: bitwise the same for any cp. The cost is the single
+# call's compute and memory on every rank (no speed-up from cp), for THD only.
+
+
+def _thd_forward(cp: ContextParallel, static: FusedAttnStatic, q, k, v, seq: SeqInfo):
+    q_all, k_all, v_all = (_gather(x, cp, 1, thd=True) for x in (q, k, v))
+    bias, seeds = _placeholders(q_all)
+    out, lse = fused_attn_fwd(q_all, k_all, v_all, bias, seq, seeds, static)
+    return _own_rows(out, cp, 1, True), _own_rows(lse, cp, 3, True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _thd_cp_attention(cp, static, q, k, v, seq):
+    return _thd_forward(cp, static, q, k, v, seq)[0]
+
+
+def _thd_cp_attention_fwd(cp, static, q, k, v, seq):
+    out, lse = _thd_forward(cp, static, q, k, v, seq)
+    return out, (q, k, v, out, lse, seq)
+
+
+def _thd_cp_attention_bwd(cp, static, residuals, dout):
+    q, k, v, out, lse, seq = residuals
+    q_all, k_all, v_all, out_all, dout_all = (_gather(x, cp, 1, thd=True) for x in (q, k, v, out, dout))
+    lse_all = _gather(lse, cp, 3, thd=True)
+    bias, seeds = _placeholders(q_all)
+    dq, dk, dv, _, _ = fused_attn_bwd(q_all, k_all, v_all, bias, out_all, dout_all, lse_all, seq, seeds, static)
+    return tuple(_own_rows(x, cp, 1, True) for x in (dq, dk, dv)) + (None,)
+
+
+_thd_cp_attention.defvjp(_thd_cp_attention_fwd, _thd_cp_attention_bwd)
+
+
+# ================================================================================================
 # Entry point
 # ================================================================================================
 
@@ -364,9 +476,11 @@ def _divisible_axes(axes: Tuple[str, ...], mesh, *sizes: int):
     return axes if len(axes) > 1 else axes[0]
 
 
-def context_parallel_attention(q, k, v, static: FusedAttnStatic, cp: ContextParallel):
+def context_parallel_attention(q, k, v, static: FusedAttnStatic, cp: ContextParallel, seq: Optional[SeqInfo] = None):
     """Attention of canonical BSHD ``q``, ``k``, ``v`` with the sequence split over ``cp.axis``
-    (global arrays under ``jit``, or the local chunks inside a ``shard_map`` where the axis is manual)."""
+    (global arrays under ``jit``, or the local chunks inside a ``shard_map`` where the axis is manual).
+    ``seq``: the segments of a THD call, in global token order (see :func:`descriptor_in_global_order`)."""
+    thd = static.qkv_format == _common.QKVFormat.THD
     plan = make_plan(static, cp)
     if cp.axis in _manual_axes():
         return _cp_attention(plan, q, k, v)
@@ -375,6 +489,11 @@ def context_parallel_attention(q, k, v, static: FusedAttnStatic, cp: ContextPara
     batch = _divisible_axes(batch_axes(resource), mesh, q.shape[0])
     heads = _divisible_axes(head_axes(resource), mesh, q.shape[2], k.shape[2])
     spec = PartitionSpec(batch, cp.axis, heads, None)
+    if thd:
+        seq_spec = SeqInfo(*(PartitionSpec(batch, None) for _ in seq))
+        run = jax.shard_map(functools.partial(_thd_cp_attention, cp, static), mesh=mesh,
+                            in_specs=(spec, spec, spec, seq_spec), out_specs=spec)
+        return run(q, k, v, SeqInfo(*(x.astype(jnp.int32) for x in seq)))
     run = jax.shard_map(functools.partial(_cp_attention, plan), mesh=mesh, in_specs=(spec, spec, spec),
                         out_specs=spec)
     return run(q, k, v)

@@ -8,6 +8,7 @@ from typing import Any, Callable, Mapping, Optional, Tuple, Union
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, QKVFormat, QKVLayout
 from transformer_engine.common.log import get_logger, warn_once
@@ -36,6 +37,30 @@ def _cp_strategy(value) -> CPStrategy:
             f"`context_parallel_strategy` must be one of {', '.join(_CP_STRATEGIES)} (any case), got {value!r}"
         )
     return _CP_STRATEGIES[key]
+
+
+def _descriptor_for_init(descriptor, batch: int):
+    """The descriptor (or mask) for an initializing call with ``batch`` rows of queries.
+
+    Initialization only creates the parameters (``softmax_offset``), whose values do not depend on
+    the call's data. Callers initialize on dummy inputs of batch 1 with the descriptor of the real
+    batch (MaxText's ``lazy_init`` of this module does); TransformerEngine runs that call, reading
+    the descriptor's first rows. So does this: a descriptor with more rows than the queries is cut to
+    its first ``batch`` rows. Outside initialization a batch mismatch is an error (``fused_attn``
+    raises it, naming the argument)."""
+    if descriptor is None:
+        return None
+
+    def rows(x):
+        if x is None or getattr(x, "ndim", 0) == 0 or x.shape[0] <= batch:
+            return x
+        return x[:batch]
+
+    if isinstance(descriptor, SequenceDescriptor):
+        return jax.tree_util.tree_map(rows, descriptor)
+    if isinstance(descriptor, (jax.Array, np.ndarray)):
+        return rows(descriptor)
+    return descriptor
 
 
 class DotProductAttention(nn.Module):
@@ -82,7 +107,10 @@ class DotProductAttention(nn.Module):
     mask=None)``: ``sequence_descriptor`` is a ``SequenceDescriptor``, or a padding mask
     ``[b, 1, s_q, s_kv]`` with True (1) where attention is masked out (``mask`` is its deprecated
     name, as in TransformerEngine); ``deterministic=True`` disables dropout (Flax's meaning;
-    bitwise reproducibility is ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``). Returns
+    bitwise reproducibility is ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``). A mask may also be
+    ``[b, 1, ..., 1, s_q, s_kv]`` (MaxText passes ``[b, 1, 1, s_q, s_kv]``). While the module
+    initializes (``init``, ``lazy_init``), a descriptor with more rows than the queries is read by
+    its first rows, as TransformerEngine does. Returns
     ``[b, s_q, num_attention_heads, d_v]``.
     """
 
@@ -171,6 +199,9 @@ class DotProductAttention(nn.Module):
         qkv = self._qkv(layout, query, key, value)
         self._check_heads(layout, qkv)
         self._check_dtype(qkv[0])
+        if self.is_initializing():
+            batch = qkv[0].shape[1 if self.transpose_batch_sequence else 0]
+            sequence_descriptor = _descriptor_for_init(sequence_descriptor, batch)
         if self.attn_bias_type is None:
             bias_type = AttnBiasType.NO_BIAS if bias is None else AttnBiasType.POST_SCALE_BIAS
         else:

@@ -95,7 +95,8 @@ def test_build_reads_nvte_framework_through_settings(monkeypatch):
 def test_version_matches_the_package():
     import transformer_engine
 
-    assert te_version(ROOT) == transformer_engine.__version__
+    assert te_version(ROOT) == transformer_engine.package_version
+    assert transformer_engine.__version__ == f"{transformer_engine.te_api_level}+da{transformer_engine.package_version}"
 
 
 def test_every_frontend_is_packaged():

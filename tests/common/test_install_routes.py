@@ -70,7 +70,7 @@ _PROBE = textwrap.dedent(
     print(json.dumps({
         "prefix": sys.prefix,
         "file": transformer_engine.__file__,
-        "version": transformer_engine.__version__,
+        "version": transformer_engine.package_version,
         "dist_location": str(dist.locate_file("")),
         "requires": dist.requires or [],
         "installed": seen,

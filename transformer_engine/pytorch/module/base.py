@@ -1,0 +1,142 @@
+"""What the linear and normalization modules share: constructor checks, parameter creation, init.
+
+The modules take TransformerEngine's constructor arguments. Those that only matter to features
+this package does not have (FP8, userbuffer communication overlap, fused weight-gradient
+accumulation, delayed weight gradients, symmetric-memory all-reduce) are accepted at their "off"
+value and refused with NotImplementedError otherwise, so a caller never gets a silently
+different computation.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from transformer_engine.pytorch.module._parallel import group_size
+
+_PARALLEL_MODES = (None, "column", "row")
+_NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+# TransformerEngine's default weight init: normal with this std.
+_DEFAULT_INIT_STD = 0.023
+
+
+def default_init_method(weight: torch.Tensor) -> None:
+    """Normal(0, 0.023), TransformerEngine's default for linear weights."""
+    torch.nn.init.normal_(weight, mean=0.0, std=_DEFAULT_INIT_STD)
+
+
+def resolve_device(device: Union[str, int, torch.device, None]) -> torch.device:
+    """TransformerEngine's ``device`` argument (default "cuda"; an int is a CUDA index) as a torch.device."""
+    if device is None:
+        device = "cuda"
+    if isinstance(device, int):
+        device = torch.device("cuda", device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"`device` must be a torch device, a device string or a CUDA index, got {device!r}") from err
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"`device` must be an available device, got {device} but CUDA is not available "
+                         "(pass device='cpu')")
+    return device
+
+
+def resolve_dtype(params_dtype: Optional[torch.dtype]) -> torch.dtype:
+    if params_dtype is None:
+        return torch.get_default_dtype()
+    if not isinstance(params_dtype, torch.dtype) or not params_dtype.is_floating_point:
+        raise ValueError(f"`params_dtype` must be a floating torch.dtype, got {params_dtype!r}")
+    return params_dtype
+
+
+def refuse_unsupported(owner: str, **flags: Any) -> None:
+    """NotImplementedError for any TransformerEngine-only feature switched on."""
+    reasons = {
+        "fuse_wgrad_accumulation": "weight gradients are returned in .grad (Megatron: gradient_accumulation_fusion=False)",
+        "delay_wgrad_compute": "weight gradients are computed in the backward pass",
+        "symmetric_ar_type": "all-reduces go through torch.distributed",
+        "parameters_split": "the weight is one parameter",
+        "fp8_output": "there is no FP8 here",
+        "fp8_grad": "there is no FP8 here",
+    }
+    for name, value in flags.items():
+        if name.startswith("ub_"):
+            if value:
+                raise NotImplementedError(f"{owner}: `{name}=True` (userbuffer communication overlap) is not "
+                                          "implemented; collectives run through torch.distributed")
+            continue
+        if value not in (None, False):
+            raise NotImplementedError(f"{owner}: `{name}={value!r}` is not implemented: {reasons[name]}")
+
+
+def check_parallel_mode(owner: str, parallel_mode: Optional[str], allowed=_PARALLEL_MODES) -> None:
+    if parallel_mode not in allowed:
+        raise ValueError(f"{owner}: `parallel_mode` must be one of {allowed}, got {parallel_mode!r}")
+
+
+def check_normalization(owner: str, normalization: str) -> None:
+    if normalization not in _NORMALIZATIONS:
+        raise ValueError(f"{owner}: `normalization` must be one of {_NORMALIZATIONS}, got {normalization!r}")
+
+
+def divide(total: int, parts: int, name: str) -> int:
+    if total % parts:
+        raise ValueError(f"`{name}` ({total}) must be divisible by the tensor-parallel size {parts}")
+    return total // parts
+
+
+def set_tensor_parallel_attributes(param: torch.nn.Parameter, partition_dim: int) -> None:
+    """The attributes Megatron reads from a tensor-parallel shard (gradient norm, checkpointing)."""
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim
+    param.partition_stride = 1
+
+
+class TransformerEngineBaseModule(torch.nn.Module):
+    """Base of the linear modules: tensor-parallel group, RNG-tracked initialization."""
+
+    def _setup_tensor_parallel(self, tp_group: Optional[Any], tp_size: int) -> None:
+        if tp_group is not None:
+            tp_size = group_size(tp_group)
+        if not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"`tp_size` must be a positive int, got {tp_size!r}")
+        self.tp_group = tp_group
+        self.tp_size = tp_size
+
+    def set_tensor_parallel_group(self, tp_group: Optional[Any]) -> None:
+        """Set the group after construction (Megatron builds modules before torch.distributed starts)."""
+        if tp_group is not None and group_size(tp_group) != self.tp_size:
+            raise ValueError(f"`tp_group` must have tp_size={self.tp_size} ranks, got {group_size(tp_group)}")
+        self.tp_group = tp_group
+
+    def _group_for_forward(self) -> Optional[Any]:
+        if self.tp_size > 1 and self.parallel_mode is not None and self.tp_group is None:
+            raise RuntimeError(f"{type(self).__name__} was built with tp_size={self.tp_size} but no tp_group; "
+                               "call set_tensor_parallel_group(group) before forward")
+        return self.tp_group if self.parallel_mode is not None else None
+
+    def _new_parameter(self, shape, device: torch.device, dtype: torch.dtype) -> torch.nn.Parameter:
+        return torch.nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+
+    def _init_weight(self, weight: torch.nn.Parameter, init_method: Optional[Callable],
+                     get_rng_state_tracker: Optional[Callable], rng_tracker_name: Optional[str]) -> None:
+        """init_method on this rank's shard, inside the tracked RNG state when a tracker is given."""
+        if weight.device.type == "meta":
+            return
+        init_method = default_init_method if init_method is None else init_method
+        with torch.no_grad():
+            if get_rng_state_tracker is None:
+                init_method(weight)
+            else:
+                tracker = get_rng_state_tracker()
+                fork = tracker.fork() if rng_tracker_name is None else tracker.fork(rng_tracker_name)
+                with fork:
+                    init_method(weight)
+
+    @staticmethod
+    def _check_forward_flags(owner: str, is_first_microbatch: Optional[bool], fp8_output: bool, fp8_grad: bool) -> None:
+        # is_first_microbatch is a caching hint for FP8 weight casts; with no FP8 it changes nothing.
+        if is_first_microbatch not in (None, True, False):
+            raise ValueError(f"`is_first_microbatch` must be None or a bool, got {is_first_microbatch!r}")
+        refuse_unsupported(owner, fp8_output=fp8_output, fp8_grad=fp8_grad)

@@ -1,0 +1,141 @@
+"""Linear with TransformerEngine's arguments, tensor parallel through torch.distributed.
+
+``parallel_mode="column"``: the weight is split along its output dim; the input is the whole
+sequence (all-gathered first when ``sequence_parallel``), the output stays split. ``"row"``: the
+weight is split along its input dim; partial products are all-reduced (reduce-scattered along
+the sequence dim when ``sequence_parallel``) and the bias is added once, after the reduction.
+``None``: no communication.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from transformer_engine.pytorch.module import _parallel
+from transformer_engine.pytorch.module.base import (
+    TransformerEngineBaseModule,
+    check_parallel_mode,
+    divide,
+    refuse_unsupported,
+    resolve_device,
+    resolve_dtype,
+    set_tensor_parallel_attributes,
+)
+
+
+def parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], parallel_mode: Optional[str],
+                    group: Optional[Any], sequence_parallel: bool, return_bias: bool):
+    """The GEMM and its collectives; returns (out, bias to return or None)."""
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"input's last dim must be in_features={weight.shape[1]} (this rank's), got shape {tuple(x.shape)}")
+    weight = weight if weight.dtype == x.dtype else weight.to(x.dtype)
+    if parallel_mode == "column":
+        x = _parallel.column_input(x, group, sequence_parallel)
+    out = torch.nn.functional.linear(x, weight)
+    if parallel_mode == "row":
+        out = _parallel.row_output(out, group, sequence_parallel)
+    if bias is not None:
+        bias = bias if bias.dtype == out.dtype else bias.to(out.dtype)
+    if return_bias:
+        return out, bias
+    if bias is not None:
+        out = out + bias
+    return out, None
+
+
+class Linear(TransformerEngineBaseModule):
+    """``y = x W^T + b`` with TransformerEngine's constructor and forward signatures.
+
+    Attributes ``in_features``/``out_features`` are this rank's (split by ``tp_size`` in the
+    parallel dim), as TransformerEngine's are. ``return_bias=True`` returns ``(out, bias)`` with the
+    bias not added (an empty tensor when ``bias=False``), for the caller to fuse into what follows.
+    ``init_method`` runs on this rank's weight shard, inside ``get_rng_state_tracker().fork(
+    rng_tracker_name)`` when a tracker is given; the bias starts at zero.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        sequence_parallel: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        tp_group: Optional[Any] = None,
+        tp_size: int = 1,
+        get_rng_state_tracker: Optional[Callable] = None,
+        rng_tracker_name: Optional[str] = None,
+        init_method: Optional[Callable] = None,
+        bias: bool = True,
+        return_bias: bool = False,
+        params_dtype: Optional[torch.dtype] = None,
+        parallel_mode: Optional[str] = None,
+        parameters_split: Optional[Any] = None,
+        device: Union[str, int, torch.device, None] = "cuda",
+        ub_overlap_ag: bool = False,
+        ub_overlap_rs: bool = False,
+        ub_overlap_rs_dgrad: bool = False,
+        ub_bulk_dgrad: bool = False,
+        ub_bulk_wgrad: bool = False,
+        ub_name: Optional[str] = None,
+        delay_wgrad_compute: bool = False,
+        symmetric_ar_type: Optional[str] = None,
+        save_original_input: bool = False,
+        name: Optional[str] = None,
+    ) -> None:
+        super().__init__()
+        owner = type(self).__name__
+        refuse_unsupported(owner, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+                           delay_wgrad_compute=delay_wgrad_compute, symmetric_ar_type=symmetric_ar_type,
+                           parameters_split=parameters_split, ub_overlap_ag=ub_overlap_ag,
+                           ub_overlap_rs=ub_overlap_rs, ub_overlap_rs_dgrad=ub_overlap_rs_dgrad,
+                           ub_bulk_dgrad=ub_bulk_dgrad, ub_bulk_wgrad=ub_bulk_wgrad)
+        check_parallel_mode(owner, parallel_mode)
+        for arg, value in (("in_features", in_features), ("out_features", out_features)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"`{arg}` must be a positive int, got {value!r}")
+        self._setup_tensor_parallel(tp_group, tp_size)
+        self.parallel_mode = parallel_mode
+        self.sequence_parallel = bool(sequence_parallel)
+        self.use_bias = bool(bias)
+        self.return_bias = bool(return_bias)
+        self.ub_name = ub_name
+        self.name = name
+        # Always true in effect: the input kept for backward is the input given.
+        self.save_original_input = save_original_input
+        self.in_features = divide(in_features, self.tp_size, "in_features") if parallel_mode == "row" else in_features
+        self.out_features = (divide(out_features, self.tp_size, "out_features") if parallel_mode == "column"
+                             else out_features)
+        device, dtype = resolve_device(device), resolve_dtype(params_dtype)
+        self.weight = self._new_parameter((self.out_features, self.in_features), device, dtype)
+        self.bias = self._new_parameter((self.out_features,), device, dtype) if self.use_bias else None
+        if self.bias is None:
+            self.register_parameter("bias", None)
+        if parallel_mode is not None and self.tp_size > 1:
+            set_tensor_parallel_attributes(self.weight, 0 if parallel_mode == "column" else 1)
+            if self.bias is not None and parallel_mode == "column":
+                set_tensor_parallel_attributes(self.bias, 0)
+        if self.bias is not None and parallel_mode == "row":
+            # Replicated bias added after a reduce-scatter: its gradient is a per-rank partial sum.
+            self.bias.sequence_parallel = self.sequence_parallel
+        self._init_args = (init_method, get_rng_state_tracker, rng_tracker_name)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        self._init_weight(self.weight, *self._init_args)
+        if self.bias is not None and self.bias.device.type != "meta":
+            with torch.no_grad():
+                self.bias.zero_()
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, fp8_output: bool = False,
+                fp8_grad: bool = False):
+        self._check_forward_flags(type(self).__name__, is_first_microbatch, fp8_output, fp8_grad)
+        out, bias = parallel_linear(inp, self.weight, self.bias, self.parallel_mode, self._group_for_forward(),
+                                    self.sequence_parallel, self.return_bias)
+        if not self.return_bias:
+            return out
+        return out, (bias if bias is not None else torch.empty(0, dtype=out.dtype, device=out.device))
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.use_bias}, "
+                f"parallel_mode={self.parallel_mode}, tp_size={self.tp_size}")

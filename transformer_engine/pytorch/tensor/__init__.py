@@ -1,0 +1,21 @@
+"""Quantized tensor types, as TransformerEngine's ``pytorch.tensor`` names them.
+
+No quantized tensor is ever created here (there is no FP8 or FP4). ``QuantizedTensor`` exists so
+that clients' ``isinstance(param, QuantizedTensor)`` checks run and answer False; constructing
+one raises NotImplementedError.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class QuantizedTensor(torch.Tensor):
+    """Base of TransformerEngine's FP8/FP4 tensors; never instantiated here."""
+
+    def __new__(cls, *args, **kwargs):
+        raise NotImplementedError("QuantizedTensor: quantized (FP8/FP4) tensors are not implemented by the "
+                                  "deterministic-attention package")
+
+
+__all__ = ["QuantizedTensor"]

@@ -160,7 +160,7 @@ def test_logger_propagates_to_the_application(monkeypatch):
     assert collect.messages == ["routed warning", "routed info"]
 
 
-def test_application_level_is_kept_without_nvte_debug(monkeypatch):
+def test_application_level_is_kept_with_or_without_nvte_debug(monkeypatch):
     monkeypatch.delenv("NVTE_DEBUG", raising=False)
     logger = log.get_logger()
     try:
@@ -168,11 +168,39 @@ def test_application_level_is_kept_without_nvte_debug(monkeypatch):
         assert log.get_logger().level == logging.ERROR
         monkeypatch.setenv("NVTE_DEBUG", "1")
         monkeypatch.setenv("NVTE_DEBUG_LEVEL", "2")
-        assert log.get_logger().level == logging.DEBUG  # NVTE_DEBUG wins while set
-    finally:
+        assert log.get_logger().level == logging.ERROR  # the application's level wins over NVTE_DEBUG
         monkeypatch.delenv("NVTE_DEBUG")
-        logger.setLevel(logging.NOTSET)
+        assert log.get_logger().level == logging.ERROR
+    finally:
+        logger.setLevel(logging.NOTSET)  # NOTSET hands the level back to NVTE_DEBUG
         assert log.get_logger().level == logging.WARNING
+
+
+@pytest.mark.parametrize("debug", [None, "1"])
+@pytest.mark.parametrize("app_level", [logging.DEBUG, logging.INFO, logging.ERROR])
+def test_application_level_survives_repeated_log_calls(monkeypatch, debug, app_level):
+    """A level the application sets before the package logs is kept at every later call: the first
+    call used to record it as the package's own, and the second reset it to WARNING."""
+    monkeypatch.delenv("NVTE_DEBUG", raising=False)
+    log.get_logger()  # the package has logged before the application configures logging
+    if debug is not None:
+        monkeypatch.setenv("NVTE_DEBUG", debug)
+        monkeypatch.setenv("NVTE_DEBUG_LEVEL", "1")
+    logger = logging.getLogger("transformer_engine")
+    collect = _Collect()
+    logger.addHandler(collect)
+    try:
+        logger.setLevel(app_level)
+        for n in range(3):
+            assert log.get_logger().level == app_level, f"call {n}"
+            log.get_logger().info(f"info {n}")
+    finally:
+        logger.removeHandler(collect)
+        logger.setLevel(logging.NOTSET)
+    expected = [f"info {n}" for n in range(3)] if app_level <= logging.INFO else []
+    assert collect.messages == expected
+    monkeypatch.delenv("NVTE_DEBUG", raising=False)
+    assert log.get_logger().level == logging.WARNING  # unset again: the package configures it
 
 
 _UNCONFIGURED_CHILD = (

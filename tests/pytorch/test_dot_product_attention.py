@@ -468,7 +468,10 @@ BAD_FORWARD = [
     (dict(attn_mask_type="padding", attention_mask=torch.zeros(2, 1, 1, 5, dtype=torch.bool)), "attention_mask"),
     (dict(attn_mask_type="padding", attention_mask=torch.tensor([[1, 0, 0, 0, 0, 0]] * 2, dtype=torch.bool)),
      "attention_mask"),
-    (dict(attn_mask_type="causal", attention_mask=torch.zeros(2, 1, 1, 6, dtype=torch.bool)), "attention_mask"),
+    # A [b, 1, s, s] mask (Megatron's causal mask) with a padding type: refused by shape, not misread.
+    (dict(attn_mask_type="padding_causal", attention_mask=torch.ones(2, 1, 6, 6, dtype=torch.bool).triu(1)),
+     r"attention_mask.*\[2, 1, 1, 6\].*\(2, 1, 6, 6\)"),
+    (dict(attn_mask_type="padding", attention_mask=torch.zeros(2, 1, 1, 6)), "attention_mask.*bool"),
     (dict(attn_mask_type="padding", cu_seqlens_q=CU.long(), cu_seqlens_kv=CU.long()), "cu_seqlens_q"),
     (dict(attn_mask_type="padding", cu_seqlens_q=torch.tensor([0, 6], dtype=torch.int32),
           cu_seqlens_kv=torch.tensor([0, 6], dtype=torch.int32)), "cu_seqlens_q"),
@@ -489,6 +492,63 @@ def test_bad_forward_arguments_raise_value_error(kwargs, argument):
     dpa = DotProductAttention(4, 16, num_gqa_groups=2, qkv_format="bshd", attn_mask_type="no_mask")
     with pytest.raises(ValueError, match=argument):
         dpa(*_inputs(), **kwargs)
+
+
+def _causal_mask(b, s):
+    """[b, 1, s, s] bool, True above the diagonal: the causal mask Megatron's GPT dataset builds."""
+    return torch.ones(b, 1, s, s, dtype=torch.bool, device=DEVICE).triu(1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd", "thd"])
+@pytest.mark.parametrize("mask", ["no_mask", "causal", "causal_bottom_right"])
+def test_non_padding_masks_ignore_attention_mask(monkeypatch, backend, fmt, mask):
+    """As in TransformerEngine, the mask type decides: no_mask and the causal types ignore attention_mask,
+    whatever it holds (Megatron passes its [b, 1, s, s] causal mask with attn_mask_type='causal')."""
+    monkeypatch.setenv("NVTE_FUSED_ATTN_BACKEND", backend)
+    dtype = LOWP_DTYPES[0] if backend == "fused" else torch.float32
+    b, s = 2, 11
+    shape = {"bshd": (b, s), "sbhd": (s, b), "thd": (b * s,)}[fmt]
+    g = gen(23)
+    q = randn(shape + (4, 16), dtype, g)
+    k, v = randn(shape + (2, 16), dtype, g), randn(shape + (2, 16), dtype, g)
+    fwd = {}
+    if fmt == "thd":
+        fwd = dict(cu_seqlens_q=cu_seqlens([s, s]), cu_seqlens_kv=cu_seqlens([s, s]), max_seqlen_q=s,
+                   max_seqlen_kv=s)
+    dpa = DotProductAttention(4, 16, num_gqa_groups=2, qkv_format=fmt, attn_mask_type=mask)
+    d_out = randn(q.shape[:-2] + (64,), dtype, gen(24), requires_grad=False)
+    results = []
+    for attention_mask in (None, _causal_mask(b, s), ~_causal_mask(b, s), torch.zeros(3, 5)):
+        out = dpa(q, k, v, attention_mask=attention_mask, **fwd)
+        results.append([out] + list(torch.autograd.grad(out, (q, k, v), d_out)))
+    assert dpa.last_backend == {"fused": "FusedAttention", "unfused": "UnfusedDotProductAttention"}[backend]
+    for other in results[1:]:
+        for a, r in zip(other, results[0]):
+            assert torch.equal(a, r)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_padding_and_arbitrary_masks_still_use_attention_mask(monkeypatch, backend):
+    """The padding types read attention_mask (as cu_seqlens) and 'arbitrary' applies it: same results as
+    the cu_seqlens call / the reference with the mask, and different from the call without it."""
+    monkeypatch.setenv("NVTE_FUSED_ATTN_BACKEND", backend)
+    dtype = LOWP_DTYPES[0] if backend == "fused" else torch.float32
+    b, s, lens = 2, 11, [7, 11]
+    q, k, v = make_qkv("bshd", b, s, s, 4, 2, 16, 16, dtype, seed=25)
+    pad = (torch.arange(s, device=DEVICE)[None, :] >= torch.tensor(lens, device=DEVICE)[:, None])[:, None, None]
+    dpa = DotProductAttention(4, 16, num_gqa_groups=2, qkv_format="bshd", attn_mask_type="padding_causal")
+    by_mask = dpa(q, k, v, attention_mask=pad)
+    by_cu = dpa(q, k, v, cu_seqlens_q=cu_seqlens(lens), cu_seqlens_kv=cu_seqlens(lens))
+    assert torch.equal(by_mask, by_cu)
+    assert not torch.equal(by_mask, dpa(q, k, v))
+    monkeypatch.setenv("NVTE_FUSED_ATTN_BACKEND", "unfused")  # the fused kernels take no arbitrary mask
+    arbitrary = DotProductAttention(4, 16, num_gqa_groups=2, qkv_format="bshd", attn_mask_type="arbitrary")
+    hidden = _causal_mask(b, s)
+    out = arbitrary(q, k, v, attention_mask=hidden).view(b, s, 4, 16)
+    torch.testing.assert_close(out.double(), reference(q, k, v, "causal", scale=0.25),
+                               atol=1e-3 if dtype == torch.float16 else 1e-5, rtol=0)
+    assert not torch.equal(out, arbitrary(q, k, v, attention_mask=~hidden).view(b, s, 4, 16))
 
 
 def test_bad_tensors_raise_value_error():

@@ -208,3 +208,27 @@ def test_mismatched_dtypes_and_head_counts():
     q3 = torch.randn(1, 16, 3, D).to(DEVICE, DTYPES[0])
     with pytest.raises(ValueError, match="multiple of key/value heads"):
         fused_attn_func(q3, k, v, "bshd", "no_mask", (-1, -1), 0.2)
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["plain", "bias"])
+def test_double_backward_is_refused_by_name(with_bias):
+    """Gradients taken with create_graph=True are the first-order gradients (bitwise those of a plain
+    backward); differentiating them again raises NotImplementedError naming the fused op, instead of torch's
+    "element 0 of tensors does not require grad"."""
+    dtype = DTYPES[0]
+    q, k, v, _ = make_qkv(2, 17, 17, 2, 2, D, D, dtype, seed=31)
+    bias = (torch.randn(1, 2, 17, 17, generator=torch.Generator().manual_seed(32)).to(DEVICE, dtype)
+            .requires_grad_() if with_bias else None)
+    leaves = (q, k, v) + ((bias,) if with_bias else ())
+
+    def grads(create_graph):
+        out = fused_attn_func(q, k, v, "bshd", "causal", (-1, -1), 0.3, core_attention_bias=bias)
+        return torch.autograd.grad(out.float().square().sum(), leaves, create_graph=create_graph)
+
+    first, recorded = grads(False), grads(True)
+    for a, b in zip(first, recorded):
+        assert torch.equal(a, b.detach())
+        assert b.requires_grad
+    for g in recorded:
+        with pytest.raises(NotImplementedError, match=r"double backward.*FusedAttnFunc.*transformer_engine::fused_attn_bwd"):
+            torch.autograd.grad(g.float().square().sum(), leaves, allow_unused=True, retain_graph=True)

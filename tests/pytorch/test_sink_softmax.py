@@ -286,11 +286,66 @@ def test_dpa_owns_the_learnable_offset_as_transformer_engine_does():
     offset = params["softmax_offset"]
     assert offset.shape == (4,) and offset.dtype == torch.float32 and torch.equal(offset, torch.zeros_like(offset))
     assert "softmax_offset" in dpa.state_dict()
-    for softmax_type in ("vanilla", "off-by-one"):
-        plain = DotProductAttention(8, 16, softmax_type=softmax_type)
-        assert list(plain.parameters()) == [] and plain.softmax_offset is None
+    plain = DotProductAttention(8, 16, softmax_type="vanilla")
+    assert list(plain.parameters()) == [] and plain.softmax_offset is None
     with pytest.raises(ValueError, match="softmax_type"):
         DotProductAttention(8, 16, softmax_type="sink")
+
+
+def test_off_by_one_keeps_a_zero_offset_tensor_as_transformer_engine_does():
+    """TransformerEngine keeps fp32 zeros [heads // tp] in ``softmax_offset`` for off-by-one: a plain tensor
+    attribute (no parameter, no buffer, not in the state dict, not cast by .to()), whose requires_grad its
+    tests set to read the sink's gradient."""
+    dpa = DotProductAttention(8, 16, num_gqa_groups=2, tp_size=2, softmax_type="off-by-one")
+    offset = dpa.softmax_offset
+    assert isinstance(offset, torch.Tensor) and not isinstance(offset, torch.nn.Parameter)
+    assert offset.shape == (4,) and offset.dtype == torch.float32 and not offset.requires_grad
+    assert torch.equal(offset, torch.zeros_like(offset))
+    assert list(dpa.parameters()) == [] and list(dpa.buffers()) == [] and dpa.state_dict() == {}
+    dpa.to(torch.float16)
+    assert dpa.softmax_offset is offset and offset.dtype == torch.float32
+
+
+@pytest.mark.parametrize("backend", ["unfused", pytest.param("fused", marks=requires_fused)])
+@pytest.mark.parametrize("fmt", ["bshd", "thd"])
+def test_off_by_one_offset_gradient_as_transformer_engine_tests_read_it(monkeypatch, backend, fmt):
+    """``block.softmax_offset.requires_grad = True``, forward, backward, then ``block.softmax_offset.grad``
+    (TransformerEngine's attention tests): the gradient of the zero sink logit, against the fp64 reference;
+    the output and q, k, v gradients are those of off-by-one softmax. Without requires_grad nothing changes."""
+    monkeypatch.setenv("NVTE_FUSED_ATTN_BACKEND", backend)
+    dtype = DTYPES[0] if backend == "fused" else torch.float16
+    lens, h, hk = [S, S - 7], 4, 2
+    q, k, v = _qkv(2, S, S, h, hk, 16, dtype, seed=21)
+    block = DotProductAttention(h, 16, num_gqa_groups=hk, qkv_format=fmt, attn_mask_type="padding_causal",
+                                softmax_scale=SCALE, softmax_type="off-by-one").to(dtype)
+    block.softmax_offset.requires_grad = True
+    cu = cu_seqlens(lens)
+    if fmt == "thd":
+        inputs = [torch.cat([t.detach()[i, :n] for i, n in enumerate(lens)]).requires_grad_() for t in (q, k, v)]
+    else:
+        inputs = [q, k, v]
+    out = block(*inputs, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=S, max_seqlen_kv=S)
+    assert block.last_backend == {"fused": "FusedAttention", "unfused": "UnfusedDotProductAttention"}[backend]
+    out = out.view(*out.shape[:-1], h, 16)
+    d_out = torch.randn(out.shape, generator=gen(22)).to(DEVICE, dtype)
+    out.backward(d_out)
+    d_offset = block.softmax_offset.grad
+    assert d_offset is not None and d_offset.shape == (h,) and d_offset.dtype == torch.float32
+    assert d_offset.abs().sum() > 0
+    grads = [t.grad for t in inputs]
+    if fmt == "thd":
+        def pad(t):
+            return torch.stack([torch.cat([t[int(cu[i]):int(cu[i + 1])], t.new_zeros((S - n,) + t.shape[1:])])
+                                for i, n in enumerate(lens)])
+        out, d_out, grads = pad(out), pad(d_out), [pad(g) for g in grads]
+    # The reference differentiates the sink logit as a leaf of value 0.
+    zero = torch.zeros(h, dtype=torch.float32, device=DEVICE, requires_grad=True)
+    _check_against_reference(q, k, v, zero, None, out, grads + [d_offset], d_out, mask="padding_causal",
+                             lens_q=lens, lens_kv=lens)
+    plain = DotProductAttention(h, 16, num_gqa_groups=hk, qkv_format=fmt, attn_mask_type="padding_causal",
+                                softmax_scale=SCALE, softmax_type="off-by-one")
+    again = plain(*[t.detach() for t in inputs], cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=S, max_seqlen_kv=S)
+    assert plain.softmax_offset.grad is None and not again.requires_grad
 
 
 @requires_fused

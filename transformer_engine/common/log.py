@@ -2,8 +2,11 @@
 
 It has no handler of its own and propagates, so ``logging.basicConfig(...)``, a handler on the
 root logger or on ``"transformer_engine"`` receives its records like any other library's.
-Its level follows NVTE_DEBUG x NVTE_DEBUG_LEVEL, read at each use: WARNING without NVTE_DEBUG
-(unless the application set a level on the logger itself), INFO or DEBUG with it.
+Its level follows NVTE_DEBUG x NVTE_DEBUG_LEVEL, read at each use: WARNING without NVTE_DEBUG,
+INFO or DEBUG with it, unless the application has set a level on the ``transformer_engine`` logger
+itself: that level is kept, with or without NVTE_DEBUG, until the application sets another (or
+``logging.NOTSET``, which hands the level back to NVTE_DEBUG). As Python's logging conventions ask of a
+library, the package configures its logger only where the application has not.
 
 With NVTE_DEBUG=1 and no logging configured anywhere, Python would print nothing below WARNING
 (its last-resort handler's level). For that case only, the logger carries a stand-in handler
@@ -24,7 +27,8 @@ _LOGGER_NAME = "transformer_engine"
 _LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG}
 _FORMAT = "[%(levelname)s | %(name)s]: %(message)s"
 _warned_once: set = set()
-_applied_level = [logging.NOTSET]  # the level this module last set (an application's own is kept)
+# The level this module last gave the logger: a different level found there was set by the application.
+_applied_level = [logging.NOTSET]
 
 
 class _DebugFallbackHandler(logging.Handler):
@@ -52,18 +56,17 @@ _FALLBACK = _DebugFallbackHandler()
 
 
 def get_logger() -> logging.Logger:
-    """The ``transformer_engine`` logger, its level set from the environment now."""
+    """The ``transformer_engine`` logger, its level set from the environment now unless the application
+    has set one (see the module docstring)."""
     logger = logging.getLogger(_LOGGER_NAME)
     debug = settings.get("NVTE_DEBUG")
-    if debug:
-        level = _LEVELS[settings.get("NVTE_DEBUG_LEVEL")]
-        if _FALLBACK not in logger.handlers:
-            logger.addHandler(_FALLBACK)
-    else:
-        own = logger.level not in (logging.NOTSET, _applied_level[0])
-        level = logger.level if own else logging.WARNING
-        if _FALLBACK in logger.handlers:
-            logger.removeHandler(_FALLBACK)
+    level = _LEVELS[settings.get("NVTE_DEBUG_LEVEL")] if debug else logging.WARNING
+    if debug and _FALLBACK not in logger.handlers:
+        logger.addHandler(_FALLBACK)
+    elif not debug and _FALLBACK in logger.handlers:
+        logger.removeHandler(_FALLBACK)
+    if logger.level not in (logging.NOTSET, _applied_level[0]):
+        return logger  # the application's level: never overwritten, and never taken for ours
     if logger.level != level:  # setLevel clears every logger's cache: not on each attention call
         logger.setLevel(level)
     _applied_level[0] = level

@@ -49,7 +49,7 @@ class AttnCall:
     dropout: float = 0.0
     rng_context: Optional[Callable[[], ContextManager]] = None
     softmax_type: AttnSoftmaxType = AttnSoftmaxType.VANILLA_SOFTMAX
-    softmax_offset: Optional[torch.Tensor] = None  # fp32 [h_q] on q's device, for 'learnable'
+    softmax_offset: Optional[torch.Tensor] = None  # fp32 [h_q] on q's device: 'learnable', 'off-by-one' (zeros)
     return_max_logit: bool = False
 
     @property

@@ -216,14 +216,15 @@ def _resolve_sequences(q, k, v, fmt: QKVFormat, mask: AttnMaskType, attention_ma
     As in TransformerEngine, given ``cu_seqlens_q``/``cu_seqlens_kv`` win over a padding ``attention_mask``
     (which fills in a side whose cu_seqlens are missing); with qkv_format='thd' a padding mask may
     accompany the cu_seqlens ([b, 1, 1, s] over the padded view of the batch). Either way the mask must
-    agree with the cu_seqlens."""
+    agree with the cu_seqlens. Mask types other than padding and 'arbitrary' ignore ``attention_mask``."""
     if fmt == QKVFormat.THD:
         if mask == AttnMaskType.ARBITRARY_MASK:
             raise NotImplementedError("attn_mask_type='arbitrary' with qkv_format='thd' is not supported")
         if cu_seqlens_q is None or cu_seqlens_kv is None:
             raise ValueError("`cu_seqlens_q` and `cu_seqlens_kv` must be given for qkv_format='thd'")
         batch = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) else None
-        if attention_mask is not None and batch is not None:
+        # As in TransformerEngine, the declared mask type decides: only a padding type reads attention_mask.
+        if attention_mask is not None and batch is not None and mask.is_padding:
             masks = attention_mask if isinstance(attention_mask, (tuple, list)) else (attention_mask, attention_mask)
             if len(masks) != 2:
                 raise ValueError("`attention_mask` must be one tensor or a (q_mask, kv_mask) pair")
@@ -273,10 +274,8 @@ def _resolve_sequences(q, k, v, fmt: QKVFormat, mask: AttnMaskType, attention_ma
             if attention_mask is None:
                 raise ValueError("`attention_mask` must be given for attn_mask_type='arbitrary'")
             seqs.attention_mask = attention_mask
-        elif attention_mask is not None:
-            raise ValueError(
-                f"`attention_mask` is only used with padding or arbitrary masks, got attn_mask_type={mask.value!r}"
-            )
+        # Other mask types ignore attention_mask, as TransformerEngine does: the mask type alone decides
+        # (Megatron passes its dataset's [b, 1, s, s] causal mask along with attn_mask_type='causal').
     for name in ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
         attn_config.check_cu_seqlens(name, getattr(seqs, name), seqs.batch, q.device)
     if fmt == QKVFormat.THD and not _is_compiling():
@@ -327,7 +326,9 @@ class DotProductAttention(torch.nn.Module):
     from ``cu_seqlens_q/kv`` or a bool ``attention_mask`` (True = padded; [b, 1, 1, s], or a tuple
     of q and kv masks for cross attention; padding at the end of each sequence). ``arbitrary``
     takes a bool ``attention_mask`` broadcastable to [b, h, s_q, s_kv]. Given ``cu_seqlens_q/kv`` win
-    over a padding ``attention_mask`` (which must agree with them; it may accompany thd too).
+    over a padding ``attention_mask`` (which must agree with them; it may accompany thd too). As in
+    TransformerEngine, the mask type decides: the other types (``no_mask``, the causal ones) ignore
+    ``attention_mask``, whatever it holds.
     ``window_size=(left, right)`` follows :func:`normalize_window`. Rows with no visible key output
     zeros; padded positions are zero.
 
@@ -354,7 +355,9 @@ class DotProductAttention(torch.nn.Module):
     Softmax (``softmax_type``): ``"vanilla"``; ``"off-by-one"``, ``softmax(S)_j = exp(S_j) / (1 + sum_k
     exp(S_k))``; ``"learnable"``, ``exp(S_j) / (exp(softmax_offset[h]) + sum_k exp(S_k))`` with the
     module's parameter ``softmax_offset`` (fp32 ``[num_attention_heads // tp_size]``, zeros at
-    construction), added to the scaled (and biased) scores as it is. This extra "sink" logit has no
+    construction), added to the scaled (and biased) scores as it is. With ``"off-by-one"``,
+    ``softmax_offset`` is that shape's fp32 zero tensor as a plain attribute (as in TransformerEngine:
+    no parameter, no buffer); set its ``requires_grad`` to get the sink logit's gradient in its ``.grad``. This extra "sink" logit has no
     value vector: it takes probability from the keys (a row that sees no key outputs zeros), and
     dropout applies to the keys' probabilities. Sink softmax runs fused (our Triton kernels, also in
     deterministic mode, where ``softmax_offset``'s gradient is summed over the batch in a fixed order:
@@ -446,11 +449,16 @@ class DotProductAttention(torch.nn.Module):
         self.attention_type = attention_type
         self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
         self.softmax_type = softmax_type.value
-        # TransformerEngine's parameter: one sink logit per local query head, zeros at start.
+        # One sink logit per local query head, fp32 zeros at start, as TransformerEngine keeps them: a
+        # parameter for "learnable"; for "off-by-one" a plain tensor attribute (neither parameter nor
+        # buffer: not trained, not saved, not moved by .to()) whose gradient is reported when the caller
+        # sets its requires_grad.
+        device = "cuda" if torch.cuda.is_available() else "cpu"
         if softmax_type.is_learnable:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
             self.softmax_offset = torch.nn.Parameter(
                 torch.zeros(self.num_heads_per_partition, dtype=torch.float32, device=device))
+        elif softmax_type.has_sink:
+            self.softmax_offset = torch.zeros(self.num_heads_per_partition, dtype=torch.float32, device=device)
         else:
             self.softmax_offset = None
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(kv_channels[0])

@@ -17,7 +17,30 @@ from transformer_engine.pytorch.attention.config import (
 __all__ = ["fused_attn_func", "fused_attention", "FusedAttnFunc"]
 
 
+class _FusedAttnGradsNoBackward(torch.autograd.Function):
+    """Identity on the fused backward's gradients when the backward itself is recorded
+    (``create_graph=True``): differentiating them raises a clear error instead of torch's "element 0 of
+    tensors does not require grad". The fused kernels have no backward of their own backward."""
+
+    @staticmethod
+    def forward(ctx, count, *tensors):
+        # tensors: the gradients, then the backward's inputs, which tie the gradients into the graph.
+        return tensors[:count]
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise NotImplementedError(
+            "double backward (differentiating gradients taken with create_graph=True) through the fused "
+            "attention backward (FusedAttnFunc, op transformer_engine::fused_attn_bwd) is not supported; "
+            "run the attention unfused (NVTE_FUSED_ATTN_BACKEND=unfused) for higher-order gradients"
+        )
+
+
 class FusedAttnFunc(torch.autograd.Function):
+    """Forward and backward of fused attention over the custom ops ``transformer_engine::fused_attn_fwd`` and
+    ``transformer_engine::fused_attn_bwd``. Once differentiable: the gradients it returns have no backward
+    (differentiating them again raises ``NotImplementedError``)."""
+
     @staticmethod
     def forward(ctx, q, k, v, bias, alibi_slopes, rng_state, qkv_format, cu_seqlens_q, cu_seqlens_kv,
                 seq_offsets_q, seq_offsets_kv, max_seqlen_q, max_seqlen_kv, softmax_scale, attn_mask_type,
@@ -48,8 +71,14 @@ class FusedAttnFunc(torch.autograd.Function):
             q, k, v, out, d_out.contiguous(), lse, fmt, cu_q, cu_kv, off_q, off_kv,
             max_q, max_kv, scale, mask, left, right, bottom_right,
             bias, alibi, rng_state, dropout_p, ctx.bias_grad, softmax_type, offset, ctx.offset_grad)
-        return ((dq, dk, dv, dbias if ctx.bias_grad else None) + (None,) * 16
-                + (d_offset if ctx.offset_grad else None,))
+        dbias = dbias if ctx.bias_grad else None
+        d_offset = d_offset if ctx.offset_grad else None
+        if torch.is_grad_enabled():  # backward(create_graph=True): the gradients could be differentiated
+            grads = [g for g in (dq, dk, dv, dbias, d_offset) if g is not None]
+            inputs = [t for t in (q, k, v, d_out, bias, offset) if t is not None and t.requires_grad]
+            it = iter(_FusedAttnGradsNoBackward.apply(len(grads), *grads, *inputs))
+            dq, dk, dv, dbias, d_offset = (next(it) if g is not None else None for g in (dq, dk, dv, dbias, d_offset))
+        return (dq, dk, dv, dbias) + (None,) * 16 + (d_offset,)
 
 
 def new_rng_state(device: torch.device) -> torch.Tensor:
@@ -254,9 +283,10 @@ def _sink_logits(q, softmax_type, softmax_offset):
 
 
 def sink_logits(q, softmax_type: AttnSoftmaxType, softmax_offset) -> Optional[torch.Tensor]:
-    """The kernels' sink logits for a checked ``softmax_offset``: fp32 [h_q] (zeros for off-by-one), or
-    None without a sink."""
-    if softmax_type.is_learnable:
+    """The kernels' sink logits for a checked ``softmax_offset``: fp32 [h_q], or None without a sink.
+    Off-by-one takes zeros, or the zero tensor DotProductAttention keeps for it (TransformerEngine's
+    ``softmax_offset`` attribute), which then gets the sink's gradient when it requires one."""
+    if softmax_type.has_sink and softmax_offset is not None:
         return softmax_offset.reshape(q.shape[-2]).contiguous()
     if softmax_type.has_sink:  # off-by-one: a zero sink logit
         return torch.zeros(q.shape[-2], dtype=torch.float32, device=q.device)

@@ -374,6 +374,8 @@ def unfused_math(q, k, v, fmt: QKVFormat, mask: AttnMaskType, window: Tuple[int,
             raise ValueError(f"`softmax_offset` must have shape [{hq}] or [1, {hq}, 1, 1] with "
                              f"softmax_type='learnable', got {got}")
         sink = softmax_offset.reshape(hq).to(device=q.device)
+    elif stype.has_sink and softmax_offset is not None:  # off-by-one's zero tensor (it may want a gradient)
+        sink = softmax_offset.reshape(hq).to(device=q.device)
     elif stype.has_sink:
         sink = torch.zeros(hq, dtype=compute_dtype, device=q.device)
     probs = _masked_softmax(scores, keep, sink)

@@ -842,3 +842,15 @@ def test_pytorch_backends_are_the_registry_with_runners():
     for frontend, base in zip(attn_backends.BACKENDS, common):
         assert issubclass(frontend, base) and callable(frontend.run)
         assert attn_backends.backend_named(base.SHORT_NAME) is frontend
+
+
+def test_unfused_supports_double_backward():
+    """The way out the fused backend's double-backward error names: the unfused math has second-order
+    gradients (checked numerically in fp64)."""
+    from transformer_engine.pytorch.attention.unfused import unfused_attention
+
+    g = gen(41)
+    q, k, v = (torch.randn(shape, generator=g, dtype=torch.float64).requires_grad_()
+               for shape in ((1, 5, 2, 4), (1, 6, 1, 4), (1, 6, 1, 4)))
+    assert torch.autograd.gradgradcheck(
+        lambda q_, k_, v_: unfused_attention(q_, k_, v_, "bshd", "causal_bottom_right", None, 0.4), (q, k, v))

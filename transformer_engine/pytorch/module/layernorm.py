@@ -1,6 +1,6 @@
 """LayerNorm and RMSNorm with TransformerEngine's arguments.
 
-Computed in fp32 whatever the input dtype (as TransformerEngine's kernels do), returned in the
+Computed in fp32 for 16-bit and fp32 inputs (as TransformerEngine's kernels do; fp64 in fp64), returned in the
 input dtype; plain torch ops, so the result is the same bits run to run on CPU and CUDA.
 ``zero_centered_gamma=True`` stores gamma - 1: the scale applied is ``1 + weight`` and the weight
 starts at zero.
@@ -17,18 +17,19 @@ from transformer_engine.pytorch.module.base import check_normalization, resolve_
 
 def apply_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
                normalization: str, zero_centered_gamma: bool) -> torch.Tensor:
-    """Normalize over the last dim in fp32, scale (and shift for LayerNorm), cast back to x's dtype."""
+    """Normalize over the last dim in fp32 (fp64 for fp64 input), scale (and shift for LayerNorm), cast back to x's dtype."""
     if x.shape[-1] != weight.shape[0]:
         raise ValueError(f"input's last dim must be the normalized size {weight.shape[0]}, got shape {tuple(x.shape)}")
-    xf = x.float()
+    compute = torch.promote_types(x.dtype, torch.float32)  # fp32 for 16-bit inputs, fp64 stays fp64
+    xf = x.to(compute)
     if normalization == "LayerNorm":
         y = torch.nn.functional.layer_norm(xf, (xf.shape[-1],), None, None, eps)
     else:
         y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
-    gamma = weight.float() + 1 if zero_centered_gamma else weight.float()
+    gamma = weight.to(compute) + 1 if zero_centered_gamma else weight.to(compute)
     y = y * gamma
     if bias is not None:
-        y = y + bias.float()
+        y = y + bias.to(compute)
     return y.to(x.dtype)
 
 

@@ -254,9 +254,13 @@ _BASE = dict(attn_bias_type=AttnBiasType.NO_BIAS, attn_mask_type=AttnMaskType.CA
     (dict(attn_bias_type=AttnBiasType.POST_SCALE_BIAS), 64, NotImplementedError, "`attn_bias_type` must be"),
     (dict(window_size=(8, 0)), 64, NotImplementedError, "`window_size` must be None"),
     (dict(dropout_probability=0.1), 64, NotImplementedError, "`dropout_probability` must be 0"),
-    (dict(qkv_layout=QKVLayout.THD_THD_THD, attn_mask_type=AttnMaskType.PADDING_CAUSAL_MASK), 64,
-     NotImplementedError, "`qkv_layout` must be a BSHD or SBHD layout"),
-    (dict(stripe_size=4), 64, NotImplementedError, "`stripe_size` must be None"),
+    (dict(qkv_layout=QKVLayout.THD_THD_THD, attn_mask_type=AttnMaskType.PADDING_CAUSAL_MASK,
+          dropout_probability=0.1), 64, NotImplementedError, "`dropout_probability` must be 0"),
+    (dict(qkv_layout=QKVLayout.THD_THD_THD, attn_mask_type=AttnMaskType.PADDING_CAUSAL_MASK,
+          context_parallel_causal_load_balanced=True, stripe_size=4), 40, ValueError,
+     "`qkv` sequence length must be a multiple of cp_size * stripe_size = 16"),
+    (dict(stripe_size=4), 64, ValueError, "`stripe_size` must be None with qkv_layout='bshd_bshd_bshd'"),
+    (dict(stripe_size=0), 64, ValueError, "`stripe_size` must be None or a positive int"),
 ])
 def test_refusals_name_the_argument(overrides, s, error, words):
     q = jnp.zeros((B, s, H_Q, D), jnp.float16)

@@ -388,7 +388,7 @@ def test_max_segments_per_seq_above_one_on_bshd_warns_as_te_does():
     (dict(softmax_offset=jnp.zeros((1, _H, 1, 1))), ValueError, "`softmax_offset` must be None"),
     (dict(softmax_type="sparse"), ValueError, "`softmax_type` must be one of"),
     (dict(context_parallel_strategy="ring"), ValueError, "`context_parallel_strategy` must be a CPStrategy"),
-    (dict(stripe_size=2), NotImplementedError, "`stripe_size` must be None"),
+    (dict(stripe_size=0), ValueError, "`stripe_size` must be None or a positive int"),
     (dict(score_mod=lambda graph, score, tensors: score), NotImplementedError, "`score_mod` must be None"),
     (dict(score_mod_tensors={"a": 1.0}), NotImplementedError, "`score_mod_tensors` must be None"),
     (dict(context_checkpoint_name=""), ValueError, "`context_checkpoint_name` must be"),

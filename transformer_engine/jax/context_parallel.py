@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -63,6 +62,7 @@ from jax.sharding import PartitionSpec
 from transformer_engine.common.attention import enums as _common
 from transformer_engine.common.attention.enums import BackwardGrads
 from transformer_engine.jax.attention_math import SeqInfo, full_seq_info
+from transformer_engine.jax import jax_compat
 from transformer_engine.jax.enums import CPStrategy, ReorderStrategy
 from transformer_engine.jax.load_balancing import (inverse_reorder_causal_load_balancing,
                                                      reorder_causal_load_balancing)
@@ -101,12 +101,7 @@ class ContextParallel:
 
 def _current_meshes():
     """The meshes in effect: ``with mesh:`` (TransformerEngine's way) and ``jax.set_mesh``."""
-    from jax.interpreters import pxla
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        meshes = [pxla.thread_resources.env.physical_mesh, jax.sharding.get_abstract_mesh()]
-    return [m for m in meshes if m is not None and not m.empty]
+    return jax_compat.current_meshes()
 
 
 def _manual_axes() -> frozenset:

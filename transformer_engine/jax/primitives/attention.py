@@ -37,7 +37,7 @@ from transformer_engine.common.attention.enums import (
     AttnBiasType, AttnMaskType, AttnSoftmaxType, BackwardGrads, QKVFormat,
 )
 from transformer_engine.common.attention.validation import kernel_scale
-from transformer_engine.jax import attention_math
+from transformer_engine.jax import attention_math, jax_compat
 from transformer_engine.jax.attention_math import SeqInfo
 
 __all__ = ["FusedAttnStatic", "fused_attn_core", "fused_attn_fwd", "fused_attn_bwd"]
@@ -180,12 +180,7 @@ def _dsink_shape(q, q_seqlens) -> Tuple[int, int, int]:
 # of another type than its primal inputs (JAX rejects that).
 
 
-def _varying(aval) -> frozenset:
-    """The manual mesh axes ``aval`` varies over (empty outside shard_map)."""
-    mat = getattr(aval, "manual_axis_type", None)
-    if mat is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", ()) or ())
+_varying = jax_compat.varying_axes
 
 
 def _typed(shape, dtype, operands):
@@ -195,7 +190,7 @@ def _typed(shape, dtype, operands):
         return jax.core.ShapedArray(shape, dtype)
     # The type names the (abstract) mesh of the manual axes: take it from the operand's sharding.
     sharding = NamedSharding(template.sharding.mesh, PartitionSpec(*([None] * len(shape))))
-    field = "manual_axis_type" if hasattr(template, "manual_axis_type") else "vma"  # jax >= 0.10 / older
+    field = jax_compat.manual_axes_field(template)
     return jax.core.ShapedArray(shape, dtype, sharding=sharding, **{field: getattr(template, field)})
 
 

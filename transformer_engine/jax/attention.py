@@ -867,9 +867,10 @@ def fused_attn(
         ``RING``: how keys and values reach each rank when the sequence is split over
         ``context_parallel_axis`` (a mesh axis name; ``''`` reads ``MeshResource.cp_resource``). With
         ``context_parallel_causal_load_balanced`` the inputs are in ``reorder_causal_load_balancing``'s
-        DualChunkSwap order. An axis of size 1 is the plain path. :mod:`transformer_engine.jax.context_parallel`
-        says what runs (BSHD/SBHD layouts, no_mask and causal, no bias or dropout; in deterministic mode
-        bitwise the same as the single-device call) and refuses the rest; ``stripe_size`` must be None.
+        DualChunkSwap order (BSHD/SBHD) or Striped order with ``stripe_size`` (THD; None is 1). An axis
+        of size 1 is the plain path. :mod:`transformer_engine.jax.context_parallel` says what runs
+        (BSHD/SBHD with no_mask and causal; THD with the padding masks; no bias or dropout; in
+        deterministic mode bitwise the same as the single-device call) and refuses the rest.
     :param context_checkpoint_name: the ``jax.ad_checkpoint.checkpoint_name`` given to the output
         (and, on the fused backend, to the saved softmax statistics) for remat policies.
     :param softmax_offset: float32 ``[1, h_q, 1, 1]``, the learnable sink logits (required for

@@ -42,9 +42,17 @@ about ``1 / cp`` of it), plus the cheap preprocess (``delta``, O(s d) per head) 
 
 What runs: the layouts of the BSHD and SBHD formats (separate, kv-packed, qkv-packed), masks
 ``no_mask`` and ``causal``, no bias, no dropout, vanilla softmax, no sliding window, one sequence
-per row, ``s_q == s_kv`` for causal; TransformerEngine-JAX runs no more (it has no SBHD, and runs
-THD only with striped load balancing, ``stripe_size``, which is not implemented here). The rest is
-refused with ``NotImplementedError``; malformed arguments with ``ValueError``.
+per row, ``s_q == s_kv`` for causal; TransformerEngine-JAX runs no more (it has no SBHD).
+
+THD (packed rows, from ``jit`` with the mesh set): the padding masks, several sequences per row, any
+window, no bias, no dropout, vanilla softmax. With ``context_parallel_causal_load_balanced`` the
+tokens (and the segment ids and positions) are in the Striped order of
+``reorder_causal_load_balancing(x, ReorderStrategy.Striped, cp, 1, stripe_size)`` (``stripe_size``
+None is 1), as TransformerEngine-JAX's THD load balancing expects; without it, in contiguous
+chunks. Each rank gathers the rows and runs the single-device kernels on them (see "THD" below):
+bitwise the cp = 1 result, at the single call's cost on every rank.
+
+The rest is refused with ``NotImplementedError``; malformed arguments with ``ValueError``.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ forward:
   to the ranks. The sequence length must be a multiple of ``cp_size * stripe_size``.
 
 ``fused_attn(..., context_parallel_causal_load_balanced=True)`` expects its inputs in the
-DualChunkSwap order (:mod:`transformer_engine.jax.context_parallel`); Striped (THD) context
-parallelism is not implemented, the reordering is provided so that TE-JAX data pipelines run.
+DualChunkSwap order for BSHD/SBHD layouts and in the Striped order (with its ``stripe_size``) for
+THD layouts (:mod:`transformer_engine.jax.context_parallel`).
 """
 
 from __future__ import annotations

@@ -107,8 +107,9 @@ class LayerNormLinear(TransformerEngineBaseModule):
             if param is not None:
                 param.sequence_parallel = self.sequence_parallel
         self.weight = self._new_parameter((self.out_features, in_features), device, dtype)
-        self.bias = self._new_parameter((self.out_features,), device, dtype) if self.use_bias else None
-        if self.bias is None:
+        if self.use_bias:
+            self.bias = self._new_parameter((self.out_features,), device, dtype)
+        else:
             self.register_parameter("bias", None)
         if parallel_mode == "column" and self.tp_size > 1:
             set_tensor_parallel_attributes(self.weight, 0)

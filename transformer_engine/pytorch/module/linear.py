@@ -108,8 +108,9 @@ class Linear(TransformerEngineBaseModule):
                              else out_features)
         device, dtype = resolve_device(device), resolve_dtype(params_dtype)
         self.weight = self._new_parameter((self.out_features, self.in_features), device, dtype)
-        self.bias = self._new_parameter((self.out_features,), device, dtype) if self.use_bias else None
-        if self.bias is None:
+        if self.use_bias:
+            self.bias = self._new_parameter((self.out_features,), device, dtype)
+        else:
             self.register_parameter("bias", None)
         if parallel_mode is not None and self.tp_size > 1:
             set_tensor_parallel_attributes(self.weight, 0 if parallel_mode == "column" else 1)

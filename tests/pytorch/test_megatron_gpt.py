@@ -1,0 +1,205 @@
+"""Megatron-core (the real package, 0.19.2 in the newest CI env) on this package.
+
+``import megatron.core`` must succeed with transformer_engine installed (Megatron takes its
+TransformerEngine code paths from ``transformer_engine.__version__``), and a tiny GPTModel built
+with Megatron's default TransformerEngine layer spec (get_gpt_layer_with_transformer_engine_spec:
+TELayerNormColumnParallelLinear, TEDotProductAttention, TERowParallelLinear, all built on this
+package's modules) must train:
+
+* twice from the same seed: the same losses and parameters, bitwise;
+* like the same model with Megatron's local spec (get_gpt_layer_local_spec, no TransformerEngine),
+  started from the same weights: its error against the local spec run in fp64 is within a small
+  multiple of the local spec's own error at the same precision.
+
+World size 1, torch.distributed initialized in this process, Megatron's parallel_state
+initialized. CPU: fp32 (gloo). CUDA: bf16, this package's fused attention kernels (NCCL).
+Skipped with the reason when megatron-core is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+
+import pytest
+import torch
+
+if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+    pytest.skip("megatron-core is not installed (pip install megatron-core==0.19.2)", allow_module_level=True)
+
+import transformer_engine  # noqa: E402
+import transformer_engine.pytorch as te  # noqa: E402
+
+VOCAB, SEQ, BATCH, STEPS, LR = 64, 16, 2, 3, 0.5
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def test_import_megatron_core_and_its_version_gates():
+    import megatron.core  # noqa: F401
+    from megatron.core import fp8_utils
+    from megatron.core.extensions import transformer_engine as mte
+    from megatron.core.utils import get_te_version, is_te_min_version
+
+    version = get_te_version()
+    assert version.public == transformer_engine.te_api_level == "2.10.0"
+    assert version.local == f"da{transformer_engine.package_version}"
+    # Gates whose arguments DotProductAttention takes pass: num_splits (2.10), qk-clip's
+    # return_max_logit (2.9), softmax_type (2.8); the 2.14 grouped-linear paths stay off.
+    assert is_te_min_version("2.10.0") and is_te_min_version("2.9.0") and is_te_min_version("2.8.0")
+    assert not is_te_min_version("2.14.0")
+    assert fp8_utils.HAVE_TE and mte.HAVE_TE
+    assert issubclass(mte.TELayerNormColumnParallelLinear, te.LayerNormLinear)
+    assert issubclass(mte.TERowParallelLinear, te.Linear)
+    assert issubclass(mte.TEDotProductAttention, te.DotProductAttention)
+    assert mte.FP8GlobalStateManager.is_fp8_available()[0] is False
+
+
+class _CPUScoreBuffer:
+    """Megatron-core 0.19.2's local-spec attention (megatron/core/transformer/dot_product_attention.py,
+    DotProductAttention.forward) takes its score buffer from parallel_state's GlobalMemoryBuffer,
+    which allocates on torch.cuda.current_device(); on CPU the reference model gets this instead.
+    The buffer is only an output for baddbmm with beta=0, so its contents never matter."""
+
+    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+        return torch.empty(tensor_shape, dtype=dtype)
+
+
+@pytest.fixture(scope="module")
+def megatron_world():
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0"  # Megatron's deterministic_mode requires it
+    started = not dist.is_initialized()
+    if started:
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        with tempfile.NamedTemporaryFile(delete=False) as f:
+            store = f.name
+        os.unlink(store)
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=0, world_size=1)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(0)
+    parallel_state.initialize_model_parallel(1, 1)
+    saved_buffer = parallel_state._GLOBAL_MEMORY_BUFFER
+    # Megatron's own RNG tracker keeps CUDA states only; this package's (TECudaRNGStatesTracker,
+    # te_rng_tracker=True) tracks the CPU generator when there is no GPU.
+    model_parallel_cuda_manual_seed(123, te_rng_tracker=True)
+    yield parallel_state
+    parallel_state._GLOBAL_MEMORY_BUFFER = saved_buffer
+    parallel_state.destroy_model_parallel()
+    if started:
+        dist.destroy_process_group()
+
+
+def _config(dtype, device):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
+        use_cpu_initialization=True, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+        attention_dropout=0.0, hidden_dropout=0.0, deterministic_mode=True,
+        gradient_accumulation_fusion=False,  # fused wgrad accumulation is not implemented here
+        bias_dropout_fusion=device == "cuda", masked_softmax_fusion=False, apply_rope_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+def _build(spec_name, dtype, device, seed=0):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    spec = get_gpt_layer_with_transformer_engine_spec() if spec_name == "te" else get_gpt_layer_local_spec()
+    torch.manual_seed(seed)
+    model = GPTModel(config=_config(dtype, device), transformer_layer_spec=spec, vocab_size=VOCAB,
+                     max_sequence_length=SEQ)
+    return model.to(device=device, dtype=dtype)
+
+
+def _te_to_local(state):
+    """The TE spec's norms live inside LayerNormLinear; the local spec has them as separate layers."""
+    out = {}
+    for key, value in state.items():
+        if not torch.is_tensor(value):
+            continue  # _extra_state entries
+        key = key.replace("self_attention.linear_qkv.layer_norm_", "input_layernorm.")
+        key = key.replace("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm.")
+        out[key] = value
+    return out
+
+
+def _load(model, state):
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
+
+
+def _train(model, device):
+    gen = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen).to(device) for _ in range(STEPS)]
+    position_ids = torch.arange(SEQ, device=device)[None].expand(BATCH, -1)
+    # Megatron's causal mask, [b, 1, s, s], True = masked out (the layer specs also pass causal).
+    mask = torch.triu(torch.ones(BATCH, 1, SEQ, SEQ, dtype=torch.bool, device=device), 1)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for tokens in data:
+        opt.zero_grad()
+        loss = model(tokens, position_ids, mask, labels=torch.roll(tokens, -1, dims=1)).float().mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return torch.stack(losses), params
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_te_spec_gpt_uses_this_package_and_trains_bitwise_reproducibly(megatron_world, device):
+    low = torch.float32 if device == "cpu" else torch.bfloat16
+    if device == "cpu":
+        megatron_world._GLOBAL_MEMORY_BUFFER = _CPUScoreBuffer()
+    first = _build("te", low, device)
+    layers = first.config.num_layers
+    # Per layer: qkv and fc1 (LayerNormLinear), proj and fc2 (Linear), core attention; and the final norm.
+    for cls, count in ((te.LayerNormLinear, 2 * layers), (te.Linear, 2 * layers), (te.DotProductAttention, layers),
+                       (te.LayerNorm, 1)):
+        assert sum(isinstance(m, cls) for m in first.modules()) == count, cls
+    init = {k: v.clone() for k, v in first.state_dict().items() if torch.is_tensor(v)}
+    losses1, params1 = _train(first, device)
+    second = _build("te", low, device)
+    assert all(torch.equal(v, second.state_dict()[k]) for k, v in init.items())
+    losses2, params2 = _train(second, device)
+    assert torch.equal(losses1, losses2), (losses1, losses2)
+    assert params1.keys() == params2.keys() and all(torch.equal(params1[k], params2[k]) for k in params1)
+    assert torch.isfinite(losses1).all() and not torch.equal(params1[next(iter(params1))], init[next(iter(params1))])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_te_spec_gpt_trains_like_the_local_spec(megatron_world, device):
+    low = torch.float32 if device == "cpu" else torch.bfloat16
+    if device == "cpu":
+        megatron_world._GLOBAL_MEMORY_BUFFER = _CPUScoreBuffer()
+    te_model = _build("te", low, device)
+    init = {k: v.clone() for k, v in te_model.state_dict().items() if torch.is_tensor(v)}
+    local_low, local_ref = _build("local", low, device), _build("local", torch.float64, device)
+    _load(local_low, _te_to_local(init))
+    _load(local_ref, {k: v.double() for k, v in _te_to_local(init).items()})
+
+    te_losses, te_params = _train(te_model, device)
+    low_losses, low_params = _train(local_low, device)
+    ref_losses, ref_params = _train(local_ref, device)
+    te_params = _te_to_local(te_params)
+
+    def err(losses):
+        return (losses.double() - ref_losses).abs().max().item()
+
+    eps = torch.finfo(low).eps
+    # The local spec's own error at this precision (floored at a few ulps of the loss) sets the bar.
+    bound = 4 * max(err(low_losses), 4 * eps * ref_losses.abs().max().item())
+    assert err(te_losses) <= bound, (te_losses, low_losses, ref_losses)
+    for name, ref in ref_params.items():
+        own = (low_params[name].double() - ref).abs().max().item()
+        got = (te_params[name].double() - ref).abs().max().item()
+        assert got <= 4 * max(own, 4 * eps * ref.abs().max().item()), (name, got, own)

@@ -56,3 +56,37 @@ def test_guard_rejects_other_types():
     with pytest.raises(ValueError, match="`resource` must be a MeshResource"):
         with global_shard_guard({"dp_resource": "dp"}):
             pass
+
+
+def test_meshes_are_read_without_deprecation_warnings():
+    """The context-parallel axis size is found under ``jax.set_mesh`` (also inside ``jit``) and under
+    the legacy ``with mesh:`` (TransformerEngine's way), with no warning from this library on any
+    supported JAX (its one read of the deprecated ``thread_resources`` is in ``jax_compat``)."""
+    import warnings
+
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from transformer_engine.jax.context_parallel import mesh_axis_size
+
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices (CPU: the suite's 8 host devices)")
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "context"))
+    seen = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert mesh_axis_size("context") == 1
+        with jax.set_mesh(mesh):
+            assert mesh_axis_size("context") == 2
+            jax.jit(lambda x: seen.append(mesh_axis_size("context")) or x)(np.zeros(2))
+    assert seen == [2]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # JAX's own warning on entering `with mesh:`
+        mesh.__enter__()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert mesh_axis_size("context") == 2
+    finally:
+        mesh.__exit__(None, None, None)

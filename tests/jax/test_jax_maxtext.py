@@ -44,7 +44,9 @@ from transformer_engine.jax.sharding import MeshResource, global_mesh_resource  
 
 ON_GPU = jax.devices()[0].platform in ("gpu", "cuda")
 DTYPE = jnp.bfloat16 if ON_GPU else jnp.float32
-B, S, H_Q, H_KV, D = 2, (256 if ON_GPU else 64), 4, 2, (64 if ON_GPU else 16)
+# On GPU, 2048 tokens keep the context-parallel chunks (s / (2 cp), cp <= 8) at multiples of 128,
+# the kernels' block size, which the bitwise cp invariance needs.
+B, S, H_Q, H_KV, D = 2, (2048 if ON_GPU else 64), 4, 2, (64 if ON_GPU else 16)
 MAX_SEGMENTS = 4
 DEFAULT_MASK_VALUE = -0.7 * float(np.finfo(np.dtype("float32")).max)  # maxtext/common/common_types.py
 

@@ -76,12 +76,13 @@ def _extension_state() -> Tuple[bool, Optional[str]]:
 def unavailable_reason() -> Optional[str]:
     """Why the fused primitives cannot run on this CUDA GPU, or None when they can."""
     try:
-        from triton.runtime.jit import JITFunction
+        import triton  # noqa: F401
     except ImportError:
         return "triton is not installed"
+    from transformer_engine.common.attention.kernels import triton_compat
     from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel
 
-    if not isinstance(attn_fwd_kernel, JITFunction):
+    if not triton_compat.is_jit_function(attn_fwd_kernel):
         return "the Triton kernels were loaded for Triton's interpreter (TRITON_INTERPRET=1), which JAX cannot launch"
     return _extension_state()[1]
 

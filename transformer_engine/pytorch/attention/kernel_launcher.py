@@ -24,6 +24,7 @@ from typing import Dict, Mapping, Sequence, Tuple
 import torch
 
 from transformer_engine.common import settings
+from transformer_engine.common.attention.kernels import triton_compat
 from transformer_engine.pytorch.attention.config import triton_interpreting
 
 __all__ = ["launch", "cached_kernels", "clear"]
@@ -47,17 +48,12 @@ def clear() -> None:
 
 def _device_and_stream() -> Tuple[int, int]:
     """The current device and its current stream, as Triton's JIT reads them."""
-    from triton.runtime import driver
-
-    device = driver.active.get_current_device()
-    return device, driver.active.get_current_stream(device)
+    return triton_compat.current_device_and_stream()
 
 
 def _hooks():
     """Triton's launch enter and exit hooks, or (None, None) when neither has anything to call."""
-    from triton import knobs
-
-    enter, exit_ = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    enter, exit_ = triton_compat.launch_hooks()
     active = [h for h in (enter, exit_) if h is not None and getattr(h, "calls", True)]
     return (enter, exit_) if active else (None, None)
 
@@ -66,9 +62,7 @@ def _jit_only(kernel) -> bool:
     """Whether this launch goes through Triton's JIT call (see the module's docstring)."""
     if triton_interpreting() or not settings.get("NVTE_FUSED_ATTN_CACHED_LAUNCH"):
         return True
-    from triton import knobs
-
-    return knobs.runtime.debug or bool(getattr(kernel, "pre_run_hooks", None)) or kernel in _unsupported
+    return triton_compat.runtime_debug() or bool(getattr(kernel, "pre_run_hooks", None)) or kernel in _unsupported
 
 
 def _key(kernel, device: int, values: Sequence[object], options: Mapping[str, int]) -> tuple:
@@ -91,7 +85,7 @@ def _compile(kernel, grid: Tuple[int, int, int], args: Dict[str, object], option
         return _NOT_READY
     if hasattr(compiled, "result"):  # an asynchronous compile's future
         compiled = compiled.result()
-    if not all(hasattr(compiled, a) for a in ("_init_handles", "run", "function", "packed_metadata")):
+    if not triton_compat.has_compiled_launcher(compiled):
         return None
     compiled._init_handles()
     return compiled

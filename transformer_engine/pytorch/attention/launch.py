@@ -17,6 +17,7 @@ from transformer_engine.common.attention import (
     AttnConfig, AttnMaskType, AttnSoftmaxType, BackwardGrads, QKVFormat, launches,
 )
 from transformer_engine.common.attention.config import resolve_bottom_right_diagonal
+from transformer_engine.common.attention.kernels import triton_compat
 from transformer_engine.common.attention.kernels.fill import zero_outside_sequences_kernel
 from transformer_engine.common.attention.kernels.scores import dropout_mask_kernel
 from transformer_engine.common.attention.plan import BackwardPlan, ForwardPlan
@@ -169,9 +170,7 @@ def _tma_scratch(size: int, alignment: int, stream: Optional[int]) -> torch.Tens
 def _ensure_allocator() -> None:
     """Set Triton's allocator for this thread when none is set (the Gluon kernels build TMA descriptors in
     global scratch; autograd's backward runs on its own thread, so this runs at each such launch)."""
-    from triton.runtime import _allocation  # the allocator Triton reads is a private context var
-
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+    if not triton_compat.allocator_is_set():  # Triton's allocator is a private context variable
         triton.set_allocator(_tma_scratch)
 
 

@@ -393,12 +393,13 @@ def maxtext_layer():
 
 
 @pytest.mark.parametrize("make, words", [
-    (lambda: SequenceDescriptor.from_seqlens([-3, 8]), "`seqlens` must be non-negative"),
+    (lambda: SequenceDescriptor.from_seqlens([-3, 8]), "`seqlens` must be -1 (an unused slot) or non-negative, "
+     "got [-3, 8]"),
     (lambda: SequenceDescriptor.from_seqlens((jnp.array([3, 8]), jnp.array([3, -8]))),
-     "`seqlens[1] (kv)` must be non-negative"),
-    (lambda: SequenceDescriptor.from_seqlens(jnp.array([[3, -2]])), "`seqlens` must be -1 (unused slot)"),
+     "`seqlens[1] (kv)` must be -1 (an unused slot) or non-negative"),
+    (lambda: SequenceDescriptor.from_seqlens(jnp.array([[3, -2]])), "`seqlens` must be -1 (an unused slot)"),
     (lambda: SequenceDescriptor.from_seqlens_and_offsets(jnp.array([[3, 2]]), jnp.array([[0, -4]])),
-     "`seq_offsets` must be -1 (unused slot) or non-negative"),
+     "`seq_offsets` must be -1 (an unused slot) or non-negative"),
     (lambda: SequenceDescriptor.from_segment_ids_and_pos(jnp.array([[1, -1]]), jnp.array([[0, 0]])),
      "`segment_ids` must be non-negative"),
     (lambda: SequenceDescriptor.from_segment_ids_and_pos(jnp.array([[1, 1]]), jnp.array([[0, -1]])),
@@ -416,5 +417,6 @@ def test_descriptor_values_are_checked_eagerly(make, words):
 
 def test_descriptor_accepts_te_fill_and_traced_values():
     SequenceDescriptor.from_seqlens(jnp.array([[3, 5, -1, -1]]))  # TE's fill of unused THD slots
+    SequenceDescriptor.from_seqlens(jnp.array([-1, 3]))  # and of an empty row
     SequenceDescriptor.from_seqlens([0, 8])
     jax.jit(lambda x: SequenceDescriptor.from_seqlens(x).seqlens[0])(jnp.array([-3, 8]))  # traced: unchecked

@@ -280,9 +280,9 @@ def _pair(x, arg: str):
     return (x, x)
 
 
-# The smallest value each descriptor field may hold: -1 marks an unused slot of a THD
-# ``[b, segments]`` array (TransformerEngine's fill); lengths of ``[b]`` arrays are plain counts.
-_FIELD_MIN = {"seqlens": 0, "seq_offsets": -1, "segment_ids": 0, "segment_pos": 0}
+# The smallest value each descriptor field may hold: -1 marks an unused (empty) sequence slot in
+# lengths and offsets (TransformerEngine's fill); ids and positions count from 0.
+_FIELD_MIN = {"seqlens": -1, "seq_offsets": -1, "segment_ids": 0, "segment_pos": 0}
 
 
 def _check_field(pair, arg: str):
@@ -300,13 +300,9 @@ def _check_field(pair, arg: str):
         if not _concrete(x) or x.size == 0:
             continue
         low = _FIELD_MIN[arg]
-        if arg == "seqlens" and x.ndim == 2:
-            low = -1
         values = np.asarray(x)
         if values.min() < low:
-            what = "non-negative" if low == 0 else "-1 (unused slot) or non-negative"
-            if arg == "seqlens" and low == 0:
-                what += " (-1 marks an unused slot only in a THD [b, segments] array)"
+            what = "non-negative" if low == 0 else "-1 (an unused slot) or non-negative"
             raise ValueError(f"`{name}` must be {what}, got {values.tolist()}")
     return pair
 

@@ -203,3 +203,24 @@ def test_te_spec_gpt_trains_like_the_local_spec(megatron_world, device):
         own = (low_params[name].double() - ref).abs().max().item()
         got = (te_params[name].double() - ref).abs().max().item()
         assert got <= 4 * max(own, 4 * eps * ref.abs().max().item()), (name, got, own)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                    reason="needs torch.distributed with gloo")
+def test_te_spec_gpt_tensor_parallel_on_two_ranks_matches_one_rank():
+    """tests/pytorch/distributed/megatron_gpt_tp.py in two gloo processes (sequence parallelism
+    needs CUDA there: the script prints a SKIP line for it on CPU and runs it with --device cuda)."""
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(here))]
+                                        + [p for p in [env.get("PYTHONPATH")] if p])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(here, "distributed", "megatron_gpt_tp.py")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
+    report = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0 and lines == ["PASS gpt tp=2 sequence_parallel=False"], report

@@ -26,21 +26,30 @@ are not implemented here). docs/megatron.rst lists every gate checked.
 
 package_version = "0.2.0"
 
-# TransformerEngine API level. Megatron-core 0.19.2 gates (megatron/core/extensions/
-# transformer_engine.py unless named), "on" = passes at this level:
-#   0.8 tp_comm_overlap ub_* kwargs (only when the user sets tp_comm_overlap; refused here)
-#   0.10 DPA attention_type on | 0.11 DPA num_gqa_groups on, LayerNormLinear normalization on
-#   0.12 device kwarg on, forward attn_mask_type on | 1.0 context parallel on
-#   1.2 window_size, attention_bias on | 1.3 max_seqlen_q/kv on | 1.5 te_checkpoint kwargs on
-#   1.6 fp8_dpa/fp8_mha recipe kwargs (FP8: refused) | 1.7 rng_tracker_name on, thd padding masks on
-#   1.9 GroupedLinear subclass (constructing it raises) | 1.10 cp_comm_type, softmax_scale,
-#   (k, v) channels, cu_seqlens_padded on | 1.12 a2a+p2p cp on | 1.13 TE ops classes (only used
-#   when use_te_activation_func / fused_residual_rmsnorm / TEFusedMLP are asked for)
-#   2.0/2.2 fp8_utils QuantizedTensor branch (FP8 only) | 2.2 pad_between_seqs on
-#   2.3 delay_wgrad_compute, symmetric_ar_type (refused when set), rope module path
-#   2.7 router module import (functions refuse when called) | 2.8 softmax_type on
-#   2.9 return_max_logit (qk-clip) on | 2.10 num_splits on, cpu offload retain_pinned kwarg
-#   2.14 (off) grouped-linear single-parameter paths.
+# TransformerEngine API level. Megatron-core 0.19.2 gates checked (megatron/core/extensions/
+# transformer_engine.py unless named); "on" = passes at this level and what it passes is supported,
+# "refused" = passes, but the feature it enables raises a clear error here when a user asks for it:
+#   0.8/1.5/1.6 ub_* overlap kwargs: only with tp_comm_overlap, refused
+#   0.10 DPA attention_type: on          0.11 DPA num_gqa_groups, LayerNormLinear normalization: on
+#   0.12 modules' device kwarg, DPA forward attn_mask_type: on      1.0 context parallelism: on
+#   1.2 window_size, attention_bias: on  1.3 max_seqlen_q/kv: on    1.5 te_checkpoint kwargs (FP8 only)
+#   1.6 DelayedScaling fp8_dpa/fp8_mha: FP8, refused               1.7 Linear rng_tracker_name: on
+#   1.7 thd padding mask types: on; spec_provider: TE Linear MoE experts (SequentialMLP): on
+#   1.8 fp8_interval dropped (FP8)       1.9 TENorm for qk-layernorm (spec_provider, backends): on
+#   1.9 TEGroupedLinear subclass defined: constructing GroupedLinear is refused
+#   1.10 cp_comm_type, softmax_scale, (k, v) channels, cu_seqlens_*_padded: on; bert b11s mask: on
+#   1.12 a2a+p2p context parallelism: on 1.13 TE ops classes (use_te_activation_func,
+#   fused_residual_rmsnorm, TEFusedMLP, use_te_op_fuser): pytorch.ops not provided, refused
+#   2.0/2.2 fp8_utils QuantizedTensor (isinstance checks only): on; 2.1 FusedAdam
+#   store_param_remainders: TE optimizers not provided, Megatron falls back to torch
+#   2.2 DPA pad_between_seqs: on         2.3 delay_wgrad_compute, symmetric_ar_type: refused
+#   2.3 rope module path, interleaved fused RoPE: no fused RoPE module, Megatron reports it
+#   2.6 MoE activation recompute with FP8: FP8, refused
+#   2.7 router module import (functions refuse when called); cross entropy kwargs (TE
+#   cross_entropy not provided, Megatron's native one is used)
+#   2.8 DPA softmax_type: on             2.9 DPA return_max_logit (qk-clip): on
+#   2.10 DPA num_splits: on; cpu offload retain_pinned kwarg (cpu_offload not provided)
+#   2.14 single grouped weight/bias, TEFusedMLPWithGroupedLinear: off (not implemented here)
 te_api_level = "2.10.0"
 
 __version__ = f"{te_api_level}+da{package_version}"

@@ -231,17 +231,43 @@ def test_layernorm_linear_equals_norm_then_linear_and_return_orders():
 
 # --- determinism and tensor parallelism ------------------------------------------------------
 
-def test_repeated_runs_are_bitwise_equal():
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_repeated_runs_are_bitwise_equal(device):
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+
     def once():
         torch.manual_seed(5)
-        mod = torch.nn.Sequential(te.LayerNormLinear(48, 96, normalization="RMSNorm", device=DEVICE),
-                                  torch.nn.GELU(), te.Linear(96, 48, device=DEVICE), te.LayerNorm(48, device=DEVICE))
-        x = torch.randn(17, 3, 48)
-        return _fwd_bwd(mod, x)[:3]
+        mod = torch.nn.Sequential(te.LayerNormLinear(48, 96, normalization="RMSNorm", device=device),
+                                  torch.nn.GELU(), te.Linear(96, 48, device=device), te.LayerNorm(48, device=device))
+        mod = mod.to(dtype)
+        x = torch.randn(17, 3, 48).to(device=device, dtype=dtype)
+        gen = torch.Generator().manual_seed(9)
+        weights = [torch.randn(17, 3, 48, generator=gen).to(device=device, dtype=dtype)]
+        return _fwd_bwd(mod, x, weights)[:3]
 
     (o1, dx1, g1), (o2, dx2, g2) = once(), once()
     assert all(torch.equal(a, b) for a, b in zip(o1, o2)) and torch.equal(dx1, dx2)
     assert g1.keys() == g2.keys() and all(torch.equal(g1[k], g2[k]) for k in g1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (bf16 on the GPU)")
+def test_layernorm_linear_bf16_on_cuda_errs_no_more_than_torch():
+    """bf16 on the GPU: the error against fp64 is within twice that of torch's own bf16
+    layer_norm + linear on the same inputs (plus one bf16 ulp of the output scale)."""
+    mod = te.LayerNormLinear(256, 512, device="cuda", params_dtype=torch.bfloat16)
+    _randomize(mod)
+    x = torch.randn(64, 4, 256, generator=torch.Generator().manual_seed(6)).cuda().bfloat16()
+    out = mod(x)
+    p = {n: t.double() for n, t in mod.named_parameters()}
+    ref = torch.nn.functional.linear(torch.nn.functional.layer_norm(x.double(), (256,), p["layer_norm_weight"],
+                                                                    p["layer_norm_bias"], 1e-5), p["weight"], p["bias"])
+    torch_bf16 = torch.nn.functional.linear(
+        torch.nn.functional.layer_norm(x, (256,), mod.layer_norm_weight, mod.layer_norm_bias, 1e-5), mod.weight, mod.bias)
+    ours, theirs = (out.double() - ref).abs().max().item(), (torch_bf16.double() - ref).abs().max().item()
+    assert ours <= 2 * theirs + 2 ** -8 * ref.abs().max().item(), (ours, theirs)
 
 
 @pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),

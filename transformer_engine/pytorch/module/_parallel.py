@@ -35,8 +35,8 @@ def _reduce_scatter_dim0(x: torch.Tensor, group: Any) -> torch.Tensor:
     if x.shape[0] % size:
         raise ValueError(f"sequence-parallel dim 0 ({x.shape[0]}) must be divisible by the tensor-parallel size {size}")
     rank = dist.get_rank(group)
-    if dist.get_backend(group) == "gloo":
-        # gloo has no reduce-scatter: all-reduce, keep this rank's slice.
+    if not (x.is_cuda and "nccl" in str(dist.get_backend(group))):
+        # gloo (CPU tensors) has no reduce-scatter: all-reduce, keep this rank's slice.
         return _all_reduce(x, group).chunk(size, dim=0)[rank].contiguous()
     out = torch.empty((x.shape[0] // size,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     dist.reduce_scatter_tensor(out, x.contiguous(), group=group)

@@ -173,6 +173,8 @@ def _attend(inputs: Dict):
     fwd = dict(inputs["forward"])
     bias = inputs["bias"]
     module = DotProductAttention(**inputs["module"]).to(device=q.device, dtype=q.dtype)
+    if module.softmax_type != "vanilla":  # as TransformerEngine's test does, off-by-one's zero offset included
+        module.softmax_offset.requires_grad = True
     out = module(q, k, v, **fwd)
     max_logit = None
     if isinstance(out, tuple):

@@ -112,7 +112,7 @@ class Linear(TransformerEngineBaseModule):
             self.bias = self._new_parameter((self.out_features,), device, dtype)
         else:
             self.register_parameter("bias", None)
-        if parallel_mode is not None and self.tp_size > 1:
+        if parallel_mode is not None:
             set_tensor_parallel_attributes(self.weight, 0 if parallel_mode == "column" else 1)
             if self.bias is not None and parallel_mode == "column":
                 set_tensor_parallel_attributes(self.bias, 0)

@@ -116,12 +116,14 @@ class _ReproducedTEDotProductAttention(DotProductAttention):
     parameters Megatron keeps are passed as keywords; the mask travels positionally)."""
 
     def __init__(self, heads: int, groups: int, kv_channels: int, attn_mask_type: str,
-                 attention_dropout: float = 0.0) -> None:
+                 attention_dropout: float = 0.0, softmax_type: str = "vanilla") -> None:
         self.qkv_format = "sbhd"
+        extra = {} if softmax_type == "vanilla" else dict(softmax_type=softmax_type)
         super().__init__(
             num_attention_heads=heads, kv_channels=kv_channels, attention_dropout=attention_dropout,
             attn_mask_type=attn_mask_type, sequence_parallel=False, tp_size=1, get_rng_state_tracker=None,
             tp_group=None, layer_number=1, num_gqa_groups=groups, attention_type="self", softmax_scale=None,
+            **extra,
         )
 
     def forward(self, query, key, value, attention_mask, attn_mask_type: str,
@@ -136,16 +138,18 @@ class _ReproducedTEDotProductAttention(DotProductAttention):
 class _Layer:
     """One TEDotProductAttention, Megatron's or reproduced, with Megatron's forward signature."""
 
-    def __init__(self, kind: str, heads: int, groups: int, mask: str, deterministic: bool = False) -> None:
+    def __init__(self, kind: str, heads: int, groups: int, mask: str, deterministic: bool = False,
+                 softmax_type: str = "vanilla") -> None:
         self.kind = kind
         if kind == "megatron":
             config = TransformerConfig(num_layers=1, hidden_size=heads * D, num_attention_heads=heads,
                                        num_query_groups=groups, kv_channels=D, attention_dropout=0.0,
-                                       hidden_dropout=0.0, deterministic_mode=deterministic)
+                                       hidden_dropout=0.0, deterministic_mode=deterministic,
+                                       softmax_type=softmax_type)
             self.module = TEDotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType[mask],
                                                 attention_type="self")
         else:
-            self.module = _ReproducedTEDotProductAttention(heads, groups, D, mask)
+            self.module = _ReproducedTEDotProductAttention(heads, groups, D, mask, softmax_type=softmax_type)
         assert isinstance(self.module, DotProductAttention)
 
     def __call__(self, q, k, v, attention_mask, mask: str, thd_cu: Optional[torch.Tensor] = None):
@@ -171,15 +175,16 @@ def _leaves(shapes, dtype, seed):
 
 
 def _sbhd_case(layer, heads, groups, dtype, mask, seed=0, with_megatron_mask=True):
-    """(out [s, b, h, d], grads, d_out, inputs) of one sbhd forward + backward through ``layer``."""
+    """(out [s, b, h, d], grads, d_out, inputs) of one sbhd forward + backward through ``layer``; the backward
+    is ``out.backward`` as a training step runs it (the module's own tensors get their ``.grad``)."""
     q, k, v = _leaves([(S, B, heads, D), (S, B, groups, D), (S, B, groups, D)], dtype, seed)
     attention_mask = _megatron_causal_mask(B, S) if with_megatron_mask else None
     out = layer(q, k, v, attention_mask, mask)
     assert out.shape == (S, B, heads * D)
     out = out.view(S, B, heads, D)
     d_out = torch.randn(out.shape, generator=gen(seed + 1)).to(DEVICE, dtype)
-    grads = torch.autograd.grad(out, (q, k, v), d_out)
-    return out, grads, d_out, (q, k, v)
+    out.backward(d_out)
+    return out.detach(), (q.grad, k.grad, v.grad), d_out, (q, k, v)
 
 
 def _thd_case(layer, heads, groups, dtype, mask, seed=0):
@@ -287,6 +292,42 @@ def test_thd_packed_sequences(megatron_parallel_state, monkeypatch, kind, backen
     out, grads, d_out, inputs, cu = _thd_case(layer, *heads, _dtype(backend), mask, seed=11)
     _expect_backend(layer, backend)
     _check_thd(out, grads, d_out, inputs, cu, mask)
+
+
+@pytest.mark.parametrize("kind", LAYERS)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("softmax_type", ["off-by-one", "learnable"])
+def test_sink_softmax_from_megatrons_config(megatron_parallel_state, monkeypatch, kind, backend, softmax_type):
+    """TransformerConfig.softmax_type reaches our module: softmax_offset as TransformerEngine keeps it (a
+    parameter for learnable, a plain zero tensor for off-by-one), the sink in every row's softmax, and the
+    offset's gradient (off-by-one's once its requires_grad is set, as TransformerEngine's tests do)."""
+    monkeypatch.setenv("NVTE_FUSED_ATTN_BACKEND", backend)
+    dtype = _dtype(backend)
+    layer = _Layer(kind, 4, 2, "causal", softmax_type=softmax_type)
+    offset = layer.module.softmax_offset
+    assert offset.shape == (4,) and offset.dtype == torch.float32
+    assert isinstance(offset, torch.nn.Parameter) == (softmax_type == "learnable")
+    if softmax_type == "learnable":
+        with torch.no_grad():
+            offset.copy_(torch.randn(4, generator=gen(37)))
+    else:
+        offset.requires_grad = True
+    out, grads, d_out, inputs = _sbhd_case(layer, 4, 2, dtype, "causal", seed=35)
+    _expect_backend(layer, backend)
+    assert offset.grad is not None and offset.grad.abs().sum() > 0
+    results = []
+    for ref_dtype in (torch.float64, dtype):
+        leaves = [t.detach().to(ref_dtype).requires_grad_() for t in inputs + (offset,)]
+        q, k, v, sink = leaves
+        k, v = (t.repeat_interleave(2, dim=2) for t in (k, v))
+        s = torch.einsum("sbhd,tbhd->bhst", q, k) * D ** -0.5
+        s = s.masked_fill(torch.ones(S, S, dtype=torch.bool, device=DEVICE).triu(1), float("-inf"))
+        s = torch.cat([s, sink.view(1, 4, 1, 1).expand(B, 4, S, 1)], dim=-1)
+        ref = torch.einsum("bhst,tbhd->sbhd", torch.softmax(s, dim=-1)[..., :-1], v)
+        results.append([ref] + list(torch.autograd.grad(ref, leaves, d_out.to(ref_dtype))))
+    names = ("out", "dq", "dk", "dv", "d_softmax_offset")
+    for name, ours, r, lp in zip(names, [out] + list(grads) + [offset.grad], *results):
+        assert_close_to_reference(name, ours, r, lp)
 
 
 # -- determinism ----------------------------------------------------------------------------------------------

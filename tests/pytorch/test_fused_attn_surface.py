@@ -230,5 +230,6 @@ def test_double_backward_is_refused_by_name(with_bias):
         assert torch.equal(a, b.detach())
         assert b.requires_grad
     for g in recorded:
-        with pytest.raises(NotImplementedError, match=r"double backward.*FusedAttnFunc.*transformer_engine::fused_attn_bwd"):
+        named = r"double backward.*FusedAttnFunc.*transformer_engine::fused_attn_bwd"
+        with pytest.raises(NotImplementedError, match=named):
             torch.autograd.grad(g.float().square().sum(), leaves, allow_unused=True, retain_graph=True)

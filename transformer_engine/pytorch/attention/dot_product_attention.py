@@ -357,9 +357,9 @@ class DotProductAttention(torch.nn.Module):
     module's parameter ``softmax_offset`` (fp32 ``[num_attention_heads // tp_size]``, zeros at
     construction), added to the scaled (and biased) scores as it is. With ``"off-by-one"``,
     ``softmax_offset`` is that shape's fp32 zero tensor as a plain attribute (as in TransformerEngine:
-    no parameter, no buffer); set its ``requires_grad`` to get the sink logit's gradient in its ``.grad``. This extra "sink" logit has no
-    value vector: it takes probability from the keys (a row that sees no key outputs zeros), and
-    dropout applies to the keys' probabilities. Sink softmax runs fused (our Triton kernels, also in
+    no parameter, no buffer); set its ``requires_grad`` to get the sink logit's gradient in its ``.grad``.
+    This extra "sink" logit has no value vector: it takes probability from the keys (a row that sees no
+    key outputs zeros), and dropout applies to the keys' probabilities. Sink softmax runs fused (our Triton kernels, also in
     deterministic mode, where ``softmax_offset``'s gradient is summed over the batch in a fixed order:
     each sequence's part in any batch is bitwise the same) or unfused; flash-attn-4 is not used for it.
 

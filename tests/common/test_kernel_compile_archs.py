@@ -252,8 +252,10 @@ if __name__ == "__main__":
     errors = {k: r["error"] for k, r in results.items() if "error" in r}
     if errors:
         sys.exit(f"{len(errors)} launches do not compile: {next(iter(errors.values()))}")
-    ALL_KNOWN_SPILLS[_release()] = measured_spills(results)
+    with open(SPILLS_FILE) as f:  # read again: another release may have been recorded meanwhile
+        records = json.load(f)
+    records[_release()] = measured_spills(results)
     with open(SPILLS_FILE, "w") as f:
-        json.dump(ALL_KNOWN_SPILLS, f, indent=1, sort_keys=True)
+        json.dump(records, f, indent=1, sort_keys=True)
         f.write("\n")
-    print(f"triton {_release()}: {len(ALL_KNOWN_SPILLS[_release()])} spilling launches recorded in {SPILLS_FILE}")
+    print(f"triton {_release()}: {len(records[_release()])} spilling launches recorded in {SPILLS_FILE}")

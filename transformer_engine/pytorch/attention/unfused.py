@@ -15,9 +15,13 @@ position where ``attention_mask`` is True. Rows that see no key give zero output
 gradient (never NaN); padded positions of the output are zero. Sink softmax (``off-by-one``,
 ``learnable``) appends one always-visible logit per row to the softmax and drops its column after.
 
-Determinism: every reduction is a plain PyTorch reduction or matmul; the only index
-operations (THD packing) map each real token to exactly one place, so their backward adds
-each gradient once and stays bitwise reproducible even where PyTorch uses atomics.
+Determinism and invariance: every sum over keys (softmax normaliser, ``P V``, ``dQ``) or queries
+(``dK``, ``dV``) has one fixed structure (``common/attention/reduction.py``): fixed-shape block
+products, combined by an adjacent-pair tree in which trailing zeros change no bit. So a sequence's
+outputs and q/k/v gradients are bitwise the same alone, in any batch, padded to any length or
+packed (THD), run after run. (A bias's or sink's gradient summed over a batch depends on the batch.)
+The only index operations (THD packing) map each real token to exactly one place, so their backward
+adds each gradient once and stays bitwise reproducible even where PyTorch uses atomics.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch.nn.functional as F
 
 from transformer_engine.common.attention import AttnBiasType, AttnMaskType, AttnSoftmaxType, QKVFormat
 from transformer_engine.common.attention.config import normalize_window, resolve_bottom_right_diagonal
+from transformer_engine.common.attention.reduction import KEY_BLOCK, QUERY_BLOCK, num_blocks
 from transformer_engine.common.attention.validation import check_input_dtype, check_softmax_scale
 from transformer_engine.pytorch.attention.config import (
     check_cu_seqlens, check_qkv, check_sequence_values, dtype_name, qkv_dims,
@@ -188,6 +193,176 @@ def _alibi_bias(slopes: torch.Tensor, sq: int, skv: int, bottom_right: bool, len
     return -s * dist
 
 
+def _tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Adjacent-pair tree sum over ``dim`` (removed), zero-padding odd levels (common/attention/reduction.py):
+    trailing zeros along ``dim`` change no bit of the result. Only elementwise adds, so the order is
+    the same for every shape and every thread count."""
+    dim = dim % x.dim()
+    if x.shape[dim] == 0:
+        return x.new_zeros(x.shape[:dim] + x.shape[dim + 1:])
+    while x.shape[dim] > 1:
+        if x.shape[dim] % 2:
+            x = torch.cat([x, x.new_zeros(x.shape[:dim] + (1,) + x.shape[dim + 1:])], dim)
+        x = x.unflatten(dim, (-1, 2))
+        x = x.select(dim + 1, 0) + x.select(dim + 1, 1)
+    return x.squeeze(dim)
+
+
+def _pad_dim(x: torch.Tensor, dim: int, block: int) -> torch.Tensor:
+    pad = num_blocks(x.shape[dim], block) * block - x.shape[dim]
+    if pad == 0:
+        return x
+    return torch.cat([x, x.new_zeros(x.shape[:dim] + (pad,) + x.shape[dim + 1:])], dim)
+
+
+def _rows_to_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """[b, h, s, d] -> [b, h, n, block, d] (zero-padded)."""
+    return _pad_dim(x, 2, block).unflatten(2, (-1, block))
+
+
+def _blocks_to_rows(x: torch.Tensor, length: int) -> torch.Tensor:
+    """[b, h, n, block, d] -> [b, h, length, d]."""
+    return x.flatten(2, 3)[:, :, :length]
+
+
+def _matrix_to_blocks(x: torch.Tensor) -> torch.Tensor:
+    """[b, h, sq, skv] -> [b, h, nq, nk, QUERY_BLOCK, KEY_BLOCK] (zero-padded)."""
+    x = _pad_dim(_pad_dim(x, 2, QUERY_BLOCK), 3, KEY_BLOCK)
+    return x.unflatten(3, (-1, KEY_BLOCK)).unflatten(2, (-1, QUERY_BLOCK)).permute(0, 1, 2, 4, 3, 5)
+
+
+def _blocks_to_matrix(x: torch.Tensor, sq: int, skv: int) -> torch.Tensor:
+    """Inverse of :func:`_matrix_to_blocks`."""
+    b, h, nq, nk, bq, bk = x.shape
+    return x.permute(0, 1, 2, 4, 3, 5).reshape(b, h, nq * bq, nk * bk)[:, :, :sq, :skv]
+
+
+def _block_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` over broadcast leading dims, as one bmm of row-major matrices of one fixed block shape:
+    each product's contraction is then computed the same way whatever the batch, the sequence lengths
+    and the number of blocks (a bigger matmul lets the BLAS library choose its blocking by size)."""
+    lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    n = math.prod(lead)
+    a3 = a.expand(lead + a.shape[-2:]).reshape((n,) + a.shape[-2:]).contiguous()
+    b3 = b.expand(lead + b.shape[-2:]).reshape((n,) + b.shape[-2:]).contiguous()
+    return torch.bmm(a3, b3).view(lead + (a.shape[-2], b.shape[-1]))
+
+
+def _expand_heads(x: torch.Tensor, group: int) -> torch.Tensor:
+    """GQA: key/value head ``i`` serves query heads ``i * group .. (i + 1) * group - 1``."""
+    if group == 1:
+        return x
+    b, h, s, d = x.shape
+    return x.unsqueeze(2).expand(b, h, group, s, d).reshape(b, h * group, s, d)
+
+
+def _sum_heads(x: torch.Tensor, group: int) -> torch.Tensor:
+    """Backward of :func:`_expand_heads`: the group's gradients summed in the tree order."""
+    if group == 1:
+        return x
+    b, h, s, d = x.shape
+    return _tree_sum(x.view(b, h // group, group, s, d), 2)
+
+
+class _BlockedScores(torch.autograd.Function):
+    """``q k^T`` ([b, h, sq, d] x [b, h_kv, skv, d] -> [b, h, sq, skv]) in fixed block products;
+    dq sums over key blocks and dk over query blocks (and the GQA group) in the tree order. The
+    backward recomputes the blocks from the saved inputs, so that it is differentiable again."""
+
+    @staticmethod
+    def forward(ctx, q, k, group: int):
+        qb = _rows_to_blocks(q, QUERY_BLOCK)  # [b, h, nq, BQ, d]
+        kb = _rows_to_blocks(_expand_heads(k, group), KEY_BLOCK)  # [b, h, nk, BK, d]
+        ctx.save_for_backward(q, k)
+        ctx.group, ctx.sq, ctx.skv = group, q.shape[2], k.shape[2]
+        s = _block_matmul(qb.unsqueeze(3), kb.transpose(-1, -2).unsqueeze(2))  # [b, h, nq, nk, BQ, BK]
+        return _blocks_to_matrix(s, ctx.sq, ctx.skv)
+
+    @staticmethod
+    def backward(ctx, ds):
+        q, k = ctx.saved_tensors
+        qb = _rows_to_blocks(q, QUERY_BLOCK)
+        kb = _rows_to_blocks(_expand_heads(k, ctx.group), KEY_BLOCK)
+        dsb = _matrix_to_blocks(ds)
+        dq = dk = None
+        if ctx.needs_input_grad[0]:
+            dq = _tree_sum(_block_matmul(dsb, kb.unsqueeze(2)), 3)  # [b, h, nq, BQ, d]
+            dq = _blocks_to_rows(dq, ctx.sq)
+        if ctx.needs_input_grad[1]:
+            dk = _tree_sum(_block_matmul(dsb.transpose(-1, -2), qb.unsqueeze(3)), 2)  # [b, h, nk, BK, d]
+            dk = _sum_heads(_blocks_to_rows(dk, ctx.skv), ctx.group)
+        return dq, dk, None
+
+
+class _BlockedProbsV(torch.autograd.Function):
+    """``p v`` ([b, h, sq, skv] x [b, h_kv, skv, d_v]) summed over key blocks in the tree order;
+    dp in the same block products, dv summed over query blocks (and the GQA group) in the tree order."""
+
+    @staticmethod
+    def forward(ctx, p, v, group: int):
+        pb = _matrix_to_blocks(p)  # [b, h, nq, nk, BQ, BK]
+        vb = _rows_to_blocks(_expand_heads(v, group), KEY_BLOCK)  # [b, h, nk, BK, dv]
+        ctx.save_for_backward(p, v)
+        ctx.group, ctx.sq, ctx.skv = group, p.shape[2], p.shape[3]
+        out = _tree_sum(_block_matmul(pb, vb.unsqueeze(2)), 3)  # [b, h, nq, BQ, dv]
+        return _blocks_to_rows(out, ctx.sq)
+
+    @staticmethod
+    def backward(ctx, dout):
+        p, v = ctx.saved_tensors
+        pb = _matrix_to_blocks(p)
+        vb = _rows_to_blocks(_expand_heads(v, ctx.group), KEY_BLOCK)
+        dob = _rows_to_blocks(dout, QUERY_BLOCK)  # [b, h, nq, BQ, dv]
+        dp = dv = None
+        if ctx.needs_input_grad[0]:
+            dp = _block_matmul(dob.unsqueeze(3), vb.transpose(-1, -2).unsqueeze(2))  # [b, h, nq, nk, BQ, BK]
+            dp = _blocks_to_matrix(dp, ctx.sq, ctx.skv)
+        if ctx.needs_input_grad[1]:
+            dv = _tree_sum(_block_matmul(pb.transpose(-1, -2), dob.unsqueeze(3)), 2)  # [b, h, nk, BK, dv]
+            dv = _sum_heads(_blocks_to_rows(dv, ctx.skv), ctx.group)
+        return dp, dv, None
+
+
+def _softmax_parts(scores, keep, sink):
+    """(p, p_sink): probabilities of the visible keys and of the sink logit (None without one)."""
+    neg_inf = torch.tensor(float("-inf"), dtype=scores.dtype, device=scores.device)
+    s = torch.where(keep, scores, neg_inf)
+    row_max = s.detach().amax(dim=-1, keepdim=True)
+    if sink is not None:
+        sink_col = sink.view(1, -1, 1, 1)
+        row_max = torch.maximum(row_max, sink_col.detach())
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    e = torch.exp(s - row_max)
+    denom = _tree_sum(e, -1).unsqueeze(-1)
+    if sink is not None:
+        e_sink = torch.exp(sink_col - row_max)
+        denom = denom + e_sink
+    denom = torch.where(denom > 0, denom, torch.ones_like(denom))
+    return e / denom, (e_sink / denom if sink is not None else None)
+
+
+class _MaskedSoftmax(torch.autograd.Function):
+    """Softmax over keys of the visible scores; sums over keys in the tree order (the row max is
+    exact in any order). The backward recomputes the probabilities from the saved inputs, so that it
+    is differentiable again."""
+
+    @staticmethod
+    def forward(ctx, scores, keep, sink):
+        ctx.save_for_backward(scores, keep, sink)
+        return _softmax_parts(scores, keep, sink)[0]
+
+    @staticmethod
+    def backward(ctx, dp):
+        scores, keep, sink = ctx.saved_tensors
+        p, p_sink = _softmax_parts(scores, keep, sink)
+        delta = _tree_sum(dp * p, -1).unsqueeze(-1)
+        ds = p * (dp - delta)
+        dsink = None
+        if p_sink is not None and ctx.needs_input_grad[2]:
+            dsink = -(p_sink * delta).sum(dim=(0, 2, 3))  # a per-head parameter: summed over the batch
+        return ds, None, dsink
+
+
 def _masked_softmax(scores: torch.Tensor, keep: torch.Tensor, sink: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Softmax over the last dim of visible entries; rows with nothing visible are all zero.
 
@@ -195,20 +370,11 @@ def _masked_softmax(scores: torch.Tensor, keep: torch.Tensor, sink: Optional[tor
     row's normaliser is replaced by 1 when the row is empty. ``sink`` ([h] logits, sink softmax):
     one more always-visible logit per row of head h, in the normaliser only (no value vector).
     """
-    neg_inf = torch.tensor(float("-inf"), dtype=scores.dtype, device=scores.device)
-    scores = torch.where(keep, scores, neg_inf)
     if scores.shape[-1] == 0:  # no keys at all (s_kv = 0): every row is empty
         return scores
     if sink is not None:
-        b, h, sq, _ = scores.shape
-        column = sink.to(scores.dtype).view(1, h, 1, 1).expand(b, h, sq, 1)
-        scores = torch.cat([scores, column], dim=-1)
-    row_max = scores.detach().amax(dim=-1, keepdim=True)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    p = torch.exp(scores - row_max)
-    denom = p.sum(dim=-1, keepdim=True)
-    p = p / torch.where(denom > 0, denom, torch.ones_like(denom))
-    return p[..., :-1] if sink is not None else p
+        sink = sink.to(scores.dtype)
+    return _MaskedSoftmax.apply(scores, keep.expand(scores.shape), sink)
 
 
 def unfused_attention(
@@ -336,13 +502,6 @@ def unfused_math(q, k, v, fmt: QKVFormat, mask: AttnMaskType, window: Tuple[int,
             ) from None
         keep = keep & ~attention_mask.to(q.device)
 
-    # GQA: expand (a view; its backward is a fixed-order sum over the group) instead of indexing.
-    def expand(x: torch.Tensor) -> torch.Tensor:
-        if group == 1:
-            return x
-        bx, hx, sx, dx = x.shape
-        return x.unsqueeze(2).expand(bx, hx, group, sx, dx).reshape(bx, hx * group, sx, dx)
-
     if bias_type in (AttnBiasType.PRE_SCALE_BIAS, AttnBiasType.POST_SCALE_BIAS):
         if core_attention_bias is None:
             raise ValueError(f"`core_attention_bias` must be given for core_attention_bias_type={bias_type.value!r}")
@@ -350,8 +509,10 @@ def unfused_math(q, k, v, fmt: QKVFormat, mask: AttnMaskType, window: Tuple[int,
     if alibi_slopes is not None and tuple(alibi_slopes.shape) not in ((hq,), (b, hq)):
         raise ValueError(f"`alibi_slopes` must have shape [{hq}] or [{b}, {hq}], got {tuple(alibi_slopes.shape)}")
 
-    qc, kc, vc = qb.to(compute_dtype), expand(kb).to(compute_dtype), expand(vb).to(compute_dtype)
-    scores = torch.matmul(qc, kc.transpose(-1, -2))
+    # Fixed reduction structure (common/attention/reduction.py): a row's bits do not depend on the
+    # batch, on the padded lengths or on packing. GQA heads are expanded inside the blocked products.
+    qc, kc, vc = qb.to(compute_dtype), kb.to(compute_dtype), vb.to(compute_dtype)
+    scores = _BlockedScores.apply(qc, kc, group)
     if bias_type == AttnBiasType.PRE_SCALE_BIAS:
         scores = (scores + core_attention_bias.to(compute_dtype)) * softmax_scale
     else:
@@ -382,7 +543,7 @@ def unfused_math(q, k, v, fmt: QKVFormat, mask: AttnMaskType, window: Tuple[int,
     if dropout_p > 0.0:
         with (rng_context() if rng_context is not None else contextlib.nullcontext()):
             probs = F.dropout(probs, p=dropout_p, training=True)
-    out = torch.matmul(probs, vc).to(q.dtype)  # [b, hq, sq, dv]
+    out = _BlockedProbsV.apply(probs, vc, group).to(q.dtype)  # [b, hq, sq, dv]
 
     if fmt == QKVFormat.THD:
         out = _unpad_thd(out, _unpack_index(starts_q, lengths_q, sq, q.shape[0]))

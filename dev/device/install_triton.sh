@@ -45,6 +45,11 @@ install() {
   cat "$STAGE"/triton.tar.xz.part0[0-2] > "$STAGE/triton.tar.xz" && (cd "$STAGE" && sha256sum -c --quiet SHA256SUMS) \
     || { echo "install: checksum mismatch"; return 1; }
   rm -rf "$SITE" && mkdir -p "$SITE" && xz -dc "$STAGE/triton.tar.xz" | tar -C "$SITE" -xf - || return 1
+  # Triton 3.9 looks for the Blackwell tools even when compiling for Hopper: the ones kept serve both.
+  local b
+  for b in ptxas cuobjdump nvdisasm; do
+    [ -e "$SITE/triton/backends/nvidia/bin/$b-blackwell" ] || ln -s "$b" "$SITE/triton/backends/nvidia/bin/$b-blackwell"
+  done
   echo "export PYTHONPATH=$SITE\${PYTHONPATH:+:\$PYTHONPATH}" > "$SITE/env.sh"
   # shellcheck disable=SC1091
   source "$SITE/env.sh"

@@ -168,19 +168,27 @@ def test_linear_defaults_and_init():
     assert meta.weight.is_meta
 
 
+# The tracker forks CUDA's generator where CUDA is available (as TE's does), else the CPU's.
+RNG_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _rng_state():
+    return torch.cuda.get_rng_state() if RNG_DEVICE == "cuda" else torch.get_rng_state()
+
+
 def test_linear_init_runs_inside_the_rng_tracker_fork():
     tracker = CudaRNGStatesTracker()
     tracker.add("model-parallel-rng", 1234)
     tracker.add("other", 99)
     torch.manual_seed(0)
-    before = torch.get_rng_state()
-    a = te.Linear(8, 4, get_rng_state_tracker=lambda: tracker, device=DEVICE)
-    assert torch.equal(torch.get_rng_state(), before)  # the default stream is untouched
-    b = te.Linear(8, 4, get_rng_state_tracker=lambda: tracker, rng_tracker_name="other", device=DEVICE)
+    before = _rng_state()
+    a = te.Linear(8, 4, get_rng_state_tracker=lambda: tracker, device=RNG_DEVICE)
+    assert torch.equal(_rng_state(), before)  # the default stream is untouched
+    b = te.Linear(8, 4, get_rng_state_tracker=lambda: tracker, rng_tracker_name="other", device=RNG_DEVICE)
     fresh = CudaRNGStatesTracker()
     fresh.add("model-parallel-rng", 1234)
     with fresh.fork():
-        expected = torch.empty(4, 8).normal_(0, 0.023)
+        expected = torch.empty(4, 8, device=RNG_DEVICE).normal_(0, 0.023)
     assert torch.equal(a.weight, expected) and not torch.equal(b.weight, expected)
 
 
@@ -334,17 +342,17 @@ def test_rng_tracker_fork_add_get_set_reset():
         with tracker.fork("missing"):
             pass
     torch.manual_seed(0)
-    outside = torch.get_rng_state()
+    outside = _rng_state()
     saved = tracker.get_states()
     with tracker.fork("a"):
-        first = torch.rand(4)
+        first = torch.rand(4, device=RNG_DEVICE)
     with tracker.fork("a"):
-        second = torch.rand(4)  # the stream continues where the last fork left it
-    assert torch.equal(torch.get_rng_state(), outside) and not torch.equal(first, second)
+        second = torch.rand(4, device=RNG_DEVICE)  # the stream continues where the last fork left it
+    assert torch.equal(_rng_state(), outside) and not torch.equal(first, second)
     assert "a" in get_all_rng_states()
     tracker.set_states(saved)
     with tracker.fork("a"):
-        assert torch.equal(torch.rand(4), first)
+        assert torch.equal(torch.rand(4, device=RNG_DEVICE), first)
     tracker.reset()
     assert tracker.get_states() == {}
     tracker.add("a", 1)  # the seed is free again after reset

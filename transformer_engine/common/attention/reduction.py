@@ -24,8 +24,8 @@ from typing import List
 
 __all__ = ["KEY_BLOCK", "QUERY_BLOCK", "num_blocks", "tree_levels", "tree_sum_order"]
 
-KEY_BLOCK = 32
-QUERY_BLOCK = 32
+KEY_BLOCK = 64
+QUERY_BLOCK = 64
 
 
 def num_blocks(length: int, block: int) -> int:

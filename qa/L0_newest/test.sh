@@ -34,6 +34,7 @@ fi
 
 install_newest() {
   [ -x "$VENV/bin/python" ] || "$BASE" -m venv "$VENV" || return 1
+  PIP_CONFIG_FILE=/dev/null "$VENV/bin/python" -m pip install -q -U pip || return 1
   # The package index as a user sees it: a machine-wide pip configuration (a constraint on torch for
   # local wheels of another Python) must not decide what this environment gets.
   PIP_CONFIG_FILE=/dev/null "$VENV/bin/python" -m pip install -q -r requirements/test-newest.txt || return 1

@@ -106,10 +106,3 @@ def row_output(y: torch.Tensor, group: Optional[Any], sequence_parallel: bool) -
     if group_size(group) == 1:
         return y
     return _ScatterSequence.apply(y, group) if sequence_parallel else _ReduceFromGroup.apply(y, group)
-
-
-def gather_sequence(x: torch.Tensor, group: Optional[Any]) -> torch.Tensor:
-    """All-gather along dim 0 (differentiable)."""
-    if group_size(group) == 1:
-        return x
-    return _GatherSequence.apply(x, group)

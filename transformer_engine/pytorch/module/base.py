@@ -86,6 +86,12 @@ def divide(total: int, parts: int, name: str) -> int:
     return total // parts
 
 
+def check_features(in_features: int, out_features: int) -> None:
+    for arg, value in (("in_features", in_features), ("out_features", out_features)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"`{arg}` must be a positive int, got {value!r}")
+
+
 def set_tensor_parallel_attributes(param: torch.nn.Parameter, partition_dim: int) -> None:
     """The attributes Megatron reads from a tensor-parallel shard (gradient norm, checkpointing)."""
     param.tensor_model_parallel = True
@@ -118,6 +124,20 @@ class TransformerEngineBaseModule(torch.nn.Module):
 
     def _new_parameter(self, shape, device: torch.device, dtype: torch.dtype) -> torch.nn.Parameter:
         return torch.nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+
+    def _new_weight_and_bias(self, out_features: int, in_features: int, bias: bool, device: torch.device,
+                             dtype: torch.dtype) -> None:
+        """``weight`` [out, in] and ``bias`` [out] (registered as None without a bias)."""
+        self.weight = self._new_parameter((out_features, in_features), device, dtype)
+        if bias:
+            self.bias = self._new_parameter((out_features,), device, dtype)
+        else:
+            self.register_parameter("bias", None)
+
+    @staticmethod
+    def _returned_bias(out: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """What ``return_bias=True`` returns without a bias: an empty tensor, as TransformerEngine does."""
+        return bias if bias is not None else torch.empty(0, dtype=out.dtype, device=out.device)
 
     def _init_weight(self, weight: torch.nn.Parameter, init_method: Optional[Callable],
                      get_rng_state_tracker: Optional[Callable], rng_tracker_name: Optional[str]) -> None:

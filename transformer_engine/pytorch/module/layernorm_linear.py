@@ -15,6 +15,7 @@ import torch
 from transformer_engine.pytorch.module import _parallel
 from transformer_engine.pytorch.module.base import (
     TransformerEngineBaseModule,
+    check_features,
     check_normalization,
     check_parallel_mode,
     divide,
@@ -77,9 +78,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
                            ub_bulk_dgrad=ub_bulk_dgrad, ub_bulk_wgrad=ub_bulk_wgrad)
         check_parallel_mode(owner, parallel_mode, (None, "column"))
         check_normalization(owner, normalization)
-        for arg, value in (("in_features", in_features), ("out_features", out_features)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"`{arg}` must be a positive int, got {value!r}")
+        check_features(in_features, out_features)
         if not float(eps) > 0:
             raise ValueError(f"`eps` must be positive, got {eps!r}")
         self._setup_tensor_parallel(tp_group, tp_size)
@@ -106,11 +105,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
         for param in (self.layer_norm_weight, self.layer_norm_bias):
             if param is not None:
                 param.sequence_parallel = self.sequence_parallel
-        self.weight = self._new_parameter((self.out_features, in_features), device, dtype)
-        if self.use_bias:
-            self.bias = self._new_parameter((self.out_features,), device, dtype)
-        else:
-            self.register_parameter("bias", None)
+        self._new_weight_and_bias(self.out_features, in_features, self.use_bias, device, dtype)
         if parallel_mode == "column":
             set_tensor_parallel_attributes(self.weight, 0)
             if self.bias is not None:
@@ -135,17 +130,13 @@ class LayerNormLinear(TransformerEngineBaseModule):
         group = self._group_for_forward()
         ln_out = apply_norm(inp, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.normalization,
                             self.zero_centered_gamma)
-        if self.parallel_mode == "column" and _parallel.group_size(group) > 1:
-            if self.sequence_parallel:
-                total = _parallel.gather_sequence(ln_out, group)
-            else:
-                total = _parallel.column_input(ln_out, group, False)
-        else:
-            total = ln_out
+        total = ln_out
+        if self.parallel_mode == "column":
+            total = _parallel.column_input(ln_out, group, self.sequence_parallel)
         # The collectives are done: multiply as a plain (local) Linear.
         out, bias = parallel_linear(total, self.weight, self.bias, None, None, False, self.return_bias)
-        if self.return_bias and bias is None:
-            bias = torch.empty(0, dtype=out.dtype, device=out.device)
+        if self.return_bias:
+            bias = self._returned_bias(out, bias)
         if self.return_layernorm_output:
             ln_ret = total if self.return_layernorm_output_gathered else ln_out
             return (out, bias, ln_ret) if self.return_bias else (out, ln_ret)

@@ -16,6 +16,7 @@ import torch
 from transformer_engine.pytorch.module import _parallel
 from transformer_engine.pytorch.module.base import (
     TransformerEngineBaseModule,
+    check_features,
     check_parallel_mode,
     divide,
     refuse_unsupported,
@@ -91,9 +92,7 @@ class Linear(TransformerEngineBaseModule):
                            ub_overlap_rs=ub_overlap_rs, ub_overlap_rs_dgrad=ub_overlap_rs_dgrad,
                            ub_bulk_dgrad=ub_bulk_dgrad, ub_bulk_wgrad=ub_bulk_wgrad)
         check_parallel_mode(owner, parallel_mode)
-        for arg, value in (("in_features", in_features), ("out_features", out_features)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"`{arg}` must be a positive int, got {value!r}")
+        check_features(in_features, out_features)
         self._setup_tensor_parallel(tp_group, tp_size)
         self.parallel_mode = parallel_mode
         self.sequence_parallel = bool(sequence_parallel)
@@ -107,11 +106,7 @@ class Linear(TransformerEngineBaseModule):
         self.out_features = (divide(out_features, self.tp_size, "out_features") if parallel_mode == "column"
                              else out_features)
         device, dtype = resolve_device(device), resolve_dtype(params_dtype)
-        self.weight = self._new_parameter((self.out_features, self.in_features), device, dtype)
-        if self.use_bias:
-            self.bias = self._new_parameter((self.out_features,), device, dtype)
-        else:
-            self.register_parameter("bias", None)
+        self._new_weight_and_bias(self.out_features, self.in_features, self.use_bias, device, dtype)
         if parallel_mode is not None:
             set_tensor_parallel_attributes(self.weight, 0 if parallel_mode == "column" else 1)
             if self.bias is not None and parallel_mode == "column":
@@ -135,7 +130,7 @@ class Linear(TransformerEngineBaseModule):
                                     self.sequence_parallel, self.return_bias)
         if not self.return_bias:
             return out
-        return out, (bias if bias is not None else torch.empty(0, dtype=out.dtype, device=out.device))
+        return out, self._returned_bias(out, bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.use_bias}, "

@@ -1,0 +1,204 @@
+"""The context-parallel (CP) plan both frameworks carry out: chunking, load balance, per-rank work, support.
+
+Framework-free data: PyTorch (``transformer_engine.pytorch.attention.context_parallel``) and JAX
+(``transformer_engine.jax.context_parallel``) build these plans and run them with their own collectives
+and kernel calls.
+
+- Chunking: a sequence of ``s`` tokens is cut into :func:`num_chunks` equal chunks (``2 * cp`` in the
+  dual-chunk order, ``cp`` contiguous). Each kernel call of a chunk ``[start, end)`` starts its rows
+  (or key columns) at ``aligned_start``, ``start`` rounded down to the largest kernel tile
+  (:func:`tile_alignment`), so its blocks are the single-device call's blocks.
+- Load balance (:class:`LoadBalance`): which chunks rank ``r`` holds (:func:`rank_chunks`).
+- Work (:func:`rank_plan`): for each own chunk, in order, the dK/dV pass of the chunk's keys, the dQ
+  pass and the forward of its queries, each a list of ``(q_chunk, kv_chunk)`` blocks. Every reduction
+  runs on one rank over its operands in global order (gathered by all_gather or a p2p ring), so the
+  blocks of a pass are computed exactly once over the ranks.
+- Support (:func:`unsupported_reasons`): why a configuration cannot run with CP, as reason strings.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Iterable, List, Optional, Tuple
+
+from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, AttnSoftmaxType, QKVFormat
+
+__all__ = [
+    "CP_COMM_TYPES", "LoadBalance", "ChunkRange", "Pass", "RankPlan", "num_chunks", "rank_chunks", "chunk_ranges",
+    "tile_alignment", "rank_plan", "unsupported_reasons", "PYTORCH_ARGS", "JAX_ARGS",
+]
+
+# "p2p": a ring of send/receive steps; "all_gather": one collective; "a2a": heads exchanged, whole
+# sequences per rank; "a2a+p2p": a2a over one group, then p2p over the other (PyTorch).
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+
+
+class LoadBalance(enum.Enum):
+    """Which tokens a rank holds."""
+
+    CONTIGUOUS = "contiguous"  # cp chunks, rank r holds chunk r
+    DUAL_CHUNK = "dual_chunk"  # 2 cp chunks, rank r holds chunks r and 2 cp - 1 - r (TE's DualChunkSwap)
+    STRIPED = "striped"  # stripes dealt round-robin to the ranks (JAX THD)
+
+
+def num_chunks(cp: int, balance: LoadBalance) -> int:
+    """Chunks a sequence is cut into (STRIPED: the stripes of one round)."""
+    return 2 * cp if balance == LoadBalance.DUAL_CHUNK else cp
+
+
+def rank_chunks(cp: int, rank, balance: LoadBalance) -> tuple:
+    """The chunk indices rank ``rank`` holds, in its local order (``rank`` may be a traced int)."""
+    if balance == LoadBalance.DUAL_CHUNK:
+        return (rank, 2 * cp - 1 - rank)
+    return (rank,)
+
+
+@dataclass(frozen=True)
+class ChunkRange:
+    """One own chunk of a sequence: global positions ``[start, end)``, the kernel calls' first row (key)
+    ``aligned_start`` (start rounded down to the tile) and where the chunk sits in the rank's tokens."""
+
+    chunk: int
+    start: int
+    end: int
+    aligned_start: int
+    local_start: int
+
+    @property
+    def lead(self) -> int:
+        """Rows before the chunk that its calls carry (zeros or gathered rows, dropped)."""
+        return self.start - self.aligned_start
+
+
+def chunk_ranges(seqlen: int, cp: int, rank: int, balance: LoadBalance, align: int = 1) -> Tuple[ChunkRange, ...]:
+    """Rank ``rank``'s chunks of a sequence of ``seqlen`` tokens (divisible by :func:`num_chunks`)."""
+    n = num_chunks(cp, balance)
+    if seqlen % n:
+        raise ValueError(f"`seqlen` must be a multiple of the {n} chunks of cp_size={cp} ({balance.value}), "
+                         f"got {seqlen}")
+    if align < 1:
+        raise ValueError(f"`align` must be a positive int, got {align}")
+    length = seqlen // n
+    out = []
+    for slot, c in enumerate(rank_chunks(cp, rank, balance)):
+        a = c * length
+        out.append(ChunkRange(c, a, a + length, a - a % align, slot * length))
+    return tuple(out)
+
+
+def tile_alignment(configs: Iterable) -> int:
+    """The largest block (rows or columns) of any kernel the fused forward and backward plan for these
+    AttnConfigs (one per mask a CP call uses): chunk calls starting at multiples of it meet the
+    single-device call's blocks."""
+    from transformer_engine.common.attention.plan import backward_plan, forward_plan
+
+    align = 1
+    for config in configs:
+        fwd, bwd = forward_plan(config), backward_plan(config)
+        for tiles in (fwd.tiles, fwd.warp_specialized, bwd.dkdv, bwd.dq, bwd.dkdv_warp_specialized,
+                      bwd.dq_warp_specialized):
+            if tiles is not None:
+                align = max(align, tiles.block_m, tiles.block_n)
+    return align
+
+
+class Pass(enum.Enum):
+    FORWARD = "forward"
+    DQ = "dq"
+    DKDV = "dkdv"
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's work: its chunks and, in execution order, ``(pass, own chunk, blocks)`` where blocks are
+    the ``(q_chunk, kv_chunk)`` pairs (chunk indices of :func:`num_chunks`) the pass computes. For
+    ``"a2a"`` the rank computes every block for ``heads`` = (its head group, group count)."""
+
+    comm_type: str
+    cp: int
+    rank: int
+    balance: LoadBalance
+    causal: bool
+    ranges: Tuple[ChunkRange, ...]
+    work: Tuple[Tuple[Pass, int, Tuple[Tuple[int, int], ...]], ...]
+    heads: Tuple[int, int] = (0, 1)
+
+    def blocks(self, pass_: Pass) -> Tuple[Tuple[int, int], ...]:
+        return tuple(b for p, _, blocks in self.work if p == pass_ for b in blocks)
+
+
+def _pass_blocks(pass_: Pass, chunk: int, n: int, causal: bool) -> Tuple[Tuple[int, int], ...]:
+    if pass_ == Pass.DKDV:  # the chunk's keys against every query chunk that sees them
+        return tuple((q, chunk) for q in range(chunk if causal else 0, n))
+    return tuple((chunk, kv) for kv in range(0, chunk + 1 if causal else n))  # the chunk's queries
+
+
+def rank_plan(comm_type: str, cp: int, rank: int, seqlen: int, causal: bool, balance: LoadBalance,
+              align: int = 1) -> RankPlan:
+    """The plan of rank ``rank`` of ``cp`` for one sequence of ``seqlen`` tokens (padded formats: the
+    sequence length; thd: one padded sequence). Row-split comm types ("p2p", "all_gather") run, per own
+    chunk in local order, the chunk's dK/dV pass, then its dQ pass; the forward runs per own chunk."""
+    if comm_type not in CP_COMM_TYPES:
+        choices = ", ".join(repr(c) for c in CP_COMM_TYPES)
+        raise ValueError(f"`cp_comm_type` must be one of {choices}, got {comm_type!r}")
+    n = num_chunks(cp, balance)
+    if comm_type == "a2a":  # whole sequences, a head group per rank: one chunk, every block
+        ranges = chunk_ranges(seqlen, 1, 0, LoadBalance.CONTIGUOUS, align)
+        work = tuple((p, 0, tuple(b for c in range(n) for b in _pass_blocks(p, c, n, causal)))
+                     for p in (Pass.FORWARD, Pass.DKDV, Pass.DQ))
+        return RankPlan(comm_type, cp, rank, balance, causal, ranges, work, (rank, cp))
+    ranges = chunk_ranges(seqlen, cp, rank, balance, align)
+    work = [(Pass.FORWARD, r.chunk, _pass_blocks(Pass.FORWARD, r.chunk, n, causal)) for r in ranges]
+    for r in ranges:
+        work += [(p, r.chunk, _pass_blocks(p, r.chunk, n, causal)) for p in (Pass.DKDV, Pass.DQ)]
+    return RankPlan(comm_type, cp, rank, balance, causal, ranges, tuple(work))
+
+
+# -- what CP supports ----------------------------------------------------------------------------------
+
+# How each framework names the arguments the reasons refer to.
+PYTORCH_ARGS = dict(bias="core_attention_bias_type", dropout="attention_dropout", softmax="softmax_type",
+                    window="window_size", mask="attn_mask_type", max_logit="return_max_logit",
+                    comm="cp_comm_type", format="qkv_format")
+JAX_ARGS = dict(bias="attn_bias_type", dropout="dropout_probability", softmax="softmax_type", window="window_size",
+                mask="attn_mask_type", max_logit="return_max_logit", comm="context_parallel_strategy",
+                format="qkv_layout")
+
+ROW_SPLIT_MASKS = (AttnMaskType.NO_MASK, AttnMaskType.CAUSAL_MASK, AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK)
+
+
+def unsupported_reasons(*, comm_type: str, qkv_format: QKVFormat, mask: AttnMaskType,
+                        bias_type: AttnBiasType = AttnBiasType.NO_BIAS, dropout: float = 0.0,
+                        is_training: bool = True, softmax_type: AttnSoftmaxType = AttnSoftmaxType.VANILLA_SOFTMAX,
+                        window: Tuple[int, int] = (-1, -1), return_max_logit: bool = False,
+                        replicated_thd: bool = False, names: Optional[dict] = None) -> List[str]:
+    """Why context parallelism cannot run this call: reason strings naming the argument ("`arg`=value is
+    not supported with context parallelism ..."), empty when it can. ``replicated_thd``: THD runs as
+    every rank computing the whole gathered rows (JAX), which takes any mask and window. ``names``:
+    the framework's argument names (:data:`PYTORCH_ARGS`, the default, or :data:`JAX_ARGS`)."""
+    arg = names or PYTORCH_ARGS
+    cp = "is not supported with context parallelism"
+    reasons = []
+    if comm_type not in CP_COMM_TYPES:
+        choices = ", ".join(repr(c) for c in CP_COMM_TYPES)
+        reasons.append(f"`{arg['comm']}` must be one of {choices}, got {comm_type!r}: any other {cp}")
+    if bias_type != AttnBiasType.NO_BIAS:
+        reasons.append(f"`{arg['bias']}` must be 'no_bias', got {bias_type.value!r}: attention bias {cp}")
+    if dropout > 0.0 and is_training:
+        reasons.append(f"`{arg['dropout']}` must be 0 in training, got {dropout}: dropout {cp}")
+    if softmax_type != AttnSoftmaxType.VANILLA_SOFTMAX:
+        reasons.append(f"`{arg['softmax']}` must be 'vanilla', got {softmax_type.value!r}: sink softmax {cp}")
+    if return_max_logit:
+        reasons.append(f"`{arg['max_logit']}` must be False, got True: the max logit {cp}")
+    if qkv_format == QKVFormat.THD and replicated_thd:
+        return reasons
+    window = tuple(window)
+    if window not in ((-1, -1), (-1, 0)) or (window == (-1, 0) and not mask.is_causal):
+        reasons.append(f"`{arg['window']}` must be None (no sliding window), got {window}: sliding windows {cp}")
+    if mask == AttnMaskType.ARBITRARY_MASK:
+        reasons.append(f"`{arg['mask']}` must not be 'arbitrary': an arbitrary mask {cp}")
+    elif mask.is_padding and qkv_format != QKVFormat.THD:
+        reasons.append(f"`{arg['mask']}` must be 'no_mask' or a causal mask with {arg['format']}="
+                       f"{qkv_format.value!r}, got {mask.value!r}: padding outside the thd format {cp}")
+    return reasons

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from transformer_engine.pytorch.attention.context_parallel import run_ranks_in_one_process
+from transformer_engine.pytorch.attention.testing import run_ranks_in_one_process
 from transformer_engine.pytorch.attention.fused_attn import fused_attn_func
 
 

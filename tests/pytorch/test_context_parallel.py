@@ -19,8 +19,9 @@ from dpa_helpers import INTERPRET, ON_GPU, requires_fused
 from transformer_engine.common.attention import QKVFormat
 from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.attention.context_parallel import (
-    SeqSplit, assemble, check_context_parallel_args, local_tokens, run_ranks_in_one_process,
+    SeqSplit, assemble, check_context_parallel_args, local_tokens,
 )
+from transformer_engine.pytorch.attention.testing import run_ranks_in_one_process
 
 HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "distributed", "cp_attention.py")

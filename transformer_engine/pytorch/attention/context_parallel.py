@@ -26,8 +26,11 @@ kernel's order:
   ``h / cp_a2a`` heads of the tokens of its a2a group, which form the p2p group's load-balanced split;
   then "p2p" over the second. The rank's place in the split is ``p2p_rank * a2a_size + a2a_rank``.
 
-The per-rank steps (:func:`fused_forward_step`, :func:`fused_backward_step`) take the gathered operands
-as tensors and need no process group: :func:`run_ranks_in_one_process` runs every rank's step on one
+The chunking, the load-balanced order, the per-rank blocks and what CP supports are the framework-free
+plan of :mod:`transformer_engine.common.attention.context_parallel`, which JAX carries out too
+(:func:`rank_plan` is this module's). The per-rank steps (:func:`fused_forward_step`,
+:func:`fused_backward_step`) take the gathered operands as tensors and need no process group:
+``transformer_engine.pytorch.attention.testing.run_ranks_in_one_process`` runs every rank's step on one
 device with the exchanges as tensor copies (tests and benchmarks).
 """
 
@@ -39,7 +42,9 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from transformer_engine.common.attention import AttnMaskType, BackwardGrads, QKVFormat, UnfusedDotProductAttention
+from transformer_engine.common.attention import (AttnBiasType, AttnMaskType, AttnSoftmaxType, BackwardGrads, QKVFormat,
+                                                 UnfusedDotProductAttention)
+from transformer_engine.common.attention import context_parallel as cp_plan
 from transformer_engine.common.attention.config import normalize_window, resolve_bottom_right_diagonal
 from transformer_engine.pytorch.attention import launch
 from transformer_engine.pytorch.attention.buffers import host_values, unfilled
@@ -47,10 +52,12 @@ from transformer_engine.pytorch.attention.buffers import host_values, unfilled
 __all__ = [
     "CP_COMM_TYPES", "ContextParallelGroup", "SeqSplit", "check_context_parallel_args", "tile_alignment",
     "FusedSpec", "fused_forward_step", "fused_backward_step", "assemble", "local_tokens", "context_parallel_attend",
-    "run_ranks_in_one_process",
+    "rank_plan",
 ]
 
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+CP_COMM_TYPES = cp_plan.CP_COMM_TYPES
+# The load-balanced order of every format: chunks r and 2 cp - 1 - r of each sequence on rank r.
+BALANCE = cp_plan.LoadBalance.DUAL_CHUNK
 
 
 def _to_device(x: torch.Tensor, device) -> torch.Tensor:
@@ -142,7 +149,7 @@ class SeqSplit:
     @property
     def slots(self) -> Tuple[int, int]:
         """The rank's two chunk indices, in local order."""
-        return (self.rank, 2 * self.cp - 1 - self.rank)
+        return cp_plan.rank_chunks(self.cp, self.rank, BALANCE)
 
     @property
     def total(self) -> int:
@@ -154,7 +161,11 @@ class SeqSplit:
         return self.total // self.cp
 
     def chunk_len(self, n: int = 0) -> int:
-        return (self.padded[n] if self.is_thd else self.seqlen) // (2 * self.cp)
+        return self.seq_len(n) // cp_plan.num_chunks(self.cp, BALANCE)
+
+    def seq_len(self, n: int = 0) -> int:
+        """The (padded) length of sequence ``n``, the length the plan splits."""
+        return self.padded[n] if self.is_thd else self.seqlen
 
     def token_index(self) -> torch.Tensor:
         """int64 [local tokens]: the global position (token dim) of each of this rank's tokens."""
@@ -215,19 +226,10 @@ def tile_alignment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: QKVFo
                    deterministic: bool) -> int:
     """The largest block (rows or columns) of any kernel the fused forward and backward plan for these
     tensors: chunk ranges starting at multiples of it meet the single-device call's blocks."""
-    from transformer_engine.common.attention.plan import backward_plan, forward_plan
-
     masks = (AttnMaskType.CAUSAL_MASK, AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK) if causal else (AttnMaskType.NO_MASK,)
-    align = 1
-    for mask in masks:
-        config = launch.plan_config(q, k, v, fmt, mask, normalize_window(None, mask), None,
-                                    resolve_bottom_right_diagonal(mask, None, "pytorch"))
-        fwd, bwd = forward_plan(config), backward_plan(config)
-        for tiles in (fwd.tiles, fwd.warp_specialized, bwd.dkdv, bwd.dq, bwd.dkdv_warp_specialized,
-                      bwd.dq_warp_specialized):
-            if tiles is not None:
-                align = max(align, tiles.block_m, tiles.block_n)
-    return align
+    return cp_plan.tile_alignment(
+        launch.plan_config(q, k, v, fmt, mask, normalize_window(None, mask), None,
+                           resolve_bottom_right_diagonal(mask, None, "pytorch")) for mask in masks)
 
 
 # -- the per-rank steps of "all_gather" / "p2p" (fused kernels) -------------------------------------------
@@ -285,12 +287,15 @@ def _zeros_before(x: torch.Tensor, dim: int, count: int) -> torch.Tensor:
     return torch.cat([x.new_zeros(shape), x], dim=dim)
 
 
+def rank_plan(split: SeqSplit, spec: FusedSpec, comm_type: str = "p2p", n: int = 0) -> cp_plan.RankPlan:
+    """The common plan this module runs for ``split``'s rank (thd: of sequence ``n``)."""
+    return cp_plan.rank_plan(comm_type, split.cp, split.rank, split.seq_len(n), spec.causal, BALANCE, spec.align)
+
+
 def _padded_ranges(split: SeqSplit, align: int):
     """(slot, a, b, lo) of the rank's chunks: sequence positions [a, b), range start lo (a rounded down)."""
-    length = split.chunk_len()
-    for slot, c in enumerate(split.slots):
-        a = c * length
-        yield slot, a, a + length, a - a % align
+    for slot, r in enumerate(cp_plan.chunk_ranges(split.seqlen, split.cp, split.rank, BALANCE, align)):
+        yield slot, r.start, r.end, r.aligned_start
 
 
 def fused_forward_step(q: torch.Tensor, k_glob: torch.Tensor, v_glob: torch.Tensor, split: SeqSplit,
@@ -386,11 +391,9 @@ def _offsets(starts, device) -> torch.Tensor:
 def _thd_ranges(split: SeqSplit, slot: int, align: int):
     """Per sequence: (a, b, lo, end) of chunk ``split.slots[slot]``: positions [a, b), range start lo, end of
     the real tokens in the chunk's prefix ``min(b, length)``."""
-    c = split.slots[slot]
     for n in range(len(split.starts)):
-        length = split.chunk_len(n)
-        a, b = c * length, (c + 1) * length
-        yield a, b, a - a % align, min(b, split.lengths[n])
+        r = cp_plan.chunk_ranges(split.padded[n], split.cp, split.rank, BALANCE, align)[slot]
+        yield r.start, r.end, r.aligned_start, min(r.end, split.lengths[n])
 
 
 def _lse_for_call(lse_g: torch.Tensor, row_starts: List[int], lens: List[int], max_len: int) -> torch.Tensor:
@@ -695,19 +698,19 @@ def _split_of(fmt: QKVFormat, q: torch.Tensor, k: torch.Tensor, cp: int, rank: i
 
 def context_parallel_attend(cp: ContextParallelGroup, attend: Callable, *, backend: type, q, k, v,
                             fmt: QKVFormat, mask: AttnMaskType, seqs, window, softmax_scale: float,
-                            deterministic: bool, num_heads: int, num_kv_heads: int, unsupported: dict) -> Callable:
+                            deterministic: bool, num_heads: int, num_kv_heads: int,
+                            bias_type: AttnBiasType = AttnBiasType.NO_BIAS, dropout: float = 0.0,
+                            softmax_type: AttnSoftmaxType = AttnSoftmaxType.VANILLA_SOFTMAX,
+                            return_max_logit: bool = False) -> Callable:
     """The module's attention under context parallelism: a function of the local (q, k, v) returning the
     local output (q's format, head dim d_v). ``attend`` is the single-device call on whole sequences (a2a,
-    unfused); ``unsupported`` names the call's features CP does not take (NotImplementedError)."""
-    for what, on in unsupported.items():
-        if on:
-            raise NotImplementedError(f"{what} is not supported with context parallelism")
-    if tuple(window) not in ((-1, -1), (-1, 0)):
-        raise NotImplementedError(f"sliding windows (`window_size`={tuple(window)}) are not supported with context "
-                                  "parallelism")
-    if mask == AttnMaskType.ARBITRARY_MASK or (mask.is_padding and fmt != QKVFormat.THD):
-        raise NotImplementedError(f"attn_mask_type={mask.value!r} with qkv_format={fmt.value!r} is not supported "
-                                  "with context parallelism (padding needs qkv_format='thd')")
+    unfused); ``dropout`` is the call's (0 outside training). What CP does not take raises
+    NotImplementedError with the common plan's reasons (``cp_plan.unsupported_reasons``)."""
+    reasons = cp_plan.unsupported_reasons(
+        comm_type=cp.comm_type, qkv_format=fmt, mask=mask, bias_type=bias_type, dropout=dropout,
+        softmax_type=softmax_type, window=window, return_max_logit=return_max_logit, names=cp_plan.PYTORCH_ARGS)
+    if reasons:
+        raise NotImplementedError("; ".join(reasons))
     causal = mask.is_causal
     sizes = cp.sizes
     ranks = [dist.get_rank(g) for g in cp.groups]
@@ -747,29 +750,3 @@ def context_parallel_attend(cp: ContextParallelGroup, attend: Callable, *, backe
         return _HeadsToSeq.apply(rows_attention(q_h, k_h, v_h), heads)
 
     return a2a_attention
-
-
-# -- one process, every rank (tests, benchmarks) ----------------------------------------------------------
-
-def run_ranks_in_one_process(q, k, v, d_out, fmt: str, cp: int, causal: bool, softmax_scale: float,
-                             deterministic: bool = True, cu_seqlens=None, cu_seqlens_padded=None):
-    """Every rank's "all_gather"/"p2p" steps on one device, the exchanges as tensor copies: from the global
-    q, k, v, d_out (global order) to the global (out, dq, dk, dv) assembled from the ranks' tokens."""
-    qkv_format = QKVFormat(fmt)
-    sd = _seq_dim(qkv_format)
-    if qkv_format == QKVFormat.THD:
-        padded = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens
-        bounds = [int(x) for x in host_values(padded)]
-        lengths = [int(x) for x in host_values(cu_seqlens[1:] - cu_seqlens[:-1])]
-        base = SeqSplit(qkv_format, cp, 0, starts=tuple(bounds[:-1]),
-                        padded=tuple(e - s for s, e in zip(bounds[:-1], bounds[1:])), lengths=tuple(lengths))
-    else:
-        base = SeqSplit(qkv_format, cp, 0, seqlen=q.shape[sd])
-    spec = FusedSpec(softmax_scale, causal, deterministic, tile_alignment(q, k, v, qkv_format, causal, deterministic))
-    splits = [base.with_rank(r) for r in range(cp)]
-    lse_dim = 1 if base.is_thd else 2
-    outs, lses = zip(*(fused_forward_step(local_tokens(q, sd, s), k, v, s, spec) for s in splits))
-    out_g, lse_g = assemble(outs, sd, base), assemble(lses, lse_dim, base)
-    grads = [fused_backward_step(q, k, v, out_g, d_out, lse_g, s, spec) for s in splits]
-    dq, dk, dv = (assemble([g[j] for g in grads], sd, base) for j in range(3))
-    return out_g, dq, dk, dv

@@ -650,10 +650,7 @@ class DotProductAttention(torch.nn.Module):
                 cp, attend, backend=backend, q=q, k=k, v=v, fmt=fmt, mask=seqs.mask, seqs=seqs, window=window,
                 softmax_scale=self.softmax_scale, deterministic=deterministic, num_heads=self.num_heads_per_partition,
                 num_kv_heads=self.num_gqa_groups_per_partition,
-                unsupported={f"core_attention_bias_type={bias_type.value!r}": bias_type != AttnBiasType.NO_BIAS,
-                             "dropout (attention_dropout > 0 in training)": dropout > 0,
-                             f"softmax_type={self.softmax_type!r}": softmax_type != AttnSoftmaxType.VANILLA_SOFTMAX,
-                             "return_max_logit=True": self.return_max_logit})
+                bias_type=bias_type, dropout=dropout, softmax_type=softmax_type, return_max_logit=self.return_max_logit)
         if checkpoint_core_attention and torch.is_grad_enabled():
             out = torch.utils.checkpoint.checkpoint(attend, q, k, v, use_reentrant=False)
         else:

@@ -31,10 +31,18 @@ Every sum (the softmax over keys, dQ over keys, dK/dV over queries and over the 
 group) then runs on one device, over the same keys or queries in the same order as the
 single-device call: in deterministic mode the outputs and gradients of every token are bitwise the
 same for any cp, and the same as without context parallelism, provided that each chunk starts at a
-multiple of the kernels' block sizes (chunk lengths ``s / (2 cp)`` or ``s / cp`` that are multiples
-of 128 do on every plan), so that the kernels' query and key blocks are the single call's. The
-fused primitives' CPU lowering contracts row-independently in deterministic mode (see
-``attention_math``), so the same holds there for any chunk length. The backward runs two fused
+multiple of the kernels' block sizes, so that the kernels' query and key blocks are the single
+call's. On a GPU, deterministic mode therefore refuses (``ValueError`` naming the sequence length)
+chunk lengths ``s / (2 cp)`` (``s / cp``) that are not multiples of the largest tile of the call's
+plans (:func:`tile_alignment`; multiples of 128 are on every plan): PyTorch instead starts such
+chunks' calls at the tile boundary before them. The fused primitives' CPU lowering contracts
+row-independently in deterministic mode (see ``attention_math``), so the same holds there for any
+chunk length (alignment 1).
+
+The chunking, the load-balanced order, each rank's (query chunk, key chunk) blocks and what context
+parallelism supports are the framework-free plan of
+:mod:`transformer_engine.common.attention.context_parallel`, which PyTorch carries out too (:meth:`_Plan.rank_plan` is the plan this module runs). Without a mask
+the two own chunks' calls are one call over the rank's rows (the same blocks: every row sees every key). The backward runs two fused
 backward calls per chunk, each only the pass whose results it keeps (``FusedAttnStatic.backward_grads``:
 dQ only, dK/dV only; the kernels are the whole backward's, so the bits are too): over the ``cp``
 devices the dQ and dK/dV passes together do about the single-device backward's work (each device
@@ -67,6 +75,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from transformer_engine.common.attention import context_parallel as cp_plan
 from transformer_engine.common.attention import enums as _common
 from transformer_engine.common.attention.enums import BackwardGrads
 from transformer_engine.jax.attention_math import SeqInfo, full_seq_info
@@ -78,7 +87,8 @@ from transformer_engine.jax.primitives.attention import FusedAttnStatic, fused_a
 from transformer_engine.jax.sharding import batch_axes, global_mesh_resource, head_axes
 
 __all__ = ["ContextParallel", "resolve_context_parallel", "check_context_parallel_supported",
-           "context_parallel_attention", "descriptor_in_global_order", "make_plan", "rank_forward", "rank_backward"]
+           "context_parallel_attention", "descriptor_in_global_order", "make_plan", "tile_alignment", "rank_forward",
+           "rank_backward"]
 
 
 @dataclass(frozen=True)
@@ -100,6 +110,16 @@ class ContextParallel:
     @property
     def stripe(self) -> int:
         return 1 if self.stripe_size is None else int(self.stripe_size)
+
+    @property
+    def balance(self) -> cp_plan.LoadBalance:
+        """The common plan's load balance of the BSHD/SBHD path."""
+        return cp_plan.LoadBalance.DUAL_CHUNK if self.load_balanced else cp_plan.LoadBalance.CONTIGUOUS
+
+    @property
+    def comm_type(self) -> str:
+        """The common plan's comm type: ALL_GATHER gathers in one collective, RING in a p2p ring."""
+        return "p2p" if self.strategy == CPStrategy.RING else "all_gather"
 
 
 # ================================================================================================
@@ -156,57 +176,41 @@ def check_context_parallel_supported(cp: ContextParallel, *, layout, mask, bias_
     """Refuse what the context-parallel path does not run, naming the argument. ``s_q``/``s_kv``:
     the sequence lengths the call sees (local chunks when ``local``)."""
     where = f"with context parallelism over mesh axis {cp.axis!r} of size {cp.size}"
-    if layout.qkv_format == _common.QKVFormat.THD:
-        _check_thd_supported(cp, where, bias_type=bias_type, dropout=dropout, is_training=is_training,
-                             softmax_type=softmax_type, s_q=s_q, s_kv=s_kv, local=local)
+    thd = layout.qkv_format == _common.QKVFormat.THD
+    reasons = cp_plan.unsupported_reasons(
+        comm_type=cp.comm_type, qkv_format=layout.qkv_format, mask=mask, bias_type=bias_type, dropout=dropout,
+        is_training=is_training, softmax_type=softmax_type, window=window, replicated_thd=True,
+        names=cp_plan.JAX_ARGS)
+    if thd and local:
+        reasons.insert(0, "`qkv_layout` must be a BSHD or SBHD layout inside shard_map: THD context parallelism "
+                          "runs from jit with the mesh set, where the segment ids are global")
+    if not thd and max_segments != 1:
+        reasons.append(f"`max_segments_per_seq` must be 1, got {max_segments}: several segments per row of a "
+                       "BSHD/SBHD layout are not supported with context parallelism")
+    if reasons:
+        raise NotImplementedError(f"{'; '.join(reasons)} ({where})")
+    if thd:
+        if s_q != s_kv:
+            raise NotImplementedError(f"`qkv` must have as many query as key tokens per row with THD {where}, got "
+                                      f"s_q={s_q}, s_kv={s_kv}")
+        unit = cp.size * cp.stripe if cp.load_balanced else cp.size
+        if s_q % unit:
+            why = (f"cp_size * stripe_size = {unit} (Striped order)" if cp.load_balanced else f"cp_size = {unit}")
+            raise ValueError(f"`qkv` sequence length must be a multiple of {why} {where}, got {s_q}")
         return
     if cp.stripe_size is not None:
         raise ValueError(f"`stripe_size` must be None with qkv_layout={layout.value!r} {where} (it sets the "
                          f"Striped order of THD layouts; BSHD/SBHD use DualChunkSwap), got {cp.stripe_size}")
-    if mask not in (_common.AttnMaskType.NO_MASK, _common.AttnMaskType.CAUSAL_MASK):
-        raise NotImplementedError(f"`attn_mask_type` must be 'no_mask' or 'causal' {where}, got {mask.value!r}")
-    if bias_type != _common.AttnBiasType.NO_BIAS:
-        raise NotImplementedError(f"`attn_bias_type` must be 'no_bias' {where}, got {bias_type.value!r}")
-    if dropout > 0.0 and is_training:
-        raise NotImplementedError(f"`dropout_probability` must be 0 {where}, got {dropout}")
-    if softmax_type != _common.AttnSoftmaxType.VANILLA_SOFTMAX:
-        raise NotImplementedError(f"`softmax_type` must be 'vanilla' {where}, got {softmax_type.value!r}")
-    causal_window = (-1, 0) if mask.is_causal else (-1, -1)
-    if tuple(window) != causal_window:
-        raise NotImplementedError(f"`window_size` must be None (no sliding window) {where}, got {window}")
-    if max_segments != 1:
-        raise NotImplementedError(f"`max_segments_per_seq` must be 1 {where}, got {max_segments}")
     total_q, total_kv = (s_q * cp.size, s_kv * cp.size) if local else (s_q, s_kv)
     if mask.is_causal and total_q != total_kv:
         raise NotImplementedError(
             f"`qkv` must have as many queries as keys with a causal mask {where}, got s_q={total_q}, s_kv={total_kv}")
-    chunks = 2 * cp.size if cp.load_balanced else cp.size
+    chunks = cp_plan.num_chunks(cp.size, cp.balance)
     for name, total in (("s_q", total_q), ("s_kv", total_kv)):
         if total % chunks:
             why = (f"2 * cp_size = {chunks} (context_parallel_causal_load_balanced=True: DualChunkSwap chunks)"
                    if cp.load_balanced else f"cp_size = {chunks}")
             raise ValueError(f"`qkv` sequence length ({name}) must be a multiple of {why} {where}, got {total}")
-
-
-def _check_thd_supported(cp: ContextParallel, where: str, *, bias_type, dropout, is_training, softmax_type, s_q,
-                         s_kv, local: bool) -> None:
-    if local:
-        raise NotImplementedError(
-            f"`qkv_layout` must be a BSHD or SBHD layout inside shard_map {where} (THD context parallelism runs "
-            "from jit with the mesh set, where the segment ids are global)")
-    if bias_type != _common.AttnBiasType.NO_BIAS:
-        raise NotImplementedError(f"`attn_bias_type` must be 'no_bias' {where}, got {bias_type.value!r}")
-    if dropout > 0.0 and is_training:
-        raise NotImplementedError(f"`dropout_probability` must be 0 {where}, got {dropout}")
-    if softmax_type != _common.AttnSoftmaxType.VANILLA_SOFTMAX:
-        raise NotImplementedError(f"`softmax_type` must be 'vanilla' {where}, got {softmax_type.value!r}")
-    if s_q != s_kv:
-        raise NotImplementedError(f"`qkv` must have as many query as key tokens per row with THD {where}, got "
-                                  f"s_q={s_q}, s_kv={s_kv}")
-    unit = cp.size * cp.stripe if cp.load_balanced else cp.size
-    if s_q % unit:
-        why = (f"cp_size * stripe_size = {unit} (Striped order)" if cp.load_balanced else f"cp_size = {unit}")
-        raise ValueError(f"`qkv` sequence length must be a multiple of {why} {where}, got {s_q}")
 
 
 def descriptor_in_global_order(descriptor, cp: ContextParallel):
@@ -285,14 +289,34 @@ class _Plan:
     static: FusedAttnStatic
     cp: ContextParallel
     causal: bool
+    align: int = 1  # tile_alignment of the call (1: the CPU lowering, which has no tiles)
 
     def chunks(self, local_len: int):
-        """(local row start, chunk length, global start as a function of the rank) per own chunk."""
-        if self.cp.load_balanced:
-            c = local_len // 2
-            n = 2 * self.cp.size
-            return ((0, c, lambda r: r * c), (c, c, lambda r: (n - 1 - r) * c))
-        return ((0, local_len, lambda r: r * local_len),)
+        """(local row start, chunk length, global start as a function of the rank) per own chunk, in the
+        common plan's chunking and load-balanced order."""
+        slots = len(cp_plan.rank_chunks(self.cp.size, 0, self.cp.balance))
+        c = local_len // slots
+        return tuple((slot * c, c, lambda r, slot=slot: cp_plan.rank_chunks(self.cp.size, r, self.cp.balance)[slot] * c)
+                     for slot in range(slots))
+
+    def rank_plan(self, rank: int, seqlen: int) -> cp_plan.RankPlan:
+        """The common plan rank ``rank`` carries out for a sequence of ``seqlen`` tokens (BSHD/SBHD)."""
+        return cp_plan.rank_plan(self.cp.comm_type, self.cp.size, rank, seqlen, self.causal, self.cp.balance,
+                                 self.align)
+
+    def check_aligned(self, seqlen: int) -> None:
+        """Refuse chunks whose calls would not start at a tile boundary (deterministic mode: their blocks
+        would not be the single-device call's)."""
+        if not self.static.deterministic or self.align == 1:
+            return
+        ranges = [r for rank in range(self.cp.size) for r in self.rank_plan(rank, seqlen).ranges]
+        if any(r.lead for r in ranges):
+            chunks = cp_plan.num_chunks(self.cp.size, self.cp.balance)
+            raise ValueError(
+                f"`qkv` sequence length must split into {chunks} chunks of a multiple of the kernels' tile "
+                f"({self.align} rows) with context parallelism over mesh axis {self.cp.axis!r} of size "
+                f"{self.cp.size} in deterministic mode (each chunk's blocks are then the single-device call's), "
+                f"got s={seqlen}, chunks of {seqlen // chunks}")
 
     @property
     def chunk_static(self) -> FusedAttnStatic:
@@ -307,9 +331,25 @@ class _Plan:
                                    qkv_format=_common.QKVFormat.THD, bottom_right_diagonal=None)
 
 
-def make_plan(static: FusedAttnStatic, cp: ContextParallel) -> _Plan:
-    """The per-rank plan of a call (what :func:`rank_forward` and :func:`rank_backward` take)."""
-    return _Plan(static=static, cp=cp, causal=static.attn_mask_type.is_causal)
+def make_plan(static: FusedAttnStatic, cp: ContextParallel, align: int = 1) -> _Plan:
+    """The per-rank plan of a call (what :func:`rank_forward` and :func:`rank_backward` take); ``align``:
+    :func:`tile_alignment` of the call."""
+    return _Plan(static=static, cp=cp, causal=static.attn_mask_type.is_causal, align=int(align))
+
+
+def tile_alignment(plan: _Plan, q, k, v) -> int:
+    """The largest tile of the fused kernels' plans for the calls of ``plan`` (canonical BSHD ``q``, ``k``,
+    ``v``) on the GPU JAX runs on; 1 on the CPU, whose lowering has no tiles."""
+    if jax.devices()[0].platform not in ("gpu", "cuda"):
+        return 1
+    from transformer_engine.common.attention import launches
+    from transformer_engine.jax.primitives import gpu
+
+    statics = (plan.chunk_static, plan.kv_chunk_static) if plan.causal else (plan.static,)
+    shapes = dict(q=q.shape, k=k.shape, v=v.shape)
+    capability = gpu._compute_capability()
+    return cp_plan.tile_alignment(
+        launches.plan_config(gpu.launch_call(st, shapes, q.dtype, q.shape[0], None, capability)) for st in statics)
 
 
 def _column(b, value):
@@ -379,12 +419,13 @@ def rank_backward(plan: _Plan, rank, local, gathered):
     for lo, c, start in plan.chunks(n_local):
         a = start(rank)
         rows = slice(lo, lo + c)
-        dq = fused_attn_bwd(q[:, rows], k_all, v_all, bias, out[:, rows], dout[:, rows], lse[..., rows],
-                            _chunk_seq(b, c, a, s_kv), seeds, _only(plan.chunk_static, BackwardGrads.DQ))[0]
+        # The plan's order per own chunk: dK/dV of its keys, then dQ of its queries.
         lse_from_a = jax.lax.dynamic_slice_in_dim(lse_padded, a, s_q, axis=3)
         _, dk, dv, _, _ = fused_attn_bwd(q_all, k[:, rows], v[:, rows], bias_k, out_all, dout_all, lse_from_a,
                                          _kv_chunk_seq(b, c, a, s_q), seeds_k,
                                          _only(plan.kv_chunk_static, BackwardGrads.DKDV))
+        dq = fused_attn_bwd(q[:, rows], k_all, v_all, bias, out[:, rows], dout[:, rows], lse[..., rows],
+                            _chunk_seq(b, c, a, s_kv), seeds, _only(plan.chunk_static, BackwardGrads.DQ))[0]
         dqs.append(dq)
         dks.append(dk)
         dvs.append(dv)
@@ -485,7 +526,11 @@ def context_parallel_attention(q, k, v, static: FusedAttnStatic, cp: ContextPara
     ``seq``: the segments of a THD call, in global token order (see :func:`descriptor_in_global_order`)."""
     thd = static.qkv_format == _common.QKVFormat.THD
     plan = make_plan(static, cp)
-    if cp.axis in _manual_axes():
+    manual = cp.axis in _manual_axes()
+    if not thd:
+        plan = make_plan(static, cp, tile_alignment(plan, q, k, v))
+        plan.check_aligned(q.shape[1] * cp.size if manual else q.shape[1])
+    if manual:
         return _cp_attention(plan, q, k, v)
     mesh = next(m for m in _current_meshes() if cp.axis in m.axis_names)
     resource = global_mesh_resource()

@@ -37,19 +37,19 @@ chunk lengths ``s / (2 cp)`` (``s / cp``) that are not multiples of the largest 
 plans (:func:`tile_alignment`; multiples of 128 are on every plan): PyTorch instead starts such
 chunks' calls at the tile boundary before them. The fused primitives' CPU lowering contracts
 row-independently in deterministic mode (see ``attention_math``), so the same holds there for any
-chunk length (alignment 1).
-
-The chunking, the load-balanced order, each rank's (query chunk, key chunk) blocks and what context
-parallelism supports are the framework-free plan of
-:mod:`transformer_engine.common.attention.context_parallel`, which PyTorch carries out too (:meth:`_Plan.rank_plan` is the plan this module runs). Without a mask
-the two own chunks' calls are one call over the rank's rows (the same blocks: every row sees every key). The backward runs two fused
-backward calls per chunk, each only the pass whose results it keeps (``FusedAttnStatic.backward_grads``:
-dQ only, dK/dV only; the kernels are the whole backward's, so the bits are too): over the ``cp``
+chunk length (alignment 1). The backward runs two fused backward calls per chunk, each only the
+pass whose results it keeps (``FusedAttnStatic.backward_grads``: dQ only, dK/dV only; the kernels are the whole backward's, so the bits are too): over the ``cp``
 devices the dQ and dK/dV passes together do about the single-device backward's work (each device
 about ``1 / cp`` of it), plus the cheap preprocess (``delta``, O(s d) per head) once in each call.
 
+The chunking, the load-balanced order, each rank's (query chunk, key chunk) blocks and what context
+parallelism supports are the framework-free plan of
+:mod:`transformer_engine.common.attention.context_parallel`, which PyTorch carries out too
+(:meth:`_Plan.rank_plan` is the plan this module runs). Without a mask the two own chunks' calls are
+one call over the rank's rows (the same blocks: every row sees every key).
+
 What runs: the layouts of the BSHD and SBHD formats (separate, kv-packed, qkv-packed), masks
-``no_mask`` and ``causal``, no bias, no dropout, vanilla softmax, no sliding window, one sequence
+``no_mask``, ``causal`` and ``causal_bottom_right`` (the same mask, as ``s_q == s_kv``), no bias, no dropout, vanilla softmax, no sliding window, one sequence
 per row, ``s_q == s_kv`` for causal; TransformerEngine-JAX runs no more (it has no SBHD).
 
 THD (packed rows, from ``jit`` with the mesh set): the padding masks, several sequences per row, any
@@ -88,7 +88,7 @@ from transformer_engine.jax.sharding import batch_axes, global_mesh_resource, he
 
 __all__ = ["ContextParallel", "resolve_context_parallel", "check_context_parallel_supported",
            "context_parallel_attention", "descriptor_in_global_order", "make_plan", "tile_alignment", "rank_forward",
-           "rank_backward"]
+           "rank_backward", "unsupported_reasons"]
 
 
 @dataclass(frozen=True)
@@ -171,11 +171,10 @@ def resolve_context_parallel(strategy, load_balanced, axis, stripe_size) -> Opti
                            stripe_size=None if stripe_size is None else int(stripe_size))
 
 
-def check_context_parallel_supported(cp: ContextParallel, *, layout, mask, bias_type, dropout, is_training,
-                                     softmax_type, window, max_segments, s_q, s_kv, local: bool) -> None:
-    """Refuse what the context-parallel path does not run, naming the argument. ``s_q``/``s_kv``:
-    the sequence lengths the call sees (local chunks when ``local``)."""
-    where = f"with context parallelism over mesh axis {cp.axis!r} of size {cp.size}"
+def unsupported_reasons(cp: ContextParallel, *, layout, mask, bias_type, dropout, is_training, softmax_type, window,
+                        max_segments, local: bool) -> list:
+    """Why this module's context parallelism cannot run a call: the common plan's reasons (JAX's argument
+    names; THD runs replicated, see "THD" below) and those of JAX's own forms."""
     thd = layout.qkv_format == _common.QKVFormat.THD
     reasons = cp_plan.unsupported_reasons(
         comm_type=cp.comm_type, qkv_format=layout.qkv_format, mask=mask, bias_type=bias_type, dropout=dropout,
@@ -187,6 +186,18 @@ def check_context_parallel_supported(cp: ContextParallel, *, layout, mask, bias_
     if not thd and max_segments != 1:
         reasons.append(f"`max_segments_per_seq` must be 1, got {max_segments}: several segments per row of a "
                        "BSHD/SBHD layout are not supported with context parallelism")
+    return reasons
+
+
+def check_context_parallel_supported(cp: ContextParallel, *, layout, mask, bias_type, dropout, is_training,
+                                     softmax_type, window, max_segments, s_q, s_kv, local: bool) -> None:
+    """Refuse what the context-parallel path does not run, naming the argument. ``s_q``/``s_kv``:
+    the sequence lengths the call sees (local chunks when ``local``)."""
+    where = f"with context parallelism over mesh axis {cp.axis!r} of size {cp.size}"
+    thd = layout.qkv_format == _common.QKVFormat.THD
+    reasons = unsupported_reasons(cp, layout=layout, mask=mask, bias_type=bias_type, dropout=dropout,
+                                  is_training=is_training, softmax_type=softmax_type, window=window,
+                                  max_segments=max_segments, local=local)
     if reasons:
         raise NotImplementedError(f"{'; '.join(reasons)} ({where})")
     if thd:

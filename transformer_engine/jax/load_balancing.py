@@ -24,6 +24,7 @@ from typing import Optional
 import jax.numpy as jnp
 import numpy as np
 
+from transformer_engine.common.attention import context_parallel as cp_plan
 from transformer_engine.jax.enums import ReorderStrategy
 
 __all__ = ["reorder_causal_load_balancing", "inverse_reorder_causal_load_balancing"]
@@ -45,8 +46,10 @@ def _check(tensor, strategy, cp_size, seq_dim, stripe_size) -> ReorderStrategy:
 
 
 def _dual_chunk_order(cp_size: int) -> np.ndarray:
-    """Chunk indices in reordered position order: rank r holds chunks r and 2 * cp_size - 1 - r."""
-    return np.array([c for r in range(cp_size) for c in (r, 2 * cp_size - 1 - r)], np.int32)
+    """Chunk indices in reordered position order: the ranks' chunks in the common context-parallel plan's
+    dual-chunk order (rank r holds chunks r and 2 * cp_size - 1 - r), which PyTorch's split uses too."""
+    dual = cp_plan.LoadBalance.DUAL_CHUNK
+    return np.array([c for r in range(cp_size) for c in cp_plan.rank_chunks(cp_size, r, dual)], np.int32)
 
 
 def _dual_chunk_swap(tensor, cp_size: int, seq_dim: int, inverse: bool):

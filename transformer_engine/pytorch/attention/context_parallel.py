@@ -52,7 +52,7 @@ from transformer_engine.pytorch.attention.buffers import host_values, unfilled
 __all__ = [
     "CP_COMM_TYPES", "ContextParallelGroup", "SeqSplit", "check_context_parallel_args", "tile_alignment",
     "FusedSpec", "fused_forward_step", "fused_backward_step", "assemble", "local_tokens", "context_parallel_attend",
-    "rank_plan",
+    "rank_plan", "unsupported_reasons",
 ]
 
 CP_COMM_TYPES = cp_plan.CP_COMM_TYPES
@@ -696,6 +696,15 @@ def _split_of(fmt: QKVFormat, q: torch.Tensor, k: torch.Tensor, cp: int, rank: i
     return SeqSplit(fmt, cp, rank, starts=tuple(bounds[:-1]), padded=tuple(padded_lengths), lengths=tuple(lengths))
 
 
+def unsupported_reasons(comm_type: str, fmt: QKVFormat, mask: AttnMaskType, window, bias_type: AttnBiasType,
+                        dropout: float, softmax_type: AttnSoftmaxType, return_max_logit: bool = False) -> List[str]:
+    """Why this module's context parallelism cannot run a call (the common plan's reasons, PyTorch's
+    argument names); ``dropout`` is the call's (0 outside training)."""
+    return cp_plan.unsupported_reasons(
+        comm_type=comm_type, qkv_format=fmt, mask=mask, bias_type=bias_type, dropout=dropout,
+        softmax_type=softmax_type, window=window, return_max_logit=return_max_logit, names=cp_plan.PYTORCH_ARGS)
+
+
 def context_parallel_attend(cp: ContextParallelGroup, attend: Callable, *, backend: type, q, k, v,
                             fmt: QKVFormat, mask: AttnMaskType, seqs, window, softmax_scale: float,
                             deterministic: bool, num_heads: int, num_kv_heads: int,
@@ -706,9 +715,7 @@ def context_parallel_attend(cp: ContextParallelGroup, attend: Callable, *, backe
     local output (q's format, head dim d_v). ``attend`` is the single-device call on whole sequences (a2a,
     unfused); ``dropout`` is the call's (0 outside training). What CP does not take raises
     NotImplementedError with the common plan's reasons (``cp_plan.unsupported_reasons``)."""
-    reasons = cp_plan.unsupported_reasons(
-        comm_type=cp.comm_type, qkv_format=fmt, mask=mask, bias_type=bias_type, dropout=dropout,
-        softmax_type=softmax_type, window=window, return_max_logit=return_max_logit, names=cp_plan.PYTORCH_ARGS)
+    reasons = unsupported_reasons(cp.comm_type, fmt, mask, window, bias_type, dropout, softmax_type, return_max_logit)
     if reasons:
         raise NotImplementedError("; ".join(reasons))
     causal = mask.is_causal

@@ -1,5 +1,5 @@
 """The grid of configs whose SM90 (Hopper) plans are recorded in data/sm90_plans.json, and how a plan is
-recorded: tiles, warp-specialized tiles and kernels, without the dot precision.
+recorded: tiles, warp-specialized tiles and kernels.
 
 The record holds the distinct plans and, for each case of :func:`grid` in order, its plan's index.
 It was made from the plans before the per-architecture tables existed; the per-architecture work
@@ -41,14 +41,12 @@ def grid():
 
 
 def record(cfg, ws):
-    """The plan of ``cfg`` under NVTE_FUSED_ATTN_WS=ws as plain data, dot precision left out (and the
-    separate dV pass or second Q/K tile width where there is none)."""
+    """The plan of ``cfg`` under NVTE_FUSED_ATTN_WS=ws as plain data (the separate dV pass or second Q/K
+    tile width left out where there is none)."""
     with settings.environment(NVTE_FUSED_ATTN_WS=ws):
         fwd, bwd = dataclasses.asdict(forward_plan(cfg)), backward_plan(cfg)
     kernels = bwd.kernels
     bwd = dataclasses.asdict(bwd)
-    fwd.pop("dot_precision")
-    bwd.pop("dot_precision")
     # The record predates the separate dV pass and the Q/K split: a plan without them records as it did.
     if bwd["dv"] is None and bwd["dv_warp_specialized"] is None:
         bwd.pop("dv")

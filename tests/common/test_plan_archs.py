@@ -14,7 +14,6 @@ from transformer_engine.common import settings
 from transformer_engine.common.attention import AttnBiasType, AttnConfig, AttnMaskType
 from transformer_engine.common.attention.backends import FlashAttention, FusedAttention
 from transformer_engine.common.attention.config import gfx_target
-from transformer_engine.common.attention import plan as plan_module
 from transformer_engine.common.attention.plan import (
     AMD_ARCHS, ARCHS, backward_plan, device_arch, forward_plan, padded_head_dim, plan_arch, split_head_dim,
 )
@@ -46,14 +45,13 @@ def _config(arch, dims=(128, 128), mask=AttnMaskType.NO_MASK, window=(-1, -1), *
 
 def test_sm90_plans_are_the_recorded_ones():
     """Every Hopper plan of the recorded grid (tiles, warp-specialized tiles and kernels, 3840 configs)
-    is what it was before the per-architecture tables; the dots ask for "ieee" everywhere."""
+    is what it was before the per-architecture tables."""
     with open(sm90_plan_grid.RECORD) as f:
         recorded = json.load(f)
     cases = list(sm90_plan_grid.grid())
     assert len(cases) == len(recorded["cases"]) == 3840
     for (key, cfg, ws), index in zip(cases, recorded["cases"]):
         assert json.loads(sm90_plan_grid.record(cfg, ws)) == recorded["plans"][index], key
-        assert forward_plan(cfg).dot_precision == backward_plan(cfg).dot_precision == "ieee", key
 
 
 def test_every_plan_and_setting_names_the_same_architectures():
@@ -113,7 +111,7 @@ def test_plan_is_what_the_table_says(arch, dims, mask, window):
     assert (bwd.dv_warp_specialized is not None) == (ws and two_pass is not None)
     fp32 = dataclasses.replace(cfg, dtype="float32")
     f32, b32 = forward_plan(fp32), backward_plan(fp32)
-    assert f32.dot_precision == "ieee" and f32.warp_specialized is None and b32.dv is None
+    assert f32.warp_specialized is None and b32.dv is None
     if key[0] == 256 and tables.fp32_large is not None:  # AMD: its own fp32 tiles at d=256
         assert (f32.tiles, b32.dkdv, b32.dq) == tables.fp32_large
         return
@@ -179,21 +177,22 @@ def test_qk_splits_only_for_hoppers_narrow_v_192(arch, dims):
             assert plan.block_dv == padded_head_dim(dims[1])
 
 
-def test_qk_split_under_the_interpreter_only_where_asked(monkeypatch):
-    """CPU (interpreter) plans split only with plan.INTERPRET_SPLIT_QK set, then wherever split_head_dim
-    allows; a GPU plan with a tile override keeps one tile."""
+def test_qk_split_under_the_interpreter_only_where_asked():
+    """CPU (interpreter) plans split only with NVTE_FUSED_ATTN_INTERPRET_SPLIT_QK=1, then wherever
+    split_head_dim allows; a GPU plan with a tile override keeps one tile (and ignores the variable)."""
     cpu = dataclasses.replace(BASE, device_type="cpu", compute_capability=None, dtype="float32")
     dims = {d: dataclasses.replace(cpu, head_dim_qk=d, head_dim_v=32) for d in (24, 40, 48, 64, 96, 192)}
     assert {d: forward_plan(c).block_dqk2 for d, c in dims.items()} == dict.fromkeys(dims, 0)
-    monkeypatch.setattr(plan_module, "INTERPRET_SPLIT_QK", True)
-    for d, c in dims.items():
-        want = split_head_dim(d) or (padded_head_dim(d), 0)
-        for plan in (forward_plan(c), backward_plan(c)):
-            assert (plan.block_dqk, plan.block_dqk2) == want, d
-    gpu = _config("sm90", (192, 128))
-    assert forward_plan(gpu).block_dqk2 == 64
-    override = forward_plan(gpu, override=ARCHS["sm90"].narrow_v[0])
-    assert (override.block_dqk, override.block_dqk2) == (256, 0)
+    with settings.environment(NVTE_FUSED_ATTN_INTERPRET_SPLIT_QK="1"):
+        for d, c in dims.items():
+            want = split_head_dim(d) or (padded_head_dim(d), 0)
+            for plan in (forward_plan(c), backward_plan(c)):
+                assert (plan.block_dqk, plan.block_dqk2) == want, d
+        gpu = _config("sm90", (192, 128))
+        assert forward_plan(gpu).block_dqk2 == 64
+        override = forward_plan(gpu, override=ARCHS["sm90"].narrow_v[0])
+        assert (override.block_dqk, override.block_dqk2) == (256, 0)
+        assert forward_plan(_config("sm90", (48, 32))).block_dqk2 == 0  # GPU plans: their tables decide
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))

@@ -386,8 +386,7 @@ def test_bias_is_passed_to_the_kernels(captured_programs, compile_calls, mask, b
     args, options = compiled["attn_bwd_dbias_kernel"]
     assert options == dict(num_warps=plan.dq.num_warps, num_stages=1)
     assert (args["BLOCK_M"], args["BLOCK_N"], args["HAS_SEQLENS"], args["DROPOUT"]) == (tile, tile, packed, False)
-    assert (args["BLOCK_DQK"], args["BLOCK_DV"], args["DOT_PRECISION"]) == (plan.block_dqk, plan.block_dv,
-                                                                            plan.dot_precision)
+    assert (args["BLOCK_DQK"], args["BLOCK_DV"]) == (plan.block_dqk, plan.block_dv)
     flags, _, _ = mask_flags(config)
     assert {k: args[k] for k in flags} == flags
     assert args["qk_scale"] == pytest.approx(d**-0.5 * LOG2E) and args["dropout_p"] == 0.0

@@ -2,7 +2,7 @@
 kernels: against the fp64 reference and bitwise deterministic (repeats, batch composition, thd vs padded).
 
 On a GPU the plan splits Hopper's narrow-V 192/128 (128 + 64) by itself; on the CPU the interpreter's plan
-splits where plan.INTERPRET_SPLIT_QK asks (set here), at d_qk = 48 = 32 + 16.
+splits where NVTE_FUSED_ATTN_INTERPRET_SPLIT_QK asks (set here), at d_qk = 48 = 32 + 16.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from fused_helpers import (
     run_with_tiles,
 )
 from test_sink_softmax import SCALE as SINK_SCALE, sink_reference
-from transformer_engine.common.attention import AttnMaskType, QKVFormat, plan
+from transformer_engine.common.attention import AttnMaskType, QKVFormat
 from transformer_engine.common.attention.plan import forward_plan
 from transformer_engine.pytorch.attention import launch
 from transformer_engine.pytorch.attention.fused_attn import fused_attn_func
@@ -52,7 +52,7 @@ def split_kernels(monkeypatch):
     test checks that its launches did split."""
     if ON_GPU and not _gpu_plan_splits():
         pytest.skip("this GPU's plan does not split Q/K at 192/128 (Hopper's narrow-V tiles only)")
-    monkeypatch.setattr(plan, "INTERPRET_SPLIT_QK", True)
+    monkeypatch.setenv("NVTE_FUSED_ATTN_INTERPRET_SPLIT_QK", "1")
     seen = []
     real = launch._run
 
@@ -238,7 +238,7 @@ def test_split_and_unsplit_kernels_agree(monkeypatch):
     d, dv = DIMS[0]
     q, k, v, _ = make_qkv(2, S, S, 2, 2, d, dv, torch.float32, seed=12)
     split = _run(q, k, v, "bshd", "causal", (-1, -1), d ** -0.5)
-    monkeypatch.setattr(plan, "INTERPRET_SPLIT_QK", False)
+    monkeypatch.setenv("NVTE_FUSED_ATTN_INTERPRET_SPLIT_QK", "0")
     whole = _run(q, k, v, "bshd", "causal", (-1, -1), d ** -0.5)
     for a, b in zip([split[0]] + list(split[1]), [whole[0]] + list(whole[1])):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

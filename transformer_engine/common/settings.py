@@ -111,6 +111,12 @@ _DECLARED = (
         "the GPU's own plan.",
         choices=("", "sm80", "sm89", "sm90", "sm100", "sm120", "gfx90a", "gfx942", "gfx950"),
     ),
+    EnvVar(
+        "NVTE_FUSED_ATTN_INTERPRET_SPLIT_QK", "bool", False,
+        "1 plans the Q/K head-dim split (e.g. 48 as 32 + 16, as Hopper's plan takes 192 as 128 + 64) under "
+        "Triton's interpreter (CPU) wherever the head dim allows, so that CPU tests run the split kernels; GPU "
+        "plans ignore it.",
+    ),
     EnvVar("NVTE_DEBUG", "bool", False, "1 enables debug logging of attention backend selection."),
     EnvVar(
         "NVTE_DEBUG_LEVEL", "int", 0,

@@ -18,6 +18,7 @@ from transformer_engine.common.attention.backends import (
     Selection,
     select_backend,
 )
+from transformer_engine.common.attention.explain import PlanExplanation, explain_plan
 
 __all__ = [
     "AttnBiasType",
@@ -34,4 +35,6 @@ __all__ = [
     "UnfusedDotProductAttention",
     "Selection",
     "select_backend",
+    "PlanExplanation",
+    "explain_plan",
 ]

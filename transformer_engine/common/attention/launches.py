@@ -22,6 +22,7 @@ from typing import Dict, Mapping, Optional, Tuple, Union
 
 from transformer_engine.common.attention.config import AttnConfig
 from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, AttnSoftmaxType, BackwardGrads
+from transformer_engine.common.attention.explain import log_plan
 from transformer_engine.common.attention.plan import (
     BackwardPlan, ForwardPlan, Tiles, backward_plan, block_grid, forward_plan, mask_flags, padded_head_dim,
     tma_eligible,
@@ -215,7 +216,6 @@ def _values(call: Call, config: AttnConfig, plan: Union[ForwardPlan, BackwardPla
         HEAD_DIM_QK=call.head_dim_qk, HEAD_DIM_V=call.head_dim_v, BLOCK_DQK=plan.block_dqk,
         BLOCK_DQK2=plan.block_dqk2, BLOCK_DV=plan.block_dv,
         IS_THD=call.packed, HAS_SEQLENS=call.has_seqlens, SEGMENTS=call.segments_per_row,
-        DOT_PRECISION=plan.dot_precision,
         HAS_BIAS=has_bias, HAS_ALIBI=has_alibi, DROPOUT=dropout, **flags,
     )
     for tensor, prefix in (("q", "q"), ("k", "k"), ("v", "v"), ("out", "o"), ("d_out", "do"), ("dq", "dq"),
@@ -259,6 +259,7 @@ def forward_launches(call: Call, plan: Optional[ForwardPlan] = None) -> Tuple[La
 
     config = plan_config(call)
     if plan is None:
+        log_plan(config)  # NVTE_DEBUG: what runs and why, once per distinct plan
         plan = forward_plan(config)
     values = _values(call, config, plan)
     has_sink = call.softmax_type.has_sink

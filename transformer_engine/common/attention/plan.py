@@ -25,7 +25,7 @@ from transformer_engine.common.attention.enums import AttnBiasType
 
 __all__ = ["Tiles", "ForwardPlan", "BackwardPlan", "ArchTables", "ARCHS", "forward_plan", "backward_plan",
            "plan_arch", "device_arch", "mask_flags", "padded_head_dim", "split_head_dim", "block_grid",
-           "tma_eligible"]
+           "tma_eligible", "PlanTrace", "trace_forward", "trace_backward", "row_name"]
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,6 @@ class ForwardPlan:
     tiles: Tiles
     block_dqk: int
     block_dv: int
-    dot_precision: str
     # Tiles of the warp-specialized Gluon forward (kernels/hopper_ws.py) where it serves the config;
     # the launches (launches.py) use it when the tensors also allow TMA (tma_eligible), else attn_fwd_kernel
     # with `tiles`.
@@ -79,7 +78,6 @@ class BackwardPlan:
     dq: Tiles
     block_dqk: int
     block_dv: int
-    dot_precision: str
     # Tiles of the warp-specialized Gluon dQ pass (kernels/hopper_ws.py) where it serves the config;
     # launchers use it when the tensors also allow TMA, else attn_bwd_dq_kernel with `dq`.
     dq_warp_specialized: Optional[Tiles] = None
@@ -139,8 +137,7 @@ def block_grid(num_blocks: int, num_seq_heads: int) -> Tuple[int, int, int]:
     """Launch grid of the forward and backward kernels: (block, sequence * head, 1).
 
     The block index is the fast grid axis, so programs running together mostly share one head's
-    K/V (or Q/dO) in L2. The block-major order (every head's heaviest causal block first) measured
-    2-18% slower than this order on the H200.
+    K/V (or Q/dO) in L2, which the block-major order (every head's heaviest causal block first) does not.
     """
     return (num_blocks, num_seq_heads, 1)
 
@@ -171,170 +168,25 @@ def split_head_dim(d: int) -> Optional[Tuple[int, int]]:
     return d - second, second
 
 
-# CPU tests set this to plan the Q/K split under the interpreter wherever split_head_dim allows: the
-# interpreter plans (device_type "cpu") never split otherwise.
-INTERPRET_SPLIT_QK = False
-
-
 # Interpreter (CPU tests): small tiles so tiny test shapes still span several blocks.
-_INTERPRET_FWD = Tiles(16, 16, 1, 1)
-_INTERPRET_BWD = Tiles(16, 16, 1, 1)
+_INTERPRET = Tiles(16, 16, 1, 1)
 
-# Hopper (sm_90) tiles by padded head dim (and mask kind where it pays), the fastest measured on the
-# H200. Head groups (launch order: +1.6-2.5% on causal d=128, causal d=64 dQ) and the single-loop form
-# (faster at d=256 only, where registers bind) only where they measured faster. The Triton kernels load
-# through pointers: TMA descriptors measured no faster over repeated runs.
-_SM90_FWD: Dict[Tuple[int, bool], Tiles] = {
-    (16, False): Tiles(128, 64, 8, 3), (16, True): Tiles(64, 64, 4, 3),
-    (32, False): Tiles(128, 64, 8, 3), (32, True): Tiles(64, 64, 4, 3),
-    (64, False): Tiles(128, 64, 8, 3), (64, True): Tiles(64, 64, 4, 3),
-    (128, False): Tiles(128, 64, 8, 3), (128, True): Tiles(128, 64, 8, 3, head_group=8),
-    (256, False): Tiles(128, 64, 8, 2, single_loop=True), (256, True): Tiles(128, 64, 8, 2, single_loop=True),
-}
-_SM90_DKDV: Dict[Tuple[int, bool], Tiles] = {
-    (16, False): Tiles(32, 128, 4, 3), (16, True): Tiles(64, 64, 4, 3),
-    (32, False): Tiles(32, 128, 4, 3), (32, True): Tiles(64, 64, 4, 3),
-    (64, False): Tiles(32, 128, 4, 3), (64, True): Tiles(64, 64, 4, 3),
-    (128, False): Tiles(64, 128, 8, 3), (128, True): Tiles(64, 128, 8, 3, head_group=8),
-    (256, False): Tiles(64, 64, 8, 2, single_loop=True), (256, True): Tiles(64, 64, 8, 2, single_loop=True),
-}
-_SM90_DQ: Dict[Tuple[int, bool], Tiles] = {
-    (16, False): Tiles(128, 64, 8, 2), (16, True): Tiles(64, 64, 4, 3),
-    (32, False): Tiles(128, 64, 8, 2), (32, True): Tiles(64, 64, 4, 3),
-    (64, False): Tiles(128, 64, 8, 3), (64, True): Tiles(64, 64, 4, 3, head_group=4),
-    (128, False): Tiles(128, 64, 8, 3), (128, True): Tiles(128, 64, 8, 3, head_group=8),
-    (256, False): Tiles(64, 64, 8, 2), (256, True): Tiles(64, 64, 8, 2),
-}
-# d_qk padded to 256 with d_v padded to 128 (192/128, the MLA head dims), either mask kind, without bias or
-# dropout: the narrower V and dO tiles leave shared memory for a third forward stage and for 128-key dK/dV
-# and 128-query dQ tiles, which the d=256 tables cannot fit (fwd, dK/dV, dQ). With a bias tile the forward
-# exceeds shared memory and with dropout the dK/dV spills: those variants keep the d=256 tiles. Measured on
-# the H200 (bf16, 2x16x4096): fwd+bwd 311 / 260 TFLOP/s (no mask / causal) against 189 / 175 with the d=256
-# tiles. The single-loop dK/dV pass kept 184-208 bytes of stack with 256-wide Q/K tiles (measured fastest so);
-# with d_qk = 192 split below, 96-112, and with GQA, packed sequences and sink softmax 592 (704 unsplit;
-# tests/common/data/known_spills.json). With GQA (4 KV heads) the unsplit pass measured 289 / 183 backward
-# TFLOP/s (no mask / causal) against 269 / 204 for the plain loop: one tile for both, as the tables have no GQA key.
-_SM90_NARROW_V = (Tiles(128, 64, 8, 3), Tiles(64, 128, 8, 2, single_loop=True), Tiles(128, 64, 8, 2))
-# Padded head dim 256, fp16/bf16, without bias or dropout (and not the narrow-V case): dK and dV as two
-# passes (BackwardPlan.dv), each with one accumulator, so 128-key tiles fit: (dK tiles, dV tiles). Measured
-# on the H200 (bf16, 2x16x4096x256, backward): 223 / 208 TFLOP/s (no mask / causal) against 184 / 174 for
-# the one pass of 64x64.
-_SM90_DK_DV = {
-    (256, False): (Tiles(32, 128, 8, 2, single_loop=True), Tiles(64, 128, 8, 2, single_loop=True)),
-    (256, True): (Tiles(32, 128, 8, 2, single_loop=True), Tiles(64, 128, 8, 2, single_loop=True)),
-}
-# With the narrow-V tiles, d_qk = 192 splits Q/K into chunks of 128 and 64 (BLOCK_DQK, BLOCK_DQK2) instead
-# of a 256-wide tile whose last quarter is zeros: the QK^T, dS^T Q and dS K products skip that quarter, and
-# the sm_90 compiles take 32-40 KiB less shared memory per pass. H200 (bf16, 2x16x4096, device time): fwd+bwd
-# 364 / 319 TFLOP/s (no mask / causal) against 312 / 258 padded to 256.
-_SM90_NARROW_V_SPLIT = (192,)
-# The split dQ pass's tiles: the narrow-V dQ tiles (128x64, 2 stages) split make an illegal access on the H200
-# that memcheck never sees and that builds with CUDA's own ptxas or at -O0 do not make (a miscompile of the
-# ptxas in Triton 3.6's bundle); key blocks of 32 compile right.
-_SM90_NARROW_V_SPLIT_DQ = Tiles(128, 32, 8, 3)
-# Warp-specialized Gluon kernels on Hopper (kernels/hopper_ws.py): 128 rows (query rows; keys for dK/dV)
-# as two consumer warpgroups of 64 plus a loader warp (12 warps allocated: 168 registers each on average).
-# Forward: K/V blocks of 128 in a 2-buffer ring. Where they serve: d_qk = d_v = 128, fp16/bf16, no bias,
-# ALiBi, dropout or sink softmax.
-_SM90_FWD_WS = {
-    (128, False): Tiles(128, 128, 4, 2, max_registers=168),
-    (128, True): Tiles(128, 128, 4, 2, head_group=8, max_registers=168),
-    # d=256: K/V blocks of 64 (197 KiB of shared memory); 574 / 489 TFLOP/s (no mask / causal) against
-    # 538 / 433 for the Triton forward.
-    (256, False): Tiles(128, 64, 4, 2, max_registers=168),
-    (256, True): Tiles(128, 64, 4, 2, max_registers=168),
-}
-# dQ: K/V blocks of 64 (blocks of 128 spill in the causal consumer) in a 3-buffer ring.
-_SM90_DQ_WS = {
-    (128, False): Tiles(128, 64, 4, 3, max_registers=168),
-    (128, True): Tiles(128, 64, 4, 3, head_group=8, max_registers=168),
-    (256, False): Tiles(128, 32, 4, 2, max_registers=168),  # d=256: K/V blocks of 32, two buffers
-    (256, True): Tiles(128, 32, 4, 2, max_registers=168),
-}
-# dK/dV: key blocks of 128 (64 per consumer), query blocks of 64 in a 3-buffer ring with their LSE and
-# delta rows (query blocks of 32 make products too small). At d=64 all three Gluon kernels measured
-# slower than the Triton ones (softmax, not the tensor cores, sets the pace there).
-_SM90_DKDV_WS = {
-    (128, False): Tiles(64, 128, 4, 3, max_registers=168),
-    (128, True): Tiles(64, 128, 4, 3, head_group=8, max_registers=168),
-    # d=256: a consumer cannot hold both [64, 256] fp32 accumulators, so this is the dK pass of two
-    # (_SM90_DK_DV; query blocks of 32) and _SM90_DV_WS the dV pass (query blocks of 64), two buffers each.
-    # Backward with the Gluon dQ: 347 / 298 TFLOP/s (no mask / causal) against 184 / 174 for the Triton one pass.
-    (256, False): Tiles(32, 128, 4, 2, max_registers=168),
-    (256, True): Tiles(32, 128, 4, 2, max_registers=168),
-}
-# Q/K head dim 192 as 128 + 64 with d_v 128 (ArchTables.splits_qk), by diagonal-bounded mask: the forward and
-# dQ kernels take the second chunk in buffers of its own; dK/dV stays on the Triton kernel. H200, 2x16x4096 bf16
-# (causal / no mask): forward 491 / 563 TFLOP/s against 403 / 490 for the Triton one (K/V blocks of 64: 421 / 524),
-# backward with this dQ 319 / 369 against 299 / 341 (dQ at 2 stages the same, key blocks of 32 slower).
-# A Gluon dK/dV on the split (as a dK pass and a dV pass, as at d=256) made that backward 0.91 / 0.95 as fast.
-_SM90_FWD_WS_SPLIT = {False: Tiles(128, 128, 4, 2, max_registers=168), True: Tiles(128, 128, 4, 2, max_registers=168)}
-_SM90_DQ_WS_SPLIT = {False: Tiles(128, 64, 4, 3, max_registers=168), True: Tiles(128, 64, 4, 3, max_registers=168)}
-_SM90_DV_WS = {
-    (256, False): Tiles(64, 128, 4, 2, max_registers=168),
-    (256, True): Tiles(64, 128, 4, 2, max_registers=168),
-}
-
-
-def _by_dim(small: Tiles, mid: Tiles, large: Tiles, windowed: Optional[Tuple[Tiles, Tiles, Tiles]] = None
-            ) -> Dict[Tuple[int, bool], Tiles]:
-    """A table keyed as the Hopper ones: ``small`` for padded head dims up to 64, ``mid`` at 128,
-    ``large`` at 256; ``windowed`` the same three for diagonal-bounded masks (default: the same)."""
-    plain = (small, mid, large)
-    windowed = windowed or plain
-    table = {}
-    for dim in (16, 32, 64, 128, 256):
-        index = 0 if dim <= 64 else (1 if dim == 128 else 2)
-        table[(dim, False)], table[(dim, True)] = plain[index], windowed[index]
-    return table
-
-
-# Ada and Ampere's GA10x (sm_86, sm_89), consumer Blackwell (sm_120, sm_121) and GPUs not listed below:
-# conservative tiles that fit their 99 KiB of shared memory per block (the plan every non-Hopper NVIDIA
-# GPU had before the per-architecture tables).
-_SM89_FWD = _by_dim(Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 2), Tiles(32, 32, 4, 1))
-_SM89_BWD = _by_dim(Tiles(64, 64, 4, 1), Tiles(64, 64, 4, 1), Tiles(32, 32, 4, 1))
-# A100 (sm_80) and Orin (sm_87), 163 KiB per block: the same tiles for now. Hopper's tiles fit there but
-# spill on sm_80 (mma.sync keeps more per thread than wgmma: 280-2352 bytes of stack for the d=64 bias and
-# dropout variants with 4 warps), so larger tiles wait for a measurement on an A100.
-_SM80_FWD, _SM80_DKDV, _SM80_DQ = _SM89_FWD, _SM89_BWD, _SM89_BWD
-# AMD CDNA (wave64). CDNA2 (gfx90a, MI200) and CDNA3 (gfx942, MI300) have 64 KiB of LDS per workgroup,
-# CDNA4 (gfx950, MI350) 160 KiB; all three 512 registers per lane of a wave. Four waves per program (one per
-# SIMD) and no software pipelining: with two stages, or 128x64 forward tiles at d=128, the bias and dropout
-# variants spill. Chosen so that every planned variant compiles without scratch and fits the LDS
-# (tests/common/test_kernel_compile_archs.py); not yet measured for speed.
-_CDNA3_FWD = _by_dim(Tiles(128, 64, 4, 1), Tiles(128, 32, 4, 1), Tiles(64, 32, 4, 1))
-_CDNA3_DKDV = _by_dim(Tiles(64, 64, 4, 1), Tiles(32, 64, 4, 1), Tiles(16, 64, 4, 1))
-_CDNA3_DQ = _by_dim(Tiles(64, 64, 4, 1), Tiles(128, 32, 4, 1), Tiles(64, 32, 4, 1))
-_CDNA4_FWD = _CDNA3_FWD
-_CDNA4_DKDV = _CDNA3_DKDV
-_CDNA4_DQ = _CDNA3_DQ
-# fp32 at d=256: the clamped tiles (64x32 forward) spill 80-950 bytes of scratch with a bias and dropout,
-# 32-row dQ tiles 120-152 bytes.
-_CDNA_FP32_256 = (Tiles(32, 32, 4, 1), Tiles(16, 32, 4, 1), Tiles(16, 32, 4, 1))
-
-
-# Blackwell datacenter parts compile Hopper's d=256 backward tiles with more shared memory (2 stages with a
-# bias, dropout and GQA: 233-265 KiB); one stage there.
-_SM100_DKDV = {key: (Tiles(t.block_m, t.block_n, t.num_warps, 1, t.head_group, t.single_loop) if key[0] == 256 else t)
-               for key, t in _SM90_DKDV.items()}
-_SM100_DQ = {key: (Tiles(t.block_m, t.block_n, t.num_warps, 1, t.head_group, t.single_loop) if key[0] == 256 else t)
-             for key, t in _SM90_DQ.items()}
+Table = Dict[Tuple[int, bool], Tiles]
 
 
 @dataclass(frozen=True)
 class ArchTables:
-    """One GPU architecture's launch plan: the resources its tiles must fit and its tile tables, keyed
-    by (padded head dim, diagonal-bounded mask) as the Hopper ones."""
+    """One GPU architecture's launch plan: the resources its tiles must fit and every kernel variant's
+    tiles, keyed by (padded head dim, diagonal-bounded mask) (:func:`forward_plan`, :func:`backward_plan`;
+    :func:`transformer_engine.common.attention.explain.explain_plan` names the row a plan takes)."""
 
     name: str  # what NVTE_FUSED_ATTN_PLAN_ARCH calls it: "sm90", "gfx942"
     vendor: str  # "nvidia" or "amd"
     warp_size: int
     shared_memory: int  # bytes one program may use: opt-in shared memory per block; LDS per workgroup on AMD
-    fwd: Dict[Tuple[int, bool], Tiles]
-    dkdv: Dict[Tuple[int, bool], Tiles]
-    dq: Dict[Tuple[int, bool], Tiles]
-    warp_specialized: bool = False  # the Gluon kernels of hopper_ws.py where they serve (NVIDIA SM90 only)
+    fwd: Table
+    dkdv: Table
+    dq: Table
     # fp32 tiles (fwd, dK/dV, dQ) at padded head dim 256 where the clamped 16-bit tiles would spill;
     # None: the clamp everywhere (forward_plan, backward_plan).
     fp32_large: Optional[Tuple[Tiles, Tiles, Tiles]] = None
@@ -348,6 +200,16 @@ class ArchTables:
     # tiles serve a 16-bit config, rather than padding to 256.
     narrow_v_split: Tuple[int, ...] = ()
     narrow_v_split_dq: Optional[Tiles] = None  # the dQ tiles where Q/K splits; None: the narrow-V ones
+    warp_specialized: bool = False  # the Gluon kernels of hopper_ws.py where they serve (NVIDIA SM90 only)
+    # The Gluon kernels' tiles by _head_key (keys not here: the Triton kernels); the dK/dV row is the dK pass
+    # where dk_dv splits the backward in two, dv_ws that of the dV pass.
+    fwd_ws: Table = dataclasses.field(default_factory=dict)
+    dq_ws: Table = dataclasses.field(default_factory=dict)
+    dkdv_ws: Table = dataclasses.field(default_factory=dict)
+    dv_ws: Table = dataclasses.field(default_factory=dict)
+    # The Gluon forward's and dQ's tiles where the Q/K head dim splits (splits_qk), by diagonal-bounded mask.
+    fwd_ws_split: Dict[bool, Tiles] = dataclasses.field(default_factory=dict)
+    dq_ws_split: Dict[bool, Tiles] = dataclasses.field(default_factory=dict)
 
     def serves_narrow_v(self, config: AttnConfig) -> bool:
         """Whether the narrow-V tiles serve ``config`` (before the fp32 clamp)."""
@@ -383,19 +245,143 @@ class ArchTables:
 
 
 _KIB = 1024
+_DIMS = (16, 32, 64, 128, 256)
+
+
+def _rows(rows: Dict[int, Tuple[Tiles, Tiles]]) -> Table:
+    """A table from {padded head dim: (unbounded-mask tiles, diagonal-bounded-mask tiles)}."""
+    return {(dim, bounded): pair[bounded] for dim, pair in rows.items() for bounded in (False, True)}
+
+
+def _by_dim(small: Tiles, mid: Tiles, large: Tiles) -> Table:
+    """A table with ``small`` for padded head dims up to 64, ``mid`` at 128, ``large`` at 256, whatever
+    the mask."""
+    return _rows({dim: ((small if dim <= 64 else mid if dim == 128 else large),) * 2 for dim in _DIMS})
+
+
+def _hopper() -> ArchTables:
+    """Hopper (sm_90): the fastest tiles found on the H200 by padded head dim and mask kind (dev/NOTES.md).
+    Head groups (launch order) and the single-loop form only where they were faster; the single loop only
+    at d=256, where registers bind. The Triton kernels load through pointers (TMA descriptors were no
+    faster for them)."""
+    return ArchTables(
+        "sm90", "nvidia", 32, 227 * _KIB,
+        fwd=_rows({
+            16: (Tiles(128, 64, 8, 3), Tiles(64, 64, 4, 3)),
+            32: (Tiles(128, 64, 8, 3), Tiles(64, 64, 4, 3)),
+            64: (Tiles(128, 64, 8, 3), Tiles(64, 64, 4, 3)),
+            128: (Tiles(128, 64, 8, 3), Tiles(128, 64, 8, 3, head_group=8)),
+            256: (Tiles(128, 64, 8, 2, single_loop=True), Tiles(128, 64, 8, 2, single_loop=True)),
+        }),
+        dkdv=_rows({
+            16: (Tiles(32, 128, 4, 3), Tiles(64, 64, 4, 3)),
+            32: (Tiles(32, 128, 4, 3), Tiles(64, 64, 4, 3)),
+            64: (Tiles(32, 128, 4, 3), Tiles(64, 64, 4, 3)),
+            128: (Tiles(64, 128, 8, 3), Tiles(64, 128, 8, 3, head_group=8)),
+            256: (Tiles(64, 64, 8, 2, single_loop=True), Tiles(64, 64, 8, 2, single_loop=True)),
+        }),
+        dq=_rows({
+            16: (Tiles(128, 64, 8, 2), Tiles(64, 64, 4, 3)),
+            32: (Tiles(128, 64, 8, 2), Tiles(64, 64, 4, 3)),
+            64: (Tiles(128, 64, 8, 3), Tiles(64, 64, 4, 3, head_group=4)),
+            128: (Tiles(128, 64, 8, 3), Tiles(128, 64, 8, 3, head_group=8)),
+            256: (Tiles(64, 64, 8, 2), Tiles(64, 64, 8, 2)),
+        }),
+        # d_qk padded to 256 with d_v padded to 128 (192/128, the MLA head dims), without bias or dropout:
+        # the narrower V and dO tiles leave shared memory for a third forward stage and for 128-key dK/dV and
+        # 128-query dQ tiles, which the d=256 rows cannot fit. With a bias tile the forward exceeds shared
+        # memory and with dropout the dK/dV pass spills: those keep the d=256 rows. One tile for every head
+        # count: the tables have no GQA key.
+        narrow_v=(Tiles(128, 64, 8, 3), Tiles(64, 128, 8, 2, single_loop=True), Tiles(128, 64, 8, 2)),
+        # d_qk = 192 as chunks of 128 and 64 (BLOCK_DQK, BLOCK_DQK2) instead of a 256-wide tile whose last
+        # quarter is zeros: the QK^T, dS^T Q and dS K products skip that quarter, and every pass takes less
+        # shared memory.
+        narrow_v_split=(192,),
+        # The narrow-V dQ tiles (128x64, 2 stages) split hit a ptxas miscompile (an illegal access that
+        # memcheck does not see); key blocks of 32 compile right.
+        narrow_v_split_dq=Tiles(128, 32, 8, 3),
+        # Padded head dim 256, fp16/bf16, without bias or dropout (outside the narrow-V case): dK and dV as two
+        # passes (BackwardPlan.dv), each with one accumulator, so 128-key tiles fit: (dK tiles, dV tiles).
+        dk_dv={key: (Tiles(32, 128, 8, 2, single_loop=True), Tiles(64, 128, 8, 2, single_loop=True))
+               for key in ((256, False), (256, True))},
+        # The warp-specialized Gluon kernels (kernels/hopper_ws.py): 128 rows (query rows; keys for dK/dV) as
+        # two consumer warpgroups of 64 plus a loader warp (12 warps allocated: 168 registers each on average).
+        # They serve d_qk = d_v = 128 or 256, fp16/bf16, no bias, ALiBi, dropout or sink softmax; at d=64 and
+        # below the Triton kernels are faster (softmax, not the tensor cores, sets the pace there).
+        warp_specialized=True,
+        # Forward: K/V blocks of 128 in a 2-buffer ring; at d=256 blocks of 64 (197 KiB of shared memory).
+        fwd_ws=_rows({
+            128: (Tiles(128, 128, 4, 2, max_registers=168), Tiles(128, 128, 4, 2, head_group=8, max_registers=168)),
+            256: (Tiles(128, 64, 4, 2, max_registers=168),) * 2,
+        }),
+        # dQ: K/V blocks of 64 (blocks of 128 spill in the causal consumer) in a 3-buffer ring; at d=256 blocks of
+        # 32 in two buffers.
+        dq_ws=_rows({
+            128: (Tiles(128, 64, 4, 3, max_registers=168), Tiles(128, 64, 4, 3, head_group=8, max_registers=168)),
+            256: (Tiles(128, 32, 4, 2, max_registers=168),) * 2,
+        }),
+        # dK/dV: key blocks of 128 (64 per consumer), query blocks of 64 in a 3-buffer ring with their LSE and
+        # delta rows (query blocks of 32 make products too small). At d=256 a consumer cannot hold both
+        # [64, 256] fp32 accumulators: this is the dK pass of two (dk_dv; query blocks of 32) and dv_ws the dV
+        # pass (query blocks of 64), two buffers each.
+        dkdv_ws=_rows({
+            128: (Tiles(64, 128, 4, 3, max_registers=168), Tiles(64, 128, 4, 3, head_group=8, max_registers=168)),
+            256: (Tiles(32, 128, 4, 2, max_registers=168),) * 2,
+        }),
+        dv_ws=_rows({256: (Tiles(64, 128, 4, 2, max_registers=168),) * 2}),
+        # Q/K head dim 192 as 128 + 64 with d_v 128 (splits_qk): the forward and dQ kernels take the second chunk
+        # in buffers of its own; dK/dV stays on the Triton kernel (a Gluon dK pass and dV pass there were slower).
+        fwd_ws_split={False: Tiles(128, 128, 4, 2, max_registers=168), True: Tiles(128, 128, 4, 2, max_registers=168)},
+        dq_ws_split={False: Tiles(128, 64, 4, 3, max_registers=168), True: Tiles(128, 64, 4, 3, max_registers=168)},
+    )
+
+
+def _blackwell(hopper: ArchTables) -> ArchTables:
+    """Datacenter Blackwell (sm_100, sm_103) and Thor (sm_110): Hopper's 227 KiB, so Hopper's Triton tiles
+    (its Gluon kernels are written for Hopper's wgmma and TMA), with one stage for the d=256 backward: two
+    exceed the shared memory there with a bias, dropout and GQA."""
+    def one_stage_at_256(table: Table) -> Table:
+        return {key: dataclasses.replace(t, num_stages=1) if key[0] == 256 else t for key, t in table.items()}
+
+    return ArchTables("sm100", "nvidia", 32, hopper.shared_memory, hopper.fwd, one_stage_at_256(hopper.dkdv),
+                      one_stage_at_256(hopper.dq))
+
+
+def _small_nvidia(name: str, shared_memory: int) -> ArchTables:
+    """Conservative tiles that fit 99 KiB of shared memory per block: Ada and Ampere's GA10x (sm_86, sm_89),
+    consumer Blackwell (sm_120, sm_121) and GPUs not listed. A100 (sm_80) and Orin (sm_87), 163 KiB, take
+    them too for now: Hopper's tiles fit there but spill on sm_80 (mma.sync keeps more per thread than wgmma),
+    so larger tiles wait for a measurement on an A100."""
+    bwd = _by_dim(Tiles(64, 64, 4, 1), Tiles(64, 64, 4, 1), Tiles(32, 32, 4, 1))
+    return ArchTables(name, "nvidia", 32, shared_memory, _by_dim(Tiles(64, 64, 4, 2), Tiles(64, 64, 4, 2),
+                                                                  Tiles(32, 32, 4, 1)), bwd, bwd)
+
+
+def _cdna(name: str, lds: int) -> ArchTables:
+    """AMD CDNA (wave64): CDNA2 (gfx90a) and CDNA3 (gfx942) with 64 KiB of LDS per workgroup, CDNA4 (gfx950)
+    with 160 KiB; all 512 registers per lane of a wave. Four waves per program (one per SIMD) and no
+    software pipelining: with two stages, or 128x64 forward tiles at d=128, the bias and dropout variants
+    spill. Chosen so that every planned variant compiles without scratch and fits the LDS
+    (tests/common/test_kernel_compile_archs.py), not for speed. fp32 at d=256 takes smaller tiles of its
+    own: the clamped ones spill with a bias and dropout."""
+    return ArchTables(
+        name, "amd", 64, lds,
+        fwd=_by_dim(Tiles(128, 64, 4, 1), Tiles(128, 32, 4, 1), Tiles(64, 32, 4, 1)),
+        dkdv=_by_dim(Tiles(64, 64, 4, 1), Tiles(32, 64, 4, 1), Tiles(16, 64, 4, 1)),
+        dq=_by_dim(Tiles(64, 64, 4, 1), Tiles(128, 32, 4, 1), Tiles(64, 32, 4, 1)),
+        fp32_large=(Tiles(32, 32, 4, 1), Tiles(16, 32, 4, 1), Tiles(16, 32, 4, 1)),
+    )
+
+
 ARCHS: Dict[str, ArchTables] = {t.name: t for t in (
-    ArchTables("sm80", "nvidia", 32, 163 * _KIB, _SM80_FWD, _SM80_DKDV, _SM80_DQ),
-    ArchTables("sm89", "nvidia", 32, 99 * _KIB, _SM89_FWD, _SM89_BWD, _SM89_BWD),
-    ArchTables("sm90", "nvidia", 32, 227 * _KIB, _SM90_FWD, _SM90_DKDV, _SM90_DQ, warp_specialized=True,
-               narrow_v=_SM90_NARROW_V, narrow_v_split=_SM90_NARROW_V_SPLIT, narrow_v_split_dq=_SM90_NARROW_V_SPLIT_DQ,
-               dk_dv=_SM90_DK_DV),
-    # Datacenter Blackwell (sm_100, sm_103) and Thor (sm_110): Hopper's 227 KiB, so Hopper's Triton tiles
-    # (its Gluon kernels are written for Hopper's wgmma and TMA).
-    ArchTables("sm100", "nvidia", 32, 227 * _KIB, _SM90_FWD, _SM100_DKDV, _SM100_DQ),
-    ArchTables("sm120", "nvidia", 32, 99 * _KIB, _SM89_FWD, _SM89_BWD, _SM89_BWD),
-    ArchTables("gfx90a", "amd", 64, 64 * _KIB, _CDNA3_FWD, _CDNA3_DKDV, _CDNA3_DQ, fp32_large=_CDNA_FP32_256),
-    ArchTables("gfx942", "amd", 64, 64 * _KIB, _CDNA3_FWD, _CDNA3_DKDV, _CDNA3_DQ, fp32_large=_CDNA_FP32_256),
-    ArchTables("gfx950", "amd", 64, 160 * _KIB, _CDNA4_FWD, _CDNA4_DKDV, _CDNA4_DQ, fp32_large=_CDNA_FP32_256),
+    _small_nvidia("sm80", 163 * _KIB),
+    _small_nvidia("sm89", 99 * _KIB),
+    _hopper(),
+    _blackwell(_hopper()),
+    _small_nvidia("sm120", 99 * _KIB),
+    _cdna("gfx90a", 64 * _KIB),
+    _cdna("gfx942", 64 * _KIB),
+    _cdna("gfx950", 160 * _KIB),
 )}
 # Compute capabilities whose tables differ from their major's (below); AMD targets by gfx name.
 _NVIDIA_EXACT = {(8, 0): "sm80", (8, 7): "sm80"}
@@ -439,82 +425,129 @@ def plan_arch(config: AttnConfig) -> ArchTables:
     return dataclasses.replace(tables, warp_specialized=False)
 
 
-def _dot_precision(config: AttnConfig) -> str:
-    # fp32 inputs get true fp32 products (no TF32) so fp32 results match the reference. For fp16/bf16
-    # operands the setting changes no instruction on NVIDIA (TF32 concerns fp32 operands only: the sm_90
-    # binaries are the same either way, tests/common/test_kernel_compile.py), and "ieee" is the value
-    # every Triton target accepts (gfx90a and gfx950 reject "tf32").
-    return "ieee"
-
-
 def _head_key(config: AttnConfig) -> Tuple[int, bool]:
-    """What Hopper tiles may depend on: padded head dim and whether the mask is diagonal-bounded."""
+    """What the tables' rows are keyed by: padded head dim and whether the mask is diagonal-bounded."""
     dim = max(padded_head_dim(config.head_dim_qk), padded_head_dim(config.head_dim_v))
     return dim, config.window_kind != "none"
 
 
-def forward_plan(config: AttnConfig, override: Optional[Tiles] = None) -> ForwardPlan:
+def row_name(arch: str, table: str, key: Tuple[int, bool]) -> str:
+    """How plans name a table row: ``sm90.fwd[128, bounded]`` (a diagonal-bounded mask) or ``[128, unbounded]``."""
+    return f"{arch}.{table}[{key[0]}, {'bounded' if key[1] else 'unbounded'}]"
+
+
+@dataclass
+class PlanTrace:
+    """How a plan was found (explain.py): the tables (None: interpreter or a tile override), the row key, the
+    row each of the plan's tile fields came from, and why each warp-specialized field is None."""
+
+    arch: Optional[ArchTables]
+    key: Tuple[int, bool]
+    rows: Dict[str, str] = dataclasses.field(default_factory=dict)
+    gluon_off: Dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def _fp32_clamp(tiles: Tiles, block_m: int, block_n: int) -> Tiles:
+    return Tiles(min(tiles.block_m, block_m), min(tiles.block_n, block_n), tiles.num_warps, 1)
+
+
+def trace_forward(config: AttnConfig, override: Optional[Tiles] = None) -> Tuple[ForwardPlan, PlanTrace]:
+    """:func:`forward_plan` with the rows it took (:class:`PlanTrace`)."""
     key = _head_key(config)
     arch = plan_arch(config) if config.device_type != "cpu" and override is None else None
+    trace = PlanTrace(arch, key)
     if override is not None:
-        tiles = override
+        tiles, row = override, "the tile override"
     elif arch is None:
-        tiles = _INTERPRET_FWD
+        tiles, row = _INTERPRET, "the interpreter's tiles"
     else:
         tiles = arch.tiles(config, key)[0]
-    if config.dtype == "float32" and override is None and arch is not None:
+        row = f"{arch.name}.narrow_v[fwd]" if arch.serves_narrow_v(config) else row_name(arch.name, "fwd", key)
+    if config.dtype == "float32" and arch is not None:
         if key[0] == 256 and arch.fp32_large is not None:
-            tiles = arch.fp32_large[0]
+            tiles, row = arch.fp32_large[0], f"{arch.name}.fp32_large[fwd]"
         else:
-            tiles = Tiles(min(tiles.block_m, 64), min(tiles.block_n, 32), tiles.num_warps, 1)
-    # An explicit Triton tile override measures the Triton kernel.
-    ws = None if override is not None else _warp_specialized(config, arch, key, _SM90_FWD_WS, _SM90_FWD_WS_SPLIT)
+            tiles, row = _fp32_clamp(tiles, 64, 32), row + ", clamped for fp32 (at most 64x32, one stage)"
+    trace.rows["tiles"] = row
+    if override is not None:  # an explicit Triton tile override measures the Triton kernel
+        ws, trace.gluon_off["warp_specialized"] = None, "a Triton tile override"
+    else:
+        ws = _warp_specialized(config, arch, key, "fwd", trace, "warp_specialized")
     block_dqk, block_dqk2 = _qk_blocks(config, arch)
-    return ForwardPlan(tiles, block_dqk, padded_head_dim(config.head_dim_v), _dot_precision(config), ws, block_dqk2)
+    return ForwardPlan(tiles, block_dqk, padded_head_dim(config.head_dim_v), ws, block_dqk2), trace
+
+
+def forward_plan(config: AttnConfig, override: Optional[Tiles] = None) -> ForwardPlan:
+    """The forward's tiles for ``config``; ``override``: these Triton tiles instead (measurements)."""
+    return trace_forward(config, override)[0]
 
 
 def _qk_blocks(config: AttnConfig, arch: Optional[ArchTables]) -> Tuple[int, int]:
     """(BLOCK_DQK, BLOCK_DQK2) of the Triton kernels: the two chunks of split_head_dim where the
-    architecture splits Q/K (ArchTables.splits_qk; under the interpreter, where INTERPRET_SPLIT_QK asks),
-    else the padded head dim and 0. A tile override (arch None on a GPU) keeps one tile."""
+    architecture splits Q/K (ArchTables.splits_qk; under the interpreter, where
+    NVTE_FUSED_ATTN_INTERPRET_SPLIT_QK asks), else the padded head dim and 0. A tile override (arch None
+    on a GPU) keeps one tile."""
     split = split_head_dim(config.head_dim_qk)
     if arch is not None:
         use = arch.splits_qk(config)
     else:
-        use = config.device_type == "cpu" and INTERPRET_SPLIT_QK
+        use = config.device_type == "cpu" and settings.get("NVTE_FUSED_ATTN_INTERPRET_SPLIT_QK")
     if use and split is not None:
         return split
     return padded_head_dim(config.head_dim_qk), 0
 
 
-def _warp_specialized(config: AttnConfig, arch: Optional[ArchTables], key: Tuple[int, bool],
-                      table: Dict[Tuple[int, bool], Tiles],
-                      split_table: Optional[Dict[bool, Tiles]] = None) -> Optional[Tiles]:
-    """The Gluon kernels' tiles for ``config`` from ``table`` (``split_table`` where the Q/K head dim
-    splits in two chunks), where they serve it (module docstring of kernels/hopper_ws.py: NVIDIA SM90
-    planning with its own tables) and NVTE_FUSED_ATTN_WS does not turn them off."""
-    if config.device_type != "cuda" or arch is None or not arch.warp_specialized:
-        return None
+def _warp_specialized(config: AttnConfig, arch: Optional[ArchTables], key: Tuple[int, bool], kernel: str,
+                      trace: PlanTrace, field_name: str) -> Optional[Tiles]:
+    """The Gluon ``kernel``'s ("fwd", "dq", "dkdv" or "dv") tiles for ``config`` from the architecture's
+    ``<kernel>_ws`` table (``<kernel>_ws_split`` where the Q/K head dim splits in two chunks), where they
+    serve it (module docstring of kernels/hopper_ws.py: NVIDIA SM90 planning with its own tables) and
+    NVTE_FUSED_ATTN_WS does not turn them off; else None, with the reason in ``trace.gluon_off``."""
+    tiles, why = _gluon_tiles(config, arch, key, kernel)
+    if tiles is None:
+        trace.gluon_off[field_name] = why
+    else:
+        trace.rows[field_name] = why
+    return tiles
+
+
+def _gluon_tiles(config: AttnConfig, arch: Optional[ArchTables], key: Tuple[int, bool],
+                 kernel: str) -> Tuple[Optional[Tiles], str]:
+    """(tiles, their row) where the Gluon ``kernel`` serves, else (None, why not)."""
+    if config.device_type != "cuda" or arch is None:
+        return None, f"device_type {config.device_type!r}: the Gluon kernels run on CUDA GPUs only"
+    if not arch.warp_specialized:
+        if arch.fwd_ws:
+            return None, f"NVTE_FUSED_ATTN_PLAN_ARCH forces {arch.name}: a forced plan runs Triton kernels only"
+        return None, f"{arch.name} has no warp-specialized kernels (NVIDIA SM90 only)"
     if config.dtype not in ("float16", "bfloat16"):
-        return None
+        return None, f"dtype {config.dtype}: the Gluon kernels take fp16/bf16 only"
     if config.attn_bias_type != AttnBiasType.NO_BIAS or config.dropout > 0:
-        return None
+        return None, "a bias, ALiBi or dropout: the Gluon kernels have none"
     # Sink softmax (off-by-one, learnable) is in the Triton forward only.
     if config.softmax_type.has_sink:
-        return None
+        return None, "sink softmax: in the Triton kernels only"
     if not settings.get("NVTE_FUSED_ATTN_WS"):
-        return None
-    if _gluon_unavailable_reason() is not None:
-        return None
+        return None, "NVTE_FUSED_ATTN_WS=0"
+    reason = _gluon_unavailable_reason()
+    if reason is not None:
+        return None, f"the installed Triton cannot build them: {reason}"
     # The head dims must fill their tiles: the Gluon kernels mask no head-dim columns. A Q/K head dim
     # that splits fills two chunks (split_head_dim); d_v must then fill one.
     if arch.splits_qk(config):
-        if split_table is None or config.head_dim_v != padded_head_dim(config.head_dim_v):
-            return None
-        return split_table.get(key[1])
+        split_table = getattr(arch, f"{kernel}_ws_split", None)
+        if split_table is None or key[1] not in split_table:
+            return None, f"no Gluon {kernel} kernel for a split Q/K head dim ({arch.name}.{kernel}_ws_split)"
+        if config.head_dim_v != padded_head_dim(config.head_dim_v):
+            return None, f"d_v {config.head_dim_v} does not fill its tile (the Gluon kernels mask no head-dim columns)"
+        return split_table[key[1]], f"{arch.name}.{kernel}_ws_split[{'bounded' if key[1] else 'unbounded'}]"
     if config.head_dim_qk != config.head_dim_v or config.head_dim_qk != key[0]:
-        return None
-    return table.get(key)
+        return None, (f"head dims {config.head_dim_qk}/{config.head_dim_v} do not fill one {key[0]}-wide tile (the "
+                      "Gluon kernels mask no head-dim columns)")
+    table = getattr(arch, f"{kernel}_ws")
+    if key not in table:
+        return None, f"no row {row_name(arch.name, kernel + '_ws', key)}"
+    return table[key], row_name(arch.name, kernel + "_ws", key)
 
 
 def _gluon_unavailable_reason() -> Optional[str]:
@@ -531,39 +564,68 @@ def _gluon_unavailable_reason() -> Optional[str]:
     return reason
 
 
-def backward_plan(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = None) -> BackwardPlan:
+def trace_backward(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = None
+                   ) -> Tuple[BackwardPlan, PlanTrace]:
+    """:func:`backward_plan` with the rows it took (:class:`PlanTrace`)."""
     key = _head_key(config)
     arch = plan_arch(config) if config.device_type != "cpu" and override is None else None
+    trace = PlanTrace(arch, key)
     if override is not None:
-        dkdv, dq = override
+        (dkdv, dq), rows = override, ["the tile override"] * 2
     elif arch is None:
-        dkdv = dq = _INTERPRET_BWD
+        dkdv = dq = _INTERPRET
+        rows = ["the interpreter's tiles"] * 2
     else:
         dkdv, dq = arch.tiles(config, key)[1:]
+        if arch.serves_narrow_v(config):
+            rows = [f"{arch.name}.narrow_v[dkdv]", f"{arch.name}.narrow_v[dq]"]
+        else:
+            rows = [row_name(arch.name, "dkdv", key), row_name(arch.name, "dq", key)]
         if arch.narrow_v_split_dq is not None and arch.splits_qk(config):
-            dq = arch.narrow_v_split_dq
-    if config.dtype == "float32" and override is None and arch is not None:
+            dq, rows[1] = arch.narrow_v_split_dq, f"{arch.name}.narrow_v_split_dq"
+    if config.dtype == "float32" and arch is not None:
         if key[0] == 256 and arch.fp32_large is not None:
             dkdv, dq = arch.fp32_large[1:]
+            rows = [f"{arch.name}.fp32_large[dkdv]", f"{arch.name}.fp32_large[dq]"]
         else:
-            dkdv = Tiles(min(dkdv.block_m, 32), min(dkdv.block_n, 64), dkdv.num_warps, 1)
-            dq = Tiles(min(dq.block_m, 64), min(dq.block_n, 32), dq.num_warps, 1)
+            dkdv, dq = _fp32_clamp(dkdv, 32, 64), _fp32_clamp(dq, 64, 32)
+            rows = [rows[0] + ", clamped for fp32 (at most 32x64, one stage)",
+                    rows[1] + ", clamped for fp32 (at most 64x32, one stage)"]
     dv = None
     two_pass = arch.dk_dv_tiles(config, key) if arch is not None else None
     if two_pass is not None:
         dkdv, dv = two_pass
+        rows[0] = row_name(arch.name, "dk_dv", key) + " (dK pass)"
+        trace.rows["dv"] = row_name(arch.name, "dk_dv", key) + " (dV pass)"
+    trace.rows["dkdv"], trace.rows["dq"] = rows
     preprocess = Tiles(64 if config.device_type != "cpu" else 16, 0, 4, 1)
-    # Both modes run the separate dQ pass: it measured 2-3x faster than an atomic dQ on the H200.
-    # An explicit Triton tile override measures the Triton kernels.
-    served = override is None
-    ws_dq = _warp_specialized(config, arch, key, _SM90_DQ_WS, _SM90_DQ_WS_SPLIT) if served else None
-    ws_dkdv = _warp_specialized(config, arch, key, _SM90_DKDV_WS) if served else None
-    ws_dv = _warp_specialized(config, arch, key, _SM90_DV_WS) if served else None
+    trace.rows["preprocess"] = "fixed: not a table row"
+    # Both modes run the separate dQ pass, faster than an atomic dQ inside the dK/dV pass.
+    ws_fields = ("dq_warp_specialized", "dkdv_warp_specialized", "dv_warp_specialized")
+    if override is not None:  # an explicit Triton tile override measures the Triton kernels
+        ws_dq = ws_dkdv = ws_dv = None
+        trace.gluon_off.update(dict.fromkeys(ws_fields, "a Triton tile override"))
+    else:
+        ws_dq = _warp_specialized(config, arch, key, "dq", trace, ws_fields[0])
+        ws_dkdv = _warp_specialized(config, arch, key, "dkdv", trace, ws_fields[1])
+        ws_dv = _warp_specialized(config, arch, key, "dv", trace, ws_fields[2])
     # The Gluon dK/dV rows make as many passes as the Triton plan: one (no dV row) or two.
     if (dv is None) != (ws_dv is None):
+        for name, tiles in zip(ws_fields[1:], (ws_dkdv, ws_dv)):
+            if tiles is not None:
+                trace.rows.pop(name)
+                trace.gluon_off[name] = ("the Gluon dK/dV rows would make a different number of passes than the "
+                                         "Triton plan")
         ws_dkdv = ws_dv = None
     # The dBias kernel holds Q, K, V and dO tiles at once: fp32 at padded d > 128 halves its tile.
     dbias_block = 32 if config.dtype == "float32" and key[0] > 128 else 64
     block_dqk, block_dqk2 = _qk_blocks(config, arch)
-    return BackwardPlan(preprocess, dkdv, dq, block_dqk, padded_head_dim(config.head_dim_v), _dot_precision(config),
-                        ws_dq, ws_dkdv, dbias_block, dv=dv, dv_warp_specialized=ws_dv, block_dqk2=block_dqk2)
+    plan = BackwardPlan(preprocess, dkdv, dq, block_dqk, padded_head_dim(config.head_dim_v), ws_dq, ws_dkdv,
+                        dbias_block, dv=dv, dv_warp_specialized=ws_dv, block_dqk2=block_dqk2)
+    return plan, trace
+
+
+def backward_plan(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = None) -> BackwardPlan:
+    """The backward's tiles for ``config``; ``override``: these (dK/dV, dQ) Triton tiles instead."""
+    return trace_backward(config, override)[0]
+

@@ -6,6 +6,8 @@ blocks in ascending order). No atomics.
 
 Sink softmax changes nothing in the dK/dV and dQ passes (forward.py's docstring); the learnable
 sink's gradient is attn_bwd_dsink_kernel's, one partial sum per sequence without atomics.
+
+The products ask for ``input_precision="ieee"``, as the forward's (forward.py's docstring).
 """
 
 import triton
@@ -84,7 +86,7 @@ def _dkdv_inner(dk, dk2, dv, k, k2, v, q_src, q_src2, do_src, lse_ptrs, delta_pt
                 BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                 MASKED: tl.constexpr, SINGLE_LOOP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                 HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, WITH_DK: tl.constexpr, WITH_DV: tl.constexpr):
+                WITH_DK: tl.constexpr, WITH_DV: tl.constexpr):
     """Query blocks [lo, hi); masking as in forward._fwd_inner (SINGLE_LOOP: outside [full_lo, full_hi) only).
     WITH_DK / WITH_DV: which of dk and dv to accumulate (the other comes back as it came). With BLOCK_DQK2 > 0,
     dk2, k2 and q_src2 are the second Q/K head-dim chunk's (forward._fwd_inner); otherwise unused, and dk2
@@ -98,10 +100,10 @@ def _dkdv_inner(dk, dk2, dv, k, k2, v, q_src, q_src2, do_src, lse_ptrs, delta_pt
         if BLOCK_DQK2 > 0:
             q_t2 = load_block(q_src2, start_m, stride_qs, offs_dqk2, offs_m_base, len_q, HEAD_DIM_QK,
                               BLOCK_DQK + BLOCK_DQK2, MASKED, True)  # [BLOCK_DQK2, BLOCK_M]
-            qk_t = tl.dot(k2, q_t2, tl.dot(k, q_t, input_precision=DOT_PRECISION),
-                          input_precision=DOT_PRECISION) * qk_scale
+            qk_t = tl.dot(k2, q_t2, tl.dot(k, q_t, input_precision="ieee"),
+                          input_precision="ieee") * qk_scale
         else:
-            qk_t = tl.dot(k, q_t, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M]
+            qk_t = tl.dot(k, q_t, input_precision="ieee") * qk_scale  # [BLOCK_N, BLOCK_M]
         if HAS_BIAS or HAS_ALIBI:
             qk_t += bias_log2(bias_base, offs_m[None, :], offs_n[:, None], len_q, len_k, stride_zm, stride_zn,
                               alibi_slope, diag, HAS_BIAS, HAS_ALIBI)
@@ -114,21 +116,21 @@ def _dkdv_inner(dk, dk2, dv, k, k2, v, q_src, q_src2, do_src, lse_ptrs, delta_pt
         # With both gradients the statements keep the order of the single pass (its verified instruction schedule).
         if WITH_DK:
             delta = tl.load(delta_ptrs + offs_m, mask=offs_m < len_q, other=0.0)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+            dp_t = tl.dot(v, tl.trans(do), input_precision="ieee")  # [BLOCK_N, BLOCK_M]
         if DROPOUT:
             kept = dropout_keep(seed, rng_offset, seq_head, offs_m[None, :], offs_n[:, None], dropout_p)
             inv_keep = 1.0 / (1.0 - dropout_p)
             if WITH_DV:
-                dv += tl.dot((tl.where(kept, p_t, 0.0) * inv_keep).to(do.dtype), do, input_precision=DOT_PRECISION)
+                dv += tl.dot((tl.where(kept, p_t, 0.0) * inv_keep).to(do.dtype), do, input_precision="ieee")
             if WITH_DK:
                 dp_t = tl.where(kept, dp_t, 0.0) * inv_keep
         elif WITH_DV:
-            dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PRECISION)
+            dv += tl.dot(p_t.to(do.dtype), do, input_precision="ieee")
         if WITH_DK:
             ds_t = p_t * (dp_t - delta[None, :])
-            dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=DOT_PRECISION)
+            dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision="ieee")
             if BLOCK_DQK2 > 0:
-                dk2 += tl.dot(ds_t.to(q_t2.dtype), tl.trans(q_t2), input_precision=DOT_PRECISION)
+                dk2 += tl.dot(ds_t.to(q_t2.dtype), tl.trans(q_t2), input_precision="ieee")
     return dk, dk2, dv
 
 
@@ -152,7 +154,7 @@ def attn_bwd_dkdv_kernel(
     IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr, SINGLE_LOOP: tl.constexpr, SEGMENTS: tl.constexpr,
+    HEAD_GROUP: tl.constexpr, SINGLE_LOOP: tl.constexpr, SEGMENTS: tl.constexpr,
     WITH_DK: tl.constexpr, WITH_DV: tl.constexpr,
 ):
     """One program per (key block, batch * kv head): dK, dV for that tile, summed over the
@@ -236,7 +238,7 @@ def attn_bwd_dkdv_kernel(
                                       full_lo, full_hi, len_q, len_k, diag, window_left, window_right, qk_scale,
                                       bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head,
                                       dropout_p, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_M,
-                                      True, True, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION,
+                                      True, True, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT,
                                       WITH_DK, WITH_DV)
         else:
             for SEGMENT in tl.static_range(3):
@@ -247,7 +249,7 @@ def attn_bwd_dkdv_kernel(
                                           qk_scale, bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset,
                                           seq_head, dropout_p, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2,
                                           BLOCK_DV, BLOCK_M, SEGMENT != 1, False, HAS_LEFT, HAS_RIGHT, HAS_BIAS,
-                                          HAS_ALIBI, DROPOUT, DOT_PRECISION, WITH_DK, WITH_DV)
+                                          HAS_ALIBI, DROPOUT, WITH_DK, WITH_DV)
 
     if WITH_DK:
         dk = tl.where(key_ok, dk * sm_scale, 0.0)
@@ -276,8 +278,7 @@ def _dq_inner(dq, dq2, q, q2, do, lse2, delta, k_src, k_src2, v_src, stride_ks, 
               HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
               BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
               MASKED: tl.constexpr, SINGLE_LOOP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-              HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-              DOT_PRECISION: tl.constexpr):
+              HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr):
     """Key blocks [lo, hi); masking as in forward._fwd_inner. With BLOCK_DQK2 > 0, dq2, q2 and k_src2 are
     the second Q/K head-dim chunk's; otherwise unused, and dq2 comes back as it came."""
     for start_n in range(lo, hi, BLOCK_N):
@@ -289,10 +290,10 @@ def _dq_inner(dq, dq2, q, q2, do, lse2, delta, k_src, k_src2, v_src, stride_ks, 
         if BLOCK_DQK2 > 0:
             k_t2 = load_block(k_src2, start_n, stride_ks, offs_dqk2, offs_n_base, len_k, HEAD_DIM_QK,
                               BLOCK_DQK + BLOCK_DQK2, MASKED, True)  # [BLOCK_DQK2, BLOCK_N]
-            qk = tl.dot(q2, k_t2, tl.dot(q, k_t, input_precision=DOT_PRECISION),
-                        input_precision=DOT_PRECISION) * qk_scale
+            qk = tl.dot(q2, k_t2, tl.dot(q, k_t, input_precision="ieee"),
+                        input_precision="ieee") * qk_scale
         else:
-            qk = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
+            qk = tl.dot(q, k_t, input_precision="ieee") * qk_scale
         if HAS_BIAS or HAS_ALIBI:
             qk += bias_log2(bias_base, offs_m[:, None], offs_n[None, :], len_q, len_k, stride_zm, stride_zn,
                             alibi_slope, diag, HAS_BIAS, HAS_ALIBI)
@@ -300,14 +301,14 @@ def _dq_inner(dq, dq2, q, q2, do, lse2, delta, k_src, k_src2, v_src, stride_ks, 
         if MASKED:
             p = mask_scores(p, 0.0, offs_m[:, None], offs_n[None, :], start_n, full_lo, full_hi, len_q, len_k, diag,
                             window_left, window_right, HAS_LEFT, HAS_RIGHT, SINGLE_LOOP)
-        dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)
+        dp = tl.dot(do, v_t, input_precision="ieee")
         if DROPOUT:
             kept = dropout_keep(seed, rng_offset, seq_head, offs_m[:, None], offs_n[None, :], dropout_p)
             dp = tl.where(kept, dp, 0.0) * (1.0 / (1.0 - dropout_p))
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k_t.dtype), tl.trans(k_t), input_precision=DOT_PRECISION)
+        dq += tl.dot(ds.to(k_t.dtype), tl.trans(k_t), input_precision="ieee")
         if BLOCK_DQK2 > 0:
-            dq2 += tl.dot(ds.to(k_t2.dtype), tl.trans(k_t2), input_precision=DOT_PRECISION)
+            dq2 += tl.dot(ds.to(k_t2.dtype), tl.trans(k_t2), input_precision="ieee")
     return dq, dq2
 
 
@@ -330,7 +331,7 @@ def attn_bwd_dq_kernel(
     IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr, SINGLE_LOOP: tl.constexpr, SEGMENTS: tl.constexpr,
+    HEAD_GROUP: tl.constexpr, SINGLE_LOOP: tl.constexpr, SEGMENTS: tl.constexpr,
 ):
     """One program per (query block, batch * query head): dQ summed over key blocks in order."""
     tl.static_assert(BLOCK_DQK + BLOCK_DQK2 >= HEAD_DIM_QK)
@@ -383,7 +384,7 @@ def attn_bwd_dq_kernel(
                             offs_dqk, offs_dqk2, offs_dv, lo, hi, full_lo, full_hi, len_q, len_k, diag, window_left,
                             window_right, qk_scale, bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset,
                             seq_head, dropout_p, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
-                            True, True, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION)
+                            True, True, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT)
     else:
         for SEGMENT in tl.static_range(3):
             seg_lo, seg_hi = segment_bounds(SEGMENT, lo, full_lo, full_hi, hi)
@@ -392,7 +393,7 @@ def attn_bwd_dq_kernel(
                                 diag, window_left, window_right, qk_scale, bias_base, stride_zm, stride_zn,
                                 alibi_slope, seed, rng_offset, seq_head, dropout_p, HEAD_DIM_QK, HEAD_DIM_V,
                                 BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N, SEGMENT != 1, False, HAS_LEFT, HAS_RIGHT,
-                                HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION)
+                                HAS_BIAS, HAS_ALIBI, DROPOUT)
     dq = tl.where(row_ok[:, None], dq * sm_scale, 0.0)
     dq_base = DQ + batch.to(tl.int64) * stride_dqb + start_q * stride_dqs + head.to(tl.int64) * stride_dqh
     tl.store(dq_base + offs_m[:, None] * stride_dqs + offs_dqk[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
@@ -414,7 +415,7 @@ def _dbias_rows(acc, Q, K, V, DO, LSE, DELTA, BIAS, SEQ_LEN_Q, SEQ_LEN_K,
                 seqlen_q, seqlen_k, qk_scale, window_left, window_right, dropout_p, seed, rng_offset,
                 HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, HAS_SEQLENS: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
-                DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                DROPOUT: tl.constexpr):
     """``acc`` plus dS of query rows ``offs_m`` and keys ``offs_n``, summed over batches [b_lo, b_hi) and
     query heads [h_lo, h_hi) in ascending order."""
     for batch_i in range(b_lo, b_hi):
@@ -448,13 +449,13 @@ def _dbias_rows(acc, Q, K, V, DO, LSE, DELTA, BIAS, SEQ_LEN_Q, SEQ_LEN_K,
             lse2 = tl.load(LSE + lse_off, mask=row_ok, other=float("inf")) * LOG2E
             delta = tl.load(DELTA + lse_off, mask=row_ok, other=0.0)
             bias_base = BIAS + batch.to(tl.int64) * stride_zb + head.to(tl.int64) * stride_zh
-            qk = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
+            qk = tl.dot(q, k_t, input_precision="ieee") * qk_scale
             qk += bias_log2(bias_base, offs_m[:, None], offs_n[None, :], len_q, len_k, stride_zm, stride_zn,
                             0.0, diag, True, False)
             keep = visible(offs_m[:, None], offs_n[None, :], len_q, len_k, diag, window_left, window_right,
                            HAS_LEFT, HAS_RIGHT)
             p = tl.where(keep, tl.math.exp2(qk - lse2[:, None]), 0.0)
-            dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)
+            dp = tl.dot(do, v_t, input_precision="ieee")
             if DROPOUT:
                 kept = dropout_keep(seed, rng_offset, batch * num_heads_q + head, offs_m[:, None], offs_n[None, :],
                                     dropout_p)
@@ -480,7 +481,7 @@ def attn_bwd_dbias_kernel(
     BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
-    DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, SUM_ROWS: tl.constexpr,
+    DROPOUT: tl.constexpr, SUM_ROWS: tl.constexpr,
 ):
     """One program per dBias tile: dS summed over the broadcast batch and head dimensions of
     the bias, in ascending order, in registers (no atomics, no s^2 scratch).
@@ -514,7 +515,7 @@ def attn_bwd_dbias_kernel(
                               start_m + tl.arange(0, BLOCK_M), offs_n, offs_dqk, offs_dv, b_lo, b_hi, h_lo, h_hi,
                               num_heads_q, gqa_group, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
                               dropout_p, seed, rng_offset, HEAD_DIM_QK, HEAD_DIM_V, HAS_SEQLENS, HAS_LEFT,
-                              HAS_RIGHT, BOTTOM_RIGHT, DROPOUT, DOT_PRECISION)
+                              HAS_RIGHT, BOTTOM_RIGHT, DROPOUT)
         row = tl.sum(acc, axis=0)
         tl.store(DBIAS + zb.to(tl.int64) * stride_dzb + zh.to(tl.int64) * stride_dzh + offs_n * stride_dzn,
                  row.to(DBIAS.dtype.element_ty), mask=offs_n < seqlen_k)
@@ -526,8 +527,7 @@ def attn_bwd_dbias_kernel(
                           stride_lb, stride_lh, stride_zb, stride_zh, stride_zm, stride_zn,
                           offs_m, offs_n, offs_dqk, offs_dv, b_lo, b_hi, h_lo, h_hi, num_heads_q, gqa_group,
                           seqlen_q, seqlen_k, qk_scale, window_left, window_right, dropout_p, seed, rng_offset,
-                          HEAD_DIM_QK, HEAD_DIM_V, HAS_SEQLENS, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, DROPOUT,
-                          DOT_PRECISION)
+                          HEAD_DIM_QK, HEAD_DIM_V, HAS_SEQLENS, HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT, DROPOUT)
         tl.store(DBIAS + zb.to(tl.int64) * stride_dzb + zh.to(tl.int64) * stride_dzh
                  + offs_m[:, None] * stride_dzm + offs_n[None, :] * stride_dzn, acc.to(DBIAS.dtype.element_ty),
                  mask=(offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k))

@@ -11,6 +11,9 @@ and the output is ``sum_j p_j v_j`` with ``p`` normalised including it; a row th
 outputs zeros and saves the sink's own logit. The backward kernels need no change: their
 probabilities come from that log-sum-exp, and ``delta = rowsum(dO * O)`` is still
 ``sum_j p_j dp_j`` because the sink has no value.
+
+Every ``tl.dot`` asks for ``input_precision="ieee"``: fp32 operands get true fp32 products (no TF32), and
+for fp16/bf16 operands it changes no instruction; it is the one value every Triton target accepts.
 """
 
 import triton
@@ -44,8 +47,7 @@ def _fwd_inner(acc, l_i, m_i, q, q2, k_src, k_src2, v_src, stride_ks, stride_vs,
                HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                MASKED: tl.constexpr, SINGLE_LOOP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-               HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):
+               HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr):
     """Key blocks [lo, hi); MASKED applies the element mask, to every block or, with SINGLE_LOOP, to
     those outside [full_lo, full_hi) only (a runtime branch). With BLOCK_DQK2 > 0 the Q/K head dim is two
     chunks (q, k_src: [0, BLOCK_DQK); q2, k_src2: the next BLOCK_DQK2 columns); otherwise q2, k_src2 and
@@ -57,9 +59,9 @@ def _fwd_inner(acc, l_i, m_i, q, q2, k_src, k_src2, v_src, stride_ks, stride_vs,
         if BLOCK_DQK2 > 0:  # the second chunk's product accumulates onto the first's: a fixed order
             k2 = load_block(k_src2, start_n, stride_ks, offs_dqk2, offs_n_base, len_k, HEAD_DIM_QK,
                             BLOCK_DQK + BLOCK_DQK2, MASKED, True)
-            qk = tl.dot(q2, k2, tl.dot(q, k, input_precision=DOT_PRECISION), input_precision=DOT_PRECISION)
+            qk = tl.dot(q2, k2, tl.dot(q, k, input_precision="ieee"), input_precision="ieee")
         else:
-            qk = tl.dot(q, k, input_precision=DOT_PRECISION)
+            qk = tl.dot(q, k, input_precision="ieee")
         if HAS_BIAS or HAS_ALIBI:
             qk = qk * qk_scale + bias_log2(bias_base, offs_m[:, None], offs_n[None, :], len_q, len_k, stride_zm,
                                            stride_zn, alibi_slope, diag, HAS_BIAS, HAS_ALIBI)
@@ -85,7 +87,7 @@ def _fwd_inner(acc, l_i, m_i, q, q2, k_src, k_src2, v_src, stride_ks, stride_vs,
                          p, 0.0)
         v = load_block(v_src, start_n, stride_vs, offs_dv, offs_n_base, len_k, HEAD_DIM_V, BLOCK_DV, MASKED,
                        False)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
     return acc, l_i, m_i
 
@@ -108,7 +110,7 @@ def attn_fwd_kernel(
     IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, HAS_SINK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, HEAD_GROUP: tl.constexpr, SINGLE_LOOP: tl.constexpr, SEGMENTS: tl.constexpr,
+    HEAD_GROUP: tl.constexpr, SINGLE_LOOP: tl.constexpr, SEGMENTS: tl.constexpr,
 ):
     # A split Q/K head dim (BLOCK_DQK2 > 0) fills its first chunk: the loops load it without a head-dim mask.
     tl.static_assert(BLOCK_DQK + BLOCK_DQK2 >= HEAD_DIM_QK)
@@ -161,7 +163,7 @@ def attn_fwd_kernel(
                                    len_q, len_k, diag, window_left, window_right, qk_scale,
                                    bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
                                    HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
-                                   True, True, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT, DOT_PRECISION)
+                                   True, True, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT)
     else:  # masked head, unmasked middle (no per-element mask: the fast path), masked tail
         for SEGMENT in tl.static_range(3):
             seg_lo, seg_hi = segment_bounds(SEGMENT, lo, full_lo, full_hi, hi)
@@ -170,8 +172,7 @@ def attn_fwd_kernel(
                                        len_q, len_k, diag, window_left, window_right, qk_scale,
                                        bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head,
                                        dropout_p, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
-                                       SEGMENT != 1, False, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT,
-                                       DOT_PRECISION)
+                                       SEGMENT != 1, False, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT)
 
     if HAS_SINK:  # the sink's logit joins the row max and sum (module docstring)
         sink = tl.load(SINK + head).to(tl.float32) * LOG2E

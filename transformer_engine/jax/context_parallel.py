@@ -348,17 +348,19 @@ def make_plan(static: FusedAttnStatic, cp: ContextParallel, align: int = 1) -> _
     return _Plan(static=static, cp=cp, causal=static.attn_mask_type.is_causal, align=int(align))
 
 
-def tile_alignment(plan: _Plan, q, k, v) -> int:
+def tile_alignment(plan: _Plan, q, k, v, capability: Optional[Tuple[int, int]] = None) -> int:
     """The largest tile of the fused kernels' plans for the calls of ``plan`` (canonical BSHD ``q``, ``k``,
-    ``v``) on the GPU JAX runs on; 1 on the CPU, whose lowering has no tiles."""
-    if jax.devices()[0].platform not in ("gpu", "cuda"):
-        return 1
+    ``v``) on an NVIDIA GPU of ``capability`` (None: the GPU JAX runs on; 1 on the CPU, whose lowering has
+    no tiles)."""
     from transformer_engine.common.attention import launches
     from transformer_engine.jax.primitives import gpu
 
+    if capability is None:
+        if jax.devices()[0].platform not in ("gpu", "cuda"):
+            return 1
+        capability = gpu._compute_capability()
     statics = (plan.chunk_static, plan.kv_chunk_static) if plan.causal else (plan.static,)
     shapes = dict(q=q.shape, k=k.shape, v=v.shape)
-    capability = gpu._compute_capability()
     return cp_plan.tile_alignment(
         launches.plan_config(gpu.launch_call(st, shapes, q.dtype, q.shape[0], None, capability)) for st in statics)
 

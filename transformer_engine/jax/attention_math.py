@@ -29,6 +29,7 @@ differentiated by JAX.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional, Tuple
 
 import jax
@@ -37,6 +38,7 @@ import numpy as np
 
 from transformer_engine.common.attention.config import resolve_bottom_right_diagonal
 from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, AttnSoftmaxType
+from transformer_engine.common.attention.reduction import KEY_BLOCK, QUERY_BLOCK, num_blocks
 
 __all__ = [
     "SeqInfo",
@@ -55,6 +57,9 @@ __all__ = [
     "fixed_order_sum",
     "zero_padding",
     "sink_logits",
+    "tree_sum",
+    "blocked_scores",
+    "blocked_probs_v",
 ]
 
 
@@ -158,10 +163,11 @@ def head_seeds(words: jax.Array, batch: int, heads: int) -> jax.Array:
     return jnp.stack([k0, k1], axis=-1)
 
 
-def dropout_keep_mask(seeds: jax.Array, s_q: int, s_kv: int, rate: float) -> jax.Array:
-    """``[b, h, s_q, s_kv]`` bool: True where an attention probability is kept."""
-    i = jnp.arange(s_q, dtype=jnp.uint32)[:, None]
-    j = jnp.arange(s_kv, dtype=jnp.uint32)[None, :]
+def _dropout_keep(seeds: jax.Array, index_q: jax.Array, index_kv: jax.Array, rate: float) -> jax.Array:
+    """``[b, h, s_q, s_kv]`` bool from ``[b, h, 2]`` keys and the row positions ``index_q`` ``[b|1, s_q]``
+    and ``index_kv`` ``[b|1, s_kv]`` of each query and key: True where a probability is kept."""
+    i = index_q.astype(jnp.uint32)[:, None, :, None]
+    j = index_kv.astype(jnp.uint32)[:, None, None, :]
     k0 = seeds[..., 0][:, :, None, None]
     k1 = seeds[..., 1][:, :, None, None]
     x = _fmix32(k0 ^ (i * _GOLDEN))
@@ -169,6 +175,12 @@ def dropout_keep_mask(seeds: jax.Array, s_q: int, s_kv: int, rate: float) -> jax
     x = _fmix32(x + _GOLDEN)
     threshold = np.uint32(min(int(round(rate * 2.0**32)), 2**32 - 1))
     return x >= threshold
+
+
+def dropout_keep_mask(seeds: jax.Array, s_q: int, s_kv: int, rate: float) -> jax.Array:
+    """``[b, h, s_q, s_kv]`` bool: True where an attention probability is kept."""
+    return _dropout_keep(seeds, jnp.arange(s_q, dtype=jnp.uint32)[None], jnp.arange(s_kv, dtype=jnp.uint32)[None],
+                         rate)
 
 
 # --- shared pieces ---------------------------------------------------------------------------------
@@ -368,6 +380,276 @@ def zero_padding(q, k, v, seq: SeqInfo):
     return jnp.where(in_q, q, zero), jnp.where(in_kv, k, zero), jnp.where(in_kv, v, zero), in_q
 
 
+# --- the fixed reduction structure of the unfused path (common/attention/reduction.py) --------------
+#
+# The unfused backend follows the PyTorch unfused path's structure: each sequence is laid out from
+# position 0 in a slot of its own (a THD row's segments each get one), the products along the
+# sequence axes are 64 x 64 block matmuls of one fixed shape, and every sum over keys or queries
+# (softmax normaliser, P V, dQ, dK, dV, rowsum(dP * P)) and over the heads of a GQA group is an
+# adjacent-pair tree whose trailing zeros change no bit. A sequence's bits then depend neither on
+# the batch, nor on the padded length, nor on where it sits in a packed row. Gradients come from
+# custom VJPs that keep the same structure (JAX's own transposes would reduce with XLA's
+# shape-dependent reductions).
+
+
+def tree_sum(x: jax.Array, axis: int = -1) -> jax.Array:
+    """Adjacent-pair tree sum over ``axis`` (removed), odd levels zero-padded: the order of
+    ``common.attention.reduction.tree_sum_order``. Only elementwise adds, so a result element
+    depends on its own operands and their positions only, and trailing zeros change no bit."""
+    x = jnp.moveaxis(x, axis, -1)
+    if x.shape[-1] == 0:
+        return jnp.zeros(x.shape[:-1], x.dtype)
+    while x.shape[-1] > 1:
+        if x.shape[-1] % 2:
+            x = jnp.concatenate([x, jnp.zeros((*x.shape[:-1], 1), x.dtype)], axis=-1)
+        x = x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
+        x = x[..., 0] + x[..., 1]
+    return x[..., 0]
+
+
+def _pad_to_blocks(x, axis, block):
+    pad = num_blocks(x.shape[axis], block) * block - x.shape[axis]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
+
+
+def _rows_to_blocks(x, block):
+    """``[B, h, s, d]`` -> ``[B, h, n, block, d]`` (zero-padded)."""
+    x = _pad_to_blocks(x, 2, block)
+    return x.reshape(x.shape[0], x.shape[1], x.shape[2] // block, block, x.shape[3])
+
+
+def _blocks_to_rows(x, length):
+    """``[B, h, n, block, d]`` -> ``[B, h, length, d]``."""
+    return x.reshape(x.shape[0], x.shape[1], -1, x.shape[-1])[:, :, :length]
+
+
+def _matrix_to_blocks(x):
+    """``[B, h, s_q, s_kv]`` -> ``[B, h, n_q, n_kv, QUERY_BLOCK, KEY_BLOCK]`` (zero-padded)."""
+    x = _pad_to_blocks(_pad_to_blocks(x, 2, QUERY_BLOCK), 3, KEY_BLOCK)
+    b, h, sq, skv = x.shape
+    x = x.reshape(b, h, sq // QUERY_BLOCK, QUERY_BLOCK, skv // KEY_BLOCK, KEY_BLOCK)
+    return jnp.transpose(x, (0, 1, 2, 4, 3, 5))
+
+
+def _blocks_to_matrix(x, s_q, s_kv):
+    b, h, nq, nk, bq, bk = x.shape
+    return jnp.transpose(x, (0, 1, 2, 4, 3, 5)).reshape(b, h, nq * bq, nk * bk)[:, :, :s_q, :s_kv]
+
+
+def _block_matmul(a, b):
+    """``a @ b`` over broadcast leading dims as one batched dot of fixed-shape matrices (one block
+    pair each): every product's contraction is then computed the same way whatever the batch, the
+    lengths and the number of blocks (a larger dot lets XLA choose its blocking by size)."""
+    lead = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    n = int(np.prod(lead, dtype=np.int64))
+    a3 = jnp.broadcast_to(a, lead + a.shape[-2:]).reshape((n,) + a.shape[-2:])
+    b3 = jnp.broadcast_to(b, lead + b.shape[-2:]).reshape((n,) + b.shape[-2:])
+    out = jax.lax.dot_general(a3, b3, (((2,), (1,)), ((0,), (0,))), precision=jax.lax.Precision.HIGHEST,
+                              preferred_element_type=a.dtype)
+    return out.reshape(lead + (a.shape[-2], b.shape[-1]))
+
+
+def _expand_heads(x, group):
+    """GQA ``[B, h_kv, s, d]`` -> ``[B, h_kv * group, s, d]``: key/value head ``i`` serves query heads
+    ``i * group .. (i + 1) * group - 1``."""
+    if group == 1:
+        return x
+    b, h, s, d = x.shape
+    return jnp.broadcast_to(x[:, :, None], (b, h, group, s, d)).reshape(b, h * group, s, d)
+
+
+def _sum_heads(x, group):
+    """Backward of :func:`_expand_heads`: a group's gradients summed in the tree order."""
+    if group == 1:
+        return x
+    b, h, s, d = x.shape
+    return tree_sum(x.reshape(b, h // group, group, s, d), axis=2)
+
+
+def _transpose_last(x):
+    return jnp.swapaxes(x, -1, -2)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def blocked_scores(q, k, group: int):
+    """``q k^T``: ``[B, h, s_q, d] x [B, h_kv, s_kv, d] -> [B, h, s_q, s_kv]`` in fixed block products;
+    dq sums over key blocks and dk over query blocks (and the GQA group) in the tree order."""
+    qb = _rows_to_blocks(q, QUERY_BLOCK)  # [B, h, nq, BQ, d]
+    kb = _rows_to_blocks(_expand_heads(k, group), KEY_BLOCK)  # [B, h, nk, BK, d]
+    s = _block_matmul(qb[:, :, :, None], _transpose_last(kb)[:, :, None])  # [B, h, nq, nk, BQ, BK]
+    return _blocks_to_matrix(s, q.shape[2], k.shape[2])
+
+
+def _blocked_scores_fwd(q, k, group):
+    return blocked_scores(q, k, group), (q, k)
+
+
+def _blocked_scores_bwd(group, res, ds):
+    q, k = res
+    qb = _rows_to_blocks(q, QUERY_BLOCK)
+    kb = _rows_to_blocks(_expand_heads(k, group), KEY_BLOCK)
+    dsb = _matrix_to_blocks(ds)
+    dq = _blocks_to_rows(tree_sum(_block_matmul(dsb, kb[:, :, None]), axis=3), q.shape[2])
+    dk = _blocks_to_rows(tree_sum(_block_matmul(_transpose_last(dsb), qb[:, :, :, None]), axis=2), k.shape[2])
+    return dq, _sum_heads(dk, group)
+
+
+blocked_scores.defvjp(_blocked_scores_fwd, _blocked_scores_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def blocked_probs_v(p, v, group: int):
+    """``p v``: ``[B, h, s_q, s_kv] x [B, h_kv, s_kv, d_v] -> [B, h, s_q, d_v]`` summed over key blocks
+    in the tree order; dp in the same block products, dv summed over query blocks (and the GQA group)
+    in the tree order."""
+    pb = _matrix_to_blocks(p)
+    vb = _rows_to_blocks(_expand_heads(v, group), KEY_BLOCK)
+    return _blocks_to_rows(tree_sum(_block_matmul(pb, vb[:, :, None]), axis=3), p.shape[2])
+
+
+def _blocked_probs_v_fwd(p, v, group):
+    return blocked_probs_v(p, v, group), (p, v)
+
+
+def _blocked_probs_v_bwd(group, res, dout):
+    p, v = res
+    pb = _matrix_to_blocks(p)
+    vb = _rows_to_blocks(_expand_heads(v, group), KEY_BLOCK)
+    dob = _rows_to_blocks(dout, QUERY_BLOCK)  # [B, h, nq, BQ, dv]
+    dp = _blocks_to_matrix(_block_matmul(dob[:, :, :, None], _transpose_last(vb)[:, :, None]), p.shape[2], p.shape[3])
+    dv = _blocks_to_rows(tree_sum(_block_matmul(_transpose_last(pb), dob[:, :, :, None]), axis=2), v.shape[2])
+    return dp, _sum_heads(dv, group)
+
+
+blocked_probs_v.defvjp(_blocked_probs_v_fwd, _blocked_probs_v_bwd)
+
+
+def _softmax_parts(scores, keep, sink):
+    """(p, p_sink) of the visible scores; sink ``[h]`` or None. Rows that see nothing are zero."""
+    neg_inf = jnp.asarray(-jnp.inf, scores.dtype)
+    s = jnp.where(keep, scores, neg_inf)
+    row_max = jnp.max(s, axis=-1, keepdims=True)  # exact in any order
+    if sink is not None:
+        sink_col = sink.astype(scores.dtype)[None, :, None, None]
+        row_max = jnp.maximum(row_max, sink_col)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    e = jnp.exp(s - row_max)
+    denom = tree_sum(e, axis=-1)[..., None]
+    e_sink = None
+    if sink is not None:
+        e_sink = jnp.exp(sink_col - row_max)
+        denom = denom + e_sink
+    denom = jnp.where(denom > 0, denom, 1.0)
+    return e / denom, (None if sink is None else e_sink / denom)
+
+
+@jax.custom_vjp
+def _masked_softmax_blocked(scores, keep, sink):
+    return _softmax_parts(scores, keep, sink)[0]
+
+
+def _masked_softmax_blocked_fwd(scores, keep, sink):
+    return _softmax_parts(scores, keep, sink)[0], (scores, keep, sink)
+
+
+def _masked_softmax_blocked_bwd(res, dp):
+    scores, keep, sink = res
+    p, p_sink = _softmax_parts(scores, keep, sink)
+    delta = tree_sum(dp * p, axis=-1)[..., None]
+    ds = p * (dp - delta)
+    dsink = None
+    if sink is not None:  # a per-head parameter: summed over the batch (fixed order, batch-dependent)
+        per_row = jnp.broadcast_to(-(p_sink * delta), delta.shape)[..., 0]  # [B, h, s_q]
+        dsink = tree_sum(tree_sum(per_row, axis=2), axis=0).astype(sink.dtype)
+    return ds, np.zeros(keep.shape, jax.dtypes.float0), dsink
+
+
+_masked_softmax_blocked.defvjp(_masked_softmax_blocked_fwd, _masked_softmax_blocked_bwd)
+
+
+# --- sequences in slots of their own (THD rows unpacked, offsets removed) -----------------------------
+
+
+class _Slots(NamedTuple):
+    """Where each sequence's tokens lie in the canonical rows: slot ``(r, k)`` holds segment ``k`` of
+    row ``r`` from position 0."""
+
+    index_q: jax.Array  # [b, m, s_q] row token of each slot position (clipped)
+    index_kv: jax.Array  # [b, m, s_kv]
+    valid_q: jax.Array  # [b, m, s_q] bool
+    valid_kv: jax.Array  # [b, m, s_kv]
+    len_q: jax.Array  # [b, m]
+    len_kv: jax.Array  # [b, m]
+
+
+def _slots(seq: SeqInfo, s_q: int, s_kv: int) -> _Slots:
+    m = seq.q_seqlens.shape[1]
+
+    def side(lens, offsets, s):
+        lens = lens.astype(jnp.int32)
+        pos = jnp.arange(s, dtype=jnp.int32)
+        token = offsets[:, :m, None].astype(jnp.int32) + pos
+        valid = (pos < lens[:, :, None]) & (token < s)
+        return jnp.clip(token, 0, s - 1), valid, lens
+
+    iq, vq, lq = side(seq.q_seqlens, seq.q_offsets, s_q)
+    ik, vk, lk = side(seq.kv_seqlens, seq.kv_offsets, s_kv)
+    return _Slots(iq, ik, vq, vk, lq, lk)
+
+
+def _to_slots(x, index, valid):
+    """``[b, s, h, d]`` -> ``[b * m, h, s, d]`` (each slot from position 0, zeros past its length)."""
+    b, s, h, d = x.shape
+    m = index.shape[1]
+    g = jnp.take_along_axis(x[:, None], index[:, :, :, None, None], axis=2)  # [b, m, s, h, d]
+    g = jnp.where(valid[:, :, :, None, None], g, jnp.zeros((), x.dtype))
+    return jnp.transpose(g, (0, 1, 3, 2, 4)).reshape(b * m, h, s, d)
+
+
+def _from_slots(x, seq: SeqInfo, s: int):
+    """``[b * m, h, s, d]`` -> ``[b, s, h, d]`` rows (tokens in no segment are zero)."""
+    m = seq.q_seqlens.shape[1]
+    bm, h, _, d = x.shape
+    b = bm // m
+    segment, pos, _ = token_segments(seq.q_seqlens, seq.q_offsets, s)  # [b, s]
+    flat = jnp.transpose(x.reshape(b, m, h, s, d), (0, 1, 3, 2, 4)).reshape(b, m * s, h, d)
+    index = jnp.clip((segment - 1) * s + pos, 0, m * s - 1)
+    rows = jnp.take_along_axis(flat, index[:, :, None, None], axis=1)
+    return jnp.where((segment > 0)[:, :, None, None], rows, jnp.zeros((), x.dtype))
+
+
+def _bias_to_slots(bias, slots: _Slots, batch: int):
+    """``[1|b, 1|h, s_q, s_kv]`` -> ``[b * m, 1|h, s_q, s_kv]``: each sequence's block from (0, 0)."""
+    _, hb, s_q, s_kv = bias.shape
+    m = slots.index_q.shape[1]
+    full = jnp.broadcast_to(bias, (batch, hb, s_q, s_kv))[:, None]  # [b, 1, hb, s_q, s_kv]
+    rows = jnp.take_along_axis(full, slots.index_q[:, :, None, :, None], axis=3)
+    blk = jnp.take_along_axis(rows, slots.index_kv[:, :, None, None, :], axis=4)  # [b, m, hb, s_q, s_kv]
+    inside = slots.valid_q[:, :, None, :, None] & slots.valid_kv[:, :, None, None, :]
+    return jnp.where(inside, blk, jnp.zeros((), bias.dtype)).reshape(batch * m, hb, s_q, s_kv)
+
+
+def _slot_visibility(valid_q, valid_kv, len_q, len_kv, window_size, bottom_right):
+    """``[B, 1, s_q, s_kv]`` bool for sequences laid out from position 0 (``valid_*``: ``[B, s]``
+    real positions; ``len_*``: ``[B]`` their declared lengths, which place a bottom-right diagonal):
+    the same rule as :func:`visibility_mask`, in sequence positions."""
+    i = jnp.arange(valid_q.shape[1], dtype=jnp.int32)[None, :, None]
+    j = jnp.arange(valid_kv.shape[1], dtype=jnp.int32)[None, None, :]
+    lq, lk = len_q[:, None, None], len_kv[:, None, None]
+    keep = valid_q[:, :, None] & valid_kv[:, None, :]
+    left, right = window_size
+    diag = i + (lk - lq) if bottom_right else i
+    if left >= 0:
+        keep &= j >= diag - left
+    if right >= 0:
+        keep &= j <= diag + right
+    return keep[:, None]
+
+
 # --- unfused backend (differentiated by JAX) --------------------------------------------------------
 
 
@@ -383,17 +665,49 @@ def unfused_attention(
     softmax_type: AttnSoftmaxType = AttnSoftmaxType.VANILLA_SOFTMAX,
     softmax_offset=None,
 ):
-    """softmax(QK^T * scale + bias) V in the input dtype, softmax in fp32. Returns ``[b, s_q, h_q, d_v]``.
-    Sink softmax (``softmax_type``) adds one logit per row (0, or ``softmax_offset[h]``, not scaled)
-    to the normaliser; dropout applies to the keys' probabilities."""
-    visible = visibility_mask(seq, q.shape[1], k.shape[1], attn_mask_type, window_size, bottom_right_diagonal)
-    q, k, v, in_q = zero_padding(q, k, v, seq)
-    logits = _logits(q, k, bias, scaling_factor, attn_bias_type, jnp.float32)
-    probs, _ = _masked_softmax(logits, visible, sink_logits(softmax_type, softmax_offset, q.shape[2]))
+    """softmax(QK^T * scale + bias) V in fp32 (the inputs converted), returned in q's dtype,
+    ``[b, s_q, h_q, d_v]``. Sink softmax (``softmax_type``) adds one logit per row (0, or
+    ``softmax_offset[h]``, not scaled) to the normaliser; dropout applies to the keys' probabilities.
+
+    Invariance (the fixed reduction structure above): a sequence's output rows and its q/k/v
+    gradients are bitwise the same alone, in any batch, padded to any length or packed in a THD
+    row at any offset, run after run, with any mask, window, bias, softmax type and GQA grouping.
+    With dropout the mask is a function of (seed, row, head, query and key token positions in the
+    row), so it holds when the sequence keeps its row and its offset. (A bias or sink gradient
+    summed over the batch depends on the batch.) Each sequence occupies a slot of its own of the
+    row's length: THD rows with ``m`` segments cost ``m`` times the work of one row.
+    """
+    b, s_q, h_q, _ = q.shape
+    s_kv, h_kv = k.shape[1], k.shape[2]
+    if s_kv == 0 or s_q == 0:
+        return jnp.zeros((b, s_q, h_q, v.shape[-1]), q.dtype)
+    compute = jnp.promote_types(q.dtype, jnp.float32)
+    group = h_q // h_kv
+    slots = _slots(seq, s_q, s_kv)
+    m = slots.index_q.shape[1]
+    flat = lambda x: x.reshape((b * m,) + x.shape[2:])  # noqa: E731
+    qs = _to_slots(q.astype(compute), slots.index_q, slots.valid_q)
+    ks = _to_slots(k.astype(compute), slots.index_kv, slots.valid_kv)
+    vs = _to_slots(v.astype(compute), slots.index_kv, slots.valid_kv)
+    bottom_right = resolve_bottom_right_diagonal(AttnMaskType(attn_mask_type), bottom_right_diagonal, "jax")
+    keep = _slot_visibility(flat(slots.valid_q), flat(slots.valid_kv), flat(slots.len_q), flat(slots.len_kv),
+                            window_size, bottom_right)
+    scores = blocked_scores(qs, ks, group)
+    if bias is not None and attn_bias_type != AttnBiasType.NO_BIAS:
+        bias_s = _bias_to_slots(bias.astype(compute), slots, b)
+        if attn_bias_type == AttnBiasType.PRE_SCALE_BIAS:
+            scores = (scores + bias_s) * scaling_factor
+        else:
+            scores = scores * scaling_factor + bias_s
+    else:
+        scores = scores * scaling_factor
+    probs = _masked_softmax_blocked(scores, keep, sink_logits(softmax_type, softmax_offset, h_q))
     if is_training and dropout_probability > 0.0:
-        probs, _ = _apply_dropout(probs, seeds, dropout_probability)
-    out = _pv(probs.astype(v.dtype), v, jnp.float32)
-    return jnp.where(in_q, out, 0.0).astype(q.dtype)
+        seeds_s = jnp.broadcast_to(seeds[:, None], (b, m) + seeds.shape[1:]).reshape((b * m,) + seeds.shape[1:])
+        kept = _dropout_keep(seeds_s, flat(slots.index_q), flat(slots.index_kv), dropout_probability)
+        probs = jnp.where(kept, probs / (1.0 - dropout_probability), 0.0).astype(probs.dtype)
+    out = blocked_probs_v(probs, vs, group)  # [b * m, h_q, s_q, d_v]
+    return _from_slots(out, seq, s_q).astype(q.dtype)
 
 
 # --- the fused primitives' CPU math (fp32) ----------------------------------------------------------

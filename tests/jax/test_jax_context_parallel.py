@@ -312,3 +312,30 @@ def test_cp_scaling_benchmark_dry_run_is_bitwise(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(r["strategy"], r["cp"], r["bitwise"]) for r in rows] == [("all_gather", 8, True), ("ring", 8, True)]
+
+
+@pytest.mark.parametrize("strategy", [CPStrategy.ALL_GATHER, CPStrategy.RING], ids=lambda s: s.name)
+@pytest.mark.parametrize("load_balanced", [True, False], ids=["dual_chunk_swap", "contiguous"])
+@pytest.mark.parametrize("cp", [4, 8])
+def test_chunk_calls_start_at_the_tile_boundary(cp, load_balanced, strategy, monkeypatch):
+    """With a tile (16 rows) longer than the chunks (16, 8 or 4 tokens), each causal chunk call starts at the
+    tile boundary before its chunk, the common plan's ``ChunkRange.aligned_start`` (zero rows in front,
+    dropped), as on a GPU whose tiles do not divide the chunk length: still the single-device bits."""
+    from transformer_engine.jax import context_parallel
+
+    monkeypatch.setattr(context_parallel, "tile_alignment", lambda *args, **kwargs: 16)
+    seen = []
+    real = context_parallel.fused_attn_fwd
+
+    def record(*args):
+        seen.append(args[6].qkv_format)
+        return real(*args)
+
+    monkeypatch.setattr(context_parallel, "fused_attn_fwd", record)
+    layout, mask, dtype = QKVLayout.BSHD_BSHD_BSHD, AttnMaskType.CAUSAL_MASK, "float32"
+    (results,) = _run_cp(layout, mask, dtype, cp, strategy, load_balanced, False, False)
+    chunk = S // (2 * cp if load_balanced else cp)
+    offset_calls = chunk % 16 != 0  # else every chunk starts on a tile: the plain chunk calls
+    assert seen and {f.value for f in seen} == {"thd" if offset_calls else "bshd"}, seen
+    _assert_bitwise(results, _single_device(layout, mask, dtype), "tile-aligned chunk calls")
+    _assert_close_to_fp64(results, layout, mask, dtype)

@@ -315,25 +315,24 @@ class _Plan:
         return cp_plan.rank_plan(self.cp.comm_type, self.cp.size, rank, seqlen, self.causal, self.cp.balance,
                                  self.align)
 
-    def check_aligned(self, seqlen: int) -> None:
-        """Refuse chunks whose calls would not start at a tile boundary (deterministic mode: their blocks
-        would not be the single-device call's)."""
-        if not self.static.deterministic or self.align == 1:
-            return
-        ranges = [r for rank in range(self.cp.size) for r in self.rank_plan(rank, seqlen).ranges]
-        if any(r.lead for r in ranges):
-            chunks = cp_plan.num_chunks(self.cp.size, self.cp.balance)
-            raise ValueError(
-                f"`qkv` sequence length must split into {chunks} chunks of a multiple of the kernels' tile "
-                f"({self.align} rows) with context parallelism over mesh axis {self.cp.axis!r} of size "
-                f"{self.cp.size} in deterministic mode (each chunk's blocks are then the single-device call's), "
-                f"got s={seqlen}, chunks of {seqlen // chunks}")
+    def lead_rows(self, local_len: int) -> int:
+        """The most rows any rank's chunk call carries before its chunk (the plan's ``ChunkRange.lead``,
+        the chunk start's distance from the tile boundary before it): the static length of the zero rows
+        in front of each causal chunk call's buffer (0: the calls take the chunks as they are)."""
+        seqlen = local_len * self.cp.size
+        return max(r.lead for rank in range(self.cp.size) for r in self.rank_plan(rank, seqlen).ranges)
 
     @property
     def chunk_static(self) -> FusedAttnStatic:
         """Queries of a chunk against keys [0, a + c) (padding beyond): causal aligned bottom-right."""
         return dataclasses.replace(self.static, attn_mask_type=_common.AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK,
                                    bottom_right_diagonal=None)
+
+    @property
+    def aligned_chunk_static(self) -> FusedAttnStatic:
+        """Queries of a chunk, from the tile boundary before it (a sequence at an offset of the call's
+        buffer), against keys [0, a + c): causal aligned bottom-right."""
+        return dataclasses.replace(self.chunk_static, qkv_format=_common.QKVFormat.THD)
 
     @property
     def kv_chunk_static(self) -> FusedAttnStatic:
@@ -381,6 +380,18 @@ def _kv_chunk_seq(b, c, a, s_q) -> SeqInfo:
                    jnp.concatenate([_column(b, 0), _column(b, c)], 1))
 
 
+def _seq(b, q_len, kv_len, q_start, kv_start) -> SeqInfo:
+    """One sequence per row: ``q_len`` queries from buffer row ``q_start``, ``kv_len`` keys from ``kv_start``."""
+    return SeqInfo(_column(b, q_len), _column(b, kv_len),
+                   jnp.concatenate([_column(b, q_start), _column(b, q_start + q_len)], 1),
+                   jnp.concatenate([_column(b, kv_start), _column(b, kv_start + kv_len)], 1))
+
+
+def _lead(x, rows: int):
+    """``x`` ([b, s, h, d]) after ``rows`` zero rows."""
+    return jnp.concatenate([jnp.zeros((x.shape[0], rows) + x.shape[2:], x.dtype), x], axis=1)
+
+
 def _placeholders(q):
     b, _, h, _ = q.shape
     return jnp.zeros((0,), q.dtype), jnp.zeros((b, h, 2), jnp.uint32)
@@ -396,9 +407,17 @@ def rank_forward(plan: _Plan, rank, q, k_all, v_all):
     if not plan.causal:
         return fused_attn_fwd(q, k_all, v_all, bias, full_seq_info(b, n_local, s_kv), seeds, plan.static)
     outs, lses = [], []
+    pad = plan.lead_rows(n_local)
     for lo, c, start in plan.chunks(n_local):
-        out, lse = fused_attn_fwd(q[:, lo:lo + c], k_all, v_all, bias, _chunk_seq(b, c, start(rank), s_kv), seeds,
-                                  plan.chunk_static)
+        a = start(rank)
+        if not pad:
+            out, lse = fused_attn_fwd(q[:, lo:lo + c], k_all, v_all, bias, _chunk_seq(b, c, a, s_kv), seeds,
+                                      plan.chunk_static)
+        else:  # queries from the tile boundary before the chunk (zero rows, dropped), as the plan's range
+            lead = a % plan.align
+            out, lse = fused_attn_fwd(_lead(q[:, lo:lo + c], pad), k_all, v_all, bias,
+                                      _seq(b, c + lead, a + c, pad - lead, 0), seeds, plan.aligned_chunk_static)
+            out, lse = out[:, pad:], jax.lax.dynamic_slice_in_dim(lse, lead, c, axis=3)
         outs.append(out)
         lses.append(lse)
     return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=3)
@@ -429,9 +448,17 @@ def rank_backward(plan: _Plan, rank, local, gathered):
     # The log-sum-exp of the queries [a, s) as one sequence starting at a: positions from a (+inf past s - a).
     lse_padded = jnp.concatenate([lse_all, jnp.full(lse_all.shape, jnp.inf, lse_all.dtype)], axis=3)
     dqs, dks, dvs = [], [], []
+    pad = plan.lead_rows(n_local)
     for lo, c, start in plan.chunks(n_local):
         a = start(rank)
         rows = slice(lo, lo + c)
+        if pad:  # the plan's ranges: query and key rows from the tile boundary before the chunk
+            dq, dk, dv = _aligned_chunk_backward(plan, a, pad, (q[:, rows], k[:, rows], v[:, rows], out[:, rows],
+                                                                dout[:, rows]), gathered, lse_padded)
+            dqs.append(dq)
+            dks.append(dk)
+            dvs.append(dv)
+            continue
         # The plan's order per own chunk: dK/dV of its keys, then dQ of its queries.
         lse_from_a = jax.lax.dynamic_slice_in_dim(lse_padded, a, s_q, axis=3)
         _, dk, dv, _, _ = fused_attn_bwd(q_all, k[:, rows], v[:, rows], bias_k, out_all, dout_all, lse_from_a,
@@ -444,6 +471,30 @@ def rank_backward(plan: _Plan, rank, local, gathered):
         dvs.append(dv)
     cat = functools.partial(jnp.concatenate, axis=1)
     return cat(dqs), cat(dks), cat(dvs)
+
+
+def _aligned_chunk_backward(plan: _Plan, a, pad: int, chunk, gathered, lse_padded):
+    """(dq, dk, dv) of the own chunk at global ``a`` whose calls start ``lead = a % align`` rows before it
+    (``pad`` >= lead zero rows in front of each chunk buffer; those rows' gradients are dropped)."""
+    q, k, v, out, dout = chunk
+    q_all, k_all, v_all, out_all, _, dout_all = gathered
+    b, c = q.shape[:2]
+    s_q, s_kv = q_all.shape[1], k_all.shape[1]
+    lead = a % plan.align
+    start = a - lead
+    bias, seeds = _placeholders(q)
+    bias_k, seeds_k = _placeholders(q_all)
+    # dK/dV of keys [start, a + c) against queries [start, s): top-left causal is the global mask.
+    _, dk, dv, _, _ = fused_attn_bwd(q_all, _lead(k, pad), _lead(v, pad), bias_k, out_all, dout_all,
+                                     jax.lax.dynamic_slice_in_dim(lse_padded, start, s_q, axis=3),
+                                     _seq(b, s_q - start, c + lead, start, pad - lead), seeds_k,
+                                     _only(plan.kv_chunk_static, BackwardGrads.DKDV))
+    # dQ of queries [start, a + c) against keys [0, a + c), causal bottom-right (log-sum-exp from start).
+    lse = jax.lax.dynamic_slice_in_dim(lse_padded, start, pad + c, axis=3)
+    dq = fused_attn_bwd(_lead(q, pad), k_all, v_all, bias, _lead(out, pad), _lead(dout, pad), lse,
+                        _seq(b, c + lead, a + c, pad - lead, 0), seeds,
+                        _only(plan.aligned_chunk_static, BackwardGrads.DQ))[0]
+    return dq[:, pad:], dk[:, pad:], dv[:, pad:]
 
 
 def _forward(plan: _Plan, q, k, v):
@@ -542,7 +593,6 @@ def context_parallel_attention(q, k, v, static: FusedAttnStatic, cp: ContextPara
     manual = cp.axis in _manual_axes()
     if not thd:
         plan = make_plan(static, cp, tile_alignment(plan, q, k, v))
-        plan.check_aligned(q.shape[1] * cp.size if manual else q.shape[1])
     if manual:
         return _cp_attention(plan, q, k, v)
     mesh = next(m for m in _current_meshes() if cp.axis in m.axis_names)

@@ -30,27 +30,30 @@ How each device computes its rows (the design, for every strategy):
 Every sum (the softmax over keys, dQ over keys, dK/dV over queries and over the heads of a GQA
 group) then runs on one device, over the same keys or queries in the same order as the
 single-device call: in deterministic mode the outputs and gradients of every token are bitwise the
-same for any cp, and the same as without context parallelism, provided that each chunk starts at a
-multiple of the kernels' block sizes, so that the kernels' query and key blocks are the single
-call's. On a GPU, deterministic mode therefore refuses (``ValueError`` naming the sequence length)
-chunk lengths ``s / (2 cp)`` (``s / cp``) that are not multiples of the largest tile of the call's
-plans (:func:`tile_alignment`; multiples of 128 are on every plan): PyTorch instead starts such
-chunks' calls at the tile boundary before them. The fused primitives' CPU lowering contracts
-row-independently in deterministic mode (see ``attention_math``), so the same holds there for any
-chunk length (alignment 1). The backward runs two fused backward calls per chunk, each only the
-pass whose results it keeps (``FusedAttnStatic.backward_grads``: dQ only, dK/dV only; the kernels are the whole backward's, so the bits are too): over the ``cp``
-devices the dQ and dK/dV passes together do about the single-device backward's work (each device
-about ``1 / cp`` of it), plus the cheap preprocess (``delta``, O(s d) per head) once in each call.
+same for any cp, and the same as without context parallelism. For the kernels' query and key blocks
+to be the single call's, each causal chunk call starts at the common plan's ``aligned_start``: the
+chunk start rounded down to the largest tile of the call's plans (:func:`tile_alignment`; 1 on the
+CPU lowering, which contracts row-independently in deterministic mode, see ``attention_math``). When
+a chunk length is not a multiple of that tile, the chunk buffers get zero rows in front (as many as
+the largest such lead of any rank, a static size) and the calls take the rows from the tile boundary
+as a sequence at an offset of the buffer; the extra rows' results are dropped. Without a mask the
+calls need no lead: every row sees every key from key 0, and the dK/dV call's queries start at 0.
+The backward runs two fused backward calls per chunk, each only the pass whose results it keeps
+(``FusedAttnStatic.backward_grads``: dQ only, dK/dV only; the kernels are the whole backward's, so
+the bits are too): over the ``cp`` devices the dQ and dK/dV passes together do about the
+single-device backward's work (each device about ``1 / cp`` of it), plus the cheap preprocess
+(``delta``, O(s d) per head) once in each call.
 
-The chunking, the load-balanced order, each rank's (query chunk, key chunk) blocks and what context
-parallelism supports are the framework-free plan of
+The chunking, the load-balanced order, each rank's (query chunk, key chunk) blocks, the tile
+alignment and what context parallelism supports are the framework-free plan of
 :mod:`transformer_engine.common.attention.context_parallel`, which PyTorch carries out too
 (:meth:`_Plan.rank_plan` is the plan this module runs). Without a mask the two own chunks' calls are
 one call over the rank's rows (the same blocks: every row sees every key).
 
 What runs: the layouts of the BSHD and SBHD formats (separate, kv-packed, qkv-packed), masks
-``no_mask``, ``causal`` and ``causal_bottom_right`` (the same mask, as ``s_q == s_kv``), no bias, no dropout, vanilla softmax, no sliding window, one sequence
-per row, ``s_q == s_kv`` for causal; TransformerEngine-JAX runs no more (it has no SBHD).
+``no_mask``, ``causal`` and ``causal_bottom_right`` (the same mask, as ``s_q == s_kv``), no bias,
+no dropout, vanilla softmax, no sliding window, one sequence per row, ``s_q == s_kv`` for causal;
+TransformerEngine-JAX runs no more (it has no SBHD).
 
 THD (packed rows, from ``jit`` with the mesh set): the padding masks, several sequences per row, any
 window, no bias, no dropout, vanilla softmax. With ``context_parallel_causal_load_balanced`` the

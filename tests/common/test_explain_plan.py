@@ -190,3 +190,16 @@ def test_nvte_debug_logs_each_plan_once(caplog, monkeypatch):
     with settings.environment(NVTE_DEBUG="0"):
         explain_module.log_plan(dataclasses.replace(cfg, head_dim_qk=64, head_dim_v=64))
     assert not [r for r in caplog.records if r.getMessage().startswith("fused attention plan:")]
+
+
+def test_the_documented_example_is_what_explain_plan_prints():
+    """docs/portability.rst shows explain_plan's output for Hopper at 192/128, causal: it must stay true."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "portability.rst").read_text()
+    block = text.split(">>> print(explain_plan(cfg))\n", 1)[1].split("\n\n", 1)[0]
+    shown = "\n".join(line[4:] for line in block.splitlines())
+    cfg = AttnConfig(batch_size=2, num_heads_q=16, num_heads_kv=16, head_dim_qk=192, head_dim_v=128,
+                     max_seqlen_q=4096, max_seqlen_kv=4096, dtype="bfloat16", attn_mask_type=AttnMaskType.CAUSAL_MASK,
+                     device_type="cuda", compute_capability=(9, 0))
+    assert shown == str(explain_plan(cfg))

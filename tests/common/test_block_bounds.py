@@ -86,6 +86,9 @@ def _planned_tiles():
         elif isinstance(value, (tuple, list)):
             for item in value:
                 walk(item)
+        elif isinstance(value, plan.ArchTables):  # one architecture's tables, every kernel variant's
+            for item in vars(value).values():
+                walk(item)
 
     for value in vars(plan).values():
         walk(value)

@@ -65,6 +65,22 @@ def test_a2a_computes_every_block_once_per_head_group(cp, causal):
     assert all(p.ranges == (cpp.ChunkRange(0, 0, 16 * n, 0, 0),) for p in plans)
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "no_mask"])
+@pytest.mark.parametrize("sizes", [(2, 2), (2, 4), (4, 2)], ids=lambda s: f"a2a{s[0]}xp2p{s[1]}")
+def test_a2a_p2p_computes_every_block_once_per_head_group(sizes, causal):
+    """Hierarchical: heads over the a2a group, the row split over the p2p group."""
+    size_a, size_p = sizes
+    n = cpp.num_chunks(size_p, cpp.LoadBalance.DUAL_CHUNK)
+    counts = collections.Counter()
+    for rank_a, rank_p in itertools.product(range(size_a), range(size_p)):
+        plan = cpp.rank_plan("a2a+p2p", size_p, rank_p, 8 * n, causal, cpp.LoadBalance.DUAL_CHUNK,
+                             heads=(rank_a, size_a))
+        assert plan.heads == (rank_a, size_a)
+        counts.update((plan.heads, p, b) for p in cpp.Pass for b in plan.blocks(p))
+    assert set(counts.values()) == {1}
+    assert len(counts) == size_a * len(cpp.Pass) * len(_expected_blocks(n, causal))
+
+
 @pytest.mark.parametrize("align", [1, 16, 64, 128])
 @pytest.mark.parametrize("balance", BALANCES, ids=lambda b: b.value)
 @pytest.mark.parametrize("cp", CPS)

@@ -135,10 +135,12 @@ def _pass_blocks(pass_: Pass, chunk: int, n: int, causal: bool) -> Tuple[Tuple[i
 
 
 def rank_plan(comm_type: str, cp: int, rank: int, seqlen: int, causal: bool, balance: LoadBalance,
-              align: int = 1) -> RankPlan:
+              align: int = 1, heads: Tuple[int, int] = (0, 1)) -> RankPlan:
     """The plan of rank ``rank`` of ``cp`` for one sequence of ``seqlen`` tokens (padded formats: the
     sequence length; thd: one padded sequence). Row-split comm types ("p2p", "all_gather") run, per own
-    chunk in local order, the chunk's dK/dV pass, then its dQ pass; the forward runs per own chunk."""
+    chunk in local order, the chunk's dK/dV pass, then its dQ pass; the forward runs per own chunk.
+    "a2a+p2p" is the row split over the p2p group (``cp``, ``rank``: its size and the rank in it) for the
+    head group ``heads`` = (a2a rank, a2a size) the a2a exchange gives the rank."""
     if comm_type not in CP_COMM_TYPES:
         choices = ", ".join(repr(c) for c in CP_COMM_TYPES)
         raise ValueError(f"`cp_comm_type` must be one of {choices}, got {comm_type!r}")
@@ -152,7 +154,8 @@ def rank_plan(comm_type: str, cp: int, rank: int, seqlen: int, causal: bool, bal
     work = [(Pass.FORWARD, r.chunk, _pass_blocks(Pass.FORWARD, r.chunk, n, causal)) for r in ranges]
     for r in ranges:
         work += [(p, r.chunk, _pass_blocks(p, r.chunk, n, causal)) for p in (Pass.DKDV, Pass.DQ)]
-    return RankPlan(comm_type, cp, rank, balance, causal, ranges, tuple(work))
+    return RankPlan(comm_type, cp, rank, balance, causal, ranges, tuple(work),
+                    tuple(heads) if comm_type == "a2a+p2p" else (0, 1))
 
 
 # -- what CP supports ----------------------------------------------------------------------------------

@@ -287,9 +287,12 @@ def _zeros_before(x: torch.Tensor, dim: int, count: int) -> torch.Tensor:
     return torch.cat([x.new_zeros(shape), x], dim=dim)
 
 
-def rank_plan(split: SeqSplit, spec: FusedSpec, comm_type: str = "p2p", n: int = 0) -> cp_plan.RankPlan:
-    """The common plan this module runs for ``split``'s rank (thd: of sequence ``n``)."""
-    return cp_plan.rank_plan(comm_type, split.cp, split.rank, split.seq_len(n), spec.causal, BALANCE, spec.align)
+def rank_plan(split: SeqSplit, spec: FusedSpec, comm_type: str = "p2p", n: int = 0,
+              heads: Tuple[int, int] = (0, 1)) -> cp_plan.RankPlan:
+    """The common plan this module runs for ``split``'s rank (thd: of sequence ``n``); "a2a+p2p": ``split``
+    is the p2p group's and ``heads`` the rank's (a2a rank, a2a size)."""
+    return cp_plan.rank_plan(comm_type, split.cp, split.rank, split.seq_len(n), spec.causal, BALANCE, spec.align,
+                             heads)
 
 
 def _padded_ranges(split: SeqSplit, align: int):

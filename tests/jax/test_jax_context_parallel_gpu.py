@@ -67,26 +67,32 @@ _KW = dict(attn_bias_type=AttnBiasType.NO_BIAS, attn_mask_type=AttnMaskType.CAUS
            qkv_layout=QKVLayout.BSHD_BSHD_BSHD, scaling_factor=D**-0.5, dropout_probability=0.0, is_training=True)
 
 
-def _single_device(q, k, v, dout):
+def _single_device(q, k, v, dout, mask=AttnMaskType.CAUSAL_MASK):
+    kw = dict(_KW, attn_mask_type=mask)
+
     def loss(q, k, v):
-        out = fused_attn((q, k, v), None, None, None, **_KW)
+        out = fused_attn((q, k, v), None, None, None, **kw)
         return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)), out
 
     (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
     return (out, *grads)
 
 
-def _static(q, k, v):
+def _static(q, k, v, mask=AttnMaskType.CAUSAL_MASK):
     """The FusedAttnStatic fused_attn builds for this call (deterministic mode)."""
-    call = _parse_call(qkv=(q, k, v), bias=None, sequence_descriptor=None, seed=None, softmax_type="vanilla", **_KW)
+    call = _parse_call(qkv=(q, k, v), bias=None, sequence_descriptor=None, seed=None, softmax_type="vanilla",
+                       **dict(_KW, attn_mask_type=mask))
     assert call.static.deterministic
     return call.static
 
 
-def _simulate(q, k, v, dout, cp, load_balanced):
-    """Every rank's step on one GPU; results in global token order."""
+def _simulate(q, k, v, dout, cp, load_balanced, mask=AttnMaskType.CAUSAL_MASK):
+    """Every rank's step on one GPU, the chunk calls aligned to the kernels' tiles as ``fused_attn`` aligns
+    them (``tile_alignment``); results in global token order."""
     s = q.shape[1]
-    plan = cpmod.make_plan(_static(q, k, v), cpmod.ContextParallel("cp", cp, CPStrategy.ALL_GATHER, load_balanced))
+    plan = cpmod.make_plan(_static(q, k, v, mask), cpmod.ContextParallel("cp", cp, CPStrategy.ALL_GATHER,
+                                                                         load_balanced))
+    plan = cpmod.make_plan(plan.static, plan.cp, cpmod.tile_alignment(plan, q, k, v))
     order = (lambda x, axis=1: reorder_causal_load_balancing(x, LB, cp, axis)) if load_balanced else (
         lambda x, axis=1: x)
     unorder = (lambda x, axis=1: inverse_reorder_causal_load_balancing(x, LB, cp, axis)) if load_balanced else (
@@ -113,10 +119,10 @@ def _bits(x):
     return np.asarray(x).view(np.uint16)
 
 
-def check(s, cp, load_balanced, expected=None, inputs=None):
+def check(s, cp, load_balanced, expected=None, inputs=None, mask=AttnMaskType.CAUSAL_MASK):
     inputs = inputs or _inputs(s)
-    expected = expected or _single_device(*inputs)
-    actual = _simulate(*inputs, cp, load_balanced)
+    expected = expected or _single_device(*inputs, mask)
+    actual = _simulate(*inputs, cp, load_balanced, mask)
     # Elements whose bits differ (a -0.0 against a +0.0 counts: the contract is bitwise).
     mismatched = {name: int(np.sum(_bits(a) != _bits(e))) for name, a, e in zip(("out", "dq", "dk", "dv"), actual,
                                                                                 expected)}
@@ -131,6 +137,26 @@ def test_context_parallel_ranks_on_one_gpu_bitwise_equal_to_cp1(cp, load_balance
         pytest.skip(reason)
     s = int(os.environ.get("TE_CP_GPU_SEQLEN", S_DEFAULT))
     mismatched = check(s, cp, load_balanced)
+    assert not any(mismatched.values()), f"elements differing from cp = 1: {mismatched}"
+
+
+@pytest.mark.parametrize("mask", [AttnMaskType.CAUSAL_MASK, AttnMaskType.NO_MASK], ids=lambda m: m.value)
+@pytest.mark.parametrize("load_balanced", [True, False], ids=["dual_chunk_swap", "contiguous"])
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_chunks_off_the_tiles_bitwise_equal_to_cp1(cp, load_balanced, mask):
+    """Chunks of 1000 tokens (dual chunk) or 2000 (contiguous), not multiples of the kernels' tiles: the
+    causal chunk calls start at the tile boundary before each chunk (the common plan's aligned start);
+    without a mask the calls need none. Still the single-device bits."""
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    s = 2000 * cp
+    inputs = _inputs(s)
+    plan = cpmod.make_plan(_static(*inputs[:3], mask), cpmod.ContextParallel("cp", cp, CPStrategy.ALL_GATHER,
+                                                                              load_balanced))
+    align = cpmod.tile_alignment(plan, *inputs[:3])
+    assert (s // (2 * cp if load_balanced else cp)) % align, f"chunks meet the {align}-row tiles: not a test of leads"
+    mismatched = check(s, cp, load_balanced, inputs=inputs, mask=mask)
     assert not any(mismatched.values()), f"elements differing from cp = 1: {mismatched}"
 
 

@@ -48,7 +48,8 @@ def num_chunks(cp: int, balance: LoadBalance) -> int:
 
 
 def rank_chunks(cp: int, rank, balance: LoadBalance) -> tuple:
-    """The chunk indices rank ``rank`` holds, in its local order (``rank`` may be a traced int)."""
+    """The chunk indices rank ``rank`` holds, in its local order (``rank`` may be a traced int). STRIPED:
+    the rank's stripe of every round of ``cp`` stripes (JAX's THD order, which runs whole rows per rank)."""
     if balance == LoadBalance.DUAL_CHUNK:
         return (rank, 2 * cp - 1 - rank)
     return (rank,)

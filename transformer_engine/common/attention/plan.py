@@ -7,10 +7,12 @@ warp-specialized Gluon kernels serve a config also reads its bias/dropout and NV
 whether Hopper's narrow-V tiles (and their Q/K head-dim split) do reads its bias/dropout, alike for both
 frameworks.
 
-Architectures (:data:`ARCHS`): each GPU family has its tile tables and the shared memory (LDS on AMD) its
-tiles must fit; :func:`plan_arch` finds a config's from its vendor and compute capability or gfx target,
-or takes the one NVTE_FUSED_ATTN_PLAN_ARCH forces. The Hopper tables and the Gluon kernels serve NVIDIA
-SM90 only.
+Architectures (:data:`ARCHS`): one :class:`ArchTables` per GPU family holds every kernel variant's tiles
+(Triton and, on Hopper, the warp-specialized Gluon kernels) and the shared memory (LDS on AMD) they must
+fit; :func:`plan_arch` finds a config's from its vendor and compute capability or gfx target, or takes the
+one NVTE_FUSED_ATTN_PLAN_ARCH forces. The Hopper tables and the Gluon kernels serve NVIDIA SM90 only.
+Which row a plan took, and why, is :func:`transformer_engine.common.attention.explain.explain_plan`'s
+answer (:func:`trace_forward` and :func:`trace_backward` record it).
 """
 
 from __future__ import annotations
@@ -168,7 +170,7 @@ def split_head_dim(d: int) -> Optional[Tuple[int, int]]:
     return d - second, second
 
 
-# Interpreter (CPU tests): small tiles so tiny test shapes still span several blocks.
+# Interpreter (CPU tests), every pass: small tiles so tiny test shapes still span several blocks.
 _INTERPRET = Tiles(16, 16, 1, 1)
 
 Table = Dict[Tuple[int, bool], Tiles]

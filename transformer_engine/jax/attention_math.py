@@ -23,8 +23,10 @@ zero gradients.
 
 The fused primitives' CPU lowering computes ``fused_fwd_math`` / ``fused_bwd_math`` (fp32
 throughout, flash-attention's forward/backward equations with a saved log-sum-exp). The unfused
-backend computes ``unfused_attention``: framework math in the input dtype with fp32 softmax,
-differentiated by JAX.
+backend computes ``unfused_attention`` in fp32 with the PyTorch unfused path's fixed reduction
+structure (``common/attention/reduction.py``; see "the fixed reduction structure" below), its
+gradients from custom VJPs that keep that structure: a sequence's bits do not depend on the batch,
+the padding or its place in a packed row.
 """
 
 from __future__ import annotations

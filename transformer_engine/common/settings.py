@@ -117,10 +117,12 @@ _DECLARED = (
         "Triton's interpreter (CPU) wherever the head dim allows, so that CPU tests run the split kernels; GPU "
         "plans ignore it.",
     ),
-    EnvVar("NVTE_DEBUG", "bool", False, "1 enables debug logging of attention backend selection."),
+    EnvVar("NVTE_DEBUG", "bool", False,
+           "1 enables debug logging of attention backend selection and fused attention plans."),
     EnvVar(
         "NVTE_DEBUG_LEVEL", "int", 0,
-        "Verbosity when NVTE_DEBUG=1: 0 warnings, 1 info (selected backend), 2 debug (every rejected backend).",
+        "Verbosity when NVTE_DEBUG=1: 0 warnings, 1 info (selected backend, fused attention plan), 2 debug (every "
+        "rejected backend).",
         min_value=0, max_value=2,
     ),
 )

@@ -56,7 +56,7 @@ class PassChoice:
         out = [f"{self.name}{when}: "]
         if self.uses_gluon:
             out[0] += f"{self.gluon_kernel} (Gluon, warp-specialized) {_tiles(self.gluon_tiles)} <- {self.gluon_row}"
-            out.append(f"    with unaligned tensors (no TMA): {self.kernel} {_tiles(self.tiles)} <- {self.row}")
+            out.append(f"    tensors without TMA alignment: {self.kernel} {_tiles(self.tiles)} <- {self.row}")
         else:
             out[0] += f"{self.kernel} (Triton) {_tiles(self.tiles)} <- {self.row}"
             if fallback and self.gluon_fallback is not None:

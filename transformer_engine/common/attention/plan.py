@@ -262,7 +262,7 @@ def _by_dim(small: Tiles, mid: Tiles, large: Tiles) -> Table:
 
 
 def _hopper() -> ArchTables:
-    """Hopper (sm_90): the fastest tiles found on the H200 by padded head dim and mask kind (dev/NOTES.md).
+    """Hopper (sm_90): the fastest tiles found on the H200 by padded head dim and mask kind.
     Head groups (launch order) and the single-loop form only where they were faster; the single loop only
     at d=256, where registers bind. The Triton kernels load through pointers (TMA descriptors were no
     faster for them)."""

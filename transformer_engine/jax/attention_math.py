@@ -465,13 +465,15 @@ def _block_matmul(a, b):
 
 
 def _block_dot(a, b):
+    """Batched dot over the broadcast leading dims (kept as batch dims, so that a sharded head
+    axis stays sharded: no reshape merges it with the others)."""
     lead = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-    n = int(np.prod(lead, dtype=np.int64))
-    a3 = jnp.broadcast_to(a, lead + a.shape[-2:]).reshape((n,) + a.shape[-2:])
-    b3 = jnp.broadcast_to(b, lead + b.shape[-2:]).reshape((n,) + b.shape[-2:])
-    out = jax.lax.dot_general(a3, b3, (((2,), (1,)), ((0,), (0,))), precision=jax.lax.Precision.HIGHEST,
-                              preferred_element_type=a.dtype)
-    return out.reshape(lead + (a.shape[-2], b.shape[-1]))
+    a = jnp.broadcast_to(a, lead + a.shape[-2:])
+    b = jnp.broadcast_to(b, lead + b.shape[-2:])
+    n = len(lead)
+    batch = tuple(range(n))
+    return jax.lax.dot_general(a, b, (((n + 1,), (n,)), (batch, batch)), precision=jax.lax.Precision.HIGHEST,
+                               preferred_element_type=a.dtype)
 
 
 def _expand_heads(x, group):

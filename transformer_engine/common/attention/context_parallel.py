@@ -98,7 +98,7 @@ def tile_alignment(configs: Iterable) -> int:
     for config in configs:
         fwd, bwd = forward_plan(config), backward_plan(config)
         for tiles in (fwd.tiles, fwd.warp_specialized, bwd.dkdv, bwd.dq, bwd.dkdv_warp_specialized,
-                      bwd.dq_warp_specialized):
+                      bwd.dq_warp_specialized, bwd.dv, bwd.dv_warp_specialized):  # dv: the separate dV pass
             if tiles is not None:
                 align = max(align, tiles.block_m, tiles.block_n)
     return align

@@ -28,7 +28,8 @@
 # cpscalejax (the same for JAX: bench_cp_scaling_jax.py).
 # Limits per section come from <SECTION>_TIMEOUT (seconds); the defaults suit a 600 s call. CORE_ARGS: extra
 # bench_core.py arguments; GPU1: the second lane's GPU (default 1; 0 on a one-GPU machine); sleep:N waits;
-# env:NAME=VALUE exports a variable for the lane's later sections (a forced plan: env:NVTE_FUSED_ATTN_PLAN_ARCH=sm80).
+# env:NAME=VALUE exports a variable for the lane's later sections (a forced plan: env:NVTE_FUSED_ATTN_PLAN_ARCH=sm80);
+# triton:DIR puts the Triton release installed in DIR (install_triton.sh) first for the lane's later sections.
 set -u
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
 ROOT=$PWD
@@ -183,7 +184,10 @@ section() {
       timeout "$(limit HOSTTIME 90)" python3 dev/tuning/host_time.py --calls 100 --launch --profile --trace "$d/host_trace.json" \
         > "$d/hostprofile.log" 2>&1
       note "host time rc=$? $(grep -c 'fwd+bwd' "$d/hosttime.log") step lines" ;;
-    env:*) export "${s#env:}"; note "export ${s#env:}" ;;  # e.g. env:NVTE_FUSED_ATTN_PLAN_ARCH=sm80 for the lane's later sections
+    env:*) export "${s#env:}"; note "export ${s#env:}" ;;
+    triton:*)  # triton:/tmp/site_triton: another Triton release first on the path for the lane's later sections
+      export PYTHONPATH="${s#triton:}:$PYTHONPATH"
+      note "triton $(python3 -c 'import triton; print(triton.__version__, triton.__file__)' 2>&1 | tail -1)" ;;  # e.g. env:NVTE_FUSED_ATTN_PLAN_ARCH=sm80 for the lane's later sections
     sleep:*) sleep "${s#sleep:}" ;;  # e.g. keep a shared GPU quiet while the other lane benchmarks
     *) note "unknown section $s" ;;
   esac

@@ -784,6 +784,20 @@ def _dropout_seeds(seed, dropout: float, is_training: bool, batch: int, heads: i
     return attention_math.head_seeds(attention_math.seed_words(seed), batch, heads)
 
 
+def _call_config(args: _FusedAttnArgs, kinds: _Kinds, qkv, bias, window: Tuple[int, int], dropout: float,
+                 is_training: bool, offset_sequences: bool) -> AttnConfig:
+    """The call's AttnConfig (what backend selection reads) from its parsed parts."""
+    q, k, v = qkv
+    return _make_config(
+        batch_size=q.shape[0], num_heads_q=q.shape[2], num_heads_kv=k.shape[2], head_dim_qk=q.shape[3],
+        head_dim_v=v.shape[3], max_seqlen_q=q.shape[1], max_seqlen_kv=k.shape[1], dtype=q.dtype,
+        qkv_layout=kinds.layout, attn_mask_type=kinds.mask, window_size=window,
+        bottom_right_diagonal=args.bottom_right_diagonal, attn_bias_type=kinds.bias_type,
+        bias_shape=None if bias is None else bias.shape, dropout=dropout, is_training=is_training,
+        softmax_type=kinds.softmax_type, offset_sequences=offset_sequences,
+    )
+
+
 def _parse_call(args: _FusedAttnArgs) -> _Call:
     """Check a ``fused_attn`` call and put it in canonical form: BSHD operands, per-row segments,
     dropout seeds, its AttnConfig (for selection) and the primitives' static arguments."""
@@ -802,14 +816,8 @@ def _parse_call(args: _FusedAttnArgs) -> _Call:
         _check_context_parallel(cp, kinds, dropout, is_training, window, max_segments, q, k)
     softmax_offset = _check_softmax_offset(kinds.softmax_type, args.softmax_offset, q.shape[2])
     seeds = _dropout_seeds(args.seed, dropout, is_training, q.shape[0], q.shape[2])
-    config = _make_config(
-        batch_size=q.shape[0], num_heads_q=q.shape[2], num_heads_kv=k.shape[2], head_dim_qk=q.shape[3],
-        head_dim_v=v.shape[3], max_seqlen_q=q.shape[1], max_seqlen_kv=k.shape[1], dtype=q.dtype,
-        qkv_layout=kinds.layout, attn_mask_type=kinds.mask, window_size=window,
-        bottom_right_diagonal=args.bottom_right_diagonal, attn_bias_type=kinds.bias_type,
-        bias_shape=None if bias is None else bias.shape, dropout=dropout, is_training=is_training,
-        softmax_type=kinds.softmax_type, offset_sequences=_has_offset_sequences(descriptor, kinds),
-    )
+    config = _call_config(args, kinds, (q, k, v), bias, window, dropout, is_training,
+                          offset_sequences=_has_offset_sequences(descriptor, kinds))
     static = FusedAttnStatic(
         attn_mask_type=kinds.mask, attn_bias_type=kinds.bias_type, qkv_format=kinds.fmt, window_size=window,
         scaling_factor=scale, dropout_probability=dropout, is_training=is_training,

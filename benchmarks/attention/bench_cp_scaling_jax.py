@@ -40,11 +40,11 @@ from transformer_engine.jax.attention import (  # noqa: E402
     CPStrategy,
     QKVLayout,
     ReorderStrategy,
-    _fused_attn_with_backend,
     fused_attn,
     inverse_reorder_causal_load_balancing,
     reorder_causal_load_balancing,
 )
+from transformer_engine.jax.testing import fused_attn_with_backend  # noqa: E402
 
 STRATEGIES = {"all_gather": CPStrategy.ALL_GATHER, "ring": CPStrategy.RING}
 LB = ReorderStrategy.DualChunkSwap
@@ -53,7 +53,7 @@ LB = ReorderStrategy.DualChunkSwap
 def step_fn(mask, strategy, load_balanced, axis, scale, dry_run=False):
     """jit of ``(q, k, v, dout) -> (out, dq, dk, dv)`` through fused_attn (bshd). The dry run names the fused
     backend (on CPU the public call picks the unfused one; the fused primitives lower to jnp there)."""
-    attend = functools.partial(_fused_attn_with_backend, "fused") if dry_run else fused_attn
+    attend = functools.partial(fused_attn_with_backend, "fused") if dry_run else fused_attn
 
     def loss(q, k, v, dout):
         out = attend((q, k, v), None, None, None, AttnBiasType.NO_BIAS, mask, QKVLayout.BSHD_BSHD_BSHD,

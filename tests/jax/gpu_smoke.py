@@ -20,6 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from transformer_engine.jax import attention as te_attention  # noqa: E402
+from transformer_engine.jax import testing as te_testing  # noqa: E402
 from transformer_engine.jax.attention import (  # noqa: E402
     AttnBiasType, AttnMaskType, AttnSoftmaxType, QKVLayout, SequenceDescriptor)
 from transformer_engine.jax.primitives import gpu  # noqa: E402
@@ -32,7 +33,7 @@ def fail(message: str) -> None:
 
 def grads_fn(backend, mask, layout, desc, scale, m=1):
     def run(q, k, v, dout):
-        f = lambda q, k, v: te_attention._fused_attn_with_backend(  # noqa: E731
+        f = lambda q, k, v: te_testing.fused_attn_with_backend(  # noqa: E731
             backend, (q, k, v), None, desc, None, AttnBiasType.NO_BIAS, mask, layout, scale, 0.0, True,
             max_segments_per_seq=m)
         out, vjp = jax.vjp(f, q, k, v)
@@ -90,9 +91,9 @@ def main() -> int:
                 res = fn(q, k, v, dout)
             jax.block_until_ready(res)
             print(f"    {label}: {1e3 * (time.perf_counter() - start) / 10:.2f} ms per fwd+bwd")
-    selection = te_attention.select_attention_backend(te_attention._parse_call(
+    selection = te_attention.select_attention_backend(te_attention._parse_call(te_attention._FusedAttnArgs(
         (q, k, v), None, None, None, AttnBiasType.NO_BIAS, AttnMaskType.CAUSAL_MASK, QKVLayout.BSHD_BSHD_BSHD,
-        AttnSoftmaxType.VANILLA_SOFTMAX, 0.125, 0.0, True, 1, None).config)
+        AttnSoftmaxType.VANILLA_SOFTMAX, 0.125, 0.0, True, 1, None)).config)
     print(f"fused_attn selects: {selection.name}")
     if selection.name != "FusedAttention":
         fail(f"fused_attn selected {selection.name}; rejected: {selection.rejected}")

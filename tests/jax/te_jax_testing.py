@@ -17,8 +17,10 @@ import pytest
 
 from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, QKVFormat, QKVLayout
 from transformer_engine.jax import attention as te_attention
+from transformer_engine.jax import testing as te_testing
 from transformer_engine.jax import attention_math
 from transformer_engine.jax.attention import SequenceDescriptor
+from transformer_engine.jax.enums import to_common  # the tests pass JAX or common enum members
 
 LAYOUTS = list(QKVLayout)
 MASKS = [m for m in AttnMaskType if m != AttnMaskType.ARBITRARY_MASK]
@@ -137,7 +139,7 @@ def reference_mask(q: Segments, kv: Segments, mask: AttnMaskType, window: Tuple[
     the diagonal. TransformerEngine-JAX's diagonal (its make_swa_mask): bottom-right for the
     bottom-right causal masks, top-left for every other mask; ``bottom_right_diagonal`` moves it for
     the non-causal masks, TransformerEngine-PyTorch's rule."""
-    mask = AttnMaskType(mask)
+    mask = to_common(mask, AttnMaskType, "mask")
     left, right = window
     if mask.is_causal:
         right = 0
@@ -241,7 +243,7 @@ def random_qkv(key, b, s_q, s_kv, h_q, h_kv, d_qk, d_v, dtype):
 
 def pack(q, k, v, layout: QKVLayout):
     """BSHD q, k, v -> the ``qkv`` tuple of ``layout``."""
-    layout = QKVLayout(layout)
+    layout = to_common(layout, QKVLayout, "layout")
     sbhd = layout.qkv_format == QKVFormat.SBHD
     tr = (lambda x: jnp.swapaxes(x, 0, 1)) if sbhd else (lambda x: x)
     if layout.packing == "qkv":
@@ -253,7 +255,7 @@ def pack(q, k, v, layout: QKVLayout):
 
 def unpack_grads(grads, layout: QKVLayout):
     """Gradients w.r.t. the ``qkv`` tuple -> BSHD (dq, dk, dv)."""
-    layout = QKVLayout(layout)
+    layout = to_common(layout, QKVLayout, "layout")
     sbhd = layout.qkv_format == QKVFormat.SBHD
     tr = (lambda x: jnp.swapaxes(x, 0, 1)) if sbhd else (lambda x: x)
     grads = [tr(g) for g in grads]
@@ -286,7 +288,7 @@ def attn_fn(backend: str, **kwargs):
     def f(qkv, bias):
         if backend == "selected":
             return te_attention.fused_attn(tuple(qkv), bias, **kwargs)
-        return te_attention._fused_attn_with_backend(backend, tuple(qkv), bias, **kwargs)
+        return te_testing.fused_attn_with_backend(backend, tuple(qkv), bias, **kwargs)
 
     return f
 
@@ -413,7 +415,7 @@ def make_case(
     bottom_right_diagonal=None,
 ) -> Case:
     """Inputs for one configuration (skips when ``backend`` cannot run it here)."""
-    layout, mask = QKVLayout(layout), AttnMaskType(mask)
+    layout, mask = to_common(layout, QKVLayout, "layout"), to_common(mask, AttnMaskType, "mask")
     fmt = layout.qkv_format
     skip_unless_backend_runs(
         backend, is_training=True, q_dtype=dtype, kv_dtype=dtype, qkv_layout=layout, attn_bias_type=bias_type,

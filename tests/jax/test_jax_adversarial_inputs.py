@@ -16,8 +16,8 @@ from transformer_engine.jax.attention import (
     AttnMaskType,
     QKVLayout,
     SequenceDescriptor,
-    _fused_attn_with_backend,
 )
+from transformer_engine.jax.testing import fused_attn_with_backend
 
 BACKENDS = ["fused", "unfused"]
 B, S, H, D = 2, 6, 2, 8
@@ -31,7 +31,7 @@ def _qkv(b=B, sq=S, skv=S, seed=0, dtype=np.float32, d=D):
 
 def _call(backend, qkv, sd=None, mask=AttnMaskType.NO_MASK, scale=0.3, layout=QKVLayout.BSHD_BSHD_BSHD,
           window=None, segments=1):
-    return _fused_attn_with_backend(backend, tuple(qkv), None, sd, None, AttnBiasType.NO_BIAS, mask, layout, scale,
+    return fused_attn_with_backend(backend, tuple(qkv), None, sd, None, AttnBiasType.NO_BIAS, mask, layout, scale,
                                     0.0, True, max_segments_per_seq=segments, window_size=window)
 
 

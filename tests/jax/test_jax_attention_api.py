@@ -112,6 +112,37 @@ def test_enums_use_transformer_engine_names_and_accept_strings():
     np.testing.assert_array_equal(np.asarray(by_enum), np.asarray(by_str))
 
 
+def test_fused_attn_passes_every_parameter_on():
+    """fused_attn hands its arguments to the parsing as one _FusedAttnArgs, field for parameter, in
+    its order and with its defaults; each parameter reaches the parsing (a bad value of each raises
+    the error naming that parameter)."""
+    import dataclasses
+    import inspect
+
+    params = inspect.signature(fused_attn).parameters
+    fields = dataclasses.fields(te_attention._FusedAttnArgs)
+    assert [f.name for f in fields] == list(params)
+    for f in fields:
+        default = params[f.name].default
+        assert (f.default is dataclasses.MISSING) == (default is inspect.Parameter.empty), f.name
+        if default is not inspect.Parameter.empty:
+            assert f.default == default, f.name
+    q, k, v = _inputs()
+    bad = dict(bias=q[:, None, :, :, 0], attn_bias_type="alibi", attn_mask_type="bogus", qkv_layout="bogus",
+               softmax_type=3, scaling_factor=float("nan"), dropout_probability=1.0, max_segments_per_seq=0,
+               window_size="x", context_parallel_strategy="ring", context_parallel_causal_load_balanced="yes",
+               context_parallel_axis=3, context_checkpoint_name="", softmax_offset=jnp.zeros((1, H, 1, 1)),
+               stripe_size=0, score_mod=len, score_mod_bprop=len, score_mod_tensors={}, score_mod_bprop_tensors={},
+               bottom_right_diagonal=1)
+    bad["seed"] = dict(seed=None, dropout_probability=0.1)  # a missing seed counts only with dropout
+    bad["sequence_descriptor"] = dict(sequence_descriptor=None, attn_mask_type=AttnMaskType.PADDING_MASK)
+    assert set(bad) | {"qkv", "is_training"} == set(params)  # qkv: throughout; is_training: any value is one
+    for name, value in bad.items():
+        overrides = value if name in ("seed", "sequence_descriptor") else {name: value}
+        with pytest.raises((ValueError, NotImplementedError), match=f"`{name}`"):
+            fused_attn((q, k, v), **_kwargs(**overrides))
+
+
 # ------------------------------------------------------------------------------------------------
 # SequenceDescriptor
 # ------------------------------------------------------------------------------------------------

@@ -29,11 +29,11 @@ from transformer_engine.jax.attention import (
     QKVLayout,
     ReorderStrategy,
     SequenceDescriptor,
-    _fused_attn_with_backend,
     fused_attn,
     inverse_reorder_causal_load_balancing,
     reorder_causal_load_balancing,
 )
+from transformer_engine.jax.testing import fused_attn_with_backend
 from transformer_engine.jax.sharding import MeshResource, global_shard_guard
 
 if len(jax.devices()) < 8:
@@ -67,7 +67,7 @@ def _attention(layout, mask, strategy=CPStrategy.DEFAULT, load_balanced=False, a
     """``(q, k, v, dout) -> (out, dq, dk, dv)`` in the layout's own format, through the fused primitives."""
 
     def loss(q, k, v, dout):
-        out = _fused_attn_with_backend(
+        out = fused_attn_with_backend(
             "fused", (q, k, v), None, None, None, AttnBiasType.NO_BIAS, mask, layout, SCALE, 0.0, True,
             context_parallel_strategy=strategy, context_parallel_causal_load_balanced=load_balanced,
             context_parallel_axis=axis)

@@ -29,6 +29,7 @@ from transformer_engine.jax.attention import (  # noqa: E402
     CPStrategy,
     QKVLayout,
     ReorderStrategy,
+    _FusedAttnArgs,
     _parse_call,
     fused_attn,
     fused_attn_unavailable_reasons,
@@ -80,8 +81,8 @@ def _single_device(q, k, v, dout, mask=AttnMaskType.CAUSAL_MASK):
 
 def _static(q, k, v, mask=AttnMaskType.CAUSAL_MASK):
     """The FusedAttnStatic fused_attn builds for this call (deterministic mode)."""
-    call = _parse_call(qkv=(q, k, v), bias=None, sequence_descriptor=None, seed=None, softmax_type="vanilla",
-                       **dict(_KW, attn_mask_type=mask))
+    call = _parse_call(_FusedAttnArgs(qkv=(q, k, v), bias=None, sequence_descriptor=None, seed=None,
+                                      softmax_type="vanilla", **dict(_KW, attn_mask_type=mask)))
     assert call.static.deterministic
     return call.static
 

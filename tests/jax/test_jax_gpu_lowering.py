@@ -29,6 +29,7 @@ from transformer_engine.common.attention.launches import LOG2E  # noqa: E402
 from transformer_engine.common.attention.enums import AttnMaskType, QKVLayout  # noqa: E402
 from transformer_engine.common.attention.plan import backward_plan, forward_plan, mask_flags  # noqa: E402
 from transformer_engine.jax import attention as te_attention  # noqa: E402
+from transformer_engine.jax import testing as te_testing  # noqa: E402
 from transformer_engine.jax.attention import SequenceDescriptor  # noqa: E402
 from transformer_engine.jax.primitives import gpu  # noqa: E402
 
@@ -108,7 +109,7 @@ def _attention_grad_fn(mask, layout=QKVLayout.BSHD_BSHD_BSHD, m=1, window=None, 
                     else SequenceDescriptor.from_seqlens(lens))
         else:
             desc = None
-        f = lambda q, k, v: te_attention._fused_attn_with_backend(  # noqa: E731
+        f = lambda q, k, v: te_testing.fused_attn_with_backend(  # noqa: E731
             "fused", (q, k, v), None, desc, None, "no_bias", mask, layout, q.shape[-1] ** -0.5, 0.0, True,
             max_segments_per_seq=m, window_size=window, bottom_right_diagonal=bottom_right_diagonal)
         out, vjp = jax.vjp(f, q, k, v)
@@ -255,7 +256,7 @@ def _bias_grad_fn(mask, bias_shape, layout=QKVLayout.BSHD_BSHD_BSHD, m=1, dropou
                     else SequenceDescriptor.from_seqlens(lens))
         else:
             desc = None
-        f = lambda q, k, v, bias: te_attention._fused_attn_with_backend(  # noqa: E731
+        f = lambda q, k, v, bias: te_testing.fused_attn_with_backend(  # noqa: E731
             "fused", (q, k, v), bias, desc, jax.random.PRNGKey(0) if dropout else None, "post_scale_bias", mask,
             layout, q.shape[-1] ** -0.5, dropout, True, max_segments_per_seq=m)
         out, vjp = jax.vjp(f, q, k, v, bias)
@@ -459,9 +460,9 @@ def test_bias_with_sequences_that_may_start_late_stays_unfused(monkeypatch, desc
         "segment_ids": lambda: te_attention.SequenceDescriptor.from_segment_ids_and_pos(
             ((jnp.arange(s)[None, :] < lens[:, None]).astype(jnp.int32),) * 2),
     }[descriptor]()
-    call = te_attention._parse_call(
+    call = te_attention._parse_call(te_attention._FusedAttnArgs(
         (q, q, q), jnp.zeros((1, h, s, s), jnp.float16), seq, None, AttnBiasType.POST_SCALE_BIAS,
-        AttnMaskType.PADDING_MASK, QKVLayout.BSHD_BSHD_BSHD, "vanilla", None, 0.0, True, 1, None)
+        AttnMaskType.PADDING_MASK, QKVLayout.BSHD_BSHD_BSHD, "vanilla", None, 0.0, True, 1, None))
     selection = te_attention.select_attention_backend(call.config)
     if descriptor == "seqlens":
         assert selection.backend.SHORT_NAME == "fused", selection.rejected
@@ -527,7 +528,7 @@ def test_sink_softmax_lowers_to_the_triton_forward_and_the_sink_gradient_kernel(
 
     def fn(q, k, v, lens, offsets, softmax_offset):
         desc = SequenceDescriptor.from_seqlens_and_offsets(lens, offsets)
-        f = lambda q, k, v, off: te_attention._fused_attn_with_backend(  # noqa: E731
+        f = lambda q, k, v, off: te_testing.fused_attn_with_backend(  # noqa: E731
             "fused", (q, k, v), None, desc, None, "no_bias", AttnMaskType.PADDING_CAUSAL_MASK, QKVLayout.THD_THD_THD,
             q.shape[-1] ** -0.5, 0.0, True, max_segments_per_seq=m, softmax_type=softmax_type,
             softmax_offset=off if learnable else None)

@@ -32,7 +32,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from te_jax_testing import assert_close_to_reference  # noqa: E402
-from transformer_engine.jax import attention as te_attention  # noqa: E402
+from transformer_engine.jax import testing as te_testing  # noqa: E402
 from transformer_engine.jax.attention import (  # noqa: E402
     ReorderStrategy,
     SequenceDescriptor,
@@ -319,7 +319,7 @@ def _fused_cp1(packing, ids, pos):
         desc, kwargs = None, dict(attn_mask_type="causal", qkv_layout="BSHD_BSHD_BSHD")
 
     def fn(q, k, v, _):
-        return te_attention._fused_attn_with_backend(
+        return te_testing.fused_attn_with_backend(
             "fused", (q, k, v), None, desc, None, attn_bias_type="no_bias", scaling_factor=1.0,
             dropout_probability=0.0, is_training=True, **kwargs)
 

@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from te_jax_testing import assert_close_to_reference, random_qkv
-from transformer_engine.jax import attention as te_attention
+from transformer_engine.jax import testing as te_testing
 from transformer_engine.jax.attention import AttnSoftmaxType, SequenceDescriptor
 from transformer_engine.jax.sharding import MeshResource, global_shard_guard
 
@@ -57,7 +57,7 @@ def _call(backend, qkv, desc, layout, mask, softmax_type, offset, m=1):
     kwargs = dict(sequence_descriptor=desc, seed=None, attn_bias_type="no_bias", attn_mask_type=mask,
                   qkv_layout=layout, scaling_factor=SCALE, dropout_probability=0.0, is_training=True,
                   max_segments_per_seq=m, softmax_type=softmax_type, softmax_offset=offset)
-    return te_attention._fused_attn_with_backend(backend, tuple(qkv), None, **kwargs)
+    return te_testing.fused_attn_with_backend(backend, tuple(qkv), None, **kwargs)
 
 
 def _grads(backend, q, k, v, offset, dout, desc, layout, mask, softmax_type, m=1):

@@ -10,6 +10,7 @@ kinds, bias shapes, dropout, GQA, cross attention, d_qk != d_v) at CPU-sized sha
 
 from __future__ import annotations
 
+import pickle
 import warnings
 
 import jax
@@ -36,6 +37,7 @@ from transformer_engine.jax.attention import (
     reorder_causal_load_balancing,
 )
 from transformer_engine.jax.cpp_extensions import FusedAttnHelper, NVTE_Fused_Attn_Backend
+from transformer_engine.jax.enums import from_common, to_common
 from transformer_engine.jax.sharding import MeshResource, global_mesh_resource
 
 # ------------------------------------------------------------------------------------------------
@@ -451,7 +453,7 @@ def test_mask_type_methods_as_te_defines_them():
         assert member.is_padding() is (name in _PADDING)
         assert member.is_bottom_right() is (name in _BOTTOM_RIGHT)
         common = common_enums.AttnMaskType[name]
-        assert member == common and common.is_padding is member.is_padding()
+        assert member != common and common.is_padding is member.is_padding()
 
 
 def test_qkv_layout_methods_as_te_defines_them():
@@ -480,6 +482,91 @@ def test_softmax_cp_and_reorder_enums():
         AttnSoftmaxType.from_str("sigmoid")
     assert [(m.name, m.value) for m in CPStrategy] == [("DEFAULT", 0), ("ALL_GATHER", 1), ("RING", 2)]
     assert [m.name for m in ReorderStrategy] == ["DualChunkSwap", "Striped"]
+
+
+_ENUM_PAIRS = [(AttnBiasType, common_enums.AttnBiasType), (AttnMaskType, common_enums.AttnMaskType),
+               (AttnSoftmaxType, common_enums.AttnSoftmaxType), (QKVFormat, common_enums.QKVFormat),
+               (QKVLayout, common_enums.QKVLayout)]
+
+
+@pytest.mark.parametrize("jax_cls,common_cls", _ENUM_PAIRS, ids=lambda c: c.__name__)
+def test_jax_enum_members_never_equal_common_ones(jax_cls, common_cls):
+    """The two families are apart: a JAX member equals no common member and no string (so
+    ``mask.is_causal`` without parentheses, a bound method and always true, cannot reach code that
+    reads the common property); ``to_common`` and ``from_common`` pair them by name; a common enum
+    refuses to be built from a JAX member. Members hash, pickle and compare by identity."""
+    assert {m.name for m in jax_cls} == {m.name for m in common_cls}
+    for member in jax_cls:
+        common = common_cls[member.name]
+        assert member != common and common != member and member != common.value
+        assert to_common(member, common_cls, "arg") is common and from_common(common) is member
+        assert to_common(member.value, common_cls, "arg") is common  # TE-JAX's string values convert too
+        with pytest.raises(ValueError, match=f"is a member of transformer_engine.jax.enums.{jax_cls.__name__}"):
+            common_cls(member)
+        assert pickle.loads(pickle.dumps(member)) is member and {member: 1}[jax_cls[member.name]] == 1
+
+
+def test_internal_entry_points_refuse_jax_enum_members():
+    """Past the frontend the code reads common members only: its entry points refuse a JAX member
+    (with the error naming the enum's module), where they would otherwise have misread it."""
+    from transformer_engine.common.attention.config import normalize_window, resolve_bottom_right_diagonal
+    from transformer_engine.jax import context_parallel
+    from transformer_engine.jax.primitives.attention import FusedAttnStatic
+
+    refused = pytest.raises(ValueError, match="is a member of transformer_engine.jax.enums")
+    q = jnp.ones((1, 4, 2, 8), jnp.float32)
+    seq = attention_math.full_seq_info(1, 4, 4)
+    kwargs = dict(window_size=(-1, 0), scaling_factor=0.5, dropout_probability=0.0, is_training=True)
+    common = attention_math.unfused_attention(
+        q, q, q, None, seq, None, attn_mask_type=common_enums.AttnMaskType.CAUSAL_MASK,
+        attn_bias_type=common_enums.AttnBiasType.NO_BIAS, **kwargs)
+    as_strings = attention_math.unfused_attention(q, q, q, None, seq, None, attn_mask_type="causal",
+                                                  attn_bias_type="no_bias", **kwargs)
+    np.testing.assert_array_equal(np.asarray(as_strings), np.asarray(common))
+    for mask, bias_type in ((AttnMaskType.CAUSAL_MASK, common_enums.AttnBiasType.NO_BIAS),
+                            (common_enums.AttnMaskType.CAUSAL_MASK, AttnBiasType.NO_BIAS)):
+        with refused:
+            attention_math.unfused_attention(q, q, q, None, seq, None, attn_mask_type=mask, attn_bias_type=bias_type,
+                                             **kwargs)
+    with refused:
+        normalize_window((-1, 0), AttnMaskType.CAUSAL_MASK)
+    with refused:
+        resolve_bottom_right_diagonal(AttnMaskType.NO_MASK, None, "jax")
+    cp = context_parallel.ContextParallel("cp", 2, CPStrategy.ALL_GATHER, False)
+    args = dict(layout=common_enums.QKVLayout.BSHD_BSHD_BSHD, mask=common_enums.AttnMaskType.NO_MASK,
+                bias_type=common_enums.AttnBiasType.NO_BIAS, dropout=0.0, is_training=True,
+                softmax_type=common_enums.AttnSoftmaxType.VANILLA_SOFTMAX, window=(-1, -1), max_segments=1,
+                local=False)
+    assert context_parallel.unsupported_reasons(cp, **args) == []
+    for name, member in (("layout", QKVLayout.BSHD_BSHD_BSHD), ("mask", AttnMaskType.NO_MASK),
+                         ("bias_type", AttnBiasType.NO_BIAS), ("softmax_type", AttnSoftmaxType.VANILLA_SOFTMAX)):
+        with refused:
+            context_parallel.unsupported_reasons(cp, **{**args, name: member})
+    static = FusedAttnStatic(attn_mask_type=AttnMaskType.CAUSAL_MASK, attn_bias_type=common_enums.AttnBiasType.NO_BIAS,
+                             qkv_format=common_enums.QKVFormat.BSHD, window_size=(-1, 0), scaling_factor=0.5,
+                             dropout_probability=0.0, is_training=True, deterministic=True)
+    with refused:
+        context_parallel.make_plan(static, cp)
+
+
+def test_jax_enum_members_work_as_static_jit_arguments():
+    """TE-JAX passes its enums as static arguments of jit: they hash, and each new member retraces."""
+    q, k, v = _qkv()
+    traces = []
+
+    def attend(q, k, v, mask, layout):
+        traces.append(mask)
+        return fused_attn((q, k, v), None, None, None, AttnBiasType.NO_BIAS, mask, layout, scaling_factor=0.25)
+
+    jitted = jax.jit(attend, static_argnames=("mask", "layout"))
+    causal = jitted(q, k, v, mask=AttnMaskType.CAUSAL_MASK, layout=QKVLayout.BSHD_BSHD_BSHD)
+    again = jitted(q, k, v, mask=AttnMaskType.CAUSAL_MASK, layout=QKVLayout.BSHD_BSHD_BSHD)
+    full = jitted(q, k, v, mask=AttnMaskType.NO_MASK, layout=QKVLayout.BSHD_BSHD_BSHD)
+    assert traces == [AttnMaskType.CAUSAL_MASK, AttnMaskType.NO_MASK]
+    np.testing.assert_array_equal(np.asarray(again), np.asarray(causal))
+    eager = attend(q, k, v, common_enums.AttnMaskType.CAUSAL_MASK, "bshd_bshd_bshd")
+    np.testing.assert_array_equal(np.asarray(causal), np.asarray(eager))
+    assert not np.array_equal(np.asarray(full), np.asarray(causal))
 
 
 def test_common_enum_members_and_strings_still_run():

@@ -29,8 +29,8 @@ from transformer_engine.jax.attention import (
     AttnSoftmaxType,
     QKVLayout,
     SequenceDescriptor,
-    _fused_attn_with_backend,
 )
+from transformer_engine.jax.testing import fused_attn_with_backend
 
 SCALE = 0.25
 D = 16
@@ -68,7 +68,7 @@ def _attention(layout, mask, window, bias_type, softmax_type, dropout, max_segme
 
     def run(q, k, v, dout, descriptor, bias, offset):
         def f(q, k, v, bias, offset):
-            return _fused_attn_with_backend(
+            return fused_attn_with_backend(
                 "unfused", (q, k, v), bias, descriptor, jnp.uint32(7) if dropout else None, bias_type, mask,
                 layout, SCALE, dropout, dropout > 0.0, max_segments, window, softmax_type=softmax_type,
                 softmax_offset=offset)

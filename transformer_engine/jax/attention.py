@@ -23,12 +23,10 @@ also keeps batch split over dp/fsdp and heads over tp under ``custom_partitionin
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +38,6 @@ from transformer_engine.common.attention.backends import (
     FusedAttention,
     Selection,
     UnfusedDotProductAttention,
-    backend_named,
     select_backend,
 )
 from transformer_engine.common.attention import enums as _common
@@ -82,7 +79,6 @@ __all__ = [
     "is_deterministic_mode",
     "fused_attn_unavailable_reasons",
     "mask_to_sequence_descriptor",
-    "recording_backend_selections",
     "reorder_causal_load_balancing",
 ]
 
@@ -138,7 +134,7 @@ def _arch_fields(arch: Union[None, str, Tuple[int, int]]) -> Dict[str, object]:
 
 
 
-def _frontend_extra(device_type: str, attn_bias_type: AttnBiasType, dropout: float,
+def _frontend_extra(device_type: str, attn_bias_type: _common.AttnBiasType, dropout: float,
                     is_training: bool,
                     offset_sequences: bool = False, vendor: str = "nvidia") -> Tuple[Tuple[str, str], ...]:
     """Reasons only the JAX frontend knows (FusedAttention reads them from ``config.extra``): the
@@ -200,17 +196,10 @@ def _make_config(*, dtype, bias_shape: Optional[Sequence[int]],
 # ================================================================================================
 
 
-def _enum(enum_cls, value, arg: str):
-    """``value`` (a member of the JAX or the common enum, or its string value) -> the member of the
-    common enum of the same kind, which everything past the argument parsing reads."""
-    common_cls = getattr(_common, enum_cls.__name__)
-    return to_common(value, common_cls, arg)
-
-
 _PACKING_ARITY = {"qkv": 1, "kv": 2, "separate": 3}
 
 
-def _split_qkv(qkv, layout: QKVLayout):
+def _split_qkv(qkv, layout: _common.QKVLayout):
     """The user's tensors as (q, k, v) in the layout's own format (BSHD, SBHD or THD-in-BSHD)."""
     if not isinstance(qkv, (tuple, list)):
         raise ValueError(
@@ -237,7 +226,7 @@ def _split_qkv(qkv, layout: QKVLayout):
     return tuple(arrays)
 
 
-def _to_bshd(x, fmt: QKVFormat):
+def _to_bshd(x, fmt: _common.QKVFormat):
     return jnp.swapaxes(x, 0, 1) if fmt == _common.QKVFormat.SBHD else x
 
 
@@ -483,6 +472,56 @@ def _segments_from_ids(ids, max_segments):
 # ================================================================================================
 
 
+@dataclass(frozen=True, eq=False)
+class _FusedAttnArgs:
+    """The arguments of one ``fused_attn`` call as given: its parameters, in its order, with its
+    defaults (a test keeps the two equal). ``_parse_call`` checks them; the Flax modules and the
+    test helpers (:mod:`transformer_engine.jax.testing`) build one too."""
+
+    qkv: Tuple[Any, ...]
+    bias: Any
+    sequence_descriptor: Any
+    seed: Any
+    attn_bias_type: Any
+    attn_mask_type: Any
+    qkv_layout: Any
+    softmax_type: Any = AttnSoftmaxType.VANILLA_SOFTMAX
+    scaling_factor: Optional[float] = None
+    dropout_probability: float = 0.0
+    is_training: bool = True
+    max_segments_per_seq: int = 1
+    window_size: Optional[Tuple[int, int]] = None
+    context_parallel_strategy: Any = CPStrategy.DEFAULT
+    context_parallel_causal_load_balanced: bool = False
+    context_parallel_axis: str = ""
+    context_checkpoint_name: str = "context"
+    softmax_offset: Any = None
+    stripe_size: Optional[int] = None
+    score_mod: Optional[Callable] = None
+    score_mod_bprop: Optional[Callable] = None
+    score_mod_tensors: Optional[Mapping[str, Any]] = None
+    score_mod_bprop_tensors: Optional[Mapping[str, Any]] = None
+    bottom_right_diagonal: Optional[bool] = None
+
+
+@dataclass(frozen=True)
+class _Kinds:
+    """A call's enum arguments as common members (what everything past the parsing reads)."""
+
+    layout: _common.QKVLayout
+    mask: _common.AttnMaskType
+    bias_type: _common.AttnBiasType
+    softmax_type: _common.AttnSoftmaxType
+
+    @property
+    def fmt(self) -> _common.QKVFormat:
+        return self.layout.qkv_format
+
+    @property
+    def is_thd(self) -> bool:
+        return self.fmt == _common.QKVFormat.THD
+
+
 @dataclass(frozen=True)
 class _Call:
     """One parsed ``fused_attn`` call: canonical operands and its config."""
@@ -496,11 +535,11 @@ class _Call:
     softmax_offset: Any  # fp32 [h_q] learnable sink logits, or None
     static: FusedAttnStatic
     config: AttnConfig
-    qkv_format: QKVFormat
+    qkv_format: _common.QKVFormat
     cp: Optional[ContextParallel] = None  # context parallelism over a mesh axis of size > 1
 
 
-def _softmax_type(softmax_type, softmax_offset) -> AttnSoftmaxType:
+def _softmax_type(softmax_type, softmax_offset) -> _common.AttnSoftmaxType:
     """The call's softmax type (sink softmax: off-by-one and learnable, see ``fused_attn``)."""
     if isinstance(softmax_type, (int, float)) and not isinstance(softmax_type, bool):
         raise ValueError(
@@ -520,7 +559,7 @@ def _softmax_type(softmax_type, softmax_offset) -> AttnSoftmaxType:
             f"`softmax_offset` must be None unless softmax_type is LEARNABLE_SOFTMAX, got an array with "
             f"softmax_type={kind.name}"
         )
-    return kind
+    return to_common(kind, _common.AttnSoftmaxType, "softmax_type")
 
 
 def _check_softmax_offset(softmax_type: _common.AttnSoftmaxType, softmax_offset, heads: int):
@@ -535,27 +574,6 @@ def _check_softmax_offset(softmax_type: _common.AttnSoftmaxType, softmax_offset,
         raise ValueError(f"`softmax_offset` must be float32 [1, {heads}, 1, 1] (or [{heads}]), got "
                          f"{softmax_offset.dtype}{list(softmax_offset.shape)}")
     return softmax_offset.reshape(heads)
-
-
-def _mesh_axis_size(axis: str) -> int:
-    """Size of mesh axis ``axis`` in the mesh in effect (``with mesh:`` or ``jax.set_mesh``); 1 when
-    there is no such mesh or axis."""
-    return context_parallel.mesh_axis_size(axis)
-
-
-def _check_context_parallel(strategy, load_balanced, axis, stripe_size) -> Optional[ContextParallel]:
-    """The call's context parallelism (:mod:`transformer_engine.jax.context_parallel`), None without."""
-    return context_parallel.resolve_context_parallel(strategy, load_balanced, axis, stripe_size)
-
-
-def _check_score_mod(**callbacks) -> None:
-    given = [name for name, value in callbacks.items() if value is not None]
-    if given:
-        raise NotImplementedError(
-            f"`{given[0]}` must be None in transformer_engine.jax (score modification callbacks build cuDNN "
-            "frontend graphs; the Triton kernels take none), got "
-            f"{', '.join(given)}"
-        )
 
 
 def _is_mask_array(x) -> bool:
@@ -575,7 +593,7 @@ def mask_to_sequence_descriptor(mask, attn_mask_type) -> "SequenceDescriptor":
             f"`sequence_descriptor` as a mask must be [b, 1, s_q, s_kv] (or [b, 1, ..., 1, s_q, s_kv]), got shape "
             f"{mask.shape}")
     mask = mask.reshape(mask.shape[0], 1, *mask.shape[-2:])
-    kind = _enum(AttnMaskType, attn_mask_type, "attn_mask_type")
+    kind = to_common(attn_mask_type, _common.AttnMaskType, "attn_mask_type")
     real = jnp.logical_not(mask.astype(bool))
     q_lens = jnp.sum(real, axis=-2, dtype=jnp.int32)[:, 0, 0]
     if kind == _common.AttnMaskType.PADDING_MASK:
@@ -585,151 +603,228 @@ def mask_to_sequence_descriptor(mask, attn_mask_type) -> "SequenceDescriptor":
     return SequenceDescriptor.from_seqlens((q_lens, kv_lens))
 
 
-def _parse_call(
-    qkv, bias, sequence_descriptor, seed, attn_bias_type, attn_mask_type, qkv_layout, softmax_type,
-    scaling_factor, dropout_probability, is_training, max_segments_per_seq=1, window_size=None,
-    context_parallel_strategy=CPStrategy.DEFAULT, context_parallel_causal_load_balanced=False,
-    context_parallel_axis="", context_checkpoint_name="context", softmax_offset=None, stripe_size=None,
-    score_mod=None, score_mod_bprop=None, score_mod_tensors=None, score_mod_bprop_tensors=None,
-    bottom_right_diagonal=None,
-) -> _Call:
-    layout = _enum(QKVLayout, qkv_layout, "qkv_layout")
-    mask = _enum(AttnMaskType, attn_mask_type, "attn_mask_type")
-    bias_type = _enum(AttnBiasType, attn_bias_type, "attn_bias_type")
-    stype = _common.AttnSoftmaxType(_softmax_type(softmax_type, softmax_offset).value)
-    _check_score_mod(score_mod=score_mod, score_mod_bprop=score_mod_bprop, score_mod_tensors=score_mod_tensors,
-                     score_mod_bprop_tensors=score_mod_bprop_tensors)
-    cp = _check_context_parallel(context_parallel_strategy, context_parallel_causal_load_balanced,
-                                 context_parallel_axis, stripe_size)
-    if not isinstance(context_checkpoint_name, str) or not context_checkpoint_name:
-        raise ValueError(f"`context_checkpoint_name` must be a non-empty str, got {context_checkpoint_name!r}")
-    fmt = layout.qkv_format
-    if mask == _common.AttnMaskType.ARBITRARY_MASK:
+# -- _parse_call's steps, in the order it runs them (which fixes which error a call with several
+# -- faults gets) --------------------------------------------------------------------------------
+
+
+def _parse_kinds(args: _FusedAttnArgs) -> _Kinds:
+    """Layout (and so format), mask, bias and softmax kinds as common members; refuses the kinds
+    ``fused_attn`` does not run (arbitrary masks, ALiBi) and THD layouts without a padding mask."""
+    kinds = _Kinds(
+        layout=to_common(args.qkv_layout, _common.QKVLayout, "qkv_layout"),
+        mask=to_common(args.attn_mask_type, _common.AttnMaskType, "attn_mask_type"),
+        bias_type=to_common(args.attn_bias_type, _common.AttnBiasType, "attn_bias_type"),
+        softmax_type=_softmax_type(args.softmax_type, args.softmax_offset),
+    )
+    if kinds.mask == _common.AttnMaskType.ARBITRARY_MASK:
         raise NotImplementedError(
             "`attn_mask_type` must not be 'arbitrary' in transformer_engine.jax (express the mask as a "
             "post_scale_bias of 0 / -inf, or use padding/causal masks with a SequenceDescriptor)"
         )
-    if bias_type == _common.AttnBiasType.ALIBI:
+    if kinds.bias_type == _common.AttnBiasType.ALIBI:
         raise NotImplementedError(
             "`attn_bias_type` must not be 'alibi' in transformer_engine.jax (pass the ALiBi bias as a "
             "post_scale_bias)"
         )
-    if fmt == _common.QKVFormat.THD and not mask.is_padding:
+    if kinds.is_thd and not kinds.mask.is_padding:
         raise ValueError(
             f"`attn_mask_type` must be a padding mask (padding, padding_causal, padding_causal_bottom_right) with "
-            f"qkv_layout={layout.value!r}, got {mask.value!r}"
+            f"qkv_layout={kinds.layout.value!r}, got {kinds.mask.value!r}"
         )
-    if not isinstance(max_segments_per_seq, int) or isinstance(max_segments_per_seq, bool) or max_segments_per_seq < 1:
-        raise ValueError(f"`max_segments_per_seq` must be a positive int, got {max_segments_per_seq!r}")
-    if _is_mask_array(sequence_descriptor):
-        if fmt == _common.QKVFormat.THD or max_segments_per_seq != 1:
+    return kinds
+
+
+def _check_score_mods(args: _FusedAttnArgs) -> None:
+    """The cuDNN frontend's score modification callbacks and their tensors must all be None."""
+    callbacks = dict(score_mod=args.score_mod, score_mod_bprop=args.score_mod_bprop,
+                     score_mod_tensors=args.score_mod_tensors, score_mod_bprop_tensors=args.score_mod_bprop_tensors)
+    given = [name for name, value in callbacks.items() if value is not None]
+    if given:
+        raise NotImplementedError(
+            f"`{given[0]}` must be None in transformer_engine.jax (score modification callbacks build cuDNN "
+            "frontend graphs; the Triton kernels take none), got "
+            f"{', '.join(given)}"
+        )
+
+
+def _resolve_context_parallel(args: _FusedAttnArgs) -> Optional[ContextParallel]:
+    """The call's context parallelism (:mod:`transformer_engine.jax.context_parallel`) from its
+    strategy, load balancing, axis and stripe size (each checked there); None without one."""
+    return context_parallel.resolve_context_parallel(
+        args.context_parallel_strategy, args.context_parallel_causal_load_balanced, args.context_parallel_axis,
+        args.stripe_size)
+
+
+def _check_checkpoint_name(name) -> str:
+    """The remat checkpoint name of the output: a non-empty str."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"`context_checkpoint_name` must be a non-empty str, got {name!r}")
+    return name
+
+
+def _parse_descriptor_form(args: _FusedAttnArgs, kinds: _Kinds) -> Tuple[Any, int]:
+    """(sequence descriptor, max_segments_per_seq): a positive segment count, read as 1 (with a
+    warning) outside THD; a padding mask array becomes a SequenceDescriptor (BSHD/SBHD only, and
+    only for the padding masks, as TransformerEngine reads it; the other masks ignore it)."""
+    descriptor, max_segments = args.sequence_descriptor, args.max_segments_per_seq
+    if not isinstance(max_segments, int) or isinstance(max_segments, bool) or max_segments < 1:
+        raise ValueError(f"`max_segments_per_seq` must be a positive int, got {max_segments!r}")
+    if _is_mask_array(descriptor):
+        if kinds.is_thd or max_segments != 1:
             raise ValueError(
-                f"`sequence_descriptor` must be a SequenceDescriptor with qkv_layout={layout.value!r} and "
-                f"max_segments_per_seq={max_segments_per_seq} (a mask array describes one sequence per row), got "
+                f"`sequence_descriptor` must be a SequenceDescriptor with qkv_layout={kinds.layout.value!r} and "
+                f"max_segments_per_seq={max_segments} (a mask array describes one sequence per row), got "
                 "an array"
             )
-        # TransformerEngine reads a mask only for the padding masks; the others see every token.
-        sequence_descriptor = mask_to_sequence_descriptor(sequence_descriptor, mask) if mask.is_padding else None
-    if fmt != _common.QKVFormat.THD and max_segments_per_seq != 1:
+        descriptor = mask_to_sequence_descriptor(descriptor, kinds.mask) if kinds.mask.is_padding else None
+    if not kinds.is_thd and max_segments != 1:
         warnings.warn(
-            f"max_segments_per_seq={max_segments_per_seq} applies to THD layouts only; qkv_layout={layout.value!r} "
+            f"max_segments_per_seq={max_segments} applies to THD layouts only; qkv_layout={kinds.layout.value!r} "
             "holds one sequence per row",
             UserWarning,
-            stacklevel=3,
+            stacklevel=5,  # fused_attn's caller
         )
-        max_segments_per_seq = 1
+        max_segments = 1
+    return descriptor, max_segments
+
+
+def _parse_dropout(dropout_probability) -> float:
+    """The dropout probability as a float in [0, 1)."""
     try:
         dropout = float(dropout_probability)
     except (TypeError, ValueError):
         raise ValueError(f"`dropout_probability` must be a float in [0, 1), got {dropout_probability!r}") from None
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"`dropout_probability` must be in [0, 1), got {dropout_probability!r}")
+    return dropout
 
-    q, k, v = (_to_bshd(x, fmt) for x in _split_qkv(qkv, layout))
+
+def _parse_tensors(qkv, kinds: _Kinds):
+    """(q, k, v) as BSHD arrays from the layout's packing and format, checked for rank, dtype and
+    matching batch, sequence, head and head-dim sizes."""
+    q, k, v = (_to_bshd(x, kinds.fmt) for x in _split_qkv(qkv, kinds.layout))
     _check_tensors(q, k, v)
-    b, s_q, h_q, d_qk = q.shape
-    s_kv, h_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
+    return q, k, v
 
-    if scaling_factor is None:
-        scaling_factor = d_qk**-0.5
+
+def _parse_scores(args: _FusedAttnArgs, kinds: _Kinds, head_dim_qk: int) -> Tuple[float, Tuple[int, int]]:
+    """(softmax scale, window) of the scores: the scale a Python float (None: ``1 / sqrt(d_qk)``),
+    the window as the mask bounds it, ``bottom_right_diagonal`` None or a bool."""
+    scaling_factor = head_dim_qk**-0.5 if args.scaling_factor is None else args.scaling_factor
     if isinstance(scaling_factor, jax.core.Tracer):
         raise ValueError(f"`scaling_factor` must be a Python float, got {scaling_factor!r}")
     scale = check_softmax_scale(scaling_factor, "scaling_factor")
-    window = normalize_window(window_size, mask)
-    if bottom_right_diagonal is not None and not isinstance(bottom_right_diagonal, bool):
-        raise ValueError(f"`bottom_right_diagonal` must be None or a bool, got {bottom_right_diagonal!r}")
+    window = normalize_window(args.window_size, kinds.mask)
+    if args.bottom_right_diagonal is not None and not isinstance(args.bottom_right_diagonal, bool):
+        raise ValueError(f"`bottom_right_diagonal` must be None or a bool, got {args.bottom_right_diagonal!r}")
+    return scale, window
 
+
+def _parse_bias(bias, bias_type: _common.AttnBiasType, q, k):
+    """The bias array (None for no_bias): ``[1|b, 1|h_q, s_q, s_kv]`` in the dtype of q."""
     if bias_type == _common.AttnBiasType.NO_BIAS:
         if bias is not None:
             raise ValueError("`bias` must be None with attn_bias_type='no_bias', got an array")
-    else:
-        if bias is None:
-            raise ValueError(f"`bias` must be an array with attn_bias_type={bias_type.value!r}, got None")
-        bias = jnp.asarray(bias)
-        if (
-            bias.ndim != 4
-            or bias.shape[2:] != (s_q, s_kv)
-            or bias.shape[0] not in (1, b)
-            or bias.shape[1] not in (1, h_q)
-        ):
-            raise ValueError(f"`bias` must have shape [1|{b}, 1|{h_q}, {s_q}, {s_kv}], got {bias.shape}")
-        if bias.dtype != q.dtype:
-            raise ValueError(f"`bias` must have the dtype of q ({q.dtype}), got {bias.dtype}")
+        return None
+    if bias is None:
+        raise ValueError(f"`bias` must be an array with attn_bias_type={bias_type.value!r}, got None")
+    b, s_q, h_q, _ = q.shape
+    s_kv = k.shape[1]
+    bias = jnp.asarray(bias)
+    if bias.ndim != 4 or bias.shape[2:] != (s_q, s_kv) or bias.shape[0] not in (1, b) or bias.shape[1] not in (1, h_q):
+        raise ValueError(f"`bias` must have shape [1|{b}, 1|{h_q}, {s_q}, {s_kv}], got {bias.shape}")
+    if bias.dtype != q.dtype:
+        raise ValueError(f"`bias` must have the dtype of q ({q.dtype}), got {bias.dtype}")
+    return bias
 
-    if mask.is_padding:
-        if sequence_descriptor is None:
-            raise ValueError(
-                f"`sequence_descriptor` must be given with attn_mask_type={mask.value!r} (which tokens are real), "
-                "got None"
-            )
-        if not isinstance(sequence_descriptor, SequenceDescriptor):
-            raise ValueError(
-                f"`sequence_descriptor` must be a SequenceDescriptor, got {type(sequence_descriptor).__name__}"
-            )
-        if cp is not None and fmt == _common.QKVFormat.THD:
-            sequence_descriptor = context_parallel.descriptor_in_global_order(sequence_descriptor, cp)
-        seq = sequence_descriptor.to_seq_info(b, s_q, s_kv, fmt == _common.QKVFormat.THD, max_segments_per_seq)
-        _check_seq_values(sequence_descriptor, seq, s_q, s_kv, max_segments_per_seq)
-    else:
-        seq = attention_math.full_seq_info(b, s_q, s_kv)
 
+def _parse_sequences(descriptor, kinds: _Kinds, cp: Optional[ContextParallel], max_segments: int, q, k) -> SeqInfo:
+    """The per-row segments: every token for the non-padding masks; else from the SequenceDescriptor
+    (required; THD under load-balanced context parallelism put back in token order), checked
+    against the shapes and, where concrete, its values."""
+    b, s_q, s_kv = q.shape[0], q.shape[1], k.shape[1]
+    if not kinds.mask.is_padding:
+        return attention_math.full_seq_info(b, s_q, s_kv)
+    if descriptor is None:
+        raise ValueError(
+            f"`sequence_descriptor` must be given with attn_mask_type={kinds.mask.value!r} (which tokens are real), "
+            "got None"
+        )
+    if not isinstance(descriptor, SequenceDescriptor):
+        raise ValueError(f"`sequence_descriptor` must be a SequenceDescriptor, got {type(descriptor).__name__}")
+    if cp is not None and kinds.is_thd:
+        descriptor = context_parallel.descriptor_in_global_order(descriptor, cp)
+    seq = descriptor.to_seq_info(b, s_q, s_kv, kinds.is_thd, max_segments)
+    _check_seq_values(descriptor, seq, s_q, s_kv, max_segments)
+    return seq
+
+
+def _has_offset_sequences(descriptor, kinds: _Kinds) -> bool:
+    """Whether a BSHD/SBHD call's padded sequences may start after token 0 of their row (offsets
+    or segment ids; see ``_frontend_extra``)."""
+    return kinds.mask.is_padding and not kinds.is_thd and (
+        descriptor.seq_offsets is not None or descriptor.segment_ids is not None)
+
+
+def _check_context_parallel(cp: ContextParallel, kinds: _Kinds, dropout: float, is_training: bool,
+                            window: Tuple[int, int], max_segments: int, q, k) -> None:
+    """Refuse what the context-parallel path does not run (see ``context_parallel``)."""
+    context_parallel.check_context_parallel_supported(
+        cp, layout=kinds.layout, mask=kinds.mask, bias_type=kinds.bias_type, dropout=dropout,
+        is_training=is_training, softmax_type=kinds.softmax_type, window=window, max_segments=max_segments,
+        s_q=q.shape[1], s_kv=k.shape[1], local=cp.axis in context_parallel._manual_axes())
+
+
+def _dropout_seeds(seed, dropout: float, is_training: bool, batch: int, heads: int):
+    """Per (row, head) dropout seeds ``[b, h_q, 2]`` from ``seed`` (required with active dropout); zeros without."""
+    if not (is_training and dropout > 0.0):
+        return jnp.zeros((batch, heads, 2), jnp.uint32)
+    if seed is None:
+        raise ValueError("`seed` must be a PRNG key (or integer seed) when dropout is active, got None")
+    return attention_math.head_seeds(attention_math.seed_words(seed), batch, heads)
+
+
+def _call_config(args: _FusedAttnArgs, kinds: _Kinds, qkv, bias, window: Tuple[int, int], dropout: float,
+                 is_training: bool, offset_sequences: bool) -> AttnConfig:
+    """The call's AttnConfig (what backend selection reads) from its parsed parts."""
+    q, k, v = qkv
+    return _make_config(
+        batch_size=q.shape[0], num_heads_q=q.shape[2], num_heads_kv=k.shape[2], head_dim_qk=q.shape[3],
+        head_dim_v=v.shape[3], max_seqlen_q=q.shape[1], max_seqlen_kv=k.shape[1], dtype=q.dtype,
+        qkv_layout=kinds.layout, attn_mask_type=kinds.mask, window_size=window,
+        bottom_right_diagonal=args.bottom_right_diagonal, attn_bias_type=kinds.bias_type,
+        bias_shape=None if bias is None else bias.shape, dropout=dropout, is_training=is_training,
+        softmax_type=kinds.softmax_type, offset_sequences=offset_sequences,
+    )
+
+
+def _parse_call(args: _FusedAttnArgs) -> _Call:
+    """Check a ``fused_attn`` call and put it in canonical form: BSHD operands, per-row segments,
+    dropout seeds, its AttnConfig (for selection) and the primitives' static arguments."""
+    kinds = _parse_kinds(args)
+    _check_score_mods(args)
+    cp = _resolve_context_parallel(args)
+    checkpoint = _check_checkpoint_name(args.context_checkpoint_name)
+    descriptor, max_segments = _parse_descriptor_form(args, kinds)
+    dropout = _parse_dropout(args.dropout_probability)
+    is_training = bool(args.is_training)
+    q, k, v = _parse_tensors(args.qkv, kinds)
+    scale, window = _parse_scores(args, kinds, head_dim_qk=q.shape[3])
+    bias = _parse_bias(args.bias, kinds.bias_type, q, k)
+    seq = _parse_sequences(descriptor, kinds, cp, max_segments, q, k)
     if cp is not None:
-        context_parallel.check_context_parallel_supported(
-            cp, layout=layout, mask=mask, bias_type=bias_type, dropout=dropout, is_training=bool(is_training),
-            softmax_type=stype, window=window, max_segments=max_segments_per_seq, s_q=s_q, s_kv=s_kv,
-            local=cp.axis in context_parallel._manual_axes())
-    softmax_offset = _check_softmax_offset(stype, softmax_offset, h_q)
-    has_dropout = bool(is_training) and dropout > 0.0
-    if has_dropout:
-        if seed is None:
-            raise ValueError("`seed` must be a PRNG key (or integer seed) when dropout is active, got None")
-        seeds = attention_math.head_seeds(attention_math.seed_words(seed), b, h_q)
-    else:
-        seeds = jnp.zeros((b, h_q, 2), jnp.uint32)
-
-    config = _make_config(
-        batch_size=b, num_heads_q=h_q, num_heads_kv=h_kv, head_dim_qk=d_qk, head_dim_v=d_v,
-        max_seqlen_q=s_q, max_seqlen_kv=s_kv, dtype=q.dtype, qkv_layout=layout, attn_mask_type=mask,
-        window_size=window, bottom_right_diagonal=bottom_right_diagonal, attn_bias_type=bias_type,
-        bias_shape=None if bias is None else bias.shape, dropout=dropout, is_training=bool(is_training),
-        softmax_type=stype,
-        offset_sequences=mask.is_padding and fmt != _common.QKVFormat.THD and (
-            sequence_descriptor.seq_offsets is not None or sequence_descriptor.segment_ids is not None),
-    )
+        _check_context_parallel(cp, kinds, dropout, is_training, window, max_segments, q, k)
+    softmax_offset = _check_softmax_offset(kinds.softmax_type, args.softmax_offset, q.shape[2])
+    seeds = _dropout_seeds(args.seed, dropout, is_training, q.shape[0], q.shape[2])
+    config = _call_config(args, kinds, (q, k, v), bias, window, dropout, is_training,
+                          offset_sequences=_has_offset_sequences(descriptor, kinds))
     static = FusedAttnStatic(
-        attn_mask_type=mask,
-        attn_bias_type=bias_type,
-        qkv_format=fmt,
-        window_size=window,
-        scaling_factor=scale,
-        dropout_probability=dropout,
-        is_training=bool(is_training),
-        deterministic=config.deterministic,
-        checkpoint_name=context_checkpoint_name,
-        bottom_right_diagonal=config.bottom_right,
-        softmax_type=stype,
+        attn_mask_type=kinds.mask, attn_bias_type=kinds.bias_type, qkv_format=kinds.fmt, window_size=window,
+        scaling_factor=scale, dropout_probability=dropout, is_training=is_training,
+        deterministic=config.deterministic, checkpoint_name=checkpoint, bottom_right_diagonal=config.bottom_right,
+        softmax_type=kinds.softmax_type,
     )
-    return _Call(q, k, v, bias, seq, seeds, softmax_offset, static, config, fmt, cp)
+    return _Call(q, k, v, bias, seq, seeds, softmax_offset, static, config, kinds.fmt, cp)
 
 
 class _FusedBackend(FusedAttention):
@@ -770,27 +865,20 @@ def _run(call: _Call, backend) -> jax.Array:
     return _to_bshd(backend.run(call), call.qkv_format)  # SBHD: swap back
 
 
-_selection_records: List[List[str]] = []
+# Called with each backend selection ``fused_attn`` makes (at trace time): how
+# transformer_engine.jax.testing.recording_backend_selections (and the determinism check) see them.
+_selection_listeners: List[Callable[[Selection], None]] = []
 
 
-@contextlib.contextmanager
-def recording_backend_selections() -> Iterator[List[str]]:
-    """Collect the name of the backend each ``fused_attn`` trace selects inside the block (selection
-    happens at trace time, so a cached jit trace records nothing)."""
-    names: List[str] = []
-    _selection_records.append(names)
-    try:
-        yield names
-    finally:
-        _selection_records.remove(names)
+def _announce(selection: Selection) -> Selection:
+    for listener in tuple(_selection_listeners):
+        listener(selection)
+    return selection
 
 
 def select_attention_backend(config: AttnConfig) -> Selection:
     """The backend ``fused_attn`` uses for ``config`` (honours NVTE_FUSED_ATTN_BACKEND etc.)."""
-    selection = select_backend(config, _CANDIDATES)
-    for names in _selection_records:
-        names.append(selection.name)
-    return selection
+    return _announce(select_backend(config, _CANDIDATES))
 
 
 def fused_attn(
@@ -883,28 +971,44 @@ def fused_attn(
     bitwise reproducible too (the fused kernels use their deterministic plan; the unfused backend
     always is).
     """
-    out, _ = _attention_with_selection(**_fused_attn_arguments(locals()))
+    args = _FusedAttnArgs(
+        qkv=qkv,
+        bias=bias,
+        sequence_descriptor=sequence_descriptor,
+        seed=seed,
+        attn_bias_type=attn_bias_type,
+        attn_mask_type=attn_mask_type,
+        qkv_layout=qkv_layout,
+        softmax_type=softmax_type,
+        scaling_factor=scaling_factor,
+        dropout_probability=dropout_probability,
+        is_training=is_training,
+        max_segments_per_seq=max_segments_per_seq,
+        window_size=window_size,
+        context_parallel_strategy=context_parallel_strategy,
+        context_parallel_causal_load_balanced=context_parallel_causal_load_balanced,
+        context_parallel_axis=context_parallel_axis,
+        context_checkpoint_name=context_checkpoint_name,
+        softmax_offset=softmax_offset,
+        stripe_size=stripe_size,
+        score_mod=score_mod,
+        score_mod_bprop=score_mod_bprop,
+        score_mod_tensors=score_mod_tensors,
+        score_mod_bprop_tensors=score_mod_bprop_tensors,
+        bottom_right_diagonal=bottom_right_diagonal,
+    )
+    out, _ = _attention_with_selection(args)
     return out
 
 
-_FUSED_ATTN_ARGS = tuple(inspect.signature(fused_attn).parameters)
-
-
-def _fused_attn_arguments(bound: Mapping[str, Any]) -> dict:
-    return {name: bound[name] for name in _FUSED_ATTN_ARGS}
-
-
-def _attention_with_selection(**kwargs) -> Tuple[jax.Array, Selection]:
-    """``fused_attn`` (keyword arguments) that also returns the backend selection (the Flax module
-    logs fallbacks)."""
-    call = _parse_call(**kwargs)
+def _attention_with_selection(args: _FusedAttnArgs) -> Tuple[jax.Array, Selection]:
+    """``fused_attn`` that also returns the backend selection (the Flax module logs fallbacks)."""
+    call = _parse_call(args)
     if call.cp is not None and call.config.device_type != "cuda":
         # Context parallelism runs the fused primitives, here through their jnp lowering: no
         # selection (whose CPU answer, the unfused backend, has no context-parallel path).
-        selection = Selection(_FusedBackend)
-        for names in _selection_records:
-            names.append(selection.name)
-        return _run(call, _FusedBackend), selection
+        selection = _announce(Selection(_FusedBackend))
+        return _run(call, selection.backend), selection
     selection = select_attention_backend(call.config)
     if call.cp is not None and not issubclass(selection.backend, FusedAttention):
         reasons = "; ".join(selection.rejected.get(FusedAttention.NAME, ())) or f"selected {selection.name}"
@@ -912,21 +1016,6 @@ def _attention_with_selection(**kwargs) -> Tuple[jax.Array, Selection]:
             f"`context_parallel_axis` {call.cp.axis!r} (size {call.cp.size}) needs the fused attention backend, "
             f"which cannot run this call: {reasons}")
     return _run(call, selection.backend), selection
-
-
-_BACKEND_POSITIONAL = ("qkv", "bias", "sequence_descriptor", "seed", "attn_bias_type", "attn_mask_type", "qkv_layout",
-                       "scaling_factor", "dropout_probability", "is_training", "max_segments_per_seq", "window_size")
-
-
-def _fused_attn_with_backend(backend: str, *args, **kwargs) -> jax.Array:
-    """``fused_attn`` on a named backend ('fused' or 'unfused'), skipping selection. For tests:
-    on CPU it runs the fused primitives' jnp lowering. Positional arguments follow
-    ``_BACKEND_POSITIONAL`` (no softmax_type: the tests' own order); pass the rest by keyword."""
-    bound = dict(zip(_BACKEND_POSITIONAL, args))
-    bound.update(kwargs)
-    bound.setdefault("softmax_type", AttnSoftmaxType.VANILLA_SOFTMAX)
-    call = _parse_call(**bound)
-    return _run(call, backend_named(backend, _CANDIDATES))
 
 
 def is_fused_attn_kernel_available(
@@ -976,18 +1065,18 @@ def _fused_reasons(
 ) -> List[str]:
     """Why the fused backend cannot run a configuration (what ``fused_attn`` selects by, and what the
     GPU tests ask before forcing it)."""
-    mask = _enum(AttnMaskType, attn_mask_type, "attn_mask_type")
+    mask = to_common(attn_mask_type, _common.AttnMaskType, "attn_mask_type")
     reasons = []
-    stype = _common.AttnSoftmaxType(_softmax_type(softmax_type, None).value)
+    stype = _softmax_type(softmax_type, None)
     if jnp.dtype(q_dtype) != jnp.dtype(kv_dtype):
         reasons.append(f"q_dtype={jnp.dtype(q_dtype).name} != kv_dtype={jnp.dtype(kv_dtype).name}")
-    bias_type = _enum(AttnBiasType, attn_bias_type, "attn_bias_type")
+    bias_type = to_common(attn_bias_type, _common.AttnBiasType, "attn_bias_type")
     if bias_shape is None and bias_type != _common.AttnBiasType.NO_BIAS:
         bias_shape = (1, q_num_heads, q_max_seqlen, kv_max_seqlen)
     config = _make_config(
         batch_size=1, num_heads_q=q_num_heads, num_heads_kv=kv_num_heads, head_dim_qk=head_dim_qk,
         head_dim_v=head_dim_qk if head_dim_v is None else head_dim_v, max_seqlen_q=q_max_seqlen,
-        max_seqlen_kv=kv_max_seqlen, dtype=q_dtype, qkv_layout=_enum(QKVLayout, qkv_layout, "qkv_layout"),
+        max_seqlen_kv=kv_max_seqlen, dtype=q_dtype, qkv_layout=to_common(qkv_layout, _common.QKVLayout, "qkv_layout"),
         attn_mask_type=mask, window_size=normalize_window(window_size, mask), attn_bias_type=bias_type,
         bias_shape=bias_shape, dropout=float(dropout_probability), is_training=bool(is_training),
         softmax_type=stype,

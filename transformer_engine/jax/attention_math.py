@@ -700,6 +700,9 @@ def unfused_attention(
     summed over the batch depends on the batch.) Each sequence occupies a slot of its own of the
     row's length: THD rows with ``m`` segments cost ``m`` times the work of one row.
     """
+    # The common enums (or their string values); a frontend's own enum members are refused here.
+    attn_mask_type, attn_bias_type = AttnMaskType(attn_mask_type), AttnBiasType(attn_bias_type)
+    softmax_type = AttnSoftmaxType(softmax_type)
     b, s_q, h_q, _ = q.shape
     s_kv, h_kv = k.shape[1], k.shape[2]
     if s_kv == 0 or s_q == 0:
@@ -712,7 +715,7 @@ def unfused_attention(
     qs = _to_slots(q.astype(compute), slots.index_q, slots.valid_q)
     ks = _to_slots(k.astype(compute), slots.index_kv, slots.valid_kv)
     vs = _to_slots(v.astype(compute), slots.index_kv, slots.valid_kv)
-    bottom_right = resolve_bottom_right_diagonal(AttnMaskType(attn_mask_type), bottom_right_diagonal, "jax")
+    bottom_right = resolve_bottom_right_diagonal(attn_mask_type, bottom_right_diagonal, "jax")
     keep = _slot_visibility(flat(slots.valid_q), flat(slots.valid_kv), flat(slots.len_q), flat(slots.len_kv),
                             window_size, bottom_right)
     scores = blocked_scores(qs, ks, group)

@@ -177,7 +177,10 @@ def resolve_context_parallel(strategy, load_balanced, axis, stripe_size) -> Opti
 def unsupported_reasons(cp: ContextParallel, *, layout, mask, bias_type, dropout, is_training, softmax_type, window,
                         max_segments, local: bool) -> list:
     """Why this module's context parallelism cannot run a call: the common plan's reasons (JAX's argument
-    names; THD runs replicated, see "THD" below) and those of JAX's own forms."""
+    names; THD runs replicated, see "THD" below) and those of JAX's own forms. The kinds are common
+    enum members (or their string values); ``fused_attn`` converts the JAX enums before this."""
+    layout, mask = _common.QKVLayout(layout), _common.AttnMaskType(mask)
+    bias_type, softmax_type = _common.AttnBiasType(bias_type), _common.AttnSoftmaxType(softmax_type)
     thd = layout.qkv_format == _common.QKVFormat.THD
     reasons = cp_plan.unsupported_reasons(
         comm_type=cp.comm_type, qkv_format=layout.qkv_format, mask=mask, bias_type=bias_type, dropout=dropout,
@@ -197,6 +200,7 @@ def check_context_parallel_supported(cp: ContextParallel, *, layout, mask, bias_
     """Refuse what the context-parallel path does not run, naming the argument. ``s_q``/``s_kv``:
     the sequence lengths the call sees (local chunks when ``local``)."""
     where = f"with context parallelism over mesh axis {cp.axis!r} of size {cp.size}"
+    layout, mask = _common.QKVLayout(layout), _common.AttnMaskType(mask)
     thd = layout.qkv_format == _common.QKVFormat.THD
     reasons = unsupported_reasons(cp, layout=layout, mask=mask, bias_type=bias_type, dropout=dropout,
                                   is_training=is_training, softmax_type=softmax_type, window=window,
@@ -347,7 +351,8 @@ class _Plan:
 def make_plan(static: FusedAttnStatic, cp: ContextParallel, align: int = 1) -> _Plan:
     """The per-rank plan of a call (what :func:`rank_forward` and :func:`rank_backward` take); ``align``:
     :func:`tile_alignment` of the call."""
-    return _Plan(static=static, cp=cp, causal=static.attn_mask_type.is_causal, align=int(align))
+    causal = _common.AttnMaskType(static.attn_mask_type).is_causal  # refuses a JAX enum member
+    return _Plan(static=static, cp=cp, causal=causal, align=int(align))
 
 
 def tile_alignment(plan: _Plan, q, k, v, capability: Optional[Tuple[int, int]] = None) -> int:

@@ -2,12 +2,19 @@
 
 TE-JAX code uses these names and methods (``AttnMaskType.PADDING_MASK.is_padding()``,
 ``QKVLayout.T3HD.is_thd()``, ``AttnSoftmaxType.from_str('vanilla')``, ``CPStrategy.DEFAULT``,
-...). The project's framework-free enums in :mod:`transformer_engine.common.attention.enums`
-(shared with PyTorch, with properties instead of methods) stay what the rest of the code reads:
-each JAX enum member has the string value of the common member of the same name, so
-``AttnMaskType.CAUSAL_MASK == common.AttnMaskType.CAUSAL_MASK == "causal"``, and
-:func:`to_common` converts at the boundary. ``fused_attn`` accepts a member of either enum, or
-its string value.
+...). The rest of the project (the framework-free code in :mod:`transformer_engine.common`, the
+JAX primitives, context parallelism, the jnp math) reads only the framework-free enums of
+:mod:`transformer_engine.common.attention.enums`, shared with PyTorch, which have *properties*
+where these have methods (``mask.is_causal`` there, ``mask.is_causal()`` here).
+
+The two families are kept apart: these are plain enums (not ``str``), so a member here never
+equals a common member or a string (``AttnMaskType.CAUSAL_MASK != common.AttnMaskType.CAUSAL_MASK``,
+``!= "causal"``), and a common enum refuses to be built from one of them. The public entry points
+(``fused_attn``, the availability queries, ``mask_to_sequence_descriptor``, the Flax modules)
+convert at their boundary with :func:`to_common`: they accept a member of either family, or its
+string value. Members of the same name correspond (``to_common`` goes by name, and
+:func:`from_common` back), and share the string value except ``AttnSoftmaxType.OFF_BY_ONE_SOFTMAX``
+(``'off_by_one'`` here, as TE-JAX spells it; ``'off-by-one'`` there, as TE-PyTorch does).
 
 Beyond TE-JAX's members, the layout enum keeps the SBHD layouts (which ``fused_attn`` runs) and
 the bias and mask enums keep ``ALIBI`` and ``ARBITRARY_MASK`` (which ``fused_attn`` refuses with
@@ -30,11 +37,12 @@ __all__ = [
     "CPStrategy",
     "ReorderStrategy",
     "canonicalize_attn_mask_type",
+    "from_common",
     "to_common",
 ]
 
 
-class AttnBiasType(str, Enum):
+class AttnBiasType(Enum):
     """NO_BIAS: softmax(scale * qk); PRE_SCALE_BIAS: softmax(scale * (qk + bias));
     POST_SCALE_BIAS: softmax(scale * qk + bias). (ALIBI: refused by ``fused_attn``.)"""
 
@@ -44,7 +52,7 @@ class AttnBiasType(str, Enum):
     ALIBI = "alibi"
 
 
-class AttnMaskType(str, Enum):
+class AttnMaskType(Enum):
     """Mask kinds. Causal is top-left aligned; the bottom-right kinds align the diagonal with the
     last key of each sequence. (ARBITRARY_MASK: refused by ``fused_attn``.)"""
 
@@ -69,7 +77,7 @@ class AttnMaskType(str, Enum):
         return "bottom_right" in self.value
 
 
-class AttnSoftmaxType(str, Enum):
+class AttnSoftmaxType(Enum):
     """VANILLA_SOFTMAX: exp(s_i) / sum_j exp(s_j); OFF_BY_ONE_SOFTMAX: exp(s_i) / (1 + sum_j exp(s_j));
     LEARNABLE_SOFTMAX: exp(s_i) / (exp(alpha_h) + sum_j exp(s_j)) with a learnable ``alpha`` per head."""
 
@@ -89,7 +97,7 @@ class AttnSoftmaxType(str, Enum):
         )
 
 
-class QKVFormat(str, Enum):
+class QKVFormat(Enum):
     """SBHD: [s, b, ..., h, d]; BSHD: [b, s, ..., h, d]; THD: BSHD rows packing several sequences."""
 
     SBHD = "sbhd"
@@ -97,7 +105,7 @@ class QKVFormat(str, Enum):
     THD = "thd"
 
 
-class QKVLayout(str, Enum):
+class QKVLayout(Enum):
     """How q, k and v are laid out: qkv-packed (``[b, s, 3, h, d]``), kv-packed (q and
     ``[b, s, 2, h, d]``) or separate, in the BSHD, THD (and SBHD) formats."""
 
@@ -197,9 +205,9 @@ _MASK_ALIASES = {
 
 def canonicalize_attn_mask_type(attn_mask_type: str) -> AttnMaskType:
     """A mask name as TE-JAX's modules take it ('causal_padding', 'bottom_right_causal', ... are
-    aliases) -> :class:`AttnMaskType`."""
+    aliases), or a mask member of either family -> :class:`AttnMaskType`."""
     if isinstance(attn_mask_type, Enum):
-        return AttnMaskType(attn_mask_type.value)
+        return from_common(to_common(attn_mask_type, _common.AttnMaskType, "attn_mask_type"))
     key = attn_mask_type.lower() if isinstance(attn_mask_type, str) else attn_mask_type
     if key not in _MASK_ALIASES:
         raise ValueError(
@@ -208,12 +216,28 @@ def canonicalize_attn_mask_type(attn_mask_type: str) -> AttnMaskType:
     return AttnMaskType(_MASK_ALIASES[key])
 
 
+# Each enum above with a common counterpart; members of the same name correspond.
+_COMMON_OF = {
+    AttnBiasType: _common.AttnBiasType,
+    AttnMaskType: _common.AttnMaskType,
+    AttnSoftmaxType: _common.AttnSoftmaxType,
+    QKVFormat: _common.QKVFormat,
+    QKVLayout: _common.QKVLayout,
+}
+_JAX_OF = {common_cls: jax_cls for jax_cls, common_cls in _COMMON_OF.items()}
+
+
 def to_common(value, common_cls: Type[Enum], arg: str):
     """A member of a JAX enum above, of the common enum ``common_cls``, or a string value (or, for
     layouts, bias and softmax types, a member name in any case, as TE-JAX's modules take them)
-    -> the member of ``common_cls``. ``ValueError`` naming ``arg`` otherwise."""
+    -> the member of ``common_cls``. ``ValueError`` naming ``arg`` otherwise.
+
+    A JAX member converts by name to the common member of the same name; what the project past
+    the frontends reads is always the result."""
     if isinstance(value, common_cls):
         return value
+    if _COMMON_OF.get(type(value)) is common_cls:
+        return common_cls[value.name]
     raw = value.value if isinstance(value, Enum) else value
     if isinstance(raw, str):
         for member in common_cls:
@@ -225,7 +249,19 @@ def to_common(value, common_cls: Type[Enum], arg: str):
         else:
             by_name = {m.name: m for m in common_cls}
             by_name.update({m.value.upper(): m for m in common_cls})
+            if common_cls is _common.AttnSoftmaxType:  # TE-JAX's spelling of the off-by-one value
+                by_name[AttnSoftmaxType.OFF_BY_ONE_SOFTMAX.value.upper()] = common_cls.OFF_BY_ONE_SOFTMAX
             if raw.upper() in by_name:
                 return by_name[raw.upper()]
     choices = ", ".join(repr(m.value) for m in common_cls)
     raise ValueError(f"`{arg}` must be one of {choices}, got {value!r}")
+
+
+def from_common(member: Enum) -> Enum:
+    """A member of a common enum (:mod:`transformer_engine.common.attention.enums`) -> the JAX
+    member of the same name (what TE-JAX code reads: ``from_common(m).is_causal()``)."""
+    jax_cls = _JAX_OF.get(type(member))
+    if jax_cls is None:
+        raise ValueError(f"`member` must be a member of a common attention enum "
+                         f"({', '.join(c.__name__ for c in _JAX_OF)}), got {member!r}")
+    return jax_cls[member.name]

@@ -5,7 +5,24 @@ from __future__ import annotations
 from enum import Enum
 
 
-class QKVFormat(str, Enum):
+class _StrEnum(str, Enum):
+    """Base of the enums below: members are their string values (``AttnMaskType("causal")``,
+    ``AttnMaskType.CAUSAL_MASK == "causal"``). A member of any other enum is refused, even one
+    with a matching value: a frontend with enums of its own (``transformer_engine.jax.enums``)
+    converts them at its boundary, and code past it reads only these."""
+
+    @classmethod
+    def _missing_(cls, value):
+        if isinstance(value, Enum):
+            raise ValueError(
+                f"{value!r} is a member of {type(value).__module__}.{type(value).__qualname__}, not of "
+                f"{cls.__module__}.{cls.__qualname__}: convert a frontend's enum members at the frontend "
+                "(transformer_engine.jax.enums.to_common), or pass the string value"
+            )
+        return None
+
+
+class QKVFormat(_StrEnum):
     """Axis order of one tensor: batch-major, sequence-major, or packed tokens."""
 
     BSHD = "bshd"
@@ -13,7 +30,7 @@ class QKVFormat(str, Enum):
     THD = "thd"
 
 
-class QKVLayout(str, Enum):
+class QKVLayout(_StrEnum):
     """How q, k and v are laid out: separate, kv-packed or qkv-packed, per format."""
 
     BS3HD = "bs3hd"
@@ -55,7 +72,7 @@ class QKVLayout(str, Enum):
         return table[(QKVFormat(qkv_format), packing)]
 
 
-class AttnMaskType(str, Enum):
+class AttnMaskType(_StrEnum):
     """Mask kinds. Causal is top-left aligned; *_bottom_right aligns the diagonal to the last key."""
 
     NO_MASK = "no_mask"
@@ -84,7 +101,7 @@ class AttnMaskType(str, Enum):
         return self.is_causal and not self.is_bottom_right
 
 
-class AttnBiasType(str, Enum):
+class AttnBiasType(_StrEnum):
     """Bias added to the attention scores: none, before or after scaling (``post_scale_bias`` is
     ``softmax(q k^T * scale + bias)``), or ALiBi's per-head linear bias."""
 
@@ -94,7 +111,7 @@ class AttnBiasType(str, Enum):
     ALIBI = "alibi"
 
 
-class AttnSoftmaxType(str, Enum):
+class AttnSoftmaxType(_StrEnum):
     """Softmax kinds. ``off-by-one`` adds 1 (a zero sink logit) to each row's denominator,
     ``learnable`` adds ``exp(softmax_offset[h])`` with a learnable per-head sink logit. The sink
     takes probability but has no value vector: it only shrinks the row's weights."""
@@ -108,7 +125,7 @@ class AttnSoftmaxType(str, Enum):
         # TransformerEngine-JAX spells it "off_by_one"; the PyTorch side "off-by-one".
         if isinstance(value, str) and value.replace("_", "-") == cls.OFF_BY_ONE_SOFTMAX.value:
             return cls.OFF_BY_ONE_SOFTMAX
-        return None
+        return super()._missing_(value)
 
     @property
     def has_sink(self) -> bool:
@@ -119,7 +136,7 @@ class AttnSoftmaxType(str, Enum):
         return self == AttnSoftmaxType.LEARNABLE_SOFTMAX
 
 
-class BackwardGrads(str, Enum):
+class BackwardGrads(_StrEnum):
     """Which gradient passes a fused backward runs (this project's, not a TransformerEngine enum):
     ``dq+dkdv`` (the default, the whole backward), ``dq`` (preprocess and the dQ pass) or ``dkdv``
     (preprocess and the dK/dV pass). Context parallelism keeps dQ of one call and dK/dV of another,

@@ -10,18 +10,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, QKVFormat, QKVLayout
+from transformer_engine.common.attention import enums as _common
 from transformer_engine.common.log import get_logger, warn_once
 from transformer_engine.jax import attention as _attention
 from transformer_engine.jax.attention import SequenceDescriptor
-from transformer_engine.jax.enums import AttnSoftmaxType, CPStrategy
+from transformer_engine.jax.enums import (AttnBiasType, AttnMaskType, AttnSoftmaxType, CPStrategy, QKVLayout,
+                                          canonicalize_attn_mask_type, to_common)
 
 __all__ = ["DotProductAttention"]
 
 _SBHD_OF = {
-    QKVLayout.BS3HD: QKVLayout.SB3HD,
-    QKVLayout.BSHD_BS2HD: QKVLayout.SBHD_SB2HD,
-    QKVLayout.BSHD_BSHD_BSHD: QKVLayout.SBHD_SBHD_SBHD,
+    _common.QKVLayout.BS3HD: _common.QKVLayout.SB3HD,
+    _common.QKVLayout.BSHD_BS2HD: _common.QKVLayout.SBHD_SB2HD,
+    _common.QKVLayout.BSHD_BSHD_BSHD: _common.QKVLayout.SBHD_SBHD_SBHD,
 }
 
 _CP_STRATEGIES = {"DEFAULT": CPStrategy.DEFAULT, "ALL_GATHER": CPStrategy.ALL_GATHER,
@@ -137,15 +138,15 @@ class DotProductAttention(nn.Module):
     score_mod_bprop: Optional[Callable] = None
     bottom_right_diagonal: Optional[bool] = None
 
-    def _layout(self) -> QKVLayout:
-        layout = _attention._enum(QKVLayout, self.qkv_layout, "qkv_layout")
+    def _layout(self) -> _common.QKVLayout:
+        layout = to_common(self.qkv_layout, _common.QKVLayout, "qkv_layout")
         if self.transpose_batch_sequence:
-            if layout.qkv_format == QKVFormat.THD:
+            if layout.qkv_format == _common.QKVFormat.THD:
                 raise ValueError(f"`transpose_batch_sequence` must be False with qkv_layout={layout.value!r}")
             layout = _SBHD_OF.get(layout, layout)
         return layout
 
-    def _qkv(self, layout: QKVLayout, query, key, value) -> Tuple[Any, ...]:
+    def _qkv(self, layout: _common.QKVLayout, query, key, value) -> Tuple[Any, ...]:
         if layout.packing == "qkv":
             if key is not None or value is not None:
                 raise ValueError(f"`key` and `value` must be None with qkv_layout={layout.value!r} (query is packed)")
@@ -158,7 +159,7 @@ class DotProductAttention(nn.Module):
             raise ValueError(f"`key` and `value` must be arrays with qkv_layout={layout.value!r}")
         return (query, key, value)
 
-    def _check_heads(self, layout: QKVLayout, qkv) -> None:
+    def _check_heads(self, layout: _common.QKVLayout, qkv) -> None:
         q_heads, q_dim = qkv[0].shape[-2], qkv[0].shape[-1]
         if q_heads != self.num_attention_heads:
             raise ValueError(f"`num_attention_heads` is {self.num_attention_heads} but the query has {q_heads} heads")
@@ -203,9 +204,9 @@ class DotProductAttention(nn.Module):
             batch = qkv[0].shape[1 if self.transpose_batch_sequence else 0]
             sequence_descriptor = _descriptor_for_init(sequence_descriptor, batch)
         if self.attn_bias_type is None:
-            bias_type = AttnBiasType.NO_BIAS if bias is None else AttnBiasType.POST_SCALE_BIAS
+            bias_type = _common.AttnBiasType.NO_BIAS if bias is None else _common.AttnBiasType.POST_SCALE_BIAS
         else:
-            bias_type = _attention._enum(AttnBiasType, self.attn_bias_type, "attn_bias_type")
+            bias_type = to_common(self.attn_bias_type, _common.AttnBiasType, "attn_bias_type")
         if bias is not None:
             bias = jnp.asarray(bias).astype(qkv[0].dtype)  # as TransformerEngine's module does
         is_training = not deterministic
@@ -213,14 +214,16 @@ class DotProductAttention(nn.Module):
         seed = self.make_rng(self.dropout_rng_name) if (is_training and dropout > 0.0) else None
         scale = self.scale_factor if self.scale_factor is not None else self.head_dim**-0.5
         softmax_offset = None
-        if _attention._softmax_type(self.softmax_type, None) == AttnSoftmaxType.LEARNABLE_SOFTMAX:
+        softmax_type = _attention._softmax_type(self.softmax_type, None)
+        if softmax_type.is_learnable:
             softmax_offset = self.param("softmax_offset", nn.initializers.zeros, (1, self.num_attention_heads, 1, 1),
                                         jnp.float32)
 
-        out, selection = _attention._attention_with_selection(
+        mask_type = to_common(canonicalize_attn_mask_type(self.attn_mask_type), _common.AttnMaskType, "attn_mask_type")
+        out, selection = _attention._attention_with_selection(_attention._FusedAttnArgs(
             qkv=qkv, bias=bias, sequence_descriptor=sequence_descriptor, seed=seed, attn_bias_type=bias_type,
-            attn_mask_type=_attention.canonicalize_attn_mask_type(self.attn_mask_type), qkv_layout=layout,
-            softmax_type=self.softmax_type, scaling_factor=scale, dropout_probability=dropout,
+            attn_mask_type=mask_type, qkv_layout=layout,
+            softmax_type=softmax_type, scaling_factor=scale, dropout_probability=dropout,
             is_training=is_training, max_segments_per_seq=self.max_segments_per_seq, window_size=self.window_size,
             context_parallel_strategy=_cp_strategy(self.context_parallel_strategy),
             context_parallel_causal_load_balanced=self.context_parallel_causal_load_balanced,
@@ -229,7 +232,7 @@ class DotProductAttention(nn.Module):
             score_mod_bprop=self.score_mod_bprop, score_mod_tensors=score_mod_tensors,
             score_mod_bprop_tensors=score_mod_bprop_tensors, bottom_right_diagonal=self.bottom_right_diagonal,
             softmax_offset=softmax_offset,
-        )
+        ))
         fused_reasons = selection.rejected.get(_attention.FusedAttention.NAME)
         if fused_reasons:
             text = "; ".join(fused_reasons)

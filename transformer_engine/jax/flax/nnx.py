@@ -20,9 +20,10 @@ from typing import Optional, Tuple, Union
 import jax
 from flax import nnx
 
-from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, QKVLayout
+from transformer_engine.common.attention import enums as _common
 from transformer_engine.jax import attention as _attention
 from transformer_engine.jax.attention import SequenceDescriptor
+from transformer_engine.jax.enums import AttnMaskType, to_common
 
 __all__ = ["DotProductAttention"]
 
@@ -50,7 +51,7 @@ class DotProductAttention(nnx.Module):
         self.num_attention_heads = num_attention_heads
         self.num_gqa_groups = num_gqa_groups or num_attention_heads
         self.attention_dropout = float(attention_dropout)
-        self.attn_mask_type = _attention._enum(AttnMaskType, attn_mask_type, "attn_mask_type")
+        self.attn_mask_type = to_common(attn_mask_type, _common.AttnMaskType, "attn_mask_type")
         self.scale_factor = float(scale_factor) if scale_factor is not None else head_dim ** -0.5
         self.window_size = window_size
         self.rngs = rngs
@@ -70,8 +71,8 @@ class DotProductAttention(nnx.Module):
             seed = self.rngs.dropout()
         return _attention.fused_attn(
             (query, key, value), bias, sequence_descriptor, seed,
-            attn_bias_type=AttnBiasType.NO_BIAS if bias is None else AttnBiasType.POST_SCALE_BIAS,
-            attn_mask_type=self.attn_mask_type, qkv_layout=QKVLayout.BSHD_BSHD_BSHD,
+            attn_bias_type=_common.AttnBiasType.NO_BIAS if bias is None else _common.AttnBiasType.POST_SCALE_BIAS,
+            attn_mask_type=self.attn_mask_type, qkv_layout=_common.QKVLayout.BSHD_BSHD_BSHD,
             scaling_factor=self.scale_factor, dropout_probability=self.attention_dropout,
             is_training=is_training, window_size=self.window_size,
         )

@@ -220,7 +220,7 @@ class NonPagedKVCacheManager(KVCacheManager):
 class PagedKVCacheManager(KVCacheManager):
     """Pages of ``page_size`` tokens: ``[total_num_pages, page_size, h, d]`` per layer. A sequence takes pages
     from the front of ``free_pages`` as it grows and returns them when it finishes; ``page_table`` (int32
-    ``[max_batch_size, max_seqlen // page_size]``, rows in ``sequences`` order, unused entries 0) lists each
+    ``[max_batch_size, max_seqlen // page_size]``, rows in ``sequences`` order, zeros where unused) lists each
     sequence's pages. Attention gathers the step's sequences' pages into contiguous rows (a copy)."""
 
     def __init__(self, total_num_pages: int, page_size: int, num_heads: int, head_dim_k: int, dtype: torch.dtype,
@@ -310,31 +310,28 @@ class _Step:
 class InferenceParams:
     """KV caching for inference, TransformerEngine's API (module docstring: how a step attends).
 
-    Parameters
-    ----------
-    max_batch_size : int
+    Arguments:
+
+    ``max_batch_size``
         Most sequences in the cache (and in one step).
-    max_sequence_length : int
+    ``max_sequence_length``
         Most tokens of one sequence (prompt and generated).
-    num_heads_kv, head_dim_k : int
-        Key/value heads (per tensor-parallel rank) and the key head size.
-    dtype : torch.dtype
+    ``num_heads_kv``, ``head_dim_k``, ``head_dim_v`` (default ``head_dim_k``)
+        Key/value heads (per tensor-parallel rank) and the key and value head sizes.
+    ``dtype``
         The cache's dtype; the step's keys and values must have it.
-    head_dim_v : int, default = head_dim_k
-    is_paged : bool, default = False
-        Paged cache (pages of ``page_size`` tokens, a page table) instead of one slot per sequence.
-    total_num_pages : int, default = max_batch_size * max_sequence_length / page_size
-        Pages in the paged cache.
-    page_size : int
-        Tokens per page (paged cache; must divide ``max_sequence_length``).
-    max_ctx_len : int, default = None
+    ``is_paged`` (default False), ``page_size``, ``total_num_pages``
+        A paged cache (pages of ``page_size`` tokens, which must divide ``max_sequence_length``, and a
+        page table) instead of one slot per sequence; ``total_num_pages`` defaults to
+        ``max_batch_size * max_sequence_length / page_size``.
+    ``max_ctx_len`` (default None)
         Most new tokens of one sequence in one step, when given (checked by :meth:`pre_step`).
-    qkv_format : str, default = "bshd"
+    ``qkv_format`` (default "bshd")
         The format of the step's new q/k/v tensors ("bshd", "sbhd", "thd"); the module's forward
-        ``qkv_format`` overrides it per call.
-    custom_cache_manager : KVCacheManager subclass, default = None
-        Built with the non-paged or paged manager's arguments instead of them.
-    device : torch.device, default = the current CUDA device, else CPU
+        ``qkv_format`` decides per call.
+    ``custom_cache_manager`` (default None)
+        A :class:`KVCacheManager` subclass, built with the non-paged or paged manager's arguments instead.
+    ``device`` (default the current CUDA device, else CPU)
         Where the cache lives (not a TransformerEngine argument).
     """
 

@@ -165,6 +165,33 @@ def test_decode_launches_the_length_generic_forward(monkeypatch):
     assert torch.equal(torch.cat([prefill, decode]), training)
 
 
+@requires_fused
+@pytest.mark.parametrize("mask", ["padding_causal", "padding"])
+def test_alibi_and_non_causal_steps_equal_training_rows(mask):
+    """ALiBi's distances are between absolute positions, which the step's bottom-right alignment keeps: causal
+    chunks give the training rows. Without a causal mask a step's queries see every cached key, so the rows of
+    a step that ends a sequence (a whole-prompt prefill, a last decoded token) are its training rows."""
+    dtype, h, n = torch.float32, 2, 21
+    dpa = DotProductAttention(h, 16, qkv_format="thd", attn_mask_type=mask, layer_number=LAYER).to(DEVICE).eval()
+    q, k, v = _sequences([n], h, h, 16, dtype, seed=3)[0]
+    bias = dict(core_attention_bias_type="alibi")
+
+    def training(length):
+        cu = torch.tensor([0, length], dtype=torch.int32, device=DEVICE)
+        return dpa(q[:length], k[:length], v[:length], cu_seqlens_q=cu, cu_seqlens_kv=cu, **bias)
+
+    params, pos, rows = _params(h, 16, dtype, paged=True), 0, []
+    for size in ((7, 7, 6, 1) if mask == "padding_causal" else (n - 1, 1)):
+        params.pre_step(OrderedDict([(5, size)]))
+        rows.append(dpa(q[pos:pos + size], k[pos:pos + size], v[pos:pos + size], inference_params=params, **bias))
+        pos += size
+    if mask == "padding_causal":
+        assert torch.equal(torch.cat(rows), training(n))
+    else:
+        assert torch.equal(rows[0], training(n - 1)) and torch.equal(rows[1], training(n)[-1:])
+        assert not torch.equal(rows[0][-1], training(n)[-2])  # the prompt's rows did not see the last key
+
+
 def test_unfused_prefill_and_decode_rows_equal_its_training_rows(monkeypatch):
     """The unfused backend (CPU's default without the interpreter) keeps the invariance too: its fixed block
     products and trailing-zero-invariant sums give each row the bits of its own training forward."""

@@ -300,9 +300,11 @@ def test_bad_forward_inputs_name_the_argument():
         _dpa(layer_number=4)(q, k, v, inference_params=params)
     with pytest.raises(ValueError, match="`key_layer` must have the KV cache's dtype torch.float32"):
         _dpa(layer_number=LAYER)(*_tokens(3, torch.float16), inference_params=params)
-    with pytest.raises(ValueError, match=r"`key_layer` must hold the step's 3 new tokens"):
+    with pytest.raises(ValueError, match=r"`query_layer` must hold the step's 3 new tokens"):
         _dpa(layer_number=LAYER)(q[:2], k[:2], v[:2], inference_params=params)
-    with pytest.raises(ValueError, match=r"`key_layer` must be \[b, s, h, d\] \(bshd\) with b = 2 sequences"):
+    with pytest.raises(ValueError, match=r"`key_layer` must hold the step's 3 new tokens"):
+        _dpa(layer_number=LAYER)(q, k[:2], v[:2], inference_params=params)
+    with pytest.raises(ValueError, match=r"`query_layer` must be \[b, s, h, d\] \(bshd\) with b = 2 sequences"):
         # tokens of three sequences where pre_step declared two
         _dpa(layer_number=LAYER)(*(t.view(3, 1, *t.shape[1:]) for t in (q, k, v)), qkv_format="bshd",
                                  inference_params=params)

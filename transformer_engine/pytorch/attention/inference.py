@@ -628,11 +628,11 @@ def cached_attention(module, params: InferenceParams, q: torch.Tensor, k: torch.
         got = host_values(cu_seqlens_q) if isinstance(cu_seqlens_q, torch.Tensor) else list(cu_seqlens_q)
         if list(got[:len(expect)]) != expect or any(x != expect[-1] for x in got[len(expect):]):
             raise ValueError(f"`cu_seqlens_q` must give the step's new token counts (step_dict) {expect}, got {got}")
+    index = params.token_index(fmt, tuple(q.shape), "query_layer")  # checked before anything is appended
     params.input_qkv_format = fmt.value
     params._append(module.layer_number, k, v, fmt, ("key_layer", "value_layer"))
     call = params._kernel_call(module.layer_number)
     order = call["order"]
-    index = params.token_index(fmt, tuple(q.shape))
     lens = layout.step_lens
     firsts = _cumulative(lens)
     if order != sorted(order):  # the kernel's sequences in cache order: permute the step's rows to it

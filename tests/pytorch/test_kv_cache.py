@@ -114,7 +114,8 @@ SCENARIOS = {
 
 @requires_fused
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_fused_prefill_and_decode_rows_equal_training_rows(name):
+def test_fused_prefill_and_decode_rows_equal_training_rows(name, monkeypatch):
+    monkeypatch.setenv("NVTE_FLASH_ATTN", "0")  # our kernels (flash-attn-4 makes no such promise)
     dtype, h, hk, window, softmax, paged, fmt, chunks, arrivals = SCENARIOS[name]
     d = 16 if not ON_GPU else 128
     dpa = DotProductAttention(h, d, num_gqa_groups=hk, qkv_format="bshd", attn_mask_type="causal",
@@ -138,6 +139,7 @@ def test_fused_prefill_and_decode_rows_equal_training_rows(name):
 
 @requires_fused
 def test_decode_launches_the_length_generic_forward(monkeypatch):
+    monkeypatch.setenv("NVTE_FLASH_ATTN", "0")
     """A decode step (one new token per sequence) launches the forward kernel's ``length_generic`` twin, a
     prefill the length-specialized kernel; both give the training rows (the test above, compiled on a GPU)."""
     from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel
@@ -150,7 +152,7 @@ def test_decode_launches_the_length_generic_forward(monkeypatch):
         return real(kernel, *args, **kwargs)
 
     monkeypatch.setattr(kernel_launcher, "launch", record)
-    dtype, h, hk, d = torch.float16, 2, 1, 16
+    dtype, h, hk, d = torch.float32, 2, 1, 16  # fp32: the Triton kernel also on Hopper (no Gluon fp32 kernel)
     dpa = DotProductAttention(h, d, num_gqa_groups=hk, qkv_format="thd", layer_number=LAYER).to(DEVICE).eval()
     q, k, v = _sequences([9], h, hk, d, dtype, seed=1)[0]
     params = _params(hk, d, dtype, paged=False)
@@ -167,10 +169,11 @@ def test_decode_launches_the_length_generic_forward(monkeypatch):
 
 @requires_fused
 @pytest.mark.parametrize("mask", ["padding_causal", "padding"])
-def test_alibi_and_non_causal_steps_equal_training_rows(mask):
+def test_alibi_and_non_causal_steps_equal_training_rows(mask, monkeypatch):
     """ALiBi's distances are between absolute positions, which the step's bottom-right alignment keeps: causal
     chunks give the training rows. Without a causal mask a step's queries see every cached key, so the rows of
     a step that ends a sequence (a whole-prompt prefill, a last decoded token) are its training rows."""
+    monkeypatch.setenv("NVTE_FLASH_ATTN", "0")
     dtype, h, n = torch.float32, 2, 21
     dpa = DotProductAttention(h, 16, qkv_format="thd", attn_mask_type=mask, layer_number=LAYER).to(DEVICE).eval()
     q, k, v = _sequences([n], h, h, 16, dtype, seed=3)[0]

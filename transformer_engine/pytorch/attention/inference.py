@@ -258,6 +258,11 @@ class PagedKVCacheManager(KVCacheManager):
         while len(pages) < self.pages_for(total):
             pages.append(self.free_pages.pop(0))
 
+    def reset(self) -> None:
+        super().reset()
+        self.page_table.zero_()
+        self._gather = None
+
     def pre_step(self, step_dict: Mapping) -> "OrderedDict[object, int]":
         sequences = super().pre_step(step_dict)
         table = torch.zeros(self.max_batch_size, self.max_pages_per_seq, dtype=torch.int32)

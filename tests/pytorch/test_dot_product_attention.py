@@ -602,8 +602,6 @@ def test_unsupported_features_raise_not_implemented():
     with pytest.raises(ValueError, match="`cp_group` must be a group of an initialized torch.distributed"):
         DotProductAttention(4, 16, cp_group=object())
     dpa = DotProductAttention(4, 16, num_gqa_groups=2, qkv_format="bshd")
-    with pytest.raises(NotImplementedError, match="inference_params"):
-        dpa(*_inputs(), inference_params=object())
     with pytest.raises(NotImplementedError, match="FP8"):
         dpa(*_inputs(), fp8_output=True)
     if hasattr(torch, "float8_e4m3fn"):

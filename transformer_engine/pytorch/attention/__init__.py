@@ -1,6 +1,7 @@
 """PyTorch attention: custom ops, autograd function, backends and the DotProductAttention module."""
 
 from transformer_engine.pytorch.attention.dot_product_attention import DotProductAttention
+from transformer_engine.pytorch.attention.inference import InferenceParams
 from transformer_engine.pytorch.attention.unfused import UnfusedDotProductAttention, unfused_attention
 
-__all__ = ["DotProductAttention", "UnfusedDotProductAttention", "unfused_attention"]
+__all__ = ["DotProductAttention", "InferenceParams", "UnfusedDotProductAttention", "unfused_attention"]

@@ -368,8 +368,15 @@ class DotProductAttention(torch.nn.Module):
     load-balanced split; outputs and gradients are bitwise independent of the CP size in deterministic
     mode (docs: context_parallelism.rst).
 
-    Not supported yet (``NotImplementedError``): FP8 (and ``bf16_backward``), KV cache (``inference_params``),
-    ``num_splits`` other than 1, ``score_mod*``.
+    KV cache (``inference_params``, an :class:`~transformer_engine.pytorch.attention.inference.InferenceParams`,
+    with ``layer_number`` set): the call's q, k, v are a generation step's new tokens (``pre_step``'s counts: bshd
+    or sbhd with each sequence's tokens first in its row, or thd packed in step order); k and v are appended to
+    the layer's cache and the queries attend to their sequences' cached keys, causal masks aligned bottom-right.
+    Each output row is bitwise the training forward's row for the same token (inference.py and
+    docs/kv_cache.rst say when); rows past a sequence's new tokens are zero.
+
+    Not supported yet (``NotImplementedError``): FP8 (and ``bf16_backward``), ``num_splits`` other than 1,
+    ``score_mod*``.
     """
 
     def __init__(
@@ -578,8 +585,6 @@ class DotProductAttention(torch.nn.Module):
         Returns the output, or ``(output, max_logit)`` when the module was built with
         ``return_max_logit=True``.
         """
-        if inference_params is not None:
-            raise NotImplementedError("KV cache (`inference_params`) is not supported yet")
         if fp8_output:
             raise NotImplementedError("FP8 output (`fp8_output=True`) is not supported yet")
         if bf16_backward:
@@ -610,6 +615,14 @@ class DotProductAttention(torch.nn.Module):
             raise ValueError(
                 f"`query_layer`, `key_layer`, `value_layer` must be on one device, got {q.device}, {k.device}, {v.device}"
             )
+        if inference_params is not None:  # a generation step with a KV cache: inference.py
+            from transformer_engine.pytorch.attention.inference import cached_attention
+
+            return cached_attention(
+                self, inference_params, q, k, v, fmt, mask, window_size=window_size, cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded,
+                bias_type=bias_type, core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes,
+                checkpoint_core_attention=checkpoint_core_attention)
 
         seqs = _resolve_sequences(q, k, v, fmt, mask, attention_mask, cu_seqlens_q, cu_seqlens_kv,
                                   cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)

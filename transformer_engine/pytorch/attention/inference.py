@@ -1,0 +1,662 @@
+"""KV cache for inference: TransformerEngine's ``InferenceParams`` API on the project's attention backends.
+
+A step of generation (prefill, chunked prefill, decode, or a batch mixing them) appends each sequence's new
+keys and values to a per-layer cache and attends the step's queries to everything cached for their
+sequence. Usage (``DotProductAttention(..., layer_number=n)`` for each layer)::
+
+    params = InferenceParams(max_batch_size, max_sequence_length, num_heads_kv, head_dim_k, dtype)
+    for n in layer_numbers:
+        params.allocate_memory(n)
+    for step in ...:
+        params.pre_step(OrderedDict([(seq_id, num_new_tokens), ...]))  # batch order of the step
+        out = dpa(q, k, v, inference_params=params)  # q, k, v: the new tokens only
+
+Sequences that were cached but are not in a step's ``step_dict`` are finished: their slot or pages are freed.
+
+How a step attends, and why its rows are the training forward's bits
+---------------------------------------------------------------------
+The step runs as one packed (thd) call of the module's own backend: the step's queries packed in rows,
+each sequence's cached keys read in place from position 0 (``cu_seqlens_kv_padded`` gives where each
+sequence starts in the cache), with bottom-right causal alignment (query ``i`` of ``n`` new tokens is
+position ``cached + i`` of its sequence). A query row's arithmetic then matches the training forward's
+row for the same position (causal over the whole sequence): the fused kernel computes each row from its
+own sequence's keys in fixed key blocks from position 0 (the same tiles: they depend only on head dims,
+dtype, mask kind and GPU), and the blocks a row visits in one call but not the other are entirely hidden
+from it, which leaves the online-softmax state unchanged bit for bit (the maximum stays, the rescale is
+exp2(0) = 1, and the added probabilities are zeros). The unfused backend keeps its fixed block products and
+trailing-zero-invariant sums (``common/attention/reduction.py``). So a row's bits do not depend on the step
+size (token by token, chunks, the whole prompt), on the other sequences of the step or on where the cache
+keeps the tokens (slots, pages in any order).
+
+Non-paged cache: ``[max_batch_size, max_sequence_length, h_kv, d]`` per layer; a sequence keeps one slot,
+read in place (no copy). Paged cache: ``[total_num_pages, page_size, h_kv, d]`` with a page table; the
+step's sequences' pages are gathered into contiguous rows before the call (a copy of every cached token of
+the step's sequences per layer and step: it changes no bit but adds memory traffic of about twice the
+keys and values the kernel reads; a kernel that follows the page table would remove it). Because the
+kernel's sequences must lie in increasing cache order, the step's queries are permuted into that order
+and the output back (copies of the step's rows only).
+
+No gradient flows into the cache: new keys and values are copied in without autograd history.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from transformer_engine.common.attention import AttnBiasType, AttnMaskType, QKVFormat
+from transformer_engine.pytorch.attention.buffers import host_values
+from transformer_engine.pytorch.attention.config import can_sync
+
+__all__ = ["InferenceParams", "KVCacheManager", "NonPagedKVCacheManager", "PagedKVCacheManager", "StepLayout"]
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _positive_int(name: str, value, allow_none: bool = False) -> Optional[int]:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"`{name}` must be a positive int, got {value!r}")
+    return value
+
+
+def _format_arg(value, name: str = "qkv_format") -> QKVFormat:
+    try:
+        return QKVFormat(value)
+    except ValueError:
+        raise ValueError(f"`{name}` must be one of 'bshd', 'sbhd', 'thd', got {value!r}") from None
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """One step's sequences in the step's batch order (the order of ``step_dict``): their ids, how many new
+    tokens each brings and how many it had cached before the step."""
+
+    seq_ids: Tuple
+    step_lens: Tuple[int, ...]
+    cached_lens: Tuple[int, ...]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_ids)
+
+    @property
+    def total_lens(self) -> Tuple[int, ...]:
+        return tuple(c + n for c, n in zip(self.cached_lens, self.step_lens))
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.step_lens)
+
+    @property
+    def max_step_len(self) -> int:
+        return max(self.step_lens)
+
+    def token_positions(self) -> List[Tuple[int, int]]:
+        """(sequence index in the step, position in its sequence) of each new token, in packed step order."""
+        return [(i, c + j) for i, (c, n) in enumerate(zip(self.cached_lens, self.step_lens)) for j in range(n)]
+
+
+def _cumulative(lengths: Sequence[int]) -> List[int]:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return out
+
+
+class KVCacheManager:
+    """Where a KV cache keeps each sequence's tokens. :class:`InferenceParams` keeps the steps' bookkeeping
+    (checks, lengths, order) and calls these; a custom manager (``custom_cache_manager``) subclasses this and
+    implements :meth:`allocate_memory`, :meth:`token_rows`, :meth:`keys_values` and, when it holds per-sequence
+    state, :meth:`_check_room`, :meth:`_release` and :meth:`_reserve`.
+
+    ``cache[layer_number]`` is the layer's ``(k_cache, v_cache)``; ``sequences`` maps each cached sequence id
+    to its token count (after the current step's tokens)."""
+
+    def __init__(self, max_batch_size: int, max_seqlen: int, num_heads: int, head_dim_k: int, dtype: torch.dtype,
+                 head_dim_v: Optional[int] = None, device: Optional[torch.device] = None) -> None:
+        self.max_batch_size = max_batch_size
+        self.max_seqlen = max_seqlen
+        self.num_heads = num_heads
+        self.head_dim_k = head_dim_k
+        self.head_dim_v = head_dim_v if head_dim_v is not None else head_dim_k
+        self.dtype = dtype
+        self.device = torch.device(device) if device is not None else _default_device()
+        self.cache: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self.sequences: "OrderedDict[object, int]" = OrderedDict()
+
+    def reset(self) -> None:
+        """Forget every sequence (the memory stays allocated)."""
+        for seq in list(self.sequences):
+            self._release(seq)
+        self.sequences = OrderedDict()
+
+    def allocate_memory(self, layer_number: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must implement allocate_memory")
+
+    def pre_step(self, step_dict: Mapping) -> "OrderedDict[object, int]":
+        """Free the sequences not in ``step_dict`` (finished), then grow the others and add the new ones by
+        their counts. Raises (changing nothing) when the cache cannot hold the step."""
+        finished = [seq for seq in self.sequences if seq not in step_dict]
+        totals = OrderedDict((seq, self.sequences.get(seq, 0) + n) for seq, n in step_dict.items())
+        self._check_room(finished, totals)
+        for seq in finished:
+            self._release(seq)
+            del self.sequences[seq]
+        for seq, total in totals.items():
+            self._reserve(seq, total)
+            self.sequences[seq] = total
+        return self.sequences
+
+    def _check_room(self, finished: List, totals: Mapping) -> None:
+        """Raise ValueError when the cache cannot hold ``totals`` tokens per sequence once ``finished`` are freed."""
+
+    def _release(self, seq) -> None:
+        """Free what ``seq`` holds."""
+
+    def _reserve(self, seq, total: int) -> None:
+        """Make room for ``total`` tokens of ``seq``."""
+
+    def token_rows(self, layout: StepLayout) -> torch.Tensor:
+        """int64 ``[layout.num_tokens]``: the row of each new token (packed step order) in the layer caches
+        viewed as ``[rows, h, d]``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement token_rows")
+
+    def keys_values(self, layer_number: int, layout: StepLayout) -> Tuple[torch.Tensor, torch.Tensor, List[int]]:
+        """``(k_rows [T, h, d_k], v_rows [T, h, d_v], starts)``: rows holding each step sequence's cached tokens
+        contiguously from position 0, sequence ``i`` (step order) at rows ``starts[i]`` onwards."""
+        raise NotImplementedError(f"{type(self).__name__} must implement keys_values")
+
+    def step(self, layer_number: int, new_k: torch.Tensor, new_v: torch.Tensor, rows: torch.Tensor) -> None:
+        """Copy the step's new tokens (``[num_tokens, h, d]``, packed step order) to ``rows`` of the layer's cache."""
+        k_cache, v_cache = self.cache[layer_number]
+        with torch.no_grad():
+            k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, rows, new_k.detach())
+            v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, rows, new_v.detach())
+
+    def _new_cache(self, rows: int, width: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        shape = (rows, width, self.num_heads)
+        return (torch.zeros(shape + (self.head_dim_k,), dtype=self.dtype, device=self.device),
+                torch.zeros(shape + (self.head_dim_v,), dtype=self.dtype, device=self.device))
+
+
+class NonPagedKVCacheManager(KVCacheManager):
+    """One slot of ``max_seqlen`` tokens per sequence: ``[max_batch_size, max_seqlen, h, d]`` per layer. A new
+    sequence takes the lowest free slot and keeps it until it finishes; attention reads the slots in place."""
+
+    def __init__(self, max_batch_size: int, max_seqlen: int, num_heads: int, head_dim_k: int, dtype: torch.dtype,
+                 head_dim_v: Optional[int] = None, device: Optional[torch.device] = None) -> None:
+        super().__init__(max_batch_size, max_seqlen, num_heads, head_dim_k, dtype, head_dim_v, device)
+        self.slots: Dict[object, int] = {}
+
+    def allocate_memory(self, layer_number: int) -> None:
+        self.cache[layer_number] = self._new_cache(self.max_batch_size, self.max_seqlen)
+
+    def _release(self, seq) -> None:
+        self.slots.pop(seq, None)
+
+    def _reserve(self, seq, total: int) -> None:
+        if seq not in self.slots:
+            taken = set(self.slots.values())
+            self.slots[seq] = next(s for s in range(self.max_batch_size) if s not in taken)
+
+    def token_rows(self, layout: StepLayout) -> torch.Tensor:
+        rows = [self.slots[layout.seq_ids[i]] * self.max_seqlen + pos for i, pos in layout.token_positions()]
+        return torch.tensor(rows, dtype=torch.int64, device=self.device)
+
+    def keys_values(self, layer_number: int, layout: StepLayout):
+        k_cache, v_cache = self.cache[layer_number]
+        starts = [self.slots[seq] * self.max_seqlen for seq in layout.seq_ids]
+        return k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:]), starts
+
+
+class PagedKVCacheManager(KVCacheManager):
+    """Pages of ``page_size`` tokens: ``[total_num_pages, page_size, h, d]`` per layer. A sequence takes pages
+    from the front of ``free_pages`` as it grows and returns them when it finishes; ``page_table`` (int32
+    ``[max_batch_size, max_seqlen // page_size]``, rows in ``sequences`` order, zeros where unused) lists each
+    sequence's pages. Attention gathers the step's sequences' pages into contiguous rows (a copy)."""
+
+    def __init__(self, total_num_pages: int, page_size: int, num_heads: int, head_dim_k: int, dtype: torch.dtype,
+                 max_batch_size: int, max_seqlen: int, head_dim_v: Optional[int] = None,
+                 device: Optional[torch.device] = None) -> None:
+        super().__init__(max_batch_size, max_seqlen, num_heads, head_dim_k, dtype, head_dim_v, device)
+        self.total_num_pages = total_num_pages
+        self.page_size = page_size
+        self.max_pages_per_seq = -(-max_seqlen // page_size)
+        self.free_pages: List[int] = list(range(total_num_pages))
+        self.allocated_pages: Dict[object, List[int]] = {}
+        self.page_table = torch.zeros(max_batch_size, self.max_pages_per_seq, dtype=torch.int32, device=self.device)
+        self._gather = None  # (layout, page index, starts) of the current step
+
+    def allocate_memory(self, layer_number: int) -> None:
+        self.cache[layer_number] = self._new_cache(self.total_num_pages, self.page_size)
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def _check_room(self, finished: List, totals: Mapping) -> None:
+        need = sum(self.pages_for(total) - len(self.allocated_pages.get(seq, ())) for seq, total in totals.items())
+        free = len(self.free_pages) + sum(len(self.allocated_pages.get(seq, ())) for seq in finished)
+        if need > free:
+            raise ValueError(
+                f"`step_dict` needs {need} more pages of {self.page_size} tokens than the sequences hold, but "
+                f"{free} of `total_num_pages`={self.total_num_pages} are free: finish sequences (leave them out of "
+                "step_dict) or allocate more pages")
+
+    def _release(self, seq) -> None:
+        self.free_pages.extend(self.allocated_pages.pop(seq, []))
+
+    def _reserve(self, seq, total: int) -> None:
+        pages = self.allocated_pages.setdefault(seq, [])
+        while len(pages) < self.pages_for(total):
+            pages.append(self.free_pages.pop(0))
+
+    def reset(self) -> None:
+        super().reset()
+        self.page_table.zero_()
+        self._gather = None
+
+    def pre_step(self, step_dict: Mapping) -> "OrderedDict[object, int]":
+        sequences = super().pre_step(step_dict)
+        table = torch.zeros(self.max_batch_size, self.max_pages_per_seq, dtype=torch.int32)
+        for i, seq in enumerate(sequences):
+            pages = self.allocated_pages[seq]
+            table[i, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+        self.page_table.copy_(table)
+        return sequences
+
+    def get_page_list(self, seq) -> List[int]:
+        return list(self.allocated_pages.get(seq, []))
+
+    def token_rows(self, layout: StepLayout) -> torch.Tensor:
+        rows = []
+        for i, pos in layout.token_positions():
+            page = self.allocated_pages[layout.seq_ids[i]][pos // self.page_size]
+            rows.append(page * self.page_size + pos % self.page_size)
+        return torch.tensor(rows, dtype=torch.int64, device=self.device)
+
+    def gather_index(self, layout: StepLayout) -> Tuple[torch.Tensor, List[int]]:
+        """(the pages to gather, in step order; the first row of each sequence in the gathered rows), built
+        at the step's first layer and reused by the others."""
+        if self._gather is None or self._gather[0] is not layout:
+            pages, starts = [], []
+            for seq, total in zip(layout.seq_ids, layout.total_lens):
+                starts.append(len(pages) * self.page_size)
+                pages.extend(self.allocated_pages[seq][:self.pages_for(total)])
+            self._gather = (layout, torch.tensor(pages, dtype=torch.int64, device=self.device), starts)
+        return self._gather[1], list(self._gather[2])
+
+    def keys_values(self, layer_number: int, layout: StepLayout):
+        k_cache, v_cache = self.cache[layer_number]
+        index, starts = self.gather_index(layout)
+        k_rows = k_cache.index_select(0, index).view(-1, *k_cache.shape[2:])
+        v_rows = v_cache.index_select(0, index).view(-1, *v_cache.shape[2:])
+        return k_rows, v_rows, starts
+
+
+@dataclass
+class _Step:
+    """What a step computes once and every layer reuses."""
+
+    layout: StepLayout
+    rows: torch.Tensor  # cache row of each new token (token_rows)
+    stepped: set = field(default_factory=set)  # layers that took their step
+    token_index: Dict[tuple, torch.Tensor] = field(default_factory=dict)  # by (format, input shape)
+    calls: Dict[tuple, dict] = field(default_factory=dict)  # the kernel call's sequences, by cache starts
+
+
+class InferenceParams:
+    """KV caching for inference, TransformerEngine's API (module docstring: how a step attends).
+
+    Arguments:
+
+    ``max_batch_size``
+        Most sequences in the cache (and in one step).
+    ``max_sequence_length``
+        Most tokens of one sequence (prompt and generated).
+    ``num_heads_kv``, ``head_dim_k``, ``head_dim_v`` (default ``head_dim_k``)
+        Key/value heads (per tensor-parallel rank) and the key and value head sizes.
+    ``dtype``
+        The cache's dtype; the step's keys and values must have it.
+    ``is_paged`` (default False), ``page_size``, ``total_num_pages``
+        A paged cache (pages of ``page_size`` tokens, which must divide ``max_sequence_length``, and a
+        page table) instead of one slot per sequence; ``total_num_pages`` defaults to
+        ``max_batch_size * max_sequence_length / page_size``.
+    ``max_ctx_len`` (default None)
+        Most new tokens of one sequence in one step, when given (checked by :meth:`pre_step`).
+    ``qkv_format`` (default "bshd")
+        The format of the step's new q/k/v tensors ("bshd", "sbhd", "thd"); the module's forward
+        ``qkv_format`` decides per call.
+    ``custom_cache_manager`` (default None)
+        A :class:`KVCacheManager` subclass, built with the non-paged or paged manager's arguments instead.
+    ``device`` (default the current CUDA device, else CPU)
+        Where the cache lives (not a TransformerEngine argument).
+    """
+
+    def __init__(
+        self,
+        max_batch_size: int,
+        max_sequence_length: int,
+        num_heads_kv: Optional[int] = None,
+        head_dim_k: Optional[int] = None,
+        dtype: Optional[torch.dtype] = None,
+        head_dim_v: Optional[int] = None,
+        is_paged: bool = False,
+        total_num_pages: Optional[int] = None,
+        page_size: Optional[int] = None,
+        max_ctx_len: Optional[int] = None,
+        qkv_format: str = "bshd",
+        custom_cache_manager: Optional[type] = None,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        self.max_batch_size = _positive_int("max_batch_size", max_batch_size)
+        self.max_sequence_length = _positive_int("max_sequence_length", max_sequence_length)
+        self.num_heads_kv = _positive_int("num_heads_kv", num_heads_kv)
+        self.head_dim_k = _positive_int("head_dim_k", head_dim_k)
+        self.head_dim_v = _positive_int("head_dim_v", head_dim_v if head_dim_v is not None else head_dim_k)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"`dtype` must be a floating-point torch.dtype, got {dtype!r}")
+        self.dtype = dtype
+        self.is_paged = bool(is_paged)
+        self.max_ctx_len = _positive_int("max_ctx_len", max_ctx_len, allow_none=True)
+        if self.max_ctx_len is not None and self.max_ctx_len > self.max_sequence_length:
+            raise ValueError(f"`max_ctx_len` must be at most max_sequence_length={self.max_sequence_length}, "
+                             f"got {max_ctx_len}")
+        self.input_qkv_format = _format_arg(qkv_format).value
+        self.cache_qkv_format = "bshd"
+        self.device = torch.device(device) if device is not None else _default_device()
+        if custom_cache_manager is not None and not (isinstance(custom_cache_manager, type)
+                                                     and issubclass(custom_cache_manager, KVCacheManager)):
+            raise ValueError(f"`custom_cache_manager` must be a KVCacheManager subclass, got {custom_cache_manager!r}")
+        heads = dict(num_heads=self.num_heads_kv, head_dim_k=self.head_dim_k, dtype=dtype, head_dim_v=self.head_dim_v,
+                     device=self.device)
+        if self.is_paged:
+            self.page_size = _positive_int("page_size", page_size)
+            if self.max_sequence_length % self.page_size:
+                raise ValueError(f"`page_size` must divide max_sequence_length={self.max_sequence_length}, "
+                                 f"got {page_size}")
+            if total_num_pages is None:
+                total_num_pages = self.max_batch_size * (self.max_sequence_length // self.page_size)
+            self.total_num_pages = _positive_int("total_num_pages", total_num_pages)
+            manager = custom_cache_manager or PagedKVCacheManager
+            self.cache_manager = manager(total_num_pages=self.total_num_pages, page_size=self.page_size,
+                                         max_batch_size=self.max_batch_size, max_seqlen=self.max_sequence_length,
+                                         **heads)
+        else:
+            self.page_size = page_size
+            self.total_num_pages = total_num_pages
+            manager = custom_cache_manager or NonPagedKVCacheManager
+            self.cache_manager = manager(max_batch_size=self.max_batch_size, max_seqlen=self.max_sequence_length,
+                                         **heads)
+        self.cu_seqlens_q = torch.zeros(self.max_batch_size + 1, dtype=torch.int32, device=self.device)
+        self.cu_seqlens_kv = torch.zeros(self.max_batch_size + 1, dtype=torch.int32, device=self.device)
+        self.pre_step_seqlens = torch.zeros(self.max_batch_size, dtype=torch.int32, device=self.device)
+        self._step: Optional[_Step] = None
+        self.sequences: "OrderedDict[object, int]" = OrderedDict()
+        self.sequences_pre_step: "OrderedDict[object, int]" = OrderedDict()
+
+    @property
+    def batch_size(self) -> int:
+        return self._step.layout.batch_size if self._step is not None else 0
+
+    @property
+    def output_qkv_format(self) -> str:
+        fmt = self.input_qkv_format
+        return fmt if fmt == self.cache_qkv_format else f"{fmt}_2{self.cache_qkv_format}"
+
+    def __repr__(self) -> str:
+        where = (f"is_paged=True, total_pages={self.total_num_pages}, page_size={self.page_size}" if self.is_paged
+                 else f"is_paged=False, max_batch_size={self.max_batch_size}")
+        return (f"InferenceParams(dtype={self.dtype}, {where}, max_seqlen={self.max_sequence_length}, "
+                f"num_heads={self.num_heads_kv}, head_dim_k={self.head_dim_k}, head_dim_v={self.head_dim_v})")
+
+    def reset(self) -> None:
+        """Forget every sequence (the caches stay allocated)."""
+        self.cache_manager.reset()
+        self._step = None
+        self.sequences = OrderedDict()
+        self.sequences_pre_step = OrderedDict()
+
+    def allocate_memory(self, layer_number: int) -> None:
+        """Allocate layer ``layer_number``'s caches: ``[max_batch_size, max_sequence_length, h_kv, d]``
+        (non-paged) or ``[total_num_pages, page_size, h_kv, d]`` (paged), for keys and for values."""
+        if isinstance(layer_number, bool) or not isinstance(layer_number, int):
+            raise ValueError(f"`layer_number` must be an int, got {layer_number!r}")
+        self.cache_manager.allocate_memory(layer_number)
+
+    # -- steps -----------------------------------------------------------------------------------
+
+    def pre_step(self, step_dict: Mapping) -> None:
+        """Start a step: ``step_dict`` maps each sequence id of the step, in the step's batch order, to its
+        number of new tokens (>= 1). Cached sequences left out are finished and freed; ids not cached yet
+        start new sequences. Raises ValueError, changing nothing, when the step does not fit."""
+        if not isinstance(step_dict, Mapping) or not step_dict:
+            raise ValueError(f"`step_dict` must be a non-empty mapping of sequence id -> new token count, "
+                             f"got {step_dict!r}")
+        if len(step_dict) > self.max_batch_size:
+            raise ValueError(f"`step_dict` must hold at most max_batch_size={self.max_batch_size} sequences, "
+                             f"got {len(step_dict)}")
+        cached = self.cache_manager.sequences
+        for seq, n in step_dict.items():
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"`step_dict` must map sequence ids to positive int token counts, got {n!r} "
+                                 f"for sequence {seq!r}")
+            if self.max_ctx_len is not None and n > self.max_ctx_len:
+                raise ValueError(f"`step_dict` gives sequence {seq!r} {n} new tokens, more than "
+                                 f"max_ctx_len={self.max_ctx_len}")
+            total = cached.get(seq, 0) + n
+            if total > self.max_sequence_length:
+                raise ValueError(f"`step_dict` would grow sequence {seq!r} to {total} tokens, more than "
+                                 f"max_sequence_length={self.max_sequence_length}")
+        layout = StepLayout(tuple(step_dict), tuple(step_dict.values()),
+                            tuple(cached.get(seq, 0) for seq in step_dict))
+        self.cache_manager.pre_step(step_dict)
+        self._step = _Step(layout, self.cache_manager.token_rows(layout))
+        self.sequences = OrderedDict(zip(layout.seq_ids, layout.total_lens))
+        self.sequences_pre_step = OrderedDict(zip(layout.seq_ids, layout.cached_lens))
+        b = layout.batch_size
+        pad = [0] * (self.max_batch_size - b)
+        cu_q, cu_kv = _cumulative(layout.step_lens), _cumulative(layout.total_lens)
+        host = torch.tensor([cu_q + [cu_q[-1]] * len(pad), cu_kv + [cu_kv[-1]] * len(pad),
+                             list(layout.cached_lens) + pad + [0]], dtype=torch.int32)
+        self.cu_seqlens_q.copy_(host[0])
+        self.cu_seqlens_kv.copy_(host[1])
+        self.pre_step_seqlens.copy_(host[2, :-1])
+
+    def get_seqlens_pre_step(self) -> torch.Tensor:
+        """int32 ``[max_batch_size]``: each step sequence's cached length before the step (step order;
+        e.g. for rotary position offsets)."""
+        return self.pre_step_seqlens
+
+    def _current(self) -> _Step:
+        if self._step is None:
+            raise ValueError("`inference_params` has no step: call pre_step(step_dict) before the forward")
+        return self._step
+
+    def _check_layer(self, layer_number) -> None:
+        if layer_number not in self.cache_manager.cache:
+            allocated = sorted(self.cache_manager.cache)
+            raise ValueError(f"`layer_number` {layer_number!r} has no KV cache (allocated: {allocated}): call "
+                             f"inference_params.allocate_memory({layer_number!r}) first")
+
+    def token_index(self, fmt: QKVFormat, shape: Tuple[int, ...], name: str = "query_layer") -> torch.Tensor:
+        """int64 ``[num_tokens]``: where each new token (packed step order) is among the rows of a step tensor
+        of ``shape`` in ``fmt`` flattened to ``[rows, h, d]`` (``[b * s]`` bshd, ``[s * b]`` sbhd, ``[t]`` thd)."""
+        step = self._current()
+        key = (fmt, tuple(shape[:-2]))
+        if key not in step.token_index:
+            layout = step.layout
+            if fmt == QKVFormat.THD:
+                if shape[0] < layout.num_tokens:
+                    raise ValueError(f"`{name}` must hold the step's {layout.num_tokens} new tokens (step_dict), got "
+                                     f"shape {tuple(shape)}")
+                index = list(range(layout.num_tokens))
+            else:
+                b, s = (shape[0], shape[1]) if fmt == QKVFormat.BSHD else (shape[1], shape[0])
+                if b != layout.batch_size or s < layout.max_step_len:
+                    raise ValueError(
+                        f"`{name}` must be [b, s, h, d] ({fmt.value}) with b = {layout.batch_size} sequences and s >= "
+                        f"{layout.max_step_len} new tokens (step_dict), got shape {tuple(shape)}")
+                if fmt == QKVFormat.BSHD:
+                    index = [i * s + j for i, n in enumerate(layout.step_lens) for j in range(n)]
+                else:
+                    index = [j * b + i for i, n in enumerate(layout.step_lens) for j in range(n)]
+            step.token_index[key] = torch.tensor(index, dtype=torch.int64, device=self.device)
+        return step.token_index[key]
+
+    def _check_new(self, name: str, t: torch.Tensor, fmt: QKVFormat, head_dim: int) -> None:
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
+        rank = 3 if fmt == QKVFormat.THD else 4
+        if t.dim() != rank or t.shape[-2] != self.num_heads_kv or t.shape[-1] != head_dim:
+            raise ValueError(f"`{name}` must be {rank}-D for qkv_format={fmt.value!r} with {self.num_heads_kv} heads "
+                             f"of size {head_dim} (InferenceParams num_heads_kv, head_dim), got shape {tuple(t.shape)}")
+        if t.dtype != self.dtype:
+            raise ValueError(f"`{name}` must have the KV cache's dtype {self.dtype} (InferenceParams `dtype`), "
+                             f"got {t.dtype}")
+        if t.device != self.device:
+            raise ValueError(f"`{name}` must be on the KV cache's device {self.device}, got {t.device}")
+
+    def _append(self, layer_number: int, new_k: torch.Tensor, new_v: torch.Tensor, fmt: QKVFormat,
+                names: Tuple[str, str]) -> None:
+        step = self._current()
+        self._check_layer(layer_number)
+        if layer_number in step.stepped:
+            raise ValueError(f"`layer_number` {layer_number!r} already appended this step's tokens (two modules "
+                             "with one layer_number, or a second forward without pre_step)")
+        self._check_new(names[0], new_k, fmt, self.head_dim_k)
+        self._check_new(names[1], new_v, fmt, self.head_dim_v)
+        rows = []
+        for name, t in zip(names, (new_k, new_v)):
+            index = self.token_index(fmt, tuple(t.shape), name)
+            rows.append(t.reshape(-1, *t.shape[-2:]).index_select(0, index))
+        self.cache_manager.step(layer_number, rows[0], rows[1], step.rows)
+        step.stepped.add(layer_number)
+
+    def step(self, layer_number: int, new_k: torch.Tensor, new_v: torch.Tensor, qkv_format: str):
+        """Copy the step's new keys and values (``qkv_format``: bshd ``[b, s, h, d]`` with each sequence's
+        ``step_dict`` tokens first, sbhd, or thd ``[t, h, d]`` packed in step order) to layer
+        ``layer_number``'s cache. Returns, as TransformerEngine's does, ``(k_cache, v_cache, cu_seqlens_q,
+        cu_seqlens_kv, max_sequence_length, output_qkv_format)``."""
+        fmt = _format_arg(qkv_format)
+        self.input_qkv_format = fmt.value
+        self._append(layer_number, new_k, new_v, fmt, ("new_k", "new_v"))
+        k_cache, v_cache = self.cache_manager.cache[layer_number]
+        return (k_cache, v_cache, self.cu_seqlens_q, self.cu_seqlens_kv, self.max_sequence_length,
+                self.output_qkv_format)
+
+    def convert_paged_to_nonpaged(self, layer_number: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer_number``'s cached keys and values of the step's sequences as ``[b, s, h, d]`` (step
+        order, ``s`` = the pages of the longest, zeros past each sequence's pages)."""
+        step = self._current()
+        self._check_layer(layer_number)
+        layout = step.layout
+        k_rows, v_rows, starts = self.cache_manager.keys_values(layer_number, layout)
+        width = max(layout.total_lens)
+        if self.is_paged:
+            width = self.cache_manager.pages_for(width) * self.page_size
+        out = []
+        for rows in (k_rows, v_rows):
+            dense = rows.new_zeros((layout.batch_size, width) + tuple(rows.shape[1:]))
+            for i, (start, total) in enumerate(zip(starts, layout.total_lens)):
+                dense[i, :total] = rows[start:start + total]
+            out.append(dense)
+        return out[0], out[1]
+
+    def _kernel_call(self, layer_number: int) -> dict:
+        """The packed call of the step: the cached rows and the sequences in increasing cache order (the
+        sequence metadata is built once per step and cache layout, and reused by every layer)."""
+        step = self._current()
+        layout = step.layout
+        k_rows, v_rows, starts = self.cache_manager.keys_values(layer_number, layout)
+        key = tuple(starts)
+        if key not in step.calls:
+            order = sorted(range(layout.batch_size), key=lambda i: starts[i])
+            lens_q = [layout.step_lens[i] for i in order]
+            lens_kv = [layout.total_lens[i] for i in order]
+            padded = [starts[i] for i in order]
+            padded.append(padded[-1] + lens_kv[-1])
+            cu = torch.tensor([_cumulative(lens_q), _cumulative(lens_kv), padded], dtype=torch.int32).to(self.device)
+            step.calls[key] = dict(order=order, cu_seqlens_q=cu[0], cu_seqlens_kv=cu[1], cu_seqlens_kv_padded=cu[2],
+                                   max_seqlen_q=max(lens_q), max_seqlen_kv=max(lens_kv))
+        return dict(step.calls[key], k=k_rows, v=v_rows)
+
+
+# Masks of a step: every step's queries are the last of their sequences, so causal masks align bottom-right.
+_STEP_MASK = {
+    AttnMaskType.NO_MASK: AttnMaskType.PADDING_MASK,
+    AttnMaskType.PADDING_MASK: AttnMaskType.PADDING_MASK,
+    AttnMaskType.CAUSAL_MASK: AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK,
+    AttnMaskType.PADDING_CAUSAL_MASK: AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK,
+    AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK: AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK,
+    AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK: AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK,
+}
+
+
+def cached_attention(module, params: InferenceParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     fmt: QKVFormat, mask: AttnMaskType, *, window_size, cu_seqlens_q, cu_seqlens_q_padded,
+                     cu_seqlens_kv_padded, bias_type: AttnBiasType, core_attention_bias, alibi_slopes,
+                     checkpoint_core_attention: bool):
+    """DotProductAttention's forward with ``inference_params``: append the step's k, v to the module's layer
+    cache and attend the step's queries to their sequences' cached keys (module docstring). Returns q's
+    format with the heads flattened; rows past a sequence's new tokens (bshd/sbhd padding, thd tail) are 0."""
+    if not isinstance(params, InferenceParams):
+        raise ValueError(f"`inference_params` must be an InferenceParams, got {type(params).__name__}")
+    if module.layer_number is None:
+        raise ValueError("`layer_number` must be set on DotProductAttention (each layer has its own KV cache) "
+                         "to run with `inference_params`")
+    if mask not in _STEP_MASK:
+        raise NotImplementedError(f"attn_mask_type={mask.value!r} with `inference_params` is not supported "
+                                  f"(supported: {', '.join(sorted(m.value for m in _STEP_MASK))})")
+    if bias_type in (AttnBiasType.PRE_SCALE_BIAS, AttnBiasType.POST_SCALE_BIAS) or core_attention_bias is not None:
+        raise NotImplementedError("`core_attention_bias` with `inference_params` is not supported (ALiBi is)")
+    if cu_seqlens_q_padded is not None or cu_seqlens_kv_padded is not None:
+        raise NotImplementedError("`cu_seqlens_q_padded`/`cu_seqlens_kv_padded` with `inference_params` are not "
+                                  "supported: the step's tokens are packed (thd) or first in each row (bshd/sbhd)")
+    cp = module._context_parallel
+    if cp is not None and cp.size > 1:
+        raise NotImplementedError("context parallelism with `inference_params` is not supported")
+    if q.shape[-2] % params.num_heads_kv:
+        raise ValueError(f"`query_layer` heads ({q.shape[-2]}) must be a multiple of the KV cache's num_heads_kv "
+                         f"({params.num_heads_kv})")
+    step = params._current()
+    layout = step.layout
+    if cu_seqlens_q is not None and can_sync():
+        expect = _cumulative(layout.step_lens)
+        got = host_values(cu_seqlens_q) if isinstance(cu_seqlens_q, torch.Tensor) else list(cu_seqlens_q)
+        if list(got[:len(expect)]) != expect or any(x != expect[-1] for x in got[len(expect):]):
+            raise ValueError(f"`cu_seqlens_q` must give the step's new token counts (step_dict) {expect}, got {got}")
+    index = params.token_index(fmt, tuple(q.shape), "query_layer")  # checked before anything is appended
+    params.input_qkv_format = fmt.value
+    params._append(module.layer_number, k, v, fmt, ("key_layer", "value_layer"))
+    call = params._kernel_call(module.layer_number)
+    order = call["order"]
+    lens = layout.step_lens
+    firsts = _cumulative(lens)
+    if order != sorted(order):  # the kernel's sequences in cache order: permute the step's rows to it
+        index = torch.cat([index[firsts[i]:firsts[i] + lens[i]] for i in order])
+    q_rows = q.reshape(-1, *q.shape[-2:]).index_select(0, index)
+    if alibi_slopes is not None and alibi_slopes.dim() == 2:
+        if alibi_slopes.shape[0] != layout.batch_size:
+            raise ValueError(f"`alibi_slopes` must have shape [{q.shape[-2]}] or [{layout.batch_size}, "
+                             f"{q.shape[-2]}] (step_dict's sequences), got {tuple(alibi_slopes.shape)}")
+        alibi_slopes = alibi_slopes[torch.tensor(order, device=alibi_slopes.device)]
+    result = module.forward(
+        q_rows, call["k"], call["v"], qkv_format="thd", attn_mask_type=_STEP_MASK[mask].value,
+        window_size=window_size, bottom_right_diagonal=True, cu_seqlens_q=call["cu_seqlens_q"],
+        cu_seqlens_kv=call["cu_seqlens_kv"], cu_seqlens_kv_padded=call["cu_seqlens_kv_padded"],
+        max_seqlen_q=call["max_seqlen_q"], max_seqlen_kv=call["max_seqlen_kv"],
+        core_attention_bias_type=bias_type.value, alibi_slopes=alibi_slopes,
+        checkpoint_core_attention=checkpoint_core_attention)
+    out_rows, max_logit = result if module.return_max_logit else (result, None)
+    rows = math.prod(q.shape[:-2])
+    out = out_rows.new_zeros((rows, out_rows.shape[-1])).index_copy(0, index, out_rows)
+    out = out.view(*q.shape[:-2], out_rows.shape[-1])
+    return (out, max_logit) if module.return_max_logit else out

@@ -51,8 +51,8 @@ def test_padded_head_dim():
 
 @pytest.mark.parametrize("dims", [(64, 64), (128, 128), (256, 256)])
 def test_dbias_tiles_come_from_the_dq_plan(dims):
-    """The launch description (common.attention.launches) takes the dBias kernel's tiles from the plan:
-    square, at most 64 rows, the dQ pass's warps, one stage."""
+    """The launch description (common.attention.launch_description) takes the dBias kernel's tiles from the
+    plan: square, at most 64 rows, the dQ pass's warps, one stage."""
     plan = backward_plan(dataclasses.replace(BASE, head_dim_qk=dims[0], head_dim_v=dims[1]))
     t = plan.dbias
     assert t.block_m == t.block_n == min(plan.dq.block_m, 64)

@@ -68,7 +68,7 @@ PRIVATE_APIS: Dict[str, str] = {
     "triton:set_allocator": "launch.py: set the scratch allocator",
     # Kernels and launch descriptions.
     "triton.runtime.jit:JITFunction": "jax/primitives/gpu.py: a JIT kernel, not the interpreter's",
-    "triton.runtime.jit:JITFunction#arg_names": "launches.py, aot.py: a kernel's parameters, in order",
+    "triton.runtime.jit:JITFunction#arg_names": "launch_description.py, aot.py: a kernel's parameters, in order",
     "triton.runtime.jit:JITFunction#params": "aot.py: the binder's parameter descriptions",
     "triton.runtime.jit:JITFunction#signature": "aot.py: the binder's signature",
     "triton.language.random:philox": "kernels/scores.py: the dropout RNG's counter-based generator",

@@ -30,7 +30,7 @@ from transformer_engine.common.attention.plan import (
     tma_eligible,
 )
 
-__all__ = ["Slot", "View", "Bias", "Call", "Launch", "forward_launches", "backward_launches", "LOG2E",
+__all__ = ["Slot", "View", "Bias", "Call", "Launch", "plan_key", "forward_launches", "backward_launches", "LOG2E",
            "ELEMENT_SIZES"]
 
 LOG2E = 1.4426950408889634  # the kernels' softmax runs in base 2: qk_scale = softmax_scale * log2(e)
@@ -124,14 +124,8 @@ class Call:
 
     @property
     def plan_key(self) -> PlanKey:
-        """What the call's plans read (head dims, dtype, mask kind and diagonal, score modifiers, softmax type,
-        device): the plans are the same in both determinism modes (no atomic or autotuned variant exists)."""
-        p = self.params
-        return PlanKey(
-            head_dim_qk=self.head_dim_qk, head_dim_v=self.head_dim_v, dtype=self.dtype,
-            attn_mask_type=p.attn_mask_type, window_size=p.window_size, bottom_right=p.bottom_right,
-            attn_bias_type=self.bias_type, dropout=p.kernel_dropout, softmax_type=p.softmax_type, **self.device,
-        )
+        """What the call's plans read (:func:`plan_key`)."""
+        return plan_key(self.params, self.head_dim_qk, self.head_dim_v, self.dtype, self.bias_type, self.device)
 
     def grid_rows(self, max_len: int, block: int, heads: int) -> Tuple[int, int]:
         """(blocks, rows * heads) of a block-loop pass over sequences of at most ``max_len`` in ``block``s."""
@@ -139,6 +133,18 @@ class Call:
         if m > 1:  # a row's blocks: sum over its sequences of cdiv(len, block) <= cdiv(row, block) + m - 1
             return _cdiv(max_len, block) + m - 1, (self.num_seqs // m) * heads
         return _cdiv(max_len, block), self.num_seqs * heads
+
+
+def plan_key(params: AttnParams, head_dim_qk: int, head_dim_v: int, dtype: str, bias_type: AttnBiasType,
+             device: Mapping[str, object]) -> PlanKey:
+    """The PlanKey of a call's launches: its head dims and dtype, the mask, window, diagonal, dropout and
+    softmax type of ``params``, the score modifier the kernels add (``bias_type``: Call.bias_type) and the
+    device facts. The plans are the same in both determinism modes (no atomic or autotuned variant exists)."""
+    return PlanKey(
+        head_dim_qk=head_dim_qk, head_dim_v=head_dim_v, dtype=dtype, attn_mask_type=params.attn_mask_type,
+        window_size=params.window_size, bottom_right=params.bottom_right, attn_bias_type=bias_type,
+        dropout=params.kernel_dropout, softmax_type=params.softmax_type, **device,
+    )
 
 
 @dataclass(frozen=True)

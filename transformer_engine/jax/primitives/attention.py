@@ -664,7 +664,7 @@ def _fused_attn_bwd_rule(static, residuals, dout):
     d_offset = None
     if static.softmax_type.is_learnable:
         # The sequences' parts, in batch order (row, then segment), summed as a fixed pairwise tree:
-        # the same adds as the PyTorch frontend's launch.fixed_order_sum, on any sharding.
+        # the same adds as the PyTorch frontend's kernel_runner.fixed_order_sum, on any sharding.
         d_offset = attention_math.fixed_order_sum(dsink.reshape(-1, dsink.shape[-1]), axis=0)
     return dq, dk, dv, (dbias if static.has_bias else None), d_offset, None, None
 

@@ -27,7 +27,7 @@ import torch
 
 from transformer_engine.common.attention.params import AttnParams
 
-__all__ = ["AttnCall", "flatten", "unflatten", "op_schema_args"]
+__all__ = ["AttnCall", "flatten", "unflatten", "op_schema_args", "FLAT_SIZE"]
 
 
 @dataclass(frozen=True)
@@ -109,6 +109,7 @@ _CODECS = tuple(_codec(_HINTS[name]) for name in _PARAM_FIELDS)
 _ENCODERS = tuple(c[1] for c in _CODECS)
 _DECODERS = tuple(c[2] for c in _CODECS)
 _NUM_TENSORS = len(AttnCall.TENSOR_ROLES)
+FLAT_SIZE = _NUM_TENSORS + len(_PARAM_FIELDS)  # how many of the ops' arguments one call takes
 
 
 def op_schema_args() -> str:

@@ -180,9 +180,10 @@ def fused_attn_func(
         bias_type = AttnBiasType.POST_SCALE_BIAS
     else:
         bias_type = AttnBiasType.ALIBI if alibi_slopes is not None else AttnBiasType.NO_BIAS
+    thd = fmt == QKVFormat.THD  # (bshd/sbhd: the kernels' lengths come from the shapes)
     params = AttnParams(mask, bias_type, fmt, window_size, softmax_scale, dropout_probability=float(dropout_p),
                         deterministic=bool(deterministic), bottom_right_diagonal=bottom_right, softmax_type=stype,
-                        **(dict(max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv) if fmt == QKVFormat.THD else {}))
+                        max_seqlen_q=max_seqlen_q if thd else None, max_seqlen_kv=max_seqlen_kv if thd else None)
     call = AttnCall(params, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
                     core_attention_bias, alibi_slopes, rng_state, softmax_offset)
     return fused_attention(q, k, v, call, return_softmax_aux)

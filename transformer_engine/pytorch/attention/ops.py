@@ -16,7 +16,7 @@ import torch
 
 from transformer_engine.common.attention import BackwardGrads, QKVFormat
 from transformer_engine.pytorch.attention import kernel_runner
-from transformer_engine.pytorch.attention.call import AttnCall, flatten, op_schema_args, unflatten
+from transformer_engine.pytorch.attention.call import FLAT_SIZE, AttnCall, flatten, op_schema_args, unflatten
 from transformer_engine.pytorch.attention.config import qkv_dims
 
 __all__ = ["fused_attn_fwd", "fused_attn_bwd", "forward", "backward"]
@@ -69,9 +69,19 @@ def _backward(
             d_offset if d_offset is not None else lse.new_empty(0))
 
 
-def _backward_op(q, k, v, out, d_out, lse, *flat_and_flags):
-    *flat, bias_grad, softmax_offset_grad, grads = flat_and_flags
-    return _BACKWARD_IMPL(q, k, v, out, d_out, lse, unflatten(flat), bias_grad, softmax_offset_grad, grads)
+def _flags(bias_grad: bool, softmax_offset_grad: bool = False, grads: str = BackwardGrads.DQ_DKDV.value):
+    return bias_grad, softmax_offset_grad, grads
+
+
+def _split(args, kwargs):
+    """(call, (bias_grad, softmax_offset_grad, grads)) of the backward op's arguments after its six tensors (the
+    op passes the schema's trailing defaults only when given)."""
+    return unflatten(args[:FLAT_SIZE]), _flags(*args[FLAT_SIZE:], **kwargs)
+
+
+def _backward_op(q, k, v, out, d_out, lse, *args, **kwargs):
+    call, flags = _split(args, kwargs)
+    return _BACKWARD_IMPL(q, k, v, out, d_out, lse, call, *flags)
 
 
 _BACKWARD_IMPL = _backward  # the op's own reference (tests replace the module's _backward to see eager calls)
@@ -79,14 +89,15 @@ _BACKWARD_IMPL = _backward  # the op's own reference (tests replace the module's
 fused_attn_bwd = torch.library.custom_op(
     "transformer_engine::fused_attn_bwd", _backward_op, mutates_args=(),
     schema=(f"(Tensor q, Tensor k, Tensor v, Tensor out, Tensor d_out, Tensor lse, {_CALL_ARGS}, bool bias_grad, "
-            "bool softmax_offset_grad, str grads) -> (Tensor, Tensor, Tensor, Tensor, Tensor)"))
+            f'bool softmax_offset_grad=False, str grads="{BackwardGrads.DQ_DKDV.value}") '
+            "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"))
 
 
 @fused_attn_bwd.register_fake
-def _(q, k, v, out, d_out, lse, *flat_and_flags):
-    *flat, bias_grad, softmax_offset_grad, grads = flat_and_flags
+def _(q, k, v, out, d_out, lse, *args, **kwargs):
+    call, (bias_grad, softmax_offset_grad, grads) = _split(args, kwargs)
     which = _grads(grads)
-    bias = unflatten(flat).bias
+    bias = call.bias
     dbias = bias.new_empty(bias.shape) if bias_grad else q.new_empty(0)
     d_offset = lse.new_empty((q.shape[-2],)) if softmax_offset_grad else lse.new_empty(0)
     dq = q.new_empty(q.shape if which.has_dq else (0,))

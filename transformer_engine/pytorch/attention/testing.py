@@ -4,7 +4,8 @@
 - :func:`fused_call`: the :class:`~transformer_engine.pytorch.attention.call.AttnCall` the fused kernels
   launch for given arguments, for ``kernel_runner.forward`` / ``kernel_runner.backward`` (with a plan or
   sequence extents of one's own) and :func:`plan_key`.
-- :func:`recorded_launches`: the launch lists the kernel runner runs, recorded (and optionally not run).
+- :func:`recorded_launches`: the launch lists the kernel runner runs, recorded (and optionally not run);
+  :func:`no_launches`: nothing launched (the host time of our Python alone).
 - :func:`dropout_keep_mask`: the kernels' dropout mask of an RNG state.
 - Context parallelism: every rank of a CP call in one process (:func:`run_ranks_in_one_process`).
 """
@@ -30,7 +31,7 @@ from transformer_engine.pytorch.attention.context_parallel import (FusedSpec, Se
                                                                    fused_backward_step, fused_forward_step,
                                                                    local_tokens, tile_alignment)
 
-__all__ = ["attn_config", "fused_call", "plan_key", "recorded_launches", "dropout_keep_mask",
+__all__ = ["attn_config", "fused_call", "plan_key", "recorded_launches", "no_launches", "dropout_keep_mask",
            "run_ranks_in_one_process", "split_of_globals"]
 
 
@@ -93,14 +94,15 @@ def fused_call(
     """The AttnCall the fused kernels launch for these arguments (enums or their strings), for
     ``kernel_runner.forward`` / ``backward`` and :func:`plan_key`: the window normalized and the diagonal
     resolved as PyTorch resolves them, thd's ``max_seqlen_*`` from the cu_seqlens when not given (one host
-    sync). Nothing else is checked or converted: ``softmax_scale`` must be positive, ``rng_state`` given with
-    dropout and ``softmax_offset`` (fp32 [h_q]) with a sink softmax, as at the kernels."""
+    sync; a call run with sequence extents of its own, ``seqs=``, needs no cu_seqlens). Nothing else is
+    checked or converted: ``softmax_scale`` must be positive, ``rng_state`` given with dropout and
+    ``softmax_offset`` (fp32 [h_q]) with a sink softmax, as at the kernels."""
     fmt, mask = QKVFormat(qkv_format), AttnMaskType(attn_mask_type)
     if fmt == QKVFormat.THD:
-        if max_seqlen_q is None:
+        if max_seqlen_q is None and cu_seqlens_q is not None:
             max_seqlen_q = int(host_values(cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-        if max_seqlen_kv is None:
-            cu = cu_seqlens_kv if cu_seqlens_kv is not None else cu_seqlens_q
+        cu = cu_seqlens_kv if cu_seqlens_kv is not None else cu_seqlens_q
+        if max_seqlen_kv is None and cu is not None:
             max_seqlen_kv = int(host_values(cu[1:] - cu[:-1]).max())
     else:
         max_seqlen_q = max_seqlen_kv = None
@@ -139,6 +141,18 @@ def recorded_launches(run: bool = True) -> Iterator[List[Tuple[launch_descriptio
     kernel_runner._run = record
     try:
         yield recorded
+    finally:
+        kernel_runner._run = real_run
+
+
+@contextlib.contextmanager
+def no_launches() -> Iterator[None]:
+    """While open, the kernel runner launches nothing (outputs stay unfilled): the host time of our Python
+    alone, on any device."""
+    real_run = kernel_runner._run
+    kernel_runner._run = lambda described, buffers: None
+    try:
+        yield
     finally:
         kernel_runner._run = real_run
 

@@ -18,6 +18,7 @@ rows with the views' own strides.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Dict, Mapping, Optional, Tuple, Union
 
@@ -140,10 +141,17 @@ def plan_key(params: AttnParams, head_dim_qk: int, head_dim_v: int, dtype: str, 
     """The PlanKey of a call's launches: its head dims and dtype, the mask, window, diagonal, dropout and
     softmax type of ``params``, the score modifier the kernels add (``bias_type``: Call.bias_type) and the
     device facts. The plans are the same in both determinism modes (no atomic or autotuned variant exists)."""
+    return _plan_key(params, head_dim_qk, head_dim_v, dtype, bias_type, tuple(device.items()))
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_key(params: AttnParams, head_dim_qk: int, head_dim_v: int, dtype: str, bias_type: AttnBiasType,
+              device: Tuple[Tuple[str, object], ...]) -> PlanKey:
+    # Memoized: a pure function of frozen values, built twice a training step (forward, backward).
     return PlanKey(
         head_dim_qk=head_dim_qk, head_dim_v=head_dim_v, dtype=dtype, attn_mask_type=params.attn_mask_type,
         window_size=params.window_size, bottom_right=params.bottom_right, attn_bias_type=bias_type,
-        dropout=params.kernel_dropout, softmax_type=params.softmax_type, **device,
+        dropout=params.kernel_dropout, softmax_type=params.softmax_type, **dict(device),
     )
 
 

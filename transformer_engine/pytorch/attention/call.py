@@ -106,7 +106,6 @@ def _codec(tp) -> Tuple[str, Callable, Callable]:
 _HINTS = typing.get_type_hints(AttnParams)
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(AttnParams))
 _CODECS = tuple(_codec(_HINTS[name]) for name in _PARAM_FIELDS)
-_ENCODERS = tuple(c[1] for c in _CODECS)
 _DECODERS = tuple(c[2] for c in _CODECS)
 _NUM_TENSORS = len(AttnCall.TENSOR_ROLES)
 FLAT_SIZE = _NUM_TENSORS + len(_PARAM_FIELDS)  # how many of the ops' arguments one call takes
@@ -123,11 +122,36 @@ def op_schema_args() -> str:
 def flatten(call: AttnCall) -> tuple:
     """The custom ops' arguments of ``call`` (:func:`op_schema_args`); :func:`unflatten` inverts it."""
     p = call.params
-    return call.tensors + tuple(encode(getattr(p, name)) for name, encode in zip(_PARAM_FIELDS, _ENCODERS))
+    return call.tensors + tuple([_encode(getattr(p, name)) for name in _PARAM_FIELDS])
+
+
+def _encode(value):
+    """A parameter's schema value: an enum's string, a tuple's list, else the value (one function for every
+    field, so that tracing flatten under torch.compile guards on little)."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+# The op schema's lists arrive as Python lists: their positions among the parameters, made tuples for the key.
+_LIST_POSITIONS = tuple(i for i, (kind, _, _) in enumerate(_CODECS) if kind.startswith("SymInt[]"))
+_decoded = {}  # the parameters' values -> their AttnParams (a compiled step calls the op with the same ones)
+_MAX_DECODED = 1024
 
 
 def unflatten(flat) -> AttnCall:
     """The :class:`AttnCall` of the custom ops' arguments (:func:`flatten`)."""
-    values = flat[_NUM_TENSORS:]
-    params = AttnParams(*(decode(x) for decode, x in zip(_DECODERS, values)))
+    values = list(flat[_NUM_TENSORS:])
+    for i in _LIST_POSITIONS:
+        if values[i] is not None:
+            values[i] = tuple(values[i])
+    key = tuple(values)
+    params = _decoded.get(key)
+    if params is None:
+        params = AttnParams(*(decode(x) for decode, x in zip(_DECODERS, key)))
+        if len(_decoded) >= _MAX_DECODED:
+            _decoded.clear()
+        _decoded[key] = params
     return AttnCall(params, *flat[:_NUM_TENSORS])

@@ -1,7 +1,8 @@
-"""The dev/ and benchmarks/ scripts use only project names that exist: a rename breaks this test, not a GPU call.
+"""The repository's scripts use only project names that exist: a rename breaks this test, not a GPU call.
 
-Each Python file under dev/ and benchmarks/ is read from its source (``ast``; imports inside functions count
-too, as the scripts import lazily): every ``import transformer_engine...`` and ``from transformer_engine...
+The scripts are the Python files outside the package and its tests (benchmarks, examples, tuning and GPU
+machine scripts), which no other test imports. Each is read from its source (``ast``; imports inside
+functions count too, as the scripts import lazily): every ``import transformer_engine...`` and ``from transformer_engine...
 import name`` must import and bind the name, and every attribute a script reads or sets on a project module or
 class it imported that way (``kernel_runner.forward``, ``launch_description.backward_launches = ...``) must
 exist there. A name the script also binds otherwise (an assignment, a loop variable, an argument) is left
@@ -37,9 +38,14 @@ def _project_imports(tree: ast.AST) -> List[Tuple[str, str, str]]:
     return out
 
 
+# Covered elsewhere: the package (test_import_graph and every other test) and the tests themselves.
+_NOT_SCRIPTS = {PACKAGE, "tests", ".git"}
+
+
 def _scripts() -> List[Path]:
-    """The dev/ and benchmarks/ Python files that import from the project."""
-    paths = sorted(p for d in ("dev", "benchmarks") for p in (ROOT / d).rglob("*.py"))
+    """The repository's Python files outside the package and its tests that import from the project."""
+    paths = sorted(p for top in ROOT.iterdir() if top.is_dir() and top.name not in _NOT_SCRIPTS
+                   for p in top.rglob("*.py") if "__pycache__" not in p.parts)
     return [p for p in paths if _project_imports(ast.parse(p.read_text(encoding="utf-8")))]
 
 
@@ -76,7 +82,7 @@ SCRIPTS = _scripts()
 
 def test_the_scripts_are_found():
     names = {p.relative_to(ROOT).as_posix() for p in SCRIPTS}
-    assert {"dev/tuning/host_time.py", "benchmarks/attention/bench_core.py"} <= names
+    assert "benchmarks/attention/bench_core.py" in names and len(names) > 10
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.relative_to(ROOT).as_posix())

@@ -282,3 +282,14 @@ def test_a_length_of_one_takes_the_length_generic_kernel(seqlen, dims, monkeypat
         for x in block_loops:
             base = kernels[x.name]
             assert x.kernel is (base.length_generic if 1 in seqlen else base), (x.name, seqlen)
+
+
+def test_the_jax_static_is_the_common_params():
+    """FusedAttnStatic extends AttnParams (its fields, in its order) and keeps JAX's default diagonal."""
+    from transformer_engine.common.attention.params import AttnParams
+
+    args = (AttnMaskType.NO_MASK, AttnBiasType.NO_BIAS, QKVFormat.BSHD, (8, 8), 0.125, 0.0, True, True)
+    static = FusedAttnStatic(*args)
+    assert isinstance(static, AttnParams) and static.checkpoint_name == "context"
+    assert static.bottom_right is False and AttnParams(*args).bottom_right is True  # a None diagonal
+    assert dataclasses.replace(static, bottom_right_diagonal=True).bottom_right is True

@@ -82,23 +82,23 @@ class AttnCall:
 # -- the custom ops' flat form -----------------------------------------------------------------------------
 
 
-def _codec(tp) -> Tuple[str, Callable, Callable]:
-    """(schema type, encode, decode) of an AttnParams field of annotation ``tp``."""
+def _codec(tp) -> Tuple[str, Callable]:
+    """(schema type, decode) of an AttnParams field of annotation ``tp`` (:func:`_encode` is the inverse)."""
     args = typing.get_args(tp)
     if typing.get_origin(tp) is typing.Union and type(None) in args:  # Optional[X]
         (inner,) = [a for a in args if a is not type(None)]
-        kind, encode, decode = _codec(inner)
-        return kind + "?", (lambda x: None if x is None else encode(x)), (lambda x: None if x is None else decode(x))
+        kind, decode = _codec(inner)
+        return kind + "?", (lambda x: None if x is None else decode(x))
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        return "str", (lambda x: x.value), tp
+        return "str", tp
     if tp is bool:
-        return "bool", bool, bool
+        return "bool", bool
     if tp is int:
-        return "SymInt", (lambda x: x), (lambda x: x)
+        return "SymInt", (lambda x: x)  # SymInts stay symbolic while tracing
     if tp is float:
-        return "float", float, float
+        return "float", float
     if typing.get_origin(tp) is tuple and all(a is int for a in args):
-        return "SymInt[]", list, tuple
+        return "SymInt[]", tuple
     raise TypeError(f"AttnParams fields must be enums, bools, ints, floats, int tuples or Optional of one for "
                     f"the custom ops' schema, got {tp!r}")
 
@@ -106,7 +106,7 @@ def _codec(tp) -> Tuple[str, Callable, Callable]:
 _HINTS = typing.get_type_hints(AttnParams)
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(AttnParams))
 _CODECS = tuple(_codec(_HINTS[name]) for name in _PARAM_FIELDS)
-_DECODERS = tuple(c[2] for c in _CODECS)
+_DECODERS = tuple(decode for _, decode in _CODECS)
 _NUM_TENSORS = len(AttnCall.TENSOR_ROLES)
 FLAT_SIZE = _NUM_TENSORS + len(_PARAM_FIELDS)  # how many of the ops' arguments one call takes
 
@@ -115,7 +115,7 @@ def op_schema_args() -> str:
     """The custom ops' schema arguments of an :class:`AttnCall`: its tensors by role (``Tensor?``), then every
     AttnParams field (``params_<name>``)."""
     tensors = [f"Tensor? {role}" for role in AttnCall.TENSOR_ROLES]
-    params = [f"{kind} params_{name}" for name, (kind, _, _) in zip(_PARAM_FIELDS, _CODECS)]
+    params = [f"{kind} params_{name}" for name, (kind, _) in zip(_PARAM_FIELDS, _CODECS)]
     return ", ".join(tensors + params)
 
 
@@ -136,7 +136,7 @@ def _encode(value):
 
 
 # The op schema's lists arrive as Python lists: their positions among the parameters, made tuples for the key.
-_LIST_POSITIONS = tuple(i for i, (kind, _, _) in enumerate(_CODECS) if kind.startswith("SymInt[]"))
+_LIST_POSITIONS = tuple(i for i, (kind, _) in enumerate(_CODECS) if kind.startswith("SymInt[]"))
 _decoded = {}  # the parameters' values -> their AttnParams (a compiled step calls the op with the same ones)
 _MAX_DECODED = 1024
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import typing
 from dataclasses import dataclass
 from typing import Callable, ClassVar, ContextManager, Optional, Tuple
@@ -121,18 +122,23 @@ def op_schema_args() -> str:
 
 def flatten(call: AttnCall) -> tuple:
     """The custom ops' arguments of ``call`` (:func:`op_schema_args`); :func:`unflatten` inverts it."""
-    p = call.params
-    return call.tensors + tuple([_encode(getattr(p, name)) for name in _PARAM_FIELDS])
+    if torch.compiler.is_compiling():  # traced once: the graph holds the values
+        return call.tensors + _encoded(call.params)
+    return call.tensors + _encoded_once(call.params)
+
+
+def _encoded(params: AttnParams) -> tuple:
+    return tuple([_encode(getattr(params, name)) for name in _PARAM_FIELDS])
+
+
+# Eager calls through the ops (fake or subclass tensors) encode each distinct AttnParams once.
+_encoded_once = functools.lru_cache(maxsize=1024)(_encoded)
 
 
 def _encode(value):
-    """A parameter's schema value: an enum's string, a tuple's list, else the value (one function for every
-    field, so that tracing flatten under torch.compile guards on little)."""
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, tuple):
-        return list(value)
-    return value
+    """A parameter's schema value: an enum's string, else the value (the schema takes a tuple for a list; one
+    function for every field, so that tracing flatten under torch.compile guards on little)."""
+    return value.value if isinstance(value, enum.Enum) else value
 
 
 # The op schema's lists arrive as Python lists: their positions among the parameters, made tuples for the key.

@@ -2,10 +2,10 @@
 
 The scripts are the Python files outside the package and its tests (benchmarks, examples, tuning and GPU
 machine scripts), which no other test imports. Each is read from its source (``ast``; imports inside
-functions count too, as the scripts import lazily): every ``import transformer_engine...`` and ``from transformer_engine...
-import name`` must import and bind the name, and every attribute a script reads or sets on a project module or
-class it imported that way (``kernel_runner.forward``, ``launch_description.backward_launches = ...``) must
-exist there. A name the script also binds otherwise (an assignment, a loop variable, an argument) is left
+functions count too, as the scripts import lazily): every ``import transformer_engine...`` and
+``from transformer_engine... import name`` must import and bind the name, and every attribute a script
+reads or sets on a project module or class it imported that way (``kernel_runner.forward``,
+``launch_description.backward_launches = ...``) must exist there. A name the script also binds otherwise (an assignment, a loop variable, an argument) is left
 out: which object it holds is not known from the source alone.
 """
 

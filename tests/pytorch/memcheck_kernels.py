@@ -100,8 +100,8 @@ def run_segment_rows(dims, heads=(4, 2)):
             lens.append(n)
             pos += n
     as_tensor = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
-    seqs = kernel_runner.Sequences(len(lens), s, s, as_tensor(lens), as_tensor(lens), as_tensor(starts), as_tensor(starts),
-                            segments_per_row=3)
+    seqs = kernel_runner.Sequences(len(lens), s, s, as_tensor(lens), as_tensor(lens), as_tensor(starts),
+                                   as_tensor(starts), segments_per_row=3)
     g = torch.Generator(device="cpu").manual_seed(0)
     q, k, v, do = (torch.randn(rows * s, hh, dd, generator=g).to("cuda", torch.bfloat16)
                    for hh, dd in ((h, dqk), (hk, dqk), (hk, dv), (h, dv)))

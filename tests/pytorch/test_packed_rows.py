@@ -45,7 +45,8 @@ def _packed(layout, h, hk, d, dv, dtype, seed=0):
             pos += n + gap
         assert pos <= (r + 1) * s
     as_tensor = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
-    seqs = kernel_runner.Sequences(rows * m, s, s, as_tensor(lens), as_tensor(lens), as_tensor(starts), as_tensor(starts))
+    seqs = kernel_runner.Sequences(rows * m, s, s, as_tensor(lens), as_tensor(lens), as_tensor(starts),
+                                   as_tensor(starts))
     return (q, k, v, do), seqs, m
 
 

@@ -177,7 +177,8 @@ def _given(name: str, t: torch.Tensor, shape, dtype: torch.dtype, like: torch.Te
     """A caller's buffer for an output, checked against what would be allocated."""
     if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != like.device or t.stride(-1) != 1:
         raise ValueError(f"`{name}` must be a {dtype} tensor of shape {tuple(shape)} on {like.device} with a "
-                         f"contiguous last dim, got {t.dtype} {tuple(t.shape)} strides {tuple(t.stride())} on {t.device}")
+                         f"contiguous last dim, got {t.dtype} {tuple(t.shape)} strides {tuple(t.stride())} "
+                         f"on {t.device}")
     return t
 
 

@@ -8,10 +8,10 @@ import sys
 import torch
 import triton
 
-from transformer_engine.common.attention import AttnMaskType, QKVFormat
 from transformer_engine.common.attention.kernels import backward as bwd_mod
 from transformer_engine.common.attention.plan import Tiles, backward_plan
-from transformer_engine.pytorch.attention import launch
+from transformer_engine.pytorch.attention import kernel_runner
+from transformer_engine.pytorch.attention.testing import fused_call
 
 
 def main(variant, sq):
@@ -21,12 +21,10 @@ def main(variant, sq):
     k = torch.randn(b, skv, h, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(b, skv, h, d, device="cuda", dtype=torch.bfloat16)
     do = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
-    fmt, mask, window = QKVFormat.BSHD, AttnMaskType.NO_MASK, (-1, -1)
-    seqs = launch.sequences(fmt, q, k, None, None, None, None, sq, skv)
-    scale = d ** -0.5
-    out, lse = launch.forward(q, k, v, fmt, seqs, scale, mask, window)
+    call = fused_call("bshd", "no_mask", (-1, -1), d ** -0.5)
+    out, lse = kernel_runner.forward(q, k, v, call)
     torch.cuda.synchronize()
-    plan = backward_plan(launch.plan_config(q, k, v, fmt, mask, window))
+    plan = backward_plan(kernel_runner.plan_key(q, k, v, call))
     if variant == "stages1":
         plan = dataclasses.replace(plan, dq=dataclasses.replace(plan.dq, num_stages=1))
     elif variant == "n32":
@@ -34,12 +32,13 @@ def main(variant, sq):
     elif variant == "warps4":
         plan = dataclasses.replace(plan, dq=dataclasses.replace(plan.dq, num_warps=4))
     elif variant == "nospec":
-        launch.attn_bwd_dq_kernel = triton.jit(bwd_mod.attn_bwd_dq_kernel.fn, do_not_specialize=["seqlen_q"])
+        # The launch description takes the kernel from its module at each call.
+        bwd_mod.attn_bwd_dq_kernel = triton.jit(bwd_mod.attn_bwd_dq_kernel.fn, do_not_specialize=["seqlen_q"])
     elif variant == "single":
         plan = dataclasses.replace(plan, dq=dataclasses.replace(plan.dq, single_loop=True))
     print("dq tiles", plan.dq, flush=True)
     try:
-        dq, dk, dv, _ = launch.backward(q, k, v, out, do, lse, fmt, seqs, scale, mask, window, plan=plan)
+        dq, dk, dv, _, _ = kernel_runner.backward(q, k, v, out, do, lse, call, plan)
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001
         print(variant, sq, "FAULT", str(e).splitlines()[0][:120], flush=True)

@@ -22,7 +22,8 @@ from kernel_time import per_kernel_us
 from common import run_metadata, write_results
 from transformer_engine.common.attention import AttnMaskType, QKVFormat
 from transformer_engine.common.attention.plan import backward_plan
-from transformer_engine.pytorch.attention import launch
+from transformer_engine.pytorch.attention import kernel_runner
+from transformer_engine.pytorch.attention.testing import fused_call
 
 SHAPES = [(1, 16, 8192, 128), (4, 16, 4096, 128), (16, 16, 2048, 128), (64, 16, 1024, 128)]
 KERNELS = ("attn_fwd_kernel", "attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")
@@ -54,12 +55,12 @@ def measure(b, h, s, d, causal, reps):
     q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     fmt = QKVFormat.BSHD
     mask = AttnMaskType.CAUSAL_MASK if causal else AttnMaskType.NO_MASK
-    seqs = launch.sequences(fmt, q, k, None, None, None, None, s, s)
-    cfg = launch.plan_config(q, k, v, fmt, mask, (-1, -1))
-    o, lse = launch.forward(q, k, v, fmt, seqs, d ** -0.5, mask, (-1, -1))
-    times = kernel_us(lambda: launch.forward(q, k, v, fmt, seqs, d ** -0.5, mask, (-1, -1)), reps)
+    call = fused_call(fmt, mask, None, d ** -0.5)
+    cfg = kernel_runner.plan_key(q, k, v, call)
+    o, lse = kernel_runner.forward(q, k, v, call)
+    times = kernel_us(lambda: kernel_runner.forward(q, k, v, call), reps)
     times.update({name: t for name, t in kernel_us(
-        lambda: launch.backward(q, k, v, o, do, lse, fmt, seqs, d ** -0.5, mask, (-1, -1)), reps).items()
+        lambda: kernel_runner.backward(q, k, v, o, do, lse, call), reps).items()
         if name != "attn_fwd_kernel"})
     dkdv_programs = b * h * -(-s // backward_plan(cfg).dkdv.block_n)
     bwd_us = sum(times[n] for n in KERNELS[1:])

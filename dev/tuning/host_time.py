@@ -15,14 +15,14 @@ ones (async: the call returns once they are queued, and the tiny shape keeps the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
 
 from transformer_engine.common import settings
-from transformer_engine.common.attention import AttnMaskType, AttnSoftmaxType, QKVFormat
 from transformer_engine.pytorch import DotProductAttention
-from transformer_engine.pytorch.attention import fused_attn, kernel_launcher, launch, ops
+from transformer_engine.pytorch.attention import fused_attn, kernel_runner, launch_cache, ops, testing
 
 
 def per_call_us(fn, calls: int, rounds: int = 9) -> float:
@@ -60,26 +60,26 @@ def autograd_overhead(q, calls: int) -> None:
     print(f"  torch op (x * 1)            {per_call_us(lambda: (x * 1).backward(g), calls):8.1f}")
 
 
-def launch_overhead(q, k, v, seqs, calls: int) -> None:
-    """Host microseconds of the forward's kernel launches: through launch._run, as Triton JIT calls with the
-    arguments bound once, and through each compiled kernel's launcher directly (what a launcher cached per
-    launch description would cost: only the tensors' addresses and the grid change between calls)."""
+def launch_overhead(q, k, v, call, calls: int) -> None:
+    """Host microseconds of the forward's kernel launches: through the kernel runner's launch loop, as Triton
+    JIT calls with the arguments bound once, and through each compiled kernel's launcher directly (what a
+    launcher cached per launch description would cost: only the tensors' addresses and the grid change
+    between calls)."""
     captured = {}
-    real_run = launch._run
+    real_run = kernel_runner._run
 
     def capture(described, buffers):
         captured.update(described=described, buffers=buffers)
         real_run(described, buffers)
 
-    launch._run = capture
+    kernel_runner._run = capture
     try:
-        launch.forward(q.detach(), k.detach(), v.detach(), QKVFormat.BSHD, seqs, q.shape[-1] ** -0.5,
-                       AttnMaskType("causal"), (-1, 0))
+        kernel_runner.forward(q.detach(), k.detach(), v.detach(), call)
     finally:
-        launch._run = real_run
+        kernel_runner._run = real_run
     described, buffers = captured["described"], captured["buffers"]
     print(f"launch alone ({', '.join(d.name for d in described)}), microseconds per call:")
-    print(f"  launch._run              {per_call_us(lambda: launch._run(described, buffers), calls):8.1f}")
+    print(f"  kernel_runner._run       {per_call_us(lambda: kernel_runner._run(described, buffers), calls):8.1f}")
     bound = [(d.kernel, d.grid, d.bind(buffers), d.options) for d in described]
 
     def jit_calls():
@@ -90,20 +90,20 @@ def launch_overhead(q, k, v, seqs, calls: int) -> None:
 
     def cached_calls():
         for kernel, grid, kwargs, options in bound:
-            kernel_launcher.launch(kernel, grid, kwargs, options)
+            launch_cache.launch(kernel, grid, kwargs, options)
 
-    print(f"  kernel_launcher.launch   {per_call_us(cached_calls, calls):8.1f}")
-    device, _ = kernel_launcher._device_and_stream()
+    print(f"  launch_cache.launch      {per_call_us(cached_calls, calls):8.1f}")
+    device, _ = launch_cache._device_and_stream()
     keys = [(kernel, tuple(kwargs.values()), options) for kernel, _, kwargs, options in bound]
     parts = {
-        "its key": lambda: [kernel_launcher._key(k, device, v, o) for k, v, o in keys],
-        "its device and stream": kernel_launcher._device_and_stream,
-        "its checks": lambda: (kernel_launcher._jit_only(bound[0][0]), kernel_launcher._hooks()),
+        "its key": lambda: [launch_cache._key(k, device, v, o) for k, v, o in keys],
+        "its device and stream": launch_cache._device_and_stream,
+        "its checks": lambda: (launch_cache._jit_only(bound[0][0]), launch_cache._hooks()),
         "the description's bind": lambda: [d.bind(buffers) for d in described],
     }
     for name, fn in parts.items():
         print(f"    {name:22s} {per_call_us(fn, calls):8.1f}")
-    print(f"    (launch hooks active: {kernel_launcher._hooks()[0] is not None})")
+    print(f"    (launch hooks active: {launch_cache._hooks()[0] is not None})")
     try:
         direct = []
         for kernel, grid, kwargs, options in bound:
@@ -137,27 +137,28 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--head-dim", type=int, default=128)
     args = ap.parse_args()
-    if args.stub:
-        launch._run = lambda described, buffers: None
+    stub = testing.no_launches() if args.stub else contextlib.nullcontext()
+    with stub:
+        _measure(args)
+
+
+def _measure(args) -> None:
     if args.op_dispatch:
         ops._eager = lambda *tensors: False
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float16
     b, h, s, d = 1, 2, 128, args.head_dim
     q, k, v = (torch.randn(b, s, h, d, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
-    fmt, mask, scale = QKVFormat.BSHD, AttnMaskType("causal"), d ** -0.5
     module = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="causal", attention_dropout=0.0)
-    seqs = launch.sequences(fmt, q, k, None, None, None, None, s, s)
+    call = testing.fused_call("bshd", "causal", (-1, 0), d ** -0.5)
 
     def fused(q_, k_, v_):
-        return fused_attn.fused_attention(q_, k_, v_, fmt, mask, (-1, 0), scale, False, None, None, None, None,
-                                          None, None, True, None, None, 0.0, None, AttnSoftmaxType.VANILLA_SOFTMAX,
-                                          None)
+        return fused_attn.fused_attention(q_, k_, v_, call)
 
     layers = {
         "DotProductAttention": lambda: module(q, k, v),
         "fused_attention": lambda: fused(q, k, v),
-        "launch.forward": lambda: launch.forward(q, k, v, fmt, seqs, scale, mask, (-1, 0)),
+        "kernel_runner.forward": lambda: kernel_runner.forward(q, k, v, call),
         "torch SDPA (reference)": lambda: torch.nn.functional.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True),
     }
@@ -171,12 +172,12 @@ def main() -> None:
         with torch.no_grad():
             for name, fn in layers.items():
                 print(f"  forward  {name:22s} {per_call_us(fn, args.calls):8.1f}")
-        _, lse = launch.forward(q.detach(), k.detach(), v.detach(), fmt, seqs, scale, mask, (-1, 0))
+        _, lse = kernel_runner.forward(q.detach(), k.detach(), v.detach(), call)
         steps = {
             "DotProductAttention": lambda: module(q, k, v).backward(d_flat),
             "fused_attention": lambda: fused(q, k, v).backward(d_out),
-            "launch.backward": lambda: launch.backward(q.detach(), k.detach(), v.detach(), out.detach(), d_out, lse,
-                                                       fmt, seqs, scale, mask, (-1, 0)),
+            "kernel_runner.backward": lambda: kernel_runner.backward(q.detach(), k.detach(), v.detach(), out.detach(),
+                                                                     d_out, lse, call),
         }
         sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True).backward(d_out.transpose(1, 2))
@@ -185,9 +186,9 @@ def main() -> None:
             for t in (q, k, v):
                 t.grad = None
             print(f"  fwd+bwd  {name:22s} {per_call_us(fn, args.calls // 2):8.1f}"
-                  + ("  (backward launches only)" if name.startswith("launch") else ""))
+                  + ("  (backward launches only)" if name.startswith("kernel_runner") else ""))
         if args.launch and device == "cuda":
-            launch_overhead(q, k, v, seqs, args.calls)
+            launch_overhead(q, k, v, call, args.calls)
         if args.launch:
             autograd_overhead(q, args.calls)
         if args.profile:

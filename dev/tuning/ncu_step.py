@@ -12,7 +12,8 @@ import argparse
 import torch
 
 from transformer_engine.common.attention import AttnMaskType, QKVFormat
-from transformer_engine.pytorch.attention import launch
+from transformer_engine.pytorch.attention import kernel_runner
+from transformer_engine.pytorch.attention.testing import fused_call
 
 
 def main():
@@ -22,12 +23,11 @@ def main():
     args = ap.parse_args()
     b, h, s, d = (int(x) for x in args.shape.split(","))
     q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    fmt = QKVFormat.BSHD
-    mask = AttnMaskType.CAUSAL_MASK if args.causal else AttnMaskType.NO_MASK
-    seqs = launch.sequences(fmt, q, k, None, None, None, None, s, s)
+    call = fused_call(QKVFormat.BSHD, AttnMaskType.CAUSAL_MASK if args.causal else AttnMaskType.NO_MASK,
+                      None, d ** -0.5)
     for _ in range(2):
-        o, lse = launch.forward(q, k, v, fmt, seqs, d ** -0.5, mask, (-1, -1))
-        launch.backward(q, k, v, o, do, lse, fmt, seqs, d ** -0.5, mask, (-1, -1))
+        o, lse = kernel_runner.forward(q, k, v, call)
+        kernel_runner.backward(q, k, v, o, do, lse, call)
     torch.cuda.synchronize()
 
 

@@ -171,13 +171,11 @@ def reference_grads(q, k, v, d_out, causal):
 def _forward(q, k, v, causal):
     """out and lse [b, h, s] (natural log): the product's forward on the GPU, the reference on the CPU."""
     if q.is_cuda:
-        from transformer_engine.common.attention import AttnMaskType, QKVFormat
-        from transformer_engine.pytorch.attention import launch
+        from transformer_engine.pytorch.attention import kernel_runner
+        from transformer_engine.pytorch.attention.testing import fused_call
 
-        b, s = q.shape[:2]
-        seqs = launch.sequences(QKVFormat.BSHD, q, k, None, None, None, None, s, s)
-        mask = AttnMaskType.CAUSAL_MASK if causal else AttnMaskType.NO_MASK
-        return launch.forward(q, k, v, QKVFormat.BSHD, seqs, q.shape[-1] ** -0.5, mask, (-1, 0 if causal else -1))
+        return kernel_runner.forward(q, k, v, fused_call("bshd", "causal" if causal else "no_mask", None,
+                                                         q.shape[-1] ** -0.5))
     qf, kf, vf = (t.double().transpose(1, 2) for t in (q, k, v))
     sc = qf @ kf.transpose(-1, -2) * q.shape[-1] ** -0.5
     if causal:
@@ -285,8 +283,8 @@ def compare_on_gpu(script, check_dims, cases, masks, variants_of, out_path):
     is recorded and the rest go on; each row is printed as it completes (a hang keeps the earlier rows)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks", "attention"))
     from common import bench_ms, run_metadata
-    from transformer_engine.common.attention import AttnMaskType, QKVFormat
-    from transformer_engine.pytorch.attention import launch
+    from transformer_engine.pytorch.attention import kernel_runner
+    from transformer_engine.pytorch.attention.testing import fused_call
 
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
@@ -294,10 +292,8 @@ def compare_on_gpu(script, check_dims, cases, masks, variants_of, out_path):
         torch.manual_seed(0)
         q, k, v, d_out = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
         out, lse = _forward(q, k, v, causal)
-        mask = AttnMaskType.CAUSAL_MASK if causal else AttnMaskType.NO_MASK
-        seqs = launch.sequences(QKVFormat.BSHD, q, k, None, None, None, None, s, s)
-        product = lambda: launch.backward(q, k, v, out, d_out, lse, QKVFormat.BSHD, seqs,  # noqa: E731
-                                          d ** -0.5, mask, (-1, 0 if causal else -1))[:3]
+        call = fused_call("bshd", "causal" if causal else "no_mask", None, d ** -0.5)
+        product = lambda: kernel_runner.backward(q, k, v, out, d_out, lse, call)[:3]  # noqa: E731
         return (q, k, v, out, d_out, lse), product
 
     rows = []

@@ -30,7 +30,8 @@ from causal_breakdown import kernel_us
 from common import bench_ms, run_metadata, write_results
 from transformer_engine.common.attention import AttnMaskType, QKVFormat
 from transformer_engine.common.attention.plan import Tiles, backward_plan
-from transformer_engine.pytorch.attention import launch
+from transformer_engine.pytorch.attention import kernel_runner
+from transformer_engine.pytorch.attention.testing import fused_call
 
 SHAPES = [(4, 16, 4096, 128, True), (4, 16, 4096, 128, False)]
 
@@ -113,15 +114,15 @@ def preprocess_us(tiles, b, h, s, d, reps):
     ("64x4": 64 rows, 4 warps), as bytes moved per second too."""
     q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     fmt, mask = QKVFormat.BSHD, AttnMaskType.CAUSAL_MASK
-    seqs = launch.sequences(fmt, q, k, None, None, None, None, s, s)
-    o, lse = launch.forward(q, k, v, fmt, seqs, d ** -0.5, mask, (-1, -1))
+    call = fused_call(fmt, mask, None, d ** -0.5)
+    o, lse = kernel_runner.forward(q, k, v, call)
     rows = []
     for spec in tiles.split(","):
         block_m, warps = (int(x) for x in spec.split("x"))
-        plan = dataclasses.replace(backward_plan(launch.plan_config(q, k, v, fmt, mask, (-1, -1))),
+        plan = dataclasses.replace(backward_plan(kernel_runner.plan_key(q, k, v, call)),
                                    preprocess=Tiles(block_m, 0, warps, 1))
-        us = kernel_us(lambda: launch.backward(q, k, v, o, do, lse, fmt, seqs, d ** -0.5, mask, (-1, -1),
-                                               plan), reps)["attn_bwd_preprocess_kernel"]
+        us = kernel_us(lambda: kernel_runner.backward(q, k, v, o, do, lse, call, plan),
+                       reps)["attn_bwd_preprocess_kernel"]
         rows.append(dict(backend=f"preprocess {spec}", shape=f"{b},{h},{s},{d}", mask="causal",
                          kernels_us=round(us, 1), kernels=f"{2 * o.numel() * 2 / us / 1e6:.2f} TB/s"))
         print(rows[-1], flush=True)

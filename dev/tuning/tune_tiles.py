@@ -22,7 +22,8 @@ from cases import attn_flops
 from common import bench_ms
 from transformer_engine.common.attention import AttnMaskType, QKVFormat
 from transformer_engine.common.attention.plan import Tiles, backward_plan, forward_plan, padded_head_dim
-from transformer_engine.pytorch.attention import launch
+from transformer_engine.pytorch.attention import kernel_runner
+from transformer_engine.pytorch.attention.testing import fused_call
 
 # Candidates per padded head dim: forward tiles, dK/dV tiles (timed with the planned dQ tiles) and
 # dQ tiles (timed with the planned dK/dV tiles), so each backward kernel is chosen on its own. The
@@ -123,11 +124,11 @@ def main(dims=(128, 256), causal_kinds=(False, True), out=None, variants=None):
         do = torch.randn(b, s, h, dv, device="cuda", dtype=torch.bfloat16)
         fmt = QKVFormat.BSHD
         mask = AttnMaskType.CAUSAL_MASK if causal else AttnMaskType.NO_MASK
-        seqs = launch.sequences(fmt, q, k, None, None, None, None, s, s)
-        cfg = launch.plan_config(q, k, v, fmt, mask, (-1, -1))
+        call = fused_call(fmt, mask, None, d ** -0.5)
+        cfg = kernel_runner.plan_key(q, k, v, call)
         base_f = forward_plan(cfg)
         base_b = backward_plan(cfg)
-        o, lse = launch.forward(q, k, v, fmt, seqs, d ** -0.5, mask, (-1, -1))
+        o, lse = kernel_runner.forward(q, k, v, call)
         key = f"d{d}" + (f"v{dv}" if dv != d else "") + f"_{'causal' if causal else 'none'}" + \
             (f"_{b}x{h}x{s}" if shape else "") + (f"_kv{hk}" if hk != h else "")
         results[key] = {}
@@ -138,7 +139,7 @@ def main(dims=(128, 256), causal_kinds=(False, True), out=None, variants=None):
         for t in fwd_cands if "fwd" in kernels else []:
             try:
                 plan = dataclasses.replace(base_f, tiles=t, warp_specialized=None)  # the Triton kernel
-                ms = bench_ms(lambda: launch.forward(q, k, v, fmt, seqs, d ** -0.5, mask, (-1, -1), plan))
+                ms = bench_ms(lambda: kernel_runner.forward(q, k, v, call, plan))
                 results[key][f"fwd {t}"] = round(attn_flops(b, h, s, s, d, causal, "fwd", dv) / ms / 1e9, 1)
             except Exception as err:
                 results[key][f"fwd {t}"] = f"fail {type(err).__name__}"
@@ -156,8 +157,7 @@ def main(dims=(128, 256), causal_kinds=(False, True), out=None, variants=None):
             try:
                 plan = dataclasses.replace(base_b, dkdv=t1, dq=t2, dv=t3, dq_warp_specialized=None,
                                            dkdv_warp_specialized=None)  # the Triton kernels
-                ms = bench_ms(lambda: launch.backward(q, k, v, o, do, lse, fmt, seqs, d ** -0.5, mask,
-                                                      (-1, -1), plan))
+                ms = bench_ms(lambda: kernel_runner.backward(q, k, v, o, do, lse, call, plan))
                 results[key][name] = round(attn_flops(b, h, s, s, d, causal, "bwd", dv) / ms / 1e9, 1)
             except Exception as err:
                 results[key][name] = f"fail {type(err).__name__}"

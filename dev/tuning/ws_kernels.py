@@ -31,7 +31,8 @@ from cases import attn_flops  # noqa: E402
 from common import bench_ms, run_metadata  # noqa: E402
 from transformer_engine.common.attention import AttnMaskType, QKVFormat  # noqa: E402
 from transformer_engine.common.attention.plan import backward_plan, forward_plan  # noqa: E402
-from transformer_engine.pytorch.attention import launch  # noqa: E402
+from transformer_engine.pytorch.attention import kernel_runner  # noqa: E402
+from transformer_engine.pytorch.attention.testing import fused_call  # noqa: E402
 
 MASKS = {"none": AttnMaskType.NO_MASK, "causal": AttnMaskType.CAUSAL_MASK,
          "causal_br": AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK, "padding_causal": AttnMaskType.PADDING_CAUSAL_MASK}
@@ -85,8 +86,8 @@ def run_case(b, h, hk, sq, sk, d, mask_name, window, dtype, variants, bwd_varian
     v = torch.randn(b, sk, hk, d_v, device="cuda", dtype=dtype)
     mask = MASKS[mask_name]
     scale = 1.0 / math.sqrt(d)
-    seqs = launch.sequences(QKVFormat.BSHD, q, k, None, None, None, None, sq, sk)
-    cfg = launch.plan_config(q, k, v, QKVFormat.BSHD, mask, window)
+    call = fused_call(QKVFormat.BSHD, mask, window, scale)
+    cfg = kernel_runner.plan_key(q, k, v, call)
     base = forward_plan(cfg)
     plans = {"triton": dataclasses.replace(base, warp_specialized=None)}
     if base.warp_specialized is not None:
@@ -97,7 +98,7 @@ def run_case(b, h, hk, sq, sk, d, mask_name, window, dtype, variants, bwd_varian
     row = dict(shape=f"{b},{h},{hk},{sq},{sk},{d}" + (f"v{d_v}" if d_v != d else ""), mask=mask_name,
                window=list(window), dtype=str(dtype)[6:])
     for name, plan in plans.items():
-        out, lse = launch.forward(q, k, v, QKVFormat.BSHD, seqs, scale, mask, window, plan=plan)
+        out, lse = kernel_runner.forward(q, k, v, call, plan=plan)
         torch.cuda.synchronize()
         err_o = (out.float() - ref_o).abs().max().item()
         fin = torch.isfinite(ref_lse)
@@ -105,7 +106,7 @@ def run_case(b, h, hk, sq, sk, d, mask_name, window, dtype, variants, bwd_varian
         same_inf = bool(torch.equal(torch.isinf(lse), ~fin))
         row[name] = dict(err_out=err_o, err_lse=err_l, inf_rows_match=same_inf)
         if timed and not check_only:
-            ms = bench_ms(lambda: launch.forward(q, k, v, QKVFormat.BSHD, seqs, scale, mask, window, plan=plan))
+            ms = bench_ms(lambda: kernel_runner.forward(q, k, v, call, plan=plan))
             flops = attn_flops(b, h, sq, sk, d, mask_name != "none", "fwd", d_v)
             row[name].update(ms=ms, tflops=flops / ms * 1e-9)
     if timed and not check_only and "triton" in row and "ms" in row["triton"]:
@@ -113,9 +114,9 @@ def run_case(b, h, hk, sq, sk, d, mask_name, window, dtype, variants, bwd_varian
             row[name]["speedup_vs_triton"] = row["triton"]["ms"] / row[name]["ms"]
 
     # Backward: the Triton dK/dV and dQ passes against warp-specialized tiles of either.
-    out, lse = launch.forward(q, k, v, QKVFormat.BSHD, seqs, scale, mask, window, plan=plans["triton"])
+    out, lse = kernel_runner.forward(q, k, v, call, plan=plans["triton"])
     d_out = torch.randn_like(out)
-    bbase = backward_plan(launch.plan_config(q, k, v, QKVFormat.BSHD, mask, window))
+    bbase = backward_plan(cfg)
     bplans = {"bwd_triton": dataclasses.replace(bbase, dq_warp_specialized=None, dkdv_warp_specialized=None,
                                                 dv_warp_specialized=None)}
     if bbase.dq_warp_specialized is not None:
@@ -134,8 +135,7 @@ def run_case(b, h, hk, sq, sk, d, mask_name, window, dtype, variants, bwd_varian
     refs = reference_grads(q, k, v, d_out, mask, window, scale) if small else None
 
     def bwd(plan):
-        return launch.backward(q, k, v, out, d_out, lse, QKVFormat.BSHD, seqs, scale, mask, window,
-                               plan=plan)[:3]
+        return kernel_runner.backward(q, k, v, out, d_out, lse, call, plan)[:3]
 
     for name, plan in bplans.items():
         grads = bwd(plan)

@@ -318,9 +318,9 @@ def test_pytorch_and_jax_tile_alignment_agree(arch, causal, dims, monkeypatch):
     """The tile both frameworks align chunk calls to, for the same call on the same GPU architecture."""
     torch, tcp, jcp, CPStrategy, FusedAttnStatic = _frameworks()
     import jax.numpy as jnp
-    from transformer_engine.pytorch.attention import launch
+    from transformer_engine.pytorch.attention import kernel_runner
 
-    monkeypatch.setattr(launch, "_device", lambda device: dict(device_type="cuda", compute_capability=arch))
+    monkeypatch.setattr(kernel_runner, "_device", lambda device: dict(device_type="cuda", compute_capability=arch))
     mask = AttnMaskType.CAUSAL_MASK if causal else AttnMaskType.NO_MASK
     q = torch.zeros(1, 256, 8, dims[0], dtype=torch.bfloat16)
     k = torch.zeros(1, 256, 2, dims[0], dtype=torch.bfloat16)

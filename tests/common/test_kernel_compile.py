@@ -20,7 +20,8 @@ SM90 = target("sm90")
 
 
 def _sm90_launches(cfg, **kwargs):
-    """{kernel name: launch} of a training step of ``cfg`` on contiguous tensors (common.attention.launches)."""
+    """{kernel name: launch} of a training step of ``cfg`` on contiguous tensors
+    (common.attention.launch_description)."""
     return {x.name: x for x in planned_launches(contiguous_call(cfg, **kwargs))}
 
 

@@ -3,8 +3,8 @@ does not spill, on the CPU: CDNA2/3/4 (gfx90a, gfx942, gfx950) and NVIDIA sm_80,
 
 Triton's wheel compiles for both vendors without a GPU (ptxas for NVIDIA, the LLVM AMDGPU backend for
 AMD). Each case is planned as a launch on that GPU would plan it (plan.forward_plan/backward_plan with the
-GPU's device facts) and compiled as the frontends launch it (common.attention.launches): forward,
-preprocess, dK/dV, dQ and, with a bias, dBias; with a learnable sink, the sink-gradient kernel. The
+GPU's device facts) and compiled as the frontends launch it (common.attention.launch_description):
+forward, preprocess, dK/dV, dQ and, with a bias, dBias; with a learnable sink, the sink-gradient kernel. The
 cases cover the head-dim buckets (32, 64, 128, 256 and d_qk != d_v), masks and windows (none, causal,
 sliding bottom-right over packed sequences), the three dtypes, post-scale bias, ALiBi, dropout and GQA, each at its heaviest where it counts (bias with dropout
 at every bucket). Launches that come out identical are compiled once, in a pool of one process per core;

@@ -1,11 +1,11 @@
 """Both frontends launch the same kernels for the same call, without a GPU.
 
-PyTorch (``pytorch/attention/launch.py``) runs its forward and backward on meta tensors with the
+PyTorch (``pytorch/attention/kernel_runner.py``) runs its forward and backward on meta tensors with the
 launch itself captured; JAX (``jax/primitives/gpu.py``) describes its FFI programs' launches with
-``gpu.launch_call``. Both go through ``common.attention.launches``: the lists must be equal kernel by
-kernel (name, grid, every argument by name with tensors as slot names, launch options) over a grid of
-dtypes, head dims, masks and windows, bias shapes, GQA, packed sequences and sink softmax types, on an
-sm_90 device (so the Gluon kernels serve d=128). Both frontends plan one backward whatever the
+``gpu.launch_call``. Both go through ``common.attention.launch_description``: the lists must be equal
+kernel by kernel (name, grid, every argument by name with tensors as slot names, launch options) over a
+grid of dtypes, head dims, masks and windows, bias shapes, GQA, packed sequences and sink softmax types,
+on an sm_90 device (so the Gluon kernels serve d=128). Both frontends plan one backward whatever the
 determinism mode (no atomic variant exists), so the mode is not a parameter here.
 """
 
@@ -20,14 +20,14 @@ import pytest
 torch = pytest.importorskip("torch")
 jnp = pytest.importorskip("jax.numpy")
 
-from transformer_engine.common.attention import launches  # noqa: E402
+from transformer_engine.common.attention import launch_description  # noqa: E402
 from transformer_engine.common.attention.plan import padded_head_dim  # noqa: E402
 from transformer_engine.common.attention.enums import (  # noqa: E402
     AttnBiasType, AttnMaskType, AttnSoftmaxType, BackwardGrads, QKVFormat,
 )
 from transformer_engine.jax.primitives import gpu  # noqa: E402
 from transformer_engine.jax.primitives.attention import FusedAttnStatic  # noqa: E402
-from transformer_engine.pytorch.attention import launch  # noqa: E402
+from transformer_engine.pytorch.attention import kernel_runner, testing  # noqa: E402
 
 SM90 = dict(device_type="cuda", vendor="nvidia", compute_capability=(9, 0), gfx_arch=None)
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -98,7 +98,7 @@ CASES = _cases()
 
 @pytest.fixture(autouse=True)
 def _sm90(monkeypatch):
-    monkeypatch.setattr(launch, "_device", lambda device: dict(SM90))
+    monkeypatch.setattr(kernel_runner, "_device", lambda device: dict(SM90))
     monkeypatch.delenv("NVTE_FUSED_ATTN_PLAN_ARCH", raising=False)
     monkeypatch.delenv("NVTE_FUSED_ATTN_WS", raising=False)
 
@@ -106,12 +106,11 @@ def _sm90(monkeypatch):
 def _torch_launches(case: Case, monkeypatch, grads: BackwardGrads = BackwardGrads.DQ_DKDV):
     """(forward, backward) launch lists of PyTorch's launcher for ``case``, on meta tensors (the backward
     runs the ``grads`` passes)."""
-    captured = []
-    monkeypatch.setattr(launch, "_run", lambda described, buffers: captured.append(tuple(described)))
     b, (s_q, s_kv), (hq, hk), (dqk, dv) = case.batch, case.seqlen, case.heads, case.dims
     dtype = TORCH_DTYPES[case.dtype]
     meta = dict(dtype=dtype, device="meta")
     packed = case.mask.is_padding
+    seqs, sequences = None, {}
     if packed:  # JAX's padding masks run the packed mode: the same as PyTorch's thd over all rows' tokens
         fmt = QKVFormat.THD
         q, k, v = (torch.empty((b * s, h, d), **meta) for s, h, d in ((s_q, hq, dqk), (s_kv, hk, dqk), (s_kv, hk, dv)))
@@ -120,21 +119,22 @@ def _torch_launches(case: Case, monkeypatch, grads: BackwardGrads = BackwardGrad
         lens_k = torch.tensor([s_kv // m] * (b * m), dtype=torch.int32)
         cu_q = torch.cat([torch.zeros(1, dtype=torch.int32), lens_q.cumsum(0).to(torch.int32)])
         cu_k = torch.cat([torch.zeros(1, dtype=torch.int32), lens_k.cumsum(0).to(torch.int32)])
-        seqs = launch.sequences(fmt, q, k, cu_q, cu_k, cu_q, cu_k, s_q, s_kv)
-        # JAX's rows of m sequences each (its max_segments_per_seq): the segment-row grid
-        seqs = dataclasses.replace(seqs, segments_per_row=m)
+        sequences = dict(cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k, cu_seqlens_q_padded=cu_q, cu_seqlens_kv_padded=cu_k,
+                         max_seqlen_q=s_q, max_seqlen_kv=s_kv)
     else:
         fmt = QKVFormat.BSHD
         q, k, v = (torch.empty((b, s, h, d), **meta) for s, h, d in ((s_q, hq, dqk), (s_kv, hk, dqk), (s_kv, hk, dv)))
-        seqs = launch.sequences(fmt, q, k, None, None, None, None, s_q, s_kv)
     bias = torch.empty((*case.bias, s_q, s_kv), **meta) if case.bias else None
     offset = torch.empty((hq,), dtype=torch.float32, device="meta") if case.softmax_type.has_sink else None
-    mods = launch.ScoreMods(bias=bias, softmax_type=case.softmax_type, softmax_offset=offset)
-    out, lse = launch.forward(q, k, v, fmt, seqs, 0.125, case.mask, case.window, mods=mods,
-                              bottom_right_diagonal=case.bottom_right)
-    launch.backward(q, k, v, out, torch.empty_like(out), lse, fmt, seqs, 0.125, case.mask, case.window, mods=mods,
-                    bias_grad=bias is not None, bottom_right_diagonal=case.bottom_right,
-                    softmax_offset_grad=case.softmax_type.is_learnable, grads=grads)
+    call = testing.fused_call(fmt, case.mask, case.window, 0.125, bottom_right_diagonal=case.bottom_right, bias=bias,
+                              softmax_type=case.softmax_type, softmax_offset=offset, **sequences)
+    if packed:
+        # JAX's rows of m sequences each (its max_segments_per_seq): the segment-row grid
+        seqs = dataclasses.replace(kernel_runner.sequences(q, k, call), segments_per_row=m)
+    with testing.recorded_launches(run=False) as captured:
+        out, lse = kernel_runner.forward(q, k, v, call, seqs=seqs)
+        kernel_runner.backward(q, k, v, out, torch.empty_like(out), lse, call, seqs=seqs, bias_grad=bias is not None,
+                               softmax_offset_grad=case.softmax_type.is_learnable, grads=grads)
     return captured
 
 
@@ -152,8 +152,8 @@ def _jax_launches(case: Case, grads: BackwardGrads = BackwardGrads.DQ_DKDV):
     fwd = gpu.launch_call(static, dict(q=q, k=k, v=v, out=o), jnp.dtype(case.dtype), nseq, bias_shape, (9, 0), m)
     bwd = gpu.launch_call(static, dict(q=q, k=k, v=v, out=o, d_out=o, dq=q, dk=k, dv=v), jnp.dtype(case.dtype), nseq,
                           bias_shape, (9, 0), m)
-    return [launches.forward_launches(fwd),
-            launches.backward_launches(bwd, bias_grad=case.bias is not None,
+    return [launch_description.forward_launches(fwd),
+            launch_description.backward_launches(bwd, bias_grad=case.bias is not None,
                                        sink_grad=case.softmax_type.is_learnable, grads=grads)]
 
 
@@ -201,18 +201,18 @@ def test_a_backward_without_preprocess_is_the_backward_less_its_first_launch(gra
     """preprocess=False (delta filled by an earlier call over the rows) drops the preprocess and changes
     no other launch."""
     call = _bwd_call(CASES[0])
-    whole = launches.backward_launches(call, grads=grads)
-    without = launches.backward_launches(call, grads=grads, preprocess=False)
+    whole = launch_description.backward_launches(call, grads=grads)
+    without = launch_description.backward_launches(call, grads=grads, preprocess=False)
     assert whole[0].name == "attn_bwd_preprocess_kernel"
     assert [x.describe() for x in without] == [x.describe() for x in whole[1:]]
 
 
 def test_partial_backward_rejects_an_unknown_part():
     with pytest.raises(ValueError):
-        launches.backward_launches(_bwd_call(CASES[0]), grads="dk")
+        launch_description.backward_launches(_bwd_call(CASES[0]), grads="dk")
 
 
-def _bwd_call(case: Case) -> launches.Call:
+def _bwd_call(case: Case) -> launch_description.Call:
     b, (s_q, s_kv), (hq, hk), (dqk, dv) = case.batch, case.seqlen, case.heads, case.dims
     static = FusedAttnStatic(case.mask, AttnBiasType.NO_BIAS, QKVFormat.BSHD, case.window, 0.125, 0.0, True, True)
     q, k, v, o = (b, s_q, hq, dqk), (b, s_kv, hk, dqk), (b, s_kv, hk, dv), (b, s_q, hq, dv)
@@ -220,7 +220,7 @@ def _bwd_call(case: Case) -> launches.Call:
                            None, (9, 0))
 
 
-def _diff(a: launches.Launch, b: launches.Launch):
+def _diff(a: launch_description.Launch, b: launch_description.Launch):
     da, db = a.describe(), b.describe()
     args = {k: (v, dict(db[2]).get(k)) for k, v in da[2] if dict(db[2]).get(k) != v}
     return dict(grid=(da[1], db[1]), options=(da[3], db[3]), args=args)
@@ -261,7 +261,7 @@ def test_launch_lists_name_every_kernel_parameter_in_order():
         for described in _jax_launches(case):
             for x in described:
                 assert list(x.args) == list(x.kernel.arg_names), x.name
-                assert all(isinstance(v, launches.Slot) for k, v in x.args.items() if k.isupper() and
+                assert all(isinstance(v, launch_description.Slot) for k, v in x.args.items() if k.isupper() and
                            not isinstance(v, (bool, int, str))), x.name
 
 
@@ -282,3 +282,14 @@ def test_a_length_of_one_takes_the_length_generic_kernel(seqlen, dims, monkeypat
         for x in block_loops:
             base = kernels[x.name]
             assert x.kernel is (base.length_generic if 1 in seqlen else base), (x.name, seqlen)
+
+
+def test_the_jax_static_is_the_common_params():
+    """FusedAttnStatic extends AttnParams (its fields, in its order) and keeps JAX's default diagonal."""
+    from transformer_engine.common.attention.params import AttnParams
+
+    args = (AttnMaskType.NO_MASK, AttnBiasType.NO_BIAS, QKVFormat.BSHD, (8, 8), 0.125, 0.0, True, True)
+    static = FusedAttnStatic(*args)
+    assert isinstance(static, AttnParams) and static.checkpoint_name == "context"
+    assert static.bottom_right is False and AttnParams(*args).bottom_right is True  # a None diagonal
+    assert dataclasses.replace(static, bottom_right_diagonal=True).bottom_right is True

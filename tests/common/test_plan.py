@@ -51,8 +51,8 @@ def test_padded_head_dim():
 
 @pytest.mark.parametrize("dims", [(64, 64), (128, 128), (256, 256)])
 def test_dbias_tiles_come_from_the_dq_plan(dims):
-    """The launch description (common.attention.launches) takes the dBias kernel's tiles from the plan:
-    square, at most 64 rows, the dQ pass's warps, one stage."""
+    """The launch description (common.attention.launch_description) takes the dBias kernel's tiles from the
+    plan: square, at most 64 rows, the dQ pass's warps, one stage."""
     plan = backward_plan(dataclasses.replace(BASE, head_dim_qk=dims[0], head_dim_v=dims[1]))
     t = plan.dbias
     assert t.block_m == t.block_n == min(plan.dq.block_m, 64)
@@ -145,3 +145,18 @@ def test_warp_specialized_forward_and_dq_take_the_qk_split():
     with settings.environment(NVTE_FUSED_ATTN_WS="0"):
         assert forward_plan(split).warp_specialized is None
         assert backward_plan(split).dq_warp_specialized is None
+
+
+@pytest.mark.parametrize("mask", [AttnMaskType.NO_MASK, AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK])
+def test_plans_read_a_key_without_batch_or_lengths(mask):
+    """Every plan function reads a config through its PlanKey, which holds no batch size, sequence length or
+    determinism mode; the launch description's Call gives the same key as the AttnConfig it describes."""
+    from transformer_engine.common.attention.config import PlanKey
+    from transformer_engine.common.attention.kernels.resources import contiguous_call
+
+    cfg = dataclasses.replace(BASE, attn_mask_type=mask, window_size=(64, 0))
+    key = cfg.plan_key
+    assert not {f.name for f in dataclasses.fields(PlanKey)} & {"batch_size", "max_seqlen_q", "max_seqlen_kv",
+                                                                 "num_heads_q", "deterministic", "qkv_layout"}
+    assert (forward_plan(key), backward_plan(key)) == (forward_plan(cfg), backward_plan(cfg))
+    assert contiguous_call(cfg, batch=3, seqlen=97).plan_key == key

@@ -24,8 +24,7 @@ import pytest
 
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
-from transformer_engine.common.attention import launches  # noqa: E402
-from transformer_engine.common.attention.launches import LOG2E  # noqa: E402
+from transformer_engine.common.attention.launch_description import LOG2E  # noqa: E402
 from transformer_engine.common.attention.enums import AttnMaskType, QKVLayout  # noqa: E402
 from transformer_engine.common.attention.plan import backward_plan, forward_plan, mask_flags  # noqa: E402
 from transformer_engine.jax import attention as te_attention  # noqa: E402
@@ -166,7 +165,7 @@ def test_bshd_causal_forward_and_backward_programs(captured_programs):
     _, fills, launches = _check_program(fwd, ["attn_fwd_kernel"])
     assert fills == []  # BSHD mode writes every row
     (launch,) = launches
-    plan = forward_plan(_plan_config(_static(AttnMaskType.CAUSAL_MASK), *_fake(b, s, hq, hk, d)[:2]))
+    plan = forward_plan(_plan_key(_static(AttnMaskType.CAUSAL_MASK), *_fake(b, s, hq, hk, d)[:2]))
     assert launch["grid"] == (s // plan.tiles.block_m, b * hq, 1)  # plan.block_grid
     assert [r.shape for r in fwd.results] == [(b, s, hq, d), (b, hq, s)]
     _, fills, launches = _check_program(bwd, ["attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel",
@@ -307,7 +306,7 @@ BIAS_SHAPES = {"1hss": (1, 4), "b1ss": (2, 1), "bhss": (2, 4), "11ss": (1, 1)}
                          ids=["padding", "no_mask"])
 @pytest.mark.parametrize("bias_kind", list(BIAS_SHAPES))
 def test_bias_is_passed_to_the_kernels(captured_programs, compile_calls, mask, bias_kind):
-    """Bias strides (0 along broadcast dims), HAS_BIAS, and the dBias launch (common.attention.launches):
+    """Bias strides (0 along broadcast dims), HAS_BIAS, and the dBias launch (common.attention.launch_description):
     tiles min(dq.block_m, 64), grid (s_q / tile, s_kv / tile, bias b * h), dq's
     warps, one stage, contiguous dBias strides, lengths (padding) and batch strides."""
     b, s_q, s_kv, hq, hk, d = 2, 128, 192, 4, 2, 64
@@ -353,7 +352,7 @@ def test_bias_is_passed_to_the_kernels(captured_programs, compile_calls, mask, b
                                                                                     ("i32", s_kv))
         assert "stride_zn" not in params
 
-    config = _plan_config(static, q, kv, bias_shape)
+    config = _plan_key(static, q, kv, bias_shape)
     plan = backward_plan(config)
     tile = min(plan.dq.block_m, 64)
     dbias_launch = launches[2]
@@ -478,10 +477,10 @@ def _static(mask):
     return FusedAttnStatic(AttnMaskType(mask), AttnBiasType.NO_BIAS, QKVFormat.BSHD, (-1, 0), 0.125, 0.0, True, True)
 
 
-def _plan_config(static, q, kv, bias_shape=None):
-    """The planning config of the lowering's launches for these shapes on sm_90."""
+def _plan_key(static, q, kv, bias_shape=None):
+    """The plan key of the lowering's launches for these shapes on sm_90."""
     call = gpu.launch_call(static, dict(q=q.shape, k=kv.shape, v=kv.shape), q.dtype, q.shape[0], bias_shape, (9, 0))
-    return launches.plan_config(call)
+    return call.plan_key
 
 
 def _fake(b, s, hq, hk, d):

@@ -57,18 +57,19 @@ def ref_and_lowp(q, k, v, d_out, fmt, mask, window, scale, lens_q=None, lens_k=N
     return results
 
 
-def run_with_tiles(q, k, v, d_out, fmt, seqs, mask, window, cfg, scale=0.2, **fields):
-    """(out, lse, dq, dk, dv) of the planned kernels with these Tiles fields (e.g. head_group, single_loop)
-    changed in the forward, dK/dV and dQ tiles."""
+def run_with_tiles(q, k, v, d_out, call, **fields):
+    """(out, lse, dq, dk, dv) of the planned kernels of ``call`` (testing.fused_call) with these Tiles fields
+    (e.g. head_group, single_loop) changed in the forward, dK/dV and dQ tiles."""
     import dataclasses
 
     from transformer_engine.common.attention.plan import backward_plan, forward_plan
-    from transformer_engine.pytorch.attention import launch
+    from transformer_engine.pytorch.attention import kernel_runner
 
-    fwd, bwd = forward_plan(cfg), backward_plan(cfg)
+    key = kernel_runner.plan_key(q, k, v, call)
+    fwd, bwd = forward_plan(key), backward_plan(key)
     fwd = dataclasses.replace(fwd, tiles=dataclasses.replace(fwd.tiles, **fields))
     bwd = dataclasses.replace(bwd, dkdv=dataclasses.replace(bwd.dkdv, **fields),
                               dq=dataclasses.replace(bwd.dq, **fields))
-    out, lse = launch.forward(q, k, v, fmt, seqs, scale, mask, window, fwd)
-    grads = launch.backward(q, k, v, out, d_out, lse, fmt, seqs, scale, mask, window, bwd)[:3]
+    out, lse = kernel_runner.forward(q, k, v, call, fwd)
+    grads = kernel_runner.backward(q, k, v, out, d_out, lse, call, bwd)[:3]
     return (out, lse) + tuple(grads)

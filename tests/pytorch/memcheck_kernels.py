@@ -87,7 +87,8 @@ def run_segment_rows(dims, heads=(4, 2)):
     launch layer (the PyTorch frontend itself never asks for that grid): an empty and a one-token sequence,
     a gap, causal."""
     from transformer_engine.common.attention import AttnMaskType, QKVFormat
-    from transformer_engine.pytorch.attention import launch
+    from transformer_engine.pytorch.attention import kernel_runner
+    from transformer_engine.pytorch.attention.testing import fused_call
 
     (dqk, dv), (h, hk) = dims, heads
     rows, s, lengths = 2, 160, [[70, 0, 81], [1, 130, 29]]
@@ -99,14 +100,15 @@ def run_segment_rows(dims, heads=(4, 2)):
             lens.append(n)
             pos += n
     as_tensor = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
-    seqs = launch.Sequences(len(lens), s, s, as_tensor(lens), as_tensor(lens), as_tensor(starts), as_tensor(starts),
-                            segments_per_row=3)
+    seqs = kernel_runner.Sequences(len(lens), s, s, as_tensor(lens), as_tensor(lens), as_tensor(starts),
+                                   as_tensor(starts), segments_per_row=3)
     g = torch.Generator(device="cpu").manual_seed(0)
     q, k, v, do = (torch.randn(rows * s, hh, dd, generator=g).to("cuda", torch.bfloat16)
                    for hh, dd in ((h, dqk), (hk, dqk), (hk, dv), (h, dv)))
     mask = AttnMaskType.PADDING_CAUSAL_MASK
-    out, lse = launch.forward(q, k, v, QKVFormat.THD, seqs, dqk ** -0.5, mask, (-1, 0))
-    grads = launch.backward(q, k, v, out, do, lse, QKVFormat.THD, seqs, dqk ** -0.5, mask, (-1, 0))[:3]
+    call = fused_call(QKVFormat.THD, mask, (-1, 0), dqk ** -0.5)
+    out, lse = kernel_runner.forward(q, k, v, call, seqs=seqs)
+    grads = kernel_runner.backward(q, k, v, out, do, lse, call, seqs=seqs)[:3]
     torch.cuda.synchronize()
     for t in (out,) + tuple(grads):
         if not torch.isfinite(t).all():

@@ -19,7 +19,7 @@ from transformer_engine.common.attention import AttnConfig, AttnMaskType
 from transformer_engine.common.attention.validation import check_cu_seqlens_values
 from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.attention import backends as attn_backends
-from transformer_engine.pytorch.attention import config as attn_config
+from transformer_engine.pytorch.attention import testing as attn_testing
 from transformer_engine.pytorch.attention.fused_attn import fused_attn_func
 from transformer_engine.pytorch.attention.unfused import unfused_attention
 
@@ -366,7 +366,7 @@ def test_unfused_float64_is_the_reference():
 @pytest.mark.skipif(not INTERPRET or ON_GPU, reason="Triton interpreter on CPU only")
 def test_bf16_under_the_interpreter_is_not_selected():
     q, k, v = _qkv(dtype=torch.bfloat16)
-    config = attn_config.make_attn_config(q, k, v, attn_mask_type="causal", deterministic=True)
+    config = attn_testing.attn_config(q, k, v, attn_mask_type="causal", deterministic=True)
     selection = attn_backends.select(config)
     assert selection.name == "UnfusedDotProductAttention"
     assert any("bfloat16 under TRITON_INTERPRET=1" in r for r in selection.rejected["FusedAttention"])

@@ -255,14 +255,14 @@ def test_fake_tensors_take_the_op_and_launch_nothing():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from transformer_engine.pytorch.attention import ops
+    from transformer_engine.pytorch.attention.testing import fused_call
 
+    call = fused_call("bshd", "causal", (-1, 0), 0.25)
     with FakeTensorMode():
         q, k, v = (torch.empty(2, 32, 4, 16, dtype=torch.float16, device=DEVICE) for _ in range(3))
         assert not ops._eager(q, k, v)
-        out, lse = ops.forward(q, k, v, "bshd", None, None, None, None, 32, 32, 0.25, "causal", -1, 0, False,
-                               None, None, None, 0.0)
+        out, lse = ops.forward(q, k, v, call)
         assert tuple(out.shape) == (2, 32, 4, 16) and tuple(lse.shape) == (2, 4, 32)
-        grads = ops.backward(q, k, v, out, out, lse, "bshd", None, None, None, None, 32, 32, 0.25, "causal", -1, 0,
-                             False, None, None, None, 0.0, False)
+        grads = ops.backward(q, k, v, out, out, lse, call)
         assert [tuple(g.shape) for g in grads[:3]] == [(2, 32, 4, 16)] * 3
     assert ops._eager(torch.empty(1), None)

@@ -204,31 +204,27 @@ def test_cp_scaling_benchmark_dry_run_is_bitwise(nproc, tmp_path):
 @requires_fused
 # bshd: the preprocess (rowsum(dO * O)) once per rank, in its first call; thd: in each call.
 @pytest.mark.parametrize("fmt,causal,preprocesses", [("bshd", True, 2), ("thd", False, 8)])
-def test_backward_calls_run_one_gradient_pass_each(fmt, causal, preprocesses, monkeypatch):
+def test_backward_calls_run_one_gradient_pass_each(fmt, causal, preprocesses):
     """Each fused backward call of the per-rank steps runs the dQ pass or the dK/dV pass, not both (the
     partial backwards: about the single-device backward's work over the ranks, not twice it)."""
     from fused_helpers import DEVICE
-    from transformer_engine.pytorch.attention import launch
+    from transformer_engine.pytorch.attention.testing import recorded_launches
 
-    passes, pre = [], []
-    real_run = launch._run
-
-    def record(described, buffers):
-        names = [x.name for x in described]
-        grads = tuple(n for n in names if n.startswith(("attn_bwd_dq", "attn_bwd_dkdv")))
-        if grads:
-            passes.append(grads)
-            pre.extend(n for n in names if n == "attn_bwd_preprocess_kernel")
-        return real_run(described, buffers)
-
-    monkeypatch.setattr(launch, "_run", record)
     g = torch.Generator().manual_seed(3)
     extra, lead = {}, (1, 32)
     if fmt == "thd":
         cu = torch.tensor([0, 24, 56], dtype=torch.int32, device=DEVICE)
         extra, lead = dict(cu_seqlens=cu, cu_seqlens_padded=cu), (56,)
     q, k, v, d_out = (torch.randn(*lead, 2, 16, generator=g).to(DEVICE, torch.float32) for _ in range(4))
-    run_ranks_in_one_process(q, k, v, d_out, fmt, 2, causal, 0.25, **extra)
+    with recorded_launches() as recorded:
+        run_ranks_in_one_process(q, k, v, d_out, fmt, 2, causal, 0.25, **extra)
+    passes, pre = [], []
+    for described in recorded:
+        names = [x.name for x in described]
+        grads = tuple(n for n in names if n.startswith(("attn_bwd_dq", "attn_bwd_dkdv")))
+        if grads:
+            passes.append(grads)
+            pre.extend(n for n in names if n == "attn_bwd_preprocess_kernel")
     # Two ranks, two chunks each, one dQ-only and one dK/dV-only call per chunk.
     assert sorted(passes) == sorted([("attn_bwd_dq_kernel",), ("attn_bwd_dkdv_kernel",)] * 4), passes
     assert len(pre) == preprocesses

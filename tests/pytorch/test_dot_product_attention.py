@@ -35,9 +35,9 @@ from transformer_engine.common import log as te_log
 from transformer_engine.common.attention.backends import FlashAttention, NoBackendError
 from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.attention import backends as attn_backends
-from transformer_engine.pytorch.attention import config as attn_config
 from transformer_engine.pytorch.attention import dot_product_attention as dpa_module
 from transformer_engine.pytorch.attention import flash_backend
+from transformer_engine.pytorch.attention import testing as attn_testing
 from transformer_engine.pytorch.attention.backends import FusedAttentionBackend, UnfusedAttentionBackend
 from transformer_engine.pytorch.attention.unfused import default_alibi_slopes
 
@@ -619,7 +619,7 @@ def _config_on(monkeypatch, dtype="float16", capability=(9, 0), **kwargs):
     """An AttnConfig for a (pretend) CUDA device of the given compute capability, via the frontend."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     metas = [dpa_module._TensorMeta(s, dtype, "cuda") for s in ((2, 128, 8, 64), (2, 128, 2, 64), (2, 128, 2, 64))]
-    return attn_config.make_attn_config(*metas, qkv_format="bshd", **kwargs)
+    return attn_testing.attn_config(*metas, qkv_format="bshd", **kwargs)
 
 
 def test_selection_with_flash_attention_absent(monkeypatch):
@@ -664,7 +664,8 @@ class _FakeFused:
         monkeypatch.setenv("NVTE_FLASH_ATTN", "0")
 
     def __call__(self, q, k, v, call):
-        self.calls.append(dict(deterministic=call.deterministic, mask=call.mask.value, window=call.window))
+        p = call.params
+        self.calls.append(dict(deterministic=p.deterministic, mask=p.attn_mask_type.value, window=p.window_size))
         return UnfusedAttentionBackend.run(q, k, v, call)
 
 

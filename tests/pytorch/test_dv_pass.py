@@ -15,8 +15,9 @@ import torch
 from fused_helpers import DEVICE, DTYPES, ON_GPU, assert_close_to_reference, make_qkv, ref_and_lowp, requires_fused
 from transformer_engine.common.attention import AttnMaskType, QKVFormat
 from transformer_engine.common.attention.plan import Tiles, _head_key, backward_plan, plan_arch
-from transformer_engine.pytorch.attention import launch
+from transformer_engine.pytorch.attention import kernel_runner
 from transformer_engine.pytorch.attention.fused_attn import new_rng_state
+from transformer_engine.pytorch.attention.testing import fused_call, recorded_launches
 
 pytestmark = requires_fused
 
@@ -25,10 +26,14 @@ D = [(64, 64), (256, 256)] if ON_GPU else [(32, 32)]
 MASKS = [("causal", (-1, 0)), ("no_mask", (9, 4)), ("no_mask", (-1, -1))]
 
 
-def _backward(tensors, fmt, seqs, mask, window, plan=None, mods=launch.NO_MODS, scale=0.3):
+def _call(fmt, mask, window, **kwargs):
+    return fused_call(fmt, mask, window, 0.3, **kwargs)
+
+
+def _backward(tensors, call, plan=None, seqs=None):
     q, k, v, do = tensors
-    out, lse = launch.forward(q, k, v, fmt, seqs, scale, mask, window, mods=mods)
-    return (out,) + launch.backward(q, k, v, out, do, lse, fmt, seqs, scale, mask, window, plan, mods=mods)[:3]
+    out, lse = kernel_runner.forward(q, k, v, call, seqs=seqs)
+    return (out,) + kernel_runner.backward(q, k, v, out, do, lse, call, plan, seqs=seqs)[:3]
 
 
 def _inputs(d, dv, dtype, heads=(4, 2), sq=45, sk=53, seed=0):
@@ -38,9 +43,9 @@ def _inputs(d, dv, dtype, heads=(4, 2), sq=45, sk=53, seed=0):
     return q, k, v, do
 
 
-def _plans(tensors, fmt, mask, window, dv_tiles=None, mods=launch.NO_MODS):
+def _plans(tensors, call, dv_tiles=None):
     q, k, v, _ = tensors
-    config = launch.plan_config(q, k, v, fmt, mask, window, mods)
+    config = kernel_runner.plan_key(q, k, v, call)
     one = backward_plan(config)
     if one.dv is not None:  # planned as two passes (Hopper at d=256): the dK/dV table's one pass instead
         one = dataclasses.replace(one, dkdv=plan_arch(config).dkdv[_head_key(config)], dv=None)
@@ -49,11 +54,12 @@ def _plans(tensors, fmt, mask, window, dv_tiles=None, mods=launch.NO_MODS):
     return one, dataclasses.replace(one, dv=dv_tiles or one.dkdv)
 
 
-def _assert_repeats_and_matches_reference(tensors, seqs, mask, window, plan):
+def _assert_repeats_and_matches_reference(tensors, mask, window, plan):
     """Bitwise the same on a second run, and as close to the fp64 reference as the same math in the inputs'
     dtype."""
-    a = _backward(tensors, QKVFormat.BSHD, seqs, mask, window, plan)
-    again = _backward(tensors, QKVFormat.BSHD, seqs, mask, window, plan)
+    call = _call(QKVFormat.BSHD, mask, window)
+    a = _backward(tensors, call, plan)
+    again = _backward(tensors, call, plan)
     for name, x, y in zip(("out", "dq", "dk", "dv"), a, again):
         assert torch.equal(x, y), name
     ref, lowp = ref_and_lowp(*tensors[:3], tensors[3], "bshd", mask.value, window, 0.3)
@@ -66,12 +72,10 @@ def _assert_repeats_and_matches_reference(tensors, seqs, mask, window, plan):
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
 def test_two_passes_give_the_single_pass_bits(d, dv, mask, window, heads):
     tensors = _inputs(d, dv, DTYPES[0], heads)
-    q, k = tensors[:2]
-    mask = AttnMaskType(mask)
-    seqs = launch.sequences(QKVFormat.BSHD, q, k, None, None, None, None, q.shape[1], k.shape[1])
-    one, two = _plans(tensors, QKVFormat.BSHD, mask, window)
-    a = _backward(tensors, QKVFormat.BSHD, seqs, mask, window, one)
-    b = _backward(tensors, QKVFormat.BSHD, seqs, mask, window, two)
+    call = _call(QKVFormat.BSHD, mask, window)
+    one, two = _plans(tensors, call)
+    a = _backward(tensors, call, one)
+    b = _backward(tensors, call, two)
     for name, x, y in zip(("out", "dq", "dk", "dv"), a, b):
         assert torch.equal(x, y), name
     assert a[3].abs().sum() > 0 and a[2].abs().sum() > 0  # not a comparison of zeros
@@ -80,13 +84,11 @@ def test_two_passes_give_the_single_pass_bits(d, dv, mask, window, heads):
 def test_dropout_two_passes_give_the_single_pass_bits():
     d, dv = D[0]
     tensors = _inputs(d, dv, DTYPES[0])
-    q, k, v = tensors[:3]
-    mask, window = AttnMaskType.CAUSAL_MASK, (-1, 0)
-    mods = launch.ScoreMods(dropout_p=0.2, rng_state=new_rng_state(q.device))
-    seqs = launch.sequences(QKVFormat.BSHD, q, k, None, None, None, None, q.shape[1], k.shape[1])
-    one, two = _plans(tensors, QKVFormat.BSHD, mask, window, mods=mods)
-    a = _backward(tensors, QKVFormat.BSHD, seqs, mask, window, one, mods)
-    b = _backward(tensors, QKVFormat.BSHD, seqs, mask, window, two, mods)
+    q = tensors[0]
+    call = _call(QKVFormat.BSHD, AttnMaskType.CAUSAL_MASK, (-1, 0), dropout_p=0.2, rng_state=new_rng_state(q.device))
+    one, two = _plans(tensors, call)
+    a = _backward(tensors, call, one)
+    b = _backward(tensors, call, two)
     for name, x, y in zip(("out", "dq", "dk", "dv"), a, b):
         assert torch.equal(x, y), name
 
@@ -103,12 +105,12 @@ def test_packed_sequences_with_gaps():
     q, k, v, do = (torch.randn(total, hh, dd, generator=g).to(DEVICE, dtype)
                    for hh, dd in ((4, d), (2, d), (2, dv), (4, dv)))
     as_tensor = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
-    seqs = launch.Sequences(len(lengths), max(lengths), max(lengths), as_tensor(lengths), as_tensor(lengths),
+    seqs = kernel_runner.Sequences(len(lengths), max(lengths), max(lengths), as_tensor(lengths), as_tensor(lengths),
                             as_tensor(starts[:-1]), as_tensor(starts[:-1]))
-    mask, window = AttnMaskType.PADDING_CAUSAL_MASK, (-1, 0)
-    one, two = _plans((q, k, v, do), QKVFormat.THD, mask, window)
-    a = _backward((q, k, v, do), QKVFormat.THD, seqs, mask, window, one)
-    b = _backward((q, k, v, do), QKVFormat.THD, seqs, mask, window, two)
+    call = _call(QKVFormat.THD, AttnMaskType.PADDING_CAUSAL_MASK, (-1, 0))
+    one, two = _plans((q, k, v, do), call)
+    a = _backward((q, k, v, do), call, one, seqs)
+    b = _backward((q, k, v, do), call, two, seqs)
     for name, x, y in zip(("out", "dq", "dk", "dv"), a, b):
         assert torch.equal(x, y), name
     assert a[3].abs().sum() > 0
@@ -120,36 +122,25 @@ def test_wider_dv_tiles_match_the_reference_and_repeat_bitwise(mask, window):
     same math in the inputs' dtype), and the same bits on a second run."""
     d, dv = D[-1]
     tensors = _inputs(d, dv, DTYPES[0])
-    q, k = tensors[:2]
     mask = AttnMaskType(mask)
-    seqs = launch.sequences(QKVFormat.BSHD, q, k, None, None, None, None, q.shape[1], k.shape[1])
-    one, _ = _plans(tensors, QKVFormat.BSHD, mask, window)
+    one, _ = _plans(tensors, _call(QKVFormat.BSHD, mask, window))
     t = one.dkdv
     wide = dataclasses.replace(t, block_n=2 * t.block_n)
-    _, two = _plans(tensors, QKVFormat.BSHD, mask, window, wide)
-    _assert_repeats_and_matches_reference(tensors, seqs, mask, window, two)
+    _, two = _plans(tensors, _call(QKVFormat.BSHD, mask, window), wide)
+    _assert_repeats_and_matches_reference(tensors, mask, window, two)
 
 
-def test_launches_of_the_two_passes(monkeypatch):
+def test_launches_of_the_two_passes():
     """Two dK/dV launches, the first writing dK only and the second dV only, each with its tiles' grid."""
-    from transformer_engine.common.attention import launches
-
-    described = []
-    original = launches.backward_launches
-
-    def record(*args, **kwargs):
-        described.append(original(*args, **kwargs))
-        return described[-1]
-
-    monkeypatch.setattr(launches, "backward_launches", record)
     tensors = _inputs(*D[0], DTYPES[0], sk=260 if ON_GPU else 53)  # more key blocks of dK's tiles than dV's
-    q, k = tensors[:2]
-    mask, window = AttnMaskType.CAUSAL_MASK, (-1, 0)
-    one, two = _plans(tensors, QKVFormat.BSHD, mask, window)
+    k = tensors[1]
+    call = _call(QKVFormat.BSHD, AttnMaskType.CAUSAL_MASK, (-1, 0))
+    one, two = _plans(tensors, call)
     two = dataclasses.replace(two, dv=Tiles(two.dkdv.block_m, 2 * two.dkdv.block_n, two.dkdv.num_warps, 1))
-    seqs = launch.sequences(QKVFormat.BSHD, q, k, None, None, None, None, q.shape[1], k.shape[1])
-    _backward(tensors, QKVFormat.BSHD, seqs, mask, window, one)
-    _backward(tensors, QKVFormat.BSHD, seqs, mask, window, two)
+    with recorded_launches() as recorded:
+        _backward(tensors, call, one)
+        _backward(tensors, call, two)
+    described = recorded[1::2]  # each run's backward (its forward first)
     passes = [[(x.args["WITH_DK"], x.args["WITH_DV"], x.args["BLOCK_N"], x.grid) for x in run
                if x.name == "attn_bwd_dkdv_kernel"] for run in described]
     blocks = lambda n: -(-k.shape[1] // n)  # noqa: E731
@@ -169,11 +160,10 @@ def test_gluon_one_gradient_passes_match_the_reference_and_repeat_bitwise(d, mas
     tensors = _inputs(d, d, torch.bfloat16, (4, 2), sq=300, sk=300)
     q, k, v, _ = tensors
     mask = AttnMaskType(mask)
-    one = backward_plan(launch.plan_config(q, k, v, QKVFormat.BSHD, mask, window))
+    one = backward_plan(kernel_runner.plan_key(q, k, v, _call(QKVFormat.BSHD, mask, window)))
     if one.dkdv_warp_specialized is None:
         pytest.skip("no Gluon dK/dV kernel on this GPU's plan (NVTE_FUSED_ATTN_WS=0 or a forced plan)")
     two = one if one.dv is not None else dataclasses.replace(
         one, dv=one.dkdv, dv_warp_specialized=one.dkdv_warp_specialized)
     assert two.dv_warp_specialized is not None
-    seqs = launch.sequences(QKVFormat.BSHD, q, k, None, None, None, None, q.shape[1], k.shape[1])
-    _assert_repeats_and_matches_reference(tensors, seqs, mask, window, two)
+    _assert_repeats_and_matches_reference(tensors, mask, window, two)

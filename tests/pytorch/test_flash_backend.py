@@ -41,9 +41,9 @@ from dpa_helpers import (  # noqa: E402
 from transformer_engine.common.attention.backends import FlashAttention, NoBackendError, Selection  # noqa: E402
 from transformer_engine.pytorch import DotProductAttention  # noqa: E402
 from transformer_engine.pytorch.attention import backends as attn_backends  # noqa: E402
-from transformer_engine.pytorch.attention import config as attn_config  # noqa: E402
 from transformer_engine.pytorch.attention import dot_product_attention as dpa_module  # noqa: E402
 from transformer_engine.pytorch.attention import flash_backend  # noqa: E402
+from transformer_engine.pytorch.attention import testing as attn_testing  # noqa: E402
 
 _ENV = ("NVTE_FUSED_ATTN_BACKEND", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN", "NVTE_FLASH_ATTN", "NVTE_DEBUG",
         "NVTE_DEBUG_LEVEL", "NVTE_ALLOW_NONDETERMINISTIC_ALGO")
@@ -230,7 +230,7 @@ def _config(monkeypatch, present=True, capability=(9, 0), dtype="bfloat16", b=2,
     if fmt == "thd":
         shapes = [s[1:] for s in shapes]
     metas = [dpa_module._TensorMeta(s, dtype, "cuda") for s in shapes]
-    return attn_config.make_attn_config(*metas, qkv_format=fmt, **kwargs)
+    return attn_testing.attn_config(*metas, qkv_format=fmt, **kwargs)
 
 
 def _flash_reasons(selection: Selection) -> str:

@@ -25,7 +25,8 @@ from fused_helpers import (
 from transformer_engine.common import settings
 from transformer_engine.common.attention import AttnMaskType, QKVFormat
 from transformer_engine.common.attention.plan import backward_plan, forward_plan
-from transformer_engine.pytorch.attention import launch
+from transformer_engine.pytorch.attention import kernel_runner
+from transformer_engine.pytorch.attention.testing import fused_call
 from transformer_engine.pytorch.attention.fused_attn import fused_attn_func
 
 pytestmark = requires_fused
@@ -141,15 +142,15 @@ def test_thd_against_reference_and_padded_bitwise(mask, gap, d, dv):
 
 
 def _spy_launches(monkeypatch):
-    """Names of the kernels the PyTorch launcher runs, in order (launch._run wrapped)."""
+    """Names of the kernels the PyTorch launcher runs, in order (kernel_runner._run wrapped)."""
     names = []
-    real = launch._run
+    real = kernel_runner._run
 
     def run(described, buffers):
         names.extend(x.name for x in described)
         return real(described, buffers)
 
-    monkeypatch.setattr(launch, "_run", run)
+    monkeypatch.setattr(kernel_runner, "_run", run)
     return names
 
 
@@ -180,11 +181,10 @@ def test_launch_order_and_loop_form_change_no_result(mask):
         cu_seqlens = cu_from_lengths([S, S - 7])
     if mask == "sliding_window":
         attn_mask, window = AttnMaskType.NO_MASK, (19, 5)
-    seqs = launch.sequences(fmt, q, k, cu_seqlens, cu_seqlens, None, None, S, S)
-    cfg = launch.plan_config(q, k, v, fmt, attn_mask, window)
+    call = fused_call(fmt, attn_mask, window, 0.2, cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens)
 
     def run(**variant):
-        return run_with_tiles(q, k, v, d_out, fmt, seqs, attn_mask, window, cfg, **variant)
+        return run_with_tiles(q, k, v, d_out, call, **variant)
 
     for single_loop in (False, True):
         plain = run(head_group=1, single_loop=single_loop)
@@ -223,8 +223,8 @@ def test_warp_specialized_kernels_serve_d128(monkeypatch, mask, window):
     fmt = QKVFormat.BSHD
     attn_mask = AttnMaskType.CAUSAL_MASK if mask == "causal" else AttnMaskType.NO_MASK
     q, k, v = (t.detach() for t in (q, k, v))
-    seqs = launch.sequences(fmt, q, k, None, None, None, None, 700, 700)
-    cfg = launch.plan_config(q, k, v, fmt, attn_mask, window)
+    call = fused_call(fmt, attn_mask, window, 0.1)
+    cfg = kernel_runner.plan_key(q, k, v, call)
 
     def run(head_group):
         fwd, bwd = forward_plan(cfg), backward_plan(cfg)
@@ -234,8 +234,8 @@ def test_warp_specialized_kernels_serve_d128(monkeypatch, mask, window):
                                                                                head_group=head_group),
                                   dkdv_warp_specialized=dataclasses.replace(bwd.dkdv_warp_specialized,
                                                                             head_group=head_group))
-        o, lse = launch.forward(q, k, v, fmt, seqs, 0.1, attn_mask, window, fwd)
-        return (o, lse) + tuple(launch.backward(q, k, v, o, d_out, lse, fmt, seqs, 0.1, attn_mask, window, bwd)[:3])
+        o, lse = kernel_runner.forward(q, k, v, call, fwd)
+        return (o, lse) + tuple(kernel_runner.backward(q, k, v, o, d_out, lse, call, bwd)[:3])
 
     for a, b in zip(run(1), run(3)):
         assert torch.equal(a, b)

@@ -14,9 +14,11 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fused_helpers import DEVICE, requires_fused
-from transformer_engine.common.attention import AttnMaskType, BackwardGrads
-from transformer_engine.common.attention.config import normalize_window, resolve_bottom_right_diagonal
+from transformer_engine.common.attention import AttnMaskType, BackwardGrads, QKVFormat
+from transformer_engine.pytorch.attention import kernel_runner
 from transformer_engine.pytorch.attention import ops  # noqa: F401  (registers the custom ops)
+from transformer_engine.pytorch.attention.call import flatten
+from transformer_engine.pytorch.attention.testing import fused_call
 
 OPS = torch.ops.transformer_engine
 
@@ -47,27 +49,21 @@ def _inputs(fmt, heads, dtype, seed=0):
     return q, k, v, d_out
 
 
-def _call_args(fmt, mask, q, k):
-    m = AttnMaskType(mask)
-    left, right = normalize_window(None, m)
-    bottom_right = resolve_bottom_right_diagonal(m, None, "pytorch")
+def _call(fmt, mask, **kwargs):
+    """The AttnCall of a fused call of these tests (the ops take it flattened: call.flatten)."""
     if fmt == "thd":
         cu = torch.tensor([0, LENGTHS[0], sum(LENGTHS)], dtype=torch.int32, device=DEVICE)
-        seqs = (cu, cu, None, None, max(LENGTHS), max(LENGTHS))
-    else:
-        sd = 1 if fmt == "bshd" else 0
-        seqs = (None, None, None, None, q.shape[sd], k.shape[sd])
-    return seqs, (D ** -0.5, m.value, left, right, bottom_right, None, None, None, 0.0)
+        kwargs.update(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(LENGTHS), max_seqlen_kv=max(LENGTHS))
+    return fused_call(fmt, mask, None, D ** -0.5, **kwargs)
 
 
 def _backward(fmt, mask, q, k, v, d_out, grads=None, softmax_type="vanilla", softmax_offset=None,
               softmax_offset_grad=False):
     """The op's backward after its forward; ``grads`` None: the default (the whole backward)."""
-    seqs, rest = _call_args(fmt, mask, q, k)
-    out, lse = OPS.fused_attn_fwd(q, k, v, fmt, *seqs, *rest, softmax_type, softmax_offset)
+    flat = flatten(_call(fmt, mask, softmax_type=softmax_type, softmax_offset=softmax_offset))
+    out, lse = OPS.fused_attn_fwd(q, k, v, *flat)
     kwargs = {} if grads is None else dict(grads=grads)
-    return OPS.fused_attn_bwd(q, k, v, out, d_out, lse, fmt, *seqs, *rest, False, softmax_type, softmax_offset,
-                              softmax_offset_grad, **kwargs)
+    return OPS.fused_attn_bwd(q, k, v, out, d_out, lse, *flat, False, softmax_offset_grad, **kwargs)
 
 
 @requires_fused
@@ -106,12 +102,11 @@ def test_partial_backward_keeps_the_bias_gradient():
     fmt, mask = "bshd", "no_mask"
     q, k, v, d_out = _inputs(fmt, (2, 2), torch.float32)
     bias = torch.randn(1, 2, S, S, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    seqs, rest = _call_args(fmt, mask, q, k)
-    rest = rest[:5] + (bias,) + rest[6:]
-    out, lse = OPS.fused_attn_fwd(q, k, v, fmt, *seqs, *rest)
-    whole = OPS.fused_attn_bwd(q, k, v, out, d_out, lse, fmt, *seqs, *rest, True)
+    flat = flatten(_call(fmt, mask, bias=bias))
+    out, lse = OPS.fused_attn_fwd(q, k, v, *flat)
+    whole = OPS.fused_attn_bwd(q, k, v, out, d_out, lse, *flat, True)
     for grads, kept in (("dq", (0,)), ("dkdv", (1, 2))):
-        part = OPS.fused_attn_bwd(q, k, v, out, d_out, lse, fmt, *seqs, *rest, True, grads=grads)
+        part = OPS.fused_attn_bwd(q, k, v, out, d_out, lse, *flat, True, grads=grads)
         assert torch.equal(part[3], whole[3]), grads
         assert all(torch.equal(part[i], whole[i]) for i in kept), grads
 
@@ -125,8 +120,7 @@ def test_fake_implementation_gives_the_real_shapes(grads):
         q, k, v, d_out = (torch.empty(2, S, n, D, dtype=torch.float16) for n in (4, 2, 2, 4))
         out = torch.empty_like(q)
         lse = torch.empty(2, 4, S, dtype=torch.float32)
-        seqs, rest = _call_args(fmt, mask, q, k)
-        dq, dk, dv, dbias, d_offset = OPS.fused_attn_bwd(q, k, v, out, d_out, lse, fmt, *seqs, *rest, False,
+        dq, dk, dv, dbias, d_offset = OPS.fused_attn_bwd(q, k, v, out, d_out, lse, *flatten(_call(fmt, mask)), False,
                                                          grads=grads)
     which = BackwardGrads(grads)
     assert tuple(dq.shape) == ((2, S, 4, D) if which.has_dq else (0,))
@@ -137,54 +131,46 @@ def test_fake_implementation_gives_the_real_shapes(grads):
 def test_unknown_part_is_refused():
     fmt, mask = "bshd", "causal"
     q, k, v, d_out = _inputs(fmt, (2, 2), torch.float32)
-    seqs, rest = _call_args(fmt, mask, q, k)
     lse = torch.zeros(2, 2, S)
     with pytest.raises(ValueError, match="`grads` must be one of"):
-        OPS.fused_attn_bwd(q, k, v, q, d_out, lse, fmt, *seqs, *rest, False, grads="dk")
+        OPS.fused_attn_bwd(q, k, v, q, d_out, lse, *flatten(_call(fmt, mask)), False, grads="dk")
 
 
 @requires_fused
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
 def test_given_buffers_and_a_shared_delta_change_no_bit(fmt):
     """Context parallelism's per-chunk calls write into views of the rank's buffers and compute rowsum(dO * O)
-    once: launch.forward / launch.backward with ``out``, ``lse``, ``dq``, ``dk``, ``dv`` views and a ``delta``
+    once: kernel_runner.forward / backward with ``out``, ``lse``, ``dq``, ``dk``, ``dv`` views and a ``delta``
     filled by another call (``preprocess=False``) give the bits of the calls that allocate and compute."""
-    from transformer_engine.common.attention import QKVFormat
-    from transformer_engine.pytorch.attention import launch
-
     q, k, v, d_out = _inputs(fmt, (4, 2), torch.float16)
     fmt_ = QKVFormat(fmt)
     sd = 1 if fmt == "bshd" else 0
-    mask = AttnMaskType.CAUSAL_MASK
-    window = normalize_window(None, mask)
-    seqs = launch.sequences(fmt_, q, k, None, None, None, None, S, S)
-    out, lse = launch.forward(q, k, v, fmt_, seqs, D ** -0.5, mask, window)
-    want = launch.backward(q, k, v, out, d_out, lse, fmt_, seqs, D ** -0.5, mask, window)[:3]
+    call = _call(fmt_, AttnMaskType.CAUSAL_MASK)
+    out, lse = kernel_runner.forward(q, k, v, call)
+    want = kernel_runner.backward(q, k, v, out, d_out, lse, call)[:3]
 
     # Views into larger buffers: the tokens in the second half of a buffer twice as long.
     big = lambda t: t.new_full(tuple(t.shape[:sd]) + (2 * S,) + tuple(t.shape[sd + 1:]), float("nan"))  # noqa: E731
     out_big, dq_big, dk_big, dv_big = big(out), big(q), big(k), big(v)
     lse_big = lse.new_full((lse.shape[0], lse.shape[1], 2 * S), float("nan"))
     view = lambda t: t.narrow(sd, S, S)  # noqa: E731
-    got_out, got_lse = launch.forward(q, k, v, fmt_, seqs, D ** -0.5, mask, window, out=view(out_big),
-                                      lse=lse_big.narrow(2, S, S))
+    got_out, got_lse = kernel_runner.forward(q, k, v, call, out=view(out_big), lse=lse_big.narrow(2, S, S))
     assert torch.equal(got_out, out) and torch.equal(got_lse, lse)
     assert got_out.data_ptr() == view(out_big).data_ptr()
 
     delta = torch.empty_like(lse)
-    launch.backward(q, k, v, out, d_out, lse, fmt_, seqs, D ** -0.5, mask, window, grads=BackwardGrads.DKDV,
-                    delta=delta)  # fills delta
-    got = launch.backward(q, k, v, out, d_out, lse, fmt_, seqs, D ** -0.5, mask, window, dq=view(dq_big),
-                          dk=view(dk_big), dv=view(dv_big), delta=delta, preprocess=False)[:3]
+    kernel_runner.backward(q, k, v, out, d_out, lse, call, grads=BackwardGrads.DKDV, delta=delta)  # fills delta
+    got = kernel_runner.backward(q, k, v, out, d_out, lse, call, dq=view(dq_big), dk=view(dk_big), dv=view(dv_big),
+                                 delta=delta, preprocess=False)[:3]
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         assert torch.equal(a, b), name
     assert torch.equal(view(dq_big), want[0])
 
     with pytest.raises(ValueError, match="`delta` must be given with preprocess=False"):
-        launch.backward(q, k, v, out, d_out, lse, fmt_, seqs, D ** -0.5, mask, window, preprocess=False)
+        kernel_runner.backward(q, k, v, out, d_out, lse, call, preprocess=False)
     with pytest.raises(ValueError, match="`delta` must be float32 with lse's shape"):
-        launch.backward(q, k, v, out, d_out, lse, fmt_, seqs, D ** -0.5, mask, window, delta=lse_big)
+        kernel_runner.backward(q, k, v, out, d_out, lse, call, delta=lse_big)
     with pytest.raises(ValueError, match="`dq` must be a torch.float16 tensor of shape"):
-        launch.backward(q, k, v, out, d_out, lse, fmt_, seqs, D ** -0.5, mask, window, dq=dq_big)
+        kernel_runner.backward(q, k, v, out, d_out, lse, call, dq=dq_big)
     with pytest.raises(ValueError, match="`out` must be a torch.float16 tensor of shape"):
-        launch.forward(q, k, v, fmt_, seqs, D ** -0.5, mask, window, out=out_big)
+        kernel_runner.forward(q, k, v, call, out=out_big)

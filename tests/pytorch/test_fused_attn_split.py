@@ -25,7 +25,8 @@ from fused_helpers import (
 from test_sink_softmax import SCALE as SINK_SCALE, sink_reference
 from transformer_engine.common.attention import AttnMaskType, QKVFormat
 from transformer_engine.common.attention.plan import forward_plan
-from transformer_engine.pytorch.attention import launch
+from transformer_engine.pytorch.attention import kernel_runner
+from transformer_engine.pytorch.attention.testing import fused_call
 from transformer_engine.pytorch.attention.fused_attn import fused_attn_func
 
 pytestmark = requires_fused
@@ -43,7 +44,7 @@ def _gpu_plan_splits() -> bool:
     """Whether this GPU's plan splits 16-bit 192/128 (Hopper's narrow-V tiles, or another GPU forced to
     Hopper's plan)."""
     q, v = (torch.empty(1, 1, 1, d, dtype=torch.float16, device=DEVICE) for d in (192, 128))
-    return forward_plan(launch.plan_config(q, q, v, QKVFormat.BSHD, AttnMaskType.NO_MASK, (-1, -1))).block_dqk2 > 0
+    return forward_plan(kernel_runner.plan_key(q, q, v, fused_call())).block_dqk2 > 0
 
 
 @pytest.fixture(autouse=True)
@@ -54,13 +55,13 @@ def split_kernels(monkeypatch):
         pytest.skip("this GPU's plan does not split Q/K at 192/128 (Hopper's narrow-V tiles only)")
     monkeypatch.setenv("NVTE_FUSED_ATTN_INTERPRET_SPLIT_QK", "1")
     seen = []
-    real = launch._run
+    real = kernel_runner._run
 
     def run(described, buffers):
         seen.extend(x for x in described if x.name in SPLIT_PASSES)
         return real(described, buffers)
 
-    monkeypatch.setattr(launch, "_run", run)
+    monkeypatch.setattr(kernel_runner, "_run", run)
     return seen
 
 
@@ -212,11 +213,10 @@ def test_split_loop_form_and_launch_order_change_no_result(split_kernels, mask):
     fmt, attn_mask, window, cu = QKVFormat.BSHD, AttnMaskType.PADDING_CAUSAL_MASK, (-1, 0), cu_from_lengths([S, S - 7])
     if mask == "sliding_window":
         attn_mask, window, cu = AttnMaskType.NO_MASK, (19, 5), None
-    seqs = launch.sequences(fmt, q, k, cu, cu, None, None, S, S)
-    cfg = launch.plan_config(q, k, v, fmt, attn_mask, window)
+    call = fused_call(fmt, attn_mask, window, 0.2, cu_seqlens_q=cu, cu_seqlens_kv=cu)
 
     def run(**variant):
-        return run_with_tiles(q, k, v, d_out, fmt, seqs, attn_mask, window, cfg, **variant)
+        return run_with_tiles(q, k, v, d_out, call, **variant)
 
     results = {}
     for single_loop in (False, True):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fused_helpers import DEVICE, reference, DTYPES, ON_GPU, assert_close_to_reference, cu_from_lengths, make_qkv, requires_fused
-from transformer_engine.pytorch.attention import launch
+from transformer_engine.pytorch.attention.testing import dropout_keep_mask
 from transformer_engine.pytorch.attention.fused_attn import fused_attn_func, new_rng_state
 
 pytestmark = requires_fused
@@ -80,15 +80,15 @@ def test_alibi(slopes_shape, mask, sq, sk):
 def test_dropout_keep_rate():
     p = 0.25
     rng = torch.tensor([20261130, 7], dtype=torch.int64, device=DEVICE)
-    keep = launch.dropout_keep_mask(rng, 2, 4, 64, 64, p)
+    keep = dropout_keep_mask(rng, 2, 4, 64, 64, p)
     rate = keep.float().mean().item()
     n = keep.numel()
     sigma = (p * (1 - p) / n) ** 0.5
     assert abs(rate - (1 - p)) < 5 * sigma, (rate, 1 - p, sigma)
     # A different offset draws a different mask; the same state draws the same one.
-    other = launch.dropout_keep_mask(torch.tensor([20261130, 8], dtype=torch.int64, device=DEVICE), 2, 4, 64, 64, p)
+    other = dropout_keep_mask(torch.tensor([20261130, 8], dtype=torch.int64, device=DEVICE), 2, 4, 64, 64, p)
     assert not torch.equal(keep, other)
-    assert torch.equal(keep, launch.dropout_keep_mask(rng.clone(), 2, 4, 64, 64, p))
+    assert torch.equal(keep, dropout_keep_mask(rng.clone(), 2, 4, 64, 64, p))
 
 
 @pytest.mark.parametrize("mask", ["no_mask", "causal"])
@@ -97,7 +97,7 @@ def test_dropout_matches_reference_with_the_same_mask(mask):
     b, h, p = 2, 4, 0.2
     q, k, v, _ = make_qkv(b, S, S, h, 2, D, D, dtype)
     rng = torch.tensor([1234, 0], dtype=torch.int64, device=DEVICE)
-    keep = launch.dropout_keep_mask(rng, b, h, S, S, p)
+    keep = dropout_keep_mask(rng, b, h, S, S, p)
     ours, ref, lowp = _grads_and_ref(q, k, v, [], mask, D ** -0.5, {"dropout_keep": keep, "dropout_p": p},
                                      {"dropout_p": p, "rng_state": rng})
     for name, a, r, lp in zip(("out", "dq", "dk", "dv"), ours, ref, lowp):

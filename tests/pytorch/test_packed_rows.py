@@ -15,7 +15,8 @@ import torch
 
 from fused_helpers import DEVICE, DTYPES, ON_GPU, requires_fused
 from transformer_engine.common.attention import AttnMaskType, QKVFormat
-from transformer_engine.pytorch.attention import launch
+from transformer_engine.pytorch.attention import kernel_runner
+from transformer_engine.pytorch.attention.testing import fused_call
 
 pytestmark = requires_fused
 
@@ -44,14 +45,16 @@ def _packed(layout, h, hk, d, dv, dtype, seed=0):
             pos += n + gap
         assert pos <= (r + 1) * s
     as_tensor = lambda x: torch.tensor(x, dtype=torch.int32, device=DEVICE)  # noqa: E731
-    seqs = launch.Sequences(rows * m, s, s, as_tensor(lens), as_tensor(lens), as_tensor(starts), as_tensor(starts))
+    seqs = kernel_runner.Sequences(rows * m, s, s, as_tensor(lens), as_tensor(lens), as_tensor(starts),
+                                   as_tensor(starts))
     return (q, k, v, do), seqs, m
 
 
 def _run(tensors, seqs, mask, window):
     q, k, v, do = tensors
-    out, lse = launch.forward(q, k, v, QKVFormat.THD, seqs, 0.3, mask, window)
-    dq, dk, dv, _, _ = launch.backward(q, k, v, out, do, lse, QKVFormat.THD, seqs, 0.3, mask, window)
+    call = fused_call(QKVFormat.THD, mask, window, 0.3)
+    out, lse = kernel_runner.forward(q, k, v, call, seqs=seqs)
+    dq, dk, dv, _, _ = kernel_runner.backward(q, k, v, out, do, lse, call, seqs=seqs)
     return out, lse, dq, dk, dv
 
 
@@ -73,15 +76,15 @@ def test_segment_rows_give_the_bits_of_the_sequence_grid(layout, d, dv, mask, wi
 
 
 def test_segment_rows_must_divide_the_sequences_and_be_packed():
-    from transformer_engine.common.attention import launches
+    from transformer_engine.common.attention import launch_description
 
     (q, k, v, _), seqs, m = _packed("uneven", 2, 2, 16, 16, DTYPES[0])
     with pytest.raises(ValueError, match="`segments_per_row` must be a positive divisor"):
-        launch.forward(q, k, v, QKVFormat.THD, dataclasses.replace(seqs, segments_per_row=4), 0.3,
-                       AttnMaskType.PADDING_MASK, (-1, -1))
-    call = launch._call(q, k, v, QKVFormat.BSHD, launch.Sequences(2, 8, 8, None, None, None, None), 1.0,
-                        AttnMaskType.NO_MASK, (-1, -1), launch.NO_MODS, None, {}, (0, 0))
+        kernel_runner.forward(q, k, v, fused_call(QKVFormat.THD, AttnMaskType.PADDING_MASK, (-1, -1), 0.3),
+                              seqs=dataclasses.replace(seqs, segments_per_row=4))
+    call = kernel_runner.describe(q, k, v, fused_call(), kernel_runner.Sequences(2, 8, 8, None, None, None, None),
+                                  {}, (0, 0))
     with pytest.raises(ValueError, match="needs packed sequences with lengths"):
         dataclasses.replace(call, segments_per_row=2)
-    assert launches.Call.grid_rows(dataclasses.replace(call, num_seqs=6, packed=True, has_seqlens=True,
+    assert launch_description.Call.grid_rows(dataclasses.replace(call, num_seqs=6, packed=True, has_seqlens=True,
                                                        segments_per_row=3), 96, 16, 4) == (6 + 2, 2 * 4)

@@ -25,7 +25,8 @@ from dpa_helpers import (
 from fused_helpers import DTYPES
 from transformer_engine.common.attention import AttnConfig, AttnSoftmaxType, FlashAttention, FusedAttention
 from transformer_engine.pytorch import DotProductAttention
-from transformer_engine.pytorch.attention import launch
+from transformer_engine.pytorch.attention import kernel_runner
+from transformer_engine.pytorch.attention.testing import dropout_keep_mask
 from transformer_engine.pytorch.attention.fused_attn import fused_attn_func
 from transformer_engine.pytorch.attention.unfused import unfused_attention
 
@@ -159,7 +160,7 @@ def test_fused_dropout_normalises_with_the_sink():
     offset, sink64 = _sink("learnable", 2)
     rng_state = torch.tensor([1234, 0], dtype=torch.int64, device=DEVICE)
     out, grads, d_out = _fused(q, k, v, "learnable", offset, "causal", dropout_p=0.25, rng_state=rng_state)
-    keep = launch.dropout_keep_mask(rng_state, 1, 2, S, S, 0.25)
+    keep = dropout_keep_mask(rng_state, 1, 2, S, S, 0.25)
     _check_against_reference(q, k, v, offset, sink64, out, grads, d_out, mask="causal", keep=keep, dropout_p=0.25)
 
 
@@ -221,7 +222,7 @@ def test_deterministic_sink_gradients_are_bitwise_repeatable_and_batch_invariant
                 assert torch.equal(a[0, :n], b[i, :n])
         parts.append(alone[4])
     # ... and the batch's d softmax_offset is the documented fixed-order sum of those parts, bit for bit.
-    assert torch.equal(full[4], launch.fixed_order_sum(torch.stack(parts)))
+    assert torch.equal(full[4], kernel_runner.fixed_order_sum(torch.stack(parts)))
     assert not torch.equal(full[4], parts[0])
 
 

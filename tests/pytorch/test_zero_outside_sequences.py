@@ -1,4 +1,4 @@
-"""launch.zero_outside_sequences (common/attention/kernels/fill.py): the flash-attn-4 backend's
+"""kernel_runner.zero_outside_sequences (common/attention/kernels/fill.py): the flash-attn-4 backend's
 clearing of token rows outside every sequence. Exactly the gap rows become zero (NaN there
 included); every row inside a sequence keeps its bits.
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fused_helpers import DEVICE, requires_fused
-from transformer_engine.pytorch.attention.launch import zero_outside_sequences
+from transformer_engine.pytorch.attention.kernel_runner import zero_outside_sequences
 
 
 CASES = [

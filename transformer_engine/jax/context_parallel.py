@@ -359,7 +359,6 @@ def tile_alignment(plan: _Plan, q, k, v, capability: Optional[Tuple[int, int]] =
     """The largest tile of the fused kernels' plans for the calls of ``plan`` (canonical BSHD ``q``, ``k``,
     ``v``) on an NVIDIA GPU of ``capability`` (None: the GPU JAX runs on; 1 on the CPU, whose lowering has
     no tiles)."""
-    from transformer_engine.common.attention import launches
     from transformer_engine.jax.primitives import gpu
 
     if capability is None:
@@ -369,7 +368,7 @@ def tile_alignment(plan: _Plan, q, k, v, capability: Optional[Tuple[int, int]] =
     statics = (plan.chunk_static, plan.kv_chunk_static) if plan.causal else (plan.static,)
     shapes = dict(q=q.shape, k=k.shape, v=v.shape)
     return cp_plan.tile_alignment(
-        launches.plan_config(gpu.launch_call(st, shapes, q.dtype, q.shape[0], None, capability)) for st in statics)
+        gpu.launch_call(st, shapes, q.dtype, q.shape[0], None, capability).plan_key for st in statics)
 
 
 def _column(b, value):

@@ -13,7 +13,8 @@ from transformer_engine.common.attention.enums import (
     QKVLayout,
 )
 
-__all__ = ["AttnConfig", "normalize_window", "resolve_bottom_right_diagonal", "NO_WINDOW", "gfx_target"]
+__all__ = ["AttnConfig", "PlanKey", "normalize_window", "resolve_bottom_right_diagonal", "window_kind", "NO_WINDOW",
+           "gfx_target"]
 
 NO_WINDOW = (-1, -1)
 
@@ -77,6 +78,42 @@ def resolve_bottom_right_diagonal(attn_mask_type: AttnMaskType, bottom_right_dia
     return bottom_right_diagonal
 
 
+def window_kind(attn_mask_type: AttnMaskType, window_size: Tuple[int, int]) -> str:
+    """'none', 'causal', 'sliding' — what a tile configuration may depend on (a normalized window)."""
+    if window_size[0] >= 0 or window_size[1] > 0:
+        return "sliding"
+    if attn_mask_type.is_causal:
+        return "causal"
+    return "none"
+
+
+@dataclass(frozen=True)
+class PlanKey:
+    """What a launch plan reads of a call (``plan.py``, ``explain.py``), and nothing else: head dims,
+    dtype, mask and normalized window with the resolved diagonal, score modifiers, softmax type and the
+    device. No batch size, no sequence length: the determinism contract's invariance (tiles are functions
+    of these only) holds by construction. :attr:`AttnConfig.plan_key` gives a config's; the launch
+    description (``launch_description.Call.plan_key``) builds one per call. The names are AttnConfig's."""
+
+    head_dim_qk: int
+    head_dim_v: int
+    dtype: str  # "float16", "bfloat16" or "float32"
+    attn_mask_type: AttnMaskType = AttnMaskType.NO_MASK
+    window_size: Tuple[int, int] = NO_WINDOW
+    bottom_right: bool = False  # the resolved diagonal (AttnConfig.bottom_right)
+    attn_bias_type: AttnBiasType = AttnBiasType.NO_BIAS
+    dropout: float = 0.0
+    softmax_type: AttnSoftmaxType = AttnSoftmaxType.VANILLA_SOFTMAX
+    device_type: str = "cuda"
+    compute_capability: Optional[Tuple[int, int]] = None
+    vendor: str = "nvidia"
+    gfx_arch: Optional[str] = None
+
+    @property
+    def window_kind(self) -> str:
+        return window_kind(self.attn_mask_type, self.window_size)
+
+
 @dataclass(frozen=True)
 class AttnConfig:
     """Everything backend selection and launch planning need to know about one call.
@@ -132,11 +169,18 @@ class AttnConfig:
     @property
     def window_kind(self) -> str:
         """'none', 'causal', 'sliding' — what a tile configuration may depend on."""
-        if self.window_size[0] >= 0 or self.window_size[1] > 0:
-            return "sliding"
-        if self.attn_mask_type.is_causal:
-            return "causal"
-        return "none"
+        return window_kind(self.attn_mask_type, self.window_size)
+
+    @property
+    def plan_key(self) -> PlanKey:
+        """What launch plans read of this config (:class:`PlanKey`)."""
+        return PlanKey(
+            head_dim_qk=self.head_dim_qk, head_dim_v=self.head_dim_v, dtype=self.dtype,
+            attn_mask_type=self.attn_mask_type, window_size=self.window_size, bottom_right=self.bottom_right,
+            attn_bias_type=self.attn_bias_type, dropout=self.dropout, softmax_type=self.softmax_type,
+            device_type=self.device_type, compute_capability=self.compute_capability, vendor=self.vendor,
+            gfx_arch=self.gfx_arch,
+        )
 
     @property
     def arch(self) -> Optional[str]:

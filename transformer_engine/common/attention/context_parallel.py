@@ -90,7 +90,7 @@ def chunk_ranges(seqlen: int, cp: int, rank: int, balance: LoadBalance, align: i
 
 def tile_alignment(configs: Iterable) -> int:
     """The largest block (rows or columns) of any kernel the fused forward and backward plan for these
-    AttnConfigs (one per mask a CP call uses): chunk calls starting at multiples of it meet the
+    AttnConfigs or PlanKeys (one per mask a CP call uses): chunk calls starting at multiples of it meet the
     single-device call's blocks."""
     from transformer_engine.common.attention.plan import backward_plan, forward_plan
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
-from transformer_engine.common.attention.config import AttnConfig
+from transformer_engine.common.attention.config import AttnConfig, PlanKey
 from transformer_engine.common.attention.enums import AttnBiasType
 from transformer_engine.common.log import get_logger
 from transformer_engine.common.attention.plan import (
@@ -22,6 +22,7 @@ from transformer_engine.common.attention.plan import (
     PlanTrace,
     Tiles,
     device_arch,
+    plan_key,
     trace_backward,
     trace_forward,
 )
@@ -119,7 +120,7 @@ def _tiles(t: Tiles) -> str:
     return text
 
 
-def _arch_reason(config: AttnConfig, trace: PlanTrace) -> Tuple[str, str]:
+def _arch_reason(config: PlanKey, trace: PlanTrace) -> Tuple[str, str]:
     if trace.arch is None:
         return "interpreter", f"device_type {config.device_type!r}: Triton's interpreter, small tiles"
     device = device_arch(config)
@@ -146,7 +147,7 @@ def _forward_passes(fwd: ForwardPlan, trace: PlanTrace) -> Tuple[PassChoice, ...
                   "tiles", "warp_specialized"),)
 
 
-def _backward_passes(config: AttnConfig, bwd: BackwardPlan, trace: PlanTrace) -> Tuple[PassChoice, ...]:
+def _backward_passes(config: PlanKey, bwd: BackwardPlan, trace: PlanTrace) -> Tuple[PassChoice, ...]:
     passes = [_pass("preprocess", "attn_bwd_preprocess_kernel", None, bwd.preprocess, None, trace, "preprocess",
                     None)]
     if config.softmax_type.is_learnable:
@@ -165,13 +166,15 @@ def _backward_passes(config: AttnConfig, bwd: BackwardPlan, trace: PlanTrace) ->
     return tuple(passes)
 
 
-def explain_plan(config: AttnConfig) -> PlanExplanation:
-    """What the fused backend runs for ``config`` and why: the architecture's tables and how they were
-    chosen, each pass's kernel (warp-specialized Gluon or Triton, with the reason where Gluon does not
-    serve), its tiles and the table row they came from. Reads the environment as a launch does
-    (NVTE_FUSED_ATTN_WS, NVTE_FUSED_ATTN_PLAN_ARCH, NVTE_FUSED_ATTN_INTERPRET_SPLIT_QK)."""
-    if not isinstance(config, AttnConfig):
+def explain_plan(config: Union[AttnConfig, PlanKey]) -> PlanExplanation:
+    """What the fused backend runs for ``config`` (an AttnConfig, or the PlanKey of one) and why: the
+    architecture's tables and how they were chosen, each pass's kernel (warp-specialized Gluon or Triton,
+    with the reason where Gluon does not serve), its tiles and the table row they came from. Reads the
+    environment as a launch does (NVTE_FUSED_ATTN_WS, NVTE_FUSED_ATTN_PLAN_ARCH,
+    NVTE_FUSED_ATTN_INTERPRET_SPLIT_QK)."""
+    if not isinstance(config, (AttnConfig, PlanKey)):
         raise TypeError(f"`config` must be an AttnConfig, got {type(config).__name__}")
+    config = plan_key(config)
     fwd, ftrace = trace_forward(config)
     bwd, btrace = trace_backward(config)
     arch, reason = _arch_reason(config, ftrace)
@@ -185,7 +188,7 @@ def explain_plan(config: AttnConfig) -> PlanExplanation:
 _logged: set = set()
 
 
-def log_plan(config: AttnConfig) -> None:
+def log_plan(config: Union[AttnConfig, PlanKey]) -> None:
     """With NVTE_DEBUG=1 and NVTE_DEBUG_LEVEL >= 1 (the logger at INFO), log ``config``'s plan explanation
     the first time this process meets that plan; otherwise only the logger's level is read."""
     logger = get_logger()

@@ -1,8 +1,9 @@
-"""Launch plans: tile sizes, warps, stages and kernel variants as pure functions of AttnConfig.
+"""Launch plans: tile sizes, warps, stages and kernel variants as pure functions of a :class:`PlanKey`.
 
 Determinism contract: in deterministic mode the tiles and loop orders
 depend only on head dim, dtype, mask/window kind and GPU architecture — never on batch size,
-sequence length or autotuning. Nothing below reads a shape other than the head dims. Whether the
+sequence length or autotuning. Every plan function reads the call through its PlanKey (an AttnConfig is
+taken as its ``plan_key``), which holds no batch size or sequence length, so nothing below can. Whether the
 warp-specialized Gluon kernels serve a config also reads its bias/dropout and NVTE_FUSED_ATTN_WS, and
 whether Hopper's narrow-V tiles (and their Q/K head-dim split) do reads its bias/dropout, alike for both
 frameworks.
@@ -19,14 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple, Union
 
-from transformer_engine.common.attention.config import AttnConfig
+from transformer_engine.common.attention.config import AttnConfig, PlanKey
 from transformer_engine.common import settings
 from transformer_engine.common.attention.enums import AttnBiasType
 
 __all__ = ["Tiles", "ForwardPlan", "BackwardPlan", "ArchTables", "ARCHS", "forward_plan", "backward_plan",
-           "plan_arch", "device_arch", "mask_flags", "padded_head_dim", "split_head_dim", "block_grid",
+           "plan_key", "plan_arch", "device_arch", "mask_flags", "padded_head_dim", "split_head_dim", "block_grid",
            "tma_eligible", "PlanTrace", "trace_forward", "trace_backward", "row_name"]
 
 
@@ -64,9 +65,9 @@ class ForwardPlan:
     tiles: Tiles
     block_dqk: int
     block_dv: int
-    # Tiles of the warp-specialized Gluon forward (kernels/hopper_ws.py) where it serves the config;
-    # the launches (launches.py) use it when the tensors also allow TMA (tma_eligible), else attn_fwd_kernel
-    # with `tiles`.
+    # Tiles of the warp-specialized Gluon forward (kernels/hopper_ws.py) where it serves the config; the
+    # launches (launch_description.py) use it when the tensors also allow TMA (tma_eligible), else
+    # attn_fwd_kernel with `tiles`.
     warp_specialized: Optional[Tiles] = None
     # Width of the second Q/K head-dim chunk (BLOCK_DQK2) where the Q/K head dim splits in two (block_dqk
     # is then the first chunk: split_head_dim); 0: one block_dqk-wide tile.
@@ -124,10 +125,19 @@ class BackwardPlan:
         return ("attn_bwd_preprocess_kernel",) + dkdv + ("attn_bwd_dq_kernel",)
 
 
-def mask_flags(config: AttnConfig) -> Tuple[Dict[str, bool], int, int]:
+Config = Union[AttnConfig, PlanKey]
+
+
+def plan_key(config: Config) -> PlanKey:
+    """What plans read of ``config``: itself when a :class:`PlanKey`, else the AttnConfig's ``plan_key``."""
+    return config if isinstance(config, PlanKey) else config.plan_key
+
+
+def mask_flags(config: Config) -> Tuple[Dict[str, bool], int, int]:
     """The kernels' mask constexprs (HAS_LEFT, HAS_RIGHT, BOTTOM_RIGHT) and the (left, right) window
     they take, for a config's mask type, normalized window (-1: unbounded) and diagonal alignment
     (``AttnConfig.bottom_right``); causal masks close the right."""
+    config = plan_key(config)
     left, right = config.window_size
     if config.attn_mask_type.is_causal:
         right = 0
@@ -213,19 +223,19 @@ class ArchTables:
     fwd_ws_split: Dict[bool, Tiles] = dataclasses.field(default_factory=dict)
     dq_ws_split: Dict[bool, Tiles] = dataclasses.field(default_factory=dict)
 
-    def serves_narrow_v(self, config: AttnConfig) -> bool:
+    def serves_narrow_v(self, config: PlanKey) -> bool:
         """Whether the narrow-V tiles serve ``config`` (before the fp32 clamp)."""
         return (self.narrow_v is not None and padded_head_dim(config.head_dim_qk) == 256
                 and padded_head_dim(config.head_dim_v) == 128
                 and config.attn_bias_type == AttnBiasType.NO_BIAS and config.dropout == 0)
 
-    def tiles(self, config: AttnConfig, key: Tuple[int, bool]) -> Tuple[Tiles, Tiles, Tiles]:
+    def tiles(self, config: PlanKey, key: Tuple[int, bool]) -> Tuple[Tiles, Tiles, Tiles]:
         """The (fwd, dK/dV, dQ) table tiles of ``config`` at ``key`` (_head_key), before the fp32 clamp."""
         if self.serves_narrow_v(config):
             return self.narrow_v
         return self.fwd[key], self.dkdv[key], self.dq[key]
 
-    def dk_dv_tiles(self, config: AttnConfig, key: Tuple[int, bool]) -> Optional[Tuple[Tiles, Tiles]]:
+    def dk_dv_tiles(self, config: PlanKey, key: Tuple[int, bool]) -> Optional[Tuple[Tiles, Tiles]]:
         """(dK tiles, dV tiles) of a two-pass dK/dV backward for ``config``, or None: one pass."""
         if (self.dk_dv is None or key not in self.dk_dv or config.dtype not in ("float16", "bfloat16")
                 or config.attn_bias_type != AttnBiasType.NO_BIAS or config.dropout > 0
@@ -233,7 +243,7 @@ class ArchTables:
             return None
         return self.dk_dv[key]
 
-    def splits_qk(self, config: AttnConfig) -> bool:
+    def splits_qk(self, config: PlanKey) -> bool:
         """Whether ``config``'s Q/K head dim splits in two chunks (narrow_v_split) on this architecture."""
         return (config.head_dim_qk in self.narrow_v_split and self.serves_narrow_v(config)
                 and config.dtype in ("float16", "bfloat16") and split_head_dim(config.head_dim_qk) is not None)
@@ -392,8 +402,9 @@ _NVIDIA_OTHER = "sm89"  # the smallest shared memory of the NVIDIA tables: fits 
 AMD_ARCHS = {"gfx90a": "gfx90a", "gfx940": "gfx942", "gfx941": "gfx942", "gfx942": "gfx942", "gfx950": "gfx950"}
 
 
-def device_arch(config: AttnConfig) -> ArchTables:
+def device_arch(config: Config) -> ArchTables:
     """The tables of the config's own GPU (``vendor`` with ``compute_capability`` or ``gfx_arch``)."""
+    config = plan_key(config)
     if config.vendor == "amd":
         if config.gfx_arch not in AMD_ARCHS:
             raise NotImplementedError(f"`gfx_arch` must be one of {', '.join(sorted(AMD_ARCHS))} for the fused "
@@ -407,14 +418,14 @@ def device_arch(config: AttnConfig) -> ArchTables:
     return ARCHS[_NVIDIA_EXACT.get(tuple(cc)) or _NVIDIA_MAJOR.get(cc[0], _NVIDIA_OTHER)]
 
 
-def plan_arch(config: AttnConfig) -> ArchTables:
+def plan_arch(config: Config) -> ArchTables:
     """The tables a GPU config plans with: its device's, or those NVTE_FUSED_ATTN_PLAN_ARCH forces (read now).
 
     A forced plan keeps to what the device can run: only its Triton tiles (the Gluon kernels stay with
     a real SM90), and only an architecture with at most the device's shared memory, so its tiles fit.
     Warps keep the device's width (a wave64 plan on NVIDIA runs its warp counts as 32-thread warps).
     """
-    device = device_arch(config)
+    device = device_arch(plan_key(config))
     forced = settings.get("NVTE_FUSED_ATTN_PLAN_ARCH")
     if not forced or forced == device.name:
         return device
@@ -427,7 +438,7 @@ def plan_arch(config: AttnConfig) -> ArchTables:
     return dataclasses.replace(tables, warp_specialized=False)
 
 
-def _head_key(config: AttnConfig) -> Tuple[int, bool]:
+def _head_key(config: PlanKey) -> Tuple[int, bool]:
     """What the tables' rows are keyed by: padded head dim and whether the mask is diagonal-bounded."""
     dim = max(padded_head_dim(config.head_dim_qk), padded_head_dim(config.head_dim_v))
     return dim, config.window_kind != "none"
@@ -453,8 +464,9 @@ def _fp32_clamp(tiles: Tiles, block_m: int, block_n: int) -> Tiles:
     return Tiles(min(tiles.block_m, block_m), min(tiles.block_n, block_n), tiles.num_warps, 1)
 
 
-def trace_forward(config: AttnConfig, override: Optional[Tiles] = None) -> Tuple[ForwardPlan, PlanTrace]:
+def trace_forward(config: Config, override: Optional[Tiles] = None) -> Tuple[ForwardPlan, PlanTrace]:
     """:func:`forward_plan` with the rows it took (:class:`PlanTrace`)."""
+    config = plan_key(config)
     key = _head_key(config)
     arch = plan_arch(config) if config.device_type != "cpu" and override is None else None
     trace = PlanTrace(arch, key)
@@ -479,12 +491,13 @@ def trace_forward(config: AttnConfig, override: Optional[Tiles] = None) -> Tuple
     return ForwardPlan(tiles, block_dqk, padded_head_dim(config.head_dim_v), ws, block_dqk2), trace
 
 
-def forward_plan(config: AttnConfig, override: Optional[Tiles] = None) -> ForwardPlan:
-    """The forward's tiles for ``config``; ``override``: these Triton tiles instead (measurements)."""
+def forward_plan(config: Config, override: Optional[Tiles] = None) -> ForwardPlan:
+    """The forward's tiles for ``config`` (an AttnConfig or its PlanKey); ``override``: these Triton tiles
+    instead (measurements)."""
     return trace_forward(config, override)[0]
 
 
-def _qk_blocks(config: AttnConfig, arch: Optional[ArchTables]) -> Tuple[int, int]:
+def _qk_blocks(config: PlanKey, arch: Optional[ArchTables]) -> Tuple[int, int]:
     """(BLOCK_DQK, BLOCK_DQK2) of the Triton kernels: the two chunks of split_head_dim where the
     architecture splits Q/K (ArchTables.splits_qk; under the interpreter, where
     NVTE_FUSED_ATTN_INTERPRET_SPLIT_QK asks), else the padded head dim and 0. A tile override (arch None
@@ -499,7 +512,7 @@ def _qk_blocks(config: AttnConfig, arch: Optional[ArchTables]) -> Tuple[int, int
     return padded_head_dim(config.head_dim_qk), 0
 
 
-def _warp_specialized(config: AttnConfig, arch: Optional[ArchTables], key: Tuple[int, bool], kernel: str,
+def _warp_specialized(config: PlanKey, arch: Optional[ArchTables], key: Tuple[int, bool], kernel: str,
                       trace: PlanTrace, field_name: str) -> Optional[Tiles]:
     """The Gluon ``kernel``'s ("fwd", "dq", "dkdv" or "dv") tiles for ``config`` from the architecture's
     ``<kernel>_ws`` table (``<kernel>_ws_split`` where the Q/K head dim splits in two chunks), where they
@@ -513,7 +526,7 @@ def _warp_specialized(config: AttnConfig, arch: Optional[ArchTables], key: Tuple
     return tiles
 
 
-def _gluon_tiles(config: AttnConfig, arch: Optional[ArchTables], key: Tuple[int, bool],
+def _gluon_tiles(config: PlanKey, arch: Optional[ArchTables], key: Tuple[int, bool],
                  kernel: str) -> Tuple[Optional[Tiles], str]:
     """(tiles, their row) where the Gluon ``kernel`` serves, else (None, why not)."""
     if config.device_type != "cuda" or arch is None:
@@ -566,9 +579,10 @@ def _gluon_unavailable_reason() -> Optional[str]:
     return reason
 
 
-def trace_backward(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = None
+def trace_backward(config: Config, override: Optional[Tuple[Tiles, Tiles]] = None
                    ) -> Tuple[BackwardPlan, PlanTrace]:
     """:func:`backward_plan` with the rows it took (:class:`PlanTrace`)."""
+    config = plan_key(config)
     key = _head_key(config)
     arch = plan_arch(config) if config.device_type != "cpu" and override is None else None
     trace = PlanTrace(arch, key)
@@ -627,7 +641,8 @@ def trace_backward(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] =
     return plan, trace
 
 
-def backward_plan(config: AttnConfig, override: Optional[Tuple[Tiles, Tiles]] = None) -> BackwardPlan:
-    """The backward's tiles for ``config``; ``override``: these (dK/dV, dQ) Triton tiles instead."""
+def backward_plan(config: Config, override: Optional[Tuple[Tiles, Tiles]] = None) -> BackwardPlan:
+    """The backward's tiles for ``config`` (an AttnConfig or its PlanKey); ``override``: these (dK/dV, dQ)
+    Triton tiles instead."""
     return trace_backward(config, override)[0]
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import ClassVar, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -32,10 +32,8 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
-from transformer_engine.common.attention.config import resolve_bottom_right_diagonal
-from transformer_engine.common.attention.enums import (
-    AttnBiasType, AttnMaskType, AttnSoftmaxType, BackwardGrads, QKVFormat,
-)
+from transformer_engine.common.attention.enums import AttnBiasType, BackwardGrads
+from transformer_engine.common.attention.params import AttnParams
 from transformer_engine.common.attention.validation import kernel_scale
 from transformer_engine.jax import attention_math, jax_compat
 from transformer_engine.jax.attention_math import SeqInfo
@@ -46,37 +44,18 @@ _SUPPORTED_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 
 
 @dataclass(frozen=True)
-class FusedAttnStatic:
-    """Static (trace-time) arguments of the fused attention primitives."""
+class FusedAttnStatic(AttnParams):
+    """Static (trace-time) arguments of the fused attention primitives: the call's
+    :class:`~transformer_engine.common.attention.params.AttnParams` (``qkv_format`` is the user's format;
+    tensors reaching the primitive are BSHD; a None ``bottom_right_diagonal`` takes TransformerEngine-JAX's
+    default, bottom-right for the bottom-right causal masks only) and what only the primitives read."""
 
-    attn_mask_type: AttnMaskType
-    attn_bias_type: AttnBiasType
-    qkv_format: QKVFormat  # the user's format; tensors reaching the primitive are BSHD
-    window_size: Tuple[int, int]
-    scaling_factor: float
-    dropout_probability: float
-    is_training: bool
-    deterministic: bool
+    framework: ClassVar[str] = "jax"
+
     checkpoint_name: str = "context"  # names the output and the saved statistics for remat policies
-    # Diagonal of sliding windows (None: TransformerEngine-JAX's, bottom-right for the bottom-right causal
-    # masks only); see common.attention.config.resolve_bottom_right_diagonal.
-    bottom_right_diagonal: Optional[bool] = None
-    softmax_type: AttnSoftmaxType = AttnSoftmaxType.VANILLA_SOFTMAX
     # The backward primitive's gradient passes (the forward ignores it): DQ leaves dk, dv zeros and DKDV
     # leaves dq zeros (the shapes stay); a gradient it computes is bitwise the whole backward's.
     backward_grads: BackwardGrads = BackwardGrads.DQ_DKDV
-
-    @property
-    def bottom_right(self) -> bool:
-        return resolve_bottom_right_diagonal(self.attn_mask_type, self.bottom_right_diagonal, "jax")
-
-    @property
-    def has_bias(self) -> bool:
-        return self.attn_bias_type != AttnBiasType.NO_BIAS
-
-    @property
-    def has_dropout(self) -> bool:
-        return self.is_training and self.dropout_probability > 0.0
 
 
 # ================================================================================================
@@ -685,7 +664,7 @@ def _fused_attn_bwd_rule(static, residuals, dout):
     d_offset = None
     if static.softmax_type.is_learnable:
         # The sequences' parts, in batch order (row, then segment), summed as a fixed pairwise tree:
-        # the same adds as the PyTorch frontend's launch.fixed_order_sum, on any sharding.
+        # the same adds as the PyTorch frontend's kernel_runner.fixed_order_sum, on any sharding.
         d_offset = attention_math.fixed_order_sum(dsink.reshape(-1, dsink.shape[-1]), axis=0)
     return dq, dk, dv, (dbias if static.has_bias else None), d_offset, None, None
 

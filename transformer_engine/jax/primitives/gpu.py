@@ -1,9 +1,9 @@
 """CUDA lowering of the fused attention primitives: the project's Triton kernels through XLA FFI.
 
 Route (docs/jax_ffi.rst): the launches are those of the framework-free launch description
-(``common.attention.launches``: kernels, grids, arguments, tiles of the shared plan). At lowering time
-their kernels are compiled with ``triton.compile`` (no torch needed), specialized exactly as Triton's
-own JIT specializes a launch with the same arguments. Each
+(``common.attention.launch_description``: kernels, grids, arguments, tiles of the shared plan). At
+lowering time their kernels are compiled with ``triton.compile`` (no torch needed), specialized exactly as
+Triton's own JIT specializes a launch with the same arguments. Each
 primitive lowers to one custom call ``te_triton_launch`` handled by the native extension
 ``transformer_engine.jax.transformer_engine_jax_ffi`` (``csrc/triton_launch.cpp``), which
 launches the cubins on XLA's stream. The cubins and a small launch *program* (buffer fills,
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import mlir
 
-from transformer_engine.common.attention import launches
+from transformer_engine.common.attention import launch_description
 from transformer_engine.common.attention.enums import AttnBiasType, QKVFormat
 from transformer_engine.common.attention.kernels.aot import CompiledKernel, Pointer, compile_kernel
 
@@ -240,25 +240,23 @@ def _check_supported(static, segments_per_row: int) -> None:
 
 
 def launch_call(static, shapes: Dict[str, Sequence[int]], dtype, num_seqs: int, bias_shape: Optional[Sequence[int]],
-                compute_capability: Tuple[int, int], segments_per_row: int = 1) -> launches.Call:
-    """The launch description's view of a call on contiguous ``[b, s, h, d]`` buffers (``shapes`` by slot
-    name: q, k, v, out, and d_out, dq, dk, dv for the backward) of ``num_seqs`` kernel sequences;
-    ``segments_per_row``: the packed mode's sequences per row (max_segments_per_seq), whose lengths only
-    the device knows: the kernels then cover each row's blocks (launches.Call)."""
+                compute_capability: Tuple[int, int], segments_per_row: int = 1) -> launch_description.Call:
+    """The launch description's view of a call (``static``: its parameters) on contiguous ``[b, s, h, d]``
+    buffers (``shapes`` by slot name: q, k, v, out, and d_out, dq, dk, dv for the backward) of ``num_seqs``
+    kernel sequences; ``segments_per_row``: the packed mode's sequences per row (max_segments_per_seq), whose
+    lengths only the device knows: the kernels then cover each row's blocks (launch_description.Call)."""
     q, k, v = shapes["q"], shapes["k"], shapes["v"]
     bias = None
     if bias_shape is not None:
-        bias = launches.Bias(tuple(bias_shape), _strides(bias_shape))
+        bias = launch_description.Bias(tuple(bias_shape), _strides(bias_shape))
     # XLA aligns buffers to more than 16 bytes.
-    return launches.Call(
-        num_heads_q=q[2], num_heads_kv=k[2], head_dim_qk=q[3], head_dim_v=v[3], dtype=jnp.dtype(dtype).name,
-        num_seqs=num_seqs, max_q=q[1], max_k=k[1], packed=_uses_packed_mode(static),
-        has_seqlens=_uses_packed_mode(static), softmax_scale=static.scaling_factor,
-        attn_mask_type=static.attn_mask_type, window_size=static.window_size,
-        bottom_right_diagonal=static.bottom_right,
-        views={name: launches.View(_strides(shape)) for name, shape in shapes.items()},
+    return launch_description.Call(
+        params=static, num_heads_q=q[2], num_heads_kv=k[2], head_dim_qk=q[3], head_dim_v=v[3],
+        dtype=jnp.dtype(dtype).name, num_seqs=num_seqs, max_q=q[1], max_k=k[1], packed=_uses_packed_mode(static),
+        has_seqlens=_uses_packed_mode(static),
+        views={name: launch_description.View(_strides(shape)) for name, shape in shapes.items()},
         lse_strides=(q[2] * q[1], q[1]), device=dict(device_type="cuda", compute_capability=compute_capability),
-        bias=bias, softmax_type=static.softmax_type, segments_per_row=segments_per_row,
+        bias=bias, segments_per_row=segments_per_row,
     )
 
 
@@ -323,7 +321,7 @@ def _fwd_impl(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds
     buffers.update(out=Buf(o), lse=Buf(lse))
     call = launch_call(static, dict(q=q.shape, k=k.shape, v=v.shape, out=(b, s_q, hq, dv)), q.dtype, nseq,
                        bias.shape if static.has_bias else None, _compute_capability(), m if packed else 1)
-    _run(prog, launches.forward_launches(call), buffers)
+    _run(prog, launch_description.forward_launches(call), buffers)
     out, lse_out = prog.call(*operands)[:2]
     return out, lse_out.reshape(b, nseq // b, hq, s_q)
 
@@ -369,7 +367,7 @@ def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_of
                   dv=v.shape)
     call = launch_call(static, shapes, q.dtype, nseq, bias.shape if static.has_bias else None,
                        _compute_capability(), m if packed else 1)
-    _run(prog, launches.backward_launches(call, bias_grad=static.has_bias, sink_grad=sink_grad, grads=grads),
+    _run(prog, launch_description.backward_launches(call, bias_grad=static.has_bias, sink_grad=sink_grad, grads=grads),
          buffers)
 
     results = prog.call(*operands)

@@ -3,21 +3,22 @@ their runner hooks and what only PyTorch knows, and backend selection over them.
 
 Each class here subclasses the framework-free one of the same ``NAME``, so its identity, capabilities
 and reasons are declared once, there. It adds ``run(q, k, v, call)``, which runs one
-:class:`AttnCall` (DotProductAttention's arguments, converted and checked once) on that backend.
+:class:`~transformer_engine.pytorch.attention.call.AttnCall` (DotProductAttention's arguments, converted and
+checked once) on that backend.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Callable, ContextManager, List, Optional, Sequence, Tuple, Type
+from typing import List, Optional, Sequence, Tuple, Type
 
 import torch
 
 from transformer_engine.common.attention import backends as common
 from transformer_engine.common.attention.config import AttnConfig
-from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, AttnSoftmaxType, QKVFormat
+from transformer_engine.common.attention.enums import AttnBiasType
 from transformer_engine.pytorch.attention import flash_backend
+from transformer_engine.pytorch.attention.call import AttnCall
 from transformer_engine.pytorch.attention.fused_attn import fused_attention, new_rng_state, sink_logits
 from transformer_engine.pytorch.attention.unfused import default_alibi_slopes, unfused_math
 
@@ -25,58 +26,26 @@ __all__ = ["AttnCall", "FusedAttentionBackend", "FlashAttentionBackend", "Unfuse
            "backend_named", "select"]
 
 
-@dataclass(frozen=True)
-class AttnCall:
-    """One attention call with its arguments converted and checked once (by DotProductAttention):
-    enums, not strings; the normalized window and the resolved diagonal; where the sequences are."""
-
-    fmt: QKVFormat
-    mask: AttnMaskType  # the effective mask (padding forms under thd; unpadded without padding information)
-    window: Tuple[int, int]  # normalize_window's
-    bottom_right: bool  # resolve_bottom_right_diagonal's
-    softmax_scale: float
-    deterministic: bool
-    cu_seqlens_q: Optional[torch.Tensor] = None
-    cu_seqlens_kv: Optional[torch.Tensor] = None
-    cu_seqlens_q_padded: Optional[torch.Tensor] = None
-    cu_seqlens_kv_padded: Optional[torch.Tensor] = None
-    max_seqlen_q: Optional[int] = None
-    max_seqlen_kv: Optional[int] = None
-    attention_mask: Optional[torch.Tensor] = None  # the 'arbitrary' mask
-    bias_type: AttnBiasType = AttnBiasType.NO_BIAS
-    bias: Optional[torch.Tensor] = None
-    alibi_slopes: Optional[torch.Tensor] = None
-    dropout: float = 0.0
-    rng_context: Optional[Callable[[], ContextManager]] = None
-    softmax_type: AttnSoftmaxType = AttnSoftmaxType.VANILLA_SOFTMAX
-    softmax_offset: Optional[torch.Tensor] = None  # fp32 [h_q] on q's device: 'learnable', 'off-by-one' (zeros)
-    return_max_logit: bool = False
-
-    @property
-    def sequences(self) -> tuple:
-        return (self.cu_seqlens_q, self.cu_seqlens_kv, self.cu_seqlens_q_padded, self.cu_seqlens_kv_padded,
-                self.max_seqlen_q, self.max_seqlen_kv)
-
-
 class FusedAttentionBackend(common.FusedAttention):
     """The project's Triton kernels (:func:`~transformer_engine.pytorch.attention.fused_attn.fused_attention`)."""
 
     @staticmethod
     def run(q, k, v, call: AttnCall):
+        p = call.params
         bias = alibi = rng_state = None
-        if call.bias_type == AttnBiasType.POST_SCALE_BIAS:
+        if p.attn_bias_type == AttnBiasType.POST_SCALE_BIAS:
             bias = call.bias
-        elif call.bias_type == AttnBiasType.ALIBI:
+        elif p.attn_bias_type == AttnBiasType.ALIBI:
             slopes = call.alibi_slopes if call.alibi_slopes is not None else default_alibi_slopes(q.shape[-2], q.device)
             alibi = slopes.to(device=q.device, dtype=torch.float32)
-        if call.dropout > 0:
+        if p.kernel_dropout > 0:
             # Drawn from torch's generator (inside the RNG tracker's fork when given), so seeding
             # and activation checkpointing reproduce the same dropout mask.
             with (call.rng_context() if call.rng_context is not None else contextlib.nullcontext()):
                 rng_state = new_rng_state(q.device)
-        return fused_attention(q, k, v, call.fmt, call.mask, call.window, call.softmax_scale, call.bottom_right,
-                               *call.sequences, call.deterministic, bias, alibi, call.dropout, rng_state,
-                               call.softmax_type, sink_logits(q, call.softmax_type, call.softmax_offset))
+        return fused_attention(q, k, v, AttnCall(p, call.cu_seqlens_q, call.cu_seqlens_kv, call.cu_seqlens_q_padded,
+                                                 call.cu_seqlens_kv_padded, bias, alibi, rng_state,
+                                                 sink_logits(q, p.softmax_type, call.softmax_offset)))
 
 
 class FlashAttentionBackend(common.FlashAttention):
@@ -90,8 +59,9 @@ class FlashAttentionBackend(common.FlashAttention):
 
     @staticmethod
     def run(q, k, v, call: AttnCall):
-        return flash_backend.flash_attention(q, k, v, call.fmt, call.mask, call.window, call.softmax_scale,
-                                             *call.sequences, call.deterministic)
+        p = call.params
+        return flash_backend.flash_attention(q, k, v, p.qkv_format, p.attn_mask_type, p.window_size,
+                                             p.scaling_factor, *call.sequences, p.deterministic)
 
 
 class UnfusedAttentionBackend(common.UnfusedDotProductAttention):
@@ -99,9 +69,10 @@ class UnfusedAttentionBackend(common.UnfusedDotProductAttention):
 
     @staticmethod
     def run(q, k, v, call: AttnCall):
-        return unfused_math(q, k, v, call.fmt, call.mask, call.window, call.softmax_scale, call.bottom_right,
-                            *call.sequences, call.attention_mask, call.bias_type, call.bias, call.alibi_slopes,
-                            call.dropout, call.rng_context, call.softmax_type, call.softmax_offset,
+        p = call.params
+        return unfused_math(q, k, v, p.qkv_format, p.attn_mask_type, p.window_size, p.scaling_factor, p.bottom_right,
+                            *call.sequences, call.attention_mask, p.attn_bias_type, call.bias, call.alibi_slopes,
+                            p.kernel_dropout, call.rng_context, p.softmax_type, call.softmax_offset,
                             call.return_max_logit)
 
 

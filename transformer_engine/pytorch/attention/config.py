@@ -19,12 +19,11 @@ from transformer_engine.common.attention import (
     QKVFormat,
     QKVLayout,
 )
-from transformer_engine.common.attention.config import normalize_window
 from transformer_engine.common.attention.validation import check_cu_seqlens_values
 from transformer_engine.pytorch.attention.buffers import host_values
 from transformer_engine.pytorch.attention.device import device_facts
 
-__all__ = ["deterministic_requested", "make_attn_config", "build_attn_config", "dtype_name", "check_cu_seqlens",
+__all__ = ["deterministic_requested", "build_attn_config", "dtype_name", "check_cu_seqlens",
            "check_qkv", "qkv_dims", "triton_interpreting", "check_sequence_values", "can_sync"]
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -134,46 +133,6 @@ def check_sequence_values(fmt: QKVFormat, q: torch.Tensor, k: torch.Tensor, cu_q
             max_seqlen_arg=f"max_seqlen_{side}" if thd else None)
 
 
-def make_attn_config(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    qkv_format="bshd",
-    attn_mask_type="no_mask",
-    window_size: Optional[Tuple[int, int]] = None,
-    attn_bias_type="no_bias",
-    bias_shape: Optional[str] = None,
-    dropout: float = 0.0,
-    is_training: bool = True,
-    deterministic: Optional[bool] = None,
-    batch_size: Optional[int] = None,
-    max_seqlen_q: Optional[int] = None,
-    max_seqlen_kv: Optional[int] = None,
-    packing: str = "separate",
-    distinct_kv_lengths: bool = False,
-    bottom_right_diagonal: Optional[bool] = None,
-    return_max_logit: bool = False,
-    softmax_type="vanilla",
-) -> AttnConfig:
-    """Validate shapes/dtypes/devices and build the AttnConfig for one call (enums or their strings).
-
-    ``distinct_kv_lengths``: the call has per-sequence lengths with a separate ``cu_seqlens_kv``
-    (cross attention), so keys and queries of one sequence may differ in number.
-    ``bottom_right_diagonal``: alignment of windows and ALiBi (``resolve_bottom_right_diagonal``).
-    ``return_max_logit``: the call returns the per-head max logit, which only the unfused backend
-    computes."""
-    fmt = QKVFormat(qkv_format)
-    mask = AttnMaskType(attn_mask_type)
-    check_qkv(q, k, v, fmt)
-    return build_attn_config(
-        q, k, v, fmt, mask, normalize_window(window_size, mask), AttnBiasType(attn_bias_type),
-        AttnSoftmaxType(softmax_type), bias_shape=bias_shape, dropout=dropout, is_training=is_training,
-        deterministic=deterministic, batch_size=batch_size, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
-        packing=packing, distinct_kv_lengths=distinct_kv_lengths, bottom_right_diagonal=bottom_right_diagonal,
-        return_max_logit=return_max_logit,
-    )
-
-
 def build_attn_config(
     q, k, v, fmt: QKVFormat, mask: AttnMaskType, window: Tuple[int, int], bias_type: AttnBiasType,
     softmax_type: AttnSoftmaxType, *, bias_shape: Optional[str] = None, dropout: float = 0.0,
@@ -182,7 +141,12 @@ def build_attn_config(
     distinct_kv_lengths: bool = False, bottom_right_diagonal: Optional[bool] = None, return_max_logit: bool = False,
 ) -> AttnConfig:
     """The AttnConfig of a call whose arguments are already converted and checked (``window``
-    normalized; q, k, v tensors or shape stand-ins that agree): no checks, no conversions."""
+    normalized; q, k, v tensors or shape stand-ins that agree): no checks, no conversions.
+    ``distinct_kv_lengths``: the call has per-sequence lengths with a separate ``cu_seqlens_kv``
+    (cross attention), so keys and queries of one sequence may differ in number.
+    ``bottom_right_diagonal``: alignment of windows and ALiBi (``resolve_bottom_right_diagonal``).
+    ``return_max_logit``: the call returns the per-head max logit, which only the unfused backend
+    computes. (``testing.attn_config`` checks and converts strings first.)"""
     bq, sq, hq, dqk = qkv_dims(q, fmt)
     _, sk, hk, _ = qkv_dims(k, fmt)
     dv = v.shape[-1]

@@ -20,8 +20,8 @@ kernel's order:
   ranges start at the chunk start rounded down to the largest tile of the call's plans
   (:func:`tile_alignment`), so the kernels' blocks are the single-device call's blocks; rows before the
   chunk are zeros (forward) or the gathered rows (backward) and are dropped. The calls run the fused op's
-  launches directly (``launch.forward`` / ``launch.backward``), so that a chunk's outputs and gradients
-  land in views of the rank's tensors without concatenation.
+  launches directly (``kernel_runner.forward`` / ``kernel_runner.backward``), so that a chunk's outputs and
+  gradients land in views of the rank's tensors without concatenation.
 - ``"a2a+p2p"``: ``cp_group = [a2a_group, p2p_group]``; the a2a over the first gives each rank
   ``h / cp_a2a`` heads of the tokens of its a2a group, which form the p2p group's load-balanced split;
   then "p2p" over the second. The rank's place in the split is ``p2p_rank * a2a_size + a2a_rank``.
@@ -46,8 +46,10 @@ from transformer_engine.common.attention import (AttnBiasType, AttnMaskType, Att
                                                  UnfusedDotProductAttention)
 from transformer_engine.common.attention import context_parallel as cp_plan
 from transformer_engine.common.attention.config import normalize_window, resolve_bottom_right_diagonal
-from transformer_engine.pytorch.attention import launch
+from transformer_engine.common.attention.params import AttnParams
+from transformer_engine.pytorch.attention import kernel_runner
 from transformer_engine.pytorch.attention.buffers import host_values, unfilled
+from transformer_engine.pytorch.attention.call import AttnCall
 
 __all__ = [
     "CP_COMM_TYPES", "ContextParallelGroup", "SeqSplit", "check_context_parallel_args", "tile_alignment",
@@ -227,9 +229,7 @@ def tile_alignment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: QKVFo
     """The largest block (rows or columns) of any kernel the fused forward and backward plan for these
     tensors: chunk ranges starting at multiples of it meet the single-device call's blocks."""
     masks = (AttnMaskType.CAUSAL_MASK, AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK) if causal else (AttnMaskType.NO_MASK,)
-    return cp_plan.tile_alignment(
-        launch.plan_config(q, k, v, fmt, mask, normalize_window(None, mask), None,
-                           resolve_bottom_right_diagonal(mask, None, "pytorch")) for mask in masks)
+    return cp_plan.tile_alignment(kernel_runner.plan_key(q, k, v, _chunk_call(fmt, 1.0, mask)) for mask in masks)
 
 
 # -- the per-rank steps of "all_gather" / "p2p" (fused kernels) -------------------------------------------
@@ -249,20 +249,24 @@ def _seq_dim(fmt: QKVFormat) -> int:
     return 1 if fmt == QKVFormat.BSHD else 0
 
 
-def _call_args(fmt, q, k, mask, cu_q, cu_k, off_q, off_k, max_q, max_k):
-    """(sequences, window, bottom_right_diagonal) of one fused call, as the custom ops derive them."""
-    sd = _seq_dim(fmt)
-    seqs = launch.sequences(fmt, q, k, cu_q, cu_k, off_q, off_k, max_q if max_q is not None else q.shape[sd],
-                            max_k if max_k is not None else k.shape[sd])
-    return seqs, normalize_window(None, mask), resolve_bottom_right_diagonal(mask, None, "pytorch")
+def _chunk_call(fmt: QKVFormat, softmax_scale: float, mask: AttnMaskType, cu_q=None, cu_k=None, off_q=None,
+                off_k=None, max_q: Optional[int] = None, max_k: Optional[int] = None) -> AttnCall:
+    """The AttnCall of one chunk's fused call: no window, the mask's own diagonal, thd's longest sequences
+    ``max_q``/``max_k``."""
+    thd = fmt == QKVFormat.THD
+    params = AttnParams(mask, AttnBiasType.NO_BIAS, fmt, normalize_window(None, mask), softmax_scale,
+                        bottom_right_diagonal=resolve_bottom_right_diagonal(mask, None, "pytorch"),
+                        max_seqlen_q=max_q if thd else None, max_seqlen_kv=max_k if thd else None)
+    return AttnCall(params, cu_q, cu_k, off_q, off_k)
 
 
 def _fwd(q, k, v, fmt, spec, mask, cu_q=None, cu_k=None, off_q=None, off_k=None, max_q=None, max_k=None,
          out=None, lse=None):
     """The fused forward (the custom op's launches, run directly: ``out``/``lse`` may be views to fill)."""
-    seqs, window, br = _call_args(fmt, q, k, mask, cu_q, cu_k, off_q, off_k, max_q, max_k)
-    return launch.forward(q, k, v, fmt, seqs, spec.softmax_scale, mask, window, bottom_right_diagonal=br,
-                          out=out, lse=lse)
+    sd = _seq_dim(fmt)
+    call = _chunk_call(fmt, spec.softmax_scale, mask, cu_q, cu_k, off_q, off_k,
+                       max_q if max_q is not None else q.shape[sd], max_k if max_k is not None else k.shape[sd])
+    return kernel_runner.forward(q, k, v, call, out=out, lse=lse)
 
 
 def _bwd(grads: BackwardGrads, q, k, v, out, d_out, lse, fmt, spec, mask, cu_q=None, cu_k=None, off_q=None,
@@ -270,12 +274,13 @@ def _bwd(grads: BackwardGrads, q, k, v, out, d_out, lse, fmt, spec, mask, cu_q=N
     """The fused backward's ``grads`` part: dq (``DQ``) or (dk, dv) (``DKDV``), bitwise the whole backward's.
     ``dq``/``dk``/``dv`` may be views to fill; ``delta`` (lse's shape and strides) the rows' rowsum(dO * O),
     computed by this call unless ``preprocess`` is False (then an earlier call filled it)."""
-    seqs, window, br = _call_args(fmt, q, k, mask, cu_q, cu_k, off_q, off_k, max_q, max_k)
+    sd = _seq_dim(fmt)
+    call = _chunk_call(fmt, spec.softmax_scale, mask, cu_q, cu_k, off_q, off_k,
+                       max_q if max_q is not None else q.shape[sd], max_k if max_k is not None else k.shape[sd])
     if delta is None:
         lse = lse.contiguous()
-    dq, dk, dv, _, _ = launch.backward(q, k, v, out, d_out, lse, fmt, seqs, spec.softmax_scale, mask, window,
-                                       bottom_right_diagonal=br, grads=grads, dq=dq, dk=dk, dv=dv, delta=delta,
-                                       preprocess=preprocess)
+    dq, dk, dv, _, _ = kernel_runner.backward(q, k, v, out, d_out, lse, call, grads=grads, dq=dq, dk=dk, dv=dv,
+                                              delta=delta, preprocess=preprocess)
     return dq if grads == BackwardGrads.DQ else (dk, dv)
 
 

@@ -16,6 +16,7 @@ import torch
 
 from transformer_engine.common.attention import AttnBiasType, AttnMaskType, AttnSoftmaxType, QKVFormat
 from transformer_engine.common.attention.config import normalize_window, resolve_bottom_right_diagonal
+from transformer_engine.common.attention.params import AttnParams
 from transformer_engine.common.attention.validation import check_softmax_scale
 from transformer_engine.pytorch.attention import backends as attn_backends
 from transformer_engine.pytorch.attention import config as attn_config
@@ -175,11 +176,6 @@ class _Sequences:
     def distinct_kv_lengths(self) -> bool:
         """Per-sequence lengths with a cu_seqlens_kv of its own (cross attention)."""
         return self.cu_seqlens_q is not None and self.cu_seqlens_kv is not self.cu_seqlens_q
-
-    def kwargs(self) -> dict:
-        return dict(cu_seqlens_q=self.cu_seqlens_q, cu_seqlens_kv=self.cu_seqlens_kv,
-                    cu_seqlens_q_padded=self.cu_seqlens_q_padded, cu_seqlens_kv_padded=self.cu_seqlens_kv_padded,
-                    max_seqlen_q=self.max_seqlen_q, max_seqlen_kv=self.max_seqlen_kv)
 
 
 def _split_padding_mask(attention_mask, seq_len_q: int, seq_len_kv: int):
@@ -645,11 +641,14 @@ class DotProductAttention(torch.nn.Module):
             # As in TransformerEngine: with sequence parallelism dropout draws from the default generator.
             tracker = self.get_rng_state_tracker
             rng_context = lambda: tracker().fork()  # noqa: E731
+        params = AttnParams(seqs.mask, bias_type, fmt, window, self.softmax_scale, dropout_probability=float(dropout),
+                            deterministic=deterministic, bottom_right_diagonal=bottom_right, softmax_type=softmax_type,
+                            **(dict(max_seqlen_q=seqs.max_seqlen_q, max_seqlen_kv=seqs.max_seqlen_kv)
+                               if fmt == QKVFormat.THD else {}))
         call = AttnCall(
-            fmt=fmt, mask=seqs.mask, window=window, bottom_right=bottom_right, softmax_scale=self.softmax_scale,
-            deterministic=deterministic, **seqs.kwargs(), attention_mask=seqs.attention_mask, bias_type=bias_type,
-            bias=core_attention_bias, alibi_slopes=alibi_slopes, dropout=dropout, rng_context=rng_context,
-            softmax_type=softmax_type, softmax_offset=softmax_offset, return_max_logit=self.return_max_logit,
+            params, seqs.cu_seqlens_q, seqs.cu_seqlens_kv, seqs.cu_seqlens_q_padded, seqs.cu_seqlens_kv_padded,
+            bias=core_attention_bias, alibi_slopes=alibi_slopes, softmax_offset=softmax_offset,
+            attention_mask=seqs.attention_mask, rng_context=rng_context, return_max_logit=self.return_max_logit,
         )
 
         def attend(q_, k_, v_):

@@ -1,15 +1,19 @@
-"""The fused attention function: one autograd.Function over the custom ops."""
+"""The fused attention function: one autograd.Function over the custom ops, on one AttnCall."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 from typing import Optional, Tuple
 
 import torch
 
-from transformer_engine.common.attention import AttnMaskType, AttnSoftmaxType, FusedAttention, QKVFormat
+from transformer_engine.common.attention import AttnBiasType, AttnMaskType, AttnSoftmaxType, FusedAttention, QKVFormat
 from transformer_engine.common.attention.config import normalize_window, resolve_bottom_right_diagonal
+from transformer_engine.common.attention.params import AttnParams
 from transformer_engine.common.attention.validation import check_input_dtype, check_softmax_scale, kernel_scale
 from transformer_engine.pytorch.attention import ops
+from transformer_engine.pytorch.attention.call import AttnCall
 from transformer_engine.pytorch.attention.config import (
     check_cu_seqlens, check_qkv, check_sequence_values, dtype_name, qkv_dims, triton_interpreting,
 )
@@ -38,22 +42,17 @@ class _FusedAttnGradsNoBackward(torch.autograd.Function):
 
 class FusedAttnFunc(torch.autograd.Function):
     """Forward and backward of fused attention over the custom ops ``transformer_engine::fused_attn_fwd`` and
-    ``transformer_engine::fused_attn_bwd``. Once differentiable: the gradients it returns have no backward
-    (differentiating them again raises ``NotImplementedError``)."""
+    ``transformer_engine::fused_attn_bwd``. Takes the differentiable tensors explicitly (q, k, v, and the
+    call's bias and sink logits, which are ``call.bias`` and ``call.softmax_offset``) and the
+    :class:`AttnCall` whole. Once differentiable: the gradients it returns have no backward (differentiating
+    them again raises ``NotImplementedError``)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, alibi_slopes, rng_state, qkv_format, cu_seqlens_q, cu_seqlens_kv,
-                seq_offsets_q, seq_offsets_kv, max_seqlen_q, max_seqlen_kv, softmax_scale, attn_mask_type,
-                window_left, window_right, bottom_right, dropout_p, softmax_type="vanilla",
-                softmax_offset=None):
-        out, lse = ops.forward(
-            q, k, v, qkv_format, cu_seqlens_q, cu_seqlens_kv, seq_offsets_q, seq_offsets_kv,
-            max_seqlen_q, max_seqlen_kv, softmax_scale, attn_mask_type, window_left, window_right, bottom_right,
-            bias, alibi_slopes, rng_state, dropout_p, softmax_type, softmax_offset)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_kv, seq_offsets_q, seq_offsets_kv,
-                              bias, alibi_slopes, rng_state, softmax_offset)
-        ctx.static = (qkv_format, max_seqlen_q, max_seqlen_kv, softmax_scale, attn_mask_type,
-                      window_left, window_right, bottom_right, dropout_p, softmax_type)
+    def forward(ctx, q, k, v, bias, softmax_offset, call: AttnCall):
+        out, lse = ops.forward(q, k, v, call)
+        # The call's tensors by role go through save_for_backward (version checks, saved-tensor hooks).
+        ctx.save_for_backward(q, k, v, out, lse, *call.tensors)
+        ctx.params = call.params
         ctx.bias_grad = bias is not None and bias.requires_grad
         ctx.offset_grad = softmax_offset is not None and softmax_offset.requires_grad
         ctx.mark_non_differentiable(lse)
@@ -65,20 +64,21 @@ class FusedAttnFunc(torch.autograd.Function):
     def backward(ctx, d_out, _d_lse):
         if d_out is None:  # the output took no part in the loss (grads are not materialized)
             return (None,) * len(ctx.needs_input_grad)
-        q, k, v, out, lse, cu_q, cu_kv, off_q, off_kv, bias, alibi, rng_state, offset = ctx.saved_tensors
-        fmt, max_q, max_kv, scale, mask, left, right, bottom_right, dropout_p, softmax_type = ctx.static
-        dq, dk, dv, dbias, d_offset = ops.backward(
-            q, k, v, out, d_out.contiguous(), lse, fmt, cu_q, cu_kv, off_q, off_kv,
-            max_q, max_kv, scale, mask, left, right, bottom_right,
-            bias, alibi, rng_state, dropout_p, ctx.bias_grad, softmax_type, offset, ctx.offset_grad)
-        dbias = dbias if ctx.bias_grad else None
-        d_offset = d_offset if ctx.offset_grad else None
+        q, k, v, out, lse, *tensors = ctx.saved_tensors
+        call = AttnCall(ctx.params, *tensors)
+        dq, dk, dv, dbias, d_offset = ops.backward(q, k, v, out, d_out.contiguous(), lse, call, ctx.bias_grad,
+                                                   ctx.offset_grad)
+        grads = dict(q=dq, k=dk, v=dv, bias=dbias if ctx.bias_grad else None,
+                     softmax_offset=d_offset if ctx.offset_grad else None)
         if torch.is_grad_enabled():  # backward(create_graph=True): the gradients could be differentiated
-            grads = [g for g in (dq, dk, dv, dbias, d_offset) if g is not None]
-            inputs = [t for t in (q, k, v, d_out, bias, offset) if t is not None and t.requires_grad]
-            it = iter(_FusedAttnGradsNoBackward.apply(len(grads), *grads, *inputs))
-            dq, dk, dv, dbias, d_offset = (next(it) if g is not None else None for g in (dq, dk, dv, dbias, d_offset))
-        return (dq, dk, dv, dbias) + (None,) * 16 + (d_offset,)
+            names = [name for name, g in grads.items() if g is not None]
+            inputs = [t for t in (q, k, v, d_out, call.bias, call.softmax_offset) if t is not None and t.requires_grad]
+            grads.update(zip(names, _FusedAttnGradsNoBackward.apply(len(names), *(grads[n] for n in names), *inputs)))
+        return tuple(grads.get(name) for name in _FUSED_ATTN_INPUTS)
+
+
+# forward's inputs after ctx, by name: backward returns one gradient (or None) for each.
+_FUSED_ATTN_INPUTS = tuple(inspect.signature(FusedAttnFunc.forward).parameters)[1:]
 
 
 def new_rng_state(device: torch.device) -> torch.Tensor:
@@ -146,7 +146,7 @@ def fused_attn_func(
     reproducible and independent of batch composition and of packing (thd vs padded). The
     learnable sink's gradient sums over the batch: each sequence's part is bitwise independent of
     the others (its rows in a fixed order), and the parts are summed as a fixed pairwise tree over
-    the sequences in batch order (``launch.fixed_order_sum``).
+    the sequences in batch order (``kernel_runner.fixed_order_sum``).
     """
     fmt = QKVFormat(qkv_format)
     mask = AttnMaskType(attn_mask_type)
@@ -176,31 +176,45 @@ def fused_attn_func(
         )
     _check_score_mods(q, fmt, core_attention_bias, alibi_slopes, dropout_p, rng_state)
     stype, softmax_offset = _sink_logits(q, softmax_type, softmax_offset)
-    return fused_attention(q, k, v, fmt, mask, window_size, softmax_scale, bottom_right, cu_seqlens_q, cu_seqlens_kv,
-                           cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, deterministic,
-                           core_attention_bias, alibi_slopes, dropout_p, rng_state, stype, softmax_offset,
-                           return_softmax_aux)
+    if core_attention_bias is not None:
+        bias_type = AttnBiasType.POST_SCALE_BIAS
+    else:
+        bias_type = AttnBiasType.ALIBI if alibi_slopes is not None else AttnBiasType.NO_BIAS
+    thd = fmt == QKVFormat.THD  # (bshd/sbhd: the kernels' lengths come from the shapes)
+    params = AttnParams(mask, bias_type, fmt, window_size, softmax_scale, dropout_probability=float(dropout_p),
+                        deterministic=bool(deterministic), bottom_right_diagonal=bottom_right, softmax_type=stype,
+                        max_seqlen_q=max_seqlen_q if thd else None, max_seqlen_kv=max_seqlen_kv if thd else None)
+    call = AttnCall(params, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
+                    core_attention_bias, alibi_slopes, rng_state, softmax_offset)
+    return fused_attention(q, k, v, call, return_softmax_aux)
 
 
-def fused_attention(q, k, v, fmt: QKVFormat, mask: AttnMaskType, window: Tuple[int, int], softmax_scale: float,
-                    bottom_right: bool, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
-                    max_seqlen_q, max_seqlen_kv, deterministic: bool, bias, alibi_slopes, dropout_p: float,
-                    rng_state, softmax_type: AttnSoftmaxType, softmax_offset, return_softmax_aux: bool = False):
-    """:func:`fused_attn_func` on arguments already converted and checked (DotProductAttention's
-    backend runner calls this): ``window`` normalized, ``bottom_right`` resolved, ``softmax_scale``
-    checked, q, k, v, cu_seqlens and score modifiers checked; cu_seqlens only where the format and
-    mask use them, and the sink logits (fp32 [h_q]) given whenever ``softmax_type`` has a sink.
-    What is left: the sequences' values (one host sync), max_seqlen and rng_state when missing.
-    ``deterministic`` changes nothing here: both modes run the same fixed-order kernels."""
+def fused_attention(q, k, v, call: AttnCall, return_softmax_aux: bool = False):
+    """:func:`fused_attn_func` on a call already converted and checked (DotProductAttention's backend
+    runner calls this): in ``call.params`` the window normalized, the diagonal resolved, the scale checked;
+    q, k, v, cu_seqlens and score modifiers checked; cu_seqlens only where the format and mask use them,
+    ``bias`` only a post-scale bias, ``alibi_slopes`` fp32 on q's device, and the sink logits (fp32 [h_q])
+    given whenever the softmax has a sink. What is left, to put the call on the kernels' conventions
+    (:class:`AttnCall`): the sequences' values (one host sync), max_seqlen and rng_state when missing, the
+    kernels' positive scale. ``params.deterministic`` changes nothing here: both modes run the same
+    fixed-order kernels."""
+    params = call.params
+    fmt = params.qkv_format
+    cu_seqlens_q, cu_seqlens_kv = call.cu_seqlens_q, call.cu_seqlens_kv
+    cu_seqlens_q_padded, cu_seqlens_kv_padded = call.cu_seqlens_q_padded, call.cu_seqlens_kv_padded
+    max_seqlen_q, max_seqlen_kv = params.max_seqlen_q, params.max_seqlen_kv
     if fmt == QKVFormat.THD:
         if max_seqlen_q is None or max_seqlen_kv is None:
             # One host sync; pass max_seqlen_* to avoid it (and to trace under torch.compile).
             max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
             max_seqlen_kv = int((cu_seqlens_kv[1:] - cu_seqlens_kv[:-1]).max().item())
+        check_sequence_values(fmt, q, k, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
+                              max_seqlen_q, max_seqlen_kv)
+        max_seqlen_q, max_seqlen_kv = int(max_seqlen_q), int(max_seqlen_kv)
     else:
-        max_seqlen_q, max_seqlen_kv = qkv_dims(q, fmt)[1], qkv_dims(k, fmt)[1]
-    check_sequence_values(fmt, q, k, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
-                          max_seqlen_q, max_seqlen_kv)
+        check_sequence_values(fmt, q, k, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
+                              qkv_dims(q, fmt)[1], qkv_dims(k, fmt)[1])
+        max_seqlen_q = max_seqlen_kv = None  # the kernels' lengths come from the shapes
     if (cu_seqlens_q_padded is None) != (cu_seqlens_kv_padded is None):
         # One side padded: the other side's sequences start where its cu_seqlens say.
         cu_seqlens_q_padded = cu_seqlens_q if cu_seqlens_q_padded is None else cu_seqlens_q_padded
@@ -211,19 +225,22 @@ def fused_attention(q, k, v, fmt: QKVFormat, mask: AttnMaskType, window: Tuple[i
         cu_seqlens_kv = None
     if cu_seqlens_kv_padded is cu_seqlens_q_padded:
         cu_seqlens_kv_padded = None
-    if dropout_p > 0 and rng_state is None:
+    rng_state = call.rng_state
+    if params.kernel_dropout > 0 and rng_state is None:
         rng_state = new_rng_state(q.device)
-    if dropout_p == 0:
+    if params.kernel_dropout == 0:
         rng_state = None
     # The kernels take a positive scale: a zero or negative one runs on 0 * q or -q (autograd maps dq back).
-    q_factor, softmax_scale = kernel_scale(softmax_scale)
+    q_factor, softmax_scale = kernel_scale(params.scaling_factor)
     if q_factor != 1.0:
         q = q * q_factor
-    out, lse = FusedAttnFunc.apply(
-        q, k, v, bias, alibi_slopes, rng_state, fmt.value, cu_seqlens_q, cu_seqlens_kv,
-        cu_seqlens_q_padded, cu_seqlens_kv_padded, int(max_seqlen_q), int(max_seqlen_kv), float(softmax_scale),
-        mask.value, int(window[0]), int(window[1]), bottom_right, float(dropout_p),
-        softmax_type.value, softmax_offset)
+    if (softmax_scale is not params.scaling_factor or max_seqlen_q is not params.max_seqlen_q
+            or max_seqlen_kv is not params.max_seqlen_kv):  # (Python ints and floats, as the op schema takes them)
+        params = dataclasses.replace(params, scaling_factor=softmax_scale, max_seqlen_q=max_seqlen_q,
+                                     max_seqlen_kv=max_seqlen_kv)
+    call = AttnCall(params, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, call.bias,
+                    call.alibi_slopes, rng_state, call.softmax_offset)
+    out, lse = FusedAttnFunc.apply(q, k, v, call.bias, call.softmax_offset, call)
     if return_softmax_aux:
         return out, (lse, rng_state)
     return out

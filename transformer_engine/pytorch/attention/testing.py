@@ -1,14 +1,170 @@
-"""Test and benchmark scaffolding for context parallelism: every rank of a CP call in one process."""
+"""Test, benchmark and dev-script scaffolding: the entry points they use instead of private product functions.
+
+- :func:`attn_config`: the AttnConfig of tensors and TransformerEngine-style string arguments, checked.
+- :func:`fused_call`: the :class:`~transformer_engine.pytorch.attention.call.AttnCall` the fused kernels
+  launch for given arguments, for ``kernel_runner.forward`` / ``kernel_runner.backward`` (with a plan or
+  sequence extents of one's own) and :func:`plan_key`.
+- :func:`recorded_launches`: the launch lists the kernel runner runs, recorded (and optionally not run);
+  :func:`no_launches`: nothing launched (the host time of our Python alone).
+- :func:`dropout_keep_mask`: the kernels' dropout mask of an RNG state.
+- Context parallelism: every rank of a CP call in one process (:func:`run_ranks_in_one_process`).
+"""
 
 from __future__ import annotations
 
-from transformer_engine.common.attention import QKVFormat
+import contextlib
+from typing import Iterator, List, Optional, Tuple
+
+import torch
+import triton
+
+from transformer_engine.common.attention import (AttnBiasType, AttnConfig, AttnMaskType, AttnSoftmaxType, QKVFormat,
+                                                 launch_description)
+from transformer_engine.common.attention.config import PlanKey, normalize_window, resolve_bottom_right_diagonal
+from transformer_engine.common.attention.kernels.scores import dropout_mask_kernel
+from transformer_engine.common.attention.params import AttnParams
+from transformer_engine.pytorch.attention import kernel_runner
 from transformer_engine.pytorch.attention.buffers import host_values
+from transformer_engine.pytorch.attention.call import AttnCall
+from transformer_engine.pytorch.attention.config import build_attn_config, check_qkv
 from transformer_engine.pytorch.attention.context_parallel import (FusedSpec, SeqSplit, _seq_dim, assemble,
                                                                    fused_backward_step, fused_forward_step,
                                                                    local_tokens, tile_alignment)
 
-__all__ = ["run_ranks_in_one_process", "split_of_globals"]
+__all__ = ["attn_config", "fused_call", "plan_key", "recorded_launches", "no_launches", "dropout_keep_mask",
+           "run_ranks_in_one_process", "split_of_globals"]
+
+
+def attn_config(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qkv_format="bshd",
+    attn_mask_type="no_mask",
+    window_size: Optional[Tuple[int, int]] = None,
+    attn_bias_type="no_bias",
+    bias_shape: Optional[str] = None,
+    dropout: float = 0.0,
+    is_training: bool = True,
+    deterministic: Optional[bool] = None,
+    batch_size: Optional[int] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_kv: Optional[int] = None,
+    packing: str = "separate",
+    distinct_kv_lengths: bool = False,
+    bottom_right_diagonal: Optional[bool] = None,
+    return_max_logit: bool = False,
+    softmax_type="vanilla",
+) -> AttnConfig:
+    """The AttnConfig of one call (enums or their strings): shapes, dtypes and devices checked, the window
+    normalized, then ``config.build_attn_config`` (its arguments' meaning)."""
+    fmt = QKVFormat(qkv_format)
+    mask = AttnMaskType(attn_mask_type)
+    check_qkv(q, k, v, fmt)
+    return build_attn_config(
+        q, k, v, fmt, mask, normalize_window(window_size, mask), AttnBiasType(attn_bias_type),
+        AttnSoftmaxType(softmax_type), bias_shape=bias_shape, dropout=dropout, is_training=is_training,
+        deterministic=deterministic, batch_size=batch_size, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+        packing=packing, distinct_kv_lengths=distinct_kv_lengths, bottom_right_diagonal=bottom_right_diagonal,
+        return_max_logit=return_max_logit,
+    )
+
+
+def fused_call(
+    qkv_format="bshd",
+    attn_mask_type="no_mask",
+    window_size: Optional[Tuple[int, int]] = None,
+    softmax_scale: float = 1.0,
+    *,
+    bottom_right_diagonal: Optional[bool] = None,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_kv: Optional[torch.Tensor] = None,
+    cu_seqlens_q_padded: Optional[torch.Tensor] = None,
+    cu_seqlens_kv_padded: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_kv: Optional[int] = None,
+    bias: Optional[torch.Tensor] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    rng_state: Optional[torch.Tensor] = None,
+    softmax_type="vanilla",
+    softmax_offset: Optional[torch.Tensor] = None,
+    deterministic: bool = True,
+) -> AttnCall:
+    """The AttnCall the fused kernels launch for these arguments (enums or their strings), for
+    ``kernel_runner.forward`` / ``backward`` and :func:`plan_key`: the window normalized and the diagonal
+    resolved as PyTorch resolves them, thd's ``max_seqlen_*`` from the cu_seqlens when not given (one host
+    sync; a call run with sequence extents of its own, ``seqs=``, needs no cu_seqlens). Nothing else is
+    checked or converted: ``softmax_scale`` must be positive, ``rng_state`` given with dropout and
+    ``softmax_offset`` (fp32 [h_q]) with a sink softmax, as at the kernels."""
+    fmt, mask = QKVFormat(qkv_format), AttnMaskType(attn_mask_type)
+    if fmt == QKVFormat.THD:
+        if max_seqlen_q is None and cu_seqlens_q is not None:
+            max_seqlen_q = int(host_values(cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+        cu = cu_seqlens_kv if cu_seqlens_kv is not None else cu_seqlens_q
+        if max_seqlen_kv is None and cu is not None:
+            max_seqlen_kv = int(host_values(cu[1:] - cu[:-1]).max())
+    else:
+        max_seqlen_q = max_seqlen_kv = None
+    if bias is not None:
+        bias_type = AttnBiasType.POST_SCALE_BIAS
+    else:
+        bias_type = AttnBiasType.ALIBI if alibi_slopes is not None else AttnBiasType.NO_BIAS
+    params = AttnParams(mask, bias_type, fmt, normalize_window(window_size, mask), float(softmax_scale),
+                        dropout_probability=float(dropout_p), deterministic=deterministic,
+                        bottom_right_diagonal=resolve_bottom_right_diagonal(mask, bottom_right_diagonal, "pytorch"),
+                        softmax_type=AttnSoftmaxType(softmax_type), max_seqlen_q=max_seqlen_q,
+                        max_seqlen_kv=max_seqlen_kv)
+    return AttnCall(params, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, bias,
+                    alibi_slopes, rng_state if dropout_p > 0 else None, softmax_offset)
+
+
+def plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs) -> PlanKey:
+    """The PlanKey the fused launches plan with for q, k, v and :func:`fused_call`'s arguments."""
+    return kernel_runner.plan_key(q, k, v, fused_call(*args, **kwargs))
+
+
+@contextlib.contextmanager
+def recorded_launches(run: bool = True) -> Iterator[List[Tuple[launch_description.Launch, ...]]]:
+    """While open, each list of launches the kernel runner runs (a forward, a backward) is appended to the
+    yielded list; ``run=False`` launches nothing (the host time of our Python alone, or the launches of a
+    call on meta tensors)."""
+    recorded: List[Tuple[launch_description.Launch, ...]] = []
+    real_run = kernel_runner._run
+
+    def record(described, buffers):
+        described = tuple(described)
+        recorded.append(described)
+        if run:
+            real_run(described, buffers)
+
+    kernel_runner._run = record
+    try:
+        yield recorded
+    finally:
+        kernel_runner._run = real_run
+
+
+@contextlib.contextmanager
+def no_launches() -> Iterator[None]:
+    """While open, the kernel runner launches nothing (outputs stay unfilled): the host time of our Python
+    alone, on any device."""
+    real_run = kernel_runner._run
+    kernel_runner._run = lambda described, buffers: None
+    try:
+        yield
+    finally:
+        kernel_runner._run = real_run
+
+
+def dropout_keep_mask(rng_state: torch.Tensor, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
+                      dropout_p: float) -> torch.Tensor:
+    """The boolean keep mask [b, h, s_q, s_kv] the kernels use for ``rng_state``."""
+    keep = torch.empty((batch, heads, seqlen_q, seqlen_k), dtype=torch.int8, device=rng_state.device)
+    block = 16 if rng_state.device.type == "cpu" else 64
+    grid = (triton.cdiv(seqlen_q, block), triton.cdiv(seqlen_k, block), batch * heads)
+    dropout_mask_kernel[grid](keep, rng_state, heads, seqlen_q, seqlen_k, dropout_p, BLOCK_M=block, BLOCK_N=block)
+    return keep.bool()
 
 
 def split_of_globals(q, fmt: QKVFormat, cp: int, cu_seqlens=None, cu_seqlens_padded=None) -> SeqSplit:

@@ -4,7 +4,7 @@ Triton's wheel carries ptxas and cuobjdump (NVIDIA) and the LLVM AMDGPU backend 
 compiles for sm_90 or gfx942 without a GPU. Spilled registers (local-memory stack on NVIDIA, scratch on
 AMD) in an attention inner loop cost time on the GPU; this report is the cheap first check of a kernel
 or tile change before device time is spent on it. The launches are the frontends' own
-(``common.attention.launches``) for contiguous tensors, so what compiles here is what they run.
+(``common.attention.launch_description``) for contiguous tensors, so what compiles here is what they run.
 
     python -m transformer_engine.common.attention.kernels.resources                 # planned sm90, d=64/128/256
     python -m transformer_engine.common.attention.kernels.resources --target gfx942 # the CDNA3 plan
@@ -29,9 +29,10 @@ from typing import Dict, Optional, Sequence, Tuple
 from transformer_engine.common.attention.config import AttnConfig
 from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType
 from transformer_engine.common.attention.kernels.aot import CompiledKernel, Pointer, compile_kernel
-from transformer_engine.common.attention.launches import (
-    Bias, Call, Launch, Slot, View, backward_launches, forward_launches, plan_config,
+from transformer_engine.common.attention.launch_description import (
+    Bias, Call, Launch, Slot, View, backward_launches, forward_launches,
 )
+from transformer_engine.common.attention.params import AttnParams
 from transformer_engine.common.attention.plan import ARCHS, Tiles, backward_plan, forward_plan
 
 __all__ = ["DEVICE_FACTS", "target", "contiguous_call", "planned_launches", "compile_args", "compile_launch",
@@ -85,15 +86,17 @@ def contiguous_call(config: AttnConfig, batch: int = 2, seqlen: int = 1024, thd:
     if config.attn_bias_type == AttnBiasType.POST_SCALE_BIAS:
         shape = bias_shape or (1, hq, sq, sk)
         bias = Bias(tuple(shape), _contiguous(shape))
+    params = AttnParams(config.attn_mask_type, config.attn_bias_type, config.qkv_format, config.window_size,
+                        softmax_scale, dropout_probability=config.dropout, bottom_right_diagonal=config.bottom_right,
+                        softmax_type=config.softmax_type)
     return Call(
-        num_heads_q=hq, num_heads_kv=hk, head_dim_qk=dqk, head_dim_v=dv, dtype=config.dtype, num_seqs=batch,
-        max_q=sq, max_k=sk, packed=thd, has_seqlens=thd or config.attn_mask_type.is_padding,
-        softmax_scale=softmax_scale, attn_mask_type=config.attn_mask_type, window_size=config.window_size,
-        bottom_right_diagonal=config.bottom_right, views=views, lse_strides=(hq * sq, sq),
+        params=params, num_heads_q=hq, num_heads_kv=hk, head_dim_qk=dqk, head_dim_v=dv, dtype=config.dtype,
+        num_seqs=batch, max_q=sq, max_k=sk, packed=thd, has_seqlens=thd or config.attn_mask_type.is_padding,
+        views=views, lse_strides=(hq * sq, sq),
         device=dict(device_type=config.device_type, vendor=config.vendor,
                     compute_capability=config.compute_capability, gfx_arch=config.gfx_arch),
         bias=bias, alibi_batch_stride=0 if config.attn_bias_type == AttnBiasType.ALIBI else None,
-        dropout_p=config.dropout, softmax_type=config.softmax_type, segments_per_row=segments_per_row,
+        segments_per_row=segments_per_row,
     )
 
 
@@ -101,7 +104,7 @@ def planned_launches(call: Call) -> Tuple[Launch, ...]:
     """Every launch of a training step of ``call``: the forward and the backward with the bias's and the
     learnable sink's gradients where the call has them."""
     return forward_launches(call) + backward_launches(call, bias_grad=call.bias is not None,
-                                                      sink_grad=call.softmax_type.is_learnable)
+                                                      sink_grad=call.params.softmax_type.is_learnable)
 
 
 def compile_args(launch: Launch, dtype: str) -> Dict[str, object]:
@@ -169,7 +172,7 @@ _PASSES = {"fwd": ("attn_fwd_kernel", "attn_fwd_ws_kernel"),
 def _with_tiles(call: Call, name: str, tiles: Optional[Tiles]) -> Launch:
     """The planned launch of pass ``name`` (fwd, dkdv, dq; dk and dv: the two-pass form, each with the planned
     dK/dV tiles unless ``tiles``), or the Triton kernel's with ``tiles``."""
-    config = plan_config(call)
+    config = call.plan_key
     if name == "fwd":
         plan = forward_plan(config)
         if tiles is not None:

@@ -52,23 +52,23 @@ PRIVATE_APIS: Dict[str, str] = {
     "triton.runtime.jit:create_function_from_signature": "aot.py: Triton's own argument binder (specialization)",
     "triton.runtime.jit:JITFunction._pack_args": "aot.py: options, signature, constexprs and attributes of a call",
     "triton.runtime.jit:JITFunction.is_gluon": "aot.py: whether a kernel compiles through the Gluon source",
-    "triton.knobs:runtime.debug": "aot.py, kernel_launcher.py: Triton's debug mode",
+    "triton.knobs:runtime.debug": "aot.py, launch_cache.py: Triton's debug mode",
     "triton.knobs:compilation.instrumentation_mode": "aot.py: an option JITFunction.run adds",
     "triton.backends.compiler:GPUTarget": "resources.py, jax/primitives/gpu.py: a compile target without a GPU",
-    # The compiled-kernel launcher the PyTorch frontend calls directly (pytorch/attention/kernel_launcher.py).
-    "triton.runtime:driver": "kernel_launcher.py: the current device and stream",
-    "triton.knobs:runtime.launch_enter_hook": "kernel_launcher.py: profilers' launch hooks",
-    "triton.knobs:runtime.launch_exit_hook": "kernel_launcher.py: profilers' launch hooks",
-    "triton.compiler.compiler:CompiledKernel._init_handles": "kernel_launcher.py: load a compiled kernel",
-    "triton.compiler.compiler:CompiledKernel.run": "kernel_launcher.py: the compiled kernel's launcher",
-    "triton.compiler.compiler:CompiledKernel.launch_metadata": "kernel_launcher.py: Triton's launch with hooks",
+    # The compiled-kernel launcher the PyTorch frontend calls directly (pytorch/attention/launch_cache.py).
+    "triton.runtime:driver": "launch_cache.py: the current device and stream",
+    "triton.knobs:runtime.launch_enter_hook": "launch_cache.py: profilers' launch hooks",
+    "triton.knobs:runtime.launch_exit_hook": "launch_cache.py: profilers' launch hooks",
+    "triton.compiler.compiler:CompiledKernel._init_handles": "launch_cache.py: load a compiled kernel",
+    "triton.compiler.compiler:CompiledKernel.run": "launch_cache.py: the compiled kernel's launcher",
+    "triton.compiler.compiler:CompiledKernel.launch_metadata": "launch_cache.py: Triton's launch with hooks",
     # Global scratch for the Gluon kernels' on-device TMA descriptors (pytorch/attention/launch.py).
     "triton.runtime._allocation:_allocator": "launch.py: the allocator of this thread (a context variable)",
     "triton.runtime._allocation:NullAllocator": "launch.py: what _allocator holds when none is set",
     "triton:set_allocator": "launch.py: set the scratch allocator",
     # Kernels and launch descriptions.
     "triton.runtime.jit:JITFunction": "jax/primitives/gpu.py: a JIT kernel, not the interpreter's",
-    "triton.runtime.jit:JITFunction#arg_names": "launches.py, aot.py: a kernel's parameters, in order",
+    "triton.runtime.jit:JITFunction#arg_names": "launch_description.py, aot.py: a kernel's parameters, in order",
     "triton.runtime.jit:JITFunction#params": "aot.py: the binder's parameter descriptions",
     "triton.runtime.jit:JITFunction#signature": "aot.py: the binder's signature",
     "triton.language.random:philox": "kernels/scores.py: the dropout RNG's counter-based generator",
@@ -263,7 +263,7 @@ def cuobjdump_path() -> str:
 
 
 # ------------------------------------------------------------------------------------------------
-# Launching (pytorch/attention/launch.py, kernel_launcher.py; jax/primitives/gpu.py).
+# Launching (pytorch/attention/kernel_runner.py, launch_cache.py; jax/primitives/gpu.py).
 # ------------------------------------------------------------------------------------------------
 
 
@@ -300,7 +300,7 @@ _LAUNCHER_ATTRS = ("_init_handles", "run", "function", "packed_metadata")
 
 
 def has_compiled_launcher(compiled) -> bool:
-    """Whether a compiled kernel has the launcher attributes kernel_launcher.py calls directly."""
+    """Whether a compiled kernel has the launcher attributes launch_cache.py calls directly."""
     return all(hasattr(compiled, a) for a in _LAUNCHER_ATTRS)
 
 

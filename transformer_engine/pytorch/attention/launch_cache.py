@@ -1,4 +1,5 @@
-"""Launch Triton and Gluon kernels through their compiled launchers, without Triton's per-call binding.
+"""The launch cache: Triton and Gluon kernels launched through their compiled launchers, looked up by what
+Triton specializes on, without Triton's per-call binding (the kernel runner's last step).
 
 Calling a JIT kernel (``kernel[grid](**args)``) binds every argument and recomputes its specialization
 on each call before it looks the compiled kernel up: about 70-100 us of host time per launch on an

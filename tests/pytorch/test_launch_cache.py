@@ -1,4 +1,4 @@
-"""The cached kernel launch (``pytorch/attention/kernel_launcher.py``).
+"""The cached kernel launch (``pytorch/attention/launch_cache.py``).
 
 On the CPU a stand-in kernel records what the launcher asks of Triton: one compile per key, a new key for
 each thing Triton specializes on (a tensor's dtype and 16-byte alignment, a number's value and type, the
@@ -16,7 +16,7 @@ from dpa_helpers import ON_GPU, requires_fused
 from fused_helpers import make_qkv
 
 from transformer_engine.common import settings
-from transformer_engine.pytorch.attention import kernel_launcher
+from transformer_engine.pytorch.attention import launch_cache
 
 STREAM = 1234
 
@@ -63,12 +63,12 @@ class _Incomplete:
 
 @pytest.fixture
 def fake(monkeypatch):
-    monkeypatch.setattr(kernel_launcher, "_device_and_stream", lambda: (0, STREAM))
-    monkeypatch.setattr(kernel_launcher, "triton_interpreting", lambda: False)
-    monkeypatch.setattr(kernel_launcher, "_hooks", lambda: (None, None))
-    kernel_launcher.clear()
+    monkeypatch.setattr(launch_cache, "_device_and_stream", lambda: (0, STREAM))
+    monkeypatch.setattr(launch_cache, "triton_interpreting", lambda: False)
+    monkeypatch.setattr(launch_cache, "_hooks", lambda: (None, None))
+    launch_cache.clear()
     yield _Kernel()
-    kernel_launcher.clear()
+    launch_cache.clear()
 
 
 def _args(x, n=16, flag=True, block=64):
@@ -81,15 +81,15 @@ OPTIONS = dict(num_warps=4, num_stages=2)
 def test_one_compile_per_key_and_launches_in_parameter_order(fake):
     x = torch.zeros(64, dtype=torch.float16)
     for _ in range(3):
-        kernel_launcher.launch(fake, (2, 3, 1), _args(x), OPTIONS)
-    assert fake.compiles == 1 and kernel_launcher.cached_kernels() == 1
+        launch_cache.launch(fake, (2, 3, 1), _args(x), OPTIONS)
+    assert fake.compiles == 1 and launch_cache.cached_kernels() == 1
     assert fake.log == [("compiled", (2, 3, 1), STREAM, (x, 16, True, 64), None)] * 3
 
 
 @pytest.mark.parametrize("change", ["alignment", "dtype", "number", "type", "constexpr", "options"])
 def test_each_specialization_gets_its_own_compile(fake, change):
     base = torch.zeros(64, dtype=torch.float16)
-    kernel_launcher.launch(fake, (1, 1, 1), _args(base), OPTIONS)
+    launch_cache.launch(fake, (1, 1, 1), _args(base), OPTIONS)
     args, options = _args(base), OPTIONS
     if change == "alignment":
         args = _args(base[1:])  # 2 bytes past a 16-byte boundary
@@ -103,22 +103,22 @@ def test_each_specialization_gets_its_own_compile(fake, change):
         args = _args(base, block=128)
     else:
         options = dict(OPTIONS, num_warps=8)
-    kernel_launcher.launch(fake, (1, 1, 1), args, options)
-    assert fake.compiles == 2 and kernel_launcher.cached_kernels() == 2
+    launch_cache.launch(fake, (1, 1, 1), args, options)
+    assert fake.compiles == 2 and launch_cache.cached_kernels() == 2
     # the same (aligned, float16) tensor at another address hits the first key
-    kernel_launcher.launch(fake, (1, 1, 1), _args(torch.zeros(64, dtype=torch.float16)), OPTIONS)
+    launch_cache.launch(fake, (1, 1, 1), _args(torch.zeros(64, dtype=torch.float16)), OPTIONS)
     assert fake.compiles == 2
 
 
 def test_least_recently_used_key_goes_first(fake, monkeypatch):
-    monkeypatch.setattr(kernel_launcher, "_MAX_ENTRIES", 2)
+    monkeypatch.setattr(launch_cache, "_MAX_ENTRIES", 2)
     x = torch.zeros(64, dtype=torch.float16)
     for n in (1, 2, 1, 3):  # 1 is used again after 2, so 2 is the one evicted at 3
-        kernel_launcher.launch(fake, (1, 1, 1), _args(x, n=n), OPTIONS)
-    assert fake.compiles == 3 and kernel_launcher.cached_kernels() == 2
-    kernel_launcher.launch(fake, (1, 1, 1), _args(x, n=1), OPTIONS)
+        launch_cache.launch(fake, (1, 1, 1), _args(x, n=n), OPTIONS)
+    assert fake.compiles == 3 and launch_cache.cached_kernels() == 2
+    launch_cache.launch(fake, (1, 1, 1), _args(x, n=1), OPTIONS)
     assert fake.compiles == 3
-    kernel_launcher.launch(fake, (1, 1, 1), _args(x, n=2), OPTIONS)
+    launch_cache.launch(fake, (1, 1, 1), _args(x, n=2), OPTIONS)
     assert fake.compiles == 4
 
 
@@ -127,7 +127,7 @@ def test_jit_call_where_the_cache_must_not_be_used(fake, monkeypatch, reason):
     if reason == "setting":
         monkeypatch.setenv("NVTE_FUSED_ATTN_CACHED_LAUNCH", "0")
     elif reason == "interpreter":
-        monkeypatch.setattr(kernel_launcher, "triton_interpreting", lambda: True)
+        monkeypatch.setattr(launch_cache, "triton_interpreting", lambda: True)
     elif reason == "debug":
         from triton import knobs
 
@@ -135,8 +135,8 @@ def test_jit_call_where_the_cache_must_not_be_used(fake, monkeypatch, reason):
     else:
         fake.pre_run_hooks.append(lambda *a, **k: None)
     x = torch.zeros(64, dtype=torch.float16)
-    kernel_launcher.launch(fake, (4, 1, 1), _args(x), OPTIONS)
-    assert fake.compiles == 0 and kernel_launcher.cached_kernels() == 0
+    launch_cache.launch(fake, (4, 1, 1), _args(x), OPTIONS)
+    assert fake.compiles == 0 and launch_cache.cached_kernels() == 0
     assert fake.log == [("jit", (4, 1, 1), dict(_args(x), **OPTIONS))]
 
 
@@ -149,9 +149,9 @@ def test_a_compiled_form_without_a_launcher_falls_back_to_the_jit_call(fake, mon
 
     monkeypatch.setattr(fake, "run", run)
     x = torch.zeros(64, dtype=torch.float16)
-    kernel_launcher.launch(fake, (1, 1, 1), _args(x), OPTIONS)
-    kernel_launcher.launch(fake, (1, 1, 1), _args(x), OPTIONS)
-    assert len(compiles) == 1 and kernel_launcher.cached_kernels() == 0  # asked once, then the JIT call only
+    launch_cache.launch(fake, (1, 1, 1), _args(x), OPTIONS)
+    launch_cache.launch(fake, (1, 1, 1), _args(x), OPTIONS)
+    assert len(compiles) == 1 and launch_cache.cached_kernels() == 0  # asked once, then the JIT call only
     assert [entry[0] for entry in fake.log] == ["jit", "jit"]
 
 
@@ -164,17 +164,17 @@ def test_a_background_compile_takes_the_jit_call_until_ready(fake, monkeypatch):
 
     monkeypatch.setattr(fake, "run", run)
     x = torch.zeros(64, dtype=torch.float16)
-    kernel_launcher.launch(fake, (1, 1, 1), _args(x), OPTIONS)
-    assert kernel_launcher.cached_kernels() == 0 and [entry[0] for entry in fake.log] == ["jit"]
+    launch_cache.launch(fake, (1, 1, 1), _args(x), OPTIONS)
+    assert launch_cache.cached_kernels() == 0 and [entry[0] for entry in fake.log] == ["jit"]
     ready.append(True)
-    kernel_launcher.launch(fake, (1, 1, 1), _args(x), OPTIONS)
-    assert kernel_launcher.cached_kernels() == 1 and [entry[0] for entry in fake.log] == ["jit", "compiled"]
+    launch_cache.launch(fake, (1, 1, 1), _args(x), OPTIONS)
+    assert launch_cache.cached_kernels() == 1 and [entry[0] for entry in fake.log] == ["jit", "compiled"]
 
 
 def test_launch_hooks_see_the_launch(fake, monkeypatch):
-    monkeypatch.setattr(kernel_launcher, "_hooks", lambda: ("enter", "exit"))
+    monkeypatch.setattr(launch_cache, "_hooks", lambda: ("enter", "exit"))
     x = torch.zeros(64, dtype=torch.float16)
-    kernel_launcher.launch(fake, (2, 1, 1), _args(x), OPTIONS)
+    launch_cache.launch(fake, (2, 1, 1), _args(x), OPTIONS)
     assert fake.log == [("compiled with hooks", (2, 1, 1), STREAM, (x, 16, True, 64), None)]
 
 
@@ -184,11 +184,11 @@ def test_hooks_reads_tritons_chains():
     enter = knobs.runtime.launch_enter_hook
     if enter is None or not hasattr(enter, "add"):
         pytest.skip(f"this Triton's launch hook is {type(enter).__name__}, not a chain")
-    assert kernel_launcher._hooks() == (None, None) or enter.calls
+    assert launch_cache._hooks() == (None, None) or enter.calls
     probe = lambda *a: None  # noqa: E731
     enter.add(probe)
     try:
-        assert kernel_launcher._hooks()[0] is enter
+        assert launch_cache._hooks()[0] is enter
     finally:
         enter.remove(probe)
 
@@ -208,17 +208,17 @@ def _fwd_bwd(q, k, v, d_out):
 @pytest.mark.skipif(not ON_GPU, reason="the compiled launchers need a GPU (the interpreter takes the JIT call)")
 @pytest.mark.parametrize("d", [64, 128])
 def test_cached_launch_is_bitwise_the_jit_call(monkeypatch, d):
-    kernel_launcher.clear()
+    launch_cache.clear()
     q, k, v, _ = make_qkv(2, 384, 384, 4, 2, d, d, torch.bfloat16)
     d_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q.device, q.dtype)
     cached = _fwd_bwd(q, k, v, d_out)
-    kernels = kernel_launcher.cached_kernels()
+    kernels = launch_cache.cached_kernels()
     assert kernels >= 3  # the forward, and at least preprocess and the dK/dV and dQ passes
     again = _fwd_bwd(q, k, v, d_out)
-    assert kernel_launcher.cached_kernels() == kernels  # the repeat hits every key
+    assert launch_cache.cached_kernels() == kernels  # the repeat hits every key
     monkeypatch.setenv("NVTE_FUSED_ATTN_CACHED_LAUNCH", "0")
     jit = _fwd_bwd(q, k, v, d_out)
-    assert kernel_launcher.cached_kernels() == kernels
+    assert launch_cache.cached_kernels() == kernels
     for a, b, c in zip(cached, again, jit):
         assert torch.equal(a, b) and torch.equal(a, c)
 
@@ -227,7 +227,7 @@ def test_cached_launch_is_bitwise_the_jit_call(monkeypatch, d):
     flat = torch.empty(q.numel() + 1, dtype=q.dtype, device=q.device)
     q_off = flat[1:].view(q.shape).copy_(q.detach()).requires_grad_()
     shifted = _fwd_bwd(q_off, k, v, d_out)
-    assert kernel_launcher.cached_kernels() > kernels
+    assert launch_cache.cached_kernels() > kernels
     monkeypatch.setenv("NVTE_FUSED_ATTN_CACHED_LAUNCH", "0")
     shifted_jit = _fwd_bwd(q_off, k, v, d_out)
     for a, b in zip(shifted, shifted_jit):

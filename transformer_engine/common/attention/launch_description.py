@@ -1,10 +1,11 @@
 """The kernel launches of one attention call, framework-free: one description that both frontends launch.
 
-From the call's shapes, strides, dtype and flags (:class:`Call`) and its launch plan (``plan.py``), the
+From the call's parameters (:class:`~transformer_engine.common.attention.params.AttnParams`), shapes,
+strides and dtype (:class:`Call`) and its launch plan (``plan.py``, keyed by :attr:`Call.plan_key`), the
 forward and the backward are each an ordered list of :class:`Launch`: the Triton or Gluon kernel, its
 grid, every kernel parameter by name (tensors as :class:`Slot`, which the frontend binds to its
 buffers; numbers and constexprs as values) and the launch options. The PyTorch frontend
-(``pytorch/attention/launch.py``) runs them on tensors, the JAX frontend (``jax/primitives/gpu.py``)
+(``pytorch/attention/kernel_runner.py``) runs them on tensors, the JAX frontend (``jax/primitives/gpu.py``)
 compiles them into its FFI launch programs, and the resource report (``kernels/resources.py``)
 compiles them for any target. A kernel change is made here once; ``tests/common/test_launches.py``
 checks that both frontends describe the same launches for the same call.
@@ -17,19 +18,21 @@ rows with the views' own strides.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Dict, Mapping, Optional, Tuple, Union
 
-from transformer_engine.common.attention.config import AttnConfig
-from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, AttnSoftmaxType, BackwardGrads
+from transformer_engine.common.attention.config import PlanKey
+from transformer_engine.common.attention.enums import AttnBiasType, BackwardGrads
 from transformer_engine.common.attention.explain import log_plan
+from transformer_engine.common.attention.params import AttnParams
 from transformer_engine.common.attention.plan import (
     BackwardPlan, ForwardPlan, Tiles, backward_plan, block_grid, forward_plan, mask_flags, padded_head_dim,
     tma_eligible,
 )
 
-__all__ = ["Slot", "View", "Bias", "Call", "Launch", "plan_config", "forward_launches", "backward_launches",
-           "LOG2E", "ELEMENT_SIZES"]
+__all__ = ["Slot", "View", "Bias", "Call", "Launch", "plan_key", "forward_launches", "backward_launches", "LOG2E",
+           "ELEMENT_SIZES"]
 
 LOG2E = 1.4426950408889634  # the kernels' softmax runs in base 2: qk_scale = softmax_scale * log2(e)
 ELEMENT_SIZES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -73,12 +76,16 @@ class Bias:
 
 @dataclass(frozen=True)
 class Call:
-    """What the launches of one call depend on. ``views`` holds the (b, s, h, d) view of each tensor the
-    launches read or write (q, k, v, out; d_out, dq, dk, dv for the backward); ``num_seqs`` is the grid's
-    sequence count (b, or the number of packed sequences), ``max_q``/``max_k`` the kernels' seqlen_q/_k;
-    ``packed``: sequences by starts (IS_THD); ``has_seqlens``: by lengths. ``device``: AttnConfig's
-    device facts (device_type, vendor, compute_capability, gfx_arch)."""
+    """What the launches of one call depend on: its parameters (``params``: the launches read the mask,
+    window, diagonal, scale, dropout and softmax type) and the tensors' geometry. ``views`` holds the
+    (b, s, h, d) view of each tensor the launches read or write (q, k, v, out; d_out, dq, dk, dv for the
+    backward); ``num_seqs`` is the grid's sequence count (b, or the number of packed sequences),
+    ``max_q``/``max_k`` the kernels' seqlen_q/_k; ``packed``: sequences by starts (IS_THD); ``has_seqlens``:
+    by lengths. ``bias`` and ``alibi_batch_stride`` say which score modifier the kernels add (whatever
+    ``params.attn_bias_type`` calls it: JAX's pre-scale bias reaches them as a bias). ``device``: the
+    device facts of AttnConfig (device_type, vendor, compute_capability, gfx_arch)."""
 
+    params: AttnParams
     num_heads_q: int
     num_heads_kv: int
     head_dim_qk: int
@@ -89,17 +96,11 @@ class Call:
     max_k: int
     packed: bool
     has_seqlens: bool
-    softmax_scale: float
-    attn_mask_type: AttnMaskType
-    window_size: Tuple[int, int]
-    bottom_right_diagonal: bool
     views: Mapping[str, View]
     lse_strides: Tuple[int, int]
     device: Mapping[str, object]
     bias: Optional[Bias] = None
     alibi_batch_stride: Optional[int] = None  # ALiBi slopes: 0 for [h], the batch stride for [b, h]; None: none
-    dropout_p: float = 0.0
-    softmax_type: AttnSoftmaxType = AttnSoftmaxType.VANILLA_SOFTMAX
     # Packed sequences in rows of this many (sequences r * m .. r * m + m - 1 share row r; max_q/max_k are the
     # rows' lengths): the kernels' segment-row grid covers each row's blocks (cdiv(row, block) + m - 1 per row and
     # head) instead of m sequences of the row's length each. 1: the (block, sequence) grid.
@@ -113,12 +114,45 @@ class Call:
             raise ValueError("`segments_per_row` > 1 needs packed sequences with lengths (packed and has_seqlens), "
                              f"got packed={self.packed} has_seqlens={self.has_seqlens}")
 
+    @property
+    def bias_type(self) -> AttnBiasType:
+        """The score modifier the kernels add: a post-scale bias, ALiBi or none."""
+        if self.bias is not None:
+            return AttnBiasType.POST_SCALE_BIAS
+        if self.alibi_batch_stride is not None:
+            return AttnBiasType.ALIBI
+        return AttnBiasType.NO_BIAS
+
+    @property
+    def plan_key(self) -> PlanKey:
+        """What the call's plans read (:func:`plan_key`)."""
+        return plan_key(self.params, self.head_dim_qk, self.head_dim_v, self.dtype, self.bias_type, self.device)
+
     def grid_rows(self, max_len: int, block: int, heads: int) -> Tuple[int, int]:
         """(blocks, rows * heads) of a block-loop pass over sequences of at most ``max_len`` in ``block``s."""
         m = self.segments_per_row
         if m > 1:  # a row's blocks: sum over its sequences of cdiv(len, block) <= cdiv(row, block) + m - 1
             return _cdiv(max_len, block) + m - 1, (self.num_seqs // m) * heads
         return _cdiv(max_len, block), self.num_seqs * heads
+
+
+def plan_key(params: AttnParams, head_dim_qk: int, head_dim_v: int, dtype: str, bias_type: AttnBiasType,
+             device: Mapping[str, object]) -> PlanKey:
+    """The PlanKey of a call's launches: its head dims and dtype, the mask, window, diagonal, dropout and
+    softmax type of ``params``, the score modifier the kernels add (``bias_type``: Call.bias_type) and the
+    device facts. The plans are the same in both determinism modes (no atomic or autotuned variant exists)."""
+    return _plan_key(params, head_dim_qk, head_dim_v, dtype, bias_type, tuple(device.items()))
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_key(params: AttnParams, head_dim_qk: int, head_dim_v: int, dtype: str, bias_type: AttnBiasType,
+              device: Tuple[Tuple[str, object], ...]) -> PlanKey:
+    # Memoized: a pure function of frozen values, built twice a training step (forward, backward).
+    return PlanKey(
+        head_dim_qk=head_dim_qk, head_dim_v=head_dim_v, dtype=dtype, attn_mask_type=params.attn_mask_type,
+        window_size=params.window_size, bottom_right=params.bottom_right, attn_bias_type=bias_type,
+        dropout=params.kernel_dropout, softmax_type=params.softmax_type, **dict(device),
+    )
 
 
 @dataclass(frozen=True)
@@ -152,25 +186,6 @@ class Launch:
         return (self.name, tuple(self.grid), args, tuple(sorted(self.options.items())))
 
 
-def plan_config(call: Call) -> AttnConfig:
-    """The planning-relevant AttnConfig of a call: head counts and dims, dtype, mask kind and diagonal
-    alignment, score modifiers, softmax type and device. The plans are the same in both determinism
-    modes (no atomic or autotuned variant exists), so the config says deterministic."""
-    if call.bias is not None:
-        bias_type = AttnBiasType.POST_SCALE_BIAS
-    elif call.alibi_batch_stride is not None:
-        bias_type = AttnBiasType.ALIBI
-    else:
-        bias_type = AttnBiasType.NO_BIAS
-    return AttnConfig(
-        batch_size=1, num_heads_q=call.num_heads_q, num_heads_kv=call.num_heads_kv, head_dim_qk=call.head_dim_qk,
-        head_dim_v=call.head_dim_v, max_seqlen_q=0, max_seqlen_kv=0, dtype=call.dtype,
-        attn_mask_type=call.attn_mask_type, window_size=call.window_size,
-        bottom_right_diagonal=call.bottom_right_diagonal, attn_bias_type=bias_type, dropout=call.dropout_p,
-        deterministic=True, softmax_type=call.softmax_type, **call.device,
-    )
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -192,11 +207,12 @@ _SEQ_SLOTS = ("SEQ_START_Q", "SEQ_START_K", "SEQ_LEN_Q", "SEQ_LEN_K")
 _PLACEHOLDER = Slot("lse")
 
 
-def _values(call: Call, config: AttnConfig, plan: Union[ForwardPlan, BackwardPlan]) -> Dict[str, object]:
+def _values(call: Call, key: PlanKey, plan: Union[ForwardPlan, BackwardPlan]) -> Dict[str, object]:
     """What every block-loop kernel takes, by parameter name (each launch picks its kernel's), with the
     head-dim tiles of ``plan`` (a ForwardPlan or BackwardPlan)."""
-    flags, left, right = mask_flags(config)
-    has_bias, has_alibi, dropout = call.bias is not None, call.alibi_batch_stride is not None, call.dropout_p > 0
+    flags, left, right = mask_flags(key)
+    scale, dropout_p = call.params.scaling_factor, key.dropout
+    has_bias, has_alibi, dropout = call.bias is not None, call.alibi_batch_stride is not None, dropout_p > 0
     zs = call.bias.kernel_strides if has_bias else (0, 0, 0, 0)
     values = dict(
         BIAS=Slot("bias") if has_bias else _PLACEHOLDER,
@@ -211,8 +227,7 @@ def _values(call: Call, config: AttnConfig, plan: Union[ForwardPlan, BackwardPla
         stride_alibi_b=call.alibi_batch_stride or 0,
         num_heads_q=call.num_heads_q, num_heads_kv=call.num_heads_kv,
         gqa_group=call.num_heads_q // call.num_heads_kv, seqlen_q=call.max_q, seqlen_k=call.max_k,
-        sm_scale=call.softmax_scale, qk_scale=call.softmax_scale * LOG2E, window_left=left, window_right=right,
-        dropout_p=call.dropout_p,
+        sm_scale=scale, qk_scale=scale * LOG2E, window_left=left, window_right=right, dropout_p=dropout_p,
         HEAD_DIM_QK=call.head_dim_qk, HEAD_DIM_V=call.head_dim_v, BLOCK_DQK=plan.block_dqk,
         BLOCK_DQK2=plan.block_dqk2, BLOCK_DV=plan.block_dv,
         IS_THD=call.packed, HAS_SEQLENS=call.has_seqlens, SEGMENTS=call.segments_per_row,
@@ -234,7 +249,8 @@ def _launch(kernel, grid: Tuple[int, int, int], values: Dict[str, object], optio
     missing = [name for name in kernel.arg_names if name not in values]
     if missing:
         raise NotImplementedError(
-            f"{kernel.__name__} has parameters {missing} that common.attention.launches does not describe: "
+            f"{kernel.__name__} has parameters {missing} that common.attention.launch_description does not "
+            "describe: "
             "update the launch description along with the kernel")
     return Launch(kernel, tuple(int(g) for g in grid), {name: values[name] for name in kernel.arg_names},
                   dict(options))
@@ -257,12 +273,12 @@ def forward_launches(call: Call, plan: Optional[ForwardPlan] = None) -> Tuple[La
     from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel
     from transformer_engine.common.attention.kernels.hopper_ws import attn_fwd_ws_kernel
 
-    config = plan_config(call)
+    key = call.plan_key
     if plan is None:
-        log_plan(config)  # NVTE_DEBUG: what runs and why, once per distinct plan
-        plan = forward_plan(config)
-    values = _values(call, config, plan)
-    has_sink = call.softmax_type.has_sink
+        log_plan(key)  # NVTE_DEBUG: what runs and why, once per distinct plan
+        plan = forward_plan(key)
+    values = _values(call, key, plan)
+    has_sink = key.softmax_type.has_sink
     values.update(LSE=Slot("lse"), SINK=Slot("softmax_offset") if has_sink else _PLACEHOLDER, HAS_SINK=has_sink)
     rows = lambda t: call.grid_rows(call.max_q, t.block_m, call.num_heads_q)  # noqa: E731
     return (_block_launch(attn_fwd_kernel, attn_fwd_ws_kernel, plan.tiles, plan.warp_specialized, ("q", "k", "v"),
@@ -291,10 +307,10 @@ def backward_launches(call: Call, plan: Optional[BackwardPlan] = None, bias_grad
     )
     from transformer_engine.common.attention.kernels.hopper_ws import attn_bwd_dkdv_ws_kernel, attn_bwd_dq_ws_kernel
 
-    config = plan_config(call)
+    key = call.plan_key
     if plan is None:
-        plan = backward_plan(config)
-    values = _values(call, config, plan)
+        plan = backward_plan(key)
+    values = _values(call, key, plan)
     values.update(LSE=Slot("lse"), DELTA=Slot("delta"))
     q_rows = lambda t: call.grid_rows(call.max_q, t.block_m, call.num_heads_q)  # noqa: E731
     k_rows = lambda t: call.grid_rows(call.max_k, t.block_n, call.num_heads_kv)  # noqa: E731

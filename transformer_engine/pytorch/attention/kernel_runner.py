@@ -1,8 +1,11 @@
-"""Launch the common Triton attention kernels on torch tensors (the frontend's half of a launch).
+"""Run the common Triton attention kernels on torch tensors: the PyTorch frontend's half of a launch.
 
-What is launched (kernels, grids, arguments, tiles) is the framework-free description of
-``common.attention.launches``; this module describes its tensors to it, allocates the outputs and
-binds the description's slots to tensors.
+What is launched (kernels, grids, arguments, tiles) is the framework-free launch description
+(``common.attention.launch_description``). This module describes a call's tensors to it (an
+:class:`~transformer_engine.pytorch.attention.call.AttnCall` and q, k, v), allocates the outputs, binds the
+description's slots to tensors and launches each kernel through the compiled-launcher cache
+(``launch_cache``). The fused custom ops (``ops.py``) run :func:`forward` and :func:`backward`; context
+parallelism runs them on views of its tensors.
 """
 
 from __future__ import annotations
@@ -13,18 +16,20 @@ from typing import Dict, Optional, Tuple
 import torch
 import triton
 
-from transformer_engine.common.attention import (
-    AttnConfig, AttnMaskType, AttnSoftmaxType, BackwardGrads, QKVFormat, launches,
-)
-from transformer_engine.common.attention.config import resolve_bottom_right_diagonal
+from transformer_engine.common.attention import AttnBiasType, BackwardGrads, QKVFormat
+from transformer_engine.common.attention import launch_description
+from transformer_engine.common.attention.config import PlanKey
 from transformer_engine.common.attention.kernels import triton_compat
 from transformer_engine.common.attention.kernels.fill import zero_outside_sequences_kernel
-from transformer_engine.common.attention.kernels.scores import dropout_mask_kernel
 from transformer_engine.common.attention.plan import BackwardPlan, ForwardPlan
-from transformer_engine.pytorch.attention import kernel_launcher
+from transformer_engine.pytorch.attention import launch_cache
 from transformer_engine.pytorch.attention.buffers import unfilled
+from transformer_engine.pytorch.attention.call import AttnCall
 from transformer_engine.pytorch.attention.config import dtype_name, triton_interpreting
 from transformer_engine.pytorch.attention.device import device_facts
+
+__all__ = ["Sequences", "canonical", "sequences", "plan_key", "describe", "forward", "backward", "fixed_order_sum",
+           "zero_outside_sequences"]
 
 
 @dataclass(frozen=True)
@@ -38,7 +43,7 @@ class Sequences:
     len_k: Optional[torch.Tensor]
     start_q: Optional[torch.Tensor]
     start_k: Optional[torch.Tensor]
-    # thd sequences in rows of this many, max_q/max_k the rows' lengths (launches.Call.segments_per_row)
+    # thd sequences in rows of this many, max_q/max_k the rows' lengths (launch_description.Call.segments_per_row)
     segments_per_row: int = 1
 
     @property
@@ -48,15 +53,6 @@ class Sequences:
     @property
     def has_seqlens(self) -> bool:
         return self.len_q is not None
-
-    def args(self, like: torch.Tensor):
-        dummy = like  # never read when the matching constexpr flag is off
-        return (
-            self.start_q if self.start_q is not None else dummy,
-            self.start_k if self.start_k is not None else dummy,
-            self.len_q if self.len_q is not None else dummy,
-            self.len_k if self.len_k is not None else dummy,
-        )
 
 
 def canonical(t: torch.Tensor, fmt: QKVFormat) -> Tuple[torch.Tensor, Tuple[int, int, int, int]]:
@@ -71,12 +67,14 @@ def canonical(t: torch.Tensor, fmt: QKVFormat) -> Tuple[torch.Tensor, Tuple[int,
     return v, (0, s[0], s[1], s[2])
 
 
-def sequences(fmt: QKVFormat, q: torch.Tensor, k: torch.Tensor, cu_seqlens_q, cu_seqlens_kv,
-              seq_offsets_q, seq_offsets_kv, max_seqlen_q: int, max_seqlen_kv: int) -> Sequences:
-    qv, _ = canonical(q, fmt)
-    kv, _ = canonical(k, fmt)
-    # A None kv-side tensor next to a given q-side one means "the same as q" (fused_attn_func
-    # passes it so when the caller gave one tensor for both).
+def sequences(q: torch.Tensor, k: torch.Tensor, call: AttnCall) -> Sequences:
+    """Where the sequences of ``call`` are for the kernels: thd from its cu_seqlens (packed starts from the
+    padded ones where given) and ``params.max_seqlen_*``; bshd/sbhd from the shapes, with lengths where the
+    call has cu_seqlens (padding masks). A None kv-side tensor next to a given q-side one means "the same as
+    q's" (AttnCall's convention at the kernels)."""
+    fmt = call.params.qkv_format
+    cu_seqlens_q, cu_seqlens_kv = call.cu_seqlens_q, call.cu_seqlens_kv
+    seq_offsets_q, seq_offsets_kv = call.cu_seqlens_q_padded, call.cu_seqlens_kv_padded
     if cu_seqlens_kv is None:
         cu_seqlens_kv = cu_seqlens_q
     if seq_offsets_kv is None:
@@ -85,10 +83,12 @@ def sequences(fmt: QKVFormat, q: torch.Tensor, k: torch.Tensor, cu_seqlens_q, cu
         batch = cu_seqlens_q.shape[0] - 1
         offs_q = seq_offsets_q if seq_offsets_q is not None else cu_seqlens_q
         offs_k = seq_offsets_kv if seq_offsets_kv is not None else cu_seqlens_kv
-        return Sequences(batch, max_seqlen_q, max_seqlen_kv,
+        return Sequences(batch, call.params.max_seqlen_q, call.params.max_seqlen_kv,
                          (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).to(torch.int32).contiguous(),
                          (cu_seqlens_kv[1:] - cu_seqlens_kv[:-1]).to(torch.int32).contiguous(),
                          offs_q[:-1].to(torch.int32).contiguous(), offs_k[:-1].to(torch.int32).contiguous())
+    qv, _ = canonical(q, fmt)
+    kv, _ = canonical(k, fmt)
     batch, sq = qv.shape[0], qv.shape[1]
     sk = kv.shape[1]
     if cu_seqlens_q is None:
@@ -98,62 +98,41 @@ def sequences(fmt: QKVFormat, q: torch.Tensor, k: torch.Tensor, cu_seqlens_q, cu
                      (cu_seqlens_kv[1:] - cu_seqlens_kv[:-1]).to(torch.int32).contiguous(), None, None)
 
 
-def plan_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fmt: QKVFormat, mask: AttnMaskType,
-                window: Tuple[int, int], mods: "ScoreMods" = None,
-                bottom_right_diagonal: Optional[bool] = None) -> AttnConfig:
-    """The planning-relevant AttnConfig of a launch (``launches.plan_config`` of its :class:`Call`)."""
-    seqs = Sequences(1, 0, 0, None, None, None, None)
-    return launches.plan_config(_call(q, k, v, fmt, seqs, 1.0, mask, window, mods or NO_MODS, bottom_right_diagonal,
-                                      {}, (0, 0)))
+def _bias_type(call: AttnCall):
+    if call.bias is not None:
+        return AttnBiasType.POST_SCALE_BIAS
+    if call.alibi_slopes is not None:
+        return AttnBiasType.ALIBI
+    return AttnBiasType.NO_BIAS
 
 
-@dataclass(frozen=True)
-class ScoreMods:
-    """What modifies the scores: post-scale bias [b|1, h|1, s_q|1, s_kv], ALiBi slopes [h] or
-    [b, h] (fp32), dropout probability and its RNG state (int64 [seed, offset], on the device), and
-    the softmax: its type and, for sink softmax, the sink logits ``softmax_offset`` (fp32 [h_q]:
-    zeros for off-by-one)."""
-
-    bias: Optional[torch.Tensor] = None
-    alibi_slopes: Optional[torch.Tensor] = None
-    dropout_p: float = 0.0
-    rng_state: Optional[torch.Tensor] = None
-    softmax_type: AttnSoftmaxType = AttnSoftmaxType.VANILLA_SOFTMAX
-    softmax_offset: Optional[torch.Tensor] = None
-
-    def buffers(self) -> Dict[str, torch.Tensor]:
-        """The tensors of the launches' modifier slots (those the call has)."""
-        named = dict(bias=self.bias, alibi_slopes=self.alibi_slopes, softmax_offset=self.softmax_offset,
-                     rng_state=self.rng_state if self.dropout_p > 0 else None)
-        return {name: t for name, t in named.items() if t is not None}
+def plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttnCall) -> PlanKey:
+    """The PlanKey the launches of ``call`` on these tensors plan with (``launch_description.plan_key``)."""
+    return launch_description.plan_key(call.params, q.shape[-1], v.shape[-1], dtype_name(q.dtype),
+                                       _bias_type(call), _device(q.device))
 
 
-NO_MODS = ScoreMods()
-
-
-def _view(t: torch.Tensor, fmt: QKVFormat) -> launches.View:
+def _view(t: torch.Tensor, fmt: QKVFormat) -> launch_description.View:
     _, strides = canonical(t, fmt)
-    return launches.View(strides, t.data_ptr() % 16 == 0)
+    return launch_description.View(strides, t.data_ptr() % 16 == 0)
 
 
-def _call(q, k, v, fmt: QKVFormat, seqs: Sequences, softmax_scale: float, mask: AttnMaskType,
-          window: Tuple[int, int], mods: ScoreMods, bottom_right_diagonal: Optional[bool],
-          views: Dict[str, torch.Tensor], lse_strides: Tuple[int, int]) -> launches.Call:
-    """The launch description's view of a call on these tensors (``views``: the tensors by slot name)."""
+def describe(q, k, v, call: AttnCall, seqs: Sequences, views: Dict[str, torch.Tensor],
+             lse_strides: Tuple[int, int]) -> launch_description.Call:
+    """The launch description's view of ``call`` on these tensors (``views``: the tensors by slot name)."""
     bias = None
-    if mods.bias is not None:
-        bias = launches.Bias(tuple(mods.bias.shape), tuple(mods.bias.stride()))
+    if call.bias is not None:
+        bias = launch_description.Bias(tuple(call.bias.shape), tuple(call.bias.stride()))
     alibi = None
-    if mods.alibi_slopes is not None:
-        alibi = mods.alibi_slopes.stride(0) if mods.alibi_slopes.dim() == 2 else 0
-    return launches.Call(
-        num_heads_q=q.shape[-2], num_heads_kv=k.shape[-2], head_dim_qk=q.shape[-1], head_dim_v=v.shape[-1],
-        dtype=dtype_name(q.dtype), num_seqs=seqs.batch, max_q=seqs.max_q, max_k=seqs.max_k, packed=seqs.is_thd,
-        has_seqlens=seqs.has_seqlens, softmax_scale=softmax_scale, attn_mask_type=mask, window_size=window,
-        bottom_right_diagonal=resolve_bottom_right_diagonal(mask, bottom_right_diagonal),
-        views={name: _view(t, fmt) for name, t in views.items()}, lse_strides=lse_strides,
-        device=_device(q.device), bias=bias, alibi_batch_stride=alibi,
-        dropout_p=mods.dropout_p, softmax_type=mods.softmax_type, segments_per_row=seqs.segments_per_row,
+    if call.alibi_slopes is not None:
+        alibi = call.alibi_slopes.stride(0) if call.alibi_slopes.dim() == 2 else 0
+    fmt = call.params.qkv_format
+    return launch_description.Call(
+        params=call.params, num_heads_q=q.shape[-2], num_heads_kv=k.shape[-2], head_dim_qk=q.shape[-1],
+        head_dim_v=v.shape[-1], dtype=dtype_name(q.dtype), num_seqs=seqs.batch, max_q=seqs.max_q, max_k=seqs.max_k,
+        packed=seqs.is_thd, has_seqlens=seqs.has_seqlens, views={name: _view(t, fmt) for name, t in views.items()},
+        lse_strides=lse_strides, device=_device(q.device), bias=bias, alibi_batch_stride=alibi,
+        segments_per_row=seqs.segments_per_row,
     )
 
 
@@ -179,7 +158,7 @@ def _run(described, buffers: Dict[str, torch.Tensor]) -> None:
     for launch in described:
         if launch.is_gluon:
             _ensure_allocator()
-        kernel_launcher.launch(launch.kernel, launch.grid, launch.bind(buffers), launch.options)
+        launch_cache.launch(launch.kernel, launch.grid, launch.bind(buffers), launch.options)
 
 
 def _sequence_buffers(seqs: Sequences) -> Dict[str, torch.Tensor]:
@@ -187,22 +166,31 @@ def _sequence_buffers(seqs: Sequences) -> Dict[str, torch.Tensor]:
     return {name: t for name, t in named.items() if t is not None}
 
 
+def _modifier_buffers(call: AttnCall) -> Dict[str, torch.Tensor]:
+    """The tensors of the launches' modifier slots (those the call has; rng_state only with dropout)."""
+    named = dict(bias=call.bias, alibi_slopes=call.alibi_slopes, softmax_offset=call.softmax_offset,
+                 rng_state=call.rng_state if call.params.kernel_dropout > 0 else None)
+    return {name: t for name, t in named.items() if t is not None}
+
+
 def _given(name: str, t: torch.Tensor, shape, dtype: torch.dtype, like: torch.Tensor) -> torch.Tensor:
     """A caller's buffer for an output, checked against what would be allocated."""
     if tuple(t.shape) != tuple(shape) or t.dtype != dtype or t.device != like.device or t.stride(-1) != 1:
         raise ValueError(f"`{name}` must be a {dtype} tensor of shape {tuple(shape)} on {like.device} with a "
-                         f"contiguous last dim, got {t.dtype} {tuple(t.shape)} strides {tuple(t.stride())} on {t.device}")
+                         f"contiguous last dim, got {t.dtype} {tuple(t.shape)} strides {tuple(t.stride())} "
+                         f"on {t.device}")
     return t
 
 
-def forward(q, k, v, fmt: QKVFormat, seqs: Sequences, softmax_scale: float, mask: AttnMaskType,
-            window: Tuple[int, int], plan: Optional[ForwardPlan] = None, mods: ScoreMods = NO_MODS,
-            bottom_right_diagonal: Optional[bool] = None, out: Optional[torch.Tensor] = None,
-            lse: Optional[torch.Tensor] = None):
-    """Run the forward kernel. Returns (out in q's format with head dim d_v, lse [b, h, max_s_q] fp32).
-    ``bottom_right_diagonal`` aligns windows and ALiBi (``resolve_bottom_right_diagonal``). ``out`` and
-    ``lse``: buffers (views of larger tensors allowed) to write instead of new ones (thd writes only the
-    rows inside sequences)."""
+def forward(q, k, v, call: AttnCall, plan: Optional[ForwardPlan] = None, *, seqs: Optional[Sequences] = None,
+            out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None):
+    """Run the forward kernel of ``call`` (AttnCall's conventions at the kernels) on q, k, v in
+    ``call.params.qkv_format``. Returns (out in q's format with head dim d_v, lse [b, h, max_s_q] fp32).
+    ``plan``: these tiles instead of the planned ones; ``seqs``: these sequence extents instead of the
+    call's (:func:`sequences`); ``out`` and ``lse``: buffers (views of larger tensors allowed) to write
+    instead of new ones (thd writes only the rows inside sequences)."""
+    if seqs is None:
+        seqs = sequences(q, k, call)
     hq, dv = q.shape[-2], v.shape[-1]
     out_shape = tuple(q.shape[:-1]) + (dv,)
     if out is not None:
@@ -215,19 +203,19 @@ def forward(q, k, v, fmt: QKVFormat, seqs: Sequences, softmax_scale: float, mask
     lse = _given("lse", lse, lse_shape, torch.float32, q) if lse is not None else \
         unfilled(lse_shape, torch.float32, q.device)
     tensors = dict(q=q, k=k, v=v, out=out)
-    call = _call(q, k, v, fmt, seqs, softmax_scale, mask, window, mods, bottom_right_diagonal, tensors,
-                 (lse.stride(0), lse.stride(1)))
-    _run(launches.forward_launches(call, plan), dict(tensors, lse=lse, **_sequence_buffers(seqs), **mods.buffers()))
+    described = describe(q, k, v, call, seqs, tensors, (lse.stride(0), lse.stride(1)))
+    _run(launch_description.forward_launches(described, plan),
+         dict(tensors, lse=lse, **_sequence_buffers(seqs), **_modifier_buffers(call)))
     return out, lse
 
 
-def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_scale: float,
-             mask: AttnMaskType, window: Tuple[int, int], plan: Optional[BackwardPlan] = None,
-             mods: ScoreMods = NO_MODS, bias_grad: bool = False, bottom_right_diagonal: Optional[bool] = None,
-             softmax_offset_grad: bool = False, grads: BackwardGrads = BackwardGrads.DQ_DKDV,
-             dq: Optional[torch.Tensor] = None, dk: Optional[torch.Tensor] = None, dv: Optional[torch.Tensor] = None,
+def backward(q, k, v, out, d_out, lse, call: AttnCall, plan: Optional[BackwardPlan] = None, *,
+             seqs: Optional[Sequences] = None, bias_grad: bool = False, softmax_offset_grad: bool = False,
+             grads: BackwardGrads = BackwardGrads.DQ_DKDV, dq: Optional[torch.Tensor] = None,
+             dk: Optional[torch.Tensor] = None, dv: Optional[torch.Tensor] = None,
              delta: Optional[torch.Tensor] = None, preprocess: bool = True):
-    """Run preprocess, dK/dV and dQ, and dBias and d softmax_offset when asked (launches.backward_launches).
+    """Run preprocess, dK/dV and dQ of ``call``, and dBias and d softmax_offset when asked
+    (launch_description.backward_launches).
 
     Returns (dq, dk, dv, dbias, d_softmax_offset) with the gradients in the inputs' format; dbias
     (the bias's shape, summed over its broadcast dimensions in a fixed order) is None unless
@@ -236,11 +224,14 @@ def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_
     ``grads`` (:class:`BackwardGrads`): ``DQ`` runs no dK/dV pass and returns dk, dv as None, ``DKDV`` no
     dQ pass and dq None; the gradients it returns are bitwise those of the whole backward.
 
-    ``dq``, ``dk``, ``dv``: buffers (views allowed) for the gradients instead of new ones; ``delta``: the
-    buffer of rowsum(dO * O) per query row, with lse's shape and strides (new when None), which
-    ``preprocess=False`` expects filled already (by an earlier call over these rows) instead of computing it.
+    ``plan`` and ``seqs`` as :func:`forward`'s. ``dq``, ``dk``, ``dv``: buffers (views allowed) for the
+    gradients instead of new ones; ``delta``: the buffer of rowsum(dO * O) per query row, with lse's shape and
+    strides (new when None), which ``preprocess=False`` expects filled already (by an earlier call over these
+    rows) instead of computing it.
     """
     grads = BackwardGrads(grads)
+    if seqs is None:
+        seqs = sequences(q, k, call)
     # thd leaves the rows between sequences unwritten; padded formats write every row.
     alloc = torch.zeros if seqs.is_thd else unfilled
     tensors = dict(q=q, k=k, v=v, out=out, d_out=d_out)
@@ -259,17 +250,16 @@ def backward(q, k, v, out, d_out, lse, fmt: QKVFormat, seqs: Sequences, softmax_
     elif tuple(delta.shape) != tuple(lse.shape) or delta.stride() != lse.stride() or delta.dtype != torch.float32:
         raise ValueError(f"`delta` must be float32 with lse's shape {tuple(lse.shape)} and strides {lse.stride()}, "
                          f"got {delta.dtype} {tuple(delta.shape)} strides {delta.stride()}")
-    call = _call(q, k, v, fmt, seqs, softmax_scale, mask, window, mods, bottom_right_diagonal, tensors,
-                 (lse.stride(0), lse.stride(1)))
-    buffers = dict(tensors, lse=lse, delta=delta, **_sequence_buffers(seqs), **mods.buffers())
+    described = describe(q, k, v, call, seqs, tensors, (lse.stride(0), lse.stride(1)))
+    buffers = dict(tensors, lse=lse, delta=delta, **_sequence_buffers(seqs), **_modifier_buffers(call))
     dbias = parts = None
     if bias_grad:
         # The dBias kernel writes every element of its tiles.
-        dbias = buffers["dbias"] = unfilled(mods.bias.shape, mods.bias.dtype, mods.bias.device)
+        dbias = buffers["dbias"] = unfilled(call.bias.shape, call.bias.dtype, call.bias.device)
     if softmax_offset_grad:
         parts = buffers["dsink"] = unfilled((seqs.batch, q.shape[-2]), torch.float32, lse.device)
-    _run(launches.backward_launches(call, plan, bias_grad=bias_grad, sink_grad=softmax_offset_grad, grads=grads,
-                                    preprocess=preprocess), buffers)
+    _run(launch_description.backward_launches(described, plan, bias_grad=bias_grad, sink_grad=softmax_offset_grad,
+                                              grads=grads, preprocess=preprocess), buffers)
     d_offset = fixed_order_sum(parts) if softmax_offset_grad else None
     return dq, dk, dvt, dbias, d_offset
 
@@ -286,16 +276,6 @@ def fixed_order_sum(x: torch.Tensor) -> torch.Tensor:
         half = x.shape[0] // 2
         x = x[:half] + x[half:]
     return x[0]
-
-
-def dropout_keep_mask(rng_state: torch.Tensor, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
-                      dropout_p: float) -> torch.Tensor:
-    """The boolean keep mask [b, h, s_q, s_kv] the kernels use for ``rng_state`` (for tests)."""
-    keep = torch.empty((batch, heads, seqlen_q, seqlen_k), dtype=torch.int8, device=rng_state.device)
-    block = 16 if rng_state.device.type == "cpu" else 64
-    grid = (triton.cdiv(seqlen_q, block), triton.cdiv(seqlen_k, block), batch * heads)
-    dropout_mask_kernel[grid](keep, rng_state, heads, seqlen_q, seqlen_k, dropout_p, BLOCK_M=block, BLOCK_N=block)
-    return keep.bool()
 
 
 def zero_outside_sequences(x: torch.Tensor, starts: torch.Tensor, used: torch.Tensor) -> torch.Tensor:

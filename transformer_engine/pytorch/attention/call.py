@@ -1,0 +1,163 @@
+"""AttnCall: one attention call as one object, from the module boundary to the kernel launch.
+
+DotProductAttention (and ``fused_attn_func``) build it once from their arguments: the call's scalars as
+one :class:`~transformer_engine.common.attention.params.AttnParams` and its tensors by role (not q, k, v,
+which every layer takes as arguments). The backends, the fused path's autograd Function and its custom
+ops, and the kernel runner take it whole. Two boundaries need flat arguments, and only they flatten it:
+
+- the ``torch.library`` custom ops, whose schema holds tensors and scalars: :func:`flatten` gives the
+  tensors by role, then every AttnParams field as a schema scalar (:func:`op_schema_args`: enums as their
+  string values, ints as SymInt, the window as an int list), and :func:`unflatten` rebuilds the call right
+  inside the op's implementation;
+- the autograd Function's ``save_for_backward`` (tensors only): :attr:`AttnCall.tensors` and
+  ``AttnCall(params, *tensors)``.
+
+A field added to AttnParams thus reaches the kernel runner without a new argument anywhere on the way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import typing
+from dataclasses import dataclass
+from typing import Callable, ClassVar, ContextManager, Optional, Tuple
+
+import torch
+
+from transformer_engine.common.attention.params import AttnParams
+
+__all__ = ["AttnCall", "flatten", "unflatten", "op_schema_args", "FLAT_SIZE"]
+
+
+@dataclass(frozen=True)
+class AttnCall:
+    """One attention call: ``params`` (mask, window, diagonal, scale, dropout, softmax type, ...) and its
+    tensors by role.
+
+    ``cu_seqlens_q``/``cu_seqlens_kv``: int32 [b + 1] per-sequence extents (thd; padding masks in bshd/sbhd);
+    ``cu_seqlens_*_padded``: thd's packed starts where sequences are separated by gaps; ``bias``: a
+    post-scale bias [b|1, h|1, s_q|1, s_kv]; ``alibi_slopes``: fp32 [h] or [b, h]; ``rng_state``: dropout's
+    int64 [seed, offset]; ``softmax_offset``: the sink logits of sink softmax (fp32 [h_q] at the kernels).
+
+    At the fused kernels (from ``fused_attention`` on) the tensors follow the launch's conventions: a None
+    kv-side sequence tensor next to a q-side one means "the same as q's", ``params.max_seqlen_*`` are set
+    for thd, ``params.scaling_factor`` is positive, ``rng_state`` is set exactly when dropout is on and
+    ``softmax_offset`` whenever the softmax has a sink. The last three fields are DotProductAttention's,
+    for its other backends (the arbitrary mask, the RNG tracker's fork, the max logit); the fused path
+    drops them.
+    """
+
+    params: AttnParams
+    cu_seqlens_q: Optional[torch.Tensor] = None
+    cu_seqlens_kv: Optional[torch.Tensor] = None
+    cu_seqlens_q_padded: Optional[torch.Tensor] = None
+    cu_seqlens_kv_padded: Optional[torch.Tensor] = None
+    bias: Optional[torch.Tensor] = None
+    alibi_slopes: Optional[torch.Tensor] = None
+    rng_state: Optional[torch.Tensor] = None
+    softmax_offset: Optional[torch.Tensor] = None
+    attention_mask: Optional[torch.Tensor] = None  # the 'arbitrary' mask (unfused backend)
+    rng_context: Optional[Callable[[], ContextManager]] = None  # where dropout draws its seed (RNG tracker)
+    return_max_logit: bool = False
+
+    # The kernels' tensors, in field order: what save_for_backward and the custom ops take.
+    TENSOR_ROLES: ClassVar[Tuple[str, ...]] = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded",
+                                               "cu_seqlens_kv_padded", "bias", "alibi_slopes", "rng_state",
+                                               "softmax_offset")
+
+    @property
+    def tensors(self) -> Tuple[Optional[torch.Tensor], ...]:
+        """The kernels' tensors by :attr:`TENSOR_ROLES` (``AttnCall(params, *tensors)`` rebuilds the call)."""
+        return (self.cu_seqlens_q, self.cu_seqlens_kv, self.cu_seqlens_q_padded, self.cu_seqlens_kv_padded,
+                self.bias, self.alibi_slopes, self.rng_state, self.softmax_offset)
+
+    @property
+    def sequences(self) -> tuple:
+        """(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)."""
+        return (self.cu_seqlens_q, self.cu_seqlens_kv, self.cu_seqlens_q_padded, self.cu_seqlens_kv_padded,
+                self.params.max_seqlen_q, self.params.max_seqlen_kv)
+
+
+# -- the custom ops' flat form -----------------------------------------------------------------------------
+
+
+def _codec(tp) -> Tuple[str, Callable]:
+    """(schema type, decode) of an AttnParams field of annotation ``tp`` (:func:`_encode` is the inverse)."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is typing.Union and type(None) in args:  # Optional[X]
+        (inner,) = [a for a in args if a is not type(None)]
+        kind, decode = _codec(inner)
+        return kind + "?", (lambda x: None if x is None else decode(x))
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return "str", tp
+    if tp is bool:
+        return "bool", bool
+    if tp is int:
+        return "SymInt", (lambda x: x)  # SymInts stay symbolic while tracing
+    if tp is float:
+        return "float", float
+    if typing.get_origin(tp) is tuple and all(a is int for a in args):
+        return "SymInt[]", tuple
+    raise TypeError(f"AttnParams fields must be enums, bools, ints, floats, int tuples or Optional of one for "
+                    f"the custom ops' schema, got {tp!r}")
+
+
+_HINTS = typing.get_type_hints(AttnParams)
+_PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(AttnParams))
+_CODECS = tuple(_codec(_HINTS[name]) for name in _PARAM_FIELDS)
+_DECODERS = tuple(decode for _, decode in _CODECS)
+_NUM_TENSORS = len(AttnCall.TENSOR_ROLES)
+FLAT_SIZE = _NUM_TENSORS + len(_PARAM_FIELDS)  # how many of the ops' arguments one call takes
+
+
+def op_schema_args() -> str:
+    """The custom ops' schema arguments of an :class:`AttnCall`: its tensors by role (``Tensor?``), then every
+    AttnParams field (``params_<name>``)."""
+    tensors = [f"Tensor? {role}" for role in AttnCall.TENSOR_ROLES]
+    params = [f"{kind} params_{name}" for name, (kind, _) in zip(_PARAM_FIELDS, _CODECS)]
+    return ", ".join(tensors + params)
+
+
+def flatten(call: AttnCall) -> tuple:
+    """The custom ops' arguments of ``call`` (:func:`op_schema_args`); :func:`unflatten` inverts it."""
+    if torch.compiler.is_compiling():  # traced once: the graph holds the values
+        return call.tensors + _encoded(call.params)
+    return call.tensors + _encoded_once(call.params)
+
+
+def _encoded(params: AttnParams) -> tuple:
+    return tuple([_encode(getattr(params, name)) for name in _PARAM_FIELDS])
+
+
+# Eager calls through the ops (fake or subclass tensors) encode each distinct AttnParams once.
+_encoded_once = functools.lru_cache(maxsize=1024)(_encoded)
+
+
+def _encode(value):
+    """A parameter's schema value: an enum's string, else the value (the schema takes a tuple for a list; one
+    function for every field, so that tracing flatten under torch.compile guards on little)."""
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+# The op schema's lists arrive as Python lists: their positions among the parameters, made tuples for the key.
+_LIST_POSITIONS = tuple(i for i, (kind, _) in enumerate(_CODECS) if kind.startswith("SymInt[]"))
+_decoded = {}  # the parameters' values -> their AttnParams (a compiled step calls the op with the same ones)
+_MAX_DECODED = 1024
+
+
+def unflatten(flat) -> AttnCall:
+    """The :class:`AttnCall` of the custom ops' arguments (:func:`flatten`)."""
+    values = list(flat[_NUM_TENSORS:])
+    for i in _LIST_POSITIONS:
+        if values[i] is not None:
+            values[i] = tuple(values[i])
+    key = tuple(values)
+    params = _decoded.get(key)
+    if params is None:
+        params = AttnParams(*(decode(x) for decode, x in zip(_DECODERS, key)))
+        if len(_decoded) >= _MAX_DECODED:
+            _decoded.clear()
+        _decoded[key] = params
+    return AttnCall(params, *flat[:_NUM_TENSORS])

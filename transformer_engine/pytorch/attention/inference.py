@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -57,6 +57,17 @@ __all__ = ["InferenceParams", "KVCacheManager", "NonPagedKVCacheManager", "Paged
 
 def _default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _resolve_device(device: Optional[Union[str, torch.device]]) -> torch.device:
+    """``device`` with its index: ``"cuda"`` means the current CUDA device, as tensors created on it report
+    (``cuda:N``), so the cache's device compares equal to its inputs'."""
+    if device is None:
+        return _default_device()
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _positive_int(name: str, value, allow_none: bool = False) -> Optional[int]:
@@ -128,7 +139,7 @@ class KVCacheManager:
         self.head_dim_k = head_dim_k
         self.head_dim_v = head_dim_v if head_dim_v is not None else head_dim_k
         self.dtype = dtype
-        self.device = torch.device(device) if device is not None else _default_device()
+        self.device = _resolve_device(device)
         self.cache: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
         self.sequences: "OrderedDict[object, int]" = OrderedDict()
 
@@ -371,7 +382,7 @@ class InferenceParams:
                              f"got {max_ctx_len}")
         self.input_qkv_format = _format_arg(qkv_format).value
         self.cache_qkv_format = "bshd"
-        self.device = torch.device(device) if device is not None else _default_device()
+        self.device = _resolve_device(device)
         if custom_cache_manager is not None and not (isinstance(custom_cache_manager, type)
                                                      and issubclass(custom_cache_manager, KVCacheManager)):
             raise ValueError(f"`custom_cache_manager` must be a KVCacheManager subclass, got {custom_cache_manager!r}")

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# A short single-GPU check without the package build (PyTorch runs from the tree): the KV-cache suite, the
+# score-modifier (bias/ALiBi) cases of the kernel suites, the NVTE_DEBUG plan log. Results in $OUT.
+#   bash dev/device/gpu_quick.sh [extra pytest paths...]
+set -u
+OUT=${OUT:-device_out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD:$PWD/tests/pytorch:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR=/tmp/triton_cache
+python - <<'PY' > "$OUT/env.txt" 2>&1
+import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())
+PY
+[ -f dev/device/kv_probe.py ] && timeout 120 python dev/device/kv_probe.py > "$OUT/kv_probe.txt" 2>&1
+PYTEST_N=""
+python -c "import xdist" 2>/dev/null && PYTEST_N="-n 4"
+timeout ${QUICK_TIMEOUT:-240} python -m pytest -q -p no:cacheprovider $PYTEST_N --junitxml="$OUT/quick.xml" \
+  tests/pytorch/test_kv_cache.py "tests/pytorch/test_fused_attn.py" "tests/pytorch/test_dot_product_attention.py" \
+  -k "${QUICK_K:-kv_cache or alibi or bias or prefill or decode}" "$@" > "$OUT/quick.log" 2>&1
+echo "pytest rc=$?"
+grep -E "passed|failed" "$OUT/quick.log" | tail -n 1
+grep -E "^FAILED" "$OUT/quick.log" | head -n 20
+NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=1 timeout 60 python - <<'PY' 2>&1 | grep -m 2 -E "fused attention plan|Error"
+import torch
+from transformer_engine.pytorch import DotProductAttention
+q = torch.randn(2, 128, 4, 64, device="cuda", dtype=torch.bfloat16)
+DotProductAttention(4, 64, qkv_format="bshd")(q, q, q)
+PY

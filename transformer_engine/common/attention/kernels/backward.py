@@ -100,13 +100,14 @@ def _dkdv_inner(dk, dk2, dv, k, k2, v, q_src, q_src2, do_src, lse_ptrs, delta_pt
         if BLOCK_DQK2 > 0:
             q_t2 = load_block(q_src2, start_m, stride_qs, offs_dqk2, offs_m_base, len_q, HEAD_DIM_QK,
                               BLOCK_DQK + BLOCK_DQK2, MASKED, True)  # [BLOCK_DQK2, BLOCK_M]
-            qk_t = tl.dot(k2, q_t2, tl.dot(k, q_t, input_precision="ieee"),
-                          input_precision="ieee") * qk_scale
+            qk_t = tl.dot(k2, q_t2, tl.dot(k, q_t, input_precision="ieee"), input_precision="ieee")
         else:
-            qk_t = tl.dot(k, q_t, input_precision="ieee") * qk_scale  # [BLOCK_N, BLOCK_M]
-        if HAS_BIAS or HAS_ALIBI:
-            qk_t += bias_log2(bias_base, offs_m[None, :], offs_n[:, None], len_q, len_k, stride_zm, stride_zn,
-                              alibi_slope, diag, HAS_BIAS, HAS_ALIBI)
+            qk_t = tl.dot(k, q_t, input_precision="ieee")  # [BLOCK_N, BLOCK_M]
+        if HAS_BIAS or HAS_ALIBI:  # the forward's scores: one explicit FMA (forward._fwd_inner)
+            qk_t = tl.fma(qk_t, qk_scale, bias_log2(bias_base, offs_m[None, :], offs_n[:, None], len_q, len_k,
+                                                    stride_zm, stride_zn, alibi_slope, diag, HAS_BIAS, HAS_ALIBI))
+        else:
+            qk_t = qk_t * qk_scale
         p_t = tl.math.exp2(qk_t - lse[None, :] * LOG2E)
         if MASKED:
             p_t = mask_scores(p_t, 0.0, offs_m[None, :], offs_n[:, None], start_m, full_lo, full_hi, len_q, len_k,
@@ -290,13 +291,14 @@ def _dq_inner(dq, dq2, q, q2, do, lse2, delta, k_src, k_src2, v_src, stride_ks, 
         if BLOCK_DQK2 > 0:
             k_t2 = load_block(k_src2, start_n, stride_ks, offs_dqk2, offs_n_base, len_k, HEAD_DIM_QK,
                               BLOCK_DQK + BLOCK_DQK2, MASKED, True)  # [BLOCK_DQK2, BLOCK_N]
-            qk = tl.dot(q2, k_t2, tl.dot(q, k_t, input_precision="ieee"),
-                        input_precision="ieee") * qk_scale
+            qk = tl.dot(q2, k_t2, tl.dot(q, k_t, input_precision="ieee"), input_precision="ieee")
         else:
-            qk = tl.dot(q, k_t, input_precision="ieee") * qk_scale
-        if HAS_BIAS or HAS_ALIBI:
-            qk += bias_log2(bias_base, offs_m[:, None], offs_n[None, :], len_q, len_k, stride_zm, stride_zn,
-                            alibi_slope, diag, HAS_BIAS, HAS_ALIBI)
+            qk = tl.dot(q, k_t, input_precision="ieee")
+        if HAS_BIAS or HAS_ALIBI:  # the forward's scores: one explicit FMA (forward._fwd_inner)
+            qk = tl.fma(qk, qk_scale, bias_log2(bias_base, offs_m[:, None], offs_n[None, :], len_q, len_k, stride_zm,
+                                                stride_zn, alibi_slope, diag, HAS_BIAS, HAS_ALIBI))
+        else:
+            qk = qk * qk_scale
         p = tl.math.exp2(qk - lse2[:, None])
         if MASKED:
             p = mask_scores(p, 0.0, offs_m[:, None], offs_n[None, :], start_n, full_lo, full_hi, len_q, len_k, diag,
@@ -449,9 +451,9 @@ def _dbias_rows(acc, Q, K, V, DO, LSE, DELTA, BIAS, SEQ_LEN_Q, SEQ_LEN_K,
             lse2 = tl.load(LSE + lse_off, mask=row_ok, other=float("inf")) * LOG2E
             delta = tl.load(DELTA + lse_off, mask=row_ok, other=0.0)
             bias_base = BIAS + batch.to(tl.int64) * stride_zb + head.to(tl.int64) * stride_zh
-            qk = tl.dot(q, k_t, input_precision="ieee") * qk_scale
-            qk += bias_log2(bias_base, offs_m[:, None], offs_n[None, :], len_q, len_k, stride_zm, stride_zn,
-                            0.0, diag, True, False)
+            qk = tl.fma(tl.dot(q, k_t, input_precision="ieee"), qk_scale,
+                        bias_log2(bias_base, offs_m[:, None], offs_n[None, :], len_q, len_k, stride_zm, stride_zn,
+                                  0.0, diag, True, False))
             keep = visible(offs_m[:, None], offs_n[None, :], len_q, len_k, diag, window_left, window_right,
                            HAS_LEFT, HAS_RIGHT)
             p = tl.where(keep, tl.math.exp2(qk - lse2[:, None]), 0.0)

@@ -63,8 +63,11 @@ def _fwd_inner(acc, l_i, m_i, q, q2, k_src, k_src2, v_src, stride_ks, stride_vs,
         else:
             qk = tl.dot(q, k, input_precision="ieee")
         if HAS_BIAS or HAS_ALIBI:
-            qk = qk * qk_scale + bias_log2(bias_base, offs_m[:, None], offs_n[None, :], len_q, len_k, stride_zm,
-                                           stride_zn, alibi_slope, diag, HAS_BIAS, HAS_ALIBI)
+            # One explicit FMA: `qk * qk_scale + bias` has two products the compiler may contract either way,
+            # and its choice can differ between kernel variants (top-left and bottom-right diagonals), which
+            # would break the bitwise equality of training and KV-cache rows.
+            qk = tl.fma(qk, qk_scale, bias_log2(bias_base, offs_m[:, None], offs_n[None, :], len_q, len_k, stride_zm,
+                                                stride_zn, alibi_slope, diag, HAS_BIAS, HAS_ALIBI))
             scale = 1.0
         else:
             # The scale is applied inside exp2's argument (one FMA per score) and to the row max, which

@@ -168,6 +168,14 @@ def test_pytorch_and_jax_launch_the_same_kernels(case, monkeypatch):
             assert a.describe() == b.describe(), (step, a.name, _diff(a, b))
 
 
+def test_every_launch_pins_fp_contraction_on():
+    """FMA contraction is part of the kernels' bits and Triton's default for it changes after 3.9: every
+    launch of both frontends states it, so a Triton upgrade cannot change the arithmetic silently."""
+    for case in CASES[:8]:
+        for launches in _jax_launches(case):
+            assert launches and all(x.options.get("enable_fp_fusion") is True for x in launches), case.name
+
+
 # The partial backwards (context parallelism's dQ-only and dK/dV-only calls) over a subset of the grid:
 # every kind of launch (Gluon and Triton passes, dBias, dsink, packed mode, GQA) appears in it.
 PARTIAL_CASES = [c for i, c in enumerate(CASES) if i % 3 == 0 or c.bias or c.softmax_type.is_learnable]

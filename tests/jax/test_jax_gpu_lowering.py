@@ -384,7 +384,7 @@ def test_bias_is_passed_to_the_kernels(captured_programs, compile_calls, mask, b
         assert args["HAS_BIAS"] is True and args["HAS_ALIBI"] is False and args["DROPOUT"] is False, name
         assert args["IS_THD"] is packed and args["HAS_SEQLENS"] is packed, name
     args, options = compiled["attn_bwd_dbias_kernel"]
-    assert options == dict(num_warps=plan.dq.num_warps, num_stages=1)
+    assert options == dict(num_warps=plan.dq.num_warps, num_stages=1, enable_fp_fusion=True)
     assert (args["BLOCK_M"], args["BLOCK_N"], args["HAS_SEQLENS"], args["DROPOUT"]) == (tile, tile, packed, False)
     assert (args["BLOCK_DQK"], args["BLOCK_DV"]) == (plan.block_dqk, plan.block_dv)
     flags, _, _ = mask_flags(config)

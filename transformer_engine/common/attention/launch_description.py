@@ -252,8 +252,10 @@ def _launch(kernel, grid: Tuple[int, int, int], values: Dict[str, object], optio
             f"{kernel.__name__} has parameters {missing} that common.attention.launch_description does not "
             "describe: "
             "update the launch description along with the kernel")
+    # Floating-point contraction (a * b + c as one FMA) is part of the kernels' arithmetic, so of their bits:
+    # pinned on, as every supported Triton release compiles by default (later releases turn the default off).
     return Launch(kernel, tuple(int(g) for g in grid), {name: values[name] for name in kernel.arg_names},
-                  dict(options))
+                  dict(options, enable_fp_fusion=True))
 
 
 def _block_launch(triton_kernel, gluon_kernel, tiles: Tiles, ws: Optional[Tiles], tma_tensors: Tuple[str, ...],

@@ -9,7 +9,7 @@ export TRITON_CACHE_DIR=/tmp/triton_cache
 python - <<'PY' > "$OUT/env.txt" 2>&1
 import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())
 PY
-[ -f dev/device/kv_probe.py ] && timeout 120 python dev/device/kv_probe.py > "$OUT/kv_probe.txt" 2>&1
+[ -f dev/device/kv_probe.py ] && timeout ${PROBE_TIMEOUT:-120} python dev/device/kv_probe.py > "$OUT/kv_probe.txt" 2>&1
 PYTEST_N=""
 python -c "import xdist" 2>/dev/null && PYTEST_N="-n 4"
 timeout ${QUICK_TIMEOUT:-240} python -m pytest -q -p no:cacheprovider $PYTEST_N --junitxml="$OUT/quick.xml" \

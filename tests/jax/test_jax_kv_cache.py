@@ -1,0 +1,279 @@
+"""JAX KV cache (transformer_engine.jax.inference): prefill, chunked prefill and decode rows are bitwise the
+training forward's rows.
+
+For random sequences the training forward (``fused_attn`` over whole sequences, causal: each alone, and all of
+them padded into one batch) gives each token's output row; a simulated serving loop then feeds the same
+sequences through ``kv_cache_attention`` in jitted steps (token by token, chunks of 7, the whole prompt at once;
+a sequence arriving while others decode and taking the slot of one that finished, whose stale keys must not leak
+in), and every row must equal the training row (``np.testing.assert_array_equal``): non-paged and paged caches
+with shuffled page tables, GQA/MQA, causal and sliding-window masks, sink softmax, a batch sharded over two
+devices. On CPU the fused path's jnp lowering runs in deterministic mode (its fixed-order sums make rows
+independent of the batch); on a GPU the Triton/Gluon kernels, and there PyTorch's InferenceParams path gives the
+same bits.
+"""
+
+from __future__ import annotations
+
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from transformer_engine.jax.attention import SequenceDescriptor, fused_attn
+from transformer_engine.jax.enums import AttnBiasType, AttnMaskType, AttnSoftmaxType, QKVLayout
+from transformer_engine.jax.inference import (KVCache, init_kv_cache, init_paged_kv_cache, kv_cache_attention,
+                                              reset_slots)
+
+ON_GPU = jax.default_backend() == "gpu"
+LENGTHS = (29, 18, 5, 11) if not ON_GPU else (300, 141, 5, 77)
+MAX_SEQLEN = 32 if not ON_GPU else 320
+PAGE = 8
+SLOTS = 3
+BSHD = QKVLayout.BSHD_BSHD_BSHD
+
+
+@pytest.fixture(autouse=True)
+def _deterministic(monkeypatch):
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+
+
+def _sequences(lengths, h, hk, d, dtype, seed):
+    rng = np.random.default_rng(seed)
+    return [tuple(jnp.asarray(rng.standard_normal((n, heads, d)), dtype) for heads in (h, hk, hk)) for n in lengths]
+
+
+def _training_rows(seqs, window, softmax_type, offset):
+    """Each sequence's rows from the training forward, alone (BSHD causal); the same sequences padded into one
+    batch must give the same rows (batch invariance), and the alone rows are returned."""
+    kw = dict(softmax_type=softmax_type, softmax_offset=offset, window_size=window, is_training=False)
+    alone = [fused_attn(tuple(t[None] for t in s), None, None, None, AttnBiasType.NO_BIAS, AttnMaskType.CAUSAL_MASK,
+                        BSHD, **kw)[0] for s in seqs]
+    lens = [s[0].shape[0] for s in seqs]
+    width = max(lens)
+    padded = [jnp.stack([jnp.pad(s[j], ((0, width - s[j].shape[0]), (0, 0), (0, 0))) for s in seqs])
+              for j in range(3)]
+    seqlens = jnp.asarray(lens, jnp.int32)
+    batch = fused_attn(tuple(padded), None, SequenceDescriptor.from_seqlens(seqlens), None, AttnBiasType.NO_BIAS,
+                       AttnMaskType.PADDING_CAUSAL_MASK, BSHD, **kw)
+    for i, rows in enumerate(alone):
+        np.testing.assert_array_equal(np.asarray(batch[i, :lens[i]]), np.asarray(rows),
+                                      err_msg=f"training rows of sequence {i} depend on the batch")
+    return alone
+
+
+def _serve(seqs, cache, chunks, arrivals, width, step_fn):
+    """Run the sequences through ``cache`` in steps of ``width`` tokens per slot: sequence i joins at step
+    ``arrivals[i]`` in the first free slot and brings ``chunks[i]`` tokens per step; a finished sequence's slot
+    is reset and reused. Returns each sequence's rows and the number of steps."""
+    lens = [s[0].shape[0] for s in seqs]
+    pos, rows, slot_of, t = [0] * len(seqs), [[] for _ in seqs], {}, 0
+    dtype, h, d = seqs[0][0].dtype, seqs[0][0].shape[1], seqs[0][0].shape[2]
+    hk, dv = seqs[0][1].shape[1], seqs[0][2].shape[2]
+    while any(p < n for p, n in zip(pos, lens)):
+        for i in range(len(seqs)):
+            if arrivals[i] <= t and i not in slot_of and pos[i] == 0:
+                free = [s for s in range(SLOTS) if s not in slot_of.values()]
+                if free:
+                    slot_of[i] = free[0]
+                    cache = reset_slots(cache, jnp.asarray([free[0]]))
+        t += 1
+        active = {i: min(chunks[i], lens[i] - pos[i]) for i in slot_of if pos[i] < lens[i]}
+        if not active:
+            continue
+        q = np.zeros((SLOTS, width, h, d), np.float32)
+        k = np.zeros((SLOTS, width, hk, d), np.float32)
+        v = np.zeros((SLOTS, width, hk, dv), np.float32)
+        step = np.zeros(SLOTS, np.int32)
+        for i, n in active.items():
+            s = slot_of[i]
+            for arr, src in zip((q, k, v), seqs[i]):
+                arr[s, :n] = np.asarray(src[pos[i]:pos[i] + n], np.float32)
+            step[s] = n
+        out, cache = step_fn(*(jnp.asarray(x, dtype) for x in (q, k, v)), cache, jnp.asarray(step))
+        out = np.asarray(out)
+        for i, n in active.items():
+            s = slot_of[i]
+            rows[i].append(out[s, :n])
+            assert not out[s, n:].any(), "rows past a slot's new tokens must be zero"
+            pos[i] += n
+            if pos[i] == lens[i]:
+                del slot_of[i]
+    return [np.concatenate(r) for r in rows], t
+
+
+def _cache(paged, hk, d, dtype, seed=0):
+    if not paged:
+        return init_kv_cache(SLOTS, MAX_SEQLEN, hk, d, dtype)
+    pages = list(range(SLOTS * MAX_SEQLEN // PAGE))
+    random.Random(seed).shuffle(pages)  # each slot's pages scattered over the pool
+    table = np.asarray(pages, np.int32).reshape(SLOTS, MAX_SEQLEN // PAGE)
+    return init_paged_kv_cache(SLOTS, len(pages), PAGE, hk, d, dtype, page_table=table)
+
+
+# (dtype, heads, kv heads, window, softmax, paged, chunk per sequence, arrival step per sequence). Three
+# slots; the fourth sequence arrives after the shortest finished and takes its slot.
+SCENARIOS = {
+    "fp32_gqa_paged": ("float32", 4, 2, None, "vanilla", True, (1, 7, 100, 1), (0, 2, 1, 8)),
+    "fp32_mqa_window": ("float32", 2, 1, (5, 0), "vanilla", False, (100, 1, 7, 7), (0, 0, 3, 7)),
+    "fp16_sink_window_paged": ("float16", 2, 2, (19, 0), "learnable", True, (7, 100, 1, 1), (1, 0, 0, 6)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_prefill_and_decode_rows_equal_training_rows(name):
+    dtype, h, hk, window, softmax, paged, chunks, arrivals = SCENARIOS[name]
+    dtype = jnp.dtype(dtype) if not ON_GPU or dtype == "float32" else jnp.bfloat16
+    d = 16 if not ON_GPU else 128
+    softmax_type = AttnSoftmaxType(softmax)
+    offset = jnp.linspace(-1.0, 1.5, h, dtype=jnp.float32) if softmax == "learnable" else None
+    seqs = _sequences(LENGTHS, h, hk, d, dtype, seed=len(name))
+    expected = _training_rows(seqs, window, softmax_type, offset)
+    width = max(min(c, max(LENGTHS)) for c in chunks)
+    step = jax.jit(lambda q, k, v, c, n: kv_cache_attention(q, k, v, c, n, window_size=window,
+                                                            softmax_type=softmax_type, softmax_offset=offset))
+    got, steps = _serve(seqs, _cache(paged, hk, d, dtype), chunks, arrivals, width, step)
+    assert steps >= max(n for n, c in zip(LENGTHS, chunks) if c == 1)  # decoded token by token for a while
+    for i, (g, e) in enumerate(zip(got, expected)):
+        np.testing.assert_array_equal(g, np.asarray(e), err_msg=f"sequence {i}")
+
+
+@pytest.mark.parametrize("sizes", [(1,) * 12, (7, 5), (12,)], ids=["decode", "chunks", "whole"])
+def test_step_sizes_give_the_same_rows(sizes):
+    """One sequence fed token by token, in chunks or whole gives one set of rows: the training forward's."""
+    (q, k, v), = _sequences([sum(sizes)], 2, 2, 16, jnp.float32, seed=1)
+    expected = np.asarray(_training_rows([(q, k, v)], None, AttnSoftmaxType.VANILLA_SOFTMAX, None)[0])
+    cache, pos, rows = init_kv_cache(1, 16, 2, 16, jnp.float32), 0, []
+    for n in sizes:
+        out, cache = kv_cache_attention(q[None, pos:pos + n], k[None, pos:pos + n], v[None, pos:pos + n], cache,
+                                        jnp.asarray([n]))
+        rows.append(np.asarray(out[0]))
+        pos += n
+    np.testing.assert_array_equal(np.concatenate(rows), expected)
+    assert int(cache.lengths[0]) == sum(sizes)
+
+
+def test_non_causal_steps_see_every_cached_key():
+    """Without a causal mask a step's queries see every cached key: a whole prompt's rows are that prompt's
+    training rows, and a next token's row is the training row of the sequence ending there."""
+    (q, k, v), = _sequences([10], 2, 2, 16, jnp.float32, seed=2)
+
+    def training(n):
+        return np.asarray(fused_attn((q[None, :n], k[None, :n], v[None, :n]), None, None, None,
+                                     AttnBiasType.NO_BIAS, AttnMaskType.NO_MASK, BSHD, is_training=False)[0])
+
+    cache = init_kv_cache(1, 16, 2, 16, jnp.float32)
+    prompt, cache = kv_cache_attention(q[None, :9], k[None, :9], v[None, :9], cache, jnp.asarray([9]),
+                                       attn_mask_type="no_mask")
+    last, cache = kv_cache_attention(q[None, 9:], k[None, 9:], v[None, 9:], cache, jnp.asarray([1]),
+                                     attn_mask_type=AttnMaskType.PADDING_MASK)
+    np.testing.assert_array_equal(np.asarray(prompt[0]), training(9))
+    np.testing.assert_array_equal(np.asarray(last[0]), training(10)[-1:])
+    assert not np.array_equal(np.asarray(prompt[0, -1]), training(10)[-2])  # the prompt did not see key 9
+
+
+def test_paged_and_non_paged_caches_hold_the_same_tokens():
+    (q, k, v), = _sequences([13], 2, 1, 16, jnp.float32, seed=4)
+    flat = init_kv_cache(2, 16, 1, 16, jnp.float32)
+    paged = init_paged_kv_cache(2, 4, 8, 1, 16, jnp.float32, page_table=np.asarray([[3, 0], [2, 1]], np.int32))
+    for cache in (flat, paged):
+        out, cache = kv_cache_attention(jnp.stack([q[:13], q[:13]]), jnp.stack([k, k]), jnp.stack([v, v]), cache,
+                                        jnp.asarray([13, 6]))
+        if cache.is_paged:
+            np.testing.assert_array_equal(np.asarray(cache.k[3]), np.asarray(k[:8]))  # slot 0's first page
+            np.testing.assert_array_equal(np.asarray(cache.k[0, :5]), np.asarray(k[8:13]))
+            np.testing.assert_array_equal(np.asarray(cache.k[2, :6]), np.asarray(k[:6]))  # slot 1
+        else:
+            np.testing.assert_array_equal(np.asarray(cache.k[0, :13]), np.asarray(k))
+            np.testing.assert_array_equal(np.asarray(cache.k[1, :6]), np.asarray(k[:6]))
+        np.testing.assert_array_equal(np.asarray(cache.lengths), [13, 6])
+        np.testing.assert_array_equal(np.asarray(out[1, :6]), np.asarray(out[0, :6]))  # a prefix's rows
+
+
+def test_a_batch_sharded_over_two_devices_gives_the_same_rows():
+    devices = jax.devices()
+    if len(devices) < 2:
+        pytest.skip("needs two devices")
+    mesh = Mesh(np.asarray(devices[:2]), ("dp",))
+    seqs = _sequences([9, 6], 2, 2, 16, jnp.float32, seed=5)
+    q, k, v = (jnp.stack([jnp.pad(s[j], ((0, 3), (0, 0), (0, 0))) if s[j].shape[0] == 6 else s[j] for s in seqs])
+               for j in range(3))
+    lens = jnp.asarray([9, 6], jnp.int32)
+    plain, _ = kv_cache_attention(q, k, v, init_kv_cache(2, 16, 2, 16, jnp.float32), lens)
+    shard = NamedSharding(mesh, PartitionSpec("dp"))
+    cache = jax.device_put(init_kv_cache(2, 16, 2, 16, jnp.float32), shard)
+    sharded, cache = jax.jit(kv_cache_attention)(*(jax.device_put(x, shard) for x in (q, k, v)), cache,
+                                                 jax.device_put(lens, shard))
+    np.testing.assert_array_equal(np.asarray(sharded), np.asarray(plain))
+    np.testing.assert_array_equal(np.asarray(cache.lengths), [9, 6])
+
+
+def test_the_cache_is_a_pytree_and_reset_frees_slots():
+    cache = init_paged_kv_cache(2, 4, 8, 1, 16, jnp.bfloat16)
+    leaves, tree = jax.tree_util.tree_flatten(cache)
+    assert len(leaves) == 4 and isinstance(jax.tree_util.tree_unflatten(tree, leaves), KVCache)
+    assert cache.is_paged and cache.max_seqlen == 16 and cache.max_batch_size == 2
+    cache = KVCache(cache.k, cache.v, jnp.asarray([5, 7], jnp.int32), cache.page_table)
+    np.testing.assert_array_equal(np.asarray(reset_slots(cache, [1]).lengths), [5, 0])
+    np.testing.assert_array_equal(np.asarray(reset_slots(cache, jnp.asarray([True, False])).lengths), [0, 7])
+
+
+def test_bad_inputs_name_the_argument():
+    cache = init_kv_cache(2, 8, 1, 16, jnp.float32)
+    q, k = jnp.zeros((2, 3, 2, 16)), jnp.zeros((2, 3, 1, 16))
+    n = jnp.asarray([3, 0])
+    with pytest.raises(ValueError, match="`q` must have the cache's dtype"):
+        kv_cache_attention(q.astype(jnp.float16), k, k, cache, n)
+    with pytest.raises(ValueError, match=r"`k` must be \[max_batch_size=2"):
+        kv_cache_attention(q, k[:1], k, cache, n)
+    with pytest.raises(ValueError, match=r"`v` must be \[2, 3, 1, \.\.\.\]"):
+        kv_cache_attention(q, k, k[:, :2], cache, n)
+    with pytest.raises(ValueError, match=r"`q` heads \(3\) must be a multiple of the cache's kv heads \(2\)"):
+        k2 = jnp.zeros((2, 3, 2, 16))
+        kv_cache_attention(jnp.zeros((2, 3, 3, 16)), k2, k2, init_kv_cache(2, 8, 2, 16, jnp.float32), n)
+    with pytest.raises(ValueError, match=r"`step_lens` must be in \[0, 3\]"):
+        kv_cache_attention(q, k, k, cache, jnp.asarray([4, 0]))
+    with pytest.raises(ValueError, match=r"`step_lens` must be an int array \[max_batch_size=2\]"):
+        kv_cache_attention(q, k, k, cache, jnp.asarray([1.0, 0.0]))
+    with pytest.raises(ValueError, match="`step_lens` must fit the cache"):
+        full = KVCache(cache.k, cache.v, jnp.asarray([7, 0], jnp.int32))
+        kv_cache_attention(q, k, k, full, n)
+    with pytest.raises(ValueError, match="`attn_mask_type` must be one of"):
+        kv_cache_attention(q, k, k, cache, n, attn_mask_type="arbitrary")
+    with pytest.raises(ValueError, match="`cache` must be a KVCache"):
+        kv_cache_attention(q, k, k, (cache.k, cache.v), n)
+    with pytest.raises(ValueError, match="`dtype` must be float16, bfloat16 or float32"):
+        init_kv_cache(1, 8, 1, 16, jnp.int8)
+    with pytest.raises(ValueError, match="`max_seqlen` must be a positive int"):
+        init_kv_cache(1, 0, 1, 16, jnp.float32)
+    with pytest.raises(ValueError, match="`page_table` must hold page indices in"):
+        init_paged_kv_cache(1, 2, 8, 1, 16, jnp.float32, page_table=np.asarray([[0, 2]]))
+    with pytest.raises(ValueError, match="repeated pages"):
+        init_paged_kv_cache(2, 4, 8, 1, 16, jnp.float32, page_table=np.asarray([[0, 1], [1, 2]]))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="PyTorch == JAX bitwise holds for the GPU kernels both frameworks launch")
+def test_pytorch_and_jax_steps_give_the_same_bits():
+    torch = pytest.importorskip("torch")
+    from collections import OrderedDict
+
+    from transformer_engine.pytorch import DotProductAttention
+    from transformer_engine.pytorch.attention.inference import InferenceParams
+
+    n, h, d = 200, 4, 128
+    seqs = _sequences([n], h, h, d, jnp.bfloat16, seed=7)[0]
+    cache = init_kv_cache(1, 256, h, d, jnp.bfloat16)
+    params = InferenceParams(1, 256, h, d, torch.bfloat16)
+    params.allocate_memory(1)
+    dpa = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="causal", layer_number=1).cuda().eval()
+    pos = 0
+    for size in (37, 1, 1, 161):
+        part = [x[None, pos:pos + size] for x in seqs]
+        ours, cache = kv_cache_attention(*part, cache, jnp.asarray([size]))
+        params.pre_step(OrderedDict([(0, size)]))
+        theirs = dpa(*(torch.from_dlpack(x).cuda() for x in part), inference_params=params)
+        np.testing.assert_array_equal(np.asarray(ours.reshape(1, size, -1).astype(jnp.float32)),
+                                      theirs.float().cpu().numpy(), err_msg=f"step at {pos}")
+        pos += size

@@ -380,12 +380,14 @@ def test_num_splits():
         block(q, k, v, num_splits=0)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("mask,window,bias_type", [("no_mask", (-1, -1), "no_bias"),
                                                    ("padding_causal", (4, 0), "post_scale_bias"),
                                                    ("padding", (2, 3), "alibi")])
-def test_return_max_logit(monkeypatch, mask, window, bias_type):
-    """TE's max_logit: [h], the max of the masked scaled scores (+ bias) over batch, queries and keys."""
-    spy = SelectionSpy(monkeypatch)
+def test_return_max_logit(monkeypatch, backend, mask, window, bias_type):
+    """TE's max_logit: [h], the max of the masked scaled scores (+ bias) over batch, queries and keys, from
+    the unfused math and from the fused forward kernel (each row's max, then a max over rows)."""
+    monkeypatch.setenv("NVTE_FUSED_ATTN_BACKEND", backend)
     config = ModelConfig(2, 11, 3, 16, max_seqlen_kv=14, attn_mask_type=mask, window_size=window,
                          attn_bias_type=bias_type, return_max_logit=True)
     q, k, v = bshd_inputs(config, torch.float32)
@@ -399,7 +401,7 @@ def test_return_max_logit(monkeypatch, mask, window, bias_type):
     out, max_logit = out
     assert out.shape == (2, 11, 48) and max_logit.shape == (3,) and max_logit.dtype == q.dtype
     assert not max_logit.requires_grad
-    assert "return_max_logit=True" in " ".join(spy.rejected()["FusedAttention"])
+    assert block.last_backend == NAMES[backend]
     expected = torch.full((3,), float("-inf"), dtype=torch.float64)
     for n in range(2):
         lq, lk = (lens_q[n], lens_kv[n]) if padded else (11, 14)
@@ -414,7 +416,6 @@ def test_return_max_logit(monkeypatch, mask, window, bias_type):
         expected = torch.maximum(expected, s.masked_fill(~keep, float("-inf")).amax(dim=(1, 2)))
     torch.testing.assert_close(max_logit.double().cpu(), expected, rtol=1e-6, atol=1e-6)
     # The output is the backend's own: the same bits as the call without max_logit on that backend.
-    monkeypatch.setenv("NVTE_FUSED_ATTN_BACKEND", "unfused")
     plain = te_block(ModelConfig(2, 11, 3, 16, max_seqlen_kv=14, attn_mask_type=mask, window_size=window,
                                  attn_bias_type=bias_type), "bshd")
     ref_out = te_forward(plain, config, q, k, v, "bshd", cu_seqlens(lens_q) if padded else None,
@@ -422,9 +423,8 @@ def test_return_max_logit(monkeypatch, mask, window, bias_type):
     assert torch.equal(out, ref_out)
 
 
-@requires_fused
-def test_return_max_logit_with_the_fused_backend_forced_says_why(monkeypatch):
-    monkeypatch.setenv("NVTE_FUSED_ATTN_BACKEND", "fused")
+def test_return_max_logit_with_flash_attention_forced_says_why(monkeypatch):
+    monkeypatch.setenv("NVTE_FUSED_ATTN_BACKEND", "flash")
     config = ModelConfig(2, 9, 2, 16, return_max_logit=True)
     q, k, v = bshd_inputs(config, torch.float16)
     with pytest.raises(NoBackendError, match="return_max_logit=True"):

@@ -61,7 +61,7 @@ def _backward(fmt, mask, q, k, v, d_out, grads=None, softmax_type="vanilla", sof
               softmax_offset_grad=False):
     """The op's backward after its forward; ``grads`` None: the default (the whole backward)."""
     flat = flatten(_call(fmt, mask, softmax_type=softmax_type, softmax_offset=softmax_offset))
-    out, lse = OPS.fused_attn_fwd(q, k, v, *flat)
+    out, lse, _ = OPS.fused_attn_fwd(q, k, v, *flat)
     kwargs = {} if grads is None else dict(grads=grads)
     return OPS.fused_attn_bwd(q, k, v, out, d_out, lse, *flat, False, softmax_offset_grad, **kwargs)
 
@@ -103,7 +103,7 @@ def test_partial_backward_keeps_the_bias_gradient():
     q, k, v, d_out = _inputs(fmt, (2, 2), torch.float32)
     bias = torch.randn(1, 2, S, S, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     flat = flatten(_call(fmt, mask, bias=bias))
-    out, lse = OPS.fused_attn_fwd(q, k, v, *flat)
+    out, lse, _ = OPS.fused_attn_fwd(q, k, v, *flat)
     whole = OPS.fused_attn_bwd(q, k, v, out, d_out, lse, *flat, True)
     for grads, kept in (("dq", (0,)), ("dkdv", (1, 2))):
         part = OPS.fused_attn_bwd(q, k, v, out, d_out, lse, *flat, True, grads=grads)

@@ -137,8 +137,7 @@ class AttentionBackend:
         if config.deterministic and config.is_training and not cls.IS_DETERMINISTIC:
             reasons.append("deterministic backward requested and this backend has none")
         if config.return_max_logit and not cls.SUPPORTS_MAX_LOGIT:
-            # The fused kernels keep each row's running max in registers and store only the log-sum-exp;
-            # flash-attn-4 returns no max either.
+            # flash-attn-4 returns no max logit.
             reasons.append("return_max_logit=True (the kernels do not return the row maxima)")
         reasons.extend(cls.availability_reasons(config))
         return reasons
@@ -173,6 +172,7 @@ class FusedAttention(AttentionBackend):
     SUPPORTS_WINDOW = True
     SUPPORTS_GQA = True
     SUPPORTS_DIFFERENT_HEAD_DIMS = True
+    SUPPORTS_MAX_LOGIT = True  # the Triton forward writes row maxima (the plan keeps the Gluon forward off)
     IS_DETERMINISTIC = True
 
     @classmethod

@@ -108,6 +108,7 @@ class PlanKey:
     compute_capability: Optional[Tuple[int, int]] = None
     vendor: str = "nvidia"
     gfx_arch: Optional[str] = None
+    return_max_logit: bool = False  # the forward writes row maxima (the Gluon forward does not)
 
     @property
     def window_kind(self) -> str:
@@ -179,7 +180,7 @@ class AttnConfig:
             attn_mask_type=self.attn_mask_type, window_size=self.window_size, bottom_right=self.bottom_right,
             attn_bias_type=self.attn_bias_type, dropout=self.dropout, softmax_type=self.softmax_type,
             device_type=self.device_type, compute_capability=self.compute_capability, vendor=self.vendor,
-            gfx_arch=self.gfx_arch,
+            gfx_arch=self.gfx_arch, return_max_logit=self.return_max_logit,
         )
 
     @property

@@ -151,7 +151,8 @@ def _plan_key(params: AttnParams, head_dim_qk: int, head_dim_v: int, dtype: str,
     return PlanKey(
         head_dim_qk=head_dim_qk, head_dim_v=head_dim_v, dtype=dtype, attn_mask_type=params.attn_mask_type,
         window_size=params.window_size, bottom_right=params.bottom_right, attn_bias_type=bias_type,
-        dropout=params.kernel_dropout, softmax_type=params.softmax_type, **dict(device),
+        dropout=params.kernel_dropout, softmax_type=params.softmax_type, return_max_logit=params.return_max_logit,
+        **dict(device),
     )
 
 
@@ -271,7 +272,8 @@ def _block_launch(triton_kernel, gluon_kernel, tiles: Tiles, ws: Optional[Tiles]
 
 def forward_launches(call: Call, plan: Optional[ForwardPlan] = None) -> Tuple[Launch, ...]:
     """The forward: one launch writing ``out`` and ``lse`` (slots q, k, v, out, lse and the call's
-    modifiers: bias, alibi_slopes, rng_state, softmax_offset, seq_start_q/k, seq_len_q/k)."""
+    modifiers: bias, alibi_slopes, rng_state, softmax_offset, seq_start_q/k, seq_len_q/k), and with
+    ``params.return_max_logit`` each row's max logit (slot ``row_max``, fp32 laid out as lse)."""
     from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel
     from transformer_engine.common.attention.kernels.hopper_ws import attn_fwd_ws_kernel
 
@@ -281,7 +283,9 @@ def forward_launches(call: Call, plan: Optional[ForwardPlan] = None) -> Tuple[La
         plan = forward_plan(key)
     values = _values(call, key, plan)
     has_sink = key.softmax_type.has_sink
-    values.update(LSE=Slot("lse"), SINK=Slot("softmax_offset") if has_sink else _PLACEHOLDER, HAS_SINK=has_sink)
+    row_max = key.return_max_logit
+    values.update(LSE=Slot("lse"), SINK=Slot("softmax_offset") if has_sink else _PLACEHOLDER, HAS_SINK=has_sink,
+                  ROW_MAX=Slot("row_max") if row_max else _PLACEHOLDER, HAS_ROW_MAX=row_max)
     rows = lambda t: call.grid_rows(call.max_q, t.block_m, call.num_heads_q)  # noqa: E731
     return (_block_launch(attn_fwd_kernel, attn_fwd_ws_kernel, plan.tiles, plan.warp_specialized, ("q", "k", "v"),
                           call, values, rows, {}),)

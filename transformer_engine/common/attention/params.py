@@ -36,7 +36,8 @@ class AttnParams:
     ``validation.kernel_scale``); ``dropout_probability`` applies when ``is_training``;
     ``bottom_right_diagonal``: the diagonal of sliding windows and ALiBi, resolved by the frontend (None
     takes :attr:`framework`'s default, see :attr:`bottom_right`); ``max_seqlen_q``/``max_seqlen_kv``: the
-    longest sequence of each side where the tensors do not say it (PyTorch's thd; None otherwise).
+    longest sequence of each side where the tensors do not say it (PyTorch's thd; None otherwise);
+    ``return_max_logit``: the forward also writes each row's max logit (the per-head max logit's parts).
     ``deterministic`` changes no launch (both modes run the same fixed-order kernels); it is the call's
     request, which logs and CP read.
     """
@@ -56,6 +57,7 @@ class AttnParams:
     softmax_type: AttnSoftmaxType = AttnSoftmaxType.VANILLA_SOFTMAX
     max_seqlen_q: Optional[int] = None
     max_seqlen_kv: Optional[int] = None
+    return_max_logit: bool = False
 
     @property
     def bottom_right(self) -> bool:

@@ -10,6 +10,7 @@ checked once) on that backend.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import List, Optional, Sequence, Tuple, Type
 
 import torch
@@ -43,6 +44,8 @@ class FusedAttentionBackend(common.FusedAttention):
             # and activation checkpointing reproduce the same dropout mask.
             with (call.rng_context() if call.rng_context is not None else contextlib.nullcontext()):
                 rng_state = new_rng_state(q.device)
+        if call.return_max_logit:
+            p = dataclasses.replace(p, return_max_logit=True)
         return fused_attention(q, k, v, AttnCall(p, call.cu_seqlens_q, call.cu_seqlens_kv, call.cu_seqlens_q_padded,
                                                  call.cu_seqlens_kv_padded, bias, alibi, rng_state,
                                                  sink_logits(q, p.softmax_type, call.softmax_offset)))

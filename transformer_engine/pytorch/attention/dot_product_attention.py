@@ -338,8 +338,10 @@ class DotProductAttention(torch.nn.Module):
 
     ``return_max_logit=True``: ``forward`` returns ``(out, max_logit)``, ``max_logit`` [h] in q's
     dtype: the largest ``softmax_scale * q k^T + bias`` over the visible (query, key) pairs of each
-    head in the batch (for QK-clip). The fused kernels do not return it, so such calls run unfused
-    (backend selection says so).
+    head in the batch (for QK-clip). The fused backend computes it in its forward kernel (each row's max,
+    which the kernel has anyway, then a max over rows: order-free, so deterministic); flash-attn-4 does not,
+    and context parallelism refuses it. On Hopper such calls take the Triton forward, not the
+    warp-specialized one (``explain_plan`` says so).
 
     Determinism: ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` or ``torch.use_deterministic_algorithms(True)``
     make the next call's backward bitwise reproducible (read at every call, not at construction).

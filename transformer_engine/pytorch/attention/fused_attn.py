@@ -49,19 +49,19 @@ class FusedAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, bias, softmax_offset, call: AttnCall):
-        out, lse = ops.forward(q, k, v, call)
+        out, lse, max_logit = ops.forward(q, k, v, call)
         # The call's tensors by role go through save_for_backward (version checks, saved-tensor hooks).
         ctx.save_for_backward(q, k, v, out, lse, *call.tensors)
         ctx.params = call.params
         ctx.bias_grad = bias is not None and bias.requires_grad
         ctx.offset_grad = softmax_offset is not None and softmax_offset.requires_grad
-        ctx.mark_non_differentiable(lse)
+        ctx.mark_non_differentiable(lse, max_logit)
         # lse has no gradient: without this autograd would zero-fill one for it every backward.
         ctx.set_materialize_grads(False)
-        return out, lse
+        return out, lse, max_logit
 
     @staticmethod
-    def backward(ctx, d_out, _d_lse):
+    def backward(ctx, d_out, _d_lse, _d_max_logit):
         if d_out is None:  # the output took no part in the loss (grads are not materialized)
             return (None,) * len(ctx.needs_input_grad)
         q, k, v, out, lse, *tensors = ctx.saved_tensors
@@ -197,7 +197,8 @@ def fused_attention(q, k, v, call: AttnCall, return_softmax_aux: bool = False):
     given whenever the softmax has a sink. What is left, to put the call on the kernels' conventions
     (:class:`AttnCall`): the sequences' values (one host sync), max_seqlen and rng_state when missing, the
     kernels' positive scale. ``params.deterministic`` changes nothing here: both modes run the same
-    fixed-order kernels."""
+    fixed-order kernels. With ``params.return_max_logit`` (and no ``return_softmax_aux``) returns
+    ``(out, max_logit)``: each query head's max logit [h_q] over every visible score, in q's dtype."""
     params = call.params
     fmt = params.qkv_format
     cu_seqlens_q, cu_seqlens_kv = call.cu_seqlens_q, call.cu_seqlens_kv
@@ -240,9 +241,11 @@ def fused_attention(q, k, v, call: AttnCall, return_softmax_aux: bool = False):
                                      max_seqlen_kv=max_seqlen_kv)
     call = AttnCall(params, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, call.bias,
                     call.alibi_slopes, rng_state, call.softmax_offset)
-    out, lse = FusedAttnFunc.apply(q, k, v, call.bias, call.softmax_offset, call)
+    out, lse, max_logit = FusedAttnFunc.apply(q, k, v, call.bias, call.softmax_offset, call)
     if return_softmax_aux:
         return out, (lse, rng_state)
+    if params.return_max_logit:
+        return out, max_logit
     return out
 
 

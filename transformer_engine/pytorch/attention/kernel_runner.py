@@ -185,7 +185,9 @@ def _given(name: str, t: torch.Tensor, shape, dtype: torch.dtype, like: torch.Te
 def forward(q, k, v, call: AttnCall, plan: Optional[ForwardPlan] = None, *, seqs: Optional[Sequences] = None,
             out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None):
     """Run the forward kernel of ``call`` (AttnCall's conventions at the kernels) on q, k, v in
-    ``call.params.qkv_format``. Returns (out in q's format with head dim d_v, lse [b, h, max_s_q] fp32).
+    ``call.params.qkv_format``. Returns (out in q's format with head dim d_v, lse [b, h, max_s_q] fp32), and
+    with ``call.params.return_max_logit`` a third tensor: each row's max logit, fp32 shaped as lse (-inf
+    where a row sees no key; :func:`max_logit` reduces it per head).
     ``plan``: these tiles instead of the planned ones; ``seqs``: these sequence extents instead of the
     call's (:func:`sequences`); ``out`` and ``lse``: buffers (views of larger tensors allowed) to write
     instead of new ones (thd writes only the rows inside sequences)."""
@@ -203,10 +205,22 @@ def forward(q, k, v, call: AttnCall, plan: Optional[ForwardPlan] = None, *, seqs
     lse = _given("lse", lse, lse_shape, torch.float32, q) if lse is not None else \
         unfilled(lse_shape, torch.float32, q.device)
     tensors = dict(q=q, k=k, v=v, out=out)
+    extra = {}
+    if call.params.return_max_logit:  # lse's layout; thd writes only rows inside sequences: -inf elsewhere
+        extra["row_max"] = torch.empty_strided(lse_shape, lse.stride(), dtype=torch.float32,
+                                               device=q.device).fill_(float("-inf"))
+        if extra["row_max"].stride() != lse.stride():
+            raise NotImplementedError("`return_max_logit` with a given `lse` view is not supported")
     described = describe(q, k, v, call, seqs, tensors, (lse.stride(0), lse.stride(1)))
     _run(launch_description.forward_launches(described, plan),
-         dict(tensors, lse=lse, **_sequence_buffers(seqs), **_modifier_buffers(call)))
-    return out, lse
+         dict(tensors, lse=lse, **extra, **_sequence_buffers(seqs), **_modifier_buffers(call)))
+    return (out, lse, extra["row_max"]) if extra else (out, lse)
+
+
+def max_logit(row_max: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The per-head max logit [h] of :func:`forward`'s row maxima [b, h, s] (a max: order-free, so the same
+    bits whatever the reduction's order), in ``dtype``."""
+    return row_max.amax(dim=(0, 2)).to(dtype)
 
 
 def backward(q, k, v, out, d_out, lse, call: AttnCall, plan: Optional[BackwardPlan] = None, *,

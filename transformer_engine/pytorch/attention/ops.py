@@ -24,18 +24,27 @@ __all__ = ["fused_attn_fwd", "fused_attn_bwd", "forward", "backward"]
 _CALL_ARGS = op_schema_args()
 
 
-def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttnCall) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of ``call`` (AttnCall's conventions at the kernels)."""
-    return kernel_runner.forward(q, k, v, call)
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             call: AttnCall) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, lse, max_logit) of ``call`` (AttnCall's conventions at the kernels): ``max_logit`` [h_q] in q's
+    dtype with ``call.params.return_max_logit``, else an empty tensor."""
+    got = kernel_runner.forward(q, k, v, call)
+    if call.params.return_max_logit:
+        out, lse, row_max = got
+        return out, lse, kernel_runner.max_logit(row_max, q.dtype)
+    return got + (q.new_empty(0),)
 
 
 def _forward_op(q, k, v, *flat):
-    return kernel_runner.forward(q, k, v, unflatten(flat))
+    return _FORWARD_IMPL(q, k, v, unflatten(flat))
+
+
+_FORWARD_IMPL = _forward  # the op's own reference (tests replace the module's _forward to see eager calls)
 
 
 fused_attn_fwd = torch.library.custom_op(
     "transformer_engine::fused_attn_fwd", _forward_op, mutates_args=(),
-    schema=f"(Tensor q, Tensor k, Tensor v, {_CALL_ARGS}) -> (Tensor, Tensor)")
+    schema=f"(Tensor q, Tensor k, Tensor v, {_CALL_ARGS}) -> (Tensor, Tensor, Tensor)")
 
 
 @fused_attn_fwd.register_fake
@@ -48,7 +57,8 @@ def _(q, k, v, *flat):
         batch, sq = qkv_dims(q, p.qkv_format)[:2]
     out = q.new_empty(tuple(q.shape[:-1]) + (v.shape[-1],))
     lse = q.new_empty((batch, q.shape[-2], sq), dtype=torch.float32)
-    return out, lse
+    max_logit = q.new_empty((q.shape[-2],) if p.return_max_logit else (0,))
+    return out, lse, max_logit
 
 
 def _backward(

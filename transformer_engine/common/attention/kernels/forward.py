@@ -97,7 +97,7 @@ def _fwd_inner(acc, l_i, m_i, q, q2, k_src, k_src2, v_src, stride_ks, stride_vs,
 
 @length_specialized
 def attn_fwd_kernel(
-    Q, K, V, O, LSE, BIAS, ALIBI_SLOPES, RNG_STATE,
+    Q, K, V, O, LSE, ROW_MAX, BIAS, ALIBI_SLOPES, RNG_STATE,
     SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -113,7 +113,7 @@ def attn_fwd_kernel(
     IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, HAS_SINK: tl.constexpr,
-    HEAD_GROUP: tl.constexpr, SINGLE_LOOP: tl.constexpr, SEGMENTS: tl.constexpr,
+    HAS_ROW_MAX: tl.constexpr, HEAD_GROUP: tl.constexpr, SINGLE_LOOP: tl.constexpr, SEGMENTS: tl.constexpr,
 ):
     # A split Q/K head dim (BLOCK_DQK2 > 0) fills its first chunk: the loops load it without a head-dim mask.
     tl.static_assert(BLOCK_DQK + BLOCK_DQK2 >= HEAD_DIM_QK)
@@ -177,6 +177,7 @@ def attn_fwd_kernel(
                                        dropout_p, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
                                        SEGMENT != 1, False, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT)
 
+    m_keys = m_i  # the row's max over its visible keys' scores (log2 units), before the sink joins
     if HAS_SINK:  # the sink's logit joins the row max and sum (module docstring)
         sink = tl.load(SINK + head).to(tl.float32) * LOG2E
         m_sink = tl.maximum(m_i, sink)
@@ -202,3 +203,7 @@ def attn_fwd_kernel(
              mask=(offs_m[:, None] < rows_out) & (offs_dv[None, :] < HEAD_DIM_V))
     lse_base = LSE + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
     tl.store(lse_base + offs_m, lse, mask=offs_m < rows_out)
+    if HAS_ROW_MAX:  # each row's max logit (natural units; -inf where nothing is visible), laid out as lse
+        row_max = tl.where(row_ok & (m_keys != float("-inf")), m_keys * LN2, float("-inf"))
+        row_max_base = ROW_MAX + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
+        tl.store(row_max_base + offs_m, row_max, mask=offs_m < rows_out)

@@ -1,0 +1,105 @@
+"""``return_max_logit=True`` on the fused backend: the forward kernel writes each row's max logit and a max over
+rows gives each head's. Checked against the fp64 definition (the max of the visible scaled scores), bitwise
+across runs, batch composition (a sequence's rows alone or among others) and thd packing, and the output and
+gradients bitwise those of the same call without it (fp32 and fp16: the Triton forward serves both, with and
+without the max logit). Under Triton's interpreter on CPU, compiled on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dpa_helpers import DEVICE, requires_fused
+from transformer_engine.common.attention import AttnMaskType
+from transformer_engine.common.attention.explain import explain_plan
+from transformer_engine.common.attention.config import PlanKey
+from transformer_engine.pytorch import DotProductAttention
+
+pytestmark = requires_fused
+H, HK, D = 4, 2, 16
+LENS = (23, 9, 40)
+
+
+def _dpa(mask, window=None, max_logit=True, fmt="thd"):
+    return DotProductAttention(H, D, num_gqa_groups=HK, qkv_format=fmt, attn_mask_type=mask, window_size=window,
+                               return_max_logit=max_logit).to(DEVICE)
+
+
+def _seqs(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [tuple((torch.randn(n, h, D, generator=g) * s).to(DEVICE, dtype).requires_grad_()
+                  for h, s in ((H, 2.0), (HK, 1.0), (HK, 1.0))) for n in LENS]
+
+
+def _packed(dpa, seqs):
+    lens = [s[0].shape[0] for s in seqs]
+    cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32, device=DEVICE)
+    q, k, v = (torch.cat([s[j] for s in seqs]) for j in range(3))
+    return dpa(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens), max_seqlen_kv=max(lens))
+
+
+def _reference(seqs, mask, window, scale):
+    """fp64 max over every sequence's visible (query, key) pairs of each head's scaled score."""
+    best = torch.full((H,), float("-inf"), dtype=torch.float64)
+    for q, k, _ in seqs:
+        n = q.shape[0]
+        s = torch.einsum("qhd,khd->hqk", q.detach().double().cpu(),
+                         k.detach().double().cpu().repeat_interleave(H // HK, dim=1)) * scale
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        keep = torch.ones(n, n, dtype=torch.bool)
+        if "causal" in mask:
+            keep &= j <= i
+        if window is not None:
+            keep &= (j >= i - window[0]) & (j <= i + window[1])
+        best = torch.maximum(best, s.masked_fill(~keep, float("-inf")).amax(dim=(1, 2)))
+    return best
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("mask,window", [("padding_causal", None), ("padding", None), ("padding_causal", (5, 0))],
+                         ids=["causal", "no_causal", "window"])
+def test_max_logit_is_the_definition_and_invariant(monkeypatch, dtype, mask, window):
+    monkeypatch.setenv("NVTE_FUSED_ATTN_BACKEND", "fused")
+    seqs = _seqs(dtype)
+    dpa = _dpa(mask, window)
+    out, max_logit = _packed(dpa, seqs)
+    assert dpa.last_backend == "FusedAttention"
+    assert max_logit.shape == (H,) and max_logit.dtype == dtype and not max_logit.requires_grad
+    expected = _reference(seqs, mask, window, D ** -0.5)
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(max_logit.double().cpu(), expected, **tol)
+    # Bitwise: run after run, and whatever else is in the batch (a max over rows is order-free).
+    assert torch.equal(_packed(dpa, seqs)[1], max_logit)
+    assert torch.equal(_packed(dpa, seqs[::-1])[1], max_logit)
+    parts = [_packed(dpa, [s])[1] for s in seqs]
+    assert torch.equal(torch.stack(parts).amax(0), max_logit)
+    # The output and gradients are the call's without the max logit.
+    plain = _dpa(mask, window, max_logit=False)
+    ref = _packed(plain, seqs)
+    assert torch.equal(out, ref)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [t for s in seqs for t in s], g)
+    ref_grads = torch.autograd.grad(ref, [t for s in seqs for t in s], g)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+
+
+def test_rows_that_see_nothing_do_not_count(monkeypatch):
+    """A bshd batch with padded sequences: the padding rows and keys never enter the max."""
+    monkeypatch.setenv("NVTE_FUSED_ATTN_BACKEND", "fused")
+    seqs = _seqs(torch.float32, seed=3)
+    width = max(LENS)
+    q, k, v = (torch.stack([torch.nn.functional.pad(s[j].detach(), (0, 0, 0, 0, 0, width - s[j].shape[0]),
+                                                    value=100.0) for s in seqs]) for j in range(3))
+    cu = torch.tensor([0, 23, 32, 72], dtype=torch.int32, device=DEVICE)
+    dpa = _dpa("padding_causal", fmt="bshd")
+    _, max_logit = dpa(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    torch.testing.assert_close(max_logit.double().cpu(), _reference(seqs, "causal", None, D ** -0.5),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_the_plan_keeps_the_max_logit_on_the_triton_forward():
+    key = PlanKey(128, 128, "bfloat16", AttnMaskType.CAUSAL_MASK, compute_capability=(9, 0), return_max_logit=True)
+    text = str(explain_plan(key))
+    assert "return_max_logit: the row maxima are written by the Triton forward only" in text
+    assert "attn_fwd_kernel (Triton)" in text

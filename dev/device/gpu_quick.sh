@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# A short single-GPU check without the package build (PyTorch runs from the tree): the KV-cache suite, the
-# score-modifier (bias/ALiBi) cases of the kernel suites, the NVTE_DEBUG plan log. Results in $OUT.
+# A short single-GPU check without the package build (runs from the tree; JAX on its Triton path needs no FFI
+# build either): the KV-cache suites (PyTorch, JAX), the max logit, the score-modifier (bias/ALiBi) cases of the
+# kernel suites, the NVTE_DEBUG plan log. Results in $OUT.
 #   bash dev/device/gpu_quick.sh [extra pytest paths...]
 set -u
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
@@ -13,11 +14,18 @@ PY
 PYTEST_N=""
 python -c "import xdist" 2>/dev/null && PYTEST_N="-n 4"
 timeout ${QUICK_TIMEOUT:-240} python -m pytest -q -p no:cacheprovider $PYTEST_N --junitxml="$OUT/quick.xml" \
-  tests/pytorch/test_kv_cache.py "tests/pytorch/test_fused_attn.py" "tests/pytorch/test_dot_product_attention.py" \
-  -k "${QUICK_K:-kv_cache or alibi or bias or prefill or decode}" "$@" > "$OUT/quick.log" 2>&1
+  tests/pytorch/test_kv_cache.py tests/pytorch/test_max_logit.py tests/pytorch/test_fused_attn.py \
+  tests/pytorch/test_dot_product_attention.py tests/pytorch/test_dpa_te_compat.py \
+  -k "${QUICK_K:-kv_cache or alibi or bias or prefill or decode or max_logit}" "$@" > "$OUT/quick.log" 2>&1
 echo "pytest rc=$?"
 grep -E "passed|failed" "$OUT/quick.log" | tail -n 1
 grep -E "^FAILED" "$OUT/quick.log" | head -n 20
+# The JAX KV cache on the GPU kernels, and PyTorch == JAX for a step (its own process: JAX and torch share the GPU).
+XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${JAX_TIMEOUT:-150} python -m pytest -q -p no:cacheprovider \
+  --junitxml="$OUT/quick_jax.xml" tests/jax/test_jax_kv_cache.py > "$OUT/quick_jax.log" 2>&1
+echo "jax pytest rc=$?"
+grep -E "passed|failed" "$OUT/quick_jax.log" | tail -n 1
+grep -E "^FAILED" "$OUT/quick_jax.log" | head -n 10
 NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=1 timeout 60 python - <<'PY' 2>&1 | grep -m 2 -E "fused attention plan|Error"
 import torch
 from transformer_engine.pytorch import DotProductAttention

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# A short single-GPU check without the package build (runs from the tree; JAX on its Triton path needs no FFI
-# build either): the KV-cache suites (PyTorch, JAX), the max logit, the score-modifier (bias/ALiBi) cases of the
-# kernel suites, the NVTE_DEBUG plan log. Results in $OUT.
+# A short single-GPU check: the KV-cache suites (PyTorch, JAX), the max logit, the score-modifier (bias/ALiBi)
+# cases of the kernel suites, the NVTE_DEBUG plan log. PyTorch runs from the tree; JAX's fused path needs the
+# native FFI extension, built first (~30 s). Results in $OUT.
 #   bash dev/device/gpu_quick.sh [extra pytest paths...]
 set -u
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
@@ -21,6 +21,7 @@ echo "pytest rc=$?"
 grep -E "passed|failed" "$OUT/quick.log" | tail -n 1
 grep -E "^FAILED" "$OUT/quick.log" | head -n 20
 # The JAX KV cache on the GPU kernels, and PyTorch == JAX for a step (its own process: JAX and torch share the GPU).
+NVTE_FRAMEWORK=all pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || echo "build failed"
 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${JAX_TIMEOUT:-150} python -m pytest -q -p no:cacheprovider \
   --junitxml="$OUT/quick_jax.xml" tests/jax/test_jax_kv_cache.py > "$OUT/quick_jax.log" 2>&1
 echo "jax pytest rc=$?"

@@ -2,33 +2,41 @@
 
 The functional counterpart of PyTorch's ``InferenceParams`` (:mod:`transformer_engine.pytorch.attention.inference`):
 the cache is a pytree of arrays (:class:`KVCache`), a step is a pure function that returns the step's attention
-rows and the updated cache, and every shape is static, so a step jits once per step width and shards like any
+rows and the updated cache, and every shape is static, so a step jits once per step shape and shards like any
 array program::
 
     cache = init_kv_cache(max_batch_size, max_seqlen, num_heads_kv, head_dim, jnp.bfloat16)  # one per layer
-    step = jax.jit(kv_cache_attention, static_argnames=("attn_mask_type",))
-    out, cache = step(q, k, v, cache, step_lens)      # q [b, t, h, d]; k, v [b, t, h_kv, d]: new tokens only
+    step = jax.jit(kv_cache_attention, static_argnames=("attn_mask_type", "qkv_format"))
+    out, cache = step(q, k, v, cache, step_lens)      # the step's new tokens only (see qkv_format)
     cache = reset_slots(cache, finished)               # a finished sequence's slot starts empty again
 
-Slot ``i`` of the batch holds one sequence; ``step_lens[i]`` new tokens of it are the first ``step_lens[i]``
-rows of ``q[i]``, ``k[i]``, ``v[i]`` (0: the slot sits this step out; the rest of the rows is padding, never
-read). A step can mix prefill (many tokens), chunked prefill and decode (one token) across slots.
+Slot ``i`` of the cache holds one sequence and ``step_lens[i]`` is its number of new tokens this step (0: the
+slot sits the step out), so one step mixes prefill, chunked prefill and decode. The new tokens come in one of
+two formats (``qkv_format``):
+
+- ``"thd"``: ``q`` ``[T, h, d]``, every slot's new tokens packed in slot order (slot 0's first), ``T`` a
+  static capacity of at least ``sum(step_lens)`` (the rest is padding, never read). The step's attention is
+  one ``fused_attn`` call in THD layout: the PyTorch step's call.
+- ``"bshd"``: ``q`` ``[max_batch_size, t, h, d]``, slot ``i``'s new tokens first in row ``i`` (the rest is
+  padding). The step's attention is one BSHD call, whose batch axis shards (dp/fsdp) as in training.
 
 Why the rows equal the training forward's
 -----------------------------------------
-The step is one ``fused_attn`` call in BSHD layout with ``padding_causal_bottom_right`` (``padding`` without a
-causal mask): query ``j`` of slot ``i`` is position ``lengths[i] + j`` of its sequence, attending to the cached
-keys ``[0, lengths[i] + j]`` read from position 0 of the slot. That is the arithmetic of the training forward's
-row for that position (a causal call over the whole sequence, alone, padded or packed in a batch): the fused
-kernels compute each row from its own sequence's keys in fixed key blocks whose tiles depend only on head dims,
-dtype, mask kind and GPU, and the blocks one call visits and the other does not are hidden from the row. So a
-row's bits depend neither on the step size (token by token, chunks, the whole prompt), nor on the other slots,
-nor on where a paged cache keeps the tokens. On CPU the fused path's jnp lowering keeps this in deterministic
-mode (``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``), where its sums have a fixed order per row.
+The call attends the step's queries to each slot's cached keys, read from position 0 of the slot, with
+``padding_causal_bottom_right`` (``padding`` without a causal mask): query ``j`` of slot ``i`` is position
+``lengths[i] + j`` of its sequence and sees the cached keys ``[0, lengths[i] + j]`` (within the window, if
+any). That is the training forward's row for that position (a causal call over the whole sequence, alone,
+padded or packed in a batch), computed the same way: the fused kernels compute each row from its own
+sequence's keys in fixed key blocks whose tiles depend only on head dims, dtype, mask kind and GPU, and the
+blocks one call visits and the other does not are hidden from the row; the unfused backend (the CPU, and the
+GPU's fallbacks) has a fixed reduction structure whose sums trailing zeros do not change. So a row's bits
+depend neither on the step size (token by token, chunks, the whole prompt), nor on the other slots, nor on
+the step's format, nor on where a paged cache keeps the tokens.
 
 Paged caches (:func:`init_paged_kv_cache`): a pool ``[num_pages, page_size, h_kv, d]`` and a page table
-``[max_batch_size, pages_per_sequence]``; each step gathers the slots' pages into contiguous rows (a copy of the
-cached keys and values per layer and step, as the PyTorch paged cache makes) before the same call.
+``[max_batch_size, pages_per_sequence]`` (``-1``: no page yet; the host may assign pages as sequences grow,
+:meth:`KVCache.replace`); each step gathers the slots' pages into contiguous rows (a copy of the cached keys
+and values per layer and step, as the PyTorch paged cache makes) before the same call.
 """
 
 from __future__ import annotations
@@ -54,14 +62,16 @@ _STEP_MASK = {
     AttnMaskType.PADDING_MASK: AttnMaskType.PADDING_MASK,
 }
 
+_FORMATS = ("bshd", "thd")
+
 
 @jax.tree_util.register_pytree_node_class
 class KVCache:
     """One layer's cache: ``k``, ``v`` (non-paged ``[max_batch_size, max_seqlen, h_kv, d]``; paged: pools
     ``[num_pages, page_size, h_kv, d]``), ``lengths`` ``[max_batch_size]`` int32 (tokens cached per slot) and,
     when paged, ``page_table`` ``[max_batch_size, pages_per_sequence]`` int32 (slot ``i``'s position ``p`` is
-    row ``p % page_size`` of page ``page_table[i, p // page_size]``). Build it with :func:`init_kv_cache` or
-    :func:`init_paged_kv_cache`."""
+    row ``p % page_size`` of page ``page_table[i, p // page_size]``; ``-1``: no page assigned). Build it with
+    :func:`init_kv_cache` or :func:`init_paged_kv_cache`."""
 
     def __init__(self, k: jax.Array, v: jax.Array, lengths: jax.Array, page_table: Optional[jax.Array] = None):
         self.k, self.v, self.lengths, self.page_table = k, v, lengths, page_table
@@ -72,6 +82,16 @@ class KVCache:
     @classmethod
     def tree_unflatten(cls, aux, children):
         return cls(*children)
+
+    def replace(self, **fields) -> "KVCache":
+        """A copy with some of ``k``, ``v``, ``lengths``, ``page_table`` replaced (e.g. a page table in which
+        the host assigned pages to growing sequences)."""
+        unknown = set(fields) - {"k", "v", "lengths", "page_table"}
+        if unknown:
+            raise ValueError(f"`fields` must be among k, v, lengths, page_table, got {sorted(unknown)}")
+        if "page_table" in fields and self.is_paged:
+            fields["page_table"] = _check_page_table(fields["page_table"], self.max_batch_size, self.k.shape[0])
+        return KVCache(**{**dict(k=self.k, v=self.v, lengths=self.lengths, page_table=self.page_table), **fields})
 
     @property
     def is_paged(self) -> bool:
@@ -105,6 +125,28 @@ def _dtype(dtype):
     return dt
 
 
+def _concrete(x) -> Optional[np.ndarray]:
+    return None if isinstance(x, jax.core.Tracer) else np.asarray(x)
+
+
+def _check_page_table(page_table, batch: int, pages: int) -> jax.Array:
+    table = _concrete(page_table)
+    if table is not None:
+        if table.ndim != 2 or table.shape[0] != batch:
+            raise ValueError(f"`page_table` must be [max_batch_size={batch}, pages_per_sequence], got shape "
+                             f"{table.shape}")
+        if not np.issubdtype(table.dtype, np.integer) or table.size and (table.min() < -1 or table.max() >= pages):
+            raise ValueError(f"`page_table` must hold page indices in [0, {pages}) or -1 (none), got {table.dtype} "
+                             f"values in [{table.min() if table.size else '-'}, {table.max() if table.size else '-'}]")
+        used = table[table >= 0]
+        if len(np.unique(used)) != used.size:
+            raise ValueError("`page_table` must give each page to at most one slot position (repeated pages)")
+    elif page_table.ndim != 2 or page_table.shape[0] != batch:
+        raise ValueError(f"`page_table` must be [max_batch_size={batch}, pages_per_sequence], got shape "
+                         f"{tuple(page_table.shape)}")
+    return jnp.asarray(page_table, jnp.int32)
+
+
 def init_kv_cache(max_batch_size: int, max_seqlen: int, num_heads_kv: int, head_dim_k: int, dtype,
                   head_dim_v: Optional[int] = None) -> KVCache:
     """An empty non-paged cache: ``max_batch_size`` slots of ``max_seqlen`` tokens each."""
@@ -119,8 +161,8 @@ def init_paged_kv_cache(max_batch_size: int, num_pages: int, page_size: int, num
                         dtype, page_table=None, head_dim_v: Optional[int] = None) -> KVCache:
     """An empty paged cache: a pool of ``num_pages`` pages of ``page_size`` tokens. ``page_table``
     ``[max_batch_size, pages_per_sequence]`` gives each slot's pages in position order (any pages of the pool,
-    in any order; distinct across slots); by default slot ``i`` gets pages ``[i * n, (i + 1) * n)`` with
-    ``n = num_pages // max_batch_size``."""
+    in any order, distinct across slots; ``-1`` where no page is assigned yet: a step must not write there);
+    by default slot ``i`` gets pages ``[i * n, (i + 1) * n)`` with ``n = num_pages // max_batch_size``."""
     b, p, ps, h, d = (_positive(n, x) for n, x in (("max_batch_size", max_batch_size), ("num_pages", num_pages),
                                                    ("page_size", page_size), ("num_heads_kv", num_heads_kv),
                                                    ("head_dim_k", head_dim_k)))
@@ -131,18 +173,8 @@ def init_paged_kv_cache(max_batch_size: int, num_pages: int, page_size: int, num
             raise ValueError(f"`num_pages` must be at least `max_batch_size` ({b}) for the default page table, "
                              f"got {p}")
         page_table = np.arange(b * (p // b), dtype=np.int32).reshape(b, p // b)
-    table = np.asarray(page_table) if not isinstance(page_table, jax.core.Tracer) else None
-    if table is not None:
-        if table.ndim != 2 or table.shape[0] != b:
-            raise ValueError(f"`page_table` must be [max_batch_size={b}, pages_per_sequence], got shape "
-                             f"{table.shape}")
-        if not np.issubdtype(table.dtype, np.integer) or table.size and (table.min() < 0 or table.max() >= p):
-            raise ValueError(f"`page_table` must hold page indices in [0, {p}), got {table.dtype} values in "
-                             f"[{table.min() if table.size else '-'}, {table.max() if table.size else '-'}]")
-        if len(np.unique(table)) != table.size:
-            raise ValueError("`page_table` must give each page to at most one slot position (repeated pages)")
-    return KVCache(jnp.zeros((p, ps, h, d), dt), jnp.zeros((p, ps, h, dv), dt), jnp.zeros((b,), jnp.int32),
-                   jnp.asarray(page_table, jnp.int32))
+    table = _check_page_table(page_table, b, p)
+    return KVCache(jnp.zeros((p, ps, h, d), dt), jnp.zeros((p, ps, h, dv), dt), jnp.zeros((b,), jnp.int32), table)
 
 
 def reset_slots(cache: KVCache, slots) -> KVCache:
@@ -154,31 +186,32 @@ def reset_slots(cache: KVCache, slots) -> KVCache:
         lengths = jnp.where(slots, 0, cache.lengths)
     else:
         lengths = cache.lengths.at[slots].set(0)
-    return KVCache(cache.k, cache.v, lengths, cache.page_table)
+    return cache.replace(lengths=lengths)
 
 
-def _concrete(x) -> Optional[np.ndarray]:
-    return None if isinstance(x, jax.core.Tracer) else np.asarray(x)
-
-
-def _check_step(q, k, v, cache: KVCache, step_lens):
+def _check_step(q, k, v, cache: KVCache, step_lens, fmt: str):
+    """The step's arguments; returns ``step_lens`` as int32. Values are checked where they are concrete
+    (eager calls): under ``jit`` a step that overflows a slot loses the tokens past its end."""
     if not isinstance(cache, KVCache):
         raise ValueError(f"`cache` must be a KVCache, got {type(cache).__name__}")
     b, hk, dk, dv = cache.max_batch_size, cache.k.shape[2], cache.k.shape[3], cache.v.shape[3]
+    lead = (f"max_batch_size={b}, step tokens" if fmt == "bshd" else "step tokens")
+    ndim = 4 if fmt == "bshd" else 3
     for name, x, d in (("q", q, dk), ("k", k, dk), ("v", v, dv)):
-        if x.ndim != 4 or x.shape[0] != b or x.shape[-1] != d:
-            raise ValueError(f"`{name}` must be [max_batch_size={b}, step tokens, heads, {d}] (the cache's slots "
-                             f"and head dim), got shape {tuple(x.shape)}")
+        if x.ndim != ndim or (fmt == "bshd" and x.shape[0] != b) or x.shape[-1] != d:
+            raise ValueError(f"`{name}` must be [{lead}, heads, {d}] (qkv_format={fmt!r}: the cache's slots and "
+                             f"head dim), got shape {tuple(x.shape)}")
         if x.dtype != cache.k.dtype:
             raise ValueError(f"`{name}` must have the cache's dtype {cache.k.dtype}, got {x.dtype}")
-    t = q.shape[1]
+    tok = ndim - 3  # the axis of the step's tokens
+    t = q.shape[tok]
     for name, x in (("k", k), ("v", v)):
-        if x.shape[1] != t or x.shape[2] != hk:
-            raise ValueError(f"`{name}` must be [{b}, {t}, {hk}, ...] (q's step tokens, the cache's kv heads), got "
-                             f"shape {tuple(x.shape)}")
-    if q.shape[2] % hk:
-        raise ValueError(f"`q` heads ({q.shape[2]}) must be a multiple of the cache's kv heads ({hk})")
-    if t > cache.max_seqlen:
+        if x.shape[:tok + 1] != q.shape[:tok + 1] or x.shape[-2] != hk:
+            raise ValueError(f"`{name}` must be [{', '.join(map(str, q.shape[:tok + 1]))}, {hk}, ...] (q's step "
+                             f"tokens, the cache's kv heads), got shape {tuple(x.shape)}")
+    if q.shape[-2] % hk:
+        raise ValueError(f"`q` heads ({q.shape[-2]}) must be a multiple of the cache's kv heads ({hk})")
+    if fmt == "bshd" and t > cache.max_seqlen:
         raise ValueError(f"`q` must bring at most the cache's max_seqlen ({cache.max_seqlen}) tokens per slot, "
                          f"got {t}")
     step_lens = jnp.asarray(step_lens)
@@ -187,42 +220,93 @@ def _check_step(q, k, v, cache: KVCache, step_lens):
                          f"{tuple(step_lens.shape)}")
     lens, cached = _concrete(step_lens), _concrete(cache.lengths)
     if lens is not None:
-        if lens.min() < 0 or lens.max() > t:
+        if lens.min() < 0 or (fmt == "bshd" and lens.max() > t):
             raise ValueError(f"`step_lens` must be in [0, {t}] (q's step tokens), got {lens.tolist()}")
+        if fmt == "thd" and lens.sum() > t:
+            raise ValueError(f"`step_lens` must sum to at most q's {t} packed tokens, got {lens.tolist()} "
+                             f"(sum {int(lens.sum())})")
         if cached is not None and (cached + lens).max() > cache.max_seqlen:
             raise ValueError(f"`step_lens` must fit the cache: cached {cached.tolist()} + new {lens.tolist()} "
                              f"exceeds max_seqlen {cache.max_seqlen}")
+        table = _concrete(cache.page_table) if cache.is_paged and cached is not None else None
+        if table is not None:
+            ps = cache.k.shape[1]
+            for slot in np.flatnonzero(lens):
+                pages = table[slot, cached[slot] // ps:(cached[slot] + lens[slot] - 1) // ps + 1]
+                if (pages < 0).any():
+                    raise ValueError(f"`cache.page_table` must assign pages to the positions a step writes: slot "
+                                     f"{slot} writes positions [{cached[slot]}, {cached[slot] + lens[slot]}) of "
+                                     f"pages {pages.tolist()}")
     return step_lens.astype(jnp.int32)
 
 
-def _append(cache: KVCache, k, v, step_lens) -> KVCache:
+def _token_places(cache: KVCache, step_lens, fmt: str, t: int):
+    """Each new token's slot, position in its sequence and whether it is real, flattened in the order of the
+    step's token rows (``[b * t]`` for bshd, ``[t]`` for thd)."""
+    b = cache.max_batch_size
+    j = jnp.arange(t, dtype=jnp.int32)
+    if fmt == "bshd":
+        slot = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t)).reshape(-1)
+        index = jnp.broadcast_to(j[None, :], (b, t)).reshape(-1)  # the token's index among its slot's new ones
+        real = index < step_lens[slot]
+    else:
+        ends = jnp.cumsum(step_lens)
+        slot = jnp.minimum(jnp.searchsorted(ends, j, side="right").astype(jnp.int32), b - 1)
+        index = j - (ends - step_lens)[slot]
+        real = j < ends[-1]
+    return slot, cache.lengths[slot] + index, real
+
+
+def _append(cache: KVCache, k, v, step_lens, fmt: str) -> KVCache:
     """The cache with each slot's ``step_lens`` new tokens written after its cached ones (static shapes: the
     padding rows' writes go out of range and are dropped)."""
-    b, t = k.shape[:2]
-    pos = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # [b, t] positions in the sequence
-    new = jnp.arange(t, dtype=jnp.int32)[None, :] < step_lens[:, None]
-    if not cache.is_paged:
-        rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
-        pos = jnp.where(new, pos, cache.max_seqlen)
-        return KVCache(cache.k.at[rows, pos].set(k, mode="drop"), cache.v.at[rows, pos].set(v, mode="drop"),
-                       cache.lengths + step_lens, cache.page_table)
-    pages, page_size = cache.k.shape[:2]
-    page = jnp.take_along_axis(cache.page_table, jnp.minimum(pos // page_size, cache.page_table.shape[1] - 1),
-                               axis=1)
-    flat = jnp.where(new, page * page_size + pos % page_size, pages * page_size)
-    kf = cache.k.reshape(pages * page_size, *cache.k.shape[2:]).at[flat].set(k, mode="drop")
-    vf = cache.v.reshape(pages * page_size, *cache.v.shape[2:]).at[flat].set(v, mode="drop")
-    return KVCache(kf.reshape(cache.k.shape), vf.reshape(cache.v.shape), cache.lengths + step_lens,
-                   cache.page_table)
+    t = k.shape[0] if fmt == "thd" else k.shape[1]
+    slot, pos, real = _token_places(cache, step_lens, fmt, t)
+    rows_k = k.reshape(-1, *k.shape[-2:])
+    rows_v = v.reshape(-1, *v.shape[-2:])
+    if cache.is_paged:
+        pages, page_size = cache.k.shape[:2]
+        column = jnp.minimum(pos // page_size, cache.page_table.shape[1] - 1)
+        page = cache.page_table[slot, column]
+        real = real & (page >= 0) & (pos < cache.max_seqlen)
+        flat = page * page_size + pos % page_size
+    else:
+        pages, page_size = cache.k.shape[:2]  # a slot is a "page" of max_seqlen tokens
+        real = real & (pos < cache.max_seqlen)
+        flat = slot * page_size + pos
+    flat = jnp.where(real, flat, pages * page_size)  # out of range: dropped
+    kf = cache.k.reshape(pages * page_size, *cache.k.shape[2:]).at[flat].set(rows_k, mode="drop")
+    vf = cache.v.reshape(pages * page_size, *cache.v.shape[2:]).at[flat].set(rows_v, mode="drop")
+    return cache.replace(k=kf.reshape(cache.k.shape), v=vf.reshape(cache.v.shape),
+                         lengths=jnp.minimum(cache.lengths + step_lens, cache.max_seqlen))
 
 
 def _slot_rows(cache: KVCache) -> Tuple[jax.Array, jax.Array]:
     """Keys and values as ``[max_batch_size, max_seqlen, h_kv, d]``: the arrays themselves, or a paged cache's
-    pages gathered in each slot's position order."""
+    pages gathered in each slot's position order (unassigned pages read page 0: past the slot's length)."""
     if not cache.is_paged:
         return cache.k, cache.v
     b, n = cache.page_table.shape
-    return tuple(x[cache.page_table].reshape(b, n * x.shape[1], *x.shape[2:]) for x in (cache.k, cache.v))
+    table = jnp.maximum(cache.page_table, 0)
+    return tuple(x[table].reshape(b, n * x.shape[1], *x.shape[2:]) for x in (cache.k, cache.v))
+
+
+def _step_call(q, keys, values, cache: KVCache, step_lens, fmt: str, mask: AttnMaskType, **kw):
+    """The step's one ``fused_attn`` call: bshd, row ``i`` = slot ``i``; thd, one row packing every slot's new
+    queries (segment ``i`` = slot ``i``, empty when it sits out) against the slots' keys laid end to end."""
+    if fmt == "bshd":
+        return fused_attn((q, keys, values), None, SequenceDescriptor.from_seqlens((step_lens, cache.lengths)),
+                          None, AttnBiasType.NO_BIAS, mask, QKVLayout.BSHD_BSHD_BSHD, **kw)
+    b, s = keys.shape[:2]
+    t = q.shape[0]
+    zero = jnp.zeros((1,), jnp.int32)
+    q_offsets = jnp.concatenate([zero, jnp.cumsum(step_lens)[:-1].astype(jnp.int32), jnp.full((1,), t, jnp.int32)])
+    kv_offsets = jnp.arange(b + 1, dtype=jnp.int32) * s
+    seq = SequenceDescriptor.from_seqlens_and_offsets((step_lens[None], cache.lengths[None]),
+                                                      (q_offsets[None], kv_offsets[None]))
+    out = fused_attn((q[None], keys.reshape(1, b * s, *keys.shape[2:]), values.reshape(1, b * s, *values.shape[2:])),
+                     None, seq, None, AttnBiasType.NO_BIAS, mask, QKVLayout.THD_THD_THD, max_segments_per_seq=b, **kw)
+    return out[0]
 
 
 def kv_cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, step_lens,
@@ -230,21 +314,24 @@ def kv_cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
                        window_size: Optional[Tuple[int, int]] = None,
                        softmax_type: AttnSoftmaxType = AttnSoftmaxType.VANILLA_SOFTMAX,
                        softmax_offset: Optional[jax.Array] = None,
-                       scaling_factor: Optional[float] = None) -> Tuple[jax.Array, KVCache]:
+                       scaling_factor: Optional[float] = None,
+                       qkv_format: str = "bshd") -> Tuple[jax.Array, KVCache]:
     """One generation step of one layer: append the new keys and values, attend the new queries to their
-    sequences' cached keys. Returns ``(out, cache)``: ``out`` ``[max_batch_size, t, h, d_v]`` (rows past a
-    slot's ``step_lens`` are zeros) and the updated cache.
+    sequences' cached keys. Returns ``(out, cache)``: ``out`` in q's format with ``d_v`` (rows that are not
+    new tokens are zeros) and the updated cache.
 
-    :param q: ``[max_batch_size, t, h, d]``: each slot's new queries first, padding after.
-    :param k: ``[max_batch_size, t, h_kv, d]``, and ``v`` ``[..., d_v]``: the new keys and values, likewise.
+    :param q: ``qkv_format="bshd"``: ``[max_batch_size, t, h, d]``, each slot's new queries first in its row;
+        ``"thd"``: ``[T, h, d]``, every slot's new queries packed in slot order, padding after.
+    :param k: and ``v`` (``d_v``): the new keys and values with ``h_kv`` heads, laid out as ``q``.
     :param cache: this layer's :class:`KVCache`.
     :param step_lens: ``[max_batch_size]`` ints: the new tokens of each slot (0 = not in this step).
     :param attn_mask_type: the mask of the training call whose rows the step reproduces: the causal kinds
         (top-left and bottom-right are one mask over a whole sequence) or ``no_mask``/``padding`` (a step's
         queries then see every cached key, so a row equals the training row of the sequence ending there).
     :param window_size: ``(left, right)`` sliding window of the training call (``right`` 0 with a causal
-        mask), ``None`` for none.
+        mask), ``None`` for none; aligned with each query's position in its sequence.
     :param softmax_type: and ``softmax_offset``, ``scaling_factor``: as in :func:`fused_attn`.
+    :param qkv_format: ``"bshd"`` (default) or ``"thd"``: the layout of the step's new tokens and of ``out``.
     """
     try:
         mask = AttnMaskType(attn_mask_type) if not isinstance(attn_mask_type, AttnMaskType) else attn_mask_type
@@ -253,12 +340,17 @@ def kv_cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
     if mask not in _STEP_MASK:
         raise ValueError(f"`attn_mask_type` must be one of {', '.join(m.value for m in _STEP_MASK)} with a KV "
                          f"cache, got {attn_mask_type!r}")
-    step_lens = _check_step(q, k, v, cache, step_lens)
-    cache = _append(cache, k, v, step_lens)
+    if qkv_format not in _FORMATS:
+        raise ValueError(f"`qkv_format` must be one of {', '.join(map(repr, _FORMATS))}, got {qkv_format!r}")
+    step_lens = _check_step(q, k, v, cache, step_lens, qkv_format)
+    cache = _append(cache, k, v, step_lens, qkv_format)
     keys, values = _slot_rows(cache)
-    out = fused_attn((q, keys, values), None, SequenceDescriptor.from_seqlens((step_lens, cache.lengths)), None,
-                     AttnBiasType.NO_BIAS, _STEP_MASK[mask], QKVLayout.BSHD_BSHD_BSHD, softmax_type=softmax_type,
+    # bottom_right_diagonal: a non-causal window is aligned at each query's position too (the causal step
+    # mask is bottom-right already).
+    out = _step_call(q, keys, values, cache, step_lens, qkv_format, _STEP_MASK[mask], softmax_type=softmax_type,
                      scaling_factor=scaling_factor, is_training=False, window_size=window_size,
-                     softmax_offset=softmax_offset)
-    new = jnp.arange(q.shape[1], dtype=jnp.int32)[None, :] < step_lens[:, None]
-    return jnp.where(new[:, :, None, None], out, jnp.zeros((), out.dtype)), cache
+                     softmax_offset=softmax_offset, bottom_right_diagonal=True)
+    t = q.shape[0] if qkv_format == "thd" else q.shape[1]
+    _, _, real = _token_places(cache, step_lens, qkv_format, t)
+    real = real.reshape(out.shape[:-2])
+    return jnp.where(real[..., None, None], out, jnp.zeros((), out.dtype)), cache

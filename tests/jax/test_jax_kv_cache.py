@@ -1,15 +1,18 @@
 """JAX KV cache (transformer_engine.jax.inference): prefill, chunked prefill and decode rows are bitwise the
 training forward's rows.
 
-For random sequences the training forward (``fused_attn`` over whole sequences, causal: each alone, and all of
-them padded into one batch) gives each token's output row; a simulated serving loop then feeds the same
-sequences through ``kv_cache_attention`` in jitted steps (token by token, chunks of 7, the whole prompt at once;
-a sequence arriving while others decode and taking the slot of one that finished, whose stale keys must not leak
-in), and every row must equal the training row (``np.testing.assert_array_equal``): non-paged and paged caches
-with shuffled page tables, GQA/MQA, causal and sliding-window masks, sink softmax, a batch sharded over two
-devices. On CPU the fused path's jnp lowering runs in deterministic mode (its fixed-order sums make rows
-independent of the batch); on a GPU the Triton/Gluon kernels, and there PyTorch's InferenceParams path gives the
-same bits.
+For random sequences the training forward (``fused_attn`` over whole sequences, causal: each alone, padded
+into one batch, and packed into one THD row) gives each token's output row; a simulated serving loop then
+feeds the same sequences through ``kv_cache_attention`` in jitted steps (token by token, chunks of 7, the
+whole prompt at once; a sequence arriving while others decode and taking the slot or the pages of one that
+finished, whose stale keys must not leak in), and every row must equal the training row
+(``np.testing.assert_array_equal``): both step formats (bshd rows per slot, thd packed tokens), non-paged
+and paged caches with shuffled page tables (fixed, or pages assigned as sequences grow), GQA/MQA, causal and
+sliding-window masks, sink softmax, a batch sharded over two devices. On CPU ``fused_attn`` runs its unfused
+backend (JAX never launches Triton's interpreter), whose fixed reduction structure makes rows independent of
+the batch, padding and packing in any determinism mode; on a GPU the Triton/Gluon kernels, and there
+PyTorch's InferenceParams path gives the same bits (on CPU the two frameworks' ``exp`` differ in the last
+bit, so there they agree within rounding).
 """
 
 from __future__ import annotations
@@ -33,11 +36,8 @@ MAX_SEQLEN = 32 if not ON_GPU else 320
 PAGE = 8
 SLOTS = 3
 BSHD = QKVLayout.BSHD_BSHD_BSHD
-
-
-@pytest.fixture(autouse=True)
-def _deterministic(monkeypatch):
-    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+THD = QKVLayout.THD_THD_THD
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="GPU shapes and dtypes (bf16, d=128, long contexts)")
 
 
 def _sequences(lengths, h, hk, d, dtype, seed):
@@ -47,7 +47,8 @@ def _sequences(lengths, h, hk, d, dtype, seed):
 
 def _training_rows(seqs, window, softmax_type, offset):
     """Each sequence's rows from the training forward, alone (BSHD causal); the same sequences padded into one
-    batch must give the same rows (batch invariance), and the alone rows are returned."""
+    batch (BSHD padding_causal) and packed into one row (THD padding_causal) must give the same rows (batch
+    and packing invariance), and the alone rows are returned."""
     kw = dict(softmax_type=softmax_type, softmax_offset=offset, window_size=window, is_training=False)
     alone = [fused_attn(tuple(t[None] for t in s), None, None, None, AttnBiasType.NO_BIAS, AttnMaskType.CAUSAL_MASK,
                         BSHD, **kw)[0] for s in seqs]
@@ -58,20 +59,68 @@ def _training_rows(seqs, window, softmax_type, offset):
     seqlens = jnp.asarray(lens, jnp.int32)
     batch = fused_attn(tuple(padded), None, SequenceDescriptor.from_seqlens(seqlens), None, AttnBiasType.NO_BIAS,
                        AttnMaskType.PADDING_CAUSAL_MASK, BSHD, **kw)
+    packed = fused_attn(tuple(jnp.concatenate([s[j] for s in seqs])[None] for j in range(3)), None,
+                        SequenceDescriptor.from_seqlens(seqlens[None]), None, AttnBiasType.NO_BIAS,
+                        AttnMaskType.PADDING_CAUSAL_MASK, THD, max_segments_per_seq=len(seqs), **kw)[0]
+    starts = np.cumsum([0] + lens)
     for i, rows in enumerate(alone):
         np.testing.assert_array_equal(np.asarray(batch[i, :lens[i]]), np.asarray(rows),
                                       err_msg=f"training rows of sequence {i} depend on the batch")
+        np.testing.assert_array_equal(np.asarray(packed[starts[i]:starts[i + 1]]), np.asarray(rows),
+                                      err_msg=f"training rows of sequence {i} depend on the packing")
     return alone
 
 
-def _serve(seqs, cache, chunks, arrivals, width, step_fn):
-    """Run the sequences through ``cache`` in steps of ``width`` tokens per slot: sequence i joins at step
-    ``arrivals[i]`` in the first free slot and brings ``chunks[i]`` tokens per step; a finished sequence's slot
-    is reset and reused. Returns each sequence's rows and the number of steps."""
+class _Pages:
+    """Pages assigned as sequences grow (a host-side allocator over a shuffled free list), returned when they
+    finish: the page table changes every few steps and a new sequence reuses a finished one's pages."""
+
+    def __init__(self, seed):
+        self.free = list(range(SLOTS * MAX_SEQLEN // PAGE))
+        random.Random(seed).shuffle(self.free)
+        self.table = np.full((SLOTS, MAX_SEQLEN // PAGE), -1, np.int32)
+
+    def grow(self, cache, slot, total):
+        for column in range(-(-total // PAGE)):
+            if self.table[slot, column] < 0:
+                self.table[slot, column] = self.free.pop(0)
+        return cache.replace(page_table=jnp.asarray(self.table))
+
+    def release(self, slot):
+        self.free += [int(p) for p in self.table[slot] if p >= 0]
+        self.table[slot] = -1
+
+
+def _step_inputs(seqs, active, slot_of, pos, width, fmt):
+    """The step's q, k, v (fp32 numpy) and step_lens: bshd ``[SLOTS, width, ...]`` rows per slot, thd
+    ``[SLOTS * width, ...]`` tokens packed in slot order; padding is NaN (never read)."""
+    h, d, hk, dv = seqs[0][0].shape[1], seqs[0][0].shape[2], seqs[0][1].shape[1], seqs[0][2].shape[2]
+    shapes = [(h, d), (hk, d), (hk, dv)]
+    lead = (SLOTS, width) if fmt == "bshd" else (SLOTS * width,)
+    arrays = [np.full(lead + shape, np.nan, np.float32) for shape in shapes]
+    step = np.zeros(SLOTS, np.int32)
+    for i, n in active.items():
+        step[slot_of[i]] = n
+    first = np.cumsum(step) - step
+    for i, n in active.items():
+        s = slot_of[i]
+        for arr, src in zip(arrays, seqs[i]):
+            rows = np.asarray(src[pos[i]:pos[i] + n], np.float32)
+            if fmt == "bshd":
+                arr[s, :n] = rows
+            else:
+                arr[first[s]:first[s] + n] = rows
+    return arrays, step, first
+
+
+def _serve(seqs, cache, chunks, arrivals, width, step_fn, fmt="bshd", pages=None):
+    """Run the sequences through ``cache`` in steps of at most ``width`` tokens per slot: sequence i joins at
+    step ``arrivals[i]`` in the first free slot and brings ``chunks[i]`` tokens per step; a finished sequence's
+    slot is reset and reused (with ``pages``, a _Pages, its pages go back to the free list). Returns each
+    sequence's rows and the number of steps."""
     lens = [s[0].shape[0] for s in seqs]
     pos, rows, slot_of, t = [0] * len(seqs), [[] for _ in seqs], {}, 0
-    dtype, h, d = seqs[0][0].dtype, seqs[0][0].shape[1], seqs[0][0].shape[2]
-    hk, dv = seqs[0][1].shape[1], seqs[0][2].shape[2]
+    dtype = seqs[0][0].dtype
     while any(p < n for p, n in zip(pos, lens)):
         for i in range(len(seqs)):
             if arrivals[i] <= t and i not in slot_of and pos[i] == 0:
@@ -83,28 +132,32 @@ def _serve(seqs, cache, chunks, arrivals, width, step_fn):
         active = {i: min(chunks[i], lens[i] - pos[i]) for i in slot_of if pos[i] < lens[i]}
         if not active:
             continue
-        q = np.zeros((SLOTS, width, h, d), np.float32)
-        k = np.zeros((SLOTS, width, hk, d), np.float32)
-        v = np.zeros((SLOTS, width, hk, dv), np.float32)
-        step = np.zeros(SLOTS, np.int32)
-        for i, n in active.items():
-            s = slot_of[i]
-            for arr, src in zip((q, k, v), seqs[i]):
-                arr[s, :n] = np.asarray(src[pos[i]:pos[i] + n], np.float32)
-            step[s] = n
+        if pages is not None:
+            for i, n in active.items():
+                cache = pages.grow(cache, slot_of[i], pos[i] + n)
+        (q, k, v), step, first = _step_inputs(seqs, active, slot_of, pos, width, fmt)
         out, cache = step_fn(*(jnp.asarray(x, dtype) for x in (q, k, v)), cache, jnp.asarray(step))
         out = np.asarray(out)
         for i, n in active.items():
             s = slot_of[i]
-            rows[i].append(out[s, :n])
-            assert not out[s, n:].any(), "rows past a slot's new tokens must be zero"
+            rows[i].append(out[s, :n] if fmt == "bshd" else out[first[s]:first[s] + n])
             pos[i] += n
             if pos[i] == lens[i]:
                 del slot_of[i]
+                if pages is not None:
+                    pages.release(s)
+        if fmt == "thd":
+            assert not out[int(step.sum()):].any(), "rows past the step's packed tokens must be zero"
+        else:
+            for s in range(SLOTS):
+                assert not out[s, step[s]:].any(), "rows past a slot's new tokens must be zero"
     return [np.concatenate(r) for r in rows], t
 
 
 def _cache(paged, hk, d, dtype, seed=0):
+    if paged == "lazy":
+        table = np.full((SLOTS, MAX_SEQLEN // PAGE), -1, np.int32)
+        return init_paged_kv_cache(SLOTS, SLOTS * MAX_SEQLEN // PAGE, PAGE, hk, d, dtype, page_table=table)
     if not paged:
         return init_kv_cache(SLOTS, MAX_SEQLEN, hk, d, dtype)
     pages = list(range(SLOTS * MAX_SEQLEN // PAGE))
@@ -113,17 +166,18 @@ def _cache(paged, hk, d, dtype, seed=0):
     return init_paged_kv_cache(SLOTS, len(pages), PAGE, hk, d, dtype, page_table=table)
 
 
-# (dtype, heads, kv heads, window, softmax, paged, chunk per sequence, arrival step per sequence). Three
-# slots; the fourth sequence arrives after the shortest finished and takes its slot.
+# (dtype, heads, kv heads, window, softmax, cache, chunk per sequence, arrival step per sequence). Three
+# slots; the fourth sequence arrives after the shortest finished and takes its slot (and pages).
 SCENARIOS = {
-    "fp32_gqa_paged": ("float32", 4, 2, None, "vanilla", True, (1, 7, 100, 1), (0, 2, 1, 8)),
+    "fp32_gqa_lazy_pages": ("float32", 4, 2, None, "vanilla", "lazy", (1, 7, 100, 1), (0, 2, 1, 8)),
     "fp32_mqa_window": ("float32", 2, 1, (5, 0), "vanilla", False, (100, 1, 7, 7), (0, 0, 3, 7)),
     "fp16_sink_window_paged": ("float16", 2, 2, (19, 0), "learnable", True, (7, 100, 1, 1), (1, 0, 0, 6)),
 }
 
 
+@pytest.mark.parametrize("fmt", ["bshd", "thd"])
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_prefill_and_decode_rows_equal_training_rows(name):
+def test_prefill_and_decode_rows_equal_training_rows(name, fmt):
     dtype, h, hk, window, softmax, paged, chunks, arrivals = SCENARIOS[name]
     dtype = jnp.dtype(dtype) if not ON_GPU or dtype == "float32" else jnp.bfloat16
     d = 16 if not ON_GPU else 128
@@ -133,23 +187,32 @@ def test_prefill_and_decode_rows_equal_training_rows(name):
     expected = _training_rows(seqs, window, softmax_type, offset)
     width = max(min(c, max(LENGTHS)) for c in chunks)
     step = jax.jit(lambda q, k, v, c, n: kv_cache_attention(q, k, v, c, n, window_size=window,
-                                                            softmax_type=softmax_type, softmax_offset=offset))
-    got, steps = _serve(seqs, _cache(paged, hk, d, dtype), chunks, arrivals, width, step)
+                                                            softmax_type=softmax_type, softmax_offset=offset,
+                                                            qkv_format=fmt))
+    pages = _Pages(seed=len(name)) if paged == "lazy" else None
+    got, steps = _serve(seqs, _cache(paged, hk, d, dtype), chunks, arrivals, width, step, fmt, pages)
     assert steps >= max(n for n, c in zip(LENGTHS, chunks) if c == 1)  # decoded token by token for a while
     for i, (g, e) in enumerate(zip(got, expected)):
         np.testing.assert_array_equal(g, np.asarray(e), err_msg=f"sequence {i}")
 
 
 @pytest.mark.parametrize("sizes", [(1,) * 12, (7, 5), (12,)], ids=["decode", "chunks", "whole"])
-def test_step_sizes_give_the_same_rows(sizes):
-    """One sequence fed token by token, in chunks or whole gives one set of rows: the training forward's."""
+def test_step_sizes_and_formats_give_the_same_rows(sizes):
+    """One sequence fed token by token, in chunks or whole, its steps alternating between the bshd and thd
+    formats (thd with room to spare), gives one set of rows: the training forward's."""
     (q, k, v), = _sequences([sum(sizes)], 2, 2, 16, jnp.float32, seed=1)
     expected = np.asarray(_training_rows([(q, k, v)], None, AttnSoftmaxType.VANILLA_SOFTMAX, None)[0])
     cache, pos, rows = init_kv_cache(1, 16, 2, 16, jnp.float32), 0, []
-    for n in sizes:
-        out, cache = kv_cache_attention(q[None, pos:pos + n], k[None, pos:pos + n], v[None, pos:pos + n], cache,
-                                        jnp.asarray([n]))
-        rows.append(np.asarray(out[0]))
+    for j, n in enumerate(sizes):
+        part = [x[pos:pos + n] for x in (q, k, v)]
+        if j % 2:
+            part = [jnp.pad(x, ((0, 3), (0, 0), (0, 0)), constant_values=np.nan) for x in part]
+            out, cache = kv_cache_attention(*part, cache, jnp.asarray([n]), qkv_format="thd")
+            assert not np.asarray(out[n:]).any()
+            rows.append(np.asarray(out[:n]))
+        else:
+            out, cache = kv_cache_attention(*(x[None] for x in part), cache, jnp.asarray([n]))
+            rows.append(np.asarray(out[0]))
         pos += n
     np.testing.assert_array_equal(np.concatenate(rows), expected)
     assert int(cache.lengths[0]) == sum(sizes)

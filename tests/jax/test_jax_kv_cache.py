@@ -255,22 +255,68 @@ def test_paged_and_non_paged_caches_hold_the_same_tokens():
         np.testing.assert_array_equal(np.asarray(out[1, :6]), np.asarray(out[0, :6]))  # a prefix's rows
 
 
-def test_a_batch_sharded_over_two_devices_gives_the_same_rows():
+def _two_device_mesh():
     devices = jax.devices()
     if len(devices) < 2:
-        pytest.skip("needs two devices")
-    mesh = Mesh(np.asarray(devices[:2]), ("dp",))
+        pytest.skip("needs two devices (XLA_FLAGS=--xla_force_host_platform_device_count=2 on CPU)")
+    return Mesh(np.asarray(devices[:2]), ("dp",))
+
+
+def test_a_bshd_batch_sharded_over_two_devices_gives_the_training_rows():
+    """Slots split over a dp axis (cache, step tensors, step_lens sharded on their first axis): the step keeps
+    the sharding and every row is the training row, prompt (a whole-prompt step) and next token (a decode
+    step)."""
+    mesh = _two_device_mesh()
     seqs = _sequences([9, 6], 2, 2, 16, jnp.float32, seed=5)
-    q, k, v = (jnp.stack([jnp.pad(s[j], ((0, 3), (0, 0), (0, 0))) if s[j].shape[0] == 6 else s[j] for s in seqs])
-               for j in range(3))
-    lens = jnp.asarray([9, 6], jnp.int32)
-    plain, _ = kv_cache_attention(q, k, v, init_kv_cache(2, 16, 2, 16, jnp.float32), lens)
+    expected = _training_rows(seqs, None, AttnSoftmaxType.VANILLA_SOFTMAX, None)
     shard = NamedSharding(mesh, PartitionSpec("dp"))
+    step = jax.jit(kv_cache_attention)
     cache = jax.device_put(init_kv_cache(2, 16, 2, 16, jnp.float32), shard)
-    sharded, cache = jax.jit(kv_cache_attention)(*(jax.device_put(x, shard) for x in (q, k, v)), cache,
-                                                 jax.device_put(lens, shard))
-    np.testing.assert_array_equal(np.asarray(sharded), np.asarray(plain))
+    prompt = [jnp.stack([jnp.pad(s[j][:-1], ((0, 9 - s[j].shape[0]), (0, 0), (0, 0))) for s in seqs])
+              for j in range(3)]
+    out, cache = step(*(jax.device_put(x, shard) for x in prompt), cache, jax.device_put(jnp.asarray([8, 5]), shard))
+    assert out.sharding.spec[0] == "dp" and cache.k.sharding.spec[0] == "dp"
+    last = [jnp.stack([s[j][-1:] for s in seqs]) for j in range(3)]
+    nxt, cache = step(*(jax.device_put(x, shard) for x in last), cache, jax.device_put(jnp.asarray([1, 1]), shard))
+    for i, n in enumerate((8, 5)):
+        got = np.concatenate([np.asarray(out[i, :n]), np.asarray(nxt[i, :1])])
+        np.testing.assert_array_equal(got, np.asarray(expected[i]), err_msg=f"sequence {i}")
     np.testing.assert_array_equal(np.asarray(cache.lengths), [9, 6])
+
+
+def test_thd_steps_under_shard_map_give_the_training_rows():
+    """thd steps inside ``shard_map`` over a dp axis: each device steps its own slots (its part of the cache)
+    with its own packed tokens; every row is the training row."""
+    mesh = _two_device_mesh()
+    lens = (9, 6, 4, 7)  # slots 0, 1 on the first device, 2, 3 on the second
+    seqs = _sequences(lens, 4, 2, 16, jnp.float32, seed=6)
+    expected = _training_rows(seqs, (3, 0), AttnSoftmaxType.VANILLA_SOFTMAX, None)
+    spec = PartitionSpec("dp")
+    local = jax.shard_map(lambda q, k, v, c, n: kv_cache_attention(q, k, v, c, n, window_size=(3, 0),
+                                                                   qkv_format="thd"),
+                          mesh=mesh, in_specs=spec, out_specs=spec)
+    step = jax.jit(local)
+    cache = init_kv_cache(4, 16, 2, 16, jnp.float32)
+    rows, done = [[] for _ in seqs], [0] * 4
+    for chunk in ((5, 2, 4, 3), (4, 4, 0, 4)):  # a prompt part each, then the rest (slot 2 sits out)
+        tokens = 16  # per device
+        parts, step_lens = [[], [], []], []
+        for half in (slice(0, 2), slice(2, 4)):
+            for j in range(3):
+                block = jnp.concatenate([seqs[i][j][done[i]:done[i] + chunk[i]] for i in range(4)[half]])
+                parts[j].append(jnp.pad(block, ((0, tokens - block.shape[0]), (0, 0), (0, 0))))
+            step_lens += [min(chunk[i], lens[i] - done[i]) for i in range(4)[half]]
+        out, cache = step(*(jnp.concatenate(x) for x in parts), cache, jnp.asarray(step_lens, jnp.int32))
+        out = np.asarray(out)
+        for device, half in enumerate((range(0, 2), range(2, 4))):
+            first = device * tokens
+            for i in half:
+                rows[i].append(out[first:first + step_lens[i]])
+                first += step_lens[i]
+                done[i] += step_lens[i]
+    for i, e in enumerate(expected):
+        np.testing.assert_array_equal(np.concatenate(rows[i]), np.asarray(e), err_msg=f"sequence {i}")
+    np.testing.assert_array_equal(np.asarray(cache.lengths), lens)
 
 
 def test_the_cache_is_a_pytree_and_reset_frees_slots():

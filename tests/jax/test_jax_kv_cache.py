@@ -327,6 +327,12 @@ def test_the_cache_is_a_pytree_and_reset_frees_slots():
     cache = KVCache(cache.k, cache.v, jnp.asarray([5, 7], jnp.int32), cache.page_table)
     np.testing.assert_array_equal(np.asarray(reset_slots(cache, [1]).lengths), [5, 0])
     np.testing.assert_array_equal(np.asarray(reset_slots(cache, jnp.asarray([True, False])).lengths), [0, 7])
+    grown = cache.replace(page_table=jnp.asarray([[0, -1], [2, 3]]))
+    assert grown.k is cache.k and grown.page_table.tolist() == [[0, -1], [2, 3]]
+    with pytest.raises(ValueError, match="repeated pages"):
+        cache.replace(page_table=np.asarray([[0, 1], [1, -1]]))
+    with pytest.raises(ValueError, match="`fields` must be among"):
+        cache.replace(pages=None)
 
 
 def test_bad_inputs_name_the_argument():
@@ -349,6 +355,18 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match="`step_lens` must fit the cache"):
         full = KVCache(cache.k, cache.v, jnp.asarray([7, 0], jnp.int32))
         kv_cache_attention(q, k, k, full, n)
+    with pytest.raises(ValueError, match=r"`q` must be \[step tokens, heads, 16\] \(qkv_format='thd'"):
+        kv_cache_attention(q, k, k, cache, n, qkv_format="thd")
+    with pytest.raises(ValueError, match=r"`step_lens` must sum to at most q's 3 packed tokens, got \[3, 1\]"):
+        kv_cache_attention(q[0], k[0], k[0], cache, jnp.asarray([3, 1]), qkv_format="thd")
+    with pytest.raises(ValueError, match=r"`k` must be \[3, 1, \.\.\.\]"):
+        kv_cache_attention(q[0], k[0, :2], k[0], cache, jnp.asarray([2, 0]), qkv_format="thd")
+    with pytest.raises(ValueError, match="`qkv_format` must be one of 'bshd', 'thd', got 'sbhd'"):
+        kv_cache_attention(q, k, k, cache, n, qkv_format="sbhd")
+    with pytest.raises(ValueError, match=r"`cache.page_table` must assign pages to the positions a step writes: "
+                                         r"slot 1 writes positions \[0, 2\) of pages \[-1\]"):
+        lazy = init_paged_kv_cache(2, 2, 8, 1, 16, jnp.float32, page_table=np.asarray([[1], [-1]]))
+        kv_cache_attention(q[0], k[0], k[0], lazy, jnp.asarray([1, 2]), qkv_format="thd")
     with pytest.raises(ValueError, match="`attn_mask_type` must be one of"):
         kv_cache_attention(q, k, k, cache, n, attn_mask_type="arbitrary")
     with pytest.raises(ValueError, match="`cache` must be a KVCache"):
@@ -363,26 +381,96 @@ def test_bad_inputs_name_the_argument():
         init_paged_kv_cache(2, 4, 8, 1, 16, jnp.float32, page_table=np.asarray([[0, 1], [1, 2]]))
 
 
-@pytest.mark.skipif(not ON_GPU, reason="PyTorch == JAX bitwise holds for the GPU kernels both frameworks launch")
-def test_pytorch_and_jax_steps_give_the_same_bits():
+@pytest.mark.parametrize("fmt", ["bshd", "thd"])
+def test_pytorch_and_jax_steps_give_the_same_rows(fmt):
+    """The same steps through PyTorch's InferenceParams and through kv_cache_attention: two sequences, the
+    second joining at the third step, prompts in chunks then decode. On a GPU both launch the same kernels
+    and the rows are the same bits. On CPU PyTorch runs its unfused backend (or the interpreted kernels
+    under TRITON_INTERPRET=1) and JAX its unfused jnp path, whose ``exp`` differs from torch's in the last
+    bit: there the two agree within each other's error against fp64."""
     torch = pytest.importorskip("torch")
     from collections import OrderedDict
 
     from transformer_engine.pytorch import DotProductAttention
     from transformer_engine.pytorch.attention.inference import InferenceParams
 
-    n, h, d = 200, 4, 128
-    seqs = _sequences([n], h, h, d, jnp.bfloat16, seed=7)[0]
-    cache = init_kv_cache(1, 256, h, d, jnp.bfloat16)
-    params = InferenceParams(1, 256, h, d, torch.bfloat16)
+    h, hk, d, lens, width = (4, 2, 16, (21, 12), 32) if not ON_GPU else (8, 2, 128, (700, 300), 1024)
+    jdtype, tdtype = (jnp.float32, torch.float32) if not ON_GPU else (jnp.bfloat16, torch.bfloat16)
+    device = "cuda" if ON_GPU else "cpu"
+    seqs = _sequences(lens, h, hk, d, jdtype, seed=7)
+    cache = init_kv_cache(2, width, hk, d, jdtype)
+    params = InferenceParams(2, width, hk, d, tdtype)
     params.allocate_memory(1)
-    dpa = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="causal", layer_number=1).cuda().eval()
-    pos = 0
-    for size in (37, 1, 1, 161):
-        part = [x[None, pos:pos + size] for x in seqs]
-        ours, cache = kv_cache_attention(*part, cache, jnp.asarray([size]))
-        params.pre_step(OrderedDict([(0, size)]))
-        theirs = dpa(*(torch.from_dlpack(x).cuda() for x in part), inference_params=params)
-        np.testing.assert_array_equal(np.asarray(ours.reshape(1, size, -1).astype(jnp.float32)),
-                                      theirs.float().cpu().numpy(), err_msg=f"step at {pos}")
-        pos += size
+    dpa = DotProductAttention(h, d, num_gqa_groups=hk, qkv_format=fmt, attn_mask_type="causal",
+                              layer_number=1).to(device).eval()
+
+    def to_torch(x):
+        return torch.from_dlpack(x) if ON_GPU else torch.from_numpy(np.array(x))
+
+    chunks = [(7, 0), (1, 0), (5, 12), (1, 0)] + [(1, 0)] * 7 if not ON_GPU else [(300, 0), (400, 299), (1, 1)]
+    pos, ours, theirs = [0, 0], [[], []], [[], []]
+    for step in chunks:
+        active = [i for i in range(2) if step[i]]
+        parts = [[x[i][pos[i]:pos[i] + step[i]] for i in active] for x in zip(*seqs)]
+        if fmt == "thd":
+            tensors = [jnp.concatenate(p) for p in parts]
+        else:
+            t = max(step)
+            tensors = [jnp.stack([jnp.pad(x, ((0, t - x.shape[0]), (0, 0), (0, 0))) for x in p]) for p in parts]
+        step_lens = jnp.asarray(step, jnp.int32)
+        if fmt == "bshd" and len(active) < 2:  # bshd rows are slots: an absent slot gets an empty row
+            tensors = [jnp.concatenate([x, jnp.zeros_like(x)]) if active == [0] else x for x in tensors]
+        out, cache = kv_cache_attention(*tensors, cache, step_lens, qkv_format=fmt)
+        params.pre_step(OrderedDict((i, step[i]) for i in active))
+        ref = dpa(*(to_torch(x[:len(active)] if fmt == "bshd" else x) for x in tensors), inference_params=params)
+        ref = ref.float().cpu().numpy().reshape(*ref.shape[:-1], h, d)
+        out = np.asarray(out.astype(jnp.float32))
+        first = 0
+        for b, i in enumerate(active):
+            ours[i].append(out[b, :step[i]] if fmt == "bshd" else out[first:first + step[i]])
+            theirs[i].append(ref[b, :step[i]] if fmt == "bshd" else ref[first:first + step[i]])
+            first += step[i]
+            pos[i] += step[i]
+    for i, n in enumerate(lens):
+        a, b = np.concatenate(ours[i]), np.concatenate(theirs[i])
+        assert a.shape[0] == n == b.shape[0]
+        if ON_GPU:
+            np.testing.assert_array_equal(a, b, err_msg=f"sequence {i}")
+            continue
+        q, k, v = (np.asarray(x, np.float64) for x in seqs[i])
+        k, v = (np.repeat(x, h // hk, axis=1) for x in (k, v))
+        scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(d)
+        scores = np.where(np.tril(np.ones((n, n), bool)), scores, -np.inf)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        exact = np.einsum("hqk,khd->qhd", probs / probs.sum(-1, keepdims=True), v)
+        err_jax, err_torch = np.abs(a - exact).max(), np.abs(b - exact).max()
+        assert err_jax <= 2.0 * err_torch + 1e-7 and err_torch <= 2.0 * err_jax + 1e-7, (i, err_jax, err_torch)
+        np.testing.assert_allclose(a, b, rtol=0, atol=4.0 * max(err_jax, err_torch) + 1e-7, err_msg=f"seq {i}")
+
+
+@gpu_only
+def test_long_context_prefill_and_decode_rows_equal_training_rows():
+    """A 16k-token prompt in 4k chunks, then 64 decode steps next to a short sequence (bf16, d=128, GQA,
+    paged, thd): the rows are the training forward's."""
+    n, h, hk, d, page = 16384 + 64, 16, 4, 128, 256
+    seqs = _sequences([n, 100], h, hk, d, jnp.bfloat16, seed=8)
+    expected = _training_rows(seqs, None, AttnSoftmaxType.VANILLA_SOFTMAX, None)
+    pages = list(range(2 * (n + page) // page))
+    random.Random(3).shuffle(pages)
+    cache = init_paged_kv_cache(2, len(pages), page, hk, d, jnp.bfloat16,
+                                page_table=np.asarray(pages, np.int32).reshape(2, -1))
+    step = jax.jit(lambda q, k, v, c, s: kv_cache_attention(q, k, v, c, s, qkv_format="thd"))
+    sizes = [(4096, 100)] * 4 + [(1, 0)] * 64
+    pos, rows = [0, 0], [[], []]
+    for size in sizes:
+        size = tuple(min(s, len_ - p) for s, len_, p in zip(size, (n, 100), pos))
+        parts = [jnp.concatenate([x[i][pos[i]:pos[i] + size[i]] for i in range(2)]) for x in zip(*seqs)]
+        parts = [jnp.pad(x, ((0, 4196 - x.shape[0]), (0, 0), (0, 0))) for x in parts]  # one compiled shape
+        out, cache = step(*parts, cache, jnp.asarray(size, jnp.int32))
+        out = np.asarray(out.astype(jnp.float32))
+        rows[0].append(out[:size[0]])
+        rows[1].append(out[size[0]:size[0] + size[1]])
+        pos = [p + s for p, s in zip(pos, size)]
+    for i, e in enumerate(expected):
+        np.testing.assert_array_equal(np.concatenate(rows[i]), np.asarray(e.astype(jnp.float32)),
+                                      err_msg=f"sequence {i}")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the shared GPU hosts
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
@@ -31,7 +30,7 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the benchmark's own modules
 
 from cases import attn_flops  # noqa: E402
-from common import cp_scaling_parser, run_metadata  # noqa: E402
+from common import counted_ms, cp_scaling_parser, run_metadata  # noqa: E402
 from transformer_engine.common.attention import QKVFormat  # noqa: E402
 from transformer_engine.pytorch import DotProductAttention  # noqa: E402
 from transformer_engine.pytorch.attention.context_parallel import SeqSplit, assemble, local_tokens  # noqa: E402
@@ -64,26 +63,14 @@ def step(module, q, k, v, d_out):
     return (out.detach(),) + torch.autograd.grad(out, leaves, d_out)
 
 
-def local_ms(fn, iters: int, warmup: int, sync) -> float:
-    """ms per call of ``fn`` on this rank over ``iters`` calls after ``warmup`` (``sync`` waits for the device)."""
-    for _ in range(warmup):
-        fn()
-    sync()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    sync()
-    return (time.perf_counter() - start) * 1e3 / iters
-
-
 def slowest_ms(fn, iters: int, warmup: int, sync, device) -> float:
-    """:func:`local_ms` on every rank from a common start (the same counts everywhere: collectives inside
+    """:func:`counted_ms` on every rank from a common start (the same counts everywhere: collectives inside
     ``fn`` stay matched), the slowest rank's time."""
     for _ in range(warmup):
         fn()
     sync()
     dist.barrier()
-    ms = torch.tensor([local_ms(fn, iters, 0, sync)], dtype=torch.float64, device=device)
+    ms = torch.tensor([counted_ms(fn, iters, 0, sync)], dtype=torch.float64, device=device)
     dist.all_reduce(ms, op=dist.ReduceOp.MAX)
     return float(ms.item())
 
@@ -117,7 +104,7 @@ def main(argv=None) -> int:
         want, one_gpu = None, torch.zeros(1, dtype=torch.float64, device=device)
         if rank == 0:  # one GPU, the whole sequence; the other ranks wait
             want = step(single, q, k, v, d_out)
-            one_gpu[0] = local_ms(lambda: step(single, q, k, v, d_out), args.iters, warmup, sync)
+            one_gpu[0] = counted_ms(lambda: step(single, q, k, v, d_out), args.iters, warmup, sync)
         dist.broadcast(one_gpu, 0)
         one_ms = float(one_gpu.item())
         split = SeqSplit(QKVFormat.BSHD, world, rank, seqlen=s)

@@ -20,7 +20,7 @@ from collections import OrderedDict
 
 import torch
 
-from common import run_metadata, write_results
+from common import counted_ms, run_metadata, write_results
 from transformer_engine.pytorch import DotProductAttention, InferenceParams
 
 HEADS, KV_HEADS, DIM = 32, 8, 128
@@ -30,18 +30,9 @@ SMOKE_GRID = [(1, 40), (3, 70)]
 
 
 def bench_ms(fn):
-    """Mean milliseconds per call over REPS calls after WARMUP (every backend timed alike)."""
-    import time
-
-    for _ in range(WARMUP):
-        fn()
+    """Mean ms per call over REPS calls after WARMUP, every backend timed alike."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(REPS):
-        fn()
-    sync()
-    return (time.perf_counter() - t0) * 1e3 / REPS
+    return counted_ms(fn, REPS, WARMUP, sync)
 
 
 def _filled(b, s, dtype, device, layer=1):

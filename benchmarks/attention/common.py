@@ -24,6 +24,21 @@ def bench_ms(fn, grad_to_none=None, warmup=25, rep=100):
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, return_mode="median")
 
 
+def counted_ms(fn, iters: int, warmup: int, sync) -> float:
+    """ms per call of ``fn`` over ``iters`` calls after ``warmup`` (``sync`` waits for the device): a count of
+    calls, not a time budget, where each call changes state (a KV-cache step, a collective every rank runs)."""
+    import time
+
+    for _ in range(warmup):
+        fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync()
+    return (time.perf_counter() - start) * 1e3 / iters
+
+
 def peak_memory_gb(fn):
     import torch
 

@@ -35,6 +35,8 @@ from transformer_engine.jax.sharding import MeshResource, global_shard_guard
 from transformer_engine.jax.testing import fused_attn_with_backend
 
 ON_GPU = jax.devices()[0].platform == "gpu"
+EIGHT_DEVICES = pytest.mark.skipif(len(jax.devices()) < 8,
+                                   reason="needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
 TOL = {jnp.dtype(jnp.float32): dict(rtol=2e-6, atol=2e-6), jnp.dtype(jnp.float16): dict(rtol=1e-3, atol=1e-3)}
 
 
@@ -186,7 +188,7 @@ def test_vmap_and_jit(backend):
         _assert_bitwise(batched[i], jax.jit(lambda q: f((q, case.k, case.v), None)[1])(qs[i]), f"vmap instance {i}")
 
 
-@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+@EIGHT_DEVICES
 @pytest.mark.filterwarnings("ignore:.*context manager has been deprecated:DeprecationWarning")
 def test_sharded_over_dp_and_tp_is_the_unsharded_bits(monkeypatch):
     """Batch over dp (the per-head max over shards: XLA's all-reduce of the row maxima's max), heads over tp."""
@@ -228,7 +230,7 @@ def _cp_fn(mask, layout=QKVLayout.BSHD_BSHD_BSHD, desc=None, m=1, **cp):
     return jax.jit(fn)
 
 
-@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+@EIGHT_DEVICES
 @pytest.mark.filterwarnings("ignore:.*context manager has been deprecated:DeprecationWarning")
 @pytest.mark.parametrize("cp,strategy,lb,mask,with_dp", [
     (4, CPStrategy.RING, True, AttnMaskType.CAUSAL_MASK, True),
@@ -251,7 +253,7 @@ def test_context_parallel_is_the_single_device_bits(monkeypatch, cp, strategy, l
     _assert_bitwise((out, ml), whole, f"cp={cp}")
 
 
-@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+@EIGHT_DEVICES
 def test_context_parallel_inside_the_users_shard_map(monkeypatch):
     """On the local chunks inside shard_map over cp: every rank gets the whole sequence's max."""
     _deterministic(monkeypatch)
@@ -268,7 +270,7 @@ def test_context_parallel_inside_the_users_shard_map(monkeypatch):
     _assert_bitwise((out, ml), whole, "inside shard_map")
 
 
-@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+@EIGHT_DEVICES
 @pytest.mark.filterwarnings("ignore:.*context manager has been deprecated:DeprecationWarning")
 def test_thd_context_parallel_is_the_single_device_bits(monkeypatch):
     _deterministic(monkeypatch)

@@ -20,10 +20,12 @@ timeout ${QUICK_TIMEOUT:-240} python -m pytest -q -p no:cacheprovider $PYTEST_N 
 echo "pytest rc=$?"
 grep -E "passed|failed" "$OUT/quick.log" | tail -n 1
 grep -E "^FAILED" "$OUT/quick.log" | head -n 20
-# The JAX KV cache on the GPU kernels, and PyTorch == JAX for a step (its own process: JAX and torch share the GPU).
+# The JAX KV cache and max logit on the GPU kernels, PyTorch == JAX for a step and a max logit (its own
+# process: JAX and torch share the GPU).
 NVTE_FRAMEWORK=all pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || echo "build failed"
 XLA_PYTHON_CLIENT_PREALLOCATE=false timeout ${JAX_TIMEOUT:-150} python -m pytest -q -p no:cacheprovider \
-  --junitxml="$OUT/quick_jax.xml" tests/jax/test_jax_kv_cache.py > "$OUT/quick_jax.log" 2>&1
+  --junitxml="$OUT/quick_jax.xml" tests/jax/test_jax_kv_cache.py tests/jax/test_jax_max_logit.py \
+  > "$OUT/quick_jax.log" 2>&1
 echo "jax pytest rc=$?"
 grep -E "passed|failed" "$OUT/quick_jax.log" | tail -n 1
 grep -E "^FAILED" "$OUT/quick_jax.log" | head -n 10

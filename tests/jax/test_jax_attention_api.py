@@ -133,7 +133,7 @@ def test_fused_attn_passes_every_parameter_on():
                window_size="x", context_parallel_strategy="ring", context_parallel_causal_load_balanced="yes",
                context_parallel_axis=3, context_checkpoint_name="", softmax_offset=jnp.zeros((1, H, 1, 1)),
                stripe_size=0, score_mod=len, score_mod_bprop=len, score_mod_tensors={}, score_mod_bprop_tensors={},
-               bottom_right_diagonal=1)
+               bottom_right_diagonal=1, return_max_logit="yes")
     bad["seed"] = dict(seed=None, dropout_probability=0.1)  # a missing seed counts only with dropout
     bad["sequence_descriptor"] = dict(sequence_descriptor=None, attn_mask_type=AttnMaskType.PADDING_MASK)
     assert set(bad) | {"qkv", "is_training"} == set(params)  # qkv: throughout; is_training: any value is one

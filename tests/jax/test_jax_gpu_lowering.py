@@ -597,3 +597,39 @@ def test_partial_backward_program_runs_one_gradient_pass(captured_programs, grad
     grad_shapes = [(b, s, hq, d)] if which.has_dq else [(b, s, hk, d), (b, s, hk, d)]
     assert [r.shape for r in bwd.results[:len(grad_shapes) + 1]] == grad_shapes + [(b * m, hq, s)]  # then delta
     assert fills == ([(n_ops + i, 0, 1) for i in range(len(grad_shapes))] if mask.is_padding else [])
+
+
+@compiles
+@pytest.mark.parametrize("packed", [False, True], ids=["bshd-causal", "thd-padding_causal"])
+def test_max_logit_lowers_to_the_triton_forward_with_a_row_max_result(captured_programs, compile_calls, packed):
+    """return_max_logit at d=128 bf16 on sm_90 (where the call without it takes the Gluon forward): the Triton
+    forward (the plan's recorded reason), HAS_ROW_MAX, its ROW_MAX parameter a third fp32 result laid out as
+    the log-sum-exp (-inf-filled in packed mode, whose kernels write only rows inside sequences); the
+    backward is the call's without the max logit."""
+    b, s, hq, hk, d, m = 2, 128, 4, 2, 128, (2 if packed else 1)
+    mask = AttnMaskType.PADDING_CAUSAL_MASK if packed else AttnMaskType.CAUSAL_MASK
+    layout = QKVLayout.THD_THD_THD if packed else QKVLayout.BSHD_BSHD_BSHD
+
+    def fn(q, k, v, lens, offsets):
+        desc = SequenceDescriptor.from_seqlens_and_offsets(lens, offsets) if packed else None
+        f = lambda q, k, v: te_testing.fused_attn_with_backend(  # noqa: E731
+            "fused", (q, k, v), None, desc, None, "no_bias", mask, layout, q.shape[-1] ** -0.5, 0.0, True,
+            max_segments_per_seq=m, return_max_logit=True)
+        (out, max_logit), vjp = jax.vjp(f, q, k, v)
+        return out, max_logit, vjp((out, jnp.zeros_like(max_logit)))
+
+    exported = jax.export.export(
+        jax.jit(fn), platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(gpu.FFI_TARGET)],
+    )(*_shapes(b, s, hq, hk, d, m=m))
+    assert exported.out_avals[1].shape == (hq,) and exported.out_avals[1].dtype == jnp.bfloat16
+    fwd, bwd = captured_programs
+    _, fills, (launch,) = _check_program(fwd, ["attn_fwd_kernel"])
+    n_ops, nseq = len(fwd.operands), b * m
+    assert [r.shape for r in fwd.results[:3]] == [(b, s, hq, d), (nseq, hq, s), (nseq, hq, s)]
+    assert fwd.results[2].dtype == jnp.float32
+    assert _named_params(fwd, launch)["ROW_MAX"] == ("buffer", n_ops + 2)
+    assert fills == ([(n_ops, 0, 1), (n_ops + 1, 0x7F800000, 4), (n_ops + 2, 0xFF800000, 4)] if packed else [])
+    compiled = {fn.__name__: args for fn, args, _, _ in compile_calls}
+    assert compiled["attn_fwd_kernel"]["HAS_ROW_MAX"] is True
+    _check_program(bwd, ["attn_bwd_preprocess_kernel", "attn_bwd_dkdv_ws_kernel", "attn_bwd_dq_ws_kernel"])

@@ -103,3 +103,71 @@ def test_the_plan_keeps_the_max_logit_on_the_triton_forward():
     text = str(explain_plan(key))
     assert "return_max_logit: the row maxima are written by the Triton forward only" in text
     assert "attn_fwd_kernel (Triton)" in text
+
+
+def _dpa_with(mask, max_logit=True, **kwargs):
+    return DotProductAttention(H, D, num_gqa_groups=HK, qkv_format="thd", attn_mask_type=mask,
+                               return_max_logit=max_logit, **kwargs).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_fused_equals_unfused_to_rounding(monkeypatch, dtype):
+    """The same call on both backends: the fused kernel's base-2 max and the unfused math's scores agree within
+    the dtype's rounding (each is that close to the fp64 definition, test above)."""
+    seqs = _seqs(dtype, seed=4)
+    got = {}
+    for backend in ("fused", "unfused"):
+        monkeypatch.setenv("NVTE_FUSED_ATTN_BACKEND", backend)
+        dpa = _dpa_with("padding_causal", window_size=(7, 0))
+        got[backend] = _packed(dpa, seqs)[1]
+        assert dpa.last_backend == ("FusedAttention" if backend == "fused" else "UnfusedDotProductAttention")
+    tol = dict(rtol=2e-6, atol=2e-6) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(got["fused"], got["unfused"], **tol)
+
+
+@pytest.mark.parametrize("backend", ["fused", "unfused"])
+def test_the_sink_is_not_a_logit(monkeypatch, backend):
+    """Learnable sink softmax with sink logits far above every score: the max logit is still the keys' (the
+    unfused definition's), and the output and gradients are the call's without it."""
+    monkeypatch.setenv("NVTE_FUSED_ATTN_BACKEND", backend)
+    seqs = _seqs(torch.float32, seed=5)
+    dpa = _dpa_with("padding_causal", softmax_type="learnable")
+    with torch.no_grad():
+        dpa.softmax_offset.fill_(100.0)
+    out, max_logit = _packed(dpa, seqs)
+    torch.testing.assert_close(max_logit.double().cpu(), _reference(seqs, "causal", None, D ** -0.5),
+                               rtol=2e-6, atol=2e-6)
+    plain = _dpa_with("padding_causal", max_logit=False, softmax_type="learnable")
+    with torch.no_grad():
+        plain.softmax_offset.fill_(100.0)
+    assert torch.equal(out, _packed(plain, seqs))
+
+
+def test_fp16_alibi_and_bias_in_the_fused_kernel(monkeypatch):
+    """A post-scale bias plus ALiBi (one FMA in the kernel, in base 2) against the fp64 definition, fp16 inputs:
+    within fp16's rounding of the result, and bitwise the same run after run."""
+    monkeypatch.setenv("NVTE_FUSED_ATTN_BACKEND", "fused")
+    g = torch.Generator().manual_seed(6)
+    b, s = 2, 21
+    q = (torch.randn(b, s, H, D, generator=g) * 2).to(DEVICE, torch.float16)
+    k, v = ((torch.randn(b, s, HK, D, generator=g)).to(DEVICE, torch.float16) for _ in range(2))
+    bias = torch.randn(1, H, s, s, generator=g).to(DEVICE, torch.float16)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], device=DEVICE)
+    dpa = DotProductAttention(H, D, num_gqa_groups=HK, qkv_format="bshd", attn_mask_type="causal",
+                              return_max_logit=True).to(DEVICE)
+    run = lambda: dpa(q, k, v, core_attention_bias_type="post_scale_bias", core_attention_bias=bias)  # noqa: E731
+    _, max_logit = run()
+    assert dpa.last_backend == "FusedAttention"
+    assert torch.equal(run()[1], max_logit)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.double().cpu(), k.double().cpu().repeat_interleave(H // HK, dim=2))
+    scores = scores * D ** -0.5 + bias.double().cpu()
+    keep = torch.ones(s, s, dtype=torch.bool).tril()
+    expected = scores.masked_fill(~keep, float("-inf")).amax(dim=(0, 2, 3))
+    torch.testing.assert_close(max_logit.double().cpu(), expected, rtol=1e-3, atol=1e-3)
+    dpa_alibi = DotProductAttention(H, D, num_gqa_groups=HK, qkv_format="bshd", attn_mask_type="causal",
+                                    return_max_logit=True).to(DEVICE)
+    _, with_alibi = dpa_alibi(q, k, v, core_attention_bias_type="alibi", alibi_slopes=slopes)
+    rel = (torch.arange(s)[None, :] - torch.arange(s)[:, None]).abs()
+    alibi_scores = scores - bias.double().cpu() - slopes.double().cpu()[:, None, None] * rel
+    expected = alibi_scores.masked_fill(~keep, float("-inf")).amax(dim=(0, 2, 3))
+    torch.testing.assert_close(with_alibi.double().cpu(), expected, rtol=1e-3, atol=1e-3)

@@ -502,6 +502,7 @@ class _FusedAttnArgs:
     score_mod_tensors: Optional[Mapping[str, Any]] = None
     score_mod_bprop_tensors: Optional[Mapping[str, Any]] = None
     bottom_right_diagonal: Optional[bool] = None
+    return_max_logit: bool = False
 
 
 @dataclass(frozen=True)
@@ -794,8 +795,14 @@ def _call_config(args: _FusedAttnArgs, kinds: _Kinds, qkv, bias, window: Tuple[i
         qkv_layout=kinds.layout, attn_mask_type=kinds.mask, window_size=window,
         bottom_right_diagonal=args.bottom_right_diagonal, attn_bias_type=kinds.bias_type,
         bias_shape=None if bias is None else bias.shape, dropout=dropout, is_training=is_training,
-        softmax_type=kinds.softmax_type, offset_sequences=offset_sequences,
+        softmax_type=kinds.softmax_type, offset_sequences=offset_sequences, return_max_logit=args.return_max_logit,
     )
+
+
+def _check_return_max_logit(value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"`return_max_logit` must be a bool, got {value!r}")
+    return bool(value)
 
 
 def _parse_call(args: _FusedAttnArgs) -> _Call:
@@ -803,6 +810,7 @@ def _parse_call(args: _FusedAttnArgs) -> _Call:
     dropout seeds, its AttnConfig (for selection) and the primitives' static arguments."""
     kinds = _parse_kinds(args)
     _check_score_mods(args)
+    _check_return_max_logit(args.return_max_logit)
     cp = _resolve_context_parallel(args)
     checkpoint = _check_checkpoint_name(args.context_checkpoint_name)
     descriptor, max_segments = _parse_descriptor_form(args, kinds)
@@ -822,7 +830,7 @@ def _parse_call(args: _FusedAttnArgs) -> _Call:
         attn_mask_type=kinds.mask, attn_bias_type=kinds.bias_type, qkv_format=kinds.fmt, window_size=window,
         scaling_factor=scale, dropout_probability=dropout, is_training=is_training,
         deterministic=config.deterministic, checkpoint_name=checkpoint, bottom_right_diagonal=config.bottom_right,
-        softmax_type=kinds.softmax_type,
+        softmax_type=kinds.softmax_type, return_max_logit=bool(args.return_max_logit),
     )
     return _Call(q, k, v, bias, seq, seeds, softmax_offset, static, config, kinds.fmt, cp)
 
@@ -847,22 +855,31 @@ class _UnfusedBackend(UnfusedDotProductAttention):
             attn_mask_type=s.attn_mask_type, attn_bias_type=s.attn_bias_type, window_size=s.window_size,
             scaling_factor=s.scaling_factor, dropout_probability=s.dropout_probability, is_training=s.is_training,
             bottom_right_diagonal=s.bottom_right,
-            softmax_type=s.softmax_type, softmax_offset=call.softmax_offset,
+            softmax_type=s.softmax_type, softmax_offset=call.softmax_offset, return_max_logit=s.return_max_logit,
         )
-        return checkpoint_name(out, call.static.checkpoint_name)
+        if s.return_max_logit:
+            out, max_logit = out
+            return checkpoint_name(out, s.checkpoint_name), max_logit
+        return checkpoint_name(out, s.checkpoint_name)
 
 
 # The JAX backends: the common registry's JAX backends (backends_for("jax")), in its order, with runners.
 _CANDIDATES = (_FusedBackend, _UnfusedBackend)
 
 
-def _run(call: _Call, backend) -> jax.Array:
+def _run(call: _Call, backend):
     """``call`` on ``backend`` (one of ``_CANDIDATES``); with a context-parallel axis, the fused
-    primitives under context parallelism (on CPU their jnp lowering)."""
+    primitives under context parallelism (on CPU their jnp lowering). The output in the call's format,
+    and with ``return_max_logit`` ``(output, max_logit)``."""
     if call.cp is not None:
-        out = context_parallel.context_parallel_attention(call.q, call.k, call.v, call.static, call.cp, call.seq)
-        return _to_bshd(checkpoint_name(out, call.static.checkpoint_name), call.qkv_format)
-    return _to_bshd(backend.run(call), call.qkv_format)  # SBHD: swap back
+        result = context_parallel.context_parallel_attention(call.q, call.k, call.v, call.static, call.cp, call.seq)
+    else:
+        result = backend.run(call)
+    out, rest = (result[0], result[1:]) if call.static.return_max_logit else (result, ())
+    if call.cp is not None:
+        out = checkpoint_name(out, call.static.checkpoint_name)
+    out = _to_bshd(out, call.qkv_format)  # SBHD: swap back
+    return (out, *rest) if rest else out
 
 
 # Called with each backend selection ``fused_attn`` makes (at trace time): how
@@ -906,7 +923,8 @@ def fused_attn(
     score_mod_tensors: Optional[Mapping[str, Any]] = None,
     score_mod_bprop_tensors: Optional[Mapping[str, Any]] = None,
     bottom_right_diagonal: Optional[bool] = None,
-) -> jax.Array:
+    return_max_logit: bool = False,
+) -> Union[jax.Array, Tuple[jax.Array, jax.Array]]:
     """Scaled dot-product attention, ``softmax(Q K^T * scaling_factor + bias) V``, with masks.
 
     The arguments are TransformerEngine-JAX's, in its order (:doc:`/jax_te_compat` lists what each
@@ -946,7 +964,16 @@ def fused_attn(
         is TransformerEngine-JAX's top-left; ``True`` aligns it bottom-right, as TransformerEngine-PyTorch's
         default does. ``causal``/``padding_causal`` are always top-left and the ``*_bottom_right`` masks
         bottom-right (an explicit value is overridden, as in TransformerEngine-PyTorch). Not in
-        TransformerEngine-JAX's signature (keyword only by convention: it comes last).
+        TransformerEngine-JAX's signature (keyword only by convention).
+    :param return_max_logit: also return each query head's max logit (for QK-clip), as
+        TransformerEngine-PyTorch's ``return_max_logit``: ``(out, max_logit)``, ``max_logit`` ``[h_q]`` in
+        the dtype of ``q``, no gradient: the largest ``scaling_factor * q k^T + bias`` over the visible
+        (query, key) pairs of the batch, before dropout, the sink logit not included (-inf for a head with
+        none). The fused kernels compute it in their forward (each row's max, then a max over the rows:
+        order-free, so deterministic and the same on any sharding): split batch and sequence (context
+        parallelism) are reduced over their mesh axes. Inside a ``shard_map`` it is the max over the local
+        batch (and, with a context-parallel axis, the whole sequence). Not in TransformerEngine-JAX's
+        signature (keyword only).
     :param context_parallel_strategy: ``CPStrategy.DEFAULT`` (= ``ALL_GATHER``), ``ALL_GATHER`` or
         ``RING``: how keys and values reach each rank when the sequence is split over
         ``context_parallel_axis`` (a mesh axis name; ``''`` reads ``MeshResource.cp_resource``). With
@@ -964,7 +991,7 @@ def fused_attn(
     :param score_mod: a cuDNN frontend callback; it, ``score_mod_bprop``, ``score_mod_tensors``
         and ``score_mod_bprop_tensors`` must be ``None`` (``NotImplementedError``).
     :returns: ``[b, s_q, h_q, d_v]`` (``[s_q, b, h_q, d_v]`` for SBHD) in the dtype of ``q``. A
-        query that sees no key gets zeros, and zero gradients.
+        query that sees no key gets zeros, and zero gradients. With ``return_max_logit``, ``(out, max_logit)``.
 
     Determinism: the forward pass is always deterministic. With
     ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` or ``--xla_gpu_deterministic_ops=true`` the backward is
@@ -996,6 +1023,7 @@ def fused_attn(
         score_mod_tensors=score_mod_tensors,
         score_mod_bprop_tensors=score_mod_bprop_tensors,
         bottom_right_diagonal=bottom_right_diagonal,
+        return_max_logit=return_max_logit,
     )
     out, _ = _attention_with_selection(args)
     return out

@@ -52,6 +52,7 @@ __all__ = [
     "seed_words",
     "unfused_attention",
     "fused_fwd_math",
+    "fused_row_max",
     "fused_bwd_math",
     "softmax_aux_shape",
     "lse_to_segments",
@@ -346,8 +347,9 @@ def softmax_aux_shape(batch: int, segments: int, num_heads: int, s_q: int) -> Tu
     return (batch, segments, num_heads, s_q)
 
 
-def lse_to_segments(lse_tokens: jax.Array, seq: SeqInfo) -> jax.Array:
-    """Per-token log-sum-exp ``[b, h, s_q]`` -> per-sequence layout ``[b, m, h, s_q]``."""
+def lse_to_segments(lse_tokens: jax.Array, seq: SeqInfo, fill: float = float("inf")) -> jax.Array:
+    """Per-token log-sum-exp ``[b, h, s_q]`` -> per-sequence layout ``[b, m, h, s_q]`` (``fill`` past each
+    sequence's end; the row maxima use the same layout with ``-inf``)."""
     b, h, s_q = lse_tokens.shape
     m = seq.q_seqlens.shape[1]
     i = jnp.arange(s_q, dtype=jnp.int32)
@@ -355,7 +357,7 @@ def lse_to_segments(lse_tokens: jax.Array, seq: SeqInfo) -> jax.Array:
     inside = i < seq.q_seqlens[:, :, None]
     index = jnp.broadcast_to(jnp.clip(token, 0, s_q - 1)[:, :, None, :], (b, m, h, s_q))
     gathered = jnp.take_along_axis(jnp.broadcast_to(lse_tokens[:, None], (b, m, h, s_q)), index, axis=-1)
-    return jnp.where(inside[:, :, None, :], gathered, jnp.inf)
+    return jnp.where(inside[:, :, None, :], gathered, jnp.asarray(fill, lse_tokens.dtype))
 
 
 def lse_to_tokens(lse_segments: jax.Array, seq: SeqInfo) -> jax.Array:
@@ -687,10 +689,14 @@ def unfused_attention(
     bottom_right_diagonal: Optional[bool] = None,
     softmax_type: AttnSoftmaxType = AttnSoftmaxType.VANILLA_SOFTMAX,
     softmax_offset=None,
+    return_max_logit: bool = False,
 ):
     """softmax(QK^T * scale + bias) V in fp32 (the inputs converted), returned in q's dtype,
     ``[b, s_q, h_q, d_v]``. Sink softmax (``softmax_type``) adds one logit per row (0, or
     ``softmax_offset[h]``, not scaled) to the normaliser; dropout applies to the keys' probabilities.
+    ``return_max_logit``: returns ``(out, max_logit)``, ``max_logit`` ``[h_q]`` in q's dtype (no gradient):
+    each head's largest ``scale * q k^T + bias`` over the visible (query, key) pairs of the batch, before
+    dropout and without the sink (-inf for a head with none).
 
     Invariance (the fixed reduction structure above): a sequence's output rows and its q/k/v
     gradients are bitwise the same alone, in any batch, padded to any length or packed in a THD
@@ -706,7 +712,8 @@ def unfused_attention(
     b, s_q, h_q, _ = q.shape
     s_kv, h_kv = k.shape[1], k.shape[2]
     if s_kv == 0 or s_q == 0:
-        return jnp.zeros((b, s_q, h_q, v.shape[-1]), q.dtype)
+        out = jnp.zeros((b, s_q, h_q, v.shape[-1]), q.dtype)
+        return (out, jnp.full((h_q,), -jnp.inf, q.dtype)) if return_max_logit else out
     compute = jnp.promote_types(q.dtype, jnp.float32)
     group = h_q // h_kv
     slots = _slots(seq, s_q, s_kv)
@@ -727,13 +734,18 @@ def unfused_attention(
             scores = scores * scaling_factor + bias_s
     else:
         scores = scores * scaling_factor
+    max_logit = None
+    if return_max_logit:  # a max: order-free, so the same bits whatever the batch and packing
+        hidden = jnp.where(keep, jax.lax.stop_gradient(scores), -jnp.inf)
+        max_logit = jnp.max(hidden, axis=(0, 2, 3), initial=-jnp.inf).astype(q.dtype)
     probs = _masked_softmax_blocked(scores, keep, sink_logits(softmax_type, softmax_offset, h_q))
     if is_training and dropout_probability > 0.0:
         seeds_s = jnp.broadcast_to(seeds[:, None], (b, m) + seeds.shape[1:]).reshape((b * m,) + seeds.shape[1:])
         kept = _dropout_keep(seeds_s, flat(slots.index_q), flat(slots.index_kv), dropout_probability)
         probs = jnp.where(kept, probs / (1.0 - dropout_probability), 0.0).astype(probs.dtype)
     out = blocked_probs_v(probs, vs, group)  # [b * m, h_q, s_q, d_v]
-    return _from_slots(out, seq, s_q).astype(q.dtype)
+    out = _from_slots(out, seq, s_q).astype(q.dtype)
+    return (out, max_logit) if return_max_logit else out
 
 
 # --- the fused primitives' CPU math (fp32) ----------------------------------------------------------
@@ -754,6 +766,35 @@ def fused_fwd_math(q, k, v, bias, seq: SeqInfo, seeds, *, static, softmax_offset
         probs, _ = _apply_dropout(probs, seeds, static.dropout_probability)
     out = _pv(probs, v.astype(f32), f32, invariant=invariant)
     return jnp.where(in_q, out, 0.0).astype(q.dtype), lse
+
+
+# The forward kernel's constants (kernels/forward.py): its scores are in base 2, scaled by
+# ``qk_scale = softmax_scale * log2(e)`` (an fp32 argument), and it stores ``max * ln(2)``.
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+
+def fused_row_max(q, k, bias, seq: SeqInfo, *, static) -> jax.Array:
+    """Each query token's max logit over the keys it sees, fp32 ``[b, h_q, s_q]`` (-inf where it sees
+    none, padding included), as the forward kernel computes it: the max of the base-2 scores
+    ``qk * qk_scale (+ bias * log2 e)`` times ``ln 2``. Without a bias a product is exact whatever the
+    order, and these are the kernel's bits wherever ``qk`` is; a bias is added here without the kernel's
+    fused multiply-add (one rounding apart). The sink is no key's logit and takes no part."""
+    f32 = jnp.float32
+    visible = visibility_mask(seq, q.shape[1], k.shape[1], static.attn_mask_type, static.window_size,
+                              static.bottom_right)
+    q, k, _, _ = zero_padding(q, k, k, seq)
+    raw = _logits(q.astype(f32), k.astype(f32), None, 1.0, AttnBiasType.NO_BIAS, f32,
+                  invariant=static.deterministic)
+    qk_scale = jnp.asarray(np.float32(static.scaling_factor * _LOG2E))
+    if bias is None or static.attn_bias_type == AttnBiasType.NO_BIAS:
+        scores = raw * qk_scale
+    elif static.attn_bias_type == AttnBiasType.PRE_SCALE_BIAS:
+        scores = (raw + bias.astype(f32)) * qk_scale
+    else:
+        scores = raw * qk_scale + bias.astype(f32) * jnp.asarray(np.float32(_LOG2E))
+    row = jnp.max(jnp.where(visible, scores, -jnp.inf), axis=-1, initial=-jnp.inf)
+    return jnp.where(row == -jnp.inf, row, row * jnp.asarray(np.float32(_LN2)))
 
 
 def _sum_to_shape(x, shape):

@@ -86,7 +86,7 @@ from transformer_engine.jax import jax_compat
 from transformer_engine.jax.enums import CPStrategy, ReorderStrategy
 from transformer_engine.jax.load_balancing import (inverse_reorder_causal_load_balancing,
                                                      reorder_causal_load_balancing)
-from transformer_engine.jax.primitives.attention import FusedAttnStatic, fused_attn_bwd, fused_attn_fwd
+from transformer_engine.jax.primitives.attention import FusedAttnStatic, fused_attn_bwd, fused_attn_fwd, max_logit
 from transformer_engine.jax.sharding import batch_axes, global_mesh_resource, head_axes
 
 __all__ = ["ContextParallel", "resolve_context_parallel", "check_context_parallel_supported",
@@ -308,6 +308,9 @@ class _Plan:
     cp: ContextParallel
     causal: bool
     align: int = 1  # tile_alignment of the call (1: the CPU lowering, which has no tiles)
+    # return_max_logit: the mesh axes whose ranks hold other rows of the call (the context-parallel axis,
+    # and the batch's axes in the shard_map this module runs); each head's max logit is a pmax over them.
+    max_axes: Tuple[str, ...] = ()
 
     def chunks(self, local_len: int):
         """(local row start, chunk length, global start as a function of the rank) per own chunk, in the
@@ -406,28 +409,36 @@ def _placeholders(q):
 
 def rank_forward(plan: _Plan, rank, q, k_all, v_all):
     """One rank's forward from gathered operands: (local output, local log-sum-exp ``[b, 1, h, n_local]``
-    in local row order). ``q``: the rank's rows; ``k_all``, ``v_all``: every key and value in global
-    order; ``rank``: its index on the context-parallel axis (int or traced)."""
+    in local row order), and with ``return_max_logit`` the local rows' max logits (laid out as the
+    log-sum-exp). ``q``: the rank's rows; ``k_all``, ``v_all``: every key and value in global order;
+    ``rank``: its index on the context-parallel axis (int or traced)."""
     b, n_local = q.shape[:2]
     bias, seeds = _placeholders(q)
     s_kv = k_all.shape[1]
     if not plan.causal:
         return fused_attn_fwd(q, k_all, v_all, bias, full_seq_info(b, n_local, s_kv), seeds, plan.static)
-    outs, lses = [], []
+    parts = []  # per own chunk: (out, lse[, row_max])
     pad = plan.lead_rows(n_local)
     for lo, c, start in plan.chunks(n_local):
         a = start(rank)
         if not pad:
-            out, lse = fused_attn_fwd(q[:, lo:lo + c], k_all, v_all, bias, _chunk_seq(b, c, a, s_kv), seeds,
-                                      plan.chunk_static)
+            part = fused_attn_fwd(q[:, lo:lo + c], k_all, v_all, bias, _chunk_seq(b, c, a, s_kv), seeds,
+                                  plan.chunk_static)
         else:  # queries from the tile boundary before the chunk (zero rows, dropped), as the plan's range
             lead = a % plan.align
-            out, lse = fused_attn_fwd(_lead(q[:, lo:lo + c], pad), k_all, v_all, bias,
-                                      _seq(b, c + lead, a + c, pad - lead, 0), seeds, plan.aligned_chunk_static)
-            out, lse = out[:, pad:], jax.lax.dynamic_slice_in_dim(lse, lead, c, axis=3)
-        outs.append(out)
-        lses.append(lse)
-    return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=3)
+            part = fused_attn_fwd(_lead(q[:, lo:lo + c], pad), k_all, v_all, bias,
+                                  _seq(b, c + lead, a + c, pad - lead, 0), seeds, plan.aligned_chunk_static)
+            part = (part[0][:, pad:],) + tuple(jax.lax.dynamic_slice_in_dim(x, lead, c, axis=3) for x in part[1:])
+        parts.append(part)
+    return (jnp.concatenate([p[0] for p in parts], axis=1),) + tuple(
+        jnp.concatenate([p[i] for p in parts], axis=3) for i in range(1, len(parts[0])))
+
+
+def _global_max_logit(row_max, dtype, axes: Tuple[str, ...]):
+    """Each head's max logit from this rank's row maxima, over the ranks of ``axes`` too (a max:
+    order-free, so every rank gets the bits of the single-device call)."""
+    local = max_logit(row_max, jnp.float32)
+    return (jax.lax.pmax(local, axes) if axes else local).astype(dtype)
 
 
 def _only(static: FusedAttnStatic, grads: BackwardGrads) -> FusedAttnStatic:
@@ -505,8 +516,18 @@ def _aligned_chunk_backward(plan: _Plan, a, pad: int, chunk, gathered, lse_padde
 
 
 def _forward(plan: _Plan, q, k, v):
+    """(out, lse) of this rank's rows, and with ``return_max_logit`` (out, lse, max_logit)."""
     rank = jax.lax.axis_index(plan.cp.axis)
-    return rank_forward(plan, rank, q, _gather(k, plan.cp, 1), _gather(v, plan.cp, 1))
+    results = rank_forward(plan, rank, q, _gather(k, plan.cp, 1), _gather(v, plan.cp, 1))
+    if plan.static.return_max_logit:
+        out, lse, row_max = results
+        return out, lse, _global_max_logit(row_max, q.dtype, plan.max_axes)
+    return results
+
+
+def _primal(static: FusedAttnStatic, results):
+    """What the attention returns: the output, and with ``return_max_logit`` ``(out, max_logit)``."""
+    return (results[0], results[2]) if static.return_max_logit else results[0]
 
 
 def _backward(plan: _Plan, q, k, v, out, lse, dout):
@@ -517,15 +538,18 @@ def _backward(plan: _Plan, q, k, v, out, lse, dout):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _cp_attention(plan: _Plan, q, k, v):
-    return _forward(plan, q, k, v)[0]
+    return _primal(plan.static, _forward(plan, q, k, v))
 
 
 def _cp_attention_fwd(plan, q, k, v):
-    out, lse = _forward(plan, q, k, v)
-    return out, (q, k, v, out, lse)
+    results = _forward(plan, q, k, v)
+    out, lse = results[:2]
+    return _primal(plan.static, results), (q, k, v, out, lse)
 
 
 def _cp_attention_bwd(plan, residuals, dout):
+    if plan.static.return_max_logit:
+        dout = dout[0]  # the max logit has no gradient
     q, k, v, out, lse = residuals
     return _backward(plan, q, k, v, out, lse, dout)
 
@@ -546,24 +570,30 @@ _cp_attention.defvjp(_cp_attention_fwd, _cp_attention_bwd)
 # call's compute and memory on every rank (no speed-up from cp), for THD only.
 
 
-def _thd_forward(cp: ContextParallel, static: FusedAttnStatic, q, k, v, seq: SeqInfo):
+def _thd_forward(cp: ContextParallel, static: FusedAttnStatic, max_axes: Tuple[str, ...], q, k, v, seq: SeqInfo):
     q_all, k_all, v_all = (_gather(x, cp, 1, thd=True) for x in (q, k, v))
     bias, seeds = _placeholders(q_all)
-    out, lse = fused_attn_fwd(q_all, k_all, v_all, bias, seq, seeds, static)
-    return _own_rows(out, cp, 1, True), _own_rows(lse, cp, 3, True)
+    results = fused_attn_fwd(q_all, k_all, v_all, bias, seq, seeds, static)
+    own = (_own_rows(results[0], cp, 1, True), _own_rows(results[1], cp, 3, True))
+    if static.return_max_logit:  # every rank has every row's: the pmax makes it the axes' common value
+        return own + (_global_max_logit(results[2], q.dtype, max_axes),)
+    return own
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _thd_cp_attention(cp, static, q, k, v, seq):
-    return _thd_forward(cp, static, q, k, v, seq)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _thd_cp_attention(cp, static, max_axes, q, k, v, seq):
+    return _primal(static, _thd_forward(cp, static, max_axes, q, k, v, seq))
 
 
-def _thd_cp_attention_fwd(cp, static, q, k, v, seq):
-    out, lse = _thd_forward(cp, static, q, k, v, seq)
-    return out, (q, k, v, out, lse, seq)
+def _thd_cp_attention_fwd(cp, static, max_axes, q, k, v, seq):
+    results = _thd_forward(cp, static, max_axes, q, k, v, seq)
+    out, lse = results[:2]
+    return _primal(static, results), (q, k, v, out, lse, seq)
 
 
-def _thd_cp_attention_bwd(cp, static, residuals, dout):
+def _thd_cp_attention_bwd(cp, static, max_axes, residuals, dout):
+    if static.return_max_logit:
+        dout = dout[0]  # the max logit has no gradient
     q, k, v, out, lse, seq = residuals
     q_all, k_all, v_all, out_all, dout_all = (_gather(x, cp, 1, thd=True) for x in (q, k, v, out, dout))
     lse_all = _gather(lse, cp, 3, thd=True)
@@ -594,24 +624,34 @@ def _divisible_axes(axes: Tuple[str, ...], mesh, *sizes: int):
 def context_parallel_attention(q, k, v, static: FusedAttnStatic, cp: ContextParallel, seq: Optional[SeqInfo] = None):
     """Attention of canonical BSHD ``q``, ``k``, ``v`` with the sequence split over ``cp.axis``
     (global arrays under ``jit``, or the local chunks inside a ``shard_map`` where the axis is manual).
-    ``seq``: the segments of a THD call, in global token order (see :func:`descriptor_in_global_order`)."""
+    ``seq``: the segments of a THD call, in global token order (see :func:`descriptor_in_global_order`).
+    With ``static.return_max_logit`` returns ``(out, max_logit)``: each head's max over the whole
+    sequence (and, from ``jit``, the whole batch; inside a ``shard_map`` the local batch's)."""
     thd = static.qkv_format == _common.QKVFormat.THD
     plan = make_plan(static, cp)
     manual = cp.axis in _manual_axes()
     if not thd:
         plan = make_plan(static, cp, tile_alignment(plan, q, k, v))
     if manual:
-        return _cp_attention(plan, q, k, v)
+        return _cp_attention(dataclasses.replace(plan, max_axes=(cp.axis,)), q, k, v)
     mesh = next(m for m in _current_meshes() if cp.axis in m.axis_names)
     resource = global_mesh_resource()
     batch = _divisible_axes(batch_axes(resource), mesh, q.shape[0])
     heads = _divisible_axes(head_axes(resource), mesh, q.shape[2], k.shape[2])
     spec = PartitionSpec(batch, cp.axis, heads, None)
+    max_axes = (cp.axis,) + _axes_tuple(batch)
+    out_specs = (spec, PartitionSpec(heads)) if static.return_max_logit else spec
     if thd:
         seq_spec = SeqInfo(*(PartitionSpec(batch, None) for _ in seq))
-        run = jax.shard_map(functools.partial(_thd_cp_attention, cp, static), mesh=mesh,
-                            in_specs=(spec, spec, spec, seq_spec), out_specs=spec)
+        run = jax.shard_map(functools.partial(_thd_cp_attention, cp, static, max_axes), mesh=mesh,
+                            in_specs=(spec, spec, spec, seq_spec), out_specs=out_specs)
         return run(q, k, v, SeqInfo(*(x.astype(jnp.int32) for x in seq)))
-    run = jax.shard_map(functools.partial(_cp_attention, plan), mesh=mesh, in_specs=(spec, spec, spec),
-                        out_specs=spec)
+    run = jax.shard_map(functools.partial(_cp_attention, dataclasses.replace(plan, max_axes=max_axes)), mesh=mesh,
+                        in_specs=(spec, spec, spec), out_specs=out_specs)
     return run(q, k, v)
+
+
+def _axes_tuple(axes) -> Tuple[str, ...]:
+    if axes is None:
+        return ()
+    return (axes,) if isinstance(axes, str) else tuple(axes)

@@ -38,7 +38,7 @@ from transformer_engine.common.attention.validation import kernel_scale
 from transformer_engine.jax import attention_math, jax_compat
 from transformer_engine.jax.attention_math import SeqInfo
 
-__all__ = ["FusedAttnStatic", "fused_attn_core", "fused_attn_fwd", "fused_attn_bwd"]
+__all__ = ["FusedAttnStatic", "fused_attn_core", "fused_attn_fwd", "fused_attn_bwd", "max_logit"]
 
 _SUPPORTED_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 
@@ -111,9 +111,13 @@ def _check_operands(static: FusedAttnStatic, q, k, v, bias, q_seqlens, kv_seqlen
 
 def _fwd_impl(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds, softmax_offset, *, static):
     seq = SeqInfo(q_seqlens, kv_seqlens, q_offsets, kv_offsets)
-    out, lse = attention_math.fused_fwd_math(q, k, v, bias if static.has_bias else None, seq, seeds, static=static,
-                                             softmax_offset=softmax_offset)
-    return out, attention_math.lse_to_segments(lse, seq)
+    bias = bias if static.has_bias else None
+    out, lse = attention_math.fused_fwd_math(q, k, v, bias, seq, seeds, static=static, softmax_offset=softmax_offset)
+    results = (out, attention_math.lse_to_segments(lse, seq))
+    if static.return_max_logit:
+        row_max = attention_math.fused_row_max(q, k, bias, seq, static=static)
+        results += (attention_math.lse_to_segments(row_max, seq, fill=-jnp.inf),)
+    return results
 
 
 def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds,
@@ -200,6 +204,8 @@ def _fwd_abstract(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, s
     operands = (q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds, softmax_offset)
     out = _typed((b, s_q, h_q, v.shape[3]), q.dtype, operands)
     aux = _typed(attention_math.softmax_aux_shape(b, q_seqlens.shape[1], h_q, s_q), jnp.float32, operands)
+    if static.return_max_logit:  # each row's max logit, laid out as the softmax aux (-inf where none)
+        return out, aux, _typed(aux.shape, jnp.float32, operands)
     return out, aux
 
 
@@ -287,8 +293,8 @@ def _unfold(x, n, b):
 
 def _fwd_batch(args, dims, *, static):
     folded, n, b = _fold_operands(static, args, dims, bias_index=3)
-    out, aux = _fwd_outer_p.bind(*folded, static=static)
-    return (_unfold(out, n, b), _unfold(aux, n, b)), (0, 0)
+    results = _fwd_outer_p.bind(*folded, static=static)
+    return tuple(_unfold(x, n, b) for x in results), (0,) * len(results)
 
 
 def _bwd_batch(args, dims, *, static):
@@ -421,8 +427,14 @@ def _operand_shardings(static, layout: _Layout, arg_infos) -> dict:
 def _fwd_result_shardings(static, mesh, arg_shapes, result_shape):
     infos = dict(zip(_FWD_NAMES, arg_shapes))
     layout = _layout(static, mesh, infos, _FWD_SEQ_AXES)
-    shardings = _operand_shardings(static, layout, infos)
-    return (shardings["out"], shardings["softmax_aux"])
+    return _fwd_results(static, _operand_shardings(static, layout, infos))
+
+
+def _fwd_results(static, shardings) -> Tuple:
+    """The forward's result shardings: out, softmax aux and, with return_max_logit, the row maxima (as
+    the aux: each shard's rows; the per-head max over them is the caller's, which XLA all-reduces)."""
+    return (shardings["out"], shardings["softmax_aux"]) + ((shardings["softmax_aux"],) if static.return_max_logit
+                                                            else ())
 
 
 def _fwd_partition(static, mesh, arg_shapes, result_shape):
@@ -430,7 +442,7 @@ def _fwd_partition(static, mesh, arg_shapes, result_shape):
     layout = _layout(static, mesh, infos, _FWD_SEQ_AXES)
     shardings = _operand_shardings(static, layout, infos)
     arg_shardings = tuple(shardings[name] for name in _FWD_NAMES)
-    result_shardings = (shardings["out"], shardings["softmax_aux"])
+    result_shardings = _fwd_results(static, shardings)
 
     def lower_fn(*operands):
         return tuple(_fwd_inner_p.bind(*operands, static=static))
@@ -511,7 +523,7 @@ def _common_factors(static, value_types):
 def _fwd_sharding_rule(static, mesh, value_types, result_types):
     hq, sizes, bias_rule = _common_factors(static, value_types)
     operands = [f"b s {hq} d", "b t kh d", "b t kh e", bias_rule, "b m", "b m", "b m1", "b m1", f"b {hq} two", hq]
-    results = [f"b s {hq} e", f"b m {hq} s"]
+    results = [f"b s {hq} e", f"b m {hq} s"] + ([f"b m {hq} s"] if static.return_max_logit else [])
     rule = ", ".join(operands) + " -> " + ", ".join(results)
     return rule, dict(sizes, need_replication_factors=("d", "e"))
 
@@ -624,13 +636,20 @@ batching.primitive_batchers[_bwd_outer_p] = _bwd_batch
 
 
 def fused_attn_fwd(q, k, v, bias, seq: SeqInfo, seeds, static: FusedAttnStatic, softmax_offset=None):
-    """Forward primitive: (output ``[b, s_q, h_q, d_v]``, softmax aux (log-sum-exp, fp32)).
-    ``softmax_offset``: fp32 ``[h_q]`` sink logits (read with sink softmax only)."""
+    """Forward primitive: (output ``[b, s_q, h_q, d_v]``, softmax aux (log-sum-exp, fp32)), and with
+    ``static.return_max_logit`` each row's max logit, fp32 laid out as the aux (-inf where a row sees no
+    key; :func:`max_logit` reduces it per head). ``softmax_offset``: fp32 ``[h_q]`` sink logits (read
+    with sink softmax only)."""
     if softmax_offset is None:
         softmax_offset = jnp.zeros((q.shape[2],), jnp.float32)
     q, k, v, bias, seq, seeds, softmax_offset = _vary_like(q, k, v, bias, seq, seeds, softmax_offset)
-    out, aux = _fwd_outer_p.bind(q, k, v, bias, *seq, seeds, softmax_offset, static=static)
-    return out, aux
+    return tuple(_fwd_outer_p.bind(q, k, v, bias, *seq, seeds, softmax_offset, static=static))
+
+
+def max_logit(row_max, dtype):
+    """Each head's max logit ``[h_q]`` in ``dtype`` from :func:`fused_attn_fwd`'s row maxima ``[b, m, h_q, s]``
+    (fp32): a max, order-free, so the same bits however the rows are split or reduced."""
+    return jnp.max(row_max, axis=(0, 1, 3), initial=-jnp.inf).astype(dtype)
 
 
 def fused_attn_bwd(q, k, v, bias, out, dout, softmax_aux, seq: SeqInfo, seeds, static: FusedAttnStatic,
@@ -647,18 +666,20 @@ def fused_attn_bwd(q, k, v, bias, out, dout, softmax_aux, seq: SeqInfo, seeds, s
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _fused_attn(static, q, k, v, bias, softmax_offset, seq, seeds):
-    out, _ = fused_attn_fwd(q, k, v, bias, seq, seeds, static, softmax_offset)
-    return checkpoint_name(out, static.checkpoint_name)
+    return _fused_attn_fwd_rule(static, q, k, v, bias, softmax_offset, seq, seeds)[0]
 
 
 def _fused_attn_fwd_rule(static, q, k, v, bias, softmax_offset, seq, seeds):
-    out, aux = fused_attn_fwd(q, k, v, bias, seq, seeds, static, softmax_offset)
+    out, aux, *row_max = fused_attn_fwd(q, k, v, bias, seq, seeds, static, softmax_offset)
     out = checkpoint_name(out, static.checkpoint_name)
     aux = checkpoint_name(aux, static.checkpoint_name)
-    return out, (q, k, v, bias, softmax_offset, seq, seeds, out, aux)
+    primal = (out, max_logit(row_max[0], q.dtype)) if static.return_max_logit else out
+    return primal, (q, k, v, bias, softmax_offset, seq, seeds, out, aux)
 
 
 def _fused_attn_bwd_rule(static, residuals, dout):
+    if static.return_max_logit:
+        dout = dout[0]  # the max logit has no gradient
     q, k, v, bias, softmax_offset, seq, seeds, out, aux = residuals
     dq, dk, dv, dbias, dsink = fused_attn_bwd(q, k, v, bias, out, dout, aux, seq, seeds, static, softmax_offset)
     d_offset = None
@@ -689,6 +710,8 @@ def fused_attn_core(
 ) -> jax.Array:
     """Fused attention on canonical operands (see :mod:`transformer_engine.jax.attention_math`),
     differentiable in ``q``, ``k``, ``v``, ``bias`` and (learnable sink softmax) ``softmax_offset``.
+    With ``static.return_max_logit`` returns ``(out, max_logit)``: :func:`max_logit` ``[h_q]`` in q's dtype,
+    no gradient.
     ``bias`` is ``None`` without bias; ``softmax_offset`` (``[h_q]`` or ``[1, h_q, 1, 1]``) is the
     learnable sink logits, ``None`` for the other softmax types."""
     if bias is None:

@@ -18,6 +18,9 @@ log-sum-exp is ``[b * m, h, s]`` = the primitives' ``[b, m, h, s]`` softmax aux.
 A post_scale_bias ``[1|b, 1|h, s_q, s_kv]`` (padded layouts, one sequence per row) goes to the
 forward, dK/dV and dQ kernels, and its gradient comes from the dBias kernel.
 
+``return_max_logit``: the forward also writes each row's max logit (slot ``row_max``, laid out as the
+log-sum-exp, -inf-filled in packed mode); the frontend's max over rows gives each head's.
+
 Sink softmax: the sink logits (fp32 ``[h_q]``) go to the Triton forward (``SINK``, ``HAS_SINK``); for
 the learnable sink the backward launches the sink-gradient kernel after the preprocess, which writes
 each sequence's part ``[b * m, h_q]`` (the custom_vjp sums them).
@@ -148,6 +151,9 @@ class Program:
 
     def fill_inf_f32(self, index: int) -> None:
         self.fill(index, 0x7F800000, 4)
+
+    def fill_neg_inf_f32(self, index: int) -> None:
+        self.fill(index, 0xFF800000, 4)
 
     def launch(self, kernel: CompiledKernel, grid: Tuple[int, int, int], args: Dict[str, object]) -> None:
         """``args``: buffer indices for pointer parameters (``Buf(i)``), numbers for the rest."""
@@ -315,15 +321,24 @@ def _fwd_impl(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds
     prog = Program([jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands])
     o = prog.result((b, s_q, hq, dv), q.dtype)
     lse = prog.result((nseq, hq, s_q), jnp.float32)
+    # return_max_logit: each row's max logit, laid out as lse (-inf where a row sees no key)
+    row_max = prog.result((nseq, hq, s_q), jnp.float32) if static.return_max_logit else None
     if packed:
         prog.fill(o)  # packed mode writes only rows inside sequences
         prog.fill_inf_f32(lse)
+        if row_max is not None:
+            prog.fill_neg_inf_f32(row_max)
     buffers.update(out=Buf(o), lse=Buf(lse))
+    if row_max is not None:
+        buffers["row_max"] = Buf(row_max)
     call = launch_call(static, dict(q=q.shape, k=k.shape, v=v.shape, out=(b, s_q, hq, dv)), q.dtype, nseq,
                        bias.shape if static.has_bias else None, _compute_capability(), m if packed else 1)
     _run(prog, launch_description.forward_launches(call), buffers)
-    out, lse_out = prog.call(*operands)[:2]
-    return out, lse_out.reshape(b, nseq // b, hq, s_q)
+    results = prog.call(*operands)
+    out, lse_out = results[:2]
+    if row_max is None:
+        return out, lse_out.reshape(b, nseq // b, hq, s_q)
+    return out, lse_out.reshape(b, nseq // b, hq, s_q), results[2].reshape(b, nseq // b, hq, s_q)
 
 
 # ================================================================================================

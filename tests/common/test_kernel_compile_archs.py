@@ -45,6 +45,7 @@ class Case:
     sink: bool = False  # learnable sink softmax: HAS_SINK forward and the sink-gradient kernel
     seqlen_q: int = 1024  # 1: the kernels' length-generic twins (a length of 1 is not specialized)
     segments: int = 1  # packed sequences in rows of this many: the segment-row grid (JAX's packed rows)
+    seqlen_kv: int = 1024  # above the plan's kv_chunk: the chunked sum (and split-KV where the grid is small)
 
     @property
     def name(self) -> str:
@@ -54,6 +55,7 @@ class Case:
                                 (f"rows{self.segments}", self.segments > 1)) if on]
         window = f"-window{self.window}" if self.window != (-1, -1) else ""
         short = f"-sq{self.seqlen_q}" if self.seqlen_q != 1024 else ""
+        short += f"-skv{self.seqlen_kv}" if self.seqlen_kv != 1024 else ""
         return (f"d{self.dims[0]}x{self.dims[1]}-{self.dtype}-{self.mask.value}{window}{short}-"
                 + "-".join(mods or ["plain"]))
 
@@ -83,10 +85,16 @@ CASES = [
     Case((128, 128), "bfloat16", AttnMaskType.PADDING_CAUSAL_MASK, thd=True, segments=2),
     # One query against 1024 keys (decoding-style): the length-generic twins, at their heaviest.
     Case((256, 256), "bfloat16", AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK, bias=BIAS, dropout=True, gqa=4, seqlen_q=1),
+    # Keys over two chunks (kv_chunk 4096): the chunked sum in one program (a 1024-query grid), and split-KV with
+    # its combine (one query: a small grid), at their heaviest.
+    Case((128, 128), "bfloat16", AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK, bias=BIAS, dropout=True, gqa=4,
+         seqlen_kv=8192),
+    Case((128, 128), "bfloat16", AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK, bias=BIAS, dropout=True, gqa=4, seqlen_q=1,
+         seqlen_kv=8192),
 ]
 
 
-_SHORT = {"attn_fwd_kernel": "fwd", "attn_bwd_preprocess_kernel": "preprocess", "attn_bwd_dkdv_kernel": "dkdv",
+_SHORT = {"attn_fwd_kernel": "fwd", "attn_fwd_combine_kernel": "combine", "attn_bwd_preprocess_kernel": "preprocess", "attn_bwd_dkdv_kernel": "dkdv",
           "attn_bwd_dq_kernel": "dq", "attn_bwd_dbias_kernel": "dbias", "attn_bwd_dsink_kernel": "dsink",
           "attn_fwd_ws_kernel": "fwd_ws", "attn_bwd_dkdv_ws_kernel": "dkdv_ws", "attn_bwd_dq_ws_kernel": "dq_ws"}
 
@@ -96,15 +104,15 @@ def launches(target: str, case: Case) -> List[Tuple[str, tuple]]:
     (a bias case twice: [1, h, s, s] and a [1, 1, 1, s] bias, whose dBias sums the query rows)."""
     dqk, dv = case.dims
     cfg = AttnConfig(batch_size=2, num_heads_q=8, num_heads_kv=8 // case.gqa, head_dim_qk=dqk, head_dim_v=dv,
-                     max_seqlen_q=case.seqlen_q, max_seqlen_kv=1024, dtype=case.dtype, attn_mask_type=case.mask,
+                     max_seqlen_q=case.seqlen_q, max_seqlen_kv=case.seqlen_kv, dtype=case.dtype, attn_mask_type=case.mask,
                      window_size=case.window, attn_bias_type=case.bias,
                      bias_shape="1hss" if case.bias == BIAS else None, dropout=0.1 if case.dropout else 0.0,
                      softmax_type=(AttnSoftmaxType.LEARNABLE_SOFTMAX if case.sink else AttnSoftmaxType.VANILLA_SOFTMAX),
                      deterministic=True, device_type="cuda", **DEVICE_FACTS[target])
-    shape = dict(seqlen=case.seqlen_q, seqlen_kv=1024, thd=case.thd, segments_per_row=case.segments)
+    shape = dict(seqlen=case.seqlen_q, seqlen_kv=case.seqlen_kv, thd=case.thd, segments_per_row=case.segments)
     calls = [contiguous_call(cfg, **shape)]
     if case.bias == BIAS:
-        calls.append(contiguous_call(cfg, **shape, bias_shape=(1, 1, 1, 1024)))
+        calls.append(contiguous_call(cfg, **shape, bias_shape=(1, 1, 1, case.seqlen_kv)))
     out = []
     for call in calls:
         for launch in planned_launches(call):
@@ -255,7 +263,8 @@ def test_cases_cover_every_bucket_kernel_and_modifier():
     assert any(c.dropout for c in CASES) and any(c.gqa > 1 for c in CASES) and any(c.thd for c in CASES)
     assert any(c.dims[0] != c.dims[1] for c in CASES) and any(c.window != (-1, -1) for c in CASES)
     kernels = {k for t in TARGETS for c in CASES for k, _ in launches(t, c)}
-    assert kernels == {"fwd", "preprocess", "dkdv", "dq", "dbias", "dsink", "fwd_ws", "dkdv_ws", "dq_ws"}
+    assert kernels == {"fwd", "combine", "preprocess", "dkdv", "dq", "dbias", "dsink", "fwd_ws", "dkdv_ws", "dq_ws"}
+    assert any(c.seqlen_kv > 4096 and c.seqlen_q == 1 for c in CASES)  # split-KV and its combine
 
 
 if __name__ == "__main__":

@@ -31,8 +31,8 @@ from transformer_engine.common.attention.plan import (
     tma_eligible,
 )
 
-__all__ = ["Slot", "View", "Bias", "Call", "Launch", "plan_key", "forward_launches", "backward_launches", "LOG2E",
-           "ELEMENT_SIZES"]
+__all__ = ["Slot", "View", "Bias", "Call", "Launch", "SplitKV", "plan_key", "split_kv", "forward_launches",
+           "backward_launches", "LOG2E", "ELEMENT_SIZES"]
 
 LOG2E = 1.4426950408889634  # the kernels' softmax runs in base 2: qk_scale = softmax_scale * log2(e)
 ELEMENT_SIZES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -191,6 +191,10 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def _tma_ok(call: Call, *names: str) -> bool:
     """Whether the Gluon kernels may read these tensors through TMA descriptors (plan.tma_eligible)."""
     size = ELEMENT_SIZES[call.dtype]
@@ -270,11 +274,56 @@ def _block_launch(triton_kernel, gluon_kernel, tiles: Tiles, ws: Optional[Tiles]
     return _launch(kernel, block_grid(*rows_of(t)), dict(values, **extra, **constexprs), t.launch_options)
 
 
-def forward_launches(call: Call, plan: Optional[ForwardPlan] = None) -> Tuple[Launch, ...]:
+# Split-KV: a forward whose grid has fewer programs than this (a decode step, a short prefill chunk, a small
+# batch) and whose keys span two chunks or more runs one program per chunk and a combine. Which launches run
+# changes no bit (kernels/forward.py), so this is a speed choice only: about two programs per SM of the largest
+# supported GPU.
+SPLIT_KV_PROGRAMS = 264
+
+
+@dataclass(frozen=True)
+class SplitKV:
+    """A split-KV forward's workspace: ``chunks`` states per row of ``rows`` (sequences * heads * max_q) rows,
+    fp32: slot ``part_o`` holds ``chunks * rows * head_dim_v`` values (unnormalised outputs), slot ``part_ml``
+    ``2 * chunks * rows`` (each row's max, then its sum)."""
+
+    chunks: int
+    rows: int
+    head_dim_v: int
+
+    @property
+    def part_o_size(self) -> int:
+        return self.chunks * self.rows * self.head_dim_v
+
+    @property
+    def part_ml_size(self) -> int:
+        return 2 * self.chunks * self.rows
+
+
+def split_kv(call: Call, plan: Optional[ForwardPlan] = None, force: Optional[bool] = None) -> Optional[SplitKV]:
+    """The workspace of ``call``'s split-KV forward, or None where the forward runs one program per row block
+    (SPLIT_KV_PROGRAMS; ``force`` True or False overrides the choice where the plan has chunks)."""
+    plan = plan or forward_plan(call.plan_key)
+    if not plan.kv_chunk or call.max_k <= plan.kv_chunk:
+        return None
+    blocks, seq_heads = call.grid_rows(call.max_q, plan.tiles.block_m, call.num_heads_q)
+    use = blocks * seq_heads < SPLIT_KV_PROGRAMS if force is None else force
+    if not use:
+        return None
+    return SplitKV(_cdiv(call.max_k, plan.kv_chunk), call.num_seqs * call.num_heads_q * call.max_q,
+                   call.head_dim_v)
+
+
+def forward_launches(call: Call, plan: Optional[ForwardPlan] = None,
+                     split: Optional[bool] = None) -> Tuple[Launch, ...]:
     """The forward: one launch writing ``out`` and ``lse`` (slots q, k, v, out, lse and the call's
     modifiers: bias, alibi_slopes, rng_state, softmax_offset, seq_start_q/k, seq_len_q/k), and with
-    ``params.return_max_logit`` each row's max logit (slot ``row_max``, fp32 laid out as lse)."""
-    from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel
+    ``params.return_max_logit`` each row's max logit (slot ``row_max``, fp32 laid out as lse).
+
+    Where :func:`split_kv` gives a workspace (``split`` forces the choice), two launches: the forward
+    with one program per key chunk writing slots ``part_o`` and ``part_ml``, then the combine writing
+    ``out``, ``lse`` and ``row_max``: the same bits as the one launch."""
+    from transformer_engine.common.attention.kernels.forward import attn_fwd_combine_kernel, attn_fwd_kernel
     from transformer_engine.common.attention.kernels.hopper_ws import attn_fwd_ws_kernel
 
     key = call.plan_key
@@ -284,11 +333,27 @@ def forward_launches(call: Call, plan: Optional[ForwardPlan] = None) -> Tuple[La
     values = _values(call, key, plan)
     has_sink = key.softmax_type.has_sink
     row_max = key.return_max_logit
+    workspace = split_kv(call, plan, split)
+    # KV_CHUNK 0 where the keys fit one chunk: the same sum (folding one chunk into nothing returns it).
+    chunk = plan.kv_chunk if call.max_k > plan.kv_chunk else 0
     values.update(LSE=Slot("lse"), SINK=Slot("softmax_offset") if has_sink else _PLACEHOLDER, HAS_SINK=has_sink,
-                  ROW_MAX=Slot("row_max") if row_max else _PLACEHOLDER, HAS_ROW_MAX=row_max)
+                  ROW_MAX=Slot("row_max") if row_max else _PLACEHOLDER, HAS_ROW_MAX=row_max,
+                  PART_O=Slot("part_o") if workspace else _PLACEHOLDER,
+                  PART_ML=Slot("part_ml") if workspace else _PLACEHOLDER,
+                  split_rows=workspace.rows if workspace else 0, KV_CHUNK=chunk, SPLIT_KV=workspace is not None)
     rows = lambda t: call.grid_rows(call.max_q, t.block_m, call.num_heads_q)  # noqa: E731
-    return (_block_launch(attn_fwd_kernel, attn_fwd_ws_kernel, plan.tiles, plan.warp_specialized, ("q", "k", "v"),
-                          call, values, rows, {}),)
+    if workspace is None:
+        return (_block_launch(attn_fwd_kernel, attn_fwd_ws_kernel, plan.tiles, plan.warp_specialized,
+                              ("q", "k", "v"), call, values, rows, {}),)
+    # The split needs the Triton forward: the plan has chunks only where no Gluon forward serves.
+    t = plan.tiles
+    blocks, seq_heads = rows(t)
+    split_launch = _launch(attn_fwd_kernel, (blocks, seq_heads, workspace.chunks), dict(values, **t.loop_constexprs),
+                           t.launch_options)
+    combine_m = min(t.block_m, max(16, _next_pow2(call.max_q)))
+    combine = _launch(attn_fwd_combine_kernel, block_grid(_cdiv(call.max_q, combine_m), call.num_seqs * call.num_heads_q),
+                      dict(values, num_chunks=workspace.chunks, BLOCK_M=combine_m), dict(num_warps=4))
+    return split_launch, combine
 
 
 def backward_launches(call: Call, plan: Optional[BackwardPlan] = None, bias_grad: bool = False,

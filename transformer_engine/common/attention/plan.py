@@ -72,6 +72,10 @@ class ForwardPlan:
     # Width of the second Q/K head-dim chunk (BLOCK_DQK2) where the Q/K head dim splits in two (block_dqk
     # is then the first chunk: split_head_dim); 0: one block_dqk-wide tile.
     block_dqk2: int = 0
+    # Keys per chunk of the canonical sum (kernels/forward.py): a row's keys are summed chunk by chunk, each
+    # chunk from scratch, and the chunks folded in order, so that split-KV decode (one program per chunk)
+    # gives the training forward's bits. A multiple of tiles.block_n; 0: one chunk (no split-KV).
+    kv_chunk: int = 0
 
 
 @dataclass(frozen=True)
@@ -182,6 +186,7 @@ def split_head_dim(d: int) -> Optional[Tuple[int, int]]:
 
 # Interpreter (CPU tests), every pass: small tiles so tiny test shapes still span several blocks.
 _INTERPRET = Tiles(16, 16, 1, 1)
+_INTERPRET_KV_CHUNK = 64  # small, so that CPU tests sum most rows over several chunks
 
 Table = Dict[Tuple[int, bool], Tiles]
 
@@ -222,6 +227,8 @@ class ArchTables:
     # The Gluon forward's and dQ's tiles where the Q/K head dim splits (splits_qk), by diagonal-bounded mask.
     fwd_ws_split: Dict[bool, Tiles] = dataclasses.field(default_factory=dict)
     dq_ws_split: Dict[bool, Tiles] = dataclasses.field(default_factory=dict)
+    # Keys per chunk of the forward's canonical sum (ForwardPlan.kv_chunk) where the Triton forward serves.
+    kv_chunk: int = 4096
 
     def serves_narrow_v(self, config: PlanKey) -> bool:
         """Whether the narrow-V tiles serve ``config`` (before the fp32 clamp)."""
@@ -488,7 +495,18 @@ def trace_forward(config: Config, override: Optional[Tiles] = None) -> Tuple[For
     else:
         ws = _warp_specialized(config, arch, key, "fwd", trace, "warp_specialized")
     block_dqk, block_dqk2 = _qk_blocks(config, arch)
-    return ForwardPlan(tiles, block_dqk, padded_head_dim(config.head_dim_v), ws, block_dqk2), trace
+    if ws is not None:
+        # Both kernels must sum a config's rows alike (the Gluon one serves only where the tensors allow TMA),
+        # and the Gluon forward has no chunked sum yet: one chunk, so no split-KV decode for this config.
+        kv_chunk, trace.rows["kv_chunk"] = 0, "one chunk: the warp-specialized forward serves this config"
+    elif config.device_type == "cpu":
+        kv_chunk, trace.rows["kv_chunk"] = _INTERPRET_KV_CHUNK, "the interpreter's chunk"
+    else:
+        chunk_arch = arch or plan_arch(config)  # a tile override keeps the architecture's sum
+        kv_chunk, trace.rows["kv_chunk"] = chunk_arch.kv_chunk, f"{chunk_arch.name}.kv_chunk"
+    if kv_chunk % tiles.block_n:
+        raise ValueError(f"kv_chunk={kv_chunk} must be a multiple of the forward's block_n={tiles.block_n}")
+    return ForwardPlan(tiles, block_dqk, padded_head_dim(config.head_dim_v), ws, block_dqk2, kv_chunk), trace
 
 
 def forward_plan(config: Config, override: Optional[Tiles] = None) -> ForwardPlan:

@@ -183,14 +183,15 @@ def _given(name: str, t: torch.Tensor, shape, dtype: torch.dtype, like: torch.Te
 
 
 def forward(q, k, v, call: AttnCall, plan: Optional[ForwardPlan] = None, *, seqs: Optional[Sequences] = None,
-            out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None):
+            out: Optional[torch.Tensor] = None, lse: Optional[torch.Tensor] = None, split_kv: Optional[bool] = None):
     """Run the forward kernel of ``call`` (AttnCall's conventions at the kernels) on q, k, v in
     ``call.params.qkv_format``. Returns (out in q's format with head dim d_v, lse [b, h, max_s_q] fp32), and
     with ``call.params.return_max_logit`` a third tensor: each row's max logit, fp32 shaped as lse (-inf
     where a row sees no key; :func:`max_logit` reduces it per head).
     ``plan``: these tiles instead of the planned ones; ``seqs``: these sequence extents instead of the
     call's (:func:`sequences`); ``out`` and ``lse``: buffers (views of larger tensors allowed) to write
-    instead of new ones (thd writes only the rows inside sequences)."""
+    instead of new ones (thd writes only the rows inside sequences); ``split_kv``: force split-KV on or off
+    where the plan sums keys in chunks (``launch_description.split_kv``; the same bits either way)."""
     if seqs is None:
         seqs = sequences(q, k, call)
     hq, dv = q.shape[-2], v.shape[-1]
@@ -212,8 +213,14 @@ def forward(q, k, v, call: AttnCall, plan: Optional[ForwardPlan] = None, *, seqs
         if extra["row_max"].stride() != lse.stride():
             raise NotImplementedError("`return_max_logit` with a given `lse` view is not supported")
     described = describe(q, k, v, call, seqs, tensors, (lse.stride(0), lse.stride(1)))
-    _run(launch_description.forward_launches(described, plan),
-         dict(tensors, lse=lse, **extra, **_sequence_buffers(seqs), **_modifier_buffers(call)))
+    launches = launch_description.forward_launches(described, plan, split_kv)
+    if len(launches) > 1:  # split-KV: the chunks' states, fp32
+        workspace = launch_description.split_kv(described, plan, split_kv)
+        extra["part_o"] = unfilled((workspace.part_o_size,), torch.float32, q.device)
+        extra["part_ml"] = unfilled((workspace.part_ml_size,), torch.float32, q.device)
+    _run(launches, dict(tensors, lse=lse, **extra, **_sequence_buffers(seqs), **_modifier_buffers(call)))
+    if "part_o" in extra:
+        del extra["part_o"], extra["part_ml"]
     return (out, lse, extra["row_max"]) if extra else (out, lse)
 
 

@@ -100,10 +100,10 @@ def fused_call(
     fmt, mask = QKVFormat(qkv_format), AttnMaskType(attn_mask_type)
     if fmt == QKVFormat.THD:
         if max_seqlen_q is None and cu_seqlens_q is not None:
-            max_seqlen_q = int(host_values(cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+            max_seqlen_q = max(host_values(cu_seqlens_q[1:] - cu_seqlens_q[:-1]))
         cu = cu_seqlens_kv if cu_seqlens_kv is not None else cu_seqlens_q
         if max_seqlen_kv is None and cu is not None:
-            max_seqlen_kv = int(host_values(cu[1:] - cu[:-1]).max())
+            max_seqlen_kv = max(host_values(cu[1:] - cu[:-1]))
     else:
         max_seqlen_q = max_seqlen_kv = None
     if bias is not None:

@@ -45,7 +45,7 @@ DEVICE_FACTS = {name: (dict(vendor="amd", compute_capability=None, gfx_arch=name
 # Element types of the slots that do not hold the call's dtype.
 _SLOT_DTYPES = {"lse": "float32", "delta": "float32", "softmax_offset": "float32", "dsink": "float32",
                 "alibi_slopes": "float32", "rng_state": "int64", "seq_start_q": "int32", "seq_start_k": "int32",
-                "seq_len_q": "int32", "seq_len_k": "int32"}
+                "seq_len_q": "int32", "seq_len_k": "int32", "part_o": "float32", "part_ml": "float32"}
 
 
 def target(name: str):
@@ -127,7 +127,7 @@ def job(launch: Launch, dtype: str, target_name: str) -> tuple:
 def _kernels() -> Dict[str, object]:
     from transformer_engine.common.attention.kernels import backward, forward, hopper_ws
 
-    fns = (forward.attn_fwd_kernel, backward.attn_bwd_preprocess_kernel, backward.attn_bwd_dkdv_kernel,
+    fns = (forward.attn_fwd_kernel, forward.attn_fwd_combine_kernel, backward.attn_bwd_preprocess_kernel, backward.attn_bwd_dkdv_kernel,
            backward.attn_bwd_dq_kernel, backward.attn_bwd_dbias_kernel, backward.attn_bwd_dsink_kernel,
            hopper_ws.attn_fwd_ws_kernel, hopper_ws.attn_bwd_dkdv_ws_kernel, hopper_ws.attn_bwd_dq_ws_kernel)
     return {fn.__name__: fn for fn in fns}

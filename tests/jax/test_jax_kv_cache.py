@@ -449,10 +449,13 @@ def test_pytorch_and_jax_steps_give_the_same_rows(fmt):
 
 
 @gpu_only
-def test_long_context_prefill_and_decode_rows_equal_training_rows():
-    """A 16k-token prompt in 4k chunks, then 64 decode steps next to a short sequence (bf16, d=128, GQA,
-    paged, thd): the rows are the training forward's."""
-    n, h, hk, d, page = 16384 + 64, 16, 4, 128, 256
+@pytest.mark.parametrize("d", [128, 64])
+def test_long_context_prefill_and_decode_rows_equal_training_rows(d):
+    """A 16k-token prompt in 4k chunks, then 64 decode steps next to a short sequence (bf16, GQA, paged, thd):
+    the rows are the training forward's. At d=64 the Triton forward serves on every GPU, so its keys are
+    summed in chunks: the training call folds them in one program per row block, the decode steps (a small
+    grid) split them over programs and combine."""
+    n, h, hk, page = 16384 + 64, 16, 4, 256
     seqs = _sequences([n, 100], h, hk, d, jnp.bfloat16, seed=8)
     expected = _training_rows(seqs, None, AttnSoftmaxType.VANILLA_SOFTMAX, None)
     pages = list(range(2 * (n + page) // page))

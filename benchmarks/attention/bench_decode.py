@@ -4,12 +4,13 @@ next to torch SDPA's decode and flash-attn's ``flash_attn_with_kvcache`` where i
 Run on the GPU machine: ``python benchmarks/attention/bench_decode.py --out benchmarks/results/decode``;
 ``--smoke`` runs a tiny grid on any device (the script's own check, not a measurement).
 
-Per case (batch ``b``, context ``s`` cached tokens per sequence, 32 query heads, 8 kv heads, d 128, bf16):
+Per case (batch ``b``, context ``s`` cached tokens per sequence, 32 query heads, 8 kv heads, d 128 (``--dim``), bf16):
 microseconds per decode step (mean of 100 after 20), tokens/s (``b`` per step) and the achieved bandwidth of reading the cached keys
 and values (``2 * b * s * h_kv * d`` elements per step, the step's dominant traffic). ``ours`` is a whole
 ``DotProductAttention`` step with ``inference_params`` (the host work of ``pre_step`` and the cache append
 included, as a serving loop runs it). ``bitwise`` (ours): sequence 0's output row is the same bits at batch 1
-and at batch ``b``.
+and at batch ``b``. ``ours_one_program``: the same step with split-KV off (where the plan sums keys in chunks, a
+small grid splits them over programs: the same bits).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections import OrderedDict
 import torch
 
 from common import counted_ms, run_metadata, write_results
+from transformer_engine.common.attention import launch_description
 from transformer_engine.pytorch import DotProductAttention, InferenceParams
 
 HEADS, KV_HEADS, DIM = 32, 8, 128
@@ -107,13 +109,21 @@ def flash_kvcache(b, s, dtype, device):
 
 
 def main():
+    global DIM
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results/decode")
     ap.add_argument("--smoke", action="store_true", help="a tiny grid, any device: the script's own check")
+    ap.add_argument("--dim", type=int, default=128, help="head dim (64: the Triton forward, whose keys are summed "
+                    "in chunks, on every GPU: split-KV decode)")
+    ap.add_argument("--grid", default=None, help="cases as b:s,b:s (default: the full grid)")
+    ap.add_argument("--no-peers", action="store_true", help="ours only")
     args = ap.parse_args()
+    DIM = args.dim
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     grid = SMOKE_GRID if args.smoke else GRID
+    if args.grid:
+        grid = [tuple(int(x) for x in case.split(":")) for case in args.grid.split(",")]
     if args.smoke:
         global WARMUP, REPS
         WARMUP, REPS = 1, 2
@@ -131,11 +141,18 @@ def main():
             print(r, flush=True)
             rows.append(r)
 
-        try:
-            t_step, bitwise = ours(b, s, dtype, device)
-            row("ours", t_step, bitwise=bitwise)
-        except Exception as err:
-            rows.append(dict(batch=b, context=s, backend="ours", error=f"{type(err).__name__}: {str(err)[:80]}"))
+        # ours_one_program: split-KV off (one program per row block over every key: the same bits, fewer programs)
+        for name, split_programs in (("ours", launch_description.SPLIT_KV_PROGRAMS), ("ours_one_program", 0)):
+            saved, launch_description.SPLIT_KV_PROGRAMS = launch_description.SPLIT_KV_PROGRAMS, split_programs
+            try:
+                t_step, bitwise = ours(b, s, dtype, device)
+                row(name, t_step, bitwise=bitwise)
+            except Exception as err:
+                rows.append(dict(batch=b, context=s, backend=name, error=f"{type(err).__name__}: {str(err)[:80]}"))
+            finally:
+                launch_description.SPLIT_KV_PROGRAMS = saved
+        if args.no_peers:
+            continue
         for name, backend in peers.items():
             if device.type == "cpu" and name != "torch_math":
                 continue

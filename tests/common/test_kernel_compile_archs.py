@@ -85,9 +85,9 @@ CASES = [
     Case((128, 128), "bfloat16", AttnMaskType.PADDING_CAUSAL_MASK, thd=True, segments=2),
     # One query against 1024 keys (decoding-style): the length-generic twins, at their heaviest.
     Case((256, 256), "bfloat16", AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK, bias=BIAS, dropout=True, gqa=4, seqlen_q=1),
-    # Keys over two chunks (kv_chunk 4096): the chunked sum in one program (a 1024-query grid), and split-KV with
-    # its combine (one query: a small grid), at their heaviest.
-    Case((128, 128), "bfloat16", AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK, bias=BIAS, dropout=True, gqa=4,
+    # Keys over two chunks (kv_chunk 4096): the chunked sum in one program (a large grid), and split-KV with its
+    # combine (one query: a small grid), at their heaviest.
+    Case((128, 128), "bfloat16", AttnMaskType.CAUSAL_MASK, bias=BIAS, dropout=True, gqa=4, seqlen_q=8192,
          seqlen_kv=8192),
     Case((128, 128), "bfloat16", AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK, bias=BIAS, dropout=True, gqa=4, seqlen_q=1,
          seqlen_kv=8192),

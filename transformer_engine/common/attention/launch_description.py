@@ -191,10 +191,6 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def _tma_ok(call: Call, *names: str) -> bool:
     """Whether the Gluon kernels may read these tensors through TMA descriptors (plan.tma_eligible)."""
     size = ELEMENT_SIZES[call.dtype]
@@ -350,9 +346,9 @@ def forward_launches(call: Call, plan: Optional[ForwardPlan] = None,
     blocks, seq_heads = rows(t)
     split_launch = _launch(attn_fwd_kernel, (blocks, seq_heads, workspace.chunks), dict(values, **t.loop_constexprs),
                            t.launch_options)
-    combine_m = min(t.block_m, max(16, _next_pow2(call.max_q)))
-    combine = _launch(attn_fwd_combine_kernel, block_grid(_cdiv(call.max_q, combine_m), call.num_seqs * call.num_heads_q),
-                      dict(values, num_chunks=workspace.chunks, BLOCK_M=combine_m), dict(num_warps=4))
+    # The combine is elementwise over rows (no bits depend on its tiles): 16 rows keep its two states in registers.
+    combine = _launch(attn_fwd_combine_kernel, block_grid(_cdiv(call.max_q, 16), call.num_seqs * call.num_heads_q),
+                      dict(values, num_chunks=workspace.chunks, BLOCK_M=16), dict(num_warps=4))
     return split_launch, combine
 
 

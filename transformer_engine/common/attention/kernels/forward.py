@@ -186,6 +186,17 @@ def _finish_rows(acc, l_i, m_i, offs_m, offs_dv, len_q, rows_out, batch, head, s
 
 
 @triton.jit
+def _chunk_bounds(c_lo, KV_CHUNK: tl.constexpr, lo, full_lo, full_hi, hi):
+    """key_block_bounds' (lo, full_lo, full_hi, hi) within the chunk [c_lo, c_lo + KV_CHUNK): empty (lo = hi)
+    where the chunk holds none of [lo, hi)."""
+    lo_c = tl.maximum(lo, c_lo)
+    hi_c = tl.maximum(tl.minimum(hi, c_lo + KV_CHUNK), lo_c)
+    full_lo_c = tl.minimum(tl.maximum(full_lo, lo_c), hi_c)
+    full_hi_c = tl.minimum(tl.maximum(full_hi, full_lo_c), hi_c)
+    return lo_c, full_lo_c, full_hi_c, hi_c
+
+
+@triton.jit
 def _partial_rows(offs_m, chunk, batch, head, num_heads_q, seqlen_q, split_rows):
     """Row indices of a row block's state in the split-KV workspace, laid out [chunk, sequence, head, row]."""
     return (batch * num_heads_q + head).to(tl.int64) * seqlen_q + offs_m + chunk * split_rows
@@ -267,26 +278,28 @@ def attn_fwd_kernel(
     else:
         # The canonical sum over keys in chunks of KV_CHUNK (module docstring): each chunk's state from scratch,
         # folded in chunk order. SPLIT_KV: this program computes chunk program_id(2) alone and stores its state.
-        first = (lo // KV_CHUNK) * KV_CHUNK
-        last = hi
-        if SPLIT_KV:
-            first = tl.program_id(2) * KV_CHUNK
-            last = first + 1
-        for c_lo in range(first, last, KV_CHUNK):
-            lo_c = tl.maximum(lo, c_lo)
-            hi_c = tl.maximum(tl.minimum(hi, c_lo + KV_CHUNK), lo_c)
-            full_lo_c = tl.minimum(tl.maximum(full_lo, lo_c), hi_c)
-            full_hi_c = tl.minimum(tl.maximum(full_hi, full_lo_c), hi_c)
-            m_c = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-            l_c = tl.zeros([BLOCK_M], dtype=tl.float32)
-            acc_c = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-            acc_c, l_c, m_c = _key_range(acc_c, l_c, m_c, q, q2, k_src, k_src2, v_src, stride_ks, stride_vs,
-                                         offs_m, offs_n, offs_dqk, offs_dqk2, offs_dv, lo_c, full_lo_c, full_hi_c,
-                                         hi_c, len_q, len_k, diag, window_left, window_right, qk_scale,
-                                         bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head,
-                                         dropout_p, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
-                                         SINGLE_LOOP, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT)
-            acc, l_i, m_i = fold_chunk(acc, l_i, m_i, acc_c, l_c, m_c)
+        if SPLIT_KV:  # the chunk's state is this program's whole state (a chunk folded into nothing is itself)
+            c_lo = tl.program_id(2) * KV_CHUNK
+            lo_c, full_lo_c, full_hi_c, hi_c = _chunk_bounds(c_lo, KV_CHUNK, lo, full_lo, full_hi, hi)
+            acc, l_i, m_i = _key_range(acc, l_i, m_i, q, q2, k_src, k_src2, v_src, stride_ks, stride_vs,
+                                       offs_m, offs_n, offs_dqk, offs_dqk2, offs_dv, lo_c, full_lo_c, full_hi_c,
+                                       hi_c, len_q, len_k, diag, window_left, window_right, qk_scale,
+                                       bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head,
+                                       dropout_p, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
+                                       SINGLE_LOOP, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT)
+        else:
+            for c_lo in range((lo // KV_CHUNK) * KV_CHUNK, hi, KV_CHUNK):
+                lo_c, full_lo_c, full_hi_c, hi_c = _chunk_bounds(c_lo, KV_CHUNK, lo, full_lo, full_hi, hi)
+                m_c = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+                l_c = tl.zeros([BLOCK_M], dtype=tl.float32)
+                acc_c = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+                acc_c, l_c, m_c = _key_range(acc_c, l_c, m_c, q, q2, k_src, k_src2, v_src, stride_ks, stride_vs,
+                                             offs_m, offs_n, offs_dqk, offs_dqk2, offs_dv, lo_c, full_lo_c, full_hi_c,
+                                             hi_c, len_q, len_k, diag, window_left, window_right, qk_scale,
+                                             bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head,
+                                             dropout_p, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV,
+                                             BLOCK_N, SINGLE_LOOP, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT)
+                acc, l_i, m_i = fold_chunk(acc, l_i, m_i, acc_c, l_c, m_c)
 
     if SPLIT_KV:  # this chunk's state, unnormalised, for attn_fwd_combine_kernel
         rows = _partial_rows(offs_m, tl.program_id(2), batch, head, num_heads_q, seqlen_q, split_rows)

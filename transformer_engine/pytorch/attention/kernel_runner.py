@@ -4,7 +4,11 @@ What is launched (kernels, grids, arguments, tiles) is the framework-free launch
 (``common.attention.launch_description``). This module describes a call's tensors to it (an
 :class:`~transformer_engine.pytorch.attention.call.AttnCall` and q, k, v), allocates the outputs, binds the
 description's slots to tensors and launches each kernel through the compiled-launcher cache
-(``launch_cache``). The fused custom ops (``ops.py``) run :func:`forward` and :func:`backward`; context
+(``launch_cache``). What depends only on the call's signature (``signature_cache``: the call's parameters,
+the tensors' shapes, strides, dtypes, devices and alignment, the settings) is prepared once per signature:
+the description, the plan, the grids and each kernel's compiled launcher with its scalar arguments bound
+(``launch_cache.PreparedLaunch``); a later call of that signature allocates its outputs and launches on its
+tensors. Calls with their own ``plan`` or ``seqs`` are described each time. The fused custom ops (``ops.py``) run :func:`forward` and :func:`backward`; context
 parallelism runs them on views of its tensors.
 """
 
@@ -27,6 +31,9 @@ from transformer_engine.pytorch.attention.buffers import unfilled
 from transformer_engine.pytorch.attention.call import AttnCall
 from transformer_engine.pytorch.attention.config import dtype_name, triton_interpreting
 from transformer_engine.pytorch.attention.device import device_facts
+from transformer_engine.pytorch.attention.signature_cache import (
+    SignatureCache, environment_signature, tensor_signature,
+)
 
 __all__ = ["Sequences", "canonical", "sequences", "plan_key", "describe", "forward", "backward", "fixed_order_sum",
            "zero_outside_sequences"]
@@ -153,12 +160,36 @@ def _ensure_allocator() -> None:
         triton.set_allocator(_tma_scratch)
 
 
-def _run(described, buffers: Dict[str, torch.Tensor]) -> None:
-    """Launch the described kernels in order on ``buffers`` (the slots' tensors)."""
+_FORWARDS = SignatureCache("kernel_runner.forward")
+_BACKWARDS = SignatureCache("kernel_runner.backward")
+
+
+def _call_signature(call: AttnCall) -> tuple:
+    return (call.params,) + tuple([tensor_signature(t) for t in call.tensors])
+
+
+def _prepare(described, buffers: Dict[str, torch.Tensor]) -> Tuple[launch_cache.PreparedLaunch, ...]:
+    """The described launches (``launch_description.Launch``) prepared on this call's ``buffers``: compiled,
+    their scalars bound, their slots' positions noted (``launch_cache.prepare``)."""
+    prepared = []
     for launch in described:
+        slots = [(i, value.name) for i, value in enumerate(launch.args.values())
+                 if isinstance(value, launch_description.Slot)]
+        prepared.append(launch_cache.prepare(launch, slots, launch.bind(buffers), launch.is_gluon))
+    return tuple(prepared)
+
+
+def _keep(cache: SignatureCache, key, prepared: Tuple[launch_cache.PreparedLaunch, ...]) -> None:
+    if key is not None and all(p.final for p in prepared):
+        cache.put(key, prepared)
+
+
+def _run(prepared: Tuple[launch_cache.PreparedLaunch, ...], buffers: Dict[str, torch.Tensor]) -> None:
+    """Launch the prepared kernels in order on ``buffers`` (the slots' tensors)."""
+    for launch in prepared:
         if launch.is_gluon:
             _ensure_allocator()
-        launch_cache.launch(launch.kernel, launch.grid, launch.bind(buffers), launch.options)
+        launch.run(buffers)
 
 
 def _sequence_buffers(seqs: Sequences) -> Dict[str, torch.Tensor]:
@@ -191,6 +222,10 @@ def forward(q, k, v, call: AttnCall, plan: Optional[ForwardPlan] = None, *, seqs
     ``plan``: these tiles instead of the planned ones; ``seqs``: these sequence extents instead of the
     call's (:func:`sequences`); ``out`` and ``lse``: buffers (views of larger tensors allowed) to write
     instead of new ones (thd writes only the rows inside sequences)."""
+    key = None
+    if plan is None and seqs is None:
+        key = ("forward", tensor_signature(q), tensor_signature(k), tensor_signature(v), tensor_signature(out),
+               tensor_signature(lse), environment_signature()) + _call_signature(call)
     if seqs is None:
         seqs = sequences(q, k, call)
     hq, dv = q.shape[-2], v.shape[-1]
@@ -211,9 +246,13 @@ def forward(q, k, v, call: AttnCall, plan: Optional[ForwardPlan] = None, *, seqs
                                                device=q.device).fill_(float("-inf"))
         if extra["row_max"].stride() != lse.stride():
             raise NotImplementedError("`return_max_logit` with a given `lse` view is not supported")
-    described = describe(q, k, v, call, seqs, tensors, (lse.stride(0), lse.stride(1)))
-    _run(launch_description.forward_launches(described, plan),
-         dict(tensors, lse=lse, **extra, **_sequence_buffers(seqs), **_modifier_buffers(call)))
+    buffers = dict(tensors, lse=lse, **extra, **_sequence_buffers(seqs), **_modifier_buffers(call))
+    prepared = _FORWARDS.get(key) if key is not None else None
+    if prepared is None:
+        described = describe(q, k, v, call, seqs, tensors, (lse.stride(0), lse.stride(1)))
+        prepared = _prepare(launch_description.forward_launches(described, plan), buffers)
+        _keep(_FORWARDS, key, prepared)
+    _run(prepared, buffers)
     return (out, lse, extra["row_max"]) if extra else (out, lse)
 
 
@@ -244,6 +283,12 @@ def backward(q, k, v, out, d_out, lse, call: AttnCall, plan: Optional[BackwardPl
     rows) instead of computing it.
     """
     grads = BackwardGrads(grads)
+    key = None
+    if plan is None and seqs is None:
+        key = ("backward", tensor_signature(q), tensor_signature(k), tensor_signature(v), tensor_signature(out),
+               tensor_signature(d_out), tensor_signature(lse), tensor_signature(dq), tensor_signature(dk),
+               tensor_signature(dv), tensor_signature(delta), bias_grad, softmax_offset_grad, grads, preprocess,
+               environment_signature()) + _call_signature(call)
     if seqs is None:
         seqs = sequences(q, k, call)
     # thd leaves the rows between sequences unwritten; padded formats write every row.
@@ -264,7 +309,6 @@ def backward(q, k, v, out, d_out, lse, call: AttnCall, plan: Optional[BackwardPl
     elif tuple(delta.shape) != tuple(lse.shape) or delta.stride() != lse.stride() or delta.dtype != torch.float32:
         raise ValueError(f"`delta` must be float32 with lse's shape {tuple(lse.shape)} and strides {lse.stride()}, "
                          f"got {delta.dtype} {tuple(delta.shape)} strides {delta.stride()}")
-    described = describe(q, k, v, call, seqs, tensors, (lse.stride(0), lse.stride(1)))
     buffers = dict(tensors, lse=lse, delta=delta, **_sequence_buffers(seqs), **_modifier_buffers(call))
     dbias = parts = None
     if bias_grad:
@@ -272,8 +316,14 @@ def backward(q, k, v, out, d_out, lse, call: AttnCall, plan: Optional[BackwardPl
         dbias = buffers["dbias"] = unfilled(call.bias.shape, call.bias.dtype, call.bias.device)
     if softmax_offset_grad:
         parts = buffers["dsink"] = unfilled((seqs.batch, q.shape[-2]), torch.float32, lse.device)
-    _run(launch_description.backward_launches(described, plan, bias_grad=bias_grad, sink_grad=softmax_offset_grad,
-                                              grads=grads, preprocess=preprocess), buffers)
+    prepared = _BACKWARDS.get(key) if key is not None else None
+    if prepared is None:
+        described = describe(q, k, v, call, seqs, tensors, (lse.stride(0), lse.stride(1)))
+        prepared = _prepare(launch_description.backward_launches(
+            described, plan, bias_grad=bias_grad, sink_grad=softmax_offset_grad, grads=grads,
+            preprocess=preprocess), buffers)
+        _keep(_BACKWARDS, key, prepared)
+    _run(prepared, buffers)
     d_offset = fixed_order_sum(parts) if softmax_offset_grad else None
     return dq, dk, dvt, dbias, d_offset
 

@@ -44,13 +44,14 @@ class SignatureCache:
     def __init__(self, name: str, max_entries: int = 1024) -> None:
         self.name = name
         self.max_entries = max_entries
+        self.enabled = True  # False: every lookup misses and nothing is kept (tools and tests that watch decisions)
         self._entries: Dict[Hashable, object] = {}
         self.hits = 0
         self.misses = 0
         _registry.append(self)
 
     def get(self, key: Hashable) -> Optional[object]:
-        entry = self._entries.get(key)
+        entry = self._entries.get(key) if self.enabled else None
         if entry is None:
             self.misses += 1
         else:
@@ -58,6 +59,8 @@ class SignatureCache:
         return entry
 
     def put(self, key: Hashable, entry: object) -> None:
+        if not self.enabled:
+            return
         if len(self._entries) >= self.max_entries:
             del self._entries[next(iter(self._entries))]
         self._entries[key] = entry

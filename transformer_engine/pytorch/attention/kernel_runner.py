@@ -168,20 +168,12 @@ def _call_signature(call: AttnCall) -> tuple:
     return (call.params,) + tuple([tensor_signature(t) for t in call.tensors])
 
 
-def _prepare(described, buffers: Dict[str, torch.Tensor]) -> Tuple[launch_cache.PreparedLaunch, ...]:
-    """The described launches (``launch_description.Launch``) prepared on this call's ``buffers``: compiled,
-    their scalars bound, their slots' positions noted (``launch_cache.prepare``)."""
-    prepared = []
-    for launch in described:
-        slots = [(i, value.name) for i, value in enumerate(launch.args.values())
-                 if isinstance(value, launch_description.Slot)]
-        prepared.append(launch_cache.prepare(launch, slots, launch.bind(buffers), launch.is_gluon))
-    return tuple(prepared)
-
-
-def _keep(cache: SignatureCache, key, prepared: Tuple[launch_cache.PreparedLaunch, ...]) -> None:
-    if key is not None and all(p.final for p in prepared):
-        cache.put(key, prepared)
+def _prepare(described) -> Tuple[launch_cache.PreparedLaunch, ...]:
+    """The described launches (``launch_description.Launch``) prepared for launching on the buffers of any
+    call of their signature (``launch_cache.prepare``)."""
+    return tuple(launch_cache.prepare(launch, [(i, value.name) for i, value in enumerate(launch.args.values())
+                                               if isinstance(value, launch_description.Slot)])
+                 for launch in described)
 
 
 def _run(prepared: Tuple[launch_cache.PreparedLaunch, ...], buffers: Dict[str, torch.Tensor]) -> None:
@@ -250,8 +242,9 @@ def forward(q, k, v, call: AttnCall, plan: Optional[ForwardPlan] = None, *, seqs
     prepared = _FORWARDS.get(key) if key is not None else None
     if prepared is None:
         described = describe(q, k, v, call, seqs, tensors, (lse.stride(0), lse.stride(1)))
-        prepared = _prepare(launch_description.forward_launches(described, plan), buffers)
-        _keep(_FORWARDS, key, prepared)
+        prepared = _prepare(launch_description.forward_launches(described, plan))
+        if key is not None:
+            _FORWARDS.put(key, prepared)
     _run(prepared, buffers)
     return (out, lse, extra["row_max"]) if extra else (out, lse)
 
@@ -320,9 +313,9 @@ def backward(q, k, v, out, d_out, lse, call: AttnCall, plan: Optional[BackwardPl
     if prepared is None:
         described = describe(q, k, v, call, seqs, tensors, (lse.stride(0), lse.stride(1)))
         prepared = _prepare(launch_description.backward_launches(
-            described, plan, bias_grad=bias_grad, sink_grad=softmax_offset_grad, grads=grads,
-            preprocess=preprocess), buffers)
-        _keep(_BACKWARDS, key, prepared)
+            described, plan, bias_grad=bias_grad, sink_grad=softmax_offset_grad, grads=grads, preprocess=preprocess))
+        if key is not None:
+            _BACKWARDS.put(key, prepared)
     _run(prepared, buffers)
     d_offset = fixed_order_sum(parts) if softmax_offset_grad else None
     return dq, dk, dvt, dbias, d_offset

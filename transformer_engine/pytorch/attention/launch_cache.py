@@ -143,22 +143,30 @@ def launch(kernel, grid: Tuple[int, int, int], args: Dict[str, object], options:
 
 
 class PreparedLaunch:
-    """One described launch (``launch_description.Launch``) with everything but its tensors fixed: the
-    grid, the arguments in the kernel's order with the tensor slots' positions, the options, and the
-    compiled kernel :func:`launch` found for them (None: every call goes through :func:`launch`, as under
-    the interpreter or with ``NVTE_FUSED_ATTN_CACHED_LAUNCH=0``).
+    """One described launch (``described``: a ``launch_description.Launch``) with everything but its tensors
+    fixed: the grid, the arguments in the kernel's order with the tensor slots' positions, the options, and,
+    from its first run on, the compiled kernel :func:`launch` finds for them (or the note that every run goes
+    through :func:`launch`: under the interpreter, with ``NVTE_FUSED_ATTN_CACHED_LAUNCH=0``, for a kernel
+    without the launcher attributes).
 
     Valid for calls of one signature (``signature_cache``): the same scalars, and tensors of the same
     dtypes and alignment in the slots, which is all :func:`launch`'s key reads besides the device and the
     options. The caller's tensors are in the signature; the buffers the kernel runner allocates per call
     are new allocations, which torch aligns to at least 64 bytes."""
 
-    __slots__ = ("kernel", "grid", "names", "values", "slots", "options", "compiled", "device", "is_gluon", "final")
+    __slots__ = ("described", "kernel", "grid", "names", "values", "slots", "options", "is_gluon", "compiled",
+                 "device")
 
-    def __init__(self, kernel, grid, names, values, slots, options, compiled, device, is_gluon, final=True):
-        self.kernel, self.grid, self.names, self.values = kernel, grid, names, values
-        self.slots, self.options, self.compiled, self.device, self.is_gluon = slots, options, compiled, device, is_gluon
-        self.final = final  # False while Triton compiles the kernel in the background: not to be kept
+    def __init__(self, described, slots: Sequence[Tuple[int, str]]):
+        self.described = described
+        self.kernel, self.grid, self.options = described.kernel, tuple(described.grid), described.options
+        self.names = tuple(described.args)
+        positions = {i for i, _ in slots}
+        self.values = tuple(None if i in positions else v for i, v in enumerate(described.args.values()))
+        self.slots = tuple(slots)
+        self.is_gluon = described.is_gluon
+        self.compiled = None  # None: not looked up yet; _VIA_LAUNCH: every run through launch()
+        self.device = None
 
     def args(self, buffers: Mapping[str, object]) -> list:
         """The kernel's arguments in order, each slot bound to its buffer."""
@@ -171,7 +179,9 @@ class PreparedLaunch:
         """Launch on ``buffers`` (the slots' tensors by name) on the current stream."""
         values = self.args(buffers)
         compiled = self.compiled
-        if compiled is not None:
+        if compiled is None:
+            compiled = self._look_up(values)
+        if compiled is not _VIA_LAUNCH:
             device, stream = _device_and_stream()
             if device == self.device and not triton_compat.runtime_debug():
                 enter, _ = _hooks()
@@ -183,22 +193,25 @@ class PreparedLaunch:
                 return
         launch(self.kernel, self.grid, dict(zip(self.names, values)), self.options)
 
-
-def prepare(described, slots: Sequence[Tuple[int, str]], bound: Dict[str, object],
-            is_gluon: bool) -> PreparedLaunch:
-    """The :class:`PreparedLaunch` of ``described`` (a ``launch_description.Launch``) on ``bound`` (its
-    arguments with the slots bound to this call's tensors; ``slots``: their (position, buffer name)),
-    compiling the kernel if needed (launching nothing). Not ``final`` while Triton compiles it in the
-    background: it then launches through :func:`launch`, and the caller asks again on a later call."""
-    kernel, grid, options = described.kernel, tuple(described.grid), described.options
-    names = tuple(bound)
-    positions = {i for i, _ in slots}
-    values = tuple(None if i in positions else v for i, v in enumerate(bound.values()))
-    compiled = device = None
-    final = True
-    if not _jit_only(kernel):
+    def _look_up(self, values: list):
+        """The compiled kernel of the first run's arguments, kept; ``_VIA_LAUNCH`` where launch() decides."""
+        if _jit_only(self.kernel):
+            self.compiled = _VIA_LAUNCH
+            return _VIA_LAUNCH
         device, _ = _device_and_stream()
-        compiled = _lookup(kernel, device, grid, bound, tuple(bound.values()), options)
-        if compiled is _NOT_READY:
-            compiled, final = None, False
-    return PreparedLaunch(kernel, grid, names, values, tuple(slots), options, compiled, device, is_gluon, final)
+        compiled = _lookup(self.kernel, device, self.grid, dict(zip(self.names, values)), tuple(values),
+                           self.options)
+        if compiled is _NOT_READY:  # Triton compiles it in the background: launch() this time, ask again next
+            return _VIA_LAUNCH
+        self.compiled = _VIA_LAUNCH if compiled is None else compiled
+        self.device = device
+        return self.compiled
+
+
+_VIA_LAUNCH = object()
+
+
+def prepare(described, slots: Sequence[Tuple[int, str]]) -> PreparedLaunch:
+    """The :class:`PreparedLaunch` of ``described`` (a ``launch_description.Launch``) whose tensor arguments
+    are the slots at ``slots`` ((position, buffer name) pairs). Nothing is compiled before its first run."""
+    return PreparedLaunch(described, slots)

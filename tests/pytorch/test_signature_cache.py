@@ -191,3 +191,13 @@ def test_the_kernel_runner_prepares_once_per_signature(counts, monkeypatch):
     # another shape
     _fwd_bwd(dpa, *_qkv(s=40, dtype=torch.float16))
     assert counts("kernel_runner.forward") == (1, 3)
+
+
+def test_arguments_that_make_no_key_get_the_full_paths_errors(counts):
+    dpa = _module(attn_mask_type="padding")
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="`cu_seqlens_q` must be an int32 tensor"):
+        dpa(q, k, v, cu_seqlens_q=[0, 20, 44], cu_seqlens_kv=[0, 20, 44])
+    with pytest.raises(ValueError, match="`window_size` must be a pair of ints"):
+        dpa(q, k, v, window_size=5)
+    assert counts("DotProductAttention") == (0, 0)

@@ -89,46 +89,14 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _LOGGER = logging.getLogger("transformer_engine")
 
 
-def _value_signature(value):
-    """A user argument as a key: with its type (True, 1 and 1.0 are equal keys, but checks tell them apart),
-    lists and tuples element by element."""
-    if isinstance(value, (tuple, list)):
-        return (type(value),) + tuple(_value_signature(v) for v in value)
-    return (type(value), value)
-
-
-class _TensorMeta:
-    """Shape/dtype/device stand-in for a tensor, so a config can be built while tracing."""
-
-    def __init__(self, shape: Tuple[int, ...], dtype: str, device: str) -> None:
-        self.shape = torch.Size(shape)
-        self.dtype = getattr(torch, dtype)
-        self.device = torch.device(device)
-
-    def dim(self) -> int:
-        return len(self.shape)
-
-
-@torch.compiler.assume_constant_result
-def _select_while_tracing(q_shape, k_shape, v_shape, dtype: str, device: str, qkv_format: str, attn_mask_type: str,
-                          window: Tuple[int, int], bias_type: str, bias_shape: Optional[str], dropout: float,
-                          is_training: bool, torch_deterministic: bool, distinct_kv_lengths: bool,
-                          bottom_right_diagonal: bool, return_max_logit: bool, softmax_type: str) -> Tuple[str, bool]:
-    """Backend selection under torch.compile: runs once while tracing, its result baked into the graph.
-
-    Takes what forward has converted, as constants (enum values; ``window`` normalized). Dynamo guards
-    on ``torch.are_deterministic_algorithms_enabled()`` (passed in), so toggling it retraces; NVTE_*
-    variables are read at trace time. Sizes that may be dynamic are passed as -1.
-    """
-    metas = [_TensorMeta(s, dtype, device) for s in (q_shape, k_shape, v_shape)]
-    deterministic = torch_deterministic or attn_config.deterministic_requested()
-    config = attn_config.build_attn_config(
-        *metas, QKVFormat(qkv_format), AttnMaskType(attn_mask_type), window, AttnBiasType(bias_type),
-        AttnSoftmaxType(softmax_type), bias_shape=bias_shape, dropout=dropout, is_training=is_training,
-        deterministic=deterministic, distinct_kv_lengths=distinct_kv_lengths,
-        bottom_right_diagonal=bottom_right_diagonal, return_max_logit=return_max_logit,
-    )
-    return attn_backends.select(config).name, config.deterministic
+def _window_signature(window) -> Optional[tuple]:
+    """A window argument as a key: the values and their types (True, 1 and 1.0 are equal keys, but the checks
+    tell them apart), and the container's type. Raises TypeError for what is not a sequence (the caller then
+    takes the full path, whose checks name the argument)."""
+    if window is None:
+        return None
+    values = tuple(window)
+    return (type(window), values, tuple(map(type, values)))
 
 
 def _packing(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
@@ -637,16 +605,19 @@ class DotProductAttention(torch.nn.Module):
             if mod is not None:
                 raise NotImplementedError(f"`{mod_name}` (cuDNN's experimental score modification) is not supported")
         key = None
-        if (attention_mask is None and inference_params is None and qkv_layer is None and kv_layer is None
+        if (not _is_compiling()  # first: while tracing, nothing after it is evaluated
+                and attention_mask is None and inference_params is None and qkv_layer is None and kv_layer is None
                 and type(query_layer) in _PLAIN_TENSORS and type(key_layer) in _PLAIN_TENSORS
-                and type(value_layer) in _PLAIN_TENSORS and not _is_compiling()
-                and not _LOGGER.isEnabledFor(logging.INFO)
+                and type(value_layer) in _PLAIN_TENSORS and not _LOGGER.isEnabledFor(logging.INFO)
                 and (self._context_parallel is None or self._context_parallel.size <= 1)):
-            key = self._signature(query_layer, key_layer, value_layer, qkv_format, cu_seqlens_q, cu_seqlens_kv,
-                                  cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv,
-                                  attn_mask_type, window_size, bottom_right_diagonal, checkpoint_core_attention,
-                                  core_attention_bias_type, core_attention_bias, alibi_slopes)
-            prepared = _PREPARED_CALLS.get(key)
+            try:
+                key = self._signature(query_layer, key_layer, value_layer, qkv_format, cu_seqlens_q, cu_seqlens_kv,
+                                      cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv,
+                                      attn_mask_type, window_size, bottom_right_diagonal, checkpoint_core_attention,
+                                      core_attention_bias_type, core_attention_bias, alibi_slopes)
+                prepared = _PREPARED_CALLS.get(key)
+            except (TypeError, AttributeError):  # an argument that makes no key (unhashable, a window that is no
+                key = prepared = None  # sequence, a cu_seqlens that is no tensor): the full path's checks name it
             if prepared is not None:
                 cu_seqlens = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
                 return self._run_prepared(prepared, query_layer, key_layer, value_layer,
@@ -744,21 +715,21 @@ class DotProductAttention(torch.nn.Module):
     def _signature(self, q, k, v, qkv_format, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
                    max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size, bottom_right_diagonal,
                    checkpoint_core_attention, core_attention_bias_type, core_attention_bias, alibi_slopes) -> tuple:
-        """Everything forward's checks and backend selection read of a call (the module docstring), as a key."""
+        """Everything forward's checks and backend selection read of a call (the module docstring), as a key.
+        Scalars with their types (True, 1 and 1.0 are equal keys, but the checks tell them apart)."""
         offset = self.softmax_offset
+        scalars = (qkv_format, attn_mask_type, bottom_right_diagonal, checkpoint_core_attention,
+                   core_attention_bias_type, max_seqlen_q, max_seqlen_kv, self.bottom_right_diagonal, self.qkv_format,
+                   self.attn_mask_type, self.softmax_type, self.training, self.return_max_logit, self.sequence_parallel)
         return (
-            # the module's settings
-            self.qkv_format, self.attn_mask_type, _value_signature(self.window_size),
-            _value_signature(self.bottom_right_diagonal), self._softmax_scale_ratio, self._attention_dropout_ratio,
-            self.training, self.softmax_type, self.return_max_logit, self.num_heads_per_partition,
+            scalars, tuple(map(type, scalars)), _window_signature(window_size), _window_signature(self.window_size),
+            # the module's other settings
+            self._softmax_scale_ratio, self._attention_dropout_ratio, self.num_heads_per_partition,
             self.num_gqa_groups_per_partition, self.hidden_size_per_attention_head_k,
             self.hidden_size_per_attention_head_v, self.tp_size, self.get_rng_state_tracker is None,
-            self.sequence_parallel, None if offset is None else (offset.shape, offset.dtype, offset.device),
-            # the call's arguments
-            _value_signature(qkv_format), _value_signature(attn_mask_type), _value_signature(window_size),
-            _value_signature(bottom_right_diagonal), _value_signature(checkpoint_core_attention),
-            _value_signature(core_attention_bias_type), _value_signature(max_seqlen_q),
-            _value_signature(max_seqlen_kv), tensor_signature(q), tensor_signature(k), tensor_signature(v),
+            None if offset is None else (offset.shape, offset.dtype, offset.device),
+            # the call's tensors
+            tensor_signature(q), tensor_signature(k), tensor_signature(v),
             tensor_signature(cu_seqlens_q), tensor_signature(cu_seqlens_kv), tensor_signature(cu_seqlens_q_padded),
             tensor_signature(cu_seqlens_kv_padded), cu_seqlens_kv is cu_seqlens_q,
             tensor_signature(core_attention_bias), tensor_signature(alibi_slopes),

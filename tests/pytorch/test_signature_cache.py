@@ -201,3 +201,19 @@ def test_arguments_that_make_no_key_get_the_full_paths_errors(counts):
     with pytest.raises(ValueError, match="`window_size` must be a pair of ints"):
         dpa(q, k, v, window_size=5)
     assert counts("DotProductAttention") == (0, 0)
+
+
+def test_the_oldest_signature_leaves_a_full_cache():
+    cache = signature_cache.SignatureCache("test", max_entries=2)
+    try:
+        cache.put("a", 1)
+        cache.put("b", 2)
+        cache.put("c", 3)
+        assert (cache.get("a"), cache.get("b"), cache.get("c")) == (None, 2, 3) and len(cache) == 2
+        cache.enabled = False
+        assert cache.get("b") is None
+        cache.put("d", 4)
+        cache.enabled = True
+        assert cache.get("d") is None and cache.get("b") == 2
+    finally:
+        signature_cache._registry.remove(cache)

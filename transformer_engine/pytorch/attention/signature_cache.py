@@ -62,7 +62,10 @@ class SignatureCache:
         if not self.enabled:
             return
         if len(self._entries) >= self.max_entries:
-            del self._entries[next(iter(self._entries))]
+            try:  # the oldest; another thread (autograd's backward) may be evicting it at the same time
+                del self._entries[next(iter(self._entries))]
+            except (KeyError, RuntimeError, StopIteration):
+                pass
         self._entries[key] = entry
 
     def clear(self) -> None:

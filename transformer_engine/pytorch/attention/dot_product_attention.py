@@ -99,6 +99,40 @@ def _window_signature(window) -> Optional[tuple]:
     return (type(window), values, tuple(map(type, values)))
 
 
+class _TensorMeta:
+    """Shape/dtype/device stand-in for a tensor, so a config can be built while tracing."""
+
+    def __init__(self, shape: Tuple[int, ...], dtype: str, device: str) -> None:
+        self.shape = torch.Size(shape)
+        self.dtype = getattr(torch, dtype)
+        self.device = torch.device(device)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+
+@torch.compiler.assume_constant_result
+def _select_while_tracing(q_shape, k_shape, v_shape, dtype: str, device: str, qkv_format: str, attn_mask_type: str,
+                          window: Tuple[int, int], bias_type: str, bias_shape: Optional[str], dropout: float,
+                          is_training: bool, torch_deterministic: bool, distinct_kv_lengths: bool,
+                          bottom_right_diagonal: bool, return_max_logit: bool, softmax_type: str) -> Tuple[str, bool]:
+    """Backend selection under torch.compile: runs once while tracing, its result baked into the graph.
+
+    Takes what forward has converted, as constants (enum values; ``window`` normalized). Dynamo guards
+    on ``torch.are_deterministic_algorithms_enabled()`` (passed in), so toggling it retraces; NVTE_*
+    variables are read at trace time. Sizes that may be dynamic are passed as -1.
+    """
+    metas = [_TensorMeta(s, dtype, device) for s in (q_shape, k_shape, v_shape)]
+    deterministic = torch_deterministic or attn_config.deterministic_requested()
+    config = attn_config.build_attn_config(
+        *metas, QKVFormat(qkv_format), AttnMaskType(attn_mask_type), window, AttnBiasType(bias_type),
+        AttnSoftmaxType(softmax_type), bias_shape=bias_shape, dropout=dropout, is_training=is_training,
+        deterministic=deterministic, distinct_kv_lengths=distinct_kv_lengths,
+        bottom_right_diagonal=bottom_right_diagonal, return_max_logit=return_max_logit,
+    )
+    return attn_backends.select(config).name, config.deterministic
+
+
 def _packing(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
     """'qkv' when q, k, v are views of one buffer, 'kv' when k and v are, else 'separate'."""
     def base(t):

@@ -164,6 +164,19 @@ _FORWARDS = SignatureCache("kernel_runner.forward")
 _BACKWARDS = SignatureCache("kernel_runner.backward")
 
 
+@dataclass(frozen=True)
+class _Prepared:
+    """A call signature's launches, prepared (``launch_cache.PreparedLaunch``), and its :class:`Sequences` where
+    they hold no tensors (extents from the shapes alone: the same for every call of the signature)."""
+
+    launches: Tuple[launch_cache.PreparedLaunch, ...]
+    seqs: Optional[Sequences]
+
+
+def _static(seqs: Sequences) -> Optional[Sequences]:
+    return None if seqs.has_seqlens or seqs.is_thd else seqs
+
+
 def _call_signature(call: AttnCall) -> tuple:
     return (call.params,) + tuple([tensor_signature(t) for t in call.tensors])
 
@@ -214,12 +227,13 @@ def forward(q, k, v, call: AttnCall, plan: Optional[ForwardPlan] = None, *, seqs
     ``plan``: these tiles instead of the planned ones; ``seqs``: these sequence extents instead of the
     call's (:func:`sequences`); ``out`` and ``lse``: buffers (views of larger tensors allowed) to write
     instead of new ones (thd writes only the rows inside sequences)."""
-    key = None
+    key = entry = None
     if plan is None and seqs is None:
         key = ("forward", tensor_signature(q), tensor_signature(k), tensor_signature(v), tensor_signature(out),
                tensor_signature(lse), environment_signature()) + _call_signature(call)
+        entry = _FORWARDS.get(key)
     if seqs is None:
-        seqs = sequences(q, k, call)
+        seqs = entry.seqs if entry is not None and entry.seqs is not None else sequences(q, k, call)
     hq, dv = q.shape[-2], v.shape[-1]
     out_shape = tuple(q.shape[:-1]) + (dv,)
     if out is not None:
@@ -239,12 +253,12 @@ def forward(q, k, v, call: AttnCall, plan: Optional[ForwardPlan] = None, *, seqs
         if extra["row_max"].stride() != lse.stride():
             raise NotImplementedError("`return_max_logit` with a given `lse` view is not supported")
     buffers = dict(tensors, lse=lse, **extra, **_sequence_buffers(seqs), **_modifier_buffers(call))
-    prepared = _FORWARDS.get(key) if key is not None else None
-    if prepared is None:
+    if entry is None:
         described = describe(q, k, v, call, seqs, tensors, (lse.stride(0), lse.stride(1)))
-        prepared = _prepare(launch_description.forward_launches(described, plan))
+        entry = _Prepared(_prepare(launch_description.forward_launches(described, plan)), _static(seqs))
         if key is not None:
-            _FORWARDS.put(key, prepared)
+            _FORWARDS.put(key, entry)
+    prepared = entry.launches
     _run(prepared, buffers)
     return (out, lse, extra["row_max"]) if extra else (out, lse)
 
@@ -276,14 +290,15 @@ def backward(q, k, v, out, d_out, lse, call: AttnCall, plan: Optional[BackwardPl
     rows) instead of computing it.
     """
     grads = BackwardGrads(grads)
-    key = None
+    key = entry = None
     if plan is None and seqs is None:
         key = ("backward", tensor_signature(q), tensor_signature(k), tensor_signature(v), tensor_signature(out),
                tensor_signature(d_out), tensor_signature(lse), tensor_signature(dq), tensor_signature(dk),
                tensor_signature(dv), tensor_signature(delta), bias_grad, softmax_offset_grad, grads, preprocess,
                environment_signature()) + _call_signature(call)
+        entry = _BACKWARDS.get(key)
     if seqs is None:
-        seqs = sequences(q, k, call)
+        seqs = entry.seqs if entry is not None and entry.seqs is not None else sequences(q, k, call)
     # thd leaves the rows between sequences unwritten; padded formats write every row.
     alloc = torch.zeros if seqs.is_thd else unfilled
     tensors = dict(q=q, k=k, v=v, out=out, d_out=d_out)
@@ -309,13 +324,14 @@ def backward(q, k, v, out, d_out, lse, call: AttnCall, plan: Optional[BackwardPl
         dbias = buffers["dbias"] = unfilled(call.bias.shape, call.bias.dtype, call.bias.device)
     if softmax_offset_grad:
         parts = buffers["dsink"] = unfilled((seqs.batch, q.shape[-2]), torch.float32, lse.device)
-    prepared = _BACKWARDS.get(key) if key is not None else None
-    if prepared is None:
+    if entry is None:
         described = describe(q, k, v, call, seqs, tensors, (lse.stride(0), lse.stride(1)))
-        prepared = _prepare(launch_description.backward_launches(
-            described, plan, bias_grad=bias_grad, sink_grad=softmax_offset_grad, grads=grads, preprocess=preprocess))
+        entry = _Prepared(_prepare(launch_description.backward_launches(
+            described, plan, bias_grad=bias_grad, sink_grad=softmax_offset_grad, grads=grads, preprocess=preprocess)),
+            _static(seqs))
         if key is not None:
-            _BACKWARDS.put(key, prepared)
+            _BACKWARDS.put(key, entry)
+    prepared = entry.launches
     _run(prepared, buffers)
     d_offset = fixed_order_sum(parts) if softmax_offset_grad else None
     return dq, dk, dvt, dbias, d_offset

@@ -9,7 +9,8 @@ ones (async: the call returns once they are queued, and the tiny shape keeps the
     python dev/tuning/host_time.py            # on a GPU
     python dev/tuning/host_time.py --profile  # and where a step's host time goes, function by function
     python dev/tuning/host_time.py --trace host_trace.json  # and a profiler trace of the threads
-    python dev/tuning/host_time.py --launch   # and the forward's launch alone, three ways (a GPU only)
+    python dev/tuning/host_time.py --launch   # and the forward's launch alone, four ways (a GPU only)
+    python dev/tuning/host_time.py --no-signature-cache  # every call decided afresh (the path before the caches)
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 from transformer_engine.common import settings
 from transformer_engine.pytorch import DotProductAttention
-from transformer_engine.pytorch.attention import fused_attn, kernel_runner, launch_cache, ops, testing
+from transformer_engine.pytorch.attention import fused_attn, kernel_runner, launch_cache, ops, signature_cache, testing
 
 
 def per_call_us(fn, calls: int, rounds: int = 9) -> float:
@@ -61,56 +62,49 @@ def autograd_overhead(q, calls: int) -> None:
 
 
 def launch_overhead(q, k, v, call, calls: int) -> None:
-    """Host microseconds of the forward's kernel launches: through the kernel runner's launch loop, as Triton
-    JIT calls with the arguments bound once, and through each compiled kernel's launcher directly (what a
-    launcher cached per launch description would cost: only the tensors' addresses and the grid change
-    between calls)."""
+    """Host microseconds of the forward's kernel launches: prepared once per call signature (the kernel
+    runner's path), through launch_cache.launch (a key built over every argument per launch), as Triton JIT
+    calls with the arguments bound once, and through each compiled kernel's launcher directly (the floor:
+    only the tensors' addresses and the grid change between calls)."""
     captured = {}
     real_run = kernel_runner._run
 
-    def capture(described, buffers):
-        captured.update(described=described, buffers=buffers)
-        real_run(described, buffers)
+    def capture(prepared, buffers):
+        captured.update(prepared=prepared, buffers=buffers)
+        real_run(prepared, buffers)
 
     kernel_runner._run = capture
     try:
         kernel_runner.forward(q.detach(), k.detach(), v.detach(), call)
     finally:
         kernel_runner._run = real_run
-    described, buffers = captured["described"], captured["buffers"]
-    print(f"launch alone ({', '.join(d.name for d in described)}), microseconds per call:")
-    print(f"  kernel_runner._run       {per_call_us(lambda: kernel_runner._run(described, buffers), calls):8.1f}")
-    bound = [(d.kernel, d.grid, d.bind(buffers), d.options) for d in described]
-
-    def jit_calls():
-        for kernel, grid, kwargs, options in bound:
-            kernel[grid](**kwargs, **options)
-
-    print(f"  Triton JIT call          {per_call_us(jit_calls, calls):8.1f}")
+    prepared, buffers = captured["prepared"], captured["buffers"]
+    print(f"launch alone ({', '.join(p.kernel.__name__ for p in prepared)}), microseconds per call:")
+    print(f"  kernel_runner._run (prepared) {per_call_us(lambda: kernel_runner._run(prepared, buffers), calls):8.1f}")
+    bound = [(p.kernel, p.grid, dict(zip(p.names, p.args(buffers))), p.options) for p in prepared]
 
     def cached_calls():
         for kernel, grid, kwargs, options in bound:
             launch_cache.launch(kernel, grid, kwargs, options)
 
-    print(f"  launch_cache.launch      {per_call_us(cached_calls, calls):8.1f}")
-    device, _ = launch_cache._device_and_stream()
-    keys = [(kernel, tuple(kwargs.values()), options) for kernel, _, kwargs, options in bound]
+    print(f"  launch_cache.launch           {per_call_us(cached_calls, calls):8.1f}")
+
+    def jit_calls():
+        for kernel, grid, kwargs, options in bound:
+            kernel[grid](**kwargs, **options)
+
+    print(f"  Triton JIT call               {per_call_us(jit_calls, calls):8.1f}")
     parts = {
-        "its key": lambda: [launch_cache._key(k, device, v, o) for k, v, o in keys],
+        "its arguments' binding": lambda: [p.args(buffers) for p in prepared],
         "its device and stream": launch_cache._device_and_stream,
-        "its checks": lambda: (launch_cache._jit_only(bound[0][0]), launch_cache._hooks()),
-        "the description's bind": lambda: [d.bind(buffers) for d in described],
+        "its hooks check": launch_cache._hooks,
     }
     for name, fn in parts.items():
-        print(f"    {name:22s} {per_call_us(fn, calls):8.1f}")
+        print(f"    {name:26s} {per_call_us(fn, calls):8.1f}")
     print(f"    (launch hooks active: {launch_cache._hooks()[0] is not None})")
-    try:
-        direct = []
-        for kernel, grid, kwargs, options in bound:
-            compiled = kernel.run(grid=grid, warmup=True, **kwargs, **options)
-            compiled._init_handles()
-            values = [kwargs[name] for name in kernel.arg_names]
-            direct.append((compiled, tuple(grid) + (1,) * (3 - len(grid)), values))
+    direct = [(p.compiled, p.grid, p.args(buffers)) for p in prepared
+              if p.compiled is not None and p.compiled is not launch_cache._VIA_LAUNCH]
+    if len(direct) == len(prepared):
         stream = torch.cuda.current_stream().cuda_stream
 
         def direct_calls():
@@ -118,9 +112,9 @@ def launch_overhead(q, k, v, call, calls: int) -> None:
                 compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None,
                              None, None, *values)
 
-        print(f"  compiled kernel directly {per_call_us(direct_calls, calls):8.1f}")
-    except Exception as err:  # Triton's internals differ between versions: report, do not fail the rest
-        print(f"  compiled kernel directly: {type(err).__name__}: {err}")
+        print(f"  compiled kernel directly      {per_call_us(direct_calls, calls):8.1f}")
+    else:
+        print("  compiled kernel directly: not prepared with compiled kernels (JIT-only launches)")
 
 
 def main() -> None:
@@ -134,9 +128,13 @@ def main() -> None:
                     help="then a torch.profiler trace of 5 such steps (Chrome JSON, every thread) and its op table")
     ap.add_argument("--launch", action="store_true",
                     help="then the forward kernel's launch alone: ours, Triton's JIT call, its compiled kernel directly")
+    ap.add_argument("--no-signature-cache", action="store_true",
+                    help="keep no decisions per call signature (DotProductAttention's, the kernel runner's)")
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--head-dim", type=int, default=128)
     args = ap.parse_args()
+    for cache in signature_cache.caches():
+        cache.enabled = not args.no_signature_cache
     stub = testing.no_launches() if args.stub else contextlib.nullcontext()
     with stub:
         _measure(args)
@@ -167,8 +165,8 @@ def _measure(args) -> None:
     o_flat = module(q, k, v)
     d_flat = torch.ones_like(o_flat)
     with settings.environment(NVTE_ALLOW_NONDETERMINISTIC_ALGO="0", NVTE_FUSED_ATTN_BACKEND="fused"):
-        print(f"device {device}, stub={args.stub}, op_dispatch={args.op_dispatch}, (b, s, h, d) = {(b, s, h, d)}; "
-              "microseconds per call")
+        print(f"device {device}, stub={args.stub}, op_dispatch={args.op_dispatch}, signature caches "
+              f"{'off' if args.no_signature_cache else 'on'}, (b, s, h, d) = {(b, s, h, d)}; microseconds per call")
         with torch.no_grad():
             for name, fn in layers.items():
                 print(f"  forward  {name:22s} {per_call_us(fn, args.calls):8.1f}")
@@ -187,6 +185,8 @@ def _measure(args) -> None:
                 t.grad = None
             print(f"  fwd+bwd  {name:22s} {per_call_us(fn, args.calls // 2):8.1f}"
                   + ("  (backward launches only)" if name.startswith("kernel_runner") else ""))
+        print("  signature caches: " + ", ".join(f"{c.name} {c.hits} hits, {c.misses} misses"
+                                              for c in signature_cache.caches()))
         if args.launch and device == "cuda":
             launch_overhead(q, k, v, call, args.calls)
         if args.launch:

@@ -170,10 +170,15 @@ def deterministic_algorithms(enabled: bool):
 
 
 class SelectionSpy:
-    """Wraps ``transformer_engine.pytorch.attention.backends.select``; records each config and selection."""
+    """Wraps ``transformer_engine.pytorch.attention.backends.select``; records each config and selection.
+    While installed, DotProductAttention keeps no decisions per call signature (``signature_cache``), so every
+    call selects and is recorded (tests/pytorch/test_signature_cache.py tests the cache)."""
 
     def __init__(self, monkeypatch) -> None:
         from transformer_engine.pytorch.attention import backends as attn_config
+        from transformer_engine.pytorch.attention import dot_product_attention
+
+        monkeypatch.setattr(dot_product_attention._PREPARED_CALLS, "enabled", False)
 
         self.configs: List = []
         self.selections: List = []

@@ -19,7 +19,7 @@ import torch
 
 from dpa_helpers import DEVICE, ON_GPU, assert_close_to_reference, reference, requires_fused
 from transformer_engine.pytorch import DotProductAttention
-from transformer_engine.pytorch.attention import launch_cache
+from transformer_engine.pytorch.attention import kernel_runner
 from transformer_engine.pytorch.attention.inference import InferenceParams
 
 LAYER = 3
@@ -148,13 +148,13 @@ def test_decode_launches_the_length_generic_forward(monkeypatch):
     from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel
 
     launched = []
-    real = launch_cache.launch
+    real = kernel_runner._run
 
-    def record(kernel, *args, **kwargs):
-        launched.append(kernel)
-        return real(kernel, *args, **kwargs)
+    def record(prepared, buffers):  # every launch of the kernel runner, prepared once per call signature
+        launched.extend(p.kernel for p in prepared)
+        return real(prepared, buffers)
 
-    monkeypatch.setattr(launch_cache, "launch", record)
+    monkeypatch.setattr(kernel_runner, "_run", record)
     dtype, h, hk, d = torch.float32, 2, 1, 16  # fp32: the Triton kernel also on Hopper (no Gluon fp32 kernel)
     dpa = DotProductAttention(h, d, num_gqa_groups=hk, qkv_format="thd", layer_number=LAYER).to(DEVICE).eval()
     q, k, v = _sequences([9], h, hk, d, dtype, seed=1)[0]

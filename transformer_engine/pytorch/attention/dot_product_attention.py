@@ -1,13 +1,22 @@
 """DotProductAttention: TransformerEngine's attention module on the project's backends.
 
-Every call builds one :class:`AttnConfig` (determinism read now: ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``
-or ``torch.use_deterministic_algorithms(True)``), asks backend selection for a backend (``NVTE_FUSED_ATTN``,
-``NVTE_UNFUSED_ATTN``, ``NVTE_FUSED_ATTN_BACKEND``, ``NVTE_DEBUG`` are read then too) and runs it.
-Nothing about a decision is kept between calls.
+A call's argument checks build one :class:`AttnConfig` (determinism read now: ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``
+or ``torch.use_deterministic_algorithms(True)``), ask backend selection for a backend (``NVTE_FUSED_ATTN``,
+``NVTE_UNFUSED_ATTN``, ``NVTE_FUSED_ATTN_BACKEND``, ``NVTE_DEBUG`` are read then too) and run it.
+
+What the checks and selection decide is a function of the call's signature (``signature_cache``): the
+module's settings, the call's non-tensor arguments, each tensor's shape, strides, dtype, device and
+alignment, the determinism request and the raw values of the environment variables they read, all read at
+every call. A signature seen before reuses that decision (:class:`_PreparedCall`); the rest (the tensors,
+their values' checks below the module, the launches) runs per call. Calls whose decisions read tensor values
+(an ``attention_mask``; thd without ``max_seqlen_*``), KV-cache steps, packed ``qkv_layer``/``kv_layer``
+inputs, context parallelism, tracing, and calls while the ``transformer_engine`` logger logs INFO (the
+per-call "Selected backend" line) always take the full path.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Tuple, Union
@@ -21,6 +30,9 @@ from transformer_engine.common.attention.validation import check_softmax_scale
 from transformer_engine.pytorch.attention import backends as attn_backends
 from transformer_engine.pytorch.attention import config as attn_config
 from transformer_engine.pytorch.attention.backends import AttnCall
+from transformer_engine.pytorch.attention.signature_cache import (
+    SignatureCache, environment_signature, tensor_signature,
+)
 from transformer_engine.pytorch.attention.unfused import bias_shape_name
 
 __all__ = ["DotProductAttention"]
@@ -59,6 +71,32 @@ def _enum_arg(enum, value, name: str):
 
 def _is_compiling() -> bool:
     return torch.compiler.is_compiling()
+
+
+@dataclass(frozen=True)
+class _PreparedCall:
+    """What DotProductAttention decided for one call signature: the backend, the call's parameters, and
+    which of the four cu_seqlens arguments the call carries to the backend (bshd/sbhd without a padding
+    mask carry none, and never the padded ones)."""
+
+    backend: Any
+    params: AttnParams
+    carried_seqlens: Tuple[bool, bool, bool, bool]
+
+
+_PREPARED_CALLS = SignatureCache("DotProductAttention")
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_LOGGER = logging.getLogger("transformer_engine")
+
+
+def _window_signature(window) -> Optional[tuple]:
+    """A window argument as a key: the values and their types (True, 1 and 1.0 are equal keys, but the checks
+    tell them apart), and the container's type. Raises TypeError for what is not a sequence (the caller then
+    takes the full path, whose checks name the argument)."""
+    if window is None:
+        return None
+    values = tuple(window)
+    return (type(window), values, tuple(map(type, values)))
 
 
 class _TensorMeta:
@@ -600,6 +638,26 @@ class DotProductAttention(torch.nn.Module):
                               ("score_mod_bprop_tensors", score_mod_bprop_tensors)):
             if mod is not None:
                 raise NotImplementedError(f"`{mod_name}` (cuDNN's experimental score modification) is not supported")
+        key = None
+        if (not _is_compiling()  # first: while tracing, nothing after it is evaluated
+                and attention_mask is None and inference_params is None and qkv_layer is None and kv_layer is None
+                and type(query_layer) in _PLAIN_TENSORS and type(key_layer) in _PLAIN_TENSORS
+                and type(value_layer) in _PLAIN_TENSORS and not _LOGGER.isEnabledFor(logging.INFO)
+                and (self._context_parallel is None or self._context_parallel.size <= 1)):
+            try:
+                key = self._signature(query_layer, key_layer, value_layer, qkv_format, cu_seqlens_q, cu_seqlens_kv,
+                                      cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv,
+                                      attn_mask_type, window_size, bottom_right_diagonal, checkpoint_core_attention,
+                                      core_attention_bias_type, core_attention_bias, alibi_slopes)
+                prepared = _PREPARED_CALLS.get(key)
+            except (TypeError, AttributeError):  # an argument that makes no key (unhashable, a window that is no
+                key = prepared = None  # sequence, a cu_seqlens that is no tensor): the full path's checks name it
+            if prepared is not None:
+                cu_seqlens = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
+                return self._run_prepared(prepared, query_layer, key_layer, value_layer,
+                                          *(t if carried else None for t, carried in
+                                            zip(cu_seqlens, prepared.carried_seqlens)),
+                                          core_attention_bias, alibi_slopes, checkpoint_core_attention)
         fmt = _enum_arg(QKVFormat, qkv_format if qkv_format is not None else self.qkv_format, "qkv_format")
         q, k, v = _unpack_packed(qkv_layer, kv_layer, query_layer, key_layer, value_layer, fmt, qkv_interleave_dim)
         mask = _mask_arg(attn_mask_type if attn_mask_type is not None else self.attn_mask_type)
@@ -638,11 +696,7 @@ class DotProductAttention(torch.nn.Module):
         backend, deterministic = self._select(q, k, v, fmt, seqs, window, bias_type, bias_shape, dropout, bottom_right,
                                               softmax_type)
         self.last_backend = backend.NAME
-        rng_context = None
-        if self.get_rng_state_tracker is not None and not self.sequence_parallel:
-            # As in TransformerEngine: with sequence parallelism dropout draws from the default generator.
-            tracker = self.get_rng_state_tracker
-            rng_context = lambda: tracker().fork()  # noqa: E731
+        rng_context = self._rng_context()
         params = AttnParams(seqs.mask, bias_type, fmt, window, self.softmax_scale, dropout_probability=float(dropout),
                             deterministic=deterministic, bottom_right_diagonal=bottom_right, softmax_type=softmax_type,
                             **(dict(max_seqlen_q=seqs.max_seqlen_q, max_seqlen_kv=seqs.max_seqlen_kv)
@@ -652,6 +706,11 @@ class DotProductAttention(torch.nn.Module):
             bias=core_attention_bias, alibi_slopes=alibi_slopes, softmax_offset=softmax_offset,
             attention_mask=seqs.attention_mask, rng_context=rng_context, return_max_logit=self.return_max_logit,
         )
+        if key is not None and (fmt != QKVFormat.THD or (max_seqlen_q is not None and max_seqlen_kv is not None)):
+            # Every check above read only what the key holds; thd without max_seqlen_* read cu_seqlens' values.
+            carried = tuple(t is not None for t in (seqs.cu_seqlens_q, seqs.cu_seqlens_kv, seqs.cu_seqlens_q_padded,
+                                                    seqs.cu_seqlens_kv_padded))
+            _PREPARED_CALLS.put(key, _PreparedCall(backend, params, carried))
 
         def attend(q_, k_, v_):
             return backend.run(q_, k_, v_, call)
@@ -665,6 +724,10 @@ class DotProductAttention(torch.nn.Module):
                 softmax_scale=self.softmax_scale, deterministic=deterministic, num_heads=self.num_heads_per_partition,
                 num_kv_heads=self.num_gqa_groups_per_partition,
                 bias_type=bias_type, dropout=dropout, softmax_type=softmax_type, return_max_logit=self.return_max_logit)
+        return self._attend(attend, q, k, v, checkpoint_core_attention)
+
+    def _attend(self, attend, q, k, v, checkpoint_core_attention: bool):
+        """``attend(q, k, v)`` (checkpointed when asked and recording gradients), heads flattened."""
         if checkpoint_core_attention and torch.is_grad_enabled():
             out = torch.utils.checkpoint.checkpoint(attend, q, k, v, use_reentrant=False)
         else:
@@ -674,6 +737,57 @@ class DotProductAttention(torch.nn.Module):
             out, max_logit = out
         out = out.reshape(*out.shape[:-2], out.shape[-2] * out.shape[-1])
         return (out, max_logit) if self.return_max_logit else out
+
+    def _rng_context(self):
+        """Where dropout draws its seed: the RNG tracker's fork, or None for torch's default generator."""
+        if self.get_rng_state_tracker is not None and not self.sequence_parallel:
+            # As in TransformerEngine: with sequence parallelism dropout draws from the default generator.
+            tracker = self.get_rng_state_tracker
+            return lambda: tracker().fork()
+        return None
+
+    def _signature(self, q, k, v, qkv_format, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
+                   max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size, bottom_right_diagonal,
+                   checkpoint_core_attention, core_attention_bias_type, core_attention_bias, alibi_slopes) -> tuple:
+        """Everything forward's checks and backend selection read of a call (the module docstring), as a key.
+        Scalars with their types (True, 1 and 1.0 are equal keys, but the checks tell them apart)."""
+        offset = self.softmax_offset
+        scalars = (qkv_format, attn_mask_type, bottom_right_diagonal, checkpoint_core_attention,
+                   core_attention_bias_type, max_seqlen_q, max_seqlen_kv, self.bottom_right_diagonal, self.qkv_format,
+                   self.attn_mask_type, self.softmax_type, self.training, self.return_max_logit, self.sequence_parallel)
+        return (
+            scalars, tuple(map(type, scalars)), _window_signature(window_size), _window_signature(self.window_size),
+            # the module's other settings
+            self._softmax_scale_ratio, self._attention_dropout_ratio, self.num_heads_per_partition,
+            self.num_gqa_groups_per_partition, self.hidden_size_per_attention_head_k,
+            self.hidden_size_per_attention_head_v, self.tp_size, self.get_rng_state_tracker is None,
+            None if offset is None else (offset.shape, offset.dtype, offset.device),
+            # the call's tensors
+            tensor_signature(q), tensor_signature(k), tensor_signature(v),
+            tensor_signature(cu_seqlens_q), tensor_signature(cu_seqlens_kv), tensor_signature(cu_seqlens_q_padded),
+            tensor_signature(cu_seqlens_kv_padded), cu_seqlens_kv is cu_seqlens_q,
+            tensor_signature(core_attention_bias), tensor_signature(alibi_slopes),
+            # what selection reads besides: the determinism request, the settings, the current device
+            torch.are_deterministic_algorithms_enabled(), environment_signature(),
+            torch.cuda.current_device() if q.is_cuda else None,
+        )
+
+    def _run_prepared(self, prepared: _PreparedCall, q, k, v, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+                      cu_seqlens_kv_padded, core_attention_bias, alibi_slopes, checkpoint_core_attention: bool):
+        """forward for a signature seen before: the decisions from ``prepared``, the tensors from this call."""
+        backend = prepared.backend
+        self.last_backend = backend.NAME
+        softmax_offset = self.softmax_offset
+        if softmax_offset is not None:  # as forward does
+            softmax_offset = softmax_offset.to(device=q.device, dtype=torch.float32)
+        call = AttnCall(prepared.params, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
+                        bias=core_attention_bias, alibi_slopes=alibi_slopes, softmax_offset=softmax_offset,
+                        rng_context=self._rng_context(), return_max_logit=self.return_max_logit)
+
+        def attend(q_, k_, v_):
+            return backend.run(q_, k_, v_, call)
+
+        return self._attend(attend, q, k, v, checkpoint_core_attention)
 
     def _select(self, q, k, v, fmt: QKVFormat, seqs: "_Sequences", window, bias_type: AttnBiasType,
                 bias_shape: Optional[str], dropout: float, bottom_right: bool, softmax_type: AttnSoftmaxType):

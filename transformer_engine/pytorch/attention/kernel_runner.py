@@ -4,7 +4,11 @@ What is launched (kernels, grids, arguments, tiles) is the framework-free launch
 (``common.attention.launch_description``). This module describes a call's tensors to it (an
 :class:`~transformer_engine.pytorch.attention.call.AttnCall` and q, k, v), allocates the outputs, binds the
 description's slots to tensors and launches each kernel through the compiled-launcher cache
-(``launch_cache``). The fused custom ops (``ops.py``) run :func:`forward` and :func:`backward`; context
+(``launch_cache``). What depends only on the call's signature (``signature_cache``: the call's parameters,
+the tensors' shapes, strides, dtypes, devices and alignment, the settings) is prepared once per signature:
+the description, the plan, the grids and each kernel's compiled launcher with its scalar arguments bound
+(``launch_cache.PreparedLaunch``); a later call of that signature allocates its outputs and launches on its
+tensors. Calls with their own ``plan`` or ``seqs`` are described each time. The fused custom ops (``ops.py``) run :func:`forward` and :func:`backward`; context
 parallelism runs them on views of its tensors.
 """
 
@@ -27,6 +31,9 @@ from transformer_engine.pytorch.attention.buffers import unfilled
 from transformer_engine.pytorch.attention.call import AttnCall
 from transformer_engine.pytorch.attention.config import dtype_name, triton_interpreting
 from transformer_engine.pytorch.attention.device import device_facts
+from transformer_engine.pytorch.attention.signature_cache import (
+    SignatureCache, environment_signature, tensor_signature,
+)
 
 __all__ = ["Sequences", "canonical", "sequences", "plan_key", "describe", "forward", "backward", "fixed_order_sum",
            "zero_outside_sequences"]
@@ -153,12 +160,42 @@ def _ensure_allocator() -> None:
         triton.set_allocator(_tma_scratch)
 
 
-def _run(described, buffers: Dict[str, torch.Tensor]) -> None:
-    """Launch the described kernels in order on ``buffers`` (the slots' tensors)."""
-    for launch in described:
+_FORWARDS = SignatureCache("kernel_runner.forward")
+_BACKWARDS = SignatureCache("kernel_runner.backward")
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A call signature's launches, prepared (``launch_cache.PreparedLaunch``), and its :class:`Sequences` where
+    they hold no tensors (extents from the shapes alone: the same for every call of the signature)."""
+
+    launches: Tuple[launch_cache.PreparedLaunch, ...]
+    seqs: Optional[Sequences]
+    workspace: Optional[launch_description.SplitKV] = None  # a split-KV forward's (fp32 chunk states)
+
+
+def _static(seqs: Sequences) -> Optional[Sequences]:
+    return None if seqs.has_seqlens or seqs.is_thd else seqs
+
+
+def _call_signature(call: AttnCall) -> tuple:
+    return (call.params,) + tuple([tensor_signature(t) for t in call.tensors])
+
+
+def _prepare(described) -> Tuple[launch_cache.PreparedLaunch, ...]:
+    """The described launches (``launch_description.Launch``) prepared for launching on the buffers of any
+    call of their signature (``launch_cache.prepare``)."""
+    return tuple(launch_cache.prepare(launch, [(i, value.name) for i, value in enumerate(launch.args.values())
+                                               if isinstance(value, launch_description.Slot)])
+                 for launch in described)
+
+
+def _run(prepared: Tuple[launch_cache.PreparedLaunch, ...], buffers: Dict[str, torch.Tensor]) -> None:
+    """Launch the prepared kernels in order on ``buffers`` (the slots' tensors)."""
+    for launch in prepared:
         if launch.is_gluon:
             _ensure_allocator()
-        launch_cache.launch(launch.kernel, launch.grid, launch.bind(buffers), launch.options)
+        launch.run(buffers)
 
 
 def _sequence_buffers(seqs: Sequences) -> Dict[str, torch.Tensor]:
@@ -192,8 +229,13 @@ def forward(q, k, v, call: AttnCall, plan: Optional[ForwardPlan] = None, *, seqs
     call's (:func:`sequences`); ``out`` and ``lse``: buffers (views of larger tensors allowed) to write
     instead of new ones (thd writes only the rows inside sequences); ``split_kv``: force split-KV on or off
     where the plan sums keys in chunks (``launch_description.split_kv``; the same bits either way)."""
+    key = entry = None
+    if plan is None and seqs is None:
+        key = ("forward", tensor_signature(q), tensor_signature(k), tensor_signature(v), tensor_signature(out),
+               tensor_signature(lse), environment_signature(), split_kv) + _call_signature(call)
+        entry = _FORWARDS.get(key)
     if seqs is None:
-        seqs = sequences(q, k, call)
+        seqs = entry.seqs if entry is not None and entry.seqs is not None else sequences(q, k, call)
     hq, dv = q.shape[-2], v.shape[-1]
     out_shape = tuple(q.shape[:-1]) + (dv,)
     if out is not None:
@@ -212,15 +254,18 @@ def forward(q, k, v, call: AttnCall, plan: Optional[ForwardPlan] = None, *, seqs
                                                device=q.device).fill_(float("-inf"))
         if extra["row_max"].stride() != lse.stride():
             raise NotImplementedError("`return_max_logit` with a given `lse` view is not supported")
-    described = describe(q, k, v, call, seqs, tensors, (lse.stride(0), lse.stride(1)))
-    launches = launch_description.forward_launches(described, plan, split_kv)
-    if len(launches) > 1:  # split-KV: the chunks' states, fp32
-        workspace = launch_description.split_kv(described, plan, split_kv)
-        extra["part_o"] = unfilled((workspace.part_o_size,), torch.float32, q.device)
-        extra["part_ml"] = unfilled((workspace.part_ml_size,), torch.float32, q.device)
-    _run(launches, dict(tensors, lse=lse, **extra, **_sequence_buffers(seqs), **_modifier_buffers(call)))
-    if "part_o" in extra:
-        del extra["part_o"], extra["part_ml"]
+    if entry is None:
+        described = describe(q, k, v, call, seqs, tensors, (lse.stride(0), lse.stride(1)))
+        launches = launch_description.forward_launches(described, plan, split_kv)
+        workspace = launch_description.split_kv(described, plan, split_kv) if len(launches) > 1 else None
+        entry = _Prepared(_prepare(launches), _static(seqs), workspace)
+        if key is not None:
+            _FORWARDS.put(key, entry)
+    buffers = dict(tensors, lse=lse, **extra, **_sequence_buffers(seqs), **_modifier_buffers(call))
+    if entry.workspace is not None:  # split-KV: the chunks' states, fp32
+        buffers["part_o"] = unfilled((entry.workspace.part_o_size,), torch.float32, q.device)
+        buffers["part_ml"] = unfilled((entry.workspace.part_ml_size,), torch.float32, q.device)
+    _run(entry.launches, buffers)
     return (out, lse, extra["row_max"]) if extra else (out, lse)
 
 
@@ -251,8 +296,15 @@ def backward(q, k, v, out, d_out, lse, call: AttnCall, plan: Optional[BackwardPl
     rows) instead of computing it.
     """
     grads = BackwardGrads(grads)
+    key = entry = None
+    if plan is None and seqs is None:
+        key = ("backward", tensor_signature(q), tensor_signature(k), tensor_signature(v), tensor_signature(out),
+               tensor_signature(d_out), tensor_signature(lse), tensor_signature(dq), tensor_signature(dk),
+               tensor_signature(dv), tensor_signature(delta), bias_grad, softmax_offset_grad, grads, preprocess,
+               environment_signature()) + _call_signature(call)
+        entry = _BACKWARDS.get(key)
     if seqs is None:
-        seqs = sequences(q, k, call)
+        seqs = entry.seqs if entry is not None and entry.seqs is not None else sequences(q, k, call)
     # thd leaves the rows between sequences unwritten; padded formats write every row.
     alloc = torch.zeros if seqs.is_thd else unfilled
     tensors = dict(q=q, k=k, v=v, out=out, d_out=d_out)
@@ -271,7 +323,6 @@ def backward(q, k, v, out, d_out, lse, call: AttnCall, plan: Optional[BackwardPl
     elif tuple(delta.shape) != tuple(lse.shape) or delta.stride() != lse.stride() or delta.dtype != torch.float32:
         raise ValueError(f"`delta` must be float32 with lse's shape {tuple(lse.shape)} and strides {lse.stride()}, "
                          f"got {delta.dtype} {tuple(delta.shape)} strides {delta.stride()}")
-    described = describe(q, k, v, call, seqs, tensors, (lse.stride(0), lse.stride(1)))
     buffers = dict(tensors, lse=lse, delta=delta, **_sequence_buffers(seqs), **_modifier_buffers(call))
     dbias = parts = None
     if bias_grad:
@@ -279,8 +330,15 @@ def backward(q, k, v, out, d_out, lse, call: AttnCall, plan: Optional[BackwardPl
         dbias = buffers["dbias"] = unfilled(call.bias.shape, call.bias.dtype, call.bias.device)
     if softmax_offset_grad:
         parts = buffers["dsink"] = unfilled((seqs.batch, q.shape[-2]), torch.float32, lse.device)
-    _run(launch_description.backward_launches(described, plan, bias_grad=bias_grad, sink_grad=softmax_offset_grad,
-                                              grads=grads, preprocess=preprocess), buffers)
+    if entry is None:
+        described = describe(q, k, v, call, seqs, tensors, (lse.stride(0), lse.stride(1)))
+        entry = _Prepared(_prepare(launch_description.backward_launches(
+            described, plan, bias_grad=bias_grad, sink_grad=softmax_offset_grad, grads=grads, preprocess=preprocess)),
+            _static(seqs))
+        if key is not None:
+            _BACKWARDS.put(key, entry)
+    prepared = entry.launches
+    _run(prepared, buffers)
     d_offset = fixed_order_sum(parts) if softmax_offset_grad else None
     return dq, dk, dvt, dbias, d_offset
 

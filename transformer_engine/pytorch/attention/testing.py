@@ -132,11 +132,10 @@ def recorded_launches(run: bool = True) -> Iterator[List[Tuple[launch_descriptio
     recorded: List[Tuple[launch_description.Launch, ...]] = []
     real_run = kernel_runner._run
 
-    def record(described, buffers):
-        described = tuple(described)
-        recorded.append(described)
+    def record(prepared, buffers):  # launch_cache.PreparedLaunch, each from one described Launch
+        recorded.append(tuple(p.described for p in prepared))
         if run:
-            real_run(described, buffers)
+            real_run(prepared, buffers)
 
     kernel_runner._run = record
     try:
@@ -150,7 +149,7 @@ def no_launches() -> Iterator[None]:
     """While open, the kernel runner launches nothing (outputs stay unfilled): the host time of our Python
     alone, on any device."""
     real_run = kernel_runner._run
-    kernel_runner._run = lambda described, buffers: None
+    kernel_runner._run = lambda prepared, buffers: None
     try:
         yield
     finally:

@@ -13,10 +13,12 @@ PY
 [ -f dev/device/kv_probe.py ] && timeout ${PROBE_TIMEOUT:-120} python dev/device/kv_probe.py > "$OUT/kv_probe.txt" 2>&1
 PYTEST_N=""
 python -c "import xdist" 2>/dev/null && PYTEST_N="-n 4"
+# QUICK_FILES replaces the PyTorch files; QUICK_K="" selects every test of them.
+QUICK_FILES=${QUICK_FILES:-"tests/pytorch/test_kv_cache.py tests/pytorch/test_max_logit.py tests/pytorch/test_fused_attn.py
+  tests/pytorch/test_dot_product_attention.py tests/pytorch/test_dpa_te_compat.py"}
+K=${QUICK_K-kv_cache or alibi or bias or prefill or decode or max_logit}
 timeout ${QUICK_TIMEOUT:-240} python -m pytest -q -p no:cacheprovider $PYTEST_N --junitxml="$OUT/quick.xml" \
-  tests/pytorch/test_kv_cache.py tests/pytorch/test_max_logit.py tests/pytorch/test_fused_attn.py \
-  tests/pytorch/test_dot_product_attention.py tests/pytorch/test_dpa_te_compat.py \
-  -k "${QUICK_K:-kv_cache or alibi or bias or prefill or decode or max_logit}" "$@" > "$OUT/quick.log" 2>&1
+  $QUICK_FILES ${K:+-k "$K"} "$@" > "$OUT/quick.log" 2>&1
 echo "pytest rc=$?"
 grep -E "passed|failed" "$OUT/quick.log" | tail -n 1
 grep -E "^FAILED" "$OUT/quick.log" | head -n 20

@@ -157,6 +157,11 @@ class PreparedLaunch:
     __slots__ = ("described", "kernel", "grid", "names", "values", "slots", "options", "is_gluon", "compiled",
                  "device")
 
+    @property
+    def name(self) -> str:
+        """The kernel's name (as ``launch_description.Launch.name``)."""
+        return self.described.name
+
     def __init__(self, described, slots: Sequence[Tuple[int, str]]):
         self.described = described
         self.kernel, self.grid, self.options = described.kernel, tuple(described.grid), described.options

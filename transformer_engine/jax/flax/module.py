@@ -14,6 +14,7 @@ from transformer_engine.common.attention import enums as _common
 from transformer_engine.common.log import get_logger, warn_once
 from transformer_engine.jax import attention as _attention
 from transformer_engine.jax.attention import SequenceDescriptor
+from transformer_engine.jax.inference import KVCache, kv_cache_attention
 from transformer_engine.jax.enums import (AttnBiasType, AttnMaskType, AttnSoftmaxType, CPStrategy, QKVLayout,
                                           canonicalize_attn_mask_type, to_common)
 
@@ -103,6 +104,16 @@ class DotProductAttention(nn.Module):
       ``softmax_offset`` (float32 ``[1, num_attention_heads, 1, 1]``, zeros at init), as
       TransformerEngine-JAX's module does.
     - ``score_mod``, ``score_mod_bprop``: must be ``None`` (``NotImplementedError``).
+    - ``decode``: generation with a KV cache in the ``"cache"`` collection (Flax's convention, as in
+      ``flax.linen.MultiHeadDotProductAttention``): ``init`` with inputs of the cache's size
+      ``[max_batch_size, max_seqlen, ...]`` creates ``cached_key``, ``cached_value`` and
+      ``cache_lengths`` (tokens cached per slot); each later ``apply(..., mutable=["cache"])`` appends its
+      new tokens and attends them to their slots' cached keys
+      (:func:`~transformer_engine.jax.inference.kv_cache_attention`, bshd): every output row is bitwise the
+      row the module gives that token in a training call over the whole sequence. ``sequence_descriptor``
+      is then ``None`` (every slot takes the call's ``t`` tokens) or an int array ``[max_batch_size]``: the
+      new tokens of each slot (0: not in this step; rows past them are zeros). Separate bshd inputs only,
+      no bias, dropout or context parallelism.
 
     ``__call__(query, key, value, sequence_descriptor=None, bias=None, *, deterministic=False,
     mask=None)``: ``sequence_descriptor`` is a ``SequenceDescriptor``, or a padding mask
@@ -137,6 +148,41 @@ class DotProductAttention(nn.Module):
     score_mod: Optional[Callable] = None
     score_mod_bprop: Optional[Callable] = None
     bottom_right_diagonal: Optional[bool] = None
+    decode: bool = False
+
+    def _decode_step(self, layout: _common.QKVLayout, qkv, step_lens, bias, dropout: float, is_training: bool,
+                     mask_type, scale: float, softmax_type, softmax_offset) -> Optional[jax.Array]:
+        """``decode``: the cache's step, or None while the module initializes (the cache is created, and the
+        call runs as a training call on the cache-sized inputs)."""
+        if layout != _common.QKVLayout.BSHD_BSHD_BSHD or self.transpose_batch_sequence:
+            raise ValueError("`qkv_layout` must be 'bshd_bshd_bshd' (and `transpose_batch_sequence` False) with "
+                             f"decode=True, got {layout.value!r} (transpose_batch_sequence="
+                             f"{self.transpose_batch_sequence})")
+        if bias is not None:
+            raise ValueError("`bias` must be None with decode=True (the cache keeps no bias), got an array")
+        if dropout > 0.0 and is_training:
+            raise ValueError(f"`attention_dropout` must be 0 (or deterministic=True) with decode=True, got {dropout}")
+        if self.context_parallel_axis:
+            raise ValueError("`context_parallel_axis` must be empty with decode=True, got "
+                             f"{self.context_parallel_axis!r}")
+        q, k, v = qkv
+        initialized = self.has_variable("cache", "cached_key")
+        cached_key = self.variable("cache", "cached_key", jnp.zeros, k.shape, k.dtype)
+        cached_value = self.variable("cache", "cached_value", jnp.zeros, v.shape, v.dtype)
+        lengths = self.variable("cache", "cache_lengths", jnp.zeros, (k.shape[0],), jnp.int32)
+        if not initialized:
+            return None
+        if step_lens is None:
+            step_lens = jnp.full((q.shape[0],), q.shape[1], jnp.int32)
+        elif isinstance(step_lens, SequenceDescriptor) or jnp.ndim(step_lens) != 1:
+            raise ValueError("`sequence_descriptor` must be None or an int array [max_batch_size] of new tokens "
+                             f"per slot with decode=True, got {type(step_lens).__name__}")
+        cache = KVCache(cached_key.value, cached_value.value, lengths.value)
+        out, cache = kv_cache_attention(q, k, v, cache, step_lens, attn_mask_type=mask_type,
+                                        window_size=self.window_size, softmax_type=softmax_type,
+                                        softmax_offset=softmax_offset, scaling_factor=scale, qkv_format="bshd")
+        cached_key.value, cached_value.value, lengths.value = cache.k, cache.v, cache.lengths
+        return out
 
     def _layout(self) -> _common.QKVLayout:
         layout = to_common(self.qkv_layout, _common.QKVLayout, "qkv_layout")
@@ -220,6 +266,12 @@ class DotProductAttention(nn.Module):
                                         jnp.float32)
 
         mask_type = to_common(canonicalize_attn_mask_type(self.attn_mask_type), _common.AttnMaskType, "attn_mask_type")
+        if self.decode:
+            out = self._decode_step(layout, qkv, sequence_descriptor, bias, dropout, is_training, mask_type, scale,
+                                    softmax_type, softmax_offset)
+            if out is not None:
+                return out
+            sequence_descriptor = None  # initializing: a training call over the cache-sized inputs
         out, selection = _attention._attention_with_selection(_attention._FusedAttnArgs(
             qkv=qkv, bias=bias, sequence_descriptor=sequence_descriptor, seed=seed, attn_bias_type=bias_type,
             attn_mask_type=mask_type, qkv_layout=layout,

@@ -282,18 +282,26 @@ def current_device_and_stream() -> Tuple[int, int]:
     return device, driver.active.get_current_stream(device)
 
 
+_RUNTIME_KNOBS = []  # triton.knobs.runtime, bound on first use (read on every launch: no import per call)
+
+
+def _runtime_knobs():
+    if not _RUNTIME_KNOBS:
+        from triton import knobs
+
+        _RUNTIME_KNOBS.append(knobs.runtime)
+    return _RUNTIME_KNOBS[0]
+
+
 def launch_hooks():
     """Triton's launch enter and exit hooks (either may be None)."""
-    from triton import knobs
-
-    return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    runtime = _runtime_knobs()
+    return runtime.launch_enter_hook, runtime.launch_exit_hook
 
 
 def runtime_debug() -> bool:
     """Triton's debug mode (TRITON_DEBUG)."""
-    from triton import knobs
-
-    return bool(knobs.runtime.debug)
+    return bool(_runtime_knobs().debug)
 
 
 _LAUNCHER_ATTRS = ("_init_handles", "run", "function", "packed_metadata")

@@ -96,3 +96,28 @@ def test_decode_refuses_what_the_cache_cannot_serve():
     with pytest.raises(ValueError, match="`attn_mask_type`"):
         step(DotProductAttention(D, H, num_gqa_groups=HK, attn_mask_type="padding_causal_bottom_right_x",
                                  decode=True), q[:, :1], k[:, :1], v[:, :1])
+
+
+def test_nnx_decode_rows_equal_the_training_rows():
+    from flax import nnx
+
+    from transformer_engine.jax.flax.nnx import DotProductAttention as NnxDotProductAttention
+
+    q, k, v = _tokens(MAX_SEQLEN, H, 10), _tokens(MAX_SEQLEN, HK, 11), _tokens(MAX_SEQLEN, HK, 12)
+    attn = NnxDotProductAttention(D, H, HK, window_size=(6, 0))
+    training = attn(q, k, v, deterministic=True)
+    attn.init_cache(SLOTS, MAX_SEQLEN, DTYPE)
+    step = nnx.jit(lambda m, q, k, v, lens: m(q, k, v, lens, deterministic=True, decode=True))
+    n = [0, 0]
+    for sizes in [(5, 3), (1, 4), (0, 1), (1, 1), (2, 0)]:
+        t = max(sizes)
+        part = [jnp.stack([jnp.pad(x[i, n[i]:n[i] + sizes[i]], ((0, t - sizes[i]), (0, 0), (0, 0)))
+                           for i in range(SLOTS)]) for x in (q, k, v)]
+        out = step(attn, *part, jnp.asarray(sizes, jnp.int32))
+        for i in range(SLOTS):
+            np.testing.assert_array_equal(np.asarray(out[i, :sizes[i]]), np.asarray(training[i, n[i]:n[i] + sizes[i]]),
+                                          err_msg=f"slot {i}")
+            n[i] += sizes[i]
+    np.testing.assert_array_equal(np.asarray(attn.cache_lengths[...]), n)
+    with pytest.raises(ValueError, match="init_cache"):
+        NnxDotProductAttention(D, H, HK)(q[:, :1], k[:, :1], v[:, :1], decode=True)

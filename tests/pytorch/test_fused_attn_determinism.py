@@ -26,7 +26,7 @@ from transformer_engine.common import settings
 from transformer_engine.common.attention import AttnMaskType, QKVFormat
 from transformer_engine.common.attention.plan import backward_plan, forward_plan
 from transformer_engine.pytorch.attention import kernel_runner
-from transformer_engine.pytorch.attention.testing import fused_call
+from transformer_engine.pytorch.attention.testing import fused_call, recorded_launches
 from transformer_engine.pytorch.attention.fused_attn import fused_attn_func
 
 pytestmark = requires_fused
@@ -141,26 +141,25 @@ def test_thd_against_reference_and_padded_bitwise(mask, gap, d, dv):
         assert_close_to_reference(name, ours, r, lp)
 
 
-def _spy_launches(monkeypatch):
-    """Names of the kernels the PyTorch launcher runs, in order (kernel_runner._run wrapped)."""
-    names = []
-    real = kernel_runner._run
+@pytest.fixture
+def launches():
+    """The kernel runner's launches while the test runs (testing.recorded_launches)."""
+    with recorded_launches() as recorded:
+        yield recorded
 
-    def run(described, buffers):
-        names.extend(x.name for x in described)
-        return real(described, buffers)
 
-    monkeypatch.setattr(kernel_runner, "_run", run)
-    return names
+def _names(recorded):
+    """Names of the recorded kernels, in launch order."""
+    return [x.name for described in recorded for x in described]
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
-def test_backward_runs_a_separate_dq_pass_in_both_modes(monkeypatch, deterministic):
+def test_backward_runs_a_separate_dq_pass_in_both_modes(launches, deterministic):
     """No atomic dQ exists: both modes launch the preprocess, dK/dV and dQ passes."""
-    names = _spy_launches(monkeypatch)
     q, k, v, _ = make_qkv(1, S, S, 2, 2, 32, 32, DTYPES[0])
     _run(q, k, v, "bshd", "causal", (-1, -1), 0.2, deterministic=deterministic)
-    assert names == ["attn_fwd_kernel", "attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel"]
+    assert _names(launches) == ["attn_fwd_kernel", "attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel",
+                                "attn_bwd_dq_kernel"]
 
 
 @pytest.mark.parametrize("mask", ["causal", "padding_causal", "sliding_window"])
@@ -202,18 +201,17 @@ def test_launch_order_and_loop_form_change_no_result(mask):
 @pytest.mark.skipif(settings.get("NVTE_FUSED_ATTN_PLAN_ARCH") not in ("", "sm90"),
                     reason="NVTE_FUSED_ATTN_PLAN_ARCH forces another architecture's plan (Triton kernels only)")
 @pytest.mark.parametrize("mask,window", [("causal", (-1, 0)), ("no_mask", (-1, -1)), ("no_mask", (40, 9))])
-def test_warp_specialized_kernels_serve_d128(monkeypatch, mask, window):
+def test_warp_specialized_kernels_serve_d128(launches, mask, window):
     """At d=128 the plan runs the Gluon forward, dK/dV and dQ (kernels/hopper_ws.py): they are launched, their
     results are as close to the fp32 reference as the Triton kernels' (NVTE_FUSED_ATTN_WS=0), and the
     head-grouped launch order changes no bit."""
-    names = _spy_launches(monkeypatch)
     q, k, v, _ = make_qkv(2, 700, 700, 4, 2, 128, 128, torch.bfloat16, seed=11)
     out, grads, d_out = _run(q, k, v, "bshd", mask, window, 128 ** -0.5)
     ws = ["attn_fwd_ws_kernel", "attn_bwd_preprocess_kernel", "attn_bwd_dkdv_ws_kernel", "attn_bwd_dq_ws_kernel"]
-    assert names == ws
+    assert _names(launches) == ws
     with settings.environment(NVTE_FUSED_ATTN_WS="0"):
         out_t, grads_t, _ = _run(q, k, v, "bshd", mask, window, 128 ** -0.5)
-    assert names[4:] == [n.replace("_ws", "") for n in ws]  # the Triton kernels ran
+    assert _names(launches)[4:] == [n.replace("_ws", "") for n in ws]  # the Triton kernels ran
     ref, lowp = ref_and_lowp(q, k, v, d_out, "bshd", mask, window, 128 ** -0.5)
     for name, ours, triton_ours, r, lp in zip(("out", "dq", "dk", "dv"), (out,) + grads, (out_t,) + grads_t, ref,
                                               lowp):

@@ -26,7 +26,7 @@ from test_sink_softmax import SCALE as SINK_SCALE, sink_reference
 from transformer_engine.common.attention import AttnMaskType, QKVFormat
 from transformer_engine.common.attention.plan import forward_plan
 from transformer_engine.pytorch.attention import kernel_runner
-from transformer_engine.pytorch.attention.testing import fused_call
+from transformer_engine.pytorch.attention.testing import fused_call, recorded_launches
 from transformer_engine.pytorch.attention.fused_attn import fused_attn_func
 
 pytestmark = requires_fused
@@ -49,23 +49,17 @@ def _gpu_plan_splits() -> bool:
 
 @pytest.fixture(autouse=True)
 def split_kernels(monkeypatch):
-    """Plans split Q/K under the interpreter; every forward, dK/dV and dQ launch is recorded, and each
-    test checks that its launches did split."""
+    """Plans split Q/K under the interpreter; every launch is recorded (testing.recorded_launches), and each
+    test checks that its forward, dK/dV and dQ launches did split."""
     if ON_GPU and not _gpu_plan_splits():
         pytest.skip("this GPU's plan does not split Q/K at 192/128 (Hopper's narrow-V tiles only)")
     monkeypatch.setenv("NVTE_FUSED_ATTN_INTERPRET_SPLIT_QK", "1")
-    seen = []
-    real = kernel_runner._run
-
-    def run(described, buffers):
-        seen.extend(x.described for x in described if x.name in SPLIT_PASSES)  # the prepared launches' descriptions
-        return real(described, buffers)
-
-    monkeypatch.setattr(kernel_runner, "_run", run)
-    return seen
+    with recorded_launches() as recorded:
+        yield recorded
 
 
-def _assert_split(seen, d):
+def _assert_split(recorded, d):
+    seen = [x for described in recorded for x in described if x.name in SPLIT_PASSES]
     assert {SPLIT_PASSES[x.name] for x in seen} == {"fwd", "dkdv", "dq"}
     assert {(x.args["BLOCK_DQK"], x.args["BLOCK_DQK2"]) for x in seen} == {SPLITS[d]}
 

@@ -19,7 +19,7 @@ import torch
 
 from dpa_helpers import DEVICE, ON_GPU, assert_close_to_reference, reference, requires_fused
 from transformer_engine.pytorch import DotProductAttention
-from transformer_engine.pytorch.attention import kernel_runner
+from transformer_engine.pytorch.attention.testing import recorded_launches
 from transformer_engine.pytorch.attention.inference import InferenceParams
 
 LAYER = 3
@@ -147,24 +147,17 @@ def test_decode_launches_the_length_generic_forward(monkeypatch):
     prefill the length-specialized kernel; both give the training rows (the test above, compiled on a GPU)."""
     from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel
 
-    launched = []
-    real = kernel_runner._run
-
-    def record(prepared, buffers):  # every launch of the kernel runner, prepared once per call signature
-        launched.extend(p.kernel for p in prepared)
-        return real(prepared, buffers)
-
-    monkeypatch.setattr(kernel_runner, "_run", record)
     dtype, h, hk, d = torch.float32, 2, 1, 16  # fp32: the Triton kernel also on Hopper (no Gluon fp32 kernel)
     dpa = DotProductAttention(h, d, num_gqa_groups=hk, qkv_format="thd", layer_number=LAYER).to(DEVICE).eval()
     q, k, v = _sequences([9], h, hk, d, dtype, seed=1)[0]
     params = _params(hk, d, dtype, paged=False)
-    params.pre_step(OrderedDict([(0, 8)]))
-    prefill = dpa(q[:8], k[:8], v[:8], inference_params=params)
-    assert launched == [attn_fwd_kernel]
-    params.pre_step(OrderedDict([(0, 1)]))
-    decode = dpa(q[8:], k[8:], v[8:], inference_params=params)
-    assert launched == [attn_fwd_kernel, attn_fwd_kernel.length_generic]
+    with recorded_launches() as recorded:
+        params.pre_step(OrderedDict([(0, 8)]))
+        prefill = dpa(q[:8], k[:8], v[:8], inference_params=params)
+        params.pre_step(OrderedDict([(0, 1)]))
+        decode = dpa(q[8:], k[8:], v[8:], inference_params=params)
+    assert [[x.kernel for x in described] for described in recorded] == [[attn_fwd_kernel],
+                                                                          [attn_fwd_kernel.length_generic]]
     cu = torch.tensor([0, 9], dtype=torch.int32, device=DEVICE)
     training = dpa(q, k, v, attn_mask_type="padding_causal", cu_seqlens_q=cu, cu_seqlens_kv=cu)
     assert torch.equal(torch.cat([prefill, decode]), training)

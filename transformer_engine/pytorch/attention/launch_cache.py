@@ -134,11 +134,17 @@ def launch(kernel, grid: Tuple[int, int, int], args: Dict[str, object], options:
         # compile this once (the next launch asks again).
         kernel[grid](**args, **options)
         return
-    enter, exit_ = _hooks()
+    _launch_compiled(compiled, grid, stream, values)
+
+
+def _launch_compiled(compiled, grid, stream: int, values) -> None:
+    """Launch a compiled kernel through its launcher, or, while a profiler's hooks listen, through Triton's own
+    launch path of the compiled kernel (which builds what the hooks read)."""
+    enter, _ = _hooks()
     if enter is None:
         compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, None, None, None,
                      *values)
-    else:  # a profiler listens: Triton's own launch path of the compiled kernel builds what its hooks read
+    else:
         compiled[grid](*values, stream=stream)
 
 
@@ -156,11 +162,6 @@ class PreparedLaunch:
 
     __slots__ = ("described", "kernel", "grid", "names", "values", "slots", "options", "is_gluon", "compiled",
                  "device")
-
-    @property
-    def name(self) -> str:
-        """The kernel's name (as ``launch_description.Launch.name``)."""
-        return self.described.name
 
     def __init__(self, described, slots: Sequence[Tuple[int, str]]):
         self.described = described
@@ -189,12 +190,7 @@ class PreparedLaunch:
         if compiled is not _VIA_LAUNCH:
             device, stream = _device_and_stream()
             if device == self.device and not triton_compat.runtime_debug():
-                enter, _ = _hooks()
-                if enter is None:
-                    compiled.run(self.grid[0], self.grid[1], self.grid[2], stream, compiled.function,
-                                 compiled.packed_metadata, None, None, None, *values)
-                else:  # a profiler listens: as launch() does
-                    compiled[self.grid](*values, stream=stream)
+                _launch_compiled(compiled, self.grid, stream, values)
                 return
         launch(self.kernel, self.grid, dict(zip(self.names, values)), self.options)
 

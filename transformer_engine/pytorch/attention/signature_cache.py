@@ -3,7 +3,7 @@
 A call's signature is everything its host-side decisions read except the tensors' contents and addresses:
 the module's and the call's arguments, each tensor's shape, strides, dtype, device and 16-byte alignment
 (Triton specializes on it), the determinism request, and the raw values of the environment variables the
-decisions read (``settings.snapshot``: read at every call, so a changed variable misses the cache, as a
+decisions read (``settings.snapshot_reader``: read at every call, so a changed variable misses the cache, as a
 changed argument does). Argument checks whose outcome is a function of the signature, backend selection,
 the launch plan and description, the grids and the compiled kernels are then computed on a signature's
 first call and looked up on the next ones; what depends on the tensors (sequence values, outputs,
@@ -24,14 +24,9 @@ from transformer_engine.common import settings
 
 __all__ = ["SignatureCache", "tensor_signature", "environment_signature", "clear_all", "caches"]
 
-# The environment variables that attention's host-side decisions read: selection, determinism, plans,
-# launches, logging, and Triton's interpreter switch.
-_DECISION_VARIABLES = (
-    "NVTE_ALLOW_NONDETERMINISTIC_ALGO", "NVTE_FUSED_ATTN", "NVTE_FLASH_ATTN", "NVTE_UNFUSED_ATTN",
-    "NVTE_FUSED_ATTN_BACKEND", "NVTE_FUSED_ATTN_WS", "NVTE_FUSED_ATTN_CACHED_LAUNCH", "NVTE_FUSED_ATTN_PLAN_ARCH",
-    "NVTE_FUSED_ATTN_INTERPRET_SPLIT_QK", "NVTE_DEBUG", "NVTE_DEBUG_LEVEL", "TRITON_INTERPRET",
-)
-environment_signature = settings.snapshot_reader(_DECISION_VARIABLES)
+# Every declared NVTE_* variable (a variable added to settings joins the key by itself) and Triton's interpreter
+# switch: what attention's host-side decisions may read.
+environment_signature = settings.snapshot_reader(settings.declared_names() + ("TRITON_INTERPRET",))
 environment_signature.__doc__ = "The raw values of the variables attention decisions read, now (one tuple)."
 
 _registry: List["SignatureCache"] = []

@@ -350,6 +350,11 @@ def test_bad_inputs_name_the_argument():
         kv_cache_attention(jnp.zeros((2, 3, 3, 16)), k2, k2, init_kv_cache(2, 8, 2, 16, jnp.float32), n)
     with pytest.raises(ValueError, match=r"`step_lens` must be in \[0, 3\]"):
         kv_cache_attention(q, k, k, cache, jnp.asarray([4, 0]))
+    with pytest.raises(ValueError, match="`step_lens` must be given with qkv_format='thd'"):
+        kv_cache_attention(q[0], k[0], k[0], cache, None, qkv_format="thd")
+    # None in bshd: every slot takes the step's tokens (here 3 each)
+    _, stepped = kv_cache_attention(q, k, k, cache, None)
+    np.testing.assert_array_equal(np.asarray(stepped.lengths), [3, 3])
     with pytest.raises(ValueError, match=r"`step_lens` must be an int array \[max_batch_size=2\]"):
         kv_cache_attention(q, k, k, cache, jnp.asarray([1.0, 0.0]))
     with pytest.raises(ValueError, match="`step_lens` must fit the cache"):

@@ -214,6 +214,10 @@ def _check_step(q, k, v, cache: KVCache, step_lens, fmt: str):
     if fmt == "bshd" and t > cache.max_seqlen:
         raise ValueError(f"`q` must bring at most the cache's max_seqlen ({cache.max_seqlen}) tokens per slot, "
                          f"got {t}")
+    if step_lens is None:
+        if fmt != "bshd":
+            raise ValueError("`step_lens` must be given with qkv_format='thd' (the packed tokens' slots), got None")
+        step_lens = jnp.full((b,), t, jnp.int32)
     step_lens = jnp.asarray(step_lens)
     if step_lens.shape != (b,) or not jnp.issubdtype(step_lens.dtype, jnp.integer):
         raise ValueError(f"`step_lens` must be an int array [max_batch_size={b}], got {step_lens.dtype} "
@@ -324,7 +328,8 @@ def kv_cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
         ``"thd"``: ``[T, h, d]``, every slot's new queries packed in slot order, padding after.
     :param k: and ``v`` (``d_v``): the new keys and values with ``h_kv`` heads, laid out as ``q``.
     :param cache: this layer's :class:`KVCache`.
-    :param step_lens: ``[max_batch_size]`` ints: the new tokens of each slot (0 = not in this step).
+    :param step_lens: ``[max_batch_size]`` ints: the new tokens of each slot (0 = not in this step); ``None``
+        with ``qkv_format="bshd"``: every slot takes the step's ``t`` tokens.
     :param attn_mask_type: the mask of the training call whose rows the step reproduces: the causal kinds
         (top-left and bottom-right are one mask over a whole sequence) or ``no_mask``/``padding`` (a step's
         queries then see every cached key, so a row equals the training row of the sequence ending there).

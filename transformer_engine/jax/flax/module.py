@@ -172,9 +172,7 @@ class DotProductAttention(nn.Module):
         lengths = self.variable("cache", "cache_lengths", jnp.zeros, (k.shape[0],), jnp.int32)
         if not initialized:
             return None
-        if step_lens is None:
-            step_lens = jnp.full((q.shape[0],), q.shape[1], jnp.int32)
-        elif isinstance(step_lens, SequenceDescriptor) or jnp.ndim(step_lens) != 1:
+        if step_lens is not None and (isinstance(step_lens, SequenceDescriptor) or jnp.ndim(step_lens) != 1):
             raise ValueError("`sequence_descriptor` must be None or an int array [max_batch_size] of new tokens "
                              f"per slot with decode=True, got {type(step_lens).__name__}")
         cache = KVCache(cached_key.value, cached_value.value, lengths.value)

@@ -76,9 +76,7 @@ class DotProductAttention(nnx.Module):
             raise ValueError("`decode=True` needs the cache: call init_cache(max_batch_size, max_seqlen, dtype) first")
         if bias is not None:
             raise ValueError("`bias` must be None with decode=True (the cache keeps no bias), got an array")
-        if step_lens is None:
-            step_lens = jnp.full((query.shape[0],), query.shape[1], jnp.int32)
-        elif isinstance(step_lens, SequenceDescriptor) or jnp.ndim(step_lens) != 1:
+        if step_lens is not None and (isinstance(step_lens, SequenceDescriptor) or jnp.ndim(step_lens) != 1):
             raise ValueError("`sequence_descriptor` must be None or an int array [max_batch_size] of new tokens "
                              f"per slot with decode=True, got {type(step_lens).__name__}")
         cache = KVCache(self.cached_key[...], self.cached_value[...], self.cache_lengths[...])

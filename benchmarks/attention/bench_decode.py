@@ -5,8 +5,8 @@ Run on the GPU machine: ``python benchmarks/attention/bench_decode.py --out benc
 ``--smoke`` runs a tiny grid on any device (the script's own check, not a measurement).
 
 Per case (batch ``b``, context ``s`` cached tokens per sequence, 32 query heads, 8 kv heads, d 128 (``--dim``), bf16):
-microseconds per decode step (mean of 100 after 20), tokens/s (``b`` per step) and the achieved bandwidth of reading the cached keys
-and values (``2 * b * s * h_kv * d`` elements per step, the step's dominant traffic). ``ours`` is a whole
+microseconds per decode step (mean of 100 after 20), tokens/s (``b`` per step) and the achieved bandwidth of
+reading the cached keys and values (``2 * b * s * h_kv * d`` elements per step, the step's dominant traffic). ``ours`` is a whole
 ``DotProductAttention`` step with ``inference_params`` (the host work of ``pre_step`` and the cache append
 included, as a serving loop runs it). ``bitwise`` (ours): sequence 0's output row is the same bits at batch 1
 and at batch ``b``. ``ours_one_program``: the same step with split-KV off (where the plan sums keys in chunks, a

@@ -94,7 +94,8 @@ CASES = [
 ]
 
 
-_SHORT = {"attn_fwd_kernel": "fwd", "attn_fwd_combine_kernel": "combine", "attn_bwd_preprocess_kernel": "preprocess", "attn_bwd_dkdv_kernel": "dkdv",
+_SHORT = {"attn_fwd_kernel": "fwd", "attn_fwd_combine_kernel": "combine", "attn_bwd_preprocess_kernel": "preprocess",
+          "attn_bwd_dkdv_kernel": "dkdv",
           "attn_bwd_dq_kernel": "dq", "attn_bwd_dbias_kernel": "dbias", "attn_bwd_dsink_kernel": "dsink",
           "attn_fwd_ws_kernel": "fwd_ws", "attn_bwd_dkdv_ws_kernel": "dkdv_ws", "attn_bwd_dq_ws_kernel": "dq_ws"}
 
@@ -104,7 +105,8 @@ def launches(target: str, case: Case) -> List[Tuple[str, tuple]]:
     (a bias case twice: [1, h, s, s] and a [1, 1, 1, s] bias, whose dBias sums the query rows)."""
     dqk, dv = case.dims
     cfg = AttnConfig(batch_size=2, num_heads_q=8, num_heads_kv=8 // case.gqa, head_dim_qk=dqk, head_dim_v=dv,
-                     max_seqlen_q=case.seqlen_q, max_seqlen_kv=case.seqlen_kv, dtype=case.dtype, attn_mask_type=case.mask,
+                     max_seqlen_q=case.seqlen_q, max_seqlen_kv=case.seqlen_kv, dtype=case.dtype,
+                     attn_mask_type=case.mask,
                      window_size=case.window, attn_bias_type=case.bias,
                      bias_shape="1hss" if case.bias == BIAS else None, dropout=0.1 if case.dropout else 0.0,
                      softmax_type=(AttnSoftmaxType.LEARNABLE_SOFTMAX if case.sink else AttnSoftmaxType.VANILLA_SOFTMAX),

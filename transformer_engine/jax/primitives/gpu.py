@@ -333,12 +333,11 @@ def _fwd_impl(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds
         buffers["row_max"] = Buf(row_max)
     call = launch_call(static, dict(q=q.shape, k=k.shape, v=v.shape, out=(b, s_q, hq, dv)), q.dtype, nseq,
                        bias.shape if static.has_bias else None, _compute_capability(), m if packed else 1)
-    launches = launch_description.forward_launches(call)
-    if len(launches) > 1:  # split-KV: the chunks' states (fp32 workspace results, not returned)
-        workspace = launch_description.split_kv(call)
+    workspace = launch_description.split_kv(call)
+    if workspace is not None:  # split-KV: the chunks' states (fp32 workspace results, not returned)
         buffers.update(part_o=Buf(prog.result((workspace.part_o_size,), jnp.float32)),
                        part_ml=Buf(prog.result((workspace.part_ml_size,), jnp.float32)))
-    _run(prog, launches, buffers)
+    _run(prog, launch_description.forward_launches(call), buffers)
     results = prog.call(*operands)
     out, lse_out = results[:2]
     if row_max is None:

@@ -8,8 +8,8 @@ description's slots to tensors and launches each kernel through the compiled-lau
 the tensors' shapes, strides, dtypes, devices and alignment, the settings) is prepared once per signature:
 the description, the plan, the grids and each kernel's compiled launcher with its scalar arguments bound
 (``launch_cache.PreparedLaunch``); a later call of that signature allocates its outputs and launches on its
-tensors. Calls with their own ``plan`` or ``seqs`` are described each time. The fused custom ops (``ops.py``) run :func:`forward` and :func:`backward`; context
-parallelism runs them on views of its tensors.
+tensors. Calls with their own ``plan`` or ``seqs`` are described each time. The fused custom ops (``ops.py``)
+run :func:`forward` and :func:`backward`; context parallelism runs them on views of its tensors.
 """
 
 from __future__ import annotations
@@ -256,9 +256,8 @@ def forward(q, k, v, call: AttnCall, plan: Optional[ForwardPlan] = None, *, seqs
             raise NotImplementedError("`return_max_logit` with a given `lse` view is not supported")
     if entry is None:
         described = describe(q, k, v, call, seqs, tensors, (lse.stride(0), lse.stride(1)))
-        launches = launch_description.forward_launches(described, plan, split_kv)
-        workspace = launch_description.split_kv(described, plan, split_kv) if len(launches) > 1 else None
-        entry = _Prepared(_prepare(launches), _static(seqs), workspace)
+        entry = _Prepared(_prepare(launch_description.forward_launches(described, plan, split_kv)), _static(seqs),
+                          launch_description.split_kv(described, plan, split_kv))
         if key is not None:
             _FORWARDS.put(key, entry)
     buffers = dict(tensors, lse=lse, **extra, **_sequence_buffers(seqs), **_modifier_buffers(call))
@@ -337,8 +336,7 @@ def backward(q, k, v, out, d_out, lse, call: AttnCall, plan: Optional[BackwardPl
             _static(seqs))
         if key is not None:
             _BACKWARDS.put(key, entry)
-    prepared = entry.launches
-    _run(prepared, buffers)
+    _run(entry.launches, buffers)
     d_offset = fixed_order_sum(parts) if softmax_offset_grad else None
     return dq, dk, dvt, dbias, d_offset
 

@@ -127,9 +127,9 @@ def job(launch: Launch, dtype: str, target_name: str) -> tuple:
 def _kernels() -> Dict[str, object]:
     from transformer_engine.common.attention.kernels import backward, forward, hopper_ws
 
-    fns = (forward.attn_fwd_kernel, forward.attn_fwd_combine_kernel, backward.attn_bwd_preprocess_kernel, backward.attn_bwd_dkdv_kernel,
-           backward.attn_bwd_dq_kernel, backward.attn_bwd_dbias_kernel, backward.attn_bwd_dsink_kernel,
-           hopper_ws.attn_fwd_ws_kernel, hopper_ws.attn_bwd_dkdv_ws_kernel, hopper_ws.attn_bwd_dq_ws_kernel)
+    fns = (forward.attn_fwd_kernel, forward.attn_fwd_combine_kernel, backward.attn_bwd_preprocess_kernel,
+           backward.attn_bwd_dkdv_kernel, backward.attn_bwd_dq_kernel, backward.attn_bwd_dbias_kernel,
+           backward.attn_bwd_dsink_kernel, hopper_ws.attn_fwd_ws_kernel, hopper_ws.attn_bwd_dkdv_ws_kernel, hopper_ws.attn_bwd_dq_ws_kernel)
     return {fn.__name__: fn for fn in fns}
 
 

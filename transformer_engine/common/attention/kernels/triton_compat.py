@@ -282,15 +282,12 @@ def current_device_and_stream() -> Tuple[int, int]:
     return device, driver.active.get_current_stream(device)
 
 
-_RUNTIME_KNOBS = []  # triton.knobs.runtime, bound on first use (read on every launch: no import per call)
-
-
+@functools.lru_cache(maxsize=None)
 def _runtime_knobs():
-    if not _RUNTIME_KNOBS:
-        from triton import knobs
+    """triton.knobs.runtime, found once (read on every launch)."""
+    from triton import knobs
 
-        _RUNTIME_KNOBS.append(knobs.runtime)
-    return _RUNTIME_KNOBS[0]
+    return knobs.runtime
 
 
 def launch_hooks():

@@ -14,6 +14,7 @@ from transformer_engine.common.attention.kernels.aot import compile_kernel  # no
 from transformer_engine.common.attention.kernels.resources import (  # noqa: E402
     compile_args, compile_launch, contiguous_call, planned_launches, resources, target,
 )
+from transformer_engine.common.attention.launch_description import forward_launches  # noqa: E402
 
 H100_SMEM_BYTES = 232448  # opt-in shared memory per block on sm_90
 SM90 = target("sm90")
@@ -92,6 +93,49 @@ def test_sm90_warp_specialized_split_plans_compile_without_spills(mask, thd, gqa
             kernel = _compile(x)
             res = resources(kernel)
             assert kernel.num_warps == 12 and res["stack"] == 0, (x.name, kernel.num_warps, res)
+
+
+# Stack bytes of the Gluon forward's chunked sum at d=128 by Triton release: (bshd causal, packed sequences with GQA).
+# Its consumers hold two fp32 accumulators at the register file's limit; 3.6 is what the GPU runs. A spill costs
+# speed, not correctness (bench_kv_chunk.py measures the chunked sum against one chunk).
+GLUON_FWD_CHUNKED_STACK = {"3.6": (0, 64), "3.7": (0, 32), "3.8": (0, 0), "3.9": (240, 72)}
+
+
+def _gluon_chunked_stack(thd: bool) -> int:
+    from transformer_engine.common.attention.kernels.triton_compat import triton_version
+
+    release = "%d.%d" % triton_version()
+    assert release in GLUON_FWD_CHUNKED_STACK, f"triton {release}: measure and add it to GLUON_FWD_CHUNKED_STACK"
+    return GLUON_FWD_CHUNKED_STACK[release][int(thd)]
+
+
+@pytest.mark.parametrize("mask,thd,gqa,seqlen_q", [(AttnMaskType.CAUSAL_MASK, False, 1, 8192),
+                                                   (AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK, True, 4, 8192),
+                                                   (AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK, False, 4, 1)])
+def test_sm90_gluon_forward_chunked_and_split_compile_without_spills(mask, thd, gqa, seqlen_q):
+    """Keys over two chunks at d=128: the Gluon forward's chunked sum in one program (a second fp32 accumulator
+    per consumer warpgroup: GLUON_FWD_CHUNKED_STACK) and, for one query, its split form (one program per chunk,
+    one accumulator: no stack) with the combine. Beyond d=128 the plan keeps one chunk (two accumulators spill
+    hundreds of bytes there)."""
+    cfg = AttnConfig(batch_size=1, num_heads_q=8, num_heads_kv=8 // gqa, head_dim_qk=128, head_dim_v=128,
+                     max_seqlen_q=seqlen_q, max_seqlen_kv=8192, dtype="bfloat16", attn_mask_type=mask,
+                     deterministic=True, device_type="cuda", compute_capability=(9, 0))
+    call = contiguous_call(cfg, batch=1, seqlen=seqlen_q, seqlen_kv=8192, thd=thd)
+    launches = forward_launches(call)
+    expected = ["attn_fwd_ws_kernel"] + ["attn_fwd_combine_kernel"] * (seqlen_q == 1)
+    assert [x.name for x in launches] == expected
+    assert launches[0].args["KV_CHUNK"] == 4096 and launches[0].args["SPLIT_KV"] == (seqlen_q == 1)
+    for x in launches:
+        kernel = _compile(x)
+        stack = _gluon_chunked_stack(thd) if x.name == "attn_fwd_ws_kernel" and seqlen_q > 1 else 0
+        assert resources(kernel)["stack"] <= stack, (x.name, resources(kernel))
+    for head_dim in (256, 192):
+        wide = AttnConfig(batch_size=1, num_heads_q=8, num_heads_kv=8, head_dim_qk=head_dim, head_dim_v=128 * (
+            head_dim == 192) or head_dim, max_seqlen_q=1, max_seqlen_kv=8192, dtype="bfloat16",
+            attn_mask_type=AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK, deterministic=True, device_type="cuda",
+            compute_capability=(9, 0))
+        (x,) = forward_launches(contiguous_call(wide, batch=1, seqlen=1, seqlen_kv=8192))
+        assert x.name == "attn_fwd_ws_kernel" and x.args["KV_CHUNK"] == 0
 
 
 @pytest.mark.parametrize("dtype,heads,head_dim", [("bfloat16", 16, 128), ("float16", 3, 40), ("float32", 64, 256)])

@@ -183,3 +183,44 @@ def test_kv_cache_decode_over_many_chunks_equals_training_rows(monkeypatch):
     cu = torch.tensor([0, n], dtype=torch.int32, device=DEVICE)
     training = dpa(q, k, v, attn_mask_type="padding_causal", cu_seqlens_q=cu, cu_seqlens_kv=cu)
     assert torch.equal(torch.cat(rows), training)
+
+
+HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
+GLUON_CASES = ["decode_causal", "chunk_causal", "cross_no_mask", "self_causal", "window", "window_both"]
+
+
+@pytest.mark.skipif(not HOPPER, reason="the warp-specialized Gluon forward runs on Hopper (sm_90) only")
+@pytest.mark.parametrize("name", GLUON_CASES)
+def test_gluon_forward_chunks_split_and_stays_accurate(name):
+    """bf16 at d=128 on Hopper: the Gluon forward folds chunks in one program (the loader streams every block,
+    the consumers regroup their sums) and, split, one program per chunk + the same combine: bitwise equal; rows
+    whose keys lie in the first chunk keep the one-chunk kernel's bits; all rows as close to fp64 as torch's
+    own bf16 math."""
+    dtype, d = torch.bfloat16, 128
+    probe = _tensors(1, 1, 1, 2, 2, d, dtype)
+    plan = forward_plan(kernel_runner.plan_key(*probe, fused_call("bshd", "causal_bottom_right", None, 0.3)))
+    assert plan.warp_specialized is not None and plan.kv_chunk > 0
+    chunk = plan.kv_chunk
+    sq, sk, h, hk = _shapes(name, chunk)
+    q, k, v = _tensors(2, sq, sk, h, hk, d, dtype, seed=5)
+    call = _call(name, q, k, h)
+    with recorded_launches() as launches:
+        split = kernel_runner.forward(q, k, v, call, split_kv=True)
+        whole = kernel_runner.forward(q, k, v, call, split_kv=False)
+    assert [x.name for x in launches[0]] == ["attn_fwd_ws_kernel", "attn_fwd_combine_kernel"]
+    assert [x.name for x in launches[1]] == ["attn_fwd_ws_kernel"]
+    assert launches[1][0].args["KV_CHUNK"] == chunk and launches[0][0].grid[2] == -(-sk // chunk)
+    for what, a, b in zip(("out", "lse"), split, whole):
+        assert torch.equal(a, b), f"{what}: the Gluon split differs from its one-program sum"
+    one_chunk_plan = dataclasses.replace(forward_plan(kernel_runner.plan_key(q, k, v, call)), kv_chunk=0)
+    with recorded_launches() as launches:
+        one_chunk, _ = kernel_runner.forward(q, k, v, call, one_chunk_plan)
+    assert launches[0][0].name == "attn_fwd_ws_kernel" and launches[0][0].args["KV_CHUNK"] == 0
+    mask, window = CASES[name][4], CASES[name][5] or (-1, -1)
+    if mask != "no_mask" and window == (-1, -1):  # causal rows that see only the first chunk's keys
+        first = chunk - (sk - sq) if mask == "causal_bottom_right" else chunk
+        if first > 0:
+            assert torch.equal(whole[0][:, :first], one_chunk[:, :first])
+    ref = reference(q, k, v, mask, window=window, scale=0.3)
+    lowp = reference(q, k, v, mask, window=window, scale=0.3, dtype=dtype)
+    assert_close_to_reference("Gluon chunked rows", whole[0], ref, lowp)

@@ -260,14 +260,16 @@ def _launch(kernel, grid: Tuple[int, int, int], values: Dict[str, object], optio
 
 
 def _block_launch(triton_kernel, gluon_kernel, tiles: Tiles, ws: Optional[Tiles], tma_tensors: Tuple[str, ...],
-                  call: Call, values: Dict[str, object], rows_of, extra: Dict[str, object]) -> Launch:
+                  call: Call, values: Dict[str, object], rows_of, extra: Dict[str, object], chunks: int = 1) -> Launch:
     """A block-loop pass: the Gluon kernel with ``ws`` tiles where the plan has them and the tensors allow
-    TMA, else the Triton kernel with ``tiles``. ``rows_of(tiles)``: the grid's (blocks, sequences * heads)."""
+    TMA, else the Triton kernel with ``tiles``. ``rows_of(tiles)``: the grid's (blocks, sequences * heads);
+    ``chunks``: its third axis (split-KV's key chunks)."""
     if ws is not None and _tma_ok(call, *tma_tensors):
         kernel, t, constexprs = gluon_kernel, ws, ws.ws_constexprs
     else:
         kernel, t, constexprs = triton_kernel, tiles, tiles.loop_constexprs
-    return _launch(kernel, block_grid(*rows_of(t)), dict(values, **extra, **constexprs), t.launch_options)
+    grid = block_grid(*rows_of(t))[:2] + (chunks,)
+    return _launch(kernel, grid, dict(values, **extra, **constexprs), t.launch_options)
 
 
 # Split-KV: a forward whose grid has fewer programs than this (a decode step, a short prefill chunk, a small
@@ -341,11 +343,8 @@ def forward_launches(call: Call, plan: Optional[ForwardPlan] = None,
     if workspace is None:
         return (_block_launch(attn_fwd_kernel, attn_fwd_ws_kernel, plan.tiles, plan.warp_specialized,
                               ("q", "k", "v"), call, values, rows, {}),)
-    # The split needs the Triton forward: the plan has chunks only where no Gluon forward serves.
-    t = plan.tiles
-    blocks, seq_heads = rows(t)
-    split_launch = _launch(attn_fwd_kernel, (blocks, seq_heads, workspace.chunks), dict(values, **t.loop_constexprs),
-                           t.launch_options)
+    split_launch = _block_launch(attn_fwd_kernel, attn_fwd_ws_kernel, plan.tiles, plan.warp_specialized,
+                                 ("q", "k", "v"), call, values, rows, {}, workspace.chunks)
     # The combine is elementwise over rows (no bits depend on its tiles): 16 rows keep its two states in registers.
     combine = _launch(attn_fwd_combine_kernel, block_grid(_cdiv(call.max_q, 16), call.num_seqs * call.num_heads_q),
                       dict(values, num_chunks=workspace.chunks, BLOCK_M=16), dict(num_warps=4))

@@ -495,9 +495,9 @@ def trace_forward(config: Config, override: Optional[Tiles] = None) -> Tuple[For
     else:
         ws = _warp_specialized(config, arch, key, "fwd", trace, "warp_specialized")
     block_dqk, block_dqk2 = _qk_blocks(config, arch)
-    if ws is not None:
-        # Both kernels must sum a config's rows alike (the Gluon one serves only where the tensors allow TMA),
-        # and the Gluon forward has no chunked sum yet: one chunk, so no split-KV decode for this config.
+    if ws is not None and max(config.head_dim_qk, config.head_dim_v) > 128:
+        # Both kernels must sum a config's rows alike (the Gluon one serves only where the tensors allow TMA).
+        # The Gluon forward's chunked sum keeps a second fp32 accumulator, which spills beyond d=128.
         kv_chunk, trace.rows["kv_chunk"] = 0, "one chunk: the warp-specialized forward serves this config"
     elif config.device_type == "cpu":
         kv_chunk, trace.rows["kv_chunk"] = _INTERPRET_KV_CHUNK, "the interpreter's chunk"

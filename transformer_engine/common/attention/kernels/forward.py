@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from transformer_engine.common.attention.kernels.masking import (
+    chunk_bounds,
     key_block_bounds,
     length_specialized,
     load_block,
@@ -186,17 +187,6 @@ def _finish_rows(acc, l_i, m_i, offs_m, offs_dv, len_q, rows_out, batch, head, s
 
 
 @triton.jit
-def _chunk_bounds(c_lo, KV_CHUNK: tl.constexpr, lo, full_lo, full_hi, hi):
-    """key_block_bounds' (lo, full_lo, full_hi, hi) within the chunk [c_lo, c_lo + KV_CHUNK): empty (lo = hi)
-    where the chunk holds none of [lo, hi)."""
-    lo_c = tl.maximum(lo, c_lo)
-    hi_c = tl.maximum(tl.minimum(hi, c_lo + KV_CHUNK), lo_c)
-    full_lo_c = tl.minimum(tl.maximum(full_lo, lo_c), hi_c)
-    full_hi_c = tl.minimum(tl.maximum(full_hi, full_lo_c), hi_c)
-    return lo_c, full_lo_c, full_hi_c, hi_c
-
-
-@triton.jit
 def _partial_rows(offs_m, chunk, batch, head, num_heads_q, seqlen_q, split_rows):
     """Row indices of a row block's state in the split-KV workspace, laid out [chunk, sequence, head, row]."""
     return (batch * num_heads_q + head).to(tl.int64) * seqlen_q + offs_m + chunk * split_rows
@@ -280,7 +270,7 @@ def attn_fwd_kernel(
         # folded in chunk order. SPLIT_KV: this program computes chunk program_id(2) alone and stores its state.
         if SPLIT_KV:  # the chunk's state is this program's whole state (a chunk folded into nothing is itself)
             c_lo = tl.program_id(2) * KV_CHUNK
-            lo_c, full_lo_c, full_hi_c, hi_c = _chunk_bounds(c_lo, KV_CHUNK, lo, full_lo, full_hi, hi)
+            lo_c, full_lo_c, full_hi_c, hi_c = chunk_bounds(c_lo, KV_CHUNK, lo, full_lo, full_hi, hi)
             acc, l_i, m_i = _key_range(acc, l_i, m_i, q, q2, k_src, k_src2, v_src, stride_ks, stride_vs,
                                        offs_m, offs_n, offs_dqk, offs_dqk2, offs_dv, lo_c, full_lo_c, full_hi_c,
                                        hi_c, len_q, len_k, diag, window_left, window_right, qk_scale,
@@ -289,7 +279,7 @@ def attn_fwd_kernel(
                                        SINGLE_LOOP, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT)
         else:
             for c_lo in range((lo // KV_CHUNK) * KV_CHUNK, hi, KV_CHUNK):
-                lo_c, full_lo_c, full_hi_c, hi_c = _chunk_bounds(c_lo, KV_CHUNK, lo, full_lo, full_hi, hi)
+                lo_c, full_lo_c, full_hi_c, hi_c = chunk_bounds(c_lo, KV_CHUNK, lo, full_lo, full_hi, hi)
                 m_c = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
                 l_c = tl.zeros([BLOCK_M], dtype=tl.float32)
                 acc_c = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)

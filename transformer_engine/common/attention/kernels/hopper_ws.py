@@ -43,7 +43,7 @@ from .triton_compat import aggregate, cp_async_load, tma_async_load
 
 # The visibility rule and the block bounds are the Triton kernels' own (@triton.jit functions: called from a
 # @gluon.jit one they are generated as Gluon, and hold only scalar arithmetic and elementwise operators).
-from .masking import key_block_bounds, query_block_bounds, segment_block, visible
+from .masking import chunk_bounds, key_block_bounds, query_block_bounds, segment_block, visible
 
 LN2 = gl.constexpr(0.6931471805599453)
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -68,10 +68,12 @@ class _Schedule:
     WITH_DK: gl.constexpr  # dK/dV: which gradients the pass computes (attn_bwd_dkdv_kernel's flags)
     WITH_DV: gl.constexpr
     SPLIT: gl.constexpr  # forward and dQ: the Q/K head dim is two chunks (q2/k2 buffers: _second_chunk)
+    KV_CHUNK: gl.constexpr  # forward: keys per chunk of the canonical sum (0: one chunk)
+    SPLIT_KV: gl.constexpr  # forward: this program computes one key chunk and stores its state
 
     @gluon.constexpr_function
     def __init__(self, NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, ROW_TILES, WITH_DK=True, WITH_DV=True,
-                 SPLIT=False):
+                 SPLIT=False, KV_CHUNK=0, SPLIT_KV=False):
         self.NUM_STAGES = gl.constexpr(NUM_STAGES)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.HAS_LEFT = gl.constexpr(HAS_LEFT)
@@ -80,6 +82,8 @@ class _Schedule:
         self.WITH_DK = gl.constexpr(WITH_DK)
         self.WITH_DV = gl.constexpr(WITH_DV)
         self.SPLIT = gl.constexpr(SPLIT)
+        self.KV_CHUNK = gl.constexpr(KV_CHUNK)
+        self.SPLIT_KV = gl.constexpr(SPLIT_KV)
 
 
 @gluon.jit
@@ -153,17 +157,57 @@ def _softmax_step(qk, m_i, l_i, start_n, offs_m, offs_n_base, full_lo, full_hi, 
 
 
 @gluon.jit
-def _consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr):
-    """One warpgroup's 64 query rows: online softmax over the loader's K/V blocks, then O and LSE."""
+def _key_blocks(q, q2, bufs, bars, acc, l_i, m_i, lo, hi, it, full_lo, full_hi, coords, offs_m, offs_n_base, qk_scale,
+                sched, s_zero, p_layout: gl.constexpr, row_o: gl.constexpr):
+    """The online softmax over the key blocks [lo, hi), the it-th block of the loader's ring first:
+    (acc, l, m, it after the last block)."""
     NUM_STAGES: gl.constexpr = sched.NUM_STAGES
     BLOCK_N: gl.constexpr = sched.BLOCK_N
-    HAS_LEFT: gl.constexpr = sched.HAS_LEFT
-    HAS_RIGHT: gl.constexpr = sched.HAS_RIGHT
+    q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q2_desc, k2_desc, q2_smem, k2_smem = bufs
+    q_bar, k_ready, v_ready, kv_empty, turn = bars
+    dtype: gl.constexpr = q_desc.dtype
+    it = gl.to_tensor(it)  # a loop-carried count, also where the caller passes the literal 0
+    for start_n in range(lo, hi, BLOCK_N):
+        stage = it % NUM_STAGES
+        qk = _issue_scores(q, k_smem, k_ready, s_zero, it, NUM_STAGES, q2, k2_smem, sched.SPLIT)
+        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
+        p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, start_n, offs_m, offs_n_base, full_lo, full_hi, coords,
+                                           qk_scale, sched.HAS_LEFT, sched.HAS_RIGHT)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        mbarrier.wait(v_ready.index(stage), (it // NUM_STAGES) & 1)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(stage), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(kv_empty.index(stage), count=1)
+        it += 1
+    return acc, l_i, m_i, it
+
+
+@gluon.jit
+def _fold_chunk(acc, l_i, m_i, acc_c, l_c, m_c, row_o: gl.constexpr):
+    """forward.fold_chunk's arithmetic, operation for operation (the canonical sum's combination step: the
+    chunked Triton forward and the split-KV combine fold with it, so the bits agree)."""
+    m_new = gl.maximum(m_i, m_c)
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = gl.exp2(m_i - m_use)
+    beta = gl.exp2(m_c - m_use)
+    l_i = gl.fma(l_i, alpha, l_c * beta)
+    alpha_o, _ = gl.broadcast(gl.expand_dims(gl.convert_layout(alpha, row_o), 1), acc)
+    beta_o, _ = gl.broadcast(gl.expand_dims(gl.convert_layout(beta, row_o), 1), acc_c)
+    acc = gl.fma(acc, alpha_o, acc_c * beta_o)
+    return acc, l_i, m_new
+
+
+@gluon.jit
+def _consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr):
+    """One warpgroup's 64 query rows: online softmax over the loader's K/V blocks, then O and LSE (SPLIT_KV:
+    the rows' unnormalised state over this program's key chunk, for the combine)."""
+    BLOCK_N: gl.constexpr = sched.BLOCK_N
+    KV_CHUNK: gl.constexpr = sched.KV_CHUNK
     q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q2_desc, k2_desc, q2_smem, k2_smem = bufs
     q_bar, k_ready, v_ready, kv_empty, turn = bars
     lo, hi, full_lo, full_hi = bounds
     start_m, len_q, len_k, diag, window_left, window_right = coords
-    o_base, stride_os, stride_od, lse_base, rows_out, qk_scale = out_args
+    o_base, stride_os, stride_od, lse_base, rows_out, qk_scale, part_o, part_m, part_l = out_args
     HEAD_DIM: gl.constexpr = v_desc.block_type.shape[1]  # of O
     dtype: gl.constexpr = q_desc.dtype
 
@@ -188,33 +232,42 @@ def _consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr):
     mbarrier.wait(q_bar, 0)
     q = q_smem.index(WG)
     q2 = q2_smem.index(WG)
-    it = 0
-    for start_n in range(lo, hi, BLOCK_N):
-        stage = it % NUM_STAGES
-        qk = _issue_scores(q, k_smem, k_ready, s_zero, it, NUM_STAGES, q2, k2_smem, sched.SPLIT)
-        qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
-        p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i, start_n, offs_m, offs_n_base, full_lo, full_hi, coords,
-                                           qk_scale, HAS_LEFT, HAS_RIGHT)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        mbarrier.wait(v_ready.index(stage), (it // NUM_STAGES) & 1)
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(stage), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(kv_empty.index(stage), count=1)
-        it += 1
+    if (KV_CHUNK == 0) or sched.SPLIT_KV:  # one chunk: [lo, hi) is the chunk (SPLIT_KV: the kernel's bounds)
+        acc, l_i, m_i, it = _key_blocks(q, q2, bufs, bars, acc, l_i, m_i, lo, hi, 0, full_lo, full_hi, coords, offs_m,
+                                        offs_n_base, qk_scale, sched, s_zero, p_layout, row_o)
+    else:
+        # The canonical sum (forward.py): each chunk of KV_CHUNK keys (aligned at key 0) from scratch, folded in
+        # order. The loader walks [lo, hi) block by block as ever: chunks only regroup the consumers' sums.
+        it = 0
+        for c_lo in range((lo // KV_CHUNK) * KV_CHUNK, hi, KV_CHUNK):
+            m_c = gl.full([WG_ROWS], float("-inf"), gl.float32, layout=row_s)
+            l_c = gl.full([WG_ROWS], 0.0, gl.float32, layout=row_s)
+            acc_c = gl.zeros([WG_ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+            acc_c, l_c, m_c, it = _key_blocks(q, q2, bufs, bars, acc_c, l_c, m_c, gl.maximum(lo, c_lo),
+                                              gl.minimum(hi, c_lo + KV_CHUNK), it, full_lo, full_hi, coords, offs_m,
+                                              offs_n_base, qk_scale, sched, s_zero, p_layout, row_o)
+            acc, l_i, m_i = _fold_chunk(acc, l_i, m_i, acc_c, l_c, m_c, row_o)
 
-    # l_i is a sum of exp2 terms: 0 when the row saw no key, NaN when a score was NaN or inf (then the
-    # output and lse are NaN, as in the math reference, rather than hidden as an empty row).
-    seen = l_i != 0.0
-    l_safe = gl.where(seen, l_i, 1.0)
-    row_ok = (offs_m < len_q) & seen
-    lse = gl.where(row_ok, (m_i + gl.log2(l_safe)) * LN2, float("inf"))
-    gl.store(lse_base + offs_m, lse, mask=offs_m < rows_out)
-    scale_o = gl.convert_layout(gl.where(row_ok, 1.0 / l_safe, 0.0), row_o)
-    out = acc * gl.expand_dims(scale_o, 1)
     offs_mo = first_row + gl.arange(0, WG_ROWS, layout=row_o)
     offs_d = gl.arange(0, HEAD_DIM, layout=col_o)
-    ptrs = o_base + gl.expand_dims(offs_mo, 1) * stride_os + gl.expand_dims(offs_d, 0) * stride_od
-    gl.store(ptrs, out.to(dtype), mask=gl.expand_dims(offs_mo < rows_out, 1))
+    if sched.SPLIT_KV:  # forward.attn_fwd_kernel's split state: unnormalised, rows past the sequence unwritten
+        keep = offs_m < rows_out
+        gl.store(part_m + offs_m, m_i, mask=keep)
+        gl.store(part_l + offs_m, l_i, mask=keep)
+        ptrs = part_o + gl.expand_dims(offs_mo, 1) * HEAD_DIM + gl.expand_dims(offs_d, 0)
+        gl.store(ptrs, acc, mask=gl.expand_dims(offs_mo < rows_out, 1))
+    else:
+        # l_i is a sum of exp2 terms: 0 when the row saw no key, NaN when a score was NaN or inf (then the
+        # output and lse are NaN, as in the math reference, rather than hidden as an empty row).
+        seen = l_i != 0.0
+        l_safe = gl.where(seen, l_i, 1.0)
+        row_ok = (offs_m < len_q) & seen
+        lse = gl.where(row_ok, (m_i + gl.log2(l_safe)) * LN2, float("inf"))
+        gl.store(lse_base + offs_m, lse, mask=offs_m < rows_out)
+        scale_o = gl.convert_layout(gl.where(row_ok, 1.0 / l_safe, 0.0), row_o)
+        out = acc * gl.expand_dims(scale_o, 1)
+        ptrs = o_base + gl.expand_dims(offs_mo, 1) * stride_os + gl.expand_dims(offs_d, 0) * stride_od
+        gl.store(ptrs, out.to(dtype), mask=gl.expand_dims(offs_mo < rows_out, 1))
 
 
 @gluon.jit
@@ -370,7 +423,7 @@ def _barriers(NUM_STAGES: gl.constexpr):
 
 @gluon.jit
 def attn_fwd_ws_kernel(
-    Q, K, V, O, LSE, BIAS, ALIBI_SLOPES, RNG_STATE,
+    Q, K, V, O, LSE, PART_O, PART_ML, BIAS, ALIBI_SLOPES, RNG_STATE,
     SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -379,7 +432,7 @@ def attn_fwd_ws_kernel(
     stride_lb, stride_lh,
     stride_zb, stride_zh, stride_zm, stride_zn, stride_alibi_b,
     num_heads_q, gqa_group, seqlen_q, seqlen_k,
-    qk_scale, window_left, window_right, dropout_p,
+    qk_scale, window_left, window_right, dropout_p, split_rows,
     HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr,
     BLOCK_DQK: gl.constexpr, BLOCK_DQK2: gl.constexpr, BLOCK_DV: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -387,6 +440,7 @@ def attn_fwd_ws_kernel(
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
     HAS_BIAS: gl.constexpr, HAS_ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
     HEAD_GROUP: gl.constexpr, SINGLE_LOOP: gl.constexpr, SEGMENTS: gl.constexpr,
+    KV_CHUNK: gl.constexpr, SPLIT_KV: gl.constexpr,
     NUM_STAGES: gl.constexpr = 2,
 ):
     # The head dims fill their tiles: d_qk one chunk or two (BLOCK_DQK + BLOCK_DQK2), d_v one.
@@ -402,6 +456,15 @@ def attn_fwd_ws_kernel(
         return
     lo, full_lo, full_hi, hi = key_block_bounds(start_m, len_q, len_k, diag, window_left, window_right, BLOCK_M,
                                                 BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    # SPLIT_KV: this program's key chunk (grid axis 2) alone, for the loader and the consumers; its state goes to
+    # row (sequence * head * seqlen_q + row) of chunk program_id(2) in the workspace (forward._partial_rows).
+    chunk = gl.program_id(2)
+    if SPLIT_KV:
+        lo, full_lo, full_hi, hi = chunk_bounds(chunk * KV_CHUNK, KV_CHUNK, lo, full_lo, full_hi, hi)
+    part_row = (batch * num_heads_q + head).to(gl.int64) * seqlen_q + chunk * split_rows
+    part_o = PART_O + part_row * HEAD_DIM_V
+    part_m = PART_ML + part_row
+    part_l = PART_ML + gl.num_programs(2) * split_rows + part_row
 
     q_desc, q_smem = _row_tiles(Q, batch, head, start_q, len_q, stride_qb, stride_qs, stride_qh, BLOCK_DQK)
     k_desc, v_desc, k_smem, v_smem = _kv_ring(K, V, batch, head_kv, start_k, len_k, stride_kb, stride_ks, stride_kh,
@@ -417,8 +480,9 @@ def attn_fwd_ws_kernel(
     bufs = (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q2_desc, k2_desc, q2_smem, k2_smem)
     bounds = (lo, hi, full_lo, full_hi)
     coords = (start_m, len_q, len_k, diag, window_left, window_right)
-    out_args = (o_base, stride_os, stride_od, lse_base, rows_out, qk_scale)
-    sched = _Schedule(NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, 1, SPLIT=BLOCK_DQK2 > 0)
+    out_args = (o_base, stride_os, stride_od, lse_base, rows_out, qk_scale, part_o, part_m, part_l)
+    sched = _Schedule(NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, 1, SPLIT=BLOCK_DQK2 > 0, KV_CHUNK=KV_CHUNK,
+                      SPLIT_KV=SPLIT_KV)
     args = (bufs, bars, bounds, coords, out_args, sched)
     gl.warp_specialize([(_fwd_consumer0, args), (_fwd_consumer1, args), (_load_worker, args)], [4, 1],
                        [CONSUMER_REGISTERS, LOADER_REGISTERS])

@@ -291,3 +291,14 @@ def query_block_bounds(start_n, len_q, len_k, diag, window_left, window_right,
     full_lo = tl.minimum(full_lo, hi)
     full_hi = tl.minimum(full_hi, hi)
     return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def chunk_bounds(c_lo, KV_CHUNK: tl.constexpr, lo, full_lo, full_hi, hi):
+    """key_block_bounds' (lo, full_lo, full_hi, hi) within the chunk [c_lo, c_lo + KV_CHUNK): empty (lo = hi)
+    where the chunk holds none of [lo, hi)."""
+    lo_c = tl.maximum(lo, c_lo)
+    hi_c = tl.maximum(tl.minimum(hi, c_lo + KV_CHUNK), lo_c)
+    full_lo_c = tl.minimum(tl.maximum(full_lo, lo_c), hi_c)
+    full_hi_c = tl.minimum(tl.maximum(full_hi, full_lo_c), hi_c)
+    return lo_c, full_lo_c, full_hi_c, hi_c

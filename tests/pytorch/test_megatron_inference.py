@@ -56,9 +56,12 @@ PROMPTS = ([3, 17, 5, 9, 41], [8, 2, 60, 33, 12, 7, 25])  # different lengths: p
 NEW = 4
 TOTAL = max(map(len, PROMPTS)) + NEW
 FIRST = min(map(len, PROMPTS))
-CASES = [("cpu", "learned_absolute")]
+WINDOW = (2, 0)  # sliding window: each token sees itself and the 2 before it
+# (device, position embedding, window_size); the local-spec comparison takes the full-attention cases.
+CASES = [("cpu", "learned_absolute", None), ("cpu", "learned_absolute", WINDOW)]
 if torch.cuda.is_available():
-    CASES += [("cuda", "learned_absolute"), ("cuda", "rope")]
+    CASES += [("cuda", "learned_absolute", None), ("cuda", "rope", None), ("cuda", "rope", WINDOW)]
+FULL_CASES = [c[:2] for c in CASES if c[2] is None]
 
 
 @pytest.fixture
@@ -72,17 +75,20 @@ def world(megatron_world, monkeypatch):
     return megatron_world
 
 
-def _build(spec_name, device, pos_emb, dtype=None, seed=0):
+def _build(spec_name, device, pos_emb, window=None, seed=0):
+    import dataclasses
+
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
     spec = get_gpt_layer_with_transformer_engine_spec() if spec_name == "te" else get_gpt_layer_local_spec()
     torch.manual_seed(seed)
-    model = GPTModel(config=_config(dtype, device), transformer_layer_spec=spec, vocab_size=VOCAB,
+    config = dataclasses.replace(_config(dtype, device), window_size=window)
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
                      max_sequence_length=TOTAL, position_embedding_type=pos_emb)
     return model.to(device=device, dtype=dtype).eval()
 
@@ -196,10 +202,10 @@ def _row_by_row_gemms(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("device,pos_emb", CASES)
-def test_megatron_static_generation_runs_on_this_package_attention(world, monkeypatch, device, pos_emb):
+@pytest.mark.parametrize("device,pos_emb,window", CASES)
+def test_megatron_static_generation_runs_on_this_package_attention(world, monkeypatch, device, pos_emb, window):
     spy = _AttentionSpy(monkeypatch)
-    model = _build("te", device, pos_emb)
+    model = _build("te", device, pos_emb, window)
     layers = model.config.num_layers
     cores = [m.core_attention for m in model.modules() if type(m).__name__ == "SelfAttention"]
     assert len(cores) == layers and all(isinstance(c, te.DotProductAttention) for c in cores)
@@ -213,20 +219,25 @@ def test_megatron_static_generation_runs_on_this_package_attention(world, monkey
         assert torch.equal(tokens[i, len(p):], logits[i, len(p) - FIRST:].argmax(-1))
 
     # Every attention call reached this package's DotProductAttention: a causal prefill over the
-    # shortest prompt, then one no_mask step per token over the cache's prefix; sbhd, no mask tensor,
-    # no inference_params (Megatron keeps the cache), only attn_mask_type passed.
+    # shortest prompt, then one no_mask step per token over the cache's prefix (causal_bottom_right
+    # with a sliding window: TEDotProductAttention turns a 1-token no_mask step into it); sbhd, no mask
+    # tensor, no inference_params (Megatron keeps the cache), only attn_mask_type passed.
     b, h, d = len(PROMPTS), model.config.num_attention_heads, model.config.kv_channels
+    step_mask = "no_mask" if window is None else "causal_bottom_right"
     expected = [("causal", (FIRST, b, h, d), (FIRST, b, h, d))] * layers
     for n in range(FIRST + 1, TOTAL):
-        expected += [("no_mask", (1, b, h, d), (n, b, h, d))] * layers
+        expected += [(step_mask, (1, b, h, d), (n, b, h, d))] * layers
     got = [(c["kwargs"].get("attn_mask_type"), tuple(c["q"].shape), tuple(c["k"].shape)) for c in spy.calls]
     assert got == expected, got
     assert [c["module"] for c in spy.calls] == cores * (steps)
     for c in spy.calls:
         assert c["mask"] is None and not c["args"] and set(c["kwargs"]) == {"attn_mask_type"}, c["kwargs"]
-        assert c["fmt"] == "sbhd" and c["v"].shape == c["k"].shape
+        assert c["fmt"] == "sbhd" and c["v"].shape == c["k"].shape and c["module"].window_size == window
         # Views of Megatron's cache buffers, whose batch dim (max_batch_size) exceeds the batch's.
         assert not c["kv_contiguous"]
+    if window is not None:  # the window took effect: full attention chooses from other logits
+        assert not torch.equal(logits, _generate(_build("te", device, pos_emb))[1])
+
     # One backend for all: on CUDA the fused kernels; on CPU the unfused backend, or the fused kernels
     # under TRITON_INTERPRET=1 (as CI runs this file).
     backends = {c["backend"] for c in spy.calls}
@@ -236,13 +247,13 @@ def test_megatron_static_generation_runs_on_this_package_attention(world, monkey
         assert len(backends) == 1 and backends <= {"FusedAttention", "UnfusedDotProductAttention"}, backends
 
 
-@pytest.mark.parametrize("device,pos_emb", CASES)
-def test_each_attention_call_gives_the_training_rows_bitwise(world, monkeypatch, device, pos_emb):
+@pytest.mark.parametrize("device,pos_emb,window", CASES)
+def test_each_attention_call_gives_the_training_rows_bitwise(world, monkeypatch, device, pos_emb, window):
     """Each call Megatron made (prefill: causal over the prompt; decode: no_mask over the cache's prefix)
     equals, bitwise, the rows a training-style causal call over the whole final sequence gives the same
     queries, keys and values, with other queries and later keys around them."""
     spy = _AttentionSpy(monkeypatch)
-    _generate(_build("te", device, pos_emb))
+    _generate(_build("te", device, pos_emb, window))
     gen = torch.Generator().manual_seed(7)
     for c in spy.calls:
         q, k, v, out = c["q"], c["k"], c["v"], c["out"]
@@ -259,11 +270,11 @@ def test_each_attention_call_gives_the_training_rows_bitwise(world, monkeypatch,
         assert torch.equal(ref[n - sq:n], out), (c["kwargs"], tuple(q.shape), tuple(k.shape))
 
 
-@pytest.mark.parametrize("device,pos_emb", CASES)
+@pytest.mark.parametrize("device,pos_emb,window", CASES)
 def test_generated_logits_are_the_forward_logits_bitwise_with_row_invariant_gemms(world, monkeypatch, device,
-                                                                                  pos_emb):
+                                                                                  pos_emb, window):
     calls = _row_by_row_gemms(monkeypatch)
-    model = _build("te", device, pos_emb)
+    model = _build("te", device, pos_emb, window)
     tokens, logits = _generate(model)
     steps = TOTAL - FIRST
     # Per step and layer 4 GEMMs of this package's modules (qkv, proj, fc1, fc2), 1 output layer per step.
@@ -271,7 +282,7 @@ def test_generated_logits_are_the_forward_logits_bitwise_with_row_invariant_gemm
     assert torch.equal(logits, _forward_logits(model, tokens))
 
 
-@pytest.mark.parametrize("device,pos_emb", CASES)
+@pytest.mark.parametrize("device,pos_emb", FULL_CASES)
 def test_generated_logits_match_the_forward_like_megatrons_local_spec(world, device, pos_emb):
     """With Megatron's ordinary GEMMs a decode step's 1-row GEMMs round differently from the forward's
     many-row GEMMs, so the logits differ by rounding: no more than with the local spec (its attention,

@@ -56,12 +56,14 @@ PROMPTS = ([3, 17, 5, 9, 41], [8, 2, 60, 33, 12, 7, 25])  # different lengths: p
 NEW = 4
 TOTAL = max(map(len, PROMPTS)) + NEW
 FIRST = min(map(len, PROMPTS))
-WINDOW = (2, 0)  # sliding window: each token sees itself and the 2 before it
-# (device, position embedding, window_size); the local-spec comparison takes the full-attention cases.
-CASES = [("cpu", "learned_absolute", None), ("cpu", "learned_absolute", WINDOW)]
+# Attention variants: (window_size, num_query_groups). "swa_gqa": each token sees itself and the 2
+# tokens before it, 2 KV heads for the 4 query heads; "gqa": its full-attention twin.
+VARIANTS = {"mha": (None, None), "swa_gqa": ((2, 0), 2), "gqa": (None, 2)}
+# (device, position embedding, variant); the local-spec comparison takes the "mha" cases.
+CASES = [("cpu", "learned_absolute", "mha"), ("cpu", "learned_absolute", "swa_gqa")]
 if torch.cuda.is_available():
-    CASES += [("cuda", "learned_absolute", None), ("cuda", "rope", None), ("cuda", "rope", WINDOW)]
-FULL_CASES = [c[:2] for c in CASES if c[2] is None]
+    CASES += [("cuda", "learned_absolute", "mha"), ("cuda", "rope", "mha"), ("cuda", "rope", "swa_gqa")]
+MHA_CASES = [c[:2] for c in CASES if c[2] == "mha"]
 
 
 @pytest.fixture
@@ -75,7 +77,7 @@ def world(megatron_world, monkeypatch):
     return megatron_world
 
 
-def _build(spec_name, device, pos_emb, window=None, seed=0):
+def _build(spec_name, device, pos_emb, variant="mha", seed=0):
     import dataclasses
 
     from megatron.core.models.gpt import GPTModel
@@ -87,7 +89,8 @@ def _build(spec_name, device, pos_emb, window=None, seed=0):
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     spec = get_gpt_layer_with_transformer_engine_spec() if spec_name == "te" else get_gpt_layer_local_spec()
     torch.manual_seed(seed)
-    config = dataclasses.replace(_config(dtype, device), window_size=window)
+    window, groups = VARIANTS[variant]
+    config = dataclasses.replace(_config(dtype, device), window_size=window, num_query_groups=groups)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
                      max_sequence_length=TOTAL, position_embedding_type=pos_emb)
     return model.to(device=device, dtype=dtype).eval()
@@ -134,9 +137,9 @@ def _generate(model, prompts=PROMPTS, new=NEW, explicit_mask=False):
         inputs["attention_mask"] = _causal_mask(total, device)
     start, end, chosen = 0, int(lens.min()), []
     while end < total:
-        window = wrapper.get_batch_for_context_window(inputs, start, end)
+        batch = wrapper.get_batch_for_context_window(inputs, start, end)
         with InferenceMode.active():  # as the engines set it: the logits of each row's last token only
-            logits = wrapper.run_one_forward_step(window)  # [b, 1, vocab]
+            logits = wrapper.run_one_forward_step(batch)  # [b, 1, vocab]
         assert logits.shape == (len(prompts), 1, VOCAB), logits.shape
         chosen.append(logits[:, -1].clone())
         started = lens <= end
@@ -202,10 +205,11 @@ def _row_by_row_gemms(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("device,pos_emb,window", CASES)
-def test_megatron_static_generation_runs_on_this_package_attention(world, monkeypatch, device, pos_emb, window):
+@pytest.mark.parametrize("device,pos_emb,variant", CASES)
+def test_megatron_static_generation_runs_on_this_package_attention(world, monkeypatch, device, pos_emb, variant):
     spy = _AttentionSpy(monkeypatch)
-    model = _build("te", device, pos_emb, window)
+    model = _build("te", device, pos_emb, variant)
+    window, groups = VARIANTS[variant]
     layers = model.config.num_layers
     cores = [m.core_attention for m in model.modules() if type(m).__name__ == "SelfAttention"]
     assert len(cores) == layers and all(isinstance(c, te.DotProductAttention) for c in cores)
@@ -223,10 +227,11 @@ def test_megatron_static_generation_runs_on_this_package_attention(world, monkey
     # with a sliding window: TEDotProductAttention turns a 1-token no_mask step into it); sbhd, no mask
     # tensor, no inference_params (Megatron keeps the cache), only attn_mask_type passed.
     b, h, d = len(PROMPTS), model.config.num_attention_heads, model.config.kv_channels
+    g = groups or h
     step_mask = "no_mask" if window is None else "causal_bottom_right"
-    expected = [("causal", (FIRST, b, h, d), (FIRST, b, h, d))] * layers
+    expected = [("causal", (FIRST, b, h, d), (FIRST, b, g, d))] * layers
     for n in range(FIRST + 1, TOTAL):
-        expected += [(step_mask, (1, b, h, d), (n, b, h, d))] * layers
+        expected += [(step_mask, (1, b, h, d), (n, b, g, d))] * layers
     got = [(c["kwargs"].get("attn_mask_type"), tuple(c["q"].shape), tuple(c["k"].shape)) for c in spy.calls]
     assert got == expected, got
     assert [c["module"] for c in spy.calls] == cores * (steps)
@@ -236,7 +241,7 @@ def test_megatron_static_generation_runs_on_this_package_attention(world, monkey
         # Views of Megatron's cache buffers, whose batch dim (max_batch_size) exceeds the batch's.
         assert not c["kv_contiguous"]
     if window is not None:  # the window took effect: full attention chooses from other logits
-        assert not torch.equal(logits, _generate(_build("te", device, pos_emb))[1])
+        assert not torch.equal(logits, _generate(_build("te", device, pos_emb, "gqa"))[1])
 
     # One backend for all: on CUDA the fused kernels; on CPU the unfused backend, or the fused kernels
     # under TRITON_INTERPRET=1 (as CI runs this file).
@@ -247,13 +252,13 @@ def test_megatron_static_generation_runs_on_this_package_attention(world, monkey
         assert len(backends) == 1 and backends <= {"FusedAttention", "UnfusedDotProductAttention"}, backends
 
 
-@pytest.mark.parametrize("device,pos_emb,window", CASES)
-def test_each_attention_call_gives_the_training_rows_bitwise(world, monkeypatch, device, pos_emb, window):
+@pytest.mark.parametrize("device,pos_emb,variant", CASES)
+def test_each_attention_call_gives_the_training_rows_bitwise(world, monkeypatch, device, pos_emb, variant):
     """Each call Megatron made (prefill: causal over the prompt; decode: no_mask over the cache's prefix)
     equals, bitwise, the rows a training-style causal call over the whole final sequence gives the same
     queries, keys and values, with other queries and later keys around them."""
     spy = _AttentionSpy(monkeypatch)
-    _generate(_build("te", device, pos_emb, window))
+    _generate(_build("te", device, pos_emb, variant))
     gen = torch.Generator().manual_seed(7)
     for c in spy.calls:
         q, k, v, out = c["q"], c["k"], c["v"], c["out"]
@@ -270,11 +275,11 @@ def test_each_attention_call_gives_the_training_rows_bitwise(world, monkeypatch,
         assert torch.equal(ref[n - sq:n], out), (c["kwargs"], tuple(q.shape), tuple(k.shape))
 
 
-@pytest.mark.parametrize("device,pos_emb,window", CASES)
+@pytest.mark.parametrize("device,pos_emb,variant", CASES)
 def test_generated_logits_are_the_forward_logits_bitwise_with_row_invariant_gemms(world, monkeypatch, device,
-                                                                                  pos_emb, window):
+                                                                                  pos_emb, variant):
     calls = _row_by_row_gemms(monkeypatch)
-    model = _build("te", device, pos_emb, window)
+    model = _build("te", device, pos_emb, variant)
     tokens, logits = _generate(model)
     steps = TOTAL - FIRST
     # Per step and layer 4 GEMMs of this package's modules (qkv, proj, fc1, fc2), 1 output layer per step.
@@ -282,7 +287,7 @@ def test_generated_logits_are_the_forward_logits_bitwise_with_row_invariant_gemm
     assert torch.equal(logits, _forward_logits(model, tokens))
 
 
-@pytest.mark.parametrize("device,pos_emb", FULL_CASES)
+@pytest.mark.parametrize("device,pos_emb", MHA_CASES)
 def test_generated_logits_match_the_forward_like_megatrons_local_spec(world, device, pos_emb):
     """With Megatron's ordinary GEMMs a decode step's 1-row GEMMs round differently from the forward's
     many-row GEMMs, so the logits differ by rounding: no more than with the local spec (its attention,

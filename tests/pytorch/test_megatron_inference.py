@@ -68,12 +68,11 @@ MHA_CASES = [c[:2] for c in CASES if c[2] == "mha"]
 
 @pytest.fixture
 def world(megatron_world, monkeypatch):
-    if not torch.cuda.is_available():
-        monkeypatch.setattr(megatron_world, "_GLOBAL_MEMORY_BUFFER", _CPUScoreBuffer())
-    else:
-        # Both the generation and the training-style forward must run this package's fused kernels
-        # (flash-attn-4, where installed and selected, makes no bitwise promise between them).
-        monkeypatch.setenv("NVTE_FLASH_ATTN", "0")
+    # Megatron sets NVTE_FLASH_ATTN, NVTE_FUSED_ATTN and NVTE_UNFUSED_ATTN from the config's
+    # attention_backend when it builds a model, and refuses values an earlier model left that differ:
+    # each test starts without them (and gets the values it started with back).
+    for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+        monkeypatch.delenv(name, raising=False)
     return megatron_world
 
 
@@ -85,12 +84,18 @@ def _build(spec_name, device, pos_emb, variant="mha", seed=0):
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
+    from megatron.core.transformer.enums import AttnBackend
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     spec = get_gpt_layer_with_transformer_engine_spec() if spec_name == "te" else get_gpt_layer_local_spec()
     torch.manual_seed(seed)
     window, groups = VARIANTS[variant]
-    config = dataclasses.replace(_config(dtype, device), window_size=window, num_query_groups=groups)
+    # On a GPU, Megatron's attention_backend="fused" (NVTE_FLASH_ATTN=0, NVTE_UNFUSED_ATTN=0): the
+    # generation and the training-style forward both run this package's fused kernels (flash-attn-4,
+    # where installed and selected, makes no bitwise promise between them). On CPU the default (auto).
+    backend = AttnBackend.fused if device == "cuda" else AttnBackend.auto
+    config = dataclasses.replace(_config(dtype, device), window_size=window, num_query_groups=groups,
+                                 attention_backend=backend)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB,
                      max_sequence_length=TOTAL, position_embedding_type=pos_emb)
     return model.to(device=device, dtype=dtype).eval()
@@ -288,10 +293,12 @@ def test_generated_logits_are_the_forward_logits_bitwise_with_row_invariant_gemm
 
 
 @pytest.mark.parametrize("device,pos_emb", MHA_CASES)
-def test_generated_logits_match_the_forward_like_megatrons_local_spec(world, device, pos_emb):
+def test_generated_logits_match_the_forward_like_megatrons_local_spec(world, monkeypatch, device, pos_emb):
     """With Megatron's ordinary GEMMs a decode step's 1-row GEMMs round differently from the forward's
     many-row GEMMs, so the logits differ by rounding: no more than with the local spec (its attention,
     no TransformerEngine), run from the same weights through the same inference path."""
+    if device == "cpu":
+        monkeypatch.setattr(world, "_GLOBAL_MEMORY_BUFFER", _CPUScoreBuffer())
     te_model = _build("te", device, pos_emb)
     local = _build("local", device, pos_emb)
     _load(local, _te_to_local(te_model.state_dict()))

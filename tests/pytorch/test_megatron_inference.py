@@ -12,8 +12,9 @@ What Megatron-core 0.19.2 does when a GPTModel built with its TransformerEngine 
   ``key_value_memory_dict``. Core attention (``TEDotProductAttention``, a subclass of this package's
   ``DotProductAttention``) gets sbhd ``q`` of the step's tokens and ``k``, ``v`` = the buffers' first
   ``offset + step`` positions, ``attention_mask=None``, and ``attn_mask_type="causal"`` for the
-  prefill step, ``"no_mask"`` for every later step (``sequence_len_offset > 0``). It never passes
-  ``inference_params``: this package's KV cache API is not involved.
+  prefill step, ``"no_mask"`` for every later step (``sequence_len_offset > 0``; TEDotProductAttention
+  makes a one-token ``no_mask`` step ``"causal_bottom_right"`` when the config has a sliding window).
+  It never passes ``inference_params``: this package's KV cache API is not involved.
 * Dynamic batching (``DynamicInferenceContext``, ``DynamicInferenceEngine``, and
   ``StaticInferenceEngine`` without ``legacy=True``, which runs on the dynamic engine) and
   ``flash_decode`` call flash-attn's kernels directly, never TransformerEngine's attention.
@@ -27,7 +28,8 @@ Tests (CPU fp32; CUDA bf16 with this package's fused kernels):
 * with every GEMM computed one token row at a time (so its bits do not depend on how many rows a call
   has), the generated tokens' logits are bitwise those of one training-style forward over the final
   sequences; with Megatron's ordinary GEMMs they are not (torch's CPU GEMM and cuBLAS pick kernels and
-  reduction orders by the row count: a 1-row decode step and a 11-row forward round differently), and
+  reduction orders by the row count: a decode step's GEMMs over b rows and the forward's over b * s
+  rows round differently), and
   the difference is no larger than Megatron's local spec (no TransformerEngine) shows for the same
   comparison;
 * on CUDA, Megatron's own TextGenerationController generates the same tokens.
@@ -35,8 +37,9 @@ Tests (CPU fp32; CUDA bf16 with this package's fused kernels):
 On CPU the test drives ``GPTInferenceWrapper`` with the controller's step schedule itself, because the
 controller and Megatron's KV-cache allocation are CUDA-only (``torch.cuda.Event`` timings, ``.cuda()``,
 ``torch.cuda.current_device()``); it hands Megatron CPU KV buffers of the shape Megatron allocates.
-Learned absolute position embeddings on CPU (Megatron's RotaryEmbedding moves its frequencies to
-CUDA); RoPE too on CUDA. Skipped with the reason when megatron-core is not installed.
+Full attention, and a sliding window with GQA. Learned absolute position embeddings on CPU (Megatron's
+RotaryEmbedding moves its frequencies to CUDA); RoPE too on CUDA. Skipped with the reason when
+megatron-core is not installed.
 """
 
 from __future__ import annotations
@@ -294,9 +297,10 @@ def test_generated_logits_are_the_forward_logits_bitwise_with_row_invariant_gemm
 
 @pytest.mark.parametrize("device,pos_emb", MHA_CASES)
 def test_generated_logits_match_the_forward_like_megatrons_local_spec(world, monkeypatch, device, pos_emb):
-    """With Megatron's ordinary GEMMs a decode step's 1-row GEMMs round differently from the forward's
-    many-row GEMMs, so the logits differ by rounding: no more than with the local spec (its attention,
-    no TransformerEngine), run from the same weights through the same inference path."""
+    """With Megatron's ordinary GEMMs a decode step's GEMMs (one row per sequence) round differently
+    from the forward's (every token's row), so the logits differ by rounding: no more than with the
+    local spec (its attention, no TransformerEngine), run from the same weights through the same
+    inference path."""
     if device == "cpu":
         monkeypatch.setattr(world, "_GLOBAL_MEMORY_BUFFER", _CPUScoreBuffer())
     te_model = _build("te", device, pos_emb)

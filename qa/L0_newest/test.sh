@@ -56,7 +56,7 @@ select_files() {  # select_files DIR NAMES...: the paths of those test files tha
 # (test_build and test_install_routes check this tree's packaging, which the release does not change.)
 COMMON=(${NEWEST_COMMON:-test_kernel_compile test_triton_compat test_plan test_plan_archs test_explain_plan test_context_parallel_plan
   test_launches test_block_bounds test_backends test_imports test_import_graph test_settings test_wheel_resolution})
-PYTORCH=(${NEWEST_PYTORCH:-test_megatron_gpt test_dpa_megatron test_te_modules test_fused_attn test_launch_cache
+PYTORCH=(${NEWEST_PYTORCH:-test_megatron_gpt test_megatron_inference test_dpa_megatron test_te_modules test_fused_attn test_launch_cache
   test_compile test_dot_product_attention test_dpa_te_compat test_sink_softmax test_unfused_invariance})
 
 # The compile matrix on this release: the NVIDIA targets (the Hopper Gluon kernels, this release's spill

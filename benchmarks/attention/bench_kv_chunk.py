@@ -1,8 +1,8 @@
 """What the canonical sum over key chunks costs the training forward (ForwardPlan.kv_chunk, kernels/forward.py).
 
-Where the Triton forward serves (every GPU for d=64 and for calls with a bias; fp32), keys beyond one chunk are
-summed chunk by chunk, each from scratch, and folded in order: the price of split-KV decode with the training
-forward's bits. Per case, the forward's time with the planned chunk against the same launch summing all keys at
+Keys beyond one chunk are summed chunk by chunk, each from scratch, and folded in order: the price of split-KV
+decode with the training forward's bits. The Triton forward does it everywhere it serves (d=64, calls with a
+bias, fp32); Hopper's Gluon forward at d=128 (its consumers fold with a second accumulator). Per case, the forward's time with the planned chunk against the same launch summing all keys at
 once (a plan with ``kv_chunk=0``: the kernel before chunking), as a ratio; and with the planned chunk, whether
 the one-program and the split forms give the same bits (``bitwise``).
 
@@ -23,9 +23,10 @@ from transformer_engine.common.attention.plan import forward_plan
 from transformer_engine.pytorch.attention import kernel_runner
 from transformer_engine.pytorch.attention.testing import fused_call
 
-# (batch, seqlen, heads, head dim, mask, bias): 32k tokens; d=64 plain and d=128 with a bias (Triton forward)
+# (batch, seqlen, heads, head dim, mask, bias): 32k tokens; d=64 plain and d=128 with a bias (Triton forward), d=128
+# plain (Hopper: the Gluon forward)
 GRID = [(2, 16384, 16, 64, "causal", False), (2, 16384, 16, 64, "no_mask", False), (1, 32768, 16, 64, "causal", False),
-        (2, 16384, 16, 128, "causal", True)]
+        (2, 16384, 16, 128, "causal", True), (2, 16384, 16, 128, "causal", False), (1, 32768, 16, 128, "no_mask", False)]
 SMOKE_GRID = [(1, 200, 2, 16, "causal", False), (1, 150, 2, 16, "no_mask", True)]
 
 
@@ -46,7 +47,8 @@ def case(b, s, h, d, mask, bias, dtype, device):
     split_out = kernel_runner.forward(q, k, v, call, plan, split_kv=True)[0]
     whole_out = kernel_runner.forward(q, k, v, call, plan, split_kv=False)[0]
     flops = 4 * b * h * s * s * d * (0.5 if mask == "causal" else 1.0)
-    return dict(batch=b, seqlen=s, heads=h, dim=d, mask=mask, bias=bias, kv_chunk=plan.kv_chunk,
+    kernel = "gluon" if plan.warp_specialized is not None else "triton"  # contiguous tensors: TMA-eligible
+    return dict(batch=b, seqlen=s, heads=h, dim=d, mask=mask, bias=bias, kernel=kernel, kv_chunk=plan.kv_chunk,
                 chunked_tflops=round(flops / chunked_ms / 1e9, 1), one_chunk_tflops=round(flops / one_ms / 1e9, 1),
                 ratio=round(one_ms / chunked_ms, 3), bitwise=bool(torch.equal(split_out, whole_out)))
 
@@ -72,7 +74,7 @@ def main():
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     write_results(args.out, run_metadata("python benchmarks/attention/bench_kv_chunk.py " + " ".join(sys.argv[1:]),
                                          name, str(dtype).replace("torch.", ""), dry_run=args.smoke),
-                  rows, ["batch", "seqlen", "heads", "dim", "mask", "bias", "kv_chunk", "chunked_tflops",
+                  rows, ["batch", "seqlen", "heads", "dim", "mask", "bias", "kernel", "kv_chunk", "chunked_tflops",
                          "one_chunk_tflops", "ratio", "bitwise", "error"])
 
 

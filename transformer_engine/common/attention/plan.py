@@ -495,10 +495,20 @@ def trace_forward(config: Config, override: Optional[Tiles] = None) -> Tuple[For
     else:
         ws = _warp_specialized(config, arch, key, "fwd", trace, "warp_specialized")
     block_dqk, block_dqk2 = _qk_blocks(config, arch)
-    if ws is not None:
+    gluon_serves = ws is not None
+    if gluon_serves and config.paged_kv:
+        # The Gluon forward reads K/V through TMA descriptors of contiguous rows; a paged call's rows come from
+        # its page table, row by row. The Triton forward, which gives the same bits, serves it, with the sum
+        # (kv_chunk) the config's contiguous calls use, so a paged row equals its gathered row bit for bit.
+        ws, trace.gluon_off["warp_specialized"] = None, (
+            "a paged KV cache: the Gluon forward reads contiguous K/V rows through TMA descriptors, the Triton "
+            "forward follows the page table (the same bits)")
+    if gluon_serves:
         # Both kernels must sum a config's rows alike (the Gluon one serves only where the tensors allow TMA),
         # and the Gluon forward has no chunked sum yet: one chunk, so no split-KV decode for this config.
-        kv_chunk, trace.rows["kv_chunk"] = 0, "one chunk: the warp-specialized forward serves this config"
+        kv_chunk, trace.rows["kv_chunk"] = 0, ("one chunk, as the config's contiguous calls, which the "
+                                               "warp-specialized forward serves" if config.paged_kv else
+                                               "one chunk: the warp-specialized forward serves this config")
     elif config.device_type == "cpu":
         kv_chunk, trace.rows["kv_chunk"] = _INTERPRET_KV_CHUNK, "the interpreter's chunk"
     else:

@@ -211,7 +211,10 @@ def fused_attention(q, k, v, call: AttnCall, return_softmax_aux: bool = False):
             # One host sync; pass max_seqlen_* to avoid it (and to trace under torch.compile).
             max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
             max_seqlen_kv = int((cu_seqlens_kv[1:] - cu_seqlens_kv[:-1]).max().item())
-        check_sequence_values(fmt, q, k, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
+        # A paged call's keys are pages of the cache, not packed rows: each sequence is checked to fit the
+        # cache's rows, as if padded to its own length (its pages are checked below).
+        paged_kv = cu_seqlens_kv if call.page_table is not None else cu_seqlens_kv_padded
+        check_sequence_values(fmt, q, k, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, paged_kv,
                               max_seqlen_q, max_seqlen_kv)
         max_seqlen_q, max_seqlen_kv = int(max_seqlen_q), int(max_seqlen_kv)
         if call.page_table is not None:

@@ -636,8 +636,10 @@ class InferenceParams:
         if "paged" not in step.calls:
             cu = torch.tensor([_cumulative(layout.step_lens), _cumulative(layout.total_lens)],
                               dtype=torch.int32).to(self.device)
+            # cu_seqlens_kv_padded = cu_seqlens_kv: what DotProductAttention's checks see (each sequence's keys
+            # fit the cache's rows); the fused call drops it for the page table, the gather replaces it.
             step.calls["paged"] = dict(order=list(range(layout.batch_size)), cu_seqlens_q=cu[0],
-                                       cu_seqlens_kv=cu[1], cu_seqlens_kv_padded=None,
+                                       cu_seqlens_kv=cu[1], cu_seqlens_kv_padded=cu[1],
                                        max_seqlen_q=layout.max_step_len, max_seqlen_kv=max(layout.total_lens))
         k_rows, v_rows = manager.cache_rows(layer_number)
 
@@ -661,7 +663,8 @@ class _PagedStep:
     def run(self, backend, q, k, v, call):
         if issubclass(backend, FusedAttention):
             params = dataclasses.replace(call.params, kv_page_size=self.page_size)
-            return backend.run(q, k, v, dataclasses.replace(call, params=params, page_table=self.page_table))
+            return backend.run(q, k, v, dataclasses.replace(call, params=params, page_table=self.page_table,
+                                                            cu_seqlens_kv_padded=None))
         k_rows, v_rows, padded = self.gather()
         return backend.run(q, k_rows, v_rows, dataclasses.replace(call, cu_seqlens_kv_padded=padded))
 

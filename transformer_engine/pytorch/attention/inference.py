@@ -730,7 +730,9 @@ def cached_attention(module, params: InferenceParams, q: torch.Tensor, k: torch.
     params.input_qkv_format = fmt.value
     params._append(module.layer_number, k, v, fmt, ("key_layer", "value_layer"))
     call = None
-    if params.is_paged and not (torch.is_grad_enabled() and q.requires_grad):
+    offset = getattr(module, "softmax_offset", None)  # a learnable sink's logits: a parameter
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or (offset is not None and offset.requires_grad))
+    if params.is_paged and not needs_grad:  # the fused backward reads no page table: gradients take the gather
         call = params._paged_call(module.layer_number)  # the cache read in place where the fused backend runs
     if call is None:
         call = params._kernel_call(module.layer_number)

@@ -20,6 +20,11 @@ softmax, and the chunks folded in order by ``fold_chunk``. A decode step that sp
 the bits of KV_CHUNK = 0 (a chunk folded into the empty state is itself), which is what the launches use
 where the keys fit one chunk.
 
+A paged KV cache (PAGE_SIZE > 0, forward only): K and V are the cache's rows and row ``batch`` of PAGE_TABLE lists
+the sequence's pages; each key block's rows are ``table[n // PAGE_SIZE] * PAGE_SIZE + n % PAGE_SIZE``, loaded with
+the masks the contiguous loads have (a masked block reads no table entry past the sequence). Only the addresses
+change: the same values reach the same arithmetic, so a paged call gives the bits of the call on gathered rows.
+
 Every ``tl.dot`` asks for ``input_precision="ieee"``: fp32 operands get true fp32 products (no TF32), and
 for fp16/bf16 operands it changes no instruction; it is the one value every Triton target accepts.
 """

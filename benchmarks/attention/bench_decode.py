@@ -47,7 +47,8 @@ def _filled(b, s, dtype, device, layer=1, page_size=0):
         max_len = -(-max_len // page_size) * page_size
         params = InferenceParams(b, max_len, KV_HEADS, DIM, dtype, device=device, is_paged=True, page_size=page_size)
         manager = params.cache_manager
-        manager.free_pages = torch.randperm(manager.total_num_pages, generator=torch.Generator().manual_seed(5)).tolist()
+        shuffled = torch.randperm(manager.total_num_pages, generator=torch.Generator().manual_seed(5))
+        manager.free_pages = shuffled.tolist()
     else:
         params = InferenceParams(b, max_len, KV_HEADS, DIM, dtype, device=device)
     params.allocate_memory(layer)

@@ -10,7 +10,9 @@ reading the cached keys and values (``2 * b * s * h_kv * d`` elements per step, 
 ``DotProductAttention`` step with ``inference_params`` (the host work of ``pre_step`` and the cache append
 included, as a serving loop runs it). ``bitwise`` (ours): sequence 0's output row is the same bits at batch 1
 and at batch ``b``. ``ours_one_program``: the same step with split-KV off (where the plan sums keys in chunks, a
-small grid splits them over programs: the same bits).
+small grid splits them over programs: the same bits). ``--page-size P`` adds ``ours_paged``: the same step on a
+paged cache (pages of P tokens handed out in a shuffled order), which the fused forward reads through the page
+table in place (no gather); its ``bitwise``: sequence 0's row equals the non-paged cache's row at batch 1.
 """
 
 from __future__ import annotations
@@ -37,9 +39,18 @@ def bench_ms(fn):
     return counted_ms(fn, REPS, WARMUP, sync)
 
 
-def _filled(b, s, dtype, device, layer=1):
-    """InferenceParams holding ``s`` random tokens for each of ``b`` sequences (one prefill step), its module."""
-    params = InferenceParams(b, s + WARMUP + REPS + 8, KV_HEADS, DIM, dtype, device=device)
+def _filled(b, s, dtype, device, layer=1, page_size=0):
+    """InferenceParams holding ``s`` random tokens for each of ``b`` sequences (one prefill step), its module;
+    ``page_size`` > 0: a paged cache whose pages are handed out in a shuffled order."""
+    max_len = s + WARMUP + REPS + 8
+    if page_size:
+        max_len = -(-max_len // page_size) * page_size
+        params = InferenceParams(b, max_len, KV_HEADS, DIM, dtype, device=device, is_paged=True, page_size=page_size)
+        manager = params.cache_manager
+        shuffled = torch.randperm(manager.total_num_pages, generator=torch.Generator().manual_seed(5))
+        manager.free_pages = shuffled.tolist()
+    else:
+        params = InferenceParams(b, max_len, KV_HEADS, DIM, dtype, device=device)
     params.allocate_memory(layer)
     dpa = DotProductAttention(HEADS, DIM, num_gqa_groups=KV_HEADS, qkv_format="thd", attn_mask_type="padding_causal",
                               layer_number=layer).to(device).eval()
@@ -58,11 +69,12 @@ def _filled(b, s, dtype, device, layer=1):
     return params, dpa
 
 
-def ours(b, s, dtype, device):
-    """The decode step of the b sequences of a filled cache: (ms per step, bitwise). The cache starts
-    ``WARMUP + REPS // 2`` tokens short of ``s`` so that the timed steps' contexts average ``s``."""
+def ours(b, s, dtype, device, page_size=0):
+    """The decode step of the b sequences of a filled cache (``page_size`` > 0: paged): (ms per step, bitwise,
+    against the non-paged cache at batch 1). The cache starts ``WARMUP + REPS // 2`` tokens short of ``s`` so
+    that the timed steps' contexts average ``s``."""
     s = max(1, s - WARMUP - REPS // 2)
-    params, dpa = _filled(b, s, dtype, device)
+    params, dpa = _filled(b, s, dtype, device, page_size=page_size)
     g = torch.Generator(device=device).manual_seed(1)
     q = torch.randn(b, HEADS, DIM, device=device, dtype=dtype, generator=g)
     k, v = torch.randn(2, b, KV_HEADS, DIM, device=device, dtype=dtype, generator=g)
@@ -117,6 +129,8 @@ def main():
                     "in chunks, on every GPU: split-KV decode)")
     ap.add_argument("--grid", default=None, help="cases as b:s,b:s (default: the full grid)")
     ap.add_argument("--no-peers", action="store_true", help="ours only")
+    ap.add_argument("--page-size", type=int, default=0, help="also ours_paged: a paged cache of pages of this many "
+                    "tokens, read through the page table")
     args = ap.parse_args()
     DIM = args.dim
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -151,6 +165,13 @@ def main():
                 rows.append(dict(batch=b, context=s, backend=name, error=f"{type(err).__name__}: {str(err)[:80]}"))
             finally:
                 launch_description.SPLIT_KV_PROGRAMS = saved
+        if args.page_size:
+            try:
+                t_step, bitwise = ours(b, s, dtype, device, page_size=args.page_size)
+                row("ours_paged", t_step, bitwise=bitwise, page_size=args.page_size)
+            except Exception as err:
+                rows.append(dict(batch=b, context=s, backend="ours_paged",
+                                 error=f"{type(err).__name__}: {str(err)[:80]}"))
         if args.no_peers:
             continue
         for name, backend in peers.items():

@@ -46,13 +46,15 @@ class Case:
     seqlen_q: int = 1024  # 1: the kernels' length-generic twins (a length of 1 is not specialized)
     segments: int = 1  # packed sequences in rows of this many: the segment-row grid (JAX's packed rows)
     seqlen_kv: int = 1024  # above the plan's kv_chunk: the chunked sum (and split-KV where the grid is small)
+    page_size: int = 0  # K/V read through a page table (a paged KV cache's forward; no backward)
 
     @property
     def name(self) -> str:
         mods = [m for m, on in (("bias", self.bias == AttnBiasType.POST_SCALE_BIAS),
                                 ("alibi", self.bias == AttnBiasType.ALIBI), ("dropout", self.dropout),
                                 (f"gqa{self.gqa}", self.gqa > 1), ("thd", self.thd), ("sink", self.sink),
-                                (f"rows{self.segments}", self.segments > 1)) if on]
+                                (f"rows{self.segments}", self.segments > 1),
+                                (f"paged{self.page_size}", self.page_size > 0)) if on]
         window = f"-window{self.window}" if self.window != (-1, -1) else ""
         short = f"-sq{self.seqlen_q}" if self.seqlen_q != 1024 else ""
         short += f"-skv{self.seqlen_kv}" if self.seqlen_kv != 1024 else ""
@@ -91,6 +93,15 @@ CASES = [
          seqlen_kv=8192),
     Case((128, 128), "bfloat16", AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK, bias=BIAS, dropout=True, gqa=4, seqlen_q=1,
          seqlen_kv=8192),
+    # A paged KV cache's forward (K/V rows through the page table): decode over two chunks (split-KV where the
+    # Triton forward sums in chunks; on Hopper the one-chunk Triton forward, where Gluon serves contiguous calls),
+    # at d=128 and d=256, and a prefill chunk with a sliding window and a page size that is no power of two.
+    Case((128, 128), "bfloat16", AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK, gqa=4, thd=True, seqlen_q=1,
+         seqlen_kv=8192, page_size=16),
+    Case((256, 256), "bfloat16", AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK, gqa=2, thd=True, seqlen_q=1,
+         seqlen_kv=8192, page_size=64, sink=True),
+    Case((64, 64), "float16", AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK, window=(512, 0), thd=True,
+         seqlen_kv=8192, page_size=24),
 ]
 
 
@@ -111,7 +122,8 @@ def launches(target: str, case: Case) -> List[Tuple[str, tuple]]:
                      bias_shape="1hss" if case.bias == BIAS else None, dropout=0.1 if case.dropout else 0.0,
                      softmax_type=(AttnSoftmaxType.LEARNABLE_SOFTMAX if case.sink else AttnSoftmaxType.VANILLA_SOFTMAX),
                      deterministic=True, device_type="cuda", **DEVICE_FACTS[target])
-    shape = dict(seqlen=case.seqlen_q, seqlen_kv=case.seqlen_kv, thd=case.thd, segments_per_row=case.segments)
+    shape = dict(seqlen=case.seqlen_q, seqlen_kv=case.seqlen_kv, thd=case.thd, segments_per_row=case.segments,
+                 page_size=case.page_size)
     calls = [contiguous_call(cfg, **shape)]
     if case.bias == BIAS:
         calls.append(contiguous_call(cfg, **shape, bias_shape=(1, 1, 1, case.seqlen_kv)))
@@ -267,6 +279,9 @@ def test_cases_cover_every_bucket_kernel_and_modifier():
     kernels = {k for t in TARGETS for c in CASES for k, _ in launches(t, c)}
     assert kernels == {"fwd", "combine", "preprocess", "dkdv", "dq", "dbias", "dsink", "fwd_ws", "dkdv_ws", "dq_ws"}
     assert any(c.seqlen_kv > 4096 and c.seqlen_q == 1 for c in CASES)  # split-KV and its combine
+    # Paged KV: decode over two chunks, and a page size that is not a power of two.
+    assert any(c.page_size and c.seqlen_q == 1 and c.seqlen_kv > 4096 for c in CASES)
+    assert any(c.page_size & (c.page_size - 1) for c in CASES)
 
 
 if __name__ == "__main__":

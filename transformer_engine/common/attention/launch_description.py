@@ -105,6 +105,12 @@ class Call:
     # rows' lengths): the kernels' segment-row grid covers each row's blocks (cdiv(row, block) + m - 1 per row and
     # head) instead of m sequences of the row's length each. 1: the (block, sequence) grid.
     segments_per_row: int = 1
+    # A paged KV cache (forward only): K and V are the cache's rows (views "k", "v" with batch stride 0; page p's
+    # row r at row p * page_size + r) and slot ``page_table`` (int32 [num_seqs, max pages], row stride
+    # ``page_table_stride``) lists each sequence's pages; key n of sequence i is row n % page_size of page
+    # page_table[i, n // page_size]. 0: K/V rows in place (packed starts or the batch stride).
+    page_size: int = 0
+    page_table_stride: int = 0
 
     def __post_init__(self):
         m = self.segments_per_row
@@ -113,6 +119,16 @@ class Call:
         if m > 1 and not (self.packed and self.has_seqlens):
             raise ValueError("`segments_per_row` > 1 needs packed sequences with lengths (packed and has_seqlens), "
                              f"got packed={self.packed} has_seqlens={self.has_seqlens}")
+        if self.page_size < 0:
+            raise ValueError(f"`page_size` must be positive for a paged KV cache (0: none), got {self.page_size}")
+        if self.page_size and m > 1:
+            raise ValueError("a paged KV cache (`page_size` > 0) takes one sequence per row (segments_per_row 1), "
+                             f"got segments_per_row={m}")
+
+    @property
+    def paged(self) -> bool:
+        """Whether K and V are read through a page table (:attr:`page_size`)."""
+        return self.page_size > 0
 
     @property
     def bias_type(self) -> AttnBiasType:
@@ -126,7 +142,8 @@ class Call:
     @property
     def plan_key(self) -> PlanKey:
         """What the call's plans read (:func:`plan_key`)."""
-        return plan_key(self.params, self.head_dim_qk, self.head_dim_v, self.dtype, self.bias_type, self.device)
+        return plan_key(self.params, self.head_dim_qk, self.head_dim_v, self.dtype, self.bias_type, self.device,
+                        self.paged)
 
     def grid_rows(self, max_len: int, block: int, heads: int) -> Tuple[int, int]:
         """(blocks, rows * heads) of a block-loop pass over sequences of at most ``max_len`` in ``block``s."""
@@ -137,22 +154,23 @@ class Call:
 
 
 def plan_key(params: AttnParams, head_dim_qk: int, head_dim_v: int, dtype: str, bias_type: AttnBiasType,
-             device: Mapping[str, object]) -> PlanKey:
+             device: Mapping[str, object], paged_kv: bool = False) -> PlanKey:
     """The PlanKey of a call's launches: its head dims and dtype, the mask, window, diagonal, dropout and
-    softmax type of ``params``, the score modifier the kernels add (``bias_type``: Call.bias_type) and the
-    device facts. The plans are the same in both determinism modes (no atomic or autotuned variant exists)."""
-    return _plan_key(params, head_dim_qk, head_dim_v, dtype, bias_type, tuple(device.items()))
+    softmax type of ``params``, the score modifier the kernels add (``bias_type``: Call.bias_type), the
+    device facts and whether K/V are read through a page table (``paged_kv``: Call.paged). The plans are the
+    same in both determinism modes (no atomic or autotuned variant exists)."""
+    return _plan_key(params, head_dim_qk, head_dim_v, dtype, bias_type, tuple(device.items()), paged_kv)
 
 
 @functools.lru_cache(maxsize=1024)
 def _plan_key(params: AttnParams, head_dim_qk: int, head_dim_v: int, dtype: str, bias_type: AttnBiasType,
-              device: Tuple[Tuple[str, object], ...]) -> PlanKey:
+              device: Tuple[Tuple[str, object], ...], paged_kv: bool) -> PlanKey:
     # Memoized: a pure function of frozen values, built twice a training step (forward, backward).
     return PlanKey(
         head_dim_qk=head_dim_qk, head_dim_v=head_dim_v, dtype=dtype, attn_mask_type=params.attn_mask_type,
         window_size=params.window_size, bottom_right=params.bottom_right, attn_bias_type=bias_type,
         dropout=params.kernel_dropout, softmax_type=params.softmax_type, return_max_logit=params.return_max_logit,
-        **dict(device),
+        paged_kv=paged_kv, **dict(device),
     )
 
 
@@ -316,7 +334,9 @@ def forward_launches(call: Call, plan: Optional[ForwardPlan] = None,
                      split: Optional[bool] = None) -> Tuple[Launch, ...]:
     """The forward: one launch writing ``out`` and ``lse`` (slots q, k, v, out, lse and the call's
     modifiers: bias, alibi_slopes, rng_state, softmax_offset, seq_start_q/k, seq_len_q/k), and with
-    ``params.return_max_logit`` each row's max logit (slot ``row_max``, fp32 laid out as lse).
+    ``params.return_max_logit`` each row's max logit (slot ``row_max``, fp32 laid out as lse). A paged call
+    (:attr:`Call.paged`) reads K and V through slot ``page_table`` (int32) in the Triton forward, never the
+    Gluon one (its plan says why): the same bits as the call on the gathered rows.
 
     Where :func:`split_kv` gives a workspace (``split`` forces the choice), two launches: the forward
     with one program per key chunk writing slots ``part_o`` and ``part_ml``, then the combine writing
@@ -338,13 +358,18 @@ def forward_launches(call: Call, plan: Optional[ForwardPlan] = None,
                   ROW_MAX=Slot("row_max") if row_max else _PLACEHOLDER, HAS_ROW_MAX=row_max,
                   PART_O=Slot("part_o") if workspace else _PLACEHOLDER,
                   PART_ML=Slot("part_ml") if workspace else _PLACEHOLDER,
-                  split_rows=workspace.rows if workspace else 0, KV_CHUNK=chunk, SPLIT_KV=workspace is not None)
+                  split_rows=workspace.rows if workspace else 0, KV_CHUNK=chunk, SPLIT_KV=workspace is not None,
+                  PAGE_TABLE=Slot("page_table") if call.paged else _PLACEHOLDER,
+                  stride_pt=call.page_table_stride if call.paged else 0, PAGE_SIZE=call.page_size)
     rows = lambda t: call.grid_rows(call.max_q, t.block_m, call.num_heads_q)  # noqa: E731
+    ws = None if call.paged else plan.warp_specialized
     if workspace is None:
-        return (_block_launch(attn_fwd_kernel, attn_fwd_ws_kernel, plan.tiles, plan.warp_specialized,
-                              ("q", "k", "v"), call, values, rows, {}),)
-    split_launch = _block_launch(attn_fwd_kernel, attn_fwd_ws_kernel, plan.tiles, plan.warp_specialized,
-                                 ("q", "k", "v"), call, values, rows, {}, workspace.chunks)
+        # The Gluon forward reads K/V through TMA descriptors of contiguous rows: never for a paged call (its
+        # plan has no warp-specialized tiles; a plan given explicitly is held to that too).
+        return (_block_launch(attn_fwd_kernel, attn_fwd_ws_kernel, plan.tiles, ws, ("q", "k", "v"), call, values,
+                              rows, {}),)
+    split_launch = _block_launch(attn_fwd_kernel, attn_fwd_ws_kernel, plan.tiles, ws, ("q", "k", "v"), call, values,
+                                 rows, {}, workspace.chunks)
     # The combine is elementwise over rows (no bits depend on its tiles): 16 rows keep its two states in registers.
     combine = _launch(attn_fwd_combine_kernel, block_grid(_cdiv(call.max_q, 16), call.num_seqs * call.num_heads_q),
                       dict(values, num_chunks=workspace.chunks, BLOCK_M=16), dict(num_warps=4))
@@ -364,6 +389,9 @@ def backward_launches(call: Call, plan: Optional[BackwardPlan] = None, bias_grad
     leaves out the preprocess: the ``delta`` slot then holds what it writes (rowsum(dO * O) of each query
     row, a row-local sum: the same bits whichever call computed it)."""
     grads = BackwardGrads(grads)
+    if call.paged:
+        raise NotImplementedError("a paged KV cache call (`page_size` > 0) is inference only: it has no backward "
+                                  "launches (gather the pages into rows for a call that needs gradients)")
     from transformer_engine.common.attention.kernels.backward import (
         attn_bwd_dbias_kernel,
         attn_bwd_dkdv_kernel,

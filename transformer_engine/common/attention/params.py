@@ -38,6 +38,8 @@ class AttnParams:
     takes :attr:`framework`'s default, see :attr:`bottom_right`); ``max_seqlen_q``/``max_seqlen_kv``: the
     longest sequence of each side where the tensors do not say it (PyTorch's thd; None otherwise);
     ``return_max_logit``: the forward also writes each row's max logit (the per-head max logit's parts).
+    ``kv_page_size``: keys and values are a paged KV cache's rows, read through the call's page table in pages
+    of this many tokens (PyTorch: ``AttnCall.page_table``; forward only); None: rows in place.
     ``deterministic`` changes no launch (both modes run the same fixed-order kernels); it is the call's
     request, which logs and CP read.
     """
@@ -58,6 +60,7 @@ class AttnParams:
     max_seqlen_q: Optional[int] = None
     max_seqlen_kv: Optional[int] = None
     return_max_logit: bool = False
+    kv_page_size: Optional[int] = None
 
     @property
     def bottom_right(self) -> bool:

@@ -495,7 +495,16 @@ def trace_forward(config: Config, override: Optional[Tiles] = None) -> Tuple[For
     else:
         ws = _warp_specialized(config, arch, key, "fwd", trace, "warp_specialized")
     block_dqk, block_dqk2 = _qk_blocks(config, arch)
-    if ws is not None and max(config.head_dim_qk, config.head_dim_v) > 128:
+    gluon_serves = ws is not None
+    if gluon_serves and config.paged_kv:
+        # The Gluon forward reads K/V through TMA descriptors of contiguous rows; a paged call's rows come from
+        # its page table, row by row, which only the Triton forward follows. Its products are blocked unlike the
+        # Gluon forward's, so its bits are not the contiguous calls': the frontends gather such a config's pages
+        # instead (inference.fused_reads_pages) and this plan serves direct kernel calls only.
+        ws, trace.gluon_off["warp_specialized"] = None, (
+            "a paged KV cache: the Gluon forward reads contiguous K/V rows through TMA descriptors, the Triton "
+            "forward follows the page table")
+    if gluon_serves and max(config.head_dim_qk, config.head_dim_v) > 128:
         # Both kernels must sum a config's rows alike (the Gluon one serves only where the tensors allow TMA).
         # The Gluon forward's chunked sum keeps a second fp32 accumulator, which spills beyond d=128.
         kv_chunk, trace.rows["kv_chunk"] = 0, "one chunk: the warp-specialized forward serves this config"

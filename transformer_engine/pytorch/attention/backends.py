@@ -48,7 +48,8 @@ class FusedAttentionBackend(common.FusedAttention):
             p = dataclasses.replace(p, return_max_logit=True)
         return fused_attention(q, k, v, AttnCall(p, call.cu_seqlens_q, call.cu_seqlens_kv, call.cu_seqlens_q_padded,
                                                  call.cu_seqlens_kv_padded, bias, alibi, rng_state,
-                                                 sink_logits(q, p.softmax_type, call.softmax_offset)))
+                                                 sink_logits(q, p.softmax_type, call.softmax_offset),
+                                                 call.page_table))
 
 
 class FlashAttentionBackend(common.FlashAttention):

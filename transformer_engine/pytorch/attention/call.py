@@ -39,7 +39,9 @@ class AttnCall:
     ``cu_seqlens_q``/``cu_seqlens_kv``: int32 [b + 1] per-sequence extents (thd; padding masks in bshd/sbhd);
     ``cu_seqlens_*_padded``: thd's packed starts where sequences are separated by gaps; ``bias``: a
     post-scale bias [b|1, h|1, s_q|1, s_kv]; ``alibi_slopes``: fp32 [h] or [b, h]; ``rng_state``: dropout's
-    int64 [seed, offset]; ``softmax_offset``: the sink logits of sink softmax (fp32 [h_q] at the kernels).
+    int64 [seed, offset]; ``softmax_offset``: the sink logits of sink softmax (fp32 [h_q] at the kernels);
+    ``page_table``: a paged KV cache's int32 [b, max pages] (with ``params.kv_page_size``; k and v are then the
+    cache's rows, thd, and the call is forward only).
 
     At the fused kernels (from ``fused_attention`` on) the tensors follow the launch's conventions: a None
     kv-side sequence tensor next to a q-side one means "the same as q's", ``params.max_seqlen_*`` are set
@@ -58,6 +60,7 @@ class AttnCall:
     alibi_slopes: Optional[torch.Tensor] = None
     rng_state: Optional[torch.Tensor] = None
     softmax_offset: Optional[torch.Tensor] = None
+    page_table: Optional[torch.Tensor] = None
     attention_mask: Optional[torch.Tensor] = None  # the 'arbitrary' mask (unfused backend)
     rng_context: Optional[Callable[[], ContextManager]] = None  # where dropout draws its seed (RNG tracker)
     return_max_logit: bool = False
@@ -65,13 +68,13 @@ class AttnCall:
     # The kernels' tensors, in field order: what save_for_backward and the custom ops take.
     TENSOR_ROLES: ClassVar[Tuple[str, ...]] = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded",
                                                "cu_seqlens_kv_padded", "bias", "alibi_slopes", "rng_state",
-                                               "softmax_offset")
+                                               "softmax_offset", "page_table")
 
     @property
     def tensors(self) -> Tuple[Optional[torch.Tensor], ...]:
         """The kernels' tensors by :attr:`TENSOR_ROLES` (``AttnCall(params, *tensors)`` rebuilds the call)."""
         return (self.cu_seqlens_q, self.cu_seqlens_kv, self.cu_seqlens_q_padded, self.cu_seqlens_kv_padded,
-                self.bias, self.alibi_slopes, self.rng_state, self.softmax_offset)
+                self.bias, self.alibi_slopes, self.rng_state, self.softmax_offset, self.page_table)
 
     @property
     def sequences(self) -> tuple:

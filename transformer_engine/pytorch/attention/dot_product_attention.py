@@ -30,6 +30,7 @@ from transformer_engine.common.attention.validation import check_softmax_scale
 from transformer_engine.pytorch.attention import backends as attn_backends
 from transformer_engine.pytorch.attention import config as attn_config
 from transformer_engine.pytorch.attention.backends import AttnCall
+from transformer_engine.pytorch.attention.inference import run_backend
 from transformer_engine.pytorch.attention.signature_cache import (
     SignatureCache, environment_signature, tensor_signature,
 )
@@ -713,7 +714,7 @@ class DotProductAttention(torch.nn.Module):
             _PREPARED_CALLS.put(key, _PreparedCall(backend, params, carried))
 
         def attend(q_, k_, v_):
-            return backend.run(q_, k_, v_, call)
+            return run_backend(backend, q_, k_, v_, call)
 
         cp = self._context_parallel
         if cp is not None and cp.size > 1:  # cp = 1 (or no group) is the plain single-device call
@@ -785,7 +786,7 @@ class DotProductAttention(torch.nn.Module):
                         rng_context=self._rng_context(), return_max_logit=self.return_max_logit)
 
         def attend(q_, k_, v_):
-            return backend.run(q_, k_, v_, call)
+            return run_backend(backend, q_, k_, v_, call)
 
         return self._attend(attend, q, k, v, checkpoint_core_attention)
 

@@ -15,7 +15,7 @@ from transformer_engine.common.attention.validation import check_input_dtype, ch
 from transformer_engine.pytorch.attention import ops
 from transformer_engine.pytorch.attention.call import AttnCall
 from transformer_engine.pytorch.attention.config import (
-    check_cu_seqlens, check_qkv, check_sequence_values, dtype_name, qkv_dims, triton_interpreting,
+    can_sync, check_cu_seqlens, check_qkv, check_sequence_values, dtype_name, qkv_dims, triton_interpreting,
 )
 
 __all__ = ["fused_attn_func", "fused_attention", "FusedAttnFunc"]
@@ -204,14 +204,21 @@ def fused_attention(q, k, v, call: AttnCall, return_softmax_aux: bool = False):
     cu_seqlens_q, cu_seqlens_kv = call.cu_seqlens_q, call.cu_seqlens_kv
     cu_seqlens_q_padded, cu_seqlens_kv_padded = call.cu_seqlens_q_padded, call.cu_seqlens_kv_padded
     max_seqlen_q, max_seqlen_kv = params.max_seqlen_q, params.max_seqlen_kv
+    if call.page_table is not None or params.kv_page_size is not None:
+        _check_paged(q, k, v, call)
     if fmt == QKVFormat.THD:
         if max_seqlen_q is None or max_seqlen_kv is None:
             # One host sync; pass max_seqlen_* to avoid it (and to trace under torch.compile).
             max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
             max_seqlen_kv = int((cu_seqlens_kv[1:] - cu_seqlens_kv[:-1]).max().item())
-        check_sequence_values(fmt, q, k, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
+        # A paged call's keys are pages of the cache, not packed rows: each sequence is checked to fit the
+        # cache's rows, as if padded to its own length (its pages are checked below).
+        paged_kv = cu_seqlens_kv if call.page_table is not None else cu_seqlens_kv_padded
+        check_sequence_values(fmt, q, k, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, paged_kv,
                               max_seqlen_q, max_seqlen_kv)
         max_seqlen_q, max_seqlen_kv = int(max_seqlen_q), int(max_seqlen_kv)
+        if call.page_table is not None:
+            _check_page_values(k, call.page_table, params.kv_page_size, cu_seqlens_kv, max_seqlen_kv)
     else:
         check_sequence_values(fmt, q, k, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
                               qkv_dims(q, fmt)[1], qkv_dims(k, fmt)[1])
@@ -240,13 +247,70 @@ def fused_attention(q, k, v, call: AttnCall, return_softmax_aux: bool = False):
         params = dataclasses.replace(params, scaling_factor=softmax_scale, max_seqlen_q=max_seqlen_q,
                                      max_seqlen_kv=max_seqlen_kv)
     call = AttnCall(params, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, call.bias,
-                    call.alibi_slopes, rng_state, call.softmax_offset)
+                    call.alibi_slopes, rng_state, call.softmax_offset, call.page_table)
     out, lse, max_logit = FusedAttnFunc.apply(q, k, v, call.bias, call.softmax_offset, call)
     if return_softmax_aux:
         return out, (lse, rng_state)
     if params.return_max_logit:
         return out, max_logit
     return out
+
+
+def _check_paged(q, k, v, call: AttnCall) -> None:
+    """A paged KV cache call (``call.page_table`` with ``params.kv_page_size``): thd, forward only, the table
+    int32 [b, max pages] on q's device with contiguous rows, k and v the cache's rows (whole pages)."""
+    params, table, page_size = call.params, call.page_table, call.params.kv_page_size
+    if table is None or page_size is None:
+        raise ValueError("`page_table` and `kv_page_size` must be given together for a paged KV cache, got "
+                         f"page_table={'a tensor' if table is not None else None} kv_page_size={page_size!r}")
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"`kv_page_size` must be a positive int, got {page_size!r}")
+    if params.qkv_format != QKVFormat.THD:
+        raise ValueError(f"`qkv_format` must be 'thd' with a page table (k, v: the cache's rows), got "
+                         f"{params.qkv_format.value!r}")
+    if not isinstance(table, torch.Tensor) or table.dtype != torch.int32 or table.dim() != 2:
+        got = f"{table.dtype} {tuple(table.shape)}" if isinstance(table, torch.Tensor) else type(table).__name__
+        raise ValueError(f"`page_table` must be an int32 tensor [batch, max_pages_per_sequence], got {got}")
+    batch = call.cu_seqlens_q.shape[0] - 1
+    if table.shape[0] < batch or table.stride(1) != 1:
+        raise ValueError(f"`page_table` must have a row for each of the {batch} sequences (cu_seqlens_q) and "
+                         f"contiguous rows, got shape {tuple(table.shape)} strides {tuple(table.stride())}")
+    if table.device != q.device:
+        raise ValueError(f"`page_table` must be on the inputs' device {q.device}, got {table.device}")
+    if params.max_seqlen_kv is not None and table.shape[1] * page_size < params.max_seqlen_kv:
+        raise ValueError(f"`page_table` must list pages for max_seqlen_kv={params.max_seqlen_kv} keys: "
+                         f"{table.shape[1]} pages of {page_size} hold {table.shape[1] * page_size}")
+    for name, t in (("key_layer", k), ("value_layer", v)):
+        if t.shape[0] % page_size or t.shape[0] != k.shape[0]:
+            raise ValueError(f"`{name}` must be the paged cache's rows [num_pages * kv_page_size, h, d] "
+                             f"(kv_page_size={page_size}), got shape {tuple(t.shape)}")
+    if call.cu_seqlens_kv_padded is not None:
+        raise ValueError("`cu_seqlens_kv_padded` must be None with a page table (the table says where each "
+                         "sequence's keys are), got a tensor")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (q, k, v, call.bias, call.softmax_offset)):
+        raise NotImplementedError("a paged KV cache call (`page_table`) is inference only: the fused backward "
+                                  "never reads through a page table; run it under torch.no_grad() (or without "
+                                  "inputs that require grad), or gather the pages into rows for gradients")
+
+
+def _check_page_values(k, table: torch.Tensor, page_size: int, cu_seqlens_kv, max_seqlen_kv: int) -> None:
+    """Each sequence's pages (those its cu_seqlens_kv length uses) are pages of the cache (one host sync;
+    skipped when ``can_sync()`` is false)."""
+    if not can_sync():
+        return
+    num_pages = k.shape[0] // page_size
+    batch = cu_seqlens_kv.shape[0] - 1
+    used = (cu_seqlens_kv[1:] - cu_seqlens_kv[:-1]).to(torch.int64).add(page_size - 1).div(page_size,
+                                                                                        rounding_mode="floor")
+    cols = min(table.shape[1], -(-max_seqlen_kv // page_size))
+    pages = table[:batch, :cols].to(torch.int64)
+    inside = torch.arange(cols, device=table.device)[None, :] < used[:, None]
+    bad = inside & ((pages < 0) | (pages >= num_pages))
+    if bool(bad.any()):
+        seq, col = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(f"`page_table` entries must be pages of the cache, in [0, {num_pages}), got "
+                         f"{int(pages[seq, col])} at [{seq}, {col}]")
 
 
 def check_fused_dtype(q: torch.Tensor) -> None:

@@ -29,26 +29,33 @@ size (token by token, chunks, the whole prompt), on the other sequences of the s
 keeps the tokens (slots, pages in any order).
 
 Non-paged cache: ``[max_batch_size, max_sequence_length, h_kv, d]`` per layer; a sequence keeps one slot,
-read in place (no copy). Paged cache: ``[total_num_pages, page_size, h_kv, d]`` with a page table; the
-step's sequences' pages are gathered into contiguous rows before the call (a copy of every cached token of
-the step's sequences per layer and step: it changes no bit but adds memory traffic of about twice the
-keys and values the kernel reads; a kernel that follows the page table would remove it). Because the
-kernel's sequences must lie in increasing cache order, the step's queries are permuted into that order
-and the output back (copies of the step's rows only).
+read in place (no copy). Because the kernel's sequences must lie in increasing cache order, the step's
+queries are permuted into that order and the output back (copies of the step's rows only).
+
+Paged cache: ``[total_num_pages, page_size, h_kv, d]`` with a page table. Where the fused backend runs the
+step on its Triton forward (every config but Hopper's Gluon ones: :func:`fused_reads_pages`), the forward reads
+each key and value through the step's page table in place (``PagedKVCacheManager``'s
+``step_page_table``: the step's sequences' pages in step order), with no copy and no permutation; a row's bits
+are those of the same call on the pages gathered into contiguous rows. The other backends, and a step that
+needs gradients (the fused backward reads no page table), get the gathered rows (a copy of every cached token
+of the step's sequences per layer and step), as does a custom cache manager that is not a
+``PagedKVCacheManager``.
 
 No gradient flows into the cache: new keys and values are copied in without autograd history.
 """
 
 from __future__ import annotations
 
+import contextvars
+import dataclasses
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
-from transformer_engine.common.attention import AttnBiasType, AttnMaskType, QKVFormat
+from transformer_engine.common.attention import AttnBiasType, AttnMaskType, FusedAttention, QKVFormat
 from transformer_engine.pytorch.attention.buffers import host_values
 from transformer_engine.pytorch.attention.config import can_sync
 
@@ -245,6 +252,7 @@ class PagedKVCacheManager(KVCacheManager):
         self.allocated_pages: Dict[object, List[int]] = {}
         self.page_table = torch.zeros(max_batch_size, self.max_pages_per_seq, dtype=torch.int32, device=self.device)
         self._gather = None  # (layout, page index, starts) of the current step
+        self._step_table = None  # (layout, int32 page table of the step's sequences in step order)
 
     def allocate_memory(self, layer_number: int) -> None:
         self.cache[layer_number] = self._new_cache(self.total_num_pages, self.page_size)
@@ -273,6 +281,7 @@ class PagedKVCacheManager(KVCacheManager):
         super().reset()
         self.page_table.zero_()
         self._gather = None
+        self._step_table = None
 
     def pre_step(self, step_dict: Mapping) -> "OrderedDict[object, int]":
         sequences = super().pre_step(step_dict)
@@ -303,6 +312,23 @@ class PagedKVCacheManager(KVCacheManager):
                 pages.extend(self.allocated_pages[seq][:self.pages_for(total)])
             self._gather = (layout, torch.tensor(pages, dtype=torch.int64, device=self.device), starts)
         return self._gather[1], list(self._gather[2])
+
+    def step_page_table(self, layout: StepLayout) -> torch.Tensor:
+        """int32 ``[batch, max_pages_per_seq]``: the pages of each step sequence (step order), zeros past them;
+        what the fused forward reads K/V through (built at the step's first layer, reused by the others)."""
+        if self._step_table is None or self._step_table[0] is not layout:
+            table = torch.zeros(layout.batch_size, self.max_pages_per_seq, dtype=torch.int32)
+            for i, (seq, total) in enumerate(zip(layout.seq_ids, layout.total_lens)):
+                pages = self.allocated_pages[seq][:self.pages_for(total)]
+                table[i, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            self._step_table = (layout, table.to(self.device))
+        return self._step_table[1]
+
+    def cache_rows(self, layer_number: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer_number``'s caches as rows ``[total_num_pages * page_size, h, d]`` (page p's row r at
+        p * page_size + r): what the fused forward reads through the page table."""
+        k_cache, v_cache = self.cache[layer_number]
+        return k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
 
     def keys_values(self, layer_number: int, layout: StepLayout):
         k_cache, v_cache = self.cache[layer_number]
@@ -599,6 +625,73 @@ class InferenceParams:
                                    max_seqlen_q=max(lens_q), max_seqlen_kv=max(lens_kv))
         return dict(step.calls[key], k=k_rows, v=v_rows)
 
+    def _paged_call(self, layer_number: int) -> Optional[dict]:
+        """The packed call of the step on a paged cache read in place: the cache's rows, the sequences in step
+        order, and the :class:`_PagedStep` the backend hook reads; None where the cache manager is not a
+        :class:`PagedKVCacheManager` (its rows are gathered)."""
+        manager = self.cache_manager
+        if not isinstance(manager, PagedKVCacheManager):
+            return None
+        step = self._current()
+        layout = step.layout
+        if "paged" not in step.calls:
+            cu = torch.tensor([_cumulative(layout.step_lens), _cumulative(layout.total_lens)],
+                              dtype=torch.int32).to(self.device)
+            # cu_seqlens_kv_padded = cu_seqlens_kv: what DotProductAttention's checks see (each sequence's keys
+            # fit the cache's rows); the fused call drops it for the page table, the gather replaces it.
+            step.calls["paged"] = dict(order=list(range(layout.batch_size)), cu_seqlens_q=cu[0],
+                                       cu_seqlens_kv=cu[1], cu_seqlens_kv_padded=cu[1],
+                                       max_seqlen_q=layout.max_step_len, max_seqlen_kv=max(layout.total_lens))
+        k_rows, v_rows = manager.cache_rows(layer_number)
+
+        def gather():
+            call = self._kernel_call(layer_number)  # gathered in step order: cache order is step order there
+            return call["k"], call["v"], call["cu_seqlens_kv_padded"]
+
+        paged = _PagedStep(manager.step_page_table(layout), manager.page_size, gather)
+        return dict(step.calls["paged"], k=k_rows, v=v_rows, paged=paged)
+
+
+@dataclass(frozen=True)
+class _PagedStep:
+    """A step on a paged cache read in place, for the backend that runs it (:func:`run_backend`): the fused
+    backend gets ``page_table`` (and ``page_size``) with the cache's rows; any other backend the gathered rows."""
+
+    page_table: torch.Tensor
+    page_size: int
+    gather: Callable[[], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+    def run(self, backend, q, k, v, call):
+        if issubclass(backend, FusedAttention) and fused_reads_pages(q, k, v, call):
+            params = dataclasses.replace(call.params, kv_page_size=self.page_size)
+            return backend.run(q, k, v, dataclasses.replace(call, params=params, page_table=self.page_table,
+                                                            cu_seqlens_kv_padded=None))
+        k_rows, v_rows, padded = self.gather()
+        return backend.run(q, k_rows, v_rows, dataclasses.replace(call, cu_seqlens_kv_padded=padded))
+
+
+def fused_reads_pages(q, k, v, call) -> bool:
+    """Whether the fused forward reads this step's pages in place with the bits of the same call on gathered
+    rows: only the Triton forward follows a page table, so not where the plan of the gathered (contiguous)
+    call has the Gluon forward, whose products are blocked differently (Hopper's fp16/bf16 plain configs)."""
+    from transformer_engine.common.attention.plan import forward_plan
+    from transformer_engine.pytorch.attention import kernel_runner
+
+    return forward_plan(kernel_runner.plan_key(q, k, v, call)).warp_specialized is None
+
+
+# The paged step DotProductAttention's forward runs inside cached_attention (None elsewhere).
+_PAGED_STEP: contextvars.ContextVar[Optional[_PagedStep]] = contextvars.ContextVar("te_paged_step", default=None)
+
+
+def run_backend(backend, q, k, v, call):
+    """``backend.run(q, k, v, call)``; inside a paged cache's step (:func:`cached_attention`), on that step's
+    page table (the fused backend) or its gathered rows (the others)."""
+    paged = _PAGED_STEP.get()
+    if paged is None:
+        return backend.run(q, k, v, call)
+    return paged.run(backend, q, k, v, call)
+
 
 # Masks of a step: every step's queries are the last of their sequences, so causal masks align bottom-right.
 _STEP_MASK = {
@@ -647,7 +740,13 @@ def cached_attention(module, params: InferenceParams, q: torch.Tensor, k: torch.
     index = params.token_index(fmt, tuple(q.shape), "query_layer")  # checked before anything is appended
     params.input_qkv_format = fmt.value
     params._append(module.layer_number, k, v, fmt, ("key_layer", "value_layer"))
-    call = params._kernel_call(module.layer_number)
+    call = None
+    offset = getattr(module, "softmax_offset", None)  # a learnable sink's logits: a parameter
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or (offset is not None and offset.requires_grad))
+    if params.is_paged and not needs_grad:  # the fused backward reads no page table: gradients take the gather
+        call = params._paged_call(module.layer_number)  # the cache read in place where the fused backend runs
+    if call is None:
+        call = params._kernel_call(module.layer_number)
     order = call["order"]
     lens = layout.step_lens
     firsts = _cumulative(lens)
@@ -659,13 +758,17 @@ def cached_attention(module, params: InferenceParams, q: torch.Tensor, k: torch.
             raise ValueError(f"`alibi_slopes` must have shape [{q.shape[-2]}] or [{layout.batch_size}, "
                              f"{q.shape[-2]}] (step_dict's sequences), got {tuple(alibi_slopes.shape)}")
         alibi_slopes = alibi_slopes[torch.tensor(order, device=alibi_slopes.device)]
-    result = module.forward(
-        q_rows, call["k"], call["v"], qkv_format="thd", attn_mask_type=_STEP_MASK[mask].value,
-        window_size=window_size, bottom_right_diagonal=True, cu_seqlens_q=call["cu_seqlens_q"],
-        cu_seqlens_kv=call["cu_seqlens_kv"], cu_seqlens_kv_padded=call["cu_seqlens_kv_padded"],
-        max_seqlen_q=call["max_seqlen_q"], max_seqlen_kv=call["max_seqlen_kv"],
-        core_attention_bias_type=bias_type.value, alibi_slopes=alibi_slopes,
-        checkpoint_core_attention=checkpoint_core_attention)
+    token = _PAGED_STEP.set(call.get("paged"))
+    try:
+        result = module.forward(
+            q_rows, call["k"], call["v"], qkv_format="thd", attn_mask_type=_STEP_MASK[mask].value,
+            window_size=window_size, bottom_right_diagonal=True, cu_seqlens_q=call["cu_seqlens_q"],
+            cu_seqlens_kv=call["cu_seqlens_kv"], cu_seqlens_kv_padded=call["cu_seqlens_kv_padded"],
+            max_seqlen_q=call["max_seqlen_q"], max_seqlen_kv=call["max_seqlen_kv"],
+            core_attention_bias_type=bias_type.value, alibi_slopes=alibi_slopes,
+            checkpoint_core_attention=checkpoint_core_attention)
+    finally:
+        _PAGED_STEP.reset(token)
     out_rows, max_logit = result if module.return_max_logit else (result, None)
     rows = math.prod(q.shape[:-2])
     out = out_rows.new_zeros((rows, out_rows.shape[-1])).index_copy(0, index, out_rows)

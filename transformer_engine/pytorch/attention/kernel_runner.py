@@ -116,7 +116,7 @@ def _bias_type(call: AttnCall):
 def plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttnCall) -> PlanKey:
     """The PlanKey the launches of ``call`` on these tensors plan with (``launch_description.plan_key``)."""
     return launch_description.plan_key(call.params, q.shape[-1], v.shape[-1], dtype_name(q.dtype),
-                                       _bias_type(call), _device(q.device))
+                                       _bias_type(call), _device(q.device), call.page_table is not None)
 
 
 def _view(t: torch.Tensor, fmt: QKVFormat) -> launch_description.View:
@@ -139,8 +139,15 @@ def describe(q, k, v, call: AttnCall, seqs: Sequences, views: Dict[str, torch.Te
         head_dim_v=v.shape[-1], dtype=dtype_name(q.dtype), num_seqs=seqs.batch, max_q=seqs.max_q, max_k=seqs.max_k,
         packed=seqs.is_thd, has_seqlens=seqs.has_seqlens, views={name: _view(t, fmt) for name, t in views.items()},
         lse_strides=lse_strides, device=_device(q.device), bias=bias, alibi_batch_stride=alibi,
-        segments_per_row=seqs.segments_per_row,
+        segments_per_row=seqs.segments_per_row, **_paging(call),
     )
+
+
+def _paging(call: AttnCall) -> Dict[str, int]:
+    """The launch description's paged-cache fields of ``call`` (none without a page table)."""
+    if call.page_table is None:
+        return {}
+    return dict(page_size=call.params.kv_page_size, page_table_stride=call.page_table.stride(0))
 
 
 def _device(device: torch.device) -> Dict[str, object]:
@@ -206,7 +213,7 @@ def _sequence_buffers(seqs: Sequences) -> Dict[str, torch.Tensor]:
 def _modifier_buffers(call: AttnCall) -> Dict[str, torch.Tensor]:
     """The tensors of the launches' modifier slots (those the call has; rng_state only with dropout)."""
     named = dict(bias=call.bias, alibi_slopes=call.alibi_slopes, softmax_offset=call.softmax_offset,
-                 rng_state=call.rng_state if call.params.kernel_dropout > 0 else None)
+                 rng_state=call.rng_state if call.params.kernel_dropout > 0 else None, page_table=call.page_table)
     return {name: t for name, t in named.items() if t is not None}
 
 

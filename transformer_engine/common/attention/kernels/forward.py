@@ -20,6 +20,11 @@ softmax, and the chunks folded in order by ``fold_chunk``. A decode step that sp
 the bits of KV_CHUNK = 0 (a chunk folded into the empty state is itself), which is what the launches use
 where the keys fit one chunk.
 
+A paged KV cache (PAGE_SIZE > 0, forward only): K and V are the cache's rows and row ``batch`` of PAGE_TABLE lists
+the sequence's pages; each key block's rows are ``table[n // PAGE_SIZE] * PAGE_SIZE + n % PAGE_SIZE``, loaded with
+the masks the contiguous loads have (a masked block reads no table entry past the sequence). Only the addresses
+change: the same values reach the same arithmetic, so a paged call gives the bits of the call on gathered rows.
+
 Every ``tl.dot`` asks for ``input_precision="ieee"``: fp32 operands get true fp32 products (no TF32), and
 for fp16/bf16 operands it changes no instruction; it is the one value every Triton target accepts.
 """
@@ -32,6 +37,7 @@ from transformer_engine.common.attention.kernels.masking import (
     key_block_bounds,
     length_specialized,
     load_block,
+    load_tile,
     mask_scores,
     query_block_program,
     segment_bounds,
@@ -49,25 +55,47 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, q2, k_src, k_src2, v_src, stride_ks, stride_vs,
+def _page_rows(pages, offs_n, len_k, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """The cache rows (int64) of keys ``offs_n`` of one sequence whose pages ``pages`` lists: key n is row
+    n % PAGE_SIZE of page pages[n // PAGE_SIZE]. A masked block reads no table entry past the sequence's keys
+    (those rows get page 0 and their K/V loads are masked off as before)."""
+    if MASKED:
+        page = tl.load(pages + offs_n // PAGE_SIZE, mask=offs_n < len_k, other=0)
+    else:
+        page = tl.load(pages + offs_n // PAGE_SIZE)
+    return page.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, q2, k_src, k_src2, v_src, stride_ks, stride_vs, pages,
                offs_m, offs_n_base, offs_dqk, offs_dqk2, offs_dv, lo, hi, full_lo, full_hi,
                len_q, len_k, diag, window_left, window_right, qk_scale,
                bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
                HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                MASKED: tl.constexpr, SINGLE_LOOP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-               HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr):
+               HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """Key blocks [lo, hi); MASKED applies the element mask, to every block or, with SINGLE_LOOP, to
     those outside [full_lo, full_hi) only (a runtime branch). With BLOCK_DQK2 > 0 the Q/K head dim is two
     chunks (q, k_src: [0, BLOCK_DQK); q2, k_src2: the next BLOCK_DQK2 columns); otherwise q2, k_src2 and
-    offs_dqk2 are unused."""
+    offs_dqk2 are unused. PAGE_SIZE > 0: the sources are head-dim column pointers and each block's rows come
+    from the sequence's page table ``pages`` (_page_rows); the same values reach the same arithmetic."""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n_base
-        k = load_block(k_src, start_n, stride_ks, offs_dqk, offs_n_base, len_k, HEAD_DIM_QK, BLOCK_DQK, MASKED,
-                       True)
+        if PAGE_SIZE > 0:
+            rows = _page_rows(pages, offs_n, len_k, PAGE_SIZE, MASKED)
+            k = load_tile(k_src + rows[None, :] * stride_ks, offs_dqk[:, None], offs_n[None, :], len_k, HEAD_DIM_QK,
+                          BLOCK_DQK, MASKED)
+        else:
+            k = load_block(k_src, start_n, stride_ks, offs_dqk, offs_n_base, len_k, HEAD_DIM_QK, BLOCK_DQK, MASKED,
+                           True)
         if BLOCK_DQK2 > 0:  # the second chunk's product accumulates onto the first's: a fixed order
-            k2 = load_block(k_src2, start_n, stride_ks, offs_dqk2, offs_n_base, len_k, HEAD_DIM_QK,
-                            BLOCK_DQK + BLOCK_DQK2, MASKED, True)
+            if PAGE_SIZE > 0:
+                k2 = load_tile(k_src2 + rows[None, :] * stride_ks, offs_dqk2[:, None], offs_n[None, :], len_k,
+                               HEAD_DIM_QK, BLOCK_DQK + BLOCK_DQK2, MASKED)
+            else:
+                k2 = load_block(k_src2, start_n, stride_ks, offs_dqk2, offs_n_base, len_k, HEAD_DIM_QK,
+                                BLOCK_DQK + BLOCK_DQK2, MASKED, True)
             qk = tl.dot(q2, k2, tl.dot(q, k, input_precision="ieee"), input_precision="ieee")
         else:
             qk = tl.dot(q, k, input_precision="ieee")
@@ -97,39 +125,44 @@ def _fwd_inner(acc, l_i, m_i, q, q2, k_src, k_src2, v_src, stride_ks, stride_vs,
         if DROPOUT:  # the normaliser counts every probability; only the weighted sum drops some
             p = tl.where(dropout_keep(seed, rng_offset, seq_head, offs_m[:, None], offs_n[None, :], dropout_p),
                          p, 0.0)
-        v = load_block(v_src, start_n, stride_vs, offs_dv, offs_n_base, len_k, HEAD_DIM_V, BLOCK_DV, MASKED,
-                       False)
+        if PAGE_SIZE > 0:
+            v = load_tile(v_src + rows[:, None] * stride_vs, offs_dv[None, :], offs_n[:, None], len_k, HEAD_DIM_V,
+                          BLOCK_DV, MASKED)
+        else:
+            v = load_block(v_src, start_n, stride_vs, offs_dv, offs_n_base, len_k, HEAD_DIM_V, BLOCK_DV, MASKED,
+                           False)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
     return acc, l_i, m_i
 
 
 @triton.jit
-def _key_range(acc, l_i, m_i, q, q2, k_src, k_src2, v_src, stride_ks, stride_vs,
+def _key_range(acc, l_i, m_i, q, q2, k_src, k_src2, v_src, stride_ks, stride_vs, pages,
                offs_m, offs_n, offs_dqk, offs_dqk2, offs_dv, lo, full_lo, full_hi, hi,
                len_q, len_k, diag, window_left, window_right, qk_scale,
                bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
                HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                BLOCK_DQK: tl.constexpr, BLOCK_DQK2: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                SINGLE_LOOP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-               HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr):
+               HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """The online softmax over key blocks [lo, hi) (key_block_bounds' split: [full_lo, full_hi) unmasked)."""
     if SINGLE_LOOP:  # one pipelined loop over [lo, hi), masking blocks outside [full_lo, full_hi)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q2, k_src, k_src2, v_src, stride_ks, stride_vs,
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q2, k_src, k_src2, v_src, stride_ks, stride_vs, pages,
                                    offs_m, offs_n, offs_dqk, offs_dqk2, offs_dv, lo, hi, full_lo, full_hi,
                                    len_q, len_k, diag, window_left, window_right, qk_scale,
                                    bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
                                    HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
-                                   True, True, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT)
+                                   True, True, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT, PAGE_SIZE)
     else:  # masked head, unmasked middle (no per-element mask: the fast path), masked tail
         for SEGMENT in tl.static_range(3):
             seg_lo, seg_hi = segment_bounds(SEGMENT, lo, full_lo, full_hi, hi)
-            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q2, k_src, k_src2, v_src, stride_ks, stride_vs,
+            acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q2, k_src, k_src2, v_src, stride_ks, stride_vs, pages,
                                        offs_m, offs_n, offs_dqk, offs_dqk2, offs_dv, seg_lo, seg_hi, full_lo, full_hi,
                                        len_q, len_k, diag, window_left, window_right, qk_scale,
                                        bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head,
                                        dropout_p, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
-                                       SEGMENT != 1, False, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT)
+                                       SEGMENT != 1, False, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT,
+                                       PAGE_SIZE)
     return acc, l_i, m_i
 
 
@@ -194,14 +227,14 @@ def _partial_rows(offs_m, chunk, batch, head, num_heads_q, seqlen_q, split_rows)
 
 @length_specialized
 def attn_fwd_kernel(
-    Q, K, V, O, LSE, ROW_MAX, PART_O, PART_ML, BIAS, ALIBI_SLOPES, RNG_STATE,
+    Q, K, V, O, LSE, ROW_MAX, PART_O, PART_ML, BIAS, ALIBI_SLOPES, RNG_STATE, PAGE_TABLE,
     SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_ob, stride_os, stride_oh, stride_od,
     stride_lb, stride_lh,
-    stride_zb, stride_zh, stride_zm, stride_zn, stride_alibi_b,
+    stride_zb, stride_zh, stride_zm, stride_zn, stride_alibi_b, stride_pt,
     num_heads_q, gqa_group, seqlen_q, seqlen_k,
     qk_scale, window_left, window_right, dropout_p, SINK, split_rows,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -211,7 +244,7 @@ def attn_fwd_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr, DROPOUT: tl.constexpr, HAS_SINK: tl.constexpr,
     HAS_ROW_MAX: tl.constexpr, HEAD_GROUP: tl.constexpr, SINGLE_LOOP: tl.constexpr, SEGMENTS: tl.constexpr,
-    KV_CHUNK: tl.constexpr, SPLIT_KV: tl.constexpr,
+    KV_CHUNK: tl.constexpr, SPLIT_KV: tl.constexpr, PAGE_SIZE: tl.constexpr,
 ):
     # A split Q/K head dim (BLOCK_DQK2 > 0) fills its first chunk: the loops load it without a head-dim mask.
     tl.static_assert(BLOCK_DQK + BLOCK_DQK2 >= HEAD_DIM_QK)
@@ -229,23 +262,37 @@ def attn_fwd_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
 
     q_base = Q + batch.to(tl.int64) * stride_qb + start_q * stride_qs + head.to(tl.int64) * stride_qh
-    k_base = K + batch.to(tl.int64) * stride_kb + start_k * stride_ks + head_kv.to(tl.int64) * stride_kh
-    v_base = V + batch.to(tl.int64) * stride_vb + start_k * stride_vs + head_kv.to(tl.int64) * stride_vh
     q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_dqk[None, :] * stride_qd,
                 mask=(offs_m[:, None] < len_q) & (offs_dqk[None, :] < HEAD_DIM_QK), other=0.0)
-    k_src = sequence_source(k_base, stride_ks, len_k, offs_dqk, offs_n, stride_kd, HEAD_DIM_QK, BLOCK_DQK, BLOCK_N,
-                            True)
-    # The second Q/K chunk (BLOCK_DQK2 > 0: head-dim columns [BLOCK_DQK, BLOCK_DQK + BLOCK_DQK2)); without a
-    # split the names stand for the first chunk and are never read.
-    offs_dqk2, q2, k_src2 = offs_dqk, q, k_src
+    offs_dqk2, q2 = offs_dqk, q
     if BLOCK_DQK2 > 0:
         offs_dqk2 = BLOCK_DQK + tl.arange(0, BLOCK_DQK2)
         q2 = tl.load(q_base + offs_m[:, None] * stride_qs + offs_dqk2[None, :] * stride_qd,
                      mask=(offs_m[:, None] < len_q) & (offs_dqk2[None, :] < HEAD_DIM_QK), other=0.0)
-        k_src2 = sequence_source(k_base, stride_ks, len_k, offs_dqk2, offs_n, stride_kd, HEAD_DIM_QK, BLOCK_DQK2,
-                                 BLOCK_N, True)
-    v_src = sequence_source(v_base, stride_vs, len_k, offs_dv, offs_n, stride_vd, HEAD_DIM_V, BLOCK_DV, BLOCK_N,
-                            False)
+    if PAGE_SIZE > 0:
+        # A paged KV cache: K and V are the cache's rows (page p's row r at p * PAGE_SIZE + r), this sequence's
+        # pages listed in row `batch` of PAGE_TABLE; the sources are head-dim columns, each block's rows come
+        # from the table (_fwd_inner).
+        pages = PAGE_TABLE + batch.to(tl.int64) * stride_pt
+        k_base = K + head_kv.to(tl.int64) * stride_kh
+        v_base = V + head_kv.to(tl.int64) * stride_vh
+        k_src = k_base + offs_dqk[:, None] * stride_kd
+        k_src2 = k_base + offs_dqk2[:, None] * stride_kd
+        v_src = v_base + offs_dv[None, :] * stride_vd
+    else:
+        pages = PAGE_TABLE  # never read
+        k_base = K + batch.to(tl.int64) * stride_kb + start_k * stride_ks + head_kv.to(tl.int64) * stride_kh
+        v_base = V + batch.to(tl.int64) * stride_vb + start_k * stride_vs + head_kv.to(tl.int64) * stride_vh
+        k_src = sequence_source(k_base, stride_ks, len_k, offs_dqk, offs_n, stride_kd, HEAD_DIM_QK, BLOCK_DQK,
+                                BLOCK_N, True)
+        # The second Q/K chunk (BLOCK_DQK2 > 0: head-dim columns [BLOCK_DQK, BLOCK_DQK + BLOCK_DQK2)); without a
+        # split the names stand for the first chunk and are never read.
+        k_src2 = k_src
+        if BLOCK_DQK2 > 0:
+            k_src2 = sequence_source(k_base, stride_ks, len_k, offs_dqk2, offs_n, stride_kd, HEAD_DIM_QK, BLOCK_DQK2,
+                                     BLOCK_N, True)
+        v_src = sequence_source(v_base, stride_vs, len_k, offs_dv, offs_n, stride_vd, HEAD_DIM_V, BLOCK_DV, BLOCK_N,
+                                False)
 
     bias_base, alibi_slope = head_score_mods(BIAS, ALIBI_SLOPES, batch, head, stride_zb, stride_zh, stride_alibi_b,
                                              HAS_ALIBI)
@@ -259,24 +306,24 @@ def attn_fwd_kernel(
     lo, full_lo, full_hi, hi = key_block_bounds(start_m, len_q, len_k, diag, window_left, window_right,
                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     if KV_CHUNK == 0:
-        acc, l_i, m_i = _key_range(acc, l_i, m_i, q, q2, k_src, k_src2, v_src, stride_ks, stride_vs,
+        acc, l_i, m_i = _key_range(acc, l_i, m_i, q, q2, k_src, k_src2, v_src, stride_ks, stride_vs, pages,
                                    offs_m, offs_n, offs_dqk, offs_dqk2, offs_dv, lo, full_lo, full_hi, hi,
                                    len_q, len_k, diag, window_left, window_right, qk_scale,
                                    bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head, dropout_p,
                                    HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
-                                   SINGLE_LOOP, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT)
+                                   SINGLE_LOOP, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT, PAGE_SIZE)
     else:
         # The canonical sum over keys in chunks of KV_CHUNK (module docstring): each chunk's state from scratch,
         # folded in chunk order. SPLIT_KV: this program computes chunk program_id(2) alone and stores its state.
         if SPLIT_KV:  # the chunk's state is this program's whole state (a chunk folded into nothing is itself)
             c_lo = tl.program_id(2) * KV_CHUNK
             lo_c, full_lo_c, full_hi_c, hi_c = chunk_bounds(c_lo, KV_CHUNK, lo, full_lo, full_hi, hi)
-            acc, l_i, m_i = _key_range(acc, l_i, m_i, q, q2, k_src, k_src2, v_src, stride_ks, stride_vs,
+            acc, l_i, m_i = _key_range(acc, l_i, m_i, q, q2, k_src, k_src2, v_src, stride_ks, stride_vs, pages,
                                        offs_m, offs_n, offs_dqk, offs_dqk2, offs_dv, lo_c, full_lo_c, full_hi_c,
                                        hi_c, len_q, len_k, diag, window_left, window_right, qk_scale,
                                        bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head,
                                        dropout_p, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV, BLOCK_N,
-                                       SINGLE_LOOP, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT)
+                                       SINGLE_LOOP, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT, PAGE_SIZE)
         else:
             for c_lo in range((lo // KV_CHUNK) * KV_CHUNK, hi, KV_CHUNK):
                 lo_c, full_lo_c, full_hi_c, hi_c = chunk_bounds(c_lo, KV_CHUNK, lo, full_lo, full_hi, hi)
@@ -284,11 +331,12 @@ def attn_fwd_kernel(
                 l_c = tl.zeros([BLOCK_M], dtype=tl.float32)
                 acc_c = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
                 acc_c, l_c, m_c = _key_range(acc_c, l_c, m_c, q, q2, k_src, k_src2, v_src, stride_ks, stride_vs,
-                                             offs_m, offs_n, offs_dqk, offs_dqk2, offs_dv, lo_c, full_lo_c, full_hi_c,
-                                             hi_c, len_q, len_k, diag, window_left, window_right, qk_scale,
+                                             pages, offs_m, offs_n, offs_dqk, offs_dqk2, offs_dv, lo_c, full_lo_c,
+                                             full_hi_c, hi_c, len_q, len_k, diag, window_left, window_right, qk_scale,
                                              bias_base, stride_zm, stride_zn, alibi_slope, seed, rng_offset, seq_head,
                                              dropout_p, HEAD_DIM_QK, HEAD_DIM_V, BLOCK_DQK, BLOCK_DQK2, BLOCK_DV,
-                                             BLOCK_N, SINGLE_LOOP, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT)
+                                             BLOCK_N, SINGLE_LOOP, HAS_LEFT, HAS_RIGHT, HAS_BIAS, HAS_ALIBI, DROPOUT,
+                                             PAGE_SIZE)
                 acc, l_i, m_i = fold_chunk(acc, l_i, m_i, acc_c, l_c, m_c)
 
     if SPLIT_KV:  # this chunk's state, unnormalised, for attn_fwd_combine_kernel

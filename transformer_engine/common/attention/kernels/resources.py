@@ -45,7 +45,8 @@ DEVICE_FACTS = {name: (dict(vendor="amd", compute_capability=None, gfx_arch=name
 # Element types of the slots that do not hold the call's dtype.
 _SLOT_DTYPES = {"lse": "float32", "delta": "float32", "softmax_offset": "float32", "dsink": "float32",
                 "alibi_slopes": "float32", "rng_state": "int64", "seq_start_q": "int32", "seq_start_k": "int32",
-                "seq_len_q": "int32", "seq_len_k": "int32", "part_o": "float32", "part_ml": "float32"}
+                "seq_len_q": "int32", "seq_len_k": "int32", "part_o": "float32", "part_ml": "float32",
+                "page_table": "int32"}
 
 
 def target(name: str):
@@ -68,11 +69,12 @@ def _prod(xs) -> int:
 
 def contiguous_call(config: AttnConfig, batch: int = 2, seqlen: int = 1024, thd: bool = False,
                     bias_shape: Optional[Tuple[int, int, int, int]] = None, softmax_scale: float = 0.125,
-                    seqlen_kv: Optional[int] = None, segments_per_row: int = 1) -> Call:
+                    seqlen_kv: Optional[int] = None, segments_per_row: int = 1, page_size: int = 0) -> Call:
     """The launches' view of ``config`` on contiguous [b, s, h, d] tensors (``thd``: packed sequences) of
     ``seqlen`` query tokens and ``seqlen_kv`` (default ``seqlen``) key tokens per sequence; a
     post_scale_bias of ``bias_shape`` (default [1, h, s_q, s_kv]); ``segments_per_row``: packed sequences
-    in rows of that many (Call.segments_per_row)."""
+    in rows of that many (Call.segments_per_row); ``page_size`` > 0: K and V a paged cache's rows read through a
+    page table of contiguous rows (Call.page_size; a forward only)."""
     hq, hk, dqk, dv = config.num_heads_q, config.num_heads_kv, config.head_dim_qk, config.head_dim_v
     sq, sk = seqlen, seqlen if seqlen_kv is None else seqlen_kv
     shapes = dict(q=(batch, sq, hq, dqk), k=(batch, sk, hk, dqk), v=(batch, sk, hk, dv),
@@ -96,13 +98,16 @@ def contiguous_call(config: AttnConfig, batch: int = 2, seqlen: int = 1024, thd:
         device=dict(device_type=config.device_type, vendor=config.vendor,
                     compute_capability=config.compute_capability, gfx_arch=config.gfx_arch),
         bias=bias, alibi_batch_stride=0 if config.attn_bias_type == AttnBiasType.ALIBI else None,
-        segments_per_row=segments_per_row,
+        segments_per_row=segments_per_row, page_size=page_size,
+        page_table_stride=-(-sk // page_size) if page_size else 0,
     )
 
 
 def planned_launches(call: Call) -> Tuple[Launch, ...]:
     """Every launch of a training step of ``call``: the forward and the backward with the bias's and the
-    learnable sink's gradients where the call has them."""
+    learnable sink's gradients where the call has them; a paged call's forward alone (inference only)."""
+    if call.paged:
+        return forward_launches(call)
     return forward_launches(call) + backward_launches(call, bias_grad=call.bias is not None,
                                                       sink_grad=call.params.softmax_type.is_learnable)
 

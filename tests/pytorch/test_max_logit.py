@@ -1,8 +1,8 @@
 """``return_max_logit=True`` on the fused backend: the forward kernel writes each row's max logit and a max over
 rows gives each head's. Checked against the fp64 definition (the max of the visible scaled scores), bitwise
 across runs, batch composition (a sequence's rows alone or among others) and thd packing, and the output and
-gradients bitwise those of the same call without it (fp32 and fp16: the Triton forward serves both, with and
-without the max logit). Under Triton's interpreter on CPU, compiled on a GPU.
+gradients bitwise those of the same call without it (fp32 and fp16 here: the Triton forward; bf16 at d=128 on Hopper:
+the Gluon forward, with and without the max logit). Under Triton's interpreter on CPU, compiled on a GPU.
 """
 
 from __future__ import annotations
@@ -98,11 +98,46 @@ def test_rows_that_see_nothing_do_not_count(monkeypatch):
                                rtol=1e-6, atol=1e-6)
 
 
-def test_the_plan_keeps_the_max_logit_on_the_triton_forward():
+def test_the_plan_keeps_the_gluon_forward_with_the_max_logit():
+    """Hopper's warp-specialized forward writes the row maxima too: return_max_logit changes no kernel choice."""
     key = PlanKey(128, 128, "bfloat16", AttnMaskType.CAUSAL_MASK, compute_capability=(9, 0), return_max_logit=True)
     text = str(explain_plan(key))
-    assert "return_max_logit: the row maxima are written by the Triton forward only" in text
-    assert "attn_fwd_kernel (Triton)" in text
+    assert "forward: attn_fwd_ws_kernel (Gluon" in text and "return_max_logit" not in text
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+                    reason="the warp-specialized Gluon forward runs on Hopper (sm_90) only")
+@pytest.mark.parametrize("mask,window", [("padding_causal", None), ("padding", None)], ids=["causal", "no_causal"])
+def test_gluon_forward_max_logit(monkeypatch, mask, window):
+    """bf16 at d=128 on Hopper (the Gluon forward): the definition in fp64 to bf16 rounding of the scores, bitwise
+    across runs and batch composition, and the output and gradients those of the call without it."""
+    monkeypatch.setenv("NVTE_FUSED_ATTN_BACKEND", "fused")
+    monkeypatch.setenv("NVTE_FLASH_ATTN", "0")
+    g = torch.Generator().manual_seed(5)
+    seqs = [tuple((torch.randn(n, h, 128, generator=g) * s).to(DEVICE, torch.bfloat16).requires_grad_()
+                  for h, s in ((H, 2.0), (HK, 1.0), (HK, 1.0))) for n in (300, 77, 520)]
+    dpa = DotProductAttention(H, 128, num_gqa_groups=HK, qkv_format="thd", attn_mask_type=mask,
+                              return_max_logit=True).to(DEVICE)
+    out, max_logit = _packed(dpa, seqs)
+    # Reference: _reference's definition at d=128 (the helpers above are written for D=16).
+    best = torch.full((H,), float("-inf"), dtype=torch.float64)
+    for q, k, _ in seqs:
+        n = q.shape[0]
+        sc = torch.einsum("qhd,khd->hqk", q.detach().double().cpu(),
+                          k.detach().double().cpu().repeat_interleave(H // HK, dim=1)) * 128 ** -0.5
+        keep = torch.arange(n)[None, :] <= torch.arange(n)[:, None] if "causal" in mask else torch.ones(n, n, dtype=bool)
+        best = torch.maximum(best, sc.masked_fill(~keep, float("-inf")).amax(dim=(1, 2)))
+    torch.testing.assert_close(max_logit.double().cpu(), best, rtol=1e-4, atol=1e-4)  # fp32 sums of exact products
+    assert torch.equal(_packed(dpa, seqs)[1], max_logit)
+    assert torch.equal(_packed(dpa, seqs[::-1])[1], max_logit)
+    assert torch.equal(torch.stack([_packed(dpa, [s])[1] for s in seqs]).amax(0), max_logit)
+    plain = DotProductAttention(H, 128, num_gqa_groups=HK, qkv_format="thd", attn_mask_type=mask).to(DEVICE)
+    ref = _packed(plain, seqs)
+    assert torch.equal(out, ref)
+    grad = torch.randn_like(out)
+    leaves = [t for s in seqs for t in s]
+    assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(out, leaves, grad),
+                                                  torch.autograd.grad(ref, leaves, grad)))
 
 
 def _dpa_with(mask, max_logit=True, **kwargs):

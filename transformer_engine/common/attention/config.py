@@ -108,7 +108,7 @@ class PlanKey:
     compute_capability: Optional[Tuple[int, int]] = None
     vendor: str = "nvidia"
     gfx_arch: Optional[str] = None
-    return_max_logit: bool = False  # the forward writes row maxima (the Gluon forward does not)
+    return_max_logit: bool = False  # the forward writes row maxima
     # K/V read through a page table (a paged KV cache's forward: the Triton forward only, summing as the
     # config's contiguous calls do). A launch fact, not an AttnConfig one: AttnConfig.plan_key leaves it False.
     paged_kv: bool = False

@@ -569,8 +569,6 @@ def _gluon_tiles(config: PlanKey, arch: Optional[ArchTables], key: Tuple[int, bo
     # Sink softmax (off-by-one, learnable) is in the Triton forward only.
     if config.softmax_type.has_sink:
         return None, "sink softmax: in the Triton kernels only"
-    if kernel == "fwd" and config.return_max_logit:
-        return None, "return_max_logit: the row maxima are written by the Triton forward only"
     if not settings.get("NVTE_FUSED_ATTN_WS"):
         return None, "NVTE_FUSED_ATTN_WS=0"
     reason = _gluon_unavailable_reason()

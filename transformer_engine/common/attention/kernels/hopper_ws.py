@@ -70,10 +70,11 @@ class _Schedule:
     SPLIT: gl.constexpr  # forward and dQ: the Q/K head dim is two chunks (q2/k2 buffers: _second_chunk)
     KV_CHUNK: gl.constexpr  # forward: keys per chunk of the canonical sum (0: one chunk)
     SPLIT_KV: gl.constexpr  # forward: this program computes one key chunk and stores its state
+    ROW_MAX: gl.constexpr  # forward: also write each row's max logit (return_max_logit)
 
     @gluon.constexpr_function
     def __init__(self, NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, ROW_TILES, WITH_DK=True, WITH_DV=True,
-                 SPLIT=False, KV_CHUNK=0, SPLIT_KV=False):
+                 SPLIT=False, KV_CHUNK=0, SPLIT_KV=False, ROW_MAX=False):
         self.NUM_STAGES = gl.constexpr(NUM_STAGES)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.HAS_LEFT = gl.constexpr(HAS_LEFT)
@@ -84,6 +85,7 @@ class _Schedule:
         self.SPLIT = gl.constexpr(SPLIT)
         self.KV_CHUNK = gl.constexpr(KV_CHUNK)
         self.SPLIT_KV = gl.constexpr(SPLIT_KV)
+        self.ROW_MAX = gl.constexpr(ROW_MAX)
 
 
 @gluon.jit
@@ -207,7 +209,7 @@ def _consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr):
     q_bar, k_ready, v_ready, kv_empty, turn = bars
     lo, hi, full_lo, full_hi = bounds
     start_m, len_q, len_k, diag, window_left, window_right = coords
-    o_base, stride_os, stride_od, lse_base, rows_out, qk_scale, part_o, part_m, part_l = out_args
+    o_base, stride_os, stride_od, lse_base, row_max_base, rows_out, qk_scale, part_o, part_m, part_l = out_args
     HEAD_DIM: gl.constexpr = v_desc.block_type.shape[1]  # of O
     dtype: gl.constexpr = q_desc.dtype
 
@@ -264,6 +266,9 @@ def _consume(bufs, bars, bounds, coords, out_args, sched, WG: gl.constexpr):
         row_ok = (offs_m < len_q) & seen
         lse = gl.where(row_ok, (m_i + gl.log2(l_safe)) * LN2, float("inf"))
         gl.store(lse_base + offs_m, lse, mask=offs_m < rows_out)
+        if sched.ROW_MAX:  # each row's max logit (natural units; -inf where nothing is visible), laid out as lse
+            row_max = gl.where((offs_m < len_q) & (m_i != float("-inf")), m_i * LN2, float("-inf"))
+            gl.store(row_max_base + offs_m, row_max, mask=offs_m < rows_out)
         scale_o = gl.convert_layout(gl.where(row_ok, 1.0 / l_safe, 0.0), row_o)
         out = acc * gl.expand_dims(scale_o, 1)
         ptrs = o_base + gl.expand_dims(offs_mo, 1) * stride_os + gl.expand_dims(offs_d, 0) * stride_od
@@ -423,7 +428,7 @@ def _barriers(NUM_STAGES: gl.constexpr):
 
 @gluon.jit
 def attn_fwd_ws_kernel(
-    Q, K, V, O, LSE, PART_O, PART_ML, BIAS, ALIBI_SLOPES, RNG_STATE,
+    Q, K, V, O, LSE, ROW_MAX, PART_O, PART_ML, BIAS, ALIBI_SLOPES, RNG_STATE,
     SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -440,7 +445,7 @@ def attn_fwd_ws_kernel(
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
     HAS_BIAS: gl.constexpr, HAS_ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
     HEAD_GROUP: gl.constexpr, SINGLE_LOOP: gl.constexpr, SEGMENTS: gl.constexpr,
-    KV_CHUNK: gl.constexpr, SPLIT_KV: gl.constexpr,
+    HAS_ROW_MAX: gl.constexpr, KV_CHUNK: gl.constexpr, SPLIT_KV: gl.constexpr,
     NUM_STAGES: gl.constexpr = 2,
 ):
     # The head dims fill their tiles: d_qk one chunk or two (BLOCK_DQK + BLOCK_DQK2), d_v one.
@@ -477,12 +482,13 @@ def attn_fwd_ws_kernel(
 
     o_base = O + batch.to(gl.int64) * stride_ob + start_q * stride_os + head.to(gl.int64) * stride_oh
     lse_base = LSE + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
+    row_max_base = ROW_MAX + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
     bufs = (q_desc, q_desc, k_desc, v_desc, q_smem, q_smem, k_smem, v_smem, q2_desc, k2_desc, q2_smem, k2_smem)
     bounds = (lo, hi, full_lo, full_hi)
     coords = (start_m, len_q, len_k, diag, window_left, window_right)
-    out_args = (o_base, stride_os, stride_od, lse_base, rows_out, qk_scale, part_o, part_m, part_l)
+    out_args = (o_base, stride_os, stride_od, lse_base, row_max_base, rows_out, qk_scale, part_o, part_m, part_l)
     sched = _Schedule(NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, 1, SPLIT=BLOCK_DQK2 > 0, KV_CHUNK=KV_CHUNK,
-                      SPLIT_KV=SPLIT_KV)
+                      SPLIT_KV=SPLIT_KV, ROW_MAX=HAS_ROW_MAX)
     args = (bufs, bars, bounds, coords, out_args, sched)
     gl.warp_specialize([(_fwd_consumer0, args), (_fwd_consumer1, args), (_load_worker, args)], [4, 1],
                        [CONSUMER_REGISTERS, LOADER_REGISTERS])

@@ -90,7 +90,7 @@ def contiguous_call(config: AttnConfig, batch: int = 2, seqlen: int = 1024, thd:
         bias = Bias(tuple(shape), _contiguous(shape))
     params = AttnParams(config.attn_mask_type, config.attn_bias_type, config.qkv_format, config.window_size,
                         softmax_scale, dropout_probability=config.dropout, bottom_right_diagonal=config.bottom_right,
-                        softmax_type=config.softmax_type)
+                        softmax_type=config.softmax_type, return_max_logit=config.return_max_logit)
     return Call(
         params=params, num_heads_q=hq, num_heads_kv=hk, head_dim_qk=dqk, head_dim_v=dv, dtype=config.dtype,
         num_seqs=batch, max_q=sq, max_k=sk, packed=thd, has_seqlens=thd or config.attn_mask_type.is_padding,

@@ -6,6 +6,7 @@ Run on the GPU machine: ``python benchmarks/attention/bench_core.py --out benchm
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -13,6 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cases import attn_flops
 from common import bench_ms, grads_repeat_bitwise, peak_memory_gb, run_metadata, write_results
+from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.attention.fused_attn import fused_attn_func
 
 GRID = [
@@ -28,6 +30,20 @@ def ours(deterministic):
         mask = "causal" if causal else "no_mask"
         return lambda: fused_attn_func(q, k, v, "bshd", mask, (-1, -1), q.shape[-1] ** -0.5,
                                        deterministic=deterministic)
+    return make
+
+
+def dpa(max_logit):
+    """DotProductAttention in deterministic mode on the fused kernels, with or without return_max_logit (QK-clip):
+    the pair's ratio is the max logit's cost (target: within 3%)."""
+    def make(q, k, v, causal):
+        os.environ.update(NVTE_ALLOW_NONDETERMINISTIC_ALGO="0", NVTE_FLASH_ATTN="0")
+        module = DotProductAttention(q.shape[2], q.shape[-1], qkv_format="bshd",
+                                     attn_mask_type="causal" if causal else "no_mask",
+                                     return_max_logit=max_logit).cuda()
+        if max_logit:
+            return lambda: module(q, k, v)[0]
+        return lambda: module(q, k, v)
     return make
 
 
@@ -48,6 +64,8 @@ PEERS = {
     "torch_flash": sdpa(SDPBackend.FLASH_ATTENTION),
     "torch_flash_det": sdpa(SDPBackend.FLASH_ATTENTION, True),
     "torch_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+    "dpa_det": dpa(False),
+    "dpa_det_max_logit": dpa(True),
 }
 
 

@@ -601,11 +601,10 @@ def test_partial_backward_program_runs_one_gradient_pass(captured_programs, grad
 
 @compiles
 @pytest.mark.parametrize("packed", [False, True], ids=["bshd-causal", "thd-padding_causal"])
-def test_max_logit_lowers_to_the_triton_forward_with_a_row_max_result(captured_programs, compile_calls, packed):
-    """return_max_logit at d=128 bf16 on sm_90 (where the call without it takes the Gluon forward): the Triton
-    forward (the plan's recorded reason), HAS_ROW_MAX, its ROW_MAX parameter a third fp32 result laid out as
-    the log-sum-exp (-inf-filled in packed mode, whose kernels write only rows inside sequences); the
-    backward is the call's without the max logit."""
+def test_max_logit_lowers_to_the_gluon_forward_with_a_row_max_result(captured_programs, compile_calls, packed):
+    """return_max_logit at d=128 bf16 on sm_90: the Gluon forward, as the call without it, with HAS_ROW_MAX, its
+    ROW_MAX parameter a third fp32 result laid out as the log-sum-exp (-inf-filled in packed mode, whose kernels
+    write only rows inside sequences); the backward is the call's without the max logit."""
     b, s, hq, hk, d, m = 2, 128, 4, 2, 128, (2 if packed else 1)
     mask = AttnMaskType.PADDING_CAUSAL_MASK if packed else AttnMaskType.CAUSAL_MASK
     layout = QKVLayout.THD_THD_THD if packed else QKVLayout.BSHD_BSHD_BSHD
@@ -624,12 +623,12 @@ def test_max_logit_lowers_to_the_triton_forward_with_a_row_max_result(captured_p
     )(*_shapes(b, s, hq, hk, d, m=m))
     assert exported.out_avals[1].shape == (hq,) and exported.out_avals[1].dtype == jnp.bfloat16
     fwd, bwd = captured_programs
-    _, fills, (launch,) = _check_program(fwd, ["attn_fwd_kernel"])
+    _, fills, (launch,) = _check_program(fwd, ["attn_fwd_ws_kernel"])
     n_ops, nseq = len(fwd.operands), b * m
     assert [r.shape for r in fwd.results[:3]] == [(b, s, hq, d), (nseq, hq, s), (nseq, hq, s)]
     assert fwd.results[2].dtype == jnp.float32
     assert _named_params(fwd, launch)["ROW_MAX"] == ("buffer", n_ops + 2)
     assert fills == ([(n_ops, 0, 1), (n_ops + 1, 0x7F800000, 4), (n_ops + 2, 0xFF800000, 4)] if packed else [])
     compiled = {fn.__name__: args for fn, args, _, _ in compile_calls}
-    assert compiled["attn_fwd_kernel"]["HAS_ROW_MAX"] is True
+    assert compiled["attn_fwd_ws_kernel"]["HAS_ROW_MAX"] is True
     _check_program(bwd, ["attn_bwd_preprocess_kernel", "attn_bwd_dkdv_ws_kernel", "attn_bwd_dq_ws_kernel"])

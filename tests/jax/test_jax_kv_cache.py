@@ -457,9 +457,9 @@ def test_pytorch_and_jax_steps_give_the_same_rows(fmt):
 @pytest.mark.parametrize("d", [128, 64])
 def test_long_context_prefill_and_decode_rows_equal_training_rows(d):
     """A 16k-token prompt in 4k chunks, then 64 decode steps next to a short sequence (bf16, GQA, paged, thd):
-    the rows are the training forward's. At d=64 the Triton forward serves on every GPU, so its keys are
-    summed in chunks: the training call folds them in one program per row block, the decode steps (a small
-    grid) split them over programs and combine."""
+    the rows are the training forward's. The keys are summed in chunks (the Triton forward at d=64 on every GPU,
+    Hopper's Gluon forward at d=128): the training call folds them in one program per row block, the decode steps
+    (a small grid) split them over programs and combine."""
     n, h, hk, page = 16384 + 64, 16, 4, 256
     seqs = _sequences([n, 100], h, hk, d, jnp.bfloat16, seed=8)
     expected = _training_rows(seqs, None, AttnSoftmaxType.VANILLA_SOFTMAX, None)

@@ -2,7 +2,7 @@
 head's largest ``scale * q k^T + bias`` over the visible (query, key) pairs of the batch.
 
 Both backends: ``fused`` (the forward primitive's row maxima, then a max over rows: on CPU the primitive's jnp
-lowering, which computes them in the kernel's base-2 arithmetic; on a GPU the Triton forward) and ``unfused``
+lowering, which computes them in the kernel's base-2 arithmetic; on a GPU the forward kernel) and ``unfused``
 (jnp math). Checked against an fp64 reference (masks, windows, GQA, bias, THD, sink softmax: the sink is not a
 logit), fused against unfused, and bitwise: run after run, whatever else is in the batch, packed or padded,
 under vmap, sharded over dp/tp and under context parallelism; the output and gradients are the bits of the call

@@ -687,6 +687,8 @@ _PAGED_STEP: contextvars.ContextVar[Optional[_PagedStep]] = contextvars.ContextV
 def run_backend(backend, q, k, v, call):
     """``backend.run(q, k, v, call)``; inside a paged cache's step (:func:`cached_attention`), on that step's
     page table (the fused backend) or its gathered rows (the others)."""
+    if torch.compiler.is_compiling():  # traced steps gather their pages (cached_attention): no context to read
+        return backend.run(q, k, v, call)
     paged = _PAGED_STEP.get()
     if paged is None:
         return backend.run(q, k, v, call)
@@ -743,7 +745,9 @@ def cached_attention(module, params: InferenceParams, q: torch.Tensor, k: torch.
     call = None
     offset = getattr(module, "softmax_offset", None)  # a learnable sink's logits: a parameter
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or (offset is not None and offset.requires_grad))
-    if params.is_paged and not needs_grad:  # the fused backward reads no page table: gradients take the gather
+    # The fused backward reads no page table: gradients take the gather, as does a traced step (torch.compile:
+    # run_backend reads no context there).
+    if params.is_paged and not needs_grad and not torch.compiler.is_compiling():
         call = params._paged_call(module.layer_number)  # the cache read in place where the fused backend runs
     if call is None:
         call = params._kernel_call(module.layer_number)

@@ -172,7 +172,7 @@ def _sharding_rule(static, mesh, value_types, result_types):
     hq, sizes = _prim._head_factor(q[2], k[2])
     operands = [f"b s {hq} d", "p r kh d", "p r kh e", "b m n", "b m", "b m", "b m1", hq]
     rule = ", ".join(operands) + f" -> b s {hq} e, b m {hq} s"
-    return rule, dict(sizes, need_replication_factors=("d", "e", "p", "r", "n"))
+    return rule, dict(sizes, need_replication_factors=("d", "p", "r", "e", "n"))
 
 
 def _partitioned(static, *operands):

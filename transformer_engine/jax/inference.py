@@ -35,8 +35,11 @@ the step's format, nor on where a paged cache keeps the tokens.
 
 Paged caches (:func:`init_paged_kv_cache`): a pool ``[num_pages, page_size, h_kv, d]`` and a page table
 ``[max_batch_size, pages_per_sequence]`` (``-1``: no page yet; the host may assign pages as sequences grow,
-:meth:`KVCache.replace`); each step gathers the slots' pages into contiguous rows (a copy of the cached keys
-and values per layer and step, as the PyTorch paged cache makes) before the same call.
+:meth:`KVCache.replace`). Where the fused backend runs the step and the same call on gathered rows plans no
+Gluon forward (:func:`fused_reads_pages`, PyTorch's rule), the Triton forward reads the keys and values through
+the page table in place (:func:`transformer_engine.jax.primitives.paged.fused_attn_paged`), with the bits of the
+gathered call; elsewhere (Hopper's Gluon configs, the unfused backend) each step gathers the slots' pages into
+contiguous rows (a copy of the cached keys and values per layer and step) before the same call.
 """
 
 from __future__ import annotations

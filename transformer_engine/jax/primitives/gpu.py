@@ -25,6 +25,10 @@ Sink softmax: the sink logits (fp32 ``[h_q]``) go to the Triton forward (``SINK`
 the learnable sink the backward launches the sink-gradient kernel after the preprocess, which writes
 each sequence's part ``[b * m, h_q]`` (the custom_vjp sums them).
 
+A paged KV cache (primitives.paged, forward only): K and V are the cache's pools viewed as rows, and slot
+``page_table`` (int32, one row of pages per kernel sequence) says where each key is; one kernel sequence per
+segment (``segments_per_row`` 1), ``max_k`` the keys a table row holds.
+
 A partial backward (``FusedAttnStatic.backward_grads``: dQ only or dK/dV only, as context parallelism
 asks) leaves the other pass out of the program, and its gradients are zeros of their shapes.
 """

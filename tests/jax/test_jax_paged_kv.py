@@ -4,11 +4,12 @@ and the gathered call plans no Gluon forward, and gathers the pages elsewhere.
 
 Checked here: the rows of the paged path are bitwise the non-paged cache's rows and, on a GPU, the training rows
 (shuffled page tables; page sizes 1, 5, 8 on CPU, 16, 24 (not a multiple of any key block), 64, 256 on a GPU; GQA,
-MQA, causal and windowed masks, a learnable sink, chunked prefill and decode, both step formats); which path a step takes (the jaxpr holds the
-paged primitive, or none); that the CUDA lowering of a paged step describes exactly PyTorch's launches for the
-same call (lowered on the CPU through ``jax.export`` with the launches recorded, not compiled); gradients through
-the gathered call; bad tables named. On CPU ``fused_attn`` selects the unfused backend (JAX launches no Triton
-interpreter), so the fused path is forced there (``_backend="fused"``: the fused primitives' jnp lowering, whose
+MQA, causal and windowed masks, a learnable sink, chunked prefill and decode, both step formats, sharded and
+``shard_map`` steps); which path a step takes (the jaxpr holds the paged primitive, or none); that the CUDA
+lowering of a paged step describes exactly PyTorch's launches for the same call (lowered on the CPU through
+``jax.export`` with the launches recorded, not compiled); gradients through the gathered call; bad tables named.
+On CPU ``fused_attn`` selects the unfused backend (JAX launches no Triton interpreter), so the fused path is
+forced there (``_backend="fused"``: the fused primitives' jnp lowering, whose
 paged form gathers inside the primitive); on a GPU the selection runs and the kernels read the pages.
 """
 
@@ -190,9 +191,8 @@ def test_gradients_through_a_paged_step_are_the_gathered_calls():
 
 def _static(page_size, **kw):
     return FusedAttnStatic(attn_mask_type=common.AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK,
-                           qkv_format=common.QKVFormat.THD, attn_bias_type=common.AttnBiasType.NO_BIAS, window_size=(-1, 0),
-                           scaling_factor=0.25, kv_page_size=page_size,
-                           is_training=False, **kw)
+                           qkv_format=common.QKVFormat.THD, attn_bias_type=common.AttnBiasType.NO_BIAS,
+                           window_size=(-1, 0), scaling_factor=0.25, kv_page_size=page_size, is_training=False, **kw)
 
 
 def test_bad_page_tables_name_the_argument():

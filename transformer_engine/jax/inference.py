@@ -368,13 +368,16 @@ def _step_attention(q, cache: KVCache, step_lens, fmt: str, mask: AttnMaskType, 
     in place (:func:`fused_reads_pages`), the paged forward on the pools and the page table; otherwise the call on
     the slots' rows (a paged cache's pages gathered). ``backend``: a backend name ('fused', 'unfused') instead of
     the selection (tests)."""
-    if backend is None:
-        contiguous = _contiguous_call(q, cache, step_lens, fmt, mask, kw)
-        runner = _attention.select_attention_backend(contiguous.config).backend
-    else:
-        runner = backend_named(backend, _attention._CANDIDATES)
-    if cache.is_paged and issubclass(runner, FusedAttention):
-        contiguous = contiguous if backend is None else _contiguous_call(q, cache, step_lens, fmt, mask, kw)
+    if not cache.is_paged:  # the slots' rows in place
+        call = _attention._parse_call(_step_args(q, cache.k, cache.v, cache, step_lens, fmt, mask, kw))
+        runner = (_attention.select_attention_backend(call.config).backend if backend is None
+                  else backend_named(backend, _attention._CANDIDATES))
+        out = _attention._run(call, runner)
+        return out if fmt == "bshd" else out[0]
+    contiguous = _contiguous_call(q, cache, step_lens, fmt, mask, kw)
+    runner = (_attention.select_attention_backend(contiguous.config).backend if backend is None
+              else backend_named(backend, _attention._CANDIDATES))
+    if issubclass(runner, FusedAttention):
         static = contiguous.static
         if fused_reads_pages(static, q.shape[-1], cache.v.shape[-1], q.dtype):
             t = q.shape[0] if fmt == "thd" else q.shape[1]
@@ -387,7 +390,7 @@ def _step_attention(q, cache: KVCache, step_lens, fmt: str, mask: AttnMaskType, 
                                    table.shape[-1]), (seq.q_seqlens, seq.kv_seqlens, seq.q_offsets),
                                    dataclasses.replace(static, kv_page_size=cache.k.shape[1]), offset)
             return out if fmt == "bshd" else out[0]
-    keys, values = _slot_rows(cache)
+    keys, values = _slot_rows(cache)  # the pages gathered
     out = _attention._run(_attention._parse_call(_step_args(q, keys, values, cache, step_lens, fmt, mask, kw)),
                           runner)
     return out if fmt == "bshd" else out[0]

@@ -418,3 +418,32 @@ def test_sharded_slots_read_pages_in_place():
                                                         per_device, jnp.asarray([1, 1, 1, 1], jnp.int32)))
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
+
+
+def test_the_paged_forward_compiles_for_sm80_with_the_table_as_an_int32_buffer(monkeypatch):
+    """The CUDA lowering compiled (Triton's ptxas, no GPU): the forward's PAGE_TABLE parameter is bound to the
+    int32 table operand, and the program launches the Triton forward only."""
+    triton = pytest.importorskip("triton")
+    from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel
+
+    if not isinstance(attn_fwd_kernel, triton.runtime.jit.JITFunction):
+        pytest.skip("kernels loaded for the interpreter (TRITON_INTERPRET=1): they cannot be compiled here")
+    monkeypatch.setattr(gpu, "_compute_capability", lambda: (8, 0))
+    monkeypatch.setattr(gpu, "_require_extension", lambda: None)
+    monkeypatch.setattr(te_attention, "_device_facts", lambda: ("cuda", (8, 0)))
+    programs = []
+    real_call = gpu.Program.call
+    monkeypatch.setattr(gpu.Program, "call", lambda self, *ops: (programs.append(self), real_call(self, *ops))[1])
+    _, paged = _caches(2, 40, 24, 2, 64, jnp.float16, seed=1)
+    q, kv = jnp.zeros((9, 4, 64), jnp.float16), jnp.zeros((9, 2, 64), jnp.float16)
+    step = lambda q, k, v, c, s: kv_cache_attention(q, k, v, c, s, qkv_format="thd", _backend="fused")  # noqa: E731
+    _export_for_cuda(step, q, kv, kv, paged, jnp.asarray([6, 3], jnp.int32))
+    (prog,) = programs
+    (kernel,) = prog._kernels
+    assert kernel.name == "attn_fwd_kernel"
+    buffers = prog.operands + prog.results
+    (launch,) = prog._launches
+    (table_param,) = [i for i, (name, _) in enumerate(kernel.params) if name == "PAGE_TABLE"]
+    assert kernel.params[table_param][1] == "*i32"
+    kind, index = launch[2][table_param]
+    assert kind == 0 and buffers[index].dtype == jnp.int32 and buffers[index].shape == (2, 2)  # [slots, pages]

@@ -35,20 +35,30 @@ the step's format, nor on where a paged cache keeps the tokens.
 
 Paged caches (:func:`init_paged_kv_cache`): a pool ``[num_pages, page_size, h_kv, d]`` and a page table
 ``[max_batch_size, pages_per_sequence]`` (``-1``: no page yet; the host may assign pages as sequences grow,
-:meth:`KVCache.replace`); each step gathers the slots' pages into contiguous rows (a copy of the cached keys
-and values per layer and step, as the PyTorch paged cache makes) before the same call.
+:meth:`KVCache.replace`). Where the fused backend runs the step and the same call on gathered rows plans no
+Gluon forward (:func:`fused_reads_pages`, PyTorch's rule), the Triton forward reads the keys and values through
+the page table in place (:func:`transformer_engine.jax.primitives.paged.fused_attn_paged`), with the bits of the
+gathered call; elsewhere (Hopper's Gluon configs, the unfused backend) each step gathers the slots' pages into
+contiguous rows (a copy of the cached keys and values per layer and step) before the same call.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_engine.jax.attention import SequenceDescriptor, fused_attn
+from transformer_engine.common.attention import enums as _common
+from transformer_engine.common.attention import launch_description
+from transformer_engine.common.attention.backends import FusedAttention, backend_named
+from transformer_engine.common.attention.plan import forward_plan
+from transformer_engine.jax import attention as _attention
+from transformer_engine.jax.attention import SequenceDescriptor, _FusedAttnArgs
 from transformer_engine.jax.enums import AttnBiasType, AttnMaskType, AttnSoftmaxType, QKVLayout
+from transformer_engine.jax.primitives.paged import fused_attn_paged
 
 __all__ = ["KVCache", "init_kv_cache", "init_paged_kv_cache", "kv_cache_attention", "reset_slots"]
 
@@ -141,9 +151,9 @@ def _check_page_table(page_table, batch: int, pages: int) -> jax.Array:
         used = table[table >= 0]
         if len(np.unique(used)) != used.size:
             raise ValueError("`page_table` must give each page to at most one slot position (repeated pages)")
-    elif page_table.ndim != 2 or page_table.shape[0] != batch:
-        raise ValueError(f"`page_table` must be [max_batch_size={batch}, pages_per_sequence], got shape "
-                         f"{tuple(page_table.shape)}")
+    elif page_table.ndim != 2 or page_table.shape[0] != batch or not jnp.issubdtype(page_table.dtype, jnp.integer):
+        raise ValueError(f"`page_table` must be an int array [max_batch_size={batch}, pages_per_sequence], got "
+                         f"{page_table.dtype} {tuple(page_table.shape)}")
     return jnp.asarray(page_table, jnp.int32)
 
 
@@ -295,22 +305,95 @@ def _slot_rows(cache: KVCache) -> Tuple[jax.Array, jax.Array]:
     return tuple(x[table].reshape(b, n * x.shape[1], *x.shape[2:]) for x in (cache.k, cache.v))
 
 
-def _step_call(q, keys, values, cache: KVCache, step_lens, fmt: str, mask: AttnMaskType, **kw):
-    """The step's one ``fused_attn`` call: bshd, row ``i`` = slot ``i``; thd, one row packing every slot's new
-    queries (segment ``i`` = slot ``i``, empty when it sits out) against the slots' keys laid end to end."""
+def _step_descriptor(cache: KVCache, step_lens, fmt: str, t: int):
+    """(descriptor, max_segments_per_seq) of the step's call: bshd, row ``i`` = slot ``i``; thd, one row packing
+    every slot's new queries (segment ``i`` = slot ``i``, empty when it sits out) against the slots' keys laid
+    end to end (``max_seqlen`` keys per slot)."""
     if fmt == "bshd":
-        return fused_attn((q, keys, values), None, SequenceDescriptor.from_seqlens((step_lens, cache.lengths)),
-                          None, AttnBiasType.NO_BIAS, mask, QKVLayout.BSHD_BSHD_BSHD, **kw)
-    b, s = keys.shape[:2]
-    t = q.shape[0]
+        return SequenceDescriptor.from_seqlens((step_lens, cache.lengths)), 1
+    b, s = cache.max_batch_size, cache.max_seqlen
     zero = jnp.zeros((1,), jnp.int32)
     q_offsets = jnp.concatenate([zero, jnp.cumsum(step_lens)[:-1].astype(jnp.int32), jnp.full((1,), t, jnp.int32)])
     kv_offsets = jnp.arange(b + 1, dtype=jnp.int32) * s
-    seq = SequenceDescriptor.from_seqlens_and_offsets((step_lens[None], cache.lengths[None]),
-                                                      (q_offsets[None], kv_offsets[None]))
-    out = fused_attn((q[None], keys.reshape(1, b * s, *keys.shape[2:]), values.reshape(1, b * s, *values.shape[2:])),
-                     None, seq, None, AttnBiasType.NO_BIAS, mask, QKVLayout.THD_THD_THD, max_segments_per_seq=b, **kw)
-    return out[0]
+    return SequenceDescriptor.from_seqlens_and_offsets((step_lens[None], cache.lengths[None]),
+                                                       (q_offsets[None], kv_offsets[None])), b
+
+
+def _step_args(q, keys, values, cache: KVCache, step_lens, fmt: str, mask: AttnMaskType, kw) -> _FusedAttnArgs:
+    """The ``fused_attn`` arguments of the step's one call on ``keys``/``values`` (``[max_batch_size, max_seqlen,
+    h_kv, d]``, the slots' rows): bshd as they are, thd laid end to end in one row."""
+    t = q.shape[0] if fmt == "thd" else q.shape[1]
+    descriptor, m = _step_descriptor(cache, step_lens, fmt, t)
+    if fmt == "bshd":
+        qkv, layout = (q, keys, values), QKVLayout.BSHD_BSHD_BSHD
+    else:
+        b, s = keys.shape[:2]
+        qkv = (q[None], keys.reshape(1, b * s, *keys.shape[2:]), values.reshape(1, b * s, *values.shape[2:]))
+        layout = QKVLayout.THD_THD_THD
+    return _FusedAttnArgs(qkv, None, descriptor, None, AttnBiasType.NO_BIAS, mask, layout, max_segments_per_seq=m,
+                          **kw)
+
+
+def _contiguous_call(q, cache: KVCache, step_lens, fmt: str, mask: AttnMaskType, kw):
+    """The parsed call of the step on the slots' gathered rows (``fused_attn``'s canonical form), from shapes
+    alone: traced abstractly, so nothing is gathered. Its static arguments and config are what the step's
+    backend selection and plan read; its arrays are abstract and never used."""
+    parsed = []
+    shapes = [(cache.max_batch_size, cache.max_seqlen) + x.shape[2:] for x in (cache.k, cache.v)]
+
+    def parse(q, lengths, step_lens, offset):
+        keys, values = (jnp.zeros(shape, cache.k.dtype) for shape in shapes)
+        parsed.append(_attention._parse_call(_step_args(q, keys, values, cache.replace(lengths=lengths), step_lens,
+                                                        fmt, mask, dict(kw, softmax_offset=offset))))
+        return ()
+
+    jax.eval_shape(parse, q, cache.lengths, step_lens, kw.get("softmax_offset"))
+    return parsed[0]
+
+
+def fused_reads_pages(static, head_dim_qk: int, head_dim_v: int, dtype) -> bool:
+    """Whether the fused forward reads a paged step's pages in place with the bits of the same call on gathered
+    rows (``static``: the gathered call's parameters): only the Triton forward follows a page table, so not where
+    that call's plan has the Gluon forward, whose products are blocked differently (Hopper's fp16/bf16 plain
+    configs). PyTorch's InferenceParams decides by the same rule."""
+    device_type, arch = _attention._device_facts()
+    device = dict(device_type=device_type, **_attention._arch_fields(arch))
+    key = launch_description.plan_key(static, head_dim_qk, head_dim_v, jnp.dtype(dtype).name,
+                                      _common.AttnBiasType.NO_BIAS, device)
+    return forward_plan(key).warp_specialized is None
+
+
+def _step_attention(q, cache: KVCache, step_lens, fmt: str, mask: AttnMaskType, kw, backend=None):
+    """The step's attention rows (q's format): on a paged cache where the fused backend runs and reads the pages
+    in place (:func:`fused_reads_pages`), the paged forward on the pools and the page table; otherwise the call on
+    the slots' rows (a paged cache's pages gathered). ``backend``: a backend name ('fused', 'unfused') instead of
+    the selection (tests)."""
+    if not cache.is_paged:  # the slots' rows in place
+        call = _attention._parse_call(_step_args(q, cache.k, cache.v, cache, step_lens, fmt, mask, kw))
+        runner = (_attention.select_attention_backend(call.config).backend if backend is None
+                  else backend_named(backend, _attention._CANDIDATES))
+        out = _attention._run(call, runner)
+        return out if fmt == "bshd" else out[0]
+    contiguous = _contiguous_call(q, cache, step_lens, fmt, mask, kw)
+    runner = (_attention.select_attention_backend(contiguous.config).backend if backend is None
+              else backend_named(backend, _attention._CANDIDATES))
+    if issubclass(runner, FusedAttention):
+        static = contiguous.static
+        if fused_reads_pages(static, q.shape[-1], cache.v.shape[-1], q.dtype):
+            t = q.shape[0] if fmt == "thd" else q.shape[1]
+            descriptor, m = _step_descriptor(cache, step_lens, fmt, t)
+            rows = q.shape[0] if fmt == "bshd" else 1
+            seq = descriptor.to_seq_info(rows, t, cache.max_seqlen, fmt == "thd", m)
+            table = cache.page_table if fmt == "thd" else cache.page_table[:, None]
+            offset = _attention._check_softmax_offset(static.softmax_type, kw.get("softmax_offset"), q.shape[-2])
+            out = fused_attn_paged(q if fmt == "bshd" else q[None], cache.k, cache.v, table.reshape(rows, -1,
+                                   table.shape[-1]), (seq.q_seqlens, seq.kv_seqlens, seq.q_offsets),
+                                   dataclasses.replace(static, kv_page_size=cache.k.shape[1]), offset)
+            return out if fmt == "bshd" else out[0]
+    keys, values = _slot_rows(cache)  # the pages gathered
+    out = _attention._run(_attention._parse_call(_step_args(q, keys, values, cache, step_lens, fmt, mask, kw)),
+                          runner)
+    return out if fmt == "bshd" else out[0]
 
 
 def kv_cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, step_lens,
@@ -319,7 +402,7 @@ def kv_cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
                        softmax_type: AttnSoftmaxType = AttnSoftmaxType.VANILLA_SOFTMAX,
                        softmax_offset: Optional[jax.Array] = None,
                        scaling_factor: Optional[float] = None,
-                       qkv_format: str = "bshd") -> Tuple[jax.Array, KVCache]:
+                       qkv_format: str = "bshd", *, _backend: Optional[str] = None) -> Tuple[jax.Array, KVCache]:
     """One generation step of one layer: append the new keys and values, attend the new queries to their
     sequences' cached keys. Returns ``(out, cache)``: ``out`` in q's format with ``d_v`` (rows that are not
     new tokens are zeros) and the updated cache.
@@ -349,12 +432,11 @@ def kv_cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
         raise ValueError(f"`qkv_format` must be one of {', '.join(map(repr, _FORMATS))}, got {qkv_format!r}")
     step_lens = _check_step(q, k, v, cache, step_lens, qkv_format)
     cache = _append(cache, k, v, step_lens, qkv_format)
-    keys, values = _slot_rows(cache)
     # bottom_right_diagonal: a non-causal window is aligned at each query's position too (the causal step
     # mask is bottom-right already).
-    out = _step_call(q, keys, values, cache, step_lens, qkv_format, _STEP_MASK[mask], softmax_type=softmax_type,
-                     scaling_factor=scaling_factor, is_training=False, window_size=window_size,
-                     softmax_offset=softmax_offset, bottom_right_diagonal=True)
+    kw = dict(softmax_type=softmax_type, scaling_factor=scaling_factor, is_training=False, window_size=window_size,
+              softmax_offset=softmax_offset, bottom_right_diagonal=True)
+    out = _step_attention(q, cache, step_lens, qkv_format, _STEP_MASK[mask], kw, _backend)
     t = q.shape[0] if qkv_format == "thd" else q.shape[1]
     _, _, real = _token_places(cache, step_lens, qkv_format, t)
     real = real.reshape(out.shape[:-2])

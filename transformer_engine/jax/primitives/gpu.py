@@ -25,6 +25,10 @@ Sink softmax: the sink logits (fp32 ``[h_q]``) go to the Triton forward (``SINK`
 the learnable sink the backward launches the sink-gradient kernel after the preprocess, which writes
 each sequence's part ``[b * m, h_q]`` (the custom_vjp sums them).
 
+A paged KV cache (primitives.paged, forward only): K and V are the cache's pools viewed as rows, and slot
+``page_table`` (int32, one row of pages per kernel sequence) says where each key is; one kernel sequence per
+segment (``segments_per_row`` 1), ``max_k`` the keys a table row holds.
+
 A partial backward (``FusedAttnStatic.backward_grads``: dQ only or dK/dV only, as context parallelism
 asks) leaves the other pass out of the program, and its gradients are zeros of their shapes.
 """
@@ -44,7 +48,8 @@ from transformer_engine.common.attention import launch_description
 from transformer_engine.common.attention.enums import AttnBiasType, QKVFormat
 from transformer_engine.common.attention.kernels.aot import CompiledKernel, Pointer, compile_kernel
 
-__all__ = ["unavailable_reason", "fused_attn_fwd_lowering", "fused_attn_bwd_lowering", "rocm_lowering"]
+__all__ = ["unavailable_reason", "fused_attn_fwd_lowering", "fused_attn_paged_fwd_lowering", "fused_attn_bwd_lowering",
+           "rocm_lowering"]
 
 FFI_TARGET = "te_triton_launch"
 PROGRAM_VERSION = 1
@@ -246,11 +251,14 @@ def _check_supported(static, segments_per_row: int) -> None:
 
 
 def launch_call(static, shapes: Dict[str, Sequence[int]], dtype, num_seqs: int, bias_shape: Optional[Sequence[int]],
-                compute_capability: Tuple[int, int], segments_per_row: int = 1) -> launch_description.Call:
+                compute_capability: Tuple[int, int], segments_per_row: int = 1, max_k: Optional[int] = None,
+                page_size: int = 0, page_table_stride: int = 0) -> launch_description.Call:
     """The launch description's view of a call (``static``: its parameters) on contiguous ``[b, s, h, d]``
     buffers (``shapes`` by slot name: q, k, v, out, and d_out, dq, dk, dv for the backward) of ``num_seqs``
     kernel sequences; ``segments_per_row``: the packed mode's sequences per row (max_segments_per_seq), whose
-    lengths only the device knows: the kernels then cover each row's blocks (launch_description.Call)."""
+    lengths only the device knows: the kernels then cover each row's blocks (launch_description.Call).
+    A paged KV cache (``page_size`` > 0): k and v are the cache's rows ``[1, pages * page_size, h_kv, d]``,
+    ``max_k`` the keys a sequence's page table row holds and ``page_table_stride`` that row's length."""
     q, k, v = shapes["q"], shapes["k"], shapes["v"]
     bias = None
     if bias_shape is not None:
@@ -258,11 +266,12 @@ def launch_call(static, shapes: Dict[str, Sequence[int]], dtype, num_seqs: int, 
     # XLA aligns buffers to more than 16 bytes.
     return launch_description.Call(
         params=static, num_heads_q=q[2], num_heads_kv=k[2], head_dim_qk=q[3], head_dim_v=v[3],
-        dtype=jnp.dtype(dtype).name, num_seqs=num_seqs, max_q=q[1], max_k=k[1], packed=_uses_packed_mode(static),
+        dtype=jnp.dtype(dtype).name, num_seqs=num_seqs, max_q=q[1], max_k=k[1] if max_k is None else max_k,
+        packed=_uses_packed_mode(static),
         has_seqlens=_uses_packed_mode(static),
         views={name: launch_description.View(_strides(shape)) for name, shape in shapes.items()},
         lse_strides=(q[2] * q[1], q[1]), device=dict(device_type="cuda", compute_capability=compute_capability),
-        bias=bias, segments_per_row=segments_per_row,
+        bias=bias, segments_per_row=segments_per_row, page_size=page_size, page_table_stride=page_table_stride,
     )
 
 
@@ -345,6 +354,45 @@ def _fwd_impl(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds
     return out, lse_out.reshape(b, nseq // b, hq, s_q), results[2].reshape(b, nseq // b, hq, s_q)
 
 
+def _paged_fwd_impl(q, k_pages, v_pages, page_table, q_seqlens, kv_seqlens, q_offsets, softmax_offset, *, static):
+    """The forward on a paged KV cache (primitives.paged): the Triton forward reads K/V through the page table
+    (``PAGE_SIZE``; launch_description.forward_launches), one kernel sequence per segment, in packed mode."""
+    b, s_q, hq, dqk = q.shape
+    num_pages, page_size, hk, dv = v_pages.shape
+    m, n = page_table.shape[1:]
+    nseq = b * m
+    if not _uses_packed_mode(static) or page_size != static.kv_page_size:
+        raise NotImplementedError(f"a paged KV cache forward needs a padding mask and kv_page_size={page_size}, got "
+                                  f"{static.attn_mask_type.value!r} and {static.kv_page_size}")
+    _check_supported(static, 1)
+    rows = jnp.arange(b, dtype=jnp.int32)[:, None]
+    start_q = (rows * s_q + q_offsets[:, :m].astype(jnp.int32)).reshape(-1)
+    # The keys' starts are not read (the page table says where each key is); PyTorch passes its cu_seqlens_kv.
+    seqs = (start_q, jnp.zeros((nseq,), jnp.int32), q_seqlens.astype(jnp.int32).reshape(-1),
+            kv_seqlens.astype(jnp.int32).reshape(-1))
+    named = [("q", q), ("k", k_pages), ("v", v_pages)]
+    operands, buffers = _operands(static, named, seqs, None, softmax_offset, static.softmax_type.has_sink)
+    buffers["page_table"] = Buf(len(operands))
+    operands.append(page_table.reshape(nseq, n).astype(jnp.int32))
+    prog = Program([jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands])
+    o = prog.result((b, s_q, hq, dv), q.dtype)
+    lse = prog.result((nseq, hq, s_q), jnp.float32)
+    prog.fill(o)  # packed mode writes only rows inside sequences
+    prog.fill_inf_f32(lse)
+    buffers.update(out=Buf(o), lse=Buf(lse))
+    rows_shape = (1, num_pages * page_size, hk)
+    call = launch_call(static, dict(q=q.shape, k=rows_shape + (dqk,), v=rows_shape + (dv,), out=(b, s_q, hq, dv)),
+                       q.dtype, nseq, None, _compute_capability(), 1, max_k=n * page_size, page_size=page_size,
+                       page_table_stride=n)
+    workspace = launch_description.split_kv(call)
+    if workspace is not None:  # split-KV: the chunks' states (fp32 workspace results, not returned)
+        buffers.update(part_o=Buf(prog.result((workspace.part_o_size,), jnp.float32)),
+                       part_ml=Buf(prog.result((workspace.part_ml_size,), jnp.float32)))
+    _run(prog, launch_description.forward_launches(call), buffers)
+    out, lse_out = prog.call(*operands)[:2]
+    return out, lse_out.reshape(b, m, hq, s_q)
+
+
 # ================================================================================================
 # Backward
 # ================================================================================================
@@ -408,6 +456,11 @@ def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_of
 def fused_attn_fwd_lowering(ctx, *args, static):
     _require_extension()
     return mlir.lower_fun(functools.partial(_fwd_impl, static=static), multiple_results=True)(ctx, *args)
+
+
+def fused_attn_paged_fwd_lowering(ctx, *args, static):
+    _require_extension()
+    return mlir.lower_fun(functools.partial(_paged_fwd_impl, static=static), multiple_results=True)(ctx, *args)
 
 
 def fused_attn_bwd_lowering(ctx, *args, static):

@@ -5,6 +5,8 @@ Triton's wheel carries ptxas, so compilation needs no GPU: this catches kernel c
 and over-sized tile plans in CI, before any device time is spent.
 """
 
+import dataclasses
+
 import pytest
 
 triton = pytest.importorskip("triton")
@@ -15,6 +17,7 @@ from transformer_engine.common.attention.kernels.resources import (  # noqa: E40
     compile_args, compile_launch, contiguous_call, planned_launches, resources, target,
 )
 from transformer_engine.common.attention.launch_description import forward_launches  # noqa: E402
+from transformer_engine.common.attention.plan import forward_plan  # noqa: E402
 
 H100_SMEM_BYTES = 232448  # opt-in shared memory per block on sm_90
 SM90 = target("sm90")
@@ -121,7 +124,8 @@ def test_sm90_gluon_forward_chunked_and_split_compile_without_spills(mask, thd, 
                      max_seqlen_q=seqlen_q, max_seqlen_kv=8192, dtype="bfloat16", attn_mask_type=mask,
                      deterministic=True, device_type="cuda", compute_capability=(9, 0))
     call = contiguous_call(cfg, batch=1, seqlen=seqlen_q, seqlen_kv=8192, thd=thd)
-    launches = forward_launches(call)
+    plan = dataclasses.replace(forward_plan(call.plan_key), kv_chunk=4096)  # the kernel's chunked form, planned or not
+    launches = forward_launches(call, plan)
     expected = ["attn_fwd_ws_kernel"] + ["attn_fwd_combine_kernel"] * (seqlen_q == 1)
     assert [x.name for x in launches] == expected
     assert launches[0].args["KV_CHUNK"] == 4096 and launches[0].args["SPLIT_KV"] == (seqlen_q == 1)
@@ -214,3 +218,21 @@ def test_sm90_sink_softmax_plans_compile(head_dims, causal, thd):
     assert planned["attn_fwd_kernel"].args["HAS_SINK"] is True
     _compile(planned["attn_fwd_kernel"])
     _compile(planned["attn_bwd_dsink_kernel"])
+
+
+def test_sm90_gluon_forward_with_the_row_max_compiles_without_spills():
+    """The Gluon forward writing each row's max logit (HAS_ROW_MAX: return_max_logit), one chunk and chunked."""
+    from transformer_engine.common.attention.launch_description import Slot
+
+    for seqlen in (4096, 8192):
+        cfg = AttnConfig(batch_size=1, num_heads_q=8, num_heads_kv=8, head_dim_qk=128, head_dim_v=128,
+                         max_seqlen_q=seqlen, max_seqlen_kv=seqlen, dtype="bfloat16",
+                         attn_mask_type=AttnMaskType.CAUSAL_MASK, deterministic=True, device_type="cuda",
+                         compute_capability=(9, 0))
+        call = contiguous_call(cfg, batch=1, seqlen=seqlen)
+        plan = dataclasses.replace(forward_plan(call.plan_key), kv_chunk=4096)
+        (x,) = forward_launches(call, plan, split=False)
+        assert x.name == "attn_fwd_ws_kernel"
+        x = dataclasses.replace(x, args=dict(x.args, HAS_ROW_MAX=True, ROW_MAX=Slot("row_max")))
+        kernel = _compile(x)
+        assert resources(kernel)["stack"] <= (_gluon_chunked_stack(False) if seqlen > 4096 else 0), resources(kernel)

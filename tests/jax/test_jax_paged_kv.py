@@ -25,6 +25,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from transformer_engine.common.attention import enums as common
+from transformer_engine.common.attention.plan import pages_keep_bits
 from transformer_engine.jax import attention as te_attention
 from transformer_engine.jax import inference
 from transformer_engine.jax.attention import SequenceDescriptor, fused_attn
@@ -129,11 +130,11 @@ def test_paged_rows_equal_non_paged_and_training_rows(name, page_size, fmt):
                                                             softmax_type=softmax_type, softmax_offset=offset,
                                                             qkv_format=fmt, _backend=BACKEND))
     q, k, v, n, _ = next(_steps(seqs, plan, fmt, len(seqs)))
-    static = inference._contiguous_call(q, paged, n, fmt, AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK,
+    contiguous = inference._contiguous_call(q, paged, n, fmt, AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK,
                                         dict(softmax_type=softmax_type, scaling_factor=None, is_training=False,
                                              window_size=window, softmax_offset=offset,
-                                             bottom_right_diagonal=True)).static
-    reads_pages = inference.fused_reads_pages(static, d, d, dtype)
+                                             bottom_right_diagonal=True))
+    reads_pages = pages_keep_bits(contiguous.config)
     assert _uses_paged(step, q, k, v, paged, n) == reads_pages
     assert not _uses_paged(step, q, k, v, flat, n)
     assert reads_pages or ON_GPU  # on CPU no Gluon plan: the paged primitive always

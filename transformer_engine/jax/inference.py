@@ -36,7 +36,7 @@ the step's format, nor on where a paged cache keeps the tokens.
 Paged caches (:func:`init_paged_kv_cache`): a pool ``[num_pages, page_size, h_kv, d]`` and a page table
 ``[max_batch_size, pages_per_sequence]`` (``-1``: no page yet; the host may assign pages as sequences grow,
 :meth:`KVCache.replace`). Where the fused backend runs the step and the same call on gathered rows plans no
-Gluon forward (:func:`fused_reads_pages`, PyTorch's rule), the Triton forward reads the keys and values through
+Gluon forward (``plan.pages_keep_bits``, as PyTorch), the Triton forward reads the keys and values through
 the page table in place (:func:`transformer_engine.jax.primitives.paged.fused_attn_paged`), with the bits of the
 gathered call; elsewhere (Hopper's Gluon configs, the unfused backend) each step gathers the slots' pages into
 contiguous rows (a copy of the cached keys and values per layer and step) before the same call.
@@ -51,10 +51,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_engine.common.attention import enums as _common
-from transformer_engine.common.attention import launch_description
 from transformer_engine.common.attention.backends import FusedAttention, backend_named
-from transformer_engine.common.attention.plan import forward_plan
+from transformer_engine.common.attention.plan import pages_keep_bits
 from transformer_engine.jax import attention as _attention
 from transformer_engine.jax.attention import SequenceDescriptor, _FusedAttnArgs
 from transformer_engine.jax.enums import AttnBiasType, AttnMaskType, AttnSoftmaxType, QKVLayout
@@ -351,21 +349,9 @@ def _contiguous_call(q, cache: KVCache, step_lens, fmt: str, mask: AttnMaskType,
     return parsed[0]
 
 
-def fused_reads_pages(static, head_dim_qk: int, head_dim_v: int, dtype) -> bool:
-    """Whether the fused forward reads a paged step's pages in place with the bits of the same call on gathered
-    rows (``static``: the gathered call's parameters): only the Triton forward follows a page table, so not where
-    that call's plan has the Gluon forward, whose products are blocked differently (Hopper's fp16/bf16 plain
-    configs). PyTorch's InferenceParams decides by the same rule."""
-    device_type, arch = _attention._device_facts()
-    device = dict(device_type=device_type, **_attention._arch_fields(arch))
-    key = launch_description.plan_key(static, head_dim_qk, head_dim_v, jnp.dtype(dtype).name,
-                                      _common.AttnBiasType.NO_BIAS, device)
-    return forward_plan(key).warp_specialized is None
-
-
 def _step_attention(q, cache: KVCache, step_lens, fmt: str, mask: AttnMaskType, kw, backend=None):
     """The step's attention rows (q's format): on a paged cache where the fused backend runs and reads the pages
-    in place (:func:`fused_reads_pages`), the paged forward on the pools and the page table; otherwise the call on
+    in place (``plan.pages_keep_bits``), the paged forward on the pools and the page table; otherwise the call on
     the slots' rows (a paged cache's pages gathered). ``backend``: a backend name ('fused', 'unfused') instead of
     the selection (tests)."""
     if not cache.is_paged:  # the slots' rows in place
@@ -379,7 +365,7 @@ def _step_attention(q, cache: KVCache, step_lens, fmt: str, mask: AttnMaskType, 
               else backend_named(backend, _attention._CANDIDATES))
     if issubclass(runner, FusedAttention):
         static = contiguous.static
-        if fused_reads_pages(static, q.shape[-1], cache.v.shape[-1], q.dtype):
+        if pages_keep_bits(contiguous.config):
             t = q.shape[0] if fmt == "thd" else q.shape[1]
             descriptor, m = _step_descriptor(cache, step_lens, fmt, t)
             rows = q.shape[0] if fmt == "bshd" else 1

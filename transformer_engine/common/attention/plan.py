@@ -500,7 +500,7 @@ def trace_forward(config: Config, override: Optional[Tiles] = None) -> Tuple[For
         # The Gluon forward reads K/V through TMA descriptors of contiguous rows; a paged call's rows come from
         # its page table, row by row, which only the Triton forward follows. Its products are blocked unlike the
         # Gluon forward's, so its bits are not the contiguous calls': the frontends gather such a config's pages
-        # instead (inference.fused_reads_pages) and this plan serves direct kernel calls only.
+        # instead (pages_keep_bits) and this plan serves direct kernel calls only.
         ws, trace.gluon_off["warp_specialized"] = None, (
             "a paged KV cache: the Gluon forward reads contiguous K/V rows through TMA descriptors, the Triton "
             "forward follows the page table")
@@ -522,6 +522,14 @@ def forward_plan(config: Config, override: Optional[Tiles] = None) -> ForwardPla
     """The forward's tiles for ``config`` (an AttnConfig or its PlanKey); ``override``: these Triton tiles
     instead (measurements)."""
     return trace_forward(config, override)[0]
+
+
+def pages_keep_bits(config: Config) -> bool:
+    """Whether the forward reading a paged KV cache through its page table gives ``config``'s bits (those of the
+    same call on the pages gathered into rows): only the Triton forward follows a page table, so not where the
+    contiguous call runs the Gluon forward, whose products are blocked differently (Hopper's fp16/bf16 plain
+    configs). Both frontends gather such a config's pages instead."""
+    return forward_plan(dataclasses.replace(plan_key(config), paged_kv=False)).warp_specialized is None
 
 
 def _qk_blocks(config: PlanKey, arch: Optional[ArchTables]) -> Tuple[int, int]:

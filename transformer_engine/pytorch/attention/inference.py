@@ -33,7 +33,7 @@ read in place (no copy). Because the kernel's sequences must lie in increasing c
 queries are permuted into that order and the output back (copies of the step's rows only).
 
 Paged cache: ``[total_num_pages, page_size, h_kv, d]`` with a page table. Where the fused backend runs the
-step on its Triton forward (every config but Hopper's Gluon ones: :func:`fused_reads_pages`), the forward reads
+step on its Triton forward (every config but Hopper's Gluon ones: ``plan.pages_keep_bits``), the forward reads
 each key and value through the step's page table in place (``PagedKVCacheManager``'s
 ``step_page_table``: the step's sequences' pages in step order), with no copy and no permutation; a row's bits
 are those of the same call on the pages gathered into contiguous rows. The other backends, and a step that
@@ -56,6 +56,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Uni
 import torch
 
 from transformer_engine.common.attention import AttnBiasType, AttnMaskType, FusedAttention, QKVFormat
+from transformer_engine.common.attention.plan import pages_keep_bits
 from transformer_engine.pytorch.attention.buffers import host_values
 from transformer_engine.pytorch.attention.config import can_sync
 
@@ -662,22 +663,14 @@ class _PagedStep:
     gather: Callable[[], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
     def run(self, backend, q, k, v, call):
-        if issubclass(backend, FusedAttention) and fused_reads_pages(q, k, v, call):
+        from transformer_engine.pytorch.attention import kernel_runner
+
+        if issubclass(backend, FusedAttention) and pages_keep_bits(kernel_runner.plan_key(q, k, v, call)):
             params = dataclasses.replace(call.params, kv_page_size=self.page_size)
             return backend.run(q, k, v, dataclasses.replace(call, params=params, page_table=self.page_table,
                                                             cu_seqlens_kv_padded=None))
         k_rows, v_rows, padded = self.gather()
         return backend.run(q, k_rows, v_rows, dataclasses.replace(call, cu_seqlens_kv_padded=padded))
-
-
-def fused_reads_pages(q, k, v, call) -> bool:
-    """Whether the fused forward reads this step's pages in place with the bits of the same call on gathered
-    rows: only the Triton forward follows a page table, so not where the plan of the gathered (contiguous)
-    call has the Gluon forward, whose products are blocked differently (Hopper's fp16/bf16 plain configs)."""
-    from transformer_engine.common.attention.plan import forward_plan
-    from transformer_engine.pytorch.attention import kernel_runner
-
-    return forward_plan(kernel_runner.plan_key(q, k, v, call)).warp_specialized is None
 
 
 # The paged step DotProductAttention's forward runs inside cached_attention (None elsewhere).

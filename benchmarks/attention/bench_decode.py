@@ -1,5 +1,6 @@
 """Decode benchmark: one new token per sequence against a KV cache, ours (bitwise the training forward's rows)
-next to torch SDPA's decode and flash-attn's ``flash_attn_with_kvcache`` where installed.
+next to torch SDPA's decode, flash-attn's ``flash_attn_with_kvcache`` and flash-attn-4's varlen forward
+(``flash4``, ``flash4_paged``) where installed.
 
 Run on the GPU machine: ``python benchmarks/attention/bench_decode.py --out benchmarks/results/decode``;
 ``--smoke`` runs a tiny grid on any device (the script's own check, not a measurement).
@@ -120,6 +121,26 @@ def flash_kvcache(b, s, dtype, device):
     return bench_ms(lambda: flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, causal=True))
 
 
+def flash4_decode(b, s, dtype, device, page_size=0):
+    """flash-attn-4's varlen forward as a decode step (one query row per sequence, ``seqused_k`` lengths), with
+    its split heuristic (``num_splits=0``: its fastest setting for decode; the bits then depend on the grid);
+    ``page_size`` > 0: the cache as pages read through ``page_table``."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    g = torch.Generator(device=device).manual_seed(4)
+    q = torch.randn(b, HEADS, DIM, device=device, dtype=dtype, generator=g)
+    cu_q = torch.arange(b + 1, device=device, dtype=torch.int32)
+    lens = torch.full((b,), s + 1, dtype=torch.int32, device=device)
+    options = dict(cu_seqlens_q=cu_q, max_seqlen_q=1, seqused_k=lens, causal=True, num_splits=0)
+    if page_size:
+        pages = -(-(s + 1) // page_size)
+        k, v = torch.randn(2, b * pages, page_size, KV_HEADS, DIM, device=device, dtype=dtype, generator=g)
+        options["page_table"] = torch.randperm(b * pages, device=device, generator=g).to(torch.int32).view(b, pages)
+    else:
+        k, v = torch.randn(2, b, s + 1, KV_HEADS, DIM, device=device, dtype=dtype, generator=g)
+    return bench_ms(lambda: flash_attn_varlen_func(q, k, v, **options))
+
+
 def main():
     global DIM
     ap = argparse.ArgumentParser()
@@ -189,6 +210,15 @@ def main():
             except Exception as err:
                 rows.append(dict(batch=b, context=s, backend="flash_attn_kvcache",
                                  error=f"{type(err).__name__}: {str(err)[:80]}"))
+            for name, page_size in (("flash4", 0), ("flash4_paged", args.page_size)):
+                if name == "flash4_paged" and not page_size:
+                    continue
+                try:
+                    row(name, flash4_decode(b, s, dtype, device, page_size))
+                except ImportError:
+                    break
+                except Exception as err:
+                    rows.append(dict(batch=b, context=s, backend=name, error=f"{type(err).__name__}: {str(err)[:80]}"))
         if device.type == "cuda":
             torch.cuda.empty_cache()
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"

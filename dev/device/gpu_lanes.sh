@@ -25,7 +25,9 @@
 # warp-specialized form, ordered_dq_ws.py); 2-GPU: tp (torchrun tensor-parallel heads), jaxmesh (tests/jax/test_jax_two_device_mesh.py); several GPUs: qa:L1_distributed
 # (context parallelism at CP 2/4/8 up to the GPU count and TP 2 over NCCL; QA_CP_SIZES, QA_CP_SUITES), cpscale
 # (benchmarks/attention/bench_cp_scaling.py over every GPU: CP against one GPU at equal tokens, traces; CPSCALE_ARGS),
-# cpscalejax (the same for JAX: bench_cp_scaling_jax.py).
+# cpscalejax (the same for JAX: bench_cp_scaling_jax.py), kvbench (bench_kv_chunk.py and bench_decode.py; DECODE_ARGS),
+# hostbench (bench_host_time.py --compile), clients (megatron-core's tests, its wheel carried in .whl/clients;
+# CLIENT_TESTS), stage (a part of another Triton release: install_triton.sh stage, and install once all three are there).
 # Limits per section come from <SECTION>_TIMEOUT (seconds); the defaults suit a 600 s call. CORE_ARGS: extra
 # bench_core.py arguments; GPU1: the second lane's GPU (default 1; 0 on a one-GPU machine); sleep:N waits;
 # env:NAME=VALUE exports a variable for the lane's later sections (a forced plan: env:NVTE_FUSED_ATTN_PLAN_ARCH=sm80);
@@ -184,6 +186,27 @@ section() {
       timeout "$(limit HOSTTIME 90)" python3 dev/tuning/host_time.py --calls 100 --launch --profile --trace "$d/host_trace.json" \
         > "$d/hostprofile.log" 2>&1
       note "host time rc=$? $(grep -c 'fwd+bwd' "$d/hosttime.log") step lines" ;;
+    kvbench)  # the inference benchmarks: bench_kv_chunk.py (the chunked sum's cost) and bench_decode.py; DECODE_ARGS
+      (cd benchmarks/attention && timeout "$(limit KVCHUNK 120)" python3 bench_kv_chunk.py --out "$d/kv_chunk") \
+        > "$d/kv_chunk.log" 2>&1
+      note "kv_chunk bench rc=$? $(tail -1 "$d/kv_chunk.log")"
+      (cd benchmarks/attention && timeout "$(limit DECODE 200)" python3 bench_decode.py --out "$d/decode" \
+        ${DECODE_ARGS:---grid 1:8192,1:32768,1:131072,16:32768,64:8192 --page-size 16}) > "$d/decode.log" 2>&1
+      note "decode bench rc=$? $(tail -1 "$d/decode.log")" ;;
+    hostbench)  # benchmarks/attention/bench_host_time.py (eager and torch.compile), side by side with the peers
+      (cd benchmarks/attention && timeout "$(limit HOSTBENCH 150)" python3 bench_host_time.py --compile) \
+        > "$d/host_time.log" 2>&1
+      note "host time bench rc=$? $(grep -c . "$d/host_time.log") lines" ;;
+    clients)  # the TE clients' tests with their wheels carried in .whl/clients (megatron-core): CLIENT_TESTS
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_clients .whl/clients/*.whl \
+        > "$d/clients_install.log" 2>&1
+      PYTHONPATH=/tmp/site_clients:$PYTHONPATH timeout "$(limit CLIENTS 200)" python3 -m pytest -q -p no:cacheprovider \
+        ${CLIENT_TESTS:-tests/pytorch/test_megatron_inference.py tests/pytorch/test_megatron_gpt.py} > "$d/clients.log" 2>&1
+      note "clients rc=$? $(tail -1 "$d/clients.log")" ;;
+    stage)  # a carried part of another Triton release (install_triton.sh stage; the last part also installs)
+      bash dev/device/install_triton.sh stage > "$d/stage.log" 2>&1
+      [ "$(ls /tmp/triton_parts/triton.tar.xz.part* 2>/dev/null | wc -l)" = 3 ] && bash dev/device/install_triton.sh install >> "$d/stage.log" 2>&1
+      note "stage $(tail -1 "$d/stage.log")" ;;
     env:*) export "${s#env:}"; note "export ${s#env:}" ;;
     triton:*)  # triton:/tmp/site_triton: another Triton release first on the path for the lane's later sections
       export PYTHONPATH="${s#triton:}:$PYTHONPATH"

@@ -143,8 +143,9 @@ def test_paged_rows_equal_non_paged_and_training_rows(name, page_size, fmt):
     for i, (g, w) in enumerate(zip(got, want)):
         np.testing.assert_array_equal(g, w, err_msg=f"sequence {i}: paged != non-paged")
     if ON_GPU:  # the jnp lowering of the fused primitives (CPU) is not padding-invariant: the kernels are
+        # The plan may serve a prefix of a sequence: causal rows are the training forward's on the whole one.
         for i, (g, e) in enumerate(zip(got, _training_rows(seqs, window, softmax_type, offset))):
-            np.testing.assert_array_equal(g, e, err_msg=f"sequence {i}: paged != training")
+            np.testing.assert_array_equal(g, e[:len(g)], err_msg=f"sequence {i}: paged != training")
 
 
 def test_unfused_backend_gathers():
@@ -328,7 +329,7 @@ def test_pytorch_and_jax_paged_steps_give_the_same_bits():
     from transformer_engine.pytorch import DotProductAttention
     from transformer_engine.pytorch.attention.inference import InferenceParams
 
-    h, hk, d, lens, page = 8, 2, 64, (700, 300), 64
+    h, hk, d, lens, page = 8, 2, 64, (702, 300), 64  # the plan below serves every token
     seqs = _sequences(lens, h, hk, d, jnp.bfloat16, seed=7)
     width = 1024
     _, cache = _caches(2, width, page, hk, d, jnp.bfloat16, seed=7)

@@ -23,14 +23,15 @@ H = 4
 def _inputs(fmt: str, d: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     shape = (2 * 96, H, d) if fmt == "thd" else (2, 96, H, d)
-    return [torch.randn(shape, generator=g).to("cuda", torch.bfloat16) for _ in range(4)]  # q, k, v, d_out
+    out_shape = shape[:-2] + (H * d,)  # the module's output merges the heads
+    return [torch.randn(s, generator=g).to("cuda", torch.bfloat16) for s in (shape, shape, shape, out_shape)]
 
 
 def _kwargs(fmt: str):
     if fmt != "thd":
         return {}
-    cu = torch.tensor([0, 70, 160], dtype=torch.int32, device="cuda")
-    return dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=90, max_seqlen_kv=90)
+    cu = torch.tensor([0, 70, 2 * 96], dtype=torch.int32, device="cuda")
+    return dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=122, max_seqlen_kv=122)
 
 
 def _step(dpa, q, k, v, d_out, kwargs):

@@ -489,6 +489,10 @@ def trace_forward(config: Config, override: Optional[Tiles] = None) -> Tuple[For
             tiles, row = arch.fp32_large[0], f"{arch.name}.fp32_large[fwd]"
         else:
             tiles, row = _fp32_clamp(tiles, 64, 32), row + ", clamped for fp32 (at most 64x32, one stage)"
+    if config.paged_kv and arch is not None and arch.vendor == "nvidia" and tiles.num_stages > 2:
+        # Triton 3.6's ptxas crashes (SIGSEGV) on the three-stage pipeline of the page-table loads (sm_90, d=32,
+        # packed sequences); stages only schedule the loads, so the sum, and the bits, are the same.
+        tiles, row = dataclasses.replace(tiles, num_stages=2), row + ", at most two stages for a paged cache"
     trace.rows["tiles"] = row
     if override is not None:  # an explicit Triton tile override measures the Triton kernel
         ws, trace.gluon_off["warp_specialized"] = None, "a Triton tile override"

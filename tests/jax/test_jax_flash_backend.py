@@ -43,6 +43,8 @@ from transformer_engine.jax.sharding import MeshResource, global_shard_guard  # 
 
 ON_CPU = jax.devices()[0].platform == "cpu"
 cpu_only = pytest.mark.skipif(not ON_CPU, reason="CPU facts (the stand-in flash-attn-4, no GPU)")
+# The stand-in computes on CPU tensors; on a GPU, test_jax_flash_backend_gpu.py runs flash-attn-4 itself.
+route = pytest.mark.skipif(not ON_CPU, reason="the stand-in flash-attn-4 runs on CPU buffers")
 
 
 # -- the stand-in flash_attn.cute.interface -----------------------------------------------------------
@@ -360,6 +362,7 @@ def _self_attention_segments(seed, b, s, m):
     return seg, seg
 
 
+@route
 @pytest.mark.parametrize("name", list(CASES))
 def test_route_gives_transformer_engine_semantics(fake_flash, name):
     """Output and gradients of fused_attn on the flash backend equal the fp64 reference, padded and gap rows
@@ -373,6 +376,7 @@ def test_route_gives_transformer_engine_semantics(fake_flash, name):
     assert [c["func"] for c in fake_flash.calls] == ["fwd", "bwd"]
 
 
+@route
 @pytest.mark.parametrize("layout", [QKVLayout.BSHD_BSHD_BSHD, QKVLayout.THD_THD_THD])
 def test_top_left_padding_causal_self_attention(fake_flash, layout):
     """One length array for q and kv: top-left equals bottom-right, and the route runs it."""
@@ -383,6 +387,7 @@ def test_top_left_padding_causal_self_attention(fake_flash, layout):
     case.check_reference(case.run())
 
 
+@route
 def test_arguments_passed_to_flash_attn_4(fake_flash, monkeypatch):
     """The varlen call: starts r * s + offset, seqused the lengths, max_seqlen the row length, the LSE as
     [h, b * s]; deterministic mode reaches the backward; softcap 0 and one split, as PyTorch passes."""
@@ -411,6 +416,7 @@ def test_arguments_passed_to_flash_attn_4(fake_flash, monkeypatch):
     assert bwd["deterministic"] is True and bwd["softcap"] == 0.0 and bwd["window"] == (3, None)
 
 
+@route
 def test_dense_call_and_nondeterministic_backward(fake_flash):
     q, k, v = random_qkv(jax.random.PRNGKey(6), 2, 16, 16, 4, 4, 16, 16, jnp.float32)
 
@@ -426,6 +432,7 @@ def test_dense_call_and_nondeterministic_backward(fake_flash):
     assert bwd["deterministic"] is False
 
 
+@route
 def test_negative_scale_runs_on_minus_q(fake_flash):
     """flash-attn-4 gets a positive scale; q carries the sign (the fused path's rule), and dq comes back."""
     case = make_case("flash", dtype=jnp.float32, mask=AttnMaskType.NO_MASK)
@@ -435,6 +442,7 @@ def test_negative_scale_runs_on_minus_q(fake_flash):
     assert fake_flash.calls[0]["softmax_scale"] > 0
 
 
+@route
 def test_forced_through_fused_attn_on_a_pretended_hopper(fake_flash, monkeypatch):
     """NVTE_FUSED_ATTN_BACKEND=flash: selection accepts it (Hopper, available) and fused_attn runs the route."""
     monkeypatch.setattr(te_attention, "_device_facts", lambda: ("cuda", (9, 0)))
@@ -447,6 +455,7 @@ def test_forced_through_fused_attn_on_a_pretended_hopper(fake_flash, monkeypatch
     case.check_reference(results)
 
 
+@route
 def test_vmap_runs_each_instance(fake_flash):
     q, k, v = random_qkv(jax.random.PRNGKey(7), 3, 16, 16, 4, 4, 16, 16, jnp.float32)
 
@@ -461,6 +470,7 @@ def test_vmap_runs_each_instance(fake_flash):
     np.testing.assert_allclose(np.asarray(grads[:, 0]), np.asarray(ref), rtol=1e-6, atol=1e-6)
 
 
+@route
 def test_remat_recomputes_through_the_route(fake_flash):
     q, k, v = random_qkv(jax.random.PRNGKey(8), 2, 16, 16, 4, 4, 16, 16, jnp.float32)
 
@@ -476,6 +486,7 @@ def test_remat_recomputes_through_the_route(fake_flash):
     assert [c["func"] for c in fake_flash.calls] == ["fwd", "bwd"]  # recomputed inside the backward pass
 
 
+@route
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 devices (XLA_FLAGS host device count)")
 def test_mesh_splits_batch_and_heads(fake_flash):
     """With a dp x tp mesh and MeshResource, each device calls flash-attn-4 on its own rows and heads

@@ -181,7 +181,15 @@ def test_thd_pytorch_and_jax_are_bitwise_equal(deterministic, mask, torch_mask, 
 
     def cu(seg):
         lens = seg.lens.reshape(-1)
-        starts = (np.arange(b)[:, None] * seg.seqlen + seg.starts).reshape(-1)
+        starts = seg.starts.copy()
+        for r in range(b):  # an empty segment starts where the ones before it end, as the descriptor reads it
+            end = 0
+            for j in range(m):
+                if seg.lens[r, j] == 0:
+                    starts[r, j] = end
+                else:
+                    end = starts[r, j] + seg.lens[r, j]
+        starts = (np.arange(b)[:, None] * seg.seqlen + starts).reshape(-1)
         cu_seqlens = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device="cuda")
         padded = torch.tensor(np.concatenate([starts, [b * seg.seqlen]]), dtype=torch.int32, device="cuda")
         return cu_seqlens, padded

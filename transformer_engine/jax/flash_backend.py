@@ -36,6 +36,7 @@ import contextlib
 import functools
 import importlib
 import inspect
+import threading
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -176,20 +177,26 @@ def flash_static(static) -> Tuple[FlashStatic, float]:
 # ================================================================================================
 
 _KDL_CPU = 1
+# XLA runs the callbacks of a multi-device program on one thread per device. flash-attn-4's compile caches,
+# the CuTe DSL compiler and Triton's launcher (and its interpreter) are not known to be thread-safe: one call
+# at a time. Launches are asynchronous, so this serializes host work only.
+_CALL_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
 def _on_xla_stream(ctx, buffer):
-    """Torch's current device and stream are XLA's for the block (GPU buffers); nothing on CPU (tests)."""
+    """Torch's current device and stream are XLA's for the block (GPU buffers; nothing to set on CPU, for
+    tests), one callback at a time."""
     import torch
 
     device_type, device_id = buffer.__dlpack_device__()
-    if device_type == _KDL_CPU:
-        yield
-        return
-    device = torch.device("cuda", device_id)
-    with torch.cuda.device(device), torch.cuda.stream(torch.cuda.ExternalStream(ctx.stream, device=device)):
-        yield
+    with _CALL_LOCK:
+        if device_type == _KDL_CPU:
+            yield
+            return
+        device = torch.device("cuda", device_id)
+        with torch.cuda.device(device), torch.cuda.stream(torch.cuda.ExternalStream(ctx.stream, device=device)):
+            yield
 
 
 def _tensors(*buffers):

@@ -35,7 +35,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import importlib.util
 import inspect
+import sys
 import threading
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -84,6 +86,14 @@ def _import_error() -> Optional[str]:
         importlib.import_module("jax.experimental.buffer_callback")
     except ImportError as err:
         return f"jax {jax.__version__} has no jax.experimental.buffer_callback ({err})"
+    try:  # before torch: a JAX process without flash-attn-4 never imports torch for this
+        found = importlib.util.find_spec("flash_attn") is not None
+    except ValueError:  # imported already, without a spec
+        found = sys.modules.get("flash_attn") is not None
+    except ImportError:
+        found = False
+    if not found:
+        return "flash-attn-4 is not installed (pip install .[flash])"
     try:
         importlib.import_module("torch")
     except ImportError:

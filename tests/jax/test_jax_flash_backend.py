@@ -309,7 +309,8 @@ def test_disabled_by_nvte_flash_attn(pretend_hopper, monkeypatch):
 
 def test_top_left_padding_causal_needs_one_length_array(pretend_hopper):
     lens = jnp.array([S, 77], jnp.int32)
-    one = _select(_args(mask=AttnMaskType.PADDING_CAUSAL_MASK, sequence_descriptor=SequenceDescriptor.from_seqlens(lens)))
+    one = _select(_args(mask=AttnMaskType.PADDING_CAUSAL_MASK,
+                        sequence_descriptor=SequenceDescriptor.from_seqlens(lens)))
     assert one.name == "FlashAttention", one.rejected
     two = _select(_args(mask=AttnMaskType.PADDING_CAUSAL_MASK,
                         sequence_descriptor=SequenceDescriptor.from_seqlens((lens, lens + 0))))
@@ -367,8 +368,8 @@ def _self_attention_segments(seed, b, s, m):
 def test_route_gives_transformer_engine_semantics(fake_flash, name):
     """Output and gradients of fused_attn on the flash backend equal the fp64 reference, padded and gap rows
     included (the stand-in leaves NaN there: the route must clear them)."""
-    case = make_case("flash", dtype=jnp.float32, b=2, s_q=CASES[name].get("s_q", 32),
-                     s_kv=CASES[name].get("s_kv", 32), **{k: v for k, v in CASES[name].items() if k not in ("s_q", "s_kv")})
+    config = dict(CASES[name])
+    case = make_case("flash", dtype=jnp.float32, b=2, s_q=config.pop("s_q", 32), s_kv=config.pop("s_kv", 32), **config)
     results = case.run()
     for value in results.values():
         assert value is None or bool(jnp.all(jnp.isfinite(value)))
@@ -382,8 +383,8 @@ def test_top_left_padding_causal_self_attention(fake_flash, layout):
     """One length array for q and kv: top-left equals bottom-right, and the route runs it."""
     thd = layout == QKVLayout.THD_THD_THD
     segments = _self_attention_segments(3, 2, 32, 3 if thd else 1)
-    case = make_case("flash", layout=layout, mask=AttnMaskType.PADDING_CAUSAL_MASK, dtype=jnp.float32, m=3 if thd else 1,
-                     desc_kind="offsets" if thd else "seqlens", segments=segments, h_q=4, h_kv=2)
+    case = make_case("flash", layout=layout, mask=AttnMaskType.PADDING_CAUSAL_MASK, dtype=jnp.float32,
+                     m=3 if thd else 1, desc_kind="offsets" if thd else "seqlens", segments=segments, h_q=4, h_kv=2)
     case.check_reference(case.run())
 
 

@@ -173,8 +173,8 @@ def test_thd_pytorch_and_jax_are_bitwise_equal(deterministic, mask, torch_mask, 
     if seg_kv is seg_q:
         desc = SequenceDescriptor.from_seqlens_and_offsets(jnp.asarray(seg_q.lens), jnp.asarray(seg_q.offsets))
     else:
-        desc = SequenceDescriptor.from_seqlens_and_offsets(
-            (jnp.asarray(seg_q.lens), jnp.asarray(seg_kv.lens)), (jnp.asarray(seg_q.offsets), jnp.asarray(seg_kv.offsets)))
+        desc = SequenceDescriptor.from_seqlens_and_offsets((jnp.asarray(seg_q.lens), jnp.asarray(seg_kv.lens)),
+                                                           (jnp.asarray(seg_q.offsets), jnp.asarray(seg_kv.offsets)))
     f = _jax_flash(mask, layout=QKVLayout.THD_THD_THD, desc=desc, scale=d**-0.5, window=window, m=m,
                    bottom_right_diagonal=True if window is not None else None)
     jax_res = _jax_grads(f, q, k, v, dout)

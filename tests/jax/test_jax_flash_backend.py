@@ -513,3 +513,36 @@ def test_mesh_splits_batch_and_heads(fake_flash):
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=1e-6, atol=1e-6)
     for a, r in zip(grads, ref_grads):
         np.testing.assert_allclose(np.asarray(a), np.asarray(r), rtol=1e-6, atol=1e-6)
+
+
+@route
+def test_eager_calls_do_not_recompile(fake_flash):
+    """The callback is part of JAX's cache key for an eager call: one object per configuration, so the second
+    eager call reuses the first one's executable."""
+    import logging
+
+    q, k, v = random_qkv(jax.random.PRNGKey(10), 2, 16, 16, 4, 4, 16, 16, jnp.float32)
+
+    def f(q):
+        return te_testing.fused_attn_with_backend("flash", (q, k, v), None, None, None, AttnBiasType.NO_BIAS,
+                                                  AttnMaskType.CAUSAL_MASK, QKVLayout.BSHD_BSHD_BSHD, 0.25)
+
+    f(q)
+    messages = []
+
+    class Records(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    handler, logger = Records(logging.DEBUG), logging.getLogger("jax")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        with jax.log_compiles(True):
+            f(q)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert not [m for m in messages if m.startswith("Compiling") and "buffer_callback" in m], messages
+    assert [c["func"] for c in fake_flash.calls] == ["fwd", "fwd"]

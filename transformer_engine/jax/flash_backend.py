@@ -280,6 +280,13 @@ def _buffer_callback(callback, results):
     return buffer_callback(callback, results, vmap_method="sequential")
 
 
+@functools.lru_cache(maxsize=None)
+def _callbacks(static: FlashStatic):
+    """The (forward, backward) callbacks of ``static``: one object per configuration, so that an eager call
+    finds the executable compiled for the last one (the callback is part of what JAX caches it by)."""
+    return functools.partial(_fwd_callback, static), functools.partial(_bwd_callback, static)
+
+
 def _lse_shape(static: FlashStatic, q) -> Tuple[int, ...]:
     b, s_q, h = q.shape[:3]
     return (h, b, s_q) if static.varlen else (b, h, s_q)
@@ -305,13 +312,13 @@ def _vary_like(results, operands):
 def _fwd(static: FlashStatic, q, k, v, seqs):
     results = (jax.ShapeDtypeStruct((*q.shape[:3], v.shape[3]), q.dtype),
                jax.ShapeDtypeStruct(_lse_shape(static, q), jnp.float32))
-    out = _buffer_callback(functools.partial(_fwd_callback, static), results)(q, k, v, *seqs)
+    out = _buffer_callback(_callbacks(static)[0], results)(q, k, v, *seqs)
     return _vary_like(out, (q, k, v, *seqs))
 
 
 def _bwd(static: FlashStatic, q, k, v, out, dout, lse, seqs):
     results = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
-    grads = _buffer_callback(functools.partial(_bwd_callback, static), results)(q, k, v, out, dout, lse, *seqs)
+    grads = _buffer_callback(_callbacks(static)[1], results)(q, k, v, out, dout, lse, *seqs)
     return _vary_like(grads, (q, k, v, out, dout, lse, *seqs))
 
 

@@ -10,6 +10,8 @@
 #   .whl/fa4/part2   second half + SHA256SUMS          (call 2)
 # Already on the GPU machine (not carried): torch, einops, cuda-bindings, cuda-pathfinder, protobuf,
 # typing-extensions (the device documentation's package list).
+# JAX (transformer_engine/jax/flash_backend.py) calls the same flash-attn-4 through the machine's own jax
+# 0.11.2 (jax.experimental.buffer_callback, in jax since 0.7) and torch: no wheel beyond these.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 

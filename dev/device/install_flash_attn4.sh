@@ -53,6 +53,10 @@ import importlib.metadata as md
 print(f"phase2: import flash_attn.cute ok ({time.time() - t:.1f} s); flash-attn-4 {md.version('flash-attn-4')}, "
       f"nvidia-cutlass-dsl {md.version('nvidia-cutlass-dsl')}, quack-kernels {md.version('quack-kernels')}")
 EOF
+  # The JAX route (transformer_engine/jax/flash_backend.py) needs nothing more: say whether it can run.
+  PYTHONPATH=$PWD:$PYTHONPATH python3 -c "from transformer_engine.jax import flash_backend as f; \
+r = f.unavailable_reason(); print('phase2: JAX route ' + ('available' if r is None else 'unavailable: ' + r))" \
+    || echo "phase2: JAX route not checked (transformer_engine.jax did not import)"
 }
 
 fa4_env() {

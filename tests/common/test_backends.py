@@ -31,7 +31,7 @@ def test_identities_are_unique():
 
 
 def test_backends_per_framework_and_by_name():
-    assert backends_for("jax") == (FusedAttention, UnfusedDotProductAttention)
+    assert backends_for("jax") == (FlashAttention, FusedAttention, UnfusedDotProductAttention)
     assert backends_for("pytorch") == (FlashAttention, FusedAttention, UnfusedDotProductAttention)
     assert backend_named("fused") is FusedAttention
     assert backend_named("FlashAttention") is FlashAttention

@@ -31,6 +31,7 @@ def _clean_attention_env(monkeypatch):
     for name in (
         "NVTE_ALLOW_NONDETERMINISTIC_ALGO",
         "NVTE_FUSED_ATTN",
+        "NVTE_FLASH_ATTN",
         "NVTE_UNFUSED_ATTN",
         "NVTE_FUSED_ATTN_BACKEND",
         "NVTE_DEBUG",

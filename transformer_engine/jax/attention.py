@@ -12,8 +12,10 @@
                      scaling_factor=q.shape[-1] ** -0.5, dropout_probability=0.0, is_training=True)
 
 Each call builds one :class:`~transformer_engine.common.attention.AttnConfig` and picks a backend
-(``FusedAttention``: the project's Triton kernels on CUDA GPUs; ``UnfusedDotProductAttention``:
-jnp math) with the project's selection, logging why under ``NVTE_DEBUG=1``. Determinism is read
+(``FlashAttention``: flash-attn-4 on Hopper/Blackwell GPUs when installed,
+:mod:`transformer_engine.jax.flash_backend`; ``FusedAttention``: the project's Triton kernels on CUDA
+GPUs; ``UnfusedDotProductAttention``: jnp math) with the project's selection, logging why under
+``NVTE_DEBUG=1``. Determinism is read
 at trace time of each call: ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` or XLA's
 ``--xla_gpu_deterministic_ops=true`` (in ``XLA_FLAGS``) make the backward pass bitwise
 reproducible. Both backends work under ``jit``, ``grad``, ``vmap`` and ``remat``; the fused one
@@ -35,6 +37,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from transformer_engine.common import settings
 from transformer_engine.common.attention.backends import (
+    FlashAttention,
     FusedAttention,
     Selection,
     UnfusedDotProductAttention,
@@ -43,7 +46,7 @@ from transformer_engine.common.attention.backends import (
 from transformer_engine.common.attention import enums as _common
 from transformer_engine.common.attention.config import AttnConfig, gfx_target, normalize_window
 from transformer_engine.common.attention.validation import check_segments, check_softmax_scale
-from transformer_engine.jax import attention_math, context_parallel
+from transformer_engine.jax import attention_math, context_parallel, flash_backend
 from transformer_engine.jax.attention_math import SeqInfo
 from transformer_engine.jax.context_parallel import ContextParallel
 from transformer_engine.jax.enums import (
@@ -136,10 +139,20 @@ def _arch_fields(arch: Union[None, str, Tuple[int, int]]) -> Dict[str, object]:
 
 def _frontend_extra(device_type: str, attn_bias_type: _common.AttnBiasType, dropout: float,
                     is_training: bool,
-                    offset_sequences: bool = False, vendor: str = "nvidia") -> Tuple[Tuple[str, str], ...]:
-    """Reasons only the JAX frontend knows (FusedAttention reads them from ``config.extra``): the
-    device it can launch on, its launcher's build and what it wires to the kernels.
+                    offset_sequences: bool = False, vendor: str = "nvidia",
+                    compute_capability: Optional[Tuple[int, int]] = None, context_parallel_axis: bool = False,
+                    top_left_lengths_may_differ: bool = False) -> Tuple[Tuple[str, str], ...]:
+    """Reasons only the JAX frontend knows (the backends read them from ``config.extra``): FusedAttention's
+    device, launcher build and what it wires to the kernels; FlashAttention's (``flash_backend``).
     ``offset_sequences``: the call's padded sequences may start after token 0 of their row."""
+    flash = flash_backend.availability_reasons(device_type, vendor, compute_capability, context_parallel_axis,
+                                               top_left_lengths_may_differ)
+    return tuple((FlashAttention.NAME, r) for r in flash) + _fused_extra(
+        device_type, attn_bias_type, dropout, is_training, offset_sequences, vendor)
+
+
+def _fused_extra(device_type: str, attn_bias_type: _common.AttnBiasType, dropout: float, is_training: bool,
+                 offset_sequences: bool, vendor: str) -> Tuple[Tuple[str, str], ...]:
     if device_type != "cuda":
         return ((FusedAttention.NAME, f"device={device_type}: JAX launches the Triton kernels on CUDA GPUs only "
                  "(on CPU the fused primitives lower to jnp, for tests)"),)
@@ -171,13 +184,16 @@ def _bias_shape_name(bias_shape: Optional[Sequence[int]]) -> Optional[str]:
 
 
 def _make_config(*, dtype, bias_shape: Optional[Sequence[int]],
-                 offset_sequences: bool = False, **fields) -> AttnConfig:
+                 offset_sequences: bool = False, context_parallel_axis: bool = False,
+                 top_left_lengths_may_differ: bool = False, **fields) -> AttnConfig:
     """The AttnConfig of a call: ``fields`` as AttnConfig names them, plus what JAX knows now
     (device, determinism switch, the frontend's own reasons; see ``_frontend_extra``)."""
     device_type, arch = _device_facts()
     facts = _arch_fields(arch)
     extra = _frontend_extra(device_type, fields["attn_bias_type"], fields["dropout"], fields["is_training"],
-                            offset_sequences, vendor=facts["vendor"])
+                            offset_sequences, vendor=facts["vendor"], compute_capability=facts["compute_capability"],
+                            context_parallel_axis=context_parallel_axis,
+                            top_left_lengths_may_differ=top_left_lengths_may_differ)
     return AttnConfig(
         dtype=jnp.dtype(dtype).name,
         bias_shape=_bias_shape_name(bias_shape),
@@ -760,6 +776,18 @@ def _parse_sequences(descriptor, kinds: _Kinds, cp: Optional[ContextParallel], m
     return seq
 
 
+def _lengths_may_differ(descriptor, kinds: _Kinds) -> bool:
+    """Whether a padding mask's key/value lengths may differ from its query lengths: not when the
+    descriptor holds one array for both (``from_seqlens(lens)``; traced arguments of ``jit`` are two)."""
+    if not kinds.mask.is_padding or descriptor is None:
+        return False
+    for name in ("seqlens", "seq_offsets", "segment_ids"):
+        pair = getattr(descriptor, name)
+        if pair is not None and pair[0] is not pair[1]:
+            return True
+    return False
+
+
 def _has_offset_sequences(descriptor, kinds: _Kinds) -> bool:
     """Whether a BSHD/SBHD call's padded sequences may start after token 0 of their row (offsets
     or segment ids; see ``_frontend_extra``)."""
@@ -786,7 +814,8 @@ def _dropout_seeds(seed, dropout: float, is_training: bool, batch: int, heads: i
 
 
 def _call_config(args: _FusedAttnArgs, kinds: _Kinds, qkv, bias, window: Tuple[int, int], dropout: float,
-                 is_training: bool, offset_sequences: bool) -> AttnConfig:
+                 is_training: bool, offset_sequences: bool, context_parallel_axis: bool = False,
+                 top_left_lengths_may_differ: bool = False) -> AttnConfig:
     """The call's AttnConfig (what backend selection reads) from its parsed parts."""
     q, k, v = qkv
     return _make_config(
@@ -796,6 +825,7 @@ def _call_config(args: _FusedAttnArgs, kinds: _Kinds, qkv, bias, window: Tuple[i
         bottom_right_diagonal=args.bottom_right_diagonal, attn_bias_type=kinds.bias_type,
         bias_shape=None if bias is None else bias.shape, dropout=dropout, is_training=is_training,
         softmax_type=kinds.softmax_type, offset_sequences=offset_sequences, return_max_logit=args.return_max_logit,
+        context_parallel_axis=context_parallel_axis, top_left_lengths_may_differ=top_left_lengths_may_differ,
     )
 
 
@@ -825,7 +855,10 @@ def _parse_call(args: _FusedAttnArgs) -> _Call:
     softmax_offset = _check_softmax_offset(kinds.softmax_type, args.softmax_offset, q.shape[2])
     seeds = _dropout_seeds(args.seed, dropout, is_training, q.shape[0], q.shape[2])
     config = _call_config(args, kinds, (q, k, v), bias, window, dropout, is_training,
-                          offset_sequences=_has_offset_sequences(descriptor, kinds))
+                          offset_sequences=_has_offset_sequences(descriptor, kinds),
+                          context_parallel_axis=cp is not None,
+                          top_left_lengths_may_differ=(kinds.mask.is_top_left_causal
+                                                       and _lengths_may_differ(descriptor, kinds)))
     static = FusedAttnStatic(
         attn_mask_type=kinds.mask, attn_bias_type=kinds.bias_type, qkv_format=kinds.fmt, window_size=window,
         scaling_factor=scale, dropout_probability=dropout, is_training=is_training,
@@ -833,6 +866,14 @@ def _parse_call(args: _FusedAttnArgs) -> _Call:
         softmax_type=kinds.softmax_type, return_max_logit=bool(args.return_max_logit),
     )
     return _Call(q, k, v, bias, seq, seeds, softmax_offset, static, config, kinds.fmt, cp)
+
+
+class _FlashBackend(FlashAttention):
+    """flash-attn-4 (:mod:`transformer_engine.jax.flash_backend`)."""
+
+    @staticmethod
+    def run(call: _Call):
+        return flash_backend.flash_attention(call.q, call.k, call.v, call.seq, call.static)
 
 
 class _FusedBackend(FusedAttention):
@@ -864,7 +905,7 @@ class _UnfusedBackend(UnfusedDotProductAttention):
 
 
 # The JAX backends: the common registry's JAX backends (backends_for("jax")), in its order, with runners.
-_CANDIDATES = (_FusedBackend, _UnfusedBackend)
+_CANDIDATES = (_FlashBackend, _FusedBackend, _UnfusedBackend)
 
 
 def _run(call: _Call, backend):

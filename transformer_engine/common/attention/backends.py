@@ -191,9 +191,11 @@ class FusedAttention(AttentionBackend):
 
 
 class FlashAttention(AttentionBackend):
-    """flash-attn-4 (CuTe DSL), PyTorch only, Hopper and Blackwell: every fact about it that selection
-    and ordering read is here. Whether the package imports on this device the PyTorch frontend says
-    (its subclass in ``transformer_engine.pytorch.attention.backends``).
+    """flash-attn-4 (CuTe DSL), Hopper and Blackwell: every fact about it that selection and ordering
+    read is here, and how it takes TransformerEngine's window (:meth:`window_arguments`, which both
+    frontends pass it). Whether the package runs on this device each frontend says: PyTorch in its
+    subclass (``transformer_engine.pytorch.attention.backends``), JAX as ``config.extra`` reasons
+    (``transformer_engine.jax.flash_backend``).
 
     Capabilities read from flash-attn-4 4.0.0b36 (``flash_attn/cute/interface.py``) and tested on
     the GPU by tests/pytorch/test_flash_backend.py.
@@ -203,7 +205,7 @@ class FlashAttention(AttentionBackend):
     SHORT_NAME = "flash"
     ENABLE_VAR = "NVTE_FLASH_ATTN"
     PRIORITY = 0
-    FRAMEWORKS = frozenset({"pytorch"})
+    FRAMEWORKS = frozenset({"pytorch", "jax"})
     DEVICE_TYPES = frozenset({"cuda"})
     SUPPORTED_VENDORS = frozenset({"nvidia"})
     # GPU generations flash-attn-4 runs on: Hopper (SM90) and Blackwell (SM100).
@@ -242,6 +244,15 @@ class FlashAttention(AttentionBackend):
     # backend. Hopper: shown on the H200 (4 batch-composition and 6 THD-vs-padded configs bitwise,
     # and bitwise repeats on every benchmark shape).
     DETERMINISTIC_INVARIANT_ARCHS = frozenset({9})
+
+    @staticmethod
+    def window_arguments(attn_mask_type: AttnMaskType, window_size: Tuple[int, int]
+                         ) -> Tuple[Optional[int], Optional[int]]:
+        """TransformerEngine's normalized ``(left, right)`` window, -1 = unbounded, as flash-attn-4's
+        ``(window_size_left, window_size_right)``, None = unbounded; a causal mask bounds the right side
+        itself (flash-attn-4's ``causal=True``)."""
+        left, right = (int(w) for w in window_size)
+        return (left if left >= 0 else None, None if attn_mask_type.is_causal or right < 0 else right)
 
     @classmethod
     def not_supported_reasons(cls, config: AttnConfig) -> List[str]:

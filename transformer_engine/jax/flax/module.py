@@ -284,7 +284,7 @@ class DotProductAttention(nn.Module):
             softmax_offset=softmax_offset,
         ))
         fused_reasons = selection.rejected.get(_attention.FusedAttention.NAME)
-        if fused_reasons:
+        if fused_reasons and not selection.backend.IS_FUSED:  # flash-attn-4 in its place is no fallback
             text = "; ".join(fused_reasons)
             warn_once(
                 f"flax-dpa-fallback:{text}",

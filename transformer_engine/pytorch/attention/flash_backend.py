@@ -92,9 +92,9 @@ class _ZeroGradOutside(torch.autograd.Function):
 
 
 def _fa_window(mask: AttnMaskType, window_size: Tuple[int, int]) -> Tuple[Optional[int], Optional[int]]:
-    """TransformerEngine's (left, right), -1 = unbounded, as flash-attn's (left, right), None = unbounded."""
-    left, right = (int(w) for w in window_size)
-    return (left if left >= 0 else None, None if mask.is_causal or right < 0 else right)
+    """TransformerEngine's (left, right), -1 = unbounded, as flash-attn's (left, right), None = unbounded
+    (the backend class's rule, which the JAX frontend passes too)."""
+    return FlashAttention.window_arguments(mask, window_size)
 
 
 def _check_top_left_lengths(lens_q: torch.Tensor, lens_kv: torch.Tensor, mask: AttnMaskType) -> None:

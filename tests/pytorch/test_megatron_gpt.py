@@ -55,14 +55,18 @@ def test_import_megatron_core_and_its_version_gates():
     assert mte.FP8GlobalStateManager.is_fp8_available()[0] is False
 
 
-class _CPUScoreBuffer:
+class _ScoreBuffer:
     """Megatron-core 0.19.2's local-spec attention (megatron/core/transformer/dot_product_attention.py,
     DotProductAttention.forward) takes its score buffer from parallel_state's GlobalMemoryBuffer,
-    which allocates on torch.cuda.current_device(); on CPU the reference model gets this instead.
-    The buffer is only an output for baddbmm with beta=0, so its contents never matter."""
+    which allocates on torch.cuda.current_device(); the reference model gets this one, on the test's device
+    (set by every test: the world is shared by the module's tests). The buffer is only an output for baddbmm
+    with beta=0, so its contents never matter."""
+
+    def __init__(self, device="cpu"):
+        self.device = device
 
     def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
-        return torch.empty(tensor_shape, dtype=dtype)
+        return torch.empty(tensor_shape, dtype=dtype, device=self.device)
 
 
 @pytest.fixture(scope="module")
@@ -158,8 +162,7 @@ def _train(model, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_te_spec_gpt_uses_this_package_and_trains_bitwise_reproducibly(megatron_world, device):
     low = torch.float32 if device == "cpu" else torch.bfloat16
-    if device == "cpu":
-        megatron_world._GLOBAL_MEMORY_BUFFER = _CPUScoreBuffer()
+    megatron_world._GLOBAL_MEMORY_BUFFER = _ScoreBuffer(device)
     first = _build("te", low, device)
     layers = first.config.num_layers
     # Per layer: qkv and fc1 (LayerNormLinear), proj and fc2 (Linear), core attention; and the final norm.
@@ -179,8 +182,7 @@ def test_te_spec_gpt_uses_this_package_and_trains_bitwise_reproducibly(megatron_
 @pytest.mark.parametrize("device", DEVICES)
 def test_te_spec_gpt_trains_like_the_local_spec(megatron_world, device):
     low = torch.float32 if device == "cpu" else torch.bfloat16
-    if device == "cpu":
-        megatron_world._GLOBAL_MEMORY_BUFFER = _CPUScoreBuffer()
+    megatron_world._GLOBAL_MEMORY_BUFFER = _ScoreBuffer(device)
     te_model = _build("te", low, device)
     init = {k: v.clone() for k, v in te_model.state_dict().items() if torch.is_tensor(v)}
     local_low, local_ref = _build("local", low, device), _build("local", torch.float64, device)

@@ -53,7 +53,7 @@ if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("meg
     pytest.skip("megatron-core is not installed (pip install megatron-core==0.19.2)", allow_module_level=True)
 
 import transformer_engine.pytorch as te  # noqa: E402
-from test_megatron_gpt import VOCAB, _CPUScoreBuffer, _config, _load, _te_to_local, megatron_world  # noqa: E402,F401
+from test_megatron_gpt import VOCAB, _ScoreBuffer, _config, _load, _te_to_local, megatron_world  # noqa: E402,F401
 
 PROMPTS = ([3, 17, 5, 9, 41], [8, 2, 60, 33, 12, 7, 25])  # different lengths: prefill 5, then 6 steps
 NEW = 4
@@ -302,7 +302,7 @@ def test_generated_logits_match_the_forward_like_megatrons_local_spec(world, mon
     local spec (its attention, no TransformerEngine), run from the same weights through the same
     inference path."""
     if device == "cpu":
-        monkeypatch.setattr(world, "_GLOBAL_MEMORY_BUFFER", _CPUScoreBuffer())
+        monkeypatch.setattr(world, "_GLOBAL_MEMORY_BUFFER", _ScoreBuffer())
     te_model = _build("te", device, pos_emb)
     local = _build("local", device, pos_emb)
     _load(local, _te_to_local(te_model.state_dict()))

@@ -1,8 +1,8 @@
 """flash-attn-4 from JAX on a Hopper/Blackwell GPU: the same bits as PyTorch, determinism, invariance, accuracy.
 
-Runs where JAX and torch see an SM90/SM100 GPU and flash-attn-4 imports (dev/device/install_flash_attn4.sh);
-skipped elsewhere with the reason. JAX and torch share the GPU: run with XLA_PYTHON_CLIENT_PREALLOCATE=false
-(dev/device/gpu_flash.sh does). Checked:
+Runs where JAX and torch see an SM90/SM100 GPU and flash-attn-4 imports (docs/flash_attention.rst: installing
+it); skipped elsewhere with the reason. JAX and torch share the GPU: run with XLA_PYTHON_CLIENT_PREALLOCATE=false.
+Checked:
 
 - PyTorch == JAX bitwise: ``fused_attn`` on the flash backend and PyTorch's ``flash_backend.flash_attn_func``,
   same inputs and the same flash-attn-4 arguments, give the same output and dQ/dK/dV bits (bshd and thd, GQA,

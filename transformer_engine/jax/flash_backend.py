@@ -6,8 +6,9 @@ stream; the buffers become torch tensors by DLPack (no copy), XLA's stream becom
 ``_flash_attn_bwd`` run with the arguments its autograd Functions pass (``FlashAttnFunc``,
 ``FlashAttnVarlenFunc``), writing into XLA's output buffers. The PyTorch backend
 (:mod:`transformer_engine.pytorch.attention.flash_backend`) calls the same functions through those
-Functions, so a call gets the same compiled kernels, configuration and bits in both frameworks. Why not
-``cutlass.jax.cutlass_call``: dev/NOTES.md, entry 44.
+Functions, so a call gets the same compiled kernels, configuration and bits in both frameworks (a JAX
+binding that compiled the kernels itself would have to repeat flash-attn-4's host-side configuration and
+prove the bits equal again).
 
 Calls, on the frontend's canonical BSHD operands:
 

@@ -365,7 +365,7 @@ def _step_attention(q, cache: KVCache, step_lens, fmt: str, mask: AttnMaskType, 
               else backend_named(backend, _attention._CANDIDATES))
     if issubclass(runner, FusedAttention):
         static = contiguous.static
-        if pages_keep_bits(contiguous.config):
+        if pages_keep_bits(contiguous.config, cache.k.shape[1]):
             t = q.shape[0] if fmt == "thd" else q.shape[1]
             descriptor, m = _step_descriptor(cache, step_lens, fmt, t)
             rows = q.shape[0] if fmt == "bshd" else 1

@@ -665,7 +665,8 @@ class _PagedStep:
     def run(self, backend, q, k, v, call):
         from transformer_engine.pytorch.attention import kernel_runner
 
-        if issubclass(backend, FusedAttention) and pages_keep_bits(kernel_runner.plan_key(q, k, v, call)):
+        if issubclass(backend, FusedAttention) and pages_keep_bits(kernel_runner.plan_key(q, k, v, call),
+                                                                   self.page_size):
             params = dataclasses.replace(call.params, kv_page_size=self.page_size)
             return backend.run(q, k, v, dataclasses.replace(call, params=params, page_table=self.page_table,
                                                             cu_seqlens_kv_padded=None))

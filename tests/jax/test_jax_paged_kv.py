@@ -360,16 +360,18 @@ def test_hopper_gluon_configs_read_pages_where_the_loader_can(recorded_cuda_laun
 
 
 @gpu_only
-def test_pytorch_and_jax_paged_steps_give_the_same_bits():
+@pytest.mark.parametrize("d", [64, 128])
+def test_pytorch_and_jax_paged_steps_give_the_same_bits(d):
     """The same paged steps through PyTorch's InferenceParams (paged, pages read in place) and JAX's paged
-    cache: the same rows, bit for bit (bf16, GQA, chunked prefill then decode)."""
+    cache: the same rows, bit for bit (bf16, GQA, chunked prefill then decode; at d=128 on Hopper both read the
+    pages with the Gluon forward)."""
     torch = pytest.importorskip("torch")
     from collections import OrderedDict
 
     from transformer_engine.pytorch import DotProductAttention
     from transformer_engine.pytorch.attention.inference import InferenceParams
 
-    h, hk, d, lens, page = 8, 2, 64, (700, 300), 64
+    h, hk, lens, page = 8, 2, (700, 300), 64
     seqs = _sequences(lens, h, hk, d, jnp.bfloat16, seed=7)
     width = 1024
     _, cache = _caches(2, width, page, hk, d, jnp.bfloat16, seed=7)

@@ -27,7 +27,9 @@ each sequence's part ``[b * m, h_q]`` (the custom_vjp sums them).
 
 A paged KV cache (primitives.paged, forward only): K and V are the cache's pools viewed as rows, and slot
 ``page_table`` (int32, one row of pages per kernel sequence) says where each key is; one kernel sequence per
-segment (``segments_per_row`` 1), ``max_k`` the keys a table row holds.
+segment (``segments_per_row`` 1), ``max_k`` the keys a table row holds. On Hopper the Gluon forward (where its
+loader follows the page size) builds its TMA descriptors over the pools in the launch's global scratch, as the
+contiguous Gluon launches do over their rows.
 
 A partial backward (``FusedAttnStatic.backward_grads``: dQ only or dK/dV only, as context parallelism
 asks) leaves the other pass out of the program, and its gradients are zeros of their shapes.

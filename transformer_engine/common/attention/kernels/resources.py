@@ -99,7 +99,8 @@ def contiguous_call(config: AttnConfig, batch: int = 2, seqlen: int = 1024, thd:
                     compute_capability=config.compute_capability, gfx_arch=config.gfx_arch),
         bias=bias, alibi_batch_stride=0 if config.attn_bias_type == AttnBiasType.ALIBI else None,
         segments_per_row=segments_per_row, page_size=page_size,
-        page_table_stride=-(-sk // page_size) if page_size else 0, page_rows=batch * sk if page_size else 0,
+        page_table_stride=-(-sk // page_size) if page_size else 0,
+        page_rows=batch * -(-sk // page_size) * page_size if page_size else 0,  # every sequence's pages
     )
 
 

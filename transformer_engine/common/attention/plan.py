@@ -4,8 +4,8 @@ Determinism contract: in deterministic mode the tiles and loop orders
 depend only on head dim, dtype, mask/window kind and GPU architecture — never on batch size,
 sequence length or autotuning. Every plan function reads the call through its PlanKey (an AttnConfig is
 taken as its ``plan_key``), which holds no batch size or sequence length, so nothing below can. Whether the
-warp-specialized Gluon kernels serve a config also reads its bias/dropout and NVTE_FUSED_ATTN_WS, and
-whether Hopper's narrow-V tiles (and their Q/K head-dim split) do reads its bias/dropout, alike for both
+warp-specialized Gluon kernels serve a config also reads its bias/dropout and NVTE_FUSED_ATTN_WS (and, for a
+paged KV cache's forward, the page size: gluon_page_reason), and whether Hopper's narrow-V tiles (and their Q/K head-dim split) do reads its bias/dropout, alike for both
 frameworks.
 
 Architectures (:data:`ARCHS`): one :class:`ArchTables` per GPU family holds every kernel variant's tiles

@@ -203,3 +203,69 @@ def test_the_documented_example_is_what_explain_plan_prints():
                      max_seqlen_q=4096, max_seqlen_kv=4096, dtype="bfloat16", attn_mask_type=AttnMaskType.CAUSAL_MASK,
                      device_type="cuda", compute_capability=(9, 0))
     assert shown == str(explain_plan(cfg))
+
+
+# Hopper's Gluon forward reading a paged KV cache: TMA loads per K/V block by page size (None: the Triton forward),
+# for its key blocks of 128 (d=128, 192/128) and 64 (d=256).
+PAGE_LOADS = {128: {1: None, 16: 8, 24: None, 64: 2, 128: 1, 256: 1},
+              64: {1: None, 16: 4, 24: None, 64: 1, 128: 1, 256: 1}}
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 24, 64, 128, 256])
+@pytest.mark.parametrize("dims", [(128, 128), (256, 256), (192, 128)])
+def test_paged_plans_say_what_runs_and_why(dims, page_size):
+    """A paged KV cache's forward on Hopper (bf16, no modifier): the Gluon forward with the contiguous call's tiles
+    where its loader can follow pages of that size (whole blocks in a page, or pages of at least 16 keys dividing a
+    block: the loads per block named), else the Triton forward with the reason; the rest of the plan (Triton tiles,
+    head-dim tiles, the canonical sum's chunk) is the contiguous call's either way, and the pages keep the
+    contiguous bits exactly where the kernel is the same."""
+    from transformer_engine.common.attention.plan import pages_keep_bits
+
+    cfg = _config("sm90", dims)
+    contiguous = forward_plan(cfg)
+    block_n = contiguous.warp_specialized.block_n
+    loads = PAGE_LOADS[block_n][page_size]
+    paged = forward_plan(dataclasses.replace(cfg.plan_key, kv_page_size=page_size))
+    assert paged == (contiguous if loads else dataclasses.replace(contiguous, warp_specialized=None))
+    assert pages_keep_bits(cfg, page_size) == (loads is not None)
+    ex = explain_plan(cfg, kv_page_size=page_size)
+    assert str(ex) == str(explain_plan(dataclasses.replace(cfg.plan_key, kv_page_size=page_size)))
+    assert f"K/V: a paged KV cache, pages of {page_size} keys read through the page table" in str(ex)
+    (fwd,) = ex.forward
+    if loads:
+        assert fwd.uses_gluon and fwd.gluon_tiles == contiguous.warp_specialized
+        assert fwd.gluon_row.endswith(f"; pages of {page_size} keys read in place by its loader ({loads} TMA "
+                                      f"load{'s' * (loads > 1)} per K/V block of {block_n})"), fwd.gluon_row
+        assert ex.kernels[0] == "attn_fwd_ws_kernel"
+    else:
+        assert not fwd.uses_gluon and ex.kernels[0] == "attn_fwd_kernel"
+        why = ("pages of at least 16 keys" if page_size < block_n and block_n % page_size == 0
+               else f"neither hold whole K/V blocks of {block_n} keys nor divide them")
+        assert fwd.gluon_fallback.startswith(f"a paged KV cache: pages of {page_size} keys") and why in \
+            fwd.gluon_fallback, fwd.gluon_fallback
+        assert why in str(ex)
+    # The backward's passes are the contiguous call's (a paged call has none; what a gathered step runs).
+    assert ex.backward == explain_plan(cfg).backward
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 24, 64, 128, 256])
+def test_paged_plans_without_gluon_keep_the_triton_forward(page_size):
+    """Where the contiguous call runs the Triton forward (Ampere, fp32 on Hopper, the interpreter), a paged call's
+    plan is the contiguous one for every page size: the Triton forward follows any page table with the same bits."""
+    from transformer_engine.common.attention.plan import pages_keep_bits
+
+    for cfg in (_config("sm80", (128, 128)), _config("sm90", (128, 128), dtype="float32"),
+                dataclasses.replace(_config("sm90", (128, 128)), device_type="cpu", compute_capability=None)):
+        paged = dataclasses.replace(cfg.plan_key, kv_page_size=page_size)
+        assert forward_plan(paged) == forward_plan(cfg) and forward_plan(cfg).warp_specialized is None
+        assert pages_keep_bits(cfg, page_size)
+        assert explain_plan(paged).kernels[0] == "attn_fwd_kernel"
+
+
+def test_explain_plan_rejects_a_bad_page_size():
+    cfg = _config("sm90", (128, 128))
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=r"`kv_page_size` must be a non-negative int \(0: no paged KV cache\), "
+                                             rf"got {bad!r}"):
+            explain_plan(cfg, kv_page_size=bad)
+    assert str(explain_plan(cfg, kv_page_size=0)) == str(explain_plan(cfg))

@@ -5,7 +5,9 @@ Triton's wheel carries ptxas, so compilation needs no GPU: this catches kernel c
 and over-sized tile plans in CI, before any device time is spent.
 """
 
+import collections
 import dataclasses
+import re
 
 import pytest
 
@@ -140,6 +142,93 @@ def test_sm90_gluon_forward_chunked_and_split_compile_without_spills(mask, thd, 
             compute_capability=(9, 0))
         (x,) = forward_launches(contiguous_call(wide, batch=1, seqlen=1, seqlen_kv=8192))
         assert x.name == "attn_fwd_ws_kernel" and x.args["KV_CHUNK"] == 0
+
+
+# The Gluon forward reading a paged KV cache (PAGE_SIZE > 0): stack bytes beyond the same contiguous launch's, by
+# Triton release and case (dims-layout-form-page size; absent: none). Only the loader warp changes, and it runs in
+# 24 registers: where a block takes eight page loads some releases keep 8 bytes of it on the stack.
+GLUON_PAGED_EXTRA_STACK = {"3.6": {"d128-thd-chunked-P16": 8}, "3.7": {}, "3.8": {"d192x128-thd-one-P16": 8},
+                           "3.9": {"d128-bshd-chunked-P16": 8}}
+# (head dims, packed sequences with GQA, form, page size): the key block (128; 64 at d=256) in whole pages of 128
+# or 64 keys and in pages of 16; the sum in one chunk, in chunks of 4096 keys in one program, and split over
+# programs (one query) with the combine.
+GLUON_PAGED_CASES = [(dims, thd, form, page_size) for dims, thd, form, page_size in [
+    ((128, 128), thd, form, page_size) for thd in (False, True) for form in ("one", "chunked", "split")
+    for page_size in (16, 128)] + [((256, 256), thd, "one", page_size) for thd in (False, True) for page_size in (16, 64)]
+    + [((192, 128), thd, "one", page_size) for thd in (False, True) for page_size in (16, 128)]]
+
+
+def _gluon_paged_case_id(case) -> str:
+    (dqk, dv), thd, form, page_size = case
+    return f"d{dqk}{'' if dqk == dv else f'x{dv}'}-{'thd' if thd else 'bshd'}-{form}-P{page_size}"
+
+
+def _gluon_forward(case, page_size):
+    """The Gluon forward launch of ``case`` on a paged cache with pages of ``page_size`` keys (0: contiguous rows)."""
+    (dqk, dv), thd, form, _ = case
+    gqa = 4 if thd else 1
+    seqlen_q, seqlen_kv = {"one": (4096, 4096), "chunked": (8192, 8192), "split": (1, 8192)}[form]
+    mask = AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK if thd else AttnMaskType.CAUSAL_MASK
+    cfg = AttnConfig(batch_size=1, num_heads_q=8, num_heads_kv=8 // gqa, head_dim_qk=dqk, head_dim_v=dv,
+                     max_seqlen_q=seqlen_q, max_seqlen_kv=seqlen_kv, dtype="bfloat16", attn_mask_type=mask,
+                     deterministic=True, device_type="cuda", compute_capability=(9, 0))
+    call = contiguous_call(cfg, batch=1, seqlen=seqlen_q, seqlen_kv=seqlen_kv, thd=thd, page_size=page_size)
+    plan = forward_plan(call.plan_key)
+    if form != "one":  # the kernel's chunked forms, planned or not
+        plan = dataclasses.replace(plan, kv_chunk=4096)
+    launch = forward_launches(call, plan)[0]
+    assert launch.name == "attn_fwd_ws_kernel" and launch.args["PAGE_SIZE"] == page_size
+    assert launch.args["SPLIT_KV"] == (form == "split") and bool(launch.args["KV_CHUNK"]) == (form != "one")
+    return launch
+
+
+def _ptx(launch) -> str:
+    """The PTX of a launch compiled for sm_90, as compile_launch compiles it (Triton's cache returns it)."""
+    from transformer_engine.common.attention.kernels import triton_compat
+
+    source, options, _ = triton_compat.jit_specialize(launch.kernel, compile_args(launch, "bfloat16"),
+                                                      dict(launch.options), SM90)
+    return triton.compile(source, target=SM90, options=options.__dict__).asm["ptx"]
+
+
+_FLOAT_OP = re.compile(r"^(wgmma|ex2|lg2|rcp)|^\S*\.(f32|bf16|f16|bf16x2|f16x2)\b")
+
+
+def _arithmetic_by_block(ptx: str) -> collections.Counter:
+    """The floating-point and MMA instructions of a PTX, basic block by basic block (registers unnamed), as a
+    multiset of blocks: what computes the bits, whatever order the compiler lays the blocks out in."""
+    blocks, current = collections.Counter(), []
+    for line in ptx.splitlines():
+        line = line.split("//")[0].strip()
+        if line.endswith(":") or line.startswith(("bra", "@", "ret")):
+            blocks[tuple(current)] += bool(current)
+            current = []
+        elif _FLOAT_OP.match(line):
+            current.append(re.sub(r"%[a-z]+\d+", "%", line))
+    blocks[tuple(current)] += bool(current)
+    return +blocks
+
+
+@pytest.mark.parametrize("case", GLUON_PAGED_CASES, ids=_gluon_paged_case_id)
+def test_sm90_gluon_paged_forward_compiles_with_the_contiguous_consumers(case):
+    """The Gluon forward reading a paged KV cache through its page table (one TMA load per block or per page)
+    compiles for sm_90 with 12 warps, the contiguous launch's shared memory (its ring and barriers; the loader's
+    extra arguments, passed to the warp partition through shared memory, take a few bytes more) and stack
+    (GLUON_PAGED_EXTRA_STACK: the loader's few bytes where recorded), and the contiguous consumers' arithmetic: the
+    same floating-point and MMA instructions in every basic block, so only the loads differ."""
+    from transformer_engine.common.attention.kernels.triton_compat import triton_version
+
+    release = "%d.%d" % triton_version()
+    assert release in GLUON_PAGED_EXTRA_STACK, f"triton {release}: measure and add it to GLUON_PAGED_EXTRA_STACK"
+    paged, contiguous = _gluon_forward(case, case[3]), _gluon_forward(case, 0)
+    got, want = _compile(paged), _compile(contiguous)
+    extra = GLUON_PAGED_EXTRA_STACK[release].get(_gluon_paged_case_id(case), 0)
+    assert got.num_warps == 12 and want.shared < got.shared <= want.shared + 64, (got.shared, want.shared)
+    assert resources(got)["stack"] == resources(want)["stack"] + extra, (resources(got), resources(want), extra)
+    arithmetic = _arithmetic_by_block(_ptx(paged))
+    assert arithmetic == _arithmetic_by_block(_ptx(contiguous)) and sum(arithmetic.values()) > 10
+    assert sum(line.count("cp.async.bulk.tensor") for line in _ptx(paged).splitlines()) > \
+        sum(line.count("cp.async.bulk.tensor") for line in _ptx(contiguous).splitlines())
 
 
 @pytest.mark.parametrize("dtype,heads,head_dim", [("bfloat16", 16, 128), ("float16", 3, 40), ("float32", 64, 256)])

@@ -93,9 +93,9 @@ CASES = [
          seqlen_kv=8192),
     Case((128, 128), "bfloat16", AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK, bias=BIAS, dropout=True, gqa=4, seqlen_q=1,
          seqlen_kv=8192),
-    # A paged KV cache's forward (K/V rows through the page table): decode over two chunks (split-KV where the
-    # Triton forward sums in chunks; on Hopper the one-chunk Triton forward, where Gluon serves contiguous calls),
-    # at d=128 and d=256, and a prefill chunk with a sliding window and a page size that is no power of two.
+    # A paged KV cache's forward (K/V rows through the page table): decode over two chunks (split-KV; on Hopper at
+    # d=128 the Gluon forward, its loader reading pages of 16 keys), at d=128 and d=256 (a sink: the Triton forward
+    # everywhere), and a prefill chunk with a sliding window and a page size that is no power of two.
     Case((128, 128), "bfloat16", AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK, gqa=4, thd=True, seqlen_q=1,
          seqlen_kv=8192, page_size=16),
     Case((256, 256), "bfloat16", AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK, gqa=2, thd=True, seqlen_q=1,

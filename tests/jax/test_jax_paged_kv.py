@@ -1,13 +1,16 @@
 """JAX's paged KV cache read in place: kv_cache_attention on a paged cache runs the paged forward primitive
-(transformer_engine.jax.primitives.paged: the Triton forward follows the page table) where the fused backend runs
-and the gathered call plans no Gluon forward, and gathers the pages elsewhere.
+(transformer_engine.jax.primitives.paged: the planned forward follows the page table, the Triton one row by row,
+Hopper's Gluon one by its loader's TMA loads) where the fused backend runs and the paged plan is the gathered call's
+(plan.pages_keep_bits: on Hopper, page sizes the Gluon loader can follow), and gathers the pages elsewhere.
 
 Checked here: the rows of the paged path are bitwise the non-paged cache's rows and, on a GPU, the training rows
-(shuffled page tables; page sizes 1, 5, 8 on CPU, 16, 24 (not a multiple of any key block), 64, 256 on a GPU; GQA,
-MQA, causal and windowed masks, a learnable sink, chunked prefill and decode, both step formats, sharded and
-``shard_map`` steps); which path a step takes (the jaxpr holds the paged primitive, or none); that the CUDA
-lowering of a paged step describes exactly PyTorch's launches for the same call (lowered on the CPU through
-``jax.export`` with the launches recorded, not compiled); gradients through the gathered call; bad tables named.
+(shuffled page tables; page sizes 1, 5, 8 on CPU, 16, 24 (not a multiple of any key block), 64, 256 on a GPU, at
+d=64 and, on Hopper the Gluon forward's, d=128; GQA, MQA, causal and windowed masks, a learnable sink, chunked
+prefill and decode, both step formats, sharded and ``shard_map`` steps); which path a step takes (the jaxpr holds
+the paged primitive, or none); that the CUDA lowering of a paged step describes exactly PyTorch's launches for the
+same call (sm_80 and sm_90, the Gluon paged forward included; lowered on the CPU through ``jax.export`` with the
+launches recorded, not compiled) and compiles with the Gluon forward's descriptor scratch; gradients through the
+gathered call; bad tables named.
 On CPU ``fused_attn`` selects the unfused backend (JAX launches no Triton interpreter), so the fused path is
 forced there (``_backend="fused"``: the fused primitives' jnp lowering, whose
 paged form gathers inside the primitive); on a GPU the selection runs and the kernels read the pages.
@@ -109,16 +112,21 @@ CASES = {
 PAGE_SIZES = (1, 5, 8) if not ON_GPU else (16, 24, 64, 256)
 
 
+# Head dims: on a GPU d=64 (the Triton forward) and d=128 (on Hopper the Gluon forward where the page size fits).
+HEAD_DIMS = (16,) if not ON_GPU else (64, 128)
+
+
+@pytest.mark.parametrize("d", HEAD_DIMS)
 @pytest.mark.parametrize("fmt", ["bshd", "thd"])
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_paged_rows_equal_non_paged_and_training_rows(name, page_size, fmt):
+def test_paged_rows_equal_non_paged_and_training_rows(name, page_size, fmt, d):
     """Chunked prefill and decode on a paged cache (shuffled pages): every row is bitwise the non-paged cache's
     and, on a GPU, the training forward's (the existing non-paged rows are: test_jax_kv_cache.py); the step reads
-    through the table (the paged primitive) where the fused forward follows it."""
+    through the table (the paged primitive) where the paged plan is the gathered call's, which on Hopper at d=128
+    (the Gluon forward, sink softmax aside) is every page size here but 24."""
     lengths, h, hk, window, softmax, plan = CASES[name]
     dtype = jnp.float32 if not ON_GPU else jnp.bfloat16
-    d = 16 if not ON_GPU else 64
     if ON_GPU:
         lengths = tuple(n * 11 for n in lengths)
         plan = [tuple(x * 11 if x > 1 else x for x in step) for step in plan] + [(1, 1, 1)] * 4
@@ -134,10 +142,12 @@ def test_paged_rows_equal_non_paged_and_training_rows(name, page_size, fmt):
                                         dict(softmax_type=softmax_type, scaling_factor=None, is_training=False,
                                              window_size=window, softmax_offset=offset,
                                              bottom_right_diagonal=True))
-    reads_pages = pages_keep_bits(contiguous.config)
+    reads_pages = pages_keep_bits(contiguous.config, page_size)
     assert _uses_paged(step, q, k, v, paged, n) == reads_pages
     assert not _uses_paged(step, q, k, v, flat, n)
     assert reads_pages or ON_GPU  # on CPU no Gluon plan: the paged primitive always
+    if ON_GPU and d == 128 and jax.devices()[0].compute_capability == "9.0" and softmax == "vanilla":
+        assert reads_pages == (page_size != 24)  # the Gluon forward follows pages of 16, 64, 256 keys
     got = _serve(seqs, paged, plan, fmt, step)
     want = _serve(seqs, flat, plan, fmt, step)
     for i, (g, w) in enumerate(zip(got, want)):
@@ -231,13 +241,18 @@ def test_bad_page_tables_name_the_argument():
 # ------------------------------------------------------------------------------------------------
 
 
+def _as_gpu(monkeypatch, cc):
+    """JAX's CUDA lowering and device facts as on a GPU of compute capability ``cc`` with the extension built."""
+    monkeypatch.setattr(gpu, "_compute_capability", lambda: cc)
+    monkeypatch.setattr(gpu, "_require_extension", lambda: None)
+    monkeypatch.setattr(te_attention, "_device_facts", lambda: ("cuda", cc))
+
+
 @pytest.fixture
 def recorded_cuda_launches(monkeypatch):
     """Lower for CUDA here (an sm_80 GPU with the extension built, as JAX reports it to the frontend) and keep
     the launches each lowering describes instead of compiling them."""
-    monkeypatch.setattr(gpu, "_compute_capability", lambda: (8, 0))
-    monkeypatch.setattr(gpu, "_require_extension", lambda: None)
-    monkeypatch.setattr(te_attention, "_device_facts", lambda: ("cuda", (8, 0)))
+    _as_gpu(monkeypatch, (8, 0))
     recorded = []
     monkeypatch.setattr(gpu, "_run", lambda prog, described, buffers: recorded.append(tuple(described)))
     return recorded
@@ -248,15 +263,15 @@ def _export_for_cuda(fn, *args):
                              disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(gpu.FFI_TARGET)])(*args)
 
 
-@pytest.mark.parametrize("fmt", ["thd", "bshd"])
-@pytest.mark.parametrize("page_size,window", [(16, None), (24, (40, 0)), (1, None), (1024, (100, 0))])
-def test_cuda_launches_equal_pytorchs_for_the_same_paged_call(recorded_cuda_launches, fmt, page_size, window):
+def _launches_equal_pytorchs(recorded, fmt, page_size, window, d, cc):
+    """Lower a paged step (fp16, head dim ``d``) for a GPU of compute capability ``cc`` and describe PyTorch's
+    launches for the same call on the same table: the lists must be equal. Returns JAX's launches."""
     torch = pytest.importorskip("torch")
     from transformer_engine.common.attention import launch_description
     from transformer_engine.pytorch.attention import kernel_runner
     from transformer_engine.pytorch.attention.testing import fused_call
 
-    slots, h, hk, d, n = 3, 4, 2, 64, 7
+    slots, h, hk, n = 3, 4, 2, 7
     dtype = jnp.float16
     step_lens = [5, 0, 2]
     t = 5 if fmt == "bshd" else 9
@@ -270,9 +285,9 @@ def test_cuda_launches_equal_pytorchs_for_the_same_paged_call(recorded_cuda_laun
     step = lambda q, k, v, c, s: kv_cache_attention(q, k, v, c, s, window_size=window, qkv_format=fmt,  # noqa: E731
                                                     _backend="fused")
     _export_for_cuda(step, q, kv, kv, cache, jnp.asarray(step_lens, jnp.int32))
-    (jax_launches,) = recorded_cuda_launches
-    assert jax_launches[0].name == "attn_fwd_kernel" and jax_launches[0].args["PAGE_SIZE"] == page_size
-    assert len(jax_launches) == (2 if n * page_size > 4096 else 1)  # split-KV over the table's keys (sm_80 plan)
+    (jax_launches,) = recorded
+    assert jax_launches[0].args["PAGE_SIZE"] == page_size
+    assert len(jax_launches) == (2 if n * page_size > 4096 else 1)  # split-KV over the table's keys
 
     # PyTorch: the same call (thd, one sequence per slot, max_seqlen_q the step's rows, max_seqlen_kv the table's
     # keys) on the cache's rows with the same page table.
@@ -288,25 +303,52 @@ def test_cuda_launches_equal_pytorchs_for_the_same_paged_call(recorded_cuda_laun
     seqs = kernel_runner.sequences(tq, tk, call)
     lse = torch.zeros(slots, h, t)
     tensors = dict(q=tq, k=tk, v=tk, out=tq)
-    hopper_free = dict(device_type="cuda", vendor="nvidia", compute_capability=(8, 0), gfx_arch=None)
+    device = dict(device_type="cuda", vendor="nvidia", compute_capability=cc, gfx_arch=None)
     kernel_runner_device = kernel_runner._device
     try:
-        kernel_runner._device = lambda device: hopper_free
+        kernel_runner._device = lambda _: device
         described = kernel_runner.describe(tq, tk, tk, call, seqs, tensors, (lse.stride(0), lse.stride(1)))
     finally:
         kernel_runner._device = kernel_runner_device
     torch_launches = launch_description.forward_launches(described)
     assert [x.describe() for x in jax_launches] == [x.describe() for x in torch_launches]
+    return jax_launches
 
 
-@pytest.mark.parametrize("cc,reads", [((8, 0), True), ((9, 0), False)])
-def test_hopper_gluon_configs_gather(recorded_cuda_launches, monkeypatch, cc, reads):
-    """fp16 at d=128: on Hopper the gathered call plans the Gluon forward, which follows no page table and whose
-    bits differ from the Triton forward's, so the step gathers (no paged primitive, no PAGE_SIZE launch); on
-    Ampere the Triton forward reads the pages."""
-    monkeypatch.setattr(gpu, "_compute_capability", lambda: cc)
-    monkeypatch.setattr(te_attention, "_device_facts", lambda: ("cuda", cc))
-    _, paged = _caches(2, 64, 16, 2, 128, jnp.float16, seed=0)
+@pytest.mark.parametrize("fmt", ["thd", "bshd"])
+@pytest.mark.parametrize("page_size,window", [(16, None), (24, (40, 0)), (1, None), (1024, (100, 0))])
+def test_cuda_launches_equal_pytorchs_for_the_same_paged_call(recorded_cuda_launches, fmt, page_size, window):
+    """sm_80, d=64: the Triton forward reads the pages, in JAX and in PyTorch alike."""
+    launches = _launches_equal_pytorchs(recorded_cuda_launches, fmt, page_size, window, 64, (8, 0))
+    assert launches[0].name == "attn_fwd_kernel"
+
+
+@pytest.mark.parametrize("fmt", ["thd", "bshd"])
+@pytest.mark.parametrize("page_size,window", [(16, None), (64, (40, 0)), (128, None), (1024, (100, 0))])
+def test_cuda_launches_equal_pytorchs_for_the_same_gluon_paged_call(recorded_cuda_launches, monkeypatch, fmt,
+                                                                     page_size, window):
+    """sm_90, fp16 at d=128: the Gluon forward reads the pages (its paged arguments: the table's slot and row
+    stride, the page size and the pools' rows), split-KV over the table's keys alike, in JAX and in PyTorch."""
+    _as_gpu(monkeypatch, (9, 0))
+    launches = _launches_equal_pytorchs(recorded_cuda_launches, fmt, page_size, window, 128, (9, 0))
+    assert launches[0].name == "attn_fwd_ws_kernel" and launches[0].args["page_rows"] == (3 * 7 + 2) * page_size
+    assert launches[0].args["SPLIT_KV"] == (len(launches) == 2)
+
+
+@pytest.mark.parametrize("cc,page_size,kernel,reads", [((8, 0), 16, "attn_fwd_kernel", True),
+                                                       ((9, 0), 16, "attn_fwd_ws_kernel", True),
+                                                       ((9, 0), 64, "attn_fwd_ws_kernel", True),
+                                                       ((9, 0), 24, "attn_fwd_ws_kernel", False),
+                                                       ((9, 0), 8, "attn_fwd_ws_kernel", False)])
+def test_hopper_gluon_configs_read_pages_where_the_loader_can(recorded_cuda_launches, monkeypatch, cc, page_size,
+                                                              kernel, reads):
+    """fp16 at d=128: on Hopper the gathered call plans the Gluon forward, whose loader follows pages of 16 keys
+    and more that divide or fill its key blocks of 128: the step reads them in place (the paged primitive, a
+    PAGE_SIZE launch); with pages of 24 or 8 keys the paged plan would run the Triton forward, whose bits differ,
+    so the step gathers into the Gluon forward (no paged primitive, no PAGE_SIZE). On Ampere the Triton forward
+    reads any pages."""
+    _as_gpu(monkeypatch, cc)
+    _, paged = _caches(2, 256, page_size, 2, 128, jnp.float16, seed=0)
     q = jnp.zeros((2, 4, 4, 128), jnp.float16)
     kv = jnp.zeros((2, 4, 2, 128), jnp.float16)
     step = lambda q, k, v, c, s: kv_cache_attention(q, k, v, c, s, _backend="fused")  # noqa: E731
@@ -314,22 +356,23 @@ def test_hopper_gluon_configs_gather(recorded_cuda_launches, monkeypatch, cc, re
     assert _uses_paged(step, q, kv, kv, paged, n) == reads
     _export_for_cuda(step, q, kv, kv, paged, n)
     (launches,) = recorded_cuda_launches
-    assert (launches[0].args.get("PAGE_SIZE", 0) == 16) == reads
-    if not reads:
-        assert launches[0].name == "attn_fwd_ws_kernel"
+    assert launches[0].name == kernel
+    assert launches[0].args.get("PAGE_SIZE", 0) == (page_size if reads else 0)
 
 
 @gpu_only
-def test_pytorch_and_jax_paged_steps_give_the_same_bits():
+@pytest.mark.parametrize("d", [64, 128])
+def test_pytorch_and_jax_paged_steps_give_the_same_bits(d):
     """The same paged steps through PyTorch's InferenceParams (paged, pages read in place) and JAX's paged
-    cache: the same rows, bit for bit (bf16, GQA, chunked prefill then decode)."""
+    cache: the same rows, bit for bit (bf16, GQA, chunked prefill then decode; at d=128 on Hopper both read the
+    pages with the Gluon forward)."""
     torch = pytest.importorskip("torch")
     from collections import OrderedDict
 
     from transformer_engine.pytorch import DotProductAttention
     from transformer_engine.pytorch.attention.inference import InferenceParams
 
-    h, hk, d, lens, page = 8, 2, 64, (702, 300), 64  # the plan below serves every token
+    h, hk, lens, page = 8, 2, (702, 300), 64  # the plan below serves every token
     seqs = _sequences(lens, h, hk, d, jnp.bfloat16, seed=7)
     width = 1024
     _, cache = _caches(2, width, page, hk, d, jnp.bfloat16, seed=7)
@@ -422,30 +465,38 @@ def test_sharded_slots_read_pages_in_place():
         np.testing.assert_array_equal(a, b)
 
 
-def test_the_paged_forward_compiles_for_sm80_with_the_table_as_an_int32_buffer(monkeypatch):
+@pytest.mark.parametrize("cc,d,page_size,name", [((8, 0), 64, 24, "attn_fwd_kernel"),
+                                                 ((9, 0), 128, 16, "attn_fwd_ws_kernel")])
+def test_the_paged_forward_compiles_with_the_table_as_an_int32_buffer(monkeypatch, cc, d, page_size, name):
     """The CUDA lowering compiled (Triton's ptxas, no GPU): the forward's PAGE_TABLE parameter is bound to the
-    int32 table operand, and the program launches the Triton forward only."""
+    int32 table operand, and the program launches the planned forward only: the Triton one on sm_80, on sm_90 the
+    Gluon one, whose descriptors over the pools are built on the device in a global scratch result of the
+    program (its size per program times the grid)."""
     triton = pytest.importorskip("triton")
     from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel
 
     if not isinstance(attn_fwd_kernel, triton.runtime.jit.JITFunction):
         pytest.skip("kernels loaded for the interpreter (TRITON_INTERPRET=1): they cannot be compiled here")
-    monkeypatch.setattr(gpu, "_compute_capability", lambda: (8, 0))
-    monkeypatch.setattr(gpu, "_require_extension", lambda: None)
-    monkeypatch.setattr(te_attention, "_device_facts", lambda: ("cuda", (8, 0)))
+    _as_gpu(monkeypatch, cc)
     programs = []
     real_call = gpu.Program.call
     monkeypatch.setattr(gpu.Program, "call", lambda self, *ops: (programs.append(self), real_call(self, *ops))[1])
-    _, paged = _caches(2, 40, 24, 2, 64, jnp.float16, seed=1)
-    q, kv = jnp.zeros((9, 4, 64), jnp.float16), jnp.zeros((9, 2, 64), jnp.float16)
+    _, paged = _caches(2, 40, page_size, 2, d, jnp.float16, seed=1)
+    q, kv = jnp.zeros((9, 4, d), jnp.float16), jnp.zeros((9, 2, d), jnp.float16)
     step = lambda q, k, v, c, s: kv_cache_attention(q, k, v, c, s, qkv_format="thd", _backend="fused")  # noqa: E731
     _export_for_cuda(step, q, kv, kv, paged, jnp.asarray([6, 3], jnp.int32))
     (prog,) = programs
     (kernel,) = prog._kernels
-    assert kernel.name == "attn_fwd_kernel"
+    assert kernel.name == name
     buffers = prog.operands + prog.results
     (launch,) = prog._launches
-    (table_param,) = [i for i, (name, _) in enumerate(kernel.params) if name == "PAGE_TABLE"]
+    (table_param,) = [i for i, (param, _) in enumerate(kernel.params) if param == "PAGE_TABLE"]
     assert kernel.params[table_param][1] == "*i32"
     kind, index = launch[2][table_param]
-    assert kind == 0 and buffers[index].dtype == jnp.int32 and buffers[index].shape == (2, 2)  # [slots, pages]
+    pages = -(-40 // page_size)  # _caches: max_seqlen 40, in pages per slot
+    assert kind == 0 and buffers[index].dtype == jnp.int32 and buffers[index].shape == (2, pages)  # [slots, pages]
+    if name == "attn_fwd_ws_kernel":
+        assert kernel.global_scratch_size > 0
+        kind, index = launch[2][len(kernel.params)]  # the global scratch pointer follows the kernel's parameters
+        grid = launch[1]
+        assert kind == 0 and buffers[index].shape == (grid[0] * grid[1] * grid[2] * kernel.global_scratch_size,)

@@ -35,11 +35,12 @@ the step's format, nor on where a paged cache keeps the tokens.
 
 Paged caches (:func:`init_paged_kv_cache`): a pool ``[num_pages, page_size, h_kv, d]`` and a page table
 ``[max_batch_size, pages_per_sequence]`` (``-1``: no page yet; the host may assign pages as sequences grow,
-:meth:`KVCache.replace`). Where the fused backend runs the step and the same call on gathered rows plans no
-Gluon forward (``plan.pages_keep_bits``, as PyTorch), the Triton forward reads the keys and values through
-the page table in place (:func:`transformer_engine.jax.primitives.paged.fused_attn_paged`), with the bits of the
-gathered call; elsewhere (Hopper's Gluon configs, the unfused backend) each step gathers the slots' pages into
-contiguous rows (a copy of the cached keys and values per layer and step) before the same call.
+:meth:`KVCache.replace`). Where the fused backend runs the step and its paged plan is the same call's on
+gathered rows (``plan.pages_keep_bits``, as PyTorch: any page size for the Triton forward, on Hopper's Gluon
+configs the page sizes its loader follows), the planned forward reads the keys and values through the page table
+in place (:func:`transformer_engine.jax.primitives.paged.fused_attn_paged`), with the bits of the gathered call;
+elsewhere (Hopper's Gluon configs with other page sizes, the unfused backend) each step gathers the slots' pages
+into contiguous rows (a copy of the cached keys and values per layer and step) before the same call.
 """
 
 from __future__ import annotations
@@ -365,7 +366,7 @@ def _step_attention(q, cache: KVCache, step_lens, fmt: str, mask: AttnMaskType, 
               else backend_named(backend, _attention._CANDIDATES))
     if issubclass(runner, FusedAttention):
         static = contiguous.static
-        if pages_keep_bits(contiguous.config):
+        if pages_keep_bits(contiguous.config, cache.k.shape[1]):
             t = q.shape[0] if fmt == "thd" else q.shape[1]
             descriptor, m = _step_descriptor(cache, step_lens, fmt, t)
             rows = q.shape[0] if fmt == "bshd" else 1

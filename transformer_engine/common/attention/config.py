@@ -109,9 +109,10 @@ class PlanKey:
     vendor: str = "nvidia"
     gfx_arch: Optional[str] = None
     return_max_logit: bool = False  # the forward writes row maxima
-    # K/V read through a page table (a paged KV cache's forward: the Triton forward only, summing as the
-    # config's contiguous calls do). A launch fact, not an AttnConfig one: AttnConfig.plan_key leaves it False.
-    paged_kv: bool = False
+    # Keys per page where K/V are read through a page table (a paged KV cache's forward; 0: rows in place). The
+    # forward sums as the config's contiguous calls do, in the same kernel where its loads can follow pages of this
+    # size (plan.pages_keep_bits). A launch fact, not an AttnConfig one: AttnConfig.plan_key leaves it 0.
+    kv_page_size: int = 0
 
     @property
     def window_kind(self) -> str:

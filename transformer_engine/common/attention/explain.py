@@ -9,6 +9,7 @@ launches log it once per distinct plan (:func:`log_plan`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
@@ -81,6 +82,7 @@ class PlanExplanation:
     block_dv: int
     forward: Tuple[PassChoice, ...]
     backward: Tuple[PassChoice, ...]
+    kv_page_size: int = 0  # keys per page of a paged KV cache the forward reads through its page table (0: none)
 
     @property
     def kernels(self) -> Tuple[str, ...]:
@@ -96,6 +98,9 @@ class PlanExplanation:
             f"{self.head_dims[1]} pad to {dim}; window kind {self.window_kind}; dtype {self.dtype}",
             f"  head-dim tiles: BLOCK_DQK {qk}, BLOCK_DV {self.block_dv}",
         ]
+        if self.kv_page_size:
+            lines.append(f"  K/V: a paged KV cache, pages of {self.kv_page_size} keys read through the page table "
+                         "(the forward; a paged call has no backward)")
         # One reason for every pass (e.g. an architecture without Gluon kernels) prints once.
         reasons = {p.gluon_fallback for p in self.forward + self.backward if p.gluon_kernel is not None}
         shared = len(reasons) == 1 and None not in reasons
@@ -166,15 +171,20 @@ def _backward_passes(config: PlanKey, bwd: BackwardPlan, trace: PlanTrace) -> Tu
     return tuple(passes)
 
 
-def explain_plan(config: Union[AttnConfig, PlanKey]) -> PlanExplanation:
+def explain_plan(config: Union[AttnConfig, PlanKey], kv_page_size: Optional[int] = None) -> PlanExplanation:
     """What the fused backend runs for ``config`` (an AttnConfig, or the PlanKey of one) and why: the
     architecture's tables and how they were chosen, each pass's kernel (warp-specialized Gluon or Triton,
-    with the reason where Gluon does not serve), its tiles and the table row they came from. Reads the
-    environment as a launch does (NVTE_FUSED_ATTN_WS, NVTE_FUSED_ATTN_PLAN_ARCH,
-    NVTE_FUSED_ATTN_INTERPRET_SPLIT_QK)."""
+    with the reason where Gluon does not serve), its tiles and the table row they came from. ``kv_page_size``:
+    the plan of the forward reading a paged KV cache with pages of that many keys (0: rows in place; None: the
+    config's own, PlanKey.kv_page_size). Reads the environment as a launch does (NVTE_FUSED_ATTN_WS,
+    NVTE_FUSED_ATTN_PLAN_ARCH, NVTE_FUSED_ATTN_INTERPRET_SPLIT_QK)."""
     if not isinstance(config, (AttnConfig, PlanKey)):
         raise TypeError(f"`config` must be an AttnConfig, got {type(config).__name__}")
     config = plan_key(config)
+    if kv_page_size is not None:
+        if isinstance(kv_page_size, bool) or not isinstance(kv_page_size, int) or kv_page_size < 0:
+            raise ValueError(f"`kv_page_size` must be a non-negative int (0: no paged KV cache), got {kv_page_size!r}")
+        config = dataclasses.replace(config, kv_page_size=kv_page_size)
     fwd, ftrace = trace_forward(config)
     bwd, btrace = trace_backward(config)
     arch, reason = _arch_reason(config, ftrace)
@@ -182,6 +192,7 @@ def explain_plan(config: Union[AttnConfig, PlanKey]) -> PlanExplanation:
         arch=arch, arch_reason=reason, head_dims=(config.head_dim_qk, config.head_dim_v), head_key=ftrace.key,
         window_kind=config.window_kind, dtype=config.dtype, block_dqk=fwd.block_dqk, block_dqk2=fwd.block_dqk2,
         block_dv=fwd.block_dv, forward=_forward_passes(fwd, ftrace), backward=_backward_passes(config, bwd, btrace),
+        kv_page_size=config.kv_page_size,
     )
 
 

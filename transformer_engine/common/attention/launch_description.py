@@ -27,8 +27,8 @@ from transformer_engine.common.attention.enums import AttnBiasType, BackwardGrad
 from transformer_engine.common.attention.explain import log_plan
 from transformer_engine.common.attention.params import AttnParams
 from transformer_engine.common.attention.plan import (
-    BackwardPlan, ForwardPlan, Tiles, backward_plan, block_grid, forward_plan, mask_flags, padded_head_dim,
-    tma_eligible,
+    BackwardPlan, ForwardPlan, Tiles, backward_plan, block_grid, forward_plan, gluon_page_reason, mask_flags,
+    padded_head_dim, tma_eligible,
 )
 
 __all__ = ["Slot", "View", "Bias", "Call", "Launch", "SplitKV", "plan_key", "split_kv", "forward_launches",
@@ -108,9 +108,11 @@ class Call:
     # A paged KV cache (forward only): K and V are the cache's rows (views "k", "v" with batch stride 0; page p's
     # row r at row p * page_size + r) and slot ``page_table`` (int32 [num_seqs, max pages], row stride
     # ``page_table_stride``) lists each sequence's pages; key n of sequence i is row n % page_size of page
-    # page_table[i, n // page_size]. 0: K/V rows in place (packed starts or the batch stride).
+    # page_table[i, n // page_size]. 0: K/V rows in place (packed starts or the batch stride). ``page_rows``: the
+    # rows of the pools (pages * page_size), the extent of the Gluon forward's TMA descriptors over them.
     page_size: int = 0
     page_table_stride: int = 0
+    page_rows: int = 0
 
     def __post_init__(self):
         m = self.segments_per_row
@@ -124,6 +126,9 @@ class Call:
         if self.page_size and m > 1:
             raise ValueError("a paged KV cache (`page_size` > 0) takes one sequence per row (segments_per_row 1), "
                              f"got segments_per_row={m}")
+        if self.page_size and (self.page_rows <= 0 or self.page_rows % self.page_size):
+            raise ValueError(f"`page_rows` must be the pools' rows, a positive multiple of page_size={self.page_size}, "
+                             f"got {self.page_rows}")
 
     @property
     def paged(self) -> bool:
@@ -143,7 +148,7 @@ class Call:
     def plan_key(self) -> PlanKey:
         """What the call's plans read (:func:`plan_key`)."""
         return plan_key(self.params, self.head_dim_qk, self.head_dim_v, self.dtype, self.bias_type, self.device,
-                        self.paged)
+                        self.page_size)
 
     def grid_rows(self, max_len: int, block: int, heads: int) -> Tuple[int, int]:
         """(blocks, rows * heads) of a block-loop pass over sequences of at most ``max_len`` in ``block``s."""
@@ -154,23 +159,24 @@ class Call:
 
 
 def plan_key(params: AttnParams, head_dim_qk: int, head_dim_v: int, dtype: str, bias_type: AttnBiasType,
-             device: Mapping[str, object], paged_kv: bool = False) -> PlanKey:
+             device: Mapping[str, object], kv_page_size: int = 0) -> PlanKey:
     """The PlanKey of a call's launches: its head dims and dtype, the mask, window, diagonal, dropout and
     softmax type of ``params``, the score modifier the kernels add (``bias_type``: Call.bias_type), the
-    device facts and whether K/V are read through a page table (``paged_kv``: Call.paged). The plans are the
-    same in both determinism modes (no atomic or autotuned variant exists)."""
-    return _plan_key(params, head_dim_qk, head_dim_v, dtype, bias_type, tuple(device.items()), paged_kv)
+    device facts and the keys per page where K/V are read through a page table (``kv_page_size``:
+    Call.page_size; 0: rows in place). The plans are the same in both determinism modes (no atomic or
+    autotuned variant exists)."""
+    return _plan_key(params, head_dim_qk, head_dim_v, dtype, bias_type, tuple(device.items()), kv_page_size)
 
 
 @functools.lru_cache(maxsize=1024)
 def _plan_key(params: AttnParams, head_dim_qk: int, head_dim_v: int, dtype: str, bias_type: AttnBiasType,
-              device: Tuple[Tuple[str, object], ...], paged_kv: bool) -> PlanKey:
+              device: Tuple[Tuple[str, object], ...], kv_page_size: int) -> PlanKey:
     # Memoized: a pure function of frozen values, built twice a training step (forward, backward).
     return PlanKey(
         head_dim_qk=head_dim_qk, head_dim_v=head_dim_v, dtype=dtype, attn_mask_type=params.attn_mask_type,
         window_size=params.window_size, bottom_right=params.bottom_right, attn_bias_type=bias_type,
         dropout=params.kernel_dropout, softmax_type=params.softmax_type, return_max_logit=params.return_max_logit,
-        paged_kv=paged_kv, **dict(device),
+        kv_page_size=kv_page_size, **dict(device),
     )
 
 
@@ -335,8 +341,9 @@ def forward_launches(call: Call, plan: Optional[ForwardPlan] = None,
     """The forward: one launch writing ``out`` and ``lse`` (slots q, k, v, out, lse and the call's
     modifiers: bias, alibi_slopes, rng_state, softmax_offset, seq_start_q/k, seq_len_q/k), and with
     ``params.return_max_logit`` each row's max logit (slot ``row_max``, fp32 laid out as lse). A paged call
-    (:attr:`Call.paged`) reads K and V through slot ``page_table`` (int32) in the Triton forward, never the
-    Gluon one (its plan says why): the same bits as the call on the gathered rows.
+    (:attr:`Call.paged`) reads K and V through slot ``page_table`` (int32): the Triton forward row by row, the Gluon
+    forward by its loader's TMA loads of whole blocks or pages (only page sizes that fit its key blocks:
+    plan.gluon_page_reason; its plan says which runs), each with the bits of the same kernel on the gathered rows.
 
     Where :func:`split_kv` gives a workspace (``split`` forces the choice), two launches: the forward
     with one program per key chunk writing slots ``part_o`` and ``part_ml``, then the combine writing
@@ -360,12 +367,19 @@ def forward_launches(call: Call, plan: Optional[ForwardPlan] = None,
                   PART_ML=Slot("part_ml") if workspace else _PLACEHOLDER,
                   split_rows=workspace.rows if workspace else 0, KV_CHUNK=chunk, SPLIT_KV=workspace is not None,
                   PAGE_TABLE=Slot("page_table") if call.paged else _PLACEHOLDER,
-                  stride_pt=call.page_table_stride if call.paged else 0, PAGE_SIZE=call.page_size)
+                  stride_pt=call.page_table_stride if call.paged else 0, PAGE_SIZE=call.page_size,
+                  page_rows=call.page_rows if call.paged else 0)
     rows = lambda t: call.grid_rows(call.max_q, t.block_m, call.num_heads_q)  # noqa: E731
-    ws = None if call.paged else plan.warp_specialized
+    ws = plan.warp_specialized
+    if ws is not None and call.paged:
+        # The Gluon loader follows only page tables whose pages fit its key blocks (a plan given explicitly is held
+        # to that too), and addresses the pools' rows with 32-bit TMA coordinates.
+        if gluon_page_reason(call.page_size, ws.block_n) is not None:
+            ws = None
+        elif call.page_rows >= 2 ** 31:
+            raise NotImplementedError(f"the Gluon forward on a paged KV cache addresses at most 2**31 - 1 rows of "
+                                      f"the pools, got page_rows={call.page_rows}")
     if workspace is None:
-        # The Gluon forward reads K/V through TMA descriptors of contiguous rows: never for a paged call (its
-        # plan has no warp-specialized tiles; a plan given explicitly is held to that too).
         return (_block_launch(attn_fwd_kernel, attn_fwd_ws_kernel, plan.tiles, ws, ("q", "k", "v"), call, values,
                               rows, {}),)
     split_launch = _block_launch(attn_fwd_kernel, attn_fwd_ws_kernel, plan.tiles, ws, ("q", "k", "v"), call, values,

@@ -4,8 +4,8 @@ Determinism contract: in deterministic mode the tiles and loop orders
 depend only on head dim, dtype, mask/window kind and GPU architecture — never on batch size,
 sequence length or autotuning. Every plan function reads the call through its PlanKey (an AttnConfig is
 taken as its ``plan_key``), which holds no batch size or sequence length, so nothing below can. Whether the
-warp-specialized Gluon kernels serve a config also reads its bias/dropout and NVTE_FUSED_ATTN_WS, and
-whether Hopper's narrow-V tiles (and their Q/K head-dim split) do reads its bias/dropout, alike for both
+warp-specialized Gluon kernels serve a config also reads its bias/dropout and NVTE_FUSED_ATTN_WS (and, for a
+paged KV cache's forward, the page size: gluon_page_reason), and whether Hopper's narrow-V tiles (and their Q/K head-dim split) do reads its bias/dropout, alike for both
 frameworks.
 
 Architectures (:data:`ARCHS`): one :class:`ArchTables` per GPU family holds every kernel variant's tiles
@@ -28,7 +28,8 @@ from transformer_engine.common.attention.enums import AttnBiasType
 
 __all__ = ["Tiles", "ForwardPlan", "BackwardPlan", "ArchTables", "ARCHS", "forward_plan", "backward_plan",
            "plan_key", "plan_arch", "device_arch", "mask_flags", "padded_head_dim", "split_head_dim", "block_grid",
-           "tma_eligible", "PlanTrace", "trace_forward", "trace_backward", "row_name"]
+           "tma_eligible", "PlanTrace", "trace_forward", "trace_backward", "row_name", "pages_keep_bits",
+           "gluon_page_reason", "GLUON_MIN_PAGE"]
 
 
 @dataclass(frozen=True)
@@ -489,7 +490,7 @@ def trace_forward(config: Config, override: Optional[Tiles] = None) -> Tuple[For
             tiles, row = arch.fp32_large[0], f"{arch.name}.fp32_large[fwd]"
         else:
             tiles, row = _fp32_clamp(tiles, 64, 32), row + ", clamped for fp32 (at most 64x32, one stage)"
-    if config.paged_kv and arch is not None and arch.vendor == "nvidia" and tiles.num_stages > 2:
+    if config.kv_page_size and arch is not None and arch.vendor == "nvidia" and tiles.num_stages > 2:
         # Triton 3.6's ptxas crashes (SIGSEGV) on the three-stage pipeline of the page-table loads (sm_90, d=32,
         # packed sequences); stages only schedule the loads, so the sum, and the bits, are the same.
         tiles, row = dataclasses.replace(tiles, num_stages=2), row + ", at most two stages for a paged cache"
@@ -500,14 +501,18 @@ def trace_forward(config: Config, override: Optional[Tiles] = None) -> Tuple[For
         ws = _warp_specialized(config, arch, key, "fwd", trace, "warp_specialized")
     block_dqk, block_dqk2 = _qk_blocks(config, arch)
     gluon_serves = ws is not None
-    if gluon_serves and config.paged_kv:
-        # The Gluon forward reads K/V through TMA descriptors of contiguous rows; a paged call's rows come from
-        # its page table, row by row, which only the Triton forward follows. Its products are blocked unlike the
-        # Gluon forward's, so its bits are not the contiguous calls': the frontends gather such a config's pages
-        # instead (pages_keep_bits) and this plan serves direct kernel calls only.
-        ws, trace.gluon_off["warp_specialized"] = None, (
-            "a paged KV cache: the Gluon forward reads contiguous K/V rows through TMA descriptors, the Triton "
-            "forward follows the page table")
+    if gluon_serves and config.kv_page_size:
+        # The Gluon forward's loader follows the page table where a key block is whole pages or lies in one; then
+        # the consumers get the same tiles as from contiguous rows, so the contiguous calls' bits. Other page sizes
+        # run the Triton forward, whose products are blocked unlike the Gluon forward's: the frontends gather such
+        # a config's pages instead (pages_keep_bits) and this plan serves direct kernel calls only.
+        why = gluon_page_reason(config.kv_page_size, ws.block_n)
+        if why is None:
+            loads = _page_loads(config.kv_page_size, ws.block_n)
+            trace.rows["warp_specialized"] += (f"; pages of {config.kv_page_size} keys read in place by its loader "
+                                               f"({loads} TMA load{'s' * (loads > 1)} per K/V block of {ws.block_n})")
+        else:
+            ws, trace.gluon_off["warp_specialized"] = None, f"a paged KV cache: {why}"
     if gluon_serves and max(config.head_dim_qk, config.head_dim_v) > 128:
         # Both kernels must sum a config's rows alike (the Gluon one serves only where the tensors allow TMA).
         # The Gluon forward's chunked sum keeps a second fp32 accumulator, which spills beyond d=128.
@@ -528,12 +533,44 @@ def forward_plan(config: Config, override: Optional[Tiles] = None) -> ForwardPla
     return trace_forward(config, override)[0]
 
 
-def pages_keep_bits(config: Config) -> bool:
-    """Whether the forward reading a paged KV cache through its page table gives ``config``'s bits (those of the
-    same call on the pages gathered into rows): only the Triton forward follows a page table, so not where the
-    contiguous call runs the Gluon forward, whose products are blocked differently (Hopper's fp16/bf16 plain
-    configs). Both frontends gather such a config's pages instead."""
-    return forward_plan(dataclasses.replace(plan_key(config), paged_kv=False)).warp_specialized is None
+# The smallest page the Gluon forward's loader reads in place where pages are smaller than its key block: a block
+# then takes one TMA load per page and tensor (8 at most for blocks of 128), each into a row slice of the block's
+# shared-memory buffer, which must start on the buffer's 8-row swizzle period.
+GLUON_MIN_PAGE = 16
+
+
+def gluon_page_reason(page_size: int, block_n: int) -> Optional[str]:
+    """Why the Gluon forward with key blocks of ``block_n`` cannot read a paged KV cache with pages of
+    ``page_size`` keys through its page table in place, or None where it can: a page size that is a multiple of
+    the key block (one TMA load per block), or one of at least GLUON_MIN_PAGE keys dividing it (one per page)."""
+    if page_size % block_n == 0:
+        return None
+    if block_n % page_size == 0:
+        if page_size >= GLUON_MIN_PAGE:
+            return None
+        return (f"pages of {page_size} keys: its loader reads pages of at least {GLUON_MIN_PAGE} keys (a TMA load "
+                "per page), the Triton forward follows the page table")
+    return (f"pages of {page_size} keys neither hold whole K/V blocks of {block_n} keys nor divide them (the Gluon "
+            "loader's TMA loads take whole pages or whole blocks), the Triton forward follows the page table")
+
+
+def _page_loads(page_size: int, block_n: int) -> int:
+    return 1 if page_size % block_n == 0 else block_n // page_size
+
+
+def pages_keep_bits(config: Config, page_size: int) -> bool:
+    """Whether the forward reading a paged KV cache with pages of ``page_size`` keys through its page table gives
+    ``config``'s bits (those of the same call on the pages gathered into rows): where its plan is the contiguous
+    call's. The Triton forward and the Gluon one both follow a page table with the contiguous call's arithmetic,
+    but the Gluon forward only pages that whole key blocks fill or lie in (gluon_page_reason): with other page
+    sizes on Hopper's fp16/bf16 plain configs the paged plan runs the Triton forward, whose products are blocked
+    differently. Both frontends gather such a config's pages instead."""
+    key = plan_key(config)
+    paged = forward_plan(dataclasses.replace(key, kv_page_size=page_size))
+    contiguous = forward_plan(dataclasses.replace(key, kv_page_size=0))
+    # Pipeline stages schedule the loads, not the sum: the paged Triton forward keeps at most two (trace_forward).
+    stages = dataclasses.replace(paged.tiles, num_stages=contiguous.tiles.num_stages)
+    return dataclasses.replace(paged, tiles=stages) == contiguous
 
 
 def _qk_blocks(config: PlanKey, arch: Optional[ArchTables]) -> Tuple[int, int]:

@@ -27,7 +27,9 @@ each sequence's part ``[b * m, h_q]`` (the custom_vjp sums them).
 
 A paged KV cache (primitives.paged, forward only): K and V are the cache's pools viewed as rows, and slot
 ``page_table`` (int32, one row of pages per kernel sequence) says where each key is; one kernel sequence per
-segment (``segments_per_row`` 1), ``max_k`` the keys a table row holds.
+segment (``segments_per_row`` 1), ``max_k`` the keys a table row holds. On Hopper the Gluon forward (where its
+loader follows the page size) builds its TMA descriptors over the pools in the launch's global scratch, as the
+contiguous Gluon launches do over their rows.
 
 A partial backward (``FusedAttnStatic.backward_grads``: dQ only or dK/dV only, as context parallelism
 asks) leaves the other pass out of the program, and its gradients are zeros of their shapes.
@@ -252,13 +254,14 @@ def _check_supported(static, segments_per_row: int) -> None:
 
 def launch_call(static, shapes: Dict[str, Sequence[int]], dtype, num_seqs: int, bias_shape: Optional[Sequence[int]],
                 compute_capability: Tuple[int, int], segments_per_row: int = 1, max_k: Optional[int] = None,
-                page_size: int = 0, page_table_stride: int = 0) -> launch_description.Call:
+                page_size: int = 0, page_table_stride: int = 0, page_rows: int = 0) -> launch_description.Call:
     """The launch description's view of a call (``static``: its parameters) on contiguous ``[b, s, h, d]``
     buffers (``shapes`` by slot name: q, k, v, out, and d_out, dq, dk, dv for the backward) of ``num_seqs``
     kernel sequences; ``segments_per_row``: the packed mode's sequences per row (max_segments_per_seq), whose
     lengths only the device knows: the kernels then cover each row's blocks (launch_description.Call).
-    A paged KV cache (``page_size`` > 0): k and v are the cache's rows ``[1, pages * page_size, h_kv, d]``,
-    ``max_k`` the keys a sequence's page table row holds and ``page_table_stride`` that row's length."""
+    A paged KV cache (``page_size`` > 0): k and v are the cache's rows ``[1, pages * page_size, h_kv, d]``
+    (``page_rows`` of them), ``max_k`` the keys a sequence's page table row holds and ``page_table_stride`` that
+    row's length."""
     q, k, v = shapes["q"], shapes["k"], shapes["v"]
     bias = None
     if bias_shape is not None:
@@ -272,6 +275,7 @@ def launch_call(static, shapes: Dict[str, Sequence[int]], dtype, num_seqs: int, 
         views={name: launch_description.View(_strides(shape)) for name, shape in shapes.items()},
         lse_strides=(q[2] * q[1], q[1]), device=dict(device_type="cuda", compute_capability=compute_capability),
         bias=bias, segments_per_row=segments_per_row, page_size=page_size, page_table_stride=page_table_stride,
+        page_rows=page_rows,
     )
 
 
@@ -355,8 +359,10 @@ def _fwd_impl(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds
 
 
 def _paged_fwd_impl(q, k_pages, v_pages, page_table, q_seqlens, kv_seqlens, q_offsets, softmax_offset, *, static):
-    """The forward on a paged KV cache (primitives.paged): the Triton forward reads K/V through the page table
-    (``PAGE_SIZE``; launch_description.forward_launches), one kernel sequence per segment, in packed mode."""
+    """The forward on a paged KV cache (primitives.paged): the planned forward (Triton, or Gluon where the page size
+    fits its key blocks) reads K/V through the page table (``PAGE_SIZE``; launch_description.forward_launches), one
+    kernel sequence per segment, in packed mode; the Gluon forward's descriptors over the pools are built on the
+    device in the launch's global scratch, as for contiguous rows."""
     b, s_q, hq, dqk = q.shape
     num_pages, page_size, hk, dv = v_pages.shape
     m, n = page_table.shape[1:]
@@ -383,7 +389,7 @@ def _paged_fwd_impl(q, k_pages, v_pages, page_table, q_seqlens, kv_seqlens, q_of
     rows_shape = (1, num_pages * page_size, hk)
     call = launch_call(static, dict(q=q.shape, k=rows_shape + (dqk,), v=rows_shape + (dv,), out=(b, s_q, hq, dv)),
                        q.dtype, nseq, None, _compute_capability(), 1, max_k=n * page_size, page_size=page_size,
-                       page_table_stride=n)
+                       page_table_stride=n, page_rows=num_pages * page_size)
     workspace = launch_description.split_kv(call)
     if workspace is not None:  # split-KV: the chunks' states (fp32 workspace results, not returned)
         buffers.update(part_o=Buf(prog.result((workspace.part_o_size,), jnp.float32)),

@@ -13,8 +13,9 @@ A forward-only primitive pair (inner: what a device runs; outer: custom_partitio
 
 Results: the output ``[b, s_q, h_q, d_v]`` and the softmax aux ``[b, m, h_q, s_q]``, the bits of the fused
 forward on the pages gathered into rows ``[b, m * n * page_size, ...]`` (segment ``j`` from key
-``j * n * page_size``): on CUDA the Triton forward follows the table (``PAGE_SIZE``; only where the gathered
-call plans no Gluon forward, :func:`transformer_engine.common.attention.plan.pages_keep_bits`); on CPU the lowering
+``j * n * page_size``): on CUDA the planned forward follows the table (``PAGE_SIZE``: the Triton forward, or
+Hopper's Gluon one where its loader follows pages of this size; the frontend takes this primitive only where that
+plan is the gathered call's, :func:`transformer_engine.common.attention.plan.pages_keep_bits`); on CPU the lowering
 gathers and computes the fused primitives' jnp math on the gathered rows (for tests).
 
 Sharding: batch and heads stay split as they come (dp/fsdp, tp); the pools' page axes are replicated, since

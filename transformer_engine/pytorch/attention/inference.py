@@ -33,7 +33,8 @@ read in place (no copy). Because the kernel's sequences must lie in increasing c
 queries are permuted into that order and the output back (copies of the step's rows only).
 
 Paged cache: ``[total_num_pages, page_size, h_kv, d]`` with a page table. Where the fused backend runs the
-step on its Triton forward (every config but Hopper's Gluon ones: ``plan.pages_keep_bits``), the forward reads
+step and its paged plan is the gathered call's (``plan.pages_keep_bits``: the Triton forward with any page size,
+Hopper's Gluon forward with the page sizes its loader follows), the forward reads
 each key and value through the step's page table in place (``PagedKVCacheManager``'s
 ``step_page_table``: the step's sequences' pages in step order), with no copy and no permutation; a row's bits
 are those of the same call on the pages gathered into contiguous rows. The other backends, and a step that
@@ -665,7 +666,8 @@ class _PagedStep:
     def run(self, backend, q, k, v, call):
         from transformer_engine.pytorch.attention import kernel_runner
 
-        if issubclass(backend, FusedAttention) and pages_keep_bits(kernel_runner.plan_key(q, k, v, call)):
+        if issubclass(backend, FusedAttention) and pages_keep_bits(kernel_runner.plan_key(q, k, v, call),
+                                                                   self.page_size):
             params = dataclasses.replace(call.params, kv_page_size=self.page_size)
             return backend.run(q, k, v, dataclasses.replace(call, params=params, page_table=self.page_table,
                                                             cu_seqlens_kv_padded=None))

@@ -115,8 +115,9 @@ def _bias_type(call: AttnCall):
 
 def plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: AttnCall) -> PlanKey:
     """The PlanKey the launches of ``call`` on these tensors plan with (``launch_description.plan_key``)."""
+    page_size = call.params.kv_page_size if call.page_table is not None else 0
     return launch_description.plan_key(call.params, q.shape[-1], v.shape[-1], dtype_name(q.dtype),
-                                       _bias_type(call), _device(q.device), call.page_table is not None)
+                                       _bias_type(call), _device(q.device), page_size)
 
 
 def _view(t: torch.Tensor, fmt: QKVFormat) -> launch_description.View:
@@ -139,15 +140,17 @@ def describe(q, k, v, call: AttnCall, seqs: Sequences, views: Dict[str, torch.Te
         head_dim_v=v.shape[-1], dtype=dtype_name(q.dtype), num_seqs=seqs.batch, max_q=seqs.max_q, max_k=seqs.max_k,
         packed=seqs.is_thd, has_seqlens=seqs.has_seqlens, views={name: _view(t, fmt) for name, t in views.items()},
         lse_strides=lse_strides, device=_device(q.device), bias=bias, alibi_batch_stride=alibi,
-        segments_per_row=seqs.segments_per_row, **_paging(call),
+        segments_per_row=seqs.segments_per_row, **_paging(call, k),
     )
 
 
-def _paging(call: AttnCall) -> Dict[str, int]:
-    """The launch description's paged-cache fields of ``call`` (none without a page table)."""
+def _paging(call: AttnCall, k: torch.Tensor) -> Dict[str, int]:
+    """The launch description's paged-cache fields of ``call`` on the pool ``k`` (the cache's rows; none without a
+    page table)."""
     if call.page_table is None:
         return {}
-    return dict(page_size=call.params.kv_page_size, page_table_stride=call.page_table.stride(0))
+    return dict(page_size=call.params.kv_page_size, page_table_stride=call.page_table.stride(0),
+                page_rows=k.shape[0])
 
 
 def _device(device: torch.device) -> Dict[str, object]:

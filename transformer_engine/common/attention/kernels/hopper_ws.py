@@ -25,6 +25,13 @@ dropout or sink softmax, the head dim contiguous and 16-byte aligned strides. Ea
 Triton kernels', in the same block order, but the products are blocked differently, so results are close
 to, not bitwise equal to, the Triton kernels': the plan picks one kernel per configuration, the same in
 both frontends, so a configuration's results are reproducible bit for bit.
+
+A paged KV cache (the forward, PAGE_SIZE > 0; attn_fwd_kernel's PAGE_TABLE convention): K and V are the pools'
+rows and the loader warp finds each key block's rows in the sequence's page table, with one TMA load per block
+where a page holds whole blocks and one per page where pages divide a block (plan.gluon_page_reason says which
+sizes). Only the loader changes: the consumers, their tiles, block order and barriers are the contiguous forward's,
+and the ring's buffers receive the same values (rows past the sequence as zeros, through a descriptor over the
+sequence's rows in its last page), so a paged call gives the bits of the same call on the pages gathered into rows.
 """
 
 from triton.experimental import gluon
@@ -71,10 +78,11 @@ class _Schedule:
     KV_CHUNK: gl.constexpr  # forward: keys per chunk of the canonical sum (0: one chunk)
     SPLIT_KV: gl.constexpr  # forward: this program computes one key chunk and stores its state
     ROW_MAX: gl.constexpr  # forward: also write each row's max logit (return_max_logit)
+    PAGE_SIZE: gl.constexpr  # forward: keys per page of a paged KV cache the loader reads (0: rows in place)
 
     @gluon.constexpr_function
     def __init__(self, NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, ROW_TILES, WITH_DK=True, WITH_DV=True,
-                 SPLIT=False, KV_CHUNK=0, SPLIT_KV=False, ROW_MAX=False):
+                 SPLIT=False, KV_CHUNK=0, SPLIT_KV=False, ROW_MAX=False, PAGE_SIZE=0):
         self.NUM_STAGES = gl.constexpr(NUM_STAGES)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.HAS_LEFT = gl.constexpr(HAS_LEFT)
@@ -86,12 +94,14 @@ class _Schedule:
         self.KV_CHUNK = gl.constexpr(KV_CHUNK)
         self.SPLIT_KV = gl.constexpr(SPLIT_KV)
         self.ROW_MAX = gl.constexpr(ROW_MAX)
+        self.PAGE_SIZE = gl.constexpr(PAGE_SIZE)
 
 
 @gluon.jit
-def _loader(bufs, bars, bounds, coords, sched):
+def _loader(bufs, bars, bounds, coords, sched, pages):
     """One warp: the row tiles once (both consumers' halves: Q, or Q and dO), then K and V block by block
-    through the ring."""
+    through the ring; with sched.PAGE_SIZE > 0 (the forward on a paged KV cache) each block's rows through the
+    sequence's page table (``pages``: _paged_kv_block), else ``pages`` is None."""
     NUM_STAGES: gl.constexpr = sched.NUM_STAGES
     BLOCK_N: gl.constexpr = sched.BLOCK_N
     q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q2_desc, k2_desc, q2_smem, k2_smem = bufs
@@ -115,16 +125,70 @@ def _loader(bufs, bars, bounds, coords, sched):
         phase = (it // NUM_STAGES) & 1
         # A fresh barrier counts as having completed phase 1: the first pass does not wait.
         mbarrier.wait(kv_empty.index(stage), phase ^ 1)
-        if sched.SPLIT:
-            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes + k2_desc.block_type.nbytes)
-            tma_async_load(k_desc, [start_n, 0], k_ready.index(stage), k_smem.index(stage))
-            tma_async_load(k2_desc, [start_n, 0], k_ready.index(stage), k2_smem.index(stage))
+        if sched.PAGE_SIZE > 0:
+            _paged_kv_block(bufs, bars, pages, start_n, stage, sched)
         else:
-            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            tma_async_load(k_desc, [start_n, 0], k_ready.index(stage), k_smem.index(stage))
-        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma_async_load(v_desc, [start_n, 0], v_ready.index(stage), v_smem.index(stage))
+            if sched.SPLIT:
+                mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes + k2_desc.block_type.nbytes)
+                tma_async_load(k_desc, [start_n, 0], k_ready.index(stage), k_smem.index(stage))
+                tma_async_load(k2_desc, [start_n, 0], k_ready.index(stage), k2_smem.index(stage))
+            else:
+                mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+                tma_async_load(k_desc, [start_n, 0], k_ready.index(stage), k_smem.index(stage))
+            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+            tma_async_load(v_desc, [start_n, 0], v_ready.index(stage), v_smem.index(stage))
         it += 1
+
+
+@gluon.jit
+def _page_load(desc, tail, table, last_page, start_n, bar, dst, PAGE_SIZE: gl.constexpr, BLOCK_N: gl.constexpr):
+    """TMA loads of keys [start_n, start_n + BLOCK_N) of one sequence into ``dst`` (a ring buffer), through its page
+    table ``table``: key n is row n % PAGE_SIZE of page table[n // PAGE_SIZE]. ``desc`` covers the pool's rows,
+    ``tail`` only the sequence's rows in its last page (``last_page``), so that rows past the sequence load as
+    zeros, as the contiguous descriptor (over the sequence's rows) gives them, whatever the pool holds there. A
+    block spanning several pages (PAGE_SIZE < BLOCK_N) takes a load per page into row slices of ``dst``; a page
+    past the last one is loaded wholly out of ``tail``'s bounds (zeros, its bytes counted as ever), so no table
+    entry past the sequence's pages is read."""
+    if PAGE_SIZE >= BLOCK_N:  # the block lies in one page (key blocks are aligned at key 0)
+        page = start_n // PAGE_SIZE
+        if page < last_page:
+            tma_async_load(desc, [gl.load(table + page) * PAGE_SIZE + start_n % PAGE_SIZE, 0], bar, dst)
+        else:
+            tma_async_load(tail, [start_n - last_page * PAGE_SIZE, 0], bar, dst)
+    else:
+        for j in gl.static_range(BLOCK_N // PAGE_SIZE):
+            page = start_n // PAGE_SIZE + j
+            rows = dst.slice(j * PAGE_SIZE, PAGE_SIZE)
+            if page < last_page:
+                tma_async_load(desc, [gl.load(table + page) * PAGE_SIZE, 0], bar, rows)
+            else:
+                tma_async_load(tail, [(page - last_page) * PAGE_SIZE, 0], bar, rows)
+
+
+@gluon.jit
+def _paged_kv_block(bufs, bars, pages, start_n, stage, sched):
+    """The loader's K (and K's second chunk) and V loads of the key block at ``start_n`` from a paged KV cache
+    (_page_load), into ring buffer ``stage``: each ready barrier expects the whole block's bytes, as in the
+    contiguous loads, so the consumers wait and compute as they do there."""
+    BLOCK_N: gl.constexpr = sched.BLOCK_N
+    PAGE_SIZE: gl.constexpr = sched.PAGE_SIZE
+    q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q2_desc, k2_desc, q2_smem, k2_smem = bufs
+    q_bar, k_ready, v_ready, kv_empty, turn = bars
+    table, last_page, k_tail, v_tail, k2_tail = pages
+    LOADS: gl.constexpr = BLOCK_N // k_desc.block_type.shape[0]  # TMA loads per block and tensor
+    if sched.SPLIT:
+        mbarrier.expect(k_ready.index(stage), LOADS * (k_desc.block_type.nbytes + k2_desc.block_type.nbytes))
+        _page_load(k_desc, k_tail, table, last_page, start_n, k_ready.index(stage), k_smem.index(stage), PAGE_SIZE,
+                   BLOCK_N)
+        _page_load(k2_desc, k2_tail, table, last_page, start_n, k_ready.index(stage), k2_smem.index(stage),
+                   PAGE_SIZE, BLOCK_N)
+    else:
+        mbarrier.expect(k_ready.index(stage), LOADS * k_desc.block_type.nbytes)
+        _page_load(k_desc, k_tail, table, last_page, start_n, k_ready.index(stage), k_smem.index(stage), PAGE_SIZE,
+                   BLOCK_N)
+    mbarrier.expect(v_ready.index(stage), LOADS * v_desc.block_type.nbytes)
+    _page_load(v_desc, v_tail, table, last_page, start_n, v_ready.index(stage), v_smem.index(stage), PAGE_SIZE,
+               BLOCK_N)
 
 
 @gluon.jit
@@ -287,7 +351,12 @@ def _fwd_consumer1(bufs, bars, bounds, coords, out_args, sched):
 
 @gluon.jit
 def _load_worker(bufs, bars, bounds, coords, out_args, sched):
-    _loader(bufs, bars, bounds, coords, sched)
+    _loader(bufs, bars, bounds, coords, sched, None)
+
+
+@gluon.jit
+def _paged_load_worker(bufs, bars, bounds, coords, out_args, sched, pages):
+    _loader(bufs, bars, bounds, coords, sched, pages)
 
 
 @gluon.jit
@@ -406,6 +475,67 @@ def _second_chunk(Q, K, batch, head, head_kv, start_q, len_q, start_k, len_k, st
 
 
 @gluon.jit
+def _page_descs(base, page_rows, tail_row, tail_rows, stride_s, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                PAGE_SIZE: gl.constexpr, layout: gl.constexpr):
+    """(pool, tail): descriptors over a paged cache's rows of one kv head (``base``: row 0, ``page_rows`` rows) and
+    over one sequence's rows in its last page (``tail_rows`` rows from row ``tail_row``), in loads of a key block
+    or, where pages are smaller, of a page (``layout``: the ring's, whose buffers the loads fill)."""
+    LOAD_ROWS: gl.constexpr = BLOCK_N if PAGE_SIZE >= BLOCK_N else PAGE_SIZE
+    pool = tma.make_tensor_descriptor(base, shape=[page_rows, HEAD_DIM], strides=[stride_s, 1],
+                                      block_shape=[LOAD_ROWS, HEAD_DIM], layout=layout)
+    tail = _rows_desc(base + tail_row * stride_s, tail_rows, stride_s, HEAD_DIM, LOAD_ROWS, layout)
+    return pool, tail
+
+
+@gluon.jit
+def _paged_kv_ring(K, V, PAGE_TABLE, batch, head_kv, len_k, stride_pt, stride_ks, stride_kh, stride_vs, stride_vh,
+                   page_rows, HEAD_DIM_K: gl.constexpr, HEAD_DIM_V: gl.constexpr, BLOCK_N: gl.constexpr,
+                   NUM_STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr):
+    """_kv_ring's (k_desc, v_desc, k_smem, v_smem) for K and V read from a paged KV cache (K, V: the pools' rows,
+    ``page_rows`` of them, page p's row r at p * PAGE_SIZE + r), and the loader's ``pages``: (this sequence's
+    row of the page table, its last page's index, K's and V's tail descriptors, K's again for the second Q/K
+    chunk's). The ring's buffers are the contiguous kernel's, in the same order: the consumers read the same
+    shared memory."""
+    gl.static_assert((PAGE_SIZE % BLOCK_N == 0) or (BLOCK_N % PAGE_SIZE == 0 and PAGE_SIZE % 8 == 0))
+    dtype: gl.constexpr = K.dtype.element_ty
+    k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM_K], dtype)
+    v_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM_V], dtype)
+    table = PAGE_TABLE + batch.to(gl.int64) * stride_pt
+    # The last page holding keys of the sequence; an empty sequence loads no block and reads no entry.
+    last_page = gl.maximum(len_k - 1, 0) // PAGE_SIZE
+    tail_row = gl.load(table + last_page, mask=len_k > 0, other=0).to(gl.int64) * PAGE_SIZE
+    tail_rows = len_k - last_page * PAGE_SIZE
+    k_desc, k_tail = _page_descs(K + head_kv.to(gl.int64) * stride_kh, page_rows, tail_row, tail_rows, stride_ks,
+                                 HEAD_DIM_K, BLOCK_N, PAGE_SIZE, k_layout)
+    v_desc, v_tail = _page_descs(V + head_kv.to(gl.int64) * stride_vh, page_rows, tail_row, tail_rows, stride_vs,
+                                 HEAD_DIM_V, BLOCK_N, PAGE_SIZE, v_layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM_K], k_layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM_V], v_layout)
+    return k_desc, v_desc, k_smem, v_smem, (table, last_page, k_tail, v_tail, k_tail), (tail_row, tail_rows)
+
+
+@gluon.jit
+def _paged_second_chunk(Q, K, batch, head, head_kv, start_q, len_q, stride_qb, stride_qs, stride_qh, stride_ks,
+                        stride_kh, page_rows, q_desc, k_desc, q_smem, k_smem, pages, tail, BLOCK_DQK: gl.constexpr,
+                        BLOCK_DQK2: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                        PAGE_SIZE: gl.constexpr):
+    """_second_chunk's (q2_desc, k2_desc, q2_smem, k2_smem) where K is a paged cache's rows (_paged_kv_ring), and
+    ``pages`` with K's second chunk's tail descriptor."""
+    if BLOCK_DQK2 > 0:
+        q2_desc, q2_smem = _row_tiles(Q + BLOCK_DQK, batch, head, start_q, len_q, stride_qb, stride_qs, stride_qh,
+                                      BLOCK_DQK2)
+        layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_DQK2], K.dtype.element_ty)
+        tail_row, tail_rows = tail
+        k2_desc, k2_tail = _page_descs(K + BLOCK_DQK + head_kv.to(gl.int64) * stride_kh, page_rows, tail_row,
+                                       tail_rows, stride_ks, BLOCK_DQK2, BLOCK_N, PAGE_SIZE, layout)
+        k2_smem = gl.allocate_shared_memory(K.dtype.element_ty, [NUM_STAGES, BLOCK_N, BLOCK_DQK2], layout)
+        table, last_page, k_tail, v_tail, _ = pages
+        return q2_desc, k2_desc, q2_smem, k2_smem, (table, last_page, k_tail, v_tail, k2_tail)
+    else:
+        return q_desc, k_desc, q_smem, k_smem, pages
+
+
+@gluon.jit
 def _barriers(NUM_STAGES: gl.constexpr):
     """(q_bar, k_ready, v_ready, kv_empty, turn), initialised: the row tiles' barrier, the ring's
     ready / empty barriers (empty counts both consumers) and two turn barriers that no consumer waits on
@@ -428,15 +558,15 @@ def _barriers(NUM_STAGES: gl.constexpr):
 
 @gluon.jit
 def attn_fwd_ws_kernel(
-    Q, K, V, O, LSE, ROW_MAX, PART_O, PART_ML, BIAS, ALIBI_SLOPES, RNG_STATE,
+    Q, K, V, O, LSE, ROW_MAX, PART_O, PART_ML, BIAS, ALIBI_SLOPES, RNG_STATE, PAGE_TABLE,
     SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_ob, stride_os, stride_oh, stride_od,
     stride_lb, stride_lh,
-    stride_zb, stride_zh, stride_zm, stride_zn, stride_alibi_b,
-    num_heads_q, gqa_group, seqlen_q, seqlen_k,
+    stride_zb, stride_zh, stride_zm, stride_zn, stride_alibi_b, stride_pt,
+    num_heads_q, gqa_group, seqlen_q, seqlen_k, page_rows,
     qk_scale, window_left, window_right, dropout_p, split_rows,
     HEAD_DIM_QK: gl.constexpr, HEAD_DIM_V: gl.constexpr,
     BLOCK_DQK: gl.constexpr, BLOCK_DQK2: gl.constexpr, BLOCK_DV: gl.constexpr,
@@ -445,7 +575,7 @@ def attn_fwd_ws_kernel(
     HAS_LEFT: gl.constexpr, HAS_RIGHT: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
     HAS_BIAS: gl.constexpr, HAS_ALIBI: gl.constexpr, DROPOUT: gl.constexpr,
     HEAD_GROUP: gl.constexpr, SINGLE_LOOP: gl.constexpr, SEGMENTS: gl.constexpr,
-    HAS_ROW_MAX: gl.constexpr, KV_CHUNK: gl.constexpr, SPLIT_KV: gl.constexpr,
+    HAS_ROW_MAX: gl.constexpr, KV_CHUNK: gl.constexpr, SPLIT_KV: gl.constexpr, PAGE_SIZE: gl.constexpr,
     NUM_STAGES: gl.constexpr = 2,
 ):
     # The head dims fill their tiles: d_qk one chunk or two (BLOCK_DQK + BLOCK_DQK2), d_v one.
@@ -472,12 +602,23 @@ def attn_fwd_ws_kernel(
     part_l = PART_ML + gl.num_programs(2) * split_rows + part_row
 
     q_desc, q_smem = _row_tiles(Q, batch, head, start_q, len_q, stride_qb, stride_qs, stride_qh, BLOCK_DQK)
-    k_desc, v_desc, k_smem, v_smem = _kv_ring(K, V, batch, head_kv, start_k, len_k, stride_kb, stride_ks, stride_kh,
-                                              stride_vb, stride_vs, stride_vh, BLOCK_DQK, BLOCK_DV, BLOCK_N,
-                                              NUM_STAGES)
-    q2_desc, k2_desc, q2_smem, k2_smem = _second_chunk(
-        Q, K, batch, head, head_kv, start_q, len_q, start_k, len_k, stride_qb, stride_qs, stride_qh, stride_kb,
-        stride_ks, stride_kh, q_desc, k_desc, q_smem, k_smem, BLOCK_DQK, BLOCK_DQK2, BLOCK_N, NUM_STAGES)
+    if PAGE_SIZE > 0:
+        # A paged KV cache: only the loader's addresses differ (module docstring); descriptors and buffers are made
+        # in the contiguous kernel's order.
+        k_desc, v_desc, k_smem, v_smem, pages, tail = _paged_kv_ring(
+            K, V, PAGE_TABLE, batch, head_kv, len_k, stride_pt, stride_ks, stride_kh, stride_vs, stride_vh, page_rows,
+            BLOCK_DQK, BLOCK_DV, BLOCK_N, NUM_STAGES, PAGE_SIZE)
+        q2_desc, k2_desc, q2_smem, k2_smem, pages = _paged_second_chunk(
+            Q, K, batch, head, head_kv, start_q, len_q, stride_qb, stride_qs, stride_qh, stride_ks, stride_kh,
+            page_rows, q_desc, k_desc, q_smem, k_smem, pages, tail, BLOCK_DQK, BLOCK_DQK2, BLOCK_N, NUM_STAGES,
+            PAGE_SIZE)
+    else:
+        k_desc, v_desc, k_smem, v_smem = _kv_ring(K, V, batch, head_kv, start_k, len_k, stride_kb, stride_ks,
+                                                  stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_DQK, BLOCK_DV,
+                                                  BLOCK_N, NUM_STAGES)
+        q2_desc, k2_desc, q2_smem, k2_smem = _second_chunk(
+            Q, K, batch, head, head_kv, start_q, len_q, start_k, len_k, stride_qb, stride_qs, stride_qh, stride_kb,
+            stride_ks, stride_kh, q_desc, k_desc, q_smem, k_smem, BLOCK_DQK, BLOCK_DQK2, BLOCK_N, NUM_STAGES)
     bars = _barriers(NUM_STAGES)
 
     o_base = O + batch.to(gl.int64) * stride_ob + start_q * stride_os + head.to(gl.int64) * stride_oh
@@ -488,10 +629,15 @@ def attn_fwd_ws_kernel(
     coords = (start_m, len_q, len_k, diag, window_left, window_right)
     out_args = (o_base, stride_os, stride_od, lse_base, row_max_base, rows_out, qk_scale, part_o, part_m, part_l)
     sched = _Schedule(NUM_STAGES, BLOCK_N, HAS_LEFT, HAS_RIGHT, 1, SPLIT=BLOCK_DQK2 > 0, KV_CHUNK=KV_CHUNK,
-                      SPLIT_KV=SPLIT_KV, ROW_MAX=HAS_ROW_MAX)
+                      SPLIT_KV=SPLIT_KV, ROW_MAX=HAS_ROW_MAX, PAGE_SIZE=PAGE_SIZE)
     args = (bufs, bars, bounds, coords, out_args, sched)
-    gl.warp_specialize([(_fwd_consumer0, args), (_fwd_consumer1, args), (_load_worker, args)], [4, 1],
-                       [CONSUMER_REGISTERS, LOADER_REGISTERS])
+    if PAGE_SIZE > 0:  # the consumers' arguments as without pages: only the loader reads the page table
+        gl.warp_specialize([(_fwd_consumer0, args), (_fwd_consumer1, args),
+                            (_paged_load_worker, (bufs, bars, bounds, coords, out_args, sched, pages))], [4, 1],
+                           [CONSUMER_REGISTERS, LOADER_REGISTERS])
+    else:
+        gl.warp_specialize([(_fwd_consumer0, args), (_fwd_consumer1, args), (_load_worker, args)], [4, 1],
+                           [CONSUMER_REGISTERS, LOADER_REGISTERS])
 
 
 @gluon.jit

@@ -73,8 +73,8 @@ def contiguous_call(config: AttnConfig, batch: int = 2, seqlen: int = 1024, thd:
     """The launches' view of ``config`` on contiguous [b, s, h, d] tensors (``thd``: packed sequences) of
     ``seqlen`` query tokens and ``seqlen_kv`` (default ``seqlen``) key tokens per sequence; a
     post_scale_bias of ``bias_shape`` (default [1, h, s_q, s_kv]); ``segments_per_row``: packed sequences
-    in rows of that many (Call.segments_per_row); ``page_size`` > 0: K and V a paged cache's rows read through a
-    page table of contiguous rows (Call.page_size; a forward only)."""
+    in rows of that many (Call.segments_per_row); ``page_size`` > 0: K and V a paged cache's rows (the k and v
+    tensors' rows: the pools) read through a page table (Call.page_size; a forward only)."""
     hq, hk, dqk, dv = config.num_heads_q, config.num_heads_kv, config.head_dim_qk, config.head_dim_v
     sq, sk = seqlen, seqlen if seqlen_kv is None else seqlen_kv
     shapes = dict(q=(batch, sq, hq, dqk), k=(batch, sk, hk, dqk), v=(batch, sk, hk, dv),
@@ -100,6 +100,7 @@ def contiguous_call(config: AttnConfig, batch: int = 2, seqlen: int = 1024, thd:
         bias=bias, alibi_batch_stride=0 if config.attn_bias_type == AttnBiasType.ALIBI else None,
         segments_per_row=segments_per_row, page_size=page_size,
         page_table_stride=-(-sk // page_size) if page_size else 0,
+        page_rows=batch * -(-sk // page_size) * page_size if page_size else 0,  # every sequence's pages
     )
 
 

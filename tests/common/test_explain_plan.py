@@ -213,7 +213,7 @@ PAGE_LOADS = {128: {1: None, 16: 8, 24: None, 64: 2, 128: 1, 256: 1},
 
 @pytest.mark.parametrize("page_size", [1, 16, 24, 64, 128, 256])
 @pytest.mark.parametrize("dims", [(128, 128), (256, 256), (192, 128)])
-def test_paged_plans_say_what_runs_and_why(dims, page_size):
+def test_paged_plans_say_what_runs_and_why(dims, page_size, monkeypatch):
     """A paged KV cache's forward on Hopper (bf16, no modifier): the Gluon forward with the contiguous call's tiles
     where its loader can follow pages of that size (whole blocks in a page, or pages of at least 16 keys dividing a
     block: the loads per block named), else the Triton forward with the reason; the rest of the plan (Triton tiles,
@@ -221,12 +221,15 @@ def test_paged_plans_say_what_runs_and_why(dims, page_size):
     contiguous bits exactly where the kernel is the same."""
     from transformer_engine.common.attention.plan import pages_keep_bits
 
+    monkeypatch.setenv("NVTE_FUSED_ATTN_GLUON_PAGED", "1")
     cfg = _config("sm90", dims)
     contiguous = forward_plan(cfg)
     block_n = contiguous.warp_specialized.block_n
     loads = PAGE_LOADS[block_n][page_size]
     paged = forward_plan(dataclasses.replace(cfg.plan_key, kv_page_size=page_size))
-    assert paged == (contiguous if loads else dataclasses.replace(contiguous, warp_specialized=None))
+    # The Triton forward reading pages keeps at most two pipeline stages (they schedule loads, not the sum).
+    triton = dataclasses.replace(contiguous.tiles, num_stages=min(2, contiguous.tiles.num_stages))
+    assert paged == (contiguous if loads else dataclasses.replace(contiguous, warp_specialized=None, tiles=triton))
     assert pages_keep_bits(cfg, page_size) == (loads is not None)
     ex = explain_plan(cfg, kv_page_size=page_size)
     assert str(ex) == str(explain_plan(dataclasses.replace(cfg.plan_key, kv_page_size=page_size)))
@@ -269,3 +272,15 @@ def test_explain_plan_rejects_a_bad_page_size():
                                              rf"got {bad!r}"):
             explain_plan(cfg, kv_page_size=bad)
     assert str(explain_plan(cfg, kv_page_size=0)) == str(explain_plan(cfg))
+
+
+def test_gluon_paged_loads_are_off_by_default():
+    """Without NVTE_FUSED_ATTN_GLUON_PAGED=1 a paged call the Gluon forward serves takes the Triton forward, with
+    the variable named as the reason, and the frontends gather its pages (pages_keep_bits is False)."""
+    from transformer_engine.common.attention.plan import pages_keep_bits
+
+    cfg = _config("sm90", (128, 128))
+    paged = dataclasses.replace(cfg.plan_key, kv_page_size=128)
+    assert forward_plan(cfg).warp_specialized is not None and forward_plan(paged).warp_specialized is None
+    assert not pages_keep_bits(cfg, 128)
+    assert "NVTE_FUSED_ATTN_GLUON_PAGED=0" in str(explain_plan(paged))

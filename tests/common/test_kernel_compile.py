@@ -210,12 +210,13 @@ def _arithmetic_by_block(ptx: str) -> collections.Counter:
 
 
 @pytest.mark.parametrize("case", GLUON_PAGED_CASES, ids=_gluon_paged_case_id)
-def test_sm90_gluon_paged_forward_compiles_with_the_contiguous_consumers(case):
+def test_sm90_gluon_paged_forward_compiles_with_the_contiguous_consumers(case, monkeypatch):
     """The Gluon forward reading a paged KV cache through its page table (one TMA load per block or per page)
     compiles for sm_90 with 12 warps, the contiguous launch's shared memory (its ring and barriers; the loader's
     extra arguments, passed to the warp partition through shared memory, take a few bytes more) and stack
     (GLUON_PAGED_EXTRA_STACK: the loader's few bytes where recorded), and the contiguous consumers' arithmetic: the
     same floating-point and MMA instructions in every basic block, so only the loads differ."""
+    monkeypatch.setenv("NVTE_FUSED_ATTN_GLUON_PAGED", "1")
     from transformer_engine.common.attention.kernels.triton_compat import triton_version
 
     release = "%d.%d" % triton_version()

@@ -35,6 +35,13 @@ from transformer_engine.jax.attention import SequenceDescriptor, fused_attn
 from transformer_engine.jax.enums import AttnBiasType, AttnMaskType, AttnSoftmaxType, QKVLayout
 from transformer_engine.jax.inference import init_kv_cache, init_paged_kv_cache, kv_cache_attention
 from transformer_engine.jax.primitives import gpu
+
+
+@pytest.fixture(autouse=True)
+def _gluon_paged(monkeypatch):
+    """This file tests the Gluon forward's paged loads, which NVTE_FUSED_ATTN_GLUON_PAGED turns on (off by default:
+    those configs gather, test_explain_plan.py::test_gluon_paged_loads_are_off_by_default)."""
+    monkeypatch.setenv("NVTE_FUSED_ATTN_GLUON_PAGED", "1")
 from transformer_engine.jax.primitives.attention import FusedAttnStatic
 from transformer_engine.jax.primitives.paged import fused_attn_paged
 

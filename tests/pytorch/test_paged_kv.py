@@ -30,6 +30,13 @@ from transformer_engine.pytorch.attention.fused_attn import fused_attention
 from transformer_engine.pytorch.attention.inference import InferenceParams
 from transformer_engine.pytorch.attention.testing import fused_call, recorded_launches
 
+
+@pytest.fixture(autouse=True)
+def _gluon_paged(monkeypatch):
+    """This file tests the Gluon forward's paged loads, which NVTE_FUSED_ATTN_GLUON_PAGED turns on (off by default:
+    those configs gather, test_explain_plan.py::test_gluon_paged_loads_are_off_by_default)."""
+    monkeypatch.setenv("NVTE_FUSED_ATTN_GLUON_PAGED", "1")
+
 DTYPES = [torch.float16, torch.float32] if not ON_GPU else [torch.bfloat16, torch.float16, torch.float32]
 CHUNK = 64 if not ON_GPU else 4096  # the plan's kv_chunk where the Triton forward serves (interpreter: 64)
 

@@ -132,6 +132,12 @@ _DECLARED = (
         "at d_qk 192 / d_v 128).",
     ),
     EnvVar(
+        "NVTE_FUSED_ATTN_GLUON_PAGED", "bool", False,
+        "1 lets the warp-specialized Gluon forward read a paged KV cache through its page table (TMA loads per "
+        "page or per key block) where the page size fits its key blocks; 0 (the default until its GPU tests have "
+        "run) leaves those configs to gather their pages into rows before the forward, which gives the same bits.",
+    ),
+    EnvVar(
         "NVTE_FUSED_ATTN_CACHED_LAUNCH", "bool", True,
         "0 launches every fused attention kernel through Triton's JIT call, which binds and specializes its "
         "arguments on each call, instead of through the compiled kernel cached by that specialization (PyTorch).",

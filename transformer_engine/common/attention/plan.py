@@ -490,10 +490,6 @@ def trace_forward(config: Config, override: Optional[Tiles] = None) -> Tuple[For
             tiles, row = arch.fp32_large[0], f"{arch.name}.fp32_large[fwd]"
         else:
             tiles, row = _fp32_clamp(tiles, 64, 32), row + ", clamped for fp32 (at most 64x32, one stage)"
-    if config.kv_page_size and arch is not None and arch.vendor == "nvidia" and tiles.num_stages > 2:
-        # Triton 3.6's ptxas crashes (SIGSEGV) on the three-stage pipeline of the page-table loads (sm_90, d=32,
-        # packed sequences); stages only schedule the loads, so the sum, and the bits, are the same.
-        tiles, row = dataclasses.replace(tiles, num_stages=2), row + ", at most two stages for a paged cache"
     trace.rows["tiles"] = row
     if override is not None:  # an explicit Triton tile override measures the Triton kernel
         ws, trace.gluon_off["warp_specialized"] = None, "a Triton tile override"
@@ -507,12 +503,20 @@ def trace_forward(config: Config, override: Optional[Tiles] = None) -> Tuple[For
         # run the Triton forward, whose products are blocked unlike the Gluon forward's: the frontends gather such
         # a config's pages instead (pages_keep_bits) and this plan serves direct kernel calls only.
         why = gluon_page_reason(config.kv_page_size, ws.block_n)
+        if why is None and not settings.get("NVTE_FUSED_ATTN_GLUON_PAGED"):
+            why = ("NVTE_FUSED_ATTN_GLUON_PAGED=0: its loader does not follow the page table, the Triton forward "
+                   "does")
         if why is None:
             loads = _page_loads(config.kv_page_size, ws.block_n)
             trace.rows["warp_specialized"] += (f"; pages of {config.kv_page_size} keys read in place by its loader "
                                                f"({loads} TMA load{'s' * (loads > 1)} per K/V block of {ws.block_n})")
         else:
             ws, trace.gluon_off["warp_specialized"] = None, f"a paged KV cache: {why}"
+    if config.kv_page_size and ws is None and arch is not None and arch.vendor == "nvidia" and tiles.num_stages > 2:
+        # Triton 3.6's ptxas crashes (SIGSEGV) on the three-stage pipeline of the page-table loads (sm_90, d=32,
+        # packed sequences); stages only schedule the loads, so the sum, and the bits, are the same.
+        tiles = dataclasses.replace(tiles, num_stages=2)
+        trace.rows["tiles"] += ", at most two stages for a paged cache"
     if gluon_serves and max(config.head_dim_qk, config.head_dim_v) > 128:
         # Both kernels must sum a config's rows alike (the Gluon one serves only where the tensors allow TMA).
         # The Gluon forward's chunked sum keeps a second fp32 accumulator, which spills beyond d=128.

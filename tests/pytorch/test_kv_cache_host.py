@@ -269,6 +269,26 @@ def test_page_table_updates_equal_the_table_built_from_scratch():
     assert torch.equal(manager.page_table.cpu(), _table_from_scratch(manager))
 
 
+def test_gathered_pages_are_packed_and_their_count_changes_rarely():
+    """The gather's page index (made on the device from the step's table): the step's sequences' pages packed in
+    step order, then page 0 up to a size that is at most 1/8 more and one of 8 per doubling."""
+    params = InferenceParams(3, 64, 1, 8, torch.float32, is_paged=True, page_size=4, total_num_pages=48,
+                             device=DEVICE)
+    random.Random(4).shuffle(params.cache_manager.free_pages)
+    manager = params.cache_manager
+    for step in [{"a": 9, "b": 30}, {"b": 1, "a": 1}, {"c": 17, "a": 3}, {"a": 1, "c": 1}]:
+        params.pre_step(OrderedDict(step))
+        layout = params._current().layout
+        index, starts = manager.gather_index(layout)
+        packed = [p for seq in step for p in manager.allocated_pages[seq]]
+        assert index.tolist() == packed + [0] * (len(index) - len(packed)), step
+        assert len(index) == inference._gather_size(len(packed))
+        assert starts == [4 * sum(len(manager.allocated_pages[s]) for s in list(step)[:i]) for i in range(len(step))]
+    sizes = [inference._gather_size(n) for n in range(1, 4097)]
+    assert all(n <= size <= max(n, n * 9 // 8) for n, size in zip(range(1, 4097), sizes))
+    assert len(set(sizes)) <= 8 * 12 + 16
+
+
 def test_step_tensors_are_te_s_after_each_step():
     """cu_seqlens_q / cu_seqlens_kv / the pre-step lengths keep TransformerEngine's meaning (max_batch_size
     + 1 entries, the last value repeated), one buffer updated per step."""

@@ -38,8 +38,8 @@ each key and value through the step's page table in place (``PagedKVCacheManager
 ``step_page_table``: the step's sequences' pages in step order), with no copy and no permutation; a row's bits
 are those of the same call on the pages gathered into contiguous rows. The other backends, and a step that
 needs gradients (the fused backward reads no page table), get the gathered rows (a copy of every cached token
-of the step's sequences per layer and step, each sequence's rows padded to a multiple of ``GATHER_KEYS``), as
-does a custom cache manager that is not a ``PagedKVCacheManager``.
+of the step's sequences per layer and step, padded to one of a few sizes per doubling), as does a custom cache
+manager that is not a ``PagedKVCacheManager``.
 
 No gradient flows into the cache: new keys and values are copied in without autograd history.
 
@@ -75,8 +75,7 @@ from transformer_engine.pytorch.attention import kernel_runner
 from transformer_engine.pytorch.attention.buffers import host_values, to_device
 from transformer_engine.pytorch.attention.config import can_sync, sequences_checked_on_host
 
-__all__ = ["InferenceParams", "KVCacheManager", "NonPagedKVCacheManager", "PagedKVCacheManager", "StepLayout",
-           "GATHER_KEYS"]
+__all__ = ["InferenceParams", "KVCacheManager", "NonPagedKVCacheManager", "PagedKVCacheManager", "StepLayout"]
 
 
 def _default_device() -> torch.device:
@@ -288,9 +287,12 @@ class NonPagedKVCacheManager(KVCacheManager):
                 list(self._host_starts(layout)))
 
 
-# Gathered rows (PagedKVCacheManager.keys_values) hold this many keys per sequence, or a multiple: the shapes of
-# a decoding batch's calls change once every this many steps (their signatures with them), not at every page.
-GATHER_KEYS = 256
+def _gather_size(pages: int) -> int:
+    """Pages to gather for ``pages`` pages of a step's sequences: rounded up to one of 8 sizes per doubling (at
+    most 1/8 more), so that a decoding batch's gathered rows keep their shape, and its calls their signature,
+    over many steps."""
+    granule = 1 << max(pages.bit_length() - 4, 0)
+    return -(-pages // granule) * granule
 
 
 class PagedKVCacheManager(KVCacheManager):
@@ -317,6 +319,7 @@ class PagedKVCacheManager(KVCacheManager):
         self._table_rows: List[object] = []
         self._table_counts: List[int] = []
         self._gather = None  # (layout, page index, starts) of the current step
+        self._gather_positions = None  # (layout, offsets, counts): what the page index is made of, on the device
         self._step_table = None  # (layout, int32 page table of the step's sequences in step order)
 
     def allocate_memory(self, layer_number: int) -> None:
@@ -346,7 +349,7 @@ class PagedKVCacheManager(KVCacheManager):
         super().reset()
         self.page_table.zero_()
         self._table_rows, self._table_counts = [], []
-        self._gather = None
+        self._gather = self._gather_positions = None
         self._step_table = None
 
     def get_page_list(self, seq) -> List[int]:
@@ -397,6 +400,7 @@ class PagedKVCacheManager(KVCacheManager):
         rows = [position[seq] for seq in layout.seq_ids]
         if rows != list(range(len(rows))):
             arrays["step_rows"] = (rows, torch.int32)
+        arrays.update(zip(("gather_offsets", "gather_counts"), self._gather_arrays(layout)))
         return arrays
 
     def _take_step_arrays(self, layout: StepLayout, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -405,6 +409,7 @@ class PagedKVCacheManager(KVCacheManager):
         rows = tensors.get("step_rows")
         table = self.page_table[:layout.batch_size] if rows is None else self.page_table.index_select(0, rows)
         self._step_table = (layout, table)
+        self._gather_positions = (layout, tensors["gather_offsets"], tensors["gather_counts"])
         self._gather = None
 
     def step_page_table(self, layout: StepLayout) -> torch.Tensor:
@@ -418,22 +423,34 @@ class PagedKVCacheManager(KVCacheManager):
             self._step_table = (layout, table.to(self.device))
         return self._step_table[1]
 
-    def _gather_pages(self, layout: StepLayout) -> int:
-        """Pages gathered per sequence: enough for the longest, in whole GATHER_KEYS (at most the table's width)."""
-        keys = -(-layout.max_total_len // GATHER_KEYS) * GATHER_KEYS
-        return min(self.pages_for(keys), self.max_pages_per_seq)
+    def _gather_arrays(self, layout: StepLayout) -> Tuple[Tuple[List[int], torch.dtype], ...]:
+        """What :meth:`gather_index` reads on the device: each step sequence's offset from its packed pages to
+        its row of the step's page table (``i * width - first page``) and its page count."""
+        counts = [self.pages_for(total) for total in layout.total_lens]
+        firsts = _cumulative(counts)
+        offsets = [i * self.max_pages_per_seq - first for i, first in enumerate(firsts[:-1])]
+        return (offsets, torch.int64), (counts, torch.int64)
 
     def _host_starts(self, layout: StepLayout) -> List[int]:
-        rows = self._gather_pages(layout) * self.page_size
-        return [i * rows for i in range(layout.batch_size)]
+        firsts = _cumulative([self.pages_for(total) for total in layout.total_lens])
+        return [first * self.page_size for first in firsts[:-1]]
 
     def gather_index(self, layout: StepLayout) -> Tuple[torch.Tensor, List[int]]:
-        """(the pages to gather: each step sequence's first :meth:`_gather_pages` table entries, in step order;
-        the first row of each sequence in the gathered rows), made at the step's first layer from the step's
-        page table (no host work per page) and reused by the others."""
+        """(the pages to gather: the step sequences' pages packed in step order, then page 0 up to
+        :func:`_gather_size`; the first row of each sequence in the gathered rows), made on the device from the
+        step's page table at the step's first gathering layer (no host work per page) and reused by the
+        others."""
         if self._gather is None or self._gather[0] is not layout:
-            pages = self.step_page_table(layout)[:, :self._gather_pages(layout)].reshape(-1)
-            self._gather = (layout, pages, self._host_starts(layout))
+            if self._gather_positions is None or self._gather_positions[0] is not layout:
+                self._gather_positions = (layout, *to_device(self._gather_arrays(layout), self.device))
+            _, offsets, counts = self._gather_positions
+            pages = sum(self.pages_for(total) for total in layout.total_lens)
+            # Packed page j of sequence i is entry j + offsets[i] of the flattened step table.
+            position = torch.arange(pages, device=self.device) + torch.repeat_interleave(offsets, counts,
+                                                                                        output_size=pages)
+            index = self.step_page_table(layout).reshape(-1).index_select(0, position)
+            index = torch.nn.functional.pad(index, (0, _gather_size(pages) - pages))
+            self._gather = (layout, index, self._host_starts(layout))
         return self._gather[1], list(self._gather[2])
 
     def cache_rows(self, layer_number: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -443,8 +460,8 @@ class PagedKVCacheManager(KVCacheManager):
         return k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
 
     def keys_values(self, layer_number: int, layout: StepLayout):
-        """The step sequences' pages gathered in step order, :meth:`_gather_pages` pages each (past a sequence's
-        own pages, page 0 stands in: never read)."""
+        """The step sequences' pages gathered in step order (:meth:`gather_index`: the rows past the last
+        sequence's pages are page 0's, never read)."""
         k_cache, v_cache = self.cache[layer_number]
         index, starts = self.gather_index(layout)
         k_rows = k_cache.index_select(0, index).view(-1, *k_cache.shape[2:])

@@ -11,19 +11,34 @@ ones (async: the call returns once they are queued, and the tiny shape keeps the
     python dev/tuning/host_time.py --trace host_trace.json  # and a profiler trace of the threads
     python dev/tuning/host_time.py --launch   # and the forward's launch alone, four ways (a GPU only)
     python dev/tuning/host_time.py --no-signature-cache  # every call decided afresh (the path before the caches)
+    TRITON_INTERPRET=1 python dev/tuning/host_time.py --stub --decode  # a KV-cache decode step, layer by layer
+    python dev/tuning/host_time.py --decode --profile  # on a GPU, and where a decode step's host time goes
+
+``--decode`` times bench_decode.py's ``ours`` step (``pre_step`` then DotProductAttention with
+``inference_params``, no_grad; 32 query heads, 8 kv heads, thd, padding_causal) on non-paged and paged caches
+for batch 1 and 16 at contexts 1k and 32k (each step grows the context by one token, as decoding does), next to
+the training forward of the same queries and keys (a thd call with every argument given, as a step's own call
+is), then the layers inside the step (inclusive microseconds per step: time in a function and what it calls;
+the timers add about a microsecond per call), and the host reads of tensor values per step (``.item()``,
+``.tolist()``, ``bool()``, ...: a device-to-host copy, so a sync, on a GPU). On a GPU without ``--stub`` a
+step's time is the larger of its host time and its kernels' (the steps are queued back to back).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
+import random
 import time
 
 import torch
 
 from transformer_engine.common import settings
-from transformer_engine.pytorch import DotProductAttention
-from transformer_engine.pytorch.attention import fused_attn, kernel_runner, launch_cache, ops, signature_cache, testing
+from transformer_engine.common.attention import launch_description
+from transformer_engine.pytorch import DotProductAttention, InferenceParams
+from transformer_engine.pytorch.attention import (backends, fused_attn, inference, kernel_runner, launch_cache, ops,
+                                                  signature_cache, testing)
 
 
 def per_call_us(fn, calls: int, rounds: int = 9) -> float:
@@ -130,6 +145,11 @@ def main() -> None:
                     help="then the forward kernel's launch alone: ours, Triton's JIT call, its compiled kernel directly")
     ap.add_argument("--no-signature-cache", action="store_true",
                     help="keep no decisions per call signature (DotProductAttention's, the kernel runner's)")
+    ap.add_argument("--decode", action="store_true",
+                    help="a KV-cache decode step instead (bench_decode.py's `ours`), layer by layer")
+    ap.add_argument("--page-size", type=int, default=16, help="--decode: the paged cache's page size")
+    ap.add_argument("--batches", default="1,16", help="--decode: batch sizes, comma-separated")
+    ap.add_argument("--contexts", default="1024,32768", help="--decode: cached tokens per sequence, comma-separated")
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--head-dim", type=int, default=128)
     args = ap.parse_args()
@@ -137,7 +157,10 @@ def main() -> None:
         cache.enabled = not args.no_signature_cache
     stub = testing.no_launches() if args.stub else contextlib.nullcontext()
     with stub:
-        _measure(args)
+        if args.decode:
+            _measure_decode(args)
+        else:
+            _measure(args)
 
 
 def _measure(args) -> None:
@@ -213,6 +236,166 @@ def _measure(args) -> None:
                     steps["DotProductAttention"]()
             prof.export_chrome_trace(args.trace)
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+
+
+# -- decode steps ------------------------------------------------------------------------------------------------
+
+HEADS, KV_HEADS = 32, 8  # bench_decode.py's
+
+
+class _LayerTimes:
+    """While open, the inclusive time and calls of each named layer (a function or method, replaced by a timing
+    wrapper), summed over the calls made meanwhile."""
+
+    def __init__(self, layers):
+        self.layers = layers  # (label, owner, attribute name, predicate on the call's kwargs or None)
+        self.time = collections.Counter()
+        self.calls = collections.Counter()
+
+    def __enter__(self):
+        self._saved = []
+        for label, owner, name, when in self.layers:
+            real = owner.__dict__[name]
+            self._saved.append((owner, name, real))
+            setattr(owner, name, self._wrap(label, real, when))
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, real in reversed(self._saved):
+            setattr(owner, name, real)
+
+    def _wrap(self, label, real, when):
+        fn = real.__func__ if isinstance(real, staticmethod) else real
+        time_, calls = self.time, self.calls
+
+        def timed(*args, **kwargs):
+            if when is not None and not when(kwargs):
+                return fn(*args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                time_[label] += time.perf_counter() - t0
+                calls[label] += 1
+
+        return staticmethod(timed) if isinstance(real, staticmethod) else timed
+
+
+def _decode_layers():
+    """The layers of a decode step, outermost first (labels indented by nesting)."""
+    step_call = lambda kwargs: kwargs.get("inference_params") is None  # noqa: E731  (the step's own thd call)
+    return [
+        ("pre_step", InferenceParams, "pre_step", None),
+        ("cache append", InferenceParams, "_append", None),
+        ("step call (non-paged)", InferenceParams, "_kernel_call", None),
+        ("step call (paged)", InferenceParams, "_paged_call", None),
+        ("DotProductAttention.forward (the step's thd call)", DotProductAttention, "forward", step_call),
+        ("  selection (config, backends)", DotProductAttention, "_select", None),
+        ("  fused_attention", backends.FusedAttentionBackend, "run", None),
+        ("    value checks (cu_seqlens)", fused_attn, "check_sequence_values", None),
+        ("    value checks (page table)", fused_attn, "_check_page_values", None),
+        ("    kernel_runner.forward", kernel_runner, "forward", None),
+        ("      sequences", kernel_runner, "sequences", None),
+        ("      describe", kernel_runner, "describe", None),
+        ("      launch building (plan included)", launch_description, "forward_launches", None),
+        ("        planning", launch_description, "forward_plan", None),
+        ("      prepare", kernel_runner, "_prepare", None),
+    ]
+
+
+def _decode_setup(b, s, paged, page_size, steps, device, dtype, head_dim):
+    """bench_decode.py's decode step on a cache holding ``s`` tokens per sequence (registered by a pre_step
+    whose tokens are never written: the host work does not read them), room for ``steps`` more; paged: pages
+    handed out in a shuffled order. Returns (step, training forward of the same sizes, params, step_dict)."""
+    max_len = s + steps + 8
+    if paged:
+        max_len = -(-max_len // page_size) * page_size
+        params = InferenceParams(b, max_len, KV_HEADS, head_dim, dtype, device=device, is_paged=True,
+                                 page_size=page_size)
+        random.Random(5).shuffle(params.cache_manager.free_pages)
+    else:
+        params = InferenceParams(b, max_len, KV_HEADS, head_dim, dtype, device=device)
+    params.allocate_memory(1)
+    dpa = DotProductAttention(HEADS, head_dim, num_gqa_groups=KV_HEADS, qkv_format="thd",
+                              attn_mask_type="padding_causal", layer_number=1).to(device).eval()
+    params.pre_step(collections.OrderedDict((i, s) for i in range(b)))
+    q = torch.randn(b, HEADS, head_dim, device=device, dtype=dtype)
+    k, v = torch.randn(2, b, KV_HEADS, head_dim, device=device, dtype=dtype)
+    step_dict = collections.OrderedDict((i, 1) for i in range(b))
+
+    def step():
+        params.pre_step(step_dict)
+        with torch.no_grad():
+            return dpa(q, k, v, inference_params=params)
+
+    # The training forward's thd call of the same sizes (every argument given: a signature-cache hit).
+    keys = torch.randn(b * (s + 1), KV_HEADS, head_dim, device=device, dtype=dtype)
+    cu_q = torch.arange(b + 1, dtype=torch.int32, device=device)
+    cu_kv = cu_q * (s + 1)
+
+    def training():
+        with torch.no_grad():
+            return dpa(q, keys, keys, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv, max_seqlen_q=1, max_seqlen_kv=s + 1)
+
+    return step, training, params, step_dict
+
+
+def _measure_decode(args) -> None:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":  # CPU tensor ops stand in for launches: one thread, so none waits for OpenMP's workers
+        torch.set_num_threads(1)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    calls, rounds = max(1, args.calls // 4), 5
+    per_timing = 1 + rounds * calls
+    profile_steps = calls * 4 if args.profile else 0
+    print(f"device {device}, stub={args.stub}, decode steps: {HEADS} q heads, {KV_HEADS} kv heads, d={args.head_dim}, "
+          f"{str(dtype).replace('torch.', '')}, thd padding_causal; page size {args.page_size}; microseconds per step "
+          f"(the least-disturbed of {rounds} rounds of {calls})")
+    with settings.environment(NVTE_ALLOW_NONDETERMINISTIC_ALGO="0", NVTE_FUSED_ATTN_BACKEND="fused"):
+        cases = [(paged, b, s) for paged in (False, True) for b in map(int, args.batches.split(","))
+                 for s in map(int, args.contexts.split(","))]
+        for paged, b, s in cases:
+            room = (4 + rounds) * per_timing + profile_steps + 2  # every timed step adds a token
+            step, training, params, step_dict = _decode_setup(b, s, paged, args.page_size, room, device, dtype,
+                                                              args.head_dim)
+            step()  # the first step: decisions made, kernels compiled
+            t_train = per_call_us(training, calls, rounds)
+            t_pre = per_call_us(lambda: params.pre_step(step_dict), calls, rounds)
+            t_step = per_call_us(step, calls, rounds)
+            layer_us, layer_calls = {}, {}
+            for _ in range(rounds):  # each layer's least-disturbed round
+                with _LayerTimes(_decode_layers()) as layers:
+                    for _ in range(calls):
+                        step()
+                for label, n in layers.calls.items():
+                    layer_us[label] = min(layer_us.get(label, float("inf")), layers.time[label] / calls * 1e6)
+                    layer_calls[label] = n / calls
+            name = f"{'paged' if paged else 'non-paged'} b={b} s={s}"
+            print(f"{name}: step {t_step:8.1f}  (training forward {t_train:6.1f}, ratio {t_step / t_train:4.1f}; "
+                  f"pre_step alone {t_pre:6.1f})")
+            for label, *_ in _decode_layers():
+                if label in layer_us:
+                    print(f"    {label:52s} {layer_us[label]:8.1f}  ({layer_calls[label]:g} calls)")
+            with testing.counted_host_reads() as reads:  # apart: every tensor op is slower while counting
+                for _ in range(calls):
+                    step()
+            print(f"    host reads of tensor values per step: "
+                  f"{', '.join(f'{k} {n / calls:g}' for k, n in sorted(reads.items())) or 'none'}")
+            if args.profile:
+                import cProfile
+                import pstats
+
+                profiler = cProfile.Profile()
+                profiler.enable()
+                for _ in range(profile_steps):
+                    step()
+                profiler.disable()
+                print(f"cProfile of {profile_steps} decode steps ({name}), own time first:")
+                pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+                pstats.Stats(profiler).sort_stats("cumtime").print_stats(30)
+            del step, training, params
+        print("  signature caches: " + ", ".join(f"{c.name} {c.hits} hits, {c.misses} misses"
+                                              for c in signature_cache.caches()))
 
 
 if __name__ == "__main__":

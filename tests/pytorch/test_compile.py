@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dpa_helpers import DEVICE, LOWP_DTYPES, SelectionSpy, cu_seqlens, deterministic_algorithms, gen, requires_fused
+from dpa_helpers import (DEVICE, INTERPRET, LOWP_DTYPES, SelectionSpy, cu_seqlens, deterministic_algorithms, gen,
+                         requires_fused)
 from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.models import TinyConfig, TinyTransformerLM
 
@@ -266,3 +267,37 @@ def test_fake_tensors_take_the_op_and_launch_nothing():
         grads = ops.backward(q, k, v, out, out, lse, call)
         assert [tuple(g.shape) for g in grads[:3]] == [(2, 32, 4, 16)] * 3
     assert ops._eager(torch.empty(1), None)
+
+
+@pytest.mark.parametrize("backend", ["unfused", "fused"])
+@pytest.mark.parametrize("paged", [False, True], ids=["non_paged", "paged"])
+def test_compiled_kv_cache_steps_equal_eager(monkeypatch, backend, paged):
+    """A compiled module running KV-cache steps (two prefill chunks, then decode steps: sizes that change, so
+    dynamo recompiles with dynamic sizes) gives eager's rows bitwise. The fused op then meets a symbolic
+    max_seqlen among its parameters (the decoded-parameters cache takes no such key: it decodes them)."""
+    from collections import OrderedDict
+
+    from transformer_engine.pytorch.attention.inference import InferenceParams
+
+    if backend == "fused" and not (DEVICE == "cuda" or INTERPRET):
+        pytest.skip("fused kernels need a GPU, or TRITON_INTERPRET=1 set before triton is imported")
+    monkeypatch.setenv("NVTE_FUSED_ATTN_BACKEND", backend)
+    dtype = LOWP_DTYPES[0] if backend == "fused" else torch.float32
+    dpa = DotProductAttention(4, 16, num_gqa_groups=2, qkv_format="thd", attn_mask_type="padding_causal",
+                              layer_number=1).to(DEVICE).eval()
+    steps = [OrderedDict([(0, 5), (1, 3)]), OrderedDict([(1, 4), (0, 2)])] + [OrderedDict([(0, 1), (1, 1)])] * 3
+    g = gen(11)
+    inputs = [[torch.randn(sum(s.values()), heads, 16, generator=g).to(DEVICE, dtype) for heads in (4, 2, 2)]
+              for s in steps]
+    outs = []
+    for fn in (dpa, torch.compile(dpa, backend="eager")):
+        params = InferenceParams(2, 32, 2, 16, dtype, device=DEVICE, is_paged=paged, page_size=8 if paged else None)
+        params.allocate_memory(1)
+        with torch.no_grad():
+            rows = []
+            for step, qkv in zip(steps, inputs):
+                params.pre_step(step)
+                rows.append(fn(*qkv, inference_params=params))
+        outs.append(rows)
+    for i, (a, b) in enumerate(zip(*outs)):
+        assert torch.equal(a, b), f"step {i}: compiled rows differ from eager's"

@@ -1,15 +1,18 @@
-"""New buffers without the fill of torch's deterministic mode.
+"""New buffers without the fill of torch's deterministic mode, and host values moved without a sync.
 
 ``torch.use_deterministic_algorithms(True)`` fills every new tensor's memory
 (``torch.utils.deterministic.fill_uninitialized_memory``): a memset per buffer. The fused path's kernels
 write their outputs in full, and the host reads of ``cu_seqlens`` overwrite their copy at once, so these
-allocate without it.
+allocate without it. :func:`to_device` sends integer arrays built on the host to a device in one copy that
+does not wait for the device (a KV-cache step's metadata).
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import List
+import struct
+from typing import List, Sequence, Tuple
 
 import torch
 
@@ -43,3 +46,43 @@ def host_values(t: torch.Tensor) -> List:
     host = unfilled(t.shape, t.dtype, "cpu")
     host.copy_(t)
     return host.tolist()
+
+
+_FORMATS = {torch.int32: "i", torch.int64: "q"}
+_ALIGN = 16  # bytes: Triton specializes a pointer on 16-byte alignment, so every view starts at such a boundary
+
+
+@functools.lru_cache(maxsize=256)
+def _packing(sizes: Tuple[Tuple[int, torch.dtype], ...]) -> Tuple[struct.Struct, Tuple[int, ...]]:
+    """(the struct that packs arrays of these (length, dtype), each at a 16-byte boundary; their byte offsets)."""
+    fmt, offsets, size = ["<"], [], 0
+    for n, dtype in sizes:
+        pad = -size % _ALIGN
+        fmt.append(f"{pad}x{n}{_FORMATS[dtype]}")
+        offsets.append(size + pad)
+        size += pad + n * dtype.itemsize
+    fmt.append(f"{-size % _ALIGN}x")
+    return struct.Struct("".join(fmt)), tuple(offsets)
+
+
+@torch.compiler.disable  # host work on host values: run as it is (a traced step calls it eagerly)
+def to_device(arrays: Sequence[Tuple[Sequence[int], torch.dtype]], device) -> List[torch.Tensor]:
+    """Integer arrays (``(values, torch.int32 or torch.int64)``) built on the host, as tensors on ``device``
+    without a sync: packed into one buffer (each at a 16-byte boundary, so a view's alignment is the same
+    every time), pinned on CUDA and copied once, non-blocking (torch's pinned-memory allocator keeps the host
+    buffer until the copy has run). Returns one view of the device buffer per array, in order."""
+    packing, offsets = _packing(tuple((len(values), dtype) for values, dtype in arrays))
+    flat = []
+    for values, _ in arrays:
+        flat += values
+    host = torch.frombuffer(bytearray(packing.pack(*flat)), dtype=torch.uint8)
+    device = torch.device(device)
+    if device.type == "cuda":
+        pinned = torch.empty(packing.size, dtype=torch.uint8, pin_memory=True)
+        pinned.copy_(host)
+        host = pinned.to(device, non_blocking=True)
+    elif device.type != "cpu":
+        host = host.to(device)
+    typed = {dtype: host.view(dtype) for _, dtype in arrays}
+    return [typed[dtype][offset // dtype.itemsize:offset // dtype.itemsize + len(values)]
+            for offset, (values, dtype) in zip(offsets, arrays)]

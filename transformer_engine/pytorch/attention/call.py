@@ -157,7 +157,10 @@ def unflatten(flat) -> AttnCall:
         if values[i] is not None:
             values[i] = tuple(values[i])
     key = tuple(values)
-    params = _decoded.get(key)
+    try:
+        params = _decoded.get(key)
+    except TypeError:  # a symbolic size (a traced call with dynamic shapes) makes no key: decoded each time
+        return AttnCall(AttnParams(*(decode(x) for decode, x in zip(_DECODERS, key))), *flat[:_NUM_TENSORS])
     if params is None:
         params = AttnParams(*(decode(x) for decode, x in zip(_DECODERS, key)))
         if len(_decoded) >= _MAX_DECODED:

@@ -5,6 +5,7 @@ Backend selection over the PyTorch backends is :func:`transformer_engine.pytorch
 
 from __future__ import annotations
 
+import contextvars
 import os
 from typing import Optional, Tuple
 
@@ -24,7 +25,8 @@ from transformer_engine.pytorch.attention.buffers import host_values
 from transformer_engine.pytorch.attention.device import device_facts
 
 __all__ = ["deterministic_requested", "build_attn_config", "dtype_name", "check_cu_seqlens",
-           "check_qkv", "qkv_dims", "triton_interpreting", "check_sequence_values", "can_sync"]
+           "check_qkv", "qkv_dims", "triton_interpreting", "check_sequence_values", "can_sync",
+           "sequences_checked_on_host", "sequences_checked"]
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
@@ -105,6 +107,29 @@ def check_cu_seqlens(name: str, cu: Optional[torch.Tensor], batch: Optional[int]
         raise ValueError(f"`{name}` must be on the inputs' device {device}, got {cu.device}")
 
 
+# Set while the attention calls' sequence tensors are ones their caller built from values it checked on the host.
+_SEQUENCES_CHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar("te_sequences_checked", default=False)
+
+
+class sequences_checked_on_host:
+    """While open, the attention calls' sequence tensors (cu_seqlens, a page table) are ones the caller built
+    from host values it checked (a KV-cache step's, ``inference.py``): the value checks, which would read them
+    back (a device-to-host copy, so a sync, per call), are skipped (:func:`sequences_checked`)."""
+
+    __slots__ = ("_token",)
+
+    def __enter__(self) -> None:
+        self._token = _SEQUENCES_CHECKED.set(True)
+
+    def __exit__(self, *exc) -> None:
+        _SEQUENCES_CHECKED.reset(self._token)
+
+
+def sequences_checked() -> bool:
+    """Inside :class:`sequences_checked_on_host`: the calls' sequence values were checked on the host."""
+    return _SEQUENCES_CHECKED.get()
+
+
 def can_sync() -> bool:
     """Value checks read cu_seqlens on the host: skipped while tracing or capturing a CUDA graph."""
     if torch.compiler.is_compiling():
@@ -114,12 +139,13 @@ def can_sync() -> bool:
 
 def check_sequence_values(fmt: QKVFormat, q: torch.Tensor, k: torch.Tensor, cu_q, cu_kv, pad_q, pad_kv,
                           max_q: Optional[int], max_kv: Optional[int]) -> None:
-    """The values of the cu_seqlens arguments (one host sync; skipped when ``can_sync()`` is false),
+    """The values of the cu_seqlens arguments (one host sync; skipped when ``can_sync()`` is false or the caller
+    checked them, :func:`sequences_checked`),
     by :func:`~transformer_engine.common.attention.validation.check_cu_seqlens_values`. A None
     ``cu_kv`` means the same as ``cu_q``; a padded side given alone leaves the other side's
     sequences starting where its cu_seqlens say. bshd/sbhd: lengths within the padded
     sequence lengths ``max_q``/``max_kv``; thd: within ``max_seqlen_*`` and the token counts."""
-    if cu_q is None or not can_sync():
+    if cu_q is None or not can_sync() or sequences_checked():
         return
     thd = fmt == QKVFormat.THD
     cu_kv = cu_q if cu_kv is None else cu_kv

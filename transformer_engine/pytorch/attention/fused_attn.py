@@ -15,7 +15,8 @@ from transformer_engine.common.attention.validation import check_input_dtype, ch
 from transformer_engine.pytorch.attention import ops
 from transformer_engine.pytorch.attention.call import AttnCall
 from transformer_engine.pytorch.attention.config import (
-    can_sync, check_cu_seqlens, check_qkv, check_sequence_values, dtype_name, qkv_dims, triton_interpreting,
+    can_sync, check_cu_seqlens, check_qkv, check_sequence_values, dtype_name, qkv_dims, sequences_checked,
+    triton_interpreting,
 )
 
 __all__ = ["fused_attn_func", "fused_attention", "FusedAttnFunc"]
@@ -296,8 +297,8 @@ def _check_paged(q, k, v, call: AttnCall) -> None:
 
 def _check_page_values(k, table: torch.Tensor, page_size: int, cu_seqlens_kv, max_seqlen_kv: int) -> None:
     """Each sequence's pages (those its cu_seqlens_kv length uses) are pages of the cache (one host sync;
-    skipped when ``can_sync()`` is false)."""
-    if not can_sync():
+    skipped when ``can_sync()`` is false or the caller checked them, ``sequences_checked``)."""
+    if not can_sync() or sequences_checked():
         return
     num_pages = k.shape[0] // page_size
     batch = cu_seqlens_kv.shape[0] - 1

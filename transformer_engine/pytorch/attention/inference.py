@@ -39,16 +39,30 @@ each key and value through the step's page table in place (``PagedKVCacheManager
 ``step_page_table``: the step's sequences' pages in step order), with no copy and no permutation; a row's bits
 are those of the same call on the pages gathered into contiguous rows. The other backends, and a step that
 needs gradients (the fused backward reads no page table), get the gathered rows (a copy of every cached token
-of the step's sequences per layer and step), as does a custom cache manager that is not a
-``PagedKVCacheManager``.
+of the step's sequences per layer and step, padded to one of a few sizes per doubling), as does a custom cache
+manager that is not a ``PagedKVCacheManager``.
 
 No gradient flows into the cache: new keys and values are copied in without autograd history.
+
+Host work of a step
+-------------------
+``pre_step`` builds the step's metadata on the host from ``step_dict`` (lengths, cu_seqlens, the new tokens'
+cache rows, the kernel call's sequences, the page table's changed entries) and sends it to the device in one
+non-blocking copy (``buffers.to_device``); every layer's call reuses it, and no step reads a tensor value
+back (no sync; the value checks of its sequence tensors are skipped, ``config.sequences_checked_on_host``).
+DotProductAttention sees the cache's capacity as ``max_seqlen_kv``, so its signature cache decides once for
+all the steps of a batch; the backend then gets the step's own bound (:class:`_StepRun`), which the fused
+backend rounds up within its key chunk (``kernel_runner.max_seqlen_kv_bound``: the same launches), so the
+kernel runner's prepared launches serve every step until the longest sequence enters a new chunk. Tokens that
+are a step tensor's first rows (a decode step's, a thd step's) are read and written in place, without an
+index.
 """
 
 from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -58,8 +72,9 @@ import torch
 
 from transformer_engine.common.attention import AttnBiasType, AttnMaskType, FusedAttention, QKVFormat
 from transformer_engine.common.attention.plan import pages_keep_bits
-from transformer_engine.pytorch.attention.buffers import host_values
-from transformer_engine.pytorch.attention.config import can_sync
+from transformer_engine.pytorch.attention import kernel_runner
+from transformer_engine.pytorch.attention.buffers import host_values, to_device
+from transformer_engine.pytorch.attention.config import can_sync, sequences_checked_on_host
 
 __all__ = ["InferenceParams", "KVCacheManager", "NonPagedKVCacheManager", "PagedKVCacheManager", "StepLayout"]
 
@@ -107,17 +122,22 @@ class StepLayout:
     def batch_size(self) -> int:
         return len(self.seq_ids)
 
-    @property
+    # Computed once (every layer's call reads them): a frozen dataclass keeps them in its __dict__.
+    @functools.cached_property
     def total_lens(self) -> Tuple[int, ...]:
         return tuple(c + n for c, n in zip(self.cached_lens, self.step_lens))
 
-    @property
+    @functools.cached_property
     def num_tokens(self) -> int:
         return sum(self.step_lens)
 
-    @property
+    @functools.cached_property
     def max_step_len(self) -> int:
         return max(self.step_lens)
+
+    @functools.cached_property
+    def max_total_len(self) -> int:
+        return max(self.total_lens)
 
     def token_positions(self) -> List[Tuple[int, int]]:
         """(sequence index in the step, position in its sequence) of each new token, in packed step order."""
@@ -197,14 +217,33 @@ class KVCacheManager:
     def step(self, layer_number: int, new_k: torch.Tensor, new_v: torch.Tensor, rows: torch.Tensor) -> None:
         """Copy the step's new tokens (``[num_tokens, h, d]``, packed step order) to ``rows`` of the layer's cache."""
         k_cache, v_cache = self.cache[layer_number]
-        with torch.no_grad():
-            k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, rows, new_k.detach())
-            v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, rows, new_v.detach())
+        with torch.no_grad():  # no autograd history in the cache
+            k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, rows, new_k)
+            v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, rows, new_v)
 
     def _new_cache(self, rows: int, width: int) -> Tuple[torch.Tensor, torch.Tensor]:
         shape = (rows, width, self.num_heads)
         return (torch.zeros(shape + (self.head_dim_k,), dtype=self.dtype, device=self.device),
                 torch.zeros(shape + (self.head_dim_v,), dtype=self.dtype, device=self.device))
+
+    # What the built-in managers know on the host at pre_step, so that InferenceParams sends a step's metadata
+    # to the device in one copy (no sync) and builds it once for every layer. A custom manager leaves these
+    # alone: InferenceParams then calls token_rows and keys_values.
+
+    def _host_token_rows(self, layout: StepLayout) -> Optional[List[int]]:
+        """:meth:`token_rows` as a list, or None where only the tensor is known."""
+        return None
+
+    def _host_starts(self, layout: StepLayout) -> Optional[List[int]]:
+        """The starts :meth:`keys_values` gives this step (every layer alike), or None where only it knows."""
+        return None
+
+    def _step_arrays(self, layout: StepLayout) -> Dict[str, Tuple[List[int], torch.dtype]]:
+        """Host arrays the manager's own step work needs on the device (sent with the step's metadata)."""
+        return {}
+
+    def _take_step_arrays(self, layout: StepLayout, tensors: Mapping[str, torch.Tensor]) -> None:
+        """:meth:`_step_arrays`' arrays on the device, by name."""
 
 
 class NonPagedKVCacheManager(KVCacheManager):
@@ -215,6 +254,7 @@ class NonPagedKVCacheManager(KVCacheManager):
                  head_dim_v: Optional[int] = None, device: Optional[torch.device] = None) -> None:
         super().__init__(max_batch_size, max_seqlen, num_heads, head_dim_k, dtype, head_dim_v, device)
         self.slots: Dict[object, int] = {}
+        self._starts = None  # (layout, starts) of the current step
 
     def allocate_memory(self, layer_number: int) -> None:
         self.cache[layer_number] = self._new_cache(self.max_batch_size, self.max_seqlen)
@@ -227,21 +267,44 @@ class NonPagedKVCacheManager(KVCacheManager):
             taken = set(self.slots.values())
             self.slots[seq] = next(s for s in range(self.max_batch_size) if s not in taken)
 
+    def _host_token_rows(self, layout: StepLayout) -> List[int]:
+        rows = []
+        for seq, cached, n in zip(layout.seq_ids, layout.cached_lens, layout.step_lens):
+            first = self.slots[seq] * self.max_seqlen + cached
+            rows.extend(range(first, first + n))
+        return rows
+
     def token_rows(self, layout: StepLayout) -> torch.Tensor:
-        rows = [self.slots[layout.seq_ids[i]] * self.max_seqlen + pos for i, pos in layout.token_positions()]
-        return torch.tensor(rows, dtype=torch.int64, device=self.device)
+        return torch.tensor(self._host_token_rows(layout), dtype=torch.int64, device=self.device)
+
+    def _host_starts(self, layout: StepLayout) -> List[int]:
+        if self._starts is None or self._starts[0] is not layout:
+            self._starts = (layout, [self.slots[seq] * self.max_seqlen for seq in layout.seq_ids])
+        return self._starts[1]
 
     def keys_values(self, layer_number: int, layout: StepLayout):
         k_cache, v_cache = self.cache[layer_number]
-        starts = [self.slots[seq] * self.max_seqlen for seq in layout.seq_ids]
-        return k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:]), starts
+        return (k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:]),
+                list(self._host_starts(layout)))
+
+
+def _gather_size(pages: int) -> int:
+    """Pages to gather for ``pages`` pages of a step's sequences: rounded up to one of 8 sizes per doubling (at
+    most 1/8 more), so that a decoding batch's gathered rows keep their shape, and its calls their signature,
+    over many steps."""
+    granule = 1 << max(pages.bit_length() - 4, 0)
+    return -(-pages // granule) * granule
 
 
 class PagedKVCacheManager(KVCacheManager):
     """Pages of ``page_size`` tokens: ``[total_num_pages, page_size, h, d]`` per layer. A sequence takes pages
     from the front of ``free_pages`` as it grows and returns them when it finishes; ``page_table`` (int32
     ``[max_batch_size, max_seqlen // page_size]``, rows in ``sequences`` order, zeros where unused) lists each
-    sequence's pages. Attention gathers the step's sequences' pages into contiguous rows (a copy)."""
+    sequence's pages. Attention reads the pages in place through the step's page table, or gathers them into
+    rows (:meth:`keys_values`: a copy).
+
+    ``page_table`` changes on the device by the entries a step changes (new pages, rows that list another
+    sequence), sent with the step's other metadata; the step's table is its rows, in step order."""
 
     def __init__(self, total_num_pages: int, page_size: int, num_heads: int, head_dim_k: int, dtype: torch.dtype,
                  max_batch_size: int, max_seqlen: int, head_dim_v: Optional[int] = None,
@@ -253,7 +316,11 @@ class PagedKVCacheManager(KVCacheManager):
         self.free_pages: List[int] = list(range(total_num_pages))
         self.allocated_pages: Dict[object, List[int]] = {}
         self.page_table = torch.zeros(max_batch_size, self.max_pages_per_seq, dtype=torch.int32, device=self.device)
+        # What page_table lists (its host copy): each row's sequence and how many of its pages.
+        self._table_rows: List[object] = []
+        self._table_counts: List[int] = []
         self._gather = None  # (layout, page index, starts) of the current step
+        self._gather_positions = None  # (layout, offsets, counts): what the page index is made of, on the device
         self._step_table = None  # (layout, int32 page table of the step's sequences in step order)
 
     def allocate_memory(self, layer_number: int) -> None:
@@ -282,42 +349,73 @@ class PagedKVCacheManager(KVCacheManager):
     def reset(self) -> None:
         super().reset()
         self.page_table.zero_()
-        self._gather = None
+        self._table_rows, self._table_counts = [], []
+        self._gather = self._gather_positions = None
         self._step_table = None
-
-    def pre_step(self, step_dict: Mapping) -> "OrderedDict[object, int]":
-        sequences = super().pre_step(step_dict)
-        table = torch.zeros(self.max_batch_size, self.max_pages_per_seq, dtype=torch.int32)
-        for i, seq in enumerate(sequences):
-            pages = self.allocated_pages[seq]
-            table[i, :len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        self.page_table.copy_(table)
-        return sequences
 
     def get_page_list(self, seq) -> List[int]:
         return list(self.allocated_pages.get(seq, []))
 
-    def token_rows(self, layout: StepLayout) -> torch.Tensor:
-        rows = []
-        for i, pos in layout.token_positions():
-            page = self.allocated_pages[layout.seq_ids[i]][pos // self.page_size]
-            rows.append(page * self.page_size + pos % self.page_size)
-        return torch.tensor(rows, dtype=torch.int64, device=self.device)
+    def _host_token_rows(self, layout: StepLayout) -> List[int]:
+        size, rows = self.page_size, []
+        for seq, cached, n in zip(layout.seq_ids, layout.cached_lens, layout.step_lens):
+            pages = self.allocated_pages[seq]
+            for pos in range(cached, cached + n):
+                rows.append(pages[pos // size] * size + pos % size)
+        return rows
 
-    def gather_index(self, layout: StepLayout) -> Tuple[torch.Tensor, List[int]]:
-        """(the pages to gather, in step order; the first row of each sequence in the gathered rows), built
-        at the step's first layer and reused by the others."""
-        if self._gather is None or self._gather[0] is not layout:
-            pages, starts = [], []
-            for seq, total in zip(layout.seq_ids, layout.total_lens):
-                starts.append(len(pages) * self.page_size)
-                pages.extend(self.allocated_pages[seq][:self.pages_for(total)])
-            self._gather = (layout, torch.tensor(pages, dtype=torch.int64, device=self.device), starts)
-        return self._gather[1], list(self._gather[2])
+    def token_rows(self, layout: StepLayout) -> torch.Tensor:
+        return torch.tensor(self._host_token_rows(layout), dtype=torch.int64, device=self.device)
+
+    def _table_changes(self) -> Tuple[List[int], List[int]]:
+        """(flat positions, values) of the page table's entries that differ from what it lists (its host copy,
+        updated): a row that lists the same sequence gets its new pages, another row is rewritten (zeros past
+        its pages)."""
+        width, index, values = self.max_pages_per_seq, [], []
+        rows = list(self.sequences)
+        counts = [len(self.allocated_pages[seq]) for seq in rows]
+        if rows == self._table_rows:  # a step of the same sequences: only their new pages
+            for i, (seq, listed, count) in enumerate(zip(rows, self._table_counts, counts)):
+                if count != listed:
+                    index.extend(range(i * width + listed, i * width + count))
+                    values.extend(self.allocated_pages[seq][listed:])
+        else:
+            for i in range(max(len(rows), len(self._table_rows))):
+                pages = self.allocated_pages[rows[i]] if i < len(rows) else ()
+                listed = self._table_counts[i] if i < len(self._table_rows) else 0
+                first = listed if i < min(len(rows), len(self._table_rows)) and self._table_rows[i] == rows[i] else 0
+                index.extend(range(i * width + first, i * width + len(pages)))
+                values.extend(pages[first:])
+                if listed > len(pages):
+                    index.extend(range(i * width + len(pages), i * width + listed))
+                    values.extend([0] * (listed - len(pages)))
+        self._table_rows, self._table_counts = rows, counts
+        return index, values
+
+    def _step_arrays(self, layout: StepLayout) -> Dict[str, Tuple[List[int], torch.dtype]]:
+        index, values = self._table_changes()
+        arrays = {}
+        if index:
+            arrays.update(table_index=(index, torch.int64), table_values=(values, torch.int32))
+        position = {seq: i for i, seq in enumerate(self._table_rows)}
+        rows = [position[seq] for seq in layout.seq_ids]
+        if rows != list(range(len(rows))):
+            arrays["step_rows"] = (rows, torch.int32)
+        arrays.update(zip(("gather_offsets", "gather_counts"), self._gather_arrays(layout)))
+        return arrays
+
+    def _take_step_arrays(self, layout: StepLayout, tensors: Mapping[str, torch.Tensor]) -> None:
+        if "table_index" in tensors:
+            self.page_table.view(-1).index_copy_(0, tensors["table_index"], tensors["table_values"])
+        rows = tensors.get("step_rows")
+        table = self.page_table[:layout.batch_size] if rows is None else self.page_table.index_select(0, rows)
+        self._step_table = (layout, table)
+        self._gather_positions = (layout, tensors["gather_offsets"], tensors["gather_counts"])
+        self._gather = None
 
     def step_page_table(self, layout: StepLayout) -> torch.Tensor:
         """int32 ``[batch, max_pages_per_seq]``: the pages of each step sequence (step order), zeros past them;
-        what the fused forward reads K/V through (built at the step's first layer, reused by the others)."""
+        what the fused forward reads K/V through (``page_table``'s rows, made at pre_step)."""
         if self._step_table is None or self._step_table[0] is not layout:
             table = torch.zeros(layout.batch_size, self.max_pages_per_seq, dtype=torch.int32)
             for i, (seq, total) in enumerate(zip(layout.seq_ids, layout.total_lens)):
@@ -326,6 +424,36 @@ class PagedKVCacheManager(KVCacheManager):
             self._step_table = (layout, table.to(self.device))
         return self._step_table[1]
 
+    def _gather_arrays(self, layout: StepLayout) -> Tuple[Tuple[List[int], torch.dtype], ...]:
+        """What :meth:`gather_index` reads on the device: each step sequence's offset from its packed pages to
+        its row of the step's page table (``i * width - first page``) and its page count."""
+        counts = [self.pages_for(total) for total in layout.total_lens]
+        firsts = _cumulative(counts)
+        offsets = [i * self.max_pages_per_seq - first for i, first in enumerate(firsts[:-1])]
+        return (offsets, torch.int64), (counts, torch.int64)
+
+    def _host_starts(self, layout: StepLayout) -> List[int]:
+        firsts = _cumulative([self.pages_for(total) for total in layout.total_lens])
+        return [first * self.page_size for first in firsts[:-1]]
+
+    def gather_index(self, layout: StepLayout) -> Tuple[torch.Tensor, List[int]]:
+        """(the pages to gather: the step sequences' pages packed in step order, then page 0 up to
+        :func:`_gather_size`; the first row of each sequence in the gathered rows), made on the device from the
+        step's page table at the step's first gathering layer (no host work per page) and reused by the
+        others."""
+        if self._gather is None or self._gather[0] is not layout:
+            if self._gather_positions is None or self._gather_positions[0] is not layout:
+                self._gather_positions = (layout, *to_device(self._gather_arrays(layout), self.device))
+            _, offsets, counts = self._gather_positions
+            pages = sum(self.pages_for(total) for total in layout.total_lens)
+            # Packed page j of sequence i is entry j + offsets[i] of the flattened step table.
+            position = torch.arange(pages, device=self.device) + torch.repeat_interleave(offsets, counts,
+                                                                                        output_size=pages)
+            index = self.step_page_table(layout).reshape(-1).index_select(0, position)
+            index = torch.nn.functional.pad(index, (0, _gather_size(pages) - pages))
+            self._gather = (layout, index, self._host_starts(layout))
+        return self._gather[1], list(self._gather[2])
+
     def cache_rows(self, layer_number: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer_number``'s caches as rows ``[total_num_pages * page_size, h, d]`` (page p's row r at
         p * page_size + r): what the fused forward reads through the page table."""
@@ -333,6 +461,8 @@ class PagedKVCacheManager(KVCacheManager):
         return k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
 
     def keys_values(self, layer_number: int, layout: StepLayout):
+        """The step sequences' pages gathered in step order (:meth:`gather_index`: the rows past the last
+        sequence's pages are page 0's, never read)."""
         k_cache, v_cache = self.cache[layer_number]
         index, starts = self.gather_index(layout)
         k_rows = k_cache.index_select(0, index).view(-1, *k_cache.shape[2:])
@@ -346,9 +476,15 @@ class _Step:
 
     layout: StepLayout
     rows: torch.Tensor  # cache row of each new token (token_rows)
+    cu_seqlens_q: torch.Tensor  # int32 [b + 1], step order
+    cu_seqlens_kv: torch.Tensor
     stepped: set = field(default_factory=set)  # layers that took their step
-    token_index: Dict[tuple, torch.Tensor] = field(default_factory=dict)  # by (format, input shape)
-    calls: Dict[tuple, dict] = field(default_factory=dict)  # the kernel call's sequences, by cache starts
+    # Where the new tokens are in a step tensor, by (format, input shape, sequence order): None where they are its
+    # first rows in that order, else an int64 index.
+    token_index: Dict[tuple, Optional[torch.Tensor]] = field(default_factory=dict)
+    calls: Dict[object, dict] = field(default_factory=dict)  # the kernel call's sequences, by cache starts
+    backend_params: Dict[tuple, tuple] = field(default_factory=dict)  # _StepRun's, by (backend, params)
+    orders: Dict[tuple, torch.Tensor] = field(default_factory=dict)  # a sequence order as an int64 index
 
 
 class InferenceParams:
@@ -434,16 +570,30 @@ class InferenceParams:
             manager = custom_cache_manager or NonPagedKVCacheManager
             self.cache_manager = manager(max_batch_size=self.max_batch_size, max_seqlen=self.max_sequence_length,
                                          **heads)
-        self.cu_seqlens_q = torch.zeros(self.max_batch_size + 1, dtype=torch.int32, device=self.device)
-        self.cu_seqlens_kv = torch.zeros(self.max_batch_size + 1, dtype=torch.int32, device=self.device)
-        self.pre_step_seqlens = torch.zeros(self.max_batch_size, dtype=torch.int32, device=self.device)
+        # TransformerEngine's step tensors, views of one buffer that each pre_step updates with one copy.
+        b = self.max_batch_size
+        self._step_api = torch.zeros(3 * b + 2, dtype=torch.int32, device=self.device)
+        self.cu_seqlens_q = self._step_api[:b + 1]
+        self.cu_seqlens_kv = self._step_api[b + 1:2 * b + 2]
+        self.pre_step_seqlens = self._step_api[2 * b + 2:]
         self._step: Optional[_Step] = None
-        self.sequences: "OrderedDict[object, int]" = OrderedDict()
-        self.sequences_pre_step: "OrderedDict[object, int]" = OrderedDict()
+        self._backend_choices: Dict[tuple, Tuple[bool, int]] = {}  # _StepRun's, for every step
 
     @property
     def batch_size(self) -> int:
         return self._step.layout.batch_size if self._step is not None else 0
+
+    @property
+    def sequences(self) -> "OrderedDict[object, int]":
+        """The step's sequences (step order) -> their token counts after the step (a new mapping per read)."""
+        layout = self._step.layout if self._step is not None else StepLayout((), (), ())
+        return OrderedDict(zip(layout.seq_ids, layout.total_lens))
+
+    @property
+    def sequences_pre_step(self) -> "OrderedDict[object, int]":
+        """The step's sequences (step order) -> their token counts before the step (a new mapping per read)."""
+        layout = self._step.layout if self._step is not None else StepLayout((), (), ())
+        return OrderedDict(zip(layout.seq_ids, layout.cached_lens))
 
     @property
     def output_qkv_format(self) -> str:
@@ -460,8 +610,6 @@ class InferenceParams:
         """Forget every sequence (the caches stay allocated)."""
         self.cache_manager.reset()
         self._step = None
-        self.sequences = OrderedDict()
-        self.sequences_pre_step = OrderedDict()
 
     def allocate_memory(self, layer_number: int) -> None:
         """Allocate layer ``layer_number``'s caches: ``[max_batch_size, max_sequence_length, h_kv, d]``
@@ -475,7 +623,10 @@ class InferenceParams:
     def pre_step(self, step_dict: Mapping) -> None:
         """Start a step: ``step_dict`` maps each sequence id of the step, in the step's batch order, to its
         number of new tokens (>= 1). Cached sequences left out are finished and freed; ids not cached yet
-        start new sequences. Raises ValueError, changing nothing, when the step does not fit."""
+        start new sequences. Raises ValueError, changing nothing, when the step does not fit.
+
+        The step's metadata (lengths, cache rows, page table changes) is built on the host from ``step_dict``
+        and sent to the device in one non-blocking copy: no sync; the layers' calls reuse it."""
         if not isinstance(step_dict, Mapping) or not step_dict:
             raise ValueError(f"`step_dict` must be a non-empty mapping of sequence id -> new token count, "
                              f"got {step_dict!r}")
@@ -496,18 +647,28 @@ class InferenceParams:
                                  f"max_sequence_length={self.max_sequence_length}")
         layout = StepLayout(tuple(step_dict), tuple(step_dict.values()),
                             tuple(cached.get(seq, 0) for seq in step_dict))
-        self.cache_manager.pre_step(step_dict)
-        self._step = _Step(layout, self.cache_manager.token_rows(layout))
-        self.sequences = OrderedDict(zip(layout.seq_ids, layout.total_lens))
-        self.sequences_pre_step = OrderedDict(zip(layout.seq_ids, layout.cached_lens))
-        b = layout.batch_size
-        pad = [0] * (self.max_batch_size - b)
+        manager = self.cache_manager
+        manager.pre_step(step_dict)
+        pad = self.max_batch_size - layout.batch_size
         cu_q, cu_kv = _cumulative(layout.step_lens), _cumulative(layout.total_lens)
-        host = torch.tensor([cu_q + [cu_q[-1]] * len(pad), cu_kv + [cu_kv[-1]] * len(pad),
-                             list(layout.cached_lens) + pad + [0]], dtype=torch.int32)
-        self.cu_seqlens_q.copy_(host[0])
-        self.cu_seqlens_kv.copy_(host[1])
-        self.pre_step_seqlens.copy_(host[2, :-1])
+        arrays = {"api": (cu_q + [cu_q[-1]] * pad + cu_kv + [cu_kv[-1]] * pad + list(layout.cached_lens) + [0] * pad,
+                          torch.int32),
+                  "cu_q": (cu_q, torch.int32), "cu_kv": (cu_kv, torch.int32)}
+        rows = manager._host_token_rows(layout)
+        if rows is not None:
+            arrays["rows"] = (rows, torch.int64)
+        starts = manager._host_starts(layout)
+        if starts is not None:  # the kernel call of every layer (_kernel_call), sent now
+            order, call_arrays = _cache_order(layout, starts)
+            arrays.update(call_arrays)
+        arrays.update({("manager", name): array for name, array in manager._step_arrays(layout).items()})
+        tensors = dict(zip(arrays, to_device(list(arrays.values()), self.device)))
+        self._step_api.copy_(tensors["api"])
+        self._step = step = _Step(layout, tensors["rows"] if rows is not None else manager.token_rows(layout),
+                                  tensors["cu_q"], tensors["cu_kv"])
+        if starts is not None:
+            step.calls[tuple(starts)] = _sequence_call(step, order, tensors)
+        manager._take_step_arrays(layout, {name[1]: t for name, t in tensors.items() if isinstance(name, tuple)})
 
     def get_seqlens_pre_step(self) -> torch.Tensor:
         """int32 ``[max_batch_size]``: each step sequence's cached length before the step (step order;
@@ -528,27 +689,51 @@ class InferenceParams:
     def token_index(self, fmt: QKVFormat, shape: Tuple[int, ...], name: str = "query_layer") -> torch.Tensor:
         """int64 ``[num_tokens]``: where each new token (packed step order) is among the rows of a step tensor
         of ``shape`` in ``fmt`` flattened to ``[rows, h, d]`` (``[b * s]`` bshd, ``[s * b]`` sbhd, ``[t]`` thd)."""
+        index = self._token_index(fmt, shape, name)
+        if index is None:
+            return torch.arange(self._current().layout.num_tokens, dtype=torch.int64, device=self.device)
+        return index
+
+    def _token_index(self, fmt: QKVFormat, shape: Tuple[int, ...], name: str,
+                     order: Optional[Tuple[int, ...]] = None) -> Optional[torch.Tensor]:
+        """:meth:`token_index` with the step's sequences in ``order`` (None: step order), or None where the
+        tokens are the tensor's first rows in that order (a decode step's tokens in any format, a thd step's):
+        made once per step, format, shape and order (one host-to-device copy, no sync)."""
         step = self._current()
-        key = (fmt, tuple(shape[:-2]))
+        key = (fmt, tuple(shape[:-2]), order)
         if key not in step.token_index:
-            layout = step.layout
-            if fmt == QKVFormat.THD:
-                if shape[0] < layout.num_tokens:
-                    raise ValueError(f"`{name}` must hold the step's {layout.num_tokens} new tokens (step_dict), got "
-                                     f"shape {tuple(shape)}")
-                index = list(range(layout.num_tokens))
+            index = self._host_token_index(step.layout, fmt, shape, name)
+            if order is not None:
+                firsts, lens = _cumulative(step.layout.step_lens), step.layout.step_lens
+                index = [x for i in order for x in index[firsts[i]:firsts[i] + lens[i]]]
+            if index == list(range(len(index))):
+                step.token_index[key] = None
             else:
-                b, s = (shape[0], shape[1]) if fmt == QKVFormat.BSHD else (shape[1], shape[0])
-                if b != layout.batch_size or s < layout.max_step_len:
-                    raise ValueError(
-                        f"`{name}` must be [b, s, h, d] ({fmt.value}) with b = {layout.batch_size} sequences and s >= "
-                        f"{layout.max_step_len} new tokens (step_dict), got shape {tuple(shape)}")
-                if fmt == QKVFormat.BSHD:
-                    index = [i * s + j for i, n in enumerate(layout.step_lens) for j in range(n)]
-                else:
-                    index = [j * b + i for i, n in enumerate(layout.step_lens) for j in range(n)]
-            step.token_index[key] = torch.tensor(index, dtype=torch.int64, device=self.device)
+                step.token_index[key] = to_device([(index, torch.int64)], self.device)[0]
         return step.token_index[key]
+
+    @staticmethod
+    def _host_token_index(layout: StepLayout, fmt: QKVFormat, shape: Tuple[int, ...], name: str) -> List[int]:
+        if fmt == QKVFormat.THD:
+            if shape[0] < layout.num_tokens:
+                raise ValueError(f"`{name}` must hold the step's {layout.num_tokens} new tokens (step_dict), got "
+                                 f"shape {tuple(shape)}")
+            return list(range(layout.num_tokens))
+        b, s = (shape[0], shape[1]) if fmt == QKVFormat.BSHD else (shape[1], shape[0])
+        if b != layout.batch_size or s < layout.max_step_len:
+            raise ValueError(
+                f"`{name}` must be [b, s, h, d] ({fmt.value}) with b = {layout.batch_size} sequences and s >= "
+                f"{layout.max_step_len} new tokens (step_dict), got shape {tuple(shape)}")
+        if fmt == QKVFormat.BSHD:
+            return [i * s + j for i, n in enumerate(layout.step_lens) for j in range(n)]
+        return [j * b + i for i, n in enumerate(layout.step_lens) for j in range(n)]
+
+    def _order_index(self, order: Tuple[int, ...]) -> torch.Tensor:
+        """``order`` as an int64 index on the cache's device (once per step)."""
+        step = self._current()
+        if order not in step.orders:
+            step.orders[order] = to_device([(list(order), torch.int64)], self.device)[0]
+        return step.orders[order]
 
     def _check_new(self, name: str, t: torch.Tensor, fmt: QKVFormat, head_dim: int) -> None:
         if not isinstance(t, torch.Tensor):
@@ -572,10 +757,9 @@ class InferenceParams:
                              "with one layer_number, or a second forward without pre_step)")
         self._check_new(names[0], new_k, fmt, self.head_dim_k)
         self._check_new(names[1], new_v, fmt, self.head_dim_v)
-        rows = []
+        rows, n = [], step.layout.num_tokens
         for name, t in zip(names, (new_k, new_v)):
-            index = self.token_index(fmt, tuple(t.shape), name)
-            rows.append(t.reshape(-1, *t.shape[-2:]).index_select(0, index))
+            rows.append(_step_rows(t, self._token_index(fmt, tuple(t.shape), name), n))
         self.cache_manager.step(layer_number, rows[0], rows[1], step.rows)
         step.stepped.add(layer_number)
 
@@ -598,7 +782,7 @@ class InferenceParams:
         self._check_layer(layer_number)
         layout = step.layout
         k_rows, v_rows, starts = self.cache_manager.keys_values(layer_number, layout)
-        width = max(layout.total_lens)
+        width = layout.max_total_len
         if self.is_paged:
             width = self.cache_manager.pages_for(width) * self.page_size
         out = []
@@ -611,25 +795,20 @@ class InferenceParams:
 
     def _kernel_call(self, layer_number: int) -> dict:
         """The packed call of the step: the cached rows and the sequences in increasing cache order (the
-        sequence metadata is built once per step and cache layout, and reused by every layer)."""
+        sequence metadata is built once per step and cache layout, and reused by every layer; the built-in
+        managers' at pre_step)."""
         step = self._current()
-        layout = step.layout
-        k_rows, v_rows, starts = self.cache_manager.keys_values(layer_number, layout)
+        k_rows, v_rows, starts = self.cache_manager.keys_values(layer_number, step.layout)
         key = tuple(starts)
         if key not in step.calls:
-            order = sorted(range(layout.batch_size), key=lambda i: starts[i])
-            lens_q = [layout.step_lens[i] for i in order]
-            lens_kv = [layout.total_lens[i] for i in order]
-            padded = [starts[i] for i in order]
-            padded.append(padded[-1] + lens_kv[-1])
-            cu = torch.tensor([_cumulative(lens_q), _cumulative(lens_kv), padded], dtype=torch.int32).to(self.device)
-            step.calls[key] = dict(order=order, cu_seqlens_q=cu[0], cu_seqlens_kv=cu[1], cu_seqlens_kv_padded=cu[2],
-                                   max_seqlen_q=max(lens_q), max_seqlen_kv=max(lens_kv))
+            order, arrays = _cache_order(step.layout, starts)
+            step.calls[key] = _sequence_call(step, order, dict(zip(arrays, to_device(list(arrays.values()),
+                                                                                     self.device))))
         return dict(step.calls[key], k=k_rows, v=v_rows)
 
     def _paged_call(self, layer_number: int) -> Optional[dict]:
         """The packed call of the step on a paged cache read in place: the cache's rows, the sequences in step
-        order, and the :class:`_PagedStep` the backend hook reads; None where the cache manager is not a
+        order, the step's page table and how to gather instead; None where the cache manager is not a
         :class:`PagedKVCacheManager` (its rows are gathered)."""
         manager = self.cache_manager
         if not isinstance(manager, PagedKVCacheManager):
@@ -637,57 +816,129 @@ class InferenceParams:
         step = self._current()
         layout = step.layout
         if "paged" not in step.calls:
-            cu = torch.tensor([_cumulative(layout.step_lens), _cumulative(layout.total_lens)],
-                              dtype=torch.int32).to(self.device)
             # cu_seqlens_kv_padded = cu_seqlens_kv: what DotProductAttention's checks see (each sequence's keys
             # fit the cache's rows); the fused call drops it for the page table, the gather replaces it.
-            step.calls["paged"] = dict(order=list(range(layout.batch_size)), cu_seqlens_q=cu[0],
-                                       cu_seqlens_kv=cu[1], cu_seqlens_kv_padded=cu[1],
-                                       max_seqlen_q=layout.max_step_len, max_seqlen_kv=max(layout.total_lens))
+            step.calls["paged"] = dict(order=None, cu_seqlens_q=step.cu_seqlens_q, cu_seqlens_kv=step.cu_seqlens_kv,
+                                       cu_seqlens_kv_padded=step.cu_seqlens_kv, max_seqlen_q=layout.max_step_len,
+                                       max_seqlen_kv=layout.max_total_len)
         k_rows, v_rows = manager.cache_rows(layer_number)
 
         def gather():
             call = self._kernel_call(layer_number)  # gathered in step order: cache order is step order there
             return call["k"], call["v"], call["cu_seqlens_kv_padded"]
 
-        paged = _PagedStep(manager.step_page_table(layout), manager.page_size, gather)
-        return dict(step.calls["paged"], k=k_rows, v=v_rows, paged=paged)
+        return dict(step.calls["paged"], k=k_rows, v=v_rows, page_table=manager.step_page_table(layout),
+                    page_size=manager.page_size, gather=gather)
+
+
+def _step_rows(t: torch.Tensor, index: Optional[torch.Tensor], n: int) -> torch.Tensor:
+    """The ``n`` new tokens' rows ``[n, h, d]`` of a step tensor, at ``index`` (None: its first rows)."""
+    flat = t if t.dim() == 3 else t.reshape(-1, *t.shape[-2:])
+    if index is not None:
+        return flat.index_select(0, index)
+    return flat if flat.shape[0] == n else flat[:n]
+
+
+def _cache_order(layout: StepLayout, starts: Sequence[int]) -> Tuple[Optional[Tuple[int, ...]], Dict[str, tuple]]:
+    """The kernel call's sequences in increasing cache order (``starts``: each step sequence's first cached row):
+    (that order, None where it is the step order; the host arrays that differ from the step's: cu_seqlens_q and
+    cu_seqlens_kv in that order, cu_seqlens_kv_padded)."""
+    b = layout.batch_size
+    order = sorted(range(b), key=lambda i: starts[i])
+    lens_kv = [layout.total_lens[i] for i in order]
+    padded = [starts[i] for i in order]
+    padded.append(padded[-1] + lens_kv[-1])
+    arrays = {"padded": (padded, torch.int32)}
+    if order == list(range(b)):
+        return None, arrays
+    arrays.update(order_cu_q=(_cumulative([layout.step_lens[i] for i in order]), torch.int32),
+                  order_cu_kv=(_cumulative(lens_kv), torch.int32))
+    return tuple(order), arrays
+
+
+def _sequence_call(step: _Step, order: Optional[Tuple[int, ...]], tensors: Mapping[str, torch.Tensor]) -> dict:
+    """The kernel call's sequence arguments (:func:`_cache_order`'s arrays on the device, by name)."""
+    layout = step.layout
+    return dict(order=order, cu_seqlens_q=tensors["order_cu_q"] if order is not None else step.cu_seqlens_q,
+                cu_seqlens_kv=tensors["order_cu_kv"] if order is not None else step.cu_seqlens_kv,
+                cu_seqlens_kv_padded=tensors["padded"], max_seqlen_q=layout.max_step_len,
+                max_seqlen_kv=layout.max_total_len)
 
 
 @dataclass(frozen=True)
-class _PagedStep:
-    """A step on a paged cache read in place, for the backend that runs it (:func:`run_backend`): the fused
-    backend gets ``page_table`` (and ``page_size``) with the cache's rows; any other backend the gathered rows."""
+class _StepRun:
+    """A KV-cache step's call on its way to the backend that runs it (:func:`run_backend`).
 
-    page_table: torch.Tensor
-    page_size: int
-    gather: Callable[[], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    DotProductAttention decides on the step's call with ``max_seqlen_kv`` = the cache's capacity (``limit``:
+    what its checks and backend selection read is then the same at every step, so its signature cache serves
+    every step); the backend gets the step's own bound instead: the longest sequence's length, which the fused
+    backend rounds up within its key chunk (``kernel_runner.max_seqlen_kv_bound``: the same launches, and a
+    signature that changes once a chunk). On a paged cache (``page_table``) the fused backend gets the page
+    table with the cache's rows where its forward follows one with the gathered call's bits
+    (``plan.pages_keep_bits``); any other backend, and that one elsewhere, the gathered rows (``gather``).
+
+    What this decides per backend and call parameters is kept in ``choices`` (the InferenceParams', for every
+    step: (reads the page table, the key chunk)) and the step's parameters per step (every layer's)."""
+
+    step: _Step
+    choices: Dict[tuple, Tuple[bool, int]]
+    max_seqlen_kv: int
+    limit: int
+    page_table: Optional[torch.Tensor] = None
+    page_size: int = 0
+    gather: Optional[Callable[[], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = None
 
     def run(self, backend, q, k, v, call):
-        from transformer_engine.pytorch.attention import kernel_runner
-
-        if issubclass(backend, FusedAttention) and pages_keep_bits(kernel_runner.plan_key(q, k, v, call),
-                                                                   self.page_size):
-            params = dataclasses.replace(call.params, kv_page_size=self.page_size)
+        key = (backend, call.params, self.page_table is not None, q.shape[-1], v.shape[-1], q.dtype, q.device,
+               call.bias is None, call.alibi_slopes is None)
+        known = self.step.backend_params.get(key)
+        if known is None:
+            choice = self.choices.get(key)
+            if choice is None:
+                if len(self.choices) >= 256:  # bounded: parameters that change at every step take no memory
+                    self.choices.clear()
+                choice = self.choices[key] = self._choose(backend, q, k, v, call)
+            in_place, chunk = choice
+            changes = dict(max_seqlen_kv=self.max_seqlen_kv)
+            if issubclass(backend, FusedAttention):
+                changes["max_seqlen_kv"] = kernel_runner.max_seqlen_kv_bound(self.max_seqlen_kv, chunk, self.limit)
+            if in_place:
+                changes["kv_page_size"] = self.page_size
+            known = self.step.backend_params[key] = (dataclasses.replace(call.params, **changes), in_place)
+        params, in_place = known
+        if in_place:
             return backend.run(q, k, v, dataclasses.replace(call, params=params, page_table=self.page_table,
                                                             cu_seqlens_kv_padded=None))
-        k_rows, v_rows, padded = self.gather()
-        return backend.run(q, k_rows, v_rows, dataclasses.replace(call, cu_seqlens_kv_padded=padded))
+        if self.page_table is not None:
+            k, v, padded = self.gather()
+            return backend.run(q, k, v, dataclasses.replace(call, params=params, cu_seqlens_kv_padded=padded))
+        return backend.run(q, k, v, dataclasses.replace(call, params=params))
+
+    def _choose(self, backend, q, k, v, call) -> Tuple[bool, int]:
+        """(whether ``backend`` reads the page table in place, the fused forward's key chunk)."""
+        if not issubclass(backend, FusedAttention):
+            return False, 0
+        in_place = self.page_table is not None and pages_keep_bits(kernel_runner.plan_key(q, k, v, call),
+                                                                   self.page_size)
+        # The fused backend's score modifier: ALiBi (its default slopes where none are given) or none (the step
+        # refuses a bias).
+        bias = AttnBiasType.ALIBI if call.params.attn_bias_type == AttnBiasType.ALIBI else AttnBiasType.NO_BIAS
+        return in_place, kernel_runner.key_chunk(call.params, q, v, bias, self.page_size if in_place else 0)
 
 
-# The paged step DotProductAttention's forward runs inside cached_attention (None elsewhere).
-_PAGED_STEP: contextvars.ContextVar[Optional[_PagedStep]] = contextvars.ContextVar("te_paged_step", default=None)
+# The step DotProductAttention's forward runs inside cached_attention (None elsewhere).
+_STEP_RUN: contextvars.ContextVar[Optional[_StepRun]] = contextvars.ContextVar("te_step_run", default=None)
 
 
 def run_backend(backend, q, k, v, call):
-    """``backend.run(q, k, v, call)``; inside a paged cache's step (:func:`cached_attention`), on that step's
-    page table (the fused backend) or its gathered rows (the others)."""
+    """``backend.run(q, k, v, call)``; inside a KV-cache step (:func:`cached_attention`), as the step runs it
+    on that backend (:class:`_StepRun`: its own max_seqlen_kv, a paged cache's table or gathered rows)."""
     if torch.compiler.is_compiling():  # traced steps gather their pages (cached_attention): no context to read
         return backend.run(q, k, v, call)
-    paged = _PAGED_STEP.get()
-    if paged is None:
+    run = _STEP_RUN.get()
+    if run is None:
         return backend.run(q, k, v, call)
-    return paged.run(backend, q, k, v, call)
+    return run.run(backend, q, k, v, call)
 
 
 # Masks of a step: every step's queries are the last of their sequences, so causal masks align bottom-right.
@@ -734,42 +985,56 @@ def cached_attention(module, params: InferenceParams, q: torch.Tensor, k: torch.
         got = host_values(cu_seqlens_q) if isinstance(cu_seqlens_q, torch.Tensor) else list(cu_seqlens_q)
         if list(got[:len(expect)]) != expect or any(x != expect[-1] for x in got[len(expect):]):
             raise ValueError(f"`cu_seqlens_q` must give the step's new token counts (step_dict) {expect}, got {got}")
-    index = params.token_index(fmt, tuple(q.shape), "query_layer")  # checked before anything is appended
+    index = params._token_index(fmt, tuple(q.shape), "query_layer")  # checked before anything is appended
     params.input_qkv_format = fmt.value
     params._append(module.layer_number, k, v, fmt, ("key_layer", "value_layer"))
     call = None
     offset = getattr(module, "softmax_offset", None)  # a learnable sink's logits: a parameter
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or (offset is not None and offset.requires_grad))
+    tracing = torch.compiler.is_compiling()
     # The fused backward reads no page table: gradients take the gather, as does a traced step (torch.compile:
     # run_backend reads no context there).
-    if params.is_paged and not needs_grad and not torch.compiler.is_compiling():
+    if params.is_paged and not needs_grad and not tracing:
         call = params._paged_call(module.layer_number)  # the cache read in place where the fused backend runs
     if call is None:
         call = params._kernel_call(module.layer_number)
     order = call["order"]
-    lens = layout.step_lens
-    firsts = _cumulative(lens)
-    if order != sorted(order):  # the kernel's sequences in cache order: permute the step's rows to it
-        index = torch.cat([index[firsts[i]:firsts[i] + lens[i]] for i in order])
-    q_rows = q.reshape(-1, *q.shape[-2:]).index_select(0, index)
+    if order is not None:  # the kernel's sequences in cache order: the step's rows permuted to it
+        index = params._token_index(fmt, tuple(q.shape), "query_layer", order)
+    n = layout.num_tokens
+    q_rows = _step_rows(q, index, n)
     if alibi_slopes is not None and alibi_slopes.dim() == 2:
         if alibi_slopes.shape[0] != layout.batch_size:
             raise ValueError(f"`alibi_slopes` must have shape [{q.shape[-2]}] or [{layout.batch_size}, "
                              f"{q.shape[-2]}] (step_dict's sequences), got {tuple(alibi_slopes.shape)}")
-        alibi_slopes = alibi_slopes[torch.tensor(order, device=alibi_slopes.device)]
-    token = _PAGED_STEP.set(call.get("paged"))
-    try:
-        result = module.forward(
+        if order is not None:
+            alibi_slopes = alibi_slopes.index_select(0, params._order_index(order).to(alibi_slopes.device))
+
+    def forward(max_seqlen_kv):
+        return module.forward(
             q_rows, call["k"], call["v"], qkv_format="thd", attn_mask_type=_STEP_MASK[mask].value,
             window_size=window_size, bottom_right_diagonal=True, cu_seqlens_q=call["cu_seqlens_q"],
             cu_seqlens_kv=call["cu_seqlens_kv"], cu_seqlens_kv_padded=call["cu_seqlens_kv_padded"],
-            max_seqlen_q=call["max_seqlen_q"], max_seqlen_kv=call["max_seqlen_kv"],
+            max_seqlen_q=call["max_seqlen_q"], max_seqlen_kv=max_seqlen_kv,
             core_attention_bias_type=bias_type.value, alibi_slopes=alibi_slopes,
             checkpoint_core_attention=checkpoint_core_attention)
-    finally:
-        _PAGED_STEP.reset(token)
+
+    if tracing:  # the step's own bound: no context reaches the backend
+        result = forward(call["max_seqlen_kv"])
+    else:
+        limit = params.max_sequence_length
+        token = _STEP_RUN.set(_StepRun(step, params._backend_choices, call["max_seqlen_kv"], limit,
+                                       call.get("page_table"), call.get("page_size", 0), call.get("gather")))
+        try:
+            with sequences_checked_on_host():  # built on the host from step_dict (pre_step): no read back
+                result = forward(limit)
+        finally:
+            _STEP_RUN.reset(token)
     out_rows, max_logit = result if module.return_max_logit else (result, None)
     rows = math.prod(q.shape[:-2])
-    out = out_rows.new_zeros((rows, out_rows.shape[-1])).index_copy(0, index, out_rows)
+    if index is None:  # the step's tokens are the first rows
+        out = out_rows if rows == n else torch.nn.functional.pad(out_rows, (0, 0, 0, rows - n))
+    else:
+        out = out_rows.new_zeros((rows, out_rows.shape[-1])).index_copy(0, index, out_rows)
     out = out.view(*q.shape[:-2], out_rows.shape[-1])
     return (out, max_logit) if module.return_max_logit else out

@@ -14,6 +14,7 @@ run :func:`forward` and :func:`backward`; context parallelism runs them on views
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
@@ -25,7 +26,7 @@ from transformer_engine.common.attention import launch_description
 from transformer_engine.common.attention.config import PlanKey
 from transformer_engine.common.attention.kernels import triton_compat
 from transformer_engine.common.attention.kernels.fill import zero_outside_sequences_kernel
-from transformer_engine.common.attention.plan import BackwardPlan, ForwardPlan
+from transformer_engine.common.attention.plan import BackwardPlan, ForwardPlan, forward_plan
 from transformer_engine.pytorch.attention import launch_cache
 from transformer_engine.pytorch.attention.buffers import unfilled
 from transformer_engine.pytorch.attention.call import AttnCall
@@ -36,7 +37,7 @@ from transformer_engine.pytorch.attention.signature_cache import (
 )
 
 __all__ = ["Sequences", "canonical", "sequences", "plan_key", "describe", "forward", "backward", "fixed_order_sum",
-           "zero_outside_sequences"]
+           "zero_outside_sequences", "max_seqlen_kv_bound"]
 
 
 @dataclass(frozen=True)
@@ -271,11 +272,48 @@ def forward(q, k, v, call: AttnCall, plan: Optional[ForwardPlan] = None, *, seqs
         if key is not None:
             _FORWARDS.put(key, entry)
     buffers = dict(tensors, lse=lse, **extra, **_sequence_buffers(seqs), **_modifier_buffers(call))
-    if entry.workspace is not None:  # split-KV: the chunks' states, fp32
-        buffers["part_o"] = unfilled((entry.workspace.part_o_size,), torch.float32, q.device)
-        buffers["part_ml"] = unfilled((entry.workspace.part_ml_size,), torch.float32, q.device)
+    if entry.workspace is not None:  # split-KV: the chunks' states, fp32, in one allocation
+        buffers["part_o"], buffers["part_ml"] = _split_kv_workspace(entry.workspace, q.device)
     _run(entry.launches, buffers)
     return (out, lse, extra["row_max"]) if extra else (out, lse)
+
+
+def _split_kv_workspace(workspace: launch_description.SplitKV, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Slots part_o and part_ml of a split-KV forward: two views of one new fp32 buffer (one allocation a call),
+    part_ml at a 16-byte boundary as a buffer of its own would be (the prepared launches' alignment)."""
+    offset = -(-workspace.part_o_size // 4) * 4
+    buffer = unfilled((offset + workspace.part_ml_size,), torch.float32, device)
+    return buffer[:workspace.part_o_size], buffer[offset:]
+
+
+@functools.lru_cache(maxsize=256)
+def _key_chunk(key: PlanKey) -> int:
+    return forward_plan(key).kv_chunk
+
+
+def key_chunk(params, q: torch.Tensor, v: torch.Tensor, bias_type: AttnBiasType, page_size: int) -> int:
+    """The forward's key chunk (``ForwardPlan.kv_chunk``; 0: the keys in one chunk) of a call with ``params``
+    (an AttnParams) on q's and v's head dims, dtype and device, score modifier ``bias_type``, reading K and V
+    through a page table of ``page_size`` keys per page (0: rows in place)."""
+    return _key_chunk(launch_description.plan_key(params, q.shape[-1], v.shape[-1], dtype_name(q.dtype), bias_type,
+                                                  _device(q.device), page_size))
+
+
+def max_seqlen_kv_bound(longest: int, chunk: int, limit: int) -> int:
+    """A ``max_seqlen_kv`` for a thd call whose sequences' keys (counted by its cu_seqlens_kv) number at most
+    ``longest``, all at most ``limit``, with which the forward launches the same kernels on the same grids as
+    with ``longest`` and which changes less often as the sequences grow: ``longest`` rounded up to the forward's
+    key chunk ``chunk`` (:func:`key_chunk`), at most ``limit``; ``limit`` where the forward sums the keys in one
+    chunk (``chunk`` 0). The launches read max_seqlen_kv through the number of key chunks (split-KV's grid and
+    workspace, KV_CHUNK), which the rounding keeps, and as the kernels' ``seqlen_k``, which no kernel reads
+    where the lengths come from cu_seqlens (a length of 1, which picks the length-generic kernels, is kept). A
+    decode step's call thus keeps its signature, so its prepared launches, while its longest sequence grows
+    within a chunk."""
+    if longest <= 1:
+        return longest
+    if not chunk:
+        return max(longest, limit)
+    return max(longest, min(-(-longest // chunk) * chunk, limit))
 
 
 def max_logit(row_max: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

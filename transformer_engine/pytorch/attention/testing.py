@@ -6,17 +6,21 @@
   sequence extents of one's own) and :func:`plan_key`.
 - :func:`recorded_launches`: the launch lists the kernel runner runs, recorded (and optionally not run);
   :func:`no_launches`: nothing launched (the host time of our Python alone).
+- :func:`counted_host_reads`: how often tensor values were read on the host (each a device-to-host copy, so
+  a sync, on a GPU).
 - :func:`dropout_keep_mask`: the kernels' dropout mask of an RNG state.
 - Context parallelism: every rank of a CP call in one process (:func:`run_ranks_in_one_process`).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
-from typing import Iterator, List, Optional, Tuple
+from typing import Counter, Iterator, List, Optional, Tuple
 
 import torch
 import triton
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from transformer_engine.common.attention import (AttnBiasType, AttnConfig, AttnMaskType, AttnSoftmaxType, QKVFormat,
                                                  launch_description)
@@ -31,7 +35,8 @@ from transformer_engine.pytorch.attention.context_parallel import (FusedSpec, Se
                                                                    fused_backward_step, fused_forward_step,
                                                                    local_tokens, tile_alignment)
 
-__all__ = ["attn_config", "fused_call", "plan_key", "recorded_launches", "no_launches", "dropout_keep_mask",
+__all__ = ["attn_config", "fused_call", "plan_key", "recorded_launches", "no_launches", "counted_host_reads",
+           "dropout_keep_mask",
            "run_ranks_in_one_process", "split_of_globals"]
 
 
@@ -154,6 +159,58 @@ def no_launches() -> Iterator[None]:
         yield
     finally:
         kernel_runner._run = real_run
+
+
+# The aten ops that hand a tensor's value to Python (``.item()``, ``int()``, ``bool()``, ``torch.equal``), and the
+# copies to the host: on a GPU each waits for every kernel queued before it.
+_VALUE_OPS = ("_local_scalar_dense", "equal", "is_nonzero")
+_COPY_OPS = ("_to_copy", "copy_")
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts, by op, the host reads of tensors on one device type (every tensor op passes through here)."""
+
+    def __init__(self, counts: Counter, device_type: str):
+        super().__init__()
+        self.counts, self.device_type = counts, device_type
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in _VALUE_OPS and any(isinstance(a, torch.Tensor) and a.device.type == self.device_type
+                                      for a in args):
+            self.counts[name] += 1
+        out = func(*args, **kwargs)
+        if name in _COPY_OPS and self.device_type != "cpu":
+            source, target = (args[1], args[0]) if name == "copy_" else (args[0], out)
+            if (isinstance(source, torch.Tensor) and source.device.type == self.device_type
+                    and target.device.type == "cpu"):
+                self.counts["device-to-host copy"] += 1
+        return out
+
+
+@contextlib.contextmanager
+def counted_host_reads(device_type: Optional[str] = None) -> Iterator[Counter]:
+    """While open, counts (by op, in the yielded Counter) the reads of tensor values into Python or onto the
+    host (``.item()``, ``bool()``, ``torch.equal``, ``.tolist()``, copies to the CPU) of tensors on
+    ``device_type`` (default: "cuda" where available, else "cpu", where every read counts, as a GPU's would).
+    Every tensor op goes through a Python dispatch mode meanwhile: count, do not time, in it."""
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    counts: Counter = collections.Counter()
+    tolist = torch.Tensor.tolist
+
+    def counted_tolist(self):
+        if self.device.type == device_type:
+            counts["tolist"] += 1
+        return tolist(self)
+
+    torch.Tensor.tolist = counted_tolist
+    try:
+        with _HostReads(counts, device_type):
+            yield counts
+    finally:
+        torch.Tensor.tolist = tolist
 
 
 def dropout_keep_mask(rng_state: torch.Tensor, batch: int, heads: int, seqlen_q: int, seqlen_k: int,

@@ -123,3 +123,24 @@ def test_check_requests_determinism_through_the_environment(unfused_only, monkey
     assert determinism_check.main(IN_PROCESS + ["--nondeterministic", "--torch-deterministic"]) == 0
     assert seen and all(seen)  # the torch flag alone requests determinism
     assert not torch.are_deterministic_algorithms_enabled()  # and is restored afterwards
+
+
+def test_cpu_runs_use_one_torch_thread_and_restore_it(unfused_only, monkeypatch):
+    """On CPU the runs train with one intra-op thread (torch's CPU kernels may round differently per thread split),
+    and the caller's thread count comes back afterwards."""
+    seen = []
+    real = UnfusedAttentionBackend.run
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(UnfusedAttentionBackend, "run", staticmethod(spy))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert determinism_check.main(IN_PROCESS) == 0
+        assert seen and set(seen) == {1}
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -4,7 +4,8 @@ Keys beyond one chunk are summed chunk by chunk, each from scratch, and folded i
 decode with the training forward's bits. The Triton forward does it everywhere it serves (d=64, calls with a
 bias, fp32); Hopper's Gluon forward at d=128 (its consumers fold with a second accumulator). Per case, the forward's time with the planned chunk against the same launch summing all keys at
 once (a plan with ``kv_chunk=0``: the kernel before chunking), as a ratio; and with the planned chunk, whether
-the one-program and the split forms give the same bits (``bitwise``).
+the one-program and the split forms give the same bits (``bitwise``). Where the plan caps the chunked sum's
+registers (ForwardPlan.kv_chunk_registers), the same ratio without the cap and whether both give the same bits.
 
     python benchmarks/attention/bench_kv_chunk.py --out benchmarks/results/kv_chunk
     python benchmarks/attention/bench_kv_chunk.py --smoke   # a tiny grid, any device (TRITON_INTERPRET=1 on CPU)
@@ -46,11 +47,18 @@ def case(b, s, h, d, mask, bias, dtype, device):
     one_ms = timed_ms(lambda: kernel_runner.forward(q, k, v, call, one_chunk))
     split_out = kernel_runner.forward(q, k, v, call, plan, split_kv=True)[0]
     whole_out = kernel_runner.forward(q, k, v, call, plan, split_kv=False)[0]
+    capped = {}
+    if plan.kv_chunk_registers is not None:  # the same chunked launch without the plan's register cap
+        uncapped = dataclasses.replace(plan, kv_chunk_registers=None)
+        uncapped_ms = timed_ms(lambda: kernel_runner.forward(q, k, v, call, uncapped, split_kv=False))
+        uncapped_out = kernel_runner.forward(q, k, v, call, uncapped, split_kv=False)[0]
+        capped = dict(kv_chunk_registers=plan.kv_chunk_registers, uncapped_ratio=round(one_ms / uncapped_ms, 3),
+                      cap_bitwise=bool(torch.equal(uncapped_out, whole_out)))
     flops = 4 * b * h * s * s * d * (0.5 if mask == "causal" else 1.0)
     kernel = "gluon" if plan.warp_specialized is not None else "triton"  # contiguous tensors: TMA-eligible
     return dict(batch=b, seqlen=s, heads=h, dim=d, mask=mask, bias=bias, kernel=kernel, kv_chunk=plan.kv_chunk,
                 chunked_tflops=round(flops / chunked_ms / 1e9, 1), one_chunk_tflops=round(flops / one_ms / 1e9, 1),
-                ratio=round(one_ms / chunked_ms, 3), bitwise=bool(torch.equal(split_out, whole_out)))
+                ratio=round(one_ms / chunked_ms, 3), bitwise=bool(torch.equal(split_out, whole_out)), **capped)
 
 
 def main():
@@ -75,7 +83,8 @@ def main():
     write_results(args.out, run_metadata("python benchmarks/attention/bench_kv_chunk.py " + " ".join(sys.argv[1:]),
                                          name, str(dtype).replace("torch.", ""), dry_run=args.smoke),
                   rows, ["batch", "seqlen", "heads", "dim", "mask", "bias", "kernel", "kv_chunk", "chunked_tflops",
-                         "one_chunk_tflops", "ratio", "bitwise", "error"])
+                         "one_chunk_tflops", "ratio", "bitwise", "kv_chunk_registers", "uncapped_ratio", "cap_bitwise",
+                         "error"])
 
 
 if __name__ == "__main__":

@@ -54,6 +54,8 @@ def record(cfg, ws):
     for plan in (fwd, bwd):
         if plan["block_dqk2"] == 0:
             plan.pop("block_dqk2")
+    if fwd["kv_chunk_registers"] is None:  # likewise the chunked forward's register cap (d=64 only)
+        fwd.pop("kv_chunk_registers")
     return json.dumps(dict(fwd=fwd, bwd=bwd, kernels=kernels), sort_keys=True)
 
 

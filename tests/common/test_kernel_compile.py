@@ -144,6 +144,53 @@ def test_sm90_gluon_forward_chunked_and_split_compile_without_spills(mask, thd, 
         assert x.name == "attn_fwd_ws_kernel" and x.args["KV_CHUNK"] == 0
 
 
+def _sass(kernel) -> str:
+    import subprocess
+    import tempfile
+
+    from transformer_engine.common.attention.kernels.triton_compat import cuobjdump_path
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.cubin)
+        f.flush()
+        return subprocess.run([cuobjdump_path(), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def _local_memory_in_inner_loops(sass: str) -> int:
+    """Local-memory loads and stores (spills) inside the innermost loops of a SASS listing: a loop is a branch back
+    to a lower address; an innermost one contains no other."""
+    code = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = [(int(m.group(1), 16), a) for a, op in code
+             if (m := re.search(r"\bBRA\b[^;]*?0x([0-9a-f]+)", op)) and int(m.group(1), 16) < a]
+    inner = [(lo, hi) for lo, hi in loops if not any(lo < lo2 and hi2 <= hi for lo2, hi2 in loops)]
+    assert inner, "no loop found in the SASS"
+    return sum(1 for a, op in code if re.search(r"\b(LDL|STL)\b", op) and any(lo <= a <= hi for lo, hi in inner))
+
+
+@pytest.mark.parametrize("mask", [AttnMaskType.NO_MASK, AttnMaskType.CAUSAL_MASK])
+def test_sm90_chunked_forward_register_cap_keeps_the_arithmetic_and_unspilled_key_loops(mask):
+    """d=64 over two chunks (kv_chunk_registers): the one-program chunked sum's launch carries the plan's register
+    cap, which it needs (uncapped it takes more), and it changes nothing the kernel computes: the PTX is the
+    uncapped one's but for the ``.maxnreg`` directive, and what ptxas spills stays out of the key loops. The
+    unchunked and split launches keep the compiler's own count."""
+    cfg = AttnConfig(batch_size=2, num_heads_q=16, num_heads_kv=16, head_dim_qk=64, head_dim_v=64,
+                     max_seqlen_q=8192, max_seqlen_kv=8192, dtype="bfloat16", attn_mask_type=mask,
+                     deterministic=True, device_type="cuda", compute_capability=(9, 0))
+    call = contiguous_call(cfg, batch=2, seqlen=8192)
+    plan = forward_plan(call.plan_key)
+    cap = plan.kv_chunk_registers
+    (capped,) = forward_launches(call, plan, split=False)
+    assert cap is not None and capped.args["KV_CHUNK"] == plan.kv_chunk and capped.options["maxnreg"] == cap
+    uncapped = dataclasses.replace(capped, options={k: v for k, v in capped.options.items() if k != "maxnreg"})
+    assert _ptx(capped).replace(f".maxnreg {cap}\n", "", 1) == _ptx(uncapped)
+    kernel = _compile(capped)
+    assert resources(kernel)["regs"] <= cap < resources(_compile(uncapped))["regs"]
+    assert _local_memory_in_inner_loops(_sass(kernel)) == 0
+    split = forward_launches(call, plan, split=True)
+    (one_chunk,) = forward_launches(contiguous_call(cfg, batch=2, seqlen=1024), plan)
+    assert all("maxnreg" not in x.options for x in split + (one_chunk,))
+
+
 # The Gluon forward reading a paged KV cache (PAGE_SIZE > 0): stack bytes beyond the same contiguous launch's, by
 # Triton release and case (dims-layout-form-page size; absent: none). Only the loader warp changes, and it runs in
 # 24 registers: where a block takes eight page loads some releases keep 8 bytes of it on the stack.

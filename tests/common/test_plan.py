@@ -160,3 +160,22 @@ def test_plans_read_a_key_without_batch_or_lengths(mask):
                                                                  "num_heads_q", "deterministic", "qkv_layout"}
     assert (forward_plan(key), backward_plan(key)) == (forward_plan(cfg), backward_plan(cfg))
     assert contiguous_call(cfg, batch=3, seqlen=97).plan_key == key
+
+
+def test_the_chunked_forwards_register_cap_is_hoppers_16_bit_d64_only():
+    """ArchTables.kv_chunk_registers: Hopper's 16-bit d=64 forward caps its chunked sum at the unchunked occupancy
+    step (two programs of 8 warps per SM unbounded, three of 4 warps bounded); every other plan has no cap."""
+    for (dim, mask), arch, dtype in itertools.product(
+            ((40, AttnMaskType.NO_MASK), (64, AttnMaskType.NO_MASK), (64, AttnMaskType.CAUSAL_MASK),
+             (64, AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK), (32, AttnMaskType.NO_MASK),
+             (128, AttnMaskType.NO_MASK), (256, AttnMaskType.CAUSAL_MASK)),
+            ((9, 0), (8, 0), (10, 0)), ("bfloat16", "float16", "float32")):
+        cfg = dataclasses.replace(BASE, head_dim_qk=dim, head_dim_v=dim, attn_mask_type=mask, compute_capability=arch,
+                                  dtype=dtype)
+        cap = forward_plan(cfg).kv_chunk_registers
+        if arch == (9, 0) and padded_head_dim(dim) == 64 and dtype != "float32":
+            assert cap == (168 if mask.is_causal else 128), (dim, mask, dtype)
+        else:
+            assert cap is None, (dim, mask, arch, dtype)
+    assert forward_plan(dataclasses.replace(BASE, head_dim_qk=64, head_dim_v=64, device_type="cpu",
+                                            compute_capability=None)).kv_chunk_registers is None

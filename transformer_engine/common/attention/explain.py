@@ -83,6 +83,8 @@ class PlanExplanation:
     forward: Tuple[PassChoice, ...]
     backward: Tuple[PassChoice, ...]
     kv_page_size: int = 0  # keys per page of a paged KV cache the forward reads through its page table (0: none)
+    kv_chunk: int = 0  # keys per chunk of the forward's canonical sum (ForwardPlan.kv_chunk; 0: one chunk)
+    kv_chunk_row: str = ""  # where kv_chunk (and the chunked sum's register cap) came from
 
     @property
     def kernels(self) -> Tuple[str, ...]:
@@ -98,6 +100,10 @@ class PlanExplanation:
             f"{self.head_dims[1]} pad to {dim}; window kind {self.window_kind}; dtype {self.dtype}",
             f"  head-dim tiles: BLOCK_DQK {qk}, BLOCK_DV {self.block_dv}",
         ]
+        if self.kv_chunk:
+            lines.append(f"  keys: summed in chunks of {self.kv_chunk} where a row sees more <- {self.kv_chunk_row}")
+        else:
+            lines.append(f"  keys: {self.kv_chunk_row}")
         if self.kv_page_size:
             lines.append(f"  K/V: a paged KV cache, pages of {self.kv_page_size} keys read through the page table "
                          "(the forward; a paged call has no backward)")
@@ -192,7 +198,7 @@ def explain_plan(config: Union[AttnConfig, PlanKey], kv_page_size: Optional[int]
         arch=arch, arch_reason=reason, head_dims=(config.head_dim_qk, config.head_dim_v), head_key=ftrace.key,
         window_kind=config.window_kind, dtype=config.dtype, block_dqk=fwd.block_dqk, block_dqk2=fwd.block_dqk2,
         block_dv=fwd.block_dv, forward=_forward_passes(fwd, ftrace), backward=_backward_passes(config, bwd, btrace),
-        kv_page_size=config.kv_page_size,
+        kv_page_size=config.kv_page_size, kv_chunk=fwd.kv_chunk, kv_chunk_row=ftrace.rows["kv_chunk"],
     )
 
 

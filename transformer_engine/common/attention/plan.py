@@ -77,6 +77,11 @@ class ForwardPlan:
     # chunk from scratch, and the chunks folded in order, so that split-KV decode (one program per chunk)
     # gives the training forward's bits. A multiple of tiles.block_n; 0: one chunk (no split-KV).
     kv_chunk: int = 0
+    # Per-thread register cap (maxnreg) of the Triton forward's one-program chunked sum, or None: the compiler's
+    # own count. Its second fp32 accumulator (the chunk's state beside the folded one) would cost an occupancy
+    # step; capped, ptxas spills a few words outside the key loops instead. Register allocation changes no
+    # arithmetic, so no bits.
+    kv_chunk_registers: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -230,6 +235,8 @@ class ArchTables:
     dq_ws_split: Dict[bool, Tiles] = dataclasses.field(default_factory=dict)
     # Keys per chunk of the forward's canonical sum (ForwardPlan.kv_chunk) where the Triton forward serves.
     kv_chunk: int = 4096
+    # ForwardPlan.kv_chunk_registers of 16-bit configs by _head_key (keys not here: no cap).
+    kv_chunk_registers: Dict[Tuple[int, bool], int] = dataclasses.field(default_factory=dict)
 
     def serves_narrow_v(self, config: PlanKey) -> bool:
         """Whether the narrow-V tiles serve ``config`` (before the fp32 clamp)."""
@@ -353,6 +360,10 @@ def _hopper() -> ArchTables:
         # in buffers of its own; dK/dV stays on the Triton kernel (a Gluon dK pass and dV pass there were slower).
         fwd_ws_split={False: Tiles(128, 128, 4, 2, max_registers=168), True: Tiles(128, 128, 4, 2, max_registers=168)},
         dq_ws_split={False: Tiles(128, 64, 4, 3, max_registers=168), True: Tiles(128, 64, 4, 3, max_registers=168)},
+        # At d=64 the chunked sum's second accumulator takes the forward from 126 to 182 registers (unbounded, 8
+        # warps: two programs per SM -> one) and from 168 to 216 (bounded, 4 warps: three -> two); capped at the
+        # unchunked step, ptxas spills 24-240 bytes, none inside the key loops (test_kernel_compile.py).
+        kv_chunk_registers={(64, False): 128, (64, True): 168},
     )
 
 
@@ -528,7 +539,14 @@ def trace_forward(config: Config, override: Optional[Tiles] = None) -> Tuple[For
         kv_chunk, trace.rows["kv_chunk"] = chunk_arch.kv_chunk, f"{chunk_arch.name}.kv_chunk"
     if kv_chunk % tiles.block_n:
         raise ValueError(f"kv_chunk={kv_chunk} must be a multiple of the forward's block_n={tiles.block_n}")
-    return ForwardPlan(tiles, block_dqk, padded_head_dim(config.head_dim_v), ws, block_dqk2, kv_chunk), trace
+    registers = None
+    if (kv_chunk and arch is not None and key in arch.kv_chunk_registers and config.dtype != "float32"
+            and not arch.serves_narrow_v(config) and not arch.splits_qk(config)):
+        registers = arch.kv_chunk_registers[key]
+        trace.rows["kv_chunk"] += (f"; the Triton forward's chunked sum capped at {registers} registers "
+                                   f"({arch.name}.kv_chunk_registers)")
+    return ForwardPlan(tiles, block_dqk, padded_head_dim(config.head_dim_v), ws, block_dqk2, kv_chunk,
+                       registers), trace
 
 
 def forward_plan(config: Config, override: Optional[Tiles] = None) -> ForwardPlan:

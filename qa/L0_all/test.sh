@@ -3,48 +3,55 @@
 # releases, and L0_newest on the newest (a Python 3.12 environment of its own). Every level runs even
 # after another fails; the exit status is non-zero if any failed.
 #
-# The levels run in QA_LANES lanes at once (default 2: CI's machine has two cores and the interpreter's
-# suites use one each). Lane i runs its levels in order; a lane's output is printed whole when the lane
-# ends, so each level's log reads in one piece. QA_LANES=1 runs them one after another, as before.
+# The work is a queue of units (a level, or part of one), taken by QA_LANES lanes at once (default 2: CI's
+# machine has two cores, and every level keeps about one busy); a lane takes the next unit when its last one
+# ends, so the lanes end together whatever each unit costs on the machine. A unit's output is printed whole
+# when it ends, so each reads in one piece. QA_LANES=1 runs the units one after another.
 source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
 
-QA_LANES="${QA_LANES:-2}"
-# Two lanes of about equal time on CI's machine: PyTorch's level is the longest.
-LANES=("L0_pytorch_unittest" "L0_common_unittest L0_jax_unittest L0_newest")
-if [ "$QA_LANES" -le 1 ]; then
-  LANES=("L0_common_unittest L0_pytorch_unittest L0_jax_unittest L0_newest")
+# PyTorch's level and JAX's in two units each of about equal time, split by file: the first unit runs these files
+# (QA_SELECT), the second the others (QA_SKIP).
+PYTORCH_FIRST="test_paged_kv test_packed_rows test_compile test_context_parallel test_dot_product_attention
+  test_fused_attn_determinism test_fused_attn"
+JAX_FIRST="test_jax_unfused_invariance test_jax_kv_cache test_jax_paged_kv test_jax_fused_attn"
+# The units, the longest first and the shortest last, so that the lanes end together; L0_newest builds its
+# environment before its suites. A unit: LEVEL [QA_SELECT|QA_SKIP FILES].
+UNITS=("L0_newest" "L0_common_unittest" "L0_pytorch_unittest QA_SELECT PYTORCH_FIRST"
+       "L0_pytorch_unittest QA_SKIP PYTORCH_FIRST" "L0_jax_unittest QA_SELECT JAX_FIRST"
+       "L0_jax_unittest QA_SKIP JAX_FIRST")
+
+if [ "${1:-}" = "--unit" ]; then  # one unit: qa/L0_all/test.sh --unit INDEX WORKDIR
+  read -r level split files <<<"${UNITS[$2]}"
+  log="$3/log.$2"
+  {
+    echo "[qa:L0_all unit $2] ##### ${UNITS[$2]} (started at +$(( $(date +%s) - ${QA_ALL_START:-$QA_START} ))s)"
+    if [ -n "$split" ]; then
+      env "$split=$(echo ${!files})" bash "qa/$level/test.sh"
+    else
+      bash "qa/$level/test.sh"
+    fi
+    echo "$?" >"$3/rc.$2"
+  } >"$log" 2>&1
+  if command -v flock >/dev/null 2>&1; then  # one unit's log at a time, when two end together
+    flock "$3/print.lock" cat "$log"
+  else
+    cat "$log"
+  fi
+  exit 0
 fi
 
+QA_LANES="${QA_LANES:-2}"
 COUNTS="$(mktemp "${TMPDIR:-/tmp}/te_qa_counts.XXXXXX")"
-WORK="$(mktemp -d "${TMPDIR:-/tmp}/te_qa_lanes.XXXXXX")"
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/te_qa_units.XXXXXX")"
 
-run_lane() {  # run_lane INDEX LEVELS: each level in turn; "level rc" lines in $WORK/rc.INDEX
-  local i="$1" level rc
-  for level in $2; do
-    echo "[qa:L0_all lane $i] ##### $level (started at +$(( $(date +%s) - QA_START ))s)"
-    XML_LOG_DIR="$XML_LOG_DIR" QA_COUNTS_FILE="$COUNTS" QA_RECORD= bash "qa/$level/test.sh"
-    rc=$?
-    echo "$level $rc" >>"$WORK/rc.$i"
-  done
-}
-
-pids=()
-for i in "${!LANES[@]}"; do
-  qa_log "lane $i: ${LANES[$i]}"
-  run_lane "$i" "${LANES[$i]}" >"$WORK/log.$i" 2>&1 &
-  pids+=($!)
-done
-for i in "${!LANES[@]}"; do
-  wait "${pids[$i]}"
-  qa_log "lane $i ended; its output:"
-  cat "$WORK/log.$i"
-done
-for i in "${!LANES[@]}"; do
-  for level in ${LANES[$i]}; do
-    QA_SUITES=$((QA_SUITES + 1))
-    rc=$(awk -v l="$level" '$1 == l {print $2}' "$WORK/rc.$i" 2>/dev/null)
-    [ "${rc:-missing}" = 0 ] || qa_fail "$level" "exit ${rc:-missing}"
-  done
+qa_log "${#UNITS[@]} units in $QA_LANES lanes: $(printf '[%s] ' "${UNITS[@]}")"
+export XML_LOG_DIR QA_COUNTS_FILE="$COUNTS" QA_RECORD= QA_ALL_START="$QA_START"
+# xargs is the queue: each lane runs `--unit I` for the next index as soon as its last unit ends.
+seq 0 $(( ${#UNITS[@]} - 1 )) | xargs -P "$QA_LANES" -I{} bash "qa/L0_all/test.sh" --unit {} "$WORK"
+for i in "${!UNITS[@]}"; do
+  QA_SUITES=$((QA_SUITES + 1))
+  rc=$(cat "$WORK/rc.$i" 2>/dev/null)
+  [ "${rc:-missing}" = 0 ] || qa_fail "${UNITS[$i]}" "exit ${rc:-missing}"
 done
 read -r QA_PASSED QA_FAILED_TESTS QA_SKIPPED < <(awk '{p+=$1; f+=$2; s+=$3} END {print p+0, f+0, s+0}' "$COUNTS")
 rm -rf "$COUNTS" "$WORK"

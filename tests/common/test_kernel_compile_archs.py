@@ -30,6 +30,10 @@ from transformer_engine.common.attention.kernels.resources import (  # noqa: E40
 from transformer_engine.common.attention.plan import ARCHS, padded_head_dim  # noqa: E402
 
 TARGETS = ("gfx90a", "gfx942", "gfx950", "sm80", "sm90", "sm100")
+# The targets a run compiles: every one, or those QA_COMPILE_TARGETS names (space-separated; qa/L0_newest compiles
+# the newest Triton release for sm90 alone to keep CI inside its time).
+COMPILE_TARGETS = tuple(os.environ.get("QA_COMPILE_TARGETS", "").split()) or TARGETS
+assert set(COMPILE_TARGETS) <= set(TARGETS), f"QA_COMPILE_TARGETS must name some of {TARGETS}, got {COMPILE_TARGETS}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,10 +188,10 @@ def compile_all(jobs: Dict[str, tuple]) -> Dict[str, dict]:
         return dict(zip(order, pool.map(compile_report, [jobs[k] for k in order])))
 
 
-def measured_spills(results: Dict[str, dict]) -> Dict[str, int]:
-    """{"target case-name kernel": most stack bytes} of the NVIDIA launches that spill."""
+def measured_spills(results: Dict[str, dict], targets=TARGETS) -> Dict[str, int]:
+    """{"target case-name kernel": most stack bytes} of the NVIDIA launches of ``targets`` that spill."""
     out: Dict[str, int] = {}
-    for target in TARGETS:
+    for target in targets:
         if ARCHS[target].vendor != "nvidia":
             continue
         for case in CASES:
@@ -233,13 +237,15 @@ def test_known_spills_record_this_triton_release():
 def test_known_spills_are_exact_for_this_release(compiled):
     """The installed release's record is what its compiler gives now: a spill that went away (or shrank) is
     taken out, so that the budget cannot grow loose over time."""
-    measured = measured_spills(compiled.need([t for t in TARGETS if ARCHS[t].vendor == "nvidia"]))
-    stale = {k: (v, measured.get(k, 0)) for k, v in KNOWN_SPILLS.items() if measured.get(k, 0) < v}
+    nvidia = [t for t in COMPILE_TARGETS if ARCHS[t].vendor == "nvidia"]
+    measured = measured_spills(compiled.need(nvidia), nvidia)
+    stale = {k: (v, measured.get(k, 0)) for k, v in KNOWN_SPILLS.items()
+             if k.split()[0] in nvidia and measured.get(k, 0) < v}
     assert not stale, f"recorded > measured (bytes) for triton {_release()}: {stale}; re-record with --record"
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("target", COMPILE_TARGETS)
 def test_planned_launches_compile_fit_and_do_not_spill(compiled, target, case):
     budget = ARCHS[target].shared_memory
     problems = []

@@ -179,3 +179,13 @@ def test_the_chunked_forwards_register_cap_is_hoppers_16_bit_d64_only():
             assert cap is None, (dim, mask, arch, dtype)
     assert forward_plan(dataclasses.replace(BASE, head_dim_qk=64, head_dim_v=64, device_type="cpu",
                                             compute_capability=None)).kv_chunk_registers is None
+
+
+def test_a_forced_plan_carries_no_register_cap(monkeypatch):
+    """NVTE_FUSED_ATTN_PLAN_ARCH=sm90 on another GPU plans sm90's Triton tiles without the register cap tuned to
+    sm_90's compile (as without its Gluon kernels)."""
+    cfg = dataclasses.replace(BASE, head_dim_qk=64, head_dim_v=64, compute_capability=(10, 0))
+    monkeypatch.setenv("NVTE_FUSED_ATTN_PLAN_ARCH", "sm90")
+    forced = forward_plan(cfg)
+    assert forced.tiles == forward_plan(dataclasses.replace(cfg, compute_capability=(9, 0))).tiles
+    assert forced.kv_chunk_registers is None

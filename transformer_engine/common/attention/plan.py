@@ -440,8 +440,8 @@ def device_arch(config: Config) -> ArchTables:
 def plan_arch(config: Config) -> ArchTables:
     """The tables a GPU config plans with: its device's, or those NVTE_FUSED_ATTN_PLAN_ARCH forces (read now).
 
-    A forced plan keeps to what the device can run: only its Triton tiles (the Gluon kernels stay with
-    a real SM90), and only an architecture with at most the device's shared memory, so its tiles fit.
+    A forced plan keeps to what the device can run: only its Triton tiles (the Gluon kernels and register caps
+    stay with a real SM90), and only an architecture with at most the device's shared memory, so its tiles fit.
     Warps keep the device's width (a wave64 plan on NVIDIA runs its warp counts as 32-thread warps).
     """
     device = device_arch(plan_key(config))
@@ -454,7 +454,8 @@ def plan_arch(config: Config) -> ArchTables:
             f"NVTE_FUSED_ATTN_PLAN_ARCH must name an architecture with at most this GPU's shared memory "
             f"({device.name}: {device.shared_memory // _KIB} KiB), got {forced!r} ({tables.shared_memory // _KIB} "
             f"KiB): its tiles may not fit here")
-    return dataclasses.replace(tables, warp_specialized=False)
+    # Register caps are tuned to their own GPU's register file and compiler target: not carried to another.
+    return dataclasses.replace(tables, warp_specialized=False, kv_chunk_registers={})
 
 
 def _head_key(config: PlanKey) -> Tuple[int, bool]:

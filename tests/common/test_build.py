@@ -260,7 +260,10 @@ def test_extension_declared_with_cuda_and_sources(tmp_path, monkeypatch):
 
 # --- real wheels from a copy of the tree ------------------------------------------------------
 
-_IGNORE = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", "_build", ".pytest_cache", "*.so", ".venv", ".whl")
+# Not the tree's: builds, caches, and the environments and wheels the QA levels make in it (.venv-newest is made by
+# qa/L0_newest, which CI may run while this copies).
+_IGNORE = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", "_build", ".pytest_cache", "*.so",
+                                 ".venv*", ".whl", ".kernel_cache")
 
 
 def _source_copy(tmp_path: Path) -> Path:

@@ -44,8 +44,10 @@ _NOT_SCRIPTS = {PACKAGE, "tests", ".git"}
 
 def _scripts() -> List[Path]:
     """The repository's Python files outside the package and its tests that import from the project."""
+    # Hidden folders are not the repository's scripts: .git, and the environments and caches the QA levels make
+    # in the tree (.venv-newest, which qa/L0_newest may be building while this runs).
     paths = sorted(p for top in ROOT.iterdir() if top.is_dir() and top.name not in _NOT_SCRIPTS
-                   for p in top.rglob("*.py") if "__pycache__" not in p.parts)
+                   and not top.name.startswith(".") for p in top.rglob("*.py") if "__pycache__" not in p.parts)
     return [p for p in paths if _project_imports(ast.parse(p.read_text(encoding="utf-8")))]
 
 

@@ -5,8 +5,8 @@
 #
 # The work is a queue of units (a level, or part of one), taken by QA_LANES lanes (default 1: one after another);
 # with more, a lane takes the next unit when its last one ends. On CI's two-core machine two lanes were not
-# faster (4689 s measured against CI's 4339 s serial: the cores are already busy), so one is the default. A
-# unit's output is printed whole when it ends, so each reads in one piece.
+# faster (the suites already keep both cores busy), so one is the default. A unit's output is printed whole
+# when it ends, so each reads in one piece.
 source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
 
 # PyTorch's level and JAX's in two units each of about equal time, split by file: the first unit runs these files

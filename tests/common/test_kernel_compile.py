@@ -16,7 +16,7 @@ triton = pytest.importorskip("triton")
 from transformer_engine.common.attention import AttnConfig, AttnMaskType, AttnSoftmaxType  # noqa: E402
 from transformer_engine.common.attention.kernels.aot import compile_kernel  # noqa: E402
 from transformer_engine.common.attention.kernels.resources import (  # noqa: E402
-    compile_args, compile_launch, contiguous_call, planned_launches, resources, target,
+    compile_args, compile_launch, contiguous_call, cuobjdump, planned_launches, resources, target,
 )
 from transformer_engine.common.attention.launch_description import forward_launches  # noqa: E402
 from transformer_engine.common.attention.plan import forward_plan  # noqa: E402
@@ -144,18 +144,6 @@ def test_sm90_gluon_forward_chunked_and_split_compile_without_spills(mask, thd, 
         assert x.name == "attn_fwd_ws_kernel" and x.args["KV_CHUNK"] == 0
 
 
-def _sass(kernel) -> str:
-    import subprocess
-    import tempfile
-
-    from transformer_engine.common.attention.kernels.triton_compat import cuobjdump_path
-
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.cubin)
-        f.flush()
-        return subprocess.run([cuobjdump_path(), "-sass", f.name], capture_output=True, text=True, check=True).stdout
-
-
 def _local_memory_in_inner_loops(sass: str) -> int:
     """Local-memory loads and stores (spills) inside the innermost loops of a SASS listing: a loop is a branch back
     to a lower address; an innermost one contains no other."""
@@ -185,7 +173,7 @@ def test_sm90_chunked_forward_register_cap_keeps_the_arithmetic_and_unspilled_ke
     assert _ptx(capped).replace(f".maxnreg {cap}\n", "", 1) == _ptx(uncapped)
     kernel = _compile(capped)
     assert resources(kernel)["regs"] <= cap < resources(_compile(uncapped))["regs"]
-    assert _local_memory_in_inner_loops(_sass(kernel)) == 0
+    assert _local_memory_in_inner_loops(cuobjdump(kernel, "-sass")) == 0
     split = forward_launches(call, plan, split=True)
     (one_chunk,) = forward_launches(contiguous_call(cfg, batch=2, seqlen=1024), plan)
     assert all("maxnreg" not in x.options for x in split + (one_chunk,))

@@ -19,7 +19,7 @@ rows with the views' own strides.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, Mapping, Optional, Tuple, Union
 
 from transformer_engine.common.attention.config import PlanKey
@@ -284,18 +284,14 @@ def _launch(kernel, grid: Tuple[int, int, int], values: Dict[str, object], optio
 
 
 def _block_launch(triton_kernel, gluon_kernel, tiles: Tiles, ws: Optional[Tiles], tma_tensors: Tuple[str, ...],
-                  call: Call, values: Dict[str, object], rows_of, extra: Dict[str, object], chunks: int = 1,
-                  triton_registers: Optional[int] = None) -> Launch:
+                  call: Call, values: Dict[str, object], rows_of, extra: Dict[str, object], chunks: int = 1) -> Launch:
     """A block-loop pass: the Gluon kernel with ``ws`` tiles where the plan has them and the tensors allow
-    TMA, else the Triton kernel with ``tiles`` (and ``triton_registers``, if given, as its register cap).
-    ``rows_of(tiles)``: the grid's (blocks, sequences * heads); ``chunks``: its third axis (split-KV's key
-    chunks)."""
+    TMA, else the Triton kernel with ``tiles``. ``rows_of(tiles)``: the grid's (blocks, sequences * heads);
+    ``chunks``: its third axis (split-KV's key chunks)."""
     if ws is not None and _tma_ok(call, *tma_tensors):
-        kernel, t, constexprs, options = gluon_kernel, ws, ws.ws_constexprs, ws.launch_options
+        kernel, t, constexprs, options = gluon_kernel, ws, ws.ws_constexprs, ws.ws_launch_options
     else:
         kernel, t, constexprs, options = triton_kernel, tiles, tiles.loop_constexprs, tiles.launch_options
-        if triton_registers is not None:
-            options = dict(options, maxnreg=triton_registers)
     grid = block_grid(*rows_of(t))[:2] + (chunks,)
     return _launch(kernel, grid, dict(values, **extra, **constexprs), options)
 
@@ -384,10 +380,11 @@ def forward_launches(call: Call, plan: Optional[ForwardPlan] = None,
             raise NotImplementedError(f"the Gluon forward on a paged KV cache addresses at most 2**31 - 1 rows of "
                                       f"the pools, got page_rows={call.page_rows}")
     if workspace is None:
-        # The one-program chunked sum holds two states: the plan may cap its registers (no bits change).
-        registers = plan.kv_chunk_registers if chunk else None
-        return (_block_launch(attn_fwd_kernel, attn_fwd_ws_kernel, plan.tiles, ws, ("q", "k", "v"), call, values,
-                              rows, {}, triton_registers=registers),)
+        tiles = plan.tiles
+        if chunk and plan.kv_chunk_registers is not None:  # the one-program chunked sum holds two states
+            tiles = replace(tiles, max_registers=plan.kv_chunk_registers)  # no bits change
+        return (_block_launch(attn_fwd_kernel, attn_fwd_ws_kernel, tiles, ws, ("q", "k", "v"), call, values,
+                              rows, {}),)
     split_launch = _block_launch(attn_fwd_kernel, attn_fwd_ws_kernel, plan.tiles, ws, ("q", "k", "v"), call, values,
                                  rows, {}, workspace.chunks)
     # The combine is elementwise over rows (no bits depend on its tiles): 16 rows keep its two states in registers.

@@ -40,7 +40,7 @@ class Tiles:
     num_stages: int
     head_group: int = 1  # launch order: heads whose blocks interleave (kernels/masking.py, grid_program)
     single_loop: bool = False  # one pipelined block loop masking per block, not three loops (pays where registers bind)
-    max_registers: Optional[int] = None  # per-thread register cap of the launch (warp-specialized kernels)
+    max_registers: Optional[int] = None  # per-thread register cap of the launch (maxnreg; None: the compiler's)
 
     @property
     def loop_constexprs(self) -> Dict[str, object]:
@@ -56,9 +56,20 @@ class Tiles:
 
     @property
     def launch_options(self) -> Dict[str, int]:
+        """The Triton kernels' launch options: Triton pipelines their loops over num_stages."""
+        return self._options(self.num_stages)
+
+    @property
+    def ws_launch_options(self) -> Dict[str, int]:
+        """The warp-specialized Gluon kernels' launch options: their ring of num_stages buffers is their own
+        pipeline (ws_constexprs), so Triton's is off."""
+        return self._options(1)
+
+    def _options(self, num_stages: int) -> Dict[str, int]:
+        options = dict(num_warps=self.num_warps, num_stages=num_stages)
         if self.max_registers is not None:
-            return dict(num_warps=self.num_warps, num_stages=1, maxnreg=self.max_registers)
-        return dict(num_warps=self.num_warps, num_stages=self.num_stages)
+            options["maxnreg"] = self.max_registers
+        return options
 
 
 @dataclass(frozen=True)
@@ -542,7 +553,7 @@ def trace_forward(config: Config, override: Optional[Tiles] = None) -> Tuple[For
         raise ValueError(f"kv_chunk={kv_chunk} must be a multiple of the forward's block_n={tiles.block_n}")
     registers = None
     if (kv_chunk and arch is not None and key in arch.kv_chunk_registers and config.dtype != "float32"
-            and not arch.serves_narrow_v(config) and not arch.splits_qk(config)):
+            and not arch.serves_narrow_v(config)):
         registers = arch.kv_chunk_registers[key]
         trace.rows["kv_chunk"] += (f"; the Triton forward's chunked sum capped at {registers} registers "
                                    f"({arch.name}.kv_chunk_registers)")

@@ -36,7 +36,7 @@ from transformer_engine.common.attention.params import AttnParams
 from transformer_engine.common.attention.plan import ARCHS, Tiles, backward_plan, forward_plan
 
 __all__ = ["DEVICE_FACTS", "target", "contiguous_call", "planned_launches", "compile_args", "compile_launch",
-           "job", "compile_report", "resources"]
+           "job", "compile_report", "resources", "cuobjdump"]
 
 # What each planned architecture looks like to AttnConfig (the frontends' device facts).
 DEVICE_FACTS = {name: (dict(vendor="amd", compute_capability=None, gfx_arch=name) if t.vendor == "amd"
@@ -155,17 +155,21 @@ def resources(kernel: CompiledKernel) -> dict:
         hip = dict(kernel.hip_resources)
         return {"regs": hip.get("vgpr_count", -1), "stack": hip.get("private_segment_fixed_size", -1),
                 "smem": kernel.shared}
+    found = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", cuobjdump(kernel, "-res-usage")))
+    return {"regs": int(found.get("REG", -1)), "stack": int(found.get("STACK", -1)), "smem": kernel.shared}
+
+
+def cuobjdump(kernel: CompiledKernel, flag: str) -> str:
+    """What the CUDA toolkit's cuobjdump (the one Triton's wheel carries) prints for an NVIDIA kernel's cubin with
+    ``flag`` (``-res-usage``: its resources; ``-sass``: its machine code)."""
     from transformer_engine.common.attention.kernels.triton_compat import cuobjdump_path
 
-    tool = cuobjdump_path()
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(kernel.cubin)
     try:
-        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([cuobjdump_path(), flag, f.name], capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(f.name)
-    found = dict(re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text))
-    return {"regs": int(found.get("REG", -1)), "stack": int(found.get("STACK", -1)), "smem": kernel.shared}
 
 
 _PASSES = {"fwd": ("attn_fwd_kernel", "attn_fwd_ws_kernel"),

@@ -9,6 +9,8 @@
 #   XML_LOG_DIR      where pytest writes one JUnit XML per suite (default: a temporary folder)
 #   QA_PYTEST_ARGS   extra pytest arguments for every suite, e.g. "-x -k causal"
 #                    (a test file with a line "# qa: no xdist workers" gets "-n 0" after "-n N")
+#   QA_WIDE          1: the L0 levels run the test grids' wide cases too (pytest marker `wide`, tests/case_grid.py);
+#                    by default an L0 level (what CI runs) leaves them out, and every other level runs them
 #   QA_RECORD        a file to which the final summary line is appended (e.g. for GPU runs)
 #   QA_COUNTS_FILE   a file to which "passed failed skipped" is appended (used by qa/L0_all)
 #   QA_SELECT        test file names (without .py, space-separated) to run, in that order, of those a level finds;
@@ -72,8 +74,10 @@ qa_pytest() {
   rm -f "$xml"
   qa_log "=== ${QA_PROGRESS}$name: ${envs[*]} pytest $*"
   local start=$(date +%s)
+  local marks=()
+  if [[ "$QA_LEVEL" == L0_* ]] && [ "${QA_WIDE:-0}" != 1 ]; then marks=(-m "not wide"); fi
   # shellcheck disable=SC2086
-  env "${envs[@]}" "$PYTHON" -m pytest -p no:cacheprovider --junitxml="$xml" ${QA_PYTEST_ARGS:-} "$@"
+  env "${envs[@]}" "$PYTHON" -m pytest -p no:cacheprovider --junitxml="$xml" "${marks[@]}" ${QA_PYTEST_ARGS:-} "$@"
   local rc=$?
   qa_log "--- ${QA_PROGRESS}$name: exit $rc in $(( $(date +%s) - start ))s"
   local counts

@@ -5,11 +5,13 @@
 # in the interpreter that runs them). Here run: the framework-free suites (the compile matrix for
 # every target, the wheel's resolution beside each CUDA torch release), the PyTorch files that
 # exercise what changes between releases (kernels under the interpreter, torch.compile, the launcher)
-# and TransformerEngine's clients (Megatron-core, MaxText's calls), and every JAX file.
+# and TransformerEngine's clients (Megatron-core, MaxText's calls), and the JAX files but the KV-cache and
+# max-logit ones (numerics through calls the others make). QA_WIDE=1 adds those and three PyTorch files.
 #
 # Environment (optional): PYTHON_NEWEST (a Python 3.12 interpreter; default: python3.12, else the
 # newest 3.12 that pyenv has), NEWEST_VENV (default .venv-newest in the repository root),
-# NEWEST_COMMON / NEWEST_PYTORCH (test file names without .py, overriding the lists below).
+# NEWEST_COMMON / NEWEST_PYTORCH / NEWEST_JAX (test file names without .py, overriding the lists below), QA_WIDE=1
+# (every JAX file, the NVIDIA compile matrix, and the test grids' wide cases: what qa/L1_cpu_wide runs).
 source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
 
 find_python312() {
@@ -56,15 +58,24 @@ select_files() {  # select_files DIR NAMES...: the paths of those test files tha
 # (test_build and test_install_routes check this tree's packaging, which the release does not change.)
 COMMON=(${NEWEST_COMMON:-test_kernel_compile test_triton_compat test_plan test_plan_archs test_explain_plan test_context_parallel_plan
   test_launches test_block_bounds test_backends test_imports test_import_graph test_settings test_wheel_resolution})
-PYTORCH=(${NEWEST_PYTORCH:-test_megatron_gpt test_megatron_inference test_dpa_megatron test_te_modules test_fused_attn test_launch_cache
-  test_compile test_dot_product_attention test_dpa_te_compat test_sink_softmax test_unfused_invariance})
+PYTORCH_DEFAULT="test_megatron_gpt test_megatron_inference test_dpa_megatron test_te_modules test_fused_attn
+  test_launch_cache test_compile test_unfused_invariance"
+[ "${QA_WIDE:-0}" = 1 ] && PYTORCH_DEFAULT+=" test_dot_product_attention test_dpa_te_compat test_sink_softmax"
+PYTORCH=(${NEWEST_PYTORCH:-$PYTORCH_DEFAULT})
+JAX_ALL=($(cd tests/jax && ls test_*.py | sed 's/\.py$//'))
+if [ "${QA_WIDE:-0}" = 1 ]; then JAX_DEFAULT="${JAX_ALL[*]}"; else
+  JAX_DEFAULT="$(printf '%s\n' "${JAX_ALL[@]}" | grep -v -x -e test_jax_kv_cache -e test_jax_paged_kv \
+    -e test_jax_max_logit | tr '\n' ' ')"
+fi
+JAX=(${NEWEST_JAX:-$JAX_DEFAULT})
 
 # The compile matrix on this release: sm90 (the Hopper Gluon kernels and the GPU the kernels are verified on; its
-# spill record, exact) and the matrix's data checks. sm80, sm100 and the AMD targets compile in the oldest
-# environment only: each release's whole matrix costs CI about 700 s of two cores more than sm90 alone (sm100's
-# compiles are the slowest). QA_COMPILE_TARGETS="sm80 sm90 sm100" runs the NVIDIA matrix here by hand.
+# spill record, exact) and the matrix's data checks; with QA_WIDE=1 the NVIDIA matrix (AMD compiles in the oldest
+# environment). The whole matrix costs CI about 700 s of two cores more than sm90 alone (sm100's compiles are the
+# slowest).
 if [ -z "${NEWEST_COMMON:-}" ]; then
-  qa_pytest "newest-common/test_kernel_compile_archs" QA_COMPILE_TARGETS="${QA_COMPILE_TARGETS:-sm90}" -- \
+  if [ "${QA_WIDE:-0}" = 1 ]; then targets="sm80 sm90 sm100"; else targets=sm90; fi
+  qa_pytest "newest-common/test_kernel_compile_archs" QA_COMPILE_TARGETS="$targets" -- \
     tests/common/test_kernel_compile_archs.py
 fi
 
@@ -74,7 +85,9 @@ done
 for file in $(select_files tests/pytorch "${PYTORCH[@]}"); do
   qa_pytest "newest-pytorch/$(basename "$file" .py)" TRITON_INTERPRET=1 -- "$file"
 done
-qa_pytest_files newest-jax "tests/jax/test_*.py" \
-  JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 TRITON_INTERPRET=1
+for file in $(select_files tests/jax "${JAX[@]}"); do
+  qa_pytest "newest-jax/$(basename "$file" .py)" JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+    TRITON_INTERPRET=1 -- "$file"
+done
 
 qa_finish

@@ -26,6 +26,7 @@ from test_build import ROOT, _pip_wheel, _source_copy, _without_cuda  # noqa: E4
 
 sys.path.insert(0, str(ROOT))
 from build_tools.metadata import CUDA_TORCH_TRITON, DISTRIBUTION_NAME, SUPPORTED_TRITON  # noqa: E402
+from case_grid import WIDE  # noqa: E402
 
 pytestmark = [
     pytest.mark.slow,
@@ -71,7 +72,13 @@ def test_the_table_covers_the_supported_triton_releases():
     assert sorted(set(CUDA_TORCH_TRITON.values())) == list(SUPPORTED_TRITON)
 
 
-@pytest.mark.parametrize("torch_release", sorted(CUDA_TORCH_TRITON, key=lambda v: tuple(map(int, v.split(".")))))
+def _oldest_and_newest_in_ci(releases):
+    """The oldest and newest releases run in CI; those between are `wide` (qa/L1_cpu_wide)."""
+    return [pytest.param(r, marks=() if i in (0, len(releases) - 1) else WIDE) for i, r in enumerate(releases)]
+
+
+@pytest.mark.parametrize("torch_release", _oldest_and_newest_in_ci(
+    sorted(CUDA_TORCH_TRITON, key=lambda v: tuple(map(int, v.split("."))))))
 def test_wheel_resolves_beside_each_cuda_torch_release(wheel, torch_release, tmp_path):
     got = _resolve(_ours(wheel, "pytorch"), f"torch=={torch_release}.*", tmp=tmp_path)
     assert DISTRIBUTION_NAME in got, got
@@ -80,9 +87,9 @@ def test_wheel_resolves_beside_each_cuda_torch_release(wheel, torch_release, tmp
     assert _minor(got["triton"]) == CUDA_TORCH_TRITON[torch_release], got
 
 
-@pytest.mark.parametrize("extra, alone", [
-    ("pytorch", ("torch",)),
-    ("jax", ("jax", "flax")),
+@pytest.mark.parametrize("extra, alone", [  # "all" (both frameworks) in CI
+    pytest.param("pytorch", ("torch",), marks=WIDE),
+    pytest.param("jax", ("jax", "flax"), marks=WIDE),
     ("all", ("torch", "jax", "flax")),
 ])
 def test_wheel_changes_no_framework_pip_would_pick(wheel, extra, alone, tmp_path):

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from case_grid import grid
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from transformer_engine.jax.attention import SequenceDescriptor, fused_attn
@@ -175,8 +176,7 @@ SCENARIOS = {
 }
 
 
-@pytest.mark.parametrize("fmt", ["bshd", "thd"])
-@pytest.mark.parametrize("name", sorted(SCENARIOS))
+@pytest.mark.parametrize("name,fmt", grid("name,fmt", sorted(SCENARIOS), ["bshd", "thd"]))
 def test_prefill_and_decode_rows_equal_training_rows(name, fmt):
     dtype, h, hk, window, softmax, paged, chunks, arrivals = SCENARIOS[name]
     dtype = jnp.dtype(dtype) if not ON_GPU or dtype == "float32" else jnp.bfloat16

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from case_grid import grid
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from te_jax_testing import BACKENDS, Segments, make_case, pack
@@ -99,8 +100,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name,backend", grid("name,backend", list(CASES), BACKENDS))
 def test_max_logit_is_the_definition_and_leaves_the_call_alone(backend, name):
     mask, layout, dtype, window, bias_type, bias_shape, h_kv, s_q, s_kv, m = CASES[name]
     case = make_case(backend, layout=layout, mask=mask, dtype=dtype, h_kv=h_kv, s_q=s_q, s_kv=s_kv, window=window,

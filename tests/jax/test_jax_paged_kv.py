@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from case_grid import grid
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from transformer_engine.common.attention import enums as common
@@ -123,10 +124,8 @@ PAGE_SIZES = (1, 5, 8) if not ON_GPU else (16, 24, 64, 256)
 HEAD_DIMS = (16,) if not ON_GPU else (64, 128)
 
 
-@pytest.mark.parametrize("d", HEAD_DIMS)
-@pytest.mark.parametrize("fmt", ["bshd", "thd"])
-@pytest.mark.parametrize("page_size", PAGE_SIZES)
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name,page_size,fmt,d", grid("name,page_size,fmt,d", sorted(CASES), PAGE_SIZES,
+                                                       ["bshd", "thd"], HEAD_DIMS))
 def test_paged_rows_equal_non_paged_and_training_rows(name, page_size, fmt, d):
     """Chunked prefill and decode on a paged cache (shuffled pages): every row is bitwise the non-paged cache's
     and, on a GPU, the training forward's (the existing non-paged rows are: test_jax_kv_cache.py); the step reads

@@ -9,6 +9,7 @@ a pair of torch.library custom ops with fake implementations. Fused cases need a
 from __future__ import annotations
 
 import pytest
+from case_grid import grid
 import torch
 
 from dpa_helpers import (DEVICE, INTERPRET, LOWP_DTYPES, SelectionSpy, cu_seqlens, deterministic_algorithms, gen,
@@ -269,8 +270,8 @@ def test_fake_tensors_take_the_op_and_launch_nothing():
     assert ops._eager(torch.empty(1), None)
 
 
-@pytest.mark.parametrize("backend", ["unfused", "fused"])
-@pytest.mark.parametrize("paged", [False, True], ids=["non_paged", "paged"])
+@pytest.mark.parametrize("backend,paged", grid("backend,paged", ["fused", "unfused"],
+                                              {"non_paged": False, "paged": True}))
 def test_compiled_kv_cache_steps_equal_eager(monkeypatch, backend, paged):
     """A compiled module running KV-cache steps (two prefill chunks, then decode steps: sizes that change, so
     dynamo recompiles with dynamic sizes) gives eager's rows bitwise. The fused op then meets a symbolic

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from case_grid import WIDE
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dpa_helpers import INTERPRET, ON_GPU, requires_fused
@@ -182,7 +183,7 @@ def test_benchmark_dry_run_is_bitwise():
 
 
 @pytest.mark.skipif(ON_GPU, reason="the dry run is the CPU check of the benchmark's harness")
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=WIDE)])  # the 4-rank kernels: fused4 above
 def test_cp_scaling_benchmark_dry_run_is_bitwise(nproc, tmp_path):
     """benchmarks/attention/bench_cp_scaling.py over gloo: every comm type the rank count allows runs the fused
     kernels and gathers the one-GPU call's bits; its JSON and per-rank traces are written."""

@@ -12,6 +12,7 @@ import logging
 import math
 
 import pytest
+from case_grid import grid
 import torch
 
 from dpa_helpers import (
@@ -121,10 +122,8 @@ def _pad(t, starts, lengths, max_len):
     return torch.stack(rows)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)
-@pytest.mark.parametrize("mask", ALL_MASKS)
-@pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
+@pytest.mark.parametrize("backend,heads,mask,fmt", grid("backend,heads,mask,fmt", BACKENDS[::-1],
+                                                       dict(zip(HEAD_IDS, HEADS)), ALL_MASKS, ["bshd", "sbhd"]))
 def test_formats_masks_against_reference(monkeypatch, backend, fmt, mask, heads):
     h, hk = heads
     for dtype in dtypes_for(backend):
@@ -499,9 +498,8 @@ def _causal_mask(b, s):
     return torch.ones(b, 1, s, s, dtype=torch.bool, device=DEVICE).triu(1)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("fmt", ["bshd", "sbhd", "thd"])
-@pytest.mark.parametrize("mask", ["no_mask", "causal", "causal_bottom_right"])
+@pytest.mark.parametrize("backend,fmt,mask", grid("backend,fmt,mask", BACKENDS[::-1], ["bshd", "sbhd", "thd"],
+                                                  ["no_mask", "causal", "causal_bottom_right"]))
 def test_non_padding_masks_ignore_attention_mask(monkeypatch, backend, fmt, mask):
     """As in TransformerEngine, the mask type decides: no_mask and the causal types ignore attention_mask,
     whatever it holds (Megatron passes its [b, 1, s, s] causal mask with attn_mask_type='causal')."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from case_grid import grid
 import torch
 
 from fused_helpers import DEVICE, DTYPES, ON_GPU, assert_close_to_reference, make_qkv, ref_and_lowp, requires_fused
@@ -67,10 +68,11 @@ def _assert_repeats_and_matches_reference(tensors, mask, window, plan):
         assert_close_to_reference(name, ours, r, lp)
 
 
-@pytest.mark.parametrize("d,dv", D)
-@pytest.mark.parametrize("mask,window", MASKS)
-@pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
-def test_two_passes_give_the_single_pass_bits(d, dv, mask, window, heads):
+@pytest.mark.parametrize("dims,masking,heads", grid(
+    "dims,masking,heads", {f"d{d}_dv{dv}": (d, dv) for d, dv in D},
+    {"causal": MASKS[0], "window": MASKS[1], "no_mask": MASKS[2]}, {"mha": (4, 4), "gqa": (4, 2)}))
+def test_two_passes_give_the_single_pass_bits(dims, masking, heads):
+    (d, dv), (mask, window) = dims, masking
     tensors = _inputs(d, dv, DTYPES[0], heads)
     call = _call(QKVFormat.BSHD, mask, window)
     one, two = _plans(tensors, call)

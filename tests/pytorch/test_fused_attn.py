@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from case_grid import grid
 
 from fused_helpers import (
     reference,
@@ -45,10 +46,9 @@ def _check(q, k, v, out, grads, d_out, fmt, mask, window, scale, lens_q=None, le
         assert_close_to_reference(name, to_bshd(ours, fmt), r, lp)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
-@pytest.mark.parametrize("mask", ["no_mask", "causal"])
-@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("dtype,fmt,mask,heads", grid(
+    "dtype,fmt,mask,heads", {str(t).split(".")[-1]: t for t in DTYPES}, ["bshd", "sbhd"], ["no_mask", "causal"],
+    {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}))
 def test_formats_masks_heads(dtype, fmt, mask, heads):
     h, hk = heads
     q, k, v, _ = make_qkv(2, S + 3, S + 3, h, hk, 32 if not ON_GPU else 64, 32 if not ON_GPU else 64, dtype, fmt)

@@ -10,6 +10,7 @@ import dataclasses
 
 import pytest
 import torch
+from case_grid import grid
 
 from fused_helpers import (
     DEVICE,
@@ -93,11 +94,12 @@ def _thd_inputs(lengths, h, hk, d, dv, dtype, gap=0, seed=5):
     return q, k, v, cu, cu_padded, starts
 
 
-@pytest.mark.parametrize("d,dv", HEAD_DIMS)
-@pytest.mark.parametrize("mask", ["padding", "padding_causal", "padding_causal_bottom_right"])
-@pytest.mark.parametrize("gap", [0, 3])
-def test_thd_against_reference_and_padded_bitwise(mask, gap, d, dv):
+@pytest.mark.parametrize("mask,gap,dims", grid(
+    "mask,gap,dims", ["padding_causal", "padding", "padding_causal_bottom_right"], [3, 0],
+    {f"d{d}_dv{dv}": (d, dv) for d, dv in HEAD_DIMS}))
+def test_thd_against_reference_and_padded_bitwise(mask, gap, dims):
     """THD results match the reference and equal the BSHD-padded results bitwise, sequence by sequence."""
+    d, dv = dims
     dtype = DTYPES[0]
     lengths = [S // 2 + 3, 1, 0, S, 17]
     h, hk = 4, 2

@@ -8,6 +8,7 @@ splits where NVTE_FUSED_ATTN_INTERPRET_SPLIT_QK asks (set here), at d_qk = 48 = 
 from __future__ import annotations
 
 import pytest
+from case_grid import grid
 import torch
 
 from fused_helpers import (
@@ -76,9 +77,8 @@ def _check(q, k, v, out, grads, d_out, fmt, mask, window, scale, lens_q=None, le
         assert_close_to_reference(name, to_bshd(ours, fmt), r, lp)
 
 
-@pytest.mark.parametrize("dims", DIMS, ids=lambda d: f"dqk{d[0]}_dv{d[1]}")
-@pytest.mark.parametrize("mask", ["no_mask", "causal"])
-@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("dims,mask,heads", grid(
+    "dims,mask,heads", {f"dqk{d[0]}_dv{d[1]}": d for d in DIMS}, ["no_mask", "causal"], {"mha": (4, 4), "gqa": (4, 2)}))
 def test_split_matches_reference(split_kernels, dims, mask, heads):
     d, dv = dims
     q, k, v, _ = make_qkv(2, S + 3, S + 3, *heads, d, dv, DTYPES[0])

@@ -6,6 +6,7 @@ CPU: Triton interpreter at small shapes, fp16/fp32; GPU: the same tests, fp16/bf
 from __future__ import annotations
 
 import pytest
+from case_grid import grid
 import torch
 
 from fused_helpers import DEVICE, reference, DTYPES, ON_GPU, assert_close_to_reference, cu_from_lengths, make_qkv, requires_fused
@@ -35,8 +36,7 @@ def _grads_and_ref(q, k, v, extra_leaves, mask, scale, ref_kwargs, fused_kwargs,
     return ours, refs[0], refs[1]
 
 
-@pytest.mark.parametrize("shape", ["1hss", "b1ss", "bhss", "11ss"])
-@pytest.mark.parametrize("mask", ["no_mask", "causal"])
+@pytest.mark.parametrize("shape,mask", grid("shape,mask", ["1hss", "b1ss", "bhss", "11ss"], ["no_mask", "causal"]))
 def test_post_scale_bias_and_its_gradient(shape, mask):
     dtype = DTYPES[0]
     b, h = 2, 4
@@ -63,9 +63,12 @@ def test_bias_gradient_bitwise_repeatable():
         assert all(torch.equal(a, b) for a, b in zip(g, first))
 
 
-@pytest.mark.parametrize("slopes_shape", ["h", "bh"])
-@pytest.mark.parametrize("mask,sq,sk", [("no_mask", S, S), ("causal", S, S), ("causal_bottom_right", S - 7, S + 4)])
-def test_alibi(slopes_shape, mask, sq, sk):
+@pytest.mark.parametrize("slopes_shape,masking", grid(
+    "slopes_shape,masking", ["h", "bh"],
+    {"no_mask": ("no_mask", S, S), "causal": ("causal", S, S),
+     "causal_bottom_right": ("causal_bottom_right", S - 7, S + 4)}))
+def test_alibi(slopes_shape, masking):
+    mask, sq, sk = masking
     dtype = DTYPES[0]
     b, h = 2, 4
     q, k, v, _ = make_qkv(b, sq, sk, h, 1, D, D, dtype)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from case_grid import grid
 
 from dpa_helpers import DEVICE, requires_fused
 from transformer_engine.common.attention import AttnMaskType
@@ -56,10 +57,11 @@ def _reference(seqs, mask, window, scale):
     return best
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("mask,window", [("padding_causal", None), ("padding", None), ("padding_causal", (5, 0))],
-                         ids=["causal", "no_causal", "window"])
-def test_max_logit_is_the_definition_and_invariant(monkeypatch, dtype, mask, window):
+@pytest.mark.parametrize("dtype,masking", grid(
+    "dtype,masking", {"fp32": torch.float32, "fp16": torch.float16},
+    {"causal": ("padding_causal", None), "no_causal": ("padding", None), "window": ("padding_causal", (5, 0))}))
+def test_max_logit_is_the_definition_and_invariant(monkeypatch, dtype, masking):
+    mask, window = masking
     monkeypatch.setenv("NVTE_FUSED_ATTN_BACKEND", "fused")
     seqs = _seqs(dtype)
     dpa = _dpa(mask, window)

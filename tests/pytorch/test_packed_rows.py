@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 import torch
+from case_grid import grid
 
 from fused_helpers import DEVICE, DTYPES, ON_GPU, requires_fused
 from transformer_engine.common.attention import AttnMaskType, QKVFormat
@@ -26,8 +27,8 @@ LAYOUTS = {
     "full_rows": (2, 64, 2, [[64, 0], [31, 33]], [[0, 0], [0, 0]]),
 }
 HEAD_DIMS = [(32, 32), (128, 128)] if ON_GPU else [(32, 32)]
-MASKS = [("padding", (-1, -1)), ("padding_causal", (-1, 0)), ("padding_causal_bottom_right", (-1, 0)),
-         ("padding", (9, 4))]
+MASKS = {"padding": ("padding", (-1, -1)), "causal": ("padding_causal", (-1, 0)),
+         "causal_bottom_right": ("padding_causal_bottom_right", (-1, 0)), "window": ("padding", (9, 4))}
 
 
 def _packed(layout, h, hk, d, dv, dtype, seed=0):
@@ -58,11 +59,11 @@ def _run(tensors, seqs, mask, window):
     return out, lse, dq, dk, dv
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.parametrize("d,dv", HEAD_DIMS)
-@pytest.mark.parametrize("mask,window", MASKS)
-@pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
-def test_segment_rows_give_the_bits_of_the_sequence_grid(layout, d, dv, mask, window, heads):
+@pytest.mark.parametrize("layout,dims,masking,heads", grid(
+    "layout,dims,masking,heads", ["uneven", "full_rows"], {f"d{d}": (d, dv) for d, dv in HEAD_DIMS}, MASKS,
+    {"mha": (4, 4), "gqa": (4, 2)}))
+def test_segment_rows_give_the_bits_of_the_sequence_grid(layout, dims, masking, heads):
+    (d, dv), (mask, window) = dims, masking
     tensors, seqs, m = _packed(layout, *heads, d, dv, DTYPES[0])
     mask = AttnMaskType(mask)
     plain = _run(tensors, seqs, mask, window)

@@ -19,6 +19,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
+from case_grid import grid
 
 from dpa_helpers import DEVICE, ON_GPU, requires_fused
 from transformer_engine.common.attention import launch_description
@@ -114,9 +115,8 @@ def _lens(lens_k):
 
 
 @requires_fused
-@pytest.mark.parametrize("page_size", [1, 16, 64, 24])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name,dtype,page_size", grid("name,dtype,page_size", list(CASES),
+                                                      {str(t).split(".")[-1]: t for t in DTYPES}, [16, 1, 64, 24]))
 def test_paged_forward_equals_gathered_rows(name, dtype, page_size):
     """out, lse (and the row max) of a paged call == the gathered call's, bitwise, with split-KV forced on and
     off (24: a page size that is not a multiple of the key block; 1: a page per key)."""

@@ -14,6 +14,7 @@ import dataclasses
 from collections import OrderedDict
 
 import pytest
+from case_grid import grid
 import torch
 
 from dpa_helpers import DEVICE, ON_GPU, assert_close_to_reference, reference, requires_fused
@@ -68,8 +69,7 @@ def _shapes(name, chunk):
 
 
 @requires_fused
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name,dtype", grid("name,dtype", list(CASES), {str(t).split(".")[-1]: t for t in DTYPES}))
 def test_split_kv_equals_the_one_program_sum(name, dtype):
     """Split-KV (one program per chunk + combine) == the chunked forward in one program, bitwise: out, lse and
     the row max. Both sum several chunks (the keys span more than one)."""

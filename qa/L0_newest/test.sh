@@ -2,8 +2,8 @@
 # L0 (CPU) on the newest supported releases: Python 3.12 with requirements/test-newest.txt (the
 # current torch, its Triton, the current JAX and flax, Megatron-core) in a virtual environment of its
 # own, made on first use. The other L0 levels run the oldest supported releases (requirements/test.txt
-# in the interpreter that runs them). Here run: the framework-free suites (the compile matrix for
-# every target, the wheel's resolution beside each CUDA torch release), the PyTorch files that
+# in the interpreter that runs them). Here run: the framework-free suites (the compile matrix, the wheel's
+# resolution beside the CUDA torch releases), the PyTorch files that
 # exercise what changes between releases (kernels under the interpreter, torch.compile, the launcher)
 # and TransformerEngine's clients (Megatron-core, MaxText's calls), and the JAX files but the KV-cache and
 # max-logit ones (numerics through calls the others make). QA_WIDE=1 adds those and three PyTorch files.
@@ -11,7 +11,7 @@
 # Environment (optional): PYTHON_NEWEST (a Python 3.12 interpreter; default: python3.12, else the
 # newest 3.12 that pyenv has), NEWEST_VENV (default .venv-newest in the repository root),
 # NEWEST_COMMON / NEWEST_PYTORCH / NEWEST_JAX (test file names without .py, overriding the lists below), QA_WIDE=1
-# (every JAX file, the NVIDIA compile matrix, and the test grids' wide cases: what qa/L1_cpu_wide runs).
+# (every JAX file, three more PyTorch files, and the test grids' wide cases: what qa/L1_cpu_wide runs).
 source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
 
 find_python312() {
@@ -56,8 +56,8 @@ select_files() {  # select_files DIR NAMES...: the paths of those test files tha
 
 # The compile matrix, the plan and launch tables, the import rules, and the wheel's resolution.
 # (test_build and test_install_routes check this tree's packaging, which the release does not change.)
-COMMON=(${NEWEST_COMMON:-test_kernel_compile test_triton_compat test_plan test_plan_archs test_explain_plan test_context_parallel_plan
-  test_launches test_block_bounds test_backends test_imports test_import_graph test_settings test_wheel_resolution})
+COMMON=(${NEWEST_COMMON:-test_kernel_compile test_kernel_compile_archs test_triton_compat test_plan test_plan_archs
+  test_explain_plan test_context_parallel_plan test_launches test_block_bounds test_backends test_imports test_import_graph test_settings test_wheel_resolution})
 PYTORCH_DEFAULT="test_megatron_gpt test_megatron_inference test_dpa_megatron test_te_modules test_fused_attn
   test_launch_cache test_compile test_unfused_invariance"
 [ "${QA_WIDE:-0}" = 1 ] && PYTORCH_DEFAULT+=" test_dot_product_attention test_dpa_te_compat test_sink_softmax"
@@ -68,16 +68,6 @@ if [ "${QA_WIDE:-0}" = 1 ]; then JAX_DEFAULT="${JAX_ALL[*]}"; else
     -e test_jax_max_logit | tr '\n' ' ')"
 fi
 JAX=(${NEWEST_JAX:-$JAX_DEFAULT})
-
-# The compile matrix on this release: sm90 (the Hopper Gluon kernels and the GPU the kernels are verified on; its
-# spill record, exact) and the matrix's data checks; with QA_WIDE=1 the NVIDIA matrix (AMD compiles in the oldest
-# environment). The whole matrix costs CI about 700 s of two cores more than sm90 alone (sm100's compiles are the
-# slowest).
-if [ -z "${NEWEST_COMMON:-}" ]; then
-  if [ "${QA_WIDE:-0}" = 1 ]; then targets="sm80 sm90 sm100"; else targets=sm90; fi
-  qa_pytest "newest-common/test_kernel_compile_archs" QA_COMPILE_TARGETS="$targets" -- \
-    tests/common/test_kernel_compile_archs.py
-fi
 
 for file in $(select_files tests/common "${COMMON[@]}"); do
   qa_pytest "newest-common/$(basename "$file" .py)" -- "$file"

@@ -31,18 +31,6 @@ from transformer_engine.common.attention.kernels.resources import (  # noqa: E40
 from transformer_engine.common.attention.plan import ARCHS, padded_head_dim  # noqa: E402
 
 TARGETS = ("gfx90a", "gfx942", "gfx950", "sm80", "sm90", "sm100")
-# The targets a run compiles: every one, or those QA_COMPILE_TARGETS names (space-separated; qa/L0_newest compiles
-# the newest Triton release for sm90 alone to keep CI inside its time).
-COMPILE_TARGETS = tuple(os.environ.get("QA_COMPILE_TARGETS", "").split()) or TARGETS
-assert set(COMPILE_TARGETS) <= set(TARGETS), f"QA_COMPILE_TARGETS must name some of {TARGETS}, got {COMPILE_TARGETS}"
-# CI (the L0 levels) compiles sm90 (the GPU the kernels are verified on), sm80 and gfx942; the other targets are
-# `wide` cases (qa/L1_cpu_wide): a cold compile of the whole matrix takes CI's two cores about 25 minutes.
-CI_TARGETS = ("gfx942", "sm80", "sm90")
-
-
-def _target_params(vendor=None):
-    return [pytest.param(t, marks=() if t in CI_TARGETS else WIDE) for t in COMPILE_TARGETS
-            if vendor is None or ARCHS[t].vendor == vendor]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +109,21 @@ CASES = [
 ]
 
 
+# CI (the L0 levels) compiles every case for sm90 (the GPU the kernels are verified on) and each case for one other
+# target in turn, so that every target and every case compile in CI; the other (target, case) pairs are `wide`
+# (qa/L1_cpu_wide): the whole matrix, cold, takes CI's two cores about 25 minutes.
+_ROTATION = [t for t in TARGETS if t != "sm90"]
+
+
+def in_ci(target: str, case: "Case") -> bool:
+    return target == "sm90" or _ROTATION[CASES.index(case) % len(_ROTATION)] == target
+
+
+def _pairs(vendor=None):
+    return [pytest.param(t, c, id=f"{t}-{c.name}", marks=() if in_ci(t, c) else WIDE)
+            for t in TARGETS for c in CASES if vendor is None or ARCHS[t].vendor == vendor]
+
+
 _SHORT = {"attn_fwd_kernel": "fwd", "attn_fwd_combine_kernel": "combine", "attn_bwd_preprocess_kernel": "preprocess",
           "attn_bwd_dkdv_kernel": "dkdv",
           "attn_bwd_dq_kernel": "dq", "attn_bwd_dbias_kernel": "dbias", "attn_bwd_dsink_kernel": "dsink",
@@ -197,13 +200,13 @@ def compile_all(jobs: Dict[str, tuple]) -> Dict[str, dict]:
         return dict(zip(order, pool.map(compile_report, [jobs[k] for k in order])))
 
 
-def measured_spills(results: Dict[str, dict], targets=TARGETS) -> Dict[str, int]:
+def measured_spills(results: Dict[str, dict], targets=TARGETS, cases=CASES) -> Dict[str, int]:
     """{"target case-name kernel": most stack bytes} of the NVIDIA launches of ``targets`` that spill."""
     out: Dict[str, int] = {}
     for target in targets:
         if ARCHS[target].vendor != "nvidia":
             continue
-        for case in CASES:
+        for case in cases:
             for kernel, job in launches(target, case):
                 stack = results[_key(job)].get("stack", 0)
                 if stack > 0:
@@ -213,26 +216,35 @@ def measured_spills(results: Dict[str, dict], targets=TARGETS) -> Dict[str, int]
 
 
 class _Compiled(dict):
-    """Compile results by job key, each target's jobs compiled (in a pool) when a test first asks for one of
-    them: a selection such as ``-k sm90`` compiles only that target."""
+    """Compile results by job key. The first test to ask compiles, in one pool, the launches of every (target,
+    case) pair the session selected: a selection such as ``-k sm90`` compiles only those."""
 
-    def __init__(self):
+    def __init__(self, session):
         super().__init__()
+        self.session = session
         self.done = set()
 
-    def need(self, targets) -> "_Compiled":
-        todo = [t for t in targets if t not in self.done]
+    def selected(self, target=None):
+        pairs = {(item.callspec.params["target"], item.callspec.params["case"]) for item in self.session.items
+                 if getattr(item, "originalname", None) == "test_planned_launches_compile_fit_and_do_not_spill"}
+        return {p for p in pairs if target is None or p[0] == target}
+
+    def need(self, pairs) -> "_Compiled":
+        todo = set(pairs) - self.done
         if todo:
-            self.update(compile_all({k: j for k, j in all_jobs(todo).items() if k not in self}))
+            jobs = {}
+            for target, case in sorted(todo, key=lambda p: (p[0], CASES.index(p[1]))):
+                for _, j in launches(target, case):
+                    jobs.setdefault(_key(j), j)
+            self.update(compile_all({k: j for k, j in jobs.items() if k not in self}))
             self.done.update(todo)
         return self
 
 
 @pytest.fixture(scope="module")
-def compiled() -> _Compiled:
-    """Every distinct launch of the cases on the targets the tests ask for, compiled once (one worker process
-    per core)."""
-    return _Compiled()
+def compiled(request) -> _Compiled:
+    """Every distinct launch of the selected (target, case) pairs, compiled once (one worker process per core)."""
+    return _Compiled(request.session)
 
 
 def test_known_spills_record_this_triton_release():
@@ -243,23 +255,27 @@ def test_known_spills_record_this_triton_release():
         "--record")
 
 
-@pytest.mark.parametrize("target", _target_params("nvidia"))
+@pytest.mark.parametrize("target", [t for t in TARGETS if ARCHS[t].vendor == "nvidia"])
 def test_known_spills_are_exact_for_this_release(compiled, target):
     """The installed release's record is what its compiler gives now: a spill that went away (or shrank) is
-    taken out, so that the budget cannot grow loose over time."""
-    measured = measured_spills(compiled.need([target]), [target])
+    taken out, so that the budget cannot grow loose over time (over the cases this run compiles for ``target``:
+    those the session selected, else CI's)."""
+    pairs = compiled.selected(target) or {(target, c) for c in CASES if in_ci(target, c)}
+    cases = [c for t, c in pairs]
+    measured = measured_spills(compiled.need(pairs), [target], cases)
+    names = {c.name for c in cases}
     stale = {k: (v, measured.get(k, 0)) for k, v in KNOWN_SPILLS.items()
-             if k.split()[0] == target and measured.get(k, 0) < v}
+             if k.split()[0] == target and k.split()[1] in names and measured.get(k, 0) < v}
     assert not stale, f"recorded > measured (bytes) for triton {_release()}: {stale}; re-record with --record"
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-@pytest.mark.parametrize("target", _target_params())
+@pytest.mark.parametrize("target,case", _pairs())
 def test_planned_launches_compile_fit_and_do_not_spill(compiled, target, case):
     budget = ARCHS[target].shared_memory
     problems = []
+    compiled.need(compiled.selected() | {(target, case)})
     for kernel, job in launches(target, case):
-        res = compiled.need([target])[_key(job)]
+        res = compiled[_key(job)]
         if "error" in res:
             problems.append(f"{kernel}: does not compile: {res['error']}")
             continue

@@ -3,10 +3,11 @@
 # releases, and L0_newest on the newest (a Python 3.12 environment of its own). Every level runs even
 # after another fails; the exit status is non-zero if any failed.
 #
-# The work is a queue of units (a level, or part of one), taken by QA_LANES lanes (default 1: one after another);
-# with more, a lane takes the next unit when its last one ends. On CI's two-core machine two lanes were not
-# faster (the suites already keep both cores busy), so one is the default. A unit's output is printed whole
-# when it ends, so each reads in one piece.
+# The work is a queue of units (a level, or part of one), taken by QA_LANES lanes (default 2, CI's cores): a lane
+# takes the next unit when its last one ends. The interpreter's suites keep one core busy each, so one lane
+# leaves the other core idle; each lane's processes get one OpenMP thread (OMP_NUM_THREADS, unless set), so that
+# two lanes do not oversubscribe two cores. A unit's output is printed whole when it ends, so each reads in one
+# piece.
 source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
 
 # PyTorch's level and JAX's in two units each of about equal time, split by file: the first unit runs these files
@@ -16,9 +17,8 @@ PYTORCH_FIRST="test_paged_kv test_packed_rows test_compile test_context_parallel
 JAX_FIRST="test_jax_unfused_invariance test_jax_kv_cache test_jax_paged_kv test_jax_fused_attn"
 # The units, the longest first and the shortest last, so that the lanes end together; L0_newest builds its
 # environment before its suites. A unit: LEVEL [QA_SELECT|QA_SKIP FILES].
-UNITS=("L0_newest" "L0_common_unittest" "L0_pytorch_unittest QA_SELECT PYTORCH_FIRST"
-       "L0_pytorch_unittest QA_SKIP PYTORCH_FIRST" "L0_jax_unittest QA_SELECT JAX_FIRST"
-       "L0_jax_unittest QA_SKIP JAX_FIRST")
+UNITS=("L0_newest" "L0_pytorch_unittest QA_SKIP PYTORCH_FIRST" "L0_pytorch_unittest QA_SELECT PYTORCH_FIRST"
+       "L0_jax_unittest QA_SKIP JAX_FIRST" "L0_jax_unittest QA_SELECT JAX_FIRST" "L0_common_unittest")
 
 if [ "${1:-}" = "--unit" ]; then  # one unit: qa/L0_all/test.sh --unit INDEX WORKDIR
   read -r level split files <<<"${UNITS[$2]}"
@@ -40,7 +40,8 @@ if [ "${1:-}" = "--unit" ]; then  # one unit: qa/L0_all/test.sh --unit INDEX WOR
   exit 0
 fi
 
-QA_LANES="${QA_LANES:-1}"
+QA_LANES="${QA_LANES:-2}"
+[ "$QA_LANES" -gt 1 ] && export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 COUNTS="$(mktemp "${TMPDIR:-/tmp}/te_qa_counts.XXXXXX")"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/te_qa_units.XXXXXX")"
 

@@ -23,8 +23,9 @@ UNITS=("L0_newest" "L0_pytorch_unittest QA_SKIP PYTORCH_FIRST" "L0_pytorch_unitt
 if [ "${1:-}" = "--unit" ]; then  # one unit: qa/L0_all/test.sh --unit INDEX WORKDIR
   read -r level split files <<<"${UNITS[$2]}"
   log="$3/log.$2"
+  start=$(date +%s)
   {
-    echo "[qa:L0_all unit $2] ##### ${UNITS[$2]} (started at +$(( $(date +%s) - ${QA_ALL_START:-$QA_START} ))s)"
+    echo "[qa:L0_all unit $2] ##### ${UNITS[$2]} (started at +$(( start - ${QA_ALL_START:-$QA_START} ))s)"
     if [ -n "$split" ]; then
       env "$split=$(echo ${!files})" bash "qa/$level/test.sh"
     else
@@ -32,11 +33,15 @@ if [ "${1:-}" = "--unit" ]; then  # one unit: qa/L0_all/test.sh --unit INDEX WOR
     fi
     echo "$?" >"$3/rc.$2"
   } >"$log" 2>&1
-  if command -v flock >/dev/null 2>&1; then  # one unit's log at a time, when two end together
-    flock "$3/print.lock" cat "$log"
-  else
+  # The units ended so far, each with its time, after every unit's log: a run cut off by a time limit still
+  # shows them at the end of its output.
+  echo "unit $2 [${UNITS[$2]}]: exit $(cat "$3/rc.$2"), $(( $(date +%s) - start ))s" >>"$3/times"
+  {
+    if command -v flock >/dev/null 2>&1; then flock 9; fi  # one unit's output at a time, when two end together
     cat "$log"
-  fi
+    echo "[qa:L0_all +$(( $(date +%s) - ${QA_ALL_START:-$QA_START} ))s] units ended:"
+    cat "$3/times"
+  } 9>"$3/print.lock"
   exit 0
 fi
 

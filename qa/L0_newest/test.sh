@@ -10,8 +10,8 @@
 #
 # Environment (optional): PYTHON_NEWEST (a Python 3.12 interpreter; default: python3.12, else the
 # newest 3.12 that pyenv has), NEWEST_VENV (default .venv-newest in the repository root),
-# NEWEST_COMMON / NEWEST_PYTORCH / NEWEST_JAX (test file names without .py, overriding the lists below), QA_WIDE=1
-# (every JAX file, three more PyTorch files, and the test grids' wide cases: what qa/L1_cpu_wide runs).
+# NEWEST_COMMON / NEWEST_PYTORCH (test file names without .py, overriding the lists below), QA_WIDE=1 (every
+# JAX file, three more PyTorch files, and the test grids' wide cases: what qa/L1_cpu_wide runs).
 source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
 
 find_python312() {
@@ -57,17 +57,15 @@ select_files() {  # select_files DIR NAMES...: the paths of those test files tha
 # The compile matrix, the plan and launch tables, the import rules, and the wheel's resolution.
 # (test_build and test_install_routes check this tree's packaging, which the release does not change.)
 COMMON=(${NEWEST_COMMON:-test_kernel_compile test_kernel_compile_archs test_triton_compat test_plan test_plan_archs
-  test_explain_plan test_context_parallel_plan test_launches test_block_bounds test_backends test_imports test_import_graph test_settings test_wheel_resolution})
+  test_explain_plan test_context_parallel_plan test_launches test_block_bounds test_backends test_imports
+  test_import_graph test_settings test_wheel_resolution})
 PYTORCH_DEFAULT="test_megatron_gpt test_megatron_inference test_dpa_megatron test_te_modules test_fused_attn
   test_launch_cache test_compile test_unfused_invariance"
 [ "${QA_WIDE:-0}" = 1 ] && PYTORCH_DEFAULT+=" test_dot_product_attention test_dpa_te_compat test_sink_softmax"
 PYTORCH=(${NEWEST_PYTORCH:-$PYTORCH_DEFAULT})
-JAX_ALL=($(cd tests/jax && ls test_*.py | sed 's/\.py$//'))
-if [ "${QA_WIDE:-0}" = 1 ]; then JAX_DEFAULT="${JAX_ALL[*]}"; else
-  JAX_DEFAULT="$(printf '%s\n' "${JAX_ALL[@]}" | grep -v -x -e test_jax_kv_cache -e test_jax_paged_kv \
-    -e test_jax_max_logit | tr '\n' ' ')"
-fi
-JAX=(${NEWEST_JAX:-$JAX_DEFAULT})
+# Every JAX file but these (the oldest environment runs them; QA_WIDE=1 runs them here too).
+JAX_LEFT_OUT="test_jax_kv_cache test_jax_paged_kv test_jax_max_logit"
+[ "${QA_WIDE:-0}" = 1 ] && JAX_LEFT_OUT=""
 
 for file in $(select_files tests/common "${COMMON[@]}"); do
   qa_pytest "newest-common/$(basename "$file" .py)" -- "$file"
@@ -75,9 +73,7 @@ done
 for file in $(select_files tests/pytorch "${PYTORCH[@]}"); do
   qa_pytest "newest-pytorch/$(basename "$file" .py)" TRITON_INTERPRET=1 -- "$file"
 done
-for file in $(select_files tests/jax "${JAX[@]}"); do
-  qa_pytest "newest-jax/$(basename "$file" .py)" JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 \
-    TRITON_INTERPRET=1 -- "$file"
-done
+QA_SELECT="" QA_SKIP="$JAX_LEFT_OUT" qa_pytest_files newest-jax "tests/jax/test_*.py" \
+  JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 TRITON_INTERPRET=1
 
 qa_finish

@@ -69,7 +69,7 @@ unit_spec() {
 }
 case "$PART" in
   1) UNITS=${ACC_UNITS:-"pt_default l3 jax cp_one_gpu pt_rest clients"} ;;
-  2) UNITS=${ACC_UNITS:-"l3_sm80 l3_gfx942 gluon_paged memcheck check jax_flash"} ;;
+  2) UNITS=${ACC_UNITS:-"l3_sm80 l3_gfx942 gluon_paged memcheck memcheck_decode check"} ;;
   *) UNITS=${ACC_UNITS:-$PART} ;;
 esac
 
@@ -80,8 +80,16 @@ run_unit() {
   export TE_KERNEL_RECORD=$A/record/$name  # each unit's compiles apart: its own compile share
   case "$name" in
     memcheck)  # compute-sanitizer over the kernel variants (MEMCHECK_DIMS: head dims d_qk/d_v)
-      timeout -s INT -k 15 "$left" compute-sanitizer --tool memcheck --error-exitcode 1 --kernel-name kns=attn_ \
+      PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout -s INT -k 15 "$left" compute-sanitizer --tool memcheck \
+        --error-exitcode 1 --kernel-name kns=attn_ \
         python3 tests/pytorch/memcheck_kernels.py ${MEMCHECK_DIMS:-64/64 128/128} > "$A/logs/$name.log" 2>&1
+      rc=$? ;;
+    memcheck_decode)  # the decode variants changed since the last memcheck: split-KV and the capped chunked
+      # forward, paged caches with the Gluon page loads on
+      NVTE_FUSED_ATTN_GLUON_PAGED=1 PYTORCH_NO_CUDA_MEMORY_CACHING=1 TRITON_INTERPRET=0 timeout -s INT -k 15 "$left" \
+        compute-sanitizer --tool memcheck --error-exitcode 1 --kernel-name kns=attn_ \
+        python3 -m pytest -p no:cacheprovider -q -x --junitxml="$A/xml/$name.xml" tests/pytorch/test_split_kv.py \
+        tests/pytorch/test_paged_kv.py > "$A/logs/$name.log" 2>&1
       rc=$? ;;
     check)  # the determinism checks of both frameworks (README's first command and its JAX counterpart)
       { NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 timeout -s INT -k 15 "$left" python3 -m transformer_engine.pytorch.determinism_check &&

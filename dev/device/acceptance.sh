@@ -140,7 +140,7 @@ for xml in sorted(glob.glob(os.path.join(a, "xml", "*.xml"))):
         print(f"| {unit} | (unreadable XML: {e}) | | | | |"); continue
     for tc in root.iter("testcase"):
         f = tc.get("classname", "").split(".")
-        f = "/".join(x for x in f if x.startswith("test_") and not x[0].isupper())[:60] or tc.get("classname")
+        f = "/".join(x for x in f if x.startswith("test_") and not x[0].isupper())[:60] or tc.get("classname") or "?"
         r = rows[f]; r[3] += float(tc.get("time", 0))
         bad = [c for c in tc if c.tag in ("failure", "error")]
         if bad:
@@ -154,7 +154,7 @@ for xml in sorted(glob.glob(os.path.join(a, "xml", "*.xml"))):
 print("\n| unit | exit | seconds |\n|---|---|---|")
 for u, v in units.items():
     print(f"| {u} | {' | '.join(v + [''] * (2 - len(v)))} |")
-print("\nExit 2 from pytest: stopped at the deadline (SIGINT); the rows above count what finished.\n")
+print("\nExit 124: stopped at the deadline (SIGINT, then pytest wrote what finished: the rows above count it).\n")
 print("## Failures\n")
 for f in failures[:200]:
     print("-", f.replace("\n", " "))

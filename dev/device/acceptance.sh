@@ -11,8 +11,9 @@
 # Units run ACC_SLOTS at a time (default 4), each one pytest over its files with ACC_WORKERS xdist workers
 # sharing the GPU; each ends by SIGINT at the call's deadline (ACC_DEADLINE seconds after the start, default
 # 545), so pytest still writes the JUnit XML of what finished. $OUT gets summary.md (unit, file, passed,
-# failed, skipped, seconds; the failures; the compile share of the call), logs.tgz and records.tgz (every
-# compile of the call: `python dev/device/kernel_cache.py merge` adds them to the records).
+# failed, skipped, seconds; the failures; the compile share of the call), logs.tgz, records.tgz (every
+# compile of the call: `python dev/device/kernel_cache.py merge` adds them to the records) and the call's
+# own kernel cache (sm90_cache.tgz.NN) for the next call.
 set -u
 ROOT=$PWD
 PART=${1:-1}
@@ -164,4 +165,13 @@ PY
 cat "$A/logs/driver.log" >> "$OUT/summary.md"
 tar -C "$A" -czf "$OUT/logs.tgz" logs xml units.txt share.json 2>/dev/null
 tar -C "$A" -czf "$OUT/records.tgz" record
+# The call's own cache back, pruned to what launches load, for the next call of the session (carry it as
+# .kernel_cache/sm90_cache.tgz.*): it hits even where the CPU-built one cannot (another Triton build there).
+python3 dev/device/kernel_cache.py prune --cache "$TRITON_CACHE_DIR" > /dev/null
+tar -C / -czf /tmp/sm90_cache.tgz "${TRITON_CACHE_DIR#/}"
+if [ "$(stat -c %s /tmp/sm90_cache.tgz)" -le $((60 * 1024 * 1024)) ]; then
+  split -b 15M -d /tmp/sm90_cache.tgz "$OUT/sm90_cache.tgz."
+else
+  echo "kernel cache $(stat -c %s /tmp/sm90_cache.tgz) bytes: not returned" >> "$OUT/summary.md"
+fi
 cat "$OUT/summary.md"

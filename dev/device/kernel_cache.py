@@ -12,6 +12,7 @@ beside this file keeps the union of what the acceptance run compiled.
                                                                # GPU machine's Triton wheel: same release, same
                                                                # Python, see triton_key)
   python dev/device/kernel_cache.py share RECORD_DIR --t0 T --t1 T   # compile share of a call
+  python dev/device/kernel_cache.py prune --cache DIR           # keep each entry's metadata and cubin
   python dev/device/kernel_cache.py triton_key                 # the hash of this Triton build (must equal the
                                                                # GPU machine's for its cache to hit)
 
@@ -178,11 +179,15 @@ def main(argv=None):
     s.add_argument("--t0", type=float, required=True)
     s.add_argument("--t1", type=float, required=True)
     sub.add_parser("triton_key")
+    pr = sub.add_parser("prune")
+    pr.add_argument("--cache", required=True)
     a = p.parse_args(argv)
     if a.cmd == "merge":
         merge(a.dirs)
     elif a.cmd == "build":
         return build(a.cache, a.jobs, a.records)
+    elif a.cmd == "prune":
+        print(f"{_prune(a.cache)} IR files pruned")
     elif a.cmd == "share":
         share(a.dirs, a.t0, a.t1)
     else:

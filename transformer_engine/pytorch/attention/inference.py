@@ -118,26 +118,20 @@ class StepLayout:
     step_lens: Tuple[int, ...]
     cached_lens: Tuple[int, ...]
 
-    @property
-    def batch_size(self) -> int:
-        return len(self.seq_ids)
+    # Computed once, at construction (every layer's call reads them). Plain attributes, not
+    # functools.cached_property: its lock is a context manager that torch.compile cannot trace.
+    batch_size: int = field(init=False, compare=False, repr=False)
+    total_lens: Tuple[int, ...] = field(init=False, compare=False, repr=False)
+    num_tokens: int = field(init=False, compare=False, repr=False)
+    max_step_len: int = field(init=False, compare=False, repr=False)
+    max_total_len: int = field(init=False, compare=False, repr=False)
 
-    # Computed once (every layer's call reads them): a frozen dataclass keeps them in its __dict__.
-    @functools.cached_property
-    def total_lens(self) -> Tuple[int, ...]:
-        return tuple(c + n for c, n in zip(self.cached_lens, self.step_lens))
-
-    @functools.cached_property
-    def num_tokens(self) -> int:
-        return sum(self.step_lens)
-
-    @functools.cached_property
-    def max_step_len(self) -> int:
-        return max(self.step_lens)
-
-    @functools.cached_property
-    def max_total_len(self) -> int:
-        return max(self.total_lens)
+    def __post_init__(self) -> None:
+        total = tuple(c + n for c, n in zip(self.cached_lens, self.step_lens))
+        for name, value in (("batch_size", len(self.seq_ids)), ("total_lens", total),
+                            ("num_tokens", sum(self.step_lens)), ("max_step_len", max(self.step_lens, default=0)),
+                            ("max_total_len", max(total, default=0))):
+            object.__setattr__(self, name, value)
 
     def token_positions(self) -> List[Tuple[int, int]]:
         """(sequence index in the step, position in its sequence) of each new token, in packed step order."""

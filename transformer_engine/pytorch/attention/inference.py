@@ -64,6 +64,7 @@ import contextvars
 import dataclasses
 import itertools
 import math
+import operator
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -128,7 +129,7 @@ class StepLayout:
     max_total_len: int = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        total = tuple(c + n for c, n in zip(self.cached_lens, self.step_lens))
+        total = tuple(map(operator.add, self.cached_lens, self.step_lens))
         for name, value in (("batch_size", len(self.seq_ids)), ("total_lens", total),
                             ("num_tokens", sum(self.step_lens)), ("max_step_len", max(self.step_lens, default=0)),
                             ("max_total_len", max(total, default=0))):
@@ -179,16 +180,22 @@ class KVCacheManager:
     def pre_step(self, step_dict: Mapping) -> "OrderedDict[object, int]":
         """Free the sequences not in ``step_dict`` (finished), then grow the others and add the new ones by
         their counts. Raises (changing nothing) when the cache cannot hold the step."""
-        finished = [seq for seq in self.sequences if seq not in step_dict]
-        totals = OrderedDict((seq, self.sequences.get(seq, 0) + n) for seq, n in step_dict.items())
+        keys = step_dict.keys()
+        finished = [] if self.sequences.keys() <= keys else [seq for seq in self.sequences if seq not in keys]
+        totals = OrderedDict(zip(keys, map(operator.add, map(self.sequences.get, keys, itertools.repeat(0)),
+                                           step_dict.values())))
         self._check_room(finished, totals)
         for seq in finished:
             self._release(seq)
             del self.sequences[seq]
+        self._reserve_all(totals)
+        self.sequences.update(totals)  # cached sequences keep their place, new ones follow in step order
+        return self.sequences
+
+    def _reserve_all(self, totals: Mapping) -> None:
+        """:meth:`_reserve` for every sequence of ``totals`` (in order)."""
         for seq, total in totals.items():
             self._reserve(seq, total)
-            self.sequences[seq] = total
-        return self.sequences
 
     def _check_room(self, finished: List, totals: Mapping) -> None:
         """Raise ValueError when the cache cannot hold ``totals`` tokens per sequence once ``finished`` are freed."""
@@ -272,6 +279,10 @@ class NonPagedKVCacheManager(KVCacheManager):
             taken = set(self.slots.values())
             self.slots[seq] = next(s for s in range(self.max_batch_size) if s not in taken)
 
+    def _reserve_all(self, totals: Mapping) -> None:
+        if not totals.keys() <= self.slots.keys():  # new sequences take slots, in step order
+            super()._reserve_all(totals)
+
     def _host_token_rows(self, layout: StepLayout) -> List[int]:
         rows = []
         for seq, cached, n in zip(layout.seq_ids, layout.cached_lens, layout.step_lens):
@@ -341,8 +352,16 @@ class PagedKVCacheManager(KVCacheManager):
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
+    def _page_counts(self, totals: Mapping) -> Tuple[np.ndarray, np.ndarray]:
+        """(pages each sequence of ``totals`` holds, pages it needs for its total)."""
+        n = len(totals)
+        held = np.fromiter(map(len, map(self.allocated_pages.get, totals, itertools.repeat(()))), np.int64, n)
+        want = -(-np.fromiter(totals.values(), np.int64, n) // self.page_size)
+        return held, want
+
     def _check_room(self, finished: List, totals: Mapping) -> None:
-        need = sum(self.pages_for(total) - len(self.allocated_pages.get(seq, ())) for seq, total in totals.items())
+        held, want = self._page_counts(totals)
+        need = int(np.maximum(want - held, 0).sum())
         free = len(self.free_pages) + sum(len(self.allocated_pages.get(seq, ())) for seq in finished)
         if need > free:
             raise ValueError(
@@ -357,6 +376,14 @@ class PagedKVCacheManager(KVCacheManager):
         pages = self.allocated_pages.setdefault(seq, [])
         while len(pages) < self.pages_for(total):
             pages.append(self.free_pages.pop(0))
+
+    def _reserve_all(self, totals: Mapping) -> None:
+        held, want = self._page_counts(totals)
+        grow = np.flatnonzero(want > held)
+        if grow.size:  # only the sequences that enter a new page (in order)
+            seqs, counts = list(totals), list(totals.values())
+            for i in grow.tolist():
+                self._reserve(seqs[i], counts[i])
 
     def reset(self) -> None:
         super().reset()

@@ -29,8 +29,9 @@ size (token by token, chunks, the whole prompt), on the other sequences of the s
 keeps the tokens (slots, pages in any order).
 
 Non-paged cache: ``[max_batch_size, max_sequence_length, h_kv, d]`` per layer; a sequence keeps one slot,
-read in place (no copy). Because the kernel's sequences must lie in increasing cache order, the step's
-queries are permuted into that order and the output back (copies of the step's rows only).
+read in place (no copy). A decode step's call lists the sequences in step order, each with its slot's first
+row; another step's lists them in increasing cache order (DotProductAttention's checks want increasing
+``cu_seqlens_kv_padded``), its queries permuted into that order and the output back (the step's rows only).
 
 Paged cache: ``[total_num_pages, page_size, h_kv, d]`` with a page table. Where the fused backend runs the
 step and its paged plan is the gathered call's (``plan.pages_keep_bits``: the Triton forward with any page size,
@@ -56,6 +57,12 @@ backend rounds up within its key chunk (``kernel_runner.max_seqlen_kv_bound``: t
 kernel runner's prepared launches serve every step until the longest sequence enters a new chunk. Tokens that
 are a step tensor's first rows (a decode step's, a thd step's) are read and written in place, without an
 index.
+
+A decode step (every sequence one new token) reads its metadata from static buffers (:class:`_StepBuffers`)
+that pre_step rewrites in place with one copy: every decode step of a batch size then makes the same calls on
+the same tensors, so it can be traced (torch.compile, once per batch size) or captured in a CUDA graph and
+replayed. Traced or captured, its call passes the cache's capacity as ``max_seqlen_kv`` and a paged cache's
+whole step table (the kernels read each sequence's length from ``cu_seqlens_kv``); the bits are the same.
 """
 
 from __future__ import annotations

@@ -287,6 +287,8 @@ def _decode_layers():
     return [
         ("pre_step", InferenceParams, "pre_step", None),
         ("cache append", InferenceParams, "_append", None),
+        ("cache append (decode)", InferenceParams, "_append_decode", None),
+        ("step call (decode)", InferenceParams, "_decode_call", None),
         ("step call (non-paged)", InferenceParams, "_kernel_call", None),
         ("step call (paged)", InferenceParams, "_paged_call", None),
         ("DotProductAttention.forward (the step's thd call)", DotProductAttention, "forward", step_call),

@@ -26,6 +26,8 @@ def run_example(name: str, *args: str) -> subprocess.CompletedProcess:
     ("pytorch_fsdp_checkpoint.py", (), "equals the single-process run bitwise: True"),
     ("pytorch_generate_logprobs.py", (), "log-probs of serving and training bitwise equal: True"),
     ("pytorch_generate_logprobs.py", ("--paged",), "log-probs of serving and training bitwise equal: True"),
+    ("pytorch_decode_graph.py", (), "replayed steps equal eager steps bitwise: True"),
+    ("pytorch_decode_graph.py", ("--paged",), "replayed steps equal eager steps bitwise: True"),
     pytest.param("huggingface_llama.py", ("--steps", "2", "--seq-len", "16"), "two runs bitwise equal: True",
                  marks=pytest.mark.skipif(
                      __import__("importlib").util.find_spec("transformers") is None, reason="needs transformers")),
@@ -38,6 +40,6 @@ def test_example_runs(name, args, verdict):
 
 def test_every_pytorch_example_is_tested():
     tested = {"pytorch_attention.py", "pytorch_compile.py", "pytorch_fsdp_checkpoint.py", "huggingface_llama.py",
-              "pytorch_generate_logprobs.py"}
+              "pytorch_generate_logprobs.py", "pytorch_decode_graph.py"}
     scripts = {p.name for p in (REPO / "examples").glob("*.py") if not p.name.startswith(("flax", "jax"))}
     assert scripts == tested, scripts

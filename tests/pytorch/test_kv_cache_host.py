@@ -82,9 +82,10 @@ def test_decode_steps_read_no_tensor_values_and_upload_once(fresh_caches, paged,
     batch = 3
     params, dpa, qkv = _setup(paged, batch, context=40)
     uploads = []
-    real = inference.to_device
+    real, real_upload = inference.to_device, inference._upload
     monkeypatch.setattr(inference, "to_device", lambda arrays, device: uploads.append(len(arrays)) or
                         real(arrays, device))
+    monkeypatch.setattr(inference, "_upload", lambda buffer, host: uploads.append(1) or real_upload(buffer, host))
     with _stubbed():
         _decode(params, dpa, qkv, batch)  # decisions made, kernels compiled
         uploads.clear()

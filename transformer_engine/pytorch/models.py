@@ -51,7 +51,8 @@ class TinyTransformerLayer(torch.nn.Module):
         self.fc1 = torch.nn.Linear(cfg.hidden_size, ffn)
         self.fc2 = torch.nn.Linear(ffn, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, inference_params=None) -> torch.Tensor:
+        """``inference_params``: a KV-cache step (x holds the step's new tokens; attention's docstring)."""
         cfg = self.cfg
         h, g, d = cfg.num_attention_heads, cfg.num_gqa_groups, cfg.head_dim
         qkv = self.qkv(self.ln_attn(x))
@@ -59,7 +60,7 @@ class TinyTransformerLayer(torch.nn.Module):
         q = q.unflatten(-1, (h, d))
         k = k.unflatten(-1, (g, d))
         v = v.unflatten(-1, (g, d))
-        x = x + self.proj(self.attention(q, k, v))
+        x = x + self.proj(self.attention(q, k, v, inference_params=inference_params))
         return x + self.fc2(F.gelu(self.fc1(self.ln_mlp(x))))
 
 
@@ -75,12 +76,14 @@ class TinyTransformerLM(torch.nn.Module):
         self.ln_f = torch.nn.LayerNorm(cfg.hidden_size)
         self.head = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, inference_params=None) -> torch.Tensor:
+        """Logits [b, s, vocab]; with ``inference_params`` (an InferenceParams after its ``pre_step``) the
+        tokens are a generation step's new ones and every layer reads and extends its KV cache."""
         x = self.embed(tokens)  # [b, s, hidden]
         if self.cfg.qkv_format == "sbhd":
             x = x.transpose(0, 1)
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x, inference_params=inference_params)
         logits = self.head(self.ln_f(x))
         return logits.transpose(0, 1) if self.cfg.qkv_format == "sbhd" else logits
 

@@ -29,8 +29,9 @@ size (token by token, chunks, the whole prompt), on the other sequences of the s
 keeps the tokens (slots, pages in any order).
 
 Non-paged cache: ``[max_batch_size, max_sequence_length, h_kv, d]`` per layer; a sequence keeps one slot,
-read in place (no copy). Because the kernel's sequences must lie in increasing cache order, the step's
-queries are permuted into that order and the output back (copies of the step's rows only).
+read in place (no copy). A decode step's call lists the sequences in step order, each with its slot's first
+row; another step's lists them in increasing cache order (DotProductAttention's checks want increasing
+``cu_seqlens_kv_padded``), its queries permuted into that order and the output back (the step's rows only).
 
 Paged cache: ``[total_num_pages, page_size, h_kv, d]`` with a page table. Where the fused backend runs the
 step and its paged plan is the gathered call's (``plan.pages_keep_bits``: the Triton forward with any page size,
@@ -56,18 +57,26 @@ backend rounds up within its key chunk (``kernel_runner.max_seqlen_kv_bound``: t
 kernel runner's prepared launches serve every step until the longest sequence enters a new chunk. Tokens that
 are a step tensor's first rows (a decode step's, a thd step's) are read and written in place, without an
 index.
+
+A decode step (every sequence one new token) reads its metadata from static buffers (:class:`_StepBuffers`)
+that pre_step rewrites in place with one copy: every decode step of a batch size then makes the same calls on
+the same tensors, so it can be traced (torch.compile, once per batch size) or captured in a CUDA graph and
+replayed. Traced or captured, its call passes the cache's capacity as ``max_seqlen_kv`` and a paged cache's
+whole step table (the kernels read each sequence's length from ``cu_seqlens_kv``); the bits are the same.
 """
 
 from __future__ import annotations
 
 import contextvars
 import dataclasses
-import functools
+import itertools
 import math
+import operator
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 
 from transformer_engine.common.attention import AttnBiasType, AttnMaskType, FusedAttention, QKVFormat
@@ -118,26 +127,20 @@ class StepLayout:
     step_lens: Tuple[int, ...]
     cached_lens: Tuple[int, ...]
 
-    @property
-    def batch_size(self) -> int:
-        return len(self.seq_ids)
+    # Computed once, at construction (every layer's call reads them). Plain attributes, not
+    # functools.cached_property: its lock is a context manager that torch.compile cannot trace.
+    batch_size: int = field(init=False, compare=False, repr=False)
+    total_lens: Tuple[int, ...] = field(init=False, compare=False, repr=False)
+    num_tokens: int = field(init=False, compare=False, repr=False)
+    max_step_len: int = field(init=False, compare=False, repr=False)
+    max_total_len: int = field(init=False, compare=False, repr=False)
 
-    # Computed once (every layer's call reads them): a frozen dataclass keeps them in its __dict__.
-    @functools.cached_property
-    def total_lens(self) -> Tuple[int, ...]:
-        return tuple(c + n for c, n in zip(self.cached_lens, self.step_lens))
-
-    @functools.cached_property
-    def num_tokens(self) -> int:
-        return sum(self.step_lens)
-
-    @functools.cached_property
-    def max_step_len(self) -> int:
-        return max(self.step_lens)
-
-    @functools.cached_property
-    def max_total_len(self) -> int:
-        return max(self.total_lens)
+    def __post_init__(self) -> None:
+        total = tuple(map(operator.add, self.cached_lens, self.step_lens))
+        for name, value in (("batch_size", len(self.seq_ids)), ("total_lens", total),
+                            ("num_tokens", sum(self.step_lens)), ("max_step_len", max(self.step_lens, default=0)),
+                            ("max_total_len", max(total, default=0))):
+            object.__setattr__(self, name, value)
 
     def token_positions(self) -> List[Tuple[int, int]]:
         """(sequence index in the step, position in its sequence) of each new token, in packed step order."""
@@ -184,16 +187,22 @@ class KVCacheManager:
     def pre_step(self, step_dict: Mapping) -> "OrderedDict[object, int]":
         """Free the sequences not in ``step_dict`` (finished), then grow the others and add the new ones by
         their counts. Raises (changing nothing) when the cache cannot hold the step."""
-        finished = [seq for seq in self.sequences if seq not in step_dict]
-        totals = OrderedDict((seq, self.sequences.get(seq, 0) + n) for seq, n in step_dict.items())
+        keys = step_dict.keys()
+        finished = [] if self.sequences.keys() <= keys else [seq for seq in self.sequences if seq not in keys]
+        totals = OrderedDict(zip(keys, map(operator.add, map(self.sequences.get, keys, itertools.repeat(0)),
+                                           step_dict.values())))
         self._check_room(finished, totals)
         for seq in finished:
             self._release(seq)
             del self.sequences[seq]
+        self._reserve_all(totals)
+        self.sequences.update(totals)  # cached sequences keep their place, new ones follow in step order
+        return self.sequences
+
+    def _reserve_all(self, totals: Mapping) -> None:
+        """:meth:`_reserve` for every sequence of ``totals`` (in order)."""
         for seq, total in totals.items():
             self._reserve(seq, total)
-            self.sequences[seq] = total
-        return self.sequences
 
     def _check_room(self, finished: List, totals: Mapping) -> None:
         """Raise ValueError when the cache cannot hold ``totals`` tokens per sequence once ``finished`` are freed."""
@@ -245,6 +254,16 @@ class KVCacheManager:
     def _take_step_arrays(self, layout: StepLayout, tensors: Mapping[str, torch.Tensor]) -> None:
         """:meth:`_step_arrays`' arrays on the device, by name."""
 
+    def _decode_rows(self, layout: StepLayout, cached: np.ndarray) -> Optional[Dict[str, np.ndarray]]:
+        """A decode step's metadata on the host (``cached``: each sequence's cached length, step order), by
+        :class:`_StepBuffers` name: ``rows`` (each new token's cache row) and ``starts`` (non-paged) or
+        ``table_rows`` (paged); None where only :meth:`token_rows` knows (a custom manager)."""
+        return None
+
+    def _take_decode(self, layout: StepLayout, views: "_DecodeViews", changes: torch.Tensor) -> None:
+        """After :meth:`_decode_rows`' arrays reached the step buffers (``changes``: their (position, value)
+        pairs): the manager's own device work."""
+
 
 class NonPagedKVCacheManager(KVCacheManager):
     """One slot of ``max_seqlen`` tokens per sequence: ``[max_batch_size, max_seqlen, h, d]`` per layer. A new
@@ -267,6 +286,10 @@ class NonPagedKVCacheManager(KVCacheManager):
             taken = set(self.slots.values())
             self.slots[seq] = next(s for s in range(self.max_batch_size) if s not in taken)
 
+    def _reserve_all(self, totals: Mapping) -> None:
+        if not totals.keys() <= self.slots.keys():  # new sequences take slots, in step order
+            super()._reserve_all(totals)
+
     def _host_token_rows(self, layout: StepLayout) -> List[int]:
         rows = []
         for seq, cached, n in zip(layout.seq_ids, layout.cached_lens, layout.step_lens):
@@ -276,6 +299,12 @@ class NonPagedKVCacheManager(KVCacheManager):
 
     def token_rows(self, layout: StepLayout) -> torch.Tensor:
         return torch.tensor(self._host_token_rows(layout), dtype=torch.int64, device=self.device)
+
+    def _decode_rows(self, layout: StepLayout, cached: np.ndarray) -> Dict[str, np.ndarray]:
+        starts = np.fromiter(map(self.slots.__getitem__, layout.seq_ids), np.int64, layout.batch_size)
+        starts *= self.max_seqlen
+        # starts[b]: the end of the cache (the kernels read a sequence's start and length only)
+        return dict(rows=starts + cached, starts=np.append(starts, self.max_batch_size * self.max_seqlen))
 
     def _host_starts(self, layout: StepLayout) -> List[int]:
         if self._starts is None or self._starts[0] is not layout:
@@ -319,6 +348,7 @@ class PagedKVCacheManager(KVCacheManager):
         # What page_table lists (its host copy): each row's sequence and how many of its pages.
         self._table_rows: List[object] = []
         self._table_counts: List[int] = []
+        self._host_table = np.zeros((max_batch_size, self.max_pages_per_seq), np.int64)  # page_table's values
         self._gather = None  # (layout, page index, starts) of the current step
         self._gather_positions = None  # (layout, offsets, counts): what the page index is made of, on the device
         self._step_table = None  # (layout, int32 page table of the step's sequences in step order)
@@ -329,8 +359,16 @@ class PagedKVCacheManager(KVCacheManager):
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
+    def _page_counts(self, totals: Mapping) -> Tuple[np.ndarray, np.ndarray]:
+        """(pages each sequence of ``totals`` holds, pages it needs for its total)."""
+        n = len(totals)
+        held = np.fromiter(map(len, map(self.allocated_pages.get, totals, itertools.repeat(()))), np.int64, n)
+        want = -(-np.fromiter(totals.values(), np.int64, n) // self.page_size)
+        return held, want
+
     def _check_room(self, finished: List, totals: Mapping) -> None:
-        need = sum(self.pages_for(total) - len(self.allocated_pages.get(seq, ())) for seq, total in totals.items())
+        held, want = self._page_counts(totals)
+        need = int(np.maximum(want - held, 0).sum())
         free = len(self.free_pages) + sum(len(self.allocated_pages.get(seq, ())) for seq in finished)
         if need > free:
             raise ValueError(
@@ -346,10 +384,19 @@ class PagedKVCacheManager(KVCacheManager):
         while len(pages) < self.pages_for(total):
             pages.append(self.free_pages.pop(0))
 
+    def _reserve_all(self, totals: Mapping) -> None:
+        held, want = self._page_counts(totals)
+        grow = np.flatnonzero(want > held)
+        if grow.size:  # only the sequences that enter a new page (in order)
+            seqs, counts = list(totals), list(totals.values())
+            for i in grow.tolist():
+                self._reserve(seqs[i], counts[i])
+
     def reset(self) -> None:
         super().reset()
         self.page_table.zero_()
         self._table_rows, self._table_counts = [], []
+        self._host_table[:] = 0
         self._gather = self._gather_positions = None
         self._step_table = None
 
@@ -390,7 +437,33 @@ class PagedKVCacheManager(KVCacheManager):
                     index.extend(range(i * width + len(pages), i * width + listed))
                     values.extend([0] * (listed - len(pages)))
         self._table_rows, self._table_counts = rows, counts
+        if index:
+            self._host_table.reshape(-1)[index] = values
         return index, values
+
+    def _decode_rows(self, layout: StepLayout, cached: np.ndarray) -> Dict[str, np.ndarray]:
+        index, values = self._table_changes()
+        position = dict(zip(self._table_rows, range(len(self._table_rows))))
+        table_rows = np.fromiter(map(position.__getitem__, layout.seq_ids), np.int64, layout.batch_size)
+        pages = self._host_table[table_rows, cached // self.page_size]
+        arrays = dict(rows=pages * self.page_size + cached % self.page_size, table_rows=table_rows)
+        self._decode_changes = len(index)
+        if len(index) > 2 * self.max_batch_size:  # more than the step buffers hold: a copy of their own
+            self._decode_changes = to_device([(index, torch.int64), (values, torch.int64)], self.device)
+        elif index:
+            arrays["changes"] = np.stack([np.asarray(index, np.int64), np.asarray(values, np.int64)], axis=1)
+        return arrays
+
+    def _take_decode(self, layout: StepLayout, views: "_DecodeViews", changes: torch.Tensor) -> None:
+        if not isinstance(self._decode_changes, int):
+            index, values = self._decode_changes
+        elif self._decode_changes:
+            index, values = changes[:self._decode_changes].unbind(1)
+        if self._decode_changes:
+            self.page_table.view(-1).index_copy_(0, index, values.to(torch.int32))
+        torch.index_select(self.page_table, 0, views.table_rows, out=views.table)
+        self._step_table = (layout, views.table)
+        self._gather = self._gather_positions = None
 
     def _step_arrays(self, layout: StepLayout) -> Dict[str, Tuple[List[int], torch.dtype]]:
         index, values = self._table_changes()
@@ -485,6 +558,88 @@ class _Step:
     calls: Dict[object, dict] = field(default_factory=dict)  # the kernel call's sequences, by cache starts
     backend_params: Dict[tuple, tuple] = field(default_factory=dict)  # _StepRun's, by (backend, params)
     orders: Dict[tuple, torch.Tensor] = field(default_factory=dict)  # a sequence order as an int64 index
+    decode: Optional[_DecodeViews] = None  # a decode step's metadata in the step buffers
+
+
+@dataclass(frozen=True)
+class _DecodeViews:
+    """A decode step's metadata for batch size ``b``: views of :class:`_StepBuffers`, the same tensors (same
+    addresses) at every step of that batch size."""
+
+    cu_seqlens_q: torch.Tensor  # int32 [b + 1]
+    cu_seqlens_kv: torch.Tensor  # int32 [b + 1]
+    starts: torch.Tensor  # int32 [b + 1]: each sequence's first cached row (non-paged)
+    rows: torch.Tensor  # int64 [b]: each new token's cache row
+    table_rows: torch.Tensor  # int64 [b]: each sequence's row of the page table (paged)
+    table: Optional[torch.Tensor]  # int32 [b, max pages]: the step's page table, step order (paged)
+    gather_starts: Optional[torch.Tensor]  # int32 [b + 1]: i * max_sequence_length (paged, gathered)
+
+
+class _StepBuffers:
+    """The step metadata the calls read, in one static device buffer that ``pre_step`` rewrites in place with
+    one copy: TransformerEngine's ``cu_seqlens_q``, ``cu_seqlens_kv`` (``[max_batch_size + 1]``, the last value
+    repeated past the step's sequences) and ``pre_step_seqlens``, and a decode step's (every sequence one new
+    token) cache rows, starts and page-table rows (:class:`_DecodeViews`); a paged cache's step page table
+    beside it. A decode step's calls then read the same tensors at every step of a batch size: traced or
+    captured once, replayed at any step (lengths are read on the device)."""
+
+    def __init__(self, max_batch_size: int, device: torch.device, table_width: int = 0, seqlen: int = 0) -> None:
+        n = self.n = max_batch_size
+        self.width = width = -(-(n + 1) // 4) * 4  # int32 entries per array: each at a 16-byte boundary
+        # Then a paged cache's page-table changes, (flat position, page) pairs: a decode step's new pages fit.
+        self.changes_at, self.max_changes = 2 * n + 2 * width, 2 * n if table_width else 0
+        self.raw = torch.zeros(self.changes_at + 2 * self.max_changes, dtype=torch.int64, device=device)
+        self.changes = self.raw[self.changes_at:].view(-1, 2)
+        self.host = np.zeros(self.raw.shape[0], np.int64)
+        self.host32 = self.host[2 * n:].view(np.int32)
+        i32 = self.raw[2 * n:].view(torch.int32)
+        self.cu_q, self.cu_kv, self.cached, self.starts = (i32[j * width:j * width + n + 1] for j in range(4))
+        self.cached = self.cached[:n]
+        self.rows, self.table_rows = self.raw[:n], self.raw[n:2 * n]
+        self.table = torch.zeros(n, table_width, dtype=torch.int32, device=device) if table_width else None
+        self.gather_starts = (torch.arange(n + 1, dtype=torch.int32, device=device) * seqlen) if table_width else None
+        self.views: Dict[int, _DecodeViews] = {}
+
+    def decode_views(self, b: int) -> _DecodeViews:
+        if b not in self.views:
+            self.views[b] = _DecodeViews(self.cu_q[:b + 1], self.cu_kv[:b + 1], self.starts[:b + 1], self.rows[:b],
+                                         self.table_rows[:b], None if self.table is None else self.table[:b],
+                                         None if self.table is None else self.gather_starts[:b + 1])
+        return self.views[b]
+
+    def write(self, step_lens: np.ndarray, cached: np.ndarray, decode: Optional[Dict[str, np.ndarray]]) -> None:
+        """Rewrite the buffer: the TransformerEngine tensors from the step's new and cached lengths (step order),
+        and a decode step's arrays by name (``rows``, ``starts``, ``table_rows``, ``changes``: at most
+        ``max_changes`` pairs)."""
+        n, width, b = self.n, self.width, step_lens.shape[0]
+        h32 = self.host32
+        for j, lens in enumerate((step_lens, step_lens + cached)):
+            cu = h32[j * width:j * width + n + 1]
+            np.cumsum(lens, out=cu[1:b + 1])
+            cu[b + 1:] = cu[b]
+        cached_view = h32[2 * width:2 * width + n]
+        cached_view[:b] = cached
+        cached_view[b:] = 0
+        if decode is not None:
+            self.host[:b] = decode["rows"]
+            if "starts" in decode:
+                h32[3 * width:3 * width + b + 1] = decode["starts"]
+            if "table_rows" in decode:
+                self.host[n:n + b] = decode["table_rows"]
+        end = self.changes_at
+        changes = decode.get("changes") if decode is not None else None
+        if changes is not None:
+            end += changes.size
+            self.host[self.changes_at:end] = changes.reshape(-1)
+        _upload(self.raw[:end], torch.from_numpy(self.host[:end]))
+
+
+def _upload(device_buffer: torch.Tensor, host: torch.Tensor) -> None:
+    """``device_buffer.copy_(host)``: from pinned memory on CUDA, so that the copy does not wait for the device."""
+    if device_buffer.device.type == "cuda":
+        device_buffer.copy_(host.pin_memory(), non_blocking=True)
+    else:
+        device_buffer.copy_(host)
 
 
 class InferenceParams:
@@ -570,12 +725,13 @@ class InferenceParams:
             manager = custom_cache_manager or NonPagedKVCacheManager
             self.cache_manager = manager(max_batch_size=self.max_batch_size, max_seqlen=self.max_sequence_length,
                                          **heads)
-        # TransformerEngine's step tensors, views of one buffer that each pre_step updates with one copy.
-        b = self.max_batch_size
-        self._step_api = torch.zeros(3 * b + 2, dtype=torch.int32, device=self.device)
-        self.cu_seqlens_q = self._step_api[:b + 1]
-        self.cu_seqlens_kv = self._step_api[b + 1:2 * b + 2]
-        self.pre_step_seqlens = self._step_api[2 * b + 2:]
+        # TransformerEngine's step tensors and a decode step's metadata: views of one static buffer.
+        paged = isinstance(self.cache_manager, PagedKVCacheManager)
+        self._buffers = _StepBuffers(self.max_batch_size, self.device,
+                                     self.cache_manager.max_pages_per_seq if paged else 0, self.max_sequence_length)
+        self.cu_seqlens_q = self._buffers.cu_q
+        self.cu_seqlens_kv = self._buffers.cu_kv
+        self.pre_step_seqlens = self._buffers.cached
         self._step: Optional[_Step] = None
         self._backend_choices: Dict[tuple, Tuple[bool, int]] = {}  # _StepRun's, for every step
 
@@ -634,6 +790,42 @@ class InferenceParams:
             raise ValueError(f"`step_dict` must hold at most max_batch_size={self.max_batch_size} sequences, "
                              f"got {len(step_dict)}")
         cached = self.cache_manager.sequences
+        seq_ids, counts = tuple(step_dict), tuple(step_dict.values())
+        b = len(seq_ids)
+        before = np.fromiter(map(cached.get, seq_ids, itertools.repeat(0, b)), np.int64, b)
+        lens = np.array(counts, np.int64) if set(map(type, counts)) == {int} else None
+        if (lens is None or lens.min() < 1 or (self.max_ctx_len is not None and lens.max() > self.max_ctx_len)
+                or (lens + before).max() > self.max_sequence_length):
+            self._check_step_dict(step_dict, cached)
+        layout = StepLayout(seq_ids, counts, tuple(before.tolist()))
+        manager = self.cache_manager
+        manager.pre_step(step_dict)
+        decode = manager._decode_rows(layout, before) if lens.max() == 1 else None
+        self._buffers.write(lens, before, decode)
+        if decode is not None:  # the step buffers' views: the same tensors at every decode step of this size
+            views = self._buffers.decode_views(b)
+            self._step = _Step(layout, views.rows, views.cu_seqlens_q, views.cu_seqlens_kv, decode=views)
+            manager._take_decode(layout, views, self._buffers.changes)
+            return
+        arrays = {"cu_q": (_cumulative(layout.step_lens), torch.int32),
+                  "cu_kv": (_cumulative(layout.total_lens), torch.int32)}
+        rows = manager._host_token_rows(layout)
+        if rows is not None:
+            arrays["rows"] = (rows, torch.int64)
+        starts = manager._host_starts(layout)
+        if starts is not None:  # the kernel call of every layer (_kernel_call), sent now
+            order, call_arrays = _cache_order(layout, starts)
+            arrays.update(call_arrays)
+        arrays.update({("manager", name): array for name, array in manager._step_arrays(layout).items()})
+        tensors = dict(zip(arrays, to_device(list(arrays.values()), self.device)))
+        self._step = step = _Step(layout, tensors["rows"] if rows is not None else manager.token_rows(layout),
+                                  tensors["cu_q"], tensors["cu_kv"])
+        if starts is not None:
+            step.calls[tuple(starts)] = _sequence_call(step, order, tensors)
+        manager._take_step_arrays(layout, {name[1]: t for name, t in tensors.items() if isinstance(name, tuple)})
+
+    def _check_step_dict(self, step_dict: Mapping, cached: Mapping) -> None:
+        """Raise the ValueError that names the first sequence of ``step_dict`` the cache cannot take."""
         for seq, n in step_dict.items():
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"`step_dict` must map sequence ids to positive int token counts, got {n!r} "
@@ -645,30 +837,6 @@ class InferenceParams:
             if total > self.max_sequence_length:
                 raise ValueError(f"`step_dict` would grow sequence {seq!r} to {total} tokens, more than "
                                  f"max_sequence_length={self.max_sequence_length}")
-        layout = StepLayout(tuple(step_dict), tuple(step_dict.values()),
-                            tuple(cached.get(seq, 0) for seq in step_dict))
-        manager = self.cache_manager
-        manager.pre_step(step_dict)
-        pad = self.max_batch_size - layout.batch_size
-        cu_q, cu_kv = _cumulative(layout.step_lens), _cumulative(layout.total_lens)
-        arrays = {"api": (cu_q + [cu_q[-1]] * pad + cu_kv + [cu_kv[-1]] * pad + list(layout.cached_lens) + [0] * pad,
-                          torch.int32),
-                  "cu_q": (cu_q, torch.int32), "cu_kv": (cu_kv, torch.int32)}
-        rows = manager._host_token_rows(layout)
-        if rows is not None:
-            arrays["rows"] = (rows, torch.int64)
-        starts = manager._host_starts(layout)
-        if starts is not None:  # the kernel call of every layer (_kernel_call), sent now
-            order, call_arrays = _cache_order(layout, starts)
-            arrays.update(call_arrays)
-        arrays.update({("manager", name): array for name, array in manager._step_arrays(layout).items()})
-        tensors = dict(zip(arrays, to_device(list(arrays.values()), self.device)))
-        self._step_api.copy_(tensors["api"])
-        self._step = step = _Step(layout, tensors["rows"] if rows is not None else manager.token_rows(layout),
-                                  tensors["cu_q"], tensors["cu_kv"])
-        if starts is not None:
-            step.calls[tuple(starts)] = _sequence_call(step, order, tensors)
-        manager._take_step_arrays(layout, {name[1]: t for name, t in tensors.items() if isinstance(name, tuple)})
 
     def get_seqlens_pre_step(self) -> torch.Tensor:
         """int32 ``[max_batch_size]``: each step sequence's cached length before the step (step order;
@@ -806,6 +974,50 @@ class InferenceParams:
                                                                                      self.device))))
         return dict(step.calls[key], k=k_rows, v=v_rows)
 
+    def _decode_call(self, layer_number: int, in_place: bool, static: bool) -> dict:
+        """A decode step's packed call, from the step buffers' views (:class:`_DecodeViews`): sequences in step
+        order, each read where the cache keeps it (non-paged: its slot, from ``starts``; paged: through the
+        step's page table where ``in_place``, else gathered). ``static``: what the call holds is the same at
+        every step of this batch size (traced or captured): ``max_seqlen_kv`` is the cache's capacity and a
+        gather takes every page of the step table's rows; else ``max_seqlen_kv`` is the longest sequence and a
+        gather takes the step's pages."""
+        step = self._current()
+        views = step.decode
+        limit = self.max_sequence_length
+        call = dict(order=None, cu_seqlens_q=views.cu_seqlens_q, cu_seqlens_kv=views.cu_seqlens_kv, max_seqlen_q=1,
+                    max_seqlen_kv=limit if static else step.layout.max_total_len)
+        k_cache, v_cache = self.cache_manager.cache[layer_number]
+        k_rows, v_rows = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
+        if views.table is None:
+            return dict(call, k=k_rows, v=v_rows, cu_seqlens_kv_padded=views.starts)
+
+        def gather():
+            if not static:
+                tight = self._kernel_call(layer_number)  # the step's pages only, in step order
+                return tight["k"], tight["v"], tight["cu_seqlens_kv_padded"]
+            index = views.table.reshape(-1)  # every page of the step's rows: a shape for every step
+            return (k_cache.index_select(0, index).view(-1, *k_cache.shape[2:]),
+                    v_cache.index_select(0, index).view(-1, *v_cache.shape[2:]), views.gather_starts)
+
+        if in_place:
+            return dict(call, k=k_rows, v=v_rows, cu_seqlens_kv_padded=views.cu_seqlens_kv, page_table=views.table,
+                        page_size=self.page_size, gather=gather)
+        k_rows, v_rows, starts = gather()
+        return dict(call, k=k_rows, v=v_rows, cu_seqlens_kv_padded=starts)
+
+    def _append_decode(self, layer_number: int, new_k: torch.Tensor, new_v: torch.Tensor, fmt: QKVFormat) -> None:
+        """:meth:`_append` of a decode step whose keys and values are their tensors' first rows."""
+        step = self._current()
+        self._check_layer(layer_number)
+        if layer_number in step.stepped:
+            raise ValueError(f"`layer_number` {layer_number!r} already appended this step's tokens (two modules "
+                             "with one layer_number, or a second forward without pre_step)")
+        self._check_new("key_layer", new_k, fmt, self.head_dim_k)
+        self._check_new("value_layer", new_v, fmt, self.head_dim_v)
+        b = step.layout.batch_size
+        self.cache_manager.step(layer_number, _step_rows(new_k, None, b), _step_rows(new_v, None, b), step.rows)
+        step.stepped.add(layer_number)
+
     def _paged_call(self, layer_number: int) -> Optional[dict]:
         """The packed call of the step on a paged cache read in place: the cache's rows, the sequences in step
         order, the step's page table and how to gather instead; None where the cache manager is not a
@@ -829,6 +1041,18 @@ class InferenceParams:
 
         return dict(step.calls["paged"], k=k_rows, v=v_rows, page_table=manager.step_page_table(layout),
                     page_size=manager.page_size, gather=gather)
+
+
+def _first_rows(fmt: QKVFormat, shape, b: int) -> bool:
+    """Whether a decode step tensor of ``shape`` holds its ``b`` tokens in its first rows, in step order."""
+    if fmt == QKVFormat.THD:
+        return shape[0] >= b
+    return tuple(shape[:2]) == ((b, 1) if fmt == QKVFormat.BSHD else (1, b))
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (a step's call then holds what every step holds)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _step_rows(t: torch.Tensor, index: Optional[torch.Tensor], n: int) -> torch.Tensor:
@@ -985,19 +1209,24 @@ def cached_attention(module, params: InferenceParams, q: torch.Tensor, k: torch.
         got = host_values(cu_seqlens_q) if isinstance(cu_seqlens_q, torch.Tensor) else list(cu_seqlens_q)
         if list(got[:len(expect)]) != expect or any(x != expect[-1] for x in got[len(expect):]):
             raise ValueError(f"`cu_seqlens_q` must give the step's new token counts (step_dict) {expect}, got {got}")
-    index = params._token_index(fmt, tuple(q.shape), "query_layer")  # checked before anything is appended
-    params.input_qkv_format = fmt.value
-    params._append(module.layer_number, k, v, fmt, ("key_layer", "value_layer"))
-    call = None
     offset = getattr(module, "softmax_offset", None)  # a learnable sink's logits: a parameter
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or (offset is not None and offset.requires_grad))
     tracing = torch.compiler.is_compiling()
     # The fused backward reads no page table: gradients take the gather, as does a traced step (torch.compile:
     # run_backend reads no context there).
-    if params.is_paged and not needs_grad and not tracing:
-        call = params._paged_call(module.layer_number)  # the cache read in place where the fused backend runs
-    if call is None:
-        call = params._kernel_call(module.layer_number)
+    in_place = params.is_paged and not needs_grad and not tracing
+    params.input_qkv_format = fmt.value
+    if step.decode is not None and all(_first_rows(fmt, t.shape, layout.batch_size) for t in (q, k, v)):
+        # A decode step: everything it reads is in the step buffers (traced or captured once per batch size).
+        index = None
+        params._append_decode(module.layer_number, k, v, fmt)
+        call = params._decode_call(module.layer_number, in_place, tracing or _capturing())
+    else:
+        index = params._token_index(fmt, tuple(q.shape), "query_layer")  # checked before anything is appended
+        params._append(module.layer_number, k, v, fmt, ("key_layer", "value_layer"))
+        call = params._paged_call(module.layer_number) if in_place else None  # the cache read in place (fused)
+        if call is None:
+            call = params._kernel_call(module.layer_number)
     order = call["order"]
     if order is not None:  # the kernel's sequences in cache order: the step's rows permuted to it
         index = params._token_index(fmt, tuple(q.shape), "query_layer", order)

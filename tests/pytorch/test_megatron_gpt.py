@@ -55,6 +55,23 @@ def test_import_megatron_core_and_its_version_gates():
     assert mte.FP8GlobalStateManager.is_fp8_available()[0] is False
 
 
+def test_import_megatron_core_finds_our_optimizers_without_a_fallback_warning():
+    """Megatron-core imports FusedAdam, FusedSGD and the multi-tensor ops from
+    transformer_engine.pytorch.optimizers first and warns when it falls back to torch's."""
+    import subprocess
+    import sys
+
+    code = (
+        "import megatron.core, megatron.core.optimizer as mo, megatron.core.optimizer.clip_grads as cg\n"
+        "from transformer_engine.pytorch import optimizers as teo\n"
+        "assert mo.Adam is teo.FusedAdam and mo.SGD is teo.FusedSGD and not mo.USING_PYTORCH_OPTIMIZER\n"
+        "assert cg.l2_norm_impl is teo.multi_tensor_l2norm\n"
+    )
+    run = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "are not installed" not in run.stderr, run.stderr[-3000:]
+
+
 class _ScoreBuffer:
     """Megatron-core 0.19.2's local-spec attention (megatron/core/transformer/dot_product_attention.py,
     DotProductAttention.forward) takes its score buffer from parallel_state's GlobalMemoryBuffer,

@@ -34,7 +34,7 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     license_files=["LICENSE"],
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     packages=packages(ROOT),
     install_requires=install_requires(),
     extras_require=EXTRAS,

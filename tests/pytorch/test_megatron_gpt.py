@@ -55,6 +55,23 @@ def test_import_megatron_core_and_its_version_gates():
     assert mte.FP8GlobalStateManager.is_fp8_available()[0] is False
 
 
+def test_import_megatron_core_finds_our_optimizers_without_a_fallback_warning():
+    """Megatron-core imports FusedAdam, FusedSGD and the multi-tensor ops from
+    transformer_engine.pytorch.optimizers first and warns when it falls back to torch's."""
+    import subprocess
+    import sys
+
+    code = (
+        "import megatron.core, megatron.core.optimizer as mo, megatron.core.optimizer.clip_grads as cg\n"
+        "from transformer_engine.pytorch import optimizers as teo\n"
+        "assert mo.Adam is teo.FusedAdam and mo.SGD is teo.FusedSGD and not mo.USING_PYTORCH_OPTIMIZER\n"
+        "assert cg.l2_norm_impl is teo.multi_tensor_l2norm\n"
+    )
+    run = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "are not installed" not in run.stderr, run.stderr[-3000:]
+
+
 class _ScoreBuffer:
     """Megatron-core 0.19.2's local-spec attention (megatron/core/transformer/dot_product_attention.py,
     DotProductAttention.forward) takes its score buffer from parallel_state's GlobalMemoryBuffer,
@@ -226,3 +243,128 @@ def test_te_spec_gpt_tensor_parallel_on_two_ranks_matches_one_rank():
     lines = [line for line in proc.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
     report = proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.returncode == 0 and lines == ["PASS gpt tp=2 sequence_parallel=False"], report
+
+
+def _build_with_fusions(fusions, seed=0, spec="te"):
+    """The TE-spec GPT with rotary embeddings and Megatron-LM's defaults for the two fusions
+    (apply_rope_fusion, gradient_accumulation_fusion) on or off, fp32 on CPU."""
+    import dataclasses
+    from unittest import mock
+
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+    from megatron.core.tensor_parallel import layers
+
+    config = dataclasses.replace(_config(torch.float32, "cpu"), apply_rope_fusion=fusions,
+                                 gradient_accumulation_fusion=fusions)
+    torch.manual_seed(seed)
+    # Megatron's own output layer (ColumnParallelLinear, not TransformerEngine's) needs Apex's
+    # fused_weight_gradient_mlp_cuda for the fusion; here it accumulates as without the fusion.
+    with mock.patch.object(layers, "_grad_accum_fusion_available", True):
+        layer_spec = get_gpt_layer_with_transformer_engine_spec() if spec == "te" else get_gpt_layer_local_spec()
+        model = GPTModel(config=config, transformer_layer_spec=layer_spec,
+                         vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope")
+    model.output_layer.gradient_accumulation_fusion = False
+    return model
+
+
+def _train_with_main_grads(model):
+    """Megatron's data-parallel gradient path at world size 1: fp32 main_grad buffers, the hook that
+    adds .grad into main_grad unless the layer already did (grad_added_to_main_grad), the optimizer
+    reading main_grad; Megatron's Adam (its import of this package's FusedAdam)."""
+    from megatron.core import optimizer as megatron_optimizer
+
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def hook(param):
+        if param.grad is not None and not param.grad_added_to_main_grad:
+            param.main_grad.add_(param.grad)
+        param.grad = None
+
+    for p in params:
+        p.main_grad = torch.zeros_like(p, dtype=torch.promote_types(p.dtype, torch.float32))
+        p.grad_added_to_main_grad = False
+        p.register_post_accumulate_grad_hook(hook)
+    opt = megatron_optimizer.Adam(params, lr=0.01, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, adam_w_mode=True)
+    gen = torch.Generator().manual_seed(1)
+    position_ids = torch.arange(SEQ)[None].expand(BATCH, -1)
+    mask = torch.triu(torch.ones(BATCH, 1, SEQ, SEQ, dtype=torch.bool), 1)
+    losses = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+        for p in params:
+            p.main_grad.zero_()
+            p.grad_added_to_main_grad = False
+        loss = model(tokens, position_ids, mask, labels=torch.roll(tokens, -1, dims=1)).float().mean()
+        loss.backward()
+        for p in params:
+            p.grad = p.main_grad
+        opt.step()
+        for p in params:
+            p.grad = None  # else the next backward accumulates into main_grad through .grad as well
+        losses.append(loss.detach())
+    return torch.stack(losses), {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU check (fp32); the CUDA run is the GPU acceptance's")
+def test_te_spec_gpt_with_megatron_lm_default_fusions_trains_bitwise_and_like_without_them(megatron_world):
+    """apply_rope_fusion and gradient_accumulation_fusion on (Megatron-LM's defaults), Megatron's
+    FusedAdam: twice bitwise, and close to the same model with both fusions off."""
+    from unittest import mock
+
+    from megatron.core import optimizer as megatron_optimizer
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from transformer_engine.pytorch import optimizers
+
+    assert megatron_optimizer.Adam is optimizers.FusedAdam and rope_utils.fused_apply_rotary_pos_emb is not None
+    megatron_world._GLOBAL_MEMORY_BUFFER = _ScoreBuffer("cpu")
+    fused = _build_with_fusions(True)
+    init = {k: v.clone() for k, v in fused.state_dict().items() if torch.is_tensor(v)}
+    calls = []
+    # Megatron's RotaryEmbedding moves its frequencies to torch.cuda.current_device(): the CPU here.
+    with _count_calls(rope_utils, "fused_apply_rotary_pos_emb", calls), \
+            mock.patch.object(torch.cuda, "current_device", lambda: "cpu"):
+        losses1, params1 = _train_with_main_grads(fused)
+        assert calls, "Megatron did not take its fused RoPE path"
+        assert all(fused.get_parameter(n).grad_added_to_main_grad
+                   for n in params1 if "linear_" in n and n.endswith(".weight"))
+        losses2, params2 = _train_with_main_grads(_build_with_fusions(True))
+        assert torch.equal(losses1, losses2) and all(torch.equal(params1[k], params2[k]) for k in params1)
+        # The reference: Megatron's local spec (no TransformerEngine) in fp64.
+        plain, exact = _build_with_fusions(False), _build_with_fusions(False, spec="local").double()
+        _load(plain, init)
+        _load(exact, {k: v.double() for k, v in _te_to_local(init).items()})
+        losses3, params3 = _train_with_main_grads(plain)
+        losses_ref, params_ref = _train_with_main_grads(exact)
+    params1, params3 = _te_to_local(params1), _te_to_local(params3)
+
+    # Against the same model in fp64: the fused run errs no more than a small multiple of the
+    # unfused run's own fp32 error (floored at one ulp of the value).
+    def bound(own, ref):
+        return 4 * max(own, torch.finfo(torch.float32).eps * ref.abs().max().item())
+
+    err = lambda a, ref: (a.double() - ref).abs().max().item()  # noqa: E731
+    assert err(losses1, losses_ref) <= bound(err(losses3, losses_ref), losses_ref), (losses1, losses3, losses_ref)
+    for k, ref in params_ref.items():
+        assert err(params1[k], ref) <= bound(err(params3[k], ref), ref), k
+
+
+class _count_calls:  # noqa: N801 - a context manager used like a function
+    def __init__(self, module, name, calls):
+        self.module, self.name, self.calls = module, name, calls
+
+    def __enter__(self):
+        self.original = getattr(self.module, self.name)
+
+        def counted(*args, **kwargs):
+            self.calls.append(1)
+            return self.original(*args, **kwargs)
+
+        setattr(self.module, self.name, counted)
+
+    def __exit__(self, *exc):
+        setattr(self.module, self.name, self.original)

@@ -315,7 +315,7 @@ def test_fp8_is_reported_unavailable_and_refused():
         lin(torch.randn(2, 4), fp8_output=True)
 
 
-@pytest.mark.parametrize("kwargs", [dict(fuse_wgrad_accumulation=True), dict(delay_wgrad_compute=True),
+@pytest.mark.parametrize("kwargs", [dict(delay_wgrad_compute=True),
                                     dict(ub_overlap_ag=True), dict(symmetric_ar_type="multimem_all_reduce")])
 def test_unimplemented_te_switches_are_refused(kwargs):
     name = next(iter(kwargs))

@@ -11,7 +11,11 @@ except ImportError as err:  # pragma: no cover - exercised by tests/common/test_
         "pip install torch (or install this package with its extra: pip install 'deterministic-attention[pytorch]')"
     ) from err
 
-from transformer_engine.pytorch.attention import DotProductAttention, InferenceParams  # noqa: E402,F401
+from transformer_engine.pytorch.attention import (  # noqa: E402,F401
+    DotProductAttention,
+    InferenceParams,
+    RotaryPositionEmbedding,
+)
 from transformer_engine.pytorch import distributed, fp8, router  # noqa: E402,F401
 from transformer_engine.pytorch.distributed import CudaRNGStatesTracker  # noqa: E402,F401
 from transformer_engine.pytorch.fp8 import (  # noqa: E402,F401

@@ -2,6 +2,14 @@
 
 from transformer_engine.pytorch.attention.dot_product_attention import DotProductAttention
 from transformer_engine.pytorch.attention.inference import InferenceParams
+from transformer_engine.pytorch.attention.rope import RotaryPositionEmbedding, apply_rotary_pos_emb
 from transformer_engine.pytorch.attention.unfused import UnfusedDotProductAttention, unfused_attention
 
-__all__ = ["DotProductAttention", "InferenceParams", "UnfusedDotProductAttention", "unfused_attention"]
+__all__ = [
+    "DotProductAttention",
+    "InferenceParams",
+    "RotaryPositionEmbedding",
+    "UnfusedDotProductAttention",
+    "apply_rotary_pos_emb",
+    "unfused_attention",
+]

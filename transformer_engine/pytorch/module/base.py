@@ -1,8 +1,7 @@
 """What the linear and normalization modules share: constructor checks, parameter creation, init.
 
 The modules take TransformerEngine's constructor arguments. Those that only matter to features
-this package does not have (FP8, userbuffer communication overlap, fused weight-gradient
-accumulation, delayed weight gradients, symmetric-memory all-reduce) are accepted at their "off"
+this package does not have (FP8, userbuffer communication overlap, delayed weight gradients, symmetric-memory all-reduce) are accepted at their "off"
 value and refused with NotImplementedError otherwise, so a caller never gets a silently
 different computation.
 """
@@ -53,7 +52,6 @@ def resolve_dtype(params_dtype: Optional[torch.dtype]) -> torch.dtype:
 def refuse_unsupported(owner: str, **flags: Any) -> None:
     """NotImplementedError for any TransformerEngine-only feature switched on."""
     reasons = {
-        "fuse_wgrad_accumulation": "weight gradients are returned in .grad (Megatron: gradient_accumulation_fusion=False)",
         "delay_wgrad_compute": "weight gradients are computed in the backward pass",
         "symmetric_ar_type": "all-reduces go through torch.distributed",
         "parameters_split": "the weight is one parameter",

@@ -71,8 +71,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
     ) -> None:
         super().__init__()
         owner = type(self).__name__
-        refuse_unsupported(owner, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-                           delay_wgrad_compute=delay_wgrad_compute, symmetric_ar_type=symmetric_ar_type,
+        refuse_unsupported(owner, delay_wgrad_compute=delay_wgrad_compute, symmetric_ar_type=symmetric_ar_type,
                            parameters_split=parameters_split, ub_overlap_ag=ub_overlap_ag,
                            ub_overlap_rs=ub_overlap_rs, ub_overlap_rs_dgrad=ub_overlap_rs_dgrad,
                            ub_bulk_dgrad=ub_bulk_dgrad, ub_bulk_wgrad=ub_bulk_wgrad)
@@ -89,6 +88,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
         self.zero_centered_gamma = bool(zero_centered_gamma)
         self.use_bias = bool(bias)
         self.return_bias = bool(return_bias)
+        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
         self.return_layernorm_output = bool(return_layernorm_output)
         self.return_layernorm_output_gathered = bool(return_layernorm_output_gathered)
         self.ub_name = ub_name
@@ -134,7 +134,8 @@ class LayerNormLinear(TransformerEngineBaseModule):
         if self.parallel_mode == "column":
             total = _parallel.column_input(ln_out, group, self.sequence_parallel)
         # The collectives are done: multiply as a plain (local) Linear.
-        out, bias = parallel_linear(total, self.weight, self.bias, None, None, False, self.return_bias)
+        out, bias = parallel_linear(total, self.weight, self.bias, None, None, False, self.return_bias,
+                                    self.fuse_wgrad_accumulation, is_first_microbatch)
         if self.return_bias:
             bias = self._returned_bias(out, bias)
         if self.return_layernorm_output:

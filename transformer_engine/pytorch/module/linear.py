@@ -5,6 +5,13 @@ sequence (all-gathered first when ``sequence_parallel``), the output stays split
 weight is split along its input dim; partial products are all-reduced (reduce-scattered along
 the sequence dim when ``sequence_parallel``) and the bias is added once, after the reduction.
 ``None``: no communication.
+
+``fuse_wgrad_accumulation=True`` (Megatron's gradient-accumulation fusion): the backward adds the
+weight gradient, computed in fp32, to ``weight.main_grad`` in place (it overwrites it instead on
+``is_first_microbatch=True`` or when ``weight.overwrite_main_grad`` is set) and gives autograd no
+weight gradient: None, or, when ``weight`` has Megatron's ``grad_added_to_main_grad`` flag, a
+zero gradient (the flag is then set) so that Megatron's gradient hooks still fire and know the
+gradient is already in ``main_grad``.
 """
 
 from __future__ import annotations
@@ -26,15 +33,57 @@ from transformer_engine.pytorch.module.base import (
 )
 
 
+class _LinearIntoMainGrad(torch.autograd.Function):
+    """``x W^T`` whose backward accumulates the weight gradient into ``weight.main_grad``."""
+
+    @staticmethod
+    def forward(ctx, x, weight, overwrite):
+        ctx.save_for_backward(x, weight)
+        ctx.overwrite = overwrite
+        return torch.nn.functional.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.matmul(grad_out, weight if weight.dtype == grad_out.dtype else weight.to(grad_out.dtype))
+        if not ctx.needs_input_grad[1]:
+            return grad_x, None, None
+        main_grad = getattr(weight, "main_grad", None)
+        if main_grad is None or main_grad.shape != weight.shape:
+            raise RuntimeError(
+                f"`weight.main_grad` must be a tensor of the weight's shape {tuple(weight.shape)} with "
+                f"fuse_wgrad_accumulation=True, got {None if main_grad is None else tuple(main_grad.shape)}"
+            )
+        # The same product autograd forms for F.linear's weight (x^T dY, transposed), in the main
+        # gradient's dtype: with fp32 activations its bits equal the unfused gradient's.
+        x2d = x.reshape(-1, x.shape[-1]).to(main_grad.dtype)
+        dy2d = grad_out.reshape(-1, grad_out.shape[-1]).to(main_grad.dtype)
+        wgrad = torch.mm(x2d.t(), dy2d).t()
+        if ctx.overwrite or getattr(weight, "overwrite_main_grad", False):
+            main_grad.copy_(wgrad)
+        else:
+            main_grad.add_(wgrad)
+        if hasattr(weight, "grad_added_to_main_grad"):
+            weight.grad_added_to_main_grad = True
+            # A zero of the weight's shape that takes no memory until autograd stores it.
+            return grad_x, torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape), None
+        return grad_x, None, None
+
+
 def parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], parallel_mode: Optional[str],
-                    group: Optional[Any], sequence_parallel: bool, return_bias: bool):
+                    group: Optional[Any], sequence_parallel: bool, return_bias: bool,
+                    fuse_wgrad_accumulation: bool = False, is_first_microbatch: Optional[bool] = None):
     """The GEMM and its collectives; returns (out, bias to return or None)."""
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"input's last dim must be in_features={weight.shape[1]} (this rank's), got shape {tuple(x.shape)}")
-    weight = weight if weight.dtype == x.dtype else weight.to(x.dtype)
     if parallel_mode == "column":
         x = _parallel.column_input(x, group, sequence_parallel)
-    out = torch.nn.functional.linear(x, weight)
+    if fuse_wgrad_accumulation and weight.requires_grad and torch.is_grad_enabled():
+        out = _LinearIntoMainGrad.apply(x, weight, bool(is_first_microbatch))
+    else:
+        out = torch.nn.functional.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype))
     if parallel_mode == "row":
         out = _parallel.row_output(out, group, sequence_parallel)
     if bias is not None:
@@ -86,8 +135,7 @@ class Linear(TransformerEngineBaseModule):
     ) -> None:
         super().__init__()
         owner = type(self).__name__
-        refuse_unsupported(owner, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-                           delay_wgrad_compute=delay_wgrad_compute, symmetric_ar_type=symmetric_ar_type,
+        refuse_unsupported(owner, delay_wgrad_compute=delay_wgrad_compute, symmetric_ar_type=symmetric_ar_type,
                            parameters_split=parameters_split, ub_overlap_ag=ub_overlap_ag,
                            ub_overlap_rs=ub_overlap_rs, ub_overlap_rs_dgrad=ub_overlap_rs_dgrad,
                            ub_bulk_dgrad=ub_bulk_dgrad, ub_bulk_wgrad=ub_bulk_wgrad)
@@ -98,6 +146,7 @@ class Linear(TransformerEngineBaseModule):
         self.sequence_parallel = bool(sequence_parallel)
         self.use_bias = bool(bias)
         self.return_bias = bool(return_bias)
+        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
         self.ub_name = ub_name
         self.name = name
         # Always true in effect: the input kept for backward is the input given.
@@ -127,7 +176,8 @@ class Linear(TransformerEngineBaseModule):
                 fp8_grad: bool = False):
         self._check_forward_flags(type(self).__name__, is_first_microbatch, fp8_output, fp8_grad)
         out, bias = parallel_linear(inp, self.weight, self.bias, self.parallel_mode, self._group_for_forward(),
-                                    self.sequence_parallel, self.return_bias)
+                                    self.sequence_parallel, self.return_bias, self.fuse_wgrad_accumulation,
+                                    is_first_microbatch)
         if not self.return_bias:
             return out
         return out, self._returned_bias(out, bias)

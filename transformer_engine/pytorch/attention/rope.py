@@ -1,0 +1,214 @@
+"""Rotary position embedding with TransformerEngine's interface: ``RotaryPositionEmbedding`` makes
+the angles, ``apply_rotary_pos_emb`` rotates a tensor by them.
+
+Formats: ``sbhd`` ([s, b, h, d]), ``bshd`` ([b, s, h, d]) and ``thd`` ([t, h, d], sequences packed
+by ``cu_seqlens``). ``freqs`` is [s2, 1, 1, d2] (angles, any float dtype, used in fp32); the first d2
+channels of each head are rotated, the rest pass through. Non-interleaved rotation pairs channel i
+with i + d2/2; interleaved pairs 2i with 2i+1 (``freqs`` then repeats each angle twice in a row,
+as ``RotaryPositionEmbedding(interleaved=True)`` makes it).
+
+The token at local index ``s`` of a sequence of local length ``L`` takes angle row
+``s + start_positions[b]``, and with context parallelism (``cp_size > 1``) the load-balanced
+split: the sequence was cut into ``2 * cp_size`` chunks and rank ``r`` holds chunks ``r`` and
+``2 * cp_size - 1 - r``, so its first ``L/2`` tokens start at ``r * L/2`` and the rest at
+``L * cp_size - (r + 1) * L/2``. In ``thd`` ``cu_seqlens`` are the global (padded) boundaries; this
+rank's are ``cu_seqlens // cp_size``; rows after the last sequence pass through.
+
+The rotation is computed in fp32 and rounded once to the input dtype; the backward applies the
+transposed rotation the same way. Both are elementwise, so results are deterministic, and a token's
+bits do not depend on batch, packing or CP rank. ``fused=True`` runs the same computation (it is
+already one pass per direction), so fused and unfused give the same bits.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+__all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb"]
+
+_FORMATS = ("sbhd", "bshd", "thd")
+
+
+class RotaryPositionEmbedding(torch.nn.Module):
+    """The rotary angles ``positions x inv_freq`` as a [max_seq_len, 1, 1, dim] fp32 tensor.
+
+    ``dim`` channels (``int(dim * rotary_percent)`` when ``rotary_percent < 1``) get
+    ``dim / 2`` frequencies ``rotary_base ** (-2i / dim)``. ``seq_len_interpolation_factor`` divides
+    the positions (position interpolation); with ``pretrained_max_position_embeddings`` as well, a
+    ``max_seq_len`` beyond ``pretrained * factor`` scales them by ``pretrained / max_seq_len``
+    instead. Non-interleaved output is ``[angles, angles]``; interleaved repeats each angle twice.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        rotary_percent: float = 1.0,
+        seq_len_interpolation_factor: Optional[int] = None,
+        pretrained_max_position_embeddings: Optional[int] = None,
+        rotary_base: float = 10000.0,
+        interleaved: bool = False,
+    ):
+        super().__init__()
+        if not isinstance(dim, int) or dim < 2:
+            raise ValueError(f"`dim` must be an int >= 2, got {dim!r}")
+        if not 0.0 < rotary_percent <= 1.0:
+            raise ValueError(f"`rotary_percent` must be in (0, 1], got {rotary_percent}")
+        if rotary_percent < 1.0:
+            dim = int(dim * rotary_percent)
+        self.seq_len_interpolation_factor = seq_len_interpolation_factor
+        self.pretrained_max_position_embeddings = pretrained_max_position_embeddings
+        self.rotary_base = rotary_base
+        self.interleaved = interleaved
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
+        self.register_buffer("inv_freq", 1.0 / (rotary_base**exponents))
+
+    def forward(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        seq = torch.arange(max_seq_len, device=self.inv_freq.device, dtype=self.inv_freq.dtype) + offset
+        factor = self.seq_len_interpolation_factor
+        pretrained = self.pretrained_max_position_embeddings
+        if factor is not None and pretrained is not None:
+            if max_seq_len > pretrained * factor:
+                seq *= 1 / (max_seq_len / pretrained)
+            else:
+                seq *= 1 / factor
+        angles = torch.outer(seq, self.inv_freq)
+        if self.interleaved:
+            emb = angles.repeat_interleave(2, dim=-1)
+        else:
+            emb = torch.cat((angles, angles), dim=-1)
+        return emb.reshape(emb.size(0), 1, 1, emb.size(1))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
+            transpose: bool) -> torch.Tensor:
+    """``x * cos + R(x) * sin`` on the first d2 channels in fp32 (``transpose``: the adjoint,
+    ``x * cos + R^T(x * sin)``), rounded once to x's dtype; the other channels copied."""
+    d2 = cos.shape[-1]
+    xr = x[..., :d2].float()
+    y = xr * sin if transpose else xr
+    if interleaved:
+        even, odd = y[..., 0::2], y[..., 1::2]
+        pair = (odd, -even) if transpose else (-odd, even)
+        rotated = torch.stack(pair, dim=-1).flatten(-2)
+    else:
+        first, second = y[..., : d2 // 2], y[..., d2 // 2:]
+        rotated = torch.cat((second, -first) if transpose else (-second, first), dim=-1)
+    out = xr * cos + (rotated if transpose else rotated * sin)
+    out = out.to(x.dtype)
+    if d2 == x.shape[-1]:
+        return out
+    return torch.cat((out, x[..., d2:]), dim=-1)
+
+
+class _RotaryFunction(torch.autograd.Function):
+    """Rotation by per-token angles (cos, sin broadcast against t); backward is the transpose."""
+
+    @staticmethod
+    def forward(ctx, t, cos, sin, interleaved):
+        ctx.save_for_backward(cos, sin)
+        ctx.interleaved = interleaved
+        return _rotate(t, cos, sin, interleaved, transpose=False)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad_out, cos, sin, ctx.interleaved, transpose=True), None, None, None
+
+
+def _cp_positions(local: torch.Tensor, length: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Global positions of local indices under the load-balanced 2 * cp_size chunk split."""
+    if cp_size == 1:
+        return local
+    half = length // 2
+    return torch.where(local < half, local + cp_rank * half, local + length * cp_size - (cp_rank + 1) * half - half)
+
+
+def _check_args(t, freqs, tensor_format, interleaved, cu_seqlens, cp_size, cp_rank) -> int:
+    if tensor_format not in _FORMATS:
+        raise ValueError(f"`tensor_format` must be one of {_FORMATS}, got {tensor_format!r}")
+    want_dim = 3 if tensor_format == "thd" else 4
+    if t.dim() != want_dim:
+        raise ValueError(f"`t` must have {want_dim} dims in {tensor_format!r} format, got shape {tuple(t.shape)}")
+    if freqs.dim() != 4 or freqs.shape[1] != 1 or freqs.shape[2] != 1:
+        raise ValueError(f"`freqs` must have shape [s2, 1, 1, d2], got {tuple(freqs.shape)}")
+    d2 = freqs.shape[-1]
+    if d2 % 2 or d2 > t.shape[-1] or d2 == 0:
+        raise ValueError(f"`freqs`' last dim must be even and at most the head dim {t.shape[-1]}, got {d2}")
+    if tensor_format == "thd" and cu_seqlens is None:
+        raise ValueError("`cu_seqlens` must be given when tensor_format='thd', got None")
+    if tensor_format != "thd" and cu_seqlens is not None:
+        raise ValueError(f"`cu_seqlens` must be None when tensor_format={tensor_format!r}, got a tensor")
+    if not isinstance(cp_size, int) or cp_size < 1:
+        raise ValueError(f"`cp_size` must be a positive int, got {cp_size!r}")
+    if not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"`cp_rank` must be in [0, cp_size={cp_size}), got {cp_rank!r}")
+    del interleaved
+    return d2
+
+
+def _angles(t, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 angle row of each token, shaped to broadcast against ``t`` (heads dim of size 1)."""
+    rows = freqs.reshape(freqs.shape[0], freqs.shape[-1]).float()
+    device = rows.device
+    if tensor_format == "thd":
+        bounds = cu_seqlens.to(device=device, dtype=torch.int64) // cp_size
+        token = torch.arange(t.shape[0], device=device)
+        seq = (torch.searchsorted(bounds, token, right=True) - 1).clamp(0, bounds.numel() - 2)
+        start, end = bounds[seq], bounds[seq + 1]
+        inside = token < bounds[-1]
+        pos = _cp_positions(token - start, end - start, cp_size, cp_rank)
+        if start_positions is not None:
+            pos = pos + start_positions.to(device=device, dtype=torch.int64)[seq]
+        if cp_size > 1 and cu_seqlens.device.type == "cpu" and bool((((end - start) % 2 != 0) & inside).any()):
+            raise ValueError(f"`cu_seqlens` must give every sequence a length divisible by 2 * cp_size = "
+                             f"{2 * cp_size}, got {cu_seqlens.tolist()}")
+        pos = torch.where(inside, pos, torch.zeros_like(pos))
+        shape = (t.shape[0], 1, rows.shape[-1])
+    else:
+        seq_dim = 0 if tensor_format == "sbhd" else 1
+        length = t.shape[seq_dim]
+        if cp_size > 1 and length % 2:
+            raise ValueError(f"`t`'s sequence length must be even with cp_size > 1, got {length}")
+        pos = _cp_positions(torch.arange(length, device=device), torch.tensor(length, device=device), cp_size, cp_rank)
+        pos = pos[:, None]  # [s, 1]
+        if start_positions is not None:
+            pos = pos + start_positions.to(device=device, dtype=torch.int64)[None, :]  # [s, b]
+        inside = None
+        if tensor_format == "bshd":
+            pos = pos.t()
+        shape = pos.shape + (1, rows.shape[-1])
+    if pos.device.type == "cpu" and pos.numel() and int(pos.max()) >= rows.shape[0]:
+        raise ValueError(f"`freqs` must have at least {int(pos.max()) + 1} positions for these tokens, "
+                         f"got {rows.shape[0]}")
+    angle = rows[pos.reshape(-1)].reshape(shape)
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    if inside is not None:  # rows after the last sequence pass through
+        keep = inside.reshape(-1, 1, 1)
+        cos = torch.where(keep, cos, torch.ones_like(cos))
+        sin = torch.where(keep, sin, torch.zeros_like(sin))
+    return cos, sin
+
+
+def apply_rotary_pos_emb(
+    t: torch.Tensor,
+    freqs: torch.Tensor,
+    tensor_format: str = "sbhd",
+    start_positions: Optional[torch.Tensor] = None,
+    interleaved: bool = False,
+    fused: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+) -> torch.Tensor:
+    """Rotates ``t`` ([s, b, h, d], [b, s, h, d] or [t, h, d] by ``tensor_format``) by the angles
+    ``freqs`` ([s2, 1, 1, d2], d2 <= d): see the module docstring for positions, ``start_positions``
+    ([b], per-sequence offsets), ``cu_seqlens`` ([b + 1], thd; the padded boundaries with CP) and
+    ``cp_size``/``cp_rank``. Returns a tensor of t's shape and dtype; differentiable in ``t``.
+    ``fused`` selects the same computation (TransformerEngine's switch; results are equal)."""
+    del fused
+    _check_args(t, freqs, tensor_format, interleaved, cu_seqlens, cp_size, cp_rank)
+    cos, sin = _angles(t, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
+    return _RotaryFunction.apply(t, cos, sin, bool(interleaved))

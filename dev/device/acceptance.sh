@@ -52,13 +52,13 @@ PT=tests/pytorch; JX=tests/jax
 unit_spec() {
   case "$1" in
     # On by default and never run on a GPU before: the d=64 capped chunked forward, the module refactor, the
-    # unfused path's pair-tree sums, the decode host path, the KV cache and paged rows, graph capture.
-    pt_default) echo "|-n $W $PT/test_split_kv.py $PT/test_te_modules.py $PT/test_unfused_invariance.py $PT/test_kv_cache.py $PT/test_kv_cache_host.py $PT/test_paged_kv.py $PT/test_cuda_graph_capture.py $PT/test_signature_cache.py $PT/test_launch_cache.py $PT/test_host_sync.py $PT/test_max_logit.py" ;;
+    # unfused path's pair-tree sums, the decode host path and its captured steps, the KV cache and paged rows.
+    pt_default) echo "|-n $W $PT/test_split_kv.py $PT/test_te_modules.py $PT/test_unfused_invariance.py $PT/test_kv_cache.py $PT/test_kv_cache_host.py $PT/test_paged_kv.py $PT/test_cuda_graph_capture.py $PT/test_signature_cache.py $PT/test_launch_cache.py $PT/test_host_sync.py $PT/test_max_logit.py $PT/test_decode_capture.py" ;;
     # THD + Striped context parallelism on one GPU (the file asks for no xdist workers).
     cp_one_gpu) echo "|$PT/test_context_parallel_one_gpu.py" ;;
     l3) echo "NVTE_ALLOW_NONDETERMINISTIC_ALGO=0|-n $W $(ls tests/*/test_*determinism*.py | tr '\n' ' ')" ;;
     jax) echo "|-n $W $(ls $JX/test_*.py | grep -v determinism | tr '\n' ' ')" ;;
-    pt_rest) echo "|-n $W $(ls $PT/test_*.py | grep -v -E 'determinism|test_split_kv|test_te_modules|test_unfused_invariance|test_kv_cache|test_paged_kv|test_cuda_graph_capture|test_signature_cache|test_launch_cache|test_host_sync|test_max_logit|test_context_parallel_one_gpu|megatron' | tr '\n' ' ')" ;;
+    pt_rest) echo "|-n $W $(ls $PT/test_*.py | grep -v -E 'determinism|test_split_kv|test_te_modules|test_unfused_invariance|test_kv_cache|test_paged_kv|test_cuda_graph_capture|test_signature_cache|test_launch_cache|test_host_sync|test_max_logit|test_decode_capture|test_context_parallel_one_gpu|megatron' | tr '\n' ' ')" ;;
     clients) echo "|$PT/test_megatron_inference.py $PT/test_megatron_gpt.py $PT/test_dpa_megatron.py" ;;
     l3_sm80) echo "NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 NVTE_FUSED_ATTN_PLAN_ARCH=sm80|-n $W tests/pytorch/test_fused_attn_determinism.py tests/jax/test_jax_determinism.py" ;;
     l3_gfx942) echo "NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 NVTE_FUSED_ATTN_PLAN_ARCH=gfx942|-n $W tests/pytorch/test_fused_attn_determinism.py tests/jax/test_jax_determinism.py" ;;

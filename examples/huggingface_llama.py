@@ -1,6 +1,6 @@
 """A Hugging Face Llama on this project's attention: deterministic training, twice, bit for bit.
 
-    pip install "deterministic-attention[hf]"    # transformers
+    pip install ".[hf]"                           # transformers, from the repository's root
     python examples/huggingface_llama.py          # GPU if there is one, else CPU
 
 The model is built from a small config (no download). For a pretrained one, pass the same

@@ -408,6 +408,29 @@ def test_readme_has_exactly_two_commands():
     assert "qa/" in commands[1]
 
 
+JAX_RECIPE = ('pip install -r requirements/jax.txt && NVTE_FRAMEWORK=jax pip install --no-build-isolation ".[jax]" '
+              "&& python -m transformer_engine.jax.determinism_check")
+
+
+def test_install_recipes_agree():
+    """One JAX install recipe, word for word, in README, requirements/jax.txt and docs/installation.rst; the
+    PyTorch one there is README's command 1."""
+    for path in ("README.md", "requirements/jax.txt", "docs/installation.rst"):
+        assert JAX_RECIPE in (ROOT / path).read_text(encoding="utf-8"), f"{path} must give the JAX recipe {JAX_RECIPE!r}"
+    assert _readme_commands()[0] in (ROOT / "docs" / "installation.rst").read_text(encoding="utf-8")
+
+
+def test_no_install_line_fetches_the_package_from_an_index():
+    """The package is on no package index: every ``pip install`` the README, docs and examples give installs it
+    from the checkout (``"."``, ``".[jax]"``, ``-e .``), never by its distribution name."""
+    files = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.rst")), *sorted((ROOT / "examples").rglob("*.py")),
+             *sorted((ROOT / "requirements").glob("*.txt"))]
+    bad = [f"{path.relative_to(ROOT)}: {line.strip()}" for path in files
+           for line in path.read_text(encoding="utf-8").splitlines()
+           if re.search(r"pip install\b.*deterministic[-_]attention", line)]
+    assert not bad, bad
+
+
 def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert _readme_commands()[1] in ci.splitlines(), ".ci/run must run the README's test command verbatim"

@@ -44,6 +44,40 @@ def test_command_reports_bitwise_equal_runs(tmp_path):
     for line in REPORT_LINES:
         assert line in proc.stdout, proc.stdout
     assert "step 2/" in proc.stderr  # the progress display
+    if not ON_GPU:  # it says what it checked, and the fallback's reason once, in one wording
+        assert "not the fused Triton kernels" in proc.stdout and "--fused-interpreter" in proc.stdout
+        said = proc.stdout + proc.stderr
+        assert said.count("using UnfusedDotProductAttention") == 1, said
+        assert "Deterministic attention requested; no fused backend supports this call" in said
+
+
+@pytest.mark.skipif(ON_GPU, reason="the CPU surface of the check (on a GPU the kernels run natively)")
+def test_fused_interpreter_flag_runs_the_fused_kernels_on_cpu(tmp_path):
+    """--fused-interpreter: the fused primitives lower to the Triton kernels under the interpreter (a child with
+    TRITON_INTERPRET=1 and NVTE_JAX_TRITON_INTERPRET=1), every call selects them, and the runs are bitwise equal."""
+    pytest.importorskip("torch", reason="Triton's interpreter reads torch CPU tensors")
+    proc, report = run_command(determinism_check.__name__, [*TINY, "--fused-interpreter", "--quiet"], tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert report["backends"] == ["FusedAttention"], report["backends"]
+    assert report["bitwise_identical"] is True
+    assert "(Triton interpreter)" in proc.stdout
+    assert "fused Triton kernels ran under Triton's interpreter" in proc.stdout
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--dtype", "bfloat16"], "bfloat16 dots"),
+    (["--device", "gpu"], "runs on CPU"),
+])
+def test_fused_interpreter_refuses_what_the_interpreter_cannot_check(monkeypatch, capsys, args, words):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # in this process, not a child
+    assert determinism_check.main([*TINY, "--fused-interpreter", *args]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_fused_interpreter_flag_in_help(capsys):
+    with pytest.raises(SystemExit):
+        determinism_check.main(["--help"])
+    assert "--fused-interpreter" in capsys.readouterr().out
 
 
 def test_bad_arguments_exit_2(capsys):

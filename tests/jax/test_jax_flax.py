@@ -132,6 +132,27 @@ def test_fallback_to_unfused_is_logged_once_with_the_reason(monkeypatch):
         module.apply({}, q, k, v)
     finally:
         logger.removeHandler(handler)
-    fallbacks = [m for m in records if "fused attention kernel is unavailable" in m]
+    fallbacks = [m for m in records if "fused backend supports this call" in m]
     assert len(fallbacks) == 1, records
-    assert "CUDA" in fallbacks[0] and "UnfusedDotProductAttention" in fallbacks[0]
+    assert "CUDA" in fallbacks[0] and "using UnfusedDotProductAttention" in fallbacks[0]
+
+
+@pytest.mark.skipif(jax.devices()[0].platform != "cpu", reason="on CPU the fused kernel is unavailable")
+def test_deterministic_training_fallback_is_reported_once_in_one_wording(monkeypatch):
+    """Selection reports a deterministic training call's fallback; the module does not say it again."""
+    monkeypatch.setattr(te_log, "_warned_once", set())
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("transformer_engine")
+    logger.addHandler(handler)
+    try:
+        q, k, v = random_qkv(jax.random.PRNGKey(0), B, S, S, H, G, D, D, jnp.float32)
+        module = DotProductAttention(head_dim=D, num_attention_heads=H, num_gqa_groups=G)
+        jax.grad(lambda q: module.apply({}, q, k, v).sum())(q)
+    finally:
+        logger.removeHandler(handler)
+    fallbacks = [m for m in records if "UnfusedDotProductAttention" in m and "Reasons" in m]
+    assert len(fallbacks) == 1, records
+    assert fallbacks[0].startswith("Deterministic attention requested; no fused backend supports this call")

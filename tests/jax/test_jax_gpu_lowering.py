@@ -38,8 +38,8 @@ KINDS = ("buffer", "i32", "i64", "f32", "null")
 from transformer_engine.common.attention.kernels.forward import attn_fwd_kernel  # noqa: E402
 
 # Under TRITON_INTERPRET=1 (set for the PyTorch CPU suites) @triton.jit gives interpreted
-# functions, which cannot be compiled; JAX never interprets Triton, so these tests then run in a
-# child process without the variable.
+# functions, which cannot be compiled (JAX runs them only with NVTE_JAX_TRITON_INTERPRET=1, on CPU), so these
+# tests then run in a child process without the variable.
 INTERPRETED = not isinstance(attn_fwd_kernel, triton.runtime.jit.JITFunction)
 compiles = pytest.mark.skipif(INTERPRETED, reason="kernels loaded for the interpreter: run in the child process")
 

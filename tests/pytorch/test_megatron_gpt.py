@@ -368,3 +368,17 @@ class _count_calls:  # noqa: N801 - a context manager used like a function
 
     def __exit__(self, *exc):
         setattr(self.module, self.name, self.original)
+
+
+def test_documented_example_runs_as_written():
+    """examples/megatron_gpt.py, which docs/megatron.rst includes whole, run as a user runs it."""
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "NVTE_ALLOW_NONDETERMINISTIC_ALGO")}
+    env["PYTHONPATH"] = os.pathsep.join([repo] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    proc = subprocess.run([sys.executable, os.path.join(repo, "examples", "megatron_gpt.py")], capture_output=True,
+                          text=True, env=env, cwd=repo, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "two runs bitwise equal: True" in proc.stdout, proc.stdout

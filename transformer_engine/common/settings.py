@@ -155,6 +155,11 @@ _DECLARED = (
         "Triton's interpreter (CPU) wherever the head dim allows, so that CPU tests run the split kernels; GPU "
         "plans ignore it.",
     ),
+    EnvVar(
+        "NVTE_JAX_TRITON_INTERPRET", "bool", False,
+        "1 lowers JAX's fused attention on CPU to the Triton kernels under Triton's interpreter (with TRITON_INTERPRET=1 "
+        "set before their first import, and torch installed; slow) instead of jnp math; read when a call is lowered.",
+    ),
     EnvVar("NVTE_DEBUG", "bool", False,
            "1 enables debug logging of attention backend selection and fused attention plans."),
     EnvVar(

@@ -151,11 +151,22 @@ def _frontend_extra(device_type: str, attn_bias_type: _common.AttnBiasType, drop
         device_type, attn_bias_type, dropout, is_training, offset_sequences, vendor)
 
 
+def _interpreting() -> bool:
+    """NVTE_JAX_TRITON_INTERPRET (primitives.interpret), read without importing the kernels' modules."""
+    return bool(settings.get("NVTE_JAX_TRITON_INTERPRET"))
+
+
 def _fused_extra(device_type: str, attn_bias_type: _common.AttnBiasType, dropout: float, is_training: bool,
                  offset_sequences: bool, vendor: str) -> Tuple[Tuple[str, str], ...]:
+    if device_type == "cpu" and _interpreting():
+        from transformer_engine.jax.primitives import interpret
+
+        reason = interpret.unavailable_reason()
+        return ((FusedAttention.NAME, reason),) if reason else ()
     if device_type != "cuda":
         return ((FusedAttention.NAME, f"device={device_type}: JAX launches the Triton kernels on CUDA GPUs only "
-                 "(on CPU the fused primitives lower to jnp, for tests)"),)
+                 "(on CPU the fused primitives lower to jnp, for tests; NVTE_JAX_TRITON_INTERPRET=1 runs the "
+                 "kernels under Triton's interpreter)"),)
     if vendor != "nvidia":
         return ((FusedAttention.NAME, f"vendor={vendor} (ROCm): JAX launches the Triton kernels through its XLA FFI "
                  "extension (csrc/triton_launch.cpp), which loads CUDA cubins on CUDA streams only; the kernels "
@@ -201,7 +212,7 @@ def _make_config(*, dtype, bias_shape: Optional[Sequence[int]],
         framework="jax",
         device_type=device_type,
         **facts,
-        triton_interpret=False,
+        triton_interpret=device_type == "cpu" and _interpreting(),
         extra=extra,
         **fields,
     )

@@ -1,6 +1,7 @@
 """Is JAX training with our attention bitwise reproducible here? Train a small transformer twice and compare.
 
     python -m transformer_engine.jax.determinism_check [--steps N] [--seq-len S] [--device auto|cpu|gpu]
+    python -m transformer_engine.jax.determinism_check --fused-interpreter   # the fused kernels, on CPU
 
 The JAX half of the project's determinism check (the PyTorch half is
 ``transformer_engine.pytorch.determinism_check``; same options where they apply, same report and
@@ -18,6 +19,12 @@ requested the check adds that flag to ``XLA_FLAGS`` before JAX starts (``--no-xl
 ``XLA_FLAGS`` alone, to see what attention alone guarantees). The flag also selects our
 deterministic attention backward by itself.
 
+On CPU attention runs unfused (jnp math), so the check is of the training loop, not of the fused
+kernels; the report says so. ``--fused-interpreter`` runs the fused Triton kernels on CPU under Triton's
+interpreter (``TRITON_INTERPRET=1`` and ``NVTE_JAX_TRITON_INTERPRET=1``, in a child process; torch must be
+installed, as the interpreter reads torch CPU tensors), at small default shapes, in float32 or float16, and
+requires every call to select them (as ``--expect-backend fused``). On a GPU the fused kernels run natively.
+
 Exit status: 0 when the runs agree (or determinism was not requested), 1 when determinism was
 requested and not met, 3 when ``--expect-backend`` names a backend that was not selected, 2 for
 bad arguments or a configuration no backend can run.
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 import sys
 import time
@@ -42,7 +50,12 @@ from transformer_engine.common.settings import environment
 __all__ = ["main", "run_check", "CheckResult"]
 
 _XLA_DETERMINISTIC = "--xla_gpu_deterministic_ops=true"
-_DEFAULTS = {"gpu": report.GPU_DEFAULTS, "cpu": report.CPU_DEFAULTS}
+_DEFAULTS = {
+    "gpu": report.GPU_DEFAULTS,
+    "cpu": report.CPU_DEFAULTS,
+    # The Triton interpreter executes every program instance in Python: tiny shapes only.
+    "cpu-interpret": dict(report.CPU_DEFAULTS, seq_len=32, steps=3),
+}
 
 
 # -- one training run ------------------------------------------------------------------------------
@@ -116,9 +129,40 @@ def _parser() -> argparse.ArgumentParser:
         device_help="auto, cpu or gpu",
         nondeterministic_help="do not request determinism (NVTE_ALLOW_NONDETERMINISTIC_ALGO=1, XLA_FLAGS untouched)",
         expect_backends=("fused", "unfused"),
-        determinism_options=[("--no-xla-flag", dict(
-            action="store_true", help=f"do not add {_XLA_DETERMINISTIC} to XLA_FLAGS (attention's switch only)"))],
+        determinism_options=[
+            ("--no-xla-flag", dict(
+                action="store_true", help=f"do not add {_XLA_DETERMINISTIC} to XLA_FLAGS (attention's switch only)")),
+            ("--fused-interpreter", dict(
+                action="store_true",
+                help="run the fused Triton kernels on CPU under Triton's interpreter (TRITON_INTERPRET=1, "
+                     "NVTE_JAX_TRITON_INTERPRET=1; needs torch; slow, so small shapes by default; float32 or float16)")),
+        ],
     )
+
+
+def _interpreting() -> bool:
+    """Whether this process loads the kernels for Triton's interpreter (TRITON_INTERPRET=1, read by Triton)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _rerun_interpreted(argv: Sequence[str]) -> int:
+    """This command again in a child with TRITON_INTERPRET=1: Triton reads it when kernels are defined."""
+    import subprocess
+
+    env = dict(os.environ, TRITON_INTERPRET="1", NVTE_JAX_TRITON_INTERPRET="1")
+    return subprocess.call([sys.executable, "-m", "transformer_engine.jax.determinism_check", *argv], env=env)
+
+
+def _what_is_checked(backends: Sequence[str], platform: str, interpret: bool) -> str:
+    """One line that says which attention code the runs exercised."""
+    if backends == [report.BACKEND_NAMES["unfused"]] and platform == "cpu":
+        return ("NOTE: on CPU every attention call ran UnfusedDotProductAttention (jnp math), so this checked "
+                "the training loop's reproducibility, not the fused Triton kernels. Add --fused-interpreter to run "
+                "those on CPU under Triton's interpreter, or run on a GPU.")
+    if report.BACKEND_NAMES["fused"] in backends and interpret:
+        return ("NOTE: the fused Triton kernels ran under Triton's interpreter on CPU: same kernels and launch "
+                "order as on a GPU, executed in Python; times are not GPU times.")
+    return ""
 
 
 def _request_xla_determinism() -> None:
@@ -146,6 +190,17 @@ def run_check(args: argparse.Namespace, out=None, err=None) -> CheckResult:
     """Run the check for parsed ``args``; the header goes to ``out``, progress to ``err`` (default: stdout, stderr)."""
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
+    interpret = getattr(args, "fused_interpreter", False)
+    if interpret:
+        if args.device not in ("auto", "cpu"):
+            raise ValueError(f"`--fused-interpreter` runs on CPU, got `--device {args.device}`")
+        if args.dtype == "bfloat16":
+            raise ValueError("`--fused-interpreter` needs `--dtype float32` or `float16`: Triton's interpreter "
+                             "computes bfloat16 dots wrongly")
+        if importlib.util.find_spec("torch") is None:
+            raise ValueError("`--fused-interpreter` needs torch installed: Triton's interpreter reads torch CPU tensors")
+        args.device = "cpu"
+        args.expect_backend = args.expect_backend or "fused"
     deterministic = not args.nondeterministic
     if deterministic and not args.no_xla_flag:
         _request_xla_determinism()
@@ -155,7 +210,9 @@ def run_check(args: argparse.Namespace, out=None, err=None) -> CheckResult:
     from transformer_engine.jax.flax.models import TinyConfig
 
     device = _resolve_device(args.device)
-    report.apply_defaults(args, _DEFAULTS["gpu" if device.platform == "gpu" else "cpu"])
+    interpret = interpret and device.platform == "cpu"
+    report.apply_defaults(args, _DEFAULTS["gpu" if device.platform == "gpu" else
+                                          "cpu-interpret" if interpret else "cpu"])
     cfg = TinyConfig(
         hidden_size=args.hidden_size, num_layers=args.layers, num_attention_heads=args.num_heads,
         num_gqa_groups=args.gqa_groups, window_size=(args.window, 0), dtype=jnp.dtype(args.dtype),
@@ -167,10 +224,12 @@ def run_check(args: argparse.Namespace, out=None, err=None) -> CheckResult:
     if deterministic and "xla_gpu_deterministic_ops" in xla_flags:
         how.append("XLA_FLAGS " + _XLA_DETERMINISTIC)
     out.write(report.header("Determinism check (JAX)", args, head_dim=cfg.head_dim, qkv_format="bshd",
-                            device=str(device), deterministic=deterministic, how=how))
+                            device=f"{device}{' (Triton interpreter)' if interpret else ''}",
+                            deterministic=deterministic, how=how))
     out.flush()
 
-    with environment(NVTE_ALLOW_NONDETERMINISTIC_ALGO="1" if args.nondeterministic else "0"):
+    interpreted = {"NVTE_JAX_TRITON_INTERPRET": "1"} if interpret else {}
+    with environment(NVTE_ALLOW_NONDETERMINISTIC_ALGO="1" if args.nondeterministic else "0", **interpreted):
         run1 = _train("run 1", cfg, args, device, progress)
         run2 = _train("run 2", cfg, args, device, progress)
         reference = reference_fp32 = None
@@ -182,12 +241,20 @@ def run_check(args: argparse.Namespace, out=None, err=None) -> CheckResult:
                                             dataclasses.replace(cfg, dtype=jnp.dtype("float32")),
                                             argparse.Namespace(**dict(vars(args), steps=1)), device, progress)
 
-    return report.check_result(args, run1, run2, reference, device=f"{device.platform}:{device.id}",
-                               qkv_format="bshd", deterministic=deterministic, extra={"xla_flags": xla_flags},
-                               framework="jax", reference_fp32=reference_fp32)
+    result = report.check_result(args, run1, run2, reference, device=f"{device.platform}:{device.id}",
+                                 qkv_format="bshd", deterministic=deterministic, extra={"xla_flags": xla_flags},
+                                 framework="jax", reference_fp32=reference_fp32)
+    note = _what_is_checked(result.backends, device.platform, interpret)
+    if note:
+        result.message += "\n" + note
+    return result
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--fused-interpreter" in argv and not _interpreting():
+        _parser().parse_args(argv)  # bad arguments fail here, before a child is started
+        return _rerun_interpreted(argv)
     return report.main(_parser(), run_check, argv)
 
 

@@ -341,10 +341,21 @@ class Selection:
 
     backend: Type[AttentionBackend]
     rejected: Dict[str, List[str]] = field(default_factory=dict)
+    # Whether selection warned of a deterministic training call falling back from the fused backends
+    # (fallback_message), so that a frontend does not say it a second time.
+    fallback_reported: bool = False
 
     @property
     def name(self) -> str:
         return self.backend.NAME
+
+
+def fallback_message(chosen: str, fused_reasons: Dict[str, List[str]], deterministic: bool) -> str:
+    """The one wording of "no fused backend runs this call": the backend used instead and each fused backend's
+    reasons."""
+    head = "Deterministic attention requested; no" if deterministic else "No"
+    return (f"{head} fused backend supports this call, using {chosen}. Reasons: "
+            + "; ".join(f"{n}: {', '.join(r)}" for n, r in fused_reasons.items()))
 
 
 def _disabled_reason(backend: Type[AttentionBackend]) -> Optional[str]:
@@ -409,10 +420,8 @@ def select_backend(
             if not any(reason.startswith("disabled by") for reason in r) and by_name[name].IS_FUSED
         }
         if fused_reasons:
-            warn_once(
-                f"det-fallback:{config.describe()}",
-                f"Deterministic attention requested; no fused backend supports this call, using {chosen.NAME}. "
-                f"Reasons: " + "; ".join(f"{n}: {', '.join(r)}" for n, r in fused_reasons.items()),
-            )
+            warn_once(f"det-fallback:{config.describe()}", fallback_message(chosen.NAME, fused_reasons, True))
+            logger.info("Selected backend = %s", chosen.NAME)
+            return Selection(chosen, rejected, fallback_reported=True)
     logger.info("Selected backend = %s", chosen.NAME)
     return Selection(chosen, rejected)

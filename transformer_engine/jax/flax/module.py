@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_engine.common.attention import enums as _common
+from transformer_engine.common.attention.backends import fallback_message
 from transformer_engine.common.log import get_logger, warn_once
 from transformer_engine.jax import attention as _attention
 from transformer_engine.jax.attention import SequenceDescriptor
@@ -284,12 +285,10 @@ class DotProductAttention(nn.Module):
             softmax_offset=softmax_offset,
         ))
         fused_reasons = selection.rejected.get(_attention.FusedAttention.NAME)
-        if fused_reasons and not selection.backend.IS_FUSED:  # flash-attn-4 in its place is no fallback
-            text = "; ".join(fused_reasons)
-            warn_once(
-                f"flax-dpa-fallback:{text}",
-                f"DotProductAttention: the fused attention kernel is unavailable ({text}); using "
-                f"{selection.name}.",
-            )
+        # flash-attn-4 in its place is no fallback; a deterministic training call's fallback was reported by the
+        # selection, in the same words.
+        if fused_reasons and not selection.backend.IS_FUSED and not selection.fallback_reported:
+            reasons = {_attention.FusedAttention.NAME: fused_reasons}
+            warn_once(f"flax-dpa-fallback:{reasons}", fallback_message(selection.name, reasons, False))
         get_logger().debug("DotProductAttention ran %s", selection.name)
         return out

@@ -229,8 +229,25 @@ def _bwd_abstract(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, 
 # Lowering
 # ================================================================================================
 
-_fwd_cpu_lowering = mlir.lower_fun(_fwd_impl, multiple_results=True)
-_bwd_cpu_lowering = mlir.lower_fun(_bwd_impl, multiple_results=True)
+_fwd_jnp_lowering = mlir.lower_fun(_fwd_impl, multiple_results=True)
+_bwd_jnp_lowering = mlir.lower_fun(_bwd_impl, multiple_results=True)
+
+
+def _fwd_cpu_lowering(ctx, *args, static):
+    """The jnp math, or with NVTE_JAX_TRITON_INTERPRET=1 the Triton kernels under the interpreter (primitives.interpret)."""
+    from transformer_engine.jax.primitives import interpret
+
+    if interpret.interpreting():
+        return interpret.fwd_lowering(ctx, *args, static=static)
+    return _fwd_jnp_lowering(ctx, *args, static=static)
+
+
+def _bwd_cpu_lowering(ctx, *args, static):
+    from transformer_engine.jax.primitives import interpret
+
+    if interpret.interpreting():
+        return interpret.bwd_lowering(ctx, *args, static=static)
+    return _bwd_jnp_lowering(ctx, *args, static=static)
 
 
 def _fwd_cuda_lowering(ctx, *args, static):

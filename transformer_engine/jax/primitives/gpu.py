@@ -211,6 +211,15 @@ class Program:
                 words += [kind, value]
         return np.asarray(words, np.int64), np.frombuffer(bytes(blob), np.uint8).copy()
 
+    def add_launches(self, described, buffers: Dict[str, "Buf"]) -> None:
+        """Compile each described launch (``launch_description.Launch``) for this GPU and add it."""
+        target = _cuda_target()
+        for launch in described:
+            values = launch.bind(buffers)
+            args = {name: Pointer(jnp.dtype(self.dtype_of(value.index)).name) if isinstance(value, Buf) else value
+                    for name, value in values.items()}
+            self.launch(compile_kernel(launch.kernel, args, launch.options, target), launch.grid, values)
+
     def call(self, *operands):
         program, blob = self.encode()
         return jax.ffi.ffi_call(FFI_TARGET, self.results)(*operands, program=program, blob=blob)
@@ -253,15 +262,16 @@ def _check_supported(static, segments_per_row: int) -> None:
 
 
 def launch_call(static, shapes: Dict[str, Sequence[int]], dtype, num_seqs: int, bias_shape: Optional[Sequence[int]],
-                compute_capability: Tuple[int, int], segments_per_row: int = 1, max_k: Optional[int] = None,
-                page_size: int = 0, page_table_stride: int = 0, page_rows: int = 0) -> launch_description.Call:
+                compute_capability: Optional[Tuple[int, int]], segments_per_row: int = 1, max_k: Optional[int] = None,
+                page_size: int = 0, page_table_stride: int = 0, page_rows: int = 0,
+                device: Optional[Dict[str, object]] = None) -> launch_description.Call:
     """The launch description's view of a call (``static``: its parameters) on contiguous ``[b, s, h, d]``
     buffers (``shapes`` by slot name: q, k, v, out, and d_out, dq, dk, dv for the backward) of ``num_seqs``
     kernel sequences; ``segments_per_row``: the packed mode's sequences per row (max_segments_per_seq), whose
     lengths only the device knows: the kernels then cover each row's blocks (launch_description.Call).
     A paged KV cache (``page_size`` > 0): k and v are the cache's rows ``[1, pages * page_size, h_kv, d]``
     (``page_rows`` of them), ``max_k`` the keys a sequence's page table row holds and ``page_table_stride`` that
-    row's length."""
+    row's length. ``device``: other device facts than this CUDA GPU's (the interpreter's: primitives.interpret)."""
     q, k, v = shapes["q"], shapes["k"], shapes["v"]
     bias = None
     if bias_shape is not None:
@@ -273,7 +283,8 @@ def launch_call(static, shapes: Dict[str, Sequence[int]], dtype, num_seqs: int, 
         packed=_uses_packed_mode(static),
         has_seqlens=_uses_packed_mode(static),
         views={name: launch_description.View(_strides(shape)) for name, shape in shapes.items()},
-        lse_strides=(q[2] * q[1], q[1]), device=dict(device_type="cuda", compute_capability=compute_capability),
+        lse_strides=(q[2] * q[1], q[1]),
+        device=device if device is not None else dict(device_type="cuda", compute_capability=compute_capability),
         bias=bias, segments_per_row=segments_per_row, page_size=page_size, page_table_stride=page_table_stride,
         page_rows=page_rows,
     )
@@ -306,22 +317,13 @@ def _operands(static, named: List[Tuple[str, object]], seqs, bias, softmax_offse
     return operands, buffers
 
 
-def _run(prog: Program, described, buffers: Dict[str, "Buf"]) -> None:
-    """Compile each described launch for this GPU and add it to ``prog``."""
-    target = _cuda_target()
-    for launch in described:
-        values = launch.bind(buffers)
-        args = {name: Pointer(jnp.dtype(prog.dtype_of(value.index)).name) if isinstance(value, Buf) else value
-                for name, value in values.items()}
-        prog.launch(compile_kernel(launch.kernel, args, launch.options, target), launch.grid, values)
-
-
 # ================================================================================================
 # Forward
 # ================================================================================================
 
 
-def _fwd_impl(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds, softmax_offset, *, static):
+def _fwd_impl(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds, softmax_offset, *, static,
+              program=Program, device=None):
     b, s_q, hq, dqk = q.shape
     s_kv, dv = k.shape[1], v.shape[3]
     m = q_seqlens.shape[1]
@@ -331,7 +333,7 @@ def _fwd_impl(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds
     operands, buffers = _operands(static, [("q", q), ("k", k), ("v", v)], seqs, bias, softmax_offset,
                                   static.softmax_type.has_sink)
     nseq = b * m if packed else b
-    prog = Program([jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands])
+    prog = program([jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands])
     o = prog.result((b, s_q, hq, dv), q.dtype)
     lse = prog.result((nseq, hq, s_q), jnp.float32)
     # return_max_logit: each row's max logit, laid out as lse (-inf where a row sees no key)
@@ -345,12 +347,13 @@ def _fwd_impl(q, k, v, bias, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds
     if row_max is not None:
         buffers["row_max"] = Buf(row_max)
     call = launch_call(static, dict(q=q.shape, k=k.shape, v=v.shape, out=(b, s_q, hq, dv)), q.dtype, nseq,
-                       bias.shape if static.has_bias else None, _compute_capability(), m if packed else 1)
+                       bias.shape if static.has_bias else None, None if device else _compute_capability(),
+                       m if packed else 1, device=device)
     workspace = launch_description.split_kv(call)
     if workspace is not None:  # split-KV: the chunks' states (fp32 workspace results, not returned)
         buffers.update(part_o=Buf(prog.result((workspace.part_o_size,), jnp.float32)),
                        part_ml=Buf(prog.result((workspace.part_ml_size,), jnp.float32)))
-    _run(prog, launch_description.forward_launches(call), buffers)
+    prog.add_launches(launch_description.forward_launches(call), buffers)
     results = prog.call(*operands)
     out, lse_out = results[:2]
     if row_max is None:
@@ -394,7 +397,7 @@ def _paged_fwd_impl(q, k_pages, v_pages, page_table, q_seqlens, kv_seqlens, q_of
     if workspace is not None:  # split-KV: the chunks' states (fp32 workspace results, not returned)
         buffers.update(part_o=Buf(prog.result((workspace.part_o_size,), jnp.float32)),
                        part_ml=Buf(prog.result((workspace.part_ml_size,), jnp.float32)))
-    _run(prog, launch_description.forward_launches(call), buffers)
+    prog.add_launches(launch_description.forward_launches(call), buffers)
     out, lse_out = prog.call(*operands)[:2]
     return out, lse_out.reshape(b, m, hq, s_q)
 
@@ -405,7 +408,7 @@ def _paged_fwd_impl(q, k_pages, v_pages, page_table, q_seqlens, kv_seqlens, q_of
 
 
 def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_offsets, kv_offsets, seeds,
-              softmax_offset, *, static):
+              softmax_offset, *, static, program=Program, device=None):
     b, s_q, hq, dqk = q.shape
     s_kv = k.shape[1]
     m = q_seqlens.shape[1]
@@ -417,7 +420,7 @@ def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_of
     sink_grad = static.softmax_type.is_learnable
     named = [("q", q), ("k", k), ("v", v), ("out", out), ("d_out", dout), ("lse", lse_in)]
     operands, buffers = _operands(static, named, seqs, bias, softmax_offset, sink_grad)
-    prog = Program([jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands])
+    prog = program([jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands])
     # Gradients the call does not ask for (static.backward_grads) are no results: zeros outside the program.
     grads = static.backward_grads
     dq = prog.result(q.shape, q.dtype) if grads.has_dq else None
@@ -439,9 +442,9 @@ def _bwd_impl(q, k, v, bias, out, dout, softmax_aux, q_seqlens, kv_seqlens, q_of
     shapes = dict(q=q.shape, k=k.shape, v=v.shape, out=out.shape, d_out=dout.shape, dq=q.shape, dk=k.shape,
                   dv=v.shape)
     call = launch_call(static, shapes, q.dtype, nseq, bias.shape if static.has_bias else None,
-                       _compute_capability(), m if packed else 1)
-    _run(prog, launch_description.backward_launches(call, bias_grad=static.has_bias, sink_grad=sink_grad, grads=grads),
-         buffers)
+                       None if device else _compute_capability(), m if packed else 1, device=device)
+    prog.add_launches(launch_description.backward_launches(call, bias_grad=static.has_bias, sink_grad=sink_grad,
+                                                           grads=grads), buffers)
 
     results = prog.call(*operands)
     dq_out, dk_out, dv_out = (results[index - len(operands)] if index is not None else jnp.zeros(x.shape, x.dtype)

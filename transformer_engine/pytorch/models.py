@@ -83,7 +83,9 @@ class TinyTransformerLM(torch.nn.Module):
         if self.cfg.qkv_format == "sbhd":
             x = x.transpose(0, 1)
         for layer in self.layers:
-            x = layer(x, inference_params=inference_params)
+            # Layers called plainly outside a KV-cache step, so wrappers that take one tensor (activation
+            # checkpointing, FSDP) keep working.
+            x = layer(x) if inference_params is None else layer(x, inference_params=inference_params)
         logits = self.head(self.ln_f(x))
         return logits.transpose(0, 1) if self.cfg.qkv_format == "sbhd" else logits
 

@@ -90,7 +90,7 @@ from transformer_engine.jax.primitives.attention import FusedAttnStatic, fused_a
 from transformer_engine.jax.sharding import batch_axes, global_mesh_resource, head_axes
 
 __all__ = ["ContextParallel", "resolve_context_parallel", "check_context_parallel_supported",
-           "context_parallel_attention", "descriptor_in_global_order", "make_plan", "tile_alignment", "rank_forward",
+           "context_parallel_attention", "replicated_attention", "descriptor_in_global_order", "make_plan", "tile_alignment", "rank_forward",
            "rank_backward", "unsupported_reasons"]
 
 
@@ -606,6 +606,82 @@ _thd_cp_attention.defvjp(_thd_cp_attention_fwd, _thd_cp_attention_bwd)
 
 
 # ================================================================================================
+# The unfused backend under context parallelism (what the CPU selects): whole rows on every rank
+# ================================================================================================
+#
+# The unfused backend's fixed reduction structure sums every query or key from position 0 of its
+# sequence, so a row subset would change its trees: each rank gathers the rows and runs the backend's
+# own call on them, keeping its rows, in the forward and (recomputing) in the backward. Each result is
+# then the single call's, whatever the cp size, at the single call's cost on every rank.
+
+
+def _whole_seq(seq: Optional[SeqInfo], q, cp: ContextParallel, thd: bool) -> SeqInfo:
+    """The gathered rows' segments: ``seq`` (THD, global order) or one segment of the whole sequence."""
+    if thd:
+        return seq
+    n = q.shape[1] * cp.size
+    return full_seq_info(q.shape[0], n, n)
+
+
+def _replicated_forward(attend, cp, thd, max_axes, q, k, v, seq):
+    q_all, k_all, v_all = (_gather(x, cp, 1, thd) for x in (q, k, v))
+    seq = _whole_seq(seq, q, cp, thd)
+    result = attend(q_all, k_all, v_all, seq)
+    if isinstance(result, tuple):  # return_max_logit: the max over the batch shards too
+        out, ml = result
+        return _own_rows(out, cp, 1, thd), (jax.lax.pmax(ml, max_axes[1:]) if max_axes[1:] else ml)
+    return _own_rows(result, cp, 1, thd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _replicated(attend, cp, thd, max_axes, q, k, v, seq):
+    return _replicated_forward(attend, cp, thd, max_axes, q, k, v, seq)
+
+
+def _replicated_fwd(attend, cp, thd, max_axes, q, k, v, seq):
+    return _replicated_forward(attend, cp, thd, max_axes, q, k, v, seq), (q, k, v, seq)
+
+
+def _replicated_bwd(attend, cp, thd, max_axes, residuals, dout):
+    q, k, v, seq = residuals
+    if isinstance(dout, tuple):
+        dout = dout[0]  # the max logit has no gradient
+    q_all, k_all, v_all, dout_all = (_gather(x, cp, 1, thd) for x in (q, k, v, dout))
+    whole = _whole_seq(seq, q, cp, thd)
+
+    def out_of(q_, k_, v_):
+        result = attend(q_, k_, v_, whole)
+        return result[0] if isinstance(result, tuple) else result
+
+    _, pullback = jax.vjp(out_of, q_all, k_all, v_all)
+    return tuple(_own_rows(g, cp, 1, thd) for g in pullback(dout_all)) + (None,)
+
+
+_replicated.defvjp(_replicated_fwd, _replicated_bwd)
+
+
+def replicated_attention(attend, q, k, v, static: FusedAttnStatic, cp: ContextParallel,
+                         seq: Optional[SeqInfo] = None):
+    """Context parallelism of a backend that runs whole sequences (the unfused one): ``attend(q, k, v,
+    seq)`` on every rank's gathered rows (global order), each rank keeping its own rows of the output and
+    of the gradients. The arguments and results are :func:`context_parallel_attention`'s."""
+    thd = static.qkv_format == _common.QKVFormat.THD
+    seq = None if seq is None or not thd else SeqInfo(*(x.astype(jnp.int32) for x in seq))
+    if cp.axis in _manual_axes():
+        if thd:
+            raise NotImplementedError("THD context parallelism runs from jit with the mesh set")
+        return _replicated(attend, cp, False, (cp.axis,), q, k, v, None)
+    mesh, spec, batch, out_specs = _shard_specs(q, k, static, cp)
+    max_axes = (cp.axis,) + _axes_tuple(batch)
+    fn = functools.partial(_replicated, attend, cp, thd, max_axes)
+    if thd:
+        seq_spec = SeqInfo(*(PartitionSpec(batch, None) for _ in seq))
+        return jax.shard_map(fn, mesh=mesh, in_specs=(spec, spec, spec, seq_spec), out_specs=out_specs)(q, k, v, seq)
+    return jax.shard_map(lambda q_, k_, v_: fn(q_, k_, v_, None), mesh=mesh, in_specs=(spec, spec, spec),
+                         out_specs=out_specs)(q, k, v)
+
+
+# ================================================================================================
 # Entry point
 # ================================================================================================
 
@@ -634,13 +710,8 @@ def context_parallel_attention(q, k, v, static: FusedAttnStatic, cp: ContextPara
         plan = make_plan(static, cp, tile_alignment(plan, q, k, v))
     if manual:
         return _cp_attention(dataclasses.replace(plan, max_axes=(cp.axis,)), q, k, v)
-    mesh = next(m for m in _current_meshes() if cp.axis in m.axis_names)
-    resource = global_mesh_resource()
-    batch = _divisible_axes(batch_axes(resource), mesh, q.shape[0])
-    heads = _divisible_axes(head_axes(resource), mesh, q.shape[2], k.shape[2])
-    spec = PartitionSpec(batch, cp.axis, heads, None)
+    mesh, spec, batch, out_specs = _shard_specs(q, k, static, cp)
     max_axes = (cp.axis,) + _axes_tuple(batch)
-    out_specs = (spec, PartitionSpec(heads)) if static.return_max_logit else spec
     if thd:
         seq_spec = SeqInfo(*(PartitionSpec(batch, None) for _ in seq))
         run = jax.shard_map(functools.partial(_thd_cp_attention, cp, static, max_axes), mesh=mesh,
@@ -649,6 +720,18 @@ def context_parallel_attention(q, k, v, static: FusedAttnStatic, cp: ContextPara
     run = jax.shard_map(functools.partial(_cp_attention, dataclasses.replace(plan, max_axes=max_axes)), mesh=mesh,
                         in_specs=(spec, spec, spec), out_specs=out_specs)
     return run(q, k, v)
+
+
+def _shard_specs(q, k, static: FusedAttnStatic, cp: ContextParallel):
+    """(mesh, operand spec, batch axes, result specs) of the shard_map a call from ``jit`` runs in:
+    sequence over the cp axis, batch over dp/fsdp and heads over tp where they divide."""
+    mesh = next(m for m in _current_meshes() if cp.axis in m.axis_names)
+    resource = global_mesh_resource()
+    batch = _divisible_axes(batch_axes(resource), mesh, q.shape[0])
+    heads = _divisible_axes(head_axes(resource), mesh, q.shape[2], k.shape[2])
+    spec = PartitionSpec(batch, cp.axis, heads, None)
+    out_specs = (spec, PartitionSpec(heads)) if static.return_max_logit else spec
+    return mesh, spec, batch, out_specs
 
 
 def _axes_tuple(axes) -> Tuple[str, ...]:

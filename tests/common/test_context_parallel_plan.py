@@ -331,3 +331,67 @@ def test_pytorch_and_jax_tile_alignment_agree(arch, causal, dims, monkeypatch):
                                                                                    True))
     j_align = jcp.tile_alignment(jplan, jq, jk, jv, capability=arch)
     assert t_align == j_align and t_align > 1
+
+
+# -- load-balanced orders and chunk calls ---------------------------------------------------------------
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4])
+def test_striped_order_deals_stripes_round_robin(cp):
+    """Striped: rank r holds stripes r, r + cp, ...; JAX's reorder(Striped) is the common chunk order."""
+    rounds = 3
+    assert cpp.num_chunks(cp, cpp.LoadBalance.STRIPED, rounds) == cp * rounds
+    order = cpp.chunk_order(cp, cpp.LoadBalance.STRIPED, rounds)
+    assert sorted(order) == list(range(cp * rounds))
+    assert [c % cp for c in order] == [r for r in range(cp) for _ in range(rounds)]
+    _frameworks()
+    import jax.numpy as jnp
+    from transformer_engine.jax.enums import ReorderStrategy
+    from transformer_engine.jax.load_balancing import reorder_causal_load_balancing
+
+    stripe = 2
+    tokens = reorder_causal_load_balancing(jnp.arange(cp * rounds * stripe), ReorderStrategy.Striped, cp, 0,
+                                           stripe).tolist()
+    assert tokens == [c * stripe + t for c in order for t in range(stripe)]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "no_mask"])
+@pytest.mark.parametrize("balance", BALANCES, ids=lambda b: b.value)
+@pytest.mark.parametrize("cp", CPS)
+def test_chunk_calls_cover_each_pass_once_with_the_global_mask(cp, balance, causal):
+    """Each pass's calls keep every row exactly once over the ranks; a call's (rows, span, mask) make
+    each kept row see exactly its global keys (queries for dK/dV); the first backward call preprocesses
+    rows covering the rank's later calls."""
+    align, length = 16, 24
+    n = cpp.num_chunks(cp, balance)
+    s = n * length
+
+    def visible(q, kv):
+        return kv <= q or not causal
+
+    kept = collections.Counter()
+    for rank in range(cp):
+        plan = cpp.rank_plan("p2p", cp, rank, s, causal, balance, align)
+        calls = plan.calls
+        assert [(c.pass_, c.chunk.chunk) for c in calls] == [(p, ch) for p, ch, _ in plan.work]
+        for call in calls:
+            lo, hi = call.rows
+            assert lo % align == 0 and hi == call.chunk.end and call.lead == call.chunk.start - lo
+            for x in range(call.chunk.start, call.chunk.end):
+                kept[(call.pass_, x)] += 1
+                seen = set()
+                for y in range(*call.span):
+                    i, j = (y, x) if call.pass_ == cpp.Pass.DKDV else (x, y)
+                    li, lj = (i - call.span[0], j - lo) if call.pass_ == cpp.Pass.DKDV else (i - lo, j)
+                    n_q = (call.span[1] - call.span[0]) if call.pass_ == cpp.Pass.DKDV else call.length
+                    n_k = call.length if call.pass_ == cpp.Pass.DKDV else call.span[1] - call.span[0]
+                    if call.mask == AttnMaskType.NO_MASK or (
+                            call.mask == AttnMaskType.CAUSAL_MASK and lj <= li) or (
+                            call.mask == AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK and lj <= li + n_k - n_q):
+                        seen.add(y)
+                assert seen == {y for y in range(s) if (visible(y, x) if call.pass_ == cpp.Pass.DKDV
+                                                         else visible(x, y))}, call
+        backward = [c for c in calls if c.pass_ != cpp.Pass.FORWARD]
+        assert [c.preprocess for c in backward] == [True] + [False] * (len(backward) - 1)
+        first = backward[0]
+        assert all(first.span[0] <= (c.span[0] if c.pass_ == cpp.Pass.DKDV else c.rows[0]) for c in backward)
+    assert set(kept.values()) == {1} and len(kept) == 3 * s

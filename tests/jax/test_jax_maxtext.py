@@ -13,8 +13,8 @@ The forms: the dense non-packed path (a uint8 ``[b, 1, 1, s, s]`` mask with ``pa
 packed THD rows, attention sinks (``lazy_init`` on batch-1 dummy queries, then the sink logits
 grafted into ``softmax_offset``), and context parallelism over the ``context`` mesh axis
 (all_gather and ring; BSHD with DualChunkSwap, packed THD with the Striped order). Forward and
-gradients against an fp32 reference; with context parallelism bitwise against the cp = 1 call of
-the fused primitives; every form bitwise over repeats in deterministic mode. On a CUDA GPU the
+gradients against an fp32 reference; with context parallelism bitwise against the public cp = 1 call
+(the same backend); every form bitwise over repeats in deterministic mode. On a CUDA GPU the
 same cases run in bfloat16 on the fused kernels (the context-parallel ones need 2+ GPUs).
 """
 
@@ -32,10 +32,10 @@ from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from te_jax_testing import assert_close_to_reference  # noqa: E402
-from transformer_engine.jax import testing as te_testing  # noqa: E402
 from transformer_engine.jax.attention import (  # noqa: E402
     ReorderStrategy,
     SequenceDescriptor,
+    fused_attn,
     inverse_reorder_causal_load_balancing,
     reorder_causal_load_balancing,
 )
@@ -310,8 +310,9 @@ def _cp_size():
     return 8 if n >= 8 else (4 if n >= 4 else 2)
 
 
-def _fused_cp1(packing, ids, pos):
-    """The cp = 1 call of the fused primitives with the arguments MaxText's call reaches fused_attn with."""
+def _public_cp1(packing, ids, pos):
+    """The public cp = 1 call with the arguments MaxText's call reaches fused_attn with (the backend it
+    selects, as the context-parallel call does)."""
     if packing:
         desc = SequenceDescriptor.from_segment_ids_and_pos(ids, pos)
         kwargs = dict(attn_mask_type="padding_causal", qkv_layout="THD_THD_THD", max_segments_per_seq=MAX_SEGMENTS)
@@ -319,8 +320,8 @@ def _fused_cp1(packing, ids, pos):
         desc, kwargs = None, dict(attn_mask_type="causal", qkv_layout="BSHD_BSHD_BSHD")
 
     def fn(q, k, v, _):
-        return te_testing.fused_attn_with_backend(
-            "fused", (q, k, v), None, desc, None, attn_bias_type="no_bias", scaling_factor=1.0,
+        return fused_attn(
+            (q, k, v), None, desc, None, attn_bias_type="no_bias", scaling_factor=1.0,
             dropout_probability=0.0, is_training=True, **kwargs)
 
     return fn
@@ -332,7 +333,7 @@ def test_context_parallel_is_bitwise_the_cp1_call(packing, strategy):
     """MaxText with ``context`` > 1: non-packed BSHD causal (DualChunkSwap order), or packed THD with
     load-balanced ring/all_gather (Striped order, reordered by the input pipeline with TE's
     reorder_causal_load_balancing, seq_dim=1). Output and gradients, put back in token order, are
-    bitwise the cp = 1 fused call's; it is close to the fp32 reference."""
+    bitwise the public cp = 1 call's; it is close to the fp32 reference."""
     cp = _cp_size()
     q, k, v, dout, _ = _inputs(2)
     ids, pos = _packed_ids()
@@ -356,7 +357,7 @@ def test_context_parallel_is_bitwise_the_cp1_call(packing, strategy):
         for _ in range(2):
             results.append([back(x) for x in _run(fn, *placed)])
     _assert_same_bits(results[0], results[1], "repeat")
-    expected = _run(_fused_cp1(packing, ids, pos), q, k, v, dout)
+    expected = _run(_public_cp1(packing, ids, pos), q, k, v, dout)
     _assert_same_bits(results[0], expected, f"cp={cp} against cp=1")
     _check_against_reference(results[0], q, k, v, dout, ids, pos, None)
 

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import os
 import warnings
+import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -923,8 +925,13 @@ def _run(call: _Call, backend):
     """``call`` on ``backend`` (one of ``_CANDIDATES``); with a context-parallel axis, the fused
     primitives under context parallelism (on CPU their jnp lowering). The output in the call's format,
     and with ``return_max_logit`` ``(output, max_logit)``."""
-    if call.cp is not None:
+    if call.cp is not None and issubclass(backend, FusedAttention):
         result = context_parallel.context_parallel_attention(call.q, call.k, call.v, call.static, call.cp, call.seq)
+    elif call.cp is not None:  # the backend's own call on every rank's gathered rows
+        bare = dataclasses.replace(call, q=None, k=None, v=None, seq=None, bias=None, seeds=None,
+                                   softmax_offset=None, cp=None)
+        result = context_parallel.replicated_attention(functools.partial(_whole_rows, bare, backend), call.q,
+                                                       call.k, call.v, call.static, call.cp, call.seq)
     else:
         result = backend.run(call)
     out, rest = (result[0], result[1:]) if call.static.return_max_logit else (result, ())
@@ -932,6 +939,12 @@ def _run(call: _Call, backend):
         out = checkpoint_name(out, call.static.checkpoint_name)
     out = _to_bshd(out, call.qkv_format)  # SBHD: swap back
     return (out, *rest) if rest else out
+
+
+def _whole_rows(bare: _Call, backend, q, k, v, seq):
+    """``backend`` on gathered rows (context parallelism of a whole-sequence backend): no bias, dropout or
+    sink offset, which context parallelism refuses."""
+    return backend.run(dataclasses.replace(bare, q=q, k=k, v=v, seq=seq))
 
 
 # Called with each backend selection ``fused_attn`` makes (at trace time): how
@@ -1084,17 +1097,12 @@ def fused_attn(
 def _attention_with_selection(args: _FusedAttnArgs) -> Tuple[jax.Array, Selection]:
     """``fused_attn`` that also returns the backend selection (the Flax module logs fallbacks)."""
     call = _parse_call(args)
-    if call.cp is not None and call.config.device_type != "cuda":
-        # Context parallelism runs the fused primitives, here through their jnp lowering: no
-        # selection (whose CPU answer, the unfused backend, has no context-parallel path).
-        selection = _announce(Selection(_FusedBackend))
-        return _run(call, selection.backend), selection
-    selection = select_attention_backend(call.config)
-    if call.cp is not None and not issubclass(selection.backend, FusedAttention):
+    selection = select_attention_backend(call.config)  # with or without a cp axis: one choice, one bits
+    if call.cp is not None and not issubclass(selection.backend, (FusedAttention, UnfusedDotProductAttention)):
         reasons = "; ".join(selection.rejected.get(FusedAttention.NAME, ())) or f"selected {selection.name}"
         raise NotImplementedError(
-            f"`context_parallel_axis` {call.cp.axis!r} (size {call.cp.size}) needs the fused attention backend, "
-            f"which cannot run this call: {reasons}")
+            f"`context_parallel_axis` {call.cp.axis!r} (size {call.cp.size}) needs the fused or the unfused attention "
+            f"backend, selected {selection.name}: {reasons}")
     return _run(call, selection.backend), selection
 
 

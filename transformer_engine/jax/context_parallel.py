@@ -60,8 +60,13 @@ window, no bias, no dropout, vanilla softmax. With ``context_parallel_causal_loa
 tokens (and the segment ids and positions) are in the Striped order of
 ``reorder_causal_load_balancing(x, ReorderStrategy.Striped, cp, 1, stripe_size)`` (``stripe_size``
 None is 1), as TransformerEngine-JAX's THD load balancing expects; without it, in contiguous
-chunks. Each rank gathers the rows and runs the single-device kernels on them (see "THD" below):
-bitwise the cp = 1 result, at the single call's cost on every rank.
+chunks. The common plan chunks the packed row and each call runs one pseudo-sequence per segment over
+the gathered rows (see "THD" below): each rank computes about 1 / cp of the rows, bitwise the cp = 1
+result. With a sliding window each rank runs the single-device call on the gathered rows instead.
+
+The backend is the one the call selects without context parallelism: the fused primitives as
+above, or (the CPU's choice) the unfused backend on every rank's gathered rows
+(:func:`replicated_attention`), so that cp = N is bitwise cp = 1 on every device.
 
 The rest is refused with ``NotImplementedError``; malformed arguments with ``ValueError``.
 """
@@ -81,16 +86,16 @@ from jax.sharding import PartitionSpec
 from transformer_engine.common.attention import context_parallel as cp_plan
 from transformer_engine.common.attention import enums as _common
 from transformer_engine.common.attention.enums import BackwardGrads
-from transformer_engine.jax.attention_math import SeqInfo, full_seq_info
+from transformer_engine.jax.attention_math import SeqInfo, full_seq_info, lse_to_segments, lse_to_tokens
 from transformer_engine.jax import jax_compat
 from transformer_engine.jax.enums import CPStrategy, ReorderStrategy
-from transformer_engine.jax.load_balancing import (inverse_reorder_causal_load_balancing,
+from transformer_engine.jax.load_balancing import (_permute_chunks, inverse_reorder_causal_load_balancing,
                                                      reorder_causal_load_balancing)
 from transformer_engine.jax.primitives.attention import FusedAttnStatic, fused_attn_bwd, fused_attn_fwd, max_logit
 from transformer_engine.jax.sharding import batch_axes, global_mesh_resource, head_axes
 
 __all__ = ["ContextParallel", "resolve_context_parallel", "check_context_parallel_supported",
-           "context_parallel_attention", "descriptor_in_global_order", "make_plan", "tile_alignment", "rank_forward",
+           "context_parallel_attention", "replicated_attention", "descriptor_in_global_order", "make_plan", "tile_alignment", "rank_forward",
            "rank_backward", "unsupported_reasons"]
 
 
@@ -558,17 +563,179 @@ _cp_attention.defvjp(_cp_attention_fwd, _cp_attention_bwd)
 
 
 # ================================================================================================
-# THD (packed rows): every rank runs the single-device kernels on the gathered rows
+# THD (packed rows): the common plan over the row, one pseudo-sequence per segment and call
 # ================================================================================================
 #
-# The rows of a THD call pack several sequences whose boundaries fall anywhere, and in the Striped
-# order a rank's rows are every cp-th stripe of them: not a contiguous query block the kernels could
-# start from. Each rank therefore gathers q, k, v (and for the backward out, the log-sum-exp and the
-# output gradient) in global order and runs the single-device forward and backward on the whole
-# rows, keeping its own rows of the results. Each result is then computed by the very program the
-# cp = 1 call runs, on the same operands: bitwise the same for any cp. The cost is the single
-# call's compute and memory on every rank (no speed-up from cp), for THD only.
+# The plan chunks the packed row (length s) as it chunks one sequence: with load balancing in the
+# dual-chunk order (the causal work balanced over the ranks when segments are long), else contiguous.
+# Each of the plan's calls runs over the gathered rows as pseudo-sequences, one per segment: the
+# segment's tokens inside the call's chunk, from the tile boundary before them (counted from the
+# segment's start, so that the kernels' blocks are the single call's), against the segment's keys
+# the global mask lets them see (forward and dQ: causal bottom-right against the keys up to the
+# chunk's end; dK/dV: the chunk's keys against the queries from the same boundary on, causal top-left;
+# no mask: the whole segment). Every real token is kept from exactly one call, so each rank computes
+# about 1 / cp of the rows. A rank's kept rows are the plan's chunks; they reach the ranks that hold
+# them in the input's order (Striped, or contiguous) by an all-gather of the chunks. Sliding windows
+# run the single-device call on the gathered rows on every rank instead (the cp = 1 cost).
 
+
+def _thd_splits(static: FusedAttnStatic) -> bool:
+    """Whether a THD call runs split by the plan (the padding masks without a sliding window)."""
+    mask = _common.AttnMaskType(static.attn_mask_type)
+    return mask.is_padding and tuple(static.window_size) in ((-1, -1), (-1, 0))
+
+
+def thd_balance(cp: ContextParallel, s: int) -> cp_plan.LoadBalance:
+    """The plan's order of the chunks of a packed row of ``s`` tokens."""
+    if cp.load_balanced and s % (2 * cp.size) == 0:
+        return cp_plan.LoadBalance.DUAL_CHUNK
+    return cp_plan.LoadBalance.CONTIGUOUS
+
+
+def thd_rank_plans(plan: _Plan, s: int) -> Tuple[cp_plan.RankPlan, ...]:
+    """Every rank's plan for packed rows of ``s`` tokens (tiles are counted per segment, so the plan's own
+    alignment is 1)."""
+    return tuple(cp_plan.rank_plan(plan.cp.comm_type, plan.cp.size, r, s, plan.causal, thd_balance(plan.cp, s))
+                 for r in range(plan.cp.size))
+
+
+def _steps(plans: Tuple[cp_plan.RankPlan, ...], rank):
+    """The plans' calls step by step: (the calls of every rank, the traced rank's chunk start). The ranks'
+    calls differ only in their chunk."""
+    for calls in zip(*(p.calls for p in plans)):
+        assert len({(c.pass_, c.mask, c.chunk.end - c.chunk.start) for c in calls}) == 1, calls
+        starts = jnp.asarray([c.chunk.start for c in calls], jnp.int32)
+        yield calls, starts[rank]
+
+
+def _pseudo_seq(seq: SeqInfo, call: cp_plan.ChunkCall, a, align: int) -> SeqInfo:
+    """The pseudo-sequences of ``call`` over the chunk ``[a, a + length)`` of the gathered rows: per segment,
+    its own-side tokens in the chunk from the tile boundary before them, and the other side's span."""
+    b = a + (call.chunk.end - call.chunk.start)
+    dkdv = call.pass_ == cp_plan.Pass.DKDV
+    own_off, own_len = (seq.kv_offsets, seq.kv_seqlens) if dkdv else (seq.q_offsets, seq.q_seqlens)
+    oth_off, oth_len = (seq.q_offsets, seq.q_seqlens) if dkdv else (seq.kv_offsets, seq.kv_seqlens)
+    m = own_len.shape[1]
+    start, length = own_off[:, :m], own_len
+    pa = jnp.clip(a - start, 0, length)
+    pe = jnp.clip(b - start, 0, length)
+    lo = pa - pa % align
+    has = pe > pa
+    zero = jnp.zeros_like(length)
+    own = (start + lo, jnp.where(has, pe - lo, zero))
+    if call.mask == _common.AttnMaskType.NO_MASK:
+        other = (oth_off[:, :m], jnp.where(has, oth_len, zero))
+    elif dkdv:  # queries from the boundary on, top-left causal
+        other = (oth_off[:, :m] + lo, jnp.where(has, oth_len - lo, zero))
+    else:  # keys up to the chunk's end, bottom-right causal
+        other = (oth_off[:, :m], jnp.where(has, pe, zero))
+    (q_off, q_len), (kv_off, kv_len) = (other, own) if dkdv else (own, other)
+    end = lambda off: jnp.concatenate([off, off[:, -1:]], axis=1)  # noqa: E731  (only starts are read)
+    return SeqInfo(q_len, kv_len, end(q_off), end(kv_off))
+
+
+def _call_static(static: FusedAttnStatic, call: cp_plan.ChunkCall, grads=None) -> FusedAttnStatic:
+    fields = dict(attn_mask_type=call.padded_mask(), bottom_right_diagonal=None, window_size=(-1, -1)
+                  if call.mask == _common.AttnMaskType.NO_MASK else (-1, 0))
+    if grads is not None:
+        fields["backward_grads"] = grads
+    return dataclasses.replace(static, **fields)
+
+
+def _slab(x, a, length: int, axis: int):
+    return jax.lax.dynamic_slice_in_dim(x, a, length, axis=axis)
+
+
+def thd_rank_forward(plan: _Plan, plans, rank, q_all, k_all, v_all, seq: SeqInfo):
+    """One rank's THD forward over gathered rows: its kept chunks of the output ``[b, c_local, h, d]`` and
+    per-token log-sum-exp ``[b, h, c_local]`` (the plan's chunks in local order), and with
+    ``return_max_logit`` the max logit of its calls ``[h]`` (fp32)."""
+    bias, seeds = _placeholders(q_all)
+    outs, lses, maxes = [], [], []
+    for calls, a in _steps(plans, rank):
+        call = calls[0]
+        if call.pass_ != cp_plan.Pass.FORWARD:
+            continue
+        c = call.chunk.end - call.chunk.start
+        pseudo = _pseudo_seq(seq, call, a, plan.align)
+        results = fused_attn_fwd(q_all, k_all, v_all, bias, pseudo, seeds, _call_static(plan.static, call))
+        outs.append(_slab(results[0], a, c, 1))
+        lses.append(_slab(lse_to_tokens(results[1], pseudo), a, c, 2))
+        if plan.static.return_max_logit:
+            maxes.append(max_logit(results[2], jnp.float32))
+    cat = lambda xs, axis: jnp.concatenate(xs, axis=axis)  # noqa: E731
+    return (cat(outs, 1), cat(lses, 2)) + ((functools.reduce(jnp.maximum, maxes),) if maxes else ())
+
+
+def thd_rank_backward(plan: _Plan, plans, rank, gathered, seq: SeqInfo):
+    """One rank's THD (dq, dk, dv) of its kept chunks (local order) from the gathered ``(q, k, v, out,
+    per-token lse [b, h, s], dout)``, each call running one gradient pass."""
+    q_all, k_all, v_all, out_all, lse_all, dout_all = gathered
+    bias, seeds = _placeholders(q_all)
+    dq, dk, dv = [], [], []
+    for calls, a in _steps(plans, rank):
+        call = calls[0]
+        if call.pass_ == cp_plan.Pass.FORWARD:
+            continue
+        c = call.chunk.end - call.chunk.start
+        pseudo = _pseudo_seq(seq, call, a, plan.align)
+        grads = BackwardGrads.DKDV if call.pass_ == cp_plan.Pass.DKDV else BackwardGrads.DQ
+        results = fused_attn_bwd(q_all, k_all, v_all, bias, out_all, dout_all, lse_to_segments(lse_all, pseudo),
+                                 pseudo, seeds, _call_static(plan.static, call, grads))
+        if grads == BackwardGrads.DQ:
+            dq.append(_slab(results[0], a, c, 1))
+        else:
+            dk.append(_slab(results[1], a, c, 1))
+            dv.append(_slab(results[2], a, c, 1))
+    return tuple(jnp.concatenate(x, axis=1) for x in (dq, dk, dv))
+
+
+def _kept_to_owners(x, plan: _Plan, balance: cp_plan.LoadBalance, axis: int):
+    """A rank's kept chunks (the plan's, local order) -> the rows it holds in the input's order."""
+    if balance == cp_plan.LoadBalance.CONTIGUOUS and not plan.cp.load_balanced:
+        return x  # the plan's chunk is the rank's own rows
+    full = jax.lax.all_gather(x, plan.cp.axis, axis=axis, tiled=True)
+    full = jnp.moveaxis(_permute_chunks(jnp.moveaxis(full, axis, 1), 1, cp_plan.chunk_order(plan.cp.size, balance),
+                                        inverse=True), 1, axis)
+    return _own_rows(full, plan.cp, axis, True)
+
+
+def _thd_split_forward(plan: _Plan, max_axes, q, k, v, seq):
+    q_all, k_all, v_all = (_gather(x, plan.cp, 1, thd=True) for x in (q, k, v))
+    s = q_all.shape[1]
+    plans, balance = thd_rank_plans(plan, s), thd_balance(plan.cp, s)
+    results = thd_rank_forward(plan, plans, jax.lax.axis_index(plan.cp.axis), q_all, k_all, v_all, seq)
+    own = (_kept_to_owners(results[0], plan, balance, 1), _kept_to_owners(results[1], plan, balance, 2))
+    if plan.static.return_max_logit:
+        return own + ((jax.lax.pmax(results[2], max_axes) if max_axes else results[2]).astype(q.dtype),)
+    return own
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _thd_split_attention(plan, max_axes, q, k, v, seq):
+    return _primal(plan.static, _thd_split_forward(plan, max_axes, q, k, v, seq))
+
+
+def _thd_split_attention_fwd(plan, max_axes, q, k, v, seq):
+    results = _thd_split_forward(plan, max_axes, q, k, v, seq)
+    return _primal(plan.static, results), (q, k, v, results[0], results[1], seq)
+
+
+def _thd_split_attention_bwd(plan, max_axes, residuals, dout):
+    if plan.static.return_max_logit:
+        dout = dout[0]  # the max logit has no gradient
+    q, k, v, out, lse, seq = residuals
+    gathered = tuple(_gather(x, plan.cp, 2 if i == 4 else 1, thd=True) for i, x in enumerate((q, k, v, out, lse, dout)))
+    s = gathered[0].shape[1]
+    plans, balance = thd_rank_plans(plan, s), thd_balance(plan.cp, s)
+    grads = thd_rank_backward(plan, plans, jax.lax.axis_index(plan.cp.axis), gathered, seq)
+    return tuple(_kept_to_owners(g, plan, balance, 1) for g in grads) + (None,)
+
+
+_thd_split_attention.defvjp(_thd_split_attention_fwd, _thd_split_attention_bwd)
+
+
+# Sliding windows: every rank runs the single-device kernels on the gathered rows, keeping its own.
 
 def _thd_forward(cp: ContextParallel, static: FusedAttnStatic, max_axes: Tuple[str, ...], q, k, v, seq: SeqInfo):
     q_all, k_all, v_all = (_gather(x, cp, 1, thd=True) for x in (q, k, v))
@@ -606,6 +773,82 @@ _thd_cp_attention.defvjp(_thd_cp_attention_fwd, _thd_cp_attention_bwd)
 
 
 # ================================================================================================
+# The unfused backend under context parallelism (what the CPU selects): whole rows on every rank
+# ================================================================================================
+#
+# The unfused backend's fixed reduction structure sums every query or key from position 0 of its
+# sequence, so a row subset would change its trees: each rank gathers the rows and runs the backend's
+# own call on them, keeping its rows, in the forward and (recomputing) in the backward. Each result is
+# then the single call's, whatever the cp size, at the single call's cost on every rank.
+
+
+def _whole_seq(seq: Optional[SeqInfo], q, cp: ContextParallel, thd: bool) -> SeqInfo:
+    """The gathered rows' segments: ``seq`` (THD, global order) or one segment of the whole sequence."""
+    if thd:
+        return seq
+    n = q.shape[1] * cp.size
+    return full_seq_info(q.shape[0], n, n)
+
+
+def _replicated_forward(attend, cp, thd, max_axes, q, k, v, seq):
+    q_all, k_all, v_all = (_gather(x, cp, 1, thd) for x in (q, k, v))
+    seq = _whole_seq(seq, q, cp, thd)
+    result = attend(q_all, k_all, v_all, seq)
+    if isinstance(result, tuple):  # return_max_logit: the max over the batch shards too
+        out, ml = result
+        return _own_rows(out, cp, 1, thd), (jax.lax.pmax(ml, max_axes[1:]) if max_axes[1:] else ml)
+    return _own_rows(result, cp, 1, thd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _replicated(attend, cp, thd, max_axes, q, k, v, seq):
+    return _replicated_forward(attend, cp, thd, max_axes, q, k, v, seq)
+
+
+def _replicated_fwd(attend, cp, thd, max_axes, q, k, v, seq):
+    return _replicated_forward(attend, cp, thd, max_axes, q, k, v, seq), (q, k, v, seq)
+
+
+def _replicated_bwd(attend, cp, thd, max_axes, residuals, dout):
+    q, k, v, seq = residuals
+    if isinstance(dout, tuple):
+        dout = dout[0]  # the max logit has no gradient
+    q_all, k_all, v_all, dout_all = (_gather(x, cp, 1, thd) for x in (q, k, v, dout))
+    whole = _whole_seq(seq, q, cp, thd)
+
+    def out_of(q_, k_, v_):
+        result = attend(q_, k_, v_, whole)
+        return result[0] if isinstance(result, tuple) else result
+
+    _, pullback = jax.vjp(out_of, q_all, k_all, v_all)
+    return tuple(_own_rows(g, cp, 1, thd) for g in pullback(dout_all)) + (None,)
+
+
+_replicated.defvjp(_replicated_fwd, _replicated_bwd)
+
+
+def replicated_attention(attend, q, k, v, static: FusedAttnStatic, cp: ContextParallel,
+                         seq: Optional[SeqInfo] = None):
+    """Context parallelism of a backend that runs whole sequences (the unfused one): ``attend(q, k, v,
+    seq)`` on every rank's gathered rows (global order), each rank keeping its own rows of the output and
+    of the gradients. The arguments and results are :func:`context_parallel_attention`'s."""
+    thd = static.qkv_format == _common.QKVFormat.THD
+    seq = None if seq is None or not thd else SeqInfo(*(x.astype(jnp.int32) for x in seq))
+    if cp.axis in _manual_axes():
+        if thd:
+            raise NotImplementedError("THD context parallelism runs from jit with the mesh set")
+        return _replicated(attend, cp, False, (cp.axis,), q, k, v, None)
+    mesh, spec, batch, out_specs = _shard_specs(q, k, static, cp)
+    max_axes = (cp.axis,) + _axes_tuple(batch)
+    fn = functools.partial(_replicated, attend, cp, thd, max_axes)
+    if thd:
+        seq_spec = SeqInfo(*(PartitionSpec(batch, None) for _ in seq))
+        return jax.shard_map(fn, mesh=mesh, in_specs=(spec, spec, spec, seq_spec), out_specs=out_specs)(q, k, v, seq)
+    return jax.shard_map(lambda q_, k_, v_: fn(q_, k_, v_, None), mesh=mesh, in_specs=(spec, spec, spec),
+                         out_specs=out_specs)(q, k, v)
+
+
+# ================================================================================================
 # Entry point
 # ================================================================================================
 
@@ -630,25 +873,34 @@ def context_parallel_attention(q, k, v, static: FusedAttnStatic, cp: ContextPara
     thd = static.qkv_format == _common.QKVFormat.THD
     plan = make_plan(static, cp)
     manual = cp.axis in _manual_axes()
-    if not thd:
-        plan = make_plan(static, cp, tile_alignment(plan, q, k, v))
+    plan = make_plan(static, cp, tile_alignment(plan, q, k, v))
     if manual:
         return _cp_attention(dataclasses.replace(plan, max_axes=(cp.axis,)), q, k, v)
+    mesh, spec, batch, out_specs = _shard_specs(q, k, static, cp)
+    max_axes = (cp.axis,) + _axes_tuple(batch)
+    if thd:
+        seq_spec = SeqInfo(*(PartitionSpec(batch, None) for _ in seq))
+        if _thd_splits(static):
+            fn = functools.partial(_thd_split_attention, plan, max_axes)
+        else:
+            fn = functools.partial(_thd_cp_attention, cp, static, max_axes)
+        run = jax.shard_map(fn, mesh=mesh, in_specs=(spec, spec, spec, seq_spec), out_specs=out_specs)
+        return run(q, k, v, SeqInfo(*(x.astype(jnp.int32) for x in seq)))
+    run = jax.shard_map(functools.partial(_cp_attention, dataclasses.replace(plan, max_axes=max_axes)), mesh=mesh,
+                        in_specs=(spec, spec, spec), out_specs=out_specs)
+    return run(q, k, v)
+
+
+def _shard_specs(q, k, static: FusedAttnStatic, cp: ContextParallel):
+    """(mesh, operand spec, batch axes, result specs) of the shard_map a call from ``jit`` runs in:
+    sequence over the cp axis, batch over dp/fsdp and heads over tp where they divide."""
     mesh = next(m for m in _current_meshes() if cp.axis in m.axis_names)
     resource = global_mesh_resource()
     batch = _divisible_axes(batch_axes(resource), mesh, q.shape[0])
     heads = _divisible_axes(head_axes(resource), mesh, q.shape[2], k.shape[2])
     spec = PartitionSpec(batch, cp.axis, heads, None)
-    max_axes = (cp.axis,) + _axes_tuple(batch)
     out_specs = (spec, PartitionSpec(heads)) if static.return_max_logit else spec
-    if thd:
-        seq_spec = SeqInfo(*(PartitionSpec(batch, None) for _ in seq))
-        run = jax.shard_map(functools.partial(_thd_cp_attention, cp, static, max_axes), mesh=mesh,
-                            in_specs=(spec, spec, spec, seq_spec), out_specs=out_specs)
-        return run(q, k, v, SeqInfo(*(x.astype(jnp.int32) for x in seq)))
-    run = jax.shard_map(functools.partial(_cp_attention, dataclasses.replace(plan, max_axes=max_axes)), mesh=mesh,
-                        in_specs=(spec, spec, spec), out_specs=out_specs)
-    return run(q, k, v)
+    return mesh, spec, batch, out_specs
 
 
 def _axes_tuple(axes) -> Tuple[str, ...]:

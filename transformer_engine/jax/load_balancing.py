@@ -45,11 +45,15 @@ def _check(tensor, strategy, cp_size, seq_dim, stripe_size) -> ReorderStrategy:
     return strategy
 
 
-def _dual_chunk_order(cp_size: int) -> np.ndarray:
-    """Chunk indices in reordered position order: the ranks' chunks in the common context-parallel plan's
-    dual-chunk order (rank r holds chunks r and 2 * cp_size - 1 - r), which PyTorch's split uses too."""
-    dual = cp_plan.LoadBalance.DUAL_CHUNK
-    return np.array([c for r in range(cp_size) for c in cp_plan.rank_chunks(cp_size, r, dual)], np.int32)
+def _permute_chunks(tensor, seq_dim: int, order, inverse: bool):
+    """``tensor`` with its sequence cut into ``len(order)`` equal chunks, chunk ``order[i]`` at place ``i``
+    (``inverse``: back)."""
+    order = np.asarray(order, np.int32)
+    if inverse:
+        order = np.argsort(order).astype(np.int32)
+    s = tensor.shape[seq_dim]
+    chunks = tensor.reshape(*tensor.shape[:seq_dim], len(order), s // len(order), *tensor.shape[seq_dim + 1:])
+    return jnp.take(chunks, jnp.asarray(order), axis=seq_dim).reshape(tensor.shape)
 
 
 def _dual_chunk_swap(tensor, cp_size: int, seq_dim: int, inverse: bool):
@@ -63,11 +67,7 @@ def _dual_chunk_swap(tensor, cp_size: int, seq_dim: int, inverse: bool):
             f"`tensor` must have a sequence length (axis {seq_dim}) that is a multiple of 2 * cp_size = "
             f"{2 * cp_size}, got {s}"
         )
-    order = _dual_chunk_order(cp_size)
-    if inverse:
-        order = np.argsort(order).astype(np.int32)
-    chunks = tensor.reshape(*tensor.shape[:seq_dim], 2 * cp_size, s // (2 * cp_size), *tensor.shape[seq_dim + 1:])
-    return jnp.take(chunks, jnp.asarray(order), axis=seq_dim).reshape(tensor.shape)
+    return _permute_chunks(tensor, seq_dim, cp_plan.chunk_order(cp_size, cp_plan.LoadBalance.DUAL_CHUNK), inverse)
 
 
 def _striped(tensor, cp_size: int, seq_dim: int, stripe_size: int, inverse: bool):
@@ -78,10 +78,8 @@ def _striped(tensor, cp_size: int, seq_dim: int, stripe_size: int, inverse: bool
             f"{cp_size * stripe_size}, got {s}"
         )
     rounds = s // (cp_size * stripe_size)
-    # Original order: [rounds, cp_size, stripe]; reordered (rank-major): [cp_size, rounds, stripe].
-    split = (cp_size, rounds) if inverse else (rounds, cp_size)
-    x = tensor.reshape(*tensor.shape[:seq_dim], *split, stripe_size, *tensor.shape[seq_dim + 1:])
-    return jnp.swapaxes(x, seq_dim, seq_dim + 1).reshape(tensor.shape)
+    return _permute_chunks(tensor, seq_dim, cp_plan.chunk_order(cp_size, cp_plan.LoadBalance.STRIPED, rounds),
+                           inverse)
 
 
 def _reorder(tensor, strategy, cp_size, seq_dim, stripe_size, inverse):

@@ -8,11 +8,15 @@ and kernel calls.
   dual-chunk order, ``cp`` contiguous). Each kernel call of a chunk ``[start, end)`` starts its rows
   (or key columns) at ``aligned_start``, ``start`` rounded down to the largest kernel tile
   (:func:`tile_alignment`), so its blocks are the single-device call's blocks.
-- Load balance (:class:`LoadBalance`): which chunks rank ``r`` holds (:func:`rank_chunks`).
+- Load balance (:class:`LoadBalance`): which chunks rank ``r`` holds (:func:`rank_chunks`) and the
+  order a sequence's chunks take when every rank's tokens are concatenated (:func:`chunk_order`):
+  TransformerEngine's DualChunkSwap and Striped orders.
 - Work (:func:`rank_plan`): for each own chunk, in order, the dK/dV pass of the chunk's keys, the dQ
   pass and the forward of its queries, each a list of ``(q_chunk, kv_chunk)`` blocks. Every reduction
   runs on one rank over its operands in global order (gathered by all_gather or a p2p ring), so the
-  blocks of a pass are computed exactly once over the ranks.
+  blocks of a pass are computed exactly once over the ranks. :attr:`RankPlan.calls` turns the work into
+  the kernel calls the frameworks launch (:class:`ChunkCall`: rows, span of the other operand, mask,
+  where the kept rows land); each result row is final in its call, so no partial results are combined.
 - Support (:func:`unsupported_reasons`): why a configuration cannot run with CP, as reason strings.
 """
 
@@ -25,8 +29,8 @@ from typing import Iterable, List, Optional, Tuple
 from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, AttnSoftmaxType, QKVFormat
 
 __all__ = [
-    "CP_COMM_TYPES", "LoadBalance", "ChunkRange", "Pass", "RankPlan", "num_chunks", "rank_chunks", "chunk_ranges",
-    "tile_alignment", "rank_plan", "unsupported_reasons", "PYTORCH_ARGS", "JAX_ARGS",
+    "CP_COMM_TYPES", "LoadBalance", "ChunkRange", "Pass", "CallMask", "ChunkCall", "RankPlan", "num_chunks",
+    "rank_chunks", "chunk_order", "chunk_ranges", "tile_alignment", "rank_plan", "unsupported_reasons", "PYTORCH_ARGS", "JAX_ARGS",
 ]
 
 # "p2p": a ring of send/receive steps; "all_gather": one collective; "a2a": heads exchanged, whole
@@ -39,20 +43,31 @@ class LoadBalance(enum.Enum):
 
     CONTIGUOUS = "contiguous"  # cp chunks, rank r holds chunk r
     DUAL_CHUNK = "dual_chunk"  # 2 cp chunks, rank r holds chunks r and 2 cp - 1 - r (TE's DualChunkSwap)
-    STRIPED = "striped"  # stripes dealt round-robin to the ranks (JAX THD)
+    STRIPED = "striped"  # stripes dealt round-robin: rank r holds stripes r, r + cp, ... (TE's Striped, THD)
 
 
-def num_chunks(cp: int, balance: LoadBalance) -> int:
-    """Chunks a sequence is cut into (STRIPED: the stripes of one round)."""
+def num_chunks(cp: int, balance: LoadBalance, rounds: int = 1) -> int:
+    """Chunks a sequence is cut into (STRIPED: the stripes of ``rounds`` rounds of ``cp`` stripes)."""
+    if balance == LoadBalance.STRIPED:
+        return cp * rounds
     return 2 * cp if balance == LoadBalance.DUAL_CHUNK else cp
 
 
-def rank_chunks(cp: int, rank, balance: LoadBalance) -> tuple:
+def rank_chunks(cp: int, rank, balance: LoadBalance, rounds: int = 1) -> tuple:
     """The chunk indices rank ``rank`` holds, in its local order (``rank`` may be a traced int). STRIPED:
-    the rank's stripe of every round of ``cp`` stripes (JAX's THD order, which runs whole rows per rank)."""
+    the rank's stripe of each of ``rounds`` rounds of ``cp`` stripes."""
     if balance == LoadBalance.DUAL_CHUNK:
         return (rank, 2 * cp - 1 - rank)
+    if balance == LoadBalance.STRIPED:
+        return tuple(rank + i * cp for i in range(rounds))
     return (rank,)
+
+
+def chunk_order(cp: int, balance: LoadBalance, rounds: int = 1) -> Tuple[int, ...]:
+    """The chunks of a sequence in the order of every rank's tokens concatenated (rank 0's first): the
+    load-balanced order of the inputs (``reorder_causal_load_balancing``); its inverse puts gathered
+    tokens back in global order."""
+    return tuple(c for r in range(cp) for c in rank_chunks(cp, r, balance, rounds))
 
 
 @dataclass(frozen=True)
@@ -110,11 +125,50 @@ class Pass(enum.Enum):
     DKDV = "dkdv"
 
 
+# A chunk call's mask in padded (thd) form: the call's sequences are pseudo-sequences of the packed rows.
+_PADDED_MASK = {AttnMaskType.NO_MASK: AttnMaskType.PADDING_MASK,
+                AttnMaskType.CAUSAL_MASK: AttnMaskType.PADDING_CAUSAL_MASK,
+                AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK: AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK}
+
+
+@dataclass(frozen=True)
+class ChunkCall:
+    """One kernel call of a rank: ``pass_`` over the own ``chunk``. ``rows``: the call's own-side positions
+    ``[start, end)`` (queries of FORWARD and DQ, keys of DKDV), from the chunk's ``aligned_start`` (the
+    rows before ``chunk.start`` are computed and dropped); ``span``: the other operand's positions (keys of
+    FORWARD and DQ, queries of DKDV); ``mask`` in the call's own coordinates: NO_MASK, causal
+    bottom-right (queries ``[lo, b)`` against keys ``[0, b)``) or causal top-left (queries ``[lo, s)``
+    against keys ``[lo, b)``), each the global mask on those rows. The kept rows land at the rank's
+    ``chunk.local_start``. ``preprocess``: the call computes ``rowsum(dO * O)`` for the rank's later
+    backward calls (its span covers their query rows); a framework may instead compute it per call."""
+
+    pass_: Pass
+    chunk: ChunkRange
+    rows: Tuple[int, int]
+    span: Tuple[int, int]
+    mask: AttnMaskType
+    preprocess: bool = False
+
+    @property
+    def lead(self) -> int:
+        return self.chunk.start - self.rows[0]
+
+    @property
+    def length(self) -> int:
+        """Rows of the call (lead included)."""
+        return self.rows[1] - self.rows[0]
+
+    def padded_mask(self) -> AttnMaskType:
+        """``mask`` for a call of pseudo-sequences (thd)."""
+        return _PADDED_MASK[self.mask]
+
+
 @dataclass(frozen=True)
 class RankPlan:
     """One rank's work: its chunks and, in execution order, ``(pass, own chunk, blocks)`` where blocks are
     the ``(q_chunk, kv_chunk)`` pairs (chunk indices of :func:`num_chunks`) the pass computes. For
-    ``"a2a"`` the rank computes every block for ``heads`` = (its head group, group count)."""
+    ``"a2a"`` the rank computes every block for ``heads`` = (its head group, group count). ``calls``:
+    the work as kernel calls (:class:`ChunkCall`), in the same order."""
 
     comm_type: str
     cp: int
@@ -127,6 +181,46 @@ class RankPlan:
 
     def blocks(self, pass_: Pass) -> Tuple[Tuple[int, int], ...]:
         return tuple(b for p, _, blocks in self.work if p == pass_ for b in blocks)
+
+    @property
+    def calls(self) -> Tuple[ChunkCall, ...]:
+        """One call per ``work`` entry: its rows from the own chunk's aligned start, its span the blocks'
+        other-side chunks (DKDV: from the aligned start too, so the query blocks meet the key blocks as in
+        the single call); the first backward call computes ``rowsum(dO * O)`` for the rank."""
+        if self.comm_type == "a2a":
+            raise ValueError("`comm_type` 'a2a' runs the single-device call on whole sequences: no chunk calls")
+        length = self.ranges[0].end - self.ranges[0].start
+        ranges = {r.chunk: r for r in self.ranges}
+        out, first_backward = [], True
+        for pass_, chunk, blocks in self.work:
+            r = ranges[chunk]
+            rows = (r.aligned_start, r.end)
+            other = [q if pass_ == Pass.DKDV else kv for q, kv in blocks]
+            span = (min(other) * length, (max(other) + 1) * length)
+            if pass_ == Pass.DKDV:
+                span = (min(span[0], rows[0]), span[1])
+            if not self.causal:
+                mask = AttnMaskType.NO_MASK
+            else:
+                mask = AttnMaskType.CAUSAL_MASK if pass_ == Pass.DKDV else AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK
+            preprocess = pass_ != Pass.FORWARD and first_backward
+            first_backward = first_backward and pass_ == Pass.FORWARD
+            out.append(ChunkCall(pass_, r, rows, span, mask, preprocess))
+        return tuple(out)
+
+    def launches(self, merge_unmasked: bool = False) -> Tuple[Tuple[ChunkCall, ...], ...]:
+        """``calls`` grouped into launches: one call each, or (``merge_unmasked``) the unmasked calls of a
+        pass as one launch over the rank's rows (every row sees the same span, so a row's blocks do not
+        depend on its neighbours), placed where the pass's first call is."""
+        groups: List[List[ChunkCall]] = []
+        for call in self.calls:
+            if merge_unmasked and call.mask == AttnMaskType.NO_MASK:
+                prev = next((g for g in groups if g[0].pass_ == call.pass_), None)
+                if prev is not None and prev[0].span == call.span:
+                    prev.append(call)
+                    continue
+            groups.append([call])
+        return tuple(tuple(g) for g in groups)
 
 
 def _pass_blocks(pass_: Pass, chunk: int, n: int, causal: bool) -> Tuple[Tuple[int, int], ...]:

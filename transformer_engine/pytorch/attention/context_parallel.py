@@ -314,20 +314,22 @@ def fused_forward_step(q: torch.Tensor, k_glob: torch.Tensor, v_glob: torch.Tens
         return _thd_forward(q, k_glob, v_glob, split, spec)
     fmt, sd = split.fmt, _seq_dim(split.fmt)
     length = split.chunk_len()
-    mask = AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK if spec.causal else AttnMaskType.NO_MASK
-    # Each chunk's call writes its rows of the rank's out and lse (a copy where zero rows lead the chunk).
+    # Each forward call of the plan writes its chunk's rows of out and lse (a copy where rows lead the chunk).
     out = unfilled(tuple(q.shape[:-1]) + (v_glob.shape[-1],), q.dtype, q.device)
     lse = unfilled((q.shape[1 - sd], q.shape[-2], 2 * length), torch.float32, q.device)
-    for slot, a, b, lo in _padded_ranges(split, spec.align):
-        out_c, lse_c = out.narrow(sd, slot * length, length), lse.narrow(2, slot * length, length)
-        q_c = _zeros_before(q.narrow(sd, slot * length, length), sd, a - lo)
-        k_c, v_c = (k_glob.narrow(sd, 0, b), v_glob.narrow(sd, 0, b)) if spec.causal else (k_glob, v_glob)
-        if a == lo:
-            _fwd(q_c, k_c, v_c, fmt, spec, mask, out=out_c, lse=lse_c)
+    for call in rank_plan(split, spec).calls:
+        if call.pass_ != cp_plan.Pass.FORWARD:
+            continue
+        at, lead = call.chunk.local_start, call.lead
+        out_c, lse_c = out.narrow(sd, at, length), lse.narrow(2, at, length)
+        q_c = _zeros_before(q.narrow(sd, at, length), sd, lead)
+        k_c, v_c = (t.narrow(sd, call.span[0], call.span[1] - call.span[0]) for t in (k_glob, v_glob))
+        if not lead:
+            _fwd(q_c, k_c, v_c, fmt, spec, call.mask, out=out_c, lse=lse_c)
         else:
-            o, l_ = _fwd(q_c, k_c, v_c, fmt, spec, mask)
-            out_c.copy_(o.narrow(sd, a - lo, length))
-            lse_c.copy_(l_[:, :, a - lo:])
+            o, l_ = _fwd(q_c, k_c, v_c, fmt, spec, call.mask)
+            out_c.copy_(o.narrow(sd, lead, length))
+            lse_c.copy_(l_[:, :, lead:])
     return out, lse
 
 
@@ -339,43 +341,36 @@ def fused_backward_step(q_g, k_g, v_g, out_g, d_out_g, lse_g, split: SeqSplit,
     if split.is_thd:
         return _thd_backward(q_g, k_g, v_g, out_g, d_out_g, lse_g, split, spec)
     fmt, sd = split.fmt, _seq_dim(split.fmt)
-    s, length = split.seqlen, split.chunk_len()
+    length = split.chunk_len()
     local = lambda t: t.new_empty(tuple(t.shape[:sd]) + (2 * length,) + tuple(t.shape[sd + 1:]))  # noqa: E731
     dq, dk, dv = local(q_g), local(k_g), local(v_g)
-    # rowsum(dO * O) once per rank: the first dK/dV call (slot 0, the earliest chunk) computes it over its
-    # query rows [lo, s), which hold every row a later call of the rank reads; the others skip the preprocess.
+    # rowsum(dO * O) once per rank, in the plan's preprocessing call (its query span holds every row a later
+    # call of the rank reads); the other calls skip the preprocess.
     lse_g = lse_g.contiguous()
     delta = unfilled(lse_g.shape, lse_g.dtype, lse_g.device)  # the rows a call reads are written first
-    for slot, a, b, lo in _padded_ranges(split, spec.align):
-        into = slot * length
-        direct = a == lo  # the call's rows are the chunk's: its gradients go straight to the rank's buffers
-        rows = [t.narrow(sd, lo, b - lo) for t in (q_g, out_g, d_out_g)]
-        # dK/dV of the chunk first (slot 0's fills delta).
-        keys = [k_g.narrow(sd, lo, b - lo), v_g.narrow(sd, lo, b - lo)]
-        if spec.causal:  # query rows [lo, s) against keys [lo, b): top-left causal is the global mask
-            r0 = lo
-            kv_rows = [t.narrow(sd, lo, s - lo) for t in (q_g, out_g, d_out_g)]
-            mask = AttnMaskType.CAUSAL_MASK
-        else:
-            r0, kv_rows, mask = 0, [q_g, out_g, d_out_g], AttnMaskType.NO_MASK
-        span = s - r0
-        targets = dict(dk=dk.narrow(sd, into, length), dv=dv.narrow(sd, into, length)) if direct else {}
-        g_k, g_v = _bwd(BackwardGrads.DKDV, kv_rows[0], keys[0], keys[1], kv_rows[1], kv_rows[2],
-                        lse_g.narrow(2, r0, span), fmt, spec, mask, delta=delta.narrow(2, r0, span),
-                        preprocess=slot == 0, **targets)
-        if not direct:
-            dk.narrow(sd, into, length).copy_(g_k.narrow(sd, a - lo, length))
-            dv.narrow(sd, into, length).copy_(g_v.narrow(sd, a - lo, length))
-        if spec.causal:
-            keys = [k_g.narrow(sd, 0, b), v_g.narrow(sd, 0, b)]
-            mask = AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK
-        else:
-            keys, mask = [k_g, v_g], AttnMaskType.NO_MASK
-        g_q = _bwd(BackwardGrads.DQ, rows[0], keys[0], keys[1], rows[1], rows[2], lse_g.narrow(2, lo, b - lo), fmt,
-                   spec, mask, delta=delta.narrow(2, lo, b - lo), preprocess=False,
-                   dq=dq.narrow(sd, into, length) if direct else None)
-        if not direct:
-            dq.narrow(sd, into, length).copy_(g_q.narrow(sd, a - lo, length))
+    for call in rank_plan(split, spec).calls:
+        if call.pass_ == cp_plan.Pass.FORWARD:
+            continue
+        at, lead, (lo, hi), (r0, r1) = call.chunk.local_start, call.lead, call.rows, call.span
+        if call.pass_ == cp_plan.Pass.DKDV:  # the chunk's keys [lo, hi) against query rows [r0, r1)
+            keys = [t.narrow(sd, lo, hi - lo) for t in (k_g, v_g)]
+            rows = [t.narrow(sd, r0, r1 - r0) for t in (q_g, out_g, d_out_g)]
+            targets = dict(dk=dk.narrow(sd, at, length), dv=dv.narrow(sd, at, length)) if not lead else {}
+            g_k, g_v = _bwd(BackwardGrads.DKDV, rows[0], keys[0], keys[1], rows[1], rows[2], lse_g.narrow(2, r0, r1 - r0),
+                            fmt, spec, call.mask, delta=delta.narrow(2, r0, r1 - r0), preprocess=call.preprocess,
+                            **targets)
+            if lead:
+                dk.narrow(sd, at, length).copy_(g_k.narrow(sd, lead, length))
+                dv.narrow(sd, at, length).copy_(g_v.narrow(sd, lead, length))
+            continue
+        # dQ: the chunk's query rows [lo, hi) against keys [r0, r1)
+        rows = [t.narrow(sd, lo, hi - lo) for t in (q_g, out_g, d_out_g)]
+        keys = [t.narrow(sd, r0, r1 - r0) for t in (k_g, v_g)]
+        g_q = _bwd(BackwardGrads.DQ, rows[0], keys[0], keys[1], rows[1], rows[2], lse_g.narrow(2, lo, hi - lo), fmt,
+                   spec, call.mask, delta=delta.narrow(2, lo, hi - lo), preprocess=call.preprocess,
+                   dq=dq.narrow(sd, at, length) if not lead else None)
+        if lead:
+            dq.narrow(sd, at, length).copy_(g_q.narrow(sd, lead, length))
     return dq, dk, dv
 
 

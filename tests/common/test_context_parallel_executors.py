@@ -1,0 +1,226 @@
+"""The context-parallel executors run the common plan's calls (``RankPlan.calls``), counted with the
+launches stubbed (no kernel runs; fast): PyTorch's per-rank steps (bshd/sbhd), JAX's per-rank steps
+(BSHD: the calls, the unmasked ones of a pass as one launch; THD: one pseudo-sequence per segment and
+call) over cp 2/4/8, causal and no mask, the dual-chunk, contiguous and Striped orders, and both
+comm types (the ring and the all-gather only move the operands: the same calls). THD: the query and
+key tokens each rank's calls keep fall as 1 / cp in both frameworks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from transformer_engine.common.attention import AttnMaskType, QKVFormat
+from transformer_engine.common.attention import context_parallel as cpp
+
+CPS = (2, 4, 8)
+COMMS = ("p2p", "all_gather")
+
+
+def _torch():
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+    from transformer_engine.pytorch.attention import context_parallel as tcp
+    return torch, tcp
+
+
+def _jax():
+    jax = pytest.importorskip("jax", reason="JAX is not installed")
+    from transformer_engine.jax import context_parallel as jcp
+    from transformer_engine.jax.enums import CPStrategy
+    from transformer_engine.jax.primitives.attention import FusedAttnStatic
+    return jax, jcp, CPStrategy, FusedAttnStatic
+
+
+def _expected(plan, merge=False):
+    """(pass, mask, own-side rows, other-side rows) of each launch of the plan (merged: the rank's rows)."""
+    out = []
+    for group in plan.launches(merge_unmasked=merge):
+        c = group[0]
+        rows = sum(x.chunk.end - x.chunk.start for x in group) if len(group) > 1 else c.length
+        out.append((c.pass_, c.mask, rows, c.span[1] - c.span[0]))
+    return out
+
+
+# -- PyTorch ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "no_mask"])
+@pytest.mark.parametrize("cp", CPS)
+def test_pytorch_steps_launch_the_plans_calls(cp, causal, comm, monkeypatch):
+    torch, tcp = _torch()
+    launched = []
+
+    def forward(q, k, v, call, out=None, lse=None):
+        launched.append((cpp.Pass.FORWARD, call.params.attn_mask_type, q.shape[1], k.shape[1]))
+        return q.new_zeros(q.shape), q.new_zeros((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+
+    def backward(q, k, v, out, d_out, lse, call, grads, dq=None, dk=None, dv=None, delta=None, preprocess=True):
+        pass_ = cpp.Pass.DQ if grads.name == "DQ" else cpp.Pass.DKDV
+        own, other = (q, k) if pass_ == cpp.Pass.DQ else (k, q)
+        launched.append((pass_, call.params.attn_mask_type, own.shape[1], other.shape[1]))
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None
+
+    monkeypatch.setattr(tcp.kernel_runner, "forward", forward)
+    monkeypatch.setattr(tcp.kernel_runner, "backward", backward)
+    align, length = 16, 12  # chunks off the tiles: calls with lead rows
+    s = 2 * cp * length
+    spec = tcp.FusedSpec(0.25, causal, True, align)
+    for rank in range(cp):
+        split = tcp.SeqSplit(QKVFormat.BSHD, cp, rank, seqlen=s)
+        plan = cpp.rank_plan(comm, cp, rank, s, causal, cpp.LoadBalance.DUAL_CHUNK, align)
+        assert tcp.rank_plan(split, spec, comm).calls == plan.calls
+        launched.clear()
+        local = lambda h: torch.zeros(1, 2 * length, h, 8)  # noqa: E731
+        glob = lambda h: torch.zeros(1, s, h, 8)  # noqa: E731
+        tcp.fused_forward_step(local(2), glob(1), glob(1), split, spec)
+        tcp.fused_backward_step(glob(2), glob(1), glob(1), glob(2), glob(2), torch.zeros(1, 2, s), split, spec)
+        expected = [c for c in _expected(plan) if c[0] == cpp.Pass.FORWARD]
+        expected += [c for c in _expected(plan) if c[0] != cpp.Pass.FORWARD]
+        assert launched == expected, rank
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "no_mask"])
+def test_pytorch_thd_tokens_per_rank_fall_as_one_over_cp(causal, monkeypatch):
+    """Each rank's thd calls keep 1 / cp of the query rows (forward, dQ) and of the key rows (dK/dV)."""
+    torch, tcp = _torch()
+    kept = {}
+
+    def count(pass_, cu):
+        lengths = cu[1:] - cu[:-1]
+        kept[pass_] = kept.get(pass_, 0) + int(lengths.sum())
+
+    def forward(q, k, v, call, out=None, lse=None):
+        count(cpp.Pass.FORWARD, call.cu_seqlens_q)
+        n = len(call.cu_seqlens_q) - 1
+        return q.new_zeros(q.shape), q.new_zeros((n, q.shape[1], call.params.max_seqlen_q), dtype=torch.float32)
+
+    def backward(q, k, v, out, d_out, lse, call, grads, dq=None, dk=None, dv=None, delta=None, preprocess=True):
+        if grads.name == "DQ":
+            count(cpp.Pass.DQ, call.cu_seqlens_q)
+        else:
+            count(cpp.Pass.DKDV, call.cu_seqlens_kv)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None
+
+    monkeypatch.setattr(tcp.kernel_runner, "forward", forward)
+    monkeypatch.setattr(tcp.kernel_runner, "backward", backward)
+    lengths = (48, 96, 16, 80)  # unpadded: every token real
+    total = sum(lengths)
+    for cp in CPS:
+        starts = tuple(sum(lengths[:i]) for i in range(len(lengths)))
+        spec = tcp.FusedSpec(0.25, causal, True, 1)
+        for rank in range(cp):
+            kept.clear()
+            split = tcp.SeqSplit(QKVFormat.THD, cp, rank, starts=starts, padded=lengths, lengths=lengths)
+            tcp.fused_forward_step(torch.zeros(total // cp, 2, 8), torch.zeros(total, 1, 8), torch.zeros(total, 1, 8),
+                                   split, spec)
+            g = torch.zeros(total, 2, 8)
+            tcp.fused_backward_step(g, torch.zeros(total, 1, 8), torch.zeros(total, 1, 8), g, g,
+                                    torch.zeros(2, total), split, spec)
+            assert kept == {p: total // cp for p in cpp.Pass}, (cp, rank, kept)
+
+
+# -- JAX -------------------------------------------------------------------------------------------------
+
+def _jax_plan(cp, causal, comm, load_balanced, fmt, align):
+    jax, jcp, CPStrategy, FusedAttnStatic = _jax()
+    from transformer_engine.common.attention import enums
+
+    mask = {(True, False): enums.AttnMaskType.CAUSAL_MASK, (False, False): enums.AttnMaskType.NO_MASK,
+            (True, True): enums.AttnMaskType.PADDING_CAUSAL_MASK, (False, True): enums.AttnMaskType.PADDING_MASK}
+    thd = fmt == QKVFormat.THD
+    static = FusedAttnStatic(attn_mask_type=mask[causal, thd], attn_bias_type=enums.AttnBiasType.NO_BIAS,
+                             qkv_format=fmt, window_size=(-1, 0) if causal else (-1, -1), scaling_factor=0.25,
+                             dropout_probability=0.0, is_training=True, deterministic=True)
+    strategy = CPStrategy.RING if comm == "p2p" else CPStrategy.ALL_GATHER
+    return jcp.make_plan(static, jcp.ContextParallel("cp", cp, strategy, load_balanced), align)
+
+
+def _record_jax(jcp, monkeypatch, seen):
+    import jax.numpy as jnp
+
+    def fwd(q, k, v, bias, seq, seeds, static, *rest):
+        seen.append((cpp.Pass.FORWARD, static, seq, q.shape[1], k.shape[1]))
+        b, s, h = q.shape[:3]
+        aux = (b, seq.q_seqlens.shape[1], h, s)
+        return (jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype), jnp.zeros(aux, jnp.float32)) + (
+            (jnp.full(aux, -jnp.inf, jnp.float32),) if static.return_max_logit else ())
+
+    def bwd(q, k, v, bias, out, dout, lse, seq, seeds, static, *rest):
+        pass_ = cpp.Pass.DQ if static.backward_grads.name == "DQ" else cpp.Pass.DKDV
+        own, other = (q, k) if pass_ == cpp.Pass.DQ else (k, q)
+        seen.append((pass_, static, seq, own.shape[1], other.shape[1]))
+        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), None, None
+
+    monkeypatch.setattr(jcp, "fused_attn_fwd", fwd)
+    monkeypatch.setattr(jcp, "fused_attn_bwd", bwd)
+
+
+@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("load_balanced", [True, False], ids=["dual_chunk", "contiguous"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "no_mask"])
+@pytest.mark.parametrize("cp", CPS)
+def test_jax_bshd_steps_launch_the_plans_calls(cp, causal, load_balanced, comm, monkeypatch):
+    jax, jcp, _, _ = _jax()
+    import jax.numpy as jnp
+
+    seen = []
+    _record_jax(jcp, monkeypatch, seen)
+    length = 4
+    plan = _jax_plan(cp, causal, comm, load_balanced, QKVFormat.BSHD, 1)
+    n_local = cpp.num_chunks(cp, plan.cp.balance) * length // cp
+    s = n_local * cp
+    z = lambda n, h: jnp.zeros((1, n, h, 8), jnp.float32)  # noqa: E731
+    lse = jnp.zeros((1, 1, 2, n_local), jnp.float32)
+    lse_all = jnp.zeros((1, 1, 2, s), jnp.float32)
+    for rank in range(cp):
+        seen.clear()
+        jcp.rank_forward(plan, rank, z(n_local, 2), z(s, 1), z(s, 1))
+        jcp.rank_backward(plan, rank, (z(n_local, 2), z(n_local, 1), z(n_local, 1), z(n_local, 2), lse,
+                                       z(n_local, 2)), (z(s, 2), z(s, 1), z(s, 1), z(s, 2), lse_all, z(s, 2)))
+        # JAX's causal calls take the gathered keys (queries) whole, the span as sequence lengths: compare
+        # pass, mask (unpadded) and own rows, in the plan's order per pass.
+        unpadded = {v: k for k, v in cpp._PADDED_MASK.items()}
+        got = [(p, unpadded.get(AttnMaskType(st.attn_mask_type), AttnMaskType(st.attn_mask_type)), own)
+               for p, st, _, own, _ in seen]
+        expected = [(p, m, own) for p, m, own, _ in _expected(plan.rank_plan(rank, s), merge=True)]
+        for pass_ in cpp.Pass:
+            assert [g for g in got if g[0] == pass_] == [e for e in expected if e[0] == pass_], (rank, pass_)
+
+
+@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("order", ["striped", "contiguous"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "no_mask"])
+@pytest.mark.parametrize("cp", CPS)
+def test_jax_thd_steps_launch_the_plans_calls_and_tokens_fall_as_one_over_cp(cp, causal, order, comm, monkeypatch):
+    """THD: each step is one of the plan's calls (its mask in padded form) with one pseudo-sequence per
+    segment; the real tokens each rank keeps are 1 / cp of the row's."""
+    jax, jcp, _, _ = _jax()
+    import jax.numpy as jnp
+    import numpy as np
+    from transformer_engine.jax.attention_math import SeqInfo
+
+    seen = []
+    _record_jax(jcp, monkeypatch, seen)
+    s = 128
+    lens = np.array([[40, 24, 0, 64], [7, 57, 30, 34]], np.int32)  # every token real
+    offsets = np.concatenate([np.zeros((2, 1), np.int32), np.cumsum(lens, axis=1)], axis=1).astype(np.int32)
+    seq = SeqInfo(*(jnp.asarray(x) for x in (lens, lens, offsets, offsets)))
+    plan = _jax_plan(cp, causal, comm, order == "striped", QKVFormat.THD, 1)
+    plans = jcp.thd_rank_plans(plan, s)
+    assert jcp.thd_balance(plan.cp, s) == (cpp.LoadBalance.DUAL_CHUNK if order == "striped"
+                                           else cpp.LoadBalance.CONTIGUOUS)
+    z = lambda h: jnp.zeros((2, s, h, 8), jnp.float32)  # noqa: E731
+    for rank in range(cp):
+        seen.clear()
+        jcp.thd_rank_forward(plan, plans, rank, z(2), z(1), z(1), seq)
+        jcp.thd_rank_backward(plan, plans, rank, (z(2), z(1), z(1), z(2), jnp.zeros((2, 2, s)), z(2)), seq)
+        calls = plans[rank].calls
+        order_ = [c for c in calls if c.pass_ == cpp.Pass.FORWARD] + [c for c in calls if c.pass_ != cpp.Pass.FORWARD]
+        assert [(p, st.attn_mask_type) for p, st, *_ in seen] == [(c.pass_, c.padded_mask()) for c in order_]
+        kept = {}
+        for (p, _, pseudo, _, _), call in zip(seen, order_):
+            own = pseudo.kv_seqlens if p == cpp.Pass.DKDV else pseudo.q_seqlens
+            kept[p] = kept.get(p, 0) + int(np.sum(np.asarray(own)))  # align 1: no lead rows
+        assert kept == {p: 2 * s // cp for p in cpp.Pass}, (rank, kept)

@@ -1,4 +1,4 @@
-"""Where the deterministic backward's time goes at d=128 (issue 3's causal gap): device time of each
+"""Where the deterministic backward's time goes at d=128: device time of each
 kernel, no mask and causal, over shapes with equal total work (b * s^2 constant) but 16 to 128 query
 blocks per dK/dV program, so the cost of a program's prologue and epilogue shows as the slope of time
 against the number of programs.

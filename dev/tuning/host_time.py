@@ -23,6 +23,8 @@ the timers add about a microsecond per call), and the host reads of tensor value
 ``.tolist()``, ``bool()``, ...: a device-to-host copy, so a sync, on a GPU). On a GPU without ``--stub`` a
 step's time is the larger of its host time and its kernels' (the steps are queued back to back).
 """
+# throwaway: times and stubs the product's private layers (kernel_runner._run, launch_cache internals);
+# not kept working against refactors.
 
 from __future__ import annotations
 

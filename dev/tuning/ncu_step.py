@@ -13,7 +13,7 @@ import torch
 
 from transformer_engine.common.attention import AttnMaskType, QKVFormat
 from transformer_engine.pytorch.attention import kernel_runner
-from transformer_engine.pytorch.attention.testing import fused_call
+from transformer_engine.pytorch.attention.call import fused_call
 
 
 def main():

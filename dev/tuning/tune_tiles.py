@@ -23,7 +23,7 @@ from common import bench_ms
 from transformer_engine.common.attention import AttnMaskType, QKVFormat
 from transformer_engine.common.attention.plan import Tiles, backward_plan, forward_plan, padded_head_dim
 from transformer_engine.pytorch.attention import kernel_runner
-from transformer_engine.pytorch.attention.testing import fused_call
+from transformer_engine.pytorch.attention.call import fused_call
 
 # Candidates per padded head dim: forward tiles, dK/dV tiles (timed with the planned dQ tiles) and
 # dQ tiles (timed with the planned dK/dV tiles), so each backward kernel is chosen on its own. The

@@ -257,7 +257,7 @@ def test_fake_tensors_take_the_op_and_launch_nothing():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from transformer_engine.pytorch.attention import ops
-    from transformer_engine.pytorch.attention.testing import fused_call
+    from transformer_engine.pytorch.attention.call import fused_call
 
     call = fused_call("bshd", "causal", (-1, 0), 0.25)
     with FakeTensorMode():

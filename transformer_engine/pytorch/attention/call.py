@@ -26,9 +26,12 @@ from typing import Callable, ClassVar, ContextManager, Optional, Tuple
 
 import torch
 
+from transformer_engine.common.attention.config import normalize_window, resolve_bottom_right_diagonal
+from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, AttnSoftmaxType, QKVFormat
 from transformer_engine.common.attention.params import AttnParams
+from transformer_engine.pytorch.attention.buffers import host_values
 
-__all__ = ["AttnCall", "flatten", "unflatten", "op_schema_args", "FLAT_SIZE"]
+__all__ = ["AttnCall", "fused_call", "flatten", "unflatten", "op_schema_args", "FLAT_SIZE"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,58 @@ class AttnCall:
         """(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)."""
         return (self.cu_seqlens_q, self.cu_seqlens_kv, self.cu_seqlens_q_padded, self.cu_seqlens_kv_padded,
                 self.params.max_seqlen_q, self.params.max_seqlen_kv)
+
+
+def fused_call(
+    qkv_format="bshd",
+    attn_mask_type="no_mask",
+    window_size: Optional[Tuple[int, int]] = None,
+    softmax_scale: float = 1.0,
+    *,
+    bottom_right_diagonal: Optional[bool] = None,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_kv: Optional[torch.Tensor] = None,
+    cu_seqlens_q_padded: Optional[torch.Tensor] = None,
+    cu_seqlens_kv_padded: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_kv: Optional[int] = None,
+    bias: Optional[torch.Tensor] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    rng_state: Optional[torch.Tensor] = None,
+    softmax_type="vanilla",
+    softmax_offset: Optional[torch.Tensor] = None,
+    deterministic: bool = True,
+) -> AttnCall:
+    """The AttnCall the fused kernels launch for these arguments (enums or their strings), for
+    ``kernel_runner.forward`` / ``backward`` and ``kernel_runner.plan_key``: the window normalized and the diagonal
+    resolved as PyTorch resolves them, thd's ``max_seqlen_*`` from the cu_seqlens when not given (one host
+    sync; a call run with sequence extents of its own, ``seqs=``, needs no cu_seqlens). Nothing else is
+    checked or converted: ``softmax_scale`` must be positive, ``rng_state`` given with dropout and
+    ``softmax_offset`` (fp32 [h_q]) with a sink softmax, as at the kernels."""
+    fmt, mask = QKVFormat(qkv_format), AttnMaskType(attn_mask_type)
+    if fmt == QKVFormat.THD:
+        if max_seqlen_q is None and cu_seqlens_q is not None:
+            max_seqlen_q = max(host_values(cu_seqlens_q[1:] - cu_seqlens_q[:-1]))
+        cu = cu_seqlens_kv if cu_seqlens_kv is not None else cu_seqlens_q
+        if max_seqlen_kv is None and cu is not None:
+            max_seqlen_kv = max(host_values(cu[1:] - cu[:-1]))
+    else:
+        max_seqlen_q = max_seqlen_kv = None
+    if bias is not None:
+        bias_type = AttnBiasType.POST_SCALE_BIAS
+    else:
+        bias_type = AttnBiasType.ALIBI if alibi_slopes is not None else AttnBiasType.NO_BIAS
+    params = AttnParams(attn_mask_type=mask, attn_bias_type=bias_type, qkv_format=fmt,
+                        window_size=normalize_window(window_size, mask), scaling_factor=float(softmax_scale),
+                        dropout_probability=float(dropout_p), deterministic=deterministic,
+                        bottom_right_diagonal=resolve_bottom_right_diagonal(mask, bottom_right_diagonal, "pytorch"),
+                        softmax_type=AttnSoftmaxType(softmax_type), max_seqlen_q=max_seqlen_q,
+                        max_seqlen_kv=max_seqlen_kv)
+    return AttnCall(params, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+                    cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded, bias=bias,
+                    alibi_slopes=alibi_slopes, rng_state=rng_state if dropout_p > 0 else None,
+                    softmax_offset=softmax_offset)
 
 
 # -- the custom ops' flat form -----------------------------------------------------------------------------

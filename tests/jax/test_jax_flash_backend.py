@@ -30,7 +30,7 @@ from te_jax_testing import make_case, random_qkv  # noqa: E402
 from transformer_engine.common.attention.backends import NoBackendError  # noqa: E402
 from transformer_engine.jax import attention as te_attention  # noqa: E402
 from transformer_engine.jax import flash_backend  # noqa: E402
-from transformer_engine.jax import testing as te_testing  # noqa: E402
+import te_jax_testing as te_testing  # noqa: E402
 from transformer_engine.jax.attention import (  # noqa: E402
     AttnBiasType,
     AttnMaskType,

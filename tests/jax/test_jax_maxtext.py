@@ -32,7 +32,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 from te_jax_testing import assert_close_to_reference  # noqa: E402
-from transformer_engine.jax import testing as te_testing  # noqa: E402
+import te_jax_testing as te_testing  # noqa: E402
 from transformer_engine.jax.attention import (  # noqa: E402
     ReorderStrategy,
     SequenceDescriptor,

@@ -31,7 +31,7 @@ from transformer_engine.jax.attention import (
     QKVLayout,
     SequenceDescriptor,
 )
-from transformer_engine.jax.testing import fused_attn_with_backend
+from te_jax_testing import fused_attn_with_backend
 
 SCALE = 0.25
 D = 16

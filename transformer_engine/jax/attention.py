@@ -36,6 +36,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from transformer_engine.common import settings
+from transformer_engine.common.log import get_logger
 from transformer_engine.common.attention.backends import (
     FlashAttention,
     FusedAttention,
@@ -492,7 +493,7 @@ def _segments_from_ids(ids, max_segments):
 class _FusedAttnArgs:
     """The arguments of one ``fused_attn`` call as given: its parameters, in its order, with its
     defaults (a test keeps the two equal). ``_parse_call`` checks them; the Flax modules and the
-    test helpers (:mod:`transformer_engine.jax.testing`) build one too."""
+    test helpers build one too."""
 
     qkv: Tuple[Any, ...]
     bias: Any
@@ -923,20 +924,9 @@ def _run(call: _Call, backend):
     return (out, *rest) if rest else out
 
 
-# Called with each backend selection ``fused_attn`` makes (at trace time): how
-# transformer_engine.jax.testing.recording_backend_selections (and the determinism check) see them.
-_selection_listeners: List[Callable[[Selection], None]] = []
-
-
-def _announce(selection: Selection) -> Selection:
-    for listener in tuple(_selection_listeners):
-        listener(selection)
-    return selection
-
-
 def select_attention_backend(config: AttnConfig) -> Selection:
     """The backend ``fused_attn`` uses for ``config`` (honours NVTE_FUSED_ATTN_BACKEND etc.)."""
-    return _announce(select_backend(config, _CANDIDATES))
+    return select_backend(config, _CANDIDATES)
 
 
 def fused_attn(
@@ -1076,7 +1066,8 @@ def _attention_with_selection(args: _FusedAttnArgs) -> Tuple[jax.Array, Selectio
     if call.cp is not None and call.config.device_type != "cuda":
         # Context parallelism runs the fused primitives, here through their jnp lowering: no
         # selection (whose CPU answer, the unfused backend, has no context-parallel path).
-        selection = _announce(Selection(_FusedBackend))
+        selection = Selection(_FusedBackend)
+        get_logger().info("Selected backend = %s (context parallelism)", selection.name)
         return _run(call, selection.backend), selection
     selection = select_attention_backend(call.config)
     if call.cp is not None and not issubclass(selection.backend, FusedAttention):

@@ -10,7 +10,7 @@ ops, and the kernel runner take it whole. Two boundaries need flat arguments, an
   string values, ints as SymInt, the window as an int list), and :func:`unflatten` rebuilds the call right
   inside the op's implementation;
 - the autograd Function's ``save_for_backward`` (tensors only): :attr:`AttnCall.tensors` and
-  ``AttnCall(params, *tensors)``.
+  :meth:`AttnCall.of_tensors`.
 
 A field added to AttnParams thus reaches the kernel runner without a new argument anywhere on the way.
 """
@@ -75,9 +75,19 @@ class AttnCall:
 
     @property
     def tensors(self) -> Tuple[Optional[torch.Tensor], ...]:
-        """The kernels' tensors by :attr:`TENSOR_ROLES` (``AttnCall(params, *tensors)`` rebuilds the call)."""
+        """The kernels' tensors by :attr:`TENSOR_ROLES` (:meth:`of_tensors` rebuilds the call)."""
         return (self.cu_seqlens_q, self.cu_seqlens_kv, self.cu_seqlens_q_padded, self.cu_seqlens_kv_padded,
                 self.bias, self.alibi_slopes, self.rng_state, self.softmax_offset, self.page_table)
+
+    @classmethod
+    def of_tensors(cls, params: AttnParams, tensors) -> "AttnCall":
+        """The call of ``params`` and the kernels' tensors in :attr:`TENSOR_ROLES` order (:attr:`tensors`)."""
+        return cls(params, **dict(zip(cls.TENSOR_ROLES, tensors)))
+
+    def at_kernels(self, **changes) -> "AttnCall":
+        """This call with ``changes`` and without DotProductAttention's own fields (the arbitrary mask, the
+        RNG tracker's fork, the max-logit request), which the fused path drops."""
+        return dataclasses.replace(self, attention_mask=None, rng_context=None, return_max_logit=False, **changes)
 
     @property
     def sequences(self) -> tuple:
@@ -215,10 +225,10 @@ def unflatten(flat) -> AttnCall:
     try:
         params = _decoded.get(key)
     except TypeError:  # a symbolic size (a traced call with dynamic shapes) makes no key: decoded each time
-        return AttnCall(AttnParams(*(decode(x) for decode, x in zip(_DECODERS, key))), *flat[:_NUM_TENSORS])
+        return AttnCall.of_tensors(AttnParams(*(decode(x) for decode, x in zip(_DECODERS, key))), flat[:_NUM_TENSORS])
     if params is None:
         params = AttnParams(*(decode(x) for decode, x in zip(_DECODERS, key)))
         if len(_decoded) >= _MAX_DECODED:
             _decoded.clear()
         _decoded[key] = params
-    return AttnCall(params, *flat[:_NUM_TENSORS])
+    return AttnCall.of_tensors(params, flat[:_NUM_TENSORS])

@@ -16,11 +16,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from transformer_engine.pytorch.attention.testing import run_ranks_in_one_process
-from transformer_engine.pytorch.attention.fused_attn import fused_attn_func
+# Every rank's steps in one process: a test helper (tests/te_torch_testing.py), not part of the package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+from te_torch_testing import run_ranks_in_one_process  # noqa: E402
+from transformer_engine.pytorch.attention.fused_attn import fused_attn_func  # noqa: E402
 
 
 def _run_and_time(fn, dry_run: bool):

@@ -5,8 +5,8 @@ PyTorch: DotProductAttention against torch SDPA (``scaled_dot_product_attention`
 each jitted: the dispatch time per call. Forward (PyTorch under ``no_grad``) and forward+backward, on one
 tiny shape, so that the device finishes each call's kernels long before the host has issued the next: the
 time per call is then the host's. Each number is the least-disturbed of ``--rounds`` rounds of ``--calls``
-back-to-back calls (the device is waited for only after a round). ``ours/peer`` at or below 1 is the target
-(issue 50). The command and the date are printed with the results.
+back-to-back calls (the device is waited for only after a round). ``ours/peer`` at or below 1 is the target.
+The command and the date are printed with the results.
 
     python benchmarks/attention/bench_host_time.py                      # GPU
     python benchmarks/attention/bench_host_time.py --compile            # and under torch.compile

@@ -22,7 +22,7 @@ import torch
 from common import bench_ms, counted_ms, run_metadata, write_results
 from transformer_engine.common.attention.plan import forward_plan
 from transformer_engine.pytorch.attention import kernel_runner
-from transformer_engine.pytorch.attention.testing import fused_call
+from transformer_engine.pytorch.attention.call import fused_call
 
 # (batch, seqlen, heads, head dim, mask, bias): 32k tokens; d=64 plain and d=128 with a bias (Triton forward), d=128
 # plain (Hopper: the Gluon forward)

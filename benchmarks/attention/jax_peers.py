@@ -199,7 +199,7 @@ def measure(impl: str, case: Case, data: dict, args) -> dict:
         names = []
         recording = contextlib.nullcontext(names)
         if backend is None:  # ours: record which backend fused_attn selects while tracing
-            from transformer_engine.jax.testing import recording_backend_selections
+            from transformer_engine.common.log import selected_backends as recording_backend_selections
             recording = recording_backend_selections()
         with recording as names:
             fwd_c = jax.jit(attn).lower(q, k, v).compile()

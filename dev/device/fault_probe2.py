@@ -11,7 +11,7 @@ import triton
 from transformer_engine.common.attention.kernels import backward as bwd_mod
 from transformer_engine.common.attention.plan import Tiles, backward_plan
 from transformer_engine.pytorch.attention import kernel_runner
-from transformer_engine.pytorch.attention.testing import fused_call
+from transformer_engine.pytorch.attention.call import fused_call
 
 
 def main(variant, sq):

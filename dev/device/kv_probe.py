@@ -3,9 +3,10 @@ import os, sys
 from collections import OrderedDict
 import torch
 sys.path.insert(0, "tests/pytorch")
+sys.path.insert(0, "tests")
 from test_kv_cache import _sequences, _params, LAYER, DEVICE
 from transformer_engine.pytorch import DotProductAttention
-from transformer_engine.pytorch.attention.testing import recorded_launches
+from te_torch_testing import recorded_launches
 os.environ["NVTE_FLASH_ATTN"] = "0"
 
 

@@ -1,4 +1,4 @@
-"""Where the deterministic backward's time goes at d=128 (issue 3's causal gap): device time of each
+"""Where the deterministic backward's time goes at d=128: device time of each
 kernel, no mask and causal, over shapes with equal total work (b * s^2 constant) but 16 to 128 query
 blocks per dK/dV program, so the cost of a program's prologue and epilogue shows as the slope of time
 against the number of programs.
@@ -23,7 +23,7 @@ from common import run_metadata, write_results
 from transformer_engine.common.attention import AttnMaskType, QKVFormat
 from transformer_engine.common.attention.plan import backward_plan
 from transformer_engine.pytorch.attention import kernel_runner
-from transformer_engine.pytorch.attention.testing import fused_call
+from transformer_engine.pytorch.attention.call import fused_call
 
 SHAPES = [(1, 16, 8192, 128), (4, 16, 4096, 128), (16, 16, 2048, 128), (64, 16, 1024, 128)]
 KERNELS = ("attn_fwd_kernel", "attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_kernel")

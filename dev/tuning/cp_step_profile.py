@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "attention"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # te_torch_testing
 
 from causal_breakdown import print_kernels  # noqa: E402
 from kernel_time import per_kernel_us  # noqa: E402
 from common import bench_ms  # noqa: E402
-from transformer_engine.pytorch.attention.testing import run_ranks_in_one_process  # noqa: E402
+from te_torch_testing import run_ranks_in_one_process  # noqa: E402
 from transformer_engine.pytorch.attention.fused_attn import fused_attn_func  # noqa: E402
 
 

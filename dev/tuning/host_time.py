@@ -23,6 +23,8 @@ the timers add about a microsecond per call), and the host reads of tensor value
 ``.tolist()``, ``bool()``, ...: a device-to-host copy, so a sync, on a GPU). On a GPU without ``--stub`` a
 step's time is the larger of its host time and its kernels' (the steps are queued back to back).
 """
+# throwaway: times and stubs the product's private layers (kernel_runner._run, launch_cache internals);
+# not kept working against refactors.
 
 from __future__ import annotations
 
@@ -30,7 +32,9 @@ import argparse
 import collections
 import contextlib
 import random
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -38,7 +42,11 @@ from transformer_engine.common import settings
 from transformer_engine.common.attention import launch_description
 from transformer_engine.pytorch import DotProductAttention, InferenceParams
 from transformer_engine.pytorch.attention import (backends, fused_attn, inference, kernel_runner, launch_cache, ops,
-                                                  signature_cache, testing)
+                                                  signature_cache)
+from transformer_engine.pytorch.attention.call import fused_call
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+import te_torch_testing as testing  # noqa: E402  (no_launches)
 
 
 def per_call_us(fn, calls: int, rounds: int = 9) -> float:
@@ -171,7 +179,7 @@ def _measure(args) -> None:
     b, h, s, d = 1, 2, 128, args.head_dim
     q, k, v = (torch.randn(b, s, h, d, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
     module = DotProductAttention(h, d, qkv_format="bshd", attn_mask_type="causal", attention_dropout=0.0)
-    call = testing.fused_call("bshd", "causal", (-1, 0), d ** -0.5)
+    call = fused_call("bshd", "causal", (-1, 0), d ** -0.5)
 
     def fused(q_, k_, v_):
         return fused_attn.fused_attention(q_, k_, v_, call)

@@ -1,4 +1,4 @@
-"""One deterministic fwd+bwd of the issue-3 shape, twice, for Nsight Compute to profile the second step's
+"""One deterministic fwd+bwd of a d=128 shape (no mask or --causal), twice, for Nsight Compute to profile the second step's
 forward, dK/dV and dQ kernels (the first step compiles). Run under ncu on the GPU machine:
 
     ncu --clock-control none --kernel-name regex:"attn_(fwd|bwd_dkdv|bwd_dq)(_ws)?_kernel" --launch-skip 3 \
@@ -13,7 +13,7 @@ import torch
 
 from transformer_engine.common.attention import AttnMaskType, QKVFormat
 from transformer_engine.pytorch.attention import kernel_runner
-from transformer_engine.pytorch.attention.testing import fused_call
+from transformer_engine.pytorch.attention.call import fused_call
 
 
 def main():

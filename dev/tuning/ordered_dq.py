@@ -172,7 +172,7 @@ def _forward(q, k, v, causal):
     """out and lse [b, h, s] (natural log): the product's forward on the GPU, the reference on the CPU."""
     if q.is_cuda:
         from transformer_engine.pytorch.attention import kernel_runner
-        from transformer_engine.pytorch.attention.testing import fused_call
+        from transformer_engine.pytorch.attention.call import fused_call
 
         return kernel_runner.forward(q, k, v, fused_call("bshd", "causal" if causal else "no_mask", None,
                                                          q.shape[-1] ** -0.5))
@@ -284,7 +284,7 @@ def compare_on_gpu(script, check_dims, cases, masks, variants_of, out_path):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks", "attention"))
     from common import bench_ms, run_metadata
     from transformer_engine.pytorch.attention import kernel_runner
-    from transformer_engine.pytorch.attention.testing import fused_call
+    from transformer_engine.pytorch.attention.call import fused_call
 
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 

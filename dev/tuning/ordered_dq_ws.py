@@ -28,7 +28,7 @@ causal, no bias, dropout, window or sink.
     python dev/tuning/ordered_dq_ws.py             # the GPU: errors, bitwise repeats, times against the product
     python dev/tuning/ordered_dq_ws.py --orders unordered   # the GPU, without the semaphores (cannot hang)
 """
-
+# throwaway: an experiment on the product's private Gluon helpers (hopper_ws._row_tiles, ...); not kept working.
 
 import argparse
 import os

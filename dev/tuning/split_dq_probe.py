@@ -2,7 +2,7 @@
 
 With dQ tiles of 128x64 at 2 stages, test_fused_attn_split's packed case with gaps (padding_causal, gap 3)
 hit an illegal address in attn_bwd_dq_kernel in plain runs, and ran clean under compute-sanitizer memcheck,
-with CUDA's own ptxas and at -O0 (a miscompile: plan._SM90_NARROW_V_SPLIT_DQ). "base" is the plan as it is,
+with CUDA's own ptxas and at -O0 (a miscompile: ArchTables.narrow_v_split_dq). "base" is the plan as it is,
 "dq_128x64x2" the tiles that faulted. Each variant runs in a process of its own (a fault poisons the process)
 and prints one line:
 

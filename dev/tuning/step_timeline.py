@@ -31,7 +31,7 @@ from common import bench_ms, run_metadata, write_results
 from transformer_engine.common.attention import AttnMaskType, QKVFormat
 from transformer_engine.common.attention.plan import Tiles, backward_plan
 from transformer_engine.pytorch.attention import kernel_runner
-from transformer_engine.pytorch.attention.testing import fused_call
+from transformer_engine.pytorch.attention.call import fused_call
 
 SHAPES = [(4, 16, 4096, 128, True), (4, 16, 4096, 128, False)]
 

@@ -23,7 +23,7 @@ from common import bench_ms
 from transformer_engine.common.attention import AttnMaskType, QKVFormat
 from transformer_engine.common.attention.plan import Tiles, backward_plan, forward_plan, padded_head_dim
 from transformer_engine.pytorch.attention import kernel_runner
-from transformer_engine.pytorch.attention.testing import fused_call
+from transformer_engine.pytorch.attention.call import fused_call
 
 # Candidates per padded head dim: forward tiles, dK/dV tiles (timed with the planned dQ tiles) and
 # dQ tiles (timed with the planned dK/dV tiles), so each backward kernel is chosen on its own. The
@@ -51,14 +51,14 @@ CANDIDATES = {
         [T(64, 64, 8, 2), T(64, 32, 8, 2), T(32, 64, 4, 2), T(128, 64, 8, 1), T(64, 128, 8, 2)],
         [T(64, 64, 8, 2), T(128, 32, 8, 2), T(64, 32, 4, 2), T(128, 64, 8, 1), T(128, 64, 8, 2)],
     ),
-    # d_qk padded to 256 with d_v to 128 ("192v128", plan._SM90_NARROW_V): the d=256 tiles against the
+    # d_qk padded to 256 with d_v to 128 ("192v128", ArchTables.narrow_v): the d=256 tiles against the
     # narrow-V winners of the d=256 candidates and their single-loop and deeper-pipeline forms.
     (256, 128): (
         [T(128, 64, 8, 2, single_loop=True), T(128, 64, 8, 3), T(128, 64, 8, 3, single_loop=True),
          T(128, 32, 8, 4)],
         [T(64, 64, 8, 2, single_loop=True), T(64, 128, 8, 2), T(64, 128, 8, 2, single_loop=True), T(64, 64, 8, 3),
          T(64, 64, 8, 3, single_loop=True), T(32, 128, 8, 2)],
-        # dQ: 128x64 at 2 stages miscompiles split (plan._SM90_NARROW_V_SPLIT_DQ): not timed.
+        # dQ: 128x64 at 2 stages miscompiles split (ArchTables.narrow_v_split_dq): not timed.
         [T(128, 32, 8, 2), T(128, 64, 8, 1), T(128, 32, 8, 3), T(64, 64, 8, 2), T(64, 32, 4, 2)],
     ),
 }

@@ -32,7 +32,7 @@ from common import bench_ms, run_metadata  # noqa: E402
 from transformer_engine.common.attention import AttnMaskType, QKVFormat  # noqa: E402
 from transformer_engine.common.attention.plan import backward_plan, forward_plan  # noqa: E402
 from transformer_engine.pytorch.attention import kernel_runner  # noqa: E402
-from transformer_engine.pytorch.attention.testing import fused_call  # noqa: E402
+from transformer_engine.pytorch.attention.call import fused_call  # noqa: E402
 
 MASKS = {"none": AttnMaskType.NO_MASK, "causal": AttnMaskType.CAUSAL_MASK,
          "causal_br": AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK, "padding_causal": AttnMaskType.PADDING_CAUSAL_MASK}

@@ -27,7 +27,8 @@ from transformer_engine.common.attention.enums import (  # noqa: E402
 )
 from transformer_engine.jax.primitives import gpu  # noqa: E402
 from transformer_engine.jax.primitives.attention import FusedAttnStatic  # noqa: E402
-from transformer_engine.pytorch.attention import kernel_runner, testing  # noqa: E402
+from transformer_engine.pytorch.attention import kernel_runner  # noqa: E402
+import te_torch_testing as testing  # noqa: E402
 
 SM90 = dict(device_type="cuda", vendor="nvidia", compute_capability=(9, 0), gfx_arch=None)
 TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}

@@ -118,3 +118,41 @@ def _is_submodule(module, attr: str) -> bool:
     except ImportError:
         return False
     return True
+
+
+# Scripts marked throwaway (a line ``# throwaway: <why>`` at the top level) measure or probe the product's
+# internals on purpose; they may use private names and are not kept working.
+_THROWAWAY = "# throwaway:"
+
+
+def _is_throwaway(text: str) -> bool:
+    return any(line.startswith(_THROWAWAY) for line in text.splitlines())
+
+
+def _private_uses(tree: ast.AST) -> List[str]:
+    """Private project names the file imports (``from transformer_engine... import _x``, ``import ..._x``) or
+    reads or sets on a project module or class it imported (``kernel_runner._run``)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == PACKAGE:
+            found += [f"line {node.lineno}: from {node.module} import {a.name}" for a in node.names
+                      if a.name.startswith("_")]
+            if any(p.startswith("_") for p in node.module.split(".")):
+                found.append(f"line {node.lineno}: from {node.module}")
+        elif isinstance(node, ast.Import):
+            found += [f"line {node.lineno}: import {a.name}" for a in node.names
+                      if a.name.split(".")[0] == PACKAGE and any(p.startswith("_") for p in a.name.split("."))]
+    project = {alias or module.split(".")[0] for module, name, alias in _project_imports(tree)}
+    found += [f"line {line}: {name}.{attr}" for name, attr, line in _attributes(tree, project)
+              if attr.startswith("_") and not attr.startswith("__")]
+    return found
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_the_script_uses_no_private_project_names(path):
+    """Outside tests/ only public names, except in scripts marked throwaway."""
+    text = path.read_text(encoding="utf-8")
+    if _is_throwaway(text):
+        pytest.skip("marked throwaway")
+    found = _private_uses(ast.parse(text))
+    assert not found, f"{path.relative_to(ROOT)} uses private project names: {found}"

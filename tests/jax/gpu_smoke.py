@@ -20,7 +20,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from transformer_engine.jax import attention as te_attention  # noqa: E402
-from transformer_engine.jax import testing as te_testing  # noqa: E402
+import te_jax_testing as te_testing  # noqa: E402
 from transformer_engine.jax.attention import (  # noqa: E402
     AttnBiasType, AttnMaskType, AttnSoftmaxType, QKVLayout, SequenceDescriptor)
 from transformer_engine.jax.primitives import gpu  # noqa: E402

@@ -17,7 +17,8 @@ import pytest
 
 from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, QKVFormat, QKVLayout
 from transformer_engine.jax import attention as te_attention
-from transformer_engine.jax import testing as te_testing
+from transformer_engine.common.attention.backends import backend_named
+from transformer_engine.common.log import selected_backends as recording_backend_selections  # noqa: F401
 from transformer_engine.jax import attention_math
 from transformer_engine.jax.attention import SequenceDescriptor
 from transformer_engine.jax.enums import to_common  # the tests pass JAX or common enum members
@@ -288,7 +289,7 @@ def attn_fn(backend: str, **kwargs):
     def f(qkv, bias):
         if backend == "selected":
             return te_attention.fused_attn(tuple(qkv), bias, **kwargs)
-        return te_testing.fused_attn_with_backend(backend, tuple(qkv), bias, **kwargs)
+        return fused_attn_with_backend(backend, tuple(qkv), bias, **kwargs)
 
     return f
 
@@ -451,3 +452,21 @@ def run_case(backend, **config) -> dict:
     case.check_reference(results)
     results["visible"] = case.visible
     return results
+
+
+# The positional order of fused_attn_with_backend: fused_attn's without softmax_type (the tests' own order).
+_BACKEND_POSITIONAL = ("qkv", "bias", "sequence_descriptor", "seed", "attn_bias_type", "attn_mask_type", "qkv_layout",
+                       "scaling_factor", "dropout_probability", "is_training", "max_segments_per_seq", "window_size")
+
+
+def fused_attn_with_backend(backend: str, *args, **kwargs) -> jax.Array:
+    """``fused_attn`` on a named backend ('fused', 'unfused' or 'flash'), skipping selection; on CPU 'fused'
+    runs the fused primitives' jnp lowering. Positional arguments follow ``_BACKEND_POSITIONAL``
+    (``fused_attn``'s order without ``softmax_type``); pass the rest by keyword."""
+    from transformer_engine.jax.enums import AttnSoftmaxType
+
+    bound = dict(zip(_BACKEND_POSITIONAL, args))
+    bound.update(kwargs)
+    bound.setdefault("softmax_type", AttnSoftmaxType.VANILLA_SOFTMAX)
+    call = te_attention._parse_call(te_attention._FusedAttnArgs(**bound))
+    return te_attention._run(call, backend_named(backend, te_attention._CANDIDATES))

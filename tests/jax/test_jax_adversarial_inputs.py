@@ -17,7 +17,7 @@ from transformer_engine.jax.attention import (
     QKVLayout,
     SequenceDescriptor,
 )
-from transformer_engine.jax.testing import fused_attn_with_backend
+from te_jax_testing import fused_attn_with_backend
 
 BACKENDS = ["fused", "unfused"]
 B, S, H, D = 2, 6, 2, 8

@@ -33,7 +33,7 @@ from transformer_engine.jax.attention import (
     inverse_reorder_causal_load_balancing,
     reorder_causal_load_balancing,
 )
-from transformer_engine.jax.testing import fused_attn_with_backend
+from te_jax_testing import fused_attn_with_backend
 from transformer_engine.jax.sharding import MeshResource, global_shard_guard
 
 if len(jax.devices()) < 8:

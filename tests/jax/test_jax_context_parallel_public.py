@@ -17,7 +17,7 @@ from transformer_engine.jax.attention import (AttnBiasType, AttnMaskType, CPStra
                                               SequenceDescriptor, fused_attn, inverse_reorder_causal_load_balancing,
                                               reorder_causal_load_balancing)
 from transformer_engine.jax.sharding import MeshResource, global_shard_guard
-from transformer_engine.jax.testing import fused_attn_with_backend
+from te_jax_testing import fused_attn_with_backend
 
 if len(jax.devices()) < 8:
     pytest.skip("needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8", allow_module_level=True)

@@ -30,7 +30,7 @@ from te_jax_testing import make_case, random_qkv  # noqa: E402
 from transformer_engine.common.attention.backends import NoBackendError  # noqa: E402
 from transformer_engine.jax import attention as te_attention  # noqa: E402
 from transformer_engine.jax import flash_backend  # noqa: E402
-from transformer_engine.jax import testing as te_testing  # noqa: E402
+import te_jax_testing as te_testing  # noqa: E402
 from transformer_engine.jax.attention import (  # noqa: E402
     AttnBiasType,
     AttnMaskType,
@@ -169,6 +169,10 @@ def fake_flash(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn", package)
     monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
     monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
+    # The stand-in's CPU buffers: gap rows cleared in torch (Triton's kernel needs a GPU or the interpreter).
+    from te_torch_testing import zero_outside_sequences_reference
+    from transformer_engine.common.attention.kernels import fill
+    monkeypatch.setattr(fill, "zero_outside_sequences", zero_outside_sequences_reference)
     flash_backend._import_error.cache_clear()
     yield interface
     flash_backend._import_error.cache_clear()

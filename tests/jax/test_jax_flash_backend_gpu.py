@@ -23,7 +23,7 @@ import pytest
 
 from te_jax_testing import make_case, packed_segments, random_qkv
 from transformer_engine.jax import flash_backend
-from transformer_engine.jax import testing as te_testing
+import te_jax_testing as te_testing
 from transformer_engine.jax.attention import AttnBiasType, AttnMaskType, QKVLayout, SequenceDescriptor, fused_attn
 
 

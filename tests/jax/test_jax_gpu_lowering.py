@@ -28,7 +28,7 @@ from transformer_engine.common.attention.launch_description import LOG2E  # noqa
 from transformer_engine.common.attention.enums import AttnMaskType, QKVLayout  # noqa: E402
 from transformer_engine.common.attention.plan import backward_plan, forward_plan, mask_flags  # noqa: E402
 from transformer_engine.jax import attention as te_attention  # noqa: E402
-from transformer_engine.jax import testing as te_testing  # noqa: E402
+import te_jax_testing as te_testing  # noqa: E402
 from transformer_engine.jax.attention import SequenceDescriptor  # noqa: E402
 from transformer_engine.jax.primitives import gpu  # noqa: E402
 

@@ -33,7 +33,7 @@ from transformer_engine.jax.attention import (
     reorder_causal_load_balancing,
 )
 from transformer_engine.jax.sharding import MeshResource, global_shard_guard
-from transformer_engine.jax.testing import fused_attn_with_backend
+from te_jax_testing import fused_attn_with_backend
 
 ON_GPU = jax.devices()[0].platform == "gpu"
 EIGHT_DEVICES = pytest.mark.skipif(len(jax.devices()) < 8,

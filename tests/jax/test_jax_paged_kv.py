@@ -275,7 +275,7 @@ def _launches_equal_pytorchs(recorded, fmt, page_size, window, d, cc):
     torch = pytest.importorskip("torch")
     from transformer_engine.common.attention import launch_description
     from transformer_engine.pytorch.attention import kernel_runner
-    from transformer_engine.pytorch.attention.testing import fused_call
+    from transformer_engine.pytorch.attention.call import fused_call
 
     slots, h, hk, n = 3, 4, 2, 7
     dtype = jnp.float16

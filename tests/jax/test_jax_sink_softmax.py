@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from te_jax_testing import assert_close_to_reference, random_qkv
-from transformer_engine.jax import testing as te_testing
+import te_jax_testing as te_testing
 from transformer_engine.jax.attention import AttnSoftmaxType, SequenceDescriptor
 from transformer_engine.jax.sharding import MeshResource, global_shard_guard
 

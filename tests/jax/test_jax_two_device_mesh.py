@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from sharded_helpers import PARTITIONER_ERRORS, assert_results, problem, run_sharded, spec
 from transformer_engine.jax.attention import SequenceDescriptor
-from transformer_engine.jax.testing import recording_backend_selections
+from transformer_engine.common.log import selected_backends as recording_backend_selections
 from transformer_engine.jax.sharding import MeshResource, global_shard_guard
 
 if len(jax.devices()) < 2:

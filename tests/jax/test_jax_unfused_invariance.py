@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 from case_grid import grid
 
-from transformer_engine.common.attention.reduction import KEY_BLOCK, tree_sum_order
+from reduction_reference import tree_sum_order
+from transformer_engine.common.attention.reduction import KEY_BLOCK
 from transformer_engine.jax import attention_math
 from transformer_engine.jax.attention import (
     AttnBiasType,
@@ -31,7 +32,7 @@ from transformer_engine.jax.attention import (
     QKVLayout,
     SequenceDescriptor,
 )
-from transformer_engine.jax.testing import fused_attn_with_backend
+from te_jax_testing import fused_attn_with_backend
 
 SCALE = 0.25
 D = 16

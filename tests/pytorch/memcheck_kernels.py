@@ -88,7 +88,7 @@ def run_segment_rows(dims, heads=(4, 2)):
     a gap, causal."""
     from transformer_engine.common.attention import AttnMaskType, QKVFormat
     from transformer_engine.pytorch.attention import kernel_runner
-    from transformer_engine.pytorch.attention.testing import fused_call
+    from transformer_engine.pytorch.attention.call import fused_call
 
     (dqk, dv), (h, hk) = dims, heads
     rows, s, lengths = 2, 160, [[70, 0, 81], [1, 130, 29]]

@@ -19,7 +19,7 @@ from transformer_engine.common.attention import AttnConfig, AttnMaskType
 from transformer_engine.common.attention.validation import check_cu_seqlens_values
 from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.attention import backends as attn_backends
-from transformer_engine.pytorch.attention import testing as attn_testing
+import te_torch_testing as attn_testing
 from transformer_engine.pytorch.attention.fused_attn import fused_attn_func
 from transformer_engine.pytorch.attention.unfused import unfused_attention
 

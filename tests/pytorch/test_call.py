@@ -38,7 +38,8 @@ def test_the_schema_takes_every_tensor_role_and_every_parameter():
 def test_unflatten_rebuilds_the_call(changes):
     cu = torch.tensor([0, 3, 7], dtype=torch.int32)
     slopes = torch.rand(4)
-    call = AttnCall(_params(**changes), cu, None, cu, None, None, slopes, None, torch.zeros(4))
+    call = AttnCall(_params(**changes), cu_seqlens_q=cu, cu_seqlens_q_padded=cu, alibi_slopes=slopes,
+                    softmax_offset=torch.zeros(4))
     flat = flatten(call)
     assert not any(isinstance(x, AttnMaskType) for x in flat)  # enums as their strings
     flat = [list(x) if isinstance(x, tuple) else x for x in flat]  # the op gets the schema's list as a list

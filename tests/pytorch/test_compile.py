@@ -8,6 +8,8 @@ a pair of torch.library custom ops with fake implementations. Fused cases need a
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from case_grid import grid
 import torch
@@ -235,12 +237,12 @@ def test_eager_calls_skip_the_op_dispatch_traced_ones_use_it(monkeypatch):
     from transformer_engine.pytorch.attention import ops
 
     monkeypatch.setenv("NVTE_FUSED_ATTN_BACKEND", "fused")
-    direct = []
+    calls = []  # (implementation, whether the custom op called it)
     for name in ("_forward", "_backward"):
         impl = getattr(ops, name)
 
         def spy(*args, _impl=impl, _name=name):
-            direct.append(_name)
+            calls.append((_name, sys._getframe(1).f_code.co_name in ("_forward_op", "_backward_op")))
             return _impl(*args)
         monkeypatch.setattr(ops, name, spy)
     torch.manual_seed(0)
@@ -248,7 +250,8 @@ def test_eager_calls_skip_the_op_dispatch_traced_ones_use_it(monkeypatch):
     x = torch.randn(2, 16, 64, generator=gen(8)).to(DEVICE, LOWP_DTYPES[0])
     eager, compiled = _eager_and_compiled(block, x, backend="aot_eager")
     assert block.attn.last_backend == "FusedAttention"
-    assert direct == ["_forward", "_backward"]  # the eager step's; the compiled step's went through the ops
+    # The eager step's calls come directly, the compiled step's through the ops.
+    assert calls == [("_forward", False), ("_backward", False), ("_forward", True), ("_backward", True)], calls
     _assert_same(eager, compiled, exact=True)
 
 
@@ -257,7 +260,7 @@ def test_fake_tensors_take_the_op_and_launch_nothing():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from transformer_engine.pytorch.attention import ops
-    from transformer_engine.pytorch.attention.testing import fused_call
+    from transformer_engine.pytorch.attention.call import fused_call
 
     call = fused_call("bshd", "causal", (-1, 0), 0.25)
     with FakeTensorMode():

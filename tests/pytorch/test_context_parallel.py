@@ -22,7 +22,7 @@ from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.attention.context_parallel import (
     SeqSplit, assemble, check_context_parallel_args, local_tokens,
 )
-from transformer_engine.pytorch.attention.testing import run_ranks_in_one_process
+from te_torch_testing import run_ranks_in_one_process
 
 HERE = os.path.dirname(__file__)
 SCRIPT = os.path.join(HERE, "distributed", "cp_attention.py")
@@ -209,7 +209,7 @@ def test_backward_calls_run_one_gradient_pass_each(fmt, causal, preprocesses):
     """Each fused backward call of the per-rank steps runs the dQ pass or the dK/dV pass, not both (the
     partial backwards: about the single-device backward's work over the ranks, not twice it)."""
     from fused_helpers import DEVICE
-    from transformer_engine.pytorch.attention.testing import recorded_launches
+    from te_torch_testing import recorded_launches
 
     g = torch.Generator().manual_seed(3)
     extra, lead = {}, (1, 32)

@@ -10,7 +10,7 @@ Run on one GPU: ``pytest tests/pytorch/test_context_parallel_one_gpu.py`` (the 1
 import pytest
 import torch
 
-from transformer_engine.pytorch.attention.testing import run_ranks_in_one_process
+from te_torch_testing import run_ranks_in_one_process
 from transformer_engine.pytorch.attention.fused_attn import fused_attn_func
 
 pytestmark = [pytest.mark.gpu, pytest.mark.determinism,

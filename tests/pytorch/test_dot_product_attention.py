@@ -38,7 +38,7 @@ from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.attention import backends as attn_backends
 from transformer_engine.pytorch.attention import dot_product_attention as dpa_module
 from transformer_engine.pytorch.attention import flash_backend
-from transformer_engine.pytorch.attention import testing as attn_testing
+import te_torch_testing as attn_testing
 from transformer_engine.pytorch.attention.backends import FusedAttentionBackend, UnfusedAttentionBackend
 from transformer_engine.pytorch.attention.unfused import default_alibi_slopes
 

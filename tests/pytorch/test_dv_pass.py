@@ -18,7 +18,8 @@ from transformer_engine.common.attention import AttnMaskType, QKVFormat
 from transformer_engine.common.attention.plan import Tiles, _head_key, backward_plan, plan_arch
 from transformer_engine.pytorch.attention import kernel_runner
 from transformer_engine.pytorch.attention.fused_attn import new_rng_state
-from transformer_engine.pytorch.attention.testing import fused_call, recorded_launches
+from transformer_engine.pytorch.attention.call import fused_call
+from te_torch_testing import recorded_launches
 
 pytestmark = requires_fused
 

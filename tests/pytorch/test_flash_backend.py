@@ -43,7 +43,7 @@ from transformer_engine.pytorch import DotProductAttention  # noqa: E402
 from transformer_engine.pytorch.attention import backends as attn_backends  # noqa: E402
 from transformer_engine.pytorch.attention import dot_product_attention as dpa_module  # noqa: E402
 from transformer_engine.pytorch.attention import flash_backend  # noqa: E402
-from transformer_engine.pytorch.attention import testing as attn_testing  # noqa: E402
+import te_torch_testing as attn_testing  # noqa: E402
 
 _ENV = ("NVTE_FUSED_ATTN_BACKEND", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN", "NVTE_FLASH_ATTN", "NVTE_DEBUG",
         "NVTE_DEBUG_LEVEL", "NVTE_ALLOW_NONDETERMINISTIC_ALGO")
@@ -147,6 +147,8 @@ def fake_flash(monkeypatch):
     parent.cute = fake
     monkeypatch.setitem(sys.modules, "flash_attn", parent)
     monkeypatch.setitem(sys.modules, "flash_attn.cute", fake)
+    # The stand-in's CPU tensors: gap rows cleared in torch (Triton's kernel needs a GPU or the interpreter).
+    monkeypatch.setattr(flash_backend, "zero_outside_sequences", attn_testing.zero_outside_sequences_reference)
     flash_backend._import_error.cache_clear()
     yield fake
     flash_backend._import_error.cache_clear()

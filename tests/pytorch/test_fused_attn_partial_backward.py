@@ -18,7 +18,7 @@ from transformer_engine.common.attention import AttnMaskType, BackwardGrads, QKV
 from transformer_engine.pytorch.attention import kernel_runner
 from transformer_engine.pytorch.attention import ops  # noqa: F401  (registers the custom ops)
 from transformer_engine.pytorch.attention.call import flatten
-from transformer_engine.pytorch.attention.testing import fused_call
+from transformer_engine.pytorch.attention.call import fused_call
 
 OPS = torch.ops.transformer_engine
 

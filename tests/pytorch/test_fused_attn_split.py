@@ -27,7 +27,8 @@ from test_sink_softmax import SCALE as SINK_SCALE, sink_reference
 from transformer_engine.common.attention import AttnMaskType, QKVFormat
 from transformer_engine.common.attention.plan import forward_plan
 from transformer_engine.pytorch.attention import kernel_runner
-from transformer_engine.pytorch.attention.testing import fused_call, recorded_launches
+from transformer_engine.pytorch.attention.call import fused_call
+from te_torch_testing import recorded_launches
 from transformer_engine.pytorch.attention.fused_attn import fused_attn_func
 
 pytestmark = requires_fused

@@ -10,7 +10,7 @@ from case_grid import grid
 import torch
 
 from fused_helpers import DEVICE, reference, DTYPES, ON_GPU, assert_close_to_reference, cu_from_lengths, make_qkv, requires_fused
-from transformer_engine.pytorch.attention.testing import dropout_keep_mask
+from te_torch_testing import dropout_keep_mask
 from transformer_engine.pytorch.attention.fused_attn import fused_attn_func, new_rng_state
 
 pytestmark = requires_fused

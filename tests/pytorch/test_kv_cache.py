@@ -19,7 +19,7 @@ import torch
 
 from dpa_helpers import DEVICE, ON_GPU, assert_close_to_reference, reference, requires_fused
 from transformer_engine.pytorch import DotProductAttention
-from transformer_engine.pytorch.attention.testing import recorded_launches
+from te_torch_testing import recorded_launches
 from transformer_engine.pytorch.attention.inference import InferenceParams
 
 LAYER = 3

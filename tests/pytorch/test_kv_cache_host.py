@@ -23,7 +23,8 @@ import torch
 from dpa_helpers import DEVICE, ON_GPU, requires_fused
 from transformer_engine.common.attention import AttnBiasType
 from transformer_engine.pytorch import DotProductAttention
-from transformer_engine.pytorch.attention import inference, kernel_runner, signature_cache, testing
+from transformer_engine.pytorch.attention import inference, kernel_runner, signature_cache
+import te_torch_testing as testing
 from transformer_engine.pytorch.attention.inference import InferenceParams
 
 LAYER = 1

@@ -17,7 +17,7 @@ from case_grid import grid
 from fused_helpers import DEVICE, DTYPES, ON_GPU, requires_fused
 from transformer_engine.common.attention import AttnMaskType, QKVFormat
 from transformer_engine.pytorch.attention import kernel_runner
-from transformer_engine.pytorch.attention.testing import fused_call
+from transformer_engine.pytorch.attention.call import fused_call
 
 pytestmark = requires_fused
 

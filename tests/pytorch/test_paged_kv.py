@@ -29,7 +29,8 @@ from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.attention import kernel_runner
 from transformer_engine.pytorch.attention.fused_attn import fused_attention
 from transformer_engine.pytorch.attention.inference import InferenceParams
-from transformer_engine.pytorch.attention.testing import fused_call, recorded_launches
+from transformer_engine.pytorch.attention.call import fused_call
+from te_torch_testing import recorded_launches
 
 
 @pytest.fixture(autouse=True)

@@ -26,7 +26,7 @@ from fused_helpers import DTYPES
 from transformer_engine.common.attention import AttnConfig, AttnSoftmaxType, FlashAttention, FusedAttention
 from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.attention import kernel_runner
-from transformer_engine.pytorch.attention.testing import dropout_keep_mask
+from te_torch_testing import dropout_keep_mask
 from transformer_engine.pytorch.attention.fused_attn import fused_attn_func
 from transformer_engine.pytorch.attention.unfused import unfused_attention
 

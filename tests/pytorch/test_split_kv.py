@@ -23,7 +23,8 @@ from transformer_engine.common.attention.plan import forward_plan
 from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.attention import kernel_runner
 from transformer_engine.pytorch.attention.inference import InferenceParams
-from transformer_engine.pytorch.attention.testing import fused_call, recorded_launches
+from transformer_engine.pytorch.attention.call import fused_call
+from te_torch_testing import recorded_launches
 
 DTYPES = [torch.float16, torch.float32] if not ON_GPU else [torch.bfloat16, torch.float32]
 

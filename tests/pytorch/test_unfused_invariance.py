@@ -17,7 +17,8 @@ import math
 import pytest
 import torch
 
-from transformer_engine.common.attention.reduction import KEY_BLOCK, QUERY_BLOCK, tree_sum_order
+from reduction_reference import tree_sum_order
+from transformer_engine.common.attention.reduction import KEY_BLOCK, QUERY_BLOCK
 from transformer_engine.pytorch.attention.unfused import _tree_sum, unfused_attention
 
 SCALE = 0.25

@@ -1,4 +1,4 @@
-"""kernel_runner.zero_outside_sequences (common/attention/kernels/fill.py): the flash-attn-4 backend's
+"""zero_outside_sequences (common/attention/kernels/fill.py): the flash-attn-4 backend's
 clearing of token rows outside every sequence. Exactly the gap rows become zero (NaN there
 included); every row inside a sequence keeps its bits.
 
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from fused_helpers import DEVICE, requires_fused
-from transformer_engine.pytorch.attention.kernel_runner import zero_outside_sequences
+from te_torch_testing import zero_outside_sequences_reference
+from transformer_engine.common.attention.kernels.fill import zero_outside_sequences
 
 
 CASES = [
@@ -34,7 +35,7 @@ def _inside(starts, used, total):
 @requires_fused
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("starts,used,total", CASES, ids=CASE_IDS)
-def test_only_gap_rows_become_zero(dtype, starts, used, total, device=DEVICE):
+def test_only_gap_rows_become_zero(dtype, starts, used, total, device=DEVICE, clear=zero_outside_sequences):
     h, d = 3, 40  # not powers of two: the kernel's column mask
     gen = torch.Generator().manual_seed(0)
     x = torch.randn((total, h, d), generator=gen).to(device, dtype)
@@ -42,7 +43,7 @@ def test_only_gap_rows_become_zero(dtype, starts, used, total, device=DEVICE):
     before = x.clone()
     starts_t = torch.tensor(starts, dtype=torch.int32, device=device)
     used_t = torch.tensor(used, dtype=torch.int32, device=device)
-    out = zero_outside_sequences(x, starts_t, used_t)
+    out = clear(x, starts_t, used_t)
     assert out is x
     keep = _inside(torch.tensor(starts), torch.tensor(used), total).to(device)
     bits = torch.int16 if dtype.itemsize == 2 else torch.int32
@@ -51,11 +52,10 @@ def test_only_gap_rows_become_zero(dtype, starts, used, total, device=DEVICE):
 
 
 @pytest.mark.parametrize("starts,used,total", CASES, ids=CASE_IDS)
-def test_cpu_path_without_the_interpreter(monkeypatch, starts, used, total):
-    """CPU tensors without TRITON_INTERPRET (stand-in backends in the tests) take the torch path:
-    the same rows."""
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    test_only_gap_rows_become_zero(torch.float32, starts, used, total, device="cpu")
+def test_the_tests_torch_reference_clears_the_same_rows(starts, used, total):
+    """The stand-in backends' tests clear rows with a torch reference on CPU (no interpreter there)."""
+    test_only_gap_rows_become_zero(torch.float32, starts, used, total, device="cpu",
+                                   clear=zero_outside_sequences_reference)
 
 
 @requires_fused

@@ -16,12 +16,13 @@ while NVTE_DEBUG=1 that writes to stderr, and only when no other handler would r
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 
 from transformer_engine.common import settings
 
-__all__ = ["get_logger", "warn_once"]
+__all__ = ["get_logger", "warn_once", "selected_backends"]
 
 _LOGGER_NAME = "transformer_engine"
 _LEVELS = {0: logging.WARNING, 1: logging.INFO, 2: logging.DEBUG}
@@ -41,7 +42,7 @@ class _DebugFallbackHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         logger = logging.getLogger(record.name)
         while logger is not None:
-            if any(h is not self for h in logger.handlers):
+            if any(h is not self and not isinstance(h, _SelectionRecorder) for h in logger.handlers):
                 return  # routed by the application
             if not logger.propagate:
                 break
@@ -79,3 +80,39 @@ def warn_once(key: str, message: str) -> None:
         return
     _warned_once.add(key)
     get_logger().warning(message)
+
+
+# The record attention selection logs (common/attention/backends.py select_backend): its first argument is the
+# backend's name.
+SELECTED = "Selected backend = %s"
+
+
+class _SelectionRecorder(logging.Handler):
+    def __init__(self, names: list) -> None:
+        super().__init__(logging.INFO)
+        self.names = names
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if isinstance(record.msg, str) and record.msg.startswith(SELECTED) and record.args:
+            self.names.append(record.args[0])
+
+
+@contextlib.contextmanager
+def selected_backends():
+    """While open, the name of each attention backend selection picks, in order, read from its
+    ``"Selected backend = ..."`` INFO record (PyTorch selects per call, JAX per trace: a cached jit trace
+    selects nothing). The logger takes INFO meanwhile, so handlers the application attached at INFO see
+    those records too."""
+    names: list = []
+    logger = logging.getLogger(_LOGGER_NAME)
+    handler = _SelectionRecorder(names)
+    level = logger.level
+    logger.addHandler(handler)
+    if not logger.isEnabledFor(logging.INFO):
+        logger.setLevel(logging.INFO)  # kept by get_logger while open (an application-set level)
+    try:
+        yield names
+    finally:
+        logger.removeHandler(handler)
+        if logger.level != level:
+            logger.setLevel(level)

@@ -38,6 +38,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from transformer_engine.common import settings
+from transformer_engine.common.log import get_logger
 from transformer_engine.common.attention.backends import (
     FlashAttention,
     FusedAttention,
@@ -505,7 +506,7 @@ def _segments_from_ids(ids, max_segments):
 class _FusedAttnArgs:
     """The arguments of one ``fused_attn`` call as given: its parameters, in its order, with its
     defaults (a test keeps the two equal). ``_parse_call`` checks them; the Flax modules and the
-    test helpers (:mod:`transformer_engine.jax.testing`) build one too."""
+    test helpers build one too."""
 
     qkv: Tuple[Any, ...]
     bias: Any
@@ -947,20 +948,9 @@ def _whole_rows(bare: _Call, backend, q, k, v, seq):
     return backend.run(dataclasses.replace(bare, q=q, k=k, v=v, seq=seq))
 
 
-# Called with each backend selection ``fused_attn`` makes (at trace time): how
-# transformer_engine.jax.testing.recording_backend_selections (and the determinism check) see them.
-_selection_listeners: List[Callable[[Selection], None]] = []
-
-
-def _announce(selection: Selection) -> Selection:
-    for listener in tuple(_selection_listeners):
-        listener(selection)
-    return selection
-
-
 def select_attention_backend(config: AttnConfig) -> Selection:
     """The backend ``fused_attn`` uses for ``config`` (honours NVTE_FUSED_ATTN_BACKEND etc.)."""
-    return _announce(select_backend(config, _CANDIDATES))
+    return select_backend(config, _CANDIDATES)
 
 
 def fused_attn(

@@ -398,7 +398,7 @@ def zero_padding(q, k, v, seq: SeqInfo):
 
 def tree_sum(x: jax.Array, axis: int = -1) -> jax.Array:
     """Adjacent-pair tree sum over ``axis`` (removed), odd levels zero-padded: the order of
-    ``common.attention.reduction.tree_sum_order``. Only elementwise adds, so a result element
+    ``common/attention/reduction.py``. Only elementwise adds, so a result element
     depends on its own operands and their positions only, and trailing zeros change no bit."""
     x = jnp.moveaxis(x, axis, -1)
     if x.shape[-1] == 0:

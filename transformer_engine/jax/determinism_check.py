@@ -75,7 +75,7 @@ def _train(label: str, cfg, args, device, progress: Progress) -> RunResult:
     import numpy as np
     import optax
 
-    from transformer_engine.jax.testing import recording_backend_selections
+    from transformer_engine.common.log import selected_backends as recording_backend_selections
     from transformer_engine.jax.flax.models import TinyTransformerLM
 
     result = RunResult(label)

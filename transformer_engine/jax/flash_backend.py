@@ -227,7 +227,7 @@ def _packed(x):
 
 
 def _zero_outside(x, starts, used) -> None:
-    from transformer_engine.pytorch.attention.kernel_runner import zero_outside_sequences
+    from transformer_engine.common.attention.kernels.fill import zero_outside_sequences  # (imports Triton)
 
     zero_outside_sequences(x, starts, used)
 

@@ -197,8 +197,8 @@ class FlashAttention(AttentionBackend):
     subclass (``transformer_engine.pytorch.attention.backends``), JAX as ``config.extra`` reasons
     (``transformer_engine.jax.flash_backend``).
 
-    Capabilities read from flash-attn-4 4.0.0b36 (``flash_attn/cute/interface.py``) and tested on
-    the GPU by tests/pytorch/test_flash_backend.py.
+    Capabilities read from its ``flash_attn/cute/interface.py`` and tested on the GPU by
+    tests/pytorch/test_flash_backend.py.
     """
 
     NAME = "FlashAttention"
@@ -221,13 +221,8 @@ class FlashAttention(AttentionBackend):
     SUPPORTS_GQA = True
     SUPPORTS_DIFFERENT_HEAD_DIMS = True
     IS_DETERMINISTIC = True  # ordered dQ/dK/dV accumulation behind semaphores
-    # Where flash-attn-4 was measured faster than our Triton kernels, as (GPU major, head_dim_qk, head_dim_v):
-    # H200, bf16, no mask and causal, flash-attn-4 4.0.0b36 (benchmarks/results/attention.md). Elsewhere (other
-    # head dims, Blackwell) it is not measured yet, so there our kernels come first and flash-attn-4 second
-    # (policy.order_backends). In deterministic mode at d=256 our kernels are the faster ones (fwd+bwd
-    # 1.06-1.21x its deterministic mode on 2x16x4096, 8x16x1024 without a mask and 1x16x16384; 0.61x on
-    # 8x16x1024 causal, where our host time per call sets the pace), while its non-deterministic mode is faster
-    # there than ours.
+    # (GPU major, head_dim_qk, head_dim_v) where it was measured faster than our kernels
+    # (benchmarks/results/attention.md); elsewhere our kernels come first (policy.order_backends).
     MEASURED_FASTER = frozenset({(9, 64, 64), (9, 128, 128), (9, 192, 128), (9, 256, 256)})
     MEASURED_FASTER_DETERMINISTIC = frozenset({(9, 64, 64), (9, 128, 128), (9, 192, 128)})
     # flash-attn-4 has a forward-only sink argument; this wrapper passes none, so sink softmax
@@ -235,14 +230,11 @@ class FlashAttention(AttentionBackend):
     SUPPORTED_SOFTMAX_TYPES = frozenset({AttnSoftmaxType.VANILLA_SOFTMAX})
     # Blackwell (SM10x) kernels: d_qk and d_v both <= 128, or one of these pairs (Hopper: any up to 256).
     SM100_HEAD_DIMS_BEYOND_128 = frozenset({(192, 128), (256, 256)})
-    # Hopper (SM90) head dims (d_qk, d_v) whose backward matched the reference on the H200
-    # (tests/pytorch/test_flash_backend.py): d=72 gave a wrong dQ there (max error 1.0 in
-    # fp16), so other head dims go to our kernels until a GPU run shows them right.
+    # Hopper (SM90) head dims (d_qk, d_v) whose backward matched the reference on the GPU
+    # (tests/pytorch/test_flash_backend.py); other head dims go to our kernels until a GPU run shows them right.
     SM90_VERIFIED_HEAD_DIMS = frozenset({(64, 64), (128, 128), (192, 128), (256, 256)})
     # GPU generations where its deterministic mode passed our invariance tests on the GPU (same bits
-    # for a sequence in any batch, packed or padded); elsewhere deterministic calls go to another
-    # backend. Hopper: shown on the H200 (4 batch-composition and 6 THD-vs-padded configs bitwise,
-    # and bitwise repeats on every benchmark shape).
+    # for a sequence in any batch, packed or padded); elsewhere deterministic calls go to another backend.
     DETERMINISTIC_INVARIANT_ARCHS = frozenset({9})
 
     @staticmethod
@@ -263,7 +255,7 @@ class FlashAttention(AttentionBackend):
             reasons.append(f"(head_dim_qk, head_dim_v)={dims} on sm90 is not verified against the reference "
                            f"(verified: {', '.join(str(d) for d in sorted(cls.SM90_VERIFIED_HEAD_DIMS))}; "
                            "d=72 gave a wrong dQ)")
-        # Its Hopper backward takes GQA/MQA only with equal head dims (an assertion in flash-attn-4 4.0.0b36).
+        # Its Hopper backward takes GQA/MQA only with equal head dims (an assertion in flash-attn-4).
         if major == 9 and dims[0] != dims[1] and config.num_heads_kv != config.num_heads_q:
             reasons.append(f"GQA/MQA (num_heads_q={config.num_heads_q}, num_heads_kv={config.num_heads_kv}) with "
                            f"head_dim_qk != head_dim_v ({dims}) on sm90: flash-attn-4's Hopper backward needs "

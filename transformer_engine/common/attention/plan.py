@@ -298,7 +298,7 @@ def _by_dim(small: Tiles, mid: Tiles, large: Tiles) -> Table:
 
 
 def _hopper() -> ArchTables:
-    """Hopper (sm_90): the fastest tiles found on the H200 by padded head dim and mask kind.
+    """Hopper (sm_90): the fastest tiles measured by padded head dim and mask kind.
     Head groups (launch order) and the single-loop form only where they were faster; the single loop only
     at d=256, where registers bind. The Triton kernels load through pointers (TMA descriptors were no
     faster for them)."""
@@ -325,55 +325,45 @@ def _hopper() -> ArchTables:
             128: (Tiles(128, 64, 8, 3), Tiles(128, 64, 8, 3, head_group=8)),
             256: (Tiles(64, 64, 8, 2), Tiles(64, 64, 8, 2)),
         }),
-        # d_qk padded to 256 with d_v padded to 128 (192/128, the MLA head dims), without bias or dropout:
-        # the narrower V and dO tiles leave shared memory for a third forward stage and for 128-key dK/dV and
-        # 128-query dQ tiles, which the d=256 rows cannot fit. With a bias tile the forward exceeds shared
-        # memory and with dropout the dK/dV pass spills: those keep the d=256 rows. One tile for every head
-        # count: the tables have no GQA key.
+        # d_qk padded to 256 with d_v padded to 128 (192/128, the MLA head dims), without bias or dropout: the
+        # narrower V and dO tiles leave shared memory for larger tiles than the d=256 rows.
         narrow_v=(Tiles(128, 64, 8, 3), Tiles(64, 128, 8, 2, single_loop=True), Tiles(128, 64, 8, 2)),
         # d_qk = 192 as chunks of 128 and 64 (BLOCK_DQK, BLOCK_DQK2) instead of a 256-wide tile whose last
         # quarter is zeros: the QK^T, dS^T Q and dS K products skip that quarter, and every pass takes less
         # shared memory.
         narrow_v_split=(192,),
-        # The narrow-V dQ tiles (128x64, 2 stages) split hit a ptxas miscompile (an illegal access that
-        # memcheck does not see); key blocks of 32 compile right.
-        narrow_v_split_dq=Tiles(128, 32, 8, 3),
+        narrow_v_split_dq=Tiles(128, 32, 8, 3),  # ptxas miscompiles the narrow-V dQ tiles split
         # Padded head dim 256, fp16/bf16, without bias or dropout (outside the narrow-V case): dK and dV as two
         # passes (BackwardPlan.dv), each with one accumulator, so 128-key tiles fit: (dK tiles, dV tiles).
         dk_dv={key: (Tiles(32, 128, 8, 2, single_loop=True), Tiles(64, 128, 8, 2, single_loop=True))
                for key in ((256, False), (256, True))},
-        # The warp-specialized Gluon kernels (kernels/hopper_ws.py): 128 rows (query rows; keys for dK/dV) as
-        # two consumer warpgroups of 64 plus a loader warp (12 warps allocated: 168 registers each on average).
-        # They serve d_qk = d_v = 128 or 256, fp16/bf16, no bias, ALiBi, dropout or sink softmax; at d=64 and
-        # below the Triton kernels are faster (softmax, not the tensor cores, sets the pace there).
+        # The warp-specialized Gluon kernels (kernels/hopper_ws.py): 128 rows as two consumer warpgroups of 64
+        # plus a loader warp. They serve d_qk = d_v = 128 or 256, fp16/bf16, no bias, ALiBi, dropout or sink
+        # softmax; at d=64 and below the Triton kernels are faster.
         warp_specialized=True,
-        # Forward: K/V blocks of 128 in a 2-buffer ring; at d=256 blocks of 64 (197 KiB of shared memory).
+        # Forward: K/V blocks of 128 in a 2-buffer ring; at d=256 blocks of 64.
         fwd_ws=_rows({
             128: (Tiles(128, 128, 4, 2, max_registers=168), Tiles(128, 128, 4, 2, head_group=8, max_registers=168)),
             256: (Tiles(128, 64, 4, 2, max_registers=168),) * 2,
         }),
-        # dQ: K/V blocks of 64 (blocks of 128 spill in the causal consumer) in a 3-buffer ring; at d=256 blocks of
-        # 32 in two buffers.
+        # dQ: K/V blocks of 64 in a 3-buffer ring; at d=256 blocks of 32 in two buffers.
         dq_ws=_rows({
             128: (Tiles(128, 64, 4, 3, max_registers=168), Tiles(128, 64, 4, 3, head_group=8, max_registers=168)),
             256: (Tiles(128, 32, 4, 2, max_registers=168),) * 2,
         }),
-        # dK/dV: key blocks of 128 (64 per consumer), query blocks of 64 in a 3-buffer ring with their LSE and
-        # delta rows (query blocks of 32 make products too small). At d=256 a consumer cannot hold both
-        # [64, 256] fp32 accumulators: this is the dK pass of two (dk_dv; query blocks of 32) and dv_ws the dV
-        # pass (query blocks of 64), two buffers each.
+        # dK/dV: key blocks of 128 (64 per consumer), query blocks of 64 in a 3-buffer ring. At d=256 a consumer
+        # cannot hold both fp32 accumulators: this is the dK pass of two (dk_dv) and dv_ws the dV pass.
         dkdv_ws=_rows({
             128: (Tiles(64, 128, 4, 3, max_registers=168), Tiles(64, 128, 4, 3, head_group=8, max_registers=168)),
             256: (Tiles(32, 128, 4, 2, max_registers=168),) * 2,
         }),
         dv_ws=_rows({256: (Tiles(64, 128, 4, 2, max_registers=168),) * 2}),
         # Q/K head dim 192 as 128 + 64 with d_v 128 (splits_qk): the forward and dQ kernels take the second chunk
-        # in buffers of its own; dK/dV stays on the Triton kernel (a Gluon dK pass and dV pass there were slower).
+        # in buffers of its own; dK/dV stays on the Triton kernel.
         fwd_ws_split={False: Tiles(128, 128, 4, 2, max_registers=168), True: Tiles(128, 128, 4, 2, max_registers=168)},
         dq_ws_split={False: Tiles(128, 64, 4, 3, max_registers=168), True: Tiles(128, 64, 4, 3, max_registers=168)},
-        # At d=64 the chunked sum's second accumulator takes the forward from 126 to 182 registers (unbounded, 8
-        # warps: two programs per SM -> one) and from 168 to 216 (bounded, 4 warps: three -> two); capped at the
-        # unchunked step, ptxas spills 24-240 bytes, none inside the key loops (test_kernel_compile.py).
+        # At d=64 the chunked sum's second accumulator would cost an occupancy step: capped at the unchunked
+        # forward's register count.
         kv_chunk_registers={(64, False): 128, (64, True): 168},
     )
 

@@ -20,9 +20,7 @@ contraction over ``d`` does not depend on how the BLAS library blocks a larger m
 
 from __future__ import annotations
 
-from typing import List
-
-__all__ = ["KEY_BLOCK", "QUERY_BLOCK", "num_blocks", "tree_levels", "tree_sum_order"]
+__all__ = ["KEY_BLOCK", "QUERY_BLOCK", "num_blocks", "tree_levels"]
 
 KEY_BLOCK = 64
 QUERY_BLOCK = 64
@@ -42,16 +40,3 @@ def tree_levels(n: int) -> int:
         n = (n + 1) // 2
         levels += 1
     return levels
-
-
-def tree_sum_order(values: List[float]) -> float:
-    """The adjacent-pair tree sum of ``values`` in plain Python floats: the order every frontend
-    follows (a reference for tests and for other frontends' implementations)."""
-    level = list(values)
-    if not level:
-        return 0.0
-    while len(level) > 1:
-        if len(level) % 2:
-            level.append(0.0)
-        level = [level[i] + level[i + 1] for i in range(0, len(level), 2)]
-    return level[0]

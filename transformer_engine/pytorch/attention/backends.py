@@ -46,10 +46,9 @@ class FusedAttentionBackend(common.FusedAttention):
                 rng_state = new_rng_state(q.device)
         if call.return_max_logit:
             p = dataclasses.replace(p, return_max_logit=True)
-        return fused_attention(q, k, v, AttnCall(p, call.cu_seqlens_q, call.cu_seqlens_kv, call.cu_seqlens_q_padded,
-                                                 call.cu_seqlens_kv_padded, bias, alibi, rng_state,
-                                                 sink_logits(q, p.softmax_type, call.softmax_offset),
-                                                 call.page_table))
+        return fused_attention(q, k, v, call.at_kernels(params=p, bias=bias, alibi_slopes=alibi, rng_state=rng_state,
+                                                        softmax_offset=sink_logits(q, p.softmax_type,
+                                                                                   call.softmax_offset)))
 
 
 class FlashAttentionBackend(common.FlashAttention):

@@ -10,7 +10,7 @@ ops, and the kernel runner take it whole. Two boundaries need flat arguments, an
   string values, ints as SymInt, the window as an int list), and :func:`unflatten` rebuilds the call right
   inside the op's implementation;
 - the autograd Function's ``save_for_backward`` (tensors only): :attr:`AttnCall.tensors` and
-  ``AttnCall(params, *tensors)``.
+  :meth:`AttnCall.of_tensors`.
 
 A field added to AttnParams thus reaches the kernel runner without a new argument anywhere on the way.
 """
@@ -26,9 +26,12 @@ from typing import Callable, ClassVar, ContextManager, Optional, Tuple
 
 import torch
 
+from transformer_engine.common.attention.config import normalize_window, resolve_bottom_right_diagonal
+from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, AttnSoftmaxType, QKVFormat
 from transformer_engine.common.attention.params import AttnParams
+from transformer_engine.pytorch.attention.buffers import host_values
 
-__all__ = ["AttnCall", "flatten", "unflatten", "op_schema_args", "FLAT_SIZE"]
+__all__ = ["AttnCall", "fused_call", "flatten", "unflatten", "op_schema_args", "FLAT_SIZE"]
 
 
 @dataclass(frozen=True)
@@ -72,15 +75,77 @@ class AttnCall:
 
     @property
     def tensors(self) -> Tuple[Optional[torch.Tensor], ...]:
-        """The kernels' tensors by :attr:`TENSOR_ROLES` (``AttnCall(params, *tensors)`` rebuilds the call)."""
+        """The kernels' tensors by :attr:`TENSOR_ROLES` (:meth:`of_tensors` rebuilds the call)."""
         return (self.cu_seqlens_q, self.cu_seqlens_kv, self.cu_seqlens_q_padded, self.cu_seqlens_kv_padded,
                 self.bias, self.alibi_slopes, self.rng_state, self.softmax_offset, self.page_table)
+
+    @classmethod
+    def of_tensors(cls, params: AttnParams, tensors) -> "AttnCall":
+        """The call of ``params`` and the kernels' tensors in :attr:`TENSOR_ROLES` order (:attr:`tensors`)."""
+        return cls(params, **dict(zip(cls.TENSOR_ROLES, tensors)))
+
+    def at_kernels(self, **changes) -> "AttnCall":
+        """This call with ``changes`` and without DotProductAttention's own fields (the arbitrary mask, the
+        RNG tracker's fork, the max-logit request), which the fused path drops."""
+        return dataclasses.replace(self, attention_mask=None, rng_context=None, return_max_logit=False, **changes)
 
     @property
     def sequences(self) -> tuple:
         """(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)."""
         return (self.cu_seqlens_q, self.cu_seqlens_kv, self.cu_seqlens_q_padded, self.cu_seqlens_kv_padded,
                 self.params.max_seqlen_q, self.params.max_seqlen_kv)
+
+
+def fused_call(
+    qkv_format="bshd",
+    attn_mask_type="no_mask",
+    window_size: Optional[Tuple[int, int]] = None,
+    softmax_scale: float = 1.0,
+    *,
+    bottom_right_diagonal: Optional[bool] = None,
+    cu_seqlens_q: Optional[torch.Tensor] = None,
+    cu_seqlens_kv: Optional[torch.Tensor] = None,
+    cu_seqlens_q_padded: Optional[torch.Tensor] = None,
+    cu_seqlens_kv_padded: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None,
+    max_seqlen_kv: Optional[int] = None,
+    bias: Optional[torch.Tensor] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    rng_state: Optional[torch.Tensor] = None,
+    softmax_type="vanilla",
+    softmax_offset: Optional[torch.Tensor] = None,
+    deterministic: bool = True,
+) -> AttnCall:
+    """The AttnCall the fused kernels launch for these arguments (enums or their strings), for
+    ``kernel_runner.forward`` / ``backward`` and ``kernel_runner.plan_key``: the window normalized and the diagonal
+    resolved as PyTorch resolves them, thd's ``max_seqlen_*`` from the cu_seqlens when not given (one host
+    sync; a call run with sequence extents of its own, ``seqs=``, needs no cu_seqlens). Nothing else is
+    checked or converted: ``softmax_scale`` must be positive, ``rng_state`` given with dropout and
+    ``softmax_offset`` (fp32 [h_q]) with a sink softmax, as at the kernels."""
+    fmt, mask = QKVFormat(qkv_format), AttnMaskType(attn_mask_type)
+    if fmt == QKVFormat.THD:
+        if max_seqlen_q is None and cu_seqlens_q is not None:
+            max_seqlen_q = max(host_values(cu_seqlens_q[1:] - cu_seqlens_q[:-1]))
+        cu = cu_seqlens_kv if cu_seqlens_kv is not None else cu_seqlens_q
+        if max_seqlen_kv is None and cu is not None:
+            max_seqlen_kv = max(host_values(cu[1:] - cu[:-1]))
+    else:
+        max_seqlen_q = max_seqlen_kv = None
+    if bias is not None:
+        bias_type = AttnBiasType.POST_SCALE_BIAS
+    else:
+        bias_type = AttnBiasType.ALIBI if alibi_slopes is not None else AttnBiasType.NO_BIAS
+    params = AttnParams(attn_mask_type=mask, attn_bias_type=bias_type, qkv_format=fmt,
+                        window_size=normalize_window(window_size, mask), scaling_factor=float(softmax_scale),
+                        dropout_probability=float(dropout_p), deterministic=deterministic,
+                        bottom_right_diagonal=resolve_bottom_right_diagonal(mask, bottom_right_diagonal, "pytorch"),
+                        softmax_type=AttnSoftmaxType(softmax_type), max_seqlen_q=max_seqlen_q,
+                        max_seqlen_kv=max_seqlen_kv)
+    return AttnCall(params, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+                    cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded, bias=bias,
+                    alibi_slopes=alibi_slopes, rng_state=rng_state if dropout_p > 0 else None,
+                    softmax_offset=softmax_offset)
 
 
 # -- the custom ops' flat form -----------------------------------------------------------------------------
@@ -160,10 +225,10 @@ def unflatten(flat) -> AttnCall:
     try:
         params = _decoded.get(key)
     except TypeError:  # a symbolic size (a traced call with dynamic shapes) makes no key: decoded each time
-        return AttnCall(AttnParams(*(decode(x) for decode, x in zip(_DECODERS, key))), *flat[:_NUM_TENSORS])
+        return AttnCall.of_tensors(AttnParams(*(decode(x) for decode, x in zip(_DECODERS, key))), flat[:_NUM_TENSORS])
     if params is None:
         params = AttnParams(*(decode(x) for decode, x in zip(_DECODERS, key)))
         if len(_decoded) >= _MAX_DECODED:
             _decoded.clear()
         _decoded[key] = params
-    return AttnCall(params, *flat[:_NUM_TENSORS])
+    return AttnCall.of_tensors(params, flat[:_NUM_TENSORS])

@@ -30,7 +30,7 @@ The chunking, the load-balanced order, the per-rank blocks and what CP supports 
 plan of :mod:`transformer_engine.common.attention.context_parallel`, which JAX carries out too
 (:func:`rank_plan` is this module's). The per-rank steps (:func:`fused_forward_step`,
 :func:`fused_backward_step`) take the gathered operands as tensors and need no process group:
-``transformer_engine.pytorch.attention.testing.run_ranks_in_one_process`` runs every rank's step on one
+``run_ranks_in_one_process`` (tests/te_torch_testing.py) runs every rank's step on one
 device with the exchanges as tensor copies (tests and benchmarks).
 """
 

@@ -703,8 +703,8 @@ class DotProductAttention(torch.nn.Module):
                             **(dict(max_seqlen_q=seqs.max_seqlen_q, max_seqlen_kv=seqs.max_seqlen_kv)
                                if fmt == QKVFormat.THD else {}))
         call = AttnCall(
-            params, seqs.cu_seqlens_q, seqs.cu_seqlens_kv, seqs.cu_seqlens_q_padded, seqs.cu_seqlens_kv_padded,
-            bias=core_attention_bias, alibi_slopes=alibi_slopes, softmax_offset=softmax_offset,
+            params, cu_seqlens_q=seqs.cu_seqlens_q, cu_seqlens_kv=seqs.cu_seqlens_kv,
+            cu_seqlens_q_padded=seqs.cu_seqlens_q_padded, cu_seqlens_kv_padded=seqs.cu_seqlens_kv_padded, bias=core_attention_bias, alibi_slopes=alibi_slopes, softmax_offset=softmax_offset,
             attention_mask=seqs.attention_mask, rng_context=rng_context, return_max_logit=self.return_max_logit,
         )
         if key is not None and (fmt != QKVFormat.THD or (max_seqlen_q is not None and max_seqlen_kv is not None)):
@@ -781,8 +781,8 @@ class DotProductAttention(torch.nn.Module):
         softmax_offset = self.softmax_offset
         if softmax_offset is not None:  # as forward does
             softmax_offset = softmax_offset.to(device=q.device, dtype=torch.float32)
-        call = AttnCall(prepared.params, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
-                        bias=core_attention_bias, alibi_slopes=alibi_slopes, softmax_offset=softmax_offset,
+        call = AttnCall(prepared.params, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+                        cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded, bias=core_attention_bias, alibi_slopes=alibi_slopes, softmax_offset=softmax_offset,
                         rng_context=self._rng_context(), return_max_logit=self.return_max_logit)
 
         def attend(q_, k_, v_):

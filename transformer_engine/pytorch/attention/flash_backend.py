@@ -35,7 +35,7 @@ import torch
 
 from transformer_engine.common.attention.backends import FlashAttention
 from transformer_engine.common.attention.enums import AttnMaskType, QKVFormat
-from transformer_engine.pytorch.attention.kernel_runner import zero_outside_sequences
+from transformer_engine.common.attention.kernels.fill import zero_outside_sequences
 
 __all__ = ["flash_attn_func", "flash_attention", "unavailable_reason"]
 

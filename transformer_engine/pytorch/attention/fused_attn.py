@@ -66,7 +66,7 @@ class FusedAttnFunc(torch.autograd.Function):
         if d_out is None:  # the output took no part in the loss (grads are not materialized)
             return (None,) * len(ctx.needs_input_grad)
         q, k, v, out, lse, *tensors = ctx.saved_tensors
-        call = AttnCall(ctx.params, *tensors)
+        call = AttnCall.of_tensors(ctx.params, tensors)
         dq, dk, dv, dbias, d_offset = ops.backward(q, k, v, out, d_out.contiguous(), lse, call, ctx.bias_grad,
                                                    ctx.offset_grad)
         grads = dict(q=dq, k=dk, v=dv, bias=dbias if ctx.bias_grad else None,
@@ -182,11 +182,14 @@ def fused_attn_func(
     else:
         bias_type = AttnBiasType.ALIBI if alibi_slopes is not None else AttnBiasType.NO_BIAS
     thd = fmt == QKVFormat.THD  # (bshd/sbhd: the kernels' lengths come from the shapes)
-    params = AttnParams(mask, bias_type, fmt, window_size, softmax_scale, dropout_probability=float(dropout_p),
+    params = AttnParams(attn_mask_type=mask, attn_bias_type=bias_type, qkv_format=fmt, window_size=window_size,
+                        scaling_factor=softmax_scale, dropout_probability=float(dropout_p),
                         deterministic=bool(deterministic), bottom_right_diagonal=bottom_right, softmax_type=stype,
                         max_seqlen_q=max_seqlen_q if thd else None, max_seqlen_kv=max_seqlen_kv if thd else None)
-    call = AttnCall(params, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
-                    core_attention_bias, alibi_slopes, rng_state, softmax_offset)
+    call = AttnCall(params, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+                    cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded,
+                    bias=core_attention_bias, alibi_slopes=alibi_slopes, rng_state=rng_state,
+                    softmax_offset=softmax_offset)
     return fused_attention(q, k, v, call, return_softmax_aux)
 
 
@@ -247,8 +250,9 @@ def fused_attention(q, k, v, call: AttnCall, return_softmax_aux: bool = False):
             or max_seqlen_kv is not params.max_seqlen_kv):  # (Python ints and floats, as the op schema takes them)
         params = dataclasses.replace(params, scaling_factor=softmax_scale, max_seqlen_q=max_seqlen_q,
                                      max_seqlen_kv=max_seqlen_kv)
-    call = AttnCall(params, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, call.bias,
-                    call.alibi_slopes, rng_state, call.softmax_offset, call.page_table)
+    call = call.at_kernels(params=params, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+                           cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded,
+                           rng_state=rng_state)
     out, lse, max_logit = FusedAttnFunc.apply(q, k, v, call.bias, call.softmax_offset, call)
     if return_softmax_aux:
         return out, (lse, rng_state)

@@ -25,19 +25,18 @@ from transformer_engine.common.attention import AttnBiasType, BackwardGrads, QKV
 from transformer_engine.common.attention import launch_description
 from transformer_engine.common.attention.config import PlanKey
 from transformer_engine.common.attention.kernels import triton_compat
-from transformer_engine.common.attention.kernels.fill import zero_outside_sequences_kernel
 from transformer_engine.common.attention.plan import BackwardPlan, ForwardPlan, forward_plan
 from transformer_engine.pytorch.attention import launch_cache
 from transformer_engine.pytorch.attention.buffers import unfilled
 from transformer_engine.pytorch.attention.call import AttnCall
-from transformer_engine.pytorch.attention.config import dtype_name, triton_interpreting
+from transformer_engine.pytorch.attention.config import dtype_name
 from transformer_engine.pytorch.attention.device import device_facts
 from transformer_engine.pytorch.attention.signature_cache import (
     SignatureCache, environment_signature, tensor_signature,
 )
 
 __all__ = ["Sequences", "canonical", "sequences", "plan_key", "describe", "forward", "backward", "fixed_order_sum",
-           "zero_outside_sequences", "max_seqlen_kv_bound"]
+           "max_seqlen_kv_bound"]
 
 
 @dataclass(frozen=True)
@@ -401,30 +400,3 @@ def fixed_order_sum(x: torch.Tensor) -> torch.Tensor:
         half = x.shape[0] // 2
         x = x[:half] + x[half:]
     return x[0]
-
-
-def zero_outside_sequences(x: torch.Tensor, starts: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
-    """In place: rows of ``x`` [t, h, d] outside every ``[starts[n], starts[n] + used[n])`` set to
-    zero (sequences in order, not overlapping; ``starts`` has at least ``len(used)`` entries).
-    Returns ``x``. Like the CUDA kernel, the CPU path writes through ``.data``: no autograd version
-    bump (the caller clears rows no saved-tensor reader looks at)."""
-    t, h, d = x.shape
-    if x.device.type == "cpu" and not triton_interpreting():
-        # CPU tensors without Triton's interpreter (stand-in backends in tests): same rows, in torch.
-        n = used.shape[0]
-        edges = torch.zeros(t + 1, dtype=torch.int64)
-        begin = starts[:n].to(torch.int64).clamp(0, t)
-        edges.index_add_(0, begin, torch.ones(n, dtype=torch.int64))
-        edges.index_add_(0, (begin + used.to(torch.int64)).clamp(0, t), torch.full((n,), -1, dtype=torch.int64))
-        inside = edges.cumsum(0)[:t] > 0
-        x.data.masked_fill_(~inside.view(-1, 1, 1), 0)
-        return x
-    block_h, block_d = triton.next_power_of_2(h), triton.next_power_of_2(d)
-    block_t = max(1, min(16, 8192 // (block_h * block_d)))
-    # Gap programs on axis 0; axis 1 splits a long gap (usually only the tail after the last sequence).
-    chunks = 2 if x.device.type == "cpu" else 16
-    zero_outside_sequences_kernel[(used.shape[0] + 1, chunks)](
-        x, starts, used, used.shape[0], t, *x.stride(),
-        NUM_HEADS=h, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_T=block_t,
-    )
-    return x

@@ -1,15 +1,13 @@
 """The launch cache: Triton and Gluon kernels launched through their compiled launchers, looked up by what
 Triton specializes on, without Triton's per-call binding (the kernel runner's last step).
 
-Calling a JIT kernel (``kernel[grid](**args)``) binds every argument and recomputes its specialization
-on each call before it looks the compiled kernel up: about 70-100 us of host time per launch on an
-H200's host, where the compiled kernel's own launcher takes about 20. An attention step launches up to
-four kernels, so for small calls the GPU waits for the host. Here the compiled kernel
-is looked up by what Triton specializes on instead: each tensor's dtype and 16-byte alignment, every
-other argument's exact value (a finer key than Triton's, so a hit is always the kernel Triton would
-pick), the launch options and the device. The first launch of a key goes through Triton's JIT with
-``warmup=True``, which compiles (or loads from Triton's cache) without launching. Building that key over
-every argument is now most of what is left (~68 us a launch in all against the JIT call's ~80-90).
+Calling a JIT kernel (``kernel[grid](**args)``) binds every argument and recomputes its specialization on each
+call before it looks the compiled kernel up, several times the host time of the compiled kernel's own
+launcher; an attention step launches up to four kernels, so for small calls the GPU waits for the host. Here
+the compiled kernel is looked up by what Triton specializes on instead: each tensor's dtype and 16-byte
+alignment, every other argument's exact value (a finer key than Triton's, so a hit is always the kernel Triton
+would pick), the launch options and the device. The first launch of a key goes through Triton's JIT with
+``warmup=True``, which compiles (or loads from Triton's cache) without launching.
 
 Triton's JIT call stays in use where this would change behaviour: under the interpreter, with
 ``NVTE_FUSED_ATTN_CACHED_LAUNCH=0``, in Triton's debug mode, for kernels with pre-run hooks, and for

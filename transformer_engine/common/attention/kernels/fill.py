@@ -36,3 +36,20 @@ def zero_outside_sequences_kernel(
         rows = row + offs_t
         ptrs = X + rows[:, None, None] * stride_t + cols[None, :, :]
         tl.store(ptrs, zeros, mask=(rows[:, None, None] < end) & col_ok[None, :, :])
+
+
+def zero_outside_sequences(x, starts, used):
+    """In place: rows of ``x`` [t, h, d] outside every ``[starts[n], starts[n] + used[n])`` set to zero
+    (sequences in order, not overlapping; ``starts`` has at least ``len(used)`` entries), on the tensors'
+    device (CPU: Triton's interpreter). Any framework's tensors Triton launches on (``shape``, ``stride()``,
+    ``device.type``). Returns ``x``."""
+    t, h, d = x.shape
+    block_h, block_d = triton.next_power_of_2(h), triton.next_power_of_2(d)
+    block_t = max(1, min(16, 8192 // (block_h * block_d)))
+    # Gap programs on axis 0; axis 1 splits a long gap (usually only the tail after the last sequence).
+    chunks = 2 if x.device.type == "cpu" else 16
+    zero_outside_sequences_kernel[(used.shape[0] + 1, chunks)](
+        x, starts, used, used.shape[0], t, *x.stride(),
+        NUM_HEADS=h, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_T=block_t,
+    )
+    return x

@@ -63,18 +63,3 @@ def dropout_keep(seed, rng_offset, seq_head, q_idx, k_idx, dropout_p):
     c3 = (zero + rng_offset).to(tl.uint32)
     r0, _, _, _ = philox(seed, c0, c1, c2, c3)
     return uint_to_uniform_float(r0) >= dropout_p
-
-
-@triton.jit
-def dropout_mask_kernel(KEEP, RNG_STATE, num_heads, seqlen_q, seqlen_k, dropout_p,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Materialise the keep mask [b, h, s_q, s_kv] (int8) the attention kernels draw: for tests
-    that need a reference with the same mask, never on the training path."""
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    seq_head = tl.program_id(2)
-    keep = dropout_keep(tl.load(RNG_STATE), tl.load(RNG_STATE + 1), seq_head, offs_m[:, None], offs_n[None, :],
-                        dropout_p)
-    base = KEEP + seq_head.to(tl.int64) * seqlen_q * seqlen_k
-    tl.store(base + offs_m[:, None] * seqlen_k + offs_n[None, :], keep.to(tl.int8),
-             mask=(offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k))

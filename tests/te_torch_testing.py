@@ -1,14 +1,12 @@
-"""Test, benchmark and dev-script scaffolding: the entry points they use instead of private product functions.
+"""PyTorch attention test helpers (tests, and the development scripts by path): not part of the package.
 
 - :func:`attn_config`: the AttnConfig of tensors and TransformerEngine-style string arguments, checked.
-- :func:`fused_call`: the :class:`~transformer_engine.pytorch.attention.call.AttnCall` the fused kernels
-  launch for given arguments, for ``kernel_runner.forward`` / ``kernel_runner.backward`` (with a plan or
-  sequence extents of one's own) and :func:`plan_key`.
+- :func:`plan_key`: the PlanKey the fused launches plan with (``call.fused_call``'s arguments).
 - :func:`recorded_launches`: the launch lists the kernel runner runs, recorded (and optionally not run);
   :func:`no_launches`: nothing launched (the host time of our Python alone).
 - :func:`counted_host_reads`: how often tensor values were read on the host (each a device-to-host copy, so
   a sync, on a GPU).
-- :func:`dropout_keep_mask`: the kernels' dropout mask of an RNG state.
+- :func:`dropout_keep_mask`: the kernels' dropout mask of an RNG state; :func:`zero_outside_sequences_reference`.
 - Context parallelism: every rank of a CP call in one process (:func:`run_ranks_in_one_process`).
 """
 
@@ -20,23 +18,23 @@ from typing import Counter, Iterator, List, Optional, Tuple
 
 import torch
 import triton
+import triton.language as tl
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from transformer_engine.common.attention import (AttnBiasType, AttnConfig, AttnMaskType, AttnSoftmaxType, QKVFormat,
                                                  launch_description)
 from transformer_engine.common.attention.config import PlanKey, normalize_window, resolve_bottom_right_diagonal
-from transformer_engine.common.attention.kernels.scores import dropout_mask_kernel
-from transformer_engine.common.attention.params import AttnParams
+from transformer_engine.common.attention.kernels.scores import dropout_keep
 from transformer_engine.pytorch.attention import kernel_runner
 from transformer_engine.pytorch.attention.buffers import host_values
-from transformer_engine.pytorch.attention.call import AttnCall
+from transformer_engine.pytorch.attention.call import fused_call
 from transformer_engine.pytorch.attention.config import build_attn_config, check_qkv
 from transformer_engine.pytorch.attention.context_parallel import (FusedSpec, SeqSplit, _seq_dim, assemble,
                                                                    fused_backward_step, fused_forward_step,
                                                                    local_tokens, tile_alignment)
 
 __all__ = ["attn_config", "fused_call", "plan_key", "recorded_launches", "no_launches", "counted_host_reads",
-           "dropout_keep_mask",
+           "dropout_keep_mask", "zero_outside_sequences_reference",
            "run_ranks_in_one_process", "split_of_globals"]
 
 
@@ -75,57 +73,8 @@ def attn_config(
     )
 
 
-def fused_call(
-    qkv_format="bshd",
-    attn_mask_type="no_mask",
-    window_size: Optional[Tuple[int, int]] = None,
-    softmax_scale: float = 1.0,
-    *,
-    bottom_right_diagonal: Optional[bool] = None,
-    cu_seqlens_q: Optional[torch.Tensor] = None,
-    cu_seqlens_kv: Optional[torch.Tensor] = None,
-    cu_seqlens_q_padded: Optional[torch.Tensor] = None,
-    cu_seqlens_kv_padded: Optional[torch.Tensor] = None,
-    max_seqlen_q: Optional[int] = None,
-    max_seqlen_kv: Optional[int] = None,
-    bias: Optional[torch.Tensor] = None,
-    alibi_slopes: Optional[torch.Tensor] = None,
-    dropout_p: float = 0.0,
-    rng_state: Optional[torch.Tensor] = None,
-    softmax_type="vanilla",
-    softmax_offset: Optional[torch.Tensor] = None,
-    deterministic: bool = True,
-) -> AttnCall:
-    """The AttnCall the fused kernels launch for these arguments (enums or their strings), for
-    ``kernel_runner.forward`` / ``backward`` and :func:`plan_key`: the window normalized and the diagonal
-    resolved as PyTorch resolves them, thd's ``max_seqlen_*`` from the cu_seqlens when not given (one host
-    sync; a call run with sequence extents of its own, ``seqs=``, needs no cu_seqlens). Nothing else is
-    checked or converted: ``softmax_scale`` must be positive, ``rng_state`` given with dropout and
-    ``softmax_offset`` (fp32 [h_q]) with a sink softmax, as at the kernels."""
-    fmt, mask = QKVFormat(qkv_format), AttnMaskType(attn_mask_type)
-    if fmt == QKVFormat.THD:
-        if max_seqlen_q is None and cu_seqlens_q is not None:
-            max_seqlen_q = max(host_values(cu_seqlens_q[1:] - cu_seqlens_q[:-1]))
-        cu = cu_seqlens_kv if cu_seqlens_kv is not None else cu_seqlens_q
-        if max_seqlen_kv is None and cu is not None:
-            max_seqlen_kv = max(host_values(cu[1:] - cu[:-1]))
-    else:
-        max_seqlen_q = max_seqlen_kv = None
-    if bias is not None:
-        bias_type = AttnBiasType.POST_SCALE_BIAS
-    else:
-        bias_type = AttnBiasType.ALIBI if alibi_slopes is not None else AttnBiasType.NO_BIAS
-    params = AttnParams(mask, bias_type, fmt, normalize_window(window_size, mask), float(softmax_scale),
-                        dropout_probability=float(dropout_p), deterministic=deterministic,
-                        bottom_right_diagonal=resolve_bottom_right_diagonal(mask, bottom_right_diagonal, "pytorch"),
-                        softmax_type=AttnSoftmaxType(softmax_type), max_seqlen_q=max_seqlen_q,
-                        max_seqlen_kv=max_seqlen_kv)
-    return AttnCall(params, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, bias,
-                    alibi_slopes, rng_state if dropout_p > 0 else None, softmax_offset)
-
-
 def plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs) -> PlanKey:
-    """The PlanKey the fused launches plan with for q, k, v and :func:`fused_call`'s arguments."""
+    """The PlanKey the fused launches plan with for q, k, v and ``call.fused_call``'s arguments."""
     return kernel_runner.plan_key(q, k, v, fused_call(*args, **kwargs))
 
 
@@ -213,6 +162,20 @@ def counted_host_reads(device_type: Optional[str] = None) -> Iterator[Counter]:
         torch.Tensor.tolist = tolist
 
 
+@triton.jit
+def dropout_mask_kernel(KEEP, RNG_STATE, num_heads, seqlen_q, seqlen_k, dropout_p,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The keep mask [b, h, s_q, s_kv] (int8) the attention kernels draw (kernels/scores.py dropout_keep)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    seq_head = tl.program_id(2)
+    keep = dropout_keep(tl.load(RNG_STATE), tl.load(RNG_STATE + 1), seq_head, offs_m[:, None], offs_n[None, :],
+                        dropout_p)
+    base = KEEP + seq_head.to(tl.int64) * seqlen_q * seqlen_k
+    tl.store(base + offs_m[:, None] * seqlen_k + offs_n[None, :], keep.to(tl.int8),
+             mask=(offs_m[:, None] < seqlen_q) & (offs_n[None, :] < seqlen_k))
+
+
 def dropout_keep_mask(rng_state: torch.Tensor, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
                       dropout_p: float) -> torch.Tensor:
     """The boolean keep mask [b, h, s_q, s_kv] the kernels use for ``rng_state``."""
@@ -249,3 +212,18 @@ def run_ranks_in_one_process(q, k, v, d_out, fmt: str, cp: int, causal: bool, so
     grads = [fused_backward_step(q, k, v, out_g, d_out, lse_g, s, spec) for s in splits]
     dq, dk, dv = (assemble([g[j] for g in grads], sd, base) for j in range(3))
     return out_g, dq, dk, dv
+
+
+def zero_outside_sequences_reference(x: torch.Tensor, starts: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
+    """``kernels.fill.zero_outside_sequences`` in torch (any device, no Triton): the stand-in flash-attn-4
+    backends' tests run it on CPU tensors without the interpreter."""
+    t = x.shape[0]
+    n = used.shape[0]
+    edges = torch.zeros(t + 1, dtype=torch.int64, device=x.device)
+    begin = starts[:n].to(torch.int64).clamp(0, t)
+    edges.index_add_(0, begin, torch.ones(n, dtype=torch.int64, device=x.device))
+    edges.index_add_(0, (begin + used.to(torch.int64)).clamp(0, t),
+                     torch.full((n,), -1, dtype=torch.int64, device=x.device))
+    inside = edges.cumsum(0)[:t] > 0
+    x.data.masked_fill_(~inside.view(-1, 1, 1), 0)
+    return x

@@ -69,8 +69,8 @@ unit_spec() {
   esac
 }
 case "$PART" in
-  1) UNITS=${ACC_UNITS:-"pt_default l3 jax cp_one_gpu pt_rest clients"} ;;
-  2) UNITS=${ACC_UNITS:-"l3_sm80 l3_gfx942 gluon_paged memcheck memcheck_decode check"} ;;
+  1) UNITS=${ACC_UNITS:-"pt_default l3 jax cp_one_gpu pt_rest clients check"} ;;
+  2) UNITS=${ACC_UNITS:-"l3_sm80 l3_gfx942 gluon_paged memcheck memcheck_decode"} ;;
   *) UNITS=${ACC_UNITS:-$PART} ;;
 esac
 

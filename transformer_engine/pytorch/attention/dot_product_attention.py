@@ -698,13 +698,16 @@ class DotProductAttention(torch.nn.Module):
                                               softmax_type)
         self.last_backend = backend.NAME
         rng_context = self._rng_context()
-        params = AttnParams(seqs.mask, bias_type, fmt, window, self.softmax_scale, dropout_probability=float(dropout),
-                            deterministic=deterministic, bottom_right_diagonal=bottom_right, softmax_type=softmax_type,
-                            **(dict(max_seqlen_q=seqs.max_seqlen_q, max_seqlen_kv=seqs.max_seqlen_kv)
-                               if fmt == QKVFormat.THD else {}))
+        thd = fmt == QKVFormat.THD
+        params = AttnParams(
+            attn_mask_type=seqs.mask, attn_bias_type=bias_type, qkv_format=fmt, window_size=window,
+            scaling_factor=self.softmax_scale, dropout_probability=float(dropout), deterministic=deterministic,
+            bottom_right_diagonal=bottom_right, softmax_type=softmax_type,
+            max_seqlen_q=seqs.max_seqlen_q if thd else None, max_seqlen_kv=seqs.max_seqlen_kv if thd else None)
         call = AttnCall(
-            params, cu_seqlens_q=seqs.cu_seqlens_q, cu_seqlens_kv=seqs.cu_seqlens_kv,
-            cu_seqlens_q_padded=seqs.cu_seqlens_q_padded, cu_seqlens_kv_padded=seqs.cu_seqlens_kv_padded, bias=core_attention_bias, alibi_slopes=alibi_slopes, softmax_offset=softmax_offset,
+            params=params, cu_seqlens_q=seqs.cu_seqlens_q, cu_seqlens_kv=seqs.cu_seqlens_kv,
+            cu_seqlens_q_padded=seqs.cu_seqlens_q_padded, cu_seqlens_kv_padded=seqs.cu_seqlens_kv_padded,
+            bias=core_attention_bias, alibi_slopes=alibi_slopes, softmax_offset=softmax_offset,
             attention_mask=seqs.attention_mask, rng_context=rng_context, return_max_logit=self.return_max_logit,
         )
         if key is not None and (fmt != QKVFormat.THD or (max_seqlen_q is not None and max_seqlen_kv is not None)):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Optional, Tuple
 
 from transformer_engine.common.attention.enums import (
@@ -92,8 +92,8 @@ class PlanKey:
     """What a launch plan reads of a call (``plan.py``, ``explain.py``), and nothing else: head dims,
     dtype, mask and normalized window with the resolved diagonal, score modifiers, softmax type and the
     device. No batch size, no sequence length: the determinism contract's invariance (tiles are functions
-    of these only) holds by construction. :attr:`AttnConfig.plan_key` gives a config's; the launch
-    description (``launch_description.Call.plan_key``) builds one per call. The names are AttnConfig's."""
+    of these only) holds by construction. :meth:`PlanKey.of` builds every one: :attr:`AttnConfig.plan_key` a config's, the launch
+    description (``launch_description.Call.plan_key``) one per call. The names are AttnConfig's."""
 
     head_dim_qk: int
     head_dim_v: int
@@ -117,6 +117,22 @@ class PlanKey:
     @property
     def window_kind(self) -> str:
         return window_kind(self.attn_mask_type, self.window_size)
+
+    @classmethod
+    def of(cls, source, **given) -> "PlanKey":
+        """The one PlanKey builder: each field from ``given``, else ``source``'s attribute of that name
+        (an AttnConfig has them all but ``kv_page_size``), else the field's default."""
+        values = {}
+        for f in fields(cls):
+            if f.name in given:
+                values[f.name] = given.pop(f.name)
+            elif hasattr(source, f.name):
+                values[f.name] = getattr(source, f.name)
+            elif f.default is MISSING:
+                raise TypeError(f"PlanKey.of: {f.name!r} is neither given nor an attribute of {type(source).__name__}")
+        if given:
+            raise TypeError(f"PlanKey.of: no PlanKey field named {', '.join(sorted(given))}")
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -178,14 +194,8 @@ class AttnConfig:
 
     @property
     def plan_key(self) -> PlanKey:
-        """What launch plans read of this config (:class:`PlanKey`)."""
-        return PlanKey(
-            head_dim_qk=self.head_dim_qk, head_dim_v=self.head_dim_v, dtype=self.dtype,
-            attn_mask_type=self.attn_mask_type, window_size=self.window_size, bottom_right=self.bottom_right,
-            attn_bias_type=self.attn_bias_type, dropout=self.dropout, softmax_type=self.softmax_type,
-            device_type=self.device_type, compute_capability=self.compute_capability, vendor=self.vendor,
-            gfx_arch=self.gfx_arch, return_max_logit=self.return_max_logit,
-        )
+        """What launch plans read of this config (:class:`PlanKey`; kv_page_size 0)."""
+        return PlanKey.of(self)
 
     @property
     def arch(self) -> Optional[str]:

@@ -172,12 +172,9 @@ def plan_key(params: AttnParams, head_dim_qk: int, head_dim_v: int, dtype: str, 
 def _plan_key(params: AttnParams, head_dim_qk: int, head_dim_v: int, dtype: str, bias_type: AttnBiasType,
               device: Tuple[Tuple[str, object], ...], kv_page_size: int) -> PlanKey:
     # Memoized: a pure function of frozen values, built twice a training step (forward, backward).
-    return PlanKey(
-        head_dim_qk=head_dim_qk, head_dim_v=head_dim_v, dtype=dtype, attn_mask_type=params.attn_mask_type,
-        window_size=params.window_size, bottom_right=params.bottom_right, attn_bias_type=bias_type,
-        dropout=params.kernel_dropout, softmax_type=params.softmax_type, return_max_logit=params.return_max_logit,
-        kv_page_size=kv_page_size, **dict(device),
-    )
+    # The mask, window, diagonal, softmax type and return_max_logit are params' by name.
+    return PlanKey.of(params, head_dim_qk=head_dim_qk, head_dim_v=head_dim_v, dtype=dtype, attn_bias_type=bias_type,
+                      dropout=params.kernel_dropout, kv_page_size=kv_page_size, **dict(device))
 
 
 @dataclass(frozen=True)

@@ -73,10 +73,14 @@ class UnfusedAttentionBackend(common.UnfusedDotProductAttention):
     @staticmethod
     def run(q, k, v, call: AttnCall):
         p = call.params
-        return unfused_math(q, k, v, p.qkv_format, p.attn_mask_type, p.window_size, p.scaling_factor, p.bottom_right,
-                            *call.sequences, call.attention_mask, p.attn_bias_type, call.bias, call.alibi_slopes,
-                            p.kernel_dropout, call.rng_context, p.softmax_type, call.softmax_offset,
-                            call.return_max_logit)
+        return unfused_math(
+            q, k, v, fmt=p.qkv_format, mask=p.attn_mask_type, window=p.window_size, softmax_scale=p.scaling_factor,
+            bottom_right=p.bottom_right, cu_seqlens_q=call.cu_seqlens_q, cu_seqlens_kv=call.cu_seqlens_kv,
+            cu_seqlens_q_padded=call.cu_seqlens_q_padded, cu_seqlens_kv_padded=call.cu_seqlens_kv_padded,
+            max_seqlen_q=p.max_seqlen_q, max_seqlen_kv=p.max_seqlen_kv, attention_mask=call.attention_mask,
+            bias_type=p.attn_bias_type, core_attention_bias=call.bias, alibi_slopes=call.alibi_slopes,
+            dropout_p=p.kernel_dropout, rng_context=call.rng_context, softmax_type=p.softmax_type,
+            softmax_offset=call.softmax_offset, return_max_logit=call.return_max_logit)
 
 
 # The PyTorch backends, in the common registry's order (a test keeps the two equal).

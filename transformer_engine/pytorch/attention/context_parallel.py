@@ -254,10 +254,12 @@ def _chunk_call(fmt: QKVFormat, softmax_scale: float, mask: AttnMaskType, cu_q=N
     """The AttnCall of one chunk's fused call: no window, the mask's own diagonal, thd's longest sequences
     ``max_q``/``max_k``."""
     thd = fmt == QKVFormat.THD
-    params = AttnParams(mask, AttnBiasType.NO_BIAS, fmt, normalize_window(None, mask), softmax_scale,
+    params = AttnParams(attn_mask_type=mask, attn_bias_type=AttnBiasType.NO_BIAS, qkv_format=fmt,
+                        window_size=normalize_window(None, mask), scaling_factor=softmax_scale,
                         bottom_right_diagonal=resolve_bottom_right_diagonal(mask, None, "pytorch"),
                         max_seqlen_q=max_q if thd else None, max_seqlen_kv=max_k if thd else None)
-    return AttnCall(params, cu_q, cu_k, off_q, off_k)
+    return AttnCall(params=params, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k, cu_seqlens_q_padded=off_q,
+                    cu_seqlens_kv_padded=off_k)
 
 
 def _fwd(q, k, v, fmt, spec, mask, cu_q=None, cu_k=None, off_q=None, off_k=None, max_q=None, max_k=None,

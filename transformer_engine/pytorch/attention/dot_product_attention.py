@@ -30,7 +30,6 @@ from transformer_engine.common.attention.validation import check_softmax_scale
 from transformer_engine.pytorch.attention import backends as attn_backends
 from transformer_engine.pytorch.attention import config as attn_config
 from transformer_engine.pytorch.attention.backends import AttnCall
-from transformer_engine.pytorch.attention.inference import run_backend
 from transformer_engine.pytorch.attention.signature_cache import (
     SignatureCache, environment_signature, tensor_signature,
 )
@@ -68,6 +67,13 @@ def _enum_arg(enum, value, name: str):
     except ValueError:
         choices = ", ".join(repr(m.value) for m in enum)
         raise ValueError(f"`{name}` must be one of {choices}, got {value!r}") from None
+
+
+def _run(step_run, backend, q, k, v, call):
+    """``backend.run(q, k, v, call)``, or inside a KV-cache step as the step runs it (``inference._StepRun``)."""
+    if step_run is None:
+        return backend.run(q, k, v, call)
+    return step_run.run(backend, q, k, v, call)
 
 
 def _is_compiling() -> bool:
@@ -622,6 +628,57 @@ class DotProductAttention(torch.nn.Module):
         Returns the output, or ``(output, max_logit)`` when the module was built with
         ``return_max_logit=True``.
         """
+        return self._forward(
+            None, query_layer=query_layer, key_layer=key_layer, value_layer=value_layer,
+            attention_mask=attention_mask, qkv_format=qkv_format, cu_seqlens_q=cu_seqlens_q,
+            cu_seqlens_kv=cu_seqlens_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
+            cu_seqlens_kv_padded=cu_seqlens_kv_padded, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+            attn_mask_type=attn_mask_type, window_size=window_size, bottom_right_diagonal=bottom_right_diagonal,
+            checkpoint_core_attention=checkpoint_core_attention, core_attention_bias_type=core_attention_bias_type,
+            core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes, fast_zero_fill=fast_zero_fill,
+            inference_params=inference_params, pad_between_seqs=pad_between_seqs, fp8_output=fp8_output,
+            bf16_backward=bf16_backward, num_splits=num_splits, score_mod=score_mod, score_mod_bprop=score_mod_bprop,
+            score_mod_tensors=score_mod_tensors, score_mod_bprop_tensors=score_mod_bprop_tensors, qkv_layer=qkv_layer,
+            kv_layer=kv_layer, qkv_interleave_dim=qkv_interleave_dim)
+
+    def _forward(
+        self,
+        step_run,
+        query_layer: Optional[torch.Tensor] = None,
+        key_layer: Optional[torch.Tensor] = None,
+        value_layer: Optional[torch.Tensor] = None,
+        attention_mask: Optional[Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]] = None,
+        qkv_format: Optional[str] = None,
+        cu_seqlens_q: Optional[torch.Tensor] = None,
+        cu_seqlens_kv: Optional[torch.Tensor] = None,
+        cu_seqlens_q_padded: Optional[torch.Tensor] = None,
+        cu_seqlens_kv_padded: Optional[torch.Tensor] = None,
+        max_seqlen_q: Optional[int] = None,
+        max_seqlen_kv: Optional[int] = None,
+        attn_mask_type: Optional[str] = None,
+        window_size: Optional[Tuple[int, int]] = None,
+        bottom_right_diagonal: Optional[bool] = None,
+        checkpoint_core_attention: bool = False,
+        core_attention_bias_type: str = "no_bias",
+        core_attention_bias: Optional[torch.Tensor] = None,
+        alibi_slopes: Optional[torch.Tensor] = None,
+        fast_zero_fill: bool = True,
+        inference_params: Optional[Any] = None,
+        pad_between_seqs: Optional[bool] = None,
+        fp8_output: bool = False,
+        bf16_backward: Optional[bool] = False,
+        num_splits: Optional[int] = 1,
+        score_mod: Optional[Callable] = None,
+        score_mod_bprop: Optional[Callable] = None,
+        score_mod_tensors: Optional[dict] = None,
+        score_mod_bprop_tensors: Optional[dict] = None,
+        qkv_layer: Optional[torch.Tensor] = None,
+        kv_layer: Optional[torch.Tensor] = None,
+        qkv_interleave_dim: int = -3,
+    ):
+
+        """:meth:`forward`; ``step_run``: the KV-cache step the backend runs the call as
+        (``inference.cached_attention``), None for a plain call (the backend runs it as built)."""
         if fp8_output:
             raise NotImplementedError("FP8 output (`fp8_output=True`) is not supported yet")
         if bf16_backward:
@@ -655,7 +712,7 @@ class DotProductAttention(torch.nn.Module):
                 key = prepared = None  # sequence, a cu_seqlens that is no tensor): the full path's checks name it
             if prepared is not None:
                 cu_seqlens = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
-                return self._run_prepared(prepared, query_layer, key_layer, value_layer,
+                return self._run_prepared(step_run, prepared, query_layer, key_layer, value_layer,
                                           *(t if carried else None for t, carried in
                                             zip(cu_seqlens, prepared.carried_seqlens)),
                                           core_attention_bias, alibi_slopes, checkpoint_core_attention)
@@ -698,13 +755,16 @@ class DotProductAttention(torch.nn.Module):
                                               softmax_type)
         self.last_backend = backend.NAME
         rng_context = self._rng_context()
-        params = AttnParams(seqs.mask, bias_type, fmt, window, self.softmax_scale, dropout_probability=float(dropout),
-                            deterministic=deterministic, bottom_right_diagonal=bottom_right, softmax_type=softmax_type,
-                            **(dict(max_seqlen_q=seqs.max_seqlen_q, max_seqlen_kv=seqs.max_seqlen_kv)
-                               if fmt == QKVFormat.THD else {}))
+        thd = fmt == QKVFormat.THD
+        params = AttnParams(
+            attn_mask_type=seqs.mask, attn_bias_type=bias_type, qkv_format=fmt, window_size=window,
+            scaling_factor=self.softmax_scale, dropout_probability=float(dropout), deterministic=deterministic,
+            bottom_right_diagonal=bottom_right, softmax_type=softmax_type,
+            max_seqlen_q=seqs.max_seqlen_q if thd else None, max_seqlen_kv=seqs.max_seqlen_kv if thd else None)
         call = AttnCall(
-            params, cu_seqlens_q=seqs.cu_seqlens_q, cu_seqlens_kv=seqs.cu_seqlens_kv,
-            cu_seqlens_q_padded=seqs.cu_seqlens_q_padded, cu_seqlens_kv_padded=seqs.cu_seqlens_kv_padded, bias=core_attention_bias, alibi_slopes=alibi_slopes, softmax_offset=softmax_offset,
+            params=params, cu_seqlens_q=seqs.cu_seqlens_q, cu_seqlens_kv=seqs.cu_seqlens_kv,
+            cu_seqlens_q_padded=seqs.cu_seqlens_q_padded, cu_seqlens_kv_padded=seqs.cu_seqlens_kv_padded,
+            bias=core_attention_bias, alibi_slopes=alibi_slopes, softmax_offset=softmax_offset,
             attention_mask=seqs.attention_mask, rng_context=rng_context, return_max_logit=self.return_max_logit,
         )
         if key is not None and (fmt != QKVFormat.THD or (max_seqlen_q is not None and max_seqlen_kv is not None)):
@@ -714,7 +774,7 @@ class DotProductAttention(torch.nn.Module):
             _PREPARED_CALLS.put(key, _PreparedCall(backend, params, carried))
 
         def attend(q_, k_, v_):
-            return run_backend(backend, q_, k_, v_, call)
+            return _run(step_run, backend, q_, k_, v_, call)
 
         cp = self._context_parallel
         if cp is not None and cp.size > 1:  # cp = 1 (or no group) is the plain single-device call
@@ -773,7 +833,7 @@ class DotProductAttention(torch.nn.Module):
             torch.cuda.current_device() if q.is_cuda else None,
         )
 
-    def _run_prepared(self, prepared: _PreparedCall, q, k, v, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+    def _run_prepared(self, step_run, prepared: _PreparedCall, q, k, v, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
                       cu_seqlens_kv_padded, core_attention_bias, alibi_slopes, checkpoint_core_attention: bool):
         """forward for a signature seen before: the decisions from ``prepared``, the tensors from this call."""
         backend = prepared.backend
@@ -786,7 +846,7 @@ class DotProductAttention(torch.nn.Module):
                         rng_context=self._rng_context(), return_max_logit=self.return_max_logit)
 
         def attend(q_, k_, v_):
-            return run_backend(backend, q_, k_, v_, call)
+            return _run(step_run, backend, q_, k_, v_, call)
 
         return self._attend(attend, q, k, v, checkpoint_core_attention)
 

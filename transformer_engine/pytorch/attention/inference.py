@@ -67,7 +67,6 @@ whole step table (the kernels read each sequence's length from ``cu_seqlens_kv``
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import itertools
 import math
@@ -1091,7 +1090,7 @@ def _sequence_call(step: _Step, order: Optional[Tuple[int, ...]], tensors: Mappi
 
 @dataclass(frozen=True)
 class _StepRun:
-    """A KV-cache step's call on its way to the backend that runs it (:func:`run_backend`).
+    """A KV-cache step's call on its way to the backend that runs it (DotProductAttention's ``_forward``).
 
     DotProductAttention decides on the step's call with ``max_seqlen_kv`` = the cache's capacity (``limit``:
     what its checks and backend selection read is then the same at every step, so its signature cache serves
@@ -1150,21 +1149,6 @@ class _StepRun:
         return in_place, kernel_runner.key_chunk(call.params, q, v, bias, self.page_size if in_place else 0)
 
 
-# The step DotProductAttention's forward runs inside cached_attention (None elsewhere).
-_STEP_RUN: contextvars.ContextVar[Optional[_StepRun]] = contextvars.ContextVar("te_step_run", default=None)
-
-
-def run_backend(backend, q, k, v, call):
-    """``backend.run(q, k, v, call)``; inside a KV-cache step (:func:`cached_attention`), as the step runs it
-    on that backend (:class:`_StepRun`: its own max_seqlen_kv, a paged cache's table or gathered rows)."""
-    if torch.compiler.is_compiling():  # traced steps gather their pages (cached_attention): no context to read
-        return backend.run(q, k, v, call)
-    run = _STEP_RUN.get()
-    if run is None:
-        return backend.run(q, k, v, call)
-    return run.run(backend, q, k, v, call)
-
-
 # Masks of a step: every step's queries are the last of their sequences, so causal masks align bottom-right.
 _STEP_MASK = {
     AttnMaskType.NO_MASK: AttnMaskType.PADDING_MASK,
@@ -1213,7 +1197,7 @@ def cached_attention(module, params: InferenceParams, q: torch.Tensor, k: torch.
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or (offset is not None and offset.requires_grad))
     tracing = torch.compiler.is_compiling()
     # The fused backward reads no page table: gradients take the gather, as does a traced step (torch.compile:
-    # run_backend reads no context there).
+    # it runs without a _StepRun).
     in_place = params.is_paged and not needs_grad and not tracing
     params.input_qkv_format = fmt.value
     if step.decode is not None and all(_first_rows(fmt, t.shape, layout.batch_size) for t in (q, k, v)):
@@ -1239,26 +1223,23 @@ def cached_attention(module, params: InferenceParams, q: torch.Tensor, k: torch.
         if order is not None:
             alibi_slopes = alibi_slopes.index_select(0, params._order_index(order).to(alibi_slopes.device))
 
-    def forward(max_seqlen_kv):
-        return module.forward(
-            q_rows, call["k"], call["v"], qkv_format="thd", attn_mask_type=_STEP_MASK[mask].value,
+    def forward(step_run, max_seqlen_kv):
+        return module._forward(
+            step_run, q_rows, call["k"], call["v"], qkv_format="thd", attn_mask_type=_STEP_MASK[mask].value,
             window_size=window_size, bottom_right_diagonal=True, cu_seqlens_q=call["cu_seqlens_q"],
             cu_seqlens_kv=call["cu_seqlens_kv"], cu_seqlens_kv_padded=call["cu_seqlens_kv_padded"],
             max_seqlen_q=call["max_seqlen_q"], max_seqlen_kv=max_seqlen_kv,
             core_attention_bias_type=bias_type.value, alibi_slopes=alibi_slopes,
             checkpoint_core_attention=checkpoint_core_attention)
 
-    if tracing:  # the step's own bound: no context reaches the backend
-        result = forward(call["max_seqlen_kv"])
+    if tracing:  # the step's own bound, run as built
+        result = forward(None, call["max_seqlen_kv"])
     else:
         limit = params.max_sequence_length
-        token = _STEP_RUN.set(_StepRun(step, params._backend_choices, call["max_seqlen_kv"], limit,
-                                       call.get("page_table"), call.get("page_size", 0), call.get("gather")))
-        try:
-            with sequences_checked_on_host():  # built on the host from step_dict (pre_step): no read back
-                result = forward(limit)
-        finally:
-            _STEP_RUN.reset(token)
+        step_run = _StepRun(step, params._backend_choices, call["max_seqlen_kv"], limit, call.get("page_table"),
+                            call.get("page_size", 0), call.get("gather"))
+        with sequences_checked_on_host():  # built on the host from step_dict (pre_step): no read back
+            result = forward(step_run, limit)
     out_rows, max_logit = result if module.return_max_logit else (result, None)
     rows = math.prod(q.shape[:-2])
     if index is None:  # the step's tokens are the first rows

@@ -443,19 +443,25 @@ def unfused_attention(
             raise ValueError(f"`cu_seqlens_kv` must be given with `cu_seqlens_q` for attn_mask_type={mask.value!r}")
         _check_cu_args(cu_seqlens_q, cu_seqlens_kv, None, None, qkv_dims(q, fmt)[0], q.device)
     return unfused_math(
-        q, k, v, fmt, mask, window, softmax_scale, bottom_right, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
-        cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv, attention_mask, bias_type, core_attention_bias,
-        alibi_slopes, dropout_p, rng_context, AttnSoftmaxType(softmax_type), softmax_offset, return_max_logit)
+        q, k, v, fmt=fmt, mask=mask, window=window, softmax_scale=softmax_scale, bottom_right=bottom_right,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
+        cu_seqlens_kv_padded=cu_seqlens_kv_padded, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
+        attention_mask=attention_mask, bias_type=bias_type, core_attention_bias=core_attention_bias,
+        alibi_slopes=alibi_slopes, dropout_p=dropout_p, rng_context=rng_context,
+        softmax_type=AttnSoftmaxType(softmax_type), softmax_offset=softmax_offset, return_max_logit=return_max_logit)
 
 
-def unfused_math(q, k, v, fmt: QKVFormat, mask: AttnMaskType, window: Tuple[int, int], softmax_scale: float,
-                 bottom_right: bool, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded,
-                 max_seqlen_q, max_seqlen_kv, attention_mask, bias_type: AttnBiasType, core_attention_bias,
-                 alibi_slopes, dropout_p: float, rng_context, softmax_type: AttnSoftmaxType, softmax_offset,
+def unfused_math(q, k, v, *, fmt: QKVFormat, mask: AttnMaskType, window: Tuple[int, int], softmax_scale: float,
+                 bottom_right: bool, cu_seqlens_q=None, cu_seqlens_kv=None, cu_seqlens_q_padded=None,
+                 cu_seqlens_kv_padded=None, max_seqlen_q=None, max_seqlen_kv=None, attention_mask=None,
+                 bias_type: AttnBiasType = AttnBiasType.NO_BIAS, core_attention_bias=None, alibi_slopes=None,
+                 dropout_p: float = 0.0, rng_context=None,
+                 softmax_type: AttnSoftmaxType = AttnSoftmaxType.VANILLA_SOFTMAX, softmax_offset=None,
                  return_max_logit: bool = False):
     """:func:`unfused_attention` on arguments already converted and checked (DotProductAttention's
-    backend runner calls this): ``window`` normalized, ``bottom_right`` resolved, ``softmax_scale``
-    checked, q, k, v and the cu_seqlens' types and shapes checked (their values are checked here)."""
+    backend runner calls this), by keyword after q, k, v: ``window`` normalized, ``bottom_right``
+    resolved, ``softmax_scale`` checked, q, k, v and the cu_seqlens' types and shapes checked (their
+    values are checked here)."""
     compute_dtype = torch.promote_types(q.dtype, torch.float32)
     hq, hk = q.shape[-2], k.shape[-2]
     group = hq // hk

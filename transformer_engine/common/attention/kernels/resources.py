@@ -88,8 +88,9 @@ def contiguous_call(config: AttnConfig, batch: int = 2, seqlen: int = 1024, thd:
     if config.attn_bias_type == AttnBiasType.POST_SCALE_BIAS:
         shape = bias_shape or (1, hq, sq, sk)
         bias = Bias(tuple(shape), _contiguous(shape))
-    params = AttnParams(config.attn_mask_type, config.attn_bias_type, config.qkv_format, config.window_size,
-                        softmax_scale, dropout_probability=config.dropout, bottom_right_diagonal=config.bottom_right,
+    params = AttnParams(attn_mask_type=config.attn_mask_type, attn_bias_type=config.attn_bias_type,
+                        qkv_format=config.qkv_format, window_size=config.window_size,
+                        scaling_factor=softmax_scale, dropout_probability=config.dropout, bottom_right_diagonal=config.bottom_right,
                         softmax_type=config.softmax_type, return_max_logit=config.return_max_logit)
     return Call(
         params=params, num_heads_q=hq, num_heads_kv=hk, head_dim_qk=dqk, head_dim_v=dv, dtype=config.dtype,

@@ -260,7 +260,7 @@ def recorded_cuda_launches(monkeypatch):
     the launches each lowering describes instead of compiling them."""
     _as_gpu(monkeypatch, (8, 0))
     recorded = []
-    monkeypatch.setattr(gpu, "_run", lambda prog, described, buffers: recorded.append(tuple(described)))
+    monkeypatch.setattr(gpu.Program, "add_launches", lambda prog, described, buffers: recorded.append(tuple(described)))
     return recorded
 
 

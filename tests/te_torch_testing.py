@@ -122,6 +122,7 @@ class _HostReads(TorchDispatchMode):
     def __init__(self, counts: Counter, device_type: str):
         super().__init__()
         self.counts, self.device_type = counts, device_type
+        self.in_tolist = 0  # a .tolist() copies to the host itself: counted once, as "tolist"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -130,7 +131,7 @@ class _HostReads(TorchDispatchMode):
                                       for a in args):
             self.counts[name] += 1
         out = func(*args, **kwargs)
-        if name in _COPY_OPS and self.device_type != "cpu":
+        if name in _COPY_OPS and self.device_type != "cpu" and not self.in_tolist:
             source, target = (args[1], args[0]) if name == "copy_" else (args[0], out)
             if (isinstance(source, torch.Tensor) and source.device.type == self.device_type
                     and target.device.type == "cpu"):
@@ -148,15 +149,21 @@ def counted_host_reads(device_type: Optional[str] = None) -> Iterator[Counter]:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     counts: Counter = collections.Counter()
     tolist = torch.Tensor.tolist
+    mode = _HostReads(counts, device_type)
 
     def counted_tolist(self):
-        if self.device.type == device_type:
-            counts["tolist"] += 1
-        return tolist(self)
+        if self.device.type != device_type:
+            return tolist(self)
+        counts["tolist"] += 1
+        mode.in_tolist += 1
+        try:
+            return tolist(self)
+        finally:
+            mode.in_tolist -= 1
 
     torch.Tensor.tolist = counted_tolist
     try:
-        with _HostReads(counts, device_type):
+        with mode:
             yield counts
     finally:
         torch.Tensor.tolist = tolist

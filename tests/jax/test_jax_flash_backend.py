@@ -30,6 +30,7 @@ from te_jax_testing import make_case, random_qkv  # noqa: E402
 from transformer_engine.common.attention.backends import NoBackendError  # noqa: E402
 from transformer_engine.jax import attention as te_attention  # noqa: E402
 from transformer_engine.jax import flash_backend  # noqa: E402
+from transformer_engine.jax.primitives import gpu  # noqa: E402
 import te_jax_testing as te_testing  # noqa: E402
 from transformer_engine.jax.attention import (  # noqa: E402
     AttnBiasType,
@@ -180,9 +181,11 @@ def fake_flash(monkeypatch):
 
 @pytest.fixture
 def pretend_hopper(monkeypatch):
-    """The frontend sees an SM90 GPU with flash-attn-4 available (the fused kernels' launcher is not built here)."""
+    """The frontend sees an SM90 GPU with flash-attn-4 available and the fused kernels' launcher not built (also on
+    a GPU machine where it is)."""
     monkeypatch.setattr(te_attention, "_device_facts", lambda: ("cuda", (9, 0)))
     monkeypatch.setattr(flash_backend, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(gpu, "unavailable_reason", lambda: "the JAX FFI extension is not built (pretended)")
 
 
 # -- availability ----------------------------------------------------------------------------------------
@@ -298,6 +301,7 @@ def test_unavailable_package_is_a_reason(monkeypatch):
 def test_deterministic_mode_on_blackwell_is_a_reason(monkeypatch):
     monkeypatch.setattr(te_attention, "_device_facts", lambda: ("cuda", (10, 0)))
     monkeypatch.setattr(flash_backend, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(gpu, "unavailable_reason", lambda: "the JAX FFI extension is not built (pretended)")
     monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
     selection = _select(_args())
     assert any("not batch/packing invariant" in r for r in selection.rejected["FlashAttention"])

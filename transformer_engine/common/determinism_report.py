@@ -31,6 +31,7 @@ import numpy as np
 from transformer_engine.common.attention.backends import BACKENDS, NoBackendError
 
 __all__ = [
+    "what_is_checked",
     "EXIT_PASS",
     "EXIT_NOT_DETERMINISTIC",
     "EXIT_BAD_ARGUMENTS",
@@ -414,3 +415,16 @@ def main(parser: argparse.ArgumentParser, run_check: Callable[[argparse.Namespac
     if args.json:
         write_json(result, args.json)
     return result.exit_status
+
+
+def what_is_checked(backends, on_cpu: bool, interpret: bool, math: str) -> str:
+    """One line that says which attention code a check's runs exercised (``math``: what the unfused backend
+    computes with, e.g. "PyTorch math"); empty when the backends say it already."""
+    if list(backends) == [BACKEND_NAMES["unfused"]] and on_cpu:
+        return (f"NOTE: on CPU every attention call ran UnfusedDotProductAttention ({math}), so this checked "
+                "the training loop's reproducibility, not the fused Triton kernels. Add --fused-interpreter to run "
+                "those on CPU under Triton's interpreter, or run on a GPU.")
+    if BACKEND_NAMES["fused"] in backends and interpret:
+        return ("NOTE: the fused Triton kernels ran under Triton's interpreter on CPU: same kernels and launch "
+                "order as on a GPU, executed in Python; times are not GPU times.")
+    return ""

@@ -153,18 +153,6 @@ def _rerun_interpreted(argv: Sequence[str]) -> int:
     return subprocess.call([sys.executable, "-m", "transformer_engine.jax.determinism_check", *argv], env=env)
 
 
-def _what_is_checked(backends: Sequence[str], platform: str, interpret: bool) -> str:
-    """One line that says which attention code the runs exercised."""
-    if backends == [report.BACKEND_NAMES["unfused"]] and platform == "cpu":
-        return ("NOTE: on CPU every attention call ran UnfusedDotProductAttention (jnp math), so this checked "
-                "the training loop's reproducibility, not the fused Triton kernels. Add --fused-interpreter to run "
-                "those on CPU under Triton's interpreter, or run on a GPU.")
-    if report.BACKEND_NAMES["fused"] in backends and interpret:
-        return ("NOTE: the fused Triton kernels ran under Triton's interpreter on CPU: same kernels and launch "
-                "order as on a GPU, executed in Python; times are not GPU times.")
-    return ""
-
-
 def _request_xla_determinism() -> None:
     """Add XLA's determinism flag before JAX starts its backend (XLA reads XLA_FLAGS once)."""
     flags = os.environ.get("XLA_FLAGS", "")
@@ -244,7 +232,7 @@ def run_check(args: argparse.Namespace, out=None, err=None) -> CheckResult:
     result = report.check_result(args, run1, run2, reference, device=f"{device.platform}:{device.id}",
                                  qkv_format="bshd", deterministic=deterministic, extra={"xla_flags": xla_flags},
                                  framework="jax", reference_fp32=reference_fp32)
-    note = _what_is_checked(result.backends, device.platform, interpret)
+    note = report.what_is_checked(result.backends, device.platform == "cpu", interpret, "jnp math")
     if note:
         result.message += "\n" + note
     return result

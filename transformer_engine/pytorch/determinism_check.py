@@ -180,18 +180,6 @@ def _rerun_interpreted(argv: Sequence[str]) -> int:
     return subprocess.call([sys.executable, "-m", "transformer_engine.pytorch.determinism_check", *argv], env=env)
 
 
-def _what_is_checked(backends: Sequence[str], device: torch.device, interpret: bool) -> str:
-    """One line that says which attention code the runs exercised."""
-    if backends == [report.BACKEND_NAMES["unfused"]] and device.type == "cpu":
-        return ("NOTE: on CPU every attention call ran UnfusedDotProductAttention (PyTorch math), so this checked "
-                "the training loop's reproducibility, not the fused Triton kernels. Add --fused-interpreter to run "
-                "those on CPU under Triton's interpreter, or run on a GPU.")
-    if report.BACKEND_NAMES["fused"] in backends and interpret:
-        return ("NOTE: the fused Triton kernels ran under Triton's interpreter on CPU: same kernels and launch "
-                "order as on a GPU, executed in Python; times are not GPU times.")
-    return ""
-
-
 def _resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -254,7 +242,7 @@ def run_check(args: argparse.Namespace, out=None, err=None) -> CheckResult:
 
     result = report.check_result(args, run1, run2, reference, device=str(device), qkv_format=args.qkv_format,
                                  deterministic=deterministic, reference_fp32=reference_fp32)
-    note = _what_is_checked(result.backends, device, interpret)
+    note = report.what_is_checked(result.backends, device.type == "cpu", interpret, "PyTorch math")
     if note:
         result.message += "\n" + note
     return result

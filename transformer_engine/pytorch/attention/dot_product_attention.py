@@ -628,18 +628,9 @@ class DotProductAttention(torch.nn.Module):
         Returns the output, or ``(output, max_logit)`` when the module was built with
         ``return_max_logit=True``.
         """
-        return self._forward(
-            None, query_layer=query_layer, key_layer=key_layer, value_layer=value_layer,
-            attention_mask=attention_mask, qkv_format=qkv_format, cu_seqlens_q=cu_seqlens_q,
-            cu_seqlens_kv=cu_seqlens_kv, cu_seqlens_q_padded=cu_seqlens_q_padded,
-            cu_seqlens_kv_padded=cu_seqlens_kv_padded, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
-            attn_mask_type=attn_mask_type, window_size=window_size, bottom_right_diagonal=bottom_right_diagonal,
-            checkpoint_core_attention=checkpoint_core_attention, core_attention_bias_type=core_attention_bias_type,
-            core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes, fast_zero_fill=fast_zero_fill,
-            inference_params=inference_params, pad_between_seqs=pad_between_seqs, fp8_output=fp8_output,
-            bf16_backward=bf16_backward, num_splits=num_splits, score_mod=score_mod, score_mod_bprop=score_mod_bprop,
-            score_mod_tensors=score_mod_tensors, score_mod_bprop_tensors=score_mod_bprop_tensors, qkv_layer=qkv_layer,
-            kv_layer=kv_layer, qkv_interleave_dim=qkv_interleave_dim)
+        args = dict(locals())  # TransformerEngine's signature above; the body is _forward's
+        del args["self"]
+        return self._forward(None, **args)
 
     def _forward(
         self,

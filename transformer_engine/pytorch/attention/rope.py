@@ -251,7 +251,7 @@ def _check_positions(t, s2, tensor_format, start_positions, cu_seqlens, cp_size,
     else:
         length = t.shape[0 if tensor_format == "sbhd" else 1]
         if cp_size > 1 and length % 2:
-            raise ValueError(f"`t`'s sequence length must be even with cp_size > 1, got {length}")
+            raise ValueError(f"`t` must have an even sequence length with cp_size > 1, got {length}")
         lengths = torch.full((t.shape[1 if tensor_format == "sbhd" else 0],), length, dtype=torch.int64)
     if start_positions is not None and start is None:
         return

@@ -31,13 +31,24 @@ ROPE_LAUNCH_OPTIONS = dict(enable_fp_fusion=False)
 
 
 @triton.jit
+def _bf16_round_to_nearest_even(y):
+    """fp32 to bf16 rounded to nearest even by integer arithmetic on the bits (NaN to the canonical NaN, as
+    the frameworks round). For Triton's interpreter, whose fp32-to-bf16 cast truncates; compiled kernels
+    convert with the hardware's round-to-nearest-even and never take this."""
+    bits = y.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    bits = tl.where(y != y, 0x7FC0, bits)
+    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
 def rope_kernel(
     X, OUT, COS, SIN, CU_SEQLENS, START_POSITIONS,
     seq_len, batch, table_rows, cp_size, cp_rank, search_steps,
     stride_xs, stride_xb, stride_xh, stride_xd, stride_os, stride_ob, stride_oh, stride_od,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, IS_THD: tl.constexpr,
     BATCH_MAJOR: tl.constexpr, HAS_START: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROUND_BF16_BY_BITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """Program ``i``: one token (all heads). sbhd/bshd: token (s, b) of ``seq_len * batch``
     (``BATCH_MAJOR``: ``i = b * seq_len + s``, else ``s * batch + b``; the order only changes which
@@ -116,7 +127,10 @@ def rope_kernel(
         y = tl.where(subtract[None, :], a - b, a + b)
         y = tl.where(keep[None, :], x, y)
         o_ptrs = o_row + offs_h[:, None] * stride_oh + offs_d[None, :] * stride_od
-        tl.store(o_ptrs, y.to(OUT.dtype.element_ty), mask=ok)
+        if ROUND_BF16_BY_BITS:
+            tl.store(o_ptrs, _bf16_round_to_nearest_even(y), mask=ok)
+        else:
+            tl.store(o_ptrs, y.to(OUT.dtype.element_ty), mask=ok)
 
 
 def rope(x, out, cos, sin, tensor_format, cu_seqlens=None, start_positions=None, cp_size=1, cp_rank=0,
@@ -154,6 +168,7 @@ def rope(x, out, cos, sin, tensor_format, cu_seqlens=None, start_positions=None,
         seq_len, batch, cos.shape[0], cp_size, cp_rank, search_steps, *xs, *os_,
         NUM_HEADS=heads, HEAD_DIM=head_dim, ROT_DIM=rot_dim, IS_THD=thd, BATCH_MAJOR=tensor_format == "bshd",
         HAS_START=start_positions is not None, INTERLEAVED=bool(interleaved), BACKWARD=bool(backward),
+        ROUND_BF16_BY_BITS=x.device.type == "cpu" and str(out.dtype).endswith("bfloat16"),
         BLOCK_H=block_h, BLOCK_D=block_d, num_warps=num_warps, **ROPE_LAUNCH_OPTIONS,
     )
     return out

@@ -69,7 +69,7 @@ def rope_kernel(
         seq = lo
         start = tl.load(CU_SEQLENS + seq).to(tl.int64) // cp_size
         end = tl.load(CU_SEQLENS + seq + 1).to(tl.int64) // cp_size
-        inside = pid < tl.load(CU_SEQLENS + batch).to(tl.int64) // cp_size
+        last = tl.load(CU_SEQLENS + batch).to(tl.int64) // cp_size
         local = pid - start
         length = end - start
     else:
@@ -82,16 +82,21 @@ def rope_kernel(
         row_s = local
         row_b = seq
         length = seq_len + pid * 0
-        inside = pid >= 0
     # Context parallelism: this rank holds chunks cp_rank and 2 cp_size - 1 - cp_rank of 2 cp_size.
     half = length // 2
     pos = tl.where(local < half, local + cp_rank * half, local + length * cp_size - (cp_rank + 1) * half - half)
     pos = tl.where(cp_size == 1, local, pos)
     if HAS_START:
         pos += tl.load(START_POSITIONS + seq).to(tl.int64)
-    in_table = (pos >= 0) & (pos < table_rows)
-
     offs_d = tl.arange(0, BLOCK_D)
+    # The token's conditions as vectors over the channels: Triton 3.9's interpreter refuses a mask made by
+    # combining a vector with a scalar condition.
+    pos_d = pos + tl.zeros([BLOCK_D], dtype=tl.int64)
+    in_table = (pos_d >= 0) & (pos_d < table_rows)
+    if IS_THD:
+        inside = pid + tl.zeros([BLOCK_D], dtype=tl.int64) < last
+    else:
+        inside = offs_d >= 0
     rotated = offs_d < ROT_DIM
     if INTERLEAVED:
         partner = offs_d ^ 1

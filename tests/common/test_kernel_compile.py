@@ -363,3 +363,33 @@ def test_sm90_gluon_forward_with_the_row_max_compiles_without_spills():
         x = dataclasses.replace(x, args=dict(x.args, HAS_ROW_MAX=True, ROW_MAX=Slot("row_max")))
         kernel = _compile(x)
         assert resources(kernel)["stack"] <= (_gluon_chunked_stack(False) if seqlen > 4096 else 0), resources(kernel)
+
+
+def _rope_ptx(options, dtype="bfloat16", thd=True):
+    from transformer_engine.common.attention.kernels import triton_compat
+    from transformer_engine.common.attention.kernels.aot import Pointer
+    from transformer_engine.common.attention.kernels.rope import rope_kernel
+
+    args = dict(X=Pointer(dtype), OUT=Pointer(dtype), COS=Pointer("float32"), SIN=Pointer("float32"),
+                CU_SEQLENS=Pointer("int32"), START_POSITIONS=Pointer("int64"), seq_len=4096, batch=7,
+                table_rows=8192, cp_size=2, cp_rank=1, search_steps=3, stride_xs=32 * 128, stride_xb=0,
+                stride_xh=128, stride_xd=1, stride_os=32 * 128, stride_ob=0, stride_oh=128, stride_od=1,
+                NUM_HEADS=32, HEAD_DIM=128, ROT_DIM=64, IS_THD=thd, BATCH_MAJOR=False, HAS_START=True,
+                INTERLEAVED=False, BACKWARD=True, ROUND_BF16_BY_BITS=False, BLOCK_H=32, BLOCK_D=128)
+    source, opts, _ = triton_compat.jit_specialize(rope_kernel, args, dict(options, num_warps=8), SM90)
+    return triton.compile(source, target=SM90, options=opts.__dict__).asm["ptx"]
+
+
+def test_sm90_rope_kernel_compiles_without_fp_contraction():
+    """The RoPE kernel as kernels/rope.py launches it: no fused multiply-add in its fp32 arithmetic (its bits
+    are then the unfused path's), while the same kernel with contraction on has them, so the stated option is
+    what decides it, not Triton's default."""
+    from transformer_engine.common.attention.kernels.rope import ROPE_LAUNCH_OPTIONS
+
+    assert ROPE_LAUNCH_OPTIONS == dict(enable_fp_fusion=False)
+    fma = re.compile(r"^\s*fma\.rn\.f32", re.MULTILINE)
+    pinned = _rope_ptx(ROPE_LAUNCH_OPTIONS)
+    # .rn on a multiply or add forbids ptxas from contracting it into an FMA as well.
+    assert not fma.search(pinned) and "mul.rn.f32" in pinned and "add.rn.f32" in pinned
+    assert fma.search(_rope_ptx(dict(enable_fp_fusion=True)))
+    assert "cvt.rn.bf16" in pinned  # the hardware's round-to-nearest-even, not the interpreter's bit rounding

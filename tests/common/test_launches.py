@@ -169,11 +169,11 @@ def test_pytorch_and_jax_launch_the_same_kernels(case, monkeypatch):
             assert a.describe() == b.describe(), (step, a.name, _diff(a, b))
 
 
-def test_every_launch_pins_fp_contraction_on():
+def test_every_launch_pins_fp_contraction_on(monkeypatch):
     """FMA contraction is part of the kernels' bits and Triton's default for it changes after 3.9: every
     launch of both frontends states it, so a Triton upgrade cannot change the arithmetic silently."""
     for case in CASES[:8]:
-        for launches in _jax_launches(case):
+        for launches in (*_jax_launches(case), *_torch_launches(case, monkeypatch)):
             assert launches and all(x.options.get("enable_fp_fusion") is True for x in launches), case.name
 
 

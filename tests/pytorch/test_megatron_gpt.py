@@ -382,3 +382,50 @@ def test_documented_example_runs_as_written():
                           text=True, env=env, cwd=repo, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "two runs bitwise equal: True" in proc.stdout, proc.stdout
+
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and not _INTERPRET,
+                    reason="the RoPE kernel needs a CUDA GPU, or TRITON_INTERPRET=1 set before triton is imported")
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("packed", [False, True])
+def test_megatron_fused_rope_runs_this_packages_kernel(megatron_world, packed, interleaved, monkeypatch):
+    """Megatron's apply_rope_fusion path (rope_utils.apply_rotary_pos_emb with config.apply_rope_fusion: sbhd,
+    and thd with cu_seqlens and its context-parallel group) launches this package's Triton RoPE kernel, forward
+    and backward, on CUDA (the GPU run), and on the CPU under the interpreter; its bits are the unfused path's."""
+    import dataclasses
+
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from transformer_engine.common.attention.kernels import rope as rope_kernels
+    from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    launches = []
+    original = rope_kernels.rope
+
+    def counted(*args, **kwargs):
+        launches.append(kwargs.get("backward", args[-1] if len(args) > 10 else False))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(rope_kernels, "rope", counted)
+    if device == "cpu":  # Megatron's RotaryEmbedding makes its frequencies on torch.cuda.current_device()
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    config = dataclasses.replace(_config(dtype, device), apply_rope_fusion=True, rotary_interleaved=interleaved)
+    freqs = RotaryEmbedding(kv_channels=16, rotary_percent=1.0, rotary_interleaved=interleaved)(SEQ).to(device)
+    gen = torch.Generator().manual_seed(2)
+    shape = (3 * SEQ // 2, 4, 16) if packed else (SEQ, BATCH, 4, 16)
+    cu = torch.tensor([0, SEQ // 2, SEQ // 2 + 3, 3 * SEQ // 2], dtype=torch.int32, device=device) if packed else None
+    x = torch.randn(shape, generator=gen).to(device, dtype).requires_grad_(True)
+    dy = torch.randn(shape, generator=gen).to(device, dtype)
+    out = rope_utils.apply_rotary_pos_emb(x, freqs, config, cu_seqlens=cu)
+    out.backward(dy)
+    assert launches == [False, True]
+    x2 = x.detach().clone().requires_grad_(True)
+    want = apply_rotary_pos_emb(x2, freqs, "thd" if packed else "sbhd", interleaved=interleaved, cu_seqlens=cu)
+    want.backward(dy)
+    assert torch.equal(out, want) and torch.equal(x.grad, x2.grad)

@@ -69,3 +69,18 @@ def test_strided_rows_leave_other_columns_alone():
     assert torch.equal(base[:2, ::2], torch.zeros_like(base[:2, ::2]))
     assert torch.equal(base[:2, 1::2], torch.ones_like(base[:2, 1::2]))
     assert torch.equal(base[2:], torch.ones_like(base[2:]))
+
+
+def test_launch_states_fp_contraction(monkeypatch):
+    """Every launch in the package states enable_fp_fusion rather than relying on Triton's default."""
+    from transformer_engine.common.attention.kernels import fill
+
+    seen = []
+
+    class _Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.append((grid, kwargs))
+
+    monkeypatch.setattr(fill, "zero_outside_sequences_kernel", _Kernel())
+    fill.zero_outside_sequences(torch.zeros(9, 2, 4), torch.tensor([0, 4]), torch.tensor([3, 5]))
+    assert len(seen) == 1 and seen[0][0][0] == 3 and seen[0][1]["enable_fp_fusion"] is True

@@ -15,9 +15,18 @@ split: the sequence was cut into ``2 * cp_size`` chunks and rank ``r`` holds chu
 rank's are ``cu_seqlens // cp_size``; rows after the last sequence pass through.
 
 The rotation is computed in fp32 and rounded once to the input dtype; the backward applies the
-transposed rotation the same way. Both are elementwise, so results are deterministic, and a token's
-bits do not depend on batch, packing or CP rank. ``fused=True`` runs the same computation (it is
-already one pass per direction), so fused and unfused give the same bits.
+transposed rotation (the rotation by the negated angle) the same way. Both are elementwise, so results
+are deterministic, and a token's bits do not depend on batch, packing or CP rank.
+
+``fused=True`` runs one Triton kernel per direction (``common/attention/kernels/rope.py``) on GPU
+tensors, and on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``); other CPU tensors take
+the torch path. Both paths use the same fp32 cos/sin tables and the same operations in the same order
+(two rounded products, one rounded sum: the kernel is compiled without FMA contraction), so fused and
+unfused give the same bits.
+
+Arguments are checked before anything runs, each error naming the argument. The values of
+``cu_seqlens`` and ``start_positions`` are checked when they are on the CPU; on a GPU that would wait
+for it, so a position outside ``freqs`` there gives NaN in that token's rotated channels (fused) instead.
 """
 
 from __future__ import annotations
@@ -25,6 +34,9 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+
+from transformer_engine.common.attention.kernels import rope as rope_kernels
+from transformer_engine.pytorch.attention.config import triton_interpreting
 
 __all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb"]
 
@@ -82,6 +94,13 @@ class RotaryPositionEmbedding(torch.nn.Module):
         return emb.reshape(emb.size(0), 1, 1, emb.size(1))
 
 
+def _tables(freqs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the angles, fp32 [s2, d2]: computed once per call, and the same values for the
+    fused and the unfused path (each gathers a token's row from them)."""
+    rows = freqs.reshape(freqs.shape[0], freqs.shape[-1]).float()
+    return torch.cos(rows).contiguous(), torch.sin(rows).contiguous()
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool,
             transpose: bool) -> torch.Tensor:
     """``x * cos + R(x) * sin`` on the first d2 channels in fp32 (``transpose``: the adjoint,
@@ -118,6 +137,37 @@ class _RotaryFunction(torch.autograd.Function):
         return _rotate(grad_out, cos, sin, ctx.interleaved, transpose=True), None, None, None
 
 
+def _launch(x: torch.Tensor, cos, sin, tensor_format, cu_seqlens, start_positions, cp_size, cp_rank,
+            interleaved, backward) -> torch.Tensor:
+    """The Triton kernel (common/attention/kernels/rope.py) into a new contiguous tensor of x's shape and dtype,
+    on x's device (its CUDA device made current: Triton launches on the current one)."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    args = (x, out, cos, sin, tensor_format, cu_seqlens, start_positions, cp_size, cp_rank, interleaved, backward)
+    if x.device.type == "cuda":
+        with torch.cuda.device(x.device):
+            return rope_kernels.rope(*args)
+    return rope_kernels.rope(*args)
+
+
+class _FusedRotaryFunction(torch.autograd.Function):
+    """The rotation as one Triton kernel per direction; positions are found in the kernel."""
+
+    @staticmethod
+    def forward(ctx, t, cos, sin, tensor_format, cu_seqlens, start_positions, cp_size, cp_rank, interleaved):
+        ctx.save_for_backward(cos, sin, cu_seqlens, start_positions)
+        ctx.config = (tensor_format, cp_size, cp_rank, interleaved)
+        return _launch(t, cos, sin, tensor_format, cu_seqlens, start_positions, cp_size, cp_rank, interleaved,
+                       backward=False)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        cos, sin, cu_seqlens, start_positions = ctx.saved_tensors
+        tensor_format, cp_size, cp_rank, interleaved = ctx.config
+        grad = _launch(grad_out, cos, sin, tensor_format, cu_seqlens, start_positions, cp_size, cp_rank,
+                       interleaved, backward=True)
+        return (grad,) + (None,) * 8
+
+
 def _cp_positions(local: torch.Tensor, length: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
     """Global positions of local indices under the load-balanced 2 * cp_size chunk split."""
     if cp_size == 1:
@@ -126,33 +176,99 @@ def _cp_positions(local: torch.Tensor, length: torch.Tensor, cp_size: int, cp_ra
     return torch.where(local < half, local + cp_rank * half, local + length * cp_size - (cp_rank + 1) * half - half)
 
 
-def _check_args(t, freqs, tensor_format, interleaved, cu_seqlens, cp_size, cp_rank) -> int:
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+def _describe(x) -> str:
+    return f"a {x.dtype} tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else repr(x)
+
+
+def _check_args(t, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank) -> None:
+    """What the arguments' types, shapes and dtypes must be (no values read: nothing waits for a GPU)."""
     if tensor_format not in _FORMATS:
         raise ValueError(f"`tensor_format` must be one of {_FORMATS}, got {tensor_format!r}")
+    if not isinstance(t, torch.Tensor) or t.dtype not in _DTYPES:
+        raise ValueError(f"`t` must be a float32, float16 or bfloat16 tensor, got {_describe(t)}")
     want_dim = 3 if tensor_format == "thd" else 4
     if t.dim() != want_dim:
         raise ValueError(f"`t` must have {want_dim} dims in {tensor_format!r} format, got shape {tuple(t.shape)}")
+    if not isinstance(freqs, torch.Tensor) or not freqs.is_floating_point():
+        raise ValueError(f"`freqs` must be a floating-point tensor, got {_describe(freqs)}")
     if freqs.dim() != 4 or freqs.shape[1] != 1 or freqs.shape[2] != 1:
         raise ValueError(f"`freqs` must have shape [s2, 1, 1, d2], got {tuple(freqs.shape)}")
+    if freqs.device != t.device:
+        raise ValueError(f"`freqs` must be on t's device ({t.device}), got {freqs.device}")
     d2 = freqs.shape[-1]
     if d2 % 2 or d2 > t.shape[-1] or d2 == 0:
-        raise ValueError(f"`freqs`' last dim must be even and at most the head dim {t.shape[-1]}, got {d2}")
-    if tensor_format == "thd" and cu_seqlens is None:
-        raise ValueError("`cu_seqlens` must be given when tensor_format='thd', got None")
-    if tensor_format != "thd" and cu_seqlens is not None:
-        raise ValueError(f"`cu_seqlens` must be None when tensor_format={tensor_format!r}, got a tensor")
+        raise ValueError(f"`freqs` must have an even last dim (the rotary dim) of at most t's head dim "
+                         f"{t.shape[-1]}, got {d2}")
     if not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"`cp_size` must be a positive int, got {cp_size!r}")
     if not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
         raise ValueError(f"`cp_rank` must be in [0, cp_size={cp_size}), got {cp_rank!r}")
-    del interleaved
-    return d2
+    if tensor_format == "thd":
+        if cu_seqlens is None:
+            raise ValueError("`cu_seqlens` must be given when tensor_format='thd', got None")
+        if (not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in _INT_DTYPES
+                or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2):
+            raise ValueError(f"`cu_seqlens` must be a 1-D int32 or int64 tensor of b + 1 >= 2 boundaries, got "
+                             f"{_describe(cu_seqlens)}")
+        batch = cu_seqlens.numel() - 1
+    else:
+        if cu_seqlens is not None:
+            raise ValueError(f"`cu_seqlens` must be None when tensor_format={tensor_format!r}, got a tensor")
+        batch = t.shape[1] if tensor_format == "sbhd" else t.shape[0]
+    if start_positions is not None and (
+            not isinstance(start_positions, torch.Tensor) or start_positions.dtype not in _INT_DTYPES
+            or tuple(start_positions.shape) != (batch,)):
+        raise ValueError(f"`start_positions` must be a 1-D int32 or int64 tensor of the {batch} sequences' "
+                         f"offsets, got {_describe(start_positions)}")
 
 
-def _angles(t, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The fp32 angle row of each token, shaped to broadcast against ``t`` (heads dim of size 1)."""
-    rows = freqs.reshape(freqs.shape[0], freqs.shape[-1]).float()
-    device = rows.device
+def _check_positions(t, s2, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank) -> None:
+    """What the values of ``cu_seqlens`` and ``start_positions`` must be, checked where they are on the host
+    (reading a GPU tensor would wait for it; the kernel then writes NaN for a row outside ``freqs``)."""
+    on_host = lambda x: x is None or x.device.type == "cpu"  # noqa: E731
+    start = None
+    if start_positions is not None and on_host(start_positions):
+        start = start_positions.to(torch.int64)
+        if bool((start < 0).any()):
+            raise ValueError(f"`start_positions` must be non-negative, got {start_positions.tolist()}")
+    if tensor_format == "thd":
+        if not on_host(cu_seqlens):
+            return
+        cu = cu_seqlens.to(torch.int64)
+        if int(cu[0]) != 0 or bool((cu.diff() < 0).any()):
+            raise ValueError(f"`cu_seqlens` must start at 0 and never decrease, got {cu_seqlens.tolist()}")
+        if cp_size > 1 and bool((cu.diff() % (2 * cp_size) != 0).any()):
+            raise ValueError(f"`cu_seqlens` must give every sequence a length divisible by 2 * cp_size = "
+                             f"{2 * cp_size}, got {cu_seqlens.tolist()}")
+        if int(cu[-1]) // cp_size > t.shape[0]:
+            raise ValueError(f"`cu_seqlens` must end at most at t's {t.shape[0]} tokens"
+                             f"{f' times cp_size = {cp_size}' if cp_size > 1 else ''}, got {cu_seqlens.tolist()}")
+        lengths = cu.diff() // cp_size
+    else:
+        length = t.shape[0 if tensor_format == "sbhd" else 1]
+        if cp_size > 1 and length % 2:
+            raise ValueError(f"`t` must have an even sequence length with cp_size > 1, got {length}")
+        lengths = torch.full((t.shape[1 if tensor_format == "sbhd" else 0],), length, dtype=torch.int64)
+    if start_positions is not None and start is None:
+        return
+    # The last position of each sequence: its length, or with CP the end of this rank's second chunk.
+    last = lengths - 1 if cp_size == 1 else lengths * cp_size - cp_rank * (lengths // 2) - 1
+    if start is not None:
+        last = last + start
+    last = last[lengths > 0]
+    if last.numel() and int(last.max()) >= s2:
+        raise ValueError(f"`freqs` must have at least {int(last.max()) + 1} positions for these tokens, got {s2}")
+
+
+def _angles(t, cos_table, sin_table, tensor_format, start_positions, cu_seqlens, cp_size,
+            cp_rank) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Each token's rows of the cos and sin tables, shaped to broadcast against ``t`` (heads dim of size 1)."""
+    device = cos_table.device
+    d2 = cos_table.shape[-1]
     if tensor_format == "thd":
         bounds = cu_seqlens.to(device=device, dtype=torch.int64) // cp_size
         token = torch.arange(t.shape[0], device=device)
@@ -162,16 +278,11 @@ def _angles(t, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_ra
         pos = _cp_positions(token - start, end - start, cp_size, cp_rank)
         if start_positions is not None:
             pos = pos + start_positions.to(device=device, dtype=torch.int64)[seq]
-        if cp_size > 1 and cu_seqlens.device.type == "cpu" and bool((((end - start) % 2 != 0) & inside).any()):
-            raise ValueError(f"`cu_seqlens` must give every sequence a length divisible by 2 * cp_size = "
-                             f"{2 * cp_size}, got {cu_seqlens.tolist()}")
         pos = torch.where(inside, pos, torch.zeros_like(pos))
-        shape = (t.shape[0], 1, rows.shape[-1])
+        shape = (t.shape[0], 1, d2)
     else:
         seq_dim = 0 if tensor_format == "sbhd" else 1
         length = t.shape[seq_dim]
-        if cp_size > 1 and length % 2:
-            raise ValueError(f"`t`'s sequence length must be even with cp_size > 1, got {length}")
         pos = _cp_positions(torch.arange(length, device=device), torch.tensor(length, device=device), cp_size, cp_rank)
         pos = pos[:, None]  # [s, 1]
         if start_positions is not None:
@@ -179,17 +290,20 @@ def _angles(t, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_ra
         inside = None
         if tensor_format == "bshd":
             pos = pos.t()
-        shape = pos.shape + (1, rows.shape[-1])
-    if pos.device.type == "cpu" and pos.numel() and int(pos.max()) >= rows.shape[0]:
-        raise ValueError(f"`freqs` must have at least {int(pos.max()) + 1} positions for these tokens, "
-                         f"got {rows.shape[0]}")
-    angle = rows[pos.reshape(-1)].reshape(shape)
-    cos, sin = torch.cos(angle), torch.sin(angle)
+        shape = pos.shape + (1, d2)
+    index = pos.reshape(-1)
+    cos, sin = cos_table[index].reshape(shape), sin_table[index].reshape(shape)
     if inside is not None:  # rows after the last sequence pass through
         keep = inside.reshape(-1, 1, 1)
         cos = torch.where(keep, cos, torch.ones_like(cos))
         sin = torch.where(keep, sin, torch.zeros_like(sin))
     return cos, sin
+
+
+def _kernel_runs(t: torch.Tensor) -> bool:
+    """Whether ``fused=True`` launches the Triton kernel for ``t``: on a GPU, and on the CPU under Triton's
+    interpreter (TRITON_INTERPRET=1); otherwise the torch path, which gives the same bits."""
+    return t.device.type == "cuda" or (t.device.type == "cpu" and triton_interpreting())
 
 
 def apply_rotary_pos_emb(
@@ -207,8 +321,14 @@ def apply_rotary_pos_emb(
     ``freqs`` ([s2, 1, 1, d2], d2 <= d): see the module docstring for positions, ``start_positions``
     ([b], per-sequence offsets), ``cu_seqlens`` ([b + 1], thd; the padded boundaries with CP) and
     ``cp_size``/``cp_rank``. Returns a tensor of t's shape and dtype; differentiable in ``t``.
-    ``fused`` selects the same computation (TransformerEngine's switch; results are equal)."""
-    del fused
-    _check_args(t, freqs, tensor_format, interleaved, cu_seqlens, cp_size, cp_rank)
-    cos, sin = _angles(t, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
+    ``fused=True`` runs one Triton kernel per direction on a GPU (and on the CPU under Triton's
+    interpreter); the results are the unfused path's, bitwise."""
+    _check_args(t, freqs, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
+    _check_positions(t, freqs.shape[0], tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
+    cos_table, sin_table = _tables(freqs)
+    if fused and _kernel_runs(t):
+        on_device = lambda x: None if x is None else x.to(t.device)  # noqa: E731
+        return _FusedRotaryFunction.apply(t, cos_table, sin_table, tensor_format, on_device(cu_seqlens),
+                                          on_device(start_positions), cp_size, cp_rank, bool(interleaved))
+    cos, sin = _angles(t, cos_table, sin_table, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
     return _RotaryFunction.apply(t, cos, sin, bool(interleaved))

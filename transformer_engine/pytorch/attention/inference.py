@@ -81,7 +81,7 @@ import torch
 from transformer_engine.common.attention import AttnBiasType, AttnMaskType, FusedAttention, QKVFormat
 from transformer_engine.common.attention.plan import pages_keep_bits
 from transformer_engine.pytorch.attention import kernel_runner
-from transformer_engine.pytorch.attention.buffers import host_values, to_device
+from transformer_engine.pytorch.attention.buffers import host_values, to_device, unfilled
 from transformer_engine.pytorch.attention.config import can_sync, sequences_checked_on_host
 
 __all__ = ["InferenceParams", "KVCacheManager", "NonPagedKVCacheManager", "PagedKVCacheManager", "StepLayout"]
@@ -636,6 +636,7 @@ class _Step:
     backend_params: Dict[tuple, tuple] = field(default_factory=dict)  # _StepRun's, by (backend, params)
     orders: Dict[tuple, torch.Tensor] = field(default_factory=dict)  # a sequence order as an int64 index
     decode: Optional[_DecodeViews] = None  # a decode step's metadata in the step buffers
+    last_run: Optional[tuple] = None  # the last _StepRun's (backend, max_seqlen_kv bound, key chunk, in place)
 
 
 @dataclass(frozen=True)
@@ -847,6 +848,8 @@ class InferenceParams:
         self._step: Optional[_Step] = None
         self._backend_choices: Dict[tuple, Tuple[bool, int]] = {}  # _StepRun's, for every step
         self._chain: Optional[_DecodeChain] = None  # the last decode step's, while the next may continue it
+        self._decode_plans: Dict[tuple, _DecodePlan] = {}  # by (module's call signature, layer, batch size)
+        self._decode_plan_runs = 0  # steps run from a plan (tests)
 
     @property
     def batch_size(self) -> int:
@@ -960,6 +963,46 @@ class InferenceParams:
         self._take_decode(StepLayout._decode(chain.seq_ids, chain.ones, before))
         chain.totals = before + 1
         return True
+
+    def _keep_decode_plan(self, key: tuple, module, fmt: QKVFormat, q: torch.Tensor, q_rows: torch.Tensor,
+                          call: dict, recorded: List[tuple]) -> None:
+        """Keep the decode step's kernel call just made (``recorded``: kernel_runner's (entry, buffers)) as the
+        :class:`_DecodePlan` of its module call signature ``key``, layer and batch size, where it launched on
+        the step buffers' tensors alone (besides q, out and their scratch)."""
+        step = self._step
+        if len(recorded) != 1 or step.last_run is None:
+            return
+        entry, buffers = recorded[0]
+        if (buffers["q"] is not q_rows or buffers["k"] is not call["k"] or buffers["v"] is not call["v"]
+                or not buffers.keys() <= _PLAN_BUFFERS):
+            return  # q scaled, gathered keys, a score modifier's tensor: the full path each step
+        backend, bound, chunk, in_place = step.last_run
+        views = step.decode
+        b = step.layout.batch_size
+        # What kernel_runner.sequences gives this call, as the step buffers' views that pre_step rewrites: the
+        # packed starts of q (cu_seqlens_q) and of the keys (each sequence's slot; in place in a paged cache,
+        # cu_seqlens_kv), and the lengths.
+        starts_k = views.cu_seqlens_kv if in_place else call["cu_seqlens_kv_padded"]
+        fixed = {name: t for name, t in buffers.items() if name not in _PLAN_PER_CALL}
+        fixed.update(seq_start_q=views.cu_seqlens_q[:b], seq_start_k=starts_k[:b], seq_len_q=views.ones,
+                     seq_len_k=views.lens_kv)
+        if len(self._decode_plans) >= 64:  # bounded: one plan per layer and batch size in use
+            self._decode_plans.clear()
+        self._decode_plans[(key, module.layer_number, b)] = _DecodePlan(
+            self.cache_manager.cache[module.layer_number], fmt.value, backend.NAME, bound, chunk, entry.launches,
+            entry.workspace, fixed, tuple(buffers["out"].shape), tuple(buffers["lse"].shape), q.shape[-2] * call["v"].shape[-1])
+
+    def _decode_step(self, module, key: tuple, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """DotProductAttention's forward of a decode step whose call signature ``key`` has a plan for its layer
+        and batch size (:class:`_DecodePlan`), or None where the full path must run it."""
+        step = self._step
+        if step is None or step.decode is None:
+            return None
+        plan = self._decode_plans.get((key, module.layer_number, step.layout.batch_size))
+        out = None if plan is None else plan.run(self, step, module, q, k, v)
+        if out is not None:
+            self._decode_plan_runs += 1
+        return out
 
     def _check_step_dict(self, step_dict: Mapping, cached: Mapping) -> None:
         """Raise the ValueError that names the first sequence of ``step_dict`` the cache cannot take."""
@@ -1265,8 +1308,9 @@ class _StepRun:
                 changes["max_seqlen_kv"] = kernel_runner.max_seqlen_kv_bound(self.max_seqlen_kv, chunk, self.limit)
             if in_place:
                 changes["kv_page_size"] = self.page_size
-            known = self.step.backend_params[key] = (dataclasses.replace(call.params, **changes), in_place)
-        params, in_place = known
+            known = self.step.backend_params[key] = (dataclasses.replace(call.params, **changes), in_place, chunk)
+        params, in_place, chunk = known
+        self.step.last_run = (backend, params.max_seqlen_kv, chunk, in_place)
         if in_place:
             return backend.run(q, k, v, dataclasses.replace(call, params=params, page_table=self.page_table,
                                                             cu_seqlens_kv_padded=None))
@@ -1287,6 +1331,53 @@ class _StepRun:
         return in_place, kernel_runner.key_chunk(call.params, q, v, bias, self.page_size if in_place else 0)
 
 
+# The kernel call's buffers a decode plan launches on: the step buffers' views, the cache and the page table, and
+# what each step gives (q) or allocates (_PLAN_PER_CALL).
+_PLAN_PER_CALL = frozenset(("q", "out", "lse", "part_o", "part_ml"))
+_PLAN_BUFFERS = _PLAN_PER_CALL | {"k", "v", "seq_start_q", "seq_start_k", "seq_len_q", "seq_len_k", "page_table"}
+
+
+class _DecodePlan:
+    """A decode step's kernel call for one layer and batch size, kept from a step that ran the full path: the
+    prepared launches and their buffers, which at every decode step of that size are the same tensors (the step
+    buffers' views, rewritten by pre_step; the layer's cache; the step's page table). A later step with the
+    same module call signature (DotProductAttention's: the module's settings, the tensors' shapes, strides,
+    dtypes and alignment, the settings read) then appends its keys and values and launches on its q, with
+    nothing decided again, while its key bound stays (kernel_runner.max_seqlen_kv_bound) and the layer keeps
+    its cache: the launches and buffers of the full path, so the same bits."""
+
+    __slots__ = ("cache", "fmt", "backend_name", "bound", "chunk", "launches", "workspace", "fixed", "out_shape",
+                 "lse_shape", "width")
+
+    def __init__(self, cache, fmt, backend_name, bound, chunk, launches, workspace, fixed, out_shape, lse_shape,
+                 width):
+        self.cache, self.fmt, self.backend_name, self.bound, self.chunk = cache, fmt, backend_name, bound, chunk
+        self.launches, self.workspace, self.fixed = launches, workspace, fixed
+        self.out_shape, self.lse_shape, self.width = out_shape, lse_shape, width
+
+    def run(self, params: InferenceParams, step: _Step, module, q, k, v):
+        layer = module.layer_number
+        manager = params.cache_manager
+        if (layer in step.stepped or manager.cache.get(layer) is not self.cache
+                or (torch.is_grad_enabled() and q.requires_grad) or _capturing()
+                or kernel_runner.max_seqlen_kv_bound(step.layout.max_total_len, self.chunk,
+                                                     params.max_sequence_length) != self.bound):
+            return None
+        b = step.layout.batch_size
+        manager.step(layer, _step_rows(k, None, b), _step_rows(v, None, b), step.rows)
+        step.stepped.add(layer)
+        params.input_qkv_format = self.fmt
+        q_rows = _step_rows(q, None, b)
+        out = torch.zeros(self.out_shape, dtype=q.dtype, device=q.device)  # thd: as kernel_runner.forward's
+        buffers = dict(self.fixed, q=q_rows, out=out, lse=unfilled(self.lse_shape, torch.float32, q.device))
+        if self.workspace is not None:
+            buffers["part_o"], buffers["part_ml"] = kernel_runner._split_kv_workspace(self.workspace, q.device)
+        kernel_runner._run(self.launches, buffers)
+        if module.last_backend != self.backend_name:  # (Module.__setattr__ is slow)
+            module.last_backend = self.backend_name
+        return out.view(*q.shape[:-2], self.width)
+
+
 # Masks of a step: every step's queries are the last of their sequences, so causal masks align bottom-right.
 _STEP_MASK = {
     AttnMaskType.NO_MASK: AttnMaskType.PADDING_MASK,
@@ -1301,10 +1392,12 @@ _STEP_MASK = {
 def cached_attention(module, params: InferenceParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      fmt: QKVFormat, mask: AttnMaskType, *, window_size, cu_seqlens_q, cu_seqlens_q_padded,
                      cu_seqlens_kv_padded, bias_type: AttnBiasType, core_attention_bias, alibi_slopes,
-                     checkpoint_core_attention: bool):
+                     checkpoint_core_attention: bool, plan_key: Optional[tuple] = None):
     """DotProductAttention's forward with ``inference_params``: append the step's k, v to the module's layer
     cache and attend the step's queries to their sequences' cached keys (module docstring). Returns q's
-    format with the heads flattened; rows past a sequence's new tokens (bshd/sbhd padding, thd tail) are 0."""
+    format with the heads flattened; rows past a sequence's new tokens (bshd/sbhd padding, thd tail) are 0.
+    ``plan_key``: the module call's signature where DotProductAttention made one (a decode step then keeps
+    its launches for the next steps of its batch size, :class:`_DecodePlan`)."""
     if not isinstance(params, InferenceParams):
         raise ValueError(f"`inference_params` must be an InferenceParams, got {type(params).__name__}")
     if module.layer_number is None:
@@ -1376,8 +1469,20 @@ def cached_attention(module, params: InferenceParams, q: torch.Tensor, k: torch.
         limit = params.max_sequence_length
         step_run = _StepRun(step, params._backend_choices, call["max_seqlen_kv"], limit, call.get("page_table"),
                             call.get("page_size", 0), call.get("gather"))
-        with sequences_checked_on_host():  # built on the host from step_dict (pre_step): no read back
-            result = forward(step_run, limit)
+        # A decode step of the plain kind records its kernel call, to launch it again at the next steps.
+        record = (plan_key is not None and step.decode is not None and index is None and not needs_grad
+                  and not _capturing() and offset is None and not module.return_max_logit and alibi_slopes is None
+                  and math.prod(q.shape[:-2]) == n)
+        token = kernel_runner._RECORD.set([]) if record else None
+        try:
+            with sequences_checked_on_host():  # built on the host from step_dict (pre_step): no read back
+                result = forward(step_run, limit)
+        finally:
+            recorded = kernel_runner._RECORD.get() if token is not None else None
+            if token is not None:
+                kernel_runner._RECORD.reset(token)
+        if record:
+            params._keep_decode_plan(plan_key, module, fmt, q, q_rows, call, recorded)
     out_rows, max_logit = result if module.return_max_logit else (result, None)
     rows = math.prod(q.shape[:-2])
     if index is None:  # the step's tokens are the first rows

@@ -1,8 +1,10 @@
 """Host time of one PyTorch attention call, layer by layer (microseconds of Python per call).
 
 Times DotProductAttention, fused_attention, FusedAttnFunc and the launch layer on tiny tensors, forward
-alone (no_grad) and forward+backward. ``--stub`` replaces the kernel launches with nothing, so on the CPU
-(with TRITON_INTERPRET=1) it measures our Python only; on a GPU without it the launches are Triton's real
+alone (no_grad) and forward+backward. ``--stub`` replaces the kernel launches with nothing, and on the CPU the
+torch ops that are one kernel on a GPU (an ``index_copy_`` into the KV cache, ``index_select``, a zero fill) do
+their work on one row (:func:`device_work_as_launches`), so on the CPU (with TRITON_INTERPRET=1) it measures our
+Python and the ops' dispatch only; on a GPU without it the launches are Triton's real
 ones (async: the call returns once they are queued, and the tiny shape keeps the queue short).
 
     TRITON_INTERPRET=1 python dev/tuning/host_time.py --stub

@@ -1,8 +1,10 @@
 """Host time of one PyTorch attention call, layer by layer (microseconds of Python per call).
 
 Times DotProductAttention, fused_attention, FusedAttnFunc and the launch layer on tiny tensors, forward
-alone (no_grad) and forward+backward. ``--stub`` replaces the kernel launches with nothing, so on the CPU
-(with TRITON_INTERPRET=1) it measures our Python only; on a GPU without it the launches are Triton's real
+alone (no_grad) and forward+backward. ``--stub`` replaces the kernel launches with nothing, and on the CPU the
+torch ops that are one kernel on a GPU (an ``index_copy_`` into the KV cache, ``index_select``, a zero fill) do
+their work on one row (:func:`device_work_as_launches`), so on the CPU (with TRITON_INTERPRET=1) it measures our
+Python and the ops' dispatch only; on a GPU without it the launches are Triton's real
 ones (async: the call returns once they are queued, and the tiny shape keeps the queue short).
 
     TRITON_INTERPRET=1 python dev/tuning/host_time.py --stub
@@ -140,6 +142,47 @@ def launch_overhead(q, k, v, call, calls: int) -> None:
         print("  compiled kernel directly: not prepared with compiled kernels (JIT-only launches)")
 
 
+@contextlib.contextmanager
+def device_work_as_launches():
+    """While open, the CPU tensor ops that on a GPU are one kernel each (the cache append's ``index_copy_``, a
+    page table's ``index_select``, a zero-filled output's fill) do their work on one row only: the op's dispatch
+    (argument parsing, the dispatcher, the output's allocation) stays, as a launch's host cost would, and the work
+    on every row, which on a GPU is device time, goes. Without this, ``--stub`` on the CPU counts a 256-row
+    ``index_copy_`` into a 1 GB cache (page faults included) as host time. Values are garbage, as with the
+    launches stubbed."""
+    real_index_copy_, real_index_select, real_zeros = torch.Tensor.index_copy_, torch.index_select, torch.zeros
+
+    def index_copy_(self, dim, index, source):
+        if index.numel() > 1:
+            index, source = index[:1], source.narrow(dim, 0, 1)
+        return real_index_copy_(self, dim, index, source)
+
+    def index_select(input, dim, index, *, out=None):
+        if index.numel() <= 1:
+            return real_index_select(input, dim, index, out=out) if out is not None else \
+                real_index_select(input, dim, index)
+        if out is None:
+            shape = list(input.shape)
+            shape[dim] = index.shape[0]
+            out = input.new_empty(shape)
+        real_index_select(input, dim, index[:1], out=out.narrow(dim, 0, 1))
+        return out
+
+    def zeros(*args, **kwargs):
+        t = torch.empty(*args, **kwargs)
+        if t.numel():
+            t.view(-1)[:1].zero_()
+        return t
+
+    torch.Tensor.index_copy_, torch.Tensor.index_select, torch.index_select = index_copy_, index_select, index_select
+    torch.zeros = zeros
+    try:
+        yield
+    finally:
+        torch.index_select, torch.zeros = real_index_select, real_zeros
+        del torch.Tensor.index_copy_, torch.Tensor.index_select  # back to TensorBase's methods
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--stub", action="store_true", help="launch no kernels (our Python only)")
@@ -163,7 +206,11 @@ def main() -> None:
     args = ap.parse_args()
     for cache in signature_cache.caches():
         cache.enabled = not args.no_signature_cache
-    stub = testing.no_launches() if args.stub else contextlib.nullcontext()
+    stub = contextlib.ExitStack()
+    if args.stub:
+        stub.enter_context(testing.no_launches())
+        if not torch.cuda.is_available():
+            stub.enter_context(device_work_as_launches())
     with stub:
         if args.decode:
             _measure_decode(args)

@@ -136,8 +136,9 @@ def test_decode_steps_do_not_sync_on_a_gpu(fresh_caches, paged):
 @pytest.mark.parametrize("paged", [False, True], ids=["non_paged", "paged"])
 def test_decode_steps_hit_the_signature_caches(fresh_caches, paged):
     """DotProductAttention decides once for every decode step of a batch; the kernel runner prepares once per
-    key chunk the longest sequence enters (its bound changes there, kernel_runner.max_seqlen_kv_bound); a
-    step of another batch misses."""
+    key chunk the longest sequence enters (its bound changes there, kernel_runner.max_seqlen_kv_bound); the
+    steps in between launch the kept kernel call (inference._DecodePlan) without either; a step of another
+    batch misses."""
     batch, context = 2, CHUNK - 3
     steps = 2 * CHUNK if not ON_GPU else 20
     params, dpa, qkv = _setup(paged, batch, context, extra=steps + 8, room=1)
@@ -146,9 +147,11 @@ def test_decode_steps_hit_the_signature_caches(fresh_caches, paged):
         for _ in range(steps):
             _decode(params, dpa, qkv, batch)
         lengths = range(context + 1, context + steps + 1)
-        assert (dpa_cache.hits, dpa_cache.misses) == (steps - 1, 1)
         chunks = len({-(-n // CHUNK) for n in lengths})
-        assert (runner.hits, runner.misses) == (steps - chunks, chunks)
+        # The full path runs at the first step of each chunk only.
+        assert (dpa_cache.hits, dpa_cache.misses) == (chunks - 1, 1)
+        assert (runner.hits, runner.misses) == (0, chunks)
+        assert params._decode_plan_runs == steps - chunks
         # A sequence joins: a batch of three is another signature.
         params.pre_step(OrderedDict([(0, 1), (1, 1), (2, 1)]))
         with torch.no_grad():
@@ -166,7 +169,7 @@ def test_cached_decode_steps_are_bitwise_the_uncached_ones(fresh_caches, paged):
     n = CHUNK + 4
     toks = {s: [torch.randn(n, heads, D, generator=g).to(DEVICE, DTYPE) for heads in (H, HK, HK)] for s in "ab"}
     plan = [{"a": CHUNK - 20, "b": 7}, {"b": CHUNK - 20, "a": 14}] + [{"b": 1, "a": 1}] * 10
-    outs = []
+    outs, plan_runs = [], []
     for enabled in (True, False):
         for cache in signature_cache.caches():
             cache.enabled = enabled
@@ -187,10 +190,13 @@ def test_cached_decode_steps_are_bitwise_the_uncached_ones(fresh_caches, paged):
                     for s, c in step.items():
                         pos[s] += c
             outs.append(rows)
+            plan_runs.append(params._decode_plan_runs)
         finally:
             for cache in signature_cache.caches():
                 cache.enabled = True
-    assert _cache("DotProductAttention").hits > len(plan) // 2  # the first pass did hit
+    # The first pass ran most decode steps from their kept kernel call (all but the first and the one entering
+    # the second key chunk), the second none.
+    assert plan_runs == [8, 0]
     for i, (a, b) in enumerate(zip(*outs)):
         assert torch.equal(a, b), f"step {i}: the cached step's rows differ from the uncached step's"
 

@@ -687,7 +687,27 @@ class DotProductAttention(torch.nn.Module):
                               ("score_mod_bprop_tensors", score_mod_bprop_tensors)):
             if mod is not None:
                 raise NotImplementedError(f"`{mod_name}` (cuDNN's experimental score modification) is not supported")
-        key = None
+        key = plan_key = None
+        if (inference_params is not None and not _is_compiling() and _PREPARED_CALLS.enabled
+                and attention_mask is None and qkv_layer is None and kv_layer is None and cu_seqlens_q is None
+                and cu_seqlens_kv is None and cu_seqlens_q_padded is None and cu_seqlens_kv_padded is None
+                and core_attention_bias is None and alibi_slopes is None and not checkpoint_core_attention
+                and type(query_layer) in _PLAIN_TENSORS and type(key_layer) in _PLAIN_TENSORS
+                and type(value_layer) in _PLAIN_TENSORS and not _LOGGER.isEnabledFor(logging.INFO)
+                and (self._context_parallel is None or self._context_parallel.size <= 1)):
+            # A KV-cache decode step: its signature (what every check and decision of the step reads) finds the
+            # step's kernel call kept by the InferenceParams for this layer and batch size (inference._DecodePlan).
+            try:
+                plan_key = self._signature(query_layer, key_layer, value_layer, qkv_format, None, None, None, None,
+                                           max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size,
+                                           bottom_right_diagonal, False, core_attention_bias_type, None, None)
+            except (TypeError, AttributeError):  # as below: the full path's checks name the argument
+                plan_key = None
+            decode_step = getattr(inference_params, "_decode_step", None)
+            if plan_key is not None and decode_step is not None:
+                out = decode_step(self, plan_key, query_layer, key_layer, value_layer)
+                if out is not None:
+                    return out
         if (not _is_compiling()  # first: while tracing, nothing after it is evaluated
                 and attention_mask is None and inference_params is None and qkv_layer is None and kv_layer is None
                 and type(query_layer) in _PLAIN_TENSORS and type(key_layer) in _PLAIN_TENSORS
@@ -727,7 +747,7 @@ class DotProductAttention(torch.nn.Module):
                 self, inference_params, q, k, v, fmt, mask, window_size=window_size, cu_seqlens_q=cu_seqlens_q,
                 cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded,
                 bias_type=bias_type, core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes,
-                checkpoint_core_attention=checkpoint_core_attention)
+                checkpoint_core_attention=checkpoint_core_attention, plan_key=plan_key)
 
         seqs = _resolve_sequences(q, k, v, fmt, mask, attention_mask, cu_seqlens_q, cu_seqlens_kv,
                                   cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)

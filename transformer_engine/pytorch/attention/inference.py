@@ -81,7 +81,7 @@ import torch
 from transformer_engine.common.attention import AttnBiasType, AttnMaskType, FusedAttention, QKVFormat
 from transformer_engine.common.attention.plan import pages_keep_bits
 from transformer_engine.pytorch.attention import kernel_runner
-from transformer_engine.pytorch.attention.buffers import host_values, to_device
+from transformer_engine.pytorch.attention.buffers import host_values, to_device, unfilled
 from transformer_engine.pytorch.attention.config import can_sync, sequences_checked_on_host
 
 __all__ = ["InferenceParams", "KVCacheManager", "NonPagedKVCacheManager", "PagedKVCacheManager", "StepLayout"]
@@ -141,6 +141,18 @@ class StepLayout:
                             ("max_total_len", max(total, default=0))):
             object.__setattr__(self, name, value)
 
+    @classmethod
+    def _decode(cls, seq_ids: Tuple, ones: Tuple[int, ...], cached: np.ndarray) -> "StepLayout":
+        """The layout of a decode step (``ones``: a 1 per sequence; ``cached``: int64, step order), with the
+        totals from numpy instead of a pass per sequence."""
+        layout = object.__new__(cls)
+        total = cached + 1
+        for name, value in (("seq_ids", seq_ids), ("step_lens", ones), ("cached_lens", tuple(cached.tolist())),
+                            ("batch_size", len(seq_ids)), ("total_lens", tuple(total.tolist())),
+                            ("num_tokens", len(seq_ids)), ("max_step_len", 1), ("max_total_len", int(total.max()))):
+            object.__setattr__(layout, name, value)
+        return layout
+
     def token_positions(self) -> List[Tuple[int, int]]:
         """(sequence index in the step, position in its sequence) of each new token, in packed step order."""
         return [(i, c + j) for i, (c, n) in enumerate(zip(self.cached_lens, self.step_lens)) for j in range(n)]
@@ -173,6 +185,20 @@ class KVCacheManager:
         self.device = _resolve_device(device)
         self.cache: Dict[int, Tuple[torch.Tensor, torch.Tensor]] = {}
         self.sequences: "OrderedDict[object, int]" = OrderedDict()
+
+    # A decode step of the same sequences as the last (_next_decode_rows) grows each by one token: counted here
+    # and added to ``sequences`` when it is read, so that such a step does no work per sequence on the host.
+    @property
+    def sequences(self) -> "OrderedDict[object, int]":
+        if self._decode_steps:
+            steps, self._decode_steps = self._decode_steps, 0
+            for seq, n in self._sequences.items():
+                self._sequences[seq] = n + steps
+        return self._sequences
+
+    @sequences.setter
+    def sequences(self, value: "OrderedDict[object, int]") -> None:
+        self._sequences, self._decode_steps = value, 0
 
     def reset(self) -> None:
         """Forget every sequence (the memory stays allocated)."""
@@ -263,6 +289,13 @@ class KVCacheManager:
         """After :meth:`_decode_rows`' arrays reached the step buffers (``changes``: their (position, value)
         pairs): the manager's own device work."""
 
+    def _next_decode_rows(self, seq_ids: Tuple, cached: np.ndarray) -> Optional[Dict[str, np.ndarray]]:
+        """:meth:`_decode_rows` of a decode step of the sequences ``seq_ids`` (the last step's, in its order,
+        each with one token more cached: ``cached``), with the bookkeeping of :meth:`pre_step` done (every
+        sequence one token longer), from what the last step kept; None, changing nothing, where it cannot be
+        done so (another manager, a step that needs pages the cache lacks): the caller takes the full path."""
+        return None
+
 
 class NonPagedKVCacheManager(KVCacheManager):
     """One slot of ``max_seqlen`` tokens per sequence: ``[max_batch_size, max_seqlen, h, d]`` per layer. A new
@@ -273,12 +306,17 @@ class NonPagedKVCacheManager(KVCacheManager):
         super().__init__(max_batch_size, max_seqlen, num_heads, head_dim_k, dtype, head_dim_v, device)
         self.slots: Dict[object, int] = {}
         self._starts = None  # (layout, starts) of the current step
+        self._last_decode = None  # (seq_ids, starts, starts with the cache's end) of the last decode step
 
     def allocate_memory(self, layer_number: int) -> None:
         self.cache[layer_number] = self._new_cache(self.max_batch_size, self.max_seqlen)
 
     def _release(self, seq) -> None:
         self.slots.pop(seq, None)
+
+    def reset(self) -> None:
+        super().reset()
+        self._last_decode = None
 
     def _reserve(self, seq, total: int) -> None:
         if seq not in self.slots:
@@ -303,7 +341,16 @@ class NonPagedKVCacheManager(KVCacheManager):
         starts = np.fromiter(map(self.slots.__getitem__, layout.seq_ids), np.int64, layout.batch_size)
         starts *= self.max_seqlen
         # starts[b]: the end of the cache (the kernels read a sequence's start and length only)
-        return dict(rows=starts + cached, starts=np.append(starts, self.max_batch_size * self.max_seqlen))
+        ends = np.append(starts, self.max_batch_size * self.max_seqlen)
+        self._last_decode = (layout.seq_ids, starts, ends)
+        return dict(rows=starts + cached, starts=ends)
+
+    def _next_decode_rows(self, seq_ids: Tuple, cached: np.ndarray) -> Optional[Dict[str, np.ndarray]]:
+        last = self._last_decode
+        if last is None or last[0] is not seq_ids:
+            return None
+        self._decode_steps += 1  # every sequence keeps its slot
+        return dict(rows=last[1] + cached, starts=last[2])
 
     def _host_starts(self, layout: StepLayout) -> List[int]:
         if self._starts is None or self._starts[0] is not layout:
@@ -351,6 +398,7 @@ class PagedKVCacheManager(KVCacheManager):
         self._gather = None  # (layout, page index, starts) of the current step
         self._gather_positions = None  # (layout, offsets, counts): what the page index is made of, on the device
         self._step_table = None  # (layout, int32 page table of the step's sequences in step order)
+        self._last_decode = None  # (seq_ids, each one's page-table row) of the last decode step
 
     def allocate_memory(self, layer_number: int) -> None:
         self.cache[layer_number] = self._new_cache(self.total_num_pages, self.page_size)
@@ -398,6 +446,7 @@ class PagedKVCacheManager(KVCacheManager):
         self._host_table[:] = 0
         self._gather = self._gather_positions = None
         self._step_table = None
+        self._last_decode = None
 
     def get_page_list(self, seq) -> List[int]:
         return list(self.allocated_pages.get(seq, []))
@@ -444,6 +493,7 @@ class PagedKVCacheManager(KVCacheManager):
         index, values = self._table_changes()
         position = dict(zip(self._table_rows, range(len(self._table_rows))))
         table_rows = np.fromiter(map(position.__getitem__, layout.seq_ids), np.int64, layout.batch_size)
+        self._last_decode = (layout.seq_ids, table_rows)
         pages = self._host_table[table_rows, cached // self.page_size]
         arrays = dict(rows=pages * self.page_size + cached % self.page_size, table_rows=table_rows)
         self._decode_changes = len(index)
@@ -451,6 +501,34 @@ class PagedKVCacheManager(KVCacheManager):
             self._decode_changes = to_device([(index, torch.int64), (values, torch.int64)], self.device)
         elif index:
             arrays["changes"] = np.stack([np.asarray(index, np.int64), np.asarray(values, np.int64)], axis=1)
+        return arrays
+
+    def _next_decode_rows(self, seq_ids: Tuple, cached: np.ndarray) -> Optional[Dict[str, np.ndarray]]:
+        last = self._last_decode
+        if last is None or last[0] is not seq_ids:
+            return None
+        table_rows, size = last[1], self.page_size
+        # A sequence whose cached tokens fill their pages takes the next free page, in step order (as pre_step's
+        # _reserve_all gives them); its page-table row lists it next.
+        grow = np.flatnonzero(cached % size == 0)
+        arrays = {}
+        if grow.size:
+            if grow.size > len(self.free_pages):
+                return None
+            new = self.free_pages[:grow.size]
+            del self.free_pages[:grow.size]
+            for i, page in zip(grow.tolist(), new):
+                self.allocated_pages[seq_ids[i]].append(page)
+            rows, columns = table_rows[grow], cached[grow] // size
+            self._host_table[rows, columns] = new
+            counts = self._table_counts
+            for row in rows.tolist():
+                counts[row] += 1
+            arrays["changes"] = np.stack([rows * self.max_pages_per_seq + columns, np.asarray(new, np.int64)], axis=1)
+        self._decode_changes = int(grow.size)
+        self._decode_steps += 1
+        pages = self._host_table[table_rows, cached // size]
+        arrays.update(rows=pages * size + cached % size, table_rows=table_rows)
         return arrays
 
     def _take_decode(self, layout: StepLayout, views: "_DecodeViews", changes: torch.Tensor) -> None:
@@ -558,6 +636,7 @@ class _Step:
     backend_params: Dict[tuple, tuple] = field(default_factory=dict)  # _StepRun's, by (backend, params)
     orders: Dict[tuple, torch.Tensor] = field(default_factory=dict)  # a sequence order as an int64 index
     decode: Optional[_DecodeViews] = None  # a decode step's metadata in the step buffers
+    last_run: Optional[tuple] = None  # the last _StepRun's (backend, max_seqlen_kv bound, key chunk, in place)
 
 
 @dataclass(frozen=True)
@@ -572,28 +651,34 @@ class _DecodeViews:
     table_rows: torch.Tensor  # int64 [b]: each sequence's row of the page table (paged)
     table: Optional[torch.Tensor]  # int32 [b, max pages]: the step's page table, step order (paged)
     gather_starts: Optional[torch.Tensor]  # int32 [b + 1]: i * max_sequence_length (paged, gathered)
+    lens_kv: torch.Tensor  # int32 [b]: each sequence's keys after the step
+    ones: torch.Tensor  # int32 [b]: ones (each sequence's new tokens)
 
 
 class _StepBuffers:
     """The step metadata the calls read, in one static device buffer that ``pre_step`` rewrites in place with
     one copy: TransformerEngine's ``cu_seqlens_q``, ``cu_seqlens_kv`` (``[max_batch_size + 1]``, the last value
     repeated past the step's sequences) and ``pre_step_seqlens``, and a decode step's (every sequence one new
-    token) cache rows, starts and page-table rows (:class:`_DecodeViews`); a paged cache's step page table
-    beside it. A decode step's calls then read the same tensors at every step of a batch size: traced or
+    token) cache rows, starts, page-table rows and the kernels' per-sequence lengths (:class:`_DecodeViews`);
+    a paged cache's step page table beside it. A decode step's calls then read the same tensors at every step of a batch size: traced or
     captured once, replayed at any step (lengths are read on the device)."""
 
     def __init__(self, max_batch_size: int, device: torch.device, table_width: int = 0, seqlen: int = 0) -> None:
         n = self.n = max_batch_size
         self.width = width = -(-(n + 1) // 4) * 4  # int32 entries per array: each at a 16-byte boundary
-        # Then a paged cache's page-table changes, (flat position, page) pairs: a decode step's new pages fit.
-        self.changes_at, self.max_changes = 2 * n + 2 * width, 2 * n if table_width else 0
+        # Six int32 arrays: cu_q, cu_kv, cached, starts, each sequence's keys (the kernels' lengths) and ones (a
+        # decode step's query lengths, never rewritten). Then a paged cache's page-table changes, (flat
+        # position, page) pairs: a decode step's new pages fit.
+        self.changes_at, self.max_changes = 2 * n + 3 * width, 2 * n if table_width else 0
         self.raw = torch.zeros(self.changes_at + 2 * self.max_changes, dtype=torch.int64, device=device)
         self.changes = self.raw[self.changes_at:].view(-1, 2)
         self.host = np.zeros(self.raw.shape[0], np.int64)
         self.host32 = self.host[2 * n:].view(np.int32)
+        self.host32[5 * width:5 * width + n] = 1
         i32 = self.raw[2 * n:].view(torch.int32)
-        self.cu_q, self.cu_kv, self.cached, self.starts = (i32[j * width:j * width + n + 1] for j in range(4))
-        self.cached = self.cached[:n]
+        self.cu_q, self.cu_kv, self.cached, self.starts, self.lens_kv, self.ones = (
+            i32[j * width:j * width + n + 1] for j in range(6))
+        self.cached, self.lens_kv, self.ones = self.cached[:n], self.lens_kv[:n], self.ones[:n]
         self.rows, self.table_rows = self.raw[:n], self.raw[n:2 * n]
         self.table = torch.zeros(n, table_width, dtype=torch.int32, device=device) if table_width else None
         self.gather_starts = (torch.arange(n + 1, dtype=torch.int32, device=device) * seqlen) if table_width else None
@@ -603,7 +688,8 @@ class _StepBuffers:
         if b not in self.views:
             self.views[b] = _DecodeViews(self.cu_q[:b + 1], self.cu_kv[:b + 1], self.starts[:b + 1], self.rows[:b],
                                          self.table_rows[:b], None if self.table is None else self.table[:b],
-                                         None if self.table is None else self.gather_starts[:b + 1])
+                                         None if self.table is None else self.gather_starts[:b + 1],
+                                         self.lens_kv[:b], self.ones[:b])
         return self.views[b]
 
     def write(self, step_lens: np.ndarray, cached: np.ndarray, decode: Optional[Dict[str, np.ndarray]]) -> None:
@@ -619,6 +705,9 @@ class _StepBuffers:
         cached_view = h32[2 * width:2 * width + n]
         cached_view[:b] = cached
         cached_view[b:] = 0
+        lens_view = h32[4 * width:4 * width + n]
+        np.add(step_lens, cached, out=lens_view[:b], casting="unsafe")
+        lens_view[b:] = 0
         if decode is not None:
             self.host[:b] = decode["rows"]
             if "starts" in decode:
@@ -631,6 +720,31 @@ class _StepBuffers:
             end += changes.size
             self.host[self.changes_at:end] = changes.reshape(-1)
         _upload(self.raw[:end], torch.from_numpy(self.host[:end]))
+
+
+class _DecodeChain:
+    """A decode step's ``step_dict`` (a copy) and arrays, which the next pre_step continues from when it gets a
+    step of the same sequences in the same order, one token each (:meth:`InferenceParams._continue_decode`)."""
+
+    __slots__ = ("step_dict", "seq_ids", "ones", "lens", "totals")
+
+    def __init__(self, step_dict: "OrderedDict", seq_ids: Tuple, ones: Tuple[int, ...], lens: np.ndarray,
+                 totals: np.ndarray) -> None:
+        self.step_dict, self.seq_ids, self.ones, self.lens, self.totals = step_dict, seq_ids, ones, lens, totals
+
+    def continued_by(self, step_dict: Mapping) -> bool:
+        """Whether ``step_dict`` lists this step's sequences in its order, each with the int 1 (C-level passes,
+        no Python per sequence)."""
+        if len(step_dict) != len(self.seq_ids):
+            return False
+        if type(step_dict) is OrderedDict:  # OrderedDicts compare in order
+            same = step_dict == self.step_dict
+        elif type(step_dict) is dict:
+            same = tuple(step_dict) == self.seq_ids and step_dict == self.step_dict
+        else:
+            return False
+        # == takes True and 1.0 for 1, which the full path refuses: every count must be the int 1 itself.
+        return same and all(map(operator.is_, step_dict.values(), self.ones))
 
 
 def _upload(device_buffer: torch.Tensor, host: torch.Tensor) -> None:
@@ -733,6 +847,9 @@ class InferenceParams:
         self.pre_step_seqlens = self._buffers.cached
         self._step: Optional[_Step] = None
         self._backend_choices: Dict[tuple, Tuple[bool, int]] = {}  # _StepRun's, for every step
+        self._chain: Optional[_DecodeChain] = None  # the last decode step's, while the next may continue it
+        self._decode_plans: Dict[tuple, _DecodePlan] = {}  # by (module's call signature, layer, batch size)
+        self._decode_plan_runs = 0  # steps run from a plan (tests)
 
     @property
     def batch_size(self) -> int:
@@ -765,6 +882,7 @@ class InferenceParams:
         """Forget every sequence (the caches stay allocated)."""
         self.cache_manager.reset()
         self._step = None
+        self._chain = None
 
     def allocate_memory(self, layer_number: int) -> None:
         """Allocate layer ``layer_number``'s caches: ``[max_batch_size, max_sequence_length, h_kv, d]``
@@ -788,6 +906,10 @@ class InferenceParams:
         if len(step_dict) > self.max_batch_size:
             raise ValueError(f"`step_dict` must hold at most max_batch_size={self.max_batch_size} sequences, "
                              f"got {len(step_dict)}")
+        chain = self._chain
+        if chain is not None and chain.continued_by(step_dict) and self._continue_decode(chain):
+            return
+        self._chain = None
         cached = self.cache_manager.sequences
         seq_ids, counts = tuple(step_dict), tuple(step_dict.values())
         b = len(seq_ids)
@@ -802,9 +924,8 @@ class InferenceParams:
         decode = manager._decode_rows(layout, before) if lens.max() == 1 else None
         self._buffers.write(lens, before, decode)
         if decode is not None:  # the step buffers' views: the same tensors at every decode step of this size
-            views = self._buffers.decode_views(b)
-            self._step = _Step(layout, views.rows, views.cu_seqlens_q, views.cu_seqlens_kv, decode=views)
-            manager._take_decode(layout, views, self._buffers.changes)
+            self._take_decode(layout)
+            self._chain = _DecodeChain(OrderedDict(zip(seq_ids, counts)), seq_ids, counts, lens, before + lens)
             return
         arrays = {"cu_q": (_cumulative(layout.step_lens), torch.int32),
                   "cu_kv": (_cumulative(layout.total_lens), torch.int32)}
@@ -822,6 +943,66 @@ class InferenceParams:
         if starts is not None:
             step.calls[tuple(starts)] = _sequence_call(step, order, tensors)
         manager._take_step_arrays(layout, {name[1]: t for name, t in tensors.items() if isinstance(name, tuple)})
+
+    def _take_decode(self, layout: StepLayout) -> None:
+        views = self._buffers.decode_views(layout.batch_size)
+        self._step = _Step(layout, views.rows, views.cu_seqlens_q, views.cu_seqlens_kv, decode=views)
+        self.cache_manager._take_decode(layout, views, self._buffers.changes)
+
+    def _continue_decode(self, chain: "_DecodeChain") -> bool:
+        """pre_step of a decode step of the last decode step's sequences in its order (``chain``): what the full
+        path computes per sequence, from the last step's arrays (the same values); False, changing nothing,
+        where the full path must decide (a sequence at max_sequence_length, pages the cache lacks)."""
+        before = chain.totals
+        if int(before.max()) >= self.max_sequence_length:
+            return False
+        decode = self.cache_manager._next_decode_rows(chain.seq_ids, before)
+        if decode is None:
+            return False
+        self._buffers.write(chain.lens, before, decode)
+        self._take_decode(StepLayout._decode(chain.seq_ids, chain.ones, before))
+        chain.totals = before + 1
+        return True
+
+    def _keep_decode_plan(self, key: tuple, module, fmt: QKVFormat, q: torch.Tensor, q_rows: torch.Tensor,
+                          call: dict, recorded: List[tuple]) -> None:
+        """Keep the decode step's kernel call just made (``recorded``: kernel_runner's (entry, buffers)) as the
+        :class:`_DecodePlan` of its module call signature ``key``, layer and batch size, where it launched on
+        the step buffers' tensors alone (besides q, out and their scratch)."""
+        step = self._step
+        if len(recorded) != 1 or step.last_run is None:
+            return
+        entry, buffers = recorded[0]
+        if (buffers["q"] is not q_rows or buffers["k"] is not call["k"] or buffers["v"] is not call["v"]
+                or not buffers.keys() <= _PLAN_BUFFERS):
+            return  # q scaled, gathered keys, a score modifier's tensor: the full path each step
+        backend, bound, chunk, in_place = step.last_run
+        views = step.decode
+        b = step.layout.batch_size
+        # What kernel_runner.sequences gives this call, as the step buffers' views that pre_step rewrites: the
+        # packed starts of q (cu_seqlens_q) and of the keys (each sequence's slot; in place in a paged cache,
+        # cu_seqlens_kv), and the lengths.
+        starts_k = views.cu_seqlens_kv if in_place else call["cu_seqlens_kv_padded"]
+        fixed = {name: t for name, t in buffers.items() if name not in _PLAN_PER_CALL}
+        fixed.update(seq_start_q=views.cu_seqlens_q[:b], seq_start_k=starts_k[:b], seq_len_q=views.ones,
+                     seq_len_k=views.lens_kv)
+        if len(self._decode_plans) >= 64:  # bounded: one plan per layer and batch size in use
+            self._decode_plans.clear()
+        self._decode_plans[(key, module.layer_number, b)] = _DecodePlan(
+            self.cache_manager.cache[module.layer_number], fmt.value, backend.NAME, bound, chunk, entry.launches,
+            entry.workspace, fixed, tuple(buffers["out"].shape), tuple(buffers["lse"].shape), q.shape[-2] * call["v"].shape[-1])
+
+    def _decode_step(self, module, key: tuple, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """DotProductAttention's forward of a decode step whose call signature ``key`` has a plan for its layer
+        and batch size (:class:`_DecodePlan`), or None where the full path must run it."""
+        step = self._step
+        if step is None or step.decode is None:
+            return None
+        plan = self._decode_plans.get((key, module.layer_number, step.layout.batch_size))
+        out = None if plan is None else plan.run(self, step, module, q, k, v)
+        if out is not None:
+            self._decode_plan_runs += 1
+        return out
 
     def _check_step_dict(self, step_dict: Mapping, cached: Mapping) -> None:
         """Raise the ValueError that names the first sequence of ``step_dict`` the cache cannot take."""
@@ -1127,8 +1308,9 @@ class _StepRun:
                 changes["max_seqlen_kv"] = kernel_runner.max_seqlen_kv_bound(self.max_seqlen_kv, chunk, self.limit)
             if in_place:
                 changes["kv_page_size"] = self.page_size
-            known = self.step.backend_params[key] = (dataclasses.replace(call.params, **changes), in_place)
-        params, in_place = known
+            known = self.step.backend_params[key] = (dataclasses.replace(call.params, **changes), in_place, chunk)
+        params, in_place, chunk = known
+        self.step.last_run = (backend, params.max_seqlen_kv, chunk, in_place)
         if in_place:
             return backend.run(q, k, v, dataclasses.replace(call, params=params, page_table=self.page_table,
                                                             cu_seqlens_kv_padded=None))
@@ -1149,6 +1331,53 @@ class _StepRun:
         return in_place, kernel_runner.key_chunk(call.params, q, v, bias, self.page_size if in_place else 0)
 
 
+# The kernel call's buffers a decode plan launches on: the step buffers' views, the cache and the page table, and
+# what each step gives (q) or allocates (_PLAN_PER_CALL).
+_PLAN_PER_CALL = frozenset(("q", "out", "lse", "part_o", "part_ml"))
+_PLAN_BUFFERS = _PLAN_PER_CALL | {"k", "v", "seq_start_q", "seq_start_k", "seq_len_q", "seq_len_k", "page_table"}
+
+
+class _DecodePlan:
+    """A decode step's kernel call for one layer and batch size, kept from a step that ran the full path: the
+    prepared launches and their buffers, which at every decode step of that size are the same tensors (the step
+    buffers' views, rewritten by pre_step; the layer's cache; the step's page table). A later step with the
+    same module call signature (DotProductAttention's: the module's settings, the tensors' shapes, strides,
+    dtypes and alignment, the settings read) then appends its keys and values and launches on its q, with
+    nothing decided again, while its key bound stays (kernel_runner.max_seqlen_kv_bound) and the layer keeps
+    its cache: the launches and buffers of the full path, so the same bits."""
+
+    __slots__ = ("cache", "fmt", "backend_name", "bound", "chunk", "launches", "workspace", "fixed", "out_shape",
+                 "lse_shape", "width")
+
+    def __init__(self, cache, fmt, backend_name, bound, chunk, launches, workspace, fixed, out_shape, lse_shape,
+                 width):
+        self.cache, self.fmt, self.backend_name, self.bound, self.chunk = cache, fmt, backend_name, bound, chunk
+        self.launches, self.workspace, self.fixed = launches, workspace, fixed
+        self.out_shape, self.lse_shape, self.width = out_shape, lse_shape, width
+
+    def run(self, params: InferenceParams, step: _Step, module, q, k, v):
+        layer = module.layer_number
+        manager = params.cache_manager
+        if (layer in step.stepped or manager.cache.get(layer) is not self.cache
+                or (torch.is_grad_enabled() and q.requires_grad) or _capturing()
+                or kernel_runner.max_seqlen_kv_bound(step.layout.max_total_len, self.chunk,
+                                                     params.max_sequence_length) != self.bound):
+            return None
+        b = step.layout.batch_size
+        manager.step(layer, _step_rows(k, None, b), _step_rows(v, None, b), step.rows)
+        step.stepped.add(layer)
+        params.input_qkv_format = self.fmt
+        q_rows = _step_rows(q, None, b)
+        out = torch.zeros(self.out_shape, dtype=q.dtype, device=q.device)  # thd: as kernel_runner.forward's
+        buffers = dict(self.fixed, q=q_rows, out=out, lse=unfilled(self.lse_shape, torch.float32, q.device))
+        if self.workspace is not None:
+            buffers["part_o"], buffers["part_ml"] = kernel_runner._split_kv_workspace(self.workspace, q.device)
+        kernel_runner._run(self.launches, buffers)
+        if module.last_backend != self.backend_name:  # (Module.__setattr__ is slow)
+            module.last_backend = self.backend_name
+        return out.view(*q.shape[:-2], self.width)
+
+
 # Masks of a step: every step's queries are the last of their sequences, so causal masks align bottom-right.
 _STEP_MASK = {
     AttnMaskType.NO_MASK: AttnMaskType.PADDING_MASK,
@@ -1163,10 +1392,12 @@ _STEP_MASK = {
 def cached_attention(module, params: InferenceParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      fmt: QKVFormat, mask: AttnMaskType, *, window_size, cu_seqlens_q, cu_seqlens_q_padded,
                      cu_seqlens_kv_padded, bias_type: AttnBiasType, core_attention_bias, alibi_slopes,
-                     checkpoint_core_attention: bool):
+                     checkpoint_core_attention: bool, plan_key: Optional[tuple] = None):
     """DotProductAttention's forward with ``inference_params``: append the step's k, v to the module's layer
     cache and attend the step's queries to their sequences' cached keys (module docstring). Returns q's
-    format with the heads flattened; rows past a sequence's new tokens (bshd/sbhd padding, thd tail) are 0."""
+    format with the heads flattened; rows past a sequence's new tokens (bshd/sbhd padding, thd tail) are 0.
+    ``plan_key``: the module call's signature where DotProductAttention made one (a decode step then keeps
+    its launches for the next steps of its batch size, :class:`_DecodePlan`)."""
     if not isinstance(params, InferenceParams):
         raise ValueError(f"`inference_params` must be an InferenceParams, got {type(params).__name__}")
     if module.layer_number is None:
@@ -1238,8 +1469,20 @@ def cached_attention(module, params: InferenceParams, q: torch.Tensor, k: torch.
         limit = params.max_sequence_length
         step_run = _StepRun(step, params._backend_choices, call["max_seqlen_kv"], limit, call.get("page_table"),
                             call.get("page_size", 0), call.get("gather"))
-        with sequences_checked_on_host():  # built on the host from step_dict (pre_step): no read back
-            result = forward(step_run, limit)
+        # A decode step of the plain kind records its kernel call, to launch it again at the next steps.
+        record = (plan_key is not None and step.decode is not None and index is None and not needs_grad
+                  and not _capturing() and offset is None and not module.return_max_logit and alibi_slopes is None
+                  and math.prod(q.shape[:-2]) == n)
+        token = kernel_runner._RECORD.set([]) if record else None
+        try:
+            with sequences_checked_on_host():  # built on the host from step_dict (pre_step): no read back
+                result = forward(step_run, limit)
+        finally:
+            recorded = kernel_runner._RECORD.get() if token is not None else None
+            if token is not None:
+                kernel_runner._RECORD.reset(token)
+        if record:
+            params._keep_decode_plan(plan_key, module, fmt, q, q_rows, call, recorded)
     out_rows, max_logit = result if module.return_max_logit else (result, None)
     rows = math.prod(q.shape[:-2])
     if index is None:  # the step's tokens are the first rows

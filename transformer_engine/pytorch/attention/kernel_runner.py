@@ -14,6 +14,7 @@ run :func:`forward` and :func:`backward`; context parallelism runs them on views
 
 from __future__ import annotations
 
+import contextvars
 import functools
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
@@ -171,6 +172,9 @@ def _ensure_allocator() -> None:
 
 
 _FORWARDS = SignatureCache("kernel_runner.forward")
+# While set (``recording_forwards``): a list that each forward appends its (prepared entry, buffers) to, before it
+# launches (a KV-cache decode step keeps them to launch its later steps again, inference._DecodePlan).
+_RECORD: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("kernel_runner_record", default=None)
 _BACKWARDS = SignatureCache("kernel_runner.backward")
 
 
@@ -273,6 +277,9 @@ def forward(q, k, v, call: AttnCall, plan: Optional[ForwardPlan] = None, *, seqs
     buffers = dict(tensors, lse=lse, **extra, **_sequence_buffers(seqs), **_modifier_buffers(call))
     if entry.workspace is not None:  # split-KV: the chunks' states, fp32, in one allocation
         buffers["part_o"], buffers["part_ml"] = _split_kv_workspace(entry.workspace, q.device)
+    record = _RECORD.get()
+    if record is not None:
+        record.append((entry, buffers))
     _run(entry.launches, buffers)
     return (out, lse, extra["row_max"]) if extra else (out, lse)
 

@@ -193,7 +193,7 @@ def _frameworks():
 
 
 def _jax_static(FusedAttnStatic, mask, window=None):
-    window = window if window is not None else ((-1, 0) if mask.is_causal else (-1, -1))
+    window = window if window is not None else ((-1, 0) if mask.is_causal() else (-1, -1))
     return FusedAttnStatic(attn_mask_type=mask, attn_bias_type=AttnBiasType.NO_BIAS, qkv_format=QKVFormat.BSHD,
                            window_size=window, scaling_factor=0.125, dropout_probability=0.0, is_training=True,
                            deterministic=True)

@@ -183,7 +183,7 @@ def unsupported_reasons(cp: ContextParallel, *, layout, mask, bias_type, dropout
                         max_segments, local: bool) -> list:
     """Why this module's context parallelism cannot run a call: the common plan's reasons (JAX's argument
     names; THD runs replicated, see "THD" below) and those of JAX's own forms. The kinds are common
-    enum members (or their string values); ``fused_attn`` converts the JAX enums before this."""
+    enum members (or their string values)."""
     layout, mask = _common.QKVLayout(layout), _common.AttnMaskType(mask)
     bias_type, softmax_type = _common.AttnBiasType(bias_type), _common.AttnSoftmaxType(softmax_type)
     thd = layout.qkv_format == _common.QKVFormat.THD
@@ -225,7 +225,7 @@ def check_context_parallel_supported(cp: ContextParallel, *, layout, mask, bias_
         raise ValueError(f"`stripe_size` must be None with qkv_layout={layout.value!r} {where} (it sets the "
                          f"Striped order of THD layouts; BSHD/SBHD use DualChunkSwap), got {cp.stripe_size}")
     total_q, total_kv = (s_q * cp.size, s_kv * cp.size) if local else (s_q, s_kv)
-    if mask.is_causal and total_q != total_kv:
+    if mask.is_causal() and total_q != total_kv:
         raise NotImplementedError(
             f"`qkv` must have as many queries as keys with a causal mask {where}, got s_q={total_q}, s_kv={total_kv}")
     chunks = cp_plan.num_chunks(cp.size, cp.balance)
@@ -359,7 +359,7 @@ class _Plan:
 def make_plan(static: FusedAttnStatic, cp: ContextParallel, align: int = 1) -> _Plan:
     """The per-rank plan of a call (what :func:`rank_forward` and :func:`rank_backward` take); ``align``:
     :func:`tile_alignment` of the call."""
-    causal = _common.AttnMaskType(static.attn_mask_type).is_causal  # refuses a JAX enum member
+    causal = _common.AttnMaskType(static.attn_mask_type).is_causal()  # refuses a member of another enum
     return _Plan(static=static, cp=cp, causal=causal, align=int(align))
 
 
@@ -582,7 +582,7 @@ _cp_attention.defvjp(_cp_attention_fwd, _cp_attention_bwd)
 def _thd_splits(static: FusedAttnStatic) -> bool:
     """Whether a THD call runs split by the plan (the padding masks without a sliding window)."""
     mask = _common.AttnMaskType(static.attn_mask_type)
-    return mask.is_padding and tuple(static.window_size) in ((-1, -1), (-1, 0))
+    return mask.is_padding() and tuple(static.window_size) in ((-1, -1), (-1, 0))
 
 
 def thd_balance(cp: ContextParallel, s: int) -> cp_plan.LoadBalance:

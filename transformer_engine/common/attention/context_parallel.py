@@ -292,11 +292,11 @@ def unsupported_reasons(*, comm_type: str, qkv_format: QKVFormat, mask: AttnMask
     if qkv_format == QKVFormat.THD and replicated_thd:
         return reasons
     window = tuple(window)
-    if window not in ((-1, -1), (-1, 0)) or (window == (-1, 0) and not mask.is_causal):
+    if window not in ((-1, -1), (-1, 0)) or (window == (-1, 0) and not mask.is_causal()):
         reasons.append(f"`{arg['window']}` must be None (no sliding window), got {window}: sliding windows {cp}")
     if mask == AttnMaskType.ARBITRARY_MASK:
         reasons.append(f"`{arg['mask']}` must not be 'arbitrary': an arbitrary mask {cp}")
-    elif mask.is_padding and qkv_format != QKVFormat.THD:
+    elif mask.is_padding() and qkv_format != QKVFormat.THD:
         reasons.append(f"`{arg['mask']}` must be 'no_mask' or a causal mask with {arg['format']}="
                        f"{qkv_format.value!r}, got {mask.value!r}: padding outside the thd format {cp}")
     return reasons

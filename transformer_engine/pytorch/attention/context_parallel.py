@@ -723,7 +723,7 @@ def context_parallel_attend(cp: ContextParallelGroup, attend: Callable, *, backe
     reasons = unsupported_reasons(cp.comm_type, fmt, mask, window, bias_type, dropout, softmax_type, return_max_logit)
     if reasons:
         raise NotImplementedError("; ".join(reasons))
-    causal = mask.is_causal
+    causal = mask.is_causal()
     sizes = cp.sizes
     ranks = [dist.get_rank(g) for g in cp.groups]
     if cp.comm_type == "a2a+p2p":

@@ -30,7 +30,7 @@ from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType
 
 __all__ = [
     "CP_COMM_TYPES", "LoadBalance", "ChunkRange", "Pass", "CallMask", "ChunkCall", "RankPlan", "num_chunks",
-    "rank_chunks", "chunk_order", "chunk_ranges", "tile_alignment", "rank_plan", "unsupported_reasons", "PYTORCH_ARGS", "JAX_ARGS",
+    "rank_chunks", "chunk_order", "chunk_places", "ring_next", "ring_prev", "ring_source", "ring_step", "chunk_ranges", "tile_alignment", "rank_plan", "unsupported_reasons", "PYTORCH_ARGS", "JAX_ARGS",
 ]
 
 # "p2p": a ring of send/receive steps; "all_gather": one collective; "a2a": heads exchanged, whole
@@ -68,6 +68,39 @@ def chunk_order(cp: int, balance: LoadBalance, rounds: int = 1) -> Tuple[int, ..
     load-balanced order of the inputs (``reorder_causal_load_balancing``); its inverse puts gathered
     tokens back in global order."""
     return tuple(c for r in range(cp) for c in rank_chunks(cp, r, balance, rounds))
+
+
+def chunk_places(cp: int, balance: LoadBalance, rounds: int = 1) -> Tuple[Tuple[int, int], ...]:
+    """For each chunk of a sequence in global order, ``(rank, slot)``: the rank holding it and its place among
+    the rank's chunks. Gathered blocks (rank order) go back to global order by taking chunk ``c`` from
+    block ``rank`` at slot ``slot`` (the inverse of :func:`chunk_order`)."""
+    places = {c: (r, slot) for r in range(cp) for slot, c in enumerate(rank_chunks(cp, r, balance, rounds))}
+    return tuple(places[c] for c in range(num_chunks(cp, balance, rounds)))
+
+
+# The p2p ring that gathers every rank's block (the operands of the row-split comm types): each of the cp - 1
+# steps receives from the previous rank and sends the block it received last on to the next, so after step
+# t (0: the own block) rank r holds the block of rank (r - t) mod cp. ``rank`` may be a traced int.
+
+def ring_next(cp: int, rank):
+    """The rank a ring step sends to."""
+    return (rank + 1) % cp
+
+
+def ring_prev(cp: int, rank):
+    """The rank a ring step receives from."""
+    return (rank - 1) % cp
+
+
+def ring_source(cp: int, rank, step):
+    """The rank whose block rank ``rank`` holds after ring step ``step``."""
+    return (rank - step) % cp
+
+
+def ring_step(cp: int, rank, source):
+    """The ring step after which rank ``rank`` holds the block of rank ``source`` (t -> (rank - t) mod cp is
+    its own inverse)."""
+    return ring_source(cp, rank, source)
 
 
 @dataclass(frozen=True)

@@ -394,12 +394,6 @@ def _chunk_seq(b, c, keys, s_kv) -> SeqInfo:
                    jnp.concatenate([_column(b, 0), _column(b, s_kv)], 1))
 
 
-def _kv_chunk_seq(b, c, a, s_q) -> SeqInfo:
-    """Queries ``[a, s_q)`` (one sequence starting at ``a``) against a key chunk of ``c`` keys."""
-    return SeqInfo(_column(b, s_q - a), _column(b, c), jnp.concatenate([_column(b, a), _column(b, s_q)], 1),
-                   jnp.concatenate([_column(b, 0), _column(b, c)], 1))
-
-
 def _seq(b, q_len, kv_len, q_start, kv_start) -> SeqInfo:
     """One sequence per row: ``q_len`` queries from buffer row ``q_start``, ``kv_len`` keys from ``kv_start``."""
     return SeqInfo(_column(b, q_len), _column(b, kv_len),
@@ -417,7 +411,7 @@ def _placeholders(q):
     return jnp.zeros((0,), q.dtype), jnp.zeros((b, h, 2), jnp.uint32)
 
 
-def _own_rows(calls) -> Tuple[int, int]:
+def _launch_rows(calls) -> Tuple[int, int]:
     """(first local row, rows) of a launch's chunks (adjacent in the rank's rows)."""
     return calls[0].chunk.local_start, sum(c.chunk.end - c.chunk.start for c in calls)
 
@@ -434,7 +428,7 @@ def rank_forward(plan: _Plan, rank, q, k_all, v_all):
     pad = plan.lead_rows(n_local) if plan.causal else 0
     parts = []  # per launch, in row order: (out, lse[, row_max])
     for calls, a, span_end in plan.launches(n_local, rank, cp_plan.Pass.FORWARD):
-        lo, c = _own_rows(calls)
+        lo, c = _launch_rows(calls)
         if calls[0].mask == _common.AttnMaskType.NO_MASK:  # the rank's rows against every key
             parts.append(fused_attn_fwd(q[:, lo:lo + c], k_all, v_all, bias, full_seq_info(b, c, s_kv), seeds,
                                         plan.static))
@@ -480,7 +474,7 @@ def rank_backward(plan: _Plan, rank, local, gathered):
     lse_padded = jnp.concatenate([lse_all, jnp.full(lse_all.shape, jnp.inf, lse_all.dtype)], axis=3)
     dks, dvs = [], []
     for calls, a, _ in plan.launches(n_local, rank, cp_plan.Pass.DKDV):  # the own keys' dK/dV
-        lo, c = _own_rows(calls)
+        lo, c = _launch_rows(calls)
         if calls[0].mask == _common.AttnMaskType.NO_MASK:  # every query; the own operand's rows (s_kv may differ)
             _, dk, dv, _, _ = fused_attn_bwd(q_all, k, v, bias_k, out_all, dout_all, lse_all,
                                              full_seq_info(b, s_q, k.shape[1]), seeds_k,
@@ -488,7 +482,7 @@ def rank_backward(plan: _Plan, rank, local, gathered):
         elif not pad:  # keys [a, a + c) against queries [a, s), causal top-left
             _, dk, dv, _, _ = fused_attn_bwd(q_all, k[:, lo:lo + c], v[:, lo:lo + c], bias_k, out_all, dout_all,
                                              jax.lax.dynamic_slice_in_dim(lse_padded, a, s_q, axis=3),
-                                             _kv_chunk_seq(b, c, a, s_q), seeds_k,
+                                             _seq(b, s_q - a, c, a, 0), seeds_k,
                                              _only(plan.kv_chunk_static, BackwardGrads.DKDV))
         else:  # keys and queries from the tile boundary before the chunk (the lead rows' gradients dropped)
             start = a - a % plan.align
@@ -502,7 +496,7 @@ def rank_backward(plan: _Plan, rank, local, gathered):
         dvs.append(dv)
     dqs = []
     for calls, a, span_end in plan.launches(n_local, rank, cp_plan.Pass.DQ):  # the own queries' dQ
-        lo, c = _own_rows(calls)
+        lo, c = _launch_rows(calls)
         if calls[0].mask == _common.AttnMaskType.NO_MASK:
             dq = fused_attn_bwd(q[:, lo:lo + c], k_all, v_all, bias, out[:, lo:lo + c], dout[:, lo:lo + c],
                                 lse[..., lo:lo + c], full_seq_info(b, c, s_kv), seeds,

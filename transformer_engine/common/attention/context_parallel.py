@@ -17,6 +17,9 @@ and kernel calls.
   blocks of a pass are computed exactly once over the ranks. :attr:`RankPlan.calls` turns the work into
   the kernel calls the frameworks launch (:class:`ChunkCall`: rows, span of the other operand, mask,
   where the kept rows land); each result row is final in its call, so no partial results are combined.
+- Gathering: the frameworks supply only the collective. A p2p ring's order (:func:`ring_next`,
+  :func:`ring_prev`: the peers of a step; :func:`ring_source`, :func:`ring_step`: whose block a step
+  brings) and where each gathered chunk goes in global order (:func:`chunk_places`) are written here.
 - Support (:func:`unsupported_reasons`): why a configuration cannot run with CP, as reason strings.
 """
 
@@ -29,8 +32,9 @@ from typing import Iterable, List, Optional, Tuple
 from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, AttnSoftmaxType, QKVFormat
 
 __all__ = [
-    "CP_COMM_TYPES", "LoadBalance", "ChunkRange", "Pass", "CallMask", "ChunkCall", "RankPlan", "num_chunks",
-    "rank_chunks", "chunk_order", "chunk_places", "ring_next", "ring_prev", "ring_source", "ring_step", "chunk_ranges", "tile_alignment", "rank_plan", "unsupported_reasons", "PYTORCH_ARGS", "JAX_ARGS",
+    "CP_COMM_TYPES", "LoadBalance", "ChunkRange", "Pass", "ChunkCall", "RankPlan", "num_chunks", "rank_chunks",
+    "chunk_order", "chunk_places", "ring_next", "ring_prev", "ring_source", "ring_step", "chunk_ranges",
+    "tile_alignment", "rank_plan", "unsupported_reasons", "PYTORCH_ARGS", "JAX_ARGS",
 ]
 
 # "p2p": a ring of send/receive steps; "all_gather": one collective; "a2a": heads exchanged, whole

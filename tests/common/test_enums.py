@@ -22,11 +22,11 @@ def test_mask_and_layout_predicates_are_methods():
 
 
 def test_no_predicate_is_read_without_its_call():
-    """``mask.is_causal`` (no call) would be true for every mask; scan the package, tests and tools for the
+    """``mask.is_causal`` (no call) would be true for every mask; scan the package, tests, examples and benchmarks for the
     mask predicates (the layout's names are taken by properties of other objects, e.g. ``split.is_thd``)."""
     pattern = re.compile(r"\.(%s)\b(?!\s*\()" % "|".join(PREDICATES[:4]))
     found = []
-    for folder in ("transformer_engine", "tests", "dev", "examples", "benchmarks"):
+    for folder in ("transformer_engine", "tests", "examples", "benchmarks"):
         for path in sorted((ROOT / folder).rglob("*.py")):
             if path == Path(__file__).resolve():  # this file spells the wrong form on purpose
                 continue

@@ -385,24 +385,24 @@ def _offsets(starts, device) -> torch.Tensor:
     return _i32(list(starts) + [0], device)  # the kernels read entries [0, n)
 
 
-def _thd_launches(split: SeqSplit, spec: FusedSpec, pass_: cp_plan.Pass):
-    """The rank's ``pass_`` launches: call ``i`` of every sequence's plan in one launch, a pseudo-sequence per
-    sequence (the plans differ only in their sequence's length)."""
+def _thd_launches(split: SeqSplit, spec: FusedSpec, *passes: cp_plan.Pass):
+    """The rank's launches of ``passes``, in the plan's order: call ``i`` of every sequence's plan in one launch,
+    a pseudo-sequence per sequence (the plans differ only in their sequence's length)."""
     plans = [rank_plan(split, spec, n=n) for n in range(len(split.starts))]
     for calls in zip(*(p.calls for p in plans)):
         assert len({(c.pass_, c.mask, c.chunk.chunk) for c in calls}) == 1, calls
-        if calls[0].pass_ == pass_:
+        if calls[0].pass_ in passes:
             yield calls
 
 
-def _thd_pseudo(call: cp_plan.ChunkCall, real: int) -> Tuple[int, int, int]:
-    """(own rows, other operand's rows, whether the chunk has real tokens) of ``call``'s pseudo-sequence in a
-    sequence of ``real`` real tokens: the call's rows and span cut at the padding. A chunk of padding only
-    computes no rows; its dK/dV call then reads no query rows either."""
+def _thd_pseudo(call: cp_plan.ChunkCall, real: int) -> Tuple[int, int]:
+    """(own rows, other operand's rows) of ``call``'s pseudo-sequence in a sequence of ``real`` real tokens: the
+    call's rows and span cut at the padding. A chunk of padding only computes no rows; its dK/dV call then
+    reads no query rows either."""
     end = min(call.rows[1], real)
     has = end > call.chunk.start
     other = min(call.span[1], real) - call.span[0]
-    return (end - call.rows[0] if has else 0), (other if has or call.pass_ != cp_plan.Pass.DKDV else 0), has
+    return (end - call.rows[0] if has else 0), (other if has or call.pass_ != cp_plan.Pass.DKDV else 0)
 
 
 def _lse_for_call(lse_g: torch.Tensor, row_starts: List[int], lens: List[int], max_len: int) -> torch.Tensor:
@@ -430,7 +430,7 @@ def _thd_forward(q, k_g, v_g, split: SeqSplit, spec: FusedSpec):
             index.append(torch.full((call.lead,), t_local, dtype=torch.int64))
             index.append(torch.arange(first, first + call.chunk.end - call.chunk.start))
             buf_starts.append(at)
-            own, other, _ = _thd_pseudo(call, split.lengths[n])
+            own, other = _thd_pseudo(call, split.lengths[n])
             len_q.append(own)
             len_k.append(other)
             at += call.length
@@ -473,22 +473,22 @@ def _thd_backward(q_g, k_g, v_g, out_g, d_out_g, lse_g, split: SeqSplit, spec: F
     total = q_g.shape[0]
     starts = list(split.starts)
     parts = {cp_plan.Pass.DQ: [], cp_plan.Pass.DKDV: []}  # per launch: (grads, the rows it keeps in local order)
-    for pass_ in (cp_plan.Pass.DKDV, cp_plan.Pass.DQ):
-        for calls in _thd_launches(split, spec, pass_):
-            own = [st + c.rows[0] for st, c in zip(starts, calls)]
-            other = [st + c.span[0] for st, c in zip(starts, calls)]
-            lens = [_thd_pseudo(c, n) for c, n in zip(calls, split.lengths)]
-            len_own, len_other = [x[0] for x in lens], [x[1] for x in lens]
-            max_own, max_other = max(max(len_own), 1), max(max(len_other), 1)
-            q_side = (own, len_own, max_own) if pass_ == cp_plan.Pass.DQ else (other, len_other, max_other)
-            k_side = (other, len_other, max_other) if pass_ == cp_plan.Pass.DQ else (own, len_own, max_own)
-            grads = _bwd(BackwardGrads.DQ if pass_ == cp_plan.Pass.DQ else BackwardGrads.DKDV, q_g, k_g, v_g, out_g,
-                         d_out_g, _lse_for_call(lse_g, *q_side), QKVFormat.THD, spec, calls[0].padded_mask(),
-                         _cu(q_side[1], device), _cu(k_side[1], device), _offsets(q_side[0], device),
-                         _offsets(k_side[0], device), q_side[2], k_side[2])
-            rows = [(n, c.chunk.local_start, st + c.chunk.start + torch.arange(c.chunk.end - c.chunk.start))
-                    for n, (st, c) in enumerate(zip(starts, calls))]
-            parts[pass_].append((grads, rows))
+    for calls in _thd_launches(split, spec, cp_plan.Pass.DKDV, cp_plan.Pass.DQ):
+        pass_ = calls[0].pass_
+        own = [st + c.rows[0] for st, c in zip(starts, calls)]
+        other = [st + c.span[0] for st, c in zip(starts, calls)]
+        lens = [_thd_pseudo(c, n) for c, n in zip(calls, split.lengths)]
+        len_own, len_other = [x for x, _ in lens], [y for _, y in lens]
+        max_own, max_other = max(max(len_own), 1), max(max(len_other), 1)
+        q_side = (own, len_own, max_own) if pass_ == cp_plan.Pass.DQ else (other, len_other, max_other)
+        k_side = (other, len_other, max_other) if pass_ == cp_plan.Pass.DQ else (own, len_own, max_own)
+        grads = _bwd(BackwardGrads.DQ if pass_ == cp_plan.Pass.DQ else BackwardGrads.DKDV, q_g, k_g, v_g, out_g,
+                     d_out_g, _lse_for_call(lse_g, *q_side), QKVFormat.THD, spec, calls[0].padded_mask(),
+                     _cu(q_side[1], device), _cu(k_side[1], device), _offsets(q_side[0], device),
+                     _offsets(k_side[0], device), q_side[2], k_side[2])
+        rows = [(n, c.chunk.local_start, st + c.chunk.start + torch.arange(c.chunk.end - c.chunk.start))
+                for n, (st, c) in enumerate(zip(starts, calls))]
+        parts[pass_].append((grads, rows))
 
     def kept(pass_: cp_plan.Pass, i: int) -> torch.Tensor:
         """The rank's rows (local order: per sequence, its chunks in order) of the pass's gradient ``i``."""

@@ -21,7 +21,7 @@ from transformer_engine.common.attention.backends import backend_named
 from transformer_engine.common.log import selected_backends as recording_backend_selections  # noqa: F401
 from transformer_engine.jax import attention_math
 from transformer_engine.jax.attention import SequenceDescriptor
-from transformer_engine.jax.enums import to_common  # the tests pass JAX or common enum members
+from transformer_engine.jax.enums import to_common  # the tests pass enum members or their strings
 
 LAYOUTS = list(QKVLayout)
 MASKS = [m for m in AttnMaskType if m != AttnMaskType.ARBITRARY_MASK]

@@ -47,9 +47,9 @@ def reference(q, k, v, mask, window, scale):
     sk, hk = k.shape[1], k.shape[2]
     kf = k.float().repeat_interleave(hq // hk, dim=2).permute(0, 2, 3, 1)
     vf = v.float().repeat_interleave(hq // hk, dim=2).permute(0, 2, 1, 3)
-    diag = 0 if mask.is_top_left_causal else sk - sq  # TransformerEngine's window alignment
+    diag = 0 if mask.is_top_left_causal() else sk - sq  # TransformerEngine's window alignment
     left, right = window
-    if mask.is_causal:
+    if mask.is_causal():
         right = 0
     outs, lses = [], []
     for i0 in range(0, sq, 1024):

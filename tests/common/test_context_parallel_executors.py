@@ -3,7 +3,9 @@ launches stubbed (no kernel runs; fast): PyTorch's per-rank steps (bshd/sbhd), J
 (BSHD: the calls, the unmasked ones of a pass as one launch; THD: one pseudo-sequence per segment and
 call) over cp 2/4/8, causal and no mask, the dual-chunk, contiguous and Striped orders, and both
 comm types (the ring and the all-gather only move the operands: the same calls). THD: the query and
-key tokens each rank's calls keep fall as 1 / cp in both frameworks.
+key tokens each rank's calls keep fall as 1 / cp in both frameworks. Last, both frameworks side by side
+on one sequence (cp 2/4/8, causal and no mask, BSHD in DualChunkSwap and THD from Striped input, ring
+and all-gather): their work lists are equal, and are the plan's calls.
 """
 
 from __future__ import annotations
@@ -224,3 +226,119 @@ def test_jax_thd_steps_launch_the_plans_calls_and_tokens_fall_as_one_over_cp(cp,
             own = pseudo.kv_seqlens if p == cpp.Pass.DKDV else pseudo.q_seqlens
             kept[p] = kept.get(p, 0) + int(np.sum(np.asarray(own)))  # align 1: no lead rows
         assert kept == {p: 2 * s // cp for p in cpp.Pass}, (rank, kept)
+
+
+# -- both frameworks: one work list ----------------------------------------------------------------------
+
+def _unpadded(mask):
+    back = {v: k for k, v in cpp._PADDED_MASK.items()}
+    mask = AttnMaskType(mask)
+    return back.get(mask, mask)
+
+
+def _record_torch(tcp, monkeypatch, seen):
+    """PyTorch's launches as (pass, mask unpadded, own-side tokens, other-side tokens)."""
+    torch = pytest.importorskip("torch")
+
+    def tokens(x, cu, thd):
+        return int((cu[1:] - cu[:-1]).sum()) if thd else x.shape[1]
+
+    def forward(q, k, v, call, out=None, lse=None):
+        thd = call.params.qkv_format == QKVFormat.THD
+        seen.append((cpp.Pass.FORWARD, _unpadded(call.params.attn_mask_type), tokens(q, call.cu_seqlens_q, thd),
+                     tokens(k, call.cu_seqlens_kv, thd)))
+        if thd:
+            n = len(call.cu_seqlens_q) - 1
+            return q.new_zeros(q.shape), q.new_zeros((n, q.shape[1], call.params.max_seqlen_q), dtype=torch.float32)
+        return q.new_zeros(q.shape), q.new_zeros((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32)
+
+    def backward(q, k, v, out, d_out, lse, call, grads, dq=None, dk=None, dv=None, delta=None, preprocess=True):
+        thd = call.params.qkv_format == QKVFormat.THD
+        nq, nk = tokens(q, call.cu_seqlens_q, thd), tokens(k, call.cu_seqlens_kv, thd)
+        pass_ = cpp.Pass.DQ if grads.name == "DQ" else cpp.Pass.DKDV
+        seen.append((pass_, _unpadded(call.params.attn_mask_type)) + ((nq, nk) if pass_ == cpp.Pass.DQ else (nk, nq)))
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None
+
+    monkeypatch.setattr(tcp.kernel_runner, "forward", forward)
+    monkeypatch.setattr(tcp.kernel_runner, "backward", backward)
+
+
+def _jax_work(seen, plan, merged):
+    """JAX's launches as PyTorch's form: (pass, mask unpadded, own, other) from each call's sequence lengths
+    (batch 1), a launch of merged unmasked calls (BSHD: ``merged``) split back into the plan's calls."""
+    import numpy as np
+
+    groups = {p: [g for g in plan.launches(merge_unmasked=merged) if g[0].pass_ == p] for p in cpp.Pass}
+    out = {p: [] for p in cpp.Pass}
+    for pass_, static, seq, _, _ in seen:
+        nq, nk = int(np.sum(np.asarray(seq.q_seqlens))), int(np.sum(np.asarray(seq.kv_seqlens)))
+        own, other = (nk, nq) if pass_ == cpp.Pass.DKDV else (nq, nk)
+        n = len(groups[pass_][len(out[pass_])])  # an extra launch fails here (IndexError)
+        out[pass_].append([(pass_, _unpadded(static.attn_mask_type), own // n, other)] * n)
+    return {p: [x for launch in out[p] for x in launch] for p in cpp.Pass}
+
+
+def _by_pass(work):
+    return {p: [w for w in work if w[0] == p] for p in cpp.Pass}
+
+
+@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("fmt,order", [(QKVFormat.BSHD, "dual_chunk_swap"), (QKVFormat.THD, "striped")],
+                         ids=["bshd-DualChunkSwap", "thd-Striped"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "no_mask"])
+@pytest.mark.parametrize("cp", CPS)
+def test_pytorch_and_jax_run_one_work_list_from_the_plan(cp, causal, fmt, order, comm, monkeypatch):
+    """Both executors, stubbed, on one sequence of ``s`` real tokens: every rank's launches, as (pass, mask,
+    own-side tokens, other-side tokens) per plan call, are the common plan's ``calls`` in both frameworks,
+    so PyTorch's and JAX's work lists are equal. The plan is the dual-chunk one: BSHD's DualChunkSwap input
+    in both; THD's per-sequence DualChunkSwap in PyTorch and the packed row's plan of JAX's Striped input
+    order. THD: each rank's computed (kept) tokens per pass are s / cp in both, counted."""
+    torch, tcp = _torch()
+    jax, jcp, _, _ = _jax()
+    import jax.numpy as jnp
+    from transformer_engine.jax.attention_math import SeqInfo
+
+    thd = fmt == QKVFormat.THD
+    s = 2 * cp * 8
+    torch_seen, jax_seen = [], []
+    _record_torch(tcp, monkeypatch, torch_seen)
+    _record_jax(jcp, monkeypatch, jax_seen)
+    spec = tcp.FusedSpec(0.25, causal, True, 1)
+    jplan = _jax_plan(cp, causal, comm, True, fmt, 1)
+    if thd:
+        assert jcp.thd_balance(jplan.cp, s) == cpp.LoadBalance.DUAL_CHUNK  # Striped input, dual-chunk plan
+        seq = SeqInfo(*(jnp.asarray(x, jnp.int32) for x in ([[s]], [[s]], [[0, s]], [[0, s]])))
+        jplans = jcp.thd_rank_plans(jplan, s)
+    zt = lambda *shape: torch.zeros(*shape)  # noqa: E731
+    zj = lambda *shape: jnp.zeros(shape, jnp.float32)  # noqa: E731
+    n = s // cp
+    for rank in range(cp):
+        plan = cpp.rank_plan(comm, cp, rank, s, causal, cpp.LoadBalance.DUAL_CHUNK)
+        expected = [(c.pass_, c.mask, c.length, c.span[1] - c.span[0]) for c in plan.calls]
+        torch_seen.clear()
+        jax_seen.clear()
+        if thd:
+            split = tcp.SeqSplit(QKVFormat.THD, cp, rank, starts=(0,), padded=(s,), lengths=(s,))
+            assert jplans[rank] == plan
+            tcp.fused_forward_step(zt(n, 2, 8), zt(s, 1, 8), zt(s, 1, 8), split, spec)
+            tcp.fused_backward_step(zt(s, 2, 8), zt(s, 1, 8), zt(s, 1, 8), zt(s, 2, 8), zt(s, 2, 8), zt(2, s), split,
+                                    spec)
+            jcp.thd_rank_forward(jplan, jplans, rank, zj(1, s, 2, 8), zj(1, s, 1, 8), zj(1, s, 1, 8), seq)
+            jcp.thd_rank_backward(jplan, jplans, rank, (zj(1, s, 2, 8), zj(1, s, 1, 8), zj(1, s, 1, 8), zj(1, s, 2, 8),
+                                                        zj(1, 2, s), zj(1, s, 2, 8)), seq)
+        else:
+            split = tcp.SeqSplit(QKVFormat.BSHD, cp, rank, seqlen=s)
+            assert jplan.rank_plan(rank, s) == plan
+            tcp.fused_forward_step(zt(1, n, 2, 8), zt(1, s, 1, 8), zt(1, s, 1, 8), split, spec)
+            tcp.fused_backward_step(zt(1, s, 2, 8), zt(1, s, 1, 8), zt(1, s, 1, 8), zt(1, s, 2, 8), zt(1, s, 2, 8),
+                                    zt(1, 2, s), split, spec)
+            jcp.rank_forward(jplan, rank, zj(1, n, 2, 8), zj(1, s, 1, 8), zj(1, s, 1, 8))
+            local = (zj(1, n, 2, 8), zj(1, n, 1, 8), zj(1, n, 1, 8), zj(1, n, 2, 8), zj(1, 1, 2, n), zj(1, n, 2, 8))
+            gathered = (zj(1, s, 2, 8), zj(1, s, 1, 8), zj(1, s, 1, 8), zj(1, s, 2, 8), zj(1, 1, 2, s), zj(1, s, 2, 8))
+            jcp.rank_backward(jplan, rank, local, gathered)
+        torch_work = _by_pass(torch_seen)
+        jax_work = _by_pass([w for ws in _jax_work(jax_seen, plan, merged=not thd).values() for w in ws])
+        assert torch_work == jax_work == _by_pass(expected), (rank, torch_seen, jax_seen)
+        if thd:  # the chunk tokens each rank computes: 1 / cp of the sequence's, per pass, in both
+            for work in (torch_work, jax_work):
+                assert {p: sum(w[2] for w in work[p]) for p in cpp.Pass} == {p: s // cp for p in cpp.Pass}, rank

@@ -193,7 +193,7 @@ def _frameworks():
 
 
 def _jax_static(FusedAttnStatic, mask, window=None):
-    window = window if window is not None else ((-1, 0) if mask.is_causal else (-1, -1))
+    window = window if window is not None else ((-1, 0) if mask.is_causal() else (-1, -1))
     return FusedAttnStatic(attn_mask_type=mask, attn_bias_type=AttnBiasType.NO_BIAS, qkv_format=QKVFormat.BSHD,
                            window_size=window, scaling_factor=0.125, dropout_probability=0.0, is_training=True,
                            deterministic=True)
@@ -219,14 +219,15 @@ def test_pytorch_and_jax_build_equal_plans(cp, comm, causal, align):
             tplan = tcp.rank_plan(split, spec, comm)
             assert tplan == jplan.rank_plan(rank, s), (s, rank)
             # What each framework slices: PyTorch's chunk ranges and JAX's (local start, length, global start).
-            assert [(slot, r.start, r.end, r.aligned_start) for slot, r in enumerate(tplan.ranges)] == list(
-                tcp._padded_ranges(split, align))
-            assert [(lo, c, start(rank)) for lo, c, start in jplan.chunks(s // cp)] == [
-                (r.local_start, r.end - r.start, r.start) for r in tplan.ranges]
+            # JAX's forward launches (the unmasked calls merged): (local start, rows, global start).
+            launched = [(calls[0].chunk.local_start, sum(c.chunk.end - c.chunk.start for c in calls), int(a))
+                        for calls, a, _ in jplan.launches(s // cp, rank, cpp.Pass.FORWARD)]
+            assert launched == ([(r.local_start, r.end - r.start, r.start) for r in tplan.ranges] if causal
+                                else [(0, s // cp, tplan.ranges[0].start)])
             assert split.token_index().tolist() == [t for r in tplan.ranges for t in range(r.start, r.end)]
         # JAX starts each causal chunk call at the plan's aligned start: its zero-row lead is the plan's.
-        leads = [start - lo for rank in range(cp) for _, start, _, lo in tcp._padded_ranges(
-            tcp.SeqSplit(QKVFormat.BSHD, cp, rank, seqlen=s), align)]
+        leads = [r.lead for rank in range(cp) for r in tcp.rank_plan(
+            tcp.SeqSplit(QKVFormat.BSHD, cp, rank, seqlen=s), spec, comm).ranges]
         assert jplan.lead_rows(s // cp) == max(leads)
 
 
@@ -244,8 +245,10 @@ def test_pytorch_thd_sequences_follow_the_plan(cp):
         for n, start in enumerate(starts):
             plan = tcp.rank_plan(split, spec, "p2p", n)
             assert plan == cpp.rank_plan("p2p", cp, rank, padded[n], True, cpp.LoadBalance.DUAL_CHUNK, 64)
-            for slot, r in enumerate(plan.ranges):
-                assert list(tcp._thd_ranges(split, slot, 64))[n][:3] == (r.start, r.end, r.aligned_start)
+            # Each thd launch of the pass joins call i of every sequence's plan: this sequence's is that call.
+            for pass_ in cpp.Pass:
+                assert [calls[n] for calls in tcp._thd_launches(split, spec, pass_)] == [
+                    c for c in plan.calls if c.pass_ == pass_]
             expected += [start + t for r in plan.ranges for t in range(r.start, r.end)]
         assert split.token_index().tolist() == expected
 
@@ -395,3 +398,34 @@ def test_chunk_calls_cover_each_pass_once_with_the_global_mask(cp, balance, caus
         first = backward[0]
         assert all(first.span[0] <= (c.span[0] if c.pass_ == cpp.Pass.DKDV else c.rows[0]) for c in backward)
     assert set(kept.values()) == {1} and len(kept) == 3 * s
+
+
+# -- the gather order, written once for both frameworks' collectives ------------------------------------
+
+@pytest.mark.parametrize("cp", CPS)
+def test_ring_gathers_every_block_in_its_step_order(cp):
+    """Simulated ring: each step every rank receives from ``ring_prev`` the block that rank received last
+    (``ring_next`` of the sender is the receiver); after step t rank r holds ``ring_source(cp, r, t)``'s
+    block, and ``ring_step`` puts the steps back in rank order."""
+    held = {r: [r] for r in range(cp)}
+    for _ in range(1, cp):
+        last = {r: blocks[-1] for r, blocks in held.items()}
+        for r in range(cp):
+            assert cpp.ring_next(cp, cpp.ring_prev(cp, r)) == r
+            held[r].append(last[cpp.ring_prev(cp, r)])
+    for r in range(cp):
+        assert held[r] == [cpp.ring_source(cp, r, t) for t in range(cp)]
+        assert sorted(held[r]) == list(range(cp))
+        assert [held[r][cpp.ring_step(cp, r, j)] for j in range(cp)] == list(range(cp))
+
+
+@pytest.mark.parametrize("rounds", [1, 3])
+@pytest.mark.parametrize("balance", list(cpp.LoadBalance))
+@pytest.mark.parametrize("cp", CPS)
+def test_chunk_places_put_gathered_blocks_in_global_order(cp, balance, rounds):
+    """Chunk c of the sequence sits in block ``rank`` at ``slot``: the inverse of ``chunk_order``."""
+    order = cpp.chunk_order(cp, balance, rounds)
+    per = len(order) // cp
+    places = cpp.chunk_places(cp, balance, rounds)
+    assert len(places) == cpp.num_chunks(cp, balance, rounds)
+    assert [order[r * per + slot] for r, slot in places] == list(range(len(order)))

@@ -301,7 +301,7 @@ def test_cases_cover_every_bucket_kernel_and_modifier():
     """The matrix spans what the brief of this file says, so that a new plan key cannot slip past it."""
     assert {padded_head_dim(max(c.dims)) for c in CASES} == {32, 64, 128, 256}
     # Every (bucket, diagonal-bounded) key of the tables, in 16-bit.
-    keys = {(min(max(padded_head_dim(max(c.dims)), 64), 256), c.mask.is_causal or c.window != (-1, -1))
+    keys = {(min(max(padded_head_dim(max(c.dims)), 64), 256), c.mask.is_causal() or c.window != (-1, -1))
             for c in CASES if c.dtype != "float32"}
     assert keys == {(d, w) for d in (64, 128, 256) for w in (False, True)}
     assert {c.dtype for c in CASES} == {"float16", "bfloat16", "float32"}

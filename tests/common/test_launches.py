@@ -68,7 +68,7 @@ def _cases():
              AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK]
     for dtype, dims, mask in itertools.product(("float16", "bfloat16", "float32"), ((64, 64), (128, 128), (192, 192),
                                                                                   (256, 256)), masks):
-        out.append(Case(dtype, dims, mask, segments=2 if mask.is_padding else 1))
+        out.append(Case(dtype, dims, mask, segments=2 if mask.is_padding() else 1))
     for dims in ((64, 64), (128, 128), (256, 256)):
         out += [
             Case(dims=dims, mask=AttnMaskType.NO_MASK, window=(64, 16), bottom_right=True, heads=(8, 2)),
@@ -110,7 +110,7 @@ def _torch_launches(case: Case, monkeypatch, grads: BackwardGrads = BackwardGrad
     b, (s_q, s_kv), (hq, hk), (dqk, dv) = case.batch, case.seqlen, case.heads, case.dims
     dtype = TORCH_DTYPES[case.dtype]
     meta = dict(dtype=dtype, device="meta")
-    packed = case.mask.is_padding
+    packed = case.mask.is_padding()
     seqs, sequences = None, {}
     if packed:  # JAX's padding masks run the packed mode: the same as PyTorch's thd over all rows' tokens
         fmt = QKVFormat.THD
@@ -146,10 +146,10 @@ def _jax_launches(case: Case, grads: BackwardGrads = BackwardGrads.DQ_DKDV):
     static = FusedAttnStatic(case.mask, AttnBiasType.POST_SCALE_BIAS if case.bias else AttnBiasType.NO_BIAS,
                              QKVFormat.BSHD, case.window, 0.125, 0.0, True, True,
                              bottom_right_diagonal=case.bottom_right, softmax_type=case.softmax_type)
-    nseq = b * case.segments if case.mask.is_padding else b
+    nseq = b * case.segments if case.mask.is_padding() else b
     q, k, v, o = (b, s_q, hq, dqk), (b, s_kv, hk, dqk), (b, s_kv, hk, dv), (b, s_q, hq, dv)
     bias_shape = (*case.bias, s_q, s_kv) if case.bias else None
-    m = case.segments if case.mask.is_padding else 1  # as the lowering passes max_segments_per_seq
+    m = case.segments if case.mask.is_padding() else 1  # as the lowering passes max_segments_per_seq
     fwd = gpu.launch_call(static, dict(q=q, k=k, v=v, out=o), jnp.dtype(case.dtype), nseq, bias_shape, (9, 0), m)
     bwd = gpu.launch_call(static, dict(q=q, k=k, v=v, out=o, d_out=o, dq=q, dk=k, dv=v), jnp.dtype(case.dtype), nseq,
                           bias_shape, (9, 0), m)

@@ -64,7 +64,7 @@ def test_mask_flags_and_top_left_causal():
     resolved diagonal alignment."""
     from transformer_engine.common.attention.plan import mask_flags
 
-    top_left = {m for m in AttnMaskType if m.is_top_left_causal}
+    top_left = {m for m in AttnMaskType if m.is_top_left_causal()}
     assert top_left == {AttnMaskType.CAUSAL_MASK, AttnMaskType.PADDING_CAUSAL_MASK}
 
     def flags(mask, window, **kw):
@@ -174,7 +174,7 @@ def test_the_chunked_forwards_register_cap_is_hoppers_16_bit_d64_only():
                                   dtype=dtype)
         cap = forward_plan(cfg).kv_chunk_registers
         if arch == (9, 0) and padded_head_dim(dim) == 64 and dtype != "float32":
-            assert cap == (168 if mask.is_causal else 128), (dim, mask, dtype)
+            assert cap == (168 if mask.is_causal() else 128), (dim, mask, dtype)
         else:
             assert cap is None, (dim, mask, arch, dtype)
     assert forward_plan(dataclasses.replace(BASE, head_dim_qk=64, head_dim_v=64, device_type="cpu",

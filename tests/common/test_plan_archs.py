@@ -139,9 +139,9 @@ def test_narrow_v_tiles_serve_only_d_qk_256_with_d_v_128(dims, narrow):
         for mod in (dict(attn_bias_type=AttnBiasType.POST_SCALE_BIAS, bias_shape="1hss"),
                     dict(attn_bias_type=AttnBiasType.ALIBI), dict(dropout=0.1)) if narrow else ():
             other = dataclasses.replace(cfg, **mod)
-            assert forward_plan(other).tiles == ARCHS["sm90"].fwd[(256, mask.is_causal)], mod
+            assert forward_plan(other).tiles == ARCHS["sm90"].fwd[(256, mask.is_causal())], mod
             assert (backward_plan(other).dkdv, backward_plan(other).dq) == \
-                (ARCHS["sm90"].dkdv[(256, mask.is_causal)], ARCHS["sm90"].dq[(256, mask.is_causal)]), mod
+                (ARCHS["sm90"].dkdv[(256, mask.is_causal())], ARCHS["sm90"].dq[(256, mask.is_causal())]), mod
         if narrow:
             a, b = (dataclasses.replace(_config("sm90", d, mask), dtype="float32") for d in (dims, (dims[0], 256)))
             assert (forward_plan(a).tiles, backward_plan(a).dkdv, backward_plan(a).dq) == \

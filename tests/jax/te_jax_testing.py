@@ -21,7 +21,7 @@ from transformer_engine.common.attention.backends import backend_named
 from transformer_engine.common.log import selected_backends as recording_backend_selections  # noqa: F401
 from transformer_engine.jax import attention_math
 from transformer_engine.jax.attention import SequenceDescriptor
-from transformer_engine.jax.enums import to_common  # the tests pass JAX or common enum members
+from transformer_engine.jax.enums import to_common  # the tests pass enum members or their strings
 
 LAYOUTS = list(QKVLayout)
 MASKS = [m for m in AttnMaskType if m != AttnMaskType.ARBITRARY_MASK]
@@ -142,9 +142,9 @@ def reference_mask(q: Segments, kv: Segments, mask: AttnMaskType, window: Tuple[
     the non-causal masks, TransformerEngine-PyTorch's rule."""
     mask = to_common(mask, AttnMaskType, "mask")
     left, right = window
-    if mask.is_causal:
+    if mask.is_causal():
         right = 0
-    if mask.is_causal:
+    if mask.is_causal():
         top_left = mask in (AttnMaskType.CAUSAL_MASK, AttnMaskType.PADDING_CAUSAL_MASK)
     else:
         top_left = not bottom_right_diagonal
@@ -323,7 +323,7 @@ def _segments(rng, fmt, mask, b, s_q, s_kv, m, desc_kind):
     if fmt == QKVFormat.THD:
         gaps = desc_kind != "seqlens"  # from_seqlens alone means packed from position 0
         return packed_segments(rng, b, s_q, m, gaps), packed_segments(rng, b, s_kv, m, gaps)
-    if mask.is_padding:
+    if mask.is_padding():
         return padded_segments(rng, b, s_q), padded_segments(rng, b, s_kv)
     return full_segments(b, s_q), full_segments(b, s_kv)
 
@@ -426,7 +426,7 @@ def make_case(
     rng = np.random.default_rng(seed)
     key = jax.random.PRNGKey(seed)
     seg_q, seg_kv = segments or _segments(rng, fmt, mask, b, s_q, s_kv, m, desc_kind)
-    desc = descriptor(desc_kind, seg_q, seg_kv) if (mask.is_padding or fmt == QKVFormat.THD) else None
+    desc = descriptor(desc_kind, seg_q, seg_kv) if (mask.is_padding() or fmt == QKVFormat.THD) else None
     q, k, v = random_qkv(key, b, s_q, s_kv, h_q, h_kv, d_qk, d_v, dtype)
     bias = None
     if bias_type != AttnBiasType.NO_BIAS:

@@ -232,7 +232,7 @@ def test_pytorch_and_jax_are_bitwise_equal(mask, padded, dtype):
     cu = None
     if padded:
         cu = torch.tensor([0, s, 2 * s - 77], dtype=torch.int32, device="cuda")
-    out = fused_attn_func(tq, tk, tv, "bshd", mask.value, (-1, 0) if mask.is_causal else (-1, -1), scale,
+    out = fused_attn_func(tq, tk, tv, "bshd", mask.value, (-1, 0) if mask.is_causal() else (-1, -1), scale,
                           cu_seqlens_q=cu, cu_seqlens_kv=cu, deterministic=True)
     out.backward(_to_torch(torch, dout))
     torch_res = (out, tq.grad, tk.grad, tv.grad)

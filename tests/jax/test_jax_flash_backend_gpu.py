@@ -238,7 +238,7 @@ def test_same_sequence_alone_and_in_a_batch(deterministic, mask, dims):
     lens = jnp.array([s, 300, 517, 1], jnp.int32)
 
     def run(rows):
-        desc = SequenceDescriptor.from_seqlens(lens[rows]) if mask.is_padding else None
+        desc = SequenceDescriptor.from_seqlens(lens[rows]) if mask.is_padding() else None
         return _jax_grads(_jax_flash(mask, desc=desc, scale=dims[0] ** -0.5), q[rows], k[rows], v[rows], dout[rows])
 
     whole = run(slice(0, b))

@@ -37,7 +37,7 @@ def test_layouts(backend, layout):
 def _window_for(mask, windowed):
     if not windowed:
         return None
-    return (5, 0) if AttnMaskType(mask).is_causal else (5, 3)
+    return (5, 0) if AttnMaskType(mask).is_causal() else (5, 3)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -139,12 +139,12 @@ def test_sliding_window_diagonal_alignment(backend, mask, s_q, s_kv, bottom_righ
     """Windows follow TransformerEngine-JAX (top-left unless the mask is bottom-right causal, as its
     make_swa_mask), and ``bottom_right_diagonal=True`` moves the non-causal masks' diagonal to the
     bottom-right corner (TransformerEngine-PyTorch's convention)."""
-    window = (5, 0) if mask.is_causal else (5, 3)
+    window = (5, 0) if mask.is_causal() else (5, 3)
     results = run_case(backend, mask=mask, s_q=s_q, s_kv=s_kv, window=window, bottom_right_diagonal=bottom_right,
                        d_qk=16, d_v=16, h_kv=2)
     # What the reference checked the outputs against, stated for the full rows of a no-padding mask.
-    diag_bottom_right = mask.is_bottom_right or (not mask.is_causal and bool(bottom_right))
-    if not mask.is_padding:
+    diag_bottom_right = mask.is_bottom_right() or (not mask.is_causal() and bool(bottom_right))
+    if not mask.is_padding():
         rel = np.arange(s_kv)[None, :] - np.arange(s_q)[:, None] - ((s_kv - s_q) if diag_bottom_right else 0)
         expected = (rel >= -window[0]) & (rel <= window[1])
         for row in results["visible"][:, 0]:

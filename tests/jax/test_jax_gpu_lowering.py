@@ -103,7 +103,7 @@ def _lower_for_cuda(fn, *args):
 def _attention_grad_fn(mask, layout=QKVLayout.BSHD_BSHD_BSHD, m=1, window=None, deterministic=True,
                        bottom_right_diagonal=None):
     def fn(q, k, v, lens, offsets):
-        if mask.is_padding:
+        if mask.is_padding():
             desc = (SequenceDescriptor.from_seqlens_and_offsets(lens, offsets) if m > 1
                     else SequenceDescriptor.from_seqlens(lens))
         else:
@@ -213,10 +213,10 @@ def test_narrow_v_192_lowers_to_the_split_qk_kernels(captured_programs, compile_
     """192/128 on sm_90 (Hopper's narrow-V tiles): the forward and dQ (Gluon) and dK/dV (Triton) kernels
     compile with Q/K in chunks of 128 and 64 (plan.split_head_dim), as the PyTorch launches run them."""
     b, s, hq, hk, m = 2, 128, 4, 2, 2
-    q, k, _, lens, offsets = _shapes(b, s, hq, hk, 192, m=m if mask.is_padding else 1)
+    q, k, _, lens, offsets = _shapes(b, s, hq, hk, 192, m=m if mask.is_padding() else 1)
     v = jax.ShapeDtypeStruct((b, s, hk, 128), jnp.bfloat16)
-    layout = QKVLayout.THD_THD_THD if mask.is_padding else QKVLayout.BSHD_BSHD_BSHD
-    _lower_for_cuda(_attention_grad_fn(mask, layout, m=m if mask.is_padding else 1), q, k, v, lens, offsets)
+    layout = QKVLayout.THD_THD_THD if mask.is_padding() else QKVLayout.BSHD_BSHD_BSHD
+    _lower_for_cuda(_attention_grad_fn(mask, layout, m=m if mask.is_padding() else 1), q, k, v, lens, offsets)
     fwd, bwd = captured_programs
     _check_program(fwd, ["attn_fwd_ws_kernel"])
     _check_program(bwd, ["attn_bwd_preprocess_kernel", "attn_bwd_dkdv_kernel", "attn_bwd_dq_ws_kernel"])
@@ -250,7 +250,7 @@ def _bias_grad_fn(mask, bias_shape, layout=QKVLayout.BSHD_BSHD_BSHD, m=1, dropou
     """``(q, k, v, lens, offsets, bias) -> (out, (dq, dk, dv, dbias))`` through the forced fused backend."""
 
     def fn(q, k, v, lens, offsets, bias):
-        if mask.is_padding:
+        if mask.is_padding():
             desc = (SequenceDescriptor.from_seqlens_and_offsets(lens, offsets) if m > 1
                     else SequenceDescriptor.from_seqlens(lens))
         else:
@@ -325,7 +325,7 @@ def test_bias_is_passed_to_the_kernels(captured_programs, compile_calls, mask, b
     static = replace(_static(mask), window_size=normalize_window(None, mask))
     zb = bias_shape[1] * s_q * s_kv if bias_shape[0] > 1 else 0
     zh = s_q * s_kv if bias_shape[1] > 1 else 0
-    packed = mask.is_padding
+    packed = mask.is_padding()
 
     _, _, (launch,) = _check_program(fwd, ["attn_fwd_kernel"])
     bias_index = len(fwd.operands) - 1  # appended last
@@ -561,7 +561,7 @@ def _partial_bwd_fn(static, grads):
 
     def fn(q, k, v, out, dout, aux, lens, offsets):
         b, s = q.shape[:2]
-        seq = SeqInfo(lens, lens, offsets, offsets) if static.attn_mask_type.is_padding else full_seq_info(b, s, s)
+        seq = SeqInfo(lens, lens, offsets, offsets) if static.attn_mask_type.is_padding() else full_seq_info(b, s, s)
         seeds = jnp.zeros((b, q.shape[2], 2), jnp.uint32)
         return fused_attn_bwd(q, k, v, jnp.zeros((0,), q.dtype), out, dout, aux, seq, seeds,
                               replace(static, backward_grads=grads))[:3]
@@ -581,8 +581,8 @@ def test_partial_backward_program_runs_one_gradient_pass(captured_programs, grad
     from transformer_engine.common.attention.enums import BackwardGrads, QKVFormat
 
     which = BackwardGrads(grads)
-    b, s, hq, hk, m = 2, 128, 4, 2, (2 if mask.is_padding else 1)
-    static = replace(_static(mask), qkv_format=QKVFormat.THD if mask.is_padding else QKVFormat.BSHD)
+    b, s, hq, hk, m = 2, 128, 4, 2, (2 if mask.is_padding() else 1)
+    static = replace(_static(mask), qkv_format=QKVFormat.THD if mask.is_padding() else QKVFormat.BSHD)
     q = jax.ShapeDtypeStruct((b, s, hq, d), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((b, s, hk, d), jnp.bfloat16)
     aux = jax.ShapeDtypeStruct((b, m, hq, s), jnp.float32)
@@ -596,7 +596,7 @@ def test_partial_backward_program_runs_one_gradient_pass(captured_programs, grad
     n_ops = len(bwd.operands)
     grad_shapes = [(b, s, hq, d)] if which.has_dq else [(b, s, hk, d), (b, s, hk, d)]
     assert [r.shape for r in bwd.results[:len(grad_shapes) + 1]] == grad_shapes + [(b * m, hq, s)]  # then delta
-    assert fills == ([(n_ops + i, 0, 1) for i in range(len(grad_shapes))] if mask.is_padding else [])
+    assert fills == ([(n_ops + i, 0, 1) for i in range(len(grad_shapes))] if mask.is_padding() else [])
 
 
 @compiles

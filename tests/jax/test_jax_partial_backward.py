@@ -41,7 +41,7 @@ def _case_id(case):
 
 
 def _static(fmt, mask, deterministic=True, **kw) -> FusedAttnStatic:
-    window = (-1, 0) if mask.is_causal else (-1, -1)
+    window = (-1, 0) if mask.is_causal() else (-1, -1)
     return FusedAttnStatic(mask, AttnBiasType.NO_BIAS, fmt, window, D ** -0.5, 0.0, True, deterministic, **kw)
 
 

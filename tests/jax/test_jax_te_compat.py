@@ -10,6 +10,7 @@ kinds, bias shapes, dropout, GQA, cross attention, d_qk != d_v) at CPU-sized sha
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import warnings
 
@@ -446,14 +447,16 @@ _BOTTOM_RIGHT = {"CAUSAL_BOTTOM_RIGHT_MASK", "PADDING_CAUSAL_BOTTOM_RIGHT_MASK"}
 
 
 def test_mask_type_methods_as_te_defines_them():
+    """``is_causal()``, ``is_padding()``, ``is_bottom_right()``: methods, as TE-JAX calls them, on the one
+    mask enum (the common member is the JAX one)."""
     for name in ("NO_MASK", "PADDING_MASK", "CAUSAL_MASK", "PADDING_CAUSAL_MASK", "CAUSAL_BOTTOM_RIGHT_MASK",
                  "PADDING_CAUSAL_BOTTOM_RIGHT_MASK"):
         member = AttnMaskType[name]
         assert member.is_causal() is (name in _CAUSAL)
         assert member.is_padding() is (name in _PADDING)
         assert member.is_bottom_right() is (name in _BOTTOM_RIGHT)
-        common = common_enums.AttnMaskType[name]
-        assert member != common and common.is_padding is member.is_padding()
+        assert member.is_top_left_causal() is (name in _CAUSAL and name not in _BOTTOM_RIGHT)
+        assert member is common_enums.AttnMaskType[name]
 
 
 def test_qkv_layout_methods_as_te_defines_them():
@@ -490,63 +493,63 @@ _ENUM_PAIRS = [(AttnBiasType, common_enums.AttnBiasType), (AttnMaskType, common_
 
 
 @pytest.mark.parametrize("jax_cls,common_cls", _ENUM_PAIRS, ids=lambda c: c.__name__)
-def test_jax_enum_members_never_equal_common_ones(jax_cls, common_cls):
-    """The two families are apart: a JAX member equals no common member and no string (so
-    ``mask.is_causal`` without parentheses, a bound method and always true, cannot reach code that
-    reads the common property); ``to_common`` and ``from_common`` pair them by name; a common enum
-    refuses to be built from a JAX member. Members hash, pickle and compare by identity."""
-    assert {m.name for m in jax_cls} == {m.name for m in common_cls}
+def test_jax_enums_are_the_common_enums(jax_cls, common_cls):
+    """One family: each JAX name is the common class, so a member is one object in both frameworks
+    (equal to itself and its string value, hashing and pickling as one); ``to_common`` takes the
+    member or a string, ``from_common`` is the identity; another enum's member is refused."""
+    assert jax_cls is common_cls
     for member in jax_cls:
-        common = common_cls[member.name]
-        assert member != common and common != member and member != common.value
-        assert to_common(member, common_cls, "arg") is common and from_common(common) is member
-        assert to_common(member.value, common_cls, "arg") is common  # TE-JAX's string values convert too
-        with pytest.raises(ValueError, match=f"is a member of transformer_engine.jax.enums.{jax_cls.__name__}"):
-            common_cls(member)
-        assert pickle.loads(pickle.dumps(member)) is member and {member: 1}[jax_cls[member.name]] == 1
+        assert member is common_cls[member.name] and member == member.value
+        assert to_common(member, common_cls, "arg") is member and from_common(member) is member
+        assert to_common(member.value, common_cls, "arg") is member
+        if common_cls is not AttnMaskType:  # TE-JAX's modules name these kinds by member name too
+            assert to_common(member.name.lower(), common_cls, "arg") is member
+        assert pickle.loads(pickle.dumps(member)) is member and {member: 1}[common_cls(member.value)] == 1
+        with pytest.raises(ValueError, match="`value` must be a member of transformer_engine.common"):
+            common_cls(CPStrategy.RING)
+    with pytest.raises(ValueError, match="`arg` must be one of"):
+        to_common(CPStrategy.RING, common_cls, "arg")
+    with pytest.raises(ValueError, match="`member` must be a member of an attention enum"):
+        from_common(CPStrategy.RING)
 
 
-def test_internal_entry_points_refuse_jax_enum_members():
-    """Past the frontend the code reads common members only: its entry points refuse a JAX member
-    (with the error naming the enum's module), where they would otherwise have misread it."""
-    from transformer_engine.common.attention.config import normalize_window, resolve_bottom_right_diagonal
+def test_te_jax_softmax_spelling_converts():
+    """TE-JAX's 'off_by_one' names the one off-by-one member (whose value is 'off-by-one')."""
+    member = AttnSoftmaxType.OFF_BY_ONE_SOFTMAX
+    assert member.value == "off-by-one"
+    assert AttnSoftmaxType("off_by_one") is member and AttnSoftmaxType.from_str("off_by_one") is member
+    assert to_common("off_by_one", AttnSoftmaxType, "arg") is member
+    assert to_common("OFF_BY_ONE", AttnSoftmaxType, "arg") is member
+
+
+def test_internal_entry_points_take_jax_names_and_strings():
+    """The code past the frontend reads the one family: JAX names, common members and string values give
+    the same bits."""
     from transformer_engine.jax import context_parallel
     from transformer_engine.jax.primitives.attention import FusedAttnStatic
 
-    refused = pytest.raises(ValueError, match="is a member of transformer_engine.jax.enums")
-    q = jnp.ones((1, 4, 2, 8), jnp.float32)
+    q = jnp.ones((1, 4, 2, 8), jnp.float32).at[0, 1].set(2.0)
     seq = attention_math.full_seq_info(1, 4, 4)
     kwargs = dict(window_size=(-1, 0), scaling_factor=0.5, dropout_probability=0.0, is_training=True)
-    common = attention_math.unfused_attention(
-        q, q, q, None, seq, None, attn_mask_type=common_enums.AttnMaskType.CAUSAL_MASK,
-        attn_bias_type=common_enums.AttnBiasType.NO_BIAS, **kwargs)
-    as_strings = attention_math.unfused_attention(q, q, q, None, seq, None, attn_mask_type="causal",
-                                                  attn_bias_type="no_bias", **kwargs)
-    np.testing.assert_array_equal(np.asarray(as_strings), np.asarray(common))
-    for mask, bias_type in ((AttnMaskType.CAUSAL_MASK, common_enums.AttnBiasType.NO_BIAS),
-                            (common_enums.AttnMaskType.CAUSAL_MASK, AttnBiasType.NO_BIAS)):
-        with refused:
-            attention_math.unfused_attention(q, q, q, None, seq, None, attn_mask_type=mask, attn_bias_type=bias_type,
+    outs = [attention_math.unfused_attention(q, q, q, None, seq, None, attn_mask_type=mask, attn_bias_type=bias,
                                              **kwargs)
-    with refused:
-        normalize_window((-1, 0), AttnMaskType.CAUSAL_MASK)
-    with refused:
-        resolve_bottom_right_diagonal(AttnMaskType.NO_MASK, None, "jax")
+            for mask, bias in ((common_enums.AttnMaskType.CAUSAL_MASK, common_enums.AttnBiasType.NO_BIAS),
+                               (AttnMaskType.CAUSAL_MASK, AttnBiasType.NO_BIAS), ("causal", "no_bias"))]
+    for out in outs[1:]:
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(outs[0]))
     cp = context_parallel.ContextParallel("cp", 2, CPStrategy.ALL_GATHER, False)
-    args = dict(layout=common_enums.QKVLayout.BSHD_BSHD_BSHD, mask=common_enums.AttnMaskType.NO_MASK,
-                bias_type=common_enums.AttnBiasType.NO_BIAS, dropout=0.0, is_training=True,
-                softmax_type=common_enums.AttnSoftmaxType.VANILLA_SOFTMAX, window=(-1, -1), max_segments=1,
-                local=False)
+    args = dict(layout=QKVLayout.BSHD_BSHD_BSHD, mask=AttnMaskType.NO_MASK, bias_type=AttnBiasType.NO_BIAS,
+                dropout=0.0, is_training=True, softmax_type=AttnSoftmaxType.VANILLA_SOFTMAX, window=(-1, -1),
+                max_segments=1, local=False)
     assert context_parallel.unsupported_reasons(cp, **args) == []
-    for name, member in (("layout", QKVLayout.BSHD_BSHD_BSHD), ("mask", AttnMaskType.NO_MASK),
-                         ("bias_type", AttnBiasType.NO_BIAS), ("softmax_type", AttnSoftmaxType.VANILLA_SOFTMAX)):
-        with refused:
-            context_parallel.unsupported_reasons(cp, **{**args, name: member})
-    static = FusedAttnStatic(attn_mask_type=AttnMaskType.CAUSAL_MASK, attn_bias_type=common_enums.AttnBiasType.NO_BIAS,
-                             qkv_format=common_enums.QKVFormat.BSHD, window_size=(-1, 0), scaling_factor=0.5,
+    reasons = context_parallel.unsupported_reasons(cp, **{**args, "bias_type": AttnBiasType.POST_SCALE_BIAS})
+    assert len(reasons) == 1 and "`attn_bias_type` must be 'no_bias'" in reasons[0]
+    static = FusedAttnStatic(attn_mask_type=AttnMaskType.CAUSAL_MASK, attn_bias_type=AttnBiasType.NO_BIAS,
+                             qkv_format=QKVFormat.BSHD, window_size=(-1, 0), scaling_factor=0.5,
                              dropout_probability=0.0, is_training=True, deterministic=True)
-    with refused:
-        context_parallel.make_plan(static, cp)
+    assert context_parallel.make_plan(static, cp).causal is True
+    with pytest.raises(ValueError, match="`value` must be a member of transformer_engine.common"):
+        context_parallel.make_plan(dataclasses.replace(static, attn_mask_type=CPStrategy.RING), cp)
 
 
 def test_jax_enum_members_work_as_static_jit_arguments():

@@ -657,7 +657,7 @@ def _parse_kinds(args: _FusedAttnArgs) -> _Kinds:
             "`attn_bias_type` must not be 'alibi' in transformer_engine.jax (pass the ALiBi bias as a "
             "post_scale_bias)"
         )
-    if kinds.is_thd and not kinds.mask.is_padding:
+    if kinds.is_thd and not kinds.mask.is_padding():
         raise ValueError(
             f"`attn_mask_type` must be a padding mask (padding, padding_causal, padding_causal_bottom_right) with "
             f"qkv_layout={kinds.layout.value!r}, got {kinds.mask.value!r}"
@@ -707,7 +707,7 @@ def _parse_descriptor_form(args: _FusedAttnArgs, kinds: _Kinds) -> Tuple[Any, in
                 f"max_segments_per_seq={max_segments} (a mask array describes one sequence per row), got "
                 "an array"
             )
-        descriptor = mask_to_sequence_descriptor(descriptor, kinds.mask) if kinds.mask.is_padding else None
+        descriptor = mask_to_sequence_descriptor(descriptor, kinds.mask) if kinds.mask.is_padding() else None
     if not kinds.is_thd and max_segments != 1:
         warnings.warn(
             f"max_segments_per_seq={max_segments} applies to THD layouts only; qkv_layout={kinds.layout.value!r} "
@@ -774,7 +774,7 @@ def _parse_sequences(descriptor, kinds: _Kinds, cp: Optional[ContextParallel], m
     (required; THD under load-balanced context parallelism put back in token order), checked
     against the shapes and, where concrete, its values."""
     b, s_q, s_kv = q.shape[0], q.shape[1], k.shape[1]
-    if not kinds.mask.is_padding:
+    if not kinds.mask.is_padding():
         return attention_math.full_seq_info(b, s_q, s_kv)
     if descriptor is None:
         raise ValueError(
@@ -793,7 +793,7 @@ def _parse_sequences(descriptor, kinds: _Kinds, cp: Optional[ContextParallel], m
 def _lengths_may_differ(descriptor, kinds: _Kinds) -> bool:
     """Whether a padding mask's key/value lengths may differ from its query lengths: not when the
     descriptor holds one array for both (``from_seqlens(lens)``; traced arguments of ``jit`` are two)."""
-    if not kinds.mask.is_padding or descriptor is None:
+    if not kinds.mask.is_padding() or descriptor is None:
         return False
     for name in ("seqlens", "seq_offsets", "segment_ids"):
         pair = getattr(descriptor, name)
@@ -805,7 +805,7 @@ def _lengths_may_differ(descriptor, kinds: _Kinds) -> bool:
 def _has_offset_sequences(descriptor, kinds: _Kinds) -> bool:
     """Whether a BSHD/SBHD call's padded sequences may start after token 0 of their row (offsets
     or segment ids; see ``_frontend_extra``)."""
-    return kinds.mask.is_padding and not kinds.is_thd and (
+    return kinds.mask.is_padding() and not kinds.is_thd and (
         descriptor.seq_offsets is not None or descriptor.segment_ids is not None)
 
 
@@ -871,7 +871,7 @@ def _parse_call(args: _FusedAttnArgs) -> _Call:
     config = _call_config(args, kinds, (q, k, v), bias, window, dropout, is_training,
                           offset_sequences=_has_offset_sequences(descriptor, kinds),
                           context_parallel_axis=cp is not None,
-                          top_left_lengths_may_differ=(kinds.mask.is_top_left_causal
+                          top_left_lengths_may_differ=(kinds.mask.is_top_left_causal()
                                                        and _lengths_may_differ(descriptor, kinds)))
     static = FusedAttnStatic(
         attn_mask_type=kinds.mask, attn_bias_type=kinds.bias_type, qkv_format=kinds.fmt, window_size=window,

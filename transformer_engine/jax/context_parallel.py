@@ -183,7 +183,7 @@ def unsupported_reasons(cp: ContextParallel, *, layout, mask, bias_type, dropout
                         max_segments, local: bool) -> list:
     """Why this module's context parallelism cannot run a call: the common plan's reasons (JAX's argument
     names; THD runs replicated, see "THD" below) and those of JAX's own forms. The kinds are common
-    enum members (or their string values); ``fused_attn`` converts the JAX enums before this."""
+    enum members (or their string values)."""
     layout, mask = _common.QKVLayout(layout), _common.AttnMaskType(mask)
     bias_type, softmax_type = _common.AttnBiasType(bias_type), _common.AttnSoftmaxType(softmax_type)
     thd = layout.qkv_format == _common.QKVFormat.THD
@@ -225,7 +225,7 @@ def check_context_parallel_supported(cp: ContextParallel, *, layout, mask, bias_
         raise ValueError(f"`stripe_size` must be None with qkv_layout={layout.value!r} {where} (it sets the "
                          f"Striped order of THD layouts; BSHD/SBHD use DualChunkSwap), got {cp.stripe_size}")
     total_q, total_kv = (s_q * cp.size, s_kv * cp.size) if local else (s_q, s_kv)
-    if mask.is_causal and total_q != total_kv:
+    if mask.is_causal() and total_q != total_kv:
         raise NotImplementedError(
             f"`qkv` must have as many queries as keys with a causal mask {where}, got s_q={total_q}, s_kv={total_kv}")
     chunks = cp_plan.num_chunks(cp.size, cp.balance)
@@ -268,16 +268,15 @@ def descriptor_in_global_order(descriptor, cp: ContextParallel):
 def _gather(x, cp: ContextParallel, seq_axis: int, thd: bool = False):
     """The full sequence of ``x`` (local chunks along ``seq_axis``) on every rank, in global order."""
     if cp.strategy == CPStrategy.RING:
-        # cp - 1 ring steps; after step t this rank holds the block of rank (r - t) mod cp.
+        # The common plan's ring: cp - 1 steps, each passing the last block on to the next rank.
         r = jax.lax.axis_index(cp.axis)
         blocks, y = [x], x
-        perm = [(i, (i + 1) % cp.size) for i in range(cp.size)]
+        perm = [(i, cp_plan.ring_next(cp.size, i)) for i in range(cp.size)]
         for _ in range(cp.size - 1):
             y = jax.lax.ppermute(y, cp.axis, perm)
             blocks.append(y)
         stacked = jnp.stack(blocks)  # [cp, ...]: step t
-        order = (r - jnp.arange(cp.size)) % cp.size  # rank j's block is step (r - j) mod cp
-        ranked = jnp.take(stacked, order, axis=0)
+        ranked = jnp.take(stacked, cp_plan.ring_step(cp.size, r, jnp.arange(cp.size)), axis=0)  # rank order
         ranked = jnp.moveaxis(ranked, 0, seq_axis)
         shape = list(x.shape)
         shape[seq_axis] *= cp.size
@@ -317,14 +316,6 @@ class _Plan:
     # and the batch's axes in the shard_map this module runs); each head's max logit is a pmax over them.
     max_axes: Tuple[str, ...] = ()
 
-    def chunks(self, local_len: int):
-        """(local row start, chunk length, global start as a function of the rank) per own chunk, in the
-        common plan's chunking and load-balanced order."""
-        slots = len(cp_plan.rank_chunks(self.cp.size, 0, self.cp.balance))
-        c = local_len // slots
-        return tuple((slot * c, c, lambda r, slot=slot: cp_plan.rank_chunks(self.cp.size, r, self.cp.balance)[slot] * c)
-                     for slot in range(slots))
-
     def rank_plan(self, rank: int, seqlen: int) -> cp_plan.RankPlan:
         """The common plan rank ``rank`` carries out for a sequence of ``seqlen`` tokens (BSHD/SBHD)."""
         return cp_plan.rank_plan(self.cp.comm_type, self.cp.size, rank, seqlen, self.causal, self.cp.balance,
@@ -336,6 +327,20 @@ class _Plan:
         in front of each causal chunk call's buffer (0: the calls take the chunks as they are)."""
         seqlen = local_len * self.cp.size
         return max(r.lead for rank in range(self.cp.size) for r in self.rank_plan(rank, seqlen).ranges)
+
+    def launches(self, local_len: int, rank, pass_: cp_plan.Pass):
+        """The ``pass_`` launches of the common plan (unmasked calls of a pass merged: every row sees every key)
+        for local sequences of ``local_len`` rows: (rank 0's calls of the launch, the traced rank's chunk start
+        and span end). The ranks' launches differ only in where their chunks sit in the sequence."""
+        plans = [self.rank_plan(r, local_len * self.cp.size) for r in range(self.cp.size)]
+        for groups in zip(*(p.launches(merge_unmasked=True) for p in plans)):
+            assert len({tuple((c.pass_, c.mask, c.chunk.local_start, c.chunk.end - c.chunk.start) for c in g)
+                        for g in groups}) == 1, groups
+            if groups[0][0].pass_ != pass_:
+                continue
+            start = jnp.asarray([g[0].chunk.start for g in groups], jnp.int32)[rank]
+            span_end = jnp.asarray([g[0].span[1] for g in groups], jnp.int32)[rank]
+            yield groups[0], start, span_end
 
     @property
     def chunk_static(self) -> FusedAttnStatic:
@@ -359,7 +364,7 @@ class _Plan:
 def make_plan(static: FusedAttnStatic, cp: ContextParallel, align: int = 1) -> _Plan:
     """The per-rank plan of a call (what :func:`rank_forward` and :func:`rank_backward` take); ``align``:
     :func:`tile_alignment` of the call."""
-    causal = _common.AttnMaskType(static.attn_mask_type).is_causal  # refuses a JAX enum member
+    causal = _common.AttnMaskType(static.attn_mask_type).is_causal()  # refuses a member of another enum
     return _Plan(static=static, cp=cp, causal=causal, align=int(align))
 
 
@@ -383,16 +388,10 @@ def _column(b, value):
     return jnp.broadcast_to(jnp.asarray(value, jnp.int32), (b, 1))
 
 
-def _chunk_seq(b, c, a, s_kv) -> SeqInfo:
-    """A chunk of ``c`` queries against keys ``[0, a + c)`` of a length-``s_kv`` key axis."""
-    return SeqInfo(_column(b, c), _column(b, a + c), jnp.concatenate([_column(b, 0), _column(b, c)], 1),
+def _chunk_seq(b, c, keys, s_kv) -> SeqInfo:
+    """A chunk of ``c`` queries against keys ``[0, keys)`` of a length-``s_kv`` key axis."""
+    return SeqInfo(_column(b, c), _column(b, keys), jnp.concatenate([_column(b, 0), _column(b, c)], 1),
                    jnp.concatenate([_column(b, 0), _column(b, s_kv)], 1))
-
-
-def _kv_chunk_seq(b, c, a, s_q) -> SeqInfo:
-    """Queries ``[a, s_q)`` (one sequence starting at ``a``) against a key chunk of ``c`` keys."""
-    return SeqInfo(_column(b, s_q - a), _column(b, c), jnp.concatenate([_column(b, a), _column(b, s_q)], 1),
-                   jnp.concatenate([_column(b, 0), _column(b, c)], 1))
 
 
 def _seq(b, q_len, kv_len, q_start, kv_start) -> SeqInfo:
@@ -412,29 +411,38 @@ def _placeholders(q):
     return jnp.zeros((0,), q.dtype), jnp.zeros((b, h, 2), jnp.uint32)
 
 
+def _launch_rows(calls) -> Tuple[int, int]:
+    """(first local row, rows) of a launch's chunks (adjacent in the rank's rows)."""
+    return calls[0].chunk.local_start, sum(c.chunk.end - c.chunk.start for c in calls)
+
+
 def rank_forward(plan: _Plan, rank, q, k_all, v_all):
     """One rank's forward from gathered operands: (local output, local log-sum-exp ``[b, 1, h, n_local]``
     in local row order), and with ``return_max_logit`` the local rows' max logits (laid out as the
     log-sum-exp). ``q``: the rank's rows; ``k_all``, ``v_all``: every key and value in global order;
-    ``rank``: its index on the context-parallel axis (int or traced)."""
+    ``rank``: its index on the context-parallel axis (int or traced). Each launch is one of the common
+    plan's (:meth:`_Plan.launches`)."""
     b, n_local = q.shape[:2]
     bias, seeds = _placeholders(q)
     s_kv = k_all.shape[1]
-    if not plan.causal:
-        return fused_attn_fwd(q, k_all, v_all, bias, full_seq_info(b, n_local, s_kv), seeds, plan.static)
-    parts = []  # per own chunk: (out, lse[, row_max])
-    pad = plan.lead_rows(n_local)
-    for lo, c, start in plan.chunks(n_local):
-        a = start(rank)
-        if not pad:
-            part = fused_attn_fwd(q[:, lo:lo + c], k_all, v_all, bias, _chunk_seq(b, c, a, s_kv), seeds,
-                                  plan.chunk_static)
-        else:  # queries from the tile boundary before the chunk (zero rows, dropped), as the plan's range
+    pad = plan.lead_rows(n_local) if plan.causal else 0
+    parts = []  # per launch, in row order: (out, lse[, row_max])
+    for calls, a, span_end in plan.launches(n_local, rank, cp_plan.Pass.FORWARD):
+        lo, c = _launch_rows(calls)
+        if calls[0].mask == _common.AttnMaskType.NO_MASK:  # the rank's rows against every key
+            parts.append(fused_attn_fwd(q[:, lo:lo + c], k_all, v_all, bias, full_seq_info(b, c, s_kv), seeds,
+                                        plan.static))
+        elif not pad:  # keys [0, span_end), causal bottom-right
+            parts.append(fused_attn_fwd(q[:, lo:lo + c], k_all, v_all, bias, _chunk_seq(b, c, span_end, s_kv), seeds,
+                                        plan.chunk_static))
+        else:  # queries from the tile boundary before the chunk (zero rows, dropped), as the plan's rows
             lead = a % plan.align
             part = fused_attn_fwd(_lead(q[:, lo:lo + c], pad), k_all, v_all, bias,
-                                  _seq(b, c + lead, a + c, pad - lead, 0), seeds, plan.aligned_chunk_static)
-            part = (part[0][:, pad:],) + tuple(jax.lax.dynamic_slice_in_dim(x, lead, c, axis=3) for x in part[1:])
-        parts.append(part)
+                                  _seq(b, c + lead, span_end, pad - lead, 0), seeds, plan.aligned_chunk_static)
+            parts.append((part[0][:, pad:],) + tuple(jax.lax.dynamic_slice_in_dim(x, lead, c, axis=3)
+                                                     for x in part[1:]))
+    if len(parts) == 1:
+        return parts[0]
     return (jnp.concatenate([p[0] for p in parts], axis=1),) + tuple(
         jnp.concatenate([p[i] for p in parts], axis=3) for i in range(1, len(parts[0])))
 
@@ -454,70 +462,58 @@ def _only(static: FusedAttnStatic, grads: BackwardGrads) -> FusedAttnStatic:
 def rank_backward(plan: _Plan, rank, local, gathered):
     """One rank's (dq, dk, dv) of its own rows from gathered operands. ``local``: the rank's
     ``(q, k, v, out, lse, dout)``; ``gathered``: ``(q, k, v, out, lse, dout)`` of the whole sequence
-    in global order (lse ``[b, 1, h, s]``)."""
+    in global order (lse ``[b, 1, h, s]``). Each launch is one of the common plan's, running only its pass."""
     q, k, v, out, lse, dout = local
     q_all, k_all, v_all, out_all, lse_all, dout_all = gathered
     b, n_local = q.shape[:2]
     bias, seeds = _placeholders(q)
     s_q, s_kv = q_all.shape[1], k_all.shape[1]
     bias_k, seeds_k = _placeholders(q_all)
-    if not plan.causal:
-        dq = fused_attn_bwd(q, k_all, v_all, bias, out, dout, lse, full_seq_info(b, n_local, s_kv), seeds,
-                            _only(plan.static, BackwardGrads.DQ))[0]
-        _, dk, dv, _, _ = fused_attn_bwd(q_all, k, v, bias_k, out_all, dout_all, lse_all,
-                                         full_seq_info(b, s_q, k.shape[1]), seeds_k,
-                                         _only(plan.static, BackwardGrads.DKDV))
-        return dq, dk, dv
+    pad = plan.lead_rows(n_local) if plan.causal else 0
     # The log-sum-exp of the queries [a, s) as one sequence starting at a: positions from a (+inf past s - a).
     lse_padded = jnp.concatenate([lse_all, jnp.full(lse_all.shape, jnp.inf, lse_all.dtype)], axis=3)
-    dqs, dks, dvs = [], [], []
-    pad = plan.lead_rows(n_local)
-    for lo, c, start in plan.chunks(n_local):
-        a = start(rank)
-        rows = slice(lo, lo + c)
-        if pad:  # the plan's ranges: query and key rows from the tile boundary before the chunk
-            dq, dk, dv = _aligned_chunk_backward(plan, a, pad, (q[:, rows], k[:, rows], v[:, rows], out[:, rows],
-                                                                dout[:, rows]), gathered, lse_padded)
-            dqs.append(dq)
-            dks.append(dk)
-            dvs.append(dv)
-            continue
-        # The plan's order per own chunk: dK/dV of its keys, then dQ of its queries.
-        lse_from_a = jax.lax.dynamic_slice_in_dim(lse_padded, a, s_q, axis=3)
-        _, dk, dv, _, _ = fused_attn_bwd(q_all, k[:, rows], v[:, rows], bias_k, out_all, dout_all, lse_from_a,
-                                         _kv_chunk_seq(b, c, a, s_q), seeds_k,
-                                         _only(plan.kv_chunk_static, BackwardGrads.DKDV))
-        dq = fused_attn_bwd(q[:, rows], k_all, v_all, bias, out[:, rows], dout[:, rows], lse[..., rows],
-                            _chunk_seq(b, c, a, s_kv), seeds, _only(plan.chunk_static, BackwardGrads.DQ))[0]
-        dqs.append(dq)
+    dks, dvs = [], []
+    for calls, a, _ in plan.launches(n_local, rank, cp_plan.Pass.DKDV):  # the own keys' dK/dV
+        lo, c = _launch_rows(calls)
+        if calls[0].mask == _common.AttnMaskType.NO_MASK:  # every query; the own operand's rows (s_kv may differ)
+            _, dk, dv, _, _ = fused_attn_bwd(q_all, k, v, bias_k, out_all, dout_all, lse_all,
+                                             full_seq_info(b, s_q, k.shape[1]), seeds_k,
+                                             _only(plan.static, BackwardGrads.DKDV))
+        elif not pad:  # keys [a, a + c) against queries [a, s), causal top-left
+            _, dk, dv, _, _ = fused_attn_bwd(q_all, k[:, lo:lo + c], v[:, lo:lo + c], bias_k, out_all, dout_all,
+                                             jax.lax.dynamic_slice_in_dim(lse_padded, a, s_q, axis=3),
+                                             _seq(b, s_q - a, c, a, 0), seeds_k,
+                                             _only(plan.kv_chunk_static, BackwardGrads.DKDV))
+        else:  # keys and queries from the tile boundary before the chunk (the lead rows' gradients dropped)
+            start = a - a % plan.align
+            _, dk, dv, _, _ = fused_attn_bwd(q_all, _lead(k[:, lo:lo + c], pad), _lead(v[:, lo:lo + c], pad), bias_k,
+                                             out_all, dout_all, jax.lax.dynamic_slice_in_dim(lse_padded, start, s_q,
+                                                                                             axis=3),
+                                             _seq(b, s_q - start, a + c - start, start, pad - (a - start)), seeds_k,
+                                             _only(plan.kv_chunk_static, BackwardGrads.DKDV))
+            dk, dv = dk[:, pad:], dv[:, pad:]
         dks.append(dk)
         dvs.append(dv)
-    cat = functools.partial(jnp.concatenate, axis=1)
+    dqs = []
+    for calls, a, span_end in plan.launches(n_local, rank, cp_plan.Pass.DQ):  # the own queries' dQ
+        lo, c = _launch_rows(calls)
+        if calls[0].mask == _common.AttnMaskType.NO_MASK:
+            dq = fused_attn_bwd(q[:, lo:lo + c], k_all, v_all, bias, out[:, lo:lo + c], dout[:, lo:lo + c],
+                                lse[..., lo:lo + c], full_seq_info(b, c, s_kv), seeds,
+                                _only(plan.static, BackwardGrads.DQ))[0]
+        elif not pad:  # queries [a, a + c) against keys [0, span_end), causal bottom-right
+            dq = fused_attn_bwd(q[:, lo:lo + c], k_all, v_all, bias, out[:, lo:lo + c], dout[:, lo:lo + c],
+                                lse[..., lo:lo + c], _chunk_seq(b, c, span_end, s_kv), seeds,
+                                _only(plan.chunk_static, BackwardGrads.DQ))[0]
+        else:
+            lead = a % plan.align
+            chunk_lse = jax.lax.dynamic_slice_in_dim(lse_padded, a - lead, pad + c, axis=3)
+            dq = fused_attn_bwd(_lead(q[:, lo:lo + c], pad), k_all, v_all, bias, _lead(out[:, lo:lo + c], pad),
+                                _lead(dout[:, lo:lo + c], pad), chunk_lse, _seq(b, c + lead, span_end, pad - lead, 0),
+                                seeds, _only(plan.aligned_chunk_static, BackwardGrads.DQ))[0][:, pad:]
+        dqs.append(dq)
+    cat = lambda xs: xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=1)  # noqa: E731
     return cat(dqs), cat(dks), cat(dvs)
-
-
-def _aligned_chunk_backward(plan: _Plan, a, pad: int, chunk, gathered, lse_padded):
-    """(dq, dk, dv) of the own chunk at global ``a`` whose calls start ``lead = a % align`` rows before it
-    (``pad`` >= lead zero rows in front of each chunk buffer; those rows' gradients are dropped)."""
-    q, k, v, out, dout = chunk
-    q_all, k_all, v_all, out_all, _, dout_all = gathered
-    b, c = q.shape[:2]
-    s_q, s_kv = q_all.shape[1], k_all.shape[1]
-    lead = a % plan.align
-    start = a - lead
-    bias, seeds = _placeholders(q)
-    bias_k, seeds_k = _placeholders(q_all)
-    # dK/dV of keys [start, a + c) against queries [start, s): top-left causal is the global mask.
-    _, dk, dv, _, _ = fused_attn_bwd(q_all, _lead(k, pad), _lead(v, pad), bias_k, out_all, dout_all,
-                                     jax.lax.dynamic_slice_in_dim(lse_padded, start, s_q, axis=3),
-                                     _seq(b, s_q - start, c + lead, start, pad - lead), seeds_k,
-                                     _only(plan.kv_chunk_static, BackwardGrads.DKDV))
-    # dQ of queries [start, a + c) against keys [0, a + c), causal bottom-right (log-sum-exp from start).
-    lse = jax.lax.dynamic_slice_in_dim(lse_padded, start, pad + c, axis=3)
-    dq = fused_attn_bwd(_lead(q, pad), k_all, v_all, bias, _lead(out, pad), _lead(dout, pad), lse,
-                        _seq(b, c + lead, a + c, pad - lead, 0), seeds,
-                        _only(plan.aligned_chunk_static, BackwardGrads.DQ))[0]
-    return dq[:, pad:], dk[:, pad:], dv[:, pad:]
 
 
 def _forward(plan: _Plan, q, k, v):
@@ -582,7 +578,7 @@ _cp_attention.defvjp(_cp_attention_fwd, _cp_attention_bwd)
 def _thd_splits(static: FusedAttnStatic) -> bool:
     """Whether a THD call runs split by the plan (the padding masks without a sliding window)."""
     mask = _common.AttnMaskType(static.attn_mask_type)
-    return mask.is_padding and tuple(static.window_size) in ((-1, -1), (-1, 0))
+    return mask.is_padding() and tuple(static.window_size) in ((-1, -1), (-1, 0))
 
 
 def thd_balance(cp: ContextParallel, s: int) -> cp_plan.LoadBalance:

@@ -177,10 +177,10 @@ def flash_static(static) -> Tuple[FlashStatic, float]:
     mask = AttnMaskType(static.attn_mask_type)
     left, right = FlashAttention.window_arguments(mask, static.window_size)
     q_factor, scale = kernel_scale(static.scaling_factor)
-    varlen = mask.is_padding or QKVFormat(static.qkv_format) == QKVFormat.THD
-    return FlashStatic(varlen=varlen, causal=mask.is_causal, window_left=left, window_right=right,
+    varlen = mask.is_padding() or QKVFormat(static.qkv_format) == QKVFormat.THD
+    return FlashStatic(varlen=varlen, causal=mask.is_causal(), window_left=left, window_right=right,
                        softmax_scale=float(scale), deterministic=bool(static.deterministic),
-                       top_left=mask.is_top_left_causal, checkpoint_name=static.checkpoint_name), q_factor
+                       top_left=mask.is_top_left_causal(), checkpoint_name=static.checkpoint_name), q_factor
 
 
 # ================================================================================================

@@ -244,7 +244,7 @@ class FlashAttention(AttentionBackend):
         ``(window_size_left, window_size_right)``, None = unbounded; a causal mask bounds the right side
         itself (flash-attn-4's ``causal=True``)."""
         left, right = (int(w) for w in window_size)
-        return (left if left >= 0 else None, None if attn_mask_type.is_causal or right < 0 else right)
+        return (left if left >= 0 else None, None if attn_mask_type.is_causal() or right < 0 else right)
 
     @classmethod
     def not_supported_reasons(cls, config: AttnConfig) -> List[str]:
@@ -265,17 +265,17 @@ class FlashAttention(AttentionBackend):
                            f"{', '.join(str(d) for d in sorted(cls.SM100_HEAD_DIMS_BEYOND_128))})")
         # flash-attn-4 aligns causal masks bottom-right; top-left ones equal them only when s_kv >= s_q
         # (the wrapper then hides the keys no query can see).
-        if config.attn_mask_type.is_top_left_causal and config.max_seqlen_q > config.max_seqlen_kv:
+        if config.attn_mask_type.is_top_left_causal() and config.max_seqlen_q > config.max_seqlen_kv:
             reasons.append(f"attn_mask_type={config.attn_mask_type.value} (top-left) with s_q={config.max_seqlen_q} "
                            f"> s_kv={config.max_seqlen_kv}: flash-attn-4 aligns causal masks bottom-right")
         # flash-attn-4 aligns sliding windows bottom-right; a top-left causal mask is made equal by hiding
         # the keys no query sees, other masks are not.
-        if config.window_kind == "sliding" and not config.attn_mask_type.is_causal and not config.bottom_right:
+        if config.window_kind == "sliding" and not config.attn_mask_type.is_causal() and not config.bottom_right:
             reasons.append(f"window_size={config.window_size} aligned top-left (bottom_right_diagonal=False): "
                            "flash-attn-4 aligns sliding windows bottom-right")
         if config.deterministic and major is not None and major not in cls.DETERMINISTIC_INVARIANT_ARCHS:
             reasons.append(f"deterministic mode is not batch/packing invariant (not shown on sm{major}x)")
-        if config.deterministic and config.distinct_kv_lengths and config.attn_mask_type.is_top_left_causal:
+        if config.deterministic and config.distinct_kv_lengths and config.attn_mask_type.is_top_left_causal():
             # flash-attn-4 runs a top-left causal batch only if every sequence has at least as many keys as
             # queries: which backend runs would depend on the other sequences of the batch, and the same
             # sequence could get different bits in another batch.

@@ -35,7 +35,7 @@ def normalize_window(window_size: Optional[Tuple[int, int]], attn_mask_type: Att
         raise ValueError(f"`window_size` must be a pair of ints (left, right), got {window_size!r}") from None
     if left < -1 or right < -1:
         raise ValueError(f"`window_size` entries must be >= -1 (-1 = unbounded), got {window_size!r}")
-    if mask.is_causal:
+    if mask.is_causal():
         if right not in (-1, 0):
             raise ValueError(
                 f"`window_size` must have right in (-1, 0) with attn_mask_type={mask.value!r}, got {window_size!r}"
@@ -67,9 +67,9 @@ def resolve_bottom_right_diagonal(attn_mask_type: AttnMaskType, bottom_right_dia
     bottom-right causal masks).
     """
     mask = AttnMaskType(attn_mask_type)
-    if mask.is_top_left_causal:
+    if mask.is_top_left_causal():
         return False
-    if mask.is_causal:  # the bottom-right causal masks
+    if mask.is_causal():  # the bottom-right causal masks
         return True
     if bottom_right_diagonal is None:
         return framework != "jax"
@@ -82,7 +82,7 @@ def window_kind(attn_mask_type: AttnMaskType, window_size: Tuple[int, int]) -> s
     """'none', 'causal', 'sliding' — what a tile configuration may depend on (a normalized window)."""
     if window_size[0] >= 0 or window_size[1] > 0:
         return "sliding"
-    if attn_mask_type.is_causal:
+    if attn_mask_type.is_causal():
         return "causal"
     return "none"
 

@@ -17,6 +17,9 @@ and kernel calls.
   blocks of a pass are computed exactly once over the ranks. :attr:`RankPlan.calls` turns the work into
   the kernel calls the frameworks launch (:class:`ChunkCall`: rows, span of the other operand, mask,
   where the kept rows land); each result row is final in its call, so no partial results are combined.
+- Gathering: the frameworks supply only the collective. A p2p ring's order (:func:`ring_next`,
+  :func:`ring_prev`: the peers of a step; :func:`ring_source`, :func:`ring_step`: whose block a step
+  brings) and where each gathered chunk goes in global order (:func:`chunk_places`) are written here.
 - Support (:func:`unsupported_reasons`): why a configuration cannot run with CP, as reason strings.
 """
 
@@ -29,8 +32,9 @@ from typing import Iterable, List, Optional, Tuple
 from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, AttnSoftmaxType, QKVFormat
 
 __all__ = [
-    "CP_COMM_TYPES", "LoadBalance", "ChunkRange", "Pass", "CallMask", "ChunkCall", "RankPlan", "num_chunks",
-    "rank_chunks", "chunk_order", "chunk_ranges", "tile_alignment", "rank_plan", "unsupported_reasons", "PYTORCH_ARGS", "JAX_ARGS",
+    "CP_COMM_TYPES", "LoadBalance", "ChunkRange", "Pass", "ChunkCall", "RankPlan", "num_chunks", "rank_chunks",
+    "chunk_order", "chunk_places", "ring_next", "ring_prev", "ring_source", "ring_step", "chunk_ranges",
+    "tile_alignment", "rank_plan", "unsupported_reasons", "PYTORCH_ARGS", "JAX_ARGS",
 ]
 
 # "p2p": a ring of send/receive steps; "all_gather": one collective; "a2a": heads exchanged, whole
@@ -68,6 +72,39 @@ def chunk_order(cp: int, balance: LoadBalance, rounds: int = 1) -> Tuple[int, ..
     load-balanced order of the inputs (``reorder_causal_load_balancing``); its inverse puts gathered
     tokens back in global order."""
     return tuple(c for r in range(cp) for c in rank_chunks(cp, r, balance, rounds))
+
+
+def chunk_places(cp: int, balance: LoadBalance, rounds: int = 1) -> Tuple[Tuple[int, int], ...]:
+    """For each chunk of a sequence in global order, ``(rank, slot)``: the rank holding it and its place among
+    the rank's chunks. Gathered blocks (rank order) go back to global order by taking chunk ``c`` from
+    block ``rank`` at slot ``slot`` (the inverse of :func:`chunk_order`)."""
+    places = {c: (r, slot) for r in range(cp) for slot, c in enumerate(rank_chunks(cp, r, balance, rounds))}
+    return tuple(places[c] for c in range(num_chunks(cp, balance, rounds)))
+
+
+# The p2p ring that gathers every rank's block (the operands of the row-split comm types): each of the cp - 1
+# steps receives from the previous rank and sends the block it received last on to the next, so after step
+# t (0: the own block) rank r holds the block of rank (r - t) mod cp. ``rank`` may be a traced int.
+
+def ring_next(cp: int, rank):
+    """The rank a ring step sends to."""
+    return (rank + 1) % cp
+
+
+def ring_prev(cp: int, rank):
+    """The rank a ring step receives from."""
+    return (rank - 1) % cp
+
+
+def ring_source(cp: int, rank, step):
+    """The rank whose block rank ``rank`` holds after ring step ``step``."""
+    return (rank - step) % cp
+
+
+def ring_step(cp: int, rank, source):
+    """The ring step after which rank ``rank`` holds the block of rank ``source`` (t -> (rank - t) mod cp is
+    its own inverse)."""
+    return ring_source(cp, rank, source)
 
 
 @dataclass(frozen=True)
@@ -292,11 +329,11 @@ def unsupported_reasons(*, comm_type: str, qkv_format: QKVFormat, mask: AttnMask
     if qkv_format == QKVFormat.THD and replicated_thd:
         return reasons
     window = tuple(window)
-    if window not in ((-1, -1), (-1, 0)) or (window == (-1, 0) and not mask.is_causal):
+    if window not in ((-1, -1), (-1, 0)) or (window == (-1, 0) and not mask.is_causal()):
         reasons.append(f"`{arg['window']}` must be None (no sliding window), got {window}: sliding windows {cp}")
     if mask == AttnMaskType.ARBITRARY_MASK:
         reasons.append(f"`{arg['mask']}` must not be 'arbitrary': an arbitrary mask {cp}")
-    elif mask.is_padding and qkv_format != QKVFormat.THD:
+    elif mask.is_padding() and qkv_format != QKVFormat.THD:
         reasons.append(f"`{arg['mask']}` must be 'no_mask' or a causal mask with {arg['format']}="
                        f"{qkv_format.value!r}, got {mask.value!r}: padding outside the thd format {cp}")
     return reasons

@@ -1,4 +1,11 @@
-"""TransformerEngine's attention enums, as string-valued enums shared by both frontends."""
+"""TransformerEngine's attention enums, as string-valued enums shared by both frontends.
+
+These are the only attention enums: ``transformer_engine.jax.enums`` re-exports them under
+TransformerEngine-JAX's names, so a JAX member *is* the member here. The mask and layout predicates
+are methods (``mask.is_causal()``, ``layout.is_thd()``), the form TE-JAX user code calls: a property
+of the same name could not also be called. A predicate read without its call is a bound method,
+always true, so ``tests/common/test_enums.py`` checks that the package never reads one so.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +15,14 @@ from enum import Enum
 class _StrEnum(str, Enum):
     """Base of the enums below: members are their string values (``AttnMaskType("causal")``,
     ``AttnMaskType.CAUSAL_MASK == "causal"``). A member of any other enum is refused, even one
-    with a matching value: a frontend with enums of its own (``transformer_engine.jax.enums``)
-    converts them at its boundary, and code past it reads only these."""
+    with a matching value (a ``CPStrategy`` is no mask)."""
 
     @classmethod
     def _missing_(cls, value):
         if isinstance(value, Enum):
             raise ValueError(
-                f"{value!r} is a member of {type(value).__module__}.{type(value).__qualname__}, not of "
-                f"{cls.__module__}.{cls.__qualname__}: convert a frontend's enum members at the frontend "
-                "(transformer_engine.jax.enums.to_common), or pass the string value"
+                f"`value` must be a member of {cls.__module__}.{cls.__qualname__} or its string value, got "
+                f"{value!r}, a member of {type(value).__module__}.{type(value).__qualname__}"
             )
         return None
 
@@ -56,6 +61,34 @@ class QKVLayout(_StrEnum):
             return "kv"
         return "separate"
 
+    def get_qkv_format(self) -> QKVFormat:
+        """:attr:`qkv_format` (TE-JAX's spelling)."""
+        return self.qkv_format
+
+    def is_thd(self) -> bool:
+        return self.qkv_format == QKVFormat.THD
+
+    def is_qkvpacked(self) -> bool:
+        return self.packing == "qkv"
+
+    def is_kvpacked(self) -> bool:
+        return self.packing == "kv"
+
+    def is_separate(self) -> bool:
+        return self.packing == "separate"
+
+    def to_qkvpacked(self) -> "QKVLayout":
+        """The qkv-packed layout of the same format."""
+        return QKVLayout.from_format(self.qkv_format, "qkv")
+
+    def to_kvpacked(self) -> "QKVLayout":
+        """The kv-packed layout of the same format."""
+        return QKVLayout.from_format(self.qkv_format, "kv")
+
+    def to_separate(self) -> "QKVLayout":
+        """The separate-tensors layout of the same format."""
+        return QKVLayout.from_format(self.qkv_format, "separate")
+
     @classmethod
     def from_format(cls, qkv_format: QKVFormat, packing: str = "separate") -> "QKVLayout":
         table = {
@@ -83,22 +116,21 @@ class AttnMaskType(_StrEnum):
     PADDING_CAUSAL_BOTTOM_RIGHT_MASK = "padding_causal_bottom_right"
     ARBITRARY_MASK = "arbitrary"
 
-    @property
     def is_causal(self) -> bool:
+        """The causal masks (top-left and bottom-right, with or without padding)."""
         return "causal" in self.value
 
-    @property
     def is_padding(self) -> bool:
+        """The masks that take which tokens are real from the sequence lengths."""
         return "padding" in self.value
 
-    @property
     def is_bottom_right(self) -> bool:
+        """The causal diagonal is aligned with the last key."""
         return "bottom_right" in self.value
 
-    @property
     def is_top_left_causal(self) -> bool:
         """causal / padding_causal: the diagonal starts at the first key whatever the lengths."""
-        return self.is_causal and not self.is_bottom_right
+        return self.is_causal() and not self.is_bottom_right()
 
 
 class AttnBiasType(_StrEnum):
@@ -126,6 +158,18 @@ class AttnSoftmaxType(_StrEnum):
         if isinstance(value, str) and value.replace("_", "-") == cls.OFF_BY_ONE_SOFTMAX.value:
             return cls.OFF_BY_ONE_SOFTMAX
         return super()._missing_(value)
+
+    @classmethod
+    def from_str(cls, softmax_type: str) -> "AttnSoftmaxType":
+        """'vanilla', 'off-by-one' (or TE-JAX's 'off_by_one') or 'learnable'."""
+        if isinstance(softmax_type, str):
+            key = softmax_type.replace("_", "-")
+            for member in cls:
+                if member.value == key:
+                    return member
+        raise ValueError(
+            f"`softmax_type` must be one of 'vanilla', 'off_by_one', 'learnable', got {softmax_type!r}"
+        )
 
     @property
     def has_sink(self) -> bool:

@@ -160,7 +160,7 @@ def mask_flags(config: Config) -> Tuple[Dict[str, bool], int, int]:
     (``AttnConfig.bottom_right``); causal masks close the right."""
     config = plan_key(config)
     left, right = config.window_size
-    if config.attn_mask_type.is_causal:
+    if config.attn_mask_type.is_causal():
         right = 0
     flags = dict(HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, BOTTOM_RIGHT=config.bottom_right)
     return flags, max(left, 0), max(right, 0)

@@ -237,7 +237,7 @@ def _strides(shape: Sequence[int]) -> Tuple[int, ...]:
 
 def _uses_packed_mode(static) -> bool:
     """Padding masks (and THD) run the kernels in packed mode over all tokens."""
-    return static.attn_mask_type.is_padding
+    return static.attn_mask_type.is_padding()
 
 
 def _check_supported(static, segments_per_row: int) -> None:

@@ -74,7 +74,7 @@ def _check_operands(static: FusedAttnStatic, q, k_pages, v_pages, page_table, q_
     if static.kv_page_size is None or static.kv_page_size != k_pages.shape[1]:
         raise ValueError(f"`kv_page_size` must be the pools' page size {k_pages.shape[1]}, got "
                          f"{static.kv_page_size}")
-    if not static.attn_mask_type.is_padding:
+    if not static.attn_mask_type.is_padding():
         raise ValueError(f"`attn_mask_type` must be a padding mask with a page table, got "
                          f"{static.attn_mask_type.value!r}")
     if static.has_bias or static.has_dropout:

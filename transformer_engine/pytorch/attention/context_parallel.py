@@ -203,11 +203,9 @@ def assemble(parts: Sequence[torch.Tensor], dim: int, split: SeqSplit) -> torch.
     if split.cp == 1:  # one rank holds every chunk in order
         return parts[0]
     if not split.is_thd:
-        # Chunk c is the first chunk of rank c, or (c >= cp) the second chunk of rank 2 cp - 1 - c.
-        length, cp = split.chunk_len(), split.cp
-        pieces = [parts[c].narrow(dim, 0, length) if c < cp else parts[2 * cp - 1 - c].narrow(dim, length, length)
-                  for c in range(2 * cp)]
-        return torch.cat(pieces, dim=dim)
+        length = split.chunk_len()
+        return torch.cat([parts[r].narrow(dim, slot * length, length)
+                          for r, slot in cp_plan.chunk_places(split.cp, BALANCE)], dim=dim)
     perm = _to_device(global_permutation(split), parts[0].device)
     return torch.cat(list(parts), dim=dim).index_select(dim, perm)
 
@@ -302,12 +300,6 @@ def rank_plan(split: SeqSplit, spec: FusedSpec, comm_type: str = "p2p", n: int =
                              heads)
 
 
-def _padded_ranges(split: SeqSplit, align: int):
-    """(slot, a, b, lo) of the rank's chunks: sequence positions [a, b), range start lo (a rounded down)."""
-    for slot, r in enumerate(cp_plan.chunk_ranges(split.seqlen, split.cp, split.rank, BALANCE, align)):
-        yield slot, r.start, r.end, r.aligned_start
-
-
 def fused_forward_step(q: torch.Tensor, k_glob: torch.Tensor, v_glob: torch.Tensor, split: SeqSplit,
                        spec: FusedSpec) -> Tuple[torch.Tensor, torch.Tensor]:
     """One rank's forward: (out of its tokens, lse of its tokens) from its queries ``q`` and the global
@@ -393,12 +385,24 @@ def _offsets(starts, device) -> torch.Tensor:
     return _i32(list(starts) + [0], device)  # the kernels read entries [0, n)
 
 
-def _thd_ranges(split: SeqSplit, slot: int, align: int):
-    """Per sequence: (a, b, lo, end) of chunk ``split.slots[slot]``: positions [a, b), range start lo, end of
-    the real tokens in the chunk's prefix ``min(b, length)``."""
-    for n in range(len(split.starts)):
-        r = cp_plan.chunk_ranges(split.padded[n], split.cp, split.rank, BALANCE, align)[slot]
-        yield r.start, r.end, r.aligned_start, min(r.end, split.lengths[n])
+def _thd_launches(split: SeqSplit, spec: FusedSpec, *passes: cp_plan.Pass):
+    """The rank's launches of ``passes``, in the plan's order: call ``i`` of every sequence's plan in one launch,
+    a pseudo-sequence per sequence (the plans differ only in their sequence's length)."""
+    plans = [rank_plan(split, spec, n=n) for n in range(len(split.starts))]
+    for calls in zip(*(p.calls for p in plans)):
+        assert len({(c.pass_, c.mask, c.chunk.chunk) for c in calls}) == 1, calls
+        if calls[0].pass_ in passes:
+            yield calls
+
+
+def _thd_pseudo(call: cp_plan.ChunkCall, real: int) -> Tuple[int, int]:
+    """(own rows, other operand's rows) of ``call``'s pseudo-sequence in a sequence of ``real`` real tokens: the
+    call's rows and span cut at the padding. A chunk of padding only computes no rows; its dK/dV call then
+    reads no query rows either."""
+    end = min(call.rows[1], real)
+    has = end > call.chunk.start
+    other = min(call.span[1], real) - call.span[0]
+    return (end - call.rows[0] if has else 0), (other if has or call.pass_ != cp_plan.Pass.DKDV else 0)
 
 
 def _lse_for_call(lse_g: torch.Tensor, row_starts: List[int], lens: List[int], max_len: int) -> torch.Tensor:
@@ -415,33 +419,36 @@ def _lse_for_call(lse_g: torch.Tensor, row_starts: List[int], lens: List[int], m
 def _thd_forward(q, k_g, v_g, split: SeqSplit, spec: FusedSpec):
     device, t_local = q.device, q.shape[0]
     local_starts = split.local_starts()
-    mask = AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK if spec.causal else AttnMaskType.PADDING_MASK
     out_parts, lse_parts, out_rows, lse_cols, real = [], [], [], [], []
     row_base = col_base = 0
     q_ext = torch.cat([q, q.new_zeros((1,) + tuple(q.shape[1:]))], dim=0)  # row t_local: the zero row
-    for slot in range(2):
+    for calls in _thd_launches(split, spec, cp_plan.Pass.FORWARD):
+        # The queries of each sequence's call, from its aligned start (zero rows before the chunk), in one buffer.
         index, buf_starts, len_q, len_k, at = [], [], [], [], 0
-        for n, (a, b, lo, end) in enumerate(_thd_ranges(split, slot, spec.align)):
-            length = b - a
-            first = local_starts[n] + slot * length
-            index.append(torch.full((a - lo,), t_local, dtype=torch.int64))
-            index.append(torch.arange(first, first + length))
+        for n, call in enumerate(calls):
+            first = local_starts[n] + call.chunk.local_start
+            index.append(torch.full((call.lead,), t_local, dtype=torch.int64))
+            index.append(torch.arange(first, first + call.chunk.end - call.chunk.start))
             buf_starts.append(at)
-            len_q.append(end - lo if end > a else 0)
-            len_k.append(end if spec.causal else split.lengths[n])
-            at += a - lo + length
+            own, other = _thd_pseudo(call, split.lengths[n])
+            len_q.append(own)
+            len_k.append(other)
+            at += call.length
         q_buf = q_ext.index_select(0, _to_device(torch.cat(index), device))
         max_q, max_k = max(max(len_q), 1), max(max(len_k), 1)
-        out, lse = _fwd(q_buf, k_g, v_g, QKVFormat.THD, spec, mask, _cu(len_q, device), _cu(len_k, device),
-                        _offsets(buf_starts, device), _offsets(split.starts, device), max_q, max_k)
+        out, lse = _fwd(q_buf, k_g, v_g, QKVFormat.THD, spec, calls[0].padded_mask(), _cu(len_q, device),
+                        _cu(len_k, device), _offsets(buf_starts, device),
+                        _offsets([st + c.span[0] for st, c in zip(split.starts, calls)], device), max_q, max_k)
         out_parts.append(out)
         lse_parts.append(lse.permute(1, 0, 2).reshape(lse.shape[1], -1))
-        for n, (a, b, lo, end) in enumerate(_thd_ranges(split, slot, spec.align)):
-            pos = torch.arange(b - a)
-            out_rows.append((row_base + buf_starts[n] + a - lo + pos, local_starts[n] + slot * (b - a) + pos))
-            col = torch.where(a + pos < split.lengths[n], col_base + n * max_q + a - lo + pos, torch.zeros_like(pos))
-            lse_cols.append((col, local_starts[n] + slot * (b - a) + pos))
-            real.append((a + pos < split.lengths[n], local_starts[n] + slot * (b - a) + pos))
+        for n, call in enumerate(calls):
+            a, lead, length = call.chunk.start, call.lead, call.chunk.end - call.chunk.start
+            pos = torch.arange(length)
+            dst = local_starts[n] + call.chunk.local_start + pos
+            out_rows.append((row_base + buf_starts[n] + lead + pos, dst))
+            col = torch.where(a + pos < split.lengths[n], col_base + n * max_q + lead + pos, torch.zeros_like(pos))
+            lse_cols.append((col, dst))
+            real.append((a + pos < split.lengths[n], dst))
         row_base += q_buf.shape[0]
         col_base += len(split.starts) * max_q
     rows = torch.empty(t_local, dtype=torch.int64)
@@ -460,43 +467,36 @@ def _thd_forward(q, k_g, v_g, split: SeqSplit, spec: FusedSpec):
 
 
 def _thd_backward(q_g, k_g, v_g, out_g, d_out_g, lse_g, split: SeqSplit, spec: FusedSpec):
+    """The rank's (dq, dk, dv) from the plan's backward calls, each launch over the global rows: a dQ launch
+    fills the rows of its query chunks, a dK/dV launch those of its key chunks; the rank's rows are picked."""
     device = q_g.device
     total = q_g.shape[0]
     starts = list(split.starts)
-    dq_parts, dk_parts, dv_parts, rows = [], [], [], []
-    n_seq = len(starts)
-    for slot in range(2):
-        ranges = list(_thd_ranges(split, slot, spec.align))
-        # dQ of the chunk: query rows [lo, end) against keys [0, end) (causal, bottom-right) or all keys.
-        q_off = [st + lo for st, (a, b, lo, end) in zip(starts, ranges)]
-        len_q = [end - lo if end > a else 0 for (a, b, lo, end) in ranges]
-        len_k = [end if spec.causal else split.lengths[n] for n, (a, b, lo, end) in enumerate(ranges)]
-        max_q, max_k = max(max(len_q), 1), max(max(len_k), 1)
-        mask = AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK if spec.causal else AttnMaskType.PADDING_MASK
-        dq = _bwd(BackwardGrads.DQ, q_g, k_g, v_g, out_g, d_out_g, _lse_for_call(lse_g, q_off, len_q, max_q),
-                  QKVFormat.THD, spec, mask, _cu(len_q, device), _cu(len_k, device), _offsets(q_off, device),
-                  _offsets(starts, device), max_q, max_k)
-        # dK/dV of the chunk: keys [lo, end) against query rows [lo, length) (top-left causal) or all rows.
-        k_off = q_off
-        len_kc = [end - lo if end > a else 0 for (a, b, lo, end) in ranges]
-        if spec.causal:
-            r_off = q_off
-            len_r = [max(split.lengths[n] - lo, 0) if end > a else 0 for n, (a, b, lo, end) in enumerate(ranges)]
-            mask = AttnMaskType.PADDING_CAUSAL_MASK
-        else:
-            r_off, len_r = starts, [split.lengths[n] if end > a else 0 for n, (a, b, lo, end) in enumerate(ranges)]
-            mask = AttnMaskType.PADDING_MASK
-        max_r, max_kc = max(max(len_r), 1), max(max(len_kc), 1)
-        dk, dv = _bwd(BackwardGrads.DKDV, q_g, k_g, v_g, out_g, d_out_g, _lse_for_call(lse_g, r_off, len_r, max_r),
-                      QKVFormat.THD, spec, mask, _cu(len_r, device), _cu(len_kc, device), _offsets(r_off, device),
-                      _offsets(k_off, device), max_r, max_kc)
-        dq_parts.append(dq)
-        dk_parts.append(dk)
-        dv_parts.append(dv)
-        rows.append([slot * total + st + a + torch.arange(b - a) for st, (a, b, lo, end) in zip(starts, ranges)])
-    # Local order: per sequence, slot 0 then slot 1.
-    index = _to_device(torch.cat([r for n in range(n_seq) for r in (rows[0][n], rows[1][n])]), device)
-    return tuple(torch.cat(parts, dim=0).index_select(0, index) for parts in (dq_parts, dk_parts, dv_parts))
+    parts = {cp_plan.Pass.DQ: [], cp_plan.Pass.DKDV: []}  # per launch: (grads, the rows it keeps in local order)
+    for calls in _thd_launches(split, spec, cp_plan.Pass.DKDV, cp_plan.Pass.DQ):
+        pass_ = calls[0].pass_
+        own = [st + c.rows[0] for st, c in zip(starts, calls)]
+        other = [st + c.span[0] for st, c in zip(starts, calls)]
+        lens = [_thd_pseudo(c, n) for c, n in zip(calls, split.lengths)]
+        len_own, len_other = [x for x, _ in lens], [y for _, y in lens]
+        max_own, max_other = max(max(len_own), 1), max(max(len_other), 1)
+        q_side = (own, len_own, max_own) if pass_ == cp_plan.Pass.DQ else (other, len_other, max_other)
+        k_side = (other, len_other, max_other) if pass_ == cp_plan.Pass.DQ else (own, len_own, max_own)
+        grads = _bwd(BackwardGrads.DQ if pass_ == cp_plan.Pass.DQ else BackwardGrads.DKDV, q_g, k_g, v_g, out_g,
+                     d_out_g, _lse_for_call(lse_g, *q_side), QKVFormat.THD, spec, calls[0].padded_mask(),
+                     _cu(q_side[1], device), _cu(k_side[1], device), _offsets(q_side[0], device),
+                     _offsets(k_side[0], device), q_side[2], k_side[2])
+        rows = [(n, c.chunk.local_start, st + c.chunk.start + torch.arange(c.chunk.end - c.chunk.start))
+                for n, (st, c) in enumerate(zip(starts, calls))]
+        parts[pass_].append((grads, rows))
+
+    def kept(pass_: cp_plan.Pass, i: int) -> torch.Tensor:
+        """The rank's rows (local order: per sequence, its chunks in order) of the pass's gradient ``i``."""
+        grads = [g if pass_ == cp_plan.Pass.DQ else g[i] for g, _ in parts[pass_]]
+        index = sorted((n, at, j * total + r) for j, (_, rows) in enumerate(parts[pass_]) for n, at, r in rows)
+        return torch.cat(grads, dim=0).index_select(0, _to_device(torch.cat([r for _, _, r in index]), device))
+
+    return kept(cp_plan.Pass.DQ, 0), kept(cp_plan.Pass.DKDV, 0), kept(cp_plan.Pass.DKDV, 1)
 
 
 # -- exchanges -----------------------------------------------------------------------------------------
@@ -518,13 +518,13 @@ def _all_gather(x: torch.Tensor, group, ring: bool) -> List[torch.Tensor]:
     parts: List[Optional[torch.Tensor]] = [None] * size
     parts[me] = x
     send = x
-    for step in range(1, size):
+    for step in range(1, size):  # the common plan's ring: pass the last block on to the next rank
         recv = torch.empty_like(x)
-        ops_ = [dist.P2POp(dist.isend, send, ranks[(me + 1) % size], group),
-                dist.P2POp(dist.irecv, recv, ranks[(me - 1) % size], group)]
+        ops_ = [dist.P2POp(dist.isend, send, ranks[cp_plan.ring_next(size, me)], group),
+                dist.P2POp(dist.irecv, recv, ranks[cp_plan.ring_prev(size, me)], group)]
         for req in dist.batch_isend_irecv(ops_):
             req.wait()
-        parts[(me - step) % size] = recv
+        parts[cp_plan.ring_source(size, me, step)] = recv
         send = recv
     return parts
 
@@ -723,7 +723,7 @@ def context_parallel_attend(cp: ContextParallelGroup, attend: Callable, *, backe
     reasons = unsupported_reasons(cp.comm_type, fmt, mask, window, bias_type, dropout, softmax_type, return_max_logit)
     if reasons:
         raise NotImplementedError("; ".join(reasons))
-    causal = mask.is_causal
+    causal = mask.is_causal()
     sizes = cp.sizes
     ranks = [dist.get_rank(g) for g in cp.groups]
     if cp.comm_type == "a2a+p2p":

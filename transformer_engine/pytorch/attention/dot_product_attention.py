@@ -265,7 +265,7 @@ def _resolve_sequences(q, k, v, fmt: QKVFormat, mask: AttnMaskType, attention_ma
             raise ValueError("`cu_seqlens_q` and `cu_seqlens_kv` must be given for qkv_format='thd'")
         batch = cu_seqlens_q.shape[0] - 1 if isinstance(cu_seqlens_q, torch.Tensor) else None
         # As in TransformerEngine, the declared mask type decides: only a padding type reads attention_mask.
-        if attention_mask is not None and batch is not None and mask.is_padding:
+        if attention_mask is not None and batch is not None and mask.is_padding():
             masks = attention_mask if isinstance(attention_mask, (tuple, list)) else (attention_mask, attention_mask)
             if len(masks) != 2:
                 raise ValueError("`attention_mask` must be one tensor or a (q_mask, kv_mask) pair")
@@ -292,7 +292,7 @@ def _resolve_sequences(q, k, v, fmt: QKVFormat, mask: AttnMaskType, attention_ma
                 f"{tuple(k.shape)}, {tuple(v.shape)}"
             )
         seqs = _Sequences(mask, batch, max_seqlen_q=seq_len_q, max_seqlen_kv=seq_len_kv)
-        if mask.is_padding:
+        if mask.is_padding():
             if attention_mask is not None:
                 mask_q, mask_kv = _split_padding_mask(attention_mask, seq_len_q, seq_len_kv)
                 if cu_seqlens_q is None:

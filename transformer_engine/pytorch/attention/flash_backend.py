@@ -144,11 +144,11 @@ def flash_attention(q, k, v, fmt: QKVFormat, mask: AttnMaskType, window_size, so
                     max_seqlen_q, max_seqlen_kv, deterministic: bool) -> torch.Tensor:
     """:func:`flash_attn_func` on converted arguments (DotProductAttention's backend runner calls this)."""
     fa = _flash_attn_cute()
-    options = dict(softmax_scale=softmax_scale, causal=mask.is_causal, window_size=_fa_window(mask, window_size),
+    options = dict(softmax_scale=softmax_scale, causal=mask.is_causal(), window_size=_fa_window(mask, window_size),
                    num_splits=1, deterministic=deterministic)
-    top_left = mask.is_top_left_causal
+    top_left = mask.is_top_left_causal()
 
-    if fmt != QKVFormat.THD and not mask.is_padding:
+    if fmt != QKVFormat.THD and not mask.is_padding():
         qb, kb, vb = (t.transpose(0, 1) if fmt == QKVFormat.SBHD else t for t in (q, k, v))
         sq, skv = qb.shape[1], kb.shape[1]
         if top_left and skv > sq:  # keys past s_q are never visible: bottom-right == top-left on the rest

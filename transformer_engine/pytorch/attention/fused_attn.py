@@ -162,7 +162,7 @@ def fused_attn_func(
         batch = None
     else:
         batch = qkv_dims(q, fmt)[0]
-        if not mask.is_padding:
+        if not mask.is_padding():
             cu_seqlens_q = cu_seqlens_kv = None
         elif cu_seqlens_q is None or cu_seqlens_kv is None:
             raise ValueError(f"`cu_seqlens_q` and `cu_seqlens_kv` must be given for attn_mask_type={mask.value!r}")

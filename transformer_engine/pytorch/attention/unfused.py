@@ -438,7 +438,7 @@ def unfused_attention(
         if cu_seqlens_q is None or cu_seqlens_kv is None:
             raise ValueError("`cu_seqlens_q` and `cu_seqlens_kv` must be given for qkv_format='thd'")
         _check_cu_args(cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded, None, q.device)
-    elif mask.is_padding and cu_seqlens_q is not None:
+    elif mask.is_padding() and cu_seqlens_q is not None:
         if cu_seqlens_kv is None:
             raise ValueError(f"`cu_seqlens_kv` must be given with `cu_seqlens_q` for attn_mask_type={mask.value!r}")
         _check_cu_args(cu_seqlens_q, cu_seqlens_kv, None, None, qkv_dims(q, fmt)[0], q.device)
@@ -480,7 +480,7 @@ def unfused_math(q, k, v, *, fmt: QKVFormat, mask: AttnMaskType, window: Tuple[i
     else:
         qb, kb, vb = _to_bhsd(q, fmt), _to_bhsd(k, fmt), _to_bhsd(v, fmt)
         sq, skv = qb.shape[2], kb.shape[2]
-        if mask.is_padding and cu_seqlens_q is not None:
+        if mask.is_padding() and cu_seqlens_q is not None:
             check_sequence_values(fmt, q, k, cu_seqlens_q, cu_seqlens_kv, None, None, sq, skv)
             lengths_q, lengths_kv = _lengths(cu_seqlens_q), _lengths(cu_seqlens_kv)
             # Padded positions are often uninitialised memory: they must contribute exactly nothing

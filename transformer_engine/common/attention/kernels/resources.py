@@ -94,7 +94,7 @@ def contiguous_call(config: AttnConfig, batch: int = 2, seqlen: int = 1024, thd:
                         softmax_type=config.softmax_type, return_max_logit=config.return_max_logit)
     return Call(
         params=params, num_heads_q=hq, num_heads_kv=hk, head_dim_qk=dqk, head_dim_v=dv, dtype=config.dtype,
-        num_seqs=batch, max_q=sq, max_k=sk, packed=thd, has_seqlens=thd or config.attn_mask_type.is_padding,
+        num_seqs=batch, max_q=sq, max_k=sk, packed=thd, has_seqlens=thd or config.attn_mask_type.is_padding(),
         views=views, lse_strides=(hq * sq, sq),
         device=dict(device_type=config.device_type, vendor=config.vendor,
                     compute_capability=config.compute_capability, gfx_arch=config.gfx_arch),

@@ -136,7 +136,9 @@ def test_flash_decode_on_this_package_generates_the_ordinary_path_bitwise_on_cpu
         dpa_calls.append(dict(q=tuple(q.shape), k=tuple(k.shape), k_ptr=k.untyped_storage().data_ptr(),
                               kwargs={n: x for n, x in kwargs.items() if not torch.is_tensor(x)},
                               cu_kv=kwargs.get("cu_seqlens_kv"), module=module))
-        return forward(module, q, k, v, *args, **kwargs)
+        out = forward(module, q, k, v, *args, **kwargs)
+        dpa_calls[-1]["backend"] = module.last_backend
+        return out
 
     monkeypatch.setattr(te.DotProductAttention, "forward", spy)
     tokens, logits = _generate(plain, PROMPTS, NEW)
@@ -154,6 +156,9 @@ def test_flash_decode_on_this_package_generates_the_ordinary_path_bitwise_on_cpu
     assert reads == [[]] * len(installed), reads  # no host read in any step while "capturing"
     decode = [c for c in dpa_calls if c["kwargs"].get("qkv_format") == "bshd"]
     assert len(decode) == layers * DECODE_STEPS and len(dpa_calls) - len(decode) == len(plain_calls) - len(decode)
+    # One backend for all: the fused kernels under TRITON_INTERPRET=1, else the unfused backend.
+    backends = {c["backend"] for c in dpa_calls}
+    assert len(backends) == 1 and backends <= {"FusedAttention", "UnfusedDotProductAttention"}, backends
     b = len(PROMPTS)
     for layer in range(layers):
         steps = decode[layer::layers]

@@ -274,13 +274,14 @@ def test_sm90_zero_outside_sequences_compiles(dtype, heads, head_dim):
     """The flash-attn-4 backend's gap-row clearing (kernels/fill.py) at the block sizes
     launch.zero_outside_sequences picks."""
     from transformer_engine.common.attention.kernels.aot import Pointer
-    from transformer_engine.common.attention.kernels.fill import zero_outside_sequences_kernel
+    from transformer_engine.common.attention.kernels.fill import FILL_LAUNCH_OPTIONS, zero_outside_sequences_kernel
 
     block_h, block_d = triton.next_power_of_2(heads), triton.next_power_of_2(head_dim)
     args = dict(X=Pointer(dtype), STARTS=Pointer("int32"), USED=Pointer("int32"), num_seqs=5, total_rows=1000,
                 stride_t=heads * head_dim, stride_h=head_dim, stride_d=1, NUM_HEADS=heads, HEAD_DIM=head_dim,
                 BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_T=max(1, min(16, 8192 // (block_h * block_d))))
-    kernel = compile_kernel(zero_outside_sequences_kernel, args, dict(num_warps=4, num_stages=1), SM90)
+    kernel = compile_kernel(zero_outside_sequences_kernel, args, dict(num_warps=4, num_stages=1, **FILL_LAUNCH_OPTIONS),
+                            SM90)
     assert kernel.cubin
 
 

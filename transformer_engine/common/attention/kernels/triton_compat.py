@@ -324,10 +324,13 @@ def is_jit_function(obj) -> bool:
 
 
 def _callees(fn):
-    """The JIT functions ``fn``'s body names (globals, closures, and attributes of modules it names)."""
+    """The JIT functions ``fn``'s body names (globals, closures, and attributes of modules it names), or None
+    where it names an interpreter stand-in (a kernel module imported under TRITON_INTERPRET=1: such a kernel
+    cannot be keyed, nor compiled, and computing its key would leave Triton's placeholder as the key)."""
     import ast
     import inspect
 
+    from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
     scope = {**fn.__globals__, **inspect.getclosurevars(fn.fn).nonlocals}
@@ -338,6 +341,8 @@ def _callees(fn):
             value = scope.get(node.id)
         elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
             value = getattr(scope.get(node.value.id), node.attr, None)
+        if isinstance(value, InterpretedFunction):
+            return None
         if isinstance(value, JITFunction) and value is not fn and value not in found:
             found.append(value)
     return found
@@ -346,16 +351,18 @@ def _callees(fn):
 def settle_cache_keys(namespace: Dict[str, object]) -> None:
     """Compute the cache key of every JIT function in ``namespace`` (a kernel module's globals) after those of
     the functions it calls, so that each key is the same in every process whatever it compiles first. A
-    no-op under the interpreter (no JIT functions) and harmless where Triton already keys callees first."""
-    done = set()
+    no-op for the interpreter's stand-ins and harmless where Triton already keys callees first."""
+    settled: Dict[int, bool] = {}
 
-    def settle(fn):
-        if id(fn) in done:
-            return
-        done.add(id(fn))
-        for callee in _callees(fn):
-            settle(callee)
-        fn.cache_key  # noqa: B018 (computing it is the point)
+    def settle(fn) -> bool:
+        if id(fn) not in settled:
+            settled[id(fn)] = True  # a recursive call is keyed by Triton's own placeholder, as without us
+            callees = _callees(fn)
+            ok = callees is not None and all([settle(callee) for callee in callees])
+            settled[id(fn)] = ok
+            if ok:
+                fn.cache_key  # noqa: B018 (computing it is the point)
+        return settled[id(fn)]
 
     for value in list(namespace.values()):
         if is_jit_function(value):

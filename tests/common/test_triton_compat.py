@@ -134,3 +134,35 @@ def test_plan_keeps_the_triton_kernels_where_gluon_cannot_be_built(monkeypatch, 
     finally:
         triton_compat.gluon_unavailable_reason.cache_clear()
         log._warned_once.discard("plan:gluon_unavailable")
+
+
+_KEYS = """
+import sys
+from triton.runtime.jit import JITFunction
+from transformer_engine.common.attention.kernels import masking, scores
+first = [v for m in (masking, scores) for v in vars(m).values() if isinstance(v, JITFunction)]
+{touch}
+from transformer_engine.common.attention.kernels import backward, fill, forward, hopper_ws, rope
+for m in (forward, backward, fill, hopper_ws, rope):
+    for name, v in sorted(vars(m).items()):
+        if isinstance(v, JITFunction) and v.__module__ == m.__name__:
+            print(m.__name__, name, v.cache_key)
+"""
+
+
+def test_kernel_cache_keys_do_not_depend_on_what_a_process_computes_first():
+    """Triton before 3.9 keys a kernel by its callees' constexpr globals only where their keys were computed
+    first; the kernel modules settle every key callees first (triton_compat.settle_cache_keys), so a process
+    that touches helpers first (in either order) keys every kernel as one that does not."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # real JIT functions
+    outs = []
+    for touch in ("", "[f.cache_key for f in first]", "[f.cache_key for f in reversed(first)]"):
+        run = subprocess.run([sys.executable, "-c", _KEYS.format(touch=touch)], env=env, cwd=REPO,
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        outs.append(run.stdout)
+    assert len(outs[0].splitlines()) >= 6, outs[0]
+    assert outs[1] == outs[0] and outs[2] == outs[0]

@@ -13,6 +13,8 @@ The products ask for ``input_precision="ieee"``, as the forward's (forward.py's 
 import triton
 import triton.language as tl
 
+from transformer_engine.common.attention.kernels.triton_compat import settle_cache_keys
+
 from transformer_engine.common.attention.kernels.masking import (
     SEQLEN_ARGS,
     grid_program,
@@ -569,3 +571,7 @@ def attn_bwd_dsink_kernel(
         delta = tl.load(DELTA + base + rows, mask=ok, other=0.0)
         acc += tl.where(ok, tl.math.exp2((sink - lse) * LOG2E) * delta, 0.0)
     tl.store(DSINK + seq.to(tl.int64) * stride_dsb + head, -tl.sum(acc, axis=0))
+
+
+# Every kernel's cache key computed callees first: the same key in every process, whatever it compiles first.
+settle_cache_keys(globals())

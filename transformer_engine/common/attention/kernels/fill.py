@@ -9,6 +9,8 @@ gap rows only, with no host sync and no per-token mask over the whole tensor.
 import triton
 import triton.language as tl
 
+from transformer_engine.common.attention.kernels.triton_compat import settle_cache_keys
+
 # Stated like every other launch's (Triton's default changes after 3.9), though this kernel only stores
 # zeros: no floating-point arithmetic for contraction to change.
 FILL_LAUNCH_OPTIONS = dict(enable_fp_fusion=True)
@@ -57,3 +59,7 @@ def zero_outside_sequences(x, starts, used):
         NUM_HEADS=h, HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_T=block_t, **FILL_LAUNCH_OPTIONS,
     )
     return x
+
+
+# Every kernel's cache key computed callees first: the same key in every process, whatever it compiles first.
+settle_cache_keys(globals())

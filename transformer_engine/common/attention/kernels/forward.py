@@ -32,6 +32,8 @@ for fp16/bf16 operands it changes no instruction; it is the one value every Trit
 import triton
 import triton.language as tl
 
+from transformer_engine.common.attention.kernels.triton_compat import settle_cache_keys
+
 from transformer_engine.common.attention.kernels.masking import (
     chunk_bounds,
     key_block_bounds,
@@ -385,3 +387,7 @@ def attn_fwd_combine_kernel(
     _finish_rows(acc, l_i, m_i, offs_m, offs_dv, len_q, rows_out, batch, head, start_q, dropout_p,
                  SINK, O, LSE, ROW_MAX, stride_ob, stride_os, stride_oh, stride_od, stride_lb, stride_lh,
                  HEAD_DIM_V, HAS_SINK, HAS_ROW_MAX, DROPOUT)
+
+
+# Every kernel's cache key computed callees first: the same key in every process, whatever it compiles first.
+settle_cache_keys(globals())

@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 # The TMA and cp.async loads and aggregates are spelled differently across Triton releases.
-from .triton_compat import aggregate, cp_async_load, tma_async_load
+from .triton_compat import aggregate, cp_async_load, settle_cache_keys, tma_async_load
 
 # The visibility rule and the block bounds are the Triton kernels' own (@triton.jit functions: called from a
 # @gluon.jit one they are generated as Gluon, and hold only scalar arithmetic and elementwise operators).
@@ -1055,3 +1055,7 @@ def attn_bwd_dkdv_ws_kernel(
     args = (bufs, bars, bounds, coords, out_args, sched)
     gl.warp_specialize([(_dkdv_consumer0, args), (_dkdv_consumer1, args), (_dkdv_loader, args)], [4, 1],
                        [DKDV_CONSUMER_REGISTERS, LOADER_REGISTERS])
+
+
+# Every kernel's cache key computed callees first: the same key in every process, whatever it compiles first.
+settle_cache_keys(globals())

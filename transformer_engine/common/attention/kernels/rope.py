@@ -22,6 +22,8 @@ host could not check without a sync) gets NaN rather than a read out of bounds.
 import triton
 import triton.language as tl
 
+from transformer_engine.common.attention.kernels.triton_compat import settle_cache_keys
+
 __all__ = ["rope_kernel", "rope", "ROPE_LAUNCH_OPTIONS"]
 
 # No FMA contraction: ``a * b + c * d`` stays two rounded products and a rounded sum, the unfused path's
@@ -177,3 +179,7 @@ def rope(x, out, cos, sin, tensor_format, cu_seqlens=None, start_positions=None,
         BLOCK_H=block_h, BLOCK_D=block_d, num_warps=num_warps, **ROPE_LAUNCH_OPTIONS,
     )
     return out
+
+
+# Every kernel's cache key computed callees first: the same key in every process, whatever it compiles first.
+settle_cache_keys(globals())

@@ -17,6 +17,10 @@ What differs (resolved once, at import):
   ``triton.experimental.gluon._runtime.GluonASTSource`` before.
 - Options JITFunction.run derives from Triton's knobs before it binds a call (3.9 adds
   ``fpsan_homomorphic_casts``): :func:`jit_run_options`, so that an ahead-of-time compile is the JIT's.
+- A JIT function's cache key: before 3.9 a caller's key takes in the constexpr globals of a callee only if
+  the callee's key was computed earlier in the process, so the same kernel gets another key (and compiles
+  again, in another cache entry) depending on which kernel a process compiled first.
+  :func:`settle_cache_keys` computes every key callees first, the order 3.9 follows itself.
 
 Private APIs used (PRIVATE_APIS lists each with its user; tests/common/test_triton_compat.py asserts
 that each exists in the installed Triton, so a release that drops one fails a test named after it rather
@@ -37,7 +41,7 @@ __all__ = [
     "SUPPORTED_RELEASES", "PRIVATE_APIS", "GLUON_APIS", "triton_version", "resolve", "missing_apis",
     "gluon_unavailable_reason", "tma_async_load", "cp_async_load", "aggregate", "gluon_ast_source",
     "jit_run_options", "jit_specialize", "cuobjdump_path", "allocator_is_set", "current_device_and_stream",
-    "launch_hooks", "runtime_debug", "has_compiled_launcher", "is_jit_function",
+    "launch_hooks", "runtime_debug", "has_compiled_launcher", "is_jit_function", "settle_cache_keys",
 ]
 
 SUPPORTED_RELEASES = ((3, 6), (3, 7), (3, 8), (3, 9))
@@ -69,6 +73,9 @@ PRIVATE_APIS: Dict[str, str] = {
     # Kernels and launch descriptions.
     "triton.runtime.jit:JITFunction": "jax/primitives/gpu.py: a JIT kernel, not the interpreter's",
     "triton.runtime.jit:JITFunction#arg_names": "launch_description.py, aot.py: a kernel's parameters, in order",
+    "triton.runtime.jit:JITFunction.parse": "settle_cache_keys: the functions a kernel calls",
+    "triton.runtime.jit:JITFunction#fn": "settle_cache_keys: a kernel's Python function (its closure)",
+    "triton.runtime.jit:JITFunction.cache_key": "settle_cache_keys: computed callees first",
     "triton.runtime.jit:JITFunction#params": "aot.py: the binder's parameter descriptions",
     "triton.runtime.jit:JITFunction#signature": "aot.py: the binder's signature",
     "triton.language.random:philox": "kernels/scores.py: the dropout RNG's counter-based generator",
@@ -314,3 +321,49 @@ def is_jit_function(obj) -> bool:
     from triton.runtime.jit import JITFunction
 
     return isinstance(obj, JITFunction)
+
+
+def _callees(fn):
+    """The JIT functions ``fn``'s body names (globals, closures, and attributes of modules it names), or None
+    where it names an interpreter stand-in (a kernel module imported under TRITON_INTERPRET=1: such a kernel
+    cannot be keyed, nor compiled, and computing its key would leave Triton's placeholder as the key)."""
+    import ast
+    import inspect
+
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    scope = {**fn.__globals__, **inspect.getclosurevars(fn.fn).nonlocals}
+    found = []
+    for node in ast.walk(fn.parse()):
+        value = None
+        if isinstance(node, ast.Name):
+            value = scope.get(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            value = getattr(scope.get(node.value.id), node.attr, None)
+        if isinstance(value, InterpretedFunction):
+            return None
+        if isinstance(value, JITFunction) and value is not fn and value not in found:
+            found.append(value)
+    return found
+
+
+def settle_cache_keys(namespace: Dict[str, object]) -> None:
+    """Compute the cache key of every JIT function in ``namespace`` (a kernel module's globals) after those of
+    the functions it calls, so that each key is the same in every process whatever it compiles first. A
+    no-op for the interpreter's stand-ins and harmless where Triton already keys callees first."""
+    settled: Dict[int, bool] = {}
+
+    def settle(fn) -> bool:
+        if id(fn) not in settled:
+            settled[id(fn)] = True  # a recursive call is keyed by Triton's own placeholder, as without us
+            callees = _callees(fn)
+            ok = callees is not None and all([settle(callee) for callee in callees])
+            settled[id(fn)] = ok
+            if ok:
+                fn.cache_key  # noqa: B018 (computing it is the point)
+        return settled[id(fn)]
+
+    for value in list(namespace.values()):
+        if is_jit_function(value):
+            settle(value)

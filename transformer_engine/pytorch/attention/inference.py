@@ -142,12 +142,16 @@ class StepLayout:
             object.__setattr__(self, name, value)
 
     @classmethod
-    def _decode(cls, seq_ids: Tuple, ones: Tuple[int, ...], cached: np.ndarray) -> "StepLayout":
-        """The layout of a decode step (``ones``: a 1 per sequence; ``cached``: int64, step order), with the
-        totals from numpy instead of a pass per sequence."""
+    def _decode(cls, seq_ids: Tuple, ones: Tuple[int, ...], cached: np.ndarray,
+                cached_lens: Optional[Tuple[int, ...]] = None) -> "StepLayout":
+        """The layout of a decode step (``ones``: a 1 per sequence; ``cached``: int64, step order; ``cached_lens``:
+        the same as a tuple where the caller has it, the last step's totals), with the totals from numpy instead
+        of a pass per sequence."""
         layout = object.__new__(cls)
         total = cached + 1
-        for name, value in (("seq_ids", seq_ids), ("step_lens", ones), ("cached_lens", tuple(cached.tolist())),
+        if cached_lens is None:
+            cached_lens = tuple(cached.tolist())
+        for name, value in (("seq_ids", seq_ids), ("step_lens", ones), ("cached_lens", cached_lens),
                             ("batch_size", len(seq_ids)), ("total_lens", tuple(total.tolist())),
                             ("num_tokens", len(seq_ids)), ("max_step_len", 1), ("max_total_len", int(total.max()))):
             object.__setattr__(layout, name, value)
@@ -723,28 +727,22 @@ class _StepBuffers:
 
 
 class _DecodeChain:
-    """A decode step's ``step_dict`` (a copy) and arrays, which the next pre_step continues from when it gets a
-    step of the same sequences in the same order, one token each (:meth:`InferenceParams._continue_decode`)."""
+    """A decode step's sequence ids and arrays, which the next pre_step continues from when it gets a step of the
+    same sequences in the same order, one token each (:meth:`InferenceParams._continue_decode`)."""
 
-    __slots__ = ("step_dict", "seq_ids", "ones", "lens", "totals")
+    __slots__ = ("seq_ids", "ones", "lens", "totals", "total_lens")
 
-    def __init__(self, step_dict: "OrderedDict", seq_ids: Tuple, ones: Tuple[int, ...], lens: np.ndarray,
-                 totals: np.ndarray) -> None:
-        self.step_dict, self.seq_ids, self.ones, self.lens, self.totals = step_dict, seq_ids, ones, lens, totals
+    def __init__(self, seq_ids: Tuple, ones: Tuple[int, ...], lens: np.ndarray, totals: np.ndarray,
+                 total_lens: Tuple[int, ...]) -> None:
+        self.seq_ids, self.ones, self.lens, self.totals, self.total_lens = seq_ids, ones, lens, totals, total_lens
 
     def continued_by(self, step_dict: Mapping) -> bool:
-        """Whether ``step_dict`` lists this step's sequences in its order, each with the int 1 (C-level passes,
-        no Python per sequence)."""
-        if len(step_dict) != len(self.seq_ids):
+        """Whether ``step_dict`` (a dict or OrderedDict) lists this step's sequences in its order, each with the int
+        1 (C-level passes, no Python per sequence)."""
+        if type(step_dict) not in (dict, OrderedDict) or len(step_dict) != len(self.seq_ids):
             return False
-        if type(step_dict) is OrderedDict:  # OrderedDicts compare in order
-            same = step_dict == self.step_dict
-        elif type(step_dict) is dict:
-            same = tuple(step_dict) == self.seq_ids and step_dict == self.step_dict
-        else:
-            return False
-        # == takes True and 1.0 for 1, which the full path refuses: every count must be the int 1 itself.
-        return same and all(map(operator.is_, step_dict.values(), self.ones))
+        # Keys in order, and every count the int 1 itself (== would take True and 1.0, which the full path refuses).
+        return tuple(step_dict) == self.seq_ids and all(map(operator.is_, step_dict.values(), self.ones))
 
 
 def _upload(device_buffer: torch.Tensor, host: torch.Tensor) -> None:
@@ -925,7 +923,7 @@ class InferenceParams:
         self._buffers.write(lens, before, decode)
         if decode is not None:  # the step buffers' views: the same tensors at every decode step of this size
             self._take_decode(layout)
-            self._chain = _DecodeChain(OrderedDict(zip(seq_ids, counts)), seq_ids, counts, lens, before + lens)
+            self._chain = _DecodeChain(seq_ids, counts, lens, before + lens, layout.total_lens)
             return
         arrays = {"cu_q": (_cumulative(layout.step_lens), torch.int32),
                   "cu_kv": (_cumulative(layout.total_lens), torch.int32)}
@@ -960,8 +958,9 @@ class InferenceParams:
         if decode is None:
             return False
         self._buffers.write(chain.lens, before, decode)
-        self._take_decode(StepLayout._decode(chain.seq_ids, chain.ones, before))
-        chain.totals = before + 1
+        layout = StepLayout._decode(chain.seq_ids, chain.ones, before, chain.total_lens)
+        self._take_decode(layout)
+        chain.totals, chain.total_lens = before + 1, layout.total_lens
         return True
 
     def _keep_decode_plan(self, key: tuple, module, fmt: QKVFormat, q: torch.Tensor, q_rows: torch.Tensor,

@@ -140,6 +140,26 @@ class _HostReads(TorchDispatchMode):
 
 
 @contextlib.contextmanager
+def rope_kernel_launches() -> Iterator[List[bool]]:
+    """The RoPE kernel's launches while inside (its launcher, common/attention/kernels/rope.py): one entry per
+    launch, True for a backward."""
+    from transformer_engine.common.attention.kernels import rope as rope_kernels
+
+    calls: List[bool] = []
+    original = rope_kernels.rope
+
+    def counted(*args, backward=False, **kwargs):
+        calls.append(bool(backward))
+        return original(*args, backward=backward, **kwargs)
+
+    rope_kernels.rope = counted
+    try:
+        yield calls
+    finally:
+        rope_kernels.rope = original
+
+
+@contextlib.contextmanager
 def counted_host_reads(device_type: Optional[str] = None) -> Iterator[Counter]:
     """While open, counts (by op, in the yielded Counter) the reads of tensor values into Python or onto the
     host (``.item()``, ``bool()``, ``torch.equal``, ``.tolist()``, copies to the CPU) of tensors on

@@ -400,19 +400,12 @@ def test_megatron_fused_rope_runs_this_packages_kernel(megatron_world, packed, i
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    from transformer_engine.common.attention.kernels import rope as rope_kernels
+    from te_torch_testing import rope_kernel_launches
+
     from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    launches = []
-    original = rope_kernels.rope
-
-    def counted(*args, **kwargs):
-        launches.append(kwargs.get("backward", args[-1] if len(args) > 10 else False))
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(rope_kernels, "rope", counted)
     if device == "cpu":  # Megatron's RotaryEmbedding makes its frequencies on torch.cuda.current_device()
         monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
     config = dataclasses.replace(_config(dtype, device), apply_rope_fusion=True, rotary_interleaved=interleaved)
@@ -422,8 +415,9 @@ def test_megatron_fused_rope_runs_this_packages_kernel(megatron_world, packed, i
     cu = torch.tensor([0, SEQ // 2, SEQ // 2 + 3, 3 * SEQ // 2], dtype=torch.int32, device=device) if packed else None
     x = torch.randn(shape, generator=gen).to(device, dtype).requires_grad_(True)
     dy = torch.randn(shape, generator=gen).to(device, dtype)
-    out = rope_utils.apply_rotary_pos_emb(x, freqs, config, cu_seqlens=cu)
-    out.backward(dy)
+    with rope_kernel_launches() as launches:
+        out = rope_utils.apply_rotary_pos_emb(x, freqs, config, cu_seqlens=cu)
+        out.backward(dy)
     assert launches == [False, True]
     x2 = x.detach().clone().requires_grad_(True)
     want = apply_rotary_pos_emb(x2, freqs, "thd" if packed else "sbhd", interleaved=interleaved, cu_seqlens=cu)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dpa_helpers import DEVICE, requires_fused, requires_gpu
+from te_torch_testing import rope_kernel_launches
 from transformer_engine.common.attention.kernels import rope as rope_kernels
 from transformer_engine.pytorch.attention import rope as rope_module
 from transformer_engine.pytorch.attention.rope import RotaryPositionEmbedding, apply_rotary_pos_emb
@@ -225,17 +226,10 @@ FUSED_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 @pytest.fixture
-def kernel_launches(monkeypatch):
-    """Counts the fused kernel's launches (its launcher in common/attention/kernels/rope.py)."""
-    calls = []
-    original = rope_kernels.rope
-
-    def counted(*args, **kwargs):
-        calls.append(kwargs.get("backward", args[-1] if len(args) > 10 else False))
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(rope_kernels, "rope", counted)
-    return calls
+def kernel_launches():
+    """The fused kernel's launches during the test (True for a backward)."""
+    with rope_kernel_launches() as calls:
+        yield calls
 
 
 def _ulp(v, dtype):

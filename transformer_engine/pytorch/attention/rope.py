@@ -142,11 +142,12 @@ def _launch(x: torch.Tensor, cos, sin, tensor_format, cu_seqlens, start_position
     """The Triton kernel (common/attention/kernels/rope.py) into a new contiguous tensor of x's shape and dtype,
     on x's device (its CUDA device made current: Triton launches on the current one)."""
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    args = (x, out, cos, sin, tensor_format, cu_seqlens, start_positions, cp_size, cp_rank, interleaved, backward)
+    kwargs = dict(cu_seqlens=cu_seqlens, start_positions=start_positions, cp_size=cp_size, cp_rank=cp_rank,
+                  interleaved=interleaved, backward=backward)
     if x.device.type == "cuda":
         with torch.cuda.device(x.device):
-            return rope_kernels.rope(*args)
-    return rope_kernels.rope(*args)
+            return rope_kernels.rope(x, out, cos, sin, tensor_format, **kwargs)
+    return rope_kernels.rope(x, out, cos, sin, tensor_format, **kwargs)
 
 
 class _FusedRotaryFunction(torch.autograd.Function):

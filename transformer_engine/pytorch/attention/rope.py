@@ -301,6 +301,15 @@ def _angles(t, cos_table, sin_table, tensor_format, start_positions, cu_seqlens,
     return cos, sin
 
 
+def apply_rotary_tables(t: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, tensor_format: str = "bshd",
+                        start_positions: Optional[torch.Tensor] = None, interleaved: bool = False) -> torch.Tensor:
+    """:func:`apply_rotary_pos_emb`'s unfused rotation from given cos and sin tables (fp32 ``[s2, d2]``, one row per
+    position, the rotary channels in ``interleaved``'s pairing) instead of ``freqs``: for callers that hold the
+    tables, as flash-attn's KV-cache call does. sbhd or bshd; nothing checked or read on the host."""
+    cos, sin = _angles(t, cos_table.float(), sin_table.float(), tensor_format, start_positions, None, 1, 0)
+    return _RotaryFunction.apply(t, cos, sin, bool(interleaved))
+
+
 def _kernel_runs(t: torch.Tensor) -> bool:
     """Whether ``fused=True`` launches the Triton kernel for ``t``: on a GPU, and on the CPU under Triton's
     interpreter (TRITON_INTERPRET=1); otherwise the torch path, which gives the same bits."""

@@ -31,6 +31,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from transformer_engine.pytorch.attention.rope import apply_rotary_tables
+
 __all__ = ["flash_attn_with_kvcache", "install", "uninstall", "MEGATRON_ATTENTION_MODULE"]
 
 MEGATRON_ATTENTION_MODULE = "megatron.core.transformer.attention"
@@ -52,19 +54,6 @@ def _module(h: int, hk: int, d: int, dv: int, scale: Optional[float], causal: bo
         _MODULES[key] = DotProductAttention(h, kv_channels, num_gqa_groups=hk, qkv_format="bshd",
                                             attn_mask_type=mask, softmax_scale=scale).eval()
     return _MODULES[key]
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """RoPE on the first ``2 * cos.shape[-1]`` channels of ``x`` [b, s, h, d]; ``cos``, ``sin`` [b, s, 1, r/2]."""
-    r = 2 * cos.shape[-1]
-    rot, rest = x[..., :r], x[..., r:]
-    if interleaved:  # pairs (0, 1), (2, 3), ...
-        x1, x2 = rot[..., 0::2], rot[..., 1::2]
-        out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
-    else:  # halves
-        x1, x2 = rot[..., :r // 2], rot[..., r // 2:]
-        out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return torch.cat((out.to(x.dtype), rest), dim=-1)
 
 
 def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -102,11 +91,16 @@ def flash_attn_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             else cache_seqlens.to(device=device, dtype=torch.int32).expand(b))
     positions = lens[:, None].long() + torch.arange(s, device=device)[None, :]  # [b, s]: the new tokens'
     if rotary_cos is not None:
-        cos = rotary_cos.reshape(rotary_cos.shape[0], -1)[positions][:, :, None]  # [b, s, 1, r/2]
-        sin = rotary_sin.reshape(rotary_sin.shape[0], -1)[positions][:, :, None]
-        q = _rotate(q, cos, sin, rotary_interleaved)
+        # flash-attn's tables hold one value per channel pair: widened to the rotary channels' pairing, the
+        # rotation is the package's own (attention/rope.py), each sequence starting at its cached length.
+        def widen(table):
+            table = table.reshape(table.shape[0], -1)
+            return table.repeat_interleave(2, dim=-1) if rotary_interleaved else torch.cat((table, table), dim=-1)
+
+        cos, sin = widen(rotary_cos), widen(rotary_sin)
+        q = apply_rotary_tables(q, cos, sin, "bshd", start_positions=lens, interleaved=rotary_interleaved)
         if k is not None:
-            k = _rotate(k, cos, sin, rotary_interleaved)
+            k = apply_rotary_tables(k, cos, sin, "bshd", start_positions=lens, interleaved=rotary_interleaved)
     new = 0
     if k is not None:
         # Scatter through the views into the caller's cache (an index_put on the device: no host read, so

@@ -310,3 +310,67 @@ def test_step_tensors_are_te_s_after_each_step():
     assert params.get_seqlens_pre_step().tolist() == [3, 4, 0]
     params.pre_step(OrderedDict([(5, 1)]))
     assert params.cu_seqlens_q.tolist() == [0, 1, 1, 1] and params.pre_step_seqlens.tolist() == [6, 0, 0]
+
+
+def _host_state(params):
+    """Everything a step leaves for the layers and the next step, as plain values."""
+    step, manager = params._current(), params.cache_manager
+    layout = step.layout
+    state = dict(sequences=list(params.sequences.items()), seq_ids=layout.seq_ids, step_lens=layout.step_lens,
+                 cached_lens=layout.cached_lens, total_lens=layout.total_lens, max_total_len=layout.max_total_len,
+                 rows=step.rows.tolist(), cu_q=step.cu_seqlens_q.tolist(), cu_kv=step.cu_seqlens_kv.tolist(),
+                 te=(params.cu_seqlens_q.tolist(), params.cu_seqlens_kv.tolist(), params.pre_step_seqlens.tolist()))
+    if step.decode is not None:
+        views = step.decode
+        state.update(decode_lens=views.lens_kv.tolist(), decode_rows=views.rows.tolist())
+    if params.is_paged:
+        state.update(free=list(manager.free_pages), pages={s: list(p) for s, p in manager.allocated_pages.items()},
+                     table=manager.page_table.tolist(), step_table=manager.step_page_table(layout).tolist())
+    else:
+        state.update(slots=dict(manager.slots), starts=list(manager._host_starts(layout)))
+    return state
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["non_paged", "paged"])
+def test_continued_decode_steps_leave_the_state_of_steps_decided_afresh(paged):
+    """pre_step continues a decode step of the last decode step's sequences (same order, one int 1 each) from
+    that step's arrays instead of deciding it afresh; after every step (pages taken as sequences fill theirs,
+    sequences finishing and joining, the free list reordered in place, a reordered OrderedDict, a plain dict,
+    refused counts) the state equals that of a second cache whose every step is decided afresh."""
+    def make():
+        params = InferenceParams(4, 96, 1, 8, torch.float32, is_paged=paged, page_size=4 if paged else None,
+                                 total_num_pages=80 if paged else None, device=DEVICE)
+        if paged:
+            random.Random(3).shuffle(params.cache_manager.free_pages)
+        params.allocate_memory(LAYER)
+        return params
+
+    continued, afresh = make(), make()
+    decode = lambda *seqs: OrderedDict((s, 1) for s in seqs)  # noqa: E731
+    steps = ([OrderedDict([(0, 5), (1, 3), (2, 8)])] + [decode(0, 1, 2)] * 11 + [decode(0, 2)] * 6
+             + [OrderedDict([(0, 1), (2, 1), (3, 2)])] + [decode(0, 2, 3)] * 9 + ["shuffle"] + [decode(0, 2, 3)] * 5
+             + [decode(2, 0, 3)] * 3 + [dict(decode(2, 0, 3))] * 3 + ["move"] + [decode(3, 2, 0)] * 2)
+    for i, step in enumerate(steps):
+        if step == "shuffle":  # the free list, reordered in place through the attribute
+            for params in (continued, afresh):
+                if paged:
+                    random.Random(i).shuffle(params.cache_manager.free_pages)
+            continue
+        if step == "move":  # an OrderedDict whose order changed by move_to_end after it was built
+            moved = decode(2, 3, 0)
+            moved.move_to_end(2)
+            assert list(moved) == [3, 0, 2]
+            steps_now = [moved, moved]
+        else:
+            steps_now = [step, step]
+        continued.pre_step(steps_now[0])
+        afresh._chain = None  # decided afresh
+        afresh.pre_step(steps_now[1])
+        assert _host_state(continued) == _host_state(afresh), (i, step)
+        if i in (14, 30):  # counts that are 1 but not the int 1: refused like any step's, changing nothing
+            before = _host_state(continued)
+            for bad in (True, 1.0):
+                with pytest.raises(ValueError, match="positive int token counts"):
+                    continued.pre_step(OrderedDict((s, bad) for s in continued.sequences))
+            assert _host_state(continued) == before
+    assert continued._chain is not None  # the last steps were continued

@@ -71,7 +71,7 @@ import dataclasses
 import itertools
 import math
 import operator
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -392,20 +392,48 @@ class PagedKVCacheManager(KVCacheManager):
         self.total_num_pages = total_num_pages
         self.page_size = page_size
         self.max_pages_per_seq = -(-max_seqlen // page_size)
-        self.free_pages: List[int] = list(range(total_num_pages))
+        self.free_pages = list(range(total_num_pages))
         self.allocated_pages: Dict[object, List[int]] = {}
         self.page_table = torch.zeros(max_batch_size, self.max_pages_per_seq, dtype=torch.int32, device=self.device)
         # What page_table lists (its host copy): each row's sequence and how many of its pages.
         self._table_rows: List[object] = []
-        self._table_counts: List[int] = []
+        self._table_counts = np.zeros(0, np.int64)
         self._host_table = np.zeros((max_batch_size, self.max_pages_per_seq), np.int64)  # page_table's values
         self._gather = None  # (layout, page index, starts) of the current step
         self._gather_positions = None  # (layout, offsets, counts): what the page index is made of, on the device
         self._step_table = None  # (layout, int32 page table of the step's sequences in step order)
         self._last_decode = None  # (seq_ids, each one's page-table row) of the last decode step
+        self._table_copied = None  # (step table buffer, the page-table rows copied into it) at the last decode step
 
     def allocate_memory(self, layer_number: int) -> None:
         self.cache[layer_number] = self._new_cache(self.total_num_pages, self.page_size)
+
+    # ``free_pages`` reads and assigns as a list whose front is taken first. Inside, taking pages moves a head
+    # index (_free_head) instead of deleting the list's front, which would move every free page at every take.
+    @property
+    def free_pages(self) -> List[int]:
+        if self._free_head:
+            del self._free[:self._free_head]
+            self._free_head = 0
+        return self._free
+
+    @free_pages.setter
+    def free_pages(self, pages: List[int]) -> None:
+        self._free, self._free_head = pages, 0
+
+    def _free_count(self) -> int:
+        return len(self._free) - self._free_head
+
+    def _take_free(self, count: int) -> List[int]:
+        """The first ``count`` free pages (there are that many), taken."""
+        head = self._free_head
+        pages = self._free[head:head + count]
+        head += count
+        if 2 * head > len(self._free):  # drop the taken front once it is half the list (amortized: O(1) a page)
+            del self._free[:head]
+            head = 0
+        self._free_head = head
+        return pages
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -420,7 +448,7 @@ class PagedKVCacheManager(KVCacheManager):
     def _check_room(self, finished: List, totals: Mapping) -> None:
         held, want = self._page_counts(totals)
         need = int(np.maximum(want - held, 0).sum())
-        free = len(self.free_pages) + sum(len(self.allocated_pages.get(seq, ())) for seq in finished)
+        free = self._free_count() + sum(len(self.allocated_pages.get(seq, ())) for seq in finished)
         if need > free:
             raise ValueError(
                 f"`step_dict` needs {need} more pages of {self.page_size} tokens than the sequences hold, but "
@@ -428,12 +456,13 @@ class PagedKVCacheManager(KVCacheManager):
                 "step_dict) or allocate more pages")
 
     def _release(self, seq) -> None:
-        self.free_pages.extend(self.allocated_pages.pop(seq, []))
+        self._free.extend(self.allocated_pages.pop(seq, []))
 
     def _reserve(self, seq, total: int) -> None:
         pages = self.allocated_pages.setdefault(seq, [])
-        while len(pages) < self.pages_for(total):
-            pages.append(self.free_pages.pop(0))
+        need = self.pages_for(total) - len(pages)
+        if need > 0:
+            pages.extend(self._take_free(need))
 
     def _reserve_all(self, totals: Mapping) -> None:
         held, want = self._page_counts(totals)
@@ -446,11 +475,11 @@ class PagedKVCacheManager(KVCacheManager):
     def reset(self) -> None:
         super().reset()
         self.page_table.zero_()
-        self._table_rows, self._table_counts = [], []
+        self._table_rows, self._table_counts = [], np.zeros(0, np.int64)
         self._host_table[:] = 0
         self._gather = self._gather_positions = None
         self._step_table = None
-        self._last_decode = None
+        self._last_decode = self._table_copied = None
 
     def get_page_list(self, seq) -> List[int]:
         return list(self.allocated_pages.get(seq, []))
@@ -473,22 +502,23 @@ class PagedKVCacheManager(KVCacheManager):
         width, index, values = self.max_pages_per_seq, [], []
         rows = list(self.sequences)
         counts = [len(self.allocated_pages[seq]) for seq in rows]
+        listed_counts = self._table_counts.tolist()
         if rows == self._table_rows:  # a step of the same sequences: only their new pages
-            for i, (seq, listed, count) in enumerate(zip(rows, self._table_counts, counts)):
+            for i, (seq, listed, count) in enumerate(zip(rows, listed_counts, counts)):
                 if count != listed:
                     index.extend(range(i * width + listed, i * width + count))
                     values.extend(self.allocated_pages[seq][listed:])
         else:
             for i in range(max(len(rows), len(self._table_rows))):
                 pages = self.allocated_pages[rows[i]] if i < len(rows) else ()
-                listed = self._table_counts[i] if i < len(self._table_rows) else 0
+                listed = listed_counts[i] if i < len(self._table_rows) else 0
                 first = listed if i < min(len(rows), len(self._table_rows)) and self._table_rows[i] == rows[i] else 0
                 index.extend(range(i * width + first, i * width + len(pages)))
                 values.extend(pages[first:])
                 if listed > len(pages):
                     index.extend(range(i * width + len(pages), i * width + listed))
                     values.extend([0] * (listed - len(pages)))
-        self._table_rows, self._table_counts = rows, counts
+        self._table_rows, self._table_counts = rows, np.array(counts, np.int64)
         if index:
             self._host_table.reshape(-1)[index] = values
         return index, values
@@ -517,18 +547,15 @@ class PagedKVCacheManager(KVCacheManager):
         grow = np.flatnonzero(cached % size == 0)
         arrays = {}
         if grow.size:
-            if grow.size > len(self.free_pages):
+            if grow.size > self._free_count():
                 return None
-            new = self.free_pages[:grow.size]
-            del self.free_pages[:grow.size]
-            for i, page in zip(grow.tolist(), new):
-                self.allocated_pages[seq_ids[i]].append(page)
-            rows, columns = table_rows[grow], cached[grow] // size
+            new = self._take_free(grow.size)
+            growing = map(self.allocated_pages.__getitem__, map(seq_ids.__getitem__, grow.tolist()))
+            deque(map(list.append, growing, new), maxlen=0)  # each its page, at C speed
+            rows, columns, new = table_rows[grow], cached[grow] // size, np.asarray(new, np.int64)
             self._host_table[rows, columns] = new
-            counts = self._table_counts
-            for row in rows.tolist():
-                counts[row] += 1
-            arrays["changes"] = np.stack([rows * self.max_pages_per_seq + columns, np.asarray(new, np.int64)], axis=1)
+            self._table_counts[rows] += 1  # rows are distinct
+            arrays["changes"] = np.stack([rows * self.max_pages_per_seq + columns, new], axis=1)
         self._decode_changes = int(grow.size)
         self._decode_steps += 1
         pages = self._host_table[table_rows, cached // size]
@@ -542,7 +569,12 @@ class PagedKVCacheManager(KVCacheManager):
             index, values = changes[:self._decode_changes].unbind(1)
         if self._decode_changes:
             self.page_table.view(-1).index_copy_(0, index, values.to(torch.int32))
-        torch.index_select(self.page_table, 0, views.table_rows, out=views.table)
+        # A decode step continuing the last (the same page-table rows, _last_decode's array) that takes no page
+        # finds its step table in the buffer already: the same rows of an unchanged table.
+        copied, rows = self._table_copied, self._last_decode[1]
+        if self._decode_changes or copied is None or copied[0] is not views.table or copied[1] is not rows:
+            torch.index_select(self.page_table, 0, views.table_rows, out=views.table)
+            self._table_copied = (views.table, rows)
         self._step_table = (layout, views.table)
         self._gather = self._gather_positions = None
 
@@ -742,7 +774,9 @@ class _DecodeChain:
         if type(step_dict) not in (dict, OrderedDict) or len(step_dict) != len(self.seq_ids):
             return False
         # Keys in order, and every count the int 1 itself (== would take True and 1.0, which the full path refuses).
-        return tuple(step_dict) == self.seq_ids and all(map(operator.is_, step_dict.values(), self.ones))
+        # The counts are read in the dict's storage order (dict.values): an OrderedDict's own values() looks up
+        # every key, and whether all are 1 does not depend on the order.
+        return tuple(step_dict) == self.seq_ids and all(map(operator.is_, dict.values(step_dict), self.ones))
 
 
 def _upload(device_buffer: torch.Tensor, host: torch.Tensor) -> None:

@@ -142,18 +142,15 @@ class StepLayout:
             object.__setattr__(self, name, value)
 
     @classmethod
-    def _decode(cls, seq_ids: Tuple, ones: Tuple[int, ...], cached: np.ndarray,
-                cached_lens: Optional[Tuple[int, ...]] = None) -> "StepLayout":
-        """The layout of a decode step (``ones``: a 1 per sequence; ``cached``: int64, step order; ``cached_lens``:
-        the same as a tuple where the caller has it, the last step's totals), with the totals from numpy instead
-        of a pass per sequence."""
+    def _decode(cls, seq_ids: Tuple, ones: Tuple[int, ...], totals: np.ndarray, cached_lens: Tuple[int, ...],
+                max_total: int) -> "StepLayout":
+        """The layout of a decode step (``ones``: a 1 per sequence; ``totals``: int64 token counts after the step,
+        step order, the largest ``max_total``; ``cached_lens``: the counts before it), with the totals from numpy
+        instead of a pass per sequence."""
         layout = object.__new__(cls)
-        total = cached + 1
-        if cached_lens is None:
-            cached_lens = tuple(cached.tolist())
         for name, value in (("seq_ids", seq_ids), ("step_lens", ones), ("cached_lens", cached_lens),
-                            ("batch_size", len(seq_ids)), ("total_lens", tuple(total.tolist())),
-                            ("num_tokens", len(seq_ids)), ("max_step_len", 1), ("max_total_len", int(total.max()))):
+                            ("batch_size", len(seq_ids)), ("total_lens", tuple(totals.tolist())),
+                            ("num_tokens", len(seq_ids)), ("max_step_len", 1), ("max_total_len", max_total)):
             object.__setattr__(layout, name, value)
         return layout
 
@@ -402,7 +399,7 @@ class PagedKVCacheManager(KVCacheManager):
         self._gather = None  # (layout, page index, starts) of the current step
         self._gather_positions = None  # (layout, offsets, counts): what the page index is made of, on the device
         self._step_table = None  # (layout, int32 page table of the step's sequences in step order)
-        self._last_decode = None  # (seq_ids, each one's page-table row) of the last decode step
+        self._last_decode = None  # (seq_ids, each one's page-table row, each new token's row) of the last decode step
         self._table_copied = None  # (step table buffer, the page-table rows copied into it) at the last decode step
 
     def allocate_memory(self, layer_number: int) -> None:
@@ -527,9 +524,9 @@ class PagedKVCacheManager(KVCacheManager):
         index, values = self._table_changes()
         position = dict(zip(self._table_rows, range(len(self._table_rows))))
         table_rows = np.fromiter(map(position.__getitem__, layout.seq_ids), np.int64, layout.batch_size)
-        self._last_decode = (layout.seq_ids, table_rows)
         pages = self._host_table[table_rows, cached // self.page_size]
         arrays = dict(rows=pages * self.page_size + cached % self.page_size, table_rows=table_rows)
+        self._last_decode = (layout.seq_ids, table_rows, arrays["rows"])
         self._decode_changes = len(index)
         if len(index) > 2 * self.max_batch_size:  # more than the step buffers hold: a copy of their own
             self._decode_changes = to_device([(index, torch.int64), (values, torch.int64)], self.device)
@@ -542,8 +539,10 @@ class PagedKVCacheManager(KVCacheManager):
         if last is None or last[0] is not seq_ids:
             return None
         table_rows, size = last[1], self.page_size
-        # A sequence whose cached tokens fill their pages takes the next free page, in step order (as pre_step's
-        # _reserve_all gives them); its page-table row lists it next.
+        # Each new token's row follows the last one's in its page, but where the cached tokens fill their pages:
+        # such a sequence takes the next free page, in step order (as pre_step's _reserve_all gives them), and
+        # its page-table row lists it next.
+        rows = last[2] + 1
         grow = np.flatnonzero(cached % size == 0)
         arrays = {}
         if grow.size:
@@ -552,14 +551,15 @@ class PagedKVCacheManager(KVCacheManager):
             new = self._take_free(grow.size)
             growing = map(self.allocated_pages.__getitem__, map(seq_ids.__getitem__, grow.tolist()))
             deque(map(list.append, growing, new), maxlen=0)  # each its page, at C speed
-            rows, columns, new = table_rows[grow], cached[grow] // size, np.asarray(new, np.int64)
-            self._host_table[rows, columns] = new
-            self._table_counts[rows] += 1  # rows are distinct
-            arrays["changes"] = np.stack([rows * self.max_pages_per_seq + columns, new], axis=1)
+            table_grown, columns, new = table_rows[grow], cached[grow] // size, np.asarray(new, np.int64)
+            self._host_table[table_grown, columns] = new
+            self._table_counts[table_grown] += 1  # rows are distinct
+            arrays["changes"] = np.stack([table_grown * self.max_pages_per_seq + columns, new], axis=1)
+            rows[grow] = new * size
         self._decode_changes = int(grow.size)
         self._decode_steps += 1
-        pages = self._host_table[table_rows, cached // size]
-        arrays.update(rows=pages * size + cached % size, table_rows=table_rows)
+        self._last_decode = (seq_ids, table_rows, rows)
+        arrays.update(rows=rows, table_rows=table_rows)
         return arrays
 
     def _take_decode(self, layout: StepLayout, views: "_DecodeViews", changes: torch.Tensor) -> None:
@@ -750,8 +750,25 @@ class _StepBuffers:
                 h32[3 * width:3 * width + b + 1] = decode["starts"]
             if "table_rows" in decode:
                 self.host[n:n + b] = decode["table_rows"]
+        self._upload(decode.get("changes") if decode is not None else None)
+
+    def write_continued(self, cached: np.ndarray, totals: np.ndarray, decode: Dict[str, np.ndarray]) -> None:
+        """:meth:`write` of a decode step that continues the last write's (the same sequences, one token each;
+        ``totals``: ``cached + 1``): what changes only. The query offsets, the starts or page-table rows and the
+        zeros past the batch hold the last write's values, which are this step's."""
+        n, width, b = self.n, self.width, cached.shape[0]
+        h32 = self.host32
+        cu_kv = h32[width:width + n + 1]
+        np.cumsum(totals, out=cu_kv[1:b + 1])
+        cu_kv[b + 1:] = cu_kv[b]
+        h32[2 * width:2 * width + b] = cached
+        h32[4 * width:4 * width + b] = totals
+        self.host[:b] = decode["rows"]
+        self._upload(decode.get("changes"))
+
+    def _upload(self, changes: Optional[np.ndarray]) -> None:
+        """Send the buffer (and ``changes``, (position, value) pairs) to the device."""
         end = self.changes_at
-        changes = decode.get("changes") if decode is not None else None
         if changes is not None:
             end += changes.size
             self.host[self.changes_at:end] = changes.reshape(-1)
@@ -762,11 +779,12 @@ class _DecodeChain:
     """A decode step's sequence ids and arrays, which the next pre_step continues from when it gets a step of the
     same sequences in the same order, one token each (:meth:`InferenceParams._continue_decode`)."""
 
-    __slots__ = ("seq_ids", "ones", "lens", "totals", "total_lens")
+    __slots__ = ("seq_ids", "ones", "totals", "total_lens", "max_total")
 
-    def __init__(self, seq_ids: Tuple, ones: Tuple[int, ...], lens: np.ndarray, totals: np.ndarray,
-                 total_lens: Tuple[int, ...]) -> None:
-        self.seq_ids, self.ones, self.lens, self.totals, self.total_lens = seq_ids, ones, lens, totals, total_lens
+    def __init__(self, seq_ids: Tuple, ones: Tuple[int, ...], totals: np.ndarray, total_lens: Tuple[int, ...],
+                 max_total: int) -> None:
+        self.seq_ids, self.ones, self.totals, self.total_lens, self.max_total = (seq_ids, ones, totals, total_lens,
+                                                                                 max_total)
 
     def continued_by(self, step_dict: Mapping) -> bool:
         """Whether ``step_dict`` (a dict or OrderedDict) lists this step's sequences in its order, each with the int
@@ -957,7 +975,7 @@ class InferenceParams:
         self._buffers.write(lens, before, decode)
         if decode is not None:  # the step buffers' views: the same tensors at every decode step of this size
             self._take_decode(layout)
-            self._chain = _DecodeChain(seq_ids, counts, lens, before + lens, layout.total_lens)
+            self._chain = _DecodeChain(seq_ids, counts, before + lens, layout.total_lens, layout.max_total_len)
             return
         arrays = {"cu_q": (_cumulative(layout.step_lens), torch.int32),
                   "cu_kv": (_cumulative(layout.total_lens), torch.int32)}
@@ -986,15 +1004,16 @@ class InferenceParams:
         path computes per sequence, from the last step's arrays (the same values); False, changing nothing,
         where the full path must decide (a sequence at max_sequence_length, pages the cache lacks)."""
         before = chain.totals
-        if int(before.max()) >= self.max_sequence_length:
+        if chain.max_total >= self.max_sequence_length:
             return False
         decode = self.cache_manager._next_decode_rows(chain.seq_ids, before)
         if decode is None:
             return False
-        self._buffers.write(chain.lens, before, decode)
-        layout = StepLayout._decode(chain.seq_ids, chain.ones, before, chain.total_lens)
+        totals = before + 1
+        self._buffers.write_continued(before, totals, decode)
+        layout = StepLayout._decode(chain.seq_ids, chain.ones, totals, chain.total_lens, chain.max_total + 1)
         self._take_decode(layout)
-        chain.totals, chain.total_lens = before + 1, layout.total_lens
+        chain.totals, chain.total_lens, chain.max_total = totals, layout.total_lens, layout.max_total_len
         return True
 
     def _keep_decode_plan(self, key: tuple, module, fmt: QKVFormat, q: torch.Tensor, q_rows: torch.Tensor,

@@ -159,6 +159,15 @@ class StepLayout:
         return [(i, c + j) for i, (c, n) in enumerate(zip(self.cached_lens, self.step_lens)) for j in range(n)]
 
 
+def _token_positions(layout: StepLayout) -> Tuple[np.ndarray, np.ndarray]:
+    """(each new token's sequence index in the step, its position in its sequence), packed step order, in numpy
+    passes (a prefill step has thousands of tokens)."""
+    lens = np.fromiter(layout.step_lens, np.int64, layout.batch_size)
+    first = np.fromiter(layout.cached_lens, np.int64, layout.batch_size) - (np.cumsum(lens) - lens)
+    seq = np.repeat(np.arange(layout.batch_size), lens)
+    return seq, first[seq] + np.arange(lens.sum())
+
+
 def _cumulative(lengths: Sequence[int]) -> List[int]:
     out = [0]
     for n in lengths:
@@ -329,11 +338,9 @@ class NonPagedKVCacheManager(KVCacheManager):
             super()._reserve_all(totals)
 
     def _host_token_rows(self, layout: StepLayout) -> List[int]:
-        rows = []
-        for seq, cached, n in zip(layout.seq_ids, layout.cached_lens, layout.step_lens):
-            first = self.slots[seq] * self.max_seqlen + cached
-            rows.extend(range(first, first + n))
-        return rows
+        seq, position = _token_positions(layout)
+        slots = np.fromiter(map(self.slots.__getitem__, layout.seq_ids), np.int64, layout.batch_size)
+        return (slots[seq] * self.max_seqlen + position).tolist()
 
     def token_rows(self, layout: StepLayout) -> torch.Tensor:
         return torch.tensor(self._host_token_rows(layout), dtype=torch.int64, device=self.device)
@@ -482,12 +489,12 @@ class PagedKVCacheManager(KVCacheManager):
         return list(self.allocated_pages.get(seq, []))
 
     def _host_token_rows(self, layout: StepLayout) -> List[int]:
-        size, rows = self.page_size, []
-        for seq, cached, n in zip(layout.seq_ids, layout.cached_lens, layout.step_lens):
-            pages = self.allocated_pages[seq]
-            for pos in range(cached, cached + n):
-                rows.append(pages[pos // size] * size + pos % size)
-        return rows
+        seq, position = _token_positions(layout)
+        held = [self.allocated_pages[s] for s in layout.seq_ids]
+        pages = np.fromiter(itertools.chain.from_iterable(held), np.int64)  # the step's sequences' pages, packed
+        first_page = np.cumsum([0] + [len(p) for p in held[:-1]])
+        page = pages[first_page[seq] + position // self.page_size]
+        return (page * self.page_size + position % self.page_size).tolist()
 
     def token_rows(self, layout: StepLayout) -> torch.Tensor:
         return torch.tensor(self._host_token_rows(layout), dtype=torch.int64, device=self.device)

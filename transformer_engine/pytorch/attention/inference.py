@@ -142,17 +142,25 @@ class StepLayout:
             object.__setattr__(self, name, value)
 
     @classmethod
-    def _decode(cls, seq_ids: Tuple, ones: Tuple[int, ...], totals: np.ndarray, cached_lens: Tuple[int, ...],
-                max_total: int) -> "StepLayout":
+    def _decode(cls, seq_ids: Tuple, ones: Tuple[int, ...], totals: np.ndarray, max_total: int) -> "StepLayout":
         """The layout of a decode step (``ones``: a 1 per sequence; ``totals``: int64 token counts after the step,
-        step order, the largest ``max_total``; ``cached_lens``: the counts before it), with the totals from numpy
-        instead of a pass per sequence."""
+        step order, the largest ``max_total``), its per-sequence tuples made when first read (:meth:`__getattr__`):
+        a step whose calls run kept decode plans reads none."""
         layout = object.__new__(cls)
-        for name, value in (("seq_ids", seq_ids), ("step_lens", ones), ("cached_lens", cached_lens),
-                            ("batch_size", len(seq_ids)), ("total_lens", tuple(totals.tolist())),
-                            ("num_tokens", len(seq_ids)), ("max_step_len", 1), ("max_total_len", max_total)):
+        for name, value in (("seq_ids", seq_ids), ("step_lens", ones), ("batch_size", len(seq_ids)),
+                            ("num_tokens", len(seq_ids)), ("max_step_len", 1), ("max_total_len", max_total),
+                            ("_totals", totals)):
             object.__setattr__(layout, name, value)
         return layout
+
+    def __getattr__(self, name: str):
+        # Only for what the instance lacks: a decode layout's cached_lens and total_lens, from its numpy totals.
+        totals = self.__dict__.get("_totals")
+        if totals is None or name not in ("cached_lens", "total_lens"):
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+        value = tuple((totals if name == "total_lens" else totals - 1).tolist())
+        object.__setattr__(self, name, value)
+        return value
 
     def token_positions(self) -> List[Tuple[int, int]]:
         """(sequence index in the step, position in its sequence) of each new token, in packed step order."""
@@ -786,12 +794,10 @@ class _DecodeChain:
     """A decode step's sequence ids and arrays, which the next pre_step continues from when it gets a step of the
     same sequences in the same order, one token each (:meth:`InferenceParams._continue_decode`)."""
 
-    __slots__ = ("seq_ids", "ones", "totals", "total_lens", "max_total")
+    __slots__ = ("seq_ids", "ones", "totals", "max_total")
 
-    def __init__(self, seq_ids: Tuple, ones: Tuple[int, ...], totals: np.ndarray, total_lens: Tuple[int, ...],
-                 max_total: int) -> None:
-        self.seq_ids, self.ones, self.totals, self.total_lens, self.max_total = (seq_ids, ones, totals, total_lens,
-                                                                                 max_total)
+    def __init__(self, seq_ids: Tuple, ones: Tuple[int, ...], totals: np.ndarray, max_total: int) -> None:
+        self.seq_ids, self.ones, self.totals, self.max_total = seq_ids, ones, totals, max_total
 
     def continued_by(self, step_dict: Mapping) -> bool:
         """Whether ``step_dict`` (a dict or OrderedDict) lists this step's sequences in its order, each with the int
@@ -982,7 +988,7 @@ class InferenceParams:
         self._buffers.write(lens, before, decode)
         if decode is not None:  # the step buffers' views: the same tensors at every decode step of this size
             self._take_decode(layout)
-            self._chain = _DecodeChain(seq_ids, counts, before + lens, layout.total_lens, layout.max_total_len)
+            self._chain = _DecodeChain(seq_ids, counts, before + lens, layout.max_total_len)
             return
         arrays = {"cu_q": (_cumulative(layout.step_lens), torch.int32),
                   "cu_kv": (_cumulative(layout.total_lens), torch.int32)}
@@ -1018,9 +1024,9 @@ class InferenceParams:
             return False
         totals = before + 1
         self._buffers.write_continued(before, totals, decode)
-        layout = StepLayout._decode(chain.seq_ids, chain.ones, totals, chain.total_lens, chain.max_total + 1)
+        layout = StepLayout._decode(chain.seq_ids, chain.ones, totals, chain.max_total + 1)
         self._take_decode(layout)
-        chain.totals, chain.total_lens, chain.max_total = totals, layout.total_lens, layout.max_total_len
+        chain.totals, chain.max_total = totals, layout.max_total_len
         return True
 
     def _keep_decode_plan(self, key: tuple, module, fmt: QKVFormat, q: torch.Tensor, q_rows: torch.Tensor,

@@ -352,20 +352,17 @@ def test_continued_decode_steps_leave_the_state_of_steps_decided_afresh(paged):
              + [decode(2, 0, 3)] * 3 + [dict(decode(2, 0, 3))] * 3 + ["move"] + [decode(3, 2, 0)] * 2)
     for i, step in enumerate(steps):
         if step == "shuffle":  # the free list, reordered in place through the attribute
-            for params in (continued, afresh):
-                if paged:
+            if paged:
+                for params in (continued, afresh):
                     random.Random(i).shuffle(params.cache_manager.free_pages)
             continue
         if step == "move":  # an OrderedDict whose order changed by move_to_end after it was built
-            moved = decode(2, 3, 0)
-            moved.move_to_end(2)
-            assert list(moved) == [3, 0, 2]
-            steps_now = [moved, moved]
-        else:
-            steps_now = [step, step]
-        continued.pre_step(steps_now[0])
+            step = decode(2, 3, 0)
+            step.move_to_end(2)
+            assert list(step) == [3, 0, 2]
+        continued.pre_step(step)
         afresh._chain = None  # decided afresh
-        afresh.pre_step(steps_now[1])
+        afresh.pre_step(step)
         assert _host_state(continued) == _host_state(afresh), (i, step)
         if i in (14, 30):  # counts that are 1 but not the int 1: refused like any step's, changing nothing
             before = _host_state(continued)

@@ -71,7 +71,7 @@ import dataclasses
 import itertools
 import math
 import operator
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -162,18 +162,13 @@ class StepLayout:
         object.__setattr__(self, name, value)
         return value
 
-    def token_positions(self) -> List[Tuple[int, int]]:
-        """(sequence index in the step, position in its sequence) of each new token, in packed step order."""
-        return [(i, c + j) for i, (c, n) in enumerate(zip(self.cached_lens, self.step_lens)) for j in range(n)]
-
-
-def _token_positions(layout: StepLayout) -> Tuple[np.ndarray, np.ndarray]:
-    """(each new token's sequence index in the step, its position in its sequence), packed step order, in numpy
-    passes (a prefill step has thousands of tokens)."""
-    lens = np.fromiter(layout.step_lens, np.int64, layout.batch_size)
-    first = np.fromiter(layout.cached_lens, np.int64, layout.batch_size) - (np.cumsum(lens) - lens)
-    seq = np.repeat(np.arange(layout.batch_size), lens)
-    return seq, first[seq] + np.arange(lens.sum())
+    def token_positions(self) -> Tuple[np.ndarray, np.ndarray]:
+        """(each new token's sequence index in the step, its position in its sequence), int64, packed step order,
+        in numpy passes (a prefill step has thousands of tokens)."""
+        lens = np.fromiter(self.step_lens, np.int64, self.batch_size)
+        first = np.fromiter(self.cached_lens, np.int64, self.batch_size) - (np.cumsum(lens) - lens)
+        seq = np.repeat(np.arange(self.batch_size), lens)
+        return seq, first[seq] + np.arange(lens.sum())
 
 
 def _cumulative(lengths: Sequence[int]) -> List[int]:
@@ -346,7 +341,7 @@ class NonPagedKVCacheManager(KVCacheManager):
             super()._reserve_all(totals)
 
     def _host_token_rows(self, layout: StepLayout) -> List[int]:
-        seq, position = _token_positions(layout)
+        seq, position = layout.token_positions()
         slots = np.fromiter(map(self.slots.__getitem__, layout.seq_ids), np.int64, layout.batch_size)
         return (slots[seq] * self.max_seqlen + position).tolist()
 
@@ -415,7 +410,7 @@ class PagedKVCacheManager(KVCacheManager):
         self._gather_positions = None  # (layout, offsets, counts): what the page index is made of, on the device
         self._step_table = None  # (layout, int32 page table of the step's sequences in step order)
         self._last_decode = None  # (seq_ids, each one's page-table row, each new token's row) of the last decode step
-        self._table_copied = None  # (step table buffer, the page-table rows copied into it) at the last decode step
+        self._step_table_kept = False  # the step buffers' table holds this decode step's table already
 
     def allocate_memory(self, layer_number: int) -> None:
         self.cache[layer_number] = self._new_cache(self.total_num_pages, self.page_size)
@@ -491,13 +486,13 @@ class PagedKVCacheManager(KVCacheManager):
         self._host_table[:] = 0
         self._gather = self._gather_positions = None
         self._step_table = None
-        self._last_decode = self._table_copied = None
+        self._last_decode = None
 
     def get_page_list(self, seq) -> List[int]:
         return list(self.allocated_pages.get(seq, []))
 
     def _host_token_rows(self, layout: StepLayout) -> List[int]:
-        seq, position = _token_positions(layout)
+        seq, position = layout.token_positions()
         held = [self.allocated_pages[s] for s in layout.seq_ids]
         pages = np.fromiter(itertools.chain.from_iterable(held), np.int64)  # the step's sequences' pages, packed
         first_page = np.cumsum([0] + [len(p) for p in held[:-1]])
@@ -542,6 +537,7 @@ class PagedKVCacheManager(KVCacheManager):
         pages = self._host_table[table_rows, cached // self.page_size]
         arrays = dict(rows=pages * self.page_size + cached % self.page_size, table_rows=table_rows)
         self._last_decode = (layout.seq_ids, table_rows, arrays["rows"])
+        self._step_table_kept = False
         self._decode_changes = len(index)
         if len(index) > 2 * self.max_batch_size:  # more than the step buffers hold: a copy of their own
             self._decode_changes = to_device([(index, torch.int64), (values, torch.int64)], self.device)
@@ -564,14 +560,16 @@ class PagedKVCacheManager(KVCacheManager):
             if grow.size > self._free_count():
                 return None
             new = self._take_free(grow.size)
-            growing = map(self.allocated_pages.__getitem__, map(seq_ids.__getitem__, grow.tolist()))
-            deque(map(list.append, growing, new), maxlen=0)  # each its page, at C speed
+            for i, page in zip(grow.tolist(), new):
+                self.allocated_pages[seq_ids[i]].append(page)
             table_grown, columns, new = table_rows[grow], cached[grow] // size, np.asarray(new, np.int64)
             self._host_table[table_grown, columns] = new
             self._table_counts[table_grown] += 1  # rows are distinct
             arrays["changes"] = np.stack([table_grown * self.max_pages_per_seq + columns, new], axis=1)
             rows[grow] = new * size
         self._decode_changes = int(grow.size)
+        # The last decode step (these sequences, this batch size) wrote the step table; no page taken, no change.
+        self._step_table_kept = not grow.size
         self._decode_steps += 1
         self._last_decode = (seq_ids, table_rows, rows)
         arrays.update(rows=rows, table_rows=table_rows)
@@ -584,12 +582,8 @@ class PagedKVCacheManager(KVCacheManager):
             index, values = changes[:self._decode_changes].unbind(1)
         if self._decode_changes:
             self.page_table.view(-1).index_copy_(0, index, values.to(torch.int32))
-        # A decode step continuing the last (the same page-table rows, _last_decode's array) that takes no page
-        # finds its step table in the buffer already: the same rows of an unchanged table.
-        copied, rows = self._table_copied, self._last_decode[1]
-        if self._decode_changes or copied is None or copied[0] is not views.table or copied[1] is not rows:
+        if not self._step_table_kept:
             torch.index_select(self.page_table, 0, views.table_rows, out=views.table)
-            self._table_copied = (views.table, rows)
         self._step_table = (layout, views.table)
         self._gather = self._gather_positions = None
 

@@ -7,7 +7,8 @@
 #   ACC_UNITS="l3 jax" bash dev/device/acceptance.sh 2   # only these units (e.g. re-runs after a fix)
 #
 # Carry: .kernel_cache (Triton's cache for sm_90, built on the CPU machine by dev/device/kernel_cache.py from
-# sm90_kernels.jsonl.gz: the call then compiles only what the records lack) and .whl/clients (megatron-core).
+# sm90_kernels.jsonl.gz and packed as sm90_cache.tar.xz by `kernel_cache.py pack`: the call then compiles only what
+# the records lack) and .whl/clients (megatron-core).
 # Units run ACC_SLOTS at a time (default 4), each one pytest over its files with ACC_WORKERS xdist workers
 # sharing the GPU; each ends by SIGINT at the call's deadline (ACC_DEADLINE seconds after the start, default
 # 545), so pytest still writes the JUnit XML of what finished. $OUT gets summary.md (unit, file, passed,
@@ -28,10 +29,14 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export TRITON_CACHE_DIR=/tmp/te_sm90_cache
 log() { echo "[$(( $(date +%s) - T0S ))s] $*" | tee -a "$A/logs/driver.log"; }
 
+# The whole CPU-built cache as one xz tar (kernel_cache.py pack: fits one carry), or a call's own tgz parts.
+if ls "$ROOT"/.kernel_cache/sm90_cache.tar.xz > /dev/null 2>&1; then
+  python3 -c "import sys, tarfile; tarfile.open(sys.argv[1], 'r:xz').extractall('/')" "$ROOT/.kernel_cache/sm90_cache.tar.xz"
+fi
 if ls "$ROOT"/.kernel_cache/sm90_cache.tgz* > /dev/null 2>&1; then
   cat "$ROOT"/.kernel_cache/sm90_cache.tgz* | tar -C / -xzf -
-  log "kernel cache: $(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l) cubins carried"
 fi
+[ -d "$TRITON_CACHE_DIR" ] && log "kernel cache: $(find "$TRITON_CACHE_DIR" -name '*.cubin' | wc -l) cubins carried"
 mkdir -p "$TRITON_CACHE_DIR"
 log "triton_key $(python3 dev/device/kernel_cache.py triton_key) triton $(python3 -c 'import triton; print(triton.__version__)')"
 

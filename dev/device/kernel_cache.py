@@ -13,6 +13,8 @@ beside this file keeps the union of what the acceptance run compiled.
                                                                # Python, see triton_key)
   python dev/device/kernel_cache.py share RECORD_DIR --t0 T --t1 T   # compile share of a call
   python dev/device/kernel_cache.py prune --cache DIR           # keep each entry's metadata and cubin
+  python dev/device/kernel_cache.py pack --cache DIR --out F    # DIR as one xz tar (absolute paths kept): the
+                                                               # whole cache in one carry (acceptance.sh unpacks it)
   python dev/device/kernel_cache.py triton_key                 # the hash of this Triton build (must equal the
                                                                # GPU machine's for its cache to hit)
 
@@ -141,6 +143,18 @@ def build(cache, jobs, records=None, limit=0):
     return 0 if failed == 0 and mismatch == 0 else 1
 
 
+def pack(cache, out):
+    """The pruned cache as one xz tar whose members keep their absolute path (``tar -C /`` layout)."""
+    import tarfile
+
+    _prune(cache)
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with tarfile.open(out, "w:xz", preset=6) as tar:
+        tar.add(os.path.abspath(cache), arcname=os.path.abspath(cache).lstrip("/"))
+    cubins = sum(f.endswith(".cubin") for _, _, fs in os.walk(cache) for f in fs)
+    print(f"{out}: {cubins} cubins, {os.path.getsize(out) / 2**20:.1f} MiB")
+
+
 def share(dirs, t0, t1):
     """The compile share of a call: the wall time during which at least one process compiled (not a cache hit),
     over the call's wall time [t0, t1]; and the CPU seconds of compiles and of cache loads."""
@@ -181,6 +195,9 @@ def main(argv=None):
     s.add_argument("dirs", nargs="+")
     s.add_argument("--t0", type=float, required=True)
     s.add_argument("--t1", type=float, required=True)
+    pk = sub.add_parser("pack")
+    pk.add_argument("--cache", required=True)
+    pk.add_argument("--out", required=True)
     sub.add_parser("triton_key")
     pr = sub.add_parser("prune")
     pr.add_argument("--cache", required=True)
@@ -191,6 +208,8 @@ def main(argv=None):
         return build(a.cache, a.jobs, a.records, a.limit)
     elif a.cmd == "prune":
         print(f"{_prune(a.cache)} IR files pruned")
+    elif a.cmd == "pack":
+        pack(a.cache, a.out)
     elif a.cmd == "share":
         share(a.dirs, a.t0, a.t1)
     else:

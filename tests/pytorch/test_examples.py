@@ -39,8 +39,9 @@ def test_example_runs(name, args, verdict):
 
 
 def test_every_pytorch_example_is_tested():
-    # megatron_gpt.py is run by test_megatron_gpt.py, with the megatron-core tests (Python 3.12).
+    # megatron_gpt.py and megatron_decode_graph.py are run by test_megatron_gpt.py, with the megatron-core tests
+    # (Python 3.12).
     tested = {"pytorch_attention.py", "pytorch_compile.py", "pytorch_fsdp_checkpoint.py", "huggingface_llama.py",
-              "pytorch_generate_logprobs.py", "pytorch_decode_graph.py", "megatron_gpt.py"}
+              "pytorch_generate_logprobs.py", "pytorch_decode_graph.py", "megatron_gpt.py", "megatron_decode_graph.py"}
     scripts = {p.name for p in (REPO / "examples").glob("*.py") if not p.name.startswith(("flax", "jax"))}
     assert scripts == tested, scripts

@@ -1,5 +1,6 @@
 """Megatron-core's CUDA-graph decode on this package: generation with graphs on equals graphs off, bit for bit.
 
+    pip install setuptools wheel pybind11      # a new venv has none; --no-build-isolation builds with them
     pip install --no-build-isolation ".[pytorch]" && pip install megatron-core==0.19.2   # Python 3.12
     python examples/megatron_decode_graph.py     # GPU if there is one (bf16), else CPU (fp32, no graphs)
 
@@ -16,7 +17,8 @@ CUDA-only. The script then runs the same model and config without ``cuda_graph_i
 ``GPTInferenceWrapper`` as the controller does: the decode steps go through the step that would be captured
 (``flash_decode=True``, this package's ``flash_attn_with_kvcache``), eagerly, and are compared with the
 ordinary path (``flash_decode=False``, ``TEDotProductAttention``). It says so in its output.
-docs/megatron.rst shows this file; tests/pytorch/test_megatron_gpt.py runs it.
+docs/megatron.rst shows this file and the whole install (torch's CPU build, the versions CI tests);
+tests/pytorch/test_megatron_gpt.py runs it.
 """
 
 import argparse

@@ -15,7 +15,8 @@ os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
 
 import torch  # noqa: E402
 
-INSTALL_HINT = 'transformers is not installed: pip install "transformers>=4.56" (or ".[hf]" from the repository\'s root)'
+INSTALL_HINT = ('transformers is not installed: pip install "transformers>=4.56" '
+                '(or ".[hf]" from the repository\'s root)')
 
 
 def train(device, dtype, steps: int, seq_len: int):

@@ -40,7 +40,7 @@ def build_model(device: str, dtype: torch.dtype, max_len: int, seed: int = 0, **
 
     config = TransformerConfig(
         num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64,
-        params_dtype=dtype, bf16=dtype == torch.bfloat16, use_cpu_initialization=device == "cpu",
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, use_cpu_initialization=True,  # then copied to the device
         attention_dropout=0.0, hidden_dropout=0.0, deterministic_mode=True,
         gradient_accumulation_fusion=False, bias_dropout_fusion=device == "cuda", masked_softmax_fusion=False,
         persist_layer_norm=False,
@@ -176,7 +176,10 @@ def main() -> int:
     device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
     max_len = max(map(len, PROMPTS)) + args.new_tokens
     store = os.path.join(tempfile.mkdtemp(), "store")
-    dist.init_process_group("nccl" if on_gpu else "gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    if on_gpu:
+        torch.cuda.set_device(0)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if on_gpu else "gloo", init_method=f"file://{store}", rank=0,
+                            world_size=1)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     previous = te_megatron.install()  # once per process; te_megatron.uninstall(previous) puts flash-attn's back
     try:

@@ -34,9 +34,10 @@ def train(steps: int, seq_len: int):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--seq-len", type=int, default=64)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--steps", type=int, default=3, help="training steps per run")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     args = p.parse_args()
     first, second = (train(args.steps, args.seq_len) for _ in range(2))
     same = bool(jnp.array_equal(first, second))

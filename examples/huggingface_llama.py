@@ -1,7 +1,7 @@
 """A Hugging Face Llama on this project's attention: deterministic training, twice, bit for bit.
 
-    pip install ".[hf]"                           # transformers, from the repository's root
-    python examples/huggingface_llama.py          # GPU if there is one, else CPU
+    pip install --no-build-isolation ".[pytorch,hf]"   # this package with transformers, from the repository's root
+    python examples/huggingface_llama.py               # GPU if there is one, else CPU
 
 The model is built from a small config (no download). For a pretrained one, pass the same
 ``attn_implementation`` to ``from_pretrained``.
@@ -9,16 +9,21 @@ The model is built from a small config (no download). For a pretrained one, pass
 
 import argparse
 import os
+import sys
 
 os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
 
 import torch  # noqa: E402
-import transformers  # noqa: E402
 
-from transformer_engine.pytorch.integrations import huggingface  # noqa: E402
+INSTALL_HINT = ('transformers is not installed: pip install "transformers>=4.56" '
+                '(or ".[hf]" from the repository\'s root)')
 
 
 def train(device, dtype, steps: int, seq_len: int):
+    import transformers
+
+    from transformer_engine.pytorch.integrations import huggingface
+
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
@@ -40,11 +45,19 @@ def train(device, dtype, steps: int, seq_len: int):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--seq-len", type=int, default=64)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--steps", type=int, default=3, help="training steps per run")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     args = p.parse_args()
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print(INSTALL_HINT, file=sys.stderr)
+        raise SystemExit(2) from None
+    from transformer_engine.pytorch.integrations import huggingface
+
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     huggingface.register()

@@ -1,5 +1,6 @@
 """A Megatron-core GPT on this package (its TransformerEngine layer spec): trained twice, bit for bit.
 
+    pip install setuptools wheel pybind11      # a new venv has none; --no-build-isolation builds with them
     pip install --no-build-isolation ".[pytorch]" && pip install megatron-core==0.19.2   # Python 3.12
     python examples/megatron_gpt.py          # GPU if there is one (bf16), else CPU (fp32)
 
@@ -7,7 +8,8 @@ Megatron-core's ``get_gpt_layer_with_transformer_engine_spec`` builds the layers
 ``LayerNormLinear``, ``Linear`` and ``DotProductAttention``, and Megatron's Adam is this package's
 ``FusedAdam``. One process (world size 1), ``deterministic_mode=True`` with
 ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0``: the two runs' losses and parameters are bitwise equal.
-docs/megatron.rst shows this file; tests/pytorch/test_megatron_gpt.py runs it.
+docs/megatron.rst shows this file and the whole install (torch's CPU build, the versions CI tests);
+tests/pytorch/test_megatron_gpt.py runs it.
 """
 
 import argparse
@@ -61,8 +63,9 @@ def train(model, device: str, steps: int):
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=3)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False,
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--steps", type=int, default=3, help="training steps per run")
     args = parser.parse_args()
     try:
         import megatron.core  # noqa: F401

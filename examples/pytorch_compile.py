@@ -12,8 +12,9 @@ from transformer_engine.pytorch.models import TinyConfig, TinyTransformerLM
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu, cuda or cuda:N (default: cuda if there is a GPU, else cpu)")
     p.add_argument("--backend", default=None, help="torch.compile backend (default: inductor on GPU, aot_eager on CPU)")
     args = p.parse_args()
     device = torch.device(args.device)

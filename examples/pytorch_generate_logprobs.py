@@ -157,8 +157,9 @@ def recompute(model, prompts, sampled):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--paged", action="store_true", help="a paged KV cache with its pages in random order")
     args = p.parse_args()
     device = torch.device(args.device)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -254,6 +255,33 @@ def test_parser_places_frontend_options_and_limits_expect_backend():
     assert info.value.code == report.EXIT_BAD_ARGUMENTS
 
 
+def test_abbreviated_options_are_refused_not_taken_for_the_full_flag(capsys):
+    """Issue 69: `--fused-interp` was taken by argparse as `--fused-interpreter` while the frontend looked for the
+    full string: the run went unfused and told the user to add the flag they had added. Prefixes are refused."""
+    parser = report.build_parser("prog", "desc", device_help="d", nondeterministic_help="n",
+                                 expect_backends=("fused",),
+                                 determinism_options=[("--fused-interpreter", dict(action="store_true"))])
+    for argv in (["--fused-interp"], ["--fused"], ["--step", "3"], ["--no-ref"]):
+        with pytest.raises(SystemExit) as info:
+            parser.parse_args(argv)
+        assert info.value.code == report.EXIT_BAD_ARGUMENTS
+        assert f"unrecognized arguments: {argv[0]}" in capsys.readouterr().err
+    assert parser.parse_args(["--fused-interpreter"]).fused_interpreter is True
+
+
+def test_help_states_every_default_by_where_it_applies():
+    parser = report.build_parser("prog", "desc", device_help="d", nondeterministic_help="n", expect_backends=("fused",),
+                                 defaults={"on a GPU": report.GPU_DEFAULTS, "on CPU": report.CPU_DEFAULTS,
+                                           "with --fused-interpreter": dict(report.CPU_DEFAULTS, steps=3)})
+    text = " ".join(parser.format_help().split())  # help lines are wrapped: compare with single spaces
+    assert "training steps per run; default: 10 on a GPU, 5 on CPU, 3 with --fused-interpreter" in text
+    assert "tokens per sequence; default: 1024 on a GPU, 64 on CPU and with --fused-interpreter" in text
+    assert "equal to --num-heads for MHA; default: 2" in text
+    assert "auto: bfloat16 on a GPU, float32 on CPU and with --fused-interpreter (default: auto)" in text
+    assert "(default: 1234)" in text and "(default: -1)" in text
+    assert "(default: None)" not in text and "(default: False)" not in text
+
+
 def test_apply_defaults_fills_unset_options_and_checks_sizes():
     args = _args("--steps", "7", "--dtype", "auto", **report.GPU_DEFAULTS)
     assert (args.steps, args.seq_len, args.dtype) == (7, 1024, "bfloat16")
@@ -271,6 +299,46 @@ def test_main_reports_errors_with_exit_2(error, capsys):
     parser = report.build_parser("p", "d", device_help="d", nondeterministic_help="n", expect_backends=("fused",))
     assert report.main(parser, run_check, []) == 2
     assert capsys.readouterr().err == f"determinism_check: error: {error}\n"
+
+
+def test_main_acts_on_the_parsed_options_through_rerun(capsys):
+    """The frontend's decision to rerun in a child is made on the options as parsed, once."""
+    parser = report.build_parser("p", "d", device_help="d", nondeterministic_help="n", expect_backends=("fused",),
+                                 determinism_options=[("--fused-interpreter", dict(action="store_true"))])
+    seen = []
+
+    def run_check(args):
+        raise AssertionError("the check ran here although the rerun hook ran it elsewhere")
+
+    def rerun(args):
+        seen.append(args)
+        return 7 if args.fused_interpreter else None
+
+    assert report.main(parser, run_check, ["--fused-interpreter", "--steps", "2"], rerun=rerun) == 7
+    assert seen[0].fused_interpreter is True and seen[0].steps == 2
+    result = _result()
+    assert report.main(parser, lambda args: result, [], rerun=rerun) == 0
+    assert seen[1].fused_interpreter is False
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("name, raw, words", [
+    ("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "2", "NVTE_ALLOW_NONDETERMINISTIC_ALGO must be 0 or 1, got '2'"),
+    ("NVTE_FUSED_ATTN_BACKEND", "cudnn", "NVTE_FUSED_ATTN_BACKEND must be one of"),
+    ("NVTE_DEBUG_LEVEL", "9", "NVTE_DEBUG_LEVEL must be in [0, 2], got 9"),
+])
+def test_main_refuses_a_malformed_variable_by_name_before_anything_runs(monkeypatch, capsys, name, raw, words):
+    """Issue 69: NVTE_ALLOW_NONDETERMINISTIC_ALGO=2 was overwritten with 0 for the runs, and the check passed
+    saying "=0". A malformed NVTE_* variable is refused (exit 2) with its name, as the library refuses it."""
+    monkeypatch.setenv(name, raw)
+    called = []
+    parser = report.build_parser("p", "d", device_help="d", nondeterministic_help="n", expect_backends=("fused",))
+    status = report.main(parser, lambda args: called.append("run") or _result(),
+                         [], rerun=lambda args: called.append("rerun"))
+    assert status == report.EXIT_BAD_ARGUMENTS and called == []
+    err = capsys.readouterr().err
+    assert err.startswith("determinism_check: error: ") and words in err, err
+    assert os.environ[name] == raw
 
 
 def test_main_prints_report_and_json(tmp_path, capsys):

@@ -105,6 +105,19 @@ def test_malformed_backend_choice_lists_the_choices(monkeypatch):
         settings.get("NVTE_FUSED_ATTN_BACKEND")
 
 
+@pytest.mark.parametrize("name, raw, choices", [
+    ("NVTE_FUSED_ATTN_BACKEND", "cudnn", "fused, flash, unfused"),
+    ("NVTE_FUSED_ATTN_PLAN_ARCH", "sm70", "sm80, sm89, sm90, sm100, sm120, gfx90a, gfx942, gfx950"),
+])
+def test_malformed_choice_error_lists_no_empty_choice(monkeypatch, name, raw, choices):
+    """Issue 69: the error read "must be one of , fused, flash, unfused" (the empty choice, unset, listed as a
+    name). The empty choice is said as "(or unset)"."""
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(ValueError) as info:
+        settings.get(name)
+    assert str(info.value) == f"{name} must be one of {choices} (or unset), got {raw!r}"
+
+
 def test_undeclared_name_is_rejected():
     with pytest.raises(KeyError, match="NVTE_NOT_A_VARIABLE is not a declared"):
         settings.get("NVTE_NOT_A_VARIABLE")

@@ -91,6 +91,43 @@ def test_bad_arguments_exit_2(capsys):
     assert info.value.code == 2
 
 
+@pytest.mark.parametrize("flag", ["--fused-interp", "--fused"])
+def test_abbreviated_fused_interpreter_flag_is_refused(monkeypatch, capsys, flag):
+    """Issue 69: a prefix of --fused-interpreter was accepted and the run went unfused."""
+    started = []
+    monkeypatch.setattr(determinism_check, "_rerun_interpreted", lambda argv: started.append(argv) or 0)
+    with pytest.raises(SystemExit) as info:
+        determinism_check.main([flag, "--device", "cpu"])
+    assert info.value.code == 2 and started == []
+    assert f"unrecognized arguments: {flag}" in capsys.readouterr().err
+
+
+def test_fused_interpreter_flag_starts_the_interpreted_child_from_the_parsed_value(monkeypatch):
+    started = []
+    monkeypatch.setattr(determinism_check, "_interpreting", lambda: False)
+    monkeypatch.setattr(determinism_check, "_rerun_interpreted", lambda argv: started.append(argv) or 0)
+    assert determinism_check.main(["--steps", "1", "--fused-interpreter"]) == 0
+    assert started == [["--steps", "1", "--fused-interpreter"]]
+
+
+def test_malformed_determinism_variable_is_refused_by_name(monkeypatch, capsys):
+    """Issue 69: NVTE_ALLOW_NONDETERMINISTIC_ALGO=2 was replaced by 0 for the runs; the check passed, saying "=0"."""
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "2")
+    assert determinism_check.main(TINY + ["--device", "cpu", "--quiet", "--no-reference", "--no-xla-flag"]) == 2
+    captured = capsys.readouterr()
+    assert "NVTE_ALLOW_NONDETERMINISTIC_ALGO must be 0 or 1, got '2'" in captured.err
+    assert "Determinism check" not in captured.out  # refused before anything ran
+    assert os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] == "2"
+
+
+def test_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        determinism_check.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "default: 10 on a GPU, 5 on CPU, 3 with --fused-interpreter" in text
+    assert "sets both TRITON_INTERPRET=1 and NVTE_JAX_TRITON_INTERPRET=1" in text
+
+
 # In-process runs use the (fast) unfused backend, skip the reference run and leave XLA_FLAGS alone.
 IN_PROCESS = TINY + ["--device", "cpu", "--quiet", "--no-reference", "--no-xla-flag"]
 
@@ -130,7 +167,11 @@ def test_nondeterminism_allowed_when_not_requested(nondeterministic_attention, c
 
 def test_environment_restored_and_expect_backend(unfused_only, capsys):
     assert determinism_check.main(IN_PROCESS + ["--expect-backend", "fused"]) == 3
-    assert "expected every attention call on FusedAttention" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "expected every attention call on FusedAttention" in out
+    # The unfused-on-CPU note says that the interpreted kernels need both variables and that the flag sets them.
+    assert "--fused-interpreter sets both variables the interpreted kernels need, TRITON_INTERPRET=1" in out
+    assert "NVTE_JAX_TRITON_INTERPRET=1, in a child process" in out
     assert "NVTE_ALLOW_NONDETERMINISTIC_ALGO" not in os.environ
     assert os.environ["NVTE_FUSED_ATTN_BACKEND"] == "unfused"
 

@@ -58,6 +58,45 @@ def test_bad_arguments_exit_2(capsys):
     assert info.value.code == 2
 
 
+@pytest.mark.parametrize("flag", ["--fused-interp", "--fused"])
+def test_abbreviated_fused_interpreter_flag_is_refused(monkeypatch, capsys, flag):
+    """Issue 69: a prefix of --fused-interpreter was accepted, the run went unfused, passed, then failed with
+    "expected ... FusedAttention" (exit 3) and asked for the flag that had been given."""
+    started = []
+    monkeypatch.setattr(determinism_check, "_rerun_interpreted", lambda argv: started.append(argv) or 0)
+    with pytest.raises(SystemExit) as info:
+        determinism_check.main([flag, "--device", "cpu"])
+    assert info.value.code == 2 and started == []
+    assert f"unrecognized arguments: {flag}" in capsys.readouterr().err
+
+
+def test_fused_interpreter_flag_starts_the_interpreted_child_from_the_parsed_value(monkeypatch):
+    started = []
+    monkeypatch.setattr(determinism_check, "triton_interpreting", lambda: False)
+    monkeypatch.setattr(determinism_check, "_rerun_interpreted", lambda argv: started.append(argv) or 0)
+    assert determinism_check.main(["--steps", "1", "--fused-interpreter"]) == 0
+    assert started == [["--steps", "1", "--fused-interpreter"]]
+
+
+def test_malformed_determinism_variable_is_refused_by_name(monkeypatch, capsys):
+    """Issue 69: NVTE_ALLOW_NONDETERMINISTIC_ALGO=2 was replaced by 0 for the runs; the check passed, saying "=0"."""
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "2")
+    assert determinism_check.main(TINY + ["--device", "cpu", "--quiet", "--no-reference"]) == 2
+    captured = capsys.readouterr()
+    assert "NVTE_ALLOW_NONDETERMINISTIC_ALGO must be 0 or 1, got '2'" in captured.err
+    assert "Determinism check" not in captured.out  # refused before anything ran
+    assert os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] == "2"
+
+
+def test_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        determinism_check.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "default: 10 on a GPU, 5 on CPU, 3 with --fused-interpreter" in text
+    assert "default: 1024 on a GPU, 64 on CPU, 32 with --fused-interpreter" in text
+    assert "--dtype float32, the default, or float16" in text
+
+
 # In-process runs force the (fast) unfused backend and skip the reference run.
 IN_PROCESS = TINY + ["--device", "cpu", "--quiet", "--no-reference"]
 

@@ -28,6 +28,7 @@ from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, 
 
 import numpy as np
 
+from transformer_engine.common import settings
 from transformer_engine.common.attention.backends import BACKENDS, NoBackendError
 
 __all__ = [
@@ -57,6 +58,7 @@ __all__ = [
     "write_json",
     "build_parser",
     "apply_defaults",
+    "check_environment",
     "main",
 ]
 
@@ -357,28 +359,65 @@ def write_json(result: CheckResult, path: str) -> None:
 Option = Tuple[str, Dict[str, object]]  # a flag and add_argument's keyword arguments
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with each option's default, except where there is none to show (unset sizes, whose
+    defaults depend on the device and the help states; off switches)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "%(default)" in help_text or "default:" in help_text:
+            return help_text
+        return super()._get_help_string(action)
+
+
+def _sizes_help(key: str, defaults: Mapping[str, Mapping[str, object]]) -> str:
+    """Where each default of ``key`` applies, e.g. "default: 10 on a GPU, 5 on CPU, 3 with --fused-interpreter"
+    (one value for all: "default: 2")."""
+    places: Dict[object, List[str]] = {}  # value -> where it applies, in the order of ``defaults``
+    for where, d in defaults.items():
+        if key in d:
+            places.setdefault(d[key], []).append(where)
+    if len(places) <= 1:
+        return "".join(f"default: {value}" for value in places)
+    return "default: " + ", ".join(f"{value} {' and '.join(where)}" for value, where in places.items())
+
+
 def build_parser(prog: str, description: str, *, device_help: str, nondeterministic_help: str,
                  expect_backends: Sequence[str], shape_options: Sequence[Option] = (),
-                 determinism_options: Sequence[Option] = ()) -> argparse.ArgumentParser:
+                 determinism_options: Sequence[Option] = (),
+                 defaults: Optional[Mapping[str, Mapping[str, object]]] = None) -> argparse.ArgumentParser:
     """The options both checks take, in the order ``--help`` lists them; a frontend's own options
     go after the model's sizes (``shape_options``) and after ``--nondeterministic``
     (``determinism_options``). ``expect_backends`` are the keys of :data:`BACKEND_NAMES` the
-    frontend can run."""
-    p = argparse.ArgumentParser(prog=prog, description=description)
-    p.add_argument("--steps", type=int, help="training steps per run")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence")
-    p.add_argument("--batch-size", type=int)
-    p.add_argument("--hidden-size", type=int)
-    p.add_argument("--num-heads", type=int, help="query heads")
-    p.add_argument("--gqa-groups", type=int, help="key/value heads (GQA); equal to --num-heads for MHA")
-    p.add_argument("--layers", type=int)
+    frontend can run. ``defaults``: where each set of defaults applies (e.g. ``"on CPU"``) to the
+    defaults :func:`apply_defaults` fills in there, for ``--help``.
+
+    Options are never abbreviated (``allow_abbrev=False``): a frontend acts on some options before
+    the check runs (``--fused-interpreter`` starts a child process), and a prefix must not be taken
+    by the parser and missed there."""
+    defaults = {"on a GPU": GPU_DEFAULTS, "on CPU": CPU_DEFAULTS} if defaults is None else defaults
+
+    def sized(key: str, text: str = "") -> str:
+        return "; ".join(t for t in (text, _sizes_help(key, defaults)) if t)
+
+    p = argparse.ArgumentParser(prog=prog, description=description, allow_abbrev=False,
+                                formatter_class=_HelpFormatter)
+    p.add_argument("--steps", type=int, help=sized("steps", "training steps per run"))
+    p.add_argument("--seq-len", type=int, help=sized("seq_len", "tokens per sequence"))
+    p.add_argument("--batch-size", type=int, help=sized("batch_size"))
+    p.add_argument("--hidden-size", type=int, help=sized("hidden_size"))
+    p.add_argument("--num-heads", type=int, help=sized("num_heads", "query heads"))
+    p.add_argument("--gqa-groups", type=int,
+                   help=sized("gqa_groups", "key/value heads (GQA); equal to --num-heads for MHA"))
+    p.add_argument("--layers", type=int, help=sized("layers"))
     for flag, kwargs in shape_options:
         p.add_argument(flag, **kwargs)
     p.add_argument("--window", type=int, default=-1, help="sliding-window left size (-1: plain causal)")
-    p.add_argument("--dtype", choices=("auto",) + DTYPES, default="auto")
+    p.add_argument("--dtype", choices=("auto",) + DTYPES, default="auto",
+                   help="auto: " + _sizes_help("dtype", defaults)[len("default: "):])
     p.add_argument("--device", default="auto", help=device_help)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=1234, help="model and data seed")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--nondeterministic", action="store_true", help=nondeterministic_help)
     for flag, kwargs in determinism_options:
         p.add_argument(flag, **kwargs)
@@ -400,12 +439,28 @@ def apply_defaults(args: argparse.Namespace, defaults: Mapping[str, object]) -> 
             raise ValueError(f"`--{key.replace('_', '-')}` must be >= 1, got {getattr(args, key)}")
 
 
+def check_environment() -> None:
+    """Every declared ``NVTE_*`` variable that is set must parse: the check sets some of them for its runs
+    (``NVTE_ALLOW_NONDETERMINISTIC_ALGO``, ``NVTE_FUSED_ATTN_BACKEND`` for the reference), and a malformed
+    value must be refused by name, as the library refuses it, not replaced unseen. Raises ``ValueError``."""
+    for name in settings.declared_names():
+        settings.get(name)
+
+
 def main(parser: argparse.ArgumentParser, run_check: Callable[[argparse.Namespace], CheckResult],
-         argv: Optional[Sequence[str]] = None) -> int:
-    """Parse ``argv``, run the check, print the report (and the JSON): the exit status.
-    A ``ValueError`` or :class:`NoBackendError` from ``run_check`` is reported in one line, status 2."""
+         argv: Optional[Sequence[str]] = None,
+         rerun: Optional[Callable[[argparse.Namespace], Optional[int]]] = None) -> int:
+    """Parse ``argv`` once, run the check, print the report (and the JSON): the exit status.
+    ``rerun``: a frontend's hook, given the parsed options after :func:`check_environment`; when it
+    returns a status the check ran elsewhere (a child process) and that status is returned.
+    A ``ValueError`` or :class:`NoBackendError` is reported in one line, status 2."""
     args = parser.parse_args(argv)
     try:
+        check_environment()
+        if rerun is not None:
+            status = rerun(args)
+            if status is not None:
+                return status
         result = run_check(args)
     except (ValueError, NoBackendError) as error:
         sys.stderr.write(f"determinism_check: error: {error}\n")

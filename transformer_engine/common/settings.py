@@ -73,7 +73,10 @@ class EnvVar:
                 )
             return value
         if self.choices is not None and text.lower() not in self.choices:
-            raise ValueError(f"{self.name} must be one of {', '.join(self.choices)}, got {raw!r}")
+            # The empty choice (unset: the default) is said in words, not listed as an empty name.
+            named = ", ".join(c for c in self.choices if c)
+            unset = " (or unset)" if "" in self.choices else ""
+            raise ValueError(f"{self.name} must be one of {named}{unset}, got {raw!r}")
         return text.lower() if self.choices is not None else text
 
     def get(self) -> Any:

@@ -56,6 +56,9 @@ _DEFAULTS = {
     # The Triton interpreter executes every program instance in Python: tiny shapes only.
     "cpu-interpret": dict(report.CPU_DEFAULTS, seq_len=32, steps=3),
 }
+# Where each set of defaults applies, as --help says it.
+_DEFAULTS_HELP = {"on a GPU": _DEFAULTS["gpu"], "on CPU": _DEFAULTS["cpu"],
+                  "with --fused-interpreter": _DEFAULTS["cpu-interpret"]}
 
 
 # -- one training run ------------------------------------------------------------------------------
@@ -129,13 +132,15 @@ def _parser() -> argparse.ArgumentParser:
         device_help="auto, cpu or gpu",
         nondeterministic_help="do not request determinism (NVTE_ALLOW_NONDETERMINISTIC_ALGO=1, XLA_FLAGS untouched)",
         expect_backends=("fused", "unfused"),
+        defaults=_DEFAULTS_HELP,
         determinism_options=[
             ("--no-xla-flag", dict(
                 action="store_true", help=f"do not add {_XLA_DETERMINISTIC} to XLA_FLAGS (attention's switch only)")),
             ("--fused-interpreter", dict(
                 action="store_true",
-                help="run the fused Triton kernels on CPU under Triton's interpreter (TRITON_INTERPRET=1, "
-                     "NVTE_JAX_TRITON_INTERPRET=1; needs torch; slow, so small shapes by default; float32 or float16)")),
+                help="run the fused Triton kernels on CPU under Triton's interpreter (sets both TRITON_INTERPRET=1 "
+                     "and NVTE_JAX_TRITON_INTERPRET=1 for a child process; needs torch; slow, so small shapes by "
+                     "default; --dtype float32, the default, or float16)")),
         ],
     )
 
@@ -233,6 +238,10 @@ def run_check(args: argparse.Namespace, out=None, err=None) -> CheckResult:
                                  qkv_format="bshd", deterministic=deterministic, extra={"xla_flags": xla_flags},
                                  framework="jax", reference_fp32=reference_fp32)
     note = report.what_is_checked(result.backends, device.platform == "cpu", interpret, "jnp math")
+    if note and not interpret:
+        # The backend's reasons name both variables; say that both are needed and that the flag sets them.
+        note += (" --fused-interpreter sets both variables the interpreted kernels need, TRITON_INTERPRET=1 (read "
+                 "when triton is first imported) and NVTE_JAX_TRITON_INTERPRET=1, in a child process.")
     if note:
         result.message += "\n" + note
     return result
@@ -240,10 +249,12 @@ def run_check(args: argparse.Namespace, out=None, err=None) -> CheckResult:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--fused-interpreter" in argv and not _interpreting():
-        _parser().parse_args(argv)  # bad arguments fail here, before a child is started
-        return _rerun_interpreted(argv)
-    return report.main(_parser(), run_check, argv)
+
+    def rerun(args: argparse.Namespace) -> Optional[int]:
+        # Decided on the parsed options (which take no abbreviations), so the child gets exactly what was asked.
+        return _rerun_interpreted(argv) if args.fused_interpreter and not _interpreting() else None
+
+    return report.main(_parser(), run_check, argv, rerun=rerun)
 
 
 if __name__ == "__main__":

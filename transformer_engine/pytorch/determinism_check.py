@@ -55,6 +55,9 @@ _DEFAULTS = {
     # The Triton interpreter executes every program instance in Python: tiny shapes only.
     "cpu-interpret": dict(report.CPU_DEFAULTS, seq_len=32, steps=3),
 }
+# Where each set of defaults applies, as --help says it.
+_DEFAULTS_HELP = {"on a GPU": _DEFAULTS["cuda"], "on CPU": _DEFAULTS["cpu"],
+                  "with --fused-interpreter": _DEFAULTS["cpu-interpret"]}
 
 
 # -- one training run ------------------------------------------------------------------------------
@@ -159,15 +162,18 @@ def _parser() -> argparse.ArgumentParser:
         device_help="auto, cpu, cuda or cuda:N",
         nondeterministic_help="do not request determinism (NVTE_ALLOW_NONDETERMINISTIC_ALGO=1)",
         expect_backends=("fused", "unfused", "flash"),
-        shape_options=[("--qkv-format", dict(choices=("bshd", "sbhd"), default="bshd"))],
+        defaults=_DEFAULTS_HELP,
+        shape_options=[("--qkv-format", dict(choices=("bshd", "sbhd"), default="bshd",
+                                              help="layout of the attention inputs"))],
         determinism_options=[
             ("--torch-deterministic", dict(
                 action="store_true",
                 help="also call torch.use_deterministic_algorithms(True) for the runs (the other way to ask)")),
             ("--fused-interpreter", dict(
                 action="store_true",
-                help="run the fused Triton kernels on CPU under Triton's interpreter (TRITON_INTERPRET=1; "
-                     "slow, so small shapes by default; float32 or float16)")),
+                help="run the fused Triton kernels on CPU under Triton's interpreter (sets TRITON_INTERPRET=1 for "
+                     "a child process; slow, so small shapes by default; --dtype float32, the default, or "
+                     "float16)")),
         ],
     )
 
@@ -250,10 +256,12 @@ def run_check(args: argparse.Namespace, out=None, err=None) -> CheckResult:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--fused-interpreter" in argv and not triton_interpreting():
-        _parser().parse_args(argv)  # bad arguments fail here, before a child is started
-        return _rerun_interpreted(argv)
-    return report.main(_parser(), run_check, argv)
+
+    def rerun(args: argparse.Namespace) -> Optional[int]:
+        # Decided on the parsed options (which take no abbreviations), so the child gets exactly what was asked.
+        return _rerun_interpreted(argv) if args.fused_interpreter and not triton_interpreting() else None
+
+    return report.main(_parser(), run_check, argv, rerun=rerun)
 
 
 if __name__ == "__main__":

@@ -342,3 +342,48 @@ def test_pytorch_and_jax_run_one_work_list_from_the_plan(cp, causal, fmt, order,
         if thd:  # the chunk tokens each rank computes: 1 / cp of the sequence's, per pass, in both
             for work in (torch_work, jax_work):
                 assert {p: sum(w[2] for w in work[p]) for p in cpp.Pass} == {p: s // cp for p in cpp.Pass}, rank
+
+
+@pytest.mark.parametrize("cp", (2, 4))
+def test_jax_bshd_launches_take_mask_and_span_from_the_plan_call(cp, monkeypatch):
+    """JAX BSHD chooses no mask or range itself: with the plan's causal calls altered (forward and dQ calls
+    top-left instead of bottom-right, their key span one shorter; dK/dV query spans one later), its launches
+    follow the altered calls."""
+    jax, jcp, _, _ = _jax()
+    import jax.numpy as jnp
+    import numpy as np
+
+    calls_of = cpp.RankPlan.calls.fget
+
+    def altered(plan):
+        out = []
+        for c in calls_of(plan):
+            if c.pass_ == cpp.Pass.DKDV:
+                out.append(dataclasses.replace(c, span=(c.span[0] + 1, c.span[1])))
+            else:
+                out.append(dataclasses.replace(c, mask=AttnMaskType.CAUSAL_MASK, span=(c.span[0], c.span[1] - 1)))
+        return tuple(out)
+
+    monkeypatch.setattr(cpp.RankPlan, "calls", property(altered))
+    seen = []
+    _record_jax(jcp, monkeypatch, seen)
+    plan = _jax_plan(cp, True, "all_gather", True, QKVFormat.BSHD, 1)
+    n = 8
+    s = n * cp
+    z = lambda m, h: jnp.zeros((1, m, h, 8), jnp.float32)  # noqa: E731
+    for rank in range(cp):
+        seen.clear()
+        jcp.rank_forward(plan, rank, z(n, 2), z(s, 1), z(s, 1))
+        jcp.rank_backward(plan, rank, (z(n, 2), z(n, 1), z(n, 1), z(n, 2), jnp.zeros((1, 1, 2, n)), z(n, 2)),
+                          (z(s, 2), z(s, 1), z(s, 1), z(s, 2), jnp.zeros((1, 1, 2, s)), z(s, 2)))
+        calls = altered(plan.rank_plan(rank, s))
+        expected = [c for c in calls if c.pass_ == cpp.Pass.FORWARD] + [
+            c for p in (cpp.Pass.DKDV, cpp.Pass.DQ) for c in calls if c.pass_ == p]
+        assert [p for p, *_ in seen] == [c.pass_ for c in expected], rank
+        for (pass_, static, seq, _, _), call in zip(seen, expected):
+            assert AttnMaskType(static.attn_mask_type) == call.padded_mask(), (rank, pass_)
+            if pass_ == cpp.Pass.DKDV:  # the span's queries as one sequence from its start
+                assert (int(np.asarray(seq.q_offsets)[0, 0]), int(np.asarray(seq.q_seqlens)[0, 0])) == (
+                    call.span[0], call.span[1] - call.span[0]), rank
+            else:  # keys [0, span end)
+                assert int(np.asarray(seq.kv_seqlens)[0, 0]) == call.span[1], (rank, pass_)

@@ -76,7 +76,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -322,43 +322,60 @@ class _Plan:
                                  self.align)
 
     def lead_rows(self, local_len: int) -> int:
-        """The most rows any rank's chunk call carries before its chunk (the plan's ``ChunkRange.lead``,
+        """The most rows any rank's masked call carries before its chunk (the plan's ``ChunkCall.lead``,
         the chunk start's distance from the tile boundary before it): the static length of the zero rows
-        in front of each causal chunk call's buffer (0: the calls take the chunks as they are)."""
+        in front of each masked call's buffer (0: the calls take the chunks as they are). Unmasked calls
+        need none: every row sees the same keys, so a row's blocks do not depend on its neighbours."""
         seqlen = local_len * self.cp.size
-        return max(r.lead for rank in range(self.cp.size) for r in self.rank_plan(rank, seqlen).ranges)
+        return max((c.lead for rank in range(self.cp.size) for c in self.rank_plan(rank, seqlen).calls
+                    if c.mask != _common.AttnMaskType.NO_MASK), default=0)
 
     def launches(self, local_len: int, rank, pass_: cp_plan.Pass):
         """The ``pass_`` launches of the common plan (unmasked calls of a pass merged: every row sees every key)
-        for local sequences of ``local_len`` rows: (rank 0's calls of the launch, the traced rank's chunk start
-        and span end). The ranks' launches differ only in where their chunks sit in the sequence."""
+        for local sequences of ``local_len`` rows: (rank 0's calls of the launch, the traced rank's call as
+        :class:`_At`). The ranks' launches differ only in where their chunks sit in the sequence."""
         plans = [self.rank_plan(r, local_len * self.cp.size) for r in range(self.cp.size)]
         for groups in zip(*(p.launches(merge_unmasked=True) for p in plans)):
             assert len({tuple((c.pass_, c.mask, c.chunk.local_start, c.chunk.end - c.chunk.start) for c in g)
                         for g in groups}) == 1, groups
             if groups[0][0].pass_ != pass_:
                 continue
-            start = jnp.asarray([g[0].chunk.start for g in groups], jnp.int32)[rank]
-            span_end = jnp.asarray([g[0].span[1] for g in groups], jnp.int32)[rank]
-            yield groups[0], start, span_end
+            yield groups[0], _At.of([g[0] for g in groups], rank)
+
+
+class _At(NamedTuple):
+    """One launch's positions on the traced rank, read from its plan call (int32 scalars): the chunk's
+    ``start``, the call's first row ``row`` (``ChunkCall.rows[0]``) and the other operand's ``span``."""
+
+    start: jax.Array
+    row: jax.Array
+    span: Tuple[jax.Array, jax.Array]
+
+    @classmethod
+    def of(cls, calls, rank) -> "_At":
+        pick = lambda f: jnp.asarray([f(c) for c in calls], jnp.int32)[rank]  # noqa: E731
+        return cls(pick(lambda c: c.chunk.start), pick(lambda c: c.rows[0]),
+                   (pick(lambda c: c.span[0]), pick(lambda c: c.span[1])))
 
     @property
-    def chunk_static(self) -> FusedAttnStatic:
-        """Queries of a chunk against keys [0, a + c) (padding beyond): causal aligned bottom-right."""
-        return dataclasses.replace(self.static, attn_mask_type=_common.AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK,
-                                   bottom_right_diagonal=None)
+    def lead(self):
+        """Rows of the call before its chunk (``ChunkCall.lead``)."""
+        return self.start - self.row
 
-    @property
-    def aligned_chunk_static(self) -> FusedAttnStatic:
-        """Queries of a chunk, from the tile boundary before it (a sequence at an offset of the call's
-        buffer), against keys [0, a + c): causal aligned bottom-right."""
-        return dataclasses.replace(self.chunk_static, qkv_format=_common.QKVFormat.THD)
 
-    @property
-    def kv_chunk_static(self) -> FusedAttnStatic:
-        """Queries [a, s) (a sequence starting at a) against one key chunk: causal aligned top-left."""
-        return dataclasses.replace(self.static, attn_mask_type=_common.AttnMaskType.PADDING_CAUSAL_MASK,
-                                   qkv_format=_common.QKVFormat.THD, bottom_right_diagonal=None)
+def _launch_static(static: FusedAttnStatic, call: cp_plan.ChunkCall, offset: bool = False,
+                   grads: Optional[BackwardGrads] = None) -> FusedAttnStatic:
+    """``static`` for one plan call: the call's mask (in padded form when masked: the call's span is a
+    sequence of the gathered operand), and the THD format when ``offset`` (the call's sequences start at an
+    offset of their buffers); ``grads``: the one gradient pass the call runs."""
+    fields = dict(attn_mask_type=call.mask)
+    if call.mask != _common.AttnMaskType.NO_MASK:
+        fields.update(attn_mask_type=call.padded_mask(), bottom_right_diagonal=None)
+    if offset:
+        fields["qkv_format"] = _common.QKVFormat.THD
+    if grads is not None:
+        fields["backward_grads"] = grads
+    return dataclasses.replace(static, **fields)
 
 
 def make_plan(static: FusedAttnStatic, cp: ContextParallel, align: int = 1) -> _Plan:
@@ -378,7 +395,8 @@ def tile_alignment(plan: _Plan, q, k, v, capability: Optional[Tuple[int, int]] =
         if jax.devices()[0].platform not in ("gpu", "cuda"):
             return 1
         capability = gpu._compute_capability()
-    statics = (plan.chunk_static, plan.kv_chunk_static) if plan.causal else (plan.static,)
+    calls = plan.rank_plan(0, cp_plan.num_chunks(plan.cp.size, plan.cp.balance)).calls
+    statics = {_launch_static(plan.static, c, _offset(c, 0)) for c in calls}
     shapes = dict(q=q.shape, k=k.shape, v=v.shape)
     return cp_plan.tile_alignment(
         gpu.launch_call(st, shapes, q.dtype, q.shape[0], None, capability).plan_key for st in statics)
@@ -403,6 +421,8 @@ def _seq(b, q_len, kv_len, q_start, kv_start) -> SeqInfo:
 
 def _lead(x, rows: int):
     """``x`` ([b, s, h, d]) after ``rows`` zero rows."""
+    if not rows:
+        return x
     return jnp.concatenate([jnp.zeros((x.shape[0], rows) + x.shape[2:], x.dtype), x], axis=1)
 
 
@@ -416,30 +436,36 @@ def _launch_rows(calls) -> Tuple[int, int]:
     return calls[0].chunk.local_start, sum(c.chunk.end - c.chunk.start for c in calls)
 
 
+def _offset(call: cp_plan.ChunkCall, pad: int) -> bool:
+    """Whether ``call``'s sequences start at an offset of their buffers: a masked dK/dV call's queries (from
+    its span's start in the gathered rows), or a masked call's rows after ``pad`` zero rows."""
+    return call.mask != _common.AttnMaskType.NO_MASK and (call.pass_ == cp_plan.Pass.DKDV or pad > 0)
+
+
 def rank_forward(plan: _Plan, rank, q, k_all, v_all):
     """One rank's forward from gathered operands: (local output, local log-sum-exp ``[b, 1, h, n_local]``
     in local row order), and with ``return_max_logit`` the local rows' max logits (laid out as the
     log-sum-exp). ``q``: the rank's rows; ``k_all``, ``v_all``: every key and value in global order;
     ``rank``: its index on the context-parallel axis (int or traced). Each launch is one of the common
-    plan's (:meth:`_Plan.launches`)."""
+    plan's (:meth:`_Plan.launches`): its mask, rows and key span are the plan call's."""
     b, n_local = q.shape[:2]
     bias, seeds = _placeholders(q)
     s_kv = k_all.shape[1]
-    pad = plan.lead_rows(n_local) if plan.causal else 0
+    pad = plan.lead_rows(n_local)
     parts = []  # per launch, in row order: (out, lse[, row_max])
-    for calls, a, span_end in plan.launches(n_local, rank, cp_plan.Pass.FORWARD):
+    for calls, at in plan.launches(n_local, rank, cp_plan.Pass.FORWARD):
         lo, c = _launch_rows(calls)
+        static = _launch_static(plan.static, calls[0], _offset(calls[0], pad))
         if calls[0].mask == _common.AttnMaskType.NO_MASK:  # the rank's rows against every key
             parts.append(fused_attn_fwd(q[:, lo:lo + c], k_all, v_all, bias, full_seq_info(b, c, s_kv), seeds,
-                                        plan.static))
-        elif not pad:  # keys [0, span_end), causal bottom-right
-            parts.append(fused_attn_fwd(q[:, lo:lo + c], k_all, v_all, bias, _chunk_seq(b, c, span_end, s_kv), seeds,
-                                        plan.chunk_static))
-        else:  # queries from the tile boundary before the chunk (zero rows, dropped), as the plan's rows
-            lead = a % plan.align
+                                        static))
+        elif not pad:  # keys of the span [0, end): causal bottom-right
+            parts.append(fused_attn_fwd(q[:, lo:lo + c], k_all, v_all, bias, _chunk_seq(b, c, at.span[1], s_kv),
+                                        seeds, static))
+        else:  # the call's rows from the tile boundary before the chunk (zero rows in front, dropped)
             part = fused_attn_fwd(_lead(q[:, lo:lo + c], pad), k_all, v_all, bias,
-                                  _seq(b, c + lead, span_end, pad - lead, 0), seeds, plan.aligned_chunk_static)
-            parts.append((part[0][:, pad:],) + tuple(jax.lax.dynamic_slice_in_dim(x, lead, c, axis=3)
+                                  _seq(b, c + at.lead, at.span[1], pad - at.lead, 0), seeds, static)
+            parts.append((part[0][:, pad:],) + tuple(jax.lax.dynamic_slice_in_dim(x, at.lead, c, axis=3)
                                                      for x in part[1:]))
     if len(parts) == 1:
         return parts[0]
@@ -454,63 +480,53 @@ def _global_max_logit(row_max, dtype, axes: Tuple[str, ...]):
     return (jax.lax.pmax(local, axes) if axes else local).astype(dtype)
 
 
-def _only(static: FusedAttnStatic, grads: BackwardGrads) -> FusedAttnStatic:
-    """``static`` for a backward call that runs only the ``grads`` pass (the other gradients are zeros)."""
-    return dataclasses.replace(static, backward_grads=grads)
-
-
 def rank_backward(plan: _Plan, rank, local, gathered):
     """One rank's (dq, dk, dv) of its own rows from gathered operands. ``local``: the rank's
     ``(q, k, v, out, lse, dout)``; ``gathered``: ``(q, k, v, out, lse, dout)`` of the whole sequence
-    in global order (lse ``[b, 1, h, s]``). Each launch is one of the common plan's, running only its pass."""
+    in global order (lse ``[b, 1, h, s]``). Each launch is one of the common plan's, running only its pass,
+    its mask, rows and span (queries of dK/dV, keys of dQ) the plan call's."""
     q, k, v, out, lse, dout = local
     q_all, k_all, v_all, out_all, lse_all, dout_all = gathered
     b, n_local = q.shape[:2]
     bias, seeds = _placeholders(q)
     s_q, s_kv = q_all.shape[1], k_all.shape[1]
     bias_k, seeds_k = _placeholders(q_all)
-    pad = plan.lead_rows(n_local) if plan.causal else 0
+    pad = plan.lead_rows(n_local)
     # The log-sum-exp of the queries [a, s) as one sequence starting at a: positions from a (+inf past s - a).
     lse_padded = jnp.concatenate([lse_all, jnp.full(lse_all.shape, jnp.inf, lse_all.dtype)], axis=3)
     dks, dvs = [], []
-    for calls, a, _ in plan.launches(n_local, rank, cp_plan.Pass.DKDV):  # the own keys' dK/dV
+    for calls, at in plan.launches(n_local, rank, cp_plan.Pass.DKDV):  # the own keys' dK/dV
         lo, c = _launch_rows(calls)
+        static = _launch_static(plan.static, calls[0], _offset(calls[0], pad), BackwardGrads.DKDV)
         if calls[0].mask == _common.AttnMaskType.NO_MASK:  # every query; the own operand's rows (s_kv may differ)
             _, dk, dv, _, _ = fused_attn_bwd(q_all, k, v, bias_k, out_all, dout_all, lse_all,
-                                             full_seq_info(b, s_q, k.shape[1]), seeds_k,
-                                             _only(plan.static, BackwardGrads.DKDV))
-        elif not pad:  # keys [a, a + c) against queries [a, s), causal top-left
-            _, dk, dv, _, _ = fused_attn_bwd(q_all, k[:, lo:lo + c], v[:, lo:lo + c], bias_k, out_all, dout_all,
-                                             jax.lax.dynamic_slice_in_dim(lse_padded, a, s_q, axis=3),
-                                             _seq(b, s_q - a, c, a, 0), seeds_k,
-                                             _only(plan.kv_chunk_static, BackwardGrads.DKDV))
-        else:  # keys and queries from the tile boundary before the chunk (the lead rows' gradients dropped)
-            start = a - a % plan.align
+                                             full_seq_info(b, s_q, k.shape[1]), seeds_k, static)
+        else:  # the call's keys (from the tile boundary: ``pad`` rows in front, dropped) against the span's
+            # queries [span start, s) as one sequence, causal top-left
+            span_len = at.span[1] - at.span[0]
             _, dk, dv, _, _ = fused_attn_bwd(q_all, _lead(k[:, lo:lo + c], pad), _lead(v[:, lo:lo + c], pad), bias_k,
-                                             out_all, dout_all, jax.lax.dynamic_slice_in_dim(lse_padded, start, s_q,
-                                                                                             axis=3),
-                                             _seq(b, s_q - start, a + c - start, start, pad - (a - start)), seeds_k,
-                                             _only(plan.kv_chunk_static, BackwardGrads.DKDV))
+                                             out_all, dout_all,
+                                             jax.lax.dynamic_slice_in_dim(lse_padded, at.span[0], s_q, axis=3),
+                                             _seq(b, span_len, c + at.lead, at.span[0], pad - at.lead), seeds_k,
+                                             static)
             dk, dv = dk[:, pad:], dv[:, pad:]
         dks.append(dk)
         dvs.append(dv)
     dqs = []
-    for calls, a, span_end in plan.launches(n_local, rank, cp_plan.Pass.DQ):  # the own queries' dQ
+    for calls, at in plan.launches(n_local, rank, cp_plan.Pass.DQ):  # the own queries' dQ
         lo, c = _launch_rows(calls)
+        static = _launch_static(plan.static, calls[0], _offset(calls[0], pad), BackwardGrads.DQ)
         if calls[0].mask == _common.AttnMaskType.NO_MASK:
             dq = fused_attn_bwd(q[:, lo:lo + c], k_all, v_all, bias, out[:, lo:lo + c], dout[:, lo:lo + c],
-                                lse[..., lo:lo + c], full_seq_info(b, c, s_kv), seeds,
-                                _only(plan.static, BackwardGrads.DQ))[0]
-        elif not pad:  # queries [a, a + c) against keys [0, span_end), causal bottom-right
+                                lse[..., lo:lo + c], full_seq_info(b, c, s_kv), seeds, static)[0]
+        elif not pad:  # keys of the span [0, end), causal bottom-right
             dq = fused_attn_bwd(q[:, lo:lo + c], k_all, v_all, bias, out[:, lo:lo + c], dout[:, lo:lo + c],
-                                lse[..., lo:lo + c], _chunk_seq(b, c, span_end, s_kv), seeds,
-                                _only(plan.chunk_static, BackwardGrads.DQ))[0]
+                                lse[..., lo:lo + c], _chunk_seq(b, c, at.span[1], s_kv), seeds, static)[0]
         else:
-            lead = a % plan.align
-            chunk_lse = jax.lax.dynamic_slice_in_dim(lse_padded, a - lead, pad + c, axis=3)
+            chunk_lse = jax.lax.dynamic_slice_in_dim(lse_padded, at.row, pad + c, axis=3)
             dq = fused_attn_bwd(_lead(q[:, lo:lo + c], pad), k_all, v_all, bias, _lead(out[:, lo:lo + c], pad),
-                                _lead(dout[:, lo:lo + c], pad), chunk_lse, _seq(b, c + lead, span_end, pad - lead, 0),
-                                seeds, _only(plan.aligned_chunk_static, BackwardGrads.DQ))[0][:, pad:]
+                                _lead(dout[:, lo:lo + c], pad), chunk_lse,
+                                _seq(b, c + at.lead, at.span[1], pad - at.lead, 0), seeds, static)[0][:, pad:]
         dqs.append(dq)
     cat = lambda xs: xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=1)  # noqa: E731
     return cat(dqs), cat(dks), cat(dvs)

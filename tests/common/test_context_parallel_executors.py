@@ -387,3 +387,50 @@ def test_jax_bshd_launches_take_mask_and_span_from_the_plan_call(cp, monkeypatch
                     call.span[0], call.span[1] - call.span[0]), rank
             else:  # keys [0, span end)
                 assert int(np.asarray(seq.kv_seqlens)[0, 0]) == call.span[1], (rank, pass_)
+
+
+def test_jax_thd_sliding_window_splits_by_the_plan_tokens_fall_as_one_over_cp(monkeypatch):
+    """JAX THD with a causal sliding window runs the plan's calls like the windowless masks (it ran the whole
+    gathered rows on every rank before): each call carries the window, and the real tokens each rank's calls
+    keep per pass are 1 / cp of the rows' (cp 1, 2, 4; with cp = 1 the whole rows)."""
+    jax, jcp, _, _ = _jax()
+    import jax.numpy as jnp
+    import numpy as np
+    from transformer_engine.common.attention import enums
+    from transformer_engine.jax.attention_math import SeqInfo
+
+    seen = []
+    _record_jax(jcp, monkeypatch, seen)
+    s, window = 64, (5, 0)
+    lens = np.array([[13, 30, 0, 21], [5, 20, 32, 7]], np.int32)  # every token real
+    offsets = np.concatenate([np.zeros((2, 1), np.int32), np.cumsum(lens, axis=1)], axis=1).astype(np.int32)
+    seq = SeqInfo(*(jnp.asarray(x) for x in (lens, lens, offsets, offsets)))
+    z = lambda h: jnp.zeros((2, s, h, 8), jnp.float32)  # noqa: E731
+    per_rank = {}
+    for cp in (1, 2, 4):
+        plan = _jax_plan(cp, True, "all_gather", True, QKVFormat.THD, 1)
+        plan = dataclasses.replace(plan, static=dataclasses.replace(plan.static, window_size=window))
+        assert jcp._thd_splits(plan.static)
+        plans = jcp.thd_rank_plans(plan, s)
+        for rank in range(cp):
+            seen.clear()
+            jcp.thd_rank_forward(plan, plans, rank, z(2), z(1), z(1), seq)
+            jcp.thd_rank_backward(plan, plans, rank, (z(2), z(1), z(1), z(2), jnp.zeros((2, 2, s)), z(2)), seq)
+            assert {tuple(st.window_size) for _, st, *_ in seen} == {window}, (cp, rank)
+            assert {st.attn_mask_type for _, st, *_ in seen} == {enums.AttnMaskType.PADDING_CAUSAL_MASK,
+                                                                  enums.AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK}
+            kept = {}
+            for p, _, pseudo, _, _ in seen:
+                own = pseudo.kv_seqlens if p == cpp.Pass.DKDV else pseudo.q_seqlens
+                kept[p] = kept.get(p, 0) + int(np.sum(np.asarray(own)))  # align 1: no lead rows
+            per_rank[cp, rank] = kept
+    for (cp, rank), kept in per_rank.items():
+        assert kept == {p: 2 * s // cp for p in cpp.Pass}, (cp, rank, kept)  # 128, 64, 32 tokens per pass
+
+
+def test_common_plan_refuses_a_window_it_cannot_split_by_rows():
+    with pytest.raises(NotImplementedError, match="`window` must be -1"):
+        cpp.rank_plan("p2p", 2, 0, 16, False, cpp.LoadBalance.DUAL_CHUNK, window=4)
+    calls = cpp.rank_plan("p2p", 2, 0, 16, True, cpp.LoadBalance.DUAL_CHUNK, window=4).calls
+    assert {c.window for c in calls} == {(4, 0)}
+    assert {c.window for c in cpp.rank_plan("p2p", 2, 0, 16, False, cpp.LoadBalance.DUAL_CHUNK).calls} == {(-1, -1)}

@@ -62,7 +62,8 @@ tokens (and the segment ids and positions) are in the Striped order of
 None is 1), as TransformerEngine-JAX's THD load balancing expects; without it, in contiguous
 chunks. The common plan chunks the packed row and each call runs one pseudo-sequence per segment over
 the gathered rows (see "THD" below): each rank computes about 1 / cp of the rows, bitwise the cp = 1
-result. With a sliding window each rank runs the single-device call on the gathered rows instead.
+result, causal sliding windows included (the plan's calls carry the window). A window on a non-causal
+padding mask runs the single-device call on the gathered rows on every rank instead.
 
 The backend is the one the call selects without context parallelism: the fused primitives as
 above, or (the CPU's choice) the unfused backend on every rank's gathered rows
@@ -319,7 +320,12 @@ class _Plan:
     def rank_plan(self, rank: int, seqlen: int) -> cp_plan.RankPlan:
         """The common plan rank ``rank`` carries out for a sequence of ``seqlen`` tokens (BSHD/SBHD)."""
         return cp_plan.rank_plan(self.cp.comm_type, self.cp.size, rank, seqlen, self.causal, self.cp.balance,
-                                 self.align)
+                                 self.align, window=self.window)
+
+    @property
+    def window(self) -> int:
+        """The plan's causal sliding window (left; -1: none)."""
+        return int(self.static.window_size[0]) if self.causal else -1
 
     def lead_rows(self, local_len: int) -> int:
         """The most rows any rank's masked call carries before its chunk (the plan's ``ChunkCall.lead``,
@@ -368,7 +374,7 @@ def _launch_static(static: FusedAttnStatic, call: cp_plan.ChunkCall, offset: boo
     """``static`` for one plan call: the call's mask (in padded form when masked: the call's span is a
     sequence of the gathered operand), and the THD format when ``offset`` (the call's sequences start at an
     offset of their buffers); ``grads``: the one gradient pass the call runs."""
-    fields = dict(attn_mask_type=call.mask)
+    fields = dict(attn_mask_type=call.mask, window_size=call.window)
     if call.mask != _common.AttnMaskType.NO_MASK:
         fields.update(attn_mask_type=call.padded_mask(), bottom_right_diagonal=None)
     if offset:
@@ -587,14 +593,17 @@ _cp_attention.defvjp(_cp_attention_fwd, _cp_attention_bwd)
 # chunk's end; dK/dV: the chunk's keys against the queries from the same boundary on, causal top-left;
 # no mask: the whole segment). Every real token is kept from exactly one call, so each rank computes
 # about 1 / cp of the rows. A rank's kept rows are the plan's chunks; they reach the ranks that hold
-# them in the input's order (Striped, or contiguous) by an all-gather of the chunks. Sliding windows
-# run the single-device call on the gathered rows on every rank instead (the cp = 1 cost).
+# them in the input's order (Striped, or contiguous) by an all-gather of the chunks. A causal sliding
+# window is each row's own (both causal forms put the diagonal on the row's position), so the calls run
+# it as given; a window on a non-causal mask runs the single-device call on the gathered rows on every
+# rank instead (the cp = 1 cost).
 
 
 def _thd_splits(static: FusedAttnStatic) -> bool:
-    """Whether a THD call runs split by the plan (the padding masks without a sliding window)."""
+    """Whether a THD call runs split by the plan: the padding masks, causal ones with any window (a causal
+    window is each row's own: the plan's calls carry it), others without one."""
     mask = _common.AttnMaskType(static.attn_mask_type)
-    return mask.is_padding() and tuple(static.window_size) in ((-1, -1), (-1, 0))
+    return mask.is_padding() and (mask.is_causal() or tuple(static.window_size) == (-1, -1))
 
 
 def thd_balance(cp: ContextParallel, s: int) -> cp_plan.LoadBalance:
@@ -607,8 +616,8 @@ def thd_balance(cp: ContextParallel, s: int) -> cp_plan.LoadBalance:
 def thd_rank_plans(plan: _Plan, s: int) -> Tuple[cp_plan.RankPlan, ...]:
     """Every rank's plan for packed rows of ``s`` tokens (tiles are counted per segment, so the plan's own
     alignment is 1)."""
-    return tuple(cp_plan.rank_plan(plan.cp.comm_type, plan.cp.size, r, s, plan.causal, thd_balance(plan.cp, s))
-                 for r in range(plan.cp.size))
+    return tuple(cp_plan.rank_plan(plan.cp.comm_type, plan.cp.size, r, s, plan.causal, thd_balance(plan.cp, s),
+                                   window=plan.window) for r in range(plan.cp.size))
 
 
 def _steps(plans: Tuple[cp_plan.RankPlan, ...], rank):
@@ -647,8 +656,7 @@ def _pseudo_seq(seq: SeqInfo, call: cp_plan.ChunkCall, a, align: int) -> SeqInfo
 
 
 def _call_static(static: FusedAttnStatic, call: cp_plan.ChunkCall, grads=None) -> FusedAttnStatic:
-    fields = dict(attn_mask_type=call.padded_mask(), bottom_right_diagonal=None, window_size=(-1, -1)
-                  if call.mask == _common.AttnMaskType.NO_MASK else (-1, 0))
+    fields = dict(attn_mask_type=call.padded_mask(), bottom_right_diagonal=None, window_size=call.window)
     if grads is not None:
         fields["backward_grads"] = grads
     return dataclasses.replace(static, **fields)
@@ -747,7 +755,7 @@ def _thd_split_attention_bwd(plan, max_axes, residuals, dout):
 _thd_split_attention.defvjp(_thd_split_attention_fwd, _thd_split_attention_bwd)
 
 
-# Sliding windows: every rank runs the single-device kernels on the gathered rows, keeping its own.
+# Windows on non-causal masks: every rank runs the single-device kernels on the gathered rows, keeping its own.
 
 def _thd_forward(cp: ContextParallel, static: FusedAttnStatic, max_axes: Tuple[str, ...], q, k, v, seq: SeqInfo):
     q_all, k_all, v_all = (_gather(x, cp, 1, thd=True) for x in (q, k, v))

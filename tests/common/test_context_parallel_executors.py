@@ -125,7 +125,7 @@ def test_pytorch_thd_tokens_per_rank_fall_as_one_over_cp(causal, monkeypatch):
 
 # -- JAX -------------------------------------------------------------------------------------------------
 
-def _jax_plan(cp, causal, comm, load_balanced, fmt, align):
+def _jax_plan(cp, causal, comm, load_balanced, fmt, align, stripe=None):
     jax, jcp, CPStrategy, FusedAttnStatic = _jax()
     from transformer_engine.common.attention import enums
 
@@ -136,7 +136,7 @@ def _jax_plan(cp, causal, comm, load_balanced, fmt, align):
                              qkv_format=fmt, window_size=(-1, 0) if causal else (-1, -1), scaling_factor=0.25,
                              dropout_probability=0.0, is_training=True, deterministic=True)
     strategy = CPStrategy.RING if comm == "p2p" else CPStrategy.ALL_GATHER
-    return jcp.make_plan(static, jcp.ContextParallel("cp", cp, strategy, load_balanced), align)
+    return jcp.make_plan(static, jcp.ContextParallel("cp", cp, strategy, load_balanced, stripe), align)
 
 
 def _record_jax(jcp, monkeypatch, seen):
@@ -192,12 +192,13 @@ def test_jax_bshd_steps_launch_the_plans_calls(cp, causal, load_balanced, comm, 
 
 
 @pytest.mark.parametrize("comm", COMMS)
-@pytest.mark.parametrize("order", ["striped", "contiguous"])
+@pytest.mark.parametrize("order", ["striped", "striped-2", "contiguous"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "no_mask"])
 @pytest.mark.parametrize("cp", CPS)
 def test_jax_thd_steps_launch_the_plans_calls_and_tokens_fall_as_one_over_cp(cp, causal, order, comm, monkeypatch):
     """THD: each step is one of the plan's calls (its mask in padded form) with one pseudo-sequence per
-    segment; the real tokens each rank keeps are 1 / cp of the row's."""
+    segment; the real tokens each rank keeps are 1 / cp of the row's. Striped input runs the dual-chunk plan
+    (stripes of 1), or its own STRIPED order with two stripes per rank ("striped-2")."""
     jax, jcp, _, _ = _jax()
     import jax.numpy as jnp
     import numpy as np
@@ -209,10 +210,13 @@ def test_jax_thd_steps_launch_the_plans_calls_and_tokens_fall_as_one_over_cp(cp,
     lens = np.array([[40, 24, 0, 64], [7, 57, 30, 34]], np.int32)  # every token real
     offsets = np.concatenate([np.zeros((2, 1), np.int32), np.cumsum(lens, axis=1)], axis=1).astype(np.int32)
     seq = SeqInfo(*(jnp.asarray(x) for x in (lens, lens, offsets, offsets)))
-    plan = _jax_plan(cp, causal, comm, order == "striped", QKVFormat.THD, 1)
+    plan = _jax_plan(cp, causal, comm, order != "contiguous", QKVFormat.THD, 1,
+                     s // (2 * cp) if order == "striped-2" else None)
     plans = jcp.thd_rank_plans(plan, s)
-    assert jcp.thd_balance(plan.cp, s) == (cpp.LoadBalance.DUAL_CHUNK if order == "striped"
-                                           else cpp.LoadBalance.CONTIGUOUS)
+    assert jcp.thd_balance(plan.cp, s) == {"striped": (cpp.LoadBalance.DUAL_CHUNK, 1), "contiguous": (
+        cpp.LoadBalance.CONTIGUOUS, 1), "striped-2": (cpp.LoadBalance.STRIPED, 2)}[order]
+    assert all(p.ranges[0].end - p.ranges[0].start == s // cpp.num_chunks(cp, *jcp.thd_balance(plan.cp, s))
+               for p in plans)
     z = lambda h: jnp.zeros((2, s, h, 8), jnp.float32)  # noqa: E731
     for rank in range(cp):
         seen.clear()
@@ -306,7 +310,7 @@ def test_pytorch_and_jax_run_one_work_list_from_the_plan(cp, causal, fmt, order,
     spec = tcp.FusedSpec(0.25, causal, True, 1)
     jplan = _jax_plan(cp, causal, comm, True, fmt, 1)
     if thd:
-        assert jcp.thd_balance(jplan.cp, s) == cpp.LoadBalance.DUAL_CHUNK  # Striped input, dual-chunk plan
+        assert jcp.thd_balance(jplan.cp, s) == (cpp.LoadBalance.DUAL_CHUNK, 1)  # Striped input, dual-chunk plan
         seq = SeqInfo(*(jnp.asarray(x, jnp.int32) for x in ([[s]], [[s]], [[0, s]], [[0, s]])))
         jplans = jcp.thd_rank_plans(jplan, s)
     zt = lambda *shape: torch.zeros(*shape)  # noqa: E731

@@ -584,16 +584,18 @@ _cp_attention.defvjp(_cp_attention_fwd, _cp_attention_bwd)
 # THD (packed rows): the common plan over the row, one pseudo-sequence per segment and call
 # ================================================================================================
 #
-# The plan chunks the packed row (length s) as it chunks one sequence: with load balancing in the
-# dual-chunk order (the causal work balanced over the ranks when segments are long), else contiguous.
+# The plan chunks the packed row (length s) as it chunks one sequence, in the order the common
+# ``packed_balance`` gives for the input's: contiguous; Striped input with at most two stripes per rank in
+# its own STRIPED order; with more stripes in the dual-chunk order (the causal work balanced over the
+# ranks when segments are long).
 # Each of the plan's calls runs over the gathered rows as pseudo-sequences, one per segment: the
 # segment's tokens inside the call's chunk, from the tile boundary before them (counted from the
 # segment's start, so that the kernels' blocks are the single call's), against the segment's keys
 # the global mask lets them see (forward and dQ: causal bottom-right against the keys up to the
 # chunk's end; dK/dV: the chunk's keys against the queries from the same boundary on, causal top-left;
 # no mask: the whole segment). Every real token is kept from exactly one call, so each rank computes
-# about 1 / cp of the rows. A rank's kept rows are the plan's chunks; they reach the ranks that hold
-# them in the input's order (Striped, or contiguous) by an all-gather of the chunks. A causal sliding
+# about 1 / cp of the rows. A rank's kept rows are the plan's chunks: its own rows when the plan runs the
+# input's order, else they reach the ranks that hold them by an all-gather of the chunks. A causal sliding
 # window is each row's own (both causal forms put the diagonal on the row's position), so the calls run
 # it as given; a window on a non-causal mask runs the single-device call on the gathered rows on every
 # rank instead (the cp = 1 cost).
@@ -606,18 +608,18 @@ def _thd_splits(static: FusedAttnStatic) -> bool:
     return mask.is_padding() and (mask.is_causal() or tuple(static.window_size) == (-1, -1))
 
 
-def thd_balance(cp: ContextParallel, s: int) -> cp_plan.LoadBalance:
-    """The plan's order of the chunks of a packed row of ``s`` tokens."""
-    if cp.load_balanced and s % (2 * cp.size) == 0:
-        return cp_plan.LoadBalance.DUAL_CHUNK
-    return cp_plan.LoadBalance.CONTIGUOUS
+def thd_balance(cp: ContextParallel, s: int) -> Tuple[cp_plan.LoadBalance, int]:
+    """The plan's ``(balance, rounds)`` for packed rows of ``s`` tokens in this call's input order
+    (:func:`~transformer_engine.common.attention.context_parallel.packed_balance`)."""
+    return cp_plan.packed_balance(cp.size, s, cp.load_balanced, cp.stripe)
 
 
 def thd_rank_plans(plan: _Plan, s: int) -> Tuple[cp_plan.RankPlan, ...]:
     """Every rank's plan for packed rows of ``s`` tokens (tiles are counted per segment, so the plan's own
     alignment is 1)."""
-    return tuple(cp_plan.rank_plan(plan.cp.comm_type, plan.cp.size, r, s, plan.causal, thd_balance(plan.cp, s),
-                                   window=plan.window) for r in range(plan.cp.size))
+    balance, rounds = thd_balance(plan.cp, s)
+    return tuple(cp_plan.rank_plan(plan.cp.comm_type, plan.cp.size, r, s, plan.causal, balance,
+                                   window=plan.window, rounds=rounds) for r in range(plan.cp.size))
 
 
 def _steps(plans: Tuple[cp_plan.RankPlan, ...], rank):
@@ -710,10 +712,13 @@ def thd_rank_backward(plan: _Plan, plans, rank, gathered, seq: SeqInfo):
     return tuple(jnp.concatenate(x, axis=1) for x in (dq, dk, dv))
 
 
-def _kept_to_owners(x, plan: _Plan, balance: cp_plan.LoadBalance, axis: int):
-    """A rank's kept chunks (the plan's, local order) -> the rows it holds in the input's order."""
-    if balance == cp_plan.LoadBalance.CONTIGUOUS and not plan.cp.load_balanced:
-        return x  # the plan's chunk is the rank's own rows
+def _kept_to_owners(x, plan: _Plan, axis: int):
+    """A rank's kept chunks (the plan's, local order) -> the rows it holds in the input's order: the same rows
+    when the plan runs the input's order (contiguous, or its stripes), else an all-gather and a permutation."""
+    balance, _ = thd_balance(plan.cp, x.shape[axis] * plan.cp.size)
+    if balance == cp_plan.LoadBalance.STRIPED or (balance == cp_plan.LoadBalance.CONTIGUOUS
+                                                  and not plan.cp.load_balanced):
+        return x  # the plan's chunks are the rank's own rows
     full = jax.lax.all_gather(x, plan.cp.axis, axis=axis, tiled=True)
     full = jnp.moveaxis(_permute_chunks(jnp.moveaxis(full, axis, 1), 1, cp_plan.chunk_order(plan.cp.size, balance),
                                         inverse=True), 1, axis)
@@ -723,9 +728,9 @@ def _kept_to_owners(x, plan: _Plan, balance: cp_plan.LoadBalance, axis: int):
 def _thd_split_forward(plan: _Plan, max_axes, q, k, v, seq):
     q_all, k_all, v_all = (_gather(x, plan.cp, 1, thd=True) for x in (q, k, v))
     s = q_all.shape[1]
-    plans, balance = thd_rank_plans(plan, s), thd_balance(plan.cp, s)
+    plans = thd_rank_plans(plan, s)
     results = thd_rank_forward(plan, plans, jax.lax.axis_index(plan.cp.axis), q_all, k_all, v_all, seq)
-    own = (_kept_to_owners(results[0], plan, balance, 1), _kept_to_owners(results[1], plan, balance, 2))
+    own = (_kept_to_owners(results[0], plan, 1), _kept_to_owners(results[1], plan, 2))
     if plan.static.return_max_logit:
         return own + ((jax.lax.pmax(results[2], max_axes) if max_axes else results[2]).astype(q.dtype),)
     return own
@@ -747,9 +752,8 @@ def _thd_split_attention_bwd(plan, max_axes, residuals, dout):
     q, k, v, out, lse, seq = residuals
     gathered = tuple(_gather(x, plan.cp, 2 if i == 4 else 1, thd=True) for i, x in enumerate((q, k, v, out, lse, dout)))
     s = gathered[0].shape[1]
-    plans, balance = thd_rank_plans(plan, s), thd_balance(plan.cp, s)
-    grads = thd_rank_backward(plan, plans, jax.lax.axis_index(plan.cp.axis), gathered, seq)
-    return tuple(_kept_to_owners(g, plan, balance, 1) for g in grads) + (None,)
+    grads = thd_rank_backward(plan, thd_rank_plans(plan, s), jax.lax.axis_index(plan.cp.axis), gathered, seq)
+    return tuple(_kept_to_owners(g, plan, 1) for g in grads) + (None,)
 
 
 _thd_split_attention.defvjp(_thd_split_attention_fwd, _thd_split_attention_bwd)

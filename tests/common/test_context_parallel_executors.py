@@ -438,3 +438,36 @@ def test_common_plan_refuses_a_window_it_cannot_split_by_rows():
     calls = cpp.rank_plan("p2p", 2, 0, 16, True, cpp.LoadBalance.DUAL_CHUNK, window=4).calls
     assert {c.window for c in calls} == {(4, 0)}
     assert {c.window for c in cpp.rank_plan("p2p", 2, 0, 16, False, cpp.LoadBalance.DUAL_CHUNK).calls} == {(-1, -1)}
+
+
+@pytest.mark.parametrize("cp", (2, 4))
+def test_jax_thd_pseudo_sequences_take_the_plan_calls_span(cp, monkeypatch):
+    """JAX THD cuts each call's span (not a range of its own) to the segment: with the plan's spans one token
+    shorter at the end, every call's other-side tokens follow (one segment over the whole row)."""
+    jax, jcp, _, _ = _jax()
+    import jax.numpy as jnp
+    import numpy as np
+    from transformer_engine.jax.attention_math import SeqInfo
+
+    calls_of = cpp.RankPlan.calls.fget
+
+    def altered(plan):
+        return tuple(dataclasses.replace(c, span=(c.span[0], c.span[1] - 1)) for c in calls_of(plan))
+
+    monkeypatch.setattr(cpp.RankPlan, "calls", property(altered))
+    seen = []
+    _record_jax(jcp, monkeypatch, seen)
+    s = 2 * cp * 4
+    seq = SeqInfo(*(jnp.asarray(x, jnp.int32) for x in ([[s]], [[s]], [[0, s]], [[0, s]])))
+    plan = _jax_plan(cp, True, "p2p", True, QKVFormat.THD, 1)
+    plans = jcp.thd_rank_plans(plan, s)
+    z = lambda h: jnp.zeros((1, s, h, 8), jnp.float32)  # noqa: E731
+    for rank in range(cp):
+        seen.clear()
+        jcp.thd_rank_forward(plan, plans, rank, z(2), z(1), z(1), seq)
+        jcp.thd_rank_backward(plan, plans, rank, (z(2), z(1), z(1), z(2), jnp.zeros((1, 2, s)), z(2)), seq)
+        calls = plans[rank].calls
+        order = [c for c in calls if c.pass_ == cpp.Pass.FORWARD] + [c for c in calls if c.pass_ != cpp.Pass.FORWARD]
+        for (p, _, pseudo, _, _), call in zip(seen, order):
+            other = pseudo.q_seqlens if p == cpp.Pass.DKDV else pseudo.kv_seqlens
+            assert int(np.asarray(other)[0, 0]) == call.span[1] - call.span[0], (rank, p)

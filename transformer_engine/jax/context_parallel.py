@@ -623,17 +623,19 @@ def thd_rank_plans(plan: _Plan, s: int) -> Tuple[cp_plan.RankPlan, ...]:
 
 
 def _steps(plans: Tuple[cp_plan.RankPlan, ...], rank):
-    """The plans' calls step by step: (the calls of every rank, the traced rank's chunk start). The ranks'
-    calls differ only in their chunk."""
+    """The plans' calls step by step: (the calls of every rank, the traced rank's call as :class:`_At`). The
+    ranks' calls differ only in their chunk."""
     for calls in zip(*(p.calls for p in plans)):
         assert len({(c.pass_, c.mask, c.chunk.end - c.chunk.start) for c in calls}) == 1, calls
-        starts = jnp.asarray([c.chunk.start for c in calls], jnp.int32)
-        yield calls, starts[rank]
+        yield calls, _At.of(calls, rank)
 
 
-def _pseudo_seq(seq: SeqInfo, call: cp_plan.ChunkCall, a, align: int) -> SeqInfo:
-    """The pseudo-sequences of ``call`` over the chunk ``[a, a + length)`` of the gathered rows: per segment,
-    its own-side tokens in the chunk from the tile boundary before them, and the other side's span."""
+def _pseudo_seq(seq: SeqInfo, call: cp_plan.ChunkCall, at: _At, align: int) -> SeqInfo:
+    """The pseudo-sequences of ``call`` (the traced rank's positions ``at``) over the gathered rows, one per
+    segment: its own-side tokens in the call's chunk from the tile boundary before them (tiles counted from
+    the segment's start), and the call's span inside the segment, from that boundary on for dK/dV (whose
+    queries and keys start together, top-left)."""
+    a = at.start
     b = a + (call.chunk.end - call.chunk.start)
     dkdv = call.pass_ == cp_plan.Pass.DKDV
     own_off, own_len = (seq.kv_offsets, seq.kv_seqlens) if dkdv else (seq.q_offsets, seq.q_seqlens)
@@ -646,12 +648,12 @@ def _pseudo_seq(seq: SeqInfo, call: cp_plan.ChunkCall, a, align: int) -> SeqInfo
     has = pe > pa
     zero = jnp.zeros_like(length)
     own = (start + lo, jnp.where(has, pe - lo, zero))
-    if call.mask == _common.AttnMaskType.NO_MASK:
-        other = (oth_off[:, :m], jnp.where(has, oth_len, zero))
-    elif dkdv:  # queries from the boundary on, top-left causal
-        other = (oth_off[:, :m] + lo, jnp.where(has, oth_len - lo, zero))
-    else:  # keys up to the chunk's end, bottom-right causal
-        other = (oth_off[:, :m], jnp.where(has, pe, zero))
+    oth_start = oth_off[:, :m]
+    sa = jnp.clip(at.span[0] - oth_start, 0, oth_len)
+    se = jnp.clip(at.span[1] - oth_start, 0, oth_len)
+    if dkdv:
+        sa = jnp.minimum(sa, lo)
+    other = (oth_start + sa, jnp.where(has, se - sa, zero))
     (q_off, q_len), (kv_off, kv_len) = (other, own) if dkdv else (own, other)
     end = lambda off: jnp.concatenate([off, off[:, -1:]], axis=1)  # noqa: E731  (only starts are read)
     return SeqInfo(q_len, kv_len, end(q_off), end(kv_off))
@@ -674,12 +676,12 @@ def thd_rank_forward(plan: _Plan, plans, rank, q_all, k_all, v_all, seq: SeqInfo
     ``return_max_logit`` the max logit of its calls ``[h]`` (fp32)."""
     bias, seeds = _placeholders(q_all)
     outs, lses, maxes = [], [], []
-    for calls, a in _steps(plans, rank):
-        call = calls[0]
+    for calls, at in _steps(plans, rank):
+        call, a = calls[0], at.start
         if call.pass_ != cp_plan.Pass.FORWARD:
             continue
         c = call.chunk.end - call.chunk.start
-        pseudo = _pseudo_seq(seq, call, a, plan.align)
+        pseudo = _pseudo_seq(seq, call, at, plan.align)
         results = fused_attn_fwd(q_all, k_all, v_all, bias, pseudo, seeds, _call_static(plan.static, call))
         outs.append(_slab(results[0], a, c, 1))
         lses.append(_slab(lse_to_tokens(results[1], pseudo), a, c, 2))
@@ -695,12 +697,12 @@ def thd_rank_backward(plan: _Plan, plans, rank, gathered, seq: SeqInfo):
     q_all, k_all, v_all, out_all, lse_all, dout_all = gathered
     bias, seeds = _placeholders(q_all)
     dq, dk, dv = [], [], []
-    for calls, a in _steps(plans, rank):
-        call = calls[0]
+    for calls, at in _steps(plans, rank):
+        call, a = calls[0], at.start
         if call.pass_ == cp_plan.Pass.FORWARD:
             continue
         c = call.chunk.end - call.chunk.start
-        pseudo = _pseudo_seq(seq, call, a, plan.align)
+        pseudo = _pseudo_seq(seq, call, at, plan.align)
         grads = BackwardGrads.DKDV if call.pass_ == cp_plan.Pass.DKDV else BackwardGrads.DQ
         results = fused_attn_bwd(q_all, k_all, v_all, bias, out_all, dout_all, lse_to_segments(lse_all, pseudo),
                                  pseudo, seeds, _call_static(plan.static, call, grads))

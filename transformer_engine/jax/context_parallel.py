@@ -96,8 +96,8 @@ from transformer_engine.jax.primitives.attention import FusedAttnStatic, fused_a
 from transformer_engine.jax.sharding import batch_axes, global_mesh_resource, head_axes
 
 __all__ = ["ContextParallel", "resolve_context_parallel", "check_context_parallel_supported",
-           "context_parallel_attention", "replicated_attention", "descriptor_in_global_order", "make_plan", "tile_alignment", "rank_forward",
-           "rank_backward", "unsupported_reasons"]
+           "context_parallel_attention", "replicated_attention", "descriptor_in_global_order", "make_plan",
+           "tile_alignment", "rank_forward", "rank_backward", "unsupported_reasons"]
 
 
 @dataclass(frozen=True)

@@ -125,7 +125,7 @@ def test_pytorch_thd_tokens_per_rank_fall_as_one_over_cp(causal, monkeypatch):
 
 # -- JAX -------------------------------------------------------------------------------------------------
 
-def _jax_plan(cp, causal, comm, load_balanced, fmt, align):
+def _jax_plan(cp, causal, comm, load_balanced, fmt, align, stripe=None):
     jax, jcp, CPStrategy, FusedAttnStatic = _jax()
     from transformer_engine.common.attention import enums
 
@@ -136,7 +136,7 @@ def _jax_plan(cp, causal, comm, load_balanced, fmt, align):
                              qkv_format=fmt, window_size=(-1, 0) if causal else (-1, -1), scaling_factor=0.25,
                              dropout_probability=0.0, is_training=True, deterministic=True)
     strategy = CPStrategy.RING if comm == "p2p" else CPStrategy.ALL_GATHER
-    return jcp.make_plan(static, jcp.ContextParallel("cp", cp, strategy, load_balanced), align)
+    return jcp.make_plan(static, jcp.ContextParallel("cp", cp, strategy, load_balanced, stripe), align)
 
 
 def _record_jax(jcp, monkeypatch, seen):
@@ -192,12 +192,13 @@ def test_jax_bshd_steps_launch_the_plans_calls(cp, causal, load_balanced, comm, 
 
 
 @pytest.mark.parametrize("comm", COMMS)
-@pytest.mark.parametrize("order", ["striped", "contiguous"])
+@pytest.mark.parametrize("order", ["striped", "striped-2", "contiguous"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "no_mask"])
 @pytest.mark.parametrize("cp", CPS)
 def test_jax_thd_steps_launch_the_plans_calls_and_tokens_fall_as_one_over_cp(cp, causal, order, comm, monkeypatch):
     """THD: each step is one of the plan's calls (its mask in padded form) with one pseudo-sequence per
-    segment; the real tokens each rank keeps are 1 / cp of the row's."""
+    segment; the real tokens each rank keeps are 1 / cp of the row's. Striped input runs the dual-chunk plan
+    (stripes of 1), or its own STRIPED order with two stripes per rank ("striped-2")."""
     jax, jcp, _, _ = _jax()
     import jax.numpy as jnp
     import numpy as np
@@ -209,10 +210,13 @@ def test_jax_thd_steps_launch_the_plans_calls_and_tokens_fall_as_one_over_cp(cp,
     lens = np.array([[40, 24, 0, 64], [7, 57, 30, 34]], np.int32)  # every token real
     offsets = np.concatenate([np.zeros((2, 1), np.int32), np.cumsum(lens, axis=1)], axis=1).astype(np.int32)
     seq = SeqInfo(*(jnp.asarray(x) for x in (lens, lens, offsets, offsets)))
-    plan = _jax_plan(cp, causal, comm, order == "striped", QKVFormat.THD, 1)
+    plan = _jax_plan(cp, causal, comm, order != "contiguous", QKVFormat.THD, 1,
+                     s // (2 * cp) if order == "striped-2" else None)
     plans = jcp.thd_rank_plans(plan, s)
-    assert jcp.thd_balance(plan.cp, s) == (cpp.LoadBalance.DUAL_CHUNK if order == "striped"
-                                           else cpp.LoadBalance.CONTIGUOUS)
+    assert jcp.thd_balance(plan.cp, s) == {"striped": (cpp.LoadBalance.DUAL_CHUNK, 1), "contiguous": (
+        cpp.LoadBalance.CONTIGUOUS, 1), "striped-2": (cpp.LoadBalance.STRIPED, 2)}[order]
+    assert all(p.ranges[0].end - p.ranges[0].start == s // cpp.num_chunks(cp, *jcp.thd_balance(plan.cp, s))
+               for p in plans)
     z = lambda h: jnp.zeros((2, s, h, 8), jnp.float32)  # noqa: E731
     for rank in range(cp):
         seen.clear()
@@ -306,7 +310,7 @@ def test_pytorch_and_jax_run_one_work_list_from_the_plan(cp, causal, fmt, order,
     spec = tcp.FusedSpec(0.25, causal, True, 1)
     jplan = _jax_plan(cp, causal, comm, True, fmt, 1)
     if thd:
-        assert jcp.thd_balance(jplan.cp, s) == cpp.LoadBalance.DUAL_CHUNK  # Striped input, dual-chunk plan
+        assert jcp.thd_balance(jplan.cp, s) == (cpp.LoadBalance.DUAL_CHUNK, 1)  # Striped input, dual-chunk plan
         seq = SeqInfo(*(jnp.asarray(x, jnp.int32) for x in ([[s]], [[s]], [[0, s]], [[0, s]])))
         jplans = jcp.thd_rank_plans(jplan, s)
     zt = lambda *shape: torch.zeros(*shape)  # noqa: E731
@@ -342,3 +346,128 @@ def test_pytorch_and_jax_run_one_work_list_from_the_plan(cp, causal, fmt, order,
         if thd:  # the chunk tokens each rank computes: 1 / cp of the sequence's, per pass, in both
             for work in (torch_work, jax_work):
                 assert {p: sum(w[2] for w in work[p]) for p in cpp.Pass} == {p: s // cp for p in cpp.Pass}, rank
+
+
+@pytest.mark.parametrize("cp", (2, 4))
+def test_jax_bshd_launches_take_mask_and_span_from_the_plan_call(cp, monkeypatch):
+    """JAX BSHD chooses no mask or range itself: with the plan's causal calls altered (forward and dQ calls
+    top-left instead of bottom-right, their key span one shorter; dK/dV query spans one later), its launches
+    follow the altered calls."""
+    jax, jcp, _, _ = _jax()
+    import jax.numpy as jnp
+    import numpy as np
+
+    calls_of = cpp.RankPlan.calls.fget
+
+    def altered(plan):
+        out = []
+        for c in calls_of(plan):
+            if c.pass_ == cpp.Pass.DKDV:
+                out.append(dataclasses.replace(c, span=(c.span[0] + 1, c.span[1])))
+            else:
+                out.append(dataclasses.replace(c, mask=AttnMaskType.CAUSAL_MASK, span=(c.span[0], c.span[1] - 1)))
+        return tuple(out)
+
+    monkeypatch.setattr(cpp.RankPlan, "calls", property(altered))
+    seen = []
+    _record_jax(jcp, monkeypatch, seen)
+    plan = _jax_plan(cp, True, "all_gather", True, QKVFormat.BSHD, 1)
+    n = 8
+    s = n * cp
+    z = lambda m, h: jnp.zeros((1, m, h, 8), jnp.float32)  # noqa: E731
+    for rank in range(cp):
+        seen.clear()
+        jcp.rank_forward(plan, rank, z(n, 2), z(s, 1), z(s, 1))
+        jcp.rank_backward(plan, rank, (z(n, 2), z(n, 1), z(n, 1), z(n, 2), jnp.zeros((1, 1, 2, n)), z(n, 2)),
+                          (z(s, 2), z(s, 1), z(s, 1), z(s, 2), jnp.zeros((1, 1, 2, s)), z(s, 2)))
+        calls = altered(plan.rank_plan(rank, s))
+        expected = [c for c in calls if c.pass_ == cpp.Pass.FORWARD] + [
+            c for p in (cpp.Pass.DKDV, cpp.Pass.DQ) for c in calls if c.pass_ == p]
+        assert [p for p, *_ in seen] == [c.pass_ for c in expected], rank
+        for (pass_, static, seq, _, _), call in zip(seen, expected):
+            assert AttnMaskType(static.attn_mask_type) == call.padded_mask(), (rank, pass_)
+            if pass_ == cpp.Pass.DKDV:  # the span's queries as one sequence from its start
+                assert (int(np.asarray(seq.q_offsets)[0, 0]), int(np.asarray(seq.q_seqlens)[0, 0])) == (
+                    call.span[0], call.span[1] - call.span[0]), rank
+            else:  # keys [0, span end)
+                assert int(np.asarray(seq.kv_seqlens)[0, 0]) == call.span[1], (rank, pass_)
+
+
+def test_jax_thd_sliding_window_splits_by_the_plan_tokens_fall_as_one_over_cp(monkeypatch):
+    """JAX THD with a causal sliding window runs the plan's calls like the windowless masks (it ran the whole
+    gathered rows on every rank before): each call carries the window, and the real tokens each rank's calls
+    keep per pass are 1 / cp of the rows' (cp 1, 2, 4; with cp = 1 the whole rows)."""
+    jax, jcp, _, _ = _jax()
+    import jax.numpy as jnp
+    import numpy as np
+    from transformer_engine.common.attention import enums
+    from transformer_engine.jax.attention_math import SeqInfo
+
+    seen = []
+    _record_jax(jcp, monkeypatch, seen)
+    s, window = 64, (5, 0)
+    lens = np.array([[13, 30, 0, 21], [5, 20, 32, 7]], np.int32)  # every token real
+    offsets = np.concatenate([np.zeros((2, 1), np.int32), np.cumsum(lens, axis=1)], axis=1).astype(np.int32)
+    seq = SeqInfo(*(jnp.asarray(x) for x in (lens, lens, offsets, offsets)))
+    z = lambda h: jnp.zeros((2, s, h, 8), jnp.float32)  # noqa: E731
+    per_rank = {}
+    for cp in (1, 2, 4):
+        plan = _jax_plan(cp, True, "all_gather", True, QKVFormat.THD, 1)
+        plan = dataclasses.replace(plan, static=dataclasses.replace(plan.static, window_size=window))
+        assert jcp._thd_splits(plan.static)
+        plans = jcp.thd_rank_plans(plan, s)
+        for rank in range(cp):
+            seen.clear()
+            jcp.thd_rank_forward(plan, plans, rank, z(2), z(1), z(1), seq)
+            jcp.thd_rank_backward(plan, plans, rank, (z(2), z(1), z(1), z(2), jnp.zeros((2, 2, s)), z(2)), seq)
+            assert {tuple(st.window_size) for _, st, *_ in seen} == {window}, (cp, rank)
+            assert {st.attn_mask_type for _, st, *_ in seen} == {enums.AttnMaskType.PADDING_CAUSAL_MASK,
+                                                                  enums.AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK}
+            kept = {}
+            for p, _, pseudo, _, _ in seen:
+                own = pseudo.kv_seqlens if p == cpp.Pass.DKDV else pseudo.q_seqlens
+                kept[p] = kept.get(p, 0) + int(np.sum(np.asarray(own)))  # align 1: no lead rows
+            per_rank[cp, rank] = kept
+    for (cp, rank), kept in per_rank.items():
+        assert kept == {p: 2 * s // cp for p in cpp.Pass}, (cp, rank, kept)  # 128, 64, 32 tokens per pass
+
+
+def test_common_plan_refuses_a_window_it_cannot_split_by_rows():
+    with pytest.raises(NotImplementedError, match="`window` must be -1"):
+        cpp.rank_plan("p2p", 2, 0, 16, False, cpp.LoadBalance.DUAL_CHUNK, window=4)
+    calls = cpp.rank_plan("p2p", 2, 0, 16, True, cpp.LoadBalance.DUAL_CHUNK, window=4).calls
+    assert {c.window for c in calls} == {(4, 0)}
+    assert {c.window for c in cpp.rank_plan("p2p", 2, 0, 16, False, cpp.LoadBalance.DUAL_CHUNK).calls} == {(-1, -1)}
+
+
+@pytest.mark.parametrize("cp", (2, 4))
+def test_jax_thd_pseudo_sequences_take_the_plan_calls_span(cp, monkeypatch):
+    """JAX THD cuts each call's span (not a range of its own) to the segment: with the plan's spans one token
+    shorter at the end, every call's other-side tokens follow (one segment over the whole row)."""
+    jax, jcp, _, _ = _jax()
+    import jax.numpy as jnp
+    import numpy as np
+    from transformer_engine.jax.attention_math import SeqInfo
+
+    calls_of = cpp.RankPlan.calls.fget
+
+    def altered(plan):
+        return tuple(dataclasses.replace(c, span=(c.span[0], c.span[1] - 1)) for c in calls_of(plan))
+
+    monkeypatch.setattr(cpp.RankPlan, "calls", property(altered))
+    seen = []
+    _record_jax(jcp, monkeypatch, seen)
+    s = 2 * cp * 4
+    seq = SeqInfo(*(jnp.asarray(x, jnp.int32) for x in ([[s]], [[s]], [[0, s]], [[0, s]])))
+    plan = _jax_plan(cp, True, "p2p", True, QKVFormat.THD, 1)
+    plans = jcp.thd_rank_plans(plan, s)
+    z = lambda h: jnp.zeros((1, s, h, 8), jnp.float32)  # noqa: E731
+    for rank in range(cp):
+        seen.clear()
+        jcp.thd_rank_forward(plan, plans, rank, z(2), z(1), z(1), seq)
+        jcp.thd_rank_backward(plan, plans, rank, (z(2), z(1), z(1), z(2), jnp.zeros((1, 2, s)), z(2)), seq)
+        calls = plans[rank].calls
+        order = [c for c in calls if c.pass_ == cpp.Pass.FORWARD] + [c for c in calls if c.pass_ != cpp.Pass.FORWARD]
+        for (p, _, pseudo, _, _), call in zip(seen, order):
+            other = pseudo.q_seqlens if p == cpp.Pass.DKDV else pseudo.kv_seqlens
+            assert int(np.asarray(other)[0, 0]) == call.span[1] - call.span[0], (rank, p)

@@ -27,6 +27,8 @@ ROW_SPLIT = ("p2p", "all_gather")
 BALANCES = (cpp.LoadBalance.DUAL_CHUNK, cpp.LoadBalance.CONTIGUOUS)
 # Chunk lengths (per chunk of 2 cp): tile multiples and awkward ones (odd, prime, just past a tile).
 CHUNK_LENGTHS = (1, 7, 64, 100, 128, 129, 384)
+# (balance, rounds): the plan's orders, STRIPED with one to three stripes per rank.
+ORDERS = tuple((b, 1) for b in BALANCES) + tuple((cpp.LoadBalance.STRIPED, r) for r in (1, 2, 3))
 
 
 def _expected_blocks(n: int, causal: bool):
@@ -36,12 +38,12 @@ def _expected_blocks(n: int, causal: bool):
 # -- invariants of the common plan ------------------------------------------------------------------
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "no_mask"])
-@pytest.mark.parametrize("balance", BALANCES, ids=lambda b: b.value)
+@pytest.mark.parametrize("balance,rounds", ORDERS, ids=lambda x: getattr(x, "value", str(x)))
 @pytest.mark.parametrize("comm", ROW_SPLIT)
 @pytest.mark.parametrize("cp", CPS)
-def test_every_block_is_computed_once_over_the_ranks(cp, comm, balance, causal):
-    n = cpp.num_chunks(cp, balance)
-    plans = [cpp.rank_plan(comm, cp, r, 16 * n, causal, balance) for r in range(cp)]
+def test_every_block_is_computed_once_over_the_ranks(cp, comm, balance, rounds, causal):
+    n = cpp.num_chunks(cp, balance, rounds)
+    plans = [cpp.rank_plan(comm, cp, r, 16 * n, causal, balance, rounds=rounds) for r in range(cp)]
     for pass_ in cpp.Pass:
         counts = collections.Counter(b for p in plans for b in p.blocks(pass_))
         assert set(counts) == _expected_blocks(n, causal), pass_
@@ -51,6 +53,9 @@ def test_every_block_is_computed_once_over_the_ranks(cp, comm, balance, causal):
             own = {r.chunk for r in p.ranges}
             axis = 1 if pass_ == cpp.Pass.DKDV else 0
             assert {b[axis] for b in p.blocks(pass_)} <= own
+    for p in plans:  # the rank's chunks in its local order, where the input order puts them
+        assert tuple(r.chunk for r in p.ranges) == cpp.rank_chunks(cp, p.rank, balance, rounds)
+        assert [r.local_start for r in p.ranges] == [i * 16 for i in range(len(p.ranges))]
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "no_mask"])
@@ -220,15 +225,16 @@ def test_pytorch_and_jax_build_equal_plans(cp, comm, causal, align):
             assert tplan == jplan.rank_plan(rank, s), (s, rank)
             # What each framework slices: PyTorch's chunk ranges and JAX's (local start, length, global start).
             # JAX's forward launches (the unmasked calls merged): (local start, rows, global start).
-            launched = [(calls[0].chunk.local_start, sum(c.chunk.end - c.chunk.start for c in calls), int(a))
-                        for calls, a, _ in jplan.launches(s // cp, rank, cpp.Pass.FORWARD)]
+            launched = [(calls[0].chunk.local_start, sum(c.chunk.end - c.chunk.start for c in calls),
+                         int(at.start)) for calls, at in jplan.launches(s // cp, rank, cpp.Pass.FORWARD)]
             assert launched == ([(r.local_start, r.end - r.start, r.start) for r in tplan.ranges] if causal
                                 else [(0, s // cp, tplan.ranges[0].start)])
             assert split.token_index().tolist() == [t for r in tplan.ranges for t in range(r.start, r.end)]
-        # JAX starts each causal chunk call at the plan's aligned start: its zero-row lead is the plan's.
-        leads = [r.lead for rank in range(cp) for r in tcp.rank_plan(
-            tcp.SeqSplit(QKVFormat.BSHD, cp, rank, seqlen=s), spec, comm).ranges]
-        assert jplan.lead_rows(s // cp) == max(leads)
+        # JAX starts each causal chunk call at the plan's aligned start: its zero-row lead is the plan's (the
+        # unmasked calls need none: every row sees every key).
+        leads = [c.lead for rank in range(cp) for c in tcp.rank_plan(
+            tcp.SeqSplit(QKVFormat.BSHD, cp, rank, seqlen=s), spec, comm).calls]
+        assert jplan.lead_rows(s // cp) == (max(leads) if causal else 0)
 
 
 @pytest.mark.parametrize("cp", CPS)
@@ -358,14 +364,14 @@ def test_striped_order_deals_stripes_round_robin(cp):
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "no_mask"])
-@pytest.mark.parametrize("balance", BALANCES, ids=lambda b: b.value)
+@pytest.mark.parametrize("balance,rounds", ORDERS, ids=lambda x: getattr(x, "value", str(x)))
 @pytest.mark.parametrize("cp", CPS)
-def test_chunk_calls_cover_each_pass_once_with_the_global_mask(cp, balance, causal):
+def test_chunk_calls_cover_each_pass_once_with_the_global_mask(cp, balance, rounds, causal):
     """Each pass's calls keep every row exactly once over the ranks; a call's (rows, span, mask) make
     each kept row see exactly its global keys (queries for dK/dV); the first backward call preprocesses
     rows covering the rank's later calls."""
     align, length = 16, 24
-    n = cpp.num_chunks(cp, balance)
+    n = cpp.num_chunks(cp, balance, rounds)
     s = n * length
 
     def visible(q, kv):
@@ -373,7 +379,7 @@ def test_chunk_calls_cover_each_pass_once_with_the_global_mask(cp, balance, caus
 
     kept = collections.Counter()
     for rank in range(cp):
-        plan = cpp.rank_plan("p2p", cp, rank, s, causal, balance, align)
+        plan = cpp.rank_plan("p2p", cp, rank, s, causal, balance, align, rounds=rounds)
         calls = plan.calls
         assert [(c.pass_, c.chunk.chunk) for c in calls] == [(p, ch) for p, ch, _ in plan.work]
         for call in calls:
@@ -429,3 +435,15 @@ def test_chunk_places_put_gathered_blocks_in_global_order(cp, balance, rounds):
     places = cpp.chunk_places(cp, balance, rounds)
     assert len(places) == cpp.num_chunks(cp, balance, rounds)
     assert [order[r * per + slot] for r, slot in places] == list(range(len(order)))
+
+
+@pytest.mark.parametrize("cp", (2, 4, 8))
+def test_packed_rows_run_their_input_order_while_calls_stay_few(cp):
+    """thd: contiguous input runs contiguous; Striped input runs its own STRIPED order with one or two stripes
+    per rank (the kept rows are the rank's own), the dual-chunk order with more (two calls per pass)."""
+    s = 2 * cp * 8
+    assert cpp.packed_balance(cp, s, False, 4) == (cpp.LoadBalance.CONTIGUOUS, 1)
+    assert cpp.packed_balance(cp, s, True, s // cp) == (cpp.LoadBalance.STRIPED, 1)
+    assert cpp.packed_balance(cp, s, True, s // (2 * cp)) == (cpp.LoadBalance.STRIPED, 2)
+    assert cpp.packed_balance(cp, s, True, 1) == (cpp.LoadBalance.DUAL_CHUNK, 1)
+    assert cpp.packed_balance(cp, 3 * cp, True, 1) == (cpp.LoadBalance.CONTIGUOUS, 1)  # no dual chunks of 3 cp

@@ -46,13 +46,15 @@ def _inputs():
                                                                                        jnp.asarray(pos))
 
 
-def _fn(mask, layout, backend=None, **cp):
+def _fn(mask, layout, backend=None, window=None, **cp):
     thd = layout == QKVLayout.THD_THD_THD
 
     def loss(q, k, v, dout, ids, pos):
         desc = SequenceDescriptor.from_segment_ids_and_pos(ids, pos) if thd else None
         args = ((q, k, v), None, desc, None, AttnBiasType.NO_BIAS, mask, layout)
         kwargs = dict(scaling_factor=0.25, max_segments_per_seq=4 if thd else 1, **cp)
+        if window is not None:
+            kwargs["window_size"] = window
         out = fused_attn(*args, **kwargs) if backend is None else fused_attn_with_backend(backend, *args, **kwargs)
         return jnp.sum(out * dout), out
 
@@ -63,20 +65,21 @@ def _fn(mask, layout, backend=None, **cp):
     return jax.jit(fn)
 
 
-def _run(mask, layout, cp, strategy, load_balanced, backend=None):
+def _run(mask, layout, cp, strategy, load_balanced, backend=None, window=None, stripe=None):
     thd = layout == QKVLayout.THD_THD_THD
     inputs = _inputs()
-    expected = _fn(mask, layout, backend)(*inputs)
+    expected = _fn(mask, layout, backend, window)(*inputs)
     order = ReorderStrategy.Striped if thd else ReorderStrategy.DualChunkSwap
-    args = [reorder_causal_load_balancing(x, order, cp, 1) if load_balanced else x for x in inputs]
+    args = [reorder_causal_load_balancing(x, order, cp, 1, stripe) if load_balanced else x for x in inputs]
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(8 // cp, cp), ("dp", "cp"))
     with mesh, global_shard_guard(MeshResource(dp_resource="dp" if 8 // cp <= B else None, cp_resource="cp")):
         spec = P("dp" if 8 // cp <= B else None, "cp")
         placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x in args]
-        got = _fn(mask, layout, backend, context_parallel_strategy=strategy,
-                  context_parallel_causal_load_balanced=load_balanced)(*placed)
+        got = _fn(mask, layout, backend, window, context_parallel_strategy=strategy,
+                  context_parallel_causal_load_balanced=load_balanced,
+                  **({} if stripe is None else dict(stripe_size=stripe)))(*placed)
     if load_balanced:
-        got = [inverse_reorder_causal_load_balancing(x, order, cp, 1) for x in got]
+        got = [inverse_reorder_causal_load_balancing(x, order, cp, 1, stripe) for x in got]
     for name, a, e in zip(("out", "dq", "dk", "dv"), got, expected):
         np.testing.assert_array_equal(np.asarray(a).view(np.uint32), np.asarray(e).view(np.uint32), err_msg=name)
 
@@ -105,3 +108,36 @@ def test_thd_row_split_is_bitwise_the_fused_cp1_call(mask, cp, strategy, lb, mon
 
     monkeypatch.setattr(context_parallel, "tile_alignment", lambda *args, **kwargs: 16)
     _run(mask, QKVLayout.THD_THD_THD, cp, strategy, lb, backend="fused")
+
+
+@pytest.mark.parametrize("cp,strategy,lb", [(2, CPStrategy.RING, True), (4, CPStrategy.ALL_GATHER, False),
+                                            (4, CPStrategy.RING, True)], ids=lambda x: getattr(x, "name", str(x)))
+def test_thd_sliding_window_row_split_is_bitwise_the_fused_cp1_call(cp, strategy, lb, monkeypatch):
+    """A causal sliding window (5 keys back) runs split by the plan (the whole-rows path is not taken), with
+    calls from a forced 16-row tile boundary, bitwise the fused cp = 1 call."""
+    from transformer_engine.jax import context_parallel
+
+    def whole_rows(*args):
+        raise AssertionError("the sliding window ran the whole gathered rows on every rank")
+
+    monkeypatch.setattr(context_parallel, "_thd_cp_attention", whole_rows)
+    monkeypatch.setattr(context_parallel, "tile_alignment", lambda *args, **kwargs: 16)
+    _run(AttnMaskType.PADDING_CAUSAL_MASK, QKVLayout.THD_THD_THD, cp, strategy, lb, backend="fused", window=(5, 0))
+
+
+@pytest.mark.parametrize("mask,cp,stripe,window", [
+    (AttnMaskType.PADDING_CAUSAL_MASK, 2, 16, None),  # two stripes per rank
+    (AttnMaskType.PADDING_MASK, 4, 8, None),
+    (AttnMaskType.PADDING_CAUSAL_MASK, 4, 16, (5, 0)),  # one stripe per rank, a sliding window
+], ids=lambda x: getattr(x, "value", str(x)))
+def test_thd_striped_plan_keeps_each_ranks_own_rows_bitwise(mask, cp, stripe, window, monkeypatch):
+    """Striped input with one or two stripes per rank runs the plan in its own STRIPED order: each rank's kept
+    rows are its own (no permutation of gathered results), bitwise the fused cp = 1 call."""
+    from transformer_engine.jax import context_parallel
+
+    def permuted(*args, **kwargs):
+        raise AssertionError("the kept rows were exchanged: the plan did not run the Striped order")
+
+    monkeypatch.setattr(context_parallel, "_permute_chunks", permuted)
+    monkeypatch.setattr(context_parallel, "tile_alignment", lambda *args, **kwargs: 16)
+    _run(mask, QKVLayout.THD_THD_THD, cp, CPStrategy.RING, True, backend="fused", window=window, stripe=stripe)

@@ -62,7 +62,8 @@ tokens (and the segment ids and positions) are in the Striped order of
 None is 1), as TransformerEngine-JAX's THD load balancing expects; without it, in contiguous
 chunks. The common plan chunks the packed row and each call runs one pseudo-sequence per segment over
 the gathered rows (see "THD" below): each rank computes about 1 / cp of the rows, bitwise the cp = 1
-result. With a sliding window each rank runs the single-device call on the gathered rows instead.
+result, causal sliding windows included (the plan's calls carry the window). A window on a non-causal
+padding mask runs the single-device call on the gathered rows on every rank instead.
 
 The backend is the one the call selects without context parallelism: the fused primitives as
 above, or (the CPU's choice) the unfused backend on every rank's gathered rows
@@ -76,7 +77,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -95,8 +96,8 @@ from transformer_engine.jax.primitives.attention import FusedAttnStatic, fused_a
 from transformer_engine.jax.sharding import batch_axes, global_mesh_resource, head_axes
 
 __all__ = ["ContextParallel", "resolve_context_parallel", "check_context_parallel_supported",
-           "context_parallel_attention", "replicated_attention", "descriptor_in_global_order", "make_plan", "tile_alignment", "rank_forward",
-           "rank_backward", "unsupported_reasons"]
+           "context_parallel_attention", "replicated_attention", "descriptor_in_global_order", "make_plan",
+           "tile_alignment", "rank_forward", "rank_backward", "unsupported_reasons"]
 
 
 @dataclass(frozen=True)
@@ -319,46 +320,68 @@ class _Plan:
     def rank_plan(self, rank: int, seqlen: int) -> cp_plan.RankPlan:
         """The common plan rank ``rank`` carries out for a sequence of ``seqlen`` tokens (BSHD/SBHD)."""
         return cp_plan.rank_plan(self.cp.comm_type, self.cp.size, rank, seqlen, self.causal, self.cp.balance,
-                                 self.align)
+                                 self.align, window=self.window)
+
+    @property
+    def window(self) -> int:
+        """The plan's causal sliding window (left; -1: none)."""
+        return int(self.static.window_size[0]) if self.causal else -1
 
     def lead_rows(self, local_len: int) -> int:
-        """The most rows any rank's chunk call carries before its chunk (the plan's ``ChunkRange.lead``,
+        """The most rows any rank's masked call carries before its chunk (the plan's ``ChunkCall.lead``,
         the chunk start's distance from the tile boundary before it): the static length of the zero rows
-        in front of each causal chunk call's buffer (0: the calls take the chunks as they are)."""
+        in front of each masked call's buffer (0: the calls take the chunks as they are). Unmasked calls
+        need none: every row sees the same keys, so a row's blocks do not depend on its neighbours."""
         seqlen = local_len * self.cp.size
-        return max(r.lead for rank in range(self.cp.size) for r in self.rank_plan(rank, seqlen).ranges)
+        return max((c.lead for rank in range(self.cp.size) for c in self.rank_plan(rank, seqlen).calls
+                    if c.mask != _common.AttnMaskType.NO_MASK), default=0)
 
     def launches(self, local_len: int, rank, pass_: cp_plan.Pass):
         """The ``pass_`` launches of the common plan (unmasked calls of a pass merged: every row sees every key)
-        for local sequences of ``local_len`` rows: (rank 0's calls of the launch, the traced rank's chunk start
-        and span end). The ranks' launches differ only in where their chunks sit in the sequence."""
+        for local sequences of ``local_len`` rows: (rank 0's calls of the launch, the traced rank's call as
+        :class:`_At`). The ranks' launches differ only in where their chunks sit in the sequence."""
         plans = [self.rank_plan(r, local_len * self.cp.size) for r in range(self.cp.size)]
         for groups in zip(*(p.launches(merge_unmasked=True) for p in plans)):
             assert len({tuple((c.pass_, c.mask, c.chunk.local_start, c.chunk.end - c.chunk.start) for c in g)
                         for g in groups}) == 1, groups
             if groups[0][0].pass_ != pass_:
                 continue
-            start = jnp.asarray([g[0].chunk.start for g in groups], jnp.int32)[rank]
-            span_end = jnp.asarray([g[0].span[1] for g in groups], jnp.int32)[rank]
-            yield groups[0], start, span_end
+            yield groups[0], _At.of([g[0] for g in groups], rank)
+
+
+class _At(NamedTuple):
+    """One launch's positions on the traced rank, read from its plan call (int32 scalars): the chunk's
+    ``start``, the call's first row ``row`` (``ChunkCall.rows[0]``) and the other operand's ``span``."""
+
+    start: jax.Array
+    row: jax.Array
+    span: Tuple[jax.Array, jax.Array]
+
+    @classmethod
+    def of(cls, calls, rank) -> "_At":
+        pick = lambda f: jnp.asarray([f(c) for c in calls], jnp.int32)[rank]  # noqa: E731
+        return cls(pick(lambda c: c.chunk.start), pick(lambda c: c.rows[0]),
+                   (pick(lambda c: c.span[0]), pick(lambda c: c.span[1])))
 
     @property
-    def chunk_static(self) -> FusedAttnStatic:
-        """Queries of a chunk against keys [0, a + c) (padding beyond): causal aligned bottom-right."""
-        return dataclasses.replace(self.static, attn_mask_type=_common.AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK,
-                                   bottom_right_diagonal=None)
+    def lead(self):
+        """Rows of the call before its chunk (``ChunkCall.lead``)."""
+        return self.start - self.row
 
-    @property
-    def aligned_chunk_static(self) -> FusedAttnStatic:
-        """Queries of a chunk, from the tile boundary before it (a sequence at an offset of the call's
-        buffer), against keys [0, a + c): causal aligned bottom-right."""
-        return dataclasses.replace(self.chunk_static, qkv_format=_common.QKVFormat.THD)
 
-    @property
-    def kv_chunk_static(self) -> FusedAttnStatic:
-        """Queries [a, s) (a sequence starting at a) against one key chunk: causal aligned top-left."""
-        return dataclasses.replace(self.static, attn_mask_type=_common.AttnMaskType.PADDING_CAUSAL_MASK,
-                                   qkv_format=_common.QKVFormat.THD, bottom_right_diagonal=None)
+def _launch_static(static: FusedAttnStatic, call: cp_plan.ChunkCall, offset: bool = False,
+                   grads: Optional[BackwardGrads] = None) -> FusedAttnStatic:
+    """``static`` for one plan call: the call's mask (in padded form when masked: the call's span is a
+    sequence of the gathered operand), and the THD format when ``offset`` (the call's sequences start at an
+    offset of their buffers); ``grads``: the one gradient pass the call runs."""
+    fields = dict(attn_mask_type=call.mask, window_size=call.window)
+    if call.mask != _common.AttnMaskType.NO_MASK:
+        fields.update(attn_mask_type=call.padded_mask(), bottom_right_diagonal=None)
+    if offset:
+        fields["qkv_format"] = _common.QKVFormat.THD
+    if grads is not None:
+        fields["backward_grads"] = grads
+    return dataclasses.replace(static, **fields)
 
 
 def make_plan(static: FusedAttnStatic, cp: ContextParallel, align: int = 1) -> _Plan:
@@ -378,7 +401,8 @@ def tile_alignment(plan: _Plan, q, k, v, capability: Optional[Tuple[int, int]] =
         if jax.devices()[0].platform not in ("gpu", "cuda"):
             return 1
         capability = gpu._compute_capability()
-    statics = (plan.chunk_static, plan.kv_chunk_static) if plan.causal else (plan.static,)
+    calls = plan.rank_plan(0, cp_plan.num_chunks(plan.cp.size, plan.cp.balance)).calls
+    statics = {_launch_static(plan.static, c, _offset(c, 0)) for c in calls}
     shapes = dict(q=q.shape, k=k.shape, v=v.shape)
     return cp_plan.tile_alignment(
         gpu.launch_call(st, shapes, q.dtype, q.shape[0], None, capability).plan_key for st in statics)
@@ -403,6 +427,8 @@ def _seq(b, q_len, kv_len, q_start, kv_start) -> SeqInfo:
 
 def _lead(x, rows: int):
     """``x`` ([b, s, h, d]) after ``rows`` zero rows."""
+    if not rows:
+        return x
     return jnp.concatenate([jnp.zeros((x.shape[0], rows) + x.shape[2:], x.dtype), x], axis=1)
 
 
@@ -416,30 +442,36 @@ def _launch_rows(calls) -> Tuple[int, int]:
     return calls[0].chunk.local_start, sum(c.chunk.end - c.chunk.start for c in calls)
 
 
+def _offset(call: cp_plan.ChunkCall, pad: int) -> bool:
+    """Whether ``call``'s sequences start at an offset of their buffers: a masked dK/dV call's queries (from
+    its span's start in the gathered rows), or a masked call's rows after ``pad`` zero rows."""
+    return call.mask != _common.AttnMaskType.NO_MASK and (call.pass_ == cp_plan.Pass.DKDV or pad > 0)
+
+
 def rank_forward(plan: _Plan, rank, q, k_all, v_all):
     """One rank's forward from gathered operands: (local output, local log-sum-exp ``[b, 1, h, n_local]``
     in local row order), and with ``return_max_logit`` the local rows' max logits (laid out as the
     log-sum-exp). ``q``: the rank's rows; ``k_all``, ``v_all``: every key and value in global order;
     ``rank``: its index on the context-parallel axis (int or traced). Each launch is one of the common
-    plan's (:meth:`_Plan.launches`)."""
+    plan's (:meth:`_Plan.launches`): its mask, rows and key span are the plan call's."""
     b, n_local = q.shape[:2]
     bias, seeds = _placeholders(q)
     s_kv = k_all.shape[1]
-    pad = plan.lead_rows(n_local) if plan.causal else 0
+    pad = plan.lead_rows(n_local)
     parts = []  # per launch, in row order: (out, lse[, row_max])
-    for calls, a, span_end in plan.launches(n_local, rank, cp_plan.Pass.FORWARD):
+    for calls, at in plan.launches(n_local, rank, cp_plan.Pass.FORWARD):
         lo, c = _launch_rows(calls)
+        static = _launch_static(plan.static, calls[0], _offset(calls[0], pad))
         if calls[0].mask == _common.AttnMaskType.NO_MASK:  # the rank's rows against every key
             parts.append(fused_attn_fwd(q[:, lo:lo + c], k_all, v_all, bias, full_seq_info(b, c, s_kv), seeds,
-                                        plan.static))
-        elif not pad:  # keys [0, span_end), causal bottom-right
-            parts.append(fused_attn_fwd(q[:, lo:lo + c], k_all, v_all, bias, _chunk_seq(b, c, span_end, s_kv), seeds,
-                                        plan.chunk_static))
-        else:  # queries from the tile boundary before the chunk (zero rows, dropped), as the plan's rows
-            lead = a % plan.align
+                                        static))
+        elif not pad:  # keys of the span [0, end): causal bottom-right
+            parts.append(fused_attn_fwd(q[:, lo:lo + c], k_all, v_all, bias, _chunk_seq(b, c, at.span[1], s_kv),
+                                        seeds, static))
+        else:  # the call's rows from the tile boundary before the chunk (zero rows in front, dropped)
             part = fused_attn_fwd(_lead(q[:, lo:lo + c], pad), k_all, v_all, bias,
-                                  _seq(b, c + lead, span_end, pad - lead, 0), seeds, plan.aligned_chunk_static)
-            parts.append((part[0][:, pad:],) + tuple(jax.lax.dynamic_slice_in_dim(x, lead, c, axis=3)
+                                  _seq(b, c + at.lead, at.span[1], pad - at.lead, 0), seeds, static)
+            parts.append((part[0][:, pad:],) + tuple(jax.lax.dynamic_slice_in_dim(x, at.lead, c, axis=3)
                                                      for x in part[1:]))
     if len(parts) == 1:
         return parts[0]
@@ -454,63 +486,53 @@ def _global_max_logit(row_max, dtype, axes: Tuple[str, ...]):
     return (jax.lax.pmax(local, axes) if axes else local).astype(dtype)
 
 
-def _only(static: FusedAttnStatic, grads: BackwardGrads) -> FusedAttnStatic:
-    """``static`` for a backward call that runs only the ``grads`` pass (the other gradients are zeros)."""
-    return dataclasses.replace(static, backward_grads=grads)
-
-
 def rank_backward(plan: _Plan, rank, local, gathered):
     """One rank's (dq, dk, dv) of its own rows from gathered operands. ``local``: the rank's
     ``(q, k, v, out, lse, dout)``; ``gathered``: ``(q, k, v, out, lse, dout)`` of the whole sequence
-    in global order (lse ``[b, 1, h, s]``). Each launch is one of the common plan's, running only its pass."""
+    in global order (lse ``[b, 1, h, s]``). Each launch is one of the common plan's, running only its pass,
+    its mask, rows and span (queries of dK/dV, keys of dQ) the plan call's."""
     q, k, v, out, lse, dout = local
     q_all, k_all, v_all, out_all, lse_all, dout_all = gathered
     b, n_local = q.shape[:2]
     bias, seeds = _placeholders(q)
     s_q, s_kv = q_all.shape[1], k_all.shape[1]
     bias_k, seeds_k = _placeholders(q_all)
-    pad = plan.lead_rows(n_local) if plan.causal else 0
+    pad = plan.lead_rows(n_local)
     # The log-sum-exp of the queries [a, s) as one sequence starting at a: positions from a (+inf past s - a).
     lse_padded = jnp.concatenate([lse_all, jnp.full(lse_all.shape, jnp.inf, lse_all.dtype)], axis=3)
     dks, dvs = [], []
-    for calls, a, _ in plan.launches(n_local, rank, cp_plan.Pass.DKDV):  # the own keys' dK/dV
+    for calls, at in plan.launches(n_local, rank, cp_plan.Pass.DKDV):  # the own keys' dK/dV
         lo, c = _launch_rows(calls)
+        static = _launch_static(plan.static, calls[0], _offset(calls[0], pad), BackwardGrads.DKDV)
         if calls[0].mask == _common.AttnMaskType.NO_MASK:  # every query; the own operand's rows (s_kv may differ)
             _, dk, dv, _, _ = fused_attn_bwd(q_all, k, v, bias_k, out_all, dout_all, lse_all,
-                                             full_seq_info(b, s_q, k.shape[1]), seeds_k,
-                                             _only(plan.static, BackwardGrads.DKDV))
-        elif not pad:  # keys [a, a + c) against queries [a, s), causal top-left
-            _, dk, dv, _, _ = fused_attn_bwd(q_all, k[:, lo:lo + c], v[:, lo:lo + c], bias_k, out_all, dout_all,
-                                             jax.lax.dynamic_slice_in_dim(lse_padded, a, s_q, axis=3),
-                                             _seq(b, s_q - a, c, a, 0), seeds_k,
-                                             _only(plan.kv_chunk_static, BackwardGrads.DKDV))
-        else:  # keys and queries from the tile boundary before the chunk (the lead rows' gradients dropped)
-            start = a - a % plan.align
+                                             full_seq_info(b, s_q, k.shape[1]), seeds_k, static)
+        else:  # the call's keys (from the tile boundary: ``pad`` rows in front, dropped) against the span's
+            # queries [span start, s) as one sequence, causal top-left
+            span_len = at.span[1] - at.span[0]
             _, dk, dv, _, _ = fused_attn_bwd(q_all, _lead(k[:, lo:lo + c], pad), _lead(v[:, lo:lo + c], pad), bias_k,
-                                             out_all, dout_all, jax.lax.dynamic_slice_in_dim(lse_padded, start, s_q,
-                                                                                             axis=3),
-                                             _seq(b, s_q - start, a + c - start, start, pad - (a - start)), seeds_k,
-                                             _only(plan.kv_chunk_static, BackwardGrads.DKDV))
+                                             out_all, dout_all,
+                                             jax.lax.dynamic_slice_in_dim(lse_padded, at.span[0], s_q, axis=3),
+                                             _seq(b, span_len, c + at.lead, at.span[0], pad - at.lead), seeds_k,
+                                             static)
             dk, dv = dk[:, pad:], dv[:, pad:]
         dks.append(dk)
         dvs.append(dv)
     dqs = []
-    for calls, a, span_end in plan.launches(n_local, rank, cp_plan.Pass.DQ):  # the own queries' dQ
+    for calls, at in plan.launches(n_local, rank, cp_plan.Pass.DQ):  # the own queries' dQ
         lo, c = _launch_rows(calls)
+        static = _launch_static(plan.static, calls[0], _offset(calls[0], pad), BackwardGrads.DQ)
         if calls[0].mask == _common.AttnMaskType.NO_MASK:
             dq = fused_attn_bwd(q[:, lo:lo + c], k_all, v_all, bias, out[:, lo:lo + c], dout[:, lo:lo + c],
-                                lse[..., lo:lo + c], full_seq_info(b, c, s_kv), seeds,
-                                _only(plan.static, BackwardGrads.DQ))[0]
-        elif not pad:  # queries [a, a + c) against keys [0, span_end), causal bottom-right
+                                lse[..., lo:lo + c], full_seq_info(b, c, s_kv), seeds, static)[0]
+        elif not pad:  # keys of the span [0, end), causal bottom-right
             dq = fused_attn_bwd(q[:, lo:lo + c], k_all, v_all, bias, out[:, lo:lo + c], dout[:, lo:lo + c],
-                                lse[..., lo:lo + c], _chunk_seq(b, c, span_end, s_kv), seeds,
-                                _only(plan.chunk_static, BackwardGrads.DQ))[0]
+                                lse[..., lo:lo + c], _chunk_seq(b, c, at.span[1], s_kv), seeds, static)[0]
         else:
-            lead = a % plan.align
-            chunk_lse = jax.lax.dynamic_slice_in_dim(lse_padded, a - lead, pad + c, axis=3)
+            chunk_lse = jax.lax.dynamic_slice_in_dim(lse_padded, at.row, pad + c, axis=3)
             dq = fused_attn_bwd(_lead(q[:, lo:lo + c], pad), k_all, v_all, bias, _lead(out[:, lo:lo + c], pad),
-                                _lead(dout[:, lo:lo + c], pad), chunk_lse, _seq(b, c + lead, span_end, pad - lead, 0),
-                                seeds, _only(plan.aligned_chunk_static, BackwardGrads.DQ))[0][:, pad:]
+                                _lead(dout[:, lo:lo + c], pad), chunk_lse,
+                                _seq(b, c + at.lead, at.span[1], pad - at.lead, 0), seeds, static)[0][:, pad:]
         dqs.append(dq)
     cat = lambda xs: xs[0] if len(xs) == 1 else jnp.concatenate(xs, axis=1)  # noqa: E731
     return cat(dqs), cat(dks), cat(dvs)
@@ -562,51 +584,58 @@ _cp_attention.defvjp(_cp_attention_fwd, _cp_attention_bwd)
 # THD (packed rows): the common plan over the row, one pseudo-sequence per segment and call
 # ================================================================================================
 #
-# The plan chunks the packed row (length s) as it chunks one sequence: with load balancing in the
-# dual-chunk order (the causal work balanced over the ranks when segments are long), else contiguous.
+# The plan chunks the packed row (length s) as it chunks one sequence, in the order the common
+# ``packed_balance`` gives for the input's: contiguous; Striped input with at most two stripes per rank in
+# its own STRIPED order; with more stripes in the dual-chunk order (the causal work balanced over the
+# ranks when segments are long).
 # Each of the plan's calls runs over the gathered rows as pseudo-sequences, one per segment: the
 # segment's tokens inside the call's chunk, from the tile boundary before them (counted from the
 # segment's start, so that the kernels' blocks are the single call's), against the segment's keys
 # the global mask lets them see (forward and dQ: causal bottom-right against the keys up to the
 # chunk's end; dK/dV: the chunk's keys against the queries from the same boundary on, causal top-left;
 # no mask: the whole segment). Every real token is kept from exactly one call, so each rank computes
-# about 1 / cp of the rows. A rank's kept rows are the plan's chunks; they reach the ranks that hold
-# them in the input's order (Striped, or contiguous) by an all-gather of the chunks. Sliding windows
-# run the single-device call on the gathered rows on every rank instead (the cp = 1 cost).
+# about 1 / cp of the rows. A rank's kept rows are the plan's chunks: its own rows when the plan runs the
+# input's order, else they reach the ranks that hold them by an all-gather of the chunks. A causal sliding
+# window is each row's own (both causal forms put the diagonal on the row's position), so the calls run
+# it as given; a window on a non-causal mask runs the single-device call on the gathered rows on every
+# rank instead (the cp = 1 cost).
 
 
 def _thd_splits(static: FusedAttnStatic) -> bool:
-    """Whether a THD call runs split by the plan (the padding masks without a sliding window)."""
+    """Whether a THD call runs split by the plan: the padding masks, causal ones with any window (a causal
+    window is each row's own: the plan's calls carry it), others without one."""
     mask = _common.AttnMaskType(static.attn_mask_type)
-    return mask.is_padding() and tuple(static.window_size) in ((-1, -1), (-1, 0))
+    return mask.is_padding() and (mask.is_causal() or tuple(static.window_size) == (-1, -1))
 
 
-def thd_balance(cp: ContextParallel, s: int) -> cp_plan.LoadBalance:
-    """The plan's order of the chunks of a packed row of ``s`` tokens."""
-    if cp.load_balanced and s % (2 * cp.size) == 0:
-        return cp_plan.LoadBalance.DUAL_CHUNK
-    return cp_plan.LoadBalance.CONTIGUOUS
+def thd_balance(cp: ContextParallel, s: int) -> Tuple[cp_plan.LoadBalance, int]:
+    """The plan's ``(balance, rounds)`` for packed rows of ``s`` tokens in this call's input order
+    (:func:`~transformer_engine.common.attention.context_parallel.packed_balance`)."""
+    return cp_plan.packed_balance(cp.size, s, cp.load_balanced, cp.stripe)
 
 
 def thd_rank_plans(plan: _Plan, s: int) -> Tuple[cp_plan.RankPlan, ...]:
     """Every rank's plan for packed rows of ``s`` tokens (tiles are counted per segment, so the plan's own
     alignment is 1)."""
-    return tuple(cp_plan.rank_plan(plan.cp.comm_type, plan.cp.size, r, s, plan.causal, thd_balance(plan.cp, s))
-                 for r in range(plan.cp.size))
+    balance, rounds = thd_balance(plan.cp, s)
+    return tuple(cp_plan.rank_plan(plan.cp.comm_type, plan.cp.size, r, s, plan.causal, balance,
+                                   window=plan.window, rounds=rounds) for r in range(plan.cp.size))
 
 
 def _steps(plans: Tuple[cp_plan.RankPlan, ...], rank):
-    """The plans' calls step by step: (the calls of every rank, the traced rank's chunk start). The ranks'
-    calls differ only in their chunk."""
+    """The plans' calls step by step: (the calls of every rank, the traced rank's call as :class:`_At`). The
+    ranks' calls differ only in their chunk."""
     for calls in zip(*(p.calls for p in plans)):
         assert len({(c.pass_, c.mask, c.chunk.end - c.chunk.start) for c in calls}) == 1, calls
-        starts = jnp.asarray([c.chunk.start for c in calls], jnp.int32)
-        yield calls, starts[rank]
+        yield calls, _At.of(calls, rank)
 
 
-def _pseudo_seq(seq: SeqInfo, call: cp_plan.ChunkCall, a, align: int) -> SeqInfo:
-    """The pseudo-sequences of ``call`` over the chunk ``[a, a + length)`` of the gathered rows: per segment,
-    its own-side tokens in the chunk from the tile boundary before them, and the other side's span."""
+def _pseudo_seq(seq: SeqInfo, call: cp_plan.ChunkCall, at: _At, align: int) -> SeqInfo:
+    """The pseudo-sequences of ``call`` (the traced rank's positions ``at``) over the gathered rows, one per
+    segment: its own-side tokens in the call's chunk from the tile boundary before them (tiles counted from
+    the segment's start), and the call's span inside the segment, from that boundary on for dK/dV (whose
+    queries and keys start together, top-left)."""
+    a = at.start
     b = a + (call.chunk.end - call.chunk.start)
     dkdv = call.pass_ == cp_plan.Pass.DKDV
     own_off, own_len = (seq.kv_offsets, seq.kv_seqlens) if dkdv else (seq.q_offsets, seq.q_seqlens)
@@ -619,20 +648,19 @@ def _pseudo_seq(seq: SeqInfo, call: cp_plan.ChunkCall, a, align: int) -> SeqInfo
     has = pe > pa
     zero = jnp.zeros_like(length)
     own = (start + lo, jnp.where(has, pe - lo, zero))
-    if call.mask == _common.AttnMaskType.NO_MASK:
-        other = (oth_off[:, :m], jnp.where(has, oth_len, zero))
-    elif dkdv:  # queries from the boundary on, top-left causal
-        other = (oth_off[:, :m] + lo, jnp.where(has, oth_len - lo, zero))
-    else:  # keys up to the chunk's end, bottom-right causal
-        other = (oth_off[:, :m], jnp.where(has, pe, zero))
+    oth_start = oth_off[:, :m]
+    sa = jnp.clip(at.span[0] - oth_start, 0, oth_len)
+    se = jnp.clip(at.span[1] - oth_start, 0, oth_len)
+    if dkdv:
+        sa = jnp.minimum(sa, lo)
+    other = (oth_start + sa, jnp.where(has, se - sa, zero))
     (q_off, q_len), (kv_off, kv_len) = (other, own) if dkdv else (own, other)
     end = lambda off: jnp.concatenate([off, off[:, -1:]], axis=1)  # noqa: E731  (only starts are read)
     return SeqInfo(q_len, kv_len, end(q_off), end(kv_off))
 
 
 def _call_static(static: FusedAttnStatic, call: cp_plan.ChunkCall, grads=None) -> FusedAttnStatic:
-    fields = dict(attn_mask_type=call.padded_mask(), bottom_right_diagonal=None, window_size=(-1, -1)
-                  if call.mask == _common.AttnMaskType.NO_MASK else (-1, 0))
+    fields = dict(attn_mask_type=call.padded_mask(), bottom_right_diagonal=None, window_size=call.window)
     if grads is not None:
         fields["backward_grads"] = grads
     return dataclasses.replace(static, **fields)
@@ -648,12 +676,12 @@ def thd_rank_forward(plan: _Plan, plans, rank, q_all, k_all, v_all, seq: SeqInfo
     ``return_max_logit`` the max logit of its calls ``[h]`` (fp32)."""
     bias, seeds = _placeholders(q_all)
     outs, lses, maxes = [], [], []
-    for calls, a in _steps(plans, rank):
-        call = calls[0]
+    for calls, at in _steps(plans, rank):
+        call, a = calls[0], at.start
         if call.pass_ != cp_plan.Pass.FORWARD:
             continue
         c = call.chunk.end - call.chunk.start
-        pseudo = _pseudo_seq(seq, call, a, plan.align)
+        pseudo = _pseudo_seq(seq, call, at, plan.align)
         results = fused_attn_fwd(q_all, k_all, v_all, bias, pseudo, seeds, _call_static(plan.static, call))
         outs.append(_slab(results[0], a, c, 1))
         lses.append(_slab(lse_to_tokens(results[1], pseudo), a, c, 2))
@@ -669,12 +697,12 @@ def thd_rank_backward(plan: _Plan, plans, rank, gathered, seq: SeqInfo):
     q_all, k_all, v_all, out_all, lse_all, dout_all = gathered
     bias, seeds = _placeholders(q_all)
     dq, dk, dv = [], [], []
-    for calls, a in _steps(plans, rank):
-        call = calls[0]
+    for calls, at in _steps(plans, rank):
+        call, a = calls[0], at.start
         if call.pass_ == cp_plan.Pass.FORWARD:
             continue
         c = call.chunk.end - call.chunk.start
-        pseudo = _pseudo_seq(seq, call, a, plan.align)
+        pseudo = _pseudo_seq(seq, call, at, plan.align)
         grads = BackwardGrads.DKDV if call.pass_ == cp_plan.Pass.DKDV else BackwardGrads.DQ
         results = fused_attn_bwd(q_all, k_all, v_all, bias, out_all, dout_all, lse_to_segments(lse_all, pseudo),
                                  pseudo, seeds, _call_static(plan.static, call, grads))
@@ -686,10 +714,13 @@ def thd_rank_backward(plan: _Plan, plans, rank, gathered, seq: SeqInfo):
     return tuple(jnp.concatenate(x, axis=1) for x in (dq, dk, dv))
 
 
-def _kept_to_owners(x, plan: _Plan, balance: cp_plan.LoadBalance, axis: int):
-    """A rank's kept chunks (the plan's, local order) -> the rows it holds in the input's order."""
-    if balance == cp_plan.LoadBalance.CONTIGUOUS and not plan.cp.load_balanced:
-        return x  # the plan's chunk is the rank's own rows
+def _kept_to_owners(x, plan: _Plan, axis: int):
+    """A rank's kept chunks (the plan's, local order) -> the rows it holds in the input's order: the same rows
+    when the plan runs the input's order (contiguous, or its stripes), else an all-gather and a permutation."""
+    balance, _ = thd_balance(plan.cp, x.shape[axis] * plan.cp.size)
+    if balance == cp_plan.LoadBalance.STRIPED or (balance == cp_plan.LoadBalance.CONTIGUOUS
+                                                  and not plan.cp.load_balanced):
+        return x  # the plan's chunks are the rank's own rows
     full = jax.lax.all_gather(x, plan.cp.axis, axis=axis, tiled=True)
     full = jnp.moveaxis(_permute_chunks(jnp.moveaxis(full, axis, 1), 1, cp_plan.chunk_order(plan.cp.size, balance),
                                         inverse=True), 1, axis)
@@ -699,9 +730,9 @@ def _kept_to_owners(x, plan: _Plan, balance: cp_plan.LoadBalance, axis: int):
 def _thd_split_forward(plan: _Plan, max_axes, q, k, v, seq):
     q_all, k_all, v_all = (_gather(x, plan.cp, 1, thd=True) for x in (q, k, v))
     s = q_all.shape[1]
-    plans, balance = thd_rank_plans(plan, s), thd_balance(plan.cp, s)
+    plans = thd_rank_plans(plan, s)
     results = thd_rank_forward(plan, plans, jax.lax.axis_index(plan.cp.axis), q_all, k_all, v_all, seq)
-    own = (_kept_to_owners(results[0], plan, balance, 1), _kept_to_owners(results[1], plan, balance, 2))
+    own = (_kept_to_owners(results[0], plan, 1), _kept_to_owners(results[1], plan, 2))
     if plan.static.return_max_logit:
         return own + ((jax.lax.pmax(results[2], max_axes) if max_axes else results[2]).astype(q.dtype),)
     return own
@@ -723,15 +754,14 @@ def _thd_split_attention_bwd(plan, max_axes, residuals, dout):
     q, k, v, out, lse, seq = residuals
     gathered = tuple(_gather(x, plan.cp, 2 if i == 4 else 1, thd=True) for i, x in enumerate((q, k, v, out, lse, dout)))
     s = gathered[0].shape[1]
-    plans, balance = thd_rank_plans(plan, s), thd_balance(plan.cp, s)
-    grads = thd_rank_backward(plan, plans, jax.lax.axis_index(plan.cp.axis), gathered, seq)
-    return tuple(_kept_to_owners(g, plan, balance, 1) for g in grads) + (None,)
+    grads = thd_rank_backward(plan, thd_rank_plans(plan, s), jax.lax.axis_index(plan.cp.axis), gathered, seq)
+    return tuple(_kept_to_owners(g, plan, 1) for g in grads) + (None,)
 
 
 _thd_split_attention.defvjp(_thd_split_attention_fwd, _thd_split_attention_bwd)
 
 
-# Sliding windows: every rank runs the single-device kernels on the gathered rows, keeping its own.
+# Windows on non-causal masks: every rank runs the single-device kernels on the gathered rows, keeping its own.
 
 def _thd_forward(cp: ContextParallel, static: FusedAttnStatic, max_axes: Tuple[str, ...], q, k, v, seq: SeqInfo):
     q_all, k_all, v_all = (_gather(x, cp, 1, thd=True) for x in (q, k, v))

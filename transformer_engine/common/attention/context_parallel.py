@@ -34,7 +34,7 @@ from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType
 __all__ = [
     "CP_COMM_TYPES", "LoadBalance", "ChunkRange", "Pass", "ChunkCall", "RankPlan", "num_chunks", "rank_chunks",
     "chunk_order", "chunk_places", "ring_next", "ring_prev", "ring_source", "ring_step", "chunk_ranges",
-    "tile_alignment", "rank_plan", "unsupported_reasons", "PYTORCH_ARGS", "JAX_ARGS",
+    "tile_alignment", "rank_plan", "packed_balance", "unsupported_reasons", "PYTORCH_ARGS", "JAX_ARGS",
 ]
 
 # "p2p": a ring of send/receive steps; "all_gather": one collective; "a2a": heads exchanged, whole
@@ -124,9 +124,11 @@ class ChunkRange:
         return self.start - self.aligned_start
 
 
-def chunk_ranges(seqlen: int, cp: int, rank: int, balance: LoadBalance, align: int = 1) -> Tuple[ChunkRange, ...]:
-    """Rank ``rank``'s chunks of a sequence of ``seqlen`` tokens (divisible by :func:`num_chunks`)."""
-    n = num_chunks(cp, balance)
+def chunk_ranges(seqlen: int, cp: int, rank: int, balance: LoadBalance, align: int = 1,
+                 rounds: int = 1) -> Tuple[ChunkRange, ...]:
+    """Rank ``rank``'s chunks of a sequence of ``seqlen`` tokens (divisible by :func:`num_chunks`; STRIPED:
+    the stripes of ``rounds`` rounds)."""
+    n = num_chunks(cp, balance, rounds)
     if seqlen % n:
         raise ValueError(f"`seqlen` must be a multiple of the {n} chunks of cp_size={cp} ({balance.value}), "
                          f"got {seqlen}")
@@ -134,7 +136,7 @@ def chunk_ranges(seqlen: int, cp: int, rank: int, balance: LoadBalance, align: i
         raise ValueError(f"`align` must be a positive int, got {align}")
     length = seqlen // n
     out = []
-    for slot, c in enumerate(rank_chunks(cp, rank, balance)):
+    for slot, c in enumerate(rank_chunks(cp, rank, balance, rounds)):
         a = c * length
         out.append(ChunkRange(c, a, a + length, a - a % align, slot * length))
     return tuple(out)
@@ -177,7 +179,10 @@ class ChunkCall:
     bottom-right (queries ``[lo, b)`` against keys ``[0, b)``) or causal top-left (queries ``[lo, s)``
     against keys ``[lo, b)``), each the global mask on those rows. The kept rows land at the rank's
     ``chunk.local_start``. ``preprocess``: the call computes ``rowsum(dO * O)`` for the rank's later
-    backward calls (its span covers their query rows); a framework may instead compute it per call."""
+    backward calls (its span covers their query rows); a framework may instead compute it per call.
+    ``window``: the call's ``window_size`` (left, right) with the diagonal of ``mask``: ``(-1, -1)``
+    unmasked, ``(left, 0)`` causal (``left`` -1: unbounded); a row's window is the global one, as both
+    causal forms put the diagonal on the row's own position."""
 
     pass_: Pass
     chunk: ChunkRange
@@ -185,6 +190,7 @@ class ChunkCall:
     span: Tuple[int, int]
     mask: AttnMaskType
     preprocess: bool = False
+    window: Tuple[int, int] = (-1, -1)
 
     @property
     def lead(self) -> int:
@@ -205,7 +211,8 @@ class RankPlan:
     """One rank's work: its chunks and, in execution order, ``(pass, own chunk, blocks)`` where blocks are
     the ``(q_chunk, kv_chunk)`` pairs (chunk indices of :func:`num_chunks`) the pass computes. For
     ``"a2a"`` the rank computes every block for ``heads`` = (its head group, group count). ``calls``:
-    the work as kernel calls (:class:`ChunkCall`), in the same order."""
+    the work as kernel calls (:class:`ChunkCall`), in the same order. ``window``: the causal sliding
+    window's left size (-1: none), which every causal call carries."""
 
     comm_type: str
     cp: int
@@ -215,6 +222,7 @@ class RankPlan:
     ranges: Tuple[ChunkRange, ...]
     work: Tuple[Tuple[Pass, int, Tuple[Tuple[int, int], ...]], ...]
     heads: Tuple[int, int] = (0, 1)
+    window: int = -1
 
     def blocks(self, pass_: Pass) -> Tuple[Tuple[int, int], ...]:
         return tuple(b for p, _, blocks in self.work if p == pass_ for b in blocks)
@@ -242,7 +250,8 @@ class RankPlan:
                 mask = AttnMaskType.CAUSAL_MASK if pass_ == Pass.DKDV else AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK
             preprocess = pass_ != Pass.FORWARD and first_backward
             first_backward = first_backward and pass_ == Pass.FORWARD
-            out.append(ChunkCall(pass_, r, rows, span, mask, preprocess))
+            window = (self.window, 0) if self.causal else (-1, -1)
+            out.append(ChunkCall(pass_, r, rows, span, mask, preprocess, window))
         return tuple(out)
 
     def launches(self, merge_unmasked: bool = False) -> Tuple[Tuple[ChunkCall, ...], ...]:
@@ -267,27 +276,49 @@ def _pass_blocks(pass_: Pass, chunk: int, n: int, causal: bool) -> Tuple[Tuple[i
 
 
 def rank_plan(comm_type: str, cp: int, rank: int, seqlen: int, causal: bool, balance: LoadBalance,
-              align: int = 1, heads: Tuple[int, int] = (0, 1)) -> RankPlan:
+              align: int = 1, heads: Tuple[int, int] = (0, 1), window: int = -1, rounds: int = 1) -> RankPlan:
     """The plan of rank ``rank`` of ``cp`` for one sequence of ``seqlen`` tokens (padded formats: the
     sequence length; thd: one padded sequence). Row-split comm types ("p2p", "all_gather") run, per own
     chunk in local order, the chunk's dK/dV pass, then its dQ pass; the forward runs per own chunk.
     "a2a+p2p" is the row split over the p2p group (``cp``, ``rank``: its size and the rank in it) for the
-    head group ``heads`` = (a2a rank, a2a size) the a2a exchange gives the rank."""
+    head group ``heads`` = (a2a rank, a2a size) the a2a exchange gives the rank. ``window``: a causal
+    sliding window's left size (-1: none); the rows split as without it (each row's window is global).
+    ``rounds``: STRIPED's rounds of ``cp`` stripes (:func:`packed_balance`)."""
+    if window != -1 and (not causal or window < 0):
+        raise NotImplementedError(f"`window` must be -1 or, with a causal mask, >= 0, got {window} (causal="
+                                  f"{causal}): a two-sided window is not split by rows")
     if comm_type not in CP_COMM_TYPES:
         choices = ", ".join(repr(c) for c in CP_COMM_TYPES)
         raise ValueError(f"`cp_comm_type` must be one of {choices}, got {comm_type!r}")
-    n = num_chunks(cp, balance)
+    n = num_chunks(cp, balance, rounds)
     if comm_type == "a2a":  # whole sequences, a head group per rank: one chunk, every block
         ranges = chunk_ranges(seqlen, 1, 0, LoadBalance.CONTIGUOUS, align)
         work = tuple((p, 0, tuple(b for c in range(n) for b in _pass_blocks(p, c, n, causal)))
                      for p in (Pass.FORWARD, Pass.DKDV, Pass.DQ))
-        return RankPlan(comm_type, cp, rank, balance, causal, ranges, work, (rank, cp))
-    ranges = chunk_ranges(seqlen, cp, rank, balance, align)
+        return RankPlan(comm_type, cp, rank, balance, causal, ranges, work, (rank, cp), window)
+    ranges = chunk_ranges(seqlen, cp, rank, balance, align, rounds)
     work = [(Pass.FORWARD, r.chunk, _pass_blocks(Pass.FORWARD, r.chunk, n, causal)) for r in ranges]
     for r in ranges:
         work += [(p, r.chunk, _pass_blocks(p, r.chunk, n, causal)) for p in (Pass.DKDV, Pass.DQ)]
     return RankPlan(comm_type, cp, rank, balance, causal, ranges, tuple(work),
-                    tuple(heads) if comm_type == "a2a+p2p" else (0, 1))
+                    tuple(heads) if comm_type == "a2a+p2p" else (0, 1), window)
+
+
+def packed_balance(cp: int, seqlen: int, striped: bool, stripe: int = 1) -> Tuple[LoadBalance, int]:
+    """The plan's ``(balance, rounds)`` for a packed (thd) row of ``seqlen`` tokens that arrive in the
+    Striped order of ``stripe``-token stripes (``striped``) or in ``cp`` contiguous chunks. The plan runs
+    the arrival order while it keeps a rank's calls few: contiguous chunks, or at most two stripes per rank
+    (each rank's kept rows are then its own: no exchange of results). With more stripes (a call per stripe
+    would be too many) the dual-chunk order balances the causal work in two calls per pass, and the kept
+    rows are exchanged to the ranks that hold them."""
+    if not striped:
+        return LoadBalance.CONTIGUOUS, 1
+    rounds = seqlen // (cp * stripe)
+    if rounds <= 2:
+        return LoadBalance.STRIPED, rounds
+    if seqlen % (2 * cp) == 0:
+        return LoadBalance.DUAL_CHUNK, 1
+    return LoadBalance.CONTIGUOUS, 1
 
 
 # -- what CP supports ----------------------------------------------------------------------------------

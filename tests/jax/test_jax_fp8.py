@@ -361,3 +361,26 @@ def test_unsupported_options_are_refused():
     assert CollectiveOpSet.create(CollectiveOp.ALL_GATHER).backward is CollectiveOp.REDUCE_SCATTER
     np.testing.assert_array_equal(np.asarray(dense(x, w, quantizer_set=noop_quantizer_set)), np.asarray(x @ w))
     assert isinstance(qset.x, CurrentScaleQuantizer) and not isinstance(qset.x, DelayedScaleQuantizer)
+
+
+def _hopper_or_newer():
+    device = jax.devices()[0]
+    if device.platform not in ("gpu", "cuda"):
+        return False
+    major, minor = (int(p) for p in str(device.compute_capability).split(".")[:2])
+    return (major, minor) >= (9, 0)
+
+
+@pytest.mark.skipif(not _hopper_or_newer(), reason="FP8 GEMM lowering is checked on Hopper or newer CUDA GPUs")
+@pytest.mark.parametrize("name", ["delayed", "current"])
+def test_fp8_dots_lower_to_cublaslt_fp8_gemms_on_gpu(name):
+    """The three GEMMs are cuBLASLt FP8 GEMMs in XLA's optimized program (no upcast dot)."""
+    _, qset = _quantizer_set(name)
+    x, w = jnp.ones((256, 512), jnp.bfloat16), jnp.ones((512, 256), jnp.bfloat16)
+
+    def step(x, w, q):
+        out, vjp = jax.vjp(lambda x, w: dense(x, w, quantizer_set=q), x, w)
+        return out, vjp(jnp.ones_like(out))
+
+    hlo = jax.jit(step).lower(x, w, qset).compile().as_text()
+    assert hlo.count("__cublas$lt$matmul$f8") >= 3, hlo[-4000:]

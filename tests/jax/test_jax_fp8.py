@@ -372,7 +372,7 @@ def _hopper_or_newer():
 
 
 @pytest.mark.skipif(not _hopper_or_newer(), reason="FP8 GEMM lowering is checked on Hopper or newer CUDA GPUs")
-@pytest.mark.parametrize("name", ["delayed", "current"])
+@pytest.mark.parametrize("name", list(RECIPES))
 def test_fp8_dots_lower_to_cublaslt_fp8_gemms_on_gpu(name):
     """The three GEMMs are cuBLASLt FP8 GEMMs in XLA's optimized program (no upcast dot)."""
     _, qset = _quantizer_set(name)

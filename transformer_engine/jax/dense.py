@@ -4,9 +4,9 @@ With a quantizer set from an FP8 recipe (:mod:`transformer_engine.jax.quantize`)
 (``x @ kernel``), dgrad (``grad @ kernel^T``) and wgrad (``x^T @ grad``) GEMMs take FP8 operands:
 ``jax.lax.dot_general`` on float8_e4m3fn / float8_e5m2 arrays with float32 results, multiplied by
 the operands' inverse scales (on Hopper GPUs XLA emits cuBLASLt's FP8 GEMM for these dots; on CPU
-XLA computes the same products exactly in float32). Block scaling splits the contraction into its
-128-long tiles: one batched FP8 dot over the tiles, each tile's float32 product times its two
-scales, then the tiles summed, which is the per-tile promotion a block-scaled GEMM does.
+XLA multiplies the same FP8 values exactly and accumulates in float32). Block scaling splits the
+contraction into its 128-long tiles: one FP8 dot per tile, its float32 product times the two
+tiles' scales, accumulated in tile order, which is the per-tile promotion a block-scaled GEMM does.
 Without quantization (``noop_quantizer_set``) it is one ``dot_general`` in the input's dtype.
 
 Everything here is deterministic: amaxes are max-reductions, quantization is elementwise, and the
@@ -74,21 +74,21 @@ noop_collective_op_set = CollectiveOpSet.create(CollectiveOp.NONE)
 
 
 def _tiles_along(t: ScaledTensor, contract: int):
-    """A block-scaled 2-D operand as (data, batch dim, contracting dim, scale_inv [tiles, free]):
-    its contracted axis split into 128-long tiles, the tile index a batch dimension."""
+    """A block-scaled 2-D operand as (data, tile dim, scale_inv [tiles, free]): its contracted axis
+    split into 128-long tiles; taking one index of the tile dim leaves the contracted axis where it was."""
     size = _q.BLOCK_SIZE
     rows, cols = t.data.shape
     if t.block[contract] != size:
         raise AssertionError(f"operand tiled {t.block} cannot be contracted along axis {contract}")
     if contract == 0:
-        data, batch, inner = t.data.reshape(rows // size, size, cols), 0, 1
+        data, batch = t.data.reshape(rows // size, size, cols), 0
         scale_inv, free_tile = t.scale_inv, t.block[1]
     else:
-        data, batch, inner = t.data.reshape(rows, cols // size, size), 1, 2
+        data, batch = t.data.reshape(rows, cols // size, size), 1
         scale_inv, free_tile = t.scale_inv.T, t.block[0]
     if free_tile > 1:
         scale_inv = jnp.repeat(scale_inv, free_tile, axis=1)
-    return data, batch, inner, scale_inv
+    return data, batch, scale_inv
 
 
 def fp8_gemm(a: ScaledTensor, a_contract: int, b: ScaledTensor, b_contract: int) -> jax.Array:
@@ -101,12 +101,21 @@ def fp8_gemm(a: ScaledTensor, a_contract: int, b: ScaledTensor, b_contract: int)
         return out * (a.scale_inv[0] * b.scale_inv[0])
     if a.block is None or b.block is None:
         raise AssertionError("a tensor-scaled operand cannot meet a block-scaled one")
-    a_data, a_batch, a_inner, a_scale = _tiles_along(a, a_contract)
-    b_data, b_batch, b_inner, b_scale = _tiles_along(b, b_contract)
-    per_tile = jax.lax.dot_general(a_data, b_data, (((a_inner,), (b_inner,)), ((a_batch,), (b_batch,))),
-                                   preferred_element_type=jnp.float32)
-    scaled = per_tile * (a_scale[:, :, None] * b_scale[:, None, :])
-    return jnp.sum(scaled, axis=0)[:a_free, :b_free]
+    a_data, a_batch, a_scale = _tiles_along(a, a_contract)
+    b_data, b_batch, b_scale = _tiles_along(b, b_contract)
+
+    # One FP8 dot per tile of the contraction, scaled and accumulated in float32 in tile order: the
+    # per-tile promotion of a block-scaled GEMM, with memory for one [a_free, b_free] product.
+    def accumulate(acc, tile):
+        a_tile, b_tile, a_s, b_s = tile
+        product = jax.lax.dot_general(a_tile, b_tile, (((a_contract,), (b_contract,)), ((), ())),
+                                      preferred_element_type=jnp.float32)
+        return acc + product * (a_s[:, None] * b_s[None, :]), None
+
+    tiles = (jnp.moveaxis(a_data, a_batch, 0), jnp.moveaxis(b_data, b_batch, 0), a_scale, b_scale)
+    init = jnp.zeros((a_scale.shape[1], b_scale.shape[1]), jnp.float32)
+    out, _ = jax.lax.scan(accumulate, init, tiles)
+    return out[:a_free, :b_free]
 
 
 def _needs_second_layout(t: ScaledTensor) -> bool:

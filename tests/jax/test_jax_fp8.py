@@ -384,3 +384,22 @@ def test_fp8_dots_lower_to_cublaslt_fp8_gemms_on_gpu(name):
 
     hlo = jax.jit(step).lower(x, w, qset).compile().as_text()
     assert hlo.count("__cublas$lt$matmul$f8") >= 3, hlo[-4000:]
+
+
+@pytest.mark.parametrize("name,split", [("delayed", (False, True, True)), ("current", (False, True, True)),
+                                        ("block", (True, True, True))])
+def test_gemm_accumulation_follows_the_recipe(name, split):
+    """TransformerEngine's defaults: fast FP8 accumulation only in the per-tensor recipes' forward
+    GEMM. XLA reads it from the dot's precision (DEFAULT: fast accumulation on cuBLASLt)."""
+    _, qset = _quantizer_set(name)
+    assert qset.split_accumulator == split
+    x, w = jnp.ones((4, 8)), jnp.ones((8, 16))
+
+    def step(x, w):
+        out, vjp = jax.vjp(lambda x, w: dense(x, w, quantizer_set=qset), x, w)
+        return out, vjp(jnp.ones_like(out))
+
+    text = jax.jit(step).lower(x, w).as_text()
+    dots = [line for line in text.splitlines() if "dot_general" in line]
+    assert len(dots) == 3
+    assert [("HIGHEST" in line) for line in dots] == list(split), dots

@@ -15,6 +15,7 @@ dots and sums run in an order fixed by the shapes.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass
@@ -91,13 +92,18 @@ def _tiles_along(t: ScaledTensor, contract: int):
     return data, batch, scale_inv
 
 
-def fp8_gemm(a: ScaledTensor, a_contract: int, b: ScaledTensor, b_contract: int) -> jax.Array:
+def fp8_gemm(a: ScaledTensor, a_contract: int, b: ScaledTensor, b_contract: int,
+             split_accumulator: bool = True) -> jax.Array:
     """float32 ``[a_free, b_free]``: the product of two FP8 operands contracting ``a``'s axis
-    ``a_contract`` with ``b``'s ``b_contract``, dequantized by their inverse scales."""
+    ``a_contract`` with ``b``'s ``b_contract``, dequantized by their inverse scales.
+    ``split_accumulator=False`` lets cuBLASLt use its fast FP8 accumulation (XLA does for FP8 dots
+    of DEFAULT precision); True asks for full float32 accumulation (HIGHEST). CPU ignores it."""
     a_free, b_free = a.shape[1 - a_contract], b.shape[1 - b_contract]
+    precision = jax.lax.Precision.HIGHEST if split_accumulator else jax.lax.Precision.DEFAULT
+    precision = (precision, precision)
     if a.block is None and b.block is None:
         out = jax.lax.dot_general(a.data, b.data, (((a_contract,), (b_contract,)), ((), ())),
-                                  preferred_element_type=jnp.float32)
+                                  precision=precision, preferred_element_type=jnp.float32)
         return out * (a.scale_inv[0] * b.scale_inv[0])
     if a.block is None or b.block is None:
         raise AssertionError("a tensor-scaled operand cannot meet a block-scaled one")
@@ -109,7 +115,7 @@ def fp8_gemm(a: ScaledTensor, a_contract: int, b: ScaledTensor, b_contract: int)
     def accumulate(acc, tile):
         a_tile, b_tile, a_s, b_s = tile
         product = jax.lax.dot_general(a_tile, b_tile, (((a_contract,), (b_contract,)), ((), ())),
-                                      preferred_element_type=jnp.float32)
+                                      precision=precision, preferred_element_type=jnp.float32)
         return acc + product * (a_s[:, None] * b_s[None, :]), None
 
     tiles = (jnp.moveaxis(a_data, a_batch, 0), jnp.moveaxis(b_data, b_batch, 0), a_scale, b_scale)
@@ -143,26 +149,28 @@ def _dense_fp8(x2d, k2d, bias, quantizer_set, static):
 def _dense_fp8_fwd(x2d, k2d, bias, quantizer_set, static):
     qx, next_x = quantizer_set.x.quantize_2d(x2d, 1)
     qk, next_k = quantizer_set.kernel.quantize_2d(k2d, 0)
-    out = fp8_gemm(qx, 1, qk, 0)
+    split_fprop = quantizer_set.split_accumulator[0]
+    out = fp8_gemm(qx, 1, qk, 0, split_fprop)
     if static.has_bias:
         out = out + bias.astype(jnp.float32)
     # wgrad contracts x's rows: 1x128 tiles become 128x1 tiles (stateless quantizers only).
     qx_rows = quantizer_set.x.quantize_2d(x2d, 0)[0] if _needs_second_layout(qx) else qx
-    ctx = (qx_rows, qk, QuantizerSet(next_x, next_k, quantizer_set.dgrad))
+    ctx = (qx_rows, qk, dataclasses.replace(quantizer_set, x=next_x, kernel=next_k))
     return out.astype(static.x_dtype), ctx
 
 
 def _dense_fp8_bwd(static, ctx, grad):
     qx_rows, qk, quantizers = ctx
     qg, next_g = quantizers.dgrad.quantize_2d(grad, 1)
-    dgrad = fp8_gemm(qg, 1, qk, 1)
+    _, split_dgrad, split_wgrad = quantizers.split_accumulator
+    dgrad = fp8_gemm(qg, 1, qk, 1, split_dgrad)
     qg_rows = quantizers.dgrad.quantize_2d(grad, 0)[0] if _needs_second_layout(qg) else qg
-    wgrad = fp8_gemm(qx_rows, 0, qg_rows, 0)
+    wgrad = fp8_gemm(qx_rows, 0, qg_rows, 0, split_wgrad)
     dbias = jnp.sum(grad.astype(jnp.float32), axis=0).astype(static.bias_dtype) if static.has_bias else None
     # The quantizers' successors are the "gradient" of the quantizer set: a train step that
     # overwrites the delayed-scaling variables with their gradients carries the state forward.
     return (dgrad.astype(static.x_dtype), wgrad.astype(static.kernel_dtype), dbias,
-            QuantizerSet(quantizers.x, quantizers.kernel, next_g))
+            dataclasses.replace(quantizers, dgrad=next_g))
 
 
 _dense_fp8.defvjp(_dense_fp8_fwd, _dense_fp8_bwd)

@@ -414,18 +414,21 @@ class BlockScaleQuantizer(Quantizer):
 @register_pytree_node_class
 @dataclasses.dataclass(frozen=True)
 class QuantizerSet:
-    """The quantizers of one dense layer: ``x``, ``kernel`` and ``dgrad`` (None: not quantized)."""
+    """The quantizers of one dense layer: ``x``, ``kernel`` and ``dgrad`` (None: not quantized), and
+    whether its forward, dgrad and wgrad GEMMs accumulate without cuBLASLt's fast FP8 accumulation
+    (the recipe's ``fp8_gemm_*.use_split_accumulator``; XLA: ``precision=HIGHEST``)."""
 
     x: Optional[Quantizer] = None
     kernel: Optional[Quantizer] = None
     dgrad: Optional[Quantizer] = None
+    split_accumulator: Tuple[bool, bool, bool] = (False, True, True)
 
     def tree_flatten(self):
-        return (self.x, self.kernel, self.dgrad), ()
+        return (self.x, self.kernel, self.dgrad), (self.split_accumulator,)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        return cls(*children)
+        return cls(*children, *aux)
 
     @property
     def is_noop(self) -> bool:
@@ -462,6 +465,15 @@ def _amax_compute_algo(recipe: Any) -> AmaxComputeAlgo:
         raise NotImplementedError(f"`amax_compute_algo` must be 'max' or 'most_recent' with JAX (as in "
                                   f"TransformerEngine-JAX), got {algo!r}")
     return AmaxComputeAlgo(algo)
+
+
+def _split_accumulator(recipe: Any) -> Tuple[bool, bool, bool]:
+    """(fprop, dgrad, wgrad) ``use_split_accumulator`` of a recipe, TransformerEngine's defaults where
+    absent: fast accumulation in the forward of per-tensor recipes, split accumulation elsewhere."""
+    block = isinstance(recipe, _recipe.Float8BlockScaling)
+    defaults = {"fp8_gemm_fprop": block, "fp8_gemm_dgrad": True, "fp8_gemm_wgrad": True}
+    return tuple(bool(getattr(getattr(recipe, name, None), "use_split_accumulator", default))
+                 for name, default in defaults.items())
 
 
 def delayed_state_shapes(recipe: Any) -> Tuple[Tuple[int], Tuple[int]]:
@@ -530,11 +542,13 @@ class QuantizerFactory:
             _check_recipe(fp8_recipe)
             meta = meta or {}
 
+            split = _split_accumulator(fp8_recipe)
+
             def one():
                 return QuantizerSet(*(
                     QuantizerFactory.create_quantizer(fp8_recipe, source, checkpoint_name,
                                                       *meta.get(source.value, (None, None)))
-                    for source in (TensorSource.X, TensorSource.KERNEL, TensorSource.DGRAD)))
+                    for source in (TensorSource.X, TensorSource.KERNEL, TensorSource.DGRAD)), split)
 
             sets = [one() for _ in range(n_quantizer_sets)]
         return sets[0] if n_quantizer_sets == 1 else tuple(sets)

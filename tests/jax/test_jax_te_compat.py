@@ -598,15 +598,20 @@ def test_mesh_resource_positional_order_is_te_order():
         "dp", "tp", "tpsp", "fsdp", "pp", "cp", "ep")
 
 
-def test_autocast_sets_the_mesh_resource_and_refuses_fp8():
+def test_autocast_sets_the_mesh_resource_and_refuses_blackwell_recipes():
     resource = MeshResource("data", "model")
     before = global_mesh_resource()
     with autocast(mesh_resource=resource):
         assert global_mesh_resource() is resource
     assert global_mesh_resource() == before
-    with pytest.raises(NotImplementedError, match="`enabled` must be False"):
-        with autocast(enabled=True, mesh_resource=resource):
+    with autocast(enabled=True, mesh_resource=resource):  # FP8 (DelayedScaling): tests/jax/test_jax_fp8.py
+        assert global_mesh_resource() is resource
+    from transformer_engine.common.recipe import MXFP8BlockScaling
+
+    with pytest.raises(NotImplementedError, match="MXFP8BlockScaling.*Blackwell"):
+        with autocast(enabled=True, recipe=MXFP8BlockScaling(), mesh_resource=resource):
             pass
+    assert global_mesh_resource() == before
     with pytest.warns(DeprecationWarning, match="fp8_autocast is deprecated"):
         with fp8_autocast(mesh_resource=resource):
             assert global_mesh_resource() is resource

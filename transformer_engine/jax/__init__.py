@@ -1,6 +1,7 @@
 """JAX frontend: ``fused_attn`` (transformer_engine.jax.attention), sharding resources
-(transformer_engine.jax.sharding, ``autocast``) and the Flax module (transformer_engine.jax.flax),
-with TransformerEngine-JAX's names and import paths."""
+(transformer_engine.jax.sharding), FP8 (``autocast``, transformer_engine.jax.quantize and
+transformer_engine.jax.dense) and the Flax modules (transformer_engine.jax.flax, imported on first
+use), with TransformerEngine-JAX's names and import paths."""
 
 try:
     import jax  # noqa: F401
@@ -10,7 +11,9 @@ except ImportError as err:  # pragma: no cover - exercised by tests/common/test_
         "this package with its extra: pip install 'deterministic-attention[jax]')"
     ) from err
 
-from transformer_engine.jax import attention, cpp_extensions, sharding
+import importlib
+
+from transformer_engine.jax import attention, cpp_extensions, dense, quantize, sharding
 from transformer_engine.jax.quantize import autocast, fp8_autocast
 from transformer_engine.jax.sharding import MeshResource, global_mesh_resource, global_shard_guard
 
@@ -18,9 +21,21 @@ __all__ = [
     "attention",
     "autocast",
     "cpp_extensions",
+    "dense",
+    "flax",
     "fp8_autocast",
+    "quantize",
     "sharding",
     "MeshResource",
     "global_shard_guard",
     "global_mesh_resource",
 ]
+
+
+def __getattr__(name):
+    # ``transformer_engine.jax.flax`` as an attribute (MaxText reads
+    # ``transformer_engine.jax.flax.module.TransformerEngineBase`` after ``import transformer_engine.jax``),
+    # imported on first use so that the frontend itself does not need Flax.
+    if name == "flax":
+        return importlib.import_module("transformer_engine.jax.flax")
+    raise AttributeError(f"module 'transformer_engine.jax' has no attribute {name!r}")

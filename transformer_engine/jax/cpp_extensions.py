@@ -71,3 +71,10 @@ class FusedAttnHelper:
     def is_non_deterministic_allowed() -> bool:
         """False when ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` (read now)."""
         return bool(settings.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO"))
+
+
+# TransformerEngine-JAX's collective-GEMM descriptors, which clients (MaxText's dot_general) read
+# from this module; they live with ``dense``.
+from transformer_engine.jax.dense import CollectiveOp, CollectiveOpSet, noop_collective_op_set  # noqa: E402
+
+__all__ += ["CollectiveOp", "CollectiveOpSet", "noop_collective_op_set"]

@@ -7,6 +7,7 @@ except ImportError as err:  # pragma: no cover
         "transformer_engine.jax.flax needs Flax, which is not installed: pip install flax"
     ) from err
 
-from transformer_engine.jax.flax.module import DotProductAttention
+from transformer_engine.jax.flax import module
+from transformer_engine.jax.flax.module import DotProductAttention, TransformerEngineBase
 
-__all__ = ["DotProductAttention"]
+__all__ = ["DotProductAttention", "TransformerEngineBase", "module"]

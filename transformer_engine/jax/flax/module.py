@@ -1,4 +1,5 @@
-"""``DotProductAttention``: a Flax linen module over :func:`transformer_engine.jax.attention.fused_attn`."""
+"""``DotProductAttention``: a Flax linen module over :func:`transformer_engine.jax.attention.fused_attn`;
+``TransformerEngineBase``: the base of modules that quantize their GEMMs (``generate_quantizer_set``)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from transformer_engine.common import recipe as _common_recipe
 from transformer_engine.common.attention import enums as _common
 from transformer_engine.common.attention.backends import fallback_message
 from transformer_engine.common.log import get_logger, warn_once
 from transformer_engine.jax import attention as _attention
 from transformer_engine.jax.attention import SequenceDescriptor
 from transformer_engine.jax.inference import KVCache, kv_cache_attention
+from transformer_engine.jax import quantize as _quantize
 from transformer_engine.jax.enums import (AttnBiasType, AttnMaskType, AttnSoftmaxType, CPStrategy, QKVLayout,
                                           canonicalize_attn_mask_type, to_common)
 
-__all__ = ["DotProductAttention"]
+__all__ = ["DotProductAttention", "TransformerEngineBase"]
 
 _SBHD_OF = {
     _common.QKVLayout.BS3HD: _common.QKVLayout.SB3HD,
@@ -64,6 +67,46 @@ def _descriptor_for_init(descriptor, batch: int):
     if isinstance(descriptor, (jax.Array, np.ndarray)):
         return rows(descriptor)
     return descriptor
+
+
+class TransformerEngineBase(nn.Module):  # pylint: disable=too-few-public-methods
+    """Base of the modules whose GEMMs run through :func:`transformer_engine.jax.dense.dense`:
+    :meth:`generate_quantizer_set` makes a GEMM's quantizer set, keeping the delayed-scaling state
+    in this module's Flax variables (MaxText subclasses it for its ``dot_general``)."""
+
+    def generate_quantizer_set(self, postfix: str = "", variable_collection: Optional[str] = None,
+                               quantization_checkpoint_name: Optional[str] = None, fp8_recipe: Any = None,
+                               n_groups: Optional[int] = None):
+        """The quantizer set of one GEMM, as TransformerEngine-JAX makes it.
+
+        - ``fp8_recipe``: the recipe; None takes the enclosing ``autocast(enabled=True)``'s, and
+          outside one the set is ``noop_quantizer_set`` (no quantization).
+        - ``variable_collection``: where ``DelayedScaling`` keeps its state (default
+          ``"fp8_metas"``): ``x{postfix}_scale``, ``kernel{postfix}_scale``, ``grad{postfix}_scale``
+          (float32 ``[1]``, ones at init) and the ``..._amax_history`` variables (float32
+          ``[amax_history_len]``, zeros). The other recipes keep no state. The state advances through
+          the gradient: ``jax.grad`` with respect to this collection gives its next value, which the
+          train step writes back (MaxText's ``_overwrite_with_gradient``).
+        - ``quantization_checkpoint_name``: names the FP8 operands for remat policies.
+        - ``n_groups``: must be None (grouped GEMMs are not implemented).
+
+        Call it from a compact method (it creates variables)."""
+        if fp8_recipe is None:
+            fp8_recipe = _quantize.get_global_quantize_recipe()
+        if fp8_recipe is None:
+            return _quantize.QuantizerFactory.create_set(n_groups=n_groups)
+        meta = {}
+        if isinstance(fp8_recipe, _common_recipe.DelayedScaling):
+            collection = variable_collection if variable_collection is not None else _quantize.NVTE_FP8_COLLECTION_NAME
+            scale_shape, history_shape = _quantize.delayed_state_shapes(fp8_recipe)
+            for source in (_quantize.TensorSource.X, _quantize.TensorSource.KERNEL, _quantize.TensorSource.DGRAD):
+                name = f"{source.value}{postfix}"
+                scale = self.variable(collection, f"{name}_scale", jnp.ones, scale_shape, jnp.float32).value
+                history = self.variable(collection, f"{name}_amax_history", jnp.zeros, history_shape,
+                                        jnp.float32).value
+                meta[source.value] = (scale, history)
+        return _quantize.QuantizerFactory.create_set(fp8_recipe=fp8_recipe, quantize_meta_set=meta,
+                                                     checkpoint_name=quantization_checkpoint_name, n_groups=n_groups)
 
 
 class DotProductAttention(nn.Module):

@@ -140,3 +140,121 @@ def test_fp8_attention_matches_fp64_reference_of_the_quantized_math(fmt, mask, w
                  k_scale=scales[1], v_scale=scales[2])
     for a, b_ in zip((out, dq, dk, dv), again):
         assert torch.equal(a, b_)
+
+
+def _packed_case(seed=3):
+    """Three sequences of lengths 5, 33, 20 (q) and 9, 33, 20 (kv), thd with gaps (padded offsets)."""
+    lq, lk = [5, 33, 20], [9, 33, 20]
+    gap = 3
+    cu = lambda ls: torch.tensor([0] + list(torch.tensor(ls).cumsum(0)), dtype=torch.int32)
+    cu_pad = lambda ls: torch.tensor([0] + list(torch.tensor([n + gap for n in ls]).cumsum(0)), dtype=torch.int32)
+    tq, tk = int(cu_pad(lq)[-1]), int(cu_pad(lk)[-1])
+    q, k, v = _inputs((tq, 4, 32), (tk, 2, 32), seed)
+    dout = torch.randn(tq, 4, 32, generator=torch.Generator().manual_seed(seed + 1)) * 1e-2
+    return lq, lk, cu(lq), cu(lk), cu_pad(lq), cu_pad(lk), q, k, v, dout
+
+
+def test_fp8_attention_thd_with_gaps_gqa_causal_bottom_right_e4m3_backward():
+    lq, lk, cq, ck, cqp, ckp, q, k, v, dout = _packed_case()
+    scales = _scales(q, k, v)
+    do_scale = 3.0e4  # an explicit dO scale (delayed scaling's), E4M3 under Format.E4M3
+    kw = dict(qkv_format="thd", attn_mask_type="padding_causal_bottom_right", q_scale=scales[0], k_scale=scales[1],
+              v_scale=scales[2], d_out_scale=do_scale, fp8_format="E4M3", cu_seqlens_q=cq, cu_seqlens_kv=ck,
+              cu_seqlens_q_padded=cqp, cu_seqlens_kv_padded=ckp)
+    out, dq, dk, dv = _run(q, k, v, dout, **kw)
+    block_n = fp8_plan(32, 32, "interpreter").forward.block_n
+    for i in range(3):
+        sq_, sk_ = slice(int(cqp[i]), int(cqp[i]) + lq[i]), slice(int(ckp[i]), int(ckp[i]) + lk[i])
+        ref = _ref_sequence(q[sq_], k[sk_], v[sk_], dout[sq_], scales, 32 ** -0.5, True, (-1, -1), True, block_n,
+                            do_scale, E4M3, out[sq_])
+        for n, got in enumerate((out[sq_], dq[sq_], dk[sk_], dv[sk_])):
+            assert _rel(got, ref[n]) < 1e-2, (i, ("out", "dq", "dk", "dv")[n])
+    # the gaps between sequences stay zero
+    gaps_q = torch.ones(q.shape[0], dtype=torch.bool)
+    for i in range(3):
+        gaps_q[int(cqp[i]):int(cqp[i]) + lq[i]] = False
+    assert torch.equal(out[gaps_q], torch.zeros_like(out[gaps_q])) and torch.equal(dq[gaps_q], torch.zeros_like(dq[gaps_q]))
+    # packing invariance: sequence 1 alone (bshd, batch 1) gives the same bits
+    s1q, s1k = slice(int(cqp[1]), int(cqp[1]) + lq[1]), slice(int(ckp[1]), int(ckp[1]) + lk[1])
+    alone = _run(q[s1q][None], k[s1k][None], v[s1k][None], dout[s1q][None], qkv_format="bshd",
+                 attn_mask_type="causal_bottom_right", q_scale=scales[0], k_scale=scales[1], v_scale=scales[2],
+                 d_out_scale=do_scale, fp8_format="E4M3")
+    for a, b_ in zip((out[s1q], dq[s1q], dk[s1k], dv[s1k]), alone):
+        assert torch.equal(a, b_[0])
+
+
+def test_fp8_attention_padding_mask_bshd():
+    b, s, h, d = 2, 36, 2, 32
+    q, k, v = _inputs((b, s, h, d), (b, s, h, d), 5)
+    dout = torch.randn(b, s, h, d, generator=torch.Generator().manual_seed(6)) * 1e-2
+    lens = torch.tensor([36, 17], dtype=torch.int32)
+    cu = torch.tensor([0, 36, 53], dtype=torch.int32)
+    scales = _scales(q, k, v)
+    out, dq, dk, dv = _run(q, k, v, dout, qkv_format="bshd", attn_mask_type="padding", q_scale=scales[0],
+                           k_scale=scales[1], v_scale=scales[2], cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    do_scale = float(scale_from_current_amax(torch, dout.abs().amax(), FP8_MAX["e5m2"]))
+    n = int(lens[1])
+    ref = _ref_sequence(q[1, :n], k[1, :n], v[1, :n], dout[1, :n], scales, d ** -0.5, False, (-1, -1), False,
+                        fp8_plan(d, d, "interpreter").forward.block_n, do_scale, torch.float8_e5m2, out[1, :n])
+    for i, got in enumerate((out[1, :n], dq[1, :n], dk[1, :n], dv[1, :n])):
+        assert _rel(got, ref[i]) < 1e-2
+    for t in (out, dq, dk, dv):
+        assert torch.equal(t[1, n:], torch.zeros_like(t[1, n:]))
+
+
+def _assert_te_fp8_tolerance(a, b):
+    """TransformerEngine's FP8-vs-F16 attention check (tests/pytorch/attention/test_attention.py,
+    test_dpa_fp8_vs_f16): atol 0.5, rtol 0.05, and RMSE under 0.11 of the two tensors' joint range."""
+    torch.testing.assert_close(a, b, atol=5e-1, rtol=5e-2)
+    rmse = (a.double() - b.double()).pow(2).mean().sqrt()
+    span = max(a.max(), b.max()) - min(a.min(), b.min())
+    assert rmse < 0.11 * span, (rmse, span)
+
+
+@pytest.mark.parametrize("fp8_backward", [True, False])
+def test_fp8_attention_vs_high_precision_path_within_te_tolerances(fp8_backward):
+    """Against the fused fp32 kernels on the unquantized inputs (the F16 path of the interpreter), with
+    TransformerEngine's own tolerances; fp8_backward=False (NVTE_FP8_DPA_BWD=0) runs the fused backward."""
+    from transformer_engine.pytorch.attention.fused_attn import fused_attn_func
+
+    b, s, h, d = 2, 40, 2, 32
+    q, k, v = _inputs((b, s, h, d), (b, s, h, d), 7)
+    dout = torch.randn(b, s, h, d, generator=torch.Generator().manual_seed(8))
+    scales = _scales(q, k, v)
+    fp8 = _run(q, k, v, dout, qkv_format="bshd", attn_mask_type="causal", q_scale=scales[0], k_scale=scales[1],
+               v_scale=scales[2], fp8_backward=fp8_backward)
+    qh, kh, vh = (x.clone().requires_grad_() for x in (q, k, v))
+    ref = fused_attn_func(qh, kh, vh, "bshd", "causal", (-1, 0), d ** -0.5)
+    ref.backward(dout)
+    for a, r in zip(fp8, (ref.detach(), qh.grad, kh.grad, vh.grad)):
+        _assert_te_fp8_tolerance(a, r)
+    assert _rel(fp8[0], ref) < 0.05  # and much closer than the tolerance in norm
+
+
+def test_nvte_fp8_dpa_bwd_0_runs_the_high_precision_backward(monkeypatch):
+    b, s, h, d = 1, 33, 2, 32
+    q, k, v = _inputs((b, s, h, d), (b, s, h, d), 9)
+    dout = torch.randn(b, s, h, d, generator=torch.Generator().manual_seed(10))
+    scales = _scales(q, k, v)
+    kw = dict(qkv_format="bshd", attn_mask_type="no_mask", q_scale=scales[0], k_scale=scales[1], v_scale=scales[2])
+    monkeypatch.setenv("NVTE_FP8_DPA_BWD", "0")
+    env0 = _run(q, k, v, dout, **kw)
+    assert all(torch.equal(a, b_) for a, b_ in zip(env0, _run(q, k, v, dout, fp8_backward=False, **kw)))
+    monkeypatch.setenv("NVTE_FP8_DPA_BWD", "1")
+    env1 = _run(q, k, v, dout, **kw)
+    assert torch.equal(env0[0], env1[0]) and not torch.equal(env0[1], env1[1])
+
+
+def test_fp8_attention_refuses_by_name():
+    q, k, v = _inputs((1, 8, 2, 32), (1, 8, 2, 32))
+    kw = dict(q_scale=1.0, k_scale=1.0, v_scale=1.0)
+    with pytest.raises(NotImplementedError, match="arbitrary"):
+        fp8_attn_func(q, k, v, attn_mask_type="arbitrary", **kw)
+    with pytest.raises(NotImplementedError, match="fp8_format"):
+        fp8_attn_func(q, k, v, fp8_format="E5M2", **kw)
+    with pytest.raises(ValueError, match="`q_scale` must be finite and positive"):
+        fp8_attn_func(q, k, v, q_scale=0.0, k_scale=1.0, v_scale=1.0)
+    with pytest.raises(ValueError, match="`query_layer` must be a high-precision tensor"):
+        fp8_attn_func(q.to(E4M3), k, v, **kw)
+    with pytest.raises(NotImplementedError, match="head_dim=320"):
+        fp8_attn_func(torch.zeros(1, 8, 2, 320), torch.zeros(1, 8, 2, 320), torch.zeros(1, 8, 2, 320), **kw)

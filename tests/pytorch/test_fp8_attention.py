@@ -13,12 +13,15 @@ import pytest
 import torch
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
 
 from transformer_engine.common.attention.fp8 import P_SCALE, fp8_plan  # noqa: E402
 from transformer_engine.common.quantization import FP8_MAX, scale_from_current_amax  # noqa: E402
 from transformer_engine.pytorch.attention.fp8_attention import AMAX_SLOTS, fp8_attn_func, quantize  # noqa: E402
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
+                                reason="needs TRITON_INTERPRET=1 or a CUDA GPU")
 
 E4M3 = torch.float8_e4m3fn
 
@@ -93,10 +96,12 @@ def _scales(*xs, fmt="e4m3"):
 
 
 def _run(q, k, v, dout, **kw):
-    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    """out, dq, dk, dv (on the CPU) of fp8_attn_func on DEVICE."""
+    kw = {n: (x.to(DEVICE) if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
+    q, k, v = (x.detach().to(DEVICE).clone().requires_grad_() for x in (q, k, v))
     out = fp8_attn_func(q, k, v, **kw)
-    out.backward(dout)
-    return out.detach(), q.grad, k.grad, v.grad
+    out.backward(dout.to(DEVICE))
+    return out.detach().cpu(), q.grad.cpu(), k.grad.cpu(), v.grad.cpu()
 
 
 CASES = [  # (format, mask, window, h_q, h_kv, s_q, s_kv, d)
@@ -116,9 +121,10 @@ def test_fp8_attention_matches_fp64_reference_of_the_quantized_math(fmt, mask, w
         q, k, v = _inputs((sq, b, hq, d), (sk, b, hk, d))
         dout = torch.randn(sq, b, hq, d, generator=torch.Generator().manual_seed(1)) * 1e-3
     scales = _scales(q, k, v)
-    amax = torch.zeros(len(AMAX_SLOTS))
+    amax = torch.zeros(len(AMAX_SLOTS), device=DEVICE)
     out, dq, dk, dv = _run(q, k, v, dout, qkv_format=fmt, attn_mask_type=mask, window_size=window, q_scale=scales[0],
                            k_scale=scales[1], v_scale=scales[2], amax=amax)
+    amax = amax.cpu()
     do_scale = float(scale_from_current_amax(torch, dout.abs().amax(), FP8_MAX["e5m2"]))
     sm = d ** -0.5
     block_n = fp8_plan(d, d, "interpreter").forward.block_n
@@ -223,10 +229,11 @@ def test_fp8_attention_vs_high_precision_path_within_te_tolerances(fp8_backward)
     scales = _scales(q, k, v)
     fp8 = _run(q, k, v, dout, qkv_format="bshd", attn_mask_type="causal", q_scale=scales[0], k_scale=scales[1],
                v_scale=scales[2], fp8_backward=fp8_backward)
-    qh, kh, vh = (x.clone().requires_grad_() for x in (q, k, v))
+    qh, kh, vh = (x.to(DEVICE).requires_grad_() for x in (q, k, v))
     ref = fused_attn_func(qh, kh, vh, "bshd", "causal", (-1, 0), d ** -0.5)
-    ref.backward(dout)
-    for a, r in zip(fp8, (ref.detach(), qh.grad, kh.grad, vh.grad)):
+    ref.backward(dout.to(DEVICE))
+    ref = ref.detach().cpu()
+    for a, r in zip(fp8, (ref, qh.grad.cpu(), kh.grad.cpu(), vh.grad.cpu())):
         _assert_te_fp8_tolerance(a, r)
     assert _rel(fp8[0], ref) < 0.05  # and much closer than the tolerance in norm
 

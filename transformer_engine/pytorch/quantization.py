@@ -99,4 +99,121 @@ def update_delayed_meta(meta: DelayedScalingMeta) -> None:
     meta.scale.copy_(scale)
 
 
-__all__ = ["FP8_DTYPES", "DelayedScalingMeta", "reduce_and_update_delayed_metas", "update_delayed_meta"]
+# --- quantized operands -------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Quantized:
+    """A 2-D operand in FP8: ``data`` [rows, cols], ``scale_inv`` that dequantizes it, the tile its scales cover.
+
+    ``tile=None``: one scale for the tensor (``scale_inv`` is a 0-d float32 tensor). ``tile=(1, 128)`` or
+    ``(128, 128)``: one scale per tile (``scale_inv`` is [ceil(rows/th), ceil(cols/tw)]), edge tiles partial.
+    GEMMs contract over ``cols``: a 1x128 tile lies along the contraction.
+    """
+
+    data: torch.Tensor
+    scale_inv: torch.Tensor
+    fmt: str
+    tile: Optional[Tuple[int, int]] = None
+
+    def t(self) -> "Quantized":
+        """The transpose. Exact for one scale and for square tiles (the same values and scales, transposed)."""
+        if self.tile not in (None, (q.BLOCK_SIZE, q.BLOCK_SIZE)):
+            raise ValueError(f"`tile` must be None or square to transpose a quantized operand, got {self.tile}")
+        scale_inv = self.scale_inv if self.tile is None else self.scale_inv.t().contiguous()
+        return Quantized(self.data.t().contiguous(), scale_inv, self.fmt, self.tile)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """data * scale_inv per tile, in ``dtype`` (exact in float64; in float32 for power-of-two scales)."""
+        values = self.data.to(dtype)
+        if self.tile is None:
+            return values * self.scale_inv.to(dtype)
+        th, tw = self.tile
+        rows, cols = values.shape
+        scale = self.scale_inv.to(dtype).repeat_interleave(th, 0)[:rows].repeat_interleave(tw, 1)[:, :cols]
+        return values * scale
+
+
+def amax_of(x: torch.Tensor) -> torch.Tensor:
+    """max |x| in float32 (0 for an empty tensor); NaN if x holds one."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    return x.abs().amax().to(torch.float32)
+
+
+def cast_to_fp8(x32: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Saturating cast of already-scaled float32 values (torch's cast alone turns overflow into NaN)."""
+    limit = q.fp8_max(fmt)
+    return x32.clamp(-limit, limit).to(FP8_DTYPES[fmt])
+
+
+def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> Quantized:
+    """One scale for the tensor (delayed scaling's, or a current scale computed before)."""
+    scale = scale.to(torch.float32)
+    data = cast_to_fp8(x.to(torch.float32) * scale, fmt)
+    return Quantized(data, torch.reciprocal(scale), fmt, None)
+
+
+def quantize_current(x: torch.Tensor, fmt: str, qparams: Any) -> Tuple[Quantized, torch.Tensor]:
+    """Current scaling: the scale from this tensor's amax. Returns (operand, amax)."""
+    amax = amax_of(x)
+    scale = q.scale_from_current_amax(torch, amax, q.fp8_max(fmt), float(qparams.amax_epsilon),
+                                      bool(qparams.power_2_scale))
+    return quantize_with_scale(x, scale, fmt), amax
+
+
+def quantize_blocks(x: torch.Tensor, tile: Tuple[int, int], fmt: str, qparams: Any) -> Quantized:
+    """Block scaling of a 2-D tensor: current scaling per ``tile`` (edge tiles partial)."""
+    rows, cols = x.shape
+    th, tw = tile
+    x32 = x.to(torch.float32)
+    pad_r, pad_c = -rows % th, -cols % tw
+    if pad_r or pad_c:
+        # Zeros change no tile's amax.
+        x32 = torch.nn.functional.pad(x32, (0, pad_c, 0, pad_r))
+    blocks = x32.reshape((rows + pad_r) // th, th, (cols + pad_c) // tw, tw)
+    amax = blocks.abs().amax(dim=(1, 3))
+    scale = q.scale_from_current_amax(torch, amax, q.fp8_max(fmt), float(qparams.amax_epsilon),
+                                      bool(qparams.power_2_scale))
+    data = cast_to_fp8(blocks * scale[:, None, :, None], fmt).reshape(rows + pad_r, cols + pad_c)
+    return Quantized(data[:rows, :cols].contiguous(), torch.reciprocal(scale), fmt, tile)
+
+
+# --- GEMMs ----------------------------------------------------------------------------------------
+
+def _pad_to(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    if data.shape == (rows, cols):
+        return data
+    out = torch.zeros(rows, cols, dtype=data.dtype, device=data.device)
+    out[:data.shape[0], :data.shape[1]] = data
+    return out
+
+
+def scaled_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype, use_split_accumulator: bool = True) -> torch.Tensor:
+    """``dequant(a) @ dequant(b).T`` for a [M, K] and b [N, K], both quantized along K: [M, N] in ``out_dtype``.
+
+    One scale per operand: ``torch._scaled_mm`` (cuBLASLt's FP8 GEMM on CUDA; it needs M, N, K multiples
+    of 16 there, so operands are zero-padded, which changes no product). Tiles: torch's scaled GEMM
+    takes 1x128 / 128x128 scales only on CUDA sm90 (``torch.nn.functional.scaled_mm``) and not on CPU,
+    so the product is formed from the exactly dequantized operands (FP8 value times a power-of-two
+    scale, exact in float32) with one float32 GEMM: the same quantized math, accumulated in float32 as
+    the tensor-core kernel's split accumulator does, at float32 GEMM speed.
+    """
+    if a.data.shape[1] != b.data.shape[1]:
+        raise ValueError(f"operands must share the contraction dim, got {tuple(a.data.shape)} and {tuple(b.data.shape)}")
+    if a.tile is None and b.tile is None:
+        m, k = a.data.shape
+        n = b.data.shape[0]
+        if a.data.device.type == "cuda" and (m % 16 or n % 16 or k % 16):
+            mp, np_, kp = m + (-m % 16), n + (-n % 16), k + (-k % 16)
+            out = torch._scaled_mm(_pad_to(a.data, mp, kp), _pad_to(b.data, np_, kp).t(), scale_a=a.scale_inv,
+                                   scale_b=b.scale_inv, out_dtype=out_dtype, use_fast_accum=not use_split_accumulator)
+            return out[:m, :n]
+        return torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale_inv, scale_b=b.scale_inv, out_dtype=out_dtype,
+                                use_fast_accum=not use_split_accumulator)
+    out = torch.mm(a.dequantize(torch.float32), b.dequantize(torch.float32).t())
+    return out if out_dtype == torch.float32 else out.to(out_dtype)
+
+
+__all__ = ["FP8_DTYPES", "DelayedScalingMeta", "reduce_and_update_delayed_metas", "update_delayed_meta",
+           "Quantized", "amax_of", "cast_to_fp8", "quantize_with_scale", "quantize_current", "quantize_blocks",
+           "scaled_gemm"]

@@ -320,3 +320,59 @@ def fp8_attn_func(
     call = AttnCall(params, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
                     cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded)
     return Fp8AttnFunc.apply(q, k, v, meta, call)
+
+
+def _delayed_state(module, recipe, device) -> dict:
+    """The module's delayed-scaling state for its attention (module state, not a global): an fp32 amax history
+    [amax_history_len, len(AMAX_SLOTS)] (row 0: this step's amaxes, written by the call) and the scales."""
+    state = getattr(module, "_fp8_attention_state", None)
+    n = len(AMAX_SLOTS)
+    if state is None or state["amax_history"].shape[0] != recipe.amax_history_len or state["amax_history"].device != device:
+        state = dict(amax_history=torch.zeros(recipe.amax_history_len, n, dtype=torch.float32, device=device),
+                     scale=torch.ones(n, dtype=torch.float32, device=device), steps=0)
+        module._fp8_attention_state = state
+    return state
+
+
+def dpa_fp8_attention(module, recipe, q, k, v, fmt: QKVFormat, seqs, window, bottom_right, bias_type, dropout,
+                      softmax_type, context_parallel: bool, return_max_logit: bool):
+    """DotProductAttention's call under an autocast whose recipe has ``fp8_dpa=True``: the FP8 kernels, with
+    scales from the module's amax history (DelayedScaling: updated from the history before each call, the
+    history rolled, this call's amaxes recorded in its row 0 by the forward and the backward) or from this
+    call's amaxes (Float8CurrentScaling). Anything the FP8 kernels do not support is refused by name."""
+    from transformer_engine.common.quantization import delayed_update, format_dtypes
+
+    reasons = fp8_reasons(attn_mask_type=seqs.mask, attn_bias_type=bias_type, dropout=dropout,
+                          softmax_type=softmax_type, head_dim_qk=q.shape[-1], head_dim_v=v.shape[-1],
+                          context_parallel=context_parallel, return_max_logit=return_max_logit)
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        reasons.append(f"query_layer dtype {q.dtype} (FP8 attention quantizes bf16/fp16/fp32 inputs)")
+    if reasons:
+        raise NotImplementedError("FP8 attention (the recipe's fp8_dpa=True) cannot run this call: "
+                                  + "; ".join(reasons))
+    fwd_fmt, bwd_fmt = format_dtypes(recipe.fp8_format)
+    kw = dict(qkv_format=fmt.value, attn_mask_type=seqs.mask.value, window_size=window,
+              softmax_scale=module.softmax_scale, fp8_format=recipe.fp8_format,
+              cu_seqlens_q=seqs.cu_seqlens_q, cu_seqlens_kv=seqs.cu_seqlens_kv,
+              cu_seqlens_q_padded=seqs.cu_seqlens_q_padded, cu_seqlens_kv_padded=seqs.cu_seqlens_kv_padded,
+              max_seqlen_q=seqs.max_seqlen_q, max_seqlen_kv=seqs.max_seqlen_kv, bottom_right_diagonal=bottom_right)
+    if type(recipe).delayed():
+        state = _delayed_state(module, recipe, q.device)
+        if state["steps"] > 0:  # the previous step's amaxes (forward and backward) are in row 0
+            maxes = torch.tensor([FP8_MAX[fwd_fmt]] * len(AMAX_SLOTS), dtype=torch.float32, device=q.device)
+            maxes[AMAX_SLOTS["do"]] = FP8_MAX[bwd_fmt]
+            hist, scale = delayed_update(torch, state["amax_history"], state["scale"], maxes, recipe.margin,
+                                         recipe.amax_compute_algo, recipe.scaling_factor_compute_algo, recipe)
+            state["amax_history"].copy_(hist)
+            state["scale"].copy_(scale)
+        state["steps"] += 1
+        sc = state["scale"]
+        return fp8_attn_func(q, k, v, q_scale=sc[AMAX_SLOTS["q"]], k_scale=sc[AMAX_SLOTS["k"]],
+                             v_scale=sc[AMAX_SLOTS["v"]], d_out_scale=sc[AMAX_SLOTS["do"]],
+                             amax=state["amax_history"][0], **kw)
+    if type(recipe).float8_current_scaling():
+        fmax = FP8_MAX[fwd_fmt]
+        scales = [scale_from_current_amax(torch, x.detach().abs().amax().float(), fmax) for x in (q, k, v)]
+        return fp8_attn_func(q, k, v, q_scale=scales[0], k_scale=scales[1], v_scale=scales[2], d_out_scale=None, **kw)
+    raise NotImplementedError(f"FP8 attention takes DelayedScaling or Float8CurrentScaling recipes, got "
+                              f"{type(recipe).__name__}")

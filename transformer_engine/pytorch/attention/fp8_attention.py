@@ -230,7 +230,9 @@ def _scale_tensor(name: str, value, device) -> torch.Tensor:
     if t.numel() != 1:
         raise ValueError(f"`{name}` must be one per-tensor scale (a float or a 1-element tensor), got shape "
                          f"{tuple(t.shape)}")
-    if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
+    # A number or a host tensor is checked here; a device tensor (a recipe's scale) is not read back: no host sync.
+    if (not isinstance(value, torch.Tensor) or value.device.type == "cpu") and not (
+            bool(torch.isfinite(t).all()) and bool((t > 0).all())):
         raise ValueError(f"`{name}` must be finite and positive, got {t.reshape(()).item()}")
     return t.reshape(())
 

@@ -96,3 +96,15 @@ def test_dpa_fp8_refuses_by_name():
     with te.autocast(enabled=True, recipe=Float8CurrentScaling(fp8_dpa=True)):
         with pytest.raises(NotImplementedError, match="attention_dropout=0.1"):
             dpa(q, q, q)
+
+
+def test_dpa_fp8_logs_why_it_runs_fp8(caplog):
+    import logging
+
+    q = torch.randn(B, S, H, D)
+    with caplog.at_level(logging.INFO, logger="transformer_engine"):
+        with te.autocast(enabled=True, recipe=Float8CurrentScaling(fp8_dpa=True)):
+            _dpa()(q, q, q)
+    text = caplog.text
+    assert "Selected backend = FusedAttention(FP8)" in text and "Float8CurrentScaling" in text
+    assert "no FP8 variant yet" in text and "attn_fp8_fwd_kernel" in text

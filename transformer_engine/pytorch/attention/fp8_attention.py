@@ -15,6 +15,7 @@ log-sum-exp, as TransformerEngine does.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -25,7 +26,7 @@ from transformer_engine.common import settings
 from transformer_engine.common.attention import AttnBiasType, AttnMaskType, AttnSoftmaxType, QKVFormat
 from transformer_engine.common.attention.config import normalize_window, resolve_bottom_right_diagonal
 from transformer_engine.common.attention.fp8 import (
-    FP8_DTYPES, P_SCALE, Fp8Plan, backward_dtype_name, fp8_plan, fp8_reasons,
+    FP8_DTYPES, P_SCALE, Fp8Plan, backward_dtype_name, explain_fp8, fp8_plan, fp8_reasons,
 )
 from transformer_engine.common.attention.kernels import fp8 as fp8_kernels
 from transformer_engine.common.attention.params import AttnParams
@@ -352,6 +353,10 @@ def dpa_fp8_attention(module, recipe, q, k, v, fmt: QKVFormat, seqs, window, bot
     if reasons:
         raise NotImplementedError("FP8 attention (the recipe's fp8_dpa=True) cannot run this call: "
                                   + "; ".join(reasons))
+    logger = logging.getLogger("transformer_engine")
+    if logger.isEnabledFor(logging.INFO):  # NVTE_DEBUG=1: why FP8 attention runs, and its plan
+        logger.info("Selected backend = FusedAttention(FP8) (%s): %s", type(recipe).__name__,
+                    explain_fp8(q.shape[-1], v.shape[-1], fp8_arch(q.device)))
     fwd_fmt, bwd_fmt = format_dtypes(recipe.fp8_format)
     kw = dict(qkv_format=fmt.value, attn_mask_type=seqs.mask.value, window_size=window,
               softmax_scale=module.softmax_scale, fp8_format=recipe.fp8_format,

@@ -13,19 +13,22 @@ import transformer_engine.pytorch as te  # noqa: E402
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format  # noqa: E402
 from transformer_engine.pytorch.attention.fp8_attention import AMAX_SLOTS  # noqa: E402
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"  # qa/L1_pytorch_gpu runs these on CUDA (TRITON_INTERPRET=0)
+pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
+                                reason="needs TRITON_INTERPRET=1 or a CUDA GPU")
 
 B, S, H, D = 1, 33, 2, 32
 
 
 def _dpa():
-    return te.DotProductAttention(H, D, attn_mask_type="causal", qkv_format="bshd")
+    return te.DotProductAttention(H, D, attn_mask_type="causal", qkv_format="bshd").to(DEVICE)
 
 
 def _step(dpa, recipe, seed):
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(B, S, H, D, generator=g) * (1 + seed % 3) for _ in range(3))
-    dout = torch.randn(B, S, H * D, generator=g) * 1e-2
+    q, k, v = (torch.randn(B, S, H, D, generator=g).to(DEVICE) * (1 + seed % 3) for _ in range(3))
+    dout = torch.randn(B, S, H * D, generator=g).to(DEVICE) * 1e-2
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     with te.autocast(enabled=True, recipe=recipe):
         out = dpa(q, k, v)
@@ -44,9 +47,9 @@ def test_delayed_scaling_amax_history_equals_fp64_recomputation_over_10_steps():
         q, k, v, out, dout, grads = _step(dpa, recipe, step)
         for name, x in (("q", q), ("k", k), ("v", v), ("o", out), ("do", dout), ("dq", grads[0]), ("dk", grads[1]),
                         ("dv", grads[2])):
-            hist[0, AMAX_SLOTS[name]] = x.detach().double().abs().max()
+            hist[0, AMAX_SLOTS[name]] = x.detach().cpu().double().abs().max()
         state = dpa._fp8_attention_state
-        got = state["amax_history"].double()
+        got = state["amax_history"].double().cpu()
         for name in ("q", "k", "v", "o", "do", "dq", "dk", "dv"):
             assert torch.equal(got[:, AMAX_SLOTS[name]], hist[:, AMAX_SLOTS[name]]), (step, name)
         assert 0 < got[0, AMAX_SLOTS["s"]] <= 1 and got[0, AMAX_SLOTS["dp"]] > 0
@@ -67,8 +70,8 @@ def _assert_te_fp8_tolerance(a, b):
                          ids=["current", "delayed"])
 def test_dpa_fp8_vs_high_precision_within_te_tolerances(recipe):
     g = torch.Generator().manual_seed(11)
-    q, k, v = (torch.randn(B, S, H, D, generator=g) for _ in range(3))
-    dout = torch.randn(B, S, H * D, generator=g)
+    q, k, v = (torch.randn(B, S, H, D, generator=g).to(DEVICE) for _ in range(3))
+    dout = torch.randn(B, S, H * D, generator=g).to(DEVICE)
     results = []
     for fp8 in (True, False):
         dpa = _dpa()
@@ -81,18 +84,18 @@ def test_dpa_fp8_vs_high_precision_within_te_tolerances(recipe):
             out.backward(dout)
         if fp8:
             assert dpa.last_backend == "FusedAttention(FP8)"
-        results.append((out.detach(), qq.grad, kk.grad, vv.grad))
+        results.append(tuple(t.cpu() for t in (out.detach(), qq.grad, kk.grad, vv.grad)))
     for a, b in zip(*results):
         _assert_te_fp8_tolerance(a, b)
     assert not torch.equal(results[0][0], results[1][0])  # FP8 did run
 
 
 def test_dpa_fp8_refuses_by_name():
-    q = torch.randn(B, S, H, D)
+    q = torch.randn(B, S, H, D).to(DEVICE)
     with te.autocast(enabled=True, recipe=DelayedScaling(fp8_dpa=True, fp8_mha=True)):
         with pytest.raises(NotImplementedError, match="fp8_mha"):
             _dpa()(q, q, q)
-    dpa = te.DotProductAttention(H, D, attn_mask_type="no_mask", qkv_format="bshd", attention_dropout=0.1)
+    dpa = te.DotProductAttention(H, D, attn_mask_type="no_mask", qkv_format="bshd", attention_dropout=0.1).to(DEVICE)
     with te.autocast(enabled=True, recipe=Float8CurrentScaling(fp8_dpa=True)):
         with pytest.raises(NotImplementedError, match="attention_dropout=0.1"):
             dpa(q, q, q)
@@ -101,7 +104,7 @@ def test_dpa_fp8_refuses_by_name():
 def test_dpa_fp8_logs_why_it_runs_fp8(caplog):
     import logging
 
-    q = torch.randn(B, S, H, D)
+    q = torch.randn(B, S, H, D).to(DEVICE)
     with caplog.at_level(logging.INFO, logger="transformer_engine"):
         with te.autocast(enabled=True, recipe=Float8CurrentScaling(fp8_dpa=True)):
             _dpa()(q, q, q)

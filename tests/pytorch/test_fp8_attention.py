@@ -16,7 +16,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from transformer_engine.common.attention.fp8 import P_SCALE, fp8_plan  # noqa: E402
+from transformer_engine.common.attention.kernels.fp8 import to_fp8  # noqa: E402
 from transformer_engine.common.quantization import FP8_MAX, scale_from_current_amax  # noqa: E402
 from transformer_engine.pytorch.attention.fp8_attention import AMAX_SLOTS, fp8_attn_func, quantize  # noqa: E402
 
@@ -265,3 +269,29 @@ def test_fp8_attention_refuses_by_name():
         fp8_attn_func(q.to(E4M3), k, v, **kw)
     with pytest.raises(NotImplementedError, match="head_dim=320"):
         fp8_attn_func(torch.zeros(1, 8, 2, 320), torch.zeros(1, 8, 2, 320), torch.zeros(1, 8, 2, 320), **kw)
+
+
+@triton.jit
+def _cast_kernel(X, Y, n, DTYPE: tl.constexpr, EXACT_CAST: tl.constexpr):
+    offs = tl.program_id(0) * 1024 + tl.arange(0, 1024)
+    x = tl.load(X + offs, mask=offs < n, other=0.0)
+    tl.store(Y + offs, to_fp8(x, DTYPE, EXACT_CAST), mask=offs < n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_rounding_is_round_to_nearest_even_with_saturation(dtype):
+    """kernels/fp8.to_fp8 (the kernels' P and dO-side casts) equals torch's cast after clamping, for every FP8
+    value, every midpoint between neighbours (ties to even), just off the midpoints, subnormals and overflow;
+    with EXACT_CAST (the interpreter's plan) and, on a GPU, with the hardware conversion."""
+    fmax = float(torch.finfo(dtype).max)
+    values = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    values = values[torch.isfinite(values)].unique()
+    mids = (values[1:] + values[:-1]) / 2
+    x = torch.cat([values, mids, mids * (1 + 2 ** -20), mids * (1 - 2 ** -20), torch.tensor([fmax * 1.1, -1e9, 2e-9])])
+    expect = x.clamp(-fmax, fmax).to(dtype).float()
+    tl_dtype = tl.float8e4nv if dtype == torch.float8_e4m3fn else tl.float8e5
+    for exact in ([True] if INTERPRET else [True, False]):
+        xd = x.to(DEVICE)
+        y = torch.empty(x.shape, dtype=dtype, device=DEVICE)
+        _cast_kernel[(triton.cdiv(x.numel(), 1024),)](xd, y, x.numel(), DTYPE=tl_dtype, EXACT_CAST=exact)
+        assert torch.equal(y.float().cpu(), expect), exact

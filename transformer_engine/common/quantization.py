@@ -36,7 +36,8 @@ BLOCK_SIZE = 128
 
 def format_dtypes(fp8_format: Any) -> Tuple[str, str]:
     """(forward, backward) FP8 format names of a recipe's ``fp8_format``: E4M3 / E5M2 / HYBRID."""
-    name = getattr(fp8_format, "value", fp8_format)
+    # A recipe.Format member (by its name) or the name itself.
+    name = fp8_format.name if hasattr(fp8_format, "name") else fp8_format
     if name == "E4M3":
         return "e4m3", "e4m3"
     if name == "E5M2":

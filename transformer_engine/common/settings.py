@@ -129,6 +129,11 @@ _DECLARED = (
         choices=("", "fused", "flash", "unfused"),
     ),
     EnvVar(
+        "NVTE_FP8_DPA_BWD", "bool", True,
+        "0 runs FP8 attention's (fp8_dpa) backward on the bf16/fp16 kernels from the dequantized FP8 operands; "
+        "1 runs it in FP8 (dO in E5M2 under Format.HYBRID, E4M3 under Format.E4M3).",
+    ),
+    EnvVar(
         "NVTE_FUSED_ATTN_WS", "bool", True,
         "0 keeps fused attention on its Triton kernels where the plan would pick the warp-specialized Gluon "
         "forward, dK/dV and dQ kernels (Hopper, fp16/bf16, no bias or dropout: d=128 and 256; the forward and dQ "

@@ -1,7 +1,7 @@
 """PyTorch frontend: DotProductAttention, the fused attention ops, and TransformerEngine-style
-LayerNorm, RMSNorm, Linear and LayerNormLinear modules (plain torch ops, tensor parallel through
-torch.distributed). FP8 is not implemented: ``fp8_autocast``/``autocast`` and the model-init
-contexts are no-ops when disabled and raise NotImplementedError when enabled."""
+LayerNorm, RMSNorm, Linear and LayerNormLinear modules (tensor parallel through torch.distributed),
+with FP8 training under TransformerEngine's recipes inside ``autocast`` / ``fp8_autocast`` (see
+docs/fp8.rst)."""
 
 try:
     import torch  # noqa: F401
@@ -19,7 +19,12 @@ from transformer_engine.pytorch.attention import (  # noqa: E402,F401
 from transformer_engine.pytorch import distributed, fp8, router  # noqa: E402,F401
 from transformer_engine.pytorch.distributed import CudaRNGStatesTracker  # noqa: E402,F401
 from transformer_engine.pytorch.fp8 import (  # noqa: E402,F401
+    FP8GlobalStateManager,
     autocast,
+    check_fp8_block_scaling_support,
+    check_fp8_support,
+    check_mxfp8_support,
+    check_nvfp4_support,
     fp8_autocast,
     fp8_model_init,
     quantized_model_init,

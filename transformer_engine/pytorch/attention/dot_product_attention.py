@@ -250,6 +250,19 @@ def _agree(name: str, cu_seqlens: torch.Tensor, mask: torch.Tensor, batch: int, 
         )
 
 
+def _fp8_attention_recipe():
+    """The autocast's recipe when it asks for FP8 attention (fp8_dpa or fp8_mha), else None."""
+    from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+
+    if not FP8GlobalStateManager.is_fp8_enabled():
+        return None
+    recipe = FP8GlobalStateManager.get_fp8_recipe()
+    if getattr(recipe, "fp8_mha", False):
+        raise NotImplementedError("`fp8_mha=True` (FP8 attention inputs and output) is not supported yet; use "
+                                  "fp8_dpa=True (FP8 attention on bf16/fp16 inputs and output)")
+    return recipe if getattr(recipe, "fp8_dpa", False) else None
+
+
 def _resolve_sequences(q, k, v, fmt: QKVFormat, mask: AttnMaskType, attention_mask, cu_seqlens_q, cu_seqlens_kv,
                        cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv) -> _Sequences:
     """Validate the sequence arguments; padding masks become cu_seqlens (what the fused path takes).
@@ -688,7 +701,14 @@ class DotProductAttention(torch.nn.Module):
             if mod is not None:
                 raise NotImplementedError(f"`{mod_name}` (cuDNN's experimental score modification) is not supported")
         key = plan_key = None
-        if (inference_params is not None and not _is_compiling() and _PREPARED_CALLS.enabled
+        fp8_recipe = _fp8_attention_recipe()
+        if fp8_recipe is not None and _is_compiling():
+            raise NotImplementedError("FP8 attention (the recipe's fp8_dpa) under torch.compile is not supported yet: "
+                                      "its kernels are launched outside custom ops; run the attention eagerly")
+        if fp8_recipe is not None and inference_params is not None:
+            raise NotImplementedError("FP8 attention (the recipe's fp8_dpa) with `inference_params` (a KV cache) is "
+                                      "not supported; run the cached steps outside the FP8 autocast")
+        if (fp8_recipe is None and inference_params is not None and not _is_compiling() and _PREPARED_CALLS.enabled
                 and attention_mask is None and qkv_layer is None and kv_layer is None and cu_seqlens_q is None
                 and cu_seqlens_kv is None and cu_seqlens_q_padded is None and cu_seqlens_kv_padded is None
                 and core_attention_bias is None and alibi_slopes is None and not checkpoint_core_attention
@@ -708,7 +728,7 @@ class DotProductAttention(torch.nn.Module):
                 out = decode_step(self, plan_key, query_layer, key_layer, value_layer)
                 if out is not None:
                     return out
-        if (not _is_compiling()  # first: while tracing, nothing after it is evaluated
+        if (fp8_recipe is None and not _is_compiling()  # first: while tracing, nothing after it is evaluated
                 and attention_mask is None and inference_params is None and qkv_layer is None and kv_layer is None
                 and type(query_layer) in _PLAIN_TENSORS and type(key_layer) in _PLAIN_TENSORS
                 and type(value_layer) in _PLAIN_TENSORS and not _LOGGER.isEnabledFor(logging.INFO)
@@ -762,6 +782,15 @@ class DotProductAttention(torch.nn.Module):
         softmax_offset = self.softmax_offset
         if softmax_offset is not None:  # fp32 on q's device whatever the module was cast to, as TE passes it
             softmax_offset = softmax_offset.to(device=q.device, dtype=torch.float32)
+        if fp8_recipe is not None:  # FP8 attention: its kernels or a refusal by name, never bf16
+            from transformer_engine.pytorch.attention.fp8_attention import dpa_fp8_attention
+
+            self.last_backend = "FusedAttention(FP8)"
+            return self._attend(
+                lambda q_, k_, v_: dpa_fp8_attention(
+                    self, fp8_recipe, q_, k_, v_, fmt, seqs, window, bottom_right, bias_type, dropout, softmax_type,
+                    self._context_parallel is not None and self._context_parallel.size > 1, self.return_max_logit),
+                q, k, v, checkpoint_core_attention)
         backend, deterministic = self._select(q, k, v, fmt, seqs, window, bias_type, bias_shape, dropout, bottom_right,
                                               softmax_type)
         self.last_backend = backend.NAME

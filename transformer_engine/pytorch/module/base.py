@@ -1,7 +1,7 @@
 """What the linear and normalization modules share: constructor checks, parameter creation, init.
 
 The modules take TransformerEngine's constructor arguments. Those that only matter to features
-this package does not have (FP8, userbuffer communication overlap, delayed weight gradients, symmetric-memory all-reduce) are accepted at their "off"
+this package does not have (FP8 output/grad tensors, userbuffer communication overlap, delayed weight gradients, symmetric-memory all-reduce) are accepted at their "off"
 value and refused with NotImplementedError otherwise, so a caller never gets a silently
 different computation.
 """
@@ -55,8 +55,8 @@ def refuse_unsupported(owner: str, **flags: Any) -> None:
         "delay_wgrad_compute": "weight gradients are computed in the backward pass",
         "symmetric_ar_type": "all-reduces go through torch.distributed",
         "parameters_split": "the weight is one parameter",
-        "fp8_output": "there is no FP8 here",
-        "fp8_grad": "there is no FP8 here",
+        "fp8_output": "outputs are returned in the activation dtype (FP8 output tensors are not implemented)",
+        "fp8_grad": "input gradients are returned in the activation dtype (FP8 gradient tensors are not implemented)",
     }
     for name, value in flags.items():
         if name.startswith("ub_"):
@@ -154,7 +154,27 @@ class TransformerEngineBaseModule(torch.nn.Module):
 
     @staticmethod
     def _check_forward_flags(owner: str, is_first_microbatch: Optional[bool], fp8_output: bool, fp8_grad: bool) -> None:
-        # is_first_microbatch is a caching hint for FP8 weight casts; with no FP8 it changes nothing.
+        # is_first_microbatch: under FP8, quantize the weight and cache it (True) or reuse the cache (False).
         if is_first_microbatch not in (None, True, False):
             raise ValueError(f"`is_first_microbatch` must be None or a bool, got {is_first_microbatch!r}")
         refuse_unsupported(owner, fp8_output=fp8_output, fp8_grad=fp8_grad)
+
+    def _fp8_plan(self, device: torch.device):
+        """This forward's FP8 plan (None outside autocast and calibration): the autocast's recipe, checked
+        against the device the GEMMs run on, and this module's FP8 state."""
+        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager, check_recipe_support
+        from transformer_engine.pytorch.quantization_linear import LinearFP8State
+
+        enabled = FP8GlobalStateManager.is_fp8_enabled()
+        if not (enabled or FP8GlobalStateManager.is_fp8_calibration()):
+            return None
+        recipe = FP8GlobalStateManager.get_fp8_recipe()
+        if enabled:
+            check_recipe_support(recipe, device)
+        state = self.__dict__.get("_fp8_state")
+        if state is None:
+            # A plain attribute, not a buffer: the FP8 state is not part of the state dict.
+            state = self.__dict__["_fp8_state"] = LinearFP8State()
+        plan = state.plan(recipe, FP8GlobalStateManager.get_fp8_group(), device, enabled)
+        plan.enabled = enabled
+        return plan

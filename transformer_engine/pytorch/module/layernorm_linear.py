@@ -135,7 +135,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
             total = _parallel.column_input(ln_out, group, self.sequence_parallel)
         # The collectives are done: multiply as a plain (local) Linear.
         out, bias = parallel_linear(total, self.weight, self.bias, None, None, False, self.return_bias,
-                                    self.fuse_wgrad_accumulation, is_first_microbatch)
+                                    self.fuse_wgrad_accumulation, is_first_microbatch, self._fp8_plan(inp.device))
         if self.return_bias:
             bias = self._returned_bias(out, bias)
         if self.return_layernorm_output:

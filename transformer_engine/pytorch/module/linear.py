@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from transformer_engine.pytorch.module import _parallel
+from transformer_engine.pytorch.quantization_linear import accumulate_into_main_grad, fp8_linear
 from transformer_engine.pytorch.module.base import (
     TransformerEngineBaseModule,
     check_features,
@@ -51,38 +52,37 @@ class _LinearIntoMainGrad(torch.autograd.Function):
         if not ctx.needs_input_grad[1]:
             return grad_x, None, None
         main_grad = getattr(weight, "main_grad", None)
-        if main_grad is None or main_grad.shape != weight.shape:
-            raise RuntimeError(
-                f"`weight.main_grad` must be a tensor of the weight's shape {tuple(weight.shape)} with "
-                f"fuse_wgrad_accumulation=True, got {None if main_grad is None else tuple(main_grad.shape)}"
-            )
+        dtype = main_grad.dtype if main_grad is not None else torch.float32
         # The same product autograd forms for F.linear's weight (x^T dY, transposed), in the main
         # gradient's dtype: with fp32 activations its bits equal the unfused gradient's.
-        x2d = x.reshape(-1, x.shape[-1]).to(main_grad.dtype)
-        dy2d = grad_out.reshape(-1, grad_out.shape[-1]).to(main_grad.dtype)
+        x2d = x.reshape(-1, x.shape[-1]).to(dtype)
+        dy2d = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)
         wgrad = torch.mm(x2d.t(), dy2d).t()
-        if ctx.overwrite or getattr(weight, "overwrite_main_grad", False):
-            main_grad.copy_(wgrad)
-        else:
-            main_grad.add_(wgrad)
-        if hasattr(weight, "grad_added_to_main_grad"):
-            weight.grad_added_to_main_grad = True
-            # A zero of the weight's shape that takes no memory until autograd stores it.
-            return grad_x, torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape), None
-        return grad_x, None, None
+        return grad_x, accumulate_into_main_grad(weight, wgrad, ctx.overwrite), None
 
 
 def parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], parallel_mode: Optional[str],
                     group: Optional[Any], sequence_parallel: bool, return_bias: bool,
-                    fuse_wgrad_accumulation: bool = False, is_first_microbatch: Optional[bool] = None):
-    """The GEMM and its collectives; returns (out, bias to return or None)."""
+                    fuse_wgrad_accumulation: bool = False, is_first_microbatch: Optional[bool] = None,
+                    fp8_plan: Optional[Any] = None):
+    """The GEMM and its collectives; returns (out, bias to return or None).
+
+    ``fp8_plan`` (from the module's ``_fp8_plan``): run the GEMMs in FP8, or, when calibrating, record
+    the amaxes and run in high precision.
+    """
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"input's last dim must be in_features={weight.shape[1]} (this rank's), got shape {tuple(x.shape)}")
     if parallel_mode == "column":
         x = _parallel.column_input(x, group, sequence_parallel)
-    if fuse_wgrad_accumulation and weight.requires_grad and torch.is_grad_enabled():
+    if fp8_plan is not None and fp8_plan.enabled:
+        out = fp8_linear(x, weight, fp8_plan, is_first_microbatch, fuse_wgrad_accumulation)
+    elif fuse_wgrad_accumulation and weight.requires_grad and torch.is_grad_enabled():
+        if fp8_plan is not None:
+            fp8_plan.calibrate(x, weight)
         out = _LinearIntoMainGrad.apply(x, weight, bool(is_first_microbatch))
     else:
+        if fp8_plan is not None:
+            fp8_plan.calibrate(x, weight)
         out = torch.nn.functional.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype))
     if parallel_mode == "row":
         out = _parallel.row_output(out, group, sequence_parallel)
@@ -177,7 +177,7 @@ class Linear(TransformerEngineBaseModule):
         self._check_forward_flags(type(self).__name__, is_first_microbatch, fp8_output, fp8_grad)
         out, bias = parallel_linear(inp, self.weight, self.bias, self.parallel_mode, self._group_for_forward(),
                                     self.sequence_parallel, self.return_bias, self.fuse_wgrad_accumulation,
-                                    is_first_microbatch)
+                                    is_first_microbatch, self._fp8_plan(inp.device))
         if not self.return_bias:
             return out
         return out, self._returned_bias(out, bias)

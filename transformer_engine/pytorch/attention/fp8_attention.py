@@ -1,0 +1,385 @@
+"""FP8 attention on the project's Triton kernels (kernels/fp8.py): launches, one autograd.Function, a
+functional entry point with explicit scales.
+
+Scales follow TransformerEngine: ``x_fp8 = saturate(x * scale)`` and ``x ~ x_fp8 * scale_inv``. The launches
+take the descale factors (``scale_inv``) of Q, K, V and dO as one fp32 device array (no host sync). Amaxes are
+written into a caller's fp32 array by the names of :data:`AMAX_SLOTS` (maxima: order-free, deterministic).
+
+Determinism: the forward and the FP8 backward are bitwise reproducible (fixed tiles from
+``common.attention.fp8.fp8_plan``, fixed summation orders, no atomics but the amax maxima).
+``NVTE_FP8_DPA_BWD=0`` (or ``fp8_backward=False``) runs the backward on the bf16/fp16 fused kernels
+(``ops.backward``, deterministic too) from the dequantized Q, K, V, the FP8 forward's output and its
+log-sum-exp, as TransformerEngine does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import triton
+
+from transformer_engine.common import settings
+from transformer_engine.common.attention import AttnBiasType, AttnMaskType, AttnSoftmaxType, QKVFormat
+from transformer_engine.common.attention.config import normalize_window, resolve_bottom_right_diagonal
+from transformer_engine.common.attention.fp8 import (
+    FP8_DTYPES, P_SCALE, Fp8Plan, backward_dtype_name, explain_fp8, fp8_plan, fp8_reasons,
+)
+from transformer_engine.common.attention.kernels import fp8 as fp8_kernels
+from transformer_engine.common.attention.params import AttnParams
+from transformer_engine.common.attention.validation import check_softmax_scale
+from transformer_engine.common.quantization import FP8_MAX, scale_from_current_amax
+from transformer_engine.pytorch.attention.call import AttnCall
+from transformer_engine.pytorch.attention.config import check_cu_seqlens, qkv_dims, triton_interpreting
+from transformer_engine.pytorch.attention.kernel_runner import canonical, sequences
+
+__all__ = ["AMAX_SLOTS", "Fp8AttnMeta", "Fp8AttnFunc", "fp8_attn_func", "fp8_attn_forward", "fp8_attn_backward",
+           "quantize", "fp8_arch", "FLOAT8_DTYPES"]
+
+# Where each amax lands in the fp32 array a call records into.
+AMAX_SLOTS = {"q": 0, "k": 1, "v": 2, "o": 3, "s": 4, "dp": 5, "do": 6, "dq": 7, "dk": 8, "dv": 9}
+FLOAT8_DTYPES = {getattr(torch, name): fmt for fmt, name in FP8_DTYPES.items()}
+
+
+def fp8_arch(device: torch.device) -> str:
+    """The plan's architecture name for tensors on ``device``."""
+    if device.type == "cpu":
+        if not triton_interpreting():
+            raise NotImplementedError("FP8 attention on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1), "
+                                      f"got device {device}")
+        return "interpreter"
+    if device.type != "cuda":
+        raise NotImplementedError(f"FP8 attention runs on CUDA/ROCm or under TRITON_INTERPRET=1, got device {device}")
+    if torch.version.hip is not None:
+        return getattr(torch.cuda.get_device_properties(device), "gcnArchName", "gfx").split(":")[0]
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        raise NotImplementedError(f"FP8 attention needs FP8 tensor cores (sm_89 or newer), got sm_{major}{minor}")
+    return f"sm{major}{minor}"
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``saturate(x * scale)`` in the FP8 ``dtype`` (round to nearest even; +-max where it overflows)."""
+    fmax = FP8_MAX[FLOAT8_DTYPES[dtype]]
+    return (x.float() * scale).clamp(-fmax, fmax).to(dtype)
+
+
+def _flags(params: AttnParams) -> Tuple[dict, int, int]:
+    left, right = params.window_size
+    if params.attn_mask_type.is_causal():
+        right = 0
+    flags = dict(HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, BOTTOM_RIGHT=bool(params.bottom_right_diagonal))
+    return flags, max(left, 0), max(right, 0)
+
+
+def _strides(t: torch.Tensor, fmt: QKVFormat, prefix: str) -> dict:
+    _, s = canonical(t, fmt)
+    return {f"stride_{prefix}{axis}": value for axis, value in zip("bshd", s)}
+
+
+def _sequence_args(seqs, dummy: torch.Tensor) -> dict:
+    return dict(SEQ_START_Q=seqs.start_q if seqs.is_thd else dummy, SEQ_START_K=seqs.start_k if seqs.is_thd else dummy,
+                SEQ_LEN_Q=seqs.len_q if seqs.has_seqlens else dummy, SEQ_LEN_K=seqs.len_k if seqs.has_seqlens else dummy,
+                IS_THD=seqs.is_thd, HAS_SEQLENS=seqs.has_seqlens, seqlen_q=seqs.max_q, seqlen_k=seqs.max_k)
+
+
+def _plan(q: torch.Tensor, v: torch.Tensor) -> Fp8Plan:
+    return fp8_plan(q.shape[-1], v.shape[-1], fp8_arch(q.device))
+
+
+def fp8_attn_forward(q8, k8, v8, descale: torch.Tensor, call: AttnCall, out_dtype: torch.dtype,
+                     amax: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of FP8 attention on E4M3 ``q8, k8, v8`` (``call``'s format), ``descale`` fp32 [4] (q, k, v, dO
+    descales; dO's unused here). Writes the amaxes of O and of the softmax (its largest probability) into
+    ``amax`` (fp32, :data:`AMAX_SLOTS`) when given."""
+    params = call.params
+    fmt = params.qkv_format
+    plan = _plan(q8, v8)
+    seqs = sequences(q8, k8, call)
+    hq, hk = q8.shape[-2], k8.shape[-2]
+    out = torch.zeros(tuple(q8.shape[:-1]) + (v8.shape[-1],), dtype=out_dtype, device=q8.device)
+    lse = torch.empty((seqs.batch, hq, seqs.max_q), dtype=torch.float32, device=q8.device)
+    fwd_amax = torch.zeros(3, dtype=torch.float32, device=q8.device)
+    flags, left, right = _flags(params)
+    t = plan.forward
+    grid = (triton.cdiv(seqs.max_q, t.block_m), seqs.batch * hq)
+    fp8_kernels.attn_fp8_fwd_kernel[grid](
+        q8, k8, v8, out, lse, fwd_amax, descale,
+        **_sequence_args(seqs, lse), **_strides(q8, fmt, "q"), **_strides(k8, fmt, "k"), **_strides(v8, fmt, "v"),
+        **_strides(out, fmt, "o"), stride_lb=lse.stride(0), stride_lh=lse.stride(1),
+        num_heads_q=hq, gqa_group=hq // hk, sm_scale=params.scaling_factor, window_left=left, window_right=right,
+        HEAD_DIM_QK=q8.shape[-1], HEAD_DIM_V=v8.shape[-1], BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, P_SCALE=P_SCALE, EXACT_CAST=plan.exact_cast, **flags,
+        num_warps=t.num_warps, num_stages=t.num_stages)
+    if amax is not None:
+        amax[AMAX_SLOTS["o"]] = fwd_amax[0]
+        amax[AMAX_SLOTS["s"]] = fwd_amax[1]
+    return out, lse
+
+
+def fp8_attn_backward(q8, k8, v8, out, do8, lse, descale: torch.Tensor, call: AttnCall, grad_dtype: torch.dtype,
+                      amax: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) in ``grad_dtype`` of FP8 attention from E4M3 q8, k8, v8, the forward's ``out`` and ``lse``,
+    and dO in FP8 (E5M2 or E4M3) ``do8``; ``descale`` fp32 [4] (q, k, v, dO). dS stays in fp32 and meets Q, K
+    in ``grad_dtype`` (kernels/fp8.py). Records the amax of dS (TransformerEngine's dP) into ``amax``."""
+    params = call.params
+    fmt = params.qkv_format
+    plan = _plan(q8, v8)
+    seqs = sequences(q8, k8, call)
+    hq, hk = q8.shape[-2], k8.shape[-2]
+    dev = q8.device
+    delta = torch.empty_like(lse)
+    dq = torch.zeros(q8.shape, dtype=grad_dtype, device=dev)
+    dk = torch.zeros(k8.shape, dtype=grad_dtype, device=dev)
+    dv = torch.zeros(v8.shape, dtype=grad_dtype, device=dev)
+    bwd_amax = torch.zeros(3, dtype=torch.float32, device=dev)
+    flags, left, right = _flags(params)
+    seq_args = _sequence_args(seqs, lse)
+    common = dict(stride_lb=lse.stride(0), stride_lh=lse.stride(1), HEAD_DIM_V=v8.shape[-1], BLOCK_DV=plan.block_dv,
+                  IS_THD=seq_args["IS_THD"], HAS_SEQLENS=seq_args["HAS_SEQLENS"])
+    t = plan.preprocess
+    fp8_kernels.attn_fp8_bwd_preprocess_kernel[(triton.cdiv(seqs.max_q, t.block_m), seqs.batch * hq)](
+        out, do8, delta, descale, seq_args["SEQ_START_Q"], seq_args["SEQ_LEN_Q"], **_strides(out, fmt, "o"),
+        **_strides(do8, fmt, "do"), num_heads_q=hq, seqlen_q=seqs.max_q, BLOCK_M=t.block_m, **common,
+        num_warps=t.num_warps, num_stages=t.num_stages)
+    loops = dict(**seq_args, **_strides(q8, fmt, "q"), **_strides(k8, fmt, "k"), **_strides(v8, fmt, "v"),
+                 **_strides(do8, fmt, "do"), stride_lb=lse.stride(0), stride_lh=lse.stride(1),
+                 sm_scale=params.scaling_factor, window_left=left, window_right=right, HEAD_DIM_QK=q8.shape[-1],
+                 HEAD_DIM_V=v8.shape[-1], BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv, **flags)
+    t = plan.dkdv
+    fp8_kernels.attn_fp8_bwd_dkdv_kernel[(triton.cdiv(seqs.max_k, t.block_n), seqs.batch * hk)](
+        q8, k8, v8, do8, dk, dv, lse, delta, bwd_amax, descale, **loops, **_strides(dk, fmt, "dk"),
+        **_strides(dv, fmt, "dv"), num_heads_kv=hk, gqa_group=hq // hk, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+        P_SCALE=P_SCALE, EXACT_CAST=plan.exact_cast, num_warps=t.num_warps, num_stages=t.num_stages)
+    t = plan.dq
+    fp8_kernels.attn_fp8_bwd_dq_kernel[(triton.cdiv(seqs.max_q, t.block_m), seqs.batch * hq)](
+        q8, k8, v8, do8, dq, lse, delta, descale, **loops, **_strides(dq, fmt, "dq"), num_heads_q=hq,
+        gqa_group=hq // hk, BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages)
+    if amax is not None:
+        amax[AMAX_SLOTS["dp"]] = bwd_amax[2]
+        for name, g in (("dq", dq), ("dk", dk), ("dv", dv)):
+            amax[AMAX_SLOTS[name]] = g.abs().amax().float()
+    return dq, dk, dv
+
+
+@dataclass(frozen=True)
+class Fp8AttnMeta:
+    """One FP8 attention call's scaling (a plain value, passed whole): fp32 scalar tensors ``q_scale``,
+    ``k_scale``, ``v_scale``; ``d_out_scale`` (None: current scaling from dO's own amax, as
+    Float8CurrentScaling does); dO's FP8 dtype; whether the backward runs in FP8; ``amax``: an fp32 array the
+    call writes its amaxes into (:data:`AMAX_SLOTS`), or None."""
+
+    q_scale: torch.Tensor
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
+    d_out_scale: Optional[torch.Tensor] = None
+    d_out_dtype: torch.dtype = torch.float8_e5m2
+    fp8_backward: bool = True
+    amax: Optional[torch.Tensor] = None
+
+
+def _record(amax: Optional[torch.Tensor], name: str, x: torch.Tensor) -> None:
+    if amax is not None:
+        amax[AMAX_SLOTS[name]] = x.detach().abs().amax().float()
+
+
+class Fp8AttnFunc(torch.autograd.Function):
+    """FP8 attention on high-precision q, k, v: quantized here with the meta's scales (straight-through:
+    gradients are those of the quantized function, returned for the high-precision inputs)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, meta: Fp8AttnMeta, call: AttnCall):
+        e4m3 = torch.float8_e4m3fn
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            _record(meta.amax, name, x)
+        q8, k8, v8 = quantize(q, meta.q_scale, e4m3), quantize(k, meta.k_scale, e4m3), quantize(v, meta.v_scale, e4m3)
+        descale = torch.stack([1.0 / meta.q_scale.float().reshape(()), 1.0 / meta.k_scale.float().reshape(()),
+                               1.0 / meta.v_scale.float().reshape(()), torch.ones((), device=q.device)])
+        out, lse = fp8_attn_forward(q8, k8, v8, descale, call, q.dtype, meta.amax)
+        ctx.save_for_backward(q8, k8, v8, out, lse, descale, *call.tensors)
+        ctx.meta, ctx.params, ctx.dtype = meta, call.params, q.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        q8, k8, v8, out, lse, descale, *tensors = ctx.saved_tensors
+        call = AttnCall.of_tensors(ctx.params, tensors)
+        meta = ctx.meta
+        if not meta.fp8_backward:
+            from transformer_engine.pytorch.attention import ops
+
+            deq = [(x.float() * descale[i]).to(ctx.dtype) for i, x in enumerate((q8, k8, v8))]
+            dq, dk, dv, _, _ = ops.backward(*deq, out, d_out.contiguous(), lse, call)
+            return dq, dk, dv, None, None
+        _record(meta.amax, "do", d_out)
+        fmt = FLOAT8_DTYPES[meta.d_out_dtype]
+        if meta.d_out_scale is None:
+            d_scale = scale_from_current_amax(torch, d_out.detach().abs().amax().float(), FP8_MAX[fmt])
+        else:
+            d_scale = meta.d_out_scale.float().reshape(())
+        do8 = quantize(d_out, d_scale, meta.d_out_dtype)
+        descale = torch.cat([descale[:3], (1.0 / d_scale).reshape(1)])
+        dq, dk, dv = fp8_attn_backward(q8, k8, v8, out, do8, lse, descale, call, ctx.dtype, meta.amax)
+        return dq, dk, dv, None, None
+
+
+def _scale_tensor(name: str, value, device) -> torch.Tensor:
+    t = torch.as_tensor(value, dtype=torch.float32, device=device)
+    if t.numel() != 1:
+        raise ValueError(f"`{name}` must be one per-tensor scale (a float or a 1-element tensor), got shape "
+                         f"{tuple(t.shape)}")
+    # A number or a host tensor is checked here; a device tensor (a recipe's scale) is not read back: no host sync.
+    if (not isinstance(value, torch.Tensor) or value.device.type == "cpu") and not (
+            bool(torch.isfinite(t).all()) and bool((t > 0).all())):
+        raise ValueError(f"`{name}` must be finite and positive, got {t.reshape(()).item()}")
+    return t.reshape(())
+
+
+def fp8_attn_func(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    qkv_format: str = "bshd", attn_mask_type: str = "no_mask", window_size: Tuple[int, int] = (-1, -1),
+    softmax_scale: Optional[float] = None, *,
+    q_scale, k_scale, v_scale, d_out_scale=None, fp8_format: str = "HYBRID", fp8_backward: Optional[bool] = None,
+    cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_kv: Optional[torch.Tensor] = None,
+    cu_seqlens_q_padded: Optional[torch.Tensor] = None, cu_seqlens_kv_padded: Optional[torch.Tensor] = None,
+    max_seqlen_q: Optional[int] = None, max_seqlen_kv: Optional[int] = None,
+    bottom_right_diagonal: Optional[bool] = None, amax: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """FP8 attention with explicit per-tensor scales on the Triton kernels.
+
+    ``q, k, v``: high-precision tensors (bf16/fp16 on a GPU; fp32/fp16 under TRITON_INTERPRET=1) in
+    ``qkv_format`` (bshd [b, s, h, d], sbhd [s, b, h, d], thd [t, h, d] with ``cu_seqlens_*``). They are
+    quantized to E4M3 as ``saturate(x * scale)`` with ``q_scale``, ``k_scale``, ``v_scale`` (floats or 1-element
+    fp32 tensors); the output has q's dtype. Query head i uses kv head ``i // (h_q // h_kv)``. Masks as
+    :func:`fused_attn_func`: no_mask, padding, causal, padding_causal, the bottom-right causal masks and sliding
+    windows. Backward: dO quantized to E5M2 under ``fp8_format="HYBRID"``, E4M3 under ``"E4M3"``, with
+    ``d_out_scale`` (None: current scaling from dO's amax). ``fp8_backward`` None reads NVTE_FP8_DPA_BWD (0: the
+    bf16/fp16 kernels' backward). ``amax``: an fp32 tensor of at least len(AMAX_SLOTS) the call writes
+    its amaxes into. Deterministic: bitwise run to run.
+    """
+    fmt = QKVFormat(qkv_format)
+    mask = AttnMaskType(attn_mask_type)
+    for name, x in (("query_layer", q), ("key_layer", k), ("value_layer", v)):
+        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"`{name}` must be a high-precision tensor (float32, float16 or bfloat16) quantized "
+                             f"here with its scale, got {x.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"`query_layer`, `key_layer`, `value_layer` must share a dtype, got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}")
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu":
+        raise NotImplementedError("`query_layer` must not be bfloat16 under TRITON_INTERPRET=1 (the bf16 backward "
+                                  "and the interpreter's bf16 products are wrong there), got bfloat16")
+    hq, hk = q.shape[-2], k.shape[-2]
+    if k.shape[-2] != v.shape[-2] or hq % hk:
+        raise ValueError(f"`key_layer` and `value_layer` must have the same number of heads dividing the query's "
+                         f"{hq}, got {hk} and {v.shape[-2]}")
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    softmax_scale = check_softmax_scale(softmax_scale)
+    if softmax_scale <= 0:
+        raise NotImplementedError(f"`softmax_scale` must be positive for FP8 attention, got {softmax_scale}")
+    reasons = fp8_reasons(attn_mask_type=mask, attn_bias_type=AttnBiasType.NO_BIAS, dropout=0.0,
+                          softmax_type=AttnSoftmaxType.VANILLA_SOFTMAX, head_dim_qk=q.shape[-1],
+                          head_dim_v=v.shape[-1])
+    if reasons:
+        raise NotImplementedError("FP8 attention cannot run this call: " + "; ".join(reasons))
+    d_out_dtype = getattr(torch, backward_dtype_name(fp8_format))
+    if fp8_backward is None:
+        fp8_backward = bool(settings.get("NVTE_FP8_DPA_BWD"))
+    window = normalize_window(window_size, mask)
+    bottom_right = resolve_bottom_right_diagonal(mask, bottom_right_diagonal, "pytorch")
+    if fmt == QKVFormat.THD:
+        if cu_seqlens_q is None or cu_seqlens_kv is None:
+            raise ValueError("`cu_seqlens_q` and `cu_seqlens_kv` must be given for qkv_format='thd'")
+        batch = None
+        if max_seqlen_q is None or max_seqlen_kv is None:
+            max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item())
+            max_seqlen_kv = int((cu_seqlens_kv[1:] - cu_seqlens_kv[:-1]).max().item())
+    else:
+        batch = qkv_dims(q, fmt)[0]
+        if not mask.is_padding():
+            cu_seqlens_q = cu_seqlens_kv = None
+        elif cu_seqlens_q is None or cu_seqlens_kv is None:
+            raise ValueError(f"`cu_seqlens_q` and `cu_seqlens_kv` must be given for attn_mask_type={mask.value!r}")
+        cu_seqlens_q_padded = cu_seqlens_kv_padded = None
+        max_seqlen_q = max_seqlen_kv = None
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv),
+                     ("cu_seqlens_q_padded", cu_seqlens_q_padded), ("cu_seqlens_kv_padded", cu_seqlens_kv_padded)):
+        check_cu_seqlens(name, cu, batch, q.device)
+    if amax is not None and (amax.dtype != torch.float32 or amax.numel() < len(AMAX_SLOTS)):
+        raise ValueError(f"`amax` must be an fp32 tensor of at least {len(AMAX_SLOTS)} elements, got {amax.dtype} "
+                         f"{tuple(amax.shape)}")
+    dev = q.device
+    meta = Fp8AttnMeta(_scale_tensor("q_scale", q_scale, dev), _scale_tensor("k_scale", k_scale, dev),
+                       _scale_tensor("v_scale", v_scale, dev),
+                       None if d_out_scale is None else _scale_tensor("d_out_scale", d_out_scale, dev),
+                       d_out_dtype, bool(fp8_backward), amax)
+    params = AttnParams(attn_mask_type=mask, attn_bias_type=AttnBiasType.NO_BIAS, qkv_format=fmt, window_size=window,
+                        scaling_factor=softmax_scale, deterministic=True, bottom_right_diagonal=bottom_right,
+                        max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv)
+    call = AttnCall(params, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
+                    cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded)
+    return Fp8AttnFunc.apply(q, k, v, meta, call)
+
+
+def _delayed_state(module, recipe, device) -> dict:
+    """The module's delayed-scaling state for its attention (module state, not a global): an fp32 amax history
+    [amax_history_len, len(AMAX_SLOTS)] (row 0: this step's amaxes, written by the call) and the scales."""
+    state = getattr(module, "_fp8_attention_state", None)
+    n = len(AMAX_SLOTS)
+    if state is None or state["amax_history"].shape[0] != recipe.amax_history_len or state["amax_history"].device != device:
+        state = dict(amax_history=torch.zeros(recipe.amax_history_len, n, dtype=torch.float32, device=device),
+                     scale=torch.ones(n, dtype=torch.float32, device=device), steps=0)
+        module._fp8_attention_state = state
+    return state
+
+
+def dpa_fp8_attention(module, recipe, q, k, v, fmt: QKVFormat, seqs, window, bottom_right, bias_type, dropout,
+                      softmax_type, context_parallel: bool, return_max_logit: bool):
+    """DotProductAttention's call under an autocast whose recipe has ``fp8_dpa=True``: the FP8 kernels, with
+    scales from the module's amax history (DelayedScaling: updated from the history before each call, the
+    history rolled, this call's amaxes recorded in its row 0 by the forward and the backward) or from this
+    call's amaxes (Float8CurrentScaling). Anything the FP8 kernels do not support is refused by name."""
+    from transformer_engine.common.quantization import delayed_update, format_dtypes
+
+    reasons = fp8_reasons(attn_mask_type=seqs.mask, attn_bias_type=bias_type, dropout=dropout,
+                          softmax_type=softmax_type, head_dim_qk=q.shape[-1], head_dim_v=v.shape[-1],
+                          context_parallel=context_parallel, return_max_logit=return_max_logit)
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        reasons.append(f"query_layer dtype {q.dtype} (FP8 attention quantizes bf16/fp16/fp32 inputs)")
+    if reasons:
+        raise NotImplementedError("FP8 attention (the recipe's fp8_dpa=True) cannot run this call: "
+                                  + "; ".join(reasons))
+    logger = logging.getLogger("transformer_engine")
+    if logger.isEnabledFor(logging.INFO):  # NVTE_DEBUG=1: why FP8 attention runs, and its plan
+        logger.info("Selected backend = FusedAttention(FP8) (%s): %s", type(recipe).__name__,
+                    explain_fp8(q.shape[-1], v.shape[-1], fp8_arch(q.device)))
+    fwd_fmt, bwd_fmt = format_dtypes(recipe.fp8_format)
+    kw = dict(qkv_format=fmt.value, attn_mask_type=seqs.mask.value, window_size=window,
+              softmax_scale=module.softmax_scale, fp8_format=recipe.fp8_format,
+              cu_seqlens_q=seqs.cu_seqlens_q, cu_seqlens_kv=seqs.cu_seqlens_kv,
+              cu_seqlens_q_padded=seqs.cu_seqlens_q_padded, cu_seqlens_kv_padded=seqs.cu_seqlens_kv_padded,
+              max_seqlen_q=seqs.max_seqlen_q, max_seqlen_kv=seqs.max_seqlen_kv, bottom_right_diagonal=bottom_right)
+    if type(recipe).delayed():
+        state = _delayed_state(module, recipe, q.device)
+        if state["steps"] > 0:  # the previous step's amaxes (forward and backward) are in row 0
+            maxes = torch.tensor([FP8_MAX[fwd_fmt]] * len(AMAX_SLOTS), dtype=torch.float32, device=q.device)
+            maxes[AMAX_SLOTS["do"]] = FP8_MAX[bwd_fmt]
+            hist, scale = delayed_update(torch, state["amax_history"], state["scale"], maxes, recipe.margin,
+                                         recipe.amax_compute_algo, recipe.scaling_factor_compute_algo, recipe)
+            state["amax_history"].copy_(hist)
+            state["scale"].copy_(scale)
+        state["steps"] += 1
+        sc = state["scale"]
+        return fp8_attn_func(q, k, v, q_scale=sc[AMAX_SLOTS["q"]], k_scale=sc[AMAX_SLOTS["k"]],
+                             v_scale=sc[AMAX_SLOTS["v"]], d_out_scale=sc[AMAX_SLOTS["do"]],
+                             amax=state["amax_history"][0], **kw)
+    if type(recipe).float8_current_scaling():
+        fmax = FP8_MAX[fwd_fmt]
+        scales = [scale_from_current_amax(torch, x.detach().abs().amax().float(), fmax) for x in (q, k, v)]
+        return fp8_attn_func(q, k, v, q_scale=scales[0], k_scale=scales[1], v_scale=scales[2], d_out_scale=None, **kw)
+    raise NotImplementedError(f"FP8 attention takes DelayedScaling or Float8CurrentScaling recipes, got "
+                              f"{type(recipe).__name__}")

@@ -1,0 +1,227 @@
+"""FP8 GEMMs of Linear and LayerNormLinear: the per-module state, the per-call plan, the autograd Function.
+
+Forward ``y = x W^T`` (fprop), backward ``dx = dy W`` (dgrad) and ``dW = dy^T x`` (wgrad) all run on
+quantized operands, as TransformerEngine's modules run them:
+
+- DelayedScaling: one scale per tensor from the module's amax history (forward: input, weight,
+  output; backward: grad output, grad input). Each quantization uses the scale current at that moment
+  (computed by the last update) and folds its amax into history row 0; the updates happen when the
+  outermost autocast exits (forward) and at the end of the backward of the first FP8 module (backward).
+- Float8CurrentScaling: one scale per tensor from its own amax, no state.
+- Float8BlockScaling: 1x128 tiles along the contraction for activations and gradients (quantized a
+  second time, from high precision, along the token dim for wgrad), 128x128 tiles for weights (whose
+  transpose is exact, so dgrad reuses them).
+
+Per-tensor operands are transposed for the backward GEMMs (same values, same scale). The weight is
+quantized once per step when the caller passes ``is_first_microbatch=True`` and reused while it passes
+False. With ``fuse_wgrad_accumulation`` the wgrad GEMM produces float32 and is added to ``main_grad``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import torch
+
+from transformer_engine.common import quantization as q
+from transformer_engine.common import recipe as _recipe
+from transformer_engine.pytorch.quantization import (
+    DelayedScalingMeta,
+    Quantized,
+    amax_of,
+    quantize_blocks,
+    quantize_current,
+    quantize_with_scale,
+    scaled_gemm,
+)
+
+# Columns of the delayed-scaling metas, in TransformerEngine's order.
+FWD_INPUT, FWD_WEIGHT, FWD_OUTPUT = 0, 1, 2
+BWD_GRAD_OUTPUT, BWD_GRAD_INPUT = 0, 1
+_ROW_TILE = (1, q.BLOCK_SIZE)
+_WEIGHT_TILE = (q.BLOCK_SIZE, q.BLOCK_SIZE)
+# TransformerEngine's per-GEMM accumulation for recipes that do not declare it (delayed scaling).
+_DEFAULT_MM = {"fprop": _recipe.MMParams(False), "dgrad": _recipe.MMParams(True), "wgrad": _recipe.MMParams(True)}
+
+
+def accumulate_into_main_grad(weight: torch.Tensor, wgrad: torch.Tensor, overwrite: bool) -> Optional[torch.Tensor]:
+    """Add (or copy, on the first micro-batch / ``overwrite_main_grad``) ``wgrad`` into ``weight.main_grad``.
+
+    Returns what autograd gets for the weight: None, or a zero that takes no memory when the weight
+    carries Megatron's ``grad_added_to_main_grad`` flag (then set), so its gradient hooks still fire.
+    """
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None or main_grad.shape != weight.shape:
+        raise RuntimeError(
+            f"`weight.main_grad` must be a tensor of the weight's shape {tuple(weight.shape)} with "
+            f"fuse_wgrad_accumulation=True, got {None if main_grad is None else tuple(main_grad.shape)}"
+        )
+    if overwrite or getattr(weight, "overwrite_main_grad", False):
+        main_grad.copy_(wgrad)
+    else:
+        main_grad.add_(wgrad)
+    if hasattr(weight, "grad_added_to_main_grad"):
+        weight.grad_added_to_main_grad = True
+        return torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+    return None
+
+
+class LinearFP8State:
+    """What a linear module keeps across steps: its delayed-scaling metas and its cached FP8 weight."""
+
+    def __init__(self) -> None:
+        self.fwd_meta: Optional[DelayedScalingMeta] = None
+        self.bwd_meta: Optional[DelayedScalingMeta] = None
+        self._weight_cache: Optional[Tuple[Any, Quantized]] = None
+
+    def _delayed_metas(self, recipe: _recipe.DelayedScaling, device: torch.device):
+        if self.fwd_meta is None or self.fwd_meta.scale.device != device:
+            self.fwd_meta = DelayedScalingMeta(3, recipe, True, device)
+            self.bwd_meta = DelayedScalingMeta(2, recipe, False, device)
+        else:
+            self.fwd_meta.set_recipe(recipe)
+            self.bwd_meta.set_recipe(recipe)
+        return self.fwd_meta, self.bwd_meta
+
+    def plan(self, recipe: _recipe.Recipe, group: Optional[Any], device: torch.device, enabled: bool) -> "LinearFP8Plan":
+        """This call's plan; registers delayed-scaling metas for their updates when FP8 is enabled."""
+        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+
+        fwd_meta = bwd_meta = None
+        if recipe.delayed():
+            fwd_meta, bwd_meta = self._delayed_metas(recipe, device)
+            if enabled:
+                fwd_meta.group = bwd_meta.group = group
+                FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(fwd_meta, True)
+                FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(bwd_meta, False)
+        return LinearFP8Plan(recipe, fwd_meta, bwd_meta, self)
+
+    def quantized_weight(self, plan: "LinearFP8Plan", weight: torch.Tensor,
+                         is_first_microbatch: Optional[bool]) -> Quantized:
+        """The weight's FP8 operand: cached on is_first_microbatch=True, reused while it is False."""
+        key = (type(plan.recipe), plan.fwd_fmt, weight.device, tuple(weight.shape))
+        if is_first_microbatch is False and self._weight_cache is not None and self._weight_cache[0] == key:
+            return self._weight_cache[1]
+        with torch.no_grad():
+            qw = plan.quantize_weight(weight.detach())
+        self._weight_cache = (key, qw) if is_first_microbatch is not None else None
+        return qw
+
+
+class LinearFP8Plan:
+    """One call's quantization: the recipe, its formats and (delayed scaling) the metas to read and record."""
+
+    def __init__(self, recipe: _recipe.Recipe, fwd_meta: Optional[DelayedScalingMeta],
+                 bwd_meta: Optional[DelayedScalingMeta], state: LinearFP8State) -> None:
+        self.recipe = recipe
+        self.fwd_fmt, self.bwd_fmt = q.format_dtypes(recipe.fp8_format)
+        self.fwd_meta, self.bwd_meta = fwd_meta, bwd_meta
+        self.state = state
+        self.block = recipe.float8_block_scaling()
+
+    def mm(self, gemm: str) -> bool:
+        """use_split_accumulator of the fprop / dgrad / wgrad GEMM."""
+        return getattr(self.recipe, f"fp8_gemm_{gemm}", _DEFAULT_MM[gemm]).use_split_accumulator
+
+    # Each returns (operand along the GEMM's contraction, operand for the wgrad GEMM or None when it is
+    # the transpose of the first).
+    def quantize_input(self, x: torch.Tensor) -> Tuple[Quantized, Optional[Quantized]]:
+        if self.block:
+            qp = self.recipe.fp8_quant_fwd_inp
+            return quantize_blocks(x, _ROW_TILE, self.fwd_fmt, qp), quantize_blocks(x.t(), _ROW_TILE, self.fwd_fmt, qp)
+        if self.fwd_meta is not None:
+            self.fwd_meta.record_amax(FWD_INPUT, amax_of(x))
+            return quantize_with_scale(x, self.fwd_meta.scale[FWD_INPUT], self.fwd_fmt), None
+        return quantize_current(x, self.fwd_fmt, self.recipe.fp8_quant_fwd_inp)[0], None
+
+    def quantize_weight(self, w: torch.Tensor) -> Quantized:
+        if self.block:
+            return quantize_blocks(w, _WEIGHT_TILE, self.fwd_fmt, self.recipe.fp8_quant_fwd_weight)
+        if self.fwd_meta is not None:
+            self.fwd_meta.record_amax(FWD_WEIGHT, amax_of(w))
+            return quantize_with_scale(w, self.fwd_meta.scale[FWD_WEIGHT], self.fwd_fmt)
+        return quantize_current(w, self.fwd_fmt, self.recipe.fp8_quant_fwd_weight)[0]
+
+    def quantize_grad(self, dy: torch.Tensor) -> Tuple[Quantized, Optional[Quantized]]:
+        if self.block:
+            qp = self.recipe.fp8_quant_bwd_grad
+            return quantize_blocks(dy, _ROW_TILE, self.bwd_fmt, qp), quantize_blocks(dy.t(), _ROW_TILE, self.bwd_fmt, qp)
+        if self.bwd_meta is not None:
+            self.bwd_meta.record_amax(BWD_GRAD_OUTPUT, amax_of(dy))
+            return quantize_with_scale(dy, self.bwd_meta.scale[BWD_GRAD_OUTPUT], self.bwd_fmt), None
+        return quantize_current(dy, self.bwd_fmt, self.recipe.fp8_quant_bwd_grad)[0], None
+
+    def calibrate(self, x: torch.Tensor, weight: torch.Tensor) -> None:
+        """Calibration (high-precision run): record the input and weight amaxes delayed scaling would record."""
+        if self.fwd_meta is not None:
+            with torch.no_grad():
+                self.fwd_meta.record_amax(FWD_INPUT, amax_of(x))
+                self.fwd_meta.record_amax(FWD_WEIGHT, amax_of(weight))
+
+
+def _saved(op: Optional[Quantized]):
+    return (None, None) if op is None else (op.data, op.scale_inv)
+
+
+def _restore(data, scale_inv, like: Optional[Quantized]) -> Optional[Quantized]:
+    return None if like is None else Quantized(data, scale_inv, like.fmt, like.tile)
+
+
+class _FP8Linear(torch.autograd.Function):
+    """``x W^T`` with FP8 fprop, dgrad and wgrad GEMMs (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, plan, qw, fuse_wgrad, overwrite_main_grad, reduce_bwd):
+        in_features = weight.shape[1]
+        x2d = x.reshape(-1, in_features)
+        qx, qx_col = plan.quantize_input(x2d)
+        out = scaled_gemm(qx, qw, x.dtype, plan.mm("fprop"))
+        ctx.plan, ctx.fuse_wgrad, ctx.overwrite, ctx.reduce_bwd = plan, fuse_wgrad, overwrite_main_grad, reduce_bwd
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        ctx.templates = (qx, qx_col, qw)
+        ctx.save_for_backward(weight, *_saved(qx), *_saved(qx_col), *_saved(qw))
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+
+        weight, qx_d, qx_s, qxc_d, qxc_s, qw_d, qw_s = ctx.saved_tensors
+        qx_t, qxc_t, qw_t = ctx.templates
+        qx, qx_col, qw = _restore(qx_d, qx_s, qx_t), _restore(qxc_d, qxc_s, qxc_t), _restore(qw_d, qw_s, qw_t)
+        ctx.templates = None
+        plan = ctx.plan
+        dy = grad_out.reshape(-1, weight.shape[0])
+        qdy, qdy_col = plan.quantize_grad(dy)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = scaled_gemm(qdy, qw.t(), grad_out.dtype, plan.mm("dgrad")).reshape(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            a = qdy_col if qdy_col is not None else qdy.t()
+            b = qx_col if qx_col is not None else qx.t()
+            if ctx.fuse_wgrad:
+                grad_w = accumulate_into_main_grad(weight, scaled_gemm(a, b, torch.float32, plan.mm("wgrad")),
+                                                   ctx.overwrite)
+            else:
+                grad_w = scaled_gemm(a, b, weight.dtype, plan.mm("wgrad"))
+        if ctx.reduce_bwd:
+            # The first FP8 module of the forward runs its backward last: the step's backward amaxes are in.
+            FP8GlobalStateManager.reduce_and_update_fp8_tensors(forward=False)
+        return grad_x, grad_w, None, None, None, None, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, plan: LinearFP8Plan, is_first_microbatch: Optional[bool],
+               fuse_wgrad: bool) -> torch.Tensor:
+    """``x W^T`` in FP8 under ``plan`` (no bias: the callers add it after their collectives)."""
+    from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"input's last dim must be in_features={weight.shape[1]}, got shape {tuple(x.shape)}")
+    qw = plan.state.quantized_weight(plan, weight, is_first_microbatch)
+    training = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    reduce_bwd = training and FP8GlobalStateManager.is_first_fp8_module()
+    fuse = bool(fuse_wgrad and weight.requires_grad and training)
+    return _FP8Linear.apply(x, weight, plan, qw, fuse, bool(is_first_microbatch), reduce_bwd)
+
+
+__all__ = ["LinearFP8State", "LinearFP8Plan", "fp8_linear", "accumulate_into_main_grad"]

@@ -73,10 +73,10 @@ def reduce_and_update_delayed_metas(metas: Sequence[DelayedScalingMeta]) -> None
     """
     by_group: dict = {}
     for meta in metas:
-        by_group.setdefault(id(meta.group), []).append(meta)
-    for group_metas in by_group.values():
+        by_group.setdefault((id(meta.group), bool(meta.recipe.reduce_amax)), []).append(meta)
+    for (_, reduce_amax), group_metas in by_group.items():
         group = group_metas[0].group
-        reduce = (group_metas[0].recipe.reduce_amax and torch.distributed.is_available()
+        reduce = (reduce_amax and torch.distributed.is_available()
                   and torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1)
         if reduce:
             rows = torch.cat([m.amax_history[0] for m in group_metas])

@@ -307,3 +307,16 @@ def test_delayed_scaling_amaxes_are_all_reduced_max_over_the_group(tmp_path):
     outs = [p.communicate(timeout=240) for p in procs]
     for rank, (p, (out, err)) in enumerate(zip(procs, outs)):
         assert p.returncode == 0 and f"PASS {rank}" in out, err[-3000:]
+
+
+def test_activation_recompute_of_an_fp8_forward_outside_autocast_is_refused():
+    """torch.utils.checkpoint re-runs the forward inside the backward, after the autocast has exited: the
+    recompute would be high precision where the first forward was FP8, so it is refused by name."""
+    lin = te.Linear(32, 32, params_dtype=torch.float32, device="cpu")
+    x = torch.randn(4, 32, requires_grad=True)
+    with te.autocast(enabled=True):
+        y = torch.utils.checkpoint.checkpoint(lin, x, use_reentrant=False)
+    with pytest.raises(NotImplementedError, match="activation recompute"):
+        y.sum().backward()
+    # outside a backward pass, the module runs in high precision as usual
+    assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))

@@ -59,7 +59,7 @@ select_files() {  # select_files DIR NAMES...: the paths of those test files tha
 COMMON=(${NEWEST_COMMON:-test_kernel_compile test_kernel_compile_archs test_triton_compat test_plan test_plan_archs
   test_explain_plan test_context_parallel_plan test_launches test_block_bounds test_backends test_imports
   test_import_graph test_settings test_wheel_resolution})
-PYTORCH_DEFAULT="test_megatron_gpt test_megatron_inference test_dpa_megatron test_megatron_fp8_attention test_te_modules test_fused_attn
+PYTORCH_DEFAULT="test_megatron_gpt test_megatron_fp8 test_megatron_inference test_dpa_megatron test_megatron_fp8_attention test_te_modules test_fused_attn
   test_launch_cache test_compile test_unfused_invariance"
 [ "${QA_WIDE:-0}" = 1 ] && PYTORCH_DEFAULT+=" test_dot_product_attention test_dpa_te_compat test_sink_softmax"
 PYTORCH=(${NEWEST_PYTORCH:-$PYTORCH_DEFAULT})

@@ -3,7 +3,7 @@
 Each module is checked against the formula it implements computed in fp64 (forward and every
 gradient), for TransformerEngine's return conventions (return_bias, return_layernorm_output,
 zero_centered_gamma), bitwise against a second run, and on 2 gloo ranks against the single-rank
-module (tests/pytorch/distributed/te_modules_tp.py). FP8 is refused with NotImplementedError.
+module (tests/pytorch/distributed/te_modules_tp.py). FP8 is tested in tests/pytorch/test_fp8_*.py.
 """
 
 from __future__ import annotations
@@ -296,20 +296,21 @@ def test_tensor_parallel_on_two_gloo_ranks_matches_single_rank():
 
 # --- refusals --------------------------------------------------------------------------------
 
-def test_fp8_is_reported_unavailable_and_refused():
-    available, reason = te_fp8.FP8GlobalStateManager.is_fp8_available()
-    assert available is False and "FP8" in reason
+def test_blackwell_only_fp8_recipes_are_reported_unavailable_and_refused():
+    """FP8 itself runs (tests/pytorch/test_fp8_*.py); MXFP8 and NVFP4 need Blackwell and are refused by name."""
+    assert te_fp8.FP8GlobalStateManager.is_fp8_available() == te_fp8.check_fp8_support()
     assert te_fp8.FP8GlobalStateManager.is_mxfp8_available()[0] is False
-    assert te_fp8.check_fp8_support()[0] is False and te_fp8.FP8GlobalStateManager.is_fp8_enabled() is False
-    for ctx in (te.fp8_autocast, te.autocast, te.fp8_model_init, te.quantized_model_init):
+    assert te_fp8.FP8GlobalStateManager.is_nvfp4_available()[0] is False
+    for rec in (recipe.MXFP8BlockScaling(), recipe.NVFP4BlockScaling()):
+        with pytest.raises(NotImplementedError, match="Blackwell"):
+            with te.fp8_autocast(enabled=True, fp8_recipe=rec):
+                pass
+    for ctx in (te.fp8_model_init, te.quantized_model_init):
         with ctx(enabled=False):
             pass
-        with pytest.raises(NotImplementedError, match="FP8"):
+        with pytest.raises(NotImplementedError, match="FP8 parameters"):
             with ctx(enabled=True):
                 pass
-    with pytest.raises(NotImplementedError, match="FP8"):
-        with te.fp8_autocast(enabled=True, fp8_recipe=recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID)):
-            pass
     lin = te.Linear(4, 4, device=DEVICE)
     with pytest.raises(NotImplementedError, match="fp8_output"):
         lin(torch.randn(2, 4), fp8_output=True)

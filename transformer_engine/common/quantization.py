@@ -70,11 +70,17 @@ def roll_amax_history(xp: Any, amax_history: Any) -> Any:
     return xp.concatenate([xp.zeros_like(rolled[:1]), rolled[1:]], 0)
 
 
+def _divide(xp: Any, numerator: float, denominator: Any) -> Any:
+    """``numerator / denominator`` as one correctly rounded division in the array's dtype. (A Python
+    number divided by a torch tensor is computed as a reciprocal times the number: two roundings.)"""
+    return (xp.ones_like(denominator) * numerator) / denominator
+
+
 def scale_from_delayed_amax(xp: Any, amax: Any, scale: Any, fmt_max: float, margin: float) -> Any:
     """``fmt_max / 2**margin / amax`` where amax is finite and positive, else the old ``scale``."""
     scaled_max = fmt_max * 2.0 ** (-float(margin))
     usable = xp.isfinite(amax) & (amax > 0)
-    new = xp.where(usable, scaled_max / xp.where(usable, amax, xp.ones_like(amax)), scale)
+    new = xp.where(usable, _divide(xp, scaled_max, xp.where(usable, amax, xp.ones_like(amax))), scale)
     return xp.where(xp.isinf(new), FLOAT32_MAX, new)
 
 
@@ -105,7 +111,7 @@ def scale_from_current_amax(xp: Any, amax: Any, fmt_max: float, epsilon: float =
     """Current scaling of a tensor (or of each block) from its own amax."""
     clamped = xp.where(amax < epsilon, epsilon, amax) if epsilon > 0 else amax
     degenerate = (clamped == 0) | xp.isinf(clamped)
-    scale = fmt_max / xp.where(degenerate, xp.ones_like(clamped), clamped)
+    scale = _divide(xp, fmt_max, xp.where(degenerate, xp.ones_like(clamped), clamped))
     scale = xp.where(xp.isinf(scale), FLOAT32_MAX, scale)
     if power_2_scale:
         scale = power_of_two_floor(xp, scale)

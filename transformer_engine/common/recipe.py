@@ -7,10 +7,9 @@ frontends dispatch on (``delayed()``, ``float8_current_scaling()``, ...). The Py
 TransformerEngine refuses them on Hopper. The scaling formulas live in
 ``transformer_engine.common.quantization``.
 
-TransformerEngine reads ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES`` and
-``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES`` to change recipe defaults; here the defaults are fixed
-(pass ``fp8_quant_*=QParams(power_2_scale=...)`` instead) so that a recipe means the same thing in
-every process.
+TransformerEngine lets two environment variables change the recipes' power-of-two-scale defaults;
+here the defaults are fixed (pass ``fp8_quant_*=QParams(power_2_scale=...)`` instead) so that a
+recipe means the same thing in every process (docs/fp8.rst names them).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ need Blackwell tensor cores and are not implemented here.
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -134,8 +135,9 @@ class FP8GlobalStateManager:
     HIGH_PRECISION_INIT_VAL = False
     # Delayed-scaling metadata (transformer_engine.pytorch.quantization.DelayedScalingMeta) registered
     # by modules that ran in FP8, per direction, in registration order (a fixed order: the reduction
-    # concatenates them). Keys are id(meta); entries persist, as TransformerEngine's buffers do.
-    _DELAYED_METAS: Dict[bool, Dict[int, Any]] = {True: {}, False: {}}
+    # concatenates them). Keys are id(meta); entries persist while their module lives, as
+    # TransformerEngine's buffers do.
+    _DELAYED_METAS: Dict[bool, Any] = {True: weakref.WeakValueDictionary(), False: weakref.WeakValueDictionary()}
 
     # --- support queries -------------------------------------------------------------------------
     @classmethod
@@ -219,7 +221,7 @@ class FP8GlobalStateManager:
         cls.FP8_RECIPE = cls.FP8_DISTRIBUTED_GROUP = None
         cls.AUTOCAST_DEPTH = 0
         cls.FP8_PARAMETERS = cls.HIGH_PRECISION_INIT_VAL = False
-        cls._DELAYED_METAS = {True: {}, False: {}}
+        cls._DELAYED_METAS = {True: weakref.WeakValueDictionary(), False: weakref.WeakValueDictionary()}
 
     # --- autocast bookkeeping --------------------------------------------------------------------
     @classmethod

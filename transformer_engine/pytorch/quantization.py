@@ -73,10 +73,10 @@ def reduce_and_update_delayed_metas(metas: Sequence[DelayedScalingMeta]) -> None
     """
     by_group: dict = {}
     for meta in metas:
-        by_group.setdefault(id(meta.group), []).append(meta)
-    for group_metas in by_group.values():
+        by_group.setdefault((id(meta.group), bool(meta.recipe.reduce_amax)), []).append(meta)
+    for (_, reduce_amax), group_metas in by_group.items():
         group = group_metas[0].group
-        reduce = (group_metas[0].recipe.reduce_amax and torch.distributed.is_available()
+        reduce = (reduce_amax and torch.distributed.is_available()
                   and torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1)
         if reduce:
             rows = torch.cat([m.amax_history[0] for m in group_metas])
@@ -192,11 +192,13 @@ def scaled_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype, use_split_ac
     """``dequant(a) @ dequant(b).T`` for a [M, K] and b [N, K], both quantized along K: [M, N] in ``out_dtype``.
 
     One scale per operand: ``torch._scaled_mm`` (cuBLASLt's FP8 GEMM on CUDA; it needs M, N, K multiples
-    of 16 there, so operands are zero-padded, which changes no product). Tiles: torch's scaled GEMM
-    takes 1x128 / 128x128 scales only on CUDA sm90 (``torch.nn.functional.scaled_mm``) and not on CPU,
-    so the product is formed from the exactly dequantized operands (FP8 value times a power-of-two
-    scale, exact in float32) with one float32 GEMM: the same quantized math, accumulated in float32 as
-    the tensor-core kernel's split accumulator does, at float32 GEMM speed.
+    of 16 there, so operands are zero-padded, which changes no product). Tiles: torch's CPU scaled GEMM
+    rejects 1x128 / 128x128 scales (``torch.nn.functional.scaled_mm`` with ``ScalingType.BlockWise1x128``
+    raises "Invalid scaling configuration" in torch 2.13 and 2.15; only TensorWise and RowWise run
+    there), and its CUDA block-scaled path is not wired in here yet, so the product is formed from the
+    exactly dequantized operands (FP8 value times a power-of-two scale, exact in float32) with one
+    float32 GEMM: the same quantized math, accumulated in float32 as the tensor-core kernel's split
+    accumulator does, at float32 GEMM speed.
     """
     if a.data.shape[1] != b.data.shape[1]:
         raise ValueError(f"operands must share the contraction dim, got {tuple(a.data.shape)} and {tuple(b.data.shape)}")

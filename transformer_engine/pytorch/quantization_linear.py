@@ -73,6 +73,7 @@ class LinearFP8State:
         self.fwd_meta: Optional[DelayedScalingMeta] = None
         self.bwd_meta: Optional[DelayedScalingMeta] = None
         self._weight_cache: Optional[Tuple[Any, Quantized]] = None
+        self.last_enabled = False  # whether the module's last forward ran in FP8
 
     def _delayed_metas(self, recipe: _recipe.DelayedScaling, device: torch.device):
         if self.fwd_meta is None or self.fwd_meta.scale.device != device:

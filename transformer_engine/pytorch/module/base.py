@@ -167,6 +167,15 @@ class TransformerEngineBaseModule(torch.nn.Module):
 
         enabled = FP8GlobalStateManager.is_fp8_enabled()
         if not (enabled or FP8GlobalStateManager.is_fp8_calibration()):
+            state = self.__dict__.get("_fp8_state")
+            if state is not None and state.last_enabled and torch.is_grad_enabled() \
+                    and torch._C._current_graph_task_id() != -1:
+                # A forward run inside a backward pass (activation recompute) outside the autocast of
+                # the first forward would recompute in high precision what was computed in FP8.
+                raise NotImplementedError(
+                    f"{type(self).__name__}: activation recompute of an FP8 forward is not implemented (the "
+                    "recompute would run in high precision, outside the first forward's autocast); turn "
+                    "activation recompute off for FP8 training")
             return None
         recipe = FP8GlobalStateManager.get_fp8_recipe()
         if enabled:
@@ -176,5 +185,5 @@ class TransformerEngineBaseModule(torch.nn.Module):
             # A plain attribute, not a buffer: the FP8 state is not part of the state dict.
             state = self.__dict__["_fp8_state"] = LinearFP8State()
         plan = state.plan(recipe, FP8GlobalStateManager.get_fp8_group(), device, enabled)
-        plan.enabled = enabled
+        plan.enabled = state.last_enabled = enabled
         return plan

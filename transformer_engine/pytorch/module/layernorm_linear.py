@@ -3,7 +3,9 @@
 The norm runs on this rank's input (a sequence shard when ``sequence_parallel``); the normalized
 tensor is then gathered (column parallel) and multiplied as by ``Linear``. Parameters are named as
 TransformerEngine names them: ``layer_norm_weight``, ``layer_norm_bias`` (LayerNorm only),
-``weight``, ``bias``.
+``weight``, ``bias``. Under FP8 ``autocast`` the norm runs in the activation dtype and its output is
+quantized for the FP8 GEMMs (as ``Linear``'s input is); ``return_layernorm_output`` returns it
+unquantized.
 """
 
 from __future__ import annotations

@@ -6,6 +6,11 @@ weight is split along its input dim; partial products are all-reduced (reduce-sc
 the sequence dim when ``sequence_parallel``) and the bias is added once, after the reduction.
 ``None``: no communication.
 
+Inside ``transformer_engine.pytorch.autocast(enabled=True, recipe=...)`` the forward, dgrad and
+wgrad GEMMs run in FP8 under the recipe (``transformer_engine.pytorch.quantization_linear``; the
+collectives and the bias stay in the activation dtype); ``is_first_microbatch=True`` quantizes the
+weight and caches it for the calls with ``False``.
+
 ``fuse_wgrad_accumulation=True`` (Megatron's gradient-accumulation fusion): the backward adds the
 weight gradient, computed in fp32, to ``weight.main_grad`` in place (it overwrites it instead on
 ``is_first_microbatch=True`` or when ``weight.overwrite_main_grad`` is set) and gives autograd no

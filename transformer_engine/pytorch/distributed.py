@@ -101,13 +101,14 @@ def get_all_rng_states() -> Dict[str, torch.Tensor]:
 
 @contextlib.contextmanager
 def activation_recompute_forward(activation_recompute: bool = False, recompute_phase: bool = False):
-    """Marks a forward run for activation recompute. A no-op here: no module keeps FP8 state that
-    would have to be reused between the first forward and its recompute."""
+    """Marks a forward run for activation recompute. A no-op here: an FP8 module's forward re-run
+    outside its autocast is refused (it would recompute in high precision), so no FP8 state has to be
+    carried from the first forward to its recompute."""
     yield
 
 
 def is_fp8_activation_recompute_enabled() -> bool:
-    """Always False: there is no FP8 here."""
+    """Always False: FP8 activation recompute is not implemented (the recompute is refused)."""
     return False
 
 

@@ -62,8 +62,10 @@ unit_spec() {
     # THD + Striped context parallelism on one GPU (the file asks for no xdist workers).
     cp_one_gpu) echo "|$PT/test_context_parallel_one_gpu.py" ;;
     l3) echo "NVTE_ALLOW_NONDETERMINISTIC_ALGO=0|-n $W $(ls tests/*/test_*determinism*.py | tr '\n' ' ')" ;;
-    jax) echo "|-n $W $(ls $JX/test_*.py | grep -v determinism | tr '\n' ' ')" ;;
-    pt_rest) echo "|-n $W $(ls $PT/test_*.py | grep -v -E 'determinism|test_split_kv|test_te_modules|test_unfused_invariance|test_kv_cache|test_paged_kv|test_cuda_graph_capture|test_signature_cache|test_launch_cache|test_host_sync|test_max_logit|test_decode_capture|test_context_parallel_one_gpu|megatron' | tr '\n' ' ')" ;;
+    jax) echo "|-n $W $(ls $JX/test_*.py | grep -v -E 'determinism|test_jax_fp8' | tr '\n' ' ')" ;;
+    # FP8: the modules' GEMMs (torch scaled GEMM), the FP8 attention kernels, JAX's dense, the clients in FP8.
+    fp8) echo "|-n $W $(ls $PT/test_fp8_*.py $PT/test_megatron_fp8*.py $JX/test_jax_fp8*.py | tr '\n' ' ')" ;;
+    pt_rest) echo "|-n $W $(ls $PT/test_*.py | grep -v -E 'determinism|test_split_kv|test_te_modules|test_unfused_invariance|test_kv_cache|test_paged_kv|test_cuda_graph_capture|test_signature_cache|test_launch_cache|test_host_sync|test_max_logit|test_decode_capture|test_context_parallel_one_gpu|megatron|test_fp8_' | tr '\n' ' ')" ;;
     clients) echo "|$PT/test_megatron_inference.py $PT/test_megatron_inference_graphs.py $PT/test_megatron_gpt.py $PT/test_dpa_megatron.py" ;;
     l3_sm80) echo "NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 NVTE_FUSED_ATTN_PLAN_ARCH=sm80|-n $W tests/pytorch/test_fused_attn_determinism.py tests/jax/test_jax_determinism.py" ;;
     l3_gfx942) echo "NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 NVTE_FUSED_ATTN_PLAN_ARCH=gfx942|-n $W tests/pytorch/test_fused_attn_determinism.py tests/jax/test_jax_determinism.py" ;;

@@ -32,6 +32,7 @@ from transformer_engine.common.attention.kernels import fp8 as fp8_kernels
 from transformer_engine.common.attention.params import AttnParams
 from transformer_engine.common.attention.validation import check_softmax_scale
 from transformer_engine.common.quantization import FP8_MAX, scale_from_current_amax
+from transformer_engine.pytorch.quantization import amax_of, cast_to_fp8
 from transformer_engine.pytorch.attention.call import AttnCall
 from transformer_engine.pytorch.attention.config import check_cu_seqlens, qkv_dims, triton_interpreting
 from transformer_engine.pytorch.attention.kernel_runner import canonical, sequences
@@ -63,8 +64,7 @@ def fp8_arch(device: torch.device) -> str:
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``saturate(x * scale)`` in the FP8 ``dtype`` (round to nearest even; +-max where it overflows)."""
-    fmax = FP8_MAX[FLOAT8_DTYPES[dtype]]
-    return (x.float() * scale).clamp(-fmax, fmax).to(dtype)
+    return cast_to_fp8(x.float() * scale, FLOAT8_DTYPES[dtype])
 
 
 def _flags(params: AttnParams) -> Tuple[dict, int, int]:
@@ -217,7 +217,7 @@ class Fp8AttnFunc(torch.autograd.Function):
         _record(meta.amax, "do", d_out)
         fmt = FLOAT8_DTYPES[meta.d_out_dtype]
         if meta.d_out_scale is None:
-            d_scale = scale_from_current_amax(torch, d_out.detach().abs().amax().float(), FP8_MAX[fmt])
+            d_scale = scale_from_current_amax(torch, amax_of(d_out.detach()), FP8_MAX[fmt])
         else:
             d_scale = meta.d_out_scale.float().reshape(())
         do8 = quantize(d_out, d_scale, meta.d_out_dtype)
@@ -379,7 +379,7 @@ def dpa_fp8_attention(module, recipe, q, k, v, fmt: QKVFormat, seqs, window, bot
                              amax=state["amax_history"][0], **kw)
     if type(recipe).float8_current_scaling():
         fmax = FP8_MAX[fwd_fmt]
-        scales = [scale_from_current_amax(torch, x.detach().abs().amax().float(), fmax) for x in (q, k, v)]
+        scales = [scale_from_current_amax(torch, amax_of(x.detach()), fmax) for x in (q, k, v)]
         return fp8_attn_func(q, k, v, q_scale=scales[0], k_scale=scales[1], v_scale=scales[2], d_out_scale=None, **kw)
     raise NotImplementedError(f"FP8 attention takes DelayedScaling or Float8CurrentScaling recipes, got "
                               f"{type(recipe).__name__}")

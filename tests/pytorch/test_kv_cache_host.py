@@ -70,6 +70,23 @@ def _decode(params, dpa, qkv, batch: int):
         return dpa(*qkv, inference_params=params)
 
 
+@pytest.fixture
+def plan_runs(monkeypatch):
+    """The decode steps run from a kept kernel call: a list that each ``inference._DecodePlan.run`` returning the
+    step's rows appends its ``InferenceParams`` to (None from it: the step takes the full path)."""
+    runs = []
+    run = inference._DecodePlan.run
+
+    def counted(plan, params, *args):
+        out = run(plan, params, *args)
+        if out is not None:
+            runs.append(params)
+        return out
+
+    monkeypatch.setattr(inference._DecodePlan, "run", counted)
+    return runs
+
+
 def _stubbed():
     """No launches where the kernels would run under the interpreter (it reads tensors on the host)."""
     return testing.no_launches() if not ON_GPU else contextlib.nullcontext()
@@ -134,7 +151,7 @@ def test_decode_steps_do_not_sync_on_a_gpu(fresh_caches, paged):
 
 @requires_fused
 @pytest.mark.parametrize("paged", [False, True], ids=["non_paged", "paged"])
-def test_decode_steps_hit_the_signature_caches(fresh_caches, paged):
+def test_decode_steps_hit_the_signature_caches(fresh_caches, plan_runs, paged):
     """DotProductAttention decides once for every decode step of a batch; the kernel runner prepares once per
     key chunk the longest sequence enters (its bound changes there, kernel_runner.max_seqlen_kv_bound); the
     steps in between launch the kept kernel call (inference._DecodePlan) without either; a step of another
@@ -151,7 +168,7 @@ def test_decode_steps_hit_the_signature_caches(fresh_caches, paged):
         # The full path runs at the first step of each chunk only.
         assert (dpa_cache.hits, dpa_cache.misses) == (chunks - 1, 1)
         assert (runner.hits, runner.misses) == (0, chunks)
-        assert params._decode_plan_runs == steps - chunks
+        assert len(plan_runs) == steps - chunks and all(p is params for p in plan_runs)
         # A sequence joins: a batch of three is another signature.
         params.pre_step(OrderedDict([(0, 1), (1, 1), (2, 1)]))
         with torch.no_grad():
@@ -161,7 +178,7 @@ def test_decode_steps_hit_the_signature_caches(fresh_caches, paged):
 
 @requires_fused
 @pytest.mark.parametrize("paged", [False, True], ids=["non_paged", "paged"])
-def test_cached_decode_steps_are_bitwise_the_uncached_ones(fresh_caches, paged):
+def test_cached_decode_steps_are_bitwise_the_uncached_ones(fresh_caches, plan_runs, paged):
     """The steps' outputs with every signature cache on equal those with every cache off (each call decided
     afresh), bitwise: prefill chunks, then decode steps in which the longest sequence enters its second key
     chunk, sequences in a step order that is not the cache's."""
@@ -169,7 +186,7 @@ def test_cached_decode_steps_are_bitwise_the_uncached_ones(fresh_caches, paged):
     n = CHUNK + 4
     toks = {s: [torch.randn(n, heads, D, generator=g).to(DEVICE, DTYPE) for heads in (H, HK, HK)] for s in "ab"}
     plan = [{"a": CHUNK - 20, "b": 7}, {"b": CHUNK - 20, "a": 14}] + [{"b": 1, "a": 1}] * 10
-    outs, plan_runs = [], []
+    outs, runs = [], []
     for enabled in (True, False):
         for cache in signature_cache.caches():
             cache.enabled = enabled
@@ -190,13 +207,13 @@ def test_cached_decode_steps_are_bitwise_the_uncached_ones(fresh_caches, paged):
                     for s, c in step.items():
                         pos[s] += c
             outs.append(rows)
-            plan_runs.append(params._decode_plan_runs)
+            runs.append(sum(p is params for p in plan_runs))
         finally:
             for cache in signature_cache.caches():
                 cache.enabled = True
     # The first pass ran most decode steps from their kept kernel call (all but the first and the one entering
     # the second key chunk), the second none.
-    assert plan_runs == [8, 0]
+    assert runs == [8, 0]
     for i, (a, b) in enumerate(zip(*outs)):
         assert torch.equal(a, b), f"step {i}: the cached step's rows differ from the uncached step's"
 

@@ -30,6 +30,7 @@ from transformer_engine.common.attention.validation import check_softmax_scale
 from transformer_engine.pytorch.attention import backends as attn_backends
 from transformer_engine.pytorch.attention import config as attn_config
 from transformer_engine.pytorch.attention.backends import AttnCall
+from transformer_engine.pytorch.attention.inference import InferenceParams, active_step_runner, cached_attention
 from transformer_engine.pytorch.attention.signature_cache import (
     SignatureCache, environment_signature, tensor_signature,
 )
@@ -70,10 +71,18 @@ def _enum_arg(enum, value, name: str):
 
 
 def _run(step_run, backend, q, k, v, call):
-    """``backend.run(q, k, v, call)``, or inside a KV-cache step as the step runs it (``inference._StepRun``)."""
+    """``backend.run(q, k, v, call)``, or inside a KV-cache step as the step runs it (``step_run``: the runner
+    of :func:`inference.step_runner` when the call started)."""
     if step_run is None:
         return backend.run(q, k, v, call)
     return step_run.run(backend, q, k, v, call)
+
+
+def _step_runner():
+    """The KV-cache step's runner this call runs its backend with (:func:`inference.step_runner`), read before
+    the backend runs (a checkpointed call's recomputation in the backward reuses it); none while tracing (a
+    traced step runs its call as built)."""
+    return None if _is_compiling() else active_step_runner()
 
 
 def _is_compiling() -> bool:
@@ -614,7 +623,7 @@ class DotProductAttention(torch.nn.Module):
         core_attention_bias: Optional[torch.Tensor] = None,
         alibi_slopes: Optional[torch.Tensor] = None,
         fast_zero_fill: bool = True,
-        inference_params: Optional[Any] = None,
+        inference_params: Optional[InferenceParams] = None,
         pad_between_seqs: Optional[bool] = None,
         fp8_output: bool = False,
         bf16_backward: Optional[bool] = False,
@@ -641,48 +650,6 @@ class DotProductAttention(torch.nn.Module):
         Returns the output, or ``(output, max_logit)`` when the module was built with
         ``return_max_logit=True``.
         """
-        args = dict(locals())  # TransformerEngine's signature above; the body is _forward's
-        del args["self"]
-        return self._forward(None, **args)
-
-    def _forward(
-        self,
-        step_run,
-        query_layer: Optional[torch.Tensor] = None,
-        key_layer: Optional[torch.Tensor] = None,
-        value_layer: Optional[torch.Tensor] = None,
-        attention_mask: Optional[Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]] = None,
-        qkv_format: Optional[str] = None,
-        cu_seqlens_q: Optional[torch.Tensor] = None,
-        cu_seqlens_kv: Optional[torch.Tensor] = None,
-        cu_seqlens_q_padded: Optional[torch.Tensor] = None,
-        cu_seqlens_kv_padded: Optional[torch.Tensor] = None,
-        max_seqlen_q: Optional[int] = None,
-        max_seqlen_kv: Optional[int] = None,
-        attn_mask_type: Optional[str] = None,
-        window_size: Optional[Tuple[int, int]] = None,
-        bottom_right_diagonal: Optional[bool] = None,
-        checkpoint_core_attention: bool = False,
-        core_attention_bias_type: str = "no_bias",
-        core_attention_bias: Optional[torch.Tensor] = None,
-        alibi_slopes: Optional[torch.Tensor] = None,
-        fast_zero_fill: bool = True,
-        inference_params: Optional[Any] = None,
-        pad_between_seqs: Optional[bool] = None,
-        fp8_output: bool = False,
-        bf16_backward: Optional[bool] = False,
-        num_splits: Optional[int] = 1,
-        score_mod: Optional[Callable] = None,
-        score_mod_bprop: Optional[Callable] = None,
-        score_mod_tensors: Optional[dict] = None,
-        score_mod_bprop_tensors: Optional[dict] = None,
-        qkv_layer: Optional[torch.Tensor] = None,
-        kv_layer: Optional[torch.Tensor] = None,
-        qkv_interleave_dim: int = -3,
-    ):
-
-        """:meth:`forward`; ``step_run``: the KV-cache step the backend runs the call as
-        (``inference.cached_attention``), None for a plain call (the backend runs it as built)."""
         if fp8_output:
             raise NotImplementedError("FP8 output (`fp8_output=True`) is not supported yet")
         if bf16_backward:
@@ -708,7 +675,8 @@ class DotProductAttention(torch.nn.Module):
         if fp8_recipe is not None and inference_params is not None:
             raise NotImplementedError("FP8 attention (the recipe's fp8_dpa) with `inference_params` (a KV cache) is "
                                       "not supported; run the cached steps outside the FP8 autocast")
-        if (fp8_recipe is None and inference_params is not None and not _is_compiling() and _PREPARED_CALLS.enabled
+        if (fp8_recipe is None and isinstance(inference_params, InferenceParams) and not _is_compiling()
+                and _PREPARED_CALLS.enabled
                 and attention_mask is None and qkv_layer is None and kv_layer is None and cu_seqlens_q is None
                 and cu_seqlens_kv is None and cu_seqlens_q_padded is None and cu_seqlens_kv_padded is None
                 and core_attention_bias is None and alibi_slopes is None and not checkpoint_core_attention
@@ -716,16 +684,15 @@ class DotProductAttention(torch.nn.Module):
                 and type(value_layer) in _PLAIN_TENSORS and not _LOGGER.isEnabledFor(logging.INFO)
                 and (self._context_parallel is None or self._context_parallel.size <= 1)):
             # A KV-cache decode step: its signature (what every check and decision of the step reads) finds the
-            # step's kernel call kept by the InferenceParams for this layer and batch size (inference._DecodePlan).
+            # step's kernel call kept by the InferenceParams for this layer and batch size (decode_from_plan).
             try:
                 plan_key = self._signature(query_layer, key_layer, value_layer, qkv_format, None, None, None, None,
                                            max_seqlen_q, max_seqlen_kv, attn_mask_type, window_size,
                                            bottom_right_diagonal, False, core_attention_bias_type, None, None)
             except (TypeError, AttributeError):  # as below: the full path's checks name the argument
                 plan_key = None
-            decode_step = getattr(inference_params, "_decode_step", None)
-            if plan_key is not None and decode_step is not None:
-                out = decode_step(self, plan_key, query_layer, key_layer, value_layer)
+            if plan_key is not None:
+                out = inference_params.decode_from_plan(self, plan_key, query_layer, key_layer, value_layer)
                 if out is not None:
                     return out
         if (fp8_recipe is None and not _is_compiling()  # first: while tracing, nothing after it is evaluated
@@ -743,7 +710,7 @@ class DotProductAttention(torch.nn.Module):
                 key = prepared = None  # sequence, a cu_seqlens that is no tensor): the full path's checks name it
             if prepared is not None:
                 cu_seqlens = (cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded)
-                return self._run_prepared(step_run, prepared, query_layer, key_layer, value_layer,
+                return self._run_prepared(prepared, query_layer, key_layer, value_layer,
                                           *(t if carried else None for t, carried in
                                             zip(cu_seqlens, prepared.carried_seqlens)),
                                           core_attention_bias, alibi_slopes, checkpoint_core_attention)
@@ -761,8 +728,6 @@ class DotProductAttention(torch.nn.Module):
                 f"`query_layer`, `key_layer`, `value_layer` must be on one device, got {q.device}, {k.device}, {v.device}"
             )
         if inference_params is not None:  # a generation step with a KV cache: inference.py
-            from transformer_engine.pytorch.attention.inference import cached_attention
-
             return cached_attention(
                 self, inference_params, q, k, v, fmt, mask, window_size=window_size, cu_seqlens_q=cu_seqlens_q,
                 cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded,
@@ -812,6 +777,8 @@ class DotProductAttention(torch.nn.Module):
             carried = tuple(t is not None for t in (seqs.cu_seqlens_q, seqs.cu_seqlens_kv, seqs.cu_seqlens_q_padded,
                                                     seqs.cu_seqlens_kv_padded))
             _PREPARED_CALLS.put(key, _PreparedCall(backend, params, carried))
+
+        step_run = _step_runner()
 
         def attend(q_, k_, v_):
             return _run(step_run, backend, q_, k_, v_, call)
@@ -873,9 +840,10 @@ class DotProductAttention(torch.nn.Module):
             torch.cuda.current_device() if q.is_cuda else None,
         )
 
-    def _run_prepared(self, step_run, prepared: _PreparedCall, q, k, v, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
+    def _run_prepared(self, prepared: _PreparedCall, q, k, v, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
                       cu_seqlens_kv_padded, core_attention_bias, alibi_slopes, checkpoint_core_attention: bool):
         """forward for a signature seen before: the decisions from ``prepared``, the tensors from this call."""
+        step_run = active_step_runner()  # never traced: the prepared path runs eagerly only
         backend = prepared.backend
         self.last_backend = backend.NAME
         softmax_offset = self.softmax_offset

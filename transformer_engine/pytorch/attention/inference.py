@@ -67,6 +67,8 @@ whole step table (the kernels read each sequence's length from ``cu_seqlens_kv``
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import itertools
 import math
@@ -84,7 +86,34 @@ from transformer_engine.pytorch.attention import kernel_runner
 from transformer_engine.pytorch.attention.buffers import host_values, to_device, unfilled
 from transformer_engine.pytorch.attention.config import can_sync, sequences_checked_on_host
 
-__all__ = ["InferenceParams", "KVCacheManager", "NonPagedKVCacheManager", "PagedKVCacheManager", "StepLayout"]
+__all__ = ["InferenceParams", "KVCacheManager", "NonPagedKVCacheManager", "PagedKVCacheManager", "StepLayout",
+           "active_step_runner", "step_runner"]
+
+# The runner of the innermost step_runner block (a KV-cache step's call on its way to the backend), or None.
+_STEP_RUNNER: contextvars.ContextVar = contextvars.ContextVar("transformer_engine_kv_cache_step_runner",
+                                                              default=None)
+
+
+@contextlib.contextmanager
+def step_runner(runner):
+    """Run the DotProductAttention calls made inside as a KV-cache step's: each call checks its arguments and
+    selects its backend as any call does, then runs it as ``runner.run(backend, q, k, v, call)`` instead of
+    ``backend.run(q, k, v, call)`` (``call``: the ``AttnCall`` it built).
+
+    :func:`cached_attention` runs a step's packed call through ``DotProductAttention.forward`` in such a block:
+    the call takes a plain call's path (checks, signature cache, selection) while the backend gets the step's
+    own key bound and page table (:class:`_StepRun`). A call reads the runner when it starts, so a checkpointed
+    call's recomputation in the backward runs with the same one; a call traced by torch.compile reads none."""
+    token = _STEP_RUNNER.set(runner)
+    try:
+        yield runner
+    finally:
+        _STEP_RUNNER.reset(token)
+
+
+def active_step_runner():
+    """The runner of the innermost :func:`step_runner` block, or None outside one."""
+    return _STEP_RUNNER.get()
 
 
 def _default_device() -> torch.device:
@@ -906,7 +935,6 @@ class InferenceParams:
         self._backend_choices: Dict[tuple, Tuple[bool, int]] = {}  # _StepRun's, for every step
         self._chain: Optional[_DecodeChain] = None  # the last decode step's, while the next may continue it
         self._decode_plans: Dict[tuple, _DecodePlan] = {}  # by (module's call signature, layer, batch size)
-        self._decode_plan_runs = 0  # steps run from a plan (tests)
 
     @property
     def batch_size(self) -> int:
@@ -1051,17 +1079,19 @@ class InferenceParams:
             self.cache_manager.cache[module.layer_number], fmt.value, backend.NAME, bound, chunk, entry.launches,
             entry.workspace, fixed, tuple(buffers["out"].shape), tuple(buffers["lse"].shape), q.shape[-2] * call["v"].shape[-1])
 
-    def _decode_step(self, module, key: tuple, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """DotProductAttention's forward of a decode step whose call signature ``key`` has a plan for its layer
-        and batch size (:class:`_DecodePlan`), or None where the full path must run it."""
+    def decode_from_plan(self, module, signature: tuple, q: torch.Tensor, k: torch.Tensor,
+                         v: torch.Tensor) -> Optional[torch.Tensor]:
+        """A decode step's attention output for ``module`` (a DotProductAttention) from the kernel call kept at an
+        earlier decode step of the same layer, batch size and call ``signature`` (the module's key of everything
+        its checks and backend selection read; :class:`_DecodePlan`): appends ``k``, ``v`` to the layer's cache
+        and launches that call on ``q``, deciding nothing again. None, changing nothing, where no plan serves
+        the step (not a decode step, no plan kept, a new key bound, gradients, capture): the module then runs
+        the step's full path, which keeps a plan for the next steps. The output is the full path's, bitwise."""
         step = self._step
         if step is None or step.decode is None:
             return None
-        plan = self._decode_plans.get((key, module.layer_number, step.layout.batch_size))
-        out = None if plan is None else plan.run(self, step, module, q, k, v)
-        if out is not None:
-            self._decode_plan_runs += 1
-        return out
+        plan = self._decode_plans.get((signature, module.layer_number, step.layout.batch_size))
+        return None if plan is None else plan.run(self, step, module, q, k, v)
 
     def _check_step_dict(self, step_dict: Mapping, cached: Mapping) -> None:
         """Raise the ValueError that names the first sequence of ``step_dict`` the cache cannot take."""
@@ -1330,7 +1360,7 @@ def _sequence_call(step: _Step, order: Optional[Tuple[int, ...]], tensors: Mappi
 
 @dataclass(frozen=True)
 class _StepRun:
-    """A KV-cache step's call on its way to the backend that runs it (DotProductAttention's ``_forward``).
+    """A KV-cache step's call on its way to the backend that runs it (the runner of :func:`step_runner`).
 
     DotProductAttention decides on the step's call with ``max_seqlen_kv`` = the cache's capacity (``limit``:
     what its checks and backend selection read is then the same at every step, so its signature cache serves
@@ -1455,8 +1485,9 @@ def cached_attention(module, params: InferenceParams, q: torch.Tensor, k: torch.
     """DotProductAttention's forward with ``inference_params``: append the step's k, v to the module's layer
     cache and attend the step's queries to their sequences' cached keys (module docstring). Returns q's
     format with the heads flattened; rows past a sequence's new tokens (bshd/sbhd padding, thd tail) are 0.
+    The step runs as one packed (thd) call of ``DotProductAttention.forward`` inside :func:`step_runner`.
     ``plan_key``: the module call's signature where DotProductAttention made one (a decode step then keeps
-    its launches for the next steps of its batch size, :class:`_DecodePlan`)."""
+    its launches for the next steps of its batch size, :meth:`InferenceParams.decode_from_plan`)."""
     if not isinstance(params, InferenceParams):
         raise ValueError(f"`inference_params` must be an InferenceParams, got {type(params).__name__}")
     if module.layer_number is None:
@@ -1513,29 +1544,32 @@ def cached_attention(module, params: InferenceParams, q: torch.Tensor, k: torch.
         if order is not None:
             alibi_slopes = alibi_slopes.index_select(0, params._order_index(order).to(alibi_slopes.device))
 
-    def forward(step_run, max_seqlen_kv):
-        return module._forward(
-            step_run, q_rows, call["k"], call["v"], qkv_format="thd", attn_mask_type=_STEP_MASK[mask].value,
-            window_size=window_size, bottom_right_diagonal=True, cu_seqlens_q=call["cu_seqlens_q"],
-            cu_seqlens_kv=call["cu_seqlens_kv"], cu_seqlens_kv_padded=call["cu_seqlens_kv_padded"],
-            max_seqlen_q=call["max_seqlen_q"], max_seqlen_kv=max_seqlen_kv,
-            core_attention_bias_type=bias_type.value, alibi_slopes=alibi_slopes,
-            checkpoint_core_attention=checkpoint_core_attention)
+    # The step runs as one packed call of the module's public forward: the base class's, whatever a subclass
+    # (Megatron's TEDotProductAttention) wraps it with.
+    from transformer_engine.pytorch.attention.dot_product_attention import DotProductAttention
 
+    step_call = dict(qkv_format="thd", attn_mask_type=_STEP_MASK[mask].value, window_size=window_size,
+                     bottom_right_diagonal=True, cu_seqlens_q=call["cu_seqlens_q"],
+                     cu_seqlens_kv=call["cu_seqlens_kv"], cu_seqlens_kv_padded=call["cu_seqlens_kv_padded"],
+                     max_seqlen_q=call["max_seqlen_q"], core_attention_bias_type=bias_type.value,
+                     alibi_slopes=alibi_slopes, checkpoint_core_attention=checkpoint_core_attention)
     if tracing:  # the step's own bound, run as built
-        result = forward(None, call["max_seqlen_kv"])
+        result = DotProductAttention.forward(module, q_rows, call["k"], call["v"],
+                                             max_seqlen_kv=call["max_seqlen_kv"], **step_call)
     else:
         limit = params.max_sequence_length
-        step_run = _StepRun(step, params._backend_choices, call["max_seqlen_kv"], limit, call.get("page_table"),
-                            call.get("page_size", 0), call.get("gather"))
+        runner = _StepRun(step, params._backend_choices, call["max_seqlen_kv"], limit, call.get("page_table"),
+                          call.get("page_size", 0), call.get("gather"))
         # A decode step of the plain kind records its kernel call, to launch it again at the next steps.
         record = (plan_key is not None and step.decode is not None and index is None and not needs_grad
                   and not _capturing() and offset is None and not module.return_max_logit and alibi_slopes is None
                   and math.prod(q.shape[:-2]) == n)
         token = kernel_runner._RECORD.set([]) if record else None
         try:
-            with sequences_checked_on_host():  # built on the host from step_dict (pre_step): no read back
-                result = forward(step_run, limit)
+            # The step's sequence tensors were built on the host from step_dict (pre_step): no read back.
+            with sequences_checked_on_host(), step_runner(runner):
+                result = DotProductAttention.forward(module, q_rows, call["k"], call["v"], max_seqlen_kv=limit,
+                                                     **step_call)
         finally:
             recorded = kernel_runner._RECORD.get() if token is not None else None
             if token is not None:

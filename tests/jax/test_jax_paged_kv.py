@@ -12,7 +12,7 @@ same call (sm_80 and sm_90, the Gluon paged forward included; lowered on the CPU
 launches recorded, not compiled) and compiles with the Gluon forward's descriptor scratch; gradients through the
 gathered call; bad tables named.
 On CPU ``fused_attn`` selects the unfused backend (JAX launches no Triton interpreter), so the fused path is
-forced there (``_backend="fused"``: the fused primitives' jnp lowering, whose
+forced there (:func:`_force_backend`, the steps' selection monkeypatched: the fused primitives' jnp lowering, whose
 paged form gathers inside the primitive); on a GPU the selection runs and the kernels read the pages.
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import types
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +30,7 @@ from case_grid import grid
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from transformer_engine.common.attention import enums as common
+from transformer_engine.common.attention.backends import backend_named
 from transformer_engine.common.attention.plan import pages_keep_bits
 from transformer_engine.jax import attention as te_attention
 from transformer_engine.jax import inference
@@ -50,6 +52,20 @@ ON_GPU = jax.default_backend() == "gpu"
 BACKEND = None if ON_GPU else "fused"  # the selection on a GPU; the fused primitives' jnp lowering on CPU
 PAGED_PRIMITIVE = "te_fused_attn_paged_fwd"
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the kernels read the page table there)")
+
+
+def _force_backend(monkeypatch, name):
+    """kv_cache_attention's steps run on backend ``name`` ('fused', 'unfused') instead of ``fused_attn``'s
+    selection (None: the selection); other calls (the training rows) keep theirs."""
+    if name is not None:
+        forced = types.SimpleNamespace(backend=backend_named(name, te_attention._CANDIDATES))
+        monkeypatch.setattr(inference, "select_attention_backend", lambda config: forced)
+
+
+@pytest.fixture
+def step_backend(monkeypatch):
+    """The steps on ``BACKEND``: the selection on a GPU, the fused primitives' jnp lowering on CPU."""
+    _force_backend(monkeypatch, BACKEND)
 
 
 def _sequences(lengths, h, hk, d, dtype, seed):
@@ -126,7 +142,7 @@ HEAD_DIMS = (16,) if not ON_GPU else (64, 128)
 
 @pytest.mark.parametrize("name,page_size,fmt,d", grid("name,page_size,fmt,d", sorted(CASES), PAGE_SIZES,
                                                        ["bshd", "thd"], HEAD_DIMS))
-def test_paged_rows_equal_non_paged_and_training_rows(name, page_size, fmt, d):
+def test_paged_rows_equal_non_paged_and_training_rows(step_backend, name, page_size, fmt, d):
     """Chunked prefill and decode on a paged cache (shuffled pages): every row is bitwise the non-paged cache's
     and, on a GPU, the training forward's (the existing non-paged rows are: test_jax_kv_cache.py); the step reads
     through the table (the paged primitive) where the paged plan is the gathered call's, which on Hopper at d=128
@@ -142,7 +158,7 @@ def test_paged_rows_equal_non_paged_and_training_rows(name, page_size, fmt, d):
     flat, paged = _caches(len(seqs), max(lengths) + 2, page_size, hk, d, dtype, seed=page_size)
     step = jax.jit(lambda q, k, v, c, n: kv_cache_attention(q, k, v, c, n, window_size=window,
                                                             softmax_type=softmax_type, softmax_offset=offset,
-                                                            qkv_format=fmt, _backend=BACKEND))
+                                                            qkv_format=fmt))
     q, k, v, n, _ = next(_steps(seqs, plan, fmt, len(seqs)))
     contiguous = inference._contiguous_call(q, paged, n, fmt, AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK,
                                         dict(softmax_type=softmax_type, scaling_factor=None, is_training=False,
@@ -164,12 +180,13 @@ def test_paged_rows_equal_non_paged_and_training_rows(name, page_size, fmt, d):
             np.testing.assert_array_equal(g, e[:len(g)], err_msg=f"sequence {i}: paged != training")
 
 
-def test_unfused_backend_gathers():
+def test_unfused_backend_gathers(monkeypatch):
     """The unfused backend reads no page table: a paged step gathers (no paged primitive), and its rows are the
     non-paged cache's."""
     seqs = _sequences((12, 7), 2, 2, 16, jnp.float32, seed=3)
     flat, paged = _caches(2, 16, 8, 2, 16, jnp.float32, seed=3)
-    step = jax.jit(lambda q, k, v, c, n: kv_cache_attention(q, k, v, c, n, _backend="unfused"))
+    _force_backend(monkeypatch, "unfused")
+    step = jax.jit(lambda q, k, v, c, n: kv_cache_attention(q, k, v, c, n))
     q, k, v, n, _ = next(_steps(seqs, [(5, 7)], "bshd", 2))
     assert not _uses_paged(step, q, k, v, paged, n)
     plan = [(5, 7), (1, 0), (6, 0)]
@@ -177,18 +194,18 @@ def test_unfused_backend_gathers():
         np.testing.assert_array_equal(a, b)
 
 
-def test_eager_steps_read_pages_and_match_jit():
+def test_eager_steps_read_pages_and_match_jit(step_backend):
     """An eager (unjitted) paged step gives the jitted step's rows (the gathered call's shapes are traced
     abstractly: no gather is made to decide)."""
     seqs = _sequences((10, 6), 4, 2, 16, jnp.float32, seed=4)
     _, paged = _caches(2, 16, 4, 2, 16, jnp.float32, seed=4)
-    eager = lambda q, k, v, c, n: kv_cache_attention(q, k, v, c, n, qkv_format="thd", _backend=BACKEND)  # noqa: E731
+    eager = lambda q, k, v, c, n: kv_cache_attention(q, k, v, c, n, qkv_format="thd")  # noqa: E731
     plan = [(4, 6), (6, 0)]
     for a, b in zip(_serve(seqs, paged, plan, "thd", eager), _serve(seqs, paged, plan, "thd", jax.jit(eager))):
         np.testing.assert_array_equal(a, b)
 
 
-def test_gradients_through_a_paged_step_are_the_gathered_calls():
+def test_gradients_through_a_paged_step_are_the_gathered_calls(step_backend):
     """jax.grad through a paged step: the custom VJP recomputes on gathered rows, so q's and the pools' gradients
     are the non-paged step's (the pools' scattered back through the table)."""
     seqs = _sequences((9, 5), 2, 1, 16, jnp.float32, seed=5)
@@ -196,7 +213,7 @@ def test_gradients_through_a_paged_step_are_the_gathered_calls():
     q, k, v, n, _ = next(_steps(seqs, [(9, 5)], "bshd", 2))
 
     def loss(q, k, v, cache):
-        out, _ = kv_cache_attention(q, k, v, cache, n, _backend=BACKEND)
+        out, _ = kv_cache_attention(q, k, v, cache, n)
         return jnp.sum(out * out)
 
     assert _uses_paged(lambda *a: loss(*a), q, k, v, paged)
@@ -259,6 +276,7 @@ def recorded_cuda_launches(monkeypatch):
     """Lower for CUDA here (an sm_80 GPU with the extension built, as JAX reports it to the frontend) and keep
     the launches each lowering describes instead of compiling them."""
     _as_gpu(monkeypatch, (8, 0))
+    _force_backend(monkeypatch, "fused")
     recorded = []
     monkeypatch.setattr(gpu.Program, "add_launches", lambda prog, described, buffers: recorded.append(tuple(described)))
     return recorded
@@ -288,8 +306,7 @@ def _launches_equal_pytorchs(recorded, fmt, page_size, window, d, cc):
         cache = cache.replace(lengths=jnp.asarray([5000, 3, 7000], jnp.int32))
     q = jnp.zeros((slots, t, h, d) if fmt == "bshd" else (t, h, d), dtype)
     kv = jnp.zeros(q.shape[:-2] + (hk, d), dtype)
-    step = lambda q, k, v, c, s: kv_cache_attention(q, k, v, c, s, window_size=window, qkv_format=fmt,  # noqa: E731
-                                                    _backend="fused")
+    step = lambda q, k, v, c, s: kv_cache_attention(q, k, v, c, s, window_size=window, qkv_format=fmt)  # noqa: E731
     _export_for_cuda(step, q, kv, kv, cache, jnp.asarray(step_lens, jnp.int32))
     (jax_launches,) = recorded
     assert jax_launches[0].args["PAGE_SIZE"] == page_size
@@ -357,7 +374,7 @@ def test_hopper_gluon_configs_read_pages_where_the_loader_can(recorded_cuda_laun
     _, paged = _caches(2, 256, page_size, 2, 128, jnp.float16, seed=0)
     q = jnp.zeros((2, 4, 4, 128), jnp.float16)
     kv = jnp.zeros((2, 4, 2, 128), jnp.float16)
-    step = lambda q, k, v, c, s: kv_cache_attention(q, k, v, c, s, _backend="fused")  # noqa: E731
+    step = lambda q, k, v, c, s: kv_cache_attention(q, k, v, c, s)  # noqa: E731
     n = jnp.asarray([4, 1], jnp.int32)
     assert _uses_paged(step, q, kv, kv, paged, n) == reads
     _export_for_cuda(step, q, kv, kv, paged, n)
@@ -415,7 +432,7 @@ def _two_device_mesh():
     return Mesh(np.asarray(devices[:2]), ("dp",))
 
 
-def test_sharded_slots_read_pages_in_place():
+def test_sharded_slots_read_pages_in_place(step_backend):
     """Slots split over a dp axis under jit (q, step_lens, lengths and the table's rows sharded; the pools
     replicated: the table holds global page indices), and thd steps inside shard_map (each device its own pool
     and table): the paged primitive runs and the rows are the non-paged cache's."""
@@ -426,7 +443,7 @@ def test_sharded_slots_read_pages_in_place():
     dp, rep = NamedSharding(mesh, PartitionSpec("dp")), NamedSharding(mesh, PartitionSpec())
     placed = inference.KVCache(jax.device_put(paged.k, rep), jax.device_put(paged.v, rep),
                                jax.device_put(paged.lengths, dp), jax.device_put(paged.page_table, dp))
-    step = jax.jit(lambda q, k, v, c, n: kv_cache_attention(q, k, v, c, n, window_size=(3, 0), _backend=BACKEND))
+    step = jax.jit(lambda q, k, v, c, n: kv_cache_attention(q, k, v, c, n, window_size=(3, 0)))
     q, k, v, n, _ = next(_steps(seqs, plan, "bshd", 4))
     assert _uses_paged(step, q, k, v, placed, n)
     sharded = lambda q, k, v, c, n: step(*(jax.device_put(x, dp) for x in (q, k, v)), c,  # noqa: E731
@@ -441,7 +458,7 @@ def test_sharded_slots_read_pages_in_place():
     empty = init_paged_kv_cache(4, 16, 4, 2, 16, jnp.float32)
     per_device = inference.KVCache(empty.k, empty.v, empty.lengths, jnp.asarray(table))
     spec = PartitionSpec("dp")
-    body = lambda q, k, v, c, n: kv_cache_attention(q, k, v, c, n, qkv_format="thd", _backend=BACKEND)  # noqa: E731
+    body = lambda q, k, v, c, n: kv_cache_attention(q, k, v, c, n, qkv_format="thd")  # noqa: E731
     mapped = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec))
     for cache, fn in ((per_device, mapped), (flat, mapped)):
         rows = [[] for _ in seqs]
@@ -484,12 +501,13 @@ def test_the_paged_forward_compiles_with_the_table_as_an_int32_buffer(monkeypatc
     if not isinstance(attn_fwd_kernel, triton.runtime.jit.JITFunction):
         pytest.skip("kernels loaded for the interpreter (TRITON_INTERPRET=1): they cannot be compiled here")
     _as_gpu(monkeypatch, cc)
+    _force_backend(monkeypatch, "fused")
     programs = []
     real_call = gpu.Program.call
     monkeypatch.setattr(gpu.Program, "call", lambda self, *ops: (programs.append(self), real_call(self, *ops))[1])
     _, paged = _caches(2, 40, page_size, 2, d, jnp.float16, seed=1)
     q, kv = jnp.zeros((9, 4, d), jnp.float16), jnp.zeros((9, 2, d), jnp.float16)
-    step = lambda q, k, v, c, s: kv_cache_attention(q, k, v, c, s, qkv_format="thd", _backend="fused")  # noqa: E731
+    step = lambda q, k, v, c, s: kv_cache_attention(q, k, v, c, s, qkv_format="thd")  # noqa: E731
     _export_for_cuda(step, q, kv, kv, paged, jnp.asarray([6, 3], jnp.int32))
     (prog,) = programs
     (kernel,) = prog._kernels

@@ -52,10 +52,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_engine.common.attention.backends import FusedAttention, backend_named
+from transformer_engine.common.attention.backends import FusedAttention
 from transformer_engine.common.attention.plan import pages_keep_bits
 from transformer_engine.jax import attention as _attention
-from transformer_engine.jax.attention import SequenceDescriptor, _FusedAttnArgs
+from transformer_engine.jax.attention import SequenceDescriptor, _FusedAttnArgs, select_attention_backend
 from transformer_engine.jax.enums import AttnBiasType, AttnMaskType, AttnSoftmaxType, QKVLayout
 from transformer_engine.jax.primitives.paged import fused_attn_paged
 
@@ -350,20 +350,16 @@ def _contiguous_call(q, cache: KVCache, step_lens, fmt: str, mask: AttnMaskType,
     return parsed[0]
 
 
-def _step_attention(q, cache: KVCache, step_lens, fmt: str, mask: AttnMaskType, kw, backend=None):
+def _step_attention(q, cache: KVCache, step_lens, fmt: str, mask: AttnMaskType, kw):
     """The step's attention rows (q's format): on a paged cache where the fused backend runs and reads the pages
     in place (``plan.pages_keep_bits``), the paged forward on the pools and the page table; otherwise the call on
-    the slots' rows (a paged cache's pages gathered). ``backend``: a backend name ('fused', 'unfused') instead of
-    the selection (tests)."""
+    the slots' rows (a paged cache's pages gathered). The backend is ``fused_attn``'s selection for the call."""
     if not cache.is_paged:  # the slots' rows in place
         call = _attention._parse_call(_step_args(q, cache.k, cache.v, cache, step_lens, fmt, mask, kw))
-        runner = (_attention.select_attention_backend(call.config).backend if backend is None
-                  else backend_named(backend, _attention._CANDIDATES))
-        out = _attention._run(call, runner)
+        out = _attention._run(call, select_attention_backend(call.config).backend)
         return out if fmt == "bshd" else out[0]
     contiguous = _contiguous_call(q, cache, step_lens, fmt, mask, kw)
-    runner = (_attention.select_attention_backend(contiguous.config).backend if backend is None
-              else backend_named(backend, _attention._CANDIDATES))
+    runner = select_attention_backend(contiguous.config).backend
     if issubclass(runner, FusedAttention):
         static = contiguous.static
         if pages_keep_bits(contiguous.config, cache.k.shape[1]):
@@ -389,7 +385,7 @@ def kv_cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
                        softmax_type: AttnSoftmaxType = AttnSoftmaxType.VANILLA_SOFTMAX,
                        softmax_offset: Optional[jax.Array] = None,
                        scaling_factor: Optional[float] = None,
-                       qkv_format: str = "bshd", *, _backend: Optional[str] = None) -> Tuple[jax.Array, KVCache]:
+                       qkv_format: str = "bshd") -> Tuple[jax.Array, KVCache]:
     """One generation step of one layer: append the new keys and values, attend the new queries to their
     sequences' cached keys. Returns ``(out, cache)``: ``out`` in q's format with ``d_v`` (rows that are not
     new tokens are zeros) and the updated cache.
@@ -423,7 +419,7 @@ def kv_cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
     # mask is bottom-right already).
     kw = dict(softmax_type=softmax_type, scaling_factor=scaling_factor, is_training=False, window_size=window_size,
               softmax_offset=softmax_offset, bottom_right_diagonal=True)
-    out = _step_attention(q, cache, step_lens, qkv_format, _STEP_MASK[mask], kw, _backend)
+    out = _step_attention(q, cache, step_lens, qkv_format, _STEP_MASK[mask], kw)
     t = q.shape[0] if qkv_format == "thd" else q.shape[1]
     _, _, real = _token_places(cache, step_lens, qkv_format, t)
     real = real.reshape(out.shape[:-2])

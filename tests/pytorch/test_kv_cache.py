@@ -20,7 +20,7 @@ import torch
 from dpa_helpers import DEVICE, ON_GPU, assert_close_to_reference, reference, requires_fused
 from transformer_engine.pytorch import DotProductAttention
 from te_torch_testing import recorded_launches
-from transformer_engine.pytorch.attention.inference import InferenceParams
+from transformer_engine.pytorch.attention.inference import InferenceParams, active_step_runner, step_runner
 
 LAYER = 3
 # Token counts: more than one interpreter tile (16) for the long one, one shorter than a chunk; on a GPU long
@@ -322,3 +322,86 @@ def test_bad_forward_inputs_name_the_argument():
                                                               inference_params=params)
     with pytest.raises(ValueError, match="`layer_number` 3 already appended this step's tokens"):
         _dpa(layer_number=LAYER)(q, k, v, inference_params=params)
+
+
+# -- how a step reaches its backend ---------------------------------------------------------------------------
+
+
+class _CountingRunner:
+    """A step runner (inference.step_runner) that records the backends it runs and runs them as a plain call."""
+
+    def __init__(self):
+        self.backends = []
+
+    def run(self, backend, q, k, v, call):
+        self.backends.append(backend.NAME)
+        return backend.run(q, k, v, call)
+
+
+def test_step_runner_runs_each_call_inside_its_block():
+    """Inside ``step_runner(r)`` a DotProductAttention call runs its selected backend through ``r.run``, on the
+    full path and on its signature's prepared path alike (a checkpointed call's recomputation in the backward,
+    outside the block, too); outside the block, and after a call in it raised, the backend runs as built."""
+    from transformer_engine.pytorch.attention import signature_cache
+
+    signature_cache.clear_all()
+    (prepared,) = [c for c in signature_cache.caches() if c.name == "DotProductAttention"]
+    dpa = DotProductAttention(2, 8, qkv_format="bshd", attn_mask_type="causal").to(DEVICE)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 5, 2, 8, generator=g).to(DEVICE) for _ in range(3))
+    runner = _CountingRunner()
+    with step_runner(runner):
+        assert active_step_runner() is runner
+        with torch.no_grad():
+            first, second = dpa(q, k, v), dpa(q, k, v)
+    assert (prepared.misses, prepared.hits) == (1, 1) and active_step_runner() is None
+    assert runner.backends == [dpa.last_backend] * 2
+    with torch.no_grad():
+        plain = dpa(q, k, v)
+    assert len(runner.backends) == 2
+    assert torch.equal(first, plain) and torch.equal(second, plain)
+
+    q.requires_grad_(True)
+    with step_runner(runner):
+        out = dpa(q, k, v, checkpoint_core_attention=True)
+    out.sum().backward()  # the recomputation runs through the runner read by the forward
+    assert len(runner.backends) == 4 and q.grad is not None
+    with pytest.raises(ValueError, match="`query_layer` must have 2 heads"):
+        with step_runner(runner):
+            dpa(q[:, :, :1], k, v)
+    assert active_step_runner() is None
+
+
+class _WrappedAttention(DotProductAttention):
+    """A subclass whose forward has another signature and calls the base class's (as Megatron's
+    TEDotProductAttention does)."""
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, inference_params=None):
+        return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                               inference_params=inference_params)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["non_paged", "paged"])
+def test_a_subclass_wrapping_forward_runs_steps_as_the_base_class(paged, monkeypatch):
+    """A step runs its packed call through ``DotProductAttention.forward``, not the instance's override: a
+    subclass with another forward signature gives the base class's rows bitwise (prefill, then decode steps,
+    which keep and reuse their kernel call on the fused backend)."""
+    monkeypatch.setenv("NVTE_FLASH_ATTN", "0")
+    seqs = _sequences((6, 5), 2, 1, 8, torch.float16, seed=5)
+    rows = []
+    for cls in (DotProductAttention, _WrappedAttention):
+        torch.manual_seed(0)
+        dpa = cls(2, 8, num_gqa_groups=1, qkv_format="bshd", attn_mask_type="causal",
+                  layer_number=LAYER).to(DEVICE).eval()
+        params = _params(1, 8, torch.float16, paged, batch=2)
+        pos, out = [0, 0], []
+        with torch.no_grad():
+            for step in [OrderedDict([(0, 3), (1, 2)])] + [OrderedDict([(0, 1), (1, 1)])] * 3:
+                params.pre_step(step)
+                q, k, v = _step_tensors(seqs, step, pos, "bshd", torch.float16)
+                out.append(dpa(q, k, v, inference_params=params))
+                for i, n in step.items():
+                    pos[i] += n
+        rows.append(out)
+    for i, (a, b) in enumerate(zip(*rows)):
+        assert torch.equal(a, b), f"step {i}: the subclass's rows differ from the base class's"

@@ -72,7 +72,7 @@ def _enum_arg(enum, value, name: str):
 
 def _run(step_run, backend, q, k, v, call):
     """``backend.run(q, k, v, call)``, or inside a KV-cache step as the step runs it (``step_run``: the runner
-    of :func:`inference.step_runner` when the call started)."""
+    of :func:`inference.step_runner` that forward read, :func:`_step_runner`)."""
     if step_run is None:
         return backend.run(q, k, v, call)
     return step_run.run(backend, q, k, v, call)

@@ -16,6 +16,7 @@ per-call "Selected backend" line) always take the full path.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -732,7 +733,8 @@ class DotProductAttention(torch.nn.Module):
                 self, inference_params, q, k, v, fmt, mask, window_size=window_size, cu_seqlens_q=cu_seqlens_q,
                 cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded,
                 bias_type=bias_type, core_attention_bias=core_attention_bias, alibi_slopes=alibi_slopes,
-                checkpoint_core_attention=checkpoint_core_attention, plan_key=plan_key)
+                checkpoint_core_attention=checkpoint_core_attention, plan_key=plan_key,
+                forward=functools.partial(DotProductAttention.forward, self))
 
         seqs = _resolve_sequences(q, k, v, fmt, mask, attention_mask, cu_seqlens_q, cu_seqlens_kv,
                                   cu_seqlens_q_padded, cu_seqlens_kv_padded, max_seqlen_q, max_seqlen_kv)

@@ -1481,11 +1481,13 @@ _STEP_MASK = {
 def cached_attention(module, params: InferenceParams, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      fmt: QKVFormat, mask: AttnMaskType, *, window_size, cu_seqlens_q, cu_seqlens_q_padded,
                      cu_seqlens_kv_padded, bias_type: AttnBiasType, core_attention_bias, alibi_slopes,
-                     checkpoint_core_attention: bool, plan_key: Optional[tuple] = None):
+                     checkpoint_core_attention: bool, forward: Callable[..., torch.Tensor],
+                     plan_key: Optional[tuple] = None):
     """DotProductAttention's forward with ``inference_params``: append the step's k, v to the module's layer
     cache and attend the step's queries to their sequences' cached keys (module docstring). Returns q's
     format with the heads flattened; rows past a sequence's new tokens (bshd/sbhd padding, thd tail) are 0.
-    The step runs as one packed (thd) call of ``DotProductAttention.forward`` inside :func:`step_runner`.
+    The step runs as one packed (thd) call of ``forward`` inside :func:`step_runner`: ``DotProductAttention.forward``
+    bound to ``module``, the base class's whatever a subclass (Megatron's TEDotProductAttention) wraps it with.
     ``plan_key``: the module call's signature where DotProductAttention made one (a decode step then keeps
     its launches for the next steps of its batch size, :meth:`InferenceParams.decode_from_plan`)."""
     if not isinstance(params, InferenceParams):
@@ -1544,18 +1546,13 @@ def cached_attention(module, params: InferenceParams, q: torch.Tensor, k: torch.
         if order is not None:
             alibi_slopes = alibi_slopes.index_select(0, params._order_index(order).to(alibi_slopes.device))
 
-    # The step runs as one packed call of the module's public forward: the base class's, whatever a subclass
-    # (Megatron's TEDotProductAttention) wraps it with.
-    from transformer_engine.pytorch.attention.dot_product_attention import DotProductAttention
-
     step_call = dict(qkv_format="thd", attn_mask_type=_STEP_MASK[mask].value, window_size=window_size,
                      bottom_right_diagonal=True, cu_seqlens_q=call["cu_seqlens_q"],
                      cu_seqlens_kv=call["cu_seqlens_kv"], cu_seqlens_kv_padded=call["cu_seqlens_kv_padded"],
                      max_seqlen_q=call["max_seqlen_q"], core_attention_bias_type=bias_type.value,
                      alibi_slopes=alibi_slopes, checkpoint_core_attention=checkpoint_core_attention)
     if tracing:  # the step's own bound, run as built
-        result = DotProductAttention.forward(module, q_rows, call["k"], call["v"],
-                                             max_seqlen_kv=call["max_seqlen_kv"], **step_call)
+        result = forward(q_rows, call["k"], call["v"], max_seqlen_kv=call["max_seqlen_kv"], **step_call)
     else:
         limit = params.max_sequence_length
         runner = _StepRun(step, params._backend_choices, call["max_seqlen_kv"], limit, call.get("page_table"),
@@ -1568,8 +1565,7 @@ def cached_attention(module, params: InferenceParams, q: torch.Tensor, k: torch.
         try:
             # The step's sequence tensors were built on the host from step_dict (pre_step): no read back.
             with sequences_checked_on_host(), step_runner(runner):
-                result = DotProductAttention.forward(module, q_rows, call["k"], call["v"], max_seqlen_kv=limit,
-                                                     **step_call)
+                result = forward(q_rows, call["k"], call["v"], max_seqlen_kv=limit, **step_call)
         finally:
             recorded = kernel_runner._RECORD.get() if token is not None else None
             if token is not None:

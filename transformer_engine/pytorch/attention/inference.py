@@ -102,8 +102,10 @@ def step_runner(runner):
 
     :func:`cached_attention` runs a step's packed call through ``DotProductAttention.forward`` in such a block:
     the call takes a plain call's path (checks, signature cache, selection) while the backend gets the step's
-    own key bound and page table (:class:`_StepRun`). A call reads the runner when it starts, so a checkpointed
-    call's recomputation in the backward runs with the same one; a call traced by torch.compile reads none."""
+    own key bound and page table (:class:`_StepRun`). A call reads the runner in its forward, so a checkpointed
+    call's recomputation in the backward runs with the same one; a call traced by torch.compile reads none.
+
+    ``runner``: any object with that ``run`` method; it returns what ``backend.run`` would."""
     token = _STEP_RUNNER.set(runner)
     try:
         yield runner

@@ -62,6 +62,7 @@ SUITES = {
         Case("bshd", "causal", "a2a", h=4, hk=2, b=2),
         Case("thd", "padding_causal", "a2a", h=2, hk=2, lengths=(29, 16), padded=(32, 16)),
         Case("bshd", "no_mask", "p2p", h=2, hk=1, reference=False),  # the GPU suites' bitwise-only check
+        Case("thd", "padding_causal", "p2p", h=2, hk=1, lengths=(28, 13), padded=(32, 16), stripe=3),
     ],
     "unfused4": [
         Case("bshd", "causal", "p2p", h=4, hk=1, b=2, s=96),
@@ -69,6 +70,7 @@ SUITES = {
         Case("thd", "padding_causal", "p2p", h=2, hk=1, lengths=(45, 16), padded=(48, 16)),
         Case("bshd", "no_mask", "a2a", h=4, hk=4, s=64),
         Case("bshd", "causal", "a2a+p2p", h=4, hk=2, s=64),
+        Case("bshd", "causal", "a2a+p2p", h=4, hk=2, s=64, stripe=2),
     ],
     # Fused kernels under the interpreter (16-row tiles): chunk lengths on them and (cp=4, s=64: 8-token
     # chunks) off them; the one-process tests of test_context_parallel.py cover sbhd and more shapes.

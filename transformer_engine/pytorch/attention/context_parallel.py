@@ -3,8 +3,10 @@
 Each rank holds its part of the sequence in TransformerEngine's load-balanced split (docs:
 context_parallelism.rst): the sequence in ``2 * cp`` chunks, rank ``r`` holding chunks ``r`` and
 ``2 * cp - 1 - r`` concatenated; for thd every sequence is split so (its padded length from
-``cu_seqlens_*_padded``). Every reduction of attention then runs on one rank, in the single-device
-kernel's order:
+``cu_seqlens_*_padded``). With ``cp_stripe_size`` (ours) the ranks hold TransformerEngine-JAX's Striped
+order instead: stripes of that many tokens dealt round-robin (thd: over the packed row), each stripe a
+chunk of the plan (:class:`SeqSplit` carries the order). Every reduction of attention then runs on one
+rank, in the single-device kernel's order:
 
 - ``"a2a"``: an all-to-all gives each rank ``h / cp`` heads of the whole sequences (in global order),
   the unchanged single-device attention runs on them, an all-to-all gives the rows back. Heads are

@@ -202,7 +202,7 @@ ONE_PROCESS_STRIPED = [
     ("bshd", True, 4, 48, 3, torch.float32),
     ("sbhd", False, 2, 64, 8, torch.float32),
     ("thd", True, 2, ((29, 30, 10), (32, 40, 16)), 4, torch.float32),
-    ("thd", True, 4, ((29, 30, 10), (32, 40, 16)), 2, torch.float16),
+    ("thd", True, 4, ((29, 30, 10), (32, 40, 16)), 11, torch.float16),
     ("thd", False, 2, ((29, 30, 10), (32, 40, 16)), 11, torch.float32),
 ]
 
@@ -211,7 +211,7 @@ ONE_PROCESS_STRIPED = [
 @pytest.mark.parametrize("fmt,causal,cp,size,stripe,dtype", ONE_PROCESS_STRIPED, ids=lambda x: str(x))
 def test_one_process_striped_ranks_match_single_call_bitwise(fmt, causal, cp, size, stripe, dtype):
     """Every rank's steps with the ranks holding the Striped order's stripes: out, dq, dk, dv bitwise the single
-    call's (cp = 1), and again on a repeat."""
+    call's (cp = 1). Repeats: the multi-process striped suites."""
     from fused_helpers import DEVICE
     from transformer_engine.pytorch.attention.fused_attn import fused_attn_func
 
@@ -236,8 +236,6 @@ def test_one_process_striped_ranks_match_single_call_bitwise(fmt, causal, cp, si
     got = run_ranks_in_one_process(q, k, v, d_out, fmt, cp, causal, d ** -0.5, stripe=stripe, **extra)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         assert torch.equal(a, b), f"{name}: max diff {(a.float() - b.float()).abs().max().item()}"
-    again = run_ranks_in_one_process(q, k, v, d_out, fmt, cp, causal, d ** -0.5, stripe=stripe, **extra)
-    assert all(torch.equal(a, b) for a, b in zip(got, again)), "not bitwise over a repeat"
 
 
 # Multi-process suites (tests/pytorch/distributed/cp_attention.py): (suite, processes, backend).

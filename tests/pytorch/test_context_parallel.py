@@ -77,7 +77,7 @@ def test_striped_split_deals_stripes_round_robin(cp, stripe):
     if cp == 4:  # a2a groups of 2 ranks: p2p rank p holds the tokens of ranks 2p and 2p + 1
         coarse = SeqSplit(QKVFormat.BSHD, 2, 0, seqlen=s, **striped)
         for p in range(2):
-            group = sorted(bshd.with_rank(2 * p).token_index().tolist() + bshd.with_rank(2 * p + 1).token_index().tolist())
+            group = sorted(t for r in (2 * p, 2 * p + 1) for t in bshd.with_rank(r).token_index().tolist())
             assert coarse.with_rank(p).token_index().tolist() == group == _striped_tokens(s, 2, p, 2 * stripe)
 
 
@@ -93,7 +93,7 @@ def test_striped_order_is_refused_by_name_when_malformed():
                                              rf"int \(the Striped order\), got {bad!r}"):
             check_context_parallel_args(None, None, None, "p2p", bad)
     x = torch.zeros(1, 12, 2, 16)
-    with pytest.raises(ValueError, match="`query_layer` must hold whole stripes of cp_stripe_size=5 tokens on each rank"):
+    with pytest.raises(ValueError, match="`query_layer` must hold whole stripes of cp_stripe_size=5 tokens"):
         _split_of(QKVFormat.BSHD, x, x, 2, 0, None, 5)
     split = _split_of(QKVFormat.BSHD, x, x, 2, 1, None, 3)
     assert (split.balance, split.rounds, split.slots, split.chunk_len()) == (LoadBalance.STRIPED, 4, (1, 3, 5, 7), 3)

@@ -136,30 +136,38 @@ def test_pytorch_thd_tokens_per_rank_fall_as_one_over_cp(causal, monkeypatch):
 @pytest.mark.parametrize("cp,stripe,align", [(2, 5, 1), (4, 2, 1), (8, 1, 1), (2, 5, 4), (4, 5, 8)])
 def test_pytorch_thd_striped_launches_cut_the_plans_calls_and_cover_each_pass_once(cp, stripe, align, causal,
                                                                                     monkeypatch):
-    """thd in the Striped order (over the packed row): each launch is one of the plan's calls, in its order,
-    with one pseudo-sequence per sequence its stripe's real rows meet: those rows from the tile boundary
-    before them (counted from the sequence's start) against the call's span cut to the sequence. With
-    ``align`` 1 the own rows of the ranks' launches are every real token exactly once per pass."""
+    """thd in the Striped order (over the packed row): a rank's calls of a pass are one launch, in the plan's
+    order, with one pseudo-sequence per call and sequence its stripe's real rows meet: those rows from the tile
+    boundary before them (counted from the sequence's start; the forward's lead rows zero), copied to the
+    launch's own buffer, against the call's span cut to the sequence. Rows are told apart by their values
+    (each token holds its global position + 1). With ``align`` 1 the ranks' own rows are every real token
+    exactly once per pass."""
     torch, tcp = _torch()
     seen = []
 
     def spans(cu, off):
-        lens = (cu[1:] - cu[:-1]).tolist()
-        return [(int(o), n) for o, n in zip(off.tolist(), lens)]
+        return [(int(o), int(n)) for o, n in zip(off.tolist(), (cu[1:] - cu[:-1]).tolist())]
 
-    def forward(q, k, v, call, out=None, lse=None):  # queries from a buffer: their lengths; keys global
+    def rows(x, cu, off):  # the tokens a pseudo-sequence's rows hold (position + 1; 0: a zero row)
+        return [[int(x[o + j, 0, 0]) for j in range(n)] for o, n in spans(cu, off)]
+
+    def forward(q, k, v, call, out=None, lse=None):
         seen.append((cpp.Pass.FORWARD, call.params.attn_mask_type,
-                     [n for _, n in spans(call.cu_seqlens_q, call.cu_seqlens_q_padded)],
+                     rows(q, call.cu_seqlens_q, call.cu_seqlens_q_padded),
                      spans(call.cu_seqlens_kv, call.cu_seqlens_kv_padded)))
         n = len(call.cu_seqlens_q) - 1
         return q.new_zeros(q.shape), q.new_zeros((n, q.shape[1], call.params.max_seqlen_q), dtype=torch.float32)
 
     def backward(q, k, v, out, d_out, lse, call, grads, dq=None, dk=None, dv=None, delta=None, preprocess=True):
-        q_side = spans(call.cu_seqlens_q, call.cu_seqlens_q_padded)
-        k_side = spans(call.cu_seqlens_kv, call.cu_seqlens_kv_padded)
-        pass_ = cpp.Pass.DQ if grads.name == "DQ" else cpp.Pass.DKDV
-        seen.append((pass_, call.params.attn_mask_type) + ((q_side, k_side) if pass_ == cpp.Pass.DQ else
-                                                             (k_side, q_side)))
+        if grads.name == "DQ":
+            assert torch.equal(out, q) and torch.equal(d_out, q)  # the query rows' outputs and gradients, copied
+            seen.append((cpp.Pass.DQ, call.params.attn_mask_type, rows(q, call.cu_seqlens_q, call.cu_seqlens_q_padded),
+                         spans(call.cu_seqlens_kv, call.cu_seqlens_kv_padded)))
+        else:
+            assert torch.equal(v, k)
+            seen.append((cpp.Pass.DKDV, call.params.attn_mask_type,
+                         rows(k, call.cu_seqlens_kv, call.cu_seqlens_kv_padded),
+                         spans(call.cu_seqlens_q, call.cu_seqlens_q_padded)))
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None
 
     monkeypatch.setattr(tcp.kernel_runner, "forward", forward)
@@ -169,41 +177,39 @@ def test_pytorch_thd_striped_launches_cut_the_plans_calls_and_cover_each_pass_on
     total = sum(padded)
     real = [st + i for st, n in zip(starts, lengths) for i in range(n)]
     spec = tcp.FusedSpec(0.25, causal, True, align)
+    glob = torch.arange(1, total + 1, dtype=torch.float32)[:, None, None].expand(total, 1, 8).contiguous()
     covered = {p: [] for p in cpp.Pass}
     for rank in range(cp):
+        rounds = total // (cp * stripe)
         split = tcp.SeqSplit(QKVFormat.THD, cp, rank, starts=starts, padded=padded, lengths=lengths,
-                             balance=cpp.LoadBalance.STRIPED, rounds=total // (cp * stripe))
+                             balance=cpp.LoadBalance.STRIPED, rounds=rounds)
         assert split.token_index().tolist() == [t for t in range(total) if (t // stripe) % cp == rank]
-        plan = cpp.rank_plan("p2p", cp, rank, total, causal, cpp.LoadBalance.STRIPED, rounds=total // (cp * stripe))
+        plan = cpp.rank_plan("p2p", cp, rank, total, causal, cpp.LoadBalance.STRIPED, rounds=rounds)
         assert tcp.rank_plan(split, spec).calls == plan.calls
         seen.clear()
-        t_local = total // cp
-        tcp.fused_forward_step(torch.zeros(t_local, 2, 8), torch.zeros(total, 1, 8), torch.zeros(total, 1, 8), split,
-                               spec)
-        g = torch.zeros(total, 2, 8)
-        tcp.fused_backward_step(g, torch.zeros(total, 1, 8), torch.zeros(total, 1, 8), g, g, torch.zeros(2, total),
-                                split, spec)
+        q_local = glob.index_select(0, split.token_index())
+        tcp.fused_forward_step(q_local, glob, glob, split, spec)
+        tcp.fused_backward_step(glob, glob, glob, glob, glob, torch.zeros(1, total), split, spec)
         expected = []
-        for call in [c for c in plan.calls if c.pass_ == cpp.Pass.FORWARD] + [
-                c for c in plan.calls if c.pass_ != cpp.Pass.FORWARD]:
+        for pass_ in (cpp.Pass.FORWARD, cpp.Pass.DKDV, cpp.Pass.DQ):
             own, other = [], []
-            for st, n in zip(starts, lengths):
-                a, b = max(call.chunk.start, st), min(call.chunk.end, st + n)
-                if a >= b:
-                    continue
-                lo = st + (a - st) // align * align
-                own.append((lo, b - lo))
-                lo_other = max(call.span[0], st) if call.pass_ != cpp.Pass.DKDV else min(max(call.span[0], st), lo)
-                other.append((lo_other, min(call.span[1], st + n) - lo_other))
+            for call in (c for c in plan.calls if c.pass_ == pass_):
+                for st, n in zip(starts, lengths):
+                    a, b = max(call.chunk.start, st), min(call.chunk.end, st + n)
+                    if a >= b:
+                        continue
+                    lo = st + (a - st) // align * align
+                    lead = [0] * (a - lo) if pass_ == cpp.Pass.FORWARD else list(range(lo + 1, a + 1))
+                    own.append(lead + list(range(a + 1, b + 1)))
+                    covered[pass_] += list(range(a, b))
+                    o = max(call.span[0], st) if pass_ != cpp.Pass.DKDV else min(max(call.span[0], st), lo)
+                    other.append((o, min(call.span[1], st + n) - o))
             if own:
-                own_ = [n for _, n in own] if call.pass_ == cpp.Pass.FORWARD else own
-                expected.append((call.pass_, call.padded_mask(), own_, other))
-                covered[call.pass_] += [(a, b) for a, b in own]
+                mask = next(c for c in plan.calls if c.pass_ == pass_).padded_mask()
+                expected.append((pass_, mask, own, other))
         assert seen == expected, rank
-    if align == 1:
-        for pass_ in (cpp.Pass.DQ, cpp.Pass.DKDV):
-            assert sorted(t for a, n in covered[pass_] for t in range(a, a + n)) == real, pass_
-        assert sum(n for _, n in covered[cpp.Pass.FORWARD]) == len(real)
+    for pass_ in cpp.Pass:  # over the ranks every real token is kept once per pass
+        assert sorted(covered[pass_]) == real, pass_
 
 
 # -- JAX -------------------------------------------------------------------------------------------------

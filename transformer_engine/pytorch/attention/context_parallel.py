@@ -523,34 +523,41 @@ def _thd_backward(q_g, k_g, v_g, out_g, d_out_g, lse_g, split: SeqSplit, spec: F
 
 
 # thd in the Striped order: the plan runs over the packed row (its chunks are the stripes), as JAX's packed-row
-# plan. Each call of the plan is one launch over the rows of the call's chunk, one pseudo-sequence per sequence
-# the chunk's real rows meet: those rows from the tile boundary before them (tiles counted from the sequence's
-# start, so that the kernels' blocks are the single call's), against the call's span cut to the sequence (from
-# that boundary on for dK/dV, whose queries and keys start together, top-left). Padding rows are kept by no call:
+# plan. Each call of the plan is one pseudo-sequence per sequence the call's chunk's real rows meet: those rows
+# from the tile boundary before them (tiles counted from the sequence's start, so that the kernels' blocks are
+# the single call's), against the call's span cut to the sequence (from that boundary on for dK/dV, whose
+# queries and keys start together, top-left). The calls of a pass are one launch (a rank holds many stripes):
+# the own-side rows of each pseudo-sequence are copied to a buffer of their own, since one call's lead rows
+# are another call's kept rows and the kernels write every row they compute. Padding rows are kept by no call:
 # their outputs and gradients are zero.
 
 @dataclass(frozen=True)
 class _Segment:
-    """One pseudo-sequence of a packed call, in sequence ``n``'s coordinates (it starts at global ``start``):
-    own rows ``[lo, pe)`` of which ``[pa, pe)`` are kept, the other operand's rows ``[sa, se)``."""
+    """One pseudo-sequence of a packed call, in sequence coordinates (the sequence starts at global ``start``):
+    own rows ``[lo, pe)`` of which ``[pa, pe)`` are kept and sit at ``local`` in the rank's tokens, the other
+    operand's rows ``[sa, se)``."""
 
-    n: int
     start: int
     lo: int
     pa: int
     pe: int
     sa: int
     se: int
+    local: int
 
-    def local(self, call: cp_plan.ChunkCall) -> int:
-        """Where the kept rows sit in the rank's tokens."""
-        return call.chunk.local_start + self.start + self.pa - call.chunk.start
+    @property
+    def own(self) -> int:
+        return self.pe - self.lo
+
+    @property
+    def lead(self) -> int:
+        return self.pa - self.lo
 
 
 def _packed_segments(split: SeqSplit, spec: FusedSpec, call: cp_plan.ChunkCall) -> List[_Segment]:
     clip = lambda x, n: min(max(x, 0), n)  # noqa: E731
     out = []
-    for n, (start, real) in enumerate(zip(split.starts, split.lengths)):
+    for start, real in zip(split.starts, split.lengths):
         pa, pe = clip(call.chunk.start - start, real), clip(call.chunk.end - start, real)
         if pe <= pa:
             continue
@@ -558,72 +565,84 @@ def _packed_segments(split: SeqSplit, spec: FusedSpec, call: cp_plan.ChunkCall) 
         sa, se = clip(call.span[0] - start, real), clip(call.span[1] - start, real)
         if call.pass_ == cp_plan.Pass.DKDV:
             sa = min(sa, lo)
-        out.append(_Segment(n, start, lo, pa, pe, sa, se))
+        out.append(_Segment(start, lo, pa, pe, sa, se, call.chunk.local_start + start + pa - call.chunk.start))
     return out
 
 
-def _packed_kept(segments: List[_Segment], call: cp_plan.ChunkCall, device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(global rows, local rows) of the call's kept rows."""
-    src = [torch.arange(g.start + g.pa, g.start + g.pe) for g in segments]
-    dst = [torch.arange(g.local(call), g.local(call) + g.pe - g.pa) for g in segments]
-    return _to_device(torch.cat(src), device), _to_device(torch.cat(dst), device)
+def _packed_launch(split: SeqSplit, spec: FusedSpec, pass_: cp_plan.Pass):
+    """The pass's launch: (mask, the pseudo-sequences of its calls in the plan's order, where each one's own rows
+    start in the launch's own-side buffer), or None when no call has a real row."""
+    calls = [c for c in rank_plan(split, spec).calls if c.pass_ == pass_]
+    assert len({c.mask for c in calls}) <= 1, calls
+    segments = [g for c in calls for g in _packed_segments(split, spec, c)]
+    if not segments:
+        return None
+    starts = [0]
+    for g in segments[:-1]:
+        starts.append(starts[-1] + g.own)
+    return calls[0].padded_mask(), segments, starts
+
+
+def _packed_keep(segments: List[_Segment], starts: List[int], device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(rows of the own-side buffer, rows of the rank's tokens) of the kept rows."""
+    src = torch.cat([torch.arange(b + g.lead, b + g.own) for b, g in zip(starts, segments)])
+    dst = torch.cat([torch.arange(g.local, g.local + g.pe - g.pa) for g in segments])
+    return _to_device(src, device), _to_device(dst, device)
 
 
 def _packed_forward(q, k_g, v_g, split: SeqSplit, spec: FusedSpec):
     device, t_local = q.device, q.shape[0]
     out = q.new_zeros(tuple(q.shape[:-1]) + (v_g.shape[-1],))
     lse = torch.full((q.shape[1], t_local), float("inf"), dtype=torch.float32, device=device)
+    launch = _packed_launch(split, spec, cp_plan.Pass.FORWARD)
+    if launch is None:
+        return out, lse
+    mask, segments, starts = launch
+    # The queries of each pseudo-sequence (zero rows before the kept ones: rows do not interact).
     q_ext = torch.cat([q, q.new_zeros((1,) + tuple(q.shape[1:]))], dim=0)  # row t_local: the zero row
-    for call in rank_plan(split, spec).calls:
-        if call.pass_ != cp_plan.Pass.FORWARD:
-            continue
-        segments = _packed_segments(split, spec, call)
-        if not segments:  # a stripe of padding only
-            continue
-        # The queries of each pseudo-sequence (zero rows before the kept ones) in one buffer.
-        index, buf_starts, at = [], [], 0
-        for g in segments:
-            index += [torch.full((g.pa - g.lo,), t_local, dtype=torch.int64),
-                      torch.arange(g.local(call), g.local(call) + g.pe - g.pa)]
-            buf_starts.append(at)
-            at += g.pe - g.lo
-        q_buf = q_ext.index_select(0, _to_device(torch.cat(index), device))
-        len_q, len_k = [g.pe - g.lo for g in segments], [g.se - g.sa for g in segments]
-        max_q = max(len_q)
-        o, l_ = _fwd(q_buf, k_g, v_g, QKVFormat.THD, spec, call.padded_mask(), _cu(len_q, device), _cu(len_k, device),
-                     _offsets(buf_starts, device), _offsets([g.start + g.sa for g in segments], device), max_q,
-                     max(max(len_k), 1))
-        rows = torch.cat([torch.arange(b + g.pa - g.lo, b + g.pe - g.lo) for b, g in zip(buf_starts, segments)])
-        cols = torch.cat([torch.arange(i * max_q + g.pa - g.lo, i * max_q + g.pe - g.lo)
-                          for i, g in enumerate(segments)])
-        _, dst = _packed_kept(segments, call, device)
-        out.index_copy_(0, dst, o.index_select(0, _to_device(rows, device)))
-        lse.index_copy_(1, dst, l_.permute(1, 0, 2).reshape(l_.shape[1], -1).index_select(1, _to_device(cols, device)))
+    index = torch.cat([torch.cat([torch.full((g.lead,), t_local, dtype=torch.int64),
+                                  torch.arange(g.local, g.local + g.pe - g.pa)]) for g in segments])
+    q_buf = q_ext.index_select(0, _to_device(index, device))
+    len_q, len_k = [g.own for g in segments], [g.se - g.sa for g in segments]
+    max_q = max(len_q)
+    o, l_ = _fwd(q_buf, k_g, v_g, QKVFormat.THD, spec, mask, _cu(len_q, device), _cu(len_k, device),
+                 _offsets(starts, device), _offsets([g.start + g.sa for g in segments], device), max_q,
+                 max(max(len_k), 1))
+    rows, dst = _packed_keep(segments, starts, device)
+    cols = torch.cat([torch.arange(i * max_q + g.lead, i * max_q + g.own) for i, g in enumerate(segments)])
+    out.index_copy_(0, dst, o.index_select(0, rows))
+    lse.index_copy_(1, dst, l_.permute(1, 0, 2).reshape(l_.shape[1], -1).index_select(1, _to_device(cols, device)))
     return out, lse
 
 
 def _packed_backward(q_g, k_g, v_g, out_g, d_out_g, lse_g, split: SeqSplit, spec: FusedSpec):
-    """The rank's (dq, dk, dv) from the plan's backward calls over the global rows, each launch one call."""
+    """The rank's (dq, dk, dv): a dQ launch and a dK/dV launch over the global rows, the own side (queries with
+    their outputs and output gradients; keys and values) copied per pseudo-sequence."""
     device, t_local = q_g.device, split.local_total
     local = lambda t: t.new_zeros((t_local,) + tuple(t.shape[1:]))  # noqa: E731  (padding rows: zero)
     dq, dk, dv = local(q_g), local(k_g), local(v_g)
-    for call in rank_plan(split, spec).calls:
-        if call.pass_ == cp_plan.Pass.FORWARD:
+    for pass_ in (cp_plan.Pass.DKDV, cp_plan.Pass.DQ):
+        launch = _packed_launch(split, spec, pass_)
+        if launch is None:
             continue
-        segments = _packed_segments(split, spec, call)
-        if not segments:
-            continue
-        own = ([g.start + g.lo for g in segments], [g.pe - g.lo for g in segments])
-        other = ([g.start + g.sa for g in segments], [g.se - g.sa for g in segments])
-        dq_pass = call.pass_ == cp_plan.Pass.DQ
-        (q_starts, q_lens), (k_starts, k_lens) = (own, other) if dq_pass else (other, own)
+        mask, segments, starts = launch
+        index = _to_device(torch.cat([torch.arange(g.start + g.lo, g.start + g.pe) for g in segments]), device)
+        own_rows, own_lens = [g.start + g.lo for g in segments], [g.own for g in segments]
+        other_rows, other_lens = [g.start + g.sa for g in segments], [g.se - g.sa for g in segments]
+        if pass_ == cp_plan.Pass.DQ:  # q side: the buffer (lse read at the rows' global places)
+            q_, out_, d_out_ = (t.index_select(0, index) for t in (q_g, out_g, d_out_g))
+            k_, v_ = k_g, v_g
+            q_rows, q_lens, q_off, k_lens, k_off = own_rows, own_lens, starts, other_lens, other_rows
+        else:  # k side: the buffer
+            q_, out_, d_out_ = q_g, out_g, d_out_g
+            k_, v_ = (t.index_select(0, index) for t in (k_g, v_g))
+            q_rows, q_lens, q_off, k_lens, k_off = other_rows, other_lens, other_rows, own_lens, starts
         max_q, max_k = max(max(q_lens), 1), max(max(k_lens), 1)
-        grads = _bwd(BackwardGrads.DQ if dq_pass else BackwardGrads.DKDV, q_g, k_g, v_g, out_g, d_out_g,
-                     _lse_for_call(lse_g, q_starts, q_lens, max_q), QKVFormat.THD, spec, call.padded_mask(),
-                     _cu(q_lens, device), _cu(k_lens, device), _offsets(q_starts, device), _offsets(k_starts, device),
-                     max_q, max_k)
-        src, dst = _packed_kept(segments, call, device)
-        if dq_pass:
+        grads = _bwd(BackwardGrads.DQ if pass_ == cp_plan.Pass.DQ else BackwardGrads.DKDV, q_, k_, v_, out_, d_out_,
+                     _lse_for_call(lse_g, q_rows, q_lens, max_q), QKVFormat.THD, spec, mask, _cu(q_lens, device),
+                     _cu(k_lens, device), _offsets(q_off, device), _offsets(k_off, device), max_q, max_k)
+        src, dst = _packed_keep(segments, starts, device)
+        if pass_ == cp_plan.Pass.DQ:
             dq.index_copy_(0, dst, grads.index_select(0, src))
         else:
             dk.index_copy_(0, dst, grads[0].index_select(0, src))

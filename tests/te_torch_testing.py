@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from transformer_engine.common.attention import (AttnBiasType, AttnConfig, AttnMaskType, AttnSoftmaxType, QKVFormat,
                                                  launch_description)
+from transformer_engine.common.attention.context_parallel import LoadBalance
 from transformer_engine.common.attention.config import PlanKey, normalize_window, resolve_bottom_right_diagonal
 from transformer_engine.common.attention.kernels.scores import dropout_keep
 from transformer_engine.pytorch.attention import kernel_runner
@@ -213,24 +214,31 @@ def dropout_keep_mask(rng_state: torch.Tensor, batch: int, heads: int, seqlen_q:
     return keep.bool()
 
 
-def split_of_globals(q, fmt: QKVFormat, cp: int, cu_seqlens=None, cu_seqlens_padded=None) -> SeqSplit:
-    """Rank 0's :class:`SeqSplit` of global (whole-sequence) tensors; ``with_rank`` gives the others."""
+def split_of_globals(q, fmt: QKVFormat, cp: int, cu_seqlens=None, cu_seqlens_padded=None,
+                     stripe: Optional[int] = None) -> SeqSplit:
+    """Rank 0's :class:`SeqSplit` of global (whole-sequence) tensors; ``with_rank`` gives the others. ``stripe``:
+    the Striped order of such stripes (thd: over the packed row) instead of the dual-chunk one."""
+    total = q.shape[0 if fmt == QKVFormat.THD else _seq_dim(fmt)]
+    striped = {} if stripe is None else dict(balance=LoadBalance.STRIPED, rounds=total // (cp * stripe))
     if fmt == QKVFormat.THD:
         padded = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens
         bounds = [int(x) for x in host_values(padded)]
         lengths = [int(x) for x in host_values(cu_seqlens[1:] - cu_seqlens[:-1])]
         return SeqSplit(fmt, cp, 0, starts=tuple(bounds[:-1]),
-                        padded=tuple(e - s for s, e in zip(bounds[:-1], bounds[1:])), lengths=tuple(lengths))
-    return SeqSplit(fmt, cp, 0, seqlen=q.shape[_seq_dim(fmt)])
+                        padded=tuple(e - s for s, e in zip(bounds[:-1], bounds[1:])), lengths=tuple(lengths),
+                        **striped)
+    return SeqSplit(fmt, cp, 0, seqlen=total, **striped)
 
 
 def run_ranks_in_one_process(q, k, v, d_out, fmt: str, cp: int, causal: bool, softmax_scale: float,
-                             deterministic: bool = True, cu_seqlens=None, cu_seqlens_padded=None):
+                             deterministic: bool = True, cu_seqlens=None, cu_seqlens_padded=None,
+                             stripe: Optional[int] = None):
     """Every rank's "all_gather"/"p2p" steps on one device, the exchanges as tensor copies: from the global
-    q, k, v, d_out (global order) to the global (out, dq, dk, dv) assembled from the ranks' tokens."""
+    q, k, v, d_out (global order) to the global (out, dq, dk, dv) assembled from the ranks' tokens (``stripe``:
+    the ranks hold the Striped order's stripes)."""
     qkv_format = QKVFormat(fmt)
     sd = _seq_dim(qkv_format)
-    base = split_of_globals(q, qkv_format, cp, cu_seqlens, cu_seqlens_padded)
+    base = split_of_globals(q, qkv_format, cp, cu_seqlens, cu_seqlens_padded, stripe)
     spec = FusedSpec(softmax_scale, causal, deterministic, tile_alignment(q, k, v, qkv_format, causal, deterministic))
     splits = [base.with_rank(r) for r in range(cp)]
     lse_dim = 1 if base.is_thd else 2

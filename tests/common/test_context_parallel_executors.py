@@ -47,11 +47,18 @@ def _expected(plan, merge=False):
 
 # -- PyTorch ---------------------------------------------------------------------------------------------
 
+ORDERS = [(cpp.LoadBalance.DUAL_CHUNK, 1), (cpp.LoadBalance.STRIPED, 1), (cpp.LoadBalance.STRIPED, 3)]
+
+
 @pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("order", ORDERS, ids=["dual_chunk", "striped-1", "striped-3"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "no_mask"])
 @pytest.mark.parametrize("cp", CPS)
-def test_pytorch_steps_launch_the_plans_calls(cp, causal, comm, monkeypatch):
+def test_pytorch_steps_launch_the_plans_calls(cp, causal, order, comm, monkeypatch):
+    """bshd: each launch is one of the plan's calls, in its order, for the dual-chunk order and the Striped
+    one (``SeqSplit`` carries the balance and rounds; striped-3: three stripes per rank)."""
     torch, tcp = _torch()
+    balance, rounds = order
     launched = []
 
     def forward(q, k, v, call, out=None, lse=None):
@@ -67,14 +74,16 @@ def test_pytorch_steps_launch_the_plans_calls(cp, causal, comm, monkeypatch):
     monkeypatch.setattr(tcp.kernel_runner, "forward", forward)
     monkeypatch.setattr(tcp.kernel_runner, "backward", backward)
     align, length = 16, 12  # chunks off the tiles: calls with lead rows
-    s = 2 * cp * length
+    s = cpp.num_chunks(cp, balance, rounds) * length
     spec = tcp.FusedSpec(0.25, causal, True, align)
     for rank in range(cp):
-        split = tcp.SeqSplit(QKVFormat.BSHD, cp, rank, seqlen=s)
-        plan = cpp.rank_plan(comm, cp, rank, s, causal, cpp.LoadBalance.DUAL_CHUNK, align)
+        split = tcp.SeqSplit(QKVFormat.BSHD, cp, rank, seqlen=s, balance=balance, rounds=rounds)
+        plan = cpp.rank_plan(comm, cp, rank, s, causal, balance, align, rounds=rounds)
         assert tcp.rank_plan(split, spec, comm).calls == plan.calls
+        assert split.token_index().tolist() == [c * length + i for c in cpp.rank_chunks(cp, rank, balance, rounds)
+                                                for i in range(length)]
         launched.clear()
-        local = lambda h: torch.zeros(1, 2 * length, h, 8)  # noqa: E731
+        local = lambda h: torch.zeros(1, s // cp, h, 8)  # noqa: E731
         glob = lambda h: torch.zeros(1, s, h, 8)  # noqa: E731
         tcp.fused_forward_step(local(2), glob(1), glob(1), split, spec)
         tcp.fused_backward_step(glob(2), glob(1), glob(1), glob(2), glob(2), torch.zeros(1, 2, s), split, spec)
@@ -121,6 +130,86 @@ def test_pytorch_thd_tokens_per_rank_fall_as_one_over_cp(causal, monkeypatch):
             tcp.fused_backward_step(g, torch.zeros(total, 1, 8), torch.zeros(total, 1, 8), g, g,
                                     torch.zeros(2, total), split, spec)
             assert kept == {p: total // cp for p in cpp.Pass}, (cp, rank, kept)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "no_mask"])
+@pytest.mark.parametrize("cp,stripe,align", [(2, 5, 1), (4, 2, 1), (8, 1, 1), (2, 5, 4), (4, 5, 8)])
+def test_pytorch_thd_striped_launches_cut_the_plans_calls_and_cover_each_pass_once(cp, stripe, align, causal,
+                                                                                    monkeypatch):
+    """thd in the Striped order (over the packed row): a rank's calls of a pass are one launch, in the plan's
+    order, with one pseudo-sequence per call and sequence its stripe's real rows meet: those rows from the tile
+    boundary before them (counted from the sequence's start; the forward's lead rows zero), copied to the
+    launch's own buffer, against the call's span cut to the sequence. Rows are told apart by their values
+    (each token holds its global position + 1). With ``align`` 1 the ranks' own rows are every real token
+    exactly once per pass."""
+    torch, tcp = _torch()
+    seen = []
+
+    def spans(cu, off):
+        return [(int(o), int(n)) for o, n in zip(off.tolist(), (cu[1:] - cu[:-1]).tolist())]
+
+    def rows(x, cu, off):  # the tokens a pseudo-sequence's rows hold (position + 1; 0: a zero row)
+        return [[int(x[o + j, 0, 0]) for j in range(n)] for o, n in spans(cu, off)]
+
+    def forward(q, k, v, call, out=None, lse=None):
+        seen.append((cpp.Pass.FORWARD, call.params.attn_mask_type,
+                     rows(q, call.cu_seqlens_q, call.cu_seqlens_q_padded),
+                     spans(call.cu_seqlens_kv, call.cu_seqlens_kv_padded)))
+        n = len(call.cu_seqlens_q) - 1
+        return q.new_zeros(q.shape), q.new_zeros((n, q.shape[1], call.params.max_seqlen_q), dtype=torch.float32)
+
+    def backward(q, k, v, out, d_out, lse, call, grads, dq=None, dk=None, dv=None, delta=None, preprocess=True):
+        if grads.name == "DQ":
+            assert torch.equal(out, q) and torch.equal(d_out, q)  # the query rows' outputs and gradients, copied
+            seen.append((cpp.Pass.DQ, call.params.attn_mask_type, rows(q, call.cu_seqlens_q, call.cu_seqlens_q_padded),
+                         spans(call.cu_seqlens_kv, call.cu_seqlens_kv_padded)))
+        else:
+            assert torch.equal(v, k)
+            seen.append((cpp.Pass.DKDV, call.params.attn_mask_type,
+                         rows(k, call.cu_seqlens_kv, call.cu_seqlens_kv_padded),
+                         spans(call.cu_seqlens_q, call.cu_seqlens_q_padded)))
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None
+
+    monkeypatch.setattr(tcp.kernel_runner, "forward", forward)
+    monkeypatch.setattr(tcp.kernel_runner, "backward", backward)
+    lengths, padded = (13, 30, 0, 5, 20), (16, 30, 0, 8, 26)  # padding, and a sequence of none
+    starts = tuple(sum(padded[:i]) for i in range(len(padded)))
+    total = sum(padded)
+    real = [st + i for st, n in zip(starts, lengths) for i in range(n)]
+    spec = tcp.FusedSpec(0.25, causal, True, align)
+    glob = torch.arange(1, total + 1, dtype=torch.float32)[:, None, None].expand(total, 1, 8).contiguous()
+    covered = {p: [] for p in cpp.Pass}
+    for rank in range(cp):
+        rounds = total // (cp * stripe)
+        split = tcp.SeqSplit(QKVFormat.THD, cp, rank, starts=starts, padded=padded, lengths=lengths,
+                             balance=cpp.LoadBalance.STRIPED, rounds=rounds)
+        assert split.token_index().tolist() == [t for t in range(total) if (t // stripe) % cp == rank]
+        plan = cpp.rank_plan("p2p", cp, rank, total, causal, cpp.LoadBalance.STRIPED, rounds=rounds)
+        assert tcp.rank_plan(split, spec).calls == plan.calls
+        seen.clear()
+        q_local = glob.index_select(0, split.token_index())
+        tcp.fused_forward_step(q_local, glob, glob, split, spec)
+        tcp.fused_backward_step(glob, glob, glob, glob, glob, torch.zeros(1, total), split, spec)
+        expected = []
+        for pass_ in (cpp.Pass.FORWARD, cpp.Pass.DKDV, cpp.Pass.DQ):
+            own, other = [], []
+            for call in (c for c in plan.calls if c.pass_ == pass_):
+                for st, n in zip(starts, lengths):
+                    a, b = max(call.chunk.start, st), min(call.chunk.end, st + n)
+                    if a >= b:
+                        continue
+                    lo = st + (a - st) // align * align
+                    lead = [0] * (a - lo) if pass_ == cpp.Pass.FORWARD else list(range(lo + 1, a + 1))
+                    own.append(lead + list(range(a + 1, b + 1)))
+                    covered[pass_] += list(range(a, b))
+                    o = max(call.span[0], st) if pass_ != cpp.Pass.DKDV else min(max(call.span[0], st), lo)
+                    other.append((o, min(call.span[1], st + n) - o))
+            if own:
+                mask = next(c for c in plan.calls if c.pass_ == pass_).padded_mask()
+                expected.append((pass_, mask, own, other))
+        assert seen == expected, rank
+    for pass_ in cpp.Pass:  # over the ranks every real token is kept once per pass
+        assert sorted(covered[pass_]) == real, pass_
 
 
 # -- JAX -------------------------------------------------------------------------------------------------

@@ -18,9 +18,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dpa_helpers import INTERPRET, ON_GPU, requires_fused
 from transformer_engine.common.attention import QKVFormat
+from transformer_engine.common.attention.context_parallel import LoadBalance
 from transformer_engine.pytorch import DotProductAttention
 from transformer_engine.pytorch.attention.context_parallel import (
-    SeqSplit, assemble, check_context_parallel_args, local_tokens,
+    SeqSplit, _split_of, assemble, check_context_parallel_args, local_tokens,
 )
 from te_torch_testing import run_ranks_in_one_process
 
@@ -50,6 +51,61 @@ def test_split_matches_megatron_layout(cp):
     x = torch.randn(sum(padded), 3)
     parts = [x[thd.with_rank(r).token_index()] for r in range(cp)]
     assert torch.equal(assemble(parts, 0, thd), x)
+
+
+def _striped_tokens(total, cp, rank, stripe):
+    """JAX's reorder_causal_load_balancing(ReorderStrategy.Striped), written out: stripes t with t % cp == rank."""
+    return [t for t in range(total) if (t // stripe) % cp == rank]
+
+
+@pytest.mark.parametrize("cp,stripe", [(1, 4), (2, 1), (2, 4), (4, 2), (4, 3)])
+def test_striped_split_deals_stripes_round_robin(cp, stripe):
+    """cp_stripe_size: bshd stripes of the sequence, thd of the packed row (padding included); ``assemble``
+    puts every rank's tokens back in global order; an a2a group's tokens are the p2p group's split with stripes
+    a2a size times longer (what "a2a+p2p" relies on)."""
+    s = 6 * cp * stripe
+    padded, lengths = (2 * cp * stripe, 4 * cp * stripe), (2 * cp * stripe - 1, 3 * cp * stripe)
+    striped = dict(balance=LoadBalance.STRIPED, rounds=6)
+    bshd = SeqSplit(QKVFormat.BSHD, cp, 0, seqlen=s, **striped)
+    thd = SeqSplit(QKVFormat.THD, cp, 0, starts=(0, padded[0]), padded=padded, lengths=lengths, **striped)
+    for split in (bshd, thd):
+        for r in range(cp):
+            assert split.with_rank(r).token_index().tolist() == _striped_tokens(s, cp, r, stripe)
+        x = torch.randn(s, 3)
+        parts = [local_tokens(x, 0, split.with_rank(r)) for r in range(cp)]
+        assert torch.equal(assemble(parts, 0, split), x)
+    if cp == 4:  # a2a groups of 2 ranks: p2p rank p holds the tokens of ranks 2p and 2p + 1
+        coarse = SeqSplit(QKVFormat.BSHD, 2, 0, seqlen=s, **striped)
+        for p in range(2):
+            group = sorted(t for r in (2 * p, 2 * p + 1) for t in bshd.with_rank(r).token_index().tolist())
+            assert coarse.with_rank(p).token_index().tolist() == group == _striped_tokens(s, 2, p, 2 * stripe)
+
+
+class _Seqs:
+    def __init__(self, cu, cu_padded):
+        self.cu_seqlens_q = self.cu_seqlens_kv = cu
+        self.cu_seqlens_q_padded = self.cu_seqlens_kv_padded = cu_padded
+
+
+def test_striped_order_is_refused_by_name_when_malformed():
+    for bad in (0, -2, True, 2.0, "4"):
+        with pytest.raises(ValueError, match=r"`cp_stripe_size` must be None \(the dual-chunk order\) or a positive "
+                                             rf"int \(the Striped order\), got {bad!r}"):
+            check_context_parallel_args(None, None, None, "p2p", bad)
+    x = torch.zeros(1, 12, 2, 16)
+    with pytest.raises(ValueError, match="`query_layer` must hold whole stripes of cp_stripe_size=5 tokens"):
+        _split_of(QKVFormat.BSHD, x, x, 2, 0, None, 5)
+    split = _split_of(QKVFormat.BSHD, x, x, 2, 1, None, 3)
+    assert (split.balance, split.rounds, split.slots, split.chunk_len()) == (LoadBalance.STRIPED, 4, (1, 3, 5, 7), 3)
+    cu = torch.tensor([0, 10, 24], dtype=torch.int32)
+    t = torch.zeros(12, 2, 16)
+    with pytest.raises(ValueError, match="`cu_seqlens_q` must give a packed total divisible by cp_size \\* "
+                                         "cp_stripe_size = 10 \\(the Striped order of the packed row\\), got 24"):
+        _split_of(QKVFormat.THD, t, t, 2, 0, _Seqs(cu, None), 5)
+    split = _split_of(QKVFormat.THD, t, t, 2, 0, _Seqs(cu, None), 3)  # 10 and 14 tokens: no 2 * cp multiple needed
+    assert split.packed and split.rounds == 4 and split.token_index().tolist() == _striped_tokens(24, 2, 0, 3)
+    cu = torch.tensor([0, 8, 24], dtype=torch.int32)
+    assert not _split_of(QKVFormat.THD, t, t, 2, 0, _Seqs(cu, None), None).packed  # the default: dual chunks
 
 
 class _IndexOps(TorchDispatchMode):
@@ -139,9 +195,52 @@ def test_one_process_ranks_match_single_call_bitwise(fmt, causal, cp, size, batc
         assert torch.equal(a, b), f"{name}: max diff {(a.float() - b.float()).abs().max().item()}"
 
 
+# The Striped order (cp_stripe_size) in one process: (fmt, causal, cp, s or (lengths, padded), stripe, dtype);
+# stripes off the interpreter's 16-row tiles (calls with lead rows), thd over the packed row with padding.
+ONE_PROCESS_STRIPED = [
+    ("bshd", True, 2, 48, 4, torch.float16),
+    ("bshd", True, 4, 48, 3, torch.float32),
+    ("sbhd", False, 2, 64, 8, torch.float32),
+    ("thd", True, 2, ((29, 30, 10), (32, 40, 16)), 4, torch.float32),
+    ("thd", True, 4, ((29, 30, 10), (32, 40, 16)), 11, torch.float16),
+    ("thd", False, 2, ((29, 30, 10), (32, 40, 16)), 11, torch.float32),
+]
+
+
+@requires_fused
+@pytest.mark.parametrize("fmt,causal,cp,size,stripe,dtype", ONE_PROCESS_STRIPED, ids=lambda x: str(x))
+def test_one_process_striped_ranks_match_single_call_bitwise(fmt, causal, cp, size, stripe, dtype):
+    """Every rank's steps with the ranks holding the Striped order's stripes: out, dq, dk, dv bitwise the single
+    call's (cp = 1). Repeats: the multi-process striped suites."""
+    from fused_helpers import DEVICE
+    from transformer_engine.pytorch.attention.fused_attn import fused_attn_func
+
+    g = torch.Generator().manual_seed(5)
+    h, hk, d = 2, 1, 16
+    kwargs, extra = {}, {}
+    if fmt == "thd":
+        lengths, padded = size
+        cu = torch.tensor([0] + [sum(lengths[:i + 1]) for i in range(len(lengths))], dtype=torch.int32, device=DEVICE)
+        cup = torch.tensor([0] + [sum(padded[:i + 1]) for i in range(len(padded))], dtype=torch.int32, device=DEVICE)
+        lead = (sum(padded),)
+        kwargs = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cup, cu_seqlens_kv_padded=cup)
+        extra = dict(cu_seqlens=cu, cu_seqlens_padded=cup)
+        mask = "padding_causal" if causal else "padding"
+    else:
+        lead = (1, size) if fmt == "bshd" else (size, 1)
+        mask = "causal" if causal else "no_mask"
+    q, k, v, d_out = (torch.randn(*lead, hh, d, generator=g).to(DEVICE, dtype) for hh in (h, hk, hk, h))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = fused_attn_func(*leaves, fmt, mask, None, d ** -0.5, deterministic=True, **kwargs)
+    want = (out,) + torch.autograd.grad(out, leaves, d_out)
+    got = run_ranks_in_one_process(q, k, v, d_out, fmt, cp, causal, d ** -0.5, stripe=stripe, **extra)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), f"{name}: max diff {(a.float() - b.float()).abs().max().item()}"
+
+
 # Multi-process suites (tests/pytorch/distributed/cp_attention.py): (suite, processes, backend).
 SUITES = [("unfused2 errors", 2, "unfused"), ("unfused4 errors", 4, "unfused"), ("fused2", 2, "fused"),
-          ("fused4", 4, "fused")]
+          ("fused4", 4, "fused"), ("striped2", 2, "fused"), ("striped4", 4, "fused")]
 
 
 def _launch(suites: str, nproc: int, backend: str):

@@ -24,7 +24,7 @@ def _cu(lengths):
     return torch.tensor(out, dtype=torch.int32, device="cuda")
 
 
-def _check(fmt, causal, cp, h, hk, d, s=None, lengths=None, padded=None, b=1, dtype=torch.bfloat16):
+def _check(fmt, causal, cp, h, hk, d, s=None, lengths=None, padded=None, b=1, dtype=torch.bfloat16, stripe=None):
     g = torch.Generator(device="cuda").manual_seed(11)
     kwargs, extra = {}, {}
     if fmt == "thd":
@@ -49,10 +49,10 @@ def _check(fmt, causal, cp, h, hk, d, s=None, lengths=None, padded=None, b=1, dt
     out = fused_attn_func(*leaves, fmt, mask, None, d ** -0.5, deterministic=True, **kwargs)
     want = (out.detach(),) + torch.autograd.grad(out, leaves, d_out)
     del out, leaves
-    first = run_ranks_in_one_process(q, k, v, d_out, fmt, cp, causal, d ** -0.5, **extra)
+    first = run_ranks_in_one_process(q, k, v, d_out, fmt, cp, causal, d ** -0.5, stripe=stripe, **extra)
     for name, a, w in zip(("out", "dq", "dk", "dv"), first, want):
         assert torch.equal(a, w), f"{name} cp={cp}: max diff {(a.float() - w.float()).abs().max().item()}"
-    again = run_ranks_in_one_process(q, k, v, d_out, fmt, cp, causal, d ** -0.5, **extra)
+    again = run_ranks_in_one_process(q, k, v, d_out, fmt, cp, causal, d ** -0.5, stripe=stripe, **extra)
     assert all(torch.equal(a, b_) for a, b_ in zip(first, again)), "not bitwise over a repeat"
 
 
@@ -84,3 +84,13 @@ def test_bshd_causal_128k():
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
 def test_batch_of_two_16k(fmt):
     _check(fmt, True, 4, h=8, hk=2, d=128, s=16384, b=2)
+
+
+# The Striped order (cp_stripe_size): stripes on the H200's 128-row tiles and off them (thd over the packed row).
+@pytest.mark.parametrize("cp,stripe", [(4, 512), (8, 200)])
+def test_bshd_causal_striped_32k(cp, stripe):
+    _check("bshd", True, cp, h=16, hk=4, d=128, s=32000 if stripe == 200 else 32768, stripe=stripe)
+
+
+def test_thd_striped_32k_padded_sequences():
+    _check("thd", True, 4, h=8, hk=2, d=128, lengths=(19995, 8990, 2999), padded=(20000, 9000, 3000), stripe=250)

@@ -40,14 +40,16 @@ class Case:
     padded: Tuple[int, ...] = ()  # thd: padded lengths (divisible by 2 * cp)
     dtype: str = "float32"
     reference: bool = True  # also compare with an fp64 reference (small shapes: it materialises s x s scores)
+    stripe: Optional[int] = None  # the Striped order of such stripes (cp_stripe_size; thd: over the packed row)
 
     def __str__(self) -> str:
         if self.fmt == "thd":
             shape = f"lens={list(self.lengths)} padded={list(self.padded)}"
         else:
             shape = f"b={self.b} s={self.s}"
+        order = f" striped={self.stripe}" if self.stripe is not None else ""
         return (f"{self.comm} {self.fmt} {self.mask} h={self.h} h_kv={self.hk} d={self.d} {shape} "
-                f"{self.dtype}")
+                f"{self.dtype}{order}")
 
 
 # Suites: name -> cases. "unfused" runs without the interpreter; "fused" needs it (or a GPU).
@@ -60,6 +62,7 @@ SUITES = {
         Case("bshd", "causal", "a2a", h=4, hk=2, b=2),
         Case("thd", "padding_causal", "a2a", h=2, hk=2, lengths=(29, 16), padded=(32, 16)),
         Case("bshd", "no_mask", "p2p", h=2, hk=1, reference=False),  # the GPU suites' bitwise-only check
+        Case("thd", "padding_causal", "p2p", h=2, hk=1, lengths=(28, 13), padded=(32, 16), stripe=3),
     ],
     "unfused4": [
         Case("bshd", "causal", "p2p", h=4, hk=1, b=2, s=96),
@@ -67,6 +70,7 @@ SUITES = {
         Case("thd", "padding_causal", "p2p", h=2, hk=1, lengths=(45, 16), padded=(48, 16)),
         Case("bshd", "no_mask", "a2a", h=4, hk=4, s=64),
         Case("bshd", "causal", "a2a+p2p", h=4, hk=2, s=64),
+        Case("bshd", "causal", "a2a+p2p", h=4, hk=2, s=64, stripe=2),
     ],
     # Fused kernels under the interpreter (16-row tiles): chunk lengths on them and (cp=4, s=64: 8-token
     # chunks) off them; the one-process tests of test_context_parallel.py cover sbhd and more shapes.
@@ -93,13 +97,34 @@ SUITES["gpu"] = [
     Case("thd", "padding_causal", "p2p", hk=4, lengths=(30001, 2000, 523), padded=(30016, 2000, 528), **_GPU),
     Case("thd", "padding", "all_gather", hk=4, lengths=(16000, 9), padded=(16000, 16), **_GPU),
 ]
+# The Striped order (set_context_parallel_group(..., cp_stripe_size=)): stripes dealt round-robin, thd over the
+# packed row; stripes off the 16-row tiles (calls with lead rows) and, for a2a+p2p, a2a groups of two.
+SUITES["striped2"] = [
+    Case("bshd", "causal", "p2p", h=2, hk=1, s=64, dtype="float16", stripe=4),
+    Case("thd", "padding_causal", "all_gather", h=2, hk=1, lengths=(37, 20, 7), padded=(40, 32, 8), stripe=4),
+    Case("sbhd", "no_mask", "a2a", h=2, hk=2, s=48, stripe=8),
+]
+SUITES["striped4"] = [
+    Case("bshd", "causal", "all_gather", h=2, hk=1, s=64, stripe=2),
+    Case("thd", "padding_causal", "p2p", h=2, hk=1, lengths=(37, 20, 7), padded=(40, 32, 8), stripe=2),
+    Case("bshd", "causal", "a2a+p2p", h=2, hk=2, s=64, dtype="float16", stripe=4),
+]
+SUITES["gpu"] += [
+    Case("bshd", "causal", "p2p", hk=4, s=32768, stripe=128, **_GPU),
+    Case("thd", "padding_causal", "all_gather", hk=4, lengths=(30001, 2000, 500), padded=(30720, 2048, 512),
+         stripe=64, **_GPU),
+]
 SUITES["gpu128k"] = [Case("bshd", "causal", "p2p", hk=4, s=131072, **_GPU)]
 ERROR_SUITE = "errors"
 
 
 def rank_tokens(case: Case, cp: int, rank: int) -> torch.Tensor:
     """Global token positions of a rank's tokens: chunks rank and 2cp-1-rank of every sequence (Megatron's
-    get_batch_on_this_cp_rank)."""
+    get_batch_on_this_cp_rank), or (``case.stripe``) the stripes t with t % cp == rank of the sequence (thd: of
+    the packed row), as JAX's reorder_causal_load_balancing(ReorderStrategy.Striped)."""
+    if case.stripe is not None:
+        total = case.s if case.fmt != "thd" else sum(case.padded)
+        return torch.tensor([t for t in range(total) if (t // case.stripe) % cp == rank], dtype=torch.int64)
     seqs = [(0, case.s)] if case.fmt != "thd" else []
     start = 0
     for p in case.padded:
@@ -209,10 +234,10 @@ def check_case(case: Case, device, world: int) -> Tuple[bool, str]:
     sd = seq_dim(case.fmt)
     idx = rank_tokens(case, cp, rank).to(device)
     local = [t.index_select(sd, idx) for t in (q, k, v, d_out)]
-    if case.comm == "all_gather":  # TransformerEngine's method, after construction
+    if case.comm == "all_gather" or case.stripe is not None:  # TransformerEngine's method, after construction
         module = DotProductAttention(case.h, case.d, num_gqa_groups=case.hk, qkv_format=case.fmt,
                                      attn_mask_type=case.mask)
-        module.set_context_parallel_group(group, None, None, case.comm)
+        module.set_context_parallel_group(group, None, None, case.comm, cp_stripe_size=case.stripe)
     else:
         module = DotProductAttention(case.h, case.d, num_gqa_groups=case.hk, qkv_format=case.fmt,
                                      attn_mask_type=case.mask, cp_group=group, cp_comm_type=case.comm)
@@ -282,6 +307,18 @@ def error_cases(device, world: int) -> List[Tuple[str, bool, str]]:
     m = DotProductAttention(2, 16, qkv_format="bshd", attn_mask_type="causal", cp_group=dist.group.WORLD,
                             window_size=(4, 0))
     results.append(("sliding window",) + expect_error(NotImplementedError, "sliding windows", lambda: m(z, z, z)))
+    m = DotProductAttention(2, 16, qkv_format="bshd", attn_mask_type="causal")
+    m.set_context_parallel_group(dist.group.WORLD, None, None, "p2p", cp_stripe_size=3)
+    results.append(("striped local length",) + expect_error(
+        ValueError, "`query_layer` must hold whole stripes of cp_stripe_size=3 tokens", lambda: m(z, z, z)))
+    results.append(("stripe size",) + expect_error(
+        ValueError, "`cp_stripe_size` must be None (the dual-chunk order) or a positive int (the Striped order), got 0",
+        lambda: m.set_context_parallel_group(dist.group.WORLD, None, None, "p2p", cp_stripe_size=0)))
+    m = DotProductAttention(2, 16, qkv_format="thd", attn_mask_type="padding_causal")
+    m.set_context_parallel_group(dist.group.WORLD, None, None, "p2p", cp_stripe_size=5)
+    results.append(("striped thd total",) + expect_error(
+        ValueError, "must give a packed total divisible by cp_size * cp_stripe_size",
+        lambda: m(t, t, t, cu_seqlens_q=cu, cu_seqlens_kv=cu)))
     # A CP group of one rank is the plain single-device call.
     own = None
     for r in range(world):

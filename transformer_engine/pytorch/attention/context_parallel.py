@@ -3,8 +3,10 @@
 Each rank holds its part of the sequence in TransformerEngine's load-balanced split (docs:
 context_parallelism.rst): the sequence in ``2 * cp`` chunks, rank ``r`` holding chunks ``r`` and
 ``2 * cp - 1 - r`` concatenated; for thd every sequence is split so (its padded length from
-``cu_seqlens_*_padded``). Every reduction of attention then runs on one rank, in the single-device
-kernel's order:
+``cu_seqlens_*_padded``). With ``cp_stripe_size`` (ours) the ranks hold TransformerEngine-JAX's Striped
+order instead: stripes of that many tokens dealt round-robin (thd: over the packed row), each stripe a
+chunk of the plan (:class:`SeqSplit` carries the order). Every reduction of attention then runs on one
+rank, in the single-device kernel's order:
 
 - ``"a2a"``: an all-to-all gives each rank ``h / cp`` heads of the whole sequences (in global order),
   the unchanged single-device attention runs on them, an all-to-all gives the rows back. Heads are
@@ -36,6 +38,7 @@ device with the exchanges as tensor copies (tests and benchmarks).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -58,8 +61,9 @@ __all__ = [
 ]
 
 CP_COMM_TYPES = cp_plan.CP_COMM_TYPES
-# The load-balanced order of every format: chunks r and 2 cp - 1 - r of each sequence on rank r.
-BALANCE = cp_plan.LoadBalance.DUAL_CHUNK
+# The default load-balanced order of every format (TransformerEngine's): chunks r and 2 cp - 1 - r of each
+# sequence on rank r. ``cp_stripe_size`` selects the Striped order instead (:class:`SeqSplit` carries it).
+DUAL_CHUNK = cp_plan.LoadBalance.DUAL_CHUNK
 
 
 def _to_device(x: torch.Tensor, device) -> torch.Tensor:
@@ -82,6 +86,7 @@ class ContextParallelGroup:
     groups: Tuple[object, ...]
     global_ranks: Optional[Tuple[int, ...]] = None
     stream: Optional[object] = None
+    stripe_size: Optional[int] = None  # None: the dual-chunk order; an int: the Striped order of such stripes
 
     @property
     def sizes(self) -> Tuple[int, ...]:
@@ -95,11 +100,16 @@ class ContextParallelGroup:
         return n
 
 
-def check_context_parallel_args(cp_group, cp_global_ranks, cp_stream, cp_comm_type) -> Optional[ContextParallelGroup]:
+def check_context_parallel_args(cp_group, cp_global_ranks, cp_stream, cp_comm_type,
+                                cp_stripe_size: Optional[int] = None) -> Optional[ContextParallelGroup]:
     """The validated settings, or None when context parallelism is off (no group)."""
     if cp_comm_type not in CP_COMM_TYPES:
         choices = ", ".join(repr(c) for c in CP_COMM_TYPES)
         raise ValueError(f"`cp_comm_type` must be one of {choices}, got {cp_comm_type!r}")
+    if cp_stripe_size is not None and (isinstance(cp_stripe_size, bool) or not isinstance(cp_stripe_size, int)
+                                       or cp_stripe_size < 1):
+        raise ValueError(f"`cp_stripe_size` must be None (the dual-chunk order) or a positive int (the Striped "
+                         f"order), got {cp_stripe_size!r}")
     if cp_group is None:
         if cp_global_ranks is not None:
             raise ValueError(f"`cp_group` must be given with `cp_global_ranks`, got None (cp_global_ranks="
@@ -121,17 +131,18 @@ def check_context_parallel_args(cp_group, cp_global_ranks, cp_stream, cp_comm_ty
     ranks = None
     if cp_global_ranks is not None:
         ranks = tuple(int(r) for r in cp_global_ranks)
-    return ContextParallelGroup(cp_comm_type, groups, ranks, cp_stream)
+    return ContextParallelGroup(cp_comm_type, groups, ranks, cp_stream, cp_stripe_size)
 
 
 # -- the load-balanced split ---------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class SeqSplit:
-    """Where one rank's tokens sit in the global sequences: ``cp`` ranks, chunks ``rank`` and
-    ``2 * cp - 1 - rank`` of every sequence. Padded formats: one length ``seqlen`` for the batch; thd:
-    per-sequence global ``starts`` and ``padded`` lengths (``cu_seqlens_*_padded``) and real ``lengths``
-    (``cu_seqlens_*``), host ints."""
+    """Where one rank's tokens sit in the global sequences: ``cp`` ranks, each holding the chunks
+    ``rank_chunks(cp, rank, balance, rounds)`` of every sequence (the dual-chunk order: chunks ``rank`` and
+    ``2 * cp - 1 - rank``; STRIPED: stripe ``rank`` of each of ``rounds`` rounds of ``cp`` stripes). Padded
+    formats: one length ``seqlen`` for the batch; thd: per-sequence global ``starts`` and ``padded`` lengths
+    (``cu_seqlens_*_padded``) and real ``lengths`` (``cu_seqlens_*``), host ints."""
 
     fmt: QKVFormat
     cp: int
@@ -140,18 +151,26 @@ class SeqSplit:
     starts: Tuple[int, ...] = ()
     padded: Tuple[int, ...] = ()
     lengths: Tuple[int, ...] = ()
+    balance: cp_plan.LoadBalance = DUAL_CHUNK
+    rounds: int = 1
 
     @property
     def is_thd(self) -> bool:
         return self.fmt == QKVFormat.THD
 
+    @property
+    def packed(self) -> bool:
+        """thd in the Striped order: the stripes (and the plan) run over the packed row of every sequence,
+        as JAX's THD load balancing; the dual-chunk order splits each sequence."""
+        return self.is_thd and self.balance == cp_plan.LoadBalance.STRIPED
+
     def with_rank(self, rank: int) -> "SeqSplit":
-        return SeqSplit(self.fmt, self.cp, rank, self.seqlen, self.starts, self.padded, self.lengths)
+        return dataclasses.replace(self, rank=rank)
 
     @property
-    def slots(self) -> Tuple[int, int]:
-        """The rank's two chunk indices, in local order."""
-        return cp_plan.rank_chunks(self.cp, self.rank, BALANCE)
+    def slots(self) -> Tuple[int, ...]:
+        """The rank's chunk indices, in local order."""
+        return cp_plan.rank_chunks(self.cp, self.rank, self.balance, self.rounds)
 
     @property
     def total(self) -> int:
@@ -163,15 +182,17 @@ class SeqSplit:
         return self.total // self.cp
 
     def chunk_len(self, n: int = 0) -> int:
-        return self.seq_len(n) // cp_plan.num_chunks(self.cp, BALANCE)
+        return self.seq_len(n) // cp_plan.num_chunks(self.cp, self.balance, self.rounds)
 
     def seq_len(self, n: int = 0) -> int:
-        """The (padded) length of sequence ``n``, the length the plan splits."""
+        """The length the plan splits: the (padded) length of sequence ``n``; the packed row's (``packed``)."""
+        if self.packed:
+            return self.total
         return self.padded[n] if self.is_thd else self.seqlen
 
     def token_index(self) -> torch.Tensor:
         """int64 [local tokens]: the global position (token dim) of each of this rank's tokens."""
-        if not self.is_thd:
+        if not self.is_thd or self.packed:
             length = self.chunk_len()
             return torch.cat([torch.arange(c * length, (c + 1) * length) for c in self.slots])
         parts = []
@@ -186,7 +207,7 @@ class SeqSplit:
         out, at = [], 0
         for n in range(len(self.starts)):
             out.append(at)
-            at += 2 * self.chunk_len(n)
+            at += len(self.slots) * self.chunk_len(n)
         return out
 
 
@@ -205,7 +226,7 @@ def assemble(parts: Sequence[torch.Tensor], dim: int, split: SeqSplit) -> torch.
     if not split.is_thd:
         length = split.chunk_len()
         return torch.cat([parts[r].narrow(dim, slot * length, length)
-                          for r, slot in cp_plan.chunk_places(split.cp, BALANCE)], dim=dim)
+                          for r, slot in cp_plan.chunk_places(split.cp, split.balance, split.rounds)], dim=dim)
     perm = _to_device(global_permutation(split), parts[0].device)
     return torch.cat(list(parts), dim=dim).index_select(dim, perm)
 
@@ -296,8 +317,9 @@ def rank_plan(split: SeqSplit, spec: FusedSpec, comm_type: str = "p2p", n: int =
               heads: Tuple[int, int] = (0, 1)) -> cp_plan.RankPlan:
     """The common plan this module runs for ``split``'s rank (thd: of sequence ``n``); "a2a+p2p": ``split``
     is the p2p group's and ``heads`` the rank's (a2a rank, a2a size)."""
-    return cp_plan.rank_plan(comm_type, split.cp, split.rank, split.seq_len(n), spec.causal, BALANCE, spec.align,
-                             heads)
+    # packed: the calls' rows are cut per sequence and aligned from its start (_packed_segments), not here.
+    return cp_plan.rank_plan(comm_type, split.cp, split.rank, split.seq_len(n), spec.causal, split.balance,
+                             1 if split.packed else spec.align, heads, rounds=split.rounds)
 
 
 def fused_forward_step(q: torch.Tensor, k_glob: torch.Tensor, v_glob: torch.Tensor, split: SeqSplit,
@@ -305,12 +327,12 @@ def fused_forward_step(q: torch.Tensor, k_glob: torch.Tensor, v_glob: torch.Tens
     """One rank's forward: (out of its tokens, lse of its tokens) from its queries ``q`` and the global
     keys/values. lse is [b, h, local s] (padded formats) or [h, local t] (thd), fp32."""
     if split.is_thd:
-        return _thd_forward(q, k_glob, v_glob, split, spec)
+        return (_packed_forward if split.packed else _thd_forward)(q, k_glob, v_glob, split, spec)
     fmt, sd = split.fmt, _seq_dim(split.fmt)
     length = split.chunk_len()
     # Each forward call of the plan writes its chunk's rows of out and lse (a copy where rows lead the chunk).
     out = unfilled(tuple(q.shape[:-1]) + (v_glob.shape[-1],), q.dtype, q.device)
-    lse = unfilled((q.shape[1 - sd], q.shape[-2], 2 * length), torch.float32, q.device)
+    lse = unfilled((q.shape[1 - sd], q.shape[-2], split.local_total), torch.float32, q.device)
     for call in rank_plan(split, spec).calls:
         if call.pass_ != cp_plan.Pass.FORWARD:
             continue
@@ -333,10 +355,11 @@ def fused_backward_step(q_g, k_g, v_g, out_g, d_out_g, lse_g, split: SeqSplit,
     (dq, dk, dv) of its own tokens."""
     d_out_g = d_out_g.contiguous()  # an expanded dO has stride 0: no TMA
     if split.is_thd:
-        return _thd_backward(q_g, k_g, v_g, out_g, d_out_g, lse_g, split, spec)
+        return (_packed_backward if split.packed else _thd_backward)(q_g, k_g, v_g, out_g, d_out_g, lse_g, split,
+                                                                      spec)
     fmt, sd = split.fmt, _seq_dim(split.fmt)
     length = split.chunk_len()
-    local = lambda t: t.new_empty(tuple(t.shape[:sd]) + (2 * length,) + tuple(t.shape[sd + 1:]))  # noqa: E731
+    local = lambda t: t.new_empty(tuple(t.shape[:sd]) + (split.local_total,) + tuple(t.shape[sd + 1:]))  # noqa: E731
     dq, dk, dv = local(q_g), local(k_g), local(v_g)
     # rowsum(dO * O) once per rank, in the plan's preprocessing call (its query span holds every row a later
     # call of the rank reads); the other calls skip the preprocess.
@@ -497,6 +520,134 @@ def _thd_backward(q_g, k_g, v_g, out_g, d_out_g, lse_g, split: SeqSplit, spec: F
         return torch.cat(grads, dim=0).index_select(0, _to_device(torch.cat([r for _, _, r in index]), device))
 
     return kept(cp_plan.Pass.DQ, 0), kept(cp_plan.Pass.DKDV, 0), kept(cp_plan.Pass.DKDV, 1)
+
+
+# thd in the Striped order: the plan runs over the packed row (its chunks are the stripes), as JAX's packed-row
+# plan. Each call of the plan is one pseudo-sequence per sequence the call's chunk's real rows meet: those rows
+# from the tile boundary before them (tiles counted from the sequence's start, so that the kernels' blocks are
+# the single call's), against the call's span cut to the sequence (from that boundary on for dK/dV, whose
+# queries and keys start together, top-left). The calls of a pass are one launch (a rank holds many stripes):
+# the own-side rows of each pseudo-sequence are copied to a buffer of their own, since one call's lead rows
+# are another call's kept rows and the kernels write every row they compute. Padding rows are kept by no call:
+# their outputs and gradients are zero.
+
+@dataclass(frozen=True)
+class _Segment:
+    """One pseudo-sequence of a packed call, in sequence coordinates (the sequence starts at global ``start``):
+    own rows ``[lo, pe)`` of which ``[pa, pe)`` are kept and sit at ``local`` in the rank's tokens, the other
+    operand's rows ``[sa, se)``."""
+
+    start: int
+    lo: int
+    pa: int
+    pe: int
+    sa: int
+    se: int
+    local: int
+
+    @property
+    def own(self) -> int:
+        return self.pe - self.lo
+
+    @property
+    def lead(self) -> int:
+        return self.pa - self.lo
+
+
+def _packed_segments(split: SeqSplit, spec: FusedSpec, call: cp_plan.ChunkCall) -> List[_Segment]:
+    clip = lambda x, n: min(max(x, 0), n)  # noqa: E731
+    out = []
+    for start, real in zip(split.starts, split.lengths):
+        pa, pe = clip(call.chunk.start - start, real), clip(call.chunk.end - start, real)
+        if pe <= pa:
+            continue
+        lo = pa - pa % spec.align
+        sa, se = clip(call.span[0] - start, real), clip(call.span[1] - start, real)
+        if call.pass_ == cp_plan.Pass.DKDV:
+            sa = min(sa, lo)
+        out.append(_Segment(start, lo, pa, pe, sa, se, call.chunk.local_start + start + pa - call.chunk.start))
+    return out
+
+
+def _packed_launch(split: SeqSplit, spec: FusedSpec, pass_: cp_plan.Pass):
+    """The pass's launch: (mask, the pseudo-sequences of its calls in the plan's order, where each one's own rows
+    start in the launch's own-side buffer), or None when no call has a real row."""
+    calls = [c for c in rank_plan(split, spec).calls if c.pass_ == pass_]
+    assert len({c.mask for c in calls}) <= 1, calls
+    segments = [g for c in calls for g in _packed_segments(split, spec, c)]
+    if not segments:
+        return None
+    starts = [0]
+    for g in segments[:-1]:
+        starts.append(starts[-1] + g.own)
+    return calls[0].padded_mask(), segments, starts
+
+
+def _packed_keep(segments: List[_Segment], starts: List[int], device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(rows of the own-side buffer, rows of the rank's tokens) of the kept rows."""
+    src = torch.cat([torch.arange(b + g.lead, b + g.own) for b, g in zip(starts, segments)])
+    dst = torch.cat([torch.arange(g.local, g.local + g.pe - g.pa) for g in segments])
+    return _to_device(src, device), _to_device(dst, device)
+
+
+def _packed_forward(q, k_g, v_g, split: SeqSplit, spec: FusedSpec):
+    device, t_local = q.device, q.shape[0]
+    out = q.new_zeros(tuple(q.shape[:-1]) + (v_g.shape[-1],))
+    lse = torch.full((q.shape[1], t_local), float("inf"), dtype=torch.float32, device=device)
+    launch = _packed_launch(split, spec, cp_plan.Pass.FORWARD)
+    if launch is None:
+        return out, lse
+    mask, segments, starts = launch
+    # The queries of each pseudo-sequence (zero rows before the kept ones: rows do not interact).
+    q_ext = torch.cat([q, q.new_zeros((1,) + tuple(q.shape[1:]))], dim=0)  # row t_local: the zero row
+    index = torch.cat([torch.cat([torch.full((g.lead,), t_local, dtype=torch.int64),
+                                  torch.arange(g.local, g.local + g.pe - g.pa)]) for g in segments])
+    q_buf = q_ext.index_select(0, _to_device(index, device))
+    len_q, len_k = [g.own for g in segments], [g.se - g.sa for g in segments]
+    max_q = max(len_q)
+    o, l_ = _fwd(q_buf, k_g, v_g, QKVFormat.THD, spec, mask, _cu(len_q, device), _cu(len_k, device),
+                 _offsets(starts, device), _offsets([g.start + g.sa for g in segments], device), max_q,
+                 max(max(len_k), 1))
+    rows, dst = _packed_keep(segments, starts, device)
+    cols = torch.cat([torch.arange(i * max_q + g.lead, i * max_q + g.own) for i, g in enumerate(segments)])
+    out.index_copy_(0, dst, o.index_select(0, rows))
+    lse.index_copy_(1, dst, l_.permute(1, 0, 2).reshape(l_.shape[1], -1).index_select(1, _to_device(cols, device)))
+    return out, lse
+
+
+def _packed_backward(q_g, k_g, v_g, out_g, d_out_g, lse_g, split: SeqSplit, spec: FusedSpec):
+    """The rank's (dq, dk, dv): a dQ launch and a dK/dV launch over the global rows, the own side (queries with
+    their outputs and output gradients; keys and values) copied per pseudo-sequence."""
+    device, t_local = q_g.device, split.local_total
+    local = lambda t: t.new_zeros((t_local,) + tuple(t.shape[1:]))  # noqa: E731  (padding rows: zero)
+    dq, dk, dv = local(q_g), local(k_g), local(v_g)
+    for pass_ in (cp_plan.Pass.DKDV, cp_plan.Pass.DQ):
+        launch = _packed_launch(split, spec, pass_)
+        if launch is None:
+            continue
+        mask, segments, starts = launch
+        index = _to_device(torch.cat([torch.arange(g.start + g.lo, g.start + g.pe) for g in segments]), device)
+        own_rows, own_lens = [g.start + g.lo for g in segments], [g.own for g in segments]
+        other_rows, other_lens = [g.start + g.sa for g in segments], [g.se - g.sa for g in segments]
+        if pass_ == cp_plan.Pass.DQ:  # q side: the buffer (lse read at the rows' global places)
+            q_, out_, d_out_ = (t.index_select(0, index) for t in (q_g, out_g, d_out_g))
+            k_, v_ = k_g, v_g
+            q_rows, q_lens, q_off, k_lens, k_off = own_rows, own_lens, starts, other_lens, other_rows
+        else:  # k side: the buffer
+            q_, out_, d_out_ = q_g, out_g, d_out_g
+            k_, v_ = (t.index_select(0, index) for t in (k_g, v_g))
+            q_rows, q_lens, q_off, k_lens, k_off = other_rows, other_lens, other_rows, own_lens, starts
+        max_q, max_k = max(max(q_lens), 1), max(max(k_lens), 1)
+        grads = _bwd(BackwardGrads.DQ if pass_ == cp_plan.Pass.DQ else BackwardGrads.DKDV, q_, k_, v_, out_, d_out_,
+                     _lse_for_call(lse_g, q_rows, q_lens, max_q), QKVFormat.THD, spec, mask, _cu(q_lens, device),
+                     _cu(k_lens, device), _offsets(q_off, device), _offsets(k_off, device), max_q, max_k)
+        src, dst = _packed_keep(segments, starts, device)
+        if pass_ == cp_plan.Pass.DQ:
+            dq.index_copy_(0, dst, grads.index_select(0, src))
+        else:
+            dk.index_copy_(0, dst, grads[0].index_select(0, src))
+            dv.index_copy_(0, dst, grads[1].index_select(0, src))
+    return dq, dk, dv
 
 
 # -- exchanges -----------------------------------------------------------------------------------------
@@ -670,10 +821,21 @@ class _HeadsToSeq(torch.autograd.Function):
 
 # -- the module's entry --------------------------------------------------------------------------------
 
-def _split_of(fmt: QKVFormat, q: torch.Tensor, k: torch.Tensor, cp: int, rank: int, seqs) -> SeqSplit:
+def _split_of(fmt: QKVFormat, q: torch.Tensor, k: torch.Tensor, cp: int, rank: int, seqs,
+              stripe: Optional[int] = None) -> SeqSplit:
+    """The rank's split of the call's tokens: the dual-chunk order, or (``stripe``) the Striped order of
+    ``stripe``-token stripes (thd: over the packed row)."""
     sd = _seq_dim(fmt)
+    striped = dict(balance=cp_plan.LoadBalance.STRIPED) if stripe is not None else {}
     if fmt != QKVFormat.THD:
         s_local = q.shape[sd]
+        if stripe is not None:
+            if s_local % stripe or k.shape[sd] != s_local:
+                raise ValueError(
+                    f"`query_layer` must hold whole stripes of cp_stripe_size={stripe} tokens on each rank (the "
+                    f"global sequence length divisible by cp_size * cp_stripe_size = {cp * stripe}; keys as long as "
+                    f"queries), got local sequence lengths {s_local} (queries) and {k.shape[sd]} (keys)")
+            return SeqSplit(fmt, cp, rank, seqlen=s_local * cp, rounds=s_local // stripe, **striped)
         if s_local % 2 or k.shape[sd] != s_local:
             raise ValueError(
                 f"`query_layer` must hold two equal chunks of the sequence on each rank (the global sequence "
@@ -689,16 +851,22 @@ def _split_of(fmt: QKVFormat, q: torch.Tensor, k: torch.Tensor, cp: int, rank: i
     bounds = [int(x) for x in host_values(padded)]
     padded_lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
     name = "cu_seqlens_q_padded" if seqs.cu_seqlens_q_padded is not None else "cu_seqlens_q"
-    if any(p % (2 * cp) for p in padded_lengths):
+    if stripe is None and any(p % (2 * cp) for p in padded_lengths):
         raise ValueError(f"`{name}` must give every sequence a length divisible by 2 * cp_size = {2 * cp} under "
                          f"context parallelism, got lengths {padded_lengths}")
+    if stripe is not None and bounds[-1] % (cp * stripe):
+        raise ValueError(f"`{name}` must give a packed total divisible by cp_size * cp_stripe_size = {cp * stripe} "
+                         f"(the Striped order of the packed row), got {bounds[-1]}")
     if any(n > p for n, p in zip(lengths, padded_lengths)):
         raise ValueError(f"`cu_seqlens_q` must give lengths no longer than `cu_seqlens_q_padded`'s, got {lengths} "
                          f"and {padded_lengths}")
     if bounds[0] != 0 or q.shape[0] * cp != bounds[-1]:
         raise ValueError(f"`query_layer` must hold {bounds[-1]} // cp_size = {bounds[-1] // cp} tokens on each rank "
                          f"(the padded sequences from `{name}` without gaps), got {q.shape[0]}")
-    return SeqSplit(fmt, cp, rank, starts=tuple(bounds[:-1]), padded=tuple(padded_lengths), lengths=tuple(lengths))
+    if stripe is not None:
+        striped["rounds"] = bounds[-1] // (cp * stripe)
+    return SeqSplit(fmt, cp, rank, starts=tuple(bounds[:-1]), padded=tuple(padded_lengths), lengths=tuple(lengths),
+                    **striped)
 
 
 def unsupported_reasons(comm_type: str, fmt: QKVFormat, mask: AttnMaskType, window, bias_type: AttnBiasType,
@@ -733,7 +901,7 @@ def context_parallel_attend(cp: ContextParallelGroup, attend: Callable, *, backe
     else:
         (size_a, size_p), (rank_a, rank_p) = (1, sizes[0]), (0, ranks[0])
     total = size_a * size_p
-    split = _split_of(fmt, q, k, total, rank_p * size_a + rank_a, seqs)
+    split = _split_of(fmt, q, k, total, rank_p * size_a + rank_a, seqs, cp.stripe_size)
     if size_a > 1:
         for name, heads in (("num_attention_heads", num_heads), ("num_gqa_groups", num_kv_heads)):
             if heads % size_a:
@@ -745,7 +913,9 @@ def context_parallel_attend(cp: ContextParallelGroup, attend: Callable, *, backe
     if use_fused:
         spec = FusedSpec(softmax_scale, causal, deterministic, tile_alignment(q, k, v, fmt, causal, deterministic))
     p2p_group = cp.groups[-1]
-    coarse = SeqSplit(fmt, size_p, rank_p, split.seqlen, split.starts, split.padded, split.lengths)
+    # The tokens of an a2a group are the p2p group's split in the same order: dual chunks of 2 * cp chunks, or
+    # (Striped) the same rounds of stripes size_a times longer.
+    coarse = dataclasses.replace(split, cp=size_p, rank=rank_p)
 
     def rows_attention(q_, k_, v_):
         if size_p == 1:

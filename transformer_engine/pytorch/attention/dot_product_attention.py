@@ -538,16 +538,23 @@ class DotProductAttention(torch.nn.Module):
         # Name of the backend that ran the most recent call: a record for reporting, never consulted.
         self.last_backend: Optional[str] = None
 
-    def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream, cp_comm_type: str = "p2p") -> None:
+    def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream, cp_comm_type: str = "p2p",
+                                   cp_stripe_size: Optional[int] = None) -> None:
         """Context parallelism for the next calls (TransformerEngine's method): ``cp_group`` a process group
         (a list ``[a2a_group, p2p_group]`` for ``cp_comm_type="a2a+p2p"``), or None to turn it off;
         ``cp_comm_type`` one of "p2p", "all_gather", "a2a", "a2a+p2p". ``cp_stream`` is accepted for
-        compatibility (the exchanges run on the current stream)."""
+        compatibility (the exchanges run on the current stream). ``cp_stripe_size`` (ours; TransformerEngine's
+        PyTorch has only the dual-chunk order): None, each rank passes its chunks of TransformerEngine's
+        dual-chunk order; an int, its stripes of the Striped order (stripes of that many tokens dealt
+        round-robin to the ranks; thd: over the packed row), as TransformerEngine-JAX's
+        ``ReorderStrategy.Striped`` (docs: context_parallelism.rst)."""
         from transformer_engine.pytorch.attention.context_parallel import check_context_parallel_args
 
-        self._context_parallel = check_context_parallel_args(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
+        self._context_parallel = check_context_parallel_args(cp_group, cp_global_ranks, cp_stream, cp_comm_type,
+                                                             cp_stripe_size)
         self.cp_group, self.cp_global_ranks, self.cp_stream = cp_group, cp_global_ranks, cp_stream
         self.cp_comm_type = cp_comm_type
+        self.cp_stripe_size = cp_stripe_size
 
     # Floats are kept as exact integer ratios: under torch.compile with dynamic shapes dynamo turns
     # float attributes into symbolic inputs, which backend selection (run while tracing) cannot take.

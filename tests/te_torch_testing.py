@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import collections
+import math
 import contextlib
 from typing import Counter, Iterator, List, Optional, Tuple
 
@@ -29,7 +30,8 @@ from transformer_engine.common.attention.kernels.scores import dropout_keep
 from transformer_engine.pytorch.attention import kernel_runner
 from transformer_engine.pytorch.attention.buffers import host_values
 from transformer_engine.pytorch.attention.call import fused_call
-from transformer_engine.pytorch.attention.config import build_attn_config, check_qkv
+from transformer_engine.common.attention.params import AttnParams
+from transformer_engine.pytorch.attention.config import build_attn_config, check_qkv, deterministic_requested
 from transformer_engine.pytorch.attention.context_parallel import (FusedSpec, SeqSplit, _seq_dim, assemble,
                                                                    fused_backward_step, fused_forward_step,
                                                                    local_tokens, tile_alignment)
@@ -65,13 +67,16 @@ def attn_config(
     fmt = QKVFormat(qkv_format)
     mask = AttnMaskType(attn_mask_type)
     check_qkv(q, k, v, fmt)
-    return build_attn_config(
-        q, k, v, fmt, mask, normalize_window(window_size, mask), AttnBiasType(attn_bias_type),
-        AttnSoftmaxType(softmax_type), bias_shape=bias_shape, dropout=dropout, is_training=is_training,
-        deterministic=deterministic, batch_size=batch_size, max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
-        packing=packing, distinct_kv_lengths=distinct_kv_lengths, bottom_right_diagonal=bottom_right_diagonal,
-        return_max_logit=return_max_logit,
-    )
+    params = AttnParams(
+        attn_mask_type=mask, attn_bias_type=AttnBiasType(attn_bias_type), qkv_format=fmt,
+        window_size=normalize_window(window_size, mask), scaling_factor=1.0 / math.sqrt(q.shape[-1]),
+        dropout_probability=float(dropout), is_training=bool(is_training),
+        deterministic=deterministic_requested() if deterministic is None else bool(deterministic),
+        bottom_right_diagonal=bottom_right_diagonal, softmax_type=AttnSoftmaxType(softmax_type),
+        return_max_logit=bool(return_max_logit))
+    return build_attn_config(q, k, v, params, bias_shape=bias_shape, batch_size=batch_size,
+                             max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv, packing=packing,
+                             distinct_kv_lengths=distinct_kv_lengths)
 
 
 def plan_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs) -> PlanKey:

@@ -26,14 +26,14 @@ MASKS = [(AttnMaskType.NO_MASK, (-1, -1)), (AttnMaskType.CAUSAL_MASK, (-1, -1)),
          (AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK, (64, 0)), (AttnMaskType.PADDING_MASK, (32, 32))]
 DTYPES = ["float16", "bfloat16", "float32"]
 MODS = {"none": dict(), "bias": dict(attn_bias_type=AttnBiasType.POST_SCALE_BIAS, bias_shape="1hss"),
-        "alibi": dict(attn_bias_type=AttnBiasType.ALIBI), "dropout": dict(dropout=0.1)}
+        "alibi": dict(attn_bias_type=AttnBiasType.ALIBI), "dropout": dict(dropout_probability=0.1)}
 
 
 def grid():
     """(key, config, NVTE_FUSED_ATTN_WS value) for every recorded case."""
     for dims, (mask, window), dtype, mod, det, hk, ws in itertools.product(
             DIMS, MASKS, DTYPES, MODS, (True, False), (16, 4), ("1", "0")):
-        cfg = AttnConfig(batch_size=2, num_heads_q=16, num_heads_kv=hk, head_dim_qk=dims[0], head_dim_v=dims[1],
+        cfg = AttnConfig.of(batch_size=2, num_heads_q=16, num_heads_kv=hk, head_dim_qk=dims[0], head_dim_v=dims[1],
                          max_seqlen_q=1024, max_seqlen_kv=1024, dtype=dtype, attn_mask_type=mask, window_size=window,
                          deterministic=det, device_type="cuda", compute_capability=(9, 0), **MODS[mod])
         key = f"d={dims[0]}/{dims[1]} {mask.value} {window} {dtype} {mod} det={int(det)} h_kv={hk} ws={ws}"

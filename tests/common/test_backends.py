@@ -16,10 +16,10 @@ from transformer_engine.common.attention.backends import (
 )
 from transformer_engine.common.attention.policy import order_backends
 
-CONFIG = AttnConfig(batch_size=2, num_heads_q=8, num_heads_kv=2, head_dim_qk=64, head_dim_v=32, max_seqlen_q=128,
+CONFIG = AttnConfig.of(batch_size=2, num_heads_q=8, num_heads_kv=2, head_dim_qk=64, head_dim_v=32, max_seqlen_q=128,
                     max_seqlen_kv=128, dtype="float16", qkv_layout=QKVLayout.SBHD_SBHD_SBHD,
                     attn_mask_type=AttnMaskType.CAUSAL_MASK, window_size=(16, 0), attn_bias_type=AttnBiasType.ALIBI,
-                    dropout=0.1, softmax_type=AttnSoftmaxType.OFF_BY_ONE_SOFTMAX, deterministic=True,
+                    dropout_probability=0.1, softmax_type=AttnSoftmaxType.OFF_BY_ONE_SOFTMAX, deterministic=True,
                     return_max_logit=True, device_type="cuda", compute_capability=(9, 0))
 
 
@@ -53,7 +53,7 @@ def test_capabilities_are_opt_in():
         SUPPORTED_MASKS = frozenset({AttnMaskType.CAUSAL_MASK})
 
     assert OnlyCausal.not_supported_reasons(CONFIG) == []
-    padding = AttnConfig(**{**CONFIG.__dict__, "attn_mask_type": AttnMaskType.PADDING_CAUSAL_MASK})
+    padding = CONFIG.replace(attn_mask_type=AttnMaskType.PADDING_CAUSAL_MASK)
     assert OnlyCausal.not_supported_reasons(padding) == ["attn_mask_type=padding_causal"]
 
 
@@ -67,7 +67,7 @@ def test_max_logit_is_fused_and_unfused_not_flash():
 def test_order_reads_the_classes():
     """flash-attn-4 first where measured faster, after the fused kernels elsewhere on its GPUs."""
     def order(**fields):
-        config = AttnConfig(**{**CONFIG.__dict__, **fields})
+        config = CONFIG.replace(**fields)
         return [b.SHORT_NAME for b in order_backends(list(reversed(BACKENDS)), config)]
 
     assert order(head_dim_qk=128, head_dim_v=128) == ["flash", "fused", "unfused"]

@@ -140,10 +140,10 @@ def test_malformed_plan_arguments_name_the_argument():
 
 
 def test_tile_alignment_is_the_largest_block_of_the_plans():
-    base = AttnConfig(batch_size=1, num_heads_q=8, num_heads_kv=8, head_dim_qk=128, head_dim_v=128, max_seqlen_q=0,
+    base = AttnConfig.of(batch_size=1, num_heads_q=8, num_heads_kv=8, head_dim_qk=128, head_dim_v=128, max_seqlen_q=0,
                       max_seqlen_kv=0, dtype="bfloat16", deterministic=True, device_type="cuda",
                       compute_capability=(9, 0))
-    configs = [dataclasses.replace(base, attn_mask_type=m) for m in (AttnMaskType.CAUSAL_MASK, AttnMaskType.NO_MASK)]
+    configs = [base.replace(attn_mask_type=m) for m in (AttnMaskType.CAUSAL_MASK, AttnMaskType.NO_MASK)]
     align = cpp.tile_alignment(configs)
     blocks = [t.block_m for c in configs for p in (forward_plan(c), backward_plan(c))
               for t in ((p.tiles, p.warp_specialized) if hasattr(p, "tiles") else

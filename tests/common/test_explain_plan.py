@@ -25,7 +25,7 @@ _ROW = re.compile(r"^(\w+)\.(\w+)\[(\d+), (bounded|unbounded)\]( \((dK|dV) pass\
 
 def _config(arch, dims, mask="causal", dtype="bfloat16", **fields):
     mask_type, window = MASKS[mask]
-    return AttnConfig(batch_size=2, num_heads_q=16, num_heads_kv=4, head_dim_qk=dims[0], head_dim_v=dims[1],
+    return AttnConfig.of(batch_size=2, num_heads_q=16, num_heads_kv=4, head_dim_qk=dims[0], head_dim_v=dims[1],
                       max_seqlen_q=2048, max_seqlen_kv=2048, dtype=dtype, attn_mask_type=mask_type,
                       window_size=window, deterministic=True, device_type="cuda", **DEVICES[arch], **fields)
 
@@ -119,14 +119,14 @@ def test_hopper_explanations_where_gluon_serves():
     ("ws off", {}, dict(NVTE_FUSED_ATTN_WS="0"), "NVTE_FUSED_ATTN_WS=0"),
     ("fp32", dict(dtype="float32"), {}, "fp16/bf16 only"),
     ("bias", dict(attn_bias_type=AttnBiasType.POST_SCALE_BIAS, bias_shape="1hss"), {}, "bias"),
-    ("dropout", dict(dropout=0.1), {}, "dropout"),
+    ("dropout", dict(dropout_probability=0.1), {}, "dropout"),
     ("sink", dict(softmax_type=AttnSoftmaxType.OFF_BY_ONE_SOFTMAX), {}, "sink softmax"),
     ("narrow d_v", dict(head_dim_v=64), {}, "do not fill"),
     ("forced", dict(compute_capability=(10, 0)), dict(NVTE_FUSED_ATTN_PLAN_ARCH="sm90"), "forces sm90"),
     ("other arch", dict(compute_capability=(10, 0)), {}, "sm100 has no warp-specialized kernels"),
 ])
 def test_gluon_fallback_reason_is_named(case, fields, env, reason):
-    cfg = dataclasses.replace(_config("sm90", (128, 128)), **fields)
+    cfg = _config("sm90", (128, 128)).replace(**fields)
     with settings.environment(**env):
         ex = explain_plan(cfg)
         assert forward_plan(cfg).warp_specialized is None and backward_plan(cfg).dq_warp_specialized is None
@@ -154,7 +154,7 @@ def test_gluon_fallback_reason_when_triton_cannot_build_them(monkeypatch):
 def test_interpreter_and_optional_passes():
     """On the CPU the interpreter's tiles, split where NVTE_FUSED_ATTN_INTERPRET_SPLIT_QK asks; a post-scale bias
     adds the dBias pass, learnable sink softmax the dSink pass (with the tiles the plan gives them)."""
-    cfg = AttnConfig(batch_size=1, num_heads_q=2, num_heads_kv=2, head_dim_qk=48, head_dim_v=32, max_seqlen_q=64,
+    cfg = AttnConfig.of(batch_size=1, num_heads_q=2, num_heads_kv=2, head_dim_qk=48, head_dim_v=32, max_seqlen_q=64,
                      max_seqlen_kv=64, dtype="float32", device_type="cpu",
                      attn_bias_type=AttnBiasType.POST_SCALE_BIAS, bias_shape="1hss",
                      softmax_type=AttnSoftmaxType.LEARNABLE_SOFTMAX)
@@ -180,15 +180,15 @@ def test_nvte_debug_logs_each_plan_once(caplog, monkeypatch):
     with caplog.at_level(logging.INFO, logger="transformer_engine"), settings.environment(NVTE_DEBUG="1",
                                                                                           NVTE_DEBUG_LEVEL="1"):
         explain_module.log_plan(cfg)
-        explain_module.log_plan(dataclasses.replace(cfg, batch_size=7, max_seqlen_q=99))  # the same plan
-        explain_module.log_plan(dataclasses.replace(cfg, dtype="float32"))
+        explain_module.log_plan(cfg.replace(batch_size=7, max_seqlen_q=99))  # the same plan
+        explain_module.log_plan(cfg.replace(dtype="float32"))
     records = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fused attention plan:")]
     assert len(records) == 2, records
     assert str(explain_plan(cfg)) in records[0] and "fp16/bf16 only" in records[1]
     caplog.clear()
     logging.getLogger("transformer_engine").setLevel(logging.NOTSET)
     with settings.environment(NVTE_DEBUG="0"):
-        explain_module.log_plan(dataclasses.replace(cfg, head_dim_qk=64, head_dim_v=64))
+        explain_module.log_plan(cfg.replace(head_dim_qk=64, head_dim_v=64))
     assert not [r for r in caplog.records if r.getMessage().startswith("fused attention plan:")]
 
 
@@ -199,7 +199,7 @@ def test_the_documented_example_is_what_explain_plan_prints():
     text = (Path(__file__).resolve().parents[2] / "docs" / "portability.rst").read_text()
     block = text.split(">>> print(explain_plan(cfg))\n", 1)[1].split("\n\n", 1)[0]
     shown = "\n".join(line[4:] for line in block.splitlines())
-    cfg = AttnConfig(batch_size=2, num_heads_q=16, num_heads_kv=16, head_dim_qk=192, head_dim_v=128,
+    cfg = AttnConfig.of(batch_size=2, num_heads_q=16, num_heads_kv=16, head_dim_qk=192, head_dim_v=128,
                      max_seqlen_q=4096, max_seqlen_kv=4096, dtype="bfloat16", attn_mask_type=AttnMaskType.CAUSAL_MASK,
                      device_type="cuda", compute_capability=(9, 0))
     assert shown == str(explain_plan(cfg))
@@ -258,7 +258,7 @@ def test_paged_plans_without_gluon_keep_the_triton_forward(page_size):
     from transformer_engine.common.attention.plan import pages_keep_bits
 
     for cfg in (_config("sm80", (128, 128)), _config("sm90", (128, 128), dtype="float32"),
-                dataclasses.replace(_config("sm90", (128, 128)), device_type="cpu", compute_capability=None)):
+                _config("sm90", (128, 128)).replace(device_type="cpu", compute_capability=None)):
         paged = dataclasses.replace(cfg.plan_key, kv_page_size=page_size)
         assert forward_plan(paged) == forward_plan(cfg) and forward_plan(cfg).warp_specialized is None
         assert pages_keep_bits(cfg, page_size)

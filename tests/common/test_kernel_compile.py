@@ -67,7 +67,7 @@ def test_sm90_warp_specialized_plans_compile_without_spills(mask, thd, gqa, head
     block, the most with packed sequences and GQA) where a version without the loader's LSE/delta rows spilled
     112-160 B. At d=256 dK and dV are two passes of one accumulator each: stack only with packed sequences and
     GQA (80 B with 3.6). Other releases: GLUON_DKDV_STACK. Shared memory that fits."""
-    cfg = AttnConfig(batch_size=1, num_heads_q=8, num_heads_kv=8 // gqa, head_dim_qk=head_dim, head_dim_v=head_dim,
+    cfg = AttnConfig.of(batch_size=1, num_heads_q=8, num_heads_kv=8 // gqa, head_dim_qk=head_dim, head_dim_v=head_dim,
                      max_seqlen_q=4096, max_seqlen_kv=4096, dtype="bfloat16", attn_mask_type=mask,
                      deterministic=True, device_type="cuda", compute_capability=(9, 0))
     launches = planned_launches(contiguous_call(cfg, seqlen=4096, thd=thd))
@@ -86,7 +86,7 @@ def test_sm90_warp_specialized_plans_compile_without_spills(mask, thd, gqa, head
 def test_sm90_warp_specialized_split_plans_compile_without_spills(mask, thd, gqa):
     """d_qk 192 / d_v 128: the Gluon forward and dQ with the Q/K head dim as 128 + 64 (the second chunk in
     buffers of its own), 12 warps, no stack, shared memory that fits; dK/dV is the Triton kernel's."""
-    cfg = AttnConfig(batch_size=1, num_heads_q=8, num_heads_kv=8 // gqa, head_dim_qk=192, head_dim_v=128,
+    cfg = AttnConfig.of(batch_size=1, num_heads_q=8, num_heads_kv=8 // gqa, head_dim_qk=192, head_dim_v=128,
                      max_seqlen_q=4096, max_seqlen_kv=4096, dtype="bfloat16", attn_mask_type=mask,
                      deterministic=True, device_type="cuda", compute_capability=(9, 0))
     launches = planned_launches(contiguous_call(cfg, seqlen=4096, thd=thd))
@@ -122,7 +122,7 @@ def test_sm90_gluon_forward_chunked_and_split_compile_without_spills(mask, thd, 
     per consumer warpgroup: GLUON_FWD_CHUNKED_STACK) and, for one query, its split form (one program per chunk,
     one accumulator: no stack) with the combine. Beyond d=128 the plan keeps one chunk (two accumulators spill
     hundreds of bytes there)."""
-    cfg = AttnConfig(batch_size=1, num_heads_q=8, num_heads_kv=8 // gqa, head_dim_qk=128, head_dim_v=128,
+    cfg = AttnConfig.of(batch_size=1, num_heads_q=8, num_heads_kv=8 // gqa, head_dim_qk=128, head_dim_v=128,
                      max_seqlen_q=seqlen_q, max_seqlen_kv=8192, dtype="bfloat16", attn_mask_type=mask,
                      deterministic=True, device_type="cuda", compute_capability=(9, 0))
     call = contiguous_call(cfg, batch=1, seqlen=seqlen_q, seqlen_kv=8192, thd=thd)
@@ -136,7 +136,7 @@ def test_sm90_gluon_forward_chunked_and_split_compile_without_spills(mask, thd, 
         stack = _gluon_chunked_stack(thd) if x.name == "attn_fwd_ws_kernel" and seqlen_q > 1 else 0
         assert resources(kernel)["stack"] <= stack, (x.name, resources(kernel))
     for head_dim in (256, 192):
-        wide = AttnConfig(batch_size=1, num_heads_q=8, num_heads_kv=8, head_dim_qk=head_dim, head_dim_v=128 * (
+        wide = AttnConfig.of(batch_size=1, num_heads_q=8, num_heads_kv=8, head_dim_qk=head_dim, head_dim_v=128 * (
             head_dim == 192) or head_dim, max_seqlen_q=1, max_seqlen_kv=8192, dtype="bfloat16",
             attn_mask_type=AttnMaskType.CAUSAL_BOTTOM_RIGHT_MASK, deterministic=True, device_type="cuda",
             compute_capability=(9, 0))
@@ -161,7 +161,7 @@ def test_sm90_chunked_forward_register_cap_keeps_the_arithmetic_and_unspilled_ke
     cap, which it needs (uncapped it takes more), and it changes nothing the kernel computes: the PTX is the
     uncapped one's but for the ``.maxnreg`` directive, and what ptxas spills stays out of the key loops. The
     unchunked and split launches keep the compiler's own count."""
-    cfg = AttnConfig(batch_size=2, num_heads_q=16, num_heads_kv=16, head_dim_qk=64, head_dim_v=64,
+    cfg = AttnConfig.of(batch_size=2, num_heads_q=16, num_heads_kv=16, head_dim_qk=64, head_dim_v=64,
                      max_seqlen_q=8192, max_seqlen_kv=8192, dtype="bfloat16", attn_mask_type=mask,
                      deterministic=True, device_type="cuda", compute_capability=(9, 0))
     call = contiguous_call(cfg, batch=2, seqlen=8192)
@@ -206,7 +206,7 @@ def _gluon_forward(case, page_size):
     gqa = 4 if thd else 1
     seqlen_q, seqlen_kv = {"one": (4096, 4096), "chunked": (8192, 8192), "split": (1, 8192)}[form]
     mask = AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK if thd else AttnMaskType.CAUSAL_MASK
-    cfg = AttnConfig(batch_size=1, num_heads_q=8, num_heads_kv=8 // gqa, head_dim_qk=dqk, head_dim_v=dv,
+    cfg = AttnConfig.of(batch_size=1, num_heads_q=8, num_heads_kv=8 // gqa, head_dim_qk=dqk, head_dim_v=dv,
                      max_seqlen_q=seqlen_q, max_seqlen_kv=seqlen_kv, dtype="bfloat16", attn_mask_type=mask,
                      deterministic=True, device_type="cuda", compute_capability=(9, 0))
     call = contiguous_call(cfg, batch=1, seqlen=seqlen_q, seqlen_kv=seqlen_kv, thd=thd, page_size=page_size)
@@ -293,7 +293,7 @@ def test_sm90_kernels_compile_the_same_for_every_sequence_length(name, monkeypat
     and any other length; the launched kernel keeps the 16-divisibility hint on the lengths (its speed).
     The Triton kernels (Hopper plans the Gluon ones at d=256 where they serve)."""
     monkeypatch.setenv("NVTE_FUSED_ATTN_WS", "0")
-    cfg = AttnConfig(batch_size=1, num_heads_q=16, num_heads_kv=16, head_dim_qk=256, head_dim_v=256,
+    cfg = AttnConfig.of(batch_size=1, num_heads_q=16, num_heads_kv=16, head_dim_qk=256, head_dim_v=256,
                      max_seqlen_q=1, max_seqlen_kv=2048, dtype="bfloat16", attn_mask_type=AttnMaskType.NO_MASK,
                      deterministic=True, device_type="cuda", compute_capability=(9, 0))
     launch = _sm90_launches(cfg, seqlen=4096)[name]
@@ -336,7 +336,7 @@ def test_sm90_sink_softmax_plans_compile(head_dims, causal, thd):
     HAS_SINK at the tiles planned for it (never the Gluon kernels), and the sink-gradient reduction."""
     dqk, dv = head_dims
     mask = AttnMaskType.CAUSAL_MASK if causal else AttnMaskType.NO_MASK
-    cfg = AttnConfig(batch_size=1, num_heads_q=8, num_heads_kv=8, head_dim_qk=dqk, head_dim_v=dv,
+    cfg = AttnConfig.of(batch_size=1, num_heads_q=8, num_heads_kv=8, head_dim_qk=dqk, head_dim_v=dv,
                      max_seqlen_q=4096, max_seqlen_kv=4096, dtype="bfloat16", attn_mask_type=mask,
                      softmax_type=AttnSoftmaxType.LEARNABLE_SOFTMAX, deterministic=True, device_type="cuda",
                      compute_capability=(9, 0))
@@ -353,7 +353,7 @@ def test_sm90_gluon_forward_with_the_row_max_compiles_without_spills():
     from transformer_engine.common.attention.launch_description import Slot
 
     for seqlen in (4096, 8192):
-        cfg = AttnConfig(batch_size=1, num_heads_q=8, num_heads_kv=8, head_dim_qk=128, head_dim_v=128,
+        cfg = AttnConfig.of(batch_size=1, num_heads_q=8, num_heads_kv=8, head_dim_qk=128, head_dim_v=128,
                          max_seqlen_q=seqlen, max_seqlen_kv=seqlen, dtype="bfloat16",
                          attn_mask_type=AttnMaskType.CAUSAL_MASK, deterministic=True, device_type="cuda",
                          compute_capability=(9, 0))

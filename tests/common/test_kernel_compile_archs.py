@@ -133,11 +133,11 @@ def launches(target: str, case: Case) -> List[Tuple[str, tuple]]:
     """(kernel name, compile_report job) of each launch the frontends make for ``case`` on ``target``
     (a bias case twice: [1, h, s, s] and a [1, 1, 1, s] bias, whose dBias sums the query rows)."""
     dqk, dv = case.dims
-    cfg = AttnConfig(batch_size=2, num_heads_q=8, num_heads_kv=8 // case.gqa, head_dim_qk=dqk, head_dim_v=dv,
+    cfg = AttnConfig.of(batch_size=2, num_heads_q=8, num_heads_kv=8 // case.gqa, head_dim_qk=dqk, head_dim_v=dv,
                      max_seqlen_q=case.seqlen_q, max_seqlen_kv=case.seqlen_kv, dtype=case.dtype,
                      attn_mask_type=case.mask,
                      window_size=case.window, attn_bias_type=case.bias,
-                     bias_shape="1hss" if case.bias == BIAS else None, dropout=0.1 if case.dropout else 0.0,
+                     bias_shape="1hss" if case.bias == BIAS else None, dropout_probability=0.1 if case.dropout else 0.0,
                      softmax_type=(AttnSoftmaxType.LEARNABLE_SOFTMAX if case.sink else AttnSoftmaxType.VANILLA_SOFTMAX),
                      deterministic=True, device_type="cuda", **DEVICE_FACTS[target])
     shape = dict(seqlen=case.seqlen_q, seqlen_kv=case.seqlen_kv, thd=case.thd, segments_per_row=case.segments,

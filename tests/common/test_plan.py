@@ -10,7 +10,7 @@ import pytest
 from transformer_engine.common.attention import AttnConfig, AttnMaskType, QKVLayout
 from transformer_engine.common.attention.plan import backward_plan, forward_plan, padded_head_dim
 
-BASE = AttnConfig(batch_size=2, num_heads_q=16, num_heads_kv=16, head_dim_qk=128, head_dim_v=128,
+BASE = AttnConfig.of(batch_size=2, num_heads_q=16, num_heads_kv=16, head_dim_qk=128, head_dim_v=128,
                   max_seqlen_q=4096, max_seqlen_kv=4096, dtype="bfloat16", deterministic=True,
                   device_type="cuda", compute_capability=(9, 0))
 
@@ -19,14 +19,14 @@ BASE = AttnConfig(batch_size=2, num_heads_q=16, num_heads_kv=16, head_dim_qk=128
 @pytest.mark.parametrize("mask", [AttnMaskType.NO_MASK, AttnMaskType.CAUSAL_MASK, AttnMaskType.PADDING_MASK])
 @pytest.mark.parametrize("dims", [(64, 64), (72, 72), (128, 128), (192, 128), (256, 256)])
 def test_plans_ignore_batch_lengths_heads_and_layout(arch, mask, dims):
-    base = dataclasses.replace(BASE, compute_capability=arch, attn_mask_type=mask, head_dim_qk=dims[0],
+    base = BASE.replace(compute_capability=arch, attn_mask_type=mask, head_dim_qk=dims[0],
                                head_dim_v=dims[1])
     fwd, bwd = forward_plan(base), backward_plan(base)
     for batch, (sq, sk), (hq, hk), layout in itertools.product(
         (1, 3, 64), ((1, 1), (97, 1000), (131072, 131072)), ((16, 16), (32, 8), (8, 1)),
         (QKVLayout.BSHD_BSHD_BSHD, QKVLayout.SBHD_SB2HD, QKVLayout.THD_THD_THD),
     ):
-        other = dataclasses.replace(base, batch_size=batch, max_seqlen_q=sq, max_seqlen_kv=sk, num_heads_q=hq,
+        other = base.replace(batch_size=batch, max_seqlen_q=sq, max_seqlen_kv=sk, num_heads_q=hq,
                                     num_heads_kv=hk, qkv_layout=layout)
         assert forward_plan(other) == fwd
         assert backward_plan(other) == bwd
@@ -36,12 +36,12 @@ def test_plans_never_use_atomics_and_ignore_the_determinism_mode():
     """The backward runs a separate dQ pass in both modes (no atomic variant exists): one plan for both."""
     for dims, arch, mask in itertools.product(((64, 64), (128, 128), (256, 256)), ((9, 0), (8, 0)),
                                               (AttnMaskType.NO_MASK, AttnMaskType.CAUSAL_MASK)):
-        cfg = dataclasses.replace(BASE, head_dim_qk=dims[0], head_dim_v=dims[1], compute_capability=arch,
+        cfg = BASE.replace(head_dim_qk=dims[0], head_dim_v=dims[1], compute_capability=arch,
                                   attn_mask_type=mask)
         plan = backward_plan(cfg)
         assert not any("atomic" in name for name in plan.kernels)
         for deterministic in (True, False):
-            assert backward_plan(dataclasses.replace(cfg, deterministic=deterministic)) == plan
+            assert backward_plan(cfg.replace(deterministic=deterministic)) == plan
 
 
 def test_padded_head_dim():
@@ -53,7 +53,7 @@ def test_padded_head_dim():
 def test_dbias_tiles_come_from_the_dq_plan(dims):
     """The launch description (common.attention.launch_description) takes the dBias kernel's tiles from the
     plan: square, at most 64 rows, the dQ pass's warps, one stage."""
-    plan = backward_plan(dataclasses.replace(BASE, head_dim_qk=dims[0], head_dim_v=dims[1]))
+    plan = backward_plan(BASE.replace(head_dim_qk=dims[0], head_dim_v=dims[1]))
     t = plan.dbias
     assert t.block_m == t.block_n == min(plan.dq.block_m, 64)
     assert (t.num_warps, t.num_stages) == (plan.dq.num_warps, 1)
@@ -68,7 +68,7 @@ def test_mask_flags_and_top_left_causal():
     assert top_left == {AttnMaskType.CAUSAL_MASK, AttnMaskType.PADDING_CAUSAL_MASK}
 
     def flags(mask, window, **kw):
-        return mask_flags(dataclasses.replace(BASE, attn_mask_type=mask, window_size=window, **kw))
+        return mask_flags(BASE.replace(attn_mask_type=mask, window_size=window, **kw))
 
     assert flags(AttnMaskType.CAUSAL_MASK, (-1, 0)) == (dict(HAS_LEFT=False, HAS_RIGHT=True, BOTTOM_RIGHT=False), 0, 0)
     assert flags(AttnMaskType.NO_MASK, (64, 16)) == (dict(HAS_LEFT=True, HAS_RIGHT=True, BOTTOM_RIGHT=True), 64, 16)
@@ -100,16 +100,16 @@ def test_warp_specialized_kernels_where_they_serve():
     for dtype, mask, window, hk in itertools.product(("bfloat16", "float16"),
                                                      (AttnMaskType.NO_MASK, AttnMaskType.CAUSAL_MASK),
                                                      ((-1, -1), (64, 0)), (16, 2)):
-        cfg = dataclasses.replace(BASE, dtype=dtype, attn_mask_type=mask, window_size=window, num_heads_kv=hk)
+        cfg = BASE.replace(dtype=dtype, attn_mask_type=mask, window_size=window, num_heads_kv=hk)
         fwd, bwd = forward_plan(cfg), backward_plan(cfg)
         assert fwd.warp_specialized is not None and fwd.warp_specialized.max_registers is not None
         assert bwd.dq_warp_specialized is not None and bwd.dq_warp_specialized.block_m == 128
         assert bwd.dkdv_warp_specialized is not None and bwd.dkdv_warp_specialized.block_n == 128
     for other in (dict(dtype="float32"), dict(head_dim_qk=64, head_dim_v=64), dict(head_dim_v=64),
                   dict(compute_capability=(8, 0)), dict(compute_capability=(10, 0)), dict(device_type="cpu"),
-                  dict(attn_bias_type=AttnBiasType.POST_SCALE_BIAS, bias_shape="1hss"), dict(dropout=0.1),
+                  dict(attn_bias_type=AttnBiasType.POST_SCALE_BIAS, bias_shape="1hss"), dict(dropout_probability=0.1),
                   dict(attn_bias_type=AttnBiasType.ALIBI)):
-        cfg = dataclasses.replace(BASE, **other)
+        cfg = BASE.replace(**other)
         assert forward_plan(cfg).warp_specialized is None, other
         assert backward_plan(cfg).dq_warp_specialized is None, other
         assert backward_plan(cfg).dkdv_warp_specialized is None, other
@@ -117,7 +117,7 @@ def test_warp_specialized_kernels_where_they_serve():
         assert forward_plan(BASE).warp_specialized is None
         assert backward_plan(BASE).dq_warp_specialized is None
         assert backward_plan(BASE).dkdv_warp_specialized is None
-    nondet = dataclasses.replace(BASE, deterministic=False)
+    nondet = BASE.replace(deterministic=False)
     assert backward_plan(nondet).dq_warp_specialized is not None  # the separate dQ pass serves both modes
     assert backward_plan(nondet).dkdv_warp_specialized is not None
 
@@ -129,17 +129,17 @@ def test_warp_specialized_forward_and_dq_take_the_qk_split():
     from transformer_engine.common import settings
     from transformer_engine.common.attention import AttnBiasType
 
-    split = dataclasses.replace(BASE, head_dim_qk=192, head_dim_v=128)
+    split = BASE.replace(head_dim_qk=192, head_dim_v=128)
     for dtype, mask, hk in itertools.product(("bfloat16", "float16"),
                                              (AttnMaskType.NO_MASK, AttnMaskType.CAUSAL_MASK), (16, 2)):
-        cfg = dataclasses.replace(split, dtype=dtype, attn_mask_type=mask, num_heads_kv=hk)
+        cfg = split.replace(dtype=dtype, attn_mask_type=mask, num_heads_kv=hk)
         fwd, bwd = forward_plan(cfg), backward_plan(cfg)
         assert (fwd.block_dqk, fwd.block_dqk2, bwd.block_dqk, bwd.block_dqk2) == (128, 64, 128, 64)
         assert fwd.warp_specialized is not None and bwd.dq_warp_specialized is not None
         assert bwd.dkdv_warp_specialized is None and bwd.dv_warp_specialized is None
-    for other in (dict(head_dim_v=96), dict(dtype="float32"), dict(dropout=0.1),
+    for other in (dict(head_dim_v=96), dict(dtype="float32"), dict(dropout_probability=0.1),
                   dict(attn_bias_type=AttnBiasType.POST_SCALE_BIAS, bias_shape="1hss")):
-        cfg = dataclasses.replace(split, **other)
+        cfg = split.replace(**other)
         assert forward_plan(cfg).warp_specialized is None, other
         assert backward_plan(cfg).dq_warp_specialized is None, other
     with settings.environment(NVTE_FUSED_ATTN_WS="0"):
@@ -154,7 +154,7 @@ def test_plans_read_a_key_without_batch_or_lengths(mask):
     from transformer_engine.common.attention.config import PlanKey
     from transformer_engine.common.attention.kernels.resources import contiguous_call
 
-    cfg = dataclasses.replace(BASE, attn_mask_type=mask, window_size=(64, 0))
+    cfg = BASE.replace(attn_mask_type=mask, window_size=(64, 0))
     key = cfg.plan_key
     assert not {f.name for f in dataclasses.fields(PlanKey)} & {"batch_size", "max_seqlen_q", "max_seqlen_kv",
                                                                  "num_heads_q", "deterministic", "qkv_layout"}
@@ -170,22 +170,22 @@ def test_the_chunked_forwards_register_cap_is_hoppers_16_bit_d64_only():
              (64, AttnMaskType.PADDING_CAUSAL_BOTTOM_RIGHT_MASK), (32, AttnMaskType.NO_MASK),
              (128, AttnMaskType.NO_MASK), (256, AttnMaskType.CAUSAL_MASK)),
             ((9, 0), (8, 0), (10, 0)), ("bfloat16", "float16", "float32")):
-        cfg = dataclasses.replace(BASE, head_dim_qk=dim, head_dim_v=dim, attn_mask_type=mask, compute_capability=arch,
+        cfg = BASE.replace(head_dim_qk=dim, head_dim_v=dim, attn_mask_type=mask, compute_capability=arch,
                                   dtype=dtype)
         cap = forward_plan(cfg).kv_chunk_registers
         if arch == (9, 0) and padded_head_dim(dim) == 64 and dtype != "float32":
             assert cap == (168 if mask.is_causal() else 128), (dim, mask, dtype)
         else:
             assert cap is None, (dim, mask, arch, dtype)
-    assert forward_plan(dataclasses.replace(BASE, head_dim_qk=64, head_dim_v=64, device_type="cpu",
+    assert forward_plan(BASE.replace(head_dim_qk=64, head_dim_v=64, device_type="cpu",
                                             compute_capability=None)).kv_chunk_registers is None
 
 
 def test_a_forced_plan_carries_no_register_cap(monkeypatch):
     """NVTE_FUSED_ATTN_PLAN_ARCH=sm90 on another GPU plans sm90's Triton tiles without the register cap tuned to
     sm_90's compile (as without its Gluon kernels)."""
-    cfg = dataclasses.replace(BASE, head_dim_qk=64, head_dim_v=64, compute_capability=(10, 0))
+    cfg = BASE.replace(head_dim_qk=64, head_dim_v=64, compute_capability=(10, 0))
     monkeypatch.setenv("NVTE_FUSED_ATTN_PLAN_ARCH", "sm90")
     forced = forward_plan(cfg)
-    assert forced.tiles == forward_plan(dataclasses.replace(cfg, compute_capability=(9, 0))).tiles
+    assert forced.tiles == forward_plan(cfg.replace(compute_capability=(9, 0))).tiles
     assert forced.kv_chunk_registers is None

@@ -2,7 +2,6 @@
 what they were, the Gluon kernels serve NVIDIA SM90 only, and NVTE_FUSED_ATTN_PLAN_ARCH forces another
 architecture's tiles at call time without leaving what the device can run."""
 
-import dataclasses
 import itertools
 import json
 import os
@@ -21,7 +20,7 @@ from transformer_engine.common.attention.plan import (
 sys.path.insert(0, os.path.dirname(__file__))
 import sm90_plan_grid  # noqa: E402
 
-BASE = AttnConfig(batch_size=2, num_heads_q=16, num_heads_kv=16, head_dim_qk=128, head_dim_v=128,
+BASE = AttnConfig.of(batch_size=2, num_heads_q=16, num_heads_kv=16, head_dim_qk=128, head_dim_v=128,
                   max_seqlen_q=4096, max_seqlen_kv=4096, dtype="bfloat16", deterministic=True,
                   device_type="cuda", compute_capability=(9, 0))
 
@@ -39,7 +38,7 @@ WINDOWS = [(AttnMaskType.NO_MASK, (-1, -1)), (AttnMaskType.CAUSAL_MASK, (-1, -1)
 
 
 def _config(arch, dims=(128, 128), mask=AttnMaskType.NO_MASK, window=(-1, -1), **fields):
-    return dataclasses.replace(BASE, head_dim_qk=dims[0], head_dim_v=dims[1], attn_mask_type=mask,
+    return BASE.replace(head_dim_qk=dims[0], head_dim_v=dims[1], attn_mask_type=mask,
                                window_size=window, **DEVICES[arch], **fields)
 
 
@@ -79,7 +78,7 @@ def test_every_plan_and_setting_names_the_same_architectures():
     (dict(vendor="amd", compute_capability=(9, 4), gfx_arch="gfx942"), "gfx942"),
 ])
 def test_each_gpu_plans_with_its_architecture(device, arch):
-    assert device_arch(dataclasses.replace(BASE, **device)).name == arch
+    assert device_arch(BASE.replace(**device)).name == arch
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
@@ -94,7 +93,7 @@ def test_plan_is_what_the_table_says(arch, dims, mask, window):
     tables = ARCHS[arch]
     fwd, bwd = forward_plan(cfg), backward_plan(cfg)
     narrow = tables.narrow_v is not None and (padded_head_dim(dims[0]), padded_head_dim(dims[1])) == (256, 128) \
-        and cfg.attn_bias_type == AttnBiasType.NO_BIAS and cfg.dropout == 0
+        and cfg.attn_bias_type == AttnBiasType.NO_BIAS and cfg.dropout_probability == 0
     planned = tables.narrow_v if narrow else (tables.fwd[key], tables.dkdv[key], tables.dq[key])
     if narrow and tables.splits_qk(cfg):  # d_qk 192 as 128 + 64: dQ tiles of its own
         planned = planned[:2] + (tables.narrow_v_split_dq,)
@@ -109,7 +108,7 @@ def test_plan_is_what_the_table_says(arch, dims, mask, window):
     assert (fwd.warp_specialized is not None, bwd.dq_warp_specialized is not None,
             bwd.dkdv_warp_specialized is not None) == (ws or split_ws, ws or split_ws, ws)
     assert (bwd.dv_warp_specialized is not None) == (ws and two_pass is not None)
-    fp32 = dataclasses.replace(cfg, dtype="float32")
+    fp32 = cfg.replace(dtype="float32")
     f32, b32 = forward_plan(fp32), backward_plan(fp32)
     assert f32.warp_specialized is None and b32.dv is None
     if key[0] == 256 and tables.fp32_large is not None:  # AMD: its own fp32 tiles at d=256
@@ -137,13 +136,13 @@ def test_narrow_v_tiles_serve_only_d_qk_256_with_d_v_128(dims, narrow):
             tables.narrow_v_split_dq if tables.splits_qk(cfg) else tables.narrow_v[2],)
         assert ((forward_plan(cfg).tiles, bwd.dkdv, bwd.dq) == narrow_tiles) == narrow, (dims, mask)
         for mod in (dict(attn_bias_type=AttnBiasType.POST_SCALE_BIAS, bias_shape="1hss"),
-                    dict(attn_bias_type=AttnBiasType.ALIBI), dict(dropout=0.1)) if narrow else ():
-            other = dataclasses.replace(cfg, **mod)
+                    dict(attn_bias_type=AttnBiasType.ALIBI), dict(dropout_probability=0.1)) if narrow else ():
+            other = cfg.replace(**mod)
             assert forward_plan(other).tiles == ARCHS["sm90"].fwd[(256, mask.is_causal())], mod
             assert (backward_plan(other).dkdv, backward_plan(other).dq) == \
                 (ARCHS["sm90"].dkdv[(256, mask.is_causal())], ARCHS["sm90"].dq[(256, mask.is_causal())]), mod
         if narrow:
-            a, b = (dataclasses.replace(_config("sm90", d, mask), dtype="float32") for d in (dims, (dims[0], 256)))
+            a, b = (_config("sm90", d, mask).replace(dtype="float32") for d in (dims, (dims[0], 256)))
             assert (forward_plan(a).tiles, backward_plan(a).dkdv, backward_plan(a).dq) == \
                 (forward_plan(b).tiles, backward_plan(b).dkdv, backward_plan(b).dq)
 
@@ -167,7 +166,7 @@ def test_qk_splits_only_for_hoppers_narrow_v_192(arch, dims):
     for (mask, window), dtype, mod in itertools.product(
             WINDOWS, ("float16", "bfloat16", "float32"),
             (dict(), dict(attn_bias_type=AttnBiasType.POST_SCALE_BIAS, bias_shape="1hss"),
-             dict(attn_bias_type=AttnBiasType.ALIBI), dict(dropout=0.1))):
+             dict(attn_bias_type=AttnBiasType.ALIBI), dict(dropout_probability=0.1))):
         cfg = _config(arch, dims, mask, window, dtype=dtype, **mod)
         split = (arch == "sm90" and dims[0] == 192 and padded_head_dim(dims[1]) == 128 and dtype != "float32"
                  and not mod)
@@ -180,8 +179,8 @@ def test_qk_splits_only_for_hoppers_narrow_v_192(arch, dims):
 def test_qk_split_under_the_interpreter_only_where_asked():
     """CPU (interpreter) plans split only with NVTE_FUSED_ATTN_INTERPRET_SPLIT_QK=1, then wherever
     split_head_dim allows; a GPU plan with a tile override keeps one tile (and ignores the variable)."""
-    cpu = dataclasses.replace(BASE, device_type="cpu", compute_capability=None, dtype="float32")
-    dims = {d: dataclasses.replace(cpu, head_dim_qk=d, head_dim_v=32) for d in (24, 40, 48, 64, 96, 192)}
+    cpu = BASE.replace(device_type="cpu", compute_capability=None, dtype="float32")
+    dims = {d: cpu.replace(head_dim_qk=d, head_dim_v=32) for d in (24, 40, 48, 64, 96, 192)}
     assert {d: forward_plan(c).block_dqk2 for d, c in dims.items()} == dict.fromkeys(dims, 0)
     with settings.environment(NVTE_FUSED_ATTN_INTERPRET_SPLIT_QK="1"):
         for d, c in dims.items():
@@ -201,7 +200,7 @@ def test_plans_ignore_batch_and_lengths_on_every_architecture(arch):
         cfg = _config(arch, dims, mask, window)
         fwd, bwd = forward_plan(cfg), backward_plan(cfg)
         for batch, (sq, sk), hk in itertools.product((1, 7), ((1, 1), (97, 4096), (131072, 131072)), (16, 2)):
-            other = dataclasses.replace(cfg, batch_size=batch, max_seqlen_q=sq, max_seqlen_kv=sk, num_heads_kv=hk)
+            other = cfg.replace(batch_size=batch, max_seqlen_q=sq, max_seqlen_kv=sk, num_heads_kv=hk)
             assert (forward_plan(other), backward_plan(other)) == (fwd, bwd)
 
 
@@ -228,7 +227,7 @@ def test_backends_by_vendor():
     amd = _config("gfx942")
     assert FusedAttention.not_supported_reasons(amd) == []
     assert any("vendor=amd" in r for r in FlashAttention.not_supported_reasons(amd))
-    rdna = dataclasses.replace(amd, gfx_arch="gfx1100")
+    rdna = amd.replace(gfx_arch="gfx1100")
     assert any("gfx_arch=gfx1100" in r for r in FusedAttention.not_supported_reasons(rdna))
     with pytest.raises(NotImplementedError, match="`gfx_arch` must be one of"):
         forward_plan(rdna)
@@ -277,7 +276,7 @@ def test_forced_plan_never_leaves_what_the_device_can_run():
             backward_plan(_config("gfx942"))
         blackwell = forward_plan(_config("sm100"))
         assert blackwell.tiles == ARCHS["sm90"].fwd[(128, False)] and blackwell.warp_specialized is None
-        cpu = dataclasses.replace(BASE, device_type="cpu", compute_capability=None)
+        cpu = BASE.replace(device_type="cpu", compute_capability=None)
         assert forward_plan(cpu).tiles.block_m == 16
     with settings.environment(NVTE_FUSED_ATTN_PLAN_ARCH="gfx950"):
         with pytest.raises(ValueError, match="160 KiB"):

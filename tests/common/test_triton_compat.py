@@ -2,7 +2,6 @@
 drops or renames one fails a test named after it here, not a kernel compile or a launch deep inside a
 frontend. Where the Gluon kernels cannot be built, the plan keeps the Triton kernels and says why."""
 
-import dataclasses
 import inspect
 import logging
 import os
@@ -101,7 +100,7 @@ def test_no_triton_release_checks_outside_triton_compat():
     assert not offenders, "\n".join(offenders)
 
 
-HOPPER = AttnConfig(batch_size=2, num_heads_q=16, num_heads_kv=16, head_dim_qk=128, head_dim_v=128,
+HOPPER = AttnConfig.of(batch_size=2, num_heads_q=16, num_heads_kv=16, head_dim_qk=128, head_dim_v=128,
                     max_seqlen_q=4096, max_seqlen_kv=4096, dtype="bfloat16", attn_mask_type=AttnMaskType.CAUSAL_MASK,
                     deterministic=True, device_type="cuda", compute_capability=(9, 0))
 
@@ -112,7 +111,7 @@ def test_plan_keeps_the_triton_kernels_where_gluon_cannot_be_built(monkeypatch, 
     run, the same as NVTE_FUSED_ATTN_WS=0), says why once at WARNING, and never fails."""
     from transformer_engine.common.attention.kernels.resources import contiguous_call, planned_launches
 
-    cfg = dataclasses.replace(HOPPER, head_dim_qk=dims[0], head_dim_v=dims[1])
+    cfg = HOPPER.replace(head_dim_qk=dims[0], head_dim_v=dims[1])
     assert forward_plan(cfg).warp_specialized is not None  # served by Gluon with the installed Triton
 
     real_first = triton_compat._first

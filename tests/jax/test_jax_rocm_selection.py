@@ -6,16 +6,17 @@ import jax.numpy as jnp
 import pytest
 
 import transformer_engine.jax.attention as te_attention
-from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, QKVLayout
+from transformer_engine.common.attention.enums import AttnBiasType, AttnMaskType, QKVFormat
 from transformer_engine.jax.primitives import gpu
+from transformer_engine.jax.primitives.attention import FusedAttnStatic
 
 
 def _config():
+    params = FusedAttnStatic(attn_mask_type=AttnMaskType.CAUSAL_MASK, attn_bias_type=AttnBiasType.NO_BIAS,
+                             qkv_format=QKVFormat.BSHD, window_size=(-1, 0), scaling_factor=128 ** -0.5)
     return te_attention._make_config(
         batch_size=2, num_heads_q=4, num_heads_kv=4, head_dim_qk=128, head_dim_v=128, max_seqlen_q=256,
-        max_seqlen_kv=256, dtype=jnp.bfloat16, qkv_layout=QKVLayout.BSHD_BSHD_BSHD,
-        attn_mask_type=AttnMaskType.CAUSAL_MASK, window_size=(-1, 0), attn_bias_type=AttnBiasType.NO_BIAS,
-        bias_shape=None, dropout=0.0, is_training=True)
+        max_seqlen_kv=256, dtype=jnp.bfloat16, params=params, bias_shape=None)
 
 
 def test_rocm_device_facts_and_the_reason_fused_does_not_run(monkeypatch):

@@ -380,9 +380,9 @@ def test_bf16_reason_is_data_of_the_backend():
     cfg = dict(batch_size=1, num_heads_q=2, num_heads_kv=2, head_dim_qk=64, head_dim_v=64, max_seqlen_q=8,
                max_seqlen_kv=8, device_type="cpu", attn_mask_type=AttnMaskType.CAUSAL_MASK)
     assert any("bfloat16" in r for r in FusedAttention.not_supported_reasons(
-        AttnConfig(dtype="bfloat16", triton_interpret=True, **cfg)))
+        AttnConfig.of(dtype="bfloat16", triton_interpret=True, **cfg)))
     assert not any("bfloat16" in r for r in FusedAttention.not_supported_reasons(
-        AttnConfig(dtype="float16", triton_interpret=True, **cfg)))
+        AttnConfig.of(dtype="float16", triton_interpret=True, **cfg)))
 
 
 # -- properties: random valid configurations ---------------------------------------------------------

@@ -21,7 +21,7 @@ def test_rocm_device_is_amd_with_its_gfx_target(monkeypatch):
     assert facts == dict(vendor="amd", compute_capability=None, gfx_arch="gfx942")
 
     from transformer_engine.common.attention import AttnConfig
-    cfg = AttnConfig(batch_size=1, num_heads_q=8, num_heads_kv=8, head_dim_qk=128, head_dim_v=128, max_seqlen_q=64,
+    cfg = AttnConfig.of(batch_size=1, num_heads_q=8, num_heads_kv=8, head_dim_qk=128, head_dim_v=128, max_seqlen_q=64,
                      max_seqlen_kv=64, dtype="bfloat16", attn_mask_type=AttnMaskType.CAUSAL_MASK, device_type="cuda",
                      **facts)
     plan = forward_plan(cfg)

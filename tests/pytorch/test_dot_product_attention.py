@@ -823,11 +823,34 @@ def test_selection_sees_the_call(monkeypatch):
     assert (c.max_seqlen_q, c.max_seqlen_kv, c.dtype) == (6, 6, "float32")
     assert c.qkv_layout.value == "sbhd_sbhd_sbhd" and c.attn_mask_type.value == "padding_causal"
     assert c.window_size == (3, 0) and c.attn_bias_type.value == "post_scale_bias" and c.bias_shape == "1hss"
-    assert c.is_training and c.dropout == 0.0
+    assert c.is_training and c.dropout_probability == 0.0
     dpa.eval()
     dpa(q, k, base[:, :, 0], cu_seqlens_q=CU6, cu_seqlens_kv=CU6)
     assert not spy.configs[-1].is_training
     assert math.isclose(dpa.softmax_scale, 16 ** -0.5)
+
+
+@pytest.mark.parametrize("backend", ["fused", "unfused"])
+def test_selection_and_the_backend_read_one_params_value(monkeypatch, backend):
+    """One AttnParams per call: the AttnConfig that selection reads holds the very value the chosen backend runs
+    (no second description of the call's scalars), with the module's max-logit request and dropout in it."""
+    from transformer_engine.pytorch.attention import backends as pt_backends
+
+    monkeypatch.setenv("NVTE_FUSED_ATTN_BACKEND", backend)
+    spy = SelectionSpy(monkeypatch)
+    ran = []
+    for cls in pt_backends.BACKENDS:
+        monkeypatch.setattr(cls, "run", staticmethod(
+            lambda q, k, v, call, _run=cls.run: (ran.append(call.params), _run(q, k, v, call))[1]))
+    dpa = DotProductAttention(2, 16, attention_dropout=0.25, attn_mask_type="causal", window_size=(3, 0),
+                              return_max_logit=True).eval()
+    q, k, v = (torch.randn(1, 8, 2, 16, dtype=torch.float16) for _ in range(3))
+    out, max_logit = dpa(q, k, v)
+    assert len(spy.configs) == len(ran) == 1 and ran[0] is spy.configs[0].params
+    p = ran[0]
+    assert (p.window_size, p.return_max_logit, p.dropout_probability, p.is_training) == ((3, 0), True, 0.25, False)
+    assert p.kernel_dropout == 0.0 and spy.configs[0].plan_key.kernel_dropout == 0.0
+    assert out.shape == (1, 8, 32) and max_logit.shape == (2,)
 
 
 def test_pytorch_backends_are_the_registry_with_runners():

@@ -372,7 +372,7 @@ def test_dpa_keeps_the_fused_backend_for_sinks_in_deterministic_mode(monkeypatch
 
 def test_flash_attention_refuses_sinks_and_fused_takes_them():
     for softmax_type in (AttnSoftmaxType.OFF_BY_ONE_SOFTMAX, AttnSoftmaxType.LEARNABLE_SOFTMAX):
-        cfg = AttnConfig(batch_size=2, num_heads_q=8, num_heads_kv=8, head_dim_qk=128, head_dim_v=128,
+        cfg = AttnConfig.of(batch_size=2, num_heads_q=8, num_heads_kv=8, head_dim_qk=128, head_dim_v=128,
                          max_seqlen_q=1024, max_seqlen_kv=1024, dtype="bfloat16", softmax_type=softmax_type,
                          deterministic=True, device_type="cuda", compute_capability=(9, 0))
         assert any(f"softmax_type={softmax_type.value}" in r for r in FlashAttention.not_supported_reasons(cfg))

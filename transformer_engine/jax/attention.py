@@ -47,7 +47,9 @@ from transformer_engine.common.attention.backends import (
     select_backend,
 )
 from transformer_engine.common.attention import enums as _common
-from transformer_engine.common.attention.config import AttnConfig, gfx_target, normalize_window
+from transformer_engine.common.attention.config import (
+    AttnConfig, gfx_target, normalize_window, resolve_bottom_right_diagonal,
+)
 from transformer_engine.common.attention.validation import check_segments, check_softmax_scale
 from transformer_engine.jax import attention_math, context_parallel, flash_backend
 from transformer_engine.jax.attention_math import SeqInfo
@@ -197,27 +199,28 @@ def _bias_shape_name(bias_shape: Optional[Sequence[int]]) -> Optional[str]:
     return ("b" if bias_shape[0] > 1 else "1") + ("h" if bias_shape[1] > 1 else "1") + "ss"
 
 
-def _make_config(*, dtype, bias_shape: Optional[Sequence[int]],
+def _make_config(*, dtype, params: FusedAttnStatic, bias_shape: Optional[Sequence[int]],
                  offset_sequences: bool = False, context_parallel_axis: bool = False,
-                 top_left_lengths_may_differ: bool = False, **fields) -> AttnConfig:
-    """The AttnConfig of a call: ``fields`` as AttnConfig names them, plus what JAX knows now
-    (device, determinism switch, the frontend's own reasons; see ``_frontend_extra``)."""
+                 top_left_lengths_may_differ: bool = False, **geometry) -> AttnConfig:
+    """The AttnConfig of a call: its parameters (``params``, the primitives' static arguments: selection reads
+    the value the launch reads) and ``geometry`` as AttnConfig names it, plus what JAX knows now (device, the
+    frontend's own reasons; see ``_frontend_extra``)."""
     device_type, arch = _device_facts()
     facts = _arch_fields(arch)
-    extra = _frontend_extra(device_type, fields["attn_bias_type"], fields["dropout"], fields["is_training"],
+    extra = _frontend_extra(device_type, params.attn_bias_type, params.dropout_probability, params.is_training,
                             offset_sequences, vendor=facts["vendor"], compute_capability=facts["compute_capability"],
                             context_parallel_axis=context_parallel_axis,
                             top_left_lengths_may_differ=top_left_lengths_may_differ)
     return AttnConfig(
         dtype=jnp.dtype(dtype).name,
+        params=params,
         bias_shape=_bias_shape_name(bias_shape),
-        deterministic=is_deterministic_mode(),
         framework="jax",
         device_type=device_type,
         **facts,
         triton_interpret=device_type == "cpu" and _interpreting(),
         extra=extra,
-        **fields,
+        **geometry,
     )
 
 
@@ -827,19 +830,16 @@ def _dropout_seeds(seed, dropout: float, is_training: bool, batch: int, heads: i
     return attention_math.head_seeds(attention_math.seed_words(seed), batch, heads)
 
 
-def _call_config(args: _FusedAttnArgs, kinds: _Kinds, qkv, bias, window: Tuple[int, int], dropout: float,
-                 is_training: bool, offset_sequences: bool, context_parallel_axis: bool = False,
-                 top_left_lengths_may_differ: bool = False) -> AttnConfig:
-    """The call's AttnConfig (what backend selection reads) from its parsed parts."""
+def _call_config(static: FusedAttnStatic, kinds: _Kinds, qkv, bias, offset_sequences: bool,
+                 context_parallel_axis: bool = False, top_left_lengths_may_differ: bool = False) -> AttnConfig:
+    """The call's AttnConfig (what backend selection reads): its parameters ``static`` on its parsed tensors."""
     q, k, v = qkv
     return _make_config(
         batch_size=q.shape[0], num_heads_q=q.shape[2], num_heads_kv=k.shape[2], head_dim_qk=q.shape[3],
-        head_dim_v=v.shape[3], max_seqlen_q=q.shape[1], max_seqlen_kv=k.shape[1], dtype=q.dtype,
-        qkv_layout=kinds.layout, attn_mask_type=kinds.mask, window_size=window,
-        bottom_right_diagonal=args.bottom_right_diagonal, attn_bias_type=kinds.bias_type,
-        bias_shape=None if bias is None else bias.shape, dropout=dropout, is_training=is_training,
-        softmax_type=kinds.softmax_type, offset_sequences=offset_sequences, return_max_logit=args.return_max_logit,
-        context_parallel_axis=context_parallel_axis, top_left_lengths_may_differ=top_left_lengths_may_differ,
+        head_dim_v=v.shape[3], max_seqlen_q=q.shape[1], max_seqlen_kv=k.shape[1], dtype=q.dtype, params=static,
+        packing=kinds.layout.packing, bias_shape=None if bias is None else bias.shape,
+        offset_sequences=offset_sequences, context_parallel_axis=context_parallel_axis,
+        top_left_lengths_may_differ=top_left_lengths_may_differ,
     )
 
 
@@ -868,17 +868,19 @@ def _parse_call(args: _FusedAttnArgs) -> _Call:
         _check_context_parallel(cp, kinds, dropout, is_training, window, max_segments, q, k)
     softmax_offset = _check_softmax_offset(kinds.softmax_type, args.softmax_offset, q.shape[2])
     seeds = _dropout_seeds(args.seed, dropout, is_training, q.shape[0], q.shape[2])
-    config = _call_config(args, kinds, (q, k, v), bias, window, dropout, is_training,
+    # The call's parameters, once: backend selection (its AttnConfig) and the primitives read this value.
+    static = FusedAttnStatic(
+        attn_mask_type=kinds.mask, attn_bias_type=kinds.bias_type, qkv_format=kinds.fmt, window_size=window,
+        scaling_factor=scale, dropout_probability=dropout, is_training=is_training,
+        deterministic=is_deterministic_mode(), checkpoint_name=checkpoint,
+        bottom_right_diagonal=resolve_bottom_right_diagonal(kinds.mask, args.bottom_right_diagonal, "jax"),
+        softmax_type=kinds.softmax_type, return_max_logit=bool(args.return_max_logit),
+    )
+    config = _call_config(static, kinds, (q, k, v), bias,
                           offset_sequences=_has_offset_sequences(descriptor, kinds),
                           context_parallel_axis=cp is not None,
                           top_left_lengths_may_differ=(kinds.mask.is_top_left_causal()
                                                        and _lengths_may_differ(descriptor, kinds)))
-    static = FusedAttnStatic(
-        attn_mask_type=kinds.mask, attn_bias_type=kinds.bias_type, qkv_format=kinds.fmt, window_size=window,
-        scaling_factor=scale, dropout_probability=dropout, is_training=is_training,
-        deterministic=config.deterministic, checkpoint_name=checkpoint, bottom_right_diagonal=config.bottom_right,
-        softmax_type=kinds.softmax_type, return_max_logit=bool(args.return_max_logit),
-    )
     return _Call(q, k, v, bias, seq, seeds, softmax_offset, static, config, kinds.fmt, cp)
 
 
@@ -1151,13 +1153,16 @@ def _fused_reasons(
     bias_type = to_common(attn_bias_type, _common.AttnBiasType, "attn_bias_type")
     if bias_shape is None and bias_type != _common.AttnBiasType.NO_BIAS:
         bias_shape = (1, q_num_heads, q_max_seqlen, kv_max_seqlen)
+    layout = to_common(qkv_layout, _common.QKVLayout, "qkv_layout")
+    params = FusedAttnStatic(  # the softmax scale is no selection's concern: TransformerEngine's default
+        attn_mask_type=mask, attn_bias_type=bias_type, qkv_format=layout.qkv_format,
+        window_size=normalize_window(window_size, mask), scaling_factor=1.0 / float(np.sqrt(head_dim_qk)),
+        dropout_probability=float(dropout_probability), is_training=bool(is_training),
+        deterministic=is_deterministic_mode(), softmax_type=stype)
     config = _make_config(
         batch_size=1, num_heads_q=q_num_heads, num_heads_kv=kv_num_heads, head_dim_qk=head_dim_qk,
         head_dim_v=head_dim_qk if head_dim_v is None else head_dim_v, max_seqlen_q=q_max_seqlen,
-        max_seqlen_kv=kv_max_seqlen, dtype=q_dtype, qkv_layout=to_common(qkv_layout, _common.QKVLayout, "qkv_layout"),
-        attn_mask_type=mask, window_size=normalize_window(window_size, mask), attn_bias_type=bias_type,
-        bias_shape=bias_shape, dropout=float(dropout_probability), is_training=bool(is_training),
-        softmax_type=stype,
+        max_seqlen_kv=kv_max_seqlen, dtype=q_dtype, params=params, packing=layout.packing, bias_shape=bias_shape,
     )
     if not settings.get(FusedAttention.ENABLE_VAR):
         reasons.append(f"disabled by {FusedAttention.ENABLE_VAR}=0")

@@ -125,8 +125,8 @@ class AttentionBackend:
             reasons.append(f"qkv_format={config.qkv_format.value}")
         if config.attn_bias_type not in cls.SUPPORTED_BIAS_TYPES:
             reasons.append(f"attn_bias_type={config.attn_bias_type.value}")
-        if config.dropout > 0 and config.is_training and not cls.SUPPORTS_DROPOUT:
-            reasons.append(f"dropout={config.dropout} (dropout not supported)")
+        if config.has_dropout and not cls.SUPPORTS_DROPOUT:
+            reasons.append(f"dropout={config.dropout_probability} (dropout not supported)")
         if config.softmax_type not in cls.SUPPORTED_SOFTMAX_TYPES:
             names = ", ".join(sorted(t.value for t in cls.SUPPORTED_SOFTMAX_TYPES))
             reasons.append(f"softmax_type={config.softmax_type.value} (supported: {names})")

@@ -1,7 +1,10 @@
-"""AttnConfig: the one frozen description of an attention call that every decision reads."""
+"""AttnConfig: one attention call as every decision reads it: the call's parameters (the AttnParams value the
+launch reads too) with its geometry and device; PlanKey: what launch plans read of it."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Optional, Tuple
 
@@ -9,41 +12,14 @@ from transformer_engine.common.attention.enums import (
     AttnBiasType,
     AttnMaskType,
     AttnSoftmaxType,
-    QKVFormat,
     QKVLayout,
+)
+from transformer_engine.common.attention.params import (  # noqa: F401 (the window helpers' historical home)
+    NO_WINDOW, AttnParams, normalize_window, resolve_bottom_right_diagonal, window_kind,
 )
 
 __all__ = ["AttnConfig", "PlanKey", "normalize_window", "resolve_bottom_right_diagonal", "window_kind", "NO_WINDOW",
            "gfx_target"]
-
-NO_WINDOW = (-1, -1)
-
-
-def normalize_window(window_size: Optional[Tuple[int, int]], attn_mask_type: AttnMaskType) -> Tuple[int, int]:
-    """TransformerEngine's window semantics, validated.
-
-    ``(left, right)``: query ``i`` sees keys ``j`` with ``i + d - left <= j <= i + d + right``, where
-    ``d`` is ``s_kv - s_q`` when the diagonal is aligned bottom-right and 0 when it is aligned top-left
-    (:func:`resolve_bottom_right_diagonal`); -1 means unbounded. Causal masks bound ``right`` at 0.
-    """
-    mask = AttnMaskType(attn_mask_type)
-    if window_size is None:
-        window_size = NO_WINDOW
-    try:
-        left, right = (int(w) for w in window_size)
-    except (TypeError, ValueError):
-        raise ValueError(f"`window_size` must be a pair of ints (left, right), got {window_size!r}") from None
-    if left < -1 or right < -1:
-        raise ValueError(f"`window_size` entries must be >= -1 (-1 = unbounded), got {window_size!r}")
-    if mask.is_causal():
-        if right not in (-1, 0):
-            raise ValueError(
-                f"`window_size` must have right in (-1, 0) with attn_mask_type={mask.value!r}, got {window_size!r}"
-            )
-        right = 0
-    elif mask == AttnMaskType.ARBITRARY_MASK and (left, right) != NO_WINDOW:
-        raise ValueError(f"`window_size` must be (-1, -1) with attn_mask_type='arbitrary', got {window_size!r}")
-    return (left, right)
 
 
 def gfx_target(name: str) -> str:
@@ -55,45 +31,13 @@ def gfx_target(name: str) -> str:
     return target
 
 
-def resolve_bottom_right_diagonal(attn_mask_type: AttnMaskType, bottom_right_diagonal: Optional[bool],
-                                  framework: str = "pytorch") -> bool:
-    """Whether sliding windows and ALiBi align their diagonal with the bottom-right corner of each
-    sequence's [s_q, s_kv] score matrix (``d = s_kv - s_q``) rather than the top-left (``d = 0``).
-
-    TransformerEngine's rule: the causal masks fix it (``causal``/``padding_causal``: top-left;
-    ``*_causal_bottom_right``: bottom-right) whatever is passed; for the other masks an explicit
-    ``bottom_right_diagonal`` decides, and ``None`` takes the framework's default: bottom-right in
-    PyTorch, top-left in JAX (TransformerEngine-JAX aligns windows bottom-right only for the
-    bottom-right causal masks).
-    """
-    mask = AttnMaskType(attn_mask_type)
-    if mask.is_top_left_causal():
-        return False
-    if mask.is_causal():  # the bottom-right causal masks
-        return True
-    if bottom_right_diagonal is None:
-        return framework != "jax"
-    if not isinstance(bottom_right_diagonal, bool):
-        raise ValueError(f"`bottom_right_diagonal` must be None or a bool, got {bottom_right_diagonal!r}")
-    return bottom_right_diagonal
-
-
-def window_kind(attn_mask_type: AttnMaskType, window_size: Tuple[int, int]) -> str:
-    """'none', 'causal', 'sliding' — what a tile configuration may depend on (a normalized window)."""
-    if window_size[0] >= 0 or window_size[1] > 0:
-        return "sliding"
-    if attn_mask_type.is_causal():
-        return "causal"
-    return "none"
-
-
 @dataclass(frozen=True)
 class PlanKey:
     """What a launch plan reads of a call (``plan.py``, ``explain.py``), and nothing else: head dims,
     dtype, mask and normalized window with the resolved diagonal, score modifiers, softmax type and the
     device. No batch size, no sequence length: the determinism contract's invariance (tiles are functions
     of these only) holds by construction. :meth:`PlanKey.of` builds every one: :attr:`AttnConfig.plan_key` a config's, the launch
-    description (``launch_description.Call.plan_key``) one per call. The names are AttnConfig's."""
+    description (``launch_description.plan_key``) one per launch. The names are AttnConfig's and AttnParams'."""
 
     head_dim_qk: int
     head_dim_v: int
@@ -102,7 +46,7 @@ class PlanKey:
     window_size: Tuple[int, int] = NO_WINDOW
     bottom_right: bool = False  # the resolved diagonal (AttnConfig.bottom_right)
     attn_bias_type: AttnBiasType = AttnBiasType.NO_BIAS
-    dropout: float = 0.0
+    kernel_dropout: float = 0.0  # the probability the kernels drop with (AttnParams.kernel_dropout)
     softmax_type: AttnSoftmaxType = AttnSoftmaxType.VANILLA_SOFTMAX
     device_type: str = "cuda"
     compute_capability: Optional[Tuple[int, int]] = None
@@ -111,7 +55,7 @@ class PlanKey:
     return_max_logit: bool = False  # the forward writes row maxima
     # Keys per page where K/V are read through a page table (a paged KV cache's forward; 0: rows in place). The
     # forward sums as the config's contiguous calls do, in the same kernel where its loads can follow pages of this
-    # size (plan.pages_keep_bits). A launch fact, not an AttnConfig one: AttnConfig.plan_key leaves it 0.
+    # size (plan.pages_keep_bits); AttnParams.kv_page_size (None there for rows in place).
     kv_page_size: int = 0
 
     @property
@@ -135,11 +79,23 @@ class PlanKey:
         return cls(**values)
 
 
+# AttnParams' fields and derived values that an AttnConfig reads as its own attributes (``config.window_size`` is
+# ``config.params.window_size``), set up below the class. ``max_seqlen_q``/``max_seqlen_kv`` are not among them:
+# the config's are the call's longest sequences, always known; the parameters' only where the tensors do not say
+# them (thd), as the kernels take them.
+_PARAM_FIELDS = tuple(f.name for f in fields(AttnParams))
+_PARAM_ONLY = tuple(n for n in _PARAM_FIELDS if n not in ("max_seqlen_q", "max_seqlen_kv"))
+_PARAM_VIEWS = _PARAM_ONLY + ("has_bias", "has_dropout", "kernel_dropout")
+
+
 @dataclass(frozen=True)
 class AttnConfig:
-    """Everything backend selection and launch planning need to know about one call.
-
-    Frontends build it from their arguments; nothing here holds tensors.
+    """One attention call as backend selection and launch planning read it: its parameters (``params``, the
+    AttnParams value the frontend checked once and the launch reads), the tensors' geometry and the device.
+    Nothing here holds tensors and no parameter is held twice: ``config.attn_mask_type``, ``window_size``,
+    ``dropout_probability``, ``deterministic`` ... are ``params``' fields read through the config, and the layout
+    is ``params.qkv_format`` packed as ``packing`` says. :meth:`of` builds one from flat fields and
+    :meth:`replace` changes fields of either kind.
     """
 
     batch_size: int
@@ -150,19 +106,9 @@ class AttnConfig:
     max_seqlen_q: int
     max_seqlen_kv: int
     dtype: str  # "float16", "bfloat16" or "float32"
-    qkv_layout: QKVLayout = QKVLayout.BSHD_BSHD_BSHD
-    attn_mask_type: AttnMaskType = AttnMaskType.NO_MASK
-    window_size: Tuple[int, int] = NO_WINDOW
-    # Diagonal of sliding windows and ALiBi (resolve_bottom_right_diagonal; None: the framework's default).
-    bottom_right_diagonal: Optional[bool] = None
-    attn_bias_type: AttnBiasType = AttnBiasType.NO_BIAS
+    params: AttnParams
+    packing: str = "separate"  # how the user's q, k, v share buffers: "qkv", "kv" or "separate" (qkv_layout)
     bias_shape: Optional[str] = None  # "1hss", "b1ss", "bhss", "11ss", "111s"
-    dropout: float = 0.0
-    softmax_type: AttnSoftmaxType = AttnSoftmaxType.VANILLA_SOFTMAX  # sink softmax: off-by-one, learnable
-    is_training: bool = True
-    deterministic: bool = False
-    # The call returns each head's max logit (PyTorch's return_max_logit=True); only some backends compute it.
-    return_max_logit: bool = False
     # Per-sequence lengths with a cu_seqlens_kv of their own (cross attention): keys and queries of one
     # sequence may differ in number, which static shapes do not show.
     distinct_kv_lengths: bool = False
@@ -174,9 +120,42 @@ class AttnConfig:
     triton_interpret: bool = False  # TRITON_INTERPRET=1: Triton kernels run on the CPU
     extra: Tuple[Tuple[str, str], ...] = field(default=())  # frontend-specific facts as (name, reason)
 
+    def __post_init__(self):
+        if not isinstance(self.params, AttnParams):
+            raise TypeError(f"`params` must be an AttnParams, got {type(self.params).__name__}")
+        QKVLayout.from_format(self.params.qkv_format, self.packing)  # a packing the format has
+
+    @classmethod
+    def of(cls, **fields_) -> "AttnConfig":
+        """An AttnConfig from flat fields: its own (``max_seqlen_*`` are the config's), ``params``' by their
+        names, and ``qkv_layout`` (the format and packing). Parameters not given take AttnParams' defaults; those it requires: no mask, no window,
+        no bias, the layout's format and the softmax scale 1/sqrt(head_dim_qk)."""
+        if "params" in fields_:
+            raise TypeError("AttnConfig.of: give the parameters' fields, not `params` (use AttnConfig(...))")
+        layout = QKVLayout(fields_.pop("qkv_layout", QKVLayout.BSHD_BSHD_BSHD))
+        given = {name: fields_.pop(name) for name in list(fields_) if name in _PARAM_ONLY}
+        params = dict(attn_mask_type=AttnMaskType.NO_MASK, attn_bias_type=AttnBiasType.NO_BIAS,
+                      qkv_format=layout.qkv_format, window_size=NO_WINDOW,
+                      scaling_factor=1.0 / math.sqrt(fields_.get("head_dim_qk", 1) or 1))
+        params.update(given)
+        if params["qkv_format"] != layout.qkv_format:
+            raise ValueError(f"`qkv_format` must be qkv_layout's ({layout.qkv_format.value!r}), "
+                             f"got {params['qkv_format']!r}")
+        return cls(params=AttnParams(**params), packing=layout.packing, **fields_)
+
+    def replace(self, **changes) -> "AttnConfig":
+        """This config with ``changes``: its own fields, ``params``' by their names, or ``qkv_layout``."""
+        given = {name: changes.pop(name) for name in list(changes) if name in _PARAM_ONLY}
+        if "qkv_layout" in changes:
+            layout = QKVLayout(changes.pop("qkv_layout"))
+            given["qkv_format"], changes["packing"] = layout.qkv_format, layout.packing
+        if given:
+            changes["params"] = dataclasses.replace(changes.get("params", self.params), **given)
+        return dataclasses.replace(self, **changes)
+
     @property
-    def qkv_format(self) -> QKVFormat:
-        return self.qkv_layout.qkv_format
+    def qkv_layout(self) -> QKVLayout:
+        return QKVLayout.from_format(self.params.qkv_format, self.packing)
 
     @property
     def gqa_group_size(self) -> int:
@@ -184,8 +163,9 @@ class AttnConfig:
 
     @property
     def bottom_right(self) -> bool:
-        """The resolved diagonal alignment of windows and ALiBi (what the kernels' BOTTOM_RIGHT is)."""
-        return resolve_bottom_right_diagonal(self.attn_mask_type, self.bottom_right_diagonal, self.framework)
+        """The resolved diagonal alignment of windows and ALiBi (what the kernels' BOTTOM_RIGHT is), by this
+        config's framework where ``params`` leave it open."""
+        return resolve_bottom_right_diagonal(self.attn_mask_type, self.params.bottom_right_diagonal, self.framework)
 
     @property
     def window_kind(self) -> str:
@@ -194,8 +174,8 @@ class AttnConfig:
 
     @property
     def plan_key(self) -> PlanKey:
-        """What launch plans read of this config (:class:`PlanKey`; kv_page_size 0)."""
-        return PlanKey.of(self)
+        """What launch plans read of this config (:class:`PlanKey`)."""
+        return PlanKey.of(self, kv_page_size=self.params.kv_page_size or 0)
 
     @property
     def arch(self) -> Optional[str]:
@@ -215,8 +195,17 @@ class AttnConfig:
             f"s_q={self.max_seqlen_q} s_kv={self.max_seqlen_kv} d_qk={self.head_dim_qk} d_v={self.head_dim_v} "
             f"dtype={self.dtype} layout={self.qkv_layout.value} mask={self.attn_mask_type.value} "
             f"window={self.window_size} bottom_right={self.bottom_right} bias={self.attn_bias_type.value} "
-            f"dropout={self.dropout} "
+            f"dropout={self.dropout_probability} "
             f"softmax={self.softmax_type.value} "
             f"training={self.is_training} deterministic={self.deterministic} "
             f"device={self.device_type} arch={self.arch} framework={self.framework}"
         )
+
+
+def _param_view(name: str) -> property:
+    return property(lambda self: getattr(self.params, name), doc=f"``params.{name}``")
+
+
+for _name in _PARAM_VIEWS:
+    setattr(AttnConfig, _name, _param_view(_name))
+del _name

@@ -174,7 +174,7 @@ def _plan_key(params: AttnParams, head_dim_qk: int, head_dim_v: int, dtype: str,
     # Memoized: a pure function of frozen values, built twice a training step (forward, backward).
     # The mask, window, diagonal, softmax type and return_max_logit are params' by name.
     return PlanKey.of(params, head_dim_qk=head_dim_qk, head_dim_v=head_dim_v, dtype=dtype, attn_bias_type=bias_type,
-                      dropout=params.kernel_dropout, kv_page_size=kv_page_size, **dict(device))
+                      kv_page_size=kv_page_size, **dict(device))
 
 
 @dataclass(frozen=True)
@@ -233,7 +233,7 @@ def _values(call: Call, key: PlanKey, plan: Union[ForwardPlan, BackwardPlan]) ->
     """What every block-loop kernel takes, by parameter name (each launch picks its kernel's), with the
     head-dim tiles of ``plan`` (a ForwardPlan or BackwardPlan)."""
     flags, left, right = mask_flags(key)
-    scale, dropout_p = call.params.scaling_factor, key.dropout
+    scale, dropout_p = call.params.scaling_factor, key.kernel_dropout
     has_bias, has_alibi, dropout = call.bias is not None, call.alibi_batch_stride is not None, dropout_p > 0
     zs = call.bias.kernel_strides if has_bias else (0, 0, 0, 0)
     values = dict(

@@ -253,7 +253,7 @@ class ArchTables:
         """Whether the narrow-V tiles serve ``config`` (before the fp32 clamp)."""
         return (self.narrow_v is not None and padded_head_dim(config.head_dim_qk) == 256
                 and padded_head_dim(config.head_dim_v) == 128
-                and config.attn_bias_type == AttnBiasType.NO_BIAS and config.dropout == 0)
+                and config.attn_bias_type == AttnBiasType.NO_BIAS and config.kernel_dropout == 0)
 
     def tiles(self, config: PlanKey, key: Tuple[int, bool]) -> Tuple[Tiles, Tiles, Tiles]:
         """The (fwd, dK/dV, dQ) table tiles of ``config`` at ``key`` (_head_key), before the fp32 clamp."""
@@ -264,7 +264,7 @@ class ArchTables:
     def dk_dv_tiles(self, config: PlanKey, key: Tuple[int, bool]) -> Optional[Tuple[Tiles, Tiles]]:
         """(dK tiles, dV tiles) of a two-pass dK/dV backward for ``config``, or None: one pass."""
         if (self.dk_dv is None or key not in self.dk_dv or config.dtype not in ("float16", "bfloat16")
-                or config.attn_bias_type != AttnBiasType.NO_BIAS or config.dropout > 0
+                or config.attn_bias_type != AttnBiasType.NO_BIAS or config.kernel_dropout > 0
                 or self.serves_narrow_v(config)):
             return None
         return self.dk_dv[key]
@@ -637,7 +637,7 @@ def _gluon_tiles(config: PlanKey, arch: Optional[ArchTables], key: Tuple[int, bo
         return None, f"{arch.name} has no warp-specialized kernels (NVIDIA SM90 only)"
     if config.dtype not in ("float16", "bfloat16"):
         return None, f"dtype {config.dtype}: the Gluon kernels take fp16/bf16 only"
-    if config.attn_bias_type != AttnBiasType.NO_BIAS or config.dropout > 0:
+    if config.attn_bias_type != AttnBiasType.NO_BIAS or config.kernel_dropout > 0:
         return None, "a bias, ALiBi or dropout: the Gluon kernels have none"
     # Sink softmax (off-by-one, learnable) is in the Triton forward only.
     if config.softmax_type.has_sink:

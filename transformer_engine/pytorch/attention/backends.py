@@ -10,7 +10,6 @@ checked once) on that backend.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from typing import List, Optional, Sequence, Tuple, Type
 
 import torch
@@ -44,8 +43,6 @@ class FusedAttentionBackend(common.FusedAttention):
             # and activation checkpointing reproduce the same dropout mask.
             with (call.rng_context() if call.rng_context is not None else contextlib.nullcontext()):
                 rng_state = new_rng_state(q.device)
-        if call.return_max_logit:
-            p = dataclasses.replace(p, return_max_logit=True)
         return fused_attention(q, k, v, call.at_kernels(params=p, bias=bias, alibi_slopes=alibi, rng_state=rng_state,
                                                         softmax_offset=sink_logits(q, p.softmax_type,
                                                                                    call.softmax_offset)))
@@ -80,7 +77,7 @@ class UnfusedAttentionBackend(common.UnfusedDotProductAttention):
             max_seqlen_q=p.max_seqlen_q, max_seqlen_kv=p.max_seqlen_kv, attention_mask=call.attention_mask,
             bias_type=p.attn_bias_type, core_attention_bias=call.bias, alibi_slopes=call.alibi_slopes,
             dropout_p=p.kernel_dropout, rng_context=call.rng_context, softmax_type=p.softmax_type,
-            softmax_offset=call.softmax_offset, return_max_logit=call.return_max_logit)
+            softmax_offset=call.softmax_offset, return_max_logit=p.return_max_logit)
 
 
 # The PyTorch backends, in the common registry's order (a test keeps the two equal).

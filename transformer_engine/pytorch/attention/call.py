@@ -49,9 +49,8 @@ class AttnCall:
     At the fused kernels (from ``fused_attention`` on) the tensors follow the launch's conventions: a None
     kv-side sequence tensor next to a q-side one means "the same as q's", ``params.max_seqlen_*`` are set
     for thd, ``params.scaling_factor`` is positive, ``rng_state`` is set exactly when dropout is on and
-    ``softmax_offset`` whenever the softmax has a sink. The last three fields are DotProductAttention's,
-    for its other backends (the arbitrary mask, the RNG tracker's fork, the max logit); the fused path
-    drops them.
+    ``softmax_offset`` whenever the softmax has a sink. The last two fields are DotProductAttention's,
+    for its other backends (the arbitrary mask, the RNG tracker's fork); the fused path drops them.
     """
 
     params: AttnParams
@@ -66,7 +65,6 @@ class AttnCall:
     page_table: Optional[torch.Tensor] = None
     attention_mask: Optional[torch.Tensor] = None  # the 'arbitrary' mask (unfused backend)
     rng_context: Optional[Callable[[], ContextManager]] = None  # where dropout draws its seed (RNG tracker)
-    return_max_logit: bool = False
 
     # The kernels' tensors, in field order: what save_for_backward and the custom ops take.
     TENSOR_ROLES: ClassVar[Tuple[str, ...]] = ("cu_seqlens_q", "cu_seqlens_kv", "cu_seqlens_q_padded",
@@ -86,8 +84,8 @@ class AttnCall:
 
     def at_kernels(self, **changes) -> "AttnCall":
         """This call with ``changes`` and without DotProductAttention's own fields (the arbitrary mask, the
-        RNG tracker's fork, the max-logit request), which the fused path drops."""
-        return dataclasses.replace(self, attention_mask=None, rng_context=None, return_max_logit=False, **changes)
+        RNG tracker's fork), which the fused path drops."""
+        return dataclasses.replace(self, attention_mask=None, rng_context=None, **changes)
 
     @property
     def sequences(self) -> tuple:

@@ -12,14 +12,8 @@ from typing import Optional, Tuple
 import torch
 
 from transformer_engine.common import settings
-from transformer_engine.common.attention import (
-    AttnBiasType,
-    AttnConfig,
-    AttnMaskType,
-    AttnSoftmaxType,
-    QKVFormat,
-    QKVLayout,
-)
+from transformer_engine.common.attention import AttnConfig, QKVFormat
+from transformer_engine.common.attention.params import AttnParams
 from transformer_engine.common.attention.validation import check_cu_seqlens_values
 from transformer_engine.pytorch.attention.buffers import host_values
 from transformer_engine.pytorch.attention.device import device_facts
@@ -160,44 +154,31 @@ def check_sequence_values(fmt: QKVFormat, q: torch.Tensor, k: torch.Tensor, cu_q
 
 
 def build_attn_config(
-    q, k, v, fmt: QKVFormat, mask: AttnMaskType, window: Tuple[int, int], bias_type: AttnBiasType,
-    softmax_type: AttnSoftmaxType, *, bias_shape: Optional[str] = None, dropout: float = 0.0,
-    is_training: bool = True, deterministic: Optional[bool] = None, batch_size: Optional[int] = None,
+    q, k, v, params: AttnParams, *, bias_shape: Optional[str] = None, batch_size: Optional[int] = None,
     max_seqlen_q: Optional[int] = None, max_seqlen_kv: Optional[int] = None, packing: str = "separate",
-    distinct_kv_lengths: bool = False, bottom_right_diagonal: Optional[bool] = None, return_max_logit: bool = False,
+    distinct_kv_lengths: bool = False,
 ) -> AttnConfig:
-    """The AttnConfig of a call whose arguments are already converted and checked (``window``
-    normalized; q, k, v tensors or shape stand-ins that agree): no checks, no conversions.
-    ``distinct_kv_lengths``: the call has per-sequence lengths with a separate ``cu_seqlens_kv``
-    (cross attention), so keys and queries of one sequence may differ in number.
-    ``bottom_right_diagonal``: alignment of windows and ALiBi (``resolve_bottom_right_diagonal``).
-    ``return_max_logit``: the call returns the per-head max logit, which only the unfused backend
-    computes. (``testing.attn_config`` checks and converts strings first.)"""
+    """The AttnConfig of a call whose parameters are checked and converted (``params``, the value the launch
+    reads: its format says where q, k, v keep their dimensions) on q, k, v (tensors or shape stand-ins that
+    agree): no checks, no conversions. ``batch_size``, ``max_seqlen_*``: where the shapes do not say them
+    (thd); ``distinct_kv_lengths``: the call has per-sequence lengths with a separate ``cu_seqlens_kv`` (cross
+    attention), so keys and queries of one sequence may differ in number. (``testing.attn_config`` checks and
+    converts strings first.)"""
+    fmt = params.qkv_format
     bq, sq, hq, dqk = qkv_dims(q, fmt)
     _, sk, hk, _ = qkv_dims(k, fmt)
-    dv = v.shape[-1]
-    if deterministic is None:
-        deterministic = deterministic_requested()
     return AttnConfig(
         batch_size=batch_size if batch_size is not None else bq,
         num_heads_q=hq,
         num_heads_kv=hk,
         head_dim_qk=dqk,
-        head_dim_v=dv,
+        head_dim_v=v.shape[-1],
         max_seqlen_q=max_seqlen_q if max_seqlen_q is not None else sq,
         max_seqlen_kv=max_seqlen_kv if max_seqlen_kv is not None else sk,
         dtype=dtype_name(q.dtype),
-        qkv_layout=QKVLayout.from_format(fmt, packing),
-        attn_mask_type=mask,
-        window_size=window,
-        bottom_right_diagonal=bottom_right_diagonal,
-        attn_bias_type=bias_type,
+        params=params,
+        packing=packing,
         bias_shape=bias_shape,
-        dropout=float(dropout),
-        softmax_type=softmax_type,
-        is_training=bool(is_training),
-        deterministic=bool(deterministic),
-        return_max_logit=bool(return_max_logit),
         distinct_kv_lengths=bool(distinct_kv_lengths),
         framework="pytorch",
         device_type=q.device.type,

@@ -129,25 +129,32 @@ class _TensorMeta:
 
 
 @torch.compiler.assume_constant_result
+def _deterministic_while_tracing(torch_deterministic: bool) -> bool:
+    """The determinism request under torch.compile, read once while tracing. Dynamo guards on
+    ``torch.are_deterministic_algorithms_enabled()`` (passed in), so toggling it retraces; NVTE_* variables are
+    read at trace time."""
+    return torch_deterministic or attn_config.deterministic_requested()
+
+
+@torch.compiler.assume_constant_result
 def _select_while_tracing(q_shape, k_shape, v_shape, dtype: str, device: str, qkv_format: str, attn_mask_type: str,
                           window: Tuple[int, int], bias_type: str, bias_shape: Optional[str], dropout: float,
-                          is_training: bool, torch_deterministic: bool, distinct_kv_lengths: bool,
-                          bottom_right_diagonal: bool, return_max_logit: bool, softmax_type: str) -> Tuple[str, bool]:
+                          is_training: bool, deterministic: bool, distinct_kv_lengths: bool,
+                          bottom_right_diagonal: bool, return_max_logit: bool, softmax_type: str) -> str:
     """Backend selection under torch.compile: runs once while tracing, its result baked into the graph.
 
-    Takes what forward has converted, as constants (enum values; ``window`` normalized). Dynamo guards
-    on ``torch.are_deterministic_algorithms_enabled()`` (passed in), so toggling it retraces; NVTE_*
-    variables are read at trace time. Sizes that may be dynamic are passed as -1.
+    Takes the call's parameters as constants (enum values; ``window`` normalized) and rebuilds them here: the
+    selection reads the same AttnParams as in an eager call. Sizes that may be dynamic are passed as -1.
     """
     metas = [_TensorMeta(s, dtype, device) for s in (q_shape, k_shape, v_shape)]
-    deterministic = torch_deterministic or attn_config.deterministic_requested()
-    config = attn_config.build_attn_config(
-        *metas, QKVFormat(qkv_format), AttnMaskType(attn_mask_type), window, AttnBiasType(bias_type),
-        AttnSoftmaxType(softmax_type), bias_shape=bias_shape, dropout=dropout, is_training=is_training,
-        deterministic=deterministic, distinct_kv_lengths=distinct_kv_lengths,
-        bottom_right_diagonal=bottom_right_diagonal, return_max_logit=return_max_logit,
-    )
-    return attn_backends.select(config).name, config.deterministic
+    params = AttnParams(
+        attn_mask_type=AttnMaskType(attn_mask_type), attn_bias_type=AttnBiasType(bias_type),
+        qkv_format=QKVFormat(qkv_format), window_size=window, scaling_factor=1.0, dropout_probability=dropout,
+        is_training=is_training, deterministic=deterministic, bottom_right_diagonal=bottom_right_diagonal,
+        softmax_type=AttnSoftmaxType(softmax_type), return_max_logit=return_max_logit)
+    config = attn_config.build_attn_config(*metas, params, bias_shape=bias_shape,
+                                           distinct_kv_lengths=distinct_kv_lengths)
+    return attn_backends.select(config).name
 
 
 def _packing(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str:
@@ -765,21 +772,22 @@ class DotProductAttention(torch.nn.Module):
                     self, fp8_recipe, q_, k_, v_, fmt, seqs, window, bottom_right, bias_type, dropout, softmax_type,
                     self._context_parallel is not None and self._context_parallel.size > 1, self.return_max_logit),
                 q, k, v, checkpoint_core_attention)
-        backend, deterministic = self._select(q, k, v, fmt, seqs, window, bias_type, bias_shape, dropout, bottom_right,
-                                              softmax_type)
-        self.last_backend = backend.NAME
-        rng_context = self._rng_context()
+        # The call's parameters, once: backend selection (its AttnConfig), the backend's run and the launch read
+        # this value.
         thd = fmt == QKVFormat.THD
         params = AttnParams(
             attn_mask_type=seqs.mask, attn_bias_type=bias_type, qkv_format=fmt, window_size=window,
-            scaling_factor=self.softmax_scale, dropout_probability=float(dropout), deterministic=deterministic,
-            bottom_right_diagonal=bottom_right, softmax_type=softmax_type,
-            max_seqlen_q=seqs.max_seqlen_q if thd else None, max_seqlen_kv=seqs.max_seqlen_kv if thd else None)
+            scaling_factor=self.softmax_scale, dropout_probability=float(self.attention_dropout),
+            is_training=self.training, deterministic=self._deterministic(), bottom_right_diagonal=bottom_right,
+            softmax_type=softmax_type, max_seqlen_q=seqs.max_seqlen_q if thd else None,
+            max_seqlen_kv=seqs.max_seqlen_kv if thd else None, return_max_logit=self.return_max_logit)
+        backend = self._select(q, k, v, params, seqs, bias_shape)
+        self.last_backend = backend.NAME
         call = AttnCall(
             params=params, cu_seqlens_q=seqs.cu_seqlens_q, cu_seqlens_kv=seqs.cu_seqlens_kv,
             cu_seqlens_q_padded=seqs.cu_seqlens_q_padded, cu_seqlens_kv_padded=seqs.cu_seqlens_kv_padded,
             bias=core_attention_bias, alibi_slopes=alibi_slopes, softmax_offset=softmax_offset,
-            attention_mask=seqs.attention_mask, rng_context=rng_context, return_max_logit=self.return_max_logit,
+            attention_mask=seqs.attention_mask, rng_context=self._rng_context(),
         )
         if key is not None and (fmt != QKVFormat.THD or (max_seqlen_q is not None and max_seqlen_kv is not None)):
             # Every check above read only what the key holds; thd without max_seqlen_* read cu_seqlens' values.
@@ -798,7 +806,8 @@ class DotProductAttention(torch.nn.Module):
 
             attend = context_parallel_attend(
                 cp, attend, backend=backend, q=q, k=k, v=v, fmt=fmt, mask=seqs.mask, seqs=seqs, window=window,
-                softmax_scale=self.softmax_scale, deterministic=deterministic, num_heads=self.num_heads_per_partition,
+                softmax_scale=self.softmax_scale, deterministic=params.deterministic,
+                num_heads=self.num_heads_per_partition,
                 num_kv_heads=self.num_gqa_groups_per_partition,
                 bias_type=bias_type, dropout=dropout, softmax_type=softmax_type, return_max_logit=self.return_max_logit)
         return self._attend(attend, q, k, v, checkpoint_core_attention)
@@ -859,34 +868,39 @@ class DotProductAttention(torch.nn.Module):
         if softmax_offset is not None:  # as forward does
             softmax_offset = softmax_offset.to(device=q.device, dtype=torch.float32)
         call = AttnCall(prepared.params, cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
-                        cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded, bias=core_attention_bias, alibi_slopes=alibi_slopes, softmax_offset=softmax_offset,
-                        rng_context=self._rng_context(), return_max_logit=self.return_max_logit)
+                        cu_seqlens_q_padded=cu_seqlens_q_padded, cu_seqlens_kv_padded=cu_seqlens_kv_padded,
+                        bias=core_attention_bias, alibi_slopes=alibi_slopes, softmax_offset=softmax_offset,
+                        rng_context=self._rng_context())
 
         def attend(q_, k_, v_):
             return _run(step_run, backend, q_, k_, v_, call)
 
         return self._attend(attend, q, k, v, checkpoint_core_attention)
 
-    def _select(self, q, k, v, fmt: QKVFormat, seqs: "_Sequences", window, bias_type: AttnBiasType,
-                bias_shape: Optional[str], dropout: float, bottom_right: bool, softmax_type: AttnSoftmaxType):
-        """(backend class, deterministic) for this call, read now: builds the call's one AttnConfig."""
+    def _deterministic(self) -> bool:
+        """The call's determinism request, read now (NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 or
+        torch.use_deterministic_algorithms(True))."""
+        if _is_compiling():
+            return _deterministic_while_tracing(torch.are_deterministic_algorithms_enabled())
+        return attn_config.deterministic_requested()
+
+    def _select(self, q, k, v, params: AttnParams, seqs: "_Sequences", bias_shape: Optional[str]):
+        """The backend class for the call of ``params`` on q, k, v, read now: the AttnConfig of ``params``."""
         if _is_compiling():
             # Sizes that may be dynamic are unknown while tracing; head counts and dims are static.
             def meta(t, heads, dim):
                 return (-1,) * (t.dim() - 2) + (heads, dim)
             dk, dv = self.hidden_size_per_attention_head_k, self.hidden_size_per_attention_head_v
-            name, deterministic = _select_while_tracing(
+            name = _select_while_tracing(
                 meta(q, self.num_heads_per_partition, dk), meta(k, self.num_gqa_groups_per_partition, dk),
                 meta(v, self.num_gqa_groups_per_partition, dv), str(q.dtype).replace("torch.", ""), q.device.type,
-                fmt.value, seqs.mask.value, tuple(window), bias_type.value, bias_shape, float(dropout),
-                bool(self.training), torch.are_deterministic_algorithms_enabled(), seqs.distinct_kv_lengths,
-                bottom_right, self.return_max_logit, softmax_type.value,
+                params.qkv_format.value, params.attn_mask_type.value, tuple(params.window_size),
+                params.attn_bias_type.value, bias_shape, float(params.dropout_probability), bool(params.is_training),
+                params.deterministic, seqs.distinct_kv_lengths, params.bottom_right_diagonal,
+                params.return_max_logit, params.softmax_type.value,
             )
-            return attn_backends.backend_named(name), deterministic
+            return attn_backends.backend_named(name)
         config = attn_config.build_attn_config(
-            q, k, v, fmt, seqs.mask, window, bias_type, softmax_type, bias_shape=bias_shape, dropout=dropout,
-            is_training=self.training, batch_size=seqs.batch, max_seqlen_q=seqs.max_seqlen_q,
-            max_seqlen_kv=seqs.max_seqlen_kv, packing=_packing(q, k, v), distinct_kv_lengths=seqs.distinct_kv_lengths,
-            bottom_right_diagonal=bottom_right, return_max_logit=self.return_max_logit,
-        )
-        return attn_backends.select(config).backend, config.deterministic
+            q, k, v, params, bias_shape=bias_shape, batch_size=seqs.batch, max_seqlen_q=seqs.max_seqlen_q,
+            max_seqlen_kv=seqs.max_seqlen_kv, packing=_packing(q, k, v), distinct_kv_lengths=seqs.distinct_kv_lengths)
+        return attn_backends.select(config).backend

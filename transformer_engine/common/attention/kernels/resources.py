@@ -88,10 +88,7 @@ def contiguous_call(config: AttnConfig, batch: int = 2, seqlen: int = 1024, thd:
     if config.attn_bias_type == AttnBiasType.POST_SCALE_BIAS:
         shape = bias_shape or (1, hq, sq, sk)
         bias = Bias(tuple(shape), _contiguous(shape))
-    params = AttnParams(attn_mask_type=config.attn_mask_type, attn_bias_type=config.attn_bias_type,
-                        qkv_format=config.qkv_format, window_size=config.window_size,
-                        scaling_factor=softmax_scale, dropout_probability=config.dropout, bottom_right_diagonal=config.bottom_right,
-                        softmax_type=config.softmax_type, return_max_logit=config.return_max_logit)
+    params = dataclasses.replace(config.params, scaling_factor=softmax_scale, bottom_right_diagonal=config.bottom_right)
     return Call(
         params=params, num_heads_q=hq, num_heads_kv=hk, head_dim_qk=dqk, head_dim_v=dv, dtype=config.dtype,
         num_seqs=batch, max_q=sq, max_k=sk, packed=thd, has_seqlens=thd or config.attn_mask_type.is_padding(),
@@ -214,7 +211,7 @@ def main():
     for dims in args.dims.split(","):
         d, dv = (int(x) for x in dims.split("x")) if "x" in dims else (int(dims),) * 2
         for causal in (False, True):
-            cfg = AttnConfig(batch_size=1, num_heads_q=8, num_heads_kv=8, head_dim_qk=d, head_dim_v=dv,
+            cfg = AttnConfig.of(batch_size=1, num_heads_q=8, num_heads_kv=8, head_dim_qk=d, head_dim_v=dv,
                              max_seqlen_q=4096, max_seqlen_kv=4096, dtype="bfloat16",
                              attn_mask_type=AttnMaskType.CAUSAL_MASK if causal else AttnMaskType.NO_MASK,
                              deterministic=True, device_type="cuda", **DEVICE_FACTS[args.target])

@@ -21,8 +21,8 @@ __all__ = ["EnvVar", "VARIABLES", "get", "declared_names", "environment", "snaps
 def _raw_reader(names: Tuple[str, ...]) -> Callable[[], tuple]:
     """A function returning the current raw values of ``names`` (None where unset), read from ``os.environ``.
     On POSIX CPython ``os.environ`` keeps its values in a dict by encoded name: reading that dict directly
-    is one lookup per name (about 0.03 us) where ``os.environ.get`` decodes and re-encodes (about 0.7 us),
-    and attention reads a dozen variables per call. Elsewhere, ``os.environ.get``."""
+    is one lookup per name where ``os.environ.get`` decodes and re-encodes each value, and attention reads a
+    dozen variables per call. Elsewhere, ``os.environ.get``."""
     data = getattr(os.environ, "_data", None)
     encode = getattr(os.environ, "encodekey", None)
     if isinstance(data, dict) and encode is not None:

@@ -2,8 +2,8 @@
 backward's dK/dV and dQ passes.
 
 The Triton kernels (forward.py, backward.py) run their two warpgroups in lockstep: a CTA barrier every
-block keeps softmax from overlapping the other warpgroup's matrix products (Nsight Compute on the H200:
-tensor pipe 46% busy in the forward). Here a program owns 128 rows as two
+block keeps softmax from overlapping the other warpgroup's matrix products, which leaves the tensor cores
+idle for much of the forward. Here a program owns 128 rows as two
 consumer warpgroups of 64 rows each plus one loader warp:
 
 - forward and dQ: 128 query rows. The loader warp brings the row tiles once (Q; Q and dO for dQ) and

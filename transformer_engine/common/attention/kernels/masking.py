@@ -15,7 +15,7 @@ import triton.language as tl
 
 # Triton specializes an int argument equal to 1 as a constant and one divisible by 16 with an
 # alignment hint. The block-loop kernels keep both for the sequence lengths (the hint drops mask
-# selects from the block loops: 5-20% at d=64 and d=256), except for a length of 1, where a launch
+# selects from the block loops), except for a length of 1, where a launch
 # takes the kernel's `length_generic` twin, the same source with the lengths runtime values: the
 # s_q = 1 constant variant of the d=256 dQ kernel made an illegal memory access on sm_90, and the
 # generic code is what every length not divisible by 16 runs. Numerics are the same either way. The

@@ -567,10 +567,14 @@ class _Call:
     seq: SeqInfo
     seeds: Any
     softmax_offset: Any  # fp32 [h_q] learnable sink logits, or None
-    static: FusedAttnStatic
-    config: AttnConfig
+    config: AttnConfig  # its params: the primitives' static arguments (``static``)
     qkv_format: _common.QKVFormat
     cp: Optional[ContextParallel] = None  # context parallelism over a mesh axis of size > 1
+
+    @property
+    def static(self) -> FusedAttnStatic:
+        """The call's parameters as the primitives take them: the value selection read (``config.params``)."""
+        return self.config.params
 
 
 def _softmax_type(softmax_type, softmax_offset) -> _common.AttnSoftmaxType:
@@ -881,7 +885,7 @@ def _parse_call(args: _FusedAttnArgs) -> _Call:
                           context_parallel_axis=cp is not None,
                           top_left_lengths_may_differ=(kinds.mask.is_top_left_causal()
                                                        and _lengths_may_differ(descriptor, kinds)))
-    return _Call(q, k, v, bias, seq, seeds, softmax_offset, static, config, kinds.fmt, cp)
+    return _Call(q, k, v, bias, seq, seeds, softmax_offset, config, kinds.fmt, cp)
 
 
 class _FlashBackend(FlashAttention):

@@ -5,7 +5,9 @@ TransformerEngine-JAX's arguments: ``context_parallel_axis`` (a mesh axis name; 
 ``context_parallel_strategy`` (:class:`~transformer_engine.jax.enums.CPStrategy`: ``ALL_GATHER``,
 ``RING``; ``DEFAULT`` is ``ALL_GATHER``) and ``context_parallel_causal_load_balanced`` (the tokens
 were reordered with ``reorder_causal_load_balancing(x, ReorderStrategy.DualChunkSwap, cp, seq_dim)``:
-the sequence in ``2 * cp`` chunks, rank ``r`` holding chunks ``r`` and ``2 * cp - 1 - r``). With a
+the sequence in ``2 * cp`` chunks, rank ``r`` holding chunks ``r`` and ``2 * cp - 1 - r``; with
+``stripe_size``, ours for BSHD/SBHD, in the Striped order of ``ReorderStrategy.Striped`` with that
+stripe size, which the common plan runs as its STRIPED order, one call per own stripe and pass). With a
 context-parallel axis of size 1 the call takes the plain path, at no cost.
 
 Called under ``jit`` with the mesh in effect, ``fused_attn`` runs the attention in a ``shard_map``

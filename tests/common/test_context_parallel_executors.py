@@ -248,20 +248,32 @@ def _record_jax(jcp, monkeypatch, seen):
     monkeypatch.setattr(jcp, "fused_attn_bwd", bwd)
 
 
+# BSHD input orders: (load balanced, stripe_size, rounds of cp stripes).
+BSHD_ORDERS = {"dual_chunk": (True, None, 1), "contiguous": (False, None, 1), "striped-1": (True, 4, 1),
+               "striped-3": (True, 4, 3)}
+
+
 @pytest.mark.parametrize("comm", COMMS)
-@pytest.mark.parametrize("load_balanced", [True, False], ids=["dual_chunk", "contiguous"])
+@pytest.mark.parametrize("order", list(BSHD_ORDERS))
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "no_mask"])
 @pytest.mark.parametrize("cp", CPS)
-def test_jax_bshd_steps_launch_the_plans_calls(cp, causal, load_balanced, comm, monkeypatch):
+def test_jax_bshd_steps_launch_the_plans_calls(cp, causal, order, comm, monkeypatch):
+    """BSHD: each launch is one of the plan's calls (the unmasked ones of a pass as one launch), in the
+    plan's order per pass, for DualChunkSwap, contiguous and Striped input (``stripe_size``: the plan runs the
+    STRIPED order, one call per own stripe and pass)."""
     jax, jcp, _, _ = _jax()
     import jax.numpy as jnp
 
     seen = []
     _record_jax(jcp, monkeypatch, seen)
+    load_balanced, stripe, rounds = BSHD_ORDERS[order]
     length = 4
-    plan = _jax_plan(cp, causal, comm, load_balanced, QKVFormat.BSHD, 1)
-    n_local = cpp.num_chunks(cp, plan.cp.balance) * length // cp
+    plan = _jax_plan(cp, causal, comm, load_balanced, QKVFormat.BSHD, 1, stripe)
+    n_local = cpp.num_chunks(cp, plan.cp.balance, rounds) * length // cp
     s = n_local * cp
+    if stripe is not None:  # the input's order: rank r's stripes r, r + cp, ...
+        assert (plan.cp.balance, plan.cp.rounds(s)) == (cpp.LoadBalance.STRIPED, rounds)
+        assert [r.start for r in plan.rank_plan(1, s).ranges] == [(1 + i * cp) * stripe for i in range(rounds)]
     z = lambda n, h: jnp.zeros((1, n, h, 8), jnp.float32)  # noqa: E731
     lse = jnp.zeros((1, 1, 2, n_local), jnp.float32)
     lse_all = jnp.zeros((1, 1, 2, s), jnp.float32)

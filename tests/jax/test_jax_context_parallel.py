@@ -63,14 +63,14 @@ def _inputs(dtype_name: str):
     return tuple(jnp.asarray(rng.standard_normal(shape), dtype) for shape in shapes)
 
 
-def _attention(layout, mask, strategy=CPStrategy.DEFAULT, load_balanced=False, axis=""):
+def _attention(layout, mask, strategy=CPStrategy.DEFAULT, load_balanced=False, axis="", stripe=None):
     """``(q, k, v, dout) -> (out, dq, dk, dv)`` in the layout's own format, through the fused primitives."""
 
     def loss(q, k, v, dout):
         out = fused_attn_with_backend(
             "fused", (q, k, v), None, None, None, AttnBiasType.NO_BIAS, mask, layout, SCALE, 0.0, True,
             context_parallel_strategy=strategy, context_parallel_causal_load_balanced=load_balanced,
-            context_parallel_axis=axis)
+            context_parallel_axis=axis, stripe_size=stripe)
         return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)), out
 
     def fn(q, k, v, dout):
@@ -101,9 +101,11 @@ def _mesh(cp: int, with_dp: bool):
     return Mesh(np.array(jax.devices()[:cp]), ("cp",))
 
 
-def _run_cp(layout, mask, dtype_name, cp, strategy, load_balanced, with_dp, axis_by_resource, repeats=1):
-    """The context-parallel call under jit, inputs placed sequence-sharded (in DualChunkSwap order when
-    load balanced); results back in global token order, as numpy, one tuple per repeat."""
+def _run_cp(layout, mask, dtype_name, cp, strategy, load_balanced, with_dp, axis_by_resource, repeats=1,
+            stripe=None):
+    """The context-parallel call under jit, inputs placed sequence-sharded (when load balanced in DualChunkSwap
+    order, or with ``stripe`` in the Striped order of such stripes); results back in global token order, as
+    numpy, one tuple per repeat."""
     mesh = _mesh(cp, with_dp)
     seq = _seq_axis(layout)
     resource = MeshResource(dp_resource="dp" if with_dp else None, cp_resource="cp" if axis_by_resource else None)
@@ -111,17 +113,18 @@ def _run_cp(layout, mask, dtype_name, cp, strategy, load_balanced, with_dp, axis
     spec[seq] = "cp"
     if with_dp:
         spec[1 - seq] = "dp"
-    fn = _attention(layout, mask, strategy, load_balanced, axis="" if axis_by_resource else "cp")
+    fn = _attention(layout, mask, strategy, load_balanced, axis="" if axis_by_resource else "cp", stripe=stripe)
     args = [_to_layout(x, layout) for x in _inputs(dtype_name)]
+    order = (ReorderStrategy.Striped if stripe is not None else LB, cp, seq, stripe)
     if load_balanced:
-        args = [reorder_causal_load_balancing(x, LB, cp, seq) for x in args]
+        args = [reorder_causal_load_balancing(x, *order) for x in args]
     results = []
     with mesh, global_shard_guard(resource):
         placed = [jax.device_put(x, NamedSharding(mesh, P(*spec))) for x in args]
         for _ in range(repeats):
             results.append(fn(*placed))
     if load_balanced:
-        results = [[inverse_reorder_causal_load_balancing(x, LB, cp, seq) for x in r] for r in results]
+        results = [[inverse_reorder_causal_load_balancing(x, *order) for x in r] for r in results]
     return [tuple(np.asarray(x) for x in r) for r in results]
 
 
@@ -237,6 +240,29 @@ def test_flax_module_passes_the_arguments_through():
 # ------------------------------------------------------------------------------------------------
 # Refusals name the argument
 # ------------------------------------------------------------------------------------------------
+# Striped input (``stripe_size``: ours for BSHD/SBHD): (cp, strategy, mask, dtype, layout, dp axis too, stripe).
+# Stripes per rank: 2, 4, 1 and 8 (the plan's STRIPED order, a call per own stripe and pass).
+STRIPED_CASES = [
+    (2, CPStrategy.ALL_GATHER, AttnMaskType.CAUSAL_MASK, "float32", QKVLayout.BSHD_BSHD_BSHD, False, 16),
+    (4, CPStrategy.RING, AttnMaskType.CAUSAL_MASK, "float16", QKVLayout.SBHD_SBHD_SBHD, True, 4),
+    (2, CPStrategy.RING, AttnMaskType.NO_MASK, "float16", QKVLayout.BSHD_BSHD_BSHD, False, 32),
+    (4, CPStrategy.ALL_GATHER, AttnMaskType.NO_MASK, "float32", QKVLayout.SBHD_SBHD_SBHD, False, 2),
+]
+
+
+@pytest.mark.parametrize("case", STRIPED_CASES, ids=lambda c: "-".join(
+    [f"cp{c[0]}", c[1].name.lower(), c[2].value, c[3], c[4].value.split("_")[0], f"stripe{c[6]}"]
+    + (["dp"] if c[5] else [])))
+def test_striped_input_is_bitwise_the_single_device_call(case):
+    """BSHD/SBHD inputs in the Striped order (``context_parallel_causal_load_balanced=True, stripe_size=n``):
+    the plan runs the STRIPED order, and the outputs and gradients, back in token order, are the
+    single-device call's bits, over repeats too."""
+    cp, strategy, mask, dtype, layout, with_dp, stripe = case
+    first, second = _run_cp(layout, mask, dtype, cp, strategy, True, with_dp, False, repeats=2, stripe=stripe)
+    _assert_bitwise(first, _single_device(layout, mask, dtype), f"striped cp={cp} differs from the single-device call")
+    _assert_bitwise(second, first, "a repeat differs")
+    _assert_close_to_fp64(first, layout, mask, dtype)
+
 
 _BASE = dict(attn_bias_type=AttnBiasType.NO_BIAS, attn_mask_type=AttnMaskType.CAUSAL_MASK,
              qkv_layout=QKVLayout.BSHD_BSHD_BSHD, scaling_factor=SCALE, dropout_probability=0.0, is_training=True,
@@ -259,7 +285,10 @@ _BASE = dict(attn_bias_type=AttnBiasType.NO_BIAS, attn_mask_type=AttnMaskType.CA
     (dict(qkv_layout=QKVLayout.THD_THD_THD, attn_mask_type=AttnMaskType.PADDING_CAUSAL_MASK,
           context_parallel_causal_load_balanced=True, stripe_size=4), 40, ValueError,
      "`qkv` sequence length must be a multiple of cp_size * stripe_size = 16"),
-    (dict(stripe_size=4), 64, ValueError, "`stripe_size` must be None with qkv_layout='bshd_bshd_bshd'"),
+    (dict(stripe_size=4), 64, ValueError,
+     "`stripe_size` must be None without context_parallel_causal_load_balanced=True with qkv_layout='bshd_bshd_bshd'"),
+    (dict(context_parallel_causal_load_balanced=True, stripe_size=3), 40, ValueError,
+     "`qkv` sequence length (s_q) must be a multiple of cp_size * stripe_size = 12 (Striped order)"),
     (dict(stripe_size=0), 64, ValueError, "`stripe_size` must be None or a positive int"),
 ])
 def test_refusals_name_the_argument(overrides, s, error, words):
@@ -315,12 +344,13 @@ def test_cp_scaling_benchmark_dry_run_is_bitwise(tmp_path):
 
 
 @pytest.mark.parametrize("strategy", [CPStrategy.ALL_GATHER, CPStrategy.RING], ids=lambda s: s.name)
-@pytest.mark.parametrize("load_balanced", [True, False], ids=["dual_chunk_swap", "contiguous"])
+@pytest.mark.parametrize("load_balanced", [True, False, 4], ids=["dual_chunk_swap", "contiguous", "striped4"])
 @pytest.mark.parametrize("cp", [4, 8])
 def test_chunk_calls_start_at_the_tile_boundary(cp, load_balanced, strategy, monkeypatch):
-    """With a tile (16 rows) longer than the chunks (16, 8 or 4 tokens), each causal chunk call starts at the
-    tile boundary before its chunk, the common plan's ``ChunkRange.aligned_start`` (zero rows in front,
-    dropped), as on a GPU whose tiles do not divide the chunk length: still the single-device bits."""
+    """With a tile (16 rows) longer than the chunks (16, 8 or 4 tokens; Striped: stripes of 4), each causal
+    chunk call starts at the tile boundary before its chunk, the common plan's ``ChunkRange.aligned_start``
+    (zero rows in front, dropped), as on a GPU whose tiles do not divide the chunk length: still the
+    single-device bits."""
     from transformer_engine.jax import context_parallel
 
     monkeypatch.setattr(context_parallel, "tile_alignment", lambda *args, **kwargs: 16)
@@ -333,8 +363,9 @@ def test_chunk_calls_start_at_the_tile_boundary(cp, load_balanced, strategy, mon
 
     monkeypatch.setattr(context_parallel, "fused_attn_fwd", record)
     layout, mask, dtype = QKVLayout.BSHD_BSHD_BSHD, AttnMaskType.CAUSAL_MASK, "float32"
-    (results,) = _run_cp(layout, mask, dtype, cp, strategy, load_balanced, False, False)
-    chunk = S // (2 * cp if load_balanced else cp)
+    stripe = None if isinstance(load_balanced, bool) else load_balanced
+    (results,) = _run_cp(layout, mask, dtype, cp, strategy, bool(load_balanced), False, False, stripe=stripe)
+    chunk = stripe or S // (2 * cp if load_balanced else cp)
     offset_calls = chunk % 16 != 0  # else every chunk starts on a tile: the plain chunk calls
     assert seen and {f.value for f in seen} == {"thd" if offset_calls else "bshd"}, seen
     _assert_bitwise(results, _single_device(layout, mask, dtype), "tile-aligned chunk calls")

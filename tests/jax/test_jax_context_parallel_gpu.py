@@ -87,17 +87,19 @@ def _static(q, k, v, mask=AttnMaskType.CAUSAL_MASK):
     return call.static
 
 
-def _simulate(q, k, v, dout, cp, load_balanced, mask=AttnMaskType.CAUSAL_MASK):
+def _simulate(q, k, v, dout, cp, load_balanced, mask=AttnMaskType.CAUSAL_MASK, stripe=None):
     """Every rank's step on one GPU, the chunk calls aligned to the kernels' tiles as ``fused_attn`` aligns
-    them (``tile_alignment``); results in global token order."""
+    them (``tile_alignment``); results in global token order. ``stripe``: load-balanced input in the Striped
+    order of such stripes (``stripe_size``) instead of DualChunkSwap."""
     s = q.shape[1]
     plan = cpmod.make_plan(_static(q, k, v, mask), cpmod.ContextParallel("cp", cp, CPStrategy.ALL_GATHER,
-                                                                         load_balanced))
+                                                                         load_balanced, stripe))
     plan = cpmod.make_plan(plan.static, plan.cp, cpmod.tile_alignment(plan, q, k, v))
-    order = (lambda x, axis=1: reorder_causal_load_balancing(x, LB, cp, axis)) if load_balanced else (
+    how = (ReorderStrategy.Striped, cp) if stripe is not None else (LB, cp)
+    order = (lambda x, axis=1: reorder_causal_load_balancing(x, *how, axis, stripe)) if load_balanced else (
         lambda x, axis=1: x)
-    unorder = (lambda x, axis=1: inverse_reorder_causal_load_balancing(x, LB, cp, axis)) if load_balanced else (
-        lambda x, axis=1: x)
+    unorder = (lambda x, axis=1: inverse_reorder_causal_load_balancing(x, *how, axis, stripe)) if load_balanced \
+        else (lambda x, axis=1: x)
     n = s // cp
     local = lambda x, r, axis=1: jax.lax.dynamic_slice_in_dim(order(x, axis), r * n, n, axis)  # noqa: E731
 
@@ -120,10 +122,10 @@ def _bits(x):
     return np.asarray(x).view(np.uint16)
 
 
-def check(s, cp, load_balanced, expected=None, inputs=None, mask=AttnMaskType.CAUSAL_MASK):
+def check(s, cp, load_balanced, expected=None, inputs=None, mask=AttnMaskType.CAUSAL_MASK, stripe=None):
     inputs = inputs or _inputs(s)
     expected = expected or _single_device(*inputs, mask)
-    actual = _simulate(*inputs, cp, load_balanced, mask)
+    actual = _simulate(*inputs, cp, load_balanced, mask, stripe)
     # Elements whose bits differ (a -0.0 against a +0.0 counts: the contract is bitwise).
     mismatched = {name: int(np.sum(_bits(a) != _bits(e))) for name, a, e in zip(("out", "dq", "dk", "dv"), actual,
                                                                                 expected)}
@@ -158,6 +160,20 @@ def test_chunks_off_the_tiles_bitwise_equal_to_cp1(cp, load_balanced, mask):
     align = cpmod.tile_alignment(plan, *inputs[:3])
     assert (s // (2 * cp if load_balanced else cp)) % align, f"chunks meet the {align}-row tiles: not a test of leads"
     mismatched = check(s, cp, load_balanced, inputs=inputs, mask=mask)
+    assert not any(mismatched.values()), f"elements differing from cp = 1: {mismatched}"
+
+
+@pytest.mark.parametrize("mask", [AttnMaskType.CAUSAL_MASK, AttnMaskType.NO_MASK], ids=lambda m: m.value)
+@pytest.mark.parametrize("stripe", [1024, 1000], ids=["on_the_tiles", "off_the_tiles"])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_striped_order_bitwise_equal_to_cp1(cp, stripe, mask):
+    """Striped input (``stripe_size``), two stripes per rank: the plan's STRIPED calls, stripes on the kernels'
+    tiles and off them (the causal calls then start at the tile boundary before each stripe). Still the
+    single-device bits."""
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    mismatched = check(2 * cp * stripe, cp, True, mask=mask, stripe=stripe)
     assert not any(mismatched.values()), f"elements differing from cp = 1: {mismatched}"
 
 

@@ -69,7 +69,7 @@ def _run(mask, layout, cp, strategy, load_balanced, backend=None, window=None, s
     thd = layout == QKVLayout.THD_THD_THD
     inputs = _inputs()
     expected = _fn(mask, layout, backend, window)(*inputs)
-    order = ReorderStrategy.Striped if thd else ReorderStrategy.DualChunkSwap
+    order = ReorderStrategy.Striped if thd or stripe is not None else ReorderStrategy.DualChunkSwap
     args = [reorder_causal_load_balancing(x, order, cp, 1, stripe) if load_balanced else x for x in inputs]
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(8 // cp, cp), ("dp", "cp"))
     with mesh, global_shard_guard(MeshResource(dp_resource="dp" if 8 // cp <= B else None, cp_resource="cp")):
@@ -96,6 +96,12 @@ CASES = [  # (mask, layout, cp, strategy, load balanced)
 @pytest.mark.parametrize("mask,layout,cp,strategy,lb", CASES, ids=lambda x: getattr(x, "value", str(x)))
 def test_public_cp_call_is_bitwise_the_public_cp1_call(mask, layout, cp, strategy, lb):
     _run(mask, layout, cp, strategy, lb)
+
+
+def test_public_striped_bshd_call_is_bitwise_the_public_cp1_call():
+    """BSHD input in the Striped order (``stripe_size``) on the backend the call selects (the unfused one
+    here: every rank's rows gathered back into token order)."""
+    _run(AttnMaskType.CAUSAL_MASK, QKVLayout.BSHD_BSHD_BSHD, 4, CPStrategy.RING, True, stripe=4)
 
 
 @pytest.mark.parametrize("mask,cp,strategy,lb", [

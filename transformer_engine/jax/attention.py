@@ -1039,7 +1039,8 @@ def fused_attn(
         ``RING``: how keys and values reach each rank when the sequence is split over
         ``context_parallel_axis`` (a mesh axis name; ``''`` reads ``MeshResource.cp_resource``). With
         ``context_parallel_causal_load_balanced`` the inputs are in ``reorder_causal_load_balancing``'s
-        DualChunkSwap order (BSHD/SBHD) or Striped order with ``stripe_size`` (THD; None is 1). An axis
+        DualChunkSwap order (BSHD/SBHD; with a ``stripe_size``, ours, their Striped order) or Striped
+        order with ``stripe_size`` (THD; None is 1). An axis
         of size 1 is the plain path. :mod:`transformer_engine.jax.context_parallel` says what runs
         (BSHD/SBHD with no_mask and causal; THD with the padding masks; no bias or dropout; in
         deterministic mode bitwise the same as the single-device call) and refuses the rest.

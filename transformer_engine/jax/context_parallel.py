@@ -5,7 +5,9 @@ TransformerEngine-JAX's arguments: ``context_parallel_axis`` (a mesh axis name; 
 ``context_parallel_strategy`` (:class:`~transformer_engine.jax.enums.CPStrategy`: ``ALL_GATHER``,
 ``RING``; ``DEFAULT`` is ``ALL_GATHER``) and ``context_parallel_causal_load_balanced`` (the tokens
 were reordered with ``reorder_causal_load_balancing(x, ReorderStrategy.DualChunkSwap, cp, seq_dim)``:
-the sequence in ``2 * cp`` chunks, rank ``r`` holding chunks ``r`` and ``2 * cp - 1 - r``). With a
+the sequence in ``2 * cp`` chunks, rank ``r`` holding chunks ``r`` and ``2 * cp - 1 - r``; with
+``stripe_size``, ours for BSHD/SBHD, in the Striped order of ``ReorderStrategy.Striped`` with that
+stripe size, which the common plan runs as its STRIPED order, one call per own stripe and pass). With a
 context-parallel axis of size 1 the call takes the plain path, at no cost.
 
 Called under ``jit`` with the mesh in effect, ``fused_attn`` runs the attention in a ``shard_map``
@@ -108,13 +110,22 @@ class ContextParallel:
     size: int
     strategy: CPStrategy  # ALL_GATHER or RING (DEFAULT resolved)
     load_balanced: bool
-    stripe_size: Optional[int] = None  # THD's Striped order (None: 1); BSHD/SBHD use DualChunkSwap
+    # The Striped order's stripe: THD's (None: 1); BSHD/SBHD take DualChunkSwap with None and the Striped
+    # order of such stripes with an int (ours: TransformerEngine-JAX has no Striped BSHD).
+    stripe_size: Optional[int] = None
 
     def reorder(self, thd: bool) -> Optional[ReorderStrategy]:
-        """The order the tokens arrive in: None (contiguous chunks), DualChunkSwap or Striped (THD)."""
+        """The order the tokens arrive in: None (contiguous chunks), DualChunkSwap or Striped (THD, or
+        BSHD/SBHD with a ``stripe_size``)."""
         if not self.load_balanced:
             return None
-        return ReorderStrategy.Striped if thd else ReorderStrategy.DualChunkSwap
+        if thd or self.stripe_size is not None:
+            return ReorderStrategy.Striped
+        return ReorderStrategy.DualChunkSwap
+
+    def reorder_stripe(self, thd: bool) -> Optional[int]:
+        """``reorder_causal_load_balancing``'s ``stripe_size`` for the order of :meth:`reorder`."""
+        return self.stripe if self.reorder(thd) == ReorderStrategy.Striped else None
 
     @property
     def stripe(self) -> int:
@@ -122,8 +133,23 @@ class ContextParallel:
 
     @property
     def balance(self) -> cp_plan.LoadBalance:
-        """The common plan's load balance of the BSHD/SBHD path."""
-        return cp_plan.LoadBalance.DUAL_CHUNK if self.load_balanced else cp_plan.LoadBalance.CONTIGUOUS
+        """The common plan's load balance of the BSHD/SBHD path: the input's order."""
+        if not self.load_balanced:
+            return cp_plan.LoadBalance.CONTIGUOUS
+        return cp_plan.LoadBalance.DUAL_CHUNK if self.stripe_size is None else cp_plan.LoadBalance.STRIPED
+
+    @property
+    def unit(self) -> int:
+        """What a BSHD/SBHD sequence length must be a multiple of: the plan's chunks (Striped: a round of
+        ``cp`` stripes)."""
+        if self.balance == cp_plan.LoadBalance.STRIPED:
+            return self.size * self.stripe
+        return cp_plan.num_chunks(self.size, self.balance)
+
+    def rounds(self, seqlen: int) -> int:
+        """The plan's rounds of ``cp`` stripes for a BSHD/SBHD sequence of ``seqlen`` tokens (1 unless
+        Striped)."""
+        return seqlen // (self.size * self.stripe) if self.balance == cp_plan.LoadBalance.STRIPED else 1
 
     @property
     def comm_type(self) -> str:
@@ -222,18 +248,23 @@ def check_context_parallel_supported(cp: ContextParallel, *, layout, mask, bias_
             why = (f"cp_size * stripe_size = {unit} (Striped order)" if cp.load_balanced else f"cp_size = {unit}")
             raise ValueError(f"`qkv` sequence length must be a multiple of {why} {where}, got {s_q}")
         return
-    if cp.stripe_size is not None:
-        raise ValueError(f"`stripe_size` must be None with qkv_layout={layout.value!r} {where} (it sets the "
-                         f"Striped order of THD layouts; BSHD/SBHD use DualChunkSwap), got {cp.stripe_size}")
+    if cp.stripe_size is not None and not cp.load_balanced:
+        raise ValueError(f"`stripe_size` must be None without context_parallel_causal_load_balanced=True with "
+                         f"qkv_layout={layout.value!r} {where} (it sets the Striped order of load-balanced "
+                         f"inputs), got {cp.stripe_size}")
     total_q, total_kv = (s_q * cp.size, s_kv * cp.size) if local else (s_q, s_kv)
     if mask.is_causal() and total_q != total_kv:
         raise NotImplementedError(
             f"`qkv` must have as many queries as keys with a causal mask {where}, got s_q={total_q}, s_kv={total_kv}")
-    chunks = cp_plan.num_chunks(cp.size, cp.balance)
+    unit = cp.unit
     for name, total in (("s_q", total_q), ("s_kv", total_kv)):
-        if total % chunks:
-            why = (f"2 * cp_size = {chunks} (context_parallel_causal_load_balanced=True: DualChunkSwap chunks)"
-                   if cp.load_balanced else f"cp_size = {chunks}")
+        if total % unit:
+            if cp.balance == cp_plan.LoadBalance.STRIPED:
+                why = f"cp_size * stripe_size = {unit} (Striped order)"
+            elif cp.load_balanced:
+                why = f"2 * cp_size = {unit} (context_parallel_causal_load_balanced=True: DualChunkSwap chunks)"
+            else:
+                why = f"cp_size = {unit}"
             raise ValueError(f"`qkv` sequence length ({name}) must be a multiple of {why} {where}, got {total}")
 
 
@@ -286,8 +317,7 @@ def _gather(x, cp: ContextParallel, seq_axis: int, thd: bool = False):
         full = jax.lax.all_gather(x, cp.axis, axis=seq_axis, tiled=True)
     reorder = cp.reorder(thd)
     if reorder is not None:
-        full = inverse_reorder_causal_load_balancing(full, reorder, cp.size, seq_axis,
-                                                     cp.stripe if thd else None)
+        full = inverse_reorder_causal_load_balancing(full, reorder, cp.size, seq_axis, cp.reorder_stripe(thd))
     return full
 
 
@@ -295,7 +325,7 @@ def _own_rows(x, cp: ContextParallel, seq_axis: int, thd: bool):
     """This rank's rows of a global-order ``x``: the inverse of :func:`_gather`."""
     reorder = cp.reorder(thd)
     if reorder is not None:
-        x = reorder_causal_load_balancing(x, reorder, cp.size, seq_axis, cp.stripe if thd else None)
+        x = reorder_causal_load_balancing(x, reorder, cp.size, seq_axis, cp.reorder_stripe(thd))
     n = x.shape[seq_axis] // cp.size
     return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(cp.axis) * n, n, axis=seq_axis)
 
@@ -318,9 +348,10 @@ class _Plan:
     max_axes: Tuple[str, ...] = ()
 
     def rank_plan(self, rank: int, seqlen: int) -> cp_plan.RankPlan:
-        """The common plan rank ``rank`` carries out for a sequence of ``seqlen`` tokens (BSHD/SBHD)."""
+        """The common plan rank ``rank`` carries out for a sequence of ``seqlen`` tokens (BSHD/SBHD), in the
+        input's order (Striped: its rounds of stripes)."""
         return cp_plan.rank_plan(self.cp.comm_type, self.cp.size, rank, seqlen, self.causal, self.cp.balance,
-                                 self.align, window=self.window)
+                                 self.align, window=self.window, rounds=self.cp.rounds(seqlen))
 
     @property
     def window(self) -> int:
@@ -401,7 +432,7 @@ def tile_alignment(plan: _Plan, q, k, v, capability: Optional[Tuple[int, int]] =
         if jax.devices()[0].platform not in ("gpu", "cuda"):
             return 1
         capability = gpu._compute_capability()
-    calls = plan.rank_plan(0, cp_plan.num_chunks(plan.cp.size, plan.cp.balance)).calls
+    calls = plan.rank_plan(0, plan.cp.unit).calls  # the shortest sequence: the same masks as any length
     statics = {_launch_static(plan.static, c, _offset(c, 0)) for c in calls}
     shapes = dict(q=q.shape, k=k.shape, v=v.shape)
     return cp_plan.tile_alignment(

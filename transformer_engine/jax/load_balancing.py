@@ -13,8 +13,9 @@ forward:
   to the ranks. The sequence length must be a multiple of ``cp_size * stripe_size``.
 
 ``fused_attn(..., context_parallel_causal_load_balanced=True)`` expects its inputs in the
-DualChunkSwap order for BSHD/SBHD layouts and in the Striped order (with its ``stripe_size``) for
-THD layouts (:mod:`transformer_engine.jax.context_parallel`).
+DualChunkSwap order for BSHD/SBHD layouts (with a ``stripe_size``, ours: the Striped order of such
+stripes) and in the Striped order (with its ``stripe_size``) for THD layouts
+(:mod:`transformer_engine.jax.context_parallel`).
 """
 
 from __future__ import annotations

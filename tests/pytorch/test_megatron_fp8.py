@@ -23,9 +23,10 @@ import transformer_engine.pytorch as te  # noqa: E402
 from transformer_engine.pytorch import quantization_linear as ql  # noqa: E402
 from transformer_engine.pytorch.fp8 import FP8GlobalStateManager  # noqa: E402
 
-from test_megatron_gpt import _ScoreBuffer, _config, megatron_world  # noqa: E402,F401  (a shared fixture)
+from test_megatron_gpt import SEQ, VOCAB, _ScoreBuffer, _config, megatron_world  # noqa: E402,F401  (shared)
+from test_megatron_gpt import _train as train_gpt  # noqa: E402
 
-VOCAB, SEQ, BATCH, STEPS, LR = 64, 16, 2, 20, 0.5
+STEPS = 20  # the tiny GPT of test_megatron_gpt.py (its VOCAB, SEQ, BATCH, LR), trained longer
 
 
 def _build(fp8_recipe, seed=0):
@@ -42,19 +43,7 @@ def _build(fp8_recipe, seed=0):
 
 
 def _train(model):
-    gen = torch.Generator().manual_seed(1)
-    data = [torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen) for _ in range(STEPS)]
-    position_ids = torch.arange(SEQ)[None].expand(BATCH, -1)
-    mask = torch.triu(torch.ones(BATCH, 1, SEQ, SEQ, dtype=torch.bool), 1)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for tokens in data:
-        opt.zero_grad()
-        loss = model(tokens, position_ids, mask, labels=torch.roll(tokens, -1, dims=1)).float().mean()
-        loss.backward()
-        opt.step()
-        losses.append(loss.detach())
-    return torch.stack(losses), {name: p.detach().clone() for name, p in model.named_parameters()}
+    return train_gpt(model, "cpu", STEPS)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import tempfile
 
 import pytest
 import torch
@@ -18,39 +17,7 @@ if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
 
 import transformer_engine.pytorch as te  # noqa: E402
 
-VOCAB, SEQ, BATCH, STEPS, LR = 64, 16, 2, 3, 0.5
-
-
-class _ScoreBuffer:  # as in test_megatron_gpt.py: Megatron's score buffer on the test's device
-    def __init__(self, device="cpu"):
-        self.device = device
-
-    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
-        return torch.empty(tensor_shape, dtype=dtype, device=self.device)
-
-
-@pytest.fixture(scope="module")
-def megatron_world():
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0"
-    started = not dist.is_initialized()
-    if started:
-        with tempfile.NamedTemporaryFile(delete=False) as f:
-            store = f.name
-        os.unlink(store)
-        dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
-                                init_method=f"file://{store}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    saved_buffer = parallel_state._GLOBAL_MEMORY_BUFFER
-    model_parallel_cuda_manual_seed(123, te_rng_tracker=True)
-    yield parallel_state
-    parallel_state._GLOBAL_MEMORY_BUFFER = saved_buffer
-    parallel_state.destroy_model_parallel()
-    if started:
-        dist.destroy_process_group()
+from test_megatron_gpt import SEQ, STEPS, VOCAB, _ScoreBuffer, _train, megatron_world  # noqa: E402,F401  (shared)
 
 
 def _build(device, seed=0):
@@ -70,22 +37,6 @@ def _build(device, seed=0):
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(),
                      vocab_size=VOCAB, max_sequence_length=SEQ)
     return model.to(device=device, dtype=dtype)
-
-
-def _train(model, device):
-    gen = torch.Generator().manual_seed(1)
-    data = [torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen).to(device) for _ in range(STEPS)]
-    position_ids = torch.arange(SEQ, device=device)[None].expand(BATCH, -1)
-    mask = torch.triu(torch.ones(BATCH, 1, SEQ, SEQ, dtype=torch.bool, device=device), 1)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for tokens in data:
-        opt.zero_grad()
-        loss = model(tokens, position_ids, mask, labels=torch.roll(tokens, -1, dims=1)).float().mean()
-        loss.backward()
-        opt.step()
-        losses.append(loss.detach())
-    return torch.stack(losses), {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def test_te_spec_gpt_with_fp8_dot_product_attention_trains_bitwise_twice(megatron_world):

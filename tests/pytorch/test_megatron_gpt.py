@@ -158,9 +158,10 @@ def _load(model, state):
     assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
 
 
-def _train(model, device):
+def _train(model, device, steps=STEPS):
+    """``steps`` SGD steps of ``model`` on seeded tokens: (losses, parameters). The FP8 tests train with it too."""
     gen = torch.Generator().manual_seed(1)
-    data = [torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen).to(device) for _ in range(STEPS)]
+    data = [torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen).to(device) for _ in range(steps)]
     position_ids = torch.arange(SEQ, device=device)[None].expand(BATCH, -1)
     # Megatron's causal mask, [b, 1, s, s], True = masked out (the layer specs also pass causal).
     mask = torch.triu(torch.ones(BATCH, 1, SEQ, SEQ, dtype=torch.bool, device=device), 1)

@@ -413,7 +413,7 @@ def test_arguments_passed_to_flash_attn_4(fake_flash, monkeypatch):
             QKVLayout.THD_THD_THD, 0.25, 0.0, True, 2, (3, -1))
         return jnp.sum(out**2)
 
-    jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))  # the callbacks have run
     fwd, bwd = fake_flash.calls
     assert fwd["cu_seqlens_q"] == [0, 6, 18, 27, 32] and fwd["cu_seqlens_k"] == [0, 6, 18, 27, 32]
     assert fwd["seqused_q"] == [5, 7, 9, 0] and fwd["seqused_k"] == [5, 7, 9, 0]
@@ -434,7 +434,7 @@ def test_dense_call_and_nondeterministic_backward(fake_flash):
                                                  AttnMaskType.NO_MASK, QKVLayout.BSHD_BSHD_BSHD, 0.25)
         return jnp.sum(out)
 
-    jax.jit(jax.grad(loss))(q)
+    jax.block_until_ready(jax.jit(jax.grad(loss))(q))
     fwd, bwd = fake_flash.calls
     assert fwd["cu_seqlens_q"] is None and fwd["q_shape"] == (2, 16, 4, 16) and fwd["lse_shape"] == (2, 4, 16)
     assert not fwd["causal"] and fwd["window"] == (None, None)
@@ -488,9 +488,9 @@ def test_remat_recomputes_through_the_route(fake_flash):
                                                  AttnMaskType.CAUSAL_MASK, QKVLayout.BSHD_BSHD_BSHD, 0.25)
         return jnp.sum(jnp.sin(out))
 
-    plain = jax.jit(jax.grad(f))(q)
+    plain = jax.block_until_ready(jax.jit(jax.grad(f))(q))
     fake_flash.calls.clear()
-    rematted = jax.jit(jax.grad(jax.checkpoint(f)))(q)
+    rematted = jax.block_until_ready(jax.jit(jax.grad(jax.checkpoint(f)))(q))
     np.testing.assert_array_equal(np.asarray(plain), np.asarray(rematted))
     assert [c["func"] for c in fake_flash.calls] == ["fwd", "bwd"]  # recomputed inside the backward pass
 
@@ -511,11 +511,12 @@ def test_mesh_splits_batch_and_heads(fake_flash):
         return jnp.sum(out**2), out
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
-    (_, ref_out), ref_grads = step(q, k, v)
+    # Dispatch is asynchronous: the host callbacks (which record the calls) have run once the results are ready.
+    (_, ref_out), ref_grads = jax.block_until_ready(step(q, k, v))
     fake_flash.calls.clear()
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("dp", "tp"))
     with jax.set_mesh(mesh), global_shard_guard(MeshResource(dp_resource="dp", tp_resource="tp")):
-        (_, out), grads = step(q, k, v)
+        (_, out), grads = jax.block_until_ready(step(q, k, v))
     shapes = {c["q_shape"] for c in fake_flash.calls if c["func"] == "fwd"}
     assert shapes == {(1 * s, h // 2, 16)}, shapes
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=1e-6, atol=1e-6)
@@ -535,7 +536,7 @@ def test_eager_calls_do_not_recompile(fake_flash):
         return te_testing.fused_attn_with_backend("flash", (q, k, v), None, None, None, AttnBiasType.NO_BIAS,
                                                   AttnMaskType.CAUSAL_MASK, QKVLayout.BSHD_BSHD_BSHD, 0.25)
 
-    f(q)
+    jax.block_until_ready(f(q))
     messages = []
 
     class Records(logging.Handler):
@@ -548,7 +549,7 @@ def test_eager_calls_do_not_recompile(fake_flash):
     logger.setLevel(logging.DEBUG)
     try:
         with jax.log_compiles(True):
-            f(q)
+            jax.block_until_ready(f(q))
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)

@@ -143,8 +143,9 @@ def _select_while_tracing(q_shape, k_shape, v_shape, dtype: str, device: str, qk
                           bottom_right_diagonal: bool, return_max_logit: bool, softmax_type: str) -> str:
     """Backend selection under torch.compile: runs once while tracing, its result baked into the graph.
 
-    Takes the call's parameters as constants (enum values; ``window`` normalized) and rebuilds them here: the
-    selection reads the same AttnParams as in an eager call. Sizes that may be dynamic are passed as -1.
+    Takes the call's parameters as constants (enum values; ``window`` normalized) and rebuilds the ones selection
+    reads (the softmax scale, which no backend decides by, is left at 1). Sizes that may be dynamic are passed as
+    -1.
     """
     metas = [_TensorMeta(s, dtype, device) for s in (q_shape, k_shape, v_shape)]
     params = AttnParams(
@@ -861,7 +862,7 @@ class DotProductAttention(torch.nn.Module):
     def _run_prepared(self, prepared: _PreparedCall, q, k, v, cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded,
                       cu_seqlens_kv_padded, core_attention_bias, alibi_slopes, checkpoint_core_attention: bool):
         """forward for a signature seen before: the decisions from ``prepared``, the tensors from this call."""
-        step_run = active_step_runner()  # never traced: the prepared path runs eagerly only
+        step_run = _step_runner()
         backend = prepared.backend
         self.last_backend = backend.NAME
         softmax_offset = self.softmax_offset

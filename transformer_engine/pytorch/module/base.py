@@ -26,9 +26,11 @@ def default_init_method(weight: torch.Tensor) -> None:
 
 
 def resolve_device(device: Union[str, int, torch.device, None]) -> torch.device:
-    """TransformerEngine's ``device`` argument (default "cuda"; an int is a CUDA index) as a torch.device."""
+    """The modules' ``device`` argument as a torch.device: None (the default) is CUDA when CUDA is available
+    and the CPU otherwise (TransformerEngine's modules default to "cuda"; these modules also run on a CPU); an
+    int is a CUDA index. An explicit CUDA device on a machine without CUDA is refused."""
     if device is None:
-        device = "cuda"
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if isinstance(device, int):
         device = torch.device("cuda", device)
     try:

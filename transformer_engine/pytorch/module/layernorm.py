@@ -51,7 +51,7 @@ class _Norm(torch.nn.Module):
 
     def __init__(self, normalized_shape: Union[int, Iterable[int]], eps: float = 1e-5,
                  sequence_parallel: Optional[bool] = None, params_dtype: Optional[torch.dtype] = None,
-                 zero_centered_gamma: bool = False, device: Union[str, int, torch.device, None] = "cuda",
+                 zero_centered_gamma: bool = False, device: Union[str, int, torch.device, None] = None,
                  sm_margin: int = 0, **kwargs) -> None:
         super().__init__()
         if kwargs:

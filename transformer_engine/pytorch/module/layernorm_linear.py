@@ -59,7 +59,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
         return_layernorm_output_gathered: bool = False,
         parameters_split: Optional[Any] = None,
         zero_centered_gamma: bool = False,
-        device: Union[str, int, torch.device, None] = "cuda",
+        device: Union[str, int, torch.device, None] = None,
         ub_overlap_ag: bool = False,
         ub_overlap_rs: bool = False,
         ub_overlap_rs_dgrad: bool = False,

@@ -126,7 +126,7 @@ class Linear(TransformerEngineBaseModule):
         params_dtype: Optional[torch.dtype] = None,
         parallel_mode: Optional[str] = None,
         parameters_split: Optional[Any] = None,
-        device: Union[str, int, torch.device, None] = "cuda",
+        device: Union[str, int, torch.device, None] = None,
         ub_overlap_ag: bool = False,
         ub_overlap_rs: bool = False,
         ub_overlap_rs_dgrad: bool = False,

@@ -56,7 +56,6 @@ def refuse_unsupported(owner: str, **flags: Any) -> None:
     reasons = {
         "delay_wgrad_compute": "weight gradients are computed in the backward pass",
         "symmetric_ar_type": "all-reduces go through torch.distributed",
-        "parameters_split": "the weight is one parameter",
         "fp8_output": "outputs are returned in the activation dtype (FP8 output tensors are not implemented)",
         "fp8_grad": "input gradients are returned in the activation dtype (FP8 gradient tensors are not implemented)",
     }
@@ -90,6 +89,38 @@ def check_features(in_features: int, out_features: int) -> None:
     for arg, value in (("in_features", in_features), ("out_features", out_features)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"`{arg}` must be a positive int, got {value!r}")
+
+
+def split_parameters(parameters_split: Optional[Any], out_features: int, tp_size: int):
+    """TransformerEngine's ``parameters_split`` as (weight names, bias names, this rank's sizes): None, one
+    ``weight``/``bias``; a tuple of names, equal parts named ``<name>_weight``/``<name>_bias`` (a trailing
+    underscore dropped); a dict, name to size. ``out_features`` is the global width; each part is divided by
+    ``tp_size`` (the column-parallel split of every part, as TransformerEngine shards a split weight)."""
+    if parameters_split is None:
+        names, sizes = [None], [out_features]
+    elif isinstance(parameters_split, dict) and parameters_split:
+        names, sizes = list(parameters_split), list(parameters_split.values())
+    elif (isinstance(parameters_split, (tuple, list)) and parameters_split
+          and all(isinstance(n, str) for n in parameters_split)):
+        if out_features % len(parameters_split):
+            raise ValueError(f"`parameters_split` must split out_features={out_features} into equal parts, got "
+                             f"{len(parameters_split)} names")
+        names, sizes = list(parameters_split), [out_features // len(parameters_split)] * len(parameters_split)
+    else:
+        raise ValueError(f"`parameters_split` must be None, a non-empty tuple of names or a dict of name to size, "
+                         f"got {parameters_split!r}")
+    if not all(isinstance(n, int) and n > 0 for n in sizes) or sum(sizes) != out_features:
+        raise ValueError(f"`parameters_split` sizes must be positive ints summing to out_features={out_features}, "
+                         f"got {sizes}")
+    if any(n % tp_size for n in sizes):
+        raise ValueError(f"`parameters_split` sizes {sizes} must each be divisible by the tensor-parallel size "
+                         f"{tp_size}")
+    if names == [None]:
+        return ["weight"], ["bias"], [out_features // tp_size]
+    stems = [n.rstrip("_") for n in names]
+    if len(set(stems)) != len(stems) or not all(stems):
+        raise ValueError(f"`parameters_split` names must be distinct and non-empty, got {names}")
+    return [f"{n}_weight" for n in stems], [f"{n}_bias" for n in stems], [n // tp_size for n in sizes]
 
 
 def set_tensor_parallel_attributes(param: torch.nn.Parameter, partition_dim: int) -> None:
@@ -126,13 +157,31 @@ class TransformerEngineBaseModule(torch.nn.Module):
         return torch.nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
 
     def _new_weight_and_bias(self, out_features: int, in_features: int, bias: bool, device: torch.device,
-                             dtype: torch.dtype) -> None:
-        """``weight`` [out, in] and ``bias`` [out] (registered as None without a bias)."""
-        self.weight = self._new_parameter((out_features, in_features), device, dtype)
-        if bias:
-            self.bias = self._new_parameter((out_features,), device, dtype)
-        else:
-            self.register_parameter("bias", None)
+                             dtype: torch.dtype, parameters_split: Optional[Any] = None) -> None:
+        """``weight`` [out, in] and ``bias`` [out] (registered as None without a bias); with
+        ``parameters_split`` one ``<name>_weight`` / ``<name>_bias`` per part instead (``out_features`` is
+        this rank's: each part's size is divided by the tensor-parallel size under column parallelism)."""
+        self.weight_names, self.bias_names, self.parameter_split_sizes = split_parameters(
+            parameters_split, out_features * (self.tp_size if self.parallel_mode == "column" else 1),
+            self.tp_size if self.parallel_mode == "column" else 1)
+        for wname, bname, size in zip(self.weight_names, self.bias_names, self.parameter_split_sizes):
+            self.register_parameter(wname, self._new_parameter((size, in_features), device, dtype))
+            self.register_parameter(bname, self._new_parameter((size,), device, dtype) if bias else None)
+
+    def _split_weights(self) -> list:
+        return [getattr(self, name) for name in self.weight_names]
+
+    def _split_biases(self) -> list:
+        return [getattr(self, name) for name in self.bias_names]
+
+    def _weight_and_bias(self):
+        """The GEMM's weight and bias: the parameters, or the split parameters concatenated (the concatenation
+        carries the gradient back to each part)."""
+        weights, biases = self._split_weights(), self._split_biases()
+        weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+        if biases[0] is None:
+            return weight, None
+        return weight, biases[0] if len(biases) == 1 else torch.cat(biases)
 
     @staticmethod
     def _returned_bias(out: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -161,15 +210,17 @@ class TransformerEngineBaseModule(torch.nn.Module):
             raise ValueError(f"`is_first_microbatch` must be None or a bool, got {is_first_microbatch!r}")
         refuse_unsupported(owner, fp8_output=fp8_output, fp8_grad=fp8_grad)
 
-    def _fp8_plan(self, device: torch.device):
+    def _fp8_plan(self, device: torch.device, gemm: Optional[str] = None):
         """This forward's FP8 plan (None outside autocast and calibration): the autocast's recipe, checked
-        against the device the GEMMs run on, and this module's FP8 state."""
+        against the device the GEMMs run on, and this module's FP8 state. ``gemm`` names the state of a
+        module with several GEMMs (LayerNormMLP's "fc1", "fc2"); a one-GEMM module keeps ``_fp8_state``."""
         from transformer_engine.pytorch.fp8 import FP8GlobalStateManager, check_recipe_support
         from transformer_engine.pytorch.quantization_linear import LinearFP8State
 
+        attr = "_fp8_state" if gemm is None else f"_fp8_state_{gemm}"
         enabled = FP8GlobalStateManager.is_fp8_enabled()
         if not (enabled or FP8GlobalStateManager.is_fp8_calibration()):
-            state = self.__dict__.get("_fp8_state")
+            state = self.__dict__.get(attr)
             if state is not None and state.last_enabled and torch.is_grad_enabled() \
                     and torch._C._current_graph_task_id() != -1:
                 # A forward run inside a backward pass (activation recompute) outside the autocast of
@@ -182,10 +233,10 @@ class TransformerEngineBaseModule(torch.nn.Module):
         recipe = FP8GlobalStateManager.get_fp8_recipe()
         if enabled:
             check_recipe_support(recipe, device)
-        state = self.__dict__.get("_fp8_state")
+        state = self.__dict__.get(attr)
         if state is None:
             # A plain attribute, not a buffer: the FP8 state is not part of the state dict.
-            state = self.__dict__["_fp8_state"] = LinearFP8State()
+            state = self.__dict__[attr] = LinearFP8State()
         plan = state.plan(recipe, FP8GlobalStateManager.get_fp8_group(), device, enabled)
         plan.enabled = state.last_enabled = enabled
         return plan

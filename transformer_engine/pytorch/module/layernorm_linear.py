@@ -3,7 +3,8 @@
 The norm runs on this rank's input (a sequence shard when ``sequence_parallel``); the normalized
 tensor is then gathered (column parallel) and multiplied as by ``Linear``. Parameters are named as
 TransformerEngine names them: ``layer_norm_weight``, ``layer_norm_bias`` (LayerNorm only),
-``weight``, ``bias``. Under FP8 ``autocast`` the norm runs in the activation dtype and its output is
+``weight``, ``bias`` (with ``parameters_split``, one ``<name>_weight``/``<name>_bias`` per part, concatenated
+for the GEMM, as TransformerEngine's unfused QKV parameters are). Under FP8 ``autocast`` the norm runs in the activation dtype and its output is
 quantized for the FP8 GEMMs (as ``Linear``'s input is); ``return_layernorm_output`` returns it
 unquantized.
 """
@@ -74,7 +75,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
         super().__init__()
         owner = type(self).__name__
         refuse_unsupported(owner, delay_wgrad_compute=delay_wgrad_compute, symmetric_ar_type=symmetric_ar_type,
-                           parameters_split=parameters_split, ub_overlap_ag=ub_overlap_ag,
+                           ub_overlap_ag=ub_overlap_ag,
                            ub_overlap_rs=ub_overlap_rs, ub_overlap_rs_dgrad=ub_overlap_rs_dgrad,
                            ub_bulk_dgrad=ub_bulk_dgrad, ub_bulk_wgrad=ub_bulk_wgrad)
         check_parallel_mode(owner, parallel_mode, (None, "column"))
@@ -107,24 +108,31 @@ class LayerNormLinear(TransformerEngineBaseModule):
         for param in (self.layer_norm_weight, self.layer_norm_bias):
             if param is not None:
                 param.sequence_parallel = self.sequence_parallel
-        self._new_weight_and_bias(self.out_features, in_features, self.use_bias, device, dtype)
+        self._new_weight_and_bias(self.out_features, in_features, self.use_bias, device, dtype, parameters_split)
+        if fuse_wgrad_accumulation and len(self.weight_names) > 1:
+            raise NotImplementedError(f"{owner}: `fuse_wgrad_accumulation=True` with `parameters_split` is not "
+                                      "implemented: the split weights are concatenated for the GEMM, so there is no "
+                                      "one weight to accumulate main_grad into")
         if parallel_mode == "column":
-            set_tensor_parallel_attributes(self.weight, 0)
-            if self.bias is not None:
-                set_tensor_parallel_attributes(self.bias, 0)
+            for weight, bias in zip(self._split_weights(), self._split_biases()):
+                set_tensor_parallel_attributes(weight, 0)
+                if bias is not None:
+                    set_tensor_parallel_attributes(bias, 0)
         self._init_args = (init_method, get_rng_state_tracker, rng_tracker_name)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        self._init_weight(self.weight, *self._init_args)
-        if self.weight.device.type == "meta":
+        for weight in self._split_weights():
+            self._init_weight(weight, *self._init_args)
+        if self.layer_norm_weight.device.type == "meta":
             return
         with torch.no_grad():
             self.layer_norm_weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
             if self.layer_norm_bias is not None:
                 self.layer_norm_bias.zero_()
-            if self.bias is not None:
-                self.bias.zero_()
+            for bias in self._split_biases():
+                if bias is not None:
+                    bias.zero_()
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, fp8_output: bool = False,
                 fp8_grad: bool = False):
@@ -136,7 +144,8 @@ class LayerNormLinear(TransformerEngineBaseModule):
         if self.parallel_mode == "column":
             total = _parallel.column_input(ln_out, group, self.sequence_parallel)
         # The collectives are done: multiply as a plain (local) Linear.
-        out, bias = parallel_linear(total, self.weight, self.bias, None, None, False, self.return_bias,
+        weight, bias = self._weight_and_bias()
+        out, bias = parallel_linear(total, weight, bias, None, None, False, self.return_bias,
                                     self.fuse_wgrad_accumulation, is_first_microbatch, self._fp8_plan(inp.device))
         if self.return_bias:
             bias = self._returned_bias(out, bias)

@@ -107,7 +107,9 @@ class Linear(TransformerEngineBaseModule):
     parallel dim), as TransformerEngine's are. ``return_bias=True`` returns ``(out, bias)`` with the
     bias not added (an empty tensor when ``bias=False``), for the caller to fuse into what follows.
     ``init_method`` runs on this rank's weight shard, inside ``get_rng_state_tracker().fork(
-    rng_tracker_name)`` when a tracker is given; the bias starts at zero.
+    rng_tracker_name)`` when a tracker is given; the bias starts at zero. ``parameters_split`` (names, or a dict
+    of name to size) keeps the weight as one parameter per part, ``<name>_weight``/``<name>_bias`` (each part
+    split over the tensor-parallel ranks under column parallelism), concatenated for the GEMM.
     """
 
     def __init__(
@@ -141,7 +143,7 @@ class Linear(TransformerEngineBaseModule):
         super().__init__()
         owner = type(self).__name__
         refuse_unsupported(owner, delay_wgrad_compute=delay_wgrad_compute, symmetric_ar_type=symmetric_ar_type,
-                           parameters_split=parameters_split, ub_overlap_ag=ub_overlap_ag,
+                           ub_overlap_ag=ub_overlap_ag,
                            ub_overlap_rs=ub_overlap_rs, ub_overlap_rs_dgrad=ub_overlap_rs_dgrad,
                            ub_bulk_dgrad=ub_bulk_dgrad, ub_bulk_wgrad=ub_bulk_wgrad)
         check_parallel_mode(owner, parallel_mode)
@@ -160,27 +162,34 @@ class Linear(TransformerEngineBaseModule):
         self.out_features = (divide(out_features, self.tp_size, "out_features") if parallel_mode == "column"
                              else out_features)
         device, dtype = resolve_device(device), resolve_dtype(params_dtype)
-        self._new_weight_and_bias(self.out_features, self.in_features, self.use_bias, device, dtype)
-        if parallel_mode is not None:
-            set_tensor_parallel_attributes(self.weight, 0 if parallel_mode == "column" else 1)
-            if self.bias is not None and parallel_mode == "column":
-                set_tensor_parallel_attributes(self.bias, 0)
-        if self.bias is not None and parallel_mode == "row":
-            # Replicated bias added after a reduce-scatter: its gradient is a per-rank partial sum.
-            self.bias.sequence_parallel = self.sequence_parallel
+        self._new_weight_and_bias(self.out_features, self.in_features, self.use_bias, device, dtype, parameters_split)
+        if fuse_wgrad_accumulation and len(self.weight_names) > 1:
+            raise NotImplementedError(f"{owner}: `fuse_wgrad_accumulation=True` with `parameters_split` is not "
+                                      "implemented: the split weights are concatenated for the GEMM, so there is no "
+                                      "one weight to accumulate main_grad into")
+        for weight, bias in zip(self._split_weights(), self._split_biases()):
+            if parallel_mode is not None:
+                set_tensor_parallel_attributes(weight, 0 if parallel_mode == "column" else 1)
+                if bias is not None and parallel_mode == "column":
+                    set_tensor_parallel_attributes(bias, 0)
+            if bias is not None and parallel_mode == "row":
+                # Replicated bias added after a reduce-scatter: its gradient is a per-rank partial sum.
+                bias.sequence_parallel = self.sequence_parallel
         self._init_args = (init_method, get_rng_state_tracker, rng_tracker_name)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        self._init_weight(self.weight, *self._init_args)
-        if self.bias is not None and self.bias.device.type != "meta":
-            with torch.no_grad():
-                self.bias.zero_()
+        for weight, bias in zip(self._split_weights(), self._split_biases()):
+            self._init_weight(weight, *self._init_args)
+            if bias is not None and bias.device.type != "meta":
+                with torch.no_grad():
+                    bias.zero_()
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, fp8_output: bool = False,
                 fp8_grad: bool = False):
         self._check_forward_flags(type(self).__name__, is_first_microbatch, fp8_output, fp8_grad)
-        out, bias = parallel_linear(inp, self.weight, self.bias, self.parallel_mode, self._group_for_forward(),
+        weight, bias = self._weight_and_bias()
+        out, bias = parallel_linear(inp, weight, bias, self.parallel_mode, self._group_for_forward(),
                                     self.sequence_parallel, self.return_bias, self.fuse_wgrad_accumulation,
                                     is_first_microbatch, self._fp8_plan(inp.device))
         if not self.return_bias:

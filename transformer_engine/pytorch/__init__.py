@@ -17,7 +17,7 @@ from transformer_engine.pytorch.attention import (  # noqa: E402,F401
     RotaryPositionEmbedding,
 )
 from transformer_engine.pytorch import distributed, fp8, router  # noqa: E402,F401
-from transformer_engine.pytorch.distributed import CudaRNGStatesTracker  # noqa: E402,F401
+from transformer_engine.pytorch.distributed import CudaRNGStatesTracker, checkpoint  # noqa: E402,F401
 from transformer_engine.pytorch.fp8 import (  # noqa: E402,F401
     FP8GlobalStateManager,
     autocast,
@@ -33,6 +33,7 @@ from transformer_engine.pytorch.module import (  # noqa: E402,F401
     GroupedLinear,
     LayerNorm,
     LayerNormLinear,
+    LayerNormMLP,
     Linear,
     RMSNorm,
 )

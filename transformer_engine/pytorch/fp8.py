@@ -242,9 +242,15 @@ class FP8GlobalStateManager:
 
     @classmethod
     def autocast_exit(cls, enabled: bool, _graph: bool) -> None:
+        from transformer_engine.pytorch.distributed import (in_checkpointed_training_forward,
+                                                            in_fp8_activation_recompute_phase)
+
         cls.AUTOCAST_DEPTH -= 1
-        # Forward metadata is updated once per step, when the outermost FP8 autocast closes in training.
-        if enabled and cls.AUTOCAST_DEPTH == 0 and not _graph and torch.is_grad_enabled():
+        # Forward metadata is updated once per step, when the outermost FP8 autocast closes in training
+        # (a reentrant checkpoint's first forward is training without gradients); never in a recompute,
+        # whose amaxes the first forward recorded.
+        if enabled and cls.AUTOCAST_DEPTH == 0 and not _graph and not in_fp8_activation_recompute_phase() \
+                and (torch.is_grad_enabled() or in_checkpointed_training_forward()):
             cls.reduce_and_update_fp8_tensors(forward=True)
 
     @classmethod

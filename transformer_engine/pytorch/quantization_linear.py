@@ -109,6 +109,17 @@ class LinearFP8State:
         return qw
 
 
+class _FrozenScales:
+    """A forward delayed-scaling meta as one forward read it: its scales, recording nothing."""
+
+    def __init__(self, meta: Any) -> None:
+        self.scale = meta.scale.clone()
+        self.fmt = meta.fmt
+
+    def record_amax(self, index: int, amax: torch.Tensor) -> None:
+        pass
+
+
 class LinearFP8Plan:
     """One call's quantization: the recipe, its formats and (delayed scaling) the metas to read and record."""
 
@@ -151,6 +162,14 @@ class LinearFP8Plan:
             self.bwd_meta.record_amax(BWD_GRAD_OUTPUT, amax_of(dy))
             return quantize_with_scale(dy, self.bwd_meta.scale[BWD_GRAD_OUTPUT], self.bwd_fmt), None
         return quantize_current(dy, self.bwd_fmt, self.recipe.fp8_quant_bwd_grad)[0], None
+
+    def frozen(self) -> "LinearFP8Plan":
+        """This plan as activation recompute replays it: the forward scales current now, no amax recorded
+        (the first forward recorded them); the backward's metas are the live ones."""
+        fwd_meta = None if self.fwd_meta is None else _FrozenScales(self.fwd_meta)
+        plan = LinearFP8Plan(self.recipe, fwd_meta, self.bwd_meta, self.state)
+        plan.enabled = getattr(self, "enabled", False)
+        return plan
 
     def calibrate(self, x: torch.Tensor, weight: torch.Tensor) -> None:
         """Calibration (high-precision run): record the input and weight amaxes delayed scaling would record."""
@@ -214,13 +233,17 @@ class _FP8Linear(torch.autograd.Function):
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, plan: LinearFP8Plan, is_first_microbatch: Optional[bool],
                fuse_wgrad: bool) -> torch.Tensor:
     """``x W^T`` in FP8 under ``plan`` (no bias: the callers add it after their collectives)."""
+    from transformer_engine.pytorch.distributed import in_checkpointed_training_forward
     from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
 
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"input's last dim must be in_features={weight.shape[1]}, got shape {tuple(x.shape)}")
     qw = plan.state.quantized_weight(plan, weight, is_first_microbatch)
     training = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    reduce_bwd = training and FP8GlobalStateManager.is_first_fp8_module()
+    # A reentrant checkpoint's first forward runs without gradients; its first module still takes the
+    # first-module mark (the recompute hands it back), as it would in the same forward without recompute.
+    first = (training or in_checkpointed_training_forward()) and FP8GlobalStateManager.is_first_fp8_module()
+    reduce_bwd = training and first
     fuse = bool(fuse_wgrad and weight.requires_grad and training)
     return _FP8Linear.apply(x, weight, plan, qw, fuse, bool(is_first_microbatch), reduce_bwd)
 

@@ -4,6 +4,8 @@ from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
 from transformer_engine.pytorch.module.grouped_linear import GroupedLinear
 from transformer_engine.pytorch.module.layernorm import LayerNorm, RMSNorm
 from transformer_engine.pytorch.module.layernorm_linear import LayerNormLinear
+from transformer_engine.pytorch.module.layernorm_mlp import LayerNormMLP
 from transformer_engine.pytorch.module.linear import Linear
 
-__all__ = ["TransformerEngineBaseModule", "GroupedLinear", "LayerNorm", "RMSNorm", "LayerNormLinear", "Linear"]
+__all__ = ["TransformerEngineBaseModule", "GroupedLinear", "LayerNorm", "RMSNorm", "LayerNormLinear", "LayerNormMLP",
+           "Linear"]

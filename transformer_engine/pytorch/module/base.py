@@ -213,7 +213,20 @@ class TransformerEngineBaseModule(torch.nn.Module):
     def _fp8_plan(self, device: torch.device, gemm: Optional[str] = None):
         """This forward's FP8 plan (None outside autocast and calibration): the autocast's recipe, checked
         against the device the GEMMs run on, and this module's FP8 state. ``gemm`` names the state of a
-        module with several GEMMs (LayerNormMLP's "fc1", "fc2"); a one-GEMM module keeps ``_fp8_state``."""
+        module with several GEMMs (LayerNormMLP's "fc1", "fc2"); a one-GEMM module keeps ``_fp8_state``.
+
+        Inside ``transformer_engine.pytorch.checkpoint`` the first forward's plans are recorded and the
+        recompute gets them back (the same scales, no second amax record)."""
+        from transformer_engine.pytorch import distributed
+
+        plan = distributed.replayed_fp8_plan(self, gemm)
+        if plan is not distributed.NOT_REPLAYING:
+            return plan
+        plan = self._new_fp8_plan(device, gemm)
+        distributed.record_fp8_plan(self, gemm, plan)
+        return plan
+
+    def _new_fp8_plan(self, device: torch.device, gemm: Optional[str]):
         from transformer_engine.pytorch.fp8 import FP8GlobalStateManager, check_recipe_support
         from transformer_engine.pytorch.quantization_linear import LinearFP8State
 
@@ -223,12 +236,12 @@ class TransformerEngineBaseModule(torch.nn.Module):
             state = self.__dict__.get(attr)
             if state is not None and state.last_enabled and torch.is_grad_enabled() \
                     and torch._C._current_graph_task_id() != -1:
-                # A forward run inside a backward pass (activation recompute) outside the autocast of
-                # the first forward would recompute in high precision what was computed in FP8.
+                # A forward run inside a backward pass (torch's activation recompute) outside the autocast
+                # of the first forward would recompute in high precision what was computed in FP8.
                 raise NotImplementedError(
-                    f"{type(self).__name__}: activation recompute of an FP8 forward is not implemented (the "
-                    "recompute would run in high precision, outside the first forward's autocast); turn "
-                    "activation recompute off for FP8 training")
+                    f"{type(self).__name__}: activation recompute of an FP8 forward outside the first "
+                    "forward's autocast is not implemented (it would recompute in high precision); use "
+                    "transformer_engine.pytorch.checkpoint, which recomputes with the first forward's FP8 state")
             return None
         recipe = FP8GlobalStateManager.get_fp8_recipe()
         if enabled:

@@ -32,6 +32,10 @@ __all__ = [
     "global_mesh_resource",
     "batch_axes",
     "head_axes",
+    "BATCH_AXES", "SEQLEN_AXES", "SEQLEN_TP_AXES", "SEQLEN_CP_AXES", "HEAD_AXES", "HIDDEN_AXES", "HIDDEN_TP_AXES",
+    "JOINED_AXES", "W_NO_SHARD_AXES", "W_FSDP_AXES", "W_TP_AXES", "W_JOINED_AXES",
+    "get_sharding_map_logic_axis_to_mesh_axis",
+    "with_sharding_constraint_by_logical_axes",
 ]
 
 
@@ -98,3 +102,64 @@ def head_axes(resource: Optional[MeshResource] = None) -> Tuple[str, ...]:
     resource = resource or global_mesh_resource()
     axis = resource.tpsp_resource or resource.tp_resource
     return (axis,) if axis else ()
+
+
+# ------------------------------------------------------------------------------------------------
+# TransformerEngine's logical axes (the Flax layers name their activations and weights with them)
+# ------------------------------------------------------------------------------------------------
+
+BATCH_AXES = "nvte_batch"
+SEQLEN_AXES = "nvte_seqlen"
+SEQLEN_TP_AXES = "nvte_seqlen_tp"
+SEQLEN_CP_AXES = "nvte_seqlen_cp"
+HEAD_AXES = "nvte_head"
+HIDDEN_AXES = "nvte_hidden"
+HIDDEN_TP_AXES = "nvte_hidden_tp"
+JOINED_AXES = "nvte_joined"
+W_NO_SHARD_AXES = "nvte_w_no_shard"
+W_FSDP_AXES = "nvte_w_fsdp"
+W_TP_AXES = "nvte_w_tp"
+W_JOINED_AXES = "nvte_w_joined"
+
+
+def get_sharding_map_logic_axis_to_mesh_axis(resource: Optional[MeshResource] = None) -> dict:
+    """TransformerEngine's logical axes -> mesh axes of ``resource`` (default: the active one).
+
+    Batch goes over fsdp when set, else dp; heads, the hidden dimension of tensor-parallel
+    activations and the tensor-parallel weight dimension go over tpsp when set, else tp; fsdp
+    weight dimensions over fsdp; the sequence over tpsp (``SEQLEN_TP_AXES``, sequence parallelism)
+    or cp (``SEQLEN_CP_AXES``); everything else is replicated (None). A set axis counts as used
+    whatever its mesh size (TransformerEngine also checks the size is above 1; with size 1 the
+    sharding is the same)."""
+    r = resource or global_mesh_resource()
+    tp = r.tpsp_resource or r.tp_resource
+    return {
+        BATCH_AXES: r.fsdp_resource or r.dp_resource,
+        SEQLEN_AXES: None,
+        SEQLEN_TP_AXES: r.tpsp_resource,
+        SEQLEN_CP_AXES: r.cp_resource,
+        HEAD_AXES: tp,
+        HIDDEN_AXES: None,
+        HIDDEN_TP_AXES: tp,
+        JOINED_AXES: None,
+        W_NO_SHARD_AXES: None,
+        W_FSDP_AXES: r.fsdp_resource,
+        W_TP_AXES: tp,
+        W_JOINED_AXES: None,
+    }
+
+
+def with_sharding_constraint_by_logical_axes(x, logical_axis_names):
+    """``x`` constrained to the sharding its logical axes get under the enclosing
+    ``flax.linen.logical_axis_rules`` (``flax.linen.with_logical_constraint``); ``x`` itself when
+    ``logical_axis_names`` is empty or None, when no rules are set, or outside a mesh.
+    (TransformerEngine's deprecated fallback to its own table without Flax rules is not built: add
+    its axes to the rules with ``transformer_engine.jax.flax.extend_logical_axis_rules``.)"""
+    if not logical_axis_names:
+        return x
+    import flax.linen as nn  # the sharding module itself does not need Flax
+
+    if len(logical_axis_names) != x.ndim:
+        raise ValueError(f"`logical_axis_names` must name each of the {x.ndim} axes of shape {x.shape}, "
+                         f"got {tuple(logical_axis_names)}")
+    return nn.with_logical_constraint(x, tuple(logical_axis_names))

@@ -1,5 +1,7 @@
 """``DotProductAttention``: a Flax linen module over :func:`transformer_engine.jax.attention.fused_attn`;
-``TransformerEngineBase``: the base of modules that quantize their GEMMs (``generate_quantizer_set``)."""
+``TransformerEngineBase``: the base of modules that quantize their GEMMs (``generate_quantizer_set``);
+``DenseGeneral``, ``LayerNorm``, ``LayerNormDenseGeneral``, ``LayerNormMLP``: TransformerEngine-JAX's
+layers (fields, parameter names and shapes), their GEMMs through :func:`transformer_engine.jax.dense.dense`."""
 
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from transformer_engine.jax import quantize as _quantize
 from transformer_engine.jax.enums import (AttnBiasType, AttnMaskType, AttnSoftmaxType, CPStrategy, QKVLayout,
                                           canonicalize_attn_mask_type, to_common)
 
-__all__ = ["DotProductAttention", "TransformerEngineBase"]
+__all__ = ["DenseGeneral", "DotProductAttention", "LayerNorm", "LayerNormDenseGeneral", "LayerNormMLP",
+           "TransformerEngineBase"]
 
 _SBHD_OF = {
     _common.QKVLayout.BS3HD: _common.QKVLayout.SB3HD,
@@ -335,3 +338,449 @@ class DotProductAttention(nn.Module):
             warn_once(f"flax-dpa-fallback:{reasons}", fallback_message(selection.name, reasons, False))
         get_logger().debug("DotProductAttention ran %s", selection.name)
         return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Dense, norm and MLP layers (TransformerEngine-JAX's fields, in its order)
+# ------------------------------------------------------------------------------------------------
+
+Initializer = Callable[..., Any]
+
+# TransformerEngine-JAX's activation tuples -> the shared table (transformer_engine.common.modules).
+# A gated tuple's first name acts on index 0 of FC1's activation axis, its second ("linear") on index 1;
+# flattening that axis puts them in the table's [gate | linear] halves.
+_ACTIVATION_NAMES = {
+    ("gelu",): "gelu", ("gelu", "linear"): "geglu",
+    ("silu",): "silu", ("silu", "linear"): "swiglu",
+    ("relu",): "relu", ("relu", "linear"): "reglu",
+    ("quick_gelu",): "qgelu", ("quick_gelu", "linear"): "qgeglu",
+    ("squared_relu",): "srelu", ("squared_relu", "linear"): "sreglu",
+    ("sigmoid", "linear"): "glu",
+    ("clamped_silu", "clamped_linear"): "clamped_swiglu",
+}
+_CLAMPED_SWIGLU_DEFAULTS = {"limit": 7.0, "alpha": 1.702, "glu_linear_offset": 1.0}
+
+
+def _canonicalize_tuple(x) -> Tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _normalize_axes(axes: Tuple[int, ...], ndim: int, name: str = "axis") -> Tuple[int, ...]:
+    out = []
+    for ax in axes:
+        if not isinstance(ax, (int, np.integer)) or not -ndim <= ax < ndim:
+            raise ValueError(f"`{name}` must index the input's {ndim} dims, got {axes}")
+        out.append(int(ax) % ndim)
+    if len(set(out)) != len(out):
+        raise ValueError(f"`{name}` must not repeat an axis, got {axes}")
+    return tuple(out)
+
+
+def canonicalize_norm_type(layernorm_type: str) -> str:
+    """'layernorm' or 'rmsnorm' from any case, with '-' and '_' ignored (TransformerEngine's reading)."""
+    key = layernorm_type.lower().strip().replace("-", "").replace("_", "") if isinstance(layernorm_type, str) else None
+    if key not in ("layernorm", "rmsnorm"):
+        raise ValueError(f"`layernorm_type` must be 'layernorm' or 'rmsnorm', got {layernorm_type!r}")
+    return key
+
+
+def layernorm(x: jax.Array, scale: jax.Array, ln_bias: Optional[jax.Array], norm_type: str = "layernorm",
+              zero_centered_gamma: bool = False, epsilon: float = 1e-6) -> jax.Array:
+    """LayerNorm or RMSNorm over the last axis, computed in float32 and cast back to ``x.dtype``.
+
+    ``layernorm``: ``(x - mean) / sqrt(var + epsilon) * gamma + beta``; ``rmsnorm``:
+    ``x / sqrt(mean(x^2) + epsilon) * gamma``; ``gamma`` is ``1 + scale`` with ``zero_centered_gamma``
+    (for both, as TransformerEngine-JAX computes it), else ``scale``."""
+    norm_type = canonicalize_norm_type(norm_type)
+    x32 = x.astype(jnp.float32)
+    if norm_type == "layernorm":
+        centered = x32 - jnp.mean(x32, axis=-1, keepdims=True)
+    else:
+        centered = x32
+    var = jnp.mean(jnp.square(centered), axis=-1, keepdims=True)
+    gamma = scale.astype(jnp.float32)
+    if zero_centered_gamma:
+        gamma = gamma + 1.0
+    out = centered * jax.lax.rsqrt(var + epsilon) * gamma
+    if norm_type == "layernorm":
+        out = out + ln_bias.astype(jnp.float32)
+    return out.astype(x.dtype)
+
+
+def _scale_init(scale_init: Optional[Initializer], zero_centered_gamma: bool) -> Initializer:
+    if scale_init is not None:
+        return scale_init
+    return nn.initializers.zeros if zero_centered_gamma else nn.initializers.ones
+
+
+def _kernel_init(kernel_init: Optional[Initializer], dtype, distribution: str = "truncated_normal") -> Initializer:
+    if kernel_init is not None:
+        return kernel_init
+    return nn.initializers.variance_scaling(1.0, "fan_in", distribution, dtype=dtype)
+
+
+def _norm_params(module: nn.Module, norm_type: str, features: int, scale_init, scale_axes, bias_init, bias_axes,
+                 input_dtype, dtype) -> Tuple[jax.Array, Optional[jax.Array]]:
+    """``scale`` (and ``ln_bias`` for layernorm), created in ``dtype`` and read in the input's dtype."""
+    scale = module.param("scale", nn.with_logical_partitioning(scale_init, scale_axes), (features,), dtype)
+    ln_bias = None
+    if canonicalize_norm_type(norm_type) == "layernorm":
+        ln_bias = module.param("ln_bias", nn.with_logical_partitioning(bias_init, bias_axes), (features,), dtype)
+        ln_bias = ln_bias.astype(input_dtype)
+    return scale.astype(input_dtype), ln_bias
+
+
+def _refuse_lora(enable_low_rank_adaptation: bool) -> None:
+    if enable_low_rank_adaptation:
+        raise NotImplementedError("`enable_low_rank_adaptation=True` is not implemented: the layers here train their "
+                                  "full kernels (no LoRA kernels)")
+
+
+def _refuse_other_axis(axis) -> None:
+    if _canonicalize_tuple(axis) != (-1,):
+        raise NotImplementedError(f"`axis` must be -1 (the layer normalizes and contracts the last axis, as "
+                                  f"TransformerEngine-JAX's), got {axis!r}")
+
+
+def _dense_call(inputs: jax.Array, kernel: jax.Array, axis: Tuple[int, ...],
+                quantizer_set, input_axes, kernel_axes, transpose_batch_sequence: bool) -> jax.Array:
+    """``inputs`` contracted over ``axis`` with the kernel's leading dims through
+    :func:`transformer_engine.jax.dense.dense` (which contracts trailing dims: other axes are moved
+    last first, which leaves the output's order that of ``dot_general``)."""
+    from transformer_engine.jax.dense import dense  # dense does not import Flax; this module does
+
+    trailing = tuple(range(inputs.ndim - len(axis), inputs.ndim))
+    if axis != trailing:
+        inputs = jnp.moveaxis(inputs, axis, trailing)
+        input_axes = None  # the given axes name the input's original order
+    if quantizer_set.is_noop:
+        kernel = kernel.astype(inputs.dtype)
+    return dense(inputs, kernel, contracting_dims=(trailing, tuple(range(len(axis)))),
+                 transpose_batch_sequence=transpose_batch_sequence, input_axes=input_axes or None,
+                 kernel_axes=kernel_axes or None, quantizer_set=quantizer_set)
+
+
+class LayerNorm(nn.Module):  # pylint: disable=too-few-public-methods
+    """LayerNorm (``layernorm_type='layernorm'``) or RMSNorm (``'rmsnorm'``) over the last axis.
+
+    Fields (TransformerEngine-JAX's): ``epsilon``; ``layernorm_type`` (any case, '-'/'_' ignored);
+    ``zero_centered_gamma`` (the scale applied is ``1 + scale``, whose default init is then zeros);
+    ``scale_init`` (None: ones, or zeros under ``zero_centered_gamma``), ``scale_axes``;
+    ``bias_init``, ``bias_axes`` (layernorm's ``ln_bias``); ``dtype``: the parameters' dtype.
+    Parameters: ``scale`` ``[hidden]`` and, for layernorm, ``ln_bias`` ``[hidden]``. Computes in
+    float32 (see :func:`layernorm`) and returns the input's dtype."""
+
+    epsilon: float = 1e-6
+    layernorm_type: str = "layernorm"
+    zero_centered_gamma: bool = False
+    scale_init: Optional[Initializer] = None
+    scale_axes: Tuple[str, ...] = ("embed",)
+    bias_init: Initializer = nn.initializers.zeros
+    bias_axes: Tuple[str, ...] = ("embed",)
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale, ln_bias = _norm_params(self, self.layernorm_type, x.shape[-1],
+                                      _scale_init(self.scale_init, self.zero_centered_gamma), self.scale_axes,
+                                      self.bias_init, self.bias_axes, x.dtype, self.dtype)
+        return layernorm(x, scale, ln_bias, self.layernorm_type, self.zero_centered_gamma, self.epsilon)
+
+
+class DenseGeneral(TransformerEngineBase):
+    """``y = x @ kernel + bias`` over the input axes ``axis``, through
+    :func:`transformer_engine.jax.dense.dense` (FP8 under :func:`transformer_engine.jax.autocast`).
+
+    Fields (TransformerEngine-JAX's): ``features`` (int or tuple: the kernel's trailing dims);
+    ``kernel_init`` (None: ``variance_scaling(1.0, 'fan_in', 'truncated_normal')``), ``kernel_axes``
+    (one logical name per kernel dim, or empty); ``use_bias`` (default True, as TransformerEngine-JAX's
+    field), ``bias_init``, ``bias_axes``; ``axis``: the contracted input axes (any, in the kernel's
+    order); ``dtype``: the parameters' dtype (the computation runs in the input's); ``input_axes``:
+    the input's logical axes (a sharding constraint); ``transpose_batch_sequence``;
+    ``quantization_checkpoint_name``. ``enable_low_rank_adaptation=True`` is refused
+    (``NotImplementedError``); ``low_rank_adaptation_dim`` and ``_alpha`` are then unused.
+    Parameters: ``kernel`` ``[*input dims at axis, *features]``, ``bias`` ``[*features]``.
+    """
+
+    features: Union[Tuple[int, ...], int]
+    kernel_init: Optional[Initializer] = None
+    kernel_axes: Tuple[str, ...] = ()
+    use_bias: bool = True
+    bias_init: Initializer = nn.initializers.zeros
+    bias_axes: Tuple[str, ...] = ()
+    enable_low_rank_adaptation: bool = False
+    low_rank_adaptation_dim: int = 32
+    low_rank_adaptation_alpha: Optional[float] = None
+    axis: Union[Tuple[int, ...], int] = -1
+    dtype: Any = jnp.float32
+    input_axes: Tuple[str, ...] = ()
+    transpose_batch_sequence: bool = False
+    quantization_checkpoint_name: Optional[str] = None
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        _refuse_lora(self.enable_low_rank_adaptation)
+        features = _canonicalize_tuple(self.features)
+        axis = _normalize_axes(_canonicalize_tuple(self.axis), inputs.ndim)
+        kernel_shape = tuple(inputs.shape[ax] for ax in axis) + features
+        if self.kernel_axes and len(self.kernel_axes) != len(kernel_shape):
+            raise ValueError(f"`kernel_axes` must name each of the kernel's {len(kernel_shape)} dims "
+                             f"{kernel_shape}, got {self.kernel_axes}")
+        kernel = self.param("kernel", nn.with_logical_partitioning(_kernel_init(self.kernel_init, self.dtype),
+                                                                   self.kernel_axes), kernel_shape, self.dtype)
+        quantizer_set = self.generate_quantizer_set(quantization_checkpoint_name=self.quantization_checkpoint_name)
+        y = _dense_call(inputs, kernel, axis, quantizer_set, self.input_axes, self.kernel_axes,
+                        self.transpose_batch_sequence)
+        if self.use_bias:
+            bias = self.param("bias", nn.with_logical_partitioning(self.bias_init, self.bias_axes), features,
+                              self.dtype).astype(inputs.dtype)
+            y = y + bias
+        return y
+
+
+class LayerNormDenseGeneral(TransformerEngineBase):
+    """A norm (:class:`LayerNorm`'s) then :class:`DenseGeneral` over the last axis.
+
+    Fields (TransformerEngine-JAX's): ``features``; ``enable_layernorm``; ``layernorm_type``,
+    ``epsilon``, ``zero_centered_gamma``, ``scale_init``, ``scale_axes``, ``ln_bias_init``,
+    ``ln_bias_axes`` (the norm's); ``kernel_init``, ``kernel_axes``, ``use_bias`` (default False),
+    ``bias_init``, ``bias_axes`` (the dense's); ``return_layernorm_output``; ``axis`` (must be -1);
+    ``dtype``; ``layernorm_input_axes``, ``dot_input_axes`` (logical axes of the norm's and the GEMM's
+    inputs); ``depth_scaling`` (the output is divided by it); ``transpose_batch_sequence``;
+    ``quantization_checkpoint_name``. ``enable_low_rank_adaptation=True`` is refused.
+    Parameters: ``scale``, ``ln_bias`` (layernorm), ``kernel`` ``[hidden, *features]``, ``bias``.
+    Returns ``(output, norm output or None)``: the norm's output (the input without the norm) when
+    ``return_layernorm_output``."""
+
+    features: Union[Tuple[int, ...], int]
+    enable_layernorm: bool = True
+    layernorm_type: str = "layernorm"
+    epsilon: float = 1e-6
+    zero_centered_gamma: bool = False
+    scale_init: Optional[Initializer] = None
+    scale_axes: Tuple[str, ...] = ("embed",)
+    ln_bias_init: Initializer = nn.initializers.zeros
+    ln_bias_axes: Tuple[str, ...] = ("embed",)
+    kernel_init: Optional[Initializer] = None
+    kernel_axes: Tuple[str, ...] = ()
+    use_bias: bool = False
+    bias_init: Initializer = nn.initializers.zeros
+    bias_axes: Tuple[str, ...] = ()
+    return_layernorm_output: bool = False
+    enable_low_rank_adaptation: bool = False
+    low_rank_adaptation_dim: int = 32
+    low_rank_adaptation_alpha: Optional[float] = None
+    axis: Union[Tuple[int, ...], int] = -1
+    dtype: Any = jnp.float32
+    layernorm_input_axes: Optional[Tuple[str, ...]] = None
+    dot_input_axes: Optional[Tuple[str, ...]] = None
+    depth_scaling: Optional[float] = None
+    transpose_batch_sequence: bool = False
+    quantization_checkpoint_name: Optional[str] = None
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array) -> Tuple[jax.Array, Optional[jax.Array]]:
+        from transformer_engine.jax.sharding import with_sharding_constraint_by_logical_axes as constrain
+
+        _refuse_lora(self.enable_low_rank_adaptation)
+        _refuse_other_axis(self.axis)
+        quantizer_set = self.generate_quantizer_set(quantization_checkpoint_name=self.quantization_checkpoint_name)
+        y = inputs
+        if self.enable_layernorm:
+            inputs = constrain(inputs, self.layernorm_input_axes)
+            scale, ln_bias = _norm_params(self, self.layernorm_type, inputs.shape[-1],
+                                          _scale_init(self.scale_init, self.zero_centered_gamma), self.scale_axes,
+                                          self.ln_bias_init, self.ln_bias_axes, inputs.dtype, self.dtype)
+            y = layernorm(inputs, scale, ln_bias, self.layernorm_type, self.zero_centered_gamma, self.epsilon)
+        ln_output = y if self.return_layernorm_output else None
+        features = _canonicalize_tuple(self.features)
+        kernel_shape = (inputs.shape[-1],) + features
+        kernel = self.param("kernel", nn.with_logical_partitioning(_kernel_init(self.kernel_init, self.dtype),
+                                                                   self.kernel_axes), kernel_shape, self.dtype)
+        y = constrain(y, self.dot_input_axes)
+        z = _dense_call(y, kernel, (y.ndim - 1,), quantizer_set, self.dot_input_axes, self.kernel_axes,
+                        self.transpose_batch_sequence)
+        if self.use_bias:
+            bias = self.param("bias", nn.with_logical_partitioning(self.bias_init, self.bias_axes), features,
+                              self.dtype).astype(inputs.dtype)
+            z = z + bias
+        if self.depth_scaling is not None:
+            z = z / self.depth_scaling
+        return z, ln_output
+
+
+def _normalized_activations(activations) -> Tuple:
+    """TransformerEngine-JAX's reading of ``activations``: lower-cased names, a leading 'linear' (or
+    'clamped_linear') moved last so that the gate comes first."""
+    acts = tuple(a.lower() if isinstance(a, str) else a for a in _canonicalize_tuple(activations))
+    if not acts:
+        raise ValueError("`activations` must name at least one activation, got ()")
+    if acts[0] in ("linear", "clamped_linear"):
+        acts = tuple(reversed(acts))
+    return acts
+
+
+def _activation_fn(name_or_fn, params: Mapping[str, float]) -> Callable:
+    """One factor of a product of activations outside the shared table (TransformerEngine-JAX's
+    fallback): 'linear', its own 'quick_gelu', 'squared_relu' and clamped forms, any other
+    ``jax.nn`` function by name, or a callable."""
+    if callable(name_or_fn):
+        return name_or_fn
+    limit, alpha = params["limit"], params["alpha"]
+    named = {
+        "linear": lambda x: x,
+        "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+        "squared_relu": lambda x: jnp.square(jax.nn.relu(x)),
+        "clamped_silu": lambda x: jnp.minimum(x, limit) * jax.nn.sigmoid(alpha * jnp.minimum(x, limit)),
+        "clamped_linear": lambda x: jnp.clip(x, -limit, limit) + params["glu_linear_offset"],
+    }
+    if name_or_fn in named:
+        return named[name_or_fn]
+    fn = getattr(jax.nn, name_or_fn, None) if isinstance(name_or_fn, str) else None
+    if not callable(fn):
+        raise ValueError(f"`activations` must hold 'linear', names of jax.nn functions or callables, got "
+                         f"{name_or_fn!r}")
+    return fn
+
+
+def mlp_activation(x: jax.Array, activations, activation_params: Optional[Mapping[str, float]] = None) -> jax.Array:
+    """The activation of FC1's output ``x`` ``[..., len(activations), intermediate]``: ``[..., intermediate]``.
+
+    A tuple TransformerEngine runs as one fused activation (``('gelu',)``, ``('gelu', 'linear')``,
+    ``('silu', 'linear')``, ... see ``_ACTIVATION_NAMES``) is the shared table's entry of
+    :mod:`transformer_engine.common.modules` ('gelu' is the tanh approximation, as TransformerEngine's
+    kernels and ``jax.nn.gelu``'s default compute it), in float32; any other tuple is the product of its
+    factors (:func:`_activation_fn`), in the input's dtype, as TransformerEngine-JAX's fallback."""
+    from transformer_engine.common import modules as _modules
+
+    acts = _normalized_activations(activations)
+    if x.shape[-2] != len(acts):
+        raise ValueError(f"FC1's output must have {len(acts)} activation rows on axis -2, got shape {x.shape}")
+    params = dict(_CLAMPED_SWIGLU_DEFAULTS, **(activation_params or {}))
+    name = _ACTIVATION_NAMES.get(acts)
+    if name is not None:
+        table_params = params if name == "clamped_swiglu" else None
+        flat = x.astype(jnp.float32).reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
+        return _modules.apply_activation(jnp, name, flat, table_params).astype(x.dtype)
+    out = None
+    for idx, act in enumerate(acts):
+        y = _activation_fn(act, params)(x[..., idx, :])
+        out = y if out is None else out * y
+    return out
+
+
+class LayerNormMLP(TransformerEngineBase):
+    """A norm, FC1, the activation(s), dropout, FC2 (TransformerEngine-JAX's ``LayerNormMLP``).
+
+    Fields (TransformerEngine-JAX's, in its order): ``intermediate_dim``; ``enable_layernorm``,
+    ``layernorm_type``, ``epsilon``, ``zero_centered_gamma``, ``scale_init``, ``scale_axes``,
+    ``ln_bias_init``, ``ln_bias_axes``; ``kernel_init`` (both kernels), ``kernel_axes_1``,
+    ``kernel_axes_2``; ``use_bias``, ``bias_init``, ``bias_axes_1``, ``bias_axes_2``;
+    ``return_layernorm_output``; ``activations`` (a tuple such as ``('gelu',)``,
+    ``('gelu', 'linear')``, ``('silu', 'linear')``: see :func:`mlp_activation`);
+    ``activation_params`` (``limit``, ``alpha``, ``glu_linear_offset`` of
+    ``('clamped_silu', 'clamped_linear')``; defaults 7.0, 1.702, 1.0); ``intermediate_dropout_rng_name``,
+    ``intermediate_dropout_rate``, ``intermediate_hidden_dropout_dims`` (dropout after the activation);
+    ``axis`` (must be -1); ``dtype``; ``layernorm_input_axes``, ``dot_1_input_axes``,
+    ``dot_2_input_axes``; ``ffn1_ckpt_name``, ``ffn2_ckpt_name`` (remat names of FC1's and FC2's
+    outputs); ``transpose_batch_sequence``; ``quantization_checkpoint_name``.
+    ``enable_low_rank_adaptation=True`` is refused.
+
+    Parameters, as TransformerEngine-JAX lays them out: ``scale``, ``ln_bias``; ``wi_kernel``
+    ``[hidden, len(activations), intermediate_dim]`` (one FC1 kernel per activation, stacked on axis 1);
+    ``wo_kernel`` ``[intermediate_dim, hidden]``; ``wi_bias`` ``[len(activations), intermediate_dim]``,
+    ``wo_bias`` ``[hidden]``. The two GEMMs' quantizer sets carry the postfixes ``_0`` and ``_1``.
+    ``__call__(inputs, deterministic=False)`` returns ``(output, norm output or None)``."""
+
+    intermediate_dim: int = 2048
+    enable_layernorm: bool = True
+    layernorm_type: str = "layernorm"
+    epsilon: float = 1e-6
+    zero_centered_gamma: bool = False
+    scale_init: Optional[Initializer] = None
+    scale_axes: Tuple[str, ...] = ("embed",)
+    ln_bias_init: Initializer = nn.initializers.zeros
+    ln_bias_axes: Tuple[str, ...] = ("embed",)
+    kernel_init: Optional[Initializer] = None
+    kernel_axes_1: Tuple[str, ...] = ("embed", "act", "mlp")
+    kernel_axes_2: Tuple[str, ...] = ("mlp", "embed")
+    use_bias: bool = False
+    bias_init: Initializer = nn.initializers.zeros
+    bias_axes_1: Tuple[str, ...] = ("act", "mlp")
+    bias_axes_2: Tuple[str, ...] = ("embed",)
+    return_layernorm_output: bool = False
+    activations: Tuple[Union[str, Callable], ...] = ("gelu",)
+    activation_params: Optional[Mapping[str, float]] = None
+    intermediate_dropout_rng_name: str = "dropout"
+    intermediate_dropout_rate: float = 0.0
+    intermediate_hidden_dropout_dims: Tuple[int, ...] = ()
+    enable_low_rank_adaptation: bool = False
+    low_rank_adaptation_dim: int = 32
+    low_rank_adaptation_alpha: Optional[float] = None
+    axis: Union[Tuple[int, ...], int] = -1
+    dtype: Any = jnp.float32
+    layernorm_input_axes: Optional[Tuple[str, ...]] = None
+    dot_1_input_axes: Optional[Tuple[str, ...]] = None
+    dot_2_input_axes: Optional[Tuple[str, ...]] = None
+    ffn1_ckpt_name: str = "ffn1"
+    ffn2_ckpt_name: str = "ffn2"
+    transpose_batch_sequence: bool = False
+    quantization_checkpoint_name: Optional[str] = None
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array, deterministic: bool = False) -> Tuple[jax.Array, Optional[jax.Array]]:
+        from jax.ad_checkpoint import checkpoint_name
+        from transformer_engine.jax.sharding import with_sharding_constraint_by_logical_axes as constrain
+
+        _refuse_lora(self.enable_low_rank_adaptation)
+        _refuse_other_axis(self.axis)
+        acts = _normalized_activations(self.activations)
+        unknown = sorted(set(self.activation_params or {}) - set(_CLAMPED_SWIGLU_DEFAULTS))
+        if unknown:
+            raise ValueError(f"`activation_params` must only hold {', '.join(_CLAMPED_SWIGLU_DEFAULTS)}, got {unknown}")
+        ffn1_quantizer_set = self.generate_quantizer_set("_0", quantization_checkpoint_name=self.quantization_checkpoint_name)
+        ffn2_quantizer_set = self.generate_quantizer_set("_1", quantization_checkpoint_name=self.quantization_checkpoint_name)
+        input_dtype = inputs.dtype
+        hidden = inputs.shape[-1]
+        kernel_init = _kernel_init(self.kernel_init, self.dtype)
+        y = inputs
+        if self.enable_layernorm:
+            inputs = constrain(inputs, self.layernorm_input_axes)
+            scale, ln_bias = _norm_params(self, self.layernorm_type, hidden,
+                                          _scale_init(self.scale_init, self.zero_centered_gamma), self.scale_axes,
+                                          self.ln_bias_init, self.ln_bias_axes, input_dtype, self.dtype)
+            y = layernorm(inputs, scale, ln_bias, self.layernorm_type, self.zero_centered_gamma, self.epsilon)
+        ln_output = y if self.return_layernorm_output else None
+
+        def wi_init(key, num_kernels, each_shape, dtype):
+            # One kernel per activation, each from its own key, stacked on the activation axis.
+            keys = jax.random.split(key, num_kernels + 1)[1:]
+            return jnp.stack([kernel_init(k, each_shape, dtype) for k in keys], axis=-2).astype(dtype)
+
+        num_acts = len(acts)
+        wi_kernel = self.param("wi_kernel", nn.with_logical_partitioning(wi_init, self.kernel_axes_1), num_acts,
+                               (hidden, self.intermediate_dim), self.dtype)
+        wo_kernel = self.param("wo_kernel", nn.with_logical_partitioning(kernel_init, self.kernel_axes_2),
+                               (self.intermediate_dim, hidden), self.dtype)
+        if self.use_bias:
+            wi_bias = self.param("wi_bias", nn.with_logical_partitioning(self.bias_init, self.bias_axes_1),
+                                 (num_acts, self.intermediate_dim), self.dtype).astype(input_dtype)
+            wo_bias = self.param("wo_bias", nn.with_logical_partitioning(self.bias_init, self.bias_axes_2),
+                                 (hidden,), self.dtype).astype(input_dtype)
+
+        y = constrain(y, self.dot_1_input_axes)
+        x = _dense_call(y, wi_kernel, (y.ndim - 1,), ffn1_quantizer_set, self.dot_1_input_axes,
+                        self.kernel_axes_1, self.transpose_batch_sequence)
+        if self.use_bias:
+            x = x + wi_bias
+        x = checkpoint_name(x, self.ffn1_ckpt_name)
+        z = mlp_activation(x, acts, self.activation_params).astype(input_dtype)
+        z = nn.Dropout(rate=self.intermediate_dropout_rate, broadcast_dims=tuple(self.intermediate_hidden_dropout_dims),
+                       rng_collection=self.intermediate_dropout_rng_name)(z, deterministic=deterministic)
+        z = constrain(z, self.dot_2_input_axes)
+        out = _dense_call(z, wo_kernel, (z.ndim - 1,), ffn2_quantizer_set, self.dot_2_input_axes,
+                          self.kernel_axes_2, self.transpose_batch_sequence)
+        if self.use_bias:
+            out = out + wo_bias
+        out = checkpoint_name(out, self.ffn2_ckpt_name)
+        return out, ln_output

@@ -275,11 +275,12 @@ class _CheckpointFunction(torch.autograd.Function):
         if ctx.split is not None:
             tensors[0] = _gather_slices(tensors[0], ctx.split).view(ctx.first_shape)
         inputs = []
-        for tensor, other in zip(tensors, ctx.inputs):
+        # needs_input_grad covers forward's five leading non-tensor arguments, then args.
+        for tensor, other, needs_grad in zip(tensors, ctx.inputs, ctx.needs_input_grad[5:]):
             if tensor is None:
                 inputs.append(other)
             else:
-                inputs.append(tensor.detach().requires_grad_(tensor.requires_grad))
+                inputs.append(tensor.detach().requires_grad_(needs_grad))
         with torch.enable_grad(), ctx.frame.recompute_context(), ctx.recompute_ctx:
             outputs = _as_tuple(ctx.run_function(*inputs, **ctx.kwargs))
         pairs = [(out, grad) for out, grad in zip(outputs, grads)

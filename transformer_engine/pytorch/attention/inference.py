@@ -124,10 +124,14 @@ def _default_device() -> torch.device:
 
 def _resolve_device(device: Optional[Union[str, torch.device]]) -> torch.device:
     """``device`` with its index: ``"cuda"`` means the current CUDA device, as tensors created on it report
-    (``cuda:N``), so the cache's device compares equal to its inputs'."""
+    (``cuda:N``), so the cache's device compares equal to its inputs'. None (the default) is CUDA when
+    available, else the CPU, as for the modules; an explicit CUDA device without CUDA is refused."""
     if device is None:
         return _default_device()
     device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"`device` must be an available device, got {device} but CUDA is not available "
+                         "(pass device='cpu')")
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device

@@ -99,7 +99,8 @@ class LayerNorm(_Norm):
 
     Args follow TransformerEngine's: ``normalized_shape``, ``eps``, ``sequence_parallel`` (marks the
     parameters for Megatron's gradient all-reduce), ``params_dtype``, ``zero_centered_gamma``
-    (scale is ``1 + weight``), ``device`` (default "cuda"), ``sm_margin`` (accepted, no effect).
+    (scale is ``1 + weight``), ``device`` (default None: CUDA when available, else the CPU; TransformerEngine's
+    default is "cuda"), ``sm_margin`` (accepted, no effect).
     """
 
     _normalization = "LayerNorm"

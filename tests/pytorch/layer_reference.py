@@ -8,8 +8,9 @@ the module's views, so a layout error shows up as a mismatch.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Dict, Optional, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 
@@ -150,9 +151,9 @@ def mha(m, P, x, encoder_output=None, rotary_pos_emb=None, prefix="", attn_mask_
     mask = attn_mask_type or m.attn_mask_type
     window = window_size if window_size is not None else m.window_size
     o = attention(q, k, v, mask, window, 1.0 / math.sqrt(d), G, m.bottom_right_diagonal)
-    out = linear(o.flatten(-2), P, prefix + "proj.")
-    if m.return_bias:
-        out = out - P[f"{prefix}proj.bias"]  # returned unadded
+    out = o.flatten(-2) @ P[f"{prefix}proj.weight"].t()
+    if not m.return_bias and f"{prefix}proj.bias" in P:  # with return_bias it is returned unadded
+        out = out + P[f"{prefix}proj.bias"]
     back = (lambda t: t.transpose(0, 1)) if fmt == "sbhd" else (lambda t: t)
     return back(out), (None if ln_out is None else back(ln_out))
 
@@ -179,8 +180,8 @@ def transformer_layer(t, P, x, encoder_output=None, rotary_pos_emb=None) -> torc
     # With output_layernorm the self attention has no input norm; with post-layernorm residuals a sublayer's
     # residual is its normalized input.
     attn, attn_ln = mha(sa, P, x, rotary_pos_emb=rotary_pos_emb, prefix="self_attention.")
-    if sa.return_bias:
-        attn = attn + P["self_attention.proj.bias"] if "self_attention.proj.bias" in P else attn
+    if sa.return_bias and "self_attention.proj.bias" in P:
+        attn = attn + P["self_attention.proj.bias"]
     mlp_mod = t.layernorm_mlp
     if t.parallel_attention_mlp:
         m_out, _ = mlp(mlp_mod, P, x)
@@ -218,3 +219,24 @@ def grads_close(module, P, x, x64, out, ref, atol=2e-6, rtol=2e-5, seed=7) -> Di
         torch.testing.assert_close(p.grad.double(), P[n].grad, atol=atol, rtol=rtol, msg=lambda s: f"{n}: {s}")
         diffs[n] = (p.grad.double() - P[n].grad).abs().max().item()
     return diffs
+
+
+@contextlib.contextmanager
+def row_by_row_gemms() -> Iterator[None]:
+    """``torch.nn.functional.linear`` computed one token row at a time. A BLAS may sum a row's products in another
+    order for another number of rows (CPU sgemm does for small counts), so a decode step's GEMM over its few rows
+    and the training forward's over all rows can differ in the last bit; batch-invariant GEMMs remove that, and
+    this stands in for them, so that a decode test checks the rest of the block: norms, RoPE positions, the KV
+    cache and attention."""
+    plain = torch.nn.functional.linear
+
+    def linear(x, weight, bias=None):
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.cat([plain(rows[i:i + 1], weight, bias) for i in range(rows.shape[0])])
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    torch.nn.functional.linear = linear
+    try:
+        yield
+    finally:
+        torch.nn.functional.linear = plain

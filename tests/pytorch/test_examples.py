@@ -67,9 +67,10 @@ def test_huggingface_example_without_transformers_prints_the_install_hint():
 
 def test_every_pytorch_example_is_tested():
     # megatron_gpt.py and megatron_decode_graph.py are run by test_megatron_gpt.py, with the megatron-core tests
-    # (Python 3.12); accelerate_fp8.py by test_accelerate.py, with the transformer-engine alias it needs.
+    # (Python 3.12); accelerate_fp8.py by test_accelerate.py, with the transformer-engine alias it needs;
+    # te_quickstart_pytorch.py by test_transformer_layer.py.
     tested = {"pytorch_attention.py", "pytorch_compile.py", "pytorch_fsdp_checkpoint.py", "huggingface_llama.py",
               "pytorch_generate_logprobs.py", "pytorch_decode_graph.py", "megatron_gpt.py", "megatron_decode_graph.py",
-              "accelerate_fp8.py"}
+              "accelerate_fp8.py", "te_quickstart_pytorch.py"}
     scripts = {p.name for p in (REPO / "examples").glob("*.py") if not p.name.startswith(("flax", "jax"))}
     assert scripts == tested, scripts

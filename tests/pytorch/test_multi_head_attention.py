@@ -167,20 +167,10 @@ def test_dropout_reproducible_from_the_rng_tracker():
 
 
 @pytest.fixture
-def row_by_row_gemms(monkeypatch):
-    """Linear layers computed one token row at a time. A BLAS may sum a row's products in another order for
-    another number of rows (CPU sgemm does for small counts), so a decode step's GEMM over its few rows and the
-    training forward's over all rows can differ in the last bit; batch-invariant GEMMs remove that, and this
-    stands in for them, so that the test checks the rest of the block: norms, RoPE positions, the KV cache and
-    attention."""
-    plain = torch.nn.functional.linear
-
-    def linear(x, weight, bias=None):
-        rows = x.reshape(-1, x.shape[-1])
-        out = torch.cat([plain(rows[i:i + 1], weight, bias) for i in range(rows.shape[0])])
-        return out.reshape(*x.shape[:-1], weight.shape[0])
-
-    monkeypatch.setattr(torch.nn.functional, "linear", linear)
+def row_by_row_gemms():
+    """Batch-invariant GEMMs (layer_reference.row_by_row_gemms says why)."""
+    with R.row_by_row_gemms():
+        yield
 
 
 def _decode_module(fmt):

@@ -14,6 +14,7 @@ except ImportError as err:  # pragma: no cover - exercised by tests/common/test_
 from transformer_engine.pytorch.attention import (  # noqa: E402,F401
     DotProductAttention,
     InferenceParams,
+    MultiheadAttention,
     RotaryPositionEmbedding,
 )
 from transformer_engine.pytorch import distributed, fp8, router  # noqa: E402,F401
@@ -37,3 +38,4 @@ from transformer_engine.pytorch.module import (  # noqa: E402,F401
     Linear,
     RMSNorm,
 )
+from transformer_engine.pytorch.transformer import TransformerLayer  # noqa: E402,F401

@@ -6,12 +6,14 @@ residual) trained a few steps with and without the checkpoint, reentrant and not
 parameter gradients, the RNG states after the step and (FP8) the delayed-scaling scales and amax histories
 are equal bitwise, in high precision and under each FP8 recipe. Controls show what each saved state is for:
 without the tracker the recompute draws other dropout masks, and without the first forward's FP8 plans it
-quantizes with the updated scales. LayerNormMLP(checkpoint=True) is the same module bitwise. The distributed
+quantizes with the updated scales. LayerNormMLP(checkpoint=True) is the same module bitwise, and FP8 attention
+(fp8_dpa, which updates its delayed scales at each call) keeps its first call's scales. The distributed
 form (distribute_saved_activations over 2 gloo ranks) runs in tests/pytorch/distributed/layernorm_mlp_tp.py.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -298,3 +300,35 @@ def test_a_recompute_running_other_fp8_modules_is_an_error(mode):
         y = te.checkpoint(fn, x, use_reentrant=mode == "reentrant")
     with pytest.raises(RuntimeError, match="same modules in the same order"):
         y.sum().backward()
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="FP8 attention runs on Triton kernels: needs TRITON_INTERPRET=1 or a CUDA GPU")
+def test_fp8_attention_under_checkpoint_keeps_its_delayed_scales(monkeypatch):
+    """DotProductAttention with fp8_dpa=True updates its delayed scales at each call: the recompute reuses the
+    first call's scales and updates nothing, so two steps equal the plain ones bitwise."""
+    device = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+    rec = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=4, fp8_dpa=True)
+
+    def run(mode):
+        FP8GlobalStateManager.reset()
+        dpa = te.DotProductAttention(2, 32, attn_mask_type="causal", qkv_format="bshd").to(device)
+        out = []
+        for step in range(2):
+            g = torch.Generator().manual_seed(step)
+            q, k, v = (torch.randn(1, 16, 2, 32, generator=g).to(device).mul(1 + step).requires_grad_()
+                       for _ in range(3))
+            with te.autocast(enabled=True, recipe=rec):
+                o = dpa(q, k, v) if mode == "plain" else te.checkpoint(dpa, q, k, v,
+                                                                        use_reentrant=mode == "reentrant")
+            o.backward(torch.randn(o.shape, generator=g).to(device) * 1e-2)
+            out += [o.detach(), q.grad, k.grad, v.grad]
+        state = dpa._fp8_attention_state
+        return out + [state["scale"].clone(), state["amax_history"].clone()]
+
+    plain = run("plain")
+    for mode in ("reentrant", "non_reentrant"):
+        got = run(mode)
+        assert all(torch.equal(a, b) for a, b in zip(got, plain)), mode
+    monkeypatch.setattr(te_distributed, "replayed_fp8_plan", lambda module, gemm: te_distributed.NOT_REPLAYING)
+    assert not all(torch.equal(a, b) for a, b in zip(run("reentrant"), plain))

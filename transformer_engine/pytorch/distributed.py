@@ -325,7 +325,8 @@ def checkpoint(function: Callable, *args: Any, distribute_saved_activations: boo
     ``get_rng_state_tracker()`` (a :class:`CudaRNGStatesTracker`), torch's AMP autocast and the FP8 autocast
     (enabled, recipe, group) of the call, and each FP8 module gets back the plan it made in the first forward:
     the same delayed scales (not the ones the autocast exit updated since), no second amax record, no
-    scale update when an autocast inside the function exits. So dropout masks, FP8 operands, outputs and
+    scale update when an autocast inside the function exits (FP8 attention, ``fp8_dpa``, reuses its call's
+    delayed scales and skips its per-call update). So dropout masks, FP8 operands, outputs and
     gradients are bitwise those of the same step run without recompute, and delayed-scaling histories
     evolve as they do without it. The function must run the same modules in the same order both times.
 

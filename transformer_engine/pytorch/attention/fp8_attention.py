@@ -325,6 +325,16 @@ def fp8_attn_func(
     return Fp8AttnFunc.apply(q, k, v, meta, call)
 
 
+class _Scales:
+    """The delayed scales one attention call used, as activation recompute keeps them for its replay."""
+
+    def __init__(self, scale: torch.Tensor) -> None:
+        self.scale = scale
+
+    def frozen(self) -> "_Scales":
+        return _Scales(self.scale.clone())
+
+
 def _delayed_state(module, recipe, device) -> dict:
     """The module's delayed-scaling state for its attention (module state, not a global): an fp32 amax history
     [amax_history_len, len(AMAX_SLOTS)] (row 0: this step's amaxes, written by the call) and the scales."""
@@ -364,16 +374,24 @@ def dpa_fp8_attention(module, recipe, q, k, v, fmt: QKVFormat, seqs, window, bot
               cu_seqlens_q_padded=seqs.cu_seqlens_q_padded, cu_seqlens_kv_padded=seqs.cu_seqlens_kv_padded,
               max_seqlen_q=seqs.max_seqlen_q, max_seqlen_kv=seqs.max_seqlen_kv, bottom_right_diagonal=bottom_right)
     if type(recipe).delayed():
+        from transformer_engine.pytorch import distributed
+
         state = _delayed_state(module, recipe, q.device)
-        if state["steps"] > 0:  # the previous step's amaxes (forward and backward) are in row 0
-            maxes = torch.tensor([FP8_MAX[fwd_fmt]] * len(AMAX_SLOTS), dtype=torch.float32, device=q.device)
-            maxes[AMAX_SLOTS["do"]] = FP8_MAX[bwd_fmt]
-            hist, scale = delayed_update(torch, state["amax_history"], state["scale"], maxes, recipe.margin,
-                                         recipe.amax_compute_algo, recipe.scaling_factor_compute_algo, recipe)
-            state["amax_history"].copy_(hist)
-            state["scale"].copy_(scale)
-        state["steps"] += 1
-        sc = state["scale"]
+        # Activation recompute (transformer_engine.pytorch.checkpoint): the first call's scales, no update.
+        replayed = distributed.replayed_fp8_plan(module, "attention")
+        if replayed is not distributed.NOT_REPLAYING:
+            sc = replayed.scale
+        else:
+            if state["steps"] > 0:  # the previous step's amaxes (forward and backward) are in row 0
+                maxes = torch.tensor([FP8_MAX[fwd_fmt]] * len(AMAX_SLOTS), dtype=torch.float32, device=q.device)
+                maxes[AMAX_SLOTS["do"]] = FP8_MAX[bwd_fmt]
+                hist, scale = delayed_update(torch, state["amax_history"], state["scale"], maxes, recipe.margin,
+                                             recipe.amax_compute_algo, recipe.scaling_factor_compute_algo, recipe)
+                state["amax_history"].copy_(hist)
+                state["scale"].copy_(scale)
+            state["steps"] += 1
+            sc = state["scale"]
+            distributed.record_fp8_plan(module, "attention", _Scales(sc))
         return fp8_attn_func(q, k, v, q_scale=sc[AMAX_SLOTS["q"]], k_scale=sc[AMAX_SLOTS["k"]],
                              v_scale=sc[AMAX_SLOTS["v"]], d_out_scale=sc[AMAX_SLOTS["do"]],
                              amax=state["amax_history"][0], **kw)

@@ -338,6 +338,13 @@ def test_unimplemented_switches_are_refused_by_name(kwargs):
         te.LayerNormMLP(HIDDEN, FFN, device=DEVICE, **kwargs)
 
 
+def test_sequence_parallel_without_set_parallel_mode_is_refused():
+    with pytest.raises(NotImplementedError, match="`sequence_parallel=True` with tp_size=2"):
+        te.LayerNormMLP(HIDDEN, FFN, sequence_parallel=True, tp_size=2, device=DEVICE)
+    # one rank: no sequence split, accepted as TransformerEngine accepts it
+    assert not te.LayerNormMLP(HIDDEN, FFN, sequence_parallel=True, device=DEVICE).sequence_parallel
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(activation="tanh"), "`activation` must be one of"),
     (dict(activation="clamped_swiglu"), "'limit'"),

@@ -114,6 +114,11 @@ class LayerNormMLP(TransformerEngineBaseModule):
         self._setup_tensor_parallel(tp_group, tp_size)
         # As TransformerEngine: sequence parallelism only means something on more than one rank.
         self.sequence_parallel = self.tp_size > 1 and bool(sequence_parallel)
+        if self.sequence_parallel and not set_parallel_mode:
+            # TransformerEngine would gather the norm output for FC1 and leave FC2's output unscattered.
+            raise NotImplementedError(f"{owner}: `sequence_parallel=True` with tp_size={self.tp_size} is not "
+                                      "implemented without `set_parallel_mode=True` (the sequence split needs "
+                                      "FC1 column parallel and FC2 row parallel)")
         self.set_parallel_mode = bool(set_parallel_mode)
         self.eps = float(eps)
         self.normalization = normalization

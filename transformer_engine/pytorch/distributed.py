@@ -312,6 +312,10 @@ def _gather_slices(part: torch.Tensor, group: Any) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def _is_process_group(value: Any) -> bool:
+    return torch.distributed.is_available() and isinstance(value, torch.distributed.ProcessGroup)
+
+
 def _noop_contexts():
     return contextlib.nullcontext(), contextlib.nullcontext()
 
@@ -345,7 +349,7 @@ def checkpoint(function: Callable, *args: Any, distribute_saved_activations: boo
     if not callable(function):
         raise ValueError(f"`function` must be callable, got {function!r}")
     if (len(args) > 3 and isinstance(args[0], bool) and (args[1] is None or callable(args[1]))
-            and not torch.is_tensor(args[2])):
+            and (args[2] is None or _is_process_group(args[2]))):
         warnings.warn("checkpoint(function, distribute_saved_activations, get_rng_state_tracker, tp_group, *args) "
                       "is deprecated: pass those three as keyword arguments", DeprecationWarning, stacklevel=2)
         distribute_saved_activations, get_rng_state_tracker, tp_group = args[:3]

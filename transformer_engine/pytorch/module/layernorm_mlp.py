@@ -10,7 +10,8 @@ partial products are all-reduced (reduce-scattered along the sequence) before it
 The activation (``transformer_engine.common.modules``: gelu, geglu, glu, qgelu, qgeglu, relu, reglu,
 srelu, sreglu, silu, swiglu, clamped_swiglu) is computed in float32 (float64 for float64 activations)
 and cast back to the activation dtype. A gated activation doubles FC1's width: on each rank the first
-half of FC1's output goes through the activation and multiplies the second half.
+half of FC1's output goes through the activation and multiplies the second half, so a rank's
+``fc1_weight`` holds its slice of the gate rows, then its slice of the linear rows (Megatron's layout).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ shims/transformer-engine. The alias is built here into a wheel and unpacked into
 put first on ``sys.path`` (or a subprocess's PYTHONPATH), so nothing is installed globally. With it,
 Accelerate detects the package, ``prepare`` converts a small BERT's ``nn.Linear`` / ``nn.LayerNorm``
 to ours, and ``Accelerator(mixed_precision="fp8")`` trains it with every GEMM of those layers in FP8
-(counted), bitwise the same twice and close to the float32 run. Without it, Accelerate refuses FP8.
+(counted), bitwise the same twice and close to the float32 run, and ``has_transformer_engine_layers`` finds
+our Linear, LayerNorm and TransformerLayer. Without it, Accelerate refuses FP8.
 """
 
 from __future__ import annotations
@@ -200,6 +201,8 @@ def _train(mixed_precision: str, model=None, handlers=None):
 
 
 def test_prepare_converts_linear_and_layernorm_and_fp8_trains_bitwise(with_shim, monkeypatch):
+    from accelerate.utils import has_transformer_engine_layers
+
     plain = _bert()
     n_linear = sum(type(m) is torch.nn.Linear for m in plain.modules())
     n_norm = sum(type(m) is torch.nn.LayerNorm for m in plain.modules())
@@ -227,6 +230,7 @@ def test_prepare_converts_linear_and_layernorm_and_fp8_trains_bitwise(with_shim,
     assert sum(type(m) is te.LayerNorm for m in model.modules()) == n_norm
     assert not any(type(m) in (torch.nn.Linear, torch.nn.LayerNorm) for m in model.modules())
     assert all(p.device.type == "cpu" for p in model.parameters())  # the modules' default device, here
+    assert has_transformer_engine_layers(model) is True
     # three GEMMs (forward, dgrad, wgrad) per Linear per step, each on FP8 operands through torch's kernel
     assert len(seen) == scaled_mm_calls[0] == 3 * n_linear * STEPS
     assert all(set(pair) <= FP8_DTYPES for pair in seen), set(seen)
@@ -262,6 +266,20 @@ def test_converted_model_starts_from_the_same_weights(with_shim):
         got = plain(input_ids=ids).logits
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_has_transformer_engine_layers_answers_for_our_modules(with_shim):
+    """Accelerate looks for te.LayerNorm, te.Linear and te.TransformerLayer (not for DotProductAttention or
+    RMSNorm, which it never converts to)."""
+    from accelerate.utils import has_transformer_engine_layers
+
+    assert has_transformer_engine_layers(_bert()) is False
+    assert has_transformer_engine_layers(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16))) is False
+    assert has_transformer_engine_layers(torch.nn.Sequential(te.Linear(16, 16))) is True
+    assert has_transformer_engine_layers(torch.nn.Sequential(torch.nn.Linear(16, 16), te.LayerNorm(16))) is True
+    layer = te.TransformerLayer(32, 64, 4, hidden_dropout=0.0, attention_dropout=0.0)
+    assert has_transformer_engine_layers(torch.nn.ModuleList([layer])) is True
+    assert has_transformer_engine_layers(torch.nn.Sequential(te.DotProductAttention(4, 8), te.RMSNorm(16))) is False
 
 
 def test_mxfp8_request_is_refused_with_our_reason(with_shim):

@@ -25,7 +25,8 @@ from transformer_engine.pytorch import distributed as te_distributed
 from transformer_engine.pytorch.distributed import CudaRNGStatesTracker
 from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
 
-DEVICE = "cpu"
+# The tracker forks CUDA's generator where CUDA is available (as TransformerEngine's does): the model runs there.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HIDDEN, FFN, SEQ, BATCH = 64, 96, 16, 2
 RECIPES = {
     "delayed": lambda: recipe.DelayedScaling(amax_history_len=4),
@@ -78,7 +79,7 @@ def _train(mode, rec=None, steps=3, tracker_in_checkpoint=True):
     torch.manual_seed(42)
     results = []
     for _ in range(steps):
-        x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen).requires_grad_(True)
+        x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen).to(DEVICE).requires_grad_(True)
         for p in params:
             p.grad = None
         with te.autocast(enabled=rec is not None, recipe=rec):
@@ -95,6 +96,8 @@ def _train(mode, rec=None, steps=3, tracker_in_checkpoint=True):
             for p in params:
                 p.sub_(0.5 * p.grad)
     rng = [torch.get_rng_state()] + list(tracker.get_states().values())
+    if DEVICE == "cuda":
+        rng.append(torch.cuda.get_rng_state())
     metas = []
     for module in (block.mlp, block.proj, head):
         for attr in ("_fp8_state", "_fp8_state_fc1", "_fp8_state_fc2"):
@@ -127,7 +130,7 @@ def test_checkpointed_block_with_dropout_is_bitwise_the_plain_block(mode):
     _assert_same(_train(mode), plain, mode)
     # Controls: dropout matters, and the tracker's saved state is what makes the recompute draw the same mask.
     _, block, _ = _model()
-    x = torch.randn(SEQ, BATCH, HIDDEN)
+    x = torch.randn(SEQ, BATCH, HIDDEN).to(DEVICE)
     assert not torch.equal(block(x), block.eval()(x))
     assert _differs(_train(mode, tracker_in_checkpoint=False), plain)
 
@@ -137,12 +140,15 @@ def test_checkpointed_block_with_dropout_is_bitwise_the_plain_block(mode):
 def test_fp8_checkpointed_steps_are_bitwise_the_plain_steps(name, mode):
     """Three FP8 training steps: every result bitwise, and the delayed-scaling state after them equal (the
     recompute records no second amax and triggers no update)."""
+    ok, reason = (te.check_fp8_block_scaling_support if name == "block" else te.check_fp8_support)(DEVICE)
+    if not ok:
+        pytest.skip(reason)
     plain = _train("plain", RECIPES[name]())
     got = _train(mode, RECIPES[name]())
     _assert_same(got, plain, f"{name}, {mode}")
     if name == "delayed":
         assert len(plain[2]) == 4 * 4  # fc1, fc2, proj and head: forward and backward scales and histories
-        assert not torch.equal(plain[2][0], torch.ones(3))  # the scales moved over the steps
+        assert not torch.equal(plain[2][0], torch.ones(3, device=DEVICE))  # the scales moved over the steps
 
 
 def test_without_the_first_forwards_plans_the_recompute_would_differ(monkeypatch):
@@ -164,7 +170,7 @@ def test_layernorm_mlp_checkpoint_argument_is_the_same_module_bitwise(rec):
         gen = torch.Generator().manual_seed(3)
         out = []
         for _ in range(2):
-            x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen)  # no input gradient: the parameters still get theirs
+            x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen).to(DEVICE)  # no input gradient: the parameters still get theirs
             mod.zero_grad(set_to_none=True)
             with te.autocast(enabled=rec is not None, recipe=RECIPES[rec]() if rec else None):
                 y, ln = mod(x)
@@ -190,7 +196,7 @@ def test_autocast_inside_the_checkpointed_function(mode):
         gen = torch.Generator().manual_seed(3)
         out = []
         for _ in range(3):
-            x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen).requires_grad_(True)
+            x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen).to(DEVICE).requires_grad_(True)
             mlp.zero_grad(set_to_none=True)
             y = te.checkpoint(fn, x, use_reentrant=mode == "reentrant") if checkpointed else fn(x)
             y.square().sum().backward()
@@ -217,7 +223,7 @@ def test_nested_checkpoints_under_fp8():
         gen = torch.Generator().manual_seed(3)
         out = []
         for _ in range(2):
-            x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen).requires_grad_(True)
+            x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen).to(DEVICE).requires_grad_(True)
             with te.autocast(enabled=True, recipe=RECIPES["delayed"]()):
                 y = te.checkpoint(fn, x) if nested else fn(x)
             y.square().sum().backward()
@@ -234,7 +240,7 @@ def test_nested_checkpoints_under_fp8():
 def test_keyword_arguments_context_fn_and_deprecated_positional_form():
     torch.manual_seed(0)
     lin = te.Linear(8, 8, device=DEVICE)
-    x = torch.randn(4, 8, requires_grad=True)
+    x = torch.randn(4, 8).to(DEVICE).requires_grad_(True)
     entered = []
 
     class Mark:
@@ -266,7 +272,7 @@ def test_keyword_arguments_context_fn_and_deprecated_positional_form():
 
 def test_bad_uses_are_refused():
     lin = te.Linear(8, 8, device=DEVICE)
-    x = torch.randn(4, 8, requires_grad=True)
+    x = torch.randn(4, 8).to(DEVICE).requires_grad_(True)
     with pytest.raises(ValueError, match="`function`"):
         te.checkpoint("lin", x)
     with pytest.raises(ValueError, match="`use_reentrant`"):
@@ -295,7 +301,7 @@ def test_a_recompute_running_other_fp8_modules_is_an_error(mode):
         calls.append(None)
         return (a if len(calls) == 1 else b)(t)
 
-    x = torch.randn(4, HIDDEN, requires_grad=True)
+    x = torch.randn(4, HIDDEN).to(DEVICE).requires_grad_(True)
     with te.autocast(enabled=True, recipe=RECIPES["current"]()):
         y = te.checkpoint(fn, x, use_reentrant=mode == "reentrant")
     with pytest.raises(RuntimeError, match="same modules in the same order"):

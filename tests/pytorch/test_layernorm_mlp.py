@@ -30,6 +30,8 @@ LIMIT = 0.75  # clamped_swiglu's limit: below the values drawn, so the clamps ar
 ACT_PARAMS = {"clamped_swiglu": {"limit": LIMIT, "alpha": 1.5, "glu_linear_offset": 0.5}}
 ACTIVATIONS = ["gelu", "geglu", "glu", "qgelu", "qgeglu", "relu", "reglu", "srelu", "sreglu", "silu", "swiglu",
                "clamped_swiglu"]
+# FP8 runs on the CPU always, and on a GPU with FP8 GEMMs (each recipe's support is checked in the test).
+FP8_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 RECIPES = {
     "delayed": lambda: recipe.DelayedScaling(amax_history_len=4),
     "current": lambda: recipe.Float8CurrentScaling(),
@@ -95,11 +97,12 @@ def _ref_mlp(mod, x, params):
     return out, ln
 
 
-def _build(activation="gelu", normalization="LayerNorm", bias=True, dtype=torch.float32, seed=3, **kwargs):
+def _build(activation="gelu", normalization="LayerNorm", bias=True, dtype=torch.float32, seed=3, device=DEVICE,
+           **kwargs):
     torch.manual_seed(0)
     params = ACT_PARAMS.get(activation)
     mod = te.LayerNormMLP(HIDDEN, FFN, activation=activation, activation_params=params, normalization=normalization,
-                          bias=bias, params_dtype=dtype, device=DEVICE, **kwargs)
+                          bias=bias, params_dtype=dtype, device=device, **kwargs)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in mod.named_parameters():
@@ -370,10 +373,11 @@ def test_bad_sizes_are_value_errors():
 
 def _unfused_pieces(mod):
     """A LayerNorm and two Linear modules holding ``mod``'s parameters."""
+    device = mod.fc1_weight.device
     norm = (te.LayerNorm if mod.normalization == "LayerNorm" else te.RMSNorm)(
-        HIDDEN, zero_centered_gamma=mod.zero_centered_gamma, device=DEVICE)
-    fc1 = te.Linear(HIDDEN, mod.fc1_weight.shape[0], bias=mod.use_bias, device=DEVICE)
-    fc2 = te.Linear(mod.fc2_weight.shape[1], HIDDEN, bias=mod.use_bias, device=DEVICE)
+        HIDDEN, zero_centered_gamma=mod.zero_centered_gamma, device=device)
+    fc1 = te.Linear(HIDDEN, mod.fc1_weight.shape[0], bias=mod.use_bias, device=device)
+    fc2 = te.Linear(mod.fc2_weight.shape[1], HIDDEN, bias=mod.use_bias, device=device)
     with torch.no_grad():
         norm.weight.copy_(mod.layer_norm_weight)
         if mod.layer_norm_bias is not None:
@@ -386,15 +390,19 @@ def _unfused_pieces(mod):
     return norm, fc1, fc2
 
 
+@pytest.mark.parametrize("device", FP8_DEVICES)
 @pytest.mark.parametrize("name", sorted(RECIPES))
-def test_fp8_equals_a_norm_and_two_fp8_linears_bitwise(name):
+def test_fp8_equals_a_norm_and_two_fp8_linears_bitwise(name, device):
     """Three training steps under the recipe (delayed scaling: the scales updated between them), the weights
     quantized per call, then cached (is_first_microbatch=True), then reused (False): outputs and every
     gradient equal those of a LayerNorm, two FP8 Linear modules and the activation between, bitwise."""
-    mod = _build("swiglu", "LayerNorm", return_layernorm_output=True)
+    ok, reason = (te.check_fp8_block_scaling_support if name == "block" else te.check_fp8_support)(device)
+    if not ok:
+        pytest.skip(reason)
+    mod = _build("swiglu", "LayerNorm", return_layernorm_output=True, device=device)
     norm, fc1, fc2 = _unfused_pieces(mod)
     rec = RECIPES[name]()
-    x, dy = _inputs()
+    x, dy = (t.to(device) for t in _inputs())
     firsts = [None, True, False]
     fused_steps = []
     for first in firsts:
@@ -432,7 +440,7 @@ def test_fp8_equals_a_norm_and_two_fp8_linears_bitwise(name):
             assert torch.equal(state.fwd_meta.scale, lin._fp8_state.fwd_meta.scale)
             assert torch.equal(state.fwd_meta.amax_history, lin._fp8_state.fwd_meta.amax_history)
             assert torch.equal(state.bwd_meta.amax_history, lin._fp8_state.bwd_meta.amax_history)
-            assert not torch.equal(state.fwd_meta.scale, torch.ones(3))  # the scales moved
+            assert not torch.equal(state.fwd_meta.scale, torch.ones(3, device=device))  # the scales moved
 
 
 # --- tensor parallel on two gloo ranks ----------------------------------------------------------

@@ -147,7 +147,8 @@ def _ref_grads(mod, x, dy):
     return out.detach(), ln.detach(), xd.grad, {n: t.grad for n, t in leaves.items()}
 
 
-MAX_REL_ERR = {}  # largest error / max|ref| per dtype, over every comparison (printed with -s)
+# Largest error / max|ref| per dtype over the comparisons run (measured: 6.9e-7 float32, 1.1e-15 float64).
+MAX_REL_ERR = {}
 
 
 def _close(got, ref, what, rel):
@@ -166,7 +167,7 @@ def _close(got, ref, what, rel):
 def test_matches_float64_formula(activation, normalization, bias):
     """float32 parameters and activations: within float32 rounding of the float64 formula; float64 module: equal
     to it to float64 rounding (a wrong constant, gate half or clamp would show at 1e-9)."""
-    for dtype, rel in ((torch.float32, 2e-5), (torch.float64, 1e-12)):
+    for dtype, rel in ((torch.float32, 5e-6), (torch.float64, 1e-12)):
         mod = _build(activation, normalization, bias, dtype)
         x, dy = _inputs(dtype)
         (out,), dx, grads = _fwd_bwd(mod, x, dy)

@@ -1,7 +1,7 @@
 """PyTorch frontend: DotProductAttention, the fused attention ops, and TransformerEngine-style
-LayerNorm, RMSNorm, Linear and LayerNormLinear modules (tensor parallel through torch.distributed),
-with FP8 training under TransformerEngine's recipes inside ``autocast`` / ``fp8_autocast`` (see
-docs/fp8.rst)."""
+LayerNorm, RMSNorm, Linear, LayerNormLinear and LayerNormMLP modules (tensor parallel through
+torch.distributed), with FP8 training under TransformerEngine's recipes inside ``autocast`` /
+``fp8_autocast`` (see docs/fp8.rst) and activation recompute by ``checkpoint``."""
 
 try:
     import torch  # noqa: F401

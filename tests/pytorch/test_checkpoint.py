@@ -170,7 +170,8 @@ def test_layernorm_mlp_checkpoint_argument_is_the_same_module_bitwise(rec):
         gen = torch.Generator().manual_seed(3)
         out = []
         for _ in range(2):
-            x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen).to(DEVICE)  # no input gradient: the parameters still get theirs
+            # No input gradient: the parameters still get theirs.
+            x = torch.randn(SEQ, BATCH, HIDDEN, generator=gen).to(DEVICE)
             mod.zero_grad(set_to_none=True)
             with te.autocast(enabled=rec is not None, recipe=RECIPES[rec]() if rec else None):
                 y, ln = mod(x)
@@ -203,7 +204,8 @@ def test_autocast_inside_the_checkpointed_function(mode):
             out += [y.detach(), x.grad] + [p.grad for p in mlp.parameters()]
         for gemm in ("fc1", "fc2"):
             state = getattr(mlp, f"_fp8_state_{gemm}")
-            out += [state.fwd_meta.scale.clone(), state.fwd_meta.amax_history.clone(), state.bwd_meta.amax_history.clone()]
+            out += [state.fwd_meta.scale.clone(), state.fwd_meta.amax_history.clone(),
+                    state.bwd_meta.amax_history.clone()]
         return out
 
     assert all(torch.equal(a, b) for a, b in zip(run(True), run(False)))

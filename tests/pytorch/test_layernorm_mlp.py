@@ -257,7 +257,8 @@ def test_parameters_shapes_names_and_default_init():
     assert [n for n, _ in mod.named_parameters()] == [
         "layer_norm_weight", "layer_norm_bias", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias"]
     assert mod.fc1_weight.shape == (2 * FFN, HIDDEN) and mod.fc2_weight.shape == (HIDDEN, FFN)
-    assert torch.equal(mod.layer_norm_weight, torch.ones(HIDDEN)) and torch.equal(mod.layer_norm_bias, torch.zeros(HIDDEN))
+    assert torch.equal(mod.layer_norm_weight, torch.ones(HIDDEN))
+    assert torch.equal(mod.layer_norm_bias, torch.zeros(HIDDEN))
     assert torch.equal(mod.fc1_bias, torch.zeros(2 * FFN)) and torch.equal(mod.fc2_bias, torch.zeros(HIDDEN))
     for w in (mod.fc1_weight, mod.fc2_weight):
         assert 0.018 < w.std().item() < 0.028  # TransformerEngine's default: normal, std 0.023

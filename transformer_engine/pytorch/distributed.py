@@ -192,9 +192,10 @@ class _RecomputeFrame:
                                "the same order in its recompute")
         recorded_module, recorded_gemm, plan = self.plans[self.cursor]
         if recorded_module is not module or recorded_gemm != gemm:
+            ran = f"{type(recorded_module).__name__} ({recorded_gemm or 'its GEMM'})"
             raise RuntimeError(f"activation recompute: {type(module).__name__} ({gemm or 'its GEMM'}) ran where "
-                               f"the first forward ran {type(recorded_module).__name__} ({recorded_gemm or 'its GEMM'}); "
-                               "the checkpointed function must run the same modules in the same order")
+                               f"the first forward ran {ran}; the checkpointed function must run the same "
+                               "modules in the same order")
         self.cursor += 1
         return plan
 

@@ -40,6 +40,7 @@ from transformer_engine.pytorch import quantization_linear  # noqa: E402
 REPO = Path(__file__).resolve().parents[2]
 SHIM = REPO / "shims" / "transformer-engine"
 STEPS = 10
+DEFAULT = "cuda" if torch.cuda.is_available() else "cpu"  # the modules' default device (and Accelerate's)
 FP8_DTYPES = {torch.float8_e4m3fn, torch.float8_e5m2}
 
 
@@ -160,7 +161,7 @@ print(json.dumps(out))
 
 def test_without_the_alias_accelerate_refuses_fp8():
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
-    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     hide = "hide" if _visible_transformer_engine_distribution() else "as-is"
     proc = subprocess.run([sys.executable, "-c", _WITHOUT_SHIM, hide], capture_output=True, text=True, env=env,
                           cwd=str(REPO), timeout=300)
@@ -191,7 +192,7 @@ def _train(mixed_precision: str, model=None, handlers=None):
     data = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(STEPS):
-        ids = torch.randint(0, 128, (2, 16), generator=data)
+        ids = torch.randint(0, 128, (2, 16), generator=data).to(accelerator.device)
         loss = model(input_ids=ids, labels=ids).loss
         accelerator.backward(loss)
         optimizer.step()
@@ -229,7 +230,7 @@ def test_prepare_converts_linear_and_layernorm_and_fp8_trains_bitwise(with_shim,
     assert sum(type(m) is te.Linear for m in model.modules()) == n_linear
     assert sum(type(m) is te.LayerNorm for m in model.modules()) == n_norm
     assert not any(type(m) in (torch.nn.Linear, torch.nn.LayerNorm) for m in model.modules())
-    assert all(p.device.type == "cpu" for p in model.parameters())  # the modules' default device, here
+    assert {p.device.type for p in model.parameters()} == {DEFAULT}
     assert has_transformer_engine_layers(model) is True
     # three GEMMs (forward, dgrad, wgrad) per Linear per step, each on FP8 operands through torch's kernel
     assert len(seen) == scaled_mm_calls[0] == 3 * n_linear * STEPS
@@ -256,8 +257,8 @@ def test_converted_model_starts_from_the_same_weights(with_shim):
     from accelerate.utils.transformer_engine import convert_model
 
     Accelerator()  # convert_model reads Accelerate's state (whether parameters are sharded)
-    plain = _bert().eval()
-    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2))
+    plain = _bert().to(DEFAULT).eval()  # converted layers are built on the default device
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(2)).to(DEFAULT)
     with torch.no_grad():
         expected = plain(input_ids=ids).logits
         before = {k: v.clone() for k, v in plain.state_dict().items()}
@@ -290,7 +291,7 @@ def test_mxfp8_request_is_refused_with_our_reason(with_shim):
 
 def test_example_trains_in_fp8_bitwise(shim_site):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET" and not k.startswith("ACCELERATE_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(shim_site), str(REPO)])
+    env["PYTHONPATH"] = os.pathsep.join([str(shim_site), str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
     proc = subprocess.run([sys.executable, str(REPO / "examples" / "accelerate_fp8.py"), "--steps", "4"],
                           capture_output=True, text=True, env=env, cwd=str(REPO), timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -4,7 +4,7 @@ Outputs and every gradient for encoder and decoder layers: every norm placement 
 residuals, BERT's output_layernorm, both together, parallel attention+MLP), both norms, several activations, GQA,
 rotary embeddings, bshd/sbhd, sliding windows, no biases. Then: bitwise run to run, dropout and drop path
 reproducible from their generators, a 2-layer stack decoding through the KV cache bitwise the training rows,
-TransformerEngine's quickstart example, and the refusals.
+TransformerEngine's quickstart example, tensor parallelism on two gloo ranks, and the refusals.
 """
 
 from __future__ import annotations
@@ -200,6 +200,22 @@ def test_quickstart_example_runs():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "matches the plain PyTorch layer: True" in proc.stdout, proc.stdout
     assert "two runs bitwise equal: True" in proc.stdout, proc.stdout
+
+
+@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+                    reason="needs torch.distributed with gloo")
+def test_tensor_parallel_on_two_gloo_ranks_matches_single_rank():
+    """tests/pytorch/distributed/transformer_layer_tp.py: heads split over 2 ranks (GQA, split and fused QKV,
+    sequence parallel, post-layernorm, parallel attention+MLP, QK norms, a decoder) equal the single-rank layer."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # unfused: seconds, not minutes
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(REPO / "tests" / "pytorch" / "distributed" / "transformer_layer_tp.py")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(("PASS", "FAIL"))]
+    report = proc.stdout + proc.stderr[-4000:]
+    assert proc.returncode == 0 and len(lines) == 5 and all(line.startswith("PASS") for line in lines), report
 
 
 def test_refusals_name_the_argument():

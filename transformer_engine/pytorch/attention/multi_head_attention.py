@@ -17,6 +17,9 @@ key/value head ``j // (num_attention_heads // num_gqa_groups)`` in both layouts.
 Tensor parallelism (``set_parallel_mode=True``): the projections into heads are column parallel and ``proj`` row
 parallel, so each rank holds ``num_attention_heads / tp_size`` query heads and ``num_gqa_groups / tp_size``
 key/value heads; ``sequence_parallel`` splits ``hidden_states`` along the sequence, as the linear modules do.
+The QK norms' weights are replicated and each rank normalizes its own heads, so (as in TransformerEngine) each
+rank's gradient of ``q_norm``/``k_norm`` covers its heads only: sum it over the tensor-parallel group, as for
+sequence-parallel norm weights.
 
 KV cache: with ``inference_params`` the call's tokens are a generation step's new ones; their keys and values
 go to layer ``layer_number``'s cache (allocated on first use) and rotary positions start at each sequence's

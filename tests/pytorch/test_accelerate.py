@@ -226,7 +226,7 @@ def test_prepare_converts_linear_and_layernorm_and_fp8_trains_bitwise(with_shim,
 
     losses, params, model, accelerator = _train("fp8", model=plain)
     assert accelerator.fp8_backend == "TE" and accelerator.state.mixed_precision == "fp8"
-    # prepare converted every layer (all dims are multiples of 16) in place, keeping the weights
+    # prepare converted every layer (all dims are multiples of 16; the weights are copied: test below)
     assert sum(type(m) is te.Linear for m in model.modules()) == n_linear
     assert sum(type(m) is te.LayerNorm for m in model.modules()) == n_norm
     assert not any(type(m) in (torch.nn.Linear, torch.nn.LayerNorm) for m in model.modules())
@@ -243,11 +243,10 @@ def test_prepare_converts_linear_and_layernorm_and_fp8_trains_bitwise(with_shim,
 
     monkeypatch.setattr(quantization_linear, "scaled_gemm", scaled_gemm)
     monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
-    seen.clear()
     reference, _, fp32_model, _ = _train("no")
     assert not any(type(m) is te.Linear for m in fp32_model.modules())  # no FP8: nothing converted
     assert torch.isfinite(losses).all()
-    # FP8 (E4M3 forward, E5M2 gradients) over a 10-step run: measured 0.0029 here
+    # FP8 (E4M3 forward, E5M2 gradients) against float32 over 10 steps: measured 0.0023 on CPU (bf16: 0.0005)
     assert (losses - reference).abs().max() < 0.02, (losses, reference)
 
 

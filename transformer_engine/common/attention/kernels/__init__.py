@@ -9,3 +9,9 @@ hopper_ws.py: the warp-specialized Gluon forward, dK/dV and dQ for Hopper.
 aot.py and resources.py (tools, not kernels): compiling a launch without a GPU for any target, and the
 registers, spills and shared memory of the planned launches.
 """
+
+from transformer_engine.common.attention.kernels.triton_compat import interpret_dot_in_fixed_order
+
+# Under Triton's interpreter, tl.dot as a fixed-order sum: its bits must not depend on the host BLAS (see
+# interpret_dot_in_fixed_order).
+interpret_dot_in_fixed_order()

@@ -42,6 +42,7 @@ __all__ = [
     "gluon_unavailable_reason", "tma_async_load", "cp_async_load", "aggregate", "gluon_ast_source",
     "jit_run_options", "jit_specialize", "cuobjdump_path", "allocator_is_set", "current_device_and_stream",
     "launch_hooks", "runtime_debug", "has_compiled_launcher", "is_jit_function", "settle_cache_keys",
+    "interpret_dot_in_fixed_order",
 ]
 
 SUPPORTED_RELEASES = ((3, 6), (3, 7), (3, 8), (3, 9))
@@ -66,6 +67,10 @@ PRIVATE_APIS: Dict[str, str] = {
     "triton.compiler.compiler:CompiledKernel._init_handles": "launch_cache.py: load a compiled kernel",
     "triton.compiler.compiler:CompiledKernel.run": "launch_cache.py: the compiled kernel's launcher",
     "triton.compiler.compiler:CompiledKernel.launch_metadata": "launch_cache.py: Triton's launch with hooks",
+    # The interpreter's dot, replaced by a fixed-order sum (interpret_dot_in_fixed_order).
+    "triton.runtime.interpreter:InterpreterBuilder.create_dot": "triton_compat.py: the interpreter's tl.dot",
+    "triton.runtime.interpreter:TensorHandle": "triton_compat.py: the interpreter's operand type",
+    "triton.runtime.interpreter:_convert_float": "triton_compat.py: FP8 dot operands as the interpreter reads them",
     # Global scratch for the Gluon kernels' on-device TMA descriptors (pytorch/attention/launch.py).
     "triton.runtime._allocation:_allocator": "launch.py: the allocator of this thread (a context variable)",
     "triton.runtime._allocation:NullAllocator": "launch.py: what _allocator holds when none is set",
@@ -367,3 +372,47 @@ def settle_cache_keys(namespace: Dict[str, object]) -> None:
     for value in list(namespace.values()):
         if is_jit_function(value):
             settle(value)
+
+
+def interpret_dot_in_fixed_order() -> bool:
+    """Make the Triton interpreter's ``tl.dot`` give each output element bits that depend only on its own row
+    and column of the operands: not on the row count, the host BLAS or its threads.
+
+    The interpreter computes ``tl.dot`` with numpy's matmul, i.e. the host BLAS, and some BLAS builds (seen on
+    AMD EPYC hosts) change a row's summation order with the shape of the product: a query row's bits then
+    differed between a decode tile and a training tile, and a bitwise claim proven under the interpreter held
+    only on the host it ran on. Here a dot is a sum over the contraction index in a fixed order, one
+    elementwise multiply-add of whole tiles per index, in the accumulator's dtype (``acc + a[:, k] b[k, :]``
+    for k = 0, 1, ...; FP8 operands through fp16, as the interpreter's matmul reads them), never the host BLAS.
+    Installed when ``TRITON_INTERPRET=1`` (the kernel package calls it at import; only interpreted kernels are affected).
+    Returns whether it is installed.
+    """
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        return False
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    if getattr(InterpreterBuilder.create_dot, "_fixed_order", False):
+        return True
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        dtype = d.data.dtype
+        a_data = _dot_operand(a).astype(dtype)
+        b_data = _dot_operand(b).astype(dtype)
+        acc = a_data[..., :, :1] * b_data[..., :1, :]
+        for k in range(1, a_data.shape[-1]):
+            acc = acc + a_data[..., :, k:k + 1] * b_data[..., k:k + 1, :]
+        return TensorHandle(acc + d.data, d.dtype.scalar)
+
+    create_dot._fixed_order = True
+    InterpreterBuilder.create_dot = create_dot
+    return True
+
+
+def _dot_operand(t):
+    """An interpreter operand as the interpreter's dot reads it (FP8 through fp16, as its matmul does)."""
+    from triton.runtime import interpreter
+    import triton.language as tl
+
+    if t.dtype.primitive_bitwidth == 8 and t.dtype.is_floating():
+        return interpreter._convert_float(t.data, t.dtype, tl.float16, None).view("float16")
+    return t.data

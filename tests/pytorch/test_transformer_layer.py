@@ -191,6 +191,22 @@ def test_two_layer_stack_kv_cache_decode_rows_equal_training_rows():
         assert not bad, f"sequence {i}: rows {bad} differ by up to {(rows - train[i]).abs().max().item()}"
 
 
+def test_thd_packed_rows_equal_each_sequence_alone():
+    """attn_input_format="thd": three sequences packed with cu_seqlens give, row for row and bit for bit, what the
+    same layer (bshd) gives each sequence alone (GEMMs row by row: layer_reference.row_by_row_gemms)."""
+    kw = dict(normalization="RMSNorm", activation="swiglu", num_gqa_groups=2)
+    packed = _layer(attn_input_format="thd", self_attn_mask_type="padding_causal", **kw)
+    alone = _layer(attn_input_format="bshd", **kw)
+    lens = [5, 9, 3]
+    cu = torch.tensor([0, 5, 14, 17], dtype=torch.int32)
+    x = torch.randn(sum(lens), HIDDEN, generator=torch.Generator().manual_seed(8))
+    rope = RotaryPositionEmbedding(D)(16)
+    with torch.no_grad(), R.row_by_row_gemms():
+        out = packed(x, rotary_pos_emb=rope, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=9, max_seqlen_kv=9)
+        refs = [alone(x[cu[i]:cu[i + 1]][None], rotary_pos_emb=rope)[0] for i in range(3)]
+    assert torch.equal(out, torch.cat(refs))
+
+
 def test_quickstart_example_runs():
     """examples/te_quickstart_pytorch.py: TransformerEngine's quickstart layer, forward and backward."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

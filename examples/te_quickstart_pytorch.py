@@ -16,12 +16,15 @@ Steps, as in TransformerEngine's quickstart:
 
 import argparse
 import math
+import os
 
-import torch
-import torch.nn.functional as F
+os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")  # step 4: a backward that repeats its bits
 
-import transformer_engine.pytorch as te
-from transformer_engine.common.recipe import DelayedScaling, Format
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import transformer_engine.pytorch as te  # noqa: E402
+from transformer_engine.common.recipe import DelayedScaling, Format  # noqa: E402
 
 
 class BasicTransformerLayer(torch.nn.Module):
@@ -100,11 +103,15 @@ def main() -> None:
 
     with torch.no_grad():
         ours, plain = layer.eval()(x), basic.eval()(x)
-    diff = (ours.float() - plain.float()).abs().max().item()
-    tol = 5e-2 if dtype == torch.bfloat16 else 1e-4
+        if dtype == torch.float32:
+            diff, tol = (ours - plain).abs().max().item(), 1e-4
+        else:  # against the plain layer in float32: within twice the plain bf16 layer's own error
+            exact = basic.float()(x.float())
+            diff = (ours.float() - exact).abs().max().item()
+            tol = 2 * (plain.float() - exact).abs().max().item() + 1e-3
     print(f"te.TransformerLayer({args.hidden_size}, {args.ffn_hidden_size}, {args.heads}) on {device} ({dtype}); "
           f"attention backend: {layer.self_attention.core_attention.last_backend}")
-    print(f"max |te - plain| = {diff:.3g}; matches the plain PyTorch layer: {diff <= tol}")
+    print(f"max |te - plain| = {diff:.3g} (allowed {tol:.3g}); matches the plain PyTorch layer: {diff <= tol}")
 
     layer.train()
     first, second = training_step(layer, x, dy, seed=7), training_step(layer, x, dy, seed=7)

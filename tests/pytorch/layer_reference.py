@@ -20,8 +20,9 @@ F64 = torch.float64
 
 
 def double_params(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
-    """The module's parameters as float64 leaves that record gradients, by name."""
-    return {n: p.detach().to(F64).requires_grad_(True) for n, p in module.named_parameters()}
+    """The module's parameters as float64 CPU leaves that record gradients, by name (the references run on the
+    CPU whatever device the module is on)."""
+    return {n: p.detach().to("cpu", F64).requires_grad_(True) for n, p in module.named_parameters()}
 
 
 def norm(x, weight, bias, eps, normalization, zero_centered_gamma):
@@ -46,7 +47,7 @@ def linear(x, P, prefix, names=("",)):
 
 def rope(x, freqs, interleaved, positions):
     """x [b, s, h, d] rotated by the angles ``freqs`` [S, 1, 1, d2] at ``positions`` [b, s]."""
-    ang = freqs.reshape(freqs.shape[0], freqs.shape[-1]).to(F64)[positions][:, :, None, :]  # [b, s, 1, d2]
+    ang = freqs.reshape(freqs.shape[0], freqs.shape[-1]).to("cpu", F64)[positions][:, :, None, :]  # [b, s, 1, d2]
     d2 = ang.shape[-1]
     xr = x[..., :d2]
     if interleaved:
@@ -95,7 +96,7 @@ def mha(m, P, x, encoder_output=None, rotary_pos_emb=None, prefix="", attn_mask_
     P). x and encoder_output in the module's qkv_format (sbhd or bshd). Returns (out, ln_out or None)."""
     fmt = m.qkv_format
     to_b = (lambda t: t.transpose(0, 1)) if fmt == "sbhd" else (lambda t: t)
-    x = to_b(x.to(F64))
+    x = to_b(x.to("cpu", F64))
     h, G, d = m.num_attention_heads_per_partition, m.num_gqa_groups_per_partition, m.hidden_size_per_attention_head
     per = h // G
     ln_out = None
@@ -124,7 +125,7 @@ def mha(m, P, x, encoder_output=None, rotary_pos_emb=None, prefix="", attn_mask_
         if m.input_layernorm:
             ln_out = inp
         q = _heads(linear(inp, P, prefix + name, ("query",)), range(h), d)
-        y = linear(to_b(encoder_output.to(F64)), P, prefix + "key_value.", ("key", "value"))
+        y = linear(to_b(encoder_output.to("cpu", F64)), P, prefix + "key_value.", ("key", "value"))
         if m.qkv_weight_interleaved:
             k, v = _heads(y, [2 * g for g in range(G)], d), _heads(y, [2 * g + 1 for g in range(G)], d)
         else:
@@ -175,7 +176,7 @@ def mlp(layer, P, x, prefix="layernorm_mlp."):
 def transformer_layer(t, P, x, encoder_output=None, rotary_pos_emb=None) -> torch.Tensor:
     """TransformerLayer ``t`` in float64 (eval mode: no dropout, no drop path), composed as TransformerEngine's
     forward does, written out here without LayerStructure."""
-    x = x.to(F64)
+    x = x.to("cpu", F64)
     sa = t.self_attention
     # With output_layernorm the self attention has no input norm; with post-layernorm residuals a sublayer's
     # residual is its normalized input.
@@ -206,18 +207,20 @@ def transformer_layer(t, P, x, encoder_output=None, rotary_pos_emb=None) -> torc
 
 
 def grads_close(module, P, x, x64, out, ref, atol=2e-6, rtol=2e-5, seed=7) -> Dict[str, float]:
-    """Backpropagate the same random weighting of ``out`` (module, fp32) and ``ref`` (fp64); assert the input and
-    every parameter gradient agree. Returns the max abs difference per gradient."""
+    """Backpropagate the same random weighting of ``out`` (module, fp32, any device) and ``ref`` (fp64, CPU); assert
+    the input and every parameter gradient agree. Returns the max abs difference per gradient."""
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(out.shape, generator=g)
-    (out * w.to(out.dtype)).sum().backward()
+    (out * w.to(out.device, out.dtype)).sum().backward()
     (ref * w.to(F64)).sum().backward()
-    diffs = {"input": (x.grad.double() - x64.grad).abs().max().item()}
-    torch.testing.assert_close(x.grad.double(), x64.grad, atol=atol, rtol=rtol)
+    dx = x.grad.to("cpu", F64)
+    diffs = {"input": (dx - x64.grad).abs().max().item()}
+    torch.testing.assert_close(dx, x64.grad, atol=atol, rtol=rtol)
     for n, p in module.named_parameters():
         assert p.grad is not None, f"{n} got no gradient"
-        torch.testing.assert_close(p.grad.double(), P[n].grad, atol=atol, rtol=rtol, msg=lambda s: f"{n}: {s}")
-        diffs[n] = (p.grad.double() - P[n].grad).abs().max().item()
+        grad = p.grad.to("cpu", F64)
+        torch.testing.assert_close(grad, P[n].grad, atol=atol, rtol=rtol, msg=lambda s: f"{n}: {s}")
+        diffs[n] = (grad - P[n].grad).abs().max().item()
     return diffs
 
 

@@ -18,6 +18,7 @@ import layer_reference as R
 from transformer_engine.pytorch import CudaRNGStatesTracker, InferenceParams, RotaryPositionEmbedding
 from transformer_engine.pytorch.attention import MultiheadAttention
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HIDDEN, HEADS, D = 64, 4, 16
 # fp32 module against the fp64 reference: outputs to a few fp32 ulps of their size, gradients (sums over
 # tokens) a little looser.
@@ -27,7 +28,7 @@ GRAD_TOL = dict(atol=1e-5, rtol=1e-4)
 
 def _module(seed=0, **kw):
     torch.manual_seed(seed)
-    m = MultiheadAttention(HIDDEN, HEADS, attention_dropout=kw.pop("attention_dropout", 0.0), device="cpu", **kw)
+    m = MultiheadAttention(HIDDEN, HEADS, attention_dropout=kw.pop("attention_dropout", 0.0), device=DEVICE, **kw)
     with torch.no_grad():  # non-trivial norms and biases (they start at 1 and 0)
         for p in m.parameters():
             p.add_(0.1 * torch.randn_like(p))
@@ -37,7 +38,7 @@ def _module(seed=0, **kw):
 def _input(fmt, s, b=2, seed=1, hidden=HIDDEN):
     g = torch.Generator().manual_seed(seed)
     shape = (b, s, hidden) if fmt == "bshd" else (s, b, hidden)
-    return torch.randn(shape, generator=g)
+    return torch.randn(shape, generator=g).to(DEVICE)
 
 
 CONFIGS = {
@@ -68,7 +69,7 @@ def test_matches_fp64_reference(name):
     m = _module(**kw)
     fmt = m.qkv_format
     x = _input(fmt, 10).requires_grad_(True)
-    x64 = x.detach().double().requires_grad_(True)
+    x64 = x.detach().cpu().double().requires_grad_(True)
     enc = _input(fmt, 7, seed=2) if m.attention_type == "cross" else None
     rope = None
     if use_rope:
@@ -79,7 +80,7 @@ def test_matches_fp64_reference(name):
     P = R.double_params(m)
     ref, _ = R.mha(m, P, x64, encoder_output=enc, rotary_pos_emb=rope)
     assert out.shape == x.shape and out.dtype == torch.float32
-    torch.testing.assert_close(out.double(), ref, **OUT_TOL)
+    torch.testing.assert_close(out.cpu().double(), ref, **OUT_TOL)
     R.grads_close(m, P, x, x64, out, ref, **GRAD_TOL)
 
 
@@ -107,8 +108,8 @@ def test_return_bias_and_layernorm_output():
     P = R.double_params(m)
     ref, ref_ln = R.mha(m, P, x)
     assert bias is m.proj.bias or torch.equal(bias, m.proj.bias)
-    torch.testing.assert_close(out.double(), ref, **OUT_TOL)
-    torch.testing.assert_close(ln_out.double(), ref_ln, **OUT_TOL)
+    torch.testing.assert_close(out.cpu().double(), ref, **OUT_TOL)
+    torch.testing.assert_close(ln_out.cpu().double(), ref_ln, **OUT_TOL)
     # Without input_layernorm there is no norm output to return: (out, bias) only.
     plain = _module(return_bias=True, return_layernorm_output=True)
     assert len(plain(x)) == 2
@@ -120,8 +121,8 @@ def test_thd_packed_matches_each_sequence_alone():
     """thd with cu_seqlens (rotary per sequence): each sequence's rows are the reference's for it alone."""
     m = _module(qkv_format="thd", input_layernorm=True, num_gqa_groups=2, attn_mask_type="padding_causal")
     lens = [5, 9, 3]
-    cu = torch.tensor([0, 5, 14, 17], dtype=torch.int32)
-    x = torch.randn(sum(lens), HIDDEN, generator=torch.Generator().manual_seed(4)).requires_grad_(True)
+    cu = torch.tensor([0, 5, 14, 17], dtype=torch.int32, device=DEVICE)
+    x = torch.randn(sum(lens), HIDDEN, generator=torch.Generator().manual_seed(4)).to(DEVICE).requires_grad_(True)
     rope = RotaryPositionEmbedding(D)(16)
     out = m(x, rotary_pos_emb=rope, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=9, max_seqlen_kv=9)
     P = R.double_params(m)
@@ -131,13 +132,13 @@ def test_thd_packed_matches_each_sequence_alone():
                 for i in range(3)]
     finally:
         m.qkv_format = "thd"
-    torch.testing.assert_close(out.double(), torch.cat(refs), **OUT_TOL)
+    torch.testing.assert_close(out.cpu().double(), torch.cat(refs), **OUT_TOL)
 
 
 def _fwd_bwd(m, x, **kw):
     x = x.clone().requires_grad_(True)
     out = m(x, **kw)
-    out.backward(torch.ones_like(out) * torch.linspace(-1, 1, out.shape[-1]))
+    out.backward(torch.ones_like(out) * torch.linspace(-1, 1, out.shape[-1], device=out.device))
     return [out.detach(), x.grad] + [p.grad.clone() for p in m.parameters()]
 
 
@@ -188,14 +189,15 @@ def test_kv_cache_decode_rows_equal_training_rows(fmt, row_by_row_gemms):
     every output row is bitwise the training forward's row for that token (each sequence alone, causal)."""
     m = _decode_module(fmt)
     lens, prompts, joins = [9, 6], [4, 3], [0, 2]
-    seqs = [torch.randn(n, HIDDEN, generator=torch.Generator().manual_seed(20 + i)) for i, n in enumerate(lens)]
+    seqs = [torch.randn(n, HIDDEN, generator=torch.Generator().manual_seed(20 + i)).to(DEVICE)
+            for i, n in enumerate(lens)]
     rope = RotaryPositionEmbedding(D)(16)
     with torch.no_grad():
         train = [m(s[None] if fmt == "bshd" else s[:, None], rotary_pos_emb=rope, attn_mask_type="causal")
                  if fmt != "thd" else
                  m(s, rotary_pos_emb=rope, attn_mask_type="padding_causal",
-                   cu_seqlens_q=torch.tensor([0, len(s)], dtype=torch.int32),
-                   cu_seqlens_kv=torch.tensor([0, len(s)], dtype=torch.int32), max_seqlen_q=len(s),
+                   cu_seqlens_q=torch.tensor([0, len(s)], dtype=torch.int32, device=DEVICE),
+                   cu_seqlens_kv=torch.tensor([0, len(s)], dtype=torch.int32, device=DEVICE), max_seqlen_q=len(s),
                    max_seqlen_kv=len(s))
                  for s in seqs]
     train = [t.reshape(-1, HIDDEN) for t in train]
@@ -211,7 +213,7 @@ def test_kv_cache_decode_rows_equal_training_rows(fmt, row_by_row_gemms):
                 x = torch.cat([seqs[i][pos[i]:pos[i] + n] for i, n in step.items()])
             else:
                 width = max(step.values())
-                x = torch.zeros(len(step), width, HIDDEN)
+                x = torch.zeros(len(step), width, HIDDEN, device=DEVICE)
                 for b, (i, n) in enumerate(step.items()):
                     x[b, :n] = seqs[i][pos[i]:pos[i] + n]
                 x = x.transpose(0, 1).contiguous() if fmt == "sbhd" else x
@@ -232,21 +234,21 @@ def test_kv_cache_decode_rows_equal_training_rows(fmt, row_by_row_gemms):
 
 def test_refusals_name_the_argument():
     with pytest.raises(NotImplementedError, match="ub_overlap_ag"):
-        MultiheadAttention(HIDDEN, HEADS, ub_overlap_ag=True, device="cpu")
+        MultiheadAttention(HIDDEN, HEADS, ub_overlap_ag=True, device=DEVICE)
     with pytest.raises(NotImplementedError, match="fuse_wgrad_accumulation"):
-        MultiheadAttention(HIDDEN, HEADS, fuse_wgrad_accumulation=True, device="cpu")  # separate Q/K/V parameters
+        MultiheadAttention(HIDDEN, HEADS, fuse_wgrad_accumulation=True, device=DEVICE)  # separate Q/K/V parameters
     with pytest.raises(ValueError, match="attention_type"):
-        MultiheadAttention(HIDDEN, HEADS, attention_type="both", device="cpu")
+        MultiheadAttention(HIDDEN, HEADS, attention_type="both", device=DEVICE)
     with pytest.raises(ValueError, match="num_gqa_groups"):
-        MultiheadAttention(HIDDEN, HEADS, num_gqa_groups=3, device="cpu")
+        MultiheadAttention(HIDDEN, HEADS, num_gqa_groups=3, device=DEVICE)
     with pytest.raises(ValueError, match="qk_norm_type"):
-        MultiheadAttention(HIDDEN, HEADS, qk_norm_type="BatchNorm", device="cpu")
+        MultiheadAttention(HIDDEN, HEADS, qk_norm_type="BatchNorm", device=DEVICE)
     with pytest.raises(ValueError, match="normalization"):
-        MultiheadAttention(HIDDEN, HEADS, normalization="GroupNorm", device="cpu")
+        MultiheadAttention(HIDDEN, HEADS, normalization="GroupNorm", device=DEVICE)
     with pytest.raises(ValueError, match="layer_number"):
-        MultiheadAttention(HIDDEN, HEADS, layer_number=0, device="cpu")
+        MultiheadAttention(HIDDEN, HEADS, layer_number=0, device=DEVICE)
     with pytest.raises(ValueError, match="tp_size"):
-        MultiheadAttention(HIDDEN, HEADS, num_gqa_groups=2, tp_size=4, device="cpu")
+        MultiheadAttention(HIDDEN, HEADS, num_gqa_groups=2, tp_size=4, device=DEVICE)
     cross = _module(attention_type="cross")
     x = _input("sbhd", 4)
     with pytest.raises(ValueError, match="encoder_output"):
@@ -255,4 +257,4 @@ def test_refusals_name_the_argument():
     with pytest.raises(NotImplementedError, match="inference_params"):
         cross(x, encoder_output=x, inference_params=params)
     with pytest.raises(ValueError, match="rotary_pos_emb"):
-        _module()(x, rotary_pos_emb=(torch.zeros(8, 1, 1, D),) * 3)
+        _module()(x, rotary_pos_emb=(torch.zeros(8, 1, 1, D, device=DEVICE),) * 3)

@@ -24,6 +24,7 @@ from transformer_engine.pytorch import (
     CudaRNGStatesTracker, InferenceParams, RotaryPositionEmbedding, TransformerLayer,
 )
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HIDDEN, FFN, HEADS, D = 64, 96, 4, 16
 OUT_TOL = dict(atol=5e-6, rtol=2e-5)
 GRAD_TOL = dict(atol=2e-5, rtol=2e-4)
@@ -34,7 +35,7 @@ def _layer(seed=0, **kw):
     torch.manual_seed(seed)
     kw.setdefault("hidden_dropout", 0.0)
     kw.setdefault("attention_dropout", 0.0)
-    layer = TransformerLayer(HIDDEN, FFN, HEADS, device="cpu", **kw)
+    layer = TransformerLayer(HIDDEN, FFN, HEADS, device=DEVICE, **kw)
     with torch.no_grad():  # non-trivial norms and biases (they start at 1 and 0)
         for p in layer.parameters():
             p.add_(0.1 * torch.randn_like(p))
@@ -43,7 +44,7 @@ def _layer(seed=0, **kw):
 
 def _input(fmt, s, b=2, seed=1):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn((b, s, HIDDEN) if fmt == "bshd" else (s, b, HIDDEN), generator=g)
+    return torch.randn((b, s, HIDDEN) if fmt == "bshd" else (s, b, HIDDEN), generator=g).to(DEVICE)
 
 
 CONFIGS = {
@@ -73,14 +74,14 @@ def test_matches_fp64_reference(name):
     layer = _layer(**kw)
     fmt = layer.attn_input_format
     x = _input(fmt, 10).requires_grad_(True)
-    x64 = x.detach().double().requires_grad_(True)
+    x64 = x.detach().cpu().double().requires_grad_(True)
     enc = _input(fmt, 7, seed=2) if layer.layer_type == "decoder" else None
     rope = RotaryPositionEmbedding(D)(16) if use_rope else None
     out = layer(x, encoder_output=enc, rotary_pos_emb=rope)
     P = R.double_params(layer)
     ref = R.transformer_layer(layer, P, x64, encoder_output=enc, rotary_pos_emb=rope)
     assert out.shape == x.shape
-    torch.testing.assert_close(out.double(), ref, **OUT_TOL)
+    torch.testing.assert_close(out.cpu().double(), ref, **OUT_TOL)
     R.grads_close(layer, P, x, x64, out, ref, **GRAD_TOL)
 
 
@@ -114,7 +115,7 @@ def test_composition_comes_from_layer_structure(monkeypatch):
 def _fwd_bwd(layer, x, **kw):
     x = x.clone().requires_grad_(True)
     out = layer(x, **kw)
-    out.backward(torch.ones_like(out) * torch.linspace(-1, 1, out.shape[-1]))
+    out.backward(torch.ones_like(out) * torch.linspace(-1, 1, out.shape[-1], device=out.device))
     return [out.detach(), x.grad] + [p.grad.clone() for p in layer.parameters()]
 
 
@@ -164,7 +165,8 @@ def test_two_layer_stack_kv_cache_decode_rows_equal_training_rows():
                      attn_input_format="bshd", fuse_qkv_params=True) for i in range(2)]
     rope = RotaryPositionEmbedding(D)(16)
     lens, prompts = [8, 5], [3, 2]
-    seqs = [torch.randn(n, HIDDEN, generator=torch.Generator().manual_seed(30 + i)) for i, n in enumerate(lens)]
+    seqs = [torch.randn(n, HIDDEN, generator=torch.Generator().manual_seed(30 + i)).to(DEVICE)
+            for i, n in enumerate(lens)]
 
     def stack(x, **kw):
         for layer in layers:
@@ -178,7 +180,7 @@ def test_two_layer_stack_kv_cache_decode_rows_equal_training_rows():
         while any(p < n for p, n in zip(pos, lens)):
             step = OrderedDict((i, prompts[i] if pos[i] == 0 else 1) for i in (0, 1) if pos[i] < lens[i])
             params.pre_step(step)
-            x = torch.zeros(len(step), max(step.values()), HIDDEN)
+            x = torch.zeros(len(step), max(step.values()), HIDDEN, device=DEVICE)
             for b, (i, n) in enumerate(step.items()):
                 x[b, :n] = seqs[i][pos[i]:pos[i] + n]
             out = stack(x, inference_params=params)
@@ -198,8 +200,8 @@ def test_thd_packed_rows_equal_each_sequence_alone():
     packed = _layer(attn_input_format="thd", self_attn_mask_type="padding_causal", **kw)
     alone = _layer(attn_input_format="bshd", **kw)
     lens = [5, 9, 3]
-    cu = torch.tensor([0, 5, 14, 17], dtype=torch.int32)
-    x = torch.randn(sum(lens), HIDDEN, generator=torch.Generator().manual_seed(8))
+    cu = torch.tensor([0, 5, 14, 17], dtype=torch.int32, device=DEVICE)
+    x = torch.randn(sum(lens), HIDDEN, generator=torch.Generator().manual_seed(8)).to(DEVICE)
     rope = RotaryPositionEmbedding(D)(16)
     with torch.no_grad(), R.row_by_row_gemms():
         out = packed(x, rotary_pos_emb=rope, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=9, max_seqlen_kv=9)

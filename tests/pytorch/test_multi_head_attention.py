@@ -84,6 +84,25 @@ def test_matches_fp64_reference(name):
     R.grads_close(m, P, x, x64, out, ref, **GRAD_TOL)
 
 
+def test_signature_is_transformer_engines():
+    """TransformerEngine's argument names in its order (positional calls bind the same way)."""
+    import inspect
+
+    init = ("hidden_size num_attention_heads kv_channels attention_dropout layernorm_epsilon init_method "
+            "output_layer_init_method layer_number attn_mask_type window_size bottom_right_diagonal tp_group tp_size "
+            "num_gqa_groups fuse_wgrad_accumulation get_rng_state_tracker sequence_parallel params_dtype return_bias "
+            "return_layernorm_output input_layernorm attention_type set_parallel_mode fuse_qkv_params "
+            "zero_centered_gamma qkv_weight_interleaved rotary_pos_interleaved ub_overlap_ag ub_overlap_rs "
+            "ub_overlap_rs_dgrad ub_bulk_dgrad ub_bulk_wgrad bias normalization device qkv_format name qk_norm_type "
+            "qk_norm_eps qk_norm_before_rope seq_length micro_batch_size softmax_type")
+    forward = ("hidden_states attention_mask encoder_output attn_mask_type window_size bottom_right_diagonal "
+               "is_first_microbatch checkpoint_core_attention inference_params rotary_pos_emb core_attention_bias_type "
+               "core_attention_bias alibi_slopes cu_seqlens_q cu_seqlens_kv cu_seqlens_q_padded cu_seqlens_kv_padded "
+               "max_seqlen_q max_seqlen_kv fast_zero_fill pad_between_seqs")
+    for fn, names in ((MultiheadAttention.__init__, init), (MultiheadAttention.forward, forward)):
+        assert list(inspect.signature(fn).parameters)[1:] == names.split()
+
+
 def test_parameter_names_are_transformer_engines():
     names = lambda m: [n for n, _ in m.named_parameters()]  # noqa: E731
     assert names(_module()) == ["qkv.query_weight", "qkv.query_bias", "qkv.key_weight", "qkv.key_bias",

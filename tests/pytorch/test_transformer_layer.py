@@ -85,6 +85,28 @@ def test_matches_fp64_reference(name):
     R.grads_close(layer, P, x, x64, out, ref, **GRAD_TOL)
 
 
+def test_signature_is_transformer_engines():
+    """TransformerEngine's argument names in its order (positional calls bind the same way)."""
+    import inspect
+
+    init = ("hidden_size ffn_hidden_size num_attention_heads num_gqa_groups layernorm_epsilon hidden_dropout "
+            "attention_dropout init_method output_layer_init_method layer_number kv_channels self_attn_mask_type "
+            "window_size bottom_right_diagonal enc_dec_attn_mask_type enc_dec_bottom_right_diagonal "
+            "enc_dec_window_size tp_group tp_size params_dtype get_rng_state_tracker fuse_wgrad_accumulation "
+            "seq_length micro_batch_size sequence_parallel apply_residual_connection_post_layernorm output_layernorm "
+            "parallel_attention_mlp layer_type drop_path_rate set_parallel_mode fuse_qkv_params "
+            "rotary_pos_interleaved zero_centered_gamma qkv_weight_interleaved ub_tp_comm_overlap ub_overlap_ag "
+            "ub_overlap_rs ub_overlap_rs_dgrad ub_bulk_dgrad ub_bulk_wgrad bias activation activation_params "
+            "normalization device attn_input_format name qk_norm_type qk_norm_eps qk_norm_before_rope softmax_type")
+    forward = ("hidden_states attention_mask self_attn_mask_type window_size bottom_right_diagonal encoder_output "
+               "enc_dec_attn_mask enc_dec_attn_mask_type enc_dec_window_size enc_dec_bottom_right_diagonal "
+               "is_first_microbatch checkpoint_core_attention inference_params rotary_pos_emb core_attention_bias_type "
+               "core_attention_bias alibi_slopes cu_seqlens_q cu_seqlens_kv cu_seqlens_q_padded cu_seqlens_kv_padded "
+               "max_seqlen_q max_seqlen_kv fast_zero_fill pad_between_seqs")
+    for fn, names in ((TransformerLayer.__init__, init), (TransformerLayer.forward, forward)):
+        assert list(inspect.signature(fn).parameters)[1:] == names.split()
+
+
 def test_parameter_names_are_transformer_engines():
     names = [n for n, _ in _layer(layer_type="decoder", output_layernorm=True, fuse_qkv_params=True).named_parameters()]
     assert names == [

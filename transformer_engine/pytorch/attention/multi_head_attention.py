@@ -43,6 +43,7 @@ from transformer_engine.pytorch.module.base import check_normalization, resolve_
 from transformer_engine.pytorch.module.layernorm import LayerNorm, RMSNorm
 from transformer_engine.pytorch.module.layernorm_linear import LayerNormLinear
 from transformer_engine.pytorch.module.linear import Linear
+from transformer_engine.pytorch.ops.basic.l2normalization import L2Normalization
 
 __all__ = ["MultiheadAttention"]
 
@@ -60,21 +61,6 @@ def _refuse_ub(owner: str, **flags: bool) -> None:
         if value:
             raise NotImplementedError(f"{owner}: `{name}=True` (userbuffer communication overlap) is not "
                                       "implemented; collectives run through torch.distributed")
-
-
-class L2Normalization(torch.nn.Module):
-    """``x / sqrt(sum(x^2) + eps)`` over the last dim, in fp32 (fp64 for fp64 input), returned in x's dtype
-    (the parameter-free ``qk_norm_type="L2Normalization"``)."""
-
-    def __init__(self, eps: float = 1e-6) -> None:
-        super().__init__()
-        if not float(eps) > 0:
-            raise ValueError(f"`qk_norm_eps` must be positive, got {eps!r}")
-        self.eps = float(eps)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        return (xf * torch.rsqrt(xf.pow(2).sum(dim=-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 class MultiheadAttention(torch.nn.Module):
@@ -214,7 +200,8 @@ class MultiheadAttention(torch.nn.Module):
         # Registered first, as TransformerEngine registers them (the state dict's order).
         if qk_norm_type == "L2Normalization":
             # Parameter-free: one instance serves both, as in TransformerEngine.
-            self.q_norm = self.k_norm = L2Normalization(qk_norm_eps)
+            self.q_norm = self.k_norm = L2Normalization(eps=qk_norm_eps, seq_length=seq_length,
+                                                        micro_batch_size=micro_batch_size)
         elif qk_norm_type is not None:
             cls = RMSNorm if qk_norm_type == "RMSNorm" else LayerNorm
             self.q_norm, self.k_norm = (cls(kv_channels, eps=qk_norm_eps, device=device, params_dtype=params_dtype)

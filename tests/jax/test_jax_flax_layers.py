@@ -612,3 +612,16 @@ def test_mha_transpose_batch_sequence_none_warns_and_reads_false():
     with pytest.warns(UserWarning, match="transpose_batch_sequence"):
         params = _params(MultiHeadAttention(8, 4), x, x, deterministic=True)
     assert params["qkv"]["kernel"].shape == (HID, 3, HID)
+
+
+def test_transformer_layer_bfloat16_inputs_keep_their_dtype_and_track_float32():
+    cfg = LAYER_CASES["decoder"]
+    m = _layer(cfg)
+    x, enc = _x(), _x(3, (B, 12, HID))
+    params = _params(m, x, enc, deterministic=True, scale=0.2)
+    run = jax.jit(lambda p, x, e: m.apply({"params": p}, x, e, deterministic=True))
+    out32 = run(params, x, enc)
+    out16 = run(params, x.astype(jnp.bfloat16), enc.astype(jnp.bfloat16))
+    assert out16.dtype == jnp.bfloat16 and out32.dtype == jnp.float32
+    err = float(jnp.max(jnp.abs(out16.astype(jnp.float32) - out32))) / float(jnp.max(jnp.abs(out32)))
+    assert 0.0 < err < 0.05, err  # bfloat16's 8 bits of mantissa through a layer: about 1e-2

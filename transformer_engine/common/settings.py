@@ -120,6 +120,11 @@ _DECLARED = (
         "NVTE_ALLOW_NONDETERMINISTIC_ALGO", "bool", True,
         "0 makes attention backward passes bitwise deterministic (fused kernels stay selected).",
     ),
+    EnvVar(
+        "NVTE_BATCH_INVARIANT", "bool", False,
+        "1 runs the modules' GEMMs and norms on batch-invariant kernels: a row's outputs and input gradients get "
+        "the same bits in any batch.",
+    ),
     EnvVar("NVTE_FUSED_ATTN", "bool", True, "0 disables the Triton fused attention backend."),
     EnvVar("NVTE_FLASH_ATTN", "bool", True, "0 disables the flash-attn-4 backend (PyTorch)."),
     EnvVar("NVTE_UNFUSED_ATTN", "bool", True, "0 disables the unfused (framework math) attention backend."),

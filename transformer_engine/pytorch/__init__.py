@@ -18,6 +18,7 @@ from transformer_engine.pytorch.attention import (  # noqa: E402,F401
     RotaryPositionEmbedding,
 )
 from transformer_engine.pytorch import distributed, fp8, router  # noqa: E402,F401
+from transformer_engine.pytorch.batch_invariance import batch_invariant, is_batch_invariant  # noqa: E402,F401
 from transformer_engine.pytorch.distributed import CudaRNGStatesTracker, checkpoint  # noqa: E402,F401
 from transformer_engine.pytorch.fp8 import (  # noqa: E402,F401
     FP8GlobalStateManager,

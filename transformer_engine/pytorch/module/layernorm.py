@@ -12,14 +12,18 @@ from typing import Iterable, Optional, Union
 
 import torch
 
+from transformer_engine.pytorch.batch_invariance import bi_norm, is_batch_invariant
 from transformer_engine.pytorch.module.base import check_normalization, resolve_device, resolve_dtype
 
 
 def apply_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
                normalization: str, zero_centered_gamma: bool) -> torch.Tensor:
-    """Normalize over the last dim in fp32 (fp64 for fp64 input), scale (and shift for LayerNorm), cast back to x's dtype."""
+    """Normalize over the last dim in fp32 (fp64 for fp64 input), scale (and shift for LayerNorm), cast back to x's dtype.
+    In batch-invariant mode, on the batch-invariant row kernels (float32 inside)."""
     if x.shape[-1] != weight.shape[0]:
         raise ValueError(f"input's last dim must be the normalized size {weight.shape[0]}, got shape {tuple(x.shape)}")
+    if is_batch_invariant():
+        return bi_norm(x, weight, bias, eps, normalization, zero_centered_gamma)
     compute = torch.promote_types(x.dtype, torch.float32)  # fp32 for 16-bit inputs, fp64 stays fp64
     xf = x.to(compute)
     if normalization == "LayerNorm":

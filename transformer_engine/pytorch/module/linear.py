@@ -11,6 +11,10 @@ wgrad GEMMs run in FP8 under the recipe (``transformer_engine.pytorch.quantizati
 collectives and the bias stay in the activation dtype); ``is_first_microbatch=True`` quantizes the
 weight and caches it for the calls with ``False``.
 
+In batch-invariant mode (``NVTE_BATCH_INVARIANT=1`` or ``transformer_engine.pytorch.batch_invariant()``) the
+GEMMs run on the batch-invariant kernel: a row of the output and of the input gradient does not depend on the
+other rows (``transformer_engine.pytorch.batch_invariant``).
+
 ``fuse_wgrad_accumulation=True`` (Megatron's gradient-accumulation fusion): the backward adds the
 weight gradient, computed in fp32, to ``weight.main_grad`` in place (it overwrites it instead on
 ``is_first_microbatch=True`` or when ``weight.overwrite_main_grad`` is set) and gives autograd no
@@ -25,6 +29,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from transformer_engine.pytorch.batch_invariance import bi_linear, check_no_fp8, is_batch_invariant
 from transformer_engine.pytorch.module import _parallel
 from transformer_engine.pytorch.quantization_linear import accumulate_into_main_grad, fp8_linear
 from transformer_engine.pytorch.module.base import (
@@ -79,7 +84,14 @@ def parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
         raise ValueError(f"input's last dim must be in_features={weight.shape[1]} (this rank's), got shape {tuple(x.shape)}")
     if parallel_mode == "column":
         x = _parallel.column_input(x, group, sequence_parallel)
-    if fp8_plan is not None and fp8_plan.enabled:
+    if is_batch_invariant():
+        if fp8_plan is not None and fp8_plan.enabled:
+            check_no_fp8("Linear")
+        if fp8_plan is not None:
+            fp8_plan.calibrate(x, weight)
+        fuse = fuse_wgrad_accumulation and weight.requires_grad and torch.is_grad_enabled()
+        out = bi_linear(x, weight, bool(is_first_microbatch) if fuse else None)
+    elif fp8_plan is not None and fp8_plan.enabled:
         out = fp8_linear(x, weight, fp8_plan, is_first_microbatch, fuse_wgrad_accumulation)
     elif fuse_wgrad_accumulation and weight.requires_grad and torch.is_grad_enabled():
         if fp8_plan is not None:

@@ -1,0 +1,119 @@
+"""Triton kernels of the batch-invariant mode: a GEMM without split-K and the LayerNorm / RMSNorm rows.
+
+Every program reduces in a fixed order set by its constexpr tiles (plan.py), and one output row is computed
+by programs that see that row and the other operand only: a row's bits do not depend on how many rows there
+are. Accumulation is float32.
+"""
+
+import triton
+import triton.language as tl
+
+from transformer_engine.common.attention.kernels.triton_compat import settle_cache_keys
+
+
+@triton.jit
+def bi_gemm_kernel(A, B, C, M, N, K,
+                   stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``C = A @ B``: one program per (BLOCK_M, BLOCK_N) tile, K in BLOCK_K steps from 0 upwards."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        a = tl.load(A + offs_m[:, None].to(tl.int64) * stride_am + k[None, :] * stride_ak,
+                    mask=(offs_m[:, None] < M) & (k[None, :] < K), other=0.0)
+        b = tl.load(B + k[:, None].to(tl.int64) * stride_bk + offs_n[None, :] * stride_bn,
+                    mask=(k[:, None] < K) & (offs_n[None, :] < N), other=0.0)
+        acc = tl.dot(a, b, acc, input_precision="ieee")  # float32 stays float32 (no TF32)
+    tl.store(C + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn,
+             acc.to(C.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit
+def bi_norm_fwd_kernel(X, W, Bias, Y, Mean, Rstd, R, H, stride_x, stride_y, eps,
+                       IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """BLOCK_R rows, each reduced alone along the hidden dim (chunks of BLOCK_H from 0 upwards): the mean
+    (LayerNorm) and 1/sqrt(variance + eps), then ``(x - mean) * rstd * w (+ b)``."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    rows64 = rows.to(tl.int64)
+    offs = tl.arange(0, BLOCK_H)
+    mean = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    if not IS_RMS:
+        total = tl.zeros((BLOCK_R, BLOCK_H), dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            mask = row_ok[:, None] & (h0 + offs[None, :] < H)
+            total += tl.load(X + rows64[:, None] * stride_x + h0 + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+        mean = tl.sum(total, axis=1) / H
+    sq = tl.zeros((BLOCK_R, BLOCK_H), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        mask = row_ok[:, None] & (h0 + offs[None, :] < H)
+        x = tl.load(X + rows64[:, None] * stride_x + h0 + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        sq += xc * xc
+    rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / H + eps)
+    tl.store(Mean + rows, mean, mask=row_ok)
+    tl.store(Rstd + rows, rstd, mask=row_ok)
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + offs
+        mask = row_ok[:, None] & (cols[None, :] < H)
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(W + cols, mask=cols < H, other=0.0).to(tl.float32)
+        if ZERO_CENTERED:
+            w = w + 1.0
+        y = (x - mean[:, None]) * rstd[:, None] * w[None, :]
+        if HAS_BIAS:
+            y += tl.load(Bias + cols, mask=cols < H, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + rows64[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def bi_norm_bwd_kernel(X, W, DY, DX, Mean, Rstd, R, H, stride_x, stride_dy, stride_dx,
+                       IS_RMS: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_H: tl.constexpr):
+    """BLOCK_R rows of the input gradient, each alone: ``rstd * (g - xhat * mean(g * xhat) - mean(g))`` with
+    ``g = dy * w`` (the ``mean(g)`` term for LayerNorm only)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    rows64 = rows.to(tl.int64)
+    offs = tl.arange(0, BLOCK_H)
+    mean = tl.load(Mean + rows, mask=row_ok, other=0.0)
+    rstd = tl.load(Rstd + rows, mask=row_ok, other=0.0)
+    sum_gx = tl.zeros((BLOCK_R, BLOCK_H), dtype=tl.float32)
+    sum_g = tl.zeros((BLOCK_R, BLOCK_H), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + offs
+        mask = row_ok[:, None] & (cols[None, :] < H)
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(W + cols, mask=cols < H, other=0.0).to(tl.float32)
+        if ZERO_CENTERED:
+            w = w + 1.0
+        g = tl.where(mask, dy * w[None, :], 0.0)
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        sum_gx += g * xhat
+        sum_g += g
+    c1 = tl.sum(sum_gx, axis=1) / H
+    c2 = tl.sum(sum_g, axis=1) / H
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + offs
+        mask = row_ok[:, None] & (cols[None, :] < H)
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(W + cols, mask=cols < H, other=0.0).to(tl.float32)
+        if ZERO_CENTERED:
+            w = w + 1.0
+        xhat = (x - mean[:, None]) * rstd[:, None]
+        dx = dy * w[None, :] - xhat * c1[:, None]
+        if not IS_RMS:
+            dx -= c2[:, None]
+        tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], (dx * rstd[:, None]).to(DX.dtype.element_ty),
+                 mask=mask)
+
+
+settle_cache_keys(globals())

@@ -1,0 +1,191 @@
+"""Batch-invariant mode for the PyTorch modules: GEMMs and norms whose rows do not depend on the batch.
+
+With ``NVTE_BATCH_INVARIANT=1`` (read at each call), or inside ``with batch_invariant():``, the GEMMs of
+``Linear``, ``LayerNormLinear`` and ``LayerNormMLP`` (forward, dgrad and wgrad) and the norms of ``LayerNorm``,
+``RMSNorm`` and the fused norm modules run on the Triton kernels of
+``transformer_engine.common.batch_invariant``: a row of an output or of an input gradient gets the same bits
+whether it is computed alone, in a batch of 7 or in a batch of 1024, padded or packed. cuBLAS and the
+framework's norms choose their algorithm, tiling and split-K by the row count, so by default a sequence's
+logits depend on what else is in the batch. Weight gradients sum over the rows and so depend on the batch by
+definition; they are deterministic (a fixed order for a given shape).
+
+The kernels run on CUDA, and on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``); elsewhere the
+mode raises rather than run a GEMM that is not batch-invariant. FP8 GEMMs are refused in this mode (their
+per-tensor scales come from the whole batch's amax).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator, Optional
+
+import torch
+
+from transformer_engine.common import settings
+from transformer_engine.common.batch_invariant.plan import gemm_tiles, norm_tiles
+
+__all__ = ["batch_invariant", "is_batch_invariant", "bi_linear", "bi_norm"]
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def batch_invariant(enabled: bool = True) -> Iterator[None]:
+    """Turn the batch-invariant mode on (or off, with ``enabled=False``) for the calls inside, whatever
+    ``NVTE_BATCH_INVARIANT`` says. Nestable; per thread."""
+    if not isinstance(enabled, bool):
+        raise ValueError(f"`enabled` must be a bool, got {enabled!r}")
+    stack = _local.__dict__.setdefault("stack", [])
+    stack.append(enabled)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def is_batch_invariant() -> bool:
+    """Whether a GEMM or norm called now runs in batch-invariant mode (the innermost ``batch_invariant``
+    context, else ``NVTE_BATCH_INVARIANT``)."""
+    stack = _local.__dict__.get("stack")
+    if stack:
+        return stack[-1]
+    return settings.get("NVTE_BATCH_INVARIANT")
+
+
+def _check_device(t: torch.Tensor, what: str) -> None:
+    from transformer_engine.pytorch.attention.config import triton_interpreting
+
+    if t.device.type == "cuda" or (t.device.type == "cpu" and triton_interpreting()):
+        return
+    raise NotImplementedError(
+        f"batch-invariant mode: {what} on device {t.device} needs CUDA, or the CPU under Triton's interpreter "
+        "(TRITON_INTERPRET=1); unset NVTE_BATCH_INVARIANT (or leave the batch_invariant() context) to run it "
+        "on the framework's own kernels")
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` (2-D, any strides) on the batch-invariant kernel, float32 accumulation."""
+    from transformer_engine.common.batch_invariant.kernels import bi_gemm_kernel
+
+    m, k = a.shape
+    n = b.shape[1]
+    c = torch.empty((m, n), device=a.device, dtype=out_dtype)
+    if m == 0 or n == 0:
+        return c
+    if k == 0:
+        return c.zero_()
+    tiles = gemm_tiles(n, k, str(a.dtype).replace("torch.", ""), a.device.type)
+    grid = (triton_cdiv(m, tiles.BLOCK_M), triton_cdiv(n, tiles.BLOCK_N))
+    with torch.cuda.device(a.device) if a.device.type == "cuda" else contextlib.nullcontext():
+        bi_gemm_kernel[grid](a, b, c, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0),
+                             c.stride(1), BLOCK_M=tiles.BLOCK_M, BLOCK_N=tiles.BLOCK_N, BLOCK_K=tiles.BLOCK_K,
+                             num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return c
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+class _BatchInvariantLinear(torch.autograd.Function):
+    """``x W^T`` with its forward, dgrad and wgrad on the batch-invariant GEMM."""
+
+    @staticmethod
+    def forward(ctx, x2d, weight, main_grad_overwrite):
+        w = weight if weight.dtype == x2d.dtype else weight.to(x2d.dtype)
+        ctx.save_for_backward(x2d, weight)
+        ctx.main_grad_overwrite = main_grad_overwrite
+        return _gemm(x2d, w.t(), x2d.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x2d, weight = ctx.saved_tensors
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            w = weight if weight.dtype == grad_out.dtype else weight.to(grad_out.dtype)
+            grad_x = _gemm(grad_out, w, grad_out.dtype)
+        if ctx.needs_input_grad[1]:
+            if ctx.main_grad_overwrite is not None:  # Megatron's wgrad fusion into main_grad
+                from transformer_engine.pytorch.quantization_linear import accumulate_into_main_grad
+
+                main_grad = getattr(weight, "main_grad", None)
+                dtype = main_grad.dtype if main_grad is not None else torch.float32
+                wgrad = _gemm(grad_out.t().to(dtype), x2d.to(dtype), dtype)
+                grad_w = accumulate_into_main_grad(weight, wgrad, ctx.main_grad_overwrite)
+            else:
+                grad_w = _gemm(grad_out.t(), x2d, weight.dtype)
+        return grad_x, grad_w, None
+
+
+def bi_linear(x: torch.Tensor, weight: torch.Tensor, main_grad_overwrite: Optional[bool] = None) -> torch.Tensor:
+    """``x W^T`` over the last dim of ``x``, batch-invariant. ``main_grad_overwrite`` (None: off) accumulates
+    (False) or writes (True) the weight gradient into ``weight.main_grad`` as ``fuse_wgrad_accumulation`` does."""
+    _check_device(x, "a GEMM")
+    lead = x.shape[:-1]
+    out = _BatchInvariantLinear.apply(x.reshape(-1, x.shape[-1]), weight, main_grad_overwrite)
+    return out.reshape(*lead, weight.shape[0])
+
+
+class _BatchInvariantNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, weight, bias, eps, is_rms, zero_centered):
+        from transformer_engine.common.batch_invariant.kernels import bi_norm_fwd_kernel
+
+        rows, hidden = x2d.shape
+        tiles = norm_tiles(hidden, x2d.device.type)
+        y = torch.empty_like(x2d)
+        mean = torch.empty(rows, device=x2d.device, dtype=torch.float32)
+        rstd = torch.empty(rows, device=x2d.device, dtype=torch.float32)
+        if rows:
+            with torch.cuda.device(x2d.device) if x2d.device.type == "cuda" else contextlib.nullcontext():
+                bi_norm_fwd_kernel[(triton_cdiv(rows, tiles.BLOCK_R),)](
+                    x2d, weight, bias if bias is not None else weight, y, mean, rstd, rows, hidden, x2d.stride(0),
+                    y.stride(0), eps, IS_RMS=is_rms, HAS_BIAS=bias is not None, ZERO_CENTERED=zero_centered,
+                    BLOCK_R=tiles.BLOCK_R, BLOCK_H=tiles.BLOCK_H, num_warps=tiles.num_warps)
+        ctx.save_for_backward(x2d, weight, mean, rstd)
+        ctx.flags = (is_rms, zero_centered, bias is not None)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        from transformer_engine.common.batch_invariant.kernels import bi_norm_bwd_kernel
+
+        x2d, weight, mean, rstd = ctx.saved_tensors
+        is_rms, zero_centered, has_bias = ctx.flags
+        dy = dy.contiguous()
+        rows, hidden = x2d.shape
+        dx = torch.empty_like(x2d)
+        if rows:
+            tiles = norm_tiles(hidden, x2d.device.type)
+            with torch.cuda.device(x2d.device) if x2d.device.type == "cuda" else contextlib.nullcontext():
+                bi_norm_bwd_kernel[(triton_cdiv(rows, tiles.BLOCK_R),)](
+                    x2d, weight, dy, dx, mean, rstd, rows, hidden, x2d.stride(0), dy.stride(0), dx.stride(0),
+                    IS_RMS=is_rms, ZERO_CENTERED=zero_centered, BLOCK_R=tiles.BLOCK_R, BLOCK_H=tiles.BLOCK_H,
+                    num_warps=tiles.num_warps)
+        # Parameter gradients sum over the rows (they depend on the batch by definition): float32 sums in
+        # torch's fixed order for the shape.
+        xhat = (x2d.float() - mean[:, None]) * rstd[:, None]
+        dyf = dy.float()
+        grad_w = (dyf * xhat).sum(dim=0).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_b = dyf.sum(dim=0).to(weight.dtype) if has_bias and ctx.needs_input_grad[2] else None
+        return dx, grad_w, grad_b, None, None, None
+
+
+def bi_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, normalization: str,
+            zero_centered_gamma: bool) -> torch.Tensor:
+    """LayerNorm / RMSNorm over the last dim of ``x``, batch-invariant (float32 inside, ``x``'s dtype out)."""
+    _check_device(x, "a norm")
+    shape = x.shape
+    x2d = x.reshape(-1, shape[-1]).contiguous()
+    y = _BatchInvariantNorm.apply(x2d, weight.contiguous(), None if bias is None else bias.contiguous(), float(eps),
+                                  normalization == "RMSNorm", bool(zero_centered_gamma))
+    return y.reshape(shape)
+
+
+def check_no_fp8(owner: str) -> None:
+    """Batch-invariant mode refuses FP8 GEMMs: a per-tensor scale is the whole batch's amax."""
+    raise NotImplementedError(
+        f"{owner}: FP8 GEMMs in batch-invariant mode are not implemented (current and delayed scaling take "
+        "their scales from the whole batch's amax, so a row's FP8 value depends on the batch); leave the FP8 "
+        "autocast or the batch-invariant mode")

@@ -200,8 +200,8 @@ def ref_buckets(sq, sk, num_buckets, max_distance, bidirectional):
             if n < exact:
                 ret += n
             else:
-                large = exact + int(math.log(n / exact + float(np.finfo(np.float32).eps)) / math.log(max_distance / exact)
-                                    * (nb - exact))
+                eps = float(np.finfo(np.float32).eps)
+                large = exact + int(math.log(n / exact + eps) / math.log(max_distance / exact) * (nb - exact))
                 ret += min(large, nb - 1)
             out[i, j] = ret
     return out
@@ -265,7 +265,8 @@ ACTIVATIONS = [
     (("silu", "linear"), ("silu", "linear")), (("relu",), ("relu",)), (("relu", "linear"), ("relu", "linear")),
     (("quick_gelu",), ("quick_gelu",)), (("quick_gelu", "linear"), ("quick_gelu", "linear")),
     (("squared_relu",), ("squared_relu",)), (("squared_relu", "linear"), ("squared_relu", "linear")),
-    (("sigmoid", "linear"), ("sigmoid", "linear")), (("clamped_silu", "clamped_linear"), ("clamped_silu", "clamped_linear")),
+    (("sigmoid", "linear"), ("sigmoid", "linear")),
+    (("clamped_silu", "clamped_linear"), ("clamped_silu", "clamped_linear")),
     (("linear", "GELU"), ("gelu", "linear")),  # a leading 'linear' moves last; names in any case
     (("gelu", "tanh"), ("gelu", "tanh")),  # outside the fused table: the product of jax.nn functions
 ]
@@ -384,8 +385,10 @@ def test_multi_head_attention_self_attention_matches_reference(case):
     m = MultiHeadAttention(head_dim=8, num_attention_heads=cfg["heads"], num_gqa_groups=cfg["groups"],
                            fuse_qkv_params=cfg["fuse"], transpose_batch_sequence=False,
                            attn_mask_type=cfg.get("mask_type", "causal"), window_size=cfg.get("window"),
-                           enable_rotary_pos_emb="rotary" in cfg, rotary_pos_emb_group_method=cfg.get("rotary", "consecutive"),
-                           scale_attn_logits=cfg.get("scale_attn_logits", False), layernorm_type=cfg.get("kind", "layernorm"),
+                           enable_rotary_pos_emb="rotary" in cfg,
+                           rotary_pos_emb_group_method=cfg.get("rotary", "consecutive"),
+                           scale_attn_logits=cfg.get("scale_attn_logits", False),
+                           layernorm_type=cfg.get("kind", "layernorm"),
                            return_layernorm_output=True)
     x = _x()
     params = _params(m, x, x, deterministic=True, scale=0.2)

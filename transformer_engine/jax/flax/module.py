@@ -738,8 +738,9 @@ class LayerNormMLP(TransformerEngineBase):
         unknown = sorted(set(self.activation_params or {}) - set(_CLAMPED_SWIGLU_DEFAULTS))
         if unknown:
             raise ValueError(f"`activation_params` must only hold {', '.join(_CLAMPED_SWIGLU_DEFAULTS)}, got {unknown}")
-        ffn1_quantizer_set = self.generate_quantizer_set("_0", quantization_checkpoint_name=self.quantization_checkpoint_name)
-        ffn2_quantizer_set = self.generate_quantizer_set("_1", quantization_checkpoint_name=self.quantization_checkpoint_name)
+        ckpt = self.quantization_checkpoint_name
+        ffn1_quantizer_set = self.generate_quantizer_set("_0", quantization_checkpoint_name=ckpt)
+        ffn2_quantizer_set = self.generate_quantizer_set("_1", quantization_checkpoint_name=ckpt)
         input_dtype = inputs.dtype
         hidden = inputs.shape[-1]
         kernel_init = _kernel_init(self.kernel_init, self.dtype)

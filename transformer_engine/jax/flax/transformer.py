@@ -25,7 +25,7 @@ from transformer_engine.common.modules import LayerStructure
 from transformer_engine.jax.enums import AttnBiasType, AttnMaskType, AttnSoftmaxType, QKVLayout
 from transformer_engine.jax.flax.module import (DenseGeneral, DotProductAttention, LayerNorm, LayerNormDenseGeneral,
                                                 LayerNormMLP, canonicalize_norm_type)
-from transformer_engine.jax.sharding import (BATCH_AXES, HEAD_AXES, HIDDEN_AXES, HIDDEN_TP_AXES, JOINED_AXES,
+from transformer_engine.jax.sharding import (BATCH_AXES, HEAD_AXES, HIDDEN_AXES, HIDDEN_TP_AXES,
                                              SEQLEN_AXES, SEQLEN_TP_AXES, W_FSDP_AXES, W_JOINED_AXES,
                                              W_NO_SHARD_AXES, W_TP_AXES, get_sharding_map_logic_axis_to_mesh_axis)
 from transformer_engine.jax.sharding import with_sharding_constraint_by_logical_axes as _constrain
@@ -265,15 +265,17 @@ class MultiHeadAttention(nn.Module):  # pylint: disable=too-few-public-methods
             if is_self_attn:
                 inputs_kv = ln_out
             if self.fuse_qkv_params:
-                kv = DenseGeneral(axis=-1, features=(2, kv_heads * d), kernel_axes=(W_FSDP_AXES, W_JOINED_AXES, W_TP_AXES),
-                                  kernel_init=stacked_init, use_bias=self.use_bias, bias_init=self.bias_init,
+                kv = DenseGeneral(axis=-1, features=(2, kv_heads * d),
+                                  kernel_axes=(W_FSDP_AXES, W_JOINED_AXES, W_TP_AXES), kernel_init=stacked_init,
+                                  use_bias=self.use_bias, bias_init=self.bias_init,
                                   bias_axes=(W_JOINED_AXES, W_TP_AXES), transpose_batch_sequence=tbs, name="kv",
                                   dtype=self.dtype)(inputs_kv)
                 kv = checkpoint_name(kv, "combined_kv_proj")
                 k, v = kv[..., 0, :], kv[..., 1, :]
             else:
-                proj = functools.partial(DenseGeneral, axis=-1, features=kv_heads * d, kernel_axes=(W_FSDP_AXES, W_TP_AXES),
-                                         kernel_init=kernel_init, use_bias=self.use_bias, bias_init=self.bias_init,
+                proj = functools.partial(DenseGeneral, axis=-1, features=kv_heads * d,
+                                         kernel_axes=(W_FSDP_AXES, W_TP_AXES), kernel_init=kernel_init,
+                                         use_bias=self.use_bias, bias_init=self.bias_init,
                                          bias_axes=(W_TP_AXES,), transpose_batch_sequence=tbs, dtype=self.dtype)
                 k, v = proj(name="key")(inputs_kv), proj(name="value")(inputs_kv)
                 q, k, v = (checkpoint_name(t, n) for t, n in ((q, "query_proj"), (k, "key_proj"), (v, "value_proj")))

@@ -754,9 +754,13 @@ class LayerNormMLP(TransformerEngineBase):
         ln_output = y if self.return_layernorm_output else None
 
         def wi_init(key, num_kernels, each_shape, dtype):
-            # One kernel per activation, each from its own key, stacked on the activation axis.
-            keys = jax.random.split(key, num_kernels + 1)[1:]
-            return jnp.stack([kernel_init(k, each_shape, dtype) for k in keys], axis=-2).astype(dtype)
+            # One kernel per activation, stacked on the activation axis; each from a key split off in turn
+            # (TransformerEngine-JAX's sequence, so that a seed gives its initial values).
+            kernels = []
+            for _ in range(num_kernels):
+                key, sub = jax.random.split(key)
+                kernels.append(kernel_init(sub, each_shape, dtype))
+            return jnp.stack(kernels, axis=-2).astype(dtype)
 
         num_acts = len(acts)
         wi_kernel = self.param("wi_kernel", nn.with_logical_partitioning(wi_init, self.kernel_axes_1), num_acts,

@@ -13,6 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.ad_checkpoint import checkpoint_name
+
+from transformer_engine.common import modules as _modules
 from transformer_engine.common import recipe as _common_recipe
 from transformer_engine.common.attention import enums as _common
 from transformer_engine.common.attention.backends import fallback_message
@@ -21,6 +24,8 @@ from transformer_engine.jax import attention as _attention
 from transformer_engine.jax.attention import SequenceDescriptor
 from transformer_engine.jax.inference import KVCache, kv_cache_attention
 from transformer_engine.jax import quantize as _quantize
+from transformer_engine.jax.dense import dense as _dense
+from transformer_engine.jax.sharding import with_sharding_constraint_by_logical_axes as _constrain
 from transformer_engine.jax.enums import (AttnBiasType, AttnMaskType, AttnSoftmaxType, CPStrategy, QKVLayout,
                                           canonicalize_attn_mask_type, to_common)
 
@@ -447,15 +452,13 @@ def _dense_call(inputs: jax.Array, kernel: jax.Array, axis: Tuple[int, ...],
     """``inputs`` contracted over ``axis`` with the kernel's leading dims through
     :func:`transformer_engine.jax.dense.dense` (which contracts trailing dims: other axes are moved
     last first, which leaves the output's order that of ``dot_general``)."""
-    from transformer_engine.jax.dense import dense  # dense does not import Flax; this module does
-
     trailing = tuple(range(inputs.ndim - len(axis), inputs.ndim))
     if axis != trailing:
         inputs = jnp.moveaxis(inputs, axis, trailing)
         input_axes = None  # the given axes name the input's original order
     if quantizer_set.is_noop:
         kernel = kernel.astype(inputs.dtype)
-    return dense(inputs, kernel, contracting_dims=(trailing, tuple(range(len(axis)))),
+    return _dense(inputs, kernel, contracting_dims=(trailing, tuple(range(len(axis)))),
                  transpose_batch_sequence=transpose_batch_sequence, input_axes=input_axes or None,
                  kernel_axes=kernel_axes or None, quantizer_set=quantizer_set)
 
@@ -580,14 +583,12 @@ class LayerNormDenseGeneral(TransformerEngineBase):
 
     @nn.compact
     def __call__(self, inputs: jax.Array) -> Tuple[jax.Array, Optional[jax.Array]]:
-        from transformer_engine.jax.sharding import with_sharding_constraint_by_logical_axes as constrain
-
         _refuse_lora(self.enable_low_rank_adaptation)
         _refuse_other_axis(self.axis)
         quantizer_set = self.generate_quantizer_set(quantization_checkpoint_name=self.quantization_checkpoint_name)
         y = inputs
         if self.enable_layernorm:
-            inputs = constrain(inputs, self.layernorm_input_axes)
+            inputs = _constrain(inputs, self.layernorm_input_axes)
             scale, ln_bias = _norm_params(self, self.layernorm_type, inputs.shape[-1],
                                           _scale_init(self.scale_init, self.zero_centered_gamma), self.scale_axes,
                                           self.ln_bias_init, self.ln_bias_axes, inputs.dtype, self.dtype)
@@ -597,7 +598,7 @@ class LayerNormDenseGeneral(TransformerEngineBase):
         kernel_shape = (inputs.shape[-1],) + features
         kernel = self.param("kernel", nn.with_logical_partitioning(_kernel_init(self.kernel_init, self.dtype),
                                                                    self.kernel_axes), kernel_shape, self.dtype)
-        y = constrain(y, self.dot_input_axes)
+        y = _constrain(y, self.dot_input_axes)
         z = _dense_call(y, kernel, (y.ndim - 1,), quantizer_set, self.dot_input_axes, self.kernel_axes,
                         self.transpose_batch_sequence)
         if self.use_bias:
@@ -651,8 +652,6 @@ def mlp_activation(x: jax.Array, activations, activation_params: Optional[Mappin
     :mod:`transformer_engine.common.modules` ('gelu' is the tanh approximation, as TransformerEngine's
     kernels and ``jax.nn.gelu``'s default compute it), in float32; any other tuple is the product of its
     factors (:func:`_activation_fn`), in the input's dtype, as TransformerEngine-JAX's fallback."""
-    from transformer_engine.common import modules as _modules
-
     acts = _normalized_activations(activations)
     if x.shape[-2] != len(acts):
         raise ValueError(f"FC1's output must have {len(acts)} activation rows on axis -2, got shape {x.shape}")
@@ -729,9 +728,6 @@ class LayerNormMLP(TransformerEngineBase):
 
     @nn.compact
     def __call__(self, inputs: jax.Array, deterministic: bool = False) -> Tuple[jax.Array, Optional[jax.Array]]:
-        from jax.ad_checkpoint import checkpoint_name
-        from transformer_engine.jax.sharding import with_sharding_constraint_by_logical_axes as constrain
-
         _refuse_lora(self.enable_low_rank_adaptation)
         _refuse_other_axis(self.axis)
         acts = _normalized_activations(self.activations)
@@ -746,7 +742,7 @@ class LayerNormMLP(TransformerEngineBase):
         kernel_init = _kernel_init(self.kernel_init, self.dtype)
         y = inputs
         if self.enable_layernorm:
-            inputs = constrain(inputs, self.layernorm_input_axes)
+            inputs = _constrain(inputs, self.layernorm_input_axes)
             scale, ln_bias = _norm_params(self, self.layernorm_type, hidden,
                                           _scale_init(self.scale_init, self.zero_centered_gamma), self.scale_axes,
                                           self.ln_bias_init, self.ln_bias_axes, input_dtype, self.dtype)
@@ -773,7 +769,7 @@ class LayerNormMLP(TransformerEngineBase):
             wo_bias = self.param("wo_bias", nn.with_logical_partitioning(self.bias_init, self.bias_axes_2),
                                  (hidden,), self.dtype).astype(input_dtype)
 
-        y = constrain(y, self.dot_1_input_axes)
+        y = _constrain(y, self.dot_1_input_axes)
         x = _dense_call(y, wi_kernel, (y.ndim - 1,), ffn1_quantizer_set, self.dot_1_input_axes,
                         self.kernel_axes_1, self.transpose_batch_sequence)
         if self.use_bias:
@@ -782,7 +778,7 @@ class LayerNormMLP(TransformerEngineBase):
         z = mlp_activation(x, acts, self.activation_params).astype(input_dtype)
         z = nn.Dropout(rate=self.intermediate_dropout_rate, broadcast_dims=tuple(self.intermediate_hidden_dropout_dims),
                        rng_collection=self.intermediate_dropout_rng_name)(z, deterministic=deterministic)
-        z = constrain(z, self.dot_2_input_axes)
+        z = _constrain(z, self.dot_2_input_axes)
         out = _dense_call(z, wo_kernel, (z.ndim - 1,), ffn2_quantizer_set, self.dot_2_input_axes,
                           self.kernel_axes_2, self.transpose_batch_sequence)
         if self.use_bias:

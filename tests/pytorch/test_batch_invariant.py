@@ -1,5 +1,5 @@
 """Batch-invariant mode (NVTE_BATCH_INVARIANT=1 / te.batch_invariant()): a row's outputs and input gradients
-through Linear, LayerNorm, RMSNorm and LayerNormLinear are bitwise the same whether the row is computed alone,
+through Linear, LayerNorm, RMSNorm, LayerNormLinear and LayerNormMLP are bitwise the same whether the row is computed alone,
 in a batch of 7, 64, 300 or 1024 rows, in a padded [b, s, h] batch or packed; the values match a float64
 reference within the framework's own rounding; weight gradients are deterministic.
 
@@ -27,20 +27,27 @@ def _model(dtype):
     torch.manual_seed(0)
     ln = te.LayerNorm(HIDDEN, params_dtype=dtype, device=DEVICE)
     lin = te.Linear(HIDDEN, HIDDEN, params_dtype=dtype, device=DEVICE)
-    lnl = te.LayerNormLinear(HIDDEN, OUT, normalization="RMSNorm", params_dtype=dtype, device=DEVICE)
+    lnl = te.LayerNormLinear(HIDDEN, HIDDEN, normalization="RMSNorm", params_dtype=dtype, device=DEVICE)
+    mlp = te.LayerNormMLP(HIDDEN, 32, activation="swiglu", params_dtype=dtype, device=DEVICE)
+    mlp.fc2_weight.data = mlp.fc2_weight.data[:OUT].clone()  # FC2 to OUT features: the model's output width
+    mlp.fc2_bias.data = mlp.fc2_bias.data[:OUT].clone()
     with torch.no_grad():  # non-trivial norm parameters
         ln.weight.uniform_(0.5, 1.5)
         ln.bias.uniform_(-0.5, 0.5)
         lnl.layer_norm_weight.uniform_(0.5, 1.5)
         lin.bias.uniform_(-0.5, 0.5)
-    return ln, lin, lnl
+    return ln, lin, lnl, mlp
+
+
+def _forward(mods, x):
+    ln, lin, lnl, mlp = mods
+    return mlp(lnl(lin(ln(x))))
 
 
 def _run(mods, x, grad_seed=1):
-    ln, lin, lnl = mods
     x = x.detach().clone().requires_grad_()
     with te.batch_invariant():
-        y = lnl(lin(ln(x)))
+        y = _forward(mods, x)
     gen = torch.Generator(device="cpu").manual_seed(grad_seed)
     dy = torch.randn(y.shape, generator=gen).to(y)
     y.backward(dy)
@@ -60,12 +67,12 @@ def test_rows_equal_in_every_batch_size(dtype):
     dy_full = torch.randn(1024, OUT, generator=gen).to(device=DEVICE, dtype=dtype)
     xf = x.clone().requires_grad_()
     with te.batch_invariant():
-        y_full = mods[2](mods[1](mods[0](xf)))
+        y_full = _forward(mods, xf)
     y_full.backward(dy_full)
     for rows in ROWS[:-1]:
         xs = x[:rows].clone().requires_grad_()
         with te.batch_invariant():
-            y = mods[2](mods[1](mods[0](xs)))
+            y = _forward(mods, xs)
         y.backward(dy_full[:rows])
         assert torch.equal(y, y_full[:rows].detach()), rows
         assert torch.equal(xs.grad, xf.grad[:rows]), rows

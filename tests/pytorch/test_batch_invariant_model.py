@@ -101,3 +101,24 @@ def test_the_same_model_outside_the_mode_differs_only_by_rounding():
         with te.batch_invariant():
             invariant = model(x)
     torch.testing.assert_close(invariant, default, atol=1e-5, rtol=1e-5)
+
+
+def test_determinism_check_reports_whole_model_batch_invariance(monkeypatch):
+    import io
+
+    from transformer_engine.pytorch import determinism_check as check
+
+    args = check._parser().parse_args(["--batch-invariant", "--steps", "1", "--seq-len", "8", "--batch-size", "3",
+                                       "--no-reference", "--quiet"]
+                                      + (["--fused-interpreter"] if DEVICE == "cpu" else []))
+    result = check.run_check(args, out=io.StringIO(), err=io.StringIO())
+    probe = result.extra["batch_invariance"]
+    assert probe["bitwise"] and probe["sequences"] == 3 and probe["positions_decoded"] == 8, probe
+    assert result.exit_status == 0 and "Whole-model batch invariance" in result.message
+    assert result.to_json()["batch_invariance"] == probe
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        args = check._parser().parse_args(["--batch-invariant", "--steps", "1", "--no-reference", "--quiet",
+                                           "--device", "cpu"])
+        with pytest.raises(ValueError, match="--batch-invariant"):
+            check.run_check(args, out=io.StringIO(), err=io.StringIO())

@@ -152,6 +152,45 @@ def _train(label: str, cfg: TinyConfig, args, device: torch.device, dtype: torch
     return result
 
 
+def _batch_invariance_probe(cfg: TinyConfig, args, device: torch.device, dtype: torch.dtype) -> dict:
+    """Whole-model batch invariance in batch-invariant mode: a stack of ``TransformerLayer`` (RMSNorm, SwiGLU,
+    the check's heads and GQA groups) with a final norm and an output ``Linear`` scores ``batch_size`` sequences
+    in one batch and each alone, then decodes the first one token by token through the KV cache. Counts the
+    sequences (alone) and positions (decode) whose logits differ in any bit from the batch's."""
+    from collections import OrderedDict
+
+    from transformer_engine.pytorch import InferenceParams, Linear, RMSNorm, TransformerLayer
+    from transformer_engine.pytorch.batch_invariance import batch_invariant
+
+    torch.manual_seed(args.seed)
+    layers = [TransformerLayer(cfg.hidden_size, cfg.ffn_size, cfg.num_attention_heads,
+                               num_gqa_groups=cfg.num_gqa_groups, normalization="RMSNorm", activation="swiglu",
+                               attn_input_format="bshd", hidden_dropout=0.0, attention_dropout=0.0,
+                               layer_number=i + 1, params_dtype=dtype, device=device).eval()
+              for i in range(cfg.num_layers)]
+    norm = RMSNorm(cfg.hidden_size, params_dtype=dtype, device=device)
+    head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, params_dtype=dtype, device=device)
+
+    def model(x, **kw):
+        for layer in layers:
+            x = layer(x, **kw)
+        return head(norm(x))
+
+    gen = torch.Generator(device="cpu").manual_seed(args.seed + 2)
+    x = torch.randn(args.batch_size, args.seq_len, cfg.hidden_size, generator=gen).to(device=device, dtype=dtype)
+    with torch.no_grad(), batch_invariant():
+        batch = model(x)
+        alone_bad = sum(not torch.equal(model(x[i:i + 1])[0], batch[i]) for i in range(args.batch_size))
+        params = InferenceParams(1, args.seq_len, cfg.num_gqa_groups, cfg.head_dim, dtype, qkv_format="bshd")
+        decoded = []
+        for t in range(args.seq_len):
+            params.pre_step(OrderedDict([(0, 1)]))
+            decoded.append(model(x[:1, t:t + 1], inference_params=params)[0])
+        decode_bad = int((torch.cat(decoded) != batch[0]).any(-1).sum())
+    return {"sequences": args.batch_size, "positions_decoded": args.seq_len, "sequences_differing_alone": alone_bad,
+            "positions_differing_decoded": decode_bad, "bitwise": alone_bad == 0 and decode_bad == 0}
+
+
 # -- command line ----------------------------------------------------------------------------------
 
 
@@ -169,6 +208,12 @@ def _parser() -> argparse.ArgumentParser:
             ("--torch-deterministic", dict(
                 action="store_true",
                 help="also call torch.use_deterministic_algorithms(True) for the runs (the other way to ask)")),
+            ("--batch-invariant", dict(
+                action="store_true",
+                help="also check whole-model batch invariance: a stack of TransformerLayers and an output Linear in "
+                     "batch-invariant mode (NVTE_BATCH_INVARIANT) score each sequence in a batch, alone and decoded "
+                     "token by token through the KV cache; every logit must be bitwise equal (CUDA, or the CPU "
+                     "with --fused-interpreter)")),
             ("--fused-interpreter", dict(
                 action="store_true",
                 help="run the fused Triton kernels on CPU under Triton's interpreter (sets TRITON_INTERPRET=1 for "
@@ -251,6 +296,20 @@ def run_check(args: argparse.Namespace, out=None, err=None) -> CheckResult:
     note = report.what_is_checked(result.backends, device.type == "cpu", interpret, "PyTorch math")
     if note:
         result.message += "\n" + note
+    if args.batch_invariant:
+        if device.type == "cpu" and not interpret:
+            raise ValueError("`--batch-invariant` needs CUDA or `--fused-interpreter` (the batch-invariant kernels "
+                             "are Triton kernels)")
+        with environment(NVTE_ALLOW_NONDETERMINISTIC_ALGO=nondet_value):
+            probe = _batch_invariance_probe(cfg, args, device, dtype)
+        result.extra["batch_invariance"] = probe
+        result.message += (
+            f"\nWhole-model batch invariance (TransformerLayer stack, batch-invariant mode): "
+            f"{probe['sequences_differing_alone']} of {probe['sequences']} sequences differ alone from in the batch, "
+            f"{probe['positions_differing_decoded']} of {probe['positions_decoded']} positions differ when decoded "
+            f"token by token: {'bitwise equal' if probe['bitwise'] else 'NOT batch-invariant'}.")
+        if not probe["bitwise"] and result.exit_status == report.EXIT_PASS:
+            result.exit_status = report.EXIT_NOT_DETERMINISTIC
     return result
 
 

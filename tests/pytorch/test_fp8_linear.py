@@ -320,3 +320,18 @@ def test_activation_recompute_of_an_fp8_forward_outside_autocast_is_refused():
         y.sum().backward()
     # outside a backward pass, the module runs in high precision as usual
     assert torch.equal(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
+
+
+def test_fp8_output_can_be_modified_in_place():
+    """Megatron's MLP adds an expert's bias to the linear output in place: the FP8 path's output must allow it
+    (it was a view made inside the autograd Function: "Output 0 of _FP8Linear is a view ... modified inplace")."""
+    from transformer_engine.common import recipe
+
+    lin = te.Linear(32, 16, bias=False, params_dtype=torch.float32, device="cpu")
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    bias = torch.randn(16, requires_grad=True)
+    with te.autocast(enabled=True, recipe=recipe.Float8CurrentScaling()):
+        out = lin(x)
+    out += bias
+    out.sum().backward()
+    assert x.grad is not None and torch.equal(bias.grad, torch.full_like(bias, 16.0))

@@ -200,7 +200,9 @@ class _FP8Linear(torch.autograd.Function):
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.templates = (qx, qx_col, qw)
         ctx.save_for_backward(weight, *_saved(qx), *_saved(qx_col), *_saved(qw))
-        return out.reshape(*x.shape[:-1], weight.shape[0])
+        # 2-D: the caller reshapes. A Function's output that is a view cannot be modified in place, and
+        # callers add biases in place (Megatron's MLP with biased experts).
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -245,7 +247,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, plan: LinearFP8Plan, is_fi
     first = (training or in_checkpointed_training_forward()) and FP8GlobalStateManager.is_first_fp8_module()
     reduce_bwd = training and first
     fuse = bool(fuse_wgrad and weight.requires_grad and training)
-    return _FP8Linear.apply(x, weight, plan, qw, fuse, bool(is_first_microbatch), reduce_bwd)
+    out = _FP8Linear.apply(x, weight, plan, qw, fuse, bool(is_first_microbatch), reduce_bwd)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 __all__ = ["LinearFP8State", "LinearFP8Plan", "fp8_linear", "accumulate_into_main_grad"]

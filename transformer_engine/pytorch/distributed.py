@@ -17,6 +17,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from transformer_engine.pytorch.recompute_frames import (  # noqa: F401 (re-exported)
+    FRAMES, in_checkpointed_training_forward, in_fp8_activation_recompute_phase)
+
 # Every state any tracker holds, by name: what ``get_all_rng_states`` returns (TransformerEngine
 # keeps one such table so that checkpointing can save and restore every tracked stream).
 _ALL_ACTIVE_RNG_STATES: Dict[str, torch.Tensor] = {}
@@ -113,7 +116,7 @@ def get_all_rng_states() -> Dict[str, torch.Tensor]:
 # no amax (the first forward did), and no FP8 autocast exit updates the scales. So the recomputed step is
 # bitwise the stored one, under every recipe and over any number of delayed-scaling steps.
 
-_FRAMES: List["_RecomputeFrame"] = []
+_FRAMES = FRAMES  # the open frames, innermost last (recompute_frames.py: FP8's bookkeeping reads them)
 # What replayed_fp8_plan answers outside a recompute.
 NOT_REPLAYING = object()
 
@@ -216,17 +219,6 @@ def record_fp8_plan(module: Any, gemm: Optional[str], plan: Any) -> None:
     for frame in _FRAMES:
         if not frame.replaying:
             frame.plans.append((module, gemm, None if plan is None else plan.frozen()))
-
-
-def in_checkpointed_training_forward() -> bool:
-    """Whether a training step's checkpointed first forward is running (the reentrant one runs without
-    gradients; the FP8 bookkeeping of a training forward still applies to it)."""
-    return any(frame.training and not frame.replaying for frame in _FRAMES)
-
-
-def in_fp8_activation_recompute_phase() -> bool:
-    """Whether a checkpoint's recompute is running (FP8 plans are replayed, scales are not updated)."""
-    return any(frame.replaying for frame in _FRAMES)
 
 
 def is_fp8_activation_recompute_enabled() -> bool:

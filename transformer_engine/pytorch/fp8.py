@@ -26,7 +26,9 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
+
 from transformer_engine.common import recipe as _recipe
+from transformer_engine.pytorch.recompute_frames import in_checkpointed_training_forward, in_fp8_activation_recompute_phase
 
 # What a recipe needs that this package has not built, with the hardware it needs.
 MXFP8_UNAVAILABLE_REASON = ("MXFP8 (MXFP8BlockScaling) needs Blackwell (sm100+) tensor cores and is not implemented "
@@ -242,9 +244,6 @@ class FP8GlobalStateManager:
 
     @classmethod
     def autocast_exit(cls, enabled: bool, _graph: bool) -> None:
-        from transformer_engine.pytorch.distributed import (in_checkpointed_training_forward,
-                                                            in_fp8_activation_recompute_phase)
-
         cls.AUTOCAST_DEPTH -= 1
         # Forward metadata is updated once per step, when the outermost FP8 autocast closes in training
         # (a reentrant checkpoint's first forward is training without gradients); never in a recompute,

@@ -235,7 +235,7 @@ class _FP8Linear(torch.autograd.Function):
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, plan: LinearFP8Plan, is_first_microbatch: Optional[bool],
                fuse_wgrad: bool) -> torch.Tensor:
     """``x W^T`` in FP8 under ``plan`` (no bias: the callers add it after their collectives)."""
-    from transformer_engine.pytorch.distributed import in_checkpointed_training_forward
+    from transformer_engine.pytorch.recompute_frames import in_checkpointed_training_forward
     from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
 
     if x.shape[-1] != weight.shape[1]:

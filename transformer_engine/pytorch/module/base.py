@@ -131,7 +131,30 @@ def set_tensor_parallel_attributes(param: torch.nn.Parameter, partition_dim: int
 
 
 class TransformerEngineBaseModule(torch.nn.Module):
-    """Base of the linear modules: tensor-parallel group, RNG-tracked initialization."""
+    """Base of the linear modules: tensor-parallel group, RNG-tracked initialization, FP8 state in the state dict."""
+
+    # The GEMMs whose FP8 state the module keeps (see _fp8_plan): None is the one GEMM of ``_fp8_state``.
+    _fp8_gemms: tuple = (None,)
+
+    def _fp8_state_attrs(self) -> list:
+        return ["_fp8_state" if gemm is None else f"_fp8_state_{gemm}" for gemm in self._fp8_gemms]
+
+    def get_extra_state(self) -> torch.Tensor:
+        """The FP8 state as the state dict's ``_extra_state`` entry (a CPU uint8 tensor; empty without
+        delayed-scaling state). Layout: ``transformer_engine.pytorch.module._extra_state``."""
+        from transformer_engine.pytorch.module import _extra_state
+
+        return _extra_state.save([self.__dict__.get(attr) for attr in self._fp8_state_attrs()])
+
+    def set_extra_state(self, state) -> None:
+        """Load the FP8 state saved by ``get_extra_state`` (None or an empty tensor: nothing to load). Before
+        the first FP8 forward the state is created here and the next forward uses it; after, it is copied
+        in place."""
+        from transformer_engine.pytorch.module import _extra_state
+
+        param = next(self.parameters(), None)
+        device = param.device if param is not None and param.device.type != "meta" else torch.device("cpu")
+        _extra_state.load(self, state, self._fp8_state_attrs(), device)
 
     def _setup_tensor_parallel(self, tp_group: Optional[Any], tp_size: int) -> None:
         if tp_group is not None:
@@ -248,7 +271,7 @@ class TransformerEngineBaseModule(torch.nn.Module):
             check_recipe_support(recipe, device)
         state = self.__dict__.get(attr)
         if state is None:
-            # A plain attribute, not a buffer: the FP8 state is not part of the state dict.
+            # A plain attribute, not a buffer: get_extra_state saves it (the state dict's `_extra_state`).
             state = self.__dict__[attr] = LinearFP8State()
         plan = state.plan(recipe, FP8GlobalStateManager.get_fp8_group(), device, enabled)
         plan.enabled = state.last_enabled = enabled

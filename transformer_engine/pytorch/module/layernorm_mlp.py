@@ -62,6 +62,8 @@ class LayerNormMLP(TransformerEngineBaseModule):
     Userbuffer overlap (``ub_*``), ``delay_wgrad_compute`` and ``symmetric_ar_type`` are refused.
     """
 
+    _fp8_gemms = ("fc1", "fc2")  # one FP8 state per GEMM, saved side by side in the extra state
+
     def __init__(
         self,
         hidden_size: int,

@@ -243,3 +243,15 @@ def row_by_row_gemms() -> Iterator[None]:
         yield
     finally:
         torch.nn.functional.linear = plain
+
+
+def batch_invariant_gemms():
+    """The product's batch-invariant mode (``te.batch_invariant()``: GEMMs and norms whose rows do not depend on
+    the row count) where its kernels run (CUDA, or the CPU under Triton's interpreter); elsewhere
+    :func:`row_by_row_gemms` stands in for it."""
+    from transformer_engine.pytorch.attention.config import triton_interpreting
+    from transformer_engine.pytorch.batch_invariance import batch_invariant
+
+    if torch.cuda.is_available() or triton_interpreting():
+        return batch_invariant()
+    return row_by_row_gemms()

@@ -182,7 +182,8 @@ def test_drop_path_drops_whole_slices_of_the_first_dim():
 
 def test_two_layer_stack_kv_cache_decode_rows_equal_training_rows():
     """Two layers (RMSNorm, SwiGLU, GQA, RoPE) prefill a prompt of each of two sequences, then decode token by
-    token; every row of the stack's output is bitwise the training forward's (each sequence alone, causal)."""
+    token; every row of the stack's output is bitwise the training forward's (each sequence alone, causal), with
+    the GEMMs and norms in the product's batch-invariant mode (layer_reference.batch_invariant_gemms)."""
     layers = [_layer(seed=i, normalization="RMSNorm", activation="swiglu", num_gqa_groups=2, layer_number=i + 1,
                      attn_input_format="bshd", fuse_qkv_params=True) for i in range(2)]
     rope = RotaryPositionEmbedding(D)(16)
@@ -197,7 +198,7 @@ def test_two_layer_stack_kv_cache_decode_rows_equal_training_rows():
 
     params = InferenceParams(2, 16, 2, D, torch.float32, qkv_format="bshd")
     got, pos = [[], []], [0, 0]
-    with torch.no_grad(), R.row_by_row_gemms():
+    with torch.no_grad(), R.batch_invariant_gemms():
         train = [stack(s[None])[0] for s in seqs]
         while any(p < n for p, n in zip(pos, lens)):
             step = OrderedDict((i, prompts[i] if pos[i] == 0 else 1) for i in (0, 1) if pos[i] < lens[i])

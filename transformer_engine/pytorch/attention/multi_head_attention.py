@@ -25,8 +25,9 @@ KV cache: with ``inference_params`` the call's tokens are a generation step's ne
 go to layer ``layer_number``'s cache (allocated on first use) and rotary positions start at each sequence's
 cached length (``inference_params.get_seqlens_pre_step()``). The attention of each row is bitwise the training
 forward's row (``DotProductAttention``); the norms, RoPE and the projections work row by row, so a decoded
-row equals the training row when the GEMMs give a row the same bits whatever the number of rows (batch-
-invariant GEMMs; CPU BLAS may block a sum differently for different row counts).
+row equals the training row when the GEMMs and norms give a row the same bits whatever the number of rows: in
+batch-invariant mode (``NVTE_BATCH_INVARIANT=1`` or ``transformer_engine.pytorch.batch_invariant()``); by
+default cuBLAS and CPU BLAS may sum a row differently for different row counts.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """PyTorch frontend: DotProductAttention, the fused attention ops, and TransformerEngine-style
-LayerNorm, RMSNorm, Linear, LayerNormLinear and LayerNormMLP modules (tensor parallel through
-torch.distributed), with FP8 training under TransformerEngine's recipes inside ``autocast`` /
+LayerNorm, RMSNorm, Linear, LayerNormLinear and LayerNormMLP modules and the MultiheadAttention and
+TransformerLayer blocks built from them (tensor parallel through torch.distributed), with FP8 training under TransformerEngine's recipes inside ``autocast`` /
 ``fp8_autocast`` (see docs/fp8.rst) and activation recompute by ``checkpoint``."""
 
 try:

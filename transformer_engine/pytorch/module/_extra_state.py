@@ -37,7 +37,9 @@ _FWD, _BWD = 3, 2  # tensors per GEMM in each direction
 
 
 def _recipe_fields(recipe: _recipe.Recipe) -> dict:
-    out = {"type": type(recipe).__name__}
+    # A client's subclass (Megatron's TEDelayedScaling) is saved as the recipe it derives from.
+    base = next(c for c in type(recipe).__mro__ if c.__module__ == _recipe.__name__)
+    out = {"type": base.__name__}
     for name in recipe._DEFAULTS:
         value = getattr(recipe, name)
         if isinstance(value, _recipe.Format):

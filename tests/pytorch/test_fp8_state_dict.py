@@ -248,3 +248,15 @@ def test_foreign_entries_are_refused_by_name(runs):
     # TransformerEngine 1.x's io.BytesIO entries are read when they hold our layout.
     model.mlp.set_extra_state(io.BytesIO(mlp_state.numpy().tobytes()))
     assert torch.equal(model.mlp.get_extra_state(), mlp_state)
+
+
+def test_state_follows_the_module_to_another_device(runs):
+    """A state loaded (or made) on one device moves with the module to the device of its next forward instead
+    of starting afresh (the meta device stands in for a GPU here)."""
+    model, _ = build(seed=1)
+    model.load_state_dict(torch.load(io.BytesIO(runs["delayed"]["ckpt"]), weights_only=True)["model"])
+    st = model.mlp._fp8_state_fc1
+    fwd, history = st.fwd_meta, st.fwd_meta.amax_history.clone()
+    st.plan(RECIPES["delayed"](), None, torch.device("meta"), enabled=False)
+    assert st.fwd_meta is fwd and fwd.amax_history.device.type == "meta" and fwd.scale.device.type == "meta"
+    assert st.bwd_meta.amax_history.device.type == "meta" and fwd.amax_history.shape == history.shape

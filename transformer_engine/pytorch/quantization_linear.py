@@ -76,10 +76,15 @@ class LinearFP8State:
         self.last_enabled = False  # whether the module's last forward ran in FP8
 
     def _delayed_metas(self, recipe: _recipe.DelayedScaling, device: torch.device):
-        if self.fwd_meta is None or self.fwd_meta.scale.device != device:
+        if self.fwd_meta is None:
             self.fwd_meta = DelayedScalingMeta(3, recipe, True, device)
             self.bwd_meta = DelayedScalingMeta(2, recipe, False, device)
         else:
+            if self.fwd_meta.scale.device != device:
+                # The module moved (or its state was loaded from a checkpoint before the move): the
+                # state moves with it rather than starting afresh.
+                for meta in (self.fwd_meta, self.bwd_meta):
+                    meta.scale, meta.amax_history = meta.scale.to(device), meta.amax_history.to(device)
             self.fwd_meta.set_recipe(recipe)
             self.bwd_meta.set_recipe(recipe)
         return self.fwd_meta, self.bwd_meta

@@ -26,6 +26,7 @@ RECIPES = {
     "block": lambda: recipe.Float8BlockScaling(),
 }
 HIDDEN, FFN, SEQ, BATCH = 32, 64, 8, 2
+DEVICE = "cpu"  # a GPU run sets it before building (the CPU is what CI runs)
 N, K = 6, 3
 
 
@@ -39,9 +40,9 @@ def _fresh_fp8_state():
 class Model(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.lin = te.Linear(HIDDEN, HIDDEN, device="cpu")
-        self.lnl = te.LayerNormLinear(HIDDEN, HIDDEN, device="cpu")
-        self.mlp = te.LayerNormMLP(HIDDEN, FFN, device="cpu")
+        self.lin = te.Linear(HIDDEN, HIDDEN, device=DEVICE)
+        self.lnl = te.LayerNormLinear(HIDDEN, HIDDEN, device=DEVICE)
+        self.mlp = te.LayerNormMLP(HIDDEN, FFN, device=DEVICE)
 
     def forward(self, x):
         return self.mlp(self.lnl(self.lin(x)))
@@ -56,7 +57,7 @@ def build(seed=0):
 def batch(step):
     # Growing inputs: the amaxes change from step to step, so the scales do.
     g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(BATCH, SEQ, HIDDEN, generator=g) * (1.0 + step)
+    return (torch.randn(BATCH, SEQ, HIDDEN, generator=g) * (1.0 + step)).to(DEVICE)
 
 
 def train(model, opt, name, steps):
@@ -100,7 +101,7 @@ def resume(data, name, warm_forward=False):
     if warm_forward:  # an FP8 forward before the load: the states exist and are overwritten in place
         with torch.no_grad(), te.fp8_autocast(enabled=True, fp8_recipe=RECIPES[name]()):
             model(batch(99))
-    ckpt = torch.load(io.BytesIO(data), weights_only=True)
+    ckpt = torch.load(io.BytesIO(data), weights_only=True, map_location=DEVICE)
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["opt"])
     return model, train(model, opt, name, range(K, N))

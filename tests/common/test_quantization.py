@@ -126,8 +126,12 @@ def test_recipes_take_transformer_engine_2x_fields():
     assert b.fp8_quant_fwd_weight.power_2_scale and b.fp8_format is recipe.Format.E4M3
     with pytest.raises(ValueError, match="fp8_format"):
         recipe.DelayedScaling(fp8_format=recipe.Format.E5M2)
-    with pytest.raises(ValueError, match="fp8_dpa"):
+    with pytest.raises(NotImplementedError, match="fp8_dpa"):
         recipe.Float8BlockScaling(fp8_dpa=True)
+    for margin in (-10, -0.5, float("nan"), True, "1"):
+        with pytest.raises(ValueError, match="`margin` must be a non-negative number"):
+            recipe.DelayedScaling(margin=margin)
+    assert recipe.DelayedScaling(margin=2).margin == 2
     with pytest.raises(ValueError, match="at most one"):
         recipe.Float8BlockScaling(x_block_scaling_dim=2, w_block_scaling_dim=2)
     with pytest.raises(TypeError, match="unexpected"):

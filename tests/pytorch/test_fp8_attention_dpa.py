@@ -101,6 +101,17 @@ def test_dpa_fp8_refuses_by_name():
             dpa(q, q, q)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU's requirements")
+@pytest.mark.parametrize("interpret,dtype", [("0", torch.float16), ("0", torch.bfloat16), ("1", torch.bfloat16)])
+def test_dpa_fp8_on_cpu_names_both_requirements(interpret, dtype, monkeypatch):
+    """Whichever of the two the call misses, the error names both (the interpreter and a non-bfloat16 dtype)."""
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    q = torch.randn(B, S, H, D, dtype=dtype)
+    with te.autocast(enabled=True, recipe=DelayedScaling(fp8_dpa=True)):
+        with pytest.raises(NotImplementedError, match=r"TRITON_INTERPRET=1 .* float16 or float32"):
+            _dpa()(q, q, q)
+
+
 def test_dpa_fp8_logs_why_it_runs_fp8(caplog):
     import logging
 

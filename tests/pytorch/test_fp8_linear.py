@@ -335,3 +335,17 @@ def test_fp8_output_can_be_modified_in_place():
     out += bias
     out.sum().backward()
     assert x.grad is not None and torch.equal(bias.grad, torch.full_like(bias, 16.0))
+
+
+@pytest.mark.parametrize("name", ["none", "delayed", "current", "block"])
+def test_output_dtype_under_torch_autocast_does_not_depend_on_the_recipe(name):
+    """fp32 parameters and input under torch.autocast(bfloat16): every path computes in bfloat16, as torch's
+    Linear does (delayed and current scaling returned float32 before)."""
+    recipes = {"none": None, "delayed": recipe.DelayedScaling(), "current": recipe.Float8CurrentScaling(),
+               "block": recipe.Float8BlockScaling()}
+    lin = te.Linear(64, 32, device="cpu")
+    x = torch.randn(16, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), te.autocast(enabled=name != "none", recipe=recipes[name]):
+        y = lin(x)
+    y.float().sum().backward()
+    assert y.dtype == torch.bfloat16 and x.grad.dtype == torch.float32

@@ -162,6 +162,10 @@ class DelayedScaling(Recipe):
 
     def _check(self) -> None:
         super()._check()
+        if isinstance(self.margin, bool) or not isinstance(self.margin, (int, float)) or not self.margin >= 0:
+            # scale = fp8_max / 2**margin / amax: a negative margin scales values past the format's largest,
+            # which the saturating cast then clips.
+            raise ValueError(f"`margin` must be a non-negative number, got {self.margin!r}")
         if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
             raise ValueError(f"`amax_history_len` must be a positive int, got {self.amax_history_len!r}")
         if not (callable(self.amax_compute_algo) or self.amax_compute_algo in ("max", "most_recent")):
@@ -221,9 +225,9 @@ class Float8BlockScaling(Recipe):
             if not getattr(self, name).use_split_accumulator:
                 raise ValueError(f"`{name}` must use the split accumulator with block scaling, got {getattr(self, name)}")
         if self.fp8_dpa or self.fp8_mha:
-            raise ValueError("`fp8_dpa` and `fp8_mha` must be False with Float8BlockScaling (FP8 attention is "
-                             "per-tensor scaled), got "
-                             f"fp8_dpa={self.fp8_dpa}, fp8_mha={self.fp8_mha}")
+            raise NotImplementedError("FP8 attention under Float8BlockScaling is not implemented (FP8 attention is "
+                                      "per-tensor scaled: DelayedScaling or Float8CurrentScaling), got "
+                                      f"fp8_dpa={self.fp8_dpa}, fp8_mha={self.fp8_mha}")
         _check_backward_override(self)
 
 

@@ -449,8 +449,12 @@ class DotProductAttention(torch.nn.Module):
     Each output row is bitwise the training forward's row for the same token (inference.py and
     docs/kv_cache.rst say when); rows past a sequence's new tokens are zero.
 
-    Not supported yet (``NotImplementedError``): FP8 (and ``bf16_backward``), ``num_splits`` other than 1,
-    ``score_mod*``.
+    FP8: inside ``autocast`` with a recipe's ``fp8_dpa=True`` (DelayedScaling or Float8CurrentScaling) the
+    attention runs on FP8 operands in the same kernels, with a deterministic backward (docs/fp8_attention.rst);
+    FP8 tensors as inputs (``fp8_mha``) are refused.
+
+    Not supported yet (``NotImplementedError``): FP8 input tensors, ``bf16_backward``, ``num_splits`` other than
+    1, ``score_mod*``.
     """
 
     def __init__(

@@ -269,9 +269,12 @@ def fp8_attn_func(
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"`query_layer`, `key_layer`, `value_layer` must share a dtype, got {q.dtype}, {k.dtype}, "
                          f"{v.dtype}")
-    if q.dtype == torch.bfloat16 and q.device.type == "cpu":
-        raise NotImplementedError("`query_layer` must not be bfloat16 under TRITON_INTERPRET=1 (the bf16 backward "
-                                  "and the interpreter's bf16 products are wrong there), got bfloat16")
+    if q.device.type == "cpu" and (q.dtype == torch.bfloat16 or not triton_interpreting()):
+        # Both requirements of the CPU at once: a caller fixing one should not meet the other next.
+        raise NotImplementedError(
+            "FP8 attention on CPU tensors runs under Triton's interpreter: it needs TRITON_INTERPRET=1 (set before "
+            "Python starts) and `query_layer` in float16 or float32 (the interpreter's bfloat16 products are "
+            f"wrong), got TRITON_INTERPRET={'1' if triton_interpreting() else 'unset or 0'} and {q.dtype}")
     hq, hk = q.shape[-2], k.shape[-2]
     if k.shape[-2] != v.shape[-2] or hq % hk:
         raise ValueError(f"`key_layer` and `value_layer` must have the same number of heads dividing the query's "

@@ -82,6 +82,10 @@ def parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     """
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"input's last dim must be in_features={weight.shape[1]} (this rank's), got shape {tuple(x.shape)}")
+    if torch.is_autocast_enabled(x.device.type):
+        # Under torch.autocast the GEMMs run in autocast's dtype, as torch's own Linear and TransformerEngine's
+        # modules do, whichever path (FP8 or not) runs them: the output dtype never depends on the recipe.
+        x = x.to(torch.get_autocast_dtype(x.device.type))
     if parallel_mode == "column":
         x = _parallel.column_input(x, group, sequence_parallel)
     if is_batch_invariant():

@@ -328,8 +328,6 @@ def test_unimplemented_te_switches_are_refused(kwargs):
 def test_grouped_linear_and_router_refuse_naming_themselves():
     with pytest.raises(NotImplementedError, match="GroupedLinear"):
         te.GroupedLinear(2, 8, 8)
-    with pytest.raises(NotImplementedError, match="fused_topk_with_score_function"):
-        te.router.fused_topk_with_score_function(torch.randn(2, 4), 2)
 
 
 # --- RNG tracker -----------------------------------------------------------------------------

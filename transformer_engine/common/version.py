@@ -45,8 +45,8 @@ package_version = "0.2.0"
 #   2.2 DPA pad_between_seqs: on         2.3 delay_wgrad_compute, symmetric_ar_type: refused
 #   2.3 rope module path, interleaved fused RoPE: no fused RoPE module, Megatron reports it
 #   2.6 MoE activation recompute with FP8: FP8, refused
-#   2.7 router module import (functions refuse when called); cross entropy kwargs (TE
-#   cross_entropy not provided, Megatron's native one is used)
+#   2.7 router module (fused top-k, aux-loss scores and loss): on; cross entropy
+#   is_cg_capturable kwarg: on (accepted, no effect)
 #   2.8 DPA softmax_type: on             2.9 DPA return_max_logit (qk-clip): on
 #   2.10 DPA num_splits: on; cpu offload retain_pinned kwarg (cpu_offload not provided)
 #   2.14 single grouped weight/bias, TEFusedMLPWithGroupedLinear: off (not implemented here)

@@ -40,3 +40,11 @@ from transformer_engine.pytorch.module import (  # noqa: E402,F401
     RMSNorm,
 )
 from transformer_engine.pytorch.transformer import TransformerLayer  # noqa: E402,F401
+from transformer_engine.pytorch.permutation import (  # noqa: E402,F401
+    moe_permute,
+    moe_permute_with_probs,
+    moe_sort_chunks_by_index,
+    moe_sort_chunks_by_index_with_probs,
+    moe_unpermute,
+)
+from transformer_engine.pytorch.cross_entropy import parallel_cross_entropy  # noqa: E402,F401

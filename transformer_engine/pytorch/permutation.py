@@ -153,7 +153,7 @@ def _mask_rows(routing_map: torch.Tensor, num_out_tokens: int) -> torch.Tensor:
     return rows.view(num_experts, num_tokens).t().contiguous()
 
 
-def _index_rows(index: torch.Tensor, num_experts_hint: Optional[int], num_out_tokens: int):
+def _index_rows(index: torch.Tensor, num_out_tokens: int):
     num_tokens, topk = index.shape
     flat = index.reshape(-1).to(torch.int64)
     # Stable sort by expert: within one expert, (token, k) ascending, as TE orders it.
@@ -164,12 +164,10 @@ def _index_rows(index: torch.Tensor, num_experts_hint: Optional[int], num_out_to
     return rows.view(num_tokens, topk)
 
 
-def _resolve_out(name: str, num_out_tokens: Optional[int], routed: int) -> int:
+def _resolve_out(num_out_tokens: Optional[int], routed: int) -> int:
     if num_out_tokens is None or num_out_tokens < 0:
         return routed
-    if not isinstance(num_out_tokens, int):
-        num_out_tokens = int(num_out_tokens)
-    return num_out_tokens
+    return int(num_out_tokens)
 
 
 def moe_permute(
@@ -199,10 +197,10 @@ def moe_permute(
             raise ValueError(f"`routing_map` of map_type='index' must be an integer tensor, got {routing_map.dtype}")
         routed = routing_map.numel()
         n_out = routed if num_out_tokens is None or num_out_tokens <= 0 else int(num_out_tokens)
-        rows = _index_rows(routing_map, None, n_out)
+        rows = _index_rows(routing_map, n_out)
     elif map_type == "mask":
         routed = int((routing_map != 0).sum().item())
-        n_out = _resolve_out("moe_permute", num_out_tokens, routed)
+        n_out = _resolve_out(num_out_tokens, routed)
         rows = _mask_rows(routing_map, n_out)
     else:
         raise ValueError(f"`map_type` must be 'mask' or 'index', got {map_type!r}")

@@ -105,3 +105,102 @@ def test_te_parallel_cross_entropy_equals_torch():
     loss = te_ext.te_parallel_cross_entropy(logits, labels, None)
     ref = torch.nn.functional.cross_entropy(logits.double().reshape(-1, 40), labels.reshape(-1), reduction="none")
     close(loss.double(), ref.reshape(8, 2))
+
+
+# --- a tiny MoE GPT trained through Megatron with the three fusions on --------------------------
+
+@pytest.fixture(scope="module")
+def megatron_world():
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0"
+    started = not dist.is_initialized()
+    if started:
+        with tempfile.NamedTemporaryFile(delete=False) as f:
+            store = f.name
+        os.unlink(store)
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(123, te_rng_tracker=True)
+    yield
+    parallel_state.destroy_model_parallel()
+    if started:
+        dist.destroy_process_group()
+
+
+def _moe_gpt(fused, style):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    extra = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                 moe_router_num_groups=2, moe_router_group_topk=1, moe_router_topk_scaling_factor=2.0,
+                 moe_shared_expert_intermediate_size=32, add_bias_linear=False) if style == "deepseek" else {}
+    cfg = TransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, use_cpu_initialization=True,
+        params_dtype=torch.float32, attention_dropout=0.0, hidden_dropout=0.0, deterministic_mode=True,
+        gradient_accumulation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False, num_moe_experts=4, moe_router_topk=2,
+        moe_aux_loss_coeff=1e-2, moe_token_dispatcher_type="allgather",   # alltoall creates a CUDA stream
+        moe_permute_fusion=fused, moe_router_fusion=fused, cross_entropy_loss_fusion=fused,
+        cross_entropy_fusion_impl="te", **extra)
+    torch.manual_seed(0)
+    return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(
+        num_experts=4, moe_grouped_gemm=False), vocab_size=64, max_sequence_length=16)
+
+
+def _train_moe(model, steps=4, batch=2, seq=16):
+    gen = torch.Generator().manual_seed(1)
+    pos = torch.arange(seq)[None].expand(batch, -1)
+    mask = torch.triu(torch.ones(batch, 1, seq, seq, dtype=torch.bool), 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(steps):
+        tokens = torch.randint(0, 64, (batch, seq), generator=gen)
+        opt.zero_grad()
+        loss = model(tokens, pos, mask, labels=torch.roll(tokens, -1, 1)).float().mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return torch.stack(losses), torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("style", ["mixtral", "deepseek"])
+def test_moe_gpt_fused_trains_like_unfused_and_bitwise_twice(megatron_world, monkeypatch, style):
+    """Mixtral-style (softmax top-2) and DeepSeek-style (sigmoid, group-limited top-k, expert bias,
+    scaling, shared expert) MoE GPTs, SequentialMLP experts, 4 SGD steps: with the fusions on, every
+    fused entry point is called, the run is bitwise the same twice and equals the unfused run to
+    float32 rounding."""
+    import megatron.core.models.common.language_module.language_module as lm
+
+    # Megatron's router moves CPU weights to torch.cuda.current_device(); keep them on the CPU.
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    calls = {}
+
+    def counting(module, name):
+        fn = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+        monkeypatch.setattr(module, name, wrapper)
+
+    for name in ("fused_permute", "fused_unpermute", "fused_topk_with_score_function",
+                 "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss"):
+        counting(moe_utils, name)
+    counting(lm, "te_parallel_cross_entropy")
+    losses0, params0 = _train_moe(_moe_gpt(False, style))
+    assert not calls
+    losses1, params1 = _train_moe(_moe_gpt(True, style))
+    assert set(calls) == {"fused_permute", "fused_unpermute", "fused_topk_with_score_function",
+                          "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss",
+                          "te_parallel_cross_entropy"}, calls
+    losses2, params2 = _train_moe(_moe_gpt(True, style))
+    assert torch.equal(losses1, losses2) and torch.equal(params1, params2)
+    torch.testing.assert_close(losses1, losses0, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(params1, params0, rtol=1e-6, atol=1e-7)

@@ -169,6 +169,10 @@ def _train(model, device, steps=STEPS):
     losses = []
     for tokens in data:
         opt.zero_grad()
+        if hasattr(model, "set_is_first_microbatch"):
+            # What Megatron's schedules do each step: the TE layers quantize their (updated) weights in FP8 again
+            # on the step's first micro-batch instead of reusing the first step's.
+            model.set_is_first_microbatch()
         loss = model(tokens, position_ids, mask, labels=torch.roll(tokens, -1, dims=1)).float().mean()
         loss.backward()
         opt.step()

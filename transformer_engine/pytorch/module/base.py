@@ -170,14 +170,31 @@ class TransformerEngineBaseModule(torch.nn.Module):
             raise ValueError(f"`tp_group` must have tp_size={self.tp_size} ranks, got {group_size(tp_group)}")
         self.tp_group = tp_group
 
-    def _group_for_forward(self) -> Optional[Any]:
-        if self.tp_size > 1 and self.parallel_mode is not None and self.tp_group is None:
+    def _group_for_forward(self, parallel: Optional[bool] = None) -> Optional[Any]:
+        """The tensor-parallel group of this forward (None when the module runs unsplit). ``parallel``: whether
+        the module splits its GEMMs (default: it has a ``parallel_mode``)."""
+        if parallel is None:
+            parallel = self.parallel_mode is not None
+        if self.tp_size > 1 and parallel and self.tp_group is None:
             raise RuntimeError(f"{type(self).__name__} was built with tp_size={self.tp_size} but no tp_group; "
                                "call set_tensor_parallel_group(group) before forward")
-        return self.tp_group if self.parallel_mode is not None else None
+        return self.tp_group if parallel else None
 
     def _new_parameter(self, shape, device: torch.device, dtype: torch.dtype) -> torch.nn.Parameter:
         return torch.nn.Parameter(torch.empty(shape, device=device, dtype=dtype))
+
+    def _new_norm_parameters(self, hidden: int, normalization: str, device: torch.device,
+                             dtype: torch.dtype) -> None:
+        """The fused norm's ``layer_norm_weight`` and ``layer_norm_bias`` (None for RMSNorm), marked with the
+        module's ``sequence_parallel`` (Megatron all-reduces their gradients over the sequence split)."""
+        self.layer_norm_weight = self._new_parameter((hidden,), device, dtype)
+        if normalization == "LayerNorm":
+            self.layer_norm_bias = self._new_parameter((hidden,), device, dtype)
+        else:
+            self.register_parameter("layer_norm_bias", None)
+        for param in (self.layer_norm_weight, self.layer_norm_bias):
+            if param is not None:
+                param.sequence_parallel = self.sequence_parallel
 
     def _new_weight_and_bias(self, out_features: int, in_features: int, bias: bool, device: torch.device,
                              dtype: torch.dtype, parameters_split: Optional[Any] = None) -> None:

@@ -100,14 +100,7 @@ class LayerNormLinear(TransformerEngineBaseModule):
         self.out_features = (divide(out_features, self.tp_size, "out_features") if parallel_mode == "column"
                              else out_features)
         device, dtype = resolve_device(device), resolve_dtype(params_dtype)
-        self.layer_norm_weight = self._new_parameter((in_features,), device, dtype)
-        if normalization == "LayerNorm":
-            self.layer_norm_bias = self._new_parameter((in_features,), device, dtype)
-        else:
-            self.register_parameter("layer_norm_bias", None)
-        for param in (self.layer_norm_weight, self.layer_norm_bias):
-            if param is not None:
-                param.sequence_parallel = self.sequence_parallel
+        self._new_norm_parameters(in_features, normalization, device, dtype)
         self._new_weight_and_bias(self.out_features, in_features, self.use_bias, device, dtype, parameters_split)
         if fuse_wgrad_accumulation and len(self.weight_names) > 1:
             raise NotImplementedError(f"{owner}: `fuse_wgrad_accumulation=True` with `parameters_split` is not "

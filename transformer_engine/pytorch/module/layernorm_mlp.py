@@ -142,14 +142,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
         fc1_out = _modules.fc1_width(self.size_per_partition, activation)
 
         device, dtype = resolve_device(device), resolve_dtype(params_dtype)
-        self.layer_norm_weight = self._new_parameter((hidden_size,), device, dtype)
-        if normalization == "LayerNorm":
-            self.layer_norm_bias = self._new_parameter((hidden_size,), device, dtype)
-        else:
-            self.register_parameter("layer_norm_bias", None)
-        for param in (self.layer_norm_weight, self.layer_norm_bias):
-            if param is not None:
-                param.sequence_parallel = self.sequence_parallel
+        self._new_norm_parameters(hidden_size, normalization, device, dtype)
         # Registered in TransformerEngine's order (the state dict's and the optimizer's).
         self.fc1_weight = self._new_parameter((fc1_out, hidden_size), device, dtype)
         self.fc1_bias = self._new_parameter((fc1_out,), device, dtype) if self.use_bias else None
@@ -178,14 +171,6 @@ class LayerNormMLP(TransformerEngineBaseModule):
                 if param is not None:
                     param.zero_()
 
-    def _forward_group(self) -> Optional[Any]:
-        if not self.set_parallel_mode:
-            return None
-        if self.tp_size > 1 and self.tp_group is None:
-            raise RuntimeError(f"{type(self).__name__} was built with tp_size={self.tp_size} but no tp_group; "
-                               "call set_tensor_parallel_group(group) before forward")
-        return self.tp_group
-
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         """Norm, FC1, activation, FC2 of ``inp`` [..., hidden_size] (this rank's sequence slice with
         ``sequence_parallel``); ``is_first_microbatch`` as ``Linear``'s (FP8 weight caching, and with
@@ -199,7 +184,7 @@ class LayerNormMLP(TransformerEngineBaseModule):
         return self._forward(inp, is_first_microbatch)
 
     def _forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool]):
-        group = self._forward_group()
+        group = self._group_for_forward(self.set_parallel_mode)
         ln_out = apply_norm(inp, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.normalization,
                             self.zero_centered_gamma)
         total = _parallel.column_input(ln_out, group, self.sequence_parallel) if self.set_parallel_mode else ln_out

@@ -186,7 +186,7 @@ def _train(mixed_precision: str, model=None, handlers=None):
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     model = _bert() if model is None else model
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
     accelerator = Accelerator(mixed_precision=mixed_precision, kwargs_handlers=handlers)
     model, optimizer = accelerator.prepare(model, optimizer)
     data = torch.Generator().manual_seed(1)
@@ -246,7 +246,10 @@ def test_prepare_converts_linear_and_layernorm_and_fp8_trains_bitwise(with_shim,
     reference, _, fp32_model, _ = _train("no")
     assert not any(type(m) is te.Linear for m in fp32_model.modules())  # no FP8: nothing converted
     assert torch.isfinite(losses).all()
-    # FP8 (E4M3 forward, E5M2 gradients) against float32 over 10 steps: measured 0.0023 on CPU (bf16: 0.0005)
+    # The data is learnable (each token's label is itself) and the model learns it, so the comparison below
+    # means something: loss 4.85 -> 4.25 over 10 steps, measured on CPU.
+    assert reference[-1] < reference[0] - 0.4 and losses[-1] < losses[0] - 0.4, (losses, reference)
+    # FP8 (E4M3 forward, E5M2 gradients) against float32 over 10 steps: measured 0.017 on CPU, against a drop of 0.6
     assert (losses - reference).abs().max() < 0.02, (losses, reference)
 
 

@@ -21,6 +21,7 @@ import threading
 from typing import Iterator, Optional
 
 import torch
+import triton
 
 from transformer_engine.common import settings
 from transformer_engine.common.batch_invariant.plan import gemm_tiles, norm_tiles
@@ -76,16 +77,12 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Ten
     if k == 0:
         return c.zero_()
     tiles = gemm_tiles(n, k, str(a.dtype).replace("torch.", ""), a.device.type)
-    grid = (triton_cdiv(m, tiles.BLOCK_M), triton_cdiv(n, tiles.BLOCK_N))
+    grid = (triton.cdiv(m, tiles.BLOCK_M), triton.cdiv(n, tiles.BLOCK_N))
     with torch.cuda.device(a.device) if a.device.type == "cuda" else contextlib.nullcontext():
         bi_gemm_kernel[grid](a, b, c, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0),
                              c.stride(1), BLOCK_M=tiles.BLOCK_M, BLOCK_N=tiles.BLOCK_N, BLOCK_K=tiles.BLOCK_K,
                              num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return c
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
 
 
 class _BatchInvariantLinear(torch.autograd.Function):
@@ -139,7 +136,7 @@ class _BatchInvariantNorm(torch.autograd.Function):
         rstd = torch.empty(rows, device=x2d.device, dtype=torch.float32)
         if rows:
             with torch.cuda.device(x2d.device) if x2d.device.type == "cuda" else contextlib.nullcontext():
-                bi_norm_fwd_kernel[(triton_cdiv(rows, tiles.BLOCK_R),)](
+                bi_norm_fwd_kernel[(triton.cdiv(rows, tiles.BLOCK_R),)](
                     x2d, weight, bias if bias is not None else weight, y, mean, rstd, rows, hidden, x2d.stride(0),
                     y.stride(0), eps, IS_RMS=is_rms, HAS_BIAS=bias is not None, ZERO_CENTERED=zero_centered,
                     BLOCK_R=tiles.BLOCK_R, BLOCK_H=tiles.BLOCK_H, num_warps=tiles.num_warps)
@@ -159,7 +156,7 @@ class _BatchInvariantNorm(torch.autograd.Function):
         if rows:
             tiles = norm_tiles(hidden, x2d.device.type)
             with torch.cuda.device(x2d.device) if x2d.device.type == "cuda" else contextlib.nullcontext():
-                bi_norm_bwd_kernel[(triton_cdiv(rows, tiles.BLOCK_R),)](
+                bi_norm_bwd_kernel[(triton.cdiv(rows, tiles.BLOCK_R),)](
                     x2d, weight, dy, dx, mean, rstd, rows, hidden, x2d.stride(0), dy.stride(0), dx.stride(0),
                     IS_RMS=is_rms, ZERO_CENTERED=zero_centered, BLOCK_R=tiles.BLOCK_R, BLOCK_H=tiles.BLOCK_H,
                     num_warps=tiles.num_warps)

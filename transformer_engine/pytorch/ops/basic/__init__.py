@@ -1,5 +1,12 @@
-"""Single-tensor operations: only ``L2Normalization`` (see ``transformer_engine.pytorch.ops``)."""
+"""Single operations (see ``transformer_engine.pytorch.ops``)."""
 
+from transformer_engine.pytorch.ops.basic.activation import GEGLU, GELU, ReGLU, ReLU, SiLU, SwiGLU
+from transformer_engine.pytorch.ops.basic.basic_linear import BasicLinear
+from transformer_engine.pytorch.ops.basic.bias import Bias
+from transformer_engine.pytorch.ops.basic.collectives import AllReduce, ReduceScatter
+from transformer_engine.pytorch.ops.basic.extra_io import AddExtraInput, MakeExtraOutput
 from transformer_engine.pytorch.ops.basic.l2normalization import L2Normalization
+from transformer_engine.pytorch.ops.basic.normalization import LayerNorm, RMSNorm
 
-__all__ = ["L2Normalization"]
+__all__ = ["AddExtraInput", "AllReduce", "BasicLinear", "Bias", "GEGLU", "GELU", "L2Normalization", "LayerNorm",
+           "MakeExtraOutput", "RMSNorm", "ReGLU", "ReLU", "ReduceScatter", "SiLU", "SwiGLU"]

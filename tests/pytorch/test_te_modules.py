@@ -325,9 +325,9 @@ def test_unimplemented_te_switches_are_refused(kwargs):
             cls(8, 8, device=DEVICE, **kwargs)
 
 
-def test_grouped_linear_and_router_refuse_naming_themselves():
-    with pytest.raises(NotImplementedError, match="GroupedLinear"):
-        te.GroupedLinear(2, 8, 8)
+def test_grouped_linear_refuses_unbuilt_switches_by_name():
+    with pytest.raises(NotImplementedError, match="GroupedLinear.*delay_wgrad_compute"):
+        te.GroupedLinear(2, 8, 8, device=DEVICE, delay_wgrad_compute=True)
 
 
 # --- RNG tracker -----------------------------------------------------------------------------

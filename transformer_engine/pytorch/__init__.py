@@ -32,6 +32,8 @@ from transformer_engine.pytorch.fp8 import (  # noqa: E402,F401
     quantized_model_init,
 )
 from transformer_engine.pytorch.module import (  # noqa: E402,F401
+    Fp8Padding,
+    Fp8Unpadding,
     GroupedLinear,
     LayerNorm,
     LayerNormLinear,

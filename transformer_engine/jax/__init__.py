@@ -14,16 +14,19 @@ except ImportError as err:  # pragma: no cover - exercised by tests/common/test_
 import importlib
 
 from transformer_engine.jax import attention, cpp_extensions, dense, quantize, sharding
+from transformer_engine.jax.batch_invariance import batch_invariant, is_batch_invariant
 from transformer_engine.jax.quantize import autocast, fp8_autocast
 from transformer_engine.jax.sharding import MeshResource, global_mesh_resource, global_shard_guard
 
 __all__ = [
     "attention",
     "autocast",
+    "batch_invariant",
     "cpp_extensions",
     "dense",
     "flax",
     "fp8_autocast",
+    "is_batch_invariant",
     "quantize",
     "sharding",
     "MeshResource",

@@ -4,9 +4,10 @@ With a quantizer set from an FP8 recipe (:mod:`transformer_engine.jax.quantize`)
 (``x @ kernel``), dgrad (``grad @ kernel^T``) and wgrad (``x^T @ grad``) GEMMs take FP8 operands:
 ``jax.lax.dot_general`` on float8_e4m3fn / float8_e5m2 arrays with float32 results, multiplied by
 the operands' inverse scales (on Hopper GPUs XLA emits cuBLASLt's FP8 GEMM for these dots; on CPU
-XLA multiplies the same FP8 values exactly and accumulates in float32). Block scaling splits the
-contraction into its 128-long tiles: one FP8 dot per tile, its float32 product times the two
-tiles' scales, accumulated in tile order, which is the per-tile promotion a block-scaled GEMM does.
+XLA multiplies the same FP8 values exactly and accumulates in float32). Block scaling multiplies the
+exactly dequantized operands (FP8 value times a power-of-two scale, exact in float32) in one float32
+dot, as PyTorch's Linear does where torch has no block-scaled GEMM: one decomposition in both
+frameworks (XLA has no 1x128 / 128x128 block-scaled FP8 GEMM to lower to).
 Without quantization (``noop_quantizer_set``) it is one ``dot_general`` in the input's dtype.
 
 Everything here is deterministic: amaxes are max-reductions, quantization is elementwise, and the
@@ -74,24 +75,6 @@ noop_collective_op_set = CollectiveOpSet.create(CollectiveOp.NONE)
 # ------------------------------------------------------------------------------------------------
 
 
-def _tiles_along(t: ScaledTensor, contract: int):
-    """A block-scaled 2-D operand as (data, tile dim, scale_inv [tiles, free]): its contracted axis
-    split into 128-long tiles; taking one index of the tile dim leaves the contracted axis where it was."""
-    size = _q.BLOCK_SIZE
-    rows, cols = t.data.shape
-    if t.block[contract] != size:
-        raise AssertionError(f"operand tiled {t.block} cannot be contracted along axis {contract}")
-    if contract == 0:
-        data, batch = t.data.reshape(rows // size, size, cols), 0
-        scale_inv, free_tile = t.scale_inv, t.block[1]
-    else:
-        data, batch = t.data.reshape(rows, cols // size, size), 1
-        scale_inv, free_tile = t.scale_inv.T, t.block[0]
-    if free_tile > 1:
-        scale_inv = jnp.repeat(scale_inv, free_tile, axis=1)
-    return data, batch, scale_inv
-
-
 def fp8_gemm(a: ScaledTensor, a_contract: int, b: ScaledTensor, b_contract: int,
              split_accumulator: bool = True) -> jax.Array:
     """float32 ``[a_free, b_free]``: the product of two FP8 operands contracting ``a``'s axis
@@ -107,21 +90,9 @@ def fp8_gemm(a: ScaledTensor, a_contract: int, b: ScaledTensor, b_contract: int,
         return out * (a.scale_inv[0] * b.scale_inv[0])
     if a.block is None or b.block is None:
         raise AssertionError("a tensor-scaled operand cannot meet a block-scaled one")
-    a_data, a_batch, a_scale = _tiles_along(a, a_contract)
-    b_data, b_batch, b_scale = _tiles_along(b, b_contract)
-
-    # One FP8 dot per tile of the contraction, scaled and accumulated in float32 in tile order: the
-    # per-tile promotion of a block-scaled GEMM, with memory for one [a_free, b_free] product.
-    def accumulate(acc, tile):
-        a_tile, b_tile, a_s, b_s = tile
-        product = jax.lax.dot_general(a_tile, b_tile, (((a_contract,), (b_contract,)), ((), ())),
-                                      precision=precision, preferred_element_type=jnp.float32)
-        return acc + product * (a_s[:, None] * b_s[None, :]), None
-
-    tiles = (jnp.moveaxis(a_data, a_batch, 0), jnp.moveaxis(b_data, b_batch, 0), a_scale, b_scale)
-    init = jnp.zeros((a_scale.shape[1], b_scale.shape[1]), jnp.float32)
-    out, _ = jax.lax.scan(accumulate, init, tiles)
-    return out[:a_free, :b_free]
+    # The dequantized operands are exact in float32 (power-of-two scales by default); one float32 dot.
+    return jax.lax.dot_general(a.dequantize(), b.dequantize(), (((a_contract,), (b_contract,)), ((), ())),
+                               precision=precision, preferred_element_type=jnp.float32)
 
 
 def _needs_second_layout(t: ScaledTensor) -> bool:
@@ -253,6 +224,17 @@ def dense(
     kernel = _constrain(kernel, kernel_axes)
     batch = x.shape[:x.ndim - n]
 
+    from transformer_engine.jax.batch_invariance import is_batch_invariant
+
+    if is_batch_invariant():  # the kernels of PyTorch's batch-invariant mode (jax.batch_invariance)
+        from transformer_engine.jax.batch_invariance import bi_matmul, check_no_fp8
+
+        if not quantizer_set.is_noop:
+            check_no_fp8("dense")
+        size = math.prod(kernel.shape[:n])
+        out = bi_matmul(x.reshape(math.prod(batch), size), kernel.reshape(size, -1),
+                        None if bias is None else bias.reshape(-1))
+        return _constrain(out.reshape(*batch, *features), output_axes)
     if quantizer_set.is_noop:
         out = jax.lax.dot_general(x, kernel.astype(x.dtype), ((x_dims, k_dims), ((), ())))
         if bias is not None:

@@ -24,7 +24,7 @@ import torch
 import triton
 
 from transformer_engine.common import settings
-from transformer_engine.common.batch_invariant.plan import gemm_tiles, norm_tiles
+from transformer_engine.common.batch_invariant.plan import col_sum_tiles, gemm_tiles, norm_tiles
 
 __all__ = ["batch_invariant", "is_batch_invariant", "bi_linear", "bi_norm"]
 
@@ -83,6 +83,27 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Ten
                              c.stride(1), BLOCK_M=tiles.BLOCK_M, BLOCK_N=tiles.BLOCK_N, BLOCK_K=tiles.BLOCK_K,
                              num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return c
+
+
+def _col_sums(dy: torch.Tensor, out_dtype: torch.dtype, x2d: Optional[torch.Tensor] = None,
+              mean: Optional[torch.Tensor] = None, rstd: Optional[torch.Tensor] = None):
+    """``(sum_r dy * xhat, sum_r dy)`` over the rows of ``dy`` (2-D, contiguous rows) on the fixed-order
+    column-sum kernel; the first only with ``x2d``, ``mean``, ``rstd`` (else None)."""
+    from transformer_engine.common.batch_invariant.kernels import bi_col_sum_kernel
+
+    rows, hidden = dy.shape
+    has_x = x2d is not None
+    dw = torch.empty(hidden, device=dy.device, dtype=out_dtype) if has_x else None
+    db = torch.empty(hidden, device=dy.device, dtype=out_dtype)
+    if rows == 0 or hidden == 0:
+        return (dw.zero_() if has_x else None), db.zero_()
+    tiles = col_sum_tiles(hidden, dy.device.type)
+    with torch.cuda.device(dy.device) if dy.device.type == "cuda" else contextlib.nullcontext():
+        bi_col_sum_kernel[(triton.cdiv(hidden, tiles.BLOCK_H),)](
+            dy, x2d if has_x else dy, mean if has_x else db, rstd if has_x else db, dw if has_x else db, db, rows,
+            hidden, dy.stride(0), x2d.stride(0) if has_x else dy.stride(0), HAS_X=has_x, BLOCK_R=tiles.BLOCK_R,
+            BLOCK_H=tiles.BLOCK_H, num_warps=tiles.num_warps)
+    return dw, db
 
 
 class _BatchInvariantLinear(torch.autograd.Function):
@@ -160,12 +181,11 @@ class _BatchInvariantNorm(torch.autograd.Function):
                     x2d, weight, dy, dx, mean, rstd, rows, hidden, x2d.stride(0), dy.stride(0), dx.stride(0),
                     IS_RMS=is_rms, ZERO_CENTERED=zero_centered, BLOCK_R=tiles.BLOCK_R, BLOCK_H=tiles.BLOCK_H,
                     num_warps=tiles.num_warps)
-        # Parameter gradients sum over the rows (they depend on the batch by definition): float32 sums in
-        # torch's fixed order for the shape.
-        xhat = (x2d.float() - mean[:, None]) * rstd[:, None]
-        dyf = dy.float()
-        grad_w = (dyf * xhat).sum(dim=0).to(weight.dtype) if ctx.needs_input_grad[1] else None
-        grad_b = dyf.sum(dim=0).to(weight.dtype) if has_bias and ctx.needs_input_grad[2] else None
+        # Parameter gradients sum over the rows (they depend on the batch by definition): the fixed-order column
+        # sums of the shared kernel, so that JAX's mode (the same kernel) gets the same bits.
+        grad_w, grad_b = _col_sums(dy, weight.dtype, x2d, mean, rstd)
+        grad_w = grad_w if ctx.needs_input_grad[1] else None
+        grad_b = grad_b if has_bias and ctx.needs_input_grad[2] else None
         return dx, grad_w, grad_b, None, None, None
 
 

@@ -116,4 +116,33 @@ def bi_norm_bwd_kernel(X, W, DY, DX, Mean, Rstd, R, H, stride_x, stride_dy, stri
                  mask=mask)
 
 
+@triton.jit
+def bi_col_sum_kernel(DY, X, Mean, Rstd, DW, DB, R, H, stride_dy, stride_x,
+                      HAS_X: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Column sums over the rows, BLOCK_H columns per program: ``DB[h] = sum_r dy[r, h]`` and, with ``HAS_X``,
+    a norm's ``DW[h] = sum_r dy[r, h] * xhat[r, h]`` (``xhat = (x - mean) * rstd``). Rows are read BLOCK_R at a
+    time from row 0 into BLOCK_R float32 accumulators per column, summed at the end: the order is a function of
+    the row count alone, the same in every framework that launches this kernel."""
+    cols = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_ok = cols < H
+    offs = tl.arange(0, BLOCK_R)
+    acc_w = tl.zeros((BLOCK_R, BLOCK_H), dtype=tl.float32)
+    acc_b = tl.zeros((BLOCK_R, BLOCK_H), dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        rows = r0 + offs
+        row_ok = rows < R
+        mask = row_ok[:, None] & col_ok[None, :]
+        rows64 = rows.to(tl.int64)
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc_b += dy
+        if HAS_X:
+            x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            mean = tl.load(Mean + rows, mask=row_ok, other=0.0)
+            rstd = tl.load(Rstd + rows, mask=row_ok, other=0.0)
+            acc_w += tl.where(mask, dy * ((x - mean[:, None]) * rstd[:, None]), 0.0)
+    tl.store(DB + cols, tl.sum(acc_b, axis=0).to(DB.dtype.element_ty), mask=col_ok)
+    if HAS_X:
+        tl.store(DW + cols, tl.sum(acc_w, axis=0).to(DW.dtype.element_ty), mask=col_ok)
+
+
 settle_cache_keys(globals())

@@ -56,3 +56,13 @@ def norm_tiles(hidden: int, device_type: str) -> NormTiles:
     block = min(_pow2_at_least(hidden), 4096)
     return NormTiles(BLOCK_R=max(1, 4096 // block) if block < 4096 else 1, BLOCK_H=block,
                      num_warps=8 if block >= 2048 else 4)
+
+
+def col_sum_tiles(hidden: int, device_type: str) -> NormTiles:
+    """Tiles of the column-sum kernel (a norm's weight and bias gradients, a bias gradient): BLOCK_H columns per
+    program, BLOCK_R rows per step (the row order of the sums follows from BLOCK_R and the row count only)."""
+    if hidden < 1:
+        raise ValueError(f"`hidden` must be positive, got {hidden}")
+    if device_type != "cuda":
+        return NormTiles(BLOCK_R=16, BLOCK_H=min(_pow2_at_least(hidden), 64), num_warps=1)
+    return NormTiles(BLOCK_R=32, BLOCK_H=min(_pow2_at_least(hidden), 128), num_warps=4)

@@ -16,7 +16,6 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from transformer_engine.common import modules as _modules
-from transformer_engine.common import recipe as _common_recipe
 from transformer_engine.common.attention import enums as _common
 from transformer_engine.common.attention.backends import fallback_message
 from transformer_engine.common.log import get_logger, warn_once
@@ -104,7 +103,7 @@ class TransformerEngineBase(nn.Module):  # pylint: disable=too-few-public-method
         if fp8_recipe is None:
             return _quantize.QuantizerFactory.create_set(n_groups=n_groups)
         meta = {}
-        if isinstance(fp8_recipe, _common_recipe.DelayedScaling):
+        if _quantize.recipe_quantizers(fp8_recipe).stateful:
             collection = variable_collection if variable_collection is not None else _quantize.NVTE_FP8_COLLECTION_NAME
             scale_shape, history_shape = _quantize.delayed_state_shapes(fp8_recipe)
             for source in (_quantize.TensorSource.X, _quantize.TensorSource.KERNEL, _quantize.TensorSource.DGRAD):
@@ -397,6 +396,11 @@ def layernorm(x: jax.Array, scale: jax.Array, ln_bias: Optional[jax.Array], norm
     ``x / sqrt(mean(x^2) + epsilon) * gamma``; ``gamma`` is ``1 + scale`` with ``zero_centered_gamma``
     (for both, as TransformerEngine-JAX computes it), else ``scale``."""
     norm_type = canonicalize_norm_type(norm_type)
+    from transformer_engine.jax.batch_invariance import bi_norm, is_batch_invariant
+
+    if is_batch_invariant():  # the kernels of PyTorch's batch-invariant mode (jax.batch_invariance)
+        return bi_norm(x, scale, ln_bias if norm_type == "layernorm" else None, epsilon, norm_type == "rmsnorm",
+                       zero_centered_gamma)
     x32 = x.astype(jnp.float32)
     if norm_type == "layernorm":
         centered = x32 - jnp.mean(x32, axis=-1, keepdims=True)

@@ -16,7 +16,8 @@ The copies run on the current stream with ``non_blocking=True``: the device memo
 free once its copy is done, and the reload is stream-ordered after it. There is no separate offload stream, so
 the transfers do not overlap the layer's compute (TransformerEngine's do); the saving in device memory is the
 same. ``retain_pinned_cpu_buffers=True`` keeps each layer's host buffers and reuses them the next step when the
-shapes and dtypes repeat.
+shapes and dtypes repeat (a step's forward then overwrites the previous step's host copies: run each step's
+backward before the next step's forward).
 """
 
 from __future__ import annotations
@@ -44,9 +45,13 @@ def mark_not_offload(*tensors: Optional[torch.Tensor]) -> None:
             tensor._te_do_not_offload = True
 
 
+# Saved tensors on these devices are not copied (they are in host memory already, or have no data).
+_STAYING_DEVICE_TYPES = ("cpu", "meta")
+
+
 def _moves(tensor: torch.Tensor) -> bool:
     """Whether a saved tensor is copied to the host (see the module docstring)."""
-    return (type(tensor) is torch.Tensor and tensor.device.type not in ("cpu", "meta")
+    return (type(tensor) is torch.Tensor and tensor.device.type not in _STAYING_DEVICE_TYPES
             and tensor.is_contiguous() and not getattr(tensor, "_te_do_not_offload", False))
 
 

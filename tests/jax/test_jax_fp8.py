@@ -372,9 +372,11 @@ def _hopper_or_newer():
 
 
 @pytest.mark.skipif(not _hopper_or_newer(), reason="FP8 GEMM lowering is checked on Hopper or newer CUDA GPUs")
-@pytest.mark.parametrize("name", list(RECIPES))
+@pytest.mark.parametrize("name", ["delayed", "current"])
 def test_fp8_dots_lower_to_cublaslt_fp8_gemms_on_gpu(name):
-    """The three GEMMs are cuBLASLt FP8 GEMMs in XLA's optimized program (no upcast dot)."""
+    """The three GEMMs of the per-tensor recipes are cuBLASLt FP8 GEMMs in XLA's optimized program (no
+    upcast dot). Block scaling is one float32 dot over the dequantized operands (XLA has no 1x128 /
+    128x128 block-scaled FP8 GEMM), as PyTorch computes it where torch has none."""
     _, qset = _quantizer_set(name)
     x, w = jnp.ones((256, 512), jnp.bfloat16), jnp.ones((512, 256), jnp.bfloat16)
 

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from jax.tree_util import register_pytree_node_class
 
 from transformer_engine.common import quantization as _q
+from transformer_engine.common import quantizer_roles as _roles
 from transformer_engine.common import recipe as _recipe
 from transformer_engine.jax.sharding import MeshResource, global_shard_guard
 
@@ -58,6 +59,7 @@ __all__ = [
     "get_global_quantize_recipe",
     "is_fp8_available",
     "noop_quantizer_set",
+    "recipe_quantizers",
 ]
 
 # TransformerEngine-JAX's default collection for the delayed-scaling state.
@@ -104,12 +106,6 @@ class AmaxComputeAlgo(enum.Enum):
 # Which recipes run where
 # ------------------------------------------------------------------------------------------------
 
-_BLACKWELL_ONLY = {
-    "MXFP8BlockScaling": "MXFP8 (1x32 blocks with E8M0 scales)",
-    "NVFP4BlockScaling": "NVFP4 (1x16 blocks of E2M1 with E4M3 scales)",
-}
-
-
 def _device_reasons(block: bool) -> List[str]:
     """Why FP8 cannot run on the default device (empty: it can). CPU and TPU run the quantized math
     with XLA's own FP8 dot (no speed-up, the same numbers); CUDA needs FP8 tensor cores (sm89+,
@@ -134,29 +130,25 @@ def _device_reasons(block: bool) -> List[str]:
 
 
 def _recipe_reasons(recipe: Any) -> List[str]:
-    """Why ``recipe`` cannot run here, checked before anything is quantized (empty: it can)."""
-    name = type(recipe).__name__
-    if name in _BLACKWELL_ONLY:
-        return [f"{name} ({_BLACKWELL_ONLY[name]}) needs Blackwell tensor cores (compute capability 10.0+) and is "
-                "not implemented in this package; use DelayedScaling, Float8CurrentScaling or Float8BlockScaling"]
-    if isinstance(recipe, _recipe.CustomRecipe):
-        return ["CustomRecipe is not implemented: the quantizers are the built-in recipes' own"]
-    if not isinstance(recipe, (_recipe.DelayedScaling, _recipe.Float8CurrentScaling, _recipe.Float8BlockScaling)):
-        return [f"`recipe` must be a transformer_engine.common.recipe.Recipe, got {recipe!r}"]
+    """Why ``recipe`` cannot run here, checked before anything is quantized (empty: it can). The recipe is
+    read through its quantizer specs (``common.quantizer_roles``), as PyTorch reads it."""
+    reason = _roles.refusal(recipe)
+    if reason is not None:
+        return [reason]
+    quantizers = _roles.quantizers_for(recipe)
     reasons = []
-    if isinstance(recipe, _recipe.DelayedScaling):
-        if getattr(recipe, "scaling_factor_compute_algo", None) is not None:
-            reasons.append("DelayedScaling.scaling_factor_compute_algo is not supported with JAX (as in "
-                           "TransformerEngine-JAX): the scale is fp8_max / 2**margin / amax")
-        if not getattr(recipe, "reduce_amax", True):
-            reasons.append("DelayedScaling.reduce_amax=False is not supported with JAX: the amax is always the "
-                           "whole (sharded) tensor's, as in TransformerEngine-JAX")
-        if getattr(recipe, "interval", 1) != 1:
-            reasons.append(f"DelayedScaling.interval must be 1, got {recipe.interval!r}")
+    if any(s.scaling_factor_compute_algo is not None for s in quantizers.specs):
+        reasons.append("DelayedScaling.scaling_factor_compute_algo is not supported with JAX (as in "
+                       "TransformerEngine-JAX): the scale is fp8_max / 2**margin / amax")
+    if any(s.stateful and not s.reduce_amax for s in quantizers.specs):
+        reasons.append("DelayedScaling.reduce_amax=False is not supported with JAX: the amax is always the "
+                       "whole (sharded) tensor's, as in TransformerEngine-JAX")
+    if getattr(recipe, "interval", 1) != 1:
+        reasons.append(f"DelayedScaling.interval must be 1, got {recipe.interval!r}")
     if getattr(recipe, "backward_override", None) is not None:
         reasons.append(f"backward_override={recipe.backward_override!r} is not implemented: the backward GEMMs run "
                        "in FP8")
-    reasons += _device_reasons(isinstance(recipe, _recipe.Float8BlockScaling))
+    reasons += _device_reasons(quantizers.needs_block_gemm_device)
     return reasons
 
 
@@ -374,7 +366,7 @@ class DelayedScaleQuantizer(Quantizer):
 
     def updated(self, amax: jax.Array) -> "DelayedScaleQuantizer":
         """The state after a quantization whose tensor had ``amax`` ``[1]``."""
-        history = self.amax_history.at[0].set(amax[0])
+        history = self.amax_history.at[0].set(_roles.record_amax(jnp, self.amax_history[0], amax[0]))
         rolled, scale = _q.delayed_update(jnp, history[:, None], self.scale, _q.fp8_max(self.fmt), self.margin,
                                           self.amax_compute_algo.value)
         return dataclasses.replace(self, scale=scale.reshape((1,)).astype(jnp.float32),
@@ -443,42 +435,49 @@ noop_quantizer_set = QuantizerSet()
 # ------------------------------------------------------------------------------------------------
 
 
-def _format_names(recipe: Any) -> Tuple[str, str]:
-    fmt = recipe.fp8_format
-    # By name: the Format enum's values differ between recipe.py versions.
-    return _q.format_dtypes(fmt.name if isinstance(fmt, enum.Enum) else fmt)
+_ROLES = {TensorSource.X: _roles.Role.INPUT, TensorSource.KERNEL: _roles.Role.WEIGHT,
+          TensorSource.DGRAD: _roles.Role.GRAD_OUTPUT}
 
 
-def _qparams(recipe: Any, field: str, power_2_default: bool) -> Tuple[bool, float]:
-    """(power_2_scale, amax_epsilon) of a recipe's QParams field, TransformerEngine's defaults where absent."""
-    params = getattr(recipe, field, None)
-    return (bool(getattr(params, "power_2_scale", power_2_default)), float(getattr(params, "amax_epsilon", 0.0)))
-
-
-_QPARAM_FIELDS = {TensorSource.X: "fp8_quant_fwd_inp", TensorSource.KERNEL: "fp8_quant_fwd_weight",
-                  TensorSource.DGRAD: "fp8_quant_bwd_grad"}
-
-
-def _amax_compute_algo(recipe: Any) -> AmaxComputeAlgo:
-    algo = getattr(recipe, "amax_compute_algo", "max")
+def _amax_compute_algo(spec: _roles.QuantizerSpec) -> AmaxComputeAlgo:
+    algo = spec.amax_compute_algo
     if algo not in ("max", "most_recent"):
         raise NotImplementedError(f"`amax_compute_algo` must be 'max' or 'most_recent' with JAX (as in "
                                   f"TransformerEngine-JAX), got {algo!r}")
     return AmaxComputeAlgo(algo)
 
 
-def _split_accumulator(recipe: Any) -> Tuple[bool, bool, bool]:
-    """(fprop, dgrad, wgrad) ``use_split_accumulator`` of a recipe, TransformerEngine's defaults where
-    absent: fast accumulation in the forward of per-tensor recipes, split accumulation elsewhere."""
-    block = isinstance(recipe, _recipe.Float8BlockScaling)
-    defaults = {"fp8_gemm_fprop": block, "fp8_gemm_dgrad": True, "fp8_gemm_wgrad": True}
-    return tuple(bool(getattr(getattr(recipe, name, None), "use_split_accumulator", default))
-                 for name, default in defaults.items())
+def recipe_quantizers(recipe: Any) -> _roles.RecipeQuantizers:
+    """The recipe's quantizer specs per role (``common.quantizer_roles``), refused recipes raising by name."""
+    _check_recipe(recipe)
+    return _roles.quantizers_for(recipe)
 
 
 def delayed_state_shapes(recipe: Any) -> Tuple[Tuple[int], Tuple[int]]:
-    """Shapes of a delayed-scaling quantizer's ``scale`` and ``amax_history`` variables."""
-    return (1,), (int(getattr(recipe, "amax_history_len", 1024)),)
+    """Shapes of a stateful (delayed-scaling) quantizer's ``scale`` and ``amax_history`` variables."""
+    return (1,), (int(recipe_quantizers(recipe).input.amax_history_len),)
+
+
+def _delayed(spec, q_dtype, checkpoint_name, scale, amax_history):
+    return DelayedScaleQuantizer(
+        q_dtype, checkpoint_name=checkpoint_name, margin=float(spec.margin),
+        amax_compute_algo=_amax_compute_algo(spec),
+        scale=jnp.ones((1,), jnp.float32) if scale is None else scale,
+        amax_history=jnp.zeros((spec.amax_history_len,), jnp.float32) if amax_history is None else amax_history)
+
+
+def _current(spec, q_dtype, checkpoint_name, scale, amax_history):
+    return CurrentScaleQuantizer(q_dtype, checkpoint_name=checkpoint_name, power_2_scale=spec.power_2_scale,
+                                 amax_epsilon=spec.amax_epsilon)
+
+
+def _block(spec, q_dtype, checkpoint_name, scale, amax_history):
+    mode = ScalingMode.BLOCK_SCALING_2D if spec.tile == _roles.SQUARE_TILE else ScalingMode.BLOCK_SCALING_1D
+    return BlockScaleQuantizer(q_dtype, mode, checkpoint_name, spec.power_2_scale, spec.amax_epsilon)
+
+
+# One quantizer per scaling kind (the specs' kinds, not the recipes' types).
+_QUANTIZERS = {_roles.Scaling.DELAYED: _delayed, _roles.Scaling.CURRENT: _current, _roles.Scaling.BLOCK: _block}
 
 
 class QuantizerFactory:
@@ -487,30 +486,8 @@ class QuantizerFactory:
     @staticmethod
     def create_quantizer(recipe: Any, source: TensorSource, checkpoint_name: Optional[str] = None,
                          scale: Any = None, amax_history: Any = None) -> Quantizer:
-        fwd, bwd = _format_names(recipe)
-        q_dtype = _FP8_DTYPES[bwd if source is TensorSource.DGRAD else fwd]
-        if isinstance(recipe, _recipe.DelayedScaling):
-            scale_shape, history_shape = delayed_state_shapes(recipe)
-            return DelayedScaleQuantizer(
-                q_dtype, checkpoint_name=checkpoint_name, margin=float(getattr(recipe, "margin", 0)),
-                amax_compute_algo=_amax_compute_algo(recipe),
-                scale=jnp.ones(scale_shape, jnp.float32) if scale is None else scale,
-                amax_history=jnp.zeros(history_shape, jnp.float32) if amax_history is None else amax_history)
-        if isinstance(recipe, _recipe.Float8CurrentScaling):
-            p2, eps = _qparams(recipe, _QPARAM_FIELDS[source], False)
-            return CurrentScaleQuantizer(q_dtype, checkpoint_name=checkpoint_name, power_2_scale=p2, amax_epsilon=eps)
-        if isinstance(recipe, _recipe.Float8BlockScaling):
-            dim_field = {TensorSource.X: "x_block_scaling_dim", TensorSource.KERNEL: "w_block_scaling_dim",
-                         TensorSource.DGRAD: "grad_block_scaling_dim"}[source]
-            dim = getattr(recipe, dim_field, 2 if source is TensorSource.KERNEL else 1)
-            if dim != (2 if source is TensorSource.KERNEL else 1):
-                raise NotImplementedError(f"`{dim_field}={dim}` is not implemented: only TransformerEngine's defaults "
-                                          "(1x128 activations and gradients, 128x128 weights)")
-            mode = ScalingMode.BLOCK_SCALING_2D if dim == 2 else ScalingMode.BLOCK_SCALING_1D
-            p2, eps = _qparams(recipe, _QPARAM_FIELDS[source], True)
-            return BlockScaleQuantizer(q_dtype, mode, checkpoint_name, p2, eps)
-        _check_recipe(recipe)
-        raise AssertionError("unreachable")  # _check_recipe raised
+        spec = recipe_quantizers(recipe).spec(_ROLES[source])
+        return _QUANTIZERS[spec.scaling](spec, _FP8_DTYPES[spec.fmt], checkpoint_name, scale, amax_history)
 
     @staticmethod
     def create_set(n_quantizer_sets: int = 1, scaling_mode: Optional[ScalingMode] = None, fwd_dtype: Any = None,
@@ -542,7 +519,7 @@ class QuantizerFactory:
             _check_recipe(fp8_recipe)
             meta = meta or {}
 
-            split = _split_accumulator(fp8_recipe)
+            split = recipe_quantizers(fp8_recipe).split_accumulator
 
             def one():
                 return QuantizerSet(*(

@@ -27,18 +27,14 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 
 
+from transformer_engine.common import quantizer_roles as _roles
 from transformer_engine.common import recipe as _recipe
 from transformer_engine.pytorch.recompute_frames import in_checkpointed_training_forward, in_fp8_activation_recompute_phase
 
-# What a recipe needs that this package has not built, with the hardware it needs.
-MXFP8_UNAVAILABLE_REASON = ("MXFP8 (MXFP8BlockScaling) needs Blackwell (sm100+) tensor cores and is not implemented "
-                            "by the deterministic-attention package; use DelayedScaling, Float8CurrentScaling or "
-                            "Float8BlockScaling")
-NVFP4_UNAVAILABLE_REASON = ("NVFP4 (NVFP4BlockScaling) needs Blackwell (sm100+) tensor cores and is not implemented "
-                            "by the deterministic-attention package; use DelayedScaling, Float8CurrentScaling or "
-                            "Float8BlockScaling")
-CUSTOM_RECIPE_REASON = ("CustomRecipe (user quantizer factories) is not implemented: quantizers here are the "
-                        "recipes' own")
+# What a recipe needs that this package has not built, with the hardware it needs (common.quantizer_roles).
+MXFP8_UNAVAILABLE_REASON = _roles.MXFP8_UNAVAILABLE_REASON
+NVFP4_UNAVAILABLE_REASON = _roles.NVFP4_UNAVAILABLE_REASON
+CUSTOM_RECIPE_REASON = _roles.CUSTOM_RECIPE_REASON
 FP8_MODEL_INIT_REASON = ("FP8 parameters (fp8_model_init / quantized_model_init with enabled=True) are not "
                          "implemented: weights are kept in their parameter dtype and quantized in each forward "
                          "(cached across micro-batches with is_first_microbatch)")
@@ -104,15 +100,9 @@ def check_nvfp4_support(device: Union[str, torch.device, None] = None) -> Tuple[
 
 def check_recipe_support(recipe: Any, device: Union[str, torch.device, None] = None) -> None:
     """NotImplementedError (by recipe name, with the reason) unless ``recipe`` runs on ``device``."""
-    if not isinstance(recipe, _recipe.Recipe):
-        raise ValueError(f"`recipe` must be a transformer_engine.common.recipe.Recipe, got {recipe!r}")
-    if recipe.mxfp8():
-        raise NotImplementedError(f"{type(recipe).__name__}: {MXFP8_UNAVAILABLE_REASON}")
-    if recipe.nvfp4():
-        raise NotImplementedError(f"{type(recipe).__name__}: {NVFP4_UNAVAILABLE_REASON}")
-    if recipe.custom():
-        raise NotImplementedError(f"{type(recipe).__name__}: {CUSTOM_RECIPE_REASON}")
-    check = check_fp8_block_scaling_support if recipe.float8_block_scaling() else check_fp8_support
+    # The recipe's quantizer specs say what it needs (refused recipes raise here, by name).
+    quantizers = _roles.quantizers_for(recipe)
+    check = check_fp8_block_scaling_support if quantizers.needs_block_gemm_device else check_fp8_support
     ok, reason = check(device)
     if not ok:
         raise NotImplementedError(f"{type(recipe).__name__}: {reason}")

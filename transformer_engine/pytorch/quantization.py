@@ -9,6 +9,11 @@ largest finite value (as TransformerEngine's casts do); NaN stays NaN.
 Determinism: amaxes are max-reductions (order-free), the casts are elementwise, the amax all-reduce is
 a MAX, and the GEMMs are torch's (fixed per shape and device), so every quantity is bitwise
 reproducible run to run.
+
+One quantizer path: :class:`Quantizer` is a role's quantizer built from its
+``common.quantizer_roles.QuantizerSpec`` (the recipe's specs, made once by ``quantizers_for``); it
+dispatches on the spec's scaling kind, never on the recipe's type. :func:`scaled_gemm` is the one GEMM
+dispatch of quantized operands.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 
 from transformer_engine.common import quantization as q
+from transformer_engine.common import quantizer_roles as roles
 from transformer_engine.common import recipe as _recipe
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -62,7 +68,7 @@ class DelayedScalingMeta:
     def record_amax(self, index: int, amax: torch.Tensor) -> None:
         """Fold a quantized tensor's amax into this step's row (max over the calls since the last update)."""
         row = self.amax_history[0]
-        row[index] = torch.maximum(row[index], amax.to(torch.float32))
+        row[index] = roles.record_amax(torch, row[index], amax.to(torch.float32))
 
 
 def reduce_and_update_delayed_metas(metas: Sequence[DelayedScalingMeta]) -> None:
@@ -178,6 +184,52 @@ def quantize_blocks(x: torch.Tensor, tile: Tuple[int, int], fmt: str, qparams: A
     return Quantized(data[:rows, :cols].contiguous(), torch.reciprocal(scale), fmt, tile)
 
 
+# --- quantizers -----------------------------------------------------------------------------------
+
+class Quantizer:
+    """One role's quantizer (input, weight or grad_output) under a recipe: its spec and, for delayed
+    scaling, the meta (and column) whose scale it applies and into whose history row 0 it records.
+
+    :meth:`quantize` returns the operand tiled along the GEMM's contraction (the 2-D tensor's columns) and,
+    when the spec's tiles are not square, the tensor quantized again tiled along its rows for the GEMM that
+    contracts them (wgrad); None where the transpose of the first serves (one scale, 128x128 tiles).
+    """
+
+    def __init__(self, spec: roles.QuantizerSpec, meta: Optional[Any] = None, index: int = 0) -> None:
+        if spec.stateful and meta is None:
+            raise ValueError(f"a {spec.scaling.value}-scaling quantizer needs its state (`meta`), got None")
+        self.spec, self.meta, self.index = spec, meta, index
+
+    @property
+    def fmt(self) -> str:
+        return self.spec.fmt
+
+    def quantize(self, x: torch.Tensor) -> Tuple[Quantized, Optional[Quantized]]:
+        return _QUANTIZE[self.spec.scaling](self, x)
+
+    def record(self, x: torch.Tensor) -> None:
+        """Calibration (a high-precision run): record the amax a stateful quantizer would record."""
+        if self.spec.stateful:
+            with torch.no_grad():
+                self.meta.record_amax(self.index, amax_of(x))
+
+    def _delayed(self, x: torch.Tensor) -> Tuple[Quantized, None]:
+        self.meta.record_amax(self.index, amax_of(x))
+        return quantize_with_scale(x, self.meta.scale[self.index], self.fmt), None
+
+    def _current(self, x: torch.Tensor) -> Tuple[Quantized, None]:
+        return quantize_current(x, self.fmt, self.spec)[0], None
+
+    def _block(self, x: torch.Tensor) -> Tuple[Quantized, Optional[Quantized]]:
+        tile = self.spec.tile
+        second = quantize_blocks(x.t(), tile, self.fmt, self.spec) if self.spec.second_layout else None
+        return quantize_blocks(x, tile, self.fmt, self.spec), second
+
+
+_QUANTIZE = {roles.Scaling.DELAYED: Quantizer._delayed, roles.Scaling.CURRENT: Quantizer._current,
+             roles.Scaling.BLOCK: Quantizer._block}
+
+
 # --- GEMMs ----------------------------------------------------------------------------------------
 
 def _pad_to(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -188,17 +240,83 @@ def _pad_to(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return out
 
 
-def scaled_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype, use_split_accumulator: bool = True) -> torch.Tensor:
+def _pad_scales(scale_inv: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Scales of a zero-padded operand: the padding's scales are 1 (they multiply zeros)."""
+    if scale_inv.shape == (rows, cols):
+        return scale_inv
+    out = torch.ones(rows, cols, dtype=scale_inv.dtype, device=scale_inv.device)
+    out[:scale_inv.shape[0], :scale_inv.shape[1]] = scale_inv
+    return out
+
+
+def _torch_block_scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b.T`` through torch's block-scaled FP8 GEMM (cuBLASLt's 1x128 / 128x128 kernels on Hopper).
+
+    Its layout rules (torch's checks): a [M, K] row-major with scales [M, K/128] M-major; b as a
+    column-major [K, N] with 1x128 scales [N, K/128] N-major, or 128x128 scales [round_up(K/128, 4),
+    N/128] K-major. Operands are zero-padded to M, N multiples of 128 and K of 512 (so K/128 is a
+    multiple of 4), which changes no product.
+    """
+    functional = torch.nn.functional
+    block = q.BLOCK_SIZE
+    m, k = a.data.shape
+    n = b.data.shape[0]
+    mp, np_, kp = m + (-m % block), n + (-n % block), k + (-k % (4 * block))
+    a_data, b_data = _pad_to(a.data, mp, kp), _pad_to(b.data, np_, kp)
+    a_scale = _pad_scales(a.scale_inv, mp, kp // block).t().contiguous().t()
+    if b.tile == roles.SQUARE_TILE:
+        b_scale = _pad_scales(b.scale_inv, np_ // block, kp // block).contiguous().t()
+        b_recipe = functional.ScalingType.BlockWise128x128
+    else:
+        b_scale = _pad_scales(b.scale_inv, np_, kp // block).t().contiguous().t()
+        b_recipe = functional.ScalingType.BlockWise1x128
+    out = functional.scaled_mm(a_data, b_data.t(), a_scale, functional.ScalingType.BlockWise1x128, b_scale, b_recipe,
+                               output_dtype=out_dtype)
+    return out[:m, :n]
+
+
+# (device, tile of b) -> whether torch's block-scaled GEMM runs there (probed once).
+_BLOCK_GEMM_AVAILABLE: dict = {}
+
+
+def block_scaled_gemm_available(device: torch.device, b_tile: Tuple[int, int] = roles.SQUARE_TILE) -> bool:
+    """Whether torch's block-scaled FP8 GEMM runs on ``device`` for a 1x128-tiled left operand and a right
+    operand tiled ``b_tile``: a CUDA device, a torch with ``torch.nn.functional.scaled_mm`` and its
+    ``ScalingType.BlockWise*`` scales, and a probe GEMM that runs (torch refuses the layouts on CPU and on
+    GPUs without the cuBLASLt kernels)."""
+    device = torch.device(device)
+    functional = torch.nn.functional
+    if device.type != "cuda" or not hasattr(functional, "scaled_mm") or not hasattr(functional, "ScalingType"):
+        return False
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (device, tuple(b_tile))
+    if key not in _BLOCK_GEMM_AVAILABLE:
+        block = q.BLOCK_SIZE
+        zeros = torch.zeros(block, 4 * block, dtype=torch.float8_e4m3fn, device=device)
+        a = Quantized(zeros, torch.ones(block, 4, device=device), "e4m3", roles.ROW_TILE)
+        b_scale = torch.ones(*((1, 4) if tuple(b_tile) == roles.SQUARE_TILE else (block, 4)), device=device)
+        b = Quantized(zeros, b_scale, "e4m3", tuple(b_tile))
+        try:
+            _torch_block_scaled_mm(a, b, torch.float32)
+            _BLOCK_GEMM_AVAILABLE[key] = True
+        except (RuntimeError, NotImplementedError, ValueError, TypeError):
+            _BLOCK_GEMM_AVAILABLE[key] = False
+    return _BLOCK_GEMM_AVAILABLE[key]
+
+
+def scaled_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype, use_split_accumulator: bool = True,
+                dequantized: bool = False) -> torch.Tensor:
     """``dequant(a) @ dequant(b).T`` for a [M, K] and b [N, K], both quantized along K: [M, N] in ``out_dtype``.
 
-    One scale per operand: ``torch._scaled_mm`` (cuBLASLt's FP8 GEMM on CUDA; it needs M, N, K multiples
-    of 16 there, so operands are zero-padded, which changes no product). Tiles: torch's CPU scaled GEMM
-    rejects 1x128 / 128x128 scales (``torch.nn.functional.scaled_mm`` with ``ScalingType.BlockWise1x128``
-    raises "Invalid scaling configuration" in torch 2.13 and 2.15; only TensorWise and RowWise run
-    there), and its CUDA block-scaled path is not wired in here yet, so the product is formed from the
-    exactly dequantized operands (FP8 value times a power-of-two scale, exact in float32) with one
-    float32 GEMM: the same quantized math, accumulated in float32 as the tensor-core kernel's split
-    accumulator does, at float32 GEMM speed.
+    - One scale per operand: ``torch._scaled_mm`` (cuBLASLt's FP8 GEMM on CUDA; it needs M, N, K multiples
+      of 16 there, so operands are zero-padded, which changes no product).
+    - Tiles (Float8BlockScaling): on CUDA devices where torch has the block-scaled FP8 GEMM
+      (:func:`block_scaled_gemm_available`), that GEMM (split accumulation, as the recipe requires).
+      Elsewhere (CPU: torch 2.13 and 2.15 raise "Invalid scaling configuration" for ``BlockWise1x128``
+      there), or with ``dequantized=True``, the product of the exactly dequantized operands (FP8 value
+      times a power-of-two scale, exact in float32) in one float32 GEMM: the same quantized math,
+      accumulated in float32, at float32 GEMM speed. JAX's ``dense`` computes block scaling this way.
     """
     if a.data.shape[1] != b.data.shape[1]:
         raise ValueError(f"operands must share the contraction dim, got {tuple(a.data.shape)} and {tuple(b.data.shape)}")
@@ -212,10 +330,16 @@ def scaled_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype, use_split_ac
             return out[:m, :n]
         return torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale_inv, scale_b=b.scale_inv, out_dtype=out_dtype,
                                 use_fast_accum=not use_split_accumulator)
+    if (a.tile is None) != (b.tile is None):
+        raise ValueError(f"a tensor-scaled operand cannot meet a block-scaled one, got tiles {a.tile} and {b.tile}")
+    if (not dequantized and a.tile == roles.ROW_TILE and b.tile in (roles.ROW_TILE, roles.SQUARE_TILE)
+            and out_dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and block_scaled_gemm_available(a.data.device, b.tile)):
+        return _torch_block_scaled_mm(a, b, out_dtype)
     out = torch.mm(a.dequantize(torch.float32), b.dequantize(torch.float32).t())
     return out if out_dtype == torch.float32 else out.to(out_dtype)
 
 
 __all__ = ["FP8_DTYPES", "DelayedScalingMeta", "reduce_and_update_delayed_metas", "update_delayed_meta",
-           "Quantized", "amax_of", "cast_to_fp8", "quantize_with_scale", "quantize_current", "quantize_blocks",
-           "scaled_gemm"]
+           "Quantized", "Quantizer", "amax_of", "cast_to_fp8", "quantize_with_scale", "quantize_current",
+           "quantize_blocks", "block_scaled_gemm_available", "scaled_gemm"]

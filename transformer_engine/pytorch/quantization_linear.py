@@ -1,15 +1,19 @@
 """FP8 GEMMs of Linear and LayerNormLinear: the per-module state, the per-call plan, the autograd Function.
 
 Forward ``y = x W^T`` (fprop), backward ``dx = dy W`` (dgrad) and ``dW = dy^T x`` (wgrad) all run on
-quantized operands, as TransformerEngine's modules run them:
+quantized operands, as TransformerEngine's modules run them. The recipe is read once, as its quantizer
+specs (``common.quantizer_roles.quantizers_for``: a spec per role, input, weight and grad_output, and
+each GEMM's accumulation); the plan holds one ``pytorch.quantization.Quantizer`` per role and never
+looks at the recipe's type:
 
-- DelayedScaling: one scale per tensor from the module's amax history (forward: input, weight,
-  output; backward: grad output, grad input). Each quantization uses the scale current at that moment
-  (computed by the last update) and folds its amax into history row 0; the updates happen when the
-  outermost autocast exits (forward) and at the end of the backward of the first FP8 module (backward).
-- Float8CurrentScaling: one scale per tensor from its own amax, no state.
-- Float8BlockScaling: 1x128 tiles along the contraction for activations and gradients (quantized a
-  second time, from high precision, along the token dim for wgrad), 128x128 tiles for weights (whose
+- a stateful (delayed-scaling) spec: one scale per tensor from the module's amax history (forward:
+  input, weight, output; backward: grad output, grad input). Each quantization uses the scale current
+  at that moment (computed by the last update) and folds its amax into history row 0; the updates
+  happen when the outermost autocast exits (forward) and at the end of the backward of the first FP8
+  module (backward);
+- current scaling: one scale per tensor from its own amax, no state;
+- block scaling: 1x128 tiles along the contraction for activations and gradients (quantized a second
+  time, from high precision, along the token dim for wgrad), 128x128 tiles for weights (whose
   transpose is exact, so dgrad reuses them).
 
 Per-tensor operands are transposed for the backward GEMMs (same values, same scale). The weight is
@@ -23,25 +27,13 @@ from typing import Any, Optional, Tuple
 
 import torch
 
-from transformer_engine.common import quantization as q
+from transformer_engine.common import quantizer_roles as roles
 from transformer_engine.common import recipe as _recipe
-from transformer_engine.pytorch.quantization import (
-    DelayedScalingMeta,
-    Quantized,
-    amax_of,
-    quantize_blocks,
-    quantize_current,
-    quantize_with_scale,
-    scaled_gemm,
-)
+from transformer_engine.pytorch.quantization import DelayedScalingMeta, Quantized, Quantizer, scaled_gemm
 
 # Columns of the delayed-scaling metas, in TransformerEngine's order.
 FWD_INPUT, FWD_WEIGHT, FWD_OUTPUT = 0, 1, 2
 BWD_GRAD_OUTPUT, BWD_GRAD_INPUT = 0, 1
-_ROW_TILE = (1, q.BLOCK_SIZE)
-_WEIGHT_TILE = (q.BLOCK_SIZE, q.BLOCK_SIZE)
-# TransformerEngine's per-GEMM accumulation for recipes that do not declare it (delayed scaling).
-_DEFAULT_MM = {"fprop": _recipe.MMParams(False), "dgrad": _recipe.MMParams(True), "wgrad": _recipe.MMParams(True)}
 
 
 def accumulate_into_main_grad(weight: torch.Tensor, wgrad: torch.Tensor, overwrite: bool) -> Optional[torch.Tensor]:
@@ -93,19 +85,20 @@ class LinearFP8State:
         """This call's plan; registers delayed-scaling metas for their updates when FP8 is enabled."""
         from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
 
+        quantizers = roles.quantizers_for(recipe)
         fwd_meta = bwd_meta = None
-        if recipe.delayed():
+        if quantizers.stateful:
             fwd_meta, bwd_meta = self._delayed_metas(recipe, device)
             if enabled:
                 fwd_meta.group = bwd_meta.group = group
                 FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(fwd_meta, True)
                 FP8GlobalStateManager.add_fp8_tensors_to_global_buffer(bwd_meta, False)
-        return LinearFP8Plan(recipe, fwd_meta, bwd_meta, self)
+        return LinearFP8Plan(recipe, fwd_meta, bwd_meta, self, quantizers)
 
     def quantized_weight(self, plan: "LinearFP8Plan", weight: torch.Tensor,
                          is_first_microbatch: Optional[bool]) -> Quantized:
         """The weight's FP8 operand: cached on is_first_microbatch=True, reused while it is False."""
-        key = (type(plan.recipe), plan.fwd_fmt, weight.device, tuple(weight.shape))
+        key = (plan.quantizers.weight, weight.device, tuple(weight.shape))
         if is_first_microbatch is False and self._weight_cache is not None and self._weight_cache[0] == key:
             return self._weight_cache[1]
         with torch.no_grad():
@@ -126,62 +119,48 @@ class _FrozenScales:
 
 
 class LinearFP8Plan:
-    """One call's quantization: the recipe, its formats and (delayed scaling) the metas to read and record."""
+    """One call's quantization: the recipe's quantizer specs, a quantizer per role and (delayed scaling) the
+    metas they read and record."""
 
     def __init__(self, recipe: _recipe.Recipe, fwd_meta: Optional[DelayedScalingMeta],
-                 bwd_meta: Optional[DelayedScalingMeta], state: LinearFP8State) -> None:
+                 bwd_meta: Optional[DelayedScalingMeta], state: LinearFP8State,
+                 quantizers: Optional[roles.RecipeQuantizers] = None) -> None:
         self.recipe = recipe
-        self.fwd_fmt, self.bwd_fmt = q.format_dtypes(recipe.fp8_format)
+        self.quantizers = quantizers if quantizers is not None else roles.quantizers_for(recipe)
+        self.fwd_fmt, self.bwd_fmt = self.quantizers.input.fmt, self.quantizers.grad_output.fmt
         self.fwd_meta, self.bwd_meta = fwd_meta, bwd_meta
         self.state = state
-        self.block = recipe.float8_block_scaling()
+        self.input = Quantizer(self.quantizers.input, fwd_meta, FWD_INPUT)
+        self.weight = Quantizer(self.quantizers.weight, fwd_meta, FWD_WEIGHT)
+        self.grad_output = Quantizer(self.quantizers.grad_output, bwd_meta, BWD_GRAD_OUTPUT)
 
     def mm(self, gemm: str) -> bool:
         """use_split_accumulator of the fprop / dgrad / wgrad GEMM."""
-        return getattr(self.recipe, f"fp8_gemm_{gemm}", _DEFAULT_MM[gemm]).use_split_accumulator
+        return self.quantizers.use_split_accumulator(gemm)
 
     # Each returns (operand along the GEMM's contraction, operand for the wgrad GEMM or None when it is
     # the transpose of the first).
     def quantize_input(self, x: torch.Tensor) -> Tuple[Quantized, Optional[Quantized]]:
-        if self.block:
-            qp = self.recipe.fp8_quant_fwd_inp
-            return quantize_blocks(x, _ROW_TILE, self.fwd_fmt, qp), quantize_blocks(x.t(), _ROW_TILE, self.fwd_fmt, qp)
-        if self.fwd_meta is not None:
-            self.fwd_meta.record_amax(FWD_INPUT, amax_of(x))
-            return quantize_with_scale(x, self.fwd_meta.scale[FWD_INPUT], self.fwd_fmt), None
-        return quantize_current(x, self.fwd_fmt, self.recipe.fp8_quant_fwd_inp)[0], None
+        return self.input.quantize(x)
 
     def quantize_weight(self, w: torch.Tensor) -> Quantized:
-        if self.block:
-            return quantize_blocks(w, _WEIGHT_TILE, self.fwd_fmt, self.recipe.fp8_quant_fwd_weight)
-        if self.fwd_meta is not None:
-            self.fwd_meta.record_amax(FWD_WEIGHT, amax_of(w))
-            return quantize_with_scale(w, self.fwd_meta.scale[FWD_WEIGHT], self.fwd_fmt)
-        return quantize_current(w, self.fwd_fmt, self.recipe.fp8_quant_fwd_weight)[0]
+        return self.weight.quantize(w)[0]
 
     def quantize_grad(self, dy: torch.Tensor) -> Tuple[Quantized, Optional[Quantized]]:
-        if self.block:
-            qp = self.recipe.fp8_quant_bwd_grad
-            return quantize_blocks(dy, _ROW_TILE, self.bwd_fmt, qp), quantize_blocks(dy.t(), _ROW_TILE, self.bwd_fmt, qp)
-        if self.bwd_meta is not None:
-            self.bwd_meta.record_amax(BWD_GRAD_OUTPUT, amax_of(dy))
-            return quantize_with_scale(dy, self.bwd_meta.scale[BWD_GRAD_OUTPUT], self.bwd_fmt), None
-        return quantize_current(dy, self.bwd_fmt, self.recipe.fp8_quant_bwd_grad)[0], None
+        return self.grad_output.quantize(dy)
 
     def frozen(self) -> "LinearFP8Plan":
         """This plan as activation recompute replays it: the forward scales current now, no amax recorded
         (the first forward recorded them); the backward's metas are the live ones."""
         fwd_meta = None if self.fwd_meta is None else _FrozenScales(self.fwd_meta)
-        plan = LinearFP8Plan(self.recipe, fwd_meta, self.bwd_meta, self.state)
+        plan = LinearFP8Plan(self.recipe, fwd_meta, self.bwd_meta, self.state, self.quantizers)
         plan.enabled = getattr(self, "enabled", False)
         return plan
 
     def calibrate(self, x: torch.Tensor, weight: torch.Tensor) -> None:
         """Calibration (high-precision run): record the input and weight amaxes delayed scaling would record."""
-        if self.fwd_meta is not None:
-            with torch.no_grad():
-                self.fwd_meta.record_amax(FWD_INPUT, amax_of(x))
-                self.fwd_meta.record_amax(FWD_WEIGHT, amax_of(weight))
+        self.input.record(x)
+        self.weight.record(weight)
 
 
 def _saved(op: Optional[Quantized]):

@@ -313,8 +313,8 @@ def test_a_recompute_running_other_fp8_modules_is_an_error(mode):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                     reason="FP8 attention runs on Triton kernels: needs TRITON_INTERPRET=1 or a CUDA GPU")
 def test_fp8_attention_under_checkpoint_keeps_its_delayed_scales(monkeypatch):
-    """DotProductAttention with fp8_dpa=True updates its delayed scales at each call: the recompute reuses the
-    first call's scales and updates nothing, so two steps equal the plain ones bitwise."""
+    """DotProductAttention with fp8_dpa=True updates its delayed scales at the autocast's exit: the recompute
+    reuses the first call's scales and records nothing, so two steps equal the plain ones bitwise."""
     device = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
     rec = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=4, fp8_dpa=True)
 
@@ -332,7 +332,7 @@ def test_fp8_attention_under_checkpoint_keeps_its_delayed_scales(monkeypatch):
             o.backward(torch.randn(o.shape, generator=g).to(device) * 1e-2)
             out += [o.detach(), q.grad, k.grad, v.grad]
         state = dpa._fp8_attention_state
-        return out + [state["scale"].clone(), state["amax_history"].clone()]
+        return out + [m.clone() for meta in (state.fwd_meta, state.bwd_meta) for m in (meta.scale, meta.amax_history)]
 
     plain = run("plain")
     for mode in ("reentrant", "non_reentrant"):

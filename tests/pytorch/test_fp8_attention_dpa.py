@@ -11,7 +11,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import transformer_engine.pytorch as te  # noqa: E402
 from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format  # noqa: E402
-from transformer_engine.pytorch.attention.fp8_attention import AMAX_SLOTS  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"  # qa/L1_pytorch_gpu runs these on CUDA (TRITON_INTERPRET=0)
@@ -37,25 +36,35 @@ def _step(dpa, recipe, seed):
 
 
 def test_delayed_scaling_amax_history_equals_fp64_recomputation_over_10_steps():
+    """The module's forward and backward DelayedScalingMeta (registered with the linear modules' metas, updated at
+    the autocast's exit and after the backward): histories and scales against an fp64 recomputation."""
+    from transformer_engine.pytorch.attention.fp8_attention import BWD_SLOTS, FWD_SLOTS
+
     recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=4, amax_compute_algo="max", fp8_dpa=True)
     dpa = _dpa()
-    hist = torch.zeros(4, len(AMAX_SLOTS), dtype=torch.float64)
+    hists = {"fwd": torch.zeros(4, len(FWD_SLOTS), dtype=torch.float64),
+             "bwd": torch.zeros(4, len(BWD_SLOTS), dtype=torch.float64)}
+    fmax = {"fwd": 448.0, "bwd": 57344.0}
     for step in range(10):
-        if step > 0:
-            hist = torch.roll(hist, -1, 0)
-            hist[0] = 0
         q, k, v, out, dout, grads = _step(dpa, recipe, step)
-        for name, x in (("q", q), ("k", k), ("v", v), ("o", out), ("do", dout), ("dq", grads[0]), ("dk", grads[1]),
-                        ("dv", grads[2])):
-            hist[0, AMAX_SLOTS[name]] = x.detach().cpu().double().abs().max()
+        seen = dict(q=q, k=k, v=v, o=out, do=dout, dq=grads[0], dk=grads[1], dv=grads[2])
         state = dpa._fp8_attention_state
-        got = state["amax_history"].double().cpu()
-        for name in ("q", "k", "v", "o", "do", "dq", "dk", "dv"):
-            assert torch.equal(got[:, AMAX_SLOTS[name]], hist[:, AMAX_SLOTS[name]]), (step, name)
-        assert 0 < got[0, AMAX_SLOTS["s"]] <= 1 and got[0, AMAX_SLOTS["dp"]] > 0
-    # the scale used in the last step: fp8_max / max over the history before that step's roll
-    expect_q = 448.0 / max(hist[1:, AMAX_SLOTS["q"]].max().item(), 0)
-    assert state["scale"][AMAX_SLOTS["q"]].item() == pytest.approx(expect_q, rel=1e-6)
+        for d, slots, meta in (("fwd", FWD_SLOTS, state.fwd_meta), ("bwd", BWD_SLOTS, state.bwd_meta)):
+            hist = hists[d]
+            for i, name in enumerate(slots):
+                if name in seen:
+                    hist[0, i] = seen[name].detach().cpu().double().abs().max()
+                else:  # the kernels' own amaxes (softmax probability, dS): read back, checked for range below
+                    hist[0, i] = meta.amax_history[-1, i].double()
+            expect_scale = fmax[d] / hist.max(0).values  # margin 0, "max" over the history before its roll
+            hist.copy_(torch.roll(hist, -1, 0))
+            hist[0] = 0
+            got = meta.amax_history.double().cpu()
+            assert torch.equal(got, hist), (step, d)
+            torch.testing.assert_close(meta.scale.double().cpu(), expect_scale, rtol=1e-6, atol=0)
+        assert 0 < state.fwd_meta.amax_history[-1, FWD_SLOTS.index("s")] <= 1
+        assert state.bwd_meta.amax_history[-1, BWD_SLOTS.index("dp")] > 0
+    assert state.steps == 10
 
 
 def _assert_te_fp8_tolerance(a, b):

@@ -48,7 +48,7 @@ def test_te_spec_gpt_with_fp8_dot_product_attention_trains_bitwise_twice(megatro
     losses1, params1 = _train(first, device)
     # every core attention ran the FP8 kernels and kept its own amax history
     assert all(m.last_backend == "FusedAttention(FP8)" for m in dpas)
-    assert all(m._fp8_attention_state["steps"] == STEPS for m in dpas)
+    assert all(m._fp8_attention_state.steps == STEPS for m in dpas)
     losses2, params2 = _train(_build(device), device)
     assert torch.isfinite(losses1).all()
     assert torch.equal(losses1, losses2), (losses1, losses2)

@@ -451,7 +451,11 @@ class DotProductAttention(torch.nn.Module):
 
     FP8: inside ``autocast`` with a recipe's ``fp8_dpa=True`` (DelayedScaling or Float8CurrentScaling) the
     attention runs on FP8 operands in the same kernels, with a deterministic backward (docs/fp8_attention.rst);
-    FP8 tensors as inputs (``fp8_mha``) are refused.
+    FP8 tensors as inputs (``fp8_mha``) are refused. The attribute ``fp8_dpa_scaling`` (ours, not a
+    constructor argument: the constructor keeps TransformerEngine's signature) picks the scales:
+    ``"per_tensor"`` (default, TransformerEngine's) or ``"per_sequence"`` (Float8CurrentScaling only: one
+    current scale per sequence and kv head, so a sequence's bits do not depend on its batch or packing).
+    Under DelayedScaling the module's amax histories and scales are its extra state in the state dict.
 
     Not supported yet (``NotImplementedError``): FP8 input tensors, ``bf16_backward``, ``num_splits`` other than
     1, ``score_mod*``.
@@ -549,6 +553,25 @@ class DotProductAttention(torch.nn.Module):
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(kv_channels[0])
         # Name of the backend that ran the most recent call: a record for reporting, never consulted.
         self.last_backend: Optional[str] = None
+        # FP8 attention's scales (class docstring; fp8_attention.FP8_DPA_SCALINGS).
+        self.fp8_dpa_scaling = "per_tensor"
+
+    def get_extra_state(self) -> torch.Tensor:
+        """The FP8 attention's delayed-scaling state as the state dict's ``_extra_state`` entry (a CPU uint8
+        tensor; empty when FP8 attention never ran under DelayedScaling). Layout: ``module/_extra_state.py``,
+        one "GEMM" of fp8_attention.FWD_SLOTS / BWD_SLOTS."""
+        from transformer_engine.pytorch.module import _extra_state
+
+        return _extra_state.save([self.__dict__.get("_fp8_attention_state")])
+
+    def set_extra_state(self, state) -> None:
+        """Load the state ``get_extra_state`` saved (None or an empty tensor: nothing to load); the next FP8
+        call moves it to its tensors' device."""
+        from transformer_engine.pytorch.attention.fp8_attention import BWD_SLOTS, FWD_SLOTS, Fp8AttentionState
+        from transformer_engine.pytorch.module import _extra_state
+
+        _extra_state.load(self, state, ["_fp8_attention_state"], torch.device("cpu"),
+                          widths=(len(FWD_SLOTS), len(BWD_SLOTS)), state_cls=Fp8AttentionState)
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream, cp_comm_type: str = "p2p",
                                    cp_stripe_size: Optional[int] = None) -> None:

@@ -15,7 +15,9 @@ Layout (TransformerEngine's keys and column order; LayerNormMLP's two GEMMs side
      "amax_history_bwd": float32 [len, 2 * num_gemms],
      "extra_fp8_variables": {"num_gemms": num_gemms}}
 
-serialized with ``torch.save`` into bytes and stored as a CPU uint8 tensor (torch remaps tensors, not
+DotProductAttention's FP8 attention state is one such "GEMM" of 5 forward tensors (q, k, v, o, s) and 5
+backward tensors (dO, dP, dQ, dK, dV): ``load(..., widths=(5, 5))``, ``fp8_attention.FWD_SLOTS`` /
+``BWD_SLOTS``. The entry is serialized with ``torch.save`` into bytes and stored as a CPU uint8 tensor (torch remaps tensors, not
 extra-state objects, to devices on load). The recipe is kept as plain fields (its format by name; a
 callable ``amax_compute_algo`` or ``scaling_factor_compute_algo`` is not saved: the next autocast's recipe
 sets them). Loading reads it back with ``torch.load(weights_only=True)``: no arbitrary objects are unpickled,
@@ -25,7 +27,7 @@ so TransformerEngine's own pickled entries are refused by name.
 from __future__ import annotations
 
 import io
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -129,10 +131,14 @@ def _fill(meta, scale: torch.Tensor, history: torch.Tensor, recipe, forward: boo
     return meta
 
 
-def load(module: torch.nn.Module, state: Any, attrs: Sequence[str], device: torch.device) -> None:
-    """Set ``module``'s FP8 states (attributes ``attrs``, in GEMM order) from its extra-state entry."""
+def load(module: torch.nn.Module, state: Any, attrs: Sequence[str], device: torch.device,
+         widths: Tuple[int, int] = (_FWD, _BWD), state_cls: Optional[Callable[[], Any]] = None) -> None:
+    """Set ``module``'s FP8 states (attributes ``attrs``, in GEMM order) from its extra-state entry; a missing
+    state is made by ``state_cls`` (default LinearFP8State)."""
     from transformer_engine.pytorch.quantization_linear import LinearFP8State
 
+    fw, bw = widths
+    state_cls = LinearFP8State if state_cls is None else state_cls
     owner = type(module).__name__
     if state is None:
         return
@@ -147,8 +153,8 @@ def load(module: torch.nn.Module, state: Any, attrs: Sequence[str], device: torc
     scale_fwd, hist_fwd = decoded["scale_fwd"], decoded["amax_history_fwd"]
     scale_bwd, hist_bwd = decoded["scale_bwd"], decoded["amax_history_bwd"]
     length = hist_fwd.shape[0]
-    expected = {"scale_fwd": (_FWD * n,), "amax_history_fwd": (length, _FWD * n),
-                "scale_bwd": (_BWD * n,), "amax_history_bwd": (length, _BWD * n)}
+    expected = {"scale_fwd": (fw * n,), "amax_history_fwd": (length, fw * n),
+                "scale_bwd": (bw * n,), "amax_history_bwd": (length, bw * n)}
     for key, shape in expected.items():
         t = decoded[key]
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != torch.float32:
@@ -157,10 +163,10 @@ def load(module: torch.nn.Module, state: Any, attrs: Sequence[str], device: torc
     for i, attr in enumerate(attrs):
         st = module.__dict__.get(attr)
         if st is None:
-            st = module.__dict__[attr] = LinearFP8State()
+            st = module.__dict__[attr] = state_cls()
         dev = st.fwd_meta.scale.device if st.fwd_meta is not None else device
-        st.fwd_meta = _fill(st.fwd_meta, scale_fwd[_FWD * i:_FWD * (i + 1)],
-                            hist_fwd[:, _FWD * i:_FWD * (i + 1)], recipe, True, dev)
-        st.bwd_meta = _fill(st.bwd_meta, scale_bwd[_BWD * i:_BWD * (i + 1)],
-                            hist_bwd[:, _BWD * i:_BWD * (i + 1)], recipe, False, dev)
+        st.fwd_meta = _fill(st.fwd_meta, scale_fwd[fw * i:fw * (i + 1)], hist_fwd[:, fw * i:fw * (i + 1)], recipe,
+                            True, dev)
+        st.bwd_meta = _fill(st.bwd_meta, scale_bwd[bw * i:bw * (i + 1)], hist_bwd[:, bw * i:bw * (i + 1)], recipe,
+                            False, dev)
         st._weight_cache = None  # the weight is loaded too: quantize it again

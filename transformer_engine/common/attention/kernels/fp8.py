@@ -9,8 +9,10 @@ query heads in order and each head's query blocks in ascending order. No atomics
 
 What is quantized where (docs/fp8_attention.rst):
 
-- Q, K, V arrive in E4M3 with per-tensor descale factors (``1 / scale``), read by each program from a
-  device array DESCALE (q, k, v, dO) so that a delayed-scaling step needs no host sync, and folded into
+- Q, K, V arrive in E4M3 with descale factors (``1 / scale``), one per tensor or one per sequence and kv head
+  (as flash-attn 3's ``q/k/v_descale`` [batch, kv heads]), read by each program from a device array DESCALE
+  (q, k, v, dO; its batch and kv-head strides 0 for per-tensor scales) so that a delayed-scaling step needs
+  no host sync, and folded into
   ``qk_scale`` (``softmax_scale * q_descale * k_descale * log2(e)``) and the output's factor.
 - S = Q K^T accumulates in fp32 (tl.dot on FP8 operands: Hopper's FP8 wgmma on sm_90).
 - P = exp2(S - m) in [0, 1] (m: the running row max of the online softmax) is quantized to E4M3 as
@@ -125,7 +127,7 @@ def attn_fp8_fwd_kernel(
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_ob, stride_os, stride_oh, stride_od,
-    stride_lb, stride_lh,
+    stride_lb, stride_lh, stride_db, stride_dh,
     num_heads_q, gqa_group, seqlen_q, seqlen_k,
     sm_scale, window_left, window_right,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -134,9 +136,11 @@ def attn_fp8_fwd_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     P_SCALE: tl.constexpr, EXACT_CAST: tl.constexpr,
 ):
-    """O and the log-sum-exp of one query block of one head (module docstring). DESCALE (fp32 [4]): the
-    descale factors of Q, K, V and dO, read on the device (no host sync, graph-capturable). AMAX (fp32 [3]):
-    max |O| as stored and the softmax's largest probability, raised by atomic max (AMAX[2]: the backward's)."""
+    """O and the log-sum-exp of one query block of one head (module docstring). DESCALE (fp32 [..., 4]): the
+    descale factors of Q, K, V and dO, read on the device (no host sync, graph-capturable), at
+    ``batch * stride_db + kv_head * stride_dh`` (strides 0: one per tensor; else per sequence and kv head).
+    AMAX (fp32 [3]): max |O| as stored and the softmax's largest probability, raised by atomic max (AMAX[2]:
+    the backward's)."""
     tl.static_assert(BLOCK_DQK >= HEAD_DIM_QK)
     tl.static_assert(BLOCK_DV >= HEAD_DIM_V)
     start_m, batch, head, head_kv, start_q, len_q, start_k, len_k, rows_out, diag = query_block_program(
@@ -144,6 +148,7 @@ def attn_fp8_fwd_kernel(
         BLOCK_M, IS_THD, HAS_SEQLENS, BOTTOM_RIGHT, 1, 1)
     if start_m >= rows_out:
         return
+    DESCALE += batch.to(tl.int64) * stride_db + head_kv.to(tl.int64) * stride_dh
     qk_scale = sm_scale * LOG2E * tl.load(DESCALE) * tl.load(DESCALE + 1)
     o_scale = tl.load(DESCALE + 2) / P_SCALE
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -190,7 +195,7 @@ def attn_fp8_bwd_preprocess_kernel(
     O, DO, DELTA, DESCALE, SEQ_START_Q, SEQ_LEN_Q,
     stride_ob, stride_os, stride_oh, stride_od,
     stride_dob, stride_dos, stride_doh, stride_dod,
-    stride_lb, stride_lh, num_heads_q, seqlen_q,
+    stride_lb, stride_lh, stride_db, stride_dh, num_heads_q, gqa_group, seqlen_q,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
     IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
 ):
@@ -202,6 +207,7 @@ def attn_fp8_bwd_preprocess_kernel(
     start_q, len_q = sequence_extent(SEQ_START_Q, SEQ_LEN_Q, batch, seqlen_q, IS_THD, HAS_SEQLENS)
     if start_m >= len_q:
         return
+    DESCALE += batch.to(tl.int64) * stride_db + (head // gqa_group).to(tl.int64) * stride_dh
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_DV)
     mask = (offs_m[:, None] < len_q) & (offs_d[None, :] < HEAD_DIM_V)
@@ -252,7 +258,7 @@ def attn_fp8_bwd_dkdv_kernel(
     stride_dob, stride_dos, stride_doh, stride_dod,
     stride_dkb, stride_dks, stride_dkh, stride_dkd,
     stride_dvb, stride_dvs, stride_dvh, stride_dvd,
-    stride_lb, stride_lh,
+    stride_lb, stride_lh, stride_db, stride_dh,
     num_heads_kv, gqa_group: tl.constexpr, seqlen_q, seqlen_k,
     sm_scale, window_left, window_right,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -275,6 +281,7 @@ def attn_fp8_bwd_dkdv_kernel(
     diag = 0
     if BOTTOM_RIGHT:
         diag = len_k - len_q
+    DESCALE += batch.to(tl.int64) * stride_db + head_kv.to(tl.int64) * stride_dh
     q_descale = tl.load(DESCALE)
     do_descale = tl.load(DESCALE + 3)
     qk_scale = sm_scale * LOG2E * q_descale * tl.load(DESCALE + 1)
@@ -359,7 +366,7 @@ def attn_fp8_bwd_dq_kernel(
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_dob, stride_dos, stride_doh, stride_dod,
     stride_dqb, stride_dqs, stride_dqh, stride_dqd,
-    stride_lb, stride_lh,
+    stride_lb, stride_lh, stride_db, stride_dh,
     num_heads_q, gqa_group, seqlen_q, seqlen_k,
     sm_scale, window_left, window_right,
     HEAD_DIM_QK: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DQK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -374,6 +381,7 @@ def attn_fp8_bwd_dq_kernel(
     if start_m >= rows_out:
         return
     GRAD_DTYPE: tl.constexpr = DQ.dtype.element_ty
+    DESCALE += batch.to(tl.int64) * stride_db + head_kv.to(tl.int64) * stride_dh
     k_descale = tl.load(DESCALE + 1)
     qk_scale = sm_scale * LOG2E * tl.load(DESCALE) * k_descale
     dp_scale = tl.load(DESCALE + 2) * tl.load(DESCALE + 3)

@@ -1,0 +1,94 @@
+"""Batch-invariant FP8 attention: DotProductAttention's ``fp8_dpa_scaling = "per_sequence"`` under
+Float8CurrentScaling(fp8_dpa=True) gives each sequence and kv head its own current scales (Q, K, V and dO), so
+a sequence's output and gradients are bitwise the same alone, batched with a larger-amax neighbour, and packed
+(thd); the default per-tensor scaling is not (the control). CPU under Triton's interpreter, fp16 and fp32."""
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import transformer_engine.pytorch as te  # noqa: E402
+from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"  # qa/L1_pytorch_gpu runs these on CUDA (TRITON_INTERPRET=0)
+pytestmark = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
+                                reason="needs TRITON_INTERPRET=1 or a CUDA GPU")
+
+H, HK, D = 2, 1, 16
+S_A, S_B = 16, 11  # the sequence under test, and its neighbour (shorter: thd packs it first, unaligned)
+
+
+def _dpa(fmt, mask, scaling):
+    dpa = te.DotProductAttention(H, D, num_gqa_groups=HK, attn_mask_type=mask, qkv_format=fmt).to(DEVICE)
+    dpa.fp8_dpa_scaling = scaling
+    return dpa
+
+
+def _data(dtype):
+    g = torch.Generator().manual_seed(3)
+    a = [torch.randn(S_A, h, D, generator=g) for h in (H, HK, HK)] + [torch.randn(S_A, H * D, generator=g) * 1e-2]
+    # the neighbour: 8x the amax of every tensor (per-tensor scales would follow it)
+    b = [torch.randn(S_B, h, D, generator=g) * 8 for h in (H, HK, HK)] + [torch.randn(S_B, H * D, generator=g)]
+    return [x.to(DEVICE, dtype) for x in a], [x.to(DEVICE, dtype) for x in b]
+
+
+def _run(dpa, inputs, dout, **kw):
+    q, k, v = (x.detach().clone().requires_grad_() for x in inputs)
+    with te.autocast(enabled=True, recipe=Float8CurrentScaling(fp8_dpa=True)):
+        out = dpa(q, k, v, **kw)
+    out.backward(dout)
+    assert dpa.last_backend == "FusedAttention(FP8)"
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def _alone(a, scaling):
+    return [t[0] for t in _run(_dpa("bshd", "causal", scaling), [x[None] for x in a[:3]], a[3][None])]
+
+
+def _batched(a, b, scaling):
+    # the neighbour cut to S_A rows: a bshd batch of equal lengths, sequence A second
+    nb = [torch.cat([x, x[: S_A - S_B]]) for x in b]
+    got = _run(_dpa("bshd", "causal", scaling), [torch.stack([y, x]) for x, y in zip(a[:3], nb[:3])],
+               torch.stack([nb[3], a[3]]))
+    return [t[1] for t in got]
+
+
+def _packed(a, b, scaling):
+    cu = torch.tensor([0, S_B, S_B + S_A], dtype=torch.int32, device=DEVICE)
+    got = _run(_dpa("thd", "padding_causal", scaling), [torch.cat([y, x]) for x, y in zip(a[:3], b[:3])],
+               torch.cat([b[3], a[3]]), cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=S_A, max_seqlen_kv=S_A)
+    return [t[S_B:] for t in got]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_per_sequence_scaling_alone_equals_batched_equals_packed_bitwise(dtype):
+    a, b = _data(dtype)
+    alone = _alone(a, "per_sequence")
+    for name, got in (("batched", _batched(a, b, "per_sequence")), ("packed", _packed(a, b, "per_sequence"))):
+        for what, x, y in zip(("out", "dq", "dk", "dv"), got, alone):
+            assert torch.isfinite(x).all()
+            assert torch.equal(x, y), (name, what, (x.float() - y.float()).abs().max().item())
+    assert torch.equal(_alone(a, "per_sequence")[0], alone[0])  # run to run
+
+
+def test_per_tensor_scaling_depends_on_the_neighbour():
+    """The control: TransformerEngine's per-tensor current scales follow the batch's amax."""
+    a, b = _data(torch.float32)
+    alone, batched = _alone(a, "per_tensor"), _batched(a, b, "per_tensor")
+    assert not torch.equal(alone[0], batched[0])
+
+
+def test_per_sequence_scaling_is_refused_by_name_outside_current_scaling():
+    a, _ = _data(torch.float32)
+    dpa = _dpa("bshd", "causal", "per_sequence")
+    with te.autocast(enabled=True, recipe=DelayedScaling(fp8_dpa=True)):
+        with pytest.raises(NotImplementedError, match="fp8_dpa_scaling='per_sequence' under DelayedScaling"):
+            dpa(*[x[None] for x in a[:3]])
+    dpa.fp8_dpa_scaling = "per_batch"
+    with te.autocast(enabled=True, recipe=Float8CurrentScaling(fp8_dpa=True)):
+        with pytest.raises(ValueError, match="`fp8_dpa_scaling` must be one of"):
+            dpa(*[x[None] for x in a[:3]])

@@ -3,6 +3,11 @@ float32 to a tight tolerance), against the module it stands for (bitwise, forwar
 against LayerNormMLP (bitwise), the Sequential container, FP8, fused wgrad accumulation, deferred (meta)
 parameters, determinism, and the refusals."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -257,3 +262,69 @@ def test_refusals_and_bad_arguments():
         ops.Bias(H, device=DEV)(torch.zeros(2, H + 1))
     with pytest.raises(ValueError, match="even last dim"):
         ops.SwiGLU()(torch.zeros(2, 3))
+
+
+_TP_WORKER = textwrap.dedent("""
+    import os, sys, torch, torch.distributed as dist
+    import transformer_engine.pytorch as te
+    from transformer_engine.pytorch import ops
+    rank = int(sys.argv[1])
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=2)
+    H, FFN, S = 32, 64, 8
+    g = torch.Generator().manual_seed(0)
+    w1, b1 = torch.randn(FFN, H, generator=g) * 0.2, torch.randn(FFN, generator=g)
+    w2, b2 = torch.randn(H, FFN, generator=g) * 0.2, torch.randn(H, generator=g)
+    x_full = torch.randn(S, 2, H, generator=g)
+    dy_full = torch.randn(S, 2, H, generator=g)
+    shard = slice(rank * FFN // 2, (rank + 1) * FFN // 2)
+    for sp in (False, True):
+        rows = slice(rank * S // 2, (rank + 1) * S // 2) if sp else slice(None)
+        mod = te.LayerNormMLP(H, FFN, normalization="RMSNorm", tp_group=dist.group.WORLD, tp_size=2,
+                              set_parallel_mode=True, sequence_parallel=sp, device="cpu")
+        seq = ops.Sequential(
+            ops.RMSNorm(H, device="meta"),
+            ops.BasicLinear(H, FFN, device="meta", tensor_parallel_mode="column", sequence_parallel=sp),
+            ops.Bias(FFN, device="meta", tensor_parallel=True), ops.GELU(),
+            ops.BasicLinear(FFN // 2, H, device="meta"),
+            ops.ReduceScatter() if sp else ops.AllReduce(), ops.Bias(H, device="meta"))
+        assert seq[1].weight.shape == (FFN // 2, H) and seq[2].bias.shape == (FFN // 2,)
+        with torch.no_grad():
+            mod.fc1_weight.copy_(w1[shard]); mod.fc1_bias.copy_(b1[shard])
+            mod.fc2_weight.copy_(w2[:, shard]); mod.fc2_bias.copy_(b2)
+        seq[0].weight, seq[1].weight, seq[2].bias = mod.layer_norm_weight, mod.fc1_weight, mod.fc1_bias
+        seq[4].weight, seq[6].bias = mod.fc2_weight, mod.fc2_bias
+        results = []
+        for fn in (mod, seq):
+            x = x_full[rows].clone().requires_grad_()
+            y = fn(x)
+            params = list(mod.parameters())
+            grads = torch.autograd.grad(y, [x] + params, dy_full[rows])
+            results.append([y.detach()] + list(grads))
+        for u, v in zip(*results):
+            assert torch.equal(u, v), (sp, (u - v).abs().max())
+        # against the unsplit math in float64
+        xf = x_full.double()
+        h = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)
+        a = h @ w1.double().t() + b1.double()
+        a = a * (0.5 + 0.5 * torch.tanh(a * (0.79788456 + 0.03567741 * a * a)))
+        ref = a @ w2.double().t() + b2.double()
+        torch.testing.assert_close(results[1][0].double(), ref[rows], rtol=1e-5, atol=1e-5)
+    dist.barrier()
+    print("PASS", rank, flush=True)
+    os._exit(0)  # no gloo teardown at exit (it sometimes aborts after the work is done)
+""")
+
+
+def test_tensor_parallel_sequential_on_two_ranks_is_layernorm_mlp_bitwise(tmp_path):
+    """Megatron's TEFusedMLP at tensor-parallel size 2: column BasicLinear (sequence parallel or not), a split
+    Bias, the activation, a local BasicLinear and AllReduce / ReduceScatter: bitwise LayerNormMLP's
+    tensor-parallel forward and backward, and the unsplit math in float64."""
+    store = str(tmp_path / "store")
+    script = tmp_path / "worker.py"
+    script.write_text(_TP_WORKER)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd()] + sys.path), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, str(script), str(rank), store], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    for rank, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0 and f"PASS {rank}" in out, err[-3000:]

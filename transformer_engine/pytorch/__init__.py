@@ -50,3 +50,5 @@ from transformer_engine.pytorch.permutation import (  # noqa: E402,F401
     moe_unpermute,
 )
 from transformer_engine.pytorch.cross_entropy import parallel_cross_entropy  # noqa: E402,F401
+from transformer_engine.pytorch import ops  # noqa: E402,F401
+from transformer_engine.pytorch.cpu_offload import get_cpu_offload_context, mark_not_offload  # noqa: E402,F401

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from transformer_engine.common import settings
 
-__all__ = ["batch_invariant", "is_batch_invariant", "bi_matmul", "bi_norm", "check_no_fp8"]
+__all__ = ["batch_invariant", "is_batch_invariant", "bi_matmul", "bi_norm", "bi_activation", "check_no_fp8"]
 
 _local = threading.local()
 
@@ -150,3 +150,41 @@ def bi_norm(x: jax.Array, weight: jax.Array, bias: Optional[jax.Array], eps: flo
     y = _norm(x.reshape(-1, shape[-1]), weight, bias if has_bias else jnp.zeros((0,), weight.dtype), float(eps),
               bool(is_rms), bool(zero_centered_gamma), has_bias)
     return y.reshape(shape)
+
+
+# ------------------------------------------------------------------------------------------------
+# LayerNormMLP's activation: the elementwise kernel PyTorch's mode runs (XLA's tanh / exp round differently)
+# ------------------------------------------------------------------------------------------------
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _activation(x2d, args):
+    from transformer_engine.jax.primitives import batch_invariant as prim
+
+    return prim.act_fwd(x2d, args)
+
+
+def _activation_fwd(x2d, args):
+    from transformer_engine.jax.primitives import batch_invariant as prim
+
+    return prim.act_fwd(x2d, args), x2d
+
+
+def _activation_bwd(args, x2d, dy):
+    from transformer_engine.jax.primitives import batch_invariant as prim
+
+    return (prim.act_bwd(x2d, dy.astype(x2d.dtype), args),)
+
+
+_activation.defvjp(_activation_fwd, _activation_bwd)
+
+
+def bi_activation(fc1_out: jax.Array, name: str, params=None) -> jax.Array:
+    """Activation ``name`` of common/modules.py's table on FC1's output (last dim; gated: the activated half
+    first), float32 inside, ``fc1_out``'s dtype out, on the kernel PyTorch's mode runs."""
+    from transformer_engine.common.batch_invariant.plan import activation_args
+
+    args = activation_args(name, params)
+    shape = fc1_out.shape
+    y = _activation(fc1_out.reshape(-1, shape[-1]), args)
+    return y.reshape(*shape[:-1], y.shape[-1])

@@ -24,9 +24,10 @@ import torch
 import triton
 
 from transformer_engine.common import settings
-from transformer_engine.common.batch_invariant.plan import col_sum_tiles, gemm_tiles, norm_tiles
+from transformer_engine.common.batch_invariant.plan import (activation_args, activation_tiles, col_sum_tiles,
+                                                            gemm_tiles, norm_tiles)
 
-__all__ = ["batch_invariant", "is_batch_invariant", "bi_linear", "bi_norm"]
+__all__ = ["batch_invariant", "is_batch_invariant", "bi_linear", "bi_norm", "bi_activation"]
 
 _local = threading.local()
 
@@ -198,6 +199,54 @@ def bi_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
     y = _BatchInvariantNorm.apply(x2d, weight.contiguous(), None if bias is None else bias.contiguous(), float(eps),
                                   normalization == "RMSNorm", bool(zero_centered_gamma))
     return y.reshape(shape)
+
+
+class _BatchInvariantActivation(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x2d, args):
+        from transformer_engine.common.batch_invariant.kernels import bi_act_fwd_kernel
+
+        rows, width = x2d.shape
+        f = width // 2 if args.GATED else width
+        y = torch.empty((rows, f), device=x2d.device, dtype=x2d.dtype)
+        if rows and f:
+            tiles = activation_tiles(f, x2d.device.type)
+            with torch.cuda.device(x2d.device) if x2d.device.type == "cuda" else contextlib.nullcontext():
+                bi_act_fwd_kernel[(triton.cdiv(rows, tiles.BLOCK_R), triton.cdiv(f, tiles.BLOCK_H))](
+                    x2d, y, rows, f, x2d.stride(0), y.stride(0), args.alpha, args.limit, args.offset, FN=args.FN,
+                    GATED=args.GATED, CLAMPED=args.CLAMPED, BLOCK_R=tiles.BLOCK_R, BLOCK_F=tiles.BLOCK_H,
+                    num_warps=tiles.num_warps)
+        ctx.save_for_backward(x2d)
+        ctx.args = args
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        from transformer_engine.common.batch_invariant.kernels import bi_act_bwd_kernel
+
+        (x2d,) = ctx.saved_tensors
+        args = ctx.args
+        dy = dy.contiguous()
+        rows, f = dy.shape
+        dx = torch.empty_like(x2d)
+        if rows and f:
+            tiles = activation_tiles(f, x2d.device.type)
+            with torch.cuda.device(x2d.device) if x2d.device.type == "cuda" else contextlib.nullcontext():
+                bi_act_bwd_kernel[(triton.cdiv(rows, tiles.BLOCK_R), triton.cdiv(f, tiles.BLOCK_H))](
+                    x2d, dy, dx, rows, f, x2d.stride(0), dy.stride(0), dx.stride(0), args.alpha, args.limit,
+                    args.offset, FN=args.FN, GATED=args.GATED, CLAMPED=args.CLAMPED, BLOCK_R=tiles.BLOCK_R,
+                    BLOCK_F=tiles.BLOCK_H, num_warps=tiles.num_warps)
+        return dx, None
+
+
+def bi_activation(fc1_out: torch.Tensor, name: str, params: Optional[dict]) -> torch.Tensor:
+    """``LayerNormMLP``'s activation ``name`` of FC1's output (last dim) on the shared elementwise kernel, float32
+    inside, FC1's dtype out: the same bits as JAX's mode (torch's and XLA's tanh / exp round differently)."""
+    _check_device(fc1_out, "an activation")
+    shape = fc1_out.shape
+    args = activation_args(name, params)
+    y = _BatchInvariantActivation.apply(fc1_out.reshape(-1, shape[-1]).contiguous(), args)
+    return y.reshape(*shape[:-1], y.shape[-1])
 
 
 def check_no_fp8(owner: str) -> None:

@@ -145,4 +145,86 @@ def bi_col_sum_kernel(DY, X, Mean, Rstd, DW, DB, R, H, stride_dy, stride_x,
         tl.store(DW + cols, tl.sum(acc_w, axis=0).to(DW.dtype.element_ty), mask=col_ok)
 
 
+@triton.jit
+def _bi_sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _bi_gate(a, FN: tl.constexpr, alpha):
+    """An activation's value and derivative at ``a`` (float32), written with exp and IEEE operations only so
+    that every framework launching this kernel gets the same bits (torch's and XLA's own tanh / exp differ)."""
+    if FN == "gelu":  # tanh approximation; tanh(u) = 1 - 2 / (exp(2u) + 1)
+        inner = 0.79788456 + 0.03567741 * a * a
+        t = 1.0 - 2.0 / (tl.exp(2.0 * (a * inner)) + 1.0)
+        f = a * (0.5 + 0.5 * t)
+        df = 0.5 + 0.5 * t + 0.5 * a * (1.0 - t * t) * (0.79788456 + 3.0 * 0.03567741 * a * a)
+    elif FN == "qgelu":  # x * sigmoid(alpha x); silu is alpha = 1
+        s = _bi_sigmoid(alpha * a)
+        f = a * s
+        df = s + alpha * a * s * (1.0 - s)
+    elif FN == "sigmoid":
+        f = _bi_sigmoid(a)
+        df = f * (1.0 - f)
+    elif FN == "relu":
+        f = tl.where(a > 0, a, 0.0)
+        df = tl.where(a > 0, 1.0, 0.0)
+    else:  # "srelu"
+        r = tl.where(a > 0, a, 0.0)
+        f = r * r
+        df = 2.0 * r
+    return f, df
+
+
+@triton.jit
+def bi_act_fwd_kernel(X, Y, R, F, stride_x, stride_y, alpha, limit, offset, FN: tl.constexpr, GATED: tl.constexpr,
+                      CLAMPED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+    """``Y = act(X)`` (``[R, F]``), or gated: ``act(X[:, :F]) * X[:, F:]`` (clamped: the gate's input at most
+    ``limit``, the linear half clipped to +-limit plus ``offset``). Elementwise, float32 inside."""
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    mask = (rows[:, None] < R) & (cols[None, :] < F)
+    a = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if CLAMPED:
+        a = tl.minimum(a, limit)
+    f, _ = _bi_gate(a, FN, alpha)
+    if GATED:
+        b = tl.load(X + rows[:, None] * stride_x + F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if CLAMPED:
+            b = tl.minimum(tl.maximum(b, -limit), limit) + offset
+        f = f * b
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], f.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def bi_act_bwd_kernel(X, DY, DX, R, F, stride_x, stride_dy, stride_dx, alpha, limit, offset, FN: tl.constexpr,
+                      GATED: tl.constexpr, CLAMPED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+    """The input gradient of :func:`bi_act_fwd_kernel` (``[R, F]``, gated ``[R, 2F]``)."""
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    mask = (rows[:, None] < R) & (cols[None, :] < F)
+    g = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    a_in = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    a = a_in
+    if CLAMPED:
+        a = tl.minimum(a_in, limit)
+    f, df = _bi_gate(a, FN, alpha)
+    if GATED:
+        b_in = tl.load(X + rows[:, None] * stride_x + F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        b = b_in
+        if CLAMPED:
+            b = tl.minimum(tl.maximum(b_in, -limit), limit) + offset
+        da = (g * b) * df
+        db = g * f
+        if CLAMPED:
+            da = tl.where(a_in < limit, da, 0.0)
+            db = tl.where((b_in >= -limit) & (b_in <= limit), db, 0.0)
+        tl.store(DX + rows[:, None] * stride_dx + F + cols[None, :], db.to(DX.dtype.element_ty), mask=mask)
+    else:
+        da = g * df
+        if CLAMPED:
+            da = tl.where(a_in < limit, da, 0.0)
+    tl.store(DX + rows[:, None] * stride_dx + cols[None, :], da.to(DX.dtype.element_ty), mask=mask)
+
+
 settle_cache_keys(globals())

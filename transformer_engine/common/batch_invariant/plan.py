@@ -66,3 +66,43 @@ def col_sum_tiles(hidden: int, device_type: str) -> NormTiles:
     if device_type != "cuda":
         return NormTiles(BLOCK_R=16, BLOCK_H=min(_pow2_at_least(hidden), 64), num_warps=1)
     return NormTiles(BLOCK_R=32, BLOCK_H=min(_pow2_at_least(hidden), 128), num_warps=4)
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationArgs:
+    """The activation kernels' arguments for one of ``LayerNormMLP``'s activations (common/modules.py's table):
+    the gate function ``FN``, whether FC1 is gated (``[R, 2F]`` in, the activated half first) and clamped."""
+
+    FN: str
+    GATED: bool
+    CLAMPED: bool
+    alpha: float
+    limit: float
+    offset: float
+
+
+_GATES = {"gelu": "gelu", "geglu": "gelu", "qgelu": "qgelu", "qgeglu": "qgelu", "silu": "qgelu", "swiglu": "qgelu",
+          "relu": "relu", "reglu": "relu", "srelu": "srelu", "sreglu": "srelu", "glu": "sigmoid",
+          "clamped_swiglu": "qgelu"}
+
+
+def activation_args(name: str, params=None) -> ActivationArgs:
+    """The kernel arguments of activation ``name`` (checked by common.modules.activation)."""
+    from transformer_engine.common import modules
+
+    act = modules.activation(name, params)
+    params = dict(params or {})
+    alpha = {"qgelu": 1.702, "qgeglu": 1.702, "clamped_swiglu": float(params.get("alpha", 1.702))}.get(name, 1.0)
+    clamped = name == "clamped_swiglu"
+    return ActivationArgs(FN=_GATES[name], GATED=act.gated, CLAMPED=clamped, alpha=alpha,
+                          limit=float(params["limit"]) if clamped else 0.0,
+                          offset=float(params.get("glu_linear_offset", 1.0)) if clamped else 0.0)
+
+
+def activation_tiles(width: int, device_type: str) -> NormTiles:
+    """Tiles of the elementwise activation kernels: BLOCK_R rows by BLOCK_H columns per program."""
+    if width < 1:
+        raise ValueError(f"`width` must be positive, got {width}")
+    if device_type != "cuda":
+        return NormTiles(BLOCK_R=16, BLOCK_H=min(_pow2_at_least(width), 64), num_warps=1)
+    return NormTiles(BLOCK_R=16, BLOCK_H=min(_pow2_at_least(width), 256), num_warps=4)

@@ -663,6 +663,10 @@ def mlp_activation(x: jax.Array, activations, activation_params: Optional[Mappin
     name = _ACTIVATION_NAMES.get(acts)
     if name is not None:
         table_params = params if name == "clamped_swiglu" else None
+        from transformer_engine.jax.batch_invariance import bi_activation, is_batch_invariant
+
+        if is_batch_invariant():  # the kernel of PyTorch's batch-invariant mode (jax.batch_invariance)
+            return bi_activation(x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1]), name, table_params)
         flat = x.astype(jnp.float32).reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
         return _modules.apply_activation(jnp, name, flat, table_params).astype(x.dtype)
     out = None

@@ -23,9 +23,10 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from transformer_engine.common.attention.launch_description import Launch, Slot
-from transformer_engine.common.batch_invariant.plan import col_sum_tiles, gemm_tiles, norm_tiles
+from transformer_engine.common.batch_invariant.plan import (ActivationArgs, activation_tiles, col_sum_tiles,
+                                                            gemm_tiles, norm_tiles)
 
-__all__ = ["gemm", "norm_fwd", "norm_bwd", "col_sums", "unavailable_reason"]
+__all__ = ["gemm", "norm_fwd", "norm_bwd", "col_sums", "act_fwd", "act_bwd", "unavailable_reason"]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -150,6 +151,47 @@ def _col_sums_impl(dy, x, mean, rstd, *, spec: _ColSumSpec, program, device_type
     return tuple(prog.call(dy, x, mean, rstd))
 
 
+def _act_launch(kernel, rows: int, f: int, scalars, spec: ActivationArgs, device_type: str) -> Launch:
+    tiles = activation_tiles(f, device_type)
+    args = dict(scalars, alpha=spec.alpha, limit=spec.limit, offset=spec.offset, FN=spec.FN, GATED=spec.GATED,
+                CLAMPED=spec.CLAMPED, BLOCK_R=tiles.BLOCK_R, BLOCK_F=tiles.BLOCK_H)
+    return Launch(kernel, (_cdiv(rows, tiles.BLOCK_R), _cdiv(f, tiles.BLOCK_H), 1), args,
+                  dict(num_warps=tiles.num_warps))
+
+
+def _act_fwd_impl(x, *, spec: ActivationArgs, program, device_type: str):
+    from transformer_engine.common.batch_invariant.kernels import bi_act_fwd_kernel
+    from transformer_engine.jax.primitives import gpu
+
+    rows, width = x.shape
+    f = width // 2 if spec.GATED else width
+    if rows == 0 or f == 0:
+        return (jnp.zeros((rows, f), x.dtype),)
+    prog = program([jax.ShapeDtypeStruct(x.shape, x.dtype)])
+    y = prog.result((rows, f), x.dtype)
+    scalars = dict(X=Slot("x"), Y=Slot("y"), R=rows, F=f, stride_x=width, stride_y=f)
+    prog.add_launches([_act_launch(bi_act_fwd_kernel, rows, f, scalars, spec, device_type)],
+                      dict(x=gpu.Buf(0), y=gpu.Buf(y)))
+    return tuple(prog.call(x))
+
+
+def _act_bwd_impl(x, dy, *, spec: ActivationArgs, program, device_type: str):
+    from transformer_engine.common.batch_invariant.kernels import bi_act_bwd_kernel
+    from transformer_engine.jax.primitives import gpu
+
+    rows, width = x.shape
+    f = dy.shape[1]
+    if rows == 0 or f == 0:
+        return (jnp.zeros_like(x),)
+    prog = program([jax.ShapeDtypeStruct(t.shape, t.dtype) for t in (x, dy)])
+    dx = prog.result(x.shape, x.dtype)
+    scalars = dict(X=Slot("x"), DY=Slot("dy"), DX=Slot("dx"), R=rows, F=f, stride_x=width, stride_dy=f,
+                   stride_dx=width)
+    prog.add_launches([_act_launch(bi_act_bwd_kernel, rows, f, scalars, spec, device_type)],
+                      dict(x=gpu.Buf(0), dy=gpu.Buf(1), dx=gpu.Buf(dx)))
+    return tuple(prog.call(x, dy))
+
+
 # ------------------------------------------------------------------------------------------------
 # Primitives
 # ------------------------------------------------------------------------------------------------
@@ -236,10 +278,21 @@ def _col_sums_abstract(dy, x, mean, rstd, *, spec):
             jax.core.ShapedArray(shape, jnp.dtype(spec.out_dtype)))
 
 
+def _act_fwd_abstract(x, *, spec):
+    rows, width = x.shape
+    return (jax.core.ShapedArray((rows, width // 2 if spec.GATED else width), x.dtype),)
+
+
+def _act_bwd_abstract(x, dy, *, spec):
+    return (jax.core.ShapedArray(x.shape, x.dtype),)
+
+
 _gemm_p = _make("te_batch_invariant_gemm", _gemm_abstract, _gemm_impl)
 _norm_fwd_p = _make("te_batch_invariant_norm_fwd", _norm_fwd_abstract, _norm_fwd_impl)
 _norm_bwd_p = _make("te_batch_invariant_norm_bwd", _norm_bwd_abstract, _norm_bwd_impl)
 _col_sums_p = _make("te_batch_invariant_col_sums", _col_sums_abstract, _col_sums_impl)
+_act_fwd_p = _make("te_batch_invariant_act_fwd", _act_fwd_abstract, _act_fwd_impl)
+_act_bwd_p = _make("te_batch_invariant_act_bwd", _act_bwd_abstract, _act_bwd_impl)
 
 
 def gemm(a: jax.Array, b: jax.Array, out_dtype, a_t: bool = False, b_t: bool = False) -> jax.Array:
@@ -269,3 +322,13 @@ def col_sums(dy, out_dtype, x=None, mean=None, rstd=None):
     if not has_x:
         x, mean, rstd = dy, jnp.zeros((dy.shape[0],), jnp.float32), jnp.zeros((dy.shape[0],), jnp.float32)
     return tuple(_col_sums_p.bind(dy, x, mean, rstd, spec=_ColSumSpec(has_x, jnp.dtype(out_dtype).name)))
+
+
+def act_fwd(x, args: ActivationArgs):
+    """An activation of FC1's output ``x`` ``[R, width]`` (``plan.activation_args``): ``[R, F]``."""
+    return _act_fwd_p.bind(x, spec=args)[0]
+
+
+def act_bwd(x, dy, args: ActivationArgs):
+    """The input gradient of :func:`act_fwd`."""
+    return _act_bwd_p.bind(x, dy, spec=args)[0]

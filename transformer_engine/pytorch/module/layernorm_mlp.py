@@ -37,6 +37,10 @@ from transformer_engine.pytorch.module.linear import parallel_linear
 
 def apply_mlp_activation(fc1_out: torch.Tensor, name: str, params: Optional[dict]) -> torch.Tensor:
     """The activation of FC1's output in float32 (float64 stays float64), returned in FC1's dtype."""
+    from transformer_engine.pytorch.batch_invariance import bi_activation, is_batch_invariant
+
+    if is_batch_invariant() and fc1_out.dtype != torch.float64:  # the kernel JAX's mode runs too
+        return bi_activation(fc1_out, name, params)
     compute = torch.promote_types(fc1_out.dtype, torch.float32)
     return _modules.apply_activation(torch, name, fc1_out.to(compute), params).to(fc1_out.dtype)
 

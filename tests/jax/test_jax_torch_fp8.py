@@ -128,3 +128,45 @@ def test_quantized_operands_are_bitwise_equal():
             if t_second is not None:  # the wgrad layout: tiled along the tokens
                 js = jq.quantize_2d(jnp.asarray(x), 0)[0]
                 np.testing.assert_array_equal(np.asarray(js.dequantize()).T, t_second.dequantize().numpy())
+
+
+def test_a_new_recipe_is_its_class_and_its_builder():
+    """A recipe declared outside the package (its class and a builder registered with
+    ``common.quantizer_roles``) runs through PyTorch's Linear and JAX's dense unchanged: bitwise the
+    built-in recipe whose quantizers it builds (current scaling with power-of-two scales)."""
+    import dataclasses
+
+    from transformer_engine.common import quantizer_roles as roles
+
+    class PowerOfTwoCurrentScaling(recipe.Recipe):
+        _DEFAULTS = dict(fp8_format=recipe.Format.HYBRID, fp8_dpa=False, fp8_mha=False)
+
+    @roles.register(PowerOfTwoCurrentScaling)
+    def _build(r):
+        base = roles.quantizers_for(recipe.Float8CurrentScaling(fp8_format=r.fp8_format))
+        return dataclasses.replace(base, recipe=r, **{
+            role: dataclasses.replace(getattr(base, role), power_2_scale=True)
+            for role in ("input", "weight", "grad_output")})
+
+    p2 = recipe.QParams(power_2_scale=True)
+    builtin = recipe.Float8CurrentScaling(fp8_quant_fwd_inp=p2, fp8_quant_fwd_weight=p2, fp8_quant_bwd_grad=p2)
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((TOKENS, IN)).astype(np.float32)
+    w = (rng.standard_normal((OUT, IN)) * 0.1).astype(np.float32)
+    dy = rng.standard_normal((TOKENS, OUT)).astype(np.float32)
+    results = {}
+    for key, r in (("new", PowerOfTwoCurrentScaling()), ("builtin", builtin)):
+        FP8GlobalStateManager.reset()
+        torch.manual_seed(0)
+        lin = te.Linear(IN, OUT, bias=False, params_dtype=torch.float32, device="cpu")
+        qset = QuantizerFactory.create_set(fp8_recipe=r)
+        results[key] = (_torch_step(lin, r, x, w, dy),
+                        [np.asarray(a) for a in _jax_step(jnp.asarray(x), jnp.asarray(w.T), qset,
+                                                          jnp.asarray(dy))[:3]])
+    for t_new, t_builtin in zip(results["new"][0], results["builtin"][0]):
+        np.testing.assert_array_equal(t_new, t_builtin)
+    for j_new, j_builtin in zip(results["new"][1], results["builtin"][1]):
+        np.testing.assert_array_equal(j_new, j_builtin)
+    assert not np.array_equal(results["new"][0][0], _torch_step(
+        te.Linear(IN, OUT, bias=False, params_dtype=torch.float32, device="cpu"), recipe.Float8CurrentScaling(),
+        x, w, dy)[0])  # power-of-two scales change the result: the builder's specs are what ran

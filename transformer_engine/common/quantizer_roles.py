@@ -240,6 +240,27 @@ def _block(recipe: _recipe.Float8BlockScaling) -> RecipeQuantizers:
         _split(recipe, (True, True, True)), needs_block_gemm_device=True)
 
 
+# Row alignment of grouped FP8 GEMM inputs (TransformerEngine's values; Fp8Padding reads it), for the
+# declared recipes too: padding is layout, not quantization. None: the recipe's ``quantization_alignment``.
+_ROW_ALIGNMENT: Dict[type, Optional[int]] = {_recipe.MXFP8BlockScaling: 32, _recipe.NVFP4BlockScaling: 128,
+                                             _recipe.CustomRecipe: None}
+
+
+def row_alignment(recipe: Any) -> int:
+    """The row alignment grouped FP8 GEMMs need under ``recipe``: 32 (MXFP8), 128 (NVFP4), a CustomRecipe's
+    ``quantization_alignment``, 16 for the others."""
+    for cls in type(recipe).__mro__:
+        if cls in _ROW_ALIGNMENT:
+            align = _ROW_ALIGNMENT[cls]
+            if align is None:
+                align = getattr(recipe, "quantization_alignment", None)
+                if not isinstance(align, int) or isinstance(align, bool) or align < 1:
+                    raise ValueError(f"a {type(recipe).__name__}'s `quantization_alignment` must be a positive int "
+                                     f"for Fp8Padding, got {align!r}")
+            return align
+    return 16
+
+
 def record_amax(xp: Any, row: Any, amax: Any) -> Any:
     """Delayed scaling's record: this step's amax row folded with a quantized tensor's amax (max)."""
     return xp.maximum(row, amax)
@@ -247,4 +268,4 @@ def record_amax(xp: Any, row: Any, amax: Any) -> Any:
 
 __all__ = ["Role", "Scaling", "ROW_TILE", "SQUARE_TILE", "GEMMS", "QuantizerSpec", "RecipeQuantizers",
            "MXFP8_UNAVAILABLE_REASON", "NVFP4_UNAVAILABLE_REASON", "CUSTOM_RECIPE_REASON", "refusal", "register",
-           "quantizers_for", "record_amax"]
+           "quantizers_for", "row_alignment", "record_amax"]

@@ -12,20 +12,10 @@ __all__ = ["Fp8Padding", "align_size_for_recipe", "padded_splits", "check_paddin
 def align_size_for_recipe(recipe) -> int:
     """The row alignment grouped FP8 GEMMs need under ``recipe`` (TransformerEngine's values): 32 for MXFP8,
     128 for NVFP4, 16 for the other recipes; the default recipe's when ``recipe`` is None (outside FP8)."""
+    from transformer_engine.common.quantizer_roles import row_alignment
     from transformer_engine.pytorch.fp8 import get_default_fp8_recipe
 
-    recipe = get_default_fp8_recipe() if recipe is None else recipe
-    if recipe.custom():
-        align = getattr(recipe, "quantization_alignment", None)
-        if not isinstance(align, int) or align < 1:
-            raise ValueError(f"a CustomRecipe's `quantization_alignment` must be a positive int for Fp8Padding, "
-                             f"got {align!r}")
-        return align
-    if recipe.mxfp8():
-        return 32
-    if recipe.nvfp4():
-        return 128
-    return 16
+    return row_alignment(get_default_fp8_recipe() if recipe is None else recipe)
 
 
 def check_padding_args(owner: str, num_gemms: int, align_size: Optional[int]) -> None:

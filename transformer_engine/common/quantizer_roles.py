@@ -24,19 +24,21 @@ Block scaling multiplies the exactly dequantized operands in one float32 GEMM in
 (FP8 value times a power-of-two scale is exact in float32); on CUDA devices where torch has a
 block-scaled FP8 GEMM, PyTorch runs that instead (a tested tolerance, not bitwise).
 
-Counts (issue 77), by ``grep -E "isinstance\\(.*(DelayedScaling|Float8CurrentScaling|Float8BlockScaling)
-|\\.(delayed|float8_current_scaling|float8_block_scaling|mxfp8|nvfp4|custom)\\(\\)"`` and the JAX
-refusal table keyed on recipe names, outside ``common/recipe.py`` and this module:
+Counts (issue 77), by ``grep -E "isinstance\\(.*(DelayedScaling|Float8CurrentScaling|Float8BlockScaling|
+MXFP8BlockScaling|NVFP4BlockScaling|CustomRecipe)|\\.(delayed|float8_current_scaling|float8_block_scaling|mxfp8|
+nvfp4|custom)\\(\\)"`` plus JAX's refusal table keyed on recipe names, outside ``common/recipe.py`` and this
+module:
 
 - before: 18 recipe-type branches in 5 files (pytorch/fp8.py 4, pytorch/quantization_linear.py 2,
-  pytorch/attention/fp8_attention.py 2, jax/quantize.py 9, jax/flax/module.py 1), plus recipe-field
-  reads by name (``fp8_quant_fwd_inp``, ``fp8_gemm_*``, split-accumulator defaults) written twice; a
-  new recipe touched 7-8 files (recipe.py, fp8.py, quantization.py, quantization_linear.py,
-  jax/quantize.py, jax/dense.py, jax/flax/module.py, and attention for fp8_dpa);
-- after: 2, both in pytorch/attention/fp8_attention.py (FP8 attention, moved onto this path
-  separately); a new recipe is its class in ``common/recipe.py`` plus its builder here (2 files), and
-  a new scaling kind adds its quantizer once per framework (``pytorch/quantization.py``,
-  ``jax/quantize.py``).
+  pytorch/attention/fp8_attention.py 2, jax/quantize.py 9, jax/flax/module.py 1; the issue's "about 24"
+  also counted reads of recipe-specific fields by name and the split-accumulator defaults, written once
+  per framework); a new recipe touched 7-8 files (recipe.py, pytorch/fp8.py, pytorch/quantization.py,
+  pytorch/quantization_linear.py, jax/quantize.py, jax/dense.py, jax/flax/module.py, and FP8 attention);
+- after: 0 in the linear modules and their plan, pytorch/fp8.py, Fp8Padding (:func:`row_alignment`),
+  jax/quantize.py, jax/dense.py and the Flax modules; FP8 attention (pytorch/attention/, per-tensor
+  recipes only) still reads its recipe by type until it takes these quantizers. A new recipe is 2 files:
+  its class in ``common/recipe.py`` and its builder here (:func:`register`); a new scaling kind adds its
+  quantizer once per framework (``pytorch/quantization.py``, ``jax/quantize.py``).
 """
 
 from __future__ import annotations

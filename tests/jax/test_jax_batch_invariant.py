@@ -153,3 +153,21 @@ def test_cpu_without_the_interpreter_is_refused(monkeypatch):
     x, kernel = _rand((2, K), 12, "float32"), _rand((K, N), 13, "float32")
     with batch_invariant(), pytest.raises(NotImplementedError, match="NVTE_JAX_TRITON_INTERPRET=1"):
         jax.jit(lambda x, k: dense(x, k))(x, kernel)
+
+
+def test_determinism_check_reports_whole_model_batch_invariance(monkeypatch):
+    import io
+
+    from transformer_engine.jax import determinism_check as check
+
+    args = check._parser().parse_args(["--batch-invariant", "--fused-interpreter", "--steps", "1", "--seq-len", "8",
+                                       "--batch-size", "3", "--no-reference", "--quiet"])
+    result = check.run_check(args, out=io.StringIO(), err=io.StringIO())
+    probe = result.extra["batch_invariance"]
+    assert probe == {"sequences": 3, "sequences_differing_alone": 0, "bitwise": True}, probe
+    assert result.exit_status == 0 and "Whole-model batch invariance" in result.message
+    assert result.to_json()["batch_invariance"] == probe
+    args = check._parser().parse_args(["--batch-invariant", "--steps", "1", "--no-reference", "--quiet",
+                                       "--device", "cpu"])
+    with pytest.raises(ValueError, match="--batch-invariant"):
+        check.run_check(args, out=io.StringIO(), err=io.StringIO())

@@ -2,6 +2,7 @@
 
     python -m transformer_engine.jax.determinism_check [--steps N] [--seq-len S] [--device auto|cpu|gpu]
     python -m transformer_engine.jax.determinism_check --fused-interpreter   # the fused kernels, on CPU
+    python -m transformer_engine.jax.determinism_check --batch-invariant     # + whole-model batch invariance
 
 The JAX half of the project's determinism check (the PyTorch half is
 ``transformer_engine.pytorch.determinism_check``; same options where they apply, same report and
@@ -24,6 +25,10 @@ kernels; the report says so. ``--fused-interpreter`` runs the fused Triton kerne
 interpreter (``TRITON_INTERPRET=1`` and ``NVTE_JAX_TRITON_INTERPRET=1``, in a child process; torch must be
 installed, as the interpreter reads torch CPU tensors), at small default shapes, in float32 or float16, and
 requires every call to select them (as ``--expect-backend fused``). On a GPU the fused kernels run natively.
+
+``--batch-invariant`` adds a whole-model batch-invariance report (``extra["batch_invariance"]`` in the
+JSON): a stack of Flax ``TransformerLayer`` in batch-invariant mode scores each sequence in a batch and alone,
+and every logit and input gradient must be bitwise equal.
 
 Exit status: 0 when the runs agree (or determinism was not requested), 1 when determinism was
 requested and not met, 3 when ``--expect-backend`` names a backend that was not selected, 2 for
@@ -122,6 +127,56 @@ def _train(label: str, cfg, args, device, progress: Progress) -> RunResult:
     return result
 
 
+def _batch_invariance_probe(cfg, args, device) -> dict:
+    """Whole-model batch invariance in batch-invariant mode (:mod:`transformer_engine.jax.batch_invariance`): a
+    stack of Flax ``TransformerLayer`` (RMSNorm, SwiGLU, causal, the check's heads and GQA groups) with a final
+    norm and an output ``DenseGeneral`` scores ``batch_size`` sequences in one batch and each alone, and the
+    gradient of a loss of the logits with respect to the input in both. Counts the sequences whose logits or
+    input gradients differ in any bit (the same probe as PyTorch's, without the KV-cache decode: the Flax
+    ``TransformerLayer`` has none)."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from transformer_engine.jax.batch_invariance import batch_invariant
+    from transformer_engine.jax.flax import DenseGeneral, LayerNorm, TransformerLayer
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i in range(cfg.num_layers):
+                x = TransformerLayer(
+                    hidden_size=cfg.hidden_size, mlp_hidden_size=cfg.ffn_size,
+                    num_attention_heads=cfg.num_attention_heads, num_gqa_groups=cfg.num_gqa_groups,
+                    layernorm_type="rmsnorm", hidden_dropout=0.0, attention_dropout=0.0, intermediate_dropout=0.0,
+                    mlp_activations=("silu", "linear"), enable_relative_embedding=False, scale_attn_logits=True,
+                    self_attn_mask_type="causal", name=f"layer_{i}")(x, deterministic=True)
+            x = LayerNorm(layernorm_type="rmsnorm", name="norm")(x)
+            return DenseGeneral(cfg.vocab_size, use_bias=False, name="head")(x)
+
+    model = Model()
+    data = np.random.default_rng(args.seed + 2)
+    x = jnp.asarray(data.standard_normal((args.batch_size, args.seq_len, cfg.hidden_size)), cfg.dtype)
+    dlogits = jnp.asarray(data.standard_normal((args.batch_size, args.seq_len, cfg.vocab_size)), jnp.float32)
+    with jax.default_device(device):
+        params = model.init(jax.random.PRNGKey(args.seed), x[:1])
+
+        def logits_and_dx(params, x, dlogits):
+            logits, vjp = jax.vjp(lambda x: model.apply(params, x), x)
+            return logits, vjp(dlogits.astype(logits.dtype))[0]
+
+        with batch_invariant():
+            run = jax.jit(logits_and_dx)  # traced inside the context: the mode's kernels
+            batch, dx = run(params, x, dlogits)
+            differing = 0
+            for i in range(args.batch_size):
+                alone, dx_alone = run(params, x[i:i + 1], dlogits[i:i + 1])
+                same = np.array_equal(np.asarray(alone[0]), np.asarray(batch[i]))
+                differing += not (same and np.array_equal(np.asarray(dx_alone[0]), np.asarray(dx[i])))
+    return {"sequences": args.batch_size, "sequences_differing_alone": differing, "bitwise": differing == 0}
+
+
 # -- command line ----------------------------------------------------------------------------------
 
 
@@ -136,6 +191,12 @@ def _parser() -> argparse.ArgumentParser:
         determinism_options=[
             ("--no-xla-flag", dict(
                 action="store_true", help=f"do not add {_XLA_DETERMINISTIC} to XLA_FLAGS (attention's switch only)")),
+            ("--batch-invariant", dict(
+                action="store_true",
+                help="also check whole-model batch invariance: a stack of Flax TransformerLayers and an output "
+                     "DenseGeneral in batch-invariant mode (NVTE_BATCH_INVARIANT) score each sequence in a batch "
+                     "and alone; every logit and input gradient must be bitwise equal (a CUDA GPU, or the CPU with "
+                     "--fused-interpreter)")),
             ("--fused-interpreter", dict(
                 action="store_true",
                 help="run the fused Triton kernels on CPU under Triton's interpreter (sets both TRITON_INTERPRET=1 "
@@ -204,6 +265,9 @@ def run_check(args: argparse.Namespace, out=None, err=None) -> CheckResult:
 
     device = _resolve_device(args.device)
     interpret = interpret and device.platform == "cpu"
+    if getattr(args, "batch_invariant", False) and device.platform == "cpu" and not interpret:
+        raise ValueError("`--batch-invariant` needs a CUDA GPU or `--fused-interpreter` (the batch-invariant "
+                         "kernels are Triton kernels)")
     report.apply_defaults(args, _DEFAULTS["gpu" if device.platform == "gpu" else
                                           "cpu-interpret" if interpret else "cpu"])
     cfg = TinyConfig(
@@ -244,6 +308,16 @@ def run_check(args: argparse.Namespace, out=None, err=None) -> CheckResult:
                  "when triton is first imported) and NVTE_JAX_TRITON_INTERPRET=1, in a child process.")
     if note:
         result.message += "\n" + note
+    if getattr(args, "batch_invariant", False):
+        with environment(NVTE_ALLOW_NONDETERMINISTIC_ALGO="1" if args.nondeterministic else "0", **interpreted):
+            probe = _batch_invariance_probe(cfg, args, device)
+        result.extra["batch_invariance"] = probe
+        result.message += (
+            f"\nWhole-model batch invariance (Flax TransformerLayer stack, batch-invariant mode): "
+            f"{probe['sequences_differing_alone']} of {probe['sequences']} sequences differ alone from in the batch "
+            f"(logits or input gradients): {'bitwise equal' if probe['bitwise'] else 'NOT batch-invariant'}.")
+        if not probe["bitwise"] and result.exit_status == report.EXIT_PASS:
+            result.exit_status = report.EXIT_NOT_DETERMINISTIC
     return result
 
 

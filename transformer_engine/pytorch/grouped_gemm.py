@@ -176,8 +176,9 @@ def grouped_linear(x: torch.Tensor, m_splits: Sequence[int], weights: Sequence[t
         return _GroupedMM.apply(x, stacked, tuple(m_splits), fuse, bool(is_first_microbatch), len(weights), *params)
     outs = []
     for i, xi in enumerate(x.split(list(m_splits))):
-        # An expert without tokens runs unquantized (an empty GEMM: nothing to scale; its gradients are zero).
-        plan = fp8_plans[i] if fp8_plans is not None and xi.shape[0] else None
+        # An expert without tokens still runs its (empty) GEMM: under delayed scaling it records its weight's
+        # amax, as a Linear per expert does, and its weight gradient is a zero, not None.
+        plan = fp8_plans[i] if fp8_plans is not None else None
         out, _ = parallel_linear(xi, weights[i], None if biases is None else biases[i], None, None, False, False,
                                  fuse_wgrad_accumulation, is_first_microbatch, plan)
         outs.append(out)

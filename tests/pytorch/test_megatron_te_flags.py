@@ -69,6 +69,9 @@ def _train(model, steps=3, batch=2, seq=16):
     for _ in range(steps):
         tokens = torch.randint(0, 64, (batch, seq), generator=gen)
         opt.zero_grad()
+        # What Megatron's schedules do each step: under FP8 the TE modules quantize their updated weights again
+        # (the operations quantize theirs in every forward).
+        model.set_is_first_microbatch()
         loss = model(tokens, pos, mask, labels=torch.roll(tokens, -1, 1)).float().mean()
         loss.backward()
         opt.step()
@@ -112,6 +115,14 @@ def test_te_activation_and_op_fuser(megatron_world):
     assert seq[1].weight is mlp.linear_fc1.weight and seq[0].weight is mlp.linear_fc1.layer_norm_weight
     assert _bitwise(fused, act)
     assert _bitwise(fused, _train(_gpt(use_transformer_engine_op_fuser=True)))
+
+
+def test_op_fuser_in_fp8_is_the_modules_in_fp8(megatron_world):
+    """fp8="hybrid" with delayed scaling: the op-fuser MLP's BasicLinear operations keep their own FP8 state and
+    quantize as the modules do: bitwise the TE-activation run's losses and parameters."""
+    fp8 = dict(fp8="hybrid", fp8_recipe="delayed")
+    act = _train(_gpt(use_te_activation_func=True, **fp8))
+    assert _bitwise(_train(_gpt(use_transformer_engine_op_fuser=True, **fp8)), act)
 
 
 def test_fused_residual_rmsnorm(megatron_world, cpu_router):

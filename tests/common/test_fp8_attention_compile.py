@@ -21,8 +21,9 @@ def _loop_args(plan, head_dim, grad="bfloat16", do="float8_e5m2"):
         DO=Pointer(do), DQ=Pointer(grad), DK=Pointer(grad), DV=Pointer(grad), LSE=Pointer("float32"),
         DELTA=Pointer("float32"), AMAX=Pointer("float32"), DESCALE=Pointer("float32"),
         SEQ_START_Q=Pointer("int32"), SEQ_START_K=Pointer("int32"), SEQ_LEN_Q=Pointer("int32"),
-        SEQ_LEN_K=Pointer("int32"), stride_lb=16 * 4096, stride_lh=4096, num_heads_q=16, num_heads_kv=16,
-        gqa_group=1, seqlen_q=4096, seqlen_k=4096, sm_scale=head_dim ** -0.5, window_left=0, window_right=0,
+        SEQ_LEN_K=Pointer("int32"), stride_lb=16 * 4096, stride_lh=4096, stride_db=0, stride_dh=0, num_heads_q=16,
+        num_heads_kv=16, gqa_group=1, seqlen_q=4096, seqlen_k=4096, sm_scale=head_dim ** -0.5, window_left=0,
+        window_right=0,
         HEAD_DIM_QK=head_dim, HEAD_DIM_V=head_dim, BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
         IS_THD=False, HAS_SEQLENS=False, HAS_LEFT=False, HAS_RIGHT=True, BOTTOM_RIGHT=False,
         P_SCALE=P_SCALE, EXACT_CAST=False, **strides)

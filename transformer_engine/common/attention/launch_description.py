@@ -28,11 +28,11 @@ from transformer_engine.common.attention.explain import log_plan
 from transformer_engine.common.attention.params import AttnParams
 from transformer_engine.common.attention.plan import (
     BackwardPlan, ForwardPlan, Tiles, backward_plan, block_grid, forward_plan, gluon_page_reason, mask_flags,
-    padded_head_dim, tma_eligible,
+    padded_head_dim, tma_eligible, window_mask_flags,
 )
 
 __all__ = ["Slot", "View", "Bias", "Call", "Launch", "SplitKV", "plan_key", "split_kv", "forward_launches",
-           "backward_launches", "LOG2E", "ELEMENT_SIZES"]
+           "backward_launches", "fp8_forward_launches", "fp8_backward_launches", "LOG2E", "ELEMENT_SIZES"]
 
 LOG2E = 1.4426950408889634  # the kernels' softmax runs in base 2: qk_scale = softmax_scale * log2(e)
 ELEMENT_SIZES = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -113,6 +113,9 @@ class Call:
     page_size: int = 0
     page_table_stride: int = 0
     page_rows: int = 0
+    # FP8 attention (fp8_*_launches): the (batch, kv head) strides of slot ``descale`` (fp32 [..., 4]: q, k, v, dO
+    # descale factors); (0, 0) for one scale per tensor.
+    descale_strides: Tuple[int, int] = (0, 0)
 
     def __post_init__(self):
         m = self.segments_per_row
@@ -467,3 +470,73 @@ def _dbias_launch(call: Call, plan: BackwardPlan, values: Dict[str, object], ker
     )
     return _launch(kernel, plan.dbias_grid(bias.shape[2], call.max_k, bias.shape[0], bias.shape[1]), dbias,
                    t.launch_options)
+
+
+# --- FP8 attention (kernels/fp8.py) -----------------------------------------------------------------------------
+
+def _fp8_values(call: Call, plan) -> Dict[str, object]:
+    """What the FP8 kernels take, by parameter name, with the head-dim tiles of ``plan``
+    (``common.attention.fp8.Fp8Plan``): the block-loop kernels' sequence slots, strides and mask values, plus
+    slot ``descale`` and its strides, P's fixed scale and the plan's cast mode."""
+    from transformer_engine.common.attention.fp8 import P_SCALE
+
+    p = call.params
+    flags, left, right = window_mask_flags(p.attn_mask_type, p.window_size, p.bottom_right_diagonal)
+    values = dict(
+        SEQ_START_Q=Slot("seq_start_q") if call.packed else _PLACEHOLDER,
+        SEQ_START_K=Slot("seq_start_k") if call.packed else _PLACEHOLDER,
+        SEQ_LEN_Q=Slot("seq_len_q") if call.has_seqlens else _PLACEHOLDER,
+        SEQ_LEN_K=Slot("seq_len_k") if call.has_seqlens else _PLACEHOLDER,
+        DESCALE=Slot("descale"), LSE=Slot("lse"), DELTA=Slot("delta"),
+        stride_lb=call.lse_strides[0], stride_lh=call.lse_strides[1],
+        stride_db=call.descale_strides[0], stride_dh=call.descale_strides[1],
+        num_heads_q=call.num_heads_q, num_heads_kv=call.num_heads_kv,
+        gqa_group=call.num_heads_q // call.num_heads_kv, seqlen_q=call.max_q, seqlen_k=call.max_k,
+        sm_scale=p.scaling_factor, window_left=left, window_right=right,
+        HEAD_DIM_QK=call.head_dim_qk, HEAD_DIM_V=call.head_dim_v, BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
+        IS_THD=call.packed, HAS_SEQLENS=call.has_seqlens, P_SCALE=P_SCALE, EXACT_CAST=plan.exact_cast, **flags,
+    )
+    for tensor, prefix in (("q", "q"), ("k", "k"), ("v", "v"), ("out", "o"), ("d_out", "do"), ("dq", "dq"),
+                           ("dk", "dk"), ("dv", "dv")):
+        if tensor in call.views:
+            values.update(_strides(call, prefix, tensor, call.packed))
+            values[prefix.upper()] = Slot(tensor)
+    return values
+
+
+def _fp8_options(t) -> Dict[str, int]:
+    return dict(num_warps=t.num_warps, num_stages=t.num_stages)
+
+
+def fp8_forward_launches(call: Call, plan) -> Tuple[Launch, ...]:
+    """FP8 attention's forward on E4M3 slots q, k, v (``call.dtype`` their FP8 dtype): one launch writing
+    ``out`` and ``lse`` and raising slot ``fwd_amax`` (fp32 [3]: max |O|, the softmax's largest probability),
+    with descale factors from slot ``descale`` (:attr:`Call.descale_strides`). ``plan``: the FP8 plan
+    (``common.attention.fp8.fp8_plan``); the grid, visibility rule and block bounds are the bf16 forward's."""
+    from transformer_engine.common.attention.kernels.fp8 import attn_fp8_fwd_kernel
+
+    t = plan.forward
+    values = dict(_fp8_values(call, plan), AMAX=Slot("fwd_amax"), BLOCK_M=t.block_m, BLOCK_N=t.block_n)
+    grid = block_grid(*call.grid_rows(call.max_q, t.block_m, call.num_heads_q))
+    return (_launch(attn_fp8_fwd_kernel, grid, values, _fp8_options(t)),)
+
+
+def fp8_backward_launches(call: Call, plan) -> Tuple[Launch, ...]:
+    """FP8 attention's backward, in order: preprocess (slot ``delta`` from ``out`` and the FP8 ``d_out``), dK/dV
+    (raising slot ``bwd_amax``'s [2] to max |dS|) and dQ, in the gradients' dtype (slots dq, dk, dv)."""
+    from transformer_engine.common.attention.kernels.fp8 import (
+        attn_fp8_bwd_dkdv_kernel, attn_fp8_bwd_dq_kernel, attn_fp8_bwd_preprocess_kernel,
+    )
+
+    values = _fp8_values(call, plan)
+    q_rows = lambda t: call.grid_rows(call.max_q, t.block_m, call.num_heads_q)  # noqa: E731
+    k_rows = lambda t: call.grid_rows(call.max_k, t.block_n, call.num_heads_kv)  # noqa: E731
+    pre, dkdv, dq = plan.preprocess, plan.dkdv, plan.dq
+    return (
+        _launch(attn_fp8_bwd_preprocess_kernel, block_grid(*q_rows(pre)), dict(values, BLOCK_M=pre.block_m),
+                _fp8_options(pre)),
+        _launch(attn_fp8_bwd_dkdv_kernel, block_grid(*k_rows(dkdv)),
+                dict(values, AMAX=Slot("bwd_amax"), BLOCK_M=dkdv.block_m, BLOCK_N=dkdv.block_n), _fp8_options(dkdv)),
+        _launch(attn_fp8_bwd_dq_kernel, block_grid(*q_rows(dq)), dict(values, BLOCK_M=dq.block_m, BLOCK_N=dq.block_n),
+                _fp8_options(dq)),
+    )

@@ -27,9 +27,9 @@ from transformer_engine.common import settings
 from transformer_engine.common.attention.enums import AttnBiasType
 
 __all__ = ["Tiles", "ForwardPlan", "BackwardPlan", "ArchTables", "ARCHS", "forward_plan", "backward_plan",
-           "plan_key", "plan_arch", "device_arch", "mask_flags", "padded_head_dim", "split_head_dim", "block_grid",
-           "tma_eligible", "PlanTrace", "trace_forward", "trace_backward", "row_name", "pages_keep_bits",
-           "gluon_page_reason", "GLUON_MIN_PAGE"]
+           "plan_key", "plan_arch", "device_arch", "mask_flags", "window_mask_flags", "padded_head_dim",
+           "split_head_dim", "block_grid", "tma_eligible", "PlanTrace", "trace_forward", "trace_backward", "row_name",
+           "pages_keep_bits", "gluon_page_reason", "GLUON_MIN_PAGE"]
 
 
 @dataclass(frozen=True)
@@ -159,10 +159,17 @@ def mask_flags(config: Config) -> Tuple[Dict[str, bool], int, int]:
     they take, for a config's mask type, normalized window (-1: unbounded) and diagonal alignment
     (``AttnConfig.bottom_right``); causal masks close the right."""
     config = plan_key(config)
-    left, right = config.window_size
-    if config.attn_mask_type.is_causal():
+    return window_mask_flags(config.attn_mask_type, config.window_size, config.bottom_right)
+
+
+def window_mask_flags(attn_mask_type, window_size: Tuple[int, int],
+                      bottom_right: bool) -> Tuple[Dict[str, bool], int, int]:
+    """:func:`mask_flags` of a mask type, normalized window and resolved diagonal alignment (the FP8 kernels'
+    launches, which have no PlanKey, read it from their AttnParams)."""
+    left, right = window_size
+    if attn_mask_type.is_causal():
         right = 0
-    flags = dict(HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, BOTTOM_RIGHT=config.bottom_right)
+    flags = dict(HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, BOTTOM_RIGHT=bool(bottom_right))
     return flags, max(left, 0), max(right, 0)
 
 

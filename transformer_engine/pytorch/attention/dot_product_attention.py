@@ -712,9 +712,10 @@ class DotProductAttention(torch.nn.Module):
                 raise NotImplementedError(f"`{mod_name}` (cuDNN's experimental score modification) is not supported")
         key = plan_key = None
         fp8_recipe = _fp8_attention_recipe()
-        if fp8_recipe is not None and _is_compiling():
-            raise NotImplementedError("FP8 attention (the recipe's fp8_dpa) under torch.compile is not supported yet: "
-                                      "its kernels are launched outside custom ops; run the attention eagerly")
+        if fp8_recipe is not None and _is_compiling() and type(fp8_recipe).delayed():
+            raise NotImplementedError("FP8 attention (the recipe's fp8_dpa) under DelayedScaling inside torch.compile "
+                                      "is not supported yet: its metas are registered and updated outside the graph; "
+                                      "use Float8CurrentScaling(fp8_dpa=True) or run the attention eagerly")
         if fp8_recipe is not None and inference_params is not None:
             raise NotImplementedError("FP8 attention (the recipe's fp8_dpa) with `inference_params` (a KV cache) is "
                                       "not supported; run the cached steps outside the FP8 autocast")

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
-import triton
 
 from transformer_engine.common import settings
 from transformer_engine.common.attention import AttnBiasType, AttnMaskType, AttnSoftmaxType, QKVFormat
@@ -28,19 +27,22 @@ from transformer_engine.common.attention.config import normalize_window, resolve
 from transformer_engine.common.attention.fp8 import (
     FP8_DTYPES, P_SCALE, Fp8Plan, backward_dtype_name, explain_fp8, fp8_plan, fp8_reasons,
 )
-from transformer_engine.common.attention.kernels import fp8 as fp8_kernels
+from transformer_engine.common.attention import launch_description
 from transformer_engine.common.attention.params import AttnParams
 from transformer_engine.common.attention.validation import check_softmax_scale
 from transformer_engine.common.quantization import FP8_MAX, scale_from_current_amax
 from transformer_engine.pytorch.quantization import amax_of, cast_to_fp8
 from transformer_engine.pytorch.attention.call import AttnCall
 from transformer_engine.pytorch.attention.config import check_cu_seqlens, qkv_dims, triton_interpreting
-from transformer_engine.pytorch.attention.kernel_runner import canonical, sequences
+from transformer_engine.pytorch.attention import kernel_runner
+from transformer_engine.pytorch.attention.kernel_runner import sequences
+from transformer_engine.pytorch.attention.signature_cache import SignatureCache, environment_signature, tensor_signature
 
 __all__ = ["AMAX_SLOTS", "FWD_SLOTS", "BWD_SLOTS", "Fp8AttnMeta", "Fp8AttnFunc", "Fp8AttentionState", "fp8_attn_func",
            "fp8_attn_call", "fp8_attn_forward", "fp8_attn_backward", "quantize", "fp8_arch", "FLOAT8_DTYPES",
            "sequence_amax", "per_token", "FP8_DPA_SCALINGS"]
 
+_LOGGER = logging.getLogger("transformer_engine")
 # Where each amax lands in the fp32 array a call records into.
 AMAX_SLOTS = {"q": 0, "k": 1, "v": 2, "o": 3, "s": 4, "dp": 5, "do": 6, "dq": 7, "dk": 8, "dv": 9}
 FLOAT8_DTYPES = {getattr(torch, name): fmt for fmt, name in FP8_DTYPES.items()}
@@ -66,25 +68,6 @@ def fp8_arch(device: torch.device) -> str:
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``saturate(x * scale)`` in the FP8 ``dtype`` (round to nearest even; +-max where it overflows)."""
     return cast_to_fp8(x.float() * scale, FLOAT8_DTYPES[dtype])
-
-
-def _flags(params: AttnParams) -> Tuple[dict, int, int]:
-    left, right = params.window_size
-    if params.attn_mask_type.is_causal():
-        right = 0
-    flags = dict(HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, BOTTOM_RIGHT=bool(params.bottom_right_diagonal))
-    return flags, max(left, 0), max(right, 0)
-
-
-def _strides(t: torch.Tensor, fmt: QKVFormat, prefix: str) -> dict:
-    _, s = canonical(t, fmt)
-    return {f"stride_{prefix}{axis}": value for axis, value in zip("bshd", s)}
-
-
-def _sequence_args(seqs, dummy: torch.Tensor) -> dict:
-    return dict(SEQ_START_Q=seqs.start_q if seqs.is_thd else dummy, SEQ_START_K=seqs.start_k if seqs.is_thd else dummy,
-                SEQ_LEN_Q=seqs.len_q if seqs.has_seqlens else dummy, SEQ_LEN_K=seqs.len_k if seqs.has_seqlens else dummy,
-                IS_THD=seqs.is_thd, HAS_SEQLENS=seqs.has_seqlens, seqlen_q=seqs.max_q, seqlen_k=seqs.max_k)
 
 
 def _descale_strides(descale: torch.Tensor, batch: int, hk: int) -> Tuple[torch.Tensor, dict]:
@@ -149,31 +132,78 @@ def _plan(q: torch.Tensor, v: torch.Tensor) -> Fp8Plan:
     return fp8_plan(q.shape[-1], v.shape[-1], fp8_arch(q.device))
 
 
-def fp8_attn_forward(q8, k8, v8, descale: torch.Tensor, call: AttnCall, out_dtype: torch.dtype,
-                     amax: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of FP8 attention on E4M3 ``q8, k8, v8`` (``call``'s format), ``descale`` fp32 [4] or
-    [batch, h_kv, 4] (q, k, v, dO descales per tensor, or per sequence and kv head; dO's unused here). Writes the amaxes of O and of the softmax (its largest probability) into
-    ``amax`` (fp32, :data:`AMAX_SLOTS`) when given."""
-    params = call.params
-    fmt = params.qkv_format
+_FP8_FORWARDS = SignatureCache("fp8_attention.forward")
+_FP8_BACKWARDS = SignatureCache("fp8_attention.backward")
+
+
+def _launches(cache, name: str, describe_launches, tensors: dict, descale: torch.Tensor, call: AttnCall, seqs,
+              lse: torch.Tensor, plan: Fp8Plan):
+    """The prepared launches (launch_cache) of an FP8 pass, from its launch description, kept per call signature
+    as the bf16 kernel runner keeps its own."""
+    key = (name, environment_signature(), tensor_signature(descale), tensor_signature(lse)) + tuple(
+        tensor_signature(t) for t in tensors.values()) + kernel_runner._call_signature(call)
+    entry = cache.get(key)
+    if entry is None:
+        descale, dstrides = _descale_strides(descale, seqs.batch, tensors["k"].shape[-2])
+        described = dataclasses.replace(
+            kernel_runner.describe(tensors["q"], tensors["k"], tensors["v"], call, seqs, tensors,
+                                   (lse.stride(0), lse.stride(1))),
+            descale_strides=(dstrides["stride_db"], dstrides["stride_dh"]))
+        entry = kernel_runner._prepare(describe_launches(described, plan))
+        cache.put(key, entry)
+    return entry
+
+
+def fp8_forward_impl(q8, k8, v8, descale: torch.Tensor, call: AttnCall,
+                     out_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, lse, fwd_amax fp32 [3]) of :func:`fp8_attn_forward`: what the custom op
+    ``transformer_engine::fp8_attn_fwd`` (ops.py) runs."""
     plan = _plan(q8, v8)
     seqs = sequences(q8, k8, call)
-    hq, hk = q8.shape[-2], k8.shape[-2]
+    hq = q8.shape[-2]
     out = torch.zeros(tuple(q8.shape[:-1]) + (v8.shape[-1],), dtype=out_dtype, device=q8.device)
     lse = torch.empty((seqs.batch, hq, seqs.max_q), dtype=torch.float32, device=q8.device)
     fwd_amax = torch.zeros(3, dtype=torch.float32, device=q8.device)
-    descale, dstrides = _descale_strides(descale, seqs.batch, hk)
-    flags, left, right = _flags(params)
-    t = plan.forward
-    grid = (triton.cdiv(seqs.max_q, t.block_m), seqs.batch * hq)
-    fp8_kernels.attn_fp8_fwd_kernel[grid](
-        q8, k8, v8, out, lse, fwd_amax, descale,
-        **_sequence_args(seqs, lse), **_strides(q8, fmt, "q"), **_strides(k8, fmt, "k"), **_strides(v8, fmt, "v"),
-        **_strides(out, fmt, "o"), stride_lb=lse.stride(0), stride_lh=lse.stride(1), **dstrides,
-        num_heads_q=hq, gqa_group=hq // hk, sm_scale=params.scaling_factor, window_left=left, window_right=right,
-        HEAD_DIM_QK=q8.shape[-1], HEAD_DIM_V=v8.shape[-1], BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, P_SCALE=P_SCALE, EXACT_CAST=plan.exact_cast, **flags,
-        num_warps=t.num_warps, num_stages=t.num_stages)
+    descale = _descale_strides(descale, seqs.batch, k8.shape[-2])[0]
+    tensors = dict(q=q8, k=k8, v=v8, out=out)
+    launches = _launches(_FP8_FORWARDS, "fp8_forward", launch_description.fp8_forward_launches, tensors, descale,
+                         call, seqs, lse, plan)
+    kernel_runner._run(launches, dict(tensors, lse=lse, fwd_amax=fwd_amax, descale=descale,
+                                      **kernel_runner._sequence_buffers(seqs)))
+    return out, lse, fwd_amax
+
+
+def fp8_backward_impl(q8, k8, v8, out, do8, lse, descale: torch.Tensor, call: AttnCall,
+                      grad_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, bwd_amax fp32 [3]) of :func:`fp8_attn_backward`: what the custom op
+    ``transformer_engine::fp8_attn_bwd`` (ops.py) runs."""
+    plan = _plan(q8, v8)
+    seqs = sequences(q8, k8, call)
+    dev = q8.device
+    delta = torch.empty_like(lse)
+    dq = torch.zeros(q8.shape, dtype=grad_dtype, device=dev)
+    dk = torch.zeros(k8.shape, dtype=grad_dtype, device=dev)
+    dv = torch.zeros(v8.shape, dtype=grad_dtype, device=dev)
+    bwd_amax = torch.zeros(3, dtype=torch.float32, device=dev)
+    descale = _descale_strides(descale, seqs.batch, k8.shape[-2])[0]
+    tensors = dict(q=q8, k=k8, v=v8, out=out, d_out=do8, dq=dq, dk=dk, dv=dv)
+    launches = _launches(_FP8_BACKWARDS, "fp8_backward", launch_description.fp8_backward_launches, tensors, descale,
+                         call, seqs, lse, plan)
+    kernel_runner._run(launches, dict(tensors, lse=lse, delta=delta, bwd_amax=bwd_amax, descale=descale,
+                                      **kernel_runner._sequence_buffers(seqs)))
+    return dq, dk, dv, bwd_amax
+
+
+def fp8_attn_forward(q8, k8, v8, descale: torch.Tensor, call: AttnCall, out_dtype: torch.dtype,
+                     amax: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of FP8 attention on E4M3 ``q8, k8, v8`` (``call``'s format), ``descale`` fp32 [4] or
+    [batch, h_kv, 4] (q, k, v, dO descales per tensor, or per sequence and kv head; dO's unused here). Writes the
+    amaxes of O and of the softmax (its largest probability) into ``amax`` (fp32, :data:`AMAX_SLOTS`) when given.
+    The launches are ``launch_description.fp8_forward_launches`` through the launch cache, behind the custom op
+    ``transformer_engine::fp8_attn_fwd`` (ops.py) when traced."""
+    from transformer_engine.pytorch.attention import ops
+
+    out, lse, fwd_amax = ops.fp8_forward(q8, k8, v8, descale, call, out_dtype)
     if amax is not None:
         amax[AMAX_SLOTS["o"]] = fwd_amax[0]
         amax[AMAX_SLOTS["s"]] = fwd_amax[1]
@@ -183,42 +213,13 @@ def fp8_attn_forward(q8, k8, v8, descale: torch.Tensor, call: AttnCall, out_dtyp
 def fp8_attn_backward(q8, k8, v8, out, do8, lse, descale: torch.Tensor, call: AttnCall, grad_dtype: torch.dtype,
                       amax: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in ``grad_dtype`` of FP8 attention from E4M3 q8, k8, v8, the forward's ``out`` and ``lse``,
-    and dO in FP8 (E5M2 or E4M3) ``do8``; ``descale`` fp32 [4] or [batch, h_kv, 4] (q, k, v, dO). dS stays in fp32 and meets Q, K
-    in ``grad_dtype`` (kernels/fp8.py). Records the amax of dS (TransformerEngine's dP) into ``amax``."""
-    params = call.params
-    fmt = params.qkv_format
-    plan = _plan(q8, v8)
-    seqs = sequences(q8, k8, call)
-    hq, hk = q8.shape[-2], k8.shape[-2]
-    dev = q8.device
-    delta = torch.empty_like(lse)
-    dq = torch.zeros(q8.shape, dtype=grad_dtype, device=dev)
-    dk = torch.zeros(k8.shape, dtype=grad_dtype, device=dev)
-    dv = torch.zeros(v8.shape, dtype=grad_dtype, device=dev)
-    bwd_amax = torch.zeros(3, dtype=torch.float32, device=dev)
-    descale, dstrides = _descale_strides(descale, seqs.batch, hk)
-    flags, left, right = _flags(params)
-    seq_args = _sequence_args(seqs, lse)
-    common = dict(stride_lb=lse.stride(0), stride_lh=lse.stride(1), **dstrides, HEAD_DIM_V=v8.shape[-1], BLOCK_DV=plan.block_dv,
-                  IS_THD=seq_args["IS_THD"], HAS_SEQLENS=seq_args["HAS_SEQLENS"])
-    t = plan.preprocess
-    fp8_kernels.attn_fp8_bwd_preprocess_kernel[(triton.cdiv(seqs.max_q, t.block_m), seqs.batch * hq)](
-        out, do8, delta, descale, seq_args["SEQ_START_Q"], seq_args["SEQ_LEN_Q"], **_strides(out, fmt, "o"),
-        **_strides(do8, fmt, "do"), num_heads_q=hq, gqa_group=hq // hk, seqlen_q=seqs.max_q, BLOCK_M=t.block_m, **common,
-        num_warps=t.num_warps, num_stages=t.num_stages)
-    loops = dict(**seq_args, **_strides(q8, fmt, "q"), **_strides(k8, fmt, "k"), **_strides(v8, fmt, "v"),
-                 **_strides(do8, fmt, "do"), stride_lb=lse.stride(0), stride_lh=lse.stride(1), **dstrides,
-                 sm_scale=params.scaling_factor, window_left=left, window_right=right, HEAD_DIM_QK=q8.shape[-1],
-                 HEAD_DIM_V=v8.shape[-1], BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv, **flags)
-    t = plan.dkdv
-    fp8_kernels.attn_fp8_bwd_dkdv_kernel[(triton.cdiv(seqs.max_k, t.block_n), seqs.batch * hk)](
-        q8, k8, v8, do8, dk, dv, lse, delta, bwd_amax, descale, **loops, **_strides(dk, fmt, "dk"),
-        **_strides(dv, fmt, "dv"), num_heads_kv=hk, gqa_group=hq // hk, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-        P_SCALE=P_SCALE, EXACT_CAST=plan.exact_cast, num_warps=t.num_warps, num_stages=t.num_stages)
-    t = plan.dq
-    fp8_kernels.attn_fp8_bwd_dq_kernel[(triton.cdiv(seqs.max_q, t.block_m), seqs.batch * hq)](
-        q8, k8, v8, do8, dq, lse, delta, descale, **loops, **_strides(dq, fmt, "dq"), num_heads_q=hq,
-        gqa_group=hq // hk, BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps, num_stages=t.num_stages)
+    and dO in FP8 (E5M2 or E4M3) ``do8``; ``descale`` fp32 [4] or [batch, h_kv, 4] (q, k, v, dO). dS stays in
+    fp32 and meets Q, K in ``grad_dtype`` (kernels/fp8.py). Records the amax of dS (TransformerEngine's dP) into
+    ``amax``. The launches are ``launch_description.fp8_backward_launches`` through the launch cache, behind the
+    custom op ``transformer_engine::fp8_attn_bwd`` (ops.py) when traced."""
+    from transformer_engine.pytorch.attention import ops
+
+    dq, dk, dv, bwd_amax = ops.fp8_backward(q8, k8, v8, out, do8, lse, descale, call, grad_dtype)
     if amax is not None:
         amax[AMAX_SLOTS["dp"]] = bwd_amax[2]
         for name, g in (("dq", dq), ("dk", dk), ("dv", dv)):
@@ -360,7 +361,10 @@ def _scale_tensor(name: str, value, device, per_sequence: Tuple[int, int]) -> to
         raise ValueError(f"`{name}` must be one per-tensor scale (a float or a 1-element tensor) or one per sequence "
                          f"and kv head {tuple(per_sequence)}, got shape {tuple(t.shape)}")
     # A number or a host tensor is checked here; a device tensor (a recipe's scale) is not read back: no host sync.
-    if (not isinstance(value, torch.Tensor) or value.device.type == "cpu") and not (
+    # Traced (torch.compile), a tensor's values are not read either.
+    checkable = not isinstance(value, torch.Tensor) or (value.device.type == "cpu"
+                                                         and not torch.compiler.is_compiling())
+    if checkable and not (
             bool(torch.isfinite(t).all()) and bool((t > 0).all())):
         raise ValueError(f"`{name}` must be finite and positive, got {t.tolist()}")
     return t
@@ -384,7 +388,8 @@ def fp8_attn_call(
     ``qkv_format`` (bshd [b, s, h, d], sbhd [s, b, h, d], thd [t, h, d] with ``cu_seqlens_*``). They are
     quantized to E4M3 as ``saturate(x * scale)`` with ``q_scale``, ``k_scale``, ``v_scale``: floats or 1-element
     fp32 tensors (one scale per tensor), or fp32 [batch, h_kv] tensors (one per sequence and kv head, a query
-    head taking its kv head's; flash-attn 3's descale layout); the output has q's dtype. Query head i uses kv head ``i // (h_q // h_kv)``. Masks as
+    head taking its kv head's; flash-attn 3's descale layout); the output has q's dtype. Query head i uses kv
+    head ``i // (h_q // h_kv)``. Masks as
     :func:`fused_attn_func`: no_mask, padding, causal, padding_causal, the bottom-right causal masks and sliding
     windows. Backward: dO quantized to E5M2 under ``fp8_format="HYBRID"``, E4M3 under ``"E4M3"``, with
     ``d_out_scale`` (None: current scaling from dO's amax, per sequence and kv head when the scales are).
@@ -543,9 +548,9 @@ def dpa_fp8_attention(module, recipe, q, k, v, fmt: QKVFormat, seqs, window, bot
     if reasons:
         raise NotImplementedError("FP8 attention (the recipe's fp8_dpa=True) cannot run this call: "
                                   + "; ".join(reasons))
-    logger = logging.getLogger("transformer_engine")
-    if logger.isEnabledFor(logging.INFO):  # NVTE_DEBUG=1: why FP8 attention runs, and its plan
-        logger.info("Selected backend = FusedAttention(FP8) (%s, %s scaling): %s", type(recipe).__name__, scaling,
+    # NVTE_DEBUG=1: why FP8 attention runs, and its plan (eager calls: a traced call logs nothing)
+    if not torch.compiler.is_compiling() and _LOGGER.isEnabledFor(logging.INFO):
+        _LOGGER.info("Selected backend = FusedAttention(FP8) (%s, %s scaling): %s", type(recipe).__name__, scaling,
                     explain_fp8(q.shape[-1], v.shape[-1], fp8_arch(q.device)))
     fwd_fmt, _ = format_dtypes(recipe.fp8_format)
     kw = dict(qkv_format=fmt.value, attn_mask_type=seqs.mask.value, window_size=window,

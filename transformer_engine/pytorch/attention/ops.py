@@ -19,7 +19,8 @@ from transformer_engine.pytorch.attention import kernel_runner
 from transformer_engine.pytorch.attention.call import FLAT_SIZE, AttnCall, flatten, op_schema_args, unflatten
 from transformer_engine.pytorch.attention.config import qkv_dims
 
-__all__ = ["fused_attn_fwd", "fused_attn_bwd", "forward", "backward"]
+__all__ = ["fused_attn_fwd", "fused_attn_bwd", "forward", "backward", "fp8_attn_fwd", "fp8_attn_bwd", "fp8_forward",
+           "fp8_backward"]
 
 _CALL_ARGS = op_schema_args()
 
@@ -139,3 +140,67 @@ def backward(q, k, v, out, d_out, lse, call: AttnCall, bias_grad: bool = False, 
     if _eager(q, k, v, out, d_out, lse):
         return _backward(q, k, v, out, d_out, lse, call, bias_grad, softmax_offset_grad, grads)
     return fused_attn_bwd(q, k, v, out, d_out, lse, *flatten(call), bias_grad, softmax_offset_grad, grads)
+
+
+# --- FP8 attention (fp8_attention.py): FP8 q, k, v (and dO) with their descale factors as call arguments ------------
+
+def _fp8_forward_op(q, k, v, descale, out_dtype, *flat):
+    from transformer_engine.pytorch.attention.fp8_attention import fp8_forward_impl
+
+    return fp8_forward_impl(q, k, v, descale, unflatten(flat), out_dtype)
+
+
+fp8_attn_fwd = torch.library.custom_op(
+    "transformer_engine::fp8_attn_fwd", _fp8_forward_op, mutates_args=(),
+    schema=f"(Tensor q, Tensor k, Tensor v, Tensor descale, ScalarType out_dtype, {_CALL_ARGS}) -> (Tensor, Tensor, "
+           "Tensor)")
+
+
+@fp8_attn_fwd.register_fake
+def _(q, k, v, descale, out_dtype, *flat):
+    call = unflatten(flat)
+    p = call.params
+    if p.qkv_format == QKVFormat.THD:
+        batch, sq = call.cu_seqlens_q.shape[0] - 1, p.max_seqlen_q
+    else:
+        batch, sq = qkv_dims(q, p.qkv_format)[:2]
+    out = q.new_empty(tuple(q.shape[:-1]) + (v.shape[-1],), dtype=out_dtype)
+    lse = q.new_empty((batch, q.shape[-2], sq), dtype=torch.float32)
+    return out, lse, q.new_empty((3,), dtype=torch.float32)
+
+
+def _fp8_backward_op(q, k, v, out, d_out, lse, descale, grad_dtype, *flat):
+    from transformer_engine.pytorch.attention.fp8_attention import fp8_backward_impl
+
+    return fp8_backward_impl(q, k, v, out, d_out, lse, descale, unflatten(flat), grad_dtype)
+
+
+fp8_attn_bwd = torch.library.custom_op(
+    "transformer_engine::fp8_attn_bwd", _fp8_backward_op, mutates_args=(),
+    schema=(f"(Tensor q, Tensor k, Tensor v, Tensor out, Tensor d_out, Tensor lse, Tensor descale, "
+            f"ScalarType grad_dtype, {_CALL_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)"))
+
+
+@fp8_attn_bwd.register_fake
+def _(q, k, v, out, d_out, lse, descale, grad_dtype, *flat):
+    return (q.new_empty(q.shape, dtype=grad_dtype), k.new_empty(k.shape, dtype=grad_dtype),
+            v.new_empty(v.shape, dtype=grad_dtype), lse.new_empty((3,)))
+
+
+def fp8_forward(q, k, v, descale, call: AttnCall, out_dtype: torch.dtype):
+    """``fp8_attn_fwd``: (out, lse, fwd_amax) of FP8 attention on FP8 q, k, v with ``descale`` (fp32 [4] or
+    [batch, h_kv, 4]); the implementation directly when :func:`_eager`, else the op."""
+    if _eager(q, k, v, descale):
+        from transformer_engine.pytorch.attention.fp8_attention import fp8_forward_impl
+
+        return fp8_forward_impl(q, k, v, descale, call, out_dtype)
+    return fp8_attn_fwd(q, k, v, descale, out_dtype, *flatten(call))
+
+
+def fp8_backward(q, k, v, out, d_out, lse, descale, call: AttnCall, grad_dtype: torch.dtype):
+    """``fp8_attn_bwd``: (dq, dk, dv, bwd_amax); the implementation directly when :func:`_eager`, else the op."""
+    if _eager(q, k, v, out, d_out, lse, descale):
+        from transformer_engine.pytorch.attention.fp8_attention import fp8_backward_impl
+
+        return fp8_backward_impl(q, k, v, out, d_out, lse, descale, call, grad_dtype)
+    return fp8_attn_bwd(q, k, v, out, d_out, lse, descale, grad_dtype, *flatten(call))

@@ -2,13 +2,19 @@
 turned into quantizer sets, and the quantized operands :func:`transformer_engine.jax.dense.dense`
 multiplies.
 
+A recipe is read once, as PyTorch reads it: ``common.quantizer_roles.quantizers_for`` gives a spec per
+role (x is the input, kernel the weight, grad the output gradient) and the GEMMs' accumulation, and
+:class:`QuantizerFactory` builds one quantizer per spec by its scaling kind (delayed, current, block);
+nothing here looks at the recipe's type.
+
 Recipes (``transformer_engine.common.recipe``):
 
 - ``DelayedScaling``: per-tensor scales from an amax history kept in a Flax variable collection
   (``{x,kernel,grad}{postfix}_scale`` of shape ``[1]`` and ``..._amax_history`` of shape
   ``[amax_history_len]``, as TransformerEngine-JAX names them). Each quantization uses the stored
-  scale, records the tensor's amax in ``amax_history[0]``, computes the next scale from the history
-  and rolls it. The updated state leaves ``dense`` as the *gradient* of the state variables (the
+  scale and folds the tensor's amax into ``amax_history[0]``; the state that leaves the step is
+  updated once from it (next scale from the history, history rolled), PyTorch's update at autocast
+  exit and after the backward, with the same shared functions. The updated state leaves ``dense`` as the *gradient* of the state variables (the
   forward of a differentiated function cannot write Flax variables): a train step replaces the
   variables by their gradients, which is what MaxText's ``_overwrite_with_gradient`` collection
   means.

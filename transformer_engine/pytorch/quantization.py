@@ -272,7 +272,8 @@ def _torch_block_scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -
         b_recipe = functional.ScalingType.BlockWise1x128
     out = functional.scaled_mm(a_data, b_data.t(), a_scale, functional.ScalingType.BlockWise1x128, b_scale, b_recipe,
                                output_dtype=out_dtype)
-    return out[:m, :n]
+    # Not a view: callers add to a custom Function's output in place.
+    return out if (mp, np_) == (m, n) else out[:m, :n].clone()
 
 
 # (device, tile of b) -> whether torch's block-scaled GEMM runs there (probed once).
@@ -327,7 +328,7 @@ def scaled_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype, use_split_ac
             mp, np_, kp = m + (-m % 16), n + (-n % 16), k + (-k % 16)
             out = torch._scaled_mm(_pad_to(a.data, mp, kp), _pad_to(b.data, np_, kp).t(), scale_a=a.scale_inv,
                                    scale_b=b.scale_inv, out_dtype=out_dtype, use_fast_accum=not use_split_accumulator)
-            return out[:m, :n]
+            return out if (mp, np_) == (m, n) else out[:m, :n].clone()  # not a view (see above)
         return torch._scaled_mm(a.data, b.data.t(), scale_a=a.scale_inv, scale_b=b.scale_inv, out_dtype=out_dtype,
                                 use_fast_accum=not use_split_accumulator)
     if (a.tile is None) != (b.tile is None):

@@ -113,14 +113,15 @@ def _copy_weights(grouped, sequential):
             p.copy_(src[_sequential_name(name)])
 
 
-def _train(model):
+def _train(model, skip=0):
+    """STEPS SGD steps (plain SGD: no optimizer state to carry), after ``skip`` steps' batches."""
     gen = torch.Generator().manual_seed(1)
     pos = torch.arange(SEQ)[None].expand(BATCH, -1)
     mask = torch.triu(torch.ones(BATCH, 1, SEQ, SEQ, dtype=torch.bool), 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
-    for _ in range(STEPS):
-        tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    batches = [torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen) for _ in range(skip + STEPS)][skip:]
+    for tokens in batches:
         opt.zero_grad()
         model.set_is_first_microbatch()  # as Megatron's schedules: quantize the updated weights each step
         loss = model(tokens, pos, mask, labels=torch.roll(tokens, -1, 1)).float().mean()
@@ -176,3 +177,36 @@ def test_grouped_gemm_gpt_bitwise_twice_and_equal_to_sequential(megatron_world, 
     # Linears (zero-padded alike under FP8; an expert without tokens records its weight's amax alike): the bits
     # are the same.
     assert loss_diff == 0 and param_diff == 0, (loss_diff, param_diff)
+
+
+def test_grouped_gemm_gpt_fp8_checkpoint_resume_is_bitwise(megatron_world):
+    """Megatron's TEGroupedLinear load hook runs on our module: a delayed-scaling run saved after 3 steps with
+    ``torch.save(model.state_dict())`` and loaded into a fresh model carries every expert GEMM's FP8 state and
+    the weights; training on gives the uninterrupted run's bits."""
+    import io
+
+    global STEPS
+    full = _moe_gpt(True, "mixtral", "delayed")
+    # Megatron's RNG tracker has moved on by the next build: start both runs from the same weights.
+    init = {k: v.clone() for k, v in full.state_dict().items() if v is not None}
+    ref_losses, ref_params = _train(full)
+    FP8GlobalStateManager.reset()
+    steps, STEPS = STEPS, 3
+    try:
+        first = _moe_gpt(True, "mixtral", "delayed")
+        first.load_state_dict(init)
+        _train(first)
+        buf = io.BytesIO()
+        torch.save(first.state_dict(), buf)
+        FP8GlobalStateManager.reset()
+        resumed = _moe_gpt(True, "mixtral", "delayed")
+        resumed.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+        for (name, a), b in zip(first.named_modules(), resumed.modules()):
+            if isinstance(a, te.GroupedLinear):
+                for attr in a._fp8_state_attrs():
+                    assert torch.equal(a.__dict__[attr].fwd_meta.amax_history, b.__dict__[attr].fwd_meta.amax_history)
+        STEPS = steps - 3
+        losses, params = _train(resumed, skip=3)
+    finally:
+        STEPS = steps
+    assert torch.equal(losses, ref_losses[3:]) and all(torch.equal(params[k], ref_params[k]) for k in params)

@@ -159,6 +159,13 @@ class GroupedLinear(TransformerEngineBaseModule):
                 with torch.no_grad():
                     getattr(self, f"bias{i}").zero_()
 
+    def init_fp8_metadata(self, num_gemms: int = 1) -> None:
+        """TransformerEngine's preparation of the FP8 metadata, which Megatron's TEGroupedLinear calls before it
+        loads a state dict. Nothing to prepare here: each GEMM's FP8 state is made by its first FP8 forward or
+        by ``set_extra_state``."""
+        if num_gemms != self.num_gemms:
+            raise ValueError(f"`num_gemms` must be this module's num_gemms={self.num_gemms}, got {num_gemms!r}")
+
     def _weights(self) -> List[torch.Tensor]:
         return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
 

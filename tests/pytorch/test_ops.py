@@ -101,6 +101,19 @@ def test_basic_linear_and_bias_are_linear_bitwise_and_the_formula():
     assert lin.weight.abs().max() <= bound and lin.weight.std() > bound / 3
 
 
+def test_meta_parameters_are_made_at_the_first_forward_on_the_inputs_device():
+    lin, bias, norm = ops.BasicLinear(H, FFN, device="meta"), ops.Bias(FFN, device="meta"), ops.RMSNorm(H, device="meta")
+    assert all(p.device.type == "meta" for m in (lin, bias, norm) for p in m.parameters())
+    torch.manual_seed(0)
+    y = ops.Sequential(norm, lin, bias)(_x())
+    assert y.shape == (2, 6, FFN) and all(p.device.type == "cpu" for m in (lin, bias, norm) for p in m.parameters())
+    assert torch.equal(bias.bias, torch.zeros(FFN)) and torch.equal(norm.weight, torch.ones(H))
+    torch.manual_seed(0)
+    ref = torch.empty(FFN, H)
+    torch.nn.init.kaiming_uniform_(ref, a=5 ** 0.5)
+    assert torch.equal(lin.weight, ref)
+
+
 def test_basic_linear_accumulates_into_main_grad():
     lin = ops.BasicLinear(H, FFN, device=DEV, accumulate_into_main_grad=True)
     ref = ops.BasicLinear(H, FFN, device=DEV)

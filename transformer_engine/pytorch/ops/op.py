@@ -41,19 +41,20 @@ class BasicOperation(FusibleOperation):
     """One operation (not a fusion of several): every operation here is one."""
 
     @staticmethod
-    def _device_and_dtype(device, dtype) -> Tuple[torch.device, torch.dtype, bool]:
-        """(device, dtype, deferred): ``device="meta"`` defers the parameters (TransformerEngine's way for a
-        caller that assigns its own parameters afterwards); they are made on the default device at the first
-        forward if still on meta. ``device=None``: CUDA when available, else the CPU."""
-        deferred = device is not None and torch.device(device).type == "meta"
-        return (torch.device("meta") if deferred else resolve_device(device)), resolve_dtype(dtype), deferred
+    def _device_and_dtype(device, dtype) -> Tuple[torch.device, torch.dtype]:
+        """``device="meta"`` defers the parameters (TransformerEngine's way for a caller that assigns its own
+        parameters afterwards); those still on meta at the first forward are made then, on the input's device.
+        ``device=None``: CUDA when available, else the CPU."""
+        if device is not None and str(device) == "meta":
+            return torch.device("meta"), resolve_dtype(dtype)
+        return resolve_device(device), resolve_dtype(dtype)
 
-    def _materialize(self) -> None:
-        """Parameters still on meta at the first forward: allocated on the default device and initialized (only
+    def _materialize(self, device: torch.device) -> None:
+        """Parameters still on meta at the first forward: allocated on the input's device and initialized (only
         those: a parameter the caller assigned keeps its values)."""
         for name, param in list(self._parameters.items()):
             if param is not None and param.device.type == "meta":
-                param = torch.nn.Parameter(torch.empty_like(param, device=resolve_device(None)))
+                param = torch.nn.Parameter(torch.empty_like(param, device=device))
                 with torch.no_grad():
                     self._init_parameter(name, param)
                 setattr(self, name, param)

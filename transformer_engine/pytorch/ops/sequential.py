@@ -10,7 +10,7 @@ operations (``MakeExtraOutput``) gave extra outputs, else the output alone.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Optional, Union
+from typing import Iterable, Iterator, Optional, Union
 
 import torch
 

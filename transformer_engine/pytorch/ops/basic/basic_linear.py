@@ -69,7 +69,7 @@ class BasicLinear(BasicOperation, TransformerEngineBaseModule):
             if self.tensor_parallel_mode == "column" else out_features
         self._rng_state_tracker_function = rng_state_tracker_function
         self._accumulate_into_main_grad = bool(accumulate_into_main_grad)
-        device, dtype, _ = self._device_and_dtype(device, dtype)
+        device, dtype = self._device_and_dtype(device, dtype)
         self.weight = torch.nn.Parameter(torch.empty(self.local_out_features, self.local_in_features,
                                                      device=device, dtype=dtype))
         self.reset_parameters()
@@ -81,7 +81,7 @@ class BasicLinear(BasicOperation, TransformerEngineBaseModule):
             torch.nn.init.kaiming_uniform_(param, a=math.sqrt(5))
 
     def op_run(self, x: torch.Tensor, extra_inputs: Tuple[torch.Tensor, ...] = ()):
-        self._materialize()
+        self._materialize(x.device)
         out, _ = parallel_linear(x, self.weight, None, self.tensor_parallel_mode, self.tensor_parallel_group,
                                  self.sequence_parallel, False, self._accumulate_into_main_grad, None,
                                  self._fp8_plan(x.device))

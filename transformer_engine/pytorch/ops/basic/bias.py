@@ -31,7 +31,7 @@ class Bias(BasicOperation):
         self.tensor_parallel_group = group if self.tensor_parallel else None
         self.tensor_parallel_size = tp
         self.local_size = divide(size, tp, "size") if self.tensor_parallel else size
-        device, dtype, _ = self._device_and_dtype(device, dtype)
+        device, dtype = self._device_and_dtype(device, dtype)
         self.bias = torch.nn.Parameter(torch.empty(self.local_size, device=device, dtype=dtype))
         self.reset_parameters()
 
@@ -39,7 +39,7 @@ class Bias(BasicOperation):
         param.zero_()
 
     def op_run(self, x: torch.Tensor, extra_inputs: Tuple[torch.Tensor, ...] = ()):
-        self._materialize()
+        self._materialize(x.device)
         if x.shape[-1] != self.local_size:
             raise ValueError(f"input's last dim must be the bias size {self.local_size}, got shape {tuple(x.shape)}")
         bias = self.bias if self.bias.dtype == x.dtype else self.bias.to(x.dtype)

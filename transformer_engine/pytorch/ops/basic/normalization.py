@@ -28,7 +28,7 @@ class _NormOp(BasicOperation):
         self.zero_centered_gamma = bool(zero_centered_gamma)
         # sm_margin reserves SMs for communication in TransformerEngine's kernels; these are torch ops.
         self.sm_margin = sm_margin
-        device, dtype, _ = self._device_and_dtype(device, dtype)
+        device, dtype = self._device_and_dtype(device, dtype)
         self.weight = torch.nn.Parameter(torch.empty(hidden, device=device, dtype=dtype))
         if self._normalization == "LayerNorm":
             self.bias = torch.nn.Parameter(torch.empty(hidden, device=device, dtype=dtype))
@@ -43,7 +43,7 @@ class _NormOp(BasicOperation):
             param.zero_()
 
     def op_run(self, x: torch.Tensor, extra_inputs: Tuple[torch.Tensor, ...] = ()):
-        self._materialize()
+        self._materialize(x.device)
         return apply_norm(x, self.weight, self.bias, self.eps, self._normalization, self.zero_centered_gamma), ()
 
     def extra_repr(self) -> str:

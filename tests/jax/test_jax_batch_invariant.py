@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 pytest.importorskip("torch", reason="Triton's interpreter reads torch CPU tensors")
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="the batch-invariant kernels run on CPU under TRITON_INTERPRET=1 only")
+ON_GPU = jax.devices()[0].platform == "gpu"
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not ON_GPU,
+                                reason="the batch-invariant kernels run on a CUDA GPU or under TRITON_INTERPRET=1")
 
 from transformer_engine.jax import batch_invariant, is_batch_invariant  # noqa: E402
 from transformer_engine.jax.dense import dense  # noqa: E402
@@ -148,6 +149,7 @@ def test_fp8_dense_is_refused_in_the_mode():
         dense(x, kernel, quantizer_set=qset)
 
 
+@pytest.mark.skipif(ON_GPU, reason="the CPU lowering's refusal")
 def test_cpu_without_the_interpreter_is_refused(monkeypatch):
     monkeypatch.setenv("NVTE_JAX_TRITON_INTERPRET", "0")
     x, kernel = _rand((2, K), 12, "float32"), _rand((K, N), 13, "float32")
@@ -160,13 +162,15 @@ def test_determinism_check_reports_whole_model_batch_invariance(monkeypatch):
 
     from transformer_engine.jax import determinism_check as check
 
-    args = check._parser().parse_args(["--batch-invariant", "--fused-interpreter", "--steps", "1", "--seq-len", "8",
-                                       "--batch-size", "3", "--no-reference", "--quiet"])
+    args = check._parser().parse_args(["--batch-invariant", "--steps", "1", "--seq-len", "8", "--batch-size", "3",
+                                       "--no-reference", "--quiet"] + ([] if ON_GPU else ["--fused-interpreter"]))
     result = check.run_check(args, out=io.StringIO(), err=io.StringIO())
     probe = result.extra["batch_invariance"]
     assert probe == {"sequences": 3, "sequences_differing_alone": 0, "bitwise": True}, probe
     assert result.exit_status == 0 and "Whole-model batch invariance" in result.message
     assert result.to_json()["batch_invariance"] == probe
+    if ON_GPU:
+        return
     args = check._parser().parse_args(["--batch-invariant", "--steps", "1", "--no-reference", "--quiet",
                                        "--device", "cpu"])
     with pytest.raises(ValueError, match="--batch-invariant"):

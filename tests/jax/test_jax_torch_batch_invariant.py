@@ -23,8 +23,10 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                                reason="the batch-invariant kernels run on CPU under TRITON_INTERPRET=1 only")
+ON_GPU = jax.devices()[0].platform == "gpu" and torch.cuda.is_available()
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not ON_GPU,
+                                reason="the batch-invariant kernels run on a CUDA GPU or under TRITON_INTERPRET=1")
+DEVICE = "cuda" if ON_GPU else "cpu"
 
 import transformer_engine.pytorch as te  # noqa: E402
 from transformer_engine.jax import batch_invariant  # noqa: E402
@@ -66,13 +68,13 @@ def _equal(name, t, j):
 def test_linear_equals_dense_bitwise(dtype):
     tdt, jdt = DTYPES[dtype]
     x, dy, w = _np((2, 9, 48), 0), _np((2, 9, HIDDEN), 1), _np((HIDDEN, 48), 2, 0.2)
-    lin = te.Linear(48, HIDDEN, bias=False, params_dtype=tdt, device="cpu")
+    lin = te.Linear(48, HIDDEN, bias=False, params_dtype=tdt, device=DEVICE)
     with torch.no_grad():
         lin.weight.copy_(torch.from_numpy(w))
-    xt = torch.from_numpy(x).to(tdt).requires_grad_()
+    xt = torch.from_numpy(x).to(DEVICE, tdt).requires_grad_()
     with te.batch_invariant():
         out_t = lin(xt)
-        out_t.backward(torch.from_numpy(dy).to(tdt))
+        out_t.backward(torch.from_numpy(dy).to(DEVICE, tdt))
 
     def loss(x, kernel):
         out = dense(x, kernel)
@@ -94,15 +96,15 @@ def test_norm_equals_flax_norm_bitwise(dtype, normalization, zero_centered):
     x, dy = _np((3, 7, HIDDEN), 3, 2.0) + 0.5, _np((3, 7, HIDDEN), 4)
     scale, bias = _np((HIDDEN,), 5, 0.1) + (0.0 if zero_centered else 1.0), _np((HIDDEN,), 6)
     cls = te.LayerNorm if normalization == "LayerNorm" else te.RMSNorm
-    norm = cls(HIDDEN, eps=EPS, zero_centered_gamma=zero_centered, params_dtype=tdt, device="cpu")
+    norm = cls(HIDDEN, eps=EPS, zero_centered_gamma=zero_centered, params_dtype=tdt, device=DEVICE)
     with torch.no_grad():
         norm.weight.copy_(torch.from_numpy(scale))
         if normalization == "LayerNorm":
             norm.bias.copy_(torch.from_numpy(bias))
-    xt = torch.from_numpy(x).to(tdt).requires_grad_()
+    xt = torch.from_numpy(x).to(DEVICE, tdt).requires_grad_()
     with te.batch_invariant():
         out_t = norm(xt)
-        out_t.backward(torch.from_numpy(dy).to(tdt))
+        out_t.backward(torch.from_numpy(dy).to(DEVICE, tdt))
 
     norm_type = normalization.lower()
 
@@ -149,16 +151,16 @@ def test_layernorm_mlp_equals_bitwise(torch_act, jax_acts):
         (_, out_j), (grads_j, dx_j) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, jnp.asarray(x))
     jax.block_until_ready((out_j, grads_j, dx_j))
     mlp = te.LayerNormMLP(HIDDEN, FFN, eps=EPS, normalization="RMSNorm", activation=torch_act, bias=False,
-                          activation_params=CLAMP if clamped else None, params_dtype=torch.float32, device="cpu")
+                          activation_params=CLAMP if clamped else None, params_dtype=torch.float32, device=DEVICE)
     tparams = _mlp_params_from(params)
     assert set(tparams) == {n for n, _ in mlp.named_parameters()}
     with torch.no_grad():
         for name, p in mlp.named_parameters():
             p.copy_(tparams[name])
-    xt = torch.from_numpy(x).requires_grad_()
+    xt = torch.from_numpy(x).to(DEVICE).requires_grad_()
     with te.batch_invariant():
         out_t = mlp(xt)
-        out_t.backward(torch.from_numpy(dy))
+        out_t.backward(torch.from_numpy(dy).to(DEVICE))
     _equal("out", out_t, out_j)
     _equal("dx", xt.grad, dx_j)
     mapped = _mlp_params_from(grads_j)
@@ -203,9 +205,9 @@ class TorchTinyLM(torch.nn.Module):
             te.TransformerLayer(HIDDEN, FFN, HEADS, layernorm_epsilon=EPS, hidden_dropout=0.0, attention_dropout=0.0,
                                 self_attn_mask_type="causal", normalization="RMSNorm", activation="swiglu",
                                 bias=False, attn_input_format="bshd", layer_number=i + 1,
-                                params_dtype=torch.float32, device="cpu")
+                                params_dtype=torch.float32, device=DEVICE)
             for i in range(2))
-        self.head = te.Linear(HIDDEN, VOCAB, bias=False, params_dtype=torch.float32, device="cpu")
+        self.head = te.Linear(HIDDEN, VOCAB, bias=False, params_dtype=torch.float32, device=DEVICE)
 
     def forward(self, x):
         for layer in self.layers:
@@ -246,10 +248,10 @@ def test_tiny_model_logits_and_gradients_equal_bitwise():
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(tparams[name])
-    xt = torch.from_numpy(x).requires_grad_()
+    xt = torch.from_numpy(x).to(DEVICE).requires_grad_()
     with te.batch_invariant():
         logits_t = model(xt)
-        logits_t.backward(torch.from_numpy(dlogits))
+        logits_t.backward(torch.from_numpy(dlogits).to(DEVICE))
     _equal("logits", logits_t, logits_j)
     _equal("dx", xt.grad, dx_j)
     mapped = _lm_params_from(grads_j)

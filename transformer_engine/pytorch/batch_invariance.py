@@ -4,7 +4,10 @@ With ``NVTE_BATCH_INVARIANT=1`` (read at each call), or inside ``with batch_inva
 ``Linear``, ``LayerNormLinear`` and ``LayerNormMLP`` (forward, dgrad and wgrad) and the norms of ``LayerNorm``,
 ``RMSNorm`` and the fused norm modules run on the Triton kernels of
 ``transformer_engine.common.batch_invariant``: a row of an output or of an input gradient gets the same bits
-whether it is computed alone, in a batch of 7 or in a batch of 1024, padded or packed. cuBLAS and the
+whether it is computed alone, in a batch of 7 or in a batch of 1024, padded or packed. ``LayerNormMLP``'s
+activation runs on the shared elementwise kernel too, and the norms' parameter gradients on a fixed-order column
+sum: JAX's mode (``transformer_engine.jax.batch_invariance``) launches the same kernels, so the two frameworks give
+the same bits. cuBLAS and the
 framework's norms choose their algorithm, tiling and split-K by the row count, so by default a sequence's
 logits depend on what else is in the batch. Weight gradients sum over the rows and so depend on the batch by
 definition; they are deterministic (a fixed order for a given shape).

@@ -796,11 +796,28 @@ class DotProductAttention(torch.nn.Module):
             from transformer_engine.pytorch.attention.fp8_attention import dpa_fp8_attention
 
             self.last_backend = "FusedAttention(FP8)"
-            return self._attend(
-                lambda q_, k_, v_: dpa_fp8_attention(
-                    self, fp8_recipe, q_, k_, v_, fmt, seqs, window, bottom_right, bias_type, dropout, softmax_type,
-                    self._context_parallel is not None and self._context_parallel.size > 1, self.return_max_logit),
-                q, k, v, checkpoint_core_attention)
+            cp = self._context_parallel
+            cp_on = cp is not None and cp.size > 1
+            # CP under FP8: "a2a" with per-sequence scales, each rank's heads of whole sequences, each kv head
+            # scaled from its own amax: the single-device bits (other CP forms are refused by name).
+            cp_a2a = cp_on and cp.comm_type == "a2a" and self.fp8_dpa_scaling == "per_sequence"
+
+            def fp8_attend(q_, k_, v_):
+                return dpa_fp8_attention(self, fp8_recipe, q_, k_, v_, fmt, seqs, window, bottom_right, bias_type,
+                                         dropout, softmax_type, cp_on and not cp_a2a, self.return_max_logit)
+
+            attend = fp8_attend
+            if cp_a2a:
+                from transformer_engine.common.attention import UnfusedDotProductAttention
+                from transformer_engine.pytorch.attention.context_parallel import context_parallel_attend
+
+                attend = context_parallel_attend(
+                    cp, fp8_attend, backend=UnfusedDotProductAttention, q=q, k=k, v=v, fmt=fmt, mask=seqs.mask,
+                    seqs=seqs, window=window, softmax_scale=self.softmax_scale, deterministic=True,
+                    num_heads=self.num_heads_per_partition, num_kv_heads=self.num_gqa_groups_per_partition,
+                    bias_type=bias_type, dropout=dropout, softmax_type=softmax_type,
+                    return_max_logit=self.return_max_logit)
+            return self._attend(attend, q, k, v, checkpoint_core_attention)
         # The call's parameters, once: backend selection (its AttnConfig), the backend's run and the launch read
         # this value.
         thd = fmt == QKVFormat.THD

@@ -16,7 +16,7 @@ from transformer_engine.common import recipe
 from transformer_engine.pytorch import grouped_gemm
 from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
 
-DEVICE = "cpu"  # a GPU run sets it before building (the CPU is what CI runs)
+DEVICE = "cpu"  # the CPU paths (what CI runs); the CUDA grouped-GEMM test at the end builds on CUDA
 IN, OUT = 32, 48
 SPLITS = [(5, 0, 9, 2), (0, 0, 16, 0), (1, 1, 1, 1)]
 PATHS = {"per_expert": False, "grouped_mm": True}

@@ -163,7 +163,8 @@ def test_determinism_check_reports_whole_model_batch_invariance(monkeypatch):
     from transformer_engine.jax import determinism_check as check
 
     args = check._parser().parse_args(["--batch-invariant", "--steps", "1", "--seq-len", "8", "--batch-size", "3",
-                                       "--no-reference", "--quiet"] + ([] if ON_GPU else ["--fused-interpreter"]))
+                                       "--hidden-size", "32", "--num-heads", "2", "--gqa-groups", "1", "--layers",
+                                       "1", "--no-reference", "--quiet"] + ([] if ON_GPU else ["--fused-interpreter"]))
     result = check.run_check(args, out=io.StringIO(), err=io.StringIO())
     probe = result.extra["batch_invariance"]
     assert probe == {"sequences": 3, "sequences_differing_alone": 0, "bitwise": True}, probe

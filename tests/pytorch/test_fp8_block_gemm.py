@@ -2,7 +2,8 @@
 float32 GEMM elsewhere.
 
 CPU: torch refuses 1x128 / 128x128 scales there, so the dispatch must take the dequantized path (the same
-bits as asking for it). CUDA (Hopper): torch's block-scaled GEMM against the dequantized float32 GEMM of
+bits as asking for it); the operands and scale layouts handed to torch's block-scaled GEMM pass torch's own
+layout checks (its meta kernel). CUDA (Hopper): torch's block-scaled GEMM against the dequantized float32 GEMM of
 the same FP8 operands, for the fprop (1x128 x 128x128) and wgrad (1x128 x 1x128) layouts, with and without
 padding, and a Linear's forward and gradients under Float8BlockScaling; tolerance: 2e-3 of the result's
 largest |value| (the tensor cores accumulate each 128-long block in reduced precision before promoting it
@@ -41,6 +42,33 @@ def test_cpu_takes_the_dequantized_path():
         assert torch.equal(out, scaled_gemm(a, b, torch.float32, dequantized=True))
         ref = a.dequantize(torch.float64) @ b.dequantize(torch.float64).t()
         assert (out.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@pytest.mark.parametrize("b_tile", [roles.SQUARE_TILE, roles.ROW_TILE])
+@pytest.mark.parametrize("m,k,n", [(256, 512, 384), (200, 300, 130), (24, 160, 40)])
+def test_block_scaled_gemm_layouts_pass_torchs_checks(m, k, n, b_tile):
+    """The operands and scales handed to torch's block-scaled GEMM (padded, scale layouts per tile kind) pass
+    torch's own shape and stride checks, run by its meta kernel on CPU (a wrong layout raises there)."""
+    functional = torch.nn.functional
+    if not hasattr(functional, "scaled_mm"):
+        pytest.skip(f"torch {torch.__version__} has no torch.nn.functional.scaled_mm")
+    meta = dict(device="meta")
+    try:  # a row-major scale_a must fail the checks, or this torch's meta kernel checks no layouts
+        functional.scaled_mm(torch.empty(256, 512, dtype=torch.float8_e4m3fn, **meta),
+                             torch.empty(384, 512, dtype=torch.float8_e4m3fn, **meta).t(), torch.empty(256, 4, **meta),
+                             functional.ScalingType.BlockWise1x128, torch.empty(3, 4, **meta),
+                             functional.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
+    except RuntimeError as e:
+        assert "blockwise scaling" in str(e)
+    else:
+        pytest.skip(f"torch {torch.__version__}'s meta kernel does not check block-scale layouts")
+    b_scales = (-(-n // 128), -(-k // 128)) if b_tile == roles.SQUARE_TILE else (n, -(-k // 128))
+    a = quantization.Quantized(torch.empty(m, k, dtype=torch.float8_e4m3fn, **meta),
+                               torch.empty(m, -(-k // 128), **meta), "e4m3", roles.ROW_TILE)
+    b = quantization.Quantized(torch.empty(n, k, dtype=torch.float8_e4m3fn, **meta), torch.empty(*b_scales, **meta),
+                               "e4m3", b_tile)
+    out = quantization._torch_block_scaled_mm(a, b, torch.bfloat16)
+    assert out.shape == (m, n) and out.dtype == torch.bfloat16
 
 
 def _hopper():

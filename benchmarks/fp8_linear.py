@@ -6,7 +6,9 @@ For each recipe (delayed, current, block) at M = N = K = --size (8192 by default
 - ``fp8``: the same module inside ``autocast(recipe=...)``: quantize + amax of input, weight and gradient,
   the 3 FP8 GEMMs, the delayed-scaling updates;
 - ``gemms``: the 3 FP8 GEMMs alone, on operands quantized beforehand, through the calls our modules make
-  (``transformer_engine.pytorch.quantization.scaled_gemm``: ``torch._scaled_mm`` for per-tensor scales).
+  (``transformer_engine.pytorch.quantization.scaled_gemm``: ``torch._scaled_mm`` for per-tensor scales,
+  torch's block-scaled GEMM for block scales where it runs, ``block_scaled_gemm`` in the JSON, else the
+  dequantized float32 GEMM).
 
 Printed and written to --out as JSON: medians in ms, TFLOP/s (6 M N K per step), ``fp8 / bf16`` speedup and
 ``gemms / fp8`` (1.0 = no quantization overhead), plus whether two FP8 steps gave bitwise equal outputs and
@@ -48,7 +50,7 @@ def _recipe(name: str):
 
 def bench(size: int, names, warmup: int, iters: int) -> dict:
     import transformer_engine.pytorch as te
-    from transformer_engine.pytorch.quantization import scaled_gemm
+    from transformer_engine.pytorch.quantization import block_scaled_gemm_available, scaled_gemm
 
     m = n = k = size
     flops = 6.0 * m * n * k
@@ -107,7 +109,8 @@ def bench(size: int, names, warmup: int, iters: int) -> dict:
         gemm_ms = _median_ms(gemms, warmup, iters)
         entry = {"fp8_ms": fp8_ms, "gemms_ms": gemm_ms, "fp8_tflops": flops / fp8_ms / 1e9,
                  "gemms_tflops": flops / gemm_ms / 1e9, "speedup_vs_bf16": bf16_ms / fp8_ms,
-                 "fraction_of_direct_gemms": gemm_ms / fp8_ms, "bitwise_repeat": bitwise}
+                 "fraction_of_direct_gemms": gemm_ms / fp8_ms, "bitwise_repeat": bitwise,
+                 "block_scaled_gemm": block_scaled_gemm_available(x.device) if name == "block" else None}
         results["recipes"][name] = entry
         print(f"{name}: fp8 Linear {fp8_ms:.3f} ms ({entry['fp8_tflops']:.0f} TFLOP/s), GEMMs alone {gemm_ms:.3f} ms; "
               f"x{entry['speedup_vs_bf16']:.2f} vs bf16, {entry['fraction_of_direct_gemms']:.2f} of the direct GEMMs' "

@@ -120,6 +120,18 @@ def test_norm_rows_equal_for_any_row_count(dtype, norm_type, zero_centered):
         assert err <= 4 * TOL[dtype], (name, err)
 
 
+def test_gradients_keep_the_parameters_dtypes():
+    """float16 activations with float32 parameters: each gradient in its primal's dtype."""
+    x, dy = _rand((5, K), 14, "float16"), _rand((5, N), 15, "float16")
+    kernel, bias = _rand((K, N), 16, "float32") * 0.2, _rand((N,), 17, "float32")
+    out, (dx, dw, db) = _dense_grads(x, kernel, bias, dy)
+    assert (out.dtype, dx.dtype, dw.dtype, db.dtype) == (jnp.float16, jnp.float16, jnp.float32, jnp.float32)
+    np.testing.assert_allclose(np.asarray(db), np.asarray(dy, np.float64).sum(0), rtol=1e-3, atol=1e-3)
+    scale, ln_bias = _rand((K,), 18, "float16"), _rand((K,), 19, "float32")
+    _, grads = _norm_grads(x, scale, ln_bias, "layernorm", False, _rand((5, K), 20, "float16"))
+    assert tuple(g.dtype for g in grads) == (jnp.float16, jnp.float16, jnp.float32)
+
+
 def test_mode_switch_context_and_environment(monkeypatch):
     assert not is_batch_invariant()
     with batch_invariant():

@@ -84,21 +84,18 @@ def _matmul_fwd(x2d, kernel, bias, has_bias):
     out = prim.gemm(x2d, w, x2d.dtype, b_t=True)
     if has_bias:
         out = out + bias.astype(out.dtype)
-    return out, (x2d, kernel)
+    return out, (x2d, kernel, jnp.zeros((0,), bias.dtype))
 
 
 def _matmul_bwd(has_bias, res, grad):
     from transformer_engine.jax.primitives import batch_invariant as prim
 
-    x2d, kernel = res
+    x2d, kernel, bias_type = res
     w = kernel.T.astype(grad.dtype)
     dx = prim.gemm(grad, w, grad.dtype).astype(x2d.dtype)  # grad [M, N] @ W [N, K]
     # PyTorch: grad^T [N, M] (grad read transposed) @ x [M, K] = dW [N, K]; the kernel's gradient is its transpose.
     dw = prim.gemm(grad, x2d.astype(grad.dtype), kernel.dtype, a_t=True).T
-    if has_bias:
-        db = prim.col_sums(grad, grad.dtype)[1]
-    else:
-        db = jnp.zeros((0,), grad.dtype)
+    db = prim.col_sums(grad, bias_type.dtype)[1] if has_bias else bias_type
     return dx, dw, db
 
 
@@ -126,16 +123,18 @@ def _norm_fwd(x2d, w, b, eps, is_rms, zero_centered, has_bias):
     from transformer_engine.jax.primitives import batch_invariant as prim
 
     y, mean, rstd = prim.norm_fwd(x2d, w, b if has_bias else None, eps, is_rms, zero_centered)
-    return y, (x2d, w, mean, rstd)
+    return y, (x2d, w, mean, rstd, jnp.zeros((0,), b.dtype))
 
 
 def _norm_bwd(eps, is_rms, zero_centered, has_bias, res, dy):
     from transformer_engine.jax.primitives import batch_invariant as prim
 
-    x2d, w, mean, rstd = res
+    x2d, w, mean, rstd, b_type = res
     dx = prim.norm_bwd(x2d, w, dy, mean, rstd, is_rms, zero_centered)
     dw, db = prim.col_sums(dy, w.dtype, x2d, mean, rstd)
-    return dx, dw, db if has_bias else jnp.zeros((0,), w.dtype)
+    # The bias's gradient is the same column sum as the weight's, in the bias's dtype (PyTorch: the weight's).
+    db = db.astype(b_type.dtype) if has_bias else b_type
+    return dx, dw, db
 
 
 _norm.defvjp(_norm_fwd, _norm_bwd)

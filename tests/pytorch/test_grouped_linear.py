@@ -286,6 +286,27 @@ def test_fp8_extra_state_carries_every_gemm():
         te.GroupedLinear(3, IN, OUT, device=DEVICE).load_state_dict(m.state_dict(), strict=False)
 
 
+
+def test_fp8_activation_recompute_is_bitwise():
+    """te.checkpoint around GroupedLinear under delayed scaling: the recompute reads each GEMM's recorded scales
+    (no second amax record), so three steps give the bits of the run without recompute."""
+    runs = []
+    for recompute in (False, True):
+        FP8GlobalStateManager.reset()
+        m = _module(n=3, dtype=torch.float32)
+        g = torch.Generator().manual_seed(8)
+        out = []
+        for _ in range(3):
+            x = torch.randn(10, IN, generator=g).requires_grad_()
+            with te.fp8_autocast(enabled=True, fp8_recipe=RECIPES["delayed"]()):
+                y = te.checkpoint(m, x, [3, 0, 7]) if recompute else m(x, [3, 0, 7])
+            y.square().sum().backward()
+            out += [y.detach(), x.grad] + [p.grad.clone() for p in m.parameters()]
+            for p in m.parameters():
+                p.grad = None
+        runs.append(out)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
 # --- batch-invariant mode ------------------------------------------------------------------------
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),

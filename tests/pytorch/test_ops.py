@@ -273,8 +273,8 @@ def test_refusals_and_bad_arguments():
             cls(in_place=True)
     with pytest.raises(NotImplementedError, match="op_kwargs"):
         ops.Sequential(ops.ReLU())(_x(), op_kwargs={0: {}})
-    with pytest.raises(AttributeError, match="GroupedLinear is not implemented"):
-        ops.GroupedLinear  # noqa: B018
+    with pytest.raises(AttributeError, match="Dropout is not implemented"):
+        ops.Dropout  # noqa: B018
     with pytest.raises(ValueError, match="`in_features`"):
         ops.BasicLinear(0, H, device=DEV)
     with pytest.raises(ValueError, match="`tensor_parallel_mode`"):

@@ -2,12 +2,14 @@
 
 ``Sequential`` runs its operations in order (there is no operation fuser: see ``sequential.py``). The operations:
 ``LayerNorm``, ``RMSNorm``, ``BasicLinear``, ``Bias``, the activations ``GELU``, ``GEGLU``, ``ReLU``, ``ReGLU``,
-``SiLU``, ``SwiGLU``, ``MakeExtraOutput``, ``AddExtraInput``, ``AllReduce``, ``ReduceScatter``, and
-``L2Normalization`` (``MultiheadAttention``'s L2 QK norm). Each computes with the functions the modules call, so
-an operation gives its module's bits. Megatron-core reaches these through ``use_te_activation_func``,
-``use_transformer_engine_op_fuser`` (dense MLPs) and ``fused_residual_rmsnorm``.
+``SiLU``, ``SwiGLU``, ``MakeExtraOutput``, ``AddExtraInput``, ``AllReduce``, ``ReduceScatter``,
+``L2Normalization`` (``MultiheadAttention``'s L2 QK norm), and the grouped MLP's ``GroupedLinear``,
+``ScaledSwiGLU``, ``ScaledClampedQGeGLU`` and ``ScaledSReLU``. Each computes with the functions the modules call,
+so an operation gives its module's bits. Megatron-core reaches these through ``use_te_activation_func``,
+``use_transformer_engine_op_fuser`` (dense MLPs, and MoE experts with ``moe_grouped_gemm``) and
+``fused_residual_rmsnorm``.
 
-Not here: the grouped operations (``GroupedLinear``, ``ScaledSwiGLU``, ...), the other activations, ``Linear``,
+Not here: the other activations, ``Linear``,
 ``Dropout``, ``Quantize``, ``Reshape``, ``AllGather``, ``Identity``, ``ConstantScale`` and the fuser registration
 functions; asking for one raises an AttributeError that says so.
 """
@@ -19,6 +21,7 @@ from transformer_engine.pytorch.ops.basic import (
     AllReduce,
     BasicLinear,
     Bias,
+    GroupedLinear,
     L2Normalization,
     LayerNorm,
     MakeExtraOutput,
@@ -26,6 +29,9 @@ from transformer_engine.pytorch.ops.basic import (
     ReGLU,
     ReLU,
     RMSNorm,
+    ScaledClampedQGeGLU,
+    ScaledSReLU,
+    ScaledSwiGLU,
     SiLU,
     SwiGLU,
 )
@@ -33,8 +39,8 @@ from transformer_engine.pytorch.ops.op import BasicOperation, FusibleOperation
 from transformer_engine.pytorch.ops.sequential import Sequential
 
 __all__ = ["AddExtraInput", "AllReduce", "BasicLinear", "BasicOperation", "Bias", "FusibleOperation", "GEGLU",
-           "GELU", "L2Normalization", "LayerNorm", "MakeExtraOutput", "RMSNorm", "ReGLU", "ReLU", "ReduceScatter",
-           "Sequential", "SiLU", "SwiGLU"]
+           "GELU", "GroupedLinear", "L2Normalization", "LayerNorm", "MakeExtraOutput", "RMSNorm", "ReGLU", "ReLU",
+           "ReduceScatter", "ScaledClampedQGeGLU", "ScaledSReLU", "ScaledSwiGLU", "Sequential", "SiLU", "SwiGLU"]
 
 
 def __getattr__(name: str):

@@ -61,7 +61,7 @@ COMMON=(${NEWEST_COMMON:-test_kernel_compile test_kernel_compile_archs test_trit
   test_import_graph test_settings test_wheel_resolution})
 PYTORCH_DEFAULT="test_megatron_gpt test_megatron_fp8 test_megatron_inference test_dpa_megatron test_megatron_fp8_attention test_te_modules test_fused_attn
   test_launch_cache test_compile test_unfused_invariance test_interpreter_dot test_moe_megatron_fused test_megatron_te_flags
-  test_moe_megatron_grouped"
+  test_moe_megatron_grouped test_moe_megatron_op_fuser"
 [ "${QA_WIDE:-0}" = 1 ] && PYTORCH_DEFAULT+=" test_dot_product_attention test_dpa_te_compat test_sink_softmax"
 PYTORCH=(${NEWEST_PYTORCH:-$PYTORCH_DEFAULT})
 # Every JAX file but these (the oldest environment runs them; QA_WIDE=1 runs them here too).

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer_engine.common import quantization as _q
+from transformer_engine.jax.grouped_dense import grouped_dense  # noqa: F401 - TE-JAX's dense.grouped_dense
 from transformer_engine.jax.quantize import QuantizerSet, ScaledTensor, noop_quantizer_set
 
 __all__ = ["CollectiveOp", "CollectiveOpSet", "dense", "noop_collective_op_set"]

@@ -3,7 +3,9 @@
 The references reproduce ``group_limited_topk``, ``topk_routing_with_score_function``,
 ``compute_routing_scores_for_aux_loss`` and ``switch_load_balancing_loss_func`` of
 megatron/core/transformer/moe/moe_utils.py (megatron-core 0.19.2, ``fused=False``, grad enabled).
-The same ops in the same order: outputs and gradients must agree bitwise.
+The same ops in the same order: outputs and gradients must agree bitwise. With tied scores the router
+breaks ties by the lower expert index (``torch.topk`` leaves their order to the implementation), so the tie
+cases run the references with an index-ordered top-k.
 """
 
 import pytest
@@ -100,15 +102,30 @@ CASES = [
 
 def _logits(seed, dtype, ties=False):
     g = torch.Generator().manual_seed(seed)
-    if ties:    # few distinct values: many ties, broken as torch.topk breaks them
+    if ties:    # few distinct values: many ties
         return torch.randint(-2, 3, (T, E), generator=g).to(dtype)
     return torch.randn(T, E, generator=g).to(dtype)
+
+
+def _index_ordered_topk(x, k, dim=-1, largest=True, sorted=True):
+    """torch.topk with ties in index order (the rule the router documents)."""
+    assert largest
+    values, indices = torch.sort(x, dim=dim, descending=True, stable=True)
+    return values.narrow(dim, 0, k), indices.narrow(dim, 0, k)
+
+
+@pytest.fixture
+def index_ordered_references(monkeypatch):
+    monkeypatch.setattr(torch, "topk", _index_ordered_topk)
+    monkeypatch.setattr(torch.Tensor, "topk", _index_ordered_topk)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 @pytest.mark.parametrize("ties", [False, True])
-def test_topk_with_score_function_matches_megatron(case, dtype, ties):
+def test_topk_with_score_function_matches_megatron(case, dtype, ties, request):
+    if ties:
+        request.getfixturevalue("index_ordered_references")
     case = dict(case)
     bias = torch.linspace(-0.3, 0.3, E) if case.pop("bias", False) else None
     kwargs = dict(use_pre_softmax=case["use_pre_softmax"], num_groups=case.get("num_groups"),
@@ -144,6 +161,20 @@ def test_scores_for_aux_loss_and_aux_loss_match_megatron(score_function):
     loss.backward()
     ref.backward()
     assert torch.equal(x.grad, xr.grad)
+
+
+@pytest.mark.parametrize("score_function", ["softmax", "sigmoid", "sqrtsoftplus"])
+@pytest.mark.parametrize("groups", [None, (4, 2)])
+def test_ties_go_to_the_lower_expert_index(score_function, groups):
+    logits = torch.zeros(T, E)     # every score tied
+    num_groups, group_topk = groups or (None, None)
+    probs, rmap = fused_topk_with_score_function(logits, 4, False, num_groups, group_topk, None, score_function,
+                                                 None)
+    expected = torch.arange(E) < 4  # experts 0-3 (groups 0 and 1 when grouped)
+    assert torch.equal(rmap, expected.expand(T, E))
+    assert torch.equal(probs != 0, rmap)
+    rmap2, _ = fused_compute_score_for_moe_aux_loss(logits, 4, score_function)
+    assert torch.equal(rmap2, expected.expand(T, E))
 
 
 def test_aux_loss_positional_order_is_te_order():

@@ -4,9 +4,10 @@ Megatron imports these at TransformerEngine API level 2.7 and later and calls th
 ``moe_router_fusion`` is set. They compute what Megatron's unfused router computes
 (``topk_routing_with_score_function``, ``compute_routing_scores_for_aux_loss`` and
 ``switch_load_balancing_loss_func`` in megatron/core/transformer/moe/moe_utils.py), in plain
-torch: scores in float32, top-k by ``torch.topk`` (its tie order), the sparse ``[tokens,
-experts]`` outputs built by one-hot comparison and a sum over k (no scatter), so forward and
-backward are deterministic.
+torch: scores in float32, top-k with ties broken by the lower expert index (a stable descending
+sort, so the choice is the same on every device; ``torch.topk`` leaves the order of tied values to
+the implementation), the sparse ``[tokens, experts]`` outputs built by one-hot comparison and a sum
+over k (no scatter), so forward and backward are deterministic.
 """
 
 from __future__ import annotations
@@ -40,18 +41,24 @@ def _scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
     return torch.nn.functional.softplus(logits.float()).sqrt()
 
 
+def _topk_by_index(x: torch.Tensor, k: int):
+    """The k largest entries of each row and their indices, largest first; equal values in index order."""
+    values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
+
+
 def _topk(scores, topk, num_groups, group_topk):
     if group_topk:
         num_tokens, num_experts = scores.shape
         # Groups ranked by the sum of their best topk // group_topk scores; experts outside the
         # chosen groups masked to -inf before the final top-k.
-        group_scores = scores.view(num_tokens, num_groups, -1).topk(topk // group_topk, dim=-1)[0].sum(-1)
-        group_idx = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False)[1]
+        group_scores = _topk_by_index(scores.view(num_tokens, num_groups, -1), topk // group_topk)[0].sum(-1)
+        group_idx = _topk_by_index(group_scores, group_topk)[1]
         chosen = (group_idx.unsqueeze(-1) == torch.arange(num_groups, device=scores.device)).any(1)
         expert_mask = chosen.unsqueeze(-1).expand(num_tokens, num_groups, num_experts // num_groups)
         masked = scores.masked_fill(~expert_mask.reshape(num_tokens, -1), float("-inf"))
-        return torch.topk(masked, k=topk, dim=-1)
-    return torch.topk(scores, k=topk, dim=1)
+        return _topk_by_index(masked, topk)
+    return _topk_by_index(scores, topk)
 
 
 def _dense(values: torch.Tensor, indices: torch.Tensor, num_experts: int):
@@ -129,7 +136,7 @@ def fused_compute_score_for_moe_aux_loss(
     scores = _scores(logits, score_function)
     if score_function != "softmax":
         scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
-    top_indices = torch.topk(scores, k=topk, dim=1)[1]
+    top_indices = _topk_by_index(scores, topk)[1]
     routing_map = (top_indices.unsqueeze(-1) == torch.arange(logits.shape[1], device=logits.device)).any(1)
     return routing_map, scores
 

@@ -250,3 +250,19 @@ def test_refusals_and_bad_arguments():
         ops.ScaledSwiGLU()(torch.zeros(N, 8), torch.zeros(N + 1))
     with pytest.raises(ValueError, match="glu_interleave_size"):
         ops.ScaledSwiGLU(glu_interleave_size=3)(torch.zeros(N, 8), torch.zeros(N))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: torch's grouped GEMM path for bfloat16")
+def test_grouped_linear_op_on_cuda_bf16_is_the_module_bitwise():
+    """On CUDA in bfloat16 the module and the operation take torch's grouped GEMM: the same bits."""
+    op = _randomize(ops.GroupedLinear(G, 64, 48, device="cuda", dtype=torch.bfloat16))
+    mod = te.GroupedLinear(G, 64, 48, device="cuda", params_dtype=torch.bfloat16)
+    mod.load_state_dict(op.state_dict(), strict=False)
+    x = torch.randn(N, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    results = []
+    for m in (op, mod):
+        x.grad = None
+        y = m(x, SPLITS)
+        y.float().square().sum().backward()
+        results.append([y.detach()] + _grads(x) + _named_grads(m))
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))

@@ -2,7 +2,8 @@
 its TEGroupedMLP experts run as ``ops.Sequential(GroupedLinear, ScaledSwiGLU, GroupedLinear)`` over the
 TEGroupedLinear modules' own parameters. A tiny MoE GPT (world 1, gloo, CPU; Mixtral-style softmax top-2,
 DeepSeek-style sigmoid group-limited top-k with expert bias and a shared expert, and biased experts, whose FC2
-bias the operation scales by the router probabilities) trains 3 SGD steps bitwise the same twice, bitwise equal
+bias the operation scales by the router probabilities), in fp32 and in FP8 hybrid (tensorwise and delayed
+scaling; Megatron pads each expert's rows to 256 on this path, to 16 on the unfused one), trains 3 SGD steps bitwise the same twice, bitwise equal
 to the same model without the op fuser (TEGroupedMLP; both with ``use_te_activation_func``, so the experts'
 SwiGLU is the same function), and to float32 rounding equal to the model with torch's SiLU.
 
@@ -77,7 +78,7 @@ def _megatron_env(monkeypatch):
             os.environ[k] = v
 
 
-def _moe_gpt(style, bias, **flags):
+def _moe_gpt(style, bias, fp8=None, **flags):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     from megatron.core.transformer.enums import AttnBackend
@@ -96,6 +97,8 @@ def _moe_gpt(style, bias, **flags):
         gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=False,
         attention_backend=AttnBackend.unfused, **extra)
     cfg = dataclasses.replace(cfg, **flags)
+    if fp8 is not None:
+        cfg = dataclasses.replace(cfg, fp8="hybrid", fp8_recipe=fp8)
     spec = get_gpt_layer_with_transformer_engine_spec(num_experts=EXPERTS, moe_grouped_gemm=True,
                                                       use_te_activation_func=cfg.use_te_activation_func)
     torch.manual_seed(0)
@@ -114,6 +117,7 @@ def _train(model, init):
     for _ in range(STEPS):
         tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
         opt.zero_grad()
+        model.set_is_first_microbatch()  # as Megatron's schedules: under FP8, quantize the updated weights
         loss = model(tokens, pos, mask, labels=torch.roll(tokens, -1, 1)).float().mean()
         loss.backward()
         opt.step()
@@ -126,19 +130,38 @@ def _bitwise(a, b):
                                                                           for k in a[1])
 
 
-CASES = [("mixtral", False), ("mixtral", True), ("deepseek", False)]
+CASES = [("mixtral", False, None), ("mixtral", True, None), ("deepseek", False, None),
+         ("mixtral", False, "tensorwise"), ("deepseek", False, "delayed")]
 
 
-@pytest.mark.parametrize("style, bias", CASES, ids=[f"{s}{'-bias' if b else ''}" for s, b in CASES])
-def test_op_fuser_grouped_experts(megatron_world, style, bias):
+@pytest.mark.parametrize("style, bias, fp8", CASES, ids=[f"{s}-{f or 'fp32'}{'-bias' if b else ''}"
+                                                         for s, b, f in CASES])
+def test_op_fuser_grouped_experts(megatron_world, monkeypatch, style, bias, fp8):
     from megatron.core.transformer.moe.experts import TEGroupedMLP
 
-    base = _moe_gpt(style, bias)
+    from transformer_engine.pytorch.ops.basic import grouped_linear as op_module
+
+    fp8_gemm_calls = []
+    real = op_module.grouped_linear
+
+    def counted(*args, **kwargs):
+        fp8_gemm_calls.append(kwargs.get("fp8_plans") is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(op_module, "grouped_linear", counted)
+
+    from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
+
+    FP8GlobalStateManager.reset()
+    base = _moe_gpt(style, bias, fp8)
     init = {n: p.detach().clone() for n, p in base.named_parameters()}
     # TransformerEngine's activation for the shared expert (DeepSeek) too, in this run and the reference.
     fuser = dict(use_transformer_engine_op_fuser=True, use_te_activation_func=True)
-    fused_model = _moe_gpt(style, bias, **fuser)
+    fused_model = _moe_gpt(style, bias, fp8, **fuser)
     fused = _train(fused_model, init)
+    FP8GlobalStateManager.reset()
+    # Every step, FC1 and FC2 of both layers through the operations; under FP8 with their FP8 plans.
+    assert fp8_gemm_calls == [fp8 is not None] * (STEPS * 2 * 2)
     mlps = [m for m in fused_model.modules() if isinstance(m, TEGroupedMLP)]
     assert len(mlps) == 2 and all(m._with_fused_impl for m in mlps)
     seq = mlps[0]._fused_ops[0]
@@ -147,12 +170,15 @@ def test_op_fuser_grouped_experts(megatron_world, style, bias):
     assert seq[0].weight0 is mlps[0].linear_fc1.weight0 and seq[2].weight3 is mlps[0].linear_fc2.weight3
     assert seq[2].num_extra_inputs == (2 if bias else 1)
     assert torch.isfinite(fused[0]).all()
-    assert _bitwise(fused, _train(_moe_gpt(style, bias, **fuser), init))
+    assert _bitwise(fused, _train(_moe_gpt(style, bias, fp8, **fuser), init))
+    FP8GlobalStateManager.reset()
     # Without the op fuser, TEGroupedMLP's own path with TransformerEngine's SwiGLU: the same functions, bitwise.
-    assert _bitwise(fused, _train(_moe_gpt(style, bias, use_te_activation_func=True), init))
+    unfused = _train(_moe_gpt(style, bias, fp8, use_te_activation_func=True), init)
+    FP8GlobalStateManager.reset()
+    assert _bitwise(fused, unfused)
     # With torch's F.silu: SiLU's float32 rounding only.
     plain = _train(base, init)
     loss_diff = (fused[0] - plain[0]).abs().max().item()
     param_diff = max((fused[1][k] - plain[1][k]).abs().max().item() for k in plain[1])
-    print(f"{style} bias={bias}: vs torch SiLU max |loss diff| {loss_diff:.3g}, max |param diff| {param_diff:.3g}")
+    print(f"{style} {fp8 or 'fp32'} bias={bias}: vs torch SiLU max |loss diff| {loss_diff:.3g}, max |param diff| {param_diff:.3g}")
     assert loss_diff < 1e-5 and param_diff < 1e-5, (loss_diff, param_diff)

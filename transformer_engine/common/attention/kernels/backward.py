@@ -17,13 +17,14 @@ from transformer_engine.common.attention.kernels.triton_compat import settle_cac
 
 from transformer_engine.common.attention.kernels.masking import (
     SEQLEN_ARGS,
-    grid_program,
     key_block_bounds,
+    key_block_program,
     length_specialized,
     load_block,
     mask_scores,
     query_block_bounds,
     query_block_program,
+    row_delta,
     segment_block,
     segment_bounds,
     sequence_extent,
@@ -66,16 +67,9 @@ def attn_bwd_preprocess_kernel(
     start_q, len_q = sequence_extent(SEQ_START_Q, SEQ_LEN_Q, batch, seqlen_q, IS_THD, HAS_SEQLENS)
     if start_m >= len_q:
         return
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_DV)
-    mask = (offs_m[:, None] < len_q) & (offs_d[None, :] < HEAD_DIM_V)
-    o = tl.load(O + batch.to(tl.int64) * stride_ob + start_q * stride_os + head.to(tl.int64) * stride_oh
-                + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od, mask=mask, other=0.0)
-    do = tl.load(DO + batch.to(tl.int64) * stride_dob + start_q * stride_dos + head.to(tl.int64) * stride_doh
-                 + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod, mask=mask, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
-    tl.store(DELTA + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + offs_m, delta,
-             mask=offs_m < len_q)
+    row_delta(O, DO, DELTA, batch, head, start_m, start_q, len_q, stride_ob, stride_os, stride_oh, stride_od,
+              stride_dob, stride_dos, stride_doh, stride_dod, stride_lb, stride_lh, 1.0, HEAD_DIM_V, BLOCK_DV, BLOCK_M,
+              False)
 
 
 @triton.jit
@@ -168,25 +162,11 @@ def attn_bwd_dkdv_kernel(
     # A split Q/K head dim (BLOCK_DQK2 > 0) fills its first chunk: the loops load it without a head-dim mask.
     tl.static_assert(BLOCK_DQK + BLOCK_DQK2 >= HEAD_DIM_QK)
     tl.static_assert((BLOCK_DQK2 == 0) | (BLOCK_DQK < HEAD_DIM_QK))
-    block, pid_bh = grid_program(HEAD_GROUP)  # grid: plan.block_grid
-    if SEGMENTS > 1:
-        row = pid_bh // num_heads_kv
-        batch, start_n = segment_block(SEQ_LEN_K, row, block, SEGMENTS, BLOCK_N, False)
-        if batch < 0:  # past the row's blocks: exits below
-            batch = row * SEGMENTS
-            start_n = seqlen_k
-    else:
-        start_n = block * BLOCK_N  # first blocks first: under causal masks they see the most queries
-        batch = pid_bh // num_heads_kv
-    head_kv = pid_bh % num_heads_kv
-    start_q, len_q = sequence_extent(SEQ_START_Q, SEQ_LEN_Q, batch, seqlen_q, IS_THD, HAS_SEQLENS)
-    start_k, len_k = sequence_extent(SEQ_START_K, SEQ_LEN_K, batch, seqlen_k, IS_THD, HAS_SEQLENS)
-    rows_out = len_k if IS_THD else seqlen_k
+    start_n, batch, head_kv, start_q, len_q, start_k, len_k, rows_out, diag = key_block_program(
+        SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_heads_kv, seqlen_q, seqlen_k, BLOCK_N, IS_THD,
+        HAS_SEQLENS, BOTTOM_RIGHT, HEAD_GROUP, SEGMENTS)  # grid: plan.block_grid
     if start_n >= rows_out:
         return
-    diag = 0
-    if BOTTOM_RIGHT:
-        diag = len_k - len_q
 
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)

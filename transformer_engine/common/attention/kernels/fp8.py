@@ -1,8 +1,10 @@
 """FP8 attention: forward, backward preprocess, dK/dV pass and dQ pass on FP8 operands.
 
-New kernel variants beside forward.py / backward.py (which stay as they are, so the bf16/fp16/fp32
-specializations compile to the code they always did). The program grids, the visibility rule, the block
-bounds and the loop orders are those kernels' (masking.py): one program per (query block, sequence * query
+Kernel variants beside forward.py / backward.py, built from the same masking.py helpers: the programs'
+set-up (query_block_program, key_block_program), the visibility rule, the block bounds, the sequence
+sources and the backward preprocess's block (row_delta, with dO's descale factor); the bf16/fp16/fp32
+specializations compile to the code they always did. Launched from the launch description
+(launch_description.fp8_forward_launches / fp8_backward_launches). One program per (query block, sequence * query
 head) for the forward and dQ, per (key block, sequence * kv head) for dK/dV, which sums over the GQA group's
 query heads in order and each head's query blocks in ascending order. No atomics except the amax maxima
 (a max of non-negative floats is exact in any order).
@@ -39,10 +41,12 @@ import triton.language as tl
 
 from transformer_engine.common.attention.kernels.masking import (
     key_block_bounds,
+    key_block_program,
     load_block,
     mask_scores,
     query_block_bounds,
     query_block_program,
+    row_delta,
     segment_bounds,
     sequence_extent,
     sequence_source,
@@ -199,7 +203,8 @@ def attn_fp8_bwd_preprocess_kernel(
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
     IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
 ):
-    """delta[b, h, i] = sum_d (dO_fp8[i, d] * do_descale) * O[i, d] in fp32 (do_descale: DESCALE[3])."""
+    """delta[b, h, i] = sum_d (dO_fp8[i, d] * do_descale) * O[i, d] in fp32 (do_descale: DESCALE[3]): the bf16
+    preprocess's block (masking.row_delta) with dO's descale factor."""
     start_m = tl.program_id(0) * BLOCK_M
     pid_bh = tl.program_id(1)
     batch = pid_bh // num_heads_q
@@ -207,17 +212,10 @@ def attn_fp8_bwd_preprocess_kernel(
     start_q, len_q = sequence_extent(SEQ_START_Q, SEQ_LEN_Q, batch, seqlen_q, IS_THD, HAS_SEQLENS)
     if start_m >= len_q:
         return
-    DESCALE += batch.to(tl.int64) * stride_db + (head // gqa_group).to(tl.int64) * stride_dh
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_DV)
-    mask = (offs_m[:, None] < len_q) & (offs_d[None, :] < HEAD_DIM_V)
-    o = tl.load(O + batch.to(tl.int64) * stride_ob + start_q * stride_os + head.to(tl.int64) * stride_oh
-                + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od, mask=mask, other=0.0)
-    do = tl.load(DO + batch.to(tl.int64) * stride_dob + start_q * stride_dos + head.to(tl.int64) * stride_doh
-                 + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod, mask=mask, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * (do.to(tl.float32) * tl.load(DESCALE + 3)), axis=1)
-    tl.store(DELTA + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + offs_m, delta,
-             mask=offs_m < len_q)
+    do_descale = tl.load(DESCALE + batch.to(tl.int64) * stride_db + (head // gqa_group).to(tl.int64) * stride_dh + 3)
+    row_delta(O, DO, DELTA, batch, head, start_m, start_q, len_q, stride_ob, stride_os, stride_oh, stride_od,
+              stride_dob, stride_dos, stride_doh, stride_dod, stride_lb, stride_lh, do_descale, HEAD_DIM_V, BLOCK_DV,
+              BLOCK_M, True)
 
 
 @triton.jit
@@ -269,18 +267,11 @@ def attn_fp8_bwd_dkdv_kernel(
 ):
     """dK, dV of one key block of one kv head: summed over the GQA group's query heads in order, each over its
     query blocks in ascending order. AMAX[2] is raised to max |dS|."""
-    start_n = tl.program_id(0) * BLOCK_N
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // num_heads_kv
-    head_kv = pid_bh % num_heads_kv
-    start_q, len_q = sequence_extent(SEQ_START_Q, SEQ_LEN_Q, batch, seqlen_q, IS_THD, HAS_SEQLENS)
-    start_k, len_k = sequence_extent(SEQ_START_K, SEQ_LEN_K, batch, seqlen_k, IS_THD, HAS_SEQLENS)
-    rows_out = len_k if IS_THD else seqlen_k
+    start_n, batch, head_kv, start_q, len_q, start_k, len_k, rows_out, diag = key_block_program(
+        SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_heads_kv, seqlen_q, seqlen_k, BLOCK_N, IS_THD,
+        HAS_SEQLENS, BOTTOM_RIGHT, 1)
     if start_n >= rows_out:
         return
-    diag = 0
-    if BOTTOM_RIGHT:
-        diag = len_k - len_q
     DESCALE += batch.to(tl.int64) * stride_db + head_kv.to(tl.int64) * stride_dh
     q_descale = tl.load(DESCALE)
     do_descale = tl.load(DESCALE + 3)

@@ -218,6 +218,62 @@ def query_block_program(SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_head
 
 
 @triton.jit
+def key_block_program(SEQ_START_Q, SEQ_START_K, SEQ_LEN_Q, SEQ_LEN_K, num_heads_kv, seqlen_q, seqlen_k,
+                      BLOCK_N: tl.constexpr, IS_THD: tl.constexpr, HAS_SEQLENS: tl.constexpr,
+                      BOTTOM_RIGHT: tl.constexpr, HEAD_GROUP: tl.constexpr, SEGMENTS: tl.constexpr = 1):
+    """Where a program of the (key block, batch * kv head) grid (plan.block_grid) works, as
+    :func:`query_block_program` for the dK/dV passes (the bf16 and the FP8 kernels'); with SEGMENTS > 1, of
+    the segment-row grid.
+
+    Returns (start_n, batch, head_kv, start_q, len_q, start_k, len_k, rows_out, diag). Key blocks run
+    first-first: under causal masks they see the most queries. A program with no block returns
+    ``start_n >= rows_out``.
+    """
+    block, pid_bh = grid_program(HEAD_GROUP)
+    if SEGMENTS > 1:
+        row = pid_bh // num_heads_kv
+        batch, start_n = segment_block(SEQ_LEN_K, row, block, SEGMENTS, BLOCK_N, False)
+        if batch < 0:  # past the row's blocks: exits
+            batch = row * SEGMENTS
+            start_n = seqlen_k
+    else:
+        start_n = block * BLOCK_N
+        batch = pid_bh // num_heads_kv
+    head_kv = pid_bh % num_heads_kv
+    start_q, len_q = sequence_extent(SEQ_START_Q, SEQ_LEN_Q, batch, seqlen_q, IS_THD, HAS_SEQLENS)
+    start_k, len_k = sequence_extent(SEQ_START_K, SEQ_LEN_K, batch, seqlen_k, IS_THD, HAS_SEQLENS)
+    rows_out = len_k if IS_THD else seqlen_k
+    diag = 0
+    if BOTTOM_RIGHT:
+        diag = len_k - len_q
+    return start_n, batch, head_kv, start_q, len_q, start_k, len_k, rows_out, diag
+
+
+@triton.jit
+def row_delta(O, DO, DELTA, batch, head, start_m, start_q, len_q,
+              stride_ob, stride_os, stride_oh, stride_od, stride_dob, stride_dos, stride_doh, stride_dod,
+              stride_lb, stride_lh, do_scale,
+              HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, SCALED: tl.constexpr):
+    """The backward preprocess of query rows [start_m, start_m + BLOCK_M) of a sequence at ``start_q`` with
+    ``len_q`` rows (the caller returns first where start_m >= len_q): delta[b, h, i] = sum_d (dO[i, d] *
+    do_scale) * O[i, d] in fp32 (SCALED: dO in FP8 with its descale factor; else dO as it is, ``do_scale``
+    unread)."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_DV)
+    mask = (offs_m[:, None] < len_q) & (offs_d[None, :] < HEAD_DIM_V)
+    o = tl.load(O + batch.to(tl.int64) * stride_ob + start_q * stride_os + head.to(tl.int64) * stride_oh
+                + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od, mask=mask, other=0.0)
+    do = tl.load(DO + batch.to(tl.int64) * stride_dob + start_q * stride_dos + head.to(tl.int64) * stride_doh
+                 + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod, mask=mask, other=0.0)
+    if SCALED:
+        delta = tl.sum(o.to(tl.float32) * (do.to(tl.float32) * do_scale), axis=1)
+    else:
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    tl.store(DELTA + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + offs_m, delta,
+             mask=offs_m < len_q)
+
+
+@triton.jit
 def key_block_bounds(start_m, len_q, len_k, diag, window_left, window_right,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):

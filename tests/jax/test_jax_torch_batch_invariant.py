@@ -2,8 +2,9 @@
 TE-JAX's parameter layouts mapped onto each other as tests/jax/test_jax_torch_layers.py maps them) gives equal
 outputs and gradients, because both frameworks launch the same Triton kernels (common/batch_invariant) with the
 same arguments, under Triton's interpreter here (on a GPU: the same cubins). Layers: Linear / dense, LayerNorm
-and RMSNorm, LayerNormMLP; then a tiny language model of two TransformerLayers and an output projection: equal
-logits and gradients of every parameter and of the input.
+and RMSNorm, LayerNormMLP, an encoder TransformerLayer with biases; then a tiny language model of two
+TransformerLayers and an output projection: equal logits and gradients of every parameter and of the input.
+Bias gradients are equal because both frameworks sum them with the shared column-sum kernel in the mode.
 
 Elementwise pieces: residual adds, bias adds and scaling are one IEEE operation each (the same bits in both
 frameworks), attention's softmax runs inside the shared fused kernel. The activations are not: torch's and XLA's
@@ -256,4 +257,42 @@ def test_tiny_model_logits_and_gradients_equal_bitwise():
     _equal("dx", xt.grad, dx_j)
     mapped = _lm_params_from(grads_j)
     for name, p in model.named_parameters():
+        _equal(name, p.grad, mapped[name])
+
+
+def test_transformer_layer_with_biases_equals_bitwise():
+    """test_jax_torch_layers' encoder layer (LayerNorm, GELU, biases everywhere) in the mode: outputs and every
+    gradient bitwise equal, the biases' too (their gradients are the shared fixed-order column sum in both
+    frameworks: autograd's and XLA's own row sums differ in the last bit)."""
+    from test_jax_torch_layers import _torch_layer_params_from
+
+    layer = FlaxTransformerLayer(hidden_size=HIDDEN, mlp_hidden_size=FFN, num_attention_heads=HEADS,
+                                 layernorm_epsilon=EPS, hidden_dropout=0.0, attention_dropout=0.0,
+                                 intermediate_dropout=0.0, use_bias=True, enable_relative_embedding=False,
+                                 scale_attn_logits=True, self_attn_mask_type="causal", mlp_activations=("gelu",))
+    x, dy = _np((2, 16, HIDDEN), 13), _np((2, 16, HIDDEN), 14)
+    params = _perturbed(layer.init(jax.random.PRNGKey(1), jnp.asarray(x), deterministic=True), 15)
+
+    def loss(params, x):
+        out = layer.apply({"params": params}, x, deterministic=True)
+        return jnp.sum(out * jnp.asarray(dy)), out
+
+    with batch_invariant():
+        (_, out_j), (grads_j, dx_j) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, jnp.asarray(x))
+    jax.block_until_ready((out_j, grads_j, dx_j))
+    tl = te.TransformerLayer(HIDDEN, FFN, HEADS, layernorm_epsilon=EPS, hidden_dropout=0.0, attention_dropout=0.0,
+                             self_attn_mask_type="causal", attn_input_format="bshd", params_dtype=torch.float32,
+                             device=DEVICE)
+    tparams = _torch_layer_params_from(params)
+    with torch.no_grad():
+        for name, p in tl.named_parameters():
+            p.copy_(tparams[name])
+    xt = torch.from_numpy(x).to(DEVICE).requires_grad_()
+    with te.batch_invariant():
+        out_t = tl(xt)
+        out_t.backward(torch.from_numpy(dy).to(DEVICE))
+    _equal("out", out_t, out_j)
+    _equal("dx", xt.grad, dx_j)
+    mapped = _torch_layer_params_from(grads_j)
+    for name, p in tl.named_parameters():
         _equal(name, p.grad, mapped[name])

@@ -10,7 +10,9 @@ and its reductions' order by shape, so by default neither holds.
 
 Parameter gradients (a GEMM's wgrad, a norm's scale and bias) sum over the rows and so depend on the batch by
 definition; they come from the same kernels as PyTorch's (the GEMM, a fixed-order column sum), so the two
-frameworks agree on them bitwise too. A bias added by ``dense`` gets its gradient from the column sum as well.
+frameworks agree on them bitwise too. A bias added by ``dense`` or by a Flax module (:func:`bias_add`) gets its
+gradient from the column sum as well, and ``LayerNormMLP``'s activation runs on the shared elementwise kernel
+(:func:`bi_activation`): torch's and XLA's own ``tanh`` / ``exp`` differ in the last bit.
 
 The kernels run on a CUDA GPU (the FFI launch path of the fused attention) and on CPU under Triton's interpreter
 (``NVTE_JAX_TRITON_INTERPRET=1`` and ``TRITON_INTERPRET=1``); elsewhere lowering raises. FP8 ``dense`` is refused
@@ -30,7 +32,8 @@ import jax.numpy as jnp
 
 from transformer_engine.common import settings
 
-__all__ = ["batch_invariant", "is_batch_invariant", "bi_matmul", "bi_norm", "bi_activation", "check_no_fp8"]
+__all__ = ["batch_invariant", "is_batch_invariant", "bi_matmul", "bi_norm", "bi_activation", "bias_add",
+           "check_no_fp8"]
 
 _local = threading.local()
 
@@ -187,3 +190,41 @@ def bi_activation(fc1_out: jax.Array, name: str, params=None) -> jax.Array:
     shape = fc1_out.shape
     y = _activation(fc1_out.reshape(-1, shape[-1]), args)
     return y.reshape(*shape[:-1], y.shape[-1])
+
+
+# ------------------------------------------------------------------------------------------------
+# A module's bias addition: in the mode its gradient is the column sum PyTorch's mode computes
+# ------------------------------------------------------------------------------------------------
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _bias_add(x, bias, bias_dtype):
+    return x + bias
+
+
+def _bias_add_fwd(x, bias, bias_dtype):
+    return x + bias, None
+
+
+def _bias_add_bwd(bias_dtype, _, grad):
+    from transformer_engine.jax.primitives import batch_invariant as prim
+
+    n = grad.shape[-1]
+    return grad, prim.col_sums(grad.reshape(-1, n), bias_dtype)[1]
+
+
+_bias_add.defvjp(_bias_add_fwd, _bias_add_bwd)
+
+
+def bias_add(x: jax.Array, bias: jax.Array) -> jax.Array:
+    """``x + bias`` for a module's bias over the trailing dims of ``x`` (in ``x``'s dtype). In batch-invariant mode
+    the bias's gradient is the fixed-order column sum PyTorch's mode computes (XLA's own reduction over the rows
+    would differ from torch's in the last bit)."""
+    if not is_batch_invariant() or bias.dtype != x.dtype or bias.ndim > x.ndim:
+        return x + bias
+    shape = bias.shape
+    if tuple(x.shape[x.ndim - bias.ndim:]) != tuple(shape):
+        return x + bias
+    flat = bias.reshape(-1)
+    out = _bias_add(x.reshape(*x.shape[:x.ndim - bias.ndim], flat.shape[0]), flat, jnp.dtype(bias.dtype).name)
+    return out.reshape(x.shape)

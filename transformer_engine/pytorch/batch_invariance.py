@@ -30,7 +30,7 @@ from transformer_engine.common import settings
 from transformer_engine.common.batch_invariant.plan import (activation_args, activation_tiles, col_sum_tiles,
                                                             gemm_tiles, norm_tiles)
 
-__all__ = ["batch_invariant", "is_batch_invariant", "bi_linear", "bi_norm", "bi_activation"]
+__all__ = ["batch_invariant", "is_batch_invariant", "bi_linear", "bi_norm", "bi_activation", "bias_add"]
 
 _local = threading.local()
 
@@ -250,6 +250,28 @@ def bi_activation(fc1_out: torch.Tensor, name: str, params: Optional[dict]) -> t
     args = activation_args(name, params)
     y = _BatchInvariantActivation.apply(fc1_out.reshape(-1, shape[-1]).contiguous(), args)
     return y.reshape(*shape[:-1], y.shape[-1])
+
+
+class _BatchInvariantBiasAdd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, bias):
+        ctx.bias_shape = bias.shape
+        return x + bias
+
+    @staticmethod
+    def backward(ctx, grad):
+        n = grad.shape[-1]
+        grad_bias = _col_sums(grad.reshape(-1, n).contiguous(), grad.dtype)[1] if ctx.needs_input_grad[1] else None
+        return grad, None if grad_bias is None else grad_bias.reshape(ctx.bias_shape)
+
+
+def bias_add(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``x + bias`` (a bias over the last dim, in ``x``'s dtype). In batch-invariant mode the bias's gradient is the
+    fixed-order column sum JAX's mode computes too (autograd's own sum over the rows would differ from XLA's)."""
+    if not is_batch_invariant() or bias.dim() != 1 or bias.dtype != x.dtype:
+        return x + bias
+    _check_device(x, "a bias addition")
+    return _BatchInvariantBiasAdd.apply(x, bias)
 
 
 def check_no_fp8(owner: str) -> None:

@@ -225,7 +225,9 @@ class TransformerLayer(torch.nn.Module):
     def _bias_dropout_add(self, out: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,
                           drop_path: Optional[DropPath]) -> torch.Tensor:
         if bias is not None and bias.numel():
-            out = out + bias
+            from transformer_engine.pytorch.batch_invariance import bias_add
+
+            out = bias_add(out, bias)  # x + bias; in batch-invariant mode, JAX's bias gradient
         out = torch.nn.functional.dropout(out, p=self.hidden_dropout, training=self.training)
         if drop_path is not None:
             out = drop_path(out)

@@ -439,6 +439,13 @@ def _norm_params(module: nn.Module, norm_type: str, features: int, scale_init, s
     return scale.astype(input_dtype), ln_bias
 
 
+def _bias_add(x: jax.Array, bias: jax.Array) -> jax.Array:
+    """``x + bias``; in batch-invariant mode the bias's gradient is PyTorch's mode's (jax.batch_invariance)."""
+    from transformer_engine.jax.batch_invariance import bias_add
+
+    return bias_add(x, bias)
+
+
 def _refuse_lora(enable_low_rank_adaptation: bool) -> None:
     if enable_low_rank_adaptation:
         raise NotImplementedError("`enable_low_rank_adaptation=True` is not implemented: the layers here train their "
@@ -541,7 +548,7 @@ class DenseGeneral(TransformerEngineBase):
         if self.use_bias:
             bias = self.param("bias", nn.with_logical_partitioning(self.bias_init, self.bias_axes), features,
                               self.dtype).astype(inputs.dtype)
-            y = y + bias
+            y = _bias_add(y, bias)
         return y
 
 
@@ -608,7 +615,7 @@ class LayerNormDenseGeneral(TransformerEngineBase):
         if self.use_bias:
             bias = self.param("bias", nn.with_logical_partitioning(self.bias_init, self.bias_axes), features,
                               self.dtype).astype(inputs.dtype)
-            z = z + bias
+            z = _bias_add(z, bias)
         if self.depth_scaling is not None:
             z = z / self.depth_scaling
         return z, ln_output
@@ -781,7 +788,7 @@ class LayerNormMLP(TransformerEngineBase):
         x = _dense_call(y, wi_kernel, (y.ndim - 1,), ffn1_quantizer_set, self.dot_1_input_axes,
                         self.kernel_axes_1, self.transpose_batch_sequence)
         if self.use_bias:
-            x = x + wi_bias
+            x = _bias_add(x, wi_bias)
         x = checkpoint_name(x, self.ffn1_ckpt_name)
         z = mlp_activation(x, acts, self.activation_params).astype(input_dtype)
         z = nn.Dropout(rate=self.intermediate_dropout_rate, broadcast_dims=tuple(self.intermediate_hidden_dropout_dims),
@@ -790,6 +797,6 @@ class LayerNormMLP(TransformerEngineBase):
         out = _dense_call(z, wo_kernel, (z.ndim - 1,), ffn2_quantizer_set, self.dot_2_input_axes,
                           self.kernel_axes_2, self.transpose_batch_sequence)
         if self.use_bias:
-            out = out + wo_bias
+            out = _bias_add(out, wo_bias)
         out = checkpoint_name(out, self.ffn2_ckpt_name)
         return out, ln_output

@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from transformer_engine.pytorch.batch_invariance import bi_linear, check_no_fp8, is_batch_invariant
+from transformer_engine.pytorch.batch_invariance import bi_linear, bias_add, check_no_fp8, is_batch_invariant
 from transformer_engine.pytorch.module import _parallel
 from transformer_engine.pytorch.quantization_linear import accumulate_into_main_grad, fp8_linear
 from transformer_engine.pytorch.module.base import (
@@ -112,7 +112,7 @@ def parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     if return_bias:
         return out, bias
     if bias is not None:
-        out = out + bias
+        out = bias_add(out, bias)  # x + bias; in batch-invariant mode, JAX's bias gradient
     return out, None
 
 

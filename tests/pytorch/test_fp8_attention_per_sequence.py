@@ -92,3 +92,27 @@ def test_per_sequence_scaling_is_refused_by_name_outside_current_scaling():
     with te.autocast(enabled=True, recipe=Float8CurrentScaling(fp8_dpa=True)):
         with pytest.raises(ValueError, match="`fp8_dpa_scaling` must be one of"):
             dpa(*[x[None] for x in a[:3]])
+
+
+def test_functional_per_sequence_scales_equal_each_sequence_alone_with_its_scale():
+    """fp8_attn_func with [batch, h_kv] scales (flash-attn 3's descale layout): each sequence of the batch is
+    bitwise the sequence alone with its own per-tensor scales (forward and backward, explicit dO scales)."""
+    from transformer_engine.pytorch.attention.fp8_attention import fp8_attn_func
+
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, S_A, h, D, generator=g).to(DEVICE) for h in (H, HK, HK))
+    dout = torch.randn(2, S_A, H, D, generator=g).to(DEVICE)
+    scales = {name: torch.tensor([[20.0], [90.0]], device=DEVICE) + i for i, name in
+              enumerate(("q_scale", "k_scale", "v_scale", "d_out_scale"))}
+
+    def run(sl, sc):
+        qq, kk, vv = (x[sl].clone().requires_grad_() for x in (q, k, v))
+        out = fp8_attn_func(qq, kk, vv, "bshd", "causal", **sc)
+        out.backward(dout[sl])
+        return [out.detach(), qq.grad, kk.grad, vv.grad]
+
+    batched = run(slice(None), scales)
+    for b in range(2):
+        alone = run(slice(b, b + 1), {n: s[b, 0] for n, s in scales.items()})
+        for x, y in zip(batched, alone):
+            assert torch.equal(x[b:b + 1], y)

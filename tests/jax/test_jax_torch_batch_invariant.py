@@ -187,6 +187,8 @@ def _mlp_params_from(p, prefix=""):
 
 
 class FlaxTinyLM(nn.Module):
+    dtype: str = "float32"
+
     @nn.compact
     def __call__(self, x):
         for i in range(2):
@@ -195,20 +197,20 @@ class FlaxTinyLM(nn.Module):
                                      attention_dropout=0.0, intermediate_dropout=0.0, use_bias=False,
                                      enable_relative_embedding=False, scale_attn_logits=True,
                                      self_attn_mask_type="causal", mlp_activations=("silu", "linear"),
-                                     name=f"layer{i}")(x, deterministic=True)
-        return DenseGeneral(VOCAB, use_bias=False, name="head")(x)
+                                     dtype=self.dtype, name=f"layer{i}")(x, deterministic=True)
+        return DenseGeneral(VOCAB, use_bias=False, dtype=self.dtype, name="head")(x)
 
 
 class TorchTinyLM(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, dtype=torch.float32):
         super().__init__()
         self.layers = torch.nn.ModuleList(
             te.TransformerLayer(HIDDEN, FFN, HEADS, layernorm_epsilon=EPS, hidden_dropout=0.0, attention_dropout=0.0,
                                 self_attn_mask_type="causal", normalization="RMSNorm", activation="swiglu",
                                 bias=False, attn_input_format="bshd", layer_number=i + 1,
-                                params_dtype=torch.float32, device=DEVICE)
+                                params_dtype=dtype, device=DEVICE)
             for i in range(2))
-        self.head = te.Linear(HIDDEN, VOCAB, bias=False, params_dtype=torch.float32, device=DEVICE)
+        self.head = te.Linear(HIDDEN, VOCAB, bias=False, params_dtype=dtype, device=DEVICE)
 
     def forward(self, x):
         for layer in self.layers:
@@ -216,7 +218,7 @@ class TorchTinyLM(torch.nn.Module):
         return self.head(x)
 
 
-def _lm_params_from(params):
+def _lm_params_from(params, dtype=torch.float32):
     """FlaxTinyLM's parameters as TorchTinyLM's (the fused qkv kernel split into query/key/value weights)."""
     p = jax.tree_util.tree_map(lambda a: np.array(a, dtype=np.float32), params)
     out = {"head.weight": p["head"]["kernel"].T}
@@ -227,23 +229,27 @@ def _lm_params_from(params):
             out[pre + f"self_attention.layernorm_qkv.{name}_weight"] = att["qkv"]["kernel"][:, j, :].T
         out[pre + "self_attention.proj.weight"] = att["out"]["kernel"].T
         out.update({k: v.numpy() for k, v in _mlp_params_from(mlp, pre + "layernorm_mlp.").items()})
-    return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in out.items()}
+    return {k: torch.from_numpy(np.ascontiguousarray(v)).to(dtype) for k, v in out.items()}
 
 
-def test_tiny_model_logits_and_gradients_equal_bitwise():
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_tiny_model_logits_and_gradients_equal_bitwise(dtype):
+    tdt, jdt = DTYPES[dtype]
     x, dlogits = _np((2, 8, HIDDEN), 10), _np((2, 8, VOCAB), 11)
-    flax_lm = FlaxTinyLM()
-    params = _perturbed(flax_lm.init(jax.random.PRNGKey(2), jnp.asarray(x)), 12)
+    flax_lm = FlaxTinyLM(dtype)
+    params = _perturbed(flax_lm.init(jax.random.PRNGKey(2), jnp.asarray(x, jdt)), 12)
+    params = jax.tree_util.tree_map(lambda a: a.astype(jdt), params)
+    x = x.astype(np.dtype(dtype))
 
     def loss(params, x):
         logits = flax_lm.apply({"params": params}, x)
-        return jnp.sum(logits * jnp.asarray(dlogits)), logits
+        return jnp.sum(logits.astype(jnp.float32) * jnp.asarray(dlogits)), logits
 
     with batch_invariant():
         (_, logits_j), (grads_j, dx_j) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
             params, jnp.asarray(x))
     jax.block_until_ready((logits_j, grads_j, dx_j))
-    model = TorchTinyLM()
+    model = TorchTinyLM(tdt)
     tparams = _lm_params_from(params)
     assert set(tparams) == {n for n, _ in model.named_parameters()}
     with torch.no_grad():
@@ -252,10 +258,10 @@ def test_tiny_model_logits_and_gradients_equal_bitwise():
     xt = torch.from_numpy(x).to(DEVICE).requires_grad_()
     with te.batch_invariant():
         logits_t = model(xt)
-        logits_t.backward(torch.from_numpy(dlogits).to(DEVICE))
+        logits_t.backward(torch.from_numpy(dlogits).to(DEVICE, tdt))
     _equal("logits", logits_t, logits_j)
     _equal("dx", xt.grad, dx_j)
-    mapped = _lm_params_from(grads_j)
+    mapped = _lm_params_from(grads_j, tdt)
     for name, p in model.named_parameters():
         _equal(name, p.grad, mapped[name])
 

@@ -3,9 +3,10 @@ its TEGroupedMLP experts run as ``ops.Sequential(GroupedLinear, ScaledSwiGLU, Gr
 TEGroupedLinear modules' own parameters. A tiny MoE GPT (world 1, gloo, CPU; Mixtral-style softmax top-2,
 DeepSeek-style sigmoid group-limited top-k with expert bias and a shared expert, and biased experts, whose FC2
 bias the operation scales by the router probabilities), in fp32 and in FP8 hybrid (tensorwise and delayed
-scaling; Megatron pads each expert's rows to 256 on this path, to 16 on the unfused one), trains 3 SGD steps bitwise the same twice, bitwise equal
-to the same model without the op fuser (TEGroupedMLP; both with ``use_te_activation_func``, so the experts'
-SwiGLU is the same function), and to float32 rounding equal to the model with torch's SiLU.
+scaling; Megatron pads each expert's rows to 256 on this path, to 16 on the unfused one), trains 3 SGD steps
+bitwise the same twice, bitwise equal to the same model without the op fuser (TEGroupedMLP; both with
+``use_te_activation_func``, so the experts' SwiGLU is the same function), and to float32 rounding equal to the
+model with torch's SiLU.
 
 Megatron reaches the fused experts only when it reads a TransformerEngine version >= 2.14 and
 ``NVTE_CUTEDSL_FUSED_GROUPED_MLP=1`` (its gate for TransformerEngine's CuTe kernel). This package reports the
@@ -180,5 +181,6 @@ def test_op_fuser_grouped_experts(megatron_world, monkeypatch, style, bias, fp8)
     plain = _train(base, init)
     loss_diff = (fused[0] - plain[0]).abs().max().item()
     param_diff = max((fused[1][k] - plain[1][k]).abs().max().item() for k in plain[1])
-    print(f"{style} {fp8 or 'fp32'} bias={bias}: vs torch SiLU max |loss diff| {loss_diff:.3g}, max |param diff| {param_diff:.3g}")
+    print(f"{style} {fp8 or 'fp32'} bias={bias}: vs torch SiLU max |loss diff| {loss_diff:.3g}, "
+          f"max |param diff| {param_diff:.3g}")
     assert loss_diff < 1e-5 and param_diff < 1e-5, (loss_diff, param_diff)

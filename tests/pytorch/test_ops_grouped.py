@@ -95,7 +95,8 @@ def test_grouped_linear_op_is_the_module_bitwise_and_the_reference(force_grouped
     ref = _ref_grouped(x64, w64, b64)
     ref.backward(dy.double())
     torch.testing.assert_close(y_op.double(), ref, rtol=1e-5, atol=1e-5)
-    for got, want in zip(g_op, [x64.grad] + [t.grad for t in w64 + b64], strict=True):  # the empty group's gradients are zeros
+    # (the empty group's gradients are zeros)
+    for got, want in zip(g_op, [x64.grad] + [t.grad for t in w64 + b64], strict=True):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     assert torch.equal(g_op[2], torch.zeros(F, H)) and torch.equal(g_op[G + 2], torch.zeros(F))
 

@@ -632,3 +632,41 @@ def test_max_logit_lowers_to_the_gluon_forward_with_a_row_max_result(captured_pr
     compiled = {fn.__name__: args for fn, args, _, _ in compile_calls}
     assert compiled["attn_fwd_ws_kernel"]["HAS_ROW_MAX"] is True
     _check_program(bwd, ["attn_bwd_preprocess_kernel", "attn_bwd_dkdv_ws_kernel", "attn_bwd_dq_ws_kernel"])
+
+
+@compiles
+def test_batch_invariant_mode_lowers_to_the_shared_kernels(captured_programs, monkeypatch):
+    """JAX's batch-invariant mode on CUDA (transformer_engine.jax.batch_invariance): the norm, dense, the
+    activation and a bias addition, forward and backward, lower to launch programs of the
+    common/batch_invariant kernels compiled for sm_90, the forward GEMM reading the kernel as PyTorch reads
+    ``W^T`` (stride_bk 1, specialized away; stride_bn K)."""
+    from transformer_engine.jax import batch_invariant
+    from transformer_engine.jax.batch_invariance import bi_activation, bias_add
+    from transformer_engine.jax.dense import dense
+    from transformer_engine.jax.flax.module import layernorm
+    from transformer_engine.jax.primitives import batch_invariant as bi_primitives
+
+    monkeypatch.setattr(bi_primitives, "unavailable_reason", lambda platform: None)
+    hidden, ffn = 32, 64
+
+    def fn(x, kernel, bias, scale, ln_bias):
+        y = layernorm(x, scale, ln_bias, "layernorm", False, 1e-5)
+        z = bi_activation(dense(y, kernel, bias), "swiglu")
+        return jnp.sum(bias_add(z, bias[:ffn // 2]).astype(jnp.float32))
+
+    args = [jnp.ones(s, jnp.bfloat16) for s in ((8, hidden), (hidden, ffn), (ffn,), (hidden,), (hidden,))]
+    with batch_invariant():
+        module = _lower_for_cuda(jax.value_and_grad(fn, argnums=(0, 1, 2, 3, 4)), *args)
+    assert "dot_general" not in module
+    launched = []
+    for prog in captured_programs:
+        _, _, launches = decode(*prog.encode())
+        _check_program(prog, [launch["kernel"] for launch in launches])
+        launched += [(prog, launch) for launch in launches]
+    assert {launch["kernel"] for _, launch in launched} == {
+        "bi_norm_fwd_kernel", "bi_gemm_kernel", "bi_act_fwd_kernel", "bi_act_bwd_kernel", "bi_col_sum_kernel",
+        "bi_norm_bwd_kernel"}
+    prog, first_gemm = next((p, launch) for p, launch in launched if launch["kernel"] == "bi_gemm_kernel")
+    params = _named_params(prog, first_gemm)
+    assert params["stride_am"] == ("i32", hidden) and params["stride_bn"] == ("i32", hidden)
+    assert "stride_bk" not in params and "stride_ak" not in params

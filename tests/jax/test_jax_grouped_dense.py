@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from transformer_engine.common import recipe
+from transformer_engine.jax import grouped_dense as grouped_dense_module
 from transformer_engine.jax.dense import grouped_dense
 from transformer_engine.jax.quantize import QuantizerFactory, noop_quantizer_set
 
@@ -43,39 +44,48 @@ def _reference(x, kernel, bias, dy, sizes):
     return y, dx, dk, db
 
 
-def _run(x, kernel, bias, dy, sizes, jit=True):
-    def loss(x, kernel, bias, group_sizes):
+def _value_and_grads(use_bias, jit=True):
+    def loss(x, kernel, bias, group_sizes, dy):
         y = grouped_dense(x, kernel, group_sizes, bias=bias)
         return jnp.sum(y * dy), y
 
-    fn = jax.value_and_grad(loss, argnums=(0, 1, 2) if bias is not None else (0, 1), has_aux=True)
-    if jit:
-        fn = jax.jit(fn)  # group_sizes traced: the group boundaries are data
+    fn = jax.value_and_grad(loss, argnums=(0, 1, 2) if use_bias else (0, 1), has_aux=True)
+    # Under jit the group sizes are traced: one compilation serves every split (the boundaries are data).
+    return jax.jit(fn) if jit else fn
+
+
+def _run(fn, x, kernel, bias, dy, sizes):
     (_, y), grads = fn(jnp.asarray(x), jnp.asarray(kernel), None if bias is None else jnp.asarray(bias),
-                       jnp.asarray(sizes, jnp.int32))
+                       jnp.asarray(sizes, jnp.int32), jnp.asarray(dy))
     return [np.asarray(y)] + [np.asarray(g) for g in grads]
 
 
-@pytest.mark.parametrize("sizes", SIZES, ids=["uneven", "one-group", "rows-left"])
+@pytest.mark.parametrize("tile", [128, 4, 3], ids=["one-tile", "tiles-4", "tiles-3-padded"])
 @pytest.mark.parametrize("use_bias", [True, False])
-def test_against_float64_and_bitwise_run_to_run(sizes, use_bias):
+def test_against_float64_and_bitwise_run_to_run(use_bias, tile, monkeypatch):
+    # Tiles of 4 and 3 rows: groups start and end inside tiles, tiles hold several groups (empty ones too), and
+    # 16 rows in tiles of 3 leave a padded last tile.
+    monkeypatch.setattr(grouped_dense_module, "TILE_ROWS", tile)
     x, kernel, bias, dy = _data()
     b = bias if use_bias else None
-    got = _run(x, kernel, b, dy, sizes)
-    y, dx, dk, db = _reference(x, kernel, b, dy, sizes)
-    want = [y, dx, dk] + ([db] if use_bias else [])
-    for a, w in zip(got, want, strict=True):
-        np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-5)
-    for g, m in enumerate(sizes):
-        if m == 0:  # an empty group: zero gradients
-            assert not got[2][g].any() and (not use_bias or not got[3][g].any())
-    if sum(sizes) < M:  # rows in no group: zero outputs and input gradients
-        assert not got[0][sum(sizes):].any() and not got[1][sum(sizes):].any()
-    for a, b2 in zip(got, _run(x, kernel, b, dy, sizes), strict=True):
-        np.testing.assert_array_equal(a, b2)
-    # Eager (concrete group sizes) is the same computation.
-    for a, b2 in zip(got, _run(x, kernel, b, dy, sizes, jit=False), strict=True):
-        np.testing.assert_allclose(a, b2, rtol=1e-6, atol=1e-6)
+    fn = _value_and_grads(use_bias)
+    for sizes in SIZES:  # uneven with an empty group; one group; rows left in no group
+        got = _run(fn, x, kernel, b, dy, sizes)
+        y, dx, dk, db = _reference(x, kernel, b, dy, sizes)
+        want = [y, dx, dk] + ([db] if use_bias else [])
+        for a, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-5)
+        for g, m in enumerate(sizes):
+            if m == 0:  # an empty group: zero gradients
+                assert not got[2][g].any() and (not use_bias or not got[3][g].any())
+        if sum(sizes) < M:  # rows in no group: zero outputs and input gradients
+            assert not got[0][sum(sizes):].any() and not got[1][sum(sizes):].any()
+        for a, b2 in zip(got, _run(fn, x, kernel, b, dy, sizes), strict=True):
+            np.testing.assert_array_equal(a, b2)
+        if tile == 3 and use_bias:  # eager (concrete group sizes): the same computation
+            for a, b2 in zip(got, _run(_value_and_grads(use_bias, jit=False), x, kernel, b, dy, sizes),
+                             strict=True):
+                np.testing.assert_allclose(a, b2, rtol=1e-6, atol=1e-6)
 
 
 def test_bfloat16_and_preferred_element_type():
@@ -97,7 +107,7 @@ def test_equals_pytorch_grouped_linear():
 
     x, kernel, bias, dy = _data(seed=3)
     sizes = SIZES[0]
-    got = _run(x, kernel, bias, dy, sizes)
+    got = _run(_value_and_grads(True), x, kernel, bias, dy, sizes)
     m = te.GroupedLinear(4, K, N, bias=True, params_dtype=torch.float32, device="cpu")
     with torch.no_grad():
         for g in range(4):  # TE-JAX's kernel [G, K, N] is TE-PyTorch's weight_g [N, K] transposed

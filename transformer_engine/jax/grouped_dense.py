@@ -6,13 +6,15 @@ order; a group may be empty), ``kernel`` [G, K, N] one matrix per group, ``bias`
 ``sum(group_sizes)`` belong to no group: their outputs and gradients are zeros.
 
 How it is computed, and why it is deterministic: each row's group index comes from the cumulative group sizes
-(a comparison, no scatter). For each group in index order one dense GEMM runs over all M rows and its result is
-kept only on that group's rows (``where``, a select: a row's output is exactly one GEMM's row, nothing is
-accumulated across groups). The backward does the same: the input gradient is selected row by row from
-``dy K_g^T``; each group's kernel gradient is ``x_g^T dy`` as one GEMM over all rows with the other groups' rows
-zeroed (exact zeros add nothing), and each bias gradient a fixed-order pairwise sum over the rows. There is no
-scatter-add and no atomic, so the result is the same bits run to run. The price is G full-size GEMMs where a
-grouped GEMM kernel would do one: this is the correct, reproducible path, not a fast one.
+(a comparison, no search or scatter). The rows are cut into tiles of ``TILE_ROWS``; the (tile, group) pairs
+that hold rows are at most ``tiles + G - 1`` (a static count: the groups of a tile form a range, and
+consecutive tiles share at most one group), and each pair is one GEMM of its tile with its group's matrix, run one
+after the other (``lax.scan``). A row's output is gathered from its own pair's GEMM (rows of other groups in that
+tile are computed and dropped, a select), so nothing is accumulated across groups; the input gradient likewise.
+Each group's kernel gradient adds its tiles' ``x_t^T dy_t`` (other groups' rows zeroed) in tile order into its
+own slot, and each bias gradient adds fixed-order pairwise row sums the same way, in float32. No scatter-add, no
+atomics: the same bits run to run. The GEMM work is about ``(M + G * TILE_ROWS) K N`` (one GEMM over the rows,
+plus at most one partial tile per group), not ``G M K N``.
 
 FP8 (a non-empty ``quantizer_set``, TransformerEngine's grouped quantizer sets from
 ``QuantizerFactory.create_set(n_groups=...)``), ``group_offset`` and FSDP-sharded kernels
@@ -22,11 +24,12 @@ FP8 (a non-empty ``quantizer_set``, TransformerEngine's grouped quantizer sets f
 from __future__ import annotations
 
 from functools import partial
-from typing import Optional, Sequence, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from transformer_engine.jax.attention_math import fixed_order_sum
 from transformer_engine.jax.quantize import QuantizerSet, noop_quantizer_set
@@ -70,18 +73,65 @@ def _check(x, kernel, group_sizes, contracting_dims, bias, group_offset, quantiz
         raise ValueError(f"`bias` must have shape (G, N) = {(g, n)}, got {jnp.shape(bias)}")
 
 
-def _group_ids(group_sizes: jax.Array, rows: int) -> jax.Array:
-    """Each row's group index (G for rows past the last group): the number of group ends at or before it."""
+# Rows per tile: the GEMMs run on tiles of this many rows, one tile and one group at a time.
+TILE_ROWS = 128
+
+
+class _Plan(NamedTuple):
+    """Which (tile, group) pairs hold rows, and where each row's result lies (all shapes static)."""
+
+    gid: jax.Array        # [Mp] each row's group, G for rows in no group
+    tile_of: jax.Array    # [W] the tile of work item w
+    group_of: jax.Array   # [W] the group of work item w (0 for the unused items past the last)
+    valid: jax.Array      # [W] whether item w is one of the pairs
+    item_of_row: jax.Array  # [Mp] the work item that computed row r
+
+
+def _plan(group_sizes: jax.Array, padded_rows: int, tile: int, num_groups: int) -> _Plan:
     ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-    return jnp.sum(jnp.arange(rows, dtype=jnp.int32)[:, None] >= ends[None, :], axis=1)
+    rows = jnp.arange(padded_rows, dtype=jnp.int32)
+    gid = jnp.sum(rows[:, None] >= ends[None, :], axis=1).astype(jnp.int32)  # non-decreasing in r
+    gid_c = jnp.minimum(gid, num_groups - 1)
+    tiles = padded_rows // tile
+    first, last = gid_c[::tile], gid_c[tile - 1::tile]
+    count = last - first + 1  # the groups a tile touches form a range: its first row's group to its last's
+    start = jnp.cumsum(count) - count
+    # Ranges of consecutive tiles overlap in at most one group, so there are at most tiles + G - 1 pairs.
+    items = jnp.arange(tiles + num_groups - 1, dtype=jnp.int32)
+    tile_of = jnp.sum(items[:, None] >= start[None, 1:], axis=1).astype(jnp.int32)
+    valid = items < start[-1] + count[-1]
+    group_of = jnp.where(valid, first[tile_of] + items - start[tile_of], 0)
+    row_tile = rows // tile
+    item_of_row = start[row_tile] + gid_c - first[row_tile]
+    return _Plan(gid, tile_of, group_of, valid, item_of_row)
 
 
-def _select_per_group(gid, num_groups, per_group, out_shape, dtype):
-    """``out[r] = per_group(g)[r]`` for each row's group ``g`` (zeros for rows in no group); groups in order."""
-    out = jnp.zeros(out_shape, dtype)
-    for g in range(num_groups):
-        out = jnp.where((gid == g)[:, None], per_group(g).astype(dtype), out)
-    return out
+def _tiled_gemms(a_tiles, kernel, plan, transpose_kernel, precision, preferred_element_type):
+    """``a_tiles[t] @ kernel[g]`` (or ``kernel[g]^T``) for each work item, one after the other: [W, T, N]."""
+    def body(_, item):
+        t, g = item
+        k = lax.dynamic_index_in_dim(kernel, g, keepdims=False)
+        return None, jnp.dot(lax.dynamic_index_in_dim(a_tiles, t, keepdims=False), k.T if transpose_kernel else k,
+                             precision=precision, preferred_element_type=preferred_element_type)
+    return lax.scan(body, None, (plan.tile_of, plan.group_of))[1]
+
+
+def _rows_from_items(per_item, plan, tile, rows, num_groups, dtype):
+    """Row r's result from the item that computed it (a gather, no scatter; zeros for rows in no group), for
+    the first ``rows`` rows."""
+    r = jnp.arange(plan.gid.shape[0], dtype=jnp.int32)
+    out = per_item[plan.item_of_row, r % tile].astype(dtype)
+    return jnp.where((plan.gid < num_groups)[:, None], out, jnp.zeros_like(out))[:rows]
+
+
+def _tiles(a, padded_rows, tile):
+    a = jnp.pad(a, ((0, padded_rows - a.shape[0]), (0, 0)))
+    return a.reshape(padded_rows // tile, tile, a.shape[1])
+
+
+def _layout(rows):
+    tile = min(TILE_ROWS, max(rows, 1))
+    return tile, -(-max(rows, 1) // tile) * tile
 
 
 def _out_dtype(x, kernel, preferred_element_type):
@@ -95,33 +145,47 @@ def _grouped_dense(x, kernel, group_sizes, bias, precision, preferred_element_ty
 
 def _grouped_dense_fwd(x, kernel, group_sizes, bias, precision, preferred_element_type):
     dtype = _out_dtype(x, kernel, preferred_element_type)
-    gid = _group_ids(group_sizes, x.shape[0])
-    out = _select_per_group(gid, kernel.shape[0], lambda g: jnp.dot(
-        x, kernel[g], precision=precision, preferred_element_type=preferred_element_type),
-        (x.shape[0], kernel.shape[2]), dtype)
+    rows, num_groups = x.shape[0], kernel.shape[0]
+    tile, padded = _layout(rows)
+    plan = _plan(group_sizes, padded, tile, num_groups)
+    per_item = _tiled_gemms(_tiles(x, padded, tile), kernel, plan, False, precision, preferred_element_type)
+    out = _rows_from_items(per_item, plan, tile, rows, num_groups, dtype)
     if bias is not None:
-        in_group = (gid < kernel.shape[0])[:, None]
-        b_rows = jnp.take(bias, jnp.minimum(gid, kernel.shape[0] - 1), axis=0)  # a gather: row r reads b_g
-        out = jnp.where(in_group, (out + b_rows.astype(dtype)).astype(dtype), out)
-    return out, (x, kernel, gid, bias)
+        gid = plan.gid[:rows]
+        b_rows = jnp.take(bias, jnp.minimum(gid, num_groups - 1), axis=0)  # a gather: row r reads b_g
+        out = jnp.where((gid < num_groups)[:, None], (out + b_rows.astype(dtype)).astype(dtype), out)
+    return out, (x, kernel, group_sizes, bias)
 
 
 def _grouped_dense_bwd(precision, preferred_element_type, res, dy):
-    x, kernel, gid, bias = res
-    num_groups = kernel.shape[0]
-    dx = _select_per_group(gid, num_groups, lambda g: jnp.dot(
-        dy, kernel[g].T, precision=precision, preferred_element_type=preferred_element_type), x.shape, x.dtype)
-    dk, db = [], []
-    for g in range(num_groups):
-        mine = (gid == g)[:, None]
-        x_g = jnp.where(mine, x, jnp.zeros_like(x))
-        dk.append(jnp.dot(x_g.T, dy, precision=precision, preferred_element_type=preferred_element_type
-                          ).astype(kernel.dtype))
-        if bias is not None:
-            dy_g = jnp.where(mine, dy, jnp.zeros_like(dy)).astype(jnp.promote_types(dy.dtype, jnp.float32))
-            db.append(fixed_order_sum(dy_g, axis=0).astype(bias.dtype))
-    dbias = jnp.stack(db) if bias is not None else None
-    return dx, jnp.stack(dk), None, dbias
+    x, kernel, group_sizes, bias = res
+    rows, num_groups = x.shape[0], kernel.shape[0]
+    tile, padded = _layout(rows)
+    plan = _plan(group_sizes, padded, tile, num_groups)
+    dy_tiles, x_tiles = _tiles(dy, padded, tile), _tiles(x, padded, tile)
+    dx = _rows_from_items(_tiled_gemms(dy_tiles, kernel, plan, True, precision, preferred_element_type), plan,
+                          tile, rows, num_groups, x.dtype)
+    gid_tiles = plan.gid.reshape(-1, tile)
+    acc = jnp.promote_types(jnp.result_type(x, dy), jnp.float32)
+
+    def body(carry, item):
+        # Work items in order: each group's kernel (and bias) gradient adds its tiles' partial products in tile
+        # order, into its own slot of the carry (no scatter-add: one group per step).
+        dk, db = carry
+        t, g, ok = item
+        mine = ((lax.dynamic_index_in_dim(gid_tiles, t, keepdims=False) == g) & ok)[:, None]
+        x_t = jnp.where(mine, lax.dynamic_index_in_dim(x_tiles, t, keepdims=False), 0)
+        dy_t = jnp.where(mine, lax.dynamic_index_in_dim(dy_tiles, t, keepdims=False), 0)
+        part = jnp.dot(x_t.T, dy_t, precision=precision, preferred_element_type=acc)
+        dk = lax.dynamic_update_index_in_dim(dk, lax.dynamic_index_in_dim(dk, g, keepdims=False) + part, g, 0)
+        if db is not None:
+            col = fixed_order_sum(dy_t.astype(acc), axis=0)
+            db = lax.dynamic_update_index_in_dim(db, lax.dynamic_index_in_dim(db, g, keepdims=False) + col, g, 0)
+        return (dk, db), None
+
+    init = (jnp.zeros(kernel.shape, acc), None if bias is None else jnp.zeros(bias.shape, acc))
+    (dk, db), _ = lax.scan(body, init, (plan.tile_of, plan.group_of, plan.valid))
+    return dx, dk.astype(kernel.dtype), None, None if bias is None else db.astype(bias.dtype)
 
 
 _grouped_dense.defvjp(_grouped_dense_fwd, _grouped_dense_bwd)

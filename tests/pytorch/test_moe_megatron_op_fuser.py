@@ -61,13 +61,6 @@ def _megatron_env(monkeypatch):
     monkeypatch.setattr(experts, "is_te_min_version",
                         lambda version, check_equality=True: version == "2.14.0" or real(version, check_equality))
     monkeypatch.setenv("NVTE_CUTEDSL_FUSED_GROUPED_MLP", "1")
-    # Megatron reads TransformerEngine's GroupedLinear attributes `single_grouped_weight`/`single_grouped_bias`;
-    # where the module does not record them, they are False (it refuses True).
-    import transformer_engine.pytorch as te
-
-    for attr in ("single_grouped_weight", "single_grouped_bias"):
-        if not hasattr(te.GroupedLinear, attr):
-            monkeypatch.setattr(te.GroupedLinear, attr, False, raising=False)
     # Megatron's router moves CPU weights to torch.cuda.current_device(); keep them on the CPU.
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
     # Megatron writes its attention backend into these variables and asserts them on the next model.

@@ -117,6 +117,7 @@ class GroupedLinear(TransformerEngineBaseModule):
             raise ValueError(f"{owner}: `bias` must be False when tp_size > 1 (got tp_size={self.tp_size}): the "
                              "tensor-parallel communication happens outside the module (the MoE dispatcher)")
         self.num_gemms = num_gemms
+        self.single_grouped_weight = self.single_grouped_bias = False  # read by Megatron's grouped MLP
         self.parallel_mode = parallel_mode
         self.sequence_parallel = self.tp_size > 1 and bool(sequence_parallel)
         self.use_bias = bool(bias)

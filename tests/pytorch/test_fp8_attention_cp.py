@@ -1,7 +1,8 @@
-"""FP8 attention under context parallelism: cp_comm_type="a2a" with per-sequence FP8 scaling
-(``DotProductAttention.fp8_dpa_scaling = "per_sequence"``, Float8CurrentScaling(fp8_dpa=True)) on two gloo ranks
-gives each rank's tokens bitwise the cp=1 output and gradients (each rank attends whole sequences of its heads, every
-kv head scaled from its own amax); the other CP forms are refused by name. CPU under Triton's interpreter."""
+"""FP8 attention under context parallelism: cp_comm_type="a2a" under Float8CurrentScaling(fp8_dpa=True) on two
+gloo ranks gives each rank's tokens bitwise the cp=1 output and gradients, with per-sequence scales
+(``DotProductAttention.fp8_dpa_scaling = "per_sequence"``: every kv head scaled from its own amax) and with
+per-tensor ones (the amaxes all-reduced over the a2a group); DelayedScaling under CP is refused by name. CPU under
+Triton's interpreter."""
 
 import os
 import subprocess
@@ -21,7 +22,7 @@ _WORKER = textwrap.dedent("""
     os.environ["TRITON_INTERPRET"] = "1"
     import torch, torch.distributed as dist
     import transformer_engine.pytorch as te
-    from transformer_engine.common.recipe import Float8CurrentScaling
+    from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
     rank, cp = int(sys.argv[1]), 2
     dist.init_process_group("gloo", init_method="file://" + sys.argv[2], rank=rank, world_size=cp)
     B, S, H, D = 2, 16, 2, 16
@@ -30,9 +31,7 @@ _WORKER = textwrap.dedent("""
     dout = torch.randn(B, S, H * D, generator=g)
     chunk = S // (2 * cp)  # the load-balanced split: chunks rank and 2cp-1-rank
     own = [c * chunk + i for c in (rank, 2 * cp - 1 - rank) for i in range(chunk)]
-    recipe = Float8CurrentScaling(fp8_dpa=True)
-
-    def run(dpa, q, k, v, dout):
+    def run(dpa, q, k, v, dout, recipe=Float8CurrentScaling(fp8_dpa=True)):
         q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
         with te.autocast(enabled=True, recipe=recipe):
             out = dpa(q, k, v)
@@ -41,27 +40,26 @@ _WORKER = textwrap.dedent("""
         return [out.detach(), q.grad, k.grad, v.grad]
 
     single = te.DotProductAttention(H, D, attn_mask_type="causal", qkv_format="bshd")
-    single.fp8_dpa_scaling = "per_sequence"
-    ref = [t[:, own] for t in run(single, q, k, v, dout)]
     dpa = te.DotProductAttention(H, D, attn_mask_type="causal", qkv_format="bshd", cp_group=dist.group.WORLD,
                                  cp_comm_type="a2a")
-    dpa.fp8_dpa_scaling = "per_sequence"
-    got = run(dpa, q[:, own], k[:, own], v[:, own], dout[:, own])
-    for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
-        assert torch.equal(a, b), (name, (a - b).abs().max())
-    dpa.fp8_dpa_scaling = "per_tensor"
+    for scaling in ("per_sequence", "per_tensor"):
+        single.fp8_dpa_scaling = dpa.fp8_dpa_scaling = scaling
+        ref = [t[:, own] for t in run(single, q, k, v, dout)]
+        got = run(dpa, q[:, own], k[:, own], v[:, own], dout[:, own])
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
+            assert torch.equal(a, b), (scaling, name, (a - b).abs().max())
     try:
-        run(dpa, q[:, own], k[:, own], v[:, own], dout[:, own])
-        raise AssertionError("per-tensor FP8 under CP ran")
+        run(dpa, q[:, own], k[:, own], v[:, own], dout[:, own], DelayedScaling(fp8_dpa=True))
+        raise AssertionError("delayed FP8 under CP ran")
     except NotImplementedError as err:
-        assert "cp_comm_type='a2a' with per-sequence FP8 scaling" in str(err), err
+        assert "cp_comm_type='a2a' under Float8CurrentScaling" in str(err), err
     dist.barrier()
     print("PASS", rank, flush=True)
     os._exit(0)  # as test_fp8_linear's worker: no gloo teardown at exit
 """)
 
 
-def test_a2a_cp2_equals_cp1_bitwise_with_per_sequence_scaling(tmp_path):
+def test_a2a_cp2_equals_cp1_bitwise_under_current_scaling(tmp_path):
     store = str(tmp_path / "store")
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)

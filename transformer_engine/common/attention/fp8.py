@@ -120,9 +120,9 @@ def fp8_reasons(*, attn_mask_type: AttnMaskType, attn_bias_type: AttnBiasType, d
     if paged:
         reasons.append("a paged KV cache (FP8 attention reads contiguous keys only)")
     if context_parallel:
-        reasons.append("context parallelism other than cp_comm_type='a2a' with per-sequence FP8 scaling (FP8 "
-                       "attention under CP runs whole sequences of the rank's heads, whose scales are then the "
-                       "single-device ones: DotProductAttention.fp8_dpa_scaling='per_sequence')")
+        reasons.append("context parallelism other than cp_comm_type='a2a' under Float8CurrentScaling (FP8 "
+                       "attention under CP runs whole sequences of the rank's heads with the single-device current "
+                       "scales; delayed scales and sequences split across ranks are not built)")
     if return_max_logit:
         reasons.append("return_max_logit=True (the FP8 kernels record amaxes, not per-head max logits)")
     return reasons

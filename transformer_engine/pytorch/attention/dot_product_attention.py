@@ -798,13 +798,15 @@ class DotProductAttention(torch.nn.Module):
             self.last_backend = "FusedAttention(FP8)"
             cp = self._context_parallel
             cp_on = cp is not None and cp.size > 1
-            # CP under FP8: "a2a" with per-sequence scales, each rank's heads of whole sequences, each kv head
-            # scaled from its own amax: the single-device bits (other CP forms are refused by name).
-            cp_a2a = cp_on and cp.comm_type == "a2a" and self.fp8_dpa_scaling == "per_sequence"
+            # CP under FP8: "a2a" with current scales, each rank attending whole sequences of its heads: per-sequence
+            # scales are each kv head's own, per-tensor ones take the amaxes all-reduced over the a2a group, so
+            # both are the single-device bits (other CP forms are refused by name).
+            cp_a2a = cp_on and cp.comm_type == "a2a" and type(fp8_recipe).float8_current_scaling()
 
             def fp8_attend(q_, k_, v_):
                 return dpa_fp8_attention(self, fp8_recipe, q_, k_, v_, fmt, seqs, window, bottom_right, bias_type,
-                                         dropout, softmax_type, cp_on and not cp_a2a, self.return_max_logit)
+                                         dropout, softmax_type, cp_on and not cp_a2a, self.return_max_logit,
+                                         amax_group=cp.groups[0] if cp_a2a else None)
 
             attend = fp8_attend
             if cp_a2a:

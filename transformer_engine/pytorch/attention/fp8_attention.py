@@ -253,6 +253,9 @@ class Fp8AttnMeta:
     fwd_meta: Optional[object] = None
     bwd_meta: Optional[object] = None
     reduce_bwd: bool = False
+    # Per-tensor current scaling under a2a context parallelism: the process group whose ranks hold the other
+    # heads; dO's amax is all-reduced (MAX) over it, so the scale is the single-device one.
+    amax_group: Optional[object] = None
 
     @property
     def per_sequence(self) -> bool:
@@ -269,6 +272,14 @@ def _fold(meta, amax: Optional[torch.Tensor], names) -> None:
     if meta is not None and amax is not None:
         for i, name in enumerate(names):
             meta.record_amax(i, amax[AMAX_SLOTS[name]])
+
+
+def _group_max(amax: torch.Tensor, group) -> torch.Tensor:
+    """``amax`` all-reduced (MAX: exact in any order) over ``group``; as it is without one."""
+    if group is not None:
+        amax = amax.clone()
+        torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=group)
+    return amax
 
 
 def _descales(scales, batch: int, hk: int) -> torch.Tensor:
@@ -335,7 +346,8 @@ class Fp8AttnFunc(torch.autograd.Function):
                 d_scale = scale_from_current_amax(torch, sequence_amax(d_out, fmt, seqs, "q", k8.shape[-2]),
                                                   FP8_MAX[fp8_fmt])
             else:
-                d_scale = scale_from_current_amax(torch, amax_of(d_out.detach()), FP8_MAX[fp8_fmt])
+                d_scale = scale_from_current_amax(torch, _group_max(amax_of(d_out.detach()), meta.amax_group),
+                                                  FP8_MAX[fp8_fmt])
             do8 = quantize(d_out, per_token(d_scale, d_out, fmt, seqs, "q"), meta.d_out_dtype)
             if descale.dim() == 1 and d_scale.dim() == 0:
                 descale = torch.cat([descale[:3], (1.0 / d_scale).reshape(1)])
@@ -524,11 +536,13 @@ FP8_DPA_SCALINGS = ("per_tensor", "per_sequence")
 
 
 def dpa_fp8_attention(module, recipe, q, k, v, fmt: QKVFormat, seqs, window, bottom_right, bias_type, dropout,
-                      softmax_type, context_parallel: bool, return_max_logit: bool):
+                      softmax_type, context_parallel: bool, return_max_logit: bool, amax_group=None):
     """DotProductAttention's call under an autocast whose recipe has ``fp8_dpa=True``: the FP8 kernels, with
     scales from the module's delayed-scaling metas (DelayedScaling) or from this call's amaxes
     (Float8CurrentScaling: per tensor, or per sequence and kv head under ``fp8_dpa_scaling="per_sequence"``).
-    Anything the FP8 kernels do not support is refused by name."""
+    ``amax_group``: the a2a context-parallel group whose ranks hold the other heads (per-tensor current
+    scales then take the amaxes all-reduced over it: the single-device scales). Anything the FP8 kernels do not
+    support is refused by name."""
     from transformer_engine.pytorch import distributed
     from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
     from transformer_engine.pytorch.recompute_frames import in_checkpointed_training_forward
@@ -589,7 +603,8 @@ def dpa_fp8_attention(module, recipe, q, k, v, fmt: QKVFormat, seqs, window, bot
                       for x, side in ((q, "q"), (k, "k"), (v, "k"))]
             meta = dataclasses.replace(meta, q_scale=scales[0], k_scale=scales[1], v_scale=scales[2])
             return Fp8AttnFunc.apply(q, k, v, meta, call)
-        scales = [scale_from_current_amax(torch, amax_of(x.detach()), fmax) for x in (q, k, v)]
-        return fp8_attn_func(q, k, v, q_scale=scales[0], k_scale=scales[1], v_scale=scales[2], d_out_scale=None, **kw)
+        scales = [scale_from_current_amax(torch, _group_max(amax_of(x.detach()), amax_group), fmax) for x in (q, k, v)]
+        meta, call = fp8_attn_call(q, k, v, q_scale=scales[0], k_scale=scales[1], v_scale=scales[2], **kw)
+        return Fp8AttnFunc.apply(q, k, v, dataclasses.replace(meta, amax_group=amax_group), call)
     raise NotImplementedError(f"FP8 attention takes DelayedScaling or Float8CurrentScaling recipes, got "
                               f"{type(recipe).__name__}")

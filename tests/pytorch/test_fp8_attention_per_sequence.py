@@ -116,3 +116,25 @@ def test_functional_per_sequence_scales_equal_each_sequence_alone_with_its_scale
         alone = run(slice(b, b + 1), {n: s[b, 0] for n, s in scales.items()})
         for x, y in zip(batched, alone):
             assert torch.equal(x[b:b + 1], y)
+
+
+def test_per_sequence_scaling_sbhd_and_thd_with_gaps_equal_alone():
+    """sbhd batched, and thd with padded offsets whose gap holds large values (outside every sequence: no scale
+    reads them), bitwise the sequence alone."""
+    a, b = _data(torch.float32)
+    alone = _alone(a, "per_sequence")
+    sbhd = _run(_dpa("sbhd", "causal", "per_sequence"),
+                [torch.stack([torch.cat([y, y[: S_A - S_B]]), x], 1) for x, y in zip(a[:3], b[:3])],
+                torch.stack([torch.cat([b[3], b[3][: S_A - S_B]]), a[3]], 1))
+    gap = 3
+    cu = torch.tensor([0, S_B, S_B + S_A], dtype=torch.int32, device=DEVICE)
+    cu_padded = torch.tensor([0, S_B + gap, S_B + gap + S_A], dtype=torch.int32, device=DEVICE)
+
+    def packed(x, y):
+        return torch.cat([y, torch.full((gap,) + tuple(y.shape[1:]), 1e3, dtype=y.dtype, device=DEVICE), x])
+
+    thd = _run(_dpa("thd", "padding_causal", "per_sequence"), [packed(x, y) for x, y in zip(a[:3], b[:3])],
+               packed(a[3], b[3]), cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
+               cu_seqlens_kv_padded=cu_padded, max_seqlen_q=S_A, max_seqlen_kv=S_A)
+    for x, y, z in zip(sbhd, thd, alone):
+        assert torch.equal(x[:, 1], z) and torch.equal(y[S_B + gap:], z)

@@ -188,3 +188,12 @@ def test_determinism_check_reports_whole_model_batch_invariance(monkeypatch):
                                        "--device", "cpu"])
     with pytest.raises(ValueError, match="--batch-invariant"):
         check.run_check(args, out=io.StringIO(), err=io.StringIO())
+
+
+def test_grouped_dense_is_refused_in_the_mode():
+    """JAX grouped_dense runs XLA's dots (not the batch-invariant GEMM): refused in the mode, by name."""
+    from transformer_engine.jax.grouped_dense import grouped_dense
+
+    x, kernel = _rand((4, 8), 21, "float32"), _rand((2, 8, 8), 22, "float32")
+    with batch_invariant(), pytest.raises(NotImplementedError, match="grouped_dense in batch-invariant mode"):
+        grouped_dense(x, kernel, jnp.asarray([2, 2], jnp.int32), contracting_dims=((1,), (1,)))

@@ -208,4 +208,10 @@ def grouped_dense(
     (zeros past ``sum(group_sizes)``), in ``preferred_element_type`` or the inputs' result type. Differentiable
     in ``x``, ``kernel`` and ``bias`` (module docstring: how, and why the bits repeat)."""
     _check(x, kernel, group_sizes, contracting_dims, bias, group_offset, quantizer_set, kernel_fsdp_info)
+    from transformer_engine.jax.batch_invariance import is_batch_invariant
+
+    if is_batch_invariant():
+        raise NotImplementedError(
+            "grouped_dense in batch-invariant mode is not implemented: its GEMMs are XLA's dots, whose algorithm "
+            "depends on the row count; leave transformer_engine.jax.batch_invariant() (or unset NVTE_BATCH_INVARIANT)")
     return _grouped_dense(x, kernel, group_sizes, bias, precision, preferred_element_type)

@@ -142,10 +142,10 @@ def backward(q, k, v, out, d_out, lse, call: AttnCall, bias_grad: bool = False, 
     return fused_attn_bwd(q, k, v, out, d_out, lse, *flatten(call), bias_grad, softmax_offset_grad, grads)
 
 
-# --- FP8 attention (fp8_attention.py): FP8 q, k, v (and dO) with their descale factors as call arguments ------------
+# --- FP8 attention (fp8_launch.py): FP8 q, k, v (and dO) with their descale factors as call arguments ------------
 
 def _fp8_forward_op(q, k, v, descale, out_dtype, *flat):
-    from transformer_engine.pytorch.attention.fp8_attention import fp8_forward_impl
+    from transformer_engine.pytorch.attention.fp8_launch import fp8_forward_impl
 
     return fp8_forward_impl(q, k, v, descale, unflatten(flat), out_dtype)
 
@@ -170,7 +170,7 @@ def _(q, k, v, descale, out_dtype, *flat):
 
 
 def _fp8_backward_op(q, k, v, out, d_out, lse, descale, grad_dtype, *flat):
-    from transformer_engine.pytorch.attention.fp8_attention import fp8_backward_impl
+    from transformer_engine.pytorch.attention.fp8_launch import fp8_backward_impl
 
     return fp8_backward_impl(q, k, v, out, d_out, lse, descale, unflatten(flat), grad_dtype)
 
@@ -191,7 +191,7 @@ def fp8_forward(q, k, v, descale, call: AttnCall, out_dtype: torch.dtype):
     """``fp8_attn_fwd``: (out, lse, fwd_amax) of FP8 attention on FP8 q, k, v with ``descale`` (fp32 [4] or
     [batch, h_kv, 4]); the implementation directly when :func:`_eager`, else the op."""
     if _eager(q, k, v, descale):
-        from transformer_engine.pytorch.attention.fp8_attention import fp8_forward_impl
+        from transformer_engine.pytorch.attention.fp8_launch import fp8_forward_impl
 
         return fp8_forward_impl(q, k, v, descale, call, out_dtype)
     return fp8_attn_fwd(q, k, v, descale, out_dtype, *flatten(call))
@@ -200,7 +200,7 @@ def fp8_forward(q, k, v, descale, call: AttnCall, out_dtype: torch.dtype):
 def fp8_backward(q, k, v, out, d_out, lse, descale, call: AttnCall, grad_dtype: torch.dtype):
     """``fp8_attn_bwd``: (dq, dk, dv, bwd_amax); the implementation directly when :func:`_eager`, else the op."""
     if _eager(q, k, v, out, d_out, lse, descale):
-        from transformer_engine.pytorch.attention.fp8_attention import fp8_backward_impl
+        from transformer_engine.pytorch.attention.fp8_launch import fp8_backward_impl
 
         return fp8_backward_impl(q, k, v, out, d_out, lse, descale, call, grad_dtype)
     return fp8_attn_bwd(q, k, v, out, d_out, lse, descale, grad_dtype, *flatten(call))

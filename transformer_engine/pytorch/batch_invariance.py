@@ -30,7 +30,8 @@ from transformer_engine.common import settings
 from transformer_engine.common.batch_invariant.plan import (activation_args, activation_tiles, col_sum_tiles,
                                                             gemm_tiles, norm_tiles)
 
-__all__ = ["batch_invariant", "is_batch_invariant", "bi_linear", "bi_norm", "bi_activation", "bias_add"]
+__all__ = ["batch_invariant", "is_batch_invariant", "bi_linear", "bi_norm", "bi_activation", "bias_add",
+           "row_exp_sums"]
 
 _local = threading.local()
 
@@ -108,6 +109,29 @@ def _col_sums(dy: torch.Tensor, out_dtype: torch.dtype, x2d: Optional[torch.Tens
             hidden, dy.stride(0), x2d.stride(0) if has_x else dy.stride(0), HAS_X=has_x, BLOCK_R=tiles.BLOCK_R,
             BLOCK_H=tiles.BLOCK_H, num_warps=tiles.num_warps)
     return dw, db
+
+
+def row_exp_sums(x2d: torch.Tensor, shift: torch.Tensor, with_sum: bool = False):
+    """``(sum_h exp(x - shift), sum_h x)`` of each row of the float32 ``x2d`` (the second only with
+    ``with_sum``, else None), each row reduced alone in a fixed order: a cross entropy's normalizer that
+    does not depend on how many rows there are (torch's row reductions pick their strategy by shape)."""
+    from transformer_engine.common.batch_invariant.kernels import bi_row_exp_sum_kernel
+
+    _check_device(x2d, "a row reduction")
+    if x2d.dtype != torch.float32 or x2d.dim() != 2 or x2d.stride(1) != 1:
+        raise ValueError(f"`x2d` must be a row-contiguous 2-D float32 tensor, got {x2d.dtype} "
+                         f"{tuple(x2d.shape)} with strides {x2d.stride()}")
+    rows, hidden = x2d.shape
+    exp_sum = torch.zeros(rows, device=x2d.device, dtype=torch.float32)
+    row_sum = torch.zeros(rows, device=x2d.device, dtype=torch.float32) if with_sum else None
+    if rows == 0 or hidden == 0:
+        return exp_sum, row_sum
+    tiles = norm_tiles(hidden, x2d.device.type)
+    with torch.cuda.device(x2d.device) if x2d.device.type == "cuda" else contextlib.nullcontext():
+        bi_row_exp_sum_kernel[(triton.cdiv(rows, tiles.BLOCK_R),)](
+            x2d, shift.contiguous(), exp_sum, row_sum if with_sum else exp_sum, rows, hidden, x2d.stride(0),
+            WITH_SUM=with_sum, BLOCK_R=tiles.BLOCK_R, BLOCK_H=tiles.BLOCK_H, num_warps=tiles.num_warps)
+    return exp_sum, row_sum
 
 
 class _BatchInvariantLinear(torch.autograd.Function):

@@ -5,7 +5,9 @@ Megatron's ``cross_entropy_loss_fusion`` with ``cross_entropy_fusion_impl='te'``
 maximum, the sum of exponentials, the target logit and the logit sum (label smoothing) are
 combined across ranks by all-gathering the per-rank values and reducing them in rank order, so
 the loss and the gradient do not depend on how a collective happens to sum. Loss and gradient are
-computed in float32; the gradient is returned in the input's dtype.
+computed in float32; the gradient is returned in the input's dtype. In batch-invariant mode
+(``NVTE_BATCH_INVARIANT=1`` / ``batch_invariant()``) the per-token sums over the vocabulary run on the
+batch-invariant row-sum kernel, so a token's loss and gradient do not depend on how many tokens there are.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from transformer_engine.pytorch.batch_invariance import is_batch_invariant, row_exp_sums
 
 __all__ = ["parallel_cross_entropy"]
 
@@ -42,8 +46,13 @@ class _ParallelCrossEntropy(torch.autograd.Function):
         vocab = v_local * world
         offset = rank * v_local
 
-        m = _gather_reduce(x.amax(-1), group, "max")
-        d = _gather_reduce(torch.exp(x - m.unsqueeze(-1)).sum(-1), group, "sum")
+        m = _gather_reduce(x.amax(-1), group, "max")  # a max is exact in any order
+        if is_batch_invariant():
+            d_local, x_sum_local = row_exp_sums(x.contiguous(), m, with_sum=label_smoothing > 0)
+        else:
+            d_local = torch.exp(x - m.unsqueeze(-1)).sum(-1)
+            x_sum_local = x.sum(-1) if label_smoothing > 0 else None
+        d = _gather_reduce(d_local, group, "sum")
         lse = m + torch.log(d)
         valid = y != ignore_idx
         local_y = y - offset
@@ -53,7 +62,7 @@ class _ParallelCrossEntropy(torch.autograd.Function):
         x_y = _gather_reduce(x_y, group, "sum")                  # one rank holds it; others add 0
         loss = lse - x_y
         if label_smoothing > 0:
-            x_sum = _gather_reduce(x.sum(-1), group, "sum")
+            x_sum = _gather_reduce(x_sum_local, group, "sum")
             # (1 - ls) * nll + ls * mean_v(-log p_v)
             loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - x_sum / vocab)
         loss = torch.where(valid, loss, torch.zeros_like(loss))

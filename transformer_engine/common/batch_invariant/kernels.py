@@ -146,6 +146,30 @@ def bi_col_sum_kernel(DY, X, Mean, Rstd, DW, DB, R, H, stride_dy, stride_x,
 
 
 @triton.jit
+def bi_row_exp_sum_kernel(X, Shift, ExpSum, Sum, R, H, stride_x, WITH_SUM: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_H: tl.constexpr):
+    """BLOCK_R rows, each reduced alone over its H entries (chunks of BLOCK_H from 0 upwards), in float32:
+    ``ExpSum[r] = sum_h exp(x[r, h] - Shift[r])`` and, with ``WITH_SUM``, ``Sum[r] = sum_h x[r, h]`` (a cross
+    entropy's normalizer and a label-smoothing term over the vocabulary)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < R
+    rows64 = rows.to(tl.int64)
+    offs = tl.arange(0, BLOCK_H)
+    shift = tl.load(Shift + rows, mask=row_ok, other=0.0)
+    acc_e = tl.zeros((BLOCK_R, BLOCK_H), dtype=tl.float32)
+    acc_x = tl.zeros((BLOCK_R, BLOCK_H), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        mask = row_ok[:, None] & (h0 + offs[None, :] < H)
+        x = tl.load(X + rows64[:, None] * stride_x + h0 + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc_e += tl.where(mask, tl.exp(x - shift[:, None]), 0.0)
+        if WITH_SUM:
+            acc_x += x
+    tl.store(ExpSum + rows, tl.sum(acc_e, axis=1), mask=row_ok)
+    if WITH_SUM:
+        tl.store(Sum + rows, tl.sum(acc_x, axis=1), mask=row_ok)
+
+
+@triton.jit
 def _bi_sigmoid(x):
     return 1.0 / (1.0 + tl.exp(-x))
 

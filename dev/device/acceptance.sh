@@ -99,9 +99,12 @@ run_unit() {
         python3 -m pytest -p no:cacheprovider -q -x --junitxml="$A/xml/$name.xml" tests/pytorch/test_split_kv.py \
         tests/pytorch/test_paged_kv.py > "$A/logs/$name.log" 2>&1
       rc=$? ;;
-    check)  # the determinism checks of both frameworks (README's first command and its JAX counterpart)
+    check)  # the determinism checks of both frameworks (README's first command and its JAX counterpart), then
+      # their whole-model batch-invariance reports
       { NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 timeout -s INT -k 15 "$left" python3 -m transformer_engine.pytorch.determinism_check &&
-        NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 timeout -s INT -k 15 "$left" python3 -m transformer_engine.jax.determinism_check; } \
+        NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 timeout -s INT -k 15 "$left" python3 -m transformer_engine.jax.determinism_check &&
+        timeout -s INT -k 15 "$left" python3 -m transformer_engine.pytorch.determinism_check --batch-invariant &&
+        timeout -s INT -k 15 "$left" python3 -m transformer_engine.jax.determinism_check --batch-invariant; } \
         > "$A/logs/$name.log" 2>&1
       rc=$? ;;
     *)

@@ -94,6 +94,22 @@ def test_per_sequence_scaling_is_refused_by_name_outside_current_scaling():
             dpa(*[x[None] for x in a[:3]])
 
 
+def test_env_var_picks_the_scaling_where_the_attribute_is_unset(monkeypatch):
+    """NVTE_FP8_DPA_SCALING=per_sequence (a Megatron run turns it on without code) gives the attribute's bits;
+    the attribute wins where set; unset, per-tensor."""
+    a, b = _data(torch.float32)
+    attr = _batched(a, b, "per_sequence")
+    monkeypatch.setenv("NVTE_FP8_DPA_SCALING", "per_sequence")
+    assert all(torch.equal(x, y) for x, y in zip(_batched(a, b, None), attr))
+    assert torch.equal(_batched(a, b, "per_tensor")[0], _batched(a, b, "per_tensor")[0])
+    assert not torch.equal(_batched(a, b, "per_tensor")[0], attr[0])
+    monkeypatch.delenv("NVTE_FP8_DPA_SCALING")
+    assert torch.equal(_batched(a, b, None)[0], _batched(a, b, "per_tensor")[0])
+    monkeypatch.setenv("NVTE_FP8_DPA_SCALING", "per_batch")
+    with pytest.raises(ValueError, match="NVTE_FP8_DPA_SCALING must be one of per_tensor, per_sequence"):
+        _batched(a, b, None)
+
+
 def test_functional_per_sequence_scales_equal_each_sequence_alone_with_its_scale():
     """fp8_attn_func with [batch, h_kv] scales (flash-attn 3's descale layout): each sequence of the batch is
     bitwise the sequence alone with its own per-tensor scales (forward and backward, explicit dO scales)."""

@@ -139,6 +139,13 @@ _DECLARED = (
         "1 runs it in FP8 (dO in E5M2 under Format.HYBRID, E4M3 under Format.E4M3).",
     ),
     EnvVar(
+        "NVTE_FP8_DPA_SCALING", "str", "",
+        "FP8 attention's scales where a DotProductAttention's fp8_dpa_scaling attribute is unset: per_tensor "
+        "(unset: TransformerEngine's) or per_sequence (Float8CurrentScaling only: one current scale per sequence "
+        "and kv head, so a sequence's bits do not depend on its batch or packing).",
+        choices=("", "per_tensor", "per_sequence"),
+    ),
+    EnvVar(
         "NVTE_FUSED_ATTN_WS", "bool", True,
         "0 keeps fused attention on its Triton kernels where the plan would pick the warp-specialized Gluon "
         "forward, dK/dV and dQ kernels (Hopper, fp16/bf16, no bias or dropout: d=128 and 256; the forward and dQ "

@@ -452,9 +452,10 @@ class DotProductAttention(torch.nn.Module):
     FP8: inside ``autocast`` with a recipe's ``fp8_dpa=True`` (DelayedScaling or Float8CurrentScaling) the
     attention runs on FP8 operands in the same kernels, with a deterministic backward (docs/fp8_attention.rst);
     FP8 tensors as inputs (``fp8_mha``) are refused. The attribute ``fp8_dpa_scaling`` (ours, not a
-    constructor argument: the constructor keeps TransformerEngine's signature) picks the scales:
-    ``"per_tensor"`` (default, TransformerEngine's) or ``"per_sequence"`` (Float8CurrentScaling only: one
-    current scale per sequence and kv head, so a sequence's bits do not depend on its batch or packing).
+    constructor argument: the constructor keeps TransformerEngine's signature; None, the default, reads
+    ``NVTE_FP8_DPA_SCALING``) picks the scales: ``"per_tensor"`` (TransformerEngine's, when both are unset) or
+    ``"per_sequence"`` (Float8CurrentScaling only: one current scale per sequence and kv head, so a sequence's
+    bits do not depend on its batch or packing).
     Under DelayedScaling the module's amax histories and scales are its extra state in the state dict.
 
     Not supported yet (``NotImplementedError``): FP8 input tensors, ``bf16_backward``, ``num_splits`` other than
@@ -553,8 +554,8 @@ class DotProductAttention(torch.nn.Module):
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(kv_channels[0])
         # Name of the backend that ran the most recent call: a record for reporting, never consulted.
         self.last_backend: Optional[str] = None
-        # FP8 attention's scales (class docstring; fp8_attention.FP8_DPA_SCALINGS).
-        self.fp8_dpa_scaling = "per_tensor"
+        # FP8 attention's scales (class docstring; fp8_attention.FP8_DPA_SCALINGS); None: NVTE_FP8_DPA_SCALING.
+        self.fp8_dpa_scaling: Optional[str] = None
 
     def get_extra_state(self) -> torch.Tensor:
         """The FP8 attention's delayed-scaling state as the state dict's ``_extra_state`` entry (a CPU uint8

@@ -456,7 +456,7 @@ def dpa_fp8_attention(module, recipe, q, k, v, fmt: QKVFormat, seqs, window, bot
                           context_parallel=context_parallel, return_max_logit=return_max_logit)
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         reasons.append(f"query_layer dtype {q.dtype} (FP8 attention quantizes bf16/fp16/fp32 inputs)")
-    scaling = getattr(module, "fp8_dpa_scaling", "per_tensor")
+    scaling = getattr(module, "fp8_dpa_scaling", None) or settings.get("NVTE_FP8_DPA_SCALING") or "per_tensor"
     if scaling not in FP8_DPA_SCALINGS:
         raise ValueError(f"`fp8_dpa_scaling` must be one of {FP8_DPA_SCALINGS}, got {scaling!r}")
     if scaling == "per_sequence" and not type(recipe).float8_current_scaling():

@@ -34,9 +34,9 @@ module:
   also counted reads of recipe-specific fields by name and the split-accumulator defaults, written once
   per framework); a new recipe touched 7-8 files (recipe.py, pytorch/fp8.py, pytorch/quantization.py,
   pytorch/quantization_linear.py, jax/quantize.py, jax/dense.py, jax/flax/module.py, and FP8 attention);
-- after: 0 in the linear modules and their plan, pytorch/fp8.py, Fp8Padding (:func:`row_alignment`),
-  jax/quantize.py, jax/dense.py and the Flax modules; FP8 attention (pytorch/attention/, per-tensor
-  recipes only) still reads its recipe by type until it takes these quantizers. A new recipe is 2 files:
+- after: 0 outside ``common/recipe.py`` and this module: the linear modules and their plan, pytorch/fp8.py,
+  Fp8Padding (:func:`row_alignment`), jax/quantize.py, jax/dense.py, the Flax modules, and FP8 attention
+  (which reads its input role's scaling kind, ``fp8_attention.attention_scaling``). A new recipe is 2 files:
   its class in ``common/recipe.py`` and its builder here (:func:`register`); a new scaling kind adds its
   quantizer once per framework (``pytorch/quantization.py``, ``jax/quantize.py``).
 """

@@ -28,6 +28,7 @@ from transformer_engine.common.attention import AttnBiasType, AttnMaskType, Attn
 from transformer_engine.common.attention.config import normalize_window, resolve_bottom_right_diagonal
 from transformer_engine.common.attention.params import AttnParams
 from transformer_engine.common.attention.validation import check_softmax_scale
+from transformer_engine.common.quantizer_roles import Scaling
 from transformer_engine.pytorch.attention import backends as attn_backends
 from transformer_engine.pytorch.attention import config as attn_config
 from transformer_engine.pytorch.attention.backends import AttnCall
@@ -266,6 +267,13 @@ def _agree(name: str, cu_seqlens: torch.Tensor, mask: torch.Tensor, batch: int, 
             f"`attention_mask` and `{name}` must describe the same sequences when both are given, got lengths "
             f"{torch.diff(from_mask).tolist()} from the mask and {torch.diff(cu_seqlens).tolist()} from `{name}`"
         )
+
+
+def _fp8_scaling(recipe) -> Scaling:
+    """The scaling kind FP8 attention runs under ``recipe`` (fp8_attention.attention_scaling)."""
+    from transformer_engine.pytorch.attention.fp8_attention import attention_scaling
+
+    return attention_scaling(recipe)
 
 
 def _fp8_attention_recipe():
@@ -713,7 +721,7 @@ class DotProductAttention(torch.nn.Module):
                 raise NotImplementedError(f"`{mod_name}` (cuDNN's experimental score modification) is not supported")
         key = plan_key = None
         fp8_recipe = _fp8_attention_recipe()
-        if fp8_recipe is not None and _is_compiling() and type(fp8_recipe).delayed():
+        if fp8_recipe is not None and _is_compiling() and _fp8_scaling(fp8_recipe) is Scaling.DELAYED:
             raise NotImplementedError("FP8 attention (the recipe's fp8_dpa) under DelayedScaling inside torch.compile "
                                       "is not supported yet: its metas are registered and updated outside the graph; "
                                       "use Float8CurrentScaling(fp8_dpa=True) or run the attention eagerly")
@@ -802,7 +810,7 @@ class DotProductAttention(torch.nn.Module):
             # CP under FP8: "a2a" with current scales, each rank attending whole sequences of its heads: per-sequence
             # scales are each kv head's own, per-tensor ones take the amaxes all-reduced over the a2a group, so
             # both are the single-device bits (other CP forms are refused by name).
-            cp_a2a = cp_on and cp.comm_type == "a2a" and type(fp8_recipe).float8_current_scaling()
+            cp_a2a = cp_on and cp.comm_type == "a2a" and _fp8_scaling(fp8_recipe) is Scaling.CURRENT
 
             def fp8_attend(q_, k_, v_):
                 return dpa_fp8_attention(self, fp8_recipe, q_, k_, v_, fmt, seqs, window, bottom_right, bias_type,

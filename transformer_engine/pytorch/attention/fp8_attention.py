@@ -30,6 +30,7 @@ from transformer_engine.common.attention.fp8 import (
 from transformer_engine.common.attention.params import AttnParams
 from transformer_engine.common.attention.validation import check_softmax_scale
 from transformer_engine.common.quantization import FP8_MAX, scale_from_current_amax
+from transformer_engine.common.quantizer_roles import Scaling, quantizers_for
 from transformer_engine.pytorch.quantization import amax_of, cast_to_fp8
 from transformer_engine.pytorch.attention.call import AttnCall
 from transformer_engine.pytorch.attention.config import check_cu_seqlens, qkv_dims, triton_interpreting
@@ -427,6 +428,12 @@ class Fp8AttentionState:
         return self.fwd_meta, self.bwd_meta
 
 
+def attention_scaling(recipe) -> Scaling:
+    """How FP8 attention scales Q, K, V under ``recipe``: its input role's scaling kind
+    (common.quantizer_roles), read as the linear modules read it."""
+    return quantizers_for(recipe).input.scaling
+
+
 def attention_state(module) -> Fp8AttentionState:
     """``module``'s FP8 attention state (made on first use)."""
     state = module.__dict__.get("_fp8_attention_state")
@@ -459,7 +466,8 @@ def dpa_fp8_attention(module, recipe, q, k, v, fmt: QKVFormat, seqs, window, bot
     scaling = getattr(module, "fp8_dpa_scaling", None) or settings.get("NVTE_FP8_DPA_SCALING") or "per_tensor"
     if scaling not in FP8_DPA_SCALINGS:
         raise ValueError(f"`fp8_dpa_scaling` must be one of {FP8_DPA_SCALINGS}, got {scaling!r}")
-    if scaling == "per_sequence" and not type(recipe).float8_current_scaling():
+    kind = attention_scaling(recipe)
+    if scaling == "per_sequence" and kind is not Scaling.CURRENT:
         reasons.append(f"fp8_dpa_scaling='per_sequence' under {type(recipe).__name__} (per-sequence scales are "
                        "current scales: use Float8CurrentScaling(fp8_dpa=True))")
     if reasons:
@@ -475,7 +483,7 @@ def dpa_fp8_attention(module, recipe, q, k, v, fmt: QKVFormat, seqs, window, bot
               cu_seqlens_q=seqs.cu_seqlens_q, cu_seqlens_kv=seqs.cu_seqlens_kv,
               cu_seqlens_q_padded=seqs.cu_seqlens_q_padded, cu_seqlens_kv_padded=seqs.cu_seqlens_kv_padded,
               max_seqlen_q=seqs.max_seqlen_q, max_seqlen_kv=seqs.max_seqlen_kv, bottom_right_diagonal=bottom_right)
-    if type(recipe).delayed():
+    if kind is Scaling.DELAYED:
         state = attention_state(module)
         fwd_meta, bwd_meta = state.metas(recipe, q.device)
         # Activation recompute (transformer_engine.pytorch.checkpoint): the first call's scales, no amax record.
@@ -496,7 +504,7 @@ def dpa_fp8_attention(module, recipe, q, k, v, fmt: QKVFormat, seqs, window, bot
                                    d_out_scale=bwd_meta.scale[0], **kw)
         meta = dataclasses.replace(meta, fwd_meta=record, bwd_meta=bwd_meta, reduce_bwd=training and first)
         return Fp8AttnFunc.apply(q, k, v, meta, call)
-    if type(recipe).float8_current_scaling():
+    if kind is Scaling.CURRENT:
         fmax = FP8_MAX[fwd_fmt]
         if scaling == "per_sequence":
             meta, call = fp8_attn_call(q, k, v, q_scale=1.0, k_scale=1.0, v_scale=1.0, **kw)

@@ -145,8 +145,8 @@ def _te_to_local(state):
     """The TE spec's norms live inside LayerNormLinear; the local spec has them as separate layers."""
     out = {}
     for key, value in state.items():
-        if not torch.is_tensor(value):
-            continue  # _extra_state entries
+        if not torch.is_tensor(value) or key.endswith("_extra_state"):
+            continue  # FP8 state (TE's modules, DotProductAttention included); the local spec has none
         key = key.replace("self_attention.linear_qkv.layer_norm_", "input_layernorm.")
         key = key.replace("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm.")
         out[key] = value

@@ -30,6 +30,7 @@ CONSTRUCTORS = {
     "MultiheadAttention": lambda **kw: te.MultiheadAttention(32, 4, **kw),
     "TransformerLayer": lambda **kw: te.TransformerLayer(32, 64, 4, **kw),
     "InferenceParams": lambda **kw: te.InferenceParams(2, 16, 2, 8, dtype=torch.float32, **kw),
+    "GroupedLinear": lambda **kw: te.GroupedLinear(2, 32, 16, **kw),
 }
 
 

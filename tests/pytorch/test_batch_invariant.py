@@ -215,3 +215,34 @@ def test_cross_entropy_rows_equal_in_every_batch_size(label_smoothing):
     torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(grad.double(), x64.grad, rtol=1e-6, atol=1e-6)
     assert loss[5] == 0 and not grad[5].any()
+
+
+def test_fp8_block_scaling_rows_equal_in_every_batch_size():
+    """Float8BlockScaling keeps a row's FP8 values its own (a scale per 1x128 tile of a row): in the mode its
+    GEMMs run on the batch-invariant kernel over the exactly dequantized operands, so a row's output and input
+    gradient are bitwise the same among 1, 7, 64 or 300 rows, and equal the default FP8 block path to float32
+    rounding. Per-tensor recipes stay refused, naming the recipe that works."""
+    from transformer_engine.common import recipe
+
+    torch.manual_seed(0)
+    mods = (te.LayerNormLinear(HIDDEN, HIDDEN, device=DEVICE), te.Linear(HIDDEN, OUT, device=DEVICE))
+    x = torch.randn(300, HIDDEN, device=DEVICE)
+    dy = torch.randn(300, OUT, device=DEVICE)
+
+    def run(rows, invariant):
+        xr = x[:rows].clone().requires_grad_()
+        with te.batch_invariant(invariant), te.autocast(enabled=True, recipe=recipe.Float8BlockScaling()):
+            y = mods[1](mods[0](xr))
+        y.backward(dy[:rows])
+        return y.detach(), xr.grad
+
+    seen = {rows: run(rows, True) for rows in ROWS[:-1]}
+    for rows, (y, gx) in seen.items():
+        assert torch.equal(y[:1], seen[1][0]) and torch.equal(gx[:1], seen[1][1]), rows
+    y_ref, gx_ref = run(300, False)
+    torch.testing.assert_close(seen[300][0], y_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(seen[300][1], gx_ref, rtol=1e-5, atol=1e-5)
+    for rec in (recipe.DelayedScaling(), recipe.Float8CurrentScaling()):
+        with te.batch_invariant(), te.autocast(enabled=True, recipe=rec), \
+                pytest.raises(NotImplementedError, match=f"under {type(rec).__name__}.*Float8BlockScaling keeps"):
+            mods[1](torch.randn(4, HIDDEN, device=DEVICE))

@@ -124,6 +124,13 @@ class RecipeQuantizers:
         """Whether the recipe keeps state across steps (delayed scaling's amax histories and scales)."""
         return any(s.stateful for s in self.specs)
 
+    @property
+    def row_invariant(self) -> bool:
+        """Whether a row's FP8 values depend on that row alone: the input and the output gradient scaled per
+        1x128 tile of a row (Float8BlockScaling), no per-tensor amax over the batch (delayed and current
+        scaling), so the batch-invariant mode can run the recipe. The weight is not batched."""
+        return all(s.tile == ROW_TILE and s.scaling is Scaling.BLOCK for s in (self.input, self.grad_output))
+
     def spec(self, role: Role) -> QuantizerSpec:
         return {Role.INPUT: self.input, Role.WEIGHT: self.weight, Role.GRAD_OUTPUT: self.grad_output}[role]
 

@@ -13,8 +13,10 @@ logits depend on what else is in the batch. Weight gradients sum over the rows a
 definition; they are deterministic (a fixed order for a given shape).
 
 The kernels run on CUDA, and on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``); elsewhere the
-mode raises rather than run a GEMM that is not batch-invariant. FP8 GEMMs are refused in this mode (their
-per-tensor scales come from the whole batch's amax).
+mode raises rather than run a GEMM that is not batch-invariant. FP8: Float8BlockScaling keeps a row's FP8
+values its own (a scale per 1x128 tile of a row), and its GEMMs run here on the batch-invariant kernel over
+the exactly dequantized operands; delayed and current scaling are refused (their per-tensor scales come from
+the whole batch's amax).
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ import triton
 from transformer_engine.common import settings
 from transformer_engine.common.batch_invariant.plan import (activation_args, activation_tiles, col_sum_tiles,
                                                             gemm_tiles, norm_tiles)
+from transformer_engine.pytorch.main_grad import accumulate_into_main_grad
 
-__all__ = ["batch_invariant", "is_batch_invariant", "bi_linear", "bi_norm", "bi_activation", "bias_add",
-           "row_exp_sums"]
+__all__ = ["batch_invariant", "is_batch_invariant", "bi_linear", "bi_matmul", "bi_norm", "bi_activation",
+           "bias_add", "row_exp_sums"]
 
 _local = threading.local()
 
@@ -153,8 +156,6 @@ class _BatchInvariantLinear(torch.autograd.Function):
             grad_x = _gemm(grad_out, w, grad_out.dtype)
         if ctx.needs_input_grad[1]:
             if ctx.main_grad_overwrite is not None:  # Megatron's wgrad fusion into main_grad
-                from transformer_engine.pytorch.quantization_linear import accumulate_into_main_grad
-
                 main_grad = getattr(weight, "main_grad", None)
                 dtype = main_grad.dtype if main_grad is not None else torch.float32
                 wgrad = _gemm(grad_out.t().to(dtype), x2d.to(dtype), dtype)
@@ -298,9 +299,22 @@ def bias_add(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     return _BatchInvariantBiasAdd.apply(x, bias)
 
 
-def check_no_fp8(owner: str) -> None:
-    """Batch-invariant mode refuses FP8 GEMMs: a per-tensor scale is the whole batch's amax."""
+def check_no_fp8(owner: str, plan=None) -> None:
+    """Batch-invariant mode runs FP8 GEMMs only under a recipe whose scales are a row's own (``plan``'s
+    quantizers ``row_invariant``: Float8BlockScaling's 1x128 tiles); per-tensor scales are the whole batch's
+    amax, so they are refused."""
+    quantizers = getattr(plan, "quantizers", None)
+    if quantizers is not None and quantizers.row_invariant:
+        return
+    name = type(plan.recipe).__name__ if plan is not None else "this recipe"
     raise NotImplementedError(
-        f"{owner}: FP8 GEMMs in batch-invariant mode are not implemented (current and delayed scaling take "
-        "their scales from the whole batch's amax, so a row's FP8 value depends on the batch); leave the FP8 "
-        "autocast or the batch-invariant mode")
+        f"{owner}: FP8 GEMMs under {name} in batch-invariant mode are not implemented (delayed and current "
+        "scaling take their scales from the whole batch's amax, so a row's FP8 value depends on the batch); "
+        "Float8BlockScaling keeps rows invariant (a scale per 1x128 tile of a row), or leave the FP8 autocast "
+        "or the batch-invariant mode")
+
+
+def bi_matmul(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` (2-D) on the batch-invariant GEMM kernel (FP8 block scaling's dequantized operands)."""
+    _check_device(a, "a GEMM")
+    return _gemm(a, b, out_dtype)

@@ -164,7 +164,7 @@ def grouped_linear(x: torch.Tensor, m_splits: Sequence[int], weights: Sequence[t
 
     fp8 = fp8_plans is not None and any(p is not None and p.enabled for p in fp8_plans)
     if fp8 and is_batch_invariant():
-        check_no_fp8(owner)
+        check_no_fp8(owner, next(p for p in fp8_plans if p is not None and p.enabled))
     if not fp8 and not is_batch_invariant() and grouped_mm_supported(x, weights):
         if fp8_plans is not None:  # calibration: record what delayed scaling would record
             for plan, xi, w in zip(fp8_plans, x.split(list(m_splits)), weights):

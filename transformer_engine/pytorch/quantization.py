@@ -26,6 +26,7 @@ import torch
 from transformer_engine.common import quantization as q
 from transformer_engine.common import quantizer_roles as roles
 from transformer_engine.common import recipe as _recipe
+from transformer_engine.pytorch.batch_invariance import bi_matmul, is_batch_invariant
 
 FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
@@ -318,6 +319,7 @@ def scaled_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype, use_split_ac
       there), or with ``dequantized=True``, the product of the exactly dequantized operands (FP8 value
       times a power-of-two scale, exact in float32) in one float32 GEMM: the same quantized math,
       accumulated in float32, at float32 GEMM speed. JAX's ``dense`` computes block scaling this way.
+      In batch-invariant mode that float32 GEMM runs on the batch-invariant kernel.
     """
     if a.data.shape[1] != b.data.shape[1]:
         raise ValueError(f"operands must share the contraction dim, got {tuple(a.data.shape)} and {tuple(b.data.shape)}")
@@ -333,6 +335,8 @@ def scaled_gemm(a: Quantized, b: Quantized, out_dtype: torch.dtype, use_split_ac
                                 use_fast_accum=not use_split_accumulator)
     if (a.tile is None) != (b.tile is None):
         raise ValueError(f"a tensor-scaled operand cannot meet a block-scaled one, got tiles {a.tile} and {b.tile}")
+    if is_batch_invariant():  # a row's product on the batch-invariant kernel, whatever the row count
+        return bi_matmul(a.dequantize(torch.float32), b.dequantize(torch.float32).t(), out_dtype)
     if (not dequantized and a.tile == roles.ROW_TILE and b.tile in (roles.ROW_TILE, roles.SQUARE_TILE)
             and out_dtype in (torch.float32, torch.bfloat16, torch.float16)
             and block_scaled_gemm_available(a.data.device, b.tile)):

@@ -88,14 +88,15 @@ def parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
         x = x.to(torch.get_autocast_dtype(x.device.type))
     if parallel_mode == "column":
         x = _parallel.column_input(x, group, sequence_parallel)
-    if is_batch_invariant():
-        if fp8_plan is not None and fp8_plan.enabled:
-            check_no_fp8("Linear")
+    fp8 = fp8_plan is not None and fp8_plan.enabled
+    if fp8 and is_batch_invariant():
+        check_no_fp8("Linear", fp8_plan)  # row-invariant recipes only; their GEMMs on the batch-invariant kernel
+    if is_batch_invariant() and not fp8:
         if fp8_plan is not None:
             fp8_plan.calibrate(x, weight)
         fuse = fuse_wgrad_accumulation and weight.requires_grad and torch.is_grad_enabled()
         out = bi_linear(x, weight, bool(is_first_microbatch) if fuse else None)
-    elif fp8_plan is not None and fp8_plan.enabled:
+    elif fp8:
         out = fp8_linear(x, weight, fp8_plan, is_first_microbatch, fuse_wgrad_accumulation)
     elif fuse_wgrad_accumulation and weight.requires_grad and torch.is_grad_enabled():
         if fp8_plan is not None:

@@ -99,6 +99,18 @@ run_unit() {
         python3 -m pytest -p no:cacheprovider -q -x --junitxml="$A/xml/$name.xml" tests/pytorch/test_split_kv.py \
         tests/pytorch/test_paged_kv.py > "$A/logs/$name.log" 2>&1
       rc=$? ;;
+    bench)  # the benchmarks the open issues owe, each JSON into $OUT (FP8 Linear and attention, batch-invariant
+      # GEMM and model step, GroupedLinear), one after another; alone on the GPU: ACC_SLOTS=1 ACC_UNITS="bench fp8"
+      for b in "fp8_linear benchmarks/fp8_linear.py" "fp8_attention benchmarks/attention/bench_fp8_attention.py" \
+               "batch_invariant benchmarks/batch_invariant.py --sweep" "grouped_linear benchmarks/grouped_linear.py"; do
+        set -- $b
+        local bn=$1; shift
+        left=$(( DEADLINE - ($(date +%s) - T0S) )); [ "$left" -lt 30 ] && break
+        timeout -s INT -k 10 "$(( left < 150 ? left : 150 ))" python3 "$@" --out "$OUT/$bn.json" \
+          > "$A/logs/bench_$bn.log" 2>&1
+        echo "bench $bn: rc=$?" >> "$A/logs/$name.log"
+      done
+      rc=0 ;;
     check)  # the determinism checks of both frameworks (README's first command and its JAX counterpart), then
       # their whole-model batch-invariance reports
       { NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 timeout -s INT -k 15 "$left" python3 -m transformer_engine.pytorch.determinism_check &&

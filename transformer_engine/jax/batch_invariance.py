@@ -22,44 +22,16 @@ outside the context keeps the path it was traced with.
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from functools import partial
-from typing import Iterator, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
-from transformer_engine.common import settings
+from transformer_engine.common.batch_invariant.mode import batch_invariant, is_batch_invariant
 
 __all__ = ["batch_invariant", "is_batch_invariant", "bi_matmul", "bi_norm", "bi_activation", "bias_add",
            "check_no_fp8"]
-
-_local = threading.local()
-
-
-@contextlib.contextmanager
-def batch_invariant(enabled: bool = True) -> Iterator[None]:
-    """Turn the batch-invariant mode on (or off, with ``enabled=False``) for what is traced inside, whatever
-    ``NVTE_BATCH_INVARIANT`` says. Nestable; per thread."""
-    if not isinstance(enabled, bool):
-        raise ValueError(f"`enabled` must be a bool, got {enabled!r}")
-    stack = _local.__dict__.setdefault("stack", [])
-    stack.append(enabled)
-    try:
-        yield
-    finally:
-        stack.pop()
-
-
-def is_batch_invariant() -> bool:
-    """Whether a ``dense`` or norm traced now runs in batch-invariant mode (the innermost ``batch_invariant``
-    context, else ``NVTE_BATCH_INVARIANT``)."""
-    stack = _local.__dict__.get("stack")
-    if stack:
-        return stack[-1]
-    return settings.get("NVTE_BATCH_INVARIANT")
-
 
 def check_no_fp8(owner: str) -> None:
     """Batch-invariant mode refuses FP8 GEMMs: a per-tensor scale is the whole batch's amax."""

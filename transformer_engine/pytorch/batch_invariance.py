@@ -22,45 +22,18 @@ the whole batch's amax).
 from __future__ import annotations
 
 import contextlib
-import threading
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 import triton
 
-from transformer_engine.common import settings
+from transformer_engine.common.batch_invariant.mode import batch_invariant, is_batch_invariant
 from transformer_engine.common.batch_invariant.plan import (activation_args, activation_tiles, col_sum_tiles,
                                                             gemm_tiles, norm_tiles)
 from transformer_engine.pytorch.main_grad import accumulate_into_main_grad
 
 __all__ = ["batch_invariant", "is_batch_invariant", "bi_linear", "bi_matmul", "bi_norm", "bi_activation",
            "bias_add", "row_exp_sums"]
-
-_local = threading.local()
-
-
-@contextlib.contextmanager
-def batch_invariant(enabled: bool = True) -> Iterator[None]:
-    """Turn the batch-invariant mode on (or off, with ``enabled=False``) for the calls inside, whatever
-    ``NVTE_BATCH_INVARIANT`` says. Nestable; per thread."""
-    if not isinstance(enabled, bool):
-        raise ValueError(f"`enabled` must be a bool, got {enabled!r}")
-    stack = _local.__dict__.setdefault("stack", [])
-    stack.append(enabled)
-    try:
-        yield
-    finally:
-        stack.pop()
-
-
-def is_batch_invariant() -> bool:
-    """Whether a GEMM or norm called now runs in batch-invariant mode (the innermost ``batch_invariant``
-    context, else ``NVTE_BATCH_INVARIANT``)."""
-    stack = _local.__dict__.get("stack")
-    if stack:
-        return stack[-1]
-    return settings.get("NVTE_BATCH_INVARIANT")
-
 
 def _check_device(t: torch.Tensor, what: str) -> None:
     from transformer_engine.pytorch.attention.config import triton_interpreting

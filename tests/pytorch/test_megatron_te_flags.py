@@ -6,9 +6,6 @@ steps on the CPU with each flag on: the run is bitwise the same twice, and equal
 (bitwise where the math is the same; to float32 rounding where the activation is TransformerEngine's formula
 instead of torch's). Skipped with the reason when megatron-core is not installed."""
 
-import os
-import tempfile
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,26 +16,8 @@ pytest.importorskip("megatron.core.extensions.transformer_engine",
 from transformer_engine.pytorch import cpu_offload, ops  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def megatron_world():
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0"  # Megatron's deterministic_mode requires it
-    started = not dist.is_initialized()
-    if started:
-        with tempfile.NamedTemporaryFile(delete=False) as f:
-            store = f.name
-        os.unlink(store)
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(123, te_rng_tracker=True)
-    yield
-    parallel_state.destroy_model_parallel()
-    if started:
-        dist.destroy_process_group()
-
+# One gloo world and Megatron's parallel state for the module, as the dense GPT tests set them up.
+from test_megatron_gpt import megatron_world  # noqa: E402,F401
 
 def _gpt(moe=False, **flags):
     from megatron.core.models.gpt import GPTModel

@@ -30,28 +30,8 @@ STEPS, BATCH, SEQ, VOCAB, EXPERTS = 3, 2, 16, 64, 4
 _ATTN_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 
 
-@pytest.fixture(scope="module")
-def megatron_world():
-    import tempfile
-
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0"
-    started = not dist.is_initialized()
-    if started:
-        with tempfile.NamedTemporaryFile(delete=False) as f:
-            store = f.name
-        os.unlink(store)
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(123, te_rng_tracker=True)
-    yield
-    parallel_state.destroy_model_parallel()
-    if started:
-        dist.destroy_process_group()
-
+# One gloo world and Megatron's parallel state for the module, as the dense GPT tests set them up.
+from test_megatron_gpt import megatron_world  # noqa: E402,F401
 
 @pytest.fixture(autouse=True)
 def _megatron_env(monkeypatch):

@@ -18,24 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
+from pathlib import Path
 
-
-def _median_ms(fn, warmup: int, iters: int) -> float:
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import median_ms  # noqa: E402  (benchmarks/timing.py)
 
 
 def _launch(a, b, tiles):
@@ -66,8 +53,8 @@ def bench_gemm(ms, shapes, warmup, iters):
         for m in ms:
             a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             with torch.no_grad():
-                ours = _median_ms(lambda: bi_linear(a, w), warmup, iters)
-                cublas = _median_ms(lambda: torch.nn.functional.linear(a, w), warmup, iters)
+                ours = median_ms(lambda: bi_linear(a, w), warmup, iters)
+                cublas = median_ms(lambda: torch.nn.functional.linear(a, w), warmup, iters)
                 full = bi_linear(a, w)
                 alone = bi_linear(a[m // 2:m // 2 + 1].contiguous(), w)
             flops = 2.0 * m * n * k
@@ -98,11 +85,11 @@ def bench_sweep(m, n, k, warmup, iters):
 
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5).t()  # Linear's W^T
-    cublas = _median_ms(lambda: torch.matmul(a, b), warmup, iters)
+    cublas = median_ms(lambda: torch.matmul(a, b), warmup, iters)
     rows = []
     for tiles in SWEEP:
         try:
-            ms = _median_ms(lambda: _launch(a, b, tiles), warmup, iters)
+            ms = median_ms(lambda: _launch(a, b, tiles), warmup, iters)
         except Exception as exc:  # out of shared memory or registers: record and go on
             rows.append(dict(tiles=tiles, error=f"{type(exc).__name__}: {str(exc)[:200]}"))
             print(f"sweep {tiles}: {type(exc).__name__}", flush=True)
@@ -130,9 +117,9 @@ def bench_model(layers, hidden, heads, ffn, seq, batch, warmup, iters):
         x.grad = None
         model(x).backward(dy)
 
-    default = _median_ms(step, warmup, iters)
+    default = median_ms(step, warmup, iters)
     with te.batch_invariant():
-        invariant = _median_ms(step, warmup, iters)
+        invariant = median_ms(step, warmup, iters)
     out = dict(layers=layers, hidden=hidden, heads=heads, ffn=ffn, seq=seq, batch=batch, default_ms=default,
                batch_invariant_ms=invariant, overhead=invariant / default - 1.0)
     print(f"model {layers}x TransformerLayer(h={hidden}, ffn={ffn}, s={seq}, b={batch}) fwd+bwd: default "

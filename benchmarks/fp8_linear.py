@@ -21,24 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
+from pathlib import Path
 
 import torch
 
-
-def _median_ms(fn, warmup: int, iters: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import median_ms  # noqa: E402  (benchmarks/timing.py)
 
 
 def _recipe(name: str):
@@ -71,7 +60,7 @@ def bench(size: int, names, warmup: int, iters: int) -> dict:
         return y
 
     results = {"size": size, "device": torch.cuda.get_device_name(), "torch": torch.__version__, "recipes": {}}
-    bf16_ms = _median_ms(step, warmup, iters)
+    bf16_ms = median_ms(step, warmup, iters)
     results["bf16_ms"] = bf16_ms
     results["bf16_tflops"] = flops / bf16_ms / 1e9
     print(f"bf16 Linear fwd+bwd: {bf16_ms:.3f} ms, {flops / bf16_ms / 1e9:.0f} TFLOP/s")
@@ -82,7 +71,7 @@ def bench(size: int, names, warmup: int, iters: int) -> dict:
             print(f"{name}: skipped ({reason})")
             continue
         recipe = _recipe(name)
-        fp8_ms = _median_ms(lambda: step(recipe), warmup, iters)
+        fp8_ms = median_ms(lambda: step(recipe), warmup, iters)
         # bitwise: two more steps from the same state give the same bits (delayed scales settle after the
         # warm-up steps: the inputs do not change, so neither do the amaxes)
         y1 = step(recipe).detach().clone()
@@ -106,7 +95,7 @@ def bench(size: int, names, warmup: int, iters: int) -> dict:
             scaled_gemm(qdy, qw_t, torch.bfloat16, plan.mm("dgrad"))
             scaled_gemm(a_w, b_w, torch.bfloat16, plan.mm("wgrad"))
 
-        gemm_ms = _median_ms(gemms, warmup, iters)
+        gemm_ms = median_ms(gemms, warmup, iters)
         entry = {"fp8_ms": fp8_ms, "gemms_ms": gemm_ms, "fp8_tflops": flops / fp8_ms / 1e9,
                  "gemms_tflops": flops / gemm_ms / 1e9, "speedup_vs_bf16": bf16_ms / fp8_ms,
                  "fraction_of_direct_gemms": gemm_ms / fp8_ms, "bitwise_repeat": bitwise,

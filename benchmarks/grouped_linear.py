@@ -19,28 +19,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
+from pathlib import Path
 
 SHAPES = {"mixtral": (4096, 14336), "deepseek": (7168, 2048)}
 EXPERTS = (8, 64)
 ROWS = 16384
 
 
-def _median_ms(fn, warmup: int, iters: int) -> float:
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from timing import median_ms  # noqa: E402  (benchmarks/timing.py)
 
 
 def _splits(experts: int, rows: int, seed: int):
@@ -88,7 +76,7 @@ def bench_case(name: str, experts: int, warmup: int, iters: int, dev: str = "cud
     second = snapshot()
     out["ours_bitwise_run_to_run"] = all(torch.equal(a, b) for a, b in zip(first, second))
     del first, second
-    t_ours = _median_ms(step_ours, warmup, iters)
+    t_ours = median_ms(step_ours, warmup, iters)
 
     w = torch.stack([p.detach() for p in ours.parameters()]).requires_grad_(False)
     offs = torch.tensor(splits, device=dev).cumsum(0).to(torch.int32)
@@ -99,7 +87,7 @@ def bench_case(name: str, experts: int, warmup: int, iters: int, dev: str = "cud
         torch._grouped_mm(dy, w, offs=offs)
         torch._grouped_mm(dy.t(), xd, offs=offs)
 
-    t_torch = _median_ms(step_torch, warmup, iters)
+    t_torch = median_ms(step_torch, warmup, iters)
     del w
 
     linears = [te.Linear(k, n, bias=False, params_dtype=dt, device=dev) for _ in range(experts)]
@@ -110,7 +98,7 @@ def bench_case(name: str, experts: int, warmup: int, iters: int, dev: str = "cud
             lin.weight.grad = None
         torch.cat([lin(xi) for lin, xi in zip(linears, x.split(splits))]).backward(dy)
 
-    t_loop = _median_ms(step_loop, warmup, max(3, iters // 2))
+    t_loop = median_ms(step_loop, warmup, max(3, iters // 2))
     del linears, ours
     torch.cuda.empty_cache()
     for label, t in (("ours", t_ours), ("torch", t_torch), ("loop", t_loop)):

@@ -228,6 +228,17 @@ def _strides(call: Call, prefix: str, tensor: str, packed: bool) -> Dict[str, in
     return {f"stride_{prefix}{axis}": value for axis, value in zip("bshd", strides)}
 
 
+def _with_tensor_slots(values: dict, call: Call) -> dict:
+    """``values`` plus the strides and buffer slot of each of the call's tensors (q, k, v, out, d_out and the
+    gradients), under the kernels' argument names (``Q``, ``stride_qz``, ...)."""
+    for tensor, prefix in (("q", "q"), ("k", "k"), ("v", "v"), ("out", "o"), ("d_out", "do"), ("dq", "dq"),
+                           ("dk", "dk"), ("dv", "dv")):
+        if tensor in call.views:
+            values.update(_strides(call, prefix, tensor, call.packed))
+            values[prefix.upper()] = Slot(tensor)
+    return values
+
+
 _SEQ_SLOTS = ("SEQ_START_Q", "SEQ_START_K", "SEQ_LEN_Q", "SEQ_LEN_K")
 _PLACEHOLDER = Slot("lse")
 
@@ -258,12 +269,7 @@ def _values(call: Call, key: PlanKey, plan: Union[ForwardPlan, BackwardPlan]) ->
         IS_THD=call.packed, HAS_SEQLENS=call.has_seqlens, SEGMENTS=call.segments_per_row,
         HAS_BIAS=has_bias, HAS_ALIBI=has_alibi, DROPOUT=dropout, **flags,
     )
-    for tensor, prefix in (("q", "q"), ("k", "k"), ("v", "v"), ("out", "o"), ("d_out", "do"), ("dq", "dq"),
-                           ("dk", "dk"), ("dv", "dv")):
-        if tensor in call.views:
-            values.update(_strides(call, prefix, tensor, call.packed))
-            values[prefix.upper()] = Slot(tensor)
-    return values
+    return _with_tensor_slots(values, call)
 
 
 def _launch(kernel, grid: Tuple[int, int, int], values: Dict[str, object], options: Dict[str, int]) -> Launch:
@@ -496,12 +502,7 @@ def _fp8_values(call: Call, plan) -> Dict[str, object]:
         HEAD_DIM_QK=call.head_dim_qk, HEAD_DIM_V=call.head_dim_v, BLOCK_DQK=plan.block_dqk, BLOCK_DV=plan.block_dv,
         IS_THD=call.packed, HAS_SEQLENS=call.has_seqlens, P_SCALE=P_SCALE, EXACT_CAST=plan.exact_cast, **flags,
     )
-    for tensor, prefix in (("q", "q"), ("k", "k"), ("v", "v"), ("out", "o"), ("d_out", "do"), ("dq", "dq"),
-                           ("dk", "dk"), ("dv", "dv")):
-        if tensor in call.views:
-            values.update(_strides(call, prefix, tensor, call.packed))
-            values[prefix.upper()] = Slot(tensor)
-    return values
+    return _with_tensor_slots(values, call)
 
 
 def _fp8_options(t) -> Dict[str, int]:

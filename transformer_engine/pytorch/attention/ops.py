@@ -45,16 +45,22 @@ fused_attn_fwd = torch.library.custom_op(
     schema=f"(Tensor q, Tensor k, Tensor v, {_CALL_ARGS}) -> (Tensor, Tensor, Tensor)")
 
 
-@fused_attn_fwd.register_fake
-def _(q, k, v, *flat):
-    call = unflatten(flat)
+def _fake_out_lse(q, v, call: AttnCall, out_dtype=None):
+    """The forward's output and log-sum-exp as empty tensors of their shapes (the ops' fake kernels)."""
     p = call.params
     if p.qkv_format == QKVFormat.THD:
         batch, sq = call.cu_seqlens_q.shape[0] - 1, p.max_seqlen_q
     else:
         batch, sq = qkv_dims(q, p.qkv_format)[:2]
-    out = q.new_empty(tuple(q.shape[:-1]) + (v.shape[-1],))
-    lse = q.new_empty((batch, q.shape[-2], sq), dtype=torch.float32)
+    out = q.new_empty(tuple(q.shape[:-1]) + (v.shape[-1],), dtype=out_dtype)
+    return out, q.new_empty((batch, q.shape[-2], sq), dtype=torch.float32)
+
+
+@fused_attn_fwd.register_fake
+def _(q, k, v, *flat):
+    call = unflatten(flat)
+    p = call.params
+    out, lse = _fake_out_lse(q, v, call)
     max_logit = q.new_empty((q.shape[-2],) if p.return_max_logit else (0,))
     return out, lse, max_logit
 
@@ -158,14 +164,7 @@ fp8_attn_fwd = torch.library.custom_op(
 
 @fp8_attn_fwd.register_fake
 def _(q, k, v, descale, out_dtype, *flat):
-    call = unflatten(flat)
-    p = call.params
-    if p.qkv_format == QKVFormat.THD:
-        batch, sq = call.cu_seqlens_q.shape[0] - 1, p.max_seqlen_q
-    else:
-        batch, sq = qkv_dims(q, p.qkv_format)[:2]
-    out = q.new_empty(tuple(q.shape[:-1]) + (v.shape[-1],), dtype=out_dtype)
-    lse = q.new_empty((batch, q.shape[-2], sq), dtype=torch.float32)
+    out, lse = _fake_out_lse(q, v, unflatten(flat), out_dtype)
     return out, lse, q.new_empty((3,), dtype=torch.float32)
 
 

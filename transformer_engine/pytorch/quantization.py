@@ -233,20 +233,13 @@ _QUANTIZE = {roles.Scaling.DELAYED: Quantizer._delayed, roles.Scaling.CURRENT: Q
 
 # --- GEMMs ----------------------------------------------------------------------------------------
 
-def _pad_to(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+def _pad_to(data: torch.Tensor, rows: int, cols: int, fill: float = 0.0) -> torch.Tensor:
+    """``data`` in the top-left corner of a [rows, cols] tensor of ``fill``: zeros pad an operand (they change no
+    product), ones pad its block scales (they multiply zeros)."""
     if data.shape == (rows, cols):
         return data
-    out = torch.zeros(rows, cols, dtype=data.dtype, device=data.device)
+    out = torch.full((rows, cols), fill, dtype=data.dtype, device=data.device)
     out[:data.shape[0], :data.shape[1]] = data
-    return out
-
-
-def _pad_scales(scale_inv: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """Scales of a zero-padded operand: the padding's scales are 1 (they multiply zeros)."""
-    if scale_inv.shape == (rows, cols):
-        return scale_inv
-    out = torch.ones(rows, cols, dtype=scale_inv.dtype, device=scale_inv.device)
-    out[:scale_inv.shape[0], :scale_inv.shape[1]] = scale_inv
     return out
 
 
@@ -264,12 +257,12 @@ def _torch_block_scaled_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype) -
     n = b.data.shape[0]
     mp, np_, kp = m + (-m % block), n + (-n % block), k + (-k % (4 * block))
     a_data, b_data = _pad_to(a.data, mp, kp), _pad_to(b.data, np_, kp)
-    a_scale = _pad_scales(a.scale_inv, mp, kp // block).t().contiguous().t()
+    a_scale = _pad_to(a.scale_inv, mp, kp // block, fill=1.0).t().contiguous().t()
     if b.tile == roles.SQUARE_TILE:
-        b_scale = _pad_scales(b.scale_inv, np_ // block, kp // block).contiguous().t()
+        b_scale = _pad_to(b.scale_inv, np_ // block, kp // block, fill=1.0).contiguous().t()
         b_recipe = functional.ScalingType.BlockWise128x128
     else:
-        b_scale = _pad_scales(b.scale_inv, np_, kp // block).t().contiguous().t()
+        b_scale = _pad_to(b.scale_inv, np_, kp // block, fill=1.0).t().contiguous().t()
         b_recipe = functional.ScalingType.BlockWise1x128
     out = functional.scaled_mm(a_data, b_data.t(), a_scale, functional.ScalingType.BlockWise1x128, b_scale, b_recipe,
                                output_dtype=out_dtype)
